@@ -1,0 +1,208 @@
+"""Server-side stage composition: turns a preset's switches into accumulators (numpy only).
+
+`ServerModel` is the global state (adapter, FedAvg parameters, prototypes). Each phase gets a fresh
+accumulator object from it: `PrototypePhase` (ERPA anchors) and `TrainPhase` (APUD / FedAvg
+adapters and FedProto / TinyProto / FedPAGR prototypes). Accumulators stream: they fold each upload
+in as it arrives and never hold the uploads themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protofl.algorithms import cps, erpa, refine
+from protofl.algorithms.apud import ApudAggregator
+from protofl.algorithms.fedavg import FedAvgAggregator
+from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.algorithms.scaling import ScaledAggregator
+from protofl.config import FederationConfig
+from protofl.errors import WireError
+from protofl.sparse import SparseVector
+from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
+
+
+def protoset_table(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+    if ps is None:
+        return {}, None
+    table = {int(c): ps.values[i] for i, c in enumerate(ps.classes)}
+    counts = None if ps.counts is None else {int(c): int(ps.counts[i]) for i, c in enumerate(ps.classes)}
+    return table, counts
+
+
+def table_protoset(table: dict[int, np.ndarray], width: int, dt: str) -> ProtoSet:
+    classes = sorted(table)
+    values = (np.stack([table[c] for c in classes]).astype(np.float32) if classes
+              else np.zeros((0, width), dtype=np.float32))
+    return ProtoSet(classes=np.asarray(classes, dtype=np.int64), values=values, counts=None, dt=dt)
+
+
+@dataclass
+class ServerModel:
+    """What the federation has agreed on so far."""
+
+    cfg: FederationConfig
+    adapter: np.ndarray | None = None  # theta_a (federate="adapter")
+    params: np.ndarray | None = None  # full model (federate="full")
+    prototypes: dict[int, np.ndarray] = field(default_factory=dict)  # wire-space global prototypes
+    unit: np.ndarray | None = None  # FedPAGR refined prototypes (C, m)
+    masks: np.ndarray | None = None  # CPS masks (C, m)
+
+    @property
+    def proto_width(self) -> int:
+        return self.cfg.s if self.cfg.cps else self.cfg.proto_dim
+
+    def anchor_kind(self) -> str:
+        if self.cfg.prototypes == "unit":
+            return "unit"
+        flags = ["cps" if self.cfg.cps else "dense"]
+        if self.cfg.scaling:
+            flags.append("scaled")
+        return "+".join(flags)
+
+    def train_anchors(self) -> ProtoSet | None:
+        """Targets sent with a (non-ERPA) training round: last round's global prototypes."""
+        if self.cfg.prototypes == "unit":
+            return table_protoset({c: self.unit[c] for c in range(self.cfg.num_classes)},
+                                  self.cfg.proto_dim, self.cfg.proto_dtype)
+        if self.cfg.prototypes == "mean" and not self.cfg.erpa and self.prototypes:
+            return table_protoset(self.prototypes, self.proto_width, self.cfg.proto_dtype)
+        return None
+
+
+def check_table(table: dict[int, np.ndarray], num_classes: int, width: int, what: str) -> None:
+    for c, v in table.items():
+        if not 0 <= c < num_classes:
+            raise WireError(f"{what}: class {c} out of range [0, {num_classes})")
+        if v.shape != (width,):
+            raise WireError(f"{what} for class {c}: expected {width} values, got {v.shape[0] if v.ndim else 0}")
+
+
+class PrototypePhase:
+    """ERPA phase 1 on the server (RefProtoFL Alg. 4): ext prototypes for public classes, global
+    prototypes (n-weighted, or scaled when TinyProto scaling is on) for the others, then anchors."""
+
+    def __init__(self, model: ServerModel) -> None:
+        self.model = model
+        cfg = model.cfg
+        self.public = set(cfg.public_class_list)
+        width = model.proto_width
+        self.erpa = erpa.ErpaAggregator(cfg.num_classes, width, sorted(self.public))
+        self.scaled = ScaledAggregator(cfg.num_classes, width) if cfg.scaling else None
+
+    def validate(self, up: ProtoUpload) -> None:
+        cfg, width = self.model.cfg, self.model.proto_width
+        pub, _ = protoset_table(up.public)
+        loc, counts = protoset_table(up.local)
+        check_table(pub, cfg.num_classes, width, "public prototype")
+        check_table(loc, cfg.num_classes, width, "local prototype")
+        if set(pub) - self.public:
+            raise WireError(f"public prototypes for classes {sorted(set(pub) - self.public)} with no public data")
+        if set(loc) & self.public:
+            raise WireError(f"local prototypes for public-covered classes {sorted(set(loc) & self.public)}")
+        if not cfg.scaling and loc and counts is None:
+            raise WireError("local prototypes without counts (this federation does not use scaling)")
+
+    def add(self, up: ProtoUpload) -> None:
+        self.validate(up)
+        pub, _ = protoset_table(up.public)
+        loc, counts = protoset_table(up.local)
+        if self.scaled is not None:
+            self.erpa.add(pub, {}, {})
+            self.scaled.add(loc)
+        else:
+            self.erpa.add(pub, loc, counts or {})
+
+    def anchors(self) -> dict[int, np.ndarray]:
+        glob = self.scaled.result() if self.scaled is not None else self.erpa.global_prototypes()
+        table = erpa.combine_anchors(self.erpa.ext_prototypes(), glob, sorted(self.public))
+        if self.model.cfg.refine and table:
+            table = self._refined(table)
+        return table
+
+    def _refined(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        cfg, masks = self.model.cfg, self.model.masks
+        dense = cps.reconstruct_table(table, masks) if masks is not None else table
+        out = refine.refine_anchor_table(dense, masks, steps=cfg.refine_steps, lr=cfg.refine_lr,
+                                         momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
+        return cps.compress_table(out, masks) if masks is not None else out
+
+
+class TrainPhase:
+    """The training phase's accumulators: adapters (APUD or FedAvg) and post-training prototypes."""
+
+    def __init__(self, model: ServerModel) -> None:
+        self.model = model
+        cfg = model.cfg
+        self.adapters: ApudAggregator | FedAvgAggregator | None = None
+        if cfg.federate == "adapter":
+            assert model.adapter is not None
+            self.adapters = ApudAggregator(model.adapter)
+        elif cfg.federate == "full":
+            assert model.params is not None
+            self.adapters = FedAvgAggregator(model.params.shape[0])
+        self.protos: PrototypeAggregator | ScaledAggregator | refine.ConsensusAggregator | None = None
+        if cfg.prototypes == "unit":
+            self.protos = refine.ConsensusAggregator(model.unit)
+        elif cfg.prototypes == "mean" and not cfg.erpa:
+            self.protos = (ScaledAggregator(cfg.num_classes, model.proto_width) if cfg.scaling
+                           else PrototypeAggregator(cfg.num_classes, model.proto_width, weighting=cfg.aggregation))
+
+    def add_adapter(self, up: AdapterUpload) -> None:
+        if self.adapters is None:
+            raise WireError("this federation does not exchange adapters")
+        expected = self.model.adapter if self.model.cfg.federate == "adapter" else self.model.params
+        assert expected is not None
+        d = expected.shape[0]
+        if isinstance(up.update, SparseVector):
+            if self.model.cfg.federate == "full":
+                raise WireError("FedAvg needs the full parameter vector, got a sparse update")
+            if up.update.n != d:
+                raise WireError(f"sparse adapter of length {up.update.n}, expected {d}")
+        elif up.update.shape != (d,):
+            raise WireError(f"adapter of length {up.update.shape[0]}, expected {d}")
+        if up.n_samples <= 0:
+            raise WireError("adapter upload with n_samples = 0")
+        self.adapters.add(up.update, float(up.n_samples))
+
+    def add_prototypes(self, up: ProtoUpload) -> None:
+        if self.protos is None:
+            raise WireError("this federation does not exchange prototypes in the training phase")
+        cfg = self.model.cfg
+        table, counts = protoset_table(up.local)
+        width = cfg.proto_dim if cfg.prototypes == "unit" else self.model.proto_width
+        check_table(table, cfg.num_classes, width, "prototype")
+        if isinstance(self.protos, ScaledAggregator):
+            self.protos.add(table)
+        elif isinstance(self.protos, refine.ConsensusAggregator):
+            self.protos.add(table)
+        else:
+            if cfg.aggregation == "weighted" and table and counts is None:
+                raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
+            self.protos.add(table, counts)
+
+    @property
+    def count(self) -> int:
+        return self.adapters.count if self.adapters is not None else 0
+
+    def finish(self) -> None:
+        """Fold the round into the server model (coordinates/classes nobody sent keep their value)."""
+        cfg, model = self.model.cfg, self.model
+        if self.adapters is not None and self.adapters.count > 0:
+            if cfg.federate == "adapter":
+                model.adapter = self.adapters.result()
+            else:
+                model.params = self.adapters.result()
+        if isinstance(self.protos, refine.ConsensusAggregator):
+            S, K = self.protos.sums()
+            p_bar = self.protos.result()
+            model.unit = (refine.geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
+                                                  momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s,
+                                                  margin=cfg.margin) if cfg.refine else p_bar)
+        elif self.protos is not None:
+            result = self.protos.result()
+            if result:
+                # FedProto keeps a class's old prototype if nobody sent it this round.
+                model.prototypes = {**model.prototypes, **result}
+

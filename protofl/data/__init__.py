@@ -1,0 +1,43 @@
+"""Data loading and federated partitioning (numpy only: nothing under protofl/ imports torch)."""
+
+from protofl.data.loaders import (
+    DATASET_SPECS,
+    FASHION_MNIST_DIR,
+    FASHION_MNIST_MEAN,
+    FASHION_MNIST_STD,
+    Dataset,
+    load_dataset,
+    load_fashion_mnist,
+    load_idx_dir,
+    load_npz,
+    read_idx,
+)
+from protofl.data.partition import (
+    ClientSplit,
+    FederatedSplit,
+    build_federation,
+    carve_public,
+    dirichlet_partition,
+    split_client,
+)
+from protofl.data.synthetic import make_synthetic
+
+__all__ = [
+    "DATASET_SPECS",
+    "FASHION_MNIST_DIR",
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "ClientSplit",
+    "Dataset",
+    "FederatedSplit",
+    "build_federation",
+    "carve_public",
+    "dirichlet_partition",
+    "load_dataset",
+    "load_fashion_mnist",
+    "load_idx_dir",
+    "load_npz",
+    "make_synthetic",
+    "read_idx",
+    "split_client",
+]

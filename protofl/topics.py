@@ -1,0 +1,39 @@
+"""Topic names under `protofl/{fed}/` (DESIGN.md, wire protocol v1)."""
+
+from __future__ import annotations
+
+ROOT = "protofl"
+
+
+def config(fed: str) -> str:
+    return f"{ROOT}/{fed}/config"
+
+
+def public(fed: str) -> str:
+    return f"{ROOT}/{fed}/public"
+
+
+def round_(fed: str) -> str:
+    return f"{ROOT}/{fed}/round"
+
+
+def up(fed: str, client_id: str) -> str:
+    return f"{ROOT}/{fed}/up/{client_id}"
+
+
+def up_all(fed: str) -> str:
+    return f"{ROOT}/{fed}/up/+"
+
+
+def presence(fed: str, client_id: str) -> str:
+    return f"{ROOT}/{fed}/presence/{client_id}"
+
+
+def server_status(fed: str) -> str:
+    return f"{ROOT}/{fed}/server/status"
+
+
+def client_of(topic: str) -> str:
+    """The client id in an `up/{client_id}` or `presence/{client_id}` topic ("" if none)."""
+    parts = topic.split("/")
+    return parts[3] if len(parts) == 4 and parts[2] in ("up", "presence") else ""

@@ -1,0 +1,84 @@
+"""A deterministic in-process broker for simulation.
+
+Publishing only enqueues; `pump()` delivers in FIFO order until the queue is empty. That keeps
+handlers from recursing into each other (an agent's upload closing a round that publishes the next
+round that an agent handles ...) and makes a simulation's message order reproducible.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from protofl.transport.base import Handler, topic_matches
+
+
+@dataclass
+class _Subscription:
+    pattern: str
+    handler: Handler
+    owner: "InProcessTransport"
+
+
+@dataclass
+class InProcessBroker:
+    retained: dict[str, bytes] = field(default_factory=dict)
+    _subs: list[_Subscription] = field(default_factory=list)
+    _queue: deque = field(default_factory=deque)
+    delivered: int = 0
+
+    def connect(self, name: str) -> "InProcessTransport":
+        return InProcessTransport(self, name)
+
+    def _publish(self, topic: str, payload: bytes, retain: bool) -> None:
+        if retain:
+            # MQTT: an empty retained payload clears the retained message.
+            if payload:
+                self.retained[topic] = payload
+            else:
+                self.retained.pop(topic, None)
+        for sub in list(self._subs):
+            if not sub.owner.closed and topic_matches(sub.pattern, topic):
+                self._queue.append((sub, topic, payload))
+
+    def _subscribe(self, sub: _Subscription) -> None:
+        self._subs.append(sub)
+        for topic, payload in list(self.retained.items()):
+            if topic_matches(sub.pattern, topic):
+                self._queue.append((sub, topic, payload))
+
+    def pump(self, max_messages: int | None = None) -> int:
+        """Deliver queued messages; returns how many were delivered."""
+        n = 0
+        while self._queue and (max_messages is None or n < max_messages):
+            sub, topic, payload = self._queue.popleft()
+            if sub.owner.closed:
+                continue
+            sub.handler(topic, payload)
+            n += 1
+        self.delivered += n
+        return n
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+
+class InProcessTransport:
+    """One client's connection to an `InProcessBroker`."""
+
+    def __init__(self, broker: InProcessBroker, name: str) -> None:
+        self.broker = broker
+        self.name = name
+        self.closed = False
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        if self.closed:
+            raise RuntimeError(f"transport '{self.name}' is closed")
+        self.broker._publish(topic, payload, retain)
+
+    def subscribe(self, pattern: str, handler: Handler) -> None:
+        self.broker._subscribe(_Subscription(pattern, handler, self))
+
+    def close(self) -> None:
+        self.closed = True
