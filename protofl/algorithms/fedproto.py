@@ -1,0 +1,157 @@
+"""FedProto (Tan et al., AAAI 2022): class prototypes instead of parameters.
+
+Client half, the local prototype of class c on client k (FedProto; TinyProto paper 002, eq. 3):
+
+    p_kc = (1 / n_kc) * sum_{(x, y) in D_kc} z(x),      n_kc = |D_kc|,
+
+computed only for classes the client holds. Server half, one global prototype per class over the
+clients N_c that sent c. Two forms (ALGORITHMS.md, "Baselines"):
+
+    weighted (the paper's):  g_c = sum_{k in N_c} n_kc p_kc / sum_{k in N_c} n_kc
+    mean (PFLlib, TinyProto eq. 9):  g_c = (1 / |N_c|) sum_{k in N_c} p_kc
+
+The weighted form needs n_kc on the wire, which reveals the client's label histogram; "mean" does
+not. Inference (TinyProto eq. 12 / FedProto): the class of the nearest prototype in L2.
+
+The accumulator keeps one (C, m) running sum and one (C,) running weight, never the uploads.
+ERPA (erpa.py) and TinyProto's scaled aggregation (scaling.py) reuse it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+__all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype"]
+
+_WEIGHTINGS = ("weighted", "mean")
+
+
+def local_prototypes(
+    z: np.ndarray, y: np.ndarray, num_classes: int
+) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+    """Per-class mean of the rows of `z` (n, m) grouped by label `y` (n,), and the class counts.
+
+    Only classes present in `y` appear in either dict: an absent class has no mean, and sending a
+    zero vector for it would drag the global prototype towards the origin.
+    """
+    z = np.asarray(z)
+    y = np.asarray(y)
+    if z.ndim != 2 or y.ndim != 1 or z.shape[0] != y.shape[0]:
+        raise ValueError(f"local prototypes: need z of shape (n, m) and y of shape (n,), got {z.shape} and {y.shape}")
+    if y.size and not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"local prototypes: labels must be integers, got dtype {y.dtype}")
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise ValueError(f"local prototypes: labels must lie in [0, {num_classes}), got range [{y.min()}, {y.max()}]")
+    z64 = z.astype(np.float64, copy=False)
+    if not np.isfinite(z64).all():
+        raise ValueError("local prototypes: features contain NaN or inf; the model has diverged")
+    counts = np.bincount(y, minlength=num_classes) if y.size else np.zeros(num_classes, dtype=np.int64)
+    sums = np.zeros((num_classes, z.shape[1]), dtype=np.float64)
+    np.add.at(sums, y, z64)
+    present = np.flatnonzero(counts)
+    protos = {int(c): (sums[c] / counts[c]).astype(np.float32) for c in present}
+    return protos, {int(c): int(counts[c]) for c in present}
+
+
+def _class_id(c: object, num_classes: int, who: str) -> int:
+    if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+        raise ValueError(f"{who}: class id must be an integer, got {c!r}")
+    if not 0 <= int(c) < num_classes:
+        raise ValueError(f"{who}: class id {c} out of range [0, {num_classes})")
+    return int(c)
+
+
+def _count(n: object, c: int, who: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer, float, np.floating)):
+        raise ValueError(f"{who}: sample count for class {c} must be an integer, got {n!r}")
+    if not math.isfinite(float(n)) or float(n) != int(n) or int(n) <= 0:
+        raise ValueError(f"{who}: sample count for class {c} must be a positive integer, got {n!r}")
+    return int(n)
+
+
+class PrototypeAggregator:
+    """Streaming per-class (weighted) mean of prototypes, FedProto's server step."""
+
+    def __init__(self, num_classes: int, dim: int, weighting: str = "weighted") -> None:
+        if int(num_classes) < 1 or int(dim) < 1:
+            raise ValueError(f"prototype aggregator: need num_classes >= 1 and dim >= 1, got {num_classes}, {dim}")
+        if weighting not in _WEIGHTINGS:
+            raise ValueError(f"prototype aggregator: weighting must be one of {_WEIGHTINGS}, got {weighting!r}")
+        self.num_classes = int(num_classes)
+        self.dim = int(dim)
+        self.weighting = weighting
+        self._sum = np.zeros((self.num_classes, self.dim), dtype=np.float64)
+        self._weight = np.zeros(self.num_classes, dtype=np.float64)
+        self._senders = 0
+
+    @property
+    def senders(self) -> int:
+        """How many uploads have been accepted (an upload with no classes still counts)."""
+        return self._senders
+
+    def add(self, protos: Mapping[int, np.ndarray], counts: Mapping[int, int] | None = None) -> None:
+        """Fold in one client's table; `counts` (n_kc per class) is required when weighting="weighted".
+
+        All of the upload is checked before any of it is applied, so a rejected upload leaves the
+        aggregate unchanged.
+        """
+        self._apply(self._prepare(protos, counts))
+
+    def result(self) -> dict[int, np.ndarray]:
+        """Global prototypes as float32, only for the classes at least one client sent."""
+        sent = np.flatnonzero(self._weight > 0)
+        return {int(c): (self._sum[c] / self._weight[c]).astype(np.float32) for c in sent}
+
+    # Split in two so that ErpaAggregator can check two tables before touching either aggregator.
+    def _prepare(
+        self, protos: Mapping[int, np.ndarray], counts: Mapping[int, int] | None
+    ) -> list[tuple[int, np.ndarray, float]]:
+        who = "prototype aggregator"
+        if self.weighting == "weighted" and counts is None:
+            raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
+        rows = []
+        for c, p in protos.items():
+            c = _class_id(c, self.num_classes, who)
+            v = np.asarray(p)
+            if v.shape != (self.dim,):
+                raise ValueError(f"{who}: prototype for class {c}: expected shape ({self.dim},), got {v.shape}")
+            v = v.astype(np.float64, copy=False)
+            if not np.isfinite(v).all():
+                raise ValueError(f"{who}: prototype for class {c} contains NaN or inf; drop this upload")
+            if self.weighting == "weighted":
+                assert counts is not None
+                if c not in counts:
+                    raise ValueError(f"{who}: class {c} has a prototype but no sample count")
+                w = float(_count(counts[c], c, who))
+            else:
+                w = 1.0
+            rows.append((c, v, w))
+        return rows
+
+    def _apply(self, rows: list[tuple[int, np.ndarray, float]]) -> None:
+        for c, v, w in rows:
+            self._sum[c] += w * v
+            self._weight[c] += w
+        self._senders += 1
+
+
+def nearest_prototype(z: np.ndarray, protos: Mapping[int, np.ndarray]) -> np.ndarray:
+    """Class id of the prototype nearest (L2) to each row of `z` (n, m); ties go to the lower class id."""
+    z = np.asarray(z)
+    if z.ndim != 2:
+        raise ValueError(f"nearest prototype: z must have shape (n, m), got {z.shape}")
+    if not protos:
+        raise ValueError("nearest prototype: the prototype table is empty; there is nothing to classify against")
+    classes = np.array(sorted(int(c) for c in protos), dtype=np.int64)
+    table = np.stack([np.asarray(protos[int(c)], dtype=np.float64) for c in classes])
+    if table.shape[1] != z.shape[1]:
+        raise ValueError(f"nearest prototype: features have {z.shape[1]} dims, prototypes {table.shape[1]}")
+    z64 = z.astype(np.float64, copy=False)
+    # ||z||^2 is the same for every class, so it cannot change the argmin and is left out; this
+    # keeps memory at n x C instead of the n x C x m of a broadcast difference.
+    d2 = (table * table).sum(axis=1)[None, :] - 2.0 * (z64 @ table.T)
+    # argmin returns the first minimum and `classes` is ascending: ties go to the lower class id.
+    return classes[np.argmin(d2, axis=1)] if z.shape[0] else np.zeros(0, dtype=np.int64)
