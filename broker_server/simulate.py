@@ -71,7 +71,7 @@ def prepare(spec: SimulationSpec) -> Federation:
     # The public set is carved out for every preset, so that the client partition is the same
     # whichever method runs on it.
     split = build_federation(train.y, spec.clients, spec.alpha, spec.seed,
-                             public_per_class=cfg.public_per_class or 20,
+                             public_per_class=cfg.public_per_class,
                              public_classes=cfg.public_classes, batch_size=cfg.batch_size)
     if spec.test_limit is not None:
         test = test.subset(np.arange(min(spec.test_limit, len(test))))

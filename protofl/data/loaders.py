@@ -1,0 +1,415 @@
+"""Datasets as plain numpy arrays: the ``Dataset`` container and the loaders (IDX, npz, specs).
+
+numpy only (this package must not import torch). Images are kept as uint8 (n, c, h, w) -- 4x smaller
+than float32, which matters when a simulator holds 20 clients' data in one process -- and normalised on
+demand with :meth:`Dataset.normalized`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from protofl.errors import DataError
+
+__all__ = [
+    "DATASET_SPECS",
+    "FASHION_MNIST_DIR",
+    "FASHION_MNIST_MEAN",
+    "FASHION_MNIST_STD",
+    "Dataset",
+    "load_dataset",
+    "load_fashion_mnist",
+    "load_idx_dir",
+    "load_npz",
+    "read_idx",
+]
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_MEAN: tuple[float, ...] = (0.2860,)
+FASHION_MNIST_STD: tuple[float, ...] = (0.3530,)
+
+DATASET_SPECS = (
+    "fashion-mnist",
+    "synthetic",
+    "synthetic:n=2000,classes=10,size=28",
+    "npz:PATH",
+    "idx:DIR",
+)
+
+
+@dataclass
+class Dataset:
+    """Images ``x`` uint8 (n, c, h, w), labels ``y`` int64 (n,), and per-channel mean/std in [0, 1] units."""
+
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    name: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if self.x.dtype != np.uint8 or self.x.ndim != 4:
+            raise DataError(
+                f"dataset {self.name!r}: x must be uint8 (n, c, h, w), got {self.x.dtype} {self.x.shape}"
+            )
+        if self.y.ndim != 1 or len(self.y) != len(self.x):
+            raise DataError(
+                f"dataset {self.name!r}: y must be 1-D with one label per image, got {self.y.shape} "
+                f"for {len(self.x)} images"
+            )
+        if not np.issubdtype(self.y.dtype, np.integer):
+            raise DataError(f"dataset {self.name!r}: labels must be integers, got {self.y.dtype}")
+        if self.y.dtype != np.int64:
+            self.y = self.y.astype(np.int64)
+        c = self.x.shape[1]
+        self.mean = tuple(float(v) for v in self.mean)
+        self.std = tuple(float(v) for v in self.std)
+        if len(self.mean) != c or len(self.std) != c:
+            raise DataError(
+                f"dataset {self.name!r}: mean/std need one value per channel ({c}), "
+                f"got {len(self.mean)}/{len(self.std)}"
+            )
+        if min(self.std) <= 0:
+            raise DataError(f"dataset {self.name!r}: std must be positive, got {self.std}")
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        """(c, h, w) of one image: what ``build_model`` takes."""
+        _, c, h, w = self.x.shape
+        return (int(c), int(h), int(w))
+
+    def subset(self, indices: np.ndarray | Sequence[int]) -> Dataset:
+        """The samples at ``indices`` (copied), with the same classes and normalisation."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return Dataset(self.x[idx], self.y[idx], self.num_classes, self.name, self.mean, self.std)
+
+    def normalized(self, indices: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+        """float32 (x / 255 - mean) / std, for all samples or only ``indices``."""
+        x = self.x if indices is None else self.x[np.asarray(indices, dtype=np.int64)]
+        c = x.shape[1]
+        mean = np.asarray(self.mean, dtype=np.float32).reshape(1, c, 1, 1)
+        std = np.asarray(self.std, dtype=np.float32).reshape(1, c, 1, 1)
+        out = x.astype(np.float32)
+        out *= np.float32(1.0 / 255.0)
+        out -= mean
+        out /= std
+        return out
+
+    def class_counts(self) -> np.ndarray:
+        """Samples per class, length ``num_classes``."""
+        return np.bincount(self.y, minlength=self.num_classes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# IDX (the MNIST / Fashion-MNIST file format)
+# ---------------------------------------------------------------------------------------------------
+
+# IDX type codes -> big-endian numpy dtypes (http://yann.lecun.com/exdb/mnist/, "THE IDX FILE FORMAT").
+_IDX_DTYPES: dict[int, str] = {
+    0x08: ">u1",
+    0x09: ">i1",
+    0x0B: ">i2",
+    0x0C: ">i4",
+    0x0D: ">f4",
+    0x0E: ">f8",
+}
+
+
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read an IDX file (optionally gzip-compressed; detected from its bytes, not its name).
+
+    Header: two zero bytes, a type code, the number of dimensions, then one big-endian uint32 per
+    dimension. The payload must be exactly prod(dims) * itemsize bytes. Returns a native-endian array.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise DataError(f"{p}: cannot read IDX file ({e.strerror or e})") from None
+    if raw[:2] == b"\x1f\x8b":  # gzip magic
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, gzip.BadGzipFile) as e:
+            raise DataError(f"{p}: corrupt gzip stream ({e})") from None
+    if len(raw) < 4:
+        raise DataError(f"{p}: not an IDX file (only {len(raw)} bytes, the header alone is 4+)")
+    if raw[0] != 0 or raw[1] != 0:
+        raise DataError(f"{p}: not an IDX file (bad magic {raw[:4].hex()}; expected 0000<type><ndim>)")
+    code, ndim = raw[2], raw[3]
+    if code not in _IDX_DTYPES:
+        raise DataError(f"{p}: unknown IDX data type code 0x{code:02x} (known: 08, 09, 0b, 0c, 0d, 0e)")
+    if ndim == 0:
+        raise DataError(f"{p}: IDX header declares 0 dimensions")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DataError(f"{p}: truncated IDX header ({len(raw)} bytes, expected {header} for {ndim} dims)")
+    dims = tuple(int(v) for v in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
+    dtype = np.dtype(_IDX_DTYPES[code])
+    # Python ints: a hostile header cannot overflow this product or make us allocate before the check.
+    expected = math.prod(dims) * dtype.itemsize
+    got = len(raw) - header
+    if got != expected:
+        what = "truncated" if got < expected else "trailing bytes in"
+        raise DataError(
+            f"{p}: {what} IDX payload: dims {dims} x {dtype.itemsize} bytes = {expected} bytes, got {got}"
+        )
+    arr = np.frombuffer(raw, dtype=dtype, count=math.prod(dims), offset=header).reshape(dims)
+    # astype makes a writable native-endian copy (frombuffer over bytes is read-only).
+    return arr.astype(dtype.newbyteorder("="))
+
+
+def _find_idx(data_dir: Path, split: str, kind: str, ndim: int) -> Path:
+    # The original names, with or without .gz; some mirrors use a dot before "idx".
+    candidates = [
+        f"{split}-{kind}-idx{ndim}-ubyte",
+        f"{split}-{kind}.idx{ndim}-ubyte",
+    ]
+    for name in candidates:
+        for suffix in ("", ".gz"):
+            path = data_dir / (name + suffix)
+            if path.is_file():
+                return path
+    raise DataError(
+        f"{data_dir}: no {candidates[0]}[.gz] found; an IDX dataset directory holds "
+        "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte "
+        "(each optionally .gz)"
+    )
+
+
+def _images_to_nchw(x: np.ndarray, where: str) -> np.ndarray:
+    """(n,h,w) -> (n,1,h,w); (n,c,h,w) kept; (n,h,w,c) transposed. Channels are 1..4."""
+    if x.ndim == 3:
+        return x[:, None, :, :]
+    if x.ndim == 4:
+        first, last = x.shape[1], x.shape[3]
+        # The channel axis is the one of size <= 4 (grey, RGB, RGBA). When both could be (tiny images,
+        # e.g. (n, 3, 4, 4)) channels-first wins: it is the torch convention this package produces.
+        if first <= 4:
+            return x
+        if last <= 4:
+            return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+    raise DataError(
+        f"{where}: images must be (n, h, w), (n, c, h, w) or (n, h, w, c) with 1-4 channels, got shape {x.shape}"
+    )
+
+
+def _to_uint8(x: np.ndarray, where: str) -> np.ndarray:
+    if x.dtype == np.uint8:
+        return x
+    if np.issubdtype(x.dtype, np.floating):
+        if not np.all(np.isfinite(x)):
+            raise DataError(f"{where}: float images contain NaN or inf")
+        lo, hi = (float(x.min()), float(x.max())) if x.size else (0.0, 1.0)
+        if lo < 0.0 or hi > 1.0:
+            raise DataError(f"{where}: float images must be in [0, 1], got range [{lo:g}, {hi:g}]")
+        return np.rint(x * 255.0).astype(np.uint8)
+    if np.issubdtype(x.dtype, np.integer) and x.dtype != np.bool_:
+        lo, hi = (int(x.min()), int(x.max())) if x.size else (0, 0)
+        if lo < 0 or hi > 255:
+            raise DataError(f"{where}: integer images must be in [0, 255], got range [{lo}, {hi}]")
+        return x.astype(np.uint8)
+    raise DataError(f"{where}: images must be uint8, integers in [0, 255] or floats in [0, 1], got {x.dtype}")
+
+
+def _to_labels(y: np.ndarray, n: int, where: str) -> np.ndarray:
+    if y.ndim == 2 and y.shape[1] == 1:
+        y = y[:, 0]
+    if y.ndim != 1:
+        raise DataError(f"{where}: labels must be 1-D, got shape {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_:
+        raise DataError(f"{where}: labels must be integers, got dtype {y.dtype}")
+    if len(y) != n:
+        raise DataError(f"{where}: {len(y)} labels for {n} images")
+    if len(y) and int(y.min()) < 0:
+        raise DataError(f"{where}: labels must be >= 0, found {int(y.min())}")
+    return y.astype(np.int64)
+
+
+def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images in [0, 1] units (std floored: constant images)."""
+    c = x.shape[1]
+    flat = np.moveaxis(x, 1, 0).reshape(c, -1)
+    mean = flat.mean(axis=1, dtype=np.float64) / 255.0
+    std = flat.std(axis=1, dtype=np.float64) / 255.0
+    return tuple(float(m) for m in mean), tuple(float(max(s, 1e-3)) for s in std)
+
+
+def _num_classes(where: str, *labels: np.ndarray, declared: int | None = None) -> int:
+    top = max((int(y.max()) for y in labels if len(y)), default=-1)
+    if declared is None:
+        return top + 1
+    if top >= declared:
+        raise DataError(f"{where}: label {top} out of range for {declared} classes")
+    return declared
+
+
+def load_idx_dir(
+    data_dir: str | os.PathLike[str],
+    name: str,
+    num_classes: int | None = None,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+) -> tuple[Dataset, Dataset]:
+    """(train, test) from a directory in the MNIST 4-file IDX layout.
+
+    ``num_classes`` defaults to max label + 1; mean/std default to the training images' statistics.
+    """
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DataError(f"IDX dataset directory {d} does not exist")
+    xs: dict[str, np.ndarray] = {}
+    ys: dict[str, np.ndarray] = {}
+    for split in ("train", "t10k"):
+        img_path = _find_idx(d, split, "images", 3)
+        lab_path = _find_idx(d, split, "labels", 1)
+        x = read_idx(img_path)
+        xs[split] = _to_uint8(_images_to_nchw(x, str(img_path)), str(img_path))
+        ys[split] = _to_labels(read_idx(lab_path), len(x), str(lab_path))
+    k = _num_classes(str(d), ys["train"], ys["t10k"], declared=num_classes)
+    if mean is None or std is None:
+        mean, std = _channel_stats(xs["train"])
+    train = Dataset(xs["train"], ys["train"], k, name, mean, std)
+    test = Dataset(xs["t10k"], ys["t10k"], k, name, mean, std)
+    if train.in_shape != test.in_shape:
+        raise DataError(f"{d}: train images are {train.in_shape} but test images are {test.in_shape}")
+    return train, test
+
+
+def load_fashion_mnist(data_dir: str | os.PathLike[str] | None = None) -> tuple[Dataset, Dataset]:
+    """Fashion-MNIST (train 60000, test 10000, 1x28x28, 10 classes) from the IDX files."""
+    d = Path(data_dir if data_dir is not None else FASHION_MNIST_DIR)
+    if not d.is_dir():
+        raise DataError(
+            f"Fashion-MNIST not found: {d} does not exist. Install it with "
+            "`apt-get install dataset-fashion-mnist`, or pass --data-dir DIR pointing at a directory with "
+            "train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz] "
+            "and t10k-labels-idx1-ubyte[.gz]"
+        )
+    return load_idx_dir(d, "fashion-mnist", 10, FASHION_MNIST_MEAN, FASHION_MNIST_STD)
+
+
+# ---------------------------------------------------------------------------------------------------
+# npz
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_npz(
+    path: str | os.PathLike[str], seed: int = 0, name: str | None = None
+) -> tuple[Dataset, Dataset]:
+    """(train, test) from an .npz with ``x``, ``y`` and optionally ``x_test``, ``y_test``.
+
+    Without a test split, a seeded 80/20 random split of (x, y) is made. Optional entries:
+    ``num_classes`` (scalar; otherwise max label + 1), ``mean`` and ``std`` (per channel, [0, 1] units;
+    otherwise computed from the training images). Images may be (n,h,w), (n,c,h,w) or (n,h,w,c), as uint8,
+    integers in [0, 255] or floats in [0, 1]. Loaded with ``allow_pickle=False``: an npz is data, not code.
+    """
+    p = Path(path)
+    try:
+        with np.load(p, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise DataError(f"npz dataset {p} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{p}: cannot read as .npz ({e})") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise DataError(f"{p}: missing array(s) {', '.join(missing)}; found {sorted(arrays)}")
+    if ("x_test" in arrays) != ("y_test" in arrays):
+        raise DataError(f"{p}: x_test and y_test must be given together")
+    where = str(p)
+    x = _to_uint8(_images_to_nchw(arrays["x"], f"{where}[x]"), f"{where}[x]")
+    y = _to_labels(arrays["y"], len(x), f"{where}[y]")
+    if "x_test" in arrays:
+        x_test = _to_uint8(_images_to_nchw(arrays["x_test"], f"{where}[x_test]"), f"{where}[x_test]")
+        y_test = _to_labels(arrays["y_test"], len(x_test), f"{where}[y_test]")
+        if x_test.shape[1:] != x.shape[1:]:
+            raise DataError(f"{where}: x is {x.shape[1:]} per image but x_test is {x_test.shape[1:]}")
+    else:
+        if len(x) < 2:
+            raise DataError(f"{where}: need at least 2 samples to split 80/20, got {len(x)}")
+        perm = np.random.default_rng(seed).permutation(len(x))
+        n_test = min(len(x) - 1, max(1, int(round(0.2 * len(x)))))
+        test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
+        x, y, x_test, y_test = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+    declared = None
+    if "num_classes" in arrays:
+        nc = arrays["num_classes"]
+        if nc.ndim != 0 or not np.issubdtype(nc.dtype, np.integer) or int(nc) < 1:
+            raise DataError(f"{where}: num_classes must be a positive integer scalar, got {nc!r}")
+        declared = int(nc)
+    k = _num_classes(where, y, y_test, declared=declared)
+    if "mean" in arrays and "std" in arrays:
+        mean = tuple(float(v) for v in np.ravel(arrays["mean"]))
+        std = tuple(float(v) for v in np.ravel(arrays["std"]))
+    else:
+        mean, std = _channel_stats(x)
+    ds_name = name if name is not None else p.stem
+    return Dataset(x, y, k, ds_name, mean, std), Dataset(x_test, y_test, k, ds_name, mean, std)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dataset specs (what the CLIs accept after --dataset)
+# ---------------------------------------------------------------------------------------------------
+
+_SYNTHETIC_KEYS = ("n", "n_test", "classes", "size", "channels", "noise", "seed")
+
+
+def _parse_synthetic(options: str, seed: int) -> tuple[Dataset, Dataset]:
+    from protofl.data.synthetic import make_synthetic  # lazy: synthetic imports Dataset from here
+
+    values: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _SYNTHETIC_KEYS:
+            raise DataError(
+                f"bad synthetic option {item!r}; use key=value with keys {', '.join(_SYNTHETIC_KEYS)}"
+            )
+        values[key] = value.strip()
+    try:
+        n = int(values.get("n", 2000))
+        n_test = int(values.get("n_test", max(1, n // 4)))
+        classes = int(values.get("classes", 10))
+        size = int(values.get("size", 28))
+        channels = int(values.get("channels", 1))
+        seed = int(values.get("seed", seed))
+        kwargs: dict[str, float] = {}
+        if "noise" in values:
+            kwargs["noise"] = float(values["noise"])
+    except ValueError as e:
+        raise DataError(f"bad synthetic option value in {options!r}: {e}") from None
+    return make_synthetic(classes, n, n_test, (channels, size, size), seed, **kwargs)
+
+
+def load_dataset(
+    spec: str, data_dir: str | os.PathLike[str] | None = None, seed: int = 0
+) -> tuple[Dataset, Dataset]:
+    """(train, test) for a dataset spec.
+
+    Specs: ``fashion-mnist`` (from ``data_dir`` or FASHION_MNIST_DIR), ``synthetic`` or
+    ``synthetic:n=2000,classes=10,size=28`` (also n_test, channels, noise, seed), ``npz:PATH``,
+    ``idx:DIR``. ``seed`` drives the synthetic generator and the npz 80/20 split; ``data_dir`` only
+    applies to fashion-mnist.
+    """
+    kind, sep, arg = spec.partition(":")
+    kind = kind.strip().lower()
+    if kind in ("fashion-mnist", "fashion_mnist", "fmnist") and not sep:
+        return load_fashion_mnist(data_dir)
+    if kind == "synthetic":
+        return _parse_synthetic(arg, seed)
+    if kind == "npz" and arg:
+        return load_npz(arg, seed=seed)
+    if kind == "idx" and arg:
+        return load_idx_dir(arg, Path(arg).name or "idx")
+    raise DataError(f"unknown dataset spec {spec!r}; use one of: {', '.join(DATASET_SPECS)}")

@@ -1,0 +1,588 @@
+"""Typed messages of wire protocol v1, one frozen dataclass per envelope kind.
+
+Constructors validate and normalise (arrays to float32 / int64, tuples to lists) and raise `WireError`
+(a ValueError) on a bad field, so one set of checks guards both the sender and the receiver:
+`from_body` only unpacks the wire structure and lets the constructor judge the values.
+Every body key is always present on the wire (absent values are nil): unknown or missing keys are
+errors. Bools are never ints. Float fields accept msgpack ints (some encoders write 2.0 as 2), never
+bools, and must be finite. Wire keys are the field names, except inside `ProtoSet` ("c", "v", "n").
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Union
+
+import numpy as np
+
+from protofl import WIRE_VERSION
+from protofl.errors import WireError
+from protofl.sparse import SparseVector
+from protofl.wire.codec import (
+    DEFAULT_LIMITS,
+    FLOAT_DTS,
+    KINDS,
+    MAX_NDIM,
+    MAX_SPARSE_N,
+    Envelope,
+    Limits,
+    check_sparse,
+    decode_array,
+    decode_sparse,
+    encode_array,
+    encode_sparse,
+    expect_bool,
+    expect_float,
+    expect_int,
+    expect_keys,
+    expect_name,
+    expect_str,
+    pack_envelope,
+    unpack_envelope,
+)
+
+if TYPE_CHECKING:
+    from typing import Self
+
+MAX_CLASS = 2**16 - 1  # class ids travel as u2
+MAX_COUNT = 2**32 - 1  # sample counts travel as u4
+MAX_PARAM_DEPTH = 4  # the params map itself is level 1
+
+
+class _Body:
+    """Field-wise equality comparing arrays by value (the generated one would call bool() on arrays)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_same(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))  # type: ignore[arg-type]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, SparseVector) or isinstance(b, SparseVector):
+        return (
+            isinstance(a, SparseVector)
+            and isinstance(b, SparseVector)
+            and a.n == b.n
+            and _same(a.indices, b.indices)
+            and _same(a.values, b.values)
+        )
+    return bool(a == b)
+
+
+def _set(obj: object, **values: Any) -> None:
+    for k, v in values.items():
+        object.__setattr__(obj, k, v)
+
+
+def _build(cls: type, what: str, **kw: Any) -> Any:
+    try:
+        return cls(**kw)
+    except WireError as e:
+        raise WireError(f"{what}: {e}") from None
+
+
+def _floats(a: Any, what: str, ndim: int) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+        raise WireError(f"{what}: expected a float array, got dtype {a.dtype}")
+    if a.ndim != ndim:
+        raise WireError(f"{what}: expected {ndim}-D, got shape {list(a.shape)}")
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = a.astype(np.float32, copy=False)
+    if not np.isfinite(x).all():
+        raise WireError(f"{what}: non-finite values (NaN, inf, or beyond float32)")
+    return x
+
+
+def _ints(a: Any, what: str, lo: int, hi: int, increasing: bool = False) -> np.ndarray:
+    a = np.asarray(a)
+    if a.size and (a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer)):
+        raise WireError(f"{what}: expected integers, got dtype {a.dtype}")
+    if a.ndim != 1:
+        raise WireError(f"{what}: expected 1-D, got shape {list(a.shape)}")
+    if a.size and (int(a.min()) < lo or int(a.max()) > hi):
+        raise WireError(f"{what}: values must lie in [{lo}, {hi}]")
+    x = a.astype(np.int64)
+    if increasing and (np.diff(x) <= 0).any():
+        raise WireError(f"{what}: must be sorted ascending without duplicates")
+    return x
+
+
+def _opt(v: Any, decode: Any) -> Any:
+    return None if v is None else decode(v)
+
+
+# --- body components -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ProtoSet(_Body):
+    """Prototypes for some classes: row i of `values` (k, w) is class `classes[i]`, from `counts[i]` samples."""
+
+    classes: np.ndarray
+    values: np.ndarray
+    counts: np.ndarray | None = None
+    dt: str = "f4"  # wire dtype of `values`: f4, f2 or q8
+
+    def __post_init__(self) -> None:
+        classes = _ints(self.classes, "classes", 0, MAX_CLASS, increasing=True)
+        values = _floats(self.values, "values", 2)
+        counts = None if self.counts is None else _ints(self.counts, "counts", 1, MAX_COUNT)
+        if self.dt not in FLOAT_DTS:
+            raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
+        if values.shape[0] != classes.size:
+            raise WireError(f"{classes.size} classes but {values.shape[0]} prototype rows")
+        if counts is not None and counts.size != classes.size:
+            raise WireError(f"{classes.size} classes but {counts.size} counts")
+        _set(self, classes=classes, values=values, counts=counts)
+
+    def to_body(self) -> dict:
+        return {
+            "c": encode_array(self.classes, "u2"),
+            "v": encode_array(self.values, self.dt),
+            "n": None if self.counts is None else encode_array(self.counts, "u4"),
+        }
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS, what: str = "prototypes") -> Self:
+        b = expect_keys(body, ("c", "v", "n"), what)
+        values = decode_array(b["v"], what=f"{what} values", limits=limits, dts=FLOAT_DTS, ndim=2)
+        return _build(
+            cls,
+            what,
+            classes=decode_array(b["c"], what=f"{what} classes", limits=limits, dts=("u2",), ndim=1),
+            values=values,
+            counts=_opt(b["n"], lambda n: decode_array(n, what=f"{what} counts", limits=limits, dts=("u4",), ndim=1)),
+            dt=b["v"]["dt"],
+        )
+
+
+def _plain(v: Any, what: str, depth: int) -> Any:
+    """A plain msgpack value (None/bool/int/float/str/list/dict) nested at most MAX_PARAM_DEPTH deep."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        if not -(2**63) <= v < 2**64:
+            raise WireError(f"{what}: integer {v} does not fit msgpack")
+        return int(v)
+    if isinstance(v, float):
+        return expect_float(v, what)
+    if isinstance(v, (list, tuple, dict)):
+        if depth > MAX_PARAM_DEPTH:
+            raise WireError(f"{what}: nested deeper than {MAX_PARAM_DEPTH} levels")
+        if isinstance(v, dict):
+            for k in v:
+                if not isinstance(k, str):
+                    raise WireError(f"{what}: map key {k!r} is not a string")
+            return {k: _plain(x, f"{what}.{k[:40]}", depth + 1) for k, x in v.items()}
+        return [_plain(x, f"{what}[{i}]", depth + 1) for i, x in enumerate(v)]
+    raise WireError(f"{what}: {type(v).__name__} is not a plain value (None/bool/int/float/str/list/dict)")
+
+
+def _layout(v: Any) -> list[tuple[str, tuple[int, ...]]]:
+    if not isinstance(v, (list, tuple)):
+        raise WireError(f"adapter_layout: expected a list, got {type(v).__name__}")
+    out: list[tuple[str, tuple[int, ...]]] = []
+    total = 0
+    for i, entry in enumerate(v):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], (list, tuple)):
+            raise WireError(f"adapter_layout[{i}]: expected [name, [dims...]]")
+        name = expect_str(entry[0], f"adapter_layout[{i}] name", 256)
+        if not name or any(name == n for n, _ in out):
+            raise WireError(f"adapter_layout[{i}]: name {name!r} is empty or repeated")
+        if len(entry[1]) > MAX_NDIM:
+            raise WireError(f"adapter_layout[{i}]: more than {MAX_NDIM} dimensions")
+        dims = tuple(expect_int(d, f"adapter_layout[{i}] dimension", 0, MAX_SPARSE_N - 1) for d in entry[1])
+        total += math.prod(dims)
+        if total >= MAX_SPARSE_N:
+            raise WireError("adapter_layout: the adapter has 2**32 or more parameters")
+        out.append((name, dims))
+    return out
+
+
+def _str_map(v: Any, what: str, value: Any) -> dict:
+    if not isinstance(v, dict):
+        raise WireError(f"{what}: expected a map, got {type(v).__name__}")
+    for k in v:
+        if not isinstance(k, str):
+            raise WireError(f"{what}: map key {k!r} is not a string")
+    return {k: value(x, f"{what}.{k[:40]}") for k, x in v.items()}
+
+
+def _decode_masks(packed: Any, shape: Any, limits: Limits) -> np.ndarray | None:
+    if packed is None and shape is None:
+        return None
+    if packed is None or shape is None:
+        raise WireError("config: class_masks and mask_shape must both be nil or both be set")
+    if not isinstance(shape, list) or len(shape) != 2:
+        raise WireError("config mask_shape: expected [classes, dims]")
+    c, m = (expect_int(d, "config mask_shape", 0, limits.max_elements) for d in shape)
+    if c * m > limits.max_elements:
+        raise WireError(f"config mask_shape {[c, m]}: {c * m} bits, over the element limit {limits.max_elements}")
+    bits = decode_array(packed, what="config class_masks", limits=limits, dts=("u1",), ndim=1)
+    if bits.size != (c * m + 7) // 8:
+        raise WireError(f"config class_masks: {bits.size} bytes, mask_shape {[c, m]} needs {(c * m + 7) // 8}")
+    if (c * m) % 8 and bits[-1] >> ((c * m) % 8):
+        raise WireError("config class_masks: bits set beyond mask_shape")
+    return np.unpackbits(bits, count=c * m, bitorder="little").astype(bool).reshape(c, m)
+
+
+# --- messages ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Join(_Body):
+    """A device announces itself; `token` is checked against the join allow-list when one is set."""
+
+    KIND: ClassVar[str] = "join"
+    arch: str
+    n_samples: int
+    profile: str = ""
+    agent_version: str = ""
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("arch", "profile", "agent_version", "token"):
+            expect_str(getattr(self, name), name)
+        _set(self, n_samples=expect_int(self.n_samples, "n_samples"))
+
+    def to_body(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, [f.name for f in fields(cls)], cls.KIND))
+
+
+@dataclass(frozen=True, eq=False)
+class Config(_Body):
+    """The federation's retained configuration. Masks travel as little-endian packed bits of the flattened (C, m)."""
+
+    KIND: ClassVar[str] = "config"
+    preset: str
+    params: dict[str, Any] = field(default_factory=dict)
+    adapter_layout: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    class_masks: np.ndarray | None = None
+    limits: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        expect_str(self.preset, "preset")
+        if not isinstance(self.params, dict):
+            raise WireError(f"params: expected a map, got {type(self.params).__name__}")
+        masks = self.class_masks
+        if masks is not None:
+            masks = np.asarray(masks)
+            if masks.dtype != np.bool_ or masks.ndim != 2:
+                raise WireError(f"class_masks: expected a 2-D bool array, got {masks.dtype} {list(masks.shape)}")
+        _set(
+            self,
+            params=_plain(self.params, "params", 1),
+            adapter_layout=_layout(self.adapter_layout),
+            class_masks=masks,
+            limits=_str_map(self.limits, "limits", expect_int),
+        )
+
+    def to_body(self) -> dict:
+        m = self.class_masks
+        return {
+            "preset": self.preset,
+            "params": self.params,
+            "adapter_layout": [[name, list(dims)] for name, dims in self.adapter_layout],
+            "class_masks": None if m is None else encode_array(np.packbits(m.reshape(-1), bitorder="little"), "u1"),
+            "mask_shape": None if m is None else list(m.shape),
+            "limits": self.limits,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        keys = ("preset", "params", "adapter_layout", "class_masks", "mask_shape", "limits")
+        b = expect_keys(body, keys, cls.KIND)
+        masks = _decode_masks(b["class_masks"], b["mask_shape"], limits)
+        return _build(
+            cls, cls.KIND, preset=b["preset"], params=b["params"], adapter_layout=b["adapter_layout"],
+            class_masks=masks, limits=b["limits"],
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class PublicSet(_Body):
+    """The server-held public samples: x (n, c, h, w) uint8 or float32, labels y drawn from `classes`."""
+
+    KIND: ClassVar[str] = "public"
+    x: np.ndarray
+    y: np.ndarray
+    classes: list[int]
+
+    def __post_init__(self) -> None:
+        x = np.asarray(self.x)
+        if x.dtype != np.uint8:
+            x = _floats(x, "x", 4)
+        elif x.ndim != 4:
+            raise WireError(f"x: expected (n, c, h, w), got shape {list(x.shape)}")
+        y = _ints(self.y, "y", 0, MAX_CLASS)
+        if not isinstance(self.classes, (list, tuple)):
+            raise WireError(f"classes: expected a list, got {type(self.classes).__name__}")
+        classes = [expect_int(c, "classes", 0, MAX_CLASS) for c in self.classes]
+        if any(a >= b for a, b in zip(classes, classes[1:])):
+            raise WireError("classes: must be sorted ascending without duplicates")
+        if x.shape[0] != y.size:
+            raise WireError(f"{x.shape[0]} samples but {y.size} labels")
+        if not np.isin(y, classes).all():
+            raise WireError("y: a label is not in classes")
+        _set(self, x=x, y=y, classes=classes)
+
+    def to_body(self) -> dict:
+        dt = "u1" if self.x.dtype == np.uint8 else "f4"
+        return {"x": encode_array(self.x, dt), "y": encode_array(self.y, "u2"), "classes": self.classes}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        b = expect_keys(body, ("x", "y", "classes"), cls.KIND)
+        x = decode_array(b["x"], what="public x", limits=limits, dts=("u1", "f4"), ndim=4)
+        y = decode_array(b["y"], what="public y", limits=limits, dts=("u2",), ndim=1)
+        return _build(cls, cls.KIND, x=x, y=y, classes=b["classes"])
+
+
+@dataclass(frozen=True, eq=False)
+class RoundStart(_Body):
+    """Opens a round phase (number and phase are in the envelope). `dt` is the wire dtype of adapter and
+    params; with neither present it does not travel and decodes as "f4"."""
+
+    KIND: ClassVar[str] = "round"
+    deadline: float
+    adapter: np.ndarray | None = None
+    params: np.ndarray | None = None
+    anchors: ProtoSet | None = None
+    anchor_kind: str = ""
+    participants: list[str] | None = None
+    final: bool = False
+    dt: str = "f4"
+
+    def __post_init__(self) -> None:
+        if self.anchors is not None and not isinstance(self.anchors, ProtoSet):
+            raise WireError(f"anchors: expected a ProtoSet, got {type(self.anchors).__name__}")
+        if self.dt not in FLOAT_DTS:
+            raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
+        people = self.participants
+        if people is not None:
+            if not isinstance(people, (list, tuple)):
+                raise WireError(f"participants: expected a list, got {type(people).__name__}")
+            people = [expect_name(p, "participants") for p in people]
+        _set(
+            self,
+            deadline=expect_float(self.deadline, "deadline", 0.0),
+            adapter=_opt(self.adapter, lambda a: _floats(a, "adapter", 1)),
+            params=_opt(self.params, lambda a: _floats(a, "params", 1)),
+            anchor_kind=expect_str(self.anchor_kind, "anchor_kind"),
+            participants=people,
+            final=expect_bool(self.final, "final"),
+        )
+
+    def to_body(self) -> dict:
+        return {
+            "deadline": self.deadline,
+            "adapter": _opt(self.adapter, lambda a: encode_array(a, self.dt)),
+            "params": _opt(self.params, lambda a: encode_array(a, self.dt)),
+            "anchors": _opt(self.anchors, ProtoSet.to_body),
+            "anchor_kind": self.anchor_kind,
+            "participants": self.participants,
+            "final": self.final,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        keys = ("deadline", "adapter", "params", "anchors", "anchor_kind", "participants", "final")
+        b = expect_keys(body, keys, cls.KIND)
+        dense = {k: _opt(b[k], lambda a, k=k: decode_array(a, what=f"round {k}", limits=limits, dts=FLOAT_DTS, ndim=1))
+                 for k in ("adapter", "params")}  # fmt: skip
+        dts = {b[k]["dt"] for k in ("adapter", "params") if b[k] is not None}
+        if len(dts) > 1:
+            raise WireError("round: adapter and params must use the same wire dtype")
+        anchors = _opt(b["anchors"], lambda a: ProtoSet.from_body(a, limits, "round anchors"))
+        return _build(
+            cls, cls.KIND, deadline=b["deadline"], anchors=anchors, anchor_kind=b["anchor_kind"],
+            participants=b["participants"], final=b["final"], dt=dts.pop() if dts else "f4", **dense,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class ProtoUpload(_Body):
+    """A client's prototypes: `local` from its own data, `public` computed on the public set (ERPA)."""
+
+    KIND: ClassVar[str] = "protos"
+    local: ProtoSet | None
+    public: ProtoSet | None
+    n_samples: int
+
+    def __post_init__(self) -> None:
+        for name in ("local", "public"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, ProtoSet):
+                raise WireError(f"{name}: expected a ProtoSet, got {type(v).__name__}")
+        _set(self, n_samples=expect_int(self.n_samples, "n_samples"))
+
+    def to_body(self) -> dict:
+        return {
+            "local": _opt(self.local, ProtoSet.to_body),
+            "public": _opt(self.public, ProtoSet.to_body),
+            "n_samples": self.n_samples,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        b = expect_keys(body, ("local", "public", "n_samples"), cls.KIND)
+        sets = {k: _opt(b[k], lambda s, k=k: ProtoSet.from_body(s, limits, f"protos {k}")) for k in ("local", "public")}
+        return _build(cls, cls.KIND, n_samples=b["n_samples"], **sets)
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterUpload(_Body):
+    """A client's adapter after local training: APUD-selected coordinates, or every one as a dense array."""
+
+    KIND: ClassVar[str] = "adapter"
+    update: SparseVector | np.ndarray
+    n_samples: int
+    base_round: int
+    dt: str = "f4"
+
+    def __post_init__(self) -> None:
+        u = self.update
+        if isinstance(u, SparseVector):
+            try:
+                n, idx = check_sparse(u)
+            except ValueError as e:
+                raise WireError(f"update: {e}") from None
+            u = SparseVector(n, idx, _floats(u.values, "update values", 1))
+        else:
+            u = _floats(u, "update", 1)
+        if self.dt not in FLOAT_DTS:
+            raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
+        _set(
+            self,
+            update=u,
+            n_samples=expect_int(self.n_samples, "n_samples"),
+            base_round=expect_int(self.base_round, "base_round", 0, 2**31 - 1),
+        )
+
+    def to_body(self) -> dict:
+        u = self.update
+        enc = encode_sparse(u, self.dt) if isinstance(u, SparseVector) else encode_array(u, self.dt)
+        return {"update": enc, "n_samples": self.n_samples, "base_round": self.base_round}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        b = expect_keys(body, ("update", "n_samples", "base_round"), cls.KIND)
+        u = b["update"]
+        if isinstance(u, dict) and "n" in u:
+            update: SparseVector | np.ndarray = decode_sparse(u, what="adapter update", limits=limits)
+            dt = u["v"]["dt"]
+        else:
+            update = decode_array(u, what="adapter update", limits=limits, dts=FLOAT_DTS, ndim=1)
+            dt = u["dt"]
+        return _build(cls, cls.KIND, update=update, n_samples=b["n_samples"], base_round=b["base_round"], dt=dt)
+
+
+@dataclass(frozen=True, eq=False)
+class Metrics(_Body):
+    """A client's evaluation: counts, optional class probabilities on the test set (sent as f2), timings."""
+
+    KIND: ClassVar[str] = "metrics"
+    n_local: int
+    correct_local: int
+    n_test: int
+    correct_test: int
+    probs: np.ndarray | None = None
+    train_s: float = 0.0
+    loss: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        counts = {k: expect_int(getattr(self, k), k) for k in ("n_local", "correct_local", "n_test", "correct_test")}
+        for n, c in (("n_local", "correct_local"), ("n_test", "correct_test")):
+            if counts[c] > counts[n]:
+                raise WireError(f"{c} = {counts[c]} exceeds {n} = {counts[n]}")
+        _set(
+            self,
+            probs=_opt(self.probs, lambda p: _floats(p, "probs", 2)),
+            train_s=expect_float(self.train_s, "train_s", 0.0),
+            loss=expect_float(self.loss, "loss"),
+            extra=_str_map(self.extra, "extra", expect_float),
+            **counts,
+        )
+
+    def to_body(self) -> dict:
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body["probs"] = _opt(self.probs, lambda p: encode_array(p, "f2"))
+        return body
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        b = dict(expect_keys(body, [f.name for f in fields(cls)], cls.KIND))
+        probs = lambda p: decode_array(p, what="metrics probs", limits=limits, dts=("f2",), ndim=2)  # noqa: E731
+        b["probs"] = _opt(b["probs"], probs)
+        return _build(cls, cls.KIND, **b)
+
+
+@dataclass(frozen=True, eq=False)
+class Status(_Body):
+    """Server or client state for the retained status / presence topics."""
+
+    KIND: ClassVar[str] = "status"
+    state: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        expect_str(self.state, "state")
+        expect_str(self.detail, "detail")
+
+    def to_body(self) -> dict:
+        return {"state": self.state, "detail": self.detail}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("state", "detail"), cls.KIND))
+
+
+Message = Union[Join, Config, PublicSet, RoundStart, ProtoUpload, AdapterUpload, Metrics, Status]
+MESSAGE_TYPES: dict[str, type] = {
+    c.KIND: c for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, AdapterUpload, Metrics, Status)
+}
+assert set(MESSAGE_TYPES) == KINDS, "codec.KINDS and MESSAGE_TYPES must list the same kinds"
+
+
+def encode_message(
+    msg: Message, *, fed: str, sender: str, round: int = 0, phase: str = "", msg_id: str | None = None
+) -> bytes:
+    """Wrap `msg` in an envelope and serialise it; raises ValueError if the envelope is invalid."""
+    if MESSAGE_TYPES.get(getattr(msg, "KIND", None)) is not type(msg):  # type: ignore[arg-type]
+        raise TypeError(f"not a wire message: {type(msg).__name__}")
+    msg_id = uuid.uuid4().hex[:16] if msg_id is None else msg_id
+    return pack_envelope(Envelope(WIRE_VERSION, msg.KIND, fed, round, phase, sender, msg_id, msg.to_body()))
+
+
+def decode_message(data: bytes, *, limits: Limits = DEFAULT_LIMITS) -> tuple[Envelope, Message]:
+    """Parse and validate; every failure is a WireError naming the field, sender and round."""
+    env = unpack_envelope(data, limits)
+    where = f"(sender {env.sender}, round {env.round})"
+    try:
+        return env, MESSAGE_TYPES[env.kind].from_body(env.body, limits)
+    except WireError as e:
+        raise WireError(f"{e} {where}") from None
+    except Exception as e:  # a validation gap must still not crash the receiver
+        raise WireError(
+            f"{env.kind}: unexpected {type(e).__name__} ({e}) {where}; this is a bug in protofl.wire, please report"
+        ) from e
+
+
+def message_size(msg: Message, **envelope_kwargs: Any) -> int:
+    """Encoded bytes of `msg` (fed and sender default to short placeholder names)."""
+    envelope_kwargs.setdefault("fed", "fed")
+    envelope_kwargs.setdefault("sender", "client-0000")
+    return len(encode_message(msg, **envelope_kwargs))
