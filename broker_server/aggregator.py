@@ -182,8 +182,9 @@ class Aggregator:
             self._drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining", nbytes)
             return
         phase = self.phase
-        if phase is None or env.round < self.round or (env.round == self.round and env.phase != phase.name
-                                                          and self._phase_order(env.phase) < self._phase_order(phase.name)):
+        passed_phase = (self.cfg.two_phase and env.round == self.round and phase is not None
+                        and env.phase == "proto" and phase.name == "train")
+        if phase is None or env.round < self.round or passed_phase:
             self._drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; "
                                 f"now round {self.round}/{phase.name if phase else '-'}", nbytes)
             return
@@ -191,7 +192,7 @@ class Aggregator:
             self._drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, now {self.round}/{phase.name}",
                        nbytes)
             return
-        got = phase.received.setdefault(env.sender, set())
+        got = phase.received.get(env.sender, set())
         if env.kind in got:
             self._drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}", nbytes)
             return
@@ -211,14 +212,10 @@ class Aggregator:
         else:
             assert self.train_acc is not None
             self.train_acc.add_prototypes(msg)
-        got.add(env.kind)
+        phase.received[env.sender] = got | {env.kind}
         self.current.uplink_bytes += nbytes
         if all(phase.complete(c) for c in phase.expected):
             self._close_phase("quorum")
-
-    @staticmethod
-    def _phase_order(name: str) -> int:
-        return {"proto": 0, "train": 1}.get(name, 2)
 
     # -- phases ---------------------------------------------------------------------------------
     def _train_kinds(self) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ def simulate(
     arch: Optional[str] = typer.Option(None, help="Architecture, or a comma list assigned round-robin (cnn,mlp,...)."),
     transport: str = typer.Option("inprocess", help="inprocess (fast, in one process)."),
     config: Optional[Path] = typer.Option(None, help="TOML file of config overrides ([federation] table)."),
+    train_limit: Optional[int] = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
     test_limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
@@ -65,7 +66,7 @@ def simulate(
         spec = SimulationSpec(preset=preset, dataset=dataset, data_dir=data_dir, clients=clients, alpha=alpha,
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
                               transport=transport, config_file=str(config) if config else None,
-                              test_limit=test_limit, eval_every=eval_every, overrides=overrides)
+                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, overrides=overrides)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:

@@ -34,6 +34,7 @@ class SimulationSpec:
     archs: tuple[str, ...] | None = None
     transport: str = "inprocess"
     config_file: str | None = None
+    train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
     test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
     eval_every: int = 1
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +63,11 @@ def prepare(spec: SimulationSpec) -> Federation:
     if not spec.alpha > 0:
         raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
     train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)
+    if spec.train_limit is not None and spec.train_limit < len(train):
+        if spec.train_limit < 1:
+            raise ConfigError(f"--train-limit must be >= 1, got {spec.train_limit}")
+        keep = np.sort(np.random.default_rng([spec.seed, 0x5EB]).permutation(len(train))[: spec.train_limit])
+        train = train.subset(keep)
     overrides = dict(spec.overrides)
     overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=train.num_classes,
                      in_shape=tuple(train.in_shape), min_clients=spec.clients)

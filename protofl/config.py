@@ -147,7 +147,8 @@ class FederationConfig:
         need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
         need(2 <= self.num_classes <= 65535, f"num_classes must be in [2, 65535], got {self.num_classes}")
         need(1 <= self.proto_dim <= 65536, f"proto_dim must be in [1, 65536], got {self.proto_dim}")
-        need(1 <= self.adapter_rank <= self.proto_dim, "adapter_rank must be in [1, proto_dim]")
+        need(1 <= self.adapter_rank <= self.proto_dim,
+             f"adapter_rank must be in [1, proto_dim={self.proto_dim}], got {self.adapter_rank}")
         need(self.local_epochs >= 1 and self.batch_size >= 1, "local_epochs and batch_size must be >= 1")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(len(self.archs) >= 1 and all(isinstance(a, str) and a for a in self.archs),

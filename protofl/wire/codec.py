@@ -227,8 +227,9 @@ def decode_array(
             out = ((raw.astype(np.float64) - zero) * scale).astype(np.float32)
         else:
             out = raw.astype(np.float32)
-    bad = np.flatnonzero(~np.isfinite(out))
-    if bad.size:
+    # isfinite().all() first: locating the bad index costs a nonzero() we only pay on failure.
+    if not np.isfinite(out).all():
+        bad = np.flatnonzero(~np.isfinite(out))
         raise WireError(f"{what}: non-finite value (NaN or inf) at flat index {int(bad[0])}")
     return out
 
@@ -319,7 +320,8 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
         raise WireError(f"{what}: mask has {packed.size} bytes; length {n} needs {(n + 7) // 8}")
     if n % 8 and packed[-1] >> (n % 8):
         raise WireError(f"{what}: mask sets bits beyond length {n}")
-    idx = np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little")).astype(np.int64)
+    # nonzero() over a bool view is ~5x faster than over the uint8 bits unpackbits returns.
+    idx = np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little").view(bool)).astype(np.int64)
     if idx.size != v.size:
         raise WireError(f"{what}: mask popcount {idx.size} does not match {v.size} values")
     return SparseVector(n, idx, v)
