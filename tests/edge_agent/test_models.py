@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import hashlib
 import os
@@ -26,16 +25,6 @@ from edge_agent.models import (
 )
 from edge_agent.params import full_vector
 from protofl.errors import ConfigError
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Small batches run fastest single-threaded, and on a shared 2-core box intra-op threads that spin
-    # while another process holds the other core made single forwards 30x slower. Restored afterwards.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
