@@ -1,0 +1,47 @@
+"""`protofl-server simulate` as a user runs it: JSON report on disk, clear errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from broker_server.cli import app
+
+runner = CliRunner()
+
+
+def test_simulate_writes_the_json_report(tmp_path) -> None:
+    out = tmp_path / "r" / "report.json"
+    res = runner.invoke(app, ["simulate", "--preset", "tinyproto", "--dataset", "synthetic:n=600,n_test=100",
+                              "--clients", "3", "--rounds", "2", "--seed", "1", "--json", str(out),
+                              "--set", "mu=auto", "--set", "cps_s=32"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["preset"] == "tinyproto"
+    assert report["config"]["mu"] == "auto" and report["config"]["cps_s"] == 32
+    assert [r["round"] for r in report["rounds"]] == [1, 2]
+    assert set(report["totals"]) == {"uplink_bytes", "downlink_bytes", "wall_s"}
+    assert "tinyproto on synthetic" in res.output  # the summary table
+
+
+def test_bad_input_exits_2_with_a_reason(tmp_path) -> None:
+    cases = [
+        (["--preset", "nope"], "known: fedavg"),
+        (["--dataset", "fashion-mnist", "--data-dir", str(tmp_path / "missing")], "dataset-fashion-mnist"),
+        (["--set", "apud_ratio=7"], "apud_ratio"),
+        (["--set", "no_equals_sign"], "key=value"),
+        (["--dataset", "imagenet"], "unknown dataset spec"),
+        (["--config", str(tmp_path / "none.toml")], "not found"),
+    ]
+    for args, fragment in cases:
+        res = runner.invoke(app, ["simulate", "-q", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert fragment in " ".join(res.output.split()), (args, res.output)
+
+
+def test_presets_command_lists_every_preset() -> None:
+    res = runner.invoke(app, ["presets"])
+    assert res.exit_code == 0
+    for p in ("fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl"):
+        assert p in res.output
