@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from edge_agent import params as model_params
-from edge_agent import trainer
+from edge_agent import frozen, trainer
+from edge_agent.extractor import EXTRACTORS, Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from protofl import topics
 from protofl.algorithms import apud, cps, scaling
@@ -71,7 +72,9 @@ def stable_seed(*parts: object) -> int:
 class EdgeAgent:
     def __init__(self, client_id: str, fed: str, transport: Transport, data: ClientData, *,
                  arch: str | None = None, profile: str = "", device: str = "cpu",
-                 eval_every: int = 1) -> None:
+                 eval_every: int = 1, extractor: str = "torch") -> None:
+        if extractor not in EXTRACTORS:
+            raise ConfigError(f"extractor must be one of {', '.join(EXTRACTORS)}, got {extractor!r}")
         self.client_id = client_id
         self.fed = fed
         self.transport = transport
@@ -92,6 +95,9 @@ class EdgeAgent:
         self.local_norms: dict[int, float] = {}
         self.handled: set[tuple[int, str]] = set()
         self.finished = False
+        self.extractor = extractor  # "torch" | "onnx": what computes z for prototypes and metrics
+        self._extractor: Extractor | None = None
+        self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
 
@@ -199,10 +205,10 @@ class EdgeAgent:
         public_classes = set(cfg.public_class_list)
         pub = None
         if public_classes and self.public_x is not None:
-            z = trainer.embed(self.model, self.public_x)
+            z = self._get_extractor().embed(self.public_x)
             protos, _ = local_prototypes(z, self.public_y, cfg.num_classes)
             pub = self._protoset({c: p for c, p in protos.items() if c in public_classes}, None, scaled=False)
-        z = trainer.embed(self.model, self._x)
+        z = self._get_extractor().embed(self._x)
         protos, counts = local_prototypes(z, self.data.y_train, cfg.num_classes)
         local = {c: p for c, p in protos.items() if c not in public_classes}
         self._remember_norms(local)
@@ -276,8 +282,15 @@ class EdgeAgent:
         except WireError as exc:
             self._drop("bad_round", str(exc))
             return
-        stats = trainer.train_local(self.model, self._x, self._y, cfg, targets,
-                                    seed=stable_seed(cfg.seed, self.client_id, round_))
+        seed = stable_seed(cfg.seed, self.client_id, round_)
+        # Dropout (FedPAGR's projection) draws from torch's global RNG: seed it per client and round so
+        # that training does not depend on what else ran in this process (in-process vs MQTT parity).
+        torch.manual_seed(seed)
+        if cfg.backbone == "frozen":
+            h = self._frozen.features(self.model, self._x)
+            stats = frozen.train_on_cached_features(self.model, h, self._y, cfg, targets, seed)
+        else:
+            stats = trainer.train_local(self.model, self._x, self._y, cfg, targets, seed=seed)
         n = len(self.data.y_train)
         if cfg.federate == "full":
             self._send(AdapterUpload(update=model_params.full_vector(self.model), n_samples=n,
@@ -301,7 +314,7 @@ class EdgeAgent:
     def _trained_prototypes(self) -> ProtoSet:
         cfg = self.cfg
         assert cfg is not None and self.model is not None
-        z = trainer.embed(self.model, self._x)
+        z = self._get_extractor().embed(self._x)
         if cfg.prototypes == "unit":  # FedPAGR: p_kc = normalize(mean of z_hat)
             protos, _ = local_prototypes(normalize_rows(z), self.data.y_train, cfg.num_classes)
             return self._protoset({c: normalize_rows(p[None])[0] for c, p in protos.items()}, None, scaled=False)
@@ -313,13 +326,21 @@ class EdgeAgent:
         assert self.cfg is not None and self.model is not None
         P = self.unit_prototypes if self.cfg.consensus else None
         x_test = torch.from_numpy(np.ascontiguousarray(self.data.x_test, dtype=np.float32)).to(self.device)
-        local = trainer.predict_proba(self.model, x_test, P, self.cfg.beta)
+        local = self._get_extractor().predict_proba(x_test, P, self.cfg.beta)
         correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
         probs, n_test, correct_test = None, 0, 0
         if self.data.x_global is not None and self.data.y_global is not None:
             xg = torch.from_numpy(np.ascontiguousarray(self.data.x_global, dtype=np.float32)).to(self.device)
-            probs = trainer.predict_proba(self.model, xg, P, self.cfg.beta)
+            probs = self._get_extractor().predict_proba(xg, P, self.cfg.beta)
             n_test = len(self.data.y_global)
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
         return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
                        correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra={})
+
+    def _get_extractor(self) -> Extractor:
+        """The extractor for the current model (rebuilt when a new config replaced the model)."""
+        assert self.cfg is not None and self.model is not None
+        if self._extractor is None or self._extractor.model is not self.model:
+            self._extractor = make_extractor(self.extractor, self.model,
+                                             frozen_backbone=self.cfg.backbone == "frozen")
+        return self._extractor

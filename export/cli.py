@@ -1,11 +1,261 @@
-"""`protofl-export`: ONNX export of backbones for inference-time prototype extraction."""
+"""`protofl-export`: ONNX export of backbones for inference-time prototype extraction.
+
+    protofl-export onnx --arch cnn [--checkpoint ckpt.pt] --out features.onnx [--what features|backbone]
+    protofl-export verify features.onnx [--arch cnn] [--checkpoint ckpt.pt] [--data fashion-mnist] [--tol 1e-4]
+    protofl-export quantize features.onnx --out int8.onnx [--mode dynamic|static] [--data fashion-mnist]
+    protofl-export bench --arch cnn [--checkpoint ckpt.pt] [--threads 2] [--batch 1,64]
+
+Without --checkpoint the model has seeded initial weights (--seed), to try the pipeline end to end.
+Exit codes: 0 success, 1 verification failed (figures printed), 2 bad input (message says what to fix).
+"""
 
 from __future__ import annotations
 
+import json
+import tempfile
+import tomllib
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from protofl.errors import ConfigError, ProtoFLError
 
 app = typer.Typer(help="Export backbones to ONNX, verify, quantize and benchmark them.",
                   no_args_is_help=True, add_completion=False)
+console = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _friendly(fn: F) -> F:
+    """Turn the package's own errors into one line on stderr and exit code 2 (no traceback)."""
+
+    @wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ProtoFLError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+        except ImportError as exc:
+            if exc.name not in ("onnx", "onnxruntime", "onnxscript"):
+                raise
+            typer.echo(f"error: {exc.name} is not installed; pip install 'protofl-edge[onnx]'", err=True)
+            raise typer.Exit(2) from None
+
+    return run  # type: ignore[return-value]
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--in-shape must be c,h,w integers such as 1,28,28, got {text!r}") from None
+    if len(shape) != 3:
+        raise ConfigError(f"--in-shape must have three values c,h,w, got {text!r}")
+    return shape  # type: ignore[return-value]
+
+
+def _model(arch: str | None, checkpoint: Path | None, in_shape: str, classes: int, proto_dim: int, seed: int):
+    from export.checkpoint import load_model
+
+    return load_model(arch, checkpoint, in_shape=_shape(in_shape), num_classes=classes, proto_dim=proto_dim,
+                      seed=seed)
+
+
+def _normalisation(checkpoint: Path | None, c: int, mean: str | None, std: str | None):
+    """--mean/--std, else the checkpoint's record, else Fashion-MNIST's for 1-channel inputs, else 0/1."""
+    from export.checkpoint import load_checkpoint
+    from export.onnx_export import parse_floats
+    from protofl.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
+
+    if mean or std:
+        if not (mean and std):
+            raise ConfigError("pass --mean and --std together")
+        return parse_floats(mean), parse_floats(std)
+    if checkpoint is not None:
+        _, meta = load_checkpoint(checkpoint)
+        if "norm_mean" in meta and "norm_std" in meta:
+            return tuple(meta["norm_mean"]), tuple(meta["norm_std"])
+    if c == 1:
+        return FASHION_MNIST_MEAN, FASHION_MNIST_STD
+    return (0.0,) * c, (1.0,) * c
+
+
+@app.command()
+@_friendly
+def onnx(
+    arch: str = typer.Option(None, help="Architecture (see `protofl-edge models`); optional with a checkpoint."),
+    checkpoint: Path | None = typer.Option(None, help="ProtoNet checkpoint; none = seeded initial weights."),
+    out: Path = typer.Option(..., "--out", help="Where to write the .onnx file."),
+    opset: int | None = typer.Option(None, help="ONNX opset (default: the exporter's)."),
+    what: str = typer.Option("features", help="features (x -> z) or backbone (x -> h)."),
+    in_shape: str = typer.Option("1,28,28", help="Input shape c,h,w (without a checkpoint)."),
+    classes: int = typer.Option(10, help="Number of classes (without a checkpoint)."),
+    proto_dim: int = typer.Option(512, help="Prototype dimension m (without a checkpoint)."),
+    seed: int = typer.Option(0, help="Seed of the initial weights (without a checkpoint)."),
+    mean: str | None = typer.Option(None, help="Per-channel normalisation mean, e.g. 0.286 (recorded in metadata)."),
+    std: str | None = typer.Option(None, help="Per-channel normalisation std, e.g. 0.353."),
+    exporter: str = typer.Option("auto", help="auto (dynamo, TorchScript fallback), dynamo or torchscript."),
+) -> None:
+    """Export a model's features (or backbone) to ONNX with a dynamic batch axis."""
+    from export.onnx_export import export_onnx
+
+    model = _model(arch, checkpoint, in_shape, classes, proto_dim, seed)
+    m, s = _normalisation(checkpoint, model.in_shape[0], mean, std)
+    info = export_onnx(model, out, what=what, opset=opset, mean=m, std=s, exporter=exporter)
+    note = f" (dynamo failed: {info.fallback_reason})" if info.fallback_reason else ""
+    typer.echo(f"wrote {info.path} ({info.path.stat().st_size / 1e6:.2f} MB): {model.arch} {info.what}, "
+               f"input (batch,{','.join(map(str, model.in_shape))}) -> (batch,{info.out_dim}), opset {info.opset}, "
+               f"{info.exporter} exporter{note}, {info.seconds:.1f} s")
+
+
+@app.command()
+@_friendly
+def verify(
+    model_path: Path = typer.Argument(..., metavar="MODEL.onnx", help="The exported model."),
+    arch: str | None = typer.Option(None, help="Architecture to compare with (default: the file's metadata)."),
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint the export was made from."),
+    data: str = typer.Option("fashion-mnist", help="Real inputs: fashion-mnist, npz:PATH or idx:DIR."),
+    n: int = typer.Option(256, help="Number of test images compared."),
+    tol: float = typer.Option(1e-4, help="Largest allowed absolute difference."),
+    seed: int = typer.Option(0, help="Seed of the initial weights (without a checkpoint)."),
+    classes: int | None = typer.Option(None, help="Number of classes (default: the file's metadata)."),
+    proto_dim: int | None = typer.Option(None, help="Prototype dimension (default: the file's metadata)."),
+) -> None:
+    """ONNX checker + max abs difference vs PyTorch on real images; exit 1 above --tol."""
+    from export.inputs import load_images
+    from export.onnx_export import parse_floats, read_metadata
+    from export.verify import verify_onnx
+
+    meta = read_metadata(model_path)
+    model = _model(arch or meta.get("arch"), checkpoint, meta.get("in_shape", "1,28,28"),
+                   classes or int(meta.get("num_classes", 10)), proto_dim or int(meta.get("proto_dim", 512)), seed)
+    x, _, _ = load_images(data, "test", n, in_shape=model.in_shape, mean=parse_floats(meta.get("norm_mean")),
+                          std=parse_floats(meta.get("norm_std")))
+    result = verify_onnx(model_path, model, x, tol)
+    typer.echo(result.summary(), err=not result.ok)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+@_friendly
+def quantize(
+    model_path: Path = typer.Argument(..., metavar="MODEL.onnx", help="The fp32 model."),
+    out: Path = typer.Option(..., "--out", help="Where to write the int8 model."),
+    mode: str = typer.Option("dynamic", help="dynamic (weights only) or static (calibrated activations too)."),
+    data: str = typer.Option("fashion-mnist", help="Calibration and accuracy data: fashion-mnist, npz:PATH, idx:DIR."),
+    calib: int = typer.Option(512, help="Training images used for static calibration."),
+    report: bool = typer.Option(True, "--report/--no-report", help="Measure nearest-prototype accuracy fp32 vs int8."),
+    train_n: int = typer.Option(10000, help="Training images that make the prototypes for the report."),
+    test_n: int = typer.Option(10000, help="Test images classified for the report."),
+    arch: str | None = typer.Option(None, help="With --checkpoint: also report the torch model's accuracy."),
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint the export was made from (for the torch column)."),
+    threads: int | None = typer.Option(None, help="onnxruntime threads for the report."),
+) -> None:
+    """int8 quantisation with onnxruntime, and the nearest-prototype accuracy it costs."""
+    from export.inputs import load_images
+    from export.onnx_export import parse_floats, read_metadata
+    from export.quantize import compare_accuracy, quantize_model
+
+    meta = read_metadata(model_path)
+    norm: dict[str, Any] = dict(mean=parse_floats(meta.get("norm_mean")), std=parse_floats(meta.get("norm_std")))
+    if meta.get("in_shape"):
+        norm["in_shape"] = _shape(meta["in_shape"])
+    calibration = None
+    if mode == "static":
+        calibration, _, _ = load_images(data, "train", calib, seed=1, **norm)
+    path = quantize_model(model_path, out, mode, calibration)
+    typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB, {mode} int8; fp32 was "
+               f"{model_path.stat().st_size / 1e6:.2f} MB)")
+    if not report:
+        return
+    x_tr, y_tr, ds = load_images(data, "train", train_n, **norm)
+    x_te, y_te, _ = load_images(data, "test", test_n, **norm)
+    rep = compare_accuracy(model_path, path, mode, x_tr, y_tr, x_te, y_te, ds.num_classes, threads)
+    typer.echo(rep.summary())
+    if arch or checkpoint:
+        import numpy as np
+
+        from edge_agent.extractor import TorchExtractor
+        from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
+
+        if meta.get("what") == "backbone":
+            raise ConfigError("the torch column compares features models; export with --what features")
+        model = _model(arch or meta.get("arch"), checkpoint, meta.get("in_shape", "1,28,28"),
+                       int(meta.get("num_classes", 10)), int(meta.get("proto_dim", 512)), 0)
+        ext = TorchExtractor(model)
+        protos, _ = local_prototypes(ext.embed(x_tr), y_tr, ds.num_classes)
+        acc = float(np.mean(nearest_prototype(ext.embed(x_te), protos) == y_te))
+        typer.echo(f"torch fp32 nearest-prototype accuracy on the same images: {100 * acc:.2f}%")
+
+
+def _profile_threads(name: str) -> int:
+    """`threads` from profiles/NAME.toml (top level or any table), for `bench --profile`."""
+    repo_profiles = Path(__file__).resolve().parent.parent / "profiles"
+    candidates = [Path(name), Path("profiles") / f"{name}.toml", repo_profiles / f"{name}.toml"]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        raise ConfigError(f"profile '{name}' not found (looked for {', '.join(str(p) for p in candidates[1:])}); "
+                          "pass --threads N instead")
+    with path.open("rb") as fh:
+        data = tomllib.load(fh)
+    tables = [data] + [v for v in data.values() if isinstance(v, dict)]
+    for table in tables:
+        if isinstance(table.get("threads"), int) and table["threads"] >= 1:
+            return int(table["threads"])
+    raise ConfigError(f"profile {path} sets no `threads`; pass --threads N")
+
+
+@app.command()
+@_friendly
+def bench(
+    arch: str | None = typer.Option(None, help="Architecture (or take it from --checkpoint)."),
+    checkpoint: Path | None = typer.Option(None, help="Checkpoint; none = seeded initial weights."),
+    model_path: Path | None = typer.Option(None, "--model", help="fp32 ONNX to time (default: export now)."),
+    int8: Path | None = typer.Option(None, "--int8", help="int8 ONNX to time (default: quantize now)."),
+    int8_mode: str = typer.Option("static", help="How to quantize when --int8 is not given: static or dynamic."),
+    batch: str = typer.Option("1,64", help="Batch sizes, comma-separated."),
+    threads: int | None = typer.Option(None, help="Intra-op threads for torch and onnxruntime (default 1)."),
+    profile: str | None = typer.Option(None, help="Take --threads from profiles/NAME.toml."),
+    iters: int = typer.Option(20, help="Timed runs per measurement (the median is reported)."),
+    data: str = typer.Option("fashion-mnist", help="Input images (and static calibration): fashion-mnist, npz:PATH."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the rows as JSON."),
+) -> None:
+    """Latency and throughput: torch vs onnxruntime fp32 vs int8."""
+    from export.bench import bench_model, speedups
+    from export.inputs import load_images
+    from export.onnx_export import export_onnx
+    from export.quantize import quantize_model
+
+    batches = tuple(int(b) for b in batch.split(","))
+    n_threads = threads if threads is not None else (_profile_threads(profile) if profile else 1)
+    model = _model(arch, checkpoint, "1,28,28", 10, 512, 0)
+    m, s = _normalisation(checkpoint, model.in_shape[0], None, None)
+    x, _, _ = load_images(data, "test", max(max(batches), 256), in_shape=model.in_shape, mean=m, std=s)
+    with tempfile.TemporaryDirectory(prefix="protofl-bench-") as tmp:
+        fp32 = model_path or export_onnx(model, Path(tmp) / "fp32.onnx", mean=m, std=s).path
+        if int8 is None:
+            calib = load_images(data, "train", 512, in_shape=model.in_shape, mean=m, std=s, seed=1)[0] \
+                if int8_mode == "static" else None
+            int8 = quantize_model(fp32, Path(tmp) / "int8.onnx", int8_mode, calib)
+        rows = bench_model(model, {"onnx-fp32": fp32, "onnx-int8": int8}, x, batches, n_threads, iters)
+    gains = speedups(rows)
+    t = Table(title=f"{model.arch} features extraction, {n_threads} thread(s), median of {iters}")
+    for col in ("backend", "batch", "latency ms", "images/s", "speed-up vs torch"):
+        t.add_column(col, justify="left" if col == "backend" else "right")
+    for r in rows:
+        gain = gains.get((r.backend, r.batch))
+        t.add_row(r.backend, str(r.batch), f"{r.latency_ms:.3f}", f"{r.throughput:,.0f}",
+                  "1.00x" if r.backend == "torch" else f"{gain:.2f}x")
+    console.print(t)
+    if json_out is not None:
+        json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))
 
 
 @app.command()

@@ -1,0 +1,146 @@
+"""``backbone = "frozen"``: compute backbone features once, train only what follows on the cache.
+
+RefProtoFL's cost section has the backbone frozen (ALGORITHMS.md). A frozen backbone's output
+h = B(x) for the device's own data never changes, so the agent computes it once -- on onnxruntime when
+available (the backbone exported once), else torch -- keeps it, and each round trains stem + adapter
+(+ projection) + head on h. That removes the backbone's forward *and* backward pass from every
+training step, which is most of the on-device compute.
+
+The cache is keyed by a fingerprint of the backbone's weights: should they change (a FedAvg round
+loading a full parameter vector, a new config building a new model), h is recomputed, never reused
+stale.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edge_agent import trainer
+from edge_agent.extractor import weight_fingerprint
+from edge_agent.models import ProtoNet
+from protofl.config import FederationConfig
+from protofl.errors import ConfigError
+
+__all__ = ["BACKENDS", "FrozenBackbone", "compute_backbone_features", "train_on_cached_features"]
+
+BACKENDS = ("auto", "onnx", "torch")
+
+
+def _onnx_available() -> bool:
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# no_grad, not inference_mode: the cache is later sliced into autograd graphs, which inference tensors refuse.
+@torch.no_grad()
+def _torch_backbone(model: ProtoNet, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    was = model.backbone.training
+    model.backbone.eval()  # frozen means BatchNorm running statistics, as in train_local
+    try:
+        return torch.cat([model.backbone_features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+    finally:
+        model.backbone.train(was)
+
+
+def compute_backbone_features(model: ProtoNet, x: torch.Tensor, backend: str = "auto", batch_size: int = 512,
+                              threads: int | None = None) -> tuple[torch.Tensor, str]:
+    """(h, backend used) for every row of ``x``; h is float32 on x's device, (n, backbone_dim)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"frozen backbone backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    use_onnx = backend == "onnx" or (backend == "auto" and _onnx_available())
+    if backend == "onnx" and not _onnx_available():
+        raise ConfigError("frozen backbone on onnxruntime needs onnx and onnxruntime: pip install 'protofl-edge[onnx]'")
+    if len(x) == 0:
+        return torch.zeros(0, model.backbone_dim, device=x.device), "torch"
+    if not use_onnx:
+        return _torch_backbone(model, x, batch_size), "torch"
+    from export.onnx_export import export_onnx
+    from export.quantize import embed_onnx, session
+
+    with tempfile.TemporaryDirectory(prefix="protofl-backbone-") as tmp:
+        path = Path(tmp) / "backbone.onnx"
+        export_onnx(model, path, what="backbone")
+        sess = session(path.read_bytes(), threads, spin=False)
+    h = embed_onnx(sess, x.detach().cpu().numpy(), batch_size)
+    return torch.from_numpy(h).to(x.device), "onnx"
+
+
+class FrozenBackbone:
+    """The agent's cache of h for its local data, recomputed only if the backbone's weights change."""
+
+    def __init__(self, backend: str = "auto", threads: int | None = None) -> None:
+        self.backend = backend
+        self.threads = threads
+        self.h: torch.Tensor | None = None
+        self.used = ""  # backend that computed the current cache
+        self.seconds = 0.0  # time to compute it (a one-off cost per device)
+        self._key: tuple[str, tuple[int, ...]] | None = None
+
+    def features(self, model: ProtoNet, x: torch.Tensor) -> torch.Tensor:
+        key = (weight_fingerprint(model.backbone), tuple(x.shape))
+        if self.h is None or key != self._key:
+            start = time.perf_counter()
+            self.h, self.used = compute_backbone_features(model, x, self.backend, threads=self.threads)
+            self.seconds = time.perf_counter() - start
+            self._key = key
+        return self.h
+
+
+class _CachedView:
+    """Looks like a ProtoNet to ``trainer._loss``, but ``features`` starts from cached h.
+
+    Reusing the trainer's loss (not a copy of it) keeps frozen and trainable training on exactly the
+    same objective for every preset (CE, FedProto MSE, ERPA anchors, FedPAGR).
+    """
+
+    def __init__(self, model: ProtoNet) -> None:
+        self.features = model.features_from_backbone
+        self.head = model.head
+
+
+def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, cfg: FederationConfig,
+                             targets: trainer.Targets, seed: int) -> trainer.TrainStats:
+    """``trainer.train_local`` for a frozen backbone, on cached h: same epochs, batch order, optimiser.
+
+    Only stem, adapter, projection and head are optimised; the backbone's parameters get
+    ``requires_grad=False`` and are never touched (its BatchNorm stays in eval mode).
+    """
+    if len(h) != len(y):
+        raise ValueError(f"cached features: {len(h)} rows of h for {len(y)} labels; recompute the cache")
+    for p in model.backbone.parameters():
+        p.requires_grad_(False)
+    params = [p for name, p in model.named_parameters() if not name.startswith("backbone.")]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    model.train()
+    model.backbone.eval()
+    view = _CachedView(model)
+    rng = np.random.default_rng(seed)  # the same order as train_local for the same seed
+    n = int(h.shape[0])
+    total, steps = 0.0, 0
+    start = time.perf_counter()
+    for _ in range(cfg.local_epochs):
+        order = torch.from_numpy(rng.permutation(n))
+        for i in range(0, n, cfg.batch_size):
+            idx = order[i : i + cfg.batch_size]
+            if idx.numel() < 2:
+                continue  # as train_local, so both take the same steps on the same data
+            loss = trainer._loss(view, h[idx], y[idx], cfg, targets)  # type: ignore[arg-type]
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+    return trainer.TrainStats(total / max(steps, 1), time.perf_counter() - start, steps)

@@ -1,0 +1,107 @@
+"""OnnxExtractor == TorchExtractor on real images, re-export only when weights change, the agent option."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from broker_server.simulate import SimulationSpec, run_simulation
+from edge_agent.agent import EdgeAgent
+from edge_agent.extractor import OnnxExtractor, TorchExtractor, make_extractor, weight_fingerprint
+from edge_agent.models import build_model
+from protofl.data import FASHION_MNIST_DIR
+from protofl.errors import ConfigError
+
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def images() -> np.ndarray:
+    if not Path(FASHION_MNIST_DIR).is_dir():
+        pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR} (CI installs it)")
+    from export.inputs import load_images
+
+    return load_images("fashion-mnist", "test", 200)[0]
+
+
+@pytest.mark.parametrize("arch", ["cnn", "resnet8"])
+def test_onnx_matches_torch_on_real_images(arch: str, images: np.ndarray) -> None:
+    model = build_model(arch, (1, 28, 28), 10, seed=2)
+    t, o = TorchExtractor(model), OnnxExtractor(model)
+    assert np.abs(o.embed(images) - t.embed(images)).max() < TOL
+    assert np.abs(o.predict_proba(images) - t.predict_proba(images)).max() < TOL
+    P = torch.nn.functional.normalize(torch.randn(10, 512, generator=torch.Generator().manual_seed(0)), dim=1)
+    assert np.abs(o.predict_proba(images, P, 0.1) - t.predict_proba(images, P, 0.1)).max() < TOL  # FedPAGR path
+    assert o.embed(images[:1]).shape == (1, 512) and o.embed(images[:0]).shape == (0, 512)
+
+
+def test_reexports_only_when_weights_change(images: np.ndarray) -> None:
+    model = build_model("cnn", (1, 28, 28), 10, seed=0)
+    o, t = OnnxExtractor(model), TorchExtractor(model)
+    o.embed(images)
+    o.predict_proba(images)
+    assert o.exports == 1  # one round, many extractions, one export
+    with torch.no_grad():
+        model.adapter.up.weight.add_(0.01)  # what a training step does
+    assert np.abs(o.embed(images) - t.embed(images)).max() < TOL  # never a stale graph
+    assert o.exports == 2
+    bn = build_model("resnet8", (1, 28, 28), 10, seed=0)
+    before = weight_fingerprint(bn)
+    bn.train()
+    bn(torch.from_numpy(images[:8]))  # only BatchNorm running statistics move
+    assert weight_fingerprint(bn) != before  # buffers are part of the fingerprint
+
+
+def test_frozen_backbone_exports_once(images: np.ndarray) -> None:
+    model = build_model("resnet8", (1, 28, 28), 10, seed=0)
+    o, t = OnnxExtractor(model, frozen_backbone=True), TorchExtractor(model)
+    o.embed(images)
+    with torch.no_grad():
+        model.adapter.up.weight.add_(0.01)
+        model.stem.weight.mul_(1.1)
+    assert np.abs(o.embed(images) - t.embed(images)).max() < TOL
+    assert o.exports == 1  # only the backbone is in the graph, and it did not change
+
+
+def test_exporter_fallback(images: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
+    from export import onnx_export
+
+    def gone(*args, **kwargs):
+        raise RuntimeError("TorchScript exporter removed (simulated)")
+
+    monkeypatch.setattr(onnx_export, "_export_torchscript", gone)  # the extractor's first choice
+    model = build_model("mlp", (1, 28, 28), 10, seed=0)
+    o = OnnxExtractor(model)
+    assert np.abs(o.embed(images) - TorchExtractor(model).embed(images)).max() < TOL  # dynamo took over
+
+
+def test_unknown_extractor_is_refused() -> None:
+    with pytest.raises(ConfigError, match="extractor must be one of torch, onnx"):
+        make_extractor("tflite", build_model("mlp", (1, 28, 28), 10, seed=0))
+    with pytest.raises(ConfigError, match="extractor must be one of torch, onnx"):
+        EdgeAgent("c", "f", None, None, extractor="tflite")  # type: ignore[arg-type]
+
+
+def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The simulator builds EdgeAgent with the default extractor; switch the default to run the same
+    # federation with prototypes and metrics on onnxruntime.
+    spec = SimulationSpec(preset="fedproto", dataset="synthetic:n=400,n_test=100", clients=2, rounds=2, seed=1)
+    ref = run_simulation(spec)
+    monkeypatch.setitem(EdgeAgent.__init__.__kwdefaults__, "extractor", "onnx")
+    got = run_simulation(spec)
+    for a, b in zip(ref["rounds"], got["rounds"]):
+        for key in ("local_acc", "global_acc", "ensemble_acc"):
+            assert abs(a[key] - b[key]) <= 0.02, (key, a, b)  # z agrees to ~1e-7: at most a tie flips
+        assert a["uplink_bytes"] == b["uplink_bytes"]
