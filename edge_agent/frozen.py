@@ -135,7 +135,7 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
             idx = order[i : i + cfg.batch_size]
             if idx.numel() < 2:
                 continue  # as train_local, so both take the same steps on the same data
-            loss = trainer._loss(view, h[idx], y[idx], cfg, targets)  # type: ignore[arg-type]
+            loss = trainer.batch_loss(view, h[idx], y[idx], cfg, targets)  # type: ignore[arg-type]
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
             opt.zero_grad(set_to_none=True)

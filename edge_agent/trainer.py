@@ -47,7 +47,8 @@ class TrainStats:
     steps: int
 
 
-def _loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, cfg: FederationConfig, targets: Targets) -> torch.Tensor:
+def batch_loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, cfg: FederationConfig, targets: Targets) -> torch.Tensor:
+    """The preset's training objective on one batch (shared by full and frozen-backbone training)."""
     z = model.features(xb)
     if targets.kind == "pagr":
         assert targets.values is not None
@@ -91,7 +92,7 @@ def train_local(
             idx = order[i : i + cfg.batch_size]
             if idx.numel() < 2:
                 continue  # BatchNorm cannot train on a single sample
-            loss = _loss(model, x[idx], y[idx], cfg, targets)
+            loss = batch_loss(model, x[idx], y[idx], cfg, targets)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
             opt.zero_grad(set_to_none=True)
