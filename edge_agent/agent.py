@@ -150,8 +150,11 @@ class EdgeAgent:
             return  # retained config re-delivered after a reconnect
         self.cfg = cfg
         arch = self.arch or cfg.archs[0]
-        # FedAvg needs identical initial models everywhere; otherwise backbones are private.
-        seed = cfg.seed if cfg.federate == "full" else stable_seed(cfg.seed, self.client_id)
+        # Every device of an architecture starts from the same seeded weights, as in the papers'
+        # reference code (PFLlib deep-copies one model per client). Backbones still diverge: they
+        # are trained privately and never sent. Identical starts give the prototype spaces a common
+        # origin, which ERPA's cross-client anchor means need.
+        seed = cfg.seed
         self.model = build_model(arch, tuple(cfg.in_shape), cfg.num_classes, cfg.proto_dim,
                                  cfg.adapter_rank, projection=cfg.consensus, seed=seed).to(self.device)
         self.masks = msg.class_masks if cfg.cps else None
