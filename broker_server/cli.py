@@ -47,7 +47,16 @@ def simulate(
     rounds: int = typer.Option(3, help="Communication rounds."),
     seed: int = typer.Option(0, help="Seed for partition, models and training order."),
     arch: Optional[str] = typer.Option(None, help="Architecture, or a comma list assigned round-robin (cnn,mlp,...)."),
-    transport: str = typer.Option("inprocess", help="inprocess (fast, in one process)."),
+    transport: str = typer.Option("inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, "
+                                                     "one agent process per client)."),
+    broker: Optional[str] = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: start "
+                                                   "a local one (mosquitto if installed, else embedded amqtt)."),
+    local_broker: str = typer.Option("auto", help="mqtt: the local broker, auto | mosquitto | amqtt."),
+    username: Optional[str] = typer.Option(None, help="mqtt: MQTT user name."),
+    password: Optional[str] = typer.Option(None, envvar="PROTOFL_MQTT_PASSWORD", help="mqtt: MQTT password."),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="mqtt: CA certificate (PEM) of the broker."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="mqtt: client certificate (PEM)."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="mqtt: client private key (PEM)."),
     config: Optional[Path] = typer.Option(None, help="TOML file of config overrides ([federation] table)."),
     train_limit: Optional[int] = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
     test_limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
@@ -63,9 +72,17 @@ def simulate(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         overrides = _parse_sets(set_)
+        broker_options = None
+        if broker is not None or username or tls_ca or tls_cert or tls_key:
+            from protofl.transport.broker_url import parse_broker_url
+
+            if broker is None:
+                raise ConfigError("--username/--tls-* need --broker (the local broker is anonymous, plain TCP)")
+            broker_options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
         spec = SimulationSpec(preset=preset, dataset=dataset, data_dir=data_dir, clients=clients, alpha=alpha,
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
-                              transport=transport, config_file=str(config) if config else None,
+                              transport=transport, broker=broker_options, broker_kind=local_broker,
+                              config_file=str(config) if config else None,
                               train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, overrides=overrides)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
@@ -111,6 +128,11 @@ def presets() -> None:
     for name, stages in PRESETS.items():
         t.add_row(name, ", ".join(f"{k}={v}" for k, v in stages.items()))
     Console().print(t)
+
+
+from broker_server.start_cli import start_command  # noqa: E402 -- the long-running service, in its own module
+
+app.command("start")(start_command)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,14 @@ from typing import Any, Callable
 import numpy as np
 
 from broker_server.aggregator import Aggregator, RoundRecord
+from broker_server.stages import ServerModel
+from edge_agent.local_data import federation_split, limit_train
 from protofl.config import FederationConfig
-from protofl.data import Dataset, FederatedSplit, build_federation, load_dataset
+from protofl.data import Dataset, FederatedSplit, load_dataset
 from protofl.errors import ConfigError
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
+from protofl.transport.broker_url import BrokerOptions
 from protofl.wire import Metrics, PublicSet
 
 
@@ -32,7 +35,11 @@ class SimulationSpec:
     rounds: int = 3
     seed: int = 0
     archs: tuple[str, ...] | None = None
-    transport: str = "inprocess"
+    transport: str = "inprocess"  # or "mqtt": a real broker, agents as separate processes
+    broker: BrokerOptions | None = None  # mqtt: None = start a local broker (mosquitto, else amqtt)
+    broker_kind: str = "auto"  # the local broker: auto | mosquitto | amqtt
+    agents: str = "process"  # mqtt: "process" (protofl-edge join per client) or "thread" (tests)
+    timeout: float | None = None  # mqtt: give up after this many seconds
     config_file: str | None = None
     train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
     test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
@@ -63,11 +70,7 @@ def prepare(spec: SimulationSpec) -> Federation:
     if not spec.alpha > 0:
         raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
     train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)
-    if spec.train_limit is not None and spec.train_limit < len(train):
-        if spec.train_limit < 1:
-            raise ConfigError(f"--train-limit must be >= 1, got {spec.train_limit}")
-        keep = np.sort(np.random.default_rng([spec.seed, 0x5EB]).permutation(len(train))[: spec.train_limit])
-        train = train.subset(keep)
+    train = limit_train(train, spec.train_limit, spec.seed)
     overrides = dict(spec.overrides)
     overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=train.num_classes,
                      in_shape=tuple(train.in_shape), min_clients=spec.clients)
@@ -76,9 +79,7 @@ def prepare(spec: SimulationSpec) -> Federation:
     cfg = make_config(spec.preset, spec.config_file, **overrides)
     # The public set is carved out for every preset, so that the client partition is the same
     # whichever method runs on it.
-    split = build_federation(train.y, spec.clients, spec.alpha, spec.seed,
-                             public_per_class=cfg.public_per_class,
-                             public_classes=cfg.public_classes, batch_size=cfg.batch_size)
+    split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads
     if spec.test_limit is not None:
         test = test.subset(np.arange(min(spec.test_limit, len(test))))
     return Federation(train, test, split, cfg)
@@ -148,46 +149,78 @@ class Report:
         }
 
 
-def run_simulation(spec: SimulationSpec,
-                   on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run a federation end to end and return the report dict."""
-    if spec.transport != "inprocess":
-        raise ConfigError(f"transport '{spec.transport}' is not available here; use --transport inprocess")
-    import torch  # the agents train with torch; imported here, not on the service path
+TRANSPORTS = ("inprocess", "mqtt")
 
-    from edge_agent import params as model_params
-    from edge_agent.agent import ClientData, EdgeAgent
-    from edge_agent.models import build_model
+
+class GlobalModelEval:
+    """FedAvg's global accuracy: the aggregated parameter vector evaluated on the test set (torch)."""
+
+    def __init__(self, cfg: FederationConfig, test: Dataset) -> None:
+        from edge_agent import params as model_params
+        from edge_agent.models import build_model
+
+        self.model = build_model(cfg.archs[0], cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank,
+                                 seed=cfg.seed)
+        self.initial_params = model_params.full_vector(self.model)
+        self.x, self.y = test.normalized(), test.y
+
+    def accuracy(self, params: np.ndarray) -> float:
+        import torch
+
+        from edge_agent import params as model_params
+        from edge_agent import trainer
+
+        model_params.load_full_vector(self.model, params)
+        probs = trainer.predict_proba(self.model, torch.from_numpy(self.x))
+        return float((probs.argmax(1) == self.y).mean()) if len(self.y) else 0.0
+
+
+def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], None] | None = None, *,
+                   on_finish: Callable[[Aggregator], None] | None = None) -> dict[str, Any]:
+    """Run a federation end to end and return the report dict.
+
+    `on_round` gets each round's report row; `on_finish` the aggregator once the run is over (its
+    `model` is the final server state)."""
+    if spec.transport not in TRANSPORTS:
+        raise ConfigError(f"unknown transport '{spec.transport}'; use {' or '.join(TRANSPORTS)}")
+    import torch  # the agents train with torch; imported here, not on the service path
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     fed_data = prepare(spec)
+    cfg = fed_data.cfg
+    report = Report(spec, cfg, fed_data.test.y)
+    evaluator = GlobalModelEval(cfg, fed_data.test) if cfg.federate == "full" else None
+
+    def round_end(rec: RoundRecord, model: ServerModel) -> None:
+        if evaluator is not None and model.params is not None:
+            report.global_model_acc[rec.round] = evaluator.accuracy(model.params)
+        report.records.append(rec)
+
+    initial = evaluator.initial_params if evaluator is not None else None
+    if spec.transport == "mqtt":
+        from broker_server.simulate_mqtt import run_over_mqtt
+
+        agg = run_over_mqtt(spec, fed_data, report, initial, round_end, on_round)
+    else:
+        agg = _run_inprocess(spec, fed_data, report, initial, round_end, on_round)
+    if on_finish is not None:
+        on_finish(agg)
+    return report.to_json(agg.dropped)
+
+
+def _run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report, initial_params: np.ndarray | None,
+                   round_end: Callable[[RoundRecord, ServerModel], None],
+                   on_round: Callable[[dict[str, Any]], None] | None) -> Aggregator:
+    from edge_agent.agent import ClientData, EdgeAgent
+
     cfg, train, test, split = fed_data.cfg, fed_data.train, fed_data.test, fed_data.split
-    report = Report(spec, cfg, test.y)
     x_test = test.normalized()
     broker = InProcessBroker()
     fed = "sim"
     client_ids = [f"client-{i:03d}" for i in range(spec.clients)]
-
-    eval_model = None
-    initial_params = None
-    if cfg.federate == "full":
-        eval_model = build_model(cfg.archs[0], cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank,
-                                 seed=cfg.seed)
-        initial_params = model_params.full_vector(eval_model)
-
-    agg: Aggregator
-
-    def round_end(rec: RoundRecord) -> None:
-        if eval_model is not None and agg.model.params is not None:
-            from edge_agent import trainer
-            model_params.load_full_vector(eval_model, agg.model.params)
-            probs = trainer.predict_proba(eval_model, torch.from_numpy(x_test))
-            report.global_model_acc[rec.round] = float((probs.argmax(1) == test.y).mean()) if len(test) else 0.0
-        report.records.append(rec)
-
     agg = Aggregator(cfg, fed, broker.connect("server"), clock=time.time, initial_params=initial_params,
                      public=fed_data.public_set(), expected_clients=client_ids,
-                     on_round_end=round_end, on_metrics=report.on_metrics)
+                     on_round_end=lambda rec: round_end(rec, agg.model), on_metrics=report.on_metrics)
     agents = []
     for i, cid in enumerate(client_ids):
         part = split.clients[i]
@@ -216,4 +249,4 @@ def run_simulation(spec: SimulationSpec,
         if on_round is not None:
             on_round(report.round_row(report.records[done_rounds]))
         done_rounds += 1
-    return report.to_json(agg.dropped)
+    return agg

@@ -39,5 +39,15 @@ def version() -> None:
     typer.echo(f"protofl-edge {__version__} (wire protocol v{WIRE_VERSION})")
 
 
+from edge_agent.predict import predict_command  # noqa: E402 -- registered after the commands above
+
+app.command("predict")(predict_command)
+
+
+from edge_agent.join_cli import join_command  # noqa: E402 -- the device loop, in its own module
+
+app.command("join")(join_command)
+
+
 if __name__ == "__main__":
     app()

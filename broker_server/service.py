@@ -1,0 +1,209 @@
+"""The aggregator as a long-running service over MQTT.
+
+One thread owns the `Aggregator`: the MQTT transport only enqueues what arrives (deliver="pump") and
+this thread drains the queue, calls `tick()` for deadlines, and publishes. The Aggregator is not
+thread-safe and never needs to be. The service's connection carries a last will on `server/status`
+("offline"), so devices see a crashed server and re-join when it comes back.
+numpy only: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+
+from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
+from broker_server.stages import ServerModel
+from protofl import topics
+from protofl.config import FederationConfig
+from protofl.transport.broker_url import BrokerOptions
+from protofl.transport.mqtt import MqttTransport, Will
+from protofl.wire import DEFAULT_LIMITS, Limits, Metrics, PublicSet, Status, encode_message
+
+log = logging.getLogger("protofl.service")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+@dataclass
+class _Pending:
+    rec: RoundRecord
+    due: float
+    metrics: dict[str, Metrics] = field(default_factory=dict)
+
+
+class RoundLog:
+    """One log line per round. A round's metrics arrive just after its last upload closed it, so the
+    line waits until every participant reported or `grace` seconds passed."""
+
+    def __init__(self, rounds: int, grace: float = 3.0, emit: Callable[[str], None] = log.info) -> None:
+        self.rounds = rounds
+        self.grace = grace
+        self.emit = emit
+        self.pending: list[_Pending] = []
+        self.early: dict[int, dict[str, Metrics]] = {}
+        self.lines: list[str] = []
+
+    def round_end(self, rec: RoundRecord, now: float) -> None:
+        self.pending.append(_Pending(rec, now + self.grace, self.early.pop(rec.round, {})))
+
+    def metrics(self, client: str, round_: int, msg: Metrics) -> None:
+        for p in self.pending:
+            if p.rec.round == round_:
+                p.metrics[client] = msg
+                return
+        self.early.setdefault(round_, {})[client] = msg
+
+    def flush(self, now: float, force: bool = False) -> None:
+        while self.pending:
+            p = self.pending[0]
+            if not (force or now >= p.due or set(p.rec.clients) <= set(p.metrics)):
+                return
+            self.pending.pop(0)
+            line = self.format(p)
+            self.lines.append(line)
+            self.emit(line)
+
+    def format(self, p: _Pending) -> str:
+        rec, ms = p.rec, list(p.metrics.values())
+        parts = [f"round {rec.round}/{self.rounds}: {len(rec.clients)} clients ({rec.closed_by})"]
+        n_local = sum(m.n_local for m in ms)
+        if n_local:
+            parts.append(f"local acc {100 * sum(m.correct_local for m in ms) / n_local:.1f}%")
+        tested = [m.correct_test / m.n_test for m in ms if m.n_test]
+        if tested:
+            parts.append(f"global acc {100 * float(np.mean(tested)):.1f}%")
+        parts.append(f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, "
+                     f"{rec.ended - rec.started:.1f} s")
+        return ", ".join(parts)
+
+
+class AggregatorService:
+    """Runs an `Aggregator` against a broker until the federation finishes or `stop()` is called."""
+
+    def __init__(self, cfg: FederationConfig, fed: str, broker: BrokerOptions, *,
+                 public: PublicSet | None = None, expected_clients: Sequence[str] | None = None,
+                 initial_params: np.ndarray | None = None, limits: Limits = DEFAULT_LIMITS,
+                 protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
+                 on_round_end: Callable[[RoundRecord], None] | None = None,
+                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
+                 tick_interval: float = 0.2, log_grace: float = 3.0) -> None:
+        self.fed = fed
+        self.tick_interval = tick_interval
+        self._user_round_end = on_round_end
+        self._user_metrics = on_metrics
+        self._stop = threading.Event()
+        self.round_log = RoundLog(cfg.rounds, grace=log_grace)
+        will = Will(topics.server_status(fed),
+                    encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed,
+                                   sender=SERVER_ID))
+        # A persistent session (MQTT 5) makes the broker queue uploads for us while we reconnect.
+        self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
+                                       persistent_session=True, deliver="pump", protocol=protocol)
+        self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
+                                     public=public, expected_clients=expected_clients, limits=limits,
+                                     on_round_end=self._round_end, on_metrics=self._metrics)
+
+    @property
+    def finished(self) -> bool:
+        return self.aggregator.finished
+
+    def start(self, connect_timeout: float = 30.0) -> None:
+        self.transport.connect(connect_timeout)
+        # A previous run may have left a retained "done" round (devices joining now would stop at once)
+        # or a public set this preset does not use: clear them before publishing ours.
+        self.transport.publish(topics.round_(self.fed), b"", retain=True)
+        if not self.aggregator.cfg.erpa:
+            self.transport.publish(topics.public(self.fed), b"", retain=True)
+        # Subscribe before the aggregator announces "waiting": devices join as soon as they see it, and a
+        # join that reached the broker before our subscription would be lost. Messages are dispatched
+        # only by step(), by when the aggregator's own handler is registered too.
+        self.transport.subscribe(topics.up_all(self.fed), _ignore)
+        self.aggregator.start()
+        agg = self.aggregator
+        quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
+        log.info("aggregator for federation '%s' (%s) on %s; waiting for %d client(s)", self.fed,
+                 agg.cfg.preset, self.transport.url, quorum)
+
+    def step(self, timeout: float | None = None) -> int:
+        """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
+        n = self.transport.pump(self.tick_interval if timeout is None else timeout)
+        self.aggregator.tick()
+        self.round_log.flush(time.time())
+        return n
+
+    def run(self, *, timeout: float | None = None, until: Callable[[], bool] | None = None) -> None:
+        """Serve until the federation finished and its last round is logged, `until()` holds or `stop()`.
+
+        Raises TimeoutError after `timeout` seconds."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._stop.is_set():
+            self.step()
+            if until is not None and until():
+                return
+            if until is None and self.finished and not self.round_log.pending:
+                return
+            if end is not None and time.monotonic() > end:
+                agg = self.aggregator
+                raise TimeoutError(f"federation '{self.fed}' did not finish within {timeout:.0f} s: round "
+                                   f"{agg.round}, {len(agg.clients)} client(s) joined, dropped {agg.dropped}")
+
+    def stop(self) -> None:
+        """Ask `run()` to return (thread-safe; e.g. from a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Flush the round log, say goodbye on `server/status` (no will is sent) and disconnect."""
+        self.round_log.flush(time.time(), force=True)
+        if not self.finished and self.transport.connected:
+            payload = encode_message(Status(state="stopped", detail=f"stopped in round {self.aggregator.round}"),
+                                     fed=self.fed, sender=SERVER_ID, round=self.aggregator.round)
+            self.transport.publish(topics.server_status(self.fed), payload, retain=True)
+        self.transport.close()
+
+    def _round_end(self, rec: RoundRecord) -> None:
+        self.round_log.round_end(rec, time.time())
+        if self._user_round_end is not None:
+            self._user_round_end(rec)
+
+    def _metrics(self, client: str, round_: int, msg: Metrics, nbytes: int) -> None:
+        self.round_log.metrics(client, round_, msg)
+        if self._user_metrics is not None:
+            self._user_metrics(client, round_, msg, nbytes)
+
+
+def _ignore(topic: str, payload: bytes) -> None:
+    return None
+
+
+def save_server_model(model: ServerModel, path: str | Path) -> Path:
+    """The federation's agreed state as a plain .npz (no pickle): adapter, params, unit prototypes, and
+    the mean prototypes as `proto_classes` + `prototypes` rows."""
+    arrays: dict[str, np.ndarray] = {}
+    for name in ("adapter", "params", "unit", "masks"):
+        value = getattr(model, name)
+        if value is not None:
+            arrays[name] = np.asarray(value)
+    if model.prototypes:
+        classes = sorted(model.prototypes)
+        arrays["proto_classes"] = np.asarray(classes, dtype=np.int64)
+        arrays["prototypes"] = np.stack([model.prototypes[c] for c in classes]).astype(np.float32)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, out)  # never leave a half-written model behind
+    return out

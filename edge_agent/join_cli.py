@@ -1,0 +1,111 @@
+"""`protofl-edge join`: run this device in a federation until it finishes."""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import sys
+from types import FrameType
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from protofl.errors import ConfigError, ProtoFLError
+
+if TYPE_CHECKING:
+    from edge_agent.runner import DeviceRunner
+
+PASSWORD_ENV = "PROTOFL_MQTT_PASSWORD"
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def join_command(
+    broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
+    fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
+    client_id: str = typer.Option(..., "--client-id", help="This device's id (letters, digits, _ . -)."),
+    data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | an .npz file or directory."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
+    partition: Optional[str] = typer.Option(None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split)."),
+    alpha: float = typer.Option(0.5, help="Dirichlet alpha of --partition."),
+    seed: Optional[int] = typer.Option(None, help="Seed of --partition and synthetic data (default: the federation's)."),
+    test_limit: Optional[int] = typer.Option(None, help="With --partition: evaluate on the first N test samples."),
+    train_limit: Optional[int] = typer.Option(None, help="With --partition: the simulator's --train-limit."),
+    arch: Optional[str] = typer.Option(None, help="Backbone architecture (default: the federation's)."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda."),
+    profile: str = typer.Option("", help="Device profile name reported when joining."),
+    eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
+    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    username: Optional[str] = typer.Option(None, help="MQTT user name."),
+    password: Optional[str] = typer.Option(None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PASSWORD_ENV})."),
+    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker."),
+    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Client certificate (PEM)."),
+    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Client private key (PEM)."),
+    mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
+    connect_timeout: float = typer.Option(30.0, help="Give up if the broker cannot be reached for this long at start."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
+) -> None:
+    """Join a federation: train locally each round and upload prototypes / adapters; survives drops."""
+    level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
+                              arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
+                              tls_key, mqtt, connect_timeout)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if runner.stopping:
+            raise KeyboardInterrupt  # second signal: do not wait for the current training step
+        logging.getLogger("protofl.edge").warning("%s: leaving (signal %d)", client_id, signum)
+        runner.stop()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        agent = runner.run()
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if agent is None or not agent.finished:
+        raise typer.Exit(1)  # left before the federation finished
+
+
+def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str | None, partition: str | None,
+                 alpha: float, seed: int | None, test_limit: int | None, train_limit: int | None, arch: str | None,
+                 device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
+                 password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
+                 connect_timeout: float) -> "DeviceRunner":
+    import torch
+
+    from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
+    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from protofl.transport.broker_url import parse_broker_url
+
+    for what, name in (("--client-id", client_id), ("--fed", fed)):
+        if not _NAME.fullmatch(name):
+            raise ConfigError(f"{what} '{name}': use 1-64 letters, digits, '_', '.' or '-'")
+    if mqtt not in ("auto", "5", "3.1.1"):
+        raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got '{device}'")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device; use --device cpu")
+    if threads is not None:
+        torch.set_num_threads(max(1, threads))
+    dataset_spec(data)  # fail now, not after connecting, on a --data that names nothing
+    options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
+    spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
+                    train_limit)
+    opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
+                         protocol=mqtt, connect_timeout=connect_timeout)  # type: ignore[arg-type]
+    return DeviceRunner(options, fed, client_id, spec, opts)

@@ -1,0 +1,230 @@
+"""The device loop: one `EdgeAgent` over MQTT for as long as the federation runs.
+
+Order of events. Connect (last will: presence "offline"), announce presence "online", read the retained
+`config` (the data is loaded only then: a partition depends on the federation's config), then wait for
+the server's retained `server/status`. Only when the server is up does the device send `join` and
+subscribe `public` and `round`: an upload can then never overtake its join, and a join is not lost on
+a broker where nobody listens yet. The retained `round` message is how a device resumes after a
+reconnect or restart; it carries the adapter, so a device that missed rounds gets all of it. When the
+server comes back after "offline" / "stopped", the device joins again.
+
+Uploads are at-least-once: if a round message the agent already handled arrives again (our reconnect,
+the server's, a broker restart), the uploads of that round are sent again, since the server may have
+been unsubscribed when they first went out; the aggregator drops and counts the duplicates.
+
+All agent work runs on the runner's thread (`pump`), never on paho's network thread, so training
+does not stall keepalives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.local_data import DataSpec, load_client_data
+from protofl import topics
+from protofl.config import FederationConfig
+from protofl.errors import ConfigError, ProtoFLError, WireError
+from protofl.transport.broker_url import BrokerOptions
+from protofl.transport.base import Handler
+from protofl.transport.mqtt import MqttTransport, Will
+from protofl.wire import Config, Status, decode_message, encode_message, unpack_envelope
+
+log = logging.getLogger("protofl.edge")
+SERVER_UP = ("waiting", "running")
+UPLOAD_KINDS = ("protos", "adapter")  # metrics are not re-sent: the report would count them twice
+# Several runners in one process (tests, benchmarks) share torch's global RNG, which model
+# construction and dropout use: agent work is serialised so each client's run stays reproducible.
+_AGENT_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    arch: str | None = None
+    device: str = "cpu"
+    profile: str = ""
+    eval_every: int = 1
+    protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    connect_timeout: float = 30.0
+
+
+class _UploadLog:
+    """The agent's transport: passes everything through and keeps the protocol uploads (not metrics)
+    sent for the round message being handled, so that they can be sent again."""
+
+    def __init__(self, transport: MqttTransport) -> None:
+        self.transport = transport
+        self.key: tuple[int, str] | None = None
+        self.sent: list[tuple[str, bytes]] = []
+
+    def start(self, key: tuple[int, str] | None) -> None:
+        self.key, self.sent = key, []
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        self.transport.publish(topic, payload, retain=retain, qos=qos)
+        if "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS:
+            self.sent.append((topic, payload))
+
+    def subscribe(self, pattern: str, handler: Handler) -> None:
+        self.transport.subscribe(pattern, handler)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class DeviceRunner:
+    def __init__(self, broker: BrokerOptions, fed: str, client_id: str, data: DataSpec,
+                 opts: RunnerOptions = RunnerOptions()) -> None:
+        self.fed = fed
+        self.client_id = client_id
+        self.data = data
+        self.opts = opts
+        will = Will(topics.presence(fed, client_id), self._status("offline", "connection lost"))
+        self.transport = MqttTransport(broker, client_id, will=will, deliver="pump", protocol=opts.protocol)
+        self.agent: EdgeAgent | None = None
+        self.server_state = ""
+        self.joined = False
+        self.fatal: BaseException | None = None
+        self._rounds_subscribed = False
+        self._uploads = _UploadLog(self.transport)
+        self._stop = threading.Event()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self, timeout: float | None = None) -> EdgeAgent | None:
+        """Take part until the federation finishes (or `stop()` / `timeout`); returns the agent."""
+        self.transport.connect(self.opts.connect_timeout)
+        self._presence("online", self.opts.profile)
+        self.transport.subscribe(topics.config(self.fed), self._on_config)
+        self.transport.subscribe(topics.server_status(self.fed), self._on_status)
+        end = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._stop.is_set() and self.fatal is None:
+                self.transport.pump(0.5)
+                if self.agent is not None and self.agent.finished:
+                    log.info("%s: federation finished after %d trained round(s)", self.client_id,
+                             self.agent.stats.rounds_trained)
+                    break
+                if end is not None and time.monotonic() > end:
+                    raise TimeoutError(f"{self.client_id}: federation '{self.fed}' did not finish within {timeout} s")
+        finally:
+            done = self.agent is not None and self.agent.finished
+            if self.transport.connected:
+                self._presence("done" if done else "offline", "left")
+            self.transport.close()
+        if self.fatal is not None:
+            raise self.fatal
+        return self.agent
+
+    def stop(self) -> None:
+        """Leave at the next loop iteration (thread-safe; e.g. from a signal handler)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    # -- handlers (runner thread) -------------------------------------------------------------
+    def _on_config(self, topic: str, payload: bytes) -> None:
+        with _AGENT_LOCK:
+            self._config(topic, payload)
+
+    def _config(self, topic: str, payload: bytes) -> None:
+        if self.agent is None:
+            try:
+                _, msg = decode_message(payload)
+                if not isinstance(msg, Config):
+                    return
+                cfg = FederationConfig.from_dict(dict(msg.params))
+            except (WireError, ConfigError, TypeError) as exc:
+                log.error("%s: unusable federation config on %s: %s", self.client_id, topic, exc)
+                return
+            try:
+                self.agent = self._build_agent(cfg)
+            except ProtoFLError as exc:
+                self.fatal = exc  # e.g. the data does not fit this federation: nothing to retry
+                return
+        self.agent.on_message(topic, payload)
+        self._maybe_join()
+
+    def _build_agent(self, cfg: FederationConfig) -> EdgeAgent:
+        data = load_client_data(self.data, cfg, self.client_id)
+        arch = self.opts.arch
+        if arch is None and self.data.partition is not None:
+            arch = cfg.arch_for(self.data.partition[0])  # the simulator's round-robin assignment
+        log.info("%s: %d training / %d test samples, arch %s, preset %s", self.client_id, len(data.y_train),
+                 len(data.y_test), arch or cfg.archs[0], cfg.preset)
+        return EdgeAgent(self.client_id, self.fed, self._uploads, data, arch=arch, profile=self.opts.profile,
+                         device=self.opts.device, eval_every=self.opts.eval_every)
+
+    def _on_status(self, topic: str, payload: bytes) -> None:
+        try:
+            env, msg = decode_message(payload)
+        except WireError as exc:
+            log.warning("%s: bad server status: %s", self.client_id, exc)
+            return
+        if not isinstance(msg, Status) or env.fed != self.fed:
+            return
+        if msg.state not in SERVER_UP:
+            self.joined = False  # the server went away; join again when it is back
+        elif msg.state == "waiting" and self.agent is not None and self.server_state != "waiting":
+            # A server waiting for joins has opened no round yet: a fresh federation, whose round
+            # numbers start again at 1.
+            self.agent.handled.clear()
+        if msg.state != self.server_state:
+            log.info("%s: server is %s%s", self.client_id, msg.state, f" ({msg.detail})" if msg.detail else "")
+        self.server_state = msg.state
+        self._maybe_join()
+
+    def _maybe_join(self) -> None:
+        agent = self.agent
+        if agent is None or agent.model is None or self.joined or self.server_state not in SERVER_UP:
+            return
+        agent.join()
+        self.joined = True
+        if not self._rounds_subscribed:
+            self._rounds_subscribed = True
+            self.transport.subscribe(topics.public(self.fed), self._on_public)
+            self.transport.subscribe(topics.round_(self.fed), self._on_round)
+
+    def _on_public(self, topic: str, payload: bytes) -> None:
+        assert self.agent is not None
+        with _AGENT_LOCK:
+            self.agent.on_message(topic, payload)
+
+    def _on_round(self, topic: str, payload: bytes) -> None:
+        agent = self.agent
+        assert agent is not None
+        try:
+            env = unpack_envelope(payload)
+        except WireError:
+            env = None
+        key = (env.round, env.phase) if env is not None else None
+        if key is not None and key == self._uploads.key and key in agent.handled:
+            # The round message came again: after a reconnect of ours or the server's, or a broker restart.
+            # Uploads sent while the server was not subscribed are lost, and it would wait for them
+            # forever, so send them again; duplicates are dropped (and counted) by the aggregator.
+            for up_topic, up_payload in self._uploads.sent:
+                self.transport.publish(up_topic, up_payload, qos=1)
+            if self._uploads.sent:
+                log.info("%s: round %d %s announced again; re-sent %d upload(s)", self.client_id, key[0], key[1],
+                         len(self._uploads.sent))
+            return
+        trained, sent = agent.stats.rounds_trained, agent.stats.uploaded_bytes
+        with _AGENT_LOCK:
+            self._uploads.start(key)
+            agent.on_message(topic, payload)
+        if agent.stats.uploaded_bytes != sent:
+            log.info("%s: %s, uploaded %d bytes", self.client_id,
+                     "trained" if agent.stats.rounds_trained != trained else "prototype phase",
+                     agent.stats.uploaded_bytes - sent)
+
+    # -- presence -------------------------------------------------------------------------------
+    def _status(self, state: str, detail: str = "") -> bytes:
+        return encode_message(Status(state=state, detail=detail), fed=self.fed, sender=self.client_id)
+
+    def _presence(self, state: str, detail: str = "") -> None:
+        self.transport.publish(topics.presence(self.fed, self.client_id), self._status(state, detail), retain=True)

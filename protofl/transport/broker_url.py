@@ -1,0 +1,90 @@
+"""Where the broker is and how to authenticate: `mqtt://` / `mqtts://` URLs, credentials, TLS files.
+
+Both CLIs build one `BrokerOptions` from `--broker`, `--username/--password` and `--tls-*`; the MQTT
+transport takes it as is. Nothing here imports paho, so the options can be validated (and errors shown)
+before any connection is attempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from protofl.errors import ConfigError
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+# Mosquitto's own ceiling is 256 MiB; 64 MiB leaves room for a FedAvg model of ~16M float32 parameters
+# while keeping one message's worst case bounded on a constrained device.
+DEFAULT_MAX_PACKET = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class BrokerOptions:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    keepalive: int = 30
+    # Client-side cap on a PUBLISH packet; the broker's advertised Maximum Packet Size (MQTT 5) wins
+    # when it is smaller. paho itself never checks it: an oversize packet just gets us disconnected.
+    max_packet_size: int = DEFAULT_MAX_PACKET
+
+    @property
+    def url(self) -> str:
+        """The URL without credentials (safe to print in logs and errors)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}"
+
+    def with_auth(self, username: str | None = None, password: str | None = None, tls_ca: str | None = None,
+                  tls_cert: str | None = None, tls_key: str | None = None) -> "BrokerOptions":
+        """Overlay CLI flags on what the URL said; any TLS file switches TLS on."""
+        opts = replace(self, username=username if username is not None else self.username,
+                       password=password if password is not None else self.password,
+                       tls_ca=tls_ca or self.tls_ca, tls_cert=tls_cert or self.tls_cert,
+                       tls_key=tls_key or self.tls_key)
+        if opts.tls_ca or opts.tls_cert or opts.tls_key:
+            opts = replace(opts, tls=True)
+        opts.check()
+        return opts
+
+    def check(self) -> None:
+        if self.password is not None and self.username is None:
+            raise ConfigError("--password given without --username; MQTT sends a password only with a user name")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("a client certificate needs both --tls-cert and --tls-key")
+        for flag, path in (("--tls-ca", self.tls_ca), ("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{flag} {path}: no such file")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"broker port must be in 1..65535, got {self.port}")
+        if self.max_packet_size < 1024:
+            raise ConfigError(f"max_packet_size must be at least 1024 bytes, got {self.max_packet_size}")
+
+
+def parse_broker_url(url: str) -> BrokerOptions:
+    """`mqtt://[user[:password]@]host[:port]` or `mqtts://...` (also a bare `host[:port]`)."""
+    text = url.strip()
+    if "://" not in text:
+        text = "mqtt://" + text
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme not in DEFAULT_PORTS:
+        raise ConfigError(f"broker URL '{url}': scheme must be mqtt:// or mqtts://, got '{parts.scheme}://'")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"broker URL '{url}': expected mqtt[s]://host[:port] with no path or query")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"broker URL '{url}': the port must be a number in 1..65535") from None
+    if not parts.hostname:
+        raise ConfigError(f"broker URL '{url}': no host name")
+    opts = BrokerOptions(host=parts.hostname, port=port or DEFAULT_PORTS[scheme], tls=scheme == "mqtts",
+                         username=unquote(parts.username) if parts.username else None,
+                         password=unquote(parts.password) if parts.password else None)
+    opts.check()
+    return opts

@@ -1,0 +1,462 @@
+"""The MQTT transport: paho-mqtt 2.x behind the `Transport` interface.
+
+Threads. A network thread runs paho's `loop()` and does nothing else: `on_message` only enqueues
+(topic, payload), so a long training step can never starve keepalives or acks. Handlers run either on
+a worker thread (`deliver="thread"`) or on the caller's thread via `pump()` (`deliver="pump"`, what the
+aggregator service and the device runner use, so that their state is touched by one thread only).
+
+Faults. The network thread reconnects by itself with exponential backoff and jitter (so a fleet does
+not reconnect in lockstep after a broker restart), re-subscribes every filter, and re-publishes the
+retained messages this client owns if the broker may have lost them (a broker restarted without
+persistence forgets retained messages and sessions). Unacknowledged QoS 1 publishes are resent by
+paho. The first connection speaks MQTT 5 and falls back to 3.1.1 when the broker refuses it (amqtt).
+
+Sizes. paho ignores the broker's maximum packet size and an oversize PUBLISH just gets the client
+disconnected (and resent, forever, for QoS 1), so `publish` checks the packet size first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import ssl
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from protofl.errors import ProtoFLError
+from protofl.transport.base import Handler, topic_matches
+from protofl.transport.broker_url import BrokerOptions, parse_broker_url
+
+log = logging.getLogger("protofl.mqtt")
+START_BROKER_HINT = "is it running? (start one with protofl-server start)"
+_UNSUPPORTED_PROTOCOL = 132  # CONNACK reason "Unsupported protocol version" (3.1.1 return code 1)
+_AUTH_REFUSALS = {134, 135}  # bad user name or password, not authorized
+CONNACK_TIMEOUT = 3.0
+
+
+class TransportError(ProtoFLError, ConnectionError):
+    """The broker cannot be reached, refused us, or the transport is closed."""
+
+
+class PayloadTooLarge(ProtoFLError, ValueError):
+    """A message would exceed the broker's maximum packet size; it was not sent."""
+
+
+@dataclass(frozen=True)
+class Will:
+    """The last will: published by the broker if this client vanishes without a DISCONNECT."""
+
+    topic: str
+    payload: bytes
+    retain: bool = True
+    qos: int = 1
+
+
+@dataclass
+class Backoff:
+    """Exponential reconnect delay with jitter: initial * factor**n, capped, times U(1 - jitter, 1)."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+    factor: float = 2.0
+    jitter: float = 0.5
+    attempt: int = 0
+    _rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def next(self) -> float:
+        delay = min(self.maximum, self.initial * self.factor ** self.attempt)
+        self.attempt += 1
+        return delay * (1.0 - self.jitter * self._rng.random())
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+@dataclass
+class TransportStats:
+    connects: int = 0
+    disconnects: int = 0
+    published: int = 0
+    published_bytes: int = 0
+    received: int = 0
+    received_bytes: int = 0
+    handler_errors: int = 0
+
+
+def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
+    """Bytes of the PUBLISH packet on the wire: fixed header, topic, packet id, properties, payload."""
+    body = 2 + len(topic.encode()) + (2 if qos else 0) + (1 if mqtt5 else 0) + payload_len
+    length_bytes = 1 if body < 128 else 2 if body < 16384 else 3 if body < 2097152 else 4
+    return 1 + length_bytes + body
+
+
+def _filter_topic(pattern: str) -> str:
+    """`$share/group/a/+` matches like `a/+` (a shared subscription delivers the plain topic)."""
+    if pattern.startswith("$share/"):
+        parts = pattern.split("/", 2)
+        return parts[2] if len(parts) == 3 else pattern
+    return pattern
+
+
+class MqttTransport:
+    """A `Transport` over one MQTT connection. Call `connect()` before publishing."""
+
+    def __init__(self, broker: BrokerOptions | str, client_id: str, *, will: Will | None = None,
+                 persistent_session: bool = False, deliver: Literal["thread", "pump"] = "thread",
+                 protocol: Literal["auto", "5", "3.1.1"] = "auto", backoff: Backoff | None = None) -> None:
+        self.options = parse_broker_url(broker) if isinstance(broker, str) else broker
+        self.client_id = client_id
+        self.will = will
+        self.persistent_session = persistent_session
+        self.deliver = deliver
+        self.backoff = backoff or Backoff()
+        self.stats = TransportStats()
+        self.last_error = ""
+        self._can_downgrade = protocol == "auto"
+        self._protocol = paho.MQTTv311 if protocol == "3.1.1" else paho.MQTTv5
+        self._lock = threading.RLock()
+        self._subs: list[tuple[str, Handler]] = []
+        self._patterns: dict[str, None] = {}  # ordered: re-subscribed in the original order
+        self._retained: dict[str, tuple[bytes, int]] = {}  # topic -> (payload, publish sequence number)
+        # QoS >= 1 publishes awaiting PUBACK: mid -> (sequence number, topic). The network thread only
+        # appends acknowledged mids to `_acks` (it may hold paho's locks); they are matched under _lock.
+        self._pending: dict[int, tuple[int, str]] = {}
+        self._acks: deque[tuple[int, int]] = deque()
+        self._seq = 0
+        self._inbox: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._connected = threading.Event()
+        self._closing = threading.Event()
+        self._refused = 0  # the CONNACK reason code of the last refusal, 0 if none
+        self._downgrade = False
+        self._connack_seen = False
+        self._ever_connected = False
+        self._broker_max: int | None = None
+        self._client = self._new_client()
+        self._net = threading.Thread(target=self._network_loop, name=f"mqtt-net-{client_id}", daemon=True)
+        self._worker: threading.Thread | None = None
+
+    # -- public API -------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.options.url
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def protocol(self) -> str:
+        return "5" if self._protocol == paho.MQTTv5 else "3.1.1"
+
+    @property
+    def max_packet_size(self) -> int:
+        limit = self.options.max_packet_size
+        return min(limit, self._broker_max) if self._broker_max else limit
+
+    def connect(self, timeout: float = 30.0) -> "MqttTransport":
+        """Start the network (and worker) threads and wait for the first CONNACK."""
+        if not self._net.is_alive():
+            self._net.start()
+            if self.deliver == "thread":
+                self._worker = threading.Thread(target=self._work, name=f"mqtt-work-{self.client_id}", daemon=True)
+                self._worker.start()
+        if not self._connected.wait(timeout):
+            self.close(timeout=0)
+            raise TransportError(self._failure_message())
+        return self
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        return self._connected.wait(timeout)
+
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        if self._closing.is_set():
+            raise TransportError(f"MQTT transport '{self.client_id}' is closed")
+        payload = bytes(payload)
+        size, limit = packet_size(topic, len(payload), qos, self._protocol == paho.MQTTv5), self.max_packet_size
+        if size > limit:
+            from_broker = self._broker_max is not None and self._broker_max <= self.options.max_packet_size
+            source = "broker's" if from_broker else "configured"
+            raise PayloadTooLarge(
+                f"cannot publish {len(payload)} bytes on '{topic}': the MQTT packet would be {size} bytes, over the "
+                f"{source} maximum packet size of {limit} bytes; raise max_packet_size (mosquitto.conf and "
+                f"BrokerOptions) or shrink the message (e.g. apud_ratio, proto_dtype=f2/q8, a smaller model)")
+        with self._lock:
+            info = self._client.publish(topic, payload, qos=qos, retain=retain)
+            self._seq += 1
+            if qos and info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+                self._pending[info.mid] = (self._seq, topic)
+            if retain:
+                # Remember what we own, to re-assert it if the broker forgets it (restart without persistence).
+                if payload:
+                    self._retained[topic] = (payload, self._seq)
+                else:
+                    self._retained.pop(topic, None)
+            self._match_acks()
+        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+            raise TransportError(f"outgoing MQTT queue of '{self.client_id}' is full; the broker at {self.url} "
+                                 f"has been unreachable for a while ({self.last_error or 'no reason given'})")
+        # MQTT_ERR_NO_CONN is fine for QoS >= 1: paho keeps the message and sends it after reconnecting.
+        self.stats.published += 1
+        self.stats.published_bytes += len(payload)
+
+    def subscribe(self, pattern: str, handler: Handler) -> None:
+        with self._lock:
+            self._subs.append((pattern, handler))
+            self._patterns[pattern] = None
+            # Subscribing again re-delivers retained messages, which a new handler expects to see
+            # (its older handlers get them again too, as after any reconnect).
+            if self._connected.is_set():
+                self._client.subscribe(pattern, qos=1)
+
+    def pump(self, timeout: float = 0.0, max_messages: int = 1000) -> int:
+        """Deliver queued messages on this thread (deliver="pump"); waits up to `timeout` for the first."""
+        n = 0
+        try:
+            item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+            while item is not None:
+                self._dispatch(*item)
+                n += 1
+                if n >= max_messages:
+                    break
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return n
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every QoS >= 1 publish so far is acknowledged by the broker."""
+        end = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                self._match_acks()
+                if not self._pending:
+                    return True
+            if time.monotonic() >= end or not self._net.is_alive():
+                return False
+            time.sleep(0.01)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Flush pending publishes (up to `timeout`), DISCONNECT (no will is sent) and stop the threads."""
+        if self._closing.is_set():
+            return
+        if timeout > 0 and self._connected.is_set():
+            self.flush(timeout)
+        self._closing.set()
+        with self._lock:
+            try:
+                self._client.disconnect()
+            except Exception:  # noqa: BLE001 - closing must not fail because the socket already died
+                pass
+        self._inbox.put(None)
+        for t in (self._net, self._worker):
+            if t is not None and t.is_alive() and t is not threading.current_thread():
+                t.join(timeout=max(timeout, 1.0))
+
+    def _match_acks(self) -> None:
+        """Drop acknowledged publishes from `_pending` (call with _lock held)."""
+        while self._acks:
+            mid, reason = self._acks.popleft()
+            seq_topic = self._pending.pop(mid, None)
+            if seq_topic is not None and reason >= 128:
+                log.warning("%s: the broker at %s refused our message on '%s' (reason %d); check its ACL",
+                            self.client_id, self.url, seq_topic[1], reason)
+
+    # -- paho plumbing --------------------------------------------------------------------------
+    def _new_client(self) -> paho.Client:
+        v5 = self._protocol == paho.MQTTv5
+        # 3.1.1 cannot ask for a clean session on the first connect only, so it always starts clean:
+        # otherwise a restarted aggregator would be handed the previous run's queued joins.
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=self._protocol,
+                             clean_session=None if v5 else True, reconnect_on_failure=False)
+        client.connect_timeout = 5.0
+        opts = self.options
+        if opts.username is not None:
+            client.username_pw_set(opts.username, opts.password)
+        if opts.tls:
+            client.tls_set(ca_certs=opts.tls_ca, certfile=opts.tls_cert, keyfile=opts.tls_key,
+                           cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        if self.will is not None:
+            client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        # Registering a write callback is paho's "external event loop" mode: publish() then only queues
+        # the packet and wakes our loop, instead of writing to the socket from the caller's thread while
+        # the network thread may be writing too (interleaved bytes on large messages).
+        client.on_socket_register_write = _no_op
+        client.on_socket_unregister_write = _no_op
+        return client
+
+    def _open(self, client: paho.Client, first: bool) -> None:
+        if not first:
+            client.reconnect()
+            return
+        if self._protocol == paho.MQTTv5:
+            props = None
+            if self.persistent_session:
+                # Keep our subscriptions and queue QoS 1 uploads at the broker while we reconnect.
+                props = Properties(PacketTypes.CONNECT)
+                props.SessionExpiryInterval = 3600
+            clean = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
+            client.connect(self.options.host, self.options.port, self.options.keepalive, clean_start=clean,
+                           properties=props)
+        else:
+            client.connect(self.options.host, self.options.port, self.options.keepalive)
+
+    def _network_loop(self) -> None:
+        need_open, first, opened = True, True, time.monotonic()
+        while not self._closing.is_set():
+            with self._lock:
+                client = self._client
+            if need_open:
+                try:
+                    self._connack_seen = False
+                    opened = time.monotonic()
+                    self._open(client, first)
+                    need_open, first = False, False
+                except Exception as exc:  # noqa: BLE001 - any failure to connect is retried
+                    self.last_error = _describe(exc)
+                    log.debug("%s: connect to %s failed: %s", self.client_id, self.url, self.last_error)
+                    self._closing.wait(self.backoff.next())
+                    continue
+            rc = client.loop(timeout=0.2)
+            if not self._connack_seen and time.monotonic() - opened > CONNACK_TIMEOUT:
+                # A broker that accepts TCP but never answers our CONNECT (amqtt given an MQTT 5 CONNECT
+                # with a will) would otherwise hold us until the keepalive expires.
+                self.last_error = f"no CONNACK within {CONNACK_TIMEOUT:.0f} s"
+                with self._lock:
+                    client.disconnect()
+                rc = MQTTErrorCode.MQTT_ERR_CONN_LOST
+            if rc in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_AGAIN):
+                continue
+            if self._closing.is_set():
+                break
+            need_open = True
+            if not self._connack_seen and not self._ever_connected and self._can_downgrade \
+                    and self._protocol == paho.MQTTv5:
+                # Some 3.1.1-only brokers drop an MQTT 5 CONNECT without answering (amqtt does when
+                # it carries a will), rather than refusing it with a CONNACK.
+                self._downgrade = True
+            if self._downgrade:
+                # The broker refused MQTT 5 (amqtt speaks 3.1.1): start over with a 3.1.1 client. Only
+                # happens before the first CONNACK, so no publish can be lost with the old client.
+                with self._lock:
+                    self._downgrade, self._protocol, first = False, paho.MQTTv311, True
+                    self._client = self._new_client()
+                log.info("%s: broker at %s does not speak MQTT 5; using MQTT 3.1.1", self.client_id, self.url)
+                continue
+            if not self._refused and self._connack_seen:
+                self.last_error = f"connection lost ({paho.error_string(rc)})"
+            self._closing.wait(self.backoff.next())
+
+    def _on_connect(self, client: paho.Client, userdata: object, flags: paho.ConnectFlags,
+                    reason: paho.ReasonCode, properties: Properties | None) -> None:
+        self._connack_seen = True
+        if reason.is_failure:
+            if reason.value == _UNSUPPORTED_PROTOCOL and self._protocol == paho.MQTTv5 and self._can_downgrade \
+                    and not self._ever_connected:
+                self._downgrade = True
+                self.last_error = "broker refused MQTT 5"
+            else:
+                self._refused = reason.value
+                self.last_error = str(reason)
+            return
+        self._refused = 0
+        self._broker_max = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        self.stats.connects += 1
+        session_kept = flags.session_present and self.persistent_session
+        # Under _lock, so that a concurrent subscribe() either is in this list or sees us connected.
+        with self._lock:
+            self._match_acks()
+            for pattern in self._patterns:
+                client.subscribe(pattern, qos=1)
+            unacked = {seq for seq, _ in self._pending.values()}
+            for topic, (payload, seq) in list(self._retained.items()):
+                # Only acknowledged ones: paho resends an unacknowledged message itself, in order, and a
+                # cached copy sent first would reorder it. The will topic is always re-asserted: the
+                # broker may just have published our will over it.
+                is_will = self.will is not None and topic == self.will.topic
+                if seq not in unacked and (is_will or not session_kept):
+                    info = client.publish(topic, payload, qos=1, retain=True)
+                    self._seq += 1
+                    self._pending[info.mid] = (self._seq, topic)
+                    self._retained[topic] = (payload, self._seq)
+            self._connected.set()
+        if self._ever_connected:
+            log.info("%s: reconnected to %s after %d attempt(s)", self.client_id, self.url, self.backoff.attempt)
+        else:
+            log.info("%s: connected to %s (MQTT %s)", self.client_id, self.url, self.protocol)
+        self._ever_connected = True
+        self.backoff.reset()
+        self.last_error = ""
+
+    def _on_disconnect(self, client: paho.Client, userdata: object, flags: paho.DisconnectFlags,
+                       reason: paho.ReasonCode, properties: Properties | None) -> None:
+        was_connected = self._connected.is_set()
+        self._connected.clear()
+        if was_connected:
+            self.stats.disconnects += 1
+            if not self._closing.is_set():
+                log.warning("%s: lost connection to %s (%s); reconnecting with backoff", self.client_id, self.url,
+                            reason)
+
+    def _on_publish(self, client: paho.Client, userdata: object, mid: int, reason: paho.ReasonCode,
+                    properties: Properties | None) -> None:
+        self._acks.append((mid, reason.value if reason is not None else 0))
+
+    def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
+        self.stats.received += 1
+        self.stats.received_bytes += len(msg.payload)
+        self._inbox.put((msg.topic, msg.payload))
+
+    # -- delivery -------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            self._dispatch(*item)
+
+    def _dispatch(self, topic: str, payload: bytes) -> None:
+        if not payload:
+            return  # an empty retained payload only clears a retained message; nothing to handle
+        with self._lock:
+            handlers = [h for p, h in self._subs if topic_matches(_filter_topic(p), topic)]
+        for handler in handlers:
+            try:
+                handler(topic, payload)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the device or the server
+                self.stats.handler_errors += 1
+                log.exception("%s: handler for '%s' failed", self.client_id, topic)
+
+    def _failure_message(self) -> str:
+        reason = self.last_error or "no answer before the timeout"
+        if self._refused:
+            hint = ("check --username/--password" if self._refused in _AUTH_REFUSALS
+                    else "check the client id, credentials and the broker's configuration")
+            return f"broker at {self.url} refused the connection ({reason}); {hint}"
+        if "SSL" in reason or "certificate" in reason.lower():
+            return (f"TLS with the broker at {self.url} failed: {reason}; check --tls-ca/--tls-cert/--tls-key and "
+                    f"that the URL's host name matches the broker's certificate")
+        return f"cannot reach broker at {self.url}: {reason}; {START_BROKER_HINT}"
+
+
+def _no_op(*args: object) -> None:
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return f"SSL error: {exc}"
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, OSError) else f"{type(exc).__name__}: {text}"

@@ -1,0 +1,83 @@
+"""Helpers for the broker tests: a watcher of a federation's retained topics, a service in a thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from broker_server.service import AggregatorService
+from protofl import topics
+from protofl.transport.mqtt import Backoff, MqttTransport
+from protofl.wire import RoundStart, Status, decode_message
+
+
+def fast_backoff() -> Backoff:
+    return Backoff(initial=0.1, maximum=1.0)
+
+
+class Watcher:
+    """Follows `round`, `presence/+` and `server/status` of one federation from its own connection."""
+
+    def __init__(self, url: str, fed: str) -> None:
+        self.rounds: list[tuple[int, str]] = []
+        self.presence: dict[str, list[str]] = {}
+        self.server: list[str] = []
+        self._lock = threading.Lock()
+        self.transport = MqttTransport(url, f"watcher-{fed}", backoff=fast_backoff()).connect(10)
+        self.transport.subscribe(topics.round_(fed), self._on)
+        self.transport.subscribe(f"{topics.ROOT}/{fed}/presence/+", self._on)
+        self.transport.subscribe(topics.server_status(fed), self._on)
+
+    def _on(self, topic: str, payload: bytes) -> None:
+        env, msg = decode_message(payload)
+        with self._lock:
+            if isinstance(msg, RoundStart):
+                self.rounds.append((env.round, env.phase))
+            elif isinstance(msg, Status) and topic.endswith("server/status"):
+                self.server.append(msg.state)
+            elif isinstance(msg, Status):
+                self.presence.setdefault(topics.client_of(topic), []).append(msg.state)
+
+    def wait(self, pred: Callable[["Watcher"], bool], timeout: float, what: str) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                if pred(self):
+                    return
+            time.sleep(0.01)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; rounds {self.rounds}, "
+                             f"presence {self.presence}, server {self.server}")
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+class ServiceThread:
+    """`AggregatorService.run()` on a background thread; `join()` re-raises what it raised."""
+
+    def __init__(self, service: AggregatorService, timeout: float) -> None:
+        self.service = service
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(timeout,), daemon=True)
+
+    def _run(self, timeout: float) -> None:
+        try:
+            self.service.run(timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in join()
+            self.error = exc
+
+    def start(self) -> "ServiceThread":
+        self.service.start(connect_timeout=10)
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.service.stop()
+            self.thread.join(5)
+            raise AssertionError(f"the service did not finish within {timeout} s "
+                                 f"(round {self.service.aggregator.round})")
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,187 @@
+"""Faults over a real Mosquitto: a device killed mid-round, a broker restarted mid-run, hostile uploads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.aggregator import Aggregator
+from broker_server.broker import MosquittoBroker
+from broker_server.service import AggregatorService
+from broker_server.simulate import SimulationSpec, prepare
+from edge_agent.local_data import DataSpec
+from edge_agent.runner import DeviceRunner, RunnerOptions
+from protofl import topics
+from protofl.presets import make_config
+from protofl.transport import InProcessBroker
+from protofl.transport.broker_url import parse_broker_url
+from protofl.transport.mqtt import MqttTransport
+from protofl.wire import Join, ProtoSet, ProtoUpload, encode_message
+from tests.broker_server.mqtt_helpers import ServiceThread, Watcher, fast_backoff
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = "synthetic:n=1500,n_test=100"
+
+
+def join_process(url: str, fed: str, i: int, n: int, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", url, "--fed", fed,
+           "--client-id", f"client-{i:03d}", "--data", DATA, "--partition", f"{i}/{n}", "--seed", "4",
+           "--threads", "1", "--device", "cpu"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_killed_agent_is_left_behind_at_the_deadline_then_rejoins(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    fed, n, timeout = "killtest", 3, 12.0
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=n, rounds=3, seed=4)).cfg
+    cfg = cfg.replace(min_clients=2, round_timeout=timeout)
+    ids = [f"client-{i:03d}" for i in range(n)]
+    watcher = Watcher(mosquitto.url, fed)
+    service = AggregatorService(cfg, fed, parse_broker_url(mosquitto.url), expected_clients=ids)
+    runner = ServiceThread(service, timeout=120).start()
+    procs = [join_process(mosquitto.url, fed, i, n, tmp_path / f"{i}.log") for i in range(n)]
+    try:
+        # Kill client-001 the moment round 2 opens: it is training, its upload not sent yet.
+        watcher.wait(lambda w: (2, "train") in w.rounds, 90, "round 2")
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        watcher.wait(lambda w: "offline" in w.presence.get("client-001", []), 10, "the last will of client-001")
+        watcher.wait(lambda w: (3, "train") in w.rounds, timeout + 20, "round 2 to close at its deadline")
+        procs[1] = join_process(mosquitto.url, fed, 1, n, tmp_path / "1.log")  # the device comes back
+        runner.join(90)
+        for p in procs:
+            assert p.wait(30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        service.close()
+        watcher.close()
+    r1, r2, r3 = service.aggregator.records
+    assert r1.clients == ids and r1.closed_by == "quorum"
+    assert r2.clients == ["client-000", "client-002"] and r2.closed_by == "deadline"
+    assert r2.ended - r2.started >= timeout
+    # Restarted, it re-joined, resumed from the retained round message and took part in round 3.
+    assert r3.clients == ids and r3.closed_by == "quorum"
+    assert "online" in watcher.presence["client-001"][-3:]
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_broker_restart_mid_run_everyone_reconnects(start_mosquitto, tmp_path: Path) -> None:
+    # No persistence: the restarted broker has forgotten retained messages, sessions and subscriptions.
+    broker: MosquittoBroker = start_mosquitto(persistence=False)
+    fed, n = "restart", 3
+    spec = SimulationSpec(preset="tinyproto", dataset="synthetic:n=600,n_test=100", clients=n, rounds=4, seed=1)
+    cfg = prepare(spec).cfg.replace(min_clients=1, round_timeout=8.0)
+    opts = parse_broker_url(broker.url)
+    watcher = Watcher(broker.url, fed)
+    service = AggregatorService(cfg, fed, opts, expected_clients=[f"client-{i:03d}" for i in range(n)])
+    service.transport.backoff = fast_backoff()
+    runner = ServiceThread(service, timeout=120).start()
+    devices = [DeviceRunner(opts, fed, f"client-{i:03d}", DataSpec(spec.dataset, partition=(i, n), seed=1),
+                            RunnerOptions()) for i in range(n)]
+    results: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda d=d: results.__setitem__(d.client_id, d.run(timeout=120)), daemon=True)
+               for d in devices]
+    for t in threads:
+        t.start()
+    try:
+        watcher.wait(lambda w: (2, "train") in w.rounds, 60, "round 2")
+        broker.stop()
+        time.sleep(1.0)
+        broker.start()  # same port, same config
+        runner.join(120)
+        for t in threads:
+            t.join(30)
+    finally:
+        for d in devices:
+            d.stop()
+        service.close()
+        watcher.close()
+    assert service.finished and len(service.aggregator.records) == 4
+    assert service.transport.stats.connects >= 2  # the aggregator reconnected by itself ...
+    for d in devices:  # ... and so did every device, and each saw the federation to its end
+        assert d.transport.stats.connects >= 2
+        assert d.agent is not None and d.agent.finished and d.fatal is None
+    assert all(len(r.clients) >= 1 for r in service.aggregator.records)
+
+
+# -- hostile and stale uploads ----------------------------------------------------------------
+
+def _upload(client: str, round_: int, seed: int, sender: str | None = None) -> bytes:
+    rng = np.random.default_rng(seed)
+    protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, 8)).astype(np.float32),
+                      counts=np.asarray([5, 6, 7]), dt="f4")
+    return encode_message(ProtoUpload(local=protos, public=None, n_samples=18), fed="drops",
+                          sender=sender or client, round=round_, phase="train")
+
+
+def _join(client: str) -> bytes:
+    return encode_message(Join(arch="", n_samples=18, profile="", agent_version="test"), fed="drops", sender=client)
+
+
+@pytest.mark.mosquitto
+def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosquitto: MosquittoBroker) -> None:
+    cfg = make_config("fedproto", rounds=2, min_clients=2, proto_dim=8, adapter_rank=4, num_classes=3,
+                      round_timeout=60.0)
+    ids = ["c0", "c1"]
+    # Reference: the same honest uploads through the in-process aggregator.
+    broker = InProcessBroker()
+    ref = Aggregator(cfg, "drops", broker.connect("server"), expected_clients=ids)
+    ref.start()
+    dev = broker.connect("dev")
+    for c in ids:
+        dev.publish(topics.up("drops", c), _join(c))
+    for r in (1, 2):
+        for k, c in enumerate(ids):
+            dev.publish(topics.up("drops", c), _upload(c, r, seed=10 * r + k))
+    broker.pump()
+    assert ref.finished and ref.dropped == {}
+
+    service = AggregatorService(cfg, "drops", parse_broker_url(mosquitto.url), expected_clients=ids, log_grace=0.5)
+    runner = ServiceThread(service, timeout=60).start()
+    agg = service.aggregator
+    client = MqttTransport(mosquitto.url, "attacker", backoff=fast_backoff()).connect(10)
+
+    def send(topic_client: str, payload: bytes, until) -> None:  # type: ignore[no-untyped-def]
+        client.publish(topics.up("drops", topic_client), payload)
+        end = time.monotonic() + 10
+        while not until():
+            assert time.monotonic() < end, f"aggregator did not process the message (dropped {agg.dropped})"
+            time.sleep(0.01)
+
+    try:
+        for c in ids:
+            send(c, _join(c), lambda c=c: c in agg.clients)
+        send("c0", _upload("c0", 1, seed=10), lambda: "c0" in agg.phase.received)
+        before = {k: set(v) for k, v in agg.phase.received.items()}
+        send("c0", _upload("c0", 1, seed=10), lambda: agg.dropped.get("duplicate") == 1)
+        # c0's upload published on c1's topic: the topic's client id differs from the sender
+        send("c1", _upload("c0", 1, seed=99, sender="c0"), lambda: agg.dropped.get("sender_mismatch") == 1)
+        assert {k: set(v) for k, v in agg.phase.received.items()} == before == {"c0": {"protos"}}
+        send("c1", _upload("c1", 1, seed=11), lambda: agg.round == 2)
+        # round 1 is over: a replay of a round-1 upload is stale
+        send("c0", _upload("c0", 1, seed=10), lambda: agg.dropped.get("stale") == 1)
+        send("c0", _upload("c0", 2, seed=20), lambda: "c0" in agg.phase.received)
+        send("c1", _upload("c1", 2, seed=21), lambda: agg.finished)
+        runner.join(30)
+    finally:
+        client.close()
+        service.close()
+    assert agg.dropped == {"duplicate": 1, "sender_mismatch": 1, "stale": 1}
+    assert [r.clients for r in agg.records] == [ids, ids]
+    assert sorted(agg.model.prototypes) == sorted(ref.model.prototypes) == [0, 1, 2]
+    for c in ref.model.prototypes:  # same uploads in the same order: bit-identical
+        np.testing.assert_array_equal(agg.model.prototypes[c], ref.model.prototypes[c])

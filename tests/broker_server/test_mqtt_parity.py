@@ -1,0 +1,82 @@
+"""Transport does not change results: each preset over Mosquitto ends with the in-process aggregate.
+
+Agents seed training from (seed, client, round), so the only difference MQTT can make is the order in
+which uploads are folded in: float64 sums in another order, then a float32 cast (~1e-7 relative).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from broker_server.broker import MosquittoBroker
+from broker_server.simulate import SimulationSpec, run_simulation
+from broker_server.stages import ServerModel
+from protofl.presets import PRESETS
+from protofl.transport.broker_url import parse_broker_url
+
+FED = dict(dataset="synthetic:n=600,n_test=100", clients=5, alpha=0.5, rounds=3, seed=2)
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # The agent processes train single-threaded; on a shared 2-core box that is also fastest here.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(spec: SimulationSpec) -> tuple[dict[str, Any], ServerModel]:
+    box: dict[str, ServerModel] = {}
+    report = run_simulation(spec, on_finish=lambda agg: box.setdefault("model", agg.model))
+    return report, box["model"]
+
+
+def assert_same_model(a: ServerModel, b: ServerModel) -> None:
+    for name in ("adapter", "params", "unit"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            np.testing.assert_allclose(y, x, **TOL, err_msg=name)
+    assert sorted(a.prototypes) == sorted(b.prototypes)
+    for c in a.prototypes:
+        np.testing.assert_allclose(b.prototypes[c], a.prototypes[c], **TOL, err_msg=f"prototype {c}")
+
+
+def assert_same_rounds(inproc: dict[str, Any], mqtt: dict[str, Any]) -> None:
+    assert mqtt["simulation"]["transport"] == "mqtt"
+    assert mqtt["dropped"] == {} == inproc["dropped"]
+    for a, b in zip(inproc["rounds"], mqtt["rounds"], strict=True):
+        # the same messages crossed the wire (uplink/downlink are counted from the encoded bytes)
+        assert (b["round"], b["clients"], b["uplink_bytes"], b["downlink_bytes"]) == \
+               (a["round"], a["clients"], a["uplink_bytes"], a["downlink_bytes"])
+        assert b["local_acc"] == pytest.approx(a["local_acc"], abs=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_over_mosquitto_matches_inprocess(preset: str, mosquitto_module: MosquittoBroker) -> None:
+    inproc, expected = run(SimulationSpec(preset=preset, **FED))
+    # Agents as threads of this process (DeviceRunner, the same loop `protofl-edge join` runs).
+    mqtt, got = run(SimulationSpec(preset=preset, transport="mqtt", agents="thread", timeout=180,
+                                   broker=parse_broker_url(mosquitto_module.url), **FED))
+    assert_same_model(expected, got)
+    assert_same_rounds(inproc, mqtt)
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_agents_as_separate_processes_match_inprocess(mosquitto_module: MosquittoBroker) -> None:
+    # protofl: ERPA's two phases, APUD sparse adapters, CPS + scaled prototypes; one OS process per agent,
+    # each loading its own share (`protofl-edge join --partition i/5`).
+    inproc, expected = run(SimulationSpec(preset="protofl", **FED))
+    mqtt, got = run(SimulationSpec(preset="protofl", transport="mqtt", agents="process", timeout=240,
+                                   broker=parse_broker_url(mosquitto_module.url), **FED))
+    assert_same_model(expected, got)
+    assert_same_rounds(inproc, mqtt)

@@ -1,0 +1,104 @@
+"""The device loop (`DeviceRunner`, `protofl-edge join`): data shares, join gating, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from broker_server.broker import MosquittoBroker, free_port
+from broker_server.service import AggregatorService
+from broker_server.simulate import SimulationSpec, prepare
+from edge_agent.cli import app
+from edge_agent.local_data import DataSpec, dataset_spec, load_client_data, parse_partition
+from edge_agent.runner import DeviceRunner, RunnerOptions
+from protofl import topics
+from protofl.errors import ConfigError, DataError
+from protofl.transport.broker_url import parse_broker_url
+from protofl.transport.mqtt import MqttTransport
+from protofl.wire import Status, decode_message
+from tests.broker_server.mqtt_helpers import ServiceThread, fast_backoff
+
+DATA = "synthetic:n=600,n_test=100"
+
+
+def test_partition_share_is_the_simulators() -> None:
+    spec = SimulationSpec(preset="protofl", dataset=DATA, clients=4, alpha=0.3, seed=7, test_limit=50, train_limit=500)
+    fed = prepare(spec)
+    for i in (0, 3):
+        mine = load_client_data(DataSpec(DATA, partition=(i, 4), alpha=0.3, test_limit=50, train_limit=500), fed.cfg,
+                                f"client-{i:03d}")
+        part = fed.split.clients[i]
+        np.testing.assert_array_equal(mine.x_train, fed.train.normalized(part.train))
+        np.testing.assert_array_equal(mine.y_test, fed.train.y[part.test])
+        np.testing.assert_array_equal(mine.x_global, fed.test.normalized())  # first 50 test samples
+
+
+def test_whole_dataset_split_locally_without_partition() -> None:
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=2)).cfg
+    data = load_client_data(DataSpec(DATA), cfg, "rpi-07")
+    assert len(data.y_train) + len(data.y_test) == 600 and len(data.y_train) == 450
+    assert data.x_global is None  # a field device reports accuracy on its own held-out data only
+
+
+def test_data_arguments_are_checked(tmp_path) -> None:
+    assert parse_partition("3/20") == (3, 20)
+    for bad in ("3", "20/20", "a/b", "-1/4"):
+        with pytest.raises(ConfigError, match="--partition"):
+            parse_partition(bad)
+    (tmp_path / "d.npz").write_bytes(b"")
+    assert dataset_spec(str(tmp_path / "d.npz")) == f"npz:{tmp_path / 'd.npz'}"
+    assert dataset_spec(str(tmp_path)) == f"idx:{tmp_path}"
+    with pytest.raises(DataError, match="not a dataset spec"):
+        dataset_spec("/no/such/place")
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=2)).cfg.replace(num_classes=5)
+    with pytest.raises(DataError, match="expects 5 classes"):
+        load_client_data(DataSpec(DATA), cfg, "x")
+
+
+@pytest.mark.mosquitto
+def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: MosquittoBroker) -> None:
+    fed = "gate"
+    opts = parse_broker_url(mosquitto.url)
+    seen: list[tuple[str, bytes]] = []
+    spy = MqttTransport(opts, "spy", backoff=fast_backoff()).connect(10)
+    spy.subscribe(f"protofl/{fed}/#", lambda t, p: seen.append((t, p)))
+    device = DeviceRunner(opts, fed, "client-000", DataSpec(DATA, partition=(0, 2), seed=3), RunnerOptions())
+    result: dict[str, object] = {}
+    t = threading.Thread(target=lambda: result.setdefault("agent", device.run(timeout=60)), daemon=True)
+    t.start()
+    time.sleep(1.5)
+    # No server yet: the device announced itself but sent no join into the void.
+    assert [tp for tp, _ in seen] == [topics.presence(fed, "client-000")]
+    assert decode_message(seen[0][1])[1] == Status(state="online", detail="")
+
+    cfg = prepare(SimulationSpec(preset="tinyproto", dataset=DATA, clients=2, rounds=2, seed=3)).cfg
+    service = AggregatorService(cfg.replace(min_clients=1), fed, opts)
+    runner = ServiceThread(service, timeout=60).start()
+    runner.join(60)
+    t.join(30)
+    service.close()
+    spy.close()
+    agent = result["agent"]
+    assert agent is not None and agent.finished and agent.stats.rounds_trained == 2  # type: ignore[attr-defined]
+    assert [len(r.clients) for r in service.aggregator.records] == [1, 1]
+    ups = [decode_message(p)[0].kind for tp, p in seen if tp == topics.up(fed, "client-000")]
+    assert ups[0] == "join" and ups.count("join") == 1
+    last_presence = [p for tp, p in seen if tp == topics.presence(fed, "client-000")][-1]
+    assert decode_message(last_presence)[1].state == "done"
+
+
+def test_join_cli_errors_say_what_to_do() -> None:
+    cli = CliRunner()
+    r = cli.invoke(app, ["join", "--client-id", "bad id!", "--data", DATA])
+    assert r.exit_code == 2 and "--client-id 'bad id!'" in r.output
+    port = free_port()
+    r = cli.invoke(app, ["join", "--broker", f"mqtt://127.0.0.1:{port}", "--client-id", "c1", "--data", DATA,
+                         "--connect-timeout", "1"])
+    assert r.exit_code == 2
+    assert f"cannot reach broker at mqtt://127.0.0.1:{port}" in r.output and "protofl-server start" in r.output
+    r = cli.invoke(app, ["join", "--broker", "http://x", "--client-id", "c1", "--data", DATA])
+    assert r.exit_code == 2 and "mqtt:// or mqtts://" in r.output
