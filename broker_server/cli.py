@@ -57,10 +57,11 @@ def simulate(
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="mqtt: CA certificate (PEM) of the broker."),
     tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="mqtt: client certificate (PEM)."),
     tls_key: Optional[str] = typer.Option(None, "--tls-key", help="mqtt: client private key (PEM)."),
-    config: Optional[Path] = typer.Option(None, help="TOML file of config overrides ([federation] table)."),
+    config: Optional[Path] = typer.Option(None, help="TOML file of config overrides (a federation table)."),
     train_limit: Optional[int] = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
     test_limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
+    extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
@@ -83,7 +84,7 @@ def simulate(
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
                               transport=transport, broker=broker_options, broker_kind=local_broker,
                               config_file=str(config) if config else None,
-                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, overrides=overrides)
+                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, extractor=extractor, overrides=overrides)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:

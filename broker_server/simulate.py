@@ -44,6 +44,7 @@ class SimulationSpec:
     train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
     test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
     eval_every: int = 1
+    extractor: str = "torch"  # agents extract prototypes with torch or onnxruntime ("onnx")
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -69,6 +70,8 @@ def prepare(spec: SimulationSpec) -> Federation:
         raise ConfigError(f"--clients must be >= 1, got {spec.clients}")
     if not spec.alpha > 0:
         raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
+    if spec.extractor not in ("torch", "onnx"):
+        raise ConfigError(f"--extractor must be torch or onnx, got '{spec.extractor}'")
     train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)
     train = limit_train(train, spec.train_limit, spec.seed)
     overrides = dict(spec.overrides)
@@ -228,7 +231,7 @@ def _run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report, i
                           x_test=train.normalized(part.test), y_test=train.y[part.test],
                           x_global=x_test, y_global=test.y, mean=train.mean, std=train.std)
         agents.append(EdgeAgent(cid, fed, broker.connect(cid), data, arch=cfg.arch_for(i),
-                                eval_every=spec.eval_every))
+                                eval_every=spec.eval_every, extractor=spec.extractor))
     agg.start()
     for a in agents:
         a.start()

@@ -40,7 +40,7 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
     """`protofl-edge join` arguments for client `index` of the simulated federation."""
     args = ["--broker", broker.url, "--fed", FED, "--client-id", f"client-{index:03d}", "--data", spec.dataset,
             "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
-            "--eval-every", str(spec.eval_every), "--device", "cpu", "--threads", "1", "--mqtt", protocol]
+            "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", "cpu", "--threads", "1", "--mqtt", protocol]
     for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
                         ("--train-limit", spec.train_limit), ("--username", broker.username),
                         ("--tls-ca", broker.tls_ca), ("--tls-cert", broker.tls_cert), ("--tls-key", broker.tls_key)):
@@ -106,7 +106,7 @@ class AgentThreads:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
-        opts = RunnerOptions(eval_every=spec.eval_every, protocol=protocol)  # type: ignore[arg-type]
+        opts = RunnerOptions(eval_every=spec.eval_every, protocol=protocol, extractor=spec.extractor)  # type: ignore[arg-type]
         self.runners = [DeviceRunner(broker, FED, f"client-{i:03d}",
                                      DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
                                               spec.test_limit, spec.train_limit), opts)

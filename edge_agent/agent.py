@@ -280,6 +280,10 @@ class EdgeAgent:
             model_params.load_full_vector(self.model, msg.params)
         if cfg.federate == "adapter" and self.adapter_round < 0:
             return  # never received a global adapter: nothing valid to train from
+        if cfg.two_phase and cfg.federate == "adapter" and self.adapter_round != round_:
+            # ERPA ships the adapter with the prototype phase; a device that (re)joined during the
+            # training phase holds an older one, and its upload would be dropped as stale anyway.
+            return
         try:
             targets = self._targets(msg)
         except WireError as exc:

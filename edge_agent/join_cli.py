@@ -36,6 +36,7 @@ def join_command(
     profile: str = typer.Option("", help="Device profile name reported when joining."),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
     username: Optional[str] = typer.Option(None, help="MQTT user name."),
     password: Optional[str] = typer.Option(None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PASSWORD_ENV})."),
     tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker."),
@@ -52,7 +53,7 @@ def join_command(
     try:
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout)
+                              tls_key, mqtt, connect_timeout, extractor)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -82,7 +83,7 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
                  alpha: float, seed: int | None, test_limit: int | None, train_limit: int | None, arch: str | None,
                  device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
-                 connect_timeout: float) -> "DeviceRunner":
+                 connect_timeout: float, extractor: str = "torch") -> "DeviceRunner":
     import torch
 
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
@@ -94,6 +95,8 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
             raise ConfigError(f"{what} '{name}': use 1-64 letters, digits, '_', '.' or '-'")
     if mqtt not in ("auto", "5", "3.1.1"):
         raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
+    if extractor not in ("torch", "onnx"):
+        raise ConfigError(f"--extractor must be torch or onnx, got '{extractor}'")
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got '{device}'")
     if device == "auto":
@@ -107,5 +110,5 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
     spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
                     train_limit)
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
-                         protocol=mqtt, connect_timeout=connect_timeout)  # type: ignore[arg-type]
+                         protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor)  # type: ignore[arg-type]
     return DeviceRunner(options, fed, client_id, spec, opts)

@@ -45,3 +45,19 @@ def test_presets_command_lists_every_preset() -> None:
     assert res.exit_code == 0
     for p in ("fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl"):
         assert p in res.output
+
+
+def test_onnx_extractor_gives_the_same_report_as_torch(tmp_path) -> None:
+    base = ["simulate", "-q", "--preset", "fedproto", "--dataset", "synthetic:n=400,n_test=50", "--clients", "2",
+            "--rounds", "1", "--arch", "mlp"]
+    reports = {}
+    for ex in ("torch", "onnx"):
+        out = tmp_path / f"{ex}.json"
+        res = runner.invoke(app, [*base, "--extractor", ex, "--json", str(out)])
+        assert res.exit_code == 0, res.output
+        reports[ex] = json.loads(out.read_text())
+    t, o = reports["torch"]["rounds"][0], reports["onnx"]["rounds"][0]
+    assert t["uplink_bytes"] == o["uplink_bytes"]
+    assert abs(t["local_acc"] - o["local_acc"]) <= 0.02 and abs(t["global_acc"] - o["global_acc"]) <= 0.02
+    bad = runner.invoke(app, [*base, "--extractor", "tensorrt"])
+    assert bad.exit_code == 2 and "--extractor must be torch or onnx" in bad.output
