@@ -1,0 +1,304 @@
+"""The papers' experiments on Fashion-MNIST, side by side, one command.
+
+    python -m bench.paper_table --suite quick            # a few minutes: the runs the goals need, 2 rounds
+    python -m bench.paper_table --suite full             # hours; resumable: rerun the same command
+    python -m bench.paper_table --suite full --only A    # one setting (D also runs the A/B baselines it shows)
+    python -m bench.paper_table --suite full --table-only  # rewrite TABLE.md from the cached runs
+
+Every run is a subprocess call of the public CLI (`protofl-server simulate ... --json`), so what users
+run is what is measured. Each finished run is cached as
+`<results>/<setting>/<run>.json` (the CLI's report plus a `bench` block with the exact command, git
+revision and finish time); the CLI writes to a temporary name that is renamed only when the run
+succeeded, so an interrupted run leaves no half file and a finished run is never redone (a cached run
+whose command differs from the current one is stale and is redone). After every run the table is
+rewritten: TABLE.md (per setting, one row per method), one PNG per section (accuracy vs cumulative
+uplink bytes) and the Goals section. Runs, sizing and paper figures are in `bench.table_runs`; the
+rendering in `bench.table_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench import table_report
+from bench.table_runs import DATASET, FEDERATIONS, SEED, SETTINGS, SIZING, Run, needed_for, suite_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def cli_prefix() -> list[str]:
+    """The installed `protofl-server` (next to this interpreter first), else the module it runs."""
+    here = Path(sys.executable).parent / "protofl-server"
+    if here.is_file() and os.access(here, os.X_OK):
+        return [str(here)]
+    found = shutil.which("protofl-server")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "broker_server.cli"]
+
+
+def _set_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
+    """The CLI arguments of a run (after `protofl-server`), without --json."""
+    fed = FEDERATIONS[run.fed]
+    size = SIZING[suite][run.fed]
+    clients = size.clients if size.clients is not None else fed.clients
+    args = ["simulate", "--preset", run.preset, "--dataset", DATASET, "--clients", str(clients),
+            "--alpha", f"{fed.alpha:g}", "--rounds", str(size.rounds), "--seed", str(SEED),
+            "--arch", ",".join(fed.archs)]
+    if data_dir:
+        args += ["--data-dir", data_dir]
+    if size.train_limit is not None:
+        args += ["--train-limit", str(size.train_limit)]
+    if size.test_limit is not None:
+        args += ["--test-limit", str(size.test_limit)]
+    args += ["--eval-every", str(size.eval_every)]
+    for k, v in run.sets:
+        args += ["--set", f"{k}={_set_value(v)}"]
+    return args + ["-q"]
+
+
+def git_info() -> dict[str, Any]:
+    def git(*a: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    rev = git("rev-parse", "--short", "HEAD")
+    tracked = git("status", "--porcelain", "--untracked-files=no")
+    untracked = git("status", "--porcelain")
+    n_tracked = len(tracked.splitlines()) if tracked else 0
+    n_all = len(untracked.splitlines()) if untracked else 0
+    return {"rev": rev or "unknown", "dirty": bool(n_all), "modified_tracked": n_tracked,
+            "untracked": n_all - n_tracked}
+
+
+class Runner:
+    def __init__(self, suite: str, run_root: Path, data_dir: str | None, jobs: int, verbose: bool = True) -> None:
+        self.suite = suite
+        self.run_root = run_root
+        self.data_dir = data_dir
+        self.jobs = max(1, jobs)
+        self.verbose = verbose
+        self.prefix = cli_prefix()
+        self.git = git_info()
+        self.children: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.stopping = False
+
+    def path(self, run: Run) -> Path:
+        return self.run_root / run.setting / f"{run.name}.json"
+
+    def cached(self, run: Run) -> dict[str, Any] | None:
+        """The cached report if it is finished and was made by the current command, else None."""
+        p = self.path(run)
+        if not p.is_file():
+            return None
+        try:
+            rep = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if rep.get("bench", {}).get("args") != run_args(run, self.suite, self.data_dir):
+            return None
+        return rep
+
+    def log(self, msg: str) -> None:
+        if self.verbose:
+            print(msg, flush=True)
+
+    def execute(self, run: Run, index: int, total: int) -> bool:
+        """Run one simulation through the CLI; cache its report atomically. True when it succeeded."""
+        final = self.path(run)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        stale = final.is_file()
+        tmp = final.with_name(f".{final.stem}.{os.getpid()}.partial.json")
+        args = run_args(run, self.suite, self.data_dir)
+        cmd = self.prefix + args + ["--json", str(tmp)]
+        shown = "protofl-server " + shlex.join(args)
+        self.log(f"[{index}/{total}] {run.key}{' (stale cache: command changed)' if stale else ''}\n    {shown}")
+        started = time.time()
+        git = git_info()  # the revision this run's CLI loads (the tree may change during a long suite)
+        with self.lock:
+            if self.stopping:
+                return False
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            self.children.add(proc)
+        try:
+            out, err = proc.communicate()
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): stop the simulation, leave no file behind
+            self._kill(proc)
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            with self.lock:
+                self.children.discard(proc)
+        wall = time.time() - started
+        fail_log = final.with_suffix(".failed.txt")
+        if proc.returncode != 0 or not tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            if self.stopping:
+                return False
+            fail_log.write_text(f"$ {shown}\nexit {proc.returncode} after {wall:.0f} s\n--- stderr ---\n{err[-4000:]}"
+                                f"\n--- stdout ---\n{out[-2000:]}")
+            self.log(f"    FAILED (exit {proc.returncode}, {wall:.0f} s); see {fail_log}")
+            return False
+        rep = json.loads(tmp.read_text())
+        rep["bench"] = {"suite": self.suite, "setting": run.setting, "run": run.name, "label": run.label,
+                        "args": args, "command": shown, "cli_wall_s": round(wall, 1),
+                        "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                        "git_rev": git["rev"], "git_dirty": git["dirty"]}
+        tmp2 = final.with_name(f".{final.stem}.{os.getpid()}.final.json")
+        tmp2.write_text(json.dumps(rep, indent=1))
+        os.replace(tmp2, final)
+        tmp.unlink(missing_ok=True)
+        fail_log.unlink(missing_ok=True)
+        last = rep["rounds"][-1] if rep["rounds"] else {}
+        self.log(f"    done in {wall:.0f} s: local {table_report.pct(last.get('local_acc'))}, global "
+                 f"{table_report.pct(last.get('global_acc'))}, ensemble {table_report.pct(last.get('ensemble_acc'))}, "
+                 f"uplink {rep['totals']['uplink_bytes'] / 1e6:.3f} MB")
+        return True
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        """Stop one simulation (its own process group, started by us) and reap it."""
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, PermissionError):
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            children = list(self.children)
+        for p in children:
+            self._kill(p)
+
+
+def clean_partials(root: Path) -> None:
+    """Remove temporary files that an interrupted earlier invocation left behind."""
+    if root.is_dir():
+        for p in root.glob("*/.*.partial.json"):
+            p.unlink(missing_ok=True)
+        for p in root.glob("*/.*.final.json"):
+            p.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.paper_table", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("full", "quick"), default="quick")
+    ap.add_argument("--only", default=None, help="comma list of settings to run (A,B,C,D); the table shows all")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="results directory (default bench/results/<suite>; TABLE.md: bench/results/TABLE.md "
+                         "for full, <results>/TABLE.md otherwise)")
+    ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (default 1: the CPU is shared)")
+    ap.add_argument("--data-dir", default=None, help="where the Fashion-MNIST IDX files are (CLI default otherwise)")
+    ap.add_argument("--table-only", action="store_true", help="run nothing; rewrite the table from the cache")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands that would run, and exit")
+    ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test only: 1 round, tiny subsets
+    ns = ap.parse_args(argv)
+
+    sizing_key = "tiny" if ns.tiny else ns.suite
+    if ns.results is not None:
+        run_root = ns.results
+        table_path = ns.results / "TABLE.md"
+    else:
+        run_root = RESULTS / sizing_key
+        table_path = RESULTS / "TABLE.md" if sizing_key == "full" else run_root / "TABLE.md"
+    runs_all = suite_runs(ns.suite)
+    if ns.only:
+        only = {s.strip().upper() for s in ns.only.split(",") if s.strip()}
+        bad = only - set(SETTINGS)
+        if bad:
+            ap.error(f"--only: unknown setting(s) {sorted(bad)}; known: {', '.join(SETTINGS)}")
+        runs = needed_for(only, runs_all)
+    else:
+        runs = runs_all
+    given = list(sys.argv[1:] if argv is None else argv)
+    # The table names the command that produces the runs (a --table-only rewrite shows that command).
+    argv_shown = "python -m bench.paper_table " + shlex.join([a for a in given if a not in ("--table-only",)])
+    if ns.table_only:
+        argv_shown += " (this file rewritten from the cache with --table-only)"
+
+    runner = Runner(sizing_key, run_root, ns.data_dir, ns.jobs)
+    ctx = table_report.Context(suite=ns.suite, sizing_key=sizing_key, run_root=run_root, table_path=table_path,
+                               command=argv_shown, git=runner.git, runs=runs_all, cached=runner.cached)
+    if ns.dry_run:
+        for r in runs:
+            state = "cached" if runner.cached(r) else "to run"
+            print(f"{r.key:32s} {state:7s} protofl-server {shlex.join(run_args(r, sizing_key, ns.data_dir))}")
+        return 0
+    if ns.table_only:
+        table_report.write(ctx)
+        print(f"table written to {table_path}")
+        return 0
+
+    run_root.mkdir(parents=True, exist_ok=True)
+    clean_partials(run_root)
+    todo = [r for r in runs if runner.cached(r) is None]
+    print(f"{ns.suite} suite ({sizing_key} sizing): {len(runs)} runs, {len(runs) - len(todo)} cached, "
+          f"{len(todo)} to run; results in {run_root}", flush=True)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    started = time.time()
+    failed = 0
+    table_lock = threading.Lock()
+
+    def one(item: tuple[int, Run]) -> bool:
+        i, r = item
+        ok = runner.execute(r, i, len(todo))
+        if not runner.stopping:
+            with table_lock:
+                table_report.write(ctx, quiet=True)
+        return ok
+
+    pool = ThreadPoolExecutor(max_workers=ns.jobs) if ns.jobs > 1 else None
+    try:
+        if pool is None:
+            results = [one((i, r)) for i, r in enumerate(todo, 1)]
+        else:
+            results = list(pool.map(one, enumerate(todo, 1)))
+            pool.shutdown()
+        failed = sum(not ok for ok in results)
+    except KeyboardInterrupt:
+        runner.stop()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        print("interrupted: finished runs are cached; rerun the same command to resume", flush=True)
+        table_report.write(ctx, quiet=True)
+        return 130
+    table_report.write(ctx)
+    print(f"{len(todo) - failed} run(s) finished, {failed} failed, in {time.time() - started:.0f} s; "
+          f"table: {table_path}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
