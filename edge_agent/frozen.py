@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from edge_agent import trainer
@@ -96,7 +95,7 @@ class FrozenBackbone:
 
 
 class _CachedView:
-    """Looks like a ProtoNet to ``trainer._loss``, but ``features`` starts from cached h.
+    """Looks like a ProtoNet to ``trainer.batch_loss``, but ``features`` starts from cached h.
 
     Reusing the trainer's loss (not a copy of it) keeps frozen and trainable training on exactly the
     same objective for every preset (CE, FedProto MSE, ERPA anchors, FedPAGR).
@@ -121,26 +120,6 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
     params = [p for name, p in model.named_parameters() if not name.startswith("backbone.")]
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     model.train()
     model.backbone.eval()
-    view = _CachedView(model)
-    rng = np.random.default_rng(seed)  # the same order as train_local for the same seed
-    n = int(h.shape[0])
-    total, steps = 0.0, 0
-    start = time.perf_counter()
-    for _ in range(cfg.local_epochs):
-        order = torch.from_numpy(rng.permutation(n))
-        for i in range(0, n, cfg.batch_size):
-            idx = order[i : i + cfg.batch_size]
-            if idx.numel() < 2:
-                continue  # as train_local, so both take the same steps on the same data
-            loss = trainer.batch_loss(view, h[idx], y[idx], cfg, targets)  # type: ignore[arg-type]
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
-            steps += 1
-    return trainer.TrainStats(total / max(steps, 1), time.perf_counter() - start, steps)
+    return trainer.sgd_epochs(_CachedView(model), params, h, y, cfg, targets, seed)  # type: ignore[arg-type]

@@ -78,10 +78,19 @@ def train_local(
     for p in model.backbone.parameters():
         p.requires_grad_(not frozen)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     model.train()
     if frozen:
         model.backbone.eval()  # frozen also means BatchNorm statistics stay put
+    return sgd_epochs(model, params, x, y, cfg, targets, seed)
+
+
+def sgd_epochs(model: ProtoNet, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+               cfg: FederationConfig, targets: Targets, seed: int) -> TrainStats:
+    """The local SGD loop shared by full and frozen-backbone training: same batch order for a seed.
+
+    `model` only needs `features` and `head` (the frozen mode passes a view that starts from cached h).
+    """
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(seed)
     n = int(x.shape[0])
     total, steps = 0.0, 0

@@ -11,7 +11,7 @@ from protofl import topics
 from protofl.algorithms import cps
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
-from protofl.wire import (AdapterUpload, Config, Join, Metrics, ProtoSet, ProtoUpload, RoundStart, decode_message,
+from protofl.wire import (AdapterUpload, Config, Metrics, ProtoSet, ProtoUpload, RoundStart, decode_message,
                           encode_message)
 
 FED = "ag"

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,14 +15,6 @@ from edge_agent.models import build_model
 from protofl.config import FederationConfig
 from protofl.data import FASHION_MNIST_DIR
 from protofl.errors import ConfigError
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
