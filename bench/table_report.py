@@ -326,6 +326,14 @@ def write(ctx: Context, quiet: bool = False) -> Path:
             f"`{ctx.sizing_key}` sizing: a smoke run (few rounds, small subsets); only the runs the goals need. "
             "The `full` suite's sizing is explained in bench/results/TABLE.md.", ""]
 
+    out += ["### Measured wall time", "", "| setting | runs finished | sum of CLI wall times (s) |", "|---|--:|--:|"]
+    for setting in ("A", "B", "C", "D"):
+        mine = [rep for r, rep in done if r.setting == setting]
+        total = sum(1 for r in ctx.runs if r.setting == setting)
+        if total:
+            out.append(f"| {setting} | {len(mine)} of {total} | {sum(rep['bench']['cli_wall_s'] for rep in mine):,.0f} |")
+    out.append("")
+
     gl = goals(ctx)
     out += ["## Goals", "",
             "Decided on final-round numbers of the preset-default rows (never on the sensitivity rows); nothing "

@@ -79,11 +79,14 @@ in the last. Local epochs, batch size, optimiser and model width
 are the config defaults (E=1, batch 64, SGD lr 0.01, momentum 0.9, wd 1e-4, m=512): nothing is tuned
 per method. Accuracies are therefore lower than the papers' and the comparison that matters is
 between rows of one section (same data, partition, model, seed, rounds).
-Calibration (2-round runs at this sizing, while other jobs kept the load average near 10): fedproto
-~35 s per round in A, refprotofl ~55 s, protofl ~40 s, fedpagr in C ~110 s; so about 1.5-2 h per
-setting at that load and roughly an hour when the machine is quiet (A: 14 runs, B: 7, C: 4 x 15
-rounds, D: 17 own runs). The suite runs goal-critical runs first (tier 1), then the remaining rows of
-alpha 0.5 and B, then alpha 100 and D's ablations; it is resumable, so it can be finished in pieces."""
+Calibration: with other jobs holding the CPU (load average ~10), 2-round runs at this sizing took
+~35 s per round for fedproto in A, ~55 s for refprotofl, ~110 s for fedpagr in C: 1.5-2 h per setting.
+On the quiet machine (load ~2, only this suite) a 10-round A/B/D run takes 45-80 s (the first two
+runs, under load, 270-320 s) and a C run ~220 s, i.e. 15-25 min per setting; the measured totals are
+in the "Measured wall time" table below. So `full` is sized for a shared machine; on a quiet one the
+rounds or the data fraction could be doubled within the hour. The suite runs goal-critical runs first
+(tier 1), then the remaining rows of alpha 0.5 and B, then alpha 100 and D's ablations; it is
+resumable, so it can be finished in pieces."""
 
 
 @dataclass(frozen=True)
