@@ -28,12 +28,11 @@ from broker_server.service import AggregatorService
 from broker_server.simulate import Federation, Report, SimulationSpec
 from broker_server.stages import ServerModel
 from protofl.errors import ConfigError
-from protofl.transport.broker_url import BrokerOptions, parse_broker_url
+from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
 
 log = logging.getLogger("protofl.simulate")
 FED = "sim"
 REPO = Path(__file__).resolve().parents[1]
-PASSWORD_ENV = "PROTOFL_MQTT_PASSWORD"  # keeps the password off the agents' command lines
 
 
 def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:

@@ -15,9 +15,10 @@ from typing import Any, Optional
 import numpy as np
 import typer
 
+from protofl import cli_options
+
 from protofl.errors import ConfigError, ProtoFLError
 
-PASSWORD_ENV = "PROTOFL_MQTT_PASSWORD"
 log = logging.getLogger("protofl.service")
 
 
@@ -39,12 +40,12 @@ def start_command(
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
     local_broker: str = typer.Option("auto", help="Local broker: auto | mosquitto | amqtt."),
-    username: Optional[str] = typer.Option(None, help="MQTT user name."),
-    password: Optional[str] = typer.Option(None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PASSWORD_ENV})."),
-    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Client certificate (PEM)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Client private key (PEM)."),
-    connect_timeout: float = typer.Option(30.0, help="Give up if the broker cannot be reached for this long at start."),
+    username: Optional[str] = cli_options.USERNAME,
+    password: Optional[str] = cli_options.PASSWORD,
+    tls_ca: Optional[str] = cli_options.TLS_CA,
+    tls_cert: Optional[str] = cli_options.TLS_CERT,
+    tls_key: Optional[str] = cli_options.TLS_KEY,
+    connect_timeout: float = cli_options.CONNECT_TIMEOUT,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""

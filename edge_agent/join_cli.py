@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from protofl import cli_options
+
 from protofl.errors import ConfigError, ProtoFLError
 
 if TYPE_CHECKING:
     from edge_agent.runner import DeviceRunner
 
-PASSWORD_ENV = "PROTOFL_MQTT_PASSWORD"
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -37,13 +38,13 @@ def join_command(
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
-    username: Optional[str] = typer.Option(None, help="MQTT user name."),
-    password: Optional[str] = typer.Option(None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PASSWORD_ENV})."),
-    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="Client certificate (PEM)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="Client private key (PEM)."),
+    username: Optional[str] = cli_options.USERNAME,
+    password: Optional[str] = cli_options.PASSWORD,
+    tls_ca: Optional[str] = cli_options.TLS_CA,
+    tls_cert: Optional[str] = cli_options.TLS_CERT,
+    tls_key: Optional[str] = cli_options.TLS_KEY,
     mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
-    connect_timeout: float = typer.Option(30.0, help="Give up if the broker cannot be reached for this long at start."),
+    connect_timeout: float = cli_options.CONNECT_TIMEOUT,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:

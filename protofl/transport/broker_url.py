@@ -13,6 +13,8 @@ from urllib.parse import unquote, urlsplit
 
 from protofl.errors import ConfigError
 
+PASSWORD_ENV = "PROTOFL_MQTT_PASSWORD"  # where the CLIs read a password, keeping it off command lines
+
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 # Mosquitto's own ceiling is 256 MiB; 64 MiB leaves room for a FedAvg model of ~16M float32 parameters
 # while keeping one message's worst case bounded on a constrained device.
