@@ -10,7 +10,8 @@ run is what is measured. Each finished run is cached as
 `<results>/<setting>/<run>.json` (the CLI's report plus a `bench` block with the exact command, git
 revision and finish time); the CLI writes to a temporary name that is renamed only when the run
 succeeded, so an interrupted run leaves no half file and a finished run is never redone (a cached run
-whose command differs from the current one is stale and is redone). After every run the table is
+whose command or resolved config differs from the current one is stale and is redone: a changed preset
+default or config default makes the same command mean another run). After every run the table is
 rewritten: TABLE.md (per setting, one row per method), one PNG per section (accuracy vs cumulative
 uplink bytes) and the Goals section. Runs, sizing and paper figures are in `bench.table_runs`; the
 rendering in `bench.table_report`.
@@ -35,6 +36,7 @@ from typing import Any
 
 from bench import table_report
 from bench.table_runs import DATASET, FEDERATIONS, SEED, SETTINGS, SIZING, Run, needed_for, suite_runs
+from protofl.presets import make_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -75,6 +77,28 @@ def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
     return args + ["-q"]
 
 
+# Config keys the dataset decides (the simulation reads them off the data), not the run's arguments.
+DATA_KEYS = ("num_classes", "in_shape")
+
+
+def expected_config(run: Run, suite: str) -> dict[str, Any]:
+    """The config `protofl-server simulate` resolves for this run now, as the report's JSON holds it."""
+    fed = FEDERATIONS[run.fed]
+    size = SIZING[suite][run.fed]
+    clients = size.clients if size.clients is not None else fed.clients
+    cfg = make_config(run.preset, **dict(run.sets), rounds=size.rounds, seed=SEED, min_clients=clients,
+                      archs=tuple(fed.archs))
+    out = json.loads(json.dumps(cfg.to_dict()))
+    for k in DATA_KEYS:
+        out.pop(k, None)
+    return out
+
+
+def config_matches(rep: dict[str, Any], run: Run, suite: str) -> bool:
+    got = {k: v for k, v in rep.get("config", {}).items() if k not in DATA_KEYS}
+    return got == expected_config(run, suite)
+
+
 def git_info() -> dict[str, Any]:
     def git(*a: str) -> str | None:
         try:
@@ -109,7 +133,7 @@ class Runner:
         return self.run_root / run.setting / f"{run.name}.json"
 
     def cached(self, run: Run) -> dict[str, Any] | None:
-        """The cached report if it is finished and was made by the current command, else None."""
+        """The cached report if it is finished and made by the current command and config, else None."""
         p = self.path(run)
         if not p.is_file():
             return None
@@ -118,6 +142,8 @@ class Runner:
         except (OSError, json.JSONDecodeError):
             return None
         if rep.get("bench", {}).get("args") != run_args(run, self.suite, self.data_dir):
+            return None
+        if not config_matches(rep, run, self.suite):
             return None
         return rep
 
@@ -134,7 +160,7 @@ class Runner:
         args = run_args(run, self.suite, self.data_dir)
         cmd = self.prefix + args + ["--json", str(tmp)]
         shown = "protofl-server " + shlex.join(args)
-        self.log(f"[{index}/{total}] {run.key}{' (stale cache: command changed)' if stale else ''}\n    {shown}")
+        self.log(f"[{index}/{total}] {run.key}{' (stale cache: command or config changed)' if stale else ''}\n    {shown}")
         started = time.time()
         git = git_info()  # the revision this run's CLI loads (the tree may change during a long suite)
         with self.lock:

@@ -12,8 +12,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.table_runs import (FEDERATIONS, PAPER_REFS, RUN_BY_KEY, SECTIONS, SIZING, SIZING_NOTE, Run,
-                              Section)
+from bench.table_runs import (ALL_STAGES, FEDERATIONS, PAPER_REFS, RUN_BY_KEY, SECTIONS, SIZING, SIZING_NOTE,
+                              STAGE_VARIANTS, Run, Section)
 
 COLUMNS = ("method", "local final", "local best", "global final", "global best", "ens. final", "ens. best",
            "up B/client/rnd", "down B/client/rnd", "up total MB", "wall s", "paper (their setting)")
@@ -199,6 +199,65 @@ def goals(ctx: Context) -> list[Goal]:
     return [goal_tinyproto(ctx), goal_refprotofl(ctx), goal_fedpagr(ctx), goal_protofl(ctx)]
 
 
+# -- the combined preset's default, from the D ablation ---------------------------------------------------
+# Fixed before the ablation was run: accuracy first, then bytes. The score is the mean of the two
+# headline metrics goal 4 is judged on (A: global, B: local); variants within TIE_POINTS of the best
+# score count as equally accurate (one seed and 1,000 test images: a point is within run-to-run noise),
+# and among those the fewest uplink bytes (A + B) wins.
+TIE_POINTS = 1.0
+DECISION_RULE = (f"score = mean of A's final global accuracy and B's final local accuracy (the metrics goal 4 is "
+                 f"judged on); every variant within {TIE_POINTS:g} point of the best score counts as equally "
+                 "accurate, and among those the one with the fewest uplink bytes (A + B) is the default. The rule "
+                 "was written down before the ablation runs.")
+
+
+@dataclass
+class Decision:
+    status: str  # "CHOSEN" or "NOT RUN"
+    lines: list[str]  # markdown
+    choice: dict[str, Any] | None = None  # stage switches of the chosen variant
+    matches_preset: bool | None = None
+
+
+def preset_stages() -> dict[str, Any]:
+    """The stage switches `--preset protofl` resolves to at this revision."""
+    from protofl.presets import make_config
+
+    cfg = make_config("protofl")
+    return {k: getattr(cfg, k) for k in ALL_STAGES}
+
+
+def decide_default(ctx: Context) -> Decision:
+    keys = {suffix: (f"D/a-stages-{suffix}", f"D/b-stages-{suffix}") for suffix, _, _ in STAGE_VARIANTS}
+    got, missing = _get(ctx, *(k for pair in keys.values() for k in pair))
+    if missing:
+        return Decision("NOT RUN", [f"missing run(s): {', '.join(f'`{m}`' for m in missing)}"])
+    rows = []
+    for suffix, label, changes in STAGE_VARIANTS:
+        a, b = (got[k] for k in keys[suffix])
+        score = 100 * (a["global_acc"] + b["local_acc"]) / 2
+        rows.append((suffix, label, {**ALL_STAGES, **changes}, a, b, score, a["up_total"] + b["up_total"]))
+    best = max(r[5] for r in rows)
+    tied = [r for r in rows if r[5] >= best - TIE_POINTS]
+    chosen = min(tied, key=lambda r: r[6])
+    current = preset_stages()
+    matches = current == chosen[2]
+    lines = [DECISION_RULE, "",
+             "| variant | A global final | B local final | score | uplink A + B (MB) | |", "|---|--:|--:|--:|--:|---|"]
+    for suffix, label, _, a, b, score, up in rows:
+        mark = "**chosen**" if suffix == chosen[0] else ("tied, more bytes" if any(r[0] == suffix for r in tied)
+                                                         else "")
+        lines.append(f"| {label} | {pct(a['global_acc'])} | {pct(b['local_acc'])} | {score:.2f} | {up / 1e6:.3f} | "
+                     f"{mark} |")
+    switches = ", ".join(f"{k}={str(v).lower()}" for k, v in chosen[2].items())
+    now = ", ".join(f"{k}={str(v).lower()}" for k, v in current.items())
+    lines += ["", f"Chosen: **{chosen[1]}** ({switches}).",
+              f"`--preset protofl` at this revision: {now} -> "
+              + ("matches the ablation's choice." if matches else
+                 "does NOT match the ablation's choice: set PRESETS['protofl'] in protofl/presets.py to it.")]
+    return Decision("CHOSEN", lines, chosen[2], matches)
+
+
 # -- plots -------------------------------------------------------------------------------------------
 _PLOT_NOTE_SHOWN = False
 
@@ -342,6 +401,13 @@ def write(ctx: Context, quiet: bool = False) -> Path:
     for i, goal in enumerate(gl, 1):
         out.append(f"{i}. **{goal.status}**: {goal.name}")
         out += [f"   - {e}" for e in goal.evidence]
+    out.append("")
+
+    decision = decide_default(ctx)
+    out += ["## Default of the `protofl` preset (decided by setting D's ablation)", "",
+            "ALGORITHMS.md: which combination of stages is the default \"is decided by the ablation benchmark, not "
+            "by taste\". Candidates: the 'all stages ...' rows of setting D.", ""]
+    out += decision.lines if decision.status == "CHOSEN" else [f"**NOT RUN**: {decision.lines[0]}"]
     out.append("")
 
     plot_dir = ctx.run_root / "plots"

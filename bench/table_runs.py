@@ -225,6 +225,26 @@ SECTIONS.append(Section("C", "C", "C (FedPAGR): 20 clients, alpha = 0.1, five ar
                          "step here; four such clients would cost more than the rest of the setting).",)))
 
 # -- D: the combined preset and its stage ablations, on A(alpha 0.5) and on B ------------------------
+# The ablation rows spell out every stage switch, so they mean the same runs whatever the `protofl`
+# preset's default is; the default itself is chosen from them (ALGORITHMS.md: "decided by the
+# ablation benchmark"), see `bench.table_report.decide_default`.
+ALL_STAGES: dict[str, Any] = dict(erpa=True, apud=True, cps=True, scaling=True, refine=False)
+STAGE_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    # (name suffix, label, stage switches); the candidates for the preset's default
+    ("all", "all stages: ERPA + APUD + CPS + scaling", {}),
+    ("no-erpa", "all stages w/o ERPA", dict(erpa=False)),
+    ("no-apud", "all stages w/o APUD", dict(apud=False)),
+    ("no-cps", "all stages w/o CPS", dict(cps=False)),
+    ("no-scaling", "all stages w/o scaling", dict(scaling=False)),
+    ("refine", "all stages + refinement", dict(refine=True)),
+)
+
+
+def stage_sets(**changes: Any) -> tuple[tuple[str, Any], ...]:
+    """Every stage switch of the combined pipeline, explicitly (ALL_STAGES with `changes`)."""
+    return tuple({**ALL_STAGES, **changes}.items())
+
+
 for fed, tag, base, others in (
     ("A05", "a", "A", ("A/a0.5-fedproto", "A/a0.5-refprotofl")),
     ("B", "b", "B", ("B/fedproto", "B/tinyproto-s51")),
@@ -238,19 +258,19 @@ for fed, tag, base, others in (
     )
     keys = _add(
         Run("D", f"{tag}-protofl", "protofl (preset)", "protofl", fed, tier=1),
-        Run("D", f"{tag}-protofl-no-erpa", "protofl w/o ERPA", "protofl", fed, _sets(erpa=False)),
-        Run("D", f"{tag}-protofl-no-apud", "protofl w/o APUD", "protofl", fed, _sets(apud=False)),
-        Run("D", f"{tag}-protofl-no-cps", "protofl w/o CPS", "protofl", fed, _sets(cps=False)),
-        Run("D", f"{tag}-protofl-no-scaling", "protofl w/o scaling", "protofl", fed, _sets(scaling=False)),
-        Run("D", f"{tag}-protofl-refine", "protofl + refine", "protofl", fed, _sets(refine=True)),
-        Run("D", f"{tag}-protofl-lambda", f"protofl, proto_lambda={LAMBDA_SENS} (sensitivity, not default)",
-            "protofl", fed, _sets(proto_lambda=LAMBDA_SENS), tier=2, sensitivity=True),
+        *(Run("D", f"{tag}-stages-{suffix}", label, "protofl", fed, stage_sets(**changes))
+          for suffix, label, changes in STAGE_VARIANTS),
+        Run("D", f"{tag}-stages-all-lambda", f"all stages, proto_lambda={LAMBDA_SENS} (sensitivity, not default)",
+            "protofl", fed, stage_sets() + _sets(proto_lambda=LAMBDA_SENS), tier=2, sensitivity=True),
         *own_baselines,
     )
     where = "A (alpha = 0.5, 10 clients)" if base == "A" else "B (alpha = 0.1, 20 clients)"
     SECTIONS.append(Section("D", f"D-{base}", f"D (combined) on {where}", fed, tuple(keys) + others,
                             (f"Rows marked 'from {base}' are the cached runs of setting {base} (same federation "
-                             "and sizing), not re-run.", SENS_NOTE)))
+                             "and sizing), not re-run.",
+                             "'all stages ...' rows set every stage switch explicitly (erpa, apud, cps, scaling, "
+                             "refine), so they do not move when the preset's default does; 'protofl (preset)' is "
+                             "whatever `--preset protofl` is at the revision the run was made.", SENS_NOTE)))
 
 RUN_BY_KEY: dict[str, Run] = {r.key: r for r in RUNS}
 SETTINGS = ("A", "B", "C", "D")

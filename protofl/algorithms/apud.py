@@ -43,11 +43,13 @@ def topk_budget(d: int, ratio: float) -> int:
 
 
 def budget_from_bytes(d: int, budget_bytes: int, value_bytes: int = 4) -> int:
-    """How many (index, value) pairs fit in `budget_bytes`, clipped to [1, d].
+    """How many (position, value) pairs fit in `budget_bytes`, clipped to [1, d].
 
-    An index costs 2 bytes when d < 65536 (u2 on the wire) and 4 otherwise (u4); a value costs
-    `value_bytes` (4 for f4, 2 for f2, 1 for q8). The budget is for the sparse vector's payload
-    only; the envelope is the caller's to subtract.
+    The codec sends positions in whichever form is smaller (see `protofl.wire.codec.encode_sparse`):
+    indices at 2 bytes each when d < 65536 (u2) and 4 otherwise (u4), or a packed bit mask of
+    ceil(d / 8) bytes whatever k is. A value costs `value_bytes` (4 for f4, 2 for f2, 1 for q8). So k
+    is the larger of what the index form and the mask form fit. The budget is for the arrays only;
+    the envelope and msgpack headers are the caller's to subtract.
     """
     if int(d) < 1:
         raise ValueError(f"APUD: adapter length d must be >= 1, got {d}")
@@ -55,9 +57,12 @@ def budget_from_bytes(d: int, budget_bytes: int, value_bytes: int = 4) -> int:
         raise ValueError(f"APUD: value_bytes must be >= 1, got {value_bytes}")
     if int(budget_bytes) < 0:
         raise ValueError(f"APUD: budget_bytes must be >= 0, got {budget_bytes}")
-    index_bytes = 2 if int(d) < 65536 else 4
-    k = int(budget_bytes) // (index_bytes + int(value_bytes))
-    return max(1, min(int(d), k))
+    d, budget, vb = int(d), int(budget_bytes), int(value_bytes)
+    index_bytes = 2 if d < 65536 else 4
+    k_index = budget // (index_bytes + vb)
+    mask_bytes = (d + 7) // 8
+    k_mask = (budget - mask_bytes) // vb if budget >= mask_bytes else 0
+    return max(1, min(d, max(k_index, k_mask)))
 
 
 def select_topk(theta_local: np.ndarray, theta_global: np.ndarray, k: int) -> SparseVector:

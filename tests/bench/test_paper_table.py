@@ -37,7 +37,7 @@ def test_run_args_are_the_public_cli_with_sets():
     assert "--clients 10 --alpha 0.5" in joined and "--dataset fashion-mnist" in joined
     # mu=auto stays a bare string, numbers are JSON
     assert "--set mu=auto" in " ".join(paper_table.run_args(RUN_BY_KEY["B/tinyproto-s51-auto"], "quick"))
-    assert "--set proto_lambda=0.002" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-protofl-lambda"], "quick"))
+    assert "--set proto_lambda=0.002" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-stages-all-lambda"], "quick"))
 
 
 def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path, capsys):
@@ -100,3 +100,61 @@ def test_quick_suite_end_to_end_structure(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"{len(runs)} cached, 0 to run" in again.stdout
     assert mtimes == {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*.json")}
+
+
+def _fake_report(local: float, global_: float, uplink: int) -> dict:
+    return {"rounds": [{"clients": 1, "local_acc": local, "global_acc": global_, "ensemble_acc": None,
+                        "uplink_bytes": uplink}],
+            "totals": {"uplink_bytes": uplink, "downlink_bytes": 0, "wall_s": 1.0}}
+
+
+def _decision_ctx(tmp_path, reports: dict) -> table_report.Context:
+    return table_report.Context(suite="full", sizing_key="full", run_root=tmp_path, table_path=tmp_path / "T.md",
+                                command="x", git={"rev": "r", "dirty": False, "modified_tracked": 0, "untracked": 0},
+                                runs=suite_runs("full"), cached=lambda r: reports.get(r.key))
+
+
+def test_default_decision_picks_the_most_accurate_then_the_fewest_bytes(tmp_path):
+    # (A global, B local, uplink per run): no-erpa is best; no-apud is 0.6 below (tied) and cheaper -> chosen;
+    # refine is 1.2 below the best: not tied although it is the cheapest.
+    numbers = {"all": (0.10, 0.30, 900), "no-erpa": (0.50, 0.86, 800), "no-apud": (0.494, 0.854, 300),
+               "no-cps": (0.10, 0.30, 1000), "no-scaling": (0.10, 0.30, 900), "refine": (0.488, 0.848, 100)}
+    reports = {}
+    for suffix, (a_global, b_local, up) in numbers.items():
+        reports[f"D/a-stages-{suffix}"] = _fake_report(0.8, a_global, up)
+        reports[f"D/b-stages-{suffix}"] = _fake_report(b_local, 0.2, up)
+    d = table_report.decide_default(_decision_ctx(tmp_path, reports))
+    assert d.status == "CHOSEN"
+    assert d.choice == {"erpa": True, "apud": False, "cps": True, "scaling": True, "refine": False}
+    assert d.matches_preset == (table_report.preset_stages() == d.choice)
+    text = "\n".join(d.lines)
+    assert "| all stages w/o APUD | 49.40 | 85.40 | 67.40 | 0.001 | **chosen** |" in text
+    assert "| all stages w/o ERPA | 50.00 | 86.00 | 68.00 | 0.002 | tied, more bytes |" in text
+    assert "| all stages + refinement | 48.80 | 84.80 | 66.80 | 0.000 |  |" in text
+
+
+def test_default_decision_waits_for_every_variant(tmp_path):
+    d = table_report.decide_default(_decision_ctx(tmp_path, {"D/a-stages-all": _fake_report(0.5, 0.5, 1)}))
+    assert d.status == "NOT RUN" and "D/b-stages-all" in d.lines[0] and d.choice is None
+
+
+def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkeypatch):
+    from protofl import presets
+
+    run = RUN_BY_KEY["D/a-protofl"]
+    runner = paper_table.Runner("quick", tmp_path, None, 1, verbose=False)
+    rep = {"config": {**paper_table.expected_config(run, "quick"), "num_classes": 10, "in_shape": [1, 28, 28]},
+           "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
+    path = runner.path(run)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(rep))
+    assert runner.cached(run) is not None
+    # the same command after the preset's default changed is another run: redo it
+    monkeypatch.setitem(presets.PRESETS, "protofl", {**presets.PRESETS["protofl"], "erpa": False})
+    assert runner.cached(run) is None
+    monkeypatch.undo()
+    assert runner.cached(run) is not None
+    # a different command is stale too
+    rep["bench"]["args"] = paper_table.run_args(run, "full")
+    path.write_text(json.dumps(rep))
+    assert runner.cached(run) is None

@@ -43,6 +43,12 @@ def test_topk_budget_rejects(ratio):
         (65_536, 60, 4, 7),  # first length with 4-byte indices
         (1000, 0, 4, 1),  # clipped up to 1
         (1000, 10**9, 4, 1000),  # clipped down to d
+        # above 1/16 density (u2) the packed mask (ceil(d/8) bytes) is cheaper than indices:
+        (1000, 2125, 4, 500),  # mask 125 B + 500 * 4 = 2125 (indices would fit only 2125 // 6 = 354)
+        (1000, 2124, 4, 499),  # one byte short of 500 values
+        (100_000, 52_500, 4, 10_000),  # mask 12,500 B + 10,000 f4 values (indices: 52,500 // 8 = 6,562)
+        (1000, 624, 4, 124),  # 624 - 125 = 499 // 4 = 124 by mask; 624 // 6 = 104 by index
+        (1000, 120, 4, 20),  # budget below the mask's size: indices only, 120 // 6 = 20
     ],
 )
 def test_budget_from_bytes(d, budget, value_bytes, k):
@@ -227,3 +233,22 @@ def test_accepts_wire_dtypes_u2_indices_and_f2_values():
     agg = ApudAggregator(np.zeros(4, dtype=np.float32))
     agg.add(SparseVector(n=4, indices=np.array([1, 3], dtype=np.uint16), values=np.array([0.5, 2.0], np.float16)), 2)
     np.testing.assert_array_equal(agg.result(), [0.0, 0.5, 0.0, 2.0])
+
+
+@pytest.mark.parametrize("d", [100, 1000, 40_000, 70_000])
+@pytest.mark.parametrize("budget", [64, 500, 3000, 20_000, 60_000])
+def test_budget_from_bytes_fills_the_encoded_arrays_without_overflow(d, budget):
+    from protofl.wire.codec import encode_sparse
+
+    k = budget_from_bytes(d, budget)
+    rng = np.random.default_rng(d + budget)
+    sv = select_topk(rng.standard_normal(d).astype(np.float32), np.zeros(d, np.float32), k)
+    enc = encode_sparse(sv)
+    positions = enc["i"] if "i" in enc else enc["mask"]
+    used = len(enc["v"]["b"]) + len(positions["b"])
+    if k > 1 and k < d:
+        assert used <= budget  # what the codec sends fits
+        sv2 = select_topk(rng.standard_normal(d).astype(np.float32), np.zeros(d, np.float32), k + 1)
+        enc2 = encode_sparse(sv2)
+        pos2 = enc2["i"] if "i" in enc2 else enc2["mask"]
+        assert len(enc2["v"]["b"]) + len(pos2["b"]) > budget  # and one more pair would not
