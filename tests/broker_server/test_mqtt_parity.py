@@ -73,10 +73,13 @@ def test_every_preset_over_mosquitto_matches_inprocess(preset: str, mosquitto_mo
 @pytest.mark.slow
 @pytest.mark.mosquitto
 def test_agents_as_separate_processes_match_inprocess(mosquitto_module: MosquittoBroker) -> None:
-    # protofl: ERPA's two phases, APUD sparse adapters, CPS + scaled prototypes; one OS process per agent,
-    # each loading its own share (`protofl-edge join --partition i/5`).
-    inproc, expected = run(SimulationSpec(preset="protofl", **FED))
+    # protofl with every stage on (ERPA's two phases, APUD sparse adapters, CPS + scaled prototypes; the
+    # preset's default leaves ERPA off); one OS process per agent, each loading its own share
+    # (`protofl-edge join --partition i/5`).
+    every_stage = {"erpa": True}
+    inproc, expected = run(SimulationSpec(preset="protofl", overrides=every_stage, **FED))
     mqtt, got = run(SimulationSpec(preset="protofl", transport="mqtt", agents="process", timeout=240,
-                                   broker=parse_broker_url(mosquitto_module.url), **FED))
+                                   broker=parse_broker_url(mosquitto_module.url), overrides=every_stage, **FED))
+    assert mqtt["config"]["erpa"] is True and mqtt["config"]["apud"] and mqtt["config"]["cps"]
     assert_same_model(expected, got)
     assert_same_rounds(inproc, mqtt)
