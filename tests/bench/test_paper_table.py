@@ -150,7 +150,8 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
     path.write_text(json.dumps(rep))
     assert runner.cached(run) is not None
     # the same command after the preset's default changed is another run: redo it
-    monkeypatch.setitem(presets.PRESETS, "protofl", {**presets.PRESETS["protofl"], "erpa": False})
+    flipped = {**presets.PRESETS["protofl"], "erpa": not presets.PRESETS["protofl"]["erpa"]}
+    monkeypatch.setitem(presets.PRESETS, "protofl", flipped)
     assert runner.cached(run) is None
     monkeypatch.undo()
     assert runner.cached(run) is not None

@@ -61,7 +61,7 @@ def test_start_and_join_over_the_embedded_broker(tmp_path: Path) -> None:
 
 def test_start_explains_what_is_missing(tmp_path: Path) -> None:
     runner = CliRunner()
-    r = runner.invoke(app, ["start", "--preset", "protofl"])
+    r = runner.invoke(app, ["start", "--preset", "refprotofl"])
     assert r.exit_code == 2 and "needs a public set: pass --public-data" in r.output
     port = free_port()
     r = runner.invoke(app, ["start", "--preset", "fedproto", "--broker", f"mqtt://127.0.0.1:{port}",
