@@ -284,6 +284,9 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
     from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
 
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    if len(series) > len(colors):  # D has 13 rows: the default cycle of 10 would repeat colours
+        colors = [plt.get_cmap("tab20")(i) for i in range(20)]
+    markers = "osD^v<>ph*X"  # identical runs (the preset and the variant it equals) stay visible
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.6), sharex=False)
     for ax, (metric, title) in zip(axes, metrics):
         for i, (run, rep) in enumerate(series):
@@ -295,8 +298,8 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
                     ys.append(100 * r[metric])
             if xs:
                 label = run.label + (f" (from {run.setting})" if run.setting != section.setting else "")
-                ax.plot(xs, ys, marker="o", markersize=3, linestyle="--" if run.sensitivity else "-", label=label,
-                        color=colors[i % len(colors)])
+                ax.plot(xs, ys, marker=markers[i % len(markers)], markersize=4, linestyle="--" if run.sensitivity
+                        else "-", label=label, color=colors[i % len(colors)], alpha=0.85)
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(EngFormatter(unit="B", places=0))
