@@ -108,8 +108,10 @@ def git_info() -> dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else None
 
     rev = git("rev-parse", "--short", "HEAD")
-    tracked = git("status", "--porcelain", "--untracked-files=no")
-    untracked = git("status", "--porcelain")
+    # The results themselves change while the suite runs; they do not make the code that ran dirty.
+    outside_results = ("--", ".", ":(exclude)bench/results")
+    tracked = git("status", "--porcelain", "--untracked-files=no", *outside_results)
+    untracked = git("status", "--porcelain", *outside_results)
     n_tracked = len(tracked.splitlines()) if tracked else 0
     n_all = len(untracked.splitlines()) if untracked else 0
     return {"rev": rev or "unknown", "dirty": bool(n_all), "modified_tracked": n_tracked,
