@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import table_report
-from bench.table_runs import DATASET, FEDERATIONS, SEED, SETTINGS, SIZING, Run, needed_for, suite_runs
+from bench.table_runs import DATASET, FEDERATIONS, SETTINGS, SIZING, Run, needed_for, suite_runs
 from protofl.presets import make_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +63,7 @@ def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
     size = SIZING[suite][run.fed]
     clients = size.clients if size.clients is not None else fed.clients
     args = ["simulate", "--preset", run.preset, "--dataset", DATASET, "--clients", str(clients),
-            "--alpha", f"{fed.alpha:g}", "--rounds", str(size.rounds), "--seed", str(SEED),
+            "--alpha", f"{fed.alpha:g}", "--rounds", str(size.rounds), "--seed", str(run.seed),
             "--arch", ",".join(fed.archs)]
     if data_dir:
         args += ["--data-dir", data_dir]
@@ -86,7 +86,7 @@ def expected_config(run: Run, suite: str) -> dict[str, Any]:
     fed = FEDERATIONS[run.fed]
     size = SIZING[suite][run.fed]
     clients = size.clients if size.clients is not None else fed.clients
-    cfg = make_config(run.preset, **dict(run.sets), rounds=size.rounds, seed=SEED, min_clients=clients,
+    cfg = make_config(run.preset, **dict(run.sets), rounds=size.rounds, seed=run.seed, min_clients=clients,
                       archs=tuple(fed.archs))
     out = json.loads(json.dumps(cfg.to_dict()))
     for k in DATA_KEYS:

@@ -159,3 +159,24 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
     rep["bench"]["args"] = paper_table.run_args(run, "full")
     path.write_text(json.dumps(rep))
     assert runner.cached(run) is None
+
+
+def test_goal_fedpagr_shows_the_spread_over_seeds_but_decides_on_seed_0(tmp_path):
+    ens = {"fedproto": (0.52, 0.56, 0.41), "fedpagr": (0.43, 0.63, 0.68), "fedpagr-no-sep": (0.49, 0.69, 0.66),
+           "fedpagr-no-ent": (0.45, 0.61, 0.65)}
+    reports = {}
+    for name, values in ens.items():
+        for seed, v in zip((0, 1, 2), values):
+            key = f"C/{name}" + ("" if seed == 0 else f"-seed{seed}")
+            reports[key] = {"rounds": [{"clients": 1, "local_acc": 0.8, "global_acc": 0.2, "ensemble_acc": v,
+                                        "uplink_bytes": 1}],
+                            "totals": {"uplink_bytes": 1, "downlink_bytes": 1, "wall_s": 1.0}}
+    goal = table_report.goal_fedpagr(_decision_ctx(tmp_path, reports))
+    assert goal.status == "MISSED"  # seed 0: fedpagr 43 < fedproto 52
+    text = "\n".join(goal.evidence)
+    assert "fedpagr 43.00 / 63.00 / 68.00 (mean 58.00)" in text
+    assert "fedpagr above fedproto in 2 of 3 seeds" in text
+    assert "fedpagr +8.33 vs fedproto, w/o separation +3.33 and w/o entropy -1.00 vs fedpagr" in text
+    del reports["C/fedpagr-seed2"]
+    assert "not all of seeds 1, 2 are run yet" in "\n".join(table_report.goal_fedpagr(
+        _decision_ctx(tmp_path, reports)).evidence)
