@@ -85,8 +85,9 @@ On the quiet machine (load ~2, only this suite) a 10-round A/B/D run takes 45-80
 runs, under load, 270-320 s) and a C run ~220 s, i.e. 15-25 min per setting; the measured totals are
 in the "Measured wall time" table below. So `full` is sized for a shared machine; on a quiet one the
 rounds or the data fraction could be doubled within the hour. The suite runs goal-critical runs first
-(tier 1), then the remaining rows of alpha 0.5 and B, then alpha 100 and D's ablations; it is
-resumable, so it can be finished in pieces."""
+(tier 1), then the remaining rows of alpha 0.5 and B, then alpha 100 and D's ablations, and last
+setting C with seeds 1 and 2 (about 4.5 min per run here: the spread behind goal 3); it is resumable,
+so it can be finished in pieces."""
 
 
 @dataclass(frozen=True)
