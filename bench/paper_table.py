@@ -36,7 +36,7 @@ from typing import Any
 
 from bench import table_report
 from bench.table_runs import DATASET, FEDERATIONS, SETTINGS, SIZING, Run, needed_for, suite_runs
-from protofl.presets import make_config
+from broker_server.simulate import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -77,8 +77,8 @@ def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
     return args + ["-q"]
 
 
-# Config keys the dataset decides (the simulation reads them off the data), not the run's arguments.
-DATA_KEYS = ("num_classes", "in_shape")
+# What Fashion-MNIST decides in the config (the simulation reads it off the data).
+DATASET_SHAPE = dict(num_classes=10, in_shape=(1, 28, 28))
 
 
 def expected_config(run: Run, suite: str) -> dict[str, Any]:
@@ -86,17 +86,13 @@ def expected_config(run: Run, suite: str) -> dict[str, Any]:
     fed = FEDERATIONS[run.fed]
     size = SIZING[suite][run.fed]
     clients = size.clients if size.clients is not None else fed.clients
-    cfg = make_config(run.preset, **dict(run.sets), rounds=size.rounds, seed=run.seed, min_clients=clients,
-                      archs=tuple(fed.archs))
-    out = json.loads(json.dumps(cfg.to_dict()))
-    for k in DATA_KEYS:
-        out.pop(k, None)
-    return out
+    spec = SimulationSpec(preset=run.preset, clients=clients, rounds=size.rounds, seed=run.seed,
+                          archs=tuple(fed.archs), overrides=dict(run.sets))
+    return json.loads(json.dumps(resolve_config(spec, **DATASET_SHAPE).to_dict()))
 
 
 def config_matches(rep: dict[str, Any], run: Run, suite: str) -> bool:
-    got = {k: v for k, v in rep.get("config", {}).items() if k not in DATA_KEYS}
-    return got == expected_config(run, suite)
+    return rep.get("config") == expected_config(run, suite)
 
 
 def git_info() -> dict[str, Any]:

@@ -65,6 +65,16 @@ class Federation:
                          classes=sorted(int(c) for c in np.unique(self.train.y[idx])))
 
 
+def resolve_config(spec: SimulationSpec, num_classes: int, in_shape: tuple[int, ...]) -> FederationConfig:
+    """The config a simulation of `spec` runs with; the dataset decides the classes and input shape."""
+    overrides = dict(spec.overrides)
+    overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=num_classes, in_shape=tuple(in_shape),
+                     min_clients=spec.clients)
+    if spec.archs:
+        overrides["archs"] = tuple(spec.archs)
+    return make_config(spec.preset, spec.config_file, **overrides)
+
+
 def prepare(spec: SimulationSpec) -> Federation:
     if spec.clients < 1:
         raise ConfigError(f"--clients must be >= 1, got {spec.clients}")
@@ -74,12 +84,7 @@ def prepare(spec: SimulationSpec) -> Federation:
         raise ConfigError(f"--extractor must be torch or onnx, got '{spec.extractor}'")
     train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)
     train = limit_train(train, spec.train_limit, spec.seed)
-    overrides = dict(spec.overrides)
-    overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=train.num_classes,
-                     in_shape=tuple(train.in_shape), min_clients=spec.clients)
-    if spec.archs:
-        overrides["archs"] = tuple(spec.archs)
-    cfg = make_config(spec.preset, spec.config_file, **overrides)
+    cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape))
     # The public set is carved out for every preset, so that the client partition is the same
     # whichever method runs on it.
     split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads

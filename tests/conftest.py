@@ -76,3 +76,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         report.outcome = "failed"
         report.longrepr = (f"Fashion-MNIST is not installed ({report.longrepr}); apt-get install "
                            f"dataset-fashion-mnist, or set {ALLOW_NO_DATA}=1 to skip the tests that need it")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch single-threaded for a module, restored afterwards.
+
+    Small batches run fastest on one thread, and on a shared 2-core box intra-op threads that spin
+    while another process (an agent, onnxruntime) holds the other core made single forwards 30x slower.
+    """
+    import torch  # here, not at collection: the numpy-only tests must not need it
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -102,8 +102,8 @@ def test_quick_suite_end_to_end_structure(tmp_path):
     assert mtimes == {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*.json")}
 
 
-def _fake_report(local: float, global_: float, uplink: int) -> dict:
-    return {"rounds": [{"clients": 1, "local_acc": local, "global_acc": global_, "ensemble_acc": None,
+def _fake_report(local: float, global_: float, uplink: int, ensemble: float | None = None) -> dict:
+    return {"rounds": [{"clients": 1, "local_acc": local, "global_acc": global_, "ensemble_acc": ensemble,
                         "uplink_bytes": uplink}],
             "totals": {"uplink_bytes": uplink, "downlink_bytes": 0, "wall_s": 1.0}}
 
@@ -143,7 +143,7 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
 
     run = RUN_BY_KEY["D/a-protofl"]
     runner = paper_table.Runner("quick", tmp_path, None, 1, verbose=False)
-    rep = {"config": {**paper_table.expected_config(run, "quick"), "num_classes": 10, "in_shape": [1, 28, 28]},
+    rep = {"config": paper_table.expected_config(run, "quick"),
            "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
     path = runner.path(run)
     path.parent.mkdir(parents=True)
@@ -168,9 +168,7 @@ def test_goal_fedpagr_shows_the_spread_over_seeds_but_decides_on_seed_0(tmp_path
     for name, values in ens.items():
         for seed, v in zip((0, 1, 2), values):
             key = f"C/{name}" + ("" if seed == 0 else f"-seed{seed}")
-            reports[key] = {"rounds": [{"clients": 1, "local_acc": 0.8, "global_acc": 0.2, "ensemble_acc": v,
-                                        "uplink_bytes": 1}],
-                            "totals": {"uplink_bytes": 1, "downlink_bytes": 1, "wall_s": 1.0}}
+            reports[key] = _fake_report(0.8, 0.2, 1, ensemble=v)
     goal = table_report.goal_fedpagr(_decision_ctx(tmp_path, reports))
     assert goal.status == "MISSED"  # seed 0: fedpagr 43 < fedproto 52
     text = "\n".join(goal.evidence)

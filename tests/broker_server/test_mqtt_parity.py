@@ -6,11 +6,10 @@ which uploads are folded in: float64 sums in another order, then a float32 cast 
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from broker_server.broker import MosquittoBroker
 from broker_server.simulate import SimulationSpec, run_simulation
@@ -22,13 +21,8 @@ FED = dict(dataset="synthetic:n=600,n_test=100", clients=5, alpha=0.5, rounds=3,
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The agent processes train single-threaded; on a shared 2-core box that is also fastest here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The agent processes train single-threaded; the threads in this process do too.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(spec: SimulationSpec) -> tuple[dict[str, Any], ServerModel]:

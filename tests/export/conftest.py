@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +16,9 @@ needs_fmnist = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread() -> Iterator[None]:
-    # Exports and small batches run fastest single-threaded on this 2-core box, and spinning intra-op
-    # threads of torch and onnxruntime must not fight each other.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread: None) -> None:
+    """Exports and onnxruntime runs with torch single-threaded (tests/conftest.py says why)."""
 
 
 @pytest.fixture(scope="session")
