@@ -1,0 +1,34 @@
+"""Record the golden reports: `python tests/golden/record.py tests/golden` (see README.md).
+
+Importing this module only defines the cases; torch and the simulator are imported when recording.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+FED: dict[str, Any] = dict(dataset="synthetic:n=1200,n_test=300", clients=4, alpha=0.5, rounds=2, seed=3)
+CASES: dict[str, dict[str, Any]] = {
+    "fedavg": {}, "fedproto": {}, "refprotofl": {}, "tinyproto": {}, "fedpagr": {}, "protofl": {},
+    "protofl-erpa": {"preset": "protofl", "overrides": {"erpa": True}},
+}
+
+
+def main(out: str) -> None:
+    import torch
+
+    from broker_server.simulate import SimulationSpec, run_simulation
+
+    torch.set_num_threads(1)
+    for name, extra in CASES.items():
+        report = run_simulation(SimulationSpec(**{"preset": name, **FED, **extra}))
+        report["totals"].pop("wall_s")
+        with open(f"{out}/{name}.json", "w") as fh:
+            json.dump(report, fh, indent=1, sort_keys=True)
+        print(name, report["totals"], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
