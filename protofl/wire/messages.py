@@ -502,11 +502,18 @@ class Metrics(_Body):
     train_s: float = 0.0
     loss: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    # Nearest-prototype accuracy (ALGORITHMS.md, Evaluation): correct predictions by the nearest global
+    # prototype (FedPAGR: cosine to P) on the same splits; None where the device holds no prototypes.
+    proto_correct_local: int | None = None
+    proto_correct_test: int | None = None
 
     def __post_init__(self) -> None:
         counts = {k: expect_int(getattr(self, k), k) for k in ("n_local", "correct_local", "n_test", "correct_test")}
-        for n, c in (("n_local", "correct_local"), ("n_test", "correct_test")):
-            if counts[c] > counts[n]:
+        for k in ("proto_correct_local", "proto_correct_test"):
+            counts[k] = _opt(getattr(self, k), lambda v, k=k: expect_int(v, k))
+        for n, c in (("n_local", "correct_local"), ("n_test", "correct_test"),
+                     ("n_local", "proto_correct_local"), ("n_test", "proto_correct_test")):
+            if counts[c] is not None and counts[c] > counts[n]:
                 raise WireError(f"{c} = {counts[c]} exceeds {n} = {counts[n]}")
         _set(
             self,

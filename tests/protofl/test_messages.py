@@ -66,6 +66,7 @@ def examples() -> list:
         AdapterUpload(RNG.standard_normal(500).astype(np.float32), 10, 3),
         Metrics(100, 87, 1000, 800, RNG.random((1000, 10)).astype(np.float32), 12.5, 0.31, {"norm": 3.5}),
         Metrics(0, 0, 0, 0),
+        Metrics(100, 87, 1000, 800, proto_correct_local=90, proto_correct_test=777),
         Status("online", "round 3 train"),
         Status("offline"),
     ]
@@ -179,6 +180,8 @@ def test_errors_name_sender_and_round() -> None:
         (lambda: AdapterUpload(np.zeros((2, 2), np.float32), 1, 0), "1-D"),
         (lambda: AdapterUpload(np.zeros(2, np.float32), 1, -1), "base_round"),
         (lambda: Metrics(10, 11, 0, 0), "correct_local = 11 exceeds n_local = 10"),
+        (lambda: Metrics(10, 1, 5, 0, proto_correct_test=6), "proto_correct_test = 6 exceeds n_test = 5"),
+        (lambda: Metrics(10, 1, 5, 0, proto_correct_local=-1), "proto_correct_local"),
         (lambda: Metrics(1, 1, 1, 1, loss=float("nan")), "loss"),
         (lambda: Metrics(1, 1, 1, 1, extra={"x": "y"}), "extra.x"),
         (lambda: Status(None), "state"),  # type: ignore[arg-type]
