@@ -17,7 +17,6 @@ bits of the last byte zero.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ import numpy as np
 
 from protofl import WIRE_VERSION
 from protofl.errors import WireError
+from protofl.names import is_valid_name
 from protofl.sparse import SparseVector
 
 MiB = 2**20
@@ -65,7 +65,6 @@ KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "me
 PHASES = frozenset({"", "proto", "train", "done"})
 ENVELOPE_KEYS = ("v", "kind", "fed", "round", "phase", "sender", "msg_id", "body")
 MAX_ROUND = 2**31
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 # --- validation primitives (shared with messages.py) -------------------------------------------
@@ -134,7 +133,7 @@ def expect_name(v: Any, what: str) -> str:
     """A federation or client id: what topics are built from, so no '/', '+', '#' or spaces."""
     if not isinstance(v, str):
         raise WireError(f"{what}: expected a string, got {_tname(v)}")
-    if not _NAME.fullmatch(v):
+    if not is_valid_name(v):
         raise WireError(f"{what}: {v[:80]!r} is not a valid name (1-64 of A-Z a-z 0-9 _ . -)")
     return v
 
