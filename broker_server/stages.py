@@ -1,9 +1,10 @@
-"""Server-side stage composition: turns a preset's switches into accumulators (numpy only).
+"""Server-side stage composition: the round plan's stages as accumulators (numpy only).
 
 `ServerModel` is the global state (adapter, FedAvg parameters, prototypes). Each phase gets a fresh
-accumulator object from it: `PrototypePhase` (ERPA anchors) and `TrainPhase` (APUD / FedAvg
-adapters and FedProto / TinyProto / FedPAGR prototypes). Accumulators stream: they fold each upload
-in as it arrives and never hold the uploads themselves.
+accumulator from it: `PrototypePhase` (ERPA anchors) and `TrainPhase` (APUD / FedAvg adapters and
+FedProto / TinyProto / FedPAGR prototypes). Accumulators stream: they fold each upload in as it
+arrives and never hold the uploads. Every `add` checks the whole upload before it folds anything,
+so an upload that raises leaves the accumulator as it was (the aggregator counts it as a drop).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from protofl.algorithms.fedproto import PrototypeAggregator
 from protofl.algorithms.scaling import ScaledAggregator
 from protofl.config import FederationConfig
 from protofl.errors import WireError
+from protofl.plan import RoundPlan
 from protofl.sparse import SparseVector
 from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
 
@@ -31,11 +33,12 @@ def protoset_table(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int
     return table, counts
 
 
-def table_protoset(table: dict[int, np.ndarray], width: int, dt: str) -> ProtoSet:
+def table_protoset(table: dict[int, np.ndarray], width: int, dt: str, counts: dict[int, int] | None = None) -> ProtoSet:
     classes = sorted(table)
     values = (np.stack([table[c] for c in classes]).astype(np.float32) if classes
               else np.zeros((0, width), dtype=np.float32))
-    return ProtoSet(classes=np.asarray(classes, dtype=np.int64), values=values, counts=None, dt=dt)
+    cnt = None if counts is None else np.asarray([counts[c] for c in classes], dtype=np.int64)
+    return ProtoSet(classes=np.asarray(classes, dtype=np.int64), values=values, counts=cnt, dt=dt)
 
 
 @dataclass
@@ -43,31 +46,22 @@ class ServerModel:
     """What the federation has agreed on so far."""
 
     cfg: FederationConfig
+    plan: RoundPlan
     adapter: np.ndarray | None = None  # theta_a (federate="adapter")
     params: np.ndarray | None = None  # full model (federate="full")
     prototypes: dict[int, np.ndarray] = field(default_factory=dict)  # wire-space global prototypes
     unit: np.ndarray | None = None  # FedPAGR refined prototypes (C, m)
     masks: np.ndarray | None = None  # CPS masks (C, m)
 
-    @property
-    def proto_width(self) -> int:
-        return self.cfg.s if self.cfg.cps else self.cfg.proto_dim
-
-    def anchor_kind(self) -> str:
-        if self.cfg.prototypes == "unit":
-            return "unit"
-        flags = ["cps" if self.cfg.cps else "dense"]
-        if self.cfg.scaling:
-            flags.append("scaled")
-        return "+".join(flags)
-
     def train_anchors(self) -> ProtoSet | None:
         """Targets sent with a (non-ERPA) training round: last round's global prototypes."""
-        if self.cfg.prototypes == "unit":
-            return table_protoset({c: self.unit[c] for c in range(self.cfg.num_classes)},
-                                  self.cfg.proto_dim, self.cfg.proto_dtype)
-        if self.cfg.prototypes == "mean" and not self.cfg.erpa and self.prototypes:
-            return table_protoset(self.prototypes, self.proto_width, self.cfg.proto_dtype)
+        plan = self.plan
+        if plan.prototypes == "unit":
+            assert self.unit is not None
+            return table_protoset({c: self.unit[c] for c in range(plan.num_classes)}, plan.proto_dim,
+                                  plan.proto_dtype)
+        if plan.prototypes == "mean" and not plan.two_phase and self.prototypes:
+            return table_protoset(self.prototypes, plan.proto_width, plan.proto_dtype)
         return None
 
 
@@ -85,23 +79,26 @@ class PrototypePhase:
 
     def __init__(self, model: ServerModel) -> None:
         self.model = model
-        cfg = model.cfg
-        self.public = set(cfg.public_class_list)
-        width = model.proto_width
-        self.erpa = erpa.ErpaAggregator(cfg.num_classes, width, sorted(self.public))
-        self.scaled = ScaledAggregator(cfg.num_classes, width) if cfg.scaling else None
+        plan = model.plan
+        self.public = set(plan.public_classes)
+        self.erpa = erpa.ErpaAggregator(plan.num_classes, plan.proto_width, sorted(self.public))
+        self.scaled = ScaledAggregator(plan.num_classes, plan.proto_width) if plan.scaled else None
+
+    @property
+    def senders(self) -> int:
+        return self.erpa.senders
 
     def validate(self, up: ProtoUpload) -> None:
-        cfg, width = self.model.cfg, self.model.proto_width
+        plan = self.model.plan
         pub, _ = protoset_table(up.public)
         loc, counts = protoset_table(up.local)
-        check_table(pub, cfg.num_classes, width, "public prototype")
-        check_table(loc, cfg.num_classes, width, "local prototype")
+        check_table(pub, plan.num_classes, plan.proto_width, "public prototype")
+        check_table(loc, plan.num_classes, plan.proto_width, "local prototype")
         if set(pub) - self.public:
             raise WireError(f"public prototypes for classes {sorted(set(pub) - self.public)} with no public data")
         if set(loc) & self.public:
             raise WireError(f"local prototypes for public-covered classes {sorted(set(loc) & self.public)}")
-        if not cfg.scaling and loc and counts is None:
+        if plan.counts_with_prototypes and loc and counts is None:
             raise WireError("local prototypes without counts (this federation does not use scaling)")
 
     def add(self, up: ProtoUpload) -> None:
@@ -109,6 +106,9 @@ class PrototypePhase:
         pub, _ = protoset_table(up.public)
         loc, counts = protoset_table(up.local)
         if self.scaled is not None:
+            # Both accumulators check before folding; check the scaled table first so that a bad one
+            # cannot leave ERPA's half folded.
+            self.scaled.check(loc)
             self.erpa.add(pub, {}, {})
             self.scaled.add(loc)
         else:
@@ -134,63 +134,63 @@ class TrainPhase:
 
     def __init__(self, model: ServerModel) -> None:
         self.model = model
-        cfg = model.cfg
+        plan = model.plan
         self.adapters: ApudAggregator | FedAvgAggregator | None = None
-        if cfg.federate == "adapter":
+        if plan.federate == "adapter":
             assert model.adapter is not None
             self.adapters = ApudAggregator(model.adapter)
-        elif cfg.federate == "full":
-            assert model.params is not None
+        elif plan.federate == "full" and model.params is not None:
             self.adapters = FedAvgAggregator(model.params.shape[0])
+        # FedAvg without a known model (a server with no torch): the first upload fixes the length.
         self.protos: PrototypeAggregator | ScaledAggregator | refine.ConsensusAggregator | None = None
-        if cfg.prototypes == "unit":
+        if plan.prototypes == "unit":
+            assert model.unit is not None
             self.protos = refine.ConsensusAggregator(model.unit)
-        elif cfg.prototypes == "mean" and not cfg.erpa:
-            self.protos = (ScaledAggregator(cfg.num_classes, model.proto_width) if cfg.scaling
-                           else PrototypeAggregator(cfg.num_classes, model.proto_width, weighting=cfg.aggregation))
+        elif plan.prototypes == "mean" and not plan.two_phase:
+            self.protos = (ScaledAggregator(plan.num_classes, plan.proto_width) if plan.scaled
+                           else PrototypeAggregator(plan.num_classes, plan.proto_width, weighting=model.cfg.aggregation))
+
+    @property
+    def senders(self) -> int:
+        return self.adapters.senders if self.adapters is not None else 0
 
     def add_adapter(self, up: AdapterUpload) -> None:
-        if self.adapters is None:
+        plan = self.model.plan
+        if plan.federate == "none":
             raise WireError("this federation does not exchange adapters")
-        expected = self.model.adapter if self.model.cfg.federate == "adapter" else self.model.params
-        assert expected is not None
-        d = expected.shape[0]
-        if isinstance(up.update, SparseVector):
-            if self.model.cfg.federate == "full":
-                raise WireError("FedAvg needs the full parameter vector, got a sparse update")
-            if up.update.n != d:
-                raise WireError(f"sparse adapter of length {up.update.n}, expected {d}")
-        elif up.update.shape != (d,):
-            raise WireError(f"adapter of length {up.update.shape[0]}, expected {d}")
         if up.n_samples <= 0:
             raise WireError("adapter upload with n_samples = 0")
+        if isinstance(up.update, SparseVector):
+            if plan.federate == "full":
+                raise WireError("FedAvg needs the full parameter vector, got a sparse update")
+            n = up.update.n
+        else:
+            n = up.update.shape[0]
+        if self.adapters is None:  # FedAvg, model length not known yet
+            self.adapters = FedAvgAggregator(n)
+        expected = self.model.adapter.shape[0] if plan.federate == "adapter" else self.adapters.dim
+        if n != expected:
+            raise WireError(f"adapter of length {n}, expected {expected}")
         self.adapters.add(up.update, float(up.n_samples))
 
     def add_prototypes(self, up: ProtoUpload) -> None:
         if self.protos is None:
             raise WireError("this federation does not exchange prototypes in the training phase")
-        cfg = self.model.cfg
+        plan = self.model.plan
         table, counts = protoset_table(up.local)
-        width = cfg.proto_dim if cfg.prototypes == "unit" else self.model.proto_width
-        check_table(table, cfg.num_classes, width, "prototype")
-        if isinstance(self.protos, ScaledAggregator):
-            self.protos.add(table)
-        elif isinstance(self.protos, refine.ConsensusAggregator):
+        check_table(table, plan.num_classes, plan.proto_width, "prototype")
+        if isinstance(self.protos, (ScaledAggregator, refine.ConsensusAggregator)):
             self.protos.add(table)
         else:
-            if cfg.aggregation == "weighted" and table and counts is None:
+            if self.model.cfg.aggregation == "weighted" and table and counts is None:
                 raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
             self.protos.add(table, counts)
-
-    @property
-    def count(self) -> int:
-        return self.adapters.count if self.adapters is not None else 0
 
     def finish(self) -> None:
         """Fold the round into the server model (coordinates/classes nobody sent keep their value)."""
         cfg, model = self.model.cfg, self.model
-        if self.adapters is not None and self.adapters.count > 0:
-            if cfg.federate == "adapter":
+        if self.adapters is not None and self.adapters.senders > 0:
+            if model.plan.federate == "adapter":
                 model.adapter = self.adapters.result()
             else:
                 model.params = self.adapters.result()
@@ -205,4 +205,3 @@ class TrainPhase:
             if result:
                 # FedProto keeps a class's old prototype if nobody sent it this round.
                 model.prototypes = {**model.prototypes, **result}
-

@@ -2,7 +2,9 @@
 
 It reads the retained `config`, `public` and `round` messages, trains locally and publishes its
 uploads on `up/{client_id}`. The same object runs in the in-process simulator and on a device over
-MQTT; nothing here knows which.
+MQTT; nothing here knows which. What to send in each phase comes from the round plan (protofl.plan),
+the client halves of the techniques from edge_agent/stages.py and protofl/algorithms; this class is
+the glue: messages in, model and data through torch, messages out.
 """
 
 from __future__ import annotations
@@ -14,19 +16,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from edge_agent import frozen, stages, trainer
 from edge_agent import params as model_params
-from edge_agent import frozen, trainer
-from edge_agent.extractor import EXTRACTORS, Extractor, make_extractor
+from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from protofl import topics
-from protofl.algorithms import apud, cps, scaling
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms import apud
+from protofl.algorithms.fedproto import nearest_prototype
 from protofl.algorithms.refine import normalize_rows
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
+from protofl.names import check_extractor
+from protofl.plan import Phase, RoundPlan, TargetKind
 from protofl.transport import Transport
-from protofl.wire import (AdapterUpload, Config, Envelope, Join, Metrics, ProtoSet, ProtoUpload, PublicSet,
-                          RoundStart, decode_message, encode_message)
+from protofl.wire import (DEFAULT_LIMITS, AdapterUpload, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
+                          PublicSet, RoundStart, decode_message, encode_message)
 
 log = logging.getLogger("protofl.edge")
 AGENT_VERSION = "0.1.0"
@@ -73,8 +77,6 @@ class EdgeAgent:
     def __init__(self, client_id: str, fed: str, transport: Transport, data: ClientData, *,
                  arch: str | None = None, profile: str = "", device: str = "cpu",
                  eval_every: int = 1, extractor: str = "torch") -> None:
-        if extractor not in EXTRACTORS:
-            raise ConfigError(f"extractor must be one of {', '.join(EXTRACTORS)}, got {extractor!r}")
         self.client_id = client_id
         self.fed = fed
         self.transport = transport
@@ -83,23 +85,29 @@ class EdgeAgent:
         self.profile = profile
         self.device = torch.device(device)
         self.eval_every = max(1, eval_every)
+        self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
+        self.limits: Limits = DEFAULT_LIMITS  # until the config says how large this federation's messages get
         self.cfg: FederationConfig | None = None
+        self.plan: RoundPlan | None = None
         self.model: ProtoNet | None = None
-        self.masks: np.ndarray | None = None
+        self.tables = stages.DeviceTables()
         self.public_x: torch.Tensor | None = None
         self.public_y: np.ndarray | None = None
         self.global_adapter: np.ndarray | None = None
         self.adapter_round = -1  # the round whose global adapter we hold
+        self.targets_table: dict[int, np.ndarray] = {}  # this round's global prototypes, dense (for metrics)
         self.unit_prototypes: torch.Tensor | None = None
-        self.local_norms: dict[int, float] = {}
         self.handled: set[tuple[int, str]] = set()
         self.finished = False
-        self.extractor = extractor  # "torch" | "onnx": what computes z for prototypes and metrics
         self._extractor: Extractor | None = None
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
+
+    @property
+    def local_norms(self) -> dict[int, float]:
+        return self.tables.local_norms
 
     # -- transport glue -----------------------------------------------------------------------
     def start(self) -> None:
@@ -125,7 +133,7 @@ class EdgeAgent:
     def on_message(self, topic: str, payload: bytes) -> None:
         self.stats.received_bytes += len(payload)
         try:
-            env, msg = decode_message(payload)
+            env, msg = decode_message(payload, limits=self.limits)
         except WireError as exc:
             self._drop("malformed", f"{topic}: {exc}")
             return
@@ -149,15 +157,15 @@ class EdgeAgent:
         if self.cfg == cfg and self.model is not None:
             return  # retained config re-delivered after a reconnect
         self.cfg = cfg
+        self.plan = RoundPlan.from_config(cfg)
         arch = self.arch or cfg.archs[0]
         # Every device of an architecture starts from the same seeded weights, as in the papers'
         # reference code (PFLlib deep-copies one model per client). Backbones still diverge: they
         # are trained privately and never sent. Identical starts give the prototype spaces a common
         # origin, which ERPA's cross-client anchor means need.
-        seed = cfg.seed
         self.model = build_model(arch, tuple(cfg.in_shape), cfg.num_classes, cfg.proto_dim,
-                                 cfg.adapter_rank, projection=cfg.consensus, seed=seed).to(self.device)
-        self.masks = msg.class_masks if cfg.cps else None
+                                 cfg.adapter_rank, projection=cfg.consensus, seed=cfg.seed).to(self.device)
+        self.tables = stages.DeviceTables(masks=msg.class_masks if self.plan.cps else None)
         if cfg.federate == "adapter":
             mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(self.model)]
             theirs = [(n, tuple(s)) for n, s in msg.adapter_layout]
@@ -165,6 +173,13 @@ class EdgeAgent:
                 self.model = None
                 self._drop("bad_config", f"adapter layout mismatch: server {theirs[:2]}..., device {mine[:2]}...")
                 return
+        # This federation's largest messages: the round message carries our full model (FedAvg) or
+        # adapter; the server's stated limit may be larger still.
+        own = self.plan.limits(len(model_params.full_vector(self.model)) if cfg.federate == "full" else None,
+                               len(model_params.adapter_vector(self.model)))
+        stated = int(msg.limits.get("max_message_bytes", 0))
+        self.limits = own if stated <= own.max_message_bytes else Limits(
+            max_message_bytes=stated, max_elements=own.max_elements, max_bin_len=max(own.max_bin_len, stated))
         self.handled.clear()
 
     def on_public(self, msg: PublicSet) -> None:
@@ -182,16 +197,16 @@ class EdgeAgent:
             self.finished = True
             return
         key = (env.round, env.phase)
-        if key in self.handled or self.cfg is None or self.model is None:
+        if key in self.handled or self.plan is None or self.model is None:
             return
         if msg.participants is not None and self.client_id not in msg.participants:
             return
         self.handled.add(key)
         if msg.adapter is not None:
             self._load_global_adapter(msg.adapter, env.round)
-        if env.phase == "proto":
+        if env.phase == Phase.PROTO.value:
             self._prototype_phase(env.round)
-        elif env.phase == "train":
+        elif env.phase == Phase.TRAIN.value:
             self._train_phase(env.round, msg)
 
     def _load_global_adapter(self, vector: np.ndarray, round_: int) -> None:
@@ -199,88 +214,52 @@ class EdgeAgent:
         self.global_adapter = np.array(vector, dtype=np.float32, copy=True)
         self.adapter_round = round_
 
+    def _holds_round_adapter(self, round_: int) -> bool:
+        """Whether we hold the adapter this round's phases were opened with (adapter federation)."""
+        assert self.plan is not None
+        return self.plan.federate != "adapter" or self.adapter_round == round_
+
     def _prototype_phase(self, round_: int) -> None:
         """ERPA phase 1 (RefProtoFL Alg. 3): public-set prototypes, local ones for uncovered classes."""
-        cfg = self.cfg
-        assert cfg is not None and self.model is not None
-        if cfg.federate == "adapter" and self.adapter_round != round_:
+        plan = self.plan
+        assert plan is not None and self.model is not None
+        if not self._holds_round_adapter(round_):
             return  # we missed this round's adapter; anchors from a stale adapter would mislead
-        public_classes = set(cfg.public_class_list)
-        pub = None
-        if public_classes and self.public_x is not None:
-            z = self._get_extractor().embed(self.public_x)
-            protos, _ = local_prototypes(z, self.public_y, cfg.num_classes)
-            pub = self._protoset({c: p for c, p in protos.items() if c in public_classes}, None, scaled=False)
-        z = self._get_extractor().embed(self._x)
-        protos, counts = local_prototypes(z, self.data.y_train, cfg.num_classes)
-        local = {c: p for c, p in protos.items() if c not in public_classes}
-        self._remember_norms(local)
-        loc = self._protoset(local, {c: counts[c] for c in local}, scaled=cfg.scaling)
-        self._send(ProtoUpload(local=loc, public=pub, n_samples=len(self.data.y_train)), round_, "proto")
-
-    def _protoset(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, scaled: bool) -> ProtoSet:
-        """Pack a prototype table for the wire: optional scaling (n*p, counts hidden), then CPS."""
-        cfg = self.cfg
-        assert cfg is not None
-        if scaled and counts is not None:
-            protos, counts = scaling.scale_prototypes(protos, counts), None
-        if self.masks is not None:
-            protos = cps.compress_table(protos, self.masks)
-        classes = sorted(protos)
-        width = cfg.s if self.masks is not None else cfg.proto_dim
-        values = (np.stack([protos[c] for c in classes]).astype(np.float32) if classes
-                  else np.zeros((0, width), dtype=np.float32))
-        cnt = None if counts is None else np.asarray([counts[c] for c in classes], dtype=np.int64)
-        return ProtoSet(classes=np.asarray(classes, dtype=np.int64), values=values, counts=cnt, dt=cfg.proto_dtype)
-
-    def _remember_norms(self, protos: dict[int, np.ndarray]) -> None:
-        """Local prototype norms (on the class's CPS support) for mu = "auto"."""
-        for c, p in protos.items():
-            v = p[self.masks[c]] if self.masks is not None else p
-            self.local_norms[c] = float(np.linalg.norm(v))
+        extractor = self._get_extractor()
+        z_public = (extractor.embed(self.public_x)
+                    if plan.public_classes and self.public_x is not None else None)
+        public, local = stages.erpa_tables(plan, self.tables, z_public, self.public_y, extractor.embed(self._x),
+                                           self.data.y_train)
+        self._send(ProtoUpload(local=local, public=public, n_samples=len(self.data.y_train)), round_, Phase.PROTO.value)
 
     def _targets(self, msg: RoundStart) -> trainer.Targets:
-        cfg = self.cfg
-        assert cfg is not None and self.model is not None
+        """This round's training targets, from the round message's anchors and the plan."""
+        plan = self.plan
+        assert plan is not None and self.model is not None
+        self.targets_table = {}
         if msg.anchors is None or len(msg.anchors.classes) == 0:
             return trainer.Targets()
-        classes = [int(c) for c in msg.anchors.classes]
-        table = {c: msg.anchors.values[i] for i, c in enumerate(classes)}
-        if msg.anchor_kind == "unit":
+        if plan.target is TargetKind.PAGR:
+            if msg.anchor_kind != plan.anchor_kind:
+                raise WireError(f"anchors labelled '{msg.anchor_kind}', but this federation sends '{plan.anchor_kind}'")
             P = torch.from_numpy(normalize_rows(msg.anchors.values).astype(np.float32)).to(self.device)
             with torch.no_grad():  # FedPAGR anchoring: head rows := refined prototypes, bias 0
                 self.model.head.weight.copy_(P)
                 self.model.head.bias.zero_()
             self.unit_prototypes = P
-            return trainer.Targets("pagr", P, torch.ones(cfg.num_classes, dtype=torch.bool, device=self.device))
-        flags = set(msg.anchor_kind.split("+"))
-        if "cps" in flags:
-            if self.masks is None:
-                raise WireError("anchors are CPS-compressed but this federation's config has no masks")
-            table = cps.reconstruct_table(table, self.masks)
-        if "scaled" in flags:
-            public = set(cfg.public_class_list)
-            scaled = {c: v for c, v in table.items() if c not in public}
-            if cfg.mu == "auto":
-                # Without any local prototype we hold none of these classes, so no sample of ours
-                # would use their targets: drop them rather than guess a magnitude.
-                scaled = scaling.auto_rescale(scaled, self.local_norms) if self.local_norms else {}
-                table = {c: v for c, v in table.items() if c in public}
-            else:
-                scaled = scaling.apply_mu(scaled, float(cfg.mu))
-            table.update(scaled)
-        kind = "anchor" if cfg.erpa else "mse"
-        t = trainer.Targets.from_table(kind, table, cfg.num_classes, cfg.proto_dim)
-        return trainer.Targets(t.kind, t.values.to(self.device), t.present.to(self.device))
+            return trainer.Targets(TargetKind.PAGR, P, torch.ones(plan.num_classes, dtype=torch.bool, device=self.device))
+        table = stages.alignment_targets(plan, self.tables, msg.anchors, msg.anchor_kind, self.cfg.mu)
+        self.targets_table = table
+        return trainer.Targets.from_table(plan.target, table, plan.num_classes, plan.proto_dim, self.device)
 
     def _train_phase(self, round_: int, msg: RoundStart) -> None:
-        cfg = self.cfg
-        assert cfg is not None and self.model is not None
+        cfg, plan = self.cfg, self.plan
+        assert cfg is not None and plan is not None and self.model is not None
         if msg.params is not None:
             model_params.load_full_vector(self.model, msg.params)
-        if cfg.federate == "adapter" and self.adapter_round < 0:
+        if plan.federate == "adapter" and self.adapter_round < 0:
             return  # never received a global adapter: nothing valid to train from
-        if cfg.two_phase and cfg.federate == "adapter" and self.adapter_round != round_:
+        if plan.two_phase and not self._holds_round_adapter(round_):
             # ERPA ships the adapter with the prototype phase; a device that (re)joined during the
             # training phase holds an older one, and its upload would be dropped as stale anyway.
             return
@@ -299,50 +278,63 @@ class EdgeAgent:
         else:
             stats = trainer.train_local(self.model, self._x, self._y, cfg, targets, seed=seed)
         n = len(self.data.y_train)
-        if cfg.federate == "full":
+        phase = Phase.TRAIN.value
+        if plan.federate == "full":
             self._send(AdapterUpload(update=model_params.full_vector(self.model), n_samples=n,
-                                     base_round=round_, dt=cfg.adapter_dtype), round_, "train")
-        elif cfg.federate == "adapter":
+                                     base_round=round_, dt=plan.adapter_dtype), round_, phase)
+        elif plan.federate == "adapter":
             theta = model_params.adapter_vector(self.model)
             update: object = theta
-            if cfg.apud:
-                d = theta.shape[0]
-                k = (apud.budget_from_bytes(d, cfg.apud_budget_bytes) if cfg.apud_budget_bytes
-                     else apud.topk_budget(d, cfg.apud_ratio))
+            if plan.apud:
+                k = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes)
                 update = apud.select_topk(theta, self.global_adapter, k)
             self._send(AdapterUpload(update=update, n_samples=n, base_round=self.adapter_round,
-                                     dt=cfg.adapter_dtype), round_, "train")
-        if cfg.prototypes != "none" and not cfg.erpa:
-            self._send(ProtoUpload(local=self._trained_prototypes(), public=None, n_samples=n), round_, "train")
+                                     dt=plan.adapter_dtype), round_, phase)
+        if plan.prototypes != "none" and not plan.two_phase:
+            z = self._get_extractor().embed(self._x)
+            local = stages.trained_prototypes(plan, self.tables, z, self.data.y_train)
+            self._send(ProtoUpload(local=local, public=None, n_samples=n), round_, phase)
         self.stats.rounds_trained += 1
         if round_ % self.eval_every == 0 or round_ >= cfg.rounds:
-            self._send(self._metrics(stats), round_, "train")
+            self._send(self._metrics(stats), round_, phase)
 
-    def _trained_prototypes(self) -> ProtoSet:
-        cfg = self.cfg
-        assert cfg is not None and self.model is not None
-        z = self._get_extractor().embed(self._x)
-        if cfg.prototypes == "unit":  # FedPAGR: p_kc = normalize(mean of z_hat)
-            protos, _ = local_prototypes(normalize_rows(z), self.data.y_train, cfg.num_classes)
-            return self._protoset({c: normalize_rows(p[None])[0] for c, p in protos.items()}, None, scaled=False)
-        protos, counts = local_prototypes(z, self.data.y_train, cfg.num_classes)
-        self._remember_norms(protos)
-        return self._protoset(protos, counts, scaled=cfg.scaling)
-
+    # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats) -> Metrics:
+        """The head's accuracy (FedPAGR: cosine to P) and the nearest-global-prototype accuracy on the
+        local split and, in simulation, on the official test set; the test set's class probabilities."""
         assert self.cfg is not None and self.model is not None
+        extractor = self._get_extractor()
         P = self.unit_prototypes if self.cfg.consensus else None
         x_test = torch.from_numpy(np.ascontiguousarray(self.data.x_test, dtype=np.float32)).to(self.device)
-        local = self._get_extractor().predict_proba(x_test, P, self.cfg.beta)
+        local = extractor.predict_proba(x_test, P, self.cfg.beta)
         correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
-        probs, n_test, correct_test = None, 0, 0
+        proto_local = self._nearest_correct(x_test, self.data.y_test, local, P)
+        probs, n_test, correct_test, proto_test = None, 0, 0, None
         if self.data.x_global is not None and self.data.y_global is not None:
             xg = torch.from_numpy(np.ascontiguousarray(self.data.x_global, dtype=np.float32)).to(self.device)
-            probs = self._get_extractor().predict_proba(xg, P, self.cfg.beta)
+            probs = extractor.predict_proba(xg, P, self.cfg.beta)
             n_test = len(self.data.y_global)
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
+            proto_test = self._nearest_correct(xg, self.data.y_global, probs, P)
         return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
-                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra={})
+                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra={},
+                       proto_correct_local=proto_local, proto_correct_test=proto_test)
+
+    def _nearest_correct(self, x: torch.Tensor, y: np.ndarray, probs: np.ndarray,
+                         P: torch.Tensor | None) -> int | None:
+        """Correct predictions of the nearest global prototype; None without global prototypes.
+
+        FedPAGR's probabilities are already softmax(cos(z, P) / beta), whose argmax is the nearest
+        prototype by cosine. Elsewhere: L2 to this round's (dense) global prototypes.
+        """
+        if P is not None:
+            return int((probs.argmax(1) == y).sum()) if len(probs) else 0
+        if not self.targets_table:
+            return None
+        if len(y) == 0:
+            return 0
+        pred = nearest_prototype(self._get_extractor().embed(x), self.targets_table)
+        return int((pred == y).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""

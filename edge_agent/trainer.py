@@ -16,28 +16,29 @@ import torch.nn.functional as F
 from edge_agent import losses
 from edge_agent.models import ProtoNet
 from protofl.config import FederationConfig
+from protofl.plan import TargetKind
 
 
 @dataclass
 class Targets:
-    """What the prototype term aligns z to this round.
+    """What the prototype term aligns z to this round (the round plan's target kind).
 
-    kind: "none" (CE only), "mse" (FedProto / TinyProto), "anchor" (ERPA), "pagr" (FedPAGR).
     values: (C, m) float tensor; present: (C,) bool tensor (classes that have a target).
     """
 
-    kind: str = "none"
+    kind: TargetKind = TargetKind.NONE
     values: torch.Tensor | None = None
     present: torch.Tensor | None = None
 
     @classmethod
-    def from_table(cls, kind: str, table: dict[int, np.ndarray], num_classes: int, dim: int) -> "Targets":
+    def from_table(cls, kind: TargetKind, table: dict[int, np.ndarray], num_classes: int, dim: int,
+                   device: torch.device | str = "cpu") -> "Targets":
         values = torch.zeros(num_classes, dim)
         present = torch.zeros(num_classes, dtype=torch.bool)
         for c, v in table.items():
             values[c] = torch.from_numpy(np.asarray(v, dtype=np.float32))
             present[c] = True
-        return cls(kind, values, present)
+        return cls(kind, values.to(device), present.to(device))
 
 
 @dataclass
@@ -50,13 +51,13 @@ class TrainStats:
 def batch_loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, cfg: FederationConfig, targets: Targets) -> torch.Tensor:
     """The preset's training objective on one batch (shared by full and frozen-backbone training)."""
     z = model.features(xb)
-    if targets.kind == "pagr":
+    if targets.kind is TargetKind.PAGR:
         assert targets.values is not None
         return losses.fedpagr_loss(z, yb, model.head, targets.values, cfg.beta, cfg.lambda_e)
     loss = F.cross_entropy(model.head(z), yb)
-    if targets.kind == "mse":
+    if targets.kind is TargetKind.MSE:
         loss = loss + cfg.proto_lambda * losses.fedproto_mse(z, yb, targets.values, targets.present)
-    elif targets.kind == "anchor":
+    elif targets.kind is TargetKind.ANCHOR:
         loss = loss + cfg.proto_lambda * losses.anchor_alignment(z, yb, targets.values, targets.present)
     return loss
 
@@ -119,7 +120,7 @@ def embed(model: ProtoNet, x: torch.Tensor, batch_size: int = 512) -> np.ndarray
     out = [model.features(x[i : i + batch_size]) for i in range(0, int(x.shape[0]), batch_size)]
     if not out:
         return np.zeros((0, model.proto_dim), dtype=np.float32)
-    return torch.cat(out).numpy().astype(np.float32, copy=False)
+    return torch.cat(out).cpu().numpy().astype(np.float32, copy=False)
 
 
 @torch.inference_mode()
@@ -137,4 +138,4 @@ def predict_proba(model: ProtoNet, x: torch.Tensor, unit_prototypes: torch.Tenso
         chunks.append(torch.softmax(logits, dim=1))
     if not chunks:
         return np.zeros((0, model.num_classes), dtype=np.float32)
-    return torch.cat(chunks).numpy().astype(np.float32, copy=False)
+    return torch.cat(chunks).cpu().numpy().astype(np.float32, copy=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,6 @@ class FederationConfig:
     # Rounds and faults.
     min_clients: int = 1
     round_timeout: float = 600.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -94,11 +93,6 @@ class FederationConfig:
 
     def arch_for(self, client_index: int) -> str:
         return self.archs[client_index % len(self.archs)]
-
-    @property
-    def two_phase(self) -> bool:
-        """ERPA rounds have a prototype phase (anchors) before the training phase."""
-        return self.erpa
 
     # -- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -181,8 +175,19 @@ class FederationConfig:
         need(not (self.cps and self.prototypes == "none"), "cps compresses prototypes; set prototypes='mean'")
         need(not (self.scaling and self.prototypes == "none"), "scaling needs prototypes='mean'")
         need(not (self.consensus and self.prototypes != "unit"), "consensus (FedPAGR) needs prototypes='unit'")
+        need(not (self.cps and self.prototypes == "unit"),
+             "CPS on unit prototypes (spherical CPS) is not implemented; use prototypes='mean' with cps")
         need(not (self.federate == "full" and len(set(self.archs)) > 1),
              "federate='full' (FedAvg) needs one architecture for every client")
+        need(not (self.refine and self.prototypes == "none"),
+             "refine moves prototypes; with prototypes='none' there is nothing to refine: turn refine off")
+        need(not (self.refine and self.prototypes == "mean" and not self.erpa),
+             "refine acts on FedPAGR's unit prototypes (prototypes='unit') or on ERPA anchors (erpa=true); "
+             "with neither it changes nothing: turn refine off or switch one of them on")
+        need(not (self.refine and self.erpa and self.cps and self.num_classes * self.s <= self.proto_dim),
+             f"refine with CPS masks that do not overlap (num_classes * cps_s = {self.num_classes * self.s} <= "
+             f"proto_dim = {self.proto_dim}) changes nothing: masked anchors are already orthogonal; use "
+             f"cps_s > {self.proto_dim // self.num_classes} so that masks overlap, or turn refine off")
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

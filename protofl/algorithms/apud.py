@@ -27,7 +27,7 @@ import numpy as np
 
 from protofl.sparse import SparseVector
 
-__all__ = ["topk_budget", "budget_from_bytes", "select_topk", "ApudAggregator"]
+__all__ = ["topk_budget", "budget_from_bytes", "client_budget", "select_topk", "ApudAggregator"]
 
 
 def topk_budget(d: int, ratio: float) -> int:
@@ -63,6 +63,11 @@ def budget_from_bytes(d: int, budget_bytes: int, value_bytes: int = 4) -> int:
     mask_bytes = (d + 7) // 8
     k_mask = (budget - mask_bytes) // vb if budget >= mask_bytes else 0
     return max(1, min(d, max(k_index, k_mask)))
+
+
+def client_budget(d: int, ratio: float, budget_bytes: int | None) -> int:
+    """K for this client: from its byte budget when it has one (a device profile), else from the ratio."""
+    return budget_from_bytes(d, budget_bytes) if budget_bytes else topk_budget(d, ratio)
 
 
 def select_topk(theta_local: np.ndarray, theta_global: np.ndarray, k: int) -> SparseVector:
@@ -108,7 +113,7 @@ class ApudAggregator:
         self._count = 0
 
     @property
-    def count(self) -> int:
+    def senders(self) -> int:
         """How many uploads have been accepted."""
         return self._count
 

@@ -3,10 +3,11 @@
 delta_c = 1 if the server's public set has no sample of class c (eq. 12); "public-covered" below
 means delta_c = 0.
 
-Client half (Alg. 3; computed by the agent with its backbone and the broadcast adapter):
+Client half (Alg. 3, `client_prototypes`; z from the device's backbone and the broadcast adapter):
     public-covered c:            p_kc^pub = mean of z over the public samples of c          (eq. 10)
     not covered and n_kc > 0:    p_kc     = mean of z over D_kc, sent with n_kc             (eq. 11)
-(the means themselves are fedproto.local_prototypes).
+(the means themselves are fedproto.local_prototypes). Training then aligns z to the anchors
+(eq. 17; the torch term is edge_agent/losses.anchor_alignment).
 
 Server half (Alg. 4):
     p_c^ext = uniform mean of p_kc^pub over the clients that sent c                       (eq. 14)
@@ -28,9 +29,31 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
 
-__all__ = ["ErpaAggregator", "combine_anchors"]
+__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors"]
+
+
+def client_prototypes(
+    z_public: np.ndarray | None,
+    y_public: np.ndarray | None,
+    z_local: np.ndarray,
+    y_local: np.ndarray,
+    num_classes: int,
+    public_classes: Iterable[int],
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray], dict[int, int]]:
+    """Alg. 3: (p^pub for public-covered classes, p for the uncovered classes this client holds, n_kc).
+
+    `z_public` is None when the device holds no public set (then it sends no public prototypes).
+    """
+    public = {int(c) for c in public_classes}
+    pub: dict[int, np.ndarray] = {}
+    if public and z_public is not None and y_public is not None:
+        protos, _ = local_prototypes(z_public, y_public, num_classes)
+        pub = {c: p for c, p in protos.items() if c in public}
+    protos, counts = local_prototypes(z_local, y_local, num_classes)
+    local = {c: p for c, p in protos.items() if c not in public}
+    return pub, local, {c: counts[c] for c in local}
 
 
 class ErpaAggregator:

@@ -31,7 +31,11 @@ class FedAvgAggregator:
         self._count = 0
 
     @property
-    def count(self) -> int:
+    def dim(self) -> int:
+        return self._dim
+
+    @property
+    def senders(self) -> int:
         """How many uploads have been accepted."""
         return self._count
 

@@ -100,6 +100,10 @@ class PrototypeAggregator:
         """
         self._apply(self._prepare(protos, counts))
 
+    def check(self, protos: Mapping[int, np.ndarray], counts: Mapping[int, int] | None = None) -> None:
+        """Raise ValueError if `add` would reject this table; changes nothing."""
+        self._prepare(protos, counts)
+
     def result(self) -> dict[int, np.ndarray]:
         """Global prototypes as float32, only for the classes at least one client sent."""
         sent = np.flatnonzero(self._weight > 0)

@@ -1,6 +1,7 @@
 """Consensus aggregation and geometric refinement: FedPAGR (Prasad and Khan, paper 004), Secs. 3.3-3.5.
 
-Client half (eq. 2; computed by the agent): p_kc = Normalize(mean of z_hat over D_kc), z_hat = z / ||z||.
+Client half (eq. 2, `client_prototypes`): p_kc = Normalize(mean of z_hat over D_kc), z_hat = z / ||z||.
+The client's loss and head anchoring are torch (edge_agent/losses.fedpagr_loss, edge_agent/agent.py).
 
 Server half:
     p_bar_c = Normalize((1 / |K_c|) sum_{k in K_c} p_kc)      over the clients K_c that sent c  (eq. 3)
@@ -35,8 +36,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from protofl.algorithms.fedproto import local_prototypes
+
 __all__ = [
     "normalize_rows",
+    "client_prototypes",
     "initial_prototypes",
     "ConsensusAggregator",
     "refinement_loss_and_grad",
@@ -55,6 +59,12 @@ def normalize_rows(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
         x = x.astype(np.float64)
     norms = np.linalg.norm(x, axis=-1, keepdims=True)
     return x / np.maximum(norms, eps)
+
+
+def client_prototypes(z: np.ndarray, y: np.ndarray, num_classes: int) -> dict[int, np.ndarray]:
+    """Eq. (2): per class this client holds, the normalised mean of its normalised features."""
+    protos, _ = local_prototypes(normalize_rows(z), y, num_classes)
+    return {c: normalize_rows(p[None])[0] for c, p in protos.items()}
 
 
 def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:

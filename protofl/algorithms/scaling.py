@@ -27,7 +27,7 @@ import numpy as np
 
 from protofl.algorithms.fedproto import PrototypeAggregator
 
-__all__ = ["scale_prototypes", "ScaledAggregator", "apply_mu", "auto_rescale"]
+__all__ = ["scale_prototypes", "support_norms", "ScaledAggregator", "apply_mu", "auto_rescale"]
 
 
 def scale_prototypes(protos: Mapping[int, np.ndarray], counts: Mapping[int, int]) -> dict[int, np.ndarray]:
@@ -43,6 +43,15 @@ def scale_prototypes(protos: Mapping[int, np.ndarray], counts: Mapping[int, int]
         if not np.isfinite(v).all():
             raise ValueError(f"scaling: prototype for class {c} contains NaN or inf")
         out[int(c)] = (int(n) * v).astype(np.float32)
+    return out
+
+
+def support_norms(protos: Mapping[int, np.ndarray], masks: np.ndarray | None) -> dict[int, float]:
+    """||p_kc|| on the class's CPS support (the whole vector without CPS): what mu = "auto" rescales to."""
+    out: dict[int, float] = {}
+    for c, p in protos.items():
+        v = np.asarray(p)
+        out[int(c)] = float(np.linalg.norm(v[masks[int(c)]] if masks is not None else v))
     return out
 
 
@@ -65,6 +74,10 @@ class ScaledAggregator:
     def add(self, scaled: Mapping[int, np.ndarray]) -> None:
         """Fold in one client's {c: n_kc p_kc}; a rejected upload leaves the state unchanged."""
         self._agg.add(scaled, None)
+
+    def check(self, scaled: Mapping[int, np.ndarray]) -> None:
+        """Raise ValueError if `add` would reject this table; changes nothing."""
+        self._agg.check(scaled, None)
 
     def result(self) -> dict[int, np.ndarray]:
         """G_c as float32 for every class somebody sent."""

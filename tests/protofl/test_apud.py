@@ -141,7 +141,7 @@ def test_aggregation_hand_example_alg2():
     out = agg.result()
     assert out.dtype == np.float32
     np.testing.assert_allclose(out, [4.2, 5.0, 9.0, 40.0, 50.0], rtol=1e-7)
-    assert agg.count == 3
+    assert agg.senders == 3
 
 
 def test_nothing_added_returns_theta_global():
@@ -193,7 +193,7 @@ def test_bad_upload_rejected_and_state_unchanged(update, weight):
     before = agg.result()
     with pytest.raises(ValueError):
         agg.add(update, weight)
-    assert agg.count == 1
+    assert agg.senders == 1
     np.testing.assert_array_equal(agg.result(), before)
 
 
@@ -201,7 +201,7 @@ def test_empty_sparse_update_changes_nothing_but_count():
     theta = np.arange(3, dtype=np.float32)
     agg = ApudAggregator(theta)
     agg.add(_sv(3, [], []), 5)
-    assert agg.count == 1
+    assert agg.senders == 1
     np.testing.assert_array_equal(agg.result(), theta)
 
 

@@ -16,7 +16,7 @@ def test_weighted_mean_hand_example():
     out = agg.result()
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out, [3.25, 6.5])
-    assert agg.count == 2
+    assert agg.senders == 2
 
 
 def test_single_client_gets_its_own_vector_back():
@@ -46,7 +46,7 @@ def test_bad_upload_rejected_and_state_unchanged(vector, weight):
     agg.add(np.array([2.0, 4.0]), 2)
     with pytest.raises(ValueError):
         agg.add(vector, weight)
-    assert agg.count == 1
+    assert agg.senders == 1
     np.testing.assert_array_equal(agg.result(), [2.0, 4.0])
 
 

@@ -1,0 +1,276 @@
+"""The round state machine: joins, phases, uploads and deadlines, with no transport (numpy only).
+
+Round r: open -> [ERPA: proto phase -> anchors] -> train phase -> fold into the server model, as the
+round plan says. A phase closes when every expected client has sent what the plan asks of it in that
+phase, or at its deadline (`tick()`), provided at least `min_clients` did.
+
+The machine takes decoded messages and hands the messages it sends to a `publish` callback (the I/O
+shell in aggregator.py encodes and routes them). Anything it refuses raises `Drop` with a reason
+before any state changes; the shell is the one place that turns an exception into a counted drop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from broker_server.stages import PrototypePhase, ServerModel, TrainPhase, table_protoset
+from protofl.adapter import adapter_layout, initial_adapter
+from protofl.algorithms import cps, refine
+from protofl.config import FederationConfig
+from protofl.humanize import human_bytes
+from protofl.plan import Phase, RoundPlan, Upload
+from protofl.wire import (AdapterUpload, Config, Envelope, Join, Metrics, ProtoSet, ProtoUpload, PublicSet,
+                          RoundStart, Status)
+
+log = logging.getLogger("protofl.server")
+
+# publish(message, round, phase) -> encoded size in bytes
+Publish = Callable[[object, int, str], int]
+
+
+class Drop(Exception):
+    """An upload the machine refuses: counted under `reason`, logged with `detail`, state unchanged."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class RoundRecord:
+    round: int
+    clients: list[str] = field(default_factory=list)
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    started: float = 0.0
+    ended: float = 0.0
+    closed_by: str = ""
+
+
+@dataclass
+class OpenPhase:
+    phase: Phase
+    expected: set[str]
+    needs: tuple[Upload, ...]
+    deadline: float
+    received: dict[str, set[Upload]] = field(default_factory=dict)
+
+    def complete(self, client: str) -> bool:
+        return set(self.needs) <= self.received.get(client, set())
+
+    def done_clients(self) -> list[str]:
+        return sorted(c for c in self.received if self.complete(c))
+
+
+class RoundMachine:
+    def __init__(self, cfg: FederationConfig, publish: Publish, *, clock: Callable[[], float],
+                 initial_params: np.ndarray | None = None, public: PublicSet | None = None,
+                 expected_clients: Sequence[str] | None = None,
+                 on_round_end: Callable[[RoundRecord], None] | None = None,
+                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.plan = RoundPlan.from_config(cfg)
+        self.publish = publish
+        self.clock = clock
+        self.public = public if self.plan.public_classes else None
+        self.expected_clients = sorted(expected_clients) if expected_clients else None
+        self.on_round_end = on_round_end
+        self.on_metrics = on_metrics
+        self.model = ServerModel(cfg, self.plan)
+        if self.plan.cps:
+            self.model.masks = cps.make_masks(cfg.num_classes, cfg.proto_dim, cfg.s, seed=cfg.seed)
+        self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" else []
+        if self.layout:
+            self.model.adapter = initial_adapter(self.layout, seed=cfg.seed)
+        if cfg.federate == "full" and initial_params is not None:
+            # Without an initial vector the devices start from the config seed's model (identical
+            # everywhere); the simulator passes the vector so that round 1's downlink is counted.
+            self.model.params = np.asarray(initial_params, np.float32)
+        if self.plan.prototypes == "unit":
+            self.model.unit = refine.initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
+        self.clients: dict[str, Join] = {}
+        self.round = 0
+        self.phase: OpenPhase | None = None
+        self.proto_acc: PrototypePhase | None = None
+        self.train_acc: TrainPhase | None = None
+        self.anchors: ProtoSet | None = None
+        self.records: list[RoundRecord] = []
+        self.current = RoundRecord(round=1)
+        self.finished = False
+        self._welcome_bytes = 0  # config + public set: what a new device receives once
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, limits: dict[str, int]) -> None:
+        self._welcome_bytes = self.publish(
+            Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
+                   class_masks=self.model.masks, limits=limits), 0, "")
+        if self.public is not None:
+            self._welcome_bytes += self.publish(self.public, 0, "")
+        self._status("waiting", f"0/{self.quorum} clients")
+
+    @property
+    def quorum(self) -> int:
+        return len(self.expected_clients) if self.expected_clients else self.cfg.min_clients
+
+    def _status(self, state: str, detail: str = "") -> None:
+        self.publish(Status(state=state, detail=detail), self.round, "")
+
+    # -- incoming (every refusal raises Drop before anything changes) -----------------------------
+    def receive(self, env: Envelope, msg: object, nbytes: int) -> None:
+        if isinstance(msg, Join):
+            self._on_join(env, msg, nbytes)
+        elif isinstance(msg, Metrics):
+            self._on_metrics(env, msg, nbytes)
+        elif isinstance(msg, (ProtoUpload, AdapterUpload)):
+            self._on_upload(env, msg, nbytes)
+        else:
+            raise Drop("unexpected_kind", f"'{env.kind}' from {env.sender}")
+
+    def _on_join(self, env: Envelope, msg: Join, nbytes: int) -> None:
+        if self.expected_clients and env.sender not in self.expected_clients:
+            raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
+        new = env.sender not in self.clients
+        self.clients[env.sender] = msg
+        self.current.uplink_bytes += nbytes
+        if new:
+            self.current.downlink_bytes += self._welcome_bytes
+            log.info("client %s joined (%s, %d samples); %d/%d", env.sender, msg.arch or "default arch",
+                     msg.n_samples, len(self.clients), self.quorum)
+        if self.round == 0 and not self.finished and len(self.clients) >= self.quorum:
+            self._open_round(1)
+        elif self.phase is not None and new:
+            self.phase.expected.add(env.sender)
+
+    def _on_metrics(self, env: Envelope, msg: Metrics, nbytes: int) -> None:
+        if env.sender not in self.clients:
+            raise Drop("unknown_client", f"metrics from '{env.sender}'")
+        if self.on_metrics is not None:
+            self.on_metrics(env.sender, env.round, msg, nbytes)
+
+    def _check_upload(self, env: Envelope, msg: ProtoUpload | AdapterUpload) -> tuple[OpenPhase, Upload]:
+        """Where an upload belongs; raises Drop if it belongs nowhere now."""
+        if env.sender not in self.clients:
+            raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
+        open_ = self.phase
+        now = f"now round {self.round}/{open_.phase.value if open_ else '-'}"
+        if open_ is None or env.round < self.round:
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
+        if env.phase not in {p.value for p in self.plan.phases}:
+            raise Drop("wrong_phase", f"{env.kind} for phase '{env.phase}', which this federation does not have")
+        phase = Phase(env.phase)
+        if env.round == self.round and self.plan.phases.index(phase) < self.plan.phases.index(open_.phase):
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
+        if env.round > self.round or phase is not open_.phase:
+            raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now}")
+        kind = Upload(env.kind)
+        if kind in open_.received.get(env.sender, set()):
+            raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
+        if kind not in open_.needs:
+            raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
+        if isinstance(msg, AdapterUpload) and self.plan.federate == "adapter" and msg.base_round != self.round:
+            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.round}")
+        return open_, kind
+
+    def _on_upload(self, env: Envelope, msg: ProtoUpload | AdapterUpload, nbytes: int) -> None:
+        open_, kind = self._check_upload(env, msg)
+        # The accumulators check the whole upload before folding any of it: one that raises here
+        # leaves them (and everything below) unchanged.
+        if open_.phase is Phase.PROTO:
+            assert self.proto_acc is not None and isinstance(msg, ProtoUpload)
+            self.proto_acc.add(msg)
+        elif isinstance(msg, AdapterUpload):
+            assert self.train_acc is not None
+            self.train_acc.add_adapter(msg)
+        else:
+            assert self.train_acc is not None
+            self.train_acc.add_prototypes(msg)
+        open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
+        self.current.uplink_bytes += nbytes
+        if all(open_.complete(c) for c in open_.expected):
+            self._close_phase("quorum")
+
+    # -- phases ---------------------------------------------------------------------------------
+    def _open_round(self, r: int) -> None:
+        self.round = r
+        self.current.round = r
+        self.current.started = self.clock()
+        self._open_phase(self.plan.first_phase)
+
+    def _open_phase(self, phase: Phase) -> None:
+        model, plan = self.model, self.plan
+        if phase is Phase.PROTO:
+            self.proto_acc = PrototypePhase(model)
+            anchors = None
+        else:
+            self.train_acc = TrainPhase(model)
+            anchors = self.anchors if plan.two_phase else model.train_anchors()
+        deadline = self.clock() + self.cfg.round_timeout
+        msg = RoundStart(deadline=deadline,
+                         adapter=model.adapter if plan.adapter_phase is phase else None,
+                         params=model.params if phase is Phase.TRAIN else None,
+                         anchors=anchors, anchor_kind=plan.anchor_kind if anchors is not None else "",
+                         participants=None, final=False, dt=plan.adapter_dtype)
+        self.phase = OpenPhase(phase, set(self.clients), plan.sends(phase), deadline)
+        self._status("running", f"round {self.round}/{self.cfg.rounds} {phase.value}")
+        nbytes = self.publish(msg, self.round, phase.value)
+        self.current.downlink_bytes += nbytes * len(self.clients)
+
+    def tick(self, now: float | None = None) -> None:
+        """Close the open phase if its deadline has passed (call periodically)."""
+        open_ = self.phase
+        if open_ is None or self.finished:
+            return
+        now = self.clock() if now is None else now
+        if now < open_.deadline:
+            return
+        done = open_.done_clients()
+        if len(done) >= self.cfg.min_clients:
+            self._close_phase("deadline")
+        else:
+            log.warning("round %d %s: deadline passed with %d/%d clients (min %d); waiting another %.0fs",
+                        self.round, open_.phase.value, len(done), len(open_.expected), self.cfg.min_clients,
+                        self.cfg.round_timeout)
+            open_.deadline = now + self.cfg.round_timeout
+
+    def _close_phase(self, why: str) -> None:
+        open_ = self.phase
+        assert open_ is not None
+        if open_.phase is Phase.PROTO:
+            assert self.proto_acc is not None
+            table = self.proto_acc.anchors()
+            self.anchors = table_protoset(table, self.plan.proto_width, self.plan.proto_dtype) if table else None
+            self.proto_acc = None
+            nxt = self.plan.next_phase(open_.phase)
+            assert nxt is not None
+            self._open_phase(nxt)
+            return
+        assert self.train_acc is not None
+        self.train_acc.finish()
+        self.train_acc = None
+        self.phase = None
+        rec = self.current
+        rec.clients = open_.done_clients()
+        rec.ended = self.clock()
+        rec.closed_by = why
+        self.records.append(rec)
+        log.info("round %d: %d/%d clients (%s), up %s, down %s", rec.round, len(rec.clients), len(open_.expected),
+                 why, human_bytes(rec.uplink_bytes), human_bytes(rec.downlink_bytes))
+        self.current = RoundRecord(round=rec.round + 1)
+        if self.on_round_end is not None:
+            self.on_round_end(rec)
+        if rec.round >= self.cfg.rounds:
+            self._finish()
+        else:
+            self._open_round(rec.round + 1)
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.publish(RoundStart(deadline=self.clock(), adapter=self.model.adapter, params=self.model.params,
+                                anchors=None, anchor_kind="", participants=None, final=True,
+                                dt=self.plan.adapter_dtype), self.round, Phase.DONE.value)
+        self._status("finished", f"{self.round} rounds")
