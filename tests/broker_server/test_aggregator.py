@@ -49,8 +49,8 @@ def retained_round(broker: InProcessBroker) -> tuple[Envelope, RoundStart]:
 def snapshot(agg: Aggregator) -> tuple:
     m = agg.model
     return (None if m.adapter is None else m.adapter.copy(), {c: v.copy() for c, v in m.prototypes.items()},
-            agg.round, None if agg.phase is None else agg.phase.name,
-            None if agg.phase is None else {k: set(v) for k, v in agg.phase.received.items()})
+            agg.round, None if agg.machine.phase is None else agg.machine.phase.phase,
+            None if agg.machine.phase is None else {k: set(v) for k, v in agg.machine.phase.received.items()})
 
 
 def same(a: tuple, b: tuple) -> bool:

@@ -21,7 +21,7 @@ def test_preset_stage_switches() -> None:
     assert make_config("tinyproto").s == 51  # m/10 with m = 512
     assert make_config("tinyproto").cps and make_config("tinyproto").scaling
     r = make_config("refprotofl")
-    assert r.erpa and r.apud and r.two_phase and r.public_class_list == tuple(range(10))
+    assert r.erpa and r.apud and r.public_class_list == tuple(range(10))
     assert make_config("fedpagr").prototypes == "unit"
 
 

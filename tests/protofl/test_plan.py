@@ -1,0 +1,68 @@
+"""The round plan: what each preset's switches mean for both sides, and the combinations refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from protofl.config import FederationConfig
+from protofl.errors import ConfigError
+from protofl.plan import Phase, RoundPlan, TargetKind, Upload
+from protofl.presets import make_config
+
+A, P = Upload.ADAPTER, Upload.PROTOS
+
+# preset -> (phases, uploads per phase, adapter carried by, target, anchor label, prototype width)
+EXPECTED = {
+    "fedavg": ((Phase.TRAIN,), {Phase.TRAIN: (A,)}, None, TargetKind.NONE, "dense", 512),
+    "fedproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.MSE, "dense", 512),
+    "refprotofl": ((Phase.PROTO, Phase.TRAIN), {Phase.PROTO: (P,), Phase.TRAIN: (A,)}, Phase.PROTO,
+                   TargetKind.ANCHOR, "dense", 512),
+    "tinyproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.MSE, "cps+scaled", 51),
+    "fedpagr": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.PAGR, "unit", 512),
+    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (A, P)}, Phase.TRAIN, TargetKind.MSE, "cps+scaled", 51),
+}
+
+
+@pytest.mark.parametrize("preset", list(EXPECTED))
+def test_each_preset_plan(preset: str) -> None:
+    phases, uploads, adapter_phase, target, anchor_kind, width = EXPECTED[preset]
+    plan = RoundPlan.from_config(make_config(preset))
+    assert plan.phases == phases
+    assert {ph: plan.sends(ph) for ph in phases} == uploads
+    assert plan.adapter_phase == adapter_phase
+    assert plan.target is target and plan.anchor_kind == anchor_kind and plan.proto_width == width
+
+
+def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> None:
+    plan = RoundPlan.from_config(make_config("protofl", erpa=True))
+    assert plan.sends(Phase.PROTO) == (P,) and plan.sends(Phase.TRAIN) == (A,)
+    assert plan.target is TargetKind.ANCHOR and plan.next_phase(Phase.PROTO) is Phase.TRAIN
+    assert plan.next_phase(Phase.TRAIN) is None
+    assert not plan.counts_with_prototypes  # scaling hides n_kc
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (dict(preset="fedproto", refine=True), "with neither it changes nothing"),
+    (dict(preset="fedavg", refine=True), "nothing to refine"),
+    # 10 classes x s = 51 <= 512: disjoint masks, refinement is a no-op
+    (dict(preset="protofl", erpa=True, refine=True), "changes nothing: masked anchors are already orthogonal"),
+    (dict(preset="fedpagr", cps=True), "spherical CPS"),
+])
+def test_meaningless_switch_combinations_are_refused_with_a_reason(overrides: dict, reason: str) -> None:
+    preset = overrides.pop("preset")
+    with pytest.raises(ConfigError, match=reason):
+        make_config(preset, **overrides)
+
+
+def test_refinement_is_accepted_where_it_acts() -> None:
+    make_config("fedpagr", refine=True)  # unit prototypes
+    make_config("refprotofl", refine=True)  # dense ERPA anchors
+    make_config("protofl", erpa=True, refine=True, cps_s=128)  # 10 x 128 > 512: masks overlap
+
+
+def test_limits_follow_the_model() -> None:
+    small = RoundPlan.from_config(FederationConfig(federate="full", prototypes="none"))
+    assert small.limits(1_000_000).max_message_bytes == 32 * 2**20  # never below the codec's default
+    big = small.limits(11_200_000)  # resnet18: 44.8 MB of f4 per model message
+    assert big.max_message_bytes >= 4 * 11_200_000 * 1.25 and big.max_elements > 11_200_000
+    assert big.max_bin_len >= big.max_message_bytes
