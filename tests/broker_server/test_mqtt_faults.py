@@ -16,7 +16,7 @@ import pytest
 from broker_server.aggregator import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.service import AggregatorService
-from broker_server.simulate import SimulationSpec, prepare
+from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.local_data import DataSpec
 from edge_agent.runner import DeviceRunner, RunnerOptions
 from protofl import topics

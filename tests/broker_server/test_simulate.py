@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from broker_server.simulate import SimulationSpec, prepare, run_simulation
+from broker_server.simulation import SimulationSpec, prepare, run_simulation
 from protofl.presets import PRESETS
 
 # One synthetic federation shared by every preset (defaults: m = 512, cnn), as the issue asks.

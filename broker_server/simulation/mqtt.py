@@ -1,0 +1,191 @@
+"""`simulate --transport mqtt`: the in-process federation, through a real broker.
+
+The aggregator runs in this process as an `AggregatorService`; every client is a separate
+`protofl-edge join` process that loads its own share of the same (dataset, N, alpha, seed) partition
+(`--partition i/N`), so the run reproduces the in-process one. `agents="thread"` runs the same
+`DeviceRunner`s as threads of this process instead (tests: no interpreter start-up per client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from broker_server.aggregator import Aggregator
+from broker_server.broker import start_local_broker
+from broker_server.service import AggregatorService
+from broker_server.simulation.report import Report, describe_drops
+from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
+from protofl.errors import ConfigError
+from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
+
+log = logging.getLogger("protofl.simulate")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:
+    """`protofl-edge join` arguments for client `index` of the simulated federation."""
+    args = ["--broker", broker.url, "--fed", FED, "--client-id", client_id(index), "--data", spec.dataset,
+            "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
+            "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", spec.device,
+            "--threads", "1", "--mqtt", protocol]
+    for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
+                        ("--train-limit", spec.train_limit), ("--username", broker.username),
+                        ("--tls-ca", broker.tls_ca), ("--tls-cert", broker.tls_cert), ("--tls-key", broker.tls_key)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+class AgentProcesses:
+    """One `python -m edge_agent.cli join ...` per client, output in a log file each."""
+
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str) -> None:
+        self.spec, self.broker, self.protocol = spec, broker, protocol
+        self._tmp = tempfile.TemporaryDirectory(prefix="protofl-agents-")
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def log_path(self, i: int) -> Path:
+        return Path(self._tmp.name) / f"{client_id(i)}.log"
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        if self.broker.password is not None:
+            env[PASSWORD_ENV] = self.broker.password
+        for i in range(self.spec.clients):
+            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, self.broker, self.protocol, i)]
+            with self.log_path(i).open("wb") as out:
+                self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL, env=env))
+
+    def check(self) -> None:
+        """Raise if an agent failed; a clean exit (the federation finished for it) is fine."""
+        for i, p in enumerate(self.procs):
+            rc = p.poll()
+            if rc not in (None, 0):
+                tail = self.log_path(i).read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"agent {client_id(i)} exited with status {rc}:\n{tail}")
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def dropped(self) -> None:
+        """Separate processes: their drops are in their logs, not readable here."""
+        return None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Give agents time to see the final round and leave; then SIGTERM, then SIGKILL."""
+        end = time.monotonic() + timeout
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._tmp.cleanup()
+
+
+class AgentThreads:
+    """The same `DeviceRunner`s as threads of this process."""
+
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str) -> None:
+        from edge_agent.local_data import DataSpec
+        from edge_agent.runner import DeviceRunner, RunnerOptions
+
+        opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, protocol=protocol,  # type: ignore[arg-type]
+                             extractor=spec.extractor)
+        self.runners = [DeviceRunner(broker, FED, client_id(i),
+                                     DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
+                                              spec.test_limit, spec.train_limit), opts)
+                        for i in range(spec.clients)]
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True) for r in self.runners]
+
+    def _run(self, runner: Any) -> None:
+        try:
+            runner.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by check()
+            self.errors.append(exc)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def check(self) -> None:
+        if self.errors:
+            raise RuntimeError(f"an agent thread failed: {self.errors[0]!r}") from self.errors[0]
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def dropped(self) -> dict[str, dict[str, int]]:
+        """Each agent's dropped messages by reason (an agent not built yet has dropped nothing)."""
+        return {r.client_id: dict(r.agent.stats.dropped) if r.agent is not None else {} for r in self.runners}
+
+    def stop(self, timeout: float = 15.0) -> None:
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, end - time.monotonic()))
+        for r in self.runners:
+            r.stop()
+        for t in self.threads:
+            t.join(5)
+
+
+def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
+                  initial_params: np.ndarray | None) -> Aggregator:
+    """Run the federation to its last round through a broker; returns the service's aggregator."""
+    if spec.agents not in ("process", "thread"):
+        raise ConfigError(f"agents must be 'process' or 'thread', got '{spec.agents}'")
+    cfg = fed_data.cfg
+    with contextlib.ExitStack() as stack:
+        if spec.broker is None:
+            local = start_local_broker(spec.broker_kind)  # type: ignore[arg-type]
+            stack.callback(getattr(local, "cleanup", local.stop))
+            broker, protocol = parse_broker_url(local.url), local.protocol
+        else:
+            broker, protocol = spec.broker, "auto"
+        service = AggregatorService(cfg, FED, broker, public=fed_data.public_set(), expected_clients=spec.client_ids,
+                                    initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
+                                    on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
+                                    on_metrics=report.on_metrics)
+        service.start()
+        stack.callback(service.close)
+        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol)
+        agents.start()
+        stack.callback(agents.stop)
+        progress = report.progress
+
+        def until() -> bool:
+            agents.check()
+            if not service.finished and not agents.alive():
+                raise RuntimeError(f"every agent left before the federation finished "
+                                   f"(round {service.aggregator.round})")
+            progress.poll(time.time())
+            # A device evaluates after its last upload, so the last round's metrics come after the close;
+            # they always come (an agent leaves only after sending them), unless the agent died.
+            metrics_in = progress.all_metrics_in() or not agents.alive()
+            return service.finished and progress.emitted >= cfg.rounds and metrics_in
+
+        try:
+            service.run(until=until, timeout=spec.timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; {describe_drops(service.aggregator.dropped, agents.dropped())}") from None
+        return service.aggregator
