@@ -170,7 +170,9 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         stack.callback(service.close)
         agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol)
         agents.start()
-        stack.callback(agents.stop)
+        finished = False
+        # Finished: give agents time to see the final round and leave; failed: stop them now.
+        stack.callback(lambda: agents.stop(15.0 if finished else 0.0))
         progress = report.progress
 
         def until() -> bool:
@@ -188,4 +190,5 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             service.run(until=until, timeout=spec.timeout)
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}; {describe_drops(service.aggregator.dropped, agents.dropped())}") from None
+        finished = True
         return service.aggregator
