@@ -40,7 +40,7 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
                   repeat: int = 2) -> dict[str, Any]:
     import torch
 
-    from broker_server.simulate import SimulationSpec, run_simulation
+    from broker_server.simulation import SimulationSpec, run_simulation
     from protofl.transport.broker_url import parse_broker_url
 
     torch.set_num_threads(1)  # like the agent processes; fastest for small batches on a shared box

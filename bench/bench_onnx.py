@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from broker_server.aggregator import Aggregator  # noqa: E402
-from broker_server.simulate import SimulationSpec, prepare  # noqa: E402
+from broker_server.simulation import SimulationSpec, prepare  # noqa: E402
 from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
 from edge_agent.models import build_model  # noqa: E402
 from export.bench import bench_model, speedups  # noqa: E402

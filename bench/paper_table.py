@@ -36,7 +36,7 @@ from typing import Any
 
 from bench import table_report
 from bench.table_runs import DATASET, FEDERATIONS, SETTINGS, SIZING, Run, needed_for, suite_runs
-from broker_server.simulate import SimulationSpec, resolve_config
+from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

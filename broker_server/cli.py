@@ -12,7 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from broker_server.cli_common import parse_sets
+from broker_server.start_cli import start_command
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.humanize import human_bytes
 from protofl.presets import PRESETS
 
 app = typer.Typer(help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
@@ -26,14 +29,16 @@ def _fmt(v: Any) -> str:
 
 def _summary(report: dict[str, Any]) -> Table:
     t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
-    for col in ("round", "local %", "global %", "ensemble %", "uplink", "downlink", "clients"):
+    for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "uplink",
+                "downlink", "clients"):
         t.add_column(col, justify="right")
     for r in report["rounds"]:
-        t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["global_acc"]), _fmt(r["ensemble_acc"]),
-                  f"{r['uplink_bytes'] / 1024:.1f} KB", f"{r['downlink_bytes'] / 1024:.1f} KB", str(r["clients"]))
+        t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["local_proto_acc"]), _fmt(r["global_acc"]),
+                  _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), human_bytes(r["uplink_bytes"]),
+                  human_bytes(r["downlink_bytes"]), str(r["clients"]))
     tot = report["totals"]
-    t.caption = (f"total uplink {tot['uplink_bytes'] / 2**20:.3f} MB, downlink {tot['downlink_bytes'] / 2**20:.3f} MB, "
-                 f"wall {tot['wall_s']:.1f} s")
+    t.caption = (f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
+                 f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}")
     return t
 
 
@@ -62,17 +67,19 @@ def simulate(
     test_limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
+    device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
+                                           "auto (cuda if torch sees one, else cpu)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
 ) -> None:
     """Simulate a whole federation on this machine and report accuracy and bytes per round."""
-    from broker_server.simulate import SimulationSpec, run_simulation
+    from broker_server.simulation import SimulationSpec, run_simulation
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        overrides = _parse_sets(set_)
+        overrides = parse_sets(set_)
         broker_options = None
         if broker is not None or username or tls_ca or tls_cert or tls_key:
             from protofl.transport.broker_url import parse_broker_url
@@ -84,7 +91,8 @@ def simulate(
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
                               transport=transport, broker=broker_options, broker_kind=local_broker,
                               config_file=str(config) if config else None,
-                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, extractor=extractor, overrides=overrides)
+                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, extractor=extractor, device=device,
+                              overrides=overrides)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
@@ -92,7 +100,7 @@ def simulate(
 
             def on_round(row: dict[str, Any]) -> None:
                 progress.update(task, advance=1, status=f"local {_fmt(row['local_acc'])}% "
-                                f"global {_fmt(row['global_acc'])}% up {row['uplink_bytes'] / 1024:.0f} KB")
+                                f"global {_fmt(row['global_acc'])}% up {human_bytes(row['uplink_bytes'])}")
 
             report = run_simulation(spec, on_round=on_round)
     except ProtoFLError as exc:
@@ -107,19 +115,6 @@ def simulate(
             console.print(f"report written to {json_out}")
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got '{item}'")
-        key, raw = item.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw  # a bare string such as mu=auto
-    return out
-
-
 @app.command()
 def presets() -> None:
     """List the presets and the stages each one switches on."""
@@ -131,9 +126,7 @@ def presets() -> None:
     Console().print(t)
 
 
-from broker_server.start_cli import start_command  # noqa: E402 -- the long-running service, in its own module
-
-app.command("start")(start_command)
+app.command("start")(start_command)  # the long-running service, in its own module
 
 
 if __name__ == "__main__":

@@ -13,82 +13,35 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import numpy as np
 
 from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
+from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.stages import ServerModel
 from protofl import topics
 from protofl.config import FederationConfig
+from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import DEFAULT_LIMITS, Limits, Metrics, PublicSet, Status, encode_message
+from protofl.wire import Limits, Metrics, PublicSet, Status, encode_message
 
 log = logging.getLogger("protofl.service")
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
-
-
-@dataclass
-class _Pending:
-    rec: RoundRecord
-    due: float
-    metrics: dict[str, Metrics] = field(default_factory=dict)
-
-
-class RoundLog:
-    """One log line per round. A round's metrics arrive just after its last upload closed it, so the
-    line waits until every participant reported or `grace` seconds passed."""
-
-    def __init__(self, rounds: int, grace: float = 3.0, emit: Callable[[str], None] = log.info) -> None:
-        self.rounds = rounds
-        self.grace = grace
-        self.emit = emit
-        self.pending: list[_Pending] = []
-        self.early: dict[int, dict[str, Metrics]] = {}
-        self.lines: list[str] = []
-
-    def round_end(self, rec: RoundRecord, now: float) -> None:
-        self.pending.append(_Pending(rec, now + self.grace, self.early.pop(rec.round, {})))
-
-    def metrics(self, client: str, round_: int, msg: Metrics) -> None:
-        for p in self.pending:
-            if p.rec.round == round_:
-                p.metrics[client] = msg
-                return
-        self.early.setdefault(round_, {})[client] = msg
-
-    def flush(self, now: float, force: bool = False) -> None:
-        while self.pending:
-            p = self.pending[0]
-            if not (force or now >= p.due or set(p.rec.clients) <= set(p.metrics)):
-                return
-            self.pending.pop(0)
-            line = self.format(p)
-            self.lines.append(line)
-            self.emit(line)
-
-    def format(self, p: _Pending) -> str:
-        rec, ms = p.rec, list(p.metrics.values())
-        parts = [f"round {rec.round}/{self.rounds}: {len(rec.clients)} clients ({rec.closed_by})"]
-        n_local = sum(m.n_local for m in ms)
-        if n_local:
-            parts.append(f"local acc {100 * sum(m.correct_local for m in ms) / n_local:.1f}%")
-        tested = [m.correct_test / m.n_test for m in ms if m.n_test]
-        if tested:
-            parts.append(f"global acc {100 * float(np.mean(tested)):.1f}%")
-        parts.append(f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, "
-                     f"{rec.ended - rec.started:.1f} s")
-        return ", ".join(parts)
+def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int) -> str:
+    """The service's log line for a closed round: participants, accuracies (those reported), bytes, time."""
+    parts = [f"round {rec.round}/{rounds}: {len(rec.clients)} clients ({rec.closed_by})"]
+    acc = accuracies(metrics.values())
+    for key, label in (("local_acc", "local acc"), ("local_proto_acc", "local proto acc"),
+                       ("global_acc", "global acc"), ("global_proto_acc", "global proto acc")):
+        if acc[key] is not None:
+            parts.append(f"{label} {100 * acc[key]:.1f}%")
+    parts.append(f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, "
+                 f"{rec.ended - rec.started:.1f} s")
+    return ", ".join(parts)
 
 
 class AggregatorService:
@@ -96,17 +49,19 @@ class AggregatorService:
 
     def __init__(self, cfg: FederationConfig, fed: str, broker: BrokerOptions, *,
                  public: PublicSet | None = None, expected_clients: Sequence[str] | None = None,
-                 initial_params: np.ndarray | None = None, limits: Limits = DEFAULT_LIMITS,
+                 initial_params: np.ndarray | None = None, limits: Limits | None = None,
                  protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 tick_interval: float = 0.2, log_grace: float = 3.0) -> None:
+                 tick_interval: float = 0.2, log_grace: float = GRACE_S) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
         self._user_metrics = on_metrics
         self._stop = threading.Event()
-        self.round_log = RoundLog(cfg.rounds, grace=log_grace)
+        self.rounds = cfg.rounds
+        # One log line per round, once its metrics are in (they arrive just after the round closed).
+        self.round_log = RoundProgress(self._log_round, grace=log_grace)
         will = Will(topics.server_status(fed),
                     encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed,
                                    sender=SERVER_ID))
@@ -114,8 +69,10 @@ class AggregatorService:
         self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
                                        persistent_session=True, deliver="pump", protocol=protocol)
         self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
-                                     public=public, expected_clients=expected_clients, limits=limits,
-                                     on_round_end=self._round_end, on_metrics=self._metrics)
+                                     public=public, expected_clients=expected_clients,
+                                     on_round_end=self._round_end, on_metrics=self._metrics,
+                                     # None: the aggregator derives the decoder limits from the config
+                                     **({} if limits is None else {"limits": limits}))
 
     @property
     def finished(self) -> bool:
@@ -142,7 +99,7 @@ class AggregatorService:
         """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.aggregator.tick()
-        self.round_log.flush(time.time())
+        self.round_log.poll(time.time())
         return n
 
     def run(self, *, timeout: float | None = None, until: Callable[[], bool] | None = None) -> None:
@@ -167,7 +124,7 @@ class AggregatorService:
 
     def close(self) -> None:
         """Flush the round log, say goodbye on `server/status` (no will is sent) and disconnect."""
-        self.round_log.flush(time.time(), force=True)
+        self.round_log.poll(time.time(), force=True)
         if not self.finished and self.transport.connected:
             payload = encode_message(Status(state="stopped", detail=f"stopped in round {self.aggregator.round}"),
                                      fed=self.fed, sender=SERVER_ID, round=self.aggregator.round)
@@ -175,12 +132,15 @@ class AggregatorService:
         self.transport.close()
 
     def _round_end(self, rec: RoundRecord) -> None:
-        self.round_log.round_end(rec, time.time())
+        self.round_log.round_end(rec)
         if self._user_round_end is not None:
             self._user_round_end(rec)
 
+    def _log_round(self, rec: RoundRecord, metrics: dict[str, Metrics]) -> None:
+        log.info("%s", round_line(rec, metrics, self.rounds))
+
     def _metrics(self, client: str, round_: int, msg: Metrics, nbytes: int) -> None:
-        self.round_log.metrics(client, round_, msg)
+        self.round_log.add_metrics(client, round_, msg)
         if self._user_metrics is not None:
             self._user_metrics(client, round_, msg, nbytes)
 

@@ -12,11 +12,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-import numpy as np
 import typer
 
+from broker_server.cli_common import parse_sets
 from protofl import cli_options
-
 from protofl.errors import ConfigError, ProtoFLError
 
 log = logging.getLogger("protofl.service")
@@ -49,12 +48,10 @@ def start_command(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
-    from broker_server.cli import _parse_sets
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("protofl.server").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
-        cfg, public = _federation(preset, config, _parse_sets(set_), rounds, min_clients, round_timeout, seed,
+        cfg, public = _federation(preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed,
                                   public_data, data_dir)
         _serve(cfg, public, fed, broker, state_dir, port, local_broker, username, password, tls_ca, tls_cert, tls_key,
                connect_timeout)
@@ -67,9 +64,9 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
                 min_clients: int | None, round_timeout: float | None, seed: int | None, public_data: str | None,
                 data_dir: str | None) -> tuple[Any, Any]:
     """The validated config and, for ERPA, the public set carved exactly as the simulator carves it."""
-    from protofl.data import build_federation, load_dataset
+    from protofl.data import load_dataset
+    from protofl.data.federation import public_set
     from protofl.presets import make_config
-    from protofl.wire import PublicSet
 
     overrides.update({k: v for k, v in dict(rounds=rounds, min_clients=min_clients, round_timeout=round_timeout,
                                             seed=seed).items() if v is not None})
@@ -83,12 +80,7 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
     if train is None:
         raise ConfigError(f"preset '{cfg.preset}' uses ERPA anchors and needs a public set: pass --public-data "
                           f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0")
-    # One client's worth of partition: the public set is carved first, from its own seed stream, so it
-    # is the same set the simulator (and devices with --partition) keep out of the clients' data.
-    idx = build_federation(train.y, 1, 1.0, cfg.seed, public_per_class=cfg.public_per_class,
-                           public_classes=cfg.public_classes, min_batches=0).public
-    return cfg, PublicSet(x=train.x[idx], y=train.y[idx].astype(np.int64),
-                          classes=sorted(int(c) for c in np.unique(train.y[idx])))
+    return cfg, public_set(train, cfg)
 
 
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, port: int, local_broker: str,

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protofl.config import FederationConfig
-from protofl.data import Dataset, FederatedSplit, build_federation, load_dataset, split_client
+from protofl.data import Dataset, load_dataset, split_client
+from protofl.data.federation import federation_split, limit_train
 from protofl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -59,22 +60,6 @@ def dataset_spec(data: str) -> str:
         return f"idx:{p}"
     raise DataError(f"--data '{data}': not a dataset spec (fashion-mnist, synthetic[:...], npz:PATH, idx:DIR), "
                     f"an .npz file or a directory of IDX files")
-
-
-def limit_train(train: Dataset, limit: int | None, seed: int) -> Dataset:
-    """The simulator's `--train-limit`: a seeded subset of the training set, taken before partitioning."""
-    if limit is None or limit >= len(train):
-        return train
-    if limit < 1:
-        raise ConfigError(f"--train-limit must be >= 1, got {limit}")
-    keep = np.sort(np.random.default_rng([seed, 0x5EB]).permutation(len(train))[:limit])
-    return train.subset(keep)
-
-
-def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg: FederationConfig) -> FederatedSplit:
-    """The simulator's partition for (dataset, N, alpha, seed); the public set is carved for every preset."""
-    return build_federation(train.y, clients, alpha, seed, public_per_class=cfg.public_per_class,
-                            public_classes=cfg.public_classes, batch_size=cfg.batch_size)
 
 
 def check_shape(train: Dataset, cfg: FederationConfig) -> None:

@@ -1,10 +1,10 @@
-"""Human-readable sizes for logs and tables."""
+"""Numbers for people: one byte formatter for every log line, table and report caption."""
 
 from __future__ import annotations
 
 
 def human_bytes(n: float) -> str:
-    """1023 -> '1023 B', 1536 -> '1.5 KB', up to GB."""
+    """`512 B`, `1.5 KB`, `2.0 MB`, `3.1 GB` (binary units: 1 KB = 1024 B); GB is the largest unit."""
     for unit in ("B", "KB", "MB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

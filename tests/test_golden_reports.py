@@ -70,7 +70,7 @@ def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_report_matches_the_recorded_one(case: str, one_torch_thread: None) -> None:
-    from broker_server.simulate import SimulationSpec, run_simulation
+    from broker_server.simulation import SimulationSpec, run_simulation
 
     spec = SimulationSpec(**{"preset": case, **FED, **CASES[case]})
     got = run_simulation(spec)

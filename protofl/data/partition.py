@@ -25,6 +25,7 @@ __all__ = [
     "carve_public",
     "client_min_size",
     "dirichlet_partition",
+    "federation_public",
     "split_client",
 ]
 
@@ -186,6 +187,20 @@ def client_min_size(pool_size: int, n_clients: int, min_batches: int = 2, batch_
     return max(2, min(min_batches * batch_size, pool_size // (SMALL_POOL_DIVISOR * n_clients)))
 
 
+def federation_public(
+    labels: np.ndarray, seed: int, public_per_class: int = 20, public_classes: Sequence[int] | None = None
+) -> np.ndarray:
+    """The public set :func:`build_federation` keeps out of every client for (labels, seed): sorted indices.
+
+    ``public_per_class`` samples of each class in ``public_classes`` (None = every class present), drawn
+    from the public stage's own stream, so a server can carve it without partitioning the clients.
+    """
+    y = _check_labels(labels)
+    seed = _check_seed(seed)
+    classes = np.unique(y).tolist() if public_classes is None else [int(c) for c in public_classes]
+    return carve_public(y, public_per_class, classes, _derive_seed(seed, _TAG_PUBLIC))
+
+
 def build_federation(
     labels: np.ndarray,
     n_clients: int,
@@ -214,8 +229,7 @@ def build_federation(
         raise DataError(f"n_clients must be >= 1, got {n_clients}")
     if min_batches < 0 or batch_size < 1:
         raise DataError(f"min_batches must be >= 0 and batch_size >= 1, got {min_batches}, {batch_size}")
-    classes = np.unique(y).tolist() if public_classes is None else [int(c) for c in public_classes]
-    public = carve_public(y, public_per_class, classes, _derive_seed(seed, _TAG_PUBLIC))
+    public = federation_public(y, seed, public_per_class, public_classes)
 
     keep = np.ones(len(y), dtype=bool)
     keep[public] = False

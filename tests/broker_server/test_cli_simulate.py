@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from typer.testing import CliRunner
 
 from broker_server.cli import app
@@ -15,14 +16,18 @@ def test_simulate_writes_the_json_report(tmp_path) -> None:
     out = tmp_path / "r" / "report.json"
     res = runner.invoke(app, ["simulate", "--preset", "tinyproto", "--dataset", "synthetic:n=600,n_test=100",
                               "--clients", "3", "--rounds", "2", "--seed", "1", "--json", str(out),
-                              "--set", "mu=auto", "--set", "cps_s=32"])
+                              "--set", "mu=auto", "--set", "cps_s=32", "--device", "auto"])
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert report["preset"] == "tinyproto"
     assert report["config"]["mu"] == "auto" and report["config"]["cps_s"] == 32
     assert [r["round"] for r in report["rounds"]] == [1, 2]
     assert set(report["totals"]) == {"uplink_bytes", "downlink_bytes", "wall_s"}
+    assert report["simulation"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # auto, resolved
+    for row in report["rounds"]:
+        assert {"local_acc", "local_proto_acc", "global_acc", "global_proto_acc"} <= set(row)
     assert "tinyproto on synthetic" in res.output  # the summary table
+    assert "proto" in res.output  # its nearest-prototype columns
 
 
 def test_bad_input_exits_2_with_a_reason(tmp_path) -> None:
@@ -33,7 +38,10 @@ def test_bad_input_exits_2_with_a_reason(tmp_path) -> None:
         (["--set", "no_equals_sign"], "key=value"),
         (["--dataset", "imagenet"], "unknown dataset spec"),
         (["--config", str(tmp_path / "none.toml")], "not found"),
+        (["--device", "tpu"], "--device must be cpu, cuda or auto"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "torch sees no CUDA device"))
     for args, fragment in cases:
         res = runner.invoke(app, ["simulate", "-q", *args])
         assert res.exit_code == 2, (args, res.output)

@@ -16,7 +16,7 @@ import pytest
 from broker_server.aggregator import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.service import AggregatorService
-from broker_server.simulate import SimulationSpec, prepare
+from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.local_data import DataSpec
 from edge_agent.runner import DeviceRunner, RunnerOptions
 from protofl import topics
@@ -185,3 +185,27 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     assert sorted(agg.model.prototypes) == sorted(ref.model.prototypes) == [0, 1, 2]
     for c in ref.model.prototypes:  # same uploads in the same order: bit-identical
         np.testing.assert_array_equal(agg.model.prototypes[c], ref.model.prototypes[c])
+
+
+def test_agents_are_started_on_the_simulations_device() -> None:
+    from broker_server.simulation.mqtt import join_args
+
+    spec = SimulationSpec(preset="fedproto", dataset=DATA, clients=3, device="cuda")
+    args = join_args(spec, parse_broker_url("mqtt://127.0.0.1:1883"), "5", 2)
+    assert args[args.index("--device") + 1] == "cuda"
+    assert args[args.index("--client-id") + 1] == "client-002" and args[args.index("--partition") + 1] == "2/3"
+
+
+@pytest.mark.mosquitto
+def test_a_simulation_that_runs_out_of_time_names_every_sides_drops(mosquitto: MosquittoBroker) -> None:
+    from broker_server.simulation import run_simulation
+
+    # 1000 rounds cannot finish in 3 s; the agents are threads, so their drops can be read.
+    spec = SimulationSpec(preset="fedproto", dataset="synthetic:n=400,n_test=50", clients=2, rounds=1000, seed=1,
+                          archs=("mlp",), transport="mqtt", agents="thread", timeout=3,
+                          broker=parse_broker_url(mosquitto.url))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 3 s") as err:
+        run_simulation(spec)
+    assert "dropped by the aggregator: none; by the agents: none" in str(err.value)
+    assert time.monotonic() - start < 30  # the agent threads were stopped, not waited for

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from broker_server.broker import MosquittoBroker
-from broker_server.simulate import SimulationSpec, run_simulation
+from broker_server.simulation import SimulationSpec, run_simulation
 from broker_server.stages import ServerModel
 from protofl.presets import PRESETS
 from protofl.transport.broker_url import parse_broker_url

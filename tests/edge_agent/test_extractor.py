@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from broker_server.simulate import SimulationSpec, run_simulation
+from broker_server.simulation import SimulationSpec, run_simulation
 from edge_agent.agent import EdgeAgent
 from edge_agent.extractor import OnnxExtractor, TorchExtractor, make_extractor, weight_fingerprint
 from edge_agent.models import build_model

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from broker_server.simulate import SimulationSpec, run_simulation
+from broker_server.simulation import SimulationSpec, run_simulation
 from edge_agent import trainer
 from edge_agent.extractor import weight_fingerprint
 from edge_agent.frozen import FrozenBackbone, compute_backbone_features, train_on_cached_features

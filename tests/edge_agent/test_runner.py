@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from broker_server.broker import MosquittoBroker, free_port
 from broker_server.service import AggregatorService
-from broker_server.simulate import SimulationSpec, prepare
+from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.cli import app
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data, parse_partition
 from edge_agent.runner import DeviceRunner, RunnerOptions

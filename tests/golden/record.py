@@ -19,7 +19,7 @@ CASES: dict[str, dict[str, Any]] = {
 def main(out: str) -> None:
     import torch
 
-    from broker_server.simulate import SimulationSpec, run_simulation
+    from broker_server.simulation import SimulationSpec, run_simulation
 
     torch.set_num_threads(1)
     for name, extra in CASES.items():

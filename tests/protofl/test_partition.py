@@ -174,3 +174,49 @@ def test_build_federation_fashion_mnist_two_batches_per_client() -> None:
     check_federation(y, fed, 20, 20, range(10))
     # The full-size rule applies: every client has at least 2 batches of 64.
     assert min(len(c.train) + len(c.test) for c in fed.clients) >= 128
+
+
+# -- the federation recipe (protofl.data.federation): what the simulator, devices and the server share --
+
+
+def _recipe_inputs():  # type: ignore[no-untyped-def]
+    from protofl.data.federation import limit_train
+    from protofl.presets import make_config
+
+    train, _ = make_synthetic(n_train=1200, n_test=10, seed=3)
+    return limit_train(train, 1000, 3), make_config("refprotofl", None, seed=3)
+
+
+def test_federation_recipe_is_pinned() -> None:
+    # The partition a (dataset, N, alpha, seed) gets must never drift: reports and devices depend on it.
+    # Fingerprint recorded before the recipe moved here from edge_agent/local_data.py (same value then).
+    import zlib
+
+    from protofl.data.federation import federation_split
+
+    train, cfg = _recipe_inputs()
+    assert len(train) == 1000 and zlib.crc32(train.y.tobytes()) == 2051759731
+    split = federation_split(train, 4, 0.5, 3, cfg)
+    flat = np.concatenate([split.public] + [np.concatenate([c.train, c.test, [-1]]) for c in split.clients])
+    assert zlib.crc32(flat.astype(np.int64).tobytes()) == 2200525030
+    assert [len(c) for c in split.clients] == [168, 183, 284, 165]
+
+
+def test_public_set_is_what_the_partition_keeps_out() -> None:
+    from protofl.data.federation import federation_split, limit_train, public_set
+    from protofl.errors import ConfigError
+    from protofl.presets import make_config
+
+    train, cfg = _recipe_inputs()
+    pub = public_set(train, cfg)
+    idx = federation_split(train, 4, 0.5, 3, cfg).public
+    assert pub is not None and len(idx) == 200
+    np.testing.assert_array_equal(pub.x, train.x[idx])
+    np.testing.assert_array_equal(pub.y, train.y[idx])
+    assert pub.classes == list(range(10))
+    # Only ERPA presets ship one; an empty carve ships none.
+    assert public_set(train, make_config("fedproto", None, seed=3)) is None
+    assert public_set(train, cfg.replace(public_per_class=0)) is None
+    assert limit_train(train, None, 0) is train and limit_train(train, 5000, 0) is train
+    with pytest.raises(ConfigError, match="--train-limit must be >= 1"):
+        limit_train(train, 0, 0)

@@ -18,28 +18,28 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator, RoundRecord
+from broker_server.aggregator import Aggregator
 from broker_server.broker import start_local_broker
 from broker_server.service import AggregatorService
-from broker_server.simulate import Federation, Report, SimulationSpec
-from broker_server.stages import ServerModel
+from broker_server.simulation.report import Report, describe_drops
+from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
 from protofl.errors import ConfigError
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
 
 log = logging.getLogger("protofl.simulate")
-FED = "sim"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:
     """`protofl-edge join` arguments for client `index` of the simulated federation."""
-    args = ["--broker", broker.url, "--fed", FED, "--client-id", f"client-{index:03d}", "--data", spec.dataset,
+    args = ["--broker", broker.url, "--fed", FED, "--client-id", client_id(index), "--data", spec.dataset,
             "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
-            "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", "cpu", "--threads", "1", "--mqtt", protocol]
+            "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", spec.device,
+            "--threads", "1", "--mqtt", protocol]
     for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
                         ("--train-limit", spec.train_limit), ("--username", broker.username),
                         ("--tls-ca", broker.tls_ca), ("--tls-cert", broker.tls_cert), ("--tls-key", broker.tls_key)):
@@ -57,7 +57,7 @@ class AgentProcesses:
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def log_path(self, i: int) -> Path:
-        return Path(self._tmp.name) / f"client-{i:03d}.log"
+        return Path(self._tmp.name) / f"{client_id(i)}.log"
 
     def start(self) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -75,10 +75,14 @@ class AgentProcesses:
             rc = p.poll()
             if rc not in (None, 0):
                 tail = self.log_path(i).read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"agent client-{i:03d} exited with status {rc}:\n{tail}")
+                raise RuntimeError(f"agent {client_id(i)} exited with status {rc}:\n{tail}")
 
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs)
+
+    def dropped(self) -> None:
+        """Separate processes: their drops are in their logs, not readable here."""
+        return None
 
     def stop(self, timeout: float = 15.0) -> None:
         """Give agents time to see the final round and leave; then SIGTERM, then SIGKILL."""
@@ -105,8 +109,9 @@ class AgentThreads:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
-        opts = RunnerOptions(eval_every=spec.eval_every, protocol=protocol, extractor=spec.extractor)  # type: ignore[arg-type]
-        self.runners = [DeviceRunner(broker, FED, f"client-{i:03d}",
+        opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, protocol=protocol,  # type: ignore[arg-type]
+                             extractor=spec.extractor)
+        self.runners = [DeviceRunner(broker, FED, client_id(i),
                                      DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
                                               spec.test_limit, spec.train_limit), opts)
                         for i in range(spec.clients)]
@@ -130,6 +135,10 @@ class AgentThreads:
     def alive(self) -> bool:
         return any(t.is_alive() for t in self.threads)
 
+    def dropped(self) -> dict[str, dict[str, int]]:
+        """Each agent's dropped messages by reason (an agent not built yet has dropped nothing)."""
+        return {r.client_id: dict(r.agent.stats.dropped) if r.agent is not None else {} for r in self.runners}
+
     def stop(self, timeout: float = 15.0) -> None:
         end = time.monotonic() + timeout
         for t in self.threads:
@@ -140,39 +149,9 @@ class AgentThreads:
             t.join(5)
 
 
-class _Progress:
-    """Emits a round's report row once its metrics are in (they arrive after the round closed)."""
-
-    def __init__(self, report: Report, on_round: Callable[[dict[str, Any]], None] | None, grace: float = 5.0) -> None:
-        self.report, self.on_round, self.grace = report, on_round, grace
-        self.emitted = 0
-
-    def expects_metrics(self, r: int) -> bool:
-        spec = self.report.spec
-        return r % max(1, spec.eval_every) == 0 or r >= spec.rounds
-
-    def poll(self, now: float) -> None:
-        while self.emitted < len(self.report.records):
-            rec: RoundRecord = self.report.records[self.emitted]
-            have = set(self.report.metrics.get(rec.round, {}))
-            if self.expects_metrics(rec.round) and not set(rec.clients) <= have and now < rec.ended + self.grace:
-                return
-            self.emitted += 1
-            if self.on_round is not None:
-                self.on_round(self.report.round_row(rec))
-
-    def done(self, rounds: int) -> bool:
-        return self.emitted >= rounds
-
-    def all_metrics_in(self) -> bool:
-        """Every participant's metrics of every round that asks for them (they shape the report)."""
-        return all(set(rec.clients) <= set(self.report.metrics.get(rec.round, {}))
-                   for rec in self.report.records if self.expects_metrics(rec.round))
-
-
-def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report, initial_params: np.ndarray | None,
-                  round_end: Callable[[RoundRecord, ServerModel], None],
-                  on_round: Callable[[dict[str, Any]], None] | None) -> Aggregator:
+def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
+                  initial_params: np.ndarray | None) -> Aggregator:
+    """Run the federation to its last round through a broker; returns the service's aggregator."""
     if spec.agents not in ("process", "thread"):
         raise ConfigError(f"agents must be 'process' or 'thread', got '{spec.agents}'")
     cfg = fed_data.cfg
@@ -183,17 +162,18 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report, in
             broker, protocol = parse_broker_url(local.url), local.protocol
         else:
             broker, protocol = spec.broker, "auto"
-        service = AggregatorService(cfg, FED, broker, public=fed_data.public_set(),
-                                    expected_clients=[f"client-{i:03d}" for i in range(spec.clients)],
+        service = AggregatorService(cfg, FED, broker, public=fed_data.public_set(), expected_clients=spec.client_ids,
                                     initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_end=lambda rec: round_end(rec, service.aggregator.model),
+                                    on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics)
         service.start()
         stack.callback(service.close)
         agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol)
         agents.start()
-        stack.callback(agents.stop)
-        progress = _Progress(report, on_round)
+        finished = False
+        # Finished: give agents time to see the final round and leave; failed: stop them now.
+        stack.callback(lambda: agents.stop(15.0 if finished else 0.0))
+        progress = report.progress
 
         def until() -> bool:
             agents.check()
@@ -204,7 +184,11 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report, in
             # A device evaluates after its last upload, so the last round's metrics come after the close;
             # they always come (an agent leaves only after sending them), unless the agent died.
             metrics_in = progress.all_metrics_in() or not agents.alive()
-            return service.finished and progress.done(cfg.rounds) and metrics_in
+            return service.finished and progress.emitted >= cfg.rounds and metrics_in
 
-        service.run(until=until, timeout=spec.timeout)
+        try:
+            service.run(until=until, timeout=spec.timeout)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; {describe_drops(service.aggregator.dropped, agents.dropped())}") from None
+        finished = True
         return service.aggregator

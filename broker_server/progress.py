@@ -1,0 +1,110 @@
+"""A round's outcome for people: its accuracies, and when it can be shown.
+
+A round closes with its last upload, but the devices evaluate after uploading, so its `metrics`
+messages arrive just after the close. `RoundProgress` holds each closed round back until every
+participant reported, the round asks for no metrics, or `GRACE_S` seconds passed (a device may
+never report), then hands it on in round order. The service's per-round log line and both simulation
+runners' progress rows come from it. `accuracies` summarises one round's metrics the one way every
+report and log line does. numpy only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from broker_server.aggregator import RoundRecord
+from protofl.wire import Metrics
+
+# How long a closed round waits for its participants' metrics before it is shown without them.
+GRACE_S = 5.0
+
+
+def _pooled(counts: list[tuple[int, int]]) -> float | None:
+    """Sample-weighted accuracy over clients: sum of correct / sum of samples."""
+    n = sum(total for _, total in counts)
+    return sum(correct for correct, _ in counts) / n if n else None
+
+
+def _mean(counts: list[tuple[int, int]]) -> float | None:
+    """Mean over clients of each client's accuracy (clients with no samples do not count)."""
+    rates = [correct / total for correct, total in counts if total]
+    return float(np.mean(rates)) if rates else None
+
+
+def accuracies(metrics: Iterable[Metrics]) -> dict[str, float | None]:
+    """The round's accuracies from its clients' metrics (ALGORITHMS.md, Evaluation).
+
+    local: each client on its own held-out split, sample-weighted; global: each client on the official
+    test set, mean over clients; the `_proto_` pair is the same for nearest-prototype predictions, over
+    the clients that sent those counts. None where no client sent what an accuracy needs."""
+    ms = list(metrics)
+    return {
+        "local_acc": _pooled([(m.correct_local, m.n_local) for m in ms]),
+        "global_acc": _mean([(m.correct_test, m.n_test) for m in ms]),
+        "local_proto_acc": _pooled([(m.proto_correct_local, m.n_local) for m in ms
+                                    if m.proto_correct_local is not None]),
+        "global_proto_acc": _mean([(m.proto_correct_test, m.n_test) for m in ms
+                                   if m.proto_correct_test is not None]),
+    }
+
+
+class RoundProgress:
+    """Hands each closed round, with the metrics its clients sent, to `emit` once they are in.
+
+    `eval_every` (None: unknown, as for a server whose devices choose it) says which rounds ask for
+    metrics: every `eval_every`-th and the last of `rounds`; a round that asks for none is emitted as
+    soon as it closes. Metrics may arrive before their round's close is seen; late ones (after their
+    round was emitted) still count for `all_metrics_in`."""
+
+    def __init__(self, emit: Callable[[RoundRecord, dict[str, Metrics]], None], *, grace: float = GRACE_S,
+                 eval_every: int | None = None, rounds: int | None = None) -> None:
+        self.emit = emit
+        self.grace = grace
+        self.eval_every = eval_every
+        self.rounds = rounds
+        self.closed: list[RoundRecord] = []
+        self.emitted = 0
+        self._metrics: dict[int, dict[str, Metrics]] = {}  # of the rounds not emitted yet
+        self._last_emitted = 0  # round number of the last round emitted
+        self._reported: dict[int, set[str]] = {}
+
+    @property
+    def pending(self) -> list[RoundRecord]:
+        """Closed rounds not emitted yet, oldest first."""
+        return self.closed[self.emitted:]
+
+    def round_end(self, rec: RoundRecord) -> None:
+        self.closed.append(rec)
+
+    def add_metrics(self, client: str, round_: int, msg: Metrics) -> None:
+        self._reported.setdefault(round_, set()).add(client)
+        if round_ > self._last_emitted:
+            self._metrics.setdefault(round_, {})[client] = msg
+
+    def expects_metrics(self, round_: int) -> bool:
+        if self.eval_every is None:
+            return True
+        return round_ % max(1, self.eval_every) == 0 or (self.rounds is not None and round_ >= self.rounds)
+
+    def complete(self, rec: RoundRecord) -> bool:
+        """Every participant of the round reported (or the round asks for no metrics)."""
+        return not self.expects_metrics(rec.round) or set(rec.clients) <= self._reported.get(rec.round, set())
+
+    def poll(self, now: float, force: bool = False) -> int:
+        """Emit the rounds that are ready (all of them with `force`), in order; returns how many."""
+        n = 0
+        while self.emitted < len(self.closed):
+            rec = self.closed[self.emitted]
+            if not (force or self.complete(rec) or now >= rec.ended + self.grace):
+                break
+            self.emitted += 1
+            self._last_emitted = rec.round
+            n += 1
+            self.emit(rec, self._metrics.pop(rec.round, {}))
+        return n
+
+    def all_metrics_in(self) -> bool:
+        """Every participant's metrics of every closed round that asks for them."""
+        return all(self.complete(rec) for rec in self.closed)

@@ -1,0 +1,47 @@
+"""`simulate --transport inprocess`: every agent and the aggregator in this process, over an
+`InProcessBroker` that delivers one message at a time (deterministic: the fast path of every test).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from broker_server.aggregator import Aggregator
+from broker_server.simulation.report import Report, describe_drops
+from broker_server.simulation.spec import FED, Federation, SimulationSpec
+from protofl.transport import InProcessBroker
+
+
+def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
+                  initial_params: np.ndarray | None) -> Aggregator:
+    """Run the federation to its last round; returns the aggregator (its `model` is the final state)."""
+    from edge_agent.agent import ClientData, EdgeAgent  # torch: only when a simulation runs
+
+    cfg, train, test, split = fed_data.cfg, fed_data.train, fed_data.test, fed_data.split
+    x_test = test.normalized()
+    broker = InProcessBroker()
+    agg = Aggregator(cfg, FED, broker.connect("server"), clock=time.time, initial_params=initial_params,
+                     public=fed_data.public_set(), expected_clients=spec.client_ids,
+                     on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics)
+    agents = []
+    for i, cid in enumerate(spec.client_ids):
+        part = split.clients[i]
+        data = ClientData(x_train=train.normalized(part.train), y_train=train.y[part.train],
+                          x_test=train.normalized(part.test), y_test=train.y[part.test],
+                          x_global=x_test, y_global=test.y, mean=train.mean, std=train.std)
+        agents.append(EdgeAgent(cid, FED, broker.connect(cid), data, arch=cfg.arch_for(i), device=spec.device,
+                                eval_every=spec.eval_every, extractor=spec.extractor))
+    agg.start()
+    for a in agents:
+        a.start()
+    while not agg.finished:
+        if broker.pump(1) == 0:
+            drops = describe_drops(agg.dropped, {a.client_id: a.stats.dropped for a in agents})
+            raise RuntimeError(f"simulation stalled in round {agg.round}: no messages left to deliver ({drops})")
+        # Once nothing is in flight, every metrics message that will come has come.
+        report.poll(time.time(), force=broker.pending == 0)
+    broker.pump()
+    report.poll(time.time(), force=True)
+    return agg

@@ -1,0 +1,116 @@
+"""The simulation's report: per-round rows (accuracies, bytes, who took part) and the JSON document.
+
+Accuracies come from the agents' `metrics` messages (`broker_server.progress.accuracies`, the same
+summary the service logs); bytes come from the encoded messages the aggregator received and
+published. numpy only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from broker_server.aggregator import RoundRecord
+from broker_server.progress import RoundProgress, accuracies
+from broker_server.simulation.spec import SimulationSpec
+from broker_server.stages import ServerModel
+from protofl.config import FederationConfig
+from protofl.wire import Metrics
+
+
+class Report:
+    """Collects per-round metrics and byte counts, shows each round's row as soon as its metrics are in
+    (`on_round`, driven by the runner's `poll`), and renders the JSON report.
+
+    The runners wire the aggregator's `on_round_end` and `on_metrics` to the methods of the same name.
+    `evaluate` (FedAvg) scores the aggregated parameter vector: the round's global accuracy."""
+
+    def __init__(self, spec: SimulationSpec, cfg: FederationConfig, test_labels: np.ndarray, *,
+                 on_round: Callable[[dict[str, Any]], None] | None = None,
+                 evaluate: Callable[[np.ndarray], float] | None = None) -> None:
+        self.spec = spec
+        self.cfg = cfg
+        self.test_labels = test_labels
+        self.evaluate = evaluate
+        self.metrics: dict[int, dict[str, Metrics]] = {}
+        self.ens: dict[int, np.ndarray] = {}
+        self.global_model_acc: dict[int, float] = {}
+        self.metrics_bytes: dict[int, int] = {}
+        self.records: list[RoundRecord] = []
+        self.on_round = on_round
+        self.progress = RoundProgress(self._show, eval_every=spec.eval_every, rounds=cfg.rounds)
+        self.started = time.perf_counter()
+
+    def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
+        if self.evaluate is not None and model.params is not None:
+            self.global_model_acc[rec.round] = self.evaluate(model.params)
+        self.records.append(rec)
+        self.progress.round_end(rec)
+
+    def on_metrics(self, client: str, round_: int, msg: Metrics, nbytes: int) -> None:
+        self.progress.add_metrics(client, round_, msg)
+        self.metrics.setdefault(round_, {})[client] = msg
+        self.metrics_bytes[round_] = self.metrics_bytes.get(round_, 0) + nbytes
+        if msg.probs is not None and msg.probs.shape[0] == len(self.test_labels):
+            acc = self.ens.get(round_)
+            self.ens[round_] = msg.probs.astype(np.float64) if acc is None else acc + msg.probs
+
+    def poll(self, now: float, force: bool = False) -> None:
+        """Show the rounds whose metrics are in (all closed rounds with `force`)."""
+        self.progress.poll(now, force)
+
+    def _show(self, rec: RoundRecord, metrics: dict[str, Metrics]) -> None:
+        if self.on_round is not None:
+            self.on_round(self.round_row(rec))
+
+    def round_row(self, rec: RoundRecord) -> dict[str, Any]:
+        acc = accuracies(self.metrics.get(rec.round, {}).values())
+        ens = None
+        if self.cfg.federate == "full":
+            # FedAvg: global accuracy is the aggregated model's; it has no ensemble.
+            acc["global_acc"] = self.global_model_acc.get(rec.round, acc["global_acc"])
+        elif rec.round in self.ens and len(self.test_labels):
+            ens = float((self.ens[rec.round].argmax(1) == self.test_labels).mean())
+        return {
+            "round": rec.round,
+            "local_acc": acc["local_acc"],
+            "local_proto_acc": acc["local_proto_acc"],
+            "global_acc": acc["global_acc"],
+            "global_proto_acc": acc["global_proto_acc"],
+            "ensemble_acc": ens,
+            "uplink_bytes": rec.uplink_bytes,
+            "downlink_bytes": rec.downlink_bytes,
+            "clients": len(rec.clients),
+            "metrics_bytes": self.metrics_bytes.get(rec.round, 0),  # evaluation traffic, not uplink
+            "closed_by": rec.closed_by,
+        }
+
+    def to_json(self, dropped: dict[str, int]) -> dict[str, Any]:
+        rows = [self.round_row(r) for r in self.records]
+        return {
+            "preset": self.cfg.preset,
+            "config": self.cfg.to_dict(),
+            "simulation": {"dataset": self.spec.dataset, "clients": self.spec.clients, "alpha": self.spec.alpha,
+                           "seed": self.spec.seed, "transport": self.spec.transport, "device": self.spec.device,
+                           "test_samples": int(len(self.test_labels))},
+            "rounds": rows,
+            "totals": {
+                "uplink_bytes": int(sum(r["uplink_bytes"] for r in rows)),
+                "downlink_bytes": int(sum(r["downlink_bytes"] for r in rows)),
+                "wall_s": round(time.perf_counter() - self.started, 3),
+            },
+            "dropped": dict(dropped),
+        }
+
+
+def describe_drops(aggregator: Mapping[str, int], agents: Mapping[str, Mapping[str, int]] | None) -> str:
+    """Every side's dropped messages, by reason (and client), for an error that ends a run.
+
+    `agents` is None where the agents' counts cannot be read (they run as separate processes)."""
+    text = f"dropped by the aggregator: {dict(aggregator) or 'none'}"
+    if agents is None:
+        return text + "; the agents' drops are not counted here (separate processes)"
+    by_client = {cid: dict(d) for cid, d in agents.items() if d}
+    return text + f"; by the agents: {by_client or 'none'}"

@@ -1,0 +1,97 @@
+"""What a simulation runs: the spec a user gives, the config it resolves to, and the federation's data.
+
+The data side (`prepare`) depends only on (dataset, N, alpha, seed) and the limits, never on the
+preset, so every method is compared on the same clients. numpy only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protofl.config import FederationConfig
+from protofl.data import Dataset, FederatedSplit, load_dataset
+from protofl.data.federation import federation_split, limit_train, public_set
+from protofl.errors import ConfigError
+from protofl.presets import make_config
+from protofl.transport.broker_url import BrokerOptions
+from protofl.wire import PublicSet
+
+TRANSPORTS = ("inprocess", "mqtt")
+EXTRACTORS = ("torch", "onnx")
+FED = "sim"  # the simulated federation's name (its topics live under protofl/sim/)
+
+
+def client_id(index: int) -> str:
+    """The id of simulated client `index`; client i holds share i of the partition."""
+    return f"client-{index:03d}"
+
+
+@dataclass
+class SimulationSpec:
+    preset: str = "protofl"
+    dataset: str = "synthetic"
+    data_dir: str | None = None
+    clients: int = 5
+    alpha: float = 0.5
+    rounds: int = 3
+    seed: int = 0
+    archs: tuple[str, ...] | None = None
+    transport: str = "inprocess"  # or "mqtt": a real broker, agents as separate processes
+    broker: BrokerOptions | None = None  # mqtt: None = start a local broker (mosquitto, else amqtt)
+    broker_kind: str = "auto"  # the local broker: auto | mosquitto | amqtt
+    agents: str = "process"  # mqtt: "process" (protofl-edge join per client) or "thread" (tests)
+    timeout: float | None = None  # mqtt: give up after this many seconds
+    config_file: str | None = None
+    train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
+    test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
+    eval_every: int = 1
+    extractor: str = "torch"  # agents extract prototypes with torch or onnxruntime ("onnx")
+    device: str = "cpu"  # torch device of the agents and of FedAvg's global model: cpu | cuda | auto
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def client_ids(self) -> list[str]:
+        return [client_id(i) for i in range(self.clients)]
+
+
+@dataclass
+class Federation:
+    """The data side of a simulation: identical for every preset given (dataset, N, alpha, seed)."""
+
+    train: Dataset
+    test: Dataset
+    split: FederatedSplit
+    cfg: FederationConfig
+
+    def public_set(self) -> PublicSet | None:
+        return public_set(self.train, self.cfg)
+
+
+def resolve_config(spec: SimulationSpec, num_classes: int, in_shape: tuple[int, ...]) -> FederationConfig:
+    """The config a simulation of `spec` runs with; the dataset decides the classes and input shape."""
+    overrides = dict(spec.overrides)
+    overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=num_classes, in_shape=tuple(in_shape),
+                     min_clients=spec.clients)
+    if spec.archs:
+        overrides["archs"] = tuple(spec.archs)
+    return make_config(spec.preset, spec.config_file, **overrides)
+
+
+def prepare(spec: SimulationSpec) -> Federation:
+    """Check the spec, load the data and partition it; the config is resolved for the dataset."""
+    if spec.clients < 1:
+        raise ConfigError(f"--clients must be >= 1, got {spec.clients}")
+    if not spec.alpha > 0:
+        raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
+    if spec.extractor not in EXTRACTORS:
+        raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")
+    train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)
+    train = limit_train(train, spec.train_limit, spec.seed)
+    cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape))
+    split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads
+    if spec.test_limit is not None:
+        test = test.subset(np.arange(min(spec.test_limit, len(test))))
+    return Federation(train, test, split, cfg)
