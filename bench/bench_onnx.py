@@ -35,10 +35,10 @@ from broker_server.aggregator import Aggregator  # noqa: E402
 from broker_server.simulation import SimulationSpec, prepare  # noqa: E402
 from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
 from edge_agent.models import build_model  # noqa: E402
+from edge_agent.onnx_export import export_onnx  # noqa: E402
 from export.bench import bench_model, speedups  # noqa: E402
-from export.inputs import load_images  # noqa: E402
-from export.onnx_export import export_onnx  # noqa: E402
 from export.quantize import quantize_model  # noqa: E402
+from protofl.data import load_images  # noqa: E402
 from protofl.transport import InProcessBroker  # noqa: E402
 from protofl.wire import Metrics  # noqa: E402
 

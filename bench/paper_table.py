@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import table_report
-from bench.table_runs import DATASET, FEDERATIONS, SETTINGS, SIZING, Run, needed_for, suite_runs
+from bench.table_runs import FEDERATIONS, SETTINGS, SIZING, Run, needed_for, run_args, suite_runs
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,30 +51,6 @@ def cli_prefix() -> list[str]:
     if found:
         return [found]
     return [sys.executable, "-m", "broker_server.cli"]
-
-
-def _set_value(v: Any) -> str:
-    return v if isinstance(v, str) else json.dumps(v)
-
-
-def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
-    """The CLI arguments of a run (after `protofl-server`), without --json."""
-    fed = FEDERATIONS[run.fed]
-    size = SIZING[suite][run.fed]
-    clients = size.clients if size.clients is not None else fed.clients
-    args = ["simulate", "--preset", run.preset, "--dataset", DATASET, "--clients", str(clients),
-            "--alpha", f"{fed.alpha:g}", "--rounds", str(size.rounds), "--seed", str(run.seed),
-            "--arch", ",".join(fed.archs)]
-    if data_dir:
-        args += ["--data-dir", data_dir]
-    if size.train_limit is not None:
-        args += ["--train-limit", str(size.train_limit)]
-    if size.test_limit is not None:
-        args += ["--test-limit", str(size.test_limit)]
-    args += ["--eval-every", str(size.eval_every)]
-    for k, v in run.sets:
-        args += ["--set", f"{k}={_set_value(v)}"]
-    return args + ["-q"]
 
 
 # What Fashion-MNIST decides in the config (the simulation reads it off the data).

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.table_runs import (ALL_STAGES, C_SEEDS, FEDERATIONS, PAPER_REFS, RUN_BY_KEY, SECTIONS, SEED, SIZING,
-                              SIZING_NOTE, STAGE_VARIANTS, Run, Section)
+                              SIZING_NOTE, STAGE_VARIANTS, Run, Section, run_args)
 
 COLUMNS = ("method", "local final", "local best", "global final", "global best", "ens. final", "ens. best",
            "up B/client/rnd", "down B/client/rnd", "up total MB", "wall s", "paper (their setting)")
@@ -477,7 +477,6 @@ def write(ctx: Context, quiet: bool = False) -> Path:
                     if rep is not None:
                         cmds.append(f"{run.label}: {rep['bench']['command']}")
                     else:
-                        from bench.paper_table import run_args  # local: paper_table imports this module
                         cmds.append(f"{run.label} (not run yet): protofl-server "
                                     f"{shlex.join(run_args(run, ctx.sizing_key))}")
             out.append("")

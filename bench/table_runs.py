@@ -1,4 +1,5 @@
-"""What `bench.paper_table` runs: the federations, their sizing per suite, and every run (method row).
+"""What `bench.paper_table` runs: the federations, their sizing per suite, every run (method row) and
+its command line.
 
 A *federation* fixes the data side (clients, alpha, architectures) and, per suite, the sizing (rounds,
 data fraction, test subset, evaluation cadence); every method of a section runs on the same one, so
@@ -9,6 +10,7 @@ run cached by another setting (setting D compares the combined preset with the b
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,3 +313,27 @@ def needed_for(settings: set[str], runs: list[Run]) -> list[Run]:
         if sec.setting in settings:
             wanted.update(k for k in sec.rows if k in {r.key for r in runs})
     return [r for r in runs if r.key in wanted]
+
+
+def _set_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
+    """The CLI arguments of a run (after `protofl-server`), without --json."""
+    fed = FEDERATIONS[run.fed]
+    size = SIZING[suite][run.fed]
+    clients = size.clients if size.clients is not None else fed.clients
+    args = ["simulate", "--preset", run.preset, "--dataset", DATASET, "--clients", str(clients),
+            "--alpha", f"{fed.alpha:g}", "--rounds", str(size.rounds), "--seed", str(run.seed),
+            "--arch", ",".join(fed.archs)]
+    if data_dir:
+        args += ["--data-dir", data_dir]
+    if size.train_limit is not None:
+        args += ["--train-limit", str(size.train_limit)]
+    if size.test_limit is not None:
+        args += ["--test-limit", str(size.test_limit)]
+    args += ["--eval-every", str(size.eval_every)]
+    for k, v in run.sets:
+        args += ["--set", f"{k}={_set_value(v)}"]
+    return args + ["-q"]

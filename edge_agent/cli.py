@@ -1,16 +1,50 @@
-"""`protofl-edge`: the device's command line."""
+"""`protofl-edge`: the device's command line.
+
+This module imports no torch: ``join`` and ``models`` run on PyTorch (the ``device`` extra) and, where it
+is missing, say what to install instead of failing with a traceback; ``predict`` needs only onnxruntime.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperCommand
+
+from protofl.errors import ConfigError
+from protofl.requirements import TORCH_INSTALL_HINT, require_torch, torch_available
 
 app = typer.Typer(help="protofl-edge device agent: join a federation, inspect models.",
                   no_args_is_help=True, add_completion=False)
 
 
-@app.command()
+class TorchCommand(TyperCommand):
+    """A command that runs on PyTorch: without it, one line saying what to install and exit 2.
+
+    Checked before the arguments are parsed, so that a missing torch is what the user hears first (not
+    a missing option); ``--help`` still works and, where torch is missing, ends with the same hint.
+    """
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if not set(args) & set(self.get_help_option_names(ctx)):
+            try:
+                require_torch(f"protofl-edge {self.name}")
+            except ConfigError as exc:
+                typer.echo(f"error: {exc}", err=True)
+                raise typer.Exit(2) from None
+        return super().parse_args(ctx, args)
+
+
+def _torch_command(name: str) -> Any:
+    """Register a TorchCommand; where torch is missing, its --help ends with what to install."""
+    hint = f"PyTorch is not installed here; this command needs it: {TORCH_INSTALL_HINT}."
+    return app.command(name, cls=TorchCommand, epilog=None if torch_available() else escape(hint))  # rich markup
+
+
+@_torch_command("models")
 def models(
     in_shape: str = typer.Option("1,28,28", help="Input shape c,h,w."),
     classes: int = typer.Option(10, help="Number of classes."),
@@ -46,7 +80,7 @@ app.command("predict")(predict_command)
 
 from edge_agent.join_cli import join_command  # noqa: E402 -- the device loop, in its own module
 
-app.command("join")(join_command)
+_torch_command("join")(join_command)
 
 
 if __name__ == "__main__":

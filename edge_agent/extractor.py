@@ -24,15 +24,15 @@ from torch import nn
 
 from edge_agent import trainer
 from edge_agent.models import ProtoNet
+from edge_agent.onnx_export import ExportError, export_onnx
+from edge_agent.onnx_runtime import embed_onnx, session
 from protofl.errors import ConfigError
+from protofl.names import EXTRACTORS, check_extractor
 
 if TYPE_CHECKING:  # onnxruntime is optional
     from onnxruntime import InferenceSession
 
 __all__ = ["EXTRACTORS", "Extractor", "OnnxExtractor", "TorchExtractor", "make_extractor", "weight_fingerprint"]
-
-EXTRACTORS = ("torch", "onnx")
-
 
 class Extractor(Protocol):
     model: ProtoNet
@@ -99,7 +99,7 @@ class OnnxExtractor:
 
     ``frozen_backbone=True``: export only the backbone (once per backbone fingerprint) and finish in
     torch. ``threads``: onnxruntime intra-op threads (None: its default). ``exporters``: tried in order
-    (see :func:`export.onnx_export.export_onnx`). The TorchScript exporter comes first here, unlike in
+    (see :func:`edge_agent.onnx_export.export_onnx`). The TorchScript exporter comes first here, unlike in
     ``protofl-export onnx``: this export happens every round on the device, and it takes 0.05-0.25 s
     where the dynamo exporter takes 1-6 s (measured on x86 for cnn, resnet8, mobilenetv2), for graphs
     that agree with torch to 1e-6 either way. Where it is unavailable (it is deprecated) dynamo is used.
@@ -123,8 +123,6 @@ class OnnxExtractor:
         self._session: InferenceSession | None = None
 
     def _current_session(self) -> InferenceSession:
-        from export.quantize import session
-
         part = self.model.backbone if self.frozen_backbone else self.model
         fp = weight_fingerprint(part)
         if fp != self._fingerprint or self._session is None:
@@ -140,8 +138,6 @@ class OnnxExtractor:
         return self._session
 
     def _export(self, path: Path) -> None:
-        from export.onnx_export import ExportError, export_onnx
-
         what = "backbone" if self.frozen_backbone else "features"
         errors = []
         for exporter in self.exporters:
@@ -154,8 +150,6 @@ class OnnxExtractor:
                           "use --extractor torch")
 
     def embed(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
-        from export.quantize import embed_onnx
-
         out = embed_onnx(self._current_session(), _as_numpy(x), self.batch_size)
         if not self.frozen_backbone:
             return out
@@ -182,9 +176,7 @@ class OnnxExtractor:
 
 def make_extractor(kind: str, model: ProtoNet, *, frozen_backbone: bool = False,
                    threads: int | None = None) -> Extractor:
-    """``kind`` "torch" or "onnx" (``--extractor``)."""
-    if kind == "torch":
-        return TorchExtractor(model)
-    if kind == "onnx":
+    """``kind``: one of ``protofl.names.EXTRACTORS`` (``--extractor``)."""
+    if check_extractor(kind) == "onnx":
         return OnnxExtractor(model, frozen_backbone=frozen_backbone, threads=threads)
-    raise ConfigError(f"extractor must be one of {', '.join(EXTRACTORS)}, got {kind!r}")
+    return TorchExtractor(model)

@@ -22,6 +22,8 @@ import torch
 from edge_agent import trainer
 from edge_agent.extractor import weight_fingerprint
 from edge_agent.models import ProtoNet
+from edge_agent.onnx_export import export_onnx
+from edge_agent.onnx_runtime import embed_onnx, session
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 
@@ -62,9 +64,6 @@ def compute_backbone_features(model: ProtoNet, x: torch.Tensor, backend: str = "
         return torch.zeros(0, model.backbone_dim, device=x.device), "torch"
     if not use_onnx:
         return _torch_backbone(model, x, batch_size), "torch"
-    from export.onnx_export import export_onnx
-    from export.quantize import embed_onnx, session
-
     with tempfile.TemporaryDirectory(prefix="protofl-backbone-") as tmp:
         path = Path(tmp) / "backbone.onnx"
         export_onnx(model, path, what="backbone")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import sys
 from types import FrameType
@@ -12,14 +11,11 @@ from typing import TYPE_CHECKING, Optional
 import typer
 
 from protofl import cli_options
-
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.names import check_extractor, check_name
 
 if TYPE_CHECKING:
     from edge_agent.runner import DeviceRunner
-
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
 
 def join_command(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
@@ -91,13 +87,11 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
     from edge_agent.runner import DeviceRunner, RunnerOptions
     from protofl.transport.broker_url import parse_broker_url
 
-    for what, name in (("--client-id", client_id), ("--fed", fed)):
-        if not _NAME.fullmatch(name):
-            raise ConfigError(f"{what} '{name}': use 1-64 letters, digits, '_', '.' or '-'")
+    check_name(client_id, "--client-id")
+    check_name(fed, "--fed")
     if mqtt not in ("auto", "5", "3.1.1"):
         raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
-    if extractor not in ("torch", "onnx"):
-        raise ConfigError(f"--extractor must be torch or onnx, got '{extractor}'")
+    check_extractor(extractor)
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got '{device}'")
     if device == "auto":

@@ -14,8 +14,11 @@ from pathlib import Path
 import numpy as np
 import typer
 
+from edge_agent.onnx_runtime import embed_onnx, parse_floats, read_metadata, session
 from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
+from protofl.data import load_images
 from protofl.errors import DataError, ProtoFLError
+from protofl.requirements import explain_missing
 
 __all__ = ["load_prototypes", "predict_command", "save_prototypes"]
 
@@ -60,10 +63,6 @@ def _unit(a: np.ndarray) -> np.ndarray:
 
 def _run(model: Path, prototypes: Path, data: str, split: str, limit: int | None, fit: bool, fit_limit: int,
          metric: str, out: Path | None, show: int, threads: int | None) -> None:
-    from export.inputs import load_images
-    from export.onnx_export import parse_floats, read_metadata
-    from export.quantize import embed_onnx, session
-
     if metric not in ("l2", "cosine"):
         raise DataError(f"--metric must be 'l2' or 'cosine', got {metric!r}")
     meta = read_metadata(model)
@@ -114,7 +113,8 @@ def predict_command(
 ) -> None:
     """Classify images by nearest prototype on onnxruntime and print the accuracy."""
     try:
-        _run(model, prototypes, data, split, limit, fit, fit_limit, metric, out, show, threads)
+        with explain_missing("protofl-edge predict"):
+            _run(model, prototypes, data, split, limit, fit, fit_limit, metric, out, show, threads)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

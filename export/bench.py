@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet
-from export.quantize import session
+from edge_agent.onnx_runtime import session
 
 __all__ = ["BenchRow", "bench_model", "speedups", "time_call"]
 

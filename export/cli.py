@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.requirements import explain_missing
 
 app = typer.Typer(help="Export backbones to ONNX, verify, quantize and benchmark them.",
                   no_args_is_help=True, add_completion=False)
@@ -32,19 +33,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _friendly(fn: F) -> F:
-    """Turn the package's own errors into one line on stderr and exit code 2 (no traceback)."""
+    """Turn the package's own errors, and a missing torch or ONNX package, into one line on stderr and exit
+    code 2 (no traceback)."""
 
     @wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with explain_missing(f"protofl-export {fn.__name__}"):
+                return fn(*args, **kwargs)
         except ProtoFLError as exc:
             typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-        except ImportError as exc:
-            if exc.name not in ("onnx", "onnxruntime", "onnxscript"):
-                raise
-            typer.echo(f"error: {exc.name} is not installed; pip install 'protofl-edge[onnx]'", err=True)
             raise typer.Exit(2) from None
 
     return run  # type: ignore[return-value]
@@ -69,8 +67,8 @@ def _model(arch: str | None, checkpoint: Path | None, in_shape: str, classes: in
 
 def _normalisation(checkpoint: Path | None, c: int, mean: str | None, std: str | None):
     """--mean/--std, else the checkpoint's record, else Fashion-MNIST's for 1-channel inputs, else 0/1."""
+    from edge_agent.onnx_runtime import parse_floats
     from export.checkpoint import load_checkpoint
-    from export.onnx_export import parse_floats
     from protofl.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
     if mean or std:
@@ -103,7 +101,7 @@ def onnx(
     exporter: str = typer.Option("auto", help="auto (dynamo, TorchScript fallback), dynamo or torchscript."),
 ) -> None:
     """Export a model's features (or backbone) to ONNX with a dynamic batch axis."""
-    from export.onnx_export import export_onnx
+    from edge_agent.onnx_export import export_onnx
 
     model = _model(arch, checkpoint, in_shape, classes, proto_dim, seed)
     m, s = _normalisation(checkpoint, model.in_shape[0], mean, std)
@@ -128,9 +126,9 @@ def verify(
     proto_dim: int | None = typer.Option(None, help="Prototype dimension (default: the file's metadata)."),
 ) -> None:
     """ONNX checker + max abs difference vs PyTorch on real images; exit 1 above --tol."""
-    from export.inputs import load_images
-    from export.onnx_export import parse_floats, read_metadata
+    from edge_agent.onnx_runtime import parse_floats, read_metadata
     from export.verify import verify_onnx
+    from protofl.data import load_images
 
     meta = read_metadata(model_path)
     model = _model(arch or meta.get("arch"), checkpoint, meta.get("in_shape", "1,28,28"),
@@ -159,9 +157,9 @@ def quantize(
     threads: int | None = typer.Option(None, help="onnxruntime threads for the report."),
 ) -> None:
     """int8 quantisation with onnxruntime, and the nearest-prototype accuracy it costs."""
-    from export.inputs import load_images
-    from export.onnx_export import parse_floats, read_metadata
+    from edge_agent.onnx_runtime import parse_floats, read_metadata
     from export.quantize import compare_accuracy, quantize_model
+    from protofl.data import load_images
 
     meta = read_metadata(model_path)
     norm: dict[str, Any] = dict(mean=parse_floats(meta.get("norm_mean")), std=parse_floats(meta.get("norm_std")))
@@ -228,10 +226,10 @@ def bench(
     json_out: Path | None = typer.Option(None, "--json", help="Also write the rows as JSON."),
 ) -> None:
     """Latency and throughput: torch vs onnxruntime fp32 vs int8."""
+    from edge_agent.onnx_export import export_onnx
     from export.bench import bench_model, speedups
-    from export.inputs import load_images
-    from export.onnx_export import export_onnx
     from export.quantize import quantize_model
+    from protofl.data import load_images
 
     batches = tuple(int(b) for b in batch.split(","))
     n_threads = threads if threads is not None else (_profile_threads(profile) if profile else 1)

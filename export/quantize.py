@@ -23,48 +23,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edge_agent.onnx_runtime import embed_onnx, session
 from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
 from protofl.errors import ConfigError
 
 if TYPE_CHECKING:  # onnxruntime is optional at import time
-    from onnxruntime import InferenceSession
     from onnxruntime.quantization import CalibrationDataReader
 
-__all__ = ["MODES", "QuantReport", "calibration_reader", "compare_accuracy", "embed_onnx",
-           "prototype_accuracy", "quantize_model", "session"]
+__all__ = ["MODES", "QuantReport", "calibration_reader", "compare_accuracy", "prototype_accuracy",
+           "quantize_model"]
 
 MODES = ("dynamic", "static")
 log = logging.getLogger("protofl.export")
-
-
-def session(path: str | os.PathLike[str] | bytes, threads: int | None = None, spin: bool = True) -> InferenceSession:
-    """A CPU onnxruntime session; ``threads`` intra-op threads (None: onnxruntime's default).
-
-    ``spin=False`` stops idle worker threads from busy-waiting between runs: needed where many sessions
-    share a few cores (a simulator's agents) or alternate with torch, at a small latency cost.
-    """
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3  # errors only: ORT warns about unused initialisers in exported graphs
-    if threads is not None:
-        opts.intra_op_num_threads = int(threads)
-        opts.inter_op_num_threads = 1
-    if not spin:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    src = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
-
-
-def embed_onnx(sess: InferenceSession, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
-    """Run ``sess`` over the rows of ``x`` in batches; float32 (n, out_dim)."""
-    name = sess.get_inputs()[0].name
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = [sess.run(None, {name: x[i : i + batch_size]})[0] for i in range(0, len(x), batch_size)]
-    if not out:
-        return np.zeros((0, int(sess.get_outputs()[0].shape[-1])), dtype=np.float32)
-    return np.concatenate(out).astype(np.float32, copy=False)
 
 
 def calibration_reader(input_name: str, x: np.ndarray, batch_size: int = 64) -> CalibrationDataReader:

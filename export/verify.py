@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet
-from export.onnx_export import read_metadata
-from export.quantize import session
+from edge_agent.onnx_runtime import read_metadata, session
 from protofl.errors import ConfigError
 
 __all__ = ["VerifyResult", "verify_onnx"]

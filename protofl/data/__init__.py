@@ -1,11 +1,12 @@
 """Data loading and federated partitioning (numpy only: nothing under protofl/ imports torch)."""
 
+from protofl.data.dataset import Dataset
+from protofl.data.images import load_images
 from protofl.data.loaders import (
     DATASET_SPECS,
     FASHION_MNIST_DIR,
     FASHION_MNIST_MEAN,
     FASHION_MNIST_STD,
-    Dataset,
     load_dataset,
     load_fashion_mnist,
     load_idx_dir,
@@ -36,6 +37,7 @@ __all__ = [
     "load_dataset",
     "load_fashion_mnist",
     "load_idx_dir",
+    "load_images",
     "load_npz",
     "make_synthetic",
     "read_idx",

@@ -1,8 +1,7 @@
-"""Datasets as plain numpy arrays: the ``Dataset`` container and the loaders (IDX, npz, specs).
+"""The dataset loaders (IDX, npz, the dataset specs the CLIs take), producing ``Dataset``s.
 
-numpy only (this package must not import torch). Images are kept as uint8 (n, c, h, w) -- 4x smaller
-than float32, which matters when a simulator holds 20 clients' data in one process -- and normalised on
-demand with :meth:`Dataset.normalized`.
+numpy only (this package must not import torch). ``Dataset`` itself lives in ``protofl.data.dataset``
+and is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,12 +9,12 @@ from __future__ import annotations
 import gzip
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from protofl.data.dataset import Dataset, channel_stats
+from protofl.data.synthetic import make_synthetic
 from protofl.errors import DataError
 
 __all__ = [
@@ -42,73 +41,6 @@ DATASET_SPECS = (
     "npz:PATH",
     "idx:DIR",
 )
-
-
-@dataclass
-class Dataset:
-    """Images ``x`` uint8 (n, c, h, w), labels ``y`` int64 (n,), and per-channel mean/std in [0, 1] units."""
-
-    x: np.ndarray
-    y: np.ndarray
-    num_classes: int
-    name: str
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if self.x.dtype != np.uint8 or self.x.ndim != 4:
-            raise DataError(
-                f"dataset {self.name!r}: x must be uint8 (n, c, h, w), got {self.x.dtype} {self.x.shape}"
-            )
-        if self.y.ndim != 1 or len(self.y) != len(self.x):
-            raise DataError(
-                f"dataset {self.name!r}: y must be 1-D with one label per image, got {self.y.shape} "
-                f"for {len(self.x)} images"
-            )
-        if not np.issubdtype(self.y.dtype, np.integer):
-            raise DataError(f"dataset {self.name!r}: labels must be integers, got {self.y.dtype}")
-        if self.y.dtype != np.int64:
-            self.y = self.y.astype(np.int64)
-        c = self.x.shape[1]
-        self.mean = tuple(float(v) for v in self.mean)
-        self.std = tuple(float(v) for v in self.std)
-        if len(self.mean) != c or len(self.std) != c:
-            raise DataError(
-                f"dataset {self.name!r}: mean/std need one value per channel ({c}), "
-                f"got {len(self.mean)}/{len(self.std)}"
-            )
-        if min(self.std) <= 0:
-            raise DataError(f"dataset {self.name!r}: std must be positive, got {self.std}")
-
-    def __len__(self) -> int:
-        return int(self.x.shape[0])
-
-    @property
-    def in_shape(self) -> tuple[int, int, int]:
-        """(c, h, w) of one image: what ``build_model`` takes."""
-        _, c, h, w = self.x.shape
-        return (int(c), int(h), int(w))
-
-    def subset(self, indices: np.ndarray | Sequence[int]) -> Dataset:
-        """The samples at ``indices`` (copied), with the same classes and normalisation."""
-        idx = np.asarray(indices, dtype=np.int64)
-        return Dataset(self.x[idx], self.y[idx], self.num_classes, self.name, self.mean, self.std)
-
-    def normalized(self, indices: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
-        """float32 (x / 255 - mean) / std, for all samples or only ``indices``."""
-        x = self.x if indices is None else self.x[np.asarray(indices, dtype=np.int64)]
-        c = x.shape[1]
-        mean = np.asarray(self.mean, dtype=np.float32).reshape(1, c, 1, 1)
-        std = np.asarray(self.std, dtype=np.float32).reshape(1, c, 1, 1)
-        out = x.astype(np.float32)
-        out *= np.float32(1.0 / 255.0)
-        out -= mean
-        out /= std
-        return out
-
-    def class_counts(self) -> np.ndarray:
-        """Samples per class, length ``num_classes``."""
-        return np.bincount(self.y, minlength=self.num_classes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,15 +168,6 @@ def _to_labels(y: np.ndarray, n: int, where: str) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std of uint8 images in [0, 1] units (std floored: constant images)."""
-    c = x.shape[1]
-    flat = np.moveaxis(x, 1, 0).reshape(c, -1)
-    mean = flat.mean(axis=1, dtype=np.float64) / 255.0
-    std = flat.std(axis=1, dtype=np.float64) / 255.0
-    return tuple(float(m) for m in mean), tuple(float(max(s, 1e-3)) for s in std)
-
-
 def _num_classes(where: str, *labels: np.ndarray, declared: int | None = None) -> int:
     top = max((int(y.max()) for y in labels if len(y)), default=-1)
     if declared is None:
@@ -278,7 +201,7 @@ def load_idx_dir(
         ys[split] = _to_labels(read_idx(lab_path), len(x), str(lab_path))
     k = _num_classes(str(d), ys["train"], ys["t10k"], declared=num_classes)
     if mean is None or std is None:
-        mean, std = _channel_stats(xs["train"])
+        mean, std = channel_stats(xs["train"])
     train = Dataset(xs["train"], ys["train"], k, name, mean, std)
     test = Dataset(xs["t10k"], ys["t10k"], k, name, mean, std)
     if train.in_shape != test.in_shape:
@@ -353,7 +276,7 @@ def load_npz(
         mean = tuple(float(v) for v in np.ravel(arrays["mean"]))
         std = tuple(float(v) for v in np.ravel(arrays["std"]))
     else:
-        mean, std = _channel_stats(x)
+        mean, std = channel_stats(x)
     ds_name = name if name is not None else p.stem
     return Dataset(x, y, k, ds_name, mean, std), Dataset(x_test, y_test, k, ds_name, mean, std)
 
@@ -366,8 +289,6 @@ _SYNTHETIC_KEYS = ("n", "n_test", "classes", "size", "channels", "noise", "seed"
 
 
 def _parse_synthetic(options: str, seed: int) -> tuple[Dataset, Dataset]:
-    from protofl.data.synthetic import make_synthetic  # lazy: synthetic imports Dataset from here
-
     values: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in options.split(","))):
         key, sep, value = item.partition("=")

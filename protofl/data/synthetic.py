@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from protofl.data.loaders import Dataset, _channel_stats
+from protofl.data.dataset import Dataset, channel_stats
 from protofl.errors import DataError
 
 __all__ = ["make_synthetic"]
@@ -88,7 +88,7 @@ def make_synthetic(
     np.clip(x, 0.0, 1.0, out=x)
     images = np.rint(x * 255.0).astype(np.uint8)
 
-    mean, std = _channel_stats(images[:n_train])
+    mean, std = channel_stats(images[:n_train])
     name = "synthetic"
     train = Dataset(images[:n_train], labels[:n_train], num_classes, name, mean, std)
     test = Dataset(images[n_train:], labels[n_train:], num_classes, name, mean, std)

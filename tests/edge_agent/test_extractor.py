@@ -22,7 +22,7 @@ TOL = 1e-4
 def images() -> np.ndarray:
     if not Path(FASHION_MNIST_DIR).is_dir():
         pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR} (CI installs it)")
-    from export.inputs import load_images
+    from protofl.data import load_images
 
     return load_images("fashion-mnist", "test", 200)[0]
 
@@ -67,7 +67,7 @@ def test_frozen_backbone_exports_once(images: np.ndarray) -> None:
 
 
 def test_exporter_fallback(images: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
-    from export import onnx_export
+    from edge_agent import onnx_export
 
     def gone(*args, **kwargs):
         raise RuntimeError("TorchScript exporter removed (simulated)")

@@ -21,7 +21,7 @@ from protofl.errors import ConfigError
 def small_set() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not Path(FASHION_MNIST_DIR).is_dir():
         pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR} (CI installs it)")
-    from export.inputs import load_images
+    from protofl.data import load_images
 
     x, y, _ = load_images("fashion-mnist", "train", 1000, seed=3)
     xt, yt, _ = load_images("fashion-mnist", "test", 500, seed=3)

@@ -26,7 +26,7 @@ def fmnist_test() -> tuple[np.ndarray, np.ndarray]:
     """64 real test images (normalised float32) and their labels."""
     if not Path(FASHION_MNIST_DIR).is_dir():
         pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR}")
-    from export.inputs import load_images
+    from protofl.data import load_images
 
     x, y, _ = load_images("fashion-mnist", "test", 64)
     return x, y
@@ -40,7 +40,7 @@ def trained_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from edge_agent import trainer
     from edge_agent.models import build_model
     from export.checkpoint import save_checkpoint
-    from export.inputs import load_images
+    from protofl.data import load_images
     from protofl.config import FederationConfig
 
     x, y, ds = load_images("fashion-mnist", "train", 10000, seed=7)

@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 
+from edge_agent import onnx_export
 from edge_agent.models import BUILTIN_ARCHITECTURES, build_model
-from export import onnx_export
-from export.onnx_export import export_onnx, read_metadata
-from export.quantize import session
+from edge_agent.onnx_export import export_onnx
+from edge_agent.onnx_runtime import read_metadata, session
 from export.verify import verify_onnx
 from protofl.errors import ConfigError
 from tests.export.conftest import needs_fmnist

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from edge_agent.onnx_export import export_onnx
+from edge_agent.onnx_runtime import read_metadata
 from export.checkpoint import load_model
-from export.inputs import load_images
-from export.onnx_export import export_onnx, read_metadata
 from export.quantize import compare_accuracy, quantize_model
+from protofl.data import load_images
 from protofl.errors import ConfigError
 from tests.export.conftest import needs_fmnist
 

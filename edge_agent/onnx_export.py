@@ -1,5 +1,9 @@
 """Export a client model to ONNX for inference-time prototype extraction.
 
+Part of the device runtime: the ``onnx`` extractor re-exports the model on the device whenever its
+weights changed, and a frozen backbone is exported once; ``protofl-export onnx`` builds on the same
+function.
+
 Two graphs can be exported (``what``):
 
 * ``features``: x -> backbone -> stem -> adapter [-> projection] -> z, the prototype-space embedding
@@ -33,7 +37,7 @@ from edge_agent.models import ProtoNet
 from protofl import __version__
 from protofl.errors import ConfigError, ProtoFLError
 
-__all__ = ["EXPORTERS", "WHAT", "ExportError", "ExportInfo", "export_onnx", "parse_floats", "read_metadata"]
+__all__ = ["EXPORTERS", "WHAT", "ExportError", "ExportInfo", "export_onnx"]
 
 WHAT = ("features", "backbone")
 EXPORTERS = ("auto", "dynamo", "torchscript")
@@ -183,25 +187,3 @@ def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "fe
     onnx.save(proto, str(path))
     opset_used = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     return ExportInfo(path, what, used, int(opset_used), out_dim, seconds, reason)
-
-
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
-    """The metadata_props of an ONNX file (without loading its weights into Python objects twice)."""
-    import onnx
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"ONNX model {p} does not exist; create one with `protofl-export onnx --out {p}`")
-    try:
-        proto = onnx.load(str(p), load_external_data=False)
-    except Exception as exc:  # noqa: BLE001 -- protobuf raises its own DecodeError for non-ONNX bytes
-        raise ConfigError(f"{p} is not an ONNX model ({type(exc).__name__}: {exc}); "
-                          "export one with `protofl-export onnx`") from None
-    return {e.key: e.value for e in proto.metadata_props}
-
-
-def parse_floats(text: str | None) -> tuple[float, ...] | None:
-    """'0.286,0.353' -> (0.286, 0.353) (metadata and CLI values)."""
-    if not text:
-        return None
-    return tuple(float(v) for v in text.split(","))

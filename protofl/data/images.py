@@ -1,23 +1,18 @@
-"""Real input images for verify / quantize / bench / predict: a dataset spec -> normalised float32 arrays."""
+"""Real input images for the ONNX tools and the device's ``predict``: a dataset spec -> normalised float32.
+
+numpy only: the device (``protofl-edge predict``) and the export tool (``protofl-export verify /
+quantize / bench``) both read their images through here.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from protofl.data import Dataset, load_dataset
+from protofl.data.dataset import Dataset
+from protofl.data.loaders import load_dataset
 from protofl.errors import DataError
 
-__all__ = ["load_images", "normalise"]
-
-
-def normalise(x: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """uint8 (n, c, h, w) -> float32 (x / 255 - mean) / std, per channel."""
-    c = x.shape[1]
-    if len(mean) != c or len(std) != c:
-        raise DataError(f"normalisation has {len(mean)}/{len(std)} mean/std values for {c}-channel images")
-    m = np.asarray(mean, dtype=np.float32).reshape(1, c, 1, 1)
-    s = np.asarray(std, dtype=np.float32).reshape(1, c, 1, 1)
-    return ((x.astype(np.float32) / np.float32(255.0)) - m) / s
+__all__ = ["load_images"]
 
 
 def load_images(spec: str, split: str = "test", n: int | None = None, *, in_shape: tuple[int, ...] | None = None,
@@ -39,5 +34,4 @@ def load_images(spec: str, split: str = "test", n: int | None = None, *, in_shap
     idx = np.arange(len(ds))
     if n is not None and n < len(ds):
         idx = np.sort(np.random.default_rng([seed, 0xDA7A]).permutation(len(ds))[:n])
-    x = normalise(ds.x[idx], tuple(mean) if mean else ds.mean, tuple(std) if std else ds.std)
-    return x, ds.y[idx], ds
+    return ds.normalized(idx, mean=mean or None, std=std or None), ds.y[idx], ds
