@@ -248,8 +248,9 @@ STAGE_VARIANTS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("no-apud", "all stages w/o APUD", dict(apud=False)),
     ("no-cps", "all stages w/o CPS", dict(cps=False)),
     ("no-scaling", "all stages w/o scaling", dict(scaling=False)),
-    ("refine", "all stages + refinement", dict(refine=True)),
 )
+# "all stages + refinement" was a row until the config began refusing it: with C*s <= m the CPS masks
+# are disjoint, refinement changes nothing (its cached runs equalled "all stages" to the last digit).
 
 
 def stage_sets(**changes: Any) -> tuple[tuple[str, Any], ...]:

@@ -18,6 +18,7 @@ import torch
 
 from edge_agent import frozen, stages, trainer
 from edge_agent import params as model_params
+from edge_agent.devices import resolve_device
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from protofl import topics
@@ -83,7 +84,7 @@ class EdgeAgent:
         self.data = data
         self.arch = arch
         self.profile = profile
-        self.device = torch.device(device)
+        self.device = torch.device(resolve_device(device))
         self.eval_every = max(1, eval_every)
         self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
