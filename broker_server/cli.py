@@ -91,8 +91,8 @@ def simulate(
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
                               transport=transport, broker=broker_options, broker_kind=local_broker,
                               config_file=str(config) if config else None,
-                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, extractor=extractor, device=device,
-                              overrides=overrides)
+                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
+                              extractor=extractor, device=device, overrides=overrides)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
