@@ -116,9 +116,9 @@ def _decision_ctx(tmp_path, reports: dict) -> table_report.Context:
 
 def test_default_decision_picks_the_most_accurate_then_the_fewest_bytes(tmp_path):
     # (A global, B local, uplink per run): no-erpa is best; no-apud is 0.6 below (tied) and cheaper -> chosen;
-    # refine is 1.2 below the best: not tied although it is the cheapest.
+    # no-cps is 1.2 below the best: not tied although it is the cheapest.
     numbers = {"all": (0.10, 0.30, 900), "no-erpa": (0.50, 0.86, 800), "no-apud": (0.494, 0.854, 300),
-               "no-cps": (0.10, 0.30, 1000), "no-scaling": (0.10, 0.30, 900), "refine": (0.488, 0.848, 100)}
+               "no-cps": (0.488, 0.848, 100), "no-scaling": (0.10, 0.30, 900)}
     reports = {}
     for suffix, (a_global, b_local, up) in numbers.items():
         reports[f"D/a-stages-{suffix}"] = _fake_report(0.8, a_global, up)
@@ -130,7 +130,7 @@ def test_default_decision_picks_the_most_accurate_then_the_fewest_bytes(tmp_path
     text = "\n".join(d.lines)
     assert "| all stages w/o APUD | 49.40 | 85.40 | 67.40 | 0.001 | **chosen** |" in text
     assert "| all stages w/o ERPA | 50.00 | 86.00 | 68.00 | 0.002 | tied, more bytes |" in text
-    assert "| all stages + refinement | 48.80 | 84.80 | 66.80 | 0.000 |  |" in text
+    assert "| all stages w/o CPS | 48.80 | 84.80 | 66.80 | 0.000 |  |" in text
 
 
 def test_default_decision_waits_for_every_variant(tmp_path):
