@@ -76,9 +76,11 @@ def simulate(
 ) -> None:
     """Simulate a whole federation on this machine and report accuracy and bytes per round."""
     from broker_server.simulation import SimulationSpec, run_simulation
+    from protofl.requirements import require_torch
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
+        require_torch("protofl-server simulate")  # the simulated devices train with torch
         overrides = parse_sets(set_)
         broker_options = None
         if broker is not None or username or tls_ca or tls_cert or tls_key:
