@@ -165,16 +165,16 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     try:
         for c in ids:
             send(c, _join(c), lambda c=c: c in agg.clients)
-        send("c0", _upload("c0", 1, seed=10), lambda: "c0" in agg.phase.received)
-        before = {k: set(v) for k, v in agg.phase.received.items()}
+        send("c0", _upload("c0", 1, seed=10), lambda: "c0" in agg.machine.phase.received)
+        before = {k: {u.value for u in v} for k, v in agg.machine.phase.received.items()}
         send("c0", _upload("c0", 1, seed=10), lambda: agg.dropped.get("duplicate") == 1)
         # c0's upload published on c1's topic: the topic's client id differs from the sender
         send("c1", _upload("c0", 1, seed=99, sender="c0"), lambda: agg.dropped.get("sender_mismatch") == 1)
-        assert {k: set(v) for k, v in agg.phase.received.items()} == before == {"c0": {"protos"}}
+        assert {k: {u.value for u in v} for k, v in agg.machine.phase.received.items()} == before == {"c0": {"protos"}}
         send("c1", _upload("c1", 1, seed=11), lambda: agg.round == 2)
         # round 1 is over: a replay of a round-1 upload is stale
         send("c0", _upload("c0", 1, seed=10), lambda: agg.dropped.get("stale") == 1)
-        send("c0", _upload("c0", 2, seed=20), lambda: "c0" in agg.phase.received)
+        send("c0", _upload("c0", 2, seed=20), lambda: "c0" in agg.machine.phase.received)
         send("c1", _upload("c1", 2, seed=21), lambda: agg.finished)
         runner.join(30)
     finally:
