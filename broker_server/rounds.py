@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from broker_server.stages import PrototypePhase, ServerModel, TrainPhase, table_protoset
+from broker_server.stages import PrototypePhase, ServerModel, TrainPhase
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms import cps, refine
 from protofl.config import FederationConfig
@@ -243,7 +243,7 @@ class RoundMachine:
         if open_.phase is Phase.PROTO:
             assert self.proto_acc is not None
             table = self.proto_acc.anchors()
-            self.anchors = table_protoset(table, self.plan.proto_width, self.plan.proto_dtype) if table else None
+            self.anchors = ProtoSet.from_table(table, self.plan.proto_width, self.plan.proto_dtype) if table else None
             self.proto_acc = None
             nxt = self.plan.next_phase(open_.phase)
             assert nxt is not None

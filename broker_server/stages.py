@@ -25,22 +25,6 @@ from protofl.sparse import SparseVector
 from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
 
 
-def protoset_table(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
-    if ps is None:
-        return {}, None
-    table = {int(c): ps.values[i] for i, c in enumerate(ps.classes)}
-    counts = None if ps.counts is None else {int(c): int(ps.counts[i]) for i, c in enumerate(ps.classes)}
-    return table, counts
-
-
-def table_protoset(table: dict[int, np.ndarray], width: int, dt: str, counts: dict[int, int] | None = None) -> ProtoSet:
-    classes = sorted(table)
-    values = (np.stack([table[c] for c in classes]).astype(np.float32) if classes
-              else np.zeros((0, width), dtype=np.float32))
-    cnt = None if counts is None else np.asarray([counts[c] for c in classes], dtype=np.int64)
-    return ProtoSet(classes=np.asarray(classes, dtype=np.int64), values=values, counts=cnt, dt=dt)
-
-
 @dataclass
 class ServerModel:
     """What the federation has agreed on so far."""
@@ -58,11 +42,15 @@ class ServerModel:
         plan = self.plan
         if plan.prototypes == "unit":
             assert self.unit is not None
-            return table_protoset({c: self.unit[c] for c in range(plan.num_classes)}, plan.proto_dim,
-                                  plan.proto_dtype)
+            return ProtoSet.from_table({c: self.unit[c] for c in range(plan.num_classes)}, plan.proto_dim,
+                                       plan.proto_dtype)
         if plan.prototypes == "mean" and not plan.two_phase and self.prototypes:
-            return table_protoset(self.prototypes, plan.proto_width, plan.proto_dtype)
+            return ProtoSet.from_table(self.prototypes, plan.proto_width, plan.proto_dtype)
         return None
+
+
+def _table(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+    return ({}, None) if ps is None else ps.table()
 
 
 def check_table(table: dict[int, np.ndarray], num_classes: int, width: int, what: str) -> None:
@@ -90,8 +78,8 @@ class PrototypePhase:
 
     def validate(self, up: ProtoUpload) -> None:
         plan = self.model.plan
-        pub, _ = protoset_table(up.public)
-        loc, counts = protoset_table(up.local)
+        pub, _ = _table(up.public)
+        loc, counts = _table(up.local)
         check_table(pub, plan.num_classes, plan.proto_width, "public prototype")
         check_table(loc, plan.num_classes, plan.proto_width, "local prototype")
         if set(pub) - self.public:
@@ -103,8 +91,8 @@ class PrototypePhase:
 
     def add(self, up: ProtoUpload) -> None:
         self.validate(up)
-        pub, _ = protoset_table(up.public)
-        loc, counts = protoset_table(up.local)
+        pub, _ = _table(up.public)
+        loc, counts = _table(up.local)
         if self.scaled is not None:
             # Both accumulators check before folding; check the scaled table first so that a bad one
             # cannot leave ERPA's half folded.
@@ -177,7 +165,7 @@ class TrainPhase:
         if self.protos is None:
             raise WireError("this federation does not exchange prototypes in the training phase")
         plan = self.model.plan
-        table, counts = protoset_table(up.local)
+        table, counts = _table(up.local)
         check_table(table, plan.num_classes, plan.proto_width, "prototype")
         if isinstance(self.protos, (ScaledAggregator, refine.ConsensusAggregator)):
             self.protos.add(table)

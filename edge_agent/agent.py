@@ -22,6 +22,7 @@ from edge_agent.devices import resolve_device
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from protofl import topics
+from protofl.adapter import layout_size
 from protofl.algorithms import apud
 from protofl.algorithms.fedproto import nearest_prototype
 from protofl.algorithms.refine import normalize_rows
@@ -176,8 +177,8 @@ class EdgeAgent:
                 return
         # This federation's largest messages: the round message carries our full model (FedAvg) or
         # adapter; the server's stated limit may be larger still.
-        own = self.plan.limits(len(model_params.full_vector(self.model)) if cfg.federate == "full" else None,
-                               len(model_params.adapter_vector(self.model)))
+        own = self.plan.limits(layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
+                               layout_size(model_params.adapter_layout(self.model)))
         stated = int(msg.limits.get("max_message_bytes", 0))
         self.limits = own if stated <= own.max_message_bytes else Limits(
             max_message_bytes=stated, max_elements=own.max_elements, max_bin_len=max(own.max_bin_len, stated))

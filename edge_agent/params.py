@@ -64,7 +64,7 @@ def _to_vector(tensors: list[tuple[str, torch.Tensor]]) -> np.ndarray:
         return np.zeros(0, dtype=np.float32)
     with torch.no_grad():
         flat = torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for _, t in tensors])
-    return flat.numpy().copy()  # copy: the caller owns the array; later training must not alias it
+    return flat.numpy().copy()  # cpu: moved above; copy: the caller owns the array, later training must not alias it
 
 
 def _load_vector(tensors: list[tuple[str, torch.Tensor]], vec: np.ndarray, what: str) -> None:

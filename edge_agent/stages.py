@@ -38,11 +38,7 @@ def pack(plan: RoundPlan, protos: dict[int, np.ndarray], counts: dict[int, int] 
         protos, counts = scaling.scale_prototypes(protos, counts), None
     if masks is not None:
         protos = cps.compress_table(protos, masks)
-    classes = sorted(protos)
-    values = (np.stack([protos[c] for c in classes]).astype(np.float32) if classes
-              else np.zeros((0, plan.proto_width), dtype=np.float32))
-    cnt = None if counts is None else np.asarray([counts[c] for c in classes], dtype=np.int64)
-    return ProtoSet(classes=np.asarray(classes, dtype=np.int64), values=values, counts=cnt, dt=plan.proto_dtype)
+    return ProtoSet.from_table(protos, plan.proto_width, plan.proto_dtype, counts)
 
 
 def erpa_tables(plan: RoundPlan, tables: DeviceTables, z_public: np.ndarray | None, y_public: np.ndarray | None,
@@ -75,7 +71,7 @@ def alignment_targets(plan: RoundPlan, tables: DeviceTables, anchors: ProtoSet, 
     if anchor_kind != plan.anchor_kind:
         raise WireError(f"anchors labelled '{anchor_kind}', but this federation's plan sends '{plan.anchor_kind}'")
     assert plan.target in (TargetKind.MSE, TargetKind.ANCHOR)
-    table = {int(c): anchors.values[i] for i, c in enumerate(anchors.classes)}
+    table, _ = anchors.table()
     if plan.cps:
         if tables.masks is None:
             raise WireError("anchors are CPS-compressed but this federation's config has no masks")

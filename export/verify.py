@@ -66,7 +66,7 @@ def _torch_outputs(model: ProtoNet, what: str, x: np.ndarray, spans: list[tuple[
     model.eval()
     try:
         fn = model.backbone_features if what == "backbone" else model.features
-        return np.concatenate([fn(torch.from_numpy(x[a:b])).numpy() for a, b in spans])
+        return np.concatenate([fn(torch.from_numpy(x[a:b])).cpu().numpy() for a, b in spans])
     finally:
         for m, flag in was.items():
             m.training = flag

@@ -11,6 +11,7 @@ bools, and must be finite. Wire keys are the field names, except inside `ProtoSe
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Union
@@ -142,6 +143,22 @@ class ProtoSet(_Body):
         if counts is not None and counts.size != classes.size:
             raise WireError(f"{classes.size} classes but {counts.size} counts")
         _set(self, classes=classes, values=values, counts=counts)
+
+    @classmethod
+    def from_table(cls, table: Mapping[int, np.ndarray], width: int, dt: str = "f4",
+                   counts: Mapping[int, int] | None = None) -> Self:
+        """Rows in ascending class order; `width` shapes an empty table."""
+        classes = sorted(table)
+        values = (np.stack([table[c] for c in classes]).astype(np.float32) if classes
+                  else np.zeros((0, width), dtype=np.float32))
+        cnt = None if counts is None else np.asarray([counts[c] for c in classes], dtype=np.int64)
+        return cls(classes=np.asarray(classes, dtype=np.int64), values=values, counts=cnt, dt=dt)
+
+    def table(self) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+        """({class: values row}, {class: count} or None)."""
+        rows = {int(c): self.values[i] for i, c in enumerate(self.classes)}
+        counts = None if self.counts is None else {int(c): int(self.counts[i]) for i, c in enumerate(self.classes)}
+        return rows, counts
 
     def to_body(self) -> dict:
         return {
