@@ -66,6 +66,9 @@ def simulate(
     train_limit: Optional[int] = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
     test_limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
+    test_every: Optional[int] = typer.Option(None, help="Score global and ensemble accuracy on the test set every N rounds "
+                                                         "(a multiple of --eval-every; default: --eval-every) and in "
+                                                         "the last: the dearest part of evaluation."),
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
     device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
                                            "auto (cuda if torch sees one, else cpu)."),
@@ -93,7 +96,7 @@ def simulate(
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
                               transport=transport, broker=broker_options, broker_kind=local_broker,
                               config_file=str(config) if config else None,
-                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
+                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from broker_server.aggregator import RoundRecord
+from protofl.schedule import is_due
 from protofl.wire import Metrics
 
 # How long a closed round waits for its participants' metrics before it is shown without them.
@@ -86,7 +87,7 @@ class RoundProgress:
     def expects_metrics(self, round_: int) -> bool:
         if self.eval_every is None:
             return True
-        return round_ % max(1, self.eval_every) == 0 or (self.rounds is not None and round_ >= self.rounds)
+        return is_due(round_, self.eval_every, self.rounds)
 
     def complete(self, rec: RoundRecord) -> bool:
         """Every participant of the round reported (or the round asks for no metrics)."""

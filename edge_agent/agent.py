@@ -19,17 +19,19 @@ import torch
 from edge_agent import frozen, stages, trainer
 from edge_agent import params as model_params
 from edge_agent.devices import resolve_device
-from edge_agent.extractor import Extractor, make_extractor
+from edge_agent.extractor import Extractor, class_probabilities, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from protofl import topics
 from protofl.adapter import layout_size
 from protofl.algorithms import apud
+from protofl.algorithms.cps import off_mask_energy
 from protofl.algorithms.fedproto import nearest_prototype
 from protofl.algorithms.refine import normalize_rows
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, TargetKind
+from protofl.schedule import is_due
 from protofl.transport import Transport
 from protofl.wire import (DEFAULT_LIMITS, AdapterUpload, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
                           PublicSet, RoundStart, decode_message, encode_message)
@@ -78,7 +80,7 @@ def stable_seed(*parts: object) -> int:
 class EdgeAgent:
     def __init__(self, client_id: str, fed: str, transport: Transport, data: ClientData, *,
                  arch: str | None = None, profile: str = "", device: str = "cpu",
-                 eval_every: int = 1, extractor: str = "torch") -> None:
+                 eval_every: int = 1, test_every: int | None = None, extractor: str = "torch") -> None:
         self.client_id = client_id
         self.fed = fed
         self.transport = transport
@@ -87,6 +89,7 @@ class EdgeAgent:
         self.profile = profile
         self.device = torch.device(resolve_device(device))
         self.eval_every = max(1, eval_every)
+        self.test_every = max(1, test_every) if test_every is not None else self.eval_every
         self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
         self.limits: Limits = DEFAULT_LIMITS  # until the config says how large this federation's messages get
@@ -297,37 +300,44 @@ class EdgeAgent:
             local = stages.trained_prototypes(plan, self.tables, z, self.data.y_train)
             self._send(ProtoUpload(local=local, public=None, n_samples=n), round_, phase)
         self.stats.rounds_trained += 1
-        if round_ % self.eval_every == 0 or round_ >= cfg.rounds:
-            self._send(self._metrics(stats), round_, phase)
+        if is_due(round_, self.eval_every, cfg.rounds):
+            self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_, phase)
 
     # -- evaluation -----------------------------------------------------------------------------
-    def _metrics(self, stats: trainer.TrainStats) -> Metrics:
+    def _metrics(self, stats: trainer.TrainStats, with_test: bool = True) -> Metrics:
         """The head's accuracy (FedPAGR: cosine to P) and the nearest-global-prototype accuracy on the
-        local split and, in simulation, on the official test set; the test set's class probabilities."""
+        local split and, in simulation and `with_test`, on the official test set (with the test set's
+        class probabilities). One forward pass per split: both predictions come from the same z.
+
+        FedAvg's clients skip the test set: its global accuracy is the aggregated model's (scored by the
+        simulator) and it has no ensemble."""
         assert self.cfg is not None and self.model is not None
-        extractor = self._get_extractor()
         P = self.unit_prototypes if self.cfg.consensus else None
-        x_test = torch.from_numpy(np.ascontiguousarray(self.data.x_test, dtype=np.float32)).to(self.device)
-        local = extractor.predict_proba(x_test, P, self.cfg.beta)
+        z_local = self._get_extractor().embed(self.data.x_test)
+        local = class_probabilities(self.model, z_local, P, self.cfg.beta)
         correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
-        proto_local = self._nearest_correct(x_test, self.data.y_test, local, P)
+        proto_local = self._nearest_correct(z_local, self.data.y_test, local, P)
+        extra = {}
+        if self.tables.masks is not None and len(z_local):
+            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.tables.masks)
         probs, n_test, correct_test, proto_test = None, 0, 0, None
-        if self.data.x_global is not None and self.data.y_global is not None:
-            xg = torch.from_numpy(np.ascontiguousarray(self.data.x_global, dtype=np.float32)).to(self.device)
-            probs = extractor.predict_proba(xg, P, self.cfg.beta)
+        if (with_test and self.cfg.federate != "full"
+                and self.data.x_global is not None and self.data.y_global is not None):
+            z_global = self._get_extractor().embed(self.data.x_global)
+            probs = class_probabilities(self.model, z_global, P, self.cfg.beta)
             n_test = len(self.data.y_global)
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
-            proto_test = self._nearest_correct(xg, self.data.y_global, probs, P)
+            proto_test = self._nearest_correct(z_global, self.data.y_global, probs, P)
         return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
-                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra={},
+                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra=extra,
                        proto_correct_local=proto_local, proto_correct_test=proto_test)
 
-    def _nearest_correct(self, x: torch.Tensor, y: np.ndarray, probs: np.ndarray,
+    def _nearest_correct(self, z: np.ndarray, y: np.ndarray, probs: np.ndarray,
                          P: torch.Tensor | None) -> int | None:
         """Correct predictions of the nearest global prototype; None without global prototypes.
 
         FedPAGR's probabilities are already softmax(cos(z, P) / beta), whose argmax is the nearest
-        prototype by cosine. Elsewhere: L2 to this round's (dense) global prototypes.
+        prototype by cosine. Elsewhere: L2 from z to this round's (dense) global prototypes.
         """
         if P is not None:
             return int((probs.argmax(1) == y).sum()) if len(probs) else 0
@@ -335,8 +345,7 @@ class EdgeAgent:
             return None
         if len(y) == 0:
             return 0
-        pred = nearest_prototype(self._get_extractor().embed(x), self.targets_table)
-        return int((pred == y).sum())
+        return int((nearest_prototype(z, self.targets_table) == y).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""

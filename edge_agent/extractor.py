@@ -1,8 +1,8 @@
 """Prototype-space extraction behind one small interface: torch, or onnxruntime.
 
 The agent asks an :class:`Extractor` for z (to compute public and local prototypes) and for class
-probabilities (its metrics). :class:`TorchExtractor` is the reference (``trainer.embed`` /
-``trainer.predict_proba``). :class:`OnnxExtractor` runs the *features* graph on onnxruntime; because the
+probabilities (its metrics; the head is applied to z in numpy by :func:`class_probabilities`, so one
+forward pass serves both). :class:`TorchExtractor` is the reference (``trainer.embed``). :class:`OnnxExtractor` runs the *features* graph on onnxruntime; because the
 agent trains between extractions, the graph is re-exported on demand whenever the weights changed,
 detected by a fingerprint of the weights (so a round exports once, however many times it extracts).
 
@@ -79,6 +79,25 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return (e / e.sum(axis=1, keepdims=True)).astype(np.float32, copy=False)
 
 
+def class_probabilities(model: ProtoNet, z: np.ndarray, unit_prototypes: torch.Tensor | np.ndarray | None = None,
+                        beta: float = 0.1) -> np.ndarray:
+    """(n, C) class probabilities from features z: the head's softmax, or softmax(z_hat . P^T / beta) (FedPAGR).
+
+    The head is a single Linear: applied in numpy it always uses the head's current weights (FedPAGR
+    overwrites them at round start), needs no export, and lets evaluation reuse one forward pass for
+    the head's and the nearest prototype's predictions.
+    """
+    if len(z) == 0:
+        return np.zeros((0, model.num_classes), dtype=np.float32)
+    if unit_prototypes is not None:
+        P = _as_numpy(unit_prototypes)
+        z_hat = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-12)  # F.normalize's eps
+        return _softmax(z_hat @ P.T / np.float32(beta))
+    w = model.head.weight.detach().cpu().numpy()
+    b = model.head.bias.detach().cpu().numpy()
+    return _softmax(z @ w.T + b)
+
+
 class TorchExtractor:
     """The reference: the model itself, in eval mode."""
 
@@ -90,8 +109,7 @@ class TorchExtractor:
 
     def predict_proba(self, x: np.ndarray | torch.Tensor, unit_prototypes: torch.Tensor | np.ndarray | None = None,
                       beta: float = 0.1) -> np.ndarray:
-        P = None if unit_prototypes is None else _as_tensor(unit_prototypes, self.model)
-        return trainer.predict_proba(self.model, _as_tensor(x, self.model), P, beta)
+        return class_probabilities(self.model, self.embed(x), unit_prototypes, beta)
 
 
 class OnnxExtractor:
@@ -160,18 +178,7 @@ class OnnxExtractor:
 
     def predict_proba(self, x: np.ndarray | torch.Tensor, unit_prototypes: torch.Tensor | np.ndarray | None = None,
                       beta: float = 0.1) -> np.ndarray:
-        z = self.embed(x)
-        if len(z) == 0:
-            return np.zeros((0, self.model.num_classes), dtype=np.float32)
-        if unit_prototypes is not None:
-            P = _as_numpy(unit_prototypes)
-            z_hat = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-12)  # F.normalize's eps
-            return _softmax(z_hat @ P.T / np.float32(beta))
-        # The head is a single Linear: applying it in numpy avoids exporting it, and it always uses the
-        # head's current weights (FedPAGR overwrites them at round start).
-        w = self.model.head.weight.detach().cpu().numpy()
-        b = self.model.head.bias.detach().cpu().numpy()
-        return _softmax(z @ w.T + b)
+        return class_probabilities(self.model, self.embed(x), unit_prototypes, beta)
 
 
 def make_extractor(kind: str, model: ProtoNet, *, frozen_backbone: bool = False,

@@ -116,7 +116,11 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
         raise ValueError(f"cached features: {len(h)} rows of h for {len(y)} labels; recompute the cache")
     for p in model.backbone.parameters():
         p.requires_grad_(False)
-    params = [p for name, p in model.named_parameters() if not name.startswith("backbone.")]
+    fixed_head = trainer.head_is_fixed(cfg, targets)
+    params = [p for name, p in model.named_parameters()
+              if not name.startswith("backbone.") and not (fixed_head and name.startswith("head."))]
+    for p in model.head.parameters():
+        p.requires_grad_(not fixed_head)
     for p in params:
         p.requires_grad_(True)
     model.train()

@@ -13,6 +13,7 @@ import typer
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_extractor, check_name
+from protofl.schedule import check_cadence
 
 if TYPE_CHECKING:
     from edge_agent.runner import DeviceRunner
@@ -32,6 +33,8 @@ def join_command(
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
     profile: str = typer.Option("", help="Device profile name reported when joining."),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
+    test_every: Optional[int] = typer.Option(None, help="With --partition: score the official test set every N rounds "
+                                                         "(a multiple of --eval-every; default: --eval-every) and in the last."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
     username: Optional[str] = cli_options.USERNAME,
@@ -50,7 +53,7 @@ def join_command(
     try:
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout, extractor)
+                              tls_key, mqtt, connect_timeout, extractor, test_every)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -80,7 +83,7 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
                  alpha: float, seed: int | None, test_limit: int | None, train_limit: int | None, arch: str | None,
                  device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
-                 connect_timeout: float, extractor: str = "torch") -> "DeviceRunner":
+                 connect_timeout: float, extractor: str = "torch", test_every: int | None = None) -> "DeviceRunner":
     import torch
 
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
@@ -105,5 +108,6 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
     spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
                     train_limit)
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
+                         test_every=check_cadence(eval_every, test_every),
                          protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor)  # type: ignore[arg-type]
     return DeviceRunner(options, fed, client_id, spec, opts)

@@ -1,9 +1,10 @@
 """Client-side training losses (torch), one function per paper's objective.
 
-- `fedproto_mse`: FedProto (Tan et al. 2022) regulariser, lambda * MSE(z, g_y); TinyProto uses the
-  same term with the structured-sparse (CPS) target, which pushes off-mask dims of z to zero.
-- `anchor_alignment`: RefProtoFL eq. 17, squared L2 distance to the ERPA anchor a_y, averaged over
-  the batch (eq. 17 sums over samples; a per-batch mean keeps lambda independent of batch size).
+- `alignment`: the one prototype-alignment term A(z, a) of every method (ALGORITHMS.md, "One alignment
+  term"): the per-element squared error to the class target, mean over the batch and the m dims. FedProto
+  aligns to g_y, TinyProto to the structured-sparse (CPS) target (which pushes off-mask dims of z to 0),
+  RefProtoFL to the ERPA anchor a_y (its eq. 17 writes a sum over dims; on that scale lambda = 1 is 512x
+  the cross-entropy and training collapsed to chance, so every method uses the MSE scale).
 - `fedpagr_loss`: FedPAGR composite loss: CE(head(z_hat)) + CE(z_hat P^T / beta) + lambda_E L_ent.
 Samples whose class has no target contribute no prototype term.
 """
@@ -14,22 +15,16 @@ import torch
 import torch.nn.functional as F
 
 
-def fedproto_mse(z: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, has_target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error between z and its class target, over the samples that have a target.
+def alignment(z: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, has_target: torch.Tensor) -> torch.Tensor:
+    """A(z, a) = (1/|B|) sum_i (1/m) ||z_i - a_{y_i}||^2 over the batch B; a sample whose class has no
+    target adds zero but still counts in |B| (FedProto's reference code uses z itself as the target there),
+    so the term's weight does not depend on how many classes have targets.
 
-    targets: (C, m); has_target: (C,) bool. PFLlib/FedProto use nn.MSELoss, i.e. mean over elements.
+    targets: (C, m); has_target: (C,) bool.
     """
-    keep = has_target[y]
-    if not bool(keep.any()):
-        return z.new_zeros(())
-    return F.mse_loss(z[keep], targets[y[keep]])
-
-
-def anchor_alignment(z: torch.Tensor, y: torch.Tensor, anchors: torch.Tensor, has_anchor: torch.Tensor) -> torch.Tensor:
-    """RefProtoFL eq. 17: mean over the batch of ||z - a_y||^2; samples with no anchor add zero."""
-    keep = has_anchor[y].to(z.dtype)
-    sq = ((z - anchors[y]) ** 2).sum(dim=1)
-    return (sq * keep).sum() / z.shape[0]
+    keep = has_target[y].to(z.dtype)
+    per_sample = ((z - targets[y]) ** 2).mean(dim=1)
+    return (per_sample * keep).sum() / z.shape[0]
 
 
 def entropy_regulariser(proto_logits: torch.Tensor) -> torch.Tensor:

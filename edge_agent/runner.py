@@ -48,6 +48,7 @@ class RunnerOptions:
     device: str = "cpu"
     profile: str = ""
     eval_every: int = 1
+    test_every: int | None = None  # simulation data only: the official test set's cadence
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     connect_timeout: float = 30.0
     extractor: str = "torch"  # what computes prototypes and metrics: torch | onnx (onnxruntime)
@@ -159,7 +160,7 @@ class DeviceRunner:
         log.info("%s: %d training / %d test samples, arch %s, preset %s", self.client_id, len(data.y_train),
                  len(data.y_test), arch or cfg.archs[0], cfg.preset)
         return EdgeAgent(self.client_id, self.fed, self._uploads, data, arch=arch, profile=self.opts.profile,
-                         device=self.opts.device, eval_every=self.opts.eval_every,
+                         device=self.opts.device, eval_every=self.opts.eval_every, test_every=self.opts.test_every,
                          extractor=self.opts.extractor)
 
     def _on_status(self, topic: str, payload: bytes) -> None:

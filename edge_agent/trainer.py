@@ -55,11 +55,15 @@ def batch_loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, cfg: Federat
         assert targets.values is not None
         return losses.fedpagr_loss(z, yb, model.head, targets.values, cfg.beta, cfg.lambda_e)
     loss = F.cross_entropy(model.head(z), yb)
-    if targets.kind is TargetKind.MSE:
-        loss = loss + cfg.proto_lambda * losses.fedproto_mse(z, yb, targets.values, targets.present)
-    elif targets.kind is TargetKind.ANCHOR:
-        loss = loss + cfg.proto_lambda * losses.anchor_alignment(z, yb, targets.values, targets.present)
+    if targets.kind in (TargetKind.MSE, TargetKind.ANCHOR):
+        loss = loss + cfg.proto_lambda * losses.alignment(z, yb, targets.values, targets.present)
     return loss
+
+
+def head_is_fixed(cfg: FederationConfig, targets: Targets) -> bool:
+    """FedPAGR's anchored head (rows = refined prototypes) is not trained during the round (Alg. 1 line 14
+    updates only f_k and g_k), unless `pagr_train_head` asks for the variant."""
+    return targets.kind is TargetKind.PAGR and not cfg.pagr_train_head
 
 
 def train_local(
@@ -78,6 +82,9 @@ def train_local(
     frozen = cfg.backbone == "frozen"
     for p in model.backbone.parameters():
         p.requires_grad_(not frozen)
+    fixed_head = head_is_fixed(cfg, targets)
+    for p in model.head.parameters():
+        p.requires_grad_(not fixed_head)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     if frozen:
@@ -121,21 +128,3 @@ def embed(model: ProtoNet, x: torch.Tensor, batch_size: int = 512) -> np.ndarray
     if not out:
         return np.zeros((0, model.proto_dim), dtype=np.float32)
     return torch.cat(out).cpu().numpy().astype(np.float32, copy=False)
-
-
-@torch.inference_mode()
-def predict_proba(model: ProtoNet, x: torch.Tensor, unit_prototypes: torch.Tensor | None = None,
-                  beta: float = 0.1, batch_size: int = 512) -> np.ndarray:
-    """Class probabilities: the head's softmax, or for FedPAGR softmax(z_hat . P^T / beta)."""
-    model.eval()
-    chunks = []
-    for i in range(0, int(x.shape[0]), batch_size):
-        z = model.features(x[i : i + batch_size])
-        if unit_prototypes is not None:
-            logits = F.normalize(z, dim=1) @ unit_prototypes.t() / beta
-        else:
-            logits = model.head(z)
-        chunks.append(torch.softmax(logits, dim=1))
-    if not chunks:
-        return np.zeros((0, model.num_classes), dtype=np.float32)
-    return torch.cat(chunks).cpu().numpy().astype(np.float32, copy=False)

@@ -67,6 +67,9 @@ class FederationConfig:
     margin: float = 0.3
     beta: float = 0.1
     lambda_e: float = 0.1
+    # FedPAGR Alg. 1 trains only f_k and g_k: the anchored head stays fixed during the round. True is the
+    # variant that also trains it (a benchmark row).
+    pagr_train_head: bool = False
     # Wire.
     proto_dtype: str = "f4"
     adapter_dtype: str = "f4"
@@ -138,6 +141,8 @@ class FederationConfig:
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                  f"config '{name}' must be a finite number, got {value!r}")
         del types
+        for name in ("erpa", "apud", "cps", "scaling", "consensus", "refine", "pagr_train_head"):
+            need(isinstance(getattr(self, name), bool), f"config '{name}' must be true or false, got {getattr(self, name)!r}")
         need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
         need(2 <= self.num_classes <= 65535, f"num_classes must be in [2, 65535], got {self.num_classes}")
         need(1 <= self.proto_dim <= 65536, f"proto_dim must be in [1, 65536], got {self.proto_dim}")
@@ -177,6 +182,8 @@ class FederationConfig:
         need(not (self.consensus and self.prototypes != "unit"), "consensus (FedPAGR) needs prototypes='unit'")
         need(not (self.cps and self.prototypes == "unit"),
              "CPS on unit prototypes (spherical CPS) is not implemented; use prototypes='mean' with cps")
+        need(not (self.pagr_train_head and not self.consensus),
+             "pagr_train_head is FedPAGR's trained-head variant; it needs consensus=true (prototypes='unit')")
         need(not (self.federate == "full" and len(set(self.archs)) > 1),
              "federate='full' (FedAvg) needs one architecture for every client")
         need(not (self.refine and self.prototypes == "none"),

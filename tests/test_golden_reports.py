@@ -1,8 +1,7 @@
-"""Each preset on a fixed seed gives the report recorded before the round-plan refactor.
+"""Each preset on a fixed seed gives the report recorded in tests/golden (see its README for when).
 
-Bytes must match exactly and accuracies to 1e-6; keys the golden report lacks are allowed only when
-they are the fields added since (nearest-prototype accuracy), and the only byte differences allowed
-are the two `_intended_changes`, each exact. A change here is a change of behaviour.
+Bytes must match exactly and accuracies to 1e-6; keys the golden report lacks are not allowed. A
+change here is a change of behaviour: re-record only when it is intended, and say so in the commit.
 """
 
 from __future__ import annotations
@@ -19,28 +18,6 @@ GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from record import CASES, FED  # noqa: E402
 
-NEW_KEYS = {"local_proto_acc", "global_proto_acc", "device"}
-
-
-def _intended_changes(want: dict[str, Any], got: dict[str, Any]) -> None:
-    """Apply the two changes of behaviour the refactor made on purpose, exactly, to `want`.
-
-    1. The dead config field `extra` ({}) is gone: every device receives the config once, at its
-       join in round 1, and each copy is len(msgpack "extra") + len(msgpack {}) = 6 + 1 bytes shorter.
-    2. Metrics carry the nearest-prototype counts: evaluation traffic (`metrics_bytes`, never
-       counted as uplink) grows by their encoding; it may only grow.
-    """
-    import msgpack
-
-    assert want["config"].pop("extra") == {}
-    saved = (len(msgpack.packb("extra")) + len(msgpack.packb({}))) * want["simulation"]["clients"]
-    want["rounds"][0]["downlink_bytes"] -= saved
-    want["totals"]["downlink_bytes"] -= saved
-    for w, g in zip(want["rounds"], got["rounds"]):
-        assert g["metrics_bytes"] >= w["metrics_bytes"], (g["metrics_bytes"], w["metrics_bytes"])
-        w["metrics_bytes"] = g["metrics_bytes"]
-
-
 def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
     if isinstance(want, dict):
         if not isinstance(got, dict):
@@ -51,7 +28,7 @@ def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
                 problems.append(f"{path}.{key}: missing")
             else:
                 _compare(f"{path}.{key}", want[key], got[key], problems)
-        extra = set(got) - set(want) - NEW_KEYS
+        extra = set(got) - set(want)
         if extra:
             problems.append(f"{path}: unexpected keys {sorted(extra)}")
     elif isinstance(want, list):
@@ -77,7 +54,6 @@ def test_report_matches_the_recorded_one(case: str, one_torch_thread: None) -> N
     got["totals"].pop("wall_s")
     want = json.loads((GOLDEN / f"{case}.json").read_text())
     got = json.loads(json.dumps(got))
-    _intended_changes(want, got)
     problems: list[str] = []
     _compare(case, want, got, problems)
     assert not problems, "\n".join(problems[:20])

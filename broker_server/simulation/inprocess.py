@@ -32,7 +32,8 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
                           x_test=train.normalized(part.test), y_test=train.y[part.test],
                           x_global=x_test, y_global=test.y, mean=train.mean, std=train.std)
         agents.append(EdgeAgent(cid, FED, broker.connect(cid), data, arch=cfg.arch_for(i), device=spec.device,
-                                eval_every=spec.eval_every, extractor=spec.extractor))
+                                eval_every=spec.eval_every, test_every=spec.test_every,
+                                extractor=spec.extractor))
     agg.start()
     for a in agents:
         a.start()

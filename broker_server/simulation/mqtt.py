@@ -40,7 +40,7 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
             "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
             "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", spec.device,
             "--threads", "1", "--mqtt", protocol]
-    for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
+    for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit), ("--test-every", spec.test_every),
                         ("--train-limit", spec.train_limit), ("--username", broker.username),
                         ("--tls-ca", broker.tls_ca), ("--tls-cert", broker.tls_cert), ("--tls-key", broker.tls_key)):
         if value is not None:
@@ -109,7 +109,8 @@ class AgentThreads:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
-        opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, protocol=protocol,  # type: ignore[arg-type]
+        opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, test_every=spec.test_every,
+                             protocol=protocol,  # type: ignore[arg-type]
                              extractor=spec.extractor)
         self.runners = [DeviceRunner(broker, FED, client_id(i),
                                      DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,

@@ -8,7 +8,7 @@ published. numpy only.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from broker_server.progress import RoundProgress, accuracies
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.stages import ServerModel
 from protofl.config import FederationConfig
+from protofl.schedule import check_cadence, is_due
 from protofl.wire import Metrics
 
 
@@ -44,7 +45,8 @@ class Report:
         self.started = time.perf_counter()
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
-        if self.evaluate is not None and model.params is not None:
+        if (self.evaluate is not None and model.params is not None
+                and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every), self.cfg.rounds)):
             self.global_model_acc[rec.round] = self.evaluate(model.params)
         self.records.append(rec)
         self.progress.round_end(rec)
@@ -80,6 +82,7 @@ class Report:
             "global_acc": acc["global_acc"],
             "global_proto_acc": acc["global_proto_acc"],
             "ensemble_acc": ens,
+            "off_mask_energy": _weighted_extra(self.metrics.get(rec.round, {}).values(), "off_mask_energy"),
             "uplink_bytes": rec.uplink_bytes,
             "downlink_bytes": rec.downlink_bytes,
             "clients": len(rec.clients),
@@ -103,6 +106,13 @@ class Report:
             },
             "dropped": dict(dropped),
         }
+
+
+def _weighted_extra(metrics: Iterable[Metrics], key: str) -> float | None:
+    """A per-client figure of `Metrics.extra`, weighted by the clients' local split sizes (None if absent)."""
+    pairs = [(m.extra[key], m.n_local) for m in metrics if key in m.extra and m.n_local]
+    n = sum(w for _, w in pairs)
+    return sum(v * w for v, w in pairs) / n if n else None
 
 
 def describe_drops(aggregator: Mapping[str, int], agents: Mapping[str, Mapping[str, int]] | None) -> str:

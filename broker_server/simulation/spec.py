@@ -16,6 +16,7 @@ from protofl.data import Dataset, FederatedSplit, load_dataset
 from protofl.data.federation import federation_split, limit_train, public_set
 from protofl.errors import ConfigError
 from protofl.presets import make_config
+from protofl.schedule import check_cadence
 from protofl.transport.broker_url import BrokerOptions
 from protofl.wire import PublicSet
 
@@ -48,6 +49,7 @@ class SimulationSpec:
     train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
     test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
     eval_every: int = 1
+    test_every: int | None = None  # score the official test set every N rounds (default: eval_every) and in the last
     extractor: str = "torch"  # agents extract prototypes with torch or onnxruntime ("onnx")
     device: str = "cpu"  # torch device of the agents and of FedAvg's global model: cpu | cuda | auto
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +88,7 @@ def prepare(spec: SimulationSpec) -> Federation:
         raise ConfigError(f"--clients must be >= 1, got {spec.clients}")
     if not spec.alpha > 0:
         raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
+    check_cadence(spec.eval_every, spec.test_every)
     if spec.extractor not in EXTRACTORS:
         raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")
     train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)

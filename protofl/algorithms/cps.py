@@ -30,6 +30,7 @@ __all__ = [
     "reconstruct_table",
     "pack_masks",
     "unpack_masks",
+    "off_mask_energy",
 ]
 
 
@@ -131,6 +132,19 @@ def unpack_masks(packed: np.ndarray, num_classes: int, m: int) -> np.ndarray:
     if bits[:, m:].any():
         raise ValueError("CPS masks: padding bits are set; the mask message is corrupt")
     return bits[:, :m].astype(bool)
+
+
+def off_mask_energy(z: np.ndarray, y: np.ndarray, masks: np.ndarray) -> float:
+    """Fraction of the features' energy outside their class's mask: sum_i ||z_i * (1 - m_{y_i})||^2 /
+    sum_i ||z_i||^2 (0 for z = 0).
+
+    CPS's alignment target is zero off the mask, so this is how far training has made z structured-sparse
+    (ALGORITHMS.md, TinyProto: most of the alignment error is off-mask shrinkage; the benchmark reports it).
+    """
+    z = np.asarray(z, dtype=np.float64)
+    off = ~_as_masks(masks)[np.asarray(y, dtype=np.int64)]
+    total = float(np.square(z).sum())
+    return float(np.square(z[off]).sum()) / total if total > 0 else 0.0
 
 
 def _as_masks(masks: np.ndarray) -> np.ndarray:

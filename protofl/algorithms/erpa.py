@@ -7,7 +7,7 @@ Client half (Alg. 3, `client_prototypes`; z from the device's backbone and the b
     public-covered c:            p_kc^pub = mean of z over the public samples of c          (eq. 10)
     not covered and n_kc > 0:    p_kc     = mean of z over D_kc, sent with n_kc             (eq. 11)
 (the means themselves are fedproto.local_prototypes). Training then aligns z to the anchors
-(eq. 17; the torch term is edge_agent/losses.anchor_alignment).
+(eq. 17, on the MSE scale of ALGORITHMS.md; the torch term is edge_agent/losses.alignment).
 
 Server half (Alg. 4):
     p_c^ext = uniform mean of p_kc^pub over the clients that sent c                       (eq. 14)

@@ -182,3 +182,18 @@ def test_a_stall_names_every_sides_drops(monkeypatch: pytest.MonkeyPatch) -> Non
     msg = str(err.value)
     assert "dropped by the aggregator: none" in msg
     assert "'client-000': {'test_reject': 1}" in msg and "'client-001': {'test_reject': 1}" in msg
+
+
+@pytest.mark.parametrize("preset", ["fedavg", "tinyproto"])
+def test_test_set_is_scored_only_on_its_cadence(preset: str) -> None:
+    # Local accuracy every round, the (dear) official test set every 2nd round and in the last.
+    spec = SimulationSpec(preset=preset, **{**FED, "rounds": 3}, eval_every=1, test_every=2)
+    rows = run_simulation(spec)["rounds"]
+    assert [r["local_acc"] is not None for r in rows] == [True, True, True]
+    assert [r["global_acc"] is not None for r in rows] == [False, True, True]
+    if preset == "fedavg":  # the aggregated model's accuracy; no ensemble of identical models
+        assert all(r["ensemble_acc"] is None for r in rows)
+    else:
+        assert [r["ensemble_acc"] is not None for r in rows] == [False, True, True]
+        # CPS rows report how much of z's energy is still off its class's mask
+        assert all(0.0 <= r["off_mask_energy"] <= 1.0 for r in rows)

@@ -10,23 +10,32 @@ import torch
 from edge_agent import losses
 
 
-def test_fedproto_mse_only_on_samples_with_a_target() -> None:
+def test_alignment_is_the_per_element_squared_error_averaged_over_the_batch() -> None:
     z = torch.tensor([[1.0, 2.0], [0.0, 0.0], [5.0, 5.0]])
     y = torch.tensor([0, 1, 2])
     targets = torch.tensor([[0.0, 0.0], [1.0, 1.0], [9.0, 9.0]])
-    present = torch.tensor([True, True, False])  # class 2 has no global prototype
-    # sample 0: (1^2 + 2^2) = 5 ; sample 1: (1 + 1) = 2 ; mean over 2 samples x 2 dims = 7/4
-    assert losses.fedproto_mse(z, y, targets, present).item() == pytest.approx(7 / 4)
-    assert losses.fedproto_mse(z, y, targets, torch.zeros(3, dtype=torch.bool)).item() == 0.0
+    present = torch.tensor([True, True, False])  # class 2 has no target
+    # ||z0 - a0||^2 = 1 + 4 = 5, ||z1 - a1||^2 = 1 + 1 = 2, sample 2 adds 0 but counts in the batch:
+    # (1/|B|) sum (1/m) ||z - a||^2 = (5/2 + 2/2 + 0) / 3 = 7/6
+    assert losses.alignment(z, y, targets, present).item() == pytest.approx(7 / 6)
+    assert losses.alignment(z, y, targets, torch.zeros(3, dtype=torch.bool)).item() == 0.0
 
 
-def test_anchor_alignment_is_squared_l2_averaged_over_the_batch() -> None:
-    z = torch.tensor([[1.0, 2.0], [0.0, 0.0], [5.0, 5.0]])
-    y = torch.tensor([0, 1, 2])
-    anchors = torch.tensor([[0.0, 0.0], [1.0, 1.0], [9.0, 9.0]])
-    present = torch.tensor([True, True, False])
-    # ||z0 - a0||^2 = 5, ||z1 - a1||^2 = 2, sample 2 has no anchor -> (5 + 2 + 0) / 3
-    assert losses.anchor_alignment(z, y, anchors, present).item() == pytest.approx(7 / 3)
+def test_alignment_does_not_grow_with_the_prototype_width() -> None:
+    # The summed form (RefProtoFL eq. 17) is m times the MSE: at m = 512 it outweighed the
+    # cross-entropy 512:1 and training collapsed. The MSE scale of a constant offset is the same
+    # whatever m is.
+    for m in (2, 512):
+        z = torch.full((4, m), 0.5)
+        y = torch.tensor([0, 1, 0, 1])
+        assert losses.alignment(z, y, torch.zeros(2, m), torch.ones(2, dtype=torch.bool)).item() == pytest.approx(0.25)
+
+
+def test_alignment_gradient_pulls_z_towards_its_target() -> None:
+    z = torch.tensor([[2.0, 0.0]], requires_grad=True)
+    losses.alignment(z, torch.tensor([0]), torch.tensor([[0.0, 0.0]]), torch.tensor([True])).backward()
+    # d/dz (1/1)(1/2)((z0)^2 + z1^2) = (z0, z1) = (2, 0)
+    assert z.grad.tolist() == [[2.0, 0.0]]
 
 
 def test_entropy_regulariser_hand_example() -> None:

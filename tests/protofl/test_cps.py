@@ -147,3 +147,13 @@ def test_unpack_rejects_corrupt():
         unpack_masks(packed, 3, 10)
     with pytest.raises(ValueError):
         unpack_masks(packed.astype(np.int16), 2, 10)
+
+
+def test_off_mask_energy_hand_example() -> None:
+    from protofl.algorithms.cps import off_mask_energy
+
+    masks = np.array([[True, False, False], [False, True, True]])
+    z = np.array([[3.0, 4.0, 0.0],   # class 0: on-mask 9, off-mask 16
+                  [1.0, 0.0, 2.0]])  # class 1: on-mask 4, off-mask 1
+    assert off_mask_energy(z, np.array([0, 1]), masks) == pytest.approx(17 / 30)
+    assert off_mask_energy(np.zeros((2, 3)), np.array([0, 1]), masks) == 0.0
