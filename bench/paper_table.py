@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.paper_table", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=("full", "quick"), default="quick")
-    ap.add_argument("--only", default=None, help="comma list of settings to run (A,B,C,D); the table shows all")
+    ap.add_argument("--only", default=None, help="comma list of settings to run (A,B,C,D,L); the table shows all")
     ap.add_argument("--results", type=Path, default=None,
                     help="results directory (default bench/results/<suite>; TABLE.md: bench/results/TABLE.md "
                          "for full, <results>/TABLE.md otherwise)")
