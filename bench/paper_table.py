@@ -68,7 +68,19 @@ def expected_config(run: Run, suite: str) -> dict[str, Any]:
 
 
 def config_matches(rep: dict[str, Any], run: Run, suite: str) -> bool:
-    return rep.get("config") == expected_config(run, suite)
+    """The cached run's config is the one the run resolves to now. A config field added since the run was
+    made matches when it holds its default (the run behaved as the default says); any other difference,
+    or a field that is gone, makes the cached run stale."""
+    import dataclasses
+
+    from protofl.config import FederationConfig
+
+    cached, now = rep.get("config"), expected_config(run, suite)
+    if not isinstance(cached, dict) or set(cached) - set(now):
+        return False
+    defaults = json.loads(json.dumps(FederationConfig().to_dict()))
+    fields = {f.name for f in dataclasses.fields(FederationConfig)}
+    return all(cached[k] == v if k in cached else (k in fields and v == defaults.get(k)) for k, v in now.items())
 
 
 def git_info() -> dict[str, Any]:

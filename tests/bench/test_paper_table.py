@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import paper_table, table_report
-from bench.table_runs import RUN_BY_KEY, SECTIONS, suite_runs
+from bench.table_runs import ROW_BY_KEY, RUN_BY_KEY, SECTIONS, suite_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 FASHION = Path("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
@@ -25,19 +25,26 @@ def test_every_run_has_a_unique_key_and_valid_overrides():
     for r in suite_runs("full"):
         make_config(r.preset, **dict(r.sets))  # every --set combination is a valid config
     for sec in SECTIONS:
-        assert all(k in RUN_BY_KEY for k in sec.rows)
+        assert all(k in ROW_BY_KEY for k in sec.rows)
+    # every row of the full suite runs on at least three seeds (ALGORITHMS.md, Evaluation > Statistics)
+    seeds: dict[str, set[int]] = {}
+    for r in suite_runs("full"):
+        seeds.setdefault(r.row.key, set()).add(r.seed)
+    assert seeds and all(len(v) >= 3 for v in seeds.values())
 
 
 def test_run_args_are_the_public_cli_with_sets():
-    run = RUN_BY_KEY["A/a0.5-refprotofl-no-both"]
+    run = RUN_BY_KEY["A/a0.5-refprotofl-no-both-s1"]
     args = paper_table.run_args(run, "full")
     assert args[:3] == ["simulate", "--preset", "refprotofl"]
     joined = " ".join(args)
     assert "--set erpa=false --set prototypes=none --set apud=false" in joined
-    assert "--clients 10 --alpha 0.5" in joined and "--dataset fashion-mnist" in joined
-    # mu=auto stays a bare string, numbers are JSON
-    assert "--set mu=auto" in " ".join(paper_table.run_args(RUN_BY_KEY["B/tinyproto-s51-auto"], "quick"))
-    assert "--set proto_lambda=0.002" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-stages-all-lambda"], "quick"))
+    assert "--clients 10 --alpha 0.5" in joined and "--dataset fashion-mnist" in joined and "--seed 1" in joined
+    # the full test set (no --test-limit), scored at the final round only
+    assert "--test-limit" not in joined and "--eval-every 1 --test-every 10" in joined
+    # strings stay bare, numbers are JSON
+    assert "--set erpa=true" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-stages-all-s0"], "quick"))
+    assert "--set proto_lambda=0.3" in " ".join(paper_table.run_args(RUN_BY_KEY["L/erpa-lambda0.3-s0"], "quick"))
 
 
 def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path, capsys):
@@ -75,24 +82,24 @@ def test_quick_suite_end_to_end_structure(tmp_path):
     for setting in "ABCD":
         assert f"## Setting {setting}" in text
     header = "| " + " | ".join(table_report.COLUMNS) + " |"
-    assert text.count(header) == sum(1 for s in SECTIONS if any(RUN_BY_KEY[k] in runs for k in s.rows))
+    shown = [s for s in SECTIONS if any(r.row.key in s.rows for r in runs)]
+    assert text.count(header) == len(shown)
     table_rows = [line for line in text.splitlines() if line.startswith("| ") and line != header]
     for r in runs:  # one row per method, with every column filled
-        mine = [line for line in table_rows if line.startswith(f"| {r.label} |") or
-                line.startswith(f"| *{r.label}")]
+        mine = [line for line in table_rows if line.startswith(f"| {r.row.label} |")]
         assert mine, f"no row for {r.key}"
         cells = [c.strip() for c in mine[0].strip("|").split("|")]
         assert len(cells) == len(table_report.COLUMNS)
-        assert re.fullmatch(r"\d+\.\d\d", cells[1]), cells  # local final is a number
-        assert re.fullmatch(r"[\d,]+", cells[7]), cells  # uplink bytes per client per round
+        assert cells[1] == "0"  # the seeds it ran on (quick: seed 0 only)
+        assert re.fullmatch(r"\d+\.\d\d", cells[2]), cells  # local accuracy is a number
+        assert re.fullmatch(r"[\d,]+", cells[8]), cells  # uplink bytes per client per round
     goals = text.split("## Goals", 1)[1].split("\n## ", 1)[0]
     statuses = re.findall(r"^\d\. \*\*(MET|MISSED|NOT RUN)\*\*", goals, flags=re.M)
     assert len(statuses) == 4
-    for sec in SECTIONS:
-        if any(RUN_BY_KEY[k] in runs for k in sec.rows):
-            png = tmp_path / "plots" / f"{sec.key}.png"
-            assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-            assert f"(plots/{sec.key}.png)" in text
+    for sec in shown:
+        png = tmp_path / "plots" / f"{sec.key}.png"
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(plots/{sec.key}.png)" in text
 
     # resumable: a second call finds everything cached and redoes nothing
     mtimes = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*.json")}
@@ -108,40 +115,67 @@ def _fake_report(local: float, global_: float, uplink: int, ensemble: float | No
             "totals": {"uplink_bytes": uplink, "downlink_bytes": 0, "wall_s": 1.0}}
 
 
-def _decision_ctx(tmp_path, reports: dict) -> table_report.Context:
+def _ctx(tmp_path, reports: dict) -> table_report.Context:
     return table_report.Context(suite="full", sizing_key="full", run_root=tmp_path, table_path=tmp_path / "T.md",
                                 command="x", git={"rev": "r", "dirty": False, "modified_tracked": 0, "untracked": 0},
                                 runs=suite_runs("full"), cached=lambda r: reports.get(r.key))
 
 
-def test_default_decision_picks_the_most_accurate_then_the_fewest_bytes(tmp_path):
-    # (A global, B local, uplink per run): no-erpa is best; no-apud is 0.6 below (tied) and cheaper -> chosen;
-    # no-cps is 1.2 below the best: not tied although it is the cheapest.
-    numbers = {"all": (0.10, 0.30, 900), "no-erpa": (0.50, 0.86, 800), "no-apud": (0.494, 0.854, 300),
-               "no-cps": (0.488, 0.848, 100), "no-scaling": (0.10, 0.30, 900)}
+def _seeded(row: str, per_seed: list[dict]) -> dict:
+    return {f"{row}-s{seed}": rep for seed, rep in enumerate(per_seed)}
+
+
+def test_beats_needs_the_mean_and_every_seed(tmp_path):
+    reports = {**_seeded("A/a0.5-fedproto", [_fake_report(0.8, g, 1) for g in (0.50, 0.60, 0.40)]),
+               **_seeded("A/a0.5-refprotofl", [_fake_report(0.8, g, 1) for g in (0.55, 0.58, 0.50)])}
+    ctx = _ctx(tmp_path, reports)
+    fp, rp = table_report.row_stats(ctx, "A/a0.5-fedproto"), table_report.row_stats(ctx, "A/a0.5-refprotofl")
+    # refprotofl is ahead on the mean (54.3 vs 50.0) but behind in seed 1: a tie, not a win
+    assert not table_report.beats(rp, fp, "global_acc") and not table_report.beats(fp, rp, "global_acc")
+    goal = table_report.goal_refprotofl(ctx)
+    assert goal.status == "MET" and "a tie" in "\n".join(goal.evidence)
+    assert "effect +4.33 points" in goal.evidence[0] and "ahead in 2 of 3 seeds" in goal.evidence[0]
+    assert table_report.mean_std(rp, "global_acc") == "54.33 ± 4.04"
+    # ahead in every seed and on the mean: fedproto beats it -> missed
+    reports.update(_seeded("A/a0.5-fedproto", [_fake_report(0.8, g, 1) for g in (0.60, 0.60, 0.60)]))
+    assert table_report.goal_refprotofl(_ctx(tmp_path, reports)).status == "MISSED"
+
+
+def test_a_goal_waits_for_every_seed(tmp_path):
+    reports = _seeded("B/fedproto", [_fake_report(0.8, 0.5, 100)] * 3)
+    reports.update(_seeded("B/tinyproto", [_fake_report(0.8, 0.5, 10)] * 2))  # seed 2 missing
+    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    assert goal.status == "NOT RUN" and "`B/tinyproto` (2 of 3 seeds)" in goal.evidence[0]
+
+
+def test_default_decision_picks_the_fewest_bytes_among_those_the_best_does_not_beat(tmp_path):
+    # per candidate: (A global per seed, B local per seed, uplink per run)
+    numbers = {"all": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 900),      # best score
+               "no-apud": ((0.59, 0.63, 0.60), (0.80, 0.81, 0.80), 300),  # behind on the mean, ahead in seed 1: tied
+               "no-erpa": ((0.55, 0.57, 0.56), (0.78, 0.79, 0.78), 100),  # behind everywhere: beaten
+               "no-cps": ((0.10, 0.10, 0.10), (0.10, 0.10, 0.10), 50),
+               "no-scaling": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 950)}
     reports = {}
     for suffix, (a_global, b_local, up) in numbers.items():
-        reports[f"D/a-stages-{suffix}"] = _fake_report(0.8, a_global, up)
-        reports[f"D/b-stages-{suffix}"] = _fake_report(b_local, 0.2, up)
-    d = table_report.decide_default(_decision_ctx(tmp_path, reports))
+        reports.update(_seeded(f"D/a-stages-{suffix}", [_fake_report(0.8, g, up) for g in a_global]))
+        reports.update(_seeded(f"D/b-stages-{suffix}", [_fake_report(b, 0.2, up) for b in b_local]))
+    d = table_report.decide_default(_ctx(tmp_path, reports))
     assert d.status == "CHOSEN"
     assert d.choice == {"erpa": True, "apud": False, "cps": True, "scaling": True, "refine": False}
     assert d.matches_preset == (table_report.preset_stages() == d.choice)
     text = "\n".join(d.lines)
-    assert "| all stages w/o APUD | 49.40 | 85.40 | 67.40 | 0.001 | **chosen** |" in text
-    assert "| all stages w/o ERPA | 50.00 | 86.00 | 68.00 | 0.002 | tied, more bytes |" in text
-    assert "| all stages w/o CPS | 48.80 | 84.80 | 66.80 | 0.000 |  |" in text
+    assert "**chosen**" in text and "beaten by all" in text and "within noise, more bytes" in text
 
 
-def test_default_decision_waits_for_every_variant(tmp_path):
-    d = table_report.decide_default(_decision_ctx(tmp_path, {"D/a-stages-all": _fake_report(0.5, 0.5, 1)}))
+def test_default_decision_waits_for_every_candidate(tmp_path):
+    d = table_report.decide_default(_ctx(tmp_path, _seeded("D/a-stages-all", [_fake_report(0.5, 0.5, 1)] * 3)))
     assert d.status == "NOT RUN" and "D/b-stages-all" in d.lines[0] and d.choice is None
 
 
 def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkeypatch):
     from protofl import presets
 
-    run = RUN_BY_KEY["D/a-protofl"]
+    run = RUN_BY_KEY["A/a0.5-tinyproto-s0"]
     runner = paper_table.Runner("quick", tmp_path, None, 1, verbose=False)
     rep = {"config": paper_table.expected_config(run, "quick"),
            "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
@@ -150,8 +184,7 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
     path.write_text(json.dumps(rep))
     assert runner.cached(run) is not None
     # the same command after the preset's default changed is another run: redo it
-    flipped = {**presets.PRESETS["protofl"], "erpa": not presets.PRESETS["protofl"]["erpa"]}
-    monkeypatch.setitem(presets.PRESETS, "protofl", flipped)
+    monkeypatch.setitem(presets.PRESETS, "tinyproto", {**presets.PRESETS["tinyproto"], "mu": 1.5e-4})
     assert runner.cached(run) is None
     monkeypatch.undo()
     assert runner.cached(run) is not None
@@ -161,20 +194,13 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
     assert runner.cached(run) is None
 
 
-def test_goal_fedpagr_shows_the_spread_over_seeds_but_decides_on_seed_0(tmp_path):
-    ens = {"fedproto": (0.52, 0.56, 0.41), "fedpagr": (0.43, 0.63, 0.68), "fedpagr-no-sep": (0.49, 0.69, 0.66),
-           "fedpagr-no-ent": (0.45, 0.61, 0.65)}
-    reports = {}
-    for name, values in ens.items():
-        for seed, v in zip((0, 1, 2), values):
-            key = f"C/{name}" + ("" if seed == 0 else f"-seed{seed}")
-            reports[key] = _fake_report(0.8, 0.2, 1, ensemble=v)
-    goal = table_report.goal_fedpagr(_decision_ctx(tmp_path, reports))
-    assert goal.status == "MISSED"  # seed 0: fedpagr 43 < fedproto 52
-    text = "\n".join(goal.evidence)
-    assert "fedpagr 43.00 / 63.00 / 68.00 (mean 58.00)" in text
-    assert "fedpagr above fedproto in 2 of 3 seeds" in text
-    assert "fedpagr +8.33 vs fedproto, w/o separation +3.33 and w/o entropy -1.00 vs fedpagr" in text
-    del reports["C/fedpagr-seed2"]
-    assert "not all of seeds 1, 2 are run yet" in "\n".join(table_report.goal_fedpagr(
-        _decision_ctx(tmp_path, reports)).evidence)
+def test_a_config_field_added_since_the_run_keeps_the_cache_while_it_holds_its_default(tmp_path):
+    run = RUN_BY_KEY["A/a0.5-tinyproto-s0"]
+    config = paper_table.expected_config(run, "quick")
+    rep = {"config": {k: v for k, v in config.items() if k != "pagr_train_head"}}  # made before the field existed
+    assert paper_table.config_matches(rep, run, "quick")
+    rep["config"]["no_longer_a_field"] = 1  # a field that is gone: stale
+    assert not paper_table.config_matches(rep, run, "quick")
+    fedpagr = RUN_BY_KEY["C/fedpagr-train-head-s0"]  # the new field set away from its default: stale
+    old = {k: v for k, v in paper_table.expected_config(fedpagr, "quick").items() if k != "pagr_train_head"}
+    assert not paper_table.config_matches({"config": old}, fedpagr, "quick")
