@@ -93,6 +93,8 @@ class RoundMachine:
             self.model.params = np.asarray(initial_params, np.float32)
         if self.plan.prototypes == "unit":
             self.model.unit = refine.initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
+            if self.model.masks is not None:  # spherical CPS: every prototype lives on its class's mask
+                self.model.unit = cps.restrict_to_masks(self.model.unit, self.model.masks)
         self.clients: dict[str, Join] = {}
         self.round = 0
         self.phase: OpenPhase | None = None

@@ -42,8 +42,10 @@ class ServerModel:
         plan = self.plan
         if plan.prototypes == "unit":
             assert self.unit is not None
-            return ProtoSet.from_table({c: self.unit[c] for c in range(plan.num_classes)}, plan.proto_dim,
-                                       plan.proto_dtype)
+            table = {c: self.unit[c] for c in range(plan.num_classes)}
+            if self.masks is not None:  # spherical CPS: only the support travels
+                table = cps.compress_table(table, self.masks)
+            return ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype)
         if plan.prototypes == "mean" and not plan.two_phase and self.prototypes:
             return ProtoSet.from_table(self.prototypes, plan.proto_width, plan.proto_dtype)
         return None
@@ -167,7 +169,10 @@ class TrainPhase:
         plan = self.model.plan
         table, counts = _table(up.local)
         check_table(table, plan.num_classes, plan.proto_width, "prototype")
-        if isinstance(self.protos, (ScaledAggregator, refine.ConsensusAggregator)):
+        if isinstance(self.protos, refine.ConsensusAggregator):
+            masks = self.model.masks
+            self.protos.add(cps.reconstruct_table(table, masks) if masks is not None else table)
+        elif isinstance(self.protos, ScaledAggregator):
             self.protos.add(table)
         else:
             if self.model.cfg.aggregation == "weighted" and table and counts is None:
@@ -185,9 +190,11 @@ class TrainPhase:
         if isinstance(self.protos, refine.ConsensusAggregator):
             S, K = self.protos.sums()
             p_bar = self.protos.result()
-            model.unit = (refine.geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
-                                                  momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s,
-                                                  margin=cfg.margin) if cfg.refine else p_bar)
+            unit = (refine.geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
+                                            momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s,
+                                            margin=cfg.margin) if cfg.refine else p_bar)
+            # Spherical CPS: refinement moves rows off their masks; project them back (after the T steps).
+            model.unit = cps.restrict_to_masks(unit, model.masks) if model.masks is not None else unit
         elif self.protos is not None:
             result = self.protos.result()
             if result:

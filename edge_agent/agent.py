@@ -26,7 +26,6 @@ from protofl.adapter import layout_size
 from protofl.algorithms import apud
 from protofl.algorithms.cps import off_mask_energy
 from protofl.algorithms.fedproto import nearest_prototype
-from protofl.algorithms.refine import normalize_rows
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
@@ -245,9 +244,7 @@ class EdgeAgent:
         if msg.anchors is None or len(msg.anchors.classes) == 0:
             return trainer.Targets()
         if plan.target is TargetKind.PAGR:
-            if msg.anchor_kind != plan.anchor_kind:
-                raise WireError(f"anchors labelled '{msg.anchor_kind}', but this federation sends '{plan.anchor_kind}'")
-            P = torch.from_numpy(normalize_rows(msg.anchors.values).astype(np.float32)).to(self.device)
+            P = torch.from_numpy(stages.pagr_prototypes(plan, self.tables, msg.anchors, msg.anchor_kind)).to(self.device)
             with torch.no_grad():  # FedPAGR anchoring: head rows := refined prototypes, bias 0
                 self.model.head.weight.copy_(P)
                 self.model.head.bias.zero_()

@@ -54,10 +54,36 @@ def erpa_tables(plan: RoundPlan, tables: DeviceTables, z_public: np.ndarray | No
 def trained_prototypes(plan: RoundPlan, tables: DeviceTables, z: np.ndarray, y: np.ndarray) -> ProtoSet:
     """The training phase's prototype upload: FedPAGR's unit prototypes, or mean prototypes."""
     if plan.prototypes == "unit":
-        return pack(plan, refine.client_prototypes(z, y, plan.num_classes), None, None, scaled=False)
+        protos = refine.client_prototypes(z, y, plan.num_classes)
+        if tables.masks is not None:  # spherical CPS: the direction on the class's mask support
+            classes = sorted(protos)
+            cut = cps.restrict_to_masks(np.stack([protos[c] for c in classes]), tables.masks[classes]) if classes else []
+            protos = {c: cut[i] for i, c in enumerate(classes)}
+        return pack(plan, protos, None, tables.masks, scaled=False)
     protos, counts = local_prototypes(z, y, plan.num_classes)
     tables.remember(protos)
     return pack(plan, protos, counts, tables.masks, scaled=plan.scaled)
+
+
+def _scatter(plan: RoundPlan, tables: DeviceTables, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    """CPS anchors scattered back onto their masks (dense, m wide); others unchanged."""
+    if not plan.cps:
+        return table
+    if tables.masks is None:
+        raise WireError("anchors are CPS-compressed but this federation's config has no masks")
+    return cps.reconstruct_table(table, tables.masks)
+
+
+def pagr_prototypes(plan: RoundPlan, tables: DeviceTables, anchors: ProtoSet, anchor_kind: str) -> np.ndarray:
+    """FedPAGR's refined prototypes P (C, m), unit rows, from a round's anchors (spherical CPS: scattered
+    back onto their masks). Raises WireError if they are not what this federation's plan sends."""
+    if anchor_kind != plan.anchor_kind:
+        raise WireError(f"anchors labelled '{anchor_kind}', but this federation sends '{plan.anchor_kind}'")
+    table, _ = anchors.table()
+    if sorted(table) != list(range(plan.num_classes)):
+        raise WireError(f"FedPAGR anchors must hold every class 0..{plan.num_classes - 1}, got {sorted(table)}")
+    table = _scatter(plan, tables, table)
+    return refine.normalize_rows(np.stack([table[c] for c in range(plan.num_classes)])).astype(np.float32)
 
 
 def alignment_targets(plan: RoundPlan, tables: DeviceTables, anchors: ProtoSet, anchor_kind: str,
@@ -72,10 +98,7 @@ def alignment_targets(plan: RoundPlan, tables: DeviceTables, anchors: ProtoSet, 
         raise WireError(f"anchors labelled '{anchor_kind}', but this federation's plan sends '{plan.anchor_kind}'")
     assert plan.target in (TargetKind.MSE, TargetKind.ANCHOR)
     table, _ = anchors.table()
-    if plan.cps:
-        if tables.masks is None:
-            raise WireError("anchors are CPS-compressed but this federation's config has no masks")
-        table = cps.reconstruct_table(table, tables.masks)
+    table = _scatter(plan, tables, table)
     if plan.scaled:
         public = set(plan.public_classes)
         scaled = {c: v for c, v in table.items() if c not in public}

@@ -180,8 +180,12 @@ class FederationConfig:
         need(not (self.cps and self.prototypes == "none"), "cps compresses prototypes; set prototypes='mean'")
         need(not (self.scaling and self.prototypes == "none"), "scaling needs prototypes='mean'")
         need(not (self.consensus and self.prototypes != "unit"), "consensus (FedPAGR) needs prototypes='unit'")
-        need(not (self.cps and self.prototypes == "unit"),
-             "CPS on unit prototypes (spherical CPS) is not implemented; use prototypes='mean' with cps")
+        need(not (self.scaling and self.prototypes == "unit"),
+             "scaling multiplies mean prototypes by their counts; unit prototypes (FedPAGR) have none: turn scaling off")
+        need(not (self.refine and self.prototypes == "unit" and self.cps and self.num_classes * self.s <= self.proto_dim),
+             f"refine on spherical CPS prototypes whose masks do not overlap (num_classes * cps_s = "
+             f"{self.num_classes * self.s} <= proto_dim = {self.proto_dim}) changes nothing: they are already "
+             f"orthogonal; use cps_s > {self.proto_dim // self.num_classes} so that masks overlap, or turn refine off")
         need(not (self.pagr_train_head and not self.consensus),
              "pagr_train_head is FedPAGR's trained-head variant; it needs consensus=true (prototypes='unit')")
         need(not (self.federate == "full" and len(set(self.archs)) > 1),

@@ -74,8 +74,8 @@ class RoundPlan:
         uploads = {Phase.TRAIN: tuple(train)}
         if erpa:
             uploads[Phase.PROTO] = (Upload.PROTOS,)
-        if cfg.prototypes == "unit":
-            target, anchor_kind = TargetKind.PAGR, "unit"
+        if cfg.prototypes == "unit":  # FedPAGR; with cps: spherical CPS, unit prototypes on their masks
+            target, anchor_kind = TargetKind.PAGR, "unit+cps" if cfg.cps else "unit"
         else:
             target = TargetKind.ANCHOR if erpa else (TargetKind.MSE if cfg.prototypes == "mean" else TargetKind.NONE)
             anchor_kind = "+".join(["cps" if cfg.cps else "dense"] + (["scaled"] if cfg.scaling else []))
@@ -88,9 +88,9 @@ class RoundPlan:
             apud=cfg.apud,
             prototypes=cfg.prototypes,
             target=target,
-            cps=cfg.cps and not unit,
+            cps=cfg.cps,
             scaled=cfg.scaling and not unit,
-            proto_width=cfg.s if (cfg.cps and not unit) else cfg.proto_dim,
+            proto_width=cfg.s if cfg.cps else cfg.proto_dim,
             anchor_kind=anchor_kind,
             public_classes=cfg.public_class_list,
             num_classes=cfg.num_classes,

@@ -31,6 +31,7 @@ __all__ = [
     "pack_masks",
     "unpack_masks",
     "off_mask_energy",
+    "restrict_to_masks",
 ]
 
 
@@ -132,6 +133,23 @@ def unpack_masks(packed: np.ndarray, num_classes: int, m: int) -> np.ndarray:
     if bits[:, m:].any():
         raise ValueError("CPS masks: padding bits are set; the mask message is corrupt")
     return bits[:, :m].astype(bool)
+
+
+def restrict_to_masks(P: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """Spherical CPS (ALGORITHMS.md, combined pipeline, candidate (b)): each row of unit prototypes P (C, m)
+    cut to its class's mask and renormalised, so that it is a unit vector living on the mask's s dims.
+
+    A row that is zero on its support has no direction there; it becomes the normalised mask itself
+    (every support dim equal), a valid unit vector rather than a division by zero. Returns float32.
+    """
+    m = _as_masks(masks)
+    P = np.asarray(P, dtype=np.float64)
+    if P.shape != m.shape:
+        raise ValueError(f"CPS: prototypes of shape {P.shape} for masks of shape {m.shape}")
+    cut = np.where(m, P, 0.0)
+    length = np.linalg.norm(cut, axis=1, keepdims=True)
+    fallback = m / np.sqrt(np.maximum(m.sum(axis=1, keepdims=True), 1))
+    return np.where(length > 0, cut / np.where(length > 0, length, 1.0), fallback).astype(np.float32)
 
 
 def off_mask_energy(z: np.ndarray, y: np.ndarray, masks: np.ndarray) -> float:

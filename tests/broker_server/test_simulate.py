@@ -197,3 +197,18 @@ def test_test_set_is_scored_only_on_its_cadence(preset: str) -> None:
         assert [r["ensemble_acc"] is not None for r in rows] == [False, True, True]
         # CPS rows report how much of z's energy is still off its class's mask
         assert all(0.0 <= r["off_mask_energy"] <= 1.0 for r in rows)
+
+
+@pytest.mark.parametrize("cps_s, refine", [(51, False), (128, True)])
+def test_spherical_cps_sends_fedpagr_prototypes_on_their_masks(runs: dict[str, Run], cps_s: int, refine: bool) -> None:
+    # Candidates (b) and (c) of the combined pipeline: FedPAGR's objective on CPS-masked unit prototypes.
+    run = run_simulation(SimulationSpec(preset="fedpagr", **FED, overrides=dict(cps=True, cps_s=cps_s, refine=refine)))
+    dense = runs["fedpagr"].report
+    assert not run["dropped"]
+    assert all(r["closed_by"] == "quorum" and r["clients"] == FED["clients"] for r in run["rounds"])
+    # every upload holds C x s values instead of C x m (plus the same envelope): about m/s fewer bytes
+    ratio = dense["totals"]["uplink_bytes"] / run["totals"]["uplink_bytes"]
+    assert 0.7 * 512 / cps_s < ratio < 512 / cps_s, ratio
+    # the prototypes the devices align to live on their masks: features move onto them
+    assert all(0.0 <= r["off_mask_energy"] <= 1.0 for r in run["rounds"])
+    assert run["rounds"][-1]["global_proto_acc"] is not None

@@ -46,7 +46,9 @@ def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> 
     (dict(preset="fedavg", refine=True), "nothing to refine"),
     # 10 classes x s = 51 <= 512: disjoint masks, refinement is a no-op
     (dict(preset="protofl", erpa=True, refine=True), "changes nothing: masked anchors are already orthogonal"),
-    (dict(preset="fedpagr", cps=True), "spherical CPS"),
+    # spherical CPS: 10 x 51 <= 512, disjoint masks, the unit prototypes are already orthogonal
+    (dict(preset="fedpagr", cps=True), "spherical CPS prototypes whose masks do not overlap"),
+    (dict(preset="fedpagr", scaling=True), "unit prototypes"),
 ])
 def test_meaningless_switch_combinations_are_refused_with_a_reason(overrides: dict, reason: str) -> None:
     preset = overrides.pop("preset")
@@ -58,6 +60,13 @@ def test_refinement_is_accepted_where_it_acts() -> None:
     make_config("fedpagr", refine=True)  # unit prototypes
     make_config("refprotofl", refine=True)  # dense ERPA anchors
     make_config("protofl", erpa=True, refine=True, cps_s=128)  # 10 x 128 > 512: masks overlap
+    make_config("fedpagr", cps=True, cps_s=128)  # spherical CPS with overlapping masks (candidate (c))
+
+
+def test_spherical_cps_sends_unit_prototypes_on_their_masks() -> None:
+    plan = RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False))
+    assert plan.target is TargetKind.PAGR and plan.cps and not plan.scaled
+    assert plan.proto_width == 51 and plan.anchor_kind == "unit+cps"
 
 
 def test_limits_follow_the_model() -> None:
