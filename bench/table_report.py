@@ -3,6 +3,7 @@ rule, the default's decision, the lambda sweep and one PNG per section."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -14,9 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.table_runs import (ALL_STAGES, FEDERATIONS, LAMBDAS, PAPER_REFS, ROW_BY_KEY, SECTIONS, SEEDS, SIZING,
-                              SIZING_NOTE, STAGE_VARIANTS, SWEEP, Row, Run, Section, preset_stages, preset_variant,
-                              run_args)
+from bench.table_runs import (CANDIDATES, FEDERATIONS, LAMBDAS, PAPER_REFS, ROW_BY_KEY, SECTIONS, SEEDS, SIZING,
+                              SIZING_NOTE, SWEEP, Row, Run, Section, preset_stages, preset_variant, run_args)
 
 COLUMNS = ("method", "seeds", "local", "local proto", "global", "global proto", "ens.", "off-mask energy",
            "up B/client/rnd", "up total MB", "wall s", "paper (their setting)")
@@ -223,13 +223,13 @@ def goal_protofl(ctx: Context) -> Goal:
     suffix = preset_variant()
     if suffix is None:
         return Goal(name, "NOT RUN", ["`--preset protofl` equals none of setting D's candidate rows"])
-    keys = [k for tag, others, _, _ in D_COMPARE.values() for k in (f"D/{tag}-stages-{suffix}", *others.values())]
+    keys = [k for tag, others, _, _ in D_COMPARE.values() for k in (f"D/{tag}-{suffix}", *others.values())]
     got, missing = _rows(ctx, *keys)
     if missing:
         return _not_run(name, missing, got)
     ev, all_ok = [], True
     for where, (tag, others, metric, mlabel) in D_COMPARE.items():
-        pf = got[f"D/{tag}-stages-{suffix}"]
+        pf = got[f"D/{tag}-{suffix}"]
         beaten_by = [n for n, k in others.items() if beats(got[k], pf, metric)]
         tp_bytes = got[others["tinyproto"]].mean("up_total")
         ratio = pf.mean("up_total") / max(tp_bytes, 1)
@@ -271,7 +271,7 @@ def _score(a: RowStats, b: RowStats) -> RowStats:
 
 
 def decide_default(ctx: Context) -> Decision:
-    keys = {suffix: (f"D/a-stages-{suffix}", f"D/b-stages-{suffix}") for suffix, _, _ in STAGE_VARIANTS}
+    keys = {suffix: (f"D/a-{suffix}", f"D/b-{suffix}") for suffix, _, _ in CANDIDATES}
     got, missing = _rows(ctx, *(k for pair in keys.values() for k in pair))
     if missing:
         return Decision("NOT RUN", ["waiting for: " + ", ".join(f"`{m}`" for m in missing)])
@@ -279,20 +279,19 @@ def decide_default(ctx: Context) -> Decision:
     best = max(scored, key=lambda s: scored[s].mean("score") or 0.0)
     tied = [s for s in scored if s == best or not beats(scored[best], scored[s], "score")]
     chosen = min(tied, key=lambda s: scored[s].mean("up_total") or 0.0)
-    changes = dict(STAGE_VARIANTS[[s for s, _, _ in STAGE_VARIANTS].index(chosen)][2])
-    choice = {**ALL_STAGES, **changes}
+    choice = dict(next(sw for s, _, sw in CANDIDATES if s == chosen))
     current = preset_stages()
     lines = [DECISION_RULE, "", "| candidate | A global | B local | score | uplink A + B (MB) | |",
              "|---|--:|--:|--:|--:|---|"]
-    for suffix, label, _ in STAGE_VARIANTS:
+    for suffix, label, _ in CANDIDATES:
         a, b = (got[k] for k in keys[suffix])
         sc = scored[suffix]
         mark = ("**chosen**" if suffix == chosen else "best score" if suffix == best else
                 "within noise, more bytes" if suffix in tied else f"beaten by {best}")
         lines.append(f"| {label} | {mean_std(a, 'global_acc')} | {mean_std(b, 'local_acc')} | {mean_std(sc, 'score')} | "
                      f"{sc.mean('up_total') / 1e6:.3f} | {mark} |")
-    switches = ", ".join(f"{k}={str(v).lower()}" for k, v in choice.items())
-    now = ", ".join(f"{k}={str(v).lower()}" for k, v in current.items())
+    switches = ", ".join(f"{k}={json.dumps(v)}" for k, v in choice.items())
+    now = ", ".join(f"{k}={json.dumps(v)}" for k, v in current.items())
     lines += ["", f"Chosen: **{chosen}** ({switches}).", f"`--preset protofl` at this revision: {now} -> "
               + ("matches the rule's choice." if current == choice else
                  "does NOT match the rule's choice: set PRESETS['protofl'] in protofl/presets.py to it.")]

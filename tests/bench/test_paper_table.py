@@ -43,7 +43,7 @@ def test_run_args_are_the_public_cli_with_sets():
     # the full test set (no --test-limit), scored at the final round only
     assert "--test-limit" not in joined and "--eval-every 1 --test-every 10" in joined
     # strings stay bare, numbers are JSON
-    assert "--set erpa=true" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-stages-all-s0"], "quick"))
+    assert "--set federate=adapter" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-all-s0"], "quick"))
     assert "--set proto_lambda=0.3" in " ".join(paper_table.run_args(RUN_BY_KEY["L/erpa-lambda0.3-s0"], "quick"))
 
 
@@ -154,22 +154,25 @@ def test_default_decision_picks_the_fewest_bytes_among_those_the_best_does_not_b
                "no-apud": ((0.59, 0.63, 0.60), (0.80, 0.81, 0.80), 300),  # behind on the mean, ahead in seed 1: tied
                "no-erpa": ((0.55, 0.57, 0.56), (0.78, 0.79, 0.78), 100),  # behind everywhere: beaten
                "no-cps": ((0.10, 0.10, 0.10), (0.10, 0.10, 0.10), 50),
-               "no-scaling": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 950)}
+               "no-scaling": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 950),
+               "spherical": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 10),
+               "spherical-refine": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 20)}
     reports = {}
     for suffix, (a_global, b_local, up) in numbers.items():
-        reports.update(_seeded(f"D/a-stages-{suffix}", [_fake_report(0.8, g, up) for g in a_global]))
-        reports.update(_seeded(f"D/b-stages-{suffix}", [_fake_report(b, 0.2, up) for b in b_local]))
+        reports.update(_seeded(f"D/a-{suffix}", [_fake_report(0.8, g, up) for g in a_global]))
+        reports.update(_seeded(f"D/b-{suffix}", [_fake_report(b, 0.2, up) for b in b_local]))
     d = table_report.decide_default(_ctx(tmp_path, reports))
     assert d.status == "CHOSEN"
-    assert d.choice == {"erpa": True, "apud": False, "cps": True, "scaling": True, "refine": False}
+    assert d.choice == {"federate": "adapter", "prototypes": "mean", "consensus": False, "erpa": True, "apud": False,
+                        "cps": True, "cps_s": None, "scaling": True, "refine": False}
     assert d.matches_preset == (table_report.preset_stages() == d.choice)
     text = "\n".join(d.lines)
     assert "**chosen**" in text and "beaten by all" in text and "within noise, more bytes" in text
 
 
 def test_default_decision_waits_for_every_candidate(tmp_path):
-    d = table_report.decide_default(_ctx(tmp_path, _seeded("D/a-stages-all", [_fake_report(0.5, 0.5, 1)] * 3)))
-    assert d.status == "NOT RUN" and "D/b-stages-all" in d.lines[0] and d.choice is None
+    d = table_report.decide_default(_ctx(tmp_path, _seeded("D/a-all", [_fake_report(0.5, 0.5, 1)] * 3)))
+    assert d.status == "NOT RUN" and "D/b-all" in d.lines[0] and d.choice is None
 
 
 def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkeypatch):
