@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.table_runs import (CANDIDATES, FEDERATIONS, LAMBDAS, PAPER_REFS, ROW_BY_KEY, SECTIONS, SEEDS, SIZING,
+from bench.table_runs import (CANDIDATES, FEDERATIONS, GPU_NOTE, LAMBDAS, PAPER_REFS, ROW_BY_KEY, SECTIONS, SEEDS, SIZING,
                               SIZING_NOTE, SWEEP, Row, Run, Section, preset_stages, preset_variant, run_args)
 
 COLUMNS = ("method", "seeds", "local", "local proto", "global", "global proto", "ens.", "off-mask energy",
@@ -541,6 +541,8 @@ def write(ctx: Context, quiet: bool = False) -> Path:
             out += [f"## Setting {setting}", ""]
             for sec in secs:
                 out += _section(ctx, sec, plot_dir)
+    if ctx.sizing_key == "full":
+        out += ["## Setting A at the papers' sizing, on a GPU", "", GPU_NOTE, ""]
     ctx.table_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = ctx.table_path.with_name(f".{ctx.table_path.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(out) + "\n")
