@@ -1,7 +1,9 @@
 """The aggregator: the round state machine (rounds.py) behind a thin I/O shell over any `Transport`.
 
 The shell decodes each upload with the federation's limits, checks that the topic's client id is
-the message's sender and that the federation is ours, and hands the message to the machine. It is
+the message's sender and that the federation is ours, and hands the message to the machine. With a
+member list (join credentials or `--allow`), an upload on a non-member's topic is dropped before it
+is even decoded, so strangers cost a counter, not memory. It is
 the ONE error boundary: whatever is raised while decoding, validating or folding an upload becomes a
 counted, logged drop with its reason, and the state is unchanged (the machine and its accumulators
 check everything before they change anything). numpy only.
@@ -18,7 +20,9 @@ import numpy as np
 from broker_server.rounds import Drop, RoundMachine, RoundRecord
 from broker_server.stages import ServerModel
 from protofl import topics
+from protofl.adapter import adapter_layout, layout_size
 from protofl.config import FederationConfig
+from protofl.plan import RoundPlan
 from protofl.errors import WireError
 from protofl.transport import Transport
 from protofl.wire import Config, Join, Limits, Metrics, PublicSet, RoundStart, Status, decode_message, encode_message
@@ -26,7 +30,15 @@ from protofl.wire import Config, Join, Limits, Metrics, PublicSet, RoundStart, S
 log = logging.getLogger("protofl.server")
 SERVER_ID = "server"
 
-__all__ = ["SERVER_ID", "Aggregator", "RoundRecord"]
+__all__ = ["SERVER_ID", "Aggregator", "RoundRecord", "decoder_limits"]
+
+
+def decoder_limits(cfg: FederationConfig, model_values: int | None = None) -> Limits:
+    """The federation's decoder limits (its largest message), known before any broker or machine exists:
+    the local broker's packet limit is set from them."""
+    adapter = (layout_size(adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes))
+               if cfg.federate == "adapter" else 0)
+    return RoundPlan.from_config(cfg).limits(model_values, adapter)
 
 
 class Aggregator:
@@ -36,6 +48,7 @@ class Aggregator:
                  public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None,
                  limits: Limits | None = None,
+                 members: Sequence[str] | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
         self.fed = fed
@@ -44,8 +57,8 @@ class Aggregator:
                                     expected_clients=expected_clients, on_round_end=on_round_end,
                                     on_metrics=on_metrics)
         model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
-        adapter = self.machine.model.adapter
-        self.limits = limits or self.machine.plan.limits(model_values, 0 if adapter is None else adapter.shape[0])
+        self.limits = limits or decoder_limits(cfg, model_values)
+        self.members = frozenset(members) if members is not None else None  # None: anyone may join
         self.dropped: dict[str, int] = {}
 
     # The machine's state, read by services, simulators and tests.
@@ -89,6 +102,9 @@ class Aggregator:
     def on_message(self, topic: str, payload: bytes) -> None:
         topic_client = topics.client_of(topic)
         nbytes = len(payload)
+        if self.members is not None and topic_client not in self.members:
+            self._drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
+            return
         try:
             env, msg = decode_message(payload, limits=self.limits)
         except WireError as exc:
