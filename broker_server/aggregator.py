@@ -21,6 +21,7 @@ from broker_server.rounds import Drop, RoundMachine, RoundRecord
 from broker_server.stages import ServerModel
 from protofl import topics
 from protofl.adapter import adapter_layout, layout_size
+from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.plan import RoundPlan
 from protofl.errors import WireError
@@ -49,13 +50,14 @@ class Aggregator:
                  expected_clients: Sequence[str] | None = None,
                  limits: Limits | None = None,
                  members: Sequence[str] | None = None,
+                 policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
         self.fed = fed
         self.transport = transport
         self.machine = RoundMachine(cfg, self._publish, clock=clock, initial_params=initial_params, public=public,
                                     expected_clients=expected_clients, on_round_end=on_round_end,
-                                    on_metrics=on_metrics)
+                                    on_metrics=on_metrics, policy=policy)
         model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
         self.limits = limits or decoder_limits(cfg, model_values)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join

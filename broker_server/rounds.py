@@ -20,6 +20,7 @@ import numpy as np
 from broker_server.stages import PrototypePhase, ServerModel, TrainPhase
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms import cps, refine
+from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.plan import Phase, RoundPlan, Upload
@@ -72,7 +73,8 @@ class RoundMachine:
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
-                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
+                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
+                 policy: ClipPolicy | None = None) -> None:
         self.cfg = cfg
         self.plan = RoundPlan.from_config(cfg)
         self.publish = publish
@@ -81,7 +83,7 @@ class RoundMachine:
         self.expected_clients = sorted(expected_clients) if expected_clients else None
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
-        self.model = ServerModel(cfg, self.plan)
+        self.model = ServerModel(cfg, self.plan, policy=policy or ClipPolicy())  # uploads are clipped by default
         if self.plan.cps:
             self.model.masks = cps.make_masks(cfg.num_classes, cfg.proto_dim, cfg.s, seed=cfg.seed)
         self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" else []

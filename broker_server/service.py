@@ -22,6 +22,7 @@ from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.stages import ServerModel
 from protofl import topics
+from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
@@ -51,7 +52,7 @@ class AggregatorService:
                  public: PublicSet | None = None, expected_clients: Sequence[str] | None = None,
                  initial_params: np.ndarray | None = None, limits: Limits | None = None,
                  protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
-                 members: Sequence[str] | None = None,
+                 members: Sequence[str] | None = None, policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  tick_interval: float = 0.2, log_grace: float = GRACE_S) -> None:
@@ -73,6 +74,7 @@ class AggregatorService:
                                        persistent_session=True, deliver="pump", protocol=protocol)
         self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
                                      public=public, expected_clients=expected_clients, members=members,
+                                     policy=policy,
                                      on_round_end=self._round_end, on_metrics=self._metrics,
                                      # None: the aggregator derives the decoder limits from the config
                                      **({} if limits is None else {"limits": limits}))

@@ -18,6 +18,7 @@ import typer
 
 from broker_server.cli_common import parse_sets
 from broker_server.security import read_allow_list
+from protofl.algorithms.robust import ClipPolicy
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
 
@@ -51,6 +52,11 @@ def start_command(
                                                      "(default: --min-clients)."),
     insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who reaches "
                                                             "it can read uploads and publish rounds). Development only."),
+    robust: str = typer.Option("mean", help="Aggregate plain-mean prototypes and adapters with mean | median | "
+                                             "trimmed (coordinate-wise; ignores claimed sample counts)."),
+    clip_factor: float = typer.Option(10.0, help="Clip every upload to this many times the median upload norm "
+                                                 "of the previous round, around the current global value."),
+    clip_first: float = typer.Option(1e4, help="The clipping radius of the first round (no statistics yet)."),
     username: Optional[str] = cli_options.USERNAME,
     password: Optional[str] = cli_options.PASSWORD,
     tls_ca: Optional[str] = cli_options.TLS_CA,
@@ -65,9 +71,13 @@ def start_command(
     try:
         cfg, public = _federation(preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed,
                                   public_data, data_dir)
+        try:
+            policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
         access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices)
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password, tls_ca, tls_cert,
-               tls_key, connect_timeout)
+               tls_key, connect_timeout, policy)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -172,7 +182,7 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
 
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
            local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
-           tls_key: str | None, connect_timeout: float) -> None:
+           tls_key: str | None, connect_timeout: float, policy: Any = None) -> None:
     from broker_server.service import AggregatorService, save_server_model
     from protofl.transport.broker_url import parse_broker_url
 
@@ -200,7 +210,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 rounds_file.flush()
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_end=on_round_end, members=members)
+                                    on_round_end=on_round_end, members=members, policy=policy)
         service.start(connect_timeout)
         who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
         log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)
@@ -221,5 +231,5 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 log.info("server model written to %s", path)
         agg = service.aggregator
         if agg.finished:
-            log.info("federation '%s' finished: %d rounds, dropped uploads %s", fed, len(agg.records),
-                     agg.dropped or "none")
+            log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped uploads %s", fed,
+                     len(agg.records), agg.dropped or "none", agg.model.clipped or "none")
