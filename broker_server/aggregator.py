@@ -50,6 +50,7 @@ class Aggregator:
                  expected_clients: Sequence[str] | None = None,
                  limits: Limits | None = None,
                  members: Sequence[str] | None = None,
+                 max_clients: int | None = None,
                  policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
@@ -61,6 +62,7 @@ class Aggregator:
         model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
         self.limits = limits or decoder_limits(cfg, model_values)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
+        self.max_clients = max_clients
         self.dropped: dict[str, int] = {}
 
     # The machine's state, read by services, simulators and tests.
@@ -95,6 +97,7 @@ class Aggregator:
     def start(self) -> None:
         self.machine.start({"max_message_bytes": self.limits.max_message_bytes})
         self.transport.subscribe(topics.up_all(self.fed), self.on_message)
+        self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
 
     def tick(self, now: float | None = None) -> None:
         """Close the open phase if its deadline has passed (call periodically)."""
@@ -118,6 +121,10 @@ class Aggregator:
                 raise Drop("sender_mismatch", f"topic says '{topic_client}', message says '{env.sender}'")
             if env.fed != self.fed:
                 raise Drop("wrong_fed", f"'{env.fed}' on federation '{self.fed}'")
+            if isinstance(msg, Join) and self.max_clients is not None and env.sender not in self.clients \
+                    and len(self.clients) >= self.max_clients:
+                raise Drop("max_clients", f"join from '{env.sender}': the federation has its {self.max_clients} "
+                                          f"clients (--max-clients)")
             self.machine.receive(env, msg, nbytes)
         except Drop as drop:
             self._drop(drop.reason, drop.detail, nbytes)
@@ -126,6 +133,29 @@ class Aggregator:
         except Exception as exc:  # a bug in a stage must not take the federation down with it
             log.exception("unexpected error while handling %s", where)
             self._drop("invalid", f"{where}: {type(exc).__name__}: {exc}", nbytes)
+
+    def on_presence(self, topic: str, payload: bytes) -> None:
+        """A device's retained presence (its last will says "offline"): it leaves the round's expected set,
+        and is a client again when it is back online. Only a client's own presence counts; the rest
+        (strangers, old retained messages) is ignored without a trace."""
+        client = topics.client_of(topic)
+        if client not in self.clients and client not in self.machine.departed:
+            return
+        try:
+            env, msg = decode_message(payload, limits=self.limits)
+        except WireError as exc:
+            self._drop("malformed", f"{topic}: {exc}", len(payload))
+            return
+        if not isinstance(msg, Status) or env.sender != client or env.fed != self.fed:
+            self._drop("invalid", f"{topic}: not {client}'s presence", len(payload))
+            return
+        if msg.detail and msg.state == "online":
+            # A device reports a round that failed there on its presence topic (the rest is its profile).
+            (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)
+        if msg.state == "online":
+            self.machine.come_back(client)
+        else:  # offline (the will), or left / done
+            self.machine.leave(client)
 
     def _drop(self, reason: str, detail: str, nbytes: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1

@@ -96,6 +96,7 @@ class RoundMachine:
         if self.plan.prototypes == "unit":
             self.model.unit = refine.initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
         self.clients: dict[str, Join] = {}
+        self.departed: dict[str, Join] = {}  # went offline (last will); back on presence "online" or a Join
         self.round = 0
         self.phase: OpenPhase | None = None
         self.proto_acc: PrototypePhase | None = None
@@ -137,6 +138,7 @@ class RoundMachine:
         if self.expected_clients and env.sender not in self.expected_clients:
             raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
         new = env.sender not in self.clients
+        self.departed.pop(env.sender, None)
         self.clients[env.sender] = msg
         self.current.uplink_bytes += nbytes
         if new:
@@ -147,6 +149,28 @@ class RoundMachine:
             self._open_round(1)
         elif self.phase is not None and new:
             self.phase.expected.add(env.sender)
+
+    def leave(self, client: str) -> None:
+        """`client` went offline (its last will, or it said so): it no longer holds up the open phase, which
+        closes at once if everyone left in it has sent everything."""
+        if self.finished or client not in self.clients:
+            return
+        self.departed[client] = self.clients.pop(client)
+        open_ = self.phase
+        log.info("client %s left; %d client(s) remain", client, len(self.clients))
+        if open_ is not None and not open_.complete(client):
+            open_.expected.discard(client)
+            if open_.expected and all(open_.complete(c) for c in open_.expected):
+                self._close_phase("quorum")
+
+    def come_back(self, client: str) -> None:
+        """A device that left is online again (reconnected, same session): it is a client again."""
+        if self.finished or client not in self.departed:
+            return
+        self.clients[client] = self.departed.pop(client)
+        if self.phase is not None:
+            self.phase.expected.add(client)
+        log.info("client %s is back; %d client(s)", client, len(self.clients))
 
     def _on_metrics(self, env: Envelope, msg: Metrics, nbytes: int) -> None:
         if env.sender not in self.clients:

@@ -53,6 +53,7 @@ class AggregatorService:
                  initial_params: np.ndarray | None = None, limits: Limits | None = None,
                  protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
                  members: Sequence[str] | None = None, policy: ClipPolicy | None = None,
+                 max_clients: int | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  tick_interval: float = 0.2, log_grace: float = GRACE_S) -> None:
@@ -74,7 +75,7 @@ class AggregatorService:
                                        persistent_session=True, deliver="pump", protocol=protocol)
         self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
                                      public=public, expected_clients=expected_clients, members=members,
-                                     policy=policy,
+                                     policy=policy, max_clients=max_clients,
                                      on_round_end=self._round_end, on_metrics=self._metrics,
                                      # None: the aggregator derives the decoder limits from the config
                                      **({} if limits is None else {"limits": limits}))
@@ -94,6 +95,7 @@ class AggregatorService:
         # join that reached the broker before our subscription would be lost. Messages are dispatched
         # only by step(), by when the aggregator's own handler is registered too.
         self.transport.subscribe(topics.up_all(self.fed), _ignore)
+        self.transport.subscribe(topics.presence_all(self.fed), _ignore)
         self.aggregator.start()
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients

@@ -50,6 +50,7 @@ def start_command(
                                                     "anyone else is ignored."),
     devices: Optional[int] = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
                                                      "(default: --min-clients)."),
+    max_clients: Optional[int] = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
     insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who reaches "
                                                             "it can read uploads and publish rounds). Development only."),
     robust: str = typer.Option("mean", help="Aggregate plain-mean prototypes and adapters with mean | median | "
@@ -75,7 +76,10 @@ def start_command(
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust)
         except ValueError as exc:
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
-        access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices)
+        if max_clients is not None and max_clients < 1:
+            raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
+        access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
+                        max_clients)
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password, tls_ca, tls_cert,
                tls_key, connect_timeout, policy)
     except (ProtoFLError, TimeoutError) as exc:
@@ -114,6 +118,7 @@ class Access:
     insecure: bool = False
     allow: list[str] | None = None
     devices: int | None = None
+    max_clients: int | None = None
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")
@@ -210,7 +215,8 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 rounds_file.flush()
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_end=on_round_end, members=members, policy=policy)
+                                    on_round_end=on_round_end, members=members, policy=policy,
+                                    max_clients=access.max_clients)
         service.start(connect_timeout)
         who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
         log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)
