@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -50,9 +51,15 @@ def start_command(
                                                     "anyone else is ignored."),
     devices: Optional[int] = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
                                                      "(default: --min-clients)."),
+    broker_cert: Optional[str] = typer.Option(None, "--broker-cert", help="TLS: the local broker's certificate (PEM; "
+                                              "its names must be the host devices connect to). Needs --broker-key "
+                                              "and --tls-ca (the CA that signed it)."),
+    broker_key: Optional[str] = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
+    client_ca: Optional[str] = typer.Option(None, "--client-ca", help="TLS: require every client (this server too: "
+                                            "--tls-cert/--tls-key) to present a certificate signed by this CA."),
     max_clients: Optional[int] = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
-    insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who reaches "
-                                                            "it can read uploads and publish rounds). Development only."),
+    insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who "
+                                  "reaches it can read uploads and publish rounds). Development only."),
     robust: str = typer.Option("mean", help="Aggregate plain-mean prototypes and adapters with mean | median | "
                                              "trimmed (coordinate-wise; ignores claimed sample counts)."),
     clip_factor: float = typer.Option(10.0, help="Clip every upload to this many times the median upload norm "
@@ -79,7 +86,7 @@ def start_command(
         if max_clients is not None and max_clients < 1:
             raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
         access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
-                        max_clients)
+                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls_cert, tls_key))
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password, tls_ca, tls_cert,
                tls_key, connect_timeout, policy)
     except (ProtoFLError, TimeoutError) as exc:
@@ -119,6 +126,7 @@ class Access:
     allow: list[str] | None = None
     devices: int | None = None
     max_clients: int | None = None
+    tls: Any = None  # broker.ListenerTls of the local broker, or None (plain TCP)
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")
@@ -131,6 +139,27 @@ class Access:
         if self.allow is not None:
             return self.allow
         return [f"device-{i}" for i in range(1, (self.devices or cfg.min_clients) + 1)]
+
+
+def listener_tls(cert: str | None, key: str | None, client_ca: str | None, tls_ca: str | None,
+                 tls_cert: str | None, tls_key: str | None) -> Any:
+    """The local broker's TLS listener from the flags, or None; checks the server can connect to it."""
+    from broker_server.broker import ListenerTls
+
+    if not (cert or key or client_ca):
+        return None
+    if not (cert and key):
+        raise ConfigError("TLS on the local broker needs both --broker-cert and --broker-key")
+    if not tls_ca:
+        raise ConfigError("--broker-cert needs --tls-ca, the CA that signed it: the server verifies its own broker "
+                          "(and devices need the same file)")
+    if client_ca and not (tls_cert and tls_key):
+        raise ConfigError("--client-ca makes the broker require client certificates, this server's too: pass "
+                          "--tls-cert and --tls-key")
+    for flag, path in (("--broker-cert", cert), ("--broker-key", key), ("--client-ca", client_ca)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    return ListenerTls(certfile=cert, keyfile=key, cafile=client_ca or tls_ca, require_client_cert=bool(client_ca))
 
 
 def is_loopback(host: str) -> bool:
@@ -159,12 +188,16 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
             tempfile.TemporaryDirectory(prefix="protofl-security-")))
         auth = load_or_create(sec_dir, fed, access.device_ids(cfg))
         _announce_credentials(auth, persistent=state_dir is not None)
+    if not is_loopback(host) and access.tls is None:
+        log.warning("listening on %s without TLS: passwords and uploads cross the network in clear; pass "
+                    "--broker-cert/--broker-key/--tls-ca (SECURITY.md)", host)
     # The broker refuses what the aggregator's decoder would refuse anyway (plus the packet's header).
     packet = decoder_limits(cfg).max_message_bytes + PACKET_HEADROOM
     try:
         local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
                                    workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
-                                   auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure)
+                                   auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
+                                   tls=access.tls)
     except PortInUse as exc:
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
@@ -204,6 +237,9 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             log.warning("joining %s without credentials: unless that broker enforces an ACL (protofl-server "
                         "broker-config writes one), anyone on it can read uploads and publish rounds", broker)
         options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
+        if broker_is_ours and access.tls is not None:
+            # Our own broker over loopback: its certificate names the host devices use, not 127.0.0.1.
+            options = dataclasses.replace(options, tls_check_hostname=False)
         rounds_file = None
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,8 @@ def config_problem(cfg: FederationConfig, sample_shape: tuple[int, ...] | None =
                 f"table, over this device's {budget.max_table_values:,}")
     inputs = math.prod(cfg.in_shape)
     if inputs > budget.max_input_values:
-        return f"in_shape {tuple(cfg.in_shape)} has {inputs:,} values a sample, over this device's {budget.max_input_values:,}"
+        return (f"in_shape {tuple(cfg.in_shape)} has {inputs:,} values a sample, over this device's "
+                f"{budget.max_input_values:,}")
     if sample_shape is not None and tuple(cfg.in_shape) != tuple(sample_shape):
         return f"in_shape {tuple(cfg.in_shape)} is not the shape of this device's data {tuple(sample_shape)}"
     if not 0 < cfg.lr <= budget.max_lr:

@@ -21,7 +21,8 @@ C, M, ROUNDS = 4, 8, 4
 CENTRES = np.eye(C, M) * 5.0  # class c's honest prototypes sit near 5 e_c
 
 
-def run(n_honest: int, n_poison: int, policy: ClipPolicy | None, seed: int = 0) -> tuple[list[dict], list[dict], Aggregator]:
+def run(n_honest: int, n_poison: int, policy: ClipPolicy | None,
+        seed: int = 0) -> tuple[list[dict], list[dict], Aggregator]:
     """Globals after each round, the radius each round used, and the aggregator."""
     cfg = make_config("fedproto", rounds=ROUNDS, num_classes=C, proto_dim=M, adapter_rank=1, min_clients=1,
                       round_timeout=30.0)
