@@ -170,7 +170,8 @@ class LocalBroker:
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"mqtt://{host}:{self.port}"
 
     def start(self) -> "LocalBroker":
         raise NotImplementedError
@@ -214,7 +215,7 @@ class MosquittoBroker(LocalBroker):
 
     @property
     def url(self) -> str:
-        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+        return super().url.replace("mqtt://", "mqtts://") if self.tls else super().url
 
     @property
     def config_path(self) -> Path:

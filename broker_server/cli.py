@@ -87,7 +87,8 @@ def simulate(
             from protofl.transport.broker_url import parse_broker_url
 
             if broker is None:
-                raise ConfigError("--username/--tls-* need --broker (the local broker is anonymous, plain TCP)")
+                raise ConfigError("--username/--tls-* need --broker (the local broker gets generated credentials "
+                                  "and speaks plain TCP on loopback)")
             broker_options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
         spec = SimulationSpec(preset=preset, dataset=dataset, data_dir=data_dir, clients=clients, alpha=alpha,
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,

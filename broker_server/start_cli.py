@@ -202,7 +202,7 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
     # Clients connect over loopback when the broker listens on every interface.
-    url = local.url.replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
+    url = local.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
     return url, local.protocol, auth
 
 

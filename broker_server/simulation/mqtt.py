@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator
-from broker_server.broker import start_local_broker
+from broker_server.aggregator import Aggregator, decoder_limits
+from broker_server.broker import PACKET_HEADROOM, start_local_broker
 from broker_server.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService
 from broker_server.simulation.report import Report, describe_drops
@@ -172,7 +172,10 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         if spec.broker is None:
             sec_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-security-")))
             auth = load_or_create(sec_dir, FED, spec.client_ids)
-            local = start_local_broker(spec.broker_kind, auth_lines=auth.mosquitto_lines())  # type: ignore[arg-type]
+            # The broker refuses packets the aggregator would not decode anyway.
+            packet = decoder_limits(cfg, None if initial_params is None else len(initial_params)).max_message_bytes
+            local = start_local_broker(spec.broker_kind, auth_lines=auth.mosquitto_lines(),  # type: ignore[arg-type]
+                                       max_packet_size=packet + PACKET_HEADROOM)
             stack.callback(getattr(local, "cleanup", local.stop))
             broker, protocol = parse_broker_url(local.url), local.protocol
             auth = auth if local.kind == "mosquitto" else None  # amqtt checks no credentials

@@ -100,13 +100,13 @@ def test_the_aggregator_ignores_ids_that_are_not_members() -> None:
 
 @pytest.mark.slow
 def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None:
-    # The default start: a Mosquitto with generated passwords and ACL; devices join with their files;
-    # an anonymous client is refused while the federation runs.
+    # The default start, serving other machines (--listen 0.0.0.0:PORT): a Mosquitto with generated
+    # passwords and ACL; devices join with their files; an anonymous client is refused meanwhile.
     port, state = free_port(), tmp_path / "state"
     allow = tmp_path / "allow.txt"
     allow.write_text("dev-0\ndev-1\n")
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(port), "--fed",
+        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--listen", f"0.0.0.0:{port}", "--fed",
          "secure", "--rounds", "1", "--min-clients", "2", "--round-timeout", "60", "--state-dir", str(state),
          "--allow", str(allow)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     devices: list[subprocess.Popen[str]] = []
@@ -131,6 +131,8 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
                 p.kill()
     assert server.returncode == 0, out
     assert "round 1/1: 2 clients (quorum)" in out and "dropped uploads none" in out, out
-    assert "allow_anonymous false" in (state / "broker" / "mosquitto.conf").read_text()
+    conf = (state / "broker" / "mosquitto.conf").read_text()
+    assert f"listener {port} 0.0.0.0" in conf and "allow_anonymous false" in conf
+    assert "without TLS: passwords and uploads cross the network in clear" in out
     for d, o in zip(devices, dev_out):
         assert d.returncode == 0 and "federation finished after 1 trained round(s)" in o, o
