@@ -43,9 +43,9 @@ class Inbox:
             return [p for _, p in self.got]
 
 
-def connect(url: str, user: str | None, password: str | None) -> MqttTransport:
+def connect(url: str, user: str | None, password: str | None, timeout: float = 5) -> MqttTransport:
     opts = parse_broker_url(url).with_auth(user, password)
-    return MqttTransport(opts, user or "anon", backoff=Backoff(initial=0.1, maximum=0.5)).connect(5)
+    return MqttTransport(opts, user or "anon", backoff=Backoff(initial=0.1, maximum=0.5)).connect(timeout)
 
 
 @pytest.fixture
@@ -92,9 +92,9 @@ def test_allow_list_file(tmp_path: Path) -> None:
 def test_anonymous_and_wrong_password_are_refused(secured) -> None:
     broker, auth = secured
     with pytest.raises(TransportError, match="refused the connection"):
-        connect(broker.url, None, None)
+        connect(broker.url, None, None, timeout=2)
     with pytest.raises(TransportError, match="check --username/--password"):
-        connect(broker.url, "dev-a", "not-the-password")
+        connect(broker.url, "dev-a", "not-the-password", timeout=2)
 
 
 def test_acl_devices_write_only_their_own_topics_and_cannot_read_uploads(secured) -> None:

@@ -69,16 +69,16 @@ def test_tls_with_the_servers_ca_and_credentials(start_mosquitto, certs: Path, t
     t.close(timeout=1)
     # A CA that did not sign the broker's certificate: the device refuses the broker.
     with pytest.raises(TransportError, match="TLS with the broker at .* failed"):
-        dev(broker.url, auth, tls_ca=str(certs / "other-ca.crt")).connect(3)
+        dev(broker.url, auth, tls_ca=str(certs / "other-ca.crt")).connect(2)
     # Plain MQTT to the TLS port gets nowhere.
     with pytest.raises(TransportError):
-        dev(broker.url.replace("mqtts", "mqtt"), auth).connect(3)
+        dev(broker.url.replace("mqtts", "mqtt"), auth).connect(2)
 
 
 def test_tls_requiring_client_certificates(start_mosquitto, certs: Path, tmp_path: Path) -> None:
     broker, auth = tls_broker(start_mosquitto, certs, tmp_path, require_client_cert=True)
     with pytest.raises(TransportError):
-        dev(broker.url, auth, tls_ca=str(certs / "ca.crt")).connect(3)  # no client certificate
+        dev(broker.url, auth, tls_ca=str(certs / "ca.crt")).connect(2)  # no client certificate
     t = dev(broker.url, auth, tls_ca=str(certs / "ca.crt"), tls_cert=str(certs / "client.crt"),
             tls_key=str(certs / "client.key")).connect(10)
     assert t.connected

@@ -83,3 +83,44 @@ def test_a_round_that_fails_locally_is_rolled_back_reported_and_retried(monkeypa
     start_round(broker, server, 2, msg)  # the retry (the runner re-delivers the round message)
     assert agent.last_failure is None and kinds(uploads)[-2:] == ["protos", "metrics"]
     assert agent.stats.rounds_trained == 2
+
+
+@pytest.mark.mosquitto
+def test_the_device_loop_reports_a_failed_round_and_retries_it(mosquitto, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # Over a real broker: training diverges once in round 1; the device says so on its presence topic
+    # (the server logs it), tries again after RETRY_S and the federation finishes with it.
+    import logging
+
+    from broker_server.service import AggregatorService
+    from broker_server.simulation import SimulationSpec, prepare
+    from edge_agent import runner as runner_module
+    from edge_agent.local_data import DataSpec
+    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from protofl.transport.broker_url import parse_broker_url
+    from tests.broker_server.mqtt_helpers import ServiceThread
+
+    data = "synthetic:n=300,n_test=50"
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.5)
+    real, calls = agent_module.trainer.train_local, {"n": 0}
+
+    def diverges_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise FloatingPointError("local training diverged (loss inf); lower lr")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
+    opts = parse_broker_url(mosquitto.url)
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=data, clients=1, rounds=2, seed=3)).cfg
+    service = AggregatorService(cfg.replace(min_clients=1), "retry", opts)
+    server = ServiceThread(service, timeout=60).start()
+    device = DeviceRunner(opts, "retry", "client-000", DataSpec(data, partition=(0, 1), seed=3), RunnerOptions())
+    with caplog.at_level(logging.WARNING, logger="protofl.server"):
+        agent = device.run(timeout=60)
+        server.join(30)
+    service.close()
+    assert agent is not None and agent.finished and agent.stats.failed_rounds == 1
+    assert agent.stats.rounds_trained == 2 and calls["n"] == 3
+    assert [r.clients for r in service.aggregator.records] == [["client-000"], ["client-000"]]
+    assert any("device client-000: round 1 train failed (FloatingPointError" in r.getMessage() for r in caplog.records)
