@@ -15,14 +15,14 @@ import pytest
 from typer.testing import CliRunner
 
 from broker_server.aggregator import Aggregator
-from broker_server.broker import MosquittoBroker, PortInUse, free_port
+from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, free_port
 from broker_server.cli import app
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
-from protofl.wire import Join, encode_message
+from protofl.wire import Join, Limits, encode_message
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -133,6 +133,8 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
     assert "round 1/1: 2 clients (quorum)" in out and "dropped uploads none" in out, out
     conf = (state / "broker" / "mosquitto.conf").read_text()
     assert f"listener {port} 0.0.0.0" in conf and "allow_anonymous false" in conf
+    # The broker's packet limit is the aggregator's decoder limit (fedproto: the codec's default), plus a header.
+    assert f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}\n" in conf
     assert "without TLS: passwords and uploads cross the network in clear" in out
     for d, o in zip(devices, dev_out):
         assert d.returncode == 0 and "federation finished after 1 trained round(s)" in o, o
