@@ -153,7 +153,8 @@ class Aggregator:
             # A device reports a round that failed there on its presence topic (the rest is its profile).
             (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)
         if msg.state == "online":
-            self.machine.come_back(client)
+            if self.max_clients is None or client in self.clients or len(self.clients) < self.max_clients:
+                self.machine.come_back(client)
         else:  # offline (the will), or left / done
             self.machine.leave(client)
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 def join_command(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
-    fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
+    fed: Optional[str] = typer.Option(None, help="Federation name (the server's --fed; default: the one in "
+                                                 "--credentials, else 'default')."),
     client_id: Optional[str] = typer.Option(None, "--client-id", help="This device's id (letters, digits, _ . -); "
                                                                        "default: the user name of --credentials."),
     data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | an .npz file or directory."),
@@ -52,7 +53,7 @@ def join_command(
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        client_id, username, password = resolve_identity(client_id, username, password, credentials, fed)
+        client_id, username, password, fed = resolve_identity(client_id, username, password, credentials, fed)
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
                               tls_key, mqtt, connect_timeout, extractor)
@@ -82,13 +83,14 @@ def join_command(
 
 
 def resolve_identity(client_id: str | None, username: str | None, password: str | None, credentials: Path | None,
-                     fed: str) -> tuple[str, str | None, str | None]:
-    """(client id, user name, password) from the flags and a credentials file. The generated broker ACL
-    lets user X publish only on up/X, so a client id other than the user name could never upload."""
+                     fed: str | None) -> tuple[str, str | None, str | None, str]:
+    """(client id, user name, password, federation) from the flags and a credentials file. The generated
+    broker ACL lets user X publish only on up/X, so a client id other than the user name could never upload."""
     if credentials is not None:
         from protofl.transport.credentials import read_device_credentials
 
         cred, cred_fed = read_device_credentials(credentials)
+        fed = fed or cred_fed
         if cred_fed is not None and cred_fed != fed:
             raise ConfigError(f"--credentials {credentials} is for federation '{cred_fed}', not '{fed}'; pass --fed "
                               f"{cred_fed}")
@@ -102,7 +104,7 @@ def resolve_identity(client_id: str | None, username: str | None, password: str 
         raise ConfigError(f"--client-id '{client_id}' differs from the user name '{username}' of {credentials}: "
                           f"the federation's broker lets each device publish only under its own id; use "
                           f"--client-id {username}")
-    return client_id, username, password
+    return client_id, username, password, fed or "default"
 
 
 def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str | None, partition: str | None,

@@ -149,3 +149,18 @@ def test_a_device_cannot_take_over_another_devices_session(secured) -> None:
     finally:
         intruder.close(timeout=1)
         dev_b.close(timeout=1)
+
+
+def test_join_takes_its_identity_and_federation_from_the_credentials_file(tmp_path: Path) -> None:
+    from edge_agent.join_cli import resolve_identity
+
+    auth = load_or_create(tmp_path / "s", FED, ["dev-a"])
+    f = auth.device_file("dev-a")
+    assert resolve_identity(None, None, None, f, None) == ("dev-a", "dev-a", auth.secrets.devices["dev-a"], FED)
+    with pytest.raises(ConfigError, match="for federation 'sec', not 'other'; pass --fed sec"):
+        resolve_identity(None, None, None, f, "other")
+    with pytest.raises(ConfigError, match="use --client-id dev-a"):
+        resolve_identity("dev-b", None, None, f, None)
+    with pytest.raises(ConfigError, match="no device id"):
+        resolve_identity(None, None, None, None, None)
+    assert resolve_identity("x", None, None, None, None) == ("x", None, None, "default")

@@ -116,7 +116,7 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
         while not (creds / "dev-1.json").exists() and time.monotonic() < end:
             time.sleep(0.1)
         devices = [subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "secure",
+            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}",
              "--credentials", str(creds / f"dev-{i}.json"), "--data", DATA, "--partition", f"{i}/2", "--threads", "1",
              "--connect-timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
             for i in range(2)]
