@@ -1,10 +1,15 @@
 """A local broker for development, simulation and tests.
 
 `mosquitto` (from PATH, or the usual sbin directories that a non-root PATH lacks) runs with a config
-generated in a working directory: listener on 127.0.0.1 only, anonymous access (a local dev broker;
-production brokers are configured by their operator), an explicit `max_packet_size` and
-`max_queued_messages`, and persistence so that a restart keeps retained messages and sessions.
-Without mosquitto an embedded amqtt broker (MQTT 3.1.1, dev only) runs in a thread of this process.
+generated in a working directory: one listener (127.0.0.1 unless told otherwise), an explicit
+`max_packet_size` and `max_queued_messages`, persistence so that a restart keeps retained messages and
+sessions, and, from `protofl-server start`, a password file and ACL (broker_server/security.py).
+Without mosquitto an embedded amqtt broker (MQTT 3.1.1, dev only) runs in a thread of this process;
+it enforces no password or ACL, so `start` refuses it without `--insecure`.
+
+Readiness means our own broker answered: a port that is already taken is an error naming it, and the
+broker is ready only when its process is alive, owns the listening socket (Linux: /proc) and answers
+an MQTT CONNECT, not merely when something accepts TCP on the port.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from protofl.errors import ProtoFLError
@@ -28,6 +35,7 @@ from protofl.transport.broker_url import DEFAULT_MAX_PACKET
 
 log = logging.getLogger("protofl.broker")
 SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/opt/homebrew/sbin", "/sbin")
+PACKET_HEADROOM = 64 * 1024  # an MQTT PUBLISH's fixed header, topic and properties around the payload
 INSTALL_HINT = "install it with: sudo apt-get install mosquitto (macOS: brew install mosquitto)"
 
 
@@ -53,12 +61,101 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _port_open(host: str, port: int) -> bool:
+@dataclass(frozen=True)
+class ListenerTls:
+    """TLS on the broker's listener: its certificate and key, and the CA that signs client certificates
+    (required of every client when `require_client_cert`)."""
+
+    certfile: str
+    keyfile: str
+    cafile: str
+    require_client_cert: bool = False
+
+    def lines(self) -> list[str]:
+        return [f"cafile {self.cafile}", f"certfile {self.certfile}", f"keyfile {self.keyfile}",
+                "tls_version tlsv1.2",  # the oldest version allowed; 1.3 is negotiated where both have it
+                f"require_certificate {'true' if self.require_client_cert else 'false'}"]
+
+
+class PortInUse(BrokerStartError):
+    """Something else already listens on the broker's port."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise PortInUse naming the port if another process listens there (we bind it and let go)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the broker does: TIME_WAIT is no clash
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(f"port {port} on {host} is already in use ({exc.strerror}): another broker or program "
+                            f"listens there; stop it, join it with --broker mqtt://{host}:{port}, or choose "
+                            f"another port") from None
+
+
+# MQTT 3.1.1 CONNECT, clean session, keepalive 5 s, client id "protofl-ready"; any CONNACK (accepted or
+# "not authorized") proves an MQTT broker answered.
+_PROBE = bytes([0x10, 25, 0, 4]) + b"MQTT" + bytes([4, 2, 0, 5, 0, 13]) + b"protofl-ready"
+
+
+def _mqtt_answers(host: str, port: int, tls: bool = False) -> bool:
+    if tls:
+        return _tls_answers(host, port)
     try:
-        with socket.create_connection((host, port), timeout=0.2):
-            return True
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.settimeout(0.5)
+            s.sendall(_PROBE)
+            head = s.recv(4)
+            return len(head) >= 2 and head[0] == 0x20
     except OSError:
         return False
+
+
+def _tls_answers(host: str, port: int) -> bool:
+    """Something completed or refused a TLS handshake (a listener that demands a client certificate
+    refuses ours, which still proves a TLS server answered; /proc says whose it is)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # a probe of our own listener, no data sent
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as raw:
+            with ctx.wrap_socket(raw) as s:
+                s.settimeout(0.5)
+                return True
+    except ssl.SSLError:
+        return True
+    except OSError:
+        return False
+
+
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the sockets listening on `port` (Linux /proc/net/tcp*); None where /proc is missing."""
+    found: set[str] = set()
+    seen_any = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        seen_any = True
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                found.add(cols[9])
+    return found if seen_any else None
+
+
+def _owns_listener(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on `port` (True where /proc cannot tell)."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return True
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        links = {os.readlink(fd_dir / fd) for fd in os.listdir(fd_dir)}
+    except OSError:
+        return True  # not ours to inspect (another user's /proc); the MQTT answer must do
+    return any(f"socket:[{i}]" in links for i in inodes)
 
 
 class LocalBroker:
@@ -73,7 +170,8 @@ class LocalBroker:
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"mqtt://{host}:{self.port}"
 
     def start(self) -> "LocalBroker":
         raise NotImplementedError
@@ -99,7 +197,7 @@ class MosquittoBroker(LocalBroker):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None, *,
                  binary: str | None = None, max_packet_size: int = DEFAULT_MAX_PACKET,
                  max_queued_messages: int = 10000, persistence: bool = True, allow_anonymous: bool = True,
-                 extra_config: Sequence[str] = ()) -> None:
+                 extra_config: Sequence[str] = (), tls: ListenerTls | None = None) -> None:
         super().__init__(host, port)
         self.binary = binary or find_mosquitto()
         if self.binary is None:
@@ -110,9 +208,14 @@ class MosquittoBroker(LocalBroker):
         self.max_queued_messages = max_queued_messages
         self.persistence = persistence
         self.allow_anonymous = allow_anonymous
-        self.extra_config = list(extra_config)  # e.g. password_file, acl_file, TLS listener lines
+        self.extra_config = list(extra_config)  # e.g. password_file, acl_file
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
         self._auto_port = port == 0  # a restart keeps the port; only a clash at first start picks another
+
+    @property
+    def url(self) -> str:
+        return super().url.replace("mqtt://", "mqtts://") if self.tls else super().url
 
     @property
     def config_path(self) -> Path:
@@ -126,6 +229,7 @@ class MosquittoBroker(LocalBroker):
         lines = [
             "# generated by protofl-edge: a local development broker",
             f"listener {self.port} {self.host}",
+            *(self.tls.lines() if self.tls else []),
             f"allow_anonymous {'true' if self.allow_anonymous else 'false'}",
             f"max_packet_size {self.max_packet_size}",
             # QoS 1 messages the broker holds for one slow client beyond those in flight; beyond it they are
@@ -149,22 +253,29 @@ class MosquittoBroker(LocalBroker):
         for attempt in range(3):
             if self.port == 0 or (attempt > 0 and self._auto_port):
                 self.port = free_port(self.host)
+            elif not self._auto_port:
+                check_port_free(self.host, self.port)
             self.write_config()
             with self.log_path.open("ab") as out:
                 self.proc = subprocess.Popen([self.binary, "-c", str(self.config_path)], stdout=out,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             end = time.monotonic() + timeout
             while time.monotonic() < end:
-                if _port_open(self.host, self.port):
-                    log.info("mosquitto listening on %s (config %s)", self.url, self.config_path)
-                    return self
                 if self.proc.poll() is not None:
                     break
+                answered = _owns_listener(self.proc.pid, self.port) and _mqtt_answers(self.host, self.port,
+                                                                                       self.tls is not None)
+                if answered and self.proc.poll() is None:
+                    log.info("mosquitto listening on %s (config %s)", self.url, self.config_path)
+                    return self
                 time.sleep(0.05)
             self._kill()
             tail = self._log_tail()
-            if "Address already in use" in tail and self._auto_port:
-                continue  # another process took the port we picked; pick again
+            if "Address already in use" in tail:
+                if self._auto_port:
+                    continue  # another process took the port we picked; pick again
+                raise PortInUse(f"port {self.port} on {self.host} is already in use: another program took it "
+                                f"as mosquitto started; stop it or choose another port")
             raise BrokerStartError(f"mosquitto did not start on {self.url} (config {self.config_path}): {tail}")
         raise BrokerStartError(f"mosquitto could not find a free port on {self.host}: {self._log_tail()}")
 
@@ -221,6 +332,8 @@ class AmqttBroker(LocalBroker):
                                    f"importable; {INSTALL_HINT}, or pip install 'protofl-edge[amqtt]'") from None
         for name in ("amqtt", "transitions"):  # they log every connection and state change
             logging.getLogger(name).setLevel(logging.WARNING)
+        if self.port:
+            check_port_free(self.host, self.port)
         self.port = self.port or free_port(self.host)
         config = {"listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
                   "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}}
@@ -270,13 +383,26 @@ class AmqttBroker(LocalBroker):
 
 
 def start_local_broker(kind: Literal["auto", "mosquitto", "amqtt"] = "auto", *, port: int = 0,
-                       workdir: str | Path | None = None) -> LocalBroker:
-    """Start mosquitto if installed (or asked for), else the embedded amqtt broker; returns it running."""
+                       workdir: str | Path | None = None, host: str = "127.0.0.1",
+                       max_packet_size: int = DEFAULT_MAX_PACKET, auth_lines: Sequence[str] = (),
+                       allow_amqtt: bool = True, tls: ListenerTls | None = None) -> LocalBroker:
+    """Start mosquitto if installed (or asked for), else the embedded amqtt broker; returns it running.
+
+    `auth_lines` (password file, ACL) switch anonymous access off; amqtt cannot apply them, so with
+    them it is used only if `allow_amqtt` (the caller accepted an unauthenticated broker)."""
     if kind == "mosquitto" or (kind == "auto" and find_mosquitto()):
-        return MosquittoBroker(port=port, workdir=workdir).start()
+        extra = [line for line in auth_lines if not line.startswith("allow_anonymous")]  # written once, below
+        return MosquittoBroker(host, port=port, workdir=workdir, max_packet_size=max_packet_size,
+                               allow_anonymous=not auth_lines, extra_config=extra, tls=tls).start()
     if kind not in ("auto", "amqtt"):
         raise BrokerStartError(f"unknown broker kind '{kind}'; use auto, mosquitto or amqtt")
+    if tls is not None:
+        raise BrokerStartError(f"TLS needs mosquitto (the embedded amqtt broker is plain TCP only); {INSTALL_HINT}")
+    if auth_lines and not allow_amqtt:
+        raise BrokerStartError("the embedded amqtt broker enforces no passwords or ACL, so any process that "
+                               f"reaches it can read uploads and publish rounds; {INSTALL_HINT}, or pass "
+                               "--insecure to accept an unauthenticated development broker")
     if kind == "auto":
         log.warning("mosquitto not found; using the embedded amqtt broker (MQTT 3.1.1, development only). "
                     "For real deployments %s", INSTALL_HINT)
-    return AmqttBroker(port=port).start()
+    return AmqttBroker(host, port=port).start()

@@ -90,7 +90,8 @@ def simulate(
             from protofl.transport.broker_url import parse_broker_url
 
             if broker is None:
-                raise ConfigError("--username/--tls-* need --broker (the local broker is anonymous, plain TCP)")
+                raise ConfigError("--username/--tls-* need --broker (the local broker gets generated credentials "
+                                  "and speaks plain TCP on loopback)")
             broker_options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
         spec = SimulationSpec(preset=preset, dataset=dataset, data_dir=data_dir, clients=clients, alpha=alpha,
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
@@ -129,6 +130,38 @@ def presets() -> None:
     for name, stages in PRESETS.items():
         t.add_row(name, ", ".join(f"{k}={v}" for k, v in stages.items()))
     Console().print(t)
+
+
+@app.command("broker-config")
+def broker_config(
+    out: Path = typer.Option(..., help="Directory for credentials.json, passwd, acl and devices/<id>.json "
+                                       "(existing credentials there are kept; new ids are added)."),
+    fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
+    allow: Optional[Path] = typer.Option(None, help="Device ids, one a line: each gets credentials."),
+    devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N."),
+) -> None:
+    """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials."""
+    from broker_server.broker import PACKET_HEADROOM
+    from broker_server.security import load_or_create, read_allow_list
+    from protofl.wire import Limits
+
+    try:
+        ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
+        auth = load_or_create(out, fed, ids)
+    except ProtoFLError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    server = auth.secrets.server
+    typer.echo("\n".join([
+        "# add to mosquitto.conf (then restart mosquitto, or send it SIGHUP to reload the files):",
+        *auth.mosquitto_lines(),
+        "# larger packets than the aggregator decodes are refused by the broker (raise it for FedAvg on big models)",
+        f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}",
+        f"# the server: protofl-server start --broker mqtt://HOST:PORT --fed {fed} --username {server.username} "
+        f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
+        f"# each device: protofl-edge join --broker mqtt://HOST:PORT --credentials {auth.directory / 'devices'}/ID.json",
+        f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
+    ]))
 
 
 app.command("start")(start_command)  # the long-running service, in its own module

@@ -20,6 +20,7 @@ import numpy as np
 from broker_server.stages import PrototypePhase, ServerModel, TrainPhase
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms import cps, refine
+from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.plan import Phase, RoundPlan, Upload
@@ -72,7 +73,8 @@ class RoundMachine:
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
-                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
+                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
+                 policy: ClipPolicy | None = None) -> None:
         self.cfg = cfg
         self.plan = RoundPlan.from_config(cfg)
         self.publish = publish
@@ -81,7 +83,7 @@ class RoundMachine:
         self.expected_clients = sorted(expected_clients) if expected_clients else None
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
-        self.model = ServerModel(cfg, self.plan)
+        self.model = ServerModel(cfg, self.plan, policy=policy or ClipPolicy())  # uploads are clipped by default
         if self.plan.cps:
             self.model.masks = cps.make_masks(cfg.num_classes, cfg.proto_dim, cfg.s, seed=cfg.seed)
         self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" else []
@@ -96,6 +98,7 @@ class RoundMachine:
             if self.model.masks is not None:  # spherical CPS: every prototype lives on its class's mask
                 self.model.unit = cps.restrict_to_masks(self.model.unit, self.model.masks)
         self.clients: dict[str, Join] = {}
+        self.departed: dict[str, Join] = {}  # went offline (last will); back on presence "online" or a Join
         self.round = 0
         self.phase: OpenPhase | None = None
         self.proto_acc: PrototypePhase | None = None
@@ -137,6 +140,7 @@ class RoundMachine:
         if self.expected_clients and env.sender not in self.expected_clients:
             raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
         new = env.sender not in self.clients
+        self.departed.pop(env.sender, None)
         self.clients[env.sender] = msg
         self.current.uplink_bytes += nbytes
         if new:
@@ -147,6 +151,28 @@ class RoundMachine:
             self._open_round(1)
         elif self.phase is not None and new:
             self.phase.expected.add(env.sender)
+
+    def leave(self, client: str) -> None:
+        """`client` went offline (its last will, or it said so): it no longer holds up the open phase, which
+        closes at once if everyone left in it has sent everything."""
+        if self.finished or client not in self.clients:
+            return
+        self.departed[client] = self.clients.pop(client)
+        open_ = self.phase
+        log.info("client %s left; %d client(s) remain", client, len(self.clients))
+        if open_ is not None and not open_.complete(client):
+            open_.expected.discard(client)
+            if open_.expected and all(open_.complete(c) for c in open_.expected):
+                self._close_phase("quorum")
+
+    def come_back(self, client: str) -> None:
+        """A device that left is online again (reconnected, same session): it is a client again."""
+        if self.finished or client not in self.departed:
+            return
+        self.clients[client] = self.departed.pop(client)
+        if self.phase is not None:
+            self.phase.expected.add(client)
+        log.info("client %s is back; %d client(s)", client, len(self.clients))
 
     def _on_metrics(self, env: Envelope, msg: Metrics, nbytes: int) -> None:
         if env.sender not in self.clients:

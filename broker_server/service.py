@@ -22,6 +22,7 @@ from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.stages import ServerModel
 from protofl import topics
+from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
@@ -51,6 +52,8 @@ class AggregatorService:
                  public: PublicSet | None = None, expected_clients: Sequence[str] | None = None,
                  initial_params: np.ndarray | None = None, limits: Limits | None = None,
                  protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
+                 members: Sequence[str] | None = None, policy: ClipPolicy | None = None,
+                 max_clients: int | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  tick_interval: float = 0.2, log_grace: float = GRACE_S) -> None:
@@ -66,10 +69,13 @@ class AggregatorService:
                     encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed,
                                    sender=SERVER_ID))
         # A persistent session (MQTT 5) makes the broker queue uploads for us while we reconnect.
+        # The default client id is the server's user name (security.server_user): a broker that replaces
+        # client ids by user names (the generated config does) then leaves it as it is.
         self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
                                        persistent_session=True, deliver="pump", protocol=protocol)
         self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
-                                     public=public, expected_clients=expected_clients,
+                                     public=public, expected_clients=expected_clients, members=members,
+                                     policy=policy, max_clients=max_clients,
                                      on_round_end=self._round_end, on_metrics=self._metrics,
                                      # None: the aggregator derives the decoder limits from the config
                                      **({} if limits is None else {"limits": limits}))
@@ -89,6 +95,7 @@ class AggregatorService:
         # join that reached the broker before our subscription would be lost. Messages are dispatched
         # only by step(), by when the aggregator's own handler is registered too.
         self.transport.subscribe(topics.up_all(self.fed), _ignore)
+        self.transport.subscribe(topics.presence_all(self.fed), _ignore)
         self.aggregator.start()
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients

@@ -5,6 +5,11 @@ accumulator from it: `PrototypePhase` (ERPA anchors) and `TrainPhase` (APUD / Fe
 FedProto / TinyProto / FedPAGR prototypes). Accumulators stream: they fold each upload in as it
 arrives and never hold the uploads. Every `add` checks the whole upload before it folds anything,
 so an upload that raises leaves the accumulator as it was (the aggregator counts it as a drop).
+
+Bounded uploads (protofl/algorithms/robust.py): every prototype and adapter value is clipped to a
+ball around the current global value before it is folded, with a radius derived from the previous
+round's accepted distances; `--robust median|trimmed` replaces the mean of plain-mean prototypes and
+of adapters by a coordinate-wise robust mean (scaled and unit prototypes are clipped only).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from protofl.algorithms import cps, erpa, refine
 from protofl.algorithms.apud import ApudAggregator
 from protofl.algorithms.fedavg import FedAvgAggregator
 from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.algorithms.robust import ClipPolicy, CoordinateRobust, NormLog, clip_around
 from protofl.algorithms.scaling import ScaledAggregator
 from protofl.config import FederationConfig
 from protofl.errors import WireError
@@ -36,6 +42,20 @@ class ServerModel:
     prototypes: dict[int, np.ndarray] = field(default_factory=dict)  # wire-space global prototypes
     unit: np.ndarray | None = None  # FedPAGR refined prototypes (C, m)
     masks: np.ndarray | None = None  # CPS masks (C, m)
+    policy: ClipPolicy = field(default_factory=ClipPolicy)
+    # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
+    radii: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)  # uploads clipped so far, per kind
+
+    def radius(self, kind: str) -> float:
+        return self.radii.get(kind, self.policy.first_radius)
+
+    def update_radius(self, kind: str, log: NormLog) -> None:
+        """After a round: the next radius from its accepted norms (kept if nothing was accepted)."""
+        if log.values:
+            self.radii[kind] = self.policy.radius(log.values)
+        if log.clipped:
+            self.clipped[kind] = self.clipped.get(kind, 0) + log.clipped
 
     def train_anchors(self) -> ProtoSet | None:
         """Targets sent with a (non-ERPA) training round: last round's global prototypes."""
@@ -53,6 +73,17 @@ class ServerModel:
 
 def _table(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
     return ({}, None) if ps is None else ps.table()
+
+
+def clip_table(table: dict[int, np.ndarray], centers: dict[int, np.ndarray], radius: float,
+               width: int) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+    """Every row clipped to `radius` around its class's center (zero where none); and (row, distance)s."""
+    out, seen = {}, []
+    for c, v in table.items():
+        center = centers.get(c)
+        out[c], d = clip_around(v, np.zeros(width) if center is None else np.asarray(center, np.float64), radius)
+        seen.append((v, d))
+    return out, seen
 
 
 def check_table(table: dict[int, np.ndarray], num_classes: int, width: int, what: str) -> None:
@@ -73,6 +104,7 @@ class PrototypePhase:
         self.public = set(plan.public_classes)
         self.erpa = erpa.ErpaAggregator(plan.num_classes, plan.proto_width, sorted(self.public))
         self.scaled = ScaledAggregator(plan.num_classes, plan.proto_width) if plan.scaled else None
+        self.log = NormLog()
 
     @property
     def senders(self) -> int:
@@ -95,6 +127,15 @@ class PrototypePhase:
         self.validate(up)
         pub, _ = _table(up.public)
         loc, counts = _table(up.local)
+        # Anchors are built from scratch each round: clipped around zero.
+        radius, width = self.model.radius("anchors"), self.model.plan.proto_width
+        pub, d_pub = clip_table(pub, {}, radius, width)
+        loc, d_loc = clip_table(loc, {}, radius, width)
+        self._fold(pub, loc, counts)
+        for v, d in d_pub + d_loc:
+            self.log.record(v, d, radius)
+
+    def _fold(self, pub: dict[int, np.ndarray], loc: dict[int, np.ndarray], counts: dict[int, int] | None) -> None:
         if self.scaled is not None:
             # Both accumulators check before folding; check the scaled table first so that a bad one
             # cannot leave ERPA's half folded.
@@ -105,6 +146,7 @@ class PrototypePhase:
             self.erpa.add(pub, loc, counts or {})
 
     def anchors(self) -> dict[int, np.ndarray]:
+        self.model.update_radius("anchors", self.log)
         glob = self.scaled.result() if self.scaled is not None else self.erpa.global_prototypes()
         table = erpa.combine_anchors(self.erpa.ext_prototypes(), glob, sorted(self.public))
         if self.model.cfg.refine and table:
@@ -139,6 +181,31 @@ class TrainPhase:
         elif plan.prototypes == "mean" and not plan.two_phase:
             self.protos = (ScaledAggregator(plan.num_classes, plan.proto_width) if plan.scaled
                            else PrototypeAggregator(plan.num_classes, plan.proto_width, weighting=model.cfg.aggregation))
+        policy = model.policy
+        robust = policy.robust != "mean"
+        # Robust means replace plain means only: scaled sums and unit directions have their own geometry.
+        self.robust_protos: dict[int, CoordinateRobust] | None = (
+            {} if robust and isinstance(self.protos, PrototypeAggregator) else None)
+        self.robust_adapter: CoordinateRobust | None = None
+        if robust and isinstance(self.adapters, (ApudAggregator, FedAvgAggregator)):
+            self.robust_adapter = CoordinateRobust(self._adapter_reference().shape[0], policy.robust, policy.trim)
+        self.proto_log, self.adapter_log = NormLog(), NormLog()
+
+    def _adapter_reference(self) -> np.ndarray:
+        """The global vector adapter uploads are clipped around (FedAvg: the model, when known)."""
+        model = self.model
+        ref = model.adapter if model.plan.federate == "adapter" else model.params
+        assert ref is not None
+        return ref
+
+    def _proto_centers(self) -> dict[int, np.ndarray]:
+        """The current global prototypes in wire space (spherical CPS: cut to their masks), the centres
+        uploads are clipped around."""
+        if self.model.plan.prototypes == "unit":
+            assert self.model.unit is not None
+            unit = dict(enumerate(self.model.unit))
+            return cps.compress_table(unit, self.model.masks) if self.model.masks is not None else unit
+        return self.model.prototypes
 
     @property
     def senders(self) -> int:
@@ -161,7 +228,33 @@ class TrainPhase:
         expected = self.model.adapter.shape[0] if plan.federate == "adapter" else self.adapters.dim
         if n != expected:
             raise WireError(f"adapter of length {n}, expected {expected}")
-        self.adapters.add(up.update, float(up.n_samples))
+        has_reference = plan.federate == "adapter" or self.model.params is not None
+        if not has_reference:  # FedAvg on a server that does not know the model: finiteness checks only
+            self.adapters.add(up.update, float(up.n_samples))
+            return
+        raw = up.update.values if isinstance(up.update, SparseVector) else up.update
+        update, dist, radius = self._clipped_adapter(up.update)
+        if self.robust_adapter is not None:
+            self.adapters.add(update, float(up.n_samples))  # validates; its mean is not used
+            if isinstance(update, SparseVector):
+                self.robust_adapter.add(update.values.astype(np.float64), update.indices)
+            else:
+                self.robust_adapter.add(np.asarray(update, np.float64))
+        else:
+            self.adapters.add(update, float(up.n_samples))
+        self.adapter_log.record(raw, dist, radius)
+
+    def _clipped_adapter(self, update: SparseVector | np.ndarray) -> tuple[SparseVector | np.ndarray, float, float]:
+        """(the update clipped around the global adapter, its distance, the radius); pure."""
+        ref, radius = self._adapter_reference(), self.model.radius("adapter")
+        if isinstance(update, SparseVector):
+            idx = update.indices
+            if idx.shape[0] and (idx.min() < 0 or idx.max() >= ref.shape[0]):
+                raise WireError(f"adapter indices out of range [0, {ref.shape[0]})")
+            vals, dist = clip_around(update.values, ref[idx].astype(np.float64), radius)
+            return (update if dist <= radius else SparseVector(update.n, idx, vals)), dist, radius
+        vals, dist = clip_around(np.asarray(update), ref.astype(np.float64), radius)
+        return (update if dist <= radius else vals), dist, radius
 
     def add_prototypes(self, up: ProtoUpload) -> None:
         if self.protos is None:
@@ -169,6 +262,8 @@ class TrainPhase:
         plan = self.model.plan
         table, counts = _table(up.local)
         check_table(table, plan.num_classes, plan.proto_width, "prototype")
+        radius = self.model.radius("protos")
+        table, dists = clip_table(table, self._proto_centers(), radius, plan.proto_width)
         if isinstance(self.protos, refine.ConsensusAggregator):
             masks = self.model.masks
             self.protos.add(cps.reconstruct_table(table, masks) if masks is not None else table)
@@ -177,16 +272,26 @@ class TrainPhase:
         else:
             if self.model.cfg.aggregation == "weighted" and table and counts is None:
                 raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
-            self.protos.add(table, counts)
+            self.protos.add(table, counts)  # validates (and feeds the mean, unused when robust)
+            if self.robust_protos is not None:
+                for c, v in table.items():
+                    self.robust_protos.setdefault(c, CoordinateRobust(plan.proto_width, self.model.policy.robust,
+                                                                      self.model.policy.trim)).add(v)
+        for v, d in dists:
+            self.proto_log.record(v, d, radius)
 
     def finish(self) -> None:
         """Fold the round into the server model (coordinates/classes nobody sent keep their value)."""
         cfg, model = self.model.cfg, self.model
+        model.update_radius("protos", self.proto_log)
+        model.update_radius("adapter", self.adapter_log)
         if self.adapters is not None and self.adapters.senders > 0:
+            result = (self.adapters.result() if self.robust_adapter is None
+                      else self.robust_adapter.result(self._adapter_reference()).astype(np.float32))
             if model.plan.federate == "adapter":
-                model.adapter = self.adapters.result()
+                model.adapter = result
             else:
-                model.params = self.adapters.result()
+                model.params = result
         if isinstance(self.protos, refine.ConsensusAggregator):
             S, K = self.protos.sums()
             p_bar = self.protos.result()
@@ -197,6 +302,9 @@ class TrainPhase:
             model.unit = cps.restrict_to_masks(unit, model.masks) if model.masks is not None else unit
         elif self.protos is not None:
             result = self.protos.result()
+            if self.robust_protos is not None:
+                zero = np.zeros(model.plan.proto_width)
+                result = {c: acc.result(zero).astype(np.float32) for c, acc in self.robust_protos.items()}
             if result:
                 # FedProto keeps a class's old prototype if nobody sent it this round.
                 model.prototypes = {**model.prototypes, **result}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import ipaddress
 import json
 import logging
 import signal
 import sys
-from dataclasses import asdict
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
@@ -15,6 +18,8 @@ from typing import Any, Optional
 import typer
 
 from broker_server.cli_common import parse_sets
+from broker_server.security import read_allow_list
+from protofl.algorithms.robust import ClipPolicy
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
 
@@ -38,7 +43,28 @@ def start_command(
                                                                        "server_model.npz here."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
-    local_broker: str = typer.Option("auto", help="Local broker: auto | mosquitto | amqtt."),
+    listen: Optional[str] = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
+                                                    "0.0.0.0:1883 serves other machines."),
+    local_broker: str = typer.Option("auto", help="Local broker: auto | mosquitto | amqtt (amqtt enforces no "
+                                                  "passwords or ACL: needs --insecure)."),
+    allow: Optional[Path] = typer.Option(None, help="Device ids allowed to join, one a line: each gets credentials, "
+                                                    "anyone else is ignored."),
+    devices: Optional[int] = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
+                                                     "(default: --min-clients)."),
+    broker_cert: Optional[str] = typer.Option(None, "--broker-cert", help="TLS: the local broker's certificate (PEM; "
+                                              "its names must be the host devices connect to). Needs --broker-key "
+                                              "and --tls-ca (the CA that signed it)."),
+    broker_key: Optional[str] = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
+    client_ca: Optional[str] = typer.Option(None, "--client-ca", help="TLS: require every client (this server too: "
+                                            "--tls-cert/--tls-key) to present a certificate signed by this CA."),
+    max_clients: Optional[int] = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
+    insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who "
+                                  "reaches it can read uploads and publish rounds). Development only."),
+    robust: str = typer.Option("mean", help="Aggregate plain-mean prototypes and adapters with mean | median | "
+                                             "trimmed (coordinate-wise; ignores claimed sample counts)."),
+    clip_factor: float = typer.Option(10.0, help="Clip every upload to this many times the median upload norm "
+                                                 "of the previous round, around the current global value."),
+    clip_first: float = typer.Option(1e4, help="The clipping radius of the first round (no statistics yet)."),
     username: Optional[str] = cli_options.USERNAME,
     password: Optional[str] = cli_options.PASSWORD,
     tls_ca: Optional[str] = cli_options.TLS_CA,
@@ -53,8 +79,16 @@ def start_command(
     try:
         cfg, public = _federation(preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed,
                                   public_data, data_dir)
-        _serve(cfg, public, fed, broker, state_dir, port, local_broker, username, password, tls_ca, tls_cert, tls_key,
-               connect_timeout)
+        try:
+            policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
+        if max_clients is not None and max_clients < 1:
+            raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
+        access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
+                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls_cert, tls_key))
+        _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password, tls_ca, tls_cert,
+               tls_key, connect_timeout, policy)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -83,27 +117,129 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
     return cfg, public_set(train, cfg)
 
 
-def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, port: int, local_broker: str,
-           username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
-           tls_key: str | None, connect_timeout: float) -> None:
-    from broker_server.broker import BrokerStartError, start_local_broker
+@dataclass(frozen=True)
+class Access:
+    """Who may reach the local broker and the federation: where it listens, credentials, allowed ids."""
+
+    listen: str
+    insecure: bool = False
+    allow: list[str] | None = None
+    devices: int | None = None
+    max_clients: int | None = None
+    tls: Any = None  # broker.ListenerTls of the local broker, or None (plain TCP)
+
+    def host_port(self) -> tuple[str, int]:
+        host, sep, port = self.listen.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"--listen '{self.listen}': expected HOST:PORT, e.g. 0.0.0.0:1883 or 127.0.0.1:1883")
+        return host, int(port)
+
+    def device_ids(self, cfg: Any) -> list[str]:
+        if self.allow is not None:
+            return self.allow
+        return [f"device-{i}" for i in range(1, (self.devices or cfg.min_clients) + 1)]
+
+
+def listener_tls(cert: str | None, key: str | None, client_ca: str | None, tls_ca: str | None,
+                 tls_cert: str | None, tls_key: str | None) -> Any:
+    """The local broker's TLS listener from the flags, or None; checks the server can connect to it."""
+    from broker_server.broker import ListenerTls
+
+    if not (cert or key or client_ca):
+        return None
+    if not (cert and key):
+        raise ConfigError("TLS on the local broker needs both --broker-cert and --broker-key")
+    if not tls_ca:
+        raise ConfigError("--broker-cert needs --tls-ca, the CA that signed it: the server verifies its own broker "
+                          "(and devices need the same file)")
+    if client_ca and not (tls_cert and tls_key):
+        raise ConfigError("--client-ca makes the broker require client certificates, this server's too: pass "
+                          "--tls-cert and --tls-key")
+    for flag, path in (("--broker-cert", cert), ("--broker-key", key), ("--client-ca", client_ca)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    return ListenerTls(certfile=cert, keyfile=key, cafile=client_ca or tls_ca, require_client_cert=bool(client_ca))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Path | None, access: Access,
+                  local_broker: str) -> tuple[str, str, Any]:
+    """Start the local broker, secured unless --insecure; returns (url, protocol, BrokerAuth or None)."""
+    from broker_server.aggregator import decoder_limits
+    from broker_server.broker import PACKET_HEADROOM, PortInUse, start_local_broker
+    from broker_server.security import load_or_create
+
+    host, port = access.host_port()
+    auth = None
+    if access.insecure:
+        where = "on loopback only" if is_loopback(host) else f"on {host}, reachable from other machines"
+        log.warning("--insecure: the broker accepts anyone %s: they can read every upload and publish rounds", where)
+    else:
+        sec_dir = state_dir / "security" if state_dir else Path(stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="protofl-security-")))
+        auth = load_or_create(sec_dir, fed, access.device_ids(cfg))
+        _announce_credentials(auth, persistent=state_dir is not None)
+    if not is_loopback(host) and access.tls is None:
+        log.warning("listening on %s without TLS: passwords and uploads cross the network in clear; pass "
+                    "--broker-cert/--broker-key/--tls-ca (SECURITY.md)", host)
+    # The broker refuses what the aggregator's decoder would refuse anyway (plus the packet's header).
+    packet = decoder_limits(cfg).max_message_bytes + PACKET_HEADROOM
+    try:
+        local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
+                                   workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
+                                   auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
+                                   tls=access.tls)
+    except PortInUse as exc:
+        raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
+    stack.callback(getattr(local, "cleanup", local.stop))
+    # Clients connect over loopback when the broker listens on every interface.
+    url = local.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+    return url, local.protocol, auth
+
+
+def _announce_credentials(auth: Any, persistent: bool) -> None:
+    """Tell the operator where the device credentials are (or, when they vanish at exit, show them once)."""
+    new = ", ".join(auth.new_devices) or "none"
+    if persistent:
+        log.info("credentials in %s (new devices: %s): give each device its devices/<id>.json and run "
+                 "protofl-edge join --credentials FILE", auth.directory, new)
+        return
+    lines = "\n".join(f"  {i} {auth.secrets.devices[i]}" for i in sorted(auth.secrets.devices))
+    log.warning("no --state-dir: credentials for this run only (shown once; protofl-edge join --username ID "
+                "--password PASSWORD):\n%s", lines)
+
+
+def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
+           local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
+           tls_key: str | None, connect_timeout: float, policy: Any = None) -> None:
     from broker_server.service import AggregatorService, save_server_model
     from protofl.transport.broker_url import parse_broker_url
 
     with contextlib.ExitStack() as stack:
         protocol = "auto"
+        members = access.allow
+        broker_is_ours = broker is None
         if broker is None:
-            workdir = state_dir / "broker" if state_dir else None
-            try:
-                local = start_local_broker(local_broker, port=port, workdir=workdir)  # type: ignore[arg-type]
-            except BrokerStartError as exc:
-                if "Address already in use" in str(exc):
-                    raise ConfigError(f"port {port} is in use, probably by another broker: join it with --broker "
-                                      f"mqtt://127.0.0.1:{port}, or pass --port 0 for any free port") from None
-                raise
-            stack.callback(getattr(local, "cleanup", local.stop))
-            broker, protocol = local.url, local.protocol
+            broker, protocol, auth = _local_broker(stack, cfg, fed, state_dir, access, local_broker)
+            if auth is not None:
+                username, password = auth.secrets.server.username, auth.secrets.server.password
+                members = sorted(auth.secrets.devices) if members is None else members
+        elif username is None:
+            log.warning("joining %s without credentials: unless that broker enforces an ACL (protofl-server "
+                        "broker-config writes one), anyone on it can read uploads and publish rounds", broker)
         options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
+        if broker_is_ours and access.tls is not None:
+            # Our own broker over loopback: its certificate names the host devices use, not 127.0.0.1.
+            options = dataclasses.replace(options, tls_check_hostname=False)
         rounds_file = None
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
@@ -115,10 +251,11 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 rounds_file.flush()
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_end=on_round_end)
+                                    on_round_end=on_round_end, members=members, policy=policy,
+                                    max_clients=access.max_clients)
         service.start(connect_timeout)
-        log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
-                 options.url, fed)
+        who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
+        log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
@@ -136,5 +273,5 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 log.info("server model written to %s", path)
         agg = service.aggregator
         if agg.finished:
-            log.info("federation '%s' finished: %d rounds, dropped uploads %s", fed, len(agg.records),
-                     agg.dropped or "none")
+            log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped uploads %s", fed,
+                     len(agg.records), agg.dropped or "none", agg.model.clipped or "none")

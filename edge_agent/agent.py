@@ -9,6 +9,7 @@ the glue: messages in, model and data through torch, messages out.
 
 from __future__ import annotations
 
+import copy
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from edge_agent import frozen, stages, trainer
+from edge_agent import frozen, guard, stages, trainer
 from edge_agent import params as model_params
 from edge_agent.devices import resolve_device
 from edge_agent.extractor import Extractor, class_probabilities, make_extractor
@@ -69,6 +70,7 @@ class AgentStats:
     uploaded_bytes: int = 0
     received_bytes: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    failed_rounds: int = 0
 
 
 def stable_seed(*parts: object) -> int:
@@ -103,6 +105,7 @@ class EdgeAgent:
         self.targets_table: dict[int, np.ndarray] = {}  # this round's global prototypes, dense (for metrics)
         self.unit_prototypes: torch.Tensor | None = None
         self.handled: set[tuple[int, str]] = set()
+        self.last_failure: tuple[int, str, str] | None = None  # (round, phase, why) of a round that failed here
         self.finished = False
         self._extractor: Extractor | None = None
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
@@ -160,23 +163,27 @@ class EdgeAgent:
             return
         if self.cfg == cfg and self.model is not None:
             return  # retained config re-delivered after a reconnect
-        self.cfg = cfg
-        self.plan = RoundPlan.from_config(cfg)
+        problem = guard.config_problem(cfg, tuple(self.data.x_train.shape[1:]))
+        if problem is not None:
+            # Keep the previous config and model: a hostile or mistaken config must not wedge this device.
+            self._drop("bad_config", f"{problem}; keeping the previous config")
+            return
+        plan = RoundPlan.from_config(cfg)
         arch = self.arch or cfg.archs[0]
         # Every device of an architecture starts from the same seeded weights, as in the papers'
         # reference code (PFLlib deep-copies one model per client). Backbones still diverge: they
         # are trained privately and never sent. Identical starts give the prototype spaces a common
         # origin, which ERPA's cross-client anchor means need.
-        self.model = build_model(arch, tuple(cfg.in_shape), cfg.num_classes, cfg.proto_dim,
-                                 cfg.adapter_rank, projection=cfg.consensus, seed=cfg.seed).to(self.device)
-        self.tables = stages.DeviceTables(masks=msg.class_masks if self.plan.cps else None)
+        model = build_model(arch, tuple(cfg.in_shape), cfg.num_classes, cfg.proto_dim,
+                            cfg.adapter_rank, projection=cfg.consensus, seed=cfg.seed).to(self.device)
         if cfg.federate == "adapter":
-            mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(self.model)]
+            mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(model)]
             theirs = [(n, tuple(s)) for n, s in msg.adapter_layout]
             if mine != theirs:
-                self.model = None
                 self._drop("bad_config", f"adapter layout mismatch: server {theirs[:2]}..., device {mine[:2]}...")
                 return
+        self.cfg, self.plan, self.model = cfg, plan, model
+        self.tables = stages.DeviceTables(masks=msg.class_masks if plan.cps else None)
         # This federation's largest messages: the round message carries our full model (FedAvg) or
         # adapter; the server's stated limit may be larger still.
         own = self.plan.limits(layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
@@ -205,13 +212,44 @@ class EdgeAgent:
             return
         if msg.participants is not None and self.client_id not in msg.participants:
             return
+        if msg.anchors is not None:
+            problem = guard.anchors_problem(msg.anchors.values)
+            if problem is not None:
+                self.handled.add(key)  # the same message would be refused again: nothing to retry
+                self._drop("bad_round", f"round {env.round} {env.phase}: {problem}; keeping the previous state")
+                return
         self.handled.add(key)
-        if msg.adapter is not None:
-            self._load_global_adapter(msg.adapter, env.round)
-        if env.phase == Phase.PROTO.value:
-            self._prototype_phase(env.round)
-        elif env.phase == Phase.TRAIN.value:
-            self._train_phase(env.round, msg)
+        saved = self._snapshot()
+        try:
+            if msg.adapter is not None:
+                self._load_global_adapter(msg.adapter, env.round)
+            if env.phase == Phase.PROTO.value:
+                self._prototype_phase(env.round)
+            elif env.phase == Phase.TRAIN.value:
+                self._train_phase(env.round, msg)
+        except (ArithmeticError, ValueError, RuntimeError) as exc:  # diverged, or bad data from the server
+            # Back to the state before this round, and not "handled": the round can be tried again.
+            self._restore(saved)
+            self.handled.discard(key)
+            self.stats.failed_rounds += 1
+            self.last_failure = (env.round, env.phase, f"{type(exc).__name__}: {exc}")
+            self._drop("round_failed", f"round {env.round} {env.phase}: {type(exc).__name__}: {exc}; "
+                                       f"previous state restored, the round will be retried")
+            return
+        self.last_failure = None
+
+    def _snapshot(self) -> dict[str, object]:
+        """What handling a round changes: the model's weights and the round state kept between rounds."""
+        assert self.model is not None
+        return {"model": copy.deepcopy(self.model.state_dict()),
+                **{k: copy.deepcopy(getattr(self, k)) for k in ("global_adapter", "adapter_round", "targets_table",
+                                                                 "unit_prototypes", "tables")}}
+
+    def _restore(self, saved: dict[str, object]) -> None:
+        assert self.model is not None
+        self.model.load_state_dict(saved.pop("model"))  # type: ignore[arg-type]
+        for k, v in saved.items():
+            setattr(self, k, v)
 
     def _load_global_adapter(self, vector: np.ndarray, round_: int) -> None:
         model_params.load_adapter_vector(self.model, vector)

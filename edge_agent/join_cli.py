@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
 
@@ -20,8 +21,10 @@ if TYPE_CHECKING:
 
 def join_command(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
-    fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
-    client_id: str = typer.Option(..., "--client-id", help="This device's id (letters, digits, _ . -)."),
+    fed: Optional[str] = typer.Option(None, help="Federation name (the server's --fed; default: the one in "
+                                                 "--credentials, else 'default')."),
+    client_id: Optional[str] = typer.Option(None, "--client-id", help="This device's id (letters, digits, _ . -); "
+                                                                       "default: the user name of --credentials."),
     data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | an .npz file or directory."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
     partition: Optional[str] = typer.Option(None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split)."),
@@ -39,6 +42,8 @@ def join_command(
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
     username: Optional[str] = cli_options.USERNAME,
     password: Optional[str] = cli_options.PASSWORD,
+    credentials: Optional[Path] = typer.Option(None, help="This device's credentials file (devices/<id>.json, written "
+                                                          "by protofl-server start or broker-config)."),
     tls_ca: Optional[str] = cli_options.TLS_CA,
     tls_cert: Optional[str] = cli_options.TLS_CERT,
     tls_key: Optional[str] = cli_options.TLS_KEY,
@@ -51,6 +56,7 @@ def join_command(
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        client_id, username, password, fed = resolve_identity(client_id, username, password, credentials, fed)
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
                               tls_key, mqtt, connect_timeout, extractor, test_every)
@@ -61,7 +67,7 @@ def join_command(
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if runner.stopping:
             raise KeyboardInterrupt  # second signal: do not wait for the current training step
-        logging.getLogger("protofl.edge").warning("%s: leaving (signal %d)", client_id, signum)
+        logging.getLogger("protofl.edge").warning("%s: leaving (signal %d)", runner.client_id, signum)
         runner.stop()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -77,6 +83,31 @@ def join_command(
             signal.signal(s, handler)
     if agent is None or not agent.finished:
         raise typer.Exit(1)  # left before the federation finished
+
+
+def resolve_identity(client_id: str | None, username: str | None, password: str | None, credentials: Path | None,
+                     fed: str | None) -> tuple[str, str | None, str | None, str]:
+    """(client id, user name, password, federation) from the flags and a credentials file. The generated
+    broker ACL lets user X publish only on up/X, so a client id other than the user name could never upload."""
+    if credentials is not None:
+        from protofl.transport.credentials import read_device_credentials
+
+        cred, cred_fed = read_device_credentials(credentials)
+        fed = fed or cred_fed
+        if cred_fed is not None and cred_fed != fed:
+            raise ConfigError(f"--credentials {credentials} is for federation '{cred_fed}', not '{fed}'; pass --fed "
+                              f"{cred_fed}")
+        username = username or cred.username
+        password = password if password is not None else cred.password
+    client_id = client_id or username
+    if client_id is None:
+        raise ConfigError("no device id: pass --client-id ID (and --username/--password or --credentials FILE "
+                          "when the broker checks credentials)")
+    if credentials is not None and username != client_id:
+        raise ConfigError(f"--client-id '{client_id}' differs from the user name '{username}' of {credentials}: "
+                          f"the federation's broker lets each device publish only under its own id; use "
+                          f"--client-id {username}")
+    return client_id, username, password, fed or "default"
 
 
 def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str | None, partition: str | None,

@@ -8,6 +8,11 @@ a broker where nobody listens yet. The retained `round` message is how a device 
 reconnect or restart; it carries the adapter, so a device that missed rounds gets all of it. When the
 server comes back after "offline" / "stopped", the device joins again.
 
+A config the device cannot afford is refused before any data is loaded for it (edge_agent/guard.py). A
+round that fails locally (training diverged, hostile anchors) leaves the agent as it was before the
+round; the device reports it on its presence topic and tries the round again after `RETRY_S`, up to
+`MAX_ATTEMPTS` times.
+
 Uploads are at-least-once: if a round message the agent already handled arrives again (our reconnect,
 the server's, a broker restart), the uploads of that round are sent again, since the server may have
 been unsubscribed when they first went out; the aggregator drops and counts the duplicates.
@@ -24,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from edge_agent import guard
 from edge_agent.agent import EdgeAgent
 from edge_agent.local_data import DataSpec, load_client_data
 from protofl import topics
@@ -40,6 +46,8 @@ UPLOAD_KINDS = ("protos", "adapter")  # metrics are not re-sent: the report woul
 # Several runners in one process (tests, benchmarks) share torch's global RNG, which model
 # construction and dropout use: agent work is serialised so each client's run stays reproducible.
 _AGENT_LOCK = threading.Lock()
+RETRY_S = 5.0  # a failed round is tried again after this long
+MAX_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,9 @@ class DeviceRunner:
         self._rounds_subscribed = False
         self._uploads = _UploadLog(self.transport)
         self._stop = threading.Event()
+        self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
+        self._attempts = 0
+        self._retry_at = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -106,6 +117,9 @@ class DeviceRunner:
         try:
             while not self._stop.is_set() and self.fatal is None:
                 self.transport.pump(0.5)
+                if self._retry_at and time.monotonic() >= self._retry_at and self._last_round is not None:
+                    self._retry_at = 0.0
+                    self._on_round(*self._last_round)
                 if self.agent is not None and self.agent.finished:
                     log.info("%s: federation finished after %d trained round(s)", self.client_id,
                              self.agent.stats.rounds_trained)
@@ -141,6 +155,9 @@ class DeviceRunner:
                 if not isinstance(msg, Config):
                     return
                 cfg = FederationConfig.from_dict(dict(msg.params))
+                problem = guard.config_problem(cfg)
+                if problem is not None:
+                    raise ConfigError(f"{problem}; waiting for a config this device can afford")
             except (WireError, ConfigError, TypeError) as exc:
                 log.error("%s: unusable federation config on %s: %s", self.client_id, topic, exc)
                 return
@@ -217,13 +234,27 @@ class DeviceRunner:
                          len(self._uploads.sent))
             return
         trained, sent = agent.stats.rounds_trained, agent.stats.uploaded_bytes
+        if (topic, payload) != self._last_round:
+            self._last_round, self._attempts = (topic, payload), 0
         with _AGENT_LOCK:
             self._uploads.start(key)
             agent.on_message(topic, payload)
+        if agent.last_failure is not None:
+            self._report_failure(*agent.last_failure)
         if agent.stats.uploaded_bytes != sent:
             log.info("%s: %s, uploaded %d bytes", self.client_id,
                      "trained" if agent.stats.rounds_trained != trained else "prototype phase",
                      agent.stats.uploaded_bytes - sent)
+
+    def _report_failure(self, round_: int, phase: str, why: str) -> None:
+        """Say on our presence topic that a round failed here (the server logs it), and plan a retry."""
+        self._attempts += 1
+        retry = self._attempts < MAX_ATTEMPTS
+        detail = (f"round {round_} {phase} failed ({why}); "
+                  + (f"retry {self._attempts}/{MAX_ATTEMPTS - 1} in {RETRY_S:.0f} s" if retry else "giving up"))
+        log.warning("%s: %s", self.client_id, detail)
+        self._presence("online", detail)
+        self._retry_at = time.monotonic() + RETRY_S if retry else 0.0
 
     # -- presence -------------------------------------------------------------------------------
     def _status(self, state: str, detail: str = "") -> bytes:

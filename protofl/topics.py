@@ -29,6 +29,10 @@ def presence(fed: str, client_id: str) -> str:
     return f"{ROOT}/{fed}/presence/{client_id}"
 
 
+def presence_all(fed: str) -> str:
+    return f"{ROOT}/{fed}/presence/+"
+
+
 def server_status(fed: str) -> str:
     return f"{ROOT}/{fed}/server/status"
 

@@ -4,6 +4,8 @@ The aggregator runs in this process as an `AggregatorService`; every client is a
 `protofl-edge join` process that loads its own share of the same (dataset, N, alpha, seed) partition
 (`--partition i/N`), so the run reproduces the in-process one. `agents="thread"` runs the same
 `DeviceRunner`s as threads of this process instead (tests: no interpreter start-up per client).
+A local Mosquitto gets the generated password file and ACL, and every side its own credentials, as
+`protofl-server start` does (the embedded amqtt broker enforces none: local development only).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator
-from broker_server.broker import start_local_broker
+from broker_server.aggregator import Aggregator, decoder_limits
+from broker_server.broker import PACKET_HEADROOM, start_local_broker
+from broker_server.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
@@ -32,6 +35,14 @@ from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_brok
 
 log = logging.getLogger("protofl.simulate")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def device_options(broker: BrokerOptions, auth: BrokerAuth | None, client: str) -> BrokerOptions:
+    """The broker options of one simulated device: its own credentials when the broker checks them."""
+    if auth is None:
+        return broker
+    cred = auth.secrets.device(client)
+    return broker.with_auth(cred.username, cred.password)
 
 
 def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:
@@ -51,8 +62,8 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
 class AgentProcesses:
     """One `python -m edge_agent.cli join ...` per client, output in a log file each."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str) -> None:
-        self.spec, self.broker, self.protocol = spec, broker, protocol
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None) -> None:
+        self.spec, self.broker, self.protocol, self.auth = spec, broker, protocol, auth
         self._tmp = tempfile.TemporaryDirectory(prefix="protofl-agents-")
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -60,11 +71,12 @@ class AgentProcesses:
         return Path(self._tmp.name) / f"{client_id(i)}.log"
 
     def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        if self.broker.password is not None:
-            env[PASSWORD_ENV] = self.broker.password
+        base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         for i in range(self.spec.clients):
-            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, self.broker, self.protocol, i)]
+            broker, env = device_options(self.broker, self.auth, client_id(i)), dict(base)
+            if broker.password is not None:
+                env[PASSWORD_ENV] = broker.password  # not on the command line, where ps shows it
+            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, broker, self.protocol, i)]
             with self.log_path(i).open("wb") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, env=env))
@@ -105,14 +117,14 @@ class AgentProcesses:
 class AgentThreads:
     """The same `DeviceRunner`s as threads of this process."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str) -> None:
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None) -> None:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
         opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, test_every=spec.test_every,
                              protocol=protocol,  # type: ignore[arg-type]
                              extractor=spec.extractor)
-        self.runners = [DeviceRunner(broker, FED, client_id(i),
+        self.runners = [DeviceRunner(device_options(broker, auth, client_id(i)), FED, client_id(i),
                                      DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
                                               spec.test_limit, spec.train_limit), opts)
                         for i in range(spec.clients)]
@@ -157,19 +169,27 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         raise ConfigError(f"agents must be 'process' or 'thread', got '{spec.agents}'")
     cfg = fed_data.cfg
     with contextlib.ExitStack() as stack:
+        auth = None
         if spec.broker is None:
-            local = start_local_broker(spec.broker_kind)  # type: ignore[arg-type]
+            sec_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-security-")))
+            auth = load_or_create(sec_dir, FED, spec.client_ids)
+            # The broker refuses packets the aggregator would not decode anyway.
+            packet = decoder_limits(cfg, None if initial_params is None else len(initial_params)).max_message_bytes
+            local = start_local_broker(spec.broker_kind, auth_lines=auth.mosquitto_lines(),  # type: ignore[arg-type]
+                                       max_packet_size=packet + PACKET_HEADROOM)
             stack.callback(getattr(local, "cleanup", local.stop))
             broker, protocol = parse_broker_url(local.url), local.protocol
+            auth = auth if local.kind == "mosquitto" else None  # amqtt checks no credentials
         else:
             broker, protocol = spec.broker, "auto"
-        service = AggregatorService(cfg, FED, broker, public=fed_data.public_set(), expected_clients=spec.client_ids,
+        server = broker.with_auth(auth.secrets.server.username, auth.secrets.server.password) if auth else broker
+        service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
                                     initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics)
         service.start()
         stack.callback(service.close)
-        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol)
+        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, auth)
         agents.start()
         finished = False
         # Finished: give agents time to see the final round and leave; failed: stop them now.

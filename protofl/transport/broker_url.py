@@ -32,6 +32,9 @@ class BrokerOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     keepalive: int = 30
+    # Match the broker certificate's names against `host`. Off only for a connection to our own local
+    # broker over loopback, whose certificate names the host devices use; the chain is still verified.
+    tls_check_hostname: bool = True
     # Client-side cap on a PUBLISH packet; the broker's advertised Maximum Packet Size (MQTT 5) wins
     # when it is smaller. paho itself never checks it: an oversize packet just gets us disconnected.
     max_packet_size: int = DEFAULT_MAX_PACKET

@@ -284,6 +284,8 @@ class MqttTransport:
         if opts.tls:
             client.tls_set(ca_certs=opts.tls_ca, certfile=opts.tls_cert, keyfile=opts.tls_key,
                            cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+            if not opts.tls_check_hostname:
+                client.tls_insecure_set(True)  # names not matched; the certificate chain still is
         if self.will is not None:
             client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain)
         client.on_connect = self._on_connect

@@ -28,11 +28,11 @@ def cli(*args: str) -> list[str]:
 @pytest.mark.slow
 def test_start_and_join_over_the_embedded_broker(tmp_path: Path) -> None:
     # The embedded amqtt broker (the fallback when mosquitto is missing) hosts a whole CLI federation:
-    # one server process, two device processes.
+    # one server process, two device processes. It enforces no credentials, so start needs --insecure.
     port = free_port()
     state = tmp_path / "state"
     server = subprocess.Popen(
-        cli("broker_server.cli", "start", "--local-broker", "amqtt", "--port", str(port), "--fed", "clitest",
+        cli("broker_server.cli", "start", "--local-broker", "amqtt", "--insecure", "--port", str(port), "--fed", "clitest",
             "--preset", "fedproto", "--rounds", "2", "--min-clients", "2", "--round-timeout", "60",
             "--state-dir", str(state)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     devices = [subprocess.Popen(

@@ -42,39 +42,45 @@ def join_process(url: str, fed: str, i: int, n: int, log: Path) -> subprocess.Po
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_killed_agent_is_left_behind_at_the_deadline_then_rejoins(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
-    fed, n, timeout = "killtest", 3, 12.0
-    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=n, rounds=3, seed=4)).cfg
+def test_killed_agent_leaves_the_round_at_once_then_rejoins(mosquitto: MosquittoBroker, tmp_path: Path) -> None:
+    # kill -9 of one of three devices: its last will ("offline") takes it out of the round's expected set,
+    # so the round closes at quorum in seconds, not at its 60 s deadline; restarted, it joins again.
+    fed, n, timeout = "killtest", 3, 60.0
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=n, rounds=30, seed=4)).cfg
     cfg = cfg.replace(min_clients=2, round_timeout=timeout)
     ids = [f"client-{i:03d}" for i in range(n)]
     watcher = Watcher(mosquitto.url, fed)
     service = AggregatorService(cfg, fed, parse_broker_url(mosquitto.url), expected_clients=ids)
     runner = ServiceThread(service, timeout=120).start()
     procs = [join_process(mosquitto.url, fed, i, n, tmp_path / f"{i}.log") for i in range(n)]
+    records = service.aggregator.records
     try:
         # Kill client-001 the moment round 2 opens: it is training, its upload not sent yet.
         watcher.wait(lambda w: (2, "train") in w.rounds, 90, "round 2")
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
         watcher.wait(lambda w: "offline" in w.presence.get("client-001", []), 10, "the last will of client-001")
-        watcher.wait(lambda w: (3, "train") in w.rounds, timeout + 20, "round 2 to close at its deadline")
+        watcher.wait(lambda w: (4, "train") in w.rounds, 20, "rounds 2 and 3 to close at quorum")
         procs[1] = join_process(mosquitto.url, fed, 1, n, tmp_path / "1.log")  # the device comes back
-        runner.join(90)
-        for p in procs:
-            assert p.wait(30) == 0
+        end = time.monotonic() + 60
+        while not any("client-001" in r.clients for r in records[3:]) and time.monotonic() < end:
+            time.sleep(0.2)
+        service.stop()
+        runner.thread.join(10)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
         service.close()
         watcher.close()
-    r1, r2, r3 = service.aggregator.records
+    r1, r2, r3 = records[:3]
     assert r1.clients == ids and r1.closed_by == "quorum"
-    assert r2.clients == ["client-000", "client-002"] and r2.closed_by == "deadline"
-    assert r2.ended - r2.started >= timeout
-    # Restarted, it re-joined, resumed from the retained round message and took part in round 3.
-    assert r3.clients == ids and r3.closed_by == "quorum"
-    assert "online" in watcher.presence["client-001"][-3:]
+    for r in (r2, r3):
+        assert r.clients == ["client-000", "client-002"] and r.closed_by == "quorum", r
+        assert r.ended - r.started < timeout / 3, r
+    # Restarted, it re-joined, resumed from the retained round message and took part in a later round.
+    back = [r for r in records[3:] if "client-001" in r.clients]
+    assert back and back[0].clients == ids and back[0].closed_by == "quorum", records
 
 
 @pytest.mark.slow

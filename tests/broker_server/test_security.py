@@ -1,0 +1,166 @@
+"""The generated credentials, password file and ACL, against a real Mosquitto (issue 14's probes)."""
+
+from __future__ import annotations
+
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from broker_server.broker import MosquittoBroker
+from broker_server.security import FederationSecrets, load_or_create, mosquitto_hash, read_allow_list, server_user
+from protofl import topics
+from protofl.errors import ConfigError
+from protofl.transport.broker_url import parse_broker_url
+from protofl.transport.credentials import read_device_credentials
+from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
+
+FED = "sec"
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.got: list[tuple[str, bytes]] = []
+        self.cv = threading.Condition()
+
+    def __call__(self, topic: str, payload: bytes) -> None:
+        with self.cv:
+            self.got.append((topic, payload))
+            self.cv.notify_all()
+
+    def wait_for(self, payload: bytes, timeout: float = 5.0) -> None:
+        end = time.monotonic() + timeout
+        with self.cv:
+            while not any(p == payload for _, p in self.got):
+                if not self.cv.wait(max(0.0, end - time.monotonic())):
+                    raise AssertionError(f"{payload!r} not received; got {self.got}")
+
+    def payloads(self) -> list[bytes]:
+        with self.cv:
+            return [p for _, p in self.got]
+
+
+def connect(url: str, user: str | None, password: str | None, timeout: float = 5) -> MqttTransport:
+    opts = parse_broker_url(url).with_auth(user, password)
+    return MqttTransport(opts, user or "anon", backoff=Backoff(initial=0.1, maximum=0.5)).connect(timeout)
+
+
+@pytest.fixture
+def secured(start_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path):
+    auth = load_or_create(tmp_path / "security", FED, ["dev-a", "dev-b"])
+    broker = start_mosquitto(persistence=False, allow_anonymous=False, extra_config=auth.mosquitto_lines())
+    return broker, auth
+
+
+def test_hash_is_mosquittos_pbkdf2_format() -> None:
+    # $7$ = PBKDF2-HMAC-SHA512; a fixed salt makes the hash reproducible, 12 salt bytes -> 16 base64 chars.
+    h = mosquitto_hash("secret", salt=b"\x00" * 12)
+    assert h.startswith("$7$101$AAAAAAAAAAAAAAAA$") and h == mosquitto_hash("secret", salt=b"\x00" * 12)
+    assert h != mosquitto_hash("secret2", salt=b"\x00" * 12)
+
+
+def test_credentials_are_kept_across_restarts_and_files_are_private(tmp_path: Path) -> None:
+    first = load_or_create(tmp_path / "s", FED, ["dev-a"])
+    again = load_or_create(tmp_path / "s", FED, ["dev-a", "dev-b"])
+    assert again.secrets.server_password == first.secrets.server_password
+    assert again.secrets.devices["dev-a"] == first.secrets.devices["dev-a"]
+    assert again.new_devices == ("dev-b",)
+    for path in (again.password_file, tmp_path / "s" / "credentials.json", again.device_file("dev-b")):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+    cred, fed = read_device_credentials(again.device_file("dev-b"))
+    assert (cred.username, cred.password, fed) == ("dev-b", again.secrets.devices["dev-b"], FED)
+    # The password file holds hashes only.
+    assert again.secrets.devices["dev-a"] not in again.password_file.read_text()
+    with pytest.raises(ConfigError, match="federation 'sec', not 'other'"):
+        load_or_create(tmp_path / "s", "other")
+    with pytest.raises(ConfigError, match="server's user name"):
+        FederationSecrets.create(FED, [server_user(FED)])
+
+
+def test_allow_list_file(tmp_path: Path) -> None:
+    f = tmp_path / "allow.txt"
+    f.write_text("# field devices\nrpi-07\n\njetson-1  # lab\n")
+    assert read_allow_list(f) == ["rpi-07", "jetson-1"]
+    f.write_text("bad/id\n")
+    with pytest.raises(ConfigError, match="not a valid name"):
+        read_allow_list(f)
+
+
+def test_anonymous_and_wrong_password_are_refused(secured) -> None:
+    broker, auth = secured
+    with pytest.raises(TransportError, match="refused the connection"):
+        connect(broker.url, None, None, timeout=2)
+    with pytest.raises(TransportError, match="check --username/--password"):
+        connect(broker.url, "dev-a", "not-the-password", timeout=2)
+
+
+def test_acl_devices_write_only_their_own_topics_and_cannot_read_uploads(secured) -> None:
+    broker, auth = secured
+    s = auth.secrets
+    server = connect(broker.url, s.server.username, s.server.password)
+    dev_a = connect(broker.url, "dev-a", s.devices["dev-a"])
+    dev_b = connect(broker.url, "dev-b", s.devices["dev-b"])
+    try:
+        at_server, at_b = Inbox(), Inbox()
+        server.subscribe(f"{topics.ROOT}/{FED}/#", at_server)
+        dev_b.subscribe(f"{topics.ROOT}/{FED}/up/#", at_b)   # a device trying to read others' uploads
+        dev_b.subscribe(topics.round_(FED), at_b)
+        time.sleep(0.3)  # subscriptions in place
+        server.publish(topics.round_(FED), b"real round", retain=True)
+        at_b.wait_for(b"real round")
+        # dev-a impersonates dev-b and the server; the broker must drop all of it.
+        dev_a.publish(topics.up(FED, "dev-b"), b"spoofed upload")
+        dev_a.publish(topics.round_(FED), b"hostile round", retain=True)
+        dev_a.publish(topics.config(FED), b"hostile config", retain=True)
+        dev_a.publish(topics.server_status(FED), b"hostile status", retain=True)
+        dev_a.publish(topics.presence(FED, "dev-b"), b"hostile presence", retain=True)
+        dev_a.publish(topics.up(FED, "dev-a"), b"own upload")  # allowed; after the others, so a fence
+        at_server.wait_for(b"own upload")
+        time.sleep(0.2)
+        got = at_server.payloads()
+        assert not {b"spoofed upload", b"hostile round", b"hostile config", b"hostile status",
+                    b"hostile presence"} & set(got), got
+        # dev-b saw the real round and nothing on up/#, not even dev-a's legitimate upload.
+        assert at_b.payloads() == [b"real round"]
+        # The retained round is still the server's: a new subscriber gets it.
+        late = Inbox()
+        dev_b.subscribe(topics.round_(FED), late)
+        late.wait_for(b"real round")
+        assert b"hostile round" not in late.payloads()
+    finally:
+        for t in (server, dev_a, dev_b):
+            t.close(timeout=1)
+
+
+def test_a_device_cannot_take_over_another_devices_session(secured) -> None:
+    # The broker replaces the client id by the user name, so dev-a's credentials used with client id
+    # "dev-b" do not disconnect dev-b.
+    broker, auth = secured
+    s = auth.secrets
+    dev_b = connect(broker.url, "dev-b", s.devices["dev-b"])
+    opts = parse_broker_url(broker.url).with_auth("dev-a", s.devices["dev-a"])
+    intruder = MqttTransport(opts, "dev-b").connect(5)
+    try:
+        time.sleep(0.5)
+        assert dev_b.connected and dev_b.stats.disconnects == 0
+    finally:
+        intruder.close(timeout=1)
+        dev_b.close(timeout=1)
+
+
+def test_join_takes_its_identity_and_federation_from_the_credentials_file(tmp_path: Path) -> None:
+    from edge_agent.join_cli import resolve_identity
+
+    auth = load_or_create(tmp_path / "s", FED, ["dev-a"])
+    f = auth.device_file("dev-a")
+    assert resolve_identity(None, None, None, f, None) == ("dev-a", "dev-a", auth.secrets.devices["dev-a"], FED)
+    with pytest.raises(ConfigError, match="for federation 'sec', not 'other'; pass --fed sec"):
+        resolve_identity(None, None, None, f, "other")
+    with pytest.raises(ConfigError, match="use --client-id dev-a"):
+        resolve_identity("dev-b", None, None, f, None)
+    with pytest.raises(ConfigError, match="no device id"):
+        resolve_identity(None, None, None, None, None)
+    assert resolve_identity("x", None, None, None, None) == ("x", None, None, "default")

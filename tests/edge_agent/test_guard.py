@@ -1,0 +1,126 @@
+"""A device keeps its working state on a hostile config or round message, and retries a failed round."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edge_agent import agent as agent_module
+from edge_agent.guard import anchors_problem, config_problem
+from protofl import topics
+from protofl.config import FederationConfig
+from protofl.wire import Config, ProtoSet, RoundStart, encode_message
+from tests.edge_agent.test_agent import FED, kinds, setup, start_round
+
+
+def weights(agent) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in agent.model.state_dict().items()}
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def publish_config(broker, server, cfg: FederationConfig) -> None:
+    # Built by hand: the hostile values pass FederationConfig's own checks, as in the issue's probe.
+    server.publish(topics.config(FED), encode_message(Config(preset=cfg.preset, params=cfg.to_dict(),
+                                                             adapter_layout=[], class_masks=None),
+                                                      fed=FED, sender="server"), retain=True)
+    broker.pump()
+
+
+def test_budget_checks_by_hand() -> None:
+    cfg = FederationConfig(num_classes=65535, proto_dim=65536)  # the issue's 17 GB probe passes the config checks
+    assert "65535 * 65536" in config_problem(cfg)
+    assert "lr 1e+30" in config_problem(FederationConfig(lr=1e30))
+    assert "not the shape of this device's data" in config_problem(FederationConfig(in_shape=(1, 28, 28)), (3, 32, 32))
+    assert config_problem(FederationConfig(in_shape=(1, 28, 28)), (1, 28, 28)) is None
+    assert "over this device's bound" in anchors_problem(np.full((2, 3), 1.5e38, np.float32))
+    assert anchors_problem(np.full((2, 3), 1e6, np.float32)) is None  # TinyProto-sized sums are fine
+
+
+def test_hostile_config_and_anchors_leave_the_previous_working_state() -> None:
+    cfg, broker, server, agent, uploads = setup("fedproto")
+    start_round(broker, server, 1, RoundStart(deadline=0.0))
+    assert kinds(uploads)[-2:] == ["protos", "metrics"]
+    model, before = agent.model, weights(agent)
+    for hostile in (cfg.replace(num_classes=65535, proto_dim=65536), cfg.replace(lr=1e30),
+                    cfg.replace(in_shape=(3, 32, 32))):
+        publish_config(broker, server, hostile)
+        assert agent.cfg == cfg and agent.model is model and same_weights(before, weights(agent))
+    assert agent.stats.dropped["bad_config"] == 3
+    # Round 2 with finite anchors of 1.5e38 (the issue's probe): refused before training, nothing changes.
+    huge = ProtoSet(classes=np.array([0, 1]), values=np.full((2, 16), 1.5e38, np.float32), counts=None)
+    start_round(broker, server, 2, RoundStart(deadline=0.0, anchors=huge, anchor_kind="mean"))
+    assert agent.stats.dropped["bad_round"] == 1 and same_weights(before, weights(agent))
+    assert kinds(uploads)[-1] == "metrics"  # nothing uploaded for round 2
+    # The device still works: round 3 trains from the state it kept.
+    start_round(broker, server, 3, RoundStart(deadline=0.0))
+    assert kinds(uploads)[-2:] == ["protos", "metrics"] and agent.stats.rounds_trained == 2
+
+
+def test_a_round_that_fails_locally_is_rolled_back_reported_and_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, broker, server, agent, uploads = setup("fedproto")
+    start_round(broker, server, 1, RoundStart(deadline=0.0))
+    before, real = weights(agent), agent_module.trainer.train_local
+    calls = {"n": 0}
+
+    def diverges_once(model, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            with torch.no_grad():
+                next(model.parameters()).fill_(float("nan"))  # half-way through, as a diverging step leaves it
+            raise FloatingPointError("local training diverged (loss inf); lower lr")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
+    msg = RoundStart(deadline=0.0)
+    start_round(broker, server, 2, msg)
+    assert agent.last_failure is not None and agent.last_failure[:2] == (2, "train")
+    assert agent.stats.failed_rounds == 1 and same_weights(before, weights(agent))  # rolled back, no NaN
+    assert (2, "train") not in agent.handled  # so it can be tried again
+    start_round(broker, server, 2, msg)  # the retry (the runner re-delivers the round message)
+    assert agent.last_failure is None and kinds(uploads)[-2:] == ["protos", "metrics"]
+    assert agent.stats.rounds_trained == 2
+
+
+@pytest.mark.mosquitto
+def test_the_device_loop_reports_a_failed_round_and_retries_it(mosquitto, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # Over a real broker: training diverges once in round 1; the device says so on its presence topic
+    # (the server logs it), tries again after RETRY_S and the federation finishes with it.
+    import logging
+
+    from broker_server.service import AggregatorService
+    from broker_server.simulation import SimulationSpec, prepare
+    from edge_agent import runner as runner_module
+    from edge_agent.local_data import DataSpec
+    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from protofl.transport.broker_url import parse_broker_url
+    from tests.broker_server.mqtt_helpers import ServiceThread
+
+    data = "synthetic:n=300,n_test=50"
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.5)
+    real, calls = agent_module.trainer.train_local, {"n": 0}
+
+    def diverges_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise FloatingPointError("local training diverged (loss inf); lower lr")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
+    opts = parse_broker_url(mosquitto.url)
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=data, clients=1, rounds=2, seed=3)).cfg
+    service = AggregatorService(cfg.replace(min_clients=1), "retry", opts)
+    server = ServiceThread(service, timeout=60).start()
+    device = DeviceRunner(opts, "retry", "client-000", DataSpec(data, partition=(0, 1), seed=3), RunnerOptions())
+    with caplog.at_level(logging.WARNING, logger="protofl.server"):
+        agent = device.run(timeout=60)
+        server.join(30)
+    service.close()
+    assert agent is not None and agent.finished and agent.stats.failed_rounds == 1
+    assert agent.stats.rounds_trained == 2 and calls["n"] == 3
+    assert [r.clients for r in service.aggregator.records] == [["client-000"], ["client-000"]]
+    assert any("device client-000: round 1 train failed (FloatingPointError" in r.getMessage() for r in caplog.records)
