@@ -9,9 +9,11 @@ the glue: messages in, model and data through torch, messages out.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,13 +28,14 @@ from protofl.adapter import layout_size
 from protofl.algorithms import apud
 from protofl.algorithms.fedproto import nearest_prototype
 from protofl.algorithms.refine import normalize_rows
+from protofl.budget import choose_upload, leaner
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, TargetKind
 from protofl.transport import Transport
 from protofl.wire import (DEFAULT_LIMITS, AdapterUpload, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
-                          PublicSet, RoundStart, decode_message, encode_message)
+                          PublicSet, RoundStart, decode_message, encode_message, message_size)
 
 log = logging.getLogger("protofl.edge")
 AGENT_VERSION = "0.1.0"
@@ -103,6 +106,9 @@ class EdgeAgent:
         self.handled: set[tuple[int, str]] = set()
         self.finished = False
         self._extractor: Extractor | None = None
+        # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
+        self.upload_budget: Callable[[float], int | None] | None = None
+        self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
@@ -281,24 +287,59 @@ class EdgeAgent:
             stats = trainer.train_local(self.model, self._x, self._y, cfg, targets, seed=seed)
         n = len(self.data.y_train)
         phase = Phase.TRAIN.value
-        if plan.federate == "full":
-            self._send(AdapterUpload(update=model_params.full_vector(self.model), n_samples=n,
-                                     base_round=round_, dt=plan.adapter_dtype), round_, phase)
-        elif plan.federate == "adapter":
-            theta = model_params.adapter_vector(self.model)
-            update: object = theta
-            if plan.apud:
-                k = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes)
-                update = apud.select_topk(theta, self.global_adapter, k)
-            self._send(AdapterUpload(update=update, n_samples=n, base_round=self.adapter_round,
-                                     dt=plan.adapter_dtype), round_, phase)
-        if plan.prototypes != "none" and not plan.two_phase:
-            z = self._get_extractor().embed(self._x)
-            local = stages.trained_prototypes(plan, self.tables, z, self.data.y_train)
-            self._send(ProtoUpload(local=local, public=None, n_samples=n), round_, phase)
+        for upload in self._train_uploads(round_, n, msg.deadline):
+            self._send(upload, round_, phase)
         self.stats.rounds_trained += 1
         if round_ % self.eval_every == 0 or round_ >= cfg.rounds:
             self._send(self._metrics(stats), round_, phase)
+
+    def _train_uploads(self, round_: int, n: int, deadline: float) -> list[object]:
+        """This round's training-phase uploads, in the richest encoding that fits the upload budget
+        (`upload_budget`, set by a runner with a link profile; None = the config's encoding)."""
+        cfg, plan = self.cfg, self.plan
+        assert cfg is not None and plan is not None and self.model is not None
+        theta = None
+        if plan.federate == "full":
+            theta = model_params.full_vector(self.model)
+        elif plan.federate == "adapter":
+            theta = model_params.adapter_vector(self.model)
+        k0 = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes) \
+            if plan.apud and theta is not None else None
+        local = None
+        if plan.prototypes != "none" and not plan.two_phase:
+            local = stages.trained_prototypes(plan, self.tables, self._get_extractor().embed(self._x),
+                                              self.data.y_train)
+
+        def build(dt: str, k: int | None) -> list[object]:
+            # `dt` caps the precision: an array the config already sends leaner stays as it is.
+            out: list[object] = []
+            if theta is not None:
+                update = apud.select_topk(theta, self.global_adapter, k) if k is not None else theta
+                base = round_ if plan.federate == "full" else self.adapter_round
+                out.append(AdapterUpload(update=update, n_samples=n, base_round=base,
+                                         dt=leaner(dt, plan.adapter_dtype)))
+            if local is not None:
+                out.append(ProtoUpload(local=dataclasses.replace(local, dt=leaner(dt, plan.proto_dtype)),
+                                       public=None, n_samples=n))
+            return out
+
+        def size_of(dt: str, k: int | None) -> int | None:
+            try:
+                return sum(message_size(m, fed=self.fed, sender=self.client_id, round=round_,  # type: ignore[arg-type]
+                                        phase=Phase.TRAIN.value) for m in build(dt, k))
+            except ValueError:  # e.g. f2 cannot carry values beyond +-65504
+                return None
+
+        budget = self.upload_budget(deadline) if self.upload_budget is not None else None
+        dt0 = "f4"  # the cap: no cap, each array in the config's dtype
+        choice = choose_upload(size_of, dt0, k0, budget) if budget is not None else None
+        if choice is not None:
+            self.metrics_extra.update(choice.as_extra())
+            log.info("%s: round %d upload budget %d B: %s%s, %d B%s", self.client_id, round_, budget, choice.dt,
+                     f" K={choice.k}" if choice.k is not None else "", choice.nbytes,
+                     "" if choice.fits else " (does not fit: may miss the deadline)")
+            return build(choice.dt, choice.k)
+        return build(dt0, k0)
 
     # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats) -> Metrics:
@@ -319,7 +360,8 @@ class EdgeAgent:
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
             proto_test = self._nearest_correct(xg, self.data.y_global, probs, P)
         return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
-                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra={},
+                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss,
+                       extra=dict(self.metrics_extra),
                        proto_correct_local=proto_local, proto_correct_test=proto_test)
 
     def _nearest_correct(self, x: torch.Tensor, y: np.ndarray, probs: np.ndarray,

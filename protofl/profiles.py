@@ -203,6 +203,7 @@ class DeviceClass:
     device: DeviceProfile
     link: LinkProfile
     count: int = 1
+    spec: str = ""  # as given (NAME or FILE parts), for a device process to load the same profiles
 
     @property
     def name(self) -> str:
@@ -245,5 +246,5 @@ def parse_fleet(spec: str) -> list[DeviceClass]:
         device, link = parse_pair(pair)
         if device is None or link is None:
             raise ConfigError(f"--profiles entry '{entry}': give a device and a link, DEVICE+LINK (e.g. rpi4+lte)")
-        fleet.append(DeviceClass(device, link, count))
+        fleet.append(DeviceClass(device, link, count, pair.strip()))
     return fleet

@@ -18,20 +18,44 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from broker_server.aggregator import Aggregator
 from broker_server.broker import start_local_broker
 from broker_server.service import AggregatorService
+from broker_server.simulation.links import Links, UploadWatcher
 from broker_server.simulation.report import Report, describe_drops
+from broker_server.simulation.timeline import LinkReport
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
 from protofl.errors import ConfigError
+from protofl.profiles import DeviceClass
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
+
+if TYPE_CHECKING:
+    from edge_agent.emulation import Emulation
 
 log = logging.getLogger("protofl.simulate")
 REPO = Path(__file__).resolve().parents[2]
+
+
+def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
+    """`protofl-edge join` arguments of a simulated device with a profile (none without --profiles)."""
+    if device is None:
+        return []
+    return ["--profile", device.spec or device.name, "--time-scale", repr(spec.time_scale), "--emulate-compute",
+            "--upload-share", repr(spec.upload_share), "--adaptive" if spec.adaptive else "--no-adaptive"]
+
+
+def emulation(spec: SimulationSpec, device: DeviceClass | None) -> "Emulation | None":
+    """What `profile_args` says, for a device runner in this process."""
+    if device is None:
+        return None
+    from edge_agent.emulation import Emulation
+
+    return Emulation(device=device.device, link=device.link, time_scale=spec.time_scale, emulate_compute=True,
+                     adaptive=spec.adaptive, upload_share=spec.upload_share)
 
 
 def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:
@@ -51,8 +75,8 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
 class AgentProcesses:
     """One `python -m edge_agent.cli join ...` per client, output in a log file each."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str) -> None:
-        self.spec, self.broker, self.protocol = spec, broker, protocol
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, links: Links | None = None) -> None:
+        self.spec, self.broker, self.protocol, self.links = spec, broker, protocol, links
         self._tmp = tempfile.TemporaryDirectory(prefix="protofl-agents-")
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -64,7 +88,10 @@ class AgentProcesses:
         if self.broker.password is not None:
             env[PASSWORD_ENV] = self.broker.password
         for i in range(self.spec.clients):
-            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, self.broker, self.protocol, i)]
+            broker = self.links.broker_for(i) if self.links is not None else self.broker
+            device = self.links.devices[i] if self.links is not None else None
+            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, broker, self.protocol, i),
+                   *profile_args(self.spec, device)]
             with self.log_path(i).open("wb") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, env=env))
@@ -105,15 +132,18 @@ class AgentProcesses:
 class AgentThreads:
     """The same `DeviceRunner`s as threads of this process."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str) -> None:
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, links: Links | None = None) -> None:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
-        opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, protocol=protocol,  # type: ignore[arg-type]
-                             extractor=spec.extractor)
-        self.runners = [DeviceRunner(broker, FED, client_id(i),
+        def opts(i: int) -> RunnerOptions:
+            device = links.devices[i] if links is not None else None
+            return RunnerOptions(device=spec.device, eval_every=spec.eval_every, protocol=protocol,  # type: ignore[arg-type]
+                                 extractor=spec.extractor, emulation=emulation(spec, device))
+
+        self.runners = [DeviceRunner(links.broker_for(i) if links is not None else broker, FED, client_id(i),
                                      DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
-                                              spec.test_limit, spec.train_limit), opts)
+                                              spec.test_limit, spec.train_limit), opts(i))
                         for i in range(spec.clients)]
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True) for r in self.runners]
@@ -162,13 +192,24 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             broker, protocol = parse_broker_url(local.url), local.protocol
         else:
             broker, protocol = spec.broker, "auto"
+        links = None
+        if spec.profiles:
+            links = Links(spec.fleet(), broker, spec.time_scale, spec.seed).start()
+            stack.callback(links.close)
+            watcher = UploadWatcher(broker, FED, protocol).start()
+            stack.callback(watcher.close)
+            report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,
+                                      deadline_s=cfg.round_timeout, adaptive=spec.adaptive,
+                                      upload_share=spec.upload_share)
+            # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
+            cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
         service = AggregatorService(cfg, FED, broker, public=fed_data.public_set(), expected_clients=spec.client_ids,
                                     initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics)
         service.start()
         stack.callback(service.close)
-        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol)
+        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, links)
         agents.start()
         finished = False
         # Finished: give agents time to see the final round and leave; failed: stop them now.
