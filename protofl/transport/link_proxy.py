@@ -64,9 +64,9 @@ class TokenBucket:
         self.t = 0.0
 
     def reserve(self, n: int, now: float) -> float:
-        """Reserve n bytes at `now`; returns when their last byte has left."""
+        """Reserve n bytes at `now`; returns when their last byte has left (never before `now`)."""
         self.t = max(self.t, now - self.burst / self.rate) + n / self.rate
-        return self.t
+        return max(now, self.t)
 
 
 @dataclass

@@ -53,6 +53,21 @@ def test_token_bucket_spends_its_burst_then_holds_the_rate() -> None:
     assert b.reserve(500, now=10.0) == pytest.approx(10.0)
     # ... and the next 1000 take a second at 1000 B/s.
     assert b.reserve(1000, now=10.0) == pytest.approx(11.0)
+    # Credit never sends a chunk into the past (it would eat the link's delay): idle again, 100 B leave now.
+    assert b.reserve(100, now=20.0) == pytest.approx(20.0)
+
+
+def test_small_messages_still_take_the_one_way_delay() -> None:
+    sink = Sink()
+    sink.expected = 100
+    shape = LinkShape(up_bytes_per_s=7812.5, down_bytes_per_s=3400, rtt_s=1.6, jitter_s=0.0)  # nb-iot
+    with LinkProxy(("127.0.0.1", sink.port), shape, time_scale=10) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port)) as c:
+            t0 = time.monotonic()
+            c.sendall(b"x" * 100)
+            assert sink.done.wait(10)
+    # 0.8 s one way + 100 B / 7812.5 B/s (13 ms; within the burst, so no wait at all): 0.8 simulated s
+    assert 0.75 <= (sink.t_done - t0) * 10 <= 0.95
 
 
 def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> None:
