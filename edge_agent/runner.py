@@ -255,7 +255,8 @@ class DeviceRunner:
                          len(self._uploads.sent))
             return
         trained, sent = agent.stats.rounds_trained, agent.stats.uploaded_bytes
-        recv_t = time.time()  # before the lock: waiting for another simulated device is not our compute
+        # When the message came off the wire: the time this thread was busy before it is not our compute.
+        recv_t = self.transport.arrived.get(topic, time.time())
         with _AGENT_LOCK:
             if self.clock is not None:
                 self.clock.begin(recv_t)

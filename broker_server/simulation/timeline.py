@@ -30,13 +30,20 @@ def device_rows(rec: RoundRecord, clients: Sequence[str], devices: Sequence[Devi
                 deadline_s: float) -> list[dict[str, Any]]:
     rows = []
     for cid, dev in zip(clients, devices):
-        ups = [a for a in arrivals if a.sender == cid and a.round == rec.round]
+        mine = [a for a in arrivals if a.sender == cid and a.round == rec.round]
+        # The first of each (phase, kind) counts; later copies are re-sends after a reconnect (dropped as
+        # duplicates by the server) and are reported apart.
+        first: dict[tuple[str, str], Arrival] = {}
+        for a in sorted(mine, key=lambda a: a.t):
+            first.setdefault((a.phase, a.kind), a)
+        ups = list(first.values())
         extra = dict(metrics[cid].extra) if cid in metrics else {}
         last = max((a.t for a in ups), default=None)
         row: dict[str, Any] = {
             "round": rec.round, "client": cid, "class": dev.name, "device": dev.device.name, "link": dev.link.name,
             "made_it": cid in rec.clients,
             "uplink_bytes": sum(a.nbytes for a in ups),
+            "resent_bytes": sum(a.nbytes for a in mine) - sum(a.nbytes for a in ups),
             "dt": ups[0].dt if ups else None,
             "k": next((a.k for a in ups if a.k is not None), None),
             "budget_bytes": int(extra["upload_budget"]) if "upload_budget" in extra else None,
