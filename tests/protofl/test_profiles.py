@@ -112,3 +112,26 @@ def test_pairs_and_fleets() -> None:
             parse_fleet(bad)
     with pytest.raises(ConfigError, match="is a link profile; a device profile is needed"):
         load_device("wifi")
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_profiles(tmp_path: Path) -> None:
+    # What a `pip install protofl-edge` user gets: the built wheel holds every profile under protofl/_profiles.
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for name in ("protofl", "edge_agent", "broker_server", "export", "profiles"):
+        shutil.copytree(REPO / name, src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if n.startswith("protofl/_profiles/")}
+    assert shipped == {f"{n}.toml" for n in DEVICES | LINKS}
