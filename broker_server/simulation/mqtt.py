@@ -225,7 +225,12 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             # A device evaluates after its last upload, so the last round's metrics come after the close;
             # they always come (an agent leaves only after sending them), unless the agent died.
             metrics_in = progress.all_metrics_in() or not agents.alive()
-            return service.finished and progress.emitted >= cfg.rounds and metrics_in
+            done = service.finished and progress.emitted >= cfg.rounds and metrics_in
+            if done and report.links is not None and agents.alive():
+                # A device that missed a round still reports its timings for the timeline, behind its late
+                # upload: wait for them a while (a device that never got the round message sends none).
+                done = report.links.timings_in(report.metrics) or report.links.grace_over(time.monotonic())
+            return done
 
         try:
             service.run(until=until, timeout=spec.timeout)

@@ -101,6 +101,19 @@ class LinkReport:
         self.time_scale, self.deadline_s = time_scale, deadline_s
         self.adaptive, self.upload_share = adaptive, upload_share
         self.t0: float | None = None  # when round 1 opened (epoch s)
+        self._grace_end: float | None = None
+
+    def timings_in(self, metrics: Mapping[int, Mapping[str, Metrics]]) -> bool:
+        """Whether every device has reported its timings (metrics) for every round so far."""
+        rounds = [r for r in metrics if r >= 1]
+        return bool(rounds) and all(cid in metrics.get(r, {}) for r in range(1, max(rounds) + 1)
+                                    for cid in self.clients)
+
+    def grace_over(self, now: float, grace_s: float = 30.0) -> bool:
+        """After the federation finished, wait at most `grace_s` real seconds for late timings."""
+        if self._grace_end is None:
+            self._grace_end = now + grace_s
+        return now >= self._grace_end
 
     def sim_time(self, rec: RoundRecord) -> float:
         """Simulated time at the end of `rec` by the wall clock (the progress bar's; the report's
