@@ -9,7 +9,6 @@ the glue: messages in, model and data through torch, messages out.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -23,19 +22,18 @@ from edge_agent import params as model_params
 from edge_agent.devices import resolve_device
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
+from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
-from protofl.algorithms import apud
 from protofl.algorithms.fedproto import nearest_prototype
 from protofl.algorithms.refine import normalize_rows
-from protofl.budget import choose_upload, leaner
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, TargetKind
 from protofl.transport import Transport
-from protofl.wire import (DEFAULT_LIMITS, AdapterUpload, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
-                          PublicSet, RoundStart, decode_message, encode_message, message_size)
+from protofl.wire import (DEFAULT_LIMITS, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
+                          PublicSet, RoundStart, decode_message, encode_message)
 
 log = logging.getLogger("protofl.edge")
 AGENT_VERSION = "0.1.0"
@@ -294,52 +292,23 @@ class EdgeAgent:
             self._send(self._metrics(stats), round_, phase)
 
     def _train_uploads(self, round_: int, n: int, deadline: float) -> list[object]:
-        """This round's training-phase uploads, in the richest encoding that fits the upload budget
-        (`upload_budget`, set by a runner with a link profile; None = the config's encoding)."""
-        cfg, plan = self.cfg, self.plan
-        assert cfg is not None and plan is not None and self.model is not None
-        theta = None
-        if plan.federate == "full":
-            theta = model_params.full_vector(self.model)
-        elif plan.federate == "adapter":
-            theta = model_params.adapter_vector(self.model)
-        k0 = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes) \
-            if plan.apud and theta is not None else None
-        local = None
-        if plan.prototypes != "none" and not plan.two_phase:
-            local = stages.trained_prototypes(plan, self.tables, self._get_extractor().embed(self._x),
-                                              self.data.y_train)
-
-        def build(dt: str, k: int | None) -> list[object]:
-            # `dt` caps the precision: an array the config already sends leaner stays as it is.
-            out: list[object] = []
-            if theta is not None:
-                update = apud.select_topk(theta, self.global_adapter, k) if k is not None else theta
-                base = round_ if plan.federate == "full" else self.adapter_round
-                out.append(AdapterUpload(update=update, n_samples=n, base_round=base,
-                                         dt=leaner(dt, plan.adapter_dtype)))
-            if local is not None:
-                out.append(ProtoUpload(local=dataclasses.replace(local, dt=leaner(dt, plan.proto_dtype)),
-                                       public=None, n_samples=n))
-            return out
-
-        def size_of(dt: str, k: int | None) -> int | None:
-            try:
-                return sum(message_size(m, fed=self.fed, sender=self.client_id, round=round_,  # type: ignore[arg-type]
-                                        phase=Phase.TRAIN.value) for m in build(dt, k))
-            except ValueError:  # e.g. f2 cannot carry values beyond +-65504
-                return None
-
+        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one."""
+        plan = self.plan
+        assert self.cfg is not None and plan is not None and self.model is not None
+        theta = model_params.full_vector(self.model) if plan.federate == "full" else \
+            model_params.adapter_vector(self.model) if plan.federate == "adapter" else None
+        local = stages.trained_prototypes(plan, self.tables, self._get_extractor().embed(self._x), self.data.y_train) \
+            if plan.prototypes != "none" and not plan.two_phase else None
         budget = self.upload_budget(deadline) if self.upload_budget is not None else None
-        dt0 = "f4"  # the cap: no cap, each array in the config's dtype
-        choice = choose_upload(size_of, dt0, k0, budget) if budget is not None else None
+        out, choice = train_uploads(plan, self.cfg, theta=theta, global_adapter=self.global_adapter,
+                                    base_round=round_ if plan.federate == "full" else self.adapter_round, local=local,
+                                    n=n, round_=round_, fed=self.fed, sender=self.client_id, budget=budget)
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())
             log.info("%s: round %d upload budget %d B: %s%s, %d B%s", self.client_id, round_, budget, choice.dt,
                      f" K={choice.k}" if choice.k is not None else "", choice.nbytes,
                      "" if choice.fits else " (does not fit: may miss the deadline)")
-            return build(choice.dt, choice.k)
-        return build(dt0, k0)
+        return out
 
     # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats) -> Metrics:

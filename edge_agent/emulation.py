@@ -67,11 +67,12 @@ class RoundClock:
         self.release_t = None
         self.extra = {"recv_t": recv_t}
 
-    def compute_s(self) -> float:
+    def compute_s(self, cpu: float | None = None) -> float:
         """Simulated compute so far: CPU time / compute factor (emulated), else wall time x scale."""
         em = self.em
         if em.emulate_compute and em.device is not None:
-            return (time.thread_time() - self._cpu0) / em.device.compute_factor
+            cpu = time.thread_time() - self._cpu0 if cpu is None else cpu
+            return cpu / em.device.compute_factor
         return (time.time() - self.recv_t) * em.time_scale
 
     def budget(self, deadline: float) -> int | None:
@@ -79,6 +80,8 @@ class RoundClock:
         em = self.em
         if not em.adaptive or em.link is None:
             return None
+        # `deadline` is the server's clock, `recv_t` ours: one machine in simulation; a field device
+        # needs NTP-synchronised clocks for its budget to mean anything.
         left = (deadline - self.recv_t) * em.time_scale - self.compute_s() - em.link.rtt_ms / 1000
         return upload_budget(em.link.uplink_bytes_per_s, em.upload_share, left)
 
@@ -86,7 +89,7 @@ class RoundClock:
         """When the upload being published now may leave (epoch s): after the emulated compute."""
         if self.release_t is None:
             cpu = time.thread_time() - self._cpu0
-            compute = self.compute_s()
+            compute = self.compute_s(cpu)
             now = time.time()
             target = self.recv_t + compute / self.em.time_scale if self.em.emulate_compute else now
             self.release_t = max(now, target)
