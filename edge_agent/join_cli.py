@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import replace
 import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Optional
@@ -70,6 +71,8 @@ def join_command(
     tls_key: Optional[str] = cli_options.TLS_KEY,
     mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
+    keepalive: int = typer.Option(30, help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
+                                           "(paho counts a message as activity only once it is complete)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
@@ -78,9 +81,11 @@ def join_command(
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute)
+        if not 1 <= keepalive <= 65535:
+            raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout, extractor, emulation)
+                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -111,7 +116,7 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
                  device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
                  connect_timeout: float, extractor: str = "torch",
-                 emulation: "Emulation | None" = None) -> "DeviceRunner":
+                 emulation: "Emulation | None" = None, keepalive: int = 30) -> "DeviceRunner":
     import torch
 
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
@@ -132,7 +137,8 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
     if threads is not None:
         torch.set_num_threads(max(1, threads))
     dataset_spec(data)  # fail now, not after connecting, on a --data that names nothing
-    options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
+    options = replace(parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key),
+                      keepalive=keepalive)
     spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
                     train_limit)
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,

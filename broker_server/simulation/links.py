@@ -45,11 +45,14 @@ def link_shape(link: LinkProfile) -> LinkShape:
 class Links:
     """The proxies of a fleet, started together (their simulated clocks share one origin)."""
 
-    def __init__(self, devices: list[DeviceClass], broker: BrokerOptions, time_scale: float, seed: int) -> None:
+    def __init__(self, devices: list[DeviceClass], broker: BrokerOptions, time_scale: float, seed: int,
+                 largest_message: int = 0) -> None:
         if broker.tls:
             raise ConfigError("--profiles shapes plain TCP to a local broker; it cannot be combined with mqtts://")
         self.devices = devices
         self.broker = broker
+        self.time_scale = time_scale
+        self.largest_message = largest_message
         self.proxies = [LinkProxy((broker.host, broker.port), link_shape(d.link), time_scale=time_scale,
                                   seed=seed * 1000 + i, name=f"link-{i:03d}-{d.link.name}")
                         for i, d in enumerate(devices)]
@@ -62,7 +65,18 @@ class Links:
     def broker_for(self, index: int) -> BrokerOptions:
         """The broker as client `index` sees it: its own proxy."""
         p = self.proxies[index]
-        return dataclasses.replace(self.broker, host=p.host, port=p.port)
+        return dataclasses.replace(self.broker, host=p.host, port=p.port, keepalive=self.keepalive(index))
+
+    def keepalive(self, index: int) -> int:
+        """MQTT keepalive (real s) of client `index`: it must outlast the largest message's transfer.
+
+        paho counts a packet as activity only once it is complete, so while FedAvg's 6.8 MB round
+        message crawls down an NB-IoT link (~2000 s) a 30 s keepalive expires, the client drops the
+        connection and the retained message starts again from its first byte. A field device on
+        such a link needs the same: a keepalive longer than its longest transfer."""
+        link = self.devices[index].link
+        transfer = self.largest_message / min(link.downlink_bytes_per_s, link.uplink_bytes_per_s) / self.time_scale
+        return max(self.broker.keepalive, min(65535, int(2 * transfer) + 1))
 
     def stats(self) -> list[dict[str, Any]]:
         return [{"up_bytes": p.stats.up.bytes, "down_bytes": p.stats.down.bytes, "connections": p.stats.connections,

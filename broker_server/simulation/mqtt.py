@@ -91,7 +91,7 @@ class AgentProcesses:
             broker = self.links.broker_for(i) if self.links is not None else self.broker
             device = self.links.devices[i] if self.links is not None else None
             cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, broker, self.protocol, i),
-                   *profile_args(self.spec, device)]
+                   *profile_args(self.spec, device), "--keepalive", str(broker.keepalive)]
             with self.log_path(i).open("wb") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, env=env))
@@ -194,7 +194,9 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             broker, protocol = spec.broker, "auto"
         links = None
         if spec.profiles:
-            links = Links(spec.fleet(), broker, spec.time_scale, spec.seed).start()
+            # FedAvg's round message carries the model (f4): the largest message a link carries.
+            largest = 4 * len(initial_params) if initial_params is not None else 0
+            links = Links(spec.fleet(), broker, spec.time_scale, spec.seed, largest).start()
             stack.callback(links.close)
             watcher = UploadWatcher(broker, FED, protocol).start()
             stack.callback(watcher.close)

@@ -230,7 +230,8 @@ class LinkProxy:
             pass
         self._cut_all()
         for t in self._threads:
-            t.join(2)
+            if t.ident is not None:  # started
+                t.join(2)
 
     def __enter__(self) -> "LinkProxy":
         return self.start()

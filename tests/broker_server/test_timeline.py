@@ -46,3 +46,17 @@ def test_composed_times_and_round_lengths() -> None:
     assert abs(r2s["sim_time_s"] - 70.0) < 1e-9
     d3 = out["devices"][3]
     assert not d3["made_it"] and d3["done_s"] is None and not d3["in_time"]
+
+
+def test_keepalive_outlasts_the_largest_transfer() -> None:
+    from broker_server.simulation.links import Links
+    from protofl.transport.broker_url import parse_broker_url
+
+    links = Links(DEVICES, parse_broker_url("mqtt://127.0.0.1:1883"), time_scale=20.0, seed=0, largest_message=6_800_000)
+    try:
+        # nb-iot downlink 3400 B/s: 6.8 MB take 2000 simulated s = 100 real s at scale 20 -> 2 x 100 + 1
+        assert links.broker_for(1).keepalive == 201
+        assert links.broker_for(0).keepalive == 30  # lte: 6.8 MB in 1.8 s; the default 30 s is plenty
+        assert links.broker_for(1).port == links.proxies[1].port
+    finally:
+        links.close()
