@@ -158,13 +158,14 @@ def report(
     out: Path = typer.Option(..., "--out", help="Directory for the PNGs and summary.md."),
     target: Optional[float] = typer.Option(None, help="Target accuracy for time-to-target (0-1; default: 90 % of "
                                                       "the best final accuracy among the runs)."),
+    metric: str = typer.Option("global", help="global (official test set) | local (each client's own split)."),
 ) -> None:
     """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""
     from broker_server.report_cli import load_runs, write_report
 
     try:
         runs = load_runs([run_json, *(more or [])])
-        paths = write_report(runs, out, target=target)
+        paths = write_report(runs, out, target=target, metric=metric)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)

@@ -8,8 +8,8 @@ Written from the run JSON alone (simulate --json, or --report-dir at the end of 
 - `bytes_class.png`: uplink bytes per device and round, by device class and preset,
 - `summary.md`: per preset the final accuracy, simulated time, uplink, missed deadlines and the time to
   a target accuracy; per device class the round's parts and the encodings chosen.
-Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model), else
-`local_acc`. matplotlib comes with the `plotting` extra. No torch.
+Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model; where a
+run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out split). matplotlib comes with the `plotting` extra. No torch.
 """
 
 from __future__ import annotations
@@ -41,8 +41,14 @@ def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     return runs
 
 
-def accuracy(row: dict[str, Any]) -> float | None:
-    return row.get("global_acc") if row.get("global_acc") is not None else row.get("local_acc")
+METRICS = ("global", "local")
+
+
+def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
+    """`global_acc` (falling back to `local_acc` where a run has none), or `local_acc`."""
+    if metric == "global" and row.get("global_acc") is not None:
+        return row["global_acc"]
+    return row.get("local_acc")
 
 
 def sim_times(run: dict[str, Any]) -> list[float] | None:
@@ -51,10 +57,10 @@ def sim_times(run: dict[str, Any]) -> list[float] | None:
     return [r["sim_time_s"] for r in links["rounds"]] if links else None
 
 
-def time_to_target(run: dict[str, Any], target: float) -> float | None:
+def time_to_target(run: dict[str, Any], target: float, metric: str = "global") -> float | None:
     times = sim_times(run)
     for i, row in enumerate(run["rounds"]):
-        acc = accuracy(row)
+        acc = accuracy(row, metric)
         if acc is not None and acc >= target and times is not None and i < len(times):
             return times[i]
     return None
@@ -77,7 +83,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
+def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
     try:
         import matplotlib
 
@@ -92,7 +98,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
                          ("accuracy_uplink", "cumulative uplink (bytes)")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for run in runs:
-            accs = [accuracy(r) for r in run["rounds"]]
+            accs = [accuracy(r, metric) for r in run["rounds"]]
             if name == "accuracy_time":
                 xs: list[float] = sim_times(run) if timed else [r["round"] for r in run["rounds"]]  # type: ignore[assignment]
             else:
@@ -105,7 +111,7 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
         if name == "accuracy_uplink":
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("accuracy (%)")
+        ax.set_ylabel(f"{metric} accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -163,20 +169,20 @@ def _plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
-def summary(runs: list[dict[str, Any]], target: float | None = None) -> str:
-    finals = [accuracy(r["rounds"][-1]) for r in runs if r["rounds"]]
+def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str = "global") -> str:
+    finals = [accuracy(r["rounds"][-1], metric) for r in runs if r["rounds"]]
     best = max((a for a in finals if a is not None), default=0.0)
     target = 0.9 * best if target is None else target
     lines = ["# Simulation report", "", f"Target accuracy for time-to-target: {100 * target:.1f} % "
-             "(accuracy = global_acc, else local_acc).", "",
+             f"(accuracy = {metric}_acc).", "",
              "| preset | rounds | final acc % | simulated time | mean round | uplink | missed deadlines | "
              "time to target |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         times = sim_times(run)
         links = run.get("links") or {}
         missed = sum(1 for d in links.get("devices", []) if not d["made_it"])
-        final = accuracy(run["rounds"][-1]) if run["rounds"] else None
-        ttt = time_to_target(run, target)
+        final = accuracy(run["rounds"][-1], metric) if run["rounds"] else None
+        ttt = time_to_target(run, target, metric)
         lines.append(f"| {run['preset']} | {len(run['rounds'])} | {'-' if final is None else f'{100 * final:.1f}'} | "
                      f"{human_duration(times[-1]) if times else '-'} | "
                      f"{human_duration(times[-1] / len(times)) if times else '-'} | "
@@ -209,13 +215,16 @@ def summary(runs: list[dict[str, Any]], target: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(runs: dict[str, Any] | list[dict[str, Any]], out: Path, target: float | None = None) -> list[Path]:
+def write_report(runs: dict[str, Any] | list[dict[str, Any]], out: Path, target: float | None = None,
+                 metric: str = "global") -> list[Path]:
     """The PNGs and summary.md of `runs` in `out`; returns the files written."""
     runs = [runs] if isinstance(runs, dict) else runs
     if target is not None and not 0 < target <= 1:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
+    if metric not in METRICS:
+        raise ConfigError(f"--metric must be one of {', '.join(METRICS)}, got '{metric}'")
     out.mkdir(parents=True, exist_ok=True)
-    paths = _plots(runs, out)
+    paths = _plots(runs, out, metric)
     md = out / "summary.md"
-    md.write_text(summary(runs, target))
+    md.write_text(summary(runs, target, metric))
     return [*paths, md]
