@@ -89,7 +89,8 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
         ratio = mean([x["round_s"] / slowest[x["round"]] for x in lr[1:] if x["round"] in slowest])
         t = ttt[run["preset"]]
         missed = sum(1 for d in run["links"]["devices"] if not d["made_it"])
-        lines.append(f"| {run['preset']} | {len(lr)} | {100 * final:.1f} | {mean([r['round_s'] for r in lr[1:]] or [lr[0]['round_s']]):.1f} | "
+        mean_round = mean([r["round_s"] for r in lr[1:]] or [lr[0]["round_s"]])
+        lines.append(f"| {run['preset']} | {len(lr)} | {100 * final:.1f} | {mean_round:.1f} | "
                      f"{ratio:.2f} | {lr[-1]['sim_time_s']:.1f} | {'not reached' if t is None else f'{t:.1f}'} | "
                      f"{human_bytes(run['totals']['uplink_bytes'])} | {missed} |")
     base = ttt.get("fedavg")
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         runs = [json.loads((runs_dir / f"{p}.json").read_text()) for p in args.presets.split(",")]
         meta = json.loads((runs_dir / "meta.json").read_text())
         write_report(runs, runs_dir, target=args.target, metric=args.metric)
-        args.out.write_text(links_md(runs, args, tuple(meta["load"]), meta["wall_s"], meta.get("when", "date not recorded")))  # type: ignore[arg-type]
+        when = meta.get("when", "date not recorded")
+        args.out.write_text(links_md(runs, args, tuple(meta["load"]), meta["wall_s"], when))  # type: ignore[arg-type]
         print(f"wrote {args.out} and {runs_dir}/ from the runs there")
         return
     torch.set_num_threads(1)

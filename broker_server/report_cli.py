@@ -9,7 +9,8 @@ Written from the run JSON alone (simulate --json, or --report-dir at the end of 
 - `summary.md`: per preset the final accuracy, simulated time, uplink, missed deadlines and the time to
   a target accuracy; per device class the round's parts and the encodings chosen.
 Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model; where a
-run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out split). matplotlib comes with the `plotting` extra. No torch.
+run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out
+split). matplotlib comes with the `plotting` extra. No torch.
 """
 
 from __future__ import annotations
