@@ -78,7 +78,8 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
              "Round / compute: the fleet's round (rounds >= 2) over the emulated compute of its slowest device "
              "in that round (1.0 = communication costs nothing).", "",
              "| preset | rounds | final acc % | mean round (s) | round / compute | simulated time (s) | "
-             "time to target (s) | uplink | missed deadlines |", "|---|---|---|---|---|---|---|---|---|"]
+             "time to target (s) | uplink | re-sent after reconnects | missed deadlines |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     ttt: dict[str, float | None] = {}
     for run in runs:
         lr = run["links"]["rounds"]
@@ -92,7 +93,8 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
         mean_round = mean([r["round_s"] for r in lr[1:]] or [lr[0]["round_s"]])
         lines.append(f"| {run['preset']} | {len(lr)} | {100 * final:.1f} | {mean_round:.1f} | "
                      f"{ratio:.2f} | {lr[-1]['sim_time_s']:.1f} | {'not reached' if t is None else f'{t:.1f}'} | "
-                     f"{human_bytes(run['totals']['uplink_bytes'])} | {missed} |")
+                     f"{human_bytes(run['totals']['uplink_bytes'])} | "
+                     f"{human_bytes(sum(d.get('resent_bytes', 0) for d in run['links']['devices']))} | {missed} |")
     base = ttt.get("fedavg")
     ratios = [f"{p} {'-' if ttt.get(p) is None or not base else f'{base / ttt[p]:.2f}x'}"  # type: ignore[operator]
               for p in ("tinyproto", "protofl") if p in ttt]
