@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from broker_server.rounds import Drop, RoundMachine, RoundRecord
+from broker_server.rounds import OFFLINE_GRACE_S, Drop, RoundMachine, RoundRecord
 from broker_server.stages import ServerModel
 from protofl import topics
 from protofl.adapter import adapter_layout, layout_size
@@ -53,12 +53,13 @@ class Aggregator:
                  max_clients: int | None = None,
                  policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
-                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None) -> None:
+                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
+                 offline_grace: float = OFFLINE_GRACE_S) -> None:
         self.fed = fed
         self.transport = transport
         self.machine = RoundMachine(cfg, self._publish, clock=clock, initial_params=initial_params, public=public,
                                     expected_clients=expected_clients, on_round_end=on_round_end,
-                                    on_metrics=on_metrics, policy=policy)
+                                    on_metrics=on_metrics, policy=policy, offline_grace=offline_grace)
         model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
         self.limits = limits or decoder_limits(cfg, model_values)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join

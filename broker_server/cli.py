@@ -15,7 +15,7 @@ from rich.table import Table
 from broker_server.cli_common import parse_sets
 from broker_server.start_cli import start_command
 from protofl.errors import ConfigError, ProtoFLError
-from protofl.humanize import human_bytes
+from protofl.humanize import human_bytes, human_duration
 from protofl.presets import PRESETS
 
 app = typer.Typer(help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
@@ -47,7 +47,8 @@ def simulate(
     preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(PRESETS)}."),
     dataset: str = typer.Option("synthetic", help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR"),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
-    clients: int = typer.Option(5, help="Number of simulated devices."),
+    clients: Optional[int] = typer.Option(None, help="Number of simulated devices (default 5, or as many as "
+                                                     "--profiles lists)."),
     alpha: float = typer.Option(0.5, help="Dirichlet concentration of the label partition (smaller = more skewed)."),
     rounds: int = typer.Option(3, help="Communication rounds."),
     seed: int = typer.Option(0, help="Seed for partition, models and training order."),
@@ -72,6 +73,17 @@ def simulate(
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
     device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
                                            "auto (cuda if torch sees one, else cpu)."),
+    profiles: Optional[str] = typer.Option(None, help="mqtt: a fleet over emulated links, DEVICE+LINK:COUNT,... "
+                                                     "(rpi4+lte:4,rpi3+nb-iot:4); names from profiles/ or .toml files."),
+    time_scale: float = typer.Option(1.0, help="--profiles: run links, delays, deadlines and compute this many times "
+                                               "faster; reports give simulated (unscaled) time."),
+    deadline: Optional[float] = typer.Option(None, help="Round deadline in simulated seconds (the config's "
+                                                        "round_timeout)."),
+    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="--profiles: each device fits its upload "
+                                  "to its link and the deadline (precision f4/f2/q8, APUD K)."),
+    upload_share: float = typer.Option(0.8, help="--profiles: share of the time left an upload may use."),
+    report_dir: Optional[Path] = typer.Option(None, "--report-dir", help="Also write the report's PNGs and "
+                                              "summary.md here (needs matplotlib)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
@@ -85,6 +97,12 @@ def simulate(
     try:
         require_torch("protofl-server simulate")  # the simulated devices train with torch
         overrides = parse_sets(set_)
+        if deadline is not None:
+            overrides["round_timeout"] = deadline
+        if clients is None:
+            from protofl.profiles import parse_fleet
+
+            clients = sum(c.count for c in parse_fleet(profiles)) if profiles else 5
         broker_options = None
         if broker is not None or username or tls_ca or tls_cert or tls_key:
             from protofl.transport.broker_url import parse_broker_url
@@ -98,14 +116,16 @@ def simulate(
                               transport=transport, broker=broker_options, broker_kind=local_broker,
                               config_file=str(config) if config else None,
                               train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, test_every=test_every,
-                              extractor=extractor, device=device, overrides=overrides)
+                              extractor=extractor, device=device, overrides=overrides, profiles=profiles,
+                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
             task = progress.add_task(f"{preset} rounds", total=rounds, status="")
 
             def on_round(row: dict[str, Any]) -> None:
-                progress.update(task, advance=1, status=f"local {_fmt(row['local_acc'])}% "
+                sim = f"sim {human_duration(row['sim_time_s'])} " if "sim_time_s" in row else ""
+                progress.update(task, advance=1, status=f"{sim}local {_fmt(row['local_acc'])}% "
                                 f"global {_fmt(row['global_acc'])}% up {human_bytes(row['uplink_bytes'])}")
 
             report = run_simulation(spec, on_round=on_round)
@@ -115,10 +135,46 @@ def simulate(
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2))
+    if report_dir is not None:
+        _write_report(report, report_dir)
     if not quiet:
         Console().print(_summary(report))
         if json_out:
             console.print(f"report written to {json_out}")
+
+
+def _write_report(run: dict[str, Any], out: Path) -> None:
+    from broker_server.report_cli import write_report
+
+    try:
+        paths = write_report(run, out)
+    except ProtoFLError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    console.print(f"report: {', '.join(str(p) for p in paths)}")
+
+
+@app.command()
+def report(
+    run_json: Path = typer.Argument(..., help="A run's JSON (simulate --json), or several (one per preset).",
+                                    exists=False),
+    more: list[Path] = typer.Argument(None, help="More runs to compare (e.g. one per preset)."),
+    out: Path = typer.Option(..., "--out", help="Directory for the PNGs and summary.md."),
+    target: Optional[float] = typer.Option(None, help="Target accuracy for time-to-target (0-1; default: 90 % of "
+                                                      "the best final accuracy among the runs)."),
+    metric: str = typer.Option("global", help="global (official test set) | local (each client's own split)."),
+) -> None:
+    """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""
+    from broker_server.report_cli import load_runs, write_report
+
+    try:
+        runs = load_runs([run_json, *(more or [])])
+        paths = write_report(runs, out, target=target, metric=metric)
+    except ProtoFLError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    for p in paths:
+        console.print(str(p))
 
 
 @app.command()

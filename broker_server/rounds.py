@@ -68,14 +68,20 @@ class OpenPhase:
         return sorted(c for c in self.received if self.complete(c))
 
 
+# How long a device whose connection dropped (its last will) keeps its place in the open round: a flaky
+# link that reconnects within it delivers its upload; a dead device stops holding up the round after it.
+OFFLINE_GRACE_S = 5.0
+
+
 class RoundMachine:
     def __init__(self, cfg: FederationConfig, publish: Publish, *, clock: Callable[[], float],
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 policy: ClipPolicy | None = None) -> None:
+                 policy: ClipPolicy | None = None, offline_grace: float = OFFLINE_GRACE_S) -> None:
         self.cfg = cfg
+        self.offline_grace = offline_grace
         self.plan = RoundPlan.from_config(cfg)
         self.publish = publish
         self.clock = clock
@@ -99,6 +105,7 @@ class RoundMachine:
                 self.model.unit = cps.restrict_to_masks(self.model.unit, self.model.masks)
         self.clients: dict[str, Join] = {}
         self.departed: dict[str, Join] = {}  # went offline (last will); back on presence "online" or a Join
+        self.leaving: dict[str, float] = {}  # offline, still expected until this time (the grace period)
         self.round = 0
         self.phase: OpenPhase | None = None
         self.proto_acc: PrototypePhase | None = None
@@ -141,6 +148,7 @@ class RoundMachine:
             raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
         new = env.sender not in self.clients
         self.departed.pop(env.sender, None)
+        self.leaving.pop(env.sender, None)
         self.clients[env.sender] = msg
         self.current.uplink_bytes += nbytes
         if new:
@@ -152,11 +160,19 @@ class RoundMachine:
         elif self.phase is not None and new:
             self.phase.expected.add(env.sender)
 
-    def leave(self, client: str) -> None:
-        """`client` went offline (its last will, or it said so): it no longer holds up the open phase, which
-        closes at once if everyone left in it has sent everything."""
+    def leave(self, client: str, now: float | None = None) -> None:
+        """`client` went offline (its last will, or it said so). After `offline_grace` seconds without coming
+        back (see `tick`) it no longer holds up the open phase, which then closes if everyone left in it has
+        sent everything; a link that reconnects within the grace keeps its place."""
         if self.finished or client not in self.clients:
             return
+        if self.offline_grace > 0:
+            self.leaving.setdefault(client, (self.clock() if now is None else now) + self.offline_grace)
+            return
+        self._depart(client)
+
+    def _depart(self, client: str) -> None:
+        self.leaving.pop(client, None)
         self.departed[client] = self.clients.pop(client)
         open_ = self.phase
         log.info("client %s left; %d client(s) remain", client, len(self.clients))
@@ -167,6 +183,8 @@ class RoundMachine:
 
     def come_back(self, client: str) -> None:
         """A device that left is online again (reconnected, same session): it is a client again."""
+        if self.leaving.pop(client, None) is not None:
+            return  # back within the grace: it never left
         if self.finished or client not in self.departed:
             return
         self.clients[client] = self.departed.pop(client)
@@ -249,11 +267,15 @@ class RoundMachine:
         self.current.downlink_bytes += nbytes * len(self.clients)
 
     def tick(self, now: float | None = None) -> None:
-        """Close the open phase if its deadline has passed (call periodically)."""
+        """Let devices whose grace ran out leave; close the open phase if its deadline has passed (call
+        periodically)."""
+        now = self.clock() if now is None else now
+        for client, until in sorted(self.leaving.items()):
+            if now >= until and client in self.clients and not self.finished:
+                self._depart(client)
         open_ = self.phase
         if open_ is None or self.finished:
             return
-        now = self.clock() if now is None else now
         if now < open_.deadline:
             return
         done = open_.done_clients()

@@ -20,6 +20,7 @@ import numpy as np
 
 from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
+from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.stages import ServerModel
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
@@ -56,7 +57,8 @@ class AggregatorService:
                  max_clients: int | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 tick_interval: float = 0.2, log_grace: float = GRACE_S) -> None:
+                 tick_interval: float = 0.2, log_grace: float = GRACE_S,
+                 offline_grace: float = OFFLINE_GRACE_S) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -77,6 +79,7 @@ class AggregatorService:
                                      public=public, expected_clients=expected_clients, members=members,
                                      policy=policy, max_clients=max_clients,
                                      on_round_end=self._round_end, on_metrics=self._metrics,
+                                     offline_grace=offline_grace,
                                      # None: the aggregator derives the decoder limits from the config
                                      **({} if limits is None else {"limits": limits}))
 

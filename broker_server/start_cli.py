@@ -18,6 +18,7 @@ from typing import Any, Optional
 import typer
 
 from broker_server.cli_common import parse_sets
+from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from protofl.algorithms.robust import ClipPolicy
 from protofl import cli_options
@@ -58,6 +59,9 @@ def start_command(
     client_ca: Optional[str] = typer.Option(None, "--client-ca", help="TLS: require every client (this server too: "
                                             "--tls-cert/--tls-key) to present a certificate signed by this CA."),
     max_clients: Optional[int] = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
+    offline_grace: float = typer.Option(OFFLINE_GRACE_S, help="Seconds a device whose connection dropped (its last "
+                                        "will) keeps its place in the open round before the round stops waiting "
+                                        "for it: a flaky link that reconnects within it still delivers."),
     insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who "
                                   "reaches it can read uploads and publish rounds). Development only."),
     robust: str = typer.Option("mean", help="Aggregate plain-mean prototypes and adapters with mean | median | "
@@ -83,12 +87,14 @@ def start_command(
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust)
         except ValueError as exc:
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
+        if not offline_grace >= 0:
+            raise ConfigError(f"--offline-grace must be >= 0 seconds, got {offline_grace}")
         if max_clients is not None and max_clients < 1:
             raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
         access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
                         max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls_cert, tls_key))
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password, tls_ca, tls_cert,
-               tls_key, connect_timeout, policy)
+               tls_key, connect_timeout, policy, offline_grace)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -220,7 +226,8 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
 
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
            local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
-           tls_key: str | None, connect_timeout: float, policy: Any = None) -> None:
+           tls_key: str | None, connect_timeout: float, policy: Any = None,
+           offline_grace: float = OFFLINE_GRACE_S) -> None:
     from broker_server.service import AggregatorService, save_server_model
     from protofl.transport.broker_url import parse_broker_url
 
@@ -252,7 +259,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=on_round_end, members=members, policy=policy,
-                                    max_clients=access.max_clients)
+                                    max_clients=access.max_clients, offline_grace=offline_grace)
         service.start(connect_timeout)
         who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
         log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)

@@ -13,6 +13,7 @@ import copy
 import logging
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,9 +23,9 @@ from edge_agent import params as model_params
 from edge_agent.devices import resolve_device
 from edge_agent.extractor import Extractor, class_probabilities, make_extractor
 from edge_agent.models import ProtoNet, build_model
+from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
-from protofl.algorithms import apud
 from protofl.algorithms.cps import off_mask_energy
 from protofl.algorithms.fedproto import nearest_prototype
 from protofl.config import FederationConfig
@@ -33,7 +34,7 @@ from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, TargetKind
 from protofl.schedule import is_due
 from protofl.transport import Transport
-from protofl.wire import (DEFAULT_LIMITS, AdapterUpload, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
+from protofl.wire import (DEFAULT_LIMITS, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
                           PublicSet, RoundStart, decode_message, encode_message)
 
 log = logging.getLogger("protofl.edge")
@@ -108,6 +109,9 @@ class EdgeAgent:
         self.last_failure: tuple[int, str, str] | None = None  # (round, phase, why) of a round that failed here
         self.finished = False
         self._extractor: Extractor | None = None
+        # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
+        self.upload_budget: Callable[[float], int | None] | None = None
+        self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
@@ -319,24 +323,30 @@ class EdgeAgent:
             stats = trainer.train_local(self.model, self._x, self._y, cfg, targets, seed=seed)
         n = len(self.data.y_train)
         phase = Phase.TRAIN.value
-        if plan.federate == "full":
-            self._send(AdapterUpload(update=model_params.full_vector(self.model), n_samples=n,
-                                     base_round=round_, dt=plan.adapter_dtype), round_, phase)
-        elif plan.federate == "adapter":
-            theta = model_params.adapter_vector(self.model)
-            update: object = theta
-            if plan.apud:
-                k = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes)
-                update = apud.select_topk(theta, self.global_adapter, k)
-            self._send(AdapterUpload(update=update, n_samples=n, base_round=self.adapter_round,
-                                     dt=plan.adapter_dtype), round_, phase)
-        if plan.prototypes != "none" and not plan.two_phase:
-            z = self._get_extractor().embed(self._x)
-            local = stages.trained_prototypes(plan, self.tables, z, self.data.y_train)
-            self._send(ProtoUpload(local=local, public=None, n_samples=n), round_, phase)
+        for upload in self._train_uploads(round_, n, msg.deadline):
+            self._send(upload, round_, phase)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
             self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_, phase)
+
+    def _train_uploads(self, round_: int, n: int, deadline: float) -> list[object]:
+        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one."""
+        plan = self.plan
+        assert self.cfg is not None and plan is not None and self.model is not None
+        theta = model_params.full_vector(self.model) if plan.federate == "full" else \
+            model_params.adapter_vector(self.model) if plan.federate == "adapter" else None
+        local = stages.trained_prototypes(plan, self.tables, self._get_extractor().embed(self._x), self.data.y_train) \
+            if plan.prototypes != "none" and not plan.two_phase else None
+        budget = self.upload_budget(deadline) if self.upload_budget is not None else None
+        out, choice = train_uploads(plan, self.cfg, theta=theta, global_adapter=self.global_adapter,
+                                    base_round=round_ if plan.federate == "full" else self.adapter_round, local=local,
+                                    n=n, round_=round_, fed=self.fed, sender=self.client_id, budget=budget)
+        if choice is not None:
+            self.metrics_extra.update(choice.as_extra())
+            log.info("%s: round %d upload budget %d B: %s%s, %d B%s", self.client_id, round_, budget, choice.dt,
+                     f" K={choice.k}" if choice.k is not None else "", choice.nbytes,
+                     "" if choice.fits else " (does not fit: may miss the deadline)")
+        return out
 
     # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats, with_test: bool = True) -> Metrics:
@@ -364,7 +374,8 @@ class EdgeAgent:
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
             proto_test = self._nearest_correct(z_global, self.data.y_global, probs, P)
         return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
-                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss, extra=extra,
+                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss,
+                       extra={**self.metrics_extra, **extra},
                        proto_correct_local=proto_local, proto_correct_test=proto_test)
 
     def _nearest_correct(self, z: np.ndarray, y: np.ndarray, probs: np.ndarray,

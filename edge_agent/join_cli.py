@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import replace
 import sys
 from pathlib import Path
 from types import FrameType
@@ -17,7 +18,29 @@ from protofl.names import check_extractor, check_name
 from protofl.schedule import check_cadence
 
 if TYPE_CHECKING:
+    from edge_agent.emulation import Emulation
     from edge_agent.runner import DeviceRunner
+
+
+def _emulation(profile: str, adaptive: bool, share: float, time_scale: float,
+               emulate_compute: bool) -> "Emulation | None":
+    """--profile and its switches, checked before torch is imported (a bad profile exits 2 at once)."""
+    from edge_agent.emulation import Emulation
+    from protofl.profiles import parse_pair
+
+    if not time_scale > 0:
+        raise ConfigError(f"--time-scale must be > 0, got {time_scale}")
+    if not 0 < share <= 1:
+        raise ConfigError(f"--upload-share must be in (0, 1], got {share}")
+    if not profile:
+        if emulate_compute:
+            raise ConfigError("--emulate-compute needs a device profile (--profile rpi4 or rpi4+lte)")
+        return None
+    device, link = parse_pair(profile)
+    if emulate_compute and device is None:
+        raise ConfigError(f"--emulate-compute needs a device profile; '{profile}' names only a link")
+    return Emulation(device=device, link=link, time_scale=time_scale, emulate_compute=emulate_compute,
+                     adaptive=adaptive and link is not None, upload_share=share)
 
 def join_command(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
@@ -34,7 +57,14 @@ def join_command(
     train_limit: Optional[int] = typer.Option(None, help="With --partition: the simulator's --train-limit."),
     arch: Optional[str] = typer.Option(None, help="Backbone architecture (default: the federation's)."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
-    profile: str = typer.Option("", help="Device profile name reported when joining."),
+    profile: str = typer.Option("", help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
+                                         "names: ls profiles/ (a link profile turns on adaptive uploads)."),
+    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
+                                  help="With a link profile: fit each upload to the link and the round deadline."),
+    upload_share: float = typer.Option(0.8, help="Share of the time left before the deadline an upload may use."),
+    time_scale: float = typer.Option(1.0, help="Simulation only: the link and clocks run this many times faster."),
+    emulate_compute: bool = typer.Option(False, "--emulate-compute", help="Simulation only: hold uploads back as "
+                                         "long as the device profile's compute factor says training takes there."),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
     test_every: Optional[int] = typer.Option(None, help="With --partition: score the official test set every N rounds "
                                                          "(a multiple of --eval-every; default: --eval-every) and in the last."),
@@ -49,6 +79,8 @@ def join_command(
     tls_key: Optional[str] = cli_options.TLS_KEY,
     mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
+    keepalive: int = typer.Option(30, help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
+                                           "(paho counts a message as activity only once it is complete)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
@@ -57,9 +89,12 @@ def join_command(
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         client_id, username, password, fed = resolve_identity(client_id, username, password, credentials, fed)
+        emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute)
+        if not 1 <= keepalive <= 65535:
+            raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout, extractor, test_every)
+                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -114,7 +149,9 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
                  alpha: float, seed: int | None, test_limit: int | None, train_limit: int | None, arch: str | None,
                  device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
-                 connect_timeout: float, extractor: str = "torch", test_every: int | None = None) -> "DeviceRunner":
+                 connect_timeout: float, extractor: str = "torch",
+                 emulation: "Emulation | None" = None, keepalive: int = 30,
+                 test_every: int | None = None) -> "DeviceRunner":
     import torch
 
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
@@ -135,10 +172,12 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
     if threads is not None:
         torch.set_num_threads(max(1, threads))
     dataset_spec(data)  # fail now, not after connecting, on a --data that names nothing
-    options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
+    options = replace(parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key),
+                      keepalive=keepalive)
     spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
                     train_limit)
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
                          test_every=check_cadence(eval_every, test_every),
-                         protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor)  # type: ignore[arg-type]
+                         protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor,  # type: ignore[arg-type]
+                         emulation=emulation)
     return DeviceRunner(options, fed, client_id, spec, opts)

@@ -31,6 +31,7 @@ from typing import Literal
 
 from edge_agent import guard
 from edge_agent.agent import EdgeAgent
+from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, load_client_data
 from protofl import topics
 from protofl.config import FederationConfig
@@ -60,29 +61,55 @@ class RunnerOptions:
     protocol: Literal["auto", "5", "3.1.1"] = "auto"
     connect_timeout: float = 30.0
     extractor: str = "torch"  # what computes prototypes and metrics: torch | onnx (onnxruntime)
+    emulation: Emulation | None = None  # --profile: upload budget; in simulation, compute time and time scale
 
 
 class _UploadLog:
     """The agent's transport: passes everything through and keeps the protocol uploads (not metrics)
-    sent for the round message being handled, so that they can be sent again."""
+    sent for the round message being handled, so that they can be sent again.
 
-    def __init__(self, transport: MqttTransport) -> None:
+    With a `clock` (a device profile), messages go out through a `HeldSender`: uploads not before the
+    round's emulated compute time is over, everything in order; the round's timings go to `extra`."""
+
+    def __init__(self, transport: MqttTransport, clock: RoundClock | None = None) -> None:
         self.transport = transport
         self.key: tuple[int, str] | None = None
         self.sent: list[tuple[str, bytes]] = []
+        self.clock = clock
+        self.extra: dict[str, float] | None = None  # the agent's metrics_extra
+        self.held = HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos)) \
+            if clock is not None else None
 
     def start(self, key: tuple[int, str] | None) -> None:
         self.key, self.sent = key, []
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
-        self.transport.publish(topic, payload, retain=retain, qos=qos)
-        if "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS:
+        upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
+        if self.held is None or retain:
+            self.transport.publish(topic, payload, retain=retain, qos=qos)
+        else:
+            assert self.clock is not None
+            release = self.clock.upload_release() if upload else 0.0
+            if upload and self.extra is not None:
+                self.extra.update(self.clock.extra)
+            self.held.submit(topic, payload, qos, release)
+        if upload:
             self.sent.append((topic, payload))
+
+    def resend(self, topic: str, payload: bytes) -> None:
+        """An upload again (its round was announced again): still not before its release time."""
+        if self.held is None:
+            self.transport.publish(topic, payload, qos=1)
+        else:
+            assert self.clock is not None
+            self.held.submit(topic, payload, 1, self.clock.release_t or 0.0)
 
     def subscribe(self, pattern: str, handler: Handler) -> None:
         self.transport.subscribe(pattern, handler)
 
     def close(self) -> None:
+        if self.held is not None:
+            self.held.close()
         self.transport.close()
 
 
@@ -100,7 +127,8 @@ class DeviceRunner:
         self.joined = False
         self.fatal: BaseException | None = None
         self._rounds_subscribed = False
-        self._uploads = _UploadLog(self.transport)
+        self.clock = RoundClock(opts.emulation) if opts.emulation is not None else None
+        self._uploads = _UploadLog(self.transport, self.clock)
         self._stop = threading.Event()
         self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
         self._attempts = 0
@@ -110,7 +138,7 @@ class DeviceRunner:
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
         """Take part until the federation finishes (or `stop()` / `timeout`); returns the agent."""
         self.transport.connect(self.opts.connect_timeout)
-        self._presence("online", self.opts.profile)
+        self._presence("online", self.profile_label)
         self.transport.subscribe(topics.config(self.fed), self._on_config)
         self.transport.subscribe(topics.server_status(self.fed), self._on_status)
         end = None if timeout is None else time.monotonic() + timeout
@@ -127,6 +155,8 @@ class DeviceRunner:
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"{self.client_id}: federation '{self.fed}' did not finish within {timeout} s")
         finally:
+            if self._uploads.held is not None:
+                self._uploads.held.close()  # what is held back (the last metrics) goes out first
             done = self.agent is not None and self.agent.finished
             if self.transport.connected:
                 self._presence("done" if done else "offline", "left")
@@ -138,6 +168,11 @@ class DeviceRunner:
     def stop(self) -> None:
         """Leave at the next loop iteration (thread-safe; e.g. from a signal handler)."""
         self._stop.set()
+
+    @property
+    def profile_label(self) -> str:
+        em = self.opts.emulation
+        return self.opts.profile or (em.label if em is not None else "")
 
     @property
     def stopping(self) -> bool:
@@ -176,9 +211,13 @@ class DeviceRunner:
             arch = cfg.arch_for(self.data.partition[0])  # the simulator's round-robin assignment
         log.info("%s: %d training / %d test samples, arch %s, preset %s", self.client_id, len(data.y_train),
                  len(data.y_test), arch or cfg.archs[0], cfg.preset)
-        return EdgeAgent(self.client_id, self.fed, self._uploads, data, arch=arch, profile=self.opts.profile,
-                         device=self.opts.device, eval_every=self.opts.eval_every, test_every=self.opts.test_every,
-                         extractor=self.opts.extractor)
+        agent = EdgeAgent(self.client_id, self.fed, self._uploads, data, arch=arch, profile=self.profile_label,
+                          device=self.opts.device, eval_every=self.opts.eval_every, test_every=self.opts.test_every,
+                          extractor=self.opts.extractor)
+        if self.clock is not None:
+            self._uploads.extra = agent.metrics_extra
+            agent.upload_budget = self.clock.budget
+        return agent
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         try:
@@ -228,7 +267,7 @@ class DeviceRunner:
             # Uploads sent while the server was not subscribed are lost, and it would wait for them
             # forever, so send them again; duplicates are dropped (and counted) by the aggregator.
             for up_topic, up_payload in self._uploads.sent:
-                self.transport.publish(up_topic, up_payload, qos=1)
+                self._uploads.resend(up_topic, up_payload)
             if self._uploads.sent:
                 log.info("%s: round %d %s announced again; re-sent %d upload(s)", self.client_id, key[0], key[1],
                          len(self._uploads.sent))
@@ -236,7 +275,12 @@ class DeviceRunner:
         trained, sent = agent.stats.rounds_trained, agent.stats.uploaded_bytes
         if (topic, payload) != self._last_round:
             self._last_round, self._attempts = (topic, payload), 0
+        # When the message came off the wire: the time this thread was busy before it is not our compute.
+        recv_t = self.transport.arrived.get(topic, time.time())
         with _AGENT_LOCK:
+            if self.clock is not None:
+                self.clock.begin(recv_t)
+                agent.metrics_extra.clear()
             self._uploads.start(key)
             agent.on_message(topic, payload)
         if agent.last_failure is not None:

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,10 +28,16 @@ from broker_server.aggregator import Aggregator, decoder_limits
 from broker_server.broker import PACKET_HEADROOM, start_local_broker
 from broker_server.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService
+from broker_server.simulation.links import Links, UploadWatcher
 from broker_server.simulation.report import Report, describe_drops
+from broker_server.simulation.timeline import LinkReport
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
 from protofl.errors import ConfigError
+from protofl.profiles import DeviceClass
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
+
+if TYPE_CHECKING:
+    from edge_agent.emulation import Emulation
 
 log = logging.getLogger("protofl.simulate")
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +49,24 @@ def device_options(broker: BrokerOptions, auth: BrokerAuth | None, client: str) 
         return broker
     cred = auth.secrets.device(client)
     return broker.with_auth(cred.username, cred.password)
+
+
+def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
+    """`protofl-edge join` arguments of a simulated device with a profile (none without --profiles)."""
+    if device is None:
+        return []
+    return ["--profile", device.spec or device.name, "--time-scale", repr(spec.time_scale), "--emulate-compute",
+            "--upload-share", repr(spec.upload_share), "--adaptive" if spec.adaptive else "--no-adaptive"]
+
+
+def emulation(spec: SimulationSpec, device: DeviceClass | None) -> "Emulation | None":
+    """What `profile_args` says, for a device runner in this process."""
+    if device is None:
+        return None
+    from edge_agent.emulation import Emulation
+
+    return Emulation(device=device.device, link=device.link, time_scale=spec.time_scale, emulate_compute=True,
+                     adaptive=spec.adaptive, upload_share=spec.upload_share)
 
 
 def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:
@@ -62,8 +86,9 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
 class AgentProcesses:
     """One `python -m edge_agent.cli join ...` per client, output in a log file each."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None) -> None:
-        self.spec, self.broker, self.protocol, self.auth = spec, broker, protocol, auth
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None,
+                 links: Links | None = None) -> None:
+        self.spec, self.broker, self.protocol, self.auth, self.links = spec, broker, protocol, auth, links
         self._tmp = tempfile.TemporaryDirectory(prefix="protofl-agents-")
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -73,10 +98,15 @@ class AgentProcesses:
     def start(self) -> None:
         base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         for i in range(self.spec.clients):
-            broker, env = device_options(self.broker, self.auth, client_id(i)), dict(base)
+            # the device's own link (a shaping proxy with --profiles) and its own credentials
+            broker = device_options(self.links.broker_for(i) if self.links is not None else self.broker, self.auth,
+                                    client_id(i))
+            device = self.links.devices[i] if self.links is not None else None
+            env = dict(base)
             if broker.password is not None:
                 env[PASSWORD_ENV] = broker.password  # not on the command line, where ps shows it
-            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, broker, self.protocol, i)]
+            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, broker, self.protocol, i),
+                   *profile_args(self.spec, device), "--keepalive", str(broker.keepalive)]
             with self.log_path(i).open("wb") as out:
                 self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                                    stdin=subprocess.DEVNULL, env=env))
@@ -117,16 +147,21 @@ class AgentProcesses:
 class AgentThreads:
     """The same `DeviceRunner`s as threads of this process."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None) -> None:
+    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None,
+                 links: Links | None = None) -> None:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
-        opts = RunnerOptions(device=spec.device, eval_every=spec.eval_every, test_every=spec.test_every,
-                             protocol=protocol,  # type: ignore[arg-type]
-                             extractor=spec.extractor)
-        self.runners = [DeviceRunner(device_options(broker, auth, client_id(i)), FED, client_id(i),
+        def opts(i: int) -> RunnerOptions:
+            device = links.devices[i] if links is not None else None
+            return RunnerOptions(device=spec.device, eval_every=spec.eval_every, test_every=spec.test_every,
+                                 protocol=protocol,  # type: ignore[arg-type]
+                                 extractor=spec.extractor, emulation=emulation(spec, device))
+
+        self.runners = [DeviceRunner(device_options(links.broker_for(i) if links is not None else broker, auth,
+                                                    client_id(i)), FED, client_id(i),
                                      DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
-                                              spec.test_limit, spec.train_limit), opts)
+                                              spec.test_limit, spec.train_limit), opts(i))
                         for i in range(spec.clients)]
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True) for r in self.runners]
@@ -183,13 +218,26 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         else:
             broker, protocol = spec.broker, "auto"
         server = broker.with_auth(auth.secrets.server.username, auth.secrets.server.password) if auth else broker
+        links = None
+        if spec.profiles:
+            # FedAvg's round message carries the model (f4): the largest message a link carries.
+            largest = 4 * len(initial_params) if initial_params is not None else 0
+            links = Links(spec.fleet(), broker, spec.time_scale, spec.seed, largest).start()
+            stack.callback(links.close)
+            watcher = UploadWatcher(server, FED, protocol).start()
+            stack.callback(watcher.close)
+            report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,
+                                      deadline_s=cfg.round_timeout, adaptive=spec.adaptive,
+                                      upload_share=spec.upload_share)
+            # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
+            cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
         service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
                                     initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics)
         service.start()
         stack.callback(service.close)
-        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, auth)
+        agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, auth, links)
         agents.start()
         finished = False
         # Finished: give agents time to see the final round and leave; failed: stop them now.
@@ -205,7 +253,12 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             # A device evaluates after its last upload, so the last round's metrics come after the close;
             # they always come (an agent leaves only after sending them), unless the agent died.
             metrics_in = progress.all_metrics_in() or not agents.alive()
-            return service.finished and progress.emitted >= cfg.rounds and metrics_in
+            done = service.finished and progress.emitted >= cfg.rounds and metrics_in
+            if done and report.links is not None and agents.alive():
+                # A device that missed a round still reports its timings for the timeline, behind its late
+                # upload: wait for them a while (a device that never got the round message sends none).
+                done = report.links.timings_in(report.metrics) or report.links.grace_over(time.monotonic())
+            return done
 
         try:
             service.run(until=until, timeout=spec.timeout)

@@ -15,6 +15,7 @@ import numpy as np
 from broker_server.aggregator import RoundRecord
 from broker_server.progress import RoundProgress, accuracies
 from broker_server.simulation.spec import SimulationSpec
+from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
 from protofl.config import FederationConfig
 from protofl.schedule import check_cadence, is_due
@@ -43,6 +44,7 @@ class Report:
         self.on_round = on_round
         self.progress = RoundProgress(self._show, eval_every=spec.eval_every, rounds=cfg.rounds)
         self.started = time.perf_counter()
+        self.links: LinkReport | None = None  # set by a run over shaped links (--profiles)
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         if (self.evaluate is not None and model.params is not None
@@ -88,6 +90,7 @@ class Report:
             "clients": len(rec.clients),
             "metrics_bytes": self.metrics_bytes.get(rec.round, 0),  # evaluation traffic, not uplink
             "closed_by": rec.closed_by,
+            **({"sim_time_s": self.links.sim_time(rec)} if self.links is not None else {}),
         }
 
     def to_json(self, dropped: dict[str, int]) -> dict[str, Any]:
@@ -105,6 +108,7 @@ class Report:
                 "wall_s": round(time.perf_counter() - self.started, 3),
             },
             "dropped": dict(dropped),
+            **({"links": self.links.to_json(self.records, self.metrics)} if self.links is not None else {}),
         }
 
 

@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from broker_server.simulation.links import expand
 from protofl.config import FederationConfig
 from protofl.data import Dataset, FederatedSplit, load_dataset
 from protofl.data.federation import federation_split, limit_train, public_set
 from protofl.errors import ConfigError
 from protofl.presets import make_config
+from protofl.profiles import DeviceClass, parse_fleet
 from protofl.schedule import check_cadence
 from protofl.transport.broker_url import BrokerOptions
 from protofl.wire import PublicSet
@@ -53,6 +55,18 @@ class SimulationSpec:
     extractor: str = "torch"  # agents extract prototypes with torch or onnxruntime ("onnx")
     device: str = "cpu"  # torch device of the agents and of FedAvg's global model: cpu | cuda | auto
     overrides: dict[str, Any] = field(default_factory=dict)
+    # Constrained links (mqtt): a fleet `rpi4+lte:4,...`, one shaping proxy per device; the time scale
+    # speeds links, delays, deadlines and compute waits up alike; adaptive uploads fit each link.
+    profiles: str | None = None
+    time_scale: float = 1.0
+    adaptive: bool = True
+    upload_share: float = 0.8
+
+    def fleet(self) -> list[DeviceClass]:
+        """One device class per client (empty without --profiles)."""
+        if not self.profiles:
+            return []
+        return expand(parse_fleet(self.profiles), self.clients)
 
     @property
     def client_ids(self) -> list[str]:
@@ -75,8 +89,10 @@ class Federation:
 def resolve_config(spec: SimulationSpec, num_classes: int, in_shape: tuple[int, ...]) -> FederationConfig:
     """The config a simulation of `spec` runs with; the dataset decides the classes and input shape."""
     overrides = dict(spec.overrides)
+    # Over shaped links a round must be able to close at its deadline without the slow devices.
+    min_clients = int(overrides.get("min_clients", 1)) if spec.profiles else spec.clients
     overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=num_classes, in_shape=tuple(in_shape),
-                     min_clients=spec.clients)
+                     min_clients=min_clients)
     if spec.archs:
         overrides["archs"] = tuple(spec.archs)
     return make_config(spec.preset, spec.config_file, **overrides)
@@ -89,6 +105,14 @@ def prepare(spec: SimulationSpec) -> Federation:
     if not spec.alpha > 0:
         raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
     check_cadence(spec.eval_every, spec.test_every)
+    if spec.profiles:
+        if spec.transport != "mqtt":
+            raise ConfigError("--profiles emulates links in front of a real broker: add --transport mqtt")
+        if not spec.time_scale > 0:
+            raise ConfigError(f"--time-scale must be > 0, got {spec.time_scale}")
+        if not 0 < spec.upload_share <= 1:
+            raise ConfigError(f"--upload-share must be in (0, 1], got {spec.upload_share}")
+        spec.fleet()  # unknown profiles and a --clients that does not match fail here, before any data loads
     if spec.extractor not in EXTRACTORS:
         raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")
     train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)

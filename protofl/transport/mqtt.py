@@ -133,6 +133,7 @@ class MqttTransport:
         self._acks: deque[tuple[int, int]] = deque()
         self._seq = 0
         self._inbox: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self.arrived: dict[str, float] = {}  # topic -> epoch time its latest message was received
         self._connected = threading.Event()
         self._closing = threading.Event()
         self._refused = 0  # the CONNACK reason code of the last refusal, 0 if none
@@ -419,6 +420,8 @@ class MqttTransport:
     def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
         self.stats.received += 1
         self.stats.received_bytes += len(msg.payload)
+        # When it came off the wire, not when a busy consumer got to it (link timing in simulations).
+        self.arrived[msg.topic] = time.time()
         self._inbox.put((msg.topic, msg.payload))
 
     # -- delivery -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import numpy as np
 
 from broker_server.aggregator import Aggregator
 from broker_server.broker import MosquittoBroker
+from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import load_or_create
 from broker_server.service import AggregatorService
 from protofl import topics
@@ -56,7 +57,9 @@ def test_an_offline_device_leaves_the_round_which_closes_at_quorum_and_it_comes_
     upload(broker, "a", 1)
     upload(broker, "b", 1)
     assert agg.round == 1  # still waiting for c
-    presence(broker, "c", "offline")  # c's last will
+    presence(broker, "c", "offline")  # c's last will: it keeps its place for the grace period
+    assert agg.round == 1
+    agg.tick(now=OFFLINE_GRACE_S)  # still offline when the grace runs out: the round stops waiting for it
     assert agg.round == 2 and agg.records[0].closed_by == "quorum" and agg.records[0].clients == ["a", "b"]
     assert agg.machine.phase is not None and agg.machine.phase.expected == {"a", "b"}
     presence(broker, "c", "online")  # reconnected: expected again in the open round
@@ -68,6 +71,21 @@ def test_an_offline_device_leaves_the_round_which_closes_at_quorum_and_it_comes_
     send(broker, "a", Status(state="offline", detail=""), topic=topics.presence(FED, "b"))
     presence(broker, "zz", "offline")
     assert set(agg.clients) == {"a", "b", "c"} and agg.dropped == {"invalid": 1}
+
+
+def test_a_device_back_within_the_grace_keeps_its_place() -> None:
+    # A flaky link: the connection drops (last will), the device reconnects at once and delivers.
+    broker, agg = federation()
+    for c in ("a", "b", "c"):
+        send(broker, c, Join(arch="cnn", n_samples=3))
+    upload(broker, "a", 1)
+    upload(broker, "b", 1)
+    presence(broker, "c", "offline")
+    presence(broker, "c", "online")
+    agg.tick(now=10 * OFFLINE_GRACE_S)
+    assert agg.round == 1 and agg.machine.phase is not None and agg.machine.phase.expected == {"a", "b", "c"}
+    upload(broker, "c", 1)
+    assert agg.records[0].clients == ["a", "b", "c"] and agg.records[0].closed_by == "quorum"
 
 
 def test_max_clients_holds_under_2000_valid_joins_at_bounded_memory() -> None:

@@ -1,0 +1,206 @@
+"""A mixed fleet over emulated links: measured round time beside the analytical link-limited bound.
+
+    python -m bench.bench_links                          # writes bench/results/LINKS.md (+ runs and PNGs)
+    python -m bench.bench_links --rounds 2 --presets tinyproto --out /tmp/LINKS.md   # a quick look
+
+The fleet (default `rpi4+lte:4,jetson-orin-nano+wifi:2,rpi3+nb-iot:4`) runs each preset (fedavg,
+fedproto, tinyproto, protofl; same seed, data and model) through Mosquitto and one shaping proxy
+per device (`simulate --profiles`). Per device and round the report gives the measured downlink,
+emulated compute and measured upload in simulated seconds (broker_server.simulation.timeline).
+
+The analytical bound of a device's round is
+
+    round message bytes / downlink rate + upload bytes / uplink rate + RTT + compute_s
+
+(the RTT is the two one-way delays, the round message's and the upload's; compute_s is the same
+emulated compute the measurement uses, so the comparison is the links'). Round 1 is left out of the
+comparison (joins, the config and the public set cross the links then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FLEET = "rpi4+lte:4,jetson-orin-nano+wifi:2,rpi3+nb-iot:4"
+PRESETS = ("fedavg", "fedproto", "tinyproto", "protofl")
+
+
+def bound_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per device and round (>= 2): measured parts and the analytical bound, in simulated seconds."""
+    links = run["links"]
+    classes = {c["class"]: c for c in links["classes"]}
+    clients = len(links["clients"])
+    down = {r["round"]: r["downlink_bytes"] / clients for r in run["rounds"]}  # the round message, per device
+    out = []
+    for d in links["devices"]:
+        if d["round"] < 2 or d["done_s"] is None:
+            continue
+        c = classes[d["class"]]
+        down_s = down[d["round"]] * 8 / 1000 / c["downlink_kbps"]
+        up_s = d["uplink_bytes"] * 8 / 1000 / c["uplink_kbps"]
+        out.append({**d, "bound_down_s": down_s, "bound_up_s": up_s,
+                    "bound_s": down_s + up_s + c["rtt_ms"] / 1000 + d["compute_s"]})
+    return out
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float,
+             when: str) -> str:
+    from broker_server.report_cli import accuracy, time_to_target
+    from protofl.humanize import human_bytes
+
+    target = args.target
+    lines = ["# A mixed fleet over emulated links", "",
+             f"`python -m bench.bench_links --rounds {args.rounds} --time-scale {args.time_scale:g} "
+             f"--proto-time-scale {args.proto_time_scale:g} --target {args.target:g} --metric {args.metric} "
+             f"--train-limit {args.train_limit} --test-limit {args.test_limit} --deadline {args.deadline:g}` "
+             f"(run {when}; {platform.machine()}, {os.cpu_count()} cores "
+             f"shared with other jobs, load average {load[0]} at the start and {load[1]} at the end; {wall / 60:.0f} "
+             "min of wall time).", "",
+             f"Fleet `{args.fleet}`, Fashion-MNIST (alpha {args.alpha}), arch {args.arch}, seed {args.seed}, "
+             f"round deadline {args.deadline:g} s (simulated), adaptive uploads "
+             f"{'on' if args.adaptive else 'off'}, time scale {args.time_scale:g} for fedavg and "
+             f"{args.proto_time_scale:g} for the prototype presets. All times are simulated "
+             "seconds: link times measured through the shaping proxies (x time scale), compute emulated as the "
+             "device's CPU time / its profile's compute factor (see edge_agent/emulation.py).", "",
+             f"## Per preset (accuracy = {args.metric}_acc; target {100 * target:.0f} %)", "",
+             "Round / compute: the fleet's round (rounds >= 2) over the emulated compute of its slowest device "
+             "in that round (1.0 = communication costs nothing).", "",
+             "| preset | rounds | final acc % | mean round (s) | round / compute | simulated time (s) | "
+             "time to target (s) | uplink | re-sent after reconnects | missed deadlines |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    ttt: dict[str, float | None] = {}
+    for run in runs:
+        lr = run["links"]["rounds"]
+        final = accuracy(run["rounds"][-1], args.metric)
+        ttt[run["preset"]] = time_to_target(run, target, args.metric)
+        slowest = {r: max(d["compute_s"] for d in run["links"]["devices"] if d["round"] == r and d["compute_s"])
+                   for r in {d["round"] for d in run["links"]["devices"]}}
+        ratio = mean([x["round_s"] / slowest[x["round"]] for x in lr[1:] if x["round"] in slowest])
+        t = ttt[run["preset"]]
+        missed = sum(1 for d in run["links"]["devices"] if not d["made_it"])
+        mean_round = mean([r["round_s"] for r in lr[1:]] or [lr[0]["round_s"]])
+        lines.append(f"| {run['preset']} | {len(lr)} | {100 * final:.1f} | {mean_round:.1f} | "
+                     f"{ratio:.2f} | {lr[-1]['sim_time_s']:.1f} | {'not reached' if t is None else f'{t:.1f}'} | "
+                     f"{human_bytes(run['totals']['uplink_bytes'])} | "
+                     f"{human_bytes(sum(d.get('resent_bytes', 0) for d in run['links']['devices']))} | {missed} |")
+    base = ttt.get("fedavg")
+    ratios = [f"{p} {'-' if ttt.get(p) is None or not base else f'{base / ttt[p]:.2f}x'}"  # type: ignore[operator]
+              for p in ("tinyproto", "protofl") if p in ttt]
+    lines += ["", f"Time to {100 * target:.0f} %, fedavg / preset (> 1: the preset gets there sooner): "
+              + (", ".join(ratios) if base else "fedavg did not reach the target") + ".", "",
+              "## Measured round time beside the analytical bound (rounds >= 2, mean per device)", "",
+              "Bound = round message / downlink rate + upload / uplink rate + RTT + compute. Within 20 % is the "
+              "issue's bar.", "",
+              "| preset | class | downlink meas / bound | compute | upload meas / bound | upload bytes | encoding | "
+              "round meas (s) | bound (s) | meas / bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+    worst = 0.0
+    for run in runs:
+        by_class: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for r in bound_rows(run):
+            by_class[r["class"]].append(r)
+        for cls, rows in sorted(by_class.items()):
+            meas, bnd = mean([r["done_s"] for r in rows]), mean([r["bound_s"] for r in rows])
+            worst = max(worst, abs(meas / bnd - 1))
+            encs = sorted({r["dt"] + (f" K={r['k']}" if r["k"] else "") for r in rows if r["dt"]})
+            lines.append(f"| {run['preset']} | {cls} | {mean([r['downlink_s'] for r in rows]):.1f} / "
+                         f"{mean([r['bound_down_s'] for r in rows]):.1f} | {mean([r['compute_s'] for r in rows]):.1f} | "
+                         f"{mean([r['upload_s'] for r in rows]):.2f} / {mean([r['bound_up_s'] for r in rows]):.2f} | "
+                         f"{human_bytes(mean([r['uplink_bytes'] for r in rows]))} | {', '.join(encs)} | {meas:.1f} | "
+                         f"{bnd:.1f} | {meas / bnd:.2f} |")
+    lines += ["", f"Largest deviation from the bound: {100 * worst:.0f} % "
+              f"({'within' if worst <= 0.2 else 'NOT within'} 20 %).", ""]
+    for run in runs:
+        rows = [r for r in bound_rows(run) if r["link"] == "nb-iot"]
+        if not rows:
+            continue
+        done = mean([r["done_s"] for r in rows])
+        comm = mean([r["downlink_s"] + r["upload_s"] for r in rows])
+        up = mean([r["upload_s"] for r in rows])
+        comp = mean([r["compute_s"] for r in rows])
+        lines.append(f"- {run['preset']} over nb-iot: round {done:.1f} s = compute {comp:.1f} s + downlink "
+                     f"{done - comp - up:.1f} s + upload {up:.1f} s; communication {100 * comm / done:.0f} % of it, "
+                     f"round / compute = {done / comp:.2f}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fleet", default=FLEET)
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--time-scale", type=float, default=20.0, help="fedavg's (its NB-IoT round is ~48 min)")
+    ap.add_argument("--proto-time-scale", type=float, default=5.0,
+                    help="the prototype presets': their rounds are short, and each real millisecond of "
+                         "scheduling noise costs time-scale simulated ones")
+    ap.add_argument("--deadline", type=float, default=3600.0, help="simulated seconds")
+    ap.add_argument("--target", type=float, default=0.6, help="target accuracy for time-to-target")
+    ap.add_argument("--metric", choices=("local", "global"), default="local",
+                    help="local_acc (each client on its own split: comparable across FedAvg and the personalised "
+                         "prototype presets) or global_acc")
+    ap.add_argument("--train-limit", type=int, default=6000)
+    ap.add_argument("--test-limit", type=int, default=1000)
+    ap.add_argument("--alpha", type=float, default=0.5)
+    ap.add_argument("--arch", default="cnn")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-adaptive", dest="adaptive", action="store_false")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "LINKS.md")
+    ap.add_argument("--runs-dir", type=Path, default=None, help="run JSONs and PNGs (default: next to --out)")
+    ap.add_argument("--from-runs", action="store_true", help="rewrite --out and the plots from the run JSONs")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from broker_server.report_cli import write_report
+    from broker_server.simulation import SimulationSpec, run_simulation
+    from protofl.profiles import parse_fleet
+
+    runs_dir = args.runs_dir or args.out.parent / "links"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    if args.from_runs:
+        runs = [json.loads((runs_dir / f"{p}.json").read_text()) for p in args.presets.split(",")]
+        meta = json.loads((runs_dir / "meta.json").read_text())
+        write_report(runs, runs_dir, target=args.target, metric=args.metric)
+        when = meta.get("when", "date not recorded")
+        args.out.write_text(links_md(runs, args, tuple(meta["load"]), meta["wall_s"], when))  # type: ignore[arg-type]
+        print(f"wrote {args.out} and {runs_dir}/ from the runs there")
+        return
+    torch.set_num_threads(1)
+    clients = sum(c.count for c in parse_fleet(args.fleet))
+    load0 = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
+    t0 = time.time()
+    runs = []
+    for preset in args.presets.split(","):
+        spec = SimulationSpec(preset=preset, dataset="fashion-mnist", clients=clients, alpha=args.alpha,
+                              rounds=args.rounds, seed=args.seed, archs=(args.arch,), transport="mqtt",
+                              agents="thread", train_limit=args.train_limit, test_limit=args.test_limit,
+                              profiles=args.fleet, adaptive=args.adaptive,
+                              time_scale=args.time_scale if preset == "fedavg" else args.proto_time_scale,
+                              overrides={"round_timeout": args.deadline}, timeout=3600)
+        started = time.time()
+        run = run_simulation(spec)
+        (runs_dir / f"{preset}.json").write_text(json.dumps(run, indent=1))
+        print(f"{preset}: {run['links']['rounds'][-1]['sim_time_s']:.0f} simulated s in {time.time() - started:.0f} s",
+              flush=True)
+        runs.append(run)
+    load1 = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0))
+    (runs_dir / "meta.json").write_text(json.dumps({"load": [load0, load1], "wall_s": time.time() - t0, "when": when}))
+    write_report(runs, runs_dir, target=args.target, metric=args.metric)
+    args.out.write_text(links_md(runs, args, (load0, load1), time.time() - t0, when))
+    print(f"wrote {args.out} and {runs_dir}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""`protofl-server report RUN.json [MORE.json ...] --out DIR`: plots and a markdown summary of simulate runs.
+
+Written from the run JSON alone (simulate --json, or --report-dir at the end of a run):
+- `accuracy_time.png`: accuracy vs simulated time (runs over shaped links; else vs round),
+- `accuracy_uplink.png`: accuracy vs cumulative uplink bytes,
+- `timeline_<preset>.png`: per round and device class, the mean downlink, compute, upload and wait
+  (until the round closed) in simulated seconds; an x where a device of the class missed the round,
+- `bytes_class.png`: uplink bytes per device and round, by device class and preset,
+- `summary.md`: per preset the final accuracy, simulated time, uplink, missed deadlines and the time to
+  a target accuracy; per device class the round's parts and the encodings chosen.
+Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model; where a
+run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out
+split). matplotlib comes with the `plotting` extra. No torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from protofl.errors import ConfigError
+from protofl.humanize import human_bytes, human_duration
+
+PARTS = ("downlink_s", "compute_s", "upload_s", "wait_s")
+COLOURS = {"downlink_s": "#4c72b0", "compute_s": "#55a868", "upload_s": "#c44e52", "wait_s": "#cccccc"}
+
+
+def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    runs = []
+    for p in paths:
+        if not p.is_file():
+            raise ConfigError(f"run file '{p}' not found (write one with protofl-server simulate --json RUN.json)")
+        try:
+            run = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"run file '{p}' is not JSON: {exc}") from exc
+        if not isinstance(run, dict) or "rounds" not in run or "preset" not in run:
+            raise ConfigError(f"'{p}' is not a simulate report (no 'preset' and 'rounds')")
+        runs.append(run)
+    return runs
+
+
+METRICS = ("global", "local")
+
+
+def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
+    """`global_acc` (falling back to `local_acc` where a run has none), or `local_acc`."""
+    if metric == "global" and row.get("global_acc") is not None:
+        return row["global_acc"]
+    return row.get("local_acc")
+
+
+def sim_times(run: dict[str, Any]) -> list[float] | None:
+    """Simulated time at the end of each round (None for a run without shaped links)."""
+    links = run.get("links")
+    return [r["sim_time_s"] for r in links["rounds"]] if links else None
+
+
+def time_to_target(run: dict[str, Any], target: float, metric: str = "global") -> float | None:
+    times = sim_times(run)
+    for i, row in enumerate(run["rounds"]):
+        acc = accuracy(row, metric)
+        if acc is not None and acc >= target and times is not None and i < len(times):
+            return times[i]
+    return None
+
+
+def class_rows(run: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The per-device rows of a run by device class, each with its wait until the round closed."""
+    links = run.get("links") or {}
+    round_s = {r["round"]: r["round_s"] for r in links.get("rounds", [])}
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for d in links.get("devices", []):
+        d = dict(d)
+        done = d.get("done_s")
+        d["wait_s"] = max(0.0, round_s.get(d["round"], 0.0) - done) if done is not None and d["made_it"] else 0.0
+        out[d["class"]].append(d)
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("protofl-server report draws with matplotlib, which is not installed: "
+                          "pip install 'protofl-edge[plotting]'") from None
+    paths = []
+    timed = all(sim_times(r) is not None for r in runs)
+    for name, xlabel in (("accuracy_time", "simulated time (s)" if timed else "round"),
+                         ("accuracy_uplink", "cumulative uplink (bytes)")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for run in runs:
+            accs = [accuracy(r, metric) for r in run["rounds"]]
+            if name == "accuracy_time":
+                xs: list[float] = sim_times(run) if timed else [r["round"] for r in run["rounds"]]  # type: ignore[assignment]
+            else:
+                xs, total = [], 0
+                for r in run["rounds"]:
+                    total += r["uplink_bytes"]
+                    xs.append(total)
+            pts = [(x, 100 * a) for x, a in zip(xs, accs) if a is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["preset"])
+        ends = [sim_times(r)[-1] for r in runs if sim_times(r)] if timed else []  # type: ignore[index]
+        if name == "accuracy_uplink" or (ends and min(ends) > 0 and max(ends) / min(ends) > 30):
+            ax.set_xscale("log")  # FedAvg over NB-IoT and a prototype preset differ by orders of magnitude
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{metric} accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / f"{name}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    for run in runs:
+        by_class = class_rows(run)
+        if not by_class:
+            continue
+        fig, axes = plt.subplots(len(by_class), 1, figsize=(7.0, 1.9 * len(by_class) + 0.8), squeeze=False,
+                                 sharex=True)
+        for ax, (cls, rows) in zip(axes[:, 0], sorted(by_class.items())):
+            rounds = sorted({r["round"] for r in rows})
+            bottom = [0.0] * len(rounds)
+            for part in PARTS:
+                vals = [_mean([r[part] or 0.0 for r in rows if r["round"] == n]) for n in rounds]
+                ax.bar(rounds, vals, bottom=bottom, color=COLOURS[part], label=part[:-2])
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            missed = [n for n in rounds if any(not r["made_it"] for r in rows if r["round"] == n)]
+            ax.plot(missed, [bottom[rounds.index(n)] for n in missed], "kx", markersize=9,
+                    label="missed" if missed else None)
+            ax.set_ylabel(f"{cls}\nsim s")
+            ax.grid(axis="y", alpha=0.3)
+        axes[0, 0].set_title(f"{run['preset']}: mean per device, per round (deadline "
+                             f"{human_duration(run['links']['deadline_s'])})")
+        axes[0, 0].legend(fontsize=7, ncol=5, loc="upper right")
+        axes[-1, 0].set_xlabel("round")
+        axes[-1, 0].set_xticks(sorted({r["round"] for rows in by_class.values() for r in rows}))
+        fig.tight_layout()
+        paths.append(out / f"timeline_{run['preset']}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    classes = sorted({c for run in runs for c in class_rows(run)})
+    if classes:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        width = 0.8 / len(runs)
+        smallest = float("inf")
+        for j, run in enumerate(runs):
+            by_class = class_rows(run)
+            vals = [_mean([r["uplink_bytes"] for r in by_class.get(c, [])]) for c in classes]
+            smallest = min([smallest, *(v for v in vals if v > 0)])
+            ax.bar([i + j * width for i in range(len(classes))], vals, width, label=run["preset"])
+        if smallest < float("inf"):
+            ax.set_ylim(bottom=max(1.0, smallest / 10))  # log bars need a floor well below the smallest
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(classes))], classes, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("uplink bytes per device per round")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / "bytes_class.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str = "global") -> str:
+    finals = [accuracy(r["rounds"][-1], metric) for r in runs if r["rounds"]]
+    best = max((a for a in finals if a is not None), default=0.0)
+    target = 0.9 * best if target is None else target
+    lines = ["# Simulation report", "", f"Target accuracy for time-to-target: {100 * target:.1f} % "
+             f"(accuracy = {metric}_acc).", "",
+             "| preset | rounds | final acc % | simulated time | mean round | uplink | missed deadlines | "
+             "time to target |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        times = sim_times(run)
+        links = run.get("links") or {}
+        missed = sum(1 for d in links.get("devices", []) if not d["made_it"])
+        final = accuracy(run["rounds"][-1], metric) if run["rounds"] else None
+        ttt = time_to_target(run, target, metric)
+        lines.append(f"| {run['preset']} | {len(run['rounds'])} | {'-' if final is None else f'{100 * final:.1f}'} | "
+                     f"{human_duration(times[-1]) if times else '-'} | "
+                     f"{human_duration(times[-1] / len(times)) if times else '-'} | "
+                     f"{human_bytes(run['totals']['uplink_bytes'])} | {missed if links else '-'} | "
+                     f"{human_duration(ttt) if ttt is not None else 'not reached'} |")
+    for run in runs:
+        by_class = class_rows(run)
+        if not by_class:
+            continue
+        links = run["links"]
+        lines += ["", f"## {run['preset']}: per device class (mean per device per round, simulated seconds)", "",
+                  f"Time scale {links['time_scale']:g}, deadline {human_duration(links['deadline_s'])}, adaptive "
+                  f"uploads {'on' if links['adaptive'] else 'off'}.", "",
+                  "| class | devices | downlink | compute | upload | done | upload bytes | encodings | budget | "
+                  "missed | overrun |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for cls, rows in sorted(by_class.items()):
+            def m(key: str) -> str:
+                vals = [r[key] for r in rows if r.get(key) is not None]
+                return f"{_mean(vals):.1f}" if vals else "-"
+            enc = Counter(f"{r['dt']}" + (f" K={r['k']}" if r.get("k") else "") for r in rows if r["dt"])
+            budgets = [r["budget_bytes"] for r in rows if r.get("budget_bytes") is not None]
+            lines.append(f"| {cls} | {len({r['client'] for r in rows})} | {m('downlink_s')} | {m('compute_s')} | "
+                         f"{m('upload_s')} | {m('done_s')} | {human_bytes(_mean([r['uplink_bytes'] for r in rows]))} | "
+                         f"{', '.join(f'{k} x{v}' for k, v in enc.most_common(3)) or '-'} | "
+                         f"{human_bytes(_mean(budgets)) if budgets else 'off'} | "
+                         f"{sum(1 for r in rows if not r['made_it'])}/{len(rows)} | {m('overrun_s')} |")
+    lines += ["", "Simulated time composes measured link times (through the shaping proxies, times the time scale) "
+              "with emulated compute (CPU time / the device's compute factor); `overrun` is how much later, in "
+              "simulated seconds, this machine released an upload than the emulation asked for."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(runs: dict[str, Any] | list[dict[str, Any]], out: Path, target: float | None = None,
+                 metric: str = "global") -> list[Path]:
+    """The PNGs and summary.md of `runs` in `out`; returns the files written."""
+    runs = [runs] if isinstance(runs, dict) else runs
+    if target is not None and not 0 < target <= 1:
+        raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
+    if metric not in METRICS:
+        raise ConfigError(f"--metric must be one of {', '.join(METRICS)}, got '{metric}'")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = _plots(runs, out, metric)
+    md = out / "summary.md"
+    md.write_text(summary(runs, target, metric))
+    return [*paths, md]

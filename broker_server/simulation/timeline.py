@@ -1,0 +1,139 @@
+"""The per-device, per-round timeline of a simulation over shaped links, in simulated seconds.
+
+For device d in round r (times from the round's opening at the server):
+
+    downlink_s = (round message reached d - round opened) x time_scale        measured, through d's link
+    compute_s  = d's CPU time for the round / compute_factor                   emulated (edge_agent.emulation)
+    upload_s   = (upload reached the broker - upload released) x time_scale    measured, through d's link
+    done_s     = downlink_s + compute_s + upload_s
+
+`done_s` composes measured link times with the emulated compute, so it stays honest where this
+machine could not keep up with the time scale (`overrun_s` > 0: the upload left later in real time
+than the emulation asked). A round's simulated length `round_s` is the latest `done_s` among the
+devices that made it when it closed at quorum, and the deadline when it closed at the deadline.
+`wall_round_s` (real open-to-close x time_scale) is reported beside it. Time between rounds (the
+simulator's own evaluation) is not counted. numpy only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from broker_server.rounds import RoundRecord
+from broker_server.simulation.links import Arrival
+from protofl.profiles import DeviceClass
+from protofl.wire import Metrics
+
+
+def device_rows(rec: RoundRecord, clients: Sequence[str], devices: Sequence[DeviceClass],
+                arrivals: Sequence[Arrival], metrics: Mapping[str, Metrics], scale: float,
+                deadline_s: float) -> list[dict[str, Any]]:
+    rows = []
+    for cid, dev in zip(clients, devices):
+        mine = [a for a in arrivals if a.sender == cid and a.round == rec.round]
+        # The first of each (phase, kind) counts; later copies are re-sends after a reconnect (dropped as
+        # duplicates by the server) and are reported apart.
+        first: dict[tuple[str, str], Arrival] = {}
+        for a in sorted(mine, key=lambda a: a.t):
+            first.setdefault((a.phase, a.kind), a)
+        ups = list(first.values())
+        extra = dict(metrics[cid].extra) if cid in metrics else {}
+        last = max((a.t for a in ups), default=None)
+        row: dict[str, Any] = {
+            "round": rec.round, "client": cid, "class": dev.name, "device": dev.device.name, "link": dev.link.name,
+            "made_it": cid in rec.clients,
+            "uplink_bytes": sum(a.nbytes for a in ups),
+            "resent_bytes": sum(a.nbytes for a in mine) - sum(a.nbytes for a in ups),
+            "dt": ups[0].dt if ups else None,
+            "k": next((a.k for a in ups if a.k is not None), None),
+            "budget_bytes": int(extra["upload_budget"]) if "upload_budget" in extra else None,
+            "fits": bool(extra["upload_fits"]) if "upload_fits" in extra else None,
+            "downlink_s": None, "compute_s": extra.get("compute_s"), "compute_cpu_s": extra.get("compute_cpu_s"),
+            "upload_s": None, "done_s": None, "wall_done_s": None,
+            "overrun_s": extra["overrun_s"] * scale if "overrun_s" in extra else None,
+        }
+        if "recv_t" in extra:
+            row["downlink_s"] = max(0.0, (extra["recv_t"] - rec.started) * scale)
+        if last is not None:
+            row["wall_done_s"] = (last - rec.started) * scale
+            if "release_t" in extra:
+                row["upload_s"] = max(0.0, (last - extra["release_t"]) * scale)
+        if None not in (row["downlink_s"], row["compute_s"], row["upload_s"]):
+            row["done_s"] = row["downlink_s"] + row["compute_s"] + row["upload_s"]
+        # In time by the composed clock; `made_it` is the server's word (real time, so an overrun of
+        # this machine can make a device miss that the composed clock says was in time).
+        row["in_time"] = row["done_s"] is not None and row["done_s"] <= deadline_s
+        rows.append(row)
+    return rows
+
+
+def round_summary(rec: RoundRecord, rows: Sequence[dict[str, Any]], scale: float, deadline_s: float) -> dict[str, Any]:
+    done = [r["done_s"] for r in rows if r["made_it"] and r["done_s"] is not None]
+    if rec.closed_by == "quorum" and done:
+        round_s = max(done)
+    else:
+        round_s = deadline_s if rec.closed_by == "deadline" else (rec.ended - rec.started) * scale
+    return {"round": rec.round, "round_s": round_s, "wall_round_s": (rec.ended - rec.started) * scale,
+            "closed_by": rec.closed_by, "missed": sorted(r["client"] for r in rows if not r["made_it"])}
+
+
+def timeline(records: Sequence[RoundRecord], clients: Sequence[str], devices: Sequence[DeviceClass],
+             arrivals: Sequence[Arrival], metrics: Mapping[int, Mapping[str, Metrics]], scale: float,
+             deadline_s: float) -> dict[str, Any]:
+    """The report's `links` section: per-round lengths with the running simulated time, per-device rows."""
+    rounds, devices_out, t = [], [], 0.0
+    for rec in records:
+        rows = device_rows(rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s)
+        summary = round_summary(rec, rows, scale, deadline_s)
+        t += summary["round_s"]
+        summary["sim_time_s"] = t
+        rounds.append(summary)
+        devices_out.extend(rows)
+    return {"rounds": rounds, "devices": devices_out}
+
+
+class LinkReport:
+    """What a simulation over shaped links adds to its report (the `links` section)."""
+
+    def __init__(self, devices: Sequence[DeviceClass], clients: Sequence[str], links: Any, watcher: Any, *,
+                 time_scale: float, deadline_s: float, adaptive: bool, upload_share: float) -> None:
+        self.devices, self.clients, self.links, self.watcher = list(devices), list(clients), links, watcher
+        self.time_scale, self.deadline_s = time_scale, deadline_s
+        self.adaptive, self.upload_share = adaptive, upload_share
+        self.t0: float | None = None  # when round 1 opened (epoch s)
+        self._grace_end: float | None = None
+
+    def timings_in(self, metrics: Mapping[int, Mapping[str, Metrics]]) -> bool:
+        """Whether every device has reported its timings (metrics) for every round so far."""
+        rounds = [r for r in metrics if r >= 1]
+        return bool(rounds) and all(cid in metrics.get(r, {}) for r in range(1, max(rounds) + 1)
+                                    for cid in self.clients)
+
+    def grace_over(self, now: float, grace_s: float = 30.0) -> bool:
+        """After the federation finished, wait at most `grace_s` real seconds for late timings."""
+        if self._grace_end is None:
+            self._grace_end = now + grace_s
+        return now >= self._grace_end
+
+    def sim_time(self, rec: RoundRecord) -> float:
+        """Simulated time at the end of `rec` by the wall clock (the progress bar's; the report's
+        `sim_time_s` is the composed one, see the module docstring)."""
+        if self.t0 is None:
+            self.t0 = rec.started
+        return (rec.ended - self.t0) * self.time_scale
+
+    def to_json(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> dict[str, Any]:
+        classes: dict[str, dict[str, Any]] = {}
+        for d in self.devices:
+            c = classes.setdefault(d.name, {
+                "class": d.name, "count": 0, "compute_factor": d.device.compute_factor,
+                "memory_mb": d.device.memory_mb, "uplink_kbps": d.link.uplink_kbps,
+                "downlink_kbps": d.link.downlink_kbps, "rtt_ms": d.link.rtt_ms, "jitter_ms": d.link.jitter_ms})
+            c["count"] += 1
+        out = {"time_scale": self.time_scale, "deadline_s": self.deadline_s, "adaptive": self.adaptive,
+               "upload_share": self.upload_share, "classes": list(classes.values()),
+               "clients": {cid: d.name for cid, d in zip(self.clients, self.devices)},
+               "proxies": self.links.stats()}
+        out.update(timeline(records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale,
+                            self.deadline_s))
+        return out

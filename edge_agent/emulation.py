@@ -1,0 +1,133 @@
+"""A device's profile at run time: its upload budget, and in simulation its emulated compute time.
+
+Compute time, honestly. A simulated device trains on this machine, not on a Pi. What it spends is
+measured as the CPU time of the thread that handles the round message (`time.thread_time`, torch at
+one thread), from the moment the round message arrived to its last upload: CPU time, not wall time,
+so that ten simulated devices sharing two cores do not inflate each other's compute. The device's
+simulated compute time is that CPU time divided by its profile's `compute_factor`; its uploads are
+held back until `arrival + compute / time_scale` (real seconds), and only then go onto the shaped
+link. Where this machine is slower than that (the hold would be negative) the uploads go at once
+and the overrun is reported (`overrun_s`): raise the compute factor's headroom by lowering
+`--time-scale`.
+
+Per round the device reports, in its metrics message's `extra`: `recv_t` and `release_t` (epoch
+seconds, this machine's clock), `compute_cpu_s`, `compute_s` (simulated), `overrun_s`, and the
+upload choice (`upload_budget`, `upload_bytes`, `upload_value_bytes`, `upload_k`, `upload_fits`).
+No torch, no numpy.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from protofl.budget import upload_budget
+from protofl.profiles import DeviceProfile, LinkProfile
+
+log = logging.getLogger("protofl.edge")
+
+Publish = Callable[[str, bytes, int], None]  # (topic, payload, qos)
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """What `--profile` and its switches say about this device."""
+
+    device: DeviceProfile | None = None
+    link: LinkProfile | None = None
+    time_scale: float = 1.0
+    emulate_compute: bool = False  # simulation: hold uploads for the profile's compute time
+    adaptive: bool = True  # fit uploads to the link and the deadline (needs a link)
+    upload_share: float = 0.8  # of the time left before the deadline, after compute and a round trip
+
+    @property
+    def label(self) -> str:
+        """What the device announces in its join (`rpi4+lte`)."""
+        return "+".join(p.name for p in (self.device, self.link) if p is not None)
+
+
+class RoundClock:
+    """One round message's timing on the device: arrival, compute, release of its uploads."""
+
+    def __init__(self, emulation: Emulation) -> None:
+        self.em = emulation
+        self.recv_t = 0.0
+        self._cpu0 = 0.0
+        self.release_t: float | None = None
+        self.extra: dict[str, float] = {}
+
+    def begin(self, recv_t: float) -> None:
+        """A round message arrived at `recv_t` (epoch s); its handling starts now on this thread."""
+        self.recv_t = recv_t
+        self._cpu0 = time.thread_time()
+        self.release_t = None
+        self.extra = {"recv_t": recv_t}
+
+    def compute_s(self, cpu: float | None = None) -> float:
+        """Simulated compute so far: CPU time / compute factor (emulated), else wall time x scale."""
+        em = self.em
+        if em.emulate_compute and em.device is not None:
+            cpu = time.thread_time() - self._cpu0 if cpu is None else cpu
+            return cpu / em.device.compute_factor
+        return (time.time() - self.recv_t) * em.time_scale
+
+    def budget(self, deadline: float) -> int | None:
+        """Upload budget for a round whose deadline is `deadline` (the server's epoch clock)."""
+        em = self.em
+        if not em.adaptive or em.link is None:
+            return None
+        # `deadline` is the server's clock, `recv_t` ours: one machine in simulation; a field device
+        # needs NTP-synchronised clocks for its budget to mean anything.
+        left = (deadline - self.recv_t) * em.time_scale - self.compute_s() - em.link.rtt_ms / 1000
+        return upload_budget(em.link.uplink_bytes_per_s, em.upload_share, left)
+
+    def upload_release(self) -> float:
+        """When the upload being published now may leave (epoch s): after the emulated compute."""
+        if self.release_t is None:
+            cpu = time.thread_time() - self._cpu0
+            compute = self.compute_s(cpu)
+            now = time.time()
+            target = self.recv_t + compute / self.em.time_scale if self.em.emulate_compute else now
+            self.release_t = max(now, target)
+            self.extra.update(compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t,
+                              overrun_s=max(0.0, now - target))
+        return self.release_t
+
+
+class HeldSender:
+    """Publishes in order, each message not before its release time (a thread of its own, so the
+    device's loop keeps serving its connection while its uploads are held)."""
+
+    def __init__(self, publish: Publish) -> None:
+        self._publish = publish
+        self._queue: queue.SimpleQueue[tuple[float, str, bytes, int] | None] = queue.SimpleQueue()
+        self._last = 0.0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="held-sender")
+        self._thread.start()
+
+    def submit(self, topic: str, payload: bytes, qos: int, not_before: float = 0.0) -> None:
+        self._last = max(self._last, not_before)  # never overtake an earlier message
+        self._queue.put((self._last, topic, payload, qos))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            due, topic, payload, qos = item
+            wait = due - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            try:
+                self._publish(topic, payload, qos)
+            except Exception as exc:  # noqa: BLE001 - a closed transport at shutdown: nothing to send to
+                log.warning("held upload on %s not sent: %s", topic, exc)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (up to `timeout`), then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)

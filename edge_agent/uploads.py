@@ -1,0 +1,50 @@
+"""A device's training-phase uploads, fitted to its upload budget (protofl.budget). numpy only.
+
+The plan says what travels (the adapter or the full model, prototypes) and in which dtype; with a
+budget, `train_uploads` lowers the precision and then APUD's K until the encoded messages fit.
+Sizes are those of the real encoded messages (`message_size`), envelope included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from protofl.algorithms import apud
+from protofl.budget import UploadChoice, choose_upload, leaner
+from protofl.config import FederationConfig
+from protofl.plan import Phase, RoundPlan
+from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload, message_size
+
+
+def train_uploads(plan: RoundPlan, cfg: FederationConfig, *, theta: np.ndarray | None,
+                  global_adapter: np.ndarray | None, base_round: int, local: ProtoSet | None, n: int, round_: int,
+                  fed: str, sender: str, budget: int | None) -> tuple[list[object], UploadChoice | None]:
+    """(the uploads, the choice made; None without a budget: the config's encoding)."""
+    k0 = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes) \
+        if plan.apud and theta is not None else None
+
+    def build(dt: str, k: int | None) -> list[object]:
+        # `dt` caps the precision: an array the config already sends leaner stays as it is.
+        out: list[object] = []
+        if theta is not None:
+            update = apud.select_topk(theta, global_adapter, k) if k is not None else theta
+            out.append(AdapterUpload(update=update, n_samples=n, base_round=base_round,
+                                     dt=leaner(dt, plan.adapter_dtype)))
+        if local is not None:
+            out.append(ProtoUpload(local=dataclasses.replace(local, dt=leaner(dt, plan.proto_dtype)),
+                                   public=None, n_samples=n))
+        return out
+
+    def size_of(dt: str, k: int | None) -> int | None:
+        try:
+            return sum(message_size(m, fed=fed, sender=sender, round=round_, phase=Phase.TRAIN.value)  # type: ignore[arg-type]
+                       for m in build(dt, k))
+        except ValueError:  # e.g. f2 cannot carry values beyond +-65504
+            return None
+
+    if budget is None:
+        return build("f4", k0), None  # "f4" caps nothing: each array in the config's dtype
+    choice = choose_upload(size_of, "f4", k0, budget)
+    return build(choice.dt, choice.k), choice

@@ -1,0 +1,62 @@
+"""The per-device timeline: composed simulated times, first arrivals, rounds closed at quorum or deadline."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker_server.rounds import RoundRecord
+from broker_server.simulation.links import Arrival, expand
+from broker_server.simulation.timeline import timeline
+from protofl.profiles import parse_fleet
+from protofl.wire import Metrics
+
+CLIENTS = ["client-000", "client-001"]
+DEVICES = expand(parse_fleet("rpi4+lte,rpi3+nb-iot"), 2)
+
+
+def metrics(recv: float, compute: float, release: float) -> Metrics:
+    return Metrics(n_local=1, correct_local=1, n_test=0, correct_test=0,
+                   extra={"recv_t": recv, "compute_s": compute, "compute_cpu_s": compute / 4, "release_t": release,
+                          "overrun_s": 0.0, "upload_budget": 5000.0, "upload_fits": 1.0})
+
+
+def test_composed_times_and_round_lengths() -> None:
+    scale = 10.0
+    # Round 1 opens at t=100 (real). client-000: message at 100.1, compute 2 s simulated, released at 100.3,
+    # its upload in at 100.35 -> downlink 1 s, compute 2 s, upload 0.5 s: done at 3.5 simulated s.
+    # client-001 re-sent its upload after a reconnect: the first copy counts (in at 100.9 -> upload 5 s).
+    r1 = RoundRecord(round=1, clients=CLIENTS, started=100.0, ended=101.0, closed_by="quorum")
+    arrivals = [Arrival("client-000", 1, "train", "protos", 2000, 100.35, "f4"),
+                Arrival("client-001", 1, "train", "protos", 2200, 100.9, "q8"),
+                Arrival("client-001", 1, "train", "protos", 2200, 101.5, "q8")]
+    ms = {1: {"client-000": metrics(100.1, 2.0, 100.3), "client-001": metrics(100.2, 3.0, 100.4)}}
+    # Round 2 closed at its deadline without client-001.
+    r2 = RoundRecord(round=2, clients=["client-000"], started=102.0, ended=108.0, closed_by="deadline")
+    out = timeline([r1, r2], CLIENTS, DEVICES, arrivals, ms, scale, deadline_s=60.0)
+    d0, d1 = out["devices"][:2]
+    assert (d0["downlink_s"], d0["compute_s"], d0["upload_s"]) == pytest.approx((1.0, 2.0, 0.5))
+    assert abs(d0["done_s"] - 3.5) < 1e-9 and d0["in_time"] and d0["class"] == "rpi4+lte"
+    # client-001: downlink 2 s + compute 3 s + upload (100.9 - 100.4) x 10 = 5 s -> 10 s
+    assert abs(d1["done_s"] - 10.0) < 1e-9 and d1["uplink_bytes"] == 2200 and d1["resent_bytes"] == 2200
+    assert d1["dt"] == "q8" and d1["budget_bytes"] == 5000 and d1["class"] == "rpi3+nb-iot"
+    r1s, r2s = out["rounds"]
+    assert abs(r1s["round_s"] - 10.0) < 1e-9  # at quorum: the last device done
+    assert r1s["wall_round_s"] == pytest.approx(10.0)  # (101 - 100) x 10
+    assert r2s["round_s"] == 60.0 and r2s["missed"] == ["client-001"] and r2s["closed_by"] == "deadline"
+    assert abs(r2s["sim_time_s"] - 70.0) < 1e-9
+    d3 = out["devices"][3]
+    assert not d3["made_it"] and d3["done_s"] is None and not d3["in_time"]
+
+
+def test_keepalive_outlasts_the_largest_transfer() -> None:
+    from broker_server.simulation.links import Links
+    from protofl.transport.broker_url import parse_broker_url
+
+    links = Links(DEVICES, parse_broker_url("mqtt://127.0.0.1:1883"), time_scale=20.0, seed=0, largest_message=6_800_000)
+    try:
+        # nb-iot downlink 3400 B/s: 6.8 MB take 2000 simulated s = 100 real s at scale 20 -> 2 x 100 + 1
+        assert links.broker_for(1).keepalive == 201
+        assert links.broker_for(0).keepalive == 30  # lte: 6.8 MB in 1.8 s; the default 30 s is plenty
+        assert links.broker_for(1).port == links.proxies[1].port
+    finally:
+        links.close()

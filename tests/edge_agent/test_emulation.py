@@ -1,0 +1,50 @@
+"""A device's profile at run time: the upload budget, the compute hold, messages kept in order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from edge_agent.emulation import Emulation, HeldSender, RoundClock
+from protofl.profiles import load_device, load_link
+
+
+def test_budget_is_the_link_s_share_of_the_time_left() -> None:
+    em = Emulation(device=load_device("x86-cpu"), link=load_link("nb-iot"), time_scale=10.0, emulate_compute=True)
+    clock = RoundClock(em)
+    now = time.time()
+    clock.begin(now)
+    # deadline 10 real s away = 100 simulated s; minus ~0 compute and the 1.6 s RTT -> 98.4 s;
+    # 0.8 x 98.4 s x 7812.5 B/s = 615,000 B
+    assert clock.budget(now + 10.0) == pytest.approx(615_000, rel=0.01)
+    assert clock.budget(now - 1.0) == 0  # already late: nothing fits
+    assert RoundClock(Emulation(device=None, link=None)).budget(now + 10) is None  # no link: no budget
+    no = Emulation(link=load_link("nb-iot"), adaptive=False)
+    assert RoundClock(no).budget(now + 10) is None
+
+
+def test_uploads_wait_for_the_emulated_compute() -> None:
+    # compute_factor 0.08 (rpi3): a round that costs 10 ms of CPU here is 125 ms on the Pi; at time
+    # scale 1 its uploads leave 125 ms after the round message came.
+    clock = RoundClock(Emulation(device=load_device("rpi3"), time_scale=1.0, emulate_compute=True))
+    clock.begin(time.time())
+    end = time.thread_time() + 0.01
+    while time.thread_time() < end:
+        pass
+    release = clock.upload_release()
+    cpu, compute = clock.extra["compute_cpu_s"], clock.extra["compute_s"]
+    assert cpu >= 0.01 and compute == pytest.approx(cpu / 0.08)
+    assert release == pytest.approx(clock.recv_t + compute, abs=0.01) and clock.extra["overrun_s"] == 0.0
+    assert clock.upload_release() == release  # one release per round message
+
+
+def test_held_sender_keeps_order_and_holds() -> None:
+    sent: list[tuple[str, float]] = []
+    held = HeldSender(lambda topic, payload, qos: sent.append((topic, time.time())))
+    t0 = time.time()
+    held.submit("upload", b"", 1, not_before=t0 + 0.2)
+    held.submit("metrics", b"", 1)  # after the upload, never before it
+    held.close()
+    assert [s[0] for s in sent] == ["upload", "metrics"]
+    assert sent[0][1] >= t0 + 0.2 and sent[1][1] >= sent[0][1]

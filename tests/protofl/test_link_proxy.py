@@ -1,0 +1,111 @@
+"""The shaping proxy: rate, delay and outages, measured on loopback with the time scale (fast)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from protofl.profiles import Outage
+from protofl.transport.link_proxy import LinkProxy, LinkShape, TokenBucket
+
+
+class Sink:
+    """A TCP server that counts what it receives and records when each connection's last byte came."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.received = 0
+        self.done = threading.Event()
+        self.expected = 0
+        self.t_done = 0.0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                self.received += len(data)
+                if self.expected and self.received >= self.expected:
+                    self.t_done = time.monotonic()
+                    self.done.set()
+
+
+def test_token_bucket_spends_its_burst_then_holds_the_rate() -> None:
+    b = TokenBucket(rate=1000.0, burst=500.0)
+    # Idle for long: 500 bytes of credit, so 500 bytes leave at once (t = 10 - 0.5 + 0.5 = 10) ...
+    assert b.reserve(500, now=10.0) == pytest.approx(10.0)
+    # ... and the next 1000 take a second at 1000 B/s.
+    assert b.reserve(1000, now=10.0) == pytest.approx(11.0)
+    # Credit never sends a chunk into the past (it would eat the link's delay): idle again, 100 B leave now.
+    assert b.reserve(100, now=20.0) == pytest.approx(20.0)
+
+
+def test_small_messages_still_take_the_one_way_delay() -> None:
+    sink = Sink()
+    sink.expected = 100
+    shape = LinkShape(up_bytes_per_s=7812.5, down_bytes_per_s=3400, rtt_s=1.6, jitter_s=0.0)  # nb-iot
+    with LinkProxy(("127.0.0.1", sink.port), shape, time_scale=10) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port)) as c:
+            t0 = time.monotonic()
+            c.sendall(b"x" * 100)
+            assert sink.done.wait(10)
+    # 0.8 s one way + 100 B / 7812.5 B/s (13 ms; within the burst, so no wait at all): 0.8 simulated s
+    assert 0.75 <= (sink.t_done - t0) * 10 <= 0.95
+
+
+def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> None:
+    # 1 Mbit/s = 125,000 B/s: 1,000,000 B take 8.0 s. At time scale 10 that is 0.8 s of real time.
+    scale, n = 10.0, 1_000_000
+    sink = Sink()
+    sink.expected = n
+    shape = LinkShape(up_bytes_per_s=125_000, down_bytes_per_s=125_000, rtt_s=0.05, jitter_s=0.0)
+    with LinkProxy(("127.0.0.1", sink.port), shape, time_scale=scale) as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port)) as c:
+            t0 = time.monotonic()
+            c.sendall(b"x" * n)
+            assert sink.done.wait(30), f"only {sink.received} of {n} bytes arrived"
+        simulated = (sink.t_done - t0) * scale
+        print(f"1 MB over 1 Mbit/s: {simulated:.2f} simulated s (real {sink.t_done - t0:.3f} s at time scale {scale:g})")
+    # 8 s of serialisation + 25 ms one-way delay; within 10 % of 8 s.
+    assert 7.2 <= simulated <= 8.8, f"1 MB took {simulated:.2f} simulated s over a 1 Mbit/s link"
+
+
+def test_an_outage_cuts_connections_and_refuses_new_ones_until_it_ends() -> None:
+    sink = Sink()
+    # Down from simulated 1.0 s to 3.0 s (every 1000 s); time scale 10: real 0.1 .. 0.3 s.
+    shape = LinkShape(1e6, 1e6, down_at=Outage(every_s=1000, duration_s=2.0, first_s=1.0).down_at)
+    with LinkProxy(("127.0.0.1", sink.port), shape, time_scale=10) as proxy:
+        c = socket.create_connection(("127.0.0.1", proxy.port))
+        c.sendall(b"hello")
+        time.sleep(0.15)  # simulated 1.5 s: down
+        assert proxy.down and proxy.stats.cuts == 1
+        c.settimeout(2)
+        assert c.recv(10) == b""  # the proxy closed our connection
+        c.close()
+        refused = socket.create_connection(("127.0.0.1", proxy.port))
+        refused.settimeout(2)
+        assert refused.recv(10) == b""
+        refused.close()
+        time.sleep(0.25)  # simulated > 3.0 s: up again
+        assert not proxy.down
+        with socket.create_connection(("127.0.0.1", proxy.port)) as again:
+            again.sendall(b"world")
+            time.sleep(0.1)
+    assert sink.received == 10 and proxy.stats.refused == 1
