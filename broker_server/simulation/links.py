@@ -114,21 +114,23 @@ def _encoding(kind: str, body: Any) -> tuple[str | None, int | None]:
 
 
 class UploadWatcher:
-    """Records every upload as it reaches the broker (its own connection, not through a proxy)."""
+    """Records every upload as it reaches the broker: a second handler on the aggregator's own connection
+    (direct, not through a proxy; and the only user the generated ACL lets read uploads: a connection of
+    its own with the server's user name would take the aggregator's session over), timed when the message
+    came off the wire, not when the aggregator got to it."""
 
-    def __init__(self, broker: BrokerOptions, fed: str, protocol: str = "auto") -> None:
+    def __init__(self, transport: MqttTransport, fed: str) -> None:
         self.arrivals: list[Arrival] = []
         self._lock = threading.Lock()
-        self.transport = MqttTransport(broker, f"protofl-link-watcher-{fed}", protocol=protocol)  # type: ignore[arg-type]
+        self.transport = transport
         self.fed = fed
 
-    def start(self, timeout: float = 10.0) -> "UploadWatcher":
-        self.transport.connect(timeout)
+    def start(self) -> "UploadWatcher":
         self.transport.subscribe(topics.up_all(self.fed), self._on)
         return self
 
     def _on(self, topic: str, payload: bytes) -> None:
-        t = time.time()
+        t = self.transport.arrived.get(topic, time.time())
         try:
             env = unpack_envelope(payload)
         except WireError:
@@ -140,4 +142,4 @@ class UploadWatcher:
             self.arrivals.append(Arrival(env.sender, env.round, env.phase, env.kind, len(payload), t, dt, k))
 
     def close(self) -> None:
-        self.transport.close()
+        """Nothing to release: the connection is the aggregator's."""

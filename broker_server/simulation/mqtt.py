@@ -218,23 +218,22 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         else:
             broker, protocol = spec.broker, "auto"
         server = broker.with_auth(auth.secrets.server.username, auth.secrets.server.password) if auth else broker
-        links = None
+        links, deadline_s = None, cfg.round_timeout
         if spec.profiles:
             # FedAvg's round message carries the model (f4): the largest message a link carries.
             largest = 4 * len(initial_params) if initial_params is not None else 0
             links = Links(spec.fleet(), broker, spec.time_scale, spec.seed, largest).start()
             stack.callback(links.close)
-            watcher = UploadWatcher(server, FED, protocol).start()
-            stack.callback(watcher.close)
-            report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,
-                                      deadline_s=cfg.round_timeout, adaptive=spec.adaptive,
-                                      upload_share=spec.upload_share)
             # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
             cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
         service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
                                     initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics)
+        if links is not None:
+            watcher = UploadWatcher(service.transport, FED).start()  # subscribed before any device uploads
+            report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,
+                                      deadline_s=deadline_s, adaptive=spec.adaptive, upload_share=spec.upload_share)
         service.start()
         stack.callback(service.close)
         agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, auth, links)
