@@ -396,7 +396,7 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
                                 "final ensemble accuracy (mean, bars: min-max)")):
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(EngFormatter(unit="B", places=0))
+        ax.xaxis.set_major_formatter(EngFormatter(unit="B", places=1))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("cumulative uplink bytes (all clients)")
         ax.set_ylabel("accuracy (%)")
