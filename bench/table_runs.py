@@ -296,10 +296,8 @@ CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("no-scaling", "CPS + ERPA + APUD (w/o scaling)", {**_A, "scaling": False}),
     ("spherical", "(b) spherical CPS: FedPAGR's objective on CPS-masked unit prototypes", _SPHERICAL),
     ("spherical-refine", "(c) spherical CPS, s = m/4, + refinement", {**_SPHERICAL, "cps_s": 128, "refine": True}),
+    ("spherical-erpa", "(d) spherical CPS + ERPA anchors from the public set, normalised", {**_SPHERICAL, "erpa": True}),
 )
-# Candidate (d) (spherical CPS + ERPA anchors from the public set, normalised) needs ERPA on unit
-# prototypes, which is not built; TABLE.md says so.
-NOT_BUILT = ("(d) spherical CPS + normalised ERPA anchors",)
 
 
 def candidate_sets(switches: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -335,7 +333,9 @@ for fed, tag, base, baselines in (
                              "and seeds), not re-run.",
                              "The candidate rows set every switch explicitly (" + ", ".join(STAGE_KEYS) + "), so "
                              "they do not move when the preset's default does.",
-                             "Not built yet, so not in the table: " + "; ".join(NOT_BUILT) + ".")))
+                             "(d) sends its public-set prototypes with the training upload (one phase, see "
+                             "protofl/plan.py): with nothing federated that equals ERPA's phase 1 of the next "
+                             "round; round 1 trains on FedPAGR's seeded random prototypes.")))
 
 # -- L: lambda sweep of the alignment term on A (alpha 0.5) ---------------------------------------------
 # lambda = 1 is the presets' default (rows of A); chosen on seed 0, confirmed on seeds 1-2.

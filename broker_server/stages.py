@@ -175,9 +175,13 @@ class TrainPhase:
             self.adapters = FedAvgAggregator(model.params.shape[0])
         # FedAvg without a known model (a server with no torch): the first upload fixes the length.
         self.protos: PrototypeAggregator | ScaledAggregator | refine.ConsensusAggregator | None = None
+        # ERPA on unit prototypes (candidate (d)): the public-set prototypes of the training upload.
+        self.public_protos: refine.ConsensusAggregator | None = None
         if plan.prototypes == "unit":
             assert model.unit is not None
             self.protos = refine.ConsensusAggregator(model.unit)
+            if plan.public_in_train:
+                self.public_protos = refine.ConsensusAggregator(model.unit)
         elif plan.prototypes == "mean" and not plan.two_phase:
             self.protos = (ScaledAggregator(plan.num_classes, plan.proto_width) if plan.scaled
                            else PrototypeAggregator(plan.num_classes, plan.proto_width, weighting=model.cfg.aggregation))
@@ -262,11 +266,21 @@ class TrainPhase:
         plan = self.model.plan
         table, counts = _table(up.local)
         check_table(table, plan.num_classes, plan.proto_width, "prototype")
+        pub = self._public_table(up)
         radius = self.model.radius("protos")
         table, dists = clip_table(table, self._proto_centers(), radius, plan.proto_width)
+        if pub:
+            pub, pub_dists = clip_table(pub, self._proto_centers(), radius, plan.proto_width)
+            dists += pub_dists
         if isinstance(self.protos, refine.ConsensusAggregator):
             masks = self.model.masks
-            self.protos.add(cps.reconstruct_table(table, masks) if masks is not None else table)
+            dense = (lambda t: cps.reconstruct_table(t, masks)) if masks is not None else (lambda t: t)
+            if self.public_protos is not None:
+                # Both aggregators check everything before folding: check the local table first so that a
+                # bad one cannot leave the public prototypes folded alone.
+                self.protos.check(dense(table))
+                self.public_protos.add(dense(pub))
+            self.protos.add(dense(table))
         elif isinstance(self.protos, ScaledAggregator):
             self.protos.add(table)
         else:
@@ -279,6 +293,24 @@ class TrainPhase:
                                                                       self.model.policy.trim)).add(v)
         for v, d in dists:
             self.proto_log.record(v, d, radius)
+
+    def _public_table(self, up: ProtoUpload) -> dict[int, np.ndarray]:
+        """The upload's public-set prototypes, checked (only ERPA on unit prototypes sends them here)."""
+        plan = self.model.plan
+        pub, _ = _table(up.public)
+        if not pub:
+            return {}
+        if not plan.public_in_train:
+            raise WireError("public-set prototypes in the training phase; this federation sends them in the "
+                            "prototype phase or not at all")
+        check_table(pub, plan.num_classes, plan.proto_width, "public prototype")
+        public = set(plan.public_classes)
+        loc, _ = _table(up.local)
+        if set(pub) - public:
+            raise WireError(f"public prototypes for classes {sorted(set(pub) - public)} with no public data")
+        if set(loc) & public:
+            raise WireError(f"local prototypes for public-covered classes {sorted(set(loc) & public)}")
+        return pub
 
     def finish(self) -> None:
         """Fold the round into the server model (coordinates/classes nobody sent keep their value)."""
@@ -295,6 +327,9 @@ class TrainPhase:
         if isinstance(self.protos, refine.ConsensusAggregator):
             S, K = self.protos.sums()
             p_bar = self.protos.result()
+            if self.public_protos is not None:  # candidate (d): public classes anchored by the public set
+                p_bar = erpa.unit_anchors(*self.public_protos.sums(), p_bar,
+                                          model.plan.public_classes).astype(np.float32)
             unit = (refine.geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
                                             momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s,
                                             margin=cfg.margin) if cfg.refine else p_bar)

@@ -272,11 +272,16 @@ class EdgeAgent:
         if not self._holds_round_adapter(round_):
             return  # we missed this round's adapter; anchors from a stale adapter would mislead
         extractor = self._get_extractor()
-        z_public = (extractor.embed(self.public_x)
-                    if plan.public_classes and self.public_x is not None else None)
-        public, local = stages.erpa_tables(plan, self.tables, z_public, self.public_y, extractor.embed(self._x),
-                                           self.data.y_train)
+        public, local = stages.erpa_tables(plan, self.tables, self._embed_public(), self.public_y,
+                                           extractor.embed(self._x), self.data.y_train)
         self._send(ProtoUpload(local=local, public=public, n_samples=len(self.data.y_train)), round_, Phase.PROTO.value)
+
+    def _embed_public(self) -> np.ndarray | None:
+        """z of the public set (None when this federation has no public classes or we hold no public set)."""
+        assert self.plan is not None
+        if not self.plan.public_classes or self.public_x is None:
+            return None
+        return self._get_extractor().embed(self.public_x)
 
     def _targets(self, msg: RoundStart) -> trainer.Targets:
         """This round's training targets, from the round message's anchors and the plan."""
@@ -335,12 +340,16 @@ class EdgeAgent:
         assert self.cfg is not None and plan is not None and self.model is not None
         theta = model_params.full_vector(self.model) if plan.federate == "full" else \
             model_params.adapter_vector(self.model) if plan.federate == "adapter" else None
-        local = stages.trained_prototypes(plan, self.tables, self._get_extractor().embed(self._x), self.data.y_train) \
+        extractor = self._get_extractor()
+        local = stages.trained_prototypes(plan, self.tables, extractor.embed(self._x), self.data.y_train) \
             if plan.prototypes != "none" and not plan.two_phase else None
+        public = stages.public_unit_prototypes(plan, self.tables, self._embed_public(), self.public_y) \
+            if plan.public_in_train else None
         budget = self.upload_budget(deadline) if self.upload_budget is not None else None
         out, choice = train_uploads(plan, self.cfg, theta=theta, global_adapter=self.global_adapter,
                                     base_round=round_ if plan.federate == "full" else self.adapter_round, local=local,
-                                    n=n, round_=round_, fed=self.fed, sender=self.client_id, budget=budget)
+                                    n=n, round_=round_, fed=self.fed, sender=self.client_id, budget=budget,
+                                    public=public)
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())
             log.info("%s: round %d upload budget %d B: %s%s, %d B%s", self.client_id, round_, budget, choice.dt,

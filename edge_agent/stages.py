@@ -51,18 +51,40 @@ def erpa_tables(plan: RoundPlan, tables: DeviceTables, z_public: np.ndarray | No
     return public, pack(plan, local, counts, tables.masks, scaled=plan.scaled)
 
 
+def _unit_prototypes(plan: RoundPlan, tables: DeviceTables, z: np.ndarray, y: np.ndarray,
+                     classes: set[int] | None = None) -> ProtoSet:
+    """FedPAGR's unit prototypes of (z, y) for `classes` (None: every class present), on the wire
+    (spherical CPS: the direction on the class's mask support)."""
+    protos = refine.client_prototypes(z, y, plan.num_classes)
+    if classes is not None:
+        protos = {c: v for c, v in protos.items() if c in classes}
+    if tables.masks is not None:
+        kept = sorted(protos)
+        cut = cps.restrict_to_masks(np.stack([protos[c] for c in kept]), tables.masks[kept]) if kept else []
+        protos = {c: cut[i] for i, c in enumerate(kept)}
+    return pack(plan, protos, None, tables.masks, scaled=False)
+
+
 def trained_prototypes(plan: RoundPlan, tables: DeviceTables, z: np.ndarray, y: np.ndarray) -> ProtoSet:
-    """The training phase's prototype upload: FedPAGR's unit prototypes, or mean prototypes."""
+    """The training phase's prototype upload: FedPAGR's unit prototypes, or mean prototypes.
+
+    With ERPA on unit prototypes, only the classes the public set does not cover (RefProtoFL Alg. 3:
+    the public-covered ones are anchored by `public_unit_prototypes` alone)."""
     if plan.prototypes == "unit":
-        protos = refine.client_prototypes(z, y, plan.num_classes)
-        if tables.masks is not None:  # spherical CPS: the direction on the class's mask support
-            classes = sorted(protos)
-            cut = cps.restrict_to_masks(np.stack([protos[c] for c in classes]), tables.masks[classes]) if classes else []
-            protos = {c: cut[i] for i, c in enumerate(classes)}
-        return pack(plan, protos, None, tables.masks, scaled=False)
+        uncovered = set(range(plan.num_classes)) - set(plan.public_classes) if plan.public_in_train else None
+        return _unit_prototypes(plan, tables, z, y, uncovered)
     protos, counts = local_prototypes(z, y, plan.num_classes)
     tables.remember(protos)
     return pack(plan, protos, counts, tables.masks, scaled=plan.scaled)
+
+
+def public_unit_prototypes(plan: RoundPlan, tables: DeviceTables, z_public: np.ndarray | None,
+                           y_public: np.ndarray | None) -> ProtoSet | None:
+    """ERPA on unit prototypes (candidate (d)): unit prototypes of the public set for its covered
+    classes, sent with the training upload; None when the device holds no public set."""
+    if not plan.public_in_train or z_public is None or y_public is None or not plan.public_classes:
+        return None
+    return _unit_prototypes(plan, tables, z_public, y_public, set(plan.public_classes))
 
 
 def _scatter(plan: RoundPlan, tables: DeviceTables, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:

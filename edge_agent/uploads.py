@@ -20,8 +20,11 @@ from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload, message_size
 
 def train_uploads(plan: RoundPlan, cfg: FederationConfig, *, theta: np.ndarray | None,
                   global_adapter: np.ndarray | None, base_round: int, local: ProtoSet | None, n: int, round_: int,
-                  fed: str, sender: str, budget: int | None) -> tuple[list[object], UploadChoice | None]:
-    """(the uploads, the choice made; None without a budget: the config's encoding)."""
+                  fed: str, sender: str, budget: int | None,
+                  public: ProtoSet | None = None) -> tuple[list[object], UploadChoice | None]:
+    """(the uploads, the choice made; None without a budget: the config's encoding).
+
+    `public`: public-set prototypes that travel with the training upload (ERPA on unit prototypes)."""
     k0 = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes) \
         if plan.apud and theta is not None else None
 
@@ -33,8 +36,9 @@ def train_uploads(plan: RoundPlan, cfg: FederationConfig, *, theta: np.ndarray |
             out.append(AdapterUpload(update=update, n_samples=n, base_round=base_round,
                                      dt=leaner(dt, plan.adapter_dtype)))
         if local is not None:
+            pub = None if public is None else dataclasses.replace(public, dt=leaner(dt, plan.proto_dtype))
             out.append(ProtoUpload(local=dataclasses.replace(local, dt=leaner(dt, plan.proto_dtype)),
-                                   public=None, n_samples=n))
+                                   public=pub, n_samples=n))
         return out
 
     def size_of(dt: str, k: int | None) -> int | None:

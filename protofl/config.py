@@ -175,8 +175,14 @@ class FederationConfig:
                  f"public_classes must be class ids in [0, {self.num_classes})")
         # Combinations that have no meaning: say so rather than silently ignoring a switch.
         need(not (self.federate == "full" and self.apud), "apud sparsifies the adapter; it needs federate='adapter'")
-        need(not (self.erpa and self.prototypes == "unit"),
-             "erpa anchors live in the raw prototype space; it cannot be combined with prototypes='unit'")
+        # ERPA on unit prototypes (the combined pipeline's candidate (d)): the public-set prototypes travel
+        # with the training upload, which equals ERPA's phase 1 of the next round only while nothing
+        # federated changes the device's features between the two (protofl/plan.py).
+        need(not (self.erpa and self.prototypes == "unit" and self.federate != "none"),
+             "erpa on unit prototypes sends its public-set prototypes with the training upload, which is exact "
+             "only when no adapter or model is federated: set federate='none' (or prototypes='mean')")
+        need(not (self.erpa and self.prototypes == "unit" and self.refine),
+             "refinement of ERPA unit anchors is not built: turn refine off (or erpa off for FedPAGR's refinement)")
         need(not (self.cps and self.prototypes == "none"), "cps compresses prototypes; set prototypes='mean'")
         need(not (self.scaling and self.prototypes == "none"), "scaling needs prototypes='mean'")
         need(not (self.consensus and self.prototypes != "unit"), "consensus (FedPAGR) needs prototypes='unit'")

@@ -52,6 +52,7 @@ class RoundPlan:
     apud: bool
     prototypes: str  # "none" | "mean" | "unit"
     target: TargetKind
+    public_in_train: bool  # ERPA on unit prototypes: public-set prototypes travel with the training upload
     cps: bool  # prototypes travel as their s values on the class's mask
     scaled: bool  # local prototypes travel as n_kc * p_kc, counts hidden (TinyProto scaling)
     proto_width: int  # values per class on the wire
@@ -64,7 +65,13 @@ class RoundPlan:
 
     @classmethod
     def from_config(cls, cfg: FederationConfig) -> "RoundPlan":
-        erpa = cfg.erpa
+        # ERPA on unit prototypes (candidate (d)) has one phase: with nothing federated, a device's
+        # features do not change between the end of its training in round t and the start of round t+1,
+        # so the public-set prototypes it would send in round t+1's phase 1 are the ones it can send with
+        # round t's training upload (one round trip fewer; the first round trains on FedPAGR's seeded
+        # random prototypes instead of anchors).
+        public_in_train = cfg.erpa and cfg.prototypes == "unit"
+        erpa = cfg.erpa and not public_in_train
         phases = (Phase.PROTO, Phase.TRAIN) if erpa else (Phase.TRAIN,)
         train: list[Upload] = []
         if cfg.federate != "none":
@@ -88,6 +95,7 @@ class RoundPlan:
             apud=cfg.apud,
             prototypes=cfg.prototypes,
             target=target,
+            public_in_train=public_in_train,
             cps=cfg.cps,
             scaled=cfg.scaling and not unit,
             proto_width=cfg.s if cfg.cps else cfg.proto_dim,

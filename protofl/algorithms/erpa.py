@@ -31,7 +31,7 @@ import numpy as np
 
 from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
 
-__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors"]
+__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors", "unit_anchors"]
 
 
 def client_prototypes(
@@ -136,4 +136,27 @@ def combine_anchors(
             out[c] = np.asarray(ext[c], dtype=np.float32).copy()
         elif c in glob:
             out[c] = np.asarray(glob[c], dtype=np.float32).copy()
+    return out
+
+
+def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarray,
+                 public_classes: Iterable[int]) -> np.ndarray:
+    """Eq. (16) on the unit sphere (the combined pipeline's candidate (d), ALGORITHMS.md): the anchor of a
+    public-covered class c that some client sent is the normalised uniform mean of the clients' unit
+    public-set prototypes, normalize(ext_sum[c] / ext_count[c]) (eq. 14, then normalised like FedPAGR's
+    eq. 3); every other row is FedPAGR's consensus prototype `consensus[c]` (which already keeps last
+    round's row for a class nobody sent).
+
+    `ext_sum` (C, m) and `ext_count` (C,) are a ConsensusAggregator's sums over the public prototypes;
+    returns a new (C, m) float64 array with unit rows where ext rows were used.
+    """
+    out = np.array(consensus, dtype=np.float64, copy=True)
+    S, K = np.asarray(ext_sum, dtype=np.float64), np.asarray(ext_count)
+    if S.shape != out.shape or K.shape != (out.shape[0],):
+        raise ValueError(f"ERPA unit anchors: sums {S.shape} / counts {K.shape} do not match prototypes {out.shape}")
+    for c in sorted({int(c) for c in public_classes}):
+        if K[c] > 0:
+            norm = float(np.linalg.norm(S[c]))
+            if norm > 0.0:  # opposite directions cancelling exactly: keep the consensus row
+                out[c] = S[c] / norm
     return out

@@ -98,6 +98,13 @@ class ConsensusAggregator:
 
     def add(self, protos: Mapping[int, np.ndarray]) -> None:
         """Fold in one client's unit prototypes; checked in full before anything is applied."""
+        for c, v in self.check(protos):
+            self._sum[c] += v
+            self._count[c] += 1
+        self._senders += 1
+
+    def check(self, protos: Mapping[int, np.ndarray]) -> list[tuple[int, np.ndarray]]:
+        """The upload's (class, unit row) pairs; raises ValueError, changing nothing, if any is invalid."""
         rows = []
         for c, p in protos.items():
             if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) < self.num_classes:
@@ -114,10 +121,7 @@ class ConsensusAggregator:
             # Eq. (2) makes p_kc a unit vector; normalising again keeps a client that skipped that
             # step (or a lossy codec) from outweighing the others.
             rows.append((int(c), v / length))
-        for c, v in rows:
-            self._sum[c] += v
-            self._count[c] += 1
-        self._senders += 1
+        return rows
 
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
         """(S, K): per-class sums of unit prototypes (C, m) float64 and sender counts (C,) int64, copies."""

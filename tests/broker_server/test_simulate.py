@@ -212,3 +212,41 @@ def test_spherical_cps_sends_fedpagr_prototypes_on_their_masks(runs: dict[str, R
     # the prototypes the devices align to live on their masks: features move onto them
     assert all(0.0 <= r["off_mask_energy"] <= 1.0 for r in run["rounds"])
     assert run["rounds"][-1]["global_proto_acc"] is not None
+
+
+def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> None:
+    # Candidate (d): (b) + ERPA anchors from the public set, normalised. The devices send unit public-set
+    # prototypes with their training upload; the next round's prototype of a public class is their
+    # normalised uniform mean, cut to the class's mask.
+    from protofl.algorithms import cps
+    from protofl.algorithms.refine import normalize_rows
+    from protofl.wire import ProtoUpload, decode_message
+
+    uploads: list[ProtoUpload] = []
+    publish = InProcessTransport.publish
+
+    def spy(self: InProcessTransport, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        if payload and topic.startswith(topics.up(SIM_FED, "")):
+            env, msg = decode_message(payload)
+            if env.round == FED["rounds"] and isinstance(msg, ProtoUpload):
+                uploads.append(msg)
+        publish(self, topic, payload, retain=retain, qos=qos)
+
+    box: dict[str, Aggregator] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(InProcessTransport, "publish", spy)
+        run = run_simulation(SimulationSpec(preset="fedpagr", **FED, overrides=dict(cps=True, refine=False, erpa=True)),
+                             on_finish=lambda a: box.setdefault("agg", a))
+    assert not run["dropped"]
+    assert all(r["closed_by"] == "quorum" and r["clients"] == FED["clients"] for r in run["rounds"])
+    model = box["agg"].model
+    public = model.plan.public_classes
+    assert public and len(uploads) == FED["clients"]
+    for up in uploads:
+        assert up.public is not None and set(up.public.table()[0]) == set(public)
+        assert not set(up.local.table()[0]) & set(public)  # uncovered classes only
+    for c in public:
+        rows = [cps.reconstruct_table({c: up.public.table()[0][c]}, model.masks)[c] for up in uploads]
+        expected = cps.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
+                                         model.masks[[c]])[0]
+        np.testing.assert_allclose(model.unit[c], expected, atol=1e-5)

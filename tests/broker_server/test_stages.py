@@ -81,3 +81,46 @@ def test_fedavg_without_a_known_model_takes_the_first_length_and_holds_the_rest_
     phase.add_adapter(AdapterUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
     phase.finish()
     assert m.params.tolist() == [2.0, 2.0, 2.0]
+
+
+def _spherical_erpa(public_classes: tuple[int, ...] = (0,)) -> ServerModel:
+    """Candidate (d) without CPS masks (proto_dim 2 is too small for them): unit prototypes, consensus,
+    ERPA anchors for the public classes."""
+    m = model_for("fedpagr", refine=False, erpa=True, public_classes=public_classes)
+    m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
+    return m
+
+
+def test_erpa_on_unit_prototypes_anchors_public_classes_on_the_public_set() -> None:
+    m = _spherical_erpa()
+    phase = TrainPhase(m)
+    phase.add_prototypes(ProtoUpload(public=ps({0: [0, 1]}), local=ps({1: [1, 0]}), n_samples=4))
+    phase.add_prototypes(ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 2]}), n_samples=8))
+    phase.finish()
+    r = 1 / np.sqrt(2)
+    # class 0: normalised uniform mean of the public prototypes (0,1), (1,0); class 1: FedPAGR's consensus
+    # of the local unit prototypes (1,0), (0,1) (the (0,2) upload is normalised first); class 2 nobody
+    # sent keeps its row
+    np.testing.assert_allclose(m.unit, [[r, r], [r, r], [0.6, 0.8]], rtol=1e-6)
+    assert m.unit.dtype == np.float32
+
+
+@pytest.mark.parametrize("up, match", [
+    (ProtoUpload(public=ps({1: [1, 0]}), local=ps({2: [1, 0]}), n_samples=1), "with no public data"),
+    (ProtoUpload(public=ps({0: [1, 0]}), local=ps({0: [1, 0]}), n_samples=1), "public-covered"),
+    (ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 0]}), n_samples=1), "zero vector"),
+])
+def test_erpa_on_unit_prototypes_rejects_a_bad_upload_whole(up: ProtoUpload, match: str) -> None:
+    m = _spherical_erpa()
+    phase = TrainPhase(m)
+    with pytest.raises((WireError, ValueError), match=match):
+        phase.add_prototypes(up)
+    phase.finish()  # nothing was folded: every row keeps its value
+    np.testing.assert_array_equal(m.unit, np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32))
+
+
+def test_public_prototypes_in_the_training_phase_are_refused_elsewhere() -> None:
+    m = model_for("fedpagr", refine=False)
+    m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
+    with pytest.raises(WireError, match="public-set prototypes in the training phase"):
+        TrainPhase(m).add_prototypes(ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from protofl.algorithms.erpa import ErpaAggregator, combine_anchors
+from protofl.algorithms.erpa import ErpaAggregator, combine_anchors, unit_anchors
 
 A = np.array
 
@@ -123,3 +123,25 @@ def test_combine_anchors_returns_copies():
     out = combine_anchors({}, {0: g}, [])
     out[0][0] = 99.0
     assert g[0] == 1.0
+
+
+def test_unit_anchors_hand_example() -> None:
+    consensus = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
+    # class 0 public, two senders: (1, 0) + (0, 1) -> normalised (1, 1)/sqrt(2); class 1 public but
+    # nobody sent it: the consensus row; class 2 not public: the consensus row whatever the sums say
+    S = np.array([[1.0, 1.0], [0.0, 0.0], [5.0, 0.0]])
+    K = np.array([2, 0, 1])
+    out = unit_anchors(S, K, consensus, public_classes=[0, 1])
+    r = 1 / np.sqrt(2)
+    np.testing.assert_allclose(out, [[r, r], [0.0, 1.0], [0.6, 0.8]])
+    assert out is not consensus and consensus[0].tolist() == [1.0, 0.0]  # a new array
+
+
+def test_unit_anchors_keep_the_consensus_row_when_public_prototypes_cancel() -> None:
+    out = unit_anchors(np.zeros((1, 2)), np.array([2]), np.array([[0.0, 1.0]]), public_classes=[0])
+    assert out.tolist() == [[0.0, 1.0]]
+
+
+def test_unit_anchors_refuse_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="do not match"):
+        unit_anchors(np.zeros((2, 2)), np.array([1]), np.zeros((2, 2)), public_classes=[0])

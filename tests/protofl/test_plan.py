@@ -49,6 +49,10 @@ def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> 
     # spherical CPS: 10 x 51 <= 512, disjoint masks, the unit prototypes are already orthogonal
     (dict(preset="fedpagr", cps=True), "spherical CPS prototypes whose masks do not overlap"),
     (dict(preset="fedpagr", scaling=True), "unit prototypes"),
+    # ERPA on unit prototypes (candidate (d)) sends public prototypes with the training upload: exact
+    # only while nothing federated changes the features in between
+    (dict(preset="fedpagr", refine=False, erpa=True, federate="adapter"), "exact only when no adapter"),
+    (dict(preset="fedpagr", erpa=True), "refinement of ERPA unit anchors is not built"),
 ])
 def test_meaningless_switch_combinations_are_refused_with_a_reason(overrides: dict, reason: str) -> None:
     preset = overrides.pop("preset")
@@ -67,6 +71,15 @@ def test_spherical_cps_sends_unit_prototypes_on_their_masks() -> None:
     plan = RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False))
     assert plan.target is TargetKind.PAGR and plan.cps and not plan.scaled
     assert plan.proto_width == 51 and plan.anchor_kind == "unit+cps"
+
+
+def test_erpa_on_spherical_cps_is_one_phase_with_public_prototypes_in_the_training_upload() -> None:
+    plan = RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False, erpa=True))
+    assert plan.phases == (Phase.TRAIN,) and plan.sends(Phase.TRAIN) == (P,) and plan.public_in_train
+    assert plan.target is TargetKind.PAGR and plan.anchor_kind == "unit+cps" and plan.proto_width == 51
+    assert plan.public_classes == tuple(range(10))
+    assert not RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False)).public_in_train
+    assert not RoundPlan.from_config(make_config("protofl", erpa=True)).public_in_train  # two phases
 
 
 def test_limits_follow_the_model() -> None:
