@@ -156,7 +156,8 @@ def test_default_decision_picks_the_fewest_bytes_among_those_the_best_does_not_b
                "no-cps": ((0.10, 0.10, 0.10), (0.10, 0.10, 0.10), 50),
                "no-scaling": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 950),
                "spherical": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 10),
-               "spherical-refine": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 20)}
+               "spherical-refine": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 20),
+               "spherical-erpa": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 30)}
     reports = {}
     for suffix, (a_global, b_local, up) in numbers.items():
         reports.update(_seeded(f"D/a-{suffix}", [_fake_report(0.8, g, up) for g in a_global]))
