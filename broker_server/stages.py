@@ -194,6 +194,7 @@ class TrainPhase:
         if robust and isinstance(self.adapters, (ApudAggregator, FedAvgAggregator)):
             self.robust_adapter = CoordinateRobust(self._adapter_reference().shape[0], policy.robust, policy.trim)
         self.proto_log, self.adapter_log = NormLog(), NormLog()
+        self._ref64: np.ndarray | None = None  # the dense adapter/model clipped around, in float64
 
     def _adapter_reference(self) -> np.ndarray:
         """The global vector adapter uploads are clipped around (FedAvg: the model, when known)."""
@@ -257,7 +258,9 @@ class TrainPhase:
                 raise WireError(f"adapter indices out of range [0, {ref.shape[0]})")
             vals, dist = clip_around(update.values, ref[idx].astype(np.float64), radius)
             return (update if dist <= radius else SparseVector(update.n, idx, vals)), dist, radius
-        vals, dist = clip_around(np.asarray(update), ref.astype(np.float64), radius)
+        if self._ref64 is None:  # once per round: 90 MB and ~0.1 s per upload for a resnet18 FedAvg model
+            self._ref64 = ref.astype(np.float64)
+        vals, dist = clip_around(np.asarray(update), self._ref64, radius)
         return (update if dist <= radius else vals), dist, radius
 
     def add_prototypes(self, up: ProtoUpload) -> None:
