@@ -212,6 +212,18 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
     return url, local.protocol, auth
 
 
+def last_logged_round(path: Path) -> int:
+    """The highest round in a rounds.jsonl (0 if none; a torn last line from a crash is ignored)."""
+    last = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                last = max(last, int(json.loads(line)["round"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
+
+
 def _announce_credentials(auth: Any, persistent: bool) -> None:
     """Tell the operator where the device credentials are (or, when they vanish at exit, show them once)."""
     new = ", ".join(auth.new_devices) or "none"
@@ -248,18 +260,23 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             # Our own broker over loopback: its certificate names the host devices use, not 127.0.0.1.
             options = dataclasses.replace(options, tls_check_hostname=False)
         rounds_file = None
+        logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
+            logged = last_logged_round(state_dir / "rounds.jsonl")
             rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
 
         def on_round_end(rec: Any) -> None:
-            if rounds_file is not None:
+            nonlocal logged
+            if rounds_file is not None and rec.round > logged:
                 rounds_file.write(json.dumps({"fed": fed, **asdict(rec)}) + "\n")
                 rounds_file.flush()
+                logged = rec.round
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=on_round_end, members=members, policy=policy,
-                                    max_clients=access.max_clients, offline_grace=offline_grace)
+                                    max_clients=access.max_clients, offline_grace=offline_grace,
+                                    state_dir=state_dir)
         service.start(connect_timeout)
         who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
         log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)

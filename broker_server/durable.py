@@ -1,0 +1,99 @@
+"""The aggregator's durable state under `--state-dir`: a checkpoint at each phase boundary, a journal of
+the uploads applied since, and the restart that rebuilds the machine from both.
+
+    state_dir/aggregator/checkpoint.bin   the machine at the last phase boundary (checkpoint.py)
+    state_dir/aggregator/journal.log      every accepted join and upload, in order (journal.py)
+
+Live: an accepted upload is appended and fsynced (`record`), then applied, then acknowledged by the
+transport; when a phase opens the machine is checkpointed with the journal position it reflects.
+Restart (`restore`): load the checkpoint, replay the journal records after its position through the
+aggregator (same decoder, same checks, same order: the same state, bit for bit), then resume the
+round and phase. An upload applied before the crash but not acknowledged comes again from the broker
+and is dropped as a duplicate; one never written completely was never acknowledged and comes again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from broker_server.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from broker_server.journal import Journal
+from protofl.wire import Envelope
+
+if TYPE_CHECKING:
+    from broker_server.aggregator import Aggregator
+
+log = logging.getLogger("protofl.durability")
+FORMAT = 1
+EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is writable again
+
+
+class DurableState:
+    def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True) -> None:
+        self.directory = Path(directory)
+        self.fed = fed
+        self.checkpoint_path = self.directory / "checkpoint.bin"
+        self.journal = Journal(self.directory / "journal.log", fsync=fsync)
+        self.position = 0  # the journal offset the machine's state reflects
+        self.aggregator: "Aggregator | None" = None
+        self.replayed = 0
+
+    def bind(self, aggregator: "Aggregator") -> None:
+        self.aggregator = aggregator
+        aggregator.journal = self.record
+        aggregator.machine.on_boundary = self.checkpoint
+
+    def record(self, topic: str, payload: bytes, env: Envelope) -> None:
+        """Append an accepted upload and fsync: only then may it change state and be acknowledged."""
+        try:
+            self.position = self.journal.append(topic, payload, env.sender, env.kind, env.round, env.phase)
+        except OSError as exc:
+            # Crash-only: the upload is not applied and not acknowledged; the broker keeps it for the
+            # restarted server. Going on without a journal would silently void the guarantee.
+            log.critical("cannot write the journal %s (%s): stopping without acknowledging; restart the server "
+                         "when the disk is writable", self.journal.path, exc)
+            logging.shutdown()
+            os._exit(EXIT_JOURNAL_FAILED)
+
+    def checkpoint(self) -> None:
+        assert self.aggregator is not None
+        write_checkpoint(self.checkpoint_path, {"format": FORMAT, "fed": self.fed, "journal_offset": self.position,
+                                                "machine": self.aggregator.machine.snapshot()})
+
+    def restore(self) -> bool:
+        """Rebuild the machine from the checkpoint and journal; True if there was anything to resume."""
+        agg = self.aggregator
+        assert agg is not None
+        state = read_checkpoint(self.checkpoint_path)
+        offset = 0
+        if state is not None:
+            if state.get("format") != FORMAT or state.get("fed") != self.fed:
+                raise CheckpointError(f"checkpoint {self.checkpoint_path} is of federation '{state.get('fed')}' "
+                                      f"(format {state.get('format')}), not '{self.fed}' (format {FORMAT}); pass "
+                                      f"--fed {state.get('fed')}, or another --state-dir for a new federation")
+            try:
+                agg.machine.restore(state["machine"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {self.checkpoint_path} cannot be resumed: {exc}; start with the "
+                                      f"same settings, or use another --state-dir for a new federation") from None
+            offset = int(state["journal_offset"])
+        self.position = offset
+        for rec in self.journal.records_from(offset):
+            self.position = rec.end  # a checkpoint taken while replaying it reflects exactly this far
+            agg.replay(rec.topic, rec.payload)
+            self.replayed += 1
+        self.position = self.journal.size
+        self.journal.records = []  # replayed; the file is the record from now on
+        if state is None and not self.replayed:
+            return False
+        m = agg.machine
+        where = "finished" if m.finished else (f"round {m.round} {m.phase.phase.value}" if m.phase else "waiting")
+        log.warning("resumed federation '%s' from %s: %s, %d client(s), %d journaled upload(s) replayed", self.fed,
+                    self.directory, where, len(m.clients), self.replayed)
+        return True
+
+    def close(self) -> None:
+        self.journal.close()

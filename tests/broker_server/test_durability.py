@@ -1,0 +1,203 @@
+"""Journal, checkpoint and restart of the aggregator, without a broker (fast; the crash test over real
+Mosquitto and real processes is test_crash.py).
+
+The in-process federation below is cut after every message it applied: a fresh aggregator restored from
+the state dir as it was then, fed everything from the cut on again (the broker redelivers what was not
+acknowledged, and devices resend), must end with the uninterrupted run's state, bit for bit: same
+uploads, folded in the same (journal) order."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.aggregator import Aggregator
+from broker_server.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from broker_server.durable import DurableState
+from broker_server.journal import Journal, JournalError, encode_record
+from protofl import topics
+from protofl.presets import make_config
+from protofl.sparse import SparseVector
+from protofl.transport import InProcessBroker
+from protofl.wire import AdapterUpload, Join, ProtoSet, ProtoUpload, encode_message
+
+FED = "dur"
+
+
+# -- journal ----------------------------------------------------------------------------------
+
+def _records(path: Path, n: int) -> list[bytes]:
+    recs = [encode_record(f"t/{i}", bytes([i]) * (10 + i), f"c{i}", "protos", 1, "train") for i in range(n)]
+    path.write_bytes(b"".join(recs))
+    return recs
+
+
+def test_a_torn_last_record_is_dropped_at_every_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "journal.log"
+    recs = _records(path, 3)
+    whole = b"".join(recs)
+    two = len(recs[0]) + len(recs[1])
+    for cut in range(two, len(whole)):  # a crash anywhere inside the third record's write
+        path.write_bytes(whole[:cut])
+        with caplog.at_level(logging.WARNING, logger="protofl.durability"):
+            j = Journal(path)
+        assert [r.client for r in j.records] == ["c0", "c1"]
+        assert path.stat().st_size == two == j.size  # truncated: the next append starts clean
+        assert cut == two or "dropped a torn last record" in caplog.text
+        j.append("t/x", b"again", "c2", "protos", 1, "train")
+        j.close()
+        assert [r.client for r in Journal(path).records] == ["c0", "c1", "c2"]
+        caplog.clear()
+
+
+def test_a_damaged_record_in_the_middle_is_refused_not_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "journal.log"
+    recs = _records(path, 3)
+    data = bytearray(b"".join(recs))
+    data[len(recs[0]) + 14] ^= 0xFF  # a flipped bit in the second record's body
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match="fails its CRC32 check and .* bytes follow it; the journal is damaged"):
+        Journal(path)
+    assert path.read_bytes() == bytes(data)  # refused, and left as it was
+    data = bytearray(b"".join(recs))
+    data[len(recs[0])] = ord("X")  # a bad magic
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match="bad header"):
+        Journal(path)
+
+
+# -- checkpoint -------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.bin"
+    assert read_checkpoint(path) is None
+    state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "n": None, "l": [1, "x", {"k": np.int64(3)}]}
+    write_checkpoint(path, state)
+    back = read_checkpoint(path)
+    assert back is not None and back["n"] is None and back["l"] == [1, "x", {"k": 3}]
+    assert back["a"].dtype == np.float32 and back["a"].tobytes() == state["a"].tobytes()
+    assert not path.with_name("checkpoint.bin.tmp").exists()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path} is corrupt \(SHA-256 mismatch.*move it aside"):
+        read_checkpoint(path)
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="not a protofl checkpoint"):
+        read_checkpoint(path)
+
+
+# -- restart at every moment ------------------------------------------------------------------
+
+CLIENTS = ["c0", "c1", "c2"]
+
+
+def _cfg(preset: str):  # type: ignore[no-untyped-def]
+    return make_config(preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                       round_timeout=600.0, seed=3)
+
+
+def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
+    """Joins, then each client's training uploads for rounds 1-3 (deterministic in client and round)."""
+    out = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=10 + k, profile="", agent_version="t"),
+                                              fed=FED, sender=c)) for k, c in enumerate(CLIENTS)]
+    n_adapter = agg.model.adapter.shape[0] if agg.model.adapter is not None else 0
+    width = agg.machine.plan.proto_width  # CPS: only the class's support travels
+    for r in (1, 2, 3):
+        for k, c in enumerate(CLIENTS):
+            rng = np.random.default_rng(100 * r + k)
+            protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, width)).astype(np.float32),
+                              counts=np.asarray([5 + k, 6, 7]), dt="f4")
+            out.append((topics.up(FED, c), encode_message(ProtoUpload(local=protos, public=None, n_samples=18),
+                                                          fed=FED, sender=c, round=r, phase="train")))
+            if n_adapter:
+                idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
+                up = AdapterUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+                                   n_samples=18, base_round=r)
+                out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
+    return out
+
+
+def _aggregator(preset: str, state: Path | None) -> tuple[Aggregator, DurableState | None]:
+    agg = Aggregator(_cfg(preset), FED, InProcessBroker().connect("server"), expected_clients=CLIENTS)
+    durable = None
+    if state is not None:
+        durable = DurableState(state, FED)
+        durable.bind(agg)
+        if durable.restore():
+            agg.start(resume=True)
+            return agg, durable
+    agg.start()
+    return agg, durable
+
+
+def _state(agg: Aggregator) -> dict[str, bytes]:
+    m = agg.model
+    out = {f"proto{c}": v.tobytes() for c, v in m.prototypes.items()}
+    if m.adapter is not None:
+        out["adapter"] = m.adapter.tobytes()
+    return out
+
+
+@pytest.mark.parametrize("preset", ["fedproto", "protofl"])
+def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, tmp_path: Path) -> None:
+    ref, _ = _aggregator(preset, None)
+    msgs = _messages(preset, ref)
+    for t, p in msgs:
+        ref.on_message(t, p)
+    assert ref.finished and ref.dropped == {} and len(ref.records) == 3
+
+    live, durable = _aggregator(preset, tmp_path / "live")
+    cuts = []
+    for i, (t, p) in enumerate(msgs):
+        live.on_message(t, p)
+        cut = tmp_path / f"cut{i}"
+        shutil.copytree(tmp_path / "live", cut)  # the state dir as a crash right now would leave it
+        cuts.append(cut)
+    assert durable is not None and live.finished and _state(live) == _state(ref)
+    durable.close()
+    for i, cut in enumerate(cuts):
+        agg, d = _aggregator(preset, cut)
+        # The last applied message was perhaps not acknowledged: the broker delivers it again.
+        for t, p in msgs[i:]:
+            agg.on_message(t, p)
+        assert agg.finished and _state(agg) == _state(ref), f"restart after message {i}"
+        # ... and is dropped: a duplicate, or stale if it closed its phase (a join again is no upload).
+        assert sum(agg.dropped.values()) == (i >= 3) and set(agg.dropped) <= {"duplicate", "stale"}, agg.dropped
+        assert [r.round for r in agg.records] == [1, 2, 3]
+        assert d is not None
+        d.close()
+        # The journal holds every accepted message exactly once.
+        keys = [(r.client, r.kind, r.round) for r in Journal(cut / "journal.log").records]
+        assert len(keys) == len(set(keys)) == len(msgs)
+
+
+def test_a_corrupt_checkpoint_stops_the_restart_with_the_file_named(tmp_path: Path) -> None:
+    agg, durable = _aggregator("fedproto", tmp_path)
+    for t, p in _messages("fedproto", agg)[:4]:
+        agg.on_message(t, p)
+    assert durable is not None
+    durable.close()
+    ck = tmp_path / "checkpoint.bin"
+    data = bytearray(ck.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    ck.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"checkpoint {ck} is corrupt"):
+        _aggregator("fedproto", tmp_path)
+    # and a checkpoint of another config is not resumed either
+    ck.unlink()
+    agg, durable = _aggregator("fedproto", tmp_path)  # journal only: the joins are replayed
+    assert durable is not None and sorted(agg.clients) == CLIENTS and agg.round == 1
+    durable.close()
+    other = Aggregator(make_config("fedproto", rounds=4, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                                   round_timeout=600.0, seed=3), FED,
+                       InProcessBroker().connect("s"), expected_clients=CLIENTS)
+    d = DurableState(tmp_path, FED)
+    d.bind(other)
+    with pytest.raises(CheckpointError, match="cannot be resumed: the saved federation was run with another config "
+                                              r"\(differs in: .*rounds"):
+        d.restore()
