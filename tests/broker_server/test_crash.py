@@ -1,0 +1,115 @@
+"""Crash safety end to end: real Mosquitto, a real `protofl-server start` process killed with SIGKILL,
+ten real `protofl-edge join` processes.
+
+What is asserted, and why "to float tolerance" and not bytes: the killed-and-restarted federation ends
+with the uninterrupted one's global adapter and prototypes within rtol 1e-5 / atol 1e-6. Each device
+trains deterministically (seeded by federation seed, client and round, one torch thread) from the round
+message, and a restart republishes the same round message, so every round sees the same uploads; but
+uploads reach the aggregator in whatever order the broker delivers them, in both runs, and the
+streaming means fold them in that order, so the float sums may differ in their last bits. (In the same
+order the restart is bit-exact: test_durability.py cuts an in-process run after every message.) The
+journal must hold every device's every upload exactly once: none applied twice, none lost.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.broker import MosquittoBroker
+from broker_server.journal import Journal
+from tests.broker_server.crash_helpers import Federation
+
+CLIENTS, ROUNDS, KILLS = 10, 50, 20
+TORN = (4, 11, 17)  # these restarts kill themselves in the middle of a journal append
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
+    """The same federation, never interrupted."""
+    base = tmp_path_factory.mktemp("reference")
+    fed = Federation("reference", CLIENTS, ROUNDS, base / "state", base / "logs", broker_url=mosquitto_module.url)
+    fed.start_server()
+    fed.start_agents()
+    try:
+        fed.wait_finished(240)
+    finally:
+        fed.stop()
+    return fed.model()
+
+
+def journal_size(fed: Federation) -> int:
+    path = fed.state / "aggregator" / "journal.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def wait_for(pred, timeout: float, what: str, fed: Federation) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; server log:\n{fed.log_tail()}")
+        time.sleep(0.02)
+
+
+def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def audit_journal(fed: Federation) -> None:
+    """Every device's adapter and prototypes of every round exactly once, nothing else."""
+    recs = Journal(fed.state / "aggregator" / "journal.log").records
+    uploads = [(r.client, r.round, r.phase, r.kind) for r in recs if r.kind != "join"]
+    assert len(uploads) == len(set(uploads)), "an upload was applied twice"
+    want = {(f"dev-{i:02d}", r, "train", k) for i in range(CLIENTS) for r in range(1, ROUNDS + 1)
+            for k in ("adapter", "protos")}
+    assert set(uploads) == want, f"missing {sorted(want - set(uploads))[:5]}, extra {sorted(set(uploads) - want)[:5]}"
+    assert sorted(r.client for r in recs if r.kind == "join") == [f"dev-{i:02d}" for i in range(CLIENTS)]
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(
+        reference: dict[str, np.ndarray], mosquitto_module: MosquittoBroker, tmp_path: Path) -> None:
+    rng = random.Random(15)
+    fed = Federation("crash", CLIENTS, ROUNDS, tmp_path / "state", tmp_path / "logs", broker_url=mosquitto_module.url)
+    fed.start_server()
+    fed.start_agents()
+    torn = 0
+    try:
+        for k in range(KILLS):
+            server = fed.server
+            assert server is not None
+            if k in TORN:
+                # The k-th append of this process writes half its record, fsyncs and SIGKILLs itself.
+                fed.kill_server()
+                size = journal_size(fed)
+                server = fed.start_server(PROTOFL_CRASH_MID_APPEND=str(rng.randint(1, 4)))
+                wait_for(lambda: server.poll() is not None, 60, "the torn-append crash", fed)
+                assert server.returncode == -9 and journal_size(fed) > size
+                torn += 1
+            else:
+                # A random moment once the restarted server made progress (at least one upload journaled):
+                # mid-phase, mid-replay, at a phase boundary, while devices resend.
+                size = journal_size(fed)
+                wait_for(lambda: journal_size(fed) > size or server.poll() is not None, 90, "progress", fed)
+                assert server.poll() is None, f"the server exited early:\n{fed.log_tail()}"
+                time.sleep(rng.uniform(0.0, 0.4))
+                fed.kill_server()
+            fed.start_server()
+        fed.wait_finished(180)
+    finally:
+        fed.stop()
+    log = (fed.logs / "server.log").read_text()
+    assert log.count("resumed federation 'crash'") >= KILLS  # every restart resumed (the first one too)
+    assert log.count("dropped a torn last record") == torn == len(TORN)
+    rounds = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
+    assert rounds == list(range(1, ROUNDS + 1))  # each round once, though restarts closed some again
+    audit_journal(fed)
+    assert_same_model(fed.model(), reference)
