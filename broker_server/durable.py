@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from broker_server.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from broker_server.journal import Journal
 from protofl.wire import Envelope
 

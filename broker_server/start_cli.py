@@ -181,7 +181,8 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
                   local_broker: str) -> tuple[str, str, Any]:
     """Start the local broker, secured unless --insecure; returns (url, protocol, BrokerAuth or None)."""
     from broker_server.aggregator import decoder_limits
-    from broker_server.broker import PACKET_HEADROOM, PortInUse, start_local_broker
+    from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
+    from broker_server.supervisor import BrokerSupervisor
     from broker_server.security import load_or_create
 
     host, port = access.host_port()
@@ -203,10 +204,13 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
         local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
                                    workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
                                    auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
-                                   tls=access.tls)
+                                   tls=access.tls, die_with_parent=True)
     except PortInUse as exc:
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
+    if isinstance(local, MosquittoBroker):
+        # Restarted if it dies; the ExitStack stops the supervisor before it stops the broker.
+        stack.callback(BrokerSupervisor(local).start().stop)
     # Clients connect over loopback when the broker listens on every interface.
     url = local.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
     return url, local.protocol, auth

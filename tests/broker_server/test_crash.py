@@ -14,6 +14,8 @@ journal must hold every device's every upload exactly once: none applied twice, 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import random
 import time
 from pathlib import Path
@@ -113,3 +115,66 @@ def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(
     assert rounds == list(range(1, ROUNDS + 1))  # each round once, though restarts closed some again
     audit_journal(fed)
     assert_same_model(fed.model(), reference)
+
+
+def broker_pid(fed: Federation) -> int:
+    """mosquitto's pid from its pid file (0 while it is being written)."""
+    try:
+        return int((fed.state / "broker" / "mosquitto.pid").read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_the_spawned_broker_is_supervised_and_dies_with_the_server(tmp_path: Path) -> None:
+    # The server's own mosquitto (persistence under --state-dir/broker): kill -9 of the broker mid-run,
+    # twice (the server restarts it; server and devices reconnect), then kill -9 of the server (its
+    # broker exits with it, no orphan; the restarted server starts a new one and resumes). The result
+    # equals an uninterrupted run of the same federation (allclose, as above).
+    from broker_server.broker import free_port
+
+    clients, rounds = 3, 15
+    ref = Federation("bk", clients, rounds, tmp_path / "ref" / "state", tmp_path / "ref" / "logs", port=free_port())
+    fed = Federation("bk", clients, rounds, tmp_path / "run" / "state", tmp_path / "run" / "logs", port=free_port())
+    try:
+        for f in (ref, fed):
+            f.start_server()
+            f.start_agents()
+        ref_done = False
+        for k in range(2):
+            size = journal_size(fed)
+            wait_for(lambda: journal_size(fed) > size, 120, "a journaled join or upload", fed)
+            pid = broker_pid(fed)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: broker_pid(fed) != pid and alive(broker_pid(fed)), 30, "the broker's restart", fed)
+        size = journal_size(fed)
+        wait_for(lambda: journal_size(fed) > size, 60, "progress after the broker restarts", fed)
+        pid = broker_pid(fed)
+        fed.kill_server()
+        wait_for(lambda: not alive(pid), 10, "the broker to exit with its server", fed)
+        fed.start_server()
+        ref.wait_finished(240)
+        ref_done = True
+        fed.wait_finished(240)
+    finally:
+        ref.stop()
+        fed.stop()
+    assert ref_done
+    log = (fed.logs / "server.log").read_text()
+    assert log.count("broker restarted") == 2 and "resumed federation 'bk'" in log, fed.log_tail()
+    assert not alive(broker_pid(fed))  # stopped with the server at the end
+    rows = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, rounds + 1))
+    recs = Journal(fed.state / "aggregator" / "journal.log").records
+    uploads = [(r.client, r.round, r.kind) for r in recs if r.kind != "join"]
+    assert len(uploads) == len(set(uploads)) == clients * rounds * 2
+    assert_same_model(fed.model(), ref.model())

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from broker_server.aggregator import Aggregator
-from broker_server.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from broker_server.durable import DurableState
 from broker_server.journal import Journal, JournalError, encode_record
 from protofl import topics
