@@ -62,6 +62,7 @@ class RunnerOptions:
     connect_timeout: float = 30.0
     extractor: str = "torch"  # what computes prototypes and metrics: torch | onnx (onnxruntime)
     emulation: Emulation | None = None  # --profile: upload budget; in simulation, compute time and time scale
+    state_dir: str | None = None  # --state-dir: a local checkpoint after every round, to resume after a restart
 
 
 class _UploadLog:
@@ -201,8 +202,27 @@ class DeviceRunner:
             except ProtoFLError as exc:
                 self.fatal = exc  # e.g. the data does not fit this federation: nothing to retry
                 return
+        fresh = self.agent.model is None
         self.agent.on_message(topic, payload)
+        if fresh and self.agent.model is not None and self.opts.state_dir is not None:
+            self._resume()
         self._maybe_join()
+
+    def _resume(self) -> None:
+        """Pick up our own last local state (edge_agent/resume.py), once the config built the model."""
+        from edge_agent.resume import checkpoint_path, restore_agent
+
+        assert self.agent is not None and self.opts.state_dir is not None
+        got = restore_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent)
+        if got is not None:
+            self._uploads.key, self._uploads.sent = got
+
+    def _save(self) -> None:
+        from edge_agent.resume import checkpoint_path, save_agent
+
+        assert self.agent is not None and self.opts.state_dir is not None
+        save_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent, self._uploads.key,
+                   self._uploads.sent)
 
     def _build_agent(self, cfg: FederationConfig) -> EdgeAgent:
         data = load_client_data(self.data, cfg, self.client_id)
@@ -282,7 +302,10 @@ class DeviceRunner:
                 self.clock.begin(recv_t)
                 agent.metrics_extra.clear()
             self._uploads.start(key)
+            handled = set(agent.handled)
             agent.on_message(topic, payload)
+            if self.opts.state_dir is not None and agent.handled != handled:
+                self._save()  # this round's work survives a restart of the device
         if agent.last_failure is not None:
             self._report_failure(*agent.last_failure)
         if agent.stats.uploaded_bytes != sent:

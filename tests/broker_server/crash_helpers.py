@@ -26,13 +26,14 @@ def env(**extra: str) -> dict[str, str]:
 
 class Federation:
     def __init__(self, fed: str, clients: int, rounds: int, state: Path, logs: Path, *,
-                 broker_url: str | None = None, port: int | None = None) -> None:
+                 broker_url: str | None = None, port: int | None = None, device_state: Path | None = None) -> None:
         self.fed, self.clients, self.rounds, self.state, self.logs = fed, clients, rounds, state, logs
         self.broker_url = broker_url
         self.port = port
         self.url = broker_url or f"mqtt://127.0.0.1:{port}"
         self.server: subprocess.Popen[bytes] | None = None
         self.agents: list[subprocess.Popen[bytes]] = []
+        self.device_state = device_state  # --state-dir of the devices (their local checkpoints)
         self.starts = 0
         logs.mkdir(parents=True, exist_ok=True)
 
@@ -40,6 +41,8 @@ class Federation:
         where = ["--broker", self.broker_url] if self.broker_url else ["--insecure", "--port", str(self.port)]
         return [sys.executable, "-m", "broker_server.cli", "start", *where, "--fed", self.fed, "--preset", "protofl",
                 "--rounds", str(self.rounds), "--min-clients", str(self.clients), "--round-timeout", "300",
+                # A killed device keeps its place until it is back (the device test restarts one).
+                "--offline-grace", "300",
                 "--state-dir", str(self.state), "--connect-timeout", "30", "--verbose", *SETTINGS]
 
     def start_server(self, **extra_env: str) -> subprocess.Popen[bytes]:
@@ -57,12 +60,16 @@ class Federation:
         self.server.wait()
 
     def start_agents(self) -> None:
-        for i in range(self.clients):
-            cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, "--fed", self.fed,
-                   "--client-id", f"dev-{i:02d}", "--data", DATA, "--partition", f"{i}/{self.clients}",
-                   "--alpha", "1.0", "--seed", "4", "--threads", "1", "--device", "cpu", "--connect-timeout", "60"]
-            with (self.logs / f"dev-{i:02d}.log").open("ab") as out:
-                self.agents.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env()))
+        self.agents = [self.start_agent(i) for i in range(self.clients)]
+
+    def start_agent(self, i: int) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, "--fed", self.fed,
+               "--client-id", f"dev-{i:02d}", "--data", DATA, "--partition", f"{i}/{self.clients}",
+               "--alpha", "1.0", "--seed", "4", "--threads", "1", "--device", "cpu", "--connect-timeout", "60"]
+        if self.device_state is not None:
+            cmd += ["--state-dir", str(self.device_state)]
+        with (self.logs / f"dev-{i:02d}.log").open("ab") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env())
 
     def wait_finished(self, timeout: float) -> None:
         """The server and every device exit 0 (the federation finished), or AssertionError with logs."""

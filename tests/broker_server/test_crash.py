@@ -45,6 +45,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory, mosquitto_module: Mosqui
     return fed.model()
 
 
+SMALL_CLIENTS, SMALL_ROUNDS = 3, 15
+
+
+@pytest.fixture(scope="module")
+def small_reference(tmp_path_factory: pytest.TempPathFactory,
+                    mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
+    """A 3-device federation, never interrupted (the broker and device tests' reference)."""
+    base = tmp_path_factory.mktemp("small-reference")
+    fed = Federation("small", SMALL_CLIENTS, SMALL_ROUNDS, base / "state", base / "logs",
+                     broker_url=mosquitto_module.url)
+    fed.start_server()
+    fed.start_agents()
+    try:
+        fed.wait_finished(240)
+    finally:
+        fed.stop()
+    return fed.model()
+
+
 def journal_size(fed: Federation) -> int:
     path = fed.state / "aggregator" / "journal.log"
     return path.stat().st_size if path.exists() else 0
@@ -135,21 +154,18 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_the_spawned_broker_is_supervised_and_dies_with_the_server(tmp_path: Path) -> None:
+def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_reference: dict[str, np.ndarray],
+                                                                   tmp_path: Path) -> None:
     # The server's own mosquitto (persistence under --state-dir/broker): kill -9 of the broker mid-run,
     # twice (the server restarts it; server and devices reconnect), then kill -9 of the server (its
     # broker exits with it, no orphan; the restarted server starts a new one and resumes). The result
     # equals an uninterrupted run of the same federation (allclose, as above).
     from broker_server.broker import free_port
 
-    clients, rounds = 3, 15
-    ref = Federation("bk", clients, rounds, tmp_path / "ref" / "state", tmp_path / "ref" / "logs", port=free_port())
-    fed = Federation("bk", clients, rounds, tmp_path / "run" / "state", tmp_path / "run" / "logs", port=free_port())
+    fed = Federation("bk", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs", port=free_port())
     try:
-        for f in (ref, fed):
-            f.start_server()
-            f.start_agents()
-        ref_done = False
+        fed.start_server()
+        fed.start_agents()
         for k in range(2):
             size = journal_size(fed)
             wait_for(lambda: journal_size(fed) > size, 120, "a journaled join or upload", fed)
@@ -162,19 +178,51 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(tmp_path: Pat
         fed.kill_server()
         wait_for(lambda: not alive(pid), 10, "the broker to exit with its server", fed)
         fed.start_server()
-        ref.wait_finished(240)
-        ref_done = True
         fed.wait_finished(240)
     finally:
-        ref.stop()
         fed.stop()
-    assert ref_done
     log = (fed.logs / "server.log").read_text()
     assert log.count("broker restarted") == 2 and "resumed federation 'bk'" in log, fed.log_tail()
     assert not alive(broker_pid(fed))  # stopped with the server at the end
+    audit_small(fed)
+    assert_same_model(fed.model(), small_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
+        small_reference: dict[str, np.ndarray], mosquitto_module: MosquittoBroker, tmp_path: Path) -> None:
+    # dev-01 (with --state-dir) is killed with SIGKILL twice at random moments and restarted: it loads its
+    # own last local state (backbone weights included, trained over the rounds it took part in) and
+    # resumes from the retained round message. Without that, its restarted backbone would be the seeded
+    # initial one and the federation's result would differ from the uninterrupted run's.
+    rng = random.Random(7)
+    fed = Federation("devkill", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs",
+                     broker_url=mosquitto_module.url, device_state=tmp_path / "devices")
+    try:
+        fed.start_server()
+        fed.start_agents()
+        for k in range(2):
+            ckpt = tmp_path / "devices" / "devkill-dev-01.ckpt"
+            wait_for(lambda: ckpt.exists(), 120, "dev-01's first checkpoint", fed)
+            size = journal_size(fed)
+            wait_for(lambda: journal_size(fed) > size + 2000, 60, "a few more uploads", fed)
+            time.sleep(rng.uniform(0.0, 0.3))
+            fed.agents[1].send_signal(signal.SIGKILL)
+            fed.agents[1].wait()
+            fed.agents[1] = fed.start_agent(1)
+        fed.wait_finished(240)
+    finally:
+        fed.stop()
+    dev_log = (fed.logs / "dev-01.log").read_text()
+    assert dev_log.count("dev-01: resumed from") == 2, dev_log[-3000:]
+    audit_small(fed)
+    assert_same_model(fed.model(), small_reference)
+
+
+def audit_small(fed: Federation) -> None:
     rows = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, rounds + 1))
+    assert rows == list(range(1, SMALL_ROUNDS + 1))
     recs = Journal(fed.state / "aggregator" / "journal.log").records
     uploads = [(r.client, r.round, r.kind) for r in recs if r.kind != "join"]
-    assert len(uploads) == len(set(uploads)) == clients * rounds * 2
-    assert_same_model(fed.model(), ref.model())
+    assert len(uploads) == len(set(uploads)) == SMALL_CLIENTS * SMALL_ROUNDS * 2
