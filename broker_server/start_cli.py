@@ -40,8 +40,10 @@ def start_command(
     public_data: Optional[str] = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
                                                                           "(ERPA presets: refprotofl, protofl)."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the local broker's files, rounds.jsonl and "
-                                                                       "server_model.npz here."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal and "
+                                             "checkpoint (crash safe: run the same command again to resume), "
+                                             "the local broker's files, credentials, rounds.jsonl and "
+                                             "server_model.npz."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
     listen: Optional[str] = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
@@ -282,6 +284,9 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                                     max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir)
         service.start(connect_timeout)
+        if service.resumed and service.finished:
+            log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a new "
+                        "federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
         who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
         log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)
 

@@ -253,6 +253,10 @@ class DeviceRunner:
             # A server waiting for joins has opened no round yet: a fresh federation, whose round
             # numbers start again at 1.
             self.agent.handled.clear()
+        if msg.state == "waiting":
+            # A waiting server announced itself (again): after a broker that died and lost our join with it
+            # (it had acknowledged it to us), only a join sent now gets us in. A second join changes nothing.
+            self.joined = False
         if msg.state != self.server_state:
             log.info("%s: server is %s%s", self.client_id, msg.state, f" ({msg.detail})" if msg.detail else "")
         self.server_state = msg.state

@@ -31,11 +31,8 @@ CLIENTS, ROUNDS, KILLS = 10, 50, 20
 TORN = (4, 11, 17)  # these restarts kill themselves in the middle of a journal append
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
-    """The same federation, never interrupted."""
-    base = tmp_path_factory.mktemp("reference")
-    fed = Federation("reference", CLIENTS, ROUNDS, base / "state", base / "logs", broker_url=mosquitto_module.url)
+def uninterrupted(name: str, clients: int, rounds: int, base: Path, url: str) -> dict[str, np.ndarray]:
+    fed = Federation(name, clients, rounds, base / "state", base / "logs", broker_url=url)
     fed.start_server()
     fed.start_agents()
     try:
@@ -43,6 +40,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory, mosquitto_module: Mosqui
     finally:
         fed.stop()
     return fed.model()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory, mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
+    """The same federation, never interrupted."""
+    return uninterrupted("reference", CLIENTS, ROUNDS, tmp_path_factory.mktemp("reference"), mosquitto_module.url)
 
 
 SMALL_CLIENTS, SMALL_ROUNDS = 3, 15
@@ -52,16 +55,8 @@ SMALL_CLIENTS, SMALL_ROUNDS = 3, 15
 def small_reference(tmp_path_factory: pytest.TempPathFactory,
                     mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
     """A 3-device federation, never interrupted (the broker and device tests' reference)."""
-    base = tmp_path_factory.mktemp("small-reference")
-    fed = Federation("small", SMALL_CLIENTS, SMALL_ROUNDS, base / "state", base / "logs",
-                     broker_url=mosquitto_module.url)
-    fed.start_server()
-    fed.start_agents()
-    try:
-        fed.wait_finished(240)
-    finally:
-        fed.stop()
-    return fed.model()
+    return uninterrupted("small", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path_factory.mktemp("small-reference"),
+                         mosquitto_module.url)
 
 
 def journal_size(fed: Federation) -> int:
@@ -136,6 +131,11 @@ def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(
     assert_same_model(fed.model(), reference)
 
 
+def rounds_done(fed: Federation) -> int:
+    path = fed.state / "rounds.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def broker_pid(fed: Federation) -> int:
     """mosquitto's pid from its pid file (0 while it is being written)."""
     try:
@@ -166,14 +166,14 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_referen
     try:
         fed.start_server()
         fed.start_agents()
-        for k in range(2):
-            size = journal_size(fed)
-            wait_for(lambda: journal_size(fed) > size, 120, "a journaled join or upload", fed)
+        rng = random.Random(3)
+        for at in (0, 3):  # during the joins (a lost join), then mid-round
+            wait_for(lambda: journal_size(fed) > 0 and rounds_done(fed) >= at, 120, f"{at} rounds", fed)
+            time.sleep(rng.uniform(0.0, 0.3))
             pid = broker_pid(fed)
             os.kill(pid, signal.SIGKILL)
             wait_for(lambda: broker_pid(fed) != pid and alive(broker_pid(fed)), 30, "the broker's restart", fed)
-        size = journal_size(fed)
-        wait_for(lambda: journal_size(fed) > size, 60, "progress after the broker restarts", fed)
+        wait_for(lambda: rounds_done(fed) >= 7, 120, "7 rounds", fed)
         pid = broker_pid(fed)
         fed.kill_server()
         wait_for(lambda: not alive(pid), 10, "the broker to exit with its server", fed)
