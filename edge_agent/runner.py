@@ -77,14 +77,33 @@ class _UploadLog:
         self.key: tuple[int, str] | None = None
         self.sent: list[tuple[str, bytes]] = []
         self.clock = clock
+        self.deferred: list[tuple[str, bytes, bool, int]] | None = None
         self.extra: dict[str, float] | None = None  # the agent's metrics_extra
         self.held = HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos)) \
             if clock is not None else None
 
-    def start(self, key: tuple[int, str] | None) -> None:
+    def start(self, key: tuple[int, str] | None, defer: bool = False) -> None:
+        """A new round message is handled; with `defer`, what it publishes waits for `release()` (the
+        runner saves its local checkpoint first: an upload never leaves before the state that made it is
+        on disk, so a restarted device cannot have sent work it no longer holds)."""
         self.key, self.sent = key, []
+        self.deferred = [] if defer else None
+
+    def release(self) -> None:
+        deferred, self.deferred = self.deferred, None
+        for topic, payload, retain, qos in deferred or ():
+            self._emit(topic, payload, retain, qos)
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
+        if upload:
+            self.sent.append((topic, payload))
+        if self.deferred is not None:
+            self.deferred.append((topic, payload, retain, qos))
+            return
+        self._emit(topic, payload, retain, qos)
+
+    def _emit(self, topic: str, payload: bytes, retain: bool, qos: int) -> None:
         upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
         if self.held is None or retain:
             self.transport.publish(topic, payload, retain=retain, qos=qos)
@@ -94,8 +113,6 @@ class _UploadLog:
             if upload and self.extra is not None:
                 self.extra.update(self.clock.extra)
             self.held.submit(topic, payload, qos, release)
-        if upload:
-            self.sent.append((topic, payload))
 
     def resend(self, topic: str, payload: bytes) -> None:
         """An upload again (its round was announced again): still not before its release time."""
@@ -305,11 +322,15 @@ class DeviceRunner:
             if self.clock is not None:
                 self.clock.begin(recv_t)
                 agent.metrics_extra.clear()
-            self._uploads.start(key)
+            durable = self.opts.state_dir is not None
+            self._uploads.start(key, defer=durable)
             handled = set(agent.handled)
-            agent.on_message(topic, payload)
-            if self.opts.state_dir is not None and agent.handled != handled:
-                self._save()  # this round's work survives a restart of the device
+            try:
+                agent.on_message(topic, payload)
+                if durable and agent.handled != handled:
+                    self._save()  # this round's work survives a restart of the device, before it leaves
+            finally:
+                self._uploads.release()
         if agent.last_failure is not None:
             self._report_failure(*agent.last_failure)
         if agent.stats.uploaded_bytes != sent:
