@@ -23,7 +23,8 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import AdapterUpload, Join, ProtoSet, ProtoUpload, encode_message
+from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, RoundStart, Status, decode_message,
+                          encode_message)
 
 FED = "dur"
 
@@ -122,8 +123,9 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
     return out
 
 
-def _aggregator(preset: str, state: Path | None) -> tuple[Aggregator, DurableState | None]:
-    agg = Aggregator(_cfg(preset), FED, InProcessBroker().connect("server"), expected_clients=CLIENTS)
+def _aggregator(preset: str, state: Path | None,
+                broker: InProcessBroker | None = None) -> tuple[Aggregator, DurableState | None]:
+    agg = Aggregator(_cfg(preset), FED, (broker or InProcessBroker()).connect("server"), expected_clients=CLIENTS)
     durable = None
     if state is not None:
         durable = DurableState(state, FED)
@@ -201,3 +203,32 @@ def test_a_corrupt_checkpoint_stops_the_restart_with_the_file_named(tmp_path: Pa
     with pytest.raises(CheckpointError, match="cannot be resumed: the saved federation was run with another config "
                                               r"\(differs in: .*rounds"):
         d.restore()
+
+
+def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(tmp_path: Path) -> None:
+    # The retained round message is how devices resume, and how a device that missed rounds catches up:
+    # it carries the whole global adapter (dense), never a delta. After a crash mid-round 3, the restarted
+    # aggregator publishes the same config and the same round message again (all but the deadline).
+    live_broker = InProcessBroker()
+    agg, durable = _aggregator("protofl", tmp_path / "live", live_broker)
+    msgs = _messages("protofl", agg)
+    for t, p in msgs[:3 + 2 * 6 + 2]:  # joins, rounds 1 and 2, and one upload pair of round 3
+        agg.on_message(t, p)
+    assert agg.round == 3 and durable is not None
+    before = dict(live_broker.retained)
+    shutil.copytree(tmp_path / "live", tmp_path / "crash")
+    durable.close()
+    broker = InProcessBroker()
+    again, d = _aggregator("protofl", tmp_path / "crash", broker)
+    assert again.round == 3 and d is not None and d.replayed == 2
+    env0, msg0 = decode_message(before[topics.round_(FED)])
+    env1, msg1 = decode_message(broker.retained[topics.round_(FED)])
+    assert (env0.round, env0.phase) == (env1.round, env1.phase) == (3, "train")
+    assert isinstance(msg1, RoundStart) and msg1.adapter is not None and msg0.adapter is not None
+    assert msg1.adapter.shape == again.model.adapter.shape  # dense: the full adapter
+    assert msg1.adapter.tobytes() == msg0.adapter.tobytes() == again.model.adapter.tobytes()
+    cfg0, cfg1 = (decode_message(b[topics.config(FED)])[1] for b in (before, broker.retained))
+    assert (cfg1.params, cfg1.adapter_layout) == (cfg0.params, cfg0.adapter_layout)
+    _, status = decode_message(broker.retained[topics.server_status(FED)])
+    assert isinstance(status, Status) and status.state == "running"  # not "waiting": devices keep their rounds
+    d.close()
