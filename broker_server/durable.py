@@ -1,8 +1,9 @@
 """The aggregator's durable state under `--state-dir`: a checkpoint at each phase boundary, a journal of
 the uploads applied since, and the restart that rebuilds the machine from both.
 
-    state_dir/aggregator/checkpoint.bin   the machine at the last phase boundary (checkpoint.py)
-    state_dir/aggregator/journal.log      every accepted join and upload, in order (journal.py)
+    state_dir/aggregator/checkpoint.bin          the machine at the last phase boundary (protofl/checkpoint.py)
+    state_dir/aggregator/journal-NNNNNN.log      every accepted join and upload, in order (journal.py),
+                                                 a new segment at the first phase boundary past 64 MiB
 
 Live: an accepted upload is appended and fsynced (`record`), then applied, then acknowledged by the
 transport; when a phase opens the machine is checkpointed with the journal position it reflects.
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from broker_server.journal import Journal
+from broker_server.journal import Journal, Record
 from protofl.wire import Envelope
 
 if TYPE_CHECKING:
@@ -28,16 +29,36 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("protofl.durability")
 FORMAT = 1
+ROTATE_BYTES = 64 << 20  # a journal segment is closed at the first phase boundary past this size
+
+
+def segment_path(directory: Path, segment: int) -> Path:
+    return directory / f"journal-{segment:06d}.log"
+
+
+def journal_records(directory: Path | str) -> list[Record]:
+    """Every record of every segment, in order (the audit trail; opening a segment drops a torn tail)."""
+    out: list[Record] = []
+    for path in sorted(Path(directory).glob("journal-*.log")):
+        j = Journal(path)
+        out += j.records
+        j.close()
+    return out
 EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is writable again
 
 
 class DurableState:
-    def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True) -> None:
+    def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True,
+                 rotate_bytes: int = ROTATE_BYTES) -> None:
         self.directory = Path(directory)
         self.fed = fed
+        self.fsync = fsync
+        self.rotate_bytes = rotate_bytes
         self.checkpoint_path = self.directory / "checkpoint.bin"
-        self.journal = Journal(self.directory / "journal.log", fsync=fsync)
-        self.position = 0  # the journal offset the machine's state reflects
+        self._state = read_checkpoint(self.checkpoint_path)  # CheckpointError if damaged: never used then
+        self.segment = int(self._state.get("journal_segment", 0)) if self._state else 0
+        self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync)
+        self.position = 0  # the offset in the current segment that the machine's state reflects
         self.aggregator: "Aggregator | None" = None
         self.replayed = 0
 
@@ -59,15 +80,27 @@ class DurableState:
             os._exit(EXIT_JOURNAL_FAILED)
 
     def checkpoint(self) -> None:
+        """The machine at a phase boundary. Live, a segment past `rotate_bytes` is closed here and the
+        checkpoint points at the start of a new one, so a restart reads one segment, not the whole run
+        (older segments stay as the record of what was applied; they may be archived or deleted). While
+        replaying, never: the rest of the segment still has to be replayed."""
         assert self.aggregator is not None
-        write_checkpoint(self.checkpoint_path, {"format": FORMAT, "fed": self.fed, "journal_offset": self.position,
+        replaying = self.aggregator.replaying
+        rotate = not replaying and self.journal.size >= max(1, self.rotate_bytes)
+        segment, offset = (self.segment + 1, 0) if rotate else (self.segment, self.position)
+        write_checkpoint(self.checkpoint_path, {"format": FORMAT, "fed": self.fed, "journal_segment": segment,
+                                                "journal_offset": offset,
                                                 "machine": self.aggregator.machine.snapshot()})
+        if rotate:
+            self.journal.close()
+            self.segment, self.position = segment, 0
+            self.journal = Journal(segment_path(self.directory, segment), fsync=self.fsync)
 
     def restore(self) -> bool:
         """Rebuild the machine from the checkpoint and journal; True if there was anything to resume."""
         agg = self.aggregator
         assert agg is not None
-        state = read_checkpoint(self.checkpoint_path)
+        state = self._state
         offset = 0
         if state is not None:
             if state.get("format") != FORMAT or state.get("fed") != self.fed:

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from broker_server.broker import MosquittoBroker
-from broker_server.journal import Journal
+from broker_server.durable import journal_records
 from tests.broker_server.crash_helpers import Federation
 
 CLIENTS, ROUNDS, KILLS = 10, 50, 20
@@ -42,12 +42,6 @@ def uninterrupted(name: str, clients: int, rounds: int, base: Path, url: str) ->
     return fed.model()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
-    """The same federation, never interrupted."""
-    return uninterrupted("reference", CLIENTS, ROUNDS, tmp_path_factory.mktemp("reference"), mosquitto_module.url)
-
-
 SMALL_CLIENTS, SMALL_ROUNDS = 3, 15
 
 
@@ -60,8 +54,7 @@ def small_reference(tmp_path_factory: pytest.TempPathFactory,
 
 
 def journal_size(fed: Federation) -> int:
-    path = fed.state / "aggregator" / "journal.log"
-    return path.stat().st_size if path.exists() else 0
+    return sum(p.stat().st_size for p in (fed.state / "aggregator").glob("journal-*.log"))
 
 
 def wait_for(pred, timeout: float, what: str, fed: Federation) -> None:  # type: ignore[no-untyped-def]
@@ -80,7 +73,7 @@ def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -
 
 def audit_journal(fed: Federation) -> None:
     """Every device's adapter and prototypes of every round exactly once, nothing else."""
-    recs = Journal(fed.state / "aggregator" / "journal.log").records
+    recs = journal_records(fed.state / "aggregator")
     uploads = [(r.client, r.round, r.phase, r.kind) for r in recs if r.kind != "join"]
     assert len(uploads) == len(set(uploads)), "an upload was applied twice"
     want = {(f"dev-{i:02d}", r, "train", k) for i in range(CLIENTS) for r in range(1, ROUNDS + 1)
@@ -91,12 +84,17 @@ def audit_journal(fed: Federation) -> None:
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(
-        reference: dict[str, np.ndarray], mosquitto_module: MosquittoBroker, tmp_path: Path) -> None:
+def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(mosquitto_module: MosquittoBroker,
+                                                                   tmp_path: Path) -> None:
     rng = random.Random(15)
+    # The reference, never interrupted, runs alongside (the same settings; its own federation name), so
+    # that its CPU time overlaps the crash run's restarts.
+    ref = Federation("reference", CLIENTS, ROUNDS, tmp_path / "ref" / "state", tmp_path / "ref" / "logs",
+                     broker_url=mosquitto_module.url)
     fed = Federation("crash", CLIENTS, ROUNDS, tmp_path / "state", tmp_path / "logs", broker_url=mosquitto_module.url)
-    fed.start_server()
-    fed.start_agents()
+    for f in (ref, fed):
+        f.start_server()
+        f.start_agents()
     torn = 0
     try:
         for k in range(KILLS):
@@ -120,15 +118,17 @@ def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(
                 fed.kill_server()
             fed.start_server()
         fed.wait_finished(180)
+        ref.wait_finished(180)
     finally:
         fed.stop()
+        ref.stop()
     log = (fed.logs / "server.log").read_text()
     assert log.count("resumed federation 'crash'") >= KILLS  # every restart resumed (the first one too)
     assert log.count("dropped a torn last record") == torn == len(TORN)
     rounds = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
     assert rounds == list(range(1, ROUNDS + 1))  # each round once, though restarts closed some again
     audit_journal(fed)
-    assert_same_model(fed.model(), reference)
+    assert_same_model(fed.model(), ref.model())
 
 
 def rounds_done(fed: Federation) -> int:
@@ -223,6 +223,6 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
 def audit_small(fed: Federation) -> None:
     rows = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
     assert rows == list(range(1, SMALL_ROUNDS + 1))
-    recs = Journal(fed.state / "aggregator" / "journal.log").records
+    recs = journal_records(fed.state / "aggregator")
     uploads = [(r.client, r.round, r.kind) for r in recs if r.kind != "join"]
     assert len(uploads) == len(set(uploads)) == SMALL_CLIENTS * SMALL_ROUNDS * 2

@@ -17,7 +17,7 @@ import pytest
 
 from broker_server.aggregator import Aggregator
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from broker_server.durable import DurableState
+from broker_server.durable import DurableState, journal_records
 from broker_server.journal import Journal, JournalError, encode_record
 from protofl import topics
 from protofl.presets import make_config
@@ -123,12 +123,12 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
     return out
 
 
-def _aggregator(preset: str, state: Path | None,
-                broker: InProcessBroker | None = None) -> tuple[Aggregator, DurableState | None]:
+def _aggregator(preset: str, state: Path | None, broker: InProcessBroker | None = None,
+                rotate_bytes: int = 1 << 20) -> tuple[Aggregator, DurableState | None]:
     agg = Aggregator(_cfg(preset), FED, (broker or InProcessBroker()).connect("server"), expected_clients=CLIENTS)
     durable = None
     if state is not None:
-        durable = DurableState(state, FED)
+        durable = DurableState(state, FED, rotate_bytes=rotate_bytes)
         durable.bind(agg)
         if durable.restore():
             agg.start(resume=True)
@@ -145,15 +145,16 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("preset", ["fedproto", "protofl"])
-def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl", 1 << 20), ("protofl", 0)])
+def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate: int, tmp_path: Path) -> None:
+    # rotate 0: a new journal segment at every phase boundary; 1 MiB: one segment for the whole run.
     ref, _ = _aggregator(preset, None)
     msgs = _messages(preset, ref)
     for t, p in msgs:
         ref.on_message(t, p)
     assert ref.finished and ref.dropped == {} and len(ref.records) == 3
 
-    live, durable = _aggregator(preset, tmp_path / "live")
+    live, durable = _aggregator(preset, tmp_path / "live", rotate_bytes=rotate)
     cuts = []
     for i, (t, p) in enumerate(msgs):
         live.on_message(t, p)
@@ -163,7 +164,7 @@ def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, tmp_pat
     assert durable is not None and live.finished and _state(live) == _state(ref)
     durable.close()
     for i, cut in enumerate(cuts):
-        agg, d = _aggregator(preset, cut)
+        agg, d = _aggregator(preset, cut, rotate_bytes=rotate)
         # The last applied message was perhaps not acknowledged: the broker delivers it again.
         for t, p in msgs[i:]:
             agg.on_message(t, p)
@@ -174,8 +175,11 @@ def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, tmp_pat
         assert d is not None
         d.close()
         # The journal holds every accepted message exactly once.
-        keys = [(r.client, r.kind, r.round) for r in Journal(cut / "journal.log").records]
+        keys = [(r.client, r.kind, r.round) for r in journal_records(cut)]
         assert len(keys) == len(set(keys)) == len(msgs)
+    segments = sorted(p.name for p in (tmp_path / "live").glob("journal-*.log"))
+    assert segments == [f"journal-{i:06d}.log" for i in range(len(segments))]
+    assert len(segments) == (1 if rotate else 1 + 3 + 1)  # 0: the joins, one a round, an empty one after the end
 
 
 def test_a_corrupt_checkpoint_stops_the_restart_with_the_file_named(tmp_path: Path) -> None:
