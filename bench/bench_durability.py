@@ -8,9 +8,12 @@ N prototype uploads (pre-encoded, QoS 1) as fast as it can. The aggregator servi
 rate is N / (round close - round open), as the aggregator records it. Three modes, interleaved, repeated:
 
 - `memory`: no --state-dir, the broker's acks are paho's automatic ones (the state before issue 15);
-- `journal, no fsync`: journal append + manual ack after the handler, but no fsync (what a page-cache-
-  only journal would cost: not crash safe, the comparison the issue asks for);
-- `journal + fsync`: the shipped path, append + fsync, then apply, then acknowledge.
+- `journal, no fsync`: journal append + manual ack, but no fsync (not crash safe: the comparison the
+  issue asks for, "without");
+- `fsync each upload`: append + fsync, apply, acknowledge, one upload at a time;
+- `fsync each batch`: what `start --state-dir` does (group commit): the uploads the service pumps in one
+  go are appended and applied, one fsync makes them durable, then they are acknowledged; a checkpoint
+  (and so any round message) also waits for that fsync.
 
 The state dir lives on the disk given by --dir (default: a temporary directory under the repository, so
 on the machine's real disk, not a tmpfs where fsync is free). Reports the median over repeats.
@@ -31,12 +34,12 @@ from typing import Any
 from bench.bench_mqtt import service_round
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("memory", "journal, no fsync", "journal + fsync")
+MODES = ("memory", "journal, no fsync", "fsync each upload", "fsync each batch")
 
 
 def one_run(url: str, n: int, classes: int, dim: int, mode: str, state: Path | None) -> float:
     rec = service_round(url, n, classes, dim, client_id=f"bench-agg-{time.monotonic_ns()}", state_dir=state,
-                        fsync=mode == "journal + fsync")
+                        fsync=mode != "journal, no fsync", group_commit=mode != "fsync each upload")
     return n / (rec.ended - rec.started)
 
 
@@ -98,8 +101,10 @@ median of {res['repeats']} interleaved repeats. One append + fsync of 256 bytes 
 {rows}
 
 `memory`: no --state-dir (nothing survives a crash). `journal, no fsync`: journal + manual ack without
-fsync (not crash safe; shows what the fsync alone costs). `journal + fsync`: what `protofl-server start
---state-dir` does: every upload is on disk before the broker gets its PUBACK.
+fsync (not crash safe; shows what the fsync alone costs). `fsync each upload`: append + fsync per upload
+before its PUBACK. `fsync each batch`: what `protofl-server start --state-dir` does (group commit): one
+fsync for the uploads pumped together, before any of their PUBACKs. In both fsync modes every upload is
+on disk before the broker gets its PUBACK.
 """
 
 

@@ -49,10 +49,13 @@ EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is wri
 
 class DurableState:
     def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True,
-                 rotate_bytes: int = ROTATE_BYTES) -> None:
+                 rotate_bytes: int = ROTATE_BYTES, group_commit: bool = False) -> None:
         self.directory = Path(directory)
         self.fed = fed
         self.fsync = fsync
+        # group_commit: `record` writes without fsync; `sync()` (the transport's before_ack hook, and every
+        # checkpoint) makes the batch durable before any of it is acknowledged or announced.
+        self.group_commit = group_commit
         self.rotate_bytes = rotate_bytes
         self.checkpoint_path = self.directory / "checkpoint.bin"
         self._state = read_checkpoint(self.checkpoint_path)  # CheckpointError if damaged: never used then
@@ -70,14 +73,25 @@ class DurableState:
     def record(self, topic: str, payload: bytes, env: Envelope) -> None:
         """Append an accepted upload and fsync: only then may it change state and be acknowledged."""
         try:
-            self.position = self.journal.append(topic, payload, env.sender, env.kind, env.round, env.phase)
+            self.position = self.journal.append(topic, payload, env.sender, env.kind, env.round, env.phase,
+                                                sync=not self.group_commit)
         except OSError as exc:
-            # Crash-only: the upload is not applied and not acknowledged; the broker keeps it for the
-            # restarted server. Going on without a journal would silently void the guarantee.
-            log.critical("cannot write the journal %s (%s): stopping without acknowledging; restart the server "
-                         "when the disk is writable", self.journal.path, exc)
-            logging.shutdown()
-            os._exit(EXIT_JOURNAL_FAILED)
+            # Going on without a journal would silently void the guarantee.
+            self._fail(exc)
+
+    def sync(self) -> None:
+        """Make what `record` wrote durable (group commit: before the batch's acks)."""
+        try:
+            self.journal.sync()
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: OSError) -> None:
+        # Crash-only: nothing unsynced is acknowledged; the broker keeps it for the restarted server.
+        log.critical("cannot write the journal %s (%s): stopping without acknowledging; restart the server "
+                     "when the disk is writable", self.journal.path, exc)
+        logging.shutdown()
+        os._exit(EXIT_JOURNAL_FAILED)
 
     def checkpoint(self) -> None:
         """The machine at a phase boundary. Live, a segment past `rotate_bytes` is closed here and the
@@ -85,6 +99,9 @@ class DurableState:
         (older segments stay as the record of what was applied; they may be archived or deleted). While
         replaying, never: the rest of the segment still has to be replayed."""
         assert self.aggregator is not None
+        # The journal up to `position` must be on disk before a checkpoint that points past it (and before
+        # the round message that follows a boundary goes out).
+        self.sync()
         replaying = self.aggregator.replaying
         rotate = not replaying and self.journal.size >= max(1, self.rotate_bytes)
         segment, offset = (self.segment + 1, 0) if rotate else (self.segment, self.position)

@@ -107,6 +107,7 @@ class Journal:
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
         self.size = good
+        self._dirty = False
         os.lseek(self._fd, good, os.SEEK_SET)
         if not data:
             _fsync_dir(self.path.parent)  # the new file's name must survive a crash too
@@ -119,17 +120,26 @@ class Journal:
                                f"backup, or move it aside to start a new federation")
         return (r for r in self.records if r.offset >= offset)
 
-    def append(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> int:
-        """Write one record (and fsync); returns the journal's new size."""
+    def append(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str, *,
+               sync: bool = True) -> int:
+        """Write one record and (with `sync`) fsync it; returns the journal's new size. Without `sync`
+        the caller must call `sync()` before acknowledging it (group commit)."""
         rec = encode_record(topic, payload, client, kind, round_, phase)
         _crash_point(self._fd, rec)
         written = os.write(self._fd, rec)
         if written != len(rec):
             raise OSError(f"{self.path}: short write ({written} of {len(rec)} bytes)")
-        if self.fsync:
-            os.fsync(self._fd)
         self.size += len(rec)
+        self._dirty = True
+        if sync:
+            self.sync()
         return self.size
+
+    def sync(self) -> None:
+        """Everything appended so far is on disk when this returns."""
+        if self._dirty and self.fsync:
+            os.fsync(self._fd)
+        self._dirty = False
 
     def close(self) -> None:
         if self._fd >= 0:

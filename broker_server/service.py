@@ -60,7 +60,7 @@ class AggregatorService:
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  tick_interval: float = 0.2, log_grace: float = GRACE_S,
                  offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, group_commit: bool = True) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -89,8 +89,10 @@ class AggregatorService:
         self.durable: DurableState | None = None
         self.resumed = False
         if state_dir is not None:
-            self.durable = DurableState(Path(state_dir) / "aggregator", fed, fsync=fsync)
+            self.durable = DurableState(Path(state_dir) / "aggregator", fed, fsync=fsync, group_commit=group_commit)
             self.durable.bind(self.aggregator)
+            if group_commit:
+                self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
             self.resumed = self.durable.restore()
             # Take up the broker session the crashed process left: the uploads it never acknowledged wait there.
             self.transport.resume_session = self.resumed
