@@ -236,3 +236,19 @@ def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(t
     _, status = decode_message(broker.retained[topics.server_status(FED)])
     assert isinstance(status, Status) and status.state == "running"  # not "waiting": devices keep their rounds
     d.close()
+
+
+def test_start_refuses_a_corrupt_checkpoint_and_changes_nothing(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from broker_server.cli import app
+
+    agg_dir = tmp_path / "aggregator"
+    agg_dir.mkdir()
+    ck = agg_dir / "checkpoint.bin"
+    ck.write_bytes(b"PFCK1\n" + b"\0" * 32 + b"not the body that was hashed")
+    r = CliRunner().invoke(app, ["start", "--broker", "mqtt://127.0.0.1:9", "--preset", "fedproto", "--state-dir",
+                                 str(tmp_path), "--connect-timeout", "1"])
+    assert r.exit_code == 2
+    assert f"error: checkpoint {ck} is corrupt (SHA-256 mismatch" in r.output and "move it aside" in r.output
+    assert sorted(p.name for p in agg_dir.iterdir()) == ["checkpoint.bin"]  # no journal started beside it
