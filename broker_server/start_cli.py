@@ -40,8 +40,8 @@ def start_command(
     public_data: Optional[str] = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
                                                                           "(ERPA presets: refprotofl, protofl)."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal and "
-                                             "checkpoint (crash safe: run the same command again to resume), "
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal "
+                                             "and checkpoint (crash safe: run the same command again to resume), "
                                              "the local broker's files, credentials, rounds.jsonl and "
                                              "server_model.npz."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),

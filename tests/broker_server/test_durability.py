@@ -23,7 +23,7 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, RoundStart, Status, decode_message,
+from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
                           encode_message)
 
 FED = "dur"
@@ -124,8 +124,10 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
 
 
 def _aggregator(preset: str, state: Path | None, broker: InProcessBroker | None = None,
-                rotate_bytes: int = 1 << 20) -> tuple[Aggregator, DurableState | None]:
-    agg = Aggregator(_cfg(preset), FED, (broker or InProcessBroker()).connect("server"), expected_clients=CLIENTS)
+                rotate_bytes: int = 1 << 20, cfg=None, public: PublicSet | None = None,  # type: ignore[no-untyped-def]
+                ) -> tuple[Aggregator, DurableState | None]:
+    agg = Aggregator(cfg or _cfg(preset), FED, (broker or InProcessBroker()).connect("server"),
+                     expected_clients=CLIENTS, public=public)
     durable = None
     if state is not None:
         durable = DurableState(state, FED, rotate_bytes=rotate_bytes)
@@ -252,3 +254,54 @@ def test_start_refuses_a_corrupt_checkpoint_and_changes_nothing(tmp_path: Path) 
     assert r.exit_code == 2
     assert f"error: checkpoint {ck} is corrupt (SHA-256 mismatch" in r.output and "move it aside" in r.output
     assert sorted(p.name for p in agg_dir.iterdir()) == ["checkpoint.bin"]  # no journal started beside it
+
+
+def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) -> None:
+    # refprotofl: a prototype phase (public-set and local prototypes -> anchors), then a training phase
+    # (APUD adapters). A restart after any message, either phase, ends bit-identical.
+    cfg = make_config("refprotofl", rounds=2, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                      round_timeout=600.0, seed=3, public_classes=(0, 1), public_per_class=2)
+    public = PublicSet(x=np.zeros((4, 1, 4, 4), np.uint8), y=np.asarray([0, 0, 1, 1]), classes=[0, 1])
+
+    def make(state: Path | None) -> tuple[Aggregator, DurableState | None]:
+        return _aggregator("refprotofl", state, rotate_bytes=0, cfg=cfg, public=public)
+
+    ref, _ = make(None)
+    plan, n_adapter = ref.machine.plan, ref.model.adapter.shape[0]
+    msgs = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=9, profile="", agent_version="t"), fed=FED,
+                                               sender=c)) for c in CLIENTS]
+    for r in (1, 2):
+        for k, c in enumerate(CLIENTS):
+            rng = np.random.default_rng(10 * r + k)
+            pub = ProtoSet(classes=np.asarray([0, 1]), values=rng.normal(size=(2, plan.proto_width)).astype(np.float32),
+                           counts=np.asarray([2, 2]), dt="f4")
+            loc = ProtoSet(classes=np.asarray([2]), values=rng.normal(size=(1, plan.proto_width)).astype(np.float32),
+                           counts=np.asarray([5 + k]), dt="f4")
+            msgs.append((topics.up(FED, c), encode_message(ProtoUpload(local=loc, public=pub, n_samples=9), fed=FED,
+                                                           sender=c, round=r, phase="proto")))
+        for k, c in enumerate(CLIENTS):
+            rng = np.random.default_rng(100 * r + k)
+            idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
+            up = AdapterUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+                               n_samples=9, base_round=r)
+            msgs.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
+    for t, p in msgs:
+        ref.on_message(t, p)
+    assert ref.finished and ref.dropped == {}, ref.dropped
+    live, durable = make(tmp_path / "live")
+    cuts = []
+    for i, (t, p) in enumerate(msgs):
+        live.on_message(t, p)
+        shutil.copytree(tmp_path / "live", tmp_path / f"cut{i}")
+        cuts.append(tmp_path / f"cut{i}")
+    assert durable is not None
+    durable.close()
+    for i, cut in enumerate(cuts):
+        agg, d = make(cut)
+        for t, p in msgs[i:]:
+            agg.on_message(t, p)
+        assert agg.finished and agg.model.adapter.tobytes() == ref.model.adapter.tobytes(), i
+        assert agg.machine.anchors is not None and ref.machine.anchors is not None
+        assert agg.machine.anchors.values.tobytes() == ref.machine.anchors.values.tobytes(), i
+        assert d is not None
+        d.close()
