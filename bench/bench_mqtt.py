@@ -119,13 +119,31 @@ def _spawn_publisher(url: str, n: int, classes: int, dim: int, wait_round: bool)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
+def service_round(url: str, n: int, classes: int, dim: int, **service_kwargs: Any) -> Any:
+    """One round of n publisher uploads through the aggregator service; its RoundRecord."""
+    from broker_server.service import AggregatorService
+    from protofl.presets import make_config
+    from protofl.transport.broker_url import parse_broker_url
+
+    cfg = make_config("fedproto", rounds=1, num_classes=classes, proto_dim=dim, min_clients=n, round_timeout=600.0)
+    ids = [f"d{i:05d}" for i in range(n)]
+    service = AggregatorService(cfg, FED, parse_broker_url(url), expected_clients=ids, log_grace=0.0,
+                                **service_kwargs)
+    service.start(10)
+    pub = _spawn_publisher(url, n, classes, dim, wait_round=True)
+    service.run(timeout=600)
+    pub.communicate(timeout=60)
+    service.close()
+    rec = service.aggregator.records[0]
+    assert rec.clients == ids, "every upload must have been folded in"
+    return rec
+
+
 def throughput(url: str, n: int, classes: int, dim: int) -> dict[str, Any]:
     from broker_server.aggregator import Aggregator
-    from broker_server.service import AggregatorService
     from protofl import topics
     from protofl.presets import make_config
     from protofl.transport import InProcessBroker
-    from protofl.transport.broker_url import parse_broker_url
     from protofl.transport.mqtt import MqttTransport
 
     joins, ups = _payloads(n, classes, dim)
@@ -165,14 +183,7 @@ def throughput(url: str, n: int, classes: int, dim: int) -> dict[str, Any]:
     broker_only = (n - 1) / (stamps[-1] - stamps[0])  # first to last arrival at the subscriber
 
     # c) the aggregator service through the broker
-    service = AggregatorService(cfg, FED, parse_broker_url(url), expected_clients=ids, log_grace=0.0)
-    service.start(10)
-    pub = _spawn_publisher(url, n, classes, dim, wait_round=True)
-    service.run(timeout=600)
-    pub.communicate(timeout=60)
-    service.close()
-    rec = service.aggregator.records[0]
-    assert rec.clients == ids, "every upload must have been folded in"
+    rec = service_round(url, n, classes, dim)
     return {"uploads": n, "upload_bytes": size, "inprocess_uploads_per_s": round(inproc),
             "broker_only_msgs_per_s": round(broker_only),
             "aggregator_uploads_per_s": round(n / (rec.ended - rec.started)),

@@ -26,7 +26,8 @@ from protofl.config import FederationConfig
 from protofl.plan import RoundPlan
 from protofl.errors import WireError
 from protofl.transport import Transport
-from protofl.wire import Config, Join, Limits, Metrics, PublicSet, RoundStart, Status, decode_message, encode_message
+from protofl.wire import (Config, Envelope, Join, Limits, Metrics, PublicSet, RoundStart, Status, decode_message,
+                          encode_message)
 
 log = logging.getLogger("protofl.server")
 SERVER_ID = "server"
@@ -54,12 +55,20 @@ class Aggregator:
                  policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 offline_grace: float = OFFLINE_GRACE_S) -> None:
+                 offline_grace: float = OFFLINE_GRACE_S,
+                 journal: Callable[[str, bytes, Envelope], None] | None = None,
+                 on_boundary: Callable[[], None] | None = None) -> None:
         self.fed = fed
         self.transport = transport
         self.machine = RoundMachine(cfg, self._publish, clock=clock, initial_params=initial_params, public=public,
                                     expected_clients=expected_clients, on_round_end=on_round_end,
-                                    on_metrics=on_metrics, policy=policy, offline_grace=offline_grace)
+                                    on_metrics=on_metrics, policy=policy, offline_grace=offline_grace,
+                                    on_boundary=on_boundary)
+        # Durability (service.py): `journal(topic, payload, envelope)` makes an accepted upload durable
+        # before the machine applies it; it is skipped while the journal itself is replayed, and so is
+        # publishing (a restarted aggregator announces its state once, afterwards: `resume()`).
+        self.journal = journal
+        self.replaying = False
         model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
         self.limits = limits or decoder_limits(cfg, model_values)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
@@ -95,10 +104,25 @@ class Aggregator:
     def expected_clients(self) -> list[str] | None:
         return self.machine.expected_clients
 
-    def start(self) -> None:
-        self.machine.start({"max_message_bytes": self.limits.max_message_bytes})
+    def start(self, resume: bool = False) -> None:
+        """Announce the federation (or, `resume`d from a checkpoint and journal, its current round and
+        phase again) and subscribe to uploads and presence."""
+        limits = {"max_message_bytes": self.limits.max_message_bytes}
+        if resume:
+            self.machine.announce(limits)
+        else:
+            self.machine.start(limits)
         self.transport.subscribe(topics.up_all(self.fed), self.on_message)
         self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
+
+    def replay(self, topic: str, payload: bytes) -> None:
+        """Apply a journaled upload again (after a restart): the same decoder, checks and machine as live
+        traffic, in journal order, so the state is rebuilt exactly; nothing is journaled or published."""
+        self.replaying = True
+        try:
+            self.on_message(topic, payload)
+        finally:
+            self.replaying = False
 
     def tick(self, now: float | None = None) -> None:
         """Close the open phase if its deadline has passed (call periodically)."""
@@ -126,6 +150,8 @@ class Aggregator:
                     and len(self.clients) >= self.max_clients:
                 raise Drop("max_clients", f"join from '{env.sender}': the federation has its {self.max_clients} "
                                           f"clients (--max-clients)")
+            if self.journal is not None and not self.replaying and self.machine.needs_journal(env, msg):
+                self.journal(topic, payload, env)  # on disk before it changes anything (and before the ack)
             self.machine.receive(env, msg, nbytes)
         except Drop as drop:
             self._drop(drop.reason, drop.detail, nbytes)
@@ -176,5 +202,6 @@ class Aggregator:
         else:
             raise TypeError(f"the aggregator does not publish {type(msg).__name__}")
         payload = encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)
-        self.transport.publish(topic, payload, retain=True)
+        if not self.replaying:
+            self.transport.publish(topic, payload, retain=True)
         return len(payload)

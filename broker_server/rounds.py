@@ -12,8 +12,8 @@ before any state changes; the shell is the one place that turns an exception int
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -79,8 +79,12 @@ class RoundMachine:
                  expected_clients: Sequence[str] | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 policy: ClipPolicy | None = None, offline_grace: float = OFFLINE_GRACE_S) -> None:
+                 policy: ClipPolicy | None = None, offline_grace: float = OFFLINE_GRACE_S,
+                 on_boundary: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
+        # Called at every phase boundary (a phase opened, or the federation finished) before the round
+        # message goes out: the durable service checkpoints there (the accumulators are empty then).
+        self.on_boundary = on_boundary
         self.offline_grace = offline_grace
         self.plan = RoundPlan.from_config(cfg)
         self.publish = publish
@@ -142,6 +146,19 @@ class RoundMachine:
             self._on_upload(env, msg, nbytes)
         else:
             raise Drop("unexpected_kind", f"'{env.kind}' from {env.sender}")
+
+    def needs_journal(self, env: Envelope, msg: object) -> bool:
+        """Whether applying this message changes state that a restart must rebuild: an upload the open
+        phase accepts, or a join that adds a client. Raises Drop (state unchanged) for an upload or join
+        that `receive` would refuse, so that nothing refused is ever written to the journal."""
+        if isinstance(msg, (ProtoUpload, AdapterUpload)):
+            self._check_upload(env, msg)
+            return True
+        if isinstance(msg, Join):
+            if self.expected_clients and env.sender not in self.expected_clients:
+                raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
+            return env.sender not in self.clients
+        return False
 
     def _on_join(self, env: Envelope, msg: Join, nbytes: int) -> None:
         if self.expected_clients and env.sender not in self.expected_clients:
@@ -247,21 +264,31 @@ class RoundMachine:
         self.current.started = self.clock()
         self._open_phase(self.plan.first_phase)
 
+    def _round_message(self, phase: Phase, deadline: float) -> RoundStart:
+        """The round message that opens `phase`: a pure function of the model and anchors, so that a
+        restarted aggregator announces the same one."""
+        model, plan = self.model, self.plan
+        if phase is Phase.PROTO:
+            anchors = None
+        else:
+            anchors = self.anchors if plan.two_phase else model.train_anchors()
+        return RoundStart(deadline=deadline,
+                          adapter=model.adapter if plan.adapter_phase is phase else None,
+                          params=model.params if phase is Phase.TRAIN else None,
+                          anchors=anchors, anchor_kind=plan.anchor_kind if anchors is not None else "",
+                          participants=None, final=False, dt=plan.adapter_dtype)
+
     def _open_phase(self, phase: Phase) -> None:
         model, plan = self.model, self.plan
         if phase is Phase.PROTO:
             self.proto_acc = PrototypePhase(model)
-            anchors = None
         else:
             self.train_acc = TrainPhase(model)
-            anchors = self.anchors if plan.two_phase else model.train_anchors()
         deadline = self.clock() + self.cfg.round_timeout
-        msg = RoundStart(deadline=deadline,
-                         adapter=model.adapter if plan.adapter_phase is phase else None,
-                         params=model.params if phase is Phase.TRAIN else None,
-                         anchors=anchors, anchor_kind=plan.anchor_kind if anchors is not None else "",
-                         participants=None, final=False, dt=plan.adapter_dtype)
+        msg = self._round_message(phase, deadline)
         self.phase = OpenPhase(phase, set(self.clients), plan.sends(phase), deadline)
+        if self.on_boundary is not None:
+            self.on_boundary()
         self._status("running", f"round {self.round}/{self.cfg.rounds} {phase.value}")
         nbytes = self.publish(msg, self.round, phase.value)
         self.current.downlink_bytes += nbytes * len(self.clients)
@@ -320,7 +347,87 @@ class RoundMachine:
 
     def _finish(self) -> None:
         self.finished = True
+        if self.on_boundary is not None:
+            self.on_boundary()
+        self._announce_finish()
+
+    def _announce_finish(self) -> None:
         self.publish(RoundStart(deadline=self.clock(), adapter=self.model.adapter, params=self.model.params,
                                 anchors=None, anchor_kind="", participants=None, final=True,
                                 dt=self.plan.adapter_dtype), self.round, Phase.DONE.value)
         self._status("finished", f"{self.round} rounds")
+
+    # -- durability: the state at a phase boundary, and a restart from it ------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The machine's state as plain values and numpy arrays (no objects), taken at a phase boundary:
+        the open phase has received nothing yet, so its accumulators are fresh and need not be saved."""
+        open_ = self.phase
+        if open_ is not None and open_.received:
+            raise RuntimeError("snapshot() is taken at phase boundaries only (this phase has uploads)")
+        m = self.model
+        return {
+            "cfg": self.cfg.to_dict(), "round": self.round, "finished": self.finished,
+            "phase": None if open_ is None else {"phase": open_.phase.value, "expected": sorted(open_.expected),
+                                                 "deadline": open_.deadline},
+            "anchors": None if self.anchors is None else {
+                "classes": self.anchors.classes, "values": self.anchors.values, "counts": self.anchors.counts,
+                "dt": self.anchors.dt},
+            "model": {"adapter": m.adapter, "params": m.params, "unit": m.unit, "masks": m.masks,
+                      "prototypes": [[int(c), v] for c, v in sorted(m.prototypes.items())],
+                      "radii": dict(m.radii), "clipped": dict(m.clipped)},
+            "clients": {c: asdict(j) for c, j in self.clients.items()},
+            "departed": {c: asdict(j) for c, j in self.departed.items()},
+            "leaving": dict(self.leaving),
+            "records": [asdict(r) for r in self.records], "current": asdict(self.current),
+            "welcome_bytes": self._welcome_bytes,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Back to a `snapshot()` (the config must be the one it was taken with). The open phase gets a
+        fresh deadline: its devices could not reach us while we were down."""
+        if state["cfg"] != self.cfg.to_dict():
+            changed = sorted(k for k in set(state["cfg"]) | set(self.cfg.to_dict())
+                             if state["cfg"].get(k) != self.cfg.to_dict().get(k))
+            raise ValueError(f"the saved federation was run with another config (differs in: {', '.join(changed)})")
+        m = self.model
+        sm = state["model"]
+        m.adapter, m.params, m.unit, m.masks = sm["adapter"], sm["params"], sm["unit"], sm["masks"]
+        m.prototypes = {int(c): v for c, v in sm["prototypes"]}
+        m.radii, m.clipped = dict(sm["radii"]), dict(sm["clipped"])
+        self.round, self.finished = int(state["round"]), bool(state["finished"])
+        a = state["anchors"]
+        self.anchors = None if a is None else ProtoSet(classes=a["classes"], values=a["values"], counts=a["counts"],
+                                                       dt=a["dt"])
+        self.clients = {c: Join(**j) for c, j in state["clients"].items()}
+        self.departed = {c: Join(**j) for c, j in state["departed"].items()}
+        self.leaving = {c: float(t) for c, t in state["leaving"].items()}
+        self.records = [RoundRecord(**r) for r in state["records"]]
+        self.current = RoundRecord(**state["current"])
+        self._welcome_bytes = int(state["welcome_bytes"])
+        self.proto_acc = self.train_acc = None
+        self.phase = None
+        p = state["phase"]
+        if p is not None:
+            phase = Phase(p["phase"])
+            if phase is Phase.PROTO:
+                self.proto_acc = PrototypePhase(m)
+            else:
+                self.train_acc = TrainPhase(m)
+            self.phase = OpenPhase(phase, set(p["expected"]), self.plan.sends(phase),
+                                   self.clock() + self.cfg.round_timeout)
+
+    def announce(self, limits: dict[str, int]) -> None:
+        """After a restart: publish the retained messages again (config, public set, status, the open
+        round message) without counting them as downlink; a device that already handled the round
+        message sends its uploads again, and those already applied are dropped as duplicates."""
+        self.publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
+                            class_masks=self.model.masks, limits=limits), 0, "")
+        if self.public is not None:
+            self.publish(self.public, 0, "")
+        if self.finished:
+            self._announce_finish()
+        elif self.phase is None:
+            self._status("waiting", f"{len(self.clients)}/{self.quorum} clients")
+        else:
+            self._status("running", f"round {self.round}/{self.cfg.rounds} {self.phase.phase.value}")
+            self.publish(self._round_message(self.phase.phase, self.phase.deadline), self.round, self.phase.phase.value)

@@ -19,6 +19,7 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 
 from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
+from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.stages import ServerModel
@@ -58,7 +59,8 @@ class AggregatorService:
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  tick_interval: float = 0.2, log_grace: float = GRACE_S,
-                 offline_grace: float = OFFLINE_GRACE_S) -> None:
+                 offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
+                 fsync: bool = True, group_commit: bool = True) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -73,8 +75,10 @@ class AggregatorService:
         # A persistent session (MQTT 5) makes the broker queue uploads for us while we reconnect.
         # The default client id is the server's user name (security.server_user): a broker that replaces
         # client ids by user names (the generated config does) then leaves it as it is.
+        # With a state dir, an upload is acknowledged only once it is in the journal (manual_ack).
         self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
-                                       persistent_session=True, deliver="pump", protocol=protocol)
+                                       persistent_session=True, deliver="pump", protocol=protocol,
+                                       manual_ack=state_dir is not None)
         self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
                                      public=public, expected_clients=expected_clients, members=members,
                                      policy=policy, max_clients=max_clients,
@@ -82,6 +86,16 @@ class AggregatorService:
                                      offline_grace=offline_grace,
                                      # None: the aggregator derives the decoder limits from the config
                                      **({} if limits is None else {"limits": limits}))
+        self.durable: DurableState | None = None
+        self.resumed = False
+        if state_dir is not None:
+            self.durable = DurableState(Path(state_dir) / "aggregator", fed, fsync=fsync, group_commit=group_commit)
+            self.durable.bind(self.aggregator)
+            if group_commit:
+                self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
+            self.resumed = self.durable.restore()
+            # Take up the broker session the crashed process left: the uploads it never acknowledged wait there.
+            self.transport.resume_session = self.resumed
 
     @property
     def finished(self) -> bool:
@@ -90,8 +104,10 @@ class AggregatorService:
     def start(self, connect_timeout: float = 30.0) -> None:
         self.transport.connect(connect_timeout)
         # A previous run may have left a retained "done" round (devices joining now would stop at once)
-        # or a public set this preset does not use: clear them before publishing ours.
-        self.transport.publish(topics.round_(self.fed), b"", retain=True)
+        # or a public set this preset does not use: clear them before publishing ours. A resumed
+        # federation publishes its own round message again instead.
+        if not self.resumed:
+            self.transport.publish(topics.round_(self.fed), b"", retain=True)
         if not self.aggregator.cfg.erpa:
             self.transport.publish(topics.public(self.fed), b"", retain=True)
         # Subscribe before the aggregator announces "waiting": devices join as soon as they see it, and a
@@ -99,7 +115,7 @@ class AggregatorService:
         # only by step(), by when the aggregator's own handler is registered too.
         self.transport.subscribe(topics.up_all(self.fed), _ignore)
         self.transport.subscribe(topics.presence_all(self.fed), _ignore)
-        self.aggregator.start()
+        self.aggregator.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
         log.info("aggregator for federation '%s' (%s) on %s; waiting for %d client(s)", self.fed,
@@ -140,6 +156,8 @@ class AggregatorService:
                                      fed=self.fed, sender=SERVER_ID, round=self.aggregator.round)
             self.transport.publish(topics.server_status(self.fed), payload, retain=True)
         self.transport.close()
+        if self.durable is not None:
+            self.durable.close()
 
     def _round_end(self, rec: RoundRecord) -> None:
         self.round_log.round_end(rec)

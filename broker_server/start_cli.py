@@ -40,8 +40,10 @@ def start_command(
     public_data: Optional[str] = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
                                                                           "(ERPA presets: refprotofl, protofl)."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the local broker's files, rounds.jsonl and "
-                                                                       "server_model.npz here."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal "
+                                             "and checkpoint (crash safe: run the same command again to resume), "
+                                             "the local broker's files, credentials, rounds.jsonl and "
+                                             "server_model.npz."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
     listen: Optional[str] = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
@@ -181,7 +183,8 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
                   local_broker: str) -> tuple[str, str, Any]:
     """Start the local broker, secured unless --insecure; returns (url, protocol, BrokerAuth or None)."""
     from broker_server.aggregator import decoder_limits
-    from broker_server.broker import PACKET_HEADROOM, PortInUse, start_local_broker
+    from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
+    from broker_server.supervisor import BrokerSupervisor
     from broker_server.security import load_or_create
 
     host, port = access.host_port()
@@ -203,13 +206,28 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
         local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
                                    workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
                                    auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
-                                   tls=access.tls)
+                                   tls=access.tls, die_with_parent=True)
     except PortInUse as exc:
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
+    if isinstance(local, MosquittoBroker):
+        # Restarted if it dies; the ExitStack stops the supervisor before it stops the broker.
+        stack.callback(BrokerSupervisor(local).start().stop)
     # Clients connect over loopback when the broker listens on every interface.
     url = local.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
     return url, local.protocol, auth
+
+
+def last_logged_round(path: Path) -> int:
+    """The highest round in a rounds.jsonl (0 if none; a torn last line from a crash is ignored)."""
+    last = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                last = max(last, int(json.loads(line)["round"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return last
 
 
 def _announce_credentials(auth: Any, persistent: bool) -> None:
@@ -248,19 +266,27 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             # Our own broker over loopback: its certificate names the host devices use, not 127.0.0.1.
             options = dataclasses.replace(options, tls_check_hostname=False)
         rounds_file = None
+        logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
+            logged = last_logged_round(state_dir / "rounds.jsonl")
             rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
 
         def on_round_end(rec: Any) -> None:
-            if rounds_file is not None:
+            nonlocal logged
+            if rounds_file is not None and rec.round > logged:
                 rounds_file.write(json.dumps({"fed": fed, **asdict(rec)}) + "\n")
                 rounds_file.flush()
+                logged = rec.round
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=on_round_end, members=members, policy=policy,
-                                    max_clients=access.max_clients, offline_grace=offline_grace)
+                                    max_clients=access.max_clients, offline_grace=offline_grace,
+                                    state_dir=state_dir)
         service.start(connect_timeout)
+        if service.resumed and service.finished:
+            log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a new "
+                        "federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
         who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
         log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)
 

@@ -70,6 +70,9 @@ def join_command(
                                                          "(a multiple of --eval-every; default: --eval-every) and in the last."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep a local checkpoint here after every "
+                                             "round (model, round state, last uploads): restarted, the device "
+                                             "resumes where it was instead of starting over."),
     username: Optional[str] = cli_options.USERNAME,
     password: Optional[str] = cli_options.PASSWORD,
     credentials: Optional[Path] = typer.Option(None, help="This device's credentials file (devices/<id>.json, written "
@@ -94,7 +97,7 @@ def join_command(
             raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
         runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every)
+                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every, state_dir)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
@@ -151,7 +154,7 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
                  connect_timeout: float, extractor: str = "torch",
                  emulation: "Emulation | None" = None, keepalive: int = 30,
-                 test_every: int | None = None) -> "DeviceRunner":
+                 test_every: int | None = None, state_dir: Path | None = None) -> "DeviceRunner":
     import torch
 
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
@@ -179,5 +182,5 @@ def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
                          test_every=check_cadence(eval_every, test_every),
                          protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor,  # type: ignore[arg-type]
-                         emulation=emulation)
+                         emulation=emulation, state_dir=str(state_dir) if state_dir is not None else None)
     return DeviceRunner(options, fed, client_id, spec, opts)

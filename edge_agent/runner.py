@@ -62,6 +62,7 @@ class RunnerOptions:
     connect_timeout: float = 30.0
     extractor: str = "torch"  # what computes prototypes and metrics: torch | onnx (onnxruntime)
     emulation: Emulation | None = None  # --profile: upload budget; in simulation, compute time and time scale
+    state_dir: str | None = None  # --state-dir: a local checkpoint after every round, to resume after a restart
 
 
 class _UploadLog:
@@ -76,14 +77,33 @@ class _UploadLog:
         self.key: tuple[int, str] | None = None
         self.sent: list[tuple[str, bytes]] = []
         self.clock = clock
+        self.deferred: list[tuple[str, bytes, bool, int]] | None = None
         self.extra: dict[str, float] | None = None  # the agent's metrics_extra
         self.held = HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos)) \
             if clock is not None else None
 
-    def start(self, key: tuple[int, str] | None) -> None:
+    def start(self, key: tuple[int, str] | None, defer: bool = False) -> None:
+        """A new round message is handled; with `defer`, what it publishes waits for `release()` (the
+        runner saves its local checkpoint first: an upload never leaves before the state that made it is
+        on disk, so a restarted device cannot have sent work it no longer holds)."""
         self.key, self.sent = key, []
+        self.deferred = [] if defer else None
+
+    def release(self) -> None:
+        deferred, self.deferred = self.deferred, None
+        for topic, payload, retain, qos in deferred or ():
+            self._emit(topic, payload, retain, qos)
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
+        if upload:
+            self.sent.append((topic, payload))
+        if self.deferred is not None:
+            self.deferred.append((topic, payload, retain, qos))
+            return
+        self._emit(topic, payload, retain, qos)
+
+    def _emit(self, topic: str, payload: bytes, retain: bool, qos: int) -> None:
         upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
         if self.held is None or retain:
             self.transport.publish(topic, payload, retain=retain, qos=qos)
@@ -93,8 +113,6 @@ class _UploadLog:
             if upload and self.extra is not None:
                 self.extra.update(self.clock.extra)
             self.held.submit(topic, payload, qos, release)
-        if upload:
-            self.sent.append((topic, payload))
 
     def resend(self, topic: str, payload: bytes) -> None:
         """An upload again (its round was announced again): still not before its release time."""
@@ -201,8 +219,27 @@ class DeviceRunner:
             except ProtoFLError as exc:
                 self.fatal = exc  # e.g. the data does not fit this federation: nothing to retry
                 return
+        fresh = self.agent.model is None
         self.agent.on_message(topic, payload)
+        if fresh and self.agent.model is not None and self.opts.state_dir is not None:
+            self._resume()
         self._maybe_join()
+
+    def _resume(self) -> None:
+        """Pick up our own last local state (edge_agent/resume.py), once the config built the model."""
+        from edge_agent.resume import checkpoint_path, restore_agent
+
+        assert self.agent is not None and self.opts.state_dir is not None
+        got = restore_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent)
+        if got is not None:
+            self._uploads.key, self._uploads.sent = got
+
+    def _save(self) -> None:
+        from edge_agent.resume import checkpoint_path, save_agent
+
+        assert self.agent is not None and self.opts.state_dir is not None
+        save_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent, self._uploads.key,
+                   self._uploads.sent)
 
     def _build_agent(self, cfg: FederationConfig) -> EdgeAgent:
         data = load_client_data(self.data, cfg, self.client_id)
@@ -233,6 +270,10 @@ class DeviceRunner:
             # A server waiting for joins has opened no round yet: a fresh federation, whose round
             # numbers start again at 1.
             self.agent.handled.clear()
+        if msg.state == "waiting":
+            # A waiting server announced itself (again): after a broker that died and lost our join with it
+            # (it had acknowledged it to us), only a join sent now gets us in. A second join changes nothing.
+            self.joined = False
         if msg.state != self.server_state:
             log.info("%s: server is %s%s", self.client_id, msg.state, f" ({msg.detail})" if msg.detail else "")
         self.server_state = msg.state
@@ -281,8 +322,15 @@ class DeviceRunner:
             if self.clock is not None:
                 self.clock.begin(recv_t)
                 agent.metrics_extra.clear()
-            self._uploads.start(key)
-            agent.on_message(topic, payload)
+            durable = self.opts.state_dir is not None
+            self._uploads.start(key, defer=durable)
+            handled = set(agent.handled)
+            try:
+                agent.on_message(topic, payload)
+                if durable and agent.handled != handled:
+                    self._save()  # this round's work survives a restart of the device, before it leaves
+            finally:
+                self._uploads.release()
         if agent.last_failure is not None:
             self._report_failure(*agent.last_failure)
         if agent.stats.uploaded_bytes != sent:

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -112,11 +112,20 @@ class MqttTransport:
 
     def __init__(self, broker: BrokerOptions | str, client_id: str, *, will: Will | None = None,
                  persistent_session: bool = False, deliver: Literal["thread", "pump"] = "thread",
-                 protocol: Literal["auto", "5", "3.1.1"] = "auto", backoff: Backoff | None = None) -> None:
+                 protocol: Literal["auto", "5", "3.1.1"] = "auto", backoff: Backoff | None = None,
+                 manual_ack: bool = False, resume_session: bool = False) -> None:
         self.options = parse_broker_url(broker) if isinstance(broker, str) else broker
         self.client_id = client_id
         self.will = will
-        self.persistent_session = persistent_session
+        self.persistent_session = persistent_session or resume_session
+        # manual_ack: a QoS 1 message is acknowledged only after every handler returned, so a handler that
+        # makes it durable first (the aggregator's journal) acknowledges only what survives a crash; what
+        # was never acknowledged the broker delivers again. resume_session: the first connection takes up
+        # the session a previous process left (MQTT 5, clean start off), with the messages queued for it.
+        self.manual_ack = manual_ack
+        self.before_ack: Callable[[], None] | None = None  # manual_ack + pump: called before a batch's acks
+        self.resume_session = resume_session
+        self._session = 0  # bumped when the broker has no session for us: older message ids are void
         self.deliver = deliver
         self.backoff = backoff or Backoff()
         self.stats = TransportStats()
@@ -132,7 +141,7 @@ class MqttTransport:
         self._pending: dict[int, tuple[int, str]] = {}
         self._acks: deque[tuple[int, int]] = deque()
         self._seq = 0
-        self._inbox: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[str, bytes, int, int, int] | None] = queue.SimpleQueue()
         self.arrived: dict[str, float] = {}  # topic -> epoch time its latest message was received
         self._connected = threading.Event()
         self._closing = threading.Event()
@@ -219,18 +228,27 @@ class MqttTransport:
                 self._client.subscribe(pattern, qos=1)
 
     def pump(self, timeout: float = 0.0, max_messages: int = 1000) -> int:
-        """Deliver queued messages on this thread (deliver="pump"); waits up to `timeout` for the first."""
+        """Deliver queued messages on this thread (deliver="pump"); waits up to `timeout` for the first.
+
+        With manual_ack and a `before_ack` hook, the messages of one call are acknowledged together after
+        the hook returned (group commit: one fsync for a burst of uploads instead of one each)."""
         n = 0
+        acks: list[tuple[int, int, int]] | None = [] if self.before_ack is not None else None
         try:
             item = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
             while item is not None:
-                self._dispatch(*item)
+                self._dispatch(*item, acks=acks)
                 n += 1
                 if n >= max_messages:
                     break
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        if acks:
+            assert self.before_ack is not None
+            self.before_ack()
+            for mid, qos, session in acks:
+                self._ack(mid, qos, session)
         return n
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -277,7 +295,8 @@ class MqttTransport:
         # 3.1.1 cannot ask for a clean session on the first connect only, so it always starts clean:
         # otherwise a restarted aggregator would be handed the previous run's queued joins.
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=self._protocol,
-                             clean_session=None if v5 else True, reconnect_on_failure=False)
+                             clean_session=None if v5 else True, reconnect_on_failure=False,
+                             manual_ack=self.manual_ack)
         client.connect_timeout = 5.0
         opts = self.options
         if opts.username is not None:
@@ -310,7 +329,9 @@ class MqttTransport:
                 # Keep our subscriptions and queue QoS 1 uploads at the broker while we reconnect.
                 props = Properties(PacketTypes.CONNECT)
                 props.SessionExpiryInterval = 3600
-            clean = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
+            clean: bool | int = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
+            if self.resume_session:
+                clean = False
             client.connect(self.options.host, self.options.port, self.options.keepalive, clean_start=clean,
                            properties=props)
         else:
@@ -378,6 +399,8 @@ class MqttTransport:
         self._broker_max = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
         self.stats.connects += 1
         session_kept = flags.session_present and self.persistent_session
+        if not flags.session_present:
+            self._session += 1
         # Under _lock, so that a concurrent subscribe() either is in this list or sees us connected.
         with self._lock:
             self._match_acks()
@@ -422,7 +445,7 @@ class MqttTransport:
         self.stats.received_bytes += len(msg.payload)
         # When it came off the wire, not when a busy consumer got to it (link timing in simulations).
         self.arrived[msg.topic] = time.time()
-        self._inbox.put((msg.topic, msg.payload))
+        self._inbox.put((msg.topic, msg.payload, msg.mid, msg.qos, self._session))
 
     # -- delivery -------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -432,17 +455,29 @@ class MqttTransport:
                 return
             self._dispatch(*item)
 
-    def _dispatch(self, topic: str, payload: bytes) -> None:
-        if not payload:
-            return  # an empty retained payload only clears a retained message; nothing to handle
+    def _dispatch(self, topic: str, payload: bytes, mid: int = 0, qos: int = 0, session: int = 0,
+                  acks: list[tuple[int, int, int]] | None = None) -> None:
+        if payload:  # an empty retained payload only clears a retained message; nothing to handle
+            with self._lock:
+                handlers = [h for p, h in self._subs if topic_matches(_filter_topic(p), topic)]
+            for handler in handlers:
+                try:
+                    handler(topic, payload)
+                except Exception:  # noqa: BLE001 - one bad message must not stop the device or the server
+                    self.stats.handler_errors += 1
+                    log.exception("%s: handler for '%s' failed", self.client_id, topic)
+        if self.manual_ack and qos > 0:
+            if acks is not None:
+                acks.append((mid, qos, session))  # acknowledged by pump() once before_ack() returned
+            else:
+                self._ack(mid, qos, session)
+
+    def _ack(self, mid: int, qos: int, session: int) -> None:
         with self._lock:
-            handlers = [h for p, h in self._subs if topic_matches(_filter_topic(p), topic)]
-        for handler in handlers:
-            try:
-                handler(topic, payload)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the device or the server
-                self.stats.handler_errors += 1
-                log.exception("%s: handler for '%s' failed", self.client_id, topic)
+            # An id from a session the broker no longer has may now name another message: not ours to
+            # acknowledge (the broker forgot the old one; a sender resends it).
+            if session == self._session:
+                self._client.ack(mid, qos)
 
     def _failure_message(self) -> str:
         reason = self.last_error or "no answer before the timeout"

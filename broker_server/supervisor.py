@@ -1,0 +1,70 @@
+"""Supervision of the broker `protofl-server start` spawned: restarted when it dies, stopped with us.
+
+A thread polls the mosquitto process. When it exits without being asked to, the supervisor logs its exit
+status and log tail and starts it again on the same port with the same config (the clients reconnect by
+themselves, with backoff). A broker that died by a signal (kill -9, OOM) did not save its persistence
+file, so the one on disk is older than its last state (mosquitto saves only on a clean exit or at its
+autosave interval): restoring it would bring back stale retained round messages and a stale session for
+the server, which would then not re-publish its own. That file is moved aside and the broker starts
+empty; the server re-subscribes and re-publishes its retained messages (its session is gone), and devices
+resend the uploads of the round announced again (the aggregator drops those it already holds).
+
+Dying with the server is the broker's side (broker.py: `die_with_parent`, PR_SET_PDEATHSIG). This thread
+is the one that starts every restarted broker, so it lives as long as the server does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from broker_server.broker import BrokerStartError, MosquittoBroker
+
+log = logging.getLogger("protofl.broker")
+
+
+class BrokerSupervisor:
+    def __init__(self, broker: MosquittoBroker, *, interval: float = 0.2, max_delay: float = 10.0) -> None:
+        self.broker = broker
+        self.interval = interval
+        self.max_delay = max_delay
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="broker-supervisor", daemon=True)
+
+    def start(self) -> "BrokerSupervisor":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (then stop the broker: the caller's ExitStack does)."""
+        self._stop.set()
+        self._thread.join(5)
+
+    def _watch(self) -> None:
+        delay = 0.5
+        while not self._stop.wait(self.interval):
+            proc = self.broker.proc
+            if proc is None or proc.poll() is None:
+                continue
+            rc = proc.returncode
+            log.warning("the broker (mosquitto pid %d) died (%s); restarting it on %s. Its log: %s", proc.pid,
+                        f"signal {-rc}" if rc < 0 else f"exit status {rc}", self.broker.url,
+                        self.broker._log_tail(300))
+            if rc != 0 and self.broker.db_path.exists():
+                aside = self.broker.db_path.with_name(f"mosquitto.db.stale-{int(time.time())}")
+                self.broker.db_path.replace(aside)
+                log.warning("its persistence file predates the crash; moved aside to %s", aside)
+            try:
+                self.broker.start()
+            except BrokerStartError as exc:
+                log.error("could not restart the broker: %s; trying again in %.0f s", exc, delay)
+                self.broker.proc = None
+                self._stop.wait(delay)
+                delay = min(self.max_delay, delay * 2)
+                self.broker.proc = proc  # still dead: the next pass tries again
+                continue
+            delay = 0.5
+            self.restarts += 1
+            log.warning("broker restarted (%d restart(s) so far)", self.restarts)

@@ -1,0 +1,77 @@
+"""A device's local checkpoint (`protofl-edge join --state-dir DIR`): what it needs to resume mid-federation.
+
+After every round message it handled, the runner saves (atomically, fsynced; protofl/checkpoint.py, no
+pickle) the model's weights (the private backbone is trained across rounds and exists nowhere else), the
+round state the agent keeps between rounds, the rounds it handled, and the uploads it sent for the last
+one. A device restarted mid-round loads it once the federation's config is known, and the retained round
+message does the rest: a round it had already handled gets its uploads sent again (the aggregator drops
+those it holds); a round it had not finished is trained from the saved state, which is the state an
+uninterrupted device would train it from, so it produces the same upload. A checkpoint of another
+federation config (or a damaged one) is not used: the device starts fresh and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edge_agent.agent import EdgeAgent
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+
+log = logging.getLogger("protofl.edge")
+FORMAT = 1
+
+
+def checkpoint_path(state_dir: Path | str, fed: str, client_id: str) -> Path:
+    return Path(state_dir) / f"{fed}-{client_id}.ckpt"
+
+
+def save_agent(path: Path, agent: EdgeAgent, key: tuple[int, str] | None, sent: list[tuple[str, bytes]]) -> None:
+    assert agent.cfg is not None and agent.model is not None
+    unit = agent.unit_prototypes
+    write_checkpoint(path, {
+        "format": FORMAT, "cfg": agent.cfg.to_dict(),
+        "model": {k: v.detach().cpu().numpy() for k, v in agent.model.state_dict().items()},
+        "global_adapter": agent.global_adapter, "adapter_round": agent.adapter_round,
+        "targets": [[int(c), v] for c, v in sorted(agent.targets_table.items())],
+        "unit": None if unit is None else unit.detach().cpu().numpy(),
+        "local_norms": [[int(c), float(v)] for c, v in sorted(agent.tables.local_norms.items())],
+        "handled": sorted([r, p] for r, p in agent.handled), "rounds_trained": agent.stats.rounds_trained,
+        "key": None if key is None else list(key), "sent": [[t, p] for t, p in sent],
+    })
+
+
+def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None, list[tuple[str, bytes]]] | None:
+    """Load the checkpoint into `agent` (built, config applied); (last key, its uploads), or None if there
+    is none to use (missing, damaged or of another config: logged, and the device starts fresh)."""
+    assert agent.cfg is not None and agent.model is not None
+    try:
+        state = read_checkpoint(path)
+    except CheckpointError as exc:
+        log.error("%s: %s; starting this device fresh", agent.client_id, exc)
+        return None
+    if state is None:
+        return None
+    if state.get("format") != FORMAT or state.get("cfg") != agent.cfg.to_dict():
+        log.warning("%s: %s is from another federation config; starting fresh", agent.client_id, path)
+        return None
+    try:
+        agent.model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state["model"].items()})
+    except (RuntimeError, KeyError, TypeError) as exc:
+        log.error("%s: %s does not fit this model (%s); starting fresh", agent.client_id, path, exc)
+        return None
+    agent.global_adapter = state["global_adapter"]
+    agent.adapter_round = int(state["adapter_round"])
+    agent.targets_table = {int(c): v for c, v in state["targets"]}
+    agent.unit_prototypes = None if state["unit"] is None else torch.from_numpy(state["unit"]).to(agent.device)
+    agent.tables.local_norms = {int(c): float(v) for c, v in state["local_norms"]}
+    agent.handled = {(int(r), str(p)) for r, p in state["handled"]}
+    agent.stats.rounds_trained = int(state["rounds_trained"])
+    key = None if state["key"] is None else (int(state["key"][0]), str(state["key"][1]))
+    log.info("%s: resumed from %s (%d round(s) trained, last handled %s)", agent.client_id, path,
+             agent.stats.rounds_trained, key)
+    return key, [(str(t), bytes(p)) for t, p in state["sent"]]
+

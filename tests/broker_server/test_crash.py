@@ -1,0 +1,228 @@
+"""Crash safety end to end: real Mosquitto, a real `protofl-server start` process killed with SIGKILL,
+ten real `protofl-edge join` processes.
+
+What is asserted, and why "to float tolerance" and not bytes: the killed-and-restarted federation ends
+with the uninterrupted one's global adapter and prototypes within rtol 1e-5 / atol 1e-6. Each device
+trains deterministically (seeded by federation seed, client and round, one torch thread) from the round
+message, and a restart republishes the same round message, so every round sees the same uploads; but
+uploads reach the aggregator in whatever order the broker delivers them, in both runs, and the
+streaming means fold them in that order, so the float sums may differ in their last bits. (In the same
+order the restart is bit-exact: test_durability.py cuts an in-process run after every message.) The
+journal must hold every device's every upload exactly once: none applied twice, none lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.broker import MosquittoBroker
+from broker_server.durable import journal_records
+from tests.broker_server.crash_helpers import Federation
+
+CLIENTS, ROUNDS, KILLS = 10, 50, 20
+TORN = (4, 11, 17)  # these restarts kill themselves in the middle of a journal append
+
+
+def uninterrupted(name: str, clients: int, rounds: int, base: Path, url: str) -> dict[str, np.ndarray]:
+    fed = Federation(name, clients, rounds, base / "state", base / "logs", broker_url=url)
+    fed.start_server()
+    fed.start_agents()
+    try:
+        fed.wait_finished(240)
+    finally:
+        fed.stop()
+    return fed.model()
+
+
+SMALL_CLIENTS, SMALL_ROUNDS = 3, 15
+
+
+@pytest.fixture(scope="module")
+def small_reference(tmp_path_factory: pytest.TempPathFactory,
+                    mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
+    """A 3-device federation, never interrupted (the broker and device tests' reference)."""
+    return uninterrupted("small", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path_factory.mktemp("small-reference"),
+                         mosquitto_module.url)
+
+
+def journal_size(fed: Federation) -> int:
+    return sum(p.stat().st_size for p in (fed.state / "aggregator").glob("journal-*.log"))
+
+
+def wait_for(pred, timeout: float, what: str, fed: Federation) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}; server log:\n{fed.log_tail()}")
+        time.sleep(0.02)
+
+
+def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def audit_journal(fed: Federation) -> None:
+    """Every device's adapter and prototypes of every round exactly once, nothing else."""
+    recs = journal_records(fed.state / "aggregator")
+    uploads = [(r.client, r.round, r.phase, r.kind) for r in recs if r.kind != "join"]
+    assert len(uploads) == len(set(uploads)), "an upload was applied twice"
+    want = {(f"dev-{i:02d}", r, "train", k) for i in range(CLIENTS) for r in range(1, ROUNDS + 1)
+            for k in ("adapter", "protos")}
+    assert set(uploads) == want, f"missing {sorted(want - set(uploads))[:5]}, extra {sorted(set(uploads) - want)[:5]}"
+    assert sorted(r.client for r in recs if r.kind == "join") == [f"dev-{i:02d}" for i in range(CLIENTS)]
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(mosquitto_module: MosquittoBroker,
+                                                                   tmp_path: Path) -> None:
+    rng = random.Random(15)
+    # The reference, never interrupted, runs alongside (the same settings; its own federation name), so
+    # that its CPU time overlaps the crash run's restarts.
+    ref = Federation("reference", CLIENTS, ROUNDS, tmp_path / "ref" / "state", tmp_path / "ref" / "logs",
+                     broker_url=mosquitto_module.url)
+    fed = Federation("crash", CLIENTS, ROUNDS, tmp_path / "state", tmp_path / "logs", broker_url=mosquitto_module.url)
+    for f in (ref, fed):
+        f.start_server()
+        f.start_agents()
+    torn = 0
+    try:
+        for k in range(KILLS):
+            server = fed.server
+            assert server is not None
+            if k in TORN:
+                # The k-th append of this process writes half its record, fsyncs and SIGKILLs itself.
+                fed.kill_server()
+                size = journal_size(fed)
+                server = fed.start_server(PROTOFL_CRASH_MID_APPEND=str(rng.randint(1, 4)))
+                wait_for(lambda: server.poll() is not None, 60, "the torn-append crash", fed)
+                assert server.returncode == -9 and journal_size(fed) > size
+                torn += 1
+            else:
+                # A random moment once the restarted server made progress (at least one upload journaled):
+                # mid-phase, mid-replay, at a phase boundary, while devices resend.
+                size = journal_size(fed)
+                wait_for(lambda: journal_size(fed) > size or server.poll() is not None, 90, "progress", fed)
+                assert server.poll() is None, f"the server exited early:\n{fed.log_tail()}"
+                time.sleep(rng.uniform(0.0, 0.4))
+                fed.kill_server()
+            fed.start_server()
+        fed.wait_finished(180)
+        ref.wait_finished(180)
+    finally:
+        fed.stop()
+        ref.stop()
+    log = (fed.logs / "server.log").read_text()
+    assert log.count("resumed federation 'crash'") >= KILLS  # every restart resumed (the first one too)
+    assert log.count("dropped a torn last record") == torn == len(TORN)
+    rounds = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
+    assert rounds == list(range(1, ROUNDS + 1))  # each round once, though restarts closed some again
+    audit_journal(fed)
+    assert_same_model(fed.model(), ref.model())
+
+
+def rounds_done(fed: Federation) -> int:
+    path = fed.state / "rounds.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def broker_pid(fed: Federation) -> int:
+    """mosquitto's pid from its pid file (0 while it is being written)."""
+    try:
+        return int((fed.state / "broker" / "mosquitto.pid").read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_reference: dict[str, np.ndarray],
+                                                                   tmp_path: Path) -> None:
+    # The server's own mosquitto (persistence under --state-dir/broker): kill -9 of the broker mid-run,
+    # twice (the server restarts it; server and devices reconnect), then kill -9 of the server (its
+    # broker exits with it, no orphan; the restarted server starts a new one and resumes). The result
+    # equals an uninterrupted run of the same federation (allclose, as above).
+    from broker_server.broker import free_port
+
+    fed = Federation("bk", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs", port=free_port())
+    try:
+        fed.start_server()
+        fed.start_agents()
+        rng = random.Random(3)
+        for at in (0, 3):  # during the joins (a lost join), then mid-round
+            wait_for(lambda: journal_size(fed) > 0 and rounds_done(fed) >= at, 120, f"{at} rounds", fed)
+            time.sleep(rng.uniform(0.0, 0.3))
+            pid = broker_pid(fed)
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: broker_pid(fed) != pid and alive(broker_pid(fed)), 30, "the broker's restart", fed)
+        wait_for(lambda: rounds_done(fed) >= 7, 120, "7 rounds", fed)
+        pid = broker_pid(fed)
+        fed.kill_server()
+        wait_for(lambda: not alive(pid), 10, "the broker to exit with its server", fed)
+        fed.start_server()
+        fed.wait_finished(240)
+    finally:
+        fed.stop()
+    log = (fed.logs / "server.log").read_text()
+    assert log.count("broker restarted") == 2 and "resumed federation 'bk'" in log, fed.log_tail()
+    assert not alive(broker_pid(fed))  # stopped with the server at the end
+    audit_small(fed)
+    assert_same_model(fed.model(), small_reference)
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
+        small_reference: dict[str, np.ndarray], mosquitto_module: MosquittoBroker, tmp_path: Path) -> None:
+    # dev-01 (with --state-dir) is killed with SIGKILL twice at random moments and restarted: it loads its
+    # own last local state (backbone weights included, trained over the rounds it took part in) and
+    # resumes from the retained round message. Without that, its restarted backbone would be the seeded
+    # initial one and the federation's result would differ from the uninterrupted run's.
+    rng = random.Random(7)
+    fed = Federation("devkill", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs",
+                     broker_url=mosquitto_module.url, device_state=tmp_path / "devices")
+    try:
+        fed.start_server()
+        fed.start_agents()
+        for k in range(2):
+            ckpt = tmp_path / "devices" / "devkill-dev-01.ckpt"
+            wait_for(lambda: ckpt.exists(), 120, "dev-01's first checkpoint", fed)
+            size = journal_size(fed)
+            wait_for(lambda: journal_size(fed) > size + 2000, 60, "a few more uploads", fed)
+            time.sleep(rng.uniform(0.0, 0.3))
+            fed.agents[1].send_signal(signal.SIGKILL)
+            fed.agents[1].wait()
+            fed.agents[1] = fed.start_agent(1)
+        fed.wait_finished(240)
+    finally:
+        fed.stop()
+    dev_log = (fed.logs / "dev-01.log").read_text()
+    assert dev_log.count("dev-01: resumed from") == 2, dev_log[-3000:]
+    audit_small(fed)
+    assert_same_model(fed.model(), small_reference)
+
+
+def audit_small(fed: Federation) -> None:
+    rows = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, SMALL_ROUNDS + 1))
+    recs = journal_records(fed.state / "aggregator")
+    uploads = [(r.client, r.round, r.kind) for r in recs if r.kind != "join"]
+    assert len(uploads) == len(set(uploads)) == SMALL_CLIENTS * SMALL_ROUNDS * 2

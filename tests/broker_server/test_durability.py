@@ -1,0 +1,307 @@
+"""Journal, checkpoint and restart of the aggregator, without a broker (fast; the crash test over real
+Mosquitto and real processes is test_crash.py).
+
+The in-process federation below is cut after every message it applied: a fresh aggregator restored from
+the state dir as it was then, fed everything from the cut on again (the broker redelivers what was not
+acknowledged, and devices resend), must end with the uninterrupted run's state, bit for bit: same
+uploads, folded in the same (journal) order."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.aggregator import Aggregator
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from broker_server.durable import DurableState, journal_records
+from broker_server.journal import Journal, JournalError, encode_record
+from protofl import topics
+from protofl.presets import make_config
+from protofl.sparse import SparseVector
+from protofl.transport import InProcessBroker
+from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
+                          encode_message)
+
+FED = "dur"
+
+
+# -- journal ----------------------------------------------------------------------------------
+
+def _records(path: Path, n: int) -> list[bytes]:
+    recs = [encode_record(f"t/{i}", bytes([i]) * (10 + i), f"c{i}", "protos", 1, "train") for i in range(n)]
+    path.write_bytes(b"".join(recs))
+    return recs
+
+
+def test_a_torn_last_record_is_dropped_at_every_cut(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "journal.log"
+    recs = _records(path, 3)
+    whole = b"".join(recs)
+    two = len(recs[0]) + len(recs[1])
+    for cut in range(two, len(whole)):  # a crash anywhere inside the third record's write
+        path.write_bytes(whole[:cut])
+        with caplog.at_level(logging.WARNING, logger="protofl.durability"):
+            j = Journal(path)
+        assert [r.client for r in j.records] == ["c0", "c1"]
+        assert path.stat().st_size == two == j.size  # truncated: the next append starts clean
+        assert cut == two or "dropped a torn last record" in caplog.text
+        j.append("t/x", b"again", "c2", "protos", 1, "train")
+        j.close()
+        assert [r.client for r in Journal(path).records] == ["c0", "c1", "c2"]
+        caplog.clear()
+
+
+def test_a_damaged_record_in_the_middle_is_refused_not_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "journal.log"
+    recs = _records(path, 3)
+    data = bytearray(b"".join(recs))
+    data[len(recs[0]) + 14] ^= 0xFF  # a flipped bit in the second record's body
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match="fails its CRC32 check and .* bytes follow it; the journal is damaged"):
+        Journal(path)
+    assert path.read_bytes() == bytes(data)  # refused, and left as it was
+    data = bytearray(b"".join(recs))
+    data[len(recs[0])] = ord("X")  # a bad magic
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match="bad header"):
+        Journal(path)
+
+
+# -- checkpoint -------------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.bin"
+    assert read_checkpoint(path) is None
+    state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "n": None, "l": [1, "x", {"k": np.int64(3)}]}
+    write_checkpoint(path, state)
+    back = read_checkpoint(path)
+    assert back is not None and back["n"] is None and back["l"] == [1, "x", {"k": 3}]
+    assert back["a"].dtype == np.float32 and back["a"].tobytes() == state["a"].tobytes()
+    assert not path.with_name("checkpoint.bin.tmp").exists()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path} is corrupt \(SHA-256 mismatch.*move it aside"):
+        read_checkpoint(path)
+    path.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="not a protofl checkpoint"):
+        read_checkpoint(path)
+
+
+# -- restart at every moment ------------------------------------------------------------------
+
+CLIENTS = ["c0", "c1", "c2"]
+
+
+def _cfg(preset: str):  # type: ignore[no-untyped-def]
+    return make_config(preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                       round_timeout=600.0, seed=3)
+
+
+def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
+    """Joins, then each client's training uploads for rounds 1-3 (deterministic in client and round)."""
+    out = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=10 + k, profile="", agent_version="t"),
+                                              fed=FED, sender=c)) for k, c in enumerate(CLIENTS)]
+    n_adapter = agg.model.adapter.shape[0] if agg.model.adapter is not None else 0
+    width = agg.machine.plan.proto_width  # CPS: only the class's support travels
+    for r in (1, 2, 3):
+        for k, c in enumerate(CLIENTS):
+            rng = np.random.default_rng(100 * r + k)
+            protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, width)).astype(np.float32),
+                              counts=np.asarray([5 + k, 6, 7]), dt="f4")
+            out.append((topics.up(FED, c), encode_message(ProtoUpload(local=protos, public=None, n_samples=18),
+                                                          fed=FED, sender=c, round=r, phase="train")))
+            if n_adapter:
+                idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
+                up = AdapterUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+                                   n_samples=18, base_round=r)
+                out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
+    return out
+
+
+def _aggregator(preset: str, state: Path | None, broker: InProcessBroker | None = None,
+                rotate_bytes: int = 1 << 20, cfg=None, public: PublicSet | None = None,  # type: ignore[no-untyped-def]
+                ) -> tuple[Aggregator, DurableState | None]:
+    agg = Aggregator(cfg or _cfg(preset), FED, (broker or InProcessBroker()).connect("server"),
+                     expected_clients=CLIENTS, public=public)
+    durable = None
+    if state is not None:
+        durable = DurableState(state, FED, rotate_bytes=rotate_bytes)
+        durable.bind(agg)
+        if durable.restore():
+            agg.start(resume=True)
+            return agg, durable
+    agg.start()
+    return agg, durable
+
+
+def _state(agg: Aggregator) -> dict[str, bytes]:
+    m = agg.model
+    out = {f"proto{c}": v.tobytes() for c, v in m.prototypes.items()}
+    if m.adapter is not None:
+        out["adapter"] = m.adapter.tobytes()
+    return out
+
+
+@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl", 1 << 20), ("protofl", 0)])
+def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate: int, tmp_path: Path) -> None:
+    # rotate 0: a new journal segment at every phase boundary; 1 MiB: one segment for the whole run.
+    ref, _ = _aggregator(preset, None)
+    msgs = _messages(preset, ref)
+    for t, p in msgs:
+        ref.on_message(t, p)
+    assert ref.finished and ref.dropped == {} and len(ref.records) == 3
+
+    live, durable = _aggregator(preset, tmp_path / "live", rotate_bytes=rotate)
+    cuts = []
+    for i, (t, p) in enumerate(msgs):
+        live.on_message(t, p)
+        cut = tmp_path / f"cut{i}"
+        shutil.copytree(tmp_path / "live", cut)  # the state dir as a crash right now would leave it
+        cuts.append(cut)
+    assert durable is not None and live.finished and _state(live) == _state(ref)
+    durable.close()
+    for i, cut in enumerate(cuts):
+        agg, d = _aggregator(preset, cut, rotate_bytes=rotate)
+        # The last applied message was perhaps not acknowledged: the broker delivers it again.
+        for t, p in msgs[i:]:
+            agg.on_message(t, p)
+        assert agg.finished and _state(agg) == _state(ref), f"restart after message {i}"
+        # ... and is dropped: a duplicate, or stale if it closed its phase (a join again is no upload).
+        assert sum(agg.dropped.values()) == (i >= 3) and set(agg.dropped) <= {"duplicate", "stale"}, agg.dropped
+        assert [r.round for r in agg.records] == [1, 2, 3]
+        assert d is not None
+        d.close()
+        # The journal holds every accepted message exactly once.
+        keys = [(r.client, r.kind, r.round) for r in journal_records(cut)]
+        assert len(keys) == len(set(keys)) == len(msgs)
+    segments = sorted(p.name for p in (tmp_path / "live").glob("journal-*.log"))
+    assert segments == [f"journal-{i:06d}.log" for i in range(len(segments))]
+    assert len(segments) == (1 if rotate else 1 + 3 + 1)  # 0: the joins, one a round, an empty one after the end
+
+
+def test_a_corrupt_checkpoint_stops_the_restart_with_the_file_named(tmp_path: Path) -> None:
+    agg, durable = _aggregator("fedproto", tmp_path)
+    for t, p in _messages("fedproto", agg)[:4]:
+        agg.on_message(t, p)
+    assert durable is not None
+    durable.close()
+    ck = tmp_path / "checkpoint.bin"
+    data = bytearray(ck.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    ck.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"checkpoint {ck} is corrupt"):
+        _aggregator("fedproto", tmp_path)
+    # and a checkpoint of another config is not resumed either
+    ck.unlink()
+    agg, durable = _aggregator("fedproto", tmp_path)  # journal only: the joins are replayed
+    assert durable is not None and sorted(agg.clients) == CLIENTS and agg.round == 1
+    durable.close()
+    other = Aggregator(make_config("fedproto", rounds=4, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                                   round_timeout=600.0, seed=3), FED,
+                       InProcessBroker().connect("s"), expected_clients=CLIENTS)
+    d = DurableState(tmp_path, FED)
+    d.bind(other)
+    with pytest.raises(CheckpointError, match="cannot be resumed: the saved federation was run with another config "
+                                              r"\(differs in: .*rounds"):
+        d.restore()
+
+
+def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(tmp_path: Path) -> None:
+    # The retained round message is how devices resume, and how a device that missed rounds catches up:
+    # it carries the whole global adapter (dense), never a delta. After a crash mid-round 3, the restarted
+    # aggregator publishes the same config and the same round message again (all but the deadline).
+    live_broker = InProcessBroker()
+    agg, durable = _aggregator("protofl", tmp_path / "live", live_broker)
+    msgs = _messages("protofl", agg)
+    for t, p in msgs[:3 + 2 * 6 + 2]:  # joins, rounds 1 and 2, and one upload pair of round 3
+        agg.on_message(t, p)
+    assert agg.round == 3 and durable is not None
+    before = dict(live_broker.retained)
+    shutil.copytree(tmp_path / "live", tmp_path / "crash")
+    durable.close()
+    broker = InProcessBroker()
+    again, d = _aggregator("protofl", tmp_path / "crash", broker)
+    assert again.round == 3 and d is not None and d.replayed == 2
+    env0, msg0 = decode_message(before[topics.round_(FED)])
+    env1, msg1 = decode_message(broker.retained[topics.round_(FED)])
+    assert (env0.round, env0.phase) == (env1.round, env1.phase) == (3, "train")
+    assert isinstance(msg1, RoundStart) and msg1.adapter is not None and msg0.adapter is not None
+    assert msg1.adapter.shape == again.model.adapter.shape  # dense: the full adapter
+    assert msg1.adapter.tobytes() == msg0.adapter.tobytes() == again.model.adapter.tobytes()
+    cfg0, cfg1 = (decode_message(b[topics.config(FED)])[1] for b in (before, broker.retained))
+    assert (cfg1.params, cfg1.adapter_layout) == (cfg0.params, cfg0.adapter_layout)
+    _, status = decode_message(broker.retained[topics.server_status(FED)])
+    assert isinstance(status, Status) and status.state == "running"  # not "waiting": devices keep their rounds
+    d.close()
+
+
+def test_start_refuses_a_corrupt_checkpoint_and_changes_nothing(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from broker_server.cli import app
+
+    agg_dir = tmp_path / "aggregator"
+    agg_dir.mkdir()
+    ck = agg_dir / "checkpoint.bin"
+    ck.write_bytes(b"PFCK1\n" + b"\0" * 32 + b"not the body that was hashed")
+    r = CliRunner().invoke(app, ["start", "--broker", "mqtt://127.0.0.1:9", "--preset", "fedproto", "--state-dir",
+                                 str(tmp_path), "--connect-timeout", "1"])
+    assert r.exit_code == 2
+    assert f"error: checkpoint {ck} is corrupt (SHA-256 mismatch" in r.output and "move it aside" in r.output
+    assert sorted(p.name for p in agg_dir.iterdir()) == ["checkpoint.bin"]  # no journal started beside it
+
+
+def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) -> None:
+    # refprotofl: a prototype phase (public-set and local prototypes -> anchors), then a training phase
+    # (APUD adapters). A restart after any message, either phase, ends bit-identical.
+    cfg = make_config("refprotofl", rounds=2, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                      round_timeout=600.0, seed=3, public_classes=(0, 1), public_per_class=2)
+    public = PublicSet(x=np.zeros((4, 1, 4, 4), np.uint8), y=np.asarray([0, 0, 1, 1]), classes=[0, 1])
+
+    def make(state: Path | None) -> tuple[Aggregator, DurableState | None]:
+        return _aggregator("refprotofl", state, rotate_bytes=0, cfg=cfg, public=public)
+
+    ref, _ = make(None)
+    plan, n_adapter = ref.machine.plan, ref.model.adapter.shape[0]
+    msgs = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=9, profile="", agent_version="t"), fed=FED,
+                                               sender=c)) for c in CLIENTS]
+    for r in (1, 2):
+        for k, c in enumerate(CLIENTS):
+            rng = np.random.default_rng(10 * r + k)
+            pub = ProtoSet(classes=np.asarray([0, 1]), values=rng.normal(size=(2, plan.proto_width)).astype(np.float32),
+                           counts=np.asarray([2, 2]), dt="f4")
+            loc = ProtoSet(classes=np.asarray([2]), values=rng.normal(size=(1, plan.proto_width)).astype(np.float32),
+                           counts=np.asarray([5 + k]), dt="f4")
+            msgs.append((topics.up(FED, c), encode_message(ProtoUpload(local=loc, public=pub, n_samples=9), fed=FED,
+                                                           sender=c, round=r, phase="proto")))
+        for k, c in enumerate(CLIENTS):
+            rng = np.random.default_rng(100 * r + k)
+            idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
+            up = AdapterUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+                               n_samples=9, base_round=r)
+            msgs.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
+    for t, p in msgs:
+        ref.on_message(t, p)
+    assert ref.finished and ref.dropped == {}, ref.dropped
+    live, durable = make(tmp_path / "live")
+    cuts = []
+    for i, (t, p) in enumerate(msgs):
+        live.on_message(t, p)
+        shutil.copytree(tmp_path / "live", tmp_path / f"cut{i}")
+        cuts.append(tmp_path / f"cut{i}")
+    assert durable is not None
+    durable.close()
+    for i, cut in enumerate(cuts):
+        agg, d = make(cut)
+        for t, p in msgs[i:]:
+            agg.on_message(t, p)
+        assert agg.finished and agg.model.adapter.tobytes() == ref.model.adapter.tobytes(), i
+        assert agg.machine.anchors is not None and ref.machine.anchors is not None
+        assert agg.machine.anchors.values.tobytes() == ref.machine.anchors.values.tobytes(), i
+        assert d is not None
+        d.close()
