@@ -98,6 +98,9 @@ CLIENTS = ["c0", "c1", "c2"]
 
 
 def _cfg(preset: str):  # type: ignore[no-untyped-def]
+    if preset == "fedpagr+erpa":  # candidate (d): public-set unit prototypes ride on the training upload
+        return make_config("fedpagr", rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                           round_timeout=600.0, seed=3, refine=False, erpa=True, public_classes=(0, 1))
     return make_config(preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
                        round_timeout=600.0, seed=3)
 
@@ -111,9 +114,14 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
     for r in (1, 2, 3):
         for k, c in enumerate(CLIENTS):
             rng = np.random.default_rng(100 * r + k)
-            protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, width)).astype(np.float32),
-                              counts=np.asarray([5 + k, 6, 7]), dt="f4")
-            out.append((topics.up(FED, c), encode_message(ProtoUpload(local=protos, public=None, n_samples=18),
+            if agg.machine.plan.public_in_train:
+                public = ProtoSet(classes=np.arange(2), values=rng.normal(size=(2, width)).astype(np.float32), dt="f4")
+                protos = ProtoSet(classes=np.array([2]), values=rng.normal(size=(1, width)).astype(np.float32), dt="f4")
+            else:
+                public = None
+                protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, width)).astype(np.float32),
+                                  counts=np.asarray([5 + k, 6, 7]), dt="f4")
+            out.append((topics.up(FED, c), encode_message(ProtoUpload(local=protos, public=public, n_samples=18),
                                                           fed=FED, sender=c, round=r, phase="train")))
             if n_adapter:
                 idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
@@ -144,10 +152,13 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
     out = {f"proto{c}": v.tobytes() for c, v in m.prototypes.items()}
     if m.adapter is not None:
         out["adapter"] = m.adapter.tobytes()
+    if m.unit is not None:
+        out["unit"] = m.unit.tobytes()
     return out
 
 
-@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl", 1 << 20), ("protofl", 0)])
+@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl", 1 << 20), ("protofl", 0),
+                                           ("fedpagr+erpa", 1 << 20)])
 def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate: int, tmp_path: Path) -> None:
     # rotate 0: a new journal segment at every phase boundary; 1 MiB: one segment for the whole run.
     ref, _ = _aggregator(preset, None)
