@@ -94,10 +94,15 @@ GPU_NOTE = """\
 Not run yet. The issue asks for setting A at RefProtoFL's sizing (the full 60,000-image training set,
 ResNet18, 50 rounds, 10 clients, alpha 0.5 and 100, the full test set) for fedavg, fedproto, refprotofl,
 tinyproto and protofl with `--device cuda`, on the GPU machine a session is sometimes lent. The sessions
-that built this table had none (`status`: can_start_another false on 2026-11-21 and 2026-11-23), so every
-figure above is at the CPU sizing, 25-30 points under the papers'. The simulator runs on CUDA
-(`--device cuda`, tests/edge_agent/test_cuda.py) and FedAvg's resnet18 messages fit the derived decoder
-limits; what is left is the runs themselves and the FedAvg round-time profile."""
+that built this table had none (`status`: can_start_another false on 2026-11-21 and in both sessions of
+2026-11-23), so every figure above is at the CPU sizing, 25-30 points under the papers'. The simulator runs
+on CUDA (`--device cuda`, tests/edge_agent/test_cuda.py) and FedAvg's resnet18 messages fit the derived
+decoder limits; what is left is the runs themselves and the GPU half of the FedAvg round-time profile.
+The server's half, measured on this CPU for one resnet18 FedAvg upload (11.2 M values, 44.8 MB encoded):
+encode 0.28 s (on the device), decode 0.07 s, clipping 0.36 s (+0.09 s converting the reference to float64,
+now done once per round instead of per upload), fold 0.10 s: about 0.5 s of server CPU per upload, ~5 s
+of a 10-client round. The 70 s round the issue measured is therefore mostly on the devices' side
+(training, the rollback snapshot, evaluation), which only the GPU machine can profile."""
 
 
 @dataclass(frozen=True)
