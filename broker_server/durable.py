@@ -20,8 +20,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from broker_server.journal import Journal, Record
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from protofl.wire import Envelope
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("protofl.durability")
 FORMAT = 1
 ROTATE_BYTES = 64 << 20  # a journal segment is closed at the first phase boundary past this size
+EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is writable again
 
 
 def segment_path(directory: Path, segment: int) -> Path:
@@ -44,7 +45,6 @@ def journal_records(directory: Path | str) -> list[Record]:
         out += j.records
         j.close()
     return out
-EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is writable again
 
 
 class DurableState:
