@@ -278,12 +278,13 @@ class TrainPhase:
         if isinstance(self.protos, refine.ConsensusAggregator):
             masks = self.model.masks
             dense = (lambda t: cps.reconstruct_table(t, masks)) if masks is not None else (lambda t: t)
+            local = dense(table)
             if self.public_protos is not None:
                 # Both aggregators check everything before folding: check the local table first so that a
                 # bad one cannot leave the public prototypes folded alone.
-                self.protos.check(dense(table))
+                self.protos.check(local)
                 self.public_protos.add(dense(pub))
-            self.protos.add(dense(table))
+            self.protos.add(local)
         elif isinstance(self.protos, ScaledAggregator):
             self.protos.add(table)
         else:
