@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.table_runs import (CANDIDATES, FEDERATIONS, GPU_NOTE, LAMBDAS, PAPER_REFS, ROW_BY_KEY, SECTIONS, SEEDS, SIZING,
-                              SIZING_NOTE, SWEEP, Row, Run, Section, preset_stages, preset_variant, run_args)
+                              REFUSED, SIZING_NOTE, SWEEP, Row, Run, Section, candidate_row, preset_stages,
+                              preset_variant, run_args)
 
 COLUMNS = ("method", "seeds", "local", "local proto", "global", "global proto", "ens.", "off-mask energy",
            "up B/client/rnd", "up total MB", "wall s", "paper (their setting)")
@@ -223,13 +224,13 @@ def goal_protofl(ctx: Context) -> Goal:
     suffix = preset_variant()
     if suffix is None:
         return Goal(name, "NOT RUN", ["`--preset protofl` equals none of setting D's candidate rows"])
-    keys = [k for tag, others, _, _ in D_COMPARE.values() for k in (f"D/{tag}-{suffix}", *others.values())]
+    keys = [k for tag, others, _, _ in D_COMPARE.values() for k in (candidate_row(tag, suffix), *others.values())]
     got, missing = _rows(ctx, *keys)
     if missing:
         return _not_run(name, missing, got)
     ev, all_ok = [], True
     for where, (tag, others, metric, mlabel) in D_COMPARE.items():
-        pf = got[f"D/{tag}-{suffix}"]
+        pf = got[candidate_row(tag, suffix)]
         beaten_by = [n for n, k in others.items() if beats(got[k], pf, metric)]
         tp_bytes = got[others["tinyproto"]].mean("up_total")
         ratio = pf.mean("up_total") / max(tp_bytes, 1)
@@ -271,7 +272,7 @@ def _score(a: RowStats, b: RowStats) -> RowStats:
 
 
 def decide_default(ctx: Context) -> Decision:
-    keys = {suffix: (f"D/a-{suffix}", f"D/b-{suffix}") for suffix, _, _ in CANDIDATES}
+    keys = {suffix: (candidate_row("a", suffix), candidate_row("b", suffix)) for suffix, _, _ in CANDIDATES}
     got, missing = _rows(ctx, *(k for pair in keys.values() for k in pair))
     if missing:
         return Decision("NOT RUN", ["waiting for: " + ", ".join(f"`{m}`" for m in missing)])
@@ -296,6 +297,37 @@ def decide_default(ctx: Context) -> Decision:
               + ("matches the rule's choice." if current == choice else
                  "does NOT match the rule's choice: set PRESETS['protofl'] in protofl/presets.py to it.")]
     return Decision("CHOSEN", lines, choice, current == choice)
+
+
+# -- combinations refused since they were measured -------------------------------------------------------------
+def refused_lines(ctx: Context) -> list[str]:
+    """Runs kept in D/refused/ (made before the config refused their switches) against the candidate they
+    turned out to equal, seed by seed: the measurement behind the refusal."""
+    out = ["Scaling with ERPA when the public set covers every class: every anchor is a public-set mean, no "
+           "client sends an n-weighted prototype, so scaling acts on nothing. These runs were made before the "
+           "config refused the combination (`protofl/config.py`); each is compared with its scaling-free twin, "
+           "seed by seed (A: global accuracy, B: local accuracy).", "",
+           "| refused combination | on | seeds | its accuracy, per seed | twin | twin's, per seed | max abs diff (points) |",
+           "|---|---|--:|---|---|---|--:|"]
+    metric_of = {"a": "global_acc", "b": "local_acc"}
+    for suffix, label, _, twins in REFUSED:
+        for tag, twin_key in twins.items():
+            twin = row_stats(ctx, twin_key)
+            mine: dict[int, float] = {}
+            for seed in SEEDS:
+                p = ctx.run_root / "D" / "refused" / f"{tag}-{suffix}-s{seed}.json"
+                if p.is_file():
+                    mine[seed] = summary(json.loads(p.read_text()))[metric_of[tag]]
+            theirs = twin.values(metric_of[tag])
+            common = sorted(set(mine) & set(theirs))
+            if not mine:
+                continue
+            diff = max((abs(mine[s] - theirs[s]) for s in common), default=None)
+            out.append(f"| {label} | {'A' if tag == 'a' else 'B'} | {','.join(map(str, sorted(mine)))} | "
+                       f"{' / '.join(pct(mine[s]) for s in sorted(mine))} | {twin.row.label} (`{twin_key}`) | "
+                       f"{' / '.join(pct(theirs.get(s)) for s in sorted(mine))} | "
+                       f"{'-' if diff is None else f'{100 * diff:.2f}'} |")
+    return out
 
 
 # -- lambda sweep --------------------------------------------------------------------------------------------
@@ -531,8 +563,10 @@ def write(ctx: Context, quiet: bool = False) -> Path:
     decision = decide_default(ctx)
     out += ["## Default of the `protofl` preset (decided by setting D)", "",
             "ALGORITHMS.md: which combination of stages is the default \"is decided by the ablation benchmark, not "
-            "by taste\". Candidates: the rows of setting D.", ""]
+            "by taste\". Candidates: the rows of setting D, and (a) w/o CPS, whose switches are the refprotofl preset's "
+            "(its rows are refprotofl's: same federation, sizing and seeds).", ""]
     out += decision.lines if decision.status == "CHOSEN" else [DECISION_RULE, "", f"**NOT RUN**: {decision.lines[0]}"]
+    out += ["", "### Refused since measured: scaling with ERPA on a full public set", ""] + refused_lines(ctx)
     out += ["", "## Lambda sweep (alignment term on the MSE scale)", ""] + sweep_lines(ctx) + [""]
     plot_dir = ctx.run_root / "plots"
     for setting in ("A", "B", "C", "D", "L"):

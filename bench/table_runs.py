@@ -288,20 +288,42 @@ SECTIONS.append(Section("C", "C", "C (FedPAGR): 20 clients, alpha = 0.1, five ar
 # whatever the preset's default is; the default is chosen from them by `bench.table_report.decide_default`
 # (DECISION_RULE), and goal 4 judges the candidate the preset resolves to.
 STAGE_KEYS = ("federate", "prototypes", "consensus", "erpa", "apud", "cps", "cps_s", "scaling", "refine")
+# Scaling is off in (a): with the public set on every class ERPA anchors every class with the public-set mean,
+# so scaling has nothing to act on and the config refuses it (the runs made before the refusal are kept in
+# D/refused/ and shown in their own table: identical to their scaling-free twins).
 _A = dict(federate="adapter", prototypes="mean", consensus=False, erpa=True, apud=True, cps=True, cps_s=None,
-          scaling=True, refine=False)
+          scaling=False, refine=False)
 _SPHERICAL = dict(federate="none", prototypes="unit", consensus=True, erpa=False, apud=False, cps=True, cps_s=None,
                   scaling=False, refine=False)
 CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    # (name suffix, label, switches): ALGORITHMS.md's candidates and the stage removals of (a)
-    ("all", "(a) CPS + scaling + ERPA + APUD", _A),
+    # (name suffix, label, switches): ALGORITHMS.md's candidates and the stage removals of (a).
+    # (a) w/o CPS is ERPA + APUD, the refprotofl preset: its row is the baseline's.
+    ("all", "(a) CPS + ERPA + APUD", _A),
     ("no-apud", "(a) w/o APUD (dense adapters)", {**_A, "apud": False}),
-    ("no-erpa", "CPS + scaling + APUD (w/o ERPA)", {**_A, "erpa": False}),
-    ("no-cps", "scaling + ERPA + APUD (w/o CPS)", {**_A, "cps": False}),
-    ("no-scaling", "CPS + ERPA + APUD (w/o scaling)", {**_A, "scaling": False}),
+    ("no-erpa", "CPS + scaling + APUD (w/o ERPA)", {**_A, "erpa": False, "scaling": True}),
+    ("no-cps", "ERPA + APUD (w/o CPS) = refprotofl", {**_A, "cps": False}),
     ("spherical", "(b) spherical CPS: FedPAGR's objective on CPS-masked unit prototypes", _SPHERICAL),
     ("spherical-refine", "(c) spherical CPS, s = m/4, + refinement", {**_SPHERICAL, "cps_s": 128, "refine": True}),
     ("spherical-erpa", "(d) spherical CPS + ERPA anchors from the public set, normalised", {**_SPHERICAL, "erpa": True}),
+)
+# Candidates whose runs are another setting's rows (same federation, sizing, seeds and resolved stages):
+# suffix -> {tag: row key}. Their D rows are not run twice.
+CANDIDATE_ELSEWHERE: dict[str, dict[str, str]] = {"no-cps": {"a": "A/a0.5-refprotofl", "b": "B/refprotofl"}}
+
+
+def candidate_row(tag: str, suffix: str) -> str:
+    """The row key holding candidate `suffix` on federation tag 'a' (A) or 'b' (B)."""
+    return CANDIDATE_ELSEWHERE.get(suffix, {}).get(tag, f"D/{tag}-{suffix}")
+
+
+# Combinations measured before the config refused them (scaling + ERPA with every class public), each
+# with the candidate it turned out identical to: (refused run suffix, label, switches, twin row key per tag).
+REFUSED: tuple[tuple[str, str, dict[str, Any], dict[str, str]], ...] = (
+    ("all", "CPS + scaling + ERPA + APUD", {**_A, "scaling": True}, {"a": "D/a-all", "b": "D/b-all"}),
+    ("no-apud", "CPS + scaling + ERPA (dense adapters)", {**_A, "scaling": True, "apud": False},
+     {"a": "D/a-no-apud", "b": "D/b-no-apud"}),
+    ("no-cps", "scaling + ERPA + APUD", {**_A, "scaling": True, "cps": False},
+     {"a": "A/a0.5-refprotofl", "b": "B/refprotofl"}),
 )
 
 
@@ -331,7 +353,7 @@ for fed, tag, base, baselines in (
 ):
     keys = _add(*(Row("D", f"{tag}-{suffix}", label + (" = protofl preset" if suffix == _preset_suffix else ""),
                       "protofl", fed, candidate_sets(switches), tier=GOAL4 if suffix == _preset_suffix else ABLATION)
-                  for suffix, label, switches in CANDIDATES))
+                  for suffix, label, switches in CANDIDATES if suffix not in CANDIDATE_ELSEWHERE))
     where = "A (alpha = 0.5, 10 clients)" if base == "A" else "B (alpha = 0.1, 20 clients)"
     SECTIONS.append(Section("D", f"D-{base}", f"D (combined) on {where}", fed, tuple(keys) + baselines,
                             (f"Rows marked 'from {base}' are the runs of setting {base} (same federation, sizing "

@@ -1,4 +1,4 @@
-"""Record the golden reports: `python tests/golden/record.py tests/golden` (see README.md).
+"""Record the golden reports: `python tests/golden/record.py tests/golden [CASE ...]` (see README.md).
 
 Importing this module only defines the cases; torch and the simulator are imported when recording.
 """
@@ -12,17 +12,21 @@ from typing import Any
 FED: dict[str, Any] = dict(dataset="synthetic:n=1200,n_test=300", clients=4, alpha=0.5, rounds=2, seed=3)
 CASES: dict[str, dict[str, Any]] = {
     "fedavg": {}, "fedproto": {}, "refprotofl": {}, "tinyproto": {}, "fedpagr": {}, "protofl": {},
-    "protofl-erpa": {"preset": "protofl", "overrides": {"erpa": True}},
+    # public set on half the classes: ERPA anchors those, scaled prototypes the others (with every class
+    # public, scaling has nothing to act on and the config refuses it)
+    "protofl-erpa": {"preset": "protofl", "overrides": {"erpa": True, "public_classes": (0, 1, 2, 3, 4)}},
 }
 
 
-def main(out: str) -> None:
+def main(out: str, only: list[str] | None = None) -> None:
     import torch
 
     from broker_server.simulation import SimulationSpec, run_simulation
 
     torch.set_num_threads(1)
     for name, extra in CASES.items():
+        if only and name not in only:
+            continue
         report = run_simulation(SimulationSpec(**{"preset": name, **FED, **extra}))
         report["totals"].pop("wall_s")
         with open(f"{out}/{name}.json", "w") as fh:
@@ -31,4 +35,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:] or None)  # optional case names: record only those

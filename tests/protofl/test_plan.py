@@ -34,7 +34,8 @@ def test_each_preset_plan(preset: str) -> None:
 
 
 def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> None:
-    plan = RoundPlan.from_config(make_config("protofl", erpa=True))
+    # public set on half the classes: the others are anchored by scaled prototypes (scaling acts)
+    plan = RoundPlan.from_config(make_config("protofl", erpa=True, public_classes=(0, 1, 2, 3, 4)))
     assert plan.sends(Phase.PROTO) == (P,) and plan.sends(Phase.TRAIN) == (A,)
     assert plan.target is TargetKind.ANCHOR and plan.next_phase(Phase.PROTO) is Phase.TRAIN
     assert plan.next_phase(Phase.TRAIN) is None
@@ -45,7 +46,9 @@ def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> 
     (dict(preset="fedproto", refine=True), "with neither it changes nothing"),
     (dict(preset="fedavg", refine=True), "nothing to refine"),
     # 10 classes x s = 51 <= 512: disjoint masks, refinement is a no-op
-    (dict(preset="protofl", erpa=True, refine=True), "changes nothing: masked anchors are already orthogonal"),
+    (dict(preset="protofl", erpa=True, scaling=False, refine=True), "changes nothing: masked anchors are already orthogonal"),
+    # every class public: ERPA anchors are public-set means, no client sends a scaled prototype
+    (dict(preset="tinyproto", erpa=True), "scaling changes nothing with erpa"),
     # spherical CPS: 10 x 51 <= 512, disjoint masks, the unit prototypes are already orthogonal
     (dict(preset="fedpagr", cps=True), "spherical CPS prototypes whose masks do not overlap"),
     (dict(preset="fedpagr", scaling=True), "unit prototypes"),
@@ -60,10 +63,15 @@ def test_meaningless_switch_combinations_are_refused_with_a_reason(overrides: di
         make_config(preset, **overrides)
 
 
+def test_scaling_with_erpa_is_accepted_where_a_class_lacks_public_data() -> None:
+    assert make_config("tinyproto", erpa=True, public_classes=(0, 1)).scaling
+    assert make_config("tinyproto", erpa=True, public_per_class=0).scaling  # no public set: every class scaled
+
+
 def test_refinement_is_accepted_where_it_acts() -> None:
     make_config("fedpagr", refine=True)  # unit prototypes
     make_config("refprotofl", refine=True)  # dense ERPA anchors
-    make_config("protofl", erpa=True, refine=True, cps_s=128)  # 10 x 128 > 512: masks overlap
+    make_config("protofl", erpa=True, scaling=False, refine=True, cps_s=128)  # 10 x 128 > 512: masks overlap
     make_config("fedpagr", cps=True, cps_s=128)  # spherical CPS with overlapping masks (candidate (c))
 
 
@@ -79,7 +87,7 @@ def test_erpa_on_spherical_cps_is_one_phase_with_public_prototypes_in_the_traini
     assert plan.target is TargetKind.PAGR and plan.anchor_kind == "unit+cps" and plan.proto_width == 51
     assert plan.public_classes == tuple(range(10))
     assert not RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False)).public_in_train
-    assert not RoundPlan.from_config(make_config("protofl", erpa=True)).public_in_train  # two phases
+    assert not RoundPlan.from_config(make_config("protofl", erpa=True, scaling=False)).public_in_train  # two phases
 
 
 def test_limits_follow_the_model() -> None:
