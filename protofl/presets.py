@@ -8,12 +8,14 @@ tinyproto   TinyProto-FP (paper 002): FedProto + CPS (s = m/10) + prototype scal
             reproduced such a run exactly; ALGORITHMS.md, TinyProto). `--set mu=1.5e-4` is the paper's value.
 fedpagr     FedPAGR (paper 004): consensus projection, unit prototypes, geometric refinement.
 protofl     The combined pipeline as the ablation benchmark chose it (ALGORITHMS.md: "decided by the
-            ablation benchmark, not by taste"; bench/results/TABLE.md, setting D): CPS-compressed, scaled
-            prototype uploads (mu = "auto") and APUD top-K adapter uploads; ERPA off (`--set erpa=true`
-            switches it on). This default was chosen when ERPA's term was the summed squared error, which
-            collapsed training; under the MSE-scale term setting D is being re-run around the candidates
-            (a)-(d) of ALGORITHMS.md, and the default follows the rule written in TABLE.md.
-            Refinement is off: with disjoint CPS masks (C*s <= m) it changes nothing.
+            ablation benchmark, not by taste"; bench/results/TABLE.md, "Default of the protofl preset"):
+            candidate (b), spherical CPS: FedPAGR's client objective (consensus projection, unit
+            prototypes, anchored head, cosine logits, entropy term) on CPS-masked unit prototypes, so a
+            round uploads TinyProto's bytes (s = m/10 values per class). Nothing else is federated: no
+            adapters, no ERPA, no refinement (disjoint masks make it a no-op; with `cps_s=128` the masks
+            overlap and `--set refine=true` acts). The rule picked it over (a) CPS + ERPA + APUD and the
+            others on 3 seeds; FedPAGR (full 512-d prototypes, about 9x the bytes) still beats it on B's local
+            accuracy by 0.7 points (TABLE.md, goal 4).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "refprotofl": dict(federate="adapter", prototypes="mean", erpa=True, apud=True),
     "tinyproto": dict(federate="none", prototypes="mean", cps=True, scaling=True, mu="auto"),
     "fedpagr": dict(federate="none", prototypes="unit", consensus=True, refine=True),
-    "protofl": dict(federate="adapter", prototypes="mean", erpa=False, apud=True, cps=True,
-                    scaling=True, mu="auto"),
+    "protofl": dict(federate="none", prototypes="unit", consensus=True, erpa=False, apud=False, cps=True,
+                    scaling=False, refine=False),
 }
 
 

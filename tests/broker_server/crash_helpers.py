@@ -12,10 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.pipelines import ADAPTER_PIPELINE, as_cli_sets
+
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=400,n_test=20,size=12"
-# protofl without ERPA: APUD sparse adapters and CPS-scaled prototypes, every upload kind of a round.
-SETTINGS = ["--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]", "--set", "proto_dim=20", "--set",
+# APUD sparse adapters and CPS-scaled prototypes (tests/pipelines.py), every upload kind of a round.
+SETTINGS = [*as_cli_sets(ADAPTER_PIPELINE), "--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]", "--set", "proto_dim=20", "--set",
             "adapter_rank=2", "--set", "batch_size=50", "--seed", "4"]
 
 

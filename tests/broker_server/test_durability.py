@@ -25,6 +25,7 @@ from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
 from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
                           encode_message)
+from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "dur"
 
@@ -101,6 +102,9 @@ def _cfg(preset: str):  # type: ignore[no-untyped-def]
     if preset == "fedpagr+erpa":  # candidate (d): public-set unit prototypes ride on the training upload
         return make_config("fedpagr", rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
                            round_timeout=600.0, seed=3, refine=False, erpa=True, public_classes=(0, 1))
+    if preset == "protofl+adapters":  # APUD adapters and CPS-scaled prototypes in one upload
+        return make_config("protofl", rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
+                           round_timeout=600.0, seed=3, **ADAPTER_PIPELINE)
     return make_config(preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
                        round_timeout=600.0, seed=3)
 
@@ -157,8 +161,8 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl", 1 << 20), ("protofl", 0),
-                                           ("fedpagr+erpa", 1 << 20)])
+@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl+adapters", 1 << 20),
+                                           ("protofl+adapters", 0), ("protofl", 1 << 20), ("fedpagr+erpa", 1 << 20)])
 def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate: int, tmp_path: Path) -> None:
     # rotate 0: a new journal segment at every phase boundary; 1 MiB: one segment for the whole run.
     ref, _ = _aggregator(preset, None)
@@ -227,8 +231,8 @@ def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(t
     # it carries the whole global adapter (dense), never a delta. After a crash mid-round 3, the restarted
     # aggregator publishes the same config and the same round message again (all but the deadline).
     live_broker = InProcessBroker()
-    agg, durable = _aggregator("protofl", tmp_path / "live", live_broker)
-    msgs = _messages("protofl", agg)
+    agg, durable = _aggregator("protofl+adapters", tmp_path / "live", live_broker)
+    msgs = _messages("protofl+adapters", agg)
     for t, p in msgs[:3 + 2 * 6 + 2]:  # joins, rounds 1 and 2, and one upload pair of round 3
         agg.on_message(t, p)
     assert agg.round == 3 and durable is not None
@@ -236,7 +240,7 @@ def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(t
     shutil.copytree(tmp_path / "live", tmp_path / "crash")
     durable.close()
     broker = InProcessBroker()
-    again, d = _aggregator("protofl", tmp_path / "crash", broker)
+    again, d = _aggregator("protofl+adapters", tmp_path / "crash", broker)
     assert again.round == 3 and d is not None and d.replayed == 2
     env0, msg0 = decode_message(before[topics.round_(FED)])
     env1, msg1 = decode_message(broker.retained[topics.round_(FED)])

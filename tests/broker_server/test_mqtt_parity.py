@@ -16,6 +16,7 @@ from broker_server.simulation import SimulationSpec, run_simulation
 from broker_server.stages import ServerModel
 from protofl.presets import PRESETS
 from protofl.transport.broker_url import parse_broker_url
+from tests.pipelines import ADAPTER_PIPELINE
 
 FED = dict(dataset="synthetic:n=600,n_test=100", clients=5, alpha=0.5, rounds=3, seed=2)
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -67,10 +68,10 @@ def test_every_preset_over_mosquitto_matches_inprocess(preset: str, mosquitto_mo
 @pytest.mark.slow
 @pytest.mark.mosquitto
 def test_agents_as_separate_processes_match_inprocess(mosquitto_module: MosquittoBroker) -> None:
-    # protofl with every stage on (ERPA's two phases, APUD sparse adapters, CPS + scaled prototypes; the
-    # preset's default leaves ERPA off); one OS process per agent, each loading its own share
+    # The mean pipeline with every stage on (ERPA's two phases, APUD sparse adapters, CPS + scaled prototypes
+    # for the classes the public set lacks); one OS process per agent, each loading its own share
     # (`protofl-edge join --partition i/5`).
-    every_stage = {"erpa": True}
+    every_stage = {**ADAPTER_PIPELINE, "erpa": True, "public_classes": (0, 1, 2, 3, 4)}
     inproc, expected = run(SimulationSpec(preset="protofl", overrides=every_stage, **FED))
     mqtt, got = run(SimulationSpec(preset="protofl", transport="mqtt", agents="process", timeout=240,
                                    broker=parse_broker_url(mosquitto_module.url), overrides=every_stage, **FED))

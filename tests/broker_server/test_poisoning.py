@@ -15,6 +15,7 @@ from protofl.algorithms.robust import ClipPolicy, CoordinateRobust, clip_around
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
 from protofl.wire import Join, ProtoSet, ProtoUpload, encode_message
+from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "poison"
 C, M, ROUNDS = 4, 8, 4
@@ -125,7 +126,7 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
     from protofl.sparse import SparseVector
     from protofl.wire import AdapterUpload
 
-    cfg = make_config("protofl", num_classes=C, proto_dim=M, adapter_rank=1)
+    cfg = make_config("protofl", num_classes=C, proto_dim=M, adapter_rank=1, **ADAPTER_PIPELINE)
     policy = ClipPolicy(first_radius=1.0, robust=robust)
     model = ServerModel(cfg, RoundPlan.from_config(cfg), policy=policy)
     model.adapter = initial_adapter(adapter_layout(M, 1, C), seed=0)

@@ -14,6 +14,7 @@ from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
 from protofl.wire import AdapterUpload, Join, ProtoSet, ProtoUpload, encode_message
+from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "r"
 
@@ -83,10 +84,10 @@ CASES = {
         update=SparseVector(n=10, indices=np.array([1]), values=np.array([1.0], np.float32)), n_samples=4,
         base_round=1), "invalid"),
     # ERPA + scaling: the public table is fine, the scaled local table is not; neither may be folded
-    "protofl-erpa/scaled_class_out_of_range": ("protofl", dict(erpa=True, public_classes=(0,), cps_s=1), "proto",
+    "protofl-erpa/scaled_class_out_of_range": ("protofl", dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1), "proto",
                                                ProtoUpload(local=protoset({1: [1.0], 7: [2.0]}),
                                                            public=protoset({0: [2.0]}), n_samples=4), "invalid"),
-    "protofl-erpa/scaled_wrong_width": ("protofl", dict(erpa=True, public_classes=(0,), cps_s=1), "proto",
+    "protofl-erpa/scaled_wrong_width": ("protofl", dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1), "proto",
                                         ProtoUpload(local=protoset({1: [1.0, 2.0]}), public=protoset({0: [2.0]}),
                                                     n_samples=4), "invalid"),
 }

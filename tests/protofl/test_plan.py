@@ -8,6 +8,7 @@ from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import Phase, RoundPlan, TargetKind, Upload
 from protofl.presets import make_config
+from tests.pipelines import ADAPTER_PIPELINE
 
 A, P = Upload.ADAPTER, Upload.PROTOS
 
@@ -19,7 +20,8 @@ EXPECTED = {
                    TargetKind.ANCHOR, "dense", 512),
     "tinyproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.MSE, "cps+scaled", 51),
     "fedpagr": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.PAGR, "unit", 512),
-    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (A, P)}, Phase.TRAIN, TargetKind.MSE, "cps+scaled", 51),
+    # candidate (b) of setting D, spherical CPS (bench/results/TABLE.md chose it)
+    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.PAGR, "unit+cps", 51),
 }
 
 
@@ -35,7 +37,8 @@ def test_each_preset_plan(preset: str) -> None:
 
 def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> None:
     # public set on half the classes: the others are anchored by scaled prototypes (scaling acts)
-    plan = RoundPlan.from_config(make_config("protofl", erpa=True, public_classes=(0, 1, 2, 3, 4)))
+    plan = RoundPlan.from_config(make_config("protofl", **{**ADAPTER_PIPELINE, "erpa": True},
+                                               public_classes=(0, 1, 2, 3, 4)))
     assert plan.sends(Phase.PROTO) == (P,) and plan.sends(Phase.TRAIN) == (A,)
     assert plan.target is TargetKind.ANCHOR and plan.next_phase(Phase.PROTO) is Phase.TRAIN
     assert plan.next_phase(Phase.TRAIN) is None
@@ -46,7 +49,7 @@ def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> 
     (dict(preset="fedproto", refine=True), "with neither it changes nothing"),
     (dict(preset="fedavg", refine=True), "nothing to refine"),
     # 10 classes x s = 51 <= 512: disjoint masks, refinement is a no-op
-    (dict(preset="protofl", erpa=True, scaling=False, refine=True), "changes nothing: masked anchors are already orthogonal"),
+    (dict(preset="refprotofl", cps=True, refine=True), "changes nothing: masked anchors are already orthogonal"),
     # every class public: ERPA anchors are public-set means, no client sends a scaled prototype
     (dict(preset="tinyproto", erpa=True), "scaling changes nothing with erpa"),
     # spherical CPS: 10 x 51 <= 512, disjoint masks, the unit prototypes are already orthogonal
@@ -71,7 +74,7 @@ def test_scaling_with_erpa_is_accepted_where_a_class_lacks_public_data() -> None
 def test_refinement_is_accepted_where_it_acts() -> None:
     make_config("fedpagr", refine=True)  # unit prototypes
     make_config("refprotofl", refine=True)  # dense ERPA anchors
-    make_config("protofl", erpa=True, scaling=False, refine=True, cps_s=128)  # 10 x 128 > 512: masks overlap
+    make_config("refprotofl", cps=True, refine=True, cps_s=128)  # 10 x 128 > 512: masks overlap
     make_config("fedpagr", cps=True, cps_s=128)  # spherical CPS with overlapping masks (candidate (c))
 
 
@@ -87,7 +90,7 @@ def test_erpa_on_spherical_cps_is_one_phase_with_public_prototypes_in_the_traini
     assert plan.target is TargetKind.PAGR and plan.anchor_kind == "unit+cps" and plan.proto_width == 51
     assert plan.public_classes == tuple(range(10))
     assert not RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False)).public_in_train
-    assert not RoundPlan.from_config(make_config("protofl", erpa=True, scaling=False)).public_in_train  # two phases
+    assert not RoundPlan.from_config(make_config("refprotofl")).public_in_train  # two phases
 
 
 def test_limits_follow_the_model() -> None:
