@@ -239,7 +239,41 @@ def goal_protofl(ctx: Context) -> Goal:
         ev.append(f"{where}, {mlabel}: " + "; ".join(effect(pf, got[k], metric, "protofl", n) for n, k in others.items()))
         ev.append(f"{where}: beaten by {', '.join(beaten_by) if beaten_by else 'no single-paper preset'}; uplink "
                   f"protofl {pf.mean('up_total'):,.0f} B = {ratio:.2f}x tinyproto's ({'<=' if ratio <= 2 else '>'} 2x)")
+    if not all_ok:
+        ev += closest_candidate(ctx)
     return Goal(name, "MET" if all_ok else "MISSED", ev)
+
+
+def closest_candidate(ctx: Context) -> list[str]:
+    """For a missed goal 4: each candidate's shortfall (the largest mean gap to a single-paper preset that
+    beats it under the rule) and bytes against tinyproto's, and which came closest within the 2x budget."""
+    rows: list[tuple[float, float, str, str]] = []  # (shortfall in points, worst bytes ratio, label, detail)
+    for suffix, label, _ in CANDIDATES:
+        got, missing = _rows(ctx, *(k for tag, others, _, _ in D_COMPARE.values()
+                                    for k in (candidate_row(tag, suffix), *others.values())))
+        if missing:
+            continue
+        short, ratio, detail = 0.0, 0.0, []
+        for where, (tag, others, metric, _) in D_COMPARE.items():
+            pf = got[candidate_row(tag, suffix)]
+            ratio = max(ratio, pf.mean("up_total") / max(got[others["tinyproto"]].mean("up_total"), 1))
+            for n, k in others.items():
+                if beats(got[k], pf, metric):
+                    gap = 100 * (got[k].mean(metric) - pf.mean(metric))
+                    short = max(short, gap)
+                    detail.append(f"{n} by {gap:.2f} in {where} (sends {got[k].mean('up_per'):,.0f} B/client/round "
+                                  f"vs {pf.mean('up_per'):,.0f})")
+        rows.append((short, ratio, label, "; ".join(detail) or "beaten by none"))
+    if not rows:
+        return []
+    out = ["candidates (shortfall: the largest mean gap to a preset that beats it; bytes: the larger of A's and "
+           "B's ratio to tinyproto's): " + "; ".join(f"{lab}: {sh:.2f} points, {r:.2f}x ({d})"
+                                                    for sh, r, lab, d in sorted(rows))]
+    within = [r for r in rows if r[1] <= 2.0]
+    if within:
+        sh, r, lab, _ = min(within)
+        out.append(f"closest within the 2x byte budget: {lab}, short by {sh:.2f} points at {r:.2f}x tinyproto's bytes")
+    return out
 
 
 def goals(ctx: Context) -> list[Goal]:

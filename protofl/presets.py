@@ -31,8 +31,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "refprotofl": dict(federate="adapter", prototypes="mean", erpa=True, apud=True),
     "tinyproto": dict(federate="none", prototypes="mean", cps=True, scaling=True, mu="auto"),
     "fedpagr": dict(federate="none", prototypes="unit", consensus=True, refine=True),
+    # mu only acts with scaling (off here); "auto" is what `--set scaling=true` on mean prototypes wants
     "protofl": dict(federate="none", prototypes="unit", consensus=True, erpa=False, apud=False, cps=True,
-                    scaling=False, refine=False),
+                    scaling=False, refine=False, mu="auto"),
 }
 
 
