@@ -207,3 +207,20 @@ def test_a_config_field_added_since_the_run_keeps_the_cache_while_it_holds_its_d
     fedpagr = RUN_BY_KEY["C/fedpagr-train-head-s0"]  # the new field set away from its default: stale
     old = {k: v for k, v in paper_table.expected_config(fedpagr, "quick").items() if k != "pagr_train_head"}
     assert not paper_table.config_matches({"config": old}, fedpagr, "quick")
+
+
+def test_a_missed_goal_4_names_the_closest_candidate_and_by_how_much(tmp_path):
+    suffix = table_report.preset_variant()
+    assert suffix is not None  # the preset is one of setting D's candidates
+    reports = {}
+    for key in ("A/a0.5-refprotofl", "A/a0.5-tinyproto", "A/a0.5-fedpagr"):
+        reports.update(_seeded(key, [_fake_report(0.8, 0.40, 100)] * 3))
+    for key, local in (("B/refprotofl", 0.80), ("B/tinyproto", 0.80), ("B/fedpagr", 0.86)):
+        reports.update(_seeded(key, [_fake_report(local, 0.2, 100)] * 3))
+    reports.update(_seeded(candidate_row("a", suffix), [_fake_report(0.8, 0.45, 150)] * 3))
+    reports.update(_seeded(candidate_row("b", suffix), [_fake_report(0.85, 0.2, 150)] * 3))
+    goal = table_report.goal_protofl(_ctx(tmp_path, reports))
+    assert goal.status == "MISSED"
+    assert any("B: beaten by fedpagr" in e for e in goal.evidence)
+    closest = goal.evidence[-1]
+    assert closest.startswith("closest within the 2x byte budget:") and "short by 1.00 points at 1.50x" in closest
