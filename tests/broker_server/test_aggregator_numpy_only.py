@@ -70,7 +70,7 @@ SCRIPT = textwrap.dedent(
                                              base_round=env.round))
                 if cfg.prototypes != "none" and not cfg.erpa:
                     unit = cfg.prototypes == "unit"
-                    out.append(ProtoUpload(local=protoset([0, 2], cfg.proto_dim if unit else width, rng,
+                    out.append(ProtoUpload(local=protoset([0, 2], width, rng,
                                                           counts=not (cfg.scaling or unit), unit=unit),
                                            public=None, n_samples=10))
             for m in out:
