@@ -386,6 +386,12 @@ def sweep_lines(ctx: Context) -> list[str]:
                              and not beats(rows[1.0], rows[lam], "global_acc"))
                 mark = "**chosen on seed 0**" + (", confirmed" if confirmed else
                                                  ", not yet confirmed" if not rows[lam].complete else ", NOT confirmed")
+                if confirmed and lam != 1.0:
+                    # only a lambda that beats the default under the rule is a reason to move the default
+                    mark += ("; beats lambda = 1 (mean and every seed)" if beats(rows[lam], rows[1.0], "global_acc")
+                             else "; ties lambda = 1 (the default stays)")
+                if lam in (min(rows), max(rows)):
+                    mark += "; at the grid's edge: the best may lie beyond it"
             out.append(f"| {what.upper()} ({preset}) | {lam:g} | {pct(seed0[lam])} | {later} | "
                        f"{mean_std(st, 'global_acc')} | {mean_std(st, 'local_acc')} | {mark} |")
     return out

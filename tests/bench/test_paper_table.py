@@ -224,3 +224,18 @@ def test_a_missed_goal_4_names_the_closest_candidate_and_by_how_much(tmp_path):
     assert any("B: beaten by fedpagr" in e for e in goal.evidence)
     closest = goal.evidence[-1]
     assert closest.startswith("closest within the 2x byte budget:") and "short by 1.00 points at 1.50x" in closest
+
+
+def test_the_lambda_sweep_says_whether_the_chosen_lambda_beats_the_default(tmp_path):
+    # CPS: 0.3 best on seed 0 and ahead of lambda = 1 in every seed; ERPA: 0.3 best on seed 0, tied after
+    reports = {**_seeded("A/a0.5-tinyproto", [_fake_report(0.8, g, 1) for g in (0.44, 0.42, 0.42)]),
+               **_seeded("A/a0.5-refprotofl", [_fake_report(0.8, g, 1) for g in (0.48, 0.46, 0.455)])}
+    for lam, (cps, erpa) in {0.3: ((0.46, 0.44, 0.43), (0.482, 0.459, 0.452)), 3.0: ((0.41, 0.39, 0.40), (0.47,) * 3),
+                             10.0: ((0.37, 0.32, 0.34), (0.47,) * 3)}.items():
+        reports.update(_seeded(f"L/cps-lambda{lam:g}", [_fake_report(0.8, g, 1) for g in cps]))
+        reports.update(_seeded(f"L/erpa-lambda{lam:g}", [_fake_report(0.8, g, 1) for g in erpa]))
+    lines = table_report.sweep_lines(_ctx(tmp_path, reports))
+    cps = next(line for line in lines if line.startswith("| CPS") and "chosen" in line)
+    erpa = next(line for line in lines if line.startswith("| ERPA") and "chosen" in line)
+    assert "| 0.3 |" in cps and "beats lambda = 1" in cps and "grid's edge" in cps
+    assert "| 0.3 |" in erpa and "ties lambda = 1 (the default stays)" in erpa
