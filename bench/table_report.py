@@ -241,7 +241,33 @@ def goal_protofl(ctx: Context) -> Goal:
                   f"protofl {pf.mean('up_total'):,.0f} B = {ratio:.2f}x tinyproto's ({'<=' if ratio <= 2 else '>'} 2x)")
     if not all_ok:
         ev += closest_candidate(ctx)
+        ev += shortfall_parts(ctx, suffix)
     return Goal(name, "MET" if all_ok else "MISSED", ev)
+
+
+# fedpagr and candidate (b) differ in two switches: the CPS masks and refinement. The row between them
+# (fedpagr w/o refinement = (b) without the masks) says which of the two the B gap comes from.
+SHORTFALL_SPLIT = ("spherical", "B/fedpagr-no-refine", "B/fedpagr")
+
+
+def shortfall_parts(ctx: Context, suffix: str) -> list[str]:
+    """Why the preset falls short of fedpagr in B: the gap split into the masks' part and refinement's."""
+    candidate, between, fedpagr = SHORTFALL_SPLIT
+    if suffix != candidate:
+        return []
+    pf_key = candidate_row("b", suffix)
+    got, missing = _rows(ctx, pf_key, between, fedpagr)
+    if missing:
+        return [f"why (B): waiting for `{between}`, the row between the preset and fedpagr"]
+    pf, mid, pg = got[pf_key], got[between], got[fedpagr]
+    masks_cost = beats(mid, pf, "local_acc")
+    refine_gain = beats(pg, mid, "local_acc")
+    parts = [name for name, hit in (("the CPS masks", masks_cost), ("refinement", refine_gain)) if hit]
+    verdict = (f"the gap comes from {' and '.join(parts)} (ahead on the mean and in every seed)" if parts
+               else "neither step alone is ahead under the rule: the gap builds up over both")
+    return [f"why (B, local accuracy): fedpagr = the preset + full 512-d prototypes (no masks) + refinement. "
+            f"Masks: {effect(mid, pf, 'local_acc', 'w/o masks', 'preset')}. "
+            f"Refinement: {effect(pg, mid, 'local_acc', 'fedpagr', 'w/o refinement')}. Verdict: {verdict}"]
 
 
 def closest_candidate(ctx: Context) -> list[str]:

@@ -94,8 +94,8 @@ GPU_NOTE = """\
 Not run yet. The issue asks for setting A at RefProtoFL's sizing (the full 60,000-image training set,
 ResNet18, 50 rounds, 10 clients, alpha 0.5 and 100, the full test set) for fedavg, fedproto, refprotofl,
 tinyproto and protofl with `--device cuda`, on the GPU machine a session is sometimes lent. The sessions
-that built this table had none (`status`: can_start_another false on 2026-11-21 and in all three sessions
-of 2026-11-23), so every figure above is at the CPU sizing, 25-30 points under the papers'. The simulator runs
+that built this table had none (`status`: can_start_another false on 2026-11-21, in all three sessions
+of 2026-11-23 and on 2026-11-25), so every figure above is at the CPU sizing, 25-30 points under the papers'. The simulator runs
 on CUDA (`--device cuda`, tests/edge_agent/test_cuda.py) and FedAvg's resnet18 messages fit the derived
 decoder limits; what is left is the runs themselves and the GPU half of the FedAvg round-time profile.
 The server's half, measured on this CPU for one resnet18 FedAvg upload (11.2 M values, 44.8 MB encoded):
@@ -259,6 +259,10 @@ _b = _add(
         paper=Paper("T", local="84.52 (s=50)", bytes_="0.02 M params/rnd")),
     Row("B", "refprotofl", "refprotofl", "refprotofl", "B", tier=GOAL4),
     Row("B", "fedpagr", "fedpagr (single arch)", "fedpagr", "B", tier=GOAL4),
+    # Goal 4's shortfall taken apart: fedpagr differs from candidate (b) in two switches, the CPS masks and
+    # refinement. This row is (b) without the masks (and fedpagr without refinement), so it splits the gap.
+    Row("B", "fedpagr-no-refine", "fedpagr w/o refinement (= (b) spherical CPS without the masks)", "fedpagr", "B",
+        _sets(refine=False), tier=ABLATION),
     Row("B", "tinyproto-mu-paper", "tinyproto s=51, mu=1.5e-4 (the paper's CIFAR-10 value)", "tinyproto", "B",
         _sets(mu=1.5e-4), tier=ABLATION),
     Row("B", "tinyproto-noscale", "tinyproto s=51, no scaling", "tinyproto", "B", _sets(scaling=False), tier=REST),
