@@ -135,11 +135,14 @@ def effect(x: RowStats, y: RowStats, metric: str, xname: str, yname: str) -> str
     if mx is None or my is None:
         return f"{xname} vs {yname}: -"
     xv, yv = x.values(metric), y.values(metric)
-    ahead = sum(xv[s] > yv[s] for s in set(xv) & set(yv))
+    paired = sorted(set(xv) & set(yv))
+    ahead = sum(xv[s] > yv[s] for s in paired)
     sx, sy = x.std(metric), y.std(metric)
     spread = "/".join("-" if s is None else f"{100 * s:.2f}" for s in (sx, sy))
+    per_seed = " / ".join(f"{100 * (xv[s] - yv[s]):+.2f}" for s in paired)
     return (f"{xname} {mean_std(x, metric)} vs {yname} {mean_std(y, metric)}: effect {100 * (mx - my):+.2f} points "
-            f"against a seed std of {spread} points; {xname} ahead in {ahead} of {len(set(xv) & set(yv))} seeds")
+            f"against a seed std of {spread} points; {xname} ahead in {ahead} of {len(paired)} seeds "
+            f"(seed by seed: {per_seed})")
 
 
 # -- goals -----------------------------------------------------------------------------------------------
