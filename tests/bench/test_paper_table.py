@@ -249,7 +249,7 @@ def test_the_lambda_sweep_says_whether_the_chosen_lambda_beats_the_default(tmp_p
     assert "| 0.3 |" in erpa and "ties lambda = 1 (the default stays)" in erpa
 
 
-def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_split_into_sizing_and_metric(tmp_path):
+def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_set_against_fedavgs(tmp_path):
     reports = {**_seeded("A/a0.5-fedavg", [_fake_report(0.8, 0.70, 1)] * 3),
                **_seeded("A/a0.5-fedproto", [_fake_report(0.8, 0.45, 1, ensemble=0.72)] * 3),
                **_seeded("A/a0.5-refprotofl", [_fake_report(0.8, g, 1, ensemble=0.73) for g in (0.46, 0.47, 0.48)])}
@@ -259,9 +259,9 @@ def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_split_into_sizing
     assert "| fedproto | A: 10 clients, alpha 0.5 | global | 73.82 [R05] | 45.00 ± 0.00 | -28.82 |" in lines
     assert "| refprotofl | A: 10 clients, alpha 0.5 | global | 74.21 [R05] | 47.00 ± 1.00 | -27.21 |" in lines
     assert "| fedavg | A: 10 clients, alpha 100 | global | 85.10 [R100] | not run yet | - |" in lines
-    assert "FedAvg's global gap -3.72 points is the sizing's" in text
-    assert "fedproto: -28.82 = -3.72 (sizing) -25.10 (metric); its ensemble accuracy is -1.82 from the paper's figure" in text
-    assert "refprotofl: -27.21 = -3.72 (sizing) -23.49 (metric)" in text
+    assert "Measured, ours - paper in points: FedAvg's global model -3.72; " in text
+    assert "fedproto global -28.82 (-25.10 beyond FedAvg's), ensemble -1.82" in text
+    assert "refprotofl global -27.21 (-23.49 beyond FedAvg's), ensemble -1.21." in text
     # no split where FedAvg has not run
     assert "Measured" not in "\n".join(table_report.paper_lines(_ctx(tmp_path, {k: v for k, v in reports.items()
                                                                                 if "fedavg" not in k})))
