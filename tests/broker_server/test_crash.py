@@ -196,25 +196,36 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
     # own last local state (backbone weights included, trained over the rounds it took part in) and
     # resumes from the retained round message. Without that, its restarted backbone would be the seeded
     # initial one and the federation's result would differ from the uninterrupted run's.
+    # A round here takes ~0.1 s once every device is up, so the whole federation can end inside the random
+    # delay before a kill. The other two devices are therefore frozen (SIGSTOP) around each kill: no round can
+    # close without them, so dev-01 always dies mid-federation, training its round or waiting for the next.
     rng = random.Random(7)
     fed = Federation("devkill", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs",
                      broker_url=mosquitto_module.url, device_state=tmp_path / "devices")
+    ckpt = tmp_path / "devices" / "devkill-dev-01.ckpt"
+    dev_log = fed.logs / "dev-01.log"
     try:
         fed.start_server()
         fed.start_agents()
         for k in range(2):
-            ckpt = tmp_path / "devices" / "devkill-dev-01.ckpt"
-            wait_for(lambda: ckpt.exists(), 120, "dev-01's first checkpoint", fed)
-            size = journal_size(fed)
-            wait_for(lambda: journal_size(fed) > size + 2000, 60, "a few more uploads", fed)
-            time.sleep(rng.uniform(0.0, 0.3))
-            fed.agents[1].send_signal(signal.SIGKILL)
-            fed.agents[1].wait()
-            fed.agents[1] = fed.start_agent(1)
+            # first life: once it has checkpointed a round; second: once it has resumed from that checkpoint
+            wait_for(lambda: ckpt.exists() and dev_log.read_text().count("dev-01: resumed from") == k, 120,
+                     f"dev-01's life {k + 1} to be under way", fed)
+            others = [fed.agents[i] for i in range(SMALL_CLIENTS) if i != 1]
+            for p in others:
+                p.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(rng.uniform(0.0, 0.3))
+                fed.agents[1].send_signal(signal.SIGKILL)
+                fed.agents[1].wait()
+                fed.agents[1] = fed.start_agent(1)
+            finally:
+                for p in others:
+                    p.send_signal(signal.SIGCONT)
         fed.wait_finished(240)
     finally:
         fed.stop()
-    dev_log = (fed.logs / "dev-01.log").read_text()
+    dev_log = dev_log.read_text()
     assert dev_log.count("dev-01: resumed from") == 2, dev_log[-3000:]
     audit_small(fed)
     assert_same_model(fed.model(), small_reference)
