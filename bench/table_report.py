@@ -324,7 +324,7 @@ def paper_lines(ctx: Context) -> list[str]:
            "the setting's table). TinyProto's figures are CIFAR-10 (only its byte ratio carries over: goal 1) and "
            "FedPAGR's ablation is CIFAR-10 points; both stay in their sections.", "",
            "| method | federation | metric | paper | ours | ours - paper (points) |", "|---|---|---|--:|--:|--:|"]
-    gaps: dict[str, dict[str, tuple[float, float | None]]] = {}  # ref -> row label -> (global gap, ensemble - paper)
+    gaps: dict[str, dict[str, tuple[float, float | None]]] = {}  # ref -> preset -> (global - paper, ensemble - paper)
     for row in ROWS:
         if row.paper is None or row.paper.ref not in PAPER_GAP_NOTES:
             continue

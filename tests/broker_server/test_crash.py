@@ -203,13 +203,13 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
     fed = Federation("devkill", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs",
                      broker_url=mosquitto_module.url, device_state=tmp_path / "devices")
     ckpt = tmp_path / "devices" / "devkill-dev-01.ckpt"
-    dev_log = fed.logs / "dev-01.log"
+    dev_log_path = fed.logs / "dev-01.log"
     try:
         fed.start_server()
         fed.start_agents()
         for k in range(2):
             # first life: once it has checkpointed a round; second: once it has resumed from that checkpoint
-            wait_for(lambda: ckpt.exists() and dev_log.read_text().count("dev-01: resumed from") == k, 120,
+            wait_for(lambda: ckpt.exists() and dev_log_path.read_text().count("dev-01: resumed from") == k, 120,
                      f"dev-01's life {k + 1} to be under way", fed)
             others = [fed.agents[i] for i in range(SMALL_CLIENTS) if i != 1]
             for p in others:
@@ -225,7 +225,7 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
         fed.wait_finished(240)
     finally:
         fed.stop()
-    dev_log = dev_log.read_text()
+    dev_log = dev_log_path.read_text()
     assert dev_log.count("dev-01: resumed from") == 2, dev_log[-3000:]
     audit_small(fed)
     assert_same_model(fed.model(), small_reference)
