@@ -1,0 +1,168 @@
+"""The wire fixture cases: one message (plus its envelope) per case, built in this one place.
+
+`record.py` encodes them into `<name>.msgpack` and `tests/protofl/test_wire_fixtures.py` checks the
+codec against those bytes, both ways. Inputs are small literals chosen to survive every wire dtype
+exactly (f2 halves and quarters, q8 values on a grid of step 0.5), so a decoded fixture equals its
+case field for field and the decoder is checked as strictly as the encoder.
+
+Adding a case is always fine (record it alone: `record.py NAME`). Changing an existing case's message
+or envelope changes its bytes: do that only together with an intended, versioned wire change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protofl.sparse import SparseVector
+from protofl.wire import (
+    AdapterUpload,
+    Config,
+    Join,
+    Metrics,
+    ProtoSet,
+    ProtoUpload,
+    PublicSet,
+    RoundStart,
+    Status,
+    encode_message,
+)
+
+FED = "fed-a"
+SERVER = "server"
+DEVICE = "dev-01"
+MSG_ID = "00c0ffee00c0ffee"  # the shape uuid4().hex[:16] gives a live message
+
+
+@dataclass(frozen=True)
+class Case:
+    """A message and the envelope it travels in."""
+
+    msg: Any
+    sender: str = DEVICE
+    round: int = 3
+    phase: str = "train"
+    fed: str = FED
+    msg_id: str = MSG_ID
+
+    @property
+    def kind(self) -> str:
+        return self.msg.KIND
+
+    def encode(self) -> bytes:
+        return encode_message(
+            self.msg, fed=self.fed, sender=self.sender, round=self.round, phase=self.phase, msg_id=self.msg_id
+        )
+
+
+def _f(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+# Every value is a multiple of 0.25 below 2048: exact in f4 and f2.
+DENSE = _f(-1.5, -0.25, 0.0, 0.75, 2.0, 3.25)
+# Min -1 and max 126.5: q8 scale (126.5 + 1) / 255 = 0.5 and zero 2 are exact, and so is every value.
+Q8 = _f(-1.0, 0.5, 3.0, 126.5, 10.0, 0.0)
+CONSTANT = _f(0.75, 0.75, 0.75, 0.75)  # q8's constant branch: q = 0, scale 1, zero -0.75
+
+
+def _protos(dt: str, counts: bool, classes: tuple[int, ...] = (0, 3, 7), width: int = 4) -> ProtoSet:
+    k = len(classes)
+    # -1, -0.5, 0, ... and 126.5 last: on Q8's grid, so exact in every dtype (see Q8)
+    values = np.arange(k * width, dtype=np.float32) * 0.5 - 1.0
+    values[-1:] = 126.5
+    values = values.reshape(k, width)
+    n = np.array([12, 1, 300][:k], dtype=np.int64) if counts else None
+    return ProtoSet(np.array(classes, dtype=np.int64), values, n, dt)
+
+
+def _cases() -> dict[str, Case]:
+    masks = np.zeros((3, 5), dtype=bool)  # 15 bits: the last packed byte is partial
+    masks[0, :2] = masks[1, 2] = masks[2, 4] = True
+    public_u1 = np.array([0, 1, 128, 255, 7, 64, 200, 33], dtype=np.uint8).reshape(2, 1, 2, 2)
+    public_f4 = (np.arange(12, dtype=np.float32).reshape(3, 1, 2, 2) - 6.0) * 0.125
+    return {
+        # --- join: a device announces itself
+        "join_full": Case(Join("cnn", 1200, profile="rpi4", agent_version="0.3.1", token="t0k"), phase="", round=0),
+        "join_defaults": Case(Join("resnet18", 0), phase="", round=0),
+        # --- config: the retained federation configuration
+        "config_minimal": Case(Config("fedproto"), sender=SERVER, phase="", round=0),
+        "config_full": Case(
+            Config(
+                "tinyproto",
+                {
+                    "lr": 0.01, "rounds": 50, "neg": -3, "big": 2**40, "mu": "auto", "on": True, "off": None,
+                    "stages": ["cps", "scaling"], "nested": {"a": [1, None, False, 2.5]},
+                },
+                [("adapter.down", (4, 8)), ("adapter.up", (8, 4)), ("head.bias", (10,)), ("scalar", ())],
+                masks,
+                {"max_upload_bytes": 65536, "max_elements": 1 << 24},
+            ),
+            sender=SERVER, phase="", round=0,
+        ),
+        # --- public: the server's public set
+        "public_u1": Case(PublicSet(public_u1, np.array([0, 3]), [0, 3]), sender=SERVER, phase="", round=0),
+        "public_f4": Case(PublicSet(public_f4, np.array([1, 1, 4]), [1, 2, 4]), sender=SERVER, phase="", round=0),
+        # --- round: opens a round phase
+        "round_minimal": Case(RoundStart(0.0), sender=SERVER, phase="proto", round=1),
+        "round_anchors_f4": Case(
+            RoundStart(1700000000.5, adapter=DENSE, anchors=_protos("f4", counts=False), anchor_kind="cps",
+                       participants=[DEVICE, "jetson.02"]),
+            sender=SERVER, phase="train",
+        ),
+        "round_anchors_counts_f2": Case(
+            RoundStart(42.25, anchors=_protos("f2", counts=True), anchor_kind="erpa", participants=[]),
+            sender=SERVER, phase="proto",
+        ),
+        "round_params_final_f2": Case(
+            RoundStart(12.5, params=DENSE, final=True, dt="f2"), sender=SERVER, phase="done", round=50
+        ),
+        "round_adapter_params_q8": Case(
+            RoundStart(99.0, adapter=Q8, params=CONSTANT, anchors=_protos("q8", counts=False), anchor_kind="pagr",
+                       dt="q8"),
+            sender=SERVER, phase="train",
+        ),
+        # --- protos: a client's prototypes
+        "protos_counts_f4": Case(ProtoUpload(_protos("f4", counts=True), None, 313), phase="proto"),
+        "protos_no_counts_f2": Case(ProtoUpload(_protos("f2", counts=False), None, 40), phase="proto"),
+        "protos_public_q8": Case(
+            ProtoUpload(_protos("q8", counts=True), _protos("q8", counts=False, classes=(1, 2)), 313), phase="proto"
+        ),
+        "protos_empty": Case(ProtoUpload(_protos("f4", counts=True, classes=()), None, 0), phase="proto"),
+        "protos_none": Case(ProtoUpload(None, None, 0), phase="proto"),
+        # --- adapter: a client's adapter after local training, dense or sparse (index or mask form)
+        "adapter_dense_f4": Case(AdapterUpload(DENSE, 313, 2)),
+        "adapter_dense_f2": Case(AdapterUpload(DENSE, 313, 2, dt="f2")),
+        "adapter_dense_q8": Case(AdapterUpload(Q8, 313, 2, dt="q8")),
+        "adapter_dense_q8_constant": Case(AdapterUpload(CONSTANT, 313, 2, dt="q8")),
+        "adapter_sparse_index_u2_f4": Case(
+            AdapterUpload(SparseVector(100, np.array([3, 17, 99]), _f(0.5, -2.0, 7.25)), 313, 2)
+        ),
+        "adapter_sparse_index_u4_f2": Case(
+            AdapterUpload(SparseVector(70000, np.array([0, 65536]), _f(-0.75, 1.5)), 313, 2, dt="f2")
+        ),
+        "adapter_sparse_mask_q8": Case(
+            AdapterUpload(SparseVector(20, np.arange(0, 20, 2), _f(-1.0, 0.5, 3.0, 126.5, 10.0, 0.0, 2.0, 2.5, 4.0,
+                                                                   -0.5)), 313, 2, dt="q8")
+        ),
+        "adapter_sparse_empty_f4": Case(AdapterUpload(SparseVector(8, np.array([], np.int64), _f()), 0, 0)),
+        # --- metrics: a client's evaluation
+        "metrics_minimal": Case(Metrics(100, 90, 50, 40), phase="done"),
+        "metrics_full": Case(
+            Metrics(
+                100, 90, 50, 40,
+                probs=np.array([[0.25, 0.75, 0.0], [0.5, 0.125, 0.375]], dtype=np.float32),
+                train_s=3.5, loss=-0.125, extra={"off_mask_energy": 0.25, "steps": 12.0},
+                proto_correct_local=80, proto_correct_test=35,
+            ),
+            phase="done",
+        ),
+        # --- status: retained status / presence
+        "status_state": Case(Status("online"), phase="", round=0),
+        "status_detail": Case(Status("training", "round 3 of 50"), sender=SERVER),
+    }
+
+
+CASES: dict[str, Case] = _cases()
