@@ -1,7 +1,7 @@
 """The round state machine: joins, phases, uploads and deadlines, with no transport (numpy only).
 
-Round r: open -> [ERPA: proto phase -> anchors] -> train phase -> fold into the server model, as the
-round plan says. A phase closes when every expected client has sent what the plan asks of it in that
+Round r: open -> [a first prototype phase -> targets] -> train phase -> fold into the server model, as
+the round plan says; what each phase does is the active techniques' rules (broker_server/stages.py). A phase closes when every expected client has sent what the plan asks of it in that
 phase, or at its deadline (`tick()`), provided at least `min_clients` did.
 
 The machine takes decoded messages and hands the messages it sends to a `publish` callback (the I/O
@@ -17,9 +17,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from broker_server.stages import PrototypePhase, ServerModel, TrainPhase
+from broker_server.stages import PhaseRun, build_model
 from protofl.adapter import adapter_layout, initial_adapter
-from protofl.algorithms import cps, refine
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
@@ -93,9 +92,7 @@ class RoundMachine:
         self.expected_clients = sorted(expected_clients) if expected_clients else None
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
-        self.model = ServerModel(cfg, self.plan, policy=policy or ClipPolicy())  # uploads are clipped by default
-        if self.plan.cps:
-            self.model.masks = cps.make_masks(cfg.num_classes, cfg.proto_dim, cfg.s, seed=cfg.seed)
+        self.model = build_model(cfg, self.plan, policy)  # uploads are clipped by default
         self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" else []
         if self.layout:
             self.model.adapter = initial_adapter(self.layout, seed=cfg.seed)
@@ -103,18 +100,12 @@ class RoundMachine:
             # Without an initial vector the devices start from the config seed's model (identical
             # everywhere); the simulator passes the vector so that round 1's downlink is counted.
             self.model.params = np.asarray(initial_params, np.float32)
-        if self.plan.prototypes == "unit":
-            self.model.unit = refine.initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
-            if self.model.masks is not None:  # spherical CPS: every prototype lives on its class's mask
-                self.model.unit = cps.restrict_to_masks(self.model.unit, self.model.masks)
         self.clients: dict[str, Join] = {}
         self.departed: dict[str, Join] = {}  # went offline (last will); back on presence "online" or a Join
         self.leaving: dict[str, float] = {}  # offline, still expected until this time (the grace period)
         self.round = 0
         self.phase: OpenPhase | None = None
-        self.proto_acc: PrototypePhase | None = None
-        self.train_acc: TrainPhase | None = None
-        self.anchors: ProtoSet | None = None
+        self.run: PhaseRun | None = None  # the open phase's folds
         self.records: list[RoundRecord] = []
         self.current = RoundRecord(round=1)
         self.finished = False
@@ -241,17 +232,10 @@ class RoundMachine:
 
     def _on_upload(self, env: Envelope, msg: ProtoUpload | AdapterUpload, nbytes: int) -> None:
         open_, kind = self._check_upload(env, msg)
-        # The accumulators check the whole upload before folding any of it: one that raises here
-        # leaves them (and everything below) unchanged.
-        if open_.phase is Phase.PROTO:
-            assert self.proto_acc is not None and isinstance(msg, ProtoUpload)
-            self.proto_acc.add(msg)
-        elif isinstance(msg, AdapterUpload):
-            assert self.train_acc is not None
-            self.train_acc.add_adapter(msg)
-        else:
-            assert self.train_acc is not None
-            self.train_acc.add_prototypes(msg)
+        # The phase checks the whole upload before folding any of it: one that raises here leaves it
+        # (and everything below) unchanged.
+        assert self.run is not None
+        self.run.add(kind, msg)
         open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
         self.current.uplink_bytes += nbytes
         if all(open_.complete(c) for c in open_.expected):
@@ -265,25 +249,20 @@ class RoundMachine:
         self._open_phase(self.plan.first_phase)
 
     def _round_message(self, phase: Phase, deadline: float) -> RoundStart:
-        """The round message that opens `phase`: a pure function of the model and anchors, so that a
-        restarted aggregator announces the same one."""
+        """The round message that opens `phase`: a pure function of the model, so that a restarted
+        aggregator announces the same one."""
         model, plan = self.model, self.plan
-        if phase is Phase.PROTO:
-            anchors = None
-        else:
-            anchors = self.anchors if plan.two_phase else model.train_anchors()
+        assert self.run is not None
+        targets = self.run.round_targets()
         return RoundStart(deadline=deadline,
                           adapter=model.adapter if plan.adapter_phase is phase else None,
                           params=model.params if phase is Phase.TRAIN else None,
-                          anchors=anchors, anchor_kind=plan.anchor_kind if anchors is not None else "",
+                          anchors=targets, anchor_kind=plan.target_label if targets is not None else "",
                           participants=None, final=False, dt=plan.adapter_dtype)
 
     def _open_phase(self, phase: Phase) -> None:
-        model, plan = self.model, self.plan
-        if phase is Phase.PROTO:
-            self.proto_acc = PrototypePhase(model)
-        else:
-            self.train_acc = TrainPhase(model)
+        plan = self.plan
+        self.run = PhaseRun(self.model, phase)
         deadline = self.clock() + self.cfg.round_timeout
         msg = self._round_message(phase, deadline)
         self.phase = OpenPhase(phase, set(self.clients), plan.sends(phase), deadline)
@@ -317,18 +296,13 @@ class RoundMachine:
     def _close_phase(self, why: str) -> None:
         open_ = self.phase
         assert open_ is not None
-        if open_.phase is Phase.PROTO:
-            assert self.proto_acc is not None
-            table = self.proto_acc.anchors()
-            self.anchors = ProtoSet.from_table(table, self.plan.proto_width, self.plan.proto_dtype) if table else None
-            self.proto_acc = None
-            nxt = self.plan.next_phase(open_.phase)
-            assert nxt is not None
+        assert self.run is not None
+        self.run.finish()
+        self.run = None
+        nxt = self.plan.next_phase(open_.phase)
+        if nxt is not None:
             self._open_phase(nxt)
             return
-        assert self.train_acc is not None
-        self.train_acc.finish()
-        self.train_acc = None
         self.phase = None
         rec = self.current
         rec.clients = open_.done_clients()
@@ -369,12 +343,13 @@ class RoundMachine:
             "cfg": self.cfg.to_dict(), "round": self.round, "finished": self.finished,
             "phase": None if open_ is None else {"phase": open_.phase.value, "expected": sorted(open_.expected),
                                                  "deadline": open_.deadline},
-            "anchors": None if self.anchors is None else {
-                "classes": self.anchors.classes, "values": self.anchors.values, "counts": self.anchors.counts,
-                "dt": self.anchors.dt},
+            "anchors": None if m.targets is None else {
+                "classes": m.targets.classes, "values": m.targets.values, "counts": m.targets.counts,
+                "dt": m.targets.dt},
             "model": {"adapter": m.adapter, "params": m.params, "unit": m.unit, "masks": m.masks,
                       "prototypes": [[int(c), v] for c, v in sorted(m.prototypes.items())],
-                      "radii": dict(m.radii), "clipped": dict(m.clipped)},
+                      "radii": dict(m.radii), "clipped": dict(m.clipped),
+                      "rules": {name: rule.persist() for name, rule in zip(self.plan.techniques, m.rules)}},
             "clients": {c: asdict(j) for c, j in self.clients.items()},
             "departed": {c: asdict(j) for c, j in self.departed.items()},
             "leaving": dict(self.leaving),
@@ -395,24 +370,23 @@ class RoundMachine:
         m.prototypes = {int(c): v for c, v in sm["prototypes"]}
         m.radii, m.clipped = dict(sm["radii"]), dict(sm["clipped"])
         self.round, self.finished = int(state["round"]), bool(state["finished"])
+        for name, rule in zip(self.plan.techniques, m.rules):
+            rule.restore(sm.get("rules", {}).get(name, {}))
         a = state["anchors"]
-        self.anchors = None if a is None else ProtoSet(classes=a["classes"], values=a["values"], counts=a["counts"],
-                                                       dt=a["dt"])
+        m.targets = None if a is None else ProtoSet(classes=a["classes"], values=a["values"], counts=a["counts"],
+                                                    dt=a["dt"])
         self.clients = {c: Join(**j) for c, j in state["clients"].items()}
         self.departed = {c: Join(**j) for c, j in state["departed"].items()}
         self.leaving = {c: float(t) for c, t in state["leaving"].items()}
         self.records = [RoundRecord(**r) for r in state["records"]]
         self.current = RoundRecord(**state["current"])
         self._welcome_bytes = int(state["welcome_bytes"])
-        self.proto_acc = self.train_acc = None
+        self.run = None
         self.phase = None
         p = state["phase"]
         if p is not None:
             phase = Phase(p["phase"])
-            if phase is Phase.PROTO:
-                self.proto_acc = PrototypePhase(m)
-            else:
-                self.train_acc = TrainPhase(m)
+            self.run = PhaseRun(m, phase)
             self.phase = OpenPhase(phase, set(p["expected"]), self.plan.sends(phase),
                                    self.clock() + self.cfg.round_timeout)
 

@@ -2,9 +2,9 @@
 
 It reads the retained `config`, `public` and `round` messages, trains locally and publishes its
 uploads on `up/{client_id}`. The same object runs in the in-process simulator and on a device over
-MQTT; nothing here knows which. What to send in each phase comes from the round plan (protofl.plan),
-the client halves of the techniques from edge_agent/stages.py and protofl/algorithms; this class is
-the glue: messages in, model and data through torch, messages out.
+MQTT; nothing here knows which, and nothing here names a technique: what to send in each phase comes
+from the round plan (protofl.plan), how from the active techniques' device rules (edge_agent/techniques).
+A training round is one pass: round message -> targets -> objective -> local training -> uploads -> send.
 """
 
 from __future__ import annotations
@@ -13,28 +13,28 @@ import copy
 import logging
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from edge_agent import frozen, guard, stages, trainer
+from edge_agent import frozen, guard, trainer
 from edge_agent import params as model_params
 from edge_agent.devices import resolve_device
-from edge_agent.extractor import Extractor, class_probabilities, make_extractor
+from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
+from edge_agent.techniques import DeviceContext, DeviceRule, Objective, rules_for
 from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
-from protofl.algorithms.cps import off_mask_energy
-from protofl.algorithms.fedproto import nearest_prototype
+from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
-from protofl.plan import Phase, RoundPlan, TargetKind
+from protofl.plan import Phase, RoundPlan, Upload
 from protofl.schedule import is_due
 from protofl.transport import Transport
-from protofl.wire import (DEFAULT_LIMITS, Config, Envelope, Join, Limits, Metrics, ProtoUpload,
+from protofl.wire import (DEFAULT_LIMITS, Config, Envelope, Join, Limits, Message, Metrics, ProtoSet, ProtoUpload,
                           PublicSet, RoundStart, decode_message, encode_message)
 
 log = logging.getLogger("protofl.edge")
@@ -98,13 +98,13 @@ class EdgeAgent:
         self.cfg: FederationConfig | None = None
         self.plan: RoundPlan | None = None
         self.model: ProtoNet | None = None
-        self.tables = stages.DeviceTables()
+        self.rules: list[DeviceRule] = []  # the active techniques' device halves, in rule order
+        self.masks: np.ndarray | None = None  # the config's support masks, where prototypes use them
         self.public_x: torch.Tensor | None = None
         self.public_y: np.ndarray | None = None
         self.global_adapter: np.ndarray | None = None
         self.adapter_round = -1  # the round whose global adapter we hold
-        self.targets_table: dict[int, np.ndarray] = {}  # this round's global prototypes, dense (for metrics)
-        self.unit_prototypes: torch.Tensor | None = None
+        self.objective = Objective()  # this round's objective (also what the metrics classify with)
         self.handled: set[tuple[int, str]] = set()
         self.last_failure: tuple[int, str, str] | None = None  # (round, phase, why) of a round that failed here
         self.finished = False
@@ -112,13 +112,17 @@ class EdgeAgent:
         # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
         self.upload_budget: Callable[[float], int | None] | None = None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
+        # Set by a runner: called with (topic, payload) for every upload this agent sends, so that the
+        # runner never decodes a message to learn whether it is one.
+        self.on_upload: Callable[[str, bytes], None] | None = None
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
 
     @property
-    def local_norms(self) -> dict[int, float]:
-        return self.tables.local_norms
+    def targets_table(self) -> dict[int, np.ndarray]:
+        """This round's dense targets (empty before any)."""
+        return self.objective.table()
 
     # -- transport glue -----------------------------------------------------------------------
     def start(self) -> None:
@@ -131,9 +135,12 @@ class EdgeAgent:
         self._send(Join(arch=self.arch or "", n_samples=len(self.data.y_train), profile=self.profile,
                         agent_version=AGENT_VERSION), round_=0, phase="")
 
-    def _send(self, msg: object, round_: int, phase: str) -> int:
+    def _send(self, msg: Message, round_: int, phase: str, upload: bool = False) -> int:
         payload = encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
-        self.transport.publish(topics.up(self.fed, self.client_id), payload, qos=1)
+        topic = topics.up(self.fed, self.client_id)
+        if upload and self.on_upload is not None:
+            self.on_upload(topic, payload)
+        self.transport.publish(topic, payload, qos=1)
         self.stats.uploaded_bytes += len(payload)
         return len(payload)
 
@@ -142,12 +149,17 @@ class EdgeAgent:
         log.warning("%s: dropped message (%s): %s", self.client_id, reason, detail)
 
     def on_message(self, topic: str, payload: bytes) -> None:
-        self.stats.received_bytes += len(payload)
         try:
             env, msg = decode_message(payload, limits=self.limits)
         except WireError as exc:
+            self.stats.received_bytes += len(payload)
             self._drop("malformed", f"{topic}: {exc}")
             return
+        self.handle(topic, env, msg, len(payload))
+
+    def handle(self, topic: str, env: Envelope, msg: Message, nbytes: int) -> None:
+        """A decoded message from the server (the runner decodes round messages itself, once)."""
+        self.stats.received_bytes += nbytes
         if env.fed != self.fed:
             self._drop("wrong_fed", f"message for federation '{env.fed}'")
             return
@@ -173,21 +185,30 @@ class EdgeAgent:
             self._drop("bad_config", f"{problem}; keeping the previous config")
             return
         plan = RoundPlan.from_config(cfg)
+        try:
+            rules = rules_for(cfg, plan, msg)
+        except ConfigError as exc:
+            self._drop("bad_config", str(exc))
+            return
+        options: dict[str, Any] = {}
+        for rule in rules:
+            options.update(rule.model_options())
         arch = self.arch or cfg.archs[0]
         # Every device of an architecture starts from the same seeded weights, as in the papers'
         # reference code (PFLlib deep-copies one model per client). Backbones still diverge: they
         # are trained privately and never sent. Identical starts give the prototype spaces a common
-        # origin, which ERPA's cross-client anchor means need.
+        # origin, which cross-client anchor means need.
         model = build_model(arch, tuple(cfg.in_shape), cfg.num_classes, cfg.proto_dim,
-                            cfg.adapter_rank, projection=cfg.consensus, seed=cfg.seed).to(self.device)
+                            cfg.adapter_rank, seed=cfg.seed, **options).to(self.device)
         if cfg.federate == "adapter":
             mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(model)]
             theirs = [(n, tuple(s)) for n, s in msg.adapter_layout]
             if mine != theirs:
                 self._drop("bad_config", f"adapter layout mismatch: server {theirs[:2]}..., device {mine[:2]}...")
                 return
-        self.cfg, self.plan, self.model = cfg, plan, model
-        self.tables = stages.DeviceTables(masks=msg.class_masks if plan.cps else None)
+        self.cfg, self.plan, self.model, self.rules = cfg, plan, model, rules
+        self.masks = msg.class_masks if plan.masked else None
+        self.objective = Objective()
         # This federation's largest messages: the round message carries our full model (FedAvg) or
         # adapter; the server's stated limit may be larger still.
         own = self.plan.limits(layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
@@ -205,6 +226,35 @@ class EdgeAgent:
             x = (x / 255.0 - mean) / std
         self.public_x = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
         self.public_y = np.asarray(msg.y, dtype=np.int64)
+
+    # -- rules ----------------------------------------------------------------------------------
+    def context(self) -> DeviceContext:
+        """What the rules may read this round."""
+        assert self.cfg is not None and self.plan is not None and self.model is not None
+        return DeviceContext(cfg=self.cfg, plan=self.plan, model=self.model, device=self.device,
+                             embed=self._get_extractor().embed, x=self._x, y=self.data.y_train,
+                             public_x=self.public_x, public_y=self.public_y, masks=self.masks,
+                             global_adapter=self.global_adapter, adapter_round=self.adapter_round)
+
+    def _first(self, hook: str, *args: Any) -> Any:
+        for rule in self.rules:
+            out = getattr(rule, hook)(*args)
+            if out is not None:
+                return out
+        return None
+
+    def pack(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str) -> ProtoSet:
+        """A prototype table on the wire: each rule's encoding in turn, then the plan's width and dtype."""
+        assert self.plan is not None
+        for rule in self.rules:
+            protos, counts = rule.encode_table(protos, counts, role)
+        return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
+
+    def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:
+        """The objective for a dense target table (the first rule that owns one; else cross-entropy)."""
+        if not table:
+            return Objective()
+        return self._first("objective", self.context(), table, fresh) or Objective()
 
     # -- rounds ---------------------------------------------------------------------------------
     def on_round(self, env: Envelope, msg: RoundStart) -> None:
@@ -227,10 +277,10 @@ class EdgeAgent:
         try:
             if msg.adapter is not None:
                 self._load_global_adapter(msg.adapter, env.round)
-            if env.phase == Phase.PROTO.value:
-                self._prototype_phase(env.round)
-            elif env.phase == Phase.TRAIN.value:
-                self._train_phase(env.round, msg)
+            if env.phase == Phase.TRAIN.value:
+                self._train_round(env.round, msg)
+            elif env.phase in {p.value for p in self.plan.phases}:
+                self._other_phase(Phase(env.phase), env.round)
         except (ArithmeticError, ValueError, RuntimeError) as exc:  # diverged, or bad data from the server
             # Back to the state before this round, and not "handled": the round can be tried again.
             self._restore(saved)
@@ -242,20 +292,23 @@ class EdgeAgent:
             return
         self.last_failure = None
 
-    def _snapshot(self) -> dict[str, object]:
+    def _snapshot(self) -> dict[str, Any]:
         """What handling a round changes: the model's weights and the round state kept between rounds."""
         assert self.model is not None
         return {"model": copy.deepcopy(self.model.state_dict()),
-                **{k: copy.deepcopy(getattr(self, k)) for k in ("global_adapter", "adapter_round", "targets_table",
-                                                                 "unit_prototypes", "tables")}}
+                **{k: copy.deepcopy(getattr(self, k)) for k in ("global_adapter", "adapter_round", "objective")},
+                "rules": [copy.deepcopy(rule.state()) for rule in self.rules]}
 
-    def _restore(self, saved: dict[str, object]) -> None:
+    def _restore(self, saved: dict[str, Any]) -> None:
         assert self.model is not None
-        self.model.load_state_dict(saved.pop("model"))  # type: ignore[arg-type]
+        self.model.load_state_dict(saved.pop("model"))
+        for rule, state in zip(self.rules, saved.pop("rules")):
+            rule.load_state(state)
         for k, v in saved.items():
             setattr(self, k, v)
 
     def _load_global_adapter(self, vector: np.ndarray, round_: int) -> None:
+        assert self.model is not None
         model_params.load_adapter_vector(self.model, vector)
         self.global_adapter = np.array(vector, dtype=np.float32, copy=True)
         self.adapter_round = round_
@@ -265,91 +318,81 @@ class EdgeAgent:
         assert self.plan is not None
         return self.plan.federate != "adapter" or self.adapter_round == round_
 
-    def _prototype_phase(self, round_: int) -> None:
-        """ERPA phase 1 (RefProtoFL Alg. 3): public-set prototypes, local ones for uncovered classes."""
-        plan = self.plan
-        assert plan is not None and self.model is not None
+    def _other_phase(self, phase: Phase, round_: int) -> None:
+        """A phase before training (e.g. public-set prototypes): the rule that owns it builds the upload."""
         if not self._holds_round_adapter(round_):
-            return  # we missed this round's adapter; anchors from a stale adapter would mislead
-        extractor = self._get_extractor()
-        public, local = stages.erpa_tables(plan, self.tables, self._embed_public(), self.public_y,
-                                           extractor.embed(self._x), self.data.y_train)
-        self._send(ProtoUpload(local=local, public=public, n_samples=len(self.data.y_train)), round_, Phase.PROTO.value)
+            return  # we missed this round's adapter; prototypes from a stale adapter would mislead
+        upload = self._first("phase_upload", self.context(), phase, self.pack)
+        if upload is not None:
+            self._send(upload, round_, phase.value, upload=True)
 
-    def _embed_public(self) -> np.ndarray | None:
-        """z of the public set (None when this federation has no public classes or we hold no public set)."""
-        assert self.plan is not None
-        if not self.plan.public_classes or self.public_x is None:
-            return None
-        return self._get_extractor().embed(self.public_x)
-
-    def _targets(self, msg: RoundStart) -> trainer.Targets:
-        """This round's training targets, from the round message's anchors and the plan."""
-        plan = self.plan
-        assert plan is not None and self.model is not None
-        self.targets_table = {}
-        if msg.anchors is None or len(msg.anchors.classes) == 0:
-            return trainer.Targets()
-        if plan.target is TargetKind.PAGR:
-            P = torch.from_numpy(stages.pagr_prototypes(plan, self.tables, msg.anchors, msg.anchor_kind)).to(self.device)
-            with torch.no_grad():  # FedPAGR anchoring: head rows := refined prototypes, bias 0
-                self.model.head.weight.copy_(P)
-                self.model.head.bias.zero_()
-            self.unit_prototypes = P
-            return trainer.Targets(TargetKind.PAGR, P, torch.ones(plan.num_classes, dtype=torch.bool, device=self.device))
-        table = stages.alignment_targets(plan, self.tables, msg.anchors, msg.anchor_kind, self.cfg.mu)
-        self.targets_table = table
-        return trainer.Targets.from_table(plan.target, table, plan.num_classes, plan.proto_dim, self.device)
-
-    def _train_phase(self, round_: int, msg: RoundStart) -> None:
-        cfg, plan = self.cfg, self.plan
-        assert cfg is not None and plan is not None and self.model is not None
+    def _train_round(self, round_: int, msg: RoundStart) -> None:
+        """One pass: targets -> objective -> local training -> uploads -> send (-> metrics)."""
+        cfg, plan, model = self.cfg, self.plan, self.model
+        assert cfg is not None and plan is not None and model is not None
         if msg.params is not None:
-            model_params.load_full_vector(self.model, msg.params)
+            model_params.load_full_vector(model, msg.params)
         if plan.federate == "adapter" and self.adapter_round < 0:
             return  # never received a global adapter: nothing valid to train from
         if plan.two_phase and not self._holds_round_adapter(round_):
-            # ERPA ships the adapter with the prototype phase; a device that (re)joined during the
-            # training phase holds an older one, and its upload would be dropped as stale anyway.
+            # The adapter comes with the first phase; a device that (re)joined during the training
+            # phase holds an older one, and its upload would be dropped as stale anyway.
             return
         try:
-            targets = self._targets(msg)
+            self.objective = self.make_objective(self._targets(msg))
         except WireError as exc:
             self._drop("bad_round", str(exc))
             return
         seed = stable_seed(cfg.seed, self.client_id, round_)
-        # Dropout (FedPAGR's projection) draws from torch's global RNG: seed it per client and round so
-        # that training does not depend on what else ran in this process (in-process vs MQTT parity).
+        # Dropout draws from torch's global RNG: seed it per client and round so that training does not
+        # depend on what else ran in this process (in-process vs MQTT parity).
         torch.manual_seed(seed)
         if cfg.backbone == "frozen":
-            h = self._frozen.features(self.model, self._x)
-            stats = frozen.train_on_cached_features(self.model, h, self._y, cfg, targets, seed)
+            h = self._frozen.features(model, self._x)
+            stats = frozen.train_on_cached_features(model, h, self._y, cfg, self.objective, seed)
         else:
-            stats = trainer.train_local(self.model, self._x, self._y, cfg, targets, seed=seed)
-        n = len(self.data.y_train)
-        phase = Phase.TRAIN.value
-        for upload in self._train_uploads(round_, n, msg.deadline):
-            self._send(upload, round_, phase)
+            stats = trainer.train_local(model, self._x, self._y, cfg, self.objective, seed=seed)
+        for upload in self._train_uploads(round_, msg.deadline):
+            self._send(upload, round_, Phase.TRAIN.value, upload=True)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
-            self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_, phase)
+            self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_,
+                       Phase.TRAIN.value)
 
-    def _train_uploads(self, round_: int, n: int, deadline: float) -> list[object]:
-        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one."""
+    def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
+        """The round message's targets as the dense table training uses (empty without any)."""
         plan = self.plan
-        assert self.cfg is not None and plan is not None and self.model is not None
-        theta = model_params.full_vector(self.model) if plan.federate == "full" else \
-            model_params.adapter_vector(self.model) if plan.federate == "adapter" else None
-        extractor = self._get_extractor()
-        local = stages.trained_prototypes(plan, self.tables, extractor.embed(self._x), self.data.y_train) \
-            if plan.prototypes != "none" and not plan.two_phase else None
-        public = stages.public_unit_prototypes(plan, self.tables, self._embed_public(), self.public_y) \
-            if plan.public_in_train else None
+        assert plan is not None
+        if msg.anchors is None or len(msg.anchors.classes) == 0:
+            return {}
+        if msg.anchor_kind != plan.target_label:
+            raise WireError(f"targets labelled '{msg.anchor_kind}', but this federation's plan sends "
+                            f"'{plan.target_label}'")
+        table, _ = msg.anchors.table()
+        for rule in self.rules:
+            table = rule.decode_targets(table)
+        return table
+
+    def _train_uploads(self, round_: int, deadline: float) -> list[Message]:
+        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one."""
+        plan, model = self.plan, self.model
+        assert plan is not None and model is not None
+        ctx = self.context()
+        sends = plan.sends(Phase.TRAIN)
+        theta = self._first("vector", ctx) if Upload.ADAPTER in sends else None
+        sparsifier = self._first("sparsifier", theta) if theta is not None else None
+        local = None
+        if Upload.PROTOS in sends:
+            protos, counts = self._first("local_prototypes", ctx.embed(self._x), self.data.y_train)
+            for rule in self.rules:
+                protos = rule.select_local(protos)
+            local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
+        public = self._first("public_prototypes", ctx, self.pack) if plan.public_phase is Phase.TRAIN else None
         budget = self.upload_budget(deadline) if self.upload_budget is not None else None
-        out, choice = train_uploads(plan, self.cfg, theta=theta, global_adapter=self.global_adapter,
-                                    base_round=round_ if plan.federate == "full" else self.adapter_round, local=local,
-                                    n=n, round_=round_, fed=self.fed, sender=self.client_id, budget=budget,
-                                    public=public)
+        out, choice = train_uploads(plan, theta=theta, sparsifier=sparsifier, global_adapter=self.global_adapter,
+                                    base_round=round_ if plan.federate == "full" else self.adapter_round,
+                                    local=local, n=len(self.data.y_train), round_=round_, fed=self.fed,
+                                    sender=self.client_id, budget=budget, public=public)
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())
             log.info("%s: round %d upload budget %d B: %s%s, %d B%s", self.client_id, round_, budget, choice.dt,
@@ -359,48 +402,34 @@ class EdgeAgent:
 
     # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats, with_test: bool = True) -> Metrics:
-        """The head's accuracy (FedPAGR: cosine to P) and the nearest-global-prototype accuracy on the
-        local split and, in simulation and `with_test`, on the official test set (with the test set's
-        class probabilities). One forward pass per split: both predictions come from the same z.
+        """The round objective's predictions (the head's softmax, or another technique's classifier) and
+        the nearest-target-prototype accuracy on the local split and, in simulation and `with_test`, on
+        the official test set (with the test set's class probabilities). One forward pass per split:
+        both predictions come from the same z.
 
-        FedAvg's clients skip the test set: its global accuracy is the aggregated model's (scored by the
-        simulator) and it has no ensemble."""
+        Where the whole model is federated, clients skip the test set: its global accuracy is the
+        aggregated model's (scored by the simulator) and it has no ensemble."""
         assert self.cfg is not None and self.model is not None
-        P = self.unit_prototypes if self.cfg.consensus else None
+        objective = self.objective
         z_local = self._get_extractor().embed(self.data.x_test)
-        local = class_probabilities(self.model, z_local, P, self.cfg.beta)
+        local = objective.probabilities(self.model, z_local)
         correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
-        proto_local = self._nearest_correct(z_local, self.data.y_test, local, P)
+        proto_local = objective.nearest_correct(z_local, self.data.y_test, local)
         extra = {}
-        if self.tables.masks is not None and len(z_local):
-            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.tables.masks)
+        if self.masks is not None and len(z_local):
+            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.masks)
         probs, n_test, correct_test, proto_test = None, 0, 0, None
         if (with_test and self.cfg.federate != "full"
                 and self.data.x_global is not None and self.data.y_global is not None):
             z_global = self._get_extractor().embed(self.data.x_global)
-            probs = class_probabilities(self.model, z_global, P, self.cfg.beta)
+            probs = objective.probabilities(self.model, z_global)
             n_test = len(self.data.y_global)
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
-            proto_test = self._nearest_correct(z_global, self.data.y_global, probs, P)
+            proto_test = objective.nearest_correct(z_global, self.data.y_global, probs)
         return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
                        correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss,
                        extra={**self.metrics_extra, **extra},
                        proto_correct_local=proto_local, proto_correct_test=proto_test)
-
-    def _nearest_correct(self, z: np.ndarray, y: np.ndarray, probs: np.ndarray,
-                         P: torch.Tensor | None) -> int | None:
-        """Correct predictions of the nearest global prototype; None without global prototypes.
-
-        FedPAGR's probabilities are already softmax(cos(z, P) / beta), whose argmax is the nearest
-        prototype by cosine. Elsewhere: L2 from z to this round's (dense) global prototypes.
-        """
-        if P is not None:
-            return int((probs.argmax(1) == y).sum()) if len(probs) else 0
-        if not self.targets_table:
-            return None
-        if len(y) == 0:
-            return 0
-        return int((nearest_prototype(z, self.targets_table) == y).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""

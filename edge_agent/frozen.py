@@ -24,6 +24,7 @@ from edge_agent.extractor import weight_fingerprint
 from edge_agent.models import ProtoNet
 from edge_agent.onnx_export import export_onnx
 from edge_agent.onnx_runtime import embed_onnx, session
+from edge_agent.techniques import Objective
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 
@@ -97,7 +98,7 @@ class _CachedView:
     """Looks like a ProtoNet to ``trainer.batch_loss``, but ``features`` starts from cached h.
 
     Reusing the trainer's loss (not a copy of it) keeps frozen and trainable training on exactly the
-    same objective for every preset (CE, FedProto MSE, ERPA anchors, FedPAGR).
+    same objective for every technique.
     """
 
     def __init__(self, model: ProtoNet) -> None:
@@ -106,7 +107,7 @@ class _CachedView:
 
 
 def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, cfg: FederationConfig,
-                             targets: trainer.Targets, seed: int) -> trainer.TrainStats:
+                             objective: Objective, seed: int) -> trainer.TrainStats:
     """``trainer.train_local`` for a frozen backbone, on cached h: same epochs, batch order, optimiser.
 
     Only stem, adapter, projection and head are optimised; the backbone's parameters get
@@ -116,7 +117,7 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
         raise ValueError(f"cached features: {len(h)} rows of h for {len(y)} labels; recompute the cache")
     for p in model.backbone.parameters():
         p.requires_grad_(False)
-    fixed_head = trainer.head_is_fixed(cfg, targets)
+    fixed_head = objective.fixed_head
     params = [p for name, p in model.named_parameters()
               if not name.startswith("backbone.") and not (fixed_head and name.startswith("head."))]
     for p in model.head.parameters():
@@ -125,4 +126,4 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
         p.requires_grad_(True)
     model.train()
     model.backbone.eval()
-    return trainer.sgd_epochs(_CachedView(model), params, h, y, cfg, targets, seed)  # type: ignore[arg-type]
+    return trainer.sgd_epochs(_CachedView(model), params, h, y, cfg, objective, seed)  # type: ignore[arg-type]

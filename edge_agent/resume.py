@@ -22,7 +22,7 @@ from edge_agent.agent import EdgeAgent
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 
 log = logging.getLogger("protofl.edge")
-FORMAT = 1
+FORMAT = 2  # 2: the techniques' state per rule, and the round's dense targets
 
 
 def checkpoint_path(state_dir: Path | str, fed: str, client_id: str) -> Path:
@@ -31,14 +31,12 @@ def checkpoint_path(state_dir: Path | str, fed: str, client_id: str) -> Path:
 
 def save_agent(path: Path, agent: EdgeAgent, key: tuple[int, str] | None, sent: list[tuple[str, bytes]]) -> None:
     assert agent.cfg is not None and agent.model is not None
-    unit = agent.unit_prototypes
     write_checkpoint(path, {
         "format": FORMAT, "cfg": agent.cfg.to_dict(),
         "model": {k: v.detach().cpu().numpy() for k, v in agent.model.state_dict().items()},
         "global_adapter": agent.global_adapter, "adapter_round": agent.adapter_round,
-        "targets": [[int(c), v] for c, v in sorted(agent.targets_table.items())],
-        "unit": None if unit is None else unit.detach().cpu().numpy(),
-        "local_norms": [[int(c), float(v)] for c, v in sorted(agent.tables.local_norms.items())],
+        "targets": [[int(c), np.asarray(v)] for c, v in sorted(agent.targets_table.items())],
+        "rules": {rule.name: rule.state() for rule in agent.rules},
         "handled": sorted([r, p] for r, p in agent.handled), "rounds_trained": agent.stats.rounds_trained,
         "key": None if key is None else list(key), "sent": [[t, p] for t, p in sent],
     })
@@ -65,9 +63,11 @@ def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None,
         return None
     agent.global_adapter = state["global_adapter"]
     agent.adapter_round = int(state["adapter_round"])
-    agent.targets_table = {int(c): v for c, v in state["targets"]}
-    agent.unit_prototypes = None if state["unit"] is None else torch.from_numpy(state["unit"]).to(agent.device)
-    agent.tables.local_norms = {int(c): float(v) for c, v in state["local_norms"]}
+    rules = state.get("rules", {})
+    for rule in agent.rules:
+        rule.load_state(rules.get(rule.name, {}))
+    # The round's objective, rebuilt from its dense targets (the head keeps the saved weights).
+    agent.objective = agent.make_objective({int(c): np.asarray(v) for c, v in state["targets"]}, fresh=False)
     agent.handled = {(int(r), str(p)) for r, p in state["handled"]}
     agent.stats.rounds_trained = int(state["rounds_trained"])
     key = None if state["key"] is None else (int(state["key"][0]), str(state["key"][1]))

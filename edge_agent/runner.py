@@ -39,11 +39,10 @@ from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.base import Handler
 from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Config, Status, decode_message, encode_message, unpack_envelope
+from protofl.wire import Config, Envelope, Message, Status, decode_message, encode_message
 
 log = logging.getLogger("protofl.edge")
 SERVER_UP = ("waiting", "running")
-UPLOAD_KINDS = ("protos", "adapter")  # metrics are not re-sent: the report would count them twice
 # Several runners in one process (tests, benchmarks) share torch's global RNG, which model
 # construction and dropout use: agent work is serialised so each client's run stays reproducible.
 _AGENT_LOCK = threading.Lock()
@@ -77,7 +76,8 @@ class _UploadLog:
         self.key: tuple[int, str] | None = None
         self.sent: list[tuple[str, bytes]] = []
         self.clock = clock
-        self.deferred: list[tuple[str, bytes, bool, int]] | None = None
+        self.deferred: list[tuple[str, bytes, bool, int, bool]] | None = None
+        self._upload: bytes | None = None  # the payload the agent just tagged as an upload
         self.extra: dict[str, float] | None = None  # the agent's metrics_extra
         self.held = HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos)) \
             if clock is not None else None
@@ -91,20 +91,23 @@ class _UploadLog:
 
     def release(self) -> None:
         deferred, self.deferred = self.deferred, None
-        for topic, payload, retain, qos in deferred or ():
-            self._emit(topic, payload, retain, qos)
+        for topic, payload, retain, qos, upload in deferred or ():
+            self._emit(topic, payload, retain, qos, upload)
+
+    def note_upload(self, topic: str, payload: bytes) -> None:
+        """The agent tags its own uploads (its `on_upload`): the next publish of this payload is one."""
+        self._upload = payload
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
-        upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
+        upload, self._upload = self._upload is payload, None
         if upload:
             self.sent.append((topic, payload))
         if self.deferred is not None:
-            self.deferred.append((topic, payload, retain, qos))
+            self.deferred.append((topic, payload, retain, qos, upload))
             return
-        self._emit(topic, payload, retain, qos)
+        self._emit(topic, payload, retain, qos, upload)
 
-    def _emit(self, topic: str, payload: bytes, retain: bool, qos: int) -> None:
-        upload = "/up/" in topic and unpack_envelope(payload).kind in UPLOAD_KINDS
+    def _emit(self, topic: str, payload: bytes, retain: bool, qos: int, upload: bool) -> None:
         if self.held is None or retain:
             self.transport.publish(topic, payload, retain=retain, qos=qos)
         else:
@@ -251,6 +254,7 @@ class DeviceRunner:
         agent = EdgeAgent(self.client_id, self.fed, self._uploads, data, arch=arch, profile=self.profile_label,
                           device=self.opts.device, eval_every=self.opts.eval_every, test_every=self.opts.test_every,
                           extractor=self.opts.extractor)
+        agent.on_upload = self._uploads.note_upload
         if self.clock is not None:
             self._uploads.extra = agent.metrics_extra
             agent.upload_budget = self.clock.budget
@@ -298,11 +302,11 @@ class DeviceRunner:
     def _on_round(self, topic: str, payload: bytes) -> None:
         agent = self.agent
         assert agent is not None
-        try:
-            env = unpack_envelope(payload)
+        try:  # decoded once, here; the agent handles the decoded message
+            decoded: tuple[Envelope, Message] | None = decode_message(payload, limits=agent.limits)
         except WireError:
-            env = None
-        key = (env.round, env.phase) if env is not None else None
+            decoded = None  # the agent decodes it again to count the drop
+        key = (decoded[0].round, decoded[0].phase) if decoded is not None else None
         if key is not None and key == self._uploads.key and key in agent.handled:
             # The round message came again: after a reconnect of ours or the server's, or a broker restart.
             # Uploads sent while the server was not subscribed are lost, and it would wait for them
@@ -326,7 +330,10 @@ class DeviceRunner:
             self._uploads.start(key, defer=durable)
             handled = set(agent.handled)
             try:
-                agent.on_message(topic, payload)
+                if decoded is None:
+                    agent.on_message(topic, payload)
+                else:
+                    agent.handle(topic, *decoded, len(payload))
                 if durable and agent.handled != handled:
                     self._save()  # this round's work survives a restart of the device, before it leaves
             finally:

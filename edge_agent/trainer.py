@@ -1,7 +1,7 @@
 """Local training, prototype-space extraction and evaluation of one client's model (torch).
 
-Nothing here knows about messages or transports: the agent hands in arrays and targets and gets
-arrays back.
+Nothing here knows about messages, transports or techniques: the agent hands in arrays and the round's
+objective (edge_agent/techniques) and gets arrays back.
 """
 
 from __future__ import annotations
@@ -11,34 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from edge_agent import losses
 from edge_agent.models import ProtoNet
+from edge_agent.techniques import Objective
 from protofl.config import FederationConfig
-from protofl.plan import TargetKind
-
-
-@dataclass
-class Targets:
-    """What the prototype term aligns z to this round (the round plan's target kind).
-
-    values: (C, m) float tensor; present: (C,) bool tensor (classes that have a target).
-    """
-
-    kind: TargetKind = TargetKind.NONE
-    values: torch.Tensor | None = None
-    present: torch.Tensor | None = None
-
-    @classmethod
-    def from_table(cls, kind: TargetKind, table: dict[int, np.ndarray], num_classes: int, dim: int,
-                   device: torch.device | str = "cpu") -> "Targets":
-        values = torch.zeros(num_classes, dim)
-        present = torch.zeros(num_classes, dtype=torch.bool)
-        for c, v in table.items():
-            values[c] = torch.from_numpy(np.asarray(v, dtype=np.float32))
-            present[c] = True
-        return cls(kind, values.to(device), present.to(device))
 
 
 @dataclass
@@ -48,22 +24,9 @@ class TrainStats:
     steps: int
 
 
-def batch_loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, cfg: FederationConfig, targets: Targets) -> torch.Tensor:
-    """The preset's training objective on one batch (shared by full and frozen-backbone training)."""
-    z = model.features(xb)
-    if targets.kind is TargetKind.PAGR:
-        assert targets.values is not None
-        return losses.fedpagr_loss(z, yb, model.head, targets.values, cfg.beta, cfg.lambda_e)
-    loss = F.cross_entropy(model.head(z), yb)
-    if targets.kind in (TargetKind.MSE, TargetKind.ANCHOR):
-        loss = loss + cfg.proto_lambda * losses.alignment(z, yb, targets.values, targets.present)
-    return loss
-
-
-def head_is_fixed(cfg: FederationConfig, targets: Targets) -> bool:
-    """FedPAGR's anchored head (rows = refined prototypes) is not trained during the round (Alg. 1 line 14
-    updates only f_k and g_k), unless `pagr_train_head` asks for the variant."""
-    return targets.kind is TargetKind.PAGR and not cfg.pagr_train_head
+def batch_loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, objective: Objective) -> torch.Tensor:
+    """The round's objective on one batch (shared by full and frozen-backbone training)."""
+    return objective.loss(model.features(xb), yb, model.head)
 
 
 def train_local(
@@ -71,7 +34,7 @@ def train_local(
     x: torch.Tensor,
     y: torch.Tensor,
     cfg: FederationConfig,
-    targets: Targets,
+    objective: Objective,
     seed: int,
 ) -> TrainStats:
     """`cfg.local_epochs` epochs of SGD (lr, momentum, weight decay from cfg) on (x, y).
@@ -82,18 +45,17 @@ def train_local(
     frozen = cfg.backbone == "frozen"
     for p in model.backbone.parameters():
         p.requires_grad_(not frozen)
-    fixed_head = head_is_fixed(cfg, targets)
     for p in model.head.parameters():
-        p.requires_grad_(not fixed_head)
+        p.requires_grad_(not objective.fixed_head)
     params = [p for p in model.parameters() if p.requires_grad]
     model.train()
     if frozen:
         model.backbone.eval()  # frozen also means BatchNorm statistics stay put
-    return sgd_epochs(model, params, x, y, cfg, targets, seed)
+    return sgd_epochs(model, params, x, y, cfg, objective, seed)
 
 
 def sgd_epochs(model: ProtoNet, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-               cfg: FederationConfig, targets: Targets, seed: int) -> TrainStats:
+               cfg: FederationConfig, objective: Objective, seed: int) -> TrainStats:
     """The local SGD loop shared by full and frozen-backbone training: same batch order for a seed.
 
     `model` only needs `features` and `head` (the frozen mode passes a view that starts from cached h).
@@ -109,7 +71,7 @@ def sgd_epochs(model: ProtoNet, params: list[torch.Tensor], x: torch.Tensor, y: 
             idx = order[i : i + cfg.batch_size]
             if idx.numel() < 2:
                 continue  # BatchNorm cannot train on a single sample
-            loss = batch_loss(model, x[idx], y[idx], cfg, targets)
+            loss = batch_loss(model, x[idx], y[idx], objective)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
             opt.zero_grad(set_to_none=True)

@@ -1,7 +1,8 @@
 """A device's training-phase uploads, fitted to its upload budget (protofl.budget). numpy only.
 
 The plan says what travels (the adapter or the full model, prototypes) and in which dtype; with a
-budget, `train_uploads` lowers the precision and then APUD's K until the encoded messages fit.
+budget, `train_uploads` lowers the precision and then a sparse vector's K (where a technique makes the
+vector sparse) until the encoded messages fit.
 Sizes are those of the real encoded messages (`message_size`), envelope included.
 """
 
@@ -11,28 +12,26 @@ import dataclasses
 
 import numpy as np
 
-from protofl.algorithms import apud
+from edge_agent.techniques import Sparsifier
 from protofl.budget import UploadChoice, choose_upload, leaner
-from protofl.config import FederationConfig
 from protofl.plan import Phase, RoundPlan
 from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload, message_size
 
 
-def train_uploads(plan: RoundPlan, cfg: FederationConfig, *, theta: np.ndarray | None,
+def train_uploads(plan: RoundPlan, *, theta: np.ndarray | None, sparsifier: Sparsifier | None,
                   global_adapter: np.ndarray | None, base_round: int, local: ProtoSet | None, n: int, round_: int,
                   fed: str, sender: str, budget: int | None,
                   public: ProtoSet | None = None) -> tuple[list[object], UploadChoice | None]:
     """(the uploads, the choice made; None without a budget: the config's encoding).
 
-    `public`: public-set prototypes that travel with the training upload (ERPA on unit prototypes)."""
-    k0 = apud.client_budget(theta.shape[0], cfg.apud_ratio, cfg.apud_budget_bytes) \
-        if plan.apud and theta is not None else None
+    `public`: public-set prototypes that travel with the training upload."""
+    k0 = sparsifier.k if sparsifier is not None and theta is not None else None
 
     def build(dt: str, k: int | None) -> list[object]:
         # `dt` caps the precision: an array the config already sends leaner stays as it is.
         out: list[object] = []
         if theta is not None:
-            update = apud.select_topk(theta, global_adapter, k) if k is not None else theta
+            update = sparsifier.select(theta, global_adapter, k) if sparsifier is not None and k is not None else theta
             out.append(AdapterUpload(update=update, n_samples=n, base_round=base_round,
                                      dt=leaner(dt, plan.adapter_dtype)))
         if local is not None:

@@ -1,46 +1,25 @@
-"""The round plan: what a federation's stage switches mean, derived once from the config.
+"""The round plan: what a federation's config means for its rounds, derived once and read by both sides.
 
-Both sides read the same plan, so they cannot disagree about a phase: which phases a round has,
-what each client uploads in each phase, which round message carries the global adapter, what the
-training targets are and how prototypes travel (width, CPS, scaling, dtype). The aggregator, the
-server stages, the device and its trainer ask the plan; none of them reads the switches itself.
-
-A switch combination that has no meaning is rejected by the config (protofl.config) with a reason.
+The active techniques shape it (protofl/technique.py, `Technique.shape`): which phases a round has, what
+each client uploads in each phase, which round message carries the global adapter, the label of the
+targets a round message carries, and how prototypes travel (width, support masks, dtype). The round
+machine, the server rules, the device and its rules ask the plan; none of them reads a technique's
+switches itself. A combination that has no meaning is refused with a reason by the technique whose rule
+it breaks (docs/design.md, "Techniques").
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from protofl import registry
 from protofl.config import FederationConfig
+from protofl.technique import Phase, Upload
 from protofl.wire import Limits
 
+__all__ = ["MiB", "Phase", "RoundPlan", "Upload"]
+
 MiB = 2**20
-
-
-class Phase(str, enum.Enum):
-    """A round's phases, as they travel in the envelope's `phase` field."""
-
-    PROTO = "proto"  # ERPA phase 1: prototypes on the public set -> anchors
-    TRAIN = "train"  # local training -> adapter and/or prototype uploads
-    DONE = "done"  # the federation is over (final round message)
-
-
-class Upload(str, enum.Enum):
-    """What a client sends in a phase, as the envelope's `kind`."""
-
-    PROTOS = "protos"
-    ADAPTER = "adapter"
-
-
-class TargetKind(str, enum.Enum):
-    """What the prototype term of the local loss aligns z to."""
-
-    NONE = "none"  # cross-entropy only (FedAvg, or no target for this round yet)
-    MSE = "mse"  # FedProto / TinyProto: global prototypes
-    ANCHOR = "anchor"  # ERPA anchors
-    PAGR = "pagr"  # FedPAGR: refined unit prototypes, anchored head
 
 
 @dataclass(frozen=True)
@@ -49,62 +28,37 @@ class RoundPlan:
     uploads: dict[Phase, tuple[Upload, ...]]
     adapter_phase: Phase | None  # the phase whose round message carries the global adapter
     federate: str  # "full" | "adapter" | "none"
-    apud: bool
     prototypes: str  # "none" | "mean" | "unit"
-    target: TargetKind
-    public_in_train: bool  # ERPA on unit prototypes: public-set prototypes travel with the training upload
-    cps: bool  # prototypes travel as their s values on the class's mask
-    scaled: bool  # local prototypes travel as n_kc * p_kc, counts hidden (TinyProto scaling)
+    target_label: str  # what the round message calls its targets (checked by the device)
+    masked: bool  # prototypes travel as their values on the class's support mask
     proto_width: int  # values per class on the wire
-    anchor_kind: str  # the round message's label for its anchors
-    public_classes: tuple[int, ...]
+    public_classes: tuple[int, ...]  # the classes of the server's public set (none without one)
+    public_phase: Phase | None  # the phase whose prototype upload carries public-set prototypes
     num_classes: int
     proto_dim: int
     proto_dtype: str
     adapter_dtype: str
+    techniques: tuple[str, ...]  # the active techniques, in rule order
 
     @classmethod
-    def from_config(cls, cfg: FederationConfig) -> "RoundPlan":
-        # ERPA on unit prototypes (candidate (d)) has one phase: with nothing federated, a device's
-        # features do not change between the end of its training in round t and the start of round t+1,
-        # so the public-set prototypes it would send in round t+1's phase 1 are the ones it can send with
-        # round t's training upload (one round trip fewer; the first round trains on FedPAGR's seeded
-        # random prototypes instead of anchors).
-        public_in_train = cfg.erpa and cfg.prototypes == "unit"
-        erpa = cfg.erpa and not public_in_train
-        phases = (Phase.PROTO, Phase.TRAIN) if erpa else (Phase.TRAIN,)
-        train: list[Upload] = []
-        if cfg.federate != "none":
-            train.append(Upload.ADAPTER)
-        if cfg.prototypes != "none" and not erpa:
-            train.append(Upload.PROTOS)  # with ERPA the prototypes went up in the proto phase
-        uploads = {Phase.TRAIN: tuple(train)}
-        if erpa:
-            uploads[Phase.PROTO] = (Upload.PROTOS,)
-        if cfg.prototypes == "unit":  # FedPAGR; with cps: spherical CPS, unit prototypes on their masks
-            target, anchor_kind = TargetKind.PAGR, "unit+cps" if cfg.cps else "unit"
-        else:
-            target = TargetKind.ANCHOR if erpa else (TargetKind.MSE if cfg.prototypes == "mean" else TargetKind.NONE)
-            anchor_kind = "+".join(["cps" if cfg.cps else "dense"] + (["scaled"] if cfg.scaling else []))
-        unit = cfg.prototypes == "unit"
+    def from_config(cls, cfg: FederationConfig) -> RoundPlan:
+        d = registry.draft(cfg)
         return cls(
-            phases=phases,
-            uploads=uploads,
-            adapter_phase=None if cfg.federate != "adapter" else phases[0],
-            federate=cfg.federate,
-            apud=cfg.apud,
-            prototypes=cfg.prototypes,
-            target=target,
-            public_in_train=public_in_train,
-            cps=cfg.cps,
-            scaled=cfg.scaling and not unit,
-            proto_width=cfg.s if cfg.cps else cfg.proto_dim,
-            anchor_kind=anchor_kind,
-            public_classes=cfg.public_class_list,
-            num_classes=cfg.num_classes,
-            proto_dim=cfg.proto_dim,
-            proto_dtype=cfg.proto_dtype,
-            adapter_dtype=cfg.adapter_dtype,
+            phases=d.phases,
+            uploads={p: d.uploads.get(p, ()) for p in d.phases},
+            adapter_phase=None if cfg.federate != "adapter" else d.phases[0],
+            federate=d.federate,
+            prototypes=d.prototypes,
+            target_label="+".join(d.target_label),
+            masked=d.masked,
+            proto_width=d.proto_width,
+            public_classes=d.public_classes,
+            public_phase=d.public_phase,
+            num_classes=d.num_classes,
+            proto_dim=d.proto_dim,
+            proto_dtype=d.proto_dtype,
+            adapter_dtype=d.adapter_dtype,
+            techniques=tuple(t.name for t in registry.active(cfg)),
         )
 
     @property
@@ -122,11 +76,6 @@ class RoundPlan:
     def next_phase(self, phase: Phase) -> Phase | None:
         i = self.phases.index(phase)
         return self.phases[i + 1] if i + 1 < len(self.phases) else None
-
-    @property
-    def counts_with_prototypes(self) -> bool:
-        """Whether local prototypes travel with their n_kc (not with scaling, which hides them)."""
-        return not self.scaled and self.prototypes == "mean"
 
     def limits(self, model_values: int | None, adapter_values: int = 0) -> Limits:
         """Decoder limits for this federation: its largest message, with headroom.

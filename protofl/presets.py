@@ -1,4 +1,6 @@
-"""Presets: each a set of stage switches over `FederationConfig`, nothing else.
+"""Presets: each a set of config values (a technique's switches and options), nothing else.
+
+The built-in ones are below; an installed technique may bring more (`Technique.presets`).
 
 fedavg      FedAvg (McMahan et al. 2017): every parameter federated, dense.
 fedproto    FedProto (Tan et al. 2022): prototypes only, weighted global prototypes, CE + lambda*MSE.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from protofl import registry
 from protofl.config import FederationConfig, load_config_file
 from protofl.errors import ConfigError
 
@@ -37,15 +40,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def all_presets() -> dict[str, dict[str, Any]]:
+    """The built-in presets and those the installed techniques bring."""
+    return {**PRESETS, **{name: dict(values) for name, values in registry.presets().items()}}
+
+
 def preset_names() -> list[str]:
-    return list(PRESETS)
+    return list(all_presets())
 
 
 def make_config(preset: str, config_file: str | None = None, **overrides: Any) -> FederationConfig:
     """Build a validated config: preset switches, then a TOML file's values, then explicit overrides."""
-    if preset not in PRESETS:
-        raise ConfigError(f"preset '{preset}' not found; known: {', '.join(PRESETS)}")
-    values: dict[str, Any] = {"preset": preset, **PRESETS[preset]}
+    presets = all_presets()
+    if preset not in presets:
+        raise ConfigError(f"preset '{preset}' not found; known: {', '.join(presets)}")
+    values: dict[str, Any] = {"preset": preset, **presets[preset]}
     if config_file:
         values.update(load_config_file(config_file))
     values.update({k: v for k, v in overrides.items() if v is not None})

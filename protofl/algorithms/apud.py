@@ -16,18 +16,22 @@ Server half (Alg. 2), per coordinate i over the clients K_i that sent i (eq. 6):
 kept as two running length-d sums num and den, so memory does not depend on the number of uploads.
 
 K comes either from a ratio of d (K = ceil(ratio * d), default ratio 0.1) or from a byte budget of
-the device profile.
+the device profile. The device half (Alg. 1 on the device, and K fitted to an upload budget) is
+edge_agent/techniques/apud.py.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
+from protofl.errors import ConfigError
 from protofl.sparse import SparseVector
+from protofl.technique import Option, ServerRule, Technique, flag
 
-__all__ = ["topk_budget", "budget_from_bytes", "client_budget", "select_topk", "ApudAggregator"]
+__all__ = ["topk_budget", "budget_from_bytes", "client_budget", "select_topk", "ApudAggregator", "Apud"]
 
 
 def topk_budget(d: int, ratio: float) -> int:
@@ -166,3 +170,43 @@ class ApudAggregator:
         if not np.isfinite(vals).all():
             raise ValueError("APUD: update values contain NaN or inf; drop it")
         return idx, vals
+
+
+# -- the technique ------------------------------------------------------------------------------------
+def _ratio_check(v: Any) -> str | None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok:
+        return f"config 'apud_ratio' must be a finite number, got {v!r}"
+    return None if 0 < v <= 1 else f"apud_ratio must be in (0, 1], got {v}"
+
+
+def _budget_check(v: Any) -> str | None:
+    if v is None:
+        return None
+    ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+    return None if ok else "apud_budget_bytes must be > 0"
+
+
+class Apud(Technique):
+    """RefProtoFL's APUD: each device uploads the K adapter coordinates that moved most; the server averages
+    each coordinate over the devices that sent it."""
+
+    name = "apud"
+    order = 15
+    options = {
+        "apud": flag("apud"),
+        "apud_ratio": Option(0.1, _ratio_check),
+        "apud_budget_bytes": Option(None, _budget_check),  # a device profile may set a byte budget instead
+    }
+
+    def check(self, cfg: Any) -> None:
+        if cfg.apud and cfg.federate == "full":
+            raise ConfigError("apud sparsifies the adapter; it needs federate='adapter'")
+
+    def server_rule(self, model: Any) -> ServerRule:
+        return ApudRule(model)
+
+
+class ApudRule(ServerRule):
+    def vector_aggregator(self, reference: np.ndarray) -> Any | None:
+        return ApudAggregator(reference) if self.model.plan.federate == "adapter" else None

@@ -12,27 +12,28 @@ greedy: for each class in turn draw `candidates` random s-subsets and keep the o
 Hamming distance to the masks already chosen is largest (first candidate on ties).
 
 Server side there is no state: the server aggregates compressed vectors class by class (fedproto
-or scaling accumulators with dim = s) and ships the masks once, packed to bits.
+or scaling accumulators with dim = s) and ships the masks once, packed to bits. Compression and
+reconstruction are protofl/algorithms/support.py (every rule reads prototypes through it); prototype
+scaling (scaling.py) is part of this technique, as in the paper. The device half is
+edge_agent/techniques/cps.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = [
-    "make_masks",
-    "min_pairwise_hamming",
-    "compress",
-    "reconstruct",
-    "compress_table",
-    "reconstruct_table",
-    "pack_masks",
-    "unpack_masks",
-    "off_mask_energy",
-    "restrict_to_masks",
-]
+from protofl.algorithms.scaling import ScaledAggregator
+from protofl.algorithms.support import as_masks, restrict_to_masks
+from protofl.errors import ConfigError
+from protofl.technique import Option, PlanDraft, ServerRule, Technique, flag, integer
+
+if TYPE_CHECKING:
+    from protofl.config import FederationConfig
+
+__all__ = ["make_masks", "min_pairwise_hamming", "pack_masks", "unpack_masks", "support_size", "Cps"]
 
 
 def make_masks(num_classes: int, m: int, s: int, seed: int = 0, candidates: int = 64) -> np.ndarray:
@@ -72,7 +73,7 @@ def make_masks(num_classes: int, m: int, s: int, seed: int = 0, candidates: int 
 
 def min_pairwise_hamming(masks: np.ndarray) -> int:
     """Smallest Hamming distance between two different rows; m (the largest possible) if C < 2."""
-    x = _as_masks(masks).astype(np.int64)
+    x = as_masks(masks).astype(np.int64)
     C, m = x.shape
     if C < 2:
         return m
@@ -82,44 +83,9 @@ def min_pairwise_hamming(masks: np.ndarray) -> int:
     return int(ham.min())
 
 
-def compress(p: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Eq. (8): the s values of `p` (m,) where `mask` is set, in ascending dim order, as float32."""
-    p = np.asarray(p)
-    mask = np.asarray(mask)
-    if mask.dtype != bool or mask.ndim != 1 or p.shape != mask.shape:
-        raise ValueError(f"CPS compress: need p (m,) and a bool mask (m,), got {p.shape} and {mask.dtype} {mask.shape}")
-    return p[mask].astype(np.float32)
-
-
-def reconstruct(values: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Eq. (7) from eq. (8): scatter the s values back onto the mask, zeros elsewhere, float32."""
-    values = np.asarray(values)
-    mask = np.asarray(mask)
-    if mask.dtype != bool or mask.ndim != 1:
-        raise ValueError(f"CPS reconstruct: mask must be a 1-D bool array, got {mask.dtype} {mask.shape}")
-    s = int(mask.sum())
-    if values.shape != (s,):
-        raise ValueError(f"CPS reconstruct: expected {s} values for this class's mask, got shape {values.shape}")
-    out = np.zeros(mask.shape[0], dtype=np.float32)
-    out[mask] = values
-    return out
-
-
-def compress_table(protos: Mapping[int, np.ndarray], masks: np.ndarray) -> dict[int, np.ndarray]:
-    """compress() for every class in the table, each with its own mask row."""
-    masks = _as_masks(masks)
-    return {c: compress(p, masks[_row(c, masks)]) for c, p in _items(protos)}
-
-
-def reconstruct_table(values: Mapping[int, np.ndarray], masks: np.ndarray) -> dict[int, np.ndarray]:
-    """reconstruct() for every class in the table."""
-    masks = _as_masks(masks)
-    return {c: reconstruct(v, masks[_row(c, masks)]) for c, v in _items(values)}
-
-
 def pack_masks(masks: np.ndarray) -> np.ndarray:
     """(C, ceil(m/8)) uint8: each row packed big-endian by np.packbits, zero-padded to a byte."""
-    return np.packbits(_as_masks(masks), axis=1)
+    return np.packbits(as_masks(masks), axis=1)
 
 
 def unpack_masks(packed: np.ndarray, num_classes: int, m: int) -> np.ndarray:
@@ -135,53 +101,77 @@ def unpack_masks(packed: np.ndarray, num_classes: int, m: int) -> np.ndarray:
     return bits[:, :m].astype(bool)
 
 
-def restrict_to_masks(P: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """Spherical CPS (ALGORITHMS.md, combined pipeline, candidate (b)): each row of unit prototypes P (C, m)
-    cut to its class's mask and renormalised, so that it is a unit vector living on the mask's s dims.
-
-    A row that is zero on its support has no direction there; it becomes the normalised mask itself
-    (every support dim equal), a valid unit vector rather than a division by zero. Returns float32.
-    """
-    m = _as_masks(masks)
-    P = np.asarray(P, dtype=np.float64)
-    if P.shape != m.shape:
-        raise ValueError(f"CPS: prototypes of shape {P.shape} for masks of shape {m.shape}")
-    cut = np.where(m, P, 0.0)
-    length = np.linalg.norm(cut, axis=1, keepdims=True)
-    fallback = m / np.sqrt(np.maximum(m.sum(axis=1, keepdims=True), 1))
-    return np.where(length > 0, cut / np.where(length > 0, length, 1.0), fallback).astype(np.float32)
 
 
-def off_mask_energy(z: np.ndarray, y: np.ndarray, masks: np.ndarray) -> float:
-    """Fraction of the features' energy outside their class's mask: sum_i ||z_i * (1 - m_{y_i})||^2 /
-    sum_i ||z_i||^2 (0 for z = 0).
-
-    CPS's alignment target is zero off the mask, so this is how far training has made z structured-sparse
-    (ALGORITHMS.md, TinyProto: most of the alignment error is off-mask shrinkage; the benchmark reports it).
-    """
-    z = np.asarray(z, dtype=np.float64)
-    off = ~_as_masks(masks)[np.asarray(y, dtype=np.int64)]
-    total = float(np.square(z).sum())
-    return float(np.square(z[off]).sum()) / total if total > 0 else 0.0
+# -- the technique ------------------------------------------------------------------------------------
+def support_size(cfg: FederationConfig) -> int:
+    """TinyProto's s, the values per class on the wire (default m/10)."""
+    return cfg.cps_s if cfg.cps_s is not None else max(1, cfg.proto_dim // 10)
 
 
-def _as_masks(masks: np.ndarray) -> np.ndarray:
-    masks = np.asarray(masks)
-    if masks.ndim != 2 or masks.dtype != bool:
-        raise ValueError(f"CPS: masks must be a (C, m) bool array, got {masks.dtype} {masks.shape}")
-    return masks
+def _mu_check(v: Any) -> str | None:
+    ok = v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+    return None if ok else f"mu must be a positive number or 'auto', got {v!r}"
 
 
-def _row(c: int, masks: np.ndarray) -> int:
-    if not 0 <= c < masks.shape[0]:
-        raise ValueError(f"CPS: class id {c} has no mask (masks cover classes 0..{masks.shape[0] - 1})")
-    return c
+class Cps(Technique):
+    """TinyProto: class-wise prototype sparsification (masks, s values per class) and prototype scaling."""
+
+    name = "cps"
+    order = 50
+    options = {
+        "cps": flag("cps"),
+        "cps_s": integer("cps_s", None, 1, ""),  # None = m // 10
+        "scaling": flag("scaling"),
+        "mu": Option(1.5e-4, _mu_check),  # a float, or "auto" (rescale G_c to the client's own prototype norm)
+    }
+
+    def active(self, cfg: FederationConfig) -> bool:
+        return bool(cfg.cps or cfg.scaling)
+
+    def check(self, cfg: FederationConfig) -> None:
+        s = support_size(cfg)
+        if not 1 <= s <= cfg.proto_dim:
+            raise ConfigError(f"cps_s must be in [1, proto_dim], got {s}")
+        if cfg.cps and cfg.prototypes == "none":
+            raise ConfigError("cps compresses prototypes; set prototypes='mean'")
+        if cfg.scaling and cfg.prototypes == "none":
+            raise ConfigError("scaling needs prototypes='mean'")
+        if cfg.scaling and cfg.prototypes == "unit":
+            raise ConfigError("scaling multiplies mean prototypes by their counts; unit prototypes have none: "
+                              "turn scaling off")
+        if cfg.refine and cfg.cps and cfg.num_classes * s <= cfg.proto_dim:
+            if cfg.prototypes == "unit":
+                raise ConfigError(
+                    f"refine on spherical CPS prototypes whose masks do not overlap (num_classes * cps_s = "
+                    f"{cfg.num_classes * s} <= proto_dim = {cfg.proto_dim}) changes nothing: they are already "
+                    f"orthogonal; use cps_s > {cfg.proto_dim // cfg.num_classes} so that masks overlap, or turn "
+                    f"refine off")
+            raise ConfigError(
+                f"refine with CPS masks that do not overlap (num_classes * cps_s = {cfg.num_classes * s} <= "
+                f"proto_dim = {cfg.proto_dim}) changes nothing: masked anchors are already orthogonal; use "
+                f"cps_s > {cfg.proto_dim // cfg.num_classes} so that masks overlap, or turn refine off")
+
+    def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
+        if cfg.cps:
+            draft.masked = True
+            draft.proto_width = support_size(cfg)
+            draft.target_label = ["cps"] if draft.target_label == ["dense"] else [*draft.target_label, "cps"]
+        if cfg.scaling:
+            draft.target_label.append("scaled")
+
+    def server_rule(self, model: Any) -> ServerRule:
+        return CpsRule(model)
 
 
-def _items(table: Mapping[int, np.ndarray]) -> list[tuple[int, np.ndarray]]:
-    out = []
-    for c, v in table.items():
-        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
-            raise ValueError(f"CPS: class id must be an integer, got {c!r}")
-        out.append((int(c), v))
-    return out
+class CpsRule(ServerRule):
+    def init_model(self) -> None:
+        cfg, model = self.model.cfg, self.model
+        if cfg.cps:
+            model.masks = make_masks(cfg.num_classes, cfg.proto_dim, support_size(cfg), seed=cfg.seed)
+            if model.unit is not None:  # spherical CPS: every unit prototype lives on its class's mask
+                model.unit = restrict_to_masks(model.unit, model.masks)
+
+    def mean_aggregator(self, width: int) -> Any | None:
+        """Scaling: the server sees n_kc * p_kc only, aggregated by eq. (10)."""
+        return ScaledAggregator(self.model.plan.num_classes, width) if self.model.cfg.scaling else None

@@ -26,12 +26,21 @@ n-weighted for g, so memory is O(C m) whatever the number of clients.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from protofl.algorithms import support
 from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
+from protofl.algorithms.unit import ConsensusAggregator
+from protofl.errors import ConfigError, WireError
+from protofl.technique import Fold, Option, Phase, PlanDraft, ServerRule, Technique, Upload, flag, integer, table_of
+from protofl.wire import ProtoSet
 
-__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors", "unit_anchors"]
+if TYPE_CHECKING:
+    from protofl.config import FederationConfig
+
+__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors", "unit_anchors", "check_split", "Erpa"]
 
 
 def client_prototypes(
@@ -143,9 +152,9 @@ def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarr
                  public_classes: Iterable[int]) -> np.ndarray:
     """Eq. (16) on the unit sphere (the combined pipeline's candidate (d), ALGORITHMS.md): the anchor of a
     public-covered class c that some client sent is the normalised uniform mean of the clients' unit
-    public-set prototypes, normalize(ext_sum[c] / ext_count[c]) (eq. 14, then normalised like FedPAGR's
-    eq. 3); every other row is FedPAGR's consensus prototype `consensus[c]` (which already keeps last
-    round's row for a class nobody sent).
+    public-set prototypes, normalize(ext_sum[c] / ext_count[c]) (eq. 14, then normalised like the unit
+    consensus, protofl/algorithms/unit.py); every other row is the consensus prototype `consensus[c]`
+    (which already keeps last round's row for a class nobody sent).
 
     `ext_sum` (C, m) and `ext_count` (C,) are a ConsensusAggregator's sums over the public prototypes;
     returns a new (C, m) float64 array with unit rows where ext rows were used.
@@ -160,3 +169,174 @@ def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarr
             if norm > 0.0:  # opposite directions cancelling exactly: keep the consensus row
                 out[c] = S[c] / norm
     return out
+
+
+def check_split(public: Mapping[int, Any], local: Mapping[int, Any], public_classes: Iterable[int]) -> None:
+    """Alg. 3's split: public-set prototypes only for public-covered classes, local ones only for the rest."""
+    covered = {int(c) for c in public_classes}
+    if set(public) - covered:
+        raise WireError(f"public prototypes for classes {sorted(set(public) - covered)} with no public data")
+    if set(local) & covered:
+        raise WireError(f"local prototypes for public-covered classes {sorted(set(local) & covered)}")
+
+
+# -- the technique ------------------------------------------------------------------------------------
+def _public_classes_check(v: Any) -> str | None:
+    if v is None or (isinstance(v, tuple) and all(isinstance(c, int) and not isinstance(c, bool) for c in v)):
+        return None
+    return f"public_classes must be a list of class ids, got {v!r}"
+
+
+def public_class_list(cfg: FederationConfig) -> tuple[int, ...]:
+    """The classes the server's public set covers (none when ERPA is off or the set is empty)."""
+    if not cfg.erpa or cfg.public_per_class == 0:
+        return ()
+    if cfg.public_classes is None:
+        return tuple(range(cfg.num_classes))
+    return tuple(sorted(set(cfg.public_classes)))
+
+
+class Erpa(Technique):
+    """RefProtoFL's ERPA: anchors from a server-held public set. With mean prototypes a round has a first
+    phase (public-set and local prototypes -> anchors); on unit prototypes (candidate (d)) the public-set
+    prototypes travel with the training upload and anchor their classes on the sphere."""
+
+    name = "erpa"
+    order = 30
+    options = {
+        "erpa": flag("erpa"),
+        "public_per_class": integer("public_per_class", 20),
+        "public_classes": Option(None, _public_classes_check),  # None = every class
+    }
+
+    def check(self, cfg: FederationConfig) -> None:
+        if cfg.public_classes is not None and not all(0 <= c < cfg.num_classes for c in cfg.public_classes):
+            raise ConfigError(f"public_classes must be class ids in [0, {cfg.num_classes})")
+        if not cfg.erpa:
+            return
+        # On unit prototypes the public-set prototypes go up with the training upload, which equals the
+        # next round's first phase only while nothing federated changes the device's features in between.
+        if cfg.prototypes == "unit" and cfg.federate != "none":
+            raise ConfigError("erpa on unit prototypes sends its public-set prototypes with the training upload, "
+                              "which is exact only when no adapter or model is federated: set federate='none' "
+                              "(or prototypes='mean')")
+        if cfg.prototypes == "unit" and cfg.refine:
+            raise ConfigError("refinement of ERPA unit anchors is not built: turn refine off (or erpa off for "
+                              "FedPAGR's refinement)")
+        # A public-covered class is anchored by the public-set mean; only the other classes travel as
+        # n-weighted prototypes. With every class covered scaling acts on nothing (measured: identical
+        # accuracy on 3 seeds with and without it, bench/results/TABLE.md).
+        if cfg.scaling and len(public_class_list(cfg)) == cfg.num_classes:
+            raise ConfigError("scaling changes nothing with erpa when the public set covers every class: every "
+                              "anchor is the public-set mean, so no client sends an n-weighted prototype; turn "
+                              "scaling off, or list fewer public_classes (scaling then acts on the others)")
+
+    def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
+        draft.public_classes = public_class_list(cfg)
+        if cfg.prototypes == "unit":
+            draft.public_phase = Phase.TRAIN  # one phase: the public-set prototypes ride on the training upload
+            return
+        draft.phases = (Phase.PROTO, Phase.TRAIN)
+        draft.public_phase = Phase.PROTO
+        draft.uploads = {Phase.PROTO: (Upload.PROTOS,),
+                         Phase.TRAIN: tuple(u for u in draft.uploads.get(Phase.TRAIN, ()) if u is not Upload.PROTOS)}
+
+    def server_rule(self, model: Any) -> ServerRule:
+        return ErpaRule(model)
+
+
+class ErpaRule(ServerRule):
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.public_fold: PublicUnitFold | None = None
+
+    def folds(self, phase: Phase) -> list[Fold]:
+        plan = self.model.plan
+        self.public_fold = None
+        if phase is Phase.PROTO:
+            return [AnchorFold(self.model)]
+        if phase is Phase.TRAIN and plan.public_phase is Phase.TRAIN:
+            self.public_fold = PublicUnitFold(self.model)
+            return [self.public_fold]
+        return []
+
+    def round_targets(self, phase: Phase) -> ProtoSet | None:
+        return self.model.targets if phase is Phase.TRAIN and self.model.plan.two_phase else None
+
+    def adjust_consensus(self, unit: np.ndarray) -> np.ndarray:
+        if self.public_fold is None:
+            return unit
+        return unit_anchors(*self.public_fold.acc.sums(), unit, self.model.plan.public_classes).astype(np.float32)
+
+
+class AnchorFold(Fold):
+    """The first phase (Alg. 4): ext prototypes for public classes, global prototypes (n-weighted, or another
+    technique's aggregate, e.g. scaled sums) for the others; at its end the anchors (Alg. 5, eq. 16)."""
+
+    kinds = (Upload.PROTOS,)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        plan = model.plan
+        self.public = sorted(plan.public_classes)
+        self.erpa = ErpaAggregator(plan.num_classes, plan.proto_width, self.public)
+        self.other = model.first("mean_aggregator", plan.proto_width)  # None: n-weighted, inside self.erpa
+
+    def check(self, up: Any) -> Any:
+        pub, _ = table_of(up.public)
+        loc, counts = table_of(up.local)
+        check_split(pub, loc, self.public)
+        if self.other is None and loc and counts is None:
+            raise WireError("local prototypes without counts (this federation does not use scaling)")
+        # Anchors are built from scratch each round: clipped around zero.
+        pub, seen_pub = self.model.clip(pub, {}, "anchors")
+        loc, seen_loc = self.model.clip(loc, {}, "anchors")
+        if self.other is not None:
+            # Both accumulators check before folding: check the other table first so that a bad one
+            # cannot leave this half folded.
+            self.other.check(loc)
+        return pub, loc, counts, seen_pub + seen_loc
+
+    def fold(self, prepared: Any) -> None:
+        pub, loc, counts, seen = prepared
+        if self.other is not None:
+            self.erpa.add(pub, {}, {})
+            self.other.add(loc)
+        else:
+            self.erpa.add(pub, loc, counts or {})
+        self.model.record("anchors", seen)
+
+    def finish(self) -> None:
+        glob = self.other.result() if self.other is not None else self.erpa.global_prototypes()
+        table = combine_anchors(self.erpa.ext_prototypes(), glob, self.public)
+        table = self.model.chain("adjust_targets", table)
+        plan = self.model.plan
+        self.model.targets = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype) if table else None
+
+
+class PublicUnitFold(Fold):
+    """Candidate (d): the unit public-set prototypes that travel with the training upload."""
+
+    kinds = (Upload.PROTOS,)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        assert model.unit is not None
+        self.acc = ConsensusAggregator(model.unit)
+
+    def check(self, up: Any) -> Any:
+        pub, _ = table_of(up.public)
+        if not pub:
+            return [], []
+        loc, _ = table_of(up.local)
+        check_split(pub, loc, self.model.plan.public_classes)
+        model = self.model
+        pub, seen = model.clip(pub, model.unit_on_wire(), "protos")
+        dense = support.reconstruct_table(pub, model.masks) if model.masks is not None else pub
+        return self.acc.check(dense), seen
+
+    def fold(self, prepared: Any) -> None:
+        rows, seen = prepared
+        if rows:
+            self.acc.fold(rows)
+        self.model.record("protos", seen)

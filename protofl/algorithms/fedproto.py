@@ -14,17 +14,24 @@ The weighted form needs n_kc on the wire, which reveals the client's label histo
 not. Inference (TinyProto eq. 12 / FedProto): the class of the nearest prototype in L2.
 
 The accumulator keeps one (C, m) running sum and one (C,) running weight, never the uploads.
-ERPA (erpa.py) and TinyProto's scaled aggregation (scaling.py) reuse it.
+The public-set anchors and TinyProto's scaled aggregation reuse it. The technique below is FedProto's
+server rule; its device rule (local means, the alignment objective) is edge_agent/techniques/fedproto.py.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-__all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype"]
+from protofl.algorithms.robust import CoordinateRobust
+from protofl.errors import WireError
+from protofl.technique import Fold, Phase, ServerRule, Technique, Upload, table_of
+from protofl.wire import ProtoSet
+
+__all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto"]
 
 _WEIGHTINGS = ("weighted", "mean")
 
@@ -159,3 +166,78 @@ def nearest_prototype(z: np.ndarray, protos: Mapping[int, np.ndarray]) -> np.nda
     d2 = (table * table).sum(axis=1)[None, :] - 2.0 * (z64 @ table.T)
     # argmin returns the first minimum and `classes` is ascending: ties go to the lower class id.
     return classes[np.argmin(d2, axis=1)] if z.shape[0] else np.zeros(0, dtype=np.int64)
+
+
+# -- the technique ------------------------------------------------------------------------------------
+class FedProto(Technique):
+    """Mean prototypes: clients send per-class means, the server averages them into next round's targets."""
+
+    name = "fedproto"
+    order = 20
+
+    def active(self, cfg: Any) -> bool:
+        return bool(cfg.prototypes == "mean")
+
+    def server_rule(self, model: Any) -> ServerRule:
+        return FedProtoRule(model)
+
+
+class FedProtoRule(ServerRule):
+    def _in_training(self) -> bool:
+        return Upload.PROTOS in self.model.plan.sends(Phase.TRAIN)
+
+    def folds(self, phase: Phase) -> list[Fold]:
+        return [MeanFold(self.model)] if phase is Phase.TRAIN and self._in_training() else []
+
+    def round_targets(self, phase: Phase) -> ProtoSet | None:
+        plan, model = self.model.plan, self.model
+        if phase is not Phase.TRAIN or not self._in_training() or not model.prototypes:
+            return None
+        return ProtoSet.from_table(model.prototypes, plan.proto_width, plan.proto_dtype)
+
+
+class MeanFold(Fold):
+    """The training phase's mean prototypes: n-weighted (or another technique's aggregate), clipped around
+    the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one."""
+
+    kinds = (Upload.PROTOS,)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        plan, policy = model.plan, model.policy
+        other = model.first("mean_aggregator", plan.proto_width)
+        self.default = other is None
+        self.acc = other if other is not None else PrototypeAggregator(plan.num_classes, plan.proto_width,
+                                                                        weighting=model.cfg.aggregation)
+        # Robust means replace plain means only: scaled sums have their own geometry.
+        self.robust: dict[int, CoordinateRobust] | None = (
+            {} if self.default and policy.robust != "mean" else None)
+
+    def check(self, up: Any) -> Any:
+        table, counts = table_of(up.local)
+        if self.default and self.model.cfg.aggregation == "weighted" and table and counts is None:
+            raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
+        table, seen = self.model.clip(table, self.model.prototypes, "protos")
+        return table, counts, seen
+
+    def fold(self, prepared: Any) -> None:
+        table, counts, seen = prepared
+        if self.default:
+            self.acc.add(table, counts)  # validates (and feeds the mean, unused when robust)
+        else:
+            self.acc.add(table)
+        if self.robust is not None:
+            policy, width = self.model.policy, self.model.plan.proto_width
+            for c, v in table.items():
+                self.robust.setdefault(c, CoordinateRobust(width, policy.robust, policy.trim)).add(v)
+        self.model.record("protos", seen)
+
+    def finish(self) -> None:
+        model = self.model
+        result = self.acc.result()
+        if self.robust is not None:
+            zero = np.zeros(model.plan.proto_width)
+            result = {c: acc.result(zero).astype(np.float32) for c, acc in self.robust.items()}
+        if result:
+            # FedProto keeps a class's old prototype if nobody sent it this round.
+            model.prototypes = {**model.prototypes, **result}

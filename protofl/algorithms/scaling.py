@@ -1,7 +1,7 @@
 """Prototype scaling: TinyProto (Lee et al., paper 002), Sec. 4.2, eqs. (10) and (11).
 
 Client half, local scaling: instead of (p_kc, n_kc) the client sends the single vector n_kc * p_kc
-(compressed by CPS when that is on), so the server never sees the label histogram.
+(compressed to its class's support when masks are on), so the server never sees the label histogram.
 
 Server half, eq. (10), over the clients N_c that sent class c:
 
@@ -47,7 +47,7 @@ def scale_prototypes(protos: Mapping[int, np.ndarray], counts: Mapping[int, int]
 
 
 def support_norms(protos: Mapping[int, np.ndarray], masks: np.ndarray | None) -> dict[int, float]:
-    """||p_kc|| on the class's CPS support (the whole vector without CPS): what mu = "auto" rescales to."""
+    """||p_kc|| on the class's support mask (the whole vector without masks): what mu = "auto" rescales to."""
     out: dict[int, float] = {}
     for c, p in protos.items():
         v = np.asarray(p)
@@ -58,7 +58,7 @@ def support_norms(protos: Mapping[int, np.ndarray], masks: np.ndarray | None) ->
 class ScaledAggregator:
     """Eq. (10) as a stream: per class, the plain mean of the scaled vectors over the clients that sent it.
 
-    `dim` is the length of what travels: m without CPS, s with it.
+    `dim` is the length of what travels: m without masks, s with them.
     """
 
     def __init__(self, num_classes: int, dim: int) -> None:
@@ -95,7 +95,7 @@ def apply_mu(global_scaled: Mapping[int, np.ndarray], mu: float) -> dict[int, np
 def auto_rescale(global_scaled: Mapping[int, np.ndarray], local_norms: Mapping[int, float]) -> dict[int, np.ndarray]:
     """mu = "auto": G_c scaled to ||p_kc|| of this client (median of its norms for classes it lacks).
 
-    Pass the norms of the prototypes as the client compares them (structured-sparse ones when CPS
+    Pass the norms of the prototypes as the client compares them (structured-sparse ones when masks
     is on), so that target and features live on the same scale. A zero G_c stays zero: it has no
     direction to keep.
     """

@@ -1,12 +1,9 @@
 """Consensus aggregation and geometric refinement: FedPAGR (Prasad and Khan, paper 004), Secs. 3.3-3.5.
 
-Client half (eq. 2, `client_prototypes`): p_kc = Normalize(mean of z_hat over D_kc), z_hat = z / ||z||.
-The client's loss and head anchoring are torch (edge_agent/losses.fedpagr_loss, edge_agent/agent.py).
-
-Server half:
-    p_bar_c = Normalize((1 / |K_c|) sum_{k in K_c} p_kc)      over the clients K_c that sent c  (eq. 3)
-    a class nobody sent keeps last round's prototype; round 0 uses seeded random unit vectors
-    (Alg. 1 line 1).
+The unit prototypes of eqs. (2)-(3) (client mean, server consensus) are protofl/algorithms/unit.py; the
+client's composite loss, consensus projection and head anchoring are torch, in the technique's device
+rule (edge_agent/techniques/fedpagr.py). This module is the server half: the technique's options, its
+rule (consensus -> refinement -> next round's targets) and the refinement math.
 
 Geometric refinement (eqs. 4-6, Alg. 1 lines 22-28): P (C x m) starts at [p_bar_1; ...; p_bar_C];
 T steps of SGD with momentum 0.9 on the unconstrained P, normalising in the forward pass,
@@ -33,112 +30,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms import support
+from protofl.algorithms.unit import ConsensusAggregator, initial_prototypes, normalize_rows
+from protofl.errors import ConfigError
+from protofl.technique import Fold, Option, Phase, PlanDraft, ServerRule, Technique, Upload, flag, integer, number
+from protofl.wire import ProtoSet
+
+if TYPE_CHECKING:
+    from protofl.config import FederationConfig
 
 __all__ = [
-    "normalize_rows",
-    "client_prototypes",
-    "initial_prototypes",
-    "ConsensusAggregator",
+    "FedPagr",
     "refinement_loss_and_grad",
     "geometric_refine",
     "refine_anchor_table",
 ]
-
-
-def normalize_rows(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """x / ||x|| along the last axis (a 1-D x is one row); norms below eps are treated as eps.
-
-    Floating dtypes are kept (float32 in, float32 out), anything else becomes float64.
-    """
-    x = np.asarray(x)
-    if not np.issubdtype(x.dtype, np.floating):
-        x = x.astype(np.float64)
-    norms = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.maximum(norms, eps)
-
-
-def client_prototypes(z: np.ndarray, y: np.ndarray, num_classes: int) -> dict[int, np.ndarray]:
-    """Eq. (2): per class this client holds, the normalised mean of its normalised features."""
-    protos, _ = local_prototypes(normalize_rows(z), y, num_classes)
-    return {c: normalize_rows(p[None])[0] for c, p in protos.items()}
-
-
-def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
-    """Round-0 prototypes: (C, m) float32 rows drawn uniformly on the unit sphere (normalised Gaussians)."""
-    if int(num_classes) < 1 or int(dim) < 1:
-        raise ValueError(f"refine: need num_classes >= 1 and dim >= 1, got {num_classes}, {dim}")
-    rng = np.random.default_rng(seed)
-    return normalize_rows(rng.standard_normal((int(num_classes), int(dim)))).astype(np.float32)
-
-
-class ConsensusAggregator:
-    """Eq. (3) as a stream: per-class sum S_c and sender count K_c of unit client prototypes."""
-
-    def __init__(self, previous: np.ndarray) -> None:
-        prev = np.asarray(previous)
-        if prev.ndim != 2 or prev.shape[0] < 1 or prev.shape[1] < 1:
-            raise ValueError(f"consensus: previous prototypes must be a (C, m) array, got shape {prev.shape}")
-        prev = prev.astype(np.float64)
-        if not np.isfinite(prev).all():
-            raise ValueError("consensus: previous prototypes contain NaN or inf")
-        self._previous = prev
-        self.num_classes, self.dim = prev.shape
-        self._sum = np.zeros_like(prev)
-        self._count = np.zeros(self.num_classes, dtype=np.int64)
-        self._senders = 0
-
-    @property
-    def senders(self) -> int:
-        """How many uploads have been accepted."""
-        return self._senders
-
-    def add(self, protos: Mapping[int, np.ndarray]) -> None:
-        """Fold in one client's unit prototypes; checked in full before anything is applied."""
-        for c, v in self.check(protos):
-            self._sum[c] += v
-            self._count[c] += 1
-        self._senders += 1
-
-    def check(self, protos: Mapping[int, np.ndarray]) -> list[tuple[int, np.ndarray]]:
-        """The upload's (class, unit row) pairs; raises ValueError, changing nothing, if any is invalid."""
-        rows = []
-        for c, p in protos.items():
-            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) < self.num_classes:
-                raise ValueError(f"consensus: class id {c!r} is not an integer in [0, {self.num_classes})")
-            v = np.asarray(p)
-            if v.shape != (self.dim,):
-                raise ValueError(f"consensus: prototype for class {c}: expected shape ({self.dim},), got {v.shape}")
-            v = v.astype(np.float64)
-            if not np.isfinite(v).all():
-                raise ValueError(f"consensus: prototype for class {c} contains NaN or inf; drop this upload")
-            length = float(np.linalg.norm(v))
-            if length == 0.0:
-                raise ValueError(f"consensus: prototype for class {c} is the zero vector; it has no direction")
-            # Eq. (2) makes p_kc a unit vector; normalising again keeps a client that skipped that
-            # step (or a lossy codec) from outweighing the others.
-            rows.append((int(c), v / length))
-        return rows
-
-    def sums(self) -> tuple[np.ndarray, np.ndarray]:
-        """(S, K): per-class sums of unit prototypes (C, m) float64 and sender counts (C,) int64, copies."""
-        return self._sum.copy(), self._count.copy()
-
-    def result(self) -> np.ndarray:
-        """p_bar (C, m) float32: Normalize(S_c / K_c) where K_c > 0, else last round's row.
-
-        A class whose submissions cancel exactly (S_c = 0) has no mean direction and also keeps
-        last round's row.
-        """
-        out = self._previous.copy()
-        length = np.linalg.norm(self._sum, axis=1)
-        ok = (self._count > 0) & (length > 0)
-        # Dividing by K_c does not change the direction, so normalising S_c is enough.
-        out[ok] = self._sum[ok] / length[ok, None]
-        return out.astype(np.float32)
 
 
 def refinement_loss_and_grad(
@@ -278,3 +188,113 @@ def _check_hyper(steps: int, lr: float, momentum: float, lambda_s: float, margin
             raise ValueError(f"refine: {name} must be finite, got {val!r}")
     if lr < 0 or lambda_s < 0 or not 0 <= momentum < 1:
         raise ValueError(f"refine: need lr >= 0, lambda_s >= 0, 0 <= momentum < 1; got {lr}, {lambda_s}, {momentum}")
+
+
+# -- the technique ------------------------------------------------------------------------------------
+class FedPagr(Technique):
+    """FedPAGR: unit prototypes, consensus projection, anchored head, geometric refinement (also of the
+    targets of a first prototype phase, when one is on with mean prototypes)."""
+
+    name = "fedpagr"
+    order = 40
+    options = {
+        "consensus": flag("consensus"),  # consensus projection g_k, unit prototypes, head anchoring
+        "refine": flag("refine"),
+        "refine_steps": integer("refine_steps", 5),
+        "refine_lr": number("refine_lr", 0.01),
+        "refine_momentum": number("refine_momentum", 0.9),
+        "lambda_s": number("lambda_s", 0.5),
+        "margin": number("margin", 0.3),
+        "beta": number("beta", 0.1),
+        "lambda_e": number("lambda_e", 0.1),
+        # Alg. 1 trains only f_k and g_k: the anchored head stays fixed during the round. True is the
+        # variant that also trains it (a benchmark row).
+        "pagr_train_head": flag("pagr_train_head"),
+    }
+
+    def active(self, cfg: FederationConfig) -> bool:
+        return cfg.prototypes == "unit" or bool(cfg.refine)
+
+    def check(self, cfg: FederationConfig) -> None:
+        if not cfg.beta > 0:
+            raise ConfigError("beta must be > 0")
+        if cfg.consensus and cfg.prototypes != "unit":
+            raise ConfigError("consensus (FedPAGR) needs prototypes='unit'")
+        if cfg.pagr_train_head and not cfg.consensus:
+            raise ConfigError("pagr_train_head is FedPAGR's trained-head variant; it needs consensus=true "
+                              "(prototypes='unit')")
+        if cfg.refine and cfg.prototypes == "none":
+            raise ConfigError("refine moves prototypes; with prototypes='none' there is nothing to refine: "
+                              "turn refine off")
+
+    def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
+        if cfg.prototypes == "unit":
+            draft.target_label = ["unit"]
+        elif cfg.refine and Phase.PROTO not in draft.phases:
+            raise ConfigError("refine acts on FedPAGR's unit prototypes (prototypes='unit') or on the targets "
+                              "of a first prototype phase (public-set anchors, erpa=true); with neither it "
+                              "changes nothing: turn refine off or switch one of them on")
+
+    def server_rule(self, model: Any) -> ServerRule:
+        return FedPagrRule(model)
+
+
+class FedPagrRule(ServerRule):
+    def init_model(self) -> None:
+        cfg = self.model.cfg
+        if cfg.prototypes == "unit":
+            self.model.unit = initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
+
+    def folds(self, phase: Phase) -> list[Fold]:
+        if phase is Phase.TRAIN and self.model.cfg.prototypes == "unit":
+            return [ConsensusFold(self.model)]
+        return []
+
+    def round_targets(self, phase: Phase) -> ProtoSet | None:
+        plan = self.model.plan
+        if phase is not Phase.TRAIN or plan.prototypes != "unit":
+            return None
+        return ProtoSet.from_table(self.model.unit_on_wire(), plan.proto_width, plan.proto_dtype)
+
+    def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Refinement of a first phase's anchor table (docs/algorithms.md, the combined pipeline)."""
+        cfg, masks = self.model.cfg, self.model.masks
+        if not cfg.refine or not table:
+            return table
+        dense = support.reconstruct_table(table, masks) if masks is not None else table
+        out = refine_anchor_table(dense, masks, steps=cfg.refine_steps, lr=cfg.refine_lr,
+                                  momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
+        return support.compress_table(out, masks) if masks is not None else out
+
+
+class ConsensusFold(Fold):
+    """The training phase's unit prototypes: eq. (3) as a stream, then refinement at the phase's end."""
+
+    kinds = (Upload.PROTOS,)
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        assert model.unit is not None
+        self.acc = ConsensusAggregator(model.unit)
+
+    def check(self, up: Any) -> Any:
+        table, _ = up.local.table() if up.local is not None else ({}, None)
+        model = self.model
+        clipped, seen = model.clip(table, model.unit_on_wire(), "protos")
+        dense = support.reconstruct_table(clipped, model.masks) if model.masks is not None else clipped
+        return self.acc.check(dense), seen
+
+    def fold(self, prepared: Any) -> None:
+        rows, seen = prepared
+        self.acc.fold(rows)
+        self.model.record("protos", seen)
+
+    def finish(self) -> None:
+        cfg, model = self.model.cfg, self.model
+        S, K = self.acc.sums()
+        p_bar = model.chain("adjust_consensus", self.acc.result())
+        unit = (geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
+                                 momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
+                if cfg.refine else p_bar)
+        # Refinement moves rows off their support masks; project them back (after the T steps).
+        model.unit = support.restrict_to_masks(unit, model.masks) if model.masks is not None else unit

@@ -1,0 +1,24 @@
+"""FedProto's device half: per-class mean prototypes (with their counts) go up; the round's global
+prototypes come down as alignment targets (cross-entropy + lambda * the alignment term).
+
+The alignment objective is shared by every mean-prototype technique (public-set anchors and masked
+targets arrive as dense tables too). The server half is protofl/algorithms/fedproto.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edge_agent.techniques import AlignmentObjective, DeviceContext, DeviceRule, Objective
+from protofl.algorithms.fedproto import local_prototypes
+
+
+class FedProtoDevice(DeviceRule):
+    name = "fedproto"
+
+    def local_prototypes(self, z: np.ndarray, y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+        return local_prototypes(z, y, self.plan.num_classes)
+
+    def objective(self, ctx: DeviceContext, table: dict[int, np.ndarray], fresh: bool) -> Objective | None:
+        return AlignmentObjective(table, self.plan.num_classes, self.plan.proto_dim, self.cfg.proto_lambda,
+                                  ctx.device)

@@ -1,0 +1,114 @@
+"""Unit prototypes on the sphere: the client mean (eq. 2) and the server consensus (eq. 3) (numpy).
+
+    p_kc     = Normalize(mean of z_hat over D_kc), z_hat = z / ||z||               (client, eq. 2)
+    p_bar_c  = Normalize((1 / |K_c|) sum_{k in K_c} p_kc) over the senders K_c   (server, eq. 3)
+
+a class nobody sent keeps last round's prototype; round 0 uses seeded random unit vectors. The equations
+are FedPAGR's (paper 004, docs/algorithms.md); the public-set anchors on the sphere use them as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from protofl.algorithms.fedproto import local_prototypes
+
+__all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator"]
+
+
+def normalize_rows(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """x / ||x|| along the last axis (a 1-D x is one row); norms below eps are treated as eps.
+
+    Floating dtypes are kept (float32 in, float32 out), anything else becomes float64.
+    """
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.floating):
+        x = x.astype(np.float64)
+    norms = np.linalg.norm(x, axis=-1, keepdims=True)
+    return x / np.maximum(norms, eps)
+
+
+def client_prototypes(z: np.ndarray, y: np.ndarray, num_classes: int) -> dict[int, np.ndarray]:
+    """Eq. (2): per class this client holds, the normalised mean of its normalised features."""
+    protos, _ = local_prototypes(normalize_rows(z), y, num_classes)
+    return {c: normalize_rows(p[None])[0] for c, p in protos.items()}
+
+
+def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
+    """Round-0 prototypes: (C, m) float32 rows drawn uniformly on the unit sphere (normalised Gaussians)."""
+    if int(num_classes) < 1 or int(dim) < 1:
+        raise ValueError(f"unit prototypes: need num_classes >= 1 and dim >= 1, got {num_classes}, {dim}")
+    rng = np.random.default_rng(seed)
+    return normalize_rows(rng.standard_normal((int(num_classes), int(dim)))).astype(np.float32)
+
+
+class ConsensusAggregator:
+    """Eq. (3) as a stream: per-class sum S_c and sender count K_c of unit client prototypes."""
+
+    def __init__(self, previous: np.ndarray) -> None:
+        prev = np.asarray(previous)
+        if prev.ndim != 2 or prev.shape[0] < 1 or prev.shape[1] < 1:
+            raise ValueError(f"consensus: previous prototypes must be a (C, m) array, got shape {prev.shape}")
+        prev = prev.astype(np.float64)
+        if not np.isfinite(prev).all():
+            raise ValueError("consensus: previous prototypes contain NaN or inf")
+        self._previous = prev
+        self.num_classes, self.dim = prev.shape
+        self._sum = np.zeros_like(prev)
+        self._count = np.zeros(self.num_classes, dtype=np.int64)
+        self._senders = 0
+
+    @property
+    def senders(self) -> int:
+        """How many uploads have been accepted."""
+        return self._senders
+
+    def add(self, protos: Mapping[int, np.ndarray]) -> None:
+        """Fold in one client's unit prototypes; checked in full before anything is applied."""
+        self.fold(self.check(protos))
+
+    def fold(self, rows: list[tuple[int, np.ndarray]]) -> None:
+        """Fold in rows that `check` returned (one upload)."""
+        for c, v in rows:
+            self._sum[c] += v
+            self._count[c] += 1
+        self._senders += 1
+
+    def check(self, protos: Mapping[int, np.ndarray]) -> list[tuple[int, np.ndarray]]:
+        """The upload's (class, unit row) pairs; raises ValueError, changing nothing, if any is invalid."""
+        rows = []
+        for c, p in protos.items():
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) < self.num_classes:
+                raise ValueError(f"consensus: class id {c!r} is not an integer in [0, {self.num_classes})")
+            v = np.asarray(p)
+            if v.shape != (self.dim,):
+                raise ValueError(f"consensus: prototype for class {c}: expected shape ({self.dim},), got {v.shape}")
+            v = v.astype(np.float64)
+            if not np.isfinite(v).all():
+                raise ValueError(f"consensus: prototype for class {c} contains NaN or inf; drop this upload")
+            length = float(np.linalg.norm(v))
+            if length == 0.0:
+                raise ValueError(f"consensus: prototype for class {c} is the zero vector; it has no direction")
+            # Eq. (2) makes p_kc a unit vector; normalising again keeps a client that skipped that
+            # step (or a lossy codec) from outweighing the others.
+            rows.append((int(c), v / length))
+        return rows
+
+    def sums(self) -> tuple[np.ndarray, np.ndarray]:
+        """(S, K): per-class sums of unit prototypes (C, m) float64 and sender counts (C,) int64, copies."""
+        return self._sum.copy(), self._count.copy()
+
+    def result(self) -> np.ndarray:
+        """p_bar (C, m) float32: Normalize(S_c / K_c) where K_c > 0, else last round's row.
+
+        A class whose submissions cancel exactly (S_c = 0) has no mean direction and also keeps
+        last round's row.
+        """
+        out = self._previous.copy()
+        length = np.linalg.norm(self._sum, axis=1)
+        ok = (self._count > 0) & (length > 0)
+        # Dividing by K_c does not change the direction, so normalising S_c is enough.
+        out[ok] = self._sum[ok] / length[ok, None]
+        return out.astype(np.float32)

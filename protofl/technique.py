@@ -1,0 +1,275 @@
+"""The technique contract: what a prototype technique is to the framework (numpy only).
+
+A technique is one name with two halves (docs/design.md, "Techniques"):
+
+- this side, `Technique`: the config options it declares, the combination rules it enforces, what it
+  adds to the round plan (`shape`) and its server rule (`server_rule`), which joins the phases it takes
+  part in with a `Fold` per phase: check an upload, fold it in, finish the phase into the `ServerModel`;
+- the device side (torch), `edge_agent.techniques.DeviceRule`, registered under the same name.
+
+Both halves register through Python entry points (`protofl.techniques` and `protofl.device_rules`), the
+built-in techniques too, so a third-party technique is installed, not merged. The round machine, the I/O
+shell, the agent and the trainer name no technique; they call the hooks below on the active rules in
+order. Rules talk to each other only through these hooks and the generic `ServerModel` fields.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from protofl.algorithms import support
+from protofl.algorithms.robust import ClipPolicy, NormLog, clip_around
+from protofl.wire import ProtoSet
+
+if TYPE_CHECKING:
+    from protofl.config import FederationConfig
+    from protofl.plan import RoundPlan
+
+
+class Phase(str, enum.Enum):
+    """A round's phases, as they travel in the envelope's `phase` field."""
+
+    PROTO = "proto"  # a first phase of prototypes whose aggregate is the training phase's targets
+    TRAIN = "train"  # local training -> parameter and/or prototype uploads
+    DONE = "done"  # the federation is over (final round message)
+
+
+class Upload(str, enum.Enum):
+    """What a client sends in a phase, as the envelope's `kind`."""
+
+    PROTOS = "protos"
+    ADAPTER = "adapter"  # a parameter vector: the federated adapter, or the whole model
+
+
+@dataclass(frozen=True)
+class Option:
+    """A config option a technique declares: its default, and a check of one value (a problem or None)."""
+
+    default: Any
+    check: Callable[[Any], str | None] | None = None
+
+
+def flag(name: str) -> Option:
+    """A true/false switch option, off by default."""
+    return Option(False, lambda v: None if isinstance(v, bool) else f"config '{name}' must be true or false, got {v!r}")
+
+
+def integer(name: str, default: int | None, low: int = 0, what: str = "") -> Option:
+    """An integer option >= `low` (None allowed when it is the default)."""
+    def check(v: Any) -> str | None:
+        if v is None and default is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool):
+            return f"config '{name}' must be an integer, got {v!r}"
+        return None if v >= low else (what or f"{name} must be >= {low}, got {v}")
+    return Option(default, check)
+
+
+def number(name: str, default: float, positive: bool = False) -> Option:
+    """A finite number option (> 0 when `positive`)."""
+    def check(v: Any) -> str | None:
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            return f"config '{name}' must be a finite number, got {v!r}"
+        return f"{name} must be > 0" if positive and v <= 0 else None
+    return Option(default, check)
+
+
+@dataclass
+class PlanDraft:
+    """The round plan while the active techniques shape it (protofl.plan.RoundPlan is the finished one)."""
+
+    num_classes: int
+    proto_dim: int
+    federate: str
+    prototypes: str
+    proto_dtype: str
+    adapter_dtype: str
+    phases: tuple[Phase, ...] = (Phase.TRAIN,)
+    uploads: dict[Phase, tuple[Upload, ...]] = field(default_factory=dict)
+    target_label: list[str] = field(default_factory=lambda: ["dense"])
+    proto_width: int = 0
+    masked: bool = False  # prototypes travel as the values on their class's support mask
+    public_classes: tuple[int, ...] = ()
+    public_phase: Phase | None = None  # the phase whose prototype upload carries public-set prototypes
+
+
+class Technique:
+    """One technique's framework half. Subclasses set `name`, `order`, `options` (and `presets`), and
+    override what they use; every hook has a do-nothing default."""
+
+    name: str = ""
+    order: int = 50  # plan shaping and server hooks run in ascending order
+    options: Mapping[str, Option] = {}
+    presets: Mapping[str, Mapping[str, Any]] = {}  # preset name -> config values (a preset is data)
+
+    def active(self, cfg: FederationConfig) -> bool:
+        """Whether this federation runs the technique (default: its switch option, named as itself)."""
+        return bool(cfg.options.get(self.name, False))
+
+    def check(self, cfg: FederationConfig) -> None:
+        """Combination rules: raise ConfigError with what to change (called for active techniques)."""
+
+    def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
+        """Add this technique's phases, uploads, widths and labels to the plan."""
+
+    def server_rule(self, model: ServerModel) -> ServerRule:
+        return ServerRule(model)
+
+
+class Fold:
+    """One rule's part of one phase: reads some upload kinds, checks then folds each accepted upload.
+
+    `check` is pure and raises WireError/ValueError for an upload it refuses; the phase calls every fold's
+    `check` before any `fold`, so a refused upload changes nothing."""
+
+    kinds: tuple[Upload, ...] = ()
+
+    def check(self, up: Any) -> Any:
+        return up
+
+    def fold(self, prepared: Any) -> None:
+        pass
+
+    def finish(self) -> None:
+        """Fold the phase into the server model (called once, in rule order)."""
+
+
+class ServerRule:
+    """A technique's server half for one federation: hooks on the shared `ServerModel`."""
+
+    def __init__(self, model: ServerModel) -> None:
+        self.model = model
+
+    def init_model(self) -> None:
+        """Round-0 state (masks, initial prototypes, the initial adapter)."""
+
+    def folds(self, phase: Phase) -> list[Fold]:
+        """This rule's folds for a phase that is opening (none by default)."""
+        return []
+
+    def round_targets(self, phase: Phase) -> ProtoSet | None:
+        """The targets the round message opening `phase` carries (the first rule with some wins)."""
+        return None
+
+    # Hooks one rule offers another (ServerModel.chain / ServerModel.first call them in rule order).
+    def mean_aggregator(self, width: int) -> Any | None:
+        """A replacement for the n-weighted mean of local prototypes (None: keep the default)."""
+        return None
+
+    def vector_aggregator(self, reference: np.ndarray) -> Any | None:
+        """A replacement for the sample-weighted mean of parameter vectors (None: keep the default)."""
+        return None
+
+    def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Rework a phase's freshly built target table (e.g. refinement); default unchanged."""
+        return table
+
+    def adjust_consensus(self, unit: np.ndarray) -> np.ndarray:
+        """Rework the consensus of unit prototypes before it is refined; default unchanged."""
+        return unit
+
+    def persist(self) -> dict[str, Any]:
+        """Extra state to checkpoint at a phase boundary (plain values and arrays)."""
+        return {}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@dataclass
+class ServerModel:
+    """What the federation has agreed on so far, shared by the active rules.
+
+    Generic fields: a parameter vector (`adapter` or the whole model, `params`), mean prototypes in wire
+    space (`prototypes`), unit prototypes on the sphere (`unit`), per-class support masks (`masks`), the
+    targets a first phase built (`targets`). Clipping state (robust.py) lives here too: every upload is
+    clipped around the current global value before it is folded."""
+
+    cfg: FederationConfig
+    plan: RoundPlan
+    adapter: np.ndarray | None = None
+    params: np.ndarray | None = None
+    prototypes: dict[int, np.ndarray] = field(default_factory=dict)
+    unit: np.ndarray | None = None
+    masks: np.ndarray | None = None
+    targets: ProtoSet | None = None
+    policy: ClipPolicy = field(default_factory=ClipPolicy)
+    # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
+    radii: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)  # uploads clipped so far, per kind
+    rules: list[ServerRule] = field(default_factory=list)
+    logs: dict[str, NormLog] = field(default_factory=dict)  # this phase's accepted norms, per kind
+
+    # -- rules ----------------------------------------------------------------------------------
+    def first(self, hook: str, *args: Any) -> Any:
+        """The first rule's non-None answer to `hook`, or None."""
+        for rule in self.rules:
+            out = getattr(rule, hook)(*args)
+            if out is not None:
+                return out
+        return None
+
+    def chain(self, hook: str, value: Any) -> Any:
+        """`value` passed through every rule's `hook` in order."""
+        for rule in self.rules:
+            value = getattr(rule, hook)(value)
+        return value
+
+    def unit_on_wire(self) -> dict[int, np.ndarray]:
+        """The unit prototypes as they travel: every class, cut to its support mask where there are masks."""
+        assert self.unit is not None
+        table = dict(enumerate(self.unit))
+        return support.compress_table(table, self.masks) if self.masks is not None else table
+
+    # -- clipping -------------------------------------------------------------------------------
+    def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
+             kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+        """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
+        return clip_table(table, centers, self.radius(kind), self.plan.proto_width)
+
+    def log(self, kind: str) -> NormLog:
+        return self.logs.setdefault(kind, NormLog())
+
+    def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
+        """Note the accepted upload's rows (their norms set the next radius)."""
+        radius, log = self.radius(kind), self.log(kind)
+        for v, d in seen:
+            log.record(v, d, radius)
+
+    def close_logs(self) -> None:
+        """At a phase's end: each kind's next radius from its accepted norms."""
+        for kind, log in self.logs.items():
+            self.update_radius(kind, log)
+        self.logs = {}
+
+    def radius(self, kind: str) -> float:
+        return self.radii.get(kind, self.policy.first_radius)
+
+    def update_radius(self, kind: str, log: NormLog) -> None:
+        """After a round: the next radius from its accepted norms (kept if nothing was accepted)."""
+        if log.values:
+            self.radii[kind] = self.policy.radius(log.values)
+        if log.clipped:
+            self.clipped[kind] = self.clipped.get(kind, 0) + log.clipped
+
+
+def clip_table(table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray], radius: float,
+               width: int) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+    """Every row clipped to `radius` around its class's center (zero where none); and (row, distance)s."""
+    out, seen = {}, []
+    for c, v in table.items():
+        center = centers.get(c)
+        out[c], d = clip_around(v, np.zeros(width) if center is None else np.asarray(center, np.float64), radius)
+        seen.append((v, d))
+    return out, seen
+
+
+def table_of(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+    """A prototype set as ({class: row}, counts or None); an absent set is empty."""
+    return ({}, None) if ps is None else ps.table()
