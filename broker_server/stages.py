@@ -27,6 +27,8 @@ from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
 
 __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 
+_NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
+
 
 def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None) -> ServerModel:
     """The server model at round 0, with the active techniques' rules attached."""
@@ -55,8 +57,8 @@ def check_upload(plan: RoundPlan, phase: Phase, up: ProtoUpload | AdapterUpload)
         _check_protos(up.local, plan, "prototype")
         _check_protos(up.public, plan, "public prototype")
         if up.public is not None and up.public.classes.size and plan.public_phase is not phase:
-            raise WireError(f"public-set prototypes in the {phase.value} phase; this federation sends them "
-                            + (f"in the {plan.public_phase.value} phase" if plan.public_phase else "not at all"))
+            raise WireError(f"public-set prototypes in the {_NAMES[phase]} phase; this federation sends them "
+                            + (f"in the {_NAMES[plan.public_phase]} phase" if plan.public_phase else "not at all"))
         return
     if plan.federate == "none":
         raise WireError("this federation does not exchange adapters")

@@ -23,6 +23,8 @@ from broker_server.security import read_allow_list
 from protofl.algorithms.robust import ClipPolicy
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.plan import RoundPlan
+from protofl.presets import preset_names
 
 log = logging.getLogger("protofl.service")
 
@@ -31,20 +33,20 @@ def start_command(
     broker: Optional[str] = typer.Option(None, help="Join this broker (mqtt://host:port or mqtts://...). Default: start a local "
                                                    "one (mosquitto if installed, else embedded amqtt)."),
     fed: str = typer.Option("default", help="Federation name (topics live under protofl/{fed}/)."),
-    preset: str = typer.Option("protofl", help="fedavg | fedproto | refprotofl | tinyproto | fedpagr | protofl."),
+    preset: str = typer.Option("protofl", help=f"Method to run: {' | '.join(preset_names())}."),
     config: Optional[Path] = typer.Option(None, help="TOML file of config overrides (a federation table)."),
     min_clients: Optional[int] = typer.Option(None, help="Clients needed to start round 1 and to close a phase at its deadline."),
     round_timeout: Optional[float] = typer.Option(None, help="Seconds a phase waits for uploads before closing with whoever sent."),
     rounds: Optional[int] = typer.Option(None, help="Communication rounds."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the initial adapter, CPS masks and public set."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the initial adapter, support masks and public set."),
     public_data: Optional[str] = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
-                                                                          "(ERPA presets: refprotofl, protofl)."),
+                                                                          "(presets with public-set anchors)."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal "
                                              "and checkpoint (crash safe: run the same command again to resume), "
                                              "the local broker's files, credentials, rounds.jsonl and "
                                              "server_model.npz."),
-    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
     listen: Optional[str] = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
                                                     "0.0.0.0:1883 serves other machines."),
@@ -105,7 +107,8 @@ def start_command(
 def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rounds: int | None,
                 min_clients: int | None, round_timeout: float | None, seed: int | None, public_data: str | None,
                 data_dir: str | None) -> tuple[Any, Any]:
-    """The validated config and, for ERPA, the public set carved exactly as the simulator carves it."""
+    """The validated config and, where its plan has public classes, the public set carved exactly as the
+    simulator carves it."""
     from protofl.data import load_dataset
     from protofl.data.federation import public_set
     from protofl.presets import make_config
@@ -117,10 +120,10 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
         train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0))
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
     cfg = make_config(preset, str(config) if config else None, **overrides)
-    if not (cfg.erpa and cfg.public_per_class > 0):
+    if not RoundPlan.from_config(cfg).public_classes:
         return cfg, None
     if train is None:
-        raise ConfigError(f"preset '{cfg.preset}' uses ERPA anchors and needs a public set: pass --public-data "
+        raise ConfigError(f"preset '{cfg.preset}' uses public-set anchors and needs a public set: pass --public-data "
                           f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0")
     return cfg, public_set(train, cfg)
 

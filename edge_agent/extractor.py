@@ -43,7 +43,7 @@ class Extractor(Protocol):
 
     def predict_proba(self, x: np.ndarray | torch.Tensor, unit_prototypes: torch.Tensor | np.ndarray | None = None,
                       beta: float = 0.1) -> np.ndarray:
-        """(n, C) class probabilities: the head's softmax, or softmax(z_hat . P^T / beta) (FedPAGR)."""
+        """(n, C) class probabilities: the head's softmax, or softmax(z_hat . P^T / beta) (unit prototypes P)."""
         ...
 
 
@@ -81,10 +81,10 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 def class_probabilities(model: ProtoNet, z: np.ndarray, unit_prototypes: torch.Tensor | np.ndarray | None = None,
                         beta: float = 0.1) -> np.ndarray:
-    """(n, C) class probabilities from features z: the head's softmax, or softmax(z_hat . P^T / beta) (FedPAGR).
+    """(n, C) class probabilities from features z: the head's softmax, or softmax(z_hat . P^T / beta) (unit prototypes P).
 
-    The head is a single Linear: applied in numpy it always uses the head's current weights (FedPAGR
-    overwrites them at round start), needs no export, and lets evaluation reuse one forward pass for
+    The head is a single Linear: applied in numpy it always uses the head's current weights (a technique
+    may anchor them at round start), needs no export, and lets evaluation reuse one forward pass for
     the head's and the nearest prototype's predictions.
     """
     if len(z) == 0:

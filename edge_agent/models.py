@@ -9,7 +9,7 @@ Every client runs
   ``nn.Identity`` so that no useless square matrix is trained (or exported) per device.
 * ``adapter`` (A_f, a residual rank-r bottleneck) and ``head`` (H) form the *federated adapter*
   theta_a that presets may share (see ``edge_agent/params.py`` for its flattening order).
-* ``projection`` is FedPAGR's private consensus projection g_k, present only when asked for.
+* ``projection`` is a private consensus projection g_k, present only when a technique asks for it.
 
 The backbones are written out here (no torchvision dependency): the FedAvg CNN of McMahan et al.,
 a two-layer MLP, CIFAR-style ResNet-8 / ResNet-18 and a narrow CIFAR-style MobileNetV2. When
@@ -330,7 +330,7 @@ class ResidualAdapter(nn.Module):
 
 
 class ConsensusProjection(nn.Sequential):
-    """FedPAGR's private projection g_k: Linear(m,2m), LayerNorm, ReLU, Dropout(0.1), Linear(2m,m), LayerNorm."""
+    """A private consensus projection g_k (docs/algorithms.md): Linear(m,2m), LayerNorm, ReLU, Dropout(0.1), Linear(2m,m), LayerNorm."""
 
     def __init__(self, dim: int, dropout: float = 0.1) -> None:
         super().__init__(
@@ -397,7 +397,7 @@ class ProtoNet(nn.Module):
         return z
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """The prototype-space embedding z (not normalised; FedPAGR normalises in its loss)."""
+        """The prototype-space embedding z (not normalised; unit-prototype losses normalise it)."""
         return self.features_from_backbone(self.backbone_features(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Flattening model parameters into vectors in a fixed, declared order (APUD and FedAvg).
+"""Flattening model parameters into vectors in a fixed, declared order (the federated adapter and the whole model).
 
 The server side is numpy only and never sees a module: it sees a vector of length d plus a *layout*
 (qualified name and shape of every slice, in order) that is published in the federation's config. Both

@@ -106,7 +106,7 @@ def predict_command(
     limit: int | None = typer.Option(None, help="Classify a seeded random subset of this many images."),
     fit: bool = typer.Option(False, "--fit", help="First build --prototypes from the training split."),
     fit_limit: int = typer.Option(10000, help="Training images used by --fit."),
-    metric: str = typer.Option("l2", help="l2 (FedProto) or cosine (FedPAGR's unit prototypes)."),
+    metric: str = typer.Option("l2", help="l2 (mean prototypes) or cosine (unit prototypes)."),
     out: Path | None = typer.Option(None, "--out", help="Write index,predicted,label rows to this CSV."),
     show: int = typer.Option(10, help="Print the first N predictions."),
     threads: int | None = typer.Option(None, help="onnxruntime intra-op threads (default: all cores)."),

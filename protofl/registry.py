@@ -92,8 +92,9 @@ def draft(cfg: FederationConfig) -> PlanDraft:
     if cfg.prototypes != "none":
         train.append(Upload.PROTOS)
     d.uploads = {Phase.TRAIN: tuple(train)}
-    for tech in active(cfg):
+    for tech in techniques():  # a switch that is set where it means nothing is refused too
         tech.check(cfg)
+    for tech in active(cfg):
         tech.shape(d, cfg)
     return d
 

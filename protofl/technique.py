@@ -113,7 +113,8 @@ class Technique:
         return bool(cfg.options.get(self.name, False))
 
     def check(self, cfg: FederationConfig) -> None:
-        """Combination rules: raise ConfigError with what to change (called for active techniques)."""
+        """Its options' combination rules: raise ConfigError with what to change (called for every
+        installed technique, active or not)."""
 
     def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
         """Add this technique's phases, uploads, widths and labels to the plan."""

@@ -100,7 +100,7 @@ class Arrival:
 
 
 def _encoding(kind: str, body: Any) -> tuple[str | None, int | None]:
-    """(wire dtype, APUD K) of an upload body, read from the raw map; (None, None) if unreadable."""
+    """(wire dtype, sparse K) of an upload body, read from the raw map; (None, None) if unreadable."""
     with contextlib.suppress(KeyError, TypeError, AttributeError):
         if kind == "adapter":
             u = body["update"]

@@ -222,7 +222,7 @@ class Erpa(Technique):
                               "(or prototypes='mean')")
         if cfg.prototypes == "unit" and cfg.refine:
             raise ConfigError("refinement of ERPA unit anchors is not built: turn refine off (or erpa off for "
-                              "FedPAGR's refinement)")
+                              "the unit prototypes' own refinement)")
         # A public-covered class is anchored by the public-set mean; only the other classes travel as
         # n-weighted prototypes. With every class covered scaling acts on nothing (measured: identical
         # accuracy on 3 seeds with and without it, bench/results/TABLE.md).

@@ -232,7 +232,7 @@ class FedPagr(Technique):
             draft.target_label = ["unit"]
         elif cfg.refine and Phase.PROTO not in draft.phases:
             raise ConfigError("refine acts on FedPAGR's unit prototypes (prototypes='unit') or on the targets "
-                              "of a first prototype phase (public-set anchors, erpa=true); with neither it "
+                              "of a first prototype phase (public-set anchors on mean prototypes); with neither it "
                               "changes nothing: turn refine off or switch one of them on")
 
     def server_rule(self, model: Any) -> ServerRule:

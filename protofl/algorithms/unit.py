@@ -3,9 +3,10 @@
     p_kc     = Normalize(mean of z_hat over D_kc), z_hat = z / ||z||               (client, eq. 2)
     p_bar_c  = Normalize((1 / |K_c|) sum_{k in K_c} p_kc) over the senders K_c   (server, eq. 3)
 
-a class nobody sent keeps last round's prototype; round 0 uses seeded random unit vectors. The equations
-are FedPAGR's (paper 004, docs/algorithms.md); the public-set anchors on the sphere use them as well.
+a class nobody sent keeps last round's prototype; round 0 uses seeded random unit vectors. The public-set
+anchors on the sphere use them as well as the technique that introduced them (docs/algorithms.md).
 """
+# Eqs. (2)-(3) and Alg. 1 line 1 of FedPAGR (paper 004).
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The federation's data recipe, one function per step, shared by the simulator, the server and devices.
 
 `limit_train` (the `--train-limit` subset), `federation_split` (the client partition for (dataset, N,
-alpha, seed)) and `public_set` (the server's ERPA public set) are the only places these choices are
+alpha, seed)) and `public_set` (the server's public set) are the only places these choices are
 made: a device loading `--partition i/N`, `protofl-server start --public-data` and the simulator
 therefore see the same samples. numpy only.
 """
@@ -14,6 +14,7 @@ from protofl.config import FederationConfig
 from protofl.data.loaders import Dataset
 from protofl.data.partition import FederatedSplit, build_federation, federation_public
 from protofl.errors import ConfigError
+from protofl.plan import RoundPlan
 from protofl.wire import PublicSet
 
 __all__ = ["federation_split", "limit_train", "public_set"]
@@ -37,9 +38,9 @@ def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg:
 
 
 def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
-    """The server-held public set of an ERPA preset (None otherwise, or when it would be empty): the
+    """The server-held public set of a federation whose plan has public classes (None otherwise, or when it would be empty): the
     samples `federation_split` keeps out of every client for `cfg.seed`."""
-    if not cfg.erpa:
+    if not RoundPlan.from_config(cfg).public_classes:
         return None
     idx = federation_public(train.y, cfg.seed, cfg.public_per_class, cfg.public_classes)
     if len(idx) == 0:

@@ -431,7 +431,7 @@ class RoundStart(_Body):
 
 @dataclass(frozen=True, eq=False)
 class ProtoUpload(_Body):
-    """A client's prototypes: `local` from its own data, `public` computed on the public set (ERPA)."""
+    """A client's prototypes: `local` from its own data, `public` computed on the server's public set."""
 
     KIND: ClassVar[str] = "protos"
     local: ProtoSet | None
@@ -461,7 +461,7 @@ class ProtoUpload(_Body):
 
 @dataclass(frozen=True, eq=False)
 class AdapterUpload(_Body):
-    """A client's adapter after local training: APUD-selected coordinates, or every one as a dense array."""
+    """A client's adapter after local training: its top-K selected coordinates, or every one as a dense array."""
 
     KIND: ClassVar[str] = "adapter"
     update: SparseVector | np.ndarray

@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
         agg = Aggregator(cfg, "np", broker.connect("server"), expected_clients=ids, initial_params=init)
         agg.start()
         rng = np.random.default_rng(0)
-        width = cfg.s if cfg.cps else cfg.proto_dim
+        width = agg.machine.plan.proto_width
 
         def on_round(topic, payload, cid):
             env, msg = decode_message(payload)

@@ -20,6 +20,7 @@ from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoin
 from broker_server.durable import DurableState, journal_records
 from broker_server.journal import Journal, JournalError, encode_record
 from protofl import topics
+from protofl.plan import Phase
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
@@ -118,7 +119,7 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
     for r in (1, 2, 3):
         for k, c in enumerate(CLIENTS):
             rng = np.random.default_rng(100 * r + k)
-            if agg.machine.plan.public_in_train:
+            if agg.machine.plan.public_phase is Phase.TRAIN:
                 public = ProtoSet(classes=np.arange(2), values=rng.normal(size=(2, width)).astype(np.float32), dt="f4")
                 protos = ProtoSet(classes=np.array([2]), values=rng.normal(size=(1, width)).astype(np.float32), dt="f4")
             else:

@@ -120,22 +120,22 @@ def test_robust_policy_is_checked() -> None:
 def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> None:
     # APUD: 4 honest clients move coordinates 0..9 by +0.01, a poisoner sends 1e6 on the same ones with a
     # huge weight. Round 1's radius is the first radius; the mean moves by at most it, the median by 0.01.
-    from broker_server.stages import ServerModel, TrainPhase
+    from broker_server.stages import PhaseRun, build_model
     from protofl.adapter import adapter_layout, initial_adapter
-    from protofl.plan import RoundPlan
+    from protofl.plan import Phase, RoundPlan, Upload
     from protofl.sparse import SparseVector
     from protofl.wire import AdapterUpload
 
     cfg = make_config("protofl", num_classes=C, proto_dim=M, adapter_rank=1, **ADAPTER_PIPELINE)
     policy = ClipPolicy(first_radius=1.0, robust=robust)
-    model = ServerModel(cfg, RoundPlan.from_config(cfg), policy=policy)
+    model = build_model(cfg, RoundPlan.from_config(cfg), policy)
     model.adapter = initial_adapter(adapter_layout(M, 1, C), seed=0)
     before = model.adapter.astype(np.float64).copy()
-    phase = TrainPhase(model)
+    phase = PhaseRun(model, Phase.TRAIN)
     idx = np.arange(10)
     for k in range(5):
         vals = before[idx] + (1e6 if k == 4 else 0.01)
-        phase.add_adapter(AdapterUpload(update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
+        phase.add(Upload.ADAPTER, AdapterUpload(update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
                                         n_samples=10**9 if k == 4 else 10, base_round=1, dt="f4"))
     phase.finish()
     moved = np.linalg.norm(model.adapter.astype(np.float64) - before)

@@ -219,8 +219,8 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
     # Candidate (d): (b) + ERPA anchors from the public set, normalised. The devices send unit public-set
     # prototypes with their training upload; the next round's prototype of a public class is their
     # normalised uniform mean, cut to the class's mask.
-    from protofl.algorithms import cps
-    from protofl.algorithms.refine import normalize_rows
+    from protofl.algorithms import support
+    from protofl.algorithms.unit import normalize_rows
     from protofl.wire import ProtoUpload, decode_message
 
     uploads: list[ProtoUpload] = []
@@ -247,7 +247,7 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
         assert up.public is not None and set(up.public.table()[0]) == set(public)
         assert not set(up.local.table()[0]) & set(public)  # uncovered classes only
     for c in public:
-        rows = [cps.reconstruct_table({c: up.public.table()[0][c]}, model.masks)[c] for up in uploads]
-        expected = cps.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
+        rows = [support.reconstruct_table({c: up.public.table()[0][c]}, model.masks)[c] for up in uploads]
+        expected = support.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
                                          model.masks[[c]])[0]
         np.testing.assert_allclose(model.unit[c], expected, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Server stages on hand-computed numbers: ERPA anchors (with and without scaling), FedProto's
+"""Server rules composed into phases, on hand-computed numbers: ERPA anchors (with and without scaling), FedProto's
 weighted prototypes, APUD and FedAvg folds, and what the next round's targets are."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker_server.stages import PrototypePhase, ServerModel, TrainPhase
+from broker_server.stages import PhaseRun, ServerModel, build_model
 from protofl.errors import WireError
-from protofl.plan import RoundPlan
+from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
@@ -16,7 +16,7 @@ from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
 
 def model_for(preset: str, **overrides: object) -> ServerModel:
     cfg = make_config(preset, num_classes=3, proto_dim=2, adapter_rank=1, **overrides)
-    return ServerModel(cfg, RoundPlan.from_config(cfg))
+    return build_model(cfg, RoundPlan.from_config(cfg))
 
 
 def ps(table: dict[int, list[float]], counts: dict[int, int] | None = None) -> ProtoSet:
@@ -27,44 +27,46 @@ def ps(table: dict[int, list[float]], counts: dict[int, int] | None = None) -> P
 
 def test_erpa_anchors_ext_mean_for_public_weighted_mean_for_the_rest() -> None:
     m = model_for("refprotofl", public_classes=(0,))
-    phase = PrototypePhase(m)
-    phase.add(ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [2, 2]}, {1: 1}), n_samples=1))
-    phase.add(ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}), n_samples=6))
-    a = phase.anchors()
+    phase = PhaseRun(m, Phase.PROTO)
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [2, 2]}, {1: 1}), n_samples=1))
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}), n_samples=6))
+    phase.finish()
+    a, _ = m.targets.table()
     # a_0 = (1 + 3) / 2 = 2 (uniform); a_1 = (1*2 + 2*5) / 3 = 4 (n-weighted); a_2 = 1 (one sender)
     assert {c: v.tolist() for c, v in a.items()} == {0: [2.0, 0.0], 1: [4.0, 4.0], 2: [1.0, 1.0]}
 
 
 def test_erpa_with_scaling_averages_the_scaled_vectors_over_senders() -> None:
     m = model_for("refprotofl", public_classes=(0,), scaling=True)
-    phase = PrototypePhase(m)
-    phase.add(ProtoUpload(public=ps({0: [1, 1]}), local=ps({1: [2, 0]}), n_samples=1))  # n*p, no counts
-    phase.add(ProtoUpload(public=None, local=ps({1: [4, 2]}), n_samples=1))
+    phase = PhaseRun(m, Phase.PROTO)
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 1]}), local=ps({1: [2, 0]}), n_samples=1))  # n*p, no counts
+    phase.add(Upload.PROTOS, ProtoUpload(public=None, local=ps({1: [4, 2]}), n_samples=1))
     # G_1 = (2 + 4) / 2, (0 + 2) / 2 = (3, 1) (TinyProto eq. 10: 1/|N_c|); a_0 = the one ext prototype
-    assert {c: v.tolist() for c, v in phase.anchors().items()} == {0: [1.0, 1.0], 1: [3.0, 1.0]}
+    phase.finish()
+    assert {c: v.tolist() for c, v in m.targets.table()[0].items()} == {0: [1.0, 1.0], 1: [3.0, 1.0]}
 
 
 def test_fedproto_round_keeps_unsent_classes_and_becomes_next_targets() -> None:
     m = model_for("fedproto")
     m.prototypes = {2: np.array([9, 9], np.float32)}
-    phase = TrainPhase(m)
-    phase.add_prototypes(ProtoUpload(local=ps({0: [1, 0]}, {0: 1}), public=None, n_samples=1))
-    phase.add_prototypes(ProtoUpload(local=ps({0: [4, 3]}, {0: 2}), public=None, n_samples=2))
+    phase = PhaseRun(m, Phase.TRAIN)
+    phase.add(Upload.PROTOS, ProtoUpload(local=ps({0: [1, 0]}, {0: 1}), public=None, n_samples=1))
+    phase.add(Upload.PROTOS, ProtoUpload(local=ps({0: [4, 3]}, {0: 2}), public=None, n_samples=2))
     phase.finish()
     # g_0 = (1*(1,0) + 2*(4,3)) / 3 = (3, 2); class 2 nobody sent keeps (9, 9)
     assert {c: v.tolist() for c, v in m.prototypes.items()} == {0: [3.0, 2.0], 2: [9.0, 9.0]}
-    targets = m.train_anchors()
+    targets = PhaseRun(m, Phase.TRAIN).round_targets()
     assert targets is not None and targets.classes.tolist() == [0, 2]
 
 
 def test_apud_fold_keeps_coordinates_nobody_sent() -> None:
     m = model_for("refprotofl")
     m.adapter = np.zeros(8, np.float32)  # any length: the phase follows the server's adapter
-    phase = TrainPhase(m)
+    phase = PhaseRun(m, Phase.TRAIN)
     n = m.adapter.shape[0]
-    phase.add_adapter(AdapterUpload(update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)),
+    phase.add(Upload.ADAPTER, AdapterUpload(update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)),
                                     n_samples=1, base_round=1))
-    phase.add_adapter(AdapterUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)),
+    phase.add(Upload.ADAPTER, AdapterUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)),
                                     n_samples=3, base_round=1))
     phase.finish()
     # theta_0 = (1*2 + 3*5) / 4 = 4.25; theta_2 = 4 (one sender); the rest keep 0
@@ -74,11 +76,11 @@ def test_apud_fold_keeps_coordinates_nobody_sent() -> None:
 def test_fedavg_without_a_known_model_takes_the_first_length_and_holds_the_rest_to_it() -> None:
     m = model_for("fedavg")
     assert m.params is None  # a server without torch does not know the model's size
-    phase = TrainPhase(m)
-    phase.add_adapter(AdapterUpload(update=np.array([1.0, 2.0, 3.0], np.float32), n_samples=1, base_round=1))
+    phase = PhaseRun(m, Phase.TRAIN)
+    phase.add(Upload.ADAPTER, AdapterUpload(update=np.array([1.0, 2.0, 3.0], np.float32), n_samples=1, base_round=1))
     with pytest.raises(WireError, match="length 2, expected 3"):
-        phase.add_adapter(AdapterUpload(update=np.array([1.0, 2.0], np.float32), n_samples=1, base_round=1))
-    phase.add_adapter(AdapterUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
+        phase.add(Upload.ADAPTER, AdapterUpload(update=np.array([1.0, 2.0], np.float32), n_samples=1, base_round=1))
+    phase.add(Upload.ADAPTER, AdapterUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
     phase.finish()
     assert m.params.tolist() == [2.0, 2.0, 2.0]
 
@@ -93,9 +95,9 @@ def _spherical_erpa(public_classes: tuple[int, ...] = (0,)) -> ServerModel:
 
 def test_erpa_on_unit_prototypes_anchors_public_classes_on_the_public_set() -> None:
     m = _spherical_erpa()
-    phase = TrainPhase(m)
-    phase.add_prototypes(ProtoUpload(public=ps({0: [0, 1]}), local=ps({1: [1, 0]}), n_samples=4))
-    phase.add_prototypes(ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 2]}), n_samples=8))
+    phase = PhaseRun(m, Phase.TRAIN)
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [0, 1]}), local=ps({1: [1, 0]}), n_samples=4))
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 2]}), n_samples=8))
     phase.finish()
     r = 1 / np.sqrt(2)
     # class 0: normalised uniform mean of the public prototypes (0,1), (1,0); class 1: FedPAGR's consensus
@@ -112,9 +114,9 @@ def test_erpa_on_unit_prototypes_anchors_public_classes_on_the_public_set() -> N
 ])
 def test_erpa_on_unit_prototypes_rejects_a_bad_upload_whole(up: ProtoUpload, match: str) -> None:
     m = _spherical_erpa()
-    phase = TrainPhase(m)
+    phase = PhaseRun(m, Phase.TRAIN)
     with pytest.raises((WireError, ValueError), match=match):
-        phase.add_prototypes(up)
+        phase.add(Upload.PROTOS, up)
     phase.finish()  # nothing was folded: every row keeps its value
     np.testing.assert_array_equal(m.unit, np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32))
 
@@ -123,4 +125,4 @@ def test_public_prototypes_in_the_training_phase_are_refused_elsewhere() -> None
     m = model_for("fedpagr", refine=False)
     m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
     with pytest.raises(WireError, match="public-set prototypes in the training phase"):
-        TrainPhase(m).add_prototypes(ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))
+        PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))

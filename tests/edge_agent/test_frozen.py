@@ -9,6 +9,7 @@ import torch
 
 from broker_server.simulation import SimulationSpec, run_simulation
 from edge_agent import trainer
+from edge_agent.techniques import Objective
 from edge_agent.extractor import weight_fingerprint
 from edge_agent.frozen import FrozenBackbone, compute_backbone_features, train_on_cached_features
 from edge_agent.models import build_model
@@ -32,9 +33,9 @@ def test_same_result_as_train_local_with_frozen_backbone(small_set) -> None:
     x, y, _, _ = small_set
     cfg = FederationConfig(backbone="frozen", local_epochs=2)
     a, b = build_model("resnet8", (1, 28, 28), 10, seed=0), build_model("resnet8", (1, 28, 28), 10, seed=0)
-    ref = trainer.train_local(a, x, y, cfg, trainer.Targets(), seed=5)
+    ref = trainer.train_local(a, x, y, cfg, Objective(), seed=5)
     h, used = compute_backbone_features(b, x, "torch")
-    got = train_on_cached_features(b, h, y, cfg, trainer.Targets(), seed=5)
+    got = train_on_cached_features(b, h, y, cfg, Objective(), seed=5)
     assert used == "torch" and got.steps == ref.steps and got.loss == pytest.approx(ref.loss, rel=1e-5)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
@@ -47,7 +48,7 @@ def test_only_non_backbone_parameters_train(small_set) -> None:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fp = weight_fingerprint(model.backbone)
     h, _ = compute_backbone_features(model, x)
-    train_on_cached_features(model, h, y, FederationConfig(backbone="frozen"), trainer.Targets(), seed=0)
+    train_on_cached_features(model, h, y, FederationConfig(backbone="frozen"), Objective(), seed=0)
     after = model.state_dict()
     assert weight_fingerprint(model.backbone) == fp  # weights *and* BatchNorm statistics untouched
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("backbone."))
@@ -70,7 +71,7 @@ def test_accuracy_improves_over_epochs(small_set) -> None:
 
     accs = [accuracy()]
     for epoch in range(4):
-        train_on_cached_features(model, h, y, cfg, trainer.Targets(), seed=epoch)
+        train_on_cached_features(model, h, y, cfg, Objective(), seed=epoch)
         accs.append(accuracy())
     # Measured: 0.12 -> 0.43, 0.55, 0.56, 0.58. Random frozen cnn features are linearly useful.
     assert all(b >= a - 0.01 for a, b in zip(accs, accs[1:])), accs
@@ -99,7 +100,7 @@ def test_bad_backend_and_shape_mismatch() -> None:
         compute_backbone_features(model, torch.zeros(2, 1, 28, 28), "tvm")
     with pytest.raises(ValueError, match="3 rows of h for 2 labels"):
         train_on_cached_features(model, torch.zeros(3, 512), torch.zeros(2, dtype=torch.long),
-                                 FederationConfig(backbone="frozen"), trainer.Targets(), seed=0)
+                                 FederationConfig(backbone="frozen"), Objective(), seed=0)
 
 
 def test_agents_run_a_frozen_federation() -> None:

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from edge_agent import losses
+from edge_agent.techniques import alignment
+from edge_agent.techniques.fedpagr import entropy_regulariser, fedpagr_loss
 
 
 def test_alignment_is_the_per_element_squared_error_averaged_over_the_batch() -> None:
@@ -17,8 +18,8 @@ def test_alignment_is_the_per_element_squared_error_averaged_over_the_batch() ->
     present = torch.tensor([True, True, False])  # class 2 has no target
     # ||z0 - a0||^2 = 1 + 4 = 5, ||z1 - a1||^2 = 1 + 1 = 2, sample 2 adds 0 but counts in the batch:
     # (1/|B|) sum (1/m) ||z - a||^2 = (5/2 + 2/2 + 0) / 3 = 7/6
-    assert losses.alignment(z, y, targets, present).item() == pytest.approx(7 / 6)
-    assert losses.alignment(z, y, targets, torch.zeros(3, dtype=torch.bool)).item() == 0.0
+    assert alignment(z, y, targets, present).item() == pytest.approx(7 / 6)
+    assert alignment(z, y, targets, torch.zeros(3, dtype=torch.bool)).item() == 0.0
 
 
 def test_alignment_does_not_grow_with_the_prototype_width() -> None:
@@ -28,12 +29,12 @@ def test_alignment_does_not_grow_with_the_prototype_width() -> None:
     for m in (2, 512):
         z = torch.full((4, m), 0.5)
         y = torch.tensor([0, 1, 0, 1])
-        assert losses.alignment(z, y, torch.zeros(2, m), torch.ones(2, dtype=torch.bool)).item() == pytest.approx(0.25)
+        assert alignment(z, y, torch.zeros(2, m), torch.ones(2, dtype=torch.bool)).item() == pytest.approx(0.25)
 
 
 def test_alignment_gradient_pulls_z_towards_its_target() -> None:
     z = torch.tensor([[2.0, 0.0]], requires_grad=True)
-    losses.alignment(z, torch.tensor([0]), torch.tensor([[0.0, 0.0]]), torch.tensor([True])).backward()
+    alignment(z, torch.tensor([0]), torch.tensor([[0.0, 0.0]]), torch.tensor([True])).backward()
     # d/dz (1/1)(1/2)((z0)^2 + z1^2) = (z0, z1) = (2, 0)
     assert z.grad.tolist() == [[2.0, 0.0]]
 
@@ -42,7 +43,7 @@ def test_entropy_regulariser_hand_example() -> None:
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
     # row 0: softmax (1/2, 1/2) -> mean log = log 1/2 ; row 1: (3/4, 1/4) -> (log 3/4 + log 1/4)/2
     expected = -((math.log(0.5)) + (math.log(0.75) + math.log(0.25)) / 2) / 2
-    assert losses.entropy_regulariser(logits).item() == pytest.approx(expected)
+    assert entropy_regulariser(logits).item() == pytest.approx(expected)
 
 
 def test_fedpagr_loss_hand_example() -> None:
@@ -63,4 +64,4 @@ def test_fedpagr_loss_hand_example() -> None:
     ls = [2 - math.log(math.exp(2) + 1), 0 - math.log(math.exp(2) + 1)]
     ent = -(ls[0] + ls[1]) / 2
     expected = ce_head + ce_proto + lam * ent
-    assert losses.fedpagr_loss(z, y, head, P, beta, lam).item() == pytest.approx(expected, rel=1e-6)
+    assert fedpagr_loss(z, y, head, P, beta, lam).item() == pytest.approx(expected, rel=1e-6)

@@ -38,6 +38,7 @@ def trained_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not Path(FASHION_MNIST_DIR).is_dir():
         pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR}")
     from edge_agent import trainer
+    from edge_agent.techniques import Objective
     from edge_agent.models import build_model
     from export.checkpoint import save_checkpoint
     from protofl.data import load_images
@@ -48,5 +49,5 @@ def trained_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # One thread (the session default): on a shared 2-core box two torch threads contending with other
     # processes made this step 4x slower, not 2x faster.
     trainer.train_local(model, torch.from_numpy(x), torch.from_numpy(y), FederationConfig(local_epochs=1),
-                        trainer.Targets(), seed=0)
+                        Objective(), seed=0)
     return save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "cnn.pt", mean=ds.mean, std=ds.std)

@@ -6,6 +6,7 @@ import pytest
 
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
+from protofl.plan import RoundPlan
 from protofl.presets import PRESETS, make_config
 
 
@@ -18,10 +19,10 @@ def test_presets_build_and_round_trip(preset: str) -> None:
 
 def test_preset_stage_switches() -> None:
     assert make_config("fedavg").federate == "full"
-    assert make_config("tinyproto").s == 51  # m/10 with m = 512
+    assert RoundPlan.from_config(make_config("tinyproto")).proto_width == 51  # s = m/10 with m = 512
     assert make_config("tinyproto").cps and make_config("tinyproto").scaling
     r = make_config("refprotofl")
-    assert r.erpa and r.apud and r.public_class_list == tuple(range(10))
+    assert r.erpa and r.apud and RoundPlan.from_config(r).public_classes == tuple(range(10))
     assert make_config("fedpagr").prototypes == "unit"
 
 

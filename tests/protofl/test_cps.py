@@ -5,16 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from protofl.algorithms.cps import (
-    compress,
-    compress_table,
-    make_masks,
-    min_pairwise_hamming,
-    pack_masks,
-    reconstruct,
-    reconstruct_table,
-    unpack_masks,
-)
+from protofl.algorithms.cps import make_masks, min_pairwise_hamming, pack_masks, unpack_masks
+from protofl.algorithms.support import compress, compress_table, reconstruct, reconstruct_table
 
 
 def _all_pair_distances(masks):
@@ -150,7 +142,7 @@ def test_unpack_rejects_corrupt():
 
 
 def test_off_mask_energy_hand_example() -> None:
-    from protofl.algorithms.cps import off_mask_energy
+    from protofl.algorithms.support import off_mask_energy
 
     masks = np.array([[True, False, False], [False, True, True]])
     z = np.array([[3.0, 4.0, 0.0],   # class 0: on-mask 9, off-mask 16
@@ -160,7 +152,7 @@ def test_off_mask_energy_hand_example() -> None:
 
 
 def test_restrict_to_masks_hand_example() -> None:
-    from protofl.algorithms.cps import restrict_to_masks
+    from protofl.algorithms.support import restrict_to_masks
 
     masks = np.array([[True, True, False], [False, False, True], [False, True, True]])
     P = np.array([[3.0, 4.0, 12.0],   # cut to (3, 4, 0) -> (0.6, 0.8, 0)

@@ -35,9 +35,9 @@ SCRIPT = textwrap.dedent(
     modules = sorted(m.name for m in pkgutil.iter_modules(algorithms.__path__))
     for name in modules:
         importlib.import_module(f"protofl.algorithms.{name}")
-    assert {"apud", "cps", "erpa", "fedavg", "fedproto", "refine", "scaling"} <= set(modules), modules
+    assert {"apud", "cps", "erpa", "fedavg", "fedproto", "fedpagr", "scaling", "support", "unit"} <= set(modules), modules
 
-    from protofl.algorithms import apud, cps, erpa, fedavg, fedproto, refine, scaling
+    from protofl.algorithms import apud, cps, erpa, fedavg, fedpagr, fedproto, scaling, support, unit
 
     # one tiny full aggregation per accumulator
     agg = fedavg.FedAvgAggregator(3)
@@ -60,17 +60,17 @@ SCRIPT = textwrap.dedent(
     assert sorted(ea.anchors()) == [0, 1]
 
     masks = cps.make_masks(2, 3, 1)
-    comp = cps.compress_table(protos, masks)
+    comp = support.compress_table(protos, masks)
     sa = scaling.ScaledAggregator(2, 1)
     sa.add(scaling.scale_prototypes(comp, counts))
-    sparse_globals = cps.reconstruct_table(sa.result(), masks)
+    sparse_globals = support.reconstruct_table(sa.result(), masks)
     cps.unpack_masks(cps.pack_masks(masks), 2, 3)
 
-    ca = refine.ConsensusAggregator(refine.initial_prototypes(2, 3, seed=0))
-    ca.add({c: refine.normalize_rows(p) for c, p in protos.items()})
+    ca = unit.ConsensusAggregator(unit.initial_prototypes(2, 3, seed=0))
+    ca.add({c: unit.normalize_rows(p) for c, p in protos.items()})
     S, K = ca.sums()
-    refine.geometric_refine(ca.result(), S, K)
-    refine.refine_anchor_table(sparse_globals, masks)
+    fedpagr.geometric_refine(ca.result(), S, K)
+    fedpagr.refine_anchor_table(sparse_globals, masks)
 
     assert "torch" not in sys.modules, "torch was imported"
     print("ok", modules)

@@ -6,33 +6,33 @@ import pytest
 
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
-from protofl.plan import Phase, RoundPlan, TargetKind, Upload
+from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
 from tests.pipelines import ADAPTER_PIPELINE
 
 A, P = Upload.ADAPTER, Upload.PROTOS
 
-# preset -> (phases, uploads per phase, adapter carried by, target, anchor label, prototype width)
+# preset -> (phases, uploads per phase, adapter carried by, active techniques, target label, prototype width)
 EXPECTED = {
-    "fedavg": ((Phase.TRAIN,), {Phase.TRAIN: (A,)}, None, TargetKind.NONE, "dense", 512),
-    "fedproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.MSE, "dense", 512),
+    "fedavg": ((Phase.TRAIN,), {Phase.TRAIN: (A,)}, None, ("fedavg",), "dense", 512),
+    "fedproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedproto",), "dense", 512),
     "refprotofl": ((Phase.PROTO, Phase.TRAIN), {Phase.PROTO: (P,), Phase.TRAIN: (A,)}, Phase.PROTO,
-                   TargetKind.ANCHOR, "dense", 512),
-    "tinyproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.MSE, "cps+scaled", 51),
-    "fedpagr": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.PAGR, "unit", 512),
+                   ("fedavg", "apud", "fedproto", "erpa"), "dense", 512),
+    "tinyproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedproto", "cps"), "cps+scaled", 51),
+    "fedpagr": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedpagr",), "unit", 512),
     # candidate (b) of setting D, spherical CPS (bench/results/TABLE.md chose it)
-    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, TargetKind.PAGR, "unit+cps", 51),
+    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedpagr", "cps"), "unit+cps", 51),
 }
 
 
 @pytest.mark.parametrize("preset", list(EXPECTED))
 def test_each_preset_plan(preset: str) -> None:
-    phases, uploads, adapter_phase, target, anchor_kind, width = EXPECTED[preset]
+    phases, uploads, adapter_phase, techniques, label, width = EXPECTED[preset]
     plan = RoundPlan.from_config(make_config(preset))
     assert plan.phases == phases
     assert {ph: plan.sends(ph) for ph in phases} == uploads
     assert plan.adapter_phase == adapter_phase
-    assert plan.target is target and plan.anchor_kind == anchor_kind and plan.proto_width == width
+    assert plan.techniques == techniques and plan.target_label == label and plan.proto_width == width
 
 
 def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> None:
@@ -40,9 +40,9 @@ def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> 
     plan = RoundPlan.from_config(make_config("protofl", **{**ADAPTER_PIPELINE, "erpa": True},
                                                public_classes=(0, 1, 2, 3, 4)))
     assert plan.sends(Phase.PROTO) == (P,) and plan.sends(Phase.TRAIN) == (A,)
-    assert plan.target is TargetKind.ANCHOR and plan.next_phase(Phase.PROTO) is Phase.TRAIN
+    assert plan.public_phase is Phase.PROTO and plan.next_phase(Phase.PROTO) is Phase.TRAIN
     assert plan.next_phase(Phase.TRAIN) is None
-    assert not plan.counts_with_prototypes  # scaling hides n_kc
+    assert plan.target_label == "cps+scaled"  # scaling hides n_kc
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -80,17 +80,17 @@ def test_refinement_is_accepted_where_it_acts() -> None:
 
 def test_spherical_cps_sends_unit_prototypes_on_their_masks() -> None:
     plan = RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False))
-    assert plan.target is TargetKind.PAGR and plan.cps and not plan.scaled
-    assert plan.proto_width == 51 and plan.anchor_kind == "unit+cps"
+    assert plan.techniques == ("fedpagr", "cps") and plan.masked
+    assert plan.proto_width == 51 and plan.target_label == "unit+cps"
 
 
 def test_erpa_on_spherical_cps_is_one_phase_with_public_prototypes_in_the_training_upload() -> None:
     plan = RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False, erpa=True))
-    assert plan.phases == (Phase.TRAIN,) and plan.sends(Phase.TRAIN) == (P,) and plan.public_in_train
-    assert plan.target is TargetKind.PAGR and plan.anchor_kind == "unit+cps" and plan.proto_width == 51
+    assert plan.phases == (Phase.TRAIN,) and plan.sends(Phase.TRAIN) == (P,) and plan.public_phase is Phase.TRAIN
+    assert plan.target_label == "unit+cps" and plan.proto_width == 51
     assert plan.public_classes == tuple(range(10))
-    assert not RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False)).public_in_train
-    assert not RoundPlan.from_config(make_config("refprotofl")).public_in_train  # two phases
+    assert RoundPlan.from_config(make_config("fedpagr", cps=True, refine=False)).public_phase is None
+    assert RoundPlan.from_config(make_config("refprotofl")).public_phase is Phase.PROTO  # two phases
 
 
 def test_limits_follow_the_model() -> None:

@@ -5,14 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from protofl.algorithms.refine import (
-    ConsensusAggregator,
-    geometric_refine,
-    initial_prototypes,
-    normalize_rows,
-    refine_anchor_table,
-    refinement_loss_and_grad,
-)
+from protofl.algorithms.fedpagr import geometric_refine, refine_anchor_table, refinement_loss_and_grad
+from protofl.algorithms.unit import ConsensusAggregator, initial_prototypes, normalize_rows
 
 A = np.array
 R2 = math.sqrt(2.0)

@@ -1,0 +1,56 @@
+"""A technique is its two modules: each is named in code (identifiers and strings, docstrings included;
+comments not) by at most 4 files of the product: its server module, its device module, the presets and
+at most one registry. The round machine, the I/O shell, the agent and the trainer name none.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("protofl", "edge_agent", "broker_server", "export")
+TECHNIQUES = ("pagr", "erpa", "apud", "cps")
+GENERIC = ("broker_server/rounds.py", "broker_server/aggregator.py", "broker_server/stages.py",
+           "edge_agent/agent.py", "edge_agent/trainer.py", "protofl/plan.py", "protofl/config.py",
+           "protofl/registry.py", "protofl/technique.py", "edge_agent/techniques/__init__.py")
+
+
+def named_in(path: Path) -> set[str]:
+    """The techniques a file names in identifiers or strings."""
+    found: set[str] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type in (tokenize.NAME, tokenize.STRING) or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
+            text = tok.string.lower()
+            found.update(t for t in TECHNIQUES if re.search(rf"(?<![a-z]){t}|fed{t}", text))
+    return found
+
+
+def files_naming() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {t: [] for t in TECHNIQUES}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for t in named_in(path):
+                out[t].append(str(path.relative_to(ROOT)))
+    return out
+
+
+@pytest.mark.parametrize("technique", TECHNIQUES)
+def test_a_technique_is_named_by_at_most_four_files(technique: str) -> None:
+    files = files_naming()[technique]
+    assert len(files) <= 4, f"'{technique}' is named in {len(files)} files: {files}"
+
+
+def test_the_generic_modules_name_no_technique() -> None:
+    named = {f: sorted(named_in(ROOT / f)) for f in GENERIC if (ROOT / f).exists()}
+    assert not any(named.values()), {f: t for f, t in named.items() if t}
+
+
+def test_the_counter_sees_identifiers_strings_and_docstrings_but_not_comments(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text('"""Doc about CPS; a hyperparameter."""\n# erpa in a comment\nx_apud = "fedpagr"\n')
+    assert named_in(src) == {"cps", "apud", "pagr"}
