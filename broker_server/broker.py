@@ -25,10 +25,11 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 from protofl.errors import ProtoFLError
 from protofl.transport.broker_url import DEFAULT_MAX_PACKET
@@ -196,7 +197,7 @@ class LocalBroker:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"mqtt://{host}:{self.port}"
 
-    def start(self) -> "LocalBroker":
+    def start(self) -> LocalBroker:
         raise NotImplementedError
 
     def stop(self) -> None:
@@ -207,7 +208,7 @@ class LocalBroker:
         self.stop()
         self.start()
 
-    def __enter__(self) -> "LocalBroker":
+    def __enter__(self) -> LocalBroker:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
@@ -227,11 +228,15 @@ class MosquittoBroker(LocalBroker):
         # even by SIGKILL, so a crashed server leaves no orphan broker; SIGTERM makes it save its
         # persistence file first, which the restarted server's broker loads.
         self.die_with_parent = die_with_parent
-        self.binary = binary or find_mosquitto()
-        if self.binary is None:
+        found = binary or find_mosquitto()
+        if found is None:
             raise BrokerStartError(f"mosquitto not found on PATH or in {', '.join(SBIN_DIRS)}; {INSTALL_HINT}")
-        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="protofl-mosquitto-")
-        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.binary: str = found
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if not workdir:
+            self._tmp = tempfile.TemporaryDirectory(prefix="protofl-mosquitto-")
+            workdir = self._tmp.name
+        self.workdir = Path(workdir)
         self.max_packet_size = max_packet_size
         self.max_queued_messages = max_queued_messages
         self.persistence = persistence
@@ -314,7 +319,7 @@ class MosquittoBroker(LocalBroker):
         self.config_path.write_text("\n".join(lines) + "\n")
         return self.config_path
 
-    def start(self, timeout: float = 10.0) -> "MosquittoBroker":
+    def start(self, timeout: float = 10.0) -> MosquittoBroker:
         for attempt in range(3):
             if self.port == 0 or (attempt > 0 and self._auto_port):
                 self.port = free_port(self.host)
@@ -392,7 +397,7 @@ class AmqttBroker(LocalBroker):
         self._thread: threading.Thread | None = None
         self._broker = None
 
-    def start(self, timeout: float = 10.0) -> "AmqttBroker":
+    def start(self, timeout: float = 10.0) -> AmqttBroker:
         try:
             from amqtt.broker import Broker
         except ImportError:

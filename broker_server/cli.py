@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -46,45 +46,45 @@ def _summary(report: dict[str, Any]) -> Table:
 def simulate(
     preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(PRESETS)}."),
     dataset: str = typer.Option("synthetic", help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR"),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
-    clients: Optional[int] = typer.Option(None, help="Number of simulated devices (default 5, or as many as "
-                                                     "--profiles lists)."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
+    clients: int | None = typer.Option(None, help="Number of simulated devices (default 5, or as many as "
+                                                  "--profiles lists)."),
     alpha: float = typer.Option(0.5, help="Dirichlet concentration of the label partition (smaller = more skewed)."),
     rounds: int = typer.Option(3, help="Communication rounds."),
     seed: int = typer.Option(0, help="Seed for partition, models and training order."),
-    arch: Optional[str] = typer.Option(None, help="Architecture, or a comma list assigned round-robin (cnn,mlp,...)."),
+    arch: str | None = typer.Option(None, help="Architecture, or a comma list assigned round-robin (cnn,mlp,...)."),
     transport: str = typer.Option("inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, "
                                                      "one agent process per client)."),
-    broker: Optional[str] = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: start "
-                                                   "a local one (mosquitto if installed, else embedded amqtt)."),
+    broker: str | None = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "
+                                                 "start a local one (mosquitto if installed, else embedded amqtt)."),
     local_broker: str = typer.Option("auto", help="mqtt: the local broker, auto | mosquitto | amqtt."),
-    username: Optional[str] = typer.Option(None, help="mqtt: MQTT user name."),
-    password: Optional[str] = typer.Option(None, envvar="PROTOFL_MQTT_PASSWORD", help="mqtt: MQTT password."),
-    tls_ca: Optional[str] = typer.Option(None, "--tls-ca", help="mqtt: CA certificate (PEM) of the broker."),
-    tls_cert: Optional[str] = typer.Option(None, "--tls-cert", help="mqtt: client certificate (PEM)."),
-    tls_key: Optional[str] = typer.Option(None, "--tls-key", help="mqtt: client private key (PEM)."),
-    config: Optional[Path] = typer.Option(None, help="TOML file of config overrides (a federation table)."),
-    train_limit: Optional[int] = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
-    test_limit: Optional[int] = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
+    username: str | None = typer.Option(None, help="mqtt: MQTT user name."),
+    password: str | None = typer.Option(None, envvar="PROTOFL_MQTT_PASSWORD", help="mqtt: MQTT password."),
+    tls_ca: str | None = typer.Option(None, "--tls-ca", help="mqtt: CA certificate (PEM) of the broker."),
+    tls_cert: str | None = typer.Option(None, "--tls-cert", help="mqtt: client certificate (PEM)."),
+    tls_key: str | None = typer.Option(None, "--tls-key", help="mqtt: client private key (PEM)."),
+    config: Path | None = typer.Option(None, help="TOML file of config overrides (a federation table)."),
+    train_limit: int | None = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
+    test_limit: int | None = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
-    test_every: Optional[int] = typer.Option(None, help="Score global and ensemble accuracy on the test set every N rounds "
-                                                         "(a multiple of --eval-every; default: --eval-every) and in "
-                                                         "the last: the dearest part of evaluation."),
+    test_every: int | None = typer.Option(None, help="Score global and ensemble accuracy on the test set every N "
+                                                     "rounds (a multiple of --eval-every; default: --eval-every) and "
+                                                     "in the last: the dearest part of evaluation."),
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
     device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
                                            "auto (cuda if torch sees one, else cpu)."),
-    profiles: Optional[str] = typer.Option(None, help="mqtt: a fleet over emulated links, DEVICE+LINK:COUNT,... "
-                                                     "(rpi4+lte:4,rpi3+nb-iot:4); names from profiles/ or .toml files."),
+    profiles: str | None = typer.Option(None, help="mqtt: a fleet over emulated links, DEVICE+LINK:COUNT,... "
+                                                   "(rpi4+lte:4,rpi3+nb-iot:4); names from profiles/ or .toml files."),
     time_scale: float = typer.Option(1.0, help="--profiles: run links, delays, deadlines and compute this many times "
                                                "faster; reports give simulated (unscaled) time."),
-    deadline: Optional[float] = typer.Option(None, help="Round deadline in simulated seconds (the config's "
-                                                        "round_timeout)."),
+    deadline: float | None = typer.Option(None, help="Round deadline in simulated seconds (the config's "
+                                                     "round_timeout)."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="--profiles: each device fits its upload "
                                   "to its link and the deadline (precision f4/f2/q8, APUD K)."),
     upload_share: float = typer.Option(0.8, help="--profiles: share of the time left an upload may use."),
-    report_dir: Optional[Path] = typer.Option(None, "--report-dir", help="Also write the report's PNGs and "
-                                              "summary.md here (needs matplotlib)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
+    report_dir: Path | None = typer.Option(None, "--report-dir", help="Also write the report's PNGs and "
+                                           "summary.md here (needs matplotlib)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
@@ -115,7 +115,8 @@ def simulate(
                               rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
                               transport=transport, broker=broker_options, broker_kind=local_broker,
                               config_file=str(config) if config else None,
-                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every, test_every=test_every,
+                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
+                              test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides, profiles=profiles,
                               time_scale=time_scale, adaptive=adaptive, upload_share=upload_share)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -131,7 +132,7 @@ def simulate(
             report = run_simulation(spec, on_round=on_round)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2))
@@ -150,7 +151,7 @@ def _write_report(run: dict[str, Any], out: Path) -> None:
         paths = write_report(run, out)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     console.print(f"report: {', '.join(str(p) for p in paths)}")
 
 
@@ -160,8 +161,8 @@ def report(
                                     exists=False),
     more: list[Path] = typer.Argument(None, help="More runs to compare (e.g. one per preset)."),
     out: Path = typer.Option(..., "--out", help="Directory for the PNGs and summary.md."),
-    target: Optional[float] = typer.Option(None, help="Target accuracy for time-to-target (0-1; default: 90 % of "
-                                                      "the best final accuracy among the runs)."),
+    target: float | None = typer.Option(None, help="Target accuracy for time-to-target (0-1; default: 90 % of "
+                                                   "the best final accuracy among the runs)."),
     metric: str = typer.Option("global", help="global (official test set) | local (each client's own split)."),
 ) -> None:
     """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""
@@ -172,7 +173,7 @@ def report(
         paths = write_report(runs, out, target=target, metric=metric)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     for p in paths:
         console.print(str(p))
 
@@ -193,7 +194,7 @@ def broker_config(
     out: Path = typer.Option(..., help="Directory for credentials.json, passwd, acl and devices/<id>.json "
                                        "(existing credentials there are kept; new ids are added)."),
     fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
-    allow: Optional[Path] = typer.Option(None, help="Device ids, one a line: each gets credentials."),
+    allow: Path | None = typer.Option(None, help="Device ids, one a line: each gets credentials."),
     devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N."),
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials."""
@@ -206,7 +207,7 @@ def broker_config(
         auth = load_or_create(out, fed, ids)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     server = auth.secrets.server
     typer.echo("\n".join([
         "# add to mosquitto.conf (then restart mosquitto, or send it SIGHUP to reload the files):",
@@ -215,7 +216,8 @@ def broker_config(
         f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}",
         f"# the server: protofl-server start --broker mqtt://HOST:PORT --fed {fed} --username {server.username} "
         f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
-        f"# each device: protofl-edge join --broker mqtt://HOST:PORT --credentials {auth.directory / 'devices'}/ID.json",
+        f"# each device: protofl-edge join --broker mqtt://HOST:PORT "
+        f"--credentials {auth.directory / 'devices'}/ID.json",
         f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
     ]))
 

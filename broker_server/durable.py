@@ -62,10 +62,10 @@ class DurableState:
         self.segment = int(self._state.get("journal_segment", 0)) if self._state else 0
         self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync)
         self.position = 0  # the offset in the current segment that the machine's state reflects
-        self.aggregator: "Aggregator | None" = None
+        self.aggregator: Aggregator | None = None
         self.replayed = 0
 
-    def bind(self, aggregator: "Aggregator") -> None:
+    def bind(self, aggregator: Aggregator) -> None:
         self.aggregator = aggregator
         aggregator.journal = self.record
         aggregator.machine.on_boundary = self.checkpoint

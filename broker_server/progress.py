@@ -10,7 +10,7 @@ report and log line does. numpy only.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

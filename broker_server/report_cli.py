@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from protofl.errors import ConfigError
 from protofl.humanize import human_bytes, human_duration
@@ -101,15 +102,17 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         for run in runs:
             accs = [accuracy(r, metric) for r in run["rounds"]]
             if name == "accuracy_time":
-                xs: list[float] = sim_times(run) if timed else [r["round"] for r in run["rounds"]]  # type: ignore[assignment]
+                times = sim_times(run)
+                xs: list[float] = times if timed and times is not None else [r["round"] for r in run["rounds"]]
             else:
                 xs, total = [], 0
                 for r in run["rounds"]:
                     total += r["uplink_bytes"]
                     xs.append(total)
-            pts = [(x, 100 * a) for x, a in zip(xs, accs) if a is not None]
+            # not strict: a run's link rounds may end before its accuracy rows (see time_to_target)
+            pts = [(x, 100 * a) for x, a in zip(xs, accs, strict=False) if a is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["preset"])
-        ends = [sim_times(r)[-1] for r in runs if sim_times(r)] if timed else []  # type: ignore[index]
+        ends = [t[-1] for t in map(sim_times, runs) if t] if timed else []
         if name == "accuracy_uplink" or (ends and min(ends) > 0 and max(ends) / min(ends) > 30):
             ax.set_xscale("log")  # FedAvg over NB-IoT and a prototype preset differ by orders of magnitude
         ax.set_xlabel(xlabel)
@@ -126,13 +129,13 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
             continue
         fig, axes = plt.subplots(len(by_class), 1, figsize=(7.0, 1.9 * len(by_class) + 0.8), squeeze=False,
                                  sharex=True)
-        for ax, (cls, rows) in zip(axes[:, 0], sorted(by_class.items())):
+        for ax, (cls, rows) in zip(axes[:, 0], sorted(by_class.items()), strict=True):
             rounds = sorted({r["round"] for r in rows})
             bottom = [0.0] * len(rounds)
             for part in PARTS:
                 vals = [_mean([r[part] or 0.0 for r in rows if r["round"] == n]) for n in rounds]
                 ax.bar(rounds, vals, bottom=bottom, color=COLOURS[part], label=part[:-2])
-                bottom = [b + v for b, v in zip(bottom, vals)]
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
             missed = [n for n in rounds if any(not r["made_it"] for r in rows if r["round"] == n)]
             ax.plot(missed, [bottom[rounds.index(n)] for n in missed], "kx", markersize=9,
                     label="missed" if missed else None)
@@ -201,7 +204,7 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
                   "| class | devices | downlink | compute | upload | done | upload bytes | encodings | budget | "
                   "missed | overrun |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for cls, rows in sorted(by_class.items()):
-            def m(key: str) -> str:
+            def m(key: str, rows: list[dict[str, Any]] = rows) -> str:
                 vals = [r[key] for r in rows if r.get(key) is not None]
                 return f"{_mean(vals):.1f}" if vals else "-"
             enc = Counter(f"{r['dt']}" + (f" K={r['k']}" if r.get("k") else "") for r in rows if r["dt"])

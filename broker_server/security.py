@@ -21,9 +21,9 @@ import hashlib
 import json
 import os
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from protofl import topics
 from protofl.errors import ConfigError
@@ -59,7 +59,7 @@ class FederationSecrets:
     devices: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, fed: str, device_ids: Iterable[str] = ()) -> "FederationSecrets":
+    def create(cls, fed: str, device_ids: Iterable[str] = ()) -> FederationSecrets:
         out = cls(check_name(fed, "federation"), new_password())
         out.add_devices(device_ids)
         return out
@@ -91,7 +91,7 @@ class FederationSecrets:
                           indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> "FederationSecrets":
+    def from_json(cls, text: str, where: str) -> FederationSecrets:
         try:
             raw = json.loads(text)
             out = cls(str(raw["fed"]), str(raw["server_password"]), {str(k): str(v) for k, v in raw["devices"].items()})

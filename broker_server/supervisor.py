@@ -33,7 +33,7 @@ class BrokerSupervisor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="broker-supervisor", daemon=True)
 
-    def start(self) -> "BrokerSupervisor":
+    def start(self) -> BrokerSupervisor:
         self._thread.start()
         return self
 

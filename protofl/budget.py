@@ -19,8 +19,8 @@ miss the deadline, and the report shows it. numpy-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from protofl.config import DTYPE_CHOICES
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
+
+import tomllib
 
 from protofl.errors import ConfigError
 
@@ -68,21 +69,22 @@ class LinkProfile:
         return self.downlink_kbps * 1000 / 8
 
 
-Profile = Union[DeviceProfile, LinkProfile]
+Profile = DeviceProfile | LinkProfile
 
 # key -> (type, lower bound, upper bound, bound is exclusive below); None bounds = unbounded
+_Schema = dict[str, tuple[tuple[type[int] | type[float], ...], float | None, float | None]]
 _NUM = (int, float)
-_DEVICE_KEYS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
+_DEVICE_KEYS: _Schema = {
     "compute_factor": (_NUM, 0.0, 1e4),
     "memory_mb": ((int,), 0.0, 1e8),
 }
-_LINK_KEYS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
+_LINK_KEYS: _Schema = {
     "uplink_kbps": (_NUM, 0.0, 1e8),
     "downlink_kbps": (_NUM, 0.0, 1e8),
     "rtt_ms": (_NUM, -1.0, 1e6),
     "jitter_ms": (_NUM, -1.0, 1e6),
 }
-_OUTAGE_KEYS: dict[str, tuple[tuple[type, ...], float | None, float | None]] = {
+_OUTAGE_KEYS: _Schema = {
     "every_s": (_NUM, 0.0, 1e9),
     "duration_s": (_NUM, 0.0, 1e9),
     "first_s": (_NUM, -1.0, 1e9),
@@ -110,8 +112,7 @@ def _is_file_spec(spec: str) -> bool:
     return spec.endswith(".toml") or os.sep in spec or "/" in spec
 
 
-def _check_keys(table: dict[str, Any], schema: dict[str, tuple[tuple[type, ...], float | None, float | None]],
-                where: str, optional: set[str]) -> dict[str, float]:
+def _check_keys(table: dict[str, Any], schema: _Schema, where: str, optional: set[str]) -> dict[str, float]:
     unknown = sorted(set(table) - set(schema))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys: {sorted(schema)}")

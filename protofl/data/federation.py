@@ -38,8 +38,8 @@ def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg:
 
 
 def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
-    """The server-held public set of a federation whose plan has public classes (None otherwise, or when it would be empty): the
-    samples `federation_split` keeps out of every client for `cfg.seed`."""
+    """The server-held public set of a federation whose plan has public classes (None otherwise, or when it
+    would be empty): the samples `federation_split` keeps out of every client for `cfg.seed`."""
     if not RoundPlan.from_config(cfg).public_classes:
         return None
     idx = federation_public(train.y, cfg.seed, cfg.public_per_class, cfg.public_classes)

@@ -46,7 +46,7 @@ class BrokerOptions:
         return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}"
 
     def with_auth(self, username: str | None = None, password: str | None = None, tls_ca: str | None = None,
-                  tls_cert: str | None = None, tls_key: str | None = None) -> "BrokerOptions":
+                  tls_cert: str | None = None, tls_key: str | None = None) -> BrokerOptions:
         """Overlay CLI flags on what the URL said; any TLS file switches TLS on."""
         opts = replace(self, username=username if username is not None else self.username,
                        password=password if password is not None else self.password,

@@ -17,7 +17,7 @@ from protofl.transport.base import Handler, topic_matches
 class _Subscription:
     pattern: str
     handler: Handler
-    owner: "InProcessTransport"
+    owner: InProcessTransport
 
 
 @dataclass
@@ -27,7 +27,7 @@ class InProcessBroker:
     _queue: deque = field(default_factory=deque)
     delivered: int = 0
 
-    def connect(self, name: str) -> "InProcessTransport":
+    def connect(self, name: str) -> InProcessTransport:
         return InProcessTransport(self, name)
 
     def _publish(self, topic: str, payload: bytes, retain: bool) -> None:

@@ -25,9 +25,9 @@ import random
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from queue import Empty, Queue
-from typing import Callable
+from queue import Queue
 
 log = logging.getLogger("protofl.link")
 _CHUNK_MAX = 262144  # fast links at a high time scale: few, large chunks keep up
@@ -89,7 +89,7 @@ class ProxyStats:
 class _Pipe:
     """One direction of one connection: a reader that schedules, a writer that delivers on time."""
 
-    def __init__(self, proxy: "LinkProxy", src: socket.socket, dst: socket.socket, bucket: TokenBucket,
+    def __init__(self, proxy: LinkProxy, src: socket.socket, dst: socket.socket, bucket: TokenBucket,
                  stats: DirectionStats, on_close: Callable[[], None]) -> None:
         self.proxy, self.src, self.dst, self.bucket, self.stats = proxy, src, dst, bucket, stats
         self.on_close = on_close
@@ -136,7 +136,7 @@ class _Pipe:
 
 
 class _Connection:
-    def __init__(self, proxy: "LinkProxy", device: socket.socket, broker: socket.socket) -> None:
+    def __init__(self, proxy: LinkProxy, device: socket.socket, broker: socket.socket) -> None:
         self.device, self.broker = device, broker
         self._closed = 0
         self._lock = threading.Lock()
@@ -208,7 +208,7 @@ class LinkProxy:
         return self._down
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> "LinkProxy":
+    def start(self) -> LinkProxy:
         for t in self._threads:
             t.start()
         return self
@@ -233,7 +233,7 @@ class LinkProxy:
             if t.ident is not None:  # started
                 t.join(2)
 
-    def __enter__(self) -> "LinkProxy":
+    def __enter__(self) -> LinkProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -24,8 +24,9 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -172,7 +173,7 @@ class MqttTransport:
         limit = self.options.max_packet_size
         return min(limit, self._broker_max) if self._broker_max else limit
 
-    def connect(self, timeout: float = 30.0) -> "MqttTransport":
+    def connect(self, timeout: float = 30.0) -> MqttTransport:
         """Start the network (and worker) threads and wait for the first CONNACK."""
         if not self._net.is_alive():
             self._net.start()
@@ -329,7 +330,7 @@ class MqttTransport:
                 # Keep our subscriptions and queue QoS 1 uploads at the broker while we reconnect.
                 props = Properties(PacketTypes.CONNECT)
                 props.SessionExpiryInterval = 3600
-            clean: bool | int = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
+            clean: paho.CleanStartOption = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
             if self.resume_session:
                 clean = False
             client.connect(self.options.host, self.options.port, self.options.keepalive, clean_start=clean,
@@ -445,7 +446,8 @@ class MqttTransport:
         self.stats.received_bytes += len(msg.payload)
         # When it came off the wire, not when a busy consumer got to it (link timing in simulations).
         self.arrived[msg.topic] = time.time()
-        self._inbox.put((msg.topic, msg.payload, msg.mid, msg.qos, self._session))
+        # paho types the payload bytes | bytearray; it decodes bytes, which bytes() returns as is (no copy).
+        self._inbox.put((msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._session))
 
     # -- delivery -------------------------------------------------------------------------------
     def _work(self) -> None:
