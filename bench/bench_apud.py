@@ -18,7 +18,7 @@ import tracemalloc
 import numpy as np
 
 from protofl.algorithms.apud import ApudAggregator, select_topk
-from protofl.wire import AdapterUpload, decode_message, encode_message
+from protofl.wire import ParamsUpload, decode_message, encode_message
 
 
 def make_payloads(n_distinct: int, d: int, k: int, seed: int = 0) -> list[bytes]:
@@ -28,7 +28,7 @@ def make_payloads(n_distinct: int, d: int, k: int, seed: int = 0) -> list[bytes]
     for i in range(n_distinct):
         local = theta_g + rng.standard_normal(d).astype(np.float32) * 0.01
         sv = select_topk(local, theta_g, k)
-        out.append(encode_message(AdapterUpload(update=sv, n_samples=100 + i, base_round=1),
+        out.append(encode_message(ParamsUpload(update=sv, n_samples=100 + i, base_round=1),
                                   fed="bench", sender=f"c{i}", round=1, phase="train"))
     return out
 

@@ -140,7 +140,7 @@ def service_round(url: str, n: int, classes: int, dim: int, **service_kwargs: An
 
 
 def throughput(url: str, n: int, classes: int, dim: int) -> dict[str, Any]:
-    from broker_server.aggregator import Aggregator
+    from broker_server.shell import Aggregator
     from protofl import topics
     from protofl.presets import make_config
     from protofl.transport import InProcessBroker

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from broker_server.aggregator import Aggregator  # noqa: E402
+from broker_server.shell import Aggregator  # noqa: E402
 from broker_server.simulation import SimulationSpec, prepare  # noqa: E402
 from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
 from edge_agent.models import build_model  # noqa: E402

@@ -79,7 +79,7 @@ def config_matches(rep: dict[str, Any], run: Run, suite: str) -> bool:
     if not isinstance(cached, dict) or set(cached) - set(now):
         return False
     defaults = json.loads(json.dumps(FederationConfig().to_dict()))
-    fields = {f.name for f in dataclasses.fields(FederationConfig)}
+    fields = set(defaults)  # every core field and installed technique option
     return all(cached[k] == v if k in cached else (k in fields and v == defaults.get(k)) for k, v in now.items())
 
 

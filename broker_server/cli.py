@@ -16,7 +16,8 @@ from broker_server.cli_common import parse_sets
 from broker_server.start_cli import start_command
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import human_bytes, human_duration
-from protofl.presets import PRESETS
+from protofl.plan import RoundPlan
+from protofl.presets import all_presets, make_config, preset_names
 
 app = typer.Typer(help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
                   no_args_is_help=True, add_completion=False)
@@ -44,7 +45,7 @@ def _summary(report: dict[str, Any]) -> Table:
 
 @app.command()
 def simulate(
-    preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(PRESETS)}."),
+    preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(preset_names())}."),
     dataset: str = typer.Option("synthetic", help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR"),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
     clients: int | None = typer.Option(None, help="Number of simulated devices (default 5, or as many as "
@@ -80,12 +81,12 @@ def simulate(
     deadline: float | None = typer.Option(None, help="Round deadline in simulated seconds (the config's "
                                                      "round_timeout)."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="--profiles: each device fits its upload "
-                                  "to its link and the deadline (precision f4/f2/q8, APUD K)."),
+                                  "to its link and the deadline (precision f4/f2/q8, sparse K)."),
     upload_share: float = typer.Option(0.8, help="--profiles: share of the time left an upload may use."),
     report_dir: Path | None = typer.Option(None, "--report-dir", help="Also write the report's PNGs and "
                                            "summary.md here (needs matplotlib)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
-    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set apud_ratio=0.05 (repeatable)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
 ) -> None:
@@ -180,12 +181,14 @@ def report(
 
 @app.command()
 def presets() -> None:
-    """List the presets and the stages each one switches on."""
+    """List the presets (built in, and brought by installed techniques): the techniques each runs and its values."""
     t = Table(title="presets")
     t.add_column("preset")
-    t.add_column("stages")
-    for name, stages in PRESETS.items():
-        t.add_row(name, ", ".join(f"{k}={v}" for k, v in stages.items()))
+    t.add_column("techniques")
+    t.add_column("values")
+    for name, values in all_presets().items():
+        plan = RoundPlan.from_config(make_config(name))
+        t.add_row(name, ", ".join(plan.techniques) or "-", ", ".join(f"{k}={v}" for k, v in values.items()))
     Console().print(t)
 
 

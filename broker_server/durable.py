@@ -25,7 +25,7 @@ from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoin
 from protofl.wire import Envelope
 
 if TYPE_CHECKING:
-    from broker_server.aggregator import Aggregator
+    from broker_server.shell import Aggregator
 
 log = logging.getLogger("protofl.durability")
 FORMAT = 1

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from broker_server.aggregator import RoundRecord
+from broker_server.shell import RoundRecord
 from protofl.schedule import is_due
 from protofl.wire import Metrics
 

@@ -1,19 +1,21 @@
 """The round state machine: joins, phases, uploads and deadlines, with no transport (numpy only).
 
 Round r: open -> [a first prototype phase -> targets] -> train phase -> fold into the server model, as
-the round plan says; what each phase does is the active techniques' rules (broker_server/stages.py). A phase closes when every expected client has sent what the plan asks of it in that
+the round plan says; what each phase does is the active techniques' rules (broker_server/stages.py).
+A phase closes when every expected client has sent what the plan asks of it in that
 phase, or at its deadline (`tick()`), provided at least `min_clients` did.
 
 The machine takes decoded messages and hands the messages it sends to a `publish` callback (the I/O
-shell in aggregator.py encodes and routes them). Anything it refuses raises `Drop` with a reason
+shell in shell.py encodes and routes them). Anything it refuses raises `Drop` with a reason
 before any state changes; the shell is the one place that turns an exception into a counted drop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,8 +25,18 @@ from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.plan import Phase, RoundPlan, Upload
-from protofl.wire import (AdapterUpload, Config, Envelope, Join, Metrics, ProtoSet, ProtoUpload, PublicSet,
-                          RoundStart, Status)
+from protofl.wire import (
+    Config,
+    Envelope,
+    Join,
+    Metrics,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    PublicSet,
+    RoundStart,
+    Status,
+)
 
 log = logging.getLogger("protofl.server")
 
@@ -93,7 +105,8 @@ class RoundMachine:
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
         self.model = build_model(cfg, self.plan, policy)  # uploads are clipped by default
-        self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" else []
+        self.layout = (adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes)
+                       if cfg.federate == "adapter" else [])
         if self.layout:
             self.model.adapter = initial_adapter(self.layout, seed=cfg.seed)
         if cfg.federate == "full" and initial_params is not None:
@@ -133,7 +146,7 @@ class RoundMachine:
             self._on_join(env, msg, nbytes)
         elif isinstance(msg, Metrics):
             self._on_metrics(env, msg, nbytes)
-        elif isinstance(msg, (ProtoUpload, AdapterUpload)):
+        elif isinstance(msg, (ProtoUpload, ParamsUpload)):
             self._on_upload(env, msg, nbytes)
         else:
             raise Drop("unexpected_kind", f"'{env.kind}' from {env.sender}")
@@ -142,7 +155,7 @@ class RoundMachine:
         """Whether applying this message changes state that a restart must rebuild: an upload the open
         phase accepts, or a join that adds a client. Raises Drop (state unchanged) for an upload or join
         that `receive` would refuse, so that nothing refused is ever written to the journal."""
-        if isinstance(msg, (ProtoUpload, AdapterUpload)):
+        if isinstance(msg, (ProtoUpload, ParamsUpload)):
             self._check_upload(env, msg)
             return True
         if isinstance(msg, Join):
@@ -206,7 +219,7 @@ class RoundMachine:
         if self.on_metrics is not None:
             self.on_metrics(env.sender, env.round, msg, nbytes)
 
-    def _check_upload(self, env: Envelope, msg: ProtoUpload | AdapterUpload) -> tuple[OpenPhase, Upload]:
+    def _check_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
         if env.sender not in self.clients:
             raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
@@ -226,11 +239,11 @@ class RoundMachine:
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
-        if isinstance(msg, AdapterUpload) and self.plan.federate == "adapter" and msg.base_round != self.round:
+        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.round:
             raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.round}")
         return open_, kind
 
-    def _on_upload(self, env: Envelope, msg: ProtoUpload | AdapterUpload, nbytes: int) -> None:
+    def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> None:
         open_, kind = self._check_upload(env, msg)
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
@@ -257,7 +270,7 @@ class RoundMachine:
         return RoundStart(deadline=deadline,
                           adapter=model.adapter if plan.adapter_phase is phase else None,
                           params=model.params if phase is Phase.TRAIN else None,
-                          anchors=targets, anchor_kind=plan.target_label if targets is not None else "",
+                          targets=targets, target_label=plan.target_label if targets is not None else "",
                           participants=None, final=False, dt=plan.adapter_dtype)
 
     def _open_phase(self, phase: Phase) -> None:
@@ -327,7 +340,7 @@ class RoundMachine:
 
     def _announce_finish(self) -> None:
         self.publish(RoundStart(deadline=self.clock(), adapter=self.model.adapter, params=self.model.params,
-                                anchors=None, anchor_kind="", participants=None, final=True,
+                                targets=None, target_label="", participants=None, final=True,
                                 dt=self.plan.adapter_dtype), self.round, Phase.DONE.value)
         self._status("finished", f"{self.round} rounds")
 
@@ -349,7 +362,8 @@ class RoundMachine:
             "model": {"adapter": m.adapter, "params": m.params, "unit": m.unit, "masks": m.masks,
                       "prototypes": [[int(c), v] for c, v in sorted(m.prototypes.items())],
                       "radii": dict(m.radii), "clipped": dict(m.clipped),
-                      "rules": {name: rule.persist() for name, rule in zip(self.plan.techniques, m.rules)}},
+                      "rules": {name: rule.persist()
+                                for name, rule in zip(self.plan.techniques, m.rules, strict=True)}},
             "clients": {c: asdict(j) for c, j in self.clients.items()},
             "departed": {c: asdict(j) for c, j in self.departed.items()},
             "leaving": dict(self.leaving),
@@ -370,7 +384,7 @@ class RoundMachine:
         m.prototypes = {int(c): v for c, v in sm["prototypes"]}
         m.radii, m.clipped = dict(sm["radii"]), dict(sm["clipped"])
         self.round, self.finished = int(state["round"]), bool(state["finished"])
-        for name, rule in zip(self.plan.techniques, m.rules):
+        for name, rule in zip(self.plan.techniques, m.rules, strict=True):
             rule.restore(sm.get("rules", {}).get(name, {}))
         a = state["anchors"]
         m.targets = None if a is None else ProtoSet(classes=a["classes"], values=a["values"], counts=a["counts"],

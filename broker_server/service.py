@@ -13,15 +13,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
-from broker_server.aggregator import SERVER_ID, Aggregator, RoundRecord
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.rounds import OFFLINE_GRACE_S
+from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
@@ -40,8 +41,9 @@ def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int) -> st
     acc = accuracies(metrics.values())
     for key, label in (("local_acc", "local acc"), ("local_proto_acc", "local proto acc"),
                        ("global_acc", "global acc"), ("global_proto_acc", "global proto acc")):
-        if acc[key] is not None:
-            parts.append(f"{label} {100 * acc[key]:.1f}%")
+        value = acc[key]
+        if value is not None:
+            parts.append(f"{label} {100 * value:.1f}%")
     parts.append(f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, "
                  f"{rec.ended - rec.started:.1f} s")
     return ", ".join(parts)
@@ -84,8 +86,7 @@ class AggregatorService:
                                      policy=policy, max_clients=max_clients,
                                      on_round_end=self._round_end, on_metrics=self._metrics,
                                      offline_grace=offline_grace,
-                                     # None: the aggregator derives the decoder limits from the config
-                                     **({} if limits is None else {"limits": limits}))
+                                     limits=limits)  # None: the aggregator derives them from the config
         self.durable: DurableState | None = None
         self.resumed = False
         if state_dir is not None:
@@ -192,6 +193,6 @@ def save_server_model(model: ServerModel, path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
+    np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub lets **arrays reach allow_pickle
     os.replace(tmp, out)  # never leave a half-written model behind
     return out

@@ -1,6 +1,7 @@
 """A federation's server model and its open phase, composed from the active techniques' rules (numpy only).
 
-`build_model` makes the `ServerModel` (protofl/technique.py) and the rule of every active technique, in
+`build_model` makes the `ServerModel` (the rules see it as protofl.technique.ServerState) and the rule
+of every active technique, in
 rule order, and lets each set up its round-0 state. `PhaseRun` is one open phase: the folds the rules
 contribute for it. An upload is checked once against the round plan here (class ids, widths, lengths,
 whether this phase takes it), then by every fold that reads its kind, and only then folded into any of
@@ -14,20 +15,114 @@ accepted distances; `--robust median|trimmed` replaces plain means by coordinate
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from protofl import registry
-from protofl.algorithms.robust import ClipPolicy
+from protofl.algorithms import support
+from protofl.algorithms.robust import ClipPolicy, NormLog, clip_around
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.sparse import SparseVector
-from protofl.technique import Fold, ServerModel
-from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
+from protofl.technique import Fold, ServerRule
+from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
 __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 
 _NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
+
+
+@dataclass
+class ServerModel:
+    """The federation's agreed state and its clipping state: protofl.technique.ServerState, which the
+    rules see, plus the rules themselves and the per-phase norm logs."""
+
+    cfg: FederationConfig
+    plan: RoundPlan
+    adapter: np.ndarray | None = None
+    params: np.ndarray | None = None
+    prototypes: dict[int, np.ndarray] = field(default_factory=dict)
+    unit: np.ndarray | None = None
+    masks: np.ndarray | None = None
+    targets: ProtoSet | None = None
+    policy: ClipPolicy = field(default_factory=ClipPolicy)
+    # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
+    radii: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)  # uploads clipped so far, per kind
+    rules: list[ServerRule] = field(default_factory=list)
+    logs: dict[str, NormLog] = field(default_factory=dict)  # this phase's accepted norms, per kind
+
+    # -- rules ----------------------------------------------------------------------------------
+    def first(self, hook: str, *args: Any) -> Any:
+        """The first rule's non-None answer to `hook`, or None."""
+        for rule in self.rules:
+            out = getattr(rule, hook)(*args)
+            if out is not None:
+                return out
+        return None
+
+    def chain(self, hook: str, value: Any) -> Any:
+        """`value` passed through every rule's `hook` in order."""
+        for rule in self.rules:
+            value = getattr(rule, hook)(value)
+        return value
+
+    def unit_on_wire(self) -> dict[int, np.ndarray]:
+        """The unit prototypes as they travel: every class, cut to its support mask where there are masks."""
+        assert self.unit is not None
+        table = dict(enumerate(self.unit))
+        return support.compress_table(table, self.masks) if self.masks is not None else table
+
+    def unit_upload(self, table: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+        """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
+        clipped, seen = self.clip(table, self.unit_on_wire(), "protos")
+        return (support.reconstruct_table(clipped, self.masks) if self.masks is not None else clipped), seen
+
+    # -- clipping -------------------------------------------------------------------------------
+    def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
+             kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+        """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
+        return clip_table(table, centers, self.radius(kind), self.plan.proto_width)
+
+    def log(self, kind: str) -> NormLog:
+        return self.logs.setdefault(kind, NormLog())
+
+    def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
+        """Note the accepted upload's rows (their norms set the next radius)."""
+        radius, log = self.radius(kind), self.log(kind)
+        for v, d in seen:
+            log.record(v, d, radius)
+
+    def close_logs(self) -> None:
+        """At a phase's end: each kind's next radius from its accepted norms."""
+        for kind, log in self.logs.items():
+            self.update_radius(kind, log)
+        self.logs = {}
+
+    def radius(self, kind: str) -> float:
+        return self.radii.get(kind, self.policy.first_radius)
+
+    def update_radius(self, kind: str, log: NormLog) -> None:
+        """After a round: the next radius from its accepted norms (kept if nothing was accepted)."""
+        if log.values:
+            self.radii[kind] = self.policy.radius(log.values)
+        if log.clipped:
+            self.clipped[kind] = self.clipped.get(kind, 0) + log.clipped
+
+
+def clip_table(table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray], radius: float,
+               width: int) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+    """Every row clipped to `radius` around its class's center (zero where none); and (row, distance)s."""
+    out, seen = {}, []
+    for c, v in table.items():
+        center = centers.get(c)
+        out[c], d = clip_around(v, np.zeros(width) if center is None else np.asarray(center, np.float64), radius)
+        seen.append((v, d))
+    return out, seen
 
 
 def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None) -> ServerModel:
@@ -50,7 +145,7 @@ def _check_protos(ps: ProtoSet | None, plan: RoundPlan, what: str) -> None:
         raise WireError(f"{what} for class {int(ps.classes[0])}: expected {plan.proto_width} values, got {width}")
 
 
-def check_upload(plan: RoundPlan, phase: Phase, up: ProtoUpload | AdapterUpload) -> None:
+def check_upload(plan: RoundPlan, phase: Phase, up: ProtoUpload | ParamsUpload) -> None:
     """The plan's checks of one upload: the one place they are written (the wire decoder already checked
     types, finiteness and sizes)."""
     if isinstance(up, ProtoUpload):

@@ -13,15 +13,15 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from broker_server.cli_common import parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
-from protofl.algorithms.robust import ClipPolicy
 from protofl import cli_options
+from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.plan import RoundPlan
 from protofl.presets import preset_names
@@ -30,39 +30,41 @@ log = logging.getLogger("protofl.service")
 
 
 def start_command(
-    broker: Optional[str] = typer.Option(None, help="Join this broker (mqtt://host:port or mqtts://...). Default: start a local "
-                                                   "one (mosquitto if installed, else embedded amqtt)."),
+    broker: str | None = typer.Option(None, help="Join this broker (mqtt://host:port or mqtts://...). Default: "
+                                                 "start a local one (mosquitto if installed, else embedded amqtt)."),
     fed: str = typer.Option("default", help="Federation name (topics live under protofl/{fed}/)."),
     preset: str = typer.Option("protofl", help=f"Method to run: {' | '.join(preset_names())}."),
-    config: Optional[Path] = typer.Option(None, help="TOML file of config overrides (a federation table)."),
-    min_clients: Optional[int] = typer.Option(None, help="Clients needed to start round 1 and to close a phase at its deadline."),
-    round_timeout: Optional[float] = typer.Option(None, help="Seconds a phase waits for uploads before closing with whoever sent."),
-    rounds: Optional[int] = typer.Option(None, help="Communication rounds."),
-    seed: Optional[int] = typer.Option(None, help="Seed of the initial adapter, support masks and public set."),
-    public_data: Optional[str] = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
+    config: Path | None = typer.Option(None, help="TOML file of config overrides (a federation table)."),
+    min_clients: int | None = typer.Option(None, help="Clients needed to start round 1 and to close a phase at its "
+                                                      "deadline."),
+    round_timeout: float | None = typer.Option(None, help="Seconds a phase waits for uploads before closing with "
+                                                          "whoever sent."),
+    rounds: int | None = typer.Option(None, help="Communication rounds."),
+    seed: int | None = typer.Option(None, help="Seed of the initial adapter, support masks and public set."),
+    public_data: str | None = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
                                                                           "(presets with public-set anchors)."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal "
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal "
                                              "and checkpoint (crash safe: run the same command again to resume), "
                                              "the local broker's files, credentials, rounds.jsonl and "
                                              "server_model.npz."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
-    listen: Optional[str] = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
+    listen: str | None = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
                                                     "0.0.0.0:1883 serves other machines."),
     local_broker: str = typer.Option("auto", help="Local broker: auto | mosquitto | amqtt (amqtt enforces no "
                                                   "passwords or ACL: needs --insecure)."),
-    allow: Optional[Path] = typer.Option(None, help="Device ids allowed to join, one a line: each gets credentials, "
+    allow: Path | None = typer.Option(None, help="Device ids allowed to join, one a line: each gets credentials, "
                                                     "anyone else is ignored."),
-    devices: Optional[int] = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
+    devices: int | None = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
                                                      "(default: --min-clients)."),
-    broker_cert: Optional[str] = typer.Option(None, "--broker-cert", help="TLS: the local broker's certificate (PEM; "
+    broker_cert: str | None = typer.Option(None, "--broker-cert", help="TLS: the local broker's certificate (PEM; "
                                               "its names must be the host devices connect to). Needs --broker-key "
                                               "and --tls-ca (the CA that signed it)."),
-    broker_key: Optional[str] = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
-    client_ca: Optional[str] = typer.Option(None, "--client-ca", help="TLS: require every client (this server too: "
+    broker_key: str | None = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
+    client_ca: str | None = typer.Option(None, "--client-ca", help="TLS: require every client (this server too: "
                                             "--tls-cert/--tls-key) to present a certificate signed by this CA."),
-    max_clients: Optional[int] = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
+    max_clients: int | None = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
     offline_grace: float = typer.Option(OFFLINE_GRACE_S, help="Seconds a device whose connection dropped (its last "
                                         "will) keeps its place in the open round before the round stops waiting "
                                         "for it: a flaky link that reconnects within it still delivers."),
@@ -73,11 +75,11 @@ def start_command(
     clip_factor: float = typer.Option(10.0, help="Clip every upload to this many times the median upload norm "
                                                  "of the previous round, around the current global value."),
     clip_first: float = typer.Option(1e4, help="The clipping radius of the first round (no statistics yet)."),
-    username: Optional[str] = cli_options.USERNAME,
-    password: Optional[str] = cli_options.PASSWORD,
-    tls_ca: Optional[str] = cli_options.TLS_CA,
-    tls_cert: Optional[str] = cli_options.TLS_CERT,
-    tls_key: Optional[str] = cli_options.TLS_KEY,
+    username: str | None = cli_options.USERNAME,
+    password: str | None = cli_options.PASSWORD,
+    tls_ca: str | None = cli_options.TLS_CA,
+    tls_cert: str | None = cli_options.TLS_CERT,
+    tls_key: str | None = cli_options.TLS_KEY,
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
 ) -> None:
@@ -101,7 +103,7 @@ def start_command(
                tls_key, connect_timeout, policy, offline_grace)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rounds: int | None,
@@ -185,10 +187,10 @@ def is_loopback(host: str) -> bool:
 def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Path | None, access: Access,
                   local_broker: str) -> tuple[str, str, Any]:
     """Start the local broker, secured unless --insecure; returns (url, protocol, BrokerAuth or None)."""
-    from broker_server.aggregator import decoder_limits
     from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
-    from broker_server.supervisor import BrokerSupervisor
     from broker_server.security import load_or_create
+    from broker_server.shell import decoder_limits
+    from broker_server.supervisor import BrokerSupervisor
 
     host, port = access.host_port()
     auth = None

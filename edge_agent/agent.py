@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import logging
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,20 @@ from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.schedule import is_due
 from protofl.transport import Transport
-from protofl.wire import (DEFAULT_LIMITS, Config, Envelope, Join, Limits, Message, Metrics, ProtoSet, ProtoUpload,
-                          PublicSet, RoundStart, decode_message, encode_message)
+from protofl.wire import (
+    DEFAULT_LIMITS,
+    Config,
+    Envelope,
+    Join,
+    Limits,
+    Message,
+    Metrics,
+    ProtoSet,
+    PublicSet,
+    RoundStart,
+    decode_message,
+    encode_message,
+)
 
 log = logging.getLogger("protofl.edge")
 AGENT_VERSION = "0.1.0"
@@ -198,7 +211,7 @@ class EdgeAgent:
         # reference code (PFLlib deep-copies one model per client). Backbones still diverge: they
         # are trained privately and never sent. Identical starts give the prototype spaces a common
         # origin, which cross-client anchor means need.
-        model = build_model(arch, tuple(cfg.in_shape), cfg.num_classes, cfg.proto_dim,
+        model = build_model(arch, cfg.in_shape, cfg.num_classes, cfg.proto_dim,
                             cfg.adapter_rank, seed=cfg.seed, **options).to(self.device)
         if cfg.federate == "adapter":
             mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(model)]
@@ -266,8 +279,8 @@ class EdgeAgent:
             return
         if msg.participants is not None and self.client_id not in msg.participants:
             return
-        if msg.anchors is not None:
-            problem = guard.anchors_problem(msg.anchors.values)
+        if msg.targets is not None:
+            problem = guard.anchors_problem(msg.targets.values)
             if problem is not None:
                 self.handled.add(key)  # the same message would be refused again: nothing to retry
                 self._drop("bad_round", f"round {env.round} {env.phase}: {problem}; keeping the previous state")
@@ -363,12 +376,12 @@ class EdgeAgent:
         """The round message's targets as the dense table training uses (empty without any)."""
         plan = self.plan
         assert plan is not None
-        if msg.anchors is None or len(msg.anchors.classes) == 0:
+        if msg.targets is None or len(msg.targets.classes) == 0:
             return {}
-        if msg.anchor_kind != plan.target_label:
-            raise WireError(f"targets labelled '{msg.anchor_kind}', but this federation's plan sends "
+        if msg.target_label != plan.target_label:
+            raise WireError(f"targets labelled '{msg.target_label}', but this federation's plan sends "
                             f"'{plan.target_label}'")
-        table, _ = msg.anchors.table()
+        table, _ = msg.targets.table()
         for rule in self.rules:
             table = rule.decode_targets(table)
         return table

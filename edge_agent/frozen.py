@@ -16,6 +16,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,9 +25,11 @@ from edge_agent.extractor import weight_fingerprint
 from edge_agent.models import ProtoNet
 from edge_agent.onnx_export import export_onnx
 from edge_agent.onnx_runtime import embed_onnx, session
-from edge_agent.techniques import Objective
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edge_agent.techniques import Objective
 
 __all__ = ["BACKENDS", "FrozenBackbone", "compute_backbone_features", "train_on_cached_features"]
 

@@ -411,7 +411,7 @@ def _check_in_shape(in_shape: tuple[int, ...]) -> InShape:
         raise ConfigError(f"in_shape must be (channels, height, width), got {in_shape!r}") from None
     if len(shape) != 3 or min(shape) < 1:
         raise ConfigError(f"in_shape must be three positive ints (channels, height, width), got {in_shape!r}")
-    return shape  # type: ignore[return-value]
+    return shape[0], shape[1], shape[2]
 
 
 def build_backbone(arch: str, in_shape: tuple[int, int, int]) -> nn.Module:

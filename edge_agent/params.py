@@ -31,7 +31,8 @@ Layout = list[tuple[str, tuple[int, ...]]]
 
 def adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The federated adapter theta_a = (A_f, H), as (prefix, module) pairs in the declared order."""
-    return [("adapter", model.adapter), ("head", model.head)]
+    adapter, head = model.get_submodule("adapter"), model.get_submodule("head")
+    return [("adapter", adapter), ("head", head)]
 
 
 def _adapter_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

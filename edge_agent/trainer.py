@@ -7,14 +7,18 @@ objective (edge_agent/techniques) and gets arrays back.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet
-from edge_agent.techniques import Objective
 from protofl.config import FederationConfig
+
+if TYPE_CHECKING:
+    from edge_agent.techniques import Objective
 
 
 @dataclass
@@ -54,7 +58,7 @@ def train_local(
     return sgd_epochs(model, params, x, y, cfg, objective, seed)
 
 
-def sgd_epochs(model: ProtoNet, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+def sgd_epochs(model: ProtoNet, params: Sequence[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
                cfg: FederationConfig, objective: Objective, seed: int) -> TrainStats:
     """The local SGD loop shared by full and frozen-backbone training: same batch order for a seed.
 

@@ -12,12 +12,17 @@ Exit codes: 0 success, 1 verification failed (figures printed), 2 bad input (mes
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
-import tomllib
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 
 import typer
 from rich.console import Console

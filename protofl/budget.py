@@ -9,8 +9,9 @@ all in simulated (unscaled) seconds. Given the budget, the device steps down, ri
 everything it uploads this round fits:
 
     1. the config's wire dtype, then the lower precisions after it (f4 -> f2 -> q8), at the
-       config's APUD K (prototypes, FedAvg parameters and APUD values together);
-    2. with APUD, at the lowest precision, the largest K that fits (binary search on exact sizes).
+       config's sparse K (prototypes, parameter vectors and sparse values together);
+    2. with a sparse parameter upload, at the lowest precision, the largest K that fits (binary search
+       on exact sizes).
 
 Sizes are exact: the caller's `size_of(dt, k)` encodes the messages. Where nothing fits (FedAvg over
 NB-IoT) the leanest encoding is sent anyway and the choice says it does not fit: the upload may

@@ -10,9 +10,14 @@ module checks the core fields only.
 from __future__ import annotations
 
 import math
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 
 from protofl import registry
 from protofl.errors import ConfigError
@@ -158,7 +163,8 @@ class FederationConfig:
             need(isinstance(value, int) and not isinstance(value, bool),
                  f"config '{name}' must be an integer, got {value!r}")
         for name in ("lr", "momentum", "weight_decay", "proto_lambda", "round_timeout"):
-            need(is_number(getattr(self, name)), f"config '{name}' must be a finite number, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            need(is_number(value), f"config '{name}' must be a finite number, got {value!r}")
         need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
         need(2 <= self.num_classes <= 65535, f"num_classes must be in [2, 65535], got {self.num_classes}")
         need(1 <= self.proto_dim <= 65536, f"proto_dim must be in [1, 65536], got {self.proto_dim}")
@@ -166,7 +172,8 @@ class FederationConfig:
              f"adapter_rank must be in [1, proto_dim={self.proto_dim}], got {self.adapter_rank}")
         need(self.local_epochs >= 1 and self.batch_size >= 1, "local_epochs and batch_size must be >= 1")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(isinstance(self.archs, tuple) and len(self.archs) >= 1 and all(isinstance(a, str) and a for a in self.archs),
+        need(isinstance(self.archs, tuple) and len(self.archs) >= 1
+             and all(isinstance(a, str) and a for a in self.archs),
              f"archs must be a non-empty list of architecture names, got {self.archs!r}")
         need(isinstance(self.in_shape, tuple) and len(self.in_shape) == 3
              and all(isinstance(v, int) and v > 0 for v in self.in_shape),

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
+    import tomli as tomllib
 
 from protofl.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""A sparse vector: the shape APUD uploads take, shared by the algorithm and the codec."""
+"""A sparse vector: the shape a top-K parameter upload takes, shared by the algorithms and the codec."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A technique is one name with two halves (docs/design.md, "Techniques"):
 
 - this side, `Technique`: the config options it declares, the combination rules it enforces, what it
   adds to the round plan (`shape`) and its server rule (`server_rule`), which joins the phases it takes
-  part in with a `Fold` per phase: check an upload, fold it in, finish the phase into the `ServerModel`;
+  part in with a `Fold` per phase: check an upload, fold it in, finish the phase into the `ServerState`;
 - the device side (torch), `edge_agent.techniques.DeviceRule`, registered under the same name.
 
 Both halves register through Python entry points (`protofl.techniques` and `protofl.device_rules`), the
@@ -19,15 +19,14 @@ import enum
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from protofl.algorithms import support
-from protofl.algorithms.robust import ClipPolicy, NormLog, clip_around
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
+    from protofl.algorithms.robust import ClipPolicy
     from protofl.config import FederationConfig
     from protofl.plan import RoundPlan
 
@@ -119,7 +118,7 @@ class Technique:
     def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
         """Add this technique's phases, uploads, widths and labels to the plan."""
 
-    def server_rule(self, model: ServerModel) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return ServerRule(model)
 
 
@@ -142,9 +141,9 @@ class Fold:
 
 
 class ServerRule:
-    """A technique's server half for one federation: hooks on the shared `ServerModel`."""
+    """A technique's server half for one federation: hooks on the shared `ServerState`."""
 
-    def __init__(self, model: ServerModel) -> None:
+    def __init__(self, model: ServerState) -> None:
         self.model = model
 
     def init_model(self) -> None:
@@ -183,92 +182,45 @@ class ServerRule:
         pass
 
 
-@dataclass
-class ServerModel:
-    """What the federation has agreed on so far, shared by the active rules.
+class ServerState(Protocol):
+    """What the federation has agreed on so far, shared by the active rules (broker_server.stages.ServerModel).
 
     Generic fields: a parameter vector (`adapter` or the whole model, `params`), mean prototypes in wire
     space (`prototypes`), unit prototypes on the sphere (`unit`), per-class support masks (`masks`), the
-    targets a first phase built (`targets`). Clipping state (robust.py) lives here too: every upload is
-    clipped around the current global value before it is folded."""
+    targets a first phase built (`targets`). Every upload is clipped around the current global value
+    before it is folded (protofl/algorithms/robust.py)."""
 
     cfg: FederationConfig
     plan: RoundPlan
-    adapter: np.ndarray | None = None
-    params: np.ndarray | None = None
-    prototypes: dict[int, np.ndarray] = field(default_factory=dict)
-    unit: np.ndarray | None = None
-    masks: np.ndarray | None = None
-    targets: ProtoSet | None = None
-    policy: ClipPolicy = field(default_factory=ClipPolicy)
-    # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
-    radii: dict[str, float] = field(default_factory=dict)
-    clipped: dict[str, int] = field(default_factory=dict)  # uploads clipped so far, per kind
-    rules: list[ServerRule] = field(default_factory=list)
-    logs: dict[str, NormLog] = field(default_factory=dict)  # this phase's accepted norms, per kind
+    adapter: np.ndarray | None
+    params: np.ndarray | None
+    prototypes: dict[int, np.ndarray]
+    unit: np.ndarray | None
+    masks: np.ndarray | None
+    targets: ProtoSet | None
+    policy: ClipPolicy
 
-    # -- rules ----------------------------------------------------------------------------------
     def first(self, hook: str, *args: Any) -> Any:
-        """The first rule's non-None answer to `hook`, or None."""
-        for rule in self.rules:
-            out = getattr(rule, hook)(*args)
-            if out is not None:
-                return out
-        return None
+        """The first active rule's non-None answer to `hook`, or None."""
 
     def chain(self, hook: str, value: Any) -> Any:
-        """`value` passed through every rule's `hook` in order."""
-        for rule in self.rules:
-            value = getattr(rule, hook)(value)
-        return value
+        """`value` passed through every active rule's `hook` in order."""
 
     def unit_on_wire(self) -> dict[int, np.ndarray]:
-        """The unit prototypes as they travel: every class, cut to its support mask where there are masks."""
-        assert self.unit is not None
-        table = dict(enumerate(self.unit))
-        return support.compress_table(table, self.masks) if self.masks is not None else table
+        """The unit prototypes as they travel (cut to their support masks where there are masks)."""
 
-    # -- clipping -------------------------------------------------------------------------------
+    def unit_upload(self, table: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
+        """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
+
     def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
              kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
         """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
-        return clip_table(table, centers, self.radius(kind), self.plan.proto_width)
-
-    def log(self, kind: str) -> NormLog:
-        return self.logs.setdefault(kind, NormLog())
 
     def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
-        """Note the accepted upload's rows (their norms set the next radius)."""
-        radius, log = self.radius(kind), self.log(kind)
-        for v, d in seen:
-            log.record(v, d, radius)
-
-    def close_logs(self) -> None:
-        """At a phase's end: each kind's next radius from its accepted norms."""
-        for kind, log in self.logs.items():
-            self.update_radius(kind, log)
-        self.logs = {}
+        """Note an accepted upload's rows (their norms set the next radius)."""
 
     def radius(self, kind: str) -> float:
-        return self.radii.get(kind, self.policy.first_radius)
-
-    def update_radius(self, kind: str, log: NormLog) -> None:
-        """After a round: the next radius from its accepted norms (kept if nothing was accepted)."""
-        if log.values:
-            self.radii[kind] = self.policy.radius(log.values)
-        if log.clipped:
-            self.clipped[kind] = self.clipped.get(kind, 0) + log.clipped
-
-
-def clip_table(table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray], radius: float,
-               width: int) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-    """Every row clipped to `radius` around its class's center (zero where none); and (row, distance)s."""
-    out, seen = {}, []
-    for c, v in table.items():
-        center = centers.get(c)
-        out[c], d = clip_around(v, np.zeros(width) if center is None else np.asarray(center, np.float64), radius)
-        seen.append((v, d))
-    return out, seen
+        """This round's clipping radius for `kind`."""
 
 
 def table_of(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:

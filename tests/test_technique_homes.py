@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protofl", "edge_agent", "broker_server", "export")
 TECHNIQUES = ("pagr", "erpa", "apud", "cps")
-GENERIC = ("broker_server/rounds.py", "broker_server/aggregator.py", "broker_server/stages.py",
+GENERIC = ("broker_server/rounds.py", "broker_server/shell.py", "broker_server/stages.py",
            "edge_agent/agent.py", "edge_agent/trainer.py", "protofl/plan.py", "protofl/config.py",
            "protofl/registry.py", "protofl/technique.py", "edge_agent/techniques/__init__.py")
 

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec
 from protofl.transport import InProcessBroker

@@ -57,7 +57,7 @@ class Links:
                                   seed=seed * 1000 + i, name=f"link-{i:03d}-{d.link.name}")
                         for i, d in enumerate(devices)]
 
-    def start(self) -> "Links":
+    def start(self) -> Links:
         for p in self.proxies:
             p.start()
         return self
@@ -125,7 +125,7 @@ class UploadWatcher:
         self.transport = transport
         self.fed = fed
 
-    def start(self) -> "UploadWatcher":
+    def start(self) -> UploadWatcher:
         self.transport.subscribe(topics.up_all(self.fed), self._on)
         return self
 

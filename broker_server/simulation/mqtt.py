@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator, decoder_limits
 from broker_server.broker import PACKET_HEADROOM, start_local_broker
 from broker_server.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService
+from broker_server.shell import Aggregator, decoder_limits
 from broker_server.simulation.links import Links, UploadWatcher
 from broker_server.simulation.report import Report, describe_drops
-from broker_server.simulation.timeline import LinkReport
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
+from broker_server.simulation.timeline import LinkReport
 from protofl.errors import ConfigError
 from protofl.profiles import DeviceClass
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
@@ -59,7 +59,7 @@ def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
             "--upload-share", repr(spec.upload_share), "--adaptive" if spec.adaptive else "--no-adaptive"]
 
 
-def emulation(spec: SimulationSpec, device: DeviceClass | None) -> "Emulation | None":
+def emulation(spec: SimulationSpec, device: DeviceClass | None) -> Emulation | None:
     """What `profile_args` says, for a device runner in this process."""
     if device is None:
         return None
@@ -75,8 +75,9 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
             "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
             "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", spec.device,
             "--threads", "1", "--mqtt", protocol]
-    for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit), ("--test-every", spec.test_every),
-                        ("--train-limit", spec.train_limit), ("--username", broker.username),
+    for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
+                        ("--test-every", spec.test_every), ("--train-limit", spec.train_limit),
+                        ("--username", broker.username),
                         ("--tls-ca", broker.tls_ca), ("--tls-cert", broker.tls_cert), ("--tls-key", broker.tls_key)):
         if value is not None:
             args += [flag, str(value)]
@@ -227,7 +228,7 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
             cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
         service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
-                                    initial_params=initial_params, protocol=protocol,  # type: ignore[arg-type]
+                                    initial_params=initial_params, protocol=protocol,
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics)
         if links is not None:

@@ -8,12 +8,13 @@ published. numpy only.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
-from broker_server.aggregator import RoundRecord
 from broker_server.progress import RoundProgress, accuracies
+from broker_server.shell import RoundRecord
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel

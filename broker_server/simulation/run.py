@@ -7,11 +7,12 @@ service path.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from broker_server.simulation.inprocess import run_inprocess
 from broker_server.simulation.mqtt import run_over_mqtt
 from broker_server.simulation.report import Report

@@ -17,7 +17,8 @@ simulator's own evaluation) is not counted. numpy only.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from broker_server.rounds import RoundRecord
 from broker_server.simulation.links import Arrival
@@ -29,7 +30,7 @@ def device_rows(rec: RoundRecord, clients: Sequence[str], devices: Sequence[Devi
                 arrivals: Sequence[Arrival], metrics: Mapping[str, Metrics], scale: float,
                 deadline_s: float) -> list[dict[str, Any]]:
     rows = []
-    for cid, dev in zip(clients, devices):
+    for cid, dev in zip(clients, devices, strict=True):
         mine = [a for a in arrivals if a.sender == cid and a.round == rec.round]
         # The first of each (phase, kind) counts; later copies are re-sends after a reconnect (dropped as
         # duplicates by the server) and are reported apart.
@@ -132,7 +133,7 @@ class LinkReport:
             c["count"] += 1
         out = {"time_scale": self.time_scale, "deadline_s": self.deadline_s, "adaptive": self.adaptive,
                "upload_share": self.upload_share, "classes": list(classes.values()),
-               "clients": {cid: d.name for cid, d in zip(self.clients, self.devices)},
+               "clients": {cid: d.name for cid, d in zip(self.clients, self.devices, strict=True)},
                "proxies": self.links.stats()}
         out.update(timeline(records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale,
                             self.deadline_s))

@@ -29,7 +29,7 @@ import numpy as np
 
 from protofl.errors import ConfigError
 from protofl.sparse import SparseVector
-from protofl.technique import Option, ServerRule, Technique, flag
+from protofl.technique import Option, ServerRule, ServerState, Technique, flag
 
 __all__ = ["topk_budget", "budget_from_bytes", "client_budget", "select_topk", "ApudAggregator", "Apud"]
 
@@ -203,7 +203,7 @@ class Apud(Technique):
         if cfg.apud and cfg.federate == "full":
             raise ConfigError("apud sparsifies the adapter; it needs federate='adapter'")
 
-    def server_rule(self, model: Any) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return ApudRule(model)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from protofl.algorithms.scaling import ScaledAggregator
 from protofl.algorithms.support import as_masks, restrict_to_masks
 from protofl.errors import ConfigError
-from protofl.technique import Option, PlanDraft, ServerRule, Technique, flag, integer
+from protofl.technique import Option, PlanDraft, ServerRule, ServerState, Technique, flag, integer
 
 if TYPE_CHECKING:
     from protofl.config import FederationConfig
@@ -160,7 +160,7 @@ class Cps(Technique):
         if cfg.scaling:
             draft.target_label.append("scaled")
 
-    def server_rule(self, model: Any) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return CpsRule(model)
 
 

@@ -30,11 +30,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protofl.algorithms import support
 from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
 from protofl.algorithms.unit import ConsensusAggregator
 from protofl.errors import ConfigError, WireError
-from protofl.technique import Fold, Option, Phase, PlanDraft, ServerRule, Technique, Upload, flag, integer, table_of
+from protofl.technique import (
+    Fold,
+    Option,
+    Phase,
+    PlanDraft,
+    ServerRule,
+    ServerState,
+    Technique,
+    Upload,
+    flag,
+    integer,
+    table_of,
+)
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
@@ -241,12 +252,12 @@ class Erpa(Technique):
         draft.uploads = {Phase.PROTO: (Upload.PROTOS,),
                          Phase.TRAIN: tuple(u for u in draft.uploads.get(Phase.TRAIN, ()) if u is not Upload.PROTOS)}
 
-    def server_rule(self, model: Any) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return ErpaRule(model)
 
 
 class ErpaRule(ServerRule):
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: ServerState) -> None:
         super().__init__(model)
         self.public_fold: PublicUnitFold | None = None
 
@@ -275,7 +286,7 @@ class AnchorFold(Fold):
 
     kinds = (Upload.PROTOS,)
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: ServerState) -> None:
         self.model = model
         plan = model.plan
         self.public = sorted(plan.public_classes)
@@ -319,7 +330,7 @@ class PublicUnitFold(Fold):
 
     kinds = (Upload.PROTOS,)
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: ServerState) -> None:
         self.model = model
         assert model.unit is not None
         self.acc = ConsensusAggregator(model.unit)
@@ -330,9 +341,7 @@ class PublicUnitFold(Fold):
             return [], []
         loc, _ = table_of(up.local)
         check_split(pub, loc, self.model.plan.public_classes)
-        model = self.model
-        pub, seen = model.clip(pub, model.unit_on_wire(), "protos")
-        dense = support.reconstruct_table(pub, model.masks) if model.masks is not None else pub
+        dense, seen = self.model.unit_upload(pub)
         return self.acc.check(dense), seen
 
     def fold(self, prepared: Any) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from protofl.algorithms.robust import CoordinateRobust, clip_around
 from protofl.errors import WireError
 from protofl.sparse import SparseVector
-from protofl.technique import Fold, Phase, ServerRule, Technique, Upload
+from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
 
 __all__ = ["FedAvgAggregator", "FedAvg"]
 
@@ -83,7 +83,7 @@ class FedAvg(Technique):
     def active(self, cfg: Any) -> bool:
         return bool(cfg.federate != "none")
 
-    def server_rule(self, model: Any) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return FedAvgRule(model)
 
 
@@ -97,7 +97,7 @@ class VectorFold(Fold):
 
     kinds = (Upload.ADAPTER,)
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: ServerState) -> None:
         self.model = model
         self.reference: np.ndarray | None = model.adapter if model.plan.federate == "adapter" else model.params
         # FedAvg without a known model (a server with no torch): the first upload fixes the length.
@@ -164,8 +164,11 @@ class VectorFold(Fold):
         model = self.model
         if self.acc is None or self.acc.senders == 0:
             return
-        result = (self.acc.result() if self.robust is None
-                  else self.robust.result(self.reference).astype(np.float32))
+        if self.robust is None:
+            result = self.acc.result()
+        else:
+            assert self.reference is not None  # a robust mean exists only around a known reference
+            result = self.robust.result(self.reference).astype(np.float32)
         if model.plan.federate == "adapter":
             model.adapter = result
         else:

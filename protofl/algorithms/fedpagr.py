@@ -37,7 +37,18 @@ import numpy as np
 from protofl.algorithms import support
 from protofl.algorithms.unit import ConsensusAggregator, initial_prototypes, normalize_rows
 from protofl.errors import ConfigError
-from protofl.technique import Fold, Option, Phase, PlanDraft, ServerRule, Technique, Upload, flag, integer, number
+from protofl.technique import (
+    Fold,
+    Phase,
+    PlanDraft,
+    ServerRule,
+    ServerState,
+    Technique,
+    Upload,
+    flag,
+    integer,
+    number,
+)
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
@@ -235,7 +246,7 @@ class FedPagr(Technique):
                               "of a first prototype phase (public-set anchors on mean prototypes); with neither it "
                               "changes nothing: turn refine off or switch one of them on")
 
-    def server_rule(self, model: Any) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return FedPagrRule(model)
 
 
@@ -272,16 +283,14 @@ class ConsensusFold(Fold):
 
     kinds = (Upload.PROTOS,)
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: ServerState) -> None:
         self.model = model
         assert model.unit is not None
         self.acc = ConsensusAggregator(model.unit)
 
     def check(self, up: Any) -> Any:
         table, _ = up.local.table() if up.local is not None else ({}, None)
-        model = self.model
-        clipped, seen = model.clip(table, model.unit_on_wire(), "protos")
-        dense = support.reconstruct_table(clipped, model.masks) if model.masks is not None else clipped
+        dense, seen = self.model.unit_upload(table)
         return self.acc.check(dense), seen
 
     def fold(self, prepared: Any) -> None:

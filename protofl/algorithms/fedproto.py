@@ -28,7 +28,7 @@ import numpy as np
 
 from protofl.algorithms.robust import CoordinateRobust
 from protofl.errors import WireError
-from protofl.technique import Fold, Phase, ServerRule, Technique, Upload, table_of
+from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload, table_of
 from protofl.wire import ProtoSet
 
 __all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto"]
@@ -178,7 +178,7 @@ class FedProto(Technique):
     def active(self, cfg: Any) -> bool:
         return bool(cfg.prototypes == "mean")
 
-    def server_rule(self, model: Any) -> ServerRule:
+    def server_rule(self, model: ServerState) -> ServerRule:
         return FedProtoRule(model)
 
 
@@ -202,7 +202,7 @@ class MeanFold(Fold):
 
     kinds = (Upload.PROTOS,)
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: ServerState) -> None:
         self.model = model
         plan, policy = model.plan, model.policy
         other = model.first("mean_aggregator", plan.proto_width)

@@ -24,7 +24,8 @@ def compress(p: np.ndarray, mask: np.ndarray) -> np.ndarray:
     p = np.asarray(p)
     mask = np.asarray(mask)
     if mask.dtype != bool or mask.ndim != 1 or p.shape != mask.shape:
-        raise ValueError(f"support compress: need p (m,) and a bool mask (m,), got {p.shape} and {mask.dtype} {mask.shape}")
+        raise ValueError(f"support compress: need p (m,) and a bool mask (m,), got {p.shape} and "
+                         f"{mask.dtype} {mask.shape}")
     return p[mask].astype(np.float32)
 
 

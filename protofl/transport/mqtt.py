@@ -199,7 +199,8 @@ class MqttTransport:
             raise PayloadTooLarge(
                 f"cannot publish {len(payload)} bytes on '{topic}': the MQTT packet would be {size} bytes, over the "
                 f"{source} maximum packet size of {limit} bytes; raise max_packet_size (mosquitto.conf and "
-                f"BrokerOptions) or shrink the message (e.g. apud_ratio, proto_dtype=f2/q8, a smaller model)")
+                f"BrokerOptions) or shrink the message (e.g. a sparser adapter upload, proto_dtype=f2/q8, "
+                f"a smaller model)")
         with self._lock:
             info = self._client.publish(topic, payload, qos=qos, retain=retain)
             self._seq += 1

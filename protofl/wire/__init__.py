@@ -14,11 +14,11 @@ from protofl.wire.codec import (
 )
 from protofl.wire.messages import (
     MESSAGE_TYPES,
-    AdapterUpload,
     Config,
     Join,
     Message,
     Metrics,
+    ParamsUpload,
     ProtoSet,
     ProtoUpload,
     PublicSet,
@@ -33,7 +33,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "KINDS",
     "MESSAGE_TYPES",
-    "AdapterUpload",
+    "ParamsUpload",
     "Config",
     "Envelope",
     "Join",

@@ -11,10 +11,10 @@ bools, and must be finite. Wire keys are the field names, except inside `ProtoSe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -45,7 +45,7 @@ from protofl.wire.codec import (
 )
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
 MAX_CLASS = 2**16 - 1  # class ids travel as u2
 MAX_COUNT = 2**32 - 1  # sample counts travel as u4
@@ -347,7 +347,7 @@ class PublicSet(_Body):
         if not isinstance(self.classes, (list, tuple)):
             raise WireError(f"classes: expected a list, got {type(self.classes).__name__}")
         classes = [expect_int(c, "classes", 0, MAX_CLASS) for c in self.classes]
-        if any(a >= b for a, b in zip(classes, classes[1:])):
+        if any(a >= b for a, b in zip(classes, classes[1:], strict=False)):
             raise WireError("classes: must be sorted ascending without duplicates")
         if x.shape[0] != y.size:
             raise WireError(f"{x.shape[0]} samples but {y.size} labels")
@@ -376,15 +376,15 @@ class RoundStart(_Body):
     deadline: float
     adapter: np.ndarray | None = None
     params: np.ndarray | None = None
-    anchors: ProtoSet | None = None
-    anchor_kind: str = ""
+    targets: ProtoSet | None = None  # the training targets (on the wire: "anchors")
+    target_label: str = ""  # what the plan calls them (on the wire: "anchor_kind")
     participants: list[str] | None = None
     final: bool = False
     dt: str = "f4"
 
     def __post_init__(self) -> None:
-        if self.anchors is not None and not isinstance(self.anchors, ProtoSet):
-            raise WireError(f"anchors: expected a ProtoSet, got {type(self.anchors).__name__}")
+        if self.targets is not None and not isinstance(self.targets, ProtoSet):
+            raise WireError(f"targets: expected a ProtoSet, got {type(self.targets).__name__}")
         if self.dt not in FLOAT_DTS:
             raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
         people = self.participants
@@ -397,7 +397,7 @@ class RoundStart(_Body):
             deadline=expect_float(self.deadline, "deadline", 0.0),
             adapter=_opt(self.adapter, lambda a: _floats(a, "adapter", 1)),
             params=_opt(self.params, lambda a: _floats(a, "params", 1)),
-            anchor_kind=expect_str(self.anchor_kind, "anchor_kind"),
+            target_label=expect_str(self.target_label, "anchor_kind"),
             participants=people,
             final=expect_bool(self.final, "final"),
         )
@@ -407,8 +407,8 @@ class RoundStart(_Body):
             "deadline": self.deadline,
             "adapter": _opt(self.adapter, lambda a: encode_array(a, self.dt)),
             "params": _opt(self.params, lambda a: encode_array(a, self.dt)),
-            "anchors": _opt(self.anchors, ProtoSet.to_body),
-            "anchor_kind": self.anchor_kind,
+            "anchors": _opt(self.targets, ProtoSet.to_body),
+            "anchor_kind": self.target_label,
             "participants": self.participants,
             "final": self.final,
         }
@@ -424,7 +424,7 @@ class RoundStart(_Body):
             raise WireError("round: adapter and params must use the same wire dtype")
         anchors = _opt(b["anchors"], lambda a: ProtoSet.from_body(a, limits, "round anchors"))
         return _build(
-            cls, cls.KIND, deadline=b["deadline"], anchors=anchors, anchor_kind=b["anchor_kind"],
+            cls, cls.KIND, deadline=b["deadline"], targets=anchors, target_label=b["anchor_kind"],
             participants=b["participants"], final=b["final"], dt=dts.pop() if dts else "f4", **dense,
         )  # fmt: skip
 
@@ -460,8 +460,9 @@ class ProtoUpload(_Body):
 
 
 @dataclass(frozen=True, eq=False)
-class AdapterUpload(_Body):
-    """A client's adapter after local training: its top-K selected coordinates, or every one as a dense array."""
+class ParamsUpload(_Body):
+    """A client's parameter vector after local training (the federated adapter, or the whole model): every
+    value as a dense array, or the coordinates a sparse upload selected."""
 
     KIND: ClassVar[str] = "adapter"
     update: SparseVector | np.ndarray
@@ -574,9 +575,13 @@ class Status(_Body):
         return _build(cls, cls.KIND, **expect_keys(body, ("state", "detail"), cls.KIND))
 
 
-Message = Union[Join, Config, PublicSet, RoundStart, ProtoUpload, AdapterUpload, Metrics, Status]
+Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status
 MESSAGE_TYPES: dict[str, type] = {
-    c.KIND: c for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, AdapterUpload, Metrics, Status)
+    c.KIND: c for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status)
+}
+# How each kind's body is read (typed: every message class has `from_body(body, limits)`).
+_FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {
+    c.KIND: c.from_body for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status)
 }
 assert set(MESSAGE_TYPES) == KINDS, "codec.KINDS and MESSAGE_TYPES must list the same kinds"
 
@@ -596,7 +601,7 @@ def decode_message(data: bytes, *, limits: Limits = DEFAULT_LIMITS) -> tuple[Env
     env = unpack_envelope(data, limits)
     where = f"(sender {env.sender}, round {env.round})"
     try:
-        return env, MESSAGE_TYPES[env.kind].from_body(env.body, limits)
+        return env, _FROM_BODY[env.kind](env.body, limits)
     except WireError as e:
         raise WireError(f"{e} {where}") from None
     except Exception as e:  # a validation gap must still not crash the receiver

@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (AdapterUpload, Envelope, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
+from protofl.wire import (ParamsUpload, Envelope, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
                           encode_message, pack_envelope)
 
 FED = "t"
@@ -75,7 +75,7 @@ def fedproto() -> tuple[InProcessBroker, Aggregator, Clock]:
 def test_fedproto_round_weighted_prototypes_by_hand(fedproto) -> None:
     broker, agg, _ = fedproto
     env, msg = retained_round(broker)
-    assert (env.round, env.phase, msg.anchors) == (1, "train", None)  # round 1: no global prototypes yet
+    assert (env.round, env.phase, msg.targets) == (1, "train", None)  # round 1: no global prototypes yet
     # a: class 0 at (1, 0) from 1 sample, class 1 at (0, 2) from 3 samples; b: class 0 at (4, 0) from 3.
     send(broker, "a", ProtoUpload(local=protoset({0: [1, 0], 1: [0, 2]}, {0: 1, 1: 3}), public=None, n_samples=4),
          round_=1, phase="train")
@@ -88,7 +88,7 @@ def test_fedproto_round_weighted_prototypes_by_hand(fedproto) -> None:
     np.testing.assert_allclose(agg.model.prototypes[1], [0, 2])
     assert 2 not in agg.model.prototypes
     env, msg = retained_round(broker)
-    assert env.round == 2 and list(msg.anchors.classes) == [0, 1]
+    assert env.round == 2 and list(msg.targets.classes) == [0, 1]
     assert agg.records[0].clients == ["a", "b"] and agg.records[0].closed_by == "quorum"
     assert agg.records[0].uplink_bytes > 0 and agg.records[0].downlink_bytes > 0
 
@@ -176,13 +176,13 @@ def test_refprotofl_two_phases_and_apud_aggregation_by_hand() -> None:
                                   n_samples=30), round_=1, phase="proto")
     env, msg = retained_round(broker)
     assert (env.round, env.phase) == (1, "train")
-    anchors = {int(c): msg.anchors.values[i] for i, c in enumerate(msg.anchors.classes)}
+    anchors = {int(c): msg.targets.values[i] for i, c in enumerate(msg.targets.classes)}
     np.testing.assert_allclose(anchors[0], [3, 0, 0, 0])  # (2 + 4) / 2, uniform over clients
     np.testing.assert_allclose(anchors[1], [0, 4, 0, 0])  # (1*1 + 3*5) / 4
     # APUD: a sends coordinate 0 = 1.0 (|D_a| = 10), b sends coordinates 0 = 3.0 and 1 = 7.0 (|D_b| = 30).
-    send(broker, "a", AdapterUpload(update=SparseVector(d, np.array([0]), np.array([1.0], np.float32)),
+    send(broker, "a", ParamsUpload(update=SparseVector(d, np.array([0]), np.array([1.0], np.float32)),
                                     n_samples=10, base_round=1), round_=1, phase="train")
-    send(broker, "b", AdapterUpload(update=SparseVector(d, np.array([0, 1]), np.array([3.0, 7.0], np.float32)),
+    send(broker, "b", ParamsUpload(update=SparseVector(d, np.array([0, 1]), np.array([3.0, 7.0], np.float32)),
                                     n_samples=30, base_round=1), round_=1, phase="train")
     new = agg.model.adapter
     assert new[0] == pytest.approx((10 * 1 + 30 * 3) / 40)  # 2.5
@@ -203,6 +203,6 @@ def test_adapter_trained_from_an_old_adapter_is_stale() -> None:
          round_=1, phase="proto")
     d = agg.model.adapter.shape[0]
     before = snapshot(agg)
-    send(broker, "a", AdapterUpload(update=SparseVector(d, np.array([0]), np.array([1.0], np.float32)),
+    send(broker, "a", ParamsUpload(update=SparseVector(d, np.array([0]), np.array([1.0], np.float32)),
                                     n_samples=10, base_round=0), round_=1, phase="train")
     assert agg.dropped == {"stale": 1} and same(before, snapshot(agg))

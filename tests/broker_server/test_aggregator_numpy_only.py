@@ -25,12 +25,12 @@ SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, NoTorch())
 
     import numpy as np
-    from broker_server.aggregator import Aggregator
+    from broker_server.shell import Aggregator
     from protofl import topics
     from protofl.algorithms import apud
     from protofl.presets import PRESETS, make_config
     from protofl.transport import InProcessBroker
-    from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
+    from protofl.wire import (ParamsUpload, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
                               encode_message)
 
     def protoset(classes, width, rng, counts=True, unit=False):
@@ -61,12 +61,12 @@ SCRIPT = textwrap.dedent(
                                        local=protoset([2, 3], width, rng, counts=not cfg.scaling), n_samples=10))
             else:
                 if cfg.federate == "full":
-                    out.append(AdapterUpload(update=rng.standard_normal(1000).astype(np.float32), n_samples=10,
+                    out.append(ParamsUpload(update=rng.standard_normal(1000).astype(np.float32), n_samples=10,
                                              base_round=env.round))
                 elif cfg.federate == "adapter":
                     d = agg.model.adapter.shape[0]
                     local = agg.model.adapter + rng.standard_normal(d).astype(np.float32)
-                    out.append(AdapterUpload(update=apud.select_topk(local, agg.model.adapter, 30), n_samples=10,
+                    out.append(ParamsUpload(update=apud.select_topk(local, agg.model.adapter, 30), n_samples=10,
                                              base_round=env.round))
                 if cfg.prototypes != "none" and not cfg.erpa:
                     unit = cfg.prototypes == "unit"

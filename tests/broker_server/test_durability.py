@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from broker_server.durable import DurableState, journal_records
 from broker_server.journal import Journal, JournalError, encode_record
@@ -24,7 +24,7 @@ from protofl.plan import Phase
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (AdapterUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
+from protofl.wire import (ParamsUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
                           encode_message)
 from tests.pipelines import ADAPTER_PIPELINE
 
@@ -130,7 +130,7 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
                                                           fed=FED, sender=c, round=r, phase="train")))
             if n_adapter:
                 idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
-                up = AdapterUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+                up = ParamsUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
                                    n_samples=18, base_round=r)
                 out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
     return out
@@ -298,7 +298,7 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         for k, c in enumerate(CLIENTS):
             rng = np.random.default_rng(100 * r + k)
             idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
-            up = AdapterUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+            up = ParamsUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
                                n_samples=9, base_round=r)
             msgs.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
     for t, p in msgs:
@@ -317,7 +317,7 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         for t, p in msgs[i:]:
             agg.on_message(t, p)
         assert agg.finished and agg.model.adapter.tobytes() == ref.model.adapter.tobytes(), i
-        assert agg.machine.anchors is not None and ref.machine.anchors is not None
-        assert agg.machine.anchors.values.tobytes() == ref.machine.anchors.values.tobytes(), i
+        assert agg.model.targets is not None and ref.model.targets is not None
+        assert agg.model.targets.values.tobytes() == ref.model.targets.values.tobytes(), i
         assert d is not None
         d.close()

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import load_or_create

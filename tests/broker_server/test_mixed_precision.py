@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from protofl.sparse import SparseVector
-from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
+from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 from tests.broker_server.test_rounds import federation, send
 
 
@@ -27,7 +27,7 @@ def test_apud_adapters_in_f4_and_q8() -> None:
     d = agg.model.adapter.shape[0]
     idx = np.array([0, 1])
     for client, dt, vals in (("a", "f4", [1.0, 2.0]), ("b", "q8", [3.0, 4.0])):
-        up = AdapterUpload(update=SparseVector(d, idx, np.array(vals, np.float32)), n_samples=2, base_round=1, dt=dt)
+        up = ParamsUpload(update=SparseVector(d, idx, np.array(vals, np.float32)), n_samples=2, base_round=1, dt=dt)
         send(broker, client, up, 1, "train")
     assert agg.dropped == {} and agg.records[0].clients == ["a", "b"]
     # APUD eq. 6, equal weights: [(1 + 3) / 2, (2 + 4) / 2] on the two coordinates both sent

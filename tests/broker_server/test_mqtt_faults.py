@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.service import AggregatorService
 from broker_server.simulation import SimulationSpec, prepare

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy, CoordinateRobust, clip_around
 from protofl.presets import make_config
@@ -124,7 +124,7 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
     from protofl.adapter import adapter_layout, initial_adapter
     from protofl.plan import Phase, RoundPlan, Upload
     from protofl.sparse import SparseVector
-    from protofl.wire import AdapterUpload
+    from protofl.wire import ParamsUpload
 
     cfg = make_config("protofl", num_classes=C, proto_dim=M, adapter_rank=1, **ADAPTER_PIPELINE)
     policy = ClipPolicy(first_radius=1.0, robust=robust)
@@ -135,7 +135,7 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
     idx = np.arange(10)
     for k in range(5):
         vals = before[idx] + (1e6 if k == 4 else 0.01)
-        phase.add(Upload.ADAPTER, AdapterUpload(update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
+        phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
                                         n_samples=10**9 if k == 4 else 10, base_round=1, dt="f4"))
     phase.finish()
     moved = np.linalg.norm(model.adapter.astype(np.float64) - before)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker_server.aggregator import RoundRecord
+from broker_server.shell import RoundRecord
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.service import round_line
 from protofl.humanize import human_bytes

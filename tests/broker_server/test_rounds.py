@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import AdapterUpload, Join, ProtoSet, ProtoUpload, encode_message
+from protofl.wire import ParamsUpload, Join, ProtoSet, ProtoUpload, encode_message
 from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "r"
@@ -77,10 +77,10 @@ CASES = {
         local=protoset({0: [1.0, 2, 3, 4]}, {0: 2}), public=None, n_samples=4), "invalid"),
     "refprotofl/public_wrong_width": ("refprotofl", {}, "proto", ProtoUpload(
         local=None, public=protoset({0: [1.0, 2]}), n_samples=4), "invalid"),
-    "refprotofl/adapter_in_proto_phase": ("refprotofl", {}, "proto", AdapterUpload(
+    "refprotofl/adapter_in_proto_phase": ("refprotofl", {}, "proto", ParamsUpload(
         update=SparseVector(n=10, indices=np.array([1]), values=np.array([1.0], np.float32)), n_samples=4,
         base_round=1), "wrong_phase"),
-    "refprotofl/sparse_adapter_wrong_length": ("refprotofl", {}, "train", AdapterUpload(
+    "refprotofl/sparse_adapter_wrong_length": ("refprotofl", {}, "train", ParamsUpload(
         update=SparseVector(n=10, indices=np.array([1]), values=np.array([1.0], np.float32)), n_samples=4,
         base_round=1), "invalid"),
     # ERPA + scaling: the public table is fine, the scaled local table is not; neither may be folded

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from broker_server.simulation import SimulationSpec, prepare, run_simulation
 from broker_server.simulation.spec import FED as SIM_FED
 from protofl import topics

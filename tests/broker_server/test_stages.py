@@ -11,7 +11,7 @@ from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
-from protofl.wire import AdapterUpload, ProtoSet, ProtoUpload
+from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
 
 def model_for(preset: str, **overrides: object) -> ServerModel:
@@ -64,9 +64,9 @@ def test_apud_fold_keeps_coordinates_nobody_sent() -> None:
     m.adapter = np.zeros(8, np.float32)  # any length: the phase follows the server's adapter
     phase = PhaseRun(m, Phase.TRAIN)
     n = m.adapter.shape[0]
-    phase.add(Upload.ADAPTER, AdapterUpload(update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)),
+    phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)),
                                     n_samples=1, base_round=1))
-    phase.add(Upload.ADAPTER, AdapterUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)),
+    phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)),
                                     n_samples=3, base_round=1))
     phase.finish()
     # theta_0 = (1*2 + 3*5) / 4 = 4.25; theta_2 = 4 (one sender); the rest keep 0
@@ -77,10 +77,10 @@ def test_fedavg_without_a_known_model_takes_the_first_length_and_holds_the_rest_
     m = model_for("fedavg")
     assert m.params is None  # a server without torch does not know the model's size
     phase = PhaseRun(m, Phase.TRAIN)
-    phase.add(Upload.ADAPTER, AdapterUpload(update=np.array([1.0, 2.0, 3.0], np.float32), n_samples=1, base_round=1))
+    phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([1.0, 2.0, 3.0], np.float32), n_samples=1, base_round=1))
     with pytest.raises(WireError, match="length 2, expected 3"):
-        phase.add(Upload.ADAPTER, AdapterUpload(update=np.array([1.0, 2.0], np.float32), n_samples=1, base_round=1))
-    phase.add(Upload.ADAPTER, AdapterUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
+        phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([1.0, 2.0], np.float32), n_samples=1, base_round=1))
+    phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
     phase.finish()
     assert m.params.tolist() == [2.0, 2.0, 2.0]
 

@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.aggregator import Aggregator
+from broker_server.shell import Aggregator
 from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, free_port
 from broker_server.cli import app
 from protofl import topics

@@ -11,7 +11,7 @@ from protofl import topics
 from protofl.algorithms import cps
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
-from protofl.wire import (AdapterUpload, Config, Metrics, ProtoSet, ProtoUpload, RoundStart, decode_message,
+from protofl.wire import (ParamsUpload, Config, Metrics, ProtoSet, ProtoUpload, RoundStart, decode_message,
                           encode_message)
 
 FED = "ag"
@@ -67,6 +67,11 @@ def test_fedproto_agent_uploads_prototypes_with_counts_once_per_round() -> None:
     assert kinds(uploads) == ["join", "protos", "metrics"]
 
 
+def _rule(agent, name: str):
+    """The agent's device rule of technique `name`."""
+    return next(rule for rule in agent.rules if rule.name == name)
+
+
 def test_tinyproto_agent_sends_scaled_compressed_prototypes_without_counts() -> None:
     cfg, broker, server, agent, uploads = setup("tinyproto")
     start_round(broker, server, 1, RoundStart(deadline=0.0))
@@ -75,7 +80,7 @@ def test_tinyproto_agent_sends_scaled_compressed_prototypes_without_counts() -> 
     assert up.local.values.shape == (2, 4)  # s = 4 values per class, no indices
     # the values are n_kc * p_kc on the class mask: compare with the agent's own prototype norms
     norms = np.linalg.norm(up.local.values, axis=1) / 20
-    assert np.allclose(norms, [agent.local_norms[0], agent.local_norms[1]], rtol=1e-5)
+    assert np.allclose(norms, [_rule(agent, "cps").local_norms[0], _rule(agent, "cps").local_norms[1]], rtol=1e-5)
 
 
 @pytest.mark.parametrize("mu", [1e-2, "auto"])
@@ -83,12 +88,12 @@ def test_scaled_anchor_targets_fixed_mu_and_auto(mu) -> None:
     cfg, broker, server, agent, uploads = setup("tinyproto", mu=mu)
     start_round(broker, server, 1, RoundStart(deadline=0.0))
     G = np.array([[3.0, 4.0, 0.0, 0.0]], dtype=np.float32)  # ||G|| = 5
-    t = agent._targets(RoundStart(deadline=0.0, anchors=ProtoSet(classes=np.array([0]), values=G),
-                                  anchor_kind="cps+scaled"))
+    t = agent.make_objective(agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.array([0]), values=G),
+                                                       target_label="cps+scaled")))
     target = t.values[0].numpy()
     assert np.count_nonzero(target) <= 4 and t.present.tolist() == [True, False, False]
     if mu == "auto":
-        assert np.linalg.norm(target) == pytest.approx(agent.local_norms[0], rel=1e-5)
+        assert np.linalg.norm(target) == pytest.approx(_rule(agent, "cps").local_norms[0], rel=1e-5)
     else:
         assert np.linalg.norm(target) == pytest.approx(5 * 1e-2, rel=1e-5)
 
@@ -96,11 +101,12 @@ def test_scaled_anchor_targets_fixed_mu_and_auto(mu) -> None:
 def test_fedpagr_anchoring_sets_head_rows_to_prototypes() -> None:
     cfg, broker, server, agent, uploads = setup("fedpagr")
     P = np.eye(3, 16, dtype=np.float32)
-    agent._targets(RoundStart(deadline=0.0, anchors=ProtoSet(classes=np.arange(3), values=P), anchor_kind="unit"))
+    agent.make_objective(agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.arange(3), values=P),
+                                                   target_label="unit")))
     assert torch.equal(agent.model.head.weight.detach(), torch.from_numpy(P))
     assert not agent.model.head.bias.detach().any()
-    start_round(broker, server, 1, RoundStart(deadline=0.0, anchors=ProtoSet(classes=np.arange(3), values=P),
-                                              anchor_kind="unit"))
+    start_round(broker, server, 1, RoundStart(deadline=0.0, targets=ProtoSet(classes=np.arange(3), values=P),
+                                              target_label="unit"))
     up = uploads[1][1]
     assert np.allclose(np.linalg.norm(up.local.values, axis=1), 1.0, atol=1e-5)  # unit prototypes
 
@@ -135,7 +141,7 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     assert up.public is None  # no public set was shipped to this device
     start_round(broker, server, 1, RoundStart(deadline=0.0), phase="train")
     env, up = uploads[2]
-    assert isinstance(up, AdapterUpload) and up.base_round == 1
+    assert isinstance(up, ParamsUpload) and up.base_round == 1
     d = theta.shape[0]
     assert up.update.nnz == int(np.ceil(0.1 * d))
     from edge_agent.params import adapter_vector

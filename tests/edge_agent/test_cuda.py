@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from broker_server.aggregator import Aggregator  # noqa: E402
+from broker_server.shell import Aggregator  # noqa: E402
 from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
 from protofl.data import make_synthetic  # noqa: E402
 from protofl.presets import PRESETS, make_config  # noqa: E402

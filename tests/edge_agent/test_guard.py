@@ -52,7 +52,7 @@ def test_hostile_config_and_anchors_leave_the_previous_working_state() -> None:
     assert agent.stats.dropped["bad_config"] == 3
     # Round 2 with finite anchors of 1.5e38 (the probe): refused before training, nothing changes.
     huge = ProtoSet(classes=np.array([0, 1]), values=np.full((2, 16), 1.5e38, np.float32), counts=None)
-    start_round(broker, server, 2, RoundStart(deadline=0.0, anchors=huge, anchor_kind="mean"))
+    start_round(broker, server, 2, RoundStart(deadline=0.0, targets=huge, target_label="mean"))
     assert agent.stats.dropped["bad_round"] == 1 and same_weights(before, weights(agent))
     assert kinds(uploads)[-1] == "metrics"  # nothing uploaded for round 2
     # The device still works: round 3 trains from the state it kept.

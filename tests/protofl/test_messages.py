@@ -10,7 +10,7 @@ from protofl.sparse import SparseVector
 from protofl.wire import (
     KINDS,
     MESSAGE_TYPES,
-    AdapterUpload,
+    ParamsUpload,
     Config,
     Join,
     Metrics,
@@ -52,8 +52,8 @@ def examples() -> list:
         RoundStart(
             1.7e9,
             adapter=RNG.standard_normal(1000).astype(np.float32),
-            anchors=protos(10, 51, counts=False),
-            anchor_kind="cps",
+            targets=protos(10, 51, counts=False),
+            target_label="cps",
             participants=["rpi-01", "jetson.02"],
         ),
         RoundStart(12.5, params=RNG.standard_normal(300).astype(np.float32), final=True),
@@ -61,9 +61,9 @@ def examples() -> list:
         ProtoUpload(local=protos(3, 51), public=protos(10, 512, counts=False), n_samples=640),
         ProtoUpload(local=None, public=None, n_samples=0),
         ProtoUpload(local=ProtoSet(np.zeros(0, np.int64), np.zeros((0, 51), np.float32)), public=None, n_samples=5),
-        AdapterUpload(SparseVector(38_000, np.arange(0, 38_000, 10), np.ones(3800, np.float32)), 640, 4),
-        AdapterUpload(SparseVector(100_000, np.array([5, 70_000]), np.array([1.5, -2.0], np.float32)), 64, 0),
-        AdapterUpload(RNG.standard_normal(500).astype(np.float32), 10, 3),
+        ParamsUpload(SparseVector(38_000, np.arange(0, 38_000, 10), np.ones(3800, np.float32)), 640, 4),
+        ParamsUpload(SparseVector(100_000, np.array([5, 70_000]), np.array([1.5, -2.0], np.float32)), 64, 0),
+        ParamsUpload(RNG.standard_normal(500).astype(np.float32), 10, 3),
         Metrics(100, 87, 1000, 800, RNG.random((1000, 10)).astype(np.float32), 12.5, 0.31, {"norm": 3.5}),
         Metrics(0, 0, 0, 0),
         Metrics(100, 87, 1000, 800, proto_correct_local=90, proto_correct_test=777),
@@ -111,7 +111,7 @@ def test_lossy_dtypes(dt: str, atol: float) -> None:
     rs = RoundStart(1.0, adapter=RNG.uniform(-1, 1, 200).astype(np.float32), params=np.ones(3, np.float32), dt=dt)
     _, out = decode_message(encode_message(rs, fed="f", sender="s"))
     assert out.dt == dt and np.allclose(out.adapter, rs.adapter, atol=atol) and np.array_equal(out.params, rs.params)
-    up = AdapterUpload(SparseVector(100, np.array([1, 50]), np.array([0.25, -0.5], np.float32)), 1, 0, dt=dt)
+    up = ParamsUpload(SparseVector(100, np.array([1, 50]), np.array([0.25, -0.5], np.float32)), 1, 0, dt=dt)
     _, out = decode_message(encode_message(up, fed="f", sender="s"))
     assert out.dt == dt and np.allclose(out.update.values, up.update.values, atol=atol)
 
@@ -127,10 +127,10 @@ def test_sizes_match_payload_arithmetic() -> None:
     assert 1_020 < message_size(ProtoUpload(protos(10, 51, False, "f2"), None, 1)) < 1_020 + 250
     assert 510 < message_size(ProtoUpload(protos(10, 51, False, "q8"), None, 1)) < 510 + 250
     # APUD at 10% of a 38,000-parameter adapter: 3,800 f4 values + a 4,750-byte mask (u2 indices: 7,600).
-    up = AdapterUpload(SparseVector(38_000, np.arange(0, 38_000, 10), np.ones(3800, np.float32)), 640, 4)
+    up = ParamsUpload(SparseVector(38_000, np.arange(0, 38_000, 10), np.ones(3800, np.float32)), 640, 4)
     assert 3_800 * 4 + 4_750 < message_size(up) < 3_800 * 4 + 4_750 + 200
     # At 2% the indices win: 760 values + 760 u2 indices = 4,560 bytes.
-    up = AdapterUpload(SparseVector(38_000, np.arange(0, 38_000, 50), np.ones(760, np.float32)), 640, 4)
+    up = ParamsUpload(SparseVector(38_000, np.arange(0, 38_000, 50), np.ones(760, np.float32)), 640, 4)
     assert 760 * 6 < message_size(up) < 760 * 6 + 200
     # Class masks: 10 x 512 bits = 640 bytes.
     assert 640 < message_size(Config("x", class_masks=np.ones((10, 512), bool))) < 640 + 200
@@ -176,9 +176,9 @@ def test_errors_name_sender_and_round() -> None:
         (lambda: RoundStart(-1.0), "deadline"),
         (lambda: RoundStart(1.0, participants=["a/b"]), "not a valid name"),
         (lambda: RoundStart(1.0, final=1), "expected a bool"),
-        (lambda: AdapterUpload(SparseVector(5, np.array([4, 2]), np.ones(2, np.float32)), 1, 0), "increasing"),
-        (lambda: AdapterUpload(np.zeros((2, 2), np.float32), 1, 0), "1-D"),
-        (lambda: AdapterUpload(np.zeros(2, np.float32), 1, -1), "base_round"),
+        (lambda: ParamsUpload(SparseVector(5, np.array([4, 2]), np.ones(2, np.float32)), 1, 0), "increasing"),
+        (lambda: ParamsUpload(np.zeros((2, 2), np.float32), 1, 0), "1-D"),
+        (lambda: ParamsUpload(np.zeros(2, np.float32), 1, -1), "base_round"),
         (lambda: Metrics(10, 11, 0, 0), "correct_local = 11 exceeds n_local = 10"),
         (lambda: Metrics(10, 1, 5, 0, proto_correct_test=6), "proto_correct_test = 6 exceeds n_test = 5"),
         (lambda: Metrics(10, 1, 5, 0, proto_correct_local=-1), "proto_correct_local"),

@@ -16,7 +16,7 @@ from protofl.sparse import SparseVector
 from protofl.wire import (
     DEFAULT_LIMITS,
     MESSAGE_TYPES,
-    AdapterUpload,
+    ParamsUpload,
     Config,
     Join,
     Limits,
@@ -33,8 +33,8 @@ from protofl.wire import (
 PROTOS = ProtoUpload(
     ProtoSet(np.array([1, 4, 7]), np.arange(12, dtype=np.float32).reshape(3, 4), np.array([5, 6, 7])), None, 18
 )
-BY_INDEX = AdapterUpload(SparseVector(1000, np.array([3, 10, 20]), np.ones(3, np.float32)), 10, 2)
-BY_MASK = AdapterUpload(SparseVector(12, np.arange(8), np.ones(8, np.float32)), 10, 2)
+BY_INDEX = ParamsUpload(SparseVector(1000, np.array([3, 10, 20]), np.ones(3, np.float32)), 10, 2)
+BY_MASK = ParamsUpload(SparseVector(12, np.arange(8), np.ones(8, np.float32)), 10, 2)
 ROUND_Q8 = RoundStart(100.0, adapter=np.linspace(-1, 1, 6, dtype=np.float32), dt="q8")
 METRICS = Metrics(4, 3, 2, 1, np.full((2, 3), 0.25, np.float32), 1.5, 0.7, {"norm": 2.0})
 CONFIG = Config("tiny", {"lr": 0.1}, [("head", (3, 4))], np.zeros((3, 5), bool), {"max_up": 1000})
@@ -44,12 +44,12 @@ SMALL = [
     CONFIG,
     PUBLIC,
     ROUND_Q8,
-    RoundStart(5.0, params=np.ones(4, np.float32), anchors=PROTOS.local, participants=["a", "b"], final=True),
+    RoundStart(5.0, params=np.ones(4, np.float32), targets=PROTOS.local, participants=["a", "b"], final=True),
     PROTOS,
     ProtoUpload(None, ProtoSet(np.array([2]), np.ones((1, 3), np.float32), dt="f2"), 1),
     BY_INDEX,
     BY_MASK,
-    AdapterUpload(np.ones(5, np.float32), 3, 1),
+    ParamsUpload(np.ones(5, np.float32), 3, 1),
     METRICS,
     Status("online", "ok"),
 ]

@@ -18,7 +18,7 @@ import numpy as np
 
 from protofl.sparse import SparseVector
 from protofl.wire import (
-    AdapterUpload,
+    ParamsUpload,
     Config,
     Join,
     Metrics,
@@ -108,19 +108,19 @@ def _cases() -> dict[str, Case]:
         # --- round: opens a round phase
         "round_minimal": Case(RoundStart(0.0), sender=SERVER, phase="proto", round=1),
         "round_anchors_f4": Case(
-            RoundStart(1700000000.5, adapter=DENSE, anchors=_protos("f4", counts=False), anchor_kind="cps",
+            RoundStart(1700000000.5, adapter=DENSE, targets=_protos("f4", counts=False), target_label="cps",
                        participants=[DEVICE, "jetson.02"]),
             sender=SERVER, phase="train",
         ),
         "round_anchors_counts_f2": Case(
-            RoundStart(42.25, anchors=_protos("f2", counts=True), anchor_kind="erpa", participants=[]),
+            RoundStart(42.25, targets=_protos("f2", counts=True), target_label="erpa", participants=[]),
             sender=SERVER, phase="proto",
         ),
         "round_params_final_f2": Case(
             RoundStart(12.5, params=DENSE, final=True, dt="f2"), sender=SERVER, phase="done", round=50
         ),
         "round_adapter_params_q8": Case(
-            RoundStart(99.0, adapter=Q8, params=CONSTANT, anchors=_protos("q8", counts=False), anchor_kind="pagr",
+            RoundStart(99.0, adapter=Q8, params=CONSTANT, targets=_protos("q8", counts=False), target_label="pagr",
                        dt="q8"),
             sender=SERVER, phase="train",
         ),
@@ -133,21 +133,21 @@ def _cases() -> dict[str, Case]:
         "protos_empty": Case(ProtoUpload(_protos("f4", counts=True, classes=()), None, 0), phase="proto"),
         "protos_none": Case(ProtoUpload(None, None, 0), phase="proto"),
         # --- adapter: a client's adapter after local training, dense or sparse (index or mask form)
-        "adapter_dense_f4": Case(AdapterUpload(DENSE, 313, 2)),
-        "adapter_dense_f2": Case(AdapterUpload(DENSE, 313, 2, dt="f2")),
-        "adapter_dense_q8": Case(AdapterUpload(Q8, 313, 2, dt="q8")),
-        "adapter_dense_q8_constant": Case(AdapterUpload(CONSTANT, 313, 2, dt="q8")),
+        "adapter_dense_f4": Case(ParamsUpload(DENSE, 313, 2)),
+        "adapter_dense_f2": Case(ParamsUpload(DENSE, 313, 2, dt="f2")),
+        "adapter_dense_q8": Case(ParamsUpload(Q8, 313, 2, dt="q8")),
+        "adapter_dense_q8_constant": Case(ParamsUpload(CONSTANT, 313, 2, dt="q8")),
         "adapter_sparse_index_u2_f4": Case(
-            AdapterUpload(SparseVector(100, np.array([3, 17, 99]), _f(0.5, -2.0, 7.25)), 313, 2)
+            ParamsUpload(SparseVector(100, np.array([3, 17, 99]), _f(0.5, -2.0, 7.25)), 313, 2)
         ),
         "adapter_sparse_index_u4_f2": Case(
-            AdapterUpload(SparseVector(70000, np.array([0, 65536]), _f(-0.75, 1.5)), 313, 2, dt="f2")
+            ParamsUpload(SparseVector(70000, np.array([0, 65536]), _f(-0.75, 1.5)), 313, 2, dt="f2")
         ),
         "adapter_sparse_mask_q8": Case(
-            AdapterUpload(SparseVector(20, np.arange(0, 20, 2), _f(-1.0, 0.5, 3.0, 126.5, 10.0, 0.0, 2.0, 2.5, 4.0,
+            ParamsUpload(SparseVector(20, np.arange(0, 20, 2), _f(-1.0, 0.5, 3.0, 126.5, 10.0, 0.0, 2.0, 2.5, 4.0,
                                                                    -0.5)), 313, 2, dt="q8")
         ),
-        "adapter_sparse_empty_f4": Case(AdapterUpload(SparseVector(8, np.array([], np.int64), _f()), 0, 0)),
+        "adapter_sparse_empty_f4": Case(ParamsUpload(SparseVector(8, np.array([], np.int64), _f()), 0, 0)),
         # --- metrics: a client's evaluation
         "metrics_minimal": Case(Metrics(100, 90, 50, 40), phase="done"),
         "metrics_full": Case(

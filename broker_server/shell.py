@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -23,11 +23,21 @@ from protofl import topics
 from protofl.adapter import adapter_layout, layout_size
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
-from protofl.plan import RoundPlan
 from protofl.errors import WireError
+from protofl.plan import RoundPlan
 from protofl.transport import Transport
-from protofl.wire import (Config, Envelope, Join, Limits, Metrics, PublicSet, RoundStart, Status, decode_message,
-                          encode_message)
+from protofl.wire import (
+    Config,
+    Envelope,
+    Join,
+    Limits,
+    Metrics,
+    PublicSet,
+    RoundStart,
+    Status,
+    decode_message,
+    encode_message,
+)
 
 log = logging.getLogger("protofl.server")
 SERVER_ID = "server"
