@@ -35,7 +35,7 @@ def _mean(counts: list[tuple[int, int]]) -> float | None:
 
 
 def accuracies(metrics: Iterable[Metrics]) -> dict[str, float | None]:
-    """The round's accuracies from its clients' metrics (ALGORITHMS.md, Evaluation).
+    """The round's accuracies from its clients' metrics (docs/algorithms.md, Evaluation).
 
     local: each client on its own held-out split, sample-weighted; global: each client on the official
     test set, mean over clients; the `_proto_` pair is the same for nearest-prototype predictions, over

@@ -29,6 +29,7 @@ from protofl.wire import (
     Config,
     Envelope,
     Join,
+    Message,
     Metrics,
     ParamsUpload,
     ProtoSet,
@@ -41,7 +42,7 @@ from protofl.wire import (
 log = logging.getLogger("protofl.server")
 
 # publish(message, round, phase) -> encoded size in bytes
-Publish = Callable[[object, int, str], int]
+Publish = Callable[[Message, int, str], int]
 
 
 class Drop(Exception):
@@ -141,7 +142,7 @@ class RoundMachine:
         self.publish(Status(state=state, detail=detail), self.round, "")
 
     # -- incoming (every refusal raises Drop before anything changes) -----------------------------
-    def receive(self, env: Envelope, msg: object, nbytes: int) -> None:
+    def receive(self, env: Envelope, msg: Message, nbytes: int) -> None:
         if isinstance(msg, Join):
             self._on_join(env, msg, nbytes)
         elif isinstance(msg, Metrics):
@@ -151,7 +152,7 @@ class RoundMachine:
         else:
             raise Drop("unexpected_kind", f"'{env.kind}' from {env.sender}")
 
-    def needs_journal(self, env: Envelope, msg: object) -> bool:
+    def needs_journal(self, env: Envelope, msg: Message) -> bool:
         """Whether applying this message changes state that a restart must rebuild: an upload the open
         phase accepts, or a join that adds a client. Raises Drop (state unchanged) for an upload or join
         that `receive` would refuse, so that nothing refused is ever written to the journal."""

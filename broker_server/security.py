@@ -1,4 +1,4 @@
-"""Per-federation credentials and the broker files that enforce them (DESIGN.md "Security").
+"""Per-federation credentials and the broker files that enforce them (docs/design.md "Security").
 
 One federation has a server identity and one user per device (user name = device id). The broker
 enforces the trust boundary with a password file and an ACL generated here:

@@ -31,6 +31,7 @@ from protofl.wire import (
     Envelope,
     Join,
     Limits,
+    Message,
     Metrics,
     PublicSet,
     RoundStart,
@@ -200,7 +201,7 @@ class Aggregator:
         log.info("dropped upload (%s, %d bytes): %s", reason, nbytes, detail)
 
     # -- outgoing -------------------------------------------------------------------------------
-    def _publish(self, msg: object, round_: int, phase: str) -> int:
+    def _publish(self, msg: Message, round_: int, phase: str) -> int:
         if isinstance(msg, Config):
             topic = topics.config(self.fed)
         elif isinstance(msg, PublicSet):

@@ -1,6 +1,6 @@
 """``backbone = "frozen"``: compute backbone features once, train only what follows on the cache.
 
-RefProtoFL's cost section has the backbone frozen (ALGORITHMS.md). A frozen backbone's output
+RefProtoFL's cost section has the backbone frozen (docs/algorithms.md). A frozen backbone's output
 h = B(x) for the device's own data never changes, so the agent computes it once -- on onnxruntime when
 available (the backbone exported once), else torch -- keeps it, and each round trains stem + adapter
 (+ projection) + head on h. That removes the backbone's forward *and* backward pass from every

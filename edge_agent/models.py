@@ -1,4 +1,4 @@
-"""The client model zoo: backbones and the prototype-space client model (ALGORITHMS.md, "Notation").
+"""The client model zoo: backbones and the prototype-space client model (docs/algorithms.md, "Notation").
 
 Every client runs
 
@@ -344,7 +344,7 @@ class ConsensusProjection(nn.Sequential):
 
 
 class ProtoNet(nn.Module):
-    """Client model: backbone -> stem -> adapter -> [projection] -> head (ALGORITHMS.md, client model)."""
+    """Client model: backbone -> stem -> adapter -> [projection] -> head (docs/algorithms.md, client model)."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Bandwidth-adaptive uploads: what a device sends so that its upload fits its link and the deadline.
 
-The budget (DESIGN.md, "Constrained links"): a device may spend `share` of the time left before the
+The budget (docs/design.md, "Constrained links"): a device may spend `share` of the time left before the
 round's deadline on its upload, at its uplink rate,
 
     budget_bytes = uplink_bytes_per_s * share * (time to deadline - compute time - one round trip)

@@ -7,9 +7,9 @@ fedproto    FedProto (Tan et al. 2022): prototypes only, weighted global prototy
 refprotofl  RefProtoFL (paper 000): ERPA anchors from a public set + APUD top-K adapter uploads.
 tinyproto   TinyProto-FP (paper 002): FedProto + CPS (s = m/10) + prototype scaling, mu = "auto" (the paper's
             mu = 1.5e-4, tuned for CIFAR-10, shrinks Fashion-MNIST targets to ~0: replacing every target by 0
-            reproduced such a run exactly; ALGORITHMS.md, TinyProto). `--set mu=1.5e-4` is the paper's value.
+            reproduced such a run exactly; docs/algorithms.md, TinyProto). `--set mu=1.5e-4` is the paper's value.
 fedpagr     FedPAGR (paper 004): consensus projection, unit prototypes, geometric refinement.
-protofl     The combined pipeline as the ablation benchmark chose it (ALGORITHMS.md: "decided by the
+protofl     The combined pipeline as the ablation benchmark chose it (docs/algorithms.md: "decided by the
             ablation benchmark, not by taste"; bench/results/TABLE.md, "Default of the protofl preset"):
             candidate (b), spherical CPS: FedPAGR's client objective (consensus projection, unit
             prototypes, anchored head, cosine logits, entropy term) on CPS-masked unit prototypes, so a

@@ -1,4 +1,4 @@
-"""Topic names under `protofl/{fed}/` (DESIGN.md, wire protocol v1)."""
+"""Topic names under `protofl/{fed}/` (docs/design.md, wire protocol v1)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ One binary mask m_c in {0,1}^m per class, with exactly s ones, shared by server 
     compressed prototype          c^ = C(c; m_c) = (c_i : m_c,i = 1)   (eq. 8, s values, no indices)
 
 Masks: the paper only says "we typically maximize pairwise Hamming distances between the masking
-vectors". Ours (ALGORITHMS.md, "TinyProto"): if C * s <= m the supports are disjoint, cut from one
+vectors". Ours (docs/algorithms.md, "TinyProto"): if C * s <= m the supports are disjoint, cut from one
 seeded permutation, so every pair is at the largest possible distance 2s. Otherwise a seeded
 greedy: for each class in turn draw `candidates` random s-subsets and keep the one whose minimum
 Hamming distance to the masks already chosen is largest (first candidate on ties).

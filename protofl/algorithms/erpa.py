@@ -7,7 +7,7 @@ Client half (Alg. 3, `client_prototypes`; z from the device's backbone and the b
     public-covered c:            p_kc^pub = mean of z over the public samples of c          (eq. 10)
     not covered and n_kc > 0:    p_kc     = mean of z over D_kc, sent with n_kc             (eq. 11)
 (the means themselves are fedproto.local_prototypes). Training then aligns z to the anchors
-(eq. 17, on the MSE scale of ALGORITHMS.md; the torch term is edge_agent/losses.alignment).
+(eq. 17, on the MSE scale of docs/algorithms.md; the torch term is `alignment` in edge_agent/techniques).
 
 Server half (Alg. 4):
     p_c^ext = uniform mean of p_kc^pub over the clients that sent c                       (eq. 14)
@@ -76,6 +76,19 @@ def client_prototypes(
     return pub, local, {c: counts[c] for c in local}
 
 
+def check_split(public: Mapping[int, Any], local: Mapping[int, Any], public_classes: Iterable[int]) -> None:
+    """Alg. 3's split: public-set prototypes only for public-covered classes, local ones only for the rest."""
+    covered = {int(c) for c in public_classes}
+    wrong_pub = sorted({int(c) for c in public} - covered)
+    if wrong_pub:
+        raise WireError(f"public prototypes for classes {wrong_pub} with no public data; send local prototypes "
+                        f"(with counts) for those")
+    wrong_loc = sorted({int(c) for c in local} & covered)
+    if wrong_loc:
+        raise WireError(f"local prototypes for public-covered classes {wrong_loc}; those are anchored by public "
+                        f"prototypes only (keeps the label histogram private)")
+
+
 class ErpaAggregator:
     """Alg. 4: external-reference prototypes for public classes, n-weighted global ones for the rest."""
 
@@ -104,18 +117,7 @@ class ErpaAggregator:
     ) -> None:
         """One client's Alg. 3 upload. Public prototypes only for public-covered classes, local ones
         (with n_kc) only for the others; anything else is rejected and leaves the state unchanged."""
-        wrong_pub = sorted(int(c) for c in public if int(c) not in self.public_classes)
-        if wrong_pub:
-            raise ValueError(
-                f"ERPA: public prototypes sent for classes {wrong_pub}, which have no public data; "
-                "send local prototypes (with counts) for those"
-            )
-        wrong_loc = sorted(int(c) for c in local if int(c) in self.public_classes)
-        if wrong_loc:
-            raise ValueError(
-                f"ERPA: local prototypes sent for public-covered classes {wrong_loc}; "
-                "those are anchored by public prototypes only (keeps the label histogram private)"
-            )
+        check_split(public, local, self.public_classes)
         # Check both tables before applying either, so a bad local table cannot leave a half-applied upload.
         ext_rows = self._ext._prepare(public, None)
         glob_rows = self._glob._prepare(local, local_counts)
@@ -161,7 +163,7 @@ def combine_anchors(
 
 def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarray,
                  public_classes: Iterable[int]) -> np.ndarray:
-    """Eq. (16) on the unit sphere (the combined pipeline's candidate (d), ALGORITHMS.md): the anchor of a
+    """Eq. (16) on the unit sphere (the combined pipeline's candidate (d), docs/algorithms.md): the anchor of a
     public-covered class c that some client sent is the normalised uniform mean of the clients' unit
     public-set prototypes, normalize(ext_sum[c] / ext_count[c]) (eq. 14, then normalised like the unit
     consensus, protofl/algorithms/unit.py); every other row is the consensus prototype `consensus[c]`
@@ -180,15 +182,6 @@ def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarr
             if norm > 0.0:  # opposite directions cancelling exactly: keep the consensus row
                 out[c] = S[c] / norm
     return out
-
-
-def check_split(public: Mapping[int, Any], local: Mapping[int, Any], public_classes: Iterable[int]) -> None:
-    """Alg. 3's split: public-set prototypes only for public-covered classes, local ones only for the rest."""
-    covered = {int(c) for c in public_classes}
-    if set(public) - covered:
-        raise WireError(f"public prototypes for classes {sorted(set(public) - covered)} with no public data")
-    if set(local) & covered:
-        raise WireError(f"local prototypes for public-covered classes {sorted(set(local) & covered)}")
 
 
 # -- the technique ------------------------------------------------------------------------------------

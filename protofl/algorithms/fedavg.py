@@ -1,6 +1,6 @@
 """FedAvg (McMahan et al., 2017): the sample-weighted mean of full parameter vectors.
 
-The baseline every comparison needs (ALGORITHMS.md, "Baselines"): each client uploads its whole
+The baseline every comparison needs (docs/algorithms.md, "Baselines"): each client uploads its whole
 flattened parameter vector theta_k with weight |D_k|, and the server computes
 
     theta^{t+1} = sum_k |D_k| theta_k / sum_k |D_k|,

@@ -138,7 +138,7 @@ def refine_anchor_table(
     lambda_s: float = 0.5,
     margin: float = 0.3,
 ) -> dict[int, np.ndarray]:
-    """Geometric refinement of an anchor table for the combined pipeline (ALGORITHMS.md).
+    """Geometric refinement of an anchor table for the combined pipeline (docs/algorithms.md).
 
     Each anchor is cut to its class's mask support (when masks are given) and normalised; the
     present classes are refined together with S_c = that unit anchor and K_c = 1 (the anchor is

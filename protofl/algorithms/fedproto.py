@@ -5,7 +5,7 @@ Client half, the local prototype of class c on client k (FedProto; TinyProto pap
     p_kc = (1 / n_kc) * sum_{(x, y) in D_kc} z(x),      n_kc = |D_kc|,
 
 computed only for classes the client holds. Server half, one global prototype per class over the
-clients N_c that sent c. Two forms (ALGORITHMS.md, "Baselines"):
+clients N_c that sent c. Two forms (docs/algorithms.md, "Baselines"):
 
     weighted (the paper's):  g_c = sum_{k in N_c} n_kc p_kc / sum_{k in N_c} n_kc
     mean (PFLlib, TinyProto eq. 9):  g_c = (1 / |N_c|) sum_{k in N_c} p_kc

@@ -1,6 +1,6 @@
 """Federated partitions: Dirichlet label skew, the server's public set, per-client train/test splits.
 
-ALGORITHMS.md, "Evaluation": Dirichlet(alpha) over classes, seeded, with a minimum client size (redraw
+docs/algorithms.md, "Evaluation": Dirichlet(alpha) over classes, seeded, with a minimum client size (redraw
 until every client has at least 2 batches); the partition for (dataset, N, alpha, seed) must be identical
 across methods. Everything here is a pure function of its arguments: no global RNG, no dependence on the
 method that will use the split, so FedAvg, FedProto, TinyProto, ... all see the same clients.

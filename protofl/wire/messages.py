@@ -520,7 +520,7 @@ class Metrics(_Body):
     train_s: float = 0.0
     loss: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
-    # Nearest-prototype accuracy (ALGORITHMS.md, Evaluation): correct predictions by the nearest global
+    # Nearest-prototype accuracy (docs/algorithms.md, Evaluation): correct predictions by the nearest global
     # prototype (FedPAGR: cosine to P) on the same splits; None where the device holds no prototypes.
     proto_correct_local: int | None = None
     proto_correct_test: int | None = None

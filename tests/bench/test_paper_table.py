@@ -26,7 +26,7 @@ def test_every_run_has_a_unique_key_and_valid_overrides():
         make_config(r.preset, **dict(r.sets))  # every --set combination is a valid config
     for sec in SECTIONS:
         assert all(k in ROW_BY_KEY for k in sec.rows)
-    # every row of the full suite runs on at least three seeds (ALGORITHMS.md, Evaluation > Statistics)
+    # every row of the full suite runs on at least three seeds (docs/algorithms.md, Evaluation > Statistics)
     seeds: dict[str, set[int]] = {}
     for r in suite_runs("full"):
         seeds.setdefault(r.row.key, set()).add(r.seed)
