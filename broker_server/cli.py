@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -132,7 +133,7 @@ def simulate(
 
             report = run_simulation(spec, on_round=on_round)
     except ProtoFLError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,7 @@ def _write_report(run: dict[str, Any], out: Path) -> None:
     try:
         paths = write_report(run, out)
     except ProtoFLError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     console.print(f"report: {', '.join(str(p) for p in paths)}")
 
@@ -173,7 +174,7 @@ def report(
         runs = load_runs([run_json, *(more or [])])
         paths = write_report(runs, out, target=target, metric=metric)
     except ProtoFLError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     for p in paths:
         console.print(str(p))
@@ -209,7 +210,7 @@ def broker_config(
         ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
         auth = load_or_create(out, fed, ids)
     except ProtoFLError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     server = auth.secrets.server
     typer.echo("\n".join([

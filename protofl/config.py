@@ -89,6 +89,10 @@ class FederationConfig:
 
     def __init__(self, **values: Any) -> None:
         declared = registry.options()
+        shadowed = sorted(set(declared) & set(CORE))
+        if shadowed:
+            raise ConfigError(f"technique option(s) {shadowed} have the name of a core field: an installed technique "
+                              f"must name its options differently")
         unknown = sorted(set(values) - set(CORE) - set(declared))
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(set(CORE) | set(declared))}")

@@ -49,13 +49,22 @@ def preset_names() -> list[str]:
     return list(all_presets())
 
 
-def make_config(preset: str, config_file: str | None = None, **overrides: Any) -> FederationConfig:
+def make_config(preset: str, config_file: str | None = None, /, **overrides: Any) -> FederationConfig:
     """Build a validated config: preset switches, then a TOML file's values, then explicit overrides."""
     presets = all_presets()
+    named = overrides.pop("preset", None)
+    if named is not None and named != preset:
+        # The config's `preset` records where its values came from; a --set or a file cannot change it.
+        raise ConfigError(f"the preset is chosen with --preset {named} (or make_config('{named}', ...)), not as a "
+                          f"config value; this run's preset is '{preset}'")
     if preset not in presets:
         raise ConfigError(f"preset '{preset}' not found; known: {', '.join(presets)}")
     values: dict[str, Any] = {"preset": preset, **presets[preset]}
     if config_file:
-        values.update(load_config_file(config_file))
+        from_file = load_config_file(config_file)
+        if from_file.get("preset", preset) != preset:
+            raise ConfigError(f"config file '{config_file}' says preset = '{from_file['preset']}', but this run's "
+                              f"preset is '{preset}': choose it with --preset, or remove the key from the file")
+        values.update(from_file)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return FederationConfig.from_dict(values)

@@ -73,6 +73,16 @@ def test_server_commands_run_without_torch(args: list[str]) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_server_commands_without_their_extra_name_it_whole(tmp_path: Path) -> None:
+    # rich read "[device]" and "[plotting]" in the hint as markup and printed "pip install 'protofl-edge'"
+    proc = run_without_torch("protofl-server", "simulate", "--dataset", "synthetic:n=200,n_test=50", "--clients", "2")
+    assert proc.returncode == 2 and "pip install 'protofl-edge[device]'" in proc.stdout + proc.stderr, proc.stdout
+    run = tmp_path / "run.json"
+    run.write_text('{"preset": "fedavg", "rounds": [], "totals": {}}')
+    proc = run_without_torch("protofl-server", "report", str(run), "--out", str(tmp_path), blocked="torch,matplotlib")
+    assert proc.returncode == 2 and "pip install 'protofl-edge[plotting]'" in proc.stdout + proc.stderr, proc.stdout
+
+
 def test_edge_help_says_what_to_install() -> None:
     proc = run_without_torch("protofl-edge", "join", "--help")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -146,3 +146,22 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     assert up.update.nnz == int(np.ceil(0.1 * d))
     from edge_agent.params import adapter_vector
     assert np.array_equal(up.update.values, adapter_vector(agent.model)[up.update.indices])
+
+
+def test_a_device_without_a_technique_of_the_federation_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # The server runs a technique this device has no rule for (a package installed there, not here): the
+    # device keeps no half-built state and says what is missing.
+    from edge_agent import techniques
+
+    known = dict(techniques.device_rules())
+    monkeypatch.setattr(techniques, "device_rules", lambda: {k: v for k, v in known.items() if k != "cps"})
+    cfg, broker, server, agent, uploads = setup("tinyproto")
+    assert agent.cfg is None and agent.model is None and agent.stats.dropped == {"bad_config": 1}
+    assert "technique(s) ['cps'] that this device has no rule for: install the package" in caplog.text
+    monkeypatch.setattr(techniques, "device_rules", lambda: known)
+    server.publish(topics.config(FED), encode_message(
+        Config(preset="tinyproto", params=cfg.to_dict(), adapter_layout=[], class_masks=cps.make_masks(3, 16, 4)),
+        fed=FED, sender="server"), retain=True)
+    broker.pump()
+    assert agent.cfg == cfg and [r.name for r in agent.rules] == ["fedproto", "cps"]

@@ -7,7 +7,10 @@ import pytest
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import RoundPlan
+from protofl import registry as _registry
 from protofl.presets import PRESETS, make_config
+
+OPTIONS = _registry.options()
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -61,3 +64,26 @@ def test_config_file(tmp_path) -> None:
         make_config("tinyproto", str(bad))
     with pytest.raises(ConfigError, match="not found"):
         make_config("tinyproto", str(tmp_path / "missing.toml"))
+
+
+def test_the_preset_is_chosen_by_name_not_overridden() -> None:
+    # `--set preset=fedproto` used to end in a TypeError; it is an error that says how to choose a preset
+    with pytest.raises(ConfigError, match="chosen with --preset fedproto"):
+        make_config("fedavg", preset="fedproto")
+    assert make_config("fedavg", preset="fedavg").preset == "fedavg"
+
+
+def test_a_config_file_cannot_change_the_preset(tmp_path) -> None:
+    path = tmp_path / "fed.toml"
+    path.write_text('preset = "fedproto"\nrounds = 3\n')
+    with pytest.raises(ConfigError, match="says preset = 'fedproto'"):
+        make_config("tinyproto", str(path))
+
+
+def test_a_technique_option_may_not_shadow_a_core_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    from protofl import registry
+    from protofl.technique import Option
+
+    monkeypatch.setattr(registry, "options", lambda: {**OPTIONS, "lr": Option(0.5)})
+    with pytest.raises(ConfigError, match="'lr'.*core field"):
+        FederationConfig()
