@@ -32,8 +32,12 @@ def techniques() -> tuple[Technique, ...]:
     """Every installed technique, in plan order (their `order`, then name)."""
     found: dict[str, Technique] = {}
     for ep in entry_points(group=GROUP):
-        obj = ep.load()
-        tech = obj() if isinstance(obj, type) else obj
+        try:
+            obj = ep.load()
+            tech = obj() if isinstance(obj, type) else obj
+        except Exception as exc:  # a broken third-party package: say which, not a bare traceback
+            raise ConfigError(f"technique '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
+                              f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it") from exc
         if not isinstance(tech, Technique):
             raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not a protofl Technique")
         if tech.name != ep.name:

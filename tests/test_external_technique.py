@@ -95,3 +95,17 @@ def test_without_the_package_its_preset_is_unknown() -> None:
 
     with pytest.raises(ConfigError, match="fedproto-median"):
         make_config("fedproto-median")
+
+
+def test_a_technique_that_does_not_load_is_named(tmp_path: Path) -> None:
+    # A broken third-party package: the error names its entry point instead of a bare ImportError.
+    dist = tmp_path / "broken-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[protofl.techniques]\nbroken = no_such_module:Broken\n")
+    code = "from protofl.presets import make_config\nmake_config('fedproto')\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "technique 'broken = no_such_module:Broken' (entry point group protofl.techniques) does not load" \
+        in proc.stderr, proc.stderr[-2000:]

@@ -192,7 +192,11 @@ def device_rules() -> dict[str, type[DeviceRule]]:
     """Every installed device rule, by technique name."""
     found: dict[str, type[DeviceRule]] = {}
     for ep in entry_points(group=GROUP):
-        cls = ep.load()
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken third-party package: say which, not a bare traceback
+            raise ConfigError(f"device rule '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
+                              f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it") from exc
         if not (isinstance(cls, type) and issubclass(cls, DeviceRule)):
             raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not a DeviceRule")
         found.setdefault(ep.name, cls)
