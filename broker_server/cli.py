@@ -47,7 +47,9 @@ def _summary(report: dict[str, Any]) -> Table:
 @app.command()
 def simulate(
     preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(preset_names())}."),
-    dataset: str = typer.Option("synthetic", help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR"),
+    dataset: str = typer.Option("synthetic", help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR | "
+                                                  "imagefolder:DIR | csv:FILE[,label=COL] | package.module:function "
+                                                  "(--set num_classes=K --set in_shape=C,H,W fix the shape)"),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
     clients: int | None = typer.Option(None, help="Number of simulated devices (default 5, or as many as "
                                                   "--profiles lists)."),

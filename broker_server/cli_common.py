@@ -3,20 +3,55 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
+from protofl.config import load_config_file
 from protofl.errors import ConfigError
+
+DATA_KEYS = ("num_classes", "in_shape")  # what a dataset decides unless the user fixes it
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
-    """`--set key=value` overrides: the value as JSON (numbers, true, lists), else as a bare string."""
+    """`--set key=value` overrides: the value as JSON (numbers, true, lists), a comma-separated list of numbers
+    as a list (`in_shape=3,32,32`), else a bare string (`mu=auto`, `archs=cnn,mlp`)."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got '{item}'")
         key, raw = item.split("=", 1)
-        try:
-            out[key.strip()] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key.strip()] = raw  # a bare string such as mu=auto
+        out[key.strip()] = _value(raw)
     return out
+
+
+def _value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        pass
+    if "," in raw:
+        try:
+            parts = [json.loads(p) for p in raw.split(",")]
+        except json.JSONDecodeError:
+            return raw
+        if all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in parts):
+            return parts
+    return raw  # a bare string such as mu=auto
+
+
+def fixed_by_user(config_file: str | None, overrides: dict[str, Any]) -> set[str]:
+    """The data keys (`num_classes`, `in_shape`) that `--config` or `--set` fix: the data must then fit them
+    (an image folder is resized, a CSV reshaped) instead of deciding them."""
+    named = set(overrides)
+    if config_file:
+        named |= set(load_config_file(config_file))
+    return {k for k in DATA_KEYS if k in named}
+
+
+def data_shape(fixed: set[str], config: Callable[[], Any]) -> dict[str, Any]:
+    """`load_dataset`'s num_classes/in_shape: those of `config()` (the validated config) that the user fixed;
+    empty where nothing is fixed (the data decides)."""
+    if not fixed:
+        return {}
+    cfg = config()
+    return {k: getattr(cfg, k) for k in fixed}

@@ -17,7 +17,7 @@ from typing import Any
 
 import typer
 
-from broker_server.cli_common import parse_sets
+from broker_server.cli_common import data_shape, fixed_by_user, parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from protofl import cli_options
@@ -119,7 +119,9 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
                                             seed=seed).items() if v is not None})
     train = None
     if public_data is not None:
-        train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0))
+        shape = data_shape(fixed_by_user(str(config) if config else None, overrides),
+                           lambda: make_config(preset, str(config) if config else None, **overrides))
+        train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
     cfg = make_config(preset, str(config) if config else None, **overrides)
     if not RoundPlan.from_config(cfg).public_classes:

@@ -48,7 +48,9 @@ def join_command(
                                                  "--credentials, else 'default')."),
     client_id: Optional[str] = typer.Option(None, "--client-id", help="This device's id (letters, digits, _ . -); "
                                                                        "default: the user name of --credentials."),
-    data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | an .npz file or directory."),
+    data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | imagefolder:DIR | "
+                                         "csv:FILE[,label=COL] | package.module:function | an .npz/.csv file or "
+                                         "a directory; shaped to the federation's classes and in_shape."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
     partition: Optional[str] = typer.Option(None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split)."),
     alpha: float = typer.Option(0.5, help="Dirichlet alpha of --partition."),

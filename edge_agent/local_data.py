@@ -3,7 +3,7 @@
 `--partition i/N` (with the simulator's alpha and seed) takes client i's Dirichlet share of the same
 (dataset, N, alpha, seed) partition the in-process simulator uses, plus the official test set for the
 global/ensemble accuracy, so a federation of processes reproduces the in-process one. Without it the
-device trains on the whole dataset, split 75/25 into local train and test.
+device trains on its whole data and tests on the data's own test split, or on 25 % held out once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from protofl.config import FederationConfig
-from protofl.data import Dataset, load_dataset, split_client
+from protofl.data import DATASET_SPECS, load_dataset, load_source, own, split_client
 from protofl.data.federation import federation_split, limit_train
 from protofl.errors import ConfigError, DataError
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from edge_agent.agent import ClientData
 
 NAMED = ("fashion-mnist", "fashion_mnist", "fmnist", "synthetic")
+PATH_KINDS = ("npz", "idx") + own.KINDS
 
 
 @dataclass(frozen=True)
@@ -49,43 +50,63 @@ def parse_partition(text: str) -> tuple[int, int]:
 
 
 def dataset_spec(data: str) -> str:
-    """A `--data` value as a `load_dataset` spec: specs pass through, an .npz file or a directory maps
-    to `npz:` / `idx:`."""
-    if data.split(":", 1)[0].lower() in NAMED + ("npz", "idx"):
+    """A `--data` value as a `load_dataset` spec, checked for a missing file or folder ("not found").
+
+    Specs pass through; a bare path maps by what it is: an .npz file to `npz:`, a .csv file to `csv:`, a
+    directory with IDX files (or an empty one) to `idx:`, any other directory to `imagefolder:`."""
+    kind, sep, arg = data.partition(":")
+    kind = kind.strip().lower()
+    if kind in NAMED:
+        return data
+    if kind in PATH_KINDS and sep:
+        path = Path(own.path_of(arg))
+        if not path.exists():
+            raise DataError(f"--data '{data}': not found: {path} does not exist")
+        return data
+    if own.is_loader(data) and not Path(data).exists():
         return data
     p = Path(data)
-    if p.is_file() and p.suffix == ".npz":
-        return f"npz:{p}"
+    if not p.exists():
+        raise DataError(f"--data '{data}': not found: {p} does not exist (and it is not a dataset spec either: "
+                        f"{', '.join(DATASET_SPECS)})")
+    if p.is_file() and p.suffix.lower() in (".npz", ".csv"):
+        return f"{p.suffix.lower()[1:]}:{p}"
     if p.is_dir():
-        return f"idx:{p}"
-    raise DataError(f"--data '{data}': not a dataset spec (fashion-mnist, synthetic[:...], npz:PATH, idx:DIR), "
-                    f"an .npz file or a directory of IDX files")
-
-
-def check_shape(train: Dataset, cfg: FederationConfig) -> None:
-    if train.num_classes != cfg.num_classes or tuple(train.in_shape) != tuple(cfg.in_shape):
-        raise DataError(f"this device's data has {train.num_classes} classes of shape {train.in_shape}, but the "
-                        f"federation expects {cfg.num_classes} classes of shape {tuple(cfg.in_shape)}; "
-                        f"use the dataset the federation was configured for")
+        has_idx = any(p.glob("*idx[0-9]-ubyte*"))
+        has_dirs = any(c.is_dir() for c in p.iterdir())
+        return f"imagefolder:{p}" if has_dirs and not has_idx else f"idx:{p}"
+    raise DataError(f"--data '{data}': cannot tell the format of {p}; name it: {', '.join(DATASET_SPECS)}")
 
 
 def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> "ClientData":
-    """This device's normalised train/test arrays (and, for a partition, the official test set)."""
+    """This device's normalised train/test arrays (and, for a partition, the official test set).
+
+    The federation's config is the truth about the classes and the input shape: the data may hold any
+    subset of `cfg.num_classes` classes; a label outside [0, num_classes) or images of another shape are an
+    error that says what the federation expects. Without `--partition` the data's own test split (npz
+    `x_test`/`y_test`, IDX `t10k`, an image folder's `test/`, a loader's 4-tuple) is the local test set, as
+    given; data without one holds back 25 % once."""
     from edge_agent.agent import ClientData, stable_seed  # torch: only on the device side
 
     seed = cfg.seed if spec.seed is None else spec.seed
-    train, test = load_dataset(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed)
-    check_shape(train, cfg)
-    train = limit_train(train, spec.train_limit, seed)
+    shape = dict(num_classes=cfg.num_classes, in_shape=tuple(cfg.in_shape))
     x_global = y_global = None
     if spec.partition is not None:
+        train, test = load_dataset(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed, **shape)
+        train = limit_train(train, spec.train_limit, seed)
         i, n = spec.partition
         part = federation_split(train, n, spec.alpha, seed, cfg).clients[i]
         tr, te = part.train, part.test
         if spec.test_limit is not None:
             test = test.subset(np.arange(min(spec.test_limit, len(test))))
         x_global, y_global = test.normalized(), test.y
-    else:
-        tr, te = split_client(np.arange(len(train)), 0.75, stable_seed(seed, client_id))
+        return ClientData(x_train=train.normalized(tr), y_train=train.y[tr], x_test=train.normalized(te),
+                          y_test=train.y[te], x_global=x_global, y_global=y_global, mean=train.mean, std=train.std)
+    train, own_test = load_source(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed, holdout=None, **shape)
+    train = limit_train(train, spec.train_limit, seed)
+    if own_test is not None:
+        return ClientData(x_train=train.normalized(), y_train=train.y, x_test=own_test.normalized(),
+                          y_test=own_test.y, mean=train.mean, std=train.std)
+    tr, te = split_client(np.arange(len(train)), 0.75, stable_seed(seed, client_id))
     return ClientData(x_train=train.normalized(tr), y_train=train.y[tr], x_test=train.normalized(te),
-                      y_test=train.y[te], x_global=x_global, y_global=y_global, mean=train.mean, std=train.std)
+                      y_test=train.y[te], mean=train.mean, std=train.std)

@@ -181,7 +181,8 @@ class FederationConfig:
              f"archs must be a non-empty list of architecture names, got {self.archs!r}")
         need(isinstance(self.in_shape, tuple) and len(self.in_shape) == 3
              and all(isinstance(v, int) and v > 0 for v in self.in_shape),
-             f"in_shape must be (channels, height, width), got {self.in_shape!r}")
+             f"in_shape must be (channels, height, width), got {self.in_shape!r}; e.g. --set in_shape=3,32,32 "
+             f"or in_shape = [3, 32, 32] in a config file")
         need(self.backbone in ("train", "frozen"), f"backbone must be 'train' or 'frozen', got {self.backbone!r}")
         need(self.federate in FEDERATE_CHOICES, f"federate must be one of {FEDERATE_CHOICES}, got {self.federate!r}")
         need(self.prototypes in PROTOTYPE_CHOICES,

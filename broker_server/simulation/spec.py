@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from broker_server.cli_common import data_shape, fixed_by_user
 from broker_server.simulation.links import expand
 from protofl.config import FederationConfig
 from protofl.data import Dataset, FederatedSplit, load_dataset
@@ -86,13 +87,18 @@ class Federation:
         return public_set(self.train, self.cfg)
 
 
-def resolve_config(spec: SimulationSpec, num_classes: int, in_shape: tuple[int, ...]) -> FederationConfig:
-    """The config a simulation of `spec` runs with; the dataset decides the classes and input shape."""
+def resolve_config(spec: SimulationSpec, num_classes: int | None = None,
+                   in_shape: tuple[int, ...] | None = None) -> FederationConfig:
+    """The config a simulation of `spec` runs with; the dataset's classes and input shape, where given, win
+    (`prepare` loads the data to fit what `--set`/`--config` fixed, so the two agree)."""
     overrides = dict(spec.overrides)
     # Over shaped links a round must be able to close at its deadline without the slow devices.
     min_clients = int(overrides.get("min_clients", 1)) if spec.profiles else spec.clients
-    overrides.update(rounds=spec.rounds, seed=spec.seed, num_classes=num_classes, in_shape=tuple(in_shape),
-                     min_clients=min_clients)
+    overrides.update(rounds=spec.rounds, seed=spec.seed, min_clients=min_clients)
+    if num_classes is not None:
+        overrides["num_classes"] = num_classes
+    if in_shape is not None:
+        overrides["in_shape"] = tuple(in_shape)
     if spec.archs:
         overrides["archs"] = tuple(spec.archs)
     return make_config(spec.preset, spec.config_file, **overrides)
@@ -115,7 +121,9 @@ def prepare(spec: SimulationSpec) -> Federation:
         spec.fleet()  # unknown profiles and a --clients that does not match fail here, before any data loads
     if spec.extractor not in EXTRACTORS:
         raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")
-    train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed)
+    fixed = fixed_by_user(spec.config_file, spec.overrides)  # --set num_classes / in_shape: the data must fit them
+    train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed,
+                               **data_shape(fixed, lambda: resolve_config(spec)))
     train = limit_train(train, spec.train_limit, spec.seed)
     cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape))
     split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads

@@ -1,5 +1,6 @@
 """Data loading and federated partitioning (numpy only: nothing under protofl/ imports torch)."""
 
+from protofl.data import own
 from protofl.data.dataset import Dataset
 from protofl.data.images import load_images
 from protofl.data.loaders import (
@@ -11,6 +12,7 @@ from protofl.data.loaders import (
     load_fashion_mnist,
     load_idx_dir,
     load_npz,
+    load_source,
     read_idx,
 )
 from protofl.data.partition import (
@@ -39,7 +41,9 @@ __all__ = [
     "load_idx_dir",
     "load_images",
     "load_npz",
+    "load_source",
     "make_synthetic",
+    "own",
     "read_idx",
     "split_client",
 ]

@@ -1,5 +1,8 @@
 """The dataset loaders (IDX, npz, the dataset specs the CLIs take), producing ``Dataset``s.
 
+A field trial's own formats (image folders, CSV, a loader function of one's own) are read by
+``protofl.data.own`` into the npz layout and finished here like an npz.
+
 numpy only (this package must not import torch). ``Dataset`` itself lives in ``protofl.data.dataset``
 and is re-exported here.
 """
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protofl.data import own
 from protofl.data.dataset import Dataset, channel_stats
 from protofl.data.synthetic import make_synthetic
 from protofl.errors import DataError
@@ -26,7 +30,9 @@ __all__ = [
     "load_dataset",
     "load_fashion_mnist",
     "load_idx_dir",
+    "from_arrays",
     "load_npz",
+    "load_source",
     "read_idx",
 ]
 
@@ -40,6 +46,9 @@ DATASET_SPECS = (
     "synthetic:n=2000,classes=10,size=28",
     "npz:PATH",
     "idx:DIR",
+    "imagefolder:DIR[,classes=FILE]",
+    "csv:FILE[,label=COL][,range=LO:HI]",
+    "package.module:function",
 )
 
 
@@ -173,8 +182,17 @@ def _num_classes(where: str, *labels: np.ndarray, declared: int | None = None) -
     if declared is None:
         return top + 1
     if top >= declared:
-        raise DataError(f"{where}: label {top} out of range for {declared} classes")
+        raise DataError(f"{where}: label {top} out of range for {declared} classes: the federation expects "
+                        f"{declared} classes (labels 0..{declared - 1}); a device may hold any subset of them")
     return declared
+
+
+def _check_shape(where: str, have: tuple[int, ...], in_shape: tuple[int, ...] | None) -> None:
+    if in_shape is not None and tuple(have) != tuple(in_shape):
+        c, h, w = in_shape
+        raise DataError(f"{where}: images are {tuple(have)} (channels, height, width) but the federation expects "
+                        f"in_shape {tuple(in_shape)}: {c} channel(s) of {h}x{w}; bring data of that shape "
+                        f"(imagefolder: and csv: adapt to it; arrays are not resized)")
 
 
 def load_idx_dir(
@@ -228,57 +246,90 @@ def load_fashion_mnist(data_dir: str | os.PathLike[str] | None = None) -> tuple[
 
 
 def load_npz(
-    path: str | os.PathLike[str], seed: int = 0, name: str | None = None
+    path: str | os.PathLike[str], seed: int = 0, name: str | None = None, *, holdout: float | None = 0.2,
+    num_classes: int | None = None, in_shape: tuple[int, ...] | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, test) from an .npz with ``x``, ``y`` and optionally ``x_test``, ``y_test``.
 
-    Without a test split, a seeded 80/20 random split of (x, y) is made. Optional entries:
-    ``num_classes`` (scalar; otherwise max label + 1), ``mean`` and ``std`` (per channel, [0, 1] units;
-    otherwise computed from the training images). Images may be (n,h,w), (n,c,h,w) or (n,h,w,c), as uint8,
-    integers in [0, 255] or floats in [0, 1]. Loaded with ``allow_pickle=False``: an npz is data, not code.
+    Without a test split, a seeded random ``holdout`` share of (x, y) becomes the test split (80/20 by
+    default). Optional entries: ``num_classes`` (scalar; otherwise max label + 1), ``mean`` and ``std``
+    (per channel, [0, 1] units; otherwise computed from the training images). Images may be (n,h,w),
+    (n,c,h,w) or (n,h,w,c), as uint8, integers in [0, 255] or floats in [0, 1]. Loaded with
+    ``allow_pickle=False``: an npz is data, not code. ``num_classes``/``in_shape`` given (the federation's):
+    labels must lie in [0, num_classes) and images must be of that shape.
     """
+    train, test = _npz(path, seed, name, holdout=holdout, num_classes=num_classes, in_shape=in_shape)
+    if test is None:  # holdout=None and no test split in the file
+        raise DataError(f"{path}: no x_test/y_test and no holdout to make one")
+    return train, test
+
+
+def _npz(path: str | os.PathLike[str], seed: int, name: str | None, *, holdout: float | None,
+         num_classes: int | None, in_shape: tuple[int, ...] | None) -> tuple[Dataset, Dataset | None]:
     p = Path(path)
     try:
         with np.load(p, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
     except FileNotFoundError:
-        raise DataError(f"npz dataset {p} does not exist") from None
+        raise DataError(f"npz dataset not found: {p} does not exist") from None
     except (OSError, ValueError) as e:
         raise DataError(f"{p}: cannot read as .npz ({e})") from None
+    return from_arrays(arrays, str(p), name if name is not None else p.stem, seed, holdout=holdout,
+                       num_classes=num_classes, in_shape=in_shape)
+
+
+def from_arrays(arrays: dict[str, np.ndarray], where: str, name: str, seed: int = 0, *,
+                holdout: float | None = 0.2, num_classes: int | None = None,
+                in_shape: tuple[int, ...] | None = None, nchw: bool = False) -> tuple[Dataset, Dataset | None]:
+    """(train, test) from the npz layout (``x``, ``y``, optional ``x_test``/``y_test``, ``num_classes``,
+    ``mean``/``std``), whatever read it. Without a test split a seeded ``holdout`` share becomes one (None:
+    no test split, test is None). ``nchw``: the images are already (n, c, h, w) (no layout guess)."""
     missing = [k for k in ("x", "y") if k not in arrays]
     if missing:
-        raise DataError(f"{p}: missing array(s) {', '.join(missing)}; found {sorted(arrays)}")
+        raise DataError(f"{where}: missing array(s) {', '.join(missing)}; found {sorted(arrays)}")
     if ("x_test" in arrays) != ("y_test" in arrays):
-        raise DataError(f"{p}: x_test and y_test must be given together")
-    where = str(p)
-    x = _to_uint8(_images_to_nchw(arrays["x"], f"{where}[x]"), f"{where}[x]")
+        raise DataError(f"{where}: x_test and y_test must be given together")
+
+    def images(key: str) -> np.ndarray:
+        x = arrays[key] if nchw else _images_to_nchw(arrays[key], f"{where}[{key}]")
+        return _to_uint8(x, f"{where}[{key}]")
+
+    x = images("x")
     y = _to_labels(arrays["y"], len(x), f"{where}[y]")
+    x_test: np.ndarray | None = None
+    y_test: np.ndarray | None = None
     if "x_test" in arrays:
-        x_test = _to_uint8(_images_to_nchw(arrays["x_test"], f"{where}[x_test]"), f"{where}[x_test]")
+        x_test = images("x_test")
         y_test = _to_labels(arrays["y_test"], len(x_test), f"{where}[y_test]")
         if x_test.shape[1:] != x.shape[1:]:
             raise DataError(f"{where}: x is {x.shape[1:]} per image but x_test is {x_test.shape[1:]}")
-    else:
+    elif holdout is not None:
         if len(x) < 2:
-            raise DataError(f"{where}: need at least 2 samples to split 80/20, got {len(x)}")
+            raise DataError(f"{where}: need at least 2 samples to hold out a test split, got {len(x)}")
         perm = np.random.default_rng(seed).permutation(len(x))
-        n_test = min(len(x) - 1, max(1, int(round(0.2 * len(x)))))
+        n_test = min(len(x) - 1, max(1, int(round(holdout * len(x)))))
         test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
         x, y, x_test, y_test = x[train_idx], y[train_idx], x[test_idx], y[test_idx]
-    declared = None
+    _check_shape(where, x.shape[1:], in_shape)
+    declared = num_classes
     if "num_classes" in arrays:
         nc = arrays["num_classes"]
         if nc.ndim != 0 or not np.issubdtype(nc.dtype, np.integer) or int(nc) < 1:
             raise DataError(f"{where}: num_classes must be a positive integer scalar, got {nc!r}")
+        if num_classes is not None and int(nc) != num_classes:
+            raise DataError(f"{where}: num_classes is {int(nc)} but the federation has {num_classes} classes; "
+                            f"drop num_classes from the file or make it {num_classes}")
         declared = int(nc)
-    k = _num_classes(where, y, y_test, declared=declared)
+    k = _num_classes(where, y, *(() if y_test is None else (y_test,)), declared=declared)
     if "mean" in arrays and "std" in arrays:
         mean = tuple(float(v) for v in np.ravel(arrays["mean"]))
         std = tuple(float(v) for v in np.ravel(arrays["std"]))
     else:
         mean, std = channel_stats(x)
-    ds_name = name if name is not None else p.stem
-    return Dataset(x, y, k, ds_name, mean, std), Dataset(x_test, y_test, k, ds_name, mean, std)
+    train = Dataset(x, y, k, name, mean, std)
+    if x_test is None or y_test is None:
+        return train, None
+    return train, Dataset(x_test, y_test, k, name, mean, std)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -314,23 +365,62 @@ def _parse_synthetic(options: str, seed: int) -> tuple[Dataset, Dataset]:
 
 
 def load_dataset(
-    spec: str, data_dir: str | os.PathLike[str] | None = None, seed: int = 0
+    spec: str, data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *,
+    num_classes: int | None = None, in_shape: tuple[int, ...] | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, test) for a dataset spec.
 
     Specs: ``fashion-mnist`` (from ``data_dir`` or FASHION_MNIST_DIR), ``synthetic`` or
     ``synthetic:n=2000,classes=10,size=28`` (also n_test, channels, noise, seed), ``npz:PATH``,
-    ``idx:DIR``. ``seed`` drives the synthetic generator and the npz 80/20 split; ``data_dir`` only
-    applies to fashion-mnist.
+    ``idx:DIR``, ``imagefolder:DIR[,classes=FILE]``, ``csv:FILE[,label=COL][,range=LO:HI]`` and
+    ``package.module:function`` (see ``protofl.data.own``). ``seed`` drives the synthetic generator and the
+    80/20 split of data without a test split; ``data_dir`` only applies to fashion-mnist.
+
+    ``num_classes``/``in_shape`` (the federation's, when it has one): the data's labels must lie in
+    [0, num_classes) -- any subset of the classes will do -- and its images must be in_shape
+    (channels, height, width); image folders are resized and CSV rows reshaped to it. None: the data decides.
     """
+    train, test = load_source(spec, data_dir, seed, num_classes=num_classes, in_shape=in_shape, holdout=0.2)
+    assert test is not None  # a holdout always makes one
+    return train, test
+
+
+def load_source(
+    spec: str, data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *,
+    num_classes: int | None = None, in_shape: tuple[int, ...] | None = None, holdout: float | None = 0.2,
+) -> tuple[Dataset, Dataset | None]:
+    """``load_dataset`` where the data's own test split may be absent: with ``holdout=None`` the test
+    split is the data's own (npz/loader ``x_test``, IDX ``t10k``, an image folder's ``test/``) or None.
+    The synthetic generator's test set counts as none (it stands for an official test set, not a device's)."""
     kind, sep, arg = spec.partition(":")
     kind = kind.strip().lower()
+    shape = None if in_shape is None else tuple(int(v) for v in in_shape)
     if kind in ("fashion-mnist", "fashion_mnist", "fmnist") and not sep:
-        return load_fashion_mnist(data_dir)
+        return _conform(load_fashion_mnist(data_dir), spec, num_classes, shape)
     if kind == "synthetic":
-        return _parse_synthetic(arg, seed)
+        train, test = _conform(_parse_synthetic(arg, seed), spec, num_classes, shape)
+        return train, (test if holdout is not None else None)
     if kind == "npz" and arg:
-        return load_npz(arg, seed=seed)
+        return _npz(arg, seed, None, holdout=holdout, num_classes=num_classes, in_shape=shape)
     if kind == "idx" and arg:
-        return load_idx_dir(arg, Path(arg).name or "idx")
+        return _conform(load_idx_dir(arg, Path(arg).name or "idx", num_classes), spec, num_classes, shape)
+    if kind in own.KINDS and arg:
+        arrays, name = own.read(kind, arg, shape, num_classes=num_classes, seed=seed)
+        return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape,
+                           nchw=True)
+    if own.is_loader(spec):
+        arrays, name = own.read(own.LOADER, spec, shape, num_classes=num_classes, seed=seed)
+        return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape)
     raise DataError(f"unknown dataset spec {spec!r}; use one of: {', '.join(DATASET_SPECS)}")
+
+
+def _conform(pair: tuple[Dataset, Dataset], where: str, num_classes: int | None,
+             in_shape: tuple[int, ...] | None) -> tuple[Dataset, Dataset]:
+    """A loaded (train, test) held to the federation's classes and shape (labels checked, never remapped)."""
+    train, test = pair
+    _check_shape(where, train.in_shape, in_shape)
+    if num_classes is None or num_classes == train.num_classes and num_classes == test.num_classes:
+        return train, test
+    k = _num_classes(where, train.y, test.y, declared=num_classes)
+    return (Dataset(train.x, train.y, k, train.name, train.mean, train.std),
+            Dataset(test.x, test.y, k, test.name, test.mean, test.std))

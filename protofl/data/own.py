@@ -1,0 +1,301 @@
+"""A field trial's own data: image folders, CSV files and a loader function of one's own.
+
+Each reader returns the npz layout (``x``, ``y``, optionally ``x_test``, ``y_test``) and a name;
+``protofl.data.loaders`` finishes it like an npz (labels checked against the federation's classes,
+a held-out test split where the data has none, normalisation statistics).
+
+- ``imagefolder:DIR[,classes=FILE]``: one sub-folder per class holding png/jpg/... images of any size
+  and mode, decoded with Pillow (the ``device`` extra; imported only here, when an image folder is read),
+  converted to L (1 channel) or RGB (3) and resized to the federation's in_shape. Labels: with
+  ``classes=FILE`` (the federation's class names, one a line) a folder's label is its line; else, when
+  every folder name is a number, that number (so a device may hold any subset: folders 0, 3, 7); else its
+  position among the sorted folder names (then the device holds every class folder, empty or not).
+  ``DIR/train`` and ``DIR/test`` both present: they are the train and test splits.
+- ``csv:FILE[,label=COL][,range=LO:HI]``: a header row, then one sample a row: the label column
+  (``label`` unless named) holds integer class ids, every other column is a feature, in (channel, row,
+  column) order of the federation's in_shape. Features are pixel values (integers 0..255, or all values
+  in [0, 1]) unless ``range=LO:HI`` maps [LO, HI] linearly onto them (values outside are clipped): the
+  same fixed range on every device, so that all of them see the same features.
+- ``package.module:function``: see :func:`read_loader`.
+
+numpy only at import time (Pillow is imported lazily by the image folder reader).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import inspect
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protofl.errors import DataError
+
+__all__ = ["IMAGE_SUFFIXES", "KINDS", "LOADER", "is_loader", "read", "read_csv", "read_imagefolder", "read_loader"]
+
+KINDS = ("imagefolder", "csv")
+LOADER = "loader"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+_LOADER_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+Arrays = dict[str, np.ndarray]
+
+
+def is_loader(spec: str) -> bool:
+    """``package.module:function`` (a dotted module path, a colon, a function name)."""
+    return _LOADER_RE.fullmatch(spec.strip()) is not None
+
+
+def path_of(arg: str) -> str:
+    """The path of an ``imagefolder:`` / ``csv:`` argument (before its first comma)."""
+    return arg.split(",", 1)[0].strip()
+
+
+def read(kind: str, arg: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None,
+         seed: int = 0) -> tuple[Arrays, str]:
+    if kind == "imagefolder":
+        return read_imagefolder(arg, in_shape)
+    if kind == "csv":
+        return read_csv(arg, in_shape)
+    return read_loader(arg, in_shape, num_classes=num_classes, seed=seed)
+
+
+def _options(arg: str, what: str, keys: tuple[str, ...]) -> tuple[Path, dict[str, str]]:
+    path, *items = arg.split(",")
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in items)):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in keys:
+            raise DataError(f"bad {what} option {item!r}; use key=value with keys {', '.join(keys)} "
+                            f"(e.g. {what}:PATH,{keys[0]}=...)")
+        out[key.strip()] = value.strip()
+    return Path(path.strip()), out
+
+
+# ---------------------------------------------------------------------------------------------------
+# imagefolder:DIR
+# ---------------------------------------------------------------------------------------------------
+
+
+def _pillow() -> Any:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise DataError("imagefolder: decoding images needs Pillow: pip install 'protofl-edge[device]' "
+                        "(or pip install Pillow)") from None
+    return Image
+
+
+def _class_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _labels_of(dirs: list[Path], names: list[str] | None, where: Path) -> dict[str, int]:
+    """Folder name -> label (see the module docstring)."""
+    found = [d.name for d in dirs]
+    if names is not None:
+        index = {n: i for i, n in enumerate(names)}
+        unknown = [n for n in found if n not in index]
+        if unknown:
+            raise DataError(f"{where}: folder(s) {unknown} are not in the classes file ({len(names)} names: "
+                            f"{', '.join(names[:10])}{', ...' if len(names) > 10 else ''})")
+        return {n: index[n] for n in found}
+    if found and all(n.isdigit() for n in found):
+        return {n: int(n) for n in found}
+    return {n: i for i, n in enumerate(found)}
+
+
+def _decode(paths: list[Path], in_shape: tuple[int, ...]) -> np.ndarray:
+    image_mod = _pillow()
+    c, h, w = in_shape
+    mode = {1: "L", 3: "RGB"}[c]
+    out = np.empty((len(paths), h, w, c), dtype=np.uint8)
+    for i, p in enumerate(paths):
+        try:
+            with image_mod.open(p) as img:
+                img = img.convert(mode)
+                if img.size != (w, h):
+                    img = img.resize((w, h), image_mod.Resampling.BILINEAR)
+                out[i] = np.asarray(img, dtype=np.uint8).reshape(h, w, c)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{p}: cannot decode as an image ({e})") from None
+    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+
+
+def _first_shape(path: Path) -> tuple[int, int, int]:
+    """in_shape when the federation gives none: the first image's size, 1 channel if it is grey, else 3."""
+    image_mod = _pillow()
+    try:
+        with image_mod.open(path) as img:
+            c = 1 if img.mode in ("1", "L", "LA", "I", "I;16", "F") else 3
+            return (c, img.size[1], img.size[0])
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot decode as an image ({e})") from None
+
+
+def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
+    """The npz layout from ``DIR[,classes=FILE]`` (module docstring)."""
+    d, opts = _options(arg, "imagefolder", ("classes",))
+    if not d.is_dir():
+        raise DataError(f"image folder not found: {d} does not exist or is not a directory")
+    names: list[str] | None = None
+    if "classes" in opts:
+        cf = Path(opts["classes"])
+        try:
+            names = [line.strip() for line in cf.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise DataError(f"imagefolder classes file not found or unreadable: {cf} ({e.strerror or e})") from None
+    splits = {"x": d / "train", "x_test": d / "test"}
+    if not (splits["x"].is_dir() and splits["x_test"].is_dir()):
+        splits = {"x": d}
+    files: dict[str, list[Path]] = {}
+    labels: dict[str, list[int]] = {}
+    index: dict[str, int] = {}
+    for key, root in splits.items():
+        dirs = _class_dirs(root)
+        if not dirs:
+            raise DataError(f"{root}: no class folders; an image folder holds one sub-folder per class "
+                            f"(DIR/<class>/<image>.png), optionally under DIR/train and DIR/test")
+        if key == "x":
+            index = _labels_of(dirs, names, root)
+        else:  # the test split is labelled like the train split (it may hold fewer classes)
+            unknown = [d.name for d in dirs if d.name not in index]
+            if unknown:
+                raise DataError(f"{root}: class folder(s) {unknown} are not in {splits['x']} ({', '.join(index)})")
+        files[key], labels[key] = [], []
+        for cdir in dirs:
+            imgs = sorted(p for p in cdir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            files[key] += imgs
+            labels[key] += [index[cdir.name]] * len(imgs)
+        if not files[key]:
+            raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders")
+    shape = tuple(in_shape) if in_shape is not None else _first_shape(files["x"][0])
+    if len(shape) != 3 or shape[0] not in (1, 3):
+        raise DataError(f"imagefolder {d}: images decode to 1 (L) or 3 (RGB) channels, but the federation's "
+                        f"in_shape is {shape}; use --set in_shape=1,H,W or 3,H,W")
+    arrays: Arrays = {}
+    for key in splits:
+        arrays[key] = _decode(files[key], shape)
+        arrays["y" if key == "x" else "y_test"] = np.asarray(labels[key], dtype=np.int64)
+    return arrays, d.name or "imagefolder"
+
+
+# ---------------------------------------------------------------------------------------------------
+# csv:FILE
+# ---------------------------------------------------------------------------------------------------
+
+
+def _csv_shape(n: int, in_shape: tuple[int, ...] | None, where: Path) -> tuple[int, ...]:
+    if in_shape is None:
+        side = math.isqrt(n)
+        return (1, side, side) if side * side == n else (1, 1, n)
+    if math.prod(in_shape) != n:
+        c, h, w = in_shape
+        raise DataError(f"csv {where}: {n} feature columns, but the federation's in_shape {tuple(in_shape)} needs "
+                        f"{c}x{h}x{w} = {math.prod(in_shape)} (channels x height x width, in that order)")
+    return tuple(in_shape)
+
+
+def _csv_pixels(v: np.ndarray, lo_hi: tuple[float, float] | None, where: Path) -> np.ndarray:
+    if not np.all(np.isfinite(v)):
+        raise DataError(f"csv {where}: features contain NaN or inf")
+    if lo_hi is not None:
+        lo, hi = lo_hi
+        return np.rint(np.clip((v - lo) / (hi - lo), 0.0, 1.0) * 255.0).astype(np.uint8)
+    vmin, vmax = (float(v.min()), float(v.max())) if v.size else (0.0, 0.0)
+    if np.all(v == np.rint(v)) and vmin >= 0 and vmax <= 255:
+        return v.astype(np.uint8)
+    if vmin >= 0 and vmax <= 1:
+        return np.rint(v * 255.0).astype(np.uint8)
+    raise DataError(f"csv {where}: features range over [{vmin:g}, {vmax:g}]; they must be integers 0..255 or "
+                    f"values in [0, 1], or name their range: csv:{where},range={vmin:g}:{vmax:g} (the same range "
+                    f"on every device)")
+
+
+def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
+    """The npz layout from ``FILE[,label=COL][,range=LO:HI]`` (module docstring)."""
+    path, opts = _options(arg, "csv", ("label", "range"))
+    label = opts.get("label", "label")
+    lo_hi = None
+    if "range" in opts:
+        try:
+            lo_text, hi_text = opts["range"].split(":")
+            lo_hi = (float(lo_text), float(hi_text))
+        except ValueError:
+            raise DataError(f"csv range must be LO:HI (e.g. range=-1:1), got {opts['range']!r}") from None
+        if not lo_hi[1] > lo_hi[0]:
+            raise DataError(f"csv range {opts['range']}: need LO < HI")
+    try:
+        with path.open(newline="") as f:
+            rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+    except FileNotFoundError:
+        raise DataError(f"csv file not found: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read as CSV ({e})") from None
+    if len(rows) < 2:
+        raise DataError(f"csv {path}: need a header row and at least one sample row, got {len(rows)} row(s)")
+    header = [h.strip() for h in rows[0]]
+    if label not in header:
+        raise DataError(f"csv {path}: no label column {label!r}; columns are {header[:12]}"
+                        f"{' ...' if len(header) > 12 else ''}; name it with csv:{path},label=COLUMN")
+    li = header.index(label)
+    body = rows[1:]
+    for n, r in enumerate(body, start=2):
+        if len(r) != len(header):
+            raise DataError(f"csv {path} line {n}: {len(r)} fields, the header has {len(header)}")
+    try:
+        table = np.array([[float(c) for c in r] for r in body], dtype=np.float64)
+    except ValueError as e:
+        raise DataError(f"csv {path}: every field must be a number ({e})") from None
+    y = table[:, li]
+    if not np.all(y == np.rint(y)):
+        raise DataError(f"csv {path}: column {label!r} must hold integer class ids (0, 1, ...)")
+    features = np.delete(table, li, axis=1)
+    shape = _csv_shape(features.shape[1], in_shape, path)
+    x = _csv_pixels(features, lo_hi, path).reshape((len(body), *shape))
+    return {"x": x, "y": y.astype(np.int64)}, path.stem
+
+
+# ---------------------------------------------------------------------------------------------------
+# package.module:function
+# ---------------------------------------------------------------------------------------------------
+
+
+def read_loader(spec: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None,
+                seed: int = 0) -> tuple[Arrays, str]:
+    """Data from a loader function of one's own, ``package.module:function`` (importable: on PYTHONPATH).
+
+    The contract: the function is called with the keyword arguments among ``in_shape`` (the federation's
+    (channels, height, width), or None where the data decides), ``num_classes`` (the federation's, or
+    None) and ``seed`` that it declares (all three if it takes ``**kwargs``; none if it takes none), and
+    returns a tuple ``(x, y)`` or ``(x, y, x_test, y_test)`` of numpy arrays: images (n, h, w),
+    (n, c, h, w) or (n, h, w, c) as uint8, integers in [0, 255] or floats in [0, 1], and integer labels
+    in [0, num_classes). Given a test split it is the device's own; without one 25 % is held out on a
+    device (20 % in a simulation). Images must already be of the federation's in_shape.
+    """
+    module_name, _, func_name = spec.strip().partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise DataError(f"loader {spec}: cannot import {module_name} ({e}); a loader spec is "
+                        "package.module:function and the module must be importable (PYTHONPATH)") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise DataError(f"loader {spec}: {module_name} has no function {func_name}")
+    offered: dict[str, Any] = {"in_shape": None if in_shape is None else tuple(in_shape),
+                               "num_classes": num_classes, "seed": seed}
+    params = inspect.signature(func).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = offered
+    else:
+        kwargs = {k: v for k, v in offered.items() if k in params}
+    result = func(**kwargs)
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 4):
+        raise DataError(f"loader {spec}: must return (x, y) or (x, y, x_test, y_test), got "
+                        f"{type(result).__name__}{f' of {len(result)}' if isinstance(result, (tuple, list)) else ''}")
+    keys = ("x", "y", "x_test", "y_test")[: len(result)]
+    return {k: np.asarray(v) for k, v in zip(keys, result, strict=True)}, func_name
