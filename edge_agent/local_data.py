@@ -89,10 +89,10 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> "
     from edge_agent.agent import ClientData, stable_seed  # torch: only on the device side
 
     seed = cfg.seed if spec.seed is None else spec.seed
-    shape = dict(num_classes=cfg.num_classes, in_shape=tuple(cfg.in_shape))
     x_global = y_global = None
     if spec.partition is not None:
-        train, test = load_dataset(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed, **shape)
+        train, test = load_dataset(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed,
+                                   num_classes=cfg.num_classes, in_shape=cfg.in_shape)
         train = limit_train(train, spec.train_limit, seed)
         i, n = spec.partition
         part = federation_split(train, n, spec.alpha, seed, cfg).clients[i]
@@ -102,7 +102,8 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> "
         x_global, y_global = test.normalized(), test.y
         return ClientData(x_train=train.normalized(tr), y_train=train.y[tr], x_test=train.normalized(te),
                           y_test=train.y[te], x_global=x_global, y_global=y_global, mean=train.mean, std=train.std)
-    train, own_test = load_source(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed, holdout=None, **shape)
+    train, own_test = load_source(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed, holdout=None,
+                                  num_classes=cfg.num_classes, in_shape=cfg.in_shape)
     train = limit_train(train, spec.train_limit, seed)
     if own_test is not None:
         return ClientData(x_train=train.normalized(), y_train=train.y, x_test=own_test.normalized(),
