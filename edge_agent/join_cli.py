@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import replace
 import sys
 from pathlib import Path
 from types import FrameType
@@ -12,14 +11,12 @@ from typing import TYPE_CHECKING, Optional
 
 import typer
 
+from edge_agent.api import make_runner, resolve_identity
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
-from protofl.names import check_extractor, check_name
-from protofl.schedule import check_cadence
 
 if TYPE_CHECKING:
     from edge_agent.emulation import Emulation
-    from edge_agent.runner import DeviceRunner
 
 
 def _emulation(profile: str, adaptive: bool, share: float, time_scale: float,
@@ -97,7 +94,7 @@ def join_command(
         emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute)
         if not 1 <= keepalive <= 65535:
             raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
-        runner = _make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
+        runner = make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
                               tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every, state_dir)
     except ProtoFLError as exc:
@@ -125,64 +122,3 @@ def join_command(
         raise typer.Exit(1)  # left before the federation finished
 
 
-def resolve_identity(client_id: str | None, username: str | None, password: str | None, credentials: Path | None,
-                     fed: str | None) -> tuple[str, str | None, str | None, str]:
-    """(client id, user name, password, federation) from the flags and a credentials file. The generated
-    broker ACL lets user X publish only on up/X, so a client id other than the user name could never upload."""
-    if credentials is not None:
-        from protofl.transport.credentials import read_device_credentials
-
-        cred, cred_fed = read_device_credentials(credentials)
-        fed = fed or cred_fed
-        if cred_fed is not None and cred_fed != fed:
-            raise ConfigError(f"--credentials {credentials} is for federation '{cred_fed}', not '{fed}'; pass --fed "
-                              f"{cred_fed}")
-        username = username or cred.username
-        password = password if password is not None else cred.password
-    client_id = client_id or username
-    if client_id is None:
-        raise ConfigError("no device id: pass --client-id ID (and --username/--password or --credentials FILE "
-                          "when the broker checks credentials)")
-    if credentials is not None and username != client_id:
-        raise ConfigError(f"--client-id '{client_id}' differs from the user name '{username}' of {credentials}: "
-                          f"the federation's broker lets each device publish only under its own id; use "
-                          f"--client-id {username}")
-    return client_id, username, password, fed or "default"
-
-
-def _make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str | None, partition: str | None,
-                 alpha: float, seed: int | None, test_limit: int | None, train_limit: int | None, arch: str | None,
-                 device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
-                 password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
-                 connect_timeout: float, extractor: str = "torch",
-                 emulation: "Emulation | None" = None, keepalive: int = 30,
-                 test_every: int | None = None, state_dir: Path | None = None) -> "DeviceRunner":
-    import torch
-
-    from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
-    from edge_agent.runner import DeviceRunner, RunnerOptions
-    from protofl.transport.broker_url import parse_broker_url
-
-    check_name(client_id, "--client-id")
-    check_name(fed, "--fed")
-    if mqtt not in ("auto", "5", "3.1.1"):
-        raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
-    check_extractor(extractor)
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got '{device}'")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: torch sees no CUDA device; use --device cpu")
-    if threads is not None:
-        torch.set_num_threads(max(1, threads))
-    dataset_spec(data)  # fail now, not after connecting, on a --data that names nothing
-    options = replace(parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key),
-                      keepalive=keepalive)
-    spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
-                    train_limit)
-    opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
-                         test_every=check_cadence(eval_every, test_every),
-                         protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor,  # type: ignore[arg-type]
-                         emulation=emulation, state_dir=str(state_dir) if state_dir is not None else None)
-    return DeviceRunner(options, fed, client_id, spec, opts)
