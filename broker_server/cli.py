@@ -56,7 +56,8 @@ def simulate(
     alpha: float = typer.Option(0.5, help="Dirichlet concentration of the label partition (smaller = more skewed)."),
     rounds: int = typer.Option(3, help="Communication rounds."),
     seed: int = typer.Option(0, help="Seed for partition, models and training order."),
-    arch: str | None = typer.Option(None, help="Architecture, or a comma list assigned round-robin (cnn,mlp,...)."),
+    arch: str | None = typer.Option(None, help="Architecture, or a comma list assigned round-robin: built-in "
+                                    "names (cnn,mlp,...), package.module:factory, installed protofl.models names."),
     transport: str = typer.Option("inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, "
                                                      "one agent process per client)."),
     broker: str | None = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "

@@ -50,17 +50,24 @@ def models(
     classes: int = typer.Option(10, help="Number of classes."),
     proto_dim: int = typer.Option(512, help="Prototype dimension m."),
 ) -> None:
-    """List the built-in architectures with their backbone and adapter sizes."""
-    from edge_agent.models import available_architectures, build_model
+    """List the architectures: the built-ins and the installed `protofl.models` ones, with their sizes.
+
+    `--arch package.module:factory` is accepted too (see `edge_agent.models`)."""
+    from edge_agent.models import MODEL_GROUP, available_architectures, build_model
     from edge_agent.params import adapter_vector, count_parameters
 
     shape = tuple(int(v) for v in in_shape.split(","))
-    t = Table(title=f"architectures for input {shape}, m={proto_dim}, C={classes}")
-    for col in ("arch", "backbone params", "adapter d", "total params"):
+    t = Table(title=f"architectures for input {shape}, m={proto_dim}, C={classes}",
+              caption=f"also: --arch package.module:factory, or install a package registering {MODEL_GROUP}")
+    for col in ("arch", "backbone params", "backbone d", "adapter d", "total params"):
         t.add_column(col, justify="right" if col != "arch" else "left")
     for arch in available_architectures():
-        m = build_model(arch, shape, classes, proto_dim, seed=0)
-        t.add_row(arch, f"{count_parameters(m.backbone):,}", f"{adapter_vector(m).shape[0]:,}",
+        try:
+            m = build_model(arch, shape, classes, proto_dim, seed=0)
+        except ConfigError as exc:  # an installed model that does not build here: say why, list the rest
+            t.add_row(arch, f"[red]{escape(str(exc))}[/red]", "", "", "")
+            continue
+        t.add_row(arch, f"{count_parameters(m.backbone):,}", f"{m.backbone_dim:,}", f"{adapter_vector(m).shape[0]:,}",
                   f"{count_parameters(m):,}")
     Console().print(t)
 

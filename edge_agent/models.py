@@ -15,12 +15,22 @@ The backbones are written out here (no torchvision dependency): the FedAvg CNN o
 a two-layer MLP, CIFAR-style ResNet-8 / ResNet-18 and a narrow CIFAR-style MobileNetV2. When
 torchvision is importable, ``tv_resnet18`` and ``tv_mobilenet_v3_small`` are offered as well, adapted to
 small inputs; nothing requires them.
+
+An architecture string (``--arch``, the config's ``archs``) is resolved in one place, :func:`resolve_arch`:
+a built-in name, ``package.module:factory``, or a name an installed package registers in the entry-point
+group ``protofl.models`` (name = "package.module:factory"). An own factory takes the input shape
+``(c, h, w)`` and returns an ``nn.Module`` mapping ``(n, c, h, w)`` to features (flattened to ``(n, d)``);
+``d`` is measured by one dry forward pass, and stem, adapter, head and projection wrap it as they wrap
+the built-ins.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
 
 import torch
 from torch import nn
@@ -33,13 +43,17 @@ __all__ = [
     "ConsensusProjection",
     "FedAvgCNN",
     "MLP",
+    "MODEL_GROUP",
     "MobileNetV2",
+    "OwnBackbone",
     "ProtoNet",
     "ResNet",
     "ResidualAdapter",
     "available_architectures",
     "build_backbone",
     "build_model",
+    "eval_mode",
+    "resolve_arch",
 ]
 
 InShape = tuple[int, int, int]
@@ -236,8 +250,8 @@ class MobileNetV2(nn.Module):
         return self.pool(self.features(x))
 
 
-class _TorchvisionBackbone(nn.Module):
-    """Wraps a torchvision classifier whose final layer was replaced by ``nn.Identity``."""
+class OwnBackbone(nn.Module):
+    """A backbone built outside the zoo (an own factory, or torchvision): ``net``'s output flattened to (n, d)."""
 
     def __init__(self, net: nn.Module, out_dim: int) -> None:
         super().__init__()
@@ -245,7 +259,7 @@ class _TorchvisionBackbone(nn.Module):
         self.out_dim = out_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        return torch.flatten(self.net(x), 1)
 
 
 def _tv_resnet18(in_shape: InShape) -> nn.Module:
@@ -256,7 +270,7 @@ def _tv_resnet18(in_shape: InShape) -> nn.Module:
     net.conv1 = nn.Conv2d(in_shape[0], 64, 3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
     net.fc = nn.Identity()
-    return _TorchvisionBackbone(net, 512)
+    return OwnBackbone(net, 512)
 
 
 def _tv_mobilenet_v3_small(in_shape: InShape) -> nn.Module:
@@ -268,7 +282,7 @@ def _tv_mobilenet_v3_small(in_shape: InShape) -> nn.Module:
         in_shape[0], first.out_channels, 3, stride=1, padding=1, bias=False
     )
     net.classifier = nn.Identity()  # the pooled 576-channel features are h
-    return _TorchvisionBackbone(net, 576)
+    return OwnBackbone(net, 576)
 
 
 def _torchvision_available() -> bool:
@@ -298,9 +312,105 @@ else:
     ARCHITECTURES = BUILTIN_ARCHITECTURES
 
 
+MODEL_GROUP = "protofl.models"
+FACTORY_CONTRACT = ("a factory takes the input shape (channels, height, width) and returns a torch.nn.Module "
+                    "mapping (n, c, h, w) to (n, d) features")
+
+
+def _installed_models() -> dict[str, str]:
+    """Names registered in the ``protofl.models`` entry-point group -> their "module:factory" value."""
+    return {ep.name: ep.value for ep in entry_points(group=MODEL_GROUP) if ep.name not in _BUILDERS}
+
+
 def available_architectures() -> list[str]:
-    """Names accepted by :func:`build_model` in this environment (torchvision ones only if importable)."""
-    return list(ARCHITECTURES)
+    """Names accepted by :func:`build_model` here: the built-ins (torchvision ones only if importable), then
+    the installed ``protofl.models`` names. Any ``package.module:factory`` is accepted as well."""
+    return list(ARCHITECTURES) + sorted(_installed_models())
+
+
+def _accepted() -> str:
+    installed = ", ".join(sorted(_installed_models())) or "none installed"
+    return (f"known: {', '.join(ARCHITECTURES)}; or package.module:factory ({FACTORY_CONTRACT}); or a name an "
+            f"installed package registers in the entry-point group {MODEL_GROUP} ({installed})")
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Eval mode inside the block, then every submodule's own training flag restored.
+
+    Not ``module.train(was_training)``: that would flip a frozen backbone's BatchNorm back into training
+    mode (the legacy ONNX exporter does exactly that to a wrapper's children, so export restores too).
+    """
+    flags = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags.items():
+            m.training = flag
+
+
+def _own_backbone(arch: str, factory: Callable[[InShape], object], shape: InShape) -> OwnBackbone:
+    """Call an own factory and measure its feature width d with one dry forward pass (eval mode, no grad,
+    RNG untouched, so seeded construction is as reproducible as for a built-in)."""
+    try:
+        net = factory(shape)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- third-party code: report whatever it raised
+        raise ConfigError(f"architecture {arch!r}: the factory failed for input shape {shape}: "
+                          f"{type(exc).__name__}: {exc}; {FACTORY_CONTRACT}") from exc
+    if not isinstance(net, nn.Module):
+        raise ConfigError(f"architecture {arch!r}: the factory returned {type(net).__name__}, not a torch.nn.Module; "
+                          f"{_accepted()}")
+    try:
+        with eval_mode(net), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = net(torch.zeros((2, *shape)))
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"architecture {arch!r}: a forward pass on a (2, {', '.join(map(str, shape))}) batch "
+                          f"failed: {type(exc).__name__}: {exc}; {FACTORY_CONTRACT}") from exc
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != 2 or out[0].numel() < 1:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(f"architecture {arch!r}: the backbone maps a (2, {', '.join(map(str, shape))}) batch to "
+                          f"{got}, expected a tensor (2, d) (or (2, ...), flattened); {_accepted()}")
+    return OwnBackbone(net, int(out[0].numel()))
+
+
+def _load_factory(arch: str, target: str) -> object:
+    """Import "package.module:factory" (the factory may be a dotted attribute path)."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"architecture {arch!r}: expected package.module:factory; {_accepted()}")
+    if module_name.endswith(".py"):
+        raise ConfigError(f"architecture {arch!r}: name the module, not the file: "
+                          f"{module_name[:-3].replace('/', '.')}:{attr} with its folder on PYTHONPATH")
+    try:
+        obj: object = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:  # noqa: BLE001 -- an import runs third-party code
+        raise ConfigError(f"architecture {arch!r}: cannot load {target} ({type(exc).__name__}: {exc}); "
+                          f"{_accepted()}") from exc
+    if not callable(obj):
+        raise ConfigError(f"architecture {arch!r}: {target} is a {type(obj).__name__}, not callable; "
+                          f"{_accepted()}")
+    return obj
+
+
+def resolve_arch(arch: str) -> Callable[[InShape], nn.Module]:
+    """The backbone factory an architecture string names (see the module docstring); ConfigError if none.
+
+    The factory returned maps an input shape to a backbone exposing ``out_dim``.
+    """
+    if not isinstance(arch, str) or not arch:
+        raise ConfigError(f"an architecture must be a non-empty string, got {arch!r}; {_accepted()}")
+    if arch in _BUILDERS:
+        return _BUILDERS[arch]
+    target = arch if ":" in arch else _installed_models().get(arch)
+    if target is None:
+        raise ConfigError(f"unknown architecture {arch!r}; {_accepted()}")
+    factory = _load_factory(arch, target)
+    return lambda shape: _own_backbone(arch, factory, shape)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -416,9 +526,7 @@ def _check_in_shape(in_shape: tuple[int, ...]) -> InShape:
 
 def build_backbone(arch: str, in_shape: tuple[int, int, int]) -> nn.Module:
     """Just the backbone B (uses the global torch RNG; :func:`build_model` seeds it)."""
-    if arch not in _BUILDERS:
-        raise ConfigError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
-    return _BUILDERS[arch](_check_in_shape(in_shape))
+    return resolve_arch(arch)(_check_in_shape(in_shape))
 
 
 def build_model(
@@ -435,8 +543,7 @@ def build_model(
     The seeded construction runs inside ``torch.random.fork_rng`` so it neither depends on nor disturbs
     the caller's global RNG state (a simulator building 20 clients must not shift its own data order).
     """
-    if arch not in _BUILDERS:
-        raise ConfigError(f"unknown architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    factory = resolve_arch(arch)
     shape = _check_in_shape(in_shape)
     if num_classes < 1:
         raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
@@ -444,7 +551,7 @@ def build_model(
         raise ConfigError(f"proto_dim and adapter_rank must be >= 1, got {proto_dim}, {adapter_rank}")
 
     def make() -> ProtoNet:
-        return ProtoNet(_BUILDERS[arch](shape), num_classes, proto_dim, adapter_rank, projection, arch, shape)
+        return ProtoNet(factory(shape), num_classes, proto_dim, adapter_rank, projection, arch, shape)
 
     if seed is None:
         return make()

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from edge_agent.models import ProtoNet
+from edge_agent.models import ProtoNet, eval_mode
 from protofl import __version__
 from protofl.errors import ConfigError, ProtoFLError
 
@@ -72,22 +72,6 @@ class _Graph(nn.Module):
         if self.what == "backbone":
             return self.model.backbone_features(x)
         return self.model.features(x)
-
-
-@contextlib.contextmanager
-def _eval_mode(module: nn.Module) -> Iterator[None]:
-    """Eval mode during export, then every submodule's own flag restored.
-
-    Not ``module.train(was_training)``: that would flip a frozen backbone's BatchNorm back into training
-    mode. (The legacy exporter does exactly that to the wrapper's children, so we restore afterwards.)
-    """
-    flags = {m: m.training for m in module.modules()}
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, flag in flags.items():
-            m.training = flag
 
 
 @contextlib.contextmanager
@@ -148,7 +132,7 @@ def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "fe
     example = torch.zeros((2, *model.in_shape), device=next(model.parameters()).device)
     start = time.perf_counter()
     used, reason = "dynamo", ""
-    with _eval_mode(model), torch.no_grad(), _quiet():
+    with eval_mode(model), torch.no_grad(), _quiet():
         if exporter in ("auto", "dynamo"):
             try:
                 _export_dynamo(graph, example, path, opset)

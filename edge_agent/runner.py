@@ -33,6 +33,7 @@ from edge_agent import guard
 from edge_agent.agent import EdgeAgent
 from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, load_client_data
+from edge_agent.models import resolve_arch
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, ProtoFLError, WireError
@@ -158,6 +159,8 @@ class DeviceRunner:
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
         """Take part until the federation finishes (or `stop()` / `timeout`); returns the agent."""
+        if self.opts.arch is not None:
+            resolve_arch(self.opts.arch)  # an --arch that names no model fails here, not after the config came
         self.transport.connect(self.opts.connect_timeout)
         self._presence("online", self.profile_label)
         self.transport.subscribe(topics.config(self.fed), self._on_config)
@@ -223,7 +226,13 @@ class DeviceRunner:
                 self.fatal = exc  # e.g. the data does not fit this federation: nothing to retry
                 return
         fresh = self.agent.model is None
-        self.agent.on_message(topic, payload)
+        try:
+            self.agent.on_message(topic, payload)
+        except ConfigError as exc:
+            if not fresh:
+                raise
+            self.fatal = exc  # this device cannot build its model (e.g. its arch's factory fails): nothing to retry
+            return
         if fresh and self.agent.model is not None and self.opts.state_dir is not None:
             self._resume()
         self._maybe_join()

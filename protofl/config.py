@@ -178,7 +178,8 @@ class FederationConfig:
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(isinstance(self.archs, tuple) and len(self.archs) >= 1
              and all(isinstance(a, str) and a for a in self.archs),
-             f"archs must be a non-empty list of architecture names, got {self.archs!r}")
+             f"archs must be a non-empty list of architectures (built-in names, package.module:factory or "
+             f"protofl.models names), got {self.archs!r}")
         need(isinstance(self.in_shape, tuple) and len(self.in_shape) == 3
              and all(isinstance(v, int) and v > 0 for v in self.in_shape),
              f"in_shape must be (channels, height, width), got {self.in_shape!r}; e.g. --set in_shape=3,32,32 "

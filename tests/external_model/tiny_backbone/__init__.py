@@ -1,0 +1,1 @@
+"""A backbone brought from outside protofl-edge (a test fixture); see nets.make."""
