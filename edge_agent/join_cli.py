@@ -54,7 +54,7 @@ def join_command(
     seed: Optional[int] = typer.Option(None, help="Seed of --partition and synthetic data (default: the federation's)."),
     test_limit: Optional[int] = typer.Option(None, help="With --partition: evaluate on the first N test samples."),
     train_limit: Optional[int] = typer.Option(None, help="With --partition: the simulator's --train-limit."),
-    arch: Optional[str] = typer.Option(None, help="Backbone architecture (default: the federation's)."),
+    arch: Optional[str] = typer.Option(None, help="Backbone: a built-in name (protofl-edge models), package.module:factory, or an installed protofl.models name (default: the federation's)."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
     profile: str = typer.Option("", help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
                                          "names: ls profiles/ (a link profile turns on adaptive uploads)."),

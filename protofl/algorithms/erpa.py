@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
-from protofl.algorithms.unit import ConsensusAggregator
+from protofl.algorithms.unit import UnitFold
 from protofl.errors import ConfigError, WireError
 from protofl.technique import (
     Fold,
@@ -318,27 +318,11 @@ class AnchorFold(Fold):
         self.model.targets = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype) if table else None
 
 
-class PublicUnitFold(Fold):
+class PublicUnitFold(UnitFold):
     """Candidate (d): the unit public-set prototypes that travel with the training upload."""
 
-    kinds = (Upload.PROTOS,)
-
-    def __init__(self, model: ServerState) -> None:
-        self.model = model
-        assert model.unit is not None
-        self.acc = ConsensusAggregator(model.unit)
-
-    def check(self, up: Any) -> Any:
+    def table(self, up: Any) -> dict[int, np.ndarray]:
         pub, _ = table_of(up.public)
-        if not pub:
-            return [], []
-        loc, _ = table_of(up.local)
-        check_split(pub, loc, self.model.plan.public_classes)
-        dense, seen = self.model.unit_upload(pub)
-        return self.acc.check(dense), seen
-
-    def fold(self, prepared: Any) -> None:
-        rows, seen = prepared
-        if rows:
-            self.acc.fold(rows)
-        self.model.record("protos", seen)
+        if pub:
+            check_split(pub, table_of(up.local)[0], self.model.plan.public_classes)
+        return pub

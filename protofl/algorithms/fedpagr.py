@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protofl.algorithms import support
-from protofl.algorithms.unit import ConsensusAggregator, initial_prototypes, normalize_rows
+from protofl.algorithms.unit import UnitFold, initial_prototypes, normalize_rows
 from protofl.errors import ConfigError
 from protofl.technique import (
     Fold,
@@ -44,7 +44,6 @@ from protofl.technique import (
     ServerRule,
     ServerState,
     Technique,
-    Upload,
     flag,
     integer,
     number,
@@ -278,25 +277,11 @@ class FedPagrRule(ServerRule):
         return support.compress_table(out, masks) if masks is not None else out
 
 
-class ConsensusFold(Fold):
+class ConsensusFold(UnitFold):
     """The training phase's unit prototypes: eq. (3) as a stream, then refinement at the phase's end."""
 
-    kinds = (Upload.PROTOS,)
-
-    def __init__(self, model: ServerState) -> None:
-        self.model = model
-        assert model.unit is not None
-        self.acc = ConsensusAggregator(model.unit)
-
-    def check(self, up: Any) -> Any:
-        table, _ = up.local.table() if up.local is not None else ({}, None)
-        dense, seen = self.model.unit_upload(table)
-        return self.acc.check(dense), seen
-
-    def fold(self, prepared: Any) -> None:
-        rows, seen = prepared
-        self.acc.fold(rows)
-        self.model.record("protos", seen)
+    def table(self, up: Any) -> dict[int, np.ndarray]:
+        return up.local.table()[0] if up.local is not None else {}
 
     def finish(self) -> None:
         cfg, model = self.model.cfg, self.model

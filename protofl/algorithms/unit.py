@@ -11,12 +11,14 @@ anchors on the sphere use them as well as the technique that introduced them (do
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
+from protofl.technique import Fold, ServerState, Upload
 
-__all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator"]
+__all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator", "UnitFold"]
 
 
 def normalize_rows(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
@@ -113,3 +115,30 @@ class ConsensusAggregator:
         # Dividing by K_c does not change the direction, so normalising S_c is enough.
         out[ok] = self._sum[ok] / length[ok, None]
         return out.astype(np.float32)
+
+
+class UnitFold(Fold):
+    """Unit prototypes of a training upload folded into eq. (3)'s sums, clipped around the current ones;
+    `table` says which of the upload's tables."""
+
+    kinds = (Upload.PROTOS,)
+
+    def __init__(self, model: ServerState) -> None:
+        self.model = model
+        assert model.unit is not None
+        self.acc = ConsensusAggregator(model.unit)
+
+    def table(self, up: Any) -> dict[int, np.ndarray]:
+        raise NotImplementedError
+
+    def check(self, up: Any) -> Any:
+        table = self.table(up)
+        if not table:
+            return [], []
+        dense, seen = self.model.unit_upload(table)
+        return self.acc.check(dense), seen
+
+    def fold(self, prepared: Any) -> None:
+        rows, seen = prepared
+        self.acc.fold(rows)
+        self.model.record("protos", seen)
