@@ -28,7 +28,7 @@ from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.sparse import SparseVector
-from protofl.technique import Fold, ServerRule
+from protofl.technique import Fold, ServerRule, first_answer
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
 __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
@@ -59,11 +59,7 @@ class ServerModel:
     # -- rules ----------------------------------------------------------------------------------
     def first(self, hook: str, *args: Any) -> Any:
         """The first rule's non-None answer to `hook`, or None."""
-        for rule in self.rules:
-            out = getattr(rule, hook)(*args)
-            if out is not None:
-                return out
-        return None
+        return first_answer(self.rules, hook, *args)
 
     def chain(self, hook: str, value: Any) -> Any:
         """`value` passed through every rule's `hook` in order."""

@@ -34,6 +34,7 @@ from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.schedule import is_due
+from protofl.technique import first_answer
 from protofl.transport import Transport
 from protofl.wire import (
     DEFAULT_LIMITS,
@@ -250,11 +251,7 @@ class EdgeAgent:
                              global_adapter=self.global_adapter, adapter_round=self.adapter_round)
 
     def _first(self, hook: str, *args: Any) -> Any:
-        for rule in self.rules:
-            out = getattr(rule, hook)(*args)
-            if out is not None:
-                return out
-        return None
+        return first_answer(self.rules, hook, *args)
 
     def pack(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str) -> ProtoSet:
         """A prototype table on the wire: each rule's encoding in turn, then the plan's width and dtype."""

@@ -9,7 +9,6 @@ module checks the core fields only.
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
 
 from protofl import registry
 from protofl.errors import ConfigError
+from protofl.technique import is_number
 
 FEDERATE_CHOICES = ("full", "adapter", "none")
 PROTOTYPE_CHOICES = ("none", "mean", "unit")
@@ -198,11 +198,6 @@ class FederationConfig:
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))
-
-
-def is_number(value: Any) -> bool:
-    """A finite int or float (not a bool): what numeric options accept."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _default(key: str) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,6 +54,20 @@ class Option:
     check: Callable[[Any], str | None] | None = None
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool): what numeric options and config fields accept."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def first_answer(rules: Sequence[Any], hook: str, *args: Any) -> Any:
+    """The first rule's non-None answer to `hook` (server and device rules alike), or None."""
+    for rule in rules:
+        out = getattr(rule, hook)(*args)
+        if out is not None:
+            return out
+    return None
+
+
 def flag(name: str) -> Option:
     """A true/false switch option, off by default."""
     return Option(False, lambda v: None if isinstance(v, bool) else f"config '{name}' must be true or false, got {v!r}")
@@ -73,7 +87,7 @@ def integer(name: str, default: int | None, low: int = 0, what: str = "") -> Opt
 def number(name: str, default: float, positive: bool = False) -> Option:
     """A finite number option (> 0 when `positive`)."""
     def check(v: Any) -> str | None:
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        if not is_number(v):
             return f"config '{name}' must be a finite number, got {v!r}"
         return f"{name} must be > 0" if positive and v <= 0 else None
     return Option(default, check)

@@ -29,7 +29,7 @@ import numpy as np
 
 from protofl.errors import ConfigError
 from protofl.sparse import SparseVector
-from protofl.technique import Option, ServerRule, ServerState, Technique, flag
+from protofl.technique import Option, ServerRule, ServerState, Technique, flag, is_number
 
 __all__ = ["topk_budget", "budget_from_bytes", "client_budget", "select_topk", "ApudAggregator", "Apud"]
 
@@ -174,8 +174,7 @@ class ApudAggregator:
 
 # -- the technique ------------------------------------------------------------------------------------
 def _ratio_check(v: Any) -> str | None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok:
+    if not is_number(v):
         return f"config 'apud_ratio' must be a finite number, got {v!r}"
     return None if 0 < v <= 1 else f"apud_ratio must be in (0, 1], got {v}"
 

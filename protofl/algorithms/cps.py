@@ -20,7 +20,6 @@ edge_agent/techniques/cps.py.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,7 +27,7 @@ import numpy as np
 from protofl.algorithms.scaling import ScaledAggregator
 from protofl.algorithms.support import as_masks, restrict_to_masks
 from protofl.errors import ConfigError
-from protofl.technique import Option, PlanDraft, ServerRule, ServerState, Technique, flag, integer
+from protofl.technique import Option, PlanDraft, ServerRule, ServerState, Technique, flag, integer, is_number
 
 if TYPE_CHECKING:
     from protofl.config import FederationConfig
@@ -110,7 +109,7 @@ def support_size(cfg: FederationConfig) -> int:
 
 
 def _mu_check(v: Any) -> str | None:
-    ok = v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+    ok = v == "auto" or (is_number(v) and v > 0)
     return None if ok else f"mu must be a positive number or 'auto', got {v!r}"
 
 
