@@ -1,47 +1,65 @@
 """The aggregator's durable state under `--state-dir`: a checkpoint at each phase boundary, a journal of
-the uploads applied since, and the restart that rebuilds the machine from both.
+the inputs applied since, and the restart that rebuilds the machine from both.
 
     state_dir/aggregator/checkpoint.bin          the machine at the last phase boundary (protofl/checkpoint.py)
-    state_dir/aggregator/journal-NNNNNN.log      every accepted join and upload, in order (journal.py),
-                                                 a new segment at the first phase boundary past 64 MiB
+    state_dir/aggregator/journal-NNNNNN.log      every input that changed state, in order (journal.py): joins,
+                                                 uploads, presence changes and the timers that fired; a new
+                                                 segment at the first phase boundary past 64 MiB
 
-Live: an accepted upload is appended and fsynced (`record`), then applied, then acknowledged by the
-transport; when a phase opens the machine is checkpointed with the journal position it reflects.
-Restart (`restore`): load the checkpoint, replay the journal records after its position through the
-aggregator (same decoder, same checks, same order: the same state, bit for bit), then resume the
-round and phase. An upload applied before the crash but not acknowledged comes again from the broker
-and is dropped as a duplicate; one never written completely was never acknowledged and comes again.
+Live: an input that changes state is appended and fsynced (`record`), then applied, then (a message)
+acknowledged by the transport; when a phase opens the machine is checkpointed with the journal position
+it reflects. Restart (`restore`): load the checkpoint, replay the journal records after its position
+through the aggregator (same decoder, same checks, same order: the same state, bit for bit), then
+resume the round and phase with every deadline and grace measured from the resume. An upload applied
+before the crash but not acknowledged comes again from the broker and is dropped as a duplicate; one
+never written completely was never acknowledged and comes again. Without a checkpoint (deleted, or a
+crash before the first) the journal alone rebuilds the federation from its first segment, and says so.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from broker_server.journal import Journal, Record
+from broker_server.journal import Journal, JournalError, Record, crash_point
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
-from protofl.wire import Envelope
 
 if TYPE_CHECKING:
     from broker_server.shell import Aggregator
 
 log = logging.getLogger("protofl.durability")
-FORMAT = 1
+FORMAT = 2  # 2: the machine's state derived from its dataclasses, presence and timers journaled
 ROTATE_BYTES = 64 << 20  # a journal segment is closed at the first phase boundary past this size
 EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is writable again
+
+
+def config_changes(saved: dict[str, Any], mine: dict[str, Any]) -> list[str]:
+    """The config fields whose values differ between a saved federation and this one."""
+    return sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
 
 
 def segment_path(directory: Path, segment: int) -> Path:
     return directory / f"journal-{segment:06d}.log"
 
 
+def segments(directory: Path | str) -> list[int]:
+    """The numbers of the journal segments in `directory`, in order."""
+    out = []
+    for path in Path(directory).glob("journal-*.log"):
+        number = path.name[len("journal-"):-len(".log")]
+        if number.isdigit():
+            out.append(int(number))
+    return sorted(out)
+
+
 def journal_records(directory: Path | str) -> list[Record]:
     """Every record of every segment, in order (the audit trail; opening a segment drops a torn tail)."""
     out: list[Record] = []
-    for path in sorted(Path(directory).glob("journal-*.log")):
-        j = Journal(path)
+    for number in segments(directory):
+        j = Journal(segment_path(Path(directory), number))
         out += j.records
         j.close()
     return out
@@ -51,6 +69,9 @@ class DurableState:
     def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True,
                  rotate_bytes: int = ROTATE_BYTES, group_commit: bool = False) -> None:
         self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory} is a file, not a directory; --state-dir takes a directory "
+                                  f"(it is created if missing)")
         self.fed = fed
         self.fsync = fsync
         # group_commit: `record` writes without fsync; `sync()` (the transport's before_ack hook, and every
@@ -59,21 +80,33 @@ class DurableState:
         self.rotate_bytes = rotate_bytes
         self.checkpoint_path = self.directory / "checkpoint.bin"
         self._state = read_checkpoint(self.checkpoint_path)  # CheckpointError if damaged: never used then
-        self.segment = int(self._state.get("journal_segment", 0)) if self._state else 0
+        self.first_segment = int(self._state.get("journal_segment", 0)) if self._state else 0
+        found = [n for n in segments(self.directory) if n >= self.first_segment]
+        self._check_contiguous(found)
+        self.segment = found[-1] if found else self.first_segment
         self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync)
         self.position = 0  # the offset in the current segment that the machine's state reflects
         self.aggregator: Aggregator | None = None
         self.replayed = 0
 
+    def _check_contiguous(self, found: list[int]) -> None:
+        expected = list(range(self.first_segment, self.first_segment + len(found)))
+        if found != expected:
+            missing = sorted(set(range(self.first_segment, (found or [self.first_segment])[-1] + 1)) - set(found))
+            where = "the checkpoint's" if self._state else "the first (no checkpoint)"
+            raise JournalError(f"{self.directory}: journal segment(s) {', '.join(map(str, missing))} missing between "
+                               f"{where} segment {self.first_segment} and the last; the federation cannot be rebuilt. "
+                               f"Restore them from a backup, or move the state dir aside to start a new federation")
+
     def bind(self, aggregator: Aggregator) -> None:
         self.aggregator = aggregator
         aggregator.journal = self.record
-        aggregator.machine.on_boundary = self.checkpoint
+        aggregator.on_boundary = self.checkpoint
 
-    def record(self, topic: str, payload: bytes, env: Envelope) -> None:
-        """Append an accepted upload and fsync: only then may it change state and be acknowledged."""
+    def record(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
+        """Append an input that changes state (and fsync): only then may it be applied and acknowledged."""
         try:
-            self.position = self.journal.append(topic, payload, env.sender, env.kind, env.round, env.phase,
+            self.position = self.journal.append(topic, payload, client, kind, round_, phase,
                                                 sync=not self.group_commit)
         except OSError as exc:
             # Going on without a journal would silently void the guarantee.
@@ -94,20 +127,20 @@ class DurableState:
         os._exit(EXIT_JOURNAL_FAILED)
 
     def checkpoint(self) -> None:
-        """The machine at a phase boundary. Live, a segment past `rotate_bytes` is closed here and the
-        checkpoint points at the start of a new one, so a restart reads one segment, not the whole run
-        (older segments stay as the record of what was applied; they may be archived or deleted). While
-        replaying, never: the rest of the segment still has to be replayed."""
+        """The machine at a phase boundary (live only: a replay never checkpoints). A segment past
+        `rotate_bytes` is closed here and the checkpoint points at the start of a new one, so a restart
+        reads one segment, not the whole run (older segments stay as the record of what was applied;
+        they may be archived or deleted)."""
         assert self.aggregator is not None
         # The journal up to `position` must be on disk before a checkpoint that points past it (and before
         # the round message that follows a boundary goes out).
         self.sync()
-        replaying = self.aggregator.replaying
-        rotate = not replaying and self.journal.size >= max(1, self.rotate_bytes)
+        rotate = self.journal.size >= max(1, self.rotate_bytes)
         segment, offset = (self.segment + 1, 0) if rotate else (self.segment, self.position)
         write_checkpoint(self.checkpoint_path, {"format": FORMAT, "fed": self.fed, "journal_segment": segment,
                                                 "journal_offset": offset,
                                                 "machine": self.aggregator.machine.snapshot()})
+        crash_point("AFTER_CHECKPOINT")
         if rotate:
             self.journal.close()
             self.segment, self.position = segment, 0
@@ -118,6 +151,7 @@ class DurableState:
         agg = self.aggregator
         assert agg is not None
         state = self._state
+        self._check_config()
         offset = 0
         if state is not None:
             if state.get("format") != FORMAT or state.get("fed") != self.fed:
@@ -130,20 +164,55 @@ class DurableState:
                 raise CheckpointError(f"checkpoint {self.checkpoint_path} cannot be resumed: {exc}; start with the "
                                       f"same settings, or use another --state-dir for a new federation") from None
             offset = int(state["journal_offset"])
-        self.position = offset
-        for rec in self.journal.records_from(offset):
-            self.position = rec.end  # a checkpoint taken while replaying it reflects exactly this far
-            agg.replay(rec.topic, rec.payload)
-            self.replayed += 1
+        for number in range(self.first_segment, self.segment + 1):
+            self._replay_segment(number, offset if number == self.first_segment else 0)
         self.position = self.journal.size
         self.journal.records = []  # replayed; the file is the record from now on
         if state is None and not self.replayed:
             return False
+        if state is None:
+            log.warning("no checkpoint in %s (deleted, or the server stopped before its first phase boundary): "
+                        "rebuilt the federation from its journal alone, segments %d-%d", self.directory,
+                        self.first_segment, self.segment)
         m = agg.machine
         where = "finished" if m.finished else (f"round {m.round} {m.phase.phase.value}" if m.phase else "waiting")
-        log.warning("resumed federation '%s' from %s: %s, %d client(s), %d journaled upload(s) replayed", self.fed,
+        log.warning("resumed federation '%s' from %s: %s, %d client(s), %d journaled input(s) replayed", self.fed,
                     self.directory, where, len(m.clients), self.replayed)
         return True
+
+    def _check_config(self) -> None:
+        """The federation's config is written once beside the journal (`federation.json`): a restart with
+        other settings is refused even where there is no checkpoint to compare with."""
+        assert self.aggregator is not None
+        mine = json.loads(json.dumps(self.aggregator.cfg.to_dict()))
+        path = self.directory / "federation.json"
+        if not path.exists():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"fed": self.fed, "config": mine}, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+            return
+        try:
+            saved = json.loads(path.read_text())["config"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path} cannot be read ({exc}); restore it from a backup, or move the state dir "
+                                  f"aside to start a new federation") from None
+        changed = config_changes(saved, mine)
+        if changed:
+            raise CheckpointError(f"{self.directory} cannot be resumed: the saved federation was run with another "
+                                  f"config (differs in: {', '.join(changed)}); start with the same settings, or use "
+                                  f"another --state-dir for a new federation")
+
+    def _replay_segment(self, number: int, offset: int) -> None:
+        assert self.aggregator is not None
+        journal = self.journal if number == self.segment else Journal(segment_path(self.directory, number))
+        try:
+            for rec in journal.records_from(offset):
+                self.aggregator.replay(rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)
+                self.replayed += 1
+        finally:
+            if journal is not self.journal:
+                journal.close()
 
     def close(self) -> None:
         self.journal.close()

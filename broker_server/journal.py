@@ -5,11 +5,16 @@ One record per accepted message (a join or an upload), in the order the round ma
     b"PFJ1" | body length (u32, big-endian) | CRC32 of the body (u32) | body (msgpack)
 
 The body is `{"t": topic, "p": payload, "c": client, "k": kind, "r": round, "ph": phase}`: the raw
-payload, so that replay goes through the same decoder and the same machine as live traffic. A crash
-in the middle of an append leaves a prefix of the last record: `open_journal` finds it (short header,
-short body or a bad CRC at the very end of the file), logs it and truncates the file there; the
-upload it held was never acknowledged, so the broker delivers it again. A bad record *followed* by
-good bytes is not a torn write but damage: it is refused with a `JournalError`, never skipped.
+payload, so that replay goes through the same decoder and the same machine as live traffic. Timers
+(a grace that ran out, a deadline) are records too, with an empty topic and payload: their kind says
+which (broker_server/shell.py).
+
+A crash in the middle of an append leaves a prefix of the last record: a short header or a short body
+at the very end of the file. Opening the journal finds it, copies it aside (`<segment>.torn-<offset>`,
+the evidence) and truncates the file there; the message it held was never acknowledged, so the broker
+delivers it again. A record that is complete but fails its CRC was written whole and then changed on
+disk (bit rot, a bad copy): that is damage, not a torn write, wherever it is, and the journal is refused
+with a `JournalError` naming the file and offset - never skipped, never truncated.
 No pickle: msgpack with binary payloads.
 """
 
@@ -77,11 +82,10 @@ def scan(data: bytes, path: Path | str = "journal") -> tuple[list[Record], int]:
             break  # torn inside the body
         body = data[pos + HEADER.size:end]
         if zlib.crc32(body) != crc:
-            if end == size:
-                break  # the last record, half on disk: a torn write
-            raise JournalError(f"{path}: record at byte {pos} fails its CRC32 check and {size - end} bytes follow "
-                               f"it; the journal is damaged, not torn. Restore the state dir from a backup, or move "
-                               f"it aside to start a new federation")
+            raise JournalError(f"{path}: the complete record at byte {pos} ({length} bytes) fails its CRC32 check: "
+                               f"it was written whole and changed on disk since (damage, not a crash mid-write). "
+                               f"Nothing was changed; restore the state dir from a backup, or move it aside to "
+                               f"start a new federation")
         try:
             records.append(_decode_body(body, pos, end))
         except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
@@ -102,8 +106,11 @@ class Journal:
         self.records, good = scan(data, self.path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         if good < len(data):
-            log.warning("%s: dropped a torn last record (%d bytes at offset %d, a crash mid-write); its upload was "
-                        "never acknowledged and will be delivered again", self.path, len(data) - good, good)
+            aside = self.path.with_name(f"{self.path.name}.torn-{good}")
+            aside.write_bytes(data[good:])
+            log.warning("%s: a torn last record (%d bytes at offset %d: a crash mid-write, shorter than its header "
+                        "says) was moved to %s; its message was never acknowledged and will be delivered again",
+                        self.path, len(data) - good, good, aside)
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
         self.size = good
@@ -133,6 +140,7 @@ class Journal:
         self._dirty = True
         if sync:
             self.sync()
+        crash_point("AFTER_APPEND")
         return self.size
 
     def sync(self) -> None:
@@ -155,21 +163,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-# Fault injection for the crash test: with PROTOFL_CRASH_MID_APPEND=N set, the N-th append of this
-# process writes half its record, fsyncs it and SIGKILLs the process: a real torn write, at a moment
-# no timer in a test can hit reliably. Unset (always, outside tests) it costs one dict lookup.
-_appends = 0
+# Fault injection for the crash tests, at moments no timer in a test can hit reliably. With
+# PROTOFL_CRASH_MID_APPEND=N set, the N-th append of this process writes half its record, fsyncs it and
+# SIGKILLs the process (a real torn write); with PROTOFL_CRASH_<POINT>=N, the N-th time this process
+# passes `crash_point("<point>")` it SIGKILLs itself there (AFTER_APPEND: a record written, not yet
+# applied; AFTER_CHECKPOINT: a checkpoint written, its round message not yet sent). Unset (always,
+# outside tests) each costs one dict lookup.
+_passes: dict[str, int] = {}
+
+
+def crash_point(point: str) -> None:
+    at = os.environ.get(f"PROTOFL_CRASH_{point}")
+    if not at:
+        return
+    _passes[point] = _passes.get(point, 0) + 1
+    if _passes[point] == int(at):
+        _kill_self()
 
 
 def _crash_point(fd: int, rec: bytes) -> None:
-    global _appends
     at = os.environ.get("PROTOFL_CRASH_MID_APPEND")
     if not at:
         return
-    _appends += 1
-    if _appends == int(at):
-        import signal
-
+    _passes["MID_APPEND"] = _passes.get("MID_APPEND", 0) + 1
+    if _passes["MID_APPEND"] == int(at):
         os.write(fd, rec[:len(rec) // 2])
         os.fsync(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _kill_self()
+
+
+def _kill_self() -> None:
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,24 +1,33 @@
-"""The round state machine: joins, phases, uploads and deadlines, with no transport (numpy only).
+"""The round state machine: joins, presence, phases, uploads and deadlines, with no I/O (numpy only).
 
 Round r: open -> [a first prototype phase -> targets] -> train phase -> fold into the server model, as
 the round plan says; what each phase does is the active techniques' rules (broker_server/stages.py).
-A phase closes when every expected client has sent what the plan asks of it in that
-phase, or at its deadline (`tick()`), provided at least `min_clients` did.
+A phase closes when every expected client has sent what the plan asks of it in that phase, or at its
+deadline; either way only once at least `min_clients` did (`--min-clients` is a floor for every close).
 
-The machine takes decoded messages and hands the messages it sends to a `publish` callback (the I/O
-shell in shell.py encodes and routes them). Anything it refuses raises `Drop` with a reason
-before any state changes; the shell is the one place that turns an exception into a counted drop.
+The machine is driven by inputs and answers with effects. An input is a decoded message (`Received`),
+a device's presence (`Presence`), or a timer that fired (`GraceOver`, `DeadlinePassed`: `timers(now)`
+says which are due). `accepts(input)` raises `Drop` for anything refused, before any state changes,
+and says whether applying it changes state that a restart must rebuild (the shell journals exactly
+those); `apply(input)` changes the state and returns what should happen outside: messages to publish,
+"a phase boundary" (the durable service checkpoints there), "a round closed", "metrics came in". Timers
+are inputs like messages, so a journal of inputs replays to the same state whatever the clock says.
+
+What survives a crash is declared once: `MachineState` and the server model's state fields; their
+checkpoint form is derived from the dataclasses (persist.py). Times are not state: after a restart the
+open phase's deadline and every grace period are measured from the resume.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
 from broker_server.stages import PhaseRun, build_model
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms.robust import ClipPolicy
@@ -32,7 +41,6 @@ from protofl.wire import (
     Message,
     Metrics,
     ParamsUpload,
-    ProtoSet,
     ProtoUpload,
     PublicSet,
     RoundStart,
@@ -41,12 +49,23 @@ from protofl.wire import (
 
 log = logging.getLogger("protofl.server")
 
-# publish(message, round, phase) -> encoded size in bytes
-Publish = Callable[[Message, int, str], int]
+# encode(message, round, phase) -> the bytes that go on the wire (their length is what is counted)
+Encode = Callable[[Message, int, str], bytes]
+
+# How long a device whose connection dropped (its last will) keeps its place in the open round: a flaky
+# link that reconnects within it delivers its upload; a dead device stops holding up the round after it.
+OFFLINE_GRACE_S = 5.0
+# After the server restarts (or its broker connection comes back) every device must reconnect, with a
+# backoff of up to 30 s (protofl/transport/mqtt.py Backoff): until a device has said "online" again, an
+# "offline" presence - the will a dying broker published for it - gives it this long, from the resume.
+RESUME_GRACE_S = 45.0
+# Metrics of rounds this far behind the current one are still taken (they arrive after their round
+# closed); anything else is refused, so a member cannot make the server keep metrics of any round.
+METRICS_LAG = 2
 
 
 class Drop(Exception):
-    """An upload the machine refuses: counted under `reason`, logged with `detail`, state unchanged."""
+    """An input the machine refuses: counted under `reason`, logged with `detail`, state unchanged."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -54,6 +73,73 @@ class Drop(Exception):
         self.detail = detail
 
 
+# -- inputs -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Received:
+    """A decoded message from a device's `up/` topic."""
+
+    env: Envelope
+    msg: Message
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Presence:
+    """A client's presence: online (connected), or offline (its last will, or it said goodbye)."""
+
+    client: str
+    online: bool
+
+
+@dataclass(frozen=True)
+class GraceOver:
+    """Timer: `client` went offline and did not come back within its grace; it leaves the open round."""
+
+    client: str
+
+
+@dataclass(frozen=True)
+class DeadlinePassed:
+    """Timer: the deadline of round `round`'s `phase` passed with at least min_clients complete."""
+
+    round: int
+    phase: Phase
+
+
+Input = Received | Presence | GraceOver | DeadlinePassed
+
+
+# -- effects ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Publish:
+    """Send `message` (already encoded as `payload`) on its topic, retained."""
+
+    message: Message
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A phase opened or the federation finished: the state has no half-folded phase (checkpoint here)."""
+
+
+@dataclass(frozen=True)
+class RoundClosed:
+    record: RoundRecord
+
+
+@dataclass(frozen=True)
+class MetricsIn:
+    client: str
+    round: int
+    metrics: Metrics
+    nbytes: int
+
+
+Effect = Publish | Boundary | RoundClosed | MetricsIn
+
+
+# -- state --------------------------------------------------------------------------------------
 @dataclass
 class RoundRecord:
     round: int
@@ -70,8 +156,8 @@ class OpenPhase:
     phase: Phase
     expected: set[str]
     needs: tuple[Upload, ...]
-    deadline: float
     received: dict[str, set[Upload]] = field(default_factory=dict)
+    deadline: float = field(default=0.0, metadata=NOT_STATE)  # a time: measured again after a restart
 
     def complete(self, client: str) -> bool:
         return set(self.needs) <= self.received.get(client, set())
@@ -80,31 +166,34 @@ class OpenPhase:
         return sorted(c for c in self.received if self.complete(c))
 
 
-# How long a device whose connection dropped (its last will) keeps its place in the open round: a flaky
-# link that reconnects within it delivers its upload; a dead device stops holding up the round after it.
-OFFLINE_GRACE_S = 5.0
+@dataclass
+class MachineState:
+    """Everything of the round machine that a restart must rebuild (besides the server model)."""
+
+    round: int = 0
+    finished: bool = False
+    phase: OpenPhase | None = None
+    clients: dict[str, Join] = field(default_factory=dict)
+    departed: dict[str, Join] = field(default_factory=dict)  # offline past their grace; back when online
+    leaving: set[str] = field(default_factory=set)  # offline, still expected for their grace
+    records: list[RoundRecord] = field(default_factory=list)
+    current: RoundRecord = field(default_factory=lambda: RoundRecord(round=1))
+    welcome_bytes: int = 0  # config + public set: what a new device receives once
 
 
 class RoundMachine:
-    def __init__(self, cfg: FederationConfig, publish: Publish, *, clock: Callable[[], float],
+    def __init__(self, cfg: FederationConfig, encode: Encode, *, clock: Callable[[], float],
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
-                 expected_clients: Sequence[str] | None = None,
-                 on_round_end: Callable[[RoundRecord], None] | None = None,
-                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 policy: ClipPolicy | None = None, offline_grace: float = OFFLINE_GRACE_S,
-                 on_boundary: Callable[[], None] | None = None) -> None:
+                 expected_clients: Sequence[str] | None = None, policy: ClipPolicy | None = None,
+                 offline_grace: float = OFFLINE_GRACE_S, resume_grace: float = RESUME_GRACE_S) -> None:
         self.cfg = cfg
-        # Called at every phase boundary (a phase opened, or the federation finished) before the round
-        # message goes out: the durable service checkpoints there (the accumulators are empty then).
-        self.on_boundary = on_boundary
-        self.offline_grace = offline_grace
-        self.plan = RoundPlan.from_config(cfg)
-        self.publish = publish
+        self.encode = encode
         self.clock = clock
+        self.offline_grace = offline_grace
+        self.resume_grace = max(resume_grace, offline_grace)
+        self.plan = RoundPlan.from_config(cfg)
         self.public = public if self.plan.public_classes else None
         self.expected_clients = sorted(expected_clients) if expected_clients else None
-        self.on_round_end = on_round_end
-        self.on_metrics = on_metrics
         self.model = build_model(cfg, self.plan, policy)  # uploads are clipped by default
         self.layout = (adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes)
                        if cfg.federate == "adapter" else [])
@@ -114,157 +203,279 @@ class RoundMachine:
             # Without an initial vector the devices start from the config seed's model (identical
             # everywhere); the simulator passes the vector so that round 1's downlink is counted.
             self.model.params = np.asarray(initial_params, np.float32)
-        self.clients: dict[str, Join] = {}
-        self.departed: dict[str, Join] = {}  # went offline (last will); back on presence "online" or a Join
-        self.leaving: dict[str, float] = {}  # offline, still expected until this time (the grace period)
-        self.round = 0
-        self.phase: OpenPhase | None = None
-        self.run: PhaseRun | None = None  # the open phase's folds
-        self.records: list[RoundRecord] = []
-        self.current = RoundRecord(round=1)
-        self.finished = False
-        self._welcome_bytes = 0  # config + public set: what a new device receives once
+        self.state = MachineState()
+        self.run: PhaseRun | None = None  # the open phase's folds (empty at every boundary)
+        # Timers and presence since the last resume: in memory only, never state.
+        self._grace_ends: dict[str, float] = {}
+        self._unconfirmed: set[str] = set()  # clients not heard "online" since the resume
+        self._resumed_at = 0.0
+        self._below_floor_said = False
 
-    # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, limits: dict[str, int]) -> None:
-        self._welcome_bytes = self.publish(
-            Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
-                   class_masks=self.model.masks, limits=limits), 0, "")
-        if self.public is not None:
-            self._welcome_bytes += self.publish(self.public, 0, "")
-        self._status("waiting", f"0/{self.quorum} clients")
+    # The state, read by the shell, services, simulators and tests.
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    @property
+    def phase(self) -> OpenPhase | None:
+        return self.state.phase
+
+    @property
+    def clients(self) -> dict[str, Join]:
+        return self.state.clients
+
+    @property
+    def departed(self) -> dict[str, Join]:
+        return self.state.departed
+
+    @property
+    def records(self) -> list[RoundRecord]:
+        return self.state.records
 
     @property
     def quorum(self) -> int:
+        """Clients needed to open round 1."""
         return len(self.expected_clients) if self.expected_clients else self.cfg.min_clients
 
-    def _status(self, state: str, detail: str = "") -> None:
-        self.publish(Status(state=state, detail=detail), self.round, "")
+    @property
+    def floor(self) -> int:
+        """Clients that must have sent everything before a phase may close."""
+        return min(self.cfg.min_clients, self.quorum)
 
-    # -- incoming (every refusal raises Drop before anything changes) -----------------------------
-    def receive(self, env: Envelope, msg: Message, nbytes: int) -> None:
-        if isinstance(msg, Join):
-            self._on_join(env, msg, nbytes)
-        elif isinstance(msg, Metrics):
-            self._on_metrics(env, msg, nbytes)
-        elif isinstance(msg, (ProtoUpload, ParamsUpload)):
-            self._on_upload(env, msg, nbytes)
-        else:
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, limits: dict[str, int]) -> list[Effect]:
+        """The federation's first messages: config, public set, "waiting"."""
+        out = self._welcome(limits)
+        self.state.welcome_bytes = sum(len(e.payload) for e in out)
+        return [*out, self._status("waiting", f"0/{self.quorum} clients")]
+
+    def announce(self, limits: dict[str, int]) -> list[Effect]:
+        """After a restart: the retained messages again (config, public set, status, the open round
+        message), not counted as downlink; a device that already handled the round message sends its
+        uploads again, and those already applied are dropped as duplicates."""
+        out: list[Effect] = [*self._welcome(limits)]
+        s = self.state
+        if s.finished:
+            return out + self._finish_messages()
+        if s.phase is None:
+            return out + [self._status("waiting", f"{len(s.clients)}/{self.quorum} clients")]
+        return out + [self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
+                      self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value)]
+
+    def _welcome(self, limits: dict[str, int]) -> list[Publish]:
+        out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(),
+                                                  adapter_layout=self.layout, class_masks=self.model.masks,
+                                                  limits=limits), "", round_=0)]
+        if self.public is not None:
+            out.append(self._publish(self.public, "", round_=0))
+        return out
+
+    def _publish(self, msg: Message, phase: str, round_: int | None = None) -> Publish:
+        return Publish(msg, self.encode(msg, self.state.round if round_ is None else round_, phase))
+
+    def _status(self, state: str, detail: str = "") -> Publish:
+        return self._publish(Status(state=state, detail=detail), "")
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def accepts(self, inp: Input) -> bool:
+        """Raise Drop if `inp` is refused (nothing changes); else whether applying it changes state that a
+        restart must rebuild (what the shell journals before applying it)."""
+        s = self.state
+        if isinstance(inp, Received):
+            env, msg = inp.env, inp.msg
+            if isinstance(msg, (ProtoUpload, ParamsUpload)):
+                self._check_upload(env, msg)
+                return True
+            if isinstance(msg, Join):
+                self._check_member(env.sender)
+                return env.sender not in s.clients or env.sender in s.leaving
+            if isinstance(msg, Metrics):
+                self._check_metrics(env)
+                return False
             raise Drop("unexpected_kind", f"'{env.kind}' from {env.sender}")
+        if isinstance(inp, Presence):
+            if s.finished:
+                return False
+            if inp.online:
+                return inp.client in s.leaving or inp.client in s.departed
+            return inp.client in s.clients and inp.client not in s.leaving
+        if isinstance(inp, GraceOver):
+            return not s.finished and inp.client in s.leaving and inp.client in s.clients
+        return s.phase is not None and not s.finished and (inp.round, inp.phase) == (s.round, s.phase.phase)
 
-    def needs_journal(self, env: Envelope, msg: Message) -> bool:
-        """Whether applying this message changes state that a restart must rebuild: an upload the open
-        phase accepts, or a join that adds a client. Raises Drop (state unchanged) for an upload or join
-        that `receive` would refuse, so that nothing refused is ever written to the journal."""
-        if isinstance(msg, (ProtoUpload, ParamsUpload)):
-            self._check_upload(env, msg)
-            return True
-        if isinstance(msg, Join):
-            if self.expected_clients and env.sender not in self.expected_clients:
-                raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
-            return env.sender not in self.clients
-        return False
+    def apply(self, inp: Input) -> list[Effect]:
+        """Apply an input that `accepts` took (again while replaying a journal); returns its effects."""
+        if isinstance(inp, Received):
+            msg = inp.msg
+            if isinstance(msg, Join):
+                return self._on_join(inp.env, msg, inp.nbytes)
+            if isinstance(msg, Metrics):
+                return [MetricsIn(inp.env.sender, inp.env.round, msg, inp.nbytes)]
+            assert isinstance(msg, (ProtoUpload, ParamsUpload))
+            return self._on_upload(inp.env, msg, inp.nbytes)
+        if isinstance(inp, Presence):
+            return self._come_back(inp.client) if inp.online else self._leave(inp.client)
+        if isinstance(inp, GraceOver):
+            return self._depart(inp.client) if self.accepts(inp) else []
+        return self._close_phase("deadline") if self.accepts(inp) else []
 
-    def _on_join(self, env: Envelope, msg: Join, nbytes: int) -> None:
-        if self.expected_clients and env.sender not in self.expected_clients:
-            raise Drop("unknown_client", f"'{env.sender}' is not in this federation's client list")
-        new = env.sender not in self.clients
-        self.departed.pop(env.sender, None)
-        self.leaving.pop(env.sender, None)
-        self.clients[env.sender] = msg
-        self.current.uplink_bytes += nbytes
+    def timers(self, now: float) -> list[GraceOver | DeadlinePassed]:
+        """The timer inputs due at `now`: devices whose grace ran out, then the open phase's deadline.
+        A deadline that passes with fewer than min_clients complete is moved on by another round_timeout."""
+        s = self.state
+        if s.finished:
+            return []
+        due: list[GraceOver | DeadlinePassed] = [GraceOver(c) for c in sorted(s.leaving)
+                                                 if now >= self._grace_ends.get(c, 0.0) and c in s.clients]
+        open_ = s.phase
+        if open_ is not None and not due and now >= open_.deadline:
+            done = open_.done_clients()
+            if len(done) >= self.floor:
+                due.append(DeadlinePassed(s.round, open_.phase))
+            else:
+                log.warning("round %d %s: deadline passed with %d/%d clients (min %d); waiting another %.0fs",
+                            s.round, open_.phase.value, len(done), len(open_.expected), self.floor,
+                            self.cfg.round_timeout)
+                open_.deadline = now + self.cfg.round_timeout
+        return due
+
+    def _check_member(self, client: str) -> None:
+        if self.expected_clients and client not in self.expected_clients:
+            raise Drop("unknown_client", f"'{client}' is not in this federation's client list")
+
+    def _check_metrics(self, env: Envelope) -> None:
+        if env.sender not in self.state.clients:
+            raise Drop("unknown_client", f"metrics from '{env.sender}'")
+        if not self.state.round - METRICS_LAG <= env.round <= self.state.round:
+            raise Drop("stale", f"metrics for round {env.round} from {env.sender}; now round {self.state.round}")
+
+    def _on_join(self, env: Envelope, msg: Join, nbytes: int) -> list[Effect]:
+        s = self.state
+        new = env.sender not in s.clients
+        s.departed.pop(env.sender, None)
+        self._forget_leaving(env.sender)
+        s.clients[env.sender] = msg
+        s.current.uplink_bytes += nbytes
         if new:
-            self.current.downlink_bytes += self._welcome_bytes
+            s.current.downlink_bytes += s.welcome_bytes
             log.info("client %s joined (%s, %d samples); %d/%d", env.sender, msg.arch or "default arch",
-                     msg.n_samples, len(self.clients), self.quorum)
-        if self.round == 0 and not self.finished and len(self.clients) >= self.quorum:
-            self._open_round(1)
-        elif self.phase is not None and new:
-            self.phase.expected.add(env.sender)
+                     msg.n_samples, len(s.clients), self.quorum)
+        if s.round == 0 and not s.finished and len(s.clients) >= self.quorum:
+            return self._open_round(1)
+        if s.phase is not None and new:
+            s.phase.expected.add(env.sender)
+        return []
 
-    def leave(self, client: str, now: float | None = None) -> None:
-        """`client` went offline (its last will, or it said so). After `offline_grace` seconds without coming
-        back (see `tick`) it no longer holds up the open phase, which then closes if everyone left in it has
-        sent everything; a link that reconnects within the grace keeps its place."""
-        if self.finished or client not in self.clients:
-            return
-        if self.offline_grace > 0:
-            self.leaving.setdefault(client, (self.clock() if now is None else now) + self.offline_grace)
-            return
-        self._depart(client)
+    def _leave(self, client: str) -> list[Effect]:
+        """`client` went offline. After its grace without coming back (a `GraceOver` timer) it no longer
+        holds up the open phase; a link that reconnects within the grace keeps its place. Until a client
+        has said "online" since the resume, its grace is the resume grace, counted from the resume: an
+        "offline" then is most likely the will its broker published while dying with the server."""
+        now = self.clock()
+        if client in self._unconfirmed:
+            end = max(now + self.offline_grace, self._resumed_at + self.resume_grace)
+        else:
+            end = now + self.offline_grace
+        self.state.leaving.add(client)
+        self._grace_ends[client] = end
+        if end <= now:
+            return self._depart(client)
+        return []
 
-    def _depart(self, client: str) -> None:
-        self.leaving.pop(client, None)
-        self.departed[client] = self.clients.pop(client)
-        open_ = self.phase
-        log.info("client %s left; %d client(s) remain", client, len(self.clients))
+    def _forget_leaving(self, client: str) -> None:
+        self.state.leaving.discard(client)
+        self._grace_ends.pop(client, None)
+
+    def _depart(self, client: str) -> list[Effect]:
+        s = self.state
+        self._forget_leaving(client)
+        s.departed[client] = s.clients.pop(client)
+        log.info("client %s left; %d client(s) remain", client, len(s.clients))
+        open_ = s.phase
         if open_ is not None and not open_.complete(client):
             open_.expected.discard(client)
-            if open_.expected and all(open_.complete(c) for c in open_.expected):
-                self._close_phase("quorum")
+            return self._close_if_complete()
+        return []
 
-    def come_back(self, client: str) -> None:
-        """A device that left is online again (reconnected, same session): it is a client again."""
-        if self.leaving.pop(client, None) is not None:
-            return  # back within the grace: it never left
-        if self.finished or client not in self.departed:
-            return
-        self.clients[client] = self.departed.pop(client)
-        if self.phase is not None:
-            self.phase.expected.add(client)
-        log.info("client %s is back; %d client(s)", client, len(self.clients))
-
-    def _on_metrics(self, env: Envelope, msg: Metrics, nbytes: int) -> None:
-        if env.sender not in self.clients:
-            raise Drop("unknown_client", f"metrics from '{env.sender}'")
-        if self.on_metrics is not None:
-            self.on_metrics(env.sender, env.round, msg, nbytes)
+    def _come_back(self, client: str) -> list[Effect]:
+        """A device is online (reconnected): if it left, it is a client again."""
+        s = self.state
+        self._unconfirmed.discard(client)
+        if client in s.leaving:
+            self._forget_leaving(client)  # back within the grace: it never left
+            return []
+        if s.finished or client not in s.departed:
+            return []
+        s.clients[client] = s.departed.pop(client)
+        if s.phase is not None:
+            s.phase.expected.add(client)
+        log.info("client %s is back; %d client(s)", client, len(s.clients))
+        return []
 
     def _check_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
-        if env.sender not in self.clients:
+        s = self.state
+        if env.sender not in s.clients:
             raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
-        open_ = self.phase
-        now = f"now round {self.round}/{open_.phase.value if open_ else '-'}"
-        if open_ is None or env.round < self.round:
+        open_ = s.phase
+        now = f"now round {s.round}/{open_.phase.value if open_ else '-'}"
+        if open_ is None or env.round < s.round:
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
         if env.phase not in {p.value for p in self.plan.phases}:
             raise Drop("wrong_phase", f"{env.kind} for phase '{env.phase}', which this federation does not have")
         phase = Phase(env.phase)
-        if env.round == self.round and self.plan.phases.index(phase) < self.plan.phases.index(open_.phase):
+        if env.round == s.round and self.plan.phases.index(phase) < self.plan.phases.index(open_.phase):
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
-        if env.round > self.round or phase is not open_.phase:
+        if env.round > s.round or phase is not open_.phase:
             raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now}")
         kind = Upload(env.kind)
         if kind in open_.received.get(env.sender, set()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
-        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.round:
-            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.round}")
+        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != s.round:
+            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {s.round}")
         return open_, kind
 
-    def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> None:
+    def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
         open_, kind = self._check_upload(env, msg)
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
         assert self.run is not None
         self.run.add(kind, msg)
         open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
-        self.current.uplink_bytes += nbytes
-        if all(open_.complete(c) for c in open_.expected):
-            self._close_phase("quorum")
+        self.state.current.uplink_bytes += nbytes
+        return self._close_if_complete()
+
+    def _close_if_complete(self) -> list[Effect]:
+        """Close the open phase when every expected client sent everything, if at least the floor did."""
+        open_ = self.state.phase
+        assert open_ is not None
+        if not open_.expected or not all(open_.complete(c) for c in open_.expected):
+            return []
+        if len(open_.done_clients()) >= self.floor:
+            return self._close_phase("quorum")
+        if not self._below_floor_said:
+            self._below_floor_said = True
+            log.warning("round %d %s: every client still here sent (%d), fewer than --min-clients %d: waiting "
+                        "for devices to come back, or the deadline", self.state.round, open_.phase.value,
+                        len(open_.done_clients()), self.floor)
+        return []
 
     # -- phases ---------------------------------------------------------------------------------
-    def _open_round(self, r: int) -> None:
-        self.round = r
-        self.current.round = r
-        self.current.started = self.clock()
-        self._open_phase(self.plan.first_phase)
+    def _open_round(self, r: int) -> list[Effect]:
+        self.state.round = r
+        self.state.current.round = r
+        self.state.current.started = self.clock()
+        return self._open_phase(self.plan.first_phase)
 
     def _round_message(self, phase: Phase, deadline: float) -> RoundStart:
-        """The round message that opens `phase`: a pure function of the model, so that a restarted
-        aggregator announces the same one."""
+        """The round message that opens `phase`: a function of the model, so that a restarted aggregator
+        announces the same one (its deadline aside)."""
         model, plan = self.model, self.plan
         assert self.run is not None
         targets = self.run.round_targets()
@@ -274,149 +485,78 @@ class RoundMachine:
                           targets=targets, target_label=plan.target_label if targets is not None else "",
                           participants=None, final=False, dt=plan.adapter_dtype)
 
-    def _open_phase(self, phase: Phase) -> None:
-        plan = self.plan
+    def _open_phase(self, phase: Phase) -> list[Effect]:
+        s = self.state
         self.run = PhaseRun(self.model, phase)
         deadline = self.clock() + self.cfg.round_timeout
-        msg = self._round_message(phase, deadline)
-        self.phase = OpenPhase(phase, set(self.clients), plan.sends(phase), deadline)
-        if self.on_boundary is not None:
-            self.on_boundary()
-        self._status("running", f"round {self.round}/{self.cfg.rounds} {phase.value}")
-        nbytes = self.publish(msg, self.round, phase.value)
-        self.current.downlink_bytes += nbytes * len(self.clients)
+        message = self._publish(self._round_message(phase, deadline), phase.value)
+        # Counted before the boundary's checkpoint, so that a restart (which announces it again without
+        # counting) keeps it.
+        s.current.downlink_bytes += len(message.payload) * len(s.clients)
+        s.phase = OpenPhase(phase, set(s.clients), self.plan.sends(phase), deadline=deadline)
+        self._below_floor_said = False
+        return [Boundary(), self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}"), message]
 
-    def tick(self, now: float | None = None) -> None:
-        """Let devices whose grace ran out leave; close the open phase if its deadline has passed (call
-        periodically)."""
-        now = self.clock() if now is None else now
-        for client, until in sorted(self.leaving.items()):
-            if now >= until and client in self.clients and not self.finished:
-                self._depart(client)
-        open_ = self.phase
-        if open_ is None or self.finished:
-            return
-        if now < open_.deadline:
-            return
-        done = open_.done_clients()
-        if len(done) >= self.cfg.min_clients:
-            self._close_phase("deadline")
-        else:
-            log.warning("round %d %s: deadline passed with %d/%d clients (min %d); waiting another %.0fs",
-                        self.round, open_.phase.value, len(done), len(open_.expected), self.cfg.min_clients,
-                        self.cfg.round_timeout)
-            open_.deadline = now + self.cfg.round_timeout
-
-    def _close_phase(self, why: str) -> None:
-        open_ = self.phase
-        assert open_ is not None
-        assert self.run is not None
+    def _close_phase(self, why: str) -> list[Effect]:
+        s = self.state
+        open_ = s.phase
+        assert open_ is not None and self.run is not None
         self.run.finish()
         self.run = None
         nxt = self.plan.next_phase(open_.phase)
         if nxt is not None:
-            self._open_phase(nxt)
-            return
-        self.phase = None
-        rec = self.current
+            return self._open_phase(nxt)
+        s.phase = None
+        rec = s.current
         rec.clients = open_.done_clients()
         rec.ended = self.clock()
         rec.closed_by = why
-        self.records.append(rec)
+        s.records.append(rec)
         log.info("round %d: %d/%d clients (%s), up %s, down %s", rec.round, len(rec.clients), len(open_.expected),
                  why, human_bytes(rec.uplink_bytes), human_bytes(rec.downlink_bytes))
-        self.current = RoundRecord(round=rec.round + 1)
-        if self.on_round_end is not None:
-            self.on_round_end(rec)
+        s.current = RoundRecord(round=rec.round + 1)
+        out: list[Effect] = [RoundClosed(rec)]
         if rec.round >= self.cfg.rounds:
-            self._finish()
-        else:
-            self._open_round(rec.round + 1)
+            s.finished = True
+            return out + [Boundary(), *self._finish_messages()]
+        return out + self._open_round(rec.round + 1)
 
-    def _finish(self) -> None:
-        self.finished = True
-        if self.on_boundary is not None:
-            self.on_boundary()
-        self._announce_finish()
-
-    def _announce_finish(self) -> None:
-        self.publish(RoundStart(deadline=self.clock(), adapter=self.model.adapter, params=self.model.params,
-                                targets=None, target_label="", participants=None, final=True,
-                                dt=self.plan.adapter_dtype), self.round, Phase.DONE.value)
-        self._status("finished", f"{self.round} rounds")
+    def _finish_messages(self) -> list[Effect]:
+        return [self._publish(RoundStart(deadline=self.clock(), adapter=self.model.adapter, params=self.model.params,
+                                         targets=None, target_label="", participants=None, final=True,
+                                         dt=self.plan.adapter_dtype), Phase.DONE.value),
+                self._status("finished", f"{self.state.round} rounds")]
 
     # -- durability: the state at a phase boundary, and a restart from it ------------------------
     def snapshot(self) -> dict[str, Any]:
-        """The machine's state as plain values and numpy arrays (no objects), taken at a phase boundary:
-        the open phase has received nothing yet, so its accumulators are fresh and need not be saved."""
-        open_ = self.phase
+        """The machine's state as plain values and numpy arrays, taken at a phase boundary: the open phase
+        has received nothing yet, so its folds are fresh and need not be saved."""
+        open_ = self.state.phase
         if open_ is not None and open_.received:
             raise RuntimeError("snapshot() is taken at phase boundaries only (this phase has uploads)")
-        m = self.model
-        return {
-            "cfg": self.cfg.to_dict(), "round": self.round, "finished": self.finished,
-            "phase": None if open_ is None else {"phase": open_.phase.value, "expected": sorted(open_.expected),
-                                                 "deadline": open_.deadline},
-            "anchors": None if m.targets is None else {
-                "classes": m.targets.classes, "values": m.targets.values, "counts": m.targets.counts,
-                "dt": m.targets.dt},
-            "model": {"adapter": m.adapter, "params": m.params, "unit": m.unit, "masks": m.masks,
-                      "prototypes": [[int(c), v] for c, v in sorted(m.prototypes.items())],
-                      "radii": dict(m.radii), "clipped": dict(m.clipped),
-                      "rules": {name: rule.persist()
-                                for name, rule in zip(self.plan.techniques, m.rules, strict=True)}},
-            "clients": {c: asdict(j) for c, j in self.clients.items()},
-            "departed": {c: asdict(j) for c, j in self.departed.items()},
-            "leaving": dict(self.leaving),
-            "records": [asdict(r) for r in self.records], "current": asdict(self.current),
-            "welcome_bytes": self._welcome_bytes,
-        }
+        rules = {name: rule.persist() for name, rule in zip(self.plan.techniques, self.model.rules, strict=True)}
+        return {"cfg": self.cfg.to_dict(), "machine": to_plain(self.state),
+                "model": to_plain(self.model), "rules": rules}
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Back to a `snapshot()` (the config must be the one it was taken with). The open phase gets a
-        fresh deadline: its devices could not reach us while we were down."""
-        if state["cfg"] != self.cfg.to_dict():
-            changed = sorted(k for k in set(state["cfg"]) | set(self.cfg.to_dict())
-                             if state["cfg"].get(k) != self.cfg.to_dict().get(k))
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the
+        journal after it is replayed."""
+        mine = self.cfg.to_dict()
+        if saved["cfg"] != mine:
+            changed = sorted(k for k in set(saved["cfg"]) | set(mine) if saved["cfg"].get(k) != mine.get(k))
             raise ValueError(f"the saved federation was run with another config (differs in: {', '.join(changed)})")
-        m = self.model
-        sm = state["model"]
-        m.adapter, m.params, m.unit, m.masks = sm["adapter"], sm["params"], sm["unit"], sm["masks"]
-        m.prototypes = {int(c): v for c, v in sm["prototypes"]}
-        m.radii, m.clipped = dict(sm["radii"]), dict(sm["clipped"])
-        self.round, self.finished = int(state["round"]), bool(state["finished"])
-        for name, rule in zip(self.plan.techniques, m.rules, strict=True):
-            rule.restore(sm.get("rules", {}).get(name, {}))
-        a = state["anchors"]
-        m.targets = None if a is None else ProtoSet(classes=a["classes"], values=a["values"], counts=a["counts"],
-                                                    dt=a["dt"])
-        self.clients = {c: Join(**j) for c, j in state["clients"].items()}
-        self.departed = {c: Join(**j) for c, j in state["departed"].items()}
-        self.leaving = {c: float(t) for c, t in state["leaving"].items()}
-        self.records = [RoundRecord(**r) for r in state["records"]]
-        self.current = RoundRecord(**state["current"])
-        self._welcome_bytes = int(state["welcome_bytes"])
-        self.run = None
-        self.phase = None
-        p = state["phase"]
-        if p is not None:
-            phase = Phase(p["phase"])
-            self.run = PhaseRun(m, phase)
-            self.phase = OpenPhase(phase, set(p["expected"]), self.plan.sends(phase),
-                                   self.clock() + self.cfg.round_timeout)
+        restore_fields(self.model, saved["model"])
+        for name, rule in zip(self.plan.techniques, self.model.rules, strict=True):
+            rule.restore(saved["rules"].get(name, {}))
+        self.state = from_plain(MachineState, saved["machine"])
+        self.run = None if self.state.phase is None else PhaseRun(self.model, self.state.phase.phase)
 
-    def announce(self, limits: dict[str, int]) -> None:
-        """After a restart: publish the retained messages again (config, public set, status, the open
-        round message) without counting them as downlink; a device that already handled the round
-        message sends its uploads again, and those already applied are dropped as duplicates."""
-        self.publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
-                            class_masks=self.model.masks, limits=limits), 0, "")
-        if self.public is not None:
-            self.publish(self.public, 0, "")
-        if self.finished:
-            self._announce_finish()
-        elif self.phase is None:
-            self._status("waiting", f"{len(self.clients)}/{self.quorum} clients")
-        else:
-            self._status("running", f"round {self.round}/{self.cfg.rounds} {self.phase.phase.value}")
-            self.publish(self._round_message(self.phase.phase, self.phase.deadline), self.round, self.phase.phase.value)
+    def resume(self, now: float) -> None:
+        """Times start again from `now` (a restart, or the broker connection back): the open phase's
+        deadline, and every grace; devices not heard "online" since get the resume grace."""
+        s = self.state
+        if s.phase is not None:
+            s.phase.deadline = now + self.cfg.round_timeout
+        self._resumed_at = now
+        self._unconfirmed = set(s.clients)
+        self._grace_ends = {c: now + self.resume_grace for c in s.leaving}

@@ -89,6 +89,7 @@ class AggregatorService:
                                      limits=limits)  # None: the aggregator derives them from the config
         self.durable: DurableState | None = None
         self.resumed = False
+        self._connects = 0  # broker connections seen: a new one after the first makes presence stale
         if state_dir is not None:
             self.durable = DurableState(Path(state_dir) / "aggregator", fed, fsync=fsync, group_commit=group_commit)
             self.durable.bind(self.aggregator)
@@ -124,6 +125,11 @@ class AggregatorService:
 
     def step(self, timeout: float | None = None) -> int:
         """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
+        connects = self.transport.stats.connects
+        if connects > self._connects:
+            if self._connects:
+                self.aggregator.reconnected()
+            self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.aggregator.tick()
         self.round_log.poll(time.time())

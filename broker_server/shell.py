@@ -1,12 +1,17 @@
 """The aggregator: the round state machine (rounds.py) behind a thin I/O shell over any `Transport`.
 
-The shell decodes each upload with the federation's limits, checks that the topic's client id is
-the message's sender and that the federation is ours, and hands the message to the machine. With a
-member list (join credentials or `--allow`), an upload on a non-member's topic is dropped before it
-is even decoded, so strangers cost a counter, not memory. It is
-the ONE error boundary: whatever is raised while decoding, validating or folding an upload becomes a
-counted, logged drop with its reason, and the state is unchanged (the machine and its accumulators
-check everything before they change anything). numpy only.
+The shell turns what arrives into the machine's inputs - an upload, join or metrics message on a
+device's `up/` topic, a device's presence, a timer that fired - and carries out the effects the machine
+returns: it publishes messages (retained), hands closed rounds and metrics on, and lets the durable
+service checkpoint at phase boundaries. Before an input that changes state is applied it goes to the
+journal (`journal`), so a restart replays exactly the inputs that were applied, in order (`replay`).
+
+It decodes each message with the federation's limits, checks that the topic's client id is the
+message's sender and that the federation is ours. With a member list (join credentials or `--allow`),
+a message on a non-member's topic is dropped before it is even decoded, so strangers cost a counter,
+not memory. It is the ONE error boundary: whatever is raised while decoding, validating or folding an
+input becomes a counted, logged drop with its reason, and the state is unchanged (the machine and its
+folds check everything before they change anything). numpy only.
 """
 
 from __future__ import annotations
@@ -17,18 +22,32 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from broker_server.rounds import OFFLINE_GRACE_S, Drop, RoundMachine, RoundRecord
+from broker_server.rounds import (
+    OFFLINE_GRACE_S,
+    Boundary,
+    DeadlinePassed,
+    Drop,
+    Effect,
+    GraceOver,
+    Input,
+    MetricsIn,
+    Presence,
+    Publish,
+    Received,
+    RoundClosed,
+    RoundMachine,
+    RoundRecord,
+)
 from broker_server.stages import ServerModel
 from protofl import topics
 from protofl.adapter import adapter_layout, layout_size
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import WireError
-from protofl.plan import RoundPlan
+from protofl.plan import Phase, RoundPlan
 from protofl.transport import Transport
 from protofl.wire import (
     Config,
-    Envelope,
     Join,
     Limits,
     Message,
@@ -54,6 +73,14 @@ def decoder_limits(cfg: FederationConfig, model_values: int | None = None) -> Li
     return RoundPlan.from_config(cfg).limits(model_values, adapter)
 
 
+
+# journal(topic, payload, client, kind, round, phase): make an input durable before it is applied.
+# Timers have no topic or payload: their kind (TIMER_KINDS) and fields say what fired.
+JournalAppend = Callable[[str, bytes, str, str, int, str], None]
+GRACE_OVER, DEADLINE = "grace_over", "deadline"
+TIMER_KINDS = (GRACE_OVER, DEADLINE)
+
+
 class Aggregator:
     def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *,
                  clock: Callable[[], float] = time.time,
@@ -67,19 +94,19 @@ class Aggregator:
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  offline_grace: float = OFFLINE_GRACE_S,
-                 journal: Callable[[str, bytes, Envelope], None] | None = None,
+                 journal: JournalAppend | None = None,
                  on_boundary: Callable[[], None] | None = None) -> None:
         self.fed = fed
         self.transport = transport
-        self.machine = RoundMachine(cfg, self._publish, clock=clock, initial_params=initial_params, public=public,
-                                    expected_clients=expected_clients, on_round_end=on_round_end,
-                                    on_metrics=on_metrics, policy=policy, offline_grace=offline_grace,
-                                    on_boundary=on_boundary)
-        # Durability (service.py): `journal(topic, payload, envelope)` makes an accepted upload durable
-        # before the machine applies it; it is skipped while the journal itself is replayed, and so is
-        # publishing (a restarted aggregator announces its state once, afterwards: `resume()`).
+        self.clock = clock
+        self.machine = RoundMachine(cfg, self._encode, clock=clock, initial_params=initial_params, public=public,
+                                    expected_clients=expected_clients, policy=policy, offline_grace=offline_grace)
+        self.on_round_end = on_round_end
+        self.on_metrics = on_metrics
+        # Durability (durable.py): `journal` makes an input durable before the machine applies it;
+        # `on_boundary` checkpoints at a phase boundary (before that phase's round message goes out).
         self.journal = journal
-        self.replaying = False
+        self.on_boundary = on_boundary
         model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
         self.limits = limits or decoder_limits(cfg, model_values)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
@@ -117,102 +144,169 @@ class Aggregator:
 
     def start(self, resume: bool = False) -> None:
         """Announce the federation (or, `resume`d from a checkpoint and journal, its current round and
-        phase again) and subscribe to uploads and presence."""
+        phase again, with every time measured from now) and subscribe to uploads and presence."""
         limits = {"max_message_bytes": self.limits.max_message_bytes}
         if resume:
-            self.machine.announce(limits)
+            self.machine.resume(self.clock())
+            self._run(self.machine.announce(limits), live=True)
         else:
-            self.machine.start(limits)
+            self._run(self.machine.start(limits), live=True)
         self.transport.subscribe(topics.up_all(self.fed), self.on_message)
         self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
 
-    def replay(self, topic: str, payload: bytes) -> None:
-        """Apply a journaled upload again (after a restart): the same decoder, checks and machine as live
-        traffic, in journal order, so the state is rebuilt exactly; nothing is journaled or published."""
-        self.replaying = True
-        try:
-            self.on_message(topic, payload)
-        finally:
-            self.replaying = False
+    def reconnected(self) -> None:
+        """The broker connection came back: presence seen meanwhile is stale (wills of a restarted broker),
+        so devices get the resume grace to say they are online again, and the deadline starts again."""
+        self.machine.resume(self.clock())
 
     def tick(self, now: float | None = None) -> None:
-        """Close the open phase if its deadline has passed (call periodically)."""
-        self.machine.tick(now)
+        """Fire the timers that are due: devices whose grace ran out, the open phase's deadline (call
+        periodically). Each is journaled like a message, so a replay needs no clock."""
+        for timer in self.machine.timers(self.clock() if now is None else now):
+            if isinstance(timer, GraceOver):
+                entry = ("", b"", timer.client, GRACE_OVER, self.round, "")
+            else:
+                entry = ("", b"", "", DEADLINE, timer.round, timer.phase.value)
+            self._handle(timer, entry, "timer")
+
+    def replay(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
+        """Apply a journaled input again (after a restart): the same decoder, checks and machine as live,
+        in journal order, so the state is rebuilt exactly; nothing is journaled or published again."""
+        inp: Input | None
+        if kind == GRACE_OVER:
+            inp = GraceOver(client)
+        elif kind == DEADLINE:
+            inp = DeadlinePassed(round_, Phase(phase))
+        elif topics.is_presence(topic):
+            inp = self._presence_input(topic, payload)
+        else:
+            inp = self._received(topic, payload)
+        what = f"journaled {kind} from {client or '-'} (round {round_})"
+        if inp is None:
+            log.warning("%s was refused on replay", what)
+            return
+        try:
+            if self.machine.accepts(inp):
+                self._run(self.machine.apply(inp), live=False)
+            else:
+                log.warning("%s changed nothing on replay", what)
+        except Drop as drop:
+            self._drop(drop.reason, drop.detail, len(payload))
+            log.warning("%s was refused on replay", what)
 
     # -- the error boundary ---------------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
+        inp = self._received(topic, payload)
+        if inp is not None:
+            env = inp.env
+            self._handle(inp, (topic, payload, env.sender, env.kind, env.round, env.phase),
+                         f"{env.kind} from {env.sender} (round {env.round}/{env.phase or '-'})")
+
+    def _received(self, topic: str, payload: bytes) -> Received | None:
+        """A message from a device's `up/` topic as the machine's input, or None (a counted drop)."""
         topic_client = topics.client_of(topic)
         nbytes = len(payload)
         if self.members is not None and topic_client not in self.members:
             self._drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
-            return
+            return None
         try:
             env, msg = decode_message(payload, limits=self.limits)
         except WireError as exc:
             self._drop("malformed", f"{topic}: {exc}", nbytes)
-            return
-        where = f"{env.kind} from {env.sender} (round {env.round}/{env.phase or '-'})"
-        try:
-            if env.sender != topic_client:
-                raise Drop("sender_mismatch", f"topic says '{topic_client}', message says '{env.sender}'")
-            if env.fed != self.fed:
-                raise Drop("wrong_fed", f"'{env.fed}' on federation '{self.fed}'")
-            if isinstance(msg, Join) and self.max_clients is not None and env.sender not in self.clients \
-                    and len(self.clients) >= self.max_clients:
-                raise Drop("max_clients", f"join from '{env.sender}': the federation has its {self.max_clients} "
-                                          f"clients (--max-clients)")
-            if self.journal is not None and not self.replaying and self.machine.needs_journal(env, msg):
-                self.journal(topic, payload, env)  # on disk before it changes anything (and before the ack)
-            self.machine.receive(env, msg, nbytes)
-        except Drop as drop:
-            self._drop(drop.reason, drop.detail, nbytes)
-        except (WireError, ValueError) as exc:
-            self._drop("invalid", f"{where}: {exc}", nbytes)
-        except Exception as exc:  # a bug in a stage must not take the federation down with it
-            log.exception("unexpected error while handling %s", where)
-            self._drop("invalid", f"{where}: {type(exc).__name__}: {exc}", nbytes)
+            return None
+        if env.sender != topic_client:
+            self._drop("sender_mismatch", f"topic says '{topic_client}', message says '{env.sender}'", nbytes)
+            return None
+        if env.fed != self.fed:
+            self._drop("wrong_fed", f"'{env.fed}' on federation '{self.fed}'", nbytes)
+            return None
+        if isinstance(msg, Join) and self.max_clients is not None and env.sender not in self.clients \
+                and len(self.clients) >= self.max_clients:
+            self._drop("max_clients", f"join from '{env.sender}': the federation has its {self.max_clients} "
+                                      f"clients (--max-clients)", nbytes)
+            return None
+        return Received(env, msg, nbytes)
 
     def on_presence(self, topic: str, payload: bytes) -> None:
-        """A device's retained presence (its last will says "offline"): it leaves the round's expected set,
-        and is a client again when it is back online. Only a client's own presence counts; the rest
-        (strangers, old retained messages) is ignored without a trace."""
+        """A device's retained presence (its last will says "offline"): it leaves the round's expected set
+        after its grace, and is a client again when it is back online. Only a client's own presence counts;
+        the rest (strangers, old retained messages) is ignored without a trace."""
+        inp = self._presence_input(topic, payload)
+        if inp is not None:
+            self._handle(inp, (topic, payload, inp.client, "status", self.round, ""), f"presence of {inp.client}")
+
+    def _presence_input(self, topic: str, payload: bytes) -> Presence | None:
         client = topics.client_of(topic)
         if client not in self.clients and client not in self.machine.departed:
-            return
+            return None
         try:
             env, msg = decode_message(payload, limits=self.limits)
         except WireError as exc:
             self._drop("malformed", f"{topic}: {exc}", len(payload))
-            return
+            return None
         if not isinstance(msg, Status) or env.sender != client or env.fed != self.fed:
             self._drop("invalid", f"{topic}: not {client}'s presence", len(payload))
-            return
+            return None
         if msg.detail and msg.state == "online":
             # A device reports a round that failed there on its presence topic (the rest is its profile).
             (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)
-        if msg.state == "online":
-            if self.max_clients is None or client in self.clients or len(self.clients) < self.max_clients:
-                self.machine.come_back(client)
-        else:  # offline (the will), or left / done
-            self.machine.leave(client)
+        if msg.state == "online" and self.max_clients is not None and client not in self.clients \
+                and len(self.clients) >= self.max_clients:
+            return None  # its place was taken while it was away
+        return Presence(client, online=msg.state == "online")
+
+    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], where: str) -> None:
+        """Check, journal (if it changes state) and apply one input; any failure is a counted drop."""
+        nbytes = len(entry[1])
+        try:
+            if self.machine.accepts(inp) and self.journal is not None:
+                self.journal(*entry)  # on disk before it changes anything (and before the ack)
+            effects = self.machine.apply(inp)
+        except Drop as drop:
+            self._drop(drop.reason, drop.detail, nbytes)
+            return
+        except (WireError, ValueError) as exc:
+            self._drop("invalid", f"{where}: {exc}", nbytes)
+            return
+        except Exception as exc:  # a bug in a stage must not take the federation down with it
+            log.exception("unexpected error while handling %s", where)
+            self._drop("invalid", f"{where}: {type(exc).__name__}: {exc}", nbytes)
+            return
+        self._run(effects, live=True)
 
     def _drop(self, reason: str, detail: str, nbytes: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         log.info("dropped upload (%s, %d bytes): %s", reason, nbytes, detail)
 
-    # -- outgoing -------------------------------------------------------------------------------
-    def _publish(self, msg: Message, round_: int, phase: str) -> int:
+    # -- effects --------------------------------------------------------------------------------
+    def _run(self, effects: list[Effect], *, live: bool) -> None:
+        """Carry out the machine's effects. While replaying a journal (`live` False) nothing is published
+        or checkpointed (the restarted aggregator announces its state once, afterwards); closed rounds
+        are still handed on, so that a round the crash kept from the rounds log gets its line."""
+        for effect in effects:
+            if isinstance(effect, Publish):
+                if live:
+                    self.transport.publish(self._topic(effect.message), effect.payload, retain=True)
+            elif isinstance(effect, Boundary):
+                if live and self.on_boundary is not None:
+                    self.on_boundary()
+            elif isinstance(effect, RoundClosed):
+                if self.on_round_end is not None:
+                    self.on_round_end(effect.record)
+            elif isinstance(effect, MetricsIn):
+                if self.on_metrics is not None:
+                    self.on_metrics(effect.client, effect.round, effect.metrics, effect.nbytes)
+
+    def _encode(self, msg: Message, round_: int, phase: str) -> bytes:
+        return encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)
+
+    def _topic(self, msg: Message) -> str:
         if isinstance(msg, Config):
-            topic = topics.config(self.fed)
-        elif isinstance(msg, PublicSet):
-            topic = topics.public(self.fed)
-        elif isinstance(msg, RoundStart):
-            topic = topics.round_(self.fed)
-        elif isinstance(msg, Status):
-            topic = topics.server_status(self.fed)
-        else:
-            raise TypeError(f"the aggregator does not publish {type(msg).__name__}")
-        payload = encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)
-        if not self.replaying:
-            self.transport.publish(topic, payload, retain=True)
-        return len(payload)
+            return topics.config(self.fed)
+        if isinstance(msg, PublicSet):
+            return topics.public(self.fed)
+        if isinstance(msg, RoundStart):
+            return topics.round_(self.fed)
+        if isinstance(msg, Status):
+            return topics.server_status(self.fed)
+        raise TypeError(f"the aggregator does not publish {type(msg).__name__}")

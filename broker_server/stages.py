@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from broker_server.persist import NOT_STATE
 from protofl import registry
 from protofl.algorithms import support
 from protofl.algorithms.robust import ClipPolicy, NormLog, clip_around
@@ -41,20 +42,22 @@ class ServerModel:
     """The federation's agreed state and its clipping state: protofl.technique.ServerState, which the
     rules see, plus the rules themselves and the per-phase norm logs."""
 
-    cfg: FederationConfig
-    plan: RoundPlan
+    # What is not state (the config it was built from, the rules, this phase's logs) is marked NOT_STATE:
+    # every other field is saved and restored by broker_server/persist.py without being listed again.
+    cfg: FederationConfig = field(metadata=NOT_STATE)
+    plan: RoundPlan = field(metadata=NOT_STATE)
     adapter: np.ndarray | None = None
     params: np.ndarray | None = None
     prototypes: dict[int, np.ndarray] = field(default_factory=dict)
     unit: np.ndarray | None = None
     masks: np.ndarray | None = None
     targets: ProtoSet | None = None
-    policy: ClipPolicy = field(default_factory=ClipPolicy)
+    policy: ClipPolicy = field(default_factory=ClipPolicy, metadata=NOT_STATE)
     # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
     radii: dict[str, float] = field(default_factory=dict)
     clipped: dict[str, int] = field(default_factory=dict)  # uploads clipped so far, per kind
-    rules: list[ServerRule] = field(default_factory=list)
-    logs: dict[str, NormLog] = field(default_factory=dict)  # this phase's accepted norms, per kind
+    rules: list[ServerRule] = field(default_factory=list, metadata=NOT_STATE)  # their state: persist()
+    logs: dict[str, NormLog] = field(default_factory=dict, metadata=NOT_STATE)  # this phase's norms, per kind
 
     # -- rules ----------------------------------------------------------------------------------
     def first(self, hook: str, *args: Any) -> Any:

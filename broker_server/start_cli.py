@@ -93,6 +93,9 @@ def start_command(
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust)
         except ValueError as exc:
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
+        if state_dir is not None and state_dir.exists() and not state_dir.is_dir():
+            raise ConfigError(f"--state-dir {state_dir} is a file; it takes a directory (created if missing), "
+                              f"where the federation keeps its journal, checkpoint, broker files and credentials")
         if not offline_grace >= 0:
             raise ConfigError(f"--offline-grace must be >= 0 seconds, got {offline_grace}")
         if max_clients is not None and max_clients < 1:
@@ -254,6 +257,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
            tls_key: str | None, connect_timeout: float, policy: Any = None,
            offline_grace: float = OFFLINE_GRACE_S) -> None:
     from broker_server.service import AggregatorService, save_server_model
+    from broker_server.supervisor import stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
     with contextlib.ExitStack() as stack:
@@ -299,6 +303,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
+            stop_all_supervisors()  # our broker may have had the signal too: that is no crash to restart after
             service.stop()
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

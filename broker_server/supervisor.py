@@ -22,6 +22,17 @@ import time
 from broker_server.broker import BrokerStartError, MosquittoBroker
 
 log = logging.getLogger("protofl.broker")
+# A broker that exits on one of these while its server is being stopped got the same signal as the server
+# (Ctrl-C and `kill` of a process group reach both): that is a shutdown, not a death to restart after.
+_SHUTDOWN_SIGNALS = (-15, -2)
+_running: list[BrokerSupervisor] = []
+
+
+def stop_all_supervisors() -> None:
+    """The server is stopping (a signal handler calls this): no supervisor of this process restarts its
+    broker from now on (thread-safe, never blocks)."""
+    for supervisor in list(_running):
+        supervisor._stop.set()
 
 
 class BrokerSupervisor:
@@ -34,6 +45,7 @@ class BrokerSupervisor:
         self._thread = threading.Thread(target=self._watch, name="broker-supervisor", daemon=True)
 
     def start(self) -> BrokerSupervisor:
+        _running.append(self)
         self._thread.start()
         return self
 
@@ -41,6 +53,8 @@ class BrokerSupervisor:
         """Stop watching (then stop the broker: the caller's ExitStack does)."""
         self._stop.set()
         self._thread.join(5)
+        if self in _running:
+            _running.remove(self)
 
     def _watch(self) -> None:
         delay = 0.5
@@ -49,6 +63,9 @@ class BrokerSupervisor:
             if proc is None or proc.poll() is None:
                 continue
             rc = proc.returncode
+            # The same signal may reach us a moment later: give the server's handler time to say so.
+            if rc in _SHUTDOWN_SIGNALS and self._stop.wait(1.0):
+                return
             log.warning("the broker (mosquitto pid %d) died (%s); restarting it on %s. Its log: %s", proc.pid,
                         f"signal {-rc}" if rc < 0 else f"exit status {rc}", self.broker.url,
                         self.broker._log_tail(300))

@@ -41,3 +41,8 @@ def client_of(topic: str) -> str:
     """The client id in an `up/{client_id}` or `presence/{client_id}` topic ("" if none)."""
     parts = topic.split("/")
     return parts[3] if len(parts) == 4 and parts[2] in ("up", "presence") else ""
+
+
+def is_presence(topic: str) -> bool:
+    parts = topic.split("/")
+    return len(parts) == 4 and parts[2] == "presence"

@@ -28,7 +28,8 @@ def env(**extra: str) -> dict[str, str]:
 
 class Federation:
     def __init__(self, fed: str, clients: int, rounds: int, state: Path, logs: Path, *,
-                 broker_url: str | None = None, port: int | None = None, device_state: Path | None = None) -> None:
+                 broker_url: str | None = None, port: int | None = None, device_state: Path | None = None,
+                 secured: bool = False, offline_grace: float | None = 300.0) -> None:
         self.fed, self.clients, self.rounds, self.state, self.logs = fed, clients, rounds, state, logs
         self.broker_url = broker_url
         self.port = port
@@ -37,15 +38,25 @@ class Federation:
         self.agents: list[subprocess.Popen[bytes]] = []
         self.device_state = device_state  # --state-dir of the devices (their local checkpoints)
         self.starts = 0
+        # secured: the default `start` a user runs (its own Mosquitto, generated credentials, devices join
+        # with their devices/<id>.json); else --insecure on `port`, or an external broker.
+        self.secured = secured
+        # A killed device keeps its place until it is back (the device test restarts one); None: the default.
+        self.offline_grace = offline_grace
         logs.mkdir(parents=True, exist_ok=True)
 
     def server_args(self) -> list[str]:
-        where = ["--broker", self.broker_url] if self.broker_url else ["--insecure", "--port", str(self.port)]
+        if self.broker_url:
+            where = ["--broker", self.broker_url]
+        else:
+            where = ["--port", str(self.port)] if self.secured else ["--insecure", "--port", str(self.port)]
+        grace = [] if self.offline_grace is None else ["--offline-grace", str(self.offline_grace)]
         return [sys.executable, "-m", "broker_server.cli", "start", *where, "--fed", self.fed, "--preset", "protofl",
-                "--rounds", str(self.rounds), "--min-clients", str(self.clients), "--round-timeout", "300",
-                # A killed device keeps its place until it is back (the device test restarts one).
-                "--offline-grace", "300",
+                "--rounds", str(self.rounds), "--min-clients", str(self.clients), "--round-timeout", "300", *grace,
                 "--state-dir", str(self.state), "--connect-timeout", "30", "--verbose", *SETTINGS]
+
+    def client_id(self, i: int) -> str:
+        return f"device-{i + 1}" if self.secured else f"dev-{i:02d}"
 
     def start_server(self, **extra_env: str) -> subprocess.Popen[bytes]:
         self.starts += 1
@@ -65,12 +76,13 @@ class Federation:
         self.agents = [self.start_agent(i) for i in range(self.clients)]
 
     def start_agent(self, i: int) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, "--fed", self.fed,
-               "--client-id", f"dev-{i:02d}", "--data", DATA, "--partition", f"{i}/{self.clients}",
+        who = (["--credentials", str(self.state / "security" / "devices" / f"{self.client_id(i)}.json")]
+               if self.secured else ["--fed", self.fed, "--client-id", self.client_id(i)])
+        cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, *who, "--data", DATA, "--partition", f"{i}/{self.clients}",
                "--alpha", "1.0", "--seed", "4", "--threads", "1", "--device", "cpu", "--connect-timeout", "60"]
         if self.device_state is not None:
             cmd += ["--state-dir", str(self.device_state)]
-        with (self.logs / f"dev-{i:02d}.log").open("ab") as out:
+        with (self.logs / f"{self.client_id(i)}.log").open("ab") as out:
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env())
 
     def wait_finished(self, timeout: float) -> None:

@@ -1,5 +1,6 @@
 """Crash safety end to end: real Mosquitto, a real `protofl-server start` process killed with SIGKILL,
-ten real `protofl-edge join` processes.
+real `protofl-edge join` processes; the 22-kill test runs the default a user runs (the server's own
+secured Mosquitto, generated credentials, the default offline grace).
 
 What is asserted, and why "to float tolerance" and not bytes: the killed-and-restarted federation ends
 with the uninterrupted one's global adapter and prototypes within rtol 1e-5 / atol 1e-6. Each device
@@ -27,8 +28,15 @@ from broker_server.broker import MosquittoBroker
 from broker_server.durable import journal_records
 from tests.broker_server.crash_helpers import Federation
 
-CLIENTS, ROUNDS, KILLS = 10, 50, 20
-TORN = (4, 11, 17)  # these restarts kill themselves in the middle of a journal append
+CLIENTS, ROUNDS = 4, 16
+# Where each of the 22 kills happens: SIGKILL at a random moment once the server made progress (mid-phase,
+# mid-replay, while devices resend), or the server kills itself at an injected point (broker_server/journal.py):
+# right after a journal append, right after a checkpoint, in the middle of an append (a torn record).
+MOMENTS = ["random", "after_append", "random", "after_checkpoint", "mid_append"] * 4 + ["random", "after_append"]
+LONG_DOWNTIMES = {5: 15.0, 13: 15.0, 18: 8.0}  # the server (and its broker) stay down this long; else 0-2 s
+CRASH_ENV = {"after_append": "PROTOFL_CRASH_AFTER_APPEND", "after_checkpoint": "PROTOFL_CRASH_AFTER_CHECKPOINT",
+             "mid_append": "PROTOFL_CRASH_MID_APPEND"}
+UPLOAD_KINDS = ("adapter", "protos")
 
 
 def uninterrupted(name: str, clients: int, rounds: int, base: Path, url: str) -> dict[str, np.ndarray]:
@@ -71,63 +79,78 @@ def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-def audit_journal(fed: Federation) -> None:
-    """Every device's adapter and prototypes of every round exactly once, nothing else."""
+def audit_journal(fed: Federation, clients: int, rounds: int) -> None:
+    """Every device's adapter and prototypes of every round exactly once, one join per device, and every
+    round closed once with every device in it."""
     recs = journal_records(fed.state / "aggregator")
-    uploads = [(r.client, r.round, r.phase, r.kind) for r in recs if r.kind != "join"]
+    uploads = [(r.client, r.round, r.phase, r.kind) for r in recs if r.kind in UPLOAD_KINDS]
     assert len(uploads) == len(set(uploads)), "an upload was applied twice"
-    want = {(f"dev-{i:02d}", r, "train", k) for i in range(CLIENTS) for r in range(1, ROUNDS + 1)
-            for k in ("adapter", "protos")}
+    ids = [fed.client_id(i) for i in range(clients)]
+    want = {(c, r, "train", k) for c in ids for r in range(1, rounds + 1) for k in UPLOAD_KINDS}
     assert set(uploads) == want, f"missing {sorted(want - set(uploads))[:5]}, extra {sorted(set(uploads) - want)[:5]}"
-    assert sorted(r.client for r in recs if r.kind == "join") == [f"dev-{i:02d}" for i in range(CLIENTS)]
+    assert sorted(r.client for r in recs if r.kind == "join") == sorted(ids)
+    rows = [json.loads(line) for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows] == list(range(1, rounds + 1))  # each round once
+    assert all(row["clients"] == sorted(ids) for row in rows), [row["clients"] for row in rows]
+
+
+def _kill_at(moment: str, fed: Federation, rng: random.Random) -> None:
+    """End the running server at `moment`: it was started to kill itself there, or SIGKILL it now."""
+    server = fed.server
+    assert server is not None
+    if moment in CRASH_ENV:
+        wait_for(lambda: server.poll() is not None, 120, f"the {moment} crash", fed)
+        assert server.returncode in (-9, 0), f"the server ended with {server.returncode}:\n{fed.log_tail()}"
+        return
+    size = journal_size(fed)
+    wait_for(lambda: journal_size(fed) > size or server.poll() is not None, 120, "progress", fed)
+    time.sleep(rng.uniform(0.0, 0.4))
+    fed.kill_server()
 
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_aggregator_killed_20_times_ends_like_an_uninterrupted_run(mosquitto_module: MosquittoBroker,
-                                                                   tmp_path: Path) -> None:
-    rng = random.Random(15)
-    # The reference, never interrupted, runs alongside (the same settings; its own federation name), so
-    # that its CPU time overlaps the crash run's restarts.
-    ref = Federation("reference", CLIENTS, ROUNDS, tmp_path / "ref" / "state", tmp_path / "ref" / "logs",
-                     broker_url=mosquitto_module.url)
-    fed = Federation("crash", CLIENTS, ROUNDS, tmp_path / "state", tmp_path / "logs", broker_url=mosquitto_module.url)
+def test_the_default_start_killed_22_times_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """The default a user runs: `protofl-server start` with its own secured Mosquitto (dying with the
+    server: it publishes every device's will and saves it), generated credentials, live `join` processes
+    with their devices/<id>.json, the default offline grace. Killed 22 times with downtimes up to 15 s,
+    it ends with the uninterrupted run's model, every round once with every device, every upload once."""
+    from broker_server.broker import free_port
+
+    rng = random.Random(24)
+    # The reference, never interrupted, runs alongside (same settings, own state dir and broker), so that
+    # its CPU time overlaps the crash run's downtimes.
+    ref = Federation("crash", CLIENTS, ROUNDS, tmp_path / "ref" / "state", tmp_path / "ref" / "logs",
+                     port=free_port(), secured=True, offline_grace=None)
+    fed = Federation("crash", CLIENTS, ROUNDS, tmp_path / "state", tmp_path / "logs", port=free_port(),
+                     secured=True, offline_grace=None)
     for f in (ref, fed):
         f.start_server()
+        # the devices' credentials exist once the server has written them
+        wait_for(lambda f=f: (f.state / "security" / "devices" / "device-1.json").exists(), 60, "credentials", f)
         f.start_agents()
-    torn = 0
+    kills = torn = 0
     try:
-        for k in range(KILLS):
-            server = fed.server
-            assert server is not None
-            if k in TORN:
-                # The k-th append of this process writes half its record, fsyncs and SIGKILLs itself.
-                fed.kill_server()
-                size = journal_size(fed)
-                server = fed.start_server(PROTOFL_CRASH_MID_APPEND=str(rng.randint(1, 4)))
-                wait_for(lambda: server.poll() is not None, 60, "the torn-append crash", fed)
-                assert server.returncode == -9 and journal_size(fed) > size
-                torn += 1
-            else:
-                # A random moment once the restarted server made progress (at least one upload journaled):
-                # mid-phase, mid-replay, at a phase boundary, while devices resend.
-                size = journal_size(fed)
-                wait_for(lambda: journal_size(fed) > size or server.poll() is not None, 90, "progress", fed)
-                assert server.poll() is None, f"the server exited early:\n{fed.log_tail()}"
-                time.sleep(rng.uniform(0.0, 0.4))
-                fed.kill_server()
-            fed.start_server()
-        fed.wait_finished(180)
-        ref.wait_finished(180)
+        for k, moment in enumerate(MOMENTS):
+            _kill_at(moment, fed, rng)
+            if fed.server is not None and fed.server.returncode == 0:
+                break  # finished before this crash point was reached
+            kills += 1
+            torn += moment == "mid_append"
+            time.sleep(LONG_DOWNTIMES.get(k, rng.uniform(0.0, 2.0)))  # the downtime itself
+            nxt = MOMENTS[k + 1] if k + 1 < len(MOMENTS) else "none"
+            fed.start_server(**({CRASH_ENV[nxt]: str(rng.randint(1, 4))} if nxt in CRASH_ENV else {}))
+        fed.wait_finished(300)
+        ref.wait_finished(300)
     finally:
         fed.stop()
         ref.stop()
     log = (fed.logs / "server.log").read_text()
-    assert log.count("resumed federation 'crash'") >= KILLS  # every restart resumed (the first one too)
-    assert log.count("dropped a torn last record") == torn == len(TORN)
-    rounds = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
-    assert rounds == list(range(1, ROUNDS + 1))  # each round once, though restarts closed some again
-    audit_journal(fed)
+    assert kills >= 20, f"only {kills} kills before the federation finished"
+    assert log.count("resumed federation 'crash'") >= kills  # every restart resumed
+    assert log.count("a torn last record") == torn
+    audit_journal(ref, CLIENTS, ROUNDS)
+    audit_journal(fed, CLIENTS, ROUNDS)
     assert_same_model(fed.model(), ref.model())
 
 
@@ -232,8 +255,4 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
 
 
 def audit_small(fed: Federation) -> None:
-    rows = [json.loads(line)["round"] for line in (fed.state / "rounds.jsonl").read_text().splitlines()]
-    assert rows == list(range(1, SMALL_ROUNDS + 1))
-    recs = journal_records(fed.state / "aggregator")
-    uploads = [(r.client, r.round, r.kind) for r in recs if r.kind != "join"]
-    assert len(uploads) == len(set(uploads)) == SMALL_CLIENTS * SMALL_ROUNDS * 2
+    audit_journal(fed, SMALL_CLIENTS, SMALL_ROUNDS)

@@ -50,7 +50,9 @@ def test_a_torn_last_record_is_dropped_at_every_cut(tmp_path: Path, caplog: pyte
             j = Journal(path)
         assert [r.client for r in j.records] == ["c0", "c1"]
         assert path.stat().st_size == two == j.size  # truncated: the next append starts clean
-        assert cut == two or "dropped a torn last record" in caplog.text
+        assert cut == two or "a torn last record" in caplog.text
+        # The torn tail is kept aside as evidence, byte for byte.
+        assert cut == two or (tmp_path / f"journal.log.torn-{two}").read_bytes() == whole[two:cut]
         j.append("t/x", b"again", "c2", "protos", 1, "train")
         j.close()
         assert [r.client for r in Journal(path).records] == ["c0", "c1", "c2"]
@@ -63,9 +65,15 @@ def test_a_damaged_record_in_the_middle_is_refused_not_skipped(tmp_path: Path) -
     data = bytearray(b"".join(recs))
     data[len(recs[0]) + 14] ^= 0xFF  # a flipped bit in the second record's body
     path.write_bytes(bytes(data))
-    with pytest.raises(JournalError, match="fails its CRC32 check and .* bytes follow it; the journal is damaged"):
+    with pytest.raises(JournalError, match="complete record at byte .* fails its CRC32 check.*damage"):
         Journal(path)
     assert path.read_bytes() == bytes(data)  # refused, and left as it was
+    data = bytearray(b"".join(recs))
+    data[-3] ^= 0x01  # bit rot in the LAST record, which is complete: damage too, not a torn write
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match=f"{path}: the complete record at byte {len(recs[0]) + len(recs[1])}"):
+        Journal(path)
+    assert path.read_bytes() == bytes(data) and not list(tmp_path.glob("*.torn-*"))  # the evidence is intact
     data = bytearray(b"".join(recs))
     data[len(recs[0])] = ord("X")  # a bad magic
     path.write_bytes(bytes(data))

@@ -1,0 +1,89 @@
+"""A dataclass's checkpoint form, derived from its field types: the state that survives a crash is declared
+once, as the fields of a dataclass, and nothing else has to list it again.
+
+`to_plain(obj)` turns a dataclass (and what its fields hold: numbers, strings, numpy arrays, enums, sets,
+lists, tuples, dicts, other dataclasses, None) into plain values and arrays that protofl/checkpoint.py
+writes; `from_plain(T, data)` builds a `T` back, guided by the type hints, so a field added to a state
+dataclass is saved and restored without another line anywhere. A field that is not state (a callback, the
+config it was built from, a cache) says so with `field(metadata=NOT_STATE)`; `restore_fields` sets the
+state fields of an existing object (one whose non-state fields were built from the config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from typing import Any, TypeVar
+
+import numpy as np
+
+NOT_STATE = {"state": False}
+T = TypeVar("T")
+
+
+def state_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """The fields of a dataclass that are state (every field not marked NOT_STATE)."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("state", True)]
+
+
+def to_plain(obj: Any) -> Any:
+    """`obj` as plain values (dict keys become [key, value] pairs where they are not strings)."""
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, np.ndarray)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in state_fields(type(obj))}
+    if isinstance(obj, (set, frozenset)):
+        return sorted(to_plain(x) for x in obj)
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: to_plain(v) for k, v in obj.items()}
+        return [[to_plain(k), to_plain(v)] for k, v in obj.items()]
+    raise TypeError(f"{type(obj).__name__} is not checkpoint state (declare a dataclass, or mark it NOT_STATE)")
+
+
+def from_plain(tp: Any, data: Any) -> Any:
+    """A value of type `tp` from its `to_plain` form."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return data
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return from_plain(inner[0], data) if len(inner) == 1 else data
+    if origin in (list, tuple, set, frozenset):
+        args = typing.get_args(tp)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return tuple(from_plain(a, x) for a, x in zip(args, data, strict=True))
+        items = [from_plain(args[0] if args else Any, x) for x in data]
+        return origin(items)
+    if origin is dict:
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        pairs = data.items() if isinstance(data, dict) else data
+        return {from_plain(kt, k): from_plain(vt, v) for k, v in pairs}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: from_plain(hints[f.name], data[f.name]) for f in state_fields(tp)})
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if tp is np.ndarray:
+        return np.asarray(data)
+    if tp in (int, float, str, bool):
+        return tp(data)
+    return data
+
+
+def restore_fields(obj: Any, data: dict[str, Any]) -> None:
+    """Set `obj`'s state fields from their `to_plain` form (its other fields stay as they are)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in state_fields(type(obj)):
+        setattr(obj, f.name, from_plain(hints[f.name], data[f.name]))
