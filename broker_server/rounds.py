@@ -178,15 +178,16 @@ class MachineState:
     leaving: set[str] = field(default_factory=set)  # offline, still expected for their grace
     records: list[RoundRecord] = field(default_factory=list)
     current: RoundRecord = field(default_factory=lambda: RoundRecord(round=1))
-    welcome_bytes: int = 0  # config + public set: what a new device receives once
 
 
 class RoundMachine:
     def __init__(self, cfg: FederationConfig, encode: Encode, *, clock: Callable[[], float],
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None, policy: ClipPolicy | None = None,
-                 offline_grace: float = OFFLINE_GRACE_S, resume_grace: float = RESUME_GRACE_S) -> None:
+                 offline_grace: float = OFFLINE_GRACE_S, resume_grace: float = RESUME_GRACE_S,
+                 limits: dict[str, int] | None = None) -> None:
         self.cfg = cfg
+        self.limits = dict(limits or {})  # the decoder limits the config message tells devices
         self.encode = encode
         self.clock = clock
         self.offline_grace = offline_grace
@@ -204,6 +205,8 @@ class RoundMachine:
             # everywhere); the simulator passes the vector so that round 1's downlink is counted.
             self.model.params = np.asarray(initial_params, np.float32)
         self.state = MachineState()
+        # What a new device receives once (config + public set): a function of the config, never state.
+        self.welcome_bytes = sum(len(p.payload) for p in self._welcome())
         self.run: PhaseRun | None = None  # the open phase's folds (empty at every boundary)
         # Timers and presence since the last resume: in memory only, never state.
         self._grace_ends: dict[str, float] = {}
@@ -247,17 +250,15 @@ class RoundMachine:
         return min(self.cfg.min_clients, self.quorum)
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, limits: dict[str, int]) -> list[Effect]:
+    def start(self) -> list[Effect]:
         """The federation's first messages: config, public set, "waiting"."""
-        out = self._welcome(limits)
-        self.state.welcome_bytes = sum(len(e.payload) for e in out)
-        return [*out, self._status("waiting", f"0/{self.quorum} clients")]
+        return [*self._welcome(), self._status("waiting", f"0/{self.quorum} clients")]
 
-    def announce(self, limits: dict[str, int]) -> list[Effect]:
+    def announce(self) -> list[Effect]:
         """After a restart: the retained messages again (config, public set, status, the open round
         message), not counted as downlink; a device that already handled the round message sends its
         uploads again, and those already applied are dropped as duplicates."""
-        out: list[Effect] = [*self._welcome(limits)]
+        out: list[Effect] = [*self._welcome()]
         s = self.state
         if s.finished:
             return out + self._finish_messages()
@@ -266,10 +267,9 @@ class RoundMachine:
         return out + [self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
                       self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value)]
 
-    def _welcome(self, limits: dict[str, int]) -> list[Publish]:
-        out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(),
-                                                  adapter_layout=self.layout, class_masks=self.model.masks,
-                                                  limits=limits), "", round_=0)]
+    def _welcome(self) -> list[Publish]:
+        out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
+                                    class_masks=self.model.masks, limits=self.limits), "", round_=0)]
         if self.public is not None:
             out.append(self._publish(self.public, "", round_=0))
         return out
@@ -361,7 +361,7 @@ class RoundMachine:
         s.clients[env.sender] = msg
         s.current.uplink_bytes += nbytes
         if new:
-            s.current.downlink_bytes += s.welcome_bytes
+            s.current.downlink_bytes += self.welcome_bytes
             log.info("client %s joined (%s, %d samples); %d/%d", env.sender, msg.arch or "default arch",
                      msg.n_samples, len(s.clients), self.quorum)
         if s.round == 0 and not s.finished and len(s.clients) >= self.quorum:

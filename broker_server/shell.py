@@ -99,16 +99,17 @@ class Aggregator:
         self.fed = fed
         self.transport = transport
         self.clock = clock
+        model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
+        self.limits = limits or decoder_limits(cfg, model_values)
         self.machine = RoundMachine(cfg, self._encode, clock=clock, initial_params=initial_params, public=public,
-                                    expected_clients=expected_clients, policy=policy, offline_grace=offline_grace)
+                                    expected_clients=expected_clients, policy=policy, offline_grace=offline_grace,
+                                    limits={"max_message_bytes": self.limits.max_message_bytes})
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
         # Durability (durable.py): `journal` makes an input durable before the machine applies it;
         # `on_boundary` checkpoints at a phase boundary (before that phase's round message goes out).
         self.journal = journal
         self.on_boundary = on_boundary
-        model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
-        self.limits = limits or decoder_limits(cfg, model_values)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
         self.max_clients = max_clients
         self.dropped: dict[str, int] = {}
@@ -145,12 +146,11 @@ class Aggregator:
     def start(self, resume: bool = False) -> None:
         """Announce the federation (or, `resume`d from a checkpoint and journal, its current round and
         phase again, with every time measured from now) and subscribe to uploads and presence."""
-        limits = {"max_message_bytes": self.limits.max_message_bytes}
         if resume:
             self.machine.resume(self.clock())
-            self._run(self.machine.announce(limits), live=True)
+            self._run(self.machine.announce(), live=True)
         else:
-            self._run(self.machine.start(limits), live=True)
+            self._run(self.machine.start(), live=True)
         self.transport.subscribe(topics.up_all(self.fed), self.on_message)
         self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
 

@@ -198,6 +198,8 @@ def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate:
         # ... and is dropped: a duplicate, or stale if it closed its phase (a join again is no upload).
         assert sum(agg.dropped.values()) == (i >= 3) and set(agg.dropped) <= {"duplicate", "stale"}, agg.dropped
         assert [r.round for r in agg.records] == [1, 2, 3]
+        # Bytes sent are counted once, restart or not (the round message's before its boundary's checkpoint).
+        assert [r.downlink_bytes for r in agg.records] == [r.downlink_bytes for r in ref.records], f"message {i}"
         assert d is not None
         d.close()
         # The journal holds every accepted message exactly once.
