@@ -10,7 +10,10 @@ Since only user X may publish on `up/X`, the topic's client id is authenticated,
 
 Files (all under one directory, secrets 0600): `credentials.json` (the plain secrets, reused across
 restarts), `passwd` (Mosquitto's PBKDF2-SHA512 hashes, the format `mosquitto_passwd` writes), `acl`,
-and `devices/<id>.json`, one provisioning file per device for `protofl-edge join --credentials`.
+and `devices/<id>.json`, one provisioning file per device for `protofl-edge join --credentials` (with
+the federation CA's certificate when the broker serves TLS with it: broker_server/pki.py).
+`prepare` writes what the broker reads (passwd, acl); `BrokerAuth.provision` the plain secrets, which
+`protofl-server start` does only once its broker is listening, so a start that fails hands out nothing.
 No third-party packages: hashing is hashlib, secrets come from `secrets`.
 """
 
@@ -125,7 +128,7 @@ def password_text(fed_secrets: FederationSecrets) -> str:
     return "".join(f"{c.username}:{mosquitto_hash(c.password)}\n" for c in users)
 
 
-def _write_secret(path: Path, text: str) -> None:
+def write_secret(path: Path, text: str) -> None:
     """Write a file readable by its owner only, atomically (never a half-written password file)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -158,10 +161,26 @@ class BrokerAuth:
                 # A device could otherwise connect with another device's client id and take its session over.
                 "use_username_as_clientid true"]
 
+    def provision(self, ca_pem: str | None = None) -> BrokerAuth:
+        """Write the plain secrets: credentials.json and one devices/<id>.json per device (carrying the
+        federation CA's certificate `ca_pem` when the broker serves TLS with it)."""
+        write_secret(self.directory / "credentials.json", self.secrets.to_json() + "\n")
+        (self.directory / "devices").mkdir(exist_ok=True)
+        for client_id in self.secrets.devices:
+            cred = self.secrets.device(client_id)
+            write_secret(self.device_file(client_id), device_file_text(cred, self.secrets.fed, ca_pem))
+        return self
 
-def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = ()) -> BrokerAuth:
+
+def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None) -> BrokerAuth:
     """Read (or generate) `directory/credentials.json`, add missing device ids, write passwd, acl and the
     per-device provisioning files. Existing passwords are kept, so provisioned devices keep working."""
+    return prepare(directory, fed, device_ids).provision(ca_pem)
+
+
+def prepare(directory: Path, fed: str, device_ids: Iterable[str] = ()) -> BrokerAuth:
+    """Read (or generate) the federation's secrets, add missing device ids, and write only what the broker
+    reads (passwd, acl); `provision` writes the plain secrets."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     store = directory / "credentials.json"
@@ -174,14 +193,9 @@ def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = ()) ->
     else:
         fed_secrets = FederationSecrets.create(fed)
         added = fed_secrets.add_devices(device_ids)
-    _write_secret(store, fed_secrets.to_json() + "\n")
     auth = BrokerAuth(directory, fed_secrets, tuple(added))
-    _write_secret(auth.password_file, password_text(fed_secrets))
+    write_secret(auth.password_file, password_text(fed_secrets))
     auth.acl_file.write_text(acl_text(fed))
-    (directory / "devices").mkdir(exist_ok=True)
-    for client_id in fed_secrets.devices:
-        cred = fed_secrets.device(client_id)
-        _write_secret(auth.device_file(client_id), device_file_text(cred, fed))
     return auth
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ipaddress
 import json
 import logging
@@ -58,12 +57,16 @@ def start_command(
                                                     "anyone else is ignored."),
     devices: int | None = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
                                                      "(default: --min-clients)."),
+    tls: str = typer.Option("auto", "--tls", help="TLS on the local broker with the federation's generated CA, "
+                            "whose certificate travels in every devices/<id>.json: auto (on when --listen is beyond "
+                            "loopback) | on | off. --broker-cert/--broker-key/--tls-ca serve your own instead."),
     broker_cert: str | None = typer.Option(None, "--broker-cert", help="TLS: the local broker's certificate (PEM; "
                                               "its names must be the host devices connect to). Needs --broker-key "
                                               "and --tls-ca (the CA that signed it)."),
     broker_key: str | None = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
-    client_ca: str | None = typer.Option(None, "--client-ca", help="TLS: require every client (this server too: "
-                                            "--tls-cert/--tls-key) to present a certificate signed by this CA."),
+    client_ca: str | None = typer.Option(None, "--client-ca", help="TLS: require every device to present a "
+                                            "certificate signed by this CA (the server itself uses the broker's "
+                                            "unix socket)."),
     max_clients: int | None = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
     offline_grace: float = typer.Option(OFFLINE_GRACE_S, help="Seconds a device whose connection dropped (its last "
                                         "will) keeps its place in the open round before the round stops waiting "
@@ -101,9 +104,13 @@ def start_command(
         if max_clients is not None and max_clients < 1:
             raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
         access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
-                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls_cert, tls_key))
-        _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password, tls_ca, tls_cert,
-               tls_key, connect_timeout, policy, offline_grace)
+                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls), tls, client_ca)
+        access.check(external_broker=broker is not None)
+        # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
+        own = broker is None
+        _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password,
+               None if own else tls_ca, None if own else tls_cert, None if own else tls_key, connect_timeout, policy,
+               offline_grace)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -135,16 +142,39 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
     return cfg, public_set(train, cfg)
 
 
+TLS_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class Access:
-    """Who may reach the local broker and the federation: where it listens, credentials, allowed ids."""
+    """Who may reach the local broker and the federation: where it listens, credentials, allowed ids, TLS."""
 
     listen: str
     insecure: bool = False
     allow: list[str] | None = None
     devices: int | None = None
     max_clients: int | None = None
-    tls: Any = None  # broker.ListenerTls of the local broker, or None (plain TCP)
+    tls: Any = None  # broker.ListenerTls from --broker-cert/--broker-key, or None
+    tls_mode: str = "auto"  # --tls: the generated federation CA (broker_server/pki.py) when tls is None
+    client_ca: str | None = None  # --client-ca: devices must present a certificate it signed
+
+    def check(self, external_broker: bool = False) -> None:
+        if self.tls_mode not in TLS_MODES:
+            raise ConfigError(f"--tls must be auto, on or off, got '{self.tls_mode}'")
+        if external_broker and self.tls_mode != "auto":
+            raise ConfigError("--tls applies to the local broker; with --broker, use mqtts:// and --tls-ca")
+        if self.insecure and (self.tls_mode == "on" or self.client_ca) and self.tls is None:
+            raise ConfigError("--tls on (or --client-ca) hands devices the federation CA in their credentials files, "
+                              "which --insecure does not write; drop --insecure, or serve your own certificate "
+                              "(--broker-cert/--broker-key/--tls-ca)")
+
+    def generated_tls(self, host: str) -> bool:
+        """Whether the local broker serves TLS with the federation's generated CA: by default when it
+        listens beyond loopback, or requires client certificates; never with files of the operator's own,
+        nor without credentials files."""
+        if self.tls is not None or self.insecure or self.tls_mode == "off":
+            return False
+        return self.tls_mode == "on" or self.client_ca is not None or not is_loopback(host)
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")
@@ -160,23 +190,23 @@ class Access:
 
 
 def listener_tls(cert: str | None, key: str | None, client_ca: str | None, tls_ca: str | None,
-                 tls_cert: str | None, tls_key: str | None) -> Any:
-    """The local broker's TLS listener from the flags, or None; checks the server can connect to it."""
+                 mode: str = "auto") -> Any:
+    """The local broker's TLS listener from the operator's own files, or None (then `Access` decides on
+    the generated CA). The server's own connection uses the broker's unix socket, so it needs no client
+    certificate even where --client-ca requires one of every device."""
     from broker_server.broker import ListenerTls
 
-    if not (cert or key or client_ca):
+    for flag, path in (("--broker-cert", cert), ("--broker-key", key), ("--client-ca", client_ca)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file")
+    if mode == "off" and (cert or key or client_ca):
+        raise ConfigError("--tls off contradicts --broker-cert/--broker-key/--client-ca")
+    if not (cert or key):
         return None
     if not (cert and key):
         raise ConfigError("TLS on the local broker needs both --broker-cert and --broker-key")
     if not tls_ca:
-        raise ConfigError("--broker-cert needs --tls-ca, the CA that signed it: the server verifies its own broker "
-                          "(and devices need the same file)")
-    if client_ca and not (tls_cert and tls_key):
-        raise ConfigError("--client-ca makes the broker require client certificates, this server's too: pass "
-                          "--tls-cert and --tls-key")
-    for flag, path in (("--broker-cert", cert), ("--broker-key", key), ("--client-ca", client_ca)):
-        if path and not Path(path).is_file():
-            raise ConfigError(f"{flag} {path}: no such file")
+        raise ConfigError("--broker-cert needs --tls-ca, the CA that signed it (devices need the same file)")
     return ListenerTls(certfile=cert, keyfile=key, cafile=client_ca or tls_ca, require_client_cert=bool(client_ca))
 
 
@@ -191,41 +221,104 @@ def is_loopback(host: str) -> bool:
 
 def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Path | None, access: Access,
                   local_broker: str) -> tuple[str, str, Any]:
-    """Start the local broker, secured unless --insecure; returns (url, protocol, BrokerAuth or None)."""
+    """Start the local broker, secured unless --insecure; returns (the server's URL, protocol, BrokerAuth or
+    None). The server's URL is the broker's unix socket (mosquitto), which no other process can stand in
+    for. Nothing is written before the port is known to be free, and the devices' credentials files only
+    once the broker listens."""
+    from broker_server.broker import MosquittoBroker
+    from broker_server.security import prepare
+
+    host, port = access.host_port()
+    _check_port(host, port)
+    sec_dir = None if access.insecure else _security_dir(stack, state_dir)
+    auth = prepare(sec_dir, fed, access.device_ids(cfg)) if sec_dir is not None else None
+    tls, ca_pem = _broker_tls(access, sec_dir, fed, host)
+    _warn_exposure(access, host, tls)
+    local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls)
+    if auth is not None:
+        auth.provision(ca_pem)
+        _announce_credentials(auth, persistent=state_dir is not None)
+    _announce_join(local, fed, host, auth, ca_pem)
+    if isinstance(local, MosquittoBroker) and local.socket_path is not None:
+        return local.unix_url, local.protocol, auth
+    # Clients connect over loopback when the broker listens on every interface.
+    url = local.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+    return url, local.protocol, auth
+
+
+def _check_port(host: str, port: int) -> None:
+    from broker_server.broker import PortInUse, check_port_free
+
+    try:
+        if port:
+            check_port_free(host, port)
+    except PortInUse as exc:
+        raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
+
+
+def _security_dir(stack: contextlib.ExitStack, state_dir: Path | None) -> Path:
+    if state_dir is not None:
+        return state_dir / "security"
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-security-")))
+
+
+def _broker_tls(access: Access, sec_dir: Path | None, fed: str, host: str) -> tuple[Any, str | None]:
+    """(the broker's TLS listener or None, the generated CA's certificate for the devices' files or None)."""
+    if not access.generated_tls(host):
+        return access.tls, None
+    from broker_server.pki import broker_names, ensure_federation_tls
+
+    assert sec_dir is not None  # generated_tls is never true with --insecure
+    fed_tls = ensure_federation_tls(sec_dir / "tls", fed, broker_names(host))
+    return fed_tls.listener(access.client_ca), fed_tls.ca_pem()
+
+
+def _warn_exposure(access: Access, host: str, tls: Any) -> None:
+    if access.insecure:
+        where = "on loopback only" if is_loopback(host) else f"on {host}, reachable from other machines"
+        log.warning("--insecure: the broker accepts anyone %s: they can read every upload and publish rounds", where)
+    if not is_loopback(host) and tls is None:
+        log.warning("listening on %s without TLS (--tls off or --insecure): passwords and uploads cross the network "
+                    "in clear, and a process that takes the broker's port while it is down gets them (SECURITY.md)",
+                    host)
+
+
+def _start_broker(stack: contextlib.ExitStack, cfg: Any, state_dir: Path | None, access: Access, local_broker: str,
+                  auth: Any, tls: Any) -> Any:
     from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
-    from broker_server.security import load_or_create
     from broker_server.shell import decoder_limits
     from broker_server.supervisor import BrokerSupervisor
 
     host, port = access.host_port()
-    auth = None
-    if access.insecure:
-        where = "on loopback only" if is_loopback(host) else f"on {host}, reachable from other machines"
-        log.warning("--insecure: the broker accepts anyone %s: they can read every upload and publish rounds", where)
-    else:
-        sec_dir = state_dir / "security" if state_dir else Path(stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="protofl-security-")))
-        auth = load_or_create(sec_dir, fed, access.device_ids(cfg))
-        _announce_credentials(auth, persistent=state_dir is not None)
-    if not is_loopback(host) and access.tls is None:
-        log.warning("listening on %s without TLS: passwords and uploads cross the network in clear; pass "
-                    "--broker-cert/--broker-key/--tls-ca (SECURITY.md)", host)
     # The broker refuses what the aggregator's decoder would refuse anyway (plus the packet's header).
     packet = decoder_limits(cfg).max_message_bytes + PACKET_HEADROOM
     try:
         local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
                                    workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
                                    auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
-                                   tls=access.tls, die_with_parent=True)
+                                   tls=tls, die_with_parent=True, local_socket=True)
     except PortInUse as exc:
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
     if isinstance(local, MosquittoBroker):
         # Restarted if it dies; the ExitStack stops the supervisor before it stops the broker.
         stack.callback(BrokerSupervisor(local).start().stop)
-    # Clients connect over loopback when the broker listens on every interface.
-    url = local.url.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
-    return url, local.protocol, auth
+    return local
+
+
+def _announce_join(local: Any, fed: str, host: str, auth: Any, ca_pem: str | None) -> None:
+    """How devices join: the broker's address as they reach it (not the server's own unix socket)."""
+    import socket
+
+    shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
+    url = f"{local.url.split('://')[0]}://{f'[{shown}]' if ':' in shown else shown}:{local.port}"
+    if ca_pem is not None:
+        how = "--credentials devices/ID.json (TLS: the file carries the federation CA that verifies the broker)"
+    elif auth is not None:
+        how = "--credentials devices/ID.json" + (" --tls-ca CA" if url.startswith("mqtts://") else "")
+    else:
+        how = "--client-id ID"
+    log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", url, fed, how)
 
 
 def last_logged_round(path: Path) -> int:
@@ -249,7 +342,7 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
         return
     lines = "\n".join(f"  {i} {auth.secrets.devices[i]}" for i in sorted(auth.secrets.devices))
     log.warning("no --state-dir: credentials for this run only (shown once; protofl-edge join --username ID "
-                "--password PASSWORD):\n%s", lines)
+                "--password PASSWORD, or --credentials with the files in %s):\n%s", auth.directory / "devices", lines)
 
 
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
@@ -272,10 +365,10 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
         elif username is None:
             log.warning("joining %s without credentials: unless that broker enforces an ACL (protofl-server "
                         "broker-config writes one), anyone on it can read uploads and publish rounds", broker)
-        options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
-        if broker_is_ours and access.tls is not None:
-            # Our own broker over loopback: its certificate names the host devices use, not 127.0.0.1.
-            options = dataclasses.replace(options, tls_check_hostname=False)
+        if broker_is_ours:  # its unix socket: no TLS files there, and no other process can stand in for it
+            options = parse_broker_url(broker).with_auth(username, password)
+        else:
+            options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
         rounds_file = None
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
@@ -298,8 +391,9 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
         if service.resumed and service.finished:
             log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a new "
                         "federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
-        who = "--credentials devices/ID.json" if username and broker_is_ours else "--client-id ID"
-        log.info("devices join with: protofl-edge join --broker %s --fed %s %s --data PATH", options.url, fed, who)
+        if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
+            log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
+                     options.url, fed)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)

@@ -44,7 +44,8 @@ def join(data: str, *, broker: str = "mqtt://127.0.0.1:1883", credentials: str |
         raise ConfigError(f"join() got unknown option(s) {unknown}; known: {sorted(defaults)}")
     runner = make_runner(broker=broker, fed=fed_name, client_id=cid, data=data, arch=arch, device=device,
                          username=username, password=password,
-                         state_dir=Path(state_dir) if state_dir is not None else None, **{**defaults, **options})
+                         state_dir=Path(state_dir) if state_dir is not None else None,
+                         credentials=Path(credentials) if credentials else None, **{**defaults, **options})
     return runner.run(timeout=timeout)
 
 
@@ -79,8 +80,11 @@ def make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str 
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
                  connect_timeout: float, extractor: str = "torch",
                  emulation: "Emulation | None" = None, keepalive: int = 30,
-                 test_every: int | None = None, state_dir: Path | None = None) -> DeviceRunner:
-    """The device loop `protofl-edge join` runs, from its options (checked before anything connects)."""
+                 test_every: int | None = None, state_dir: Path | None = None,
+                 credentials: Path | None = None) -> DeviceRunner:
+    """The device loop `protofl-edge join` runs, from its options (checked before anything connects). A
+    credentials file that carries the federation CA makes the device speak TLS and accept only a broker
+    whose certificate that CA signed (unless --tls-ca names another CA)."""
     import torch
 
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
@@ -103,6 +107,12 @@ def make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str 
     dataset_spec(data)  # fail now, not after connecting, on a --data that names nothing
     options = replace(parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key),
                       keepalive=keepalive)
+    if credentials is not None:
+        from protofl.transport.credentials import read_device_file
+
+        ca_pem = read_device_file(credentials).ca_pem
+        if ca_pem is not None:
+            options = options.with_federation_ca(ca_pem, f"--credentials {credentials}")
     spec = DataSpec(data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit,
                     train_limit)
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,

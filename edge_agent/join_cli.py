@@ -96,7 +96,8 @@ def join_command(
             raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
         runner = make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every, state_dir)
+                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every, state_dir,
+                              credentials)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

@@ -36,6 +36,7 @@ from paho.mqtt.properties import Properties
 from protofl.errors import ProtoFLError
 from protofl.transport.base import Handler, topic_matches
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
+from protofl.transport.tls import client_context, explain, probe
 
 log = logging.getLogger("protofl.mqtt")
 START_BROKER_HINT = "is it running? (start one with protofl-server start)"
@@ -151,6 +152,10 @@ class MqttTransport:
         self._connack_seen = False
         self._ever_connected = False
         self._broker_max: int | None = None
+        # Why the last TLS connection failed (a refused certificate), and the last such reason warned about.
+        self._tls_error: BaseException | None = None
+        self._tls_warned = ""
+        self._socket_error = ""  # paho's error log of the last failed read (e.g. an SSL alert)
         self._client = self._new_client()
         self._net = threading.Thread(target=self._network_loop, name=f"mqtt-net-{client_id}", daemon=True)
         self._worker: threading.Thread | None = None
@@ -296,18 +301,16 @@ class MqttTransport:
         v5 = self._protocol == paho.MQTTv5
         # 3.1.1 cannot ask for a clean session on the first connect only, so it always starts clean:
         # otherwise a restarted aggregator would be handed the previous run's queued joins.
+        opts = self.options
         client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=self._protocol,
                              clean_session=None if v5 else True, reconnect_on_failure=False,
-                             manual_ack=self.manual_ack)
+                             manual_ack=self.manual_ack, transport="unix" if opts.unix_path else "tcp")
         client.connect_timeout = 5.0
-        opts = self.options
         if opts.username is not None:
             client.username_pw_set(opts.username, opts.password)
         if opts.tls:
-            client.tls_set(ca_certs=opts.tls_ca, certfile=opts.tls_cert, keyfile=opts.tls_key,
-                           cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
-            if not opts.tls_check_hostname:
-                client.tls_insecure_set(True)  # names not matched; the certificate chain still is
+            client.tls_set_context(client_context(opts))
+        client.on_log = self._on_log
         if self.will is not None:
             client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain)
         client.on_connect = self._on_connect
@@ -322,9 +325,11 @@ class MqttTransport:
         return client
 
     def _open(self, client: paho.Client, first: bool) -> None:
+        self._socket_error = ""
         if not first:
             client.reconnect()
             return
+        host = self.options.unix_path or self.options.host  # paho's unix transport takes the path as host
         if self._protocol == paho.MQTTv5:
             props = None
             if self.persistent_session:
@@ -334,10 +339,9 @@ class MqttTransport:
             clean: paho.CleanStartOption = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
             if self.resume_session:
                 clean = False
-            client.connect(self.options.host, self.options.port, self.options.keepalive, clean_start=clean,
-                           properties=props)
+            client.connect(host, self.options.port, self.options.keepalive, clean_start=clean, properties=props)
         else:
-            client.connect(self.options.host, self.options.port, self.options.keepalive)
+            client.connect(host, self.options.port, self.options.keepalive)
 
     def _network_loop(self) -> None:
         need_open, first, opened = True, True, time.monotonic()
@@ -353,6 +357,7 @@ class MqttTransport:
                 except Exception as exc:  # noqa: BLE001 - any failure to connect is retried
                     self.last_error = _describe(exc)
                     log.debug("%s: connect to %s failed: %s", self.client_id, self.url, self.last_error)
+                    self._note_tls_failure(exc)
                     self._closing.wait(self.backoff.next())
                     continue
             rc = client.loop(timeout=0.2)
@@ -368,8 +373,11 @@ class MqttTransport:
             if self._closing.is_set():
                 break
             need_open = True
+            if not self._connack_seen and self._socket_error:
+                self.last_error = self._socket_error
+            tls_failed = self.options.tls and "ssl" in self._socket_error.lower()
             if not self._connack_seen and not self._ever_connected and self._can_downgrade \
-                    and self._protocol == paho.MQTTv5:
+                    and self._protocol == paho.MQTTv5 and not tls_failed:
                 # Some 3.1.1-only brokers drop an MQTT 5 CONNECT without answering (amqtt does when
                 # it carries a will), rather than refusing it with a CONNACK.
                 self._downgrade = True
@@ -385,6 +393,22 @@ class MqttTransport:
                 self.last_error = f"connection lost ({paho.error_string(rc)})"
             self._closing.wait(self.backoff.next())
 
+    def _note_tls_failure(self, exc: BaseException) -> None:
+        """Keep a refused broker certificate for the error message, and warn once per reason: a device
+        that refuses whatever now holds the broker's port says so while it keeps retrying."""
+        if not self.options.tls or not isinstance(exc, (ssl.SSLError, ssl.CertificateError)):
+            return
+        self._tls_error = exc
+        why = explain(exc, self.options)
+        if why is not None and why != self._tls_warned:
+            self._tls_warned = why
+            log.warning("%s: refusing the connection: %s; retrying with backoff", self.client_id, why)
+
+    def _on_log(self, client: paho.Client, userdata: object, level: int, message: str) -> None:
+        # paho reports a failed read (an SSL alert, a reset) only through its log.
+        if level == paho.MQTT_LOG_ERR and message.startswith("failed to receive on socket"):
+            self._socket_error = message
+
     def _on_connect(self, client: paho.Client, userdata: object, flags: paho.ConnectFlags,
                     reason: paho.ReasonCode, properties: Properties | None) -> None:
         self._connack_seen = True
@@ -398,6 +422,7 @@ class MqttTransport:
                 self.last_error = str(reason)
             return
         self._refused = 0
+        self._tls_error, self._tls_warned = None, ""
         self._broker_max = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
         self.stats.connects += 1
         session_kept = flags.session_present and self.persistent_session
@@ -488,10 +513,24 @@ class MqttTransport:
             hint = ("check --username/--password" if self._refused in _AUTH_REFUSALS
                     else "check the client id, credentials and the broker's configuration")
             return f"broker at {self.url} refused the connection ({reason}); {hint}"
+        why = self._tls_explanation()
+        if why is not None:
+            return f"TLS failed: {why}"
         if "SSL" in reason or "certificate" in reason.lower():
             return (f"TLS with the broker at {self.url} failed: {reason}; check --tls-ca/--tls-cert/--tls-key and "
                     f"that the URL's host name matches the broker's certificate")
         return f"cannot reach broker at {self.url}: {reason}; {START_BROKER_HINT}"
+
+    def _tls_explanation(self) -> str | None:
+        """Why TLS failed, in words: from the refused handshake, or, when the broker just closed the
+        connection after it (as one that demands a client certificate does), from a listening probe."""
+        if not self.options.tls or self._ever_connected:
+            return None
+        if self._tls_error is not None:
+            return explain(self._tls_error, self.options)
+        if self._socket_error or not self._connack_seen:
+            return explain(probe(self.options), self.options)
+        return None
 
 
 def _no_op(*args: object) -> None:

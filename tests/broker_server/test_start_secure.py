@@ -51,10 +51,22 @@ def test_a_port_squatter_makes_the_broker_fail_naming_the_port(squatter: int, tm
     assert broker.proc is None
 
 
-def test_start_with_a_port_squatter_fails_with_a_clear_message(squatter: int) -> None:
-    out = server_cli("--port", str(squatter), "--fed", "squat")
+def test_start_with_a_port_squatter_fails_with_a_clear_message(squatter: int, tmp_path: Path) -> None:
+    out = server_cli("--port", str(squatter), "--fed", "squat", "--state-dir", str(tmp_path / "state"))
     assert out.returncode == 2, out.stderr
     assert f"port {squatter} on 127.0.0.1 is already in use" in out.stderr and "--port 0" in out.stderr
+    # Checked before anything is written: no credentials for a federation that never started.
+    assert not (tmp_path / "state" / "security").exists()
+
+
+def test_start_checks_its_tls_flags_before_starting(tmp_path: Path) -> None:
+    for args, words in ((["--tls", "maybe"], "--tls must be auto, on or off"),
+                        (["--tls", "on", "--insecure"], "hands devices the federation CA"),
+                        (["--client-ca", __file__, "--insecure"], "hands devices the federation CA"),
+                        (["--tls", "off", "--client-ca", __file__], "--tls off contradicts"),
+                        (["--tls", "on", "--broker", "mqtt://127.0.0.1:1"], "--tls applies to the local broker")):
+        out = server_cli("--port", "0", "--fed", "flags", *args)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
 
 
 def test_start_refuses_the_unauthenticated_embedded_broker_and_bad_listen(tmp_path: Path) -> None:
@@ -101,7 +113,8 @@ def test_the_aggregator_ignores_ids_that_are_not_members() -> None:
 @pytest.mark.slow
 def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None:
     # The default start, serving other machines (--listen 0.0.0.0:PORT): a Mosquitto with generated
-    # passwords and ACL; devices join with their files; an anonymous client is refused meanwhile.
+    # passwords, ACL and TLS (the federation CA travels in the devices' files); devices join with their
+    # files (mqtt:// or mqtts://: the file's CA switches TLS on); an anonymous client is refused meanwhile.
     port, state = free_port(), tmp_path / "state"
     allow = tmp_path / "allow.txt"
     allow.write_text("dev-0\ndev-1\n")
@@ -120,7 +133,9 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
              "--credentials", str(creds / f"dev-{i}.json"), "--data", DATA, "--partition", f"{i}/2", "--threads", "1",
              "--connect-timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
             for i in range(2)]
-        anon = MqttTransport(parse_broker_url(f"mqtt://127.0.0.1:{port}"), "anon", backoff=Backoff(0.2, 1.0))
+        ca = json.loads((creds / "dev-0.json").read_text())["ca"]
+        anon = MqttTransport(parse_broker_url(f"mqtt://127.0.0.1:{port}").with_federation_ca(ca, "dev-0.json"), "anon",
+                             backoff=Backoff(0.2, 1.0))
         with pytest.raises(TransportError, match="refused the connection"):
             anon.connect(timeout=15)
         out, _ = server.communicate(timeout=120)
@@ -135,6 +150,7 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
     assert f"listener {port} 0.0.0.0" in conf and "allow_anonymous false" in conf
     # The broker's packet limit is the aggregator's decoder limit (fedproto: the codec's default), plus a header.
     assert f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}\n" in conf
-    assert "without TLS: passwords and uploads cross the network in clear" in out
+    assert f"mosquitto listening on mqtts://0.0.0.0:{port} and unix://" in out and "without TLS" not in out, out
+    assert (state / "security" / "tls" / "ca.crt").read_text() == ca
     for d, o in zip(devices, dev_out):
         assert d.returncode == 0 and "federation finished after 1 trained round(s)" in o, o

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -12,8 +13,12 @@ from typing import Callable
 
 import pytest
 
+from cryptography import x509
+
 from broker_server.broker import ListenerTls, MosquittoBroker, free_port
+from broker_server.pki import broker_names, ensure_federation_tls
 from broker_server.security import load_or_create
+from protofl.transport.credentials import read_device_file
 from protofl import topics
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
@@ -49,6 +54,38 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+def test_the_federation_ca_is_generated_once_and_travels_in_the_device_files(tmp_path: Path) -> None:
+    sec = tmp_path / "sec"
+    fed_tls = ensure_federation_tls(sec / "tls", "lab", broker_names("10.1.2.3"))
+    ca, broker = fed_tls.ca_cert.read_bytes(), fed_tls.broker_cert.read_bytes()
+    assert fed_tls.ca_key.stat().st_mode & 0o777 == 0o600 and fed_tls.broker_key.stat().st_mode & 0o777 == 0o600
+    cert = x509.load_pem_x509_certificate(broker)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"10.1.2.3", "127.0.0.1", "::1"} <= {str(n) for n in names.get_values_for_type(x509.IPAddress)}
+    assert {"localhost", socket.gethostname()} <= set(names.get_values_for_type(x509.DNSName))
+    cert.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+    # A restart reuses both (devices keep their files); a new name re-signs the broker's, same CA.
+    assert ensure_federation_tls(sec / "tls", "lab", broker_names("10.1.2.3")).broker_cert.read_bytes() == broker
+    again = ensure_federation_tls(sec / "tls", "lab", broker_names("edge.lab"))
+    assert again.ca_cert.read_bytes() == ca and again.broker_cert.read_bytes() != broker
+    auth = load_or_create(sec, "lab", ["dev-a"], ca_pem=fed_tls.ca_pem())
+    found = read_device_file(auth.device_file("dev-a"))
+    assert found.ca_pem == ca.decode() and found.fed == "lab" and found.credentials.username == "dev-a"
+    assert read_device_file(load_or_create(tmp_path / "plain", "lab", ["dev-a"]).device_file("dev-a")).ca_pem is None
+
+
+def test_a_device_with_the_federation_ca_refuses_a_broker_it_did_not_sign(start_mosquitto, certs: Path,
+                                                                          tmp_path: Path) -> None:
+    # The broker's certificate names 127.0.0.1 and is valid, but from another CA: refused, naming the file.
+    broker, auth = tls_broker(start_mosquitto, certs, tmp_path, require_client_cert=False)
+    ca = ensure_federation_tls(tmp_path / "fed-tls", "tls", ["127.0.0.1"]).ca_pem()
+    opts = parse_broker_url(broker.url).with_auth("dev-a", auth.secrets.devices["dev-a"])
+    with pytest.raises(TransportError, match="presented a certificate that the federation CA in --credentials "
+                                             "dev-a.json did not sign"):
+        MqttTransport(opts.with_federation_ca(ca, "--credentials dev-a.json"), "dev-a",
+                      backoff=Backoff(0.1, 0.5)).connect(2)
+
+
 def tls_broker(start: Callable[..., MosquittoBroker], certs: Path, tmp_path: Path, require_client_cert: bool):
     auth = load_or_create(tmp_path / "sec", "tls", ["dev-a"])
     tls = ListenerTls(str(certs / "broker.crt"), str(certs / "broker.key"), str(certs / "ca.crt"), require_client_cert)
@@ -67,8 +104,9 @@ def test_tls_with_the_servers_ca_and_credentials(start_mosquitto, certs: Path, t
     t.publish(topics.presence("tls", "dev-a"), b"x")
     assert t.flush(5)
     t.close(timeout=1)
-    # A CA that did not sign the broker's certificate: the device refuses the broker.
-    with pytest.raises(TransportError, match="TLS with the broker at .* failed"):
+    # A CA that did not sign the broker's certificate: the device refuses the broker, naming the CA.
+    with pytest.raises(TransportError, match=f"presented a certificate that the CA of --tls-ca "
+                                             f"{certs / 'other-ca.crt'} did not sign"):
         dev(broker.url, auth, tls_ca=str(certs / "other-ca.crt")).connect(2)
     # Plain MQTT to the TLS port gets nowhere.
     with pytest.raises(TransportError):
@@ -77,8 +115,10 @@ def test_tls_with_the_servers_ca_and_credentials(start_mosquitto, certs: Path, t
 
 def test_tls_requiring_client_certificates(start_mosquitto, certs: Path, tmp_path: Path) -> None:
     broker, auth = tls_broker(start_mosquitto, certs, tmp_path, require_client_cert=True)
-    with pytest.raises(TransportError):
-        dev(broker.url, auth, tls_ca=str(certs / "ca.crt")).connect(2)  # no client certificate
+    # No client certificate: said as such, with the flags to pass (not "is it running?").
+    with pytest.raises(TransportError, match="demanded a client certificate and refused the TLS handshake without "
+                                             "one: pass --tls-cert FILE --tls-key FILE"):
+        dev(broker.url, auth, tls_ca=str(certs / "ca.crt")).connect(2)
     t = dev(broker.url, auth, tls_ca=str(certs / "ca.crt"), tls_cert=str(certs / "client.crt"),
             tls_key=str(certs / "client.key")).connect(10)
     assert t.connected

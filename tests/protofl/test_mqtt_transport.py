@@ -47,10 +47,27 @@ def test_broker_urls() -> None:
     assert (o.host, o.port, o.tls, o.username, o.password) == ("broker.local", 8883, True, "dev@lab", "s3cret")
     assert o.url == "mqtts://broker.local:8883"  # never prints the password
     assert parse_broker_url("10.0.0.5:1884").url == "mqtt://10.0.0.5:1884"
-    for bad, words in (("http://x", "scheme must be mqtt:// or mqtts://"), ("mqtt://x:99999", "port"),
-                       ("mqtt://x/topic", "no path"), ("mqtt://", "no host")):
+    for bad, words in (("http://x", "scheme must be mqtt://, mqtts:// or unix://"), ("mqtt://x:99999", "port"),
+                       ("mqtt://x/topic", "no path"), ("mqtt://", "no host"), ("unix://sock", "unix:///absolute")):
         with pytest.raises(ConfigError, match=words):
             parse_broker_url(bad)
+
+
+def test_unix_socket_urls_and_the_federation_ca(tmp_path) -> None:
+    # The server's own connection to its broker: a socket path, no TLS (its directory keeps others out).
+    o = parse_broker_url("unix:///var/lib/protofl/broker/mosquitto.sock").with_auth("srv", "pw")
+    assert (o.unix_path, o.url, o.username) == ("/var/lib/protofl/broker/mosquitto.sock",
+                                                "unix:///var/lib/protofl/broker/mosquitto.sock", "srv")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match="unix socket connection takes no TLS"):
+        o.with_auth(tls_ca=str(ca))
+    # A device's credentials file carries the federation CA: TLS on, names not matched, --tls-ca wins.
+    dev = parse_broker_url("mqtt://10.0.0.5:1883").with_federation_ca("PEM", "--credentials d.json")
+    assert dev.tls and not dev.tls_check_hostname and dev.url == "mqtts://10.0.0.5:1883"
+    assert dev.ca_description == "the federation CA in --credentials d.json"
+    own = parse_broker_url("mqtts://h").with_auth(tls_ca=str(ca)).with_federation_ca("PEM", "d.json")
+    assert own.tls_ca_pem is None and own.tls_check_hostname and own.ca_description == f"the CA of --tls-ca {ca}"
 
 
 def test_auth_and_tls_options_are_checked(tmp_path) -> None:
