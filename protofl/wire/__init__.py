@@ -2,14 +2,17 @@
 
 from protofl.wire.codec import (
     DEFAULT_LIMITS,
+    DEVICE_KINDS,
     KINDS,
     Envelope,
+    Header,
     Limits,
     decode_array,
     decode_sparse,
     encode_array,
     encode_sparse,
     pack_envelope,
+    read_header,
     unpack_envelope,
 )
 from protofl.wire.messages import (
@@ -24,6 +27,7 @@ from protofl.wire.messages import (
     PublicSet,
     RoundStart,
     Status,
+    decode_body,
     decode_message,
     encode_message,
     message_size,
@@ -31,11 +35,13 @@ from protofl.wire.messages import (
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "DEVICE_KINDS",
     "KINDS",
     "MESSAGE_TYPES",
     "ParamsUpload",
     "Config",
     "Envelope",
+    "Header",
     "Join",
     "Limits",
     "Message",
@@ -46,6 +52,7 @@ __all__ = [
     "RoundStart",
     "Status",
     "decode_array",
+    "decode_body",
     "decode_message",
     "decode_sparse",
     "encode_array",
@@ -53,5 +60,6 @@ __all__ = [
     "encode_sparse",
     "message_size",
     "pack_envelope",
+    "read_header",
     "unpack_envelope",
 ]

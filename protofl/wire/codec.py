@@ -5,6 +5,11 @@ and every failure raises one `WireError` whose message names the field and the r
 can log it and drop the message without changing state. Encoding rejects a sender's own bad input
 (NaN, out-of-range integers) with `ValueError`.
 
+What a hostile peer can make a receiver spend is bounded: `read_header` parses the envelope and skips
+the body without building it, so kind, sender, federation, round and the size limit of the kind are
+checked first; `Header.open` parses the body within an object budget of its kind; every check is
+linear in what it checks.
+
 Arrays travel as `{"dt", "sh", "b"}` (little-endian bytes, C order); q8 adds `"scale"` and `"zero"`:
 x ~ (q - zero) * scale with `zero` a float (not rounded to an integer, so every input lies within
 scale/2 of a grid point). Constant and empty arrays use q = 0, scale = 1, zero = -value, which
@@ -17,8 +22,9 @@ bits of the last byte zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -29,6 +35,7 @@ from protofl.errors import WireError
 from protofl.names import is_valid_name
 from protofl.sparse import SparseVector
 
+KiB = 2**10
 MiB = 2**20
 
 
@@ -45,6 +52,29 @@ class Limits:
     # Containers plus their elements in one message: 32 MiB of nested empty maps would otherwise
     # expand to gigabytes of Python objects before any validation runs.
     max_objects: int = 1_000_000
+    # Kinds small by nature, refused by their size as soon as the envelope names the kind, before the
+    # body is parsed: a member cannot make the receiver parse megabytes that cannot be a join, a status
+    # or a device's metrics. A simulation raises `max_metrics_bytes` for the class probabilities its
+    # devices send on the test set (`Metrics.probs`); devices in the field send none.
+    max_join_bytes: int = 64 * KiB
+    max_status_bytes: int = 64 * KiB
+    max_metrics_bytes: int = 64 * KiB
+
+    def max_bytes(self, kind: str) -> int:
+        """The largest message of `kind` this decoder reads."""
+        small = {"join": self.max_join_bytes, "status": self.max_status_bytes, "metrics": self.max_metrics_bytes}
+        return min(self.max_message_bytes, small.get(kind, self.max_message_bytes))
+
+    def max_body_objects(self, kind: str) -> int:
+        """The most msgpack objects (containers plus their elements) a body of `kind` may hold.
+
+        A device's kinds are a few fixed maps of arrays (a valid join has 6 objects, an upload under 40,
+        metrics 20 plus its `extra` map), so a body with more is refused while it is parsed, after a few
+        hundred objects rather than `max_objects`: a body of a million empty lists costs a receiver
+        about a second of parsing before any validation could refuse it. The server's kinds (config,
+        public, round) carry lists whose length the federation sets, and keep `max_objects`."""
+        fixed = {"join": 64, "status": 64, "protos": 256, "adapter": 256, "metrics": 64 + self.max_map_len}
+        return min(self.max_objects, fixed.get(kind, self.max_objects))
 
 
 DEFAULT_LIMITS = Limits()
@@ -62,6 +92,9 @@ UINT_DTS = frozenset({"u1", "u2", "u4"})
 MAX_NDIM = 8
 MAX_SPARSE_N = 2**32
 KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "metrics", "status"})
+# What a device sends on its `up/{client_id}` topic (its status goes to `presence/{client_id}`): a
+# receiver of `up/` refuses any other kind from the header, before the body is parsed.
+DEVICE_KINDS = frozenset({"join", "protos", "adapter", "metrics"})
 PHASES = frozenset({"", "proto", "train", "done"})
 ENVELOPE_KEYS = ("v", "kind", "fed", "round", "phase", "sender", "msg_id", "body")
 MAX_ROUND = 2**31
@@ -84,9 +117,10 @@ def expect_keys(obj: Any, keys: Collection[str], what: str) -> dict:
     missing = [k for k in keys if k not in obj]
     if missing:
         raise WireError(f"{what}: missing key {missing[0]!r}")
-    extra = sorted(k for k in obj if k not in keys)
-    if extra:
-        raise WireError(f"{what}: unknown key {extra[0]!r} (expected {', '.join(keys)})")
+    if len(obj) > len(keys):  # every key is present, so some are extra: name the first in sort order
+        known = frozenset(keys)  # one set: the scan stays linear in the map, whatever the key count
+        extra = min(k for k in obj if k not in known)
+        raise WireError(f"{what}: unknown key {extra!r} (expected {', '.join(keys)})")
     return obj
 
 
@@ -330,7 +364,9 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
 
 
 @dataclass(frozen=True)
-class Envelope:
+class _Head:
+    """The envelope's fields other than the body."""
+
     v: int
     kind: str
     fed: str
@@ -338,10 +374,34 @@ class Envelope:
     phase: str
     sender: str
     msg_id: str
+
+
+@dataclass(frozen=True)
+class Envelope(_Head):
     body: dict
 
 
-def _check_envelope(top: Any) -> Envelope:
+@dataclass(frozen=True)
+class Header(_Head):
+    """A message read up to its body: every envelope field is checked, the message is within the size
+    limit of its kind, and the body is still bytes, skipped without building one object. A receiver
+    checks kind, sender, federation and round on the header and pays for the body (`open`) only for a
+    message it would take."""
+
+    size: int  # bytes of the whole message
+    body_bytes: memoryview = field(repr=False, compare=False)
+    limits: Limits = field(repr=False, compare=False)
+
+    def open(self) -> Envelope:
+        """Parse the body (a map), within the decoder limits and the object budget of this kind."""
+        budget = self.limits.max_body_objects(self.kind)
+        body = _unpack(self.body_bytes, self.limits, budget, f"{self.kind} body")
+        head = {k: getattr(self, k) for k in ENVELOPE_KEYS if k != "body"}
+        return Envelope(**head, body=body)
+
+
+def _check_head(top: Any) -> dict[str, Any]:
+    """The checked envelope fields of the top-level map `top`, all but the body (whose key must be there)."""
     if not isinstance(top, dict):
         raise WireError(f"message: top level must be a map, got {_tname(top)}")
     if "v" not in top:
@@ -359,56 +419,84 @@ def _check_envelope(top: Any) -> Envelope:
     phase = top["phase"]
     if not isinstance(phase, str) or phase not in PHASES:
         raise WireError(f"message: unknown phase {phase!r}; known: {sorted(PHASES)}")
-    body = top["body"]
-    if not isinstance(body, dict):
-        raise WireError(f"message: body must be a map, got {_tname(body)}")
-    return Envelope(
-        v=v,
-        kind=kind,
-        fed=expect_name(top["fed"], "message fed"),
-        round=expect_int(top["round"], "message round", 0, MAX_ROUND - 1),
-        phase=phase,
-        sender=expect_name(top["sender"], "message sender"),
-        msg_id=expect_str(top["msg_id"], "message msg_id", 64),
-        body=body,
-    )
+    return {
+        "v": v,
+        "kind": kind,
+        "fed": expect_name(top["fed"], "message fed"),
+        "round": expect_int(top["round"], "message round", 0, MAX_ROUND - 1),
+        "phase": phase,
+        "sender": expect_name(top["sender"], "message sender"),
+        "msg_id": expect_str(top["msg_id"], "message msg_id", 64),
+    }
 
 
 def pack_envelope(env: Envelope) -> bytes:
     """Serialise; raises ValueError if the envelope would not pass `unpack_envelope`."""
     top = {k: getattr(env, k) for k in ENVELOPE_KEYS}
     try:
-        _check_envelope(top)
+        _check_head(top)
+        if not isinstance(env.body, dict):
+            raise WireError(f"message: body must be a map, got {_tname(env.body)}")
     except WireError as e:
         raise ValueError(f"cannot send this envelope: {e}") from None
     return msgpack.packb(top, use_bin_type=True)
 
 
-def _unpack(data: bytes, limits: Limits) -> Any:
-    budget = [limits.max_objects]
+def _type_names() -> tuple[str, ...]:
+    """The Python type name (as `_tname` gives it) of the msgpack value that starts with each byte."""
+    names = ["ext"] * 256  # c7-c9 and d4-d8: the ext types, which the decoder refuses
+    spans = [
+        (0x00, 0x7F, "int"), (0x80, 0x8F, "dict"), (0x90, 0x9F, "list"), (0xA0, 0xBF, "str"), (0xC0, 0xC0, "nil"),
+        (0xC1, 0xC1, "invalid"), (0xC2, 0xC3, "bool"), (0xC4, 0xC6, "bytes"), (0xCA, 0xCB, "float"),
+        (0xCC, 0xD3, "int"), (0xD9, 0xDB, "str"), (0xDC, 0xDD, "list"), (0xDE, 0xDF, "dict"), (0xE0, 0xFF, "int"),
+    ]  # fmt: skip
+    for lo, hi, name in spans:
+        names[lo : hi + 1] = [name] * (hi - lo + 1)
+    return tuple(names)
+
+
+_TYPE_AT = _type_names()
+_ENVELOPE_OBJECTS = 64
+
+
+def _counter(limit: int, what: str) -> Callable[[Any], Any]:
+    """A msgpack list/object hook that refuses the container that takes the count over `limit`."""
+    left = [limit]
 
     def count(container: Any) -> Any:
-        budget[0] -= len(container) + 1
-        if budget[0] < 0:
-            raise WireError(f"message: more than {limits.max_objects} msgpack objects")
+        left[0] -= len(container) + 1
+        if left[0] < 0:
+            raise WireError(f"{what}: more than {limit} msgpack objects")
         return container
 
+    return count
+
+
+def _options(limits: Limits, max_objects: int, what: str) -> dict[str, Any]:
+    count = _counter(max_objects, what)
+    return {
+        "raw": False,
+        "strict_map_key": True,
+        "use_list": True,
+        "list_hook": count,
+        "object_hook": count,
+        "max_str_len": limits.max_str_len,
+        "max_bin_len": limits.max_bin_len,
+        "max_array_len": limits.max_list_len,
+        "max_map_len": limits.max_map_len,
+        "max_ext_len": 0,
+    }
+
+
+@contextmanager
+def _msgpack_errors() -> Iterator[None]:
+    """Turn what msgpack raises into one WireError a person can read."""
     try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            list_hook=count,
-            object_hook=count,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_bin_len,
-            max_array_len=limits.max_list_len,
-            max_map_len=limits.max_map_len,
-            max_ext_len=0,
-        )
+        yield
     except WireError:
         raise
+    except msgpack.OutOfData:
+        raise WireError("message: truncated msgpack (incomplete input)") from None
     except msgpack.ExtraData as e:
         raise WireError(f"message: trailing bytes after the msgpack object ({len(e.extra)} extra)") from None
     except msgpack.StackError:
@@ -432,11 +520,67 @@ def _unpack(data: bytes, limits: Limits) -> Any:
         raise WireError(f"message: {reason}") from None
 
 
-def unpack_envelope(data: bytes, limits: Limits = DEFAULT_LIMITS) -> Envelope:
-    """Parse and validate the envelope; the body is returned as a plain map for `messages` to check."""
+def _unpack(data: bytes | memoryview, limits: Limits, max_objects: int, what: str) -> Any:
+    with _msgpack_errors():
+        return msgpack.unpackb(data, **_options(limits, max_objects, what))
+
+
+def _read_top(buf: bytes, limits: Limits) -> tuple[dict[Any, Any], tuple[int, int] | None]:
+    """The top-level map with every value but the body's parsed, and the byte range of the body,
+    which is skipped (at C speed, building no objects). Key sets are `_check_head`'s to judge."""
+    if not buf:
+        raise WireError("message: truncated msgpack (incomplete input)")
+    if _TYPE_AT[buf[0]] == "invalid":
+        raise WireError("message: not msgpack (invalid format byte)")
+    if _TYPE_AT[buf[0]] != "dict":
+        raise WireError(f"message: top level must be a map, got {_TYPE_AT[buf[0]]}")
+    # The envelope's values are scalars: a container there is refused after a few objects, not a million.
+    reader = msgpack.Unpacker(max_buffer_size=len(buf), **_options(limits, _ENVELOPE_OBJECTS, "message envelope"))
+    top: dict[Any, Any] = {}
+    body_at = None
+    with _msgpack_errors():
+        reader.feed(buf)
+        entries = reader.read_map_header()
+        if entries > limits.max_map_len:  # as unpackb would refuse it: the loop below stays short
+            raise WireError(f"message: a map is over the decoder limit ({entries} entries, max {limits.max_map_len})")
+        for _ in range(entries):
+            key = reader.unpack()
+            if not isinstance(key, (str, bytes)):  # what strict_map_key refuses inside a map
+                raise WireError("message: map keys must be strings")
+            if key == "body":
+                start = reader.tell()
+                reader.skip()
+                body_at, top[key] = (start, reader.tell()), None
+            elif key in ENVELOPE_KEYS:
+                top[key] = reader.unpack()
+            else:  # an unknown key is refused by its name; its value is not worth parsing
+                reader.skip()
+                top[key] = None
+    if reader.tell() != len(buf):
+        raise WireError(f"message: trailing bytes after the msgpack object ({len(buf) - reader.tell()} extra)")
+    return top, body_at
+
+
+def read_header(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Parse and check the envelope, leaving the body unparsed; refuse a message over its kind's size."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise WireError(f"message: expected bytes, got {_tname(data)}")
     size = memoryview(data).nbytes
     if size > limits.max_message_bytes:
         raise WireError(f"message: {size} bytes, over the limit of {limits.max_message_bytes}")
-    return _check_envelope(_unpack(data, limits))
+    buf = data if isinstance(data, bytes) else bytes(data)  # the header keeps a view: a bytearray may change
+    top, body_at = _read_top(buf, limits)
+    head = _check_head(top)
+    if size > limits.max_bytes(head["kind"]):
+        raise WireError(f"message: {size} bytes, over the limit of {limits.max_bytes(head['kind'])} for a "
+                        f"{head['kind']} message")
+    assert body_at is not None  # _check_head found the key
+    start, end = body_at
+    if _TYPE_AT[buf[start]] != "dict":
+        raise WireError(f"message: body must be a map, got {_TYPE_AT[buf[start]]}")
+    return Header(**head, size=size, body_bytes=memoryview(buf)[start:end], limits=limits)
+
+
+def unpack_envelope(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Envelope:
+    """Parse and validate the envelope; the body is returned as a plain map for `messages` to check."""
+    return read_header(data, limits).open()

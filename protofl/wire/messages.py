@@ -207,21 +207,32 @@ def _layout(v: Any) -> list[tuple[str, tuple[int, ...]]]:
     if not isinstance(v, (list, tuple)):
         raise WireError(f"adapter_layout: expected a list, got {type(v).__name__}")
     out: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[str] = set()  # repeated names by a set: a 50,000-entry layout must not cost 50,000**2 / 2 compares
     total = 0
     for i, entry in enumerate(v):
-        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], (list, tuple)):
-            raise WireError(f"adapter_layout[{i}]: expected [name, [dims...]]")
-        name = expect_str(entry[0], f"adapter_layout[{i}] name", 256)
-        if not name or any(name == n for n, _ in out):
+        name, dims = _layout_entry(i, entry)
+        if not name or name in seen:
             raise WireError(f"adapter_layout[{i}]: name {name!r} is empty or repeated")
-        if len(entry[1]) > MAX_NDIM:
-            raise WireError(f"adapter_layout[{i}]: more than {MAX_NDIM} dimensions")
-        dims = tuple(expect_int(d, f"adapter_layout[{i}] dimension", 0, MAX_SPARSE_N - 1) for d in entry[1])
+        seen.add(name)
         total += math.prod(dims)
         if total >= MAX_SPARSE_N:
             raise WireError("adapter_layout: the adapter has 2**32 or more parameters")
         out.append((name, dims))
     return out
+
+
+def _layout_entry(i: int, entry: Any) -> tuple[str, tuple[int, ...]]:
+    """One [name, [dims...]]; the messages naming entry i are only built for an entry that fails."""
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], (list, tuple)):
+        raise WireError(f"adapter_layout[{i}]: expected [name, [dims...]]")
+    name, dims = entry
+    if not isinstance(name, str) or len(name) > 256:
+        expect_str(name, f"adapter_layout[{i}] name", 256)  # raises, naming what is wrong
+    if len(dims) > MAX_NDIM:
+        raise WireError(f"adapter_layout[{i}]: more than {MAX_NDIM} dimensions")
+    if all(type(d) is int and 0 <= d < MAX_SPARSE_N for d in dims):  # plain ints, as msgpack gives them
+        return name, tuple(dims)
+    return name, tuple(expect_int(d, f"adapter_layout[{i}] dimension", 0, MAX_SPARSE_N - 1) for d in dims)
 
 
 def _str_map(v: Any, what: str, value: Any) -> dict:
@@ -542,6 +553,12 @@ class Metrics(_Body):
             **counts,
         )
 
+    @staticmethod
+    def probs_bytes(samples: int, classes: int) -> int:
+        """The bytes `probs` adds to a metrics message on a test set of `samples` (f2 values): what a
+        receiver adds to `Limits.max_metrics_bytes` when its devices send probabilities (simulation)."""
+        return 2 * samples * classes
+
     def to_body(self) -> dict:
         body = {f.name: getattr(self, f.name) for f in fields(self)}
         body["probs"] = _opt(self.probs, lambda p: encode_array(p, "f2"))
@@ -596,18 +613,25 @@ def encode_message(
     return pack_envelope(Envelope(WIRE_VERSION, msg.KIND, fed, round, phase, sender, msg_id, msg.to_body()))
 
 
-def decode_message(data: bytes, *, limits: Limits = DEFAULT_LIMITS) -> tuple[Envelope, Message]:
-    """Parse and validate; every failure is a WireError naming the field, sender and round."""
-    env = unpack_envelope(data, limits)
+def decode_body(env: Envelope, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate the body of an envelope whose fields the receiver has checked already (`read_header`,
+    then `Header.open`); every failure is a WireError naming the field, sender and round."""
     where = f"(sender {env.sender}, round {env.round})"
     try:
-        return env, _FROM_BODY[env.kind](env.body, limits)
+        return _FROM_BODY[env.kind](env.body, limits)
     except WireError as e:
         raise WireError(f"{e} {where}") from None
     except Exception as e:  # a validation gap must still not crash the receiver
         raise WireError(
             f"{env.kind}: unexpected {type(e).__name__} ({e}) {where}; this is a bug in protofl.wire, please report"
         ) from e
+
+
+def decode_message(data: bytes, *, limits: Limits = DEFAULT_LIMITS) -> tuple[Envelope, Message]:
+    """Parse and validate envelope and body (a receiver that checks the envelope first uses
+    `read_header` and `decode_body`); every failure is a WireError."""
+    env = unpack_envelope(data, limits)
+    return env, decode_body(env, limits)
 
 
 def message_size(msg: Message, **envelope_kwargs: Any) -> int:

@@ -107,8 +107,10 @@ CASES: list[tuple[str, Callable[[], bytes], str]] = [
     ("trailing_bytes", lambda: valid(PROTOS) + b"\xc0", "trailing bytes"),
     ("oversize", lambda: valid(PROTOS), "over the limit of 64"),
     ("invalid_format_byte", raw(b"\xc1"), "invalid format byte"),
-    ("invalid_utf8", raw(b"\xa2\xff\xfe"), "not valid UTF-8"),
-    ("too_deep", raw(b"\x91" * 5000 + b"\xc0"), "nested too deeply"),
+    # A top level that is not a map is refused by its first byte, so these two sit inside one:
+    # a key that is not UTF-8, and a body nested too deeply to skip.
+    ("invalid_utf8", raw(b"\x81\xa2\xff\xfe\xc0"), "not valid UTF-8"),
+    ("too_deep", raw(b"\x81\xa4body" + b"\x91" * 5000 + b"\xc0"), "nested too deeply"),
     ("ext_type", edit(METRICS, put("body.extra", msgpack.ExtType(1, b"x"))), "ext types are not allowed"),
     ("timestamp_ext", edit(METRICS, put("body.loss", msgpack.Timestamp(1, 0))), "ext types"),
     ("non_str_map_key", edit(PROTOS, put("body", {1: 2})), "map keys must be strings"),
