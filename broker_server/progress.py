@@ -57,7 +57,12 @@ class RoundProgress:
     `eval_every` (None: unknown, as for a server whose devices choose it) says which rounds ask for
     metrics: every `eval_every`-th and the last of `rounds`; a round that asks for none is emitted as
     soon as it closes. Metrics may arrive before their round's close is seen; late ones (after their
-    round was emitted) still count for `all_metrics_in`."""
+    round was emitted) still count for `all_metrics_in`.
+
+    Memory is bounded by the rounds, never by what devices send: metrics are kept for the rounds
+    closed and not yet emitted and for the round after the last close (the open one), one per client
+    and round; a message for any other round (far ahead, or already emitted) is not stored. Of an
+    emitted round only the participants still missing are remembered."""
 
     def __init__(self, emit: Callable[[RoundRecord, dict[str, Metrics]], None], *, grace: float = GRACE_S,
                  eval_every: int | None = None, rounds: int | None = None) -> None:
@@ -67,31 +72,55 @@ class RoundProgress:
         self.rounds = rounds
         self.closed: list[RoundRecord] = []
         self.emitted = 0
-        self._metrics: dict[int, dict[str, Metrics]] = {}  # of the rounds not emitted yet
+        self._metrics: dict[int, dict[str, Metrics]] = {}  # rounds not emitted yet: client -> its metrics
         self._last_emitted = 0  # round number of the last round emitted
-        self._reported: dict[int, set[str]] = {}
+        self._last_known = 0  # the last round closed (or before the round a resumed service started in)
+        self._missing: dict[int, set[str]] = {}  # emitted rounds: participants whose metrics are still due
 
     @property
     def pending(self) -> list[RoundRecord]:
         """Closed rounds not emitted yet, oldest first."""
         return self.closed[self.emitted:]
 
+    def start_at(self, round_: int) -> None:
+        """A service resumed in `round_`: the rounds before it were shown by the process that ran them,
+        and metrics for `round_` may come before its close."""
+        self._last_emitted = max(self._last_emitted, round_ - 1)
+        self._last_known = max(self._last_known, round_ - 1)
+
     def round_end(self, rec: RoundRecord) -> None:
         self.closed.append(rec)
+        self._last_known = max(self._last_known, rec.round)
 
-    def add_metrics(self, client: str, round_: int, msg: Metrics) -> None:
-        self._reported.setdefault(round_, set()).add(client)
-        if round_ > self._last_emitted:
-            self._metrics.setdefault(round_, {})[client] = msg
+    def add_metrics(self, client: str, round_: int, msg: Metrics) -> bool:
+        """Count `client`'s metrics for `round_`; False if the round is none this progress waits for."""
+        if self._last_emitted < round_ <= self._last_known + 1:
+            self._metrics.setdefault(round_, {})[client] = msg  # a second message replaces the first
+            return True
+        missing = self._missing.get(round_)
+        if missing is None or client not in missing:
+            return False
+        missing.discard(client)  # late: the row is out, but the run knows it arrived
+        if not missing:
+            del self._missing[round_]
+        return True
 
     def expects_metrics(self, round_: int) -> bool:
         if self.eval_every is None:
             return True
         return is_due(round_, self.eval_every, self.rounds)
 
+    def _due(self, rec: RoundRecord) -> set[str]:
+        """The participants of a round not emitted yet whose metrics it still waits for."""
+        if not self.expects_metrics(rec.round):
+            return set()
+        return set(rec.clients) - set(self._metrics.get(rec.round, {}))
+
     def complete(self, rec: RoundRecord) -> bool:
         """Every participant of the round reported (or the round asks for no metrics)."""
-        return not self.expects_metrics(rec.round) or set(rec.clients) <= self._reported.get(rec.round, set())
+        if rec.round <= self._last_emitted:
+            return not self._missing.get(rec.round)
+        return not self._due(rec)
 
     def poll(self, now: float, force: bool = False) -> int:
         """Emit the rounds that are ready (all of them with `force`), in order; returns how many."""
@@ -101,11 +130,20 @@ class RoundProgress:
             if not (force or self.complete(rec) or now >= rec.ended + self.grace):
                 break
             self.emitted += 1
-            self._last_emitted = rec.round
             n += 1
-            self.emit(rec, self._metrics.pop(rec.round, {}))
+            self._emit(rec)
         return n
+
+    def _emit(self, rec: RoundRecord) -> None:
+        due = self._due(rec)
+        if due:
+            self._missing[rec.round] = due
+        self._last_emitted = max(self._last_emitted, rec.round)
+        metrics = self._metrics.pop(rec.round, {})
+        for r in [r for r in self._metrics if r <= self._last_emitted]:  # rounds that never closed here
+            del self._metrics[r]
+        self.emit(rec, metrics)
 
     def all_metrics_in(self) -> bool:
         """Every participant's metrics of every closed round that asks for them."""
-        return all(self.complete(rec) for rec in self.closed)
+        return not self._missing and all(self.complete(rec) for rec in self.pending)

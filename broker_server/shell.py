@@ -47,6 +47,7 @@ from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan
 from protofl.transport import Transport
 from protofl.wire import (
+    DEVICE_KINDS,
     Config,
     Join,
     Limits,
@@ -55,8 +56,9 @@ from protofl.wire import (
     PublicSet,
     RoundStart,
     Status,
-    decode_message,
+    decode_body,
     encode_message,
+    read_header,
 )
 
 log = logging.getLogger("protofl.server")
@@ -210,15 +212,27 @@ class Aggregator:
             self._drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
             return None
         try:
-            env, msg = decode_message(payload, limits=self.limits)
+            head = read_header(payload, self.limits)  # the envelope only: the body is not parsed yet
         except WireError as exc:
             self._drop("malformed", f"{topic}: {exc}", nbytes)
             return None
-        if env.sender != topic_client:
-            self._drop("sender_mismatch", f"topic says '{topic_client}', message says '{env.sender}'", nbytes)
+        # Who sent what to whom, from the envelope: a message that cannot be an upload from this topic's
+        # device to this federation costs its envelope, never the parsing of its body.
+        if head.sender != topic_client:
+            self._drop("sender_mismatch", f"topic says '{topic_client}', message says '{head.sender}'", nbytes)
             return None
-        if env.fed != self.fed:
-            self._drop("wrong_fed", f"'{env.fed}' on federation '{self.fed}'", nbytes)
+        if head.fed != self.fed:
+            self._drop("wrong_fed", f"'{head.fed}' on federation '{self.fed}'", nbytes)
+            return None
+        if head.kind not in DEVICE_KINDS:
+            self._drop("unexpected_kind", f"{head.kind} from {head.sender} (round {head.round}): a device sends "
+                                          f"{', '.join(sorted(DEVICE_KINDS))} on up/", nbytes)
+            return None
+        try:
+            env = head.open()
+            msg = decode_body(env, self.limits)
+        except WireError as exc:
+            self._drop("malformed", f"{topic}: {exc}", nbytes)
             return None
         if isinstance(msg, Join) and self.max_clients is not None and env.sender not in self.clients \
                 and len(self.clients) >= self.max_clients:
@@ -240,13 +254,16 @@ class Aggregator:
         if client not in self.clients and client not in self.machine.departed:
             return None
         try:
-            env, msg = decode_message(payload, limits=self.limits)
+            head = read_header(payload, self.limits)
+            # Checked on the envelope: a presence that is not this client's status costs no body parsing.
+            if head.kind != Status.KIND or head.sender != client or head.fed != self.fed:
+                self._drop("invalid", f"{topic}: not {client}'s presence", len(payload))
+                return None
+            msg = decode_body(head.open(), self.limits)
         except WireError as exc:
             self._drop("malformed", f"{topic}: {exc}", len(payload))
             return None
-        if not isinstance(msg, Status) or env.sender != client or env.fed != self.fed:
-            self._drop("invalid", f"{topic}: not {client}'s presence", len(payload))
-            return None
+        assert isinstance(msg, Status)
         if msg.detail and msg.state == "online":
             # A device reports a round that failed there on its presence topic (the rest is its profile).
             (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)

@@ -24,7 +24,8 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
     broker = InProcessBroker()
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=time.time, initial_params=initial_params,
                      public=fed_data.public_set(), expected_clients=spec.client_ids,
-                     on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics)
+                     on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics,
+                     limits=fed_data.limits(initial_params))
     agents = []
     for i, cid in enumerate(spec.client_ids):
         part = split.clients[i]

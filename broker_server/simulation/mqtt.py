@@ -230,7 +230,7 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
                                     initial_params=initial_params, protocol=protocol,
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
-                                    on_metrics=report.on_metrics)
+                                    on_metrics=report.on_metrics, limits=fed_data.limits(initial_params))
         if links is not None:
             watcher = UploadWatcher(service.transport, FED).start()  # subscribed before any device uploads
             report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,

@@ -6,12 +6,13 @@ preset, so every method is compared on the same clients. numpy only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from broker_server.cli_common import data_shape, fixed_by_user
+from broker_server.shell import decoder_limits
 from broker_server.simulation.links import expand
 from protofl.config import FederationConfig
 from protofl.data import Dataset, FederatedSplit, load_dataset
@@ -21,7 +22,7 @@ from protofl.presets import make_config
 from protofl.profiles import DeviceClass, parse_fleet
 from protofl.schedule import check_cadence
 from protofl.transport.broker_url import BrokerOptions
-from protofl.wire import PublicSet
+from protofl.wire import Limits, Metrics, PublicSet
 
 TRANSPORTS = ("inprocess", "mqtt")
 EXTRACTORS = ("torch", "onnx")
@@ -85,6 +86,14 @@ class Federation:
 
     def public_set(self) -> PublicSet | None:
         return public_set(self.train, self.cfg)
+
+    def limits(self, initial_params: np.ndarray | None) -> Limits:
+        """The aggregator's decoder limits: the federation's, and room in a metrics message for the class
+        probabilities on the test set that simulated devices send (ensemble accuracy); a device in the
+        field sends none, so `start` keeps the small default."""
+        lim = decoder_limits(self.cfg, None if initial_params is None else len(initial_params))
+        probs = Metrics.probs_bytes(len(self.test.y), self.cfg.num_classes)
+        return replace(lim, max_metrics_bytes=lim.max_metrics_bytes + probs)
 
 
 def resolve_config(spec: SimulationSpec, num_classes: int | None = None,

@@ -81,3 +81,40 @@ def test_service_line_shows_the_accuracies_that_were_reported() -> None:
 def test_human_bytes() -> None:
     assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 2**20, 5 * 2**30, 2**50)] == \
            ["0 B", "1023 B", "1.0 KB", "1.5 KB", "1.0 MB", "5.0 GB", "1048576.0 GB"]
+
+
+def held(p: RoundProgress) -> int:
+    """Metrics messages the progress holds on to, and the names it remembers (what a member could grow)."""
+    return sum(len(ms) for ms in p._metrics.values()) + sum(len(c) for c in p._missing.values())
+
+
+def test_metrics_are_kept_only_for_the_rounds_it_waits_for() -> None:
+    shown: list[tuple[int, set[str]]] = []
+    p = RoundProgress(lambda r, ms: shown.append((r.round, set(ms))))
+    p.round_end(rec(1, ["a", "b"]))
+    # A member floods rounds far ahead, and round 1 with repeats: none of it is more than one message.
+    assert not any(p.add_metrics("a", r, m(1, 1, 1, 1)) for r in range(100_000, 110_000))
+    for _ in range(1000):
+        assert p.add_metrics("a", 1, m(1, 1, 1, 1))
+    assert held(p) == 1
+    assert p.add_metrics("a", 2, m(1, 1, 1, 1))  # the open round: its metrics may come before its close
+    assert not p.add_metrics("a", 3, m(1, 1, 1, 1))  # not open yet
+    assert held(p) == 2
+    p.poll(100.0 + GRACE_S)  # round 1 goes out without b
+    assert shown == [(1, {"a"})] and held(p) == 2  # round 2's metrics, and b still due for round 1
+    assert not p.add_metrics("a", 1, m(1, 1, 1, 1))  # emitted, and a was not missing: nothing to keep
+    assert p.add_metrics("b", 1, m(1, 1, 1, 1)) and held(p) == 1  # b's late report counts, then is forgotten
+    assert not p.add_metrics("b", 1, m(1, 1, 1, 1))
+    p.round_end(rec(2, ["a"]))
+    p.poll(100.0)
+    assert shown[-1] == (2, {"a"}) and held(p) == 0 and p.all_metrics_in()
+
+
+def test_a_resumed_service_waits_for_the_round_it_resumed_in() -> None:
+    shown: list[tuple[int, set[str]]] = []
+    p = RoundProgress(lambda r, ms: shown.append((r.round, set(ms))))
+    p.start_at(7)
+    assert not p.add_metrics("a", 3, m(1, 1, 1, 1))  # shown by the process before the restart
+    assert p.add_metrics("a", 7, m(1, 1, 1, 1))
+    p.round_end(rec(7, ["a"]))
+    assert p.poll(100.0) == 1 and shown == [(7, {"a"})]
