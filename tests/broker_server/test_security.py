@@ -107,9 +107,12 @@ def test_acl_devices_write_only_their_own_topics_and_cannot_read_uploads(secured
         at_server, at_b = Inbox(), Inbox()
         server.subscribe(f"{topics.ROOT}/{FED}/#", at_server)
         dev_b.subscribe(f"{topics.ROOT}/{FED}/up/#", at_b)   # a device trying to read others' uploads
+        dev_b.subscribe(topics.server_status(FED), at_b)
         dev_b.subscribe(topics.round_(FED), at_b)
-        time.sleep(0.3)  # subscriptions in place
         server.publish(topics.round_(FED), b"real round", retain=True)
+        # The broker handles one client's packets in order: the round reaching the server (on its own
+        # subscription) and dev-b (on its last one) means every subscription above is in place.
+        at_server.wait_for(b"real round")
         at_b.wait_for(b"real round")
         # dev-a impersonates dev-b and the server; the broker must drop all of it.
         dev_a.publish(topics.up(FED, "dev-b"), b"spoofed upload")
@@ -118,13 +121,17 @@ def test_acl_devices_write_only_their_own_topics_and_cannot_read_uploads(secured
         dev_a.publish(topics.server_status(FED), b"hostile status", retain=True)
         dev_a.publish(topics.presence(FED, "dev-b"), b"hostile presence", retain=True)
         dev_a.publish(topics.up(FED, "dev-a"), b"own upload")  # allowed; after the others, so a fence
-        at_server.wait_for(b"own upload")
-        time.sleep(0.2)
+        at_server.wait_for(b"own upload")  # dev-a's messages reach the server in the order sent
+        # A fence for dev-b: the broker queues its messages in the order it handles them, and this status
+        # is published after the server got dev-a's upload, so anything of dev-a's that reached dev-b
+        # (its upload, the hostile status) is in its inbox before the fence.
+        server.publish(topics.server_status(FED), b"fence")
+        at_b.wait_for(b"fence")
         got = at_server.payloads()
         assert not {b"spoofed upload", b"hostile round", b"hostile config", b"hostile status",
                     b"hostile presence"} & set(got), got
         # dev-b saw the real round and nothing on up/#, not even dev-a's legitimate upload.
-        assert at_b.payloads() == [b"real round"]
+        assert at_b.payloads() == [b"real round", b"fence"]
         # The retained round is still the server's: a new subscriber gets it.
         late = Inbox()
         dev_b.subscribe(topics.round_(FED), late)
@@ -140,15 +147,23 @@ def test_a_device_cannot_take_over_another_devices_session(secured) -> None:
     # "dev-b" do not disconnect dev-b.
     broker, auth = secured
     s = auth.secrets
+    server = connect(broker.url, s.server.username, s.server.password)
     dev_b = connect(broker.url, "dev-b", s.devices["dev-b"])
     opts = parse_broker_url(broker.url).with_auth("dev-a", s.devices["dev-a"])
     intruder = MqttTransport(opts, "dev-b").connect(5)
     try:
-        time.sleep(0.5)
+        server.publish(topics.round_(FED), b"probe", retain=True)
+        server.flush()
+        # A round trip on dev-b's connection, begun after the broker accepted the intruder (a takeover
+        # would have closed that connection first): the probe arrives on it, not on a reconnection.
+        probe = Inbox()
+        dev_b.subscribe(topics.round_(FED), probe)
+        probe.wait_for(b"probe")
         assert dev_b.connected and dev_b.stats.disconnects == 0
     finally:
         intruder.close(timeout=1)
         dev_b.close(timeout=1)
+        server.close(timeout=1)
 
 
 def test_join_takes_its_identity_and_federation_from_the_credentials_file(tmp_path: Path) -> None:

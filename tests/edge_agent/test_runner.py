@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -64,15 +63,24 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     fed = "gate"
     opts = parse_broker_url(mosquitto.url)
     seen: list[tuple[str, bytes]] = []
+    arrived = {topic: threading.Event() for topic in (f"protofl/{fed}/spy-ready", topics.presence(fed, "client-000"))}
+
+    def spied(topic: str, payload: bytes) -> None:
+        if topic in arrived and not arrived[topic].is_set():
+            arrived[topic].set()
+        seen.append((topic, payload))
+
     spy = MqttTransport(opts, "spy", backoff=fast_backoff()).connect(10)
-    spy.subscribe(f"protofl/{fed}/#", lambda t, p: seen.append((t, p)))
+    spy.subscribe(f"protofl/{fed}/#", spied)
+    spy.publish(f"protofl/{fed}/spy-ready", b"ready")  # its own message back: the subscription is in place
+    assert arrived[f"protofl/{fed}/spy-ready"].wait(10), "the spy's subscription never took effect"
+    seen.clear()
     device = DeviceRunner(opts, fed, "client-000", DataSpec(DATA, partition=(0, 2), seed=3), RunnerOptions())
     result: dict[str, object] = {}
     t = threading.Thread(target=lambda: result.setdefault("agent", device.run(timeout=60)), daemon=True)
     t.start()
-    time.sleep(1.5)
-    # No server yet: the device announced itself but sent no join into the void.
-    assert [tp for tp, _ in seen] == [topics.presence(fed, "client-000")]
+    assert arrived[topics.presence(fed, "client-000")].wait(30), "the device never announced itself"
+    # No server yet: the device announced itself and waits (the join order is checked at the end).
     assert decode_message(seen[0][1])[1] == Status(state="online", detail="")
 
     cfg = prepare(SimulationSpec(preset="tinyproto", dataset=DATA, clients=2, rounds=2, seed=3)).cfg
@@ -87,6 +95,12 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     assert [len(r.clients) for r in service.aggregator.records] == [1, 1]
     ups = [decode_message(p)[0].kind for tp, p in seen if tp == topics.up(fed, "client-000")]
     assert ups[0] == "join" and ups.count("join") == 1
+    # No join into the void, however late: mosquitto delivers to the spy in the order it handled the
+    # messages, so a join sent before the server spoke would come before the server's first message.
+    server_topics = {topics.server_status(fed), topics.config(fed)}
+    first_server = next(i for i, (tp, _) in enumerate(seen) if tp in server_topics)
+    first_join = next(i for i, (tp, _) in enumerate(seen) if tp == topics.up(fed, "client-000"))
+    assert seen[0][0] == topics.presence(fed, "client-000") and first_server < first_join
     last_presence = [p for tp, p in seen if tp == topics.presence(fed, "client-000")][-1]
     assert decode_message(last_presence)[1].state == "done"
 

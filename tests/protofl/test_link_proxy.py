@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -87,25 +88,48 @@ def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> Non
     assert 7.2 <= simulated <= 8.8, f"1 MB took {simulated:.2f} simulated s over a 1 Mbit/s link"
 
 
-def test_an_outage_cuts_connections_and_refuses_new_ones_until_it_ends() -> None:
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait for `cond` (the proxy's watcher thread acts within a few ms); fail after `timeout` s."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"no {what} within {timeout} s"
+        time.sleep(0.002)
+
+
+def test_an_outage_cuts_connections_and_refuses_new_ones_until_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     sink = Sink()
-    # Down from simulated 1.0 s to 3.0 s (every 1000 s); time scale 10: real 0.1 .. 0.3 s.
+    # Down from simulated 1.0 s to 3.0 s (every 1000 s), on the proxy's simulated clock.
     shape = LinkShape(1e6, 1e6, down_at=Outage(every_s=1000, duration_s=2.0, first_s=1.0).down_at)
-    with LinkProxy(("127.0.0.1", sink.port), shape, time_scale=10) as proxy:
+    proxy = LinkProxy(("127.0.0.1", sink.port), shape, time_scale=10)
+    before = time.monotonic()
+    simulated = proxy.sim_now()
+    after = time.monotonic()
+    assert (before - proxy._t0) * 10 <= simulated <= (after - proxy._t0) * 10  # real time x the time scale
+    # From here the test moves the simulated clock: each check below runs at a simulated time that cannot
+    # pass while it runs, however slowly a loaded machine runs it.
+    now = [0.0]
+    monkeypatch.setattr(proxy, "sim_now", lambda: now[0])
+    with proxy:
         c = socket.create_connection(("127.0.0.1", proxy.port))
+        sink.expected = 5
         c.sendall(b"hello")
-        time.sleep(0.15)  # simulated 1.5 s: down
-        assert proxy.down and proxy.stats.cuts == 1
-        c.settimeout(2)
+        assert sink.done.wait(10), "hello did not get through the link while it was up"
+        now[0] = 1.5  # down
+        wait_until(lambda: proxy.down, "outage at simulated 1.5 s")
+        assert proxy.stats.cuts == 1
+        c.settimeout(10)
         assert c.recv(10) == b""  # the proxy closed our connection
         c.close()
         refused = socket.create_connection(("127.0.0.1", proxy.port))
-        refused.settimeout(2)
+        refused.settimeout(10)
         assert refused.recv(10) == b""
         refused.close()
-        time.sleep(0.25)  # simulated > 3.0 s: up again
-        assert not proxy.down
+        assert proxy.stats.refused == 1
+        now[0] = 3.5  # up again
+        wait_until(lambda: not proxy.down, "end of the outage at simulated 3.5 s")
+        sink.done.clear()
+        sink.expected = 10
         with socket.create_connection(("127.0.0.1", proxy.port)) as again:
             again.sendall(b"world")
-            time.sleep(0.1)
-    assert sink.received == 10 and proxy.stats.refused == 1
+            assert sink.done.wait(10), "world did not get through after the outage"
+    assert sink.received == 10 and proxy.stats.refused == 1 and proxy.stats.cuts == 1
