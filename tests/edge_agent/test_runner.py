@@ -115,4 +115,4 @@ def test_join_cli_errors_say_what_to_do() -> None:
     assert r.exit_code == 2
     assert f"cannot reach broker at mqtt://127.0.0.1:{port}" in r.output and "protofl-server start" in r.output
     r = cli.invoke(app, ["join", "--broker", "http://x", "--client-id", "c1", "--data", DATA])
-    assert r.exit_code == 2 and "mqtt:// or mqtts://" in r.output
+    assert r.exit_code == 2 and "mqtt://, mqtts:// or unix://" in r.output
