@@ -15,6 +15,7 @@ from rich.table import Table
 
 from broker_server.cli_common import parse_sets
 from broker_server.start_cli import start_command
+from broker_server.watch.status_cli import status_command
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import human_bytes, human_duration
 from protofl.plan import RoundPlan
@@ -230,6 +231,7 @@ def broker_config(
 
 
 app.command("start")(start_command)  # the long-running service, in its own module
+app.command("status")(status_command)  # watching it: broker_server/watch/
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,7 @@ class DurableState:
         self._check_contiguous(found)
         self.segment = found[-1] if found else self.first_segment
         self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync)
+        self.on_fsync: Callable[[float], None] | None = None  # the metrics endpoint's: set with watch_fsync()
         self.position = 0  # the offset in the current segment that the machine's state reflects
         self.aggregator: Aggregator | None = None
         self.replayed = 0
@@ -102,6 +104,10 @@ class DurableState:
         self.aggregator = aggregator
         aggregator.journal = self.record
         aggregator.on_boundary = self.checkpoint
+
+    def watch_fsync(self, observe: Callable[[float], None]) -> None:
+        """Tell `observe` how long each journal fsync takes (seconds), across segment rotations."""
+        self.on_fsync = self.journal.on_fsync = observe
 
     def record(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
         """Append an input that changes state (and fsync): only then may it be applied and acknowledged."""
@@ -145,6 +151,7 @@ class DurableState:
             self.journal.close()
             self.segment, self.position = segment, 0
             self.journal = Journal(segment_path(self.directory, segment), fsync=self.fsync)
+            self.journal.on_fsync = self.on_fsync
 
     def restore(self) -> bool:
         """Rebuild the machine from the checkpoint and journal; True if there was anything to resume."""

@@ -239,6 +239,10 @@ class RoundMachine:
     def records(self) -> list[RoundRecord]:
         return self.state.records
 
+    def grace_end(self, client: str) -> float | None:
+        """When an offline `client` stops holding up the open round (None unless it is leaving)."""
+        return self._grace_ends.get(client) if client in self.state.leaving else None
+
     @property
     def quorum(self) -> int:
         """Clients needed to open round 1."""

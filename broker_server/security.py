@@ -1,16 +1,21 @@
 """Per-federation credentials and the broker files that enforce them (docs/design.md "Security").
 
-One federation has a server identity and one user per device (user name = device id). The broker
-enforces the trust boundary with a password file and an ACL generated here:
+One federation has a server identity, a monitor identity and one user per device (user name = device
+id). The broker enforces the trust boundary with a password file and an ACL generated here:
 - the server (`protofl-server-{fed}`) reads and writes everything under `protofl/{fed}/`;
 - a device writes only `up/<its id>` and `presence/<its id>` and reads `config`, `public`, `round`
-  and `server/status`; nobody else reads `up/#`.
+  and `server/status`; nobody else reads `up/#`;
+- the monitor (`protofl-monitor-{fed}`, for `protofl-server status --broker`) reads `server/status`
+  and `server/summary` and nothing else, and writes nothing: its own deny lines come before the
+  patterns every user gets (Mosquitto checks a user's deny entries first). Its user name is no
+  device's, so with `use_username_as_clientid` it never takes a device's session.
 Since only user X may publish on `up/X`, the topic's client id is authenticated, and the aggregator's
 "topic id == sender" check then means the sender is who it says it is.
 
 Files (all under one directory, secrets 0600): `credentials.json` (the plain secrets, reused across
 restarts), `passwd` (Mosquitto's PBKDF2-SHA512 hashes, the format `mosquitto_passwd` writes), `acl`,
-and `devices/<id>.json`, one provisioning file per device for `protofl-edge join --credentials` (with
+`monitor.json` (the monitor's file, in the devices' format) and `devices/<id>.json`, one provisioning
+file per device for `protofl-edge join --credentials` (with
 the federation CA's certificate when the broker serves TLS with it: broker_server/pki.py).
 `prepare` writes what the broker reads (passwd, acl); `BrokerAuth.provision` the plain secrets, which
 `protofl-server start` does only once its broker is listening, so a start that fails hands out nothing.
@@ -42,6 +47,11 @@ def server_user(fed: str) -> str:
     return f"protofl-server-{fed}"
 
 
+def monitor_user(fed: str) -> str:
+    """The read-only watcher's MQTT user name (`protofl-server status --broker`)."""
+    return f"protofl-monitor-{fed}"
+
+
 def new_password() -> str:
     return secrets.token_urlsafe(PASSWORD_BYTES)
 
@@ -60,6 +70,7 @@ class FederationSecrets:
     fed: str
     server_password: str
     devices: dict[str, str] = field(default_factory=dict)
+    monitor_password: str = field(default_factory=new_password)  # a file from before the monitor gets one
 
     @classmethod
     def create(cls, fed: str, device_ids: Iterable[str] = ()) -> FederationSecrets:
@@ -70,6 +81,10 @@ class FederationSecrets:
     @property
     def server(self) -> Credentials:
         return Credentials(server_user(self.fed), self.server_password)
+
+    @property
+    def monitor(self) -> Credentials:
+        return Credentials(monitor_user(self.fed), self.monitor_password)
 
     def device(self, client_id: str) -> Credentials:
         if client_id not in self.devices:
@@ -82,22 +97,25 @@ class FederationSecrets:
         added = []
         for client_id in device_ids:
             check_name(client_id, "device id")
-            if client_id == server_user(self.fed):
-                raise ConfigError(f"device id '{client_id}' is the server's user name; pick another id")
+            if client_id in (server_user(self.fed), monitor_user(self.fed)):
+                raise ConfigError(f"device id '{client_id}' is the server's or the monitor's user name; pick another "
+                                  f"id")
             if client_id not in self.devices:
                 self.devices[client_id] = new_password()
                 added.append(client_id)
         return added
 
     def to_json(self) -> str:
-        return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices},
-                          indent=2, sort_keys=True)
+        return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices,
+                           "monitor_password": self.monitor_password}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> FederationSecrets:
         try:
             raw = json.loads(text)
             out = cls(str(raw["fed"]), str(raw["server_password"]), {str(k): str(v) for k, v in raw["devices"].items()})
+            if raw.get("monitor_password"):
+                out.monitor_password = str(raw["monitor_password"])
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
                               f"credentials (every device then needs its new file)") from None
@@ -120,11 +138,22 @@ def acl_text(fed: str) -> str:
         f"user {server_user(fed)}",
         f"topic readwrite {root}/#",
         "",
+        "# the monitor (protofl-server status): reads the server's status and summary, writes nothing; its",
+        "# deny lines are checked before the patterns above, which would give it a device's topics",
+        f"user {monitor_user(fed)}",
+        f"topic deny {topics.up(fed, '#')}",
+        f"topic deny {topics.presence(fed, '#')}",
+        f"topic deny {topics.config(fed)}",
+        f"topic deny {topics.public(fed)}",
+        f"topic deny {topics.round_(fed)}",
+        f"topic read {topics.server_status(fed)}",
+        f"topic read {topics.server_summary(fed)}",
+        "",
     ])
 
 
 def password_text(fed_secrets: FederationSecrets) -> str:
-    users = [fed_secrets.server, *(fed_secrets.device(i) for i in sorted(fed_secrets.devices))]
+    users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.device(i) for i in sorted(fed_secrets.devices))]
     return "".join(f"{c.username}:{mosquitto_hash(c.password)}\n" for c in users)
 
 
@@ -156,15 +185,20 @@ class BrokerAuth:
     def device_file(self, client_id: str) -> Path:
         return self.directory / "devices" / f"{client_id}.json"
 
+    @property
+    def monitor_file(self) -> Path:
+        return self.directory / "monitor.json"
+
     def mosquitto_lines(self) -> list[str]:
         return ["allow_anonymous false", f"password_file {self.password_file}", f"acl_file {self.acl_file}",
                 # A device could otherwise connect with another device's client id and take its session over.
                 "use_username_as_clientid true"]
 
     def provision(self, ca_pem: str | None = None) -> BrokerAuth:
-        """Write the plain secrets: credentials.json and one devices/<id>.json per device (carrying the
-        federation CA's certificate `ca_pem` when the broker serves TLS with it)."""
+        """Write the plain secrets: credentials.json, monitor.json and one devices/<id>.json per device (each
+        carrying the federation CA's certificate `ca_pem` when the broker serves TLS with it)."""
         write_secret(self.directory / "credentials.json", self.secrets.to_json() + "\n")
+        write_secret(self.monitor_file, device_file_text(self.secrets.monitor, self.secrets.fed, ca_pem))
         (self.directory / "devices").mkdir(exist_ok=True)
         for client_id in self.secrets.devices:
             cred = self.secrets.device(client_id)

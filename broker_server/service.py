@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -24,6 +24,8 @@ from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
+from broker_server.watch.board import SnapshotBoard
+from broker_server.watch.live import LiveWatch
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
@@ -32,11 +34,16 @@ from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
 from protofl.wire import Limits, Metrics, PublicSet, Status, encode_message
 
+if TYPE_CHECKING:
+    from broker_server.watch.metrics import FederationMetrics
+
 log = logging.getLogger("protofl.service")
 
 
-def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int) -> str:
-    """The service's log line for a closed round: participants, accuracies (those reported), bytes, time."""
+def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int,
+               so_far: tuple[int, int] | None = None) -> str:
+    """The service's log line for a closed round: participants, accuracies (those reported), bytes, time, and
+    the federation's bytes up and down through this round (`so_far`, when given)."""
     parts = [f"round {rec.round}/{rounds}: {len(rec.clients)} clients ({rec.closed_by})"]
     acc = accuracies(metrics.values())
     for key, label in (("local_acc", "local acc"), ("local_proto_acc", "local proto acc"),
@@ -46,6 +53,8 @@ def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int) -> st
             parts.append(f"{label} {100 * value:.1f}%")
     parts.append(f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, "
                  f"{rec.ended - rec.started:.1f} s")
+    if so_far is not None:
+        parts.append(f"so far up {human_bytes(so_far[0])}, down {human_bytes(so_far[1])}")
     return ", ".join(parts)
 
 
@@ -62,11 +71,14 @@ class AggregatorService:
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  tick_interval: float = 0.2, log_grace: float = GRACE_S,
                  offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
-                 fsync: bool = True, group_commit: bool = True) -> None:
+                 fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
+                 metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
+                 on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
         self._user_metrics = on_metrics
+        self._user_round_logged = on_round_logged
         self._stop = threading.Event()
         self.rounds = cfg.rounds
         # One log line per round, once its metrics are in (they arrive just after the round closed).
@@ -87,12 +99,16 @@ class AggregatorService:
                                      on_round_end=self._round_end, on_metrics=self._metrics,
                                      offline_grace=offline_grace,
                                      limits=limits)  # None: the aggregator derives them from the config
+        # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
+        self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
+                               transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)
         self.durable: DurableState | None = None
         self.resumed = False
         self._connects = 0  # broker connections seen: a new one after the first makes presence stale
         if state_dir is not None:
             self.durable = DurableState(Path(state_dir) / "aggregator", fed, fsync=fsync, group_commit=group_commit)
             self.durable.bind(self.aggregator)
+            self.durable.watch_fsync(self.watch.observe_fsync)
             if group_commit:
                 self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
             self.resumed = self.durable.restore()
@@ -133,6 +149,7 @@ class AggregatorService:
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.aggregator.tick()
         self.round_log.poll(time.time())
+        self.watch.after_step(n)
         return n
 
     def run(self, *, timeout: float | None = None, until: Callable[[], bool] | None = None) -> None:
@@ -158,6 +175,7 @@ class AggregatorService:
     def close(self) -> None:
         """Flush the round log, say goodbye on `server/status` (no will is sent) and disconnect."""
         self.round_log.poll(time.time(), force=True)
+        self.watch.stopped()
         if not self.finished and self.transport.connected:
             payload = encode_message(Status(state="stopped", detail=f"stopped in round {self.aggregator.round}"),
                                      fed=self.fed, sender=SERVER_ID, round=self.aggregator.round)
@@ -168,11 +186,17 @@ class AggregatorService:
 
     def _round_end(self, rec: RoundRecord) -> None:
         self.round_log.round_end(rec)
+        self.watch.round_closed(rec)
         if self._user_round_end is not None:
             self._user_round_end(rec)
 
     def _log_round(self, rec: RoundRecord, metrics: dict[str, Metrics]) -> None:
-        log.info("%s", round_line(rec, metrics, self.rounds))
+        through = [r for r in self.aggregator.records if r.round <= rec.round]
+        so_far = (sum(r.uplink_bytes for r in through), sum(r.downlink_bytes for r in through))
+        log.info("%s", round_line(rec, metrics, self.rounds, so_far))
+        accs = self.watch.round_logged(rec, metrics)
+        if self._user_round_logged is not None:
+            self._user_round_logged(rec, accs)
 
     def _metrics(self, client: str, round_: int, msg: Metrics, nbytes: int) -> None:
         self.round_log.add_metrics(client, round_, msg)

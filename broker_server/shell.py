@@ -115,6 +115,8 @@ class Aggregator:
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
         self.max_clients = max_clients
         self.dropped: dict[str, int] = {}
+        # Watching (broker_server/watch): told of every input applied live, after it changed the state.
+        self.on_applied: Callable[[Input], None] | None = None
 
     # The machine's state, read by services, simulators and tests.
     @property
@@ -289,6 +291,8 @@ class Aggregator:
             log.exception("unexpected error while handling %s", where)
             self._drop("invalid", f"{where}: {type(exc).__name__}: {exc}", nbytes)
             return
+        if self.on_applied is not None:
+            self.on_applied(inp)
         self._run(effects, live=True)
 
     def _drop(self, reason: str, detail: str, nbytes: int) -> None:

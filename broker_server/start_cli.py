@@ -84,6 +84,18 @@ def start_command(
     tls_cert: str | None = cli_options.TLS_CERT,
     tls_key: str | None = cli_options.TLS_KEY,
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port "
+                                            "(/metrics; 0 = any free port): rounds, phase, members, uploads, bytes, "
+                                            "accuracy, round durations, journal fsyncs, broker restarts."),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Address of --metrics-port (0.0.0.0 lets a "
+                                     "Prometheus on another machine scrape it)."),
+    ui_port: int | None = typer.Option(None, "--ui-port", help="Serve the live page on this port (0 = any free "
+                                       "port): devices, round timeline, accuracy and bytes curves."),
+    ui_host: str = typer.Option("127.0.0.1", "--ui-host", help="Address of --ui-port; beyond loopback the page asks "
+                                "for a password (user protofl)."),
+    ui_password: str | None = typer.Option(None, "--ui-password", envvar="PROTOFL_UI_PASSWORD", help="The live "
+                                           "page's password (default beyond loopback: generated once into "
+                                           "STATE_DIR/security/ui-password)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
@@ -108,9 +120,10 @@ def start_command(
         access.check(external_broker=broker is not None)
         # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
         own = broker is None
+        watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password,
                None if own else tls_ca, None if own else tls_cert, None if own else tls_key, connect_timeout, policy,
-               offline_grace)
+               offline_grace, watching)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -143,6 +156,46 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
 
 
 TLS_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Watching:
+    """Where the server shows itself: the Prometheus endpoint and the live page (None: not served)."""
+
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    ui_host: str = "127.0.0.1"
+    ui_port: int | None = None
+    ui_password: str | None = None
+
+    def serve(self, stack: contextlib.ExitStack, state_dir: Path | None) -> tuple[Any, Any]:
+        """Start the HTTP servers asked for (before the broker: a taken port fails the start at once); returns
+        the board they read and the metrics the service observes (None without --metrics-port)."""
+        from broker_server.watch.board import SnapshotBoard
+
+        board, metrics = SnapshotBoard(), None
+        if self.metrics_port is not None:
+            from broker_server.watch.metrics import FederationMetrics, serve_metrics
+
+            metrics = FederationMetrics(board)
+            endpoint = serve_metrics(metrics, self.metrics_host, self.metrics_port)
+            stack.callback(endpoint.close)
+            log.info("Prometheus metrics on %s", endpoint.url)
+        if self.ui_port is not None:
+            from broker_server.watch.ui import serve_ui, ui_password
+
+            loopback = is_loopback(self.ui_host)
+            password = ui_password(self.ui_password, self.ui_host, loopback,
+                                   state_dir / "security" if state_dir is not None else None)
+            endpoint = serve_ui(board, self.ui_host, self.ui_port, password)
+            stack.callback(endpoint.close)
+            log.info("live page on %s%s", endpoint.url, "" if password is None else " (user protofl, password "
+                     "required)")
+            if not loopback:
+                log.warning("the live page on %s speaks plain HTTP: its password crosses the network in clear; put "
+                            "it behind a TLS proxy or an SSH tunnel beyond a trusted network (SECURITY.md)",
+                            self.ui_host)
+        return board, metrics
 
 
 @dataclass(frozen=True)
@@ -348,12 +401,14 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
            local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
            tls_key: str | None, connect_timeout: float, policy: Any = None,
-           offline_grace: float = OFFLINE_GRACE_S) -> None:
+           offline_grace: float = OFFLINE_GRACE_S, watching: Watching | None = None) -> None:
+    from broker_server.progress import accuracies
     from broker_server.service import AggregatorService, save_server_model
-    from broker_server.supervisor import stop_all_supervisors
+    from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
     with contextlib.ExitStack() as stack:
+        board, metrics = (watching or Watching()).serve(stack, state_dir)
         protocol = "auto"
         members = access.allow
         broker_is_ours = broker is None
@@ -376,18 +431,27 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             logged = last_logged_round(state_dir / "rounds.jsonl")
             rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
 
-        def on_round_end(rec: Any) -> None:
+        def on_round_logged(rec: Any, accs: dict[str, float | None]) -> None:
+            """A round's line once its metrics are in (or their grace passed): bytes, clients and accuracies."""
             nonlocal logged
             if rounds_file is not None and rec.round > logged:
-                rounds_file.write(json.dumps({"fed": fed, **asdict(rec)}) + "\n")
+                rounds_file.write(json.dumps({"fed": fed, "preset": cfg.preset, **asdict(rec), **accs}) + "\n")
                 rounds_file.flush()
                 logged = rec.round
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_end=on_round_end, members=members, policy=policy,
+                                    on_round_logged=on_round_logged, members=members, policy=policy,
                                     max_clients=access.max_clients, offline_grace=offline_grace,
-                                    state_dir=state_dir)
+                                    state_dir=state_dir, board=board, metrics=metrics,
+                                    broker_restarts=broker_restarts if broker_is_ours else None)
         service.start(connect_timeout)
+        # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
+        # now, without the accuracies that died with the process; rounds closed again by the replay wait for
+        # theirs as usual.
+        waiting = {rec.round for rec in service.round_log.pending}
+        for rec in service.aggregator.records:
+            if rec.round not in waiting:
+                on_round_logged(rec, accuracies([]))
         if service.resumed and service.finished:
             log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a new "
                         "federation use another --state-dir", fed, state_dir, len(service.aggregator.records))

@@ -42,6 +42,11 @@ def stop_all_supervisors() -> None:
         supervisor._stop.set()
 
 
+def broker_restarts() -> int:
+    """Restarts of the brokers this process supervises, so far (thread-safe: a read of ints)."""
+    return sum(supervisor.restarts for supervisor in list(_running))
+
+
 class BrokerSupervisor:
     def __init__(self, broker: MosquittoBroker, *, interval: float = 0.2, max_delay: float = 10.0) -> None:
         self.broker = broker

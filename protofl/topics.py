@@ -37,6 +37,11 @@ def server_status(fed: str) -> str:
     return f"{ROOT}/{fed}/server/status"
 
 
+def server_summary(fed: str) -> str:
+    """The server's retained summary for watchers (JSON, not the device wire format: docs/design.md)."""
+    return f"{ROOT}/{fed}/server/summary"
+
+
 def client_of(topic: str) -> str:
     """The client id in an `up/{client_id}` or `presence/{client_id}` topic ("" if none)."""
     parts = topic.split("/")

@@ -1,0 +1,152 @@
+"""The Prometheus endpoint (`start --metrics-port`): the federation in Prometheus' conventions.
+
+Two histograms are observed as things happen, on the service thread (prometheus_client's metrics are
+thread-safe): each closed round's duration and each journal fsync. Everything else is read from the
+latest snapshot when Prometheus scrapes (`SnapshotCollector`), on the HTTP server's thread, so a scrape
+never touches the aggregator. Names, types and labels (docs/design.md, "Watching a federation"):
+
+    protofl_federation_info{fed,preset}               gauge 1
+    protofl_round / protofl_rounds_planned             gauge: the open (or last) round / --rounds
+    protofl_rounds_completed_total                     counter
+    protofl_phase{phase}                               gauge 1 for the current phase, 0 for the others
+    protofl_phase_deadline_timestamp_seconds           gauge (absent while no phase is open)
+    protofl_members{state}                             gauge: online, offline, left, not joined
+    protofl_device_online{device}                      gauge 1/0 (devices are the federation's members)
+    protofl_device_last_upload_timestamp_seconds{device}
+    protofl_uploads_accepted_total{kind}               counter (this server process)
+    protofl_uploads_dropped_total{reason}              counter (this server process)
+    protofl_uploads_clipped_total{kind}                counter
+    protofl_uplink_bytes_total / protofl_downlink_bytes_total   counter (the federation's, restarts included)
+    protofl_round_duration_seconds                     histogram
+    protofl_accuracy_ratio{kind}                       gauge 0..1 of the last evaluated round: local, global,
+                                                       local_proto, global_proto
+    protofl_accuracy_round                             gauge: which round that is
+    protofl_journal_fsync_seconds                      histogram (with --state-dir)
+    protofl_broker_restarts_total                      counter (the broker `start` spawned)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from threading import Thread
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from broker_server.watch.board import SnapshotBoard
+from broker_server.watch.snapshot import ACCURACY_KEYS, MEMBER_STATES, ONLINE
+from protofl.errors import ConfigError
+from protofl.technique import Phase
+
+log = logging.getLogger("protofl.service")
+ROUND_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The values of protofl_phase: before round 1, each phase of a round, after the last, a stopped server.
+PHASES = ("waiting", *(p.value for p in Phase if p is not Phase.DONE), "finished", "stopped")
+
+
+class SnapshotCollector(Collector):
+    """Metric families from the board's latest snapshot (none before the first)."""
+
+    def __init__(self, board: SnapshotBoard) -> None:
+        self.board = board
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.board.latest()
+        if snap is None:
+            return
+        info = GaugeMetricFamily("protofl_federation_info", "The federation this server runs.",
+                                 labels=["fed", "preset"])
+        info.add_metric([snap.fed, snap.preset], 1)
+        yield info
+        yield GaugeMetricFamily("protofl_round", "The open round (the last one once finished).", value=snap.round)
+        yield GaugeMetricFamily("protofl_rounds_planned", "Rounds the federation runs (--rounds).", value=snap.rounds)
+        yield CounterMetricFamily("protofl_rounds_completed", "Rounds closed.", value=snap.completed)
+        current = snap.phase if snap.state == "running" and snap.phase else snap.state
+        phase = GaugeMetricFamily("protofl_phase", "1 for the federation's current phase or state.", labels=["phase"])
+        for name in PHASES:
+            phase.add_metric([name], 1 if name == current else 0)
+        yield phase
+        if snap.deadline is not None:
+            yield GaugeMetricFamily("protofl_phase_deadline_timestamp_seconds", "When the open phase closes at the "
+                                    "latest (epoch seconds).", value=snap.deadline)
+        members = GaugeMetricFamily("protofl_members", "Members by state.", labels=["state"])
+        for state in MEMBER_STATES:
+            members.add_metric([state], snap.count(state))
+        yield members
+        online = GaugeMetricFamily("protofl_device_online", "1 while the device is connected.", labels=["device"])
+        last = GaugeMetricFamily("protofl_device_last_upload_timestamp_seconds", "The device's last accepted upload "
+                                 "(epoch seconds).", labels=["device"])
+        for m in snap.members:
+            online.add_metric([m.id], 1 if m.state == ONLINE else 0)
+            if m.last_upload is not None:
+                last.add_metric([m.id], m.last_upload.at)
+        yield online
+        yield last
+        yield _counter("protofl_uploads_accepted", "Uploads accepted.", "kind", snap.accepted)
+        yield _counter("protofl_uploads_dropped", "Messages dropped, by reason.", "reason", snap.dropped)
+        yield _counter("protofl_uploads_clipped", "Uploads clipped around the global value.", "kind", snap.clipped)
+        yield CounterMetricFamily("protofl_uplink_bytes", "Bytes devices sent (joins and uploads).",
+                                  value=snap.uplink_bytes)
+        yield CounterMetricFamily("protofl_downlink_bytes", "Bytes the server sent to devices.",
+                                  value=snap.downlink_bytes)
+        accuracy = GaugeMetricFamily("protofl_accuracy_ratio", "Accuracy of the last evaluated round (0-1).",
+                                     labels=["kind"])
+        found = snap.last_accuracies()
+        if found is not None:
+            for key in ACCURACY_KEYS:
+                if key in found[1]:
+                    accuracy.add_metric([key.removesuffix("_acc")], found[1][key])
+            yield GaugeMetricFamily("protofl_accuracy_round", "The round protofl_accuracy_ratio is from.",
+                                    value=found[0])
+        yield accuracy
+        yield CounterMetricFamily("protofl_broker_restarts", "Restarts of the broker this server spawned.",
+                                  value=snap.broker_restarts)
+
+
+def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+class FederationMetrics:
+    """A registry of its own (not prometheus_client's global one, so that several services can share a
+    process): the snapshot collector and the two histograms the service thread observes."""
+
+    def __init__(self, board: SnapshotBoard) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(SnapshotCollector(board))
+        self.round_duration = Histogram("protofl_round_duration_seconds", "Rounds from opening to close.",
+                                        buckets=ROUND_BUCKETS, registry=self.registry)
+        self.fsync = Histogram("protofl_journal_fsync_seconds", "Journal fsyncs (one per group of uploads).",
+                               buckets=FSYNC_BUCKETS, registry=self.registry)
+
+
+@dataclass
+class HttpEndpoint:
+    """A server thread started here; `close()` stops it."""
+
+    server: Any
+    thread: Thread | None
+    url: str
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serve_metrics(metrics: FederationMetrics, host: str, port: int) -> HttpEndpoint:
+    """Serve `/metrics` on host:port (port 0: any free one) in a thread of its own."""
+    try:
+        server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free "
+                          f"one)") from None
+    shown = f"[{host}]" if ":" in host else host
+    return HttpEndpoint(server, thread, f"http://{shown}:{server.server_port}/metrics")

@@ -1,0 +1,142 @@
+"""The service thread's view of its aggregator, turned into `Snapshot`s for everyone else.
+
+`FederationObserver` lives on the thread that owns the `Aggregator` (service.py) and is the only
+code of this package that reads it: it is told of inputs applied and of rounds logged with their
+accuracies, and `snapshot()` copies what the watchers show into an immutable `Snapshot`. Other threads
+(HTTP servers) only ever read snapshots. It also logs joins, departures and returns at INFO, so the
+default log says who is in the federation (the round machine's own lines need `-v`). numpy only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from broker_server.progress import accuracies
+from broker_server.rounds import Received, RoundRecord
+from broker_server.watch.snapshot import LEFT, NOT_JOINED, OFFLINE, ONLINE, Member, RoundRow, Snapshot, Upload
+from protofl.sparse import SparseVector
+from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
+
+if TYPE_CHECKING:
+    from broker_server.rounds import Input
+    from broker_server.shell import Aggregator
+
+log = logging.getLogger("protofl.service")
+HISTORY = 200  # closed rounds a snapshot carries (the retained summary stays small on long runs)
+
+
+def encoding(msg: Message) -> str:
+    """How an upload's values travelled: wire dtype, and K for a sparse update."""
+    if isinstance(msg, ParamsUpload):
+        if isinstance(msg.update, SparseVector):
+            return f"{msg.dt} K={len(msg.update.indices)}"
+        return msg.dt
+    if isinstance(msg, ProtoUpload):
+        protos = msg.local or msg.public
+        return protos.dt if protos is not None else ""
+    return ""
+
+
+class FederationObserver:
+    def __init__(self, aggregator: Aggregator) -> None:
+        self.agg = aggregator
+        self.started = time.time()
+        self.pid = os.getpid()
+        self.accepted: dict[str, int] = {}
+        self._uploads: dict[str, int] = {}
+        self._last: dict[str, Upload] = {}
+        self._accuracies: dict[int, dict[str, float | None]] = {}
+        self._states: dict[str, str] = {}
+        self.stopped = False
+        aggregator.on_applied = self.on_applied
+
+    # -- events (service thread) ----------------------------------------------------------------
+    def on_applied(self, inp: Input) -> None:
+        if not isinstance(inp, Received) or not isinstance(inp.msg, (ProtoUpload, ParamsUpload)):
+            return
+        env = inp.env
+        self.accepted[env.kind] = self.accepted.get(env.kind, 0) + 1
+        self._uploads[env.sender] = self._uploads.get(env.sender, 0) + 1
+        self._last[env.sender] = Upload(env.round, env.phase, env.kind, inp.nbytes, encoding(inp.msg), time.time())
+
+    def on_round_logged(self, rec: RoundRecord, metrics: Mapping[str, Metrics]) -> dict[str, float | None]:
+        """A closed round's metrics are in (or their grace passed): its accuracies, kept for the history."""
+        accs = accuracies(metrics.values())
+        self._accuracies[rec.round] = accs
+        for old in [r for r in self._accuracies if r <= rec.round - HISTORY]:
+            del self._accuracies[old]
+        return accs
+
+    # -- the snapshot ---------------------------------------------------------------------------
+    def state(self) -> str:
+        m = self.agg.machine
+        if m.finished:
+            return "finished"
+        if self.stopped:
+            return "stopped"
+        return "running" if m.phase is not None else "waiting"
+
+    def members(self) -> tuple[Member, ...]:
+        m = self.agg.machine
+        s = m.state
+        ids = set(s.clients) | set(s.departed) | set(self.agg.members or ()) | set(m.expected_clients or ())
+        out = []
+        for cid in sorted(ids):
+            join = s.clients.get(cid) or s.departed.get(cid)
+            if cid in s.leaving:
+                state = OFFLINE
+            elif cid in s.clients:
+                state = ONLINE
+            else:
+                state = LEFT if cid in s.departed else NOT_JOINED
+            out.append(Member(cid, state, arch=join.arch if join else "", n_samples=join.n_samples if join else 0,
+                              profile=join.profile if join else "", uploads=self._uploads.get(cid, 0),
+                              last_upload=self._last.get(cid), grace_ends=m.grace_end(cid)))
+        return tuple(out)
+
+    def history(self) -> tuple[RoundRow, ...]:
+        rows = []
+        for rec in self.agg.records[-HISTORY:]:
+            accs = self._accuracies.get(rec.round, {})
+            rows.append(RoundRow(rec.round, len(rec.clients), rec.closed_by, rec.started, rec.ended, rec.uplink_bytes,
+                                 rec.downlink_bytes, **accs))
+        return tuple(rows)
+
+    def snapshot(self, broker_restarts: int = 0) -> Snapshot:
+        agg = self.agg
+        m = agg.machine
+        current = m.state.current
+        open_ = m.phase
+        members = self.members()
+        self._log_changes(members)
+        return Snapshot(
+            fed=agg.fed, preset=agg.cfg.preset, state=self.state(), round=m.round, rounds=agg.cfg.rounds,
+            updated=time.time(), phase=open_.phase.value if open_ is not None else None,
+            deadline=open_.deadline if open_ is not None else None, quorum=m.quorum, completed=len(m.records),
+            members=members,
+            uplink_bytes=sum(r.uplink_bytes for r in m.records) + (0 if m.finished else current.uplink_bytes),
+            downlink_bytes=sum(r.downlink_bytes for r in m.records) + (0 if m.finished else current.downlink_bytes),
+            accepted=dict(self.accepted), dropped=dict(agg.dropped), clipped=dict(agg.model.clipped),
+            history=self.history(), broker_restarts=broker_restarts, server_pid=self.pid, started=self.started)
+
+    def _log_changes(self, members: tuple[Member, ...]) -> None:
+        """Say who joined, went offline, left or came back since the last snapshot."""
+        for member in members:
+            before = self._states.get(member.id)
+            self._states[member.id] = member.state
+            if before == member.state or (before is None and member.state == NOT_JOINED):
+                continue
+            if member.state == ONLINE:
+                what = "is back" if before in (OFFLINE, LEFT) else "joined"
+                log.info("device %s %s (%s, %d samples); %d online", member.id, what, member.arch or "default arch",
+                         member.n_samples, sum(1 for x in members if x.state == ONLINE))
+            elif member.state == OFFLINE:
+                left = max(0.0, (member.grace_ends or 0.0) - time.time())
+                log.info("device %s went offline; it keeps its place in the round for %.0f s", member.id, left)
+            elif member.state == LEFT:
+                log.info("device %s left (offline past its grace); %d online", member.id,
+                         sum(1 for x in members if x.state == ONLINE))

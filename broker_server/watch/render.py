@@ -1,0 +1,96 @@
+"""`protofl-server status` for people: a header, the members, the last rounds.
+
+Columns fold instead of being cut with an ellipsis, so piped output (80 columns) keeps every figure.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from broker_server.watch.snapshot import ACCURACY_KEYS, Member, Snapshot
+from broker_server.watch.sources import Reading
+from protofl.humanize import human_bytes, human_duration
+
+ROUNDS_SHOWN = 5
+
+
+def _ago(seconds: float) -> str:
+    return human_duration(max(0.0, seconds))
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}"
+
+
+def _counts(values: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(values.items())) or "none"
+
+
+def header(reading: Reading, now: float) -> list[str]:
+    s = reading.snapshot
+    state = f"{s.state}, server {reading.server}" if reading.server else s.state
+    where = f"round {s.round}/{s.rounds}"
+    if s.phase:
+        where += f", phase {s.phase}"
+    if s.deadline is not None and s.state == "running":
+        left = s.deadline - now
+        where += f", deadline in {_ago(left)}" if left > 0 else f", deadline passed {_ago(-left)} ago"
+    members = ", ".join(f"{n} {state}" for state in ("online", "offline", "left", "not joined")
+                        if (n := s.count(state)))
+    lines = [f"federation '{s.fed}' ({s.preset}): {state}, {where}",
+             f"members: {len(s.members)} ({members or 'none yet'}); quorum {s.quorum}" if s.members
+             else f"members: none yet; waiting for {s.quorum}",
+             f"bytes so far: up {human_bytes(s.uplink_bytes)}, down {human_bytes(s.downlink_bytes)}; uploads accepted "
+             f"{sum(s.accepted.values())}; dropped: {_counts(s.dropped)}; clipped: {_counts(s.clipped)}",
+             f"broker restarts: {s.broker_restarts}; as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
+             f"({_ago(now - s.updated)} ago) from {reading.source}"]
+    found = s.last_accuracies()
+    if found is not None:
+        lines.insert(3, f"accuracy (round {found[0]}): " + ", ".join(
+            f"{k.removesuffix('_acc').replace('_', ' ')} {100 * v:.1f} %" for k, v in found[1].items()))
+    return lines
+
+
+def _last_upload(m: Member, now: float) -> str:
+    u = m.last_upload
+    if u is None:
+        return "-"
+    return f"round {u.round} {u.phase} {u.kind}, {human_bytes(u.bytes)} {u.encoding}, {_ago(now - u.at)} ago"
+
+
+def members_table(s: Snapshot, now: float) -> Table:
+    t = Table(title="members", title_justify="left", expand=False)
+    for col in ("device", "state", "arch", "profile", "uploads", "last upload"):
+        t.add_column(col, overflow="fold", justify="right" if col == "uploads" else "left")
+    for m in s.members:
+        state = m.state
+        if m.state == "offline" and m.grace_ends is not None:
+            state += f" (keeps its place {_ago(m.grace_ends - now)})"
+        t.add_row(m.id, state, m.arch or "-", m.profile or "-", str(m.uploads), _last_upload(m, now))
+    return t
+
+
+def rounds_table(s: Snapshot) -> Table:
+    t = Table(title=f"last {min(ROUNDS_SHOWN, len(s.history))} rounds", title_justify="left")
+    for col in ("round", "devices", "closed by", *(k.removesuffix("_acc").replace("_", " ") + " %"
+                                                  for k in ACCURACY_KEYS), "up", "down", "length"):
+        t.add_column(col, overflow="fold", justify="left" if col == "closed by" else "right")
+    for r in s.history[-ROUNDS_SHOWN:]:
+        t.add_row(str(r.round), str(r.clients), r.closed_by, *(_pct(getattr(r, k)) for k in ACCURACY_KEYS),
+                  human_bytes(r.uplink_bytes), human_bytes(r.downlink_bytes), human_duration(r.duration_s))
+    return t
+
+
+def status_view(reading: Reading, now: float | None = None) -> RenderableType:
+    now = time.time() if now is None else now
+    parts: list[RenderableType] = [Text(line) for line in header(reading, now)]
+    if reading.snapshot.members:
+        parts.append(members_table(reading.snapshot, now))
+    if reading.snapshot.history:
+        parts.append(rounds_table(reading.snapshot))
+    return Group(*parts)

@@ -1,0 +1,143 @@
+"""What a running federation looks like from outside: one immutable snapshot, and its JSON form.
+
+The service thread builds a `Snapshot` from the aggregator after its steps (observer.py); everything
+that shows a federation reads one: `protofl-server status`, the Prometheus endpoint, the live page,
+`state_dir/status.json` and the retained `server/summary` topic. The JSON form is the monitor
+protocol (docs/design.md, "Watching a federation"): an object with `"v": SUMMARY_VERSION`; a reader
+refuses another major version instead of misreading it, and ignores keys it does not know, so fields
+can be added without a version change. Times are epoch seconds of the server's clock. No numpy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from protofl.errors import ProtoFLError
+
+SUMMARY_VERSION = 1
+SUMMARY_KIND = "protofl.summary"
+ACCURACY_KEYS = ("local_acc", "global_acc", "local_proto_acc", "global_proto_acc")
+# Member states: connected; offline but keeping its place for its grace; offline past it; never seen.
+ONLINE, OFFLINE, LEFT, NOT_JOINED = "online", "offline", "left", "not joined"
+MEMBER_STATES = (ONLINE, OFFLINE, LEFT, NOT_JOINED)
+
+
+class SummaryError(ProtoFLError, ValueError):
+    """A summary document that is not one this build reads."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A member's last accepted upload."""
+
+    round: int
+    phase: str
+    kind: str
+    bytes: int
+    encoding: str  # wire dtype of its values (f4, f2, q8), with K for a sparse APUD update
+    at: float
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    state: str  # one of MEMBER_STATES
+    arch: str = ""
+    n_samples: int = 0
+    profile: str = ""  # DEVICE+LINK as the device said when it joined ("" when it runs without one)
+    uploads: int = 0  # accepted by this server process
+    last_upload: Upload | None = None
+    grace_ends: float | None = None  # offline: when it stops holding up the round
+
+
+@dataclass(frozen=True)
+class RoundRow:
+    """A closed round; the accuracies once its metrics are in (None where no device sent them)."""
+
+    round: int
+    clients: int
+    closed_by: str
+    started: float
+    ended: float
+    uplink_bytes: int
+    downlink_bytes: int
+    local_acc: float | None = None
+    global_acc: float | None = None
+    local_proto_acc: float | None = None
+    global_proto_acc: float | None = None
+
+    @property
+    def duration_s(self) -> float:
+        return max(0.0, self.ended - self.started)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    fed: str
+    preset: str
+    state: str  # waiting | running | finished | stopped
+    round: int
+    rounds: int
+    updated: float
+    phase: str | None = None
+    deadline: float | None = None
+    quorum: int = 0
+    completed: int = 0  # rounds closed
+    members: tuple[Member, ...] = ()
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    accepted: dict[str, int] = field(default_factory=dict)  # uploads by kind
+    dropped: dict[str, int] = field(default_factory=dict)  # messages by reason
+    clipped: dict[str, int] = field(default_factory=dict)  # uploads by kind
+    history: tuple[RoundRow, ...] = ()  # the last closed rounds, oldest first
+    broker_restarts: int = 0
+    server_pid: int = 0
+    started: float = 0.0  # when this server process started
+
+    def count(self, state: str) -> int:
+        return sum(1 for m in self.members if m.state == state)
+
+    def last_accuracies(self) -> tuple[int, dict[str, float]] | None:
+        """(round, its accuracies) of the last round whose metrics brought any."""
+        for row in reversed(self.history):
+            accs = {k: getattr(row, k) for k in ACCURACY_KEYS if getattr(row, k) is not None}
+            if accs:
+                return row.round, accs
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": SUMMARY_VERSION, "kind": SUMMARY_KIND, **asdict(self)}
+
+    def encode(self) -> bytes:
+        return json.dumps(self.to_json(), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "summary") -> Snapshot:
+        if not isinstance(raw, dict) or raw.get("kind") != SUMMARY_KIND:
+            raise SummaryError(f"{where}: not a protofl summary (no \"kind\": \"{SUMMARY_KIND}\")")
+        if raw.get("v") != SUMMARY_VERSION:
+            raise SummaryError(f"{where}: summary version {raw.get('v')!r}; this build reads {SUMMARY_VERSION}: use "
+                               f"the same protofl-edge version on the server and here")
+        try:
+            members = tuple(_build(Member, m, last_upload=_build(Upload, m["last_upload"])
+                                   if m.get("last_upload") else None) for m in raw["members"])
+            history = tuple(_build(RoundRow, r) for r in raw["history"])
+            return _build(cls, raw, members=members, history=history)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise SummaryError(f"{where}: a damaged summary ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def decode(cls, data: bytes, where: str = "summary") -> Snapshot:
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SummaryError(f"{where}: not JSON ({exc})") from None
+        return cls.from_json(raw, where)
+
+
+def _build(cls: type, raw: dict[str, Any], **given: Any) -> Any:
+    """`cls` from the keys of `raw` it has (unknown keys are a newer writer's additions: ignored)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in raw.items() if k in names and k not in given}, **given)
