@@ -87,7 +87,7 @@ def test_broker_config_writes_password_acl_and_device_files(tmp_path: Path) -> N
     acl = (tmp_path / "sec" / "acl").read_text()
     assert "pattern write protofl/lab/up/%u" in acl and "user protofl-server-lab" in acl
     users = [line.split(":")[0] for line in (tmp_path / "sec" / "passwd").read_text().splitlines()]
-    assert users == ["protofl-server-lab", "jetson-1", "rpi-07"]
+    assert users == ["protofl-server-lab", "protofl-monitor-lab", "jetson-1", "rpi-07"]
     assert json.loads((tmp_path / "sec" / "devices" / "rpi-07.json").read_text())["username"] == "rpi-07"
 
 
