@@ -97,9 +97,9 @@ class FederationSecrets:
         added = []
         for client_id in device_ids:
             check_name(client_id, "device id")
-            if client_id in (server_user(self.fed), monitor_user(self.fed)):
-                raise ConfigError(f"device id '{client_id}' is the server's or the monitor's user name; pick another "
-                                  f"id")
+            for who, user in (("server", server_user(self.fed)), ("monitor", monitor_user(self.fed))):
+                if client_id == user:
+                    raise ConfigError(f"device id '{client_id}' is the {who}'s user name; pick another id")
             if client_id not in self.devices:
                 self.devices[client_id] = new_password()
                 added.append(client_id)

@@ -179,3 +179,68 @@ def test_join_takes_its_identity_and_federation_from_the_credentials_file(tmp_pa
     with pytest.raises(ConfigError, match="no device id"):
         resolve_identity(None, None, None, None, None)
     assert resolve_identity("x", None, None, None, None) == ("x", None, None, "default")
+
+
+def test_the_monitor_reads_status_only_publishes_nothing_and_takes_no_devices_place(secured) -> None:
+    # `protofl-server status --broker` logs in as the generated monitor (issue 26): it reads the retained
+    # server/status and server/summary, nothing of a device's or the round's, and the broker drops every
+    # publish of its; its user name is its client id, so even asking for a device's id takes no session.
+    broker, auth = secured
+    s = auth.secrets
+    assert s.monitor.username == "protofl-monitor-sec" and s.monitor.username not in s.devices
+    server = connect(broker.url, s.server.username, s.server.password)
+    dev_a = connect(broker.url, "dev-a", s.devices["dev-a"])
+    monitor = connect(broker.url, s.monitor.username, s.monitor.password)
+    try:
+        at_server, at_monitor = Inbox(), Inbox()
+        server.subscribe(f"{topics.ROOT}/{FED}/#", at_server)
+        monitor.subscribe("#", at_monitor)  # everything it could ever see
+        server.publish(topics.server_status(FED), b"status", retain=True)
+        server.publish(topics.server_summary(FED), b"summary", retain=True)
+        at_monitor.wait_for(b"summary")
+        # What it must not read: uploads, presence, the round, the config.
+        dev_a.publish(topics.up(FED, "dev-a"), b"upload")
+        dev_a.publish(topics.presence(FED, "dev-a"), b"presence", retain=True)
+        server.publish(topics.round_(FED), b"round", retain=True)
+        server.publish(topics.config(FED), b"config", retain=True)
+        at_server.wait_for(b"presence")  # dev-a's two, in order, and the server's own before its fence
+        server.publish(topics.server_status(FED), b"fence 1")
+        at_monitor.wait_for(b"fence 1")  # queued after anything the broker routed to it above
+        assert at_monitor.payloads() == [b"status", b"summary", b"fence 1"]
+        # What it must not write: anything, its "own" device topics included.
+        mine = s.monitor.username
+        targets = [topics.up(FED, mine), topics.up(FED, "dev-a"), topics.presence(FED, mine), topics.round_(FED),
+                   topics.config(FED), topics.public(FED), topics.server_status(FED), topics.server_summary(FED),
+                   f"{topics.ROOT}/{FED}/anything"]
+        for topic in targets:
+            monitor.publish(topic, b"from the monitor", retain=True)
+        assert monitor.flush(5)  # every publish acknowledged: the broker has handled (and dropped) them all
+        server.publish(topics.server_status(FED), b"fence 2")
+        at_server.wait_for(b"fence 2")
+        assert b"from the monitor" not in at_server.payloads()
+        late = Inbox()  # the retained messages are still the server's
+        monitor.subscribe(topics.server_summary(FED), late)
+        late.wait_for(b"summary")
+        # Asking for a device's client id: the broker gives it its user name instead; dev-a stays.
+        impostor = MqttTransport(parse_broker_url(broker.url).with_auth(mine, s.monitor.password), "dev-a").connect(5)
+        try:
+            probe = Inbox()
+            dev_a.subscribe(topics.server_status(FED), probe)  # a round trip begun after the impostor connected
+            probe.wait_for(b"status")
+            assert dev_a.connected and dev_a.stats.disconnects == 0
+        finally:
+            impostor.close(timeout=1)
+    finally:
+        for t in (server, dev_a, monitor):
+            t.close(timeout=1)
+
+
+def test_monitor_credentials_are_written_kept_and_no_device_may_take_its_name(tmp_path: Path) -> None:
+    first = load_or_create(tmp_path / "s", FED, ["dev-a"])
+    again = load_or_create(tmp_path / "s", FED, ["dev-a"])
+    assert again.secrets.monitor == first.secrets.monitor
+    assert stat.S_IMODE(first.monitor_file.stat().st_mode) == 0o600
+    cred, fed = read_device_credentials(first.monitor_file)
+    assert (cred, fed) == (first.secrets.monitor, FED)
+    with pytest.raises(ConfigError, match="monitor's user name"):
+        FederationSecrets.create(FED, ["protofl-monitor-sec"])
