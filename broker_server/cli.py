@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from broker_server.cli_common import parse_sets
+from broker_server.cli_common import parse_sets, print_whole
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
 from protofl.errors import ConfigError, ProtoFLError
@@ -34,7 +34,7 @@ def _summary(report: dict[str, Any]) -> Table:
     t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
     for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "uplink",
                 "downlink", "clients"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")  # piped (80 columns): wrapped, never cut with "…"
     for r in report["rounds"]:
         t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["local_proto_acc"]), _fmt(r["global_acc"]),
                   _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), human_bytes(r["uplink_bytes"]),
@@ -43,6 +43,12 @@ def _summary(report: dict[str, Any]) -> Table:
     t.caption = (f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
                  f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}")
     return t
+
+
+def _progress_status(row: dict[str, Any]) -> str:
+    sim = f"sim {human_duration(row['sim_time_s'])} " if row.get("sim_time_s") is not None else ""
+    return (f"{sim}local {_fmt(row['local_acc'])}% global {_fmt(row['global_acc'])}% "
+            f"up {human_bytes(row['uplink_bytes'])}")
 
 
 @app.command()
@@ -131,11 +137,13 @@ def simulate(
             task = progress.add_task(f"{preset} rounds", total=rounds, status="")
 
             def on_round(row: dict[str, Any]) -> None:
-                sim = f"sim {human_duration(row['sim_time_s'])} " if "sim_time_s" in row else ""
-                progress.update(task, advance=1, status=f"{sim}local {_fmt(row['local_acc'])}% "
-                                f"global {_fmt(row['global_acc'])}% up {human_bytes(row['uplink_bytes'])}")
+                progress.update(task, advance=1, status=_progress_status(row))
 
             report = run_simulation(spec, on_round=on_round)
+            if report["rounds"]:
+                # A row is shown once its metrics are in or their grace passed, and late metrics still reach
+                # the report: the bar ends on the report's own last row, the figures the table shows.
+                progress.update(task, completed=len(report["rounds"]), status=_progress_status(report["rounds"][-1]))
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -145,7 +153,7 @@ def simulate(
     if report_dir is not None:
         _write_report(report, report_dir)
     if not quiet:
-        Console().print(_summary(report))
+        print_whole(_summary(report))
         if json_out:
             console.print(f"report written to {json_out}")
 

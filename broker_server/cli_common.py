@@ -1,10 +1,12 @@
-"""What both `protofl-server` commands parse the same way (`simulate` and `start`)."""
+"""What the `protofl-server` commands parse (`simulate` and `start`) and print (`simulate`, `status`) the same way."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from typing import Any
+
+from rich.console import Console, RenderableType
 
 from protofl.config import load_config_file
 from protofl.errors import ConfigError
@@ -55,3 +57,12 @@ def data_shape(fixed: set[str], config: Callable[[], Any]) -> dict[str, Any]:
         return {}
     cfg = config()
     return {k: getattr(cfg, k) for k in fixed}
+
+
+def print_whole(renderable: RenderableType) -> None:
+    """Print tables to stdout: to a terminal at its width (columns fold); into a pipe or a file, whose width
+    rich cannot know and takes as 80, at the renderable's own width, so every figure stays whole."""
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=max(80, out.measure(renderable, options=out.options.update_width(1000)).maximum))
+    out.print(renderable)

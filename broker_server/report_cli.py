@@ -1,13 +1,16 @@
-"""`protofl-server report RUN.json [MORE.json ...] --out DIR`: plots and a markdown summary of simulate runs.
+"""`protofl-server report RUN.json [MORE.json ...] --out DIR`: plots and a markdown summary of runs.
 
-Written from the run JSON alone (simulate --json, or --report-dir at the end of a run):
-- `accuracy_time.png`: accuracy vs simulated time (runs over shaped links; else vs round),
+Written from the run JSON alone (simulate --json, or --report-dir at the end of a run), or from a real
+federation's `STATE_DIR/rounds.jsonl` (one line a round, with its accuracies once its metrics came in):
+- `accuracy_time.png`: accuracy vs simulated time (runs over shaped links), vs the wall clock (a
+  rounds.jsonl), else vs round (whole-number ticks),
 - `accuracy_uplink.png`: accuracy vs cumulative uplink bytes,
 - `timeline_<preset>.png`: per round and device class, the mean downlink, compute, upload and wait
   (until the round closed) in simulated seconds; an x where a device of the class missed the round,
 - `bytes_class.png`: uplink bytes per device and round, by device class and preset,
-- `summary.md`: per preset the final accuracy, simulated time, uplink, missed deadlines and the time to
-  a target accuracy; per device class the round's parts and the encodings chosen.
+- `summary.md`: per preset the final accuracy, time, uplink, missed deadlines and the time (or round) to
+  a target accuracy; per device class the round's parts and the encodings chosen; a warning where this
+  machine fell behind the time scale by more than a whole round.
 Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model; where a
 run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out
 split). matplotlib comes with the `plotting` extra. No torch.
@@ -29,18 +32,52 @@ COLOURS = {"downlink_s": "#4c72b0", "compute_s": "#55a868", "upload_s": "#c44e52
 
 
 def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Runs from simulate's JSON reports, or from a real federation's `STATE_DIR/rounds.jsonl`."""
     runs = []
     for p in paths:
         if not p.is_file():
-            raise ConfigError(f"run file '{p}' not found (write one with protofl-server simulate --json RUN.json)")
+            raise ConfigError(f"run file '{p}' not found (write one with protofl-server simulate --json RUN.json, "
+                              f"or give a server's STATE_DIR/rounds.jsonl)")
+        text = p.read_text()
         try:
-            run = json.loads(p.read_text())
+            run = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"run file '{p}' is not JSON: {exc}") from exc
+            if p.suffix != ".jsonl" and "Extra data" not in str(exc):
+                raise ConfigError(f"run file '{p}' is not JSON: {exc}") from exc
+            run = rounds_log(text, p)
         if not isinstance(run, dict) or "rounds" not in run or "preset" not in run:
-            raise ConfigError(f"'{p}' is not a simulate report (no 'preset' and 'rounds')")
+            raise ConfigError(f"'{p}' is not a simulate report (no 'preset' and 'rounds') nor a rounds.jsonl")
         runs.append(run)
     return runs
+
+
+def rounds_log(text: str, path: Path) -> dict[str, Any]:
+    """A server's rounds.jsonl (one JSON object a round) as a run: accuracies where its metrics came in,
+    bytes, and the time since round 1 opened (`clock`: "wall")."""
+    rows: list[dict[str, Any]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows.append(row)
+            int(row["round"]), float(row["started"]), float(row["ended"])
+        except (ValueError, KeyError, TypeError) as exc:
+            if n == len(text.splitlines()):
+                break  # a torn last line: the server died while writing it
+            raise ConfigError(f"{path}, line {n}: not a rounds.jsonl line ({exc})") from None
+    if not rows:
+        raise ConfigError(f"{path}: no rounds yet")
+    t0 = float(rows[0]["started"])
+    rounds = [{"round": r["round"], **{k: r.get(k) for k in ("local_acc", "global_acc", "local_proto_acc",
+                                                              "global_proto_acc")},
+               "ensemble_acc": None, "uplink_bytes": r["uplink_bytes"], "downlink_bytes": r["downlink_bytes"],
+               "clients": len(r.get("clients", [])), "closed_by": r.get("closed_by", ""),
+               "time_s": float(r["ended"]) - t0} for r in rows]
+    return {"preset": rows[-1].get("preset") or rows[-1].get("fed", path.stem), "fed": rows[-1].get("fed"),
+            "clock": "wall", "rounds": rounds,
+            "totals": {"uplink_bytes": sum(r["uplink_bytes"] for r in rounds),
+                       "downlink_bytes": sum(r["downlink_bytes"] for r in rounds), "wall_s": rounds[-1]["time_s"]}}
 
 
 METRICS = ("global", "local")
@@ -54,18 +91,56 @@ def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
 
 
 def sim_times(run: dict[str, Any]) -> list[float] | None:
-    """Simulated time at the end of each round (None for a run without shaped links)."""
+    """Time at the end of each round: simulated over shaped links, the wall clock of a real federation's
+    rounds.jsonl; None for a simulation without links (its rounds have no time to speak of)."""
     links = run.get("links")
-    return [r["sim_time_s"] for r in links["rounds"]] if links else None
+    if links:
+        return [r["sim_time_s"] for r in links["rounds"]]
+    if run.get("clock") == "wall":
+        return [r["time_s"] for r in run["rounds"]]
+    return None
+
+
+def target_round(run: dict[str, Any], target: float, metric: str = "global") -> int | None:
+    """The first round whose accuracy reached `target` (None if none did)."""
+    for row in run["rounds"]:
+        acc = accuracy(row, metric)
+        if acc is not None and acc >= target:
+            return int(row["round"])
+    return None
 
 
 def time_to_target(run: dict[str, Any], target: float, metric: str = "global") -> float | None:
-    times = sim_times(run)
-    for i, row in enumerate(run["rounds"]):
-        acc = accuracy(row, metric)
-        if acc is not None and acc >= target and times is not None and i < len(times):
-            return times[i]
-    return None
+    times, reached = sim_times(run), target_round(run, target, metric)
+    if times is None or reached is None:
+        return None
+    i = [r["round"] for r in run["rounds"]].index(reached)
+    return times[i] if i < len(times) else None
+
+
+def reached(run: dict[str, Any], target: float, metric: str = "global") -> str:
+    """Time to target for people: a time where the run has a clock, else the round; or "not reached"."""
+    when = time_to_target(run, target, metric)
+    if when is not None:
+        return human_duration(when)
+    first = target_round(run, target, metric)
+    if first is None:
+        return "not reached"
+    return f"round {first}" + ("" if sim_times(run) is None else " (after its last timed round)")
+
+
+def long_overruns(run: dict[str, Any]) -> list[str]:
+    """Devices whose upload this machine released later than the emulation asked by more than the whole
+    round lasted (simulated): the round's time is then this machine's, not the device's."""
+    links = run.get("links") or {}
+    round_s = {r["round"]: r["round_s"] for r in links.get("rounds", [])}
+    out = []
+    for d in links.get("devices", []):
+        over, length = d.get("overrun_s"), round_s.get(d["round"])
+        if over is not None and length is not None and over > length:
+            out.append(f"round {d['round']}: {d['client']} ({d['class']}) released its upload {human_duration(over)} "
+                       f"late, longer than the round itself ({human_duration(length)})")
+    return out
 
 
 def class_rows(run: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -94,9 +169,14 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
     except ImportError:
         raise ConfigError("protofl-server report draws with matplotlib, which is not installed: "
                           "pip install 'protofl-edge[plotting]'") from None
+    from matplotlib.ticker import MaxNLocator
+
     paths = []
     timed = all(sim_times(r) is not None for r in runs)
-    for name, xlabel in (("accuracy_time", "simulated time (s)" if timed else "round"),
+    clocks = {"wall" if r.get("clock") == "wall" else "simulated" for r in runs}
+    time_label = {frozenset({"wall"}): "time since round 1 opened (s)",
+                  frozenset({"simulated"}): "simulated time (s)"}.get(frozenset(clocks), "time (s)")
+    for name, xlabel in (("accuracy_time", time_label if timed else "round"),
                          ("accuracy_uplink", "cumulative uplink (bytes)")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for run in runs:
@@ -115,6 +195,8 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         ends = [t[-1] for t in map(sim_times, runs) if t] if timed else []
         if name == "accuracy_uplink" or (ends and min(ends) > 0 and max(ends) / min(ends) > 30):
             ax.set_xscale("log")  # FedAvg over NB-IoT and a prototype preset differ by orders of magnitude
+        if xlabel == "round":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no tick at 1.25
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{metric} accuracy (%)")
         ax.grid(alpha=0.3)
@@ -180,19 +262,18 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
     target = 0.9 * best if target is None else target
     lines = ["# Simulation report", "", f"Target accuracy for time-to-target: {100 * target:.1f} % "
              f"(accuracy = {metric}_acc).", "",
-             "| preset | rounds | final acc % | simulated time | mean round | uplink | missed deadlines | "
+             "| preset | rounds | final acc % | time | mean round | uplink | missed deadlines | "
              "time to target |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         times = sim_times(run)
         links = run.get("links") or {}
         missed = sum(1 for d in links.get("devices", []) if not d["made_it"])
         final = accuracy(run["rounds"][-1], metric) if run["rounds"] else None
-        ttt = time_to_target(run, target, metric)
         lines.append(f"| {run['preset']} | {len(run['rounds'])} | {'-' if final is None else f'{100 * final:.1f}'} | "
                      f"{human_duration(times[-1]) if times else '-'} | "
                      f"{human_duration(times[-1] / len(times)) if times else '-'} | "
                      f"{human_bytes(run['totals']['uplink_bytes'])} | {missed if links else '-'} | "
-                     f"{human_duration(ttt) if ttt is not None else 'not reached'} |")
+                     f"{reached(run, target, metric)} |")
     for run in runs:
         by_class = class_rows(run)
         if not by_class:
@@ -214,7 +295,20 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
                          f"{', '.join(f'{k} x{v}' for k, v in enc.most_common(3)) or '-'} | "
                          f"{human_bytes(_mean(budgets)) if budgets else 'off'} | "
                          f"{sum(1 for r in rows if not r['made_it'])}/{len(rows)} | {m('overrun_s')} |")
-    lines += ["", "Simulated time composes measured link times (through the shaping proxies, times the time scale) "
+    for run in runs:
+        late = long_overruns(run)
+        if late:
+            scale = run["links"]["time_scale"]
+            lines += ["", f"**Warning ({run['preset']}):** this machine could not keep up with time scale {scale:g}: "
+                      f"{len(late)} upload(s) left later than the emulation asked by more than their whole round, "
+                      f"so those rounds' times are this machine's, not the devices'. Run again with a lower "
+                      f"--time-scale.", "", *(f"- {line}" for line in late[:10])]
+            if len(late) > 10:
+                lines.append(f"- ... and {len(late) - 10} more")
+    lines += ["", "Time is simulated for a simulation over shaped links (`--profiles`) and the wall clock since "
+              "round 1 opened for a server's rounds.jsonl; without either, time to target is the round that reached "
+              "it.",
+              "", "Simulated time composes measured link times (through the shaping proxies, times the time scale) "
               "with emulated compute (CPU time / the device's compute factor); `overrun` is how much later, in "
               "simulated seconds, this machine released an upload than the emulation asked for."]
     return "\n".join(lines) + "\n"

@@ -68,9 +68,12 @@ class Report:
 
     def _show(self, rec: RoundRecord, metrics: dict[str, Metrics]) -> None:
         if self.on_round is not None:
-            self.on_round(self.round_row(rec))
+            row = self.round_row(rec)
+            if self.links is not None:
+                row["sim_time_s"] = self.links.sim_time([r for r in self.records if r.round <= rec.round], self.metrics)
+            self.on_round(row)
 
-    def round_row(self, rec: RoundRecord) -> dict[str, Any]:
+    def round_row(self, rec: RoundRecord, sim_time_s: float | None = None) -> dict[str, Any]:
         acc = accuracies(self.metrics.get(rec.round, {}).values())
         ens = None
         if self.cfg.federate == "full":
@@ -91,11 +94,13 @@ class Report:
             "clients": len(rec.clients),
             "metrics_bytes": self.metrics_bytes.get(rec.round, 0),  # evaluation traffic, not uplink
             "closed_by": rec.closed_by,
-            **({"sim_time_s": self.links.sim_time(rec)} if self.links is not None else {}),
+            **({"sim_time_s": sim_time_s} if self.links is not None else {}),
         }
 
     def to_json(self, dropped: dict[str, int]) -> dict[str, Any]:
-        rows = [self.round_row(r) for r in self.records]
+        links = self.links.to_json(self.records, self.metrics) if self.links is not None else None
+        sim = {r["round"]: r["sim_time_s"] for r in links["rounds"]} if links is not None else {}
+        rows = [self.round_row(r, sim.get(r.round)) for r in self.records]
         return {
             "preset": self.cfg.preset,
             "config": self.cfg.to_dict(),
@@ -109,7 +114,7 @@ class Report:
                 "wall_s": round(time.perf_counter() - self.started, 3),
             },
             "dropped": dict(dropped),
-            **({"links": self.links.to_json(self.records, self.metrics)} if self.links is not None else {}),
+            **({"links": links} if links is not None else {}),
         }
 
 

@@ -7,11 +7,13 @@ service path.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from broker_server.report_cli import long_overruns
 from broker_server.shell import Aggregator
 from broker_server.simulation.inprocess import run_inprocess
 from broker_server.simulation.mqtt import run_over_mqtt
@@ -20,6 +22,8 @@ from broker_server.simulation.spec import TRANSPORTS, SimulationSpec, prepare
 from protofl.config import FederationConfig
 from protofl.data import Dataset
 from protofl.errors import ConfigError
+
+log = logging.getLogger("protofl.simulate")
 
 
 class GlobalModelEval:
@@ -78,4 +82,15 @@ def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], No
     agg = runner(spec, fed_data, report, initial)
     if on_finish is not None:
         on_finish(agg)
-    return report.to_json(agg.dropped)
+    out = report.to_json(agg.dropped)
+    warn_long_overruns(out)
+    return out
+
+
+def warn_long_overruns(report: dict[str, Any]) -> None:
+    """Say in the log where this machine fell behind the time scale by more than a whole round."""
+    late = long_overruns(report)
+    if late:
+        log.warning("this machine could not keep up with --time-scale %g: %d upload(s) left later than the emulation "
+                    "asked by more than their whole round (those rounds' times are this machine's, not the devices'); "
+                    "run again with a lower --time-scale. First: %s", report["links"]["time_scale"], len(late), late[0])

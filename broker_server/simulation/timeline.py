@@ -101,7 +101,6 @@ class LinkReport:
         self.devices, self.clients, self.links, self.watcher = list(devices), list(clients), links, watcher
         self.time_scale, self.deadline_s = time_scale, deadline_s
         self.adaptive, self.upload_share = adaptive, upload_share
-        self.t0: float | None = None  # when round 1 opened (epoch s)
         self._grace_end: float | None = None
 
     def timings_in(self, metrics: Mapping[int, Mapping[str, Metrics]]) -> bool:
@@ -116,12 +115,12 @@ class LinkReport:
             self._grace_end = now + grace_s
         return now >= self._grace_end
 
-    def sim_time(self, rec: RoundRecord) -> float:
-        """Simulated time at the end of `rec` by the wall clock (the progress bar's; the report's
-        `sim_time_s` is the composed one, see the module docstring)."""
-        if self.t0 is None:
-            self.t0 = rec.started
-        return (rec.ended - self.t0) * self.time_scale
+    def sim_time(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> float:
+        """Simulated time at the end of the last of `records` (the rounds so far, in order): the composed
+        clock of the `links` section, the one figure the progress bar, the rows and the report all show."""
+        rounds = timeline(records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale,
+                          self.deadline_s)["rounds"]
+        return float(rounds[-1]["sim_time_s"]) if rounds else 0.0
 
     def to_json(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> dict[str, Any]:
         classes: dict[str, dict[str, Any]] = {}

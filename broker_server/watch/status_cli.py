@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.text import Text
 
+from broker_server.cli_common import print_whole
 from broker_server.watch.render import status_view
 from broker_server.watch.sources import Reading, read_broker, read_state_dir
 from protofl import cli_options
@@ -101,7 +102,7 @@ def _show(reading: Reading, as_json: bool) -> None:
     if as_json:
         typer.echo(_document(reading))
     else:
-        Console().print(status_view(reading))
+        print_whole(status_view(reading))
 
 
 def _watch(read: Callable[[], Reading], as_json: bool, interval: float, updates: int | None) -> None:

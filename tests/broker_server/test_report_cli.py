@@ -72,3 +72,76 @@ def test_report_command_exits_2_on_a_missing_run(tmp_path: Path) -> None:
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "o" / "summary.md").is_file()
+
+
+# -- issue 26: what a new user ran into ----------------------------------------------------------------
+
+
+def test_report_reads_a_servers_rounds_jsonl(tmp_path: Path) -> None:
+    # `protofl-server report STATE_DIR/rounds.jsonl` said "is not JSON: Extra data"; now it plots the real
+    # federation's accuracies against its wall clock.
+    lines = [{"fed": "lab", "preset": "tinyproto", "round": r, "clients": ["a", "b"], "uplink_bytes": 1000,
+              "downlink_bytes": 5000, "started": 100.0 + 10 * r, "ended": 108.0 + 10 * r, "closed_by": "quorum",
+              "local_acc": 0.2 * r, "global_acc": 0.1 * r, "local_proto_acc": None, "global_proto_acc": None}
+             for r in (1, 2, 3)]
+    path = tmp_path / "rounds.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"round": 4, "cli')  # torn last line
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="250")
+    proc = subprocess.run([sys.executable, "-m", "broker_server.cli", "report", str(path), "--out", str(tmp_path / "o"),
+                           "--target", "0.2"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "o" / "summary.md").read_text()
+    # 3 rounds, final global 30 %, 28 s from round 1's opening (110) to round 3's close (138); 20 % in round 2
+    assert "| tinyproto | 3 | 30.0 | 28.0 s | 9.3 s | 2.9 KB | - | 18.0 s |" in md, md
+
+
+def test_time_to_target_of_a_run_without_a_clock_is_its_round(tmp_path: Path) -> None:
+    # A simulation without --profiles has no time axis: the summary said "not reached" although the
+    # target was passed.
+    r = run("fedproto", [0.3, 0.6], [1.0, 1.0])
+    del r["links"]
+    md = summary([r], target=0.5)
+    assert "| fedproto | 2 | 60.0 | - | - | 2.9 KB | - | round 2 |" in md, md
+    assert "| round 2 |" not in summary([r], target=0.9) and "not reached" in summary([r], target=0.9)
+
+
+def test_round_axes_have_whole_number_ticks(tmp_path: Path, monkeypatch) -> None:
+    # accuracy vs round had ticks at 1.25, 1.75 rounds.
+    import matplotlib.figure
+
+    ticks: list[list[float]] = []
+    save = matplotlib.figure.Figure.savefig
+
+    def recording(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ax = fig.axes[0]
+        lo, hi = ax.get_xlim()
+        if ax.get_xlabel() == "round":
+            ticks.append([t for t in ax.get_xticks() if lo <= t <= hi])
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording)
+    r = run("fedproto", [0.3, 0.6], [1.0, 1.0])
+    del r["links"]
+    write_report(r, tmp_path / "o")
+    assert ticks and all(t == int(t) for ts in ticks for t in ts), ticks
+
+
+def test_an_overrun_longer_than_its_round_is_warned_in_the_summary() -> None:
+    r = run("tinyproto", [0.3, 0.6], [20.0, 30.0])
+    r["links"]["devices"][1]["overrun_s"] = 45.0  # round 2 lasted 30 simulated s
+    md = summary([r])
+    assert "**Warning (tinyproto):** this machine could not keep up with time scale 10" in md, md
+    assert "- round 2: client-000 (rpi4+lte) released its upload 45.0 s late, longer than the round itself (30.0 s)" \
+        in md
+    assert "Warning" not in summary([run("tinyproto", [0.3, 0.6], [20.0, 30.0])])
+
+
+def test_an_overrun_longer_than_its_round_is_warned_in_the_log(caplog) -> None:
+    from broker_server.simulation.run import warn_long_overruns
+
+    r = run("tinyproto", [0.3, 0.6], [20.0, 30.0])
+    warn_long_overruns(r)
+    assert not caplog.records
+    r["links"]["devices"][1]["overrun_s"] = 45.0
+    warn_long_overruns(r)
+    assert "could not keep up with --time-scale 10: 1 upload(s)" in caplog.text and "lower --time-scale" in caplog.text
