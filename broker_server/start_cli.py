@@ -444,7 +444,19 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                                     max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir, board=board, metrics=metrics,
                                     broker_restarts=broker_restarts if broker_is_ours else None)
-        service.start(connect_timeout)
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            log.info("stopping (signal %d)", signum)
+            stop_all_supervisors()  # our broker may have had the signal too: that is no crash to restart after
+            service.stop()
+
+        # Before the start, which announces the federation: a signal from then on stops the run at once.
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            service.start(connect_timeout)
+        except BaseException:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            raise
         # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
         # now, without the accuracies that died with the process; rounds closed again by the replay wait for
         # theirs as usual.
@@ -458,13 +470,6 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
         if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
             log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
                      options.url, fed)
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            log.info("stopping (signal %d)", signum)
-            stop_all_supervisors()  # our broker may have had the signal too: that is no crash to restart after
-            service.stop()
-
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             service.run()
         finally:

@@ -5,6 +5,7 @@ shows offline in all of them within its grace period. Waits are polls with deadl
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -147,3 +148,7 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
     assert "device device-2 went offline" in out, out[-3000:]
     summary = status_text("--state-dir", str(state))
     assert "federation 'watch' (fedproto): stopped" in summary, summary
+    # rounds.jsonl: a line a round, once its metrics are in, with the accuracies
+    rows = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
+    assert rows and rows[0]["round"] == 1 and rows[0]["preset"] == "fedproto"
+    assert rows[0]["local_acc"] is not None and rows[0]["global_acc"] is not None, rows[0]

@@ -1,0 +1,136 @@
+"""The parts of watching a federation (issue 26) on their own: the summary document, the live page's
+password, the metrics before and after a snapshot, and what `status` says of a dead server."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from broker_server.cli import app
+from broker_server.watch.board import SnapshotBoard
+from broker_server.watch.metrics import FederationMetrics, serve_metrics
+from broker_server.watch.snapshot import Member, RoundRow, Snapshot, SummaryError, Upload
+from broker_server.watch.sources import read_state_dir
+from broker_server.watch.ui import serve_ui, ui_password
+
+
+NOW = time.time()
+
+
+def snapshot(**changes: object) -> Snapshot:
+    base = dict(fed="lab", preset="tinyproto", state="running", round=3, rounds=10, updated=NOW, phase="train",
+                deadline=NOW + 30, quorum=2, completed=2, server_pid=os.getpid(), started=900.0,
+                members=(Member("dev-a", "online", "cnn", 600, "rpi4+lte", 2,
+                                Upload(2, "train", "protos", 2200, "f2", 990.0)),
+                         Member("dev-b", "offline", "cnn", 500, grace_ends=1004.0)),
+                uplink_bytes=9000, downlink_bytes=20000, accepted={"protos": 4}, dropped={"duplicate": 1},
+                history=(RoundRow(1, 2, "quorum", 900.0, 950.0, 4000, 10000, 0.5, 0.4),
+                         RoundRow(2, 2, "quorum", 950.0, 990.0, 5000, 10000)))
+    base.update(changes)
+    return Snapshot(**base)  # type: ignore[arg-type]
+
+
+def test_the_summary_round_trips_and_refuses_another_version() -> None:
+    snap = snapshot()
+    assert Snapshot.decode(snap.encode()) == snap
+    assert snap.last_accuracies() == (1, {"local_acc": 0.5, "global_acc": 0.4})  # round 2's metrics not in
+    raw = json.loads(snap.encode())
+    raw["added_later"] = {"x": 1}  # a newer writer's field: ignored
+    assert Snapshot.from_json(raw) == snap
+    with pytest.raises(SummaryError, match="summary version 2; this build reads 1"):
+        Snapshot.from_json({**raw, "v": 2})
+    with pytest.raises(SummaryError, match="not a protofl summary"):
+        Snapshot.decode(b'{"v": 1}')
+
+
+def test_status_from_a_state_dir_and_what_it_says_of_a_dead_server(tmp_path: Path) -> None:
+    (tmp_path / "status.json").write_bytes(snapshot().encode())
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "federation 'lab' (tinyproto): running, round 3/10, phase train" in result.output
+    assert "members: 2 (1 online, 1 offline); quorum 2" in result.output
+    assert "accuracy (round 1): local 50.0 %, global 40.0 %" in result.output
+    assert "dropped: duplicate 1" in result.output
+    gone = snapshot(server_pid=2**22 + 12345)  # beyond pid_max: no such process
+    (tmp_path / "status.json").write_bytes(gone.encode())
+    assert read_state_dir(tmp_path, now=NOW + 5).server.startswith("not running (process 4206649 is gone")
+    (tmp_path / "status.json").write_bytes(snapshot().encode())
+    assert read_state_dir(tmp_path, now=NOW + 60).server == "not responding (last update 60 s ago)"
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "no such directory" in " ".join(result.output.split())
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 2 and "say where the federation is" in " ".join(result.output.split())
+
+
+def test_the_live_page_asks_for_a_password_when_it_has_one(tmp_path: Path) -> None:
+    assert ui_password(None, "127.0.0.1", True, tmp_path) is None  # loopback: open
+    generated = ui_password(None, "0.0.0.0", False, tmp_path)
+    assert generated and ui_password(None, "0.0.0.0", False, tmp_path) == generated  # kept across restarts
+    assert oct((tmp_path / "ui-password").stat().st_mode & 0o777) == "0o600"
+    board = SnapshotBoard()
+    endpoint = serve_ui(board, "127.0.0.1", 0, "s3cret")
+    try:
+        url = endpoint.url + "api/summary"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=5)
+        assert refused.value.code == 401
+
+        def get(user: str, password: str) -> urllib.request.Request:
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            return urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+
+        with pytest.raises(urllib.error.HTTPError) as wrong:
+            urllib.request.urlopen(get("protofl", "guess"), timeout=5)
+        assert wrong.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as starting:
+            urllib.request.urlopen(get("protofl", "s3cret"), timeout=5)
+        assert starting.value.code == 503  # no snapshot yet
+        board.publish(snapshot())
+        body = urllib.request.urlopen(get("protofl", "s3cret"), timeout=5).read()
+        assert Snapshot.decode(body) == snapshot()
+        page = urllib.request.urlopen(urllib.request.Request(endpoint.url, headers=get("protofl", "s3cret").headers),
+                                      timeout=5).read().decode()
+        assert "<title>protofl federation</title>" in page and "api/summary" in page
+    finally:
+        endpoint.close()
+
+
+def test_metrics_follow_the_board() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    board = SnapshotBoard()
+    metrics = FederationMetrics(board)
+    endpoint = serve_metrics(metrics, "127.0.0.1", 0)
+    try:
+        def scrape() -> dict[str, float]:
+            text = urllib.request.urlopen(endpoint.url, timeout=5).read().decode()
+            return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples}
+
+        assert not any(k.startswith("protofl_round{") for k in scrape())  # nothing before the first snapshot
+        metrics.round_duration.observe(42.0)
+        metrics.fsync.observe(0.003)
+        board.publish(snapshot())
+        got = scrape()
+        assert got['protofl_round{}'] == 3 and got['protofl_rounds_completed_total{}'] == 2
+        assert got['protofl_phase{"phase": "train"}'] == 1 and got['protofl_phase{"phase": "waiting"}'] == 0
+        assert got['protofl_device_online{"device": "dev-a"}'] == 1 and got['protofl_device_online{"device": "dev-b"}'] == 0
+        assert got['protofl_members{"state": "offline"}'] == 1
+        assert got['protofl_uploads_dropped_total{"reason": "duplicate"}'] == 1
+        assert got['protofl_uploads_accepted_total{"kind": "protos"}'] == 4
+        assert got['protofl_uplink_bytes_total{}'] == 9000 and got['protofl_downlink_bytes_total{}'] == 20000
+        assert got['protofl_accuracy_ratio{"kind": "local"}'] == 0.5 and got['protofl_accuracy_round{}'] == 1
+        assert got['protofl_round_duration_seconds_count{}'] == 1
+        assert got['protofl_round_duration_seconds_bucket{"le": "60.0"}'] == 1
+        assert got['protofl_journal_fsync_seconds_bucket{"le": "0.005"}'] == 1
+        assert got['protofl_broker_restarts_total{}'] == 0
+    finally:
+        endpoint.close()
