@@ -37,6 +37,7 @@ from protofl.plan import Phase, RoundPlan, Upload
 from protofl.wire import (
     Config,
     Envelope,
+    Header,
     Join,
     Message,
     Metrics,
@@ -48,6 +49,7 @@ from protofl.wire import (
 )
 
 log = logging.getLogger("protofl.server")
+UPLOAD_KINDS = frozenset(u.value for u in Upload)
 
 # encode(message, round, phase) -> the bytes that go on the wire (their length is what is counted)
 Encode = Callable[[Message, int, str], bytes]
@@ -347,11 +349,21 @@ class RoundMachine:
                 open_.deadline = now + self.cfg.round_timeout
         return due
 
+    def screen(self, head: Header) -> None:
+        """Raise Drop for a message its envelope alone shows the machine would refuse (a stranger's upload,
+        another round or phase, a second upload, metrics of a far round), before its body is parsed."""
+        if head.kind in UPLOAD_KINDS:
+            self._check_upload_head(head)
+        elif head.kind == Metrics.KIND:
+            self._check_metrics(head)
+        elif head.kind == Join.KIND:
+            self._check_member(head.sender)
+
     def _check_member(self, client: str) -> None:
         if self.expected_clients and client not in self.expected_clients:
             raise Drop("unknown_client", f"'{client}' is not in this federation's client list")
 
-    def _check_metrics(self, env: Envelope) -> None:
+    def _check_metrics(self, env: Header | Envelope) -> None:
         if env.sender not in self.state.clients:
             raise Drop("unknown_client", f"metrics from '{env.sender}'")
         if not self.state.round - METRICS_LAG <= env.round <= self.state.round:
@@ -422,6 +434,13 @@ class RoundMachine:
 
     def _check_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
+        open_, kind = self._check_upload_head(env)
+        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.state.round:
+            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.state.round}")
+        return open_, kind
+
+    def _check_upload_head(self, env: Header | Envelope) -> tuple[OpenPhase, Upload]:
+        """The checks of an upload that its envelope decides."""
         s = self.state
         if env.sender not in s.clients:
             raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
@@ -441,8 +460,6 @@ class RoundMachine:
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
-        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != s.round:
-            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {s.round}")
         return open_, kind
 
     def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:

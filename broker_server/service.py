@@ -112,6 +112,7 @@ class AggregatorService:
             if group_commit:
                 self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
             self.resumed = self.durable.restore()
+            self.round_log.start_at(self.aggregator.round)  # rounds before the resume were shown already
             # Take up the broker session the crashed process left: the uploads it never acknowledged wait there.
             self.transport.resume_session = self.resumed
 

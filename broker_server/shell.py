@@ -231,6 +231,11 @@ class Aggregator:
                                           f"{', '.join(sorted(DEVICE_KINDS))} on up/", nbytes)
             return None
         try:
+            self.machine.screen(head)  # round, phase, membership: still before the body
+        except Drop as drop:
+            self._drop(drop.reason, drop.detail, nbytes)
+            return None
+        try:
             env = head.open()
             msg = decode_body(env, self.limits)
         except WireError as exc:
