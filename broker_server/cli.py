@@ -234,6 +234,8 @@ def broker_config(
         f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
         f"# each device: protofl-edge join --broker mqtt://HOST:PORT "
         f"--credentials {auth.directory / 'devices'}/ID.json",
+        f"# watchers: protofl-server status --broker mqtt://HOST:PORT --credentials {auth.monitor_file} "
+        f"(read-only: the server's status and summary topics)",
         f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
     ]))
 

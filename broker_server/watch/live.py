@@ -56,6 +56,7 @@ class LiveWatch:
         self._built = 0.0
         self._summary: Snapshot | None = None  # the last one published, `updated` zeroed
         self._summary_at = 0.0
+        self._summary_due = False  # a change not published yet (it came within SUMMARY_S of the last one)
         self._topic = topics.server_summary(aggregator.fed)
         self._status_failed = False
 
@@ -78,7 +79,7 @@ class LiveWatch:
         now = time.monotonic() if now is None else now
         self._dirty = self._dirty or handled > 0
         due = REFRESH_S if self._dirty else HEARTBEAT_S
-        if now - self._built >= due:
+        if now - self._built >= due or (self._summary_due and now - self._summary_at >= SUMMARY_S):
             self.refresh(now)
 
     def refresh(self, now: float | None = None) -> Snapshot:
@@ -115,9 +116,11 @@ class LiveWatch:
             return
         same = dataclasses.replace(snap, updated=0.0)
         if same == self._summary and now - self._summary_at < SUMMARY_HEARTBEAT_S:
+            self._summary_due = False
             return
         if now - self._summary_at < SUMMARY_S:
+            self._summary_due = True  # published by the first step once SUMMARY_S has passed
             return
         with contextlib.suppress(TransportError, ValueError):  # a watcher's message never stops the federation
             transport.publish(self._topic, snap.encode(), retain=True, qos=0)
-            self._summary, self._summary_at = same, now
+            self._summary, self._summary_at, self._summary_due = same, now, False
