@@ -66,7 +66,7 @@ def run_without_torch(cli: str, *args: str, blocked: str = "torch") -> subproces
     return python_without_torch(RUN_CLI, CLI_MODULES[cli], cli, *args, blocked=blocked)
 
 
-@pytest.mark.parametrize("args", [["--help"], ["start", "--help"], ["presets"]], ids=" ".join)
+@pytest.mark.parametrize("args", [["--help"], ["start", "--help"], ["status", "--help"], ["presets"]], ids=" ".join)
 def test_server_commands_run_without_torch(args: list[str]) -> None:
     proc = run_without_torch("protofl-server", *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr

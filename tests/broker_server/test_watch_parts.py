@@ -134,3 +134,15 @@ def test_metrics_follow_the_board() -> None:
         assert got['protofl_broker_restarts_total{}'] == 0
     finally:
         endpoint.close()
+
+
+def test_status_watch_refreshes_into_a_pipe(tmp_path: Path) -> None:
+    (tmp_path / "status.json").write_bytes(snapshot().encode())
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05",
+                                      "--updates", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("federation 'lab' (tinyproto): running, round 3/10") == 3, result.output
+    (tmp_path / "status.json").unlink()  # the server's file gone for a moment: said, and tried again
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05",
+                                      "--updates", "2", "--json"])
+    assert result.exit_code == 0 and result.output.count("cannot read the federation") == 2, result.output
