@@ -391,11 +391,15 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
     new = ", ".join(auth.new_devices) or "none"
     if persistent:
         log.info("credentials in %s (new devices: %s): give each device its devices/<id>.json and run "
-                 "protofl-edge join --credentials FILE", auth.directory, new)
+                 "protofl-edge join --credentials FILE; watchers: protofl-server status --credentials %s",
+                 auth.directory, new, auth.monitor_file)
         return
     lines = "\n".join(f"  {i} {auth.secrets.devices[i]}" for i in sorted(auth.secrets.devices))
+    monitor = auth.secrets.monitor
     log.warning("no --state-dir: credentials for this run only (shown once; protofl-edge join --username ID "
-                "--password PASSWORD, or --credentials with the files in %s):\n%s", auth.directory / "devices", lines)
+                "--password PASSWORD, or --credentials with the files in %s):\n%s\nthe read-only monitor "
+                "(protofl-server status --broker URL --username %s --password PASSWORD): %s",
+                auth.directory / "devices", lines, monitor.username, monitor.password)
 
 
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,

@@ -146,3 +146,25 @@ def test_status_watch_refreshes_into_a_pipe(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05",
                                       "--updates", "2", "--json"])
     assert result.exit_code == 0 and result.output.count("cannot read the federation") == 2, result.output
+
+
+def test_start_refuses_a_taken_watch_port_before_writing_anything(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for flag in ("--metrics-port", "--ui-port"):
+            out = subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port",
+                                  "0", "--fed", "w", "--state-dir", str(tmp_path / "state"), flag,
+                                  str(taken.getsockname()[1])], capture_output=True, text=True, timeout=60,
+                                 env=dict(os.environ, PYTHONPATH=str(repo), COLUMNS="250"))
+            assert out.returncode == 2, out.stderr
+            assert f"{flag} {taken.getsockname()[1]} on 127.0.0.1" in out.stderr and "0 for any free one" in out.stderr
+            assert not (tmp_path / "state" / "security").exists()
+    finally:
+        taken.close()
