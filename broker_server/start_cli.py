@@ -387,27 +387,30 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                                     on_round_end=on_round_end, members=members, policy=policy,
                                     max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir)
-        service.start(connect_timeout)
-        if service.resumed and service.finished:
-            log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a new "
-                        "federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
-        if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
-            log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
-                     options.url, fed)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
             stop_all_supervisors()  # our broker may have had the signal too: that is no crash to restart after
             service.stop()
 
+        # Before the service says it serves: a signal from then on is a clean stop.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        started = False
         try:
+            service.start(connect_timeout)
+            started = True
+            if service.resumed and service.finished:
+                log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a "
+                            "new federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
+            if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
+                log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
+                         options.url, fed)
             service.run()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             service.close()
-            if state_dir is not None:
+            if state_dir is not None and started:
                 path = save_server_model(service.aggregator.model, state_dir / "server_model.npz")
                 log.info("server model written to %s", path)
         agg = service.aggregator
