@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet
+from edge_agent.onnx_export import graph_of
 from edge_agent.onnx_runtime import read_metadata, session
 from protofl.errors import ConfigError
 
@@ -65,7 +66,7 @@ def _torch_outputs(model: ProtoNet, what: str, x: np.ndarray, spans: list[tuple[
     was = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        fn = model.backbone_features if what == "backbone" else model.features
+        fn = graph_of(model, what)
         return np.concatenate([fn(torch.from_numpy(x[a:b])).cpu().numpy() for a, b in spans])
     finally:
         for m, flag in was.items():
