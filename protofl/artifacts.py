@@ -264,13 +264,13 @@ def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact
     """The artifact at `path`: a device folder (it holds model.npz), a global folder, or a run's root
     (then `device` picks one of its devices, else its global state)."""
     p = Path(path)
+    if p.name == GLOBAL and (p.parent / MANIFEST).is_file():  # its folder is made with its first file
+        return Artifact(p, "global", read_json(p.parent / MANIFEST))
     if not p.exists():
         raise DataError(f"artifact {p} does not exist; a run writes them (simulate --out DIR, start --state-dir "
                         f"DIR: DIR/artifacts, join --state-dir DIR: DIR/artifacts)")
     if (p / MODEL).is_file():
         return Artifact(p, "device", read_json(p / DEVICE))
-    if p.name == GLOBAL and (p.parent / MANIFEST).is_file():
-        return Artifact(p, "global", read_json(p.parent / MANIFEST))
     if (p / MANIFEST).is_file() or (p / DEVICES).is_dir():
         if device is not None:
             return resolve(device_dir(p, device))
