@@ -7,10 +7,11 @@ Two kinds (protofl/artifacts.py):
 * the federation's (``global/``, or the run's root): the model a new device gets -- the federation's first
   architecture (or ``--arch``: an own backbone; or ``--checkpoint``: own weights) built from the
   federation's seed as every device builds it, with the global predictor's parameters loaded where the
-  preset federates them (FedAvg's model, the adapter and head on a frozen backbone). With a global
-  predictor the graph is its classifier (``logits``); without one it is the features graph and the
-  federation's prototypes: how a device that joins late predicts before it trains (nearest global
-  prototype on its own, still untrained, backbone).
+  preset federates them (FedAvg's model, the adapter and head on a frozen backbone): how a device that
+  joins late predicts before it trains. With global prototypes the graph is the features graph and the
+  prototypes go beside it (nearest global prototype on its own backbone); without (FedAvg) it is the
+  global predictor's classifier (``logits``); ``--what logits`` asks for the classifier where there are
+  both.
 """
 
 from __future__ import annotations
@@ -87,13 +88,13 @@ def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
         raise ConfigError(f"{a.path} holds neither global prototypes nor a global predictor yet (a federation "
                           "before its first round); export a device's artifact instead (--device ID)")
     round_ = a.info.get("round", "?")
+    weights = f"weights from {checkpoint}" if checkpoint else "initial weights"
     if kind is not None:
-        note = f"the global {kind} of federation '{a.info.get('fed')}' ({cfg.preset}) after round {round_}"
-    else:
-        note = (f"a new device of federation '{a.info.get('fed')}' ({cfg.preset}) after round {round_}: "
-                f"{model.arch} {'weights from ' + str(checkpoint) if checkpoint else 'initial weights'}, global "
-                f"prototypes ({a.info.get('predictor', {}).get('reason', 'no global predictor')})")
-    return Loaded(model.eval(), "logits" if kind is not None else "features", protos, a.class_names,
+        weights += f" + the global {kind}"
+    note = (f"a new device of federation '{a.info.get('fed')}' ({cfg.preset}) after round {round_}: {model.arch} "
+            f"{weights}" + (", global prototypes" if protos is not None else "")
+            + (f" (no global predictor: {a.info.get('predictor', {}).get('reason', '')})" if kind is None else ""))
+    return Loaded(model.eval(), "features" if protos is not None else "logits", protos, a.class_names,
                   _norm(a.info), a.info.get("data"), note, a.prototypes if protos is not None else None)
 
 

@@ -26,33 +26,17 @@ from broker_server.cli import app as server_app
 from export.cli import app as export_app
 from protofl import artifacts as art
 from protofl.data import load_dataset
+from tests.test_packaging import run_without_torch
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 DATA = "synthetic:n=600,n_test=100"
 runner = CliRunner()
 
-# `protofl-edge ...` in a process whose imports of torch fail, as on a device without it; and that never
-# imported it when the command returns.
-NO_TORCH = """
-import importlib.abc, sys
-class NoTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
-        return None
-sys.meta_path.insert(0, NoTorch())
-from edge_agent.cli import app
-try:
-    app(sys.argv[1:], prog_name="protofl-edge")
-finally:
-    assert "torch" not in sys.modules, "torch was imported"
-"""
-
-
 def edge_without_torch(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", NO_TORCH, *map(str, args)], env=ENV, capture_output=True,
-                          text=True, timeout=180)
+    """`protofl-edge ...` in a process whose imports of torch fail, as on a device without it (and that
+    never imported it when the command returns)."""
+    return run_without_torch("protofl-edge", *map(str, args))
 
 
 def unlabelled(tmp: Path) -> tuple[Path, Path, np.ndarray]:
@@ -61,6 +45,7 @@ def unlabelled(tmp: Path) -> tuple[Path, Path, np.ndarray]:
 
     _, test = load_dataset(DATA)
     x = test.x[:40]
+    tmp.mkdir(parents=True, exist_ok=True)
     npz = tmp / "new.npz"
     np.savez(npz, x=x)
     for i in range(len(x)):
@@ -70,7 +55,7 @@ def unlabelled(tmp: Path) -> tuple[Path, Path, np.ndarray]:
     return npz, tmp / "photos", x
 
 
-def torch_labels(loaded, x: np.ndarray) -> np.ndarray:
+def torch_labels(loaded, what: str, x: np.ndarray) -> np.ndarray:
     """What the torch model says: nearest prototype (its table and metric), or a classifier's argmax."""
     from edge_agent.predict import classify
 
@@ -79,7 +64,7 @@ def torch_labels(loaded, x: np.ndarray) -> np.ndarray:
     xn = (x.astype(np.float32) / 255 - np.float32(mean).reshape(1, c, 1, 1)) / np.float32(std).reshape(1, c, 1, 1)
     with torch.inference_mode():
         z = loaded.model.features(torch.from_numpy(xn))
-        if loaded.what == "logits":
+        if what == "logits":
             return loaded.model.head(z).argmax(1).numpy()
     return classify(z.numpy(), loaded.prototypes, loaded.prototypes.metric or "l2").classes
 
@@ -93,25 +78,28 @@ def read_labels(path: Path) -> dict[str, int]:
     return {str(r["sample"]): int(r["class"]) for r in rows}
 
 
-def export_and_label(artifact: Path, tmp: Path, **select: str) -> str:
-    """onnx --from, verify, quantize, then predict without torch on an npz and an image folder; returns
-    what verify printed. Asserts the labels agree with torch's on >= 99 % of the images."""
+def export_and_label(artifact: Path, tmp: Path, what: str | None = None, **select: str) -> str:
+    """onnx --from (the `what` graph, else the artifact's own), verify, quantize, then predict without torch on
+    an npz and an image folder; returns what onnx and verify printed. Asserts the labels agree with torch's on
+    >= 99 % of the images."""
     from export.artifact import load_artifact
 
     extra = [a for k, v in select.items() for a in (f"--{k}", v)]
     model = tmp / "deploy" / "model.onnx"
-    r = runner.invoke(export_app, ["onnx", "--from", str(artifact), *extra, "--out", str(model),
+    graph = ["--what", what] if what else []
+    r = runner.invoke(export_app, ["onnx", "--from", str(artifact), *extra, "--out", str(model), *graph,
                                    "--exporter", "torchscript"])
     assert r.exit_code == 0, r.output
+    exported = r.output
     r = runner.invoke(export_app, ["verify", str(model), "--from", str(artifact), *extra, "--n", "32"])
     assert r.exit_code == 0 and "PASS" in r.output and "max |onnx - torch| = " in r.output, r.output
-    verified = r.output
+    verified = exported + r.output
     r = runner.invoke(export_app, ["quantize", str(model), "--out", str(tmp / "int8" / "model.onnx"),
                                    "--train-n", "200", "--test-n", "100"])
     assert r.exit_code == 0 and "int8 (dynamic)" in r.output, r.output
     npz, photos, x = unlabelled(tmp)
     loaded = load_artifact(artifact, **select)
-    want = torch_labels(loaded, x)
+    want = torch_labels(loaded, what or loaded.what, x)
     for source, out in ((f"npz:{npz}", tmp / "labels.csv"), (str(photos), tmp / "labels.jsonl")):
         done = edge_without_torch("predict", "--model", model, "--input", source, "--out", out, "--show", "0")
         assert done.returncode == 0, done.stdout + done.stderr
@@ -181,9 +169,10 @@ def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, on
     assert all(isinstance(row["predictor_acc"], float) for row in rows)
     assert "predictor %" in r.output and f"{100 * rows[-1]['predictor_acc']:.2f}" in r.output
     assert json.loads(report.read_text())["predictor"]["kind"] == "adapter"
-    export_and_label(run, tmp_path)  # the run's global state: the global predictor, a logits graph
-    assert "cnn logits" in runner.invoke(export_app, ["onnx", "--from", str(run), "--out", str(tmp_path / "g.onnx"),
-                                                      "--exporter", "torchscript"]).output
+    # The run's global state: the global predictor as a classifier ...
+    assert "cnn logits" in export_and_label(run, tmp_path / "logits", what="logits")
+    # ... and, by default, the features of the same model (a new device's) with the global prototypes
+    assert "the global adapter, global prototypes" in export_and_label(run, tmp_path / "features")
 
 
 @pytest.fixture(scope="module")
