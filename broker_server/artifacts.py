@@ -2,9 +2,10 @@
 
 `write_server_artifacts` writes ROOT/manifest.json and ROOT/global/: the prototypes a round message would
 carry now, expanded to full width where they travel on support masks, the masks themselves, the class
-names, and the global predictor's parameter vector where the config defines one. `start` calls it after
-every round and once more at the end; `simulate --out DIR` at the end. Every file is replaced atomically,
-so a reader never sees half of one.
+names, and the federated parameter vector (the global model, or adapter and head) where the preset
+federates one; the manifest says whether that is a global predictor (protofl.artifacts.predictor_kind).
+`start` calls it (after every round and once more at the end); `simulate --out DIR` at the end. Every file
+is replaced atomically, so a reader never sees half of one.
 """
 
 from __future__ import annotations
@@ -60,14 +61,16 @@ def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, 
     if protos is not None:
         art.write_prototypes(glob / art.PROTOTYPES, protos[0], metric=protos[1], class_names=names,
                              source="global", masks=model.masks)
-    vector = model.params if kind == "model" else model.adapter if kind == "adapter" else None
+    federated = "model" if cfg.federate == "full" else "adapter" if cfg.federate == "adapter" else None
+    vector = model.params if federated == "model" else model.adapter if federated == "adapter" else None
     if vector is not None:
-        art.write_vector(glob / art.PREDICTOR, vector, kind or "")
+        art.write_vector(glob / art.FEDERATED, vector, federated or "")
     art.write_json(out / art.MANIFEST, art.stamp(
         written_by=written_by, fed=fed, preset=cfg.preset, round=int(round_), finished=bool(finished),
         config=cfg.to_dict(), class_names=names, data=data,
         **({"norm_mean": [float(v) for v in norm[0]], "norm_std": [float(v) for v in norm[1]]} if norm else {}),
         predictor={"kind": kind if vector is not None else None, "reason": reason},
+        federated=federated if vector is not None else None,
         prototypes=None if protos is None else {"metric": protos[1], "classes": sorted(protos[0]),
                                                  "width": cfg.proto_dim, "masked": model.masks is not None}))
     return out

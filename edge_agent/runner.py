@@ -33,7 +33,7 @@ from typing import Literal
 from edge_agent import guard
 from edge_agent.agent import EdgeAgent
 from edge_agent.emulation import Emulation, HeldSender, RoundClock
-from edge_agent.local_data import DataSpec, load_client_data
+from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
 from protofl import topics
 from protofl.config import FederationConfig
@@ -272,7 +272,7 @@ class DeviceRunner:
         if self.artifacts_dir is not None:
             from protofl.data.classnames import class_names
 
-            self._class_names = class_names(self.data.data, cfg.num_classes)
+            self._class_names = class_names(dataset_spec(self.data.data), cfg.num_classes)
             agent.on_deployable = self._deployable
         if self.clock is not None:
             self._uploads.extra = agent.metrics_extra
@@ -294,8 +294,9 @@ class DeviceRunner:
         if self.artifacts_dir is None or agent.model is None:
             return
         try:
-            where = write_device_artifacts(agent, self.artifacts_dir, self._class_names, data=self.data.data)
-        except OSError as exc:
+            where = write_device_artifacts(agent, self.artifacts_dir, self._class_names,
+                                           data=dataset_spec(self.data.data))
+        except (OSError, ValueError) as exc:  # a full disk, an unreadable classes file: said, never a lost round
             log.error("%s: could not write its artifacts to %s: %s", self.client_id, self.artifacts_dir, exc)
             return
         log.info("%s: deployable artifacts in %s (%d round(s) trained)", self.client_id, where,

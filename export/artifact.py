@@ -6,9 +6,9 @@ Two kinds (protofl/artifacts.py):
   input normalisation it trained on; exported as the features graph, its table beside it;
 * the federation's (``global/``, or the run's root): the model a new device gets -- the federation's first
   architecture (or ``--arch``: an own backbone; or ``--checkpoint``: own weights) built from the
-  federation's seed as every device builds it, with the global predictor's parameters loaded where the
-  preset federates them (FedAvg's model, the adapter and head on a frozen backbone): how a device that
-  joins late predicts before it trains. With global prototypes the graph is the features graph and the
+  federation's seed as every device builds it, with the federated parameters loaded where the preset
+  federates some (FedAvg's model, the adapter and head): how a device that joins late predicts before it
+  trains. With global prototypes the graph is the features graph and the
   prototypes go beside it (nearest global prototype on its own backbone); without (FedAvg) it is the
   global predictor's classifier (``logits``); ``--what logits`` asks for the classifier where there are
   both.
@@ -73,8 +73,8 @@ def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
         model = build_model(name, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed,
                             **model_options(cfg))
     kind = None
-    if a.predictor.is_file():
-        vector, kind = art.read_vector(a.predictor)
+    if a.federated.is_file():  # what the round message gives a device that joins now
+        vector, kind = art.read_vector(a.federated)
         try:
             if kind == "model":
                 model_params.load_full_vector(model, vector)
@@ -85,15 +85,16 @@ def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
                               f"trained on {cfg.archs[0]}: drop --arch/--checkpoint") from None
     protos = art.read_prototypes(a.prototypes) if a.prototypes.is_file() else None
     if kind is None and protos is None:
-        raise ConfigError(f"{a.path} holds neither global prototypes nor a global predictor yet (a federation "
+        raise ConfigError(f"{a.path} holds neither global prototypes nor federated parameters yet (a federation "
                           "before its first round); export a device's artifact instead (--device ID)")
     round_ = a.info.get("round", "?")
     weights = f"weights from {checkpoint}" if checkpoint else "initial weights"
     if kind is not None:
         weights += f" + the global {kind}"
+    predictor = a.info.get("predictor") or {}
     note = (f"a new device of federation '{a.info.get('fed')}' ({cfg.preset}) after round {round_}: {model.arch} "
             f"{weights}" + (", global prototypes" if protos is not None else "")
-            + (f" (no global predictor: {a.info.get('predictor', {}).get('reason', '')})" if kind is None else ""))
+            + ("" if predictor.get("kind") else f" (no global predictor: {predictor.get('reason', '')})"))
     return Loaded(model.eval(), "features" if protos is not None else "logits", protos, a.class_names,
                   _norm(a.info), a.info.get("data"), note, a.prototypes if protos is not None else None)
 

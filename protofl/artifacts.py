@@ -7,7 +7,8 @@ Every run writes it: `simulate --out DIR` (the federation and every device), `st
     ROOT/manifest.json                what wrote it, federation, preset, round, config, class names, and the
                                       global predictor: its kind, or the reason the preset has none
     ROOT/global/prototypes.npz        the federation's prototypes at full width (masked ones expanded)
-    ROOT/global/predictor.npz         the global predictor's parameter vector, where the preset has one
+    ROOT/global/federated.npz         the federated parameter vector (the global model, or adapter and head),
+                                      where the preset federates one
     ROOT/devices/<id>/model.npz       the device's model: its state_dict and how to rebuild it (`spec`)
     ROOT/devices/<id>/prototypes.npz  the table the device classifies with (the global prototypes as it
                                       decodes them, else its own class means)
@@ -45,8 +46,8 @@ FORMAT = "protofl-artifacts"
 VERSION = 1
 METRICS = ("l2", "cosine")
 MANIFEST, GLOBAL, DEVICES = "manifest.json", "global", "devices"
-MODEL, PROTOTYPES, LOCAL, PREDICTOR, DEVICE = (
-    "model.npz", "prototypes.npz", "local_prototypes.npz", "predictor.npz", "device.json")
+MODEL, PROTOTYPES, LOCAL, FEDERATED, DEVICE = (
+    "model.npz", "prototypes.npz", "local_prototypes.npz", "federated.npz", "device.json")
 
 
 def device_dir(root: str | os.PathLike[str], client_id: str) -> Path:
@@ -220,12 +221,13 @@ def read_model(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dic
 
 
 def write_vector(path: str | os.PathLike[str], vector: np.ndarray, kind: str) -> Path:
-    """The global predictor's parameter vector and its kind ("model" or "adapter")."""
+    """A federated parameter vector and its kind: "model" (every parameter, in state_dict order) or "adapter"
+    (adapter and head, in the config's adapter layout)."""
     return _atomic_npz(Path(path), {"vector": np.asarray(vector, np.float32), "kind": np.array(kind)})
 
 
 def read_vector(path: str | os.PathLike[str]) -> tuple[np.ndarray, str]:
-    arrays = _load_npz(Path(path), "global predictor")
+    arrays = _load_npz(Path(path), "federated parameters")
     if "vector" not in arrays or "kind" not in arrays:
         raise DataError(f"{path}: needs arrays 'vector' and 'kind'; found {sorted(arrays)}")
     return arrays["vector"].astype(np.float32), str(arrays["kind"])
@@ -251,8 +253,8 @@ class Artifact:
         return self.path / MODEL
 
     @property
-    def predictor(self) -> Path:
-        return self.path / PREDICTOR
+    def federated(self) -> Path:
+        return self.path / FEDERATED
 
     @property
     def class_names(self) -> list[str] | None:
