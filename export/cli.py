@@ -84,6 +84,17 @@ def _artifact(from_: Path | None, device: str | None, arch: str | None, checkpoi
     return load_artifact(from_, device=device, arch=arch, checkpoint=checkpoint)
 
 
+def _recorded(meta: dict[str, str], arch: str | None, checkpoint: Path | None):
+    """The artifact an ONNX file was exported --from (its metadata), where the user named no other model."""
+    if arch or checkpoint or not meta.get("artifact"):
+        return None
+    rec = json.loads(meta["artifact"])
+    if not Path(rec["from"]).exists():
+        return None
+    return _artifact(Path(rec["from"]), rec.get("device"), rec.get("arch"),
+                     Path(rec["checkpoint"]) if rec.get("checkpoint") else None)
+
+
 def _data(data: str | None, loaded: Any, meta: dict[str, str] | None = None) -> str:
     """--data, else the data the run recorded (artifact, or ONNX metadata), else Fashion-MNIST."""
     return data or (loaded.data if loaded is not None else None) or (meta or {}).get("data") or "fashion-mnist"
@@ -143,6 +154,9 @@ def onnx(
         typer.echo(f"note: the artifact records no input normalisation; using mean {m}, std {s} (--mean/--std "
                    "to change)", err=True)
     meta = _export_metadata(loaded, graph, out, prototypes)
+    if from_ is not None:  # so that verify and quantize find what the graph came from by themselves
+        meta["artifact"] = json.dumps({"from": str(from_.resolve()), "device": device, "arch": arch,
+                                       "checkpoint": str(checkpoint.resolve()) if checkpoint else None})
     info = export_onnx(model, out, what=graph, opset=opset, mean=m, std=s, exporter=exporter, metadata=meta)
     note = f" (dynamo failed: {info.fallback_reason})" if info.fallback_reason else ""
     typer.echo(f"wrote {info.path} ({info.path.stat().st_size / 1e6:.2f} MB): {model.arch} {info.what}, "
@@ -205,7 +219,7 @@ def verify(
     from protofl.data import load_images
 
     meta = read_metadata(model_path)
-    loaded = _artifact(from_, device, arch, checkpoint)
+    loaded = _artifact(from_, device, arch, checkpoint) if from_ is not None else _recorded(meta, arch, checkpoint)
     model = loaded.model if loaded is not None else _model(
         arch or meta.get("arch"), checkpoint, meta.get("in_shape", "1,28,28"),
         classes or int(meta.get("num_classes", 10)), proto_dim or int(meta.get("proto_dim", 512)), seed)

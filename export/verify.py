@@ -115,7 +115,8 @@ def verify_onnx(path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, to
     if result.max_abs_diff > tol:
         scale = float(np.abs(ref).max()) if ref.size else 0.0
         result.problems.append(f"outputs differ by up to {result.max_abs_diff:.3g} (largest torch output "
-                               f"magnitude {scale:.3g}): the ONNX file does not hold these weights -- check "
-                               "--arch/--checkpoint/--seed match the export")
+                               f"magnitude {scale:.3g}): the ONNX file does not hold these weights -- compare with "
+                               "what it was exported from: --from ARTIFACT, or --arch/--checkpoint/--seed of the "
+                               "export")
     result.ok = not result.problems
     return result

@@ -135,6 +135,9 @@ def test_simulate_leaves_what_a_device_deploys(fedproto_run: tuple[Path, dict], 
     assert all(row["predictor_acc"] is None for row in report["rounds"])
     assert report["predictor"] == {"kind": None, "reason": manifest["predictor"]["reason"]}
     export_and_label(run, tmp_path, device="client-001")
+    # the graph remembers the artifact it came from (and the run's data): verify needs nothing else
+    r = runner.invoke(export_app, ["verify", str(tmp_path / "deploy" / "model.onnx"), "--n", "16"])
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
 
 
 @pytest.mark.slow
