@@ -137,15 +137,60 @@ class _Model:
         return None if not name else (Path(name) if Path(name).is_absolute() else self.path.parent / name)
 
 
-def _labels(model: _Model, sess: object, x: np.ndarray, table: PrototypeFile | None, metric: str | None) -> Labels:
+def _labels(model: _Model, sess: object, x: np.ndarray, table: PrototypeFile | None, metric: str) -> Labels:
     out = embed_onnx(sess, x)  # type: ignore[arg-type]
-    if model.logits:
+    if table is None:  # a logits graph
         return _argmax(out)
-    assert table is not None
-    how = metric or table.metric or model.meta.get("metric") or "l2"
-    if how not in METRICS:
-        raise DataError(f"--metric must be one of {', '.join(METRICS)}, got {how!r}")
-    return classify(out, table, how)
+    return classify(out, table, metric)
+
+
+def _fit(model: _Model, sess: object, data: str, fit_limit: int, metric: str | None, table_path: Path | None) -> None:
+    """--fit: a prototype table from the labelled training split of `data`, through the same graph."""
+    if model.logits:
+        raise DataError("--fit builds prototypes for a features graph; this one is a classifier (logits)")
+    if table_path is None:
+        raise DataError("--fit needs --prototypes FILE: where to write the table it builds")
+    x_tr, y_tr, ds = load_images(data, "train", fit_limit, in_shape=model.in_shape, **model.norm)
+    z_tr = embed_onnx(sess, x_tr)  # type: ignore[arg-type]
+    protos, _ = local_prototypes(_unit(z_tr) if metric == "cosine" else z_tr, y_tr, ds.num_classes)
+    write_prototypes(table_path, protos, metric=metric or "l2")
+    typer.echo(f"wrote {len(protos)} prototypes ({z_tr.shape[1]} dims, from {len(y_tr)} {data} training "
+               f"images) to {table_path}")
+
+
+def _label_input(model: _Model, sess: object, input_: str, table: PrototypeFile | None, metric: str, how: str,
+                 out: Path | None, fmt: str | None, show: int) -> None:
+    """--input: label data without labels, one line per sample to --out."""
+    from protofl.data.unlabelled import load_unlabelled
+
+    if model.in_shape is None:
+        raise DataError(f"{model.path} records no input shape; re-export it with protofl-export onnx")
+    batch = load_unlabelled(input_, model.in_shape)
+    labels = _labels(model, sess, batch.normalized(model.norm["mean"], model.norm["std"]), table, metric)
+    names = model.class_names(table)
+    typer.echo(f"{model.path.name}: labelled {len(batch.names)} samples of {input_} by {how}")
+    for i in range(min(show, len(batch.names))):
+        c = int(labels.classes[i])
+        typer.echo(f"  {batch.names[i]}: {c} ({names.get(c, c)}), {labels.value_name} {labels.values[i]:.4g}")
+    if out is not None:
+        write_labels(out, fmt, batch.names, labels, names)
+        typer.echo(f"wrote {len(batch.names)} labels to {out}")
+
+
+def _score(model: _Model, sess: object, data: str, split: str, limit: int | None, table: PrototypeFile | None,
+           metric: str, how: str, out: Path | None, fmt: str | None, show: int) -> None:
+    """--data: classify a labelled split and say the accuracy."""
+    x, y, _ = load_images(data, split, limit, in_shape=model.in_shape, **model.norm)
+    labels = _labels(model, sess, x, table, metric)
+    pred = labels.classes
+    acc = float((pred == y).mean()) if len(y) else 0.0
+    typer.echo(f"{model.path.name}: {len(y)} {data} {split} images, {how}: accuracy {100 * acc:.2f}% "
+               f"({int((pred == y).sum())}/{len(y)})")
+    for i in range(min(show, len(y))):
+        typer.echo(f"  #{i}: predicted {int(pred[i])}, label {int(y[i])}")
+    if out is not None:
+        write_labels(out, fmt, [str(i) for i in range(len(y))], labels, model.class_names(table), truth=y)
+        typer.echo(f"wrote predictions to {out}")
 
 
 def _run(model_path: Path, prototypes: Path | None, data: str, input_: str | None, split: str, limit: int | None,
@@ -156,55 +201,21 @@ def _run(model_path: Path, prototypes: Path | None, data: str, input_: str | Non
     model = _Model(model_path, read_metadata(model_path))
     sess = session(model_path, threads)
     table_path = prototypes or model.default_prototypes()
-    norm = dict(in_shape=model.in_shape, **model.norm)
     if fit:
-        if model.logits:
-            raise DataError("--fit builds prototypes for a features graph; this one is a classifier (logits)")
-        if table_path is None:
-            raise DataError("--fit needs --prototypes FILE: where to write the table it builds")
-        x_tr, y_tr, ds = load_images(data, "train", fit_limit, **norm)
-        z_tr = embed_onnx(sess, x_tr)
-        protos, _ = local_prototypes(_unit(z_tr) if metric == "cosine" else z_tr, y_tr, ds.num_classes)
-        write_prototypes(table_path, protos, metric=metric or "l2")
-        typer.echo(f"wrote {len(protos)} prototypes ({z_tr.shape[1]} dims, from {len(y_tr)} {data} training "
-                   f"images) to {table_path}")
+        _fit(model, sess, data, fit_limit, metric, table_path)
     table = None
     if not model.logits:
         if table_path is None:
             raise DataError(f"{model_path} is a features graph: pass --prototypes FILE (protofl-export onnx --from "
                             "ARTIFACT writes one beside the model), or --fit to build one from labelled data")
         table = read_prototypes(table_path)
-    names = model.class_names(table)
-    if table is None:
-        how = "the argmax of its logits"
-    else:
-        how = f"nearest prototype ({metric or table.metric or 'l2'}) over {len(table.classes)} classes"
+    used = metric or (table.metric if table is not None else None) or model.meta.get("metric") or "l2"
+    how = ("the argmax of its logits" if table is None
+           else f"nearest prototype ({used}) over {len(table.classes)} classes")
     if input_ is not None:
-        if model.in_shape is None:
-            raise DataError(f"{model_path} records no input shape; re-export it with protofl-export onnx")
-        from protofl.data.unlabelled import load_unlabelled
-
-        batch = load_unlabelled(input_, model.in_shape)
-        labels = _labels(model, sess, batch.normalized(model.norm["mean"], model.norm["std"]), table, metric)
-        typer.echo(f"{model_path.name}: labelled {len(batch.names)} samples of {input_} by {how}")
-        for i in range(min(show, len(batch.names))):
-            c = int(labels.classes[i])
-            typer.echo(f"  {batch.names[i]}: {c} ({names.get(c, c)}), {labels.value_name} {labels.values[i]:.4g}")
-        if out is not None:
-            write_labels(out, fmt, batch.names, labels, names)
-            typer.echo(f"wrote {len(batch.names)} labels to {out}")
-        return
-    x, y, _ = load_images(data, split, limit, **norm)
-    labels = _labels(model, sess, x, table, metric)
-    pred = labels.classes
-    acc = float((pred == y).mean()) if len(y) else 0.0
-    typer.echo(f"{model_path.name}: {len(y)} {data} {split} images, {how}: accuracy {100 * acc:.2f}% "
-               f"({int((pred == y).sum())}/{len(y)})")
-    for i in range(min(show, len(y))):
-        typer.echo(f"  #{i}: predicted {int(pred[i])}, label {int(y[i])}")
-    if out is not None:
-        write_labels(out, fmt, [str(i) for i in range(len(y))], labels, names, truth=y)
-        typer.echo(f"wrote predictions to {out}")
+        _label_input(model, sess, input_, table, used, how, out, fmt, show)
+    else:
+        _score(model, sess, data, split, limit, table, used, how, out, fmt, show)
 
 
 def predict_command(

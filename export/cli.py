@@ -1,7 +1,7 @@
 """`protofl-export`: ONNX export of backbones for inference-time prototype extraction.
 
     protofl-export onnx --from RUN/devices/ID --out features.onnx      # a device's model + its prototypes
-    protofl-export onnx --from RUN/global --out global.onnx             # the global predictor, or a new device
+    protofl-export onnx --from RUN/global --out new.onnx                # a new device: its model + global prototypes
     protofl-export onnx --arch cnn [--checkpoint ckpt.pt] --out features.onnx [--what features|backbone|logits]
     protofl-export verify features.onnx [--from ARTIFACT | --arch cnn --checkpoint ckpt.pt] [--data SPEC] [--tol 1e-4]
     protofl-export quantize features.onnx --out int8.onnx [--mode dynamic|static] [--data SPEC]
@@ -129,7 +129,8 @@ def onnx(
     out: Path = typer.Option(..., "--out", help="Where to write the .onnx file."),
     opset: int | None = typer.Option(None, help="ONNX opset (default: the exporter's)."),
     what: str | None = typer.Option(None, help="features (x -> z), backbone (x -> h) or logits (x -> class scores); "
-                                               "default: features, or logits for a federation's global predictor."),
+                                               "default: features; logits from a federation without prototypes "
+                                               "(FedAvg's global model)."),
     prototypes: Path | None = typer.Option(None, "--prototypes", help="With --from: where the prototype table "
                                            "goes (default: beside --out, NAME.prototypes.npz)."),
     in_shape: str = typer.Option("1,28,28", help="Input shape c,h,w (without a checkpoint)."),
