@@ -349,6 +349,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
            local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
            tls_key: str | None, connect_timeout: float, policy: Any = None,
            offline_grace: float = OFFLINE_GRACE_S) -> None:
+    from broker_server.artifacts import write_server_artifacts
     from broker_server.service import AggregatorService, save_server_model
     from broker_server.supervisor import stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
@@ -376,17 +377,23 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             logged = last_logged_round(state_dir / "rounds.jsonl")
             rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
 
+        live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
+
         def on_round_end(rec: Any) -> None:
             nonlocal logged
             if rounds_file is not None and rec.round > logged:
                 rounds_file.write(json.dumps({"fed": fed, **asdict(rec)}) + "\n")
                 rounds_file.flush()
                 logged = rec.round
+            if state_dir is not None and live:  # what a device could be given now (docs/design.md section 9)
+                write_server_artifacts(live[0].aggregator.model, state_dir / "artifacts", fed=fed, round_=rec.round,
+                                       finished=rec.round >= cfg.rounds)
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=on_round_end, members=members, policy=policy,
                                     max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir)
+        live.append(service)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
@@ -412,7 +419,9 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             service.close()
             if state_dir is not None and started:
                 path = save_server_model(service.aggregator.model, state_dir / "server_model.npz")
-                log.info("server model written to %s", path)
+                write_server_artifacts(service.aggregator.model, state_dir / "artifacts", fed=fed,
+                                       round_=len(service.aggregator.records), finished=service.aggregator.finished)
+                log.info("server model written to %s (deployable artifacts in %s)", path, state_dir / "artifacts")
         agg = service.aggregator
         if agg.finished:
             log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped uploads %s", fed,
