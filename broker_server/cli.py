@@ -32,16 +32,19 @@ def _fmt(v: Any) -> str:
 
 def _summary(report: dict[str, Any]) -> Table:
     t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
-    for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "uplink",
-                "downlink", "clients"):
+    for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "predictor %",
+                "uplink", "downlink", "clients"):
         t.add_column(col, justify="right", overflow="fold")  # piped (80 columns): wrapped, never cut with "…"
     for r in report["rounds"]:
         t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["local_proto_acc"]), _fmt(r["global_acc"]),
-                  _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), human_bytes(r["uplink_bytes"]),
-                  human_bytes(r["downlink_bytes"]), str(r["clients"]))
+                  _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), _fmt(r.get("predictor_acc")),
+                  human_bytes(r["uplink_bytes"]), human_bytes(r["downlink_bytes"]), str(r["clients"]))
     tot = report["totals"]
     t.caption = (f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
                  f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}")
+    predictor = report.get("predictor") or {}
+    if predictor.get("reason"):  # what "predictor %" is, or why it is empty
+        t.caption += f"\npredictor: {predictor['reason']}"
     return t
 
 
@@ -97,6 +100,9 @@ def simulate(
     report_dir: Path | None = typer.Option(None, "--report-dir", help="Also write the report's PNGs and "
                                            "summary.md here (needs matplotlib)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
+    out: Path | None = typer.Option(None, "--out", help="Leave the run's deployable artifacts here: every device's "
+                                    "model and prototypes, the federation's global state (protofl-export onnx "
+                                    "--from DIR/devices/ID or DIR/global)."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
@@ -130,7 +136,8 @@ def simulate(
                               train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
                               test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides, profiles=profiles,
-                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share)
+                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share,
+                              out_dir=str(out.resolve()) if out is not None else None)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
@@ -156,6 +163,8 @@ def simulate(
         print_whole(_summary(report))
         if json_out:
             console.print(f"report written to {json_out}")
+        if out is not None:
+            console.print(f"deployable artifacts in {out} (protofl-export onnx --from {out}/devices/ID)")
 
 
 def _write_report(run: dict[str, Any], out: Path) -> None:

@@ -406,6 +406,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
            local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
            tls_key: str | None, connect_timeout: float, policy: Any = None,
            offline_grace: float = OFFLINE_GRACE_S, watching: Watching | None = None) -> None:
+    from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
     from broker_server.service import AggregatorService, save_server_model
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
@@ -435,6 +436,13 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             logged = last_logged_round(state_dir / "rounds.jsonl")
             rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
 
+        live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
+
+        def on_round_end(rec: Any) -> None:
+            if state_dir is not None and live:  # what a device could be given now (docs/design.md section 9)
+                write_server_artifacts(live[0].aggregator.model, state_dir / "artifacts", fed=fed, round_=rec.round,
+                                       finished=rec.round >= cfg.rounds)
+
         def on_round_logged(rec: Any, accs: dict[str, float | None]) -> None:
             """A round's line once its metrics are in (or their grace passed): bytes, clients and accuracies."""
             nonlocal logged
@@ -444,45 +452,46 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 logged = rec.round
 
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_logged=on_round_logged, members=members, policy=policy,
-                                    max_clients=access.max_clients, offline_grace=offline_grace,
+                                    on_round_end=on_round_end, on_round_logged=on_round_logged, members=members,
+                                    policy=policy, max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir, board=board, metrics=metrics,
                                     broker_restarts=broker_restarts if broker_is_ours else None)
+        live.append(service)
+
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
             stop_all_supervisors()  # our broker may have had the signal too: that is no crash to restart after
             service.stop()
 
-        # Before the start, which announces the federation: a signal from then on stops the run at once.
+        # Before the service says it serves: a signal from then on is a clean stop.
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        started = False
         try:
             service.start(connect_timeout)
-        except BaseException:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            raise
-        # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
-        # now, without the accuracies that died with the process; rounds closed again by the replay wait for
-        # theirs as usual.
-        waiting = {rec.round for rec in service.round_log.pending}
-        for rec in service.aggregator.records:
-            if rec.round not in waiting:
-                on_round_logged(rec, accuracies([]))
-        if service.resumed and service.finished:
-            log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a new "
-                        "federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
-        if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
-            log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
-                     options.url, fed)
-        try:
+            started = True
+            # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
+            # now, without the accuracies that died with the process; rounds closed again by the replay wait for
+            # theirs as usual.
+            waiting = {rec.round for rec in service.round_log.pending}
+            for rec in service.aggregator.records:
+                if rec.round not in waiting:
+                    on_round_logged(rec, accuracies([]))
+            if service.resumed and service.finished:
+                log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a "
+                            "new federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
+            if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
+                log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
+                         options.url, fed)
             service.run()
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             service.close()
-            if state_dir is not None:
+            if state_dir is not None and started:
                 path = save_server_model(service.aggregator.model, state_dir / "server_model.npz")
-                log.info("server model written to %s", path)
+                write_server_artifacts(service.aggregator.model, state_dir / "artifacts", fed=fed,
+                                       round_=len(service.aggregator.records), finished=service.aggregator.finished)
+                log.info("server model written to %s (deployable artifacts in %s)", path, state_dir / "artifacts")
         agg = service.aggregator
         if agg.finished:
             log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped uploads %s", fed,

@@ -129,6 +129,10 @@ class EdgeAgent:
         # Set by a runner: called with (topic, payload) for every upload this agent sends, so that the
         # runner never decodes a message to learn whether it is one.
         self.on_upload: Callable[[str, bytes], None] | None = None
+        # Set by a runner that keeps deployable artifacts (edge_agent/artifacts.py): called once the agent
+        # holds the federation's state, before its first local training (a device that joins late can
+        # predict from then on), and when the federation finishes.
+        self.on_deployable: Callable[[EdgeAgent], None] | None = None
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
@@ -269,7 +273,10 @@ class EdgeAgent:
     # -- rounds ---------------------------------------------------------------------------------
     def on_round(self, env: Envelope, msg: RoundStart) -> None:
         if msg.final:
+            first = not self.finished
             self.finished = True
+            if first and self.model is not None and self.on_deployable is not None:
+                self.on_deployable(self)
             return
         key = (env.round, env.phase)
         if key in self.handled or self.plan is None or self.model is None:
@@ -353,6 +360,8 @@ class EdgeAgent:
         except WireError as exc:
             self._drop("bad_round", str(exc))
             return
+        if self.stats.rounds_trained == 0 and self.on_deployable is not None:
+            self.on_deployable(self)  # the global state as received, before this device changes anything
         seed = stable_seed(cfg.seed, self.client_id, round_)
         # Dropout draws from torch's global RNG: seed it per client and round so that training does not
         # depend on what else ran in this process (in-process vs MQTT parity).

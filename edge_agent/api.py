@@ -39,7 +39,7 @@ def join(data: str, *, broker: str = "mqtt://127.0.0.1:1883", credentials: str |
     defaults: dict[str, Any] = dict(data_dir=None, partition=None, alpha=0.5, seed=None, test_limit=None,
                                     train_limit=None, profile="", eval_every=1, threads=None, tls_ca=None,
                                     tls_cert=None, tls_key=None, mqtt="auto", connect_timeout=30.0)
-    unknown = sorted(set(options) - set(defaults) - {"extractor", "emulation", "keepalive", "test_every"})
+    unknown = sorted(set(options) - set(defaults) - {"extractor", "emulation", "keepalive", "test_every", "artifacts"})
     if unknown:
         raise ConfigError(f"join() got unknown option(s) {unknown}; known: {sorted(defaults)}")
     runner = make_runner(broker=broker, fed=fed_name, client_id=cid, data=data, arch=arch, device=device,
@@ -81,7 +81,7 @@ def make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str 
                  connect_timeout: float, extractor: str = "torch",
                  emulation: "Emulation | None" = None, keepalive: int = 30,
                  test_every: int | None = None, state_dir: Path | None = None,
-                 credentials: Path | None = None) -> DeviceRunner:
+                 credentials: Path | None = None, artifacts: Path | str | None = None) -> DeviceRunner:
     """The device loop `protofl-edge join` runs, from its options (checked before anything connects). A
     credentials file that carries the federation CA makes the device speak TLS and accept only a broker
     whose certificate that CA signed (unless --tls-ca names another CA)."""
@@ -118,5 +118,6 @@ def make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str 
     opts = RunnerOptions(arch=arch, device=device, profile=profile, eval_every=eval_every,
                          test_every=check_cadence(eval_every, test_every),
                          protocol=mqtt, connect_timeout=connect_timeout, extractor=extractor,  # type: ignore[arg-type]
-                         emulation=emulation, state_dir=str(state_dir) if state_dir is not None else None)
+                         emulation=emulation, state_dir=str(state_dir) if state_dir is not None else None,
+                         artifacts=str(artifacts) if artifacts is not None else None)
     return DeviceRunner(options, fed, client_id, spec, opts)

@@ -71,7 +71,11 @@ def join_command(
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep a local checkpoint here after every "
                                              "round (model, round state, last uploads): restarted, the device "
-                                             "resumes where it was instead of starting over."),
+                                             "resumes where it was instead of starting over. Its deployable "
+                                             "artifacts go to DIR/artifacts."),
+    artifacts: Optional[Path] = typer.Option(None, "--artifacts", help="Write this device's deployable artifacts "
+                                             "(model, prototypes: protofl-export onnx --from reads them) here, "
+                                             "under devices/<id>/ (default: STATE_DIR/artifacts)."),
     username: Optional[str] = cli_options.USERNAME,
     password: Optional[str] = cli_options.PASSWORD,
     credentials: Optional[Path] = typer.Option(None, help="This device's credentials file (devices/<id>.json, written "
@@ -97,7 +101,7 @@ def join_command(
         runner = make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
                               arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
                               tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every, state_dir,
-                              credentials)
+                              credentials, artifacts)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

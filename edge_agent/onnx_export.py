@@ -4,11 +4,13 @@ Part of the device runtime: the ``onnx`` extractor re-exports the model on the d
 weights changed, and a frozen backbone is exported once; ``protofl-export onnx`` builds on the same
 function.
 
-Two graphs can be exported (``what``):
+Three graphs can be exported (``what``):
 
 * ``features``: x -> backbone -> stem -> adapter [-> projection] -> z, the prototype-space embedding
   (what a device needs to compute prototypes and classify by nearest prototype);
-* ``backbone``: x -> h, for a frozen backbone whose features are cached while the rest trains.
+* ``backbone``: x -> h, for a frozen backbone whose features are cached while the rest trains;
+* ``logits``: x -> ... -> z -> head -> class scores, a classifier of its own (a federation's global
+  predictor: FedAvg's model, or the federated adapter and head on a shared backbone).
 
 The input is the *normalised* float32 image batch ``(batch, c, h, w)`` exactly as the torch model
 takes it; the normalisation to apply to raw pixels travels in the model's metadata, with the
@@ -37,9 +39,9 @@ from edge_agent.models import ProtoNet, eval_mode
 from protofl import __version__
 from protofl.errors import ConfigError, ProtoFLError
 
-__all__ = ["EXPORTERS", "WHAT", "ExportError", "ExportInfo", "export_onnx"]
+__all__ = ["EXPORTERS", "WHAT", "ExportError", "ExportInfo", "export_onnx", "graph_of"]
 
-WHAT = ("features", "backbone")
+WHAT = ("features", "backbone", "logits")
 EXPORTERS = ("auto", "dynamo", "torchscript")
 LEGACY_MAX_OPSET = 20  # the TorchScript exporter's newest opset in torch 2.x
 log = logging.getLogger("protofl.export")
@@ -71,7 +73,16 @@ class _Graph(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.what == "backbone":
             return self.model.backbone_features(x)
+        if self.what == "logits":
+            return self.model.head(self.model.features(x))
         return self.model.features(x)
+
+
+def graph_of(model: ProtoNet, what: str) -> nn.Module:
+    """The exported part of ``model`` as a module (what verify and bench compare with the ONNX graph)."""
+    if what not in WHAT:
+        raise ConfigError(f"--what must be one of {', '.join(WHAT)}, got {what!r}")
+    return _Graph(model, what)
 
 
 @contextlib.contextmanager
@@ -108,11 +119,13 @@ def _export_torchscript(graph: nn.Module, example: torch.Tensor, path: Path, ops
 
 def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "features", opset: int | None = None,
                 mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
-                exporter: str = "auto") -> ExportInfo:
-    """Export ``model`` (``what`` = features | backbone) to ``out`` with a dynamic batch axis and metadata.
+                exporter: str = "auto", metadata: dict[str, str] | None = None) -> ExportInfo:
+    """Export ``model`` (``what`` = features | backbone | logits) to ``out`` with a dynamic batch axis and
+    metadata.
 
     ``mean``/``std`` are the per-channel normalisation (in [0, 1] pixel units) the model was trained with;
-    they are recorded, not baked into the graph. ``opset`` None means the exporter's default.
+    they are recorded, not baked into the graph. ``opset`` None means the exporter's default. ``metadata``:
+    more entries to record (e.g. the class names, the prototype file that goes with the graph).
     """
     if what not in WHAT:
         raise ConfigError(f"--what must be one of {', '.join(WHAT)}, got {what!r}")
@@ -152,7 +165,7 @@ def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "fe
     seconds = time.perf_counter() - start
 
     proto = onnx.load(str(path))
-    out_dim = model.backbone_dim if what == "backbone" else model.proto_dim
+    out_dim = {"backbone": model.backbone_dim, "logits": model.num_classes}.get(what, model.proto_dim)
     meta = {
         "protofl_version": __version__, "what": what, "arch": model.arch,
         "in_shape": ",".join(str(v) for v in model.in_shape), "out_dim": str(out_dim),
@@ -161,6 +174,7 @@ def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "fe
         "norm_mean": ",".join(repr(float(v)) for v in mean), "norm_std": ",".join(repr(float(v)) for v in std),
         "input": "float32 (batch, c, h, w), normalised: (pixel / 255 - norm_mean) / norm_std",
         "exporter": used,
+        **(metadata or {}),
     }
     meta = {e.key: e.value for e in proto.metadata_props} | meta  # keep whatever the exporter recorded
     del proto.metadata_props[:]

@@ -27,18 +27,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from edge_agent import guard
 from edge_agent.agent import EdgeAgent
 from edge_agent.emulation import Emulation, HeldSender, RoundClock
-from edge_agent.local_data import DataSpec, load_client_data
+from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, ProtoFLError, WireError
-from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.base import Handler
+from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
 from protofl.wire import Config, Envelope, Message, Status, decode_message, encode_message
 
@@ -63,6 +64,7 @@ class RunnerOptions:
     extractor: str = "torch"  # what computes prototypes and metrics: torch | onnx (onnxruntime)
     emulation: Emulation | None = None  # --profile: upload budget; in simulation, compute time and time scale
     state_dir: str | None = None  # --state-dir: a local checkpoint after every round, to resume after a restart
+    artifacts: str | None = None  # where this device's deployable artifacts go (default: STATE_DIR/artifacts)
 
 
 class _UploadLog:
@@ -155,6 +157,7 @@ class DeviceRunner:
         self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
         self._attempts = 0
         self._retry_at = 0.0
+        self._class_names: list[str] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -182,6 +185,8 @@ class DeviceRunner:
             if self._uploads.held is not None:
                 self._uploads.held.close()  # what is held back (the last metrics) goes out first
             done = self.agent is not None and self.agent.finished
+            if not done and self.agent is not None and self.agent.stats.rounds_trained:
+                self._deployable(self.agent)  # leaving early: what it trained so far is still deployable
             if self.transport.connected:
                 self._presence("done" if done else "offline", "left")
             self.transport.close()
@@ -264,10 +269,38 @@ class DeviceRunner:
                           device=self.opts.device, eval_every=self.opts.eval_every, test_every=self.opts.test_every,
                           extractor=self.opts.extractor)
         agent.on_upload = self._uploads.note_upload
+        if self.artifacts_dir is not None:
+            from protofl.data.classnames import class_names
+
+            self._class_names = class_names(dataset_spec(self.data.data), cfg.num_classes)
+            agent.on_deployable = self._deployable
         if self.clock is not None:
             self._uploads.extra = agent.metrics_extra
             agent.upload_budget = self.clock.budget
         return agent
+
+    @property
+    def artifacts_dir(self) -> str | None:
+        opts = self.opts
+        if opts.artifacts is not None:
+            return opts.artifacts
+        return None if opts.state_dir is None else str(Path(opts.state_dir) / "artifacts")
+
+    def _deployable(self, agent: EdgeAgent) -> None:
+        """Write this device's deployable artifacts (edge_agent/artifacts.py); a failure is logged, not fatal:
+        the federation needs the device more than the files."""
+        from edge_agent.artifacts import write_device_artifacts
+
+        if self.artifacts_dir is None or agent.model is None:
+            return
+        try:
+            where = write_device_artifacts(agent, self.artifacts_dir, self._class_names,
+                                           data=dataset_spec(self.data.data))
+        except (OSError, ValueError) as exc:  # a full disk, an unreadable classes file: said, never a lost round
+            log.error("%s: could not write its artifacts to %s: %s", self.client_id, self.artifacts_dir, exc)
+            return
+        log.info("%s: deployable artifacts in %s (%d round(s) trained)", self.client_id, where,
+                 agent.stats.rounds_trained)
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         try:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet
+from edge_agent.onnx_export import graph_of
 from edge_agent.onnx_runtime import session
 
 __all__ = ["BenchRow", "bench_model", "speedups", "time_call"]
@@ -63,7 +64,7 @@ def bench_model(model: ProtoNet, onnx_models: dict[str, str | os.PathLike[str]],
     torch.set_num_threads(threads)
     try:
         model.eval()
-        fn = model.backbone_features if what == "backbone" else model.features
+        fn = graph_of(model, what)
         for b in batches:
             xb = torch.from_numpy(np.ascontiguousarray(x[:b], dtype=np.float32))
             with torch.inference_mode():

@@ -1,5 +1,9 @@
 """ProtoNet checkpoints: a plain dict of tensors and primitives, loaded with ``weights_only=True``.
 
+Two files a federation leaves are read as well, neither of them pickled: a device's deployable model
+(``devices/<id>/model.npz``, protofl/artifacts.py) and a device's resume checkpoint (``join --state-dir``:
+``<fed>-<id>.ckpt``, protofl/checkpoint.py; its architecture is the federation's first unless --arch says).
+
 A checkpoint is ``torch.save({"format": "protofl-checkpoint", "version": 1, "arch": ..., "in_shape": [...],
 "num_classes": ..., "proto_dim": ..., "adapter_rank": ..., "projection": ..., "state_dict": {...}})``.
 ``torch.load(weights_only=True)`` only rebuilds tensors and primitive containers, so loading a file from
@@ -15,10 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet, build_model
-from protofl.errors import ConfigError
+from protofl.artifacts import read_model
+from protofl.checkpoint import MAGIC as CHECKPOINT_MAGIC
+from protofl.checkpoint import CheckpointError, read_checkpoint
+from protofl.errors import ConfigError, DataError
 
 __all__ = ["CHECKPOINT_FORMAT", "ModelSpec", "load_checkpoint", "load_model", "save_checkpoint"]
 
@@ -68,12 +76,46 @@ def save_checkpoint(model: ProtoNet, path: str | os.PathLike[str], *, mean: tupl
     return p
 
 
+def _tensors(arrays: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+
+
+def _federation_file(p: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """(state_dict, description) of a device's model.npz or resume checkpoint; None for any other file."""
+    with p.open("rb") as fh:
+        head = fh.read(len(CHECKPOINT_MAGIC))
+    if head == CHECKPOINT_MAGIC:  # a device's resume checkpoint: msgpack, never torch.load
+        try:
+            state = read_checkpoint(p)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+        if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
+            raise ConfigError(f"{p} is a protofl checkpoint but not a device's (no model); export a device's "
+                              "artifacts instead: --from STATE_DIR/artifacts")
+        cfg = state["cfg"]
+        meta = {"arch": cfg["archs"][0], "in_shape": cfg["in_shape"], "num_classes": cfg["num_classes"],
+                "proto_dim": cfg["proto_dim"], "adapter_rank": cfg["adapter_rank"],
+                "projection": any(k.startswith("projection.") for k in state["model"]), "arch_guessed": True}
+        return _tensors(state["model"]), meta
+    if p.suffix == ".npz":
+        try:
+            arrays, spec = read_model(p)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+        return _tensors(arrays), {k: v for k, v in spec.items() if k not in ("format", "version")}
+    return None
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, description) from a checkpoint; the description is {} for a bare state_dict."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"checkpoint {p} does not exist; pass the path of a file written by save_checkpoint "
-                          "or torch.save(model.state_dict()), or leave --checkpoint out for seeded initial weights")
+                          "or torch.save(model.state_dict()), a device's artifacts/devices/<id>/model.npz, or "
+                          "leave --checkpoint out for seeded initial weights")
+    found = _federation_file(p)
+    if found is not None:
+        return found
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
@@ -105,6 +147,8 @@ def load_model(arch: str | None, checkpoint: str | os.PathLike[str] | None, *,
             raise ConfigError("no --arch and no --checkpoint: say which architecture to build")
         return ModelSpec(arch, in_shape, num_classes, proto_dim, adapter_rank, projection).build(seed)
     state, meta = load_checkpoint(checkpoint)
+    if arch and meta.pop("arch_guessed", False):
+        meta["arch"] = arch  # a resume checkpoint records the federation's archs, not which one this device ran
     if arch and meta.get("arch") and meta["arch"] != arch:
         raise ConfigError(f"checkpoint {checkpoint} holds a '{meta['arch']}' model but --arch is '{arch}'; "
                           f"drop --arch or pass --arch {meta['arch']}")

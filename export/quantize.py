@@ -30,8 +30,8 @@ from protofl.errors import ConfigError
 if TYPE_CHECKING:  # onnxruntime is optional at import time
     from onnxruntime.quantization import CalibrationDataReader
 
-__all__ = ["MODES", "QuantReport", "calibration_reader", "compare_accuracy", "prototype_accuracy",
-           "quantize_model"]
+__all__ = ["MODES", "QuantReport", "calibration_reader", "classifier_accuracy", "compare_accuracy",
+           "prototype_accuracy", "quantize_model"]
 
 MODES = ("dynamic", "static")
 log = logging.getLogger("protofl.export")
@@ -124,6 +124,7 @@ class QuantReport:
     int8_bytes: int
     n_train: int
     n_test: int
+    what: str = "features"
 
     @property
     def drop_points(self) -> float:
@@ -131,9 +132,10 @@ class QuantReport:
         return 100.0 * (self.fp32_acc - self.int8_acc)
 
     def summary(self) -> str:
-        return (f"nearest-prototype accuracy fp32 {100 * self.fp32_acc:.2f}% -> int8 ({self.mode}) "
-                f"{100 * self.int8_acc:.2f}% (drop {self.drop_points:+.2f} points; prototypes from "
-                f"{self.n_train} training images, {self.n_test} test images); size "
+        how = ("classifier (argmax) accuracy", f"{self.n_test} test images") if self.what == "logits" else (
+            "nearest-prototype accuracy", f"prototypes from {self.n_train} training images, {self.n_test} test images")
+        return (f"{how[0]} fp32 {100 * self.fp32_acc:.2f}% -> int8 ({self.mode}) "
+                f"{100 * self.int8_acc:.2f}% (drop {self.drop_points:+.2f} points; {how[1]}); size "
                 f"{self.fp32_bytes / 1e6:.2f} MB -> {self.int8_bytes / 1e6:.2f} MB")
 
 
@@ -146,10 +148,21 @@ def prototype_accuracy(model: str | os.PathLike[str], x_train: np.ndarray, y_tra
     return float((pred == y_test).mean()) if len(y_test) else 0.0
 
 
+def classifier_accuracy(model: str | os.PathLike[str], x_test: np.ndarray, y_test: np.ndarray,
+                        threads: int | None = None) -> float:
+    """Accuracy of a logits graph's own argmax (a federation's global predictor)."""
+    pred = embed_onnx(session(model, threads), x_test).argmax(1)
+    return float((pred == y_test).mean()) if len(y_test) else 0.0
+
+
 def compare_accuracy(fp32: str | os.PathLike[str], int8: str | os.PathLike[str], mode: str,
                      x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
-                     num_classes: int, threads: int | None = None) -> QuantReport:
-    """Nearest-prototype accuracy through the fp32 and the int8 model, on the same images."""
-    a32 = prototype_accuracy(fp32, x_train, y_train, x_test, y_test, num_classes, threads)
-    a8 = prototype_accuracy(int8, x_train, y_train, x_test, y_test, num_classes, threads)
-    return QuantReport(mode, a32, a8, os.path.getsize(fp32), os.path.getsize(int8), len(y_train), len(y_test))
+                     num_classes: int, threads: int | None = None, what: str = "features") -> QuantReport:
+    """Accuracy through the fp32 and the int8 model, on the same images: by nearest prototype (prototypes
+    from the training images through each model), or for a logits graph by its argmax."""
+    if what == "logits":
+        a32, a8 = classifier_accuracy(fp32, x_test, y_test, threads), classifier_accuracy(int8, x_test, y_test, threads)
+    else:
+        a32 = prototype_accuracy(fp32, x_train, y_train, x_test, y_test, num_classes, threads)
+        a8 = prototype_accuracy(int8, x_train, y_train, x_test, y_test, num_classes, threads)
+    return QuantReport(mode, a32, a8, os.path.getsize(fp32), os.path.getsize(int8), len(y_train), len(y_test), what)

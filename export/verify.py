@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from edge_agent.models import ProtoNet
+from edge_agent.onnx_export import graph_of
 from edge_agent.onnx_runtime import read_metadata, session
 from protofl.errors import ConfigError
 
@@ -65,7 +66,7 @@ def _torch_outputs(model: ProtoNet, what: str, x: np.ndarray, spans: list[tuple[
     was = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        fn = model.backbone_features if what == "backbone" else model.features
+        fn = graph_of(model, what)
         return np.concatenate([fn(torch.from_numpy(x[a:b])).cpu().numpy() for a, b in spans])
     finally:
         for m, flag in was.items():
@@ -114,7 +115,8 @@ def verify_onnx(path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, to
     if result.max_abs_diff > tol:
         scale = float(np.abs(ref).max()) if ref.size else 0.0
         result.problems.append(f"outputs differ by up to {result.max_abs_diff:.3g} (largest torch output "
-                               f"magnitude {scale:.3g}): the ONNX file does not hold these weights -- check "
-                               "--arch/--checkpoint/--seed match the export")
+                               f"magnitude {scale:.3g}): the ONNX file does not hold these weights -- compare with "
+                               "what it was exported from: --from ARTIFACT, or --arch/--checkpoint/--seed of the "
+                               "export")
     result.ok = not result.problems
     return result

@@ -1,7 +1,8 @@
 """Device and link profiles: TOML files in `profiles/` (shipped inside the package as `protofl/_profiles`).
 
 A device profile states how fast the device trains, as a factor of the machine running the simulation
-(`compute_factor`, 1.0 = x86-cpu), and its memory. A link profile states uplink and downlink rate,
+(`compute_factor`, 1.0 = x86-cpu), its memory, and the CPU threads inference may use there (`threads`:
+what `protofl-export bench --profile` runs onnxruntime and torch with). A link profile states uplink and downlink rate,
 round-trip time, jitter and an optional periodic outage. Each shipped value cites its source in a
 comment of its file. A user adds a profile by copying a file: `--profile FILE` reads any file, and
 `$PROTOFL_PROFILES` (a path list) names extra directories searched by NAME before the shipped ones.
@@ -37,6 +38,7 @@ class DeviceProfile:
     description: str
     compute_factor: float  # local-training throughput / this machine's (1.0 = as fast as this machine)
     memory_mb: int
+    threads: int | None = None  # CPU cores inference may use on the device (None: not stated)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ _NUM = (int, float)
 _DEVICE_KEYS: _Schema = {
     "compute_factor": (_NUM, 0.0, 1e4),
     "memory_mb": ((int,), 0.0, 1e8),
+    "threads": ((int,), 0.0, 1024),
 }
 _LINK_KEYS: _Schema = {
     "uplink_kbps": (_NUM, 0.0, 1e8),
@@ -146,8 +149,9 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> Profile:
     if not isinstance(description, str):
         raise ConfigError(f"{where}: 'description' must be a string, got {description!r}")
     if kind == "device":
-        v = _check_keys(data, _DEVICE_KEYS, where, set())
-        return DeviceProfile(name, description, float(v["compute_factor"]), int(v["memory_mb"]))
+        v = _check_keys(data, _DEVICE_KEYS, where, {"threads"})
+        return DeviceProfile(name, description, float(v["compute_factor"]), int(v["memory_mb"]),
+                             int(v["threads"]) if "threads" in v else None)
     if kind == "link":
         outage_table = data.pop("outage", None)
         v = _check_keys(data, _LINK_KEYS, where, set())

@@ -5,8 +5,9 @@ per-round rows and the JSON report), `inprocess` and `mqtt` (the two runners), `
 (run_simulation). When a round's row is shown is `broker_server.progress`, shared with the service.
 """
 
+from broker_server.simulation.predictor import GlobalPredictor
 from broker_server.simulation.report import Report
-from broker_server.simulation.run import GlobalModelEval, run_simulation
+from broker_server.simulation.run import run_simulation
 from broker_server.simulation.spec import (
     TRANSPORTS,
     Federation,
@@ -19,7 +20,7 @@ from broker_server.simulation.spec import (
 __all__ = [
     "TRANSPORTS",
     "Federation",
-    "GlobalModelEval",
+    "GlobalPredictor",
     "Report",
     "SimulationSpec",
     "client_id",

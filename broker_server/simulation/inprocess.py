@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from broker_server.shell import Aggregator
+from broker_server.simulation.deploy import device_hook
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec
 from protofl.transport import InProcessBroker
@@ -27,6 +28,7 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
                      on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics,
                      limits=fed_data.limits(initial_params))
     agents = []
+    deployable = device_hook(spec, cfg.num_classes)
     for i, cid in enumerate(spec.client_ids):
         part = split.clients[i]
         data = ClientData(x_train=train.normalized(part.train), y_train=train.y[part.train],
@@ -35,6 +37,7 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
         agents.append(EdgeAgent(cid, FED, broker.connect(cid), data, arch=cfg.arch_for(i), device=spec.device,
                                 eval_every=spec.eval_every, test_every=spec.test_every,
                                 extractor=spec.extractor))
+        agents[-1].on_deployable = deployable
     agg.start()
     for a in agents:
         a.start()

@@ -28,6 +28,7 @@ from broker_server.broker import PACKET_HEADROOM, start_local_broker
 from broker_server.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService
 from broker_server.shell import Aggregator, decoder_limits
+from broker_server.simulation.deploy import join_artifact_args
 from broker_server.simulation.links import Links, UploadWatcher
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
@@ -74,7 +75,7 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
     args = ["--broker", broker.url, "--fed", FED, "--client-id", client_id(index), "--data", spec.dataset,
             "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
             "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", spec.device,
-            "--threads", "1", "--mqtt", protocol]
+            "--threads", "1", "--mqtt", protocol, *join_artifact_args(spec)]
     for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
                         ("--test-every", spec.test_every), ("--train-limit", spec.train_limit),
                         ("--username", broker.username),
@@ -157,7 +158,8 @@ class AgentThreads:
             device = links.devices[i] if links is not None else None
             return RunnerOptions(device=spec.device, eval_every=spec.eval_every, test_every=spec.test_every,
                                  protocol=protocol,  # type: ignore[arg-type]
-                                 extractor=spec.extractor, emulation=emulation(spec, device))
+                                 extractor=spec.extractor, emulation=emulation(spec, device),
+                                 artifacts=spec.out_dir)
 
         self.runners = [DeviceRunner(device_options(links.broker_for(i) if links is not None else broker, auth,
                                                     client_id(i)), FED, client_id(i),

@@ -32,11 +32,18 @@ class Report:
 
     def __init__(self, spec: SimulationSpec, cfg: FederationConfig, test_labels: np.ndarray, *,
                  on_round: Callable[[dict[str, Any]], None] | None = None,
-                 evaluate: Callable[[np.ndarray], float] | None = None) -> None:
+                 evaluate: Callable[[np.ndarray], float] | None = None,
+                 predictor: Callable[[ServerModel], float | None] | None = None,
+                 predictor_info: tuple[str | None, str] = (None, "")) -> None:
         self.spec = spec
         self.cfg = cfg
         self.test_labels = test_labels
         self.evaluate = evaluate
+        # The global predictor (broker_server/simulation/predictor.py): its test accuracy per scored round,
+        # and its kind or the reason the config defines none.
+        self.predictor = predictor
+        self.predictor_info = predictor_info
+        self.predictor_acc: dict[int, float] = {}
         self.metrics: dict[int, dict[str, Metrics]] = {}
         self.ens: dict[int, np.ndarray] = {}
         self.global_model_acc: dict[int, float] = {}
@@ -51,6 +58,11 @@ class Report:
         if (self.evaluate is not None and model.params is not None
                 and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every), self.cfg.rounds)):
             self.global_model_acc[rec.round] = self.evaluate(model.params)
+        if self.predictor is not None and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every),
+                                                 self.cfg.rounds):
+            acc = self.predictor(model)
+            if acc is not None:
+                self.predictor_acc[rec.round] = acc
         self.records.append(rec)
         self.progress.round_end(rec)
 
@@ -78,7 +90,8 @@ class Report:
         ens = None
         if self.cfg.federate == "full":
             # FedAvg: global accuracy is the aggregated model's; it has no ensemble.
-            acc["global_acc"] = self.global_model_acc.get(rec.round, acc["global_acc"])
+            acc["global_acc"] = self.global_model_acc.get(rec.round, self.predictor_acc.get(rec.round,
+                                                                                          acc["global_acc"]))
         elif rec.round in self.ens and len(self.test_labels):
             ens = float((self.ens[rec.round].argmax(1) == self.test_labels).mean())
         return {
@@ -88,6 +101,7 @@ class Report:
             "global_acc": acc["global_acc"],
             "global_proto_acc": acc["global_proto_acc"],
             "ensemble_acc": ens,
+            "predictor_acc": self.predictor_acc.get(rec.round),
             "off_mask_energy": _weighted_extra(self.metrics.get(rec.round, {}).values(), "off_mask_energy"),
             "uplink_bytes": rec.uplink_bytes,
             "downlink_bytes": rec.downlink_bytes,
@@ -114,6 +128,7 @@ class Report:
                 "wall_s": round(time.perf_counter() - self.started, 3),
             },
             "dropped": dict(dropped),
+            "predictor": {"kind": self.predictor_info[0], "reason": self.predictor_info[1]},
             **({"links": links} if links is not None else {}),
         }
 

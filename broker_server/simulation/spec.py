@@ -63,6 +63,7 @@ class SimulationSpec:
     time_scale: float = 1.0
     adaptive: bool = True
     upload_share: float = 0.8
+    out_dir: str | None = None  # leave the run's deployable artifacts here (protofl/artifacts.py)
 
     def fleet(self) -> list[DeviceClass]:
         """One device class per client (empty without --profiles)."""

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 GROUP = "protofl.device_rules"
 
-__all__ = ["GROUP", "DeviceContext", "DeviceRule", "Objective", "Sparsifier", "device_rules", "rules_for"]
+__all__ = ["GROUP", "DeviceContext", "DeviceRule", "Objective", "Sparsifier", "device_rules", "model_options",
+           "rules_for"]
 
 
 @dataclass
@@ -64,6 +65,10 @@ class Objective:
     The default: cross-entropy of the head; the head's softmax; no nearest-prototype prediction."""
 
     fixed_head = False  # whether the head stays as it is during local training
+    # How features compare with the dense targets when a device classifies by nearest prototype ("l2" or
+    # "cosine"); None: this objective classifies with the head only. A device's deployable prototypes
+    # (edge_agent/artifacts.py) carry it.
+    metric: str | None = None
 
     def loss(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
         return F.cross_entropy(head(z), y)
@@ -86,6 +91,8 @@ class AlignmentObjective(Objective):
     """Cross-entropy plus lambda times the one alignment term of docs/algorithms.md: the per-element squared
     error between z and its class's dense target, mean over the batch and the m dims; a sample whose class
     has no target adds zero but still counts in the batch."""
+
+    metric = "l2"
 
     def __init__(self, targets: dict[int, np.ndarray], num_classes: int, dim: int, weight: float,
                  device: torch.device | str = "cpu") -> None:
@@ -212,3 +219,13 @@ def rules_for(cfg: FederationConfig, plan: RoundPlan, config: Config) -> list[De
         raise ConfigError(f"this federation uses technique(s) {missing} that this device has no rule for: "
                           f"install the package that brings them here too")
     return [known[name](cfg, plan, config) for name in plan.techniques]
+
+
+def model_options(cfg: FederationConfig) -> dict[str, Any]:
+    """What the active techniques need of a model built for `cfg` (e.g. a consensus projection): what a
+    device's model has, for those that rebuild one outside a federation (the simulator's global predictor,
+    the export tool reading a federation's artifacts)."""
+    options: dict[str, Any] = {}
+    for rule in rules_for(cfg, RoundPlan.from_config(cfg), Config(preset=cfg.preset, params=cfg.to_dict())):
+        options.update(rule.model_options())
+    return options

@@ -47,6 +47,7 @@ class PagrObjective(Objective):
     def __init__(self, P: torch.Tensor, beta: float, lambda_e: float, train_head: bool, cosine: bool) -> None:
         self.P, self.beta, self.lambda_e, self.cosine = P, beta, lambda_e, cosine
         self.fixed_head = not train_head
+        self.metric = "cosine" if cosine else None
 
     def loss(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
         return fedpagr_loss(z, y, head, self.P, self.beta, self.lambda_e)

@@ -264,16 +264,21 @@ def load_npz(
     return train, test
 
 
+def read_npz(path: Path, what: str = "npz dataset") -> dict[str, np.ndarray]:
+    """Every array of an .npz, loaded without pickle (an npz is data, not code)."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except FileNotFoundError:
+        raise DataError(f"{what} not found: {path} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read as .npz ({e})") from None
+
+
 def _npz(path: str | os.PathLike[str], seed: int, name: str | None, *, holdout: float | None,
          num_classes: int | None, in_shape: tuple[int, ...] | None) -> tuple[Dataset, Dataset | None]:
     p = Path(path)
-    try:
-        with np.load(p, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files}
-    except FileNotFoundError:
-        raise DataError(f"npz dataset not found: {p} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"{p}: cannot read as .npz ({e})") from None
+    arrays = read_npz(p)
     return from_arrays(arrays, str(p), name if name is not None else p.stem, seed, holdout=holdout,
                        num_classes=num_classes, in_shape=in_shape)
 

@@ -216,19 +216,22 @@ def _csv_pixels(v: np.ndarray, lo_hi: tuple[float, float] | None, where: Path) -
                     f"on every device)")
 
 
-def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
-    """The npz layout from ``FILE[,label=COL][,range=LO:HI]`` (module docstring)."""
-    path, opts = _options(arg, "csv", ("label", "range"))
-    label = opts.get("label", "label")
-    lo_hi = None
-    if "range" in opts:
-        try:
-            lo_text, hi_text = opts["range"].split(":")
-            lo_hi = (float(lo_text), float(hi_text))
-        except ValueError:
-            raise DataError(f"csv range must be LO:HI (e.g. range=-1:1), got {opts['range']!r}") from None
-        if not lo_hi[1] > lo_hi[0]:
-            raise DataError(f"csv range {opts['range']}: need LO < HI")
+def csv_range(opts: dict[str, str]) -> tuple[float, float] | None:
+    """The ``range=LO:HI`` option of a csv spec, checked (None without one)."""
+    if "range" not in opts:
+        return None
+    try:
+        lo_text, hi_text = opts["range"].split(":")
+        lo_hi = (float(lo_text), float(hi_text))
+    except ValueError:
+        raise DataError(f"csv range must be LO:HI (e.g. range=-1:1), got {opts['range']!r}") from None
+    if not lo_hi[1] > lo_hi[0]:
+        raise DataError(f"csv range {opts['range']}: need LO < HI")
+    return lo_hi
+
+
+def csv_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    """(header, sample rows) of a CSV file: blank lines skipped, every row as long as the header."""
     try:
         with path.open(newline="") as f:
             rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
@@ -239,14 +242,22 @@ def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
     if len(rows) < 2:
         raise DataError(f"csv {path}: need a header row and at least one sample row, got {len(rows)} row(s)")
     header = [h.strip() for h in rows[0]]
+    for n, r in enumerate(rows[1:], start=2):
+        if len(r) != len(header):
+            raise DataError(f"csv {path} line {n}: {len(r)} fields, the header has {len(header)}")
+    return header, rows[1:]
+
+
+def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
+    """The npz layout from ``FILE[,label=COL][,range=LO:HI]`` (module docstring)."""
+    path, opts = _options(arg, "csv", ("label", "range"))
+    label = opts.get("label", "label")
+    lo_hi = csv_range(opts)
+    header, body = csv_rows(path)
     if label not in header:
         raise DataError(f"csv {path}: no label column {label!r}; columns are {header[:12]}"
                         f"{' ...' if len(header) > 12 else ''}; name it with csv:{path},label=COLUMN")
     li = header.index(label)
-    body = rows[1:]
-    for n, r in enumerate(body, start=2):
-        if len(r) != len(header):
-            raise DataError(f"csv {path} line {n}: {len(r)} fields, the header has {len(header)}")
     try:
         table = np.array([[float(c) for c in r] for r in body], dtype=np.float64)
     except ValueError as e:

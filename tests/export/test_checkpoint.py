@@ -57,3 +57,27 @@ def test_missing_checkpoint_and_no_arch(tmp_path: Path) -> None:
         load_model(None, None)
     a, b = load_model("cnn", None, seed=4), load_model("cnn", None, seed=4)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # seeded initial weights
+
+
+def test_a_federation_s_device_files_load_without_torch_load(tmp_path: Path) -> None:
+    """A device's resume checkpoint (join --state-dir, msgpack) and its artifact model.npz load as checkpoints:
+    neither is pickled, so neither goes through torch.load (whose weights_only advice would be wrong)."""
+    from edge_agent.artifacts import model_spec
+    from protofl import artifacts as art
+    from protofl.checkpoint import write_checkpoint
+    from protofl.presets import make_config
+
+    model = build_model("mlp", (1, 8, 8), 3, proto_dim=16, adapter_rank=2, seed=1)
+    state = {k: v.numpy() for k, v in model.state_dict().items()}
+    cfg = make_config("fedproto", archs=("mlp",), in_shape=(1, 8, 8), num_classes=3, proto_dim=16, adapter_rank=2)
+    write_checkpoint(tmp_path / "f-dev.ckpt", {"format": 2, "cfg": cfg.to_dict(), "model": state})
+    art.write_model(tmp_path / "model.npz", state, model_spec(model, (0.5,), (0.25,)))
+    for path in (tmp_path / "f-dev.ckpt", tmp_path / "model.npz"):
+        loaded = load_model(None, path)
+        assert loaded.arch == "mlp" and loaded.proto_dim == 16
+        for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+            assert torch.equal(a, b), (path.name, k)
+    assert load_checkpoint(tmp_path / "model.npz")[1]["norm_mean"] == [0.5]
+    write_checkpoint(tmp_path / "server.ckpt", {"machine": {}})
+    with pytest.raises(ConfigError, match="not a device's .* --from STATE_DIR/artifacts"):
+        load_model(None, tmp_path / "server.ckpt")

@@ -1,0 +1,76 @@
+"""The federation's deployable artifacts, from the server's model (numpy only; layout in protofl/artifacts.py).
+
+`write_server_artifacts` writes ROOT/manifest.json and ROOT/global/: the prototypes a round message would
+carry now, expanded to full width where they travel on support masks, the masks themselves, the class
+names, and the federated parameter vector (the global model, or adapter and head) where the preset
+federates one; the manifest says whether that is a global predictor (protofl.artifacts.predictor_kind).
+`start` calls it (after every round and once more at the end); `simulate --out DIR` at the end. Every file
+is replaced atomically, so a reader never sees half of one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from broker_server.stages import ServerModel
+from protofl import artifacts as art
+from protofl.algorithms import support
+from protofl.plan import Phase
+
+__all__ = ["global_prototypes", "write_server_artifacts"]
+
+
+def global_prototypes(model: ServerModel) -> tuple[dict[int, np.ndarray], str] | None:
+    """(the federation's prototypes at full width, the metric to compare features with), or None where the
+    federation has none (yet).
+
+    They are the targets the next training round message carries: whichever technique builds them. Unit
+    prototypes compare by cosine; so do scaled sums (their length counts samples, only their direction is
+    the federation's); mean prototypes by L2.
+    """
+    plan = model.plan
+    targets = model.first("round_targets", Phase.TRAIN)
+    if targets is None or len(targets.classes) == 0:
+        return None
+    table, _ = targets.table()
+    if plan.masked and model.masks is not None:
+        table = support.reconstruct_table(table, model.masks)
+    scaled = "scaled" in plan.target_label.split("+")
+    metric = "cosine" if plan.prototypes == "unit" or scaled else "l2"
+    return {int(c): np.asarray(v, np.float32) for c, v in table.items()}, metric
+
+
+def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, fed: str, round_: int,
+                           finished: bool, class_names: Sequence[str] | None = None,
+                           written_by: str = "protofl-server start", data: str | None = None,
+                           norm: tuple[Sequence[float], Sequence[float]] | None = None) -> Path:
+    """Write ROOT/manifest.json and ROOT/global/ for the server's current model; returns ROOT.
+
+    `data` and `norm` (the data spec and its per-channel mean/std, where the server knows them: a
+    simulation, or `start --public-data`) let the export tools default to the same inputs."""
+    cfg = model.cfg
+    out = Path(root)
+    names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
+    kind, reason = art.predictor_kind(cfg)
+    glob = out / art.GLOBAL
+    protos = global_prototypes(model)
+    if protos is not None:
+        art.write_prototypes(glob / art.PROTOTYPES, protos[0], metric=protos[1], class_names=names,
+                             source="global", masks=model.masks)
+    federated = "model" if cfg.federate == "full" else "adapter" if cfg.federate == "adapter" else None
+    vector = model.params if federated == "model" else model.adapter if federated == "adapter" else None
+    if vector is not None:
+        art.write_vector(glob / art.FEDERATED, vector, federated or "")
+    art.write_json(out / art.MANIFEST, art.stamp(
+        written_by=written_by, fed=fed, preset=cfg.preset, round=int(round_), finished=bool(finished),
+        config=cfg.to_dict(), class_names=names, data=data,
+        **({"norm_mean": [float(v) for v in norm[0]], "norm_std": [float(v) for v in norm[1]]} if norm else {}),
+        predictor={"kind": kind if vector is not None else None, "reason": reason},
+        federated=federated if vector is not None else None,
+        prototypes=None if protos is None else {"metric": protos[1], "classes": sorted(protos[0]),
+                                                 "width": cfg.proto_dim, "masked": model.masks is not None}))
+    return out

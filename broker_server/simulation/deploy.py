@@ -1,0 +1,50 @@
+"""`simulate --out DIR`: the run's deployable artifacts (layout: protofl/artifacts.py).
+
+The federation's (DIR/manifest.json, DIR/global/) come from the server's final model; every device writes
+its own (DIR/devices/<id>/) when it sees the final round message: in-process through the agent's hook,
+over MQTT as `protofl-edge join --artifacts DIR` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from broker_server.artifacts import write_server_artifacts
+from broker_server.shell import Aggregator
+from broker_server.simulation.spec import FED, Federation, SimulationSpec
+from protofl.data.classnames import class_names
+
+if TYPE_CHECKING:
+    from edge_agent.agent import EdgeAgent
+
+__all__ = ["device_hook", "join_artifact_args", "write_run_artifacts"]
+
+
+def device_hook(spec: SimulationSpec, num_classes: int) -> Callable[[EdgeAgent], None] | None:
+    """An in-process agent's `on_deployable`: its artifacts once the federation finished (None without --out)."""
+    if spec.out_dir is None:
+        return None
+    from edge_agent.artifacts import write_device_artifacts
+
+    out, names = spec.out_dir, class_names(spec.dataset, num_classes)
+
+    def write(agent: EdgeAgent) -> None:
+        if agent.finished:  # a simulation keeps what each device ends with, not its state before training
+            write_device_artifacts(agent, out, names, data=spec.dataset)
+
+    return write
+
+
+def join_artifact_args(spec: SimulationSpec) -> list[str]:
+    """The `protofl-edge join` arguments that make a simulated device process write its artifacts."""
+    return [] if spec.out_dir is None else ["--artifacts", str(spec.out_dir)]
+
+
+def write_run_artifacts(spec: SimulationSpec, fed_data: Federation, agg: Aggregator) -> None:
+    """The federation's artifacts from the aggregator's final model."""
+    assert spec.out_dir is not None
+    cfg = fed_data.cfg
+    write_server_artifacts(agg.model, spec.out_dir, fed=FED, round_=len(agg.records), finished=agg.finished,
+                           class_names=class_names(spec.dataset, cfg.num_classes), written_by="protofl-server simulate",
+                           data=spec.dataset, norm=(fed_data.train.mean, fed_data.train.std))

@@ -1,0 +1,86 @@
+"""A device's deployable artifacts (torch; the layout is protofl/artifacts.py).
+
+What a device ends with, in the form the export tools read: its model (state_dict and how to rebuild it,
+with the input normalisation it was trained on), the prototype table it classifies with, and its own class
+means at full width. `join --state-dir DIR` writes them to DIR/artifacts/devices/<id>/ when the federation
+finishes (and when the device leaves having trained); `simulate --out DIR` for every simulated device.
+
+The table it classifies with is the one its metrics call "nearest global prototype": the round's dense
+targets as this device decodes them (expanded from their masks, rescaled where the technique rescales),
+with the objective's metric. Where its technique has none (FedAvg, or a round before any target) it is
+the device's own class means, as TinyProto's nearest-local-prototype rule uses them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from edge_agent import trainer
+from edge_agent.models import ProtoNet
+from protofl import artifacts as art
+from protofl.algorithms.fedproto import local_prototypes
+
+if TYPE_CHECKING:
+    from edge_agent.agent import EdgeAgent
+
+__all__ = ["model_spec", "write_device_artifacts"]
+
+
+def model_spec(model: ProtoNet, mean: Sequence[float] | None = None,
+               std: Sequence[float] | None = None) -> dict[str, Any]:
+    """What rebuilds `model` (export/checkpoint.py's ModelSpec) and the normalisation its inputs had."""
+    spec: dict[str, Any] = {"arch": model.arch, "in_shape": list(model.in_shape), "num_classes": model.num_classes,
+                            "proto_dim": model.proto_dim, "adapter_rank": model.adapter.rank,
+                            "projection": model.projection is not None}
+    if mean is not None and std is not None:
+        spec["norm_mean"], spec["norm_std"] = [float(v) for v in mean], [float(v) for v in std]
+    return spec
+
+
+def _own_prototypes(agent: EdgeAgent) -> tuple[dict[int, np.ndarray], dict[int, int], str]:
+    """This device's class means through its current model: (table, counts, metric)."""
+    assert agent.model is not None and agent.plan is not None
+    x = torch.from_numpy(np.ascontiguousarray(agent.data.x_train, dtype=np.float32)).to(agent.device)
+    z = trainer.embed(agent.model, x)
+    y = agent.data.y_train
+    found = agent._first("local_prototypes", z, y)  # the technique's own kind (unit prototypes, ...)
+    table, counts = found if found is not None else local_prototypes(z, y, agent.plan.num_classes)
+    if counts is None:
+        counts = {int(c): int((y == c).sum()) for c in table}
+    return table, counts, "cosine" if agent.plan.prototypes == "unit" else "l2"
+
+
+def write_device_artifacts(agent: EdgeAgent, root: str | os.PathLike[str], class_names: Sequence[str] | None = None,
+                           data: str | None = None) -> Path:
+    """Write ROOT/devices/<id>/ for `agent` (configured: it holds a model); returns that folder. `data`: the
+    spec of its data (`--data`), recorded so that the export tools can default to the same inputs."""
+    model, cfg = agent.model, agent.cfg
+    assert model is not None and cfg is not None, "an agent writes artifacts once it has a config"
+    out = art.device_dir(root, agent.client_id)
+    names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
+    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    art.write_model(out / art.MODEL, state, model_spec(model, agent.data.mean, agent.data.std))
+    own, counts, own_metric = _own_prototypes(agent)
+    art.write_prototypes(out / art.LOCAL, own, metric=own_metric, class_names=names, source="local",
+                         counts=counts)
+    targets, metric = agent.objective.table(), agent.objective.metric
+    if targets and metric is not None:
+        table = {int(c): np.asarray(v, np.float32) for c, v in targets.items()}
+        art.write_prototypes(out / art.PROTOTYPES, table, metric=metric, class_names=names, source="global")
+        source = "global"
+    else:
+        art.write_prototypes(out / art.PROTOTYPES, own, metric=own_metric, class_names=names, source="local")
+        source, metric = "local", own_metric
+    art.write_json(out / art.DEVICE, art.stamp(
+        written_by="protofl-edge join", client_id=agent.client_id, fed=agent.fed, preset=cfg.preset,
+        rounds_trained=agent.stats.rounds_trained, arch=model.arch, config=cfg.to_dict(), class_names=names,
+        data=data,
+        prototypes={"source": source, "metric": metric, "classes": sorted(int(c) for c in (
+            targets if source == "global" else own))}))
+    return out

@@ -1,0 +1,222 @@
+"""From a finished federation to labels on a device (issue 25), through the command lines only.
+
+A small federation (`simulate --out`, and `start` + `join --state-dir`) leaves its deployable artifacts;
+`protofl-export` reads them alone (onnx, verify with the max difference, quantize), and `protofl-edge
+predict` labels an unlabelled npz and an image folder in a process where torch cannot be imported. Its
+labels are the torch model's nearest-prototype labels (>= 99 %, fp32). The global predictor's accuracy is
+in the JSON report and the simulate table where the preset has one, and null with the reason where not.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from broker_server.broker import free_port
+from broker_server.cli import app as server_app
+from export.cli import app as export_app
+from protofl import artifacts as art
+from protofl.data import load_dataset
+from tests.test_packaging import run_without_torch
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+DATA = "synthetic:n=600,n_test=100"
+runner = CliRunner()
+
+def edge_without_torch(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """`protofl-edge ...` in a process whose imports of torch fail, as on a device without it (and that
+    never imported it when the command returns)."""
+    return run_without_torch("protofl-edge", *map(str, args))
+
+
+def unlabelled(tmp: Path) -> tuple[Path, Path, np.ndarray]:
+    """An npz of images without labels, and the same images as a folder of PNGs (nested)."""
+    from PIL import Image
+
+    _, test = load_dataset(DATA)
+    x = test.x[:40]
+    tmp.mkdir(parents=True, exist_ok=True)
+    npz = tmp / "new.npz"
+    np.savez(npz, x=x)
+    for i in range(len(x)):
+        sub = tmp / "photos" / f"batch{i % 2}"
+        sub.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(x[i, 0]).save(sub / f"{i:03d}.png")
+    return npz, tmp / "photos", x
+
+
+def torch_labels(loaded, what: str, x: np.ndarray) -> np.ndarray:
+    """What the torch model says: nearest prototype (its table and metric), or a classifier's argmax."""
+    from edge_agent.predict import classify
+
+    mean, std = loaded.norm
+    c = x.shape[1]
+    xn = (x.astype(np.float32) / 255 - np.float32(mean).reshape(1, c, 1, 1)) / np.float32(std).reshape(1, c, 1, 1)
+    with torch.inference_mode():
+        z = loaded.model.features(torch.from_numpy(xn))
+        if what == "logits":
+            return loaded.model.head(z).argmax(1).numpy()
+    return classify(z.numpy(), loaded.prototypes, loaded.prototypes.metric or "l2").classes
+
+
+def read_labels(path: Path) -> dict[str, int]:
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+    else:
+        with path.open() as fh:
+            rows = list(csv.DictReader(fh))
+    return {str(r["sample"]): int(r["class"]) for r in rows}
+
+
+def export_and_label(artifact: Path, tmp: Path, what: str | None = None, **select: str) -> str:
+    """onnx --from (the `what` graph, else the artifact's own), verify, quantize, then predict without torch on
+    an npz and an image folder; returns what onnx and verify printed. Asserts the labels agree with torch's on
+    >= 99 % of the images."""
+    from export.artifact import load_artifact
+
+    extra = [a for k, v in select.items() for a in (f"--{k}", v)]
+    model = tmp / "deploy" / "model.onnx"
+    graph = ["--what", what] if what else []
+    r = runner.invoke(export_app, ["onnx", "--from", str(artifact), *extra, "--out", str(model), *graph,
+                                   "--exporter", "torchscript"])
+    assert r.exit_code == 0, r.output
+    exported = r.output
+    r = runner.invoke(export_app, ["verify", str(model), "--from", str(artifact), *extra, "--n", "32"])
+    assert r.exit_code == 0 and "PASS" in r.output and "max |onnx - torch| = " in r.output, r.output
+    verified = exported + r.output
+    r = runner.invoke(export_app, ["quantize", str(model), "--out", str(tmp / "int8" / "model.onnx"),
+                                   "--train-n", "200", "--test-n", "100"])
+    assert r.exit_code == 0 and "int8 (dynamic)" in r.output, r.output
+    npz, photos, x = unlabelled(tmp)
+    loaded = load_artifact(artifact, **select)
+    want = torch_labels(loaded, what or loaded.what, x)
+    for source, out in ((f"npz:{npz}", tmp / "labels.csv"), (str(photos), tmp / "labels.jsonl")):
+        done = edge_without_torch("predict", "--model", model, "--input", source, "--out", out, "--show", "0")
+        assert done.returncode == 0, done.stdout + done.stderr
+        got = read_labels(out)
+        keys = [str(i) for i in range(len(x))] if out.suffix == ".csv" else \
+            [f"batch{i % 2}/{i:03d}.png" for i in range(len(x))]
+        agree = np.mean([got[k] == int(w) for k, w in zip(keys, want, strict=True)])
+        assert agree >= 0.99, f"{source}: {agree:.1%} of the labels agree with torch's"
+    # the int8 model found its prototype table too (copied beside it)
+    done = edge_without_torch("predict", "--model", tmp / "int8" / "model.onnx", "--input", f"npz:{npz}", "--show", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    return verified
+
+
+@pytest.fixture(scope="module")
+def fedproto_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("sim")
+    r = runner.invoke(server_app, ["simulate", "--preset", "fedproto", "--dataset", DATA, "--clients", "3",
+                                   "--rounds", "2", "--out", str(out / "run"), "--json", str(out / "run.json")])
+    assert r.exit_code == 0, r.output
+    assert "predictor: only prototypes are federated" in r.output  # the table says why it has no predictor
+    return out / "run", json.loads((out / "run.json").read_text())
+
+
+@pytest.mark.slow
+def test_simulate_leaves_what_a_device_deploys(fedproto_run: tuple[Path, dict], tmp_path: Path) -> None:
+    run, report = fedproto_run
+    assert sorted(p.name for p in (run / "devices").iterdir()) == ["client-000", "client-001", "client-002"]
+    manifest = art.read_json(run / art.MANIFEST)
+    assert manifest["round"] == 2 and manifest["finished"] and manifest["predictor"]["kind"] is None
+    glob = art.read_prototypes(run / "global" / art.PROTOTYPES)
+    assert glob.values.shape[1] == 512 and glob.metric == "l2"  # full width
+    assert all(row["predictor_acc"] is None for row in report["rounds"])
+    assert report["predictor"] == {"kind": None, "reason": manifest["predictor"]["reason"]}
+    export_and_label(run, tmp_path, device="client-001")
+    # the graph remembers the artifact it came from (and the run's data): verify needs nothing else
+    r = runner.invoke(export_app, ["verify", str(tmp_path / "deploy" / "model.onnx"), "--n", "16"])
+    assert r.exit_code == 0 and "PASS" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_a_late_joiner_labels_with_the_global_state_before_it_trains(fedproto_run: tuple[Path, dict],
+                                                                     tmp_path: Path) -> None:
+    from edge_agent.models import build_model
+
+    run, _ = fedproto_run
+    r = runner.invoke(export_app, ["onnx", "--from", str(run), "--out", str(tmp_path / "new.onnx"),
+                                   "--exporter", "torchscript"])
+    assert r.exit_code == 0 and "a new device of federation 'sim'" in r.output, r.output
+    from export.artifact import load_artifact
+
+    loaded = load_artifact(run)  # the weights a device that joins now starts from, and the global prototypes
+    cfg = art.read_json(run / art.MANIFEST)["config"]
+    initial = build_model(cfg["archs"][0], tuple(cfg["in_shape"]), cfg["num_classes"], seed=cfg["seed"])
+    assert torch.equal(loaded.model.head.weight, initial.head.weight) and loaded.prototypes.source == "global"
+    npz, _, _ = unlabelled(tmp_path)
+    done = edge_without_torch("predict", "--model", tmp_path / "new.onnx", "--input", npz, "--show", "1")
+    assert done.returncode == 0 and "labelled 40 samples" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, one_torch_thread: None) -> None:
+    # RefProtoFL's federated adapter and head on the frozen backbone every device shares.
+    run, report = tmp_path / "run", tmp_path / "run.json"
+    r = runner.invoke(server_app, ["simulate", "--preset", "refprotofl", "--set", "backbone=frozen", "--dataset",
+                                   DATA, "--clients", "3", "--rounds", "2", "--out", str(run), "--json", str(report)],
+                       env={"COLUMNS": "200"})  # the table's columns unwrapped
+    assert r.exit_code == 0, r.output
+    rows = json.loads(report.read_text())["rounds"]
+    assert all(isinstance(row["predictor_acc"], float) for row in rows)
+    assert "predictor %" in r.output and f"{100 * rows[-1]['predictor_acc']:.2f}" in r.output
+    assert json.loads(report.read_text())["predictor"]["kind"] == "adapter"
+    # The run's global state: the global predictor as a classifier ...
+    assert "cnn logits" in export_and_label(run, tmp_path / "logits", what="logits")
+    # ... and, by default, the features of the same model (a new device's) with the global prototypes
+    assert "the global adapter, global prototypes" in export_and_label(run, tmp_path / "features")
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`start` + two `join --state-dir` processes over the embedded broker: their state dirs."""
+    tmp = tmp_path_factory.mktemp("start")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "amqtt", "--insecure", "--port",
+         str(port), "--fed", "dep", "--preset", "fedproto", "--rounds", "2", "--min-clients", "2",
+         "--round-timeout", "60", "--state-dir", str(tmp / "server")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+    devices = [subprocess.Popen(
+        [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "dep",
+         "--client-id", f"dev-{i}", "--data", DATA, "--partition", f"{i}/2", "--threads", "1",
+         "--connect-timeout", "60", "--state-dir", str(tmp / f"dev-{i}")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True) for i in range(2)]
+    try:
+        out, _ = server.communicate(timeout=240)
+        dev_out = [d.communicate(timeout=60)[0] for d in devices]
+    finally:
+        for p in (server, *devices):
+            if p.poll() is None:
+                p.kill()
+    assert server.returncode == 0, out
+    assert all(d.returncode == 0 for d in devices), dev_out
+    return tmp
+
+
+@pytest.mark.slow
+def test_start_and_join_leave_what_a_device_deploys(started: Path, tmp_path: Path, one_torch_thread: None) -> None:
+    device = started / "dev-1" / "artifacts"  # join --state-dir DIR: DIR/artifacts/devices/dev-1
+    info = art.read_json(device / "devices" / "dev-1" / art.DEVICE)
+    assert info["rounds_trained"] == 2 and info["fed"] == "dep" and info["prototypes"]["source"] == "global"
+    verified = export_and_label(device, tmp_path)  # its one device, found without --device
+    assert "tolerance 0.0001" in verified
+
+
+@pytest.mark.slow
+def test_start_leaves_the_federation_s_global_state(started: Path) -> None:
+    manifest = art.read_json(started / "server" / "artifacts" / art.MANIFEST)
+    assert manifest["fed"] == "dep" and manifest["round"] == 2 and manifest["finished"]
+    glob = art.read_prototypes(started / "server" / "artifacts" / "global" / art.PROTOTYPES)
+    assert glob.values.shape == (len(glob.classes), 512) and glob.source == "global"
