@@ -111,6 +111,8 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
         assert m["protofl_members"][(("state", "online"),)] == 3
         assert m["protofl_phase"][(("phase", "train"),)] == 1
         assert m["protofl_federation_info"][(("fed", "watch"), ("preset", "fedproto"))] == 1
+        assert m["protofl_journal_fsync_seconds_count"][()] > 0  # --state-dir: every accepted join was fsynced
+        assert m["protofl_uplink_bytes_total"][()] > 0 and m["protofl_broker_restarts_total"][()] == 0
 
         # the live page, in a real browser
         browser.get(f"http://127.0.0.1:{ui_port}/")  # type: ignore[attr-defined]
