@@ -13,8 +13,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from broker_server.cli_common import parse_sets
+from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets
 from broker_server.start_cli import start_command
+from protofl.algorithms.robust import clip_text
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import human_bytes, human_duration
 from protofl.plan import RoundPlan
@@ -32,16 +33,22 @@ def _fmt(v: Any) -> str:
 def _summary(report: dict[str, Any]) -> Table:
     t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
     for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "uplink",
-                "downlink", "clients"):
+                "downlink", "clients", "clipped"):
         t.add_column(col, justify="right")
     for r in report["rounds"]:
         t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["local_proto_acc"]), _fmt(r["global_acc"]),
                   _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), human_bytes(r["uplink_bytes"]),
-                  human_bytes(r["downlink_bytes"]), str(r["clients"]))
+                  human_bytes(r["downlink_bytes"]), str(r["clients"]), _clip_cell(r))
     tot = report["totals"]
     t.caption = (f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
-                 f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}")
+                 f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}, "
+                 f"clipping {report['simulation']['clip']}")
     return t
+
+
+def _clip_cell(row: dict[str, Any]) -> str:
+    """A round's clipped rows of rows checked, per kind ('-' when nothing was checked: clipping off)."""
+    return clip_text(row["clipped"], row["clip_checked"]) or "-"
 
 
 @app.command()
@@ -91,6 +98,7 @@ def simulate(
                                            "summary.md here (needs matplotlib)."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
+    clip: str = CLIP_OPTION,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
 ) -> None:
@@ -102,6 +110,7 @@ def simulate(
     try:
         require_torch("protofl-server simulate")  # the simulated devices train with torch
         overrides = parse_sets(set_)
+        clip_on = parse_clip(clip)
         if deadline is not None:
             overrides["round_timeout"] = deadline
         if clients is None:
@@ -123,7 +132,7 @@ def simulate(
                               train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
                               test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides, profiles=profiles,
-                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share)
+                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share, clip=clip_on)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
@@ -131,8 +140,9 @@ def simulate(
 
             def on_round(row: dict[str, Any]) -> None:
                 sim = f"sim {human_duration(row['sim_time_s'])} " if "sim_time_s" in row else ""
+                clipped = f" clipped {_clip_cell(row)}" if row["clip_checked"] else ""
                 progress.update(task, advance=1, status=f"{sim}local {_fmt(row['local_acc'])}% "
-                                f"global {_fmt(row['global_acc'])}% up {human_bytes(row['uplink_bytes'])}")
+                                f"global {_fmt(row['global_acc'])}% up {human_bytes(row['uplink_bytes'])}{clipped}")
 
             report = run_simulation(spec, on_round=on_round)
     except ProtoFLError as exc:

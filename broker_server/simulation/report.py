@@ -7,6 +7,7 @@ published. numpy only.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -18,9 +19,12 @@ from broker_server.shell import RoundRecord
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
+from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
 from protofl.schedule import check_cadence, is_due
 from protofl.wire import Metrics
+
+log = logging.getLogger("protofl.simulate")
 
 
 class Report:
@@ -46,11 +50,15 @@ class Report:
         self.progress = RoundProgress(self._show, eval_every=spec.eval_every, rounds=cfg.rounds)
         self.started = time.perf_counter()
         self.links: LinkReport | None = None  # set by a run over shaped links (--profiles)
+        self.clips: dict[int, ClipCount] = {}  # per round: rows checked against the radius and clipped
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         if (self.evaluate is not None and model.params is not None
                 and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every), self.cfg.rounds)):
             self.global_model_acc[rec.round] = self.evaluate(model.params)
+        self.clips[rec.round] = model.round_clips.copy()  # read now: the next round's first phase resets it
+        if self.clips[rec.round].checked:
+            log.info("round %d: clipped %s", rec.round, self.clips[rec.round].text())
         self.records.append(rec)
         self.progress.round_end(rec)
 
@@ -73,6 +81,7 @@ class Report:
     def round_row(self, rec: RoundRecord) -> dict[str, Any]:
         acc = accuracies(self.metrics.get(rec.round, {}).values())
         ens = None
+        clips = self.clips.get(rec.round, ClipCount())
         if self.cfg.federate == "full":
             # FedAvg: global accuracy is the aggregated model's; it has no ensemble.
             acc["global_acc"] = self.global_model_acc.get(rec.round, acc["global_acc"])
@@ -91,6 +100,9 @@ class Report:
             "clients": len(rec.clients),
             "metrics_bytes": self.metrics_bytes.get(rec.round, 0),  # evaluation traffic, not uplink
             "closed_by": rec.closed_by,
+            # rows (a class's prototype or anchor; a whole parameter vector) clipped and checked, per kind
+            "clipped": dict(clips.clipped),
+            "clip_checked": dict(clips.checked),
             **({"sim_time_s": self.links.sim_time(rec)} if self.links is not None else {}),
         }
 
@@ -101,16 +113,27 @@ class Report:
             "config": self.cfg.to_dict(),
             "simulation": {"dataset": self.spec.dataset, "clients": self.spec.clients, "alpha": self.spec.alpha,
                            "seed": self.spec.seed, "transport": self.spec.transport, "device": self.spec.device,
-                           "test_samples": int(len(self.test_labels))},
+                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off"},
             "rounds": rows,
             "totals": {
                 "uplink_bytes": int(sum(r["uplink_bytes"] for r in rows)),
                 "downlink_bytes": int(sum(r["downlink_bytes"] for r in rows)),
                 "wall_s": round(time.perf_counter() - self.started, 3),
+                "clipped": _sum_kinds(r["clipped"] for r in rows),
+                "clip_checked": _sum_kinds(r["clip_checked"] for r in rows),
             },
             "dropped": dict(dropped),
             **({"links": self.links.to_json(self.records, self.metrics)} if self.links is not None else {}),
         }
+
+
+def _sum_kinds(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per-kind counts of every round added up."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for kind, n in c.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
 
 
 def _weighted_extra(metrics: Iterable[Metrics], key: str) -> float | None:
