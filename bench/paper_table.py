@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import table_report
-from bench.table_runs import FEDERATIONS, SETTINGS, SIZING, Run, needed_for, run_args, suite_runs
+from bench.table_runs import FEDERATIONS, SETTINGS, SIZING, Run, needed_for, run_args, suite_runs, with_clip
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ class Runner:
             rep = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if rep.get("bench", {}).get("args") != run_args(run, self.suite, self.data_dir):
+        if with_clip(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
             return None
         if not config_matches(rep, run, self.suite):
             return None

@@ -177,6 +177,9 @@ class Row:
     paper: Paper | None = None
     seeds: tuple[int, ...] = SEEDS
     confirm_tier: int | None = None  # the seeds after the first run at this tier (chosen on seed 0, confirmed later)
+    # Upload clipping is a defence no paper has: off, so a paper's row is its method (docs/algorithms.md,
+    # statistics); a row that measures what the defence costs sets it.
+    clip: bool = False
 
     @property
     def key(self) -> str:
@@ -451,4 +454,13 @@ def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
     args += ["--eval-every", str(size.eval_every), "--test-every", str(size.test_every)]
     for k, v in run.sets:
         args += ["--set", f"{k}={_set_value(v)}"]
-    return args + ["-q"]
+    return args + ["--clip", "on" if run.row.clip else "off", "-q"]
+
+
+def with_clip(args: list[str]) -> list[str]:
+    """A cached run's arguments as today's `run_args` spells them: a run made before `--clip` existed ran with
+    the simulator's default, clipping on."""
+    if "--clip" in args:
+        return list(args)
+    end = len(args) - 1 if args and args[-1] == "-q" else len(args)
+    return [*args[:end], "--clip", "on", *args[end:]]

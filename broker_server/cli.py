@@ -13,9 +13,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from broker_server.cli_common import parse_sets, print_whole
+from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
+from protofl.algorithms.robust import clip_text
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import human_bytes, human_duration
 from protofl.plan import RoundPlan
@@ -33,25 +34,32 @@ def _fmt(v: Any) -> str:
 def _summary(report: dict[str, Any]) -> Table:
     t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
     for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "predictor %",
-                "uplink", "downlink", "clients"):
+                "uplink", "downlink", "clients", "clipped"):
         t.add_column(col, justify="right", overflow="fold")  # piped (80 columns): wrapped, never cut with "…"
     for r in report["rounds"]:
         t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["local_proto_acc"]), _fmt(r["global_acc"]),
                   _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), _fmt(r.get("predictor_acc")),
-                  human_bytes(r["uplink_bytes"]), human_bytes(r["downlink_bytes"]), str(r["clients"]))
+                  human_bytes(r["uplink_bytes"]), human_bytes(r["downlink_bytes"]), str(r["clients"]), _clip_cell(r))
     tot = report["totals"]
     t.caption = (f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
-                 f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}")
+                 f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}, "
+                 f"clipping {report['simulation'].get('clip', 'on')}")
     predictor = report.get("predictor") or {}
     if predictor.get("reason"):  # what "predictor %" is, or why it is empty
         t.caption += f"\npredictor: {predictor['reason']}"
     return t
 
 
+def _clip_cell(row: dict[str, Any]) -> str:
+    """A round's clipped rows of rows checked, per kind ('-' when nothing was checked: clipping off)."""
+    return clip_text(row.get("clipped", {}), row.get("clip_checked", {})) or "-"
+
+
 def _progress_status(row: dict[str, Any]) -> str:
     sim = f"sim {human_duration(row['sim_time_s'])} " if row.get("sim_time_s") is not None else ""
+    clipped = f" clipped {_clip_cell(row)}" if row.get("clip_checked") else ""
     return (f"{sim}local {_fmt(row['local_acc'])}% global {_fmt(row['global_acc'])}% "
-            f"up {human_bytes(row['uplink_bytes'])}")
+            f"up {human_bytes(row['uplink_bytes'])}{clipped}")
 
 
 @app.command()
@@ -104,6 +112,7 @@ def simulate(
                                     "model and prototypes, the federation's global state (protofl-export onnx "
                                     "--from DIR/devices/ID or DIR/global)."),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
+    clip: str = CLIP_OPTION,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
 ) -> None:
@@ -115,6 +124,7 @@ def simulate(
     try:
         require_torch("protofl-server simulate")  # the simulated devices train with torch
         overrides = parse_sets(set_)
+        clip_on = parse_clip(clip)
         if deadline is not None:
             overrides["round_timeout"] = deadline
         if clients is None:
@@ -136,7 +146,7 @@ def simulate(
                               train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
                               test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides, profiles=profiles,
-                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share,
+                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share, clip=clip_on,
                               out_dir=str(out.resolve()) if out is not None else None)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,

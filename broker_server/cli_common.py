@@ -6,12 +6,29 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import typer
 from rich.console import Console, RenderableType
 
 from protofl.config import load_config_file
 from protofl.errors import ConfigError
 
 DATA_KEYS = ("num_classes", "in_shape")  # what a dataset decides unless the user fixes it
+CLIP_VALUES = ("on", "off")
+CLIP_HELP = ("Clip every upload to a ball around the current global value (radius: 10x the previous round's "
+             "median upload norm), a defence against a poisoning member that no paper's method has; off folds "
+             "uploads as they were sent.")
+
+# On by default in both commands: a simulation runs the aggregator a deployment runs (the benchmark's
+# papers' rows pass --clip off).
+CLIP_OPTION = typer.Option("on", "--clip", metavar="on|off", help=CLIP_HELP)
+
+
+def parse_clip(value: str) -> bool:
+    """`--clip on|off` as a bool; anything else is a ConfigError that names the option and its values."""
+    text = value.strip().lower()
+    if text not in CLIP_VALUES:
+        raise ConfigError(f"--clip must be on or off, got '{value}'")
+    return text == "on"
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:

@@ -151,6 +151,9 @@ class RoundRecord:
     started: float = 0.0
     ended: float = 0.0
     closed_by: str = ""
+    # rows clipped and rows checked against the radius in this round, per kind (empty with clipping off)
+    clipped: dict[str, int] = field(default_factory=dict)
+    clip_checked: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -532,6 +535,8 @@ class RoundMachine:
         rec.clients = open_.done_clients()
         rec.ended = self.clock()
         rec.closed_by = why
+        # Read before the next round's first phase starts its counts again.
+        rec.clipped, rec.clip_checked = dict(self.model.round_clips.clipped), dict(self.model.round_clips.checked)
         s.records.append(rec)
         log.info("round %d: %d/%d clients (%s), up %s, down %s", rec.round, len(rec.clients), len(open_.expected),
                  why, human_bytes(rec.uplink_bytes), human_bytes(rec.downlink_bytes))

@@ -27,7 +27,7 @@ from broker_server.stages import ServerModel
 from broker_server.watch.board import SnapshotBoard
 from broker_server.watch.live import LiveWatch
 from protofl import topics
-from protofl.algorithms.robust import ClipPolicy
+from protofl.algorithms.robust import ClipPolicy, clip_text
 from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
@@ -55,6 +55,8 @@ def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int,
                  f"{rec.ended - rec.started:.1f} s")
     if so_far is not None:
         parts.append(f"so far up {human_bytes(so_far[0])}, down {human_bytes(so_far[1])}")
+    if rec.clip_checked:
+        parts.append(f"clipped {clip_text(rec.clipped, rec.clip_checked)}")
     return ", ".join(parts)
 
 

@@ -11,10 +11,16 @@ they never hold the uploads.
 Bounded uploads (protofl/algorithms/robust.py): every prototype and parameter value is clipped to a ball
 around the current global value before it is folded, with a radius derived from the previous round's
 accepted distances; `--robust median|trimmed` replaces plain means by coordinate-wise robust means.
+`--clip off` (ClipPolicy.enabled False) folds uploads unclipped and counts nothing. The rows checked and
+clipped are counted per round (`ServerModel.round_clips`, reset when a round's first phase opens) and in
+total (`clipped`); the first clip of a server's life logs one line that says what happened and how to
+switch it off.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +30,7 @@ import numpy as np
 from broker_server.persist import NOT_STATE
 from protofl import registry
 from protofl.algorithms import support
-from protofl.algorithms.robust import ClipPolicy, NormLog, clip_around
+from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, clip_around
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
@@ -35,6 +41,8 @@ from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 
 _NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
+_ROWS = {"protos": "prototype rows", "anchors": "anchor rows", "adapter": "parameter vectors"}
+log = logging.getLogger("protofl.server")
 
 
 @dataclass
@@ -55,7 +63,9 @@ class ServerModel:
     policy: ClipPolicy = field(default_factory=ClipPolicy, metadata=NOT_STATE)
     # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
     radii: dict[str, float] = field(default_factory=dict)
-    clipped: dict[str, int] = field(default_factory=dict)  # uploads clipped so far, per kind
+    clipped: dict[str, int] = field(default_factory=dict)  # rows clipped so far, per kind
+    round_clips: ClipCount = field(default_factory=ClipCount)  # rows checked and clipped in the current round
+    explained: bool = False  # the one log line that says what clipping did has been written
     rules: list[ServerRule] = field(default_factory=list, metadata=NOT_STATE)  # their state: persist()
     logs: dict[str, NormLog] = field(default_factory=dict, metadata=NOT_STATE)  # this phase's norms, per kind
 
@@ -84,33 +94,57 @@ class ServerModel:
     # -- clipping -------------------------------------------------------------------------------
     def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
              kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-        """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
+        """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record.
+        Clipping off: the rows as sent (in float64, as an unclipped row is when it is on) and nothing to record."""
+        if not self.policy.enabled:
+            return {c: np.asarray(v, np.float64) for c, v in table.items()}, []
         return clip_table(table, centers, self.radius(kind), self.plan.proto_width)
 
     def log(self, kind: str) -> NormLog:
         return self.logs.setdefault(kind, NormLog())
 
     def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
-        """Note the accepted upload's rows (their norms set the next radius)."""
-        radius, log = self.radius(kind), self.log(kind)
+        """Note the accepted upload's rows (their norms set the next radius); nothing with clipping off."""
+        if not self.policy.enabled:
+            return
+        radius, norms = self.radius(kind), self.log(kind)
         for v, d in seen:
-            log.record(v, d, radius)
+            norms.record(v, d, radius)
 
     def close_logs(self) -> None:
-        """At a phase's end: each kind's next radius from its accepted norms."""
-        for kind, log in self.logs.items():
-            self.update_radius(kind, log)
+        """At a phase's end: count what was clipped, then each kind's next radius from its accepted norms."""
+        for kind, norms in self.logs.items():
+            self.round_clips.add(kind, norms)
+            self._explain_once(kind, norms)
+            self.update_radius(kind, norms)
         self.logs = {}
 
+    def new_round(self) -> None:
+        """A round begins: its clip counts start at zero (read them at the round's end, before this)."""
+        self.round_clips = ClipCount()
+
     def radius(self, kind: str) -> float:
+        """This round's radius for `kind`: infinite with clipping off."""
+        if not self.policy.enabled:
+            return math.inf
         return self.radii.get(kind, self.policy.first_radius)
 
-    def update_radius(self, kind: str, log: NormLog) -> None:
+    def update_radius(self, kind: str, norms: NormLog) -> None:
         """After a round: the next radius from its accepted norms (kept if nothing was accepted)."""
-        if log.values:
-            self.radii[kind] = self.policy.radius(log.values)
-        if log.clipped:
-            self.clipped[kind] = self.clipped.get(kind, 0) + log.clipped
+        if norms.values:
+            self.radii[kind] = self.policy.radius(norms.values)
+        if norms.clipped:
+            self.clipped[kind] = self.clipped.get(kind, 0) + norms.clipped
+
+    def _explain_once(self, kind: str, norms: NormLog) -> None:
+        """The first clip of this server's life: one line saying what was clipped, by which rule, how to stop it."""
+        if self.explained or not norms.clipped:
+            return
+        self.explained = True
+        log.warning("clipping: %d of %d %s (%s) lay farther than %.4g from the current global value and were "
+                    "scaled back onto that ball (%s). Honest uploads can be clipped too; the count is in each "
+                    "round's line. --clip off folds uploads as sent.", norms.clipped, len(norms.values),
+                    _ROWS.get(kind, "rows"), kind, self.radius(kind), self.policy.rule())
 
 
 def clip_table(table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray], radius: float,
@@ -169,6 +203,8 @@ class PhaseRun:
         self.model = model
         self.phase = phase
         model.logs = {}
+        if phase is model.plan.first_phase:
+            model.new_round()
         self.folds: list[Fold] = [f for rule in model.rules for f in rule.folds(phase)]
 
     def add(self, kind: Upload, up: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from broker_server.cli_common import data_shape, fixed_by_user, parse_sets
+from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from protofl import cli_options
@@ -78,6 +78,7 @@ def start_command(
     clip_factor: float = typer.Option(10.0, help="Clip every upload to this many times the median upload norm "
                                                  "of the previous round, around the current global value."),
     clip_first: float = typer.Option(1e4, help="The clipping radius of the first round (no statistics yet)."),
+    clip: str = CLIP_OPTION,
     username: str | None = cli_options.USERNAME,
     password: str | None = cli_options.PASSWORD,
     tls_ca: str | None = cli_options.TLS_CA,
@@ -105,7 +106,7 @@ def start_command(
         cfg, public = _federation(preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed,
                                   public_data, data_dir)
         try:
-            policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust)
+            policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
         except ValueError as exc:
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
         if state_dir is not None and state_dir.exists() and not state_dir.is_dir():

@@ -202,7 +202,8 @@ class ServerState(Protocol):
     Generic fields: a parameter vector (`adapter` or the whole model, `params`), mean prototypes in wire
     space (`prototypes`), unit prototypes on the sphere (`unit`), per-class support masks (`masks`), the
     targets a first phase built (`targets`). Every upload is clipped around the current global value
-    before it is folded (protofl/algorithms/robust.py)."""
+    before it is folded (protofl/algorithms/robust.py), unless `policy.enabled` is off (`--clip off`):
+    then `clip` returns the rows as sent, `record` counts nothing and `radius` is infinite."""
 
     cfg: FederationConfig
     plan: RoundPlan
@@ -234,7 +235,7 @@ class ServerState(Protocol):
         """Note an accepted upload's rows (their norms set the next radius)."""
 
     def radius(self, kind: str) -> float:
-        """This round's clipping radius for `kind`."""
+        """This round's clipping radius for `kind` (infinite with clipping off)."""
 
 
 def table_of(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:

@@ -24,7 +24,7 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
     x_test = test.normalized()
     broker = InProcessBroker()
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=time.time, initial_params=initial_params,
-                     public=fed_data.public_set(), expected_clients=spec.client_ids,
+                     public=fed_data.public_set(), expected_clients=spec.client_ids, policy=spec.policy(),
                      on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics,
                      limits=fed_data.limits(initial_params))
     agents = []

@@ -230,7 +230,7 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
             cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
         service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
-                                    initial_params=initial_params, protocol=protocol,
+                                    initial_params=initial_params, protocol=protocol, policy=spec.policy(),
                                     on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                     on_metrics=report.on_metrics, limits=fed_data.limits(initial_params))
         if links is not None:

@@ -7,6 +7,7 @@ published. numpy only.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -18,9 +19,12 @@ from broker_server.shell import RoundRecord
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
+from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
 from protofl.schedule import check_cadence, is_due
 from protofl.wire import Metrics
+
+log = logging.getLogger("protofl.simulate")
 
 
 class Report:
@@ -53,6 +57,7 @@ class Report:
         self.progress = RoundProgress(self._show, eval_every=spec.eval_every, rounds=cfg.rounds)
         self.started = time.perf_counter()
         self.links: LinkReport | None = None  # set by a run over shaped links (--profiles)
+        self.clips: dict[int, ClipCount] = {}  # per round: rows checked against the radius and clipped
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         if (self.evaluate is not None and model.params is not None
@@ -63,6 +68,9 @@ class Report:
             acc = self.predictor(model)
             if acc is not None:
                 self.predictor_acc[rec.round] = acc
+        self.clips[rec.round] = ClipCount(checked=dict(rec.clip_checked), clipped=dict(rec.clipped))
+        if self.clips[rec.round].checked:
+            log.info("round %d: clipped %s", rec.round, self.clips[rec.round].text())
         self.records.append(rec)
         self.progress.round_end(rec)
 
@@ -88,6 +96,7 @@ class Report:
     def round_row(self, rec: RoundRecord, sim_time_s: float | None = None) -> dict[str, Any]:
         acc = accuracies(self.metrics.get(rec.round, {}).values())
         ens = None
+        clips = self.clips.get(rec.round, ClipCount())
         if self.cfg.federate == "full":
             # FedAvg: global accuracy is the aggregated model's; it has no ensemble.
             acc["global_acc"] = self.global_model_acc.get(rec.round, self.predictor_acc.get(rec.round,
@@ -108,6 +117,9 @@ class Report:
             "clients": len(rec.clients),
             "metrics_bytes": self.metrics_bytes.get(rec.round, 0),  # evaluation traffic, not uplink
             "closed_by": rec.closed_by,
+            # rows (a class's prototype or anchor; a whole parameter vector) clipped and checked, per kind
+            "clipped": dict(clips.clipped),
+            "clip_checked": dict(clips.checked),
             **({"sim_time_s": sim_time_s} if self.links is not None else {}),
         }
 
@@ -120,17 +132,28 @@ class Report:
             "config": self.cfg.to_dict(),
             "simulation": {"dataset": self.spec.dataset, "clients": self.spec.clients, "alpha": self.spec.alpha,
                            "seed": self.spec.seed, "transport": self.spec.transport, "device": self.spec.device,
-                           "test_samples": int(len(self.test_labels))},
+                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off"},
             "rounds": rows,
             "totals": {
                 "uplink_bytes": int(sum(r["uplink_bytes"] for r in rows)),
                 "downlink_bytes": int(sum(r["downlink_bytes"] for r in rows)),
                 "wall_s": round(time.perf_counter() - self.started, 3),
+                "clipped": _sum_kinds(r["clipped"] for r in rows),
+                "clip_checked": _sum_kinds(r["clip_checked"] for r in rows),
             },
             "dropped": dict(dropped),
             "predictor": {"kind": self.predictor_info[0], "reason": self.predictor_info[1]},
             **({"links": links} if links is not None else {}),
         }
+
+
+def _sum_kinds(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per-kind counts of every round added up."""
+    total: dict[str, int] = {}
+    for c in counts:
+        for kind, n in c.items():
+            total[kind] = total.get(kind, 0) + n
+    return total
 
 
 def _weighted_extra(metrics: Iterable[Metrics], key: str) -> float | None:

@@ -14,6 +14,7 @@ import numpy as np
 from broker_server.cli_common import data_shape, fixed_by_user
 from broker_server.shell import decoder_limits
 from broker_server.simulation.links import expand
+from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.data import Dataset, FederatedSplit, load_dataset
 from protofl.data.federation import federation_split, limit_train, public_set
@@ -64,6 +65,13 @@ class SimulationSpec:
     adaptive: bool = True
     upload_share: float = 0.8
     out_dir: str | None = None  # leave the run's deployable artifacts here (protofl/artifacts.py)
+    # Upload clipping (a defence, not a paper's method): on by default as in `start`, so that a simulation
+    # runs the aggregator a deployment runs; the benchmark's papers' rows turn it off.
+    clip: bool = True
+
+    def policy(self) -> ClipPolicy:
+        """The server's clipping policy: the defaults, switched on or off."""
+        return ClipPolicy(enabled=self.clip)
 
     def fleet(self) -> list[DeviceClass]:
         """One device class per client (empty without --profiles)."""

@@ -127,6 +127,9 @@ class VectorFold(Fold):
             raise WireError(f"adapter of length {n}, expected {expected}")
         if self.reference is None:  # no model known: finiteness checks only (in the accumulator)
             return update, float(up.n_samples), None
+        self._check_indices(update, self.reference.shape[0])
+        if not self.model.policy.enabled:  # --clip off: folded as sent, no distance to compute or record
+            return update, float(up.n_samples), None
         clipped, seen = self._clipped(update)
         return clipped, float(up.n_samples), seen
 
@@ -136,14 +139,20 @@ class VectorFold(Fold):
         assert ref is not None
         if isinstance(update, SparseVector):
             idx = update.indices
-            if idx.shape[0] and (idx.min() < 0 or idx.max() >= ref.shape[0]):
-                raise WireError(f"adapter indices out of range [0, {ref.shape[0]})")
             vals, dist = clip_around(update.values, ref[idx].astype(np.float64), radius)
             return (update if dist <= radius else SparseVector(update.n, idx, vals)), (update.values, dist)
         if self._ref64 is None:  # once per round: 90 MB and ~0.1 s per upload for a resnet18 model
             self._ref64 = ref.astype(np.float64)
         vals, dist = clip_around(np.asarray(update), self._ref64, radius)
         return (update if dist <= radius else vals), (update, dist)
+
+    @staticmethod
+    def _check_indices(update: SparseVector | np.ndarray, n: int) -> None:
+        """A sparse update's positions lie inside the reference vector of length `n`."""
+        if isinstance(update, SparseVector):
+            idx = update.indices
+            if idx.shape[0] and (idx.min() < 0 or idx.max() >= n):
+                raise WireError(f"adapter indices out of range [0, {n})")
 
     def fold(self, prepared: Any) -> None:
         update, weight, seen = prepared

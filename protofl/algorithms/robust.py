@@ -13,6 +13,11 @@ median norm ||u|| of the uploads the previous round accepted (a minority cannot 
 unlike distances to c, norms do not grow when a poisoner has dragged c away); the first round, with
 no statistics yet, uses the configured `first_radius`.
 
+Switch: `ClipPolicy(enabled=False)` (`--clip off`) folds uploads as they came: no radius, nothing
+counted. Clipping is a defence, not part of any paper's method: with it on, a method whose honest
+uploads differ widely in norm (TinyProto's scaled prototypes grow with the class count n_kc) is no
+longer the paper's aggregation.
+
 Limits: within R, a client that claims a huge sample count still gets most of the weight of a
 weighted mean, so it can use the whole radius every round (the robust modes ignore claimed counts);
 and the first round's radius is only as tight as `first_radius`.
@@ -26,7 +31,8 @@ numpy only; nothing here knows about MQTT.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +60,7 @@ class ClipPolicy:
     first_radius: float = DEFAULT_FIRST_RADIUS
     robust: str = "mean"  # mean | median | trimmed
     trim: float = DEFAULT_TRIM
+    enabled: bool = True  # off: uploads are folded unclipped and nothing is counted
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.factor) and self.factor > 0):
@@ -73,6 +80,12 @@ class ClipPolicy:
         return self.factor * med if med > 0 else self.first_radius
 
 
+    def rule(self) -> str:
+        """The radius rule in words (the server's one explanatory log line)."""
+        return (f"radius = {self.factor:g} x the median norm of the previous round's accepted uploads of that "
+                f"kind; {self.first_radius:g} before any")
+
+
 class NormLog:
     """The norms ||u|| of one round's accepted uploads (for the next radius) and how many were clipped."""
 
@@ -84,6 +97,36 @@ class NormLog:
         u = np.asarray(u, dtype=np.float64)
         self.values.append(float(np.sqrt(np.dot(u, u))))
         self.clipped += dist > radius
+
+
+@dataclass
+class ClipCount:
+    """Rows checked against the radius and rows clipped, per kind ("protos", "anchors", "adapter").
+
+    A row is one class's prototype or anchor, or one whole parameter vector for "adapter"."""
+
+    checked: dict[str, int] = field(default_factory=dict)
+    clipped: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, log: NormLog) -> None:
+        """One closed phase's log of `kind`."""
+        if log.values:
+            self.checked[kind] = self.checked.get(kind, 0) + len(log.values)
+        if log.clipped:
+            self.clipped[kind] = self.clipped.get(kind, 0) + log.clipped
+
+    def copy(self) -> ClipCount:
+        """An independent snapshot (the model's own count is reset when the next round opens)."""
+        return ClipCount(dict(self.checked), dict(self.clipped))
+
+    def text(self) -> str:
+        """'3/60 protos, 0/10 adapter': clipped of checked, per kind (empty when nothing was checked)."""
+        return clip_text(self.clipped, self.checked)
+
+
+def clip_text(clipped: Mapping[str, int], checked: Mapping[str, int]) -> str:
+    """'3/60 protos, 0/10 adapter': rows clipped of rows checked, per kind (empty when nothing was checked)."""
+    return ", ".join(f"{clipped.get(k, 0)}/{n} {k}" for k, n in sorted(checked.items()))
 
 
 class CoordinateRobust:

@@ -47,6 +47,21 @@ def test_run_args_are_the_public_cli_with_sets():
     assert "--set proto_lambda=0.3" in " ".join(paper_table.run_args(RUN_BY_KEY["L/erpa-lambda0.3-s0"], "quick"))
 
 
+def test_papers_rows_run_unclipped_and_old_runs_count_as_clipped():
+    import dataclasses
+
+    from bench.table_runs import with_clip
+
+    run = RUN_BY_KEY["B/tinyproto-s0"]
+    args = paper_table.run_args(run, "full")
+    assert args[-3:] == ["--clip", "off", "-q"]  # a paper's row is its method: no upload clipping
+    clipped = dataclasses.replace(run, row=dataclasses.replace(run.row, clip=True))
+    assert paper_table.run_args(clipped, "full")[-3:] == ["--clip", "on", "-q"]
+    # A run cached before --clip existed ran clipped (the simulator's default): it is the clipped row's run.
+    legacy = [a for a in paper_table.run_args(clipped, "full") if a not in ("--clip", "on")]
+    assert with_clip(legacy) == paper_table.run_args(clipped, "full") != args
+
+
 def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setattr(table_report, "_PLOT_NOTE_SHOWN", False)

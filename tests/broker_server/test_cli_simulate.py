@@ -22,7 +22,7 @@ def test_simulate_writes_the_json_report(tmp_path) -> None:
     assert report["preset"] == "tinyproto"
     assert report["config"]["mu"] == "auto" and report["config"]["cps_s"] == 32
     assert [r["round"] for r in report["rounds"]] == [1, 2]
-    assert set(report["totals"]) == {"uplink_bytes", "downlink_bytes", "wall_s"}
+    assert set(report["totals"]) == {"uplink_bytes", "downlink_bytes", "wall_s", "clipped", "clip_checked"}
     assert report["simulation"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # auto, resolved
     for row in report["rounds"]:
         assert {"local_acc", "local_proto_acc", "global_acc", "global_proto_acc"} <= set(row)
