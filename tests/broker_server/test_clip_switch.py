@@ -34,8 +34,9 @@ def fedproto(policy: ClipPolicy) -> ServerModel:
 
 def upload(rows: dict[int, list[float]]) -> ProtoUpload:
     classes = sorted(rows)
-    return ProtoUpload(local=ProtoSet(classes=np.array(classes), values=np.array([rows[c] for c in classes], np.float32),
-                                      counts=np.ones(len(classes), np.int64)), public=None, n_samples=1)
+    values = np.array([rows[c] for c in classes], np.float32)
+    return ProtoUpload(local=ProtoSet(classes=np.array(classes), values=values, counts=np.ones(len(classes), np.int64)),
+                       public=None, n_samples=1)
 
 
 def one_round(model: ServerModel, *uploads: ProtoUpload) -> None:
