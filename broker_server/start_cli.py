@@ -495,5 +495,5 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 log.info("server model written to %s (deployable artifacts in %s)", path, state_dir / "artifacts")
         agg = service.aggregator
         if agg.finished:
-            log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped uploads %s", fed,
+            log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped rows %s", fed,
                      len(agg.records), agg.dropped or "none", agg.model.clipped or "none")
