@@ -22,12 +22,11 @@ from broker_server.watch.sources import read_state_dir
 from broker_server.watch.ui import serve_ui, ui_password
 
 
-NOW = time.time()
-
-
 def snapshot(**changes: object) -> Snapshot:
-    base = dict(fed="lab", preset="tinyproto", state="running", round=3, rounds=10, updated=NOW, phase="train",
-                deadline=NOW + 30, quorum=2, completed=2, server_pid=os.getpid(), started=900.0,
+    """A running server's snapshot, updated now (a module-level time would be stale in a long suite run)."""
+    now = time.time()
+    base = dict(fed="lab", preset="tinyproto", state="running", round=3, rounds=10, updated=now, phase="train",
+                deadline=now + 30, quorum=2, completed=2, server_pid=os.getpid(), started=900.0,
                 members=(Member("dev-a", "online", "cnn", 600, "rpi4+lte", 2,
                                 Upload(2, "train", "protos", 2200, "f2", 990.0)),
                          Member("dev-b", "offline", "cnn", 500, grace_ends=1004.0)),
@@ -61,9 +60,10 @@ def test_status_from_a_state_dir_and_what_it_says_of_a_dead_server(tmp_path: Pat
     assert "dropped: duplicate 1" in result.output
     gone = snapshot(server_pid=2**22 + 12345)  # beyond pid_max: no such process
     (tmp_path / "status.json").write_bytes(gone.encode())
-    assert read_state_dir(tmp_path, now=NOW + 5).server.startswith("not running (process 4206649 is gone")
-    (tmp_path / "status.json").write_bytes(snapshot().encode())
-    assert read_state_dir(tmp_path, now=NOW + 60).server == "not responding (last update 60 s ago)"
+    assert read_state_dir(tmp_path, now=gone.updated + 5).server.startswith("not running (process 4206649 is gone")
+    alive = snapshot()
+    (tmp_path / "status.json").write_bytes(alive.encode())
+    assert read_state_dir(tmp_path, now=alive.updated + 60).server == "not responding (last update 60 s ago)"
     result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "no such directory" in " ".join(result.output.split())
     result = CliRunner().invoke(app, ["status"])
@@ -93,9 +93,10 @@ def test_the_live_page_asks_for_a_password_when_it_has_one(tmp_path: Path) -> No
         with pytest.raises(urllib.error.HTTPError) as starting:
             urllib.request.urlopen(get("protofl", "s3cret"), timeout=5)
         assert starting.value.code == 503  # no snapshot yet
-        board.publish(snapshot())
+        published = snapshot()
+        board.publish(published)
         body = urllib.request.urlopen(get("protofl", "s3cret"), timeout=5).read()
-        assert Snapshot.decode(body) == snapshot()
+        assert Snapshot.decode(body) == published
         page = urllib.request.urlopen(urllib.request.Request(endpoint.url, headers=get("protofl", "s3cret").headers),
                                       timeout=5).read().decode()
         assert "<title>protofl federation</title>" in page and "api/summary" in page
