@@ -466,7 +466,9 @@ class RoundMachine:
         return open_, kind
 
     def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
-        open_, kind = self._check_upload(env, msg)
+        # `accepts` placed it (membership, round, phase, duplicate): not checked a second time here.
+        open_, kind = self.state.phase, Upload(env.kind)
+        assert open_ is not None
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
         assert self.run is not None

@@ -63,18 +63,23 @@ class Run:
         self.durable.close()
 
 
+def restarted_after_a_first_upload(state: Path, clock: Clock, downtime: float = 0.0) -> Run:
+    """All three joined, a uploaded in round 1, the server crashed and came back `downtime` later."""
+    run = Run(state, clock, min_clients=2)
+    for c in IDS:
+        run.join(c)
+    run.upload("a", 1)
+    run.crash()
+    clock.now += downtime
+    return Run(state, clock, min_clients=2)
+
+
 def test_a_dying_brokers_wills_do_not_drop_devices_that_come_back(tmp_path: Path) -> None:
     # The server dies, its broker publishes every device's will ("offline") and saves it; the restarted
     # server reads them first. Devices whose reconnect backoff is longer than the offline grace must keep
     # their place: the round closes with all three, as it would have without the crash.
     clock = Clock()
-    run = Run(tmp_path, clock, min_clients=2)
-    for c in IDS:
-        run.join(c)
-    run.upload("a", 1)
-    run.crash()
-    clock.now += 20  # downtime
-    run = Run(tmp_path, clock, min_clients=2)
+    run = restarted_after_a_first_upload(tmp_path, clock, downtime=20)
     for c in IDS:
         run.presence(c, "offline")  # the retained wills
     clock.now += OFFLINE_GRACE_S + 10  # a backoff longer than the grace
@@ -90,12 +95,7 @@ def test_a_dying_brokers_wills_do_not_drop_devices_that_come_back(tmp_path: Path
 
 def test_a_device_that_never_comes_back_leaves_after_the_resume_grace(tmp_path: Path) -> None:
     clock = Clock()
-    run = Run(tmp_path, clock, min_clients=2)
-    for c in IDS:
-        run.join(c)
-    run.upload("a", 1)
-    run.crash()
-    run = Run(tmp_path, clock, min_clients=2)
+    run = restarted_after_a_first_upload(tmp_path, clock)
     run.presence("c", "offline")
     run.presence("b", "online")
     run.upload("b", 1)
