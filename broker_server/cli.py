@@ -21,6 +21,7 @@ from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import human_bytes, human_duration
 from protofl.plan import RoundPlan
 from protofl.presets import all_presets, make_config, preset_names
+from protofl.schedule import describe_test_cadence
 
 app = typer.Typer(help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
                   no_args_is_help=True, add_completion=False)
@@ -32,7 +33,13 @@ def _fmt(v: Any) -> str:
 
 
 def _summary(report: dict[str, Any]) -> Table:
-    t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
+    sim = report["simulation"]
+    title = f"{report['preset']} on {sim['dataset']}"
+    if "test_every" in sim:  # older reports do not say; they scored it every --eval-every round
+        # The header says which rounds have global, ensemble and predictor figures: by default the last only.
+        title += (f"\nglobal, ensemble, predictor %: the test set ({sim['test_samples']:,} images) scored in "
+                  f"{describe_test_cadence(sim['test_every'], report['config'].get('rounds'))} (--test-every N)")
+    t = Table(title=title, show_lines=False)
     for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "predictor %",
                 "uplink", "downlink", "clients", "clipped"):
         t.add_column(col, justify="right", overflow="fold")  # piped (80 columns): wrapped, never cut with "…"
@@ -91,8 +98,8 @@ def simulate(
     test_limit: int | None = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
     test_every: int | None = typer.Option(None, help="Score global and ensemble accuracy on the test set every N "
-                                                     "rounds (a multiple of --eval-every; default: --eval-every) and "
-                                                     "in the last: the dearest part of evaluation."),
+                                                     "rounds (a multiple of --eval-every) and in the last; default: "
+                                                     "the last round only (the dearest part of evaluation)."),
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
     device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
                                            "auto (cuda if torch sees one, else cpu)."),
