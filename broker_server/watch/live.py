@@ -52,6 +52,8 @@ class LiveWatch:
         self.transport = transport
         self.metrics = metrics
         self.broker_restarts = broker_restarts
+        # (messages the broker dropped, re-send requests sent) so far: set by the service (resend.py)
+        self.resends: Callable[[], tuple[int, int]] | None = None
         self._dirty = True
         self._built = 0.0
         self._summary: Snapshot | None = None  # the last one published, `updated` zeroed
@@ -70,6 +72,10 @@ class LiveWatch:
         self._dirty = True
         return self.observer.on_round_logged(rec, metrics)
 
+    def changed(self) -> None:
+        """Something watchers see changed outside a handled message (e.g. re-send requests went out)."""
+        self._dirty = True
+
     def observe_fsync(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.fsync.observe(seconds)
@@ -84,7 +90,8 @@ class LiveWatch:
 
     def refresh(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
-        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0)
+        dropped, asked = self.resends() if self.resends else (0, 0)
+        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0, dropped, asked)
         self._built, self._dirty = now, False
         self.board.publish(snap)
         self._write_status(snap)
