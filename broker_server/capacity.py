@@ -20,7 +20,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from protofl.config import FederationConfig
 from protofl.errors import ConfigError
+from protofl.plan import RoundPlan
 
 log = logging.getLogger("protofl.broker")
 
@@ -39,6 +41,12 @@ BURST_EXTRA = 3
 BROKER_OWN_FILES = 64
 # Where the hard limit is unlimited the soft limit is raised this far (Linux's fs.nr_open default).
 UNLIMITED_CAP = 1 << 20
+
+
+def uploads_per_phase(cfg: FederationConfig) -> int:
+    """The most uploads one device sends in one phase of this federation's rounds."""
+    plan = RoundPlan.from_config(cfg)
+    return max(len(plan.sends(p)) for p in plan.phases)
 
 
 def queue_for_fleet(devices: int, uploads_per_phase: int) -> int:

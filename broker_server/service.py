@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from broker_server.capacity import DEFAULT_QUEUE, resend_window
+from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
@@ -160,6 +160,8 @@ class AggregatorService:
             self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.aggregator.tick()
+        if n:
+            self.resender.progress(time.monotonic())
         self._ask_resends()
         self.round_log.poll(time.time())
         self.watch.after_step(n)
@@ -255,10 +257,7 @@ RESEND_TICK_S = 0.1
 
 
 def _default_window(cfg: FederationConfig) -> int:
-    from protofl.plan import RoundPlan
-
-    plan = RoundPlan.from_config(cfg)
-    return resend_window(DEFAULT_QUEUE, max(len(plan.sends(p)) for p in plan.phases))
+    return resend_window(DEFAULT_QUEUE, uploads_per_phase(cfg))
 
 
 def _ignore(topic: str, payload: bytes) -> None:

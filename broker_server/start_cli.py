@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from broker_server.capacity import DEFAULT_QUEUE
+from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
@@ -72,8 +72,10 @@ def start_command(
     broker_queue: int | None = typer.Option(None, "--broker-queue", help="Messages the local broker holds for the "
                                             "aggregator beyond those in flight (mosquitto max_queued_messages); "
                                             "past it the broker drops them after acknowledging them to the "
-                                            "devices, and the server asks those devices to re-send. Default: from "
-                                            "the fleet (devices x what one sends in a phase x 2, at least 10000)."),
+                                            "devices, and the server asks those devices to re-send, never more at "
+                                            "once than half of it holds. Default: from the fleet (devices x what "
+                                            "one sends in a phase x 2, at least 10000). With --broker: what that "
+                                            "broker's max_queued_messages is (default 10000)."),
     offline_grace: float = typer.Option(OFFLINE_GRACE_S, help="Seconds a device whose connection dropped (its last "
                                         "will) keeps its place in the open round before the round stops waiting "
                                         "for it: a flaky link that reconnects within it still delivers."),
@@ -167,19 +169,15 @@ def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, externa
     """The local broker's queue for the aggregator (--broker-queue, or sized from the fleet), after raising the
     open-file limit as far as the hard limit allows; a fleet the limit cannot hold is refused here, before
     anything is written (broker_server/capacity.py)."""
-    from broker_server.capacity import queue_for_fleet, raise_open_files
+    from broker_server.capacity import queue_for_fleet, raise_open_files, uploads_per_phase
 
-    if external:
-        if broker_queue is not None:
-            raise ConfigError("--broker-queue sizes the local broker; for your own broker set max_queued_messages "
-                              "in its config (protofl-server broker-config --devices N prints a line for N devices)")
-        return queue_for_fleet(0, 0)
     if broker_queue is not None and broker_queue < 1:
         raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
+    if external:  # not ours to size (protofl-server broker-config prints a line for N devices): what it holds
+        return broker_queue or DEFAULT_QUEUE
     fleet = max(len(access.device_ids(cfg)), access.max_clients or 0)
     raise_open_files(fleet)
-    plan = RoundPlan.from_config(cfg)
-    queue = broker_queue or queue_for_fleet(fleet, max(len(plan.sends(p)) for p in plan.phases))
+    queue = broker_queue or queue_for_fleet(fleet, uploads_per_phase(cfg))
     log.info("the local broker holds up to %d messages for the aggregator (%s, fleet of %d)", queue,
              "--broker-queue" if broker_queue else "sized from the fleet", fleet)
     return queue
@@ -482,11 +480,13 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 rounds_file.flush()
                 logged = rec.round
 
+        window = resend_window(queue, uploads_per_phase(cfg))
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=on_round_end, on_round_logged=on_round_logged, members=members,
                                     policy=policy, max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir, board=board, metrics=metrics,
-                                    broker_restarts=broker_restarts if broker_is_ours else None)
+                                    broker_restarts=broker_restarts if broker_is_ours else None,
+                                    resend_window=window)
         live.append(service)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -112,18 +112,25 @@ def test_the_owed_uploads_come_first_then_the_missing_joins_of_members() -> None
 
 def test_requests_are_flow_controlled_by_a_window_and_scoped_to_the_phase_of_the_drops() -> None:
     owing = [Ask(f"d{i}", "uploads", 3, "train") for i in range(10)] + [Ask("late", "join")]
-    r = Resender(window=4, timeout=5.0)
+    r = Resender(window=4, quiet=2.0, max_age=30.0, attempts=2, settle=0.5)
     assert r.due(owing, 0.0) == []  # no drops, nobody is asked
+    r.progress(-1.0)
     r.alarm(3, "train")
-    first = r.due(owing, 0.0)
-    assert first == owing[:4]
+    assert r.due(owing, -0.8) == []  # the backlog behind the counter is still coming: wait for it
+    assert r.due(owing, 0.0) == owing[:4]
     assert r.due(owing, 0.1) == []  # the window is full until answers come
     answered = owing[2:]  # d0 and d1 sent their uploads
     assert r.due(answered, 0.2) == owing[4:6]
-    assert r.due(answered, 5.1) == answered[4:6]  # unanswered requests free their place after the timeout
+    for t in (1.0, 2.0, 3.0, 10.0):  # a slow drain: while anything arrives, nothing expires
+        r.progress(t)
+        assert r.due(answered, t + 0.5) == []
+    # Quiet for 2 s: d2..d5's answers are not coming; they are asked again, before anyone new.
+    assert r.due(answered, 12.0) == owing[2:6]
+    assert r.due(answered, 14.0) == owing[6:10]  # their last attempt (2) is spent: the others' turn
     # The next phase's devices (still training) are not asked for what the drops did not touch.
-    assert r.due([Ask("d9", "uploads", 4, "train"), Ask("late", "join")], 5.2) == [Ask("late", "join")]
-    assert r.due([], 20.0) == [] and not r.active and r.requests == 9
+    assert r.due([Ask("d9", "uploads", 4, "train"), Ask("late", "join")], 16.0) == [Ask("late", "join")]
+    assert r.due([Ask("late", "join")], 18.0) == [Ask("late", "join")]
+    assert r.due([Ask("late", "join")], 20.0) == [] and not r.active and r.requests == 16
 
 
 def test_a_device_honours_only_the_servers_bounded_requests_once_per_interval() -> None:
@@ -249,3 +256,48 @@ def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
         if time.monotonic() > end:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+@pytest.mark.mosquitto
+def test_only_the_server_writes_a_devices_request_topic_and_reads_the_drop_counter(
+        start_mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from broker_server.broker import DROPPED_TOPIC
+    from broker_server.security import load_or_create
+    from protofl import topics
+    from tests.broker_server.test_security import Inbox, connect
+
+    fed = "sec"
+    auth = load_or_create(tmp_path / "security", fed, ["dev-a", "dev-b"])
+    broker = start_mosquitto(persistence=False, allow_anonymous=False, extra_config=auth.mosquitto_lines())
+    s = auth.secrets
+    server = connect(broker.url, s.server.username, s.server.password)
+    dev_a = connect(broker.url, "dev-a", s.devices["dev-a"])
+    dev_b = connect(broker.url, "dev-b", s.devices["dev-b"])
+    monitor = connect(broker.url, s.monitor.username, s.monitor.password)
+    try:
+        at_server, at_b, at_a, at_monitor = Inbox(), Inbox(), Inbox(), Inbox()
+        server.subscribe(DROPPED_TOPIC, at_server)
+        at_server.wait_for(b"0")  # the broker's counter (retained $SYS), readable by the server
+        dev_a.subscribe(f"{topics.ROOT}/{fed}/down/#", at_a)  # a device trying to read others' requests
+        dev_a.subscribe(DROPPED_TOPIC, at_a)
+        monitor.subscribe(f"{topics.ROOT}/{fed}/down/#", at_monitor)
+        monitor.subscribe(topics.server_status(fed), at_monitor)
+        server.publish(topics.server_status(fed), b"status", retain=True)
+        at_monitor.wait_for(b"status")  # its subscriptions, sent before, are in place
+        dev_b.subscribe(topics.down(fed, "dev-b"), at_b)
+        server.publish(topics.down(fed, "dev-b"), b"request from the server")
+        at_b.wait_for(b"request from the server")
+        dev_a.publish(topics.down(fed, "dev-b"), b"forged request")  # the broker drops it
+        assert dev_a.flush(5)
+        server.publish(topics.down(fed, "dev-a"), b"fence")  # after dev-a's forgery was handled
+        at_a.wait_for(b"fence")
+        server.publish(topics.down(fed, "dev-b"), b"fence")
+        at_b.wait_for(b"fence")
+        assert at_b.payloads() == [b"request from the server", b"fence"]
+        assert at_a.payloads() == [b"fence"]  # its own requests only; no counter, nobody else's requests
+        server.publish(topics.server_status(fed), b"monitor fence")  # after every request above
+        at_monitor.wait_for(b"monitor fence")
+        assert at_monitor.payloads() == [b"status", b"monitor fence"]  # no device's requests
+    finally:
+        for t in (server, dev_a, dev_b, monitor):
+            t.close(timeout=1)
