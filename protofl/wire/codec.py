@@ -87,6 +87,7 @@ _DTYPES: dict[str, np.dtype] = {
     "u2": np.dtype("<u2"),
     "u4": np.dtype("<u4"),
 }
+_NATIVE = {k: v.newbyteorder("=") for k, v in _DTYPES.items()}
 FLOAT_DTS = frozenset({"f4", "f2", "q8"})
 UINT_DTS = frozenset({"u1", "u2", "u4"})
 MAX_NDIM = 8
@@ -250,16 +251,16 @@ def decode_array(
         raise WireError(f"{what}: shape {sh} needs {need} bytes, got {len(b)}")
     raw = np.frombuffer(b, dtype=_DTYPES[dt]).reshape(sh)
     if dt in UINT_DTS:
-        return raw.astype(_DTYPES[dt].newbyteorder("="))
-    with np.errstate(over="ignore", invalid="ignore"):
-        if dt == "q8":
-            scale = expect_float(obj["scale"], f"{what} q8 scale")
-            zero = expect_float(obj["zero"], f"{what} q8 zero")
-            if scale <= 0:
-                raise WireError(f"{what}: q8 scale must be > 0, got {scale}")
+        return raw.astype(_NATIVE[dt])
+    if dt == "q8":
+        scale = expect_float(obj["scale"], f"{what} q8 scale")
+        zero = expect_float(obj["zero"], f"{what} q8 zero")
+        if scale <= 0:
+            raise WireError(f"{what}: q8 scale must be > 0, got {scale}")
+        with np.errstate(over="ignore", invalid="ignore"):
             out = ((raw.astype(np.float64) - zero) * scale).astype(np.float32)
-        else:
-            out = raw.astype(np.float32)
+    else:
+        out = raw.astype(np.float32)  # f4 and f2 convert exactly (no overflow to silence: errstate costs ~1 us)
     # isfinite().all() first: locating the bad index costs a nonzero() we only pay on failure.
     if not np.isfinite(out).all():
         bad = np.flatnonzero(~np.isfinite(out))
@@ -327,6 +328,28 @@ def encode_sparse(sv: SparseVector, dt: str = "f4") -> dict:
     return {"n": n, "mask": encode_array(np.packbits(bits, bitorder="little"), "u1"), "v": values}
 
 
+def mask_indices(packed: np.ndarray, n: int) -> np.ndarray:
+    """The set positions (int64, ascending) of a little-endian packed mask of `n` bits: the same as
+    np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little")), faster where APUD's masks live.
+
+    numpy's nonzero() over bools has two loops: a memchr scan for inputs at most 10 % set and a branch-free
+    one above. On large random masks 6-10 % set (APUD's default K = d/10 is exactly 10 %) the scan
+    mispredicts at nearly every run: measured at d = 100,000 and 10 %, 150 us against 73 us for the
+    branch-free loop (which costs the same at any density); below 6 %, or below 2**15 bits (where it stays
+    in cache), the scan is the faster one. So such a mask is unpacked with enough set padding bits after
+    it to pass 10 %, and the padding's positions, all at or past n, are cut off the end.
+    """
+    bits = np.unpackbits(packed, count=n, bitorder="little").view(bool)  # nonzero() is ~5x faster on bools
+    ones = int(np.count_nonzero(bits))
+    if n < 2**15 or not 0.06 * n <= ones <= 0.1 * n:
+        return np.flatnonzero(bits)
+    pad = (n - 10 * ones) // 9 + 1  # the least p with ones + p > (n + p) / 10
+    padded = np.empty(n + pad, dtype=bool)
+    padded[:n] = bits
+    padded[n:] = True
+    return np.flatnonzero(padded)[:ones]
+
+
 def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> SparseVector:
     """Validate and decode a wire sparse vector; indices come back int64, values float32."""
     form = "mask" if isinstance(obj, dict) and "mask" in obj else "i"
@@ -353,8 +376,7 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
         raise WireError(f"{what}: mask has {packed.size} bytes; length {n} needs {(n + 7) // 8}")
     if n % 8 and packed[-1] >> (n % 8):
         raise WireError(f"{what}: mask sets bits beyond length {n}")
-    # nonzero() over a bool view is ~5x faster than over the uint8 bits unpackbits returns.
-    idx = np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little").view(bool)).astype(np.int64)
+    idx = mask_indices(packed, n)
     if idx.size != v.size:
         raise WireError(f"{what}: mask popcount {idx.size} does not match {v.size} values")
     return SparseVector(n, idx, v)
