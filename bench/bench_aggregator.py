@@ -183,15 +183,17 @@ def run_worker(tree: Path, workload: str, n: int) -> dict[str, Any]:
 
 def inprocess(trees: dict[str, Path], workloads: list[str], n: int, repeats: int) -> dict[str, Any]:
     rates: dict[str, dict[str, list[float]]] = {w: {t: [] for t in trees} for w in workloads}
+    walls: dict[str, dict[str, list[float]]] = {w: {t: [] for t in trees} for w in workloads}
     sizes: dict[str, int] = {}
     for r in range(repeats):
         for w in workloads:
             for label, tree in trees.items():
                 res = run_worker(tree, w, n)
                 rates[w][label].append(res["uploads_per_s"])
+                walls[w][label].append(res["uploads_per_wall_s"])
                 sizes[w] = res["upload_bytes"]
                 print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8}: {res['uploads_per_s']:8.0f} uploads/s", flush=True)
-    return {"uploads": n, "repeats": repeats, "upload_bytes": sizes, "rates": rates,
+    return {"uploads": n, "repeats": repeats, "upload_bytes": sizes, "rates": rates, "wall_rates": walls,
             "median": {w: {t: statistics.median(v) for t, v in d.items()} for w, d in rates.items()}}
 
 
@@ -433,12 +435,50 @@ def main() -> None:
     trees = {"this": REPO}
     if args.baseline:
         trees = {"baseline": args.baseline.resolve(), **trees}
+    workloads = args.workloads.split(",")
     load = os.getloadavg()
-    res = inprocess(trees, args.workloads.split(","), args.n, args.repeats)
+    res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]]),
+                           "inprocess": inprocess(trees, workloads, args.n, args.repeats)}
+    if args.broker:
+        res["broker"] = broker_part(trees, workloads, args.broker_n, args.repeats)
     res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                       "load_avg_before": [round(x, 2) for x in load],
                       "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(res["median"], indent=1))
+    print(json.dumps(res["inprocess"]["median"], indent=1))
+    if args.out:
+        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+        args.out.write_text(markdown(res))
+        print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The results as the AGGREGATOR.md tables (the prose around them is written by hand)."""
+    inp = res["inprocess"]
+    trees = list(next(iter(inp["rates"].values())))
+    lines = [f"Command: `{res['command']}`", "",
+             f"Machine: {res['machine']['cpus']} cores, Python {res['machine']['python']}, load average (1/5/15 min) "
+             f"{res['machine']['load_avg_before']} before, {res['machine']['load_avg_after']} after.", "",
+             f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per CPU "
+             f"second of the aggregator's process; all repeats in brackets):", "",
+             "| workload | upload bytes | " + " | ".join(trees) + (" | speed-up |" if len(trees) > 1 else ""),
+             "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else "")]
+    for w, per_tree in inp["rates"].items():
+        cells = [f"{inp['median'][w][t]:,.0f} ({', '.join(f'{x:,.0f}' for x in per_tree[t])})" for t in trees]
+        row = f"| {w} | {inp['upload_bytes'][w]:,} | " + " | ".join(cells) + " |"
+        if len(trees) > 1:
+            row += f" {inp['median'][w][trees[-1]] / inp['median'][w][trees[0]]:.2f}x |"
+        lines.append(row)
+    broker = res.get("broker")
+    if broker:
+        lines += ["", "Through the secured broker (the `start` path, journal with fsync and group commit) beside the "
+                      "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):", "",
+                  "| workload | tree | aggregator | broker alone | ratio |", "|---|---|---|---|---|"]
+        for w, per_tree in broker.items():
+            for t, runs in per_tree.items():
+                for r in runs:
+                    lines.append(f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | {r['broker_msgs_per_s']:,.0f} "
+                                 f"| {r['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import numpy as np
 from broker_server.persist import NOT_STATE
 from protofl import registry
 from protofl.algorithms import support
-from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, clip_around, clip_rows
+from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, class_rows, clip_around, clip_rows
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
@@ -43,7 +43,7 @@ __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 _NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
 _ROWS = {"protos": "prototype rows", "anchors": "anchor rows", "adapter": "parameter vectors"}
 log = logging.getLogger("protofl.server")
-Seen = tuple[np.ndarray, np.ndarray]  # rows as sent (k, w) and their distances to their centres (k,)
+Seen = tuple[np.ndarray, np.ndarray]  # norms of the rows as sent (k,) and their distances to their centres (k,)
 
 
 @dataclass
@@ -115,8 +115,8 @@ class ServerModel:
         record (None with clipping off: the rows as sent)."""
         if not self.policy.enabled:
             return values.astype(np.float64), None
-        rows, dists = clip_rows(values, centers[classes], self.radius(kind))
-        return rows, (values, dists)
+        rows, dists, norms = clip_rows(values, centers[class_rows(classes)], self.radius(kind))
+        return rows, (norms, dists)
 
     def record_rows(self, kind: str, seen: Seen | None) -> None:
         """`record` for what `clip_rows` returned."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from protofl.algorithms.robust import CoordinateRobust
+from protofl.algorithms.robust import CoordinateRobust, class_rows
 from protofl.errors import WireError
 from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
 from protofl.wire import ProtoSet
@@ -120,15 +120,17 @@ class PrototypeAggregator:
             raise ValueError(f"{who}: expected rows of shape ({k}, {self.dim}), got {rows.shape}")
         if k and not 0 <= int(classes.min()) <= int(classes.max()) < self.num_classes:
             raise ValueError(f"{who}: class ids must lie in [0, {self.num_classes})")
+        if self.weighting == "weighted" and counts is None:
+            raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
+        at = class_rows(classes)
         if self.weighting == "weighted":
-            if counts is None:
-                raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
+            assert counts is not None
             w = counts.astype(np.float64)
-            self._sum[classes] += w[:, None] * rows
-            self._weight[classes] += w
+            self._sum[at] += w[:, None] * rows
+            self._weight[at] += w
         else:
-            self._sum[classes] += rows
-            self._weight[classes] += 1.0
+            self._sum[at] += rows
+            self._weight[at] += 1.0
         self._senders += 1
 
     def check(self, protos: Mapping[int, np.ndarray], counts: Mapping[int, int] | None = None) -> None:

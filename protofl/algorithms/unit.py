@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
-from protofl.algorithms.robust import row_dots
+from protofl.algorithms.robust import class_rows, row_dots
 from protofl.technique import Fold, ServerState, Upload
 from protofl.wire import ProtoSet
 
@@ -119,11 +119,12 @@ class ConsensusAggregator:
         """Fold in the rows `check_rows` returned (one upload). With `support` (C, s), the dims of each class's
         mask in ascending order, a row of s values is added onto its class's support only: the same sums as
         scattering it to full width first, without building the (C, m) rows."""
+        at = class_rows(classes)
         if support is None:
-            self._sum[classes] += units
+            self._sum[at] += units
         else:
-            self._sum[classes[:, None], support[classes]] += units
-        self._count[classes] += 1
+            self._sum[classes[:, None], support[at]] += units
+        self._count[at] += 1
         self._senders += 1
 
     def sums(self) -> tuple[np.ndarray, np.ndarray]:

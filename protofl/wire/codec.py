@@ -22,10 +22,9 @@ bits of the last byte zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import numpy as np
@@ -385,6 +384,9 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
 # --- envelope ------------------------------------------------------------------------------------
 
 
+_H = TypeVar("_H", bound="_Head")
+
+
 @dataclass(frozen=True)
 class _Head:
     """The envelope's fields other than the body."""
@@ -419,7 +421,15 @@ class Header(_Head):
         budget = self.limits.max_body_objects(self.kind)
         body = _unpack(self.body_bytes, self.limits, budget, f"{self.kind} body")
         head = {k: getattr(self, k) for k in ENVELOPE_KEYS if k != "body"}
-        return Envelope(**head, body=body)
+        return _built(Envelope, head, body=body)
+
+
+def _built(cls: type[_H], fields: dict[str, Any], **more: Any) -> _H:
+    """A frozen envelope dataclass from fields this module checked: its instance dict filled directly (the
+    generated __init__ sets each frozen field through object.__setattr__, ~4 us a message, twice per upload)."""
+    obj = cls.__new__(cls)
+    obj.__dict__.update(fields, **more)
+    return obj
 
 
 def _check_head(top: Any) -> dict[str, Any]:
@@ -510,41 +520,40 @@ def _options(limits: Limits, max_objects: int, what: str) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def _msgpack_errors() -> Iterator[None]:
-    """Turn what msgpack raises into one WireError a person can read."""
-    try:
-        yield
-    except WireError:
-        raise
-    except msgpack.OutOfData:
-        raise WireError("message: truncated msgpack (incomplete input)") from None
-    except msgpack.ExtraData as e:
-        raise WireError(f"message: trailing bytes after the msgpack object ({len(e.extra)} extra)") from None
-    except msgpack.StackError:
-        raise WireError("message: msgpack nested too deeply") from None
-    except msgpack.FormatError:
-        raise WireError("message: not msgpack (invalid format byte)") from None
-    except UnicodeDecodeError:
-        raise WireError("message: string is not valid UTF-8") from None
-    except Exception as e:  # the C unpacker signals most problems as bare ValueError/TypeError
-        text = str(e)
-        if "incomplete" in text:
-            reason = "truncated msgpack (incomplete input)"
-        elif "max_ext_len" in text:
-            reason = "ext types are not allowed"
-        elif "map key" in text:
-            reason = "map keys must be strings"
-        elif "exceeds max_" in text:
-            reason = f"a string, bin, array or map is over the decoder limit ({text[:100]})"
-        else:
-            reason = f"invalid msgpack ({type(e).__name__}: {text[:200]})"
-        raise WireError(f"message: {reason}") from None
+def _wire_error(e: Exception) -> WireError:
+    """What msgpack raised, as one WireError a person can read."""
+    if isinstance(e, WireError):
+        return e
+    if isinstance(e, msgpack.OutOfData):
+        return WireError("message: truncated msgpack (incomplete input)")
+    if isinstance(e, msgpack.ExtraData):
+        return WireError(f"message: trailing bytes after the msgpack object ({len(e.extra)} extra)")
+    if isinstance(e, msgpack.StackError):
+        return WireError("message: msgpack nested too deeply")
+    if isinstance(e, msgpack.FormatError):
+        return WireError("message: not msgpack (invalid format byte)")
+    if isinstance(e, UnicodeDecodeError):
+        return WireError("message: string is not valid UTF-8")
+    # the C unpacker signals most problems as bare ValueError/TypeError
+    text = str(e)
+    if "incomplete" in text:
+        reason = "truncated msgpack (incomplete input)"
+    elif "max_ext_len" in text:
+        reason = "ext types are not allowed"
+    elif "map key" in text:
+        reason = "map keys must be strings"
+    elif "exceeds max_" in text:
+        reason = f"a string, bin, array or map is over the decoder limit ({text[:100]})"
+    else:
+        reason = f"invalid msgpack ({type(e).__name__}: {text[:200]})"
+    return WireError(f"message: {reason}")
 
 
 def _unpack(data: bytes | memoryview, limits: Limits, max_objects: int, what: str) -> Any:
-    with _msgpack_errors():
+    try:  # (not a contextmanager: that costs more than the unpacking of a small upload)
         return msgpack.unpackb(data, **_options(limits, max_objects, what))
+    except Exception as e:
+        raise _wire_error(e) from None
 
 
 def _read_top(buf: bytes, limits: Limits) -> tuple[dict[Any, Any], tuple[int, int] | None]:
@@ -560,7 +569,7 @@ def _read_top(buf: bytes, limits: Limits) -> tuple[dict[Any, Any], tuple[int, in
     reader = msgpack.Unpacker(max_buffer_size=len(buf), **_options(limits, _ENVELOPE_OBJECTS, "message envelope"))
     top: dict[Any, Any] = {}
     body_at = None
-    with _msgpack_errors():
+    try:
         reader.feed(buf)
         entries = reader.read_map_header()
         if entries > limits.max_map_len:  # as unpackb would refuse it: the loop below stays short
@@ -578,6 +587,8 @@ def _read_top(buf: bytes, limits: Limits) -> tuple[dict[Any, Any], tuple[int, in
             else:  # an unknown key is refused by its name; its value is not worth parsing
                 reader.skip()
                 top[key] = None
+    except Exception as e:
+        raise _wire_error(e) from None
     if reader.tell() != len(buf):
         raise WireError(f"message: trailing bytes after the msgpack object ({len(buf) - reader.tell()} extra)")
     return top, body_at
@@ -600,7 +611,7 @@ def read_header(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_L
     start, end = body_at
     if _TYPE_AT[buf[start]] != "dict":
         raise WireError(f"message: body must be a map, got {_TYPE_AT[buf[start]]}")
-    return Header(**head, size=size, body_bytes=memoryview(buf)[start:end], limits=limits)
+    return _built(Header, head, size=size, body_bytes=memoryview(buf)[start:end], limits=limits)
 
 
 def unpack_envelope(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Envelope:

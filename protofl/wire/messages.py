@@ -192,14 +192,10 @@ class ProtoSet(_Body):
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS, what: str = "prototypes") -> Self:
         b = expect_keys(body, ("c", "v", "n"), what)
         values = decode_array(b["v"], what=f"{what} values", limits=limits, dts=FLOAT_DTS, ndim=2)
-        return _build(
-            cls._decoded,
-            what,
-            classes=decode_array(b["c"], what=f"{what} classes", limits=limits, dts=("u2",), ndim=1),
-            values=values,
-            counts=_opt(b["n"], lambda n: decode_array(n, what=f"{what} counts", limits=limits, dts=("u4",), ndim=1)),
-            dt=b["v"]["dt"],
-        )
+        classes = decode_array(b["c"], what=f"{what} classes", limits=limits, dts=("u2",), ndim=1)
+        counts = None if b["n"] is None else decode_array(b["n"], what=f"{what} counts", limits=limits, dts=("u4",),
+                                                          ndim=1)
+        return _build(cls._decoded, what, classes=classes, values=values, counts=counts, dt=b["v"]["dt"])
 
 
 def _plain(v: Any, what: str, depth: int) -> Any:
@@ -487,8 +483,14 @@ class ProtoUpload(_Body):
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
         b = expect_keys(body, ("local", "public", "n_samples"), cls.KIND)
-        sets = {k: _opt(b[k], lambda s, k=k: ProtoSet.from_body(s, limits, f"protos {k}")) for k in ("local", "public")}
-        return _build(cls, cls.KIND, n_samples=b["n_samples"], **sets)
+        out = cls.__new__(cls)  # the sets are ProtoSets the decoder built: only n_samples is left to check
+        _set(out, local=None if b["local"] is None else ProtoSet.from_body(b["local"], limits, "protos local"),
+             public=None if b["public"] is None else ProtoSet.from_body(b["public"], limits, "protos public"))
+        try:
+            _set(out, n_samples=expect_int(b["n_samples"], "n_samples"))
+        except WireError as e:
+            raise WireError(f"{cls.KIND}: {e}") from None
+        return out
 
 
 @dataclass(frozen=True, eq=False)

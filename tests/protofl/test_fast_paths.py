@@ -64,8 +64,8 @@ def test_row_dots_equal_np_dot_bit_for_bit() -> None:
 def test_clip_rows_on_hand_computed_rows() -> None:
     rows = np.array([[3.0, 4.0], [0.3, 0.4], [1.0, 1.0], [0.0, 0.0]])
     centers = np.array([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
-    out, dist = clip_rows(rows, centers, 1.0)
-    assert np.array_equal(dist, [5.0, 0.5, 1.0, 0.0])
+    out, dist, norm = clip_rows(rows, centers, 1.0)
+    assert np.array_equal(dist, [5.0, 0.5, 1.0, 0.0]) and np.allclose(norm, [5.0, 0.5, np.sqrt(2), 0.0])
     assert np.allclose(out[0], [0.6, 0.8])  # distance 5, scaled back onto the unit ball around 0
     assert np.array_equal(out[1:], rows[1:])  # within the radius (row 2 exactly on it): as sent
 
@@ -75,20 +75,23 @@ def test_clip_rows_equal_clip_around_row_by_row() -> None:
     rows = (rng.standard_normal((12, 51)) * rng.uniform(0.1, 10, (12, 1))).astype(np.float32)
     centers = rng.standard_normal((12, 51))
     for radius in (0.5, 3.0, 1e4):
-        out, dist = clip_rows(rows, centers, radius)
+        out, dist, norm = clip_rows(rows, centers, radius)
+        log = NormLog()
         for i in range(rows.shape[0]):
             want, d = clip_around(rows[i], centers[i], radius)
             assert np.array_equal(out[i], want) and dist[i] == d
+            log.record(rows[i], d, radius)
+        assert log.values == norm.tolist()  # the norms NormLog.record takes row by row
 
 
 def test_norm_log_rows_equal_row_by_row() -> None:
     rng = np.random.default_rng(4)
     rows = rng.standard_normal((7, 33)).astype(np.float32)
-    dists = rng.uniform(0, 2, 7)
+    _, dists, norms = clip_rows(rows, rng.standard_normal((7, 33)), 1.0)
     one, many = NormLog(), NormLog()
     for r, d in zip(rows, dists, strict=True):
         one.record(r, float(d), 1.0)
-    many.record_rows(rows, dists, 1.0)
+    many.record_rows(norms, dists, 1.0)
     assert one.values == many.values and one.clipped == many.clipped == int((dists > 1.0).sum())
 
 
@@ -162,3 +165,28 @@ def test_a_decoded_prototype_set_is_checked_once_and_refused_with_the_constructo
         decode_message(upload([0, 1], [1, 0]))
     with pytest.raises(WireError, match="2 classes but 3 counts"):
         decode_message(upload([0, 1], [1, 1, 1]))
+
+
+def test_checked_vector_folds_make_the_sums_add_makes() -> None:
+    from protofl.algorithms.apud import ApudAggregator
+    from protofl.algorithms.fedavg import FedAvgAggregator
+
+    rng = np.random.default_rng(7)
+    d = 50
+    apud = [ApudAggregator(rng.standard_normal(d)) for _ in range(2)]
+    apud[1]._global = apud[0]._global.copy()
+    fedavg = [FedAvgAggregator(d) for _ in range(2)]
+    for i in range(4):
+        idx = np.sort(rng.choice(d, 9, replace=False))
+        sv = SparseVector(d, idx, rng.standard_normal(9).astype(np.float32))
+        dense = rng.standard_normal(d).astype(np.float32)
+        for j, (a, f) in enumerate(zip(apud, fedavg, strict=True)):
+            (a.add if j == 0 else a.add_checked)(sv if i % 2 else dense, 3.0 + i)
+            (f.add if j == 0 else f.add_checked)(dense, 3.0 + i)
+    assert np.array_equal(apud[0].result(), apud[1].result())
+    assert np.array_equal(fedavg[0].result(), fedavg[1].result())
+    with pytest.raises(ValueError, match="length 49, expected 50"):
+        apud[1].add_checked(SparseVector(49, np.array([1]), np.ones(1, np.float32)), 1.0)
+    with pytest.raises(ValueError, match="weight must be a finite number > 0"):
+        fedavg[1].add_checked(np.ones(d), 0.0)
+    assert apud[1].senders == fedavg[1].senders == 4
