@@ -420,6 +420,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the results as markdown here")
     ap.add_argument("--broker", action="store_true", help="also measure through the secured broker (part 2)")
     ap.add_argument("--broker-n", type=int, default=2000, help="devices per through-broker measurement")
+    ap.add_argument("--broker-workloads", help="workloads of part 2 (default: --workloads)")
+    ap.add_argument("--broker-repeats", type=int, help="repeats of part 2 (default: --repeats)")
+    ap.add_argument("--skip-inprocess", action="store_true", help="part 2 only")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--creds", type=Path, help=argparse.SUPPRESS)
@@ -437,14 +440,17 @@ def main() -> None:
         trees = {"baseline": args.baseline.resolve(), **trees}
     workloads = args.workloads.split(",")
     load = os.getloadavg()
-    res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]]),
-                           "inprocess": inprocess(trees, workloads, args.n, args.repeats)}
+    res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]])}
+    if not args.skip_inprocess:
+        res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
     if args.broker:
-        res["broker"] = broker_part(trees, workloads, args.broker_n, args.repeats)
+        res["broker"] = broker_part(trees, (args.broker_workloads or args.workloads).split(","), args.broker_n,
+                                    args.broker_repeats or args.repeats)
     res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                       "load_avg_before": [round(x, 2) for x in load],
                       "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(res["inprocess"]["median"], indent=1))
+    if "inprocess" in res:
+        print(json.dumps(res["inprocess"]["median"], indent=1))
     if args.out:
         args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
         args.out.write_text(markdown(res))
@@ -453,15 +459,16 @@ def main() -> None:
 
 def markdown(res: dict[str, Any]) -> str:
     """The results as the AGGREGATOR.md tables (the prose around them is written by hand)."""
-    inp = res["inprocess"]
-    trees = list(next(iter(inp["rates"].values())))
     lines = [f"Command: `{res['command']}`", "",
              f"Machine: {res['machine']['cpus']} cores, Python {res['machine']['python']}, load average (1/5/15 min) "
-             f"{res['machine']['load_avg_before']} before, {res['machine']['load_avg_after']} after.", "",
-             f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per CPU "
-             f"second of the aggregator's process; all repeats in brackets):", "",
-             "| workload | upload bytes | " + " | ".join(trees) + (" | speed-up |" if len(trees) > 1 else ""),
-             "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else "")]
+             f"{res['machine']['load_avg_before']} before, {res['machine']['load_avg_after']} after."]
+    inp = res.get("inprocess", {"rates": {}})
+    trees = list(next(iter(inp["rates"].values()), {}))
+    if inp["rates"]:
+        lines += ["", f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per "
+                      f"CPU second of the aggregator's process; all repeats in brackets):", "",
+                  "| workload | upload bytes | " + " | ".join(trees) + (" | speed-up |" if len(trees) > 1 else ""),
+                  "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else "")]
     for w, per_tree in inp["rates"].items():
         cells = [f"{inp['median'][w][t]:,.0f} ({', '.join(f'{x:,.0f}' for x in per_tree[t])})" for t in trees]
         row = f"| {w} | {inp['upload_bytes'][w]:,} | " + " | ".join(cells) + " |"
