@@ -1,0 +1,119 @@
+"""`simulate --backend ray` on a two-node Ray cluster started here (Ray's own test cluster utility).
+
+Each preset's Ray report is the in-process one (bytes exact, accuracies to 1e-5), whatever the number of
+workers; a worker whose process is killed mid-round is started again, or its devices are reported lost,
+and the run ends either way. One cluster for the module: starting Ray and its workers costs seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from broker_server.simulation import SimulationSpec, run_simulation  # noqa: E402
+
+FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=100", clients=3, alpha=0.5, rounds=2, seed=1,
+                           archs=("mlp",))
+PRESETS = ["fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """Two nodes of one CPU each, and this process connected to them (their workers persist across runs)."""
+    import torch
+
+    from ray.cluster_utils import Cluster
+
+    from broker_server.simulation import ray_backend
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers' agents: one thread each
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        c.add_node(num_cpus=1)
+        c.wait_for_nodes()
+        ray.init(address=c.address, configure_logging=False)
+        yield c
+    finally:
+        ray.shutdown()
+        ray_backend._IDLE.clear()
+        c.shutdown()
+        torch.set_num_threads(threads)
+
+
+def _same(want: Any, got: Any, path: str = "") -> list[str]:
+    """Where two reports differ: floats beyond 1e-5, anything else at all."""
+    if isinstance(want, dict) and isinstance(got, dict):
+        out = [f"{path}.{k}: only in one" for k in set(want) ^ set(got)]
+        return out + [p for k in set(want) & set(got) for p in _same(want[k], got[k], f"{path}.{k}")]
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        return [p for i, (w, g) in enumerate(zip(want, got)) for p in _same(w, g, f"{path}[{i}]")]
+    if isinstance(want, float) and isinstance(got, float):
+        return [] if math.isclose(want, got, rel_tol=0, abs_tol=1e-5) else [f"{path}: {want} != {got}"]
+    return [] if want == got and type(want) is type(got) else [f"{path}: {want!r} != {got!r}"]
+
+
+def _without_run_facts(report: dict[str, Any]) -> dict[str, Any]:
+    report["totals"].pop("wall_s")
+    report.pop("ray", None)
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_preset_on_two_nodes_gives_the_inprocess_report(preset: str, cluster: Any) -> None:
+    want = run_simulation(SimulationSpec(preset=preset, **FED))
+    got = run_simulation(SimulationSpec(preset=preset, backend="ray", **FED))
+    assert got["ray"]["nodes"] == 2 and got["ray"]["workers"] == 2 and got["ray"]["restarts"] == {}
+    assert got["totals"]["uplink_bytes"] > 0 and len(got["rounds"]) == 2
+    assert _same(_without_run_facts(want), _without_run_facts(got)) == []
+
+
+@pytest.mark.slow
+def test_the_report_does_not_depend_on_the_number_of_workers(cluster: Any) -> None:
+    fed = {**FED, "clients": 4}
+    want = _without_run_facts(run_simulation(SimulationSpec(preset="protofl", **fed)))
+    for workers in (1, 3):  # half a CPU each: three fit on the two nodes
+        got = run_simulation(SimulationSpec(preset="protofl", backend="ray", device_resources="cpu=0.5",
+                                            ray_workers=workers, **fed))
+        assert got["ray"]["workers"] == workers
+        assert _same(want, _without_run_facts(got)) == []
+
+
+def _kill_the_workers(row: dict[str, Any]) -> None:
+    """After round 1's row (round 2 is open: its messages are with the workers or on their way), kill
+    the process of every simulation worker in the session."""
+    if row["round"] != 1:
+        return
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("protofl-sim-worker-")]
+    assert names
+    for name in names:
+        os.kill(ray.get(ray.get_actor(name).pid.remote()), signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_started_again_and_the_run_completes(cluster: Any) -> None:
+    report = run_simulation(SimulationSpec(preset="protofl", backend="ray", **{**FED, "rounds": 3}),
+                            on_round=_kill_the_workers)
+    assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
+    assert all(r["clients"] == 3 for r in report["rounds"])
+    assert set(report["ray"]["restarts"]) == {"client-000", "client-001", "client-002"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_killed_with_no_restart_left_ends_the_run_naming_its_devices(cluster: Any) -> None:
+    from broker_server.simulation.ray_backend import DevicesLost
+
+    spec = SimulationSpec(preset="protofl", backend="ray", ray_max_restarts=0, **{**FED, "rounds": 3})
+    with pytest.raises(DevicesLost, match=r"client-00\d.* lost with their Ray worker"):
+        run_simulation(spec, on_round=_kill_the_workers)
