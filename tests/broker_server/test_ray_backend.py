@@ -28,7 +28,6 @@ PRESETS = ["fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl"
 def cluster() -> Iterator[Any]:
     """Two nodes of one CPU each, and this process connected to them (their workers persist across runs)."""
     import torch
-
     from ray.cluster_utils import Cluster
 
     from broker_server.simulation import ray_backend
@@ -54,7 +53,7 @@ def _same(want: Any, got: Any, path: str = "") -> list[str]:
         out = [f"{path}.{k}: only in one" for k in set(want) ^ set(got)]
         return out + [p for k in set(want) & set(got) for p in _same(want[k], got[k], f"{path}.{k}")]
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
-        return [p for i, (w, g) in enumerate(zip(want, got)) for p in _same(w, g, f"{path}[{i}]")]
+        return [p for i, (w, g) in enumerate(zip(want, got, strict=True)) for p in _same(w, g, f"{path}[{i}]")]
     if isinstance(want, float) and isinstance(got, float):
         return [] if math.isclose(want, got, rel_tol=0, abs_tol=1e-5) else [f"{path}: {want} != {got}"]
     return [] if want == got and type(want) is type(got) else [f"{path}: {want!r} != {got!r}"]
