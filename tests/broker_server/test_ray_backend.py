@@ -7,9 +7,12 @@ and the run ends either way. One cluster for the module: starting Ray and its wo
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,3 +119,20 @@ def test_a_worker_killed_with_no_restart_left_ends_the_run_naming_its_devices(cl
     spec = SimulationSpec(preset="protofl", backend="ray", ray_max_restarts=0, **{**FED, "rounds": 3})
     with pytest.raises(DevicesLost, match=r"client-00\d.* lost with their Ray worker"):
         run_simulation(spec, on_round=_kill_the_workers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_cli_joins_a_running_cluster_by_its_address(cluster: Any, tmp_path: Any) -> None:
+    """What the README shows: `ray start --head` elsewhere, then `simulate --backend ray --ray-address ...`."""
+    out = tmp_path / "r.json"
+    args = ["--preset", "tinyproto", "--dataset", FED["dataset"], "--clients", "3", "--rounds", "2", "--seed", "1",
+            "--arch", "mlp"]
+    proc = subprocess.run([sys.executable, "-m", "broker_server.cli", "simulate", *args, "--backend", "ray",
+                           "--ray-address", cluster.address, "--json", str(out), "-q"],
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["ray"]["address"] == cluster.address and got["ray"]["nodes"] == 2
+    want = run_simulation(SimulationSpec(preset="tinyproto", **{**FED, "archs": ("mlp",)}))
+    assert _same(_without_run_facts(want), _without_run_facts(got)) == []
