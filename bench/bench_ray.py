@@ -3,7 +3,7 @@
     nice -n 10 python -m bench.bench_ray                          # writes bench/results/RAY.md
     python -m bench.bench_ray --ray-address auto --device cuda    # on a cluster / a GPU machine
 
-One process, one federation (FedProto, 20 clients, alpha 0.5, 10 % of Fashion-MNIST, evaluation as the
+One process, one federation (FedProto, 20 clients, alpha 0.5, 5 % of Fashion-MNIST, evaluation as the
 CLI's defaults), the two backends interleaved: in-process, Ray, in-process, Ray... The first Ray run
 starts the workers (processes that import torch); later runs reuse them, as a session that runs several
 simulations does (`bench.paper_table --backend ray` against one `ray start --head` cluster starts a
@@ -52,12 +52,12 @@ def _max_diff(a: Any, b: Any) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_ray", description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="pairs of (in-process, Ray) runs")
     ap.add_argument("--preset", default="fedproto")
     ap.add_argument("--dataset", default="fashion-mnist")
-    ap.add_argument("--train-limit", type=int, default=6000)
-    ap.add_argument("--test-limit", type=int, default=2000)
+    ap.add_argument("--train-limit", type=int, default=3000)
+    ap.add_argument("--test-limit", type=int, default=500)
     ap.add_argument("--device", default="cpu", help="torch device of the agents (cuda: one GPU share per worker)")
     ap.add_argument("--device-resources", default=None, help="default cpu=1, or cpu=1,gpu=<1/devices> with cuda")
     ap.add_argument("--ray-address", default=None, help="join this cluster (default: a local Ray instance)")
