@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.ray_address:
         ray.init(address=ns.ray_address, configure_logging=False)
     else:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False)
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False)
     ray_start = time.perf_counter() - t
     rows: list[tuple[str, int, float, dict[str, Any]]] = []
     try:

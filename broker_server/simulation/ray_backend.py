@@ -299,7 +299,8 @@ class _FlushFirst:
 
 
 def connect(ray: Any, address: str | None) -> bool:
-    """Join the cluster at `address` (auto, host:port, ray://...), or start a local Ray instance; returns
+    """Join the cluster at `address` (auto, host:port, ray://...; `--ray-address`, else $RAY_ADDRESS as Ray
+    itself reads it), or start a local Ray instance; returns
     whether this run started the connection (and must end it)."""
     if ray.is_initialized():
         return False  # the caller's own connection (a notebook, a test's cluster): keep it
@@ -311,7 +312,8 @@ def connect(ray: Any, address: str | None) -> bool:
             raise ConfigError(f"--ray-address {address}: cannot join that Ray cluster ({exc}); start one with "
                               "`ray start --head` or leave --ray-address out for a local instance") from None
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, **quiet)
+        # "local": a new instance even where another Ray cluster runs on this machine (it is not ours to use).
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, **quiet)
     return True
 
 
@@ -326,7 +328,7 @@ def run_on_ray(spec: SimulationSpec, fed_data: Federation, report: Report,
     report says of the Ray run (cluster, workers, restarts)."""
     res = check_ray(spec)
     ray = import_ray()
-    started = connect(ray, spec.ray_address)
+    started = connect(ray, spec.ray_address or os.environ.get("RAY_ADDRESS"))
     key = (ray.get_runtime_context().get_job_id(), res.cpus, res.gpus)
     idle = [] if started else _IDLE.pop(key, [])
     for other in list(_IDLE):  # idle workers of another size hold resources this run may need
@@ -347,7 +349,8 @@ def run_on_ray(spec: SimulationSpec, fed_data: Federation, report: Report,
         agg.start()
         fleet.start(idle)  # takes what it needs of `idle`
         _drive(agg, broker, fleet, report)
-        info = {"address": spec.ray_address or ("local" if started else "the caller's session"),
+        info = {"address": spec.ray_address or os.environ.get("RAY_ADDRESS") or
+                ("local" if started else "the caller's session"),
                 "workers": workers, "device_resources": res.text(),
                 "nodes": sum(1 for n in ray.nodes() if n.get("Alive", True)), "restarts": fleet.restarts()}
         if not started:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,3 +136,17 @@ def test_the_cli_joins_a_running_cluster_by_its_address(cluster: Any, tmp_path: 
     assert got["ray"]["address"] == cluster.address and got["ray"]["nodes"] == 2
     want = run_simulation(SimulationSpec(preset="tinyproto", **{**FED, "archs": ("mlp",)}))
     assert _same(_without_run_facts(want), _without_run_facts(got)) == []
+
+
+@pytest.mark.slow
+def test_out_leaves_the_same_artifacts_as_inprocess(cluster: Any, tmp_path: Any) -> None:
+    """--out: each worker writes its devices' artifacts (here the nodes share this file system)."""
+    for backend in ("local", "ray"):
+        run_simulation(SimulationSpec(preset="tinyproto", backend=backend, out_dir=str(tmp_path / backend), **FED))
+    files = {b: sorted(str(p.relative_to(tmp_path / b)) for p in (tmp_path / b).rglob("*") if p.is_file())
+             for b in ("local", "ray")}
+    assert files["ray"] == files["local"]
+    assert {f"devices/client-00{i}" for i in range(3)} <= {str(Path(f).parent) for f in files["ray"]}
+    tables = [p for p in files["ray"] if p.startswith("devices/client-000/") and p.endswith(".npz")]
+    assert tables and all((tmp_path / "ray" / p).read_bytes() == (tmp_path / "local" / p).read_bytes()
+                          for p in tables)
