@@ -61,6 +61,8 @@ class DeviceWorker:
         torch.set_num_threads(max(1, threads))
         self.spec = SimulationSpec()
         self.hook: Any = None
+        # The run's official test set, one copy for all the devices here (as in-process, where they share one).
+        self.test_set: tuple[np.ndarray, np.ndarray] | None = None
         self.agents: dict[str, Any] = {}
         self.transports: dict[str, RecordingTransport] = {}
 
@@ -68,6 +70,7 @@ class DeviceWorker:
         """Ready for a new run's devices (a worker outlives a run in a session that goes on: starting one
         costs seconds); returns this worker's process id."""
         self.spec, self.hook = spec, device_hook(spec, num_classes)
+        self.test_set = None
         self.agents.clear()
         self.transports.clear()
         return os.getpid()
@@ -79,8 +82,10 @@ class DeviceWorker:
         from edge_agent.agent import ClientData, EdgeAgent
 
         # Arrays from Ray's object store are read-only views; the agent's tensors need their own memory.
+        if self.test_set is None:
+            self.test_set = (np.array(x_global), np.array(y_global))
         data = ClientData(x_train=np.array(x_train), y_train=np.array(y_train), x_test=np.array(x_test),
-                          y_test=np.array(y_test), x_global=np.array(x_global), y_global=np.array(y_global),
+                          y_test=np.array(y_test), x_global=self.test_set[0], y_global=self.test_set[1],
                           mean=mean, std=std)
         transport = RecordingTransport(cid)
         spec = self.spec
