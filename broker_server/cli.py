@@ -85,6 +85,17 @@ def simulate(
                                     "names (cnn,mlp,...), package.module:factory, installed protofl.models names."),
     transport: str = typer.Option("inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, "
                                                      "one agent process per client)."),
+    backend: str = typer.Option("local", help="Where the devices run: local (this machine, as --transport says) | "
+                                               "ray (Ray workers; the aggregator stays here; needs "
+                                               "protofl-edge[ray])."),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="ray: join this cluster (auto, host:port, "
+                                           "ray://host:10001); default: start a local Ray instance."),
+    device_resources: str = typer.Option("cpu=1", "--device-resources", help="ray: each device's share of a node, "
+                                         "cpu=N[,gpu=N] (cpu=1,gpu=0.25: four devices per GPU)."),
+    ray_workers: int | None = typer.Option(None, "--ray-workers", help="ray: at most this many workers (default: "
+                                           "as many as the cluster holds at --device-resources)."),
+    ray_max_restarts: int = typer.Option(1, "--ray-max-restarts", help="ray: a worker whose process dies is started "
+                                         "again this often (its devices join again); then its devices are lost."),
     broker: str | None = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "
                                                  "start a local one (mosquitto if installed, else embedded amqtt)."),
     local_broker: str = typer.Option("auto", help="mqtt: the local broker, auto | mosquitto | amqtt."),
@@ -154,7 +165,9 @@ def simulate(
                               test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides, profiles=profiles,
                               time_scale=time_scale, adaptive=adaptive, upload_share=upload_share, clip=clip_on,
-                              out_dir=str(out.resolve()) if out is not None else None)
+                              out_dir=str(out.resolve()) if out is not None else None,
+                              backend=backend, ray_address=ray_address, device_resources=device_resources,
+                              ray_workers=ray_workers, ray_max_restarts=ray_max_restarts)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
