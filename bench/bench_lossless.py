@@ -18,6 +18,12 @@ except in the "old" setup, whose devices predate them. Setups, in this order in 
 
 Per setup: uploads acknowledged by the broker, messages the broker dropped ($SYS), uploads the aggregator
 folded, how the round closed and how long after the server was continued, and re-send requests.
+
+    python -m bench.bench_lossless --credentials 10000            # a restart's credential step
+
+times `start`'s credential step (security.prepare + provision, with a CA in every device file) for N
+devices: the first start (every password hashed, every file written: what every restart cost before) and
+then restarts (only what is new), alternating over fresh directories.
 """
 
 from __future__ import annotations
@@ -172,6 +178,22 @@ def _until_closed_or_drained(server: subprocess.Popen[bytes], state: Path, deadl
         time.sleep(0.5)
 
 
+def credentials_cost(n: int, repeat: int = 3) -> dict[str, Any]:
+    from broker_server.security import prepare
+
+    ids = [f"device-{i}" for i in range(1, n + 1)]
+    ca = "-----BEGIN CERTIFICATE-----\n" + "A" * 600 + "\n-----END CERTIFICATE-----\n"
+    first, again = [], []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="bench-creds-") as tmp:
+            for times in (first, again):
+                t0 = time.perf_counter()
+                prepare(Path(tmp), "bench", ids).provision(ca)
+                times.append(time.perf_counter() - t0)
+    return {"devices": n, "first_start_s": round(min(first), 2), "restart_s": round(min(again), 3),
+            "first_all_s": [round(t, 2) for t in first], "restart_all_s": [round(t, 3) for t in again]}
+
+
 def _tail(path: Path, n: int = 1500) -> str:
     return path.read_text(errors="replace")[-n:]
 
@@ -187,7 +209,11 @@ def main() -> None:
     ap.add_argument("--old-queue", type=int, default=DEFAULT_QUEUE, help="the fixed queue of old and resend (a "
                     "smaller one shows the same at fewer devices)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--credentials", type=int, help="time the credential step for this many devices instead")
     args = ap.parse_args()
+    if args.credentials:
+        print(json.dumps(credentials_cost(args.credentials)))
+        return
     n = args.devices
     plan = {"old": (args.old_queue, False), "fleet": (queue_for_fleet(n, 1), True), "resend": (args.old_queue, True)}
     rows = []
