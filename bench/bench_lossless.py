@@ -120,7 +120,7 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
             os.kill(server.pid, signal.SIGCONT)
             stopped = False
             continued = time.time()
-            _until_closed_or_drained(server, state, continued + timeout, n, dropped)
+            _until_closed_or_drained(server, state, continued + timeout, n, dropped, resend)
             if server.poll() is None:
                 server.send_signal(signal.SIGTERM)
                 server.wait(60)
@@ -160,10 +160,10 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
 
 
 def _until_closed_or_drained(server: subprocess.Popen[bytes], state: Path, deadline: float, n: int,
-                             dropped: list[int], limit: float = 1800.0) -> None:
-    """Until the round closed (the server exits), or its deadline passed and the server folded everything the
-    broker kept (N minus what it dropped: a round short of its floor waits for ever), or nothing was folded for
-    120 s."""
+                             dropped: list[int], resend: bool, limit: float = 1800.0) -> None:
+    """Until the round closed (the server exits), or (devices that do not re-send) its deadline passed and the
+    server folded everything the broker kept (N minus what it dropped: a round short of its floor waits for
+    ever), or nothing was folded for 120 s."""
     end, last, changed = time.monotonic() + limit, -1, time.time()
     while server.poll() is None and time.monotonic() < end:
         try:
@@ -173,7 +173,7 @@ def _until_closed_or_drained(server: subprocess.Popen[bytes], state: Path, deadl
         if folded != last:
             last, changed = folded, time.time()
         lost = dropped[-1] - dropped[0] if len(dropped) > 1 else 0
-        if time.time() > deadline and (folded + lost >= n or time.time() - changed > 120):
+        if time.time() > deadline and ((not resend and folded + lost >= n) or time.time() - changed > 120):
             return
         time.sleep(0.5)
 
