@@ -253,7 +253,7 @@ def broker_config(
     devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N."),
     broker_queue: int | None = typer.Option(None, "--broker-queue", help="The max_queued_messages line printed: "
                                             "messages the broker holds for the aggregator beyond those in flight "
-                                            "(default: from the fleet, devices x 8, at least 10000)."),
+                                            "(default: from the fleet, devices x 10, at least 10000)."),
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials."""
     from broker_server.broker import PACKET_HEADROOM, SYS_INTERVAL_S
