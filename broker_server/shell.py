@@ -63,7 +63,7 @@ from protofl.wire import (
 )
 
 log = logging.getLogger("protofl.server")
-SERVER_ID = "server"
+SERVER_ID = topics.SERVER_ID
 
 __all__ = ["SERVER_ID", "Aggregator", "RoundRecord", "decoder_limits"]
 

@@ -53,6 +53,8 @@ class LiveWatch:
         self.transport = transport
         self.metrics = metrics
         self.broker_restarts = broker_restarts
+        # (messages the broker dropped, re-send requests sent) so far: set by the service (resend.py)
+        self.resends: Callable[[], tuple[int, int]] | None = None
         self._dirty = True
         self._built = 0.0
         self._summary: Snapshot | None = None  # the last one published, `updated` zeroed
@@ -72,6 +74,10 @@ class LiveWatch:
         self._dirty = True
         return self.observer.on_round_logged(rec, metrics)
 
+    def changed(self) -> None:
+        """Something watchers see changed outside a handled message (e.g. re-send requests went out)."""
+        self._dirty = True
+
     def observe_fsync(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.fsync.observe(seconds)
@@ -90,7 +96,8 @@ class LiveWatch:
     def refresh(self, now: float | None = None) -> Snapshot:
         started = time.perf_counter()
         now = time.monotonic() if now is None else now
-        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0)
+        dropped, asked = self.resends() if self.resends else (0, 0)
+        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0, dropped, asked)
         self._built, self._dirty = now, False
         body = snap.encode()  # once, for the board, the status file and the summary alike
         self.board.publish(snap, body)

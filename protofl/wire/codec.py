@@ -61,7 +61,8 @@ class Limits:
 
     def max_bytes(self, kind: str) -> int:
         """The largest message of `kind` this decoder reads."""
-        small = {"join": self.max_join_bytes, "status": self.max_status_bytes, "metrics": self.max_metrics_bytes}
+        small = {"join": self.max_join_bytes, "status": self.max_status_bytes, "metrics": self.max_metrics_bytes,
+                 "resend": self.max_status_bytes}
         return min(self.max_message_bytes, small.get(kind, self.max_message_bytes))
 
     def max_body_objects(self, kind: str) -> int:
@@ -72,7 +73,8 @@ class Limits:
         hundred objects rather than `max_objects`: a body of a million empty lists costs a receiver
         about a second of parsing before any validation could refuse it. The server's kinds (config,
         public, round) carry lists whose length the federation sets, and keep `max_objects`."""
-        fixed = {"join": 64, "status": 64, "protos": 256, "adapter": 256, "metrics": 64 + self.max_map_len}
+        fixed = {"join": 64, "status": 64, "resend": 64, "protos": 256, "adapter": 256,
+                 "metrics": 64 + self.max_map_len}
         return min(self.max_objects, fixed.get(kind, self.max_objects))
 
 
@@ -91,7 +93,9 @@ FLOAT_DTS = frozenset({"f4", "f2", "q8"})
 UINT_DTS = frozenset({"u1", "u2", "u4"})
 MAX_NDIM = 8
 MAX_SPARSE_N = 2**32
-KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "metrics", "status"})
+# "resend" (the server asks one device, on its own `down/{client_id}` topic, to send again what the broker
+# dropped) is additive within version 1: a device that does not know it never subscribes to that topic.
+KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "metrics", "status", "resend"})
 # What a device sends on its `up/{client_id}` topic (its status goes to `presence/{client_id}`): a
 # receiver of `up/` refuses any other kind from the header, before the body is parsed.
 DEVICE_KINDS = frozenset({"join", "protos", "adapter", "metrics"})

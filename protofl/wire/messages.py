@@ -623,14 +623,33 @@ class Status(_Body):
         return _build(cls, cls.KIND, **expect_keys(body, ("state", "detail"), cls.KIND))
 
 
-Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status
-MESSAGE_TYPES: dict[str, type] = {
-    c.KIND: c for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status)
-}
+@dataclass(frozen=True, eq=False)
+class Resend(_Body):
+    """The server asks one device to send again what the broker may have dropped after acknowledging it: its
+    join (`ask` "join"), or its uploads of the envelope's round and phase ("uploads"). Sent on the device's
+    own `down/{client_id}` topic, which only the server may write (the ACL)."""
+
+    KIND: ClassVar[str] = "resend"
+    ASKS: ClassVar[tuple[str, ...]] = ("join", "uploads")
+    ask: str
+
+    def __post_init__(self) -> None:
+        if expect_str(self.ask, "ask") not in self.ASKS:
+            raise WireError(f"ask: expected one of {', '.join(self.ASKS)}, got {self.ask[:40]!r}")
+
+    def to_body(self) -> dict:
+        return {"ask": self.ask}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("ask",), cls.KIND))
+
+
+Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status | Resend
+_CLASSES = (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status, Resend)
+MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in _CLASSES}
 # How each kind's body is read (typed: every message class has `from_body(body, limits)`).
-_FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {
-    c.KIND: c.from_body for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status)
-}
+_FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {c.KIND: c.from_body for c in _CLASSES}
 assert set(MESSAGE_TYPES) == KINDS, "codec.KINDS and MESSAGE_TYPES must list the same kinds"
 
 
