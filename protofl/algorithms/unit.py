@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
+from protofl.mergeable import Additive
 from protofl.technique import Fold, ServerState, Upload
 
 __all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator", "UnitFold"]
@@ -47,8 +48,10 @@ def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
     return normalize_rows(rng.standard_normal((int(num_classes), int(dim)))).astype(np.float32)
 
 
-class ConsensusAggregator:
+class ConsensusAggregator(Additive):
     """Eq. (3) as a stream: per-class sum S_c and sender count K_c of unit client prototypes."""
+
+    additive = ("_sum", "_count", "_senders")  # mergeable across aggregator shards
 
     def __init__(self, previous: np.ndarray) -> None:
         prev = np.asarray(previous)
@@ -122,6 +125,7 @@ class UnitFold(Fold):
     `table` says which of the upload's tables."""
 
     kinds = (Upload.PROTOS,)
+    merged = ("acc",)
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
