@@ -14,6 +14,7 @@ partials go to the journal like any input, so a restarted coordinator rebuilds t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -46,11 +47,12 @@ class Coordinator(Aggregator):
         self._waiting: dict[str, list[tuple[str, bytes]]] = {}  # progress of devices whose join is not in yet
         self.on_phase_published: Callable[[bytes], None] | None = None
 
-    def subscribe(self) -> None:
-        self.transport.subscribe(topics.shards(self.fed, "relay", "+"), self.on_relay)
-        self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
-        self.transport.subscribe(topics.shards(self.fed, "progress", "+"), self.on_progress)
-        self.transport.subscribe(topics.shards(self.fed, "partial", "+"), self.on_partial)
+    def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
+        """Not the uploads (the shards have those): what the shards send, and devices' presence."""
+        return [(topics.shards(self.fed, "relay", "+"), self.on_relay),
+                (topics.presence_all(self.fed), self.on_presence),
+                (topics.shards(self.fed, "progress", "+"), self.on_progress),
+                (topics.shards(self.fed, "partial", "+"), self.on_partial)]
 
     # -- what the shards send -------------------------------------------------------------------------
     def on_relay(self, topic: str, payload: bytes) -> None:
@@ -141,7 +143,10 @@ class Coordinator(Aggregator):
         """The machine at this phase boundary, for the shards (before the round message goes to devices)."""
         m = self.machine
         payload = shard_wire.encode("phase", round=m.round, phase=m.phase.phase.value if m.phase else "",
-                                    finished=m.finished, machine=m.snapshot() if m.phase is not None else None)
+                                    finished=m.finished, machine=m.snapshot() if m.phase is not None else None,
+                                    policy=dataclasses.asdict(m.model.policy), limits=dataclasses.asdict(self.limits),
+                                    members=sorted(self.members) if self.members is not None else None)
+        self._waiting = {}  # progress of devices that never joined in the phase that closed
         self.transport.publish(topics.shards(self.fed, "phase"), payload, retain=True)
         if self.on_phase_published is not None:
             self.on_phase_published(payload)

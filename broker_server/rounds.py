@@ -370,8 +370,8 @@ class RoundMachine:
             return self._on_upload(inp.env, msg, inp.nbytes)
         if isinstance(inp, Presence):
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)
-        if isinstance(inp, Progress):
-            return self._on_progress(inp)
+        if isinstance(inp, Progress):  # a shard saying again what it said (it restarted) changes nothing
+            return self._on_progress(inp) if self.accepts(inp) else []
         if isinstance(inp, Partials):
             return self._merge_partials(inp)
         if isinstance(inp, GraceOver):
@@ -628,12 +628,12 @@ class RoundMachine:
                 except ValueError as exc:
                     raise Drop("invalid", f"partial of shard {shard}: {exc}") from None
             return True
-        if open_ is not None and open_.closing and (inp.round, inp.phase) == (s.round, open_.phase.value):
-            raise Drop("closing", f"{inp.kind} of {inp.sender} from shard {inp.shard}: round {inp.round}/{inp.phase} "
-                                  f"is closing")
         owner = open_.owners.get(f"{inp.sender}/{inp.kind}") if open_ is not None else None
         if owner == inp.shard and (inp.round, inp.phase) == (s.round, open_.phase.value if open_ else ""):
             return False  # the same shard saying it again (it restarted): nothing new
+        if open_ is not None and open_.closing and (inp.round, inp.phase) == (s.round, open_.phase.value):
+            raise Drop("closing", f"{inp.kind} of {inp.sender} from shard {inp.shard}: round {inp.round}/{inp.phase} "
+                                  f"is closing")
         self._check_upload_head(inp)
         return True
 

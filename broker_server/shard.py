@@ -20,17 +20,13 @@ is idempotent), and takes up its broker session, where the uploads it never ackn
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from broker_server import shard_wire
-from broker_server.journal import Journal, scan
 from broker_server.rounds import UPLOAD_KINDS, Drop, RoundMachine
-from broker_server.shell import SERVER_ID, decoder_limits
+from broker_server.shard_log import ShardLog
+from broker_server.shell import SERVER_ID
 from broker_server.stages import PhaseRun, check_mergeable
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
@@ -40,13 +36,12 @@ from protofl.errors import WireError
 from protofl.plan import Phase, Upload
 from protofl.transport import Transport
 from protofl.wire import (
+    DEFAULT_LIMITS,
     Join,
-    Limits,
     Message,
     Metrics,
     ParamsUpload,
     ProtoUpload,
-    PublicSet,
     decode_body,
     encode_message,
     read_header,
@@ -62,27 +57,26 @@ def shard_id(index: int) -> str:
 
 
 class Shard:
-    def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *, shard: str,
-                 state_dir: Path | str | None = None, members: Sequence[str] | None = None,
-                 limits: Limits | None = None, policy: ClipPolicy | None = None,
-                 initial_params: np.ndarray | None = None, public: PublicSet | None = None,
-                 fsync: bool = True) -> None:
-        check_mergeable(cfg, policy)  # NotMergeable with its reason before anything runs
-        self.cfg, self.fed, self.transport, self.shard = cfg, fed, transport, shard
-        model_values = None if initial_params is None else int(np.asarray(initial_params).shape[0])
-        self.limits = limits or decoder_limits(cfg, model_values)
-        self.members = frozenset(members) if members is not None else None
-        self._machine_args: dict[str, Any] = dict(initial_params=initial_params, public=public, policy=policy)
+    """A shard has no config of its own: the coordinator's phase message brings the federation's config,
+    clipping policy, decoder limits and member list with the machine's state."""
+
+    def __init__(self, fed: str, transport: Transport, *, shard: str, state_dir: Path | str | None = None,
+                 fsync: bool = True, group_commit: bool = False) -> None:
+        self.fed, self.transport, self.shard = fed, transport, shard
+        self.limits = DEFAULT_LIMITS  # the envelope of a phase message; the federation's come with it
+        self.members: frozenset[str] | None = None
+        self.cfg: FederationConfig | None = None
+        self.policy: ClipPolicy | None = None
         self.dir = Path(state_dir) if state_dir is not None else None
-        self.fsync = fsync
+        # group_commit: the journal is fsynced by `sync()` (the transport's before_ack hook), once a batch.
+        self.log = ShardLog(self.dir / "journal.log" if self.dir else None, fsync=fsync, group_commit=group_commit)
         self.machine: RoundMachine | None = None
         self.run: PhaseRun | None = None
         self.where: tuple[int, str] = (0, "")  # the phase being folded (round, phase); (0, "") before any
         self.finished = False
         self.closed = False  # the coordinator closed this phase: its partial is sent
         self.accepted: dict[tuple[str, str], int] = {}  # (sender, kind) -> bytes, in this phase
-        self.records: list[tuple[str, bytes, str, str]] = []  # without a state dir: (topic, payload, sender, kind)
-        self.journal: Journal | None = None
+        self.early: set[tuple[int, str, str, str]] = set()  # journaled for a later phase: (round, phase, sender, kind)
         self._phase_payload = b""
         self._partial_payload = b""
         self.dropped: dict[str, int] = {}
@@ -92,35 +86,20 @@ class Shard:
     def start(self) -> None:
         """Resume from the state dir (if any), then listen: the coordinator's topics first (their retained
         messages say which phase is open), then the uploads."""
-        self._resume()
+        saved = read_checkpoint(self.dir / "phase.bin") if self.dir is not None else None
+        if saved is not None:
+            self._open(saved["payload"], persist=False)
+            log.warning("%s resumed round %d %s with %d upload(s) from its journal", self.shard, *self.where,
+                        len(self.accepted))
         self.transport.subscribe(topics.shards(self.fed, "phase"), self.on_phase)
         self.transport.subscribe(topics.shards(self.fed, "close"), self.on_close)
         self.transport.subscribe(topics.shared_up(self.fed), self.on_message)
 
-    def _resume(self) -> None:
-        if self.dir is None:
-            return
-        saved = read_checkpoint(self.dir / "phase.bin")
-        if saved is None:
-            return
-        self._open(saved["payload"], persist=False)
-        if self.journal is not None:
-            for rec in self.journal.records:
-                if (rec.round, rec.phase) == self.where:
-                    try:
-                        self._fold(rec.topic, rec.payload, replay=True)
-                    except (Drop, WireError, ValueError) as exc:
-                        log.warning("%s: journaled %s from %s refused on replay: %s", self.shard, rec.kind,
-                                    rec.client, exc)
-            self.journal.records = []
-        log.warning("%s resumed round %d %s: %d upload(s) from its journal", self.shard, *self.where,
-                    len(self.accepted))
-        for key in sorted(self.accepted):
-            self._progress(*key)
+    def sync(self) -> None:
+        self.log.sync()
 
     def close(self) -> None:
-        if self.journal is not None:
-            self.journal.close()
+        self.log.close()
 
     # -- the coordinator's messages -------------------------------------------------------------
     def _control(self, topic: str, payload: bytes, kind: str) -> dict[str, Any] | None:
@@ -138,28 +117,38 @@ class Shard:
         if msg["finished"]:
             self.finished, self.run = True, None
             return
-        if self._order(msg["round"], msg["phase"]) <= self._order(*self.where):
+        if _order(msg["round"], msg["phase"]) <= _order(*self.where):
             return  # the phase it already folds (the retained message again), or an older one
         self._open(payload, persist=True)
 
     def _open(self, payload: bytes, *, persist: bool) -> None:
+        """Fold the phase `payload` opens: with the uploads journaled for it (after a restart, or ones that
+        arrived before the phase message), whose progress goes to the coordinator (again: it is idempotent)."""
         msg = shard_wire.decode(payload, "phase", self._max_control())
-        machine = RoundMachine(self.cfg, self._encode, clock=lambda: 0.0, **self._machine_args)
-        machine.restore(msg["machine"])
+        self.cfg = FederationConfig.from_dict(msg["machine"]["cfg"])
+        self.policy = shard_wire.policy_of(msg["policy"])
+        check_mergeable(self.cfg, self.policy)  # the coordinator checked too: a shard of another version may not
+        self.limits = shard_wire.limits_of(msg["limits"])
+        self.members = frozenset(msg["members"]) if msg["members"] is not None else None
+        machine = self._machine(msg)
         self.machine, self.run = machine, machine.run
         self.where, self.closed, self.finished = (msg["round"], msg["phase"]), False, False
-        self.accepted, self.records, self._phase_payload = {}, [], payload
-        if self.dir is not None:
-            if persist:
-                write_checkpoint(self.dir / "phase.bin", {"payload": payload})
-            # One journal per phase: a new phase starts it again (the phase file above is the older one's end).
-            if self.journal is not None:
-                self.journal.close()
-            path = self.dir / "journal.log"
-            if persist and path.exists():
-                os.unlink(path)
-            self.journal = Journal(path, fsync=self.fsync)
-        log.info("%s: round %d %s open", self.shard, *self.where)
+        self.accepted, self.early, self._phase_payload = {}, set(), payload
+        if persist and self.dir is not None:
+            write_checkpoint(self.dir / "phase.bin", {"payload": payload})
+        here = _order(*self.where)
+        self.log.keep(lambda r: _order(r.round, r.phase) >= here)  # the closed phases' uploads go
+        for rec in self.log.records():
+            if (rec.round, rec.phase) != self.where:
+                self.early.add((rec.round, rec.phase, rec.client, rec.kind))
+                continue
+            try:
+                self._fold(rec.topic, rec.payload, journaled=True)
+            except (Drop, WireError, ValueError) as exc:
+                log.warning("%s: journaled %s from %s refused: %s", self.shard, rec.kind, rec.client, exc)
+        for key in sorted(self.accepted):
+            self._progress(*key)
+        log.info("%s: round %d %s open (%d upload(s) journaled for it)", self.shard, *self.where, len(self.accepted))
 
     def on_close(self, topic: str, payload: bytes) -> None:
         msg = self._control(topic, payload, "close")
@@ -184,16 +173,12 @@ class Shard:
         missing = keep - set(self.accepted)
         if missing:
             log.error("%s: the coordinator counts uploads this shard never folded: %s", self.shard, sorted(missing))
-        machine = RoundMachine(self.cfg, self._encode, clock=lambda: 0.0, **self._machine_args)
-        machine.restore(shard_wire.decode(self._phase_payload, "phase", self._max_control())["machine"])
+        machine = self._machine(shard_wire.decode(self._phase_payload, "phase", self._max_control()))
         assert machine.run is not None
-        records = (self.records if self.journal is None else
-                   [(r.topic, r.payload, r.client, r.kind) for r in scan(self.journal.path.read_bytes())[0]
-                    if (r.round, r.phase) == self.where])
-        for _, payload, sender, kind in records:
-            if (sender, kind) in keep:
-                msg = decode_body(read_header(payload, self.limits).open(), self.limits)
-                machine.run.add(Upload(kind), msg)
+        for rec in self.log.records():
+            if (rec.round, rec.phase) == self.where and (rec.client, rec.kind) in keep:
+                upload = decode_body(read_header(rec.payload, self.limits).open(), self.limits)
+                machine.run.add(Upload(rec.kind), upload)
         log.warning("%s: round %d %s folded again without %d upload(s) the coordinator took from elsewhere",
                     self.shard, *self.where, len(set(self.accepted) - keep))
         return machine.run
@@ -201,7 +186,7 @@ class Shard:
     # -- devices' messages ------------------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
         try:
-            self._fold(topic, payload, replay=False)
+            self._fold(topic, payload, journaled=False)
         except Drop as drop:
             self._drop(drop.reason, f"{topic}: {drop.detail}")
         except (WireError, ValueError) as exc:
@@ -210,7 +195,7 @@ class Shard:
             log.exception("unexpected error on %s", topic)
             self._drop("invalid", f"{topic}: {type(exc).__name__}: {exc}")
 
-    def _fold(self, topic: str, payload: bytes, *, replay: bool) -> None:
+    def _fold(self, topic: str, payload: bytes, *, journaled: bool) -> None:
         client = topics.client_of(topic)
         if self.members is not None and client not in self.members:
             raise Drop("not_member", f"'{client}' is not a member of this federation")
@@ -222,10 +207,12 @@ class Shard:
             return
         if head.kind not in UPLOAD_KINDS:
             raise Drop("unexpected_kind", f"{head.kind} from {client}")
+        if _order(head.round, head.phase) > _order(*self.where):
+            self._hold(topic, payload, head.round, head.phase, client, head.kind)
+            return
         if self.run is None or self.closed or (head.round, head.phase) != self.where:
-            raise Drop("stale" if self._order(head.round, head.phase) <= self._order(*self.where) else "early",
-                       f"{head.kind} for round {head.round}/{head.phase}; this shard folds {self.where}"
-                       + (" (closed)" if self.closed else ""))
+            raise Drop("stale", f"{head.kind} for round {head.round}/{head.phase}; this shard folds {self.where}"
+                                + (" (closed)" if self.closed else ""))
         key = (client, head.kind)
         if key in self.accepted:
             self._progress(*key)  # the coordinator may not have heard it (a restart): idempotent
@@ -236,13 +223,20 @@ class Shard:
         self.run.add(Upload(head.kind), msg)  # checks all of it, then folds
         self.accepted[key] = len(payload)
         self.folded += 1
-        if replay:
-            return
-        if self.journal is not None:
-            self.journal.append(topic, payload, client, head.kind, head.round, head.phase)
-        else:
-            self.records.append((topic, payload, client, head.kind))
-        self._progress(*key)
+        if not journaled:
+            self.log.append(topic, payload, client, head.kind, head.round, head.phase)
+            self._progress(*key)
+
+    def _hold(self, topic: str, payload: bytes, round_: int, phase: str, client: str, kind: str) -> None:
+        """An upload for a phase this shard has not heard of yet (it restarted, and its session delivered the
+        upload before the retained phase message): journaled, and folded when that phase opens."""
+        if round_ > self.where[0] + 1 or phase not in _PHASES:
+            raise Drop("wrong_phase", f"{kind} for round {round_}/{phase}; this shard folds {self.where}")
+        key = (round_, phase, client, kind)
+        if key in self.early:
+            raise Drop("duplicate", f"second {kind} from {client} for round {round_}/{phase}")
+        self.log.append(topic, payload, client, kind, round_, phase)
+        self.early.add(key)
 
     def _progress(self, sender: str, kind: str) -> None:
         self.transport.publish(topics.shards(self.fed, "progress", self.shard), shard_wire.encode(
@@ -250,12 +244,15 @@ class Shard:
             nbytes=self.accepted[(sender, kind)]))
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _order(self, round_: int, phase: str) -> tuple[int, int]:
-        phases = [p.value for p in (Phase.PROTO, Phase.TRAIN)]
-        return round_, phases.index(phase) if phase in phases else -1
+    def _machine(self, msg: dict[str, Any]) -> RoundMachine:
+        """The coordinator's machine at the phase's boundary (this shard folds with its `run`)."""
+        assert self.cfg is not None
+        machine = RoundMachine(self.cfg, self._encode, clock=lambda: 0.0, policy=self.policy)
+        machine.restore(msg["machine"])
+        return machine
 
     def _max_control(self) -> int:
-        return max(64 << 20, 8 * self.limits.max_message_bytes)
+        return max(256 << 20, 8 * self.limits.max_message_bytes)
 
     def _encode(self, msg: Message, round_: int, phase: str) -> bytes:
         return encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)
@@ -263,3 +260,11 @@ class Shard:
     def _drop(self, reason: str, detail: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         log.info("%s dropped (%s): %s", self.shard, reason, detail)
+
+
+_PHASES = (Phase.PROTO.value, Phase.TRAIN.value)
+
+
+def _order(round_: int, phase: str) -> tuple[int, int]:
+    """Phases in the order they open: (round, its phase's place)."""
+    return round_, _PHASES.index(phase) if phase in _PHASES else -1

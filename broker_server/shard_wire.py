@@ -5,31 +5,39 @@ Every message is a msgpack map `{"v": VERSION, "k": kind, ...}` whose arrays tra
 a field of the wrong type - with a ShardWireError that says what was wrong; shapes and finiteness of a
 partial are checked where it is merged (broker_server/stages.py PhaseRun.check_partial).
 
-    phase     coordinator -> shards, retained: the machine at the open phase's boundary (the model, its
-              clipping radii, the round and phase), or finished
+    phase     coordinator -> shards, retained: the machine at the open phase's boundary (its config, the
+              model, the clipping radii, the round and phase), the clipping policy, the decoder limits and
+              the member list: all a shard needs to fold as the coordinator would (no config of its own)
     close     coordinator -> shards, retained: the phase is closing; which uploads each shard's partial holds
     progress  shard -> coordinator: it folded (sender, kind) of round/phase, nbytes long
     partial   shard -> coordinator, retained: its partial phase over exactly the uploads `close` gave it
     partials  (the coordinator's journal only) every shard's partial, as merged
+    hello     shard -> coordinator, retained: it is subscribed (sent after its subscriptions, so the broker
+              has them): a coordinator announces the federation only once every shard said it
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
 
+from protofl.algorithms.robust import ClipPolicy
 from protofl.checkpoint import pack_tree, unpack_tree
 from protofl.errors import WireError
+from protofl.wire import Limits
 
 VERSION = 1
-KINDS = ("phase", "close", "progress", "partial", "partials")
+KINDS = ("phase", "close", "progress", "partial", "partials", "hello")
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "phase": {"round": int, "phase": str, "finished": bool, "machine": (dict, type(None))},
+    "phase": {"round": int, "phase": str, "finished": bool, "machine": (dict, type(None)), "policy": dict,
+              "limits": dict, "members": (list, type(None))},
     "close": {"round": int, "phase": str, "assignment": dict},
     "progress": {"shard": str, "round": int, "phase": str, "sender": str, "kind": str, "nbytes": int},
     "partial": {"shard": str, "round": int, "phase": str, "uploads": int, "part": dict},
     "partials": {"round": int, "phase": str, "parts": dict},  # the coordinator's journal: every shard's, merged
+    "hello": {"shard": str},
 }
 
 
@@ -60,3 +68,17 @@ def decode(payload: bytes, kind: str, max_bytes: int) -> dict[str, Any]:
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise ShardWireError(f"{kind} message: field '{name}' is {type(value).__name__}")
     return msg
+
+
+def policy_of(fields: dict[str, Any]) -> ClipPolicy:
+    try:
+        return ClipPolicy(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ShardWireError(f"phase message: clipping policy {fields}: {exc}") from None
+
+
+def limits_of(fields: dict[str, Any]) -> Limits:
+    names = {f.name for f in dataclasses.fields(Limits)}
+    if set(fields) != names or not all(isinstance(v, int) and v > 0 for v in fields.values()):
+        raise ShardWireError(f"phase message: decoder limits {fields}, expected positive {sorted(names)}")
+    return Limits(**fields)

@@ -158,9 +158,12 @@ class Aggregator:
         self.subscribe()
 
     def subscribe(self) -> None:
+        for pattern, handler in self.subscriptions():
+            self.transport.subscribe(pattern, handler)
+
+    def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
         """What the aggregator listens to: devices' `up/` topics and their presence."""
-        self.transport.subscribe(topics.up_all(self.fed), self.on_message)
-        self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
+        return [(topics.up_all(self.fed), self.on_message), (topics.presence_all(self.fed), self.on_presence)]
 
     def reconnected(self) -> None:
         """The broker connection came back: presence seen meanwhile is stale (wills of a restarted broker),

@@ -31,8 +31,7 @@ def federate(cfg: Any, shards: int, policy: ClipPolicy | None = None,
         agg: Any = Aggregator(cfg, FED, broker.connect("server"), expected_clients=CLIENTS, policy=policy)
     else:
         agg = Coordinator(cfg, FED, broker.connect("server"), shards=shards, expected_clients=CLIENTS, policy=policy)
-        workers = [Shard(cfg, FED, broker.connect(shard_id(i)), shard=shard_id(i), policy=policy)
-                   for i in range(shards)]
+        workers = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in range(shards)]
     agg.start()
     for w in workers:
         w.start()
@@ -89,5 +88,35 @@ def test_a_technique_that_is_not_mergeable_is_refused_with_its_reason() -> None:
     cfg = make_config("fedproto", median_prototypes=True, num_classes=4, proto_dim=8, adapter_rank=2)
     with pytest.raises(NotMergeable, match="median_proto.*cannot run on sharded aggregators"):
         Coordinator(cfg, FED, InProcessBroker().connect("server"), shards=2)
-    with pytest.raises(NotMergeable):
-        Shard(cfg, FED, InProcessBroker().connect("s"), shard=shard_id(0))
+
+
+def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> None:
+    """Shard 0 stops mid-round (its connection gone, its object dropped, as a SIGKILL leaves it); a new
+    one on the same state dir folds its journal again and says again what it has: nothing is lost, nothing
+    counted twice (tests/broker_server/test_shards_mqtt.py does it with real processes and Mosquitto)."""
+    cfg = config("fedproto")
+    one, _ = federate(cfg, 0)
+    broker = InProcessBroker()
+    coord = Coordinator(cfg, FED, broker.connect("server"), shards=2, expected_clients=CLIENTS)
+    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i), state_dir=tmp_path / str(i)) for i in (0, 1)]
+    coord.start()
+    for s in shards:
+        s.start()
+    devices = [NumpyDevice(c, i, cfg, broker.connect(c)) for i, c in enumerate(CLIENTS)]
+    for d in devices:
+        d.join()
+    restarted = False
+    while broker.pump(1):
+        phase = coord.machine.phase
+        if not restarted and coord.round == 2 and phase is not None and shards[0].accepted \
+                and len(phase.received) == 2:
+            shards[0].transport.close()
+            shards[0].close()
+            shards[0] = Shard(FED, broker.connect("shard-0-again"), shard=shard_id(0), state_dir=tmp_path / "0")
+            shards[0].start()
+            assert shards[0].where == (2, "train") and shards[0].accepted  # from its journal
+            restarted = True
+    assert restarted and coord.finished, coord.dropped
+    assert not coord.dropped
+    assert_close(model_state(one.model), model_state(coord.model))
+    assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
