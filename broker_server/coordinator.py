@@ -45,7 +45,35 @@ class Coordinator(Aggregator):
         self.shards = [shard_id(i) for i in range(shards)]
         self._parts: dict[str, dict[str, Any]] = {}  # the closing phase's partials received so far
         self._waiting: dict[str, list[tuple[str, bytes]]] = {}  # progress of devices whose join is not in yet
-        self.on_phase_published: Callable[[bytes], None] | None = None
+        self._closing_since: float | None = None  # when the open phase began waiting for partials
+        self._said = 0.0
+
+    def start(self, resume: bool = False) -> None:
+        if not resume:  # a previous federation's phase, close and partials must not reach this one's shards
+            for topic in (topics.shards(self.fed, "phase"), topics.shards(self.fed, "close"),
+                          *(topics.shards(self.fed, "partial", s) for s in self.shards)):
+                self.transport.publish(topic, b"", retain=True)
+        super().start(resume)
+        if resume and not self.finished:
+            # The phase message may not have gone out before the crash (it follows the boundary's checkpoint);
+            # a shard that has it already ignores it.
+            self._publish_phase()
+
+    def tick(self, now: float | None = None) -> None:
+        super().tick(now)
+        open_ = self.machine.phase
+        if open_ is None or not open_.closing:
+            self._closing_since = None
+            return
+        t = self.clock() if now is None else now
+        if self._closing_since is None:
+            self._closing_since = self._said = t
+        elif t - self._said >= 30:
+            self._said = t
+            log.warning("round %d %s: waiting %.0f s for the partials of shard(s) %s (a shard that died is restarted "
+                        "by `start`; on another machine, run its `protofl-server shard` command again)", self.round,
+                        open_.phase.value, t - self._closing_since,
+                        ", ".join(s for s in self.shards if s not in self._parts))
 
     def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
         """Not the uploads (the shards have those): what the shards send, and devices' presence."""
@@ -143,13 +171,11 @@ class Coordinator(Aggregator):
         """The machine at this phase boundary, for the shards (before the round message goes to devices)."""
         m = self.machine
         payload = shard_wire.encode("phase", round=m.round, phase=m.phase.phase.value if m.phase else "",
-                                    finished=m.finished, machine=m.snapshot() if m.phase is not None else None,
+                                    finished=m.finished, machine=m.phase_state() if m.phase is not None else None,
                                     policy=dataclasses.asdict(m.model.policy), limits=dataclasses.asdict(self.limits),
                                     members=sorted(self.members) if self.members is not None else None)
         self._waiting = {}  # progress of devices that never joined in the phase that closed
         self.transport.publish(topics.shards(self.fed, "phase"), payload, retain=True)
-        if self.on_phase_published is not None:
-            self.on_phase_published(payload)
 
     def replay(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
         if kind not in (PROGRESS, PARTIALS):

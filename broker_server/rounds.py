@@ -674,6 +674,20 @@ class RoundMachine:
         return {"cfg": self.cfg.to_dict(), "machine": to_plain(self.state),
                 "model": to_plain(self.model), "rules": rules}
 
+    def phase_state(self) -> dict[str, Any]:
+        """Sharded aggregators: the state the open phase began with, as `snapshot()` has it, for the shards
+        (also mid-phase, after a restart: what the phase received is left out, and nothing a shard folds
+        with - model, radii, rules - changes before the phase closes)."""
+        open_ = self.state.phase
+        received, owners = (open_.received, open_.owners) if open_ is not None else ({}, {})
+        try:
+            if open_ is not None:
+                open_.received, open_.owners = {}, {}
+            return self.snapshot()
+        finally:
+            if open_ is not None:
+                open_.received, open_.owners = received, owners
+
     def restore(self, saved: dict[str, Any]) -> None:
         """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the
         journal after it is replayed."""

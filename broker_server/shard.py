@@ -111,12 +111,16 @@ class Shard:
             return None
 
     def on_phase(self, topic: str, payload: bytes) -> None:
-        msg = self._control(topic, payload, "phase")
+        msg = self._control(topic, payload, "phase") if payload else None  # empty: cleared by a new coordinator
         if msg is None:
             return
         if msg["finished"]:
             self.finished, self.run = True, None
             return
+        if _order(msg["round"], msg["phase"]) < _order(*self.where):
+            log.warning("%s: the coordinator opens round %d %s, before this shard's round %d %s: a shard's state "
+                        "dir belongs to one federation; start it with a new --state-dir for a new one", self.shard,
+                        msg["round"], msg["phase"], *self.where)
         if _order(msg["round"], msg["phase"]) <= _order(*self.where):
             return  # the phase it already folds (the retained message again), or an older one
         self._open(payload, persist=True)
@@ -151,7 +155,7 @@ class Shard:
         log.info("%s: round %d %s open (%d upload(s) journaled for it)", self.shard, *self.where, len(self.accepted))
 
     def on_close(self, topic: str, payload: bytes) -> None:
-        msg = self._control(topic, payload, "close")
+        msg = self._control(topic, payload, "close") if payload else None
         if msg is None:
             return
         if (msg["round"], msg["phase"]) != self.where or self.run is None:

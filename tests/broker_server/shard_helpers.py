@@ -21,7 +21,8 @@ FULL_MODEL = 40  # fedavg's model length (the server knows none: the first uploa
 
 
 class NumpyDevice:
-    """A device that joins, and answers every round message with seeded uploads the plan asks for."""
+    """A device that joins, and answers every round message with seeded uploads the plan asks for (the same
+    ones when it is asked again)."""
 
     def __init__(self, name: str, index: int, cfg: FederationConfig, transport: Transport) -> None:
         self.name, self.index, self.cfg, self.t = name, index, cfg, transport
@@ -48,9 +49,9 @@ class NumpyDevice:
         if msg.final:
             self.done = True
             return
+        # Asked again (a restarted server announces its round again): the uploads again, as a real device does.
         key = (head.round, head.phase)
-        if key in self.sent:
-            return
+        again = key in self.sent
         self.sent.add(key)
         phase = Phase(head.phase)
         rng = np.random.default_rng([self.index, head.round, self.plan.phases.index(phase)])
@@ -58,7 +59,7 @@ class NumpyDevice:
             up = self.upload(kind, phase, head.round, rng)
             for _ in range(2 if self.twice else 1):
                 self.send(up, head.round, head.phase)
-        if phase is self.plan.phases[-1] and self.index % 2 == 0:  # (varies which shard gets what)
+        if phase is self.plan.phases[-1] and self.index % 2 == 0 and not again:  # (varies which shard gets what)
             self.send(Metrics(n_local=10, correct_local=5, n_test=10, correct_test=5), head.round, "")
 
     def upload(self, kind: Upload, phase: Phase, round_: int, rng: np.random.Generator) -> Any:

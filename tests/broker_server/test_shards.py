@@ -120,3 +120,43 @@ def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> 
     assert not coord.dropped
     assert_close(model_state(one.model), model_state(coord.model))
     assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
+
+
+@pytest.mark.parametrize("when", ["mid_phase", "closing"])
+def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: Any, when: str) -> None:
+    """The coordinator (with its journal and checkpoint) dies mid-phase, or while it waits for the partials;
+    restarted, it replays the shards' progress (and merged partials), asks again, and ends as one aggregator."""
+    from broker_server.durable import DurableState
+
+    cfg = config("fedproto")
+    one, _ = federate(cfg, 0)
+    broker = InProcessBroker()
+
+    def coordinator(name: str) -> tuple[Coordinator, DurableState]:
+        c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS)
+        durable = DurableState(tmp_path / "agg", FED)
+        durable.bind(c)
+        c.start(resume=durable.restore())
+        return c, durable
+
+    coord, durable = coordinator("server")
+    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
+    for s in shards:
+        s.start()
+    for i, c in enumerate(CLIENTS):
+        NumpyDevice(c, i, cfg, broker.connect(c)).join()
+    restarted = False
+    while broker.pump(1):
+        phase = coord.machine.phase
+        ready = phase is not None and coord.round == 2 and (
+            len(phase.received) == 3 if when == "mid_phase" else bool(phase.closing))
+        if not restarted and ready:
+            coord.transport.close()
+            durable.close()
+            coord, durable = coordinator("server-again")
+            assert coord.round == 2 and coord.machine.phase is not None
+            restarted = True
+    durable.close()
+    assert restarted and coord.finished, coord.dropped
+    assert_close(model_state(one.model), model_state(coord.model))
+    assert [record_state(r)[:5] for r in one.records] == [record_state(r)[:5] for r in coord.records]
