@@ -44,7 +44,7 @@ class Coordinator(Aggregator):
         super().__init__(cfg, fed, transport, sharded=True, **kwargs)
         self.shards = [shard_id(i) for i in range(shards)]
         self._parts: dict[str, dict[str, Any]] = {}  # the closing phase's partials received so far
-        self._waiting: dict[str, list[tuple[str, bytes]]] = {}  # progress of devices whose join is not in yet
+        self._waiting: dict[str, list[Progress]] = {}  # progress of devices whose join is not in yet
         self._closing_since: float | None = None  # when the open phase began waiting for partials
         self._said = 0.0
 
@@ -89,30 +89,36 @@ class Coordinator(Aggregator):
         self.on_message(topics.up(self.fed, client), payload)
 
     def on_progress(self, topic: str, payload: bytes) -> None:
-        inp = self._progress_input(topic, payload)
-        if inp is None:
-            return
+        for inp in self._progress_inputs(topic, payload):
+            self._place(inp)
+
+    def _place(self, inp: Progress) -> None:
+        """One upload a shard folded, placed by the machine (journaled alone: a replay needs no batch)."""
         try:
             self.machine.accepts(inp)
         except Drop as drop:
             if drop.reason == "unknown_client" and inp.round >= self.round:
                 # Its join travels through another shard and may arrive after this: placed once it has.
-                self._waiting.setdefault(inp.sender, []).append((topic, payload))
+                self._waiting.setdefault(inp.sender, []).append(inp)
                 return
-        self._handle(inp, (topic, payload, inp.sender, PROGRESS, inp.round, inp.phase),
-                     f"{inp.kind} of {inp.sender} from {inp.shard}")
+        body = shard_wire.encode("progress", shard=inp.shard, round=inp.round, phase=inp.phase,
+                                 entries=[[inp.sender, inp.kind, inp.nbytes]])
+        self._handle(inp, (topics.shards(self.fed, "progress", inp.shard), body, inp.sender, PROGRESS, inp.round,
+                           inp.phase), f"{inp.kind} of {inp.sender} from {inp.shard}")
 
-    def _progress_input(self, topic: str, payload: bytes) -> Progress | None:
+    def _progress_inputs(self, topic: str, payload: bytes) -> list[Progress]:
         try:
-            msg = shard_wire.decode(payload, "progress", 1 << 16)
+            msg = shard_wire.decode(payload, "progress", self._max_control())
+            entries = shard_wire.progress_entries(msg)
         except WireError as exc:
             self._drop("malformed", f"{topic}: {exc}", len(payload))
-            return None
+            return []
         if msg["shard"] not in self.shards or topic != topics.shards(self.fed, "progress", msg["shard"]):
-            self._drop("invalid", f"{topic}: progress of '{msg['shard']}', not one of {len(self.shards)} shards",
-                       len(payload))
-            return None
-        return Progress(msg["shard"], msg["sender"], msg["kind"], msg["round"], msg["phase"], msg["nbytes"])
+            self._drop("invalid", f"{topic}: progress of '{msg['shard']}', not one of this federation's shards "
+                                  f"({', '.join(self.shards)})", len(payload))
+            return []
+        return [Progress(msg["shard"], sender, kind, msg["round"], msg["phase"], nbytes)
+                for sender, kind, nbytes in entries]
 
     def on_partial(self, topic: str, payload: bytes) -> None:
         open_ = self.machine.phase
@@ -149,8 +155,8 @@ class Coordinator(Aggregator):
     def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], where: str) -> None:
         super()._handle(inp, entry, where)
         if isinstance(inp, Received) and isinstance(inp.msg, Join) and inp.env.sender in self._waiting:
-            for topic, payload in self._waiting.pop(inp.env.sender):
-                self.on_progress(topic, payload)
+            for waiting in self._waiting.pop(inp.env.sender):
+                self._place(waiting)
 
     def _run(self, effects: list[Effect], *, live: bool) -> None:
         for effect in effects:
@@ -181,17 +187,18 @@ class Coordinator(Aggregator):
         if kind not in (PROGRESS, PARTIALS):
             super().replay(topic, payload, client, kind, round_, phase)
             return
-        inp: Input | None
+        inputs: list[Input]
         if kind == PROGRESS:
-            inp = self._progress_input(topic, payload)
+            inputs = list(self._progress_inputs(topic, payload))
         else:
             msg = shard_wire.decode(payload, "partials", self._max_control())
-            inp = Partials(msg["round"], msg["phase"], msg["parts"])
-        try:
-            if inp is not None and self.machine.accepts(inp):
-                self._run(self.machine.apply(inp), live=False)
-        except Drop as drop:
-            log.warning("journaled %s (round %d) was refused on replay: %s", kind, round_, drop.detail)
+            inputs = [Partials(msg["round"], msg["phase"], msg["parts"])]
+        for inp in inputs:
+            try:
+                if self.machine.accepts(inp):
+                    self._run(self.machine.apply(inp), live=False)
+            except Drop as drop:
+                log.warning("journaled %s (round %d) was refused on replay: %s", kind, round_, drop.detail)
 
     def _max_control(self) -> int:
         return max(64 << 20, 8 * self.limits.max_message_bytes * max(1, len(self.shards)))

@@ -61,7 +61,7 @@ class Shard:
     clipping policy, decoder limits and member list with the machine's state."""
 
     def __init__(self, fed: str, transport: Transport, *, shard: str, state_dir: Path | str | None = None,
-                 fsync: bool = True, group_commit: bool = False) -> None:
+                 fsync: bool = True, group_commit: bool = False, batch: bool = False) -> None:
         self.fed, self.transport, self.shard = fed, transport, shard
         self.limits = DEFAULT_LIMITS  # the envelope of a phase message; the federation's come with it
         self.members: frozenset[str] | None = None
@@ -79,6 +79,10 @@ class Shard:
         self.early: set[tuple[int, str, str, str]] = set()  # journaled for a later phase: (round, phase, sender, kind)
         self._phase_payload = b""
         self._partial_payload = b""
+        # batch: progress waits for `flush()` (the service calls it after each batch the transport pumps),
+        # one message for many uploads; otherwise it goes out at once.
+        self.batch = batch
+        self._pending: list[list[Any]] = []
         self.dropped: dict[str, int] = {}
         self.folded = 0
 
@@ -136,6 +140,7 @@ class Shard:
         self.members = frozenset(msg["members"]) if msg["members"] is not None else None
         machine = self._machine(msg)
         self.machine, self.run = machine, machine.run
+        self.flush()  # the previous phase's progress goes out with its own round and phase
         self.where, self.closed, self.finished = (msg["round"], msg["phase"]), False, False
         self.accepted, self.early, self._phase_payload = {}, set(), payload
         if persist and self.dir is not None:
@@ -163,6 +168,7 @@ class Shard:
         if self.closed:
             self.transport.publish(topics.shards(self.fed, "partial", self.shard), self._partial_payload, retain=True)
             return
+        self.flush()
         mine = {(str(s), str(k)) for s, k in msg["assignment"].get(self.shard, [])}
         run = self.run if mine == set(self.accepted) else self._refold(mine)
         self.closed = True
@@ -243,9 +249,17 @@ class Shard:
         self.early.add(key)
 
     def _progress(self, sender: str, kind: str) -> None:
-        self.transport.publish(topics.shards(self.fed, "progress", self.shard), shard_wire.encode(
-            "progress", shard=self.shard, round=self.where[0], phase=self.where[1], sender=sender, kind=kind,
-            nbytes=self.accepted[(sender, kind)]))
+        self._pending.append([sender, kind, self.accepted[(sender, kind)]])
+        if not self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        """Tell the coordinator what this shard folded since the last flush: one message (a batch's worth)."""
+        for start in range(0, len(self._pending), PROGRESS_BATCH):
+            self.transport.publish(topics.shards(self.fed, "progress", self.shard), shard_wire.encode(
+                "progress", shard=self.shard, round=self.where[0], phase=self.where[1],
+                entries=self._pending[start:start + PROGRESS_BATCH]))
+        self._pending = []
 
     # -- helpers ----------------------------------------------------------------------------------
     def _machine(self, msg: dict[str, Any]) -> RoundMachine:
@@ -267,6 +281,7 @@ class Shard:
 
 
 _PHASES = (Phase.PROTO.value, Phase.TRAIN.value)
+PROGRESS_BATCH = 4096  # uploads per progress message at most (about 100 KB)
 
 
 def _order(round_: int, phase: str) -> tuple[int, int]:

@@ -41,7 +41,7 @@ class ShardService:
         self.transport = MqttTransport(broker, client_id or shard_user(fed, index), persistent_session=True,
                                        resume_session=True, deliver="pump", protocol=protocol, manual_ack=True)
         self.shard = Shard(fed, self.transport, shard=shard_id(index), state_dir=state_dir, fsync=fsync,
-                           group_commit=True)
+                           group_commit=True, batch=True)
         self.transport.before_ack = self.shard.sync  # journaled before any of a batch is acknowledged
         self._stop = threading.Event()
 
@@ -57,6 +57,7 @@ class ShardService:
     def run(self, until_finished: bool = True) -> None:
         while not self._stop.is_set():
             self.transport.pump(0.2)
+            self.shard.flush()  # one progress message for what the pump took in
             if until_finished and self.shard.finished:
                 return
 

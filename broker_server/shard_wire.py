@@ -9,7 +9,8 @@ partial are checked where it is merged (broker_server/stages.py PhaseRun.check_p
               model, the clipping radii, the round and phase), the clipping policy, the decoder limits and
               the member list: all a shard needs to fold as the coordinator would (no config of its own)
     close     coordinator -> shards, retained: the phase is closing; which uploads each shard's partial holds
-    progress  shard -> coordinator: it folded (sender, kind) of round/phase, nbytes long
+    progress  shard -> coordinator: it folded these uploads of round/phase: [[sender, kind, nbytes], ...]
+              (one message per batch the shard took in)
     partial   shard -> coordinator, retained: its partial phase over exactly the uploads `close` gave it
     partials  (the coordinator's journal only) every shard's partial, as merged
     hello     shard -> coordinator, retained: it is subscribed (sent after its subscriptions, so the broker
@@ -34,7 +35,7 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "phase": {"round": int, "phase": str, "finished": bool, "machine": (dict, type(None)), "policy": dict,
               "limits": dict, "members": (list, type(None))},
     "close": {"round": int, "phase": str, "assignment": dict},
-    "progress": {"shard": str, "round": int, "phase": str, "sender": str, "kind": str, "nbytes": int},
+    "progress": {"shard": str, "round": int, "phase": str, "entries": list},  # [[sender, kind, nbytes], ...]
     "partial": {"shard": str, "round": int, "phase": str, "uploads": int, "part": dict},
     "partials": {"round": int, "phase": str, "parts": dict},  # the coordinator's journal: every shard's, merged
     "hello": {"shard": str},
@@ -82,3 +83,15 @@ def limits_of(fields: dict[str, Any]) -> Limits:
     if set(fields) != names or not all(isinstance(v, int) and v > 0 for v in fields.values()):
         raise ShardWireError(f"phase message: decoder limits {fields}, expected positive {sorted(names)}")
     return Limits(**fields)
+
+
+def progress_entries(msg: dict[str, Any]) -> list[tuple[str, str, int]]:
+    """A progress message's uploads, checked: (sender, kind, nbytes) each."""
+    out = []
+    for entry in msg["entries"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], str) and isinstance(entry[2], int) and not isinstance(entry[2], bool)
+                and entry[2] >= 0):
+            raise ShardWireError(f"progress message: entry {entry!r} is not [sender, kind, bytes]")
+        out.append((entry[0], entry[1], entry[2]))
+    return out
