@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from broker_server import shard_wire
 from broker_server.rounds import Boundary, Drop, Effect, Gather, Input, Partials, Progress, Received
-from broker_server.shard import shard_id
+from broker_server.shard import shard_id, site_shard
 from broker_server.shell import Aggregator
 from broker_server.stages import check_mergeable
 from protofl import topics
@@ -37,12 +37,18 @@ PROGRESS, PARTIALS = "progress", "partials"
 
 
 class Coordinator(Aggregator):
-    def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *, shards: int, **kwargs: Any) -> None:
-        if shards < 1:
-            raise ValueError(f"a sharded federation needs at least 1 shard, got {shards}")
+    """`shards` shards fold the uploads on this broker; each of `sites` is a site pre-aggregator (a shard at a
+    site broker bridged to this one, named site-<name>) that folds its site's. Without shards the coordinator
+    folds this broker's uploads itself and merges the sites' partials into them."""
+
+    def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *, shards: int,
+                 sites: Sequence[str] = (), **kwargs: Any) -> None:
+        if shards < 0 or (shards == 0 and not sites):
+            raise ValueError(f"a sharded federation needs at least 1 shard or site, got {shards} and {list(sites)}")
         check_mergeable(cfg, kwargs.get("policy"))  # NotMergeable, with its reason, before anything runs
         super().__init__(cfg, fed, transport, sharded=True, **kwargs)
-        self.shards = [shard_id(i) for i in range(shards)]
+        self.direct = shards == 0  # this broker's uploads come to the coordinator itself
+        self.shards = [shard_id(i) for i in range(shards)] + [site_shard(s) for s in sites]
         self._parts: dict[str, dict[str, Any]] = {}  # the closing phase's partials received so far
         self._waiting: dict[str, list[Progress]] = {}  # progress of devices whose join is not in yet
         self._closing_since: float | None = None  # when the open phase began waiting for partials
@@ -76,8 +82,9 @@ class Coordinator(Aggregator):
                         ", ".join(s for s in self.shards if s not in self._parts))
 
     def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
-        """Not the uploads (the shards have those): what the shards send, and devices' presence."""
-        return [(topics.shards(self.fed, "relay", "+"), self.on_relay),
+        """Not the uploads (the shards have those, unless `direct`): what the shards send, and devices' presence."""
+        return [*([(topics.up_all(self.fed), self.on_message)] if self.direct else []),
+                (topics.shards(self.fed, "relay", "+"), self.on_relay),
                 (topics.presence_all(self.fed), self.on_presence),
                 (topics.shards(self.fed, "progress", "+"), self.on_progress),
                 (topics.shards(self.fed, "partial", "+"), self.on_partial)]

@@ -141,17 +141,17 @@ class FederationSecrets:
 
 
 def shard_acl(fed: str, shards: int) -> list[str]:
-    """Aggregator shard i reads the uploads (through the shared subscription) and the coordinator's phase and
-    close messages; it writes only its own progress and partial, and relays devices' joins and metrics."""
-    lines = []
-    for index in range(shards):
-        lines += [f"user {shard_user(fed, index)}", f"topic read {topics.up(fed, '+')}",
-                  f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
-                  f"topic write {topics.shards(fed, 'progress', f'shard-{index}')}",
-                  f"topic write {topics.shards(fed, 'hello', f'shard-{index}')}",
-                  f"topic write {topics.shards(fed, 'partial', f'shard-{index}')}",
-                  f"topic write {topics.shards(fed, 'relay', '+')}", ""]
-    return lines
+    return [line for index in range(shards) for line in shard_user_acl(fed, shard_user(fed, index), f"shard-{index}")]
+
+
+def shard_user_acl(fed: str, user: str, shard: str) -> list[str]:
+    """An aggregator shard (`shard`, logged in as `user`) reads the uploads (through the shared subscription) and
+    the coordinator's phase and close messages; it writes only its own progress, partial and hello, and relays
+    devices' joins and metrics."""
+    return [f"user {user}", f"topic read {topics.up(fed, '+')}",
+            f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
+            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello")),
+            f"topic write {topics.shards(fed, 'relay', '+')}", ""]
 
 
 def acl_text(fed: str, shards: int = 0) -> str:

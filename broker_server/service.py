@@ -80,7 +80,7 @@ class AggregatorService:
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
                  on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
-                 shards: int = 0) -> None:
+                 shards: int = 0, sites: Sequence[str] = ()) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -107,8 +107,8 @@ class AggregatorService:
                                       max_clients=max_clients, on_round_end=self._round_end,
                                       on_metrics=self._metrics, offline_grace=offline_grace,
                                       limits=limits)  # None: the aggregator derives them from the config
-        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, **common) if shards
-                           else Aggregator(cfg, fed, self.transport, **common))
+        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites, **common)
+                           if shards or sites else Aggregator(cfg, fed, self.transport, **common))
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
                                transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)

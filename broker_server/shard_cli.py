@@ -22,7 +22,10 @@ def shard_cli(
     broker: str = typer.Option(..., help="The coordinator's broker: mqtt://host:port, mqtts://... (or the unix "
                                          "socket of the broker `start` spawned)."),
     fed: str = typer.Option("default", help="Federation name (the coordinator's --fed)."),
-    index: int = typer.Option(..., help="This shard's number, 0..N-1 for a coordinator started with --shards N."),
+    index: int | None = typer.Option(None, help="This shard's number, 0..N-1 for a coordinator started with "
+                                                "--shards N."),
+    site: str | None = typer.Option(None, help="Instead of --index: pre-aggregate site NAME's uploads on its site "
+                                               "broker (--broker; the coordinator's start --sites NAME)."),
     state_dir: Path = typer.Option(..., "--state-dir", help="This shard's journal and open phase (run the same "
                                    "command again after a crash: it resumes from them)."),
     credentials: Path | None = typer.Option(None, help="The shard's credentials file: STATE_DIR/security/shards/"
@@ -46,7 +49,7 @@ def shard_cli(
     logging.getLogger("protofl.shard").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
         check_name(fed, "--fed")
-        if index < 0:
+        if index is not None and index < 0:
             raise ProtoFLError(f"--index must be >= 0, got {index}")
         options = parse_broker_url(broker)
         if credentials is not None:
@@ -57,7 +60,7 @@ def shard_cli(
                 options = options.with_federation_ca(found.ca_pem, f"--credentials {credentials}")
         else:
             options = options.with_auth(username, password, tls_ca, tls_cert, tls_key)
-        service = ShardService(fed, options, index=index, state_dir=state_dir)
+        service = ShardService(fed, options, index=index, site=site, state_dir=state_dir)
     except (ProtoFLError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

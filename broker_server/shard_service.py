@@ -24,8 +24,10 @@ from typing import IO, Literal
 from broker_server import shard_wire
 from broker_server.broker import _die_with_parent
 from broker_server.security import shard_user
-from broker_server.shard import Shard, shard_id
+from broker_server.shard import Shard, shard_id, site_shard
+from broker_server.site import site_aggregator_user
 from protofl import topics
+from protofl.errors import ConfigError
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport
 
@@ -35,12 +37,18 @@ log = logging.getLogger("protofl.shard")
 class ShardService:
     """Shard `index` of federation `fed` against a broker, until the federation finishes or `stop()`."""
 
-    def __init__(self, fed: str, broker: BrokerOptions, *, index: int, state_dir: Path | str,
-                 protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
-                 fsync: bool = True) -> None:
-        self.transport = MqttTransport(broker, client_id or shard_user(fed, index), persistent_session=True,
+    def __init__(self, fed: str, broker: BrokerOptions, *, index: int | None = None, site: str | None = None,
+                 state_dir: Path | str, protocol: Literal["auto", "5", "3.1.1"] = "auto",
+                 client_id: str | None = None, fsync: bool = True) -> None:
+        """Shard `index` on the core broker, or the pre-aggregator of `site` on that site's broker."""
+        if (index is None) == (site is None):
+            raise ConfigError("a shard is either --index I (on the core broker) or --site NAME (a site's "
+                              "pre-aggregator, on the site broker)")
+        name, user = ((shard_id(index), shard_user(fed, index)) if index is not None else
+                      (site_shard(str(site)), site_aggregator_user(fed, str(site))))
+        self.transport = MqttTransport(broker, client_id or user, persistent_session=True,
                                        resume_session=True, deliver="pump", protocol=protocol, manual_ack=True)
-        self.shard = Shard(fed, self.transport, shard=shard_id(index), state_dir=state_dir, fsync=fsync,
+        self.shard = Shard(fed, self.transport, shard=name, state_dir=state_dir, fsync=fsync,
                            group_commit=True, batch=True)
         self.transport.before_ack = self.shard.sync  # journaled before any of a batch is acknowledged
         self._stop = threading.Event()

@@ -22,6 +22,7 @@ from broker_server.security import read_allow_list
 from protofl import cli_options
 from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.names import check_name
 from protofl.plan import RoundPlan
 from protofl.presets import preset_names
 
@@ -104,6 +105,9 @@ def start_command(
                                       "as children restarted when they die; --no-spawn-shards waits for N `protofl-"
                                       "server shard` processes on other machines (their credentials: STATE_DIR/"
                                       "security/shards/)."),
+    sites: str | None = typer.Option(None, "--sites", help="Pre-aggregated sites, NAME,...: each site's broker "
+                                     "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
+                                     "devices' uploads there and sends one partial per phase."),
     shard_credentials: Path | None = typer.Option(None, "--shard-credentials", help="--broker with --shards: the "
                                                   "directory of shard-I.json credentials (broker-config --shards N "
                                                   "writes it) the spawned shards use."),
@@ -135,7 +139,8 @@ def start_command(
         # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
         own = broker is None
         watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
-        sharding = Sharding(shards, spawn_shards, shard_credentials)
+        site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
+        sharding = Sharding(shards, spawn_shards, shard_credentials, site_names)
         sharding.check(cfg, policy, external_broker=broker is not None, secured=username is not None)
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password,
                None if own else tls_ca, None if own else tls_cert, None if own else tls_key, connect_timeout, policy,
@@ -181,11 +186,12 @@ class Sharding:
     shards: int = 0
     spawn: bool = True
     credentials: Path | None = None  # with --broker: the shards' credentials files (broker-config --shards N)
+    sites: tuple[str, ...] = ()  # pre-aggregated sites (broker_server/site.py)
 
     def check(self, cfg: Any, policy: Any, *, external_broker: bool, secured: bool) -> None:
         from broker_server.stages import check_mergeable
 
-        if not self.shards:
+        if not self.shards and not self.sites:
             if self.credentials is not None:
                 raise ConfigError("--shard-credentials is for --shards N")
             return
@@ -524,7 +530,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                                     policy=policy, max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir, board=board, metrics=metrics,
                                     broker_restarts=broker_restarts if broker_is_ours else None,
-                                    shards=sharding.shards)
+                                    shards=sharding.shards, sites=sharding.sites)
         live.append(service)
         sharding.spawn_here(stack, fed, broker, state_dir, auth if broker_is_ours else None, connect_timeout)
 

@@ -160,3 +160,67 @@ def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: An
     assert restarted and coord.finished, coord.dropped
     assert_close(model_state(one.model), model_state(coord.model))
     assert [record_state(r)[:5] for r in one.records] == [record_state(r)[:5] for r in coord.records]
+
+
+def bridge(core: InProcessBroker, site: InProcessBroker, lines: list[str]) -> dict[str, int]:
+    """Mosquitto's bridge as `site.bridge_topics` configures it, in process: `out` topics from the site broker
+    to the core, `in` topics from the core to the site (retained ones kept retained); counts what went up."""
+    up: dict[str, int] = {}
+    to_core, to_site = core.connect("bridge"), site.connect("bridge")
+    for line in lines:
+        _, pattern, direction, _ = line.split()
+
+        def forward(topic: str, payload: bytes, direction: str = direction) -> None:
+            parts = topic.split("/")
+            what = parts[3] if parts[2] == "shards" else parts[2]  # up, presence, round, ..., progress, partial
+            if direction == "out":
+                up[what] = up.get(what, 0) + 1
+            (to_core if direction == "out" else to_site).publish(topic, payload,
+                                                                 retain=what not in ("up", "relay", "progress"))
+        (to_site if direction == "out" else to_core).subscribe(pattern, forward)
+    return up
+
+
+@pytest.mark.parametrize("preset", ["fedproto", "refprotofl"])
+def test_a_pre_aggregated_site_gives_one_aggregators_result(preset: str) -> None:
+    """Two devices on the core broker, three at a site whose pre-aggregator folds their uploads there: over
+    the bridge go its progress batches, one partial per phase, the relayed joins and metrics, never an upload;
+    the coordinator folds the core's uploads itself and merges the site's partial: one aggregator's result."""
+    from broker_server.shard import site_shard
+    from broker_server.site import bridge_topics
+
+    cfg = config(preset)
+    one, _ = federate(cfg, 0)
+    core, site = InProcessBroker(), InProcessBroker()
+    coord = Coordinator(cfg, FED, core.connect("server"), shards=0, sites=["a"], expected_clients=CLIENTS)
+    up = bridge(core, site, bridge_topics(FED, "a"))
+    pre = Shard(FED, site.connect("pre"), shard=site_shard("a"), batch=True)
+    coord.start()
+    pre.start()
+    devices = [NumpyDevice(c, i, cfg, (core if i < 2 else site).connect(c)) for i, c in enumerate(CLIENTS)]
+    for d in devices:
+        d.join()
+    while core.pump() + site.pump():
+        pre.flush()  # as the shard service does after each batch it pumped
+    assert coord.finished, (coord.round, coord.dropped, pre.dropped)
+    assert not coord.dropped and not pre.dropped
+    assert pre.folded == 3 * cfg.rounds * len(coord.machine.plan.phases)
+    assert_close(model_state(one.model), model_state(coord.model))
+    assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
+    phases = cfg.rounds * len(coord.machine.plan.phases)
+    assert up.get("up", 0) == 0 and up["partial"] == phases and up["progress"] <= phases
+
+
+@pytest.mark.usefixtures("installed")
+def test_start_refuses_shards_for_a_technique_that_does_not_merge_before_starting_anything(tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from broker_server.cli import app
+
+    run = CliRunner().invoke(app, ["start", "--preset", "fedproto-median", "--shards", "2", "--port", "0",
+                                   "--state-dir", str(tmp_path / "s")])
+    assert run.exit_code == 2 and "MedianAggregator" in run.output and "run one aggregator" in run.output, run.output
+    assert not (tmp_path / "s").exists()  # no broker, no credentials
+    bad = CliRunner().invoke(app, ["shard", "--broker", "mqtt://127.0.0.1:1", "--index", "0", "--site", "a",
+                                   "--state-dir", str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "either --index I" in bad.output, bad.output
