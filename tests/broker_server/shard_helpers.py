@@ -36,6 +36,17 @@ class NumpyDevice:
     def join(self) -> None:
         self.send(Join(arch="cnn", n_samples=10 + self.index), 0, "")
 
+    def join_when_announced(self) -> None:
+        """Join once the server's retained config is here, as a real device does (over MQTT the server's
+        subscriptions are in place by then: it announces after subscribing, on the same connection)."""
+        joined: list[bool] = []
+
+        def on_config(topic: str, payload: bytes) -> None:
+            if payload and not joined:
+                joined.append(True)
+                self.join()
+        self.t.subscribe(topics.config(FED), on_config)
+
     def send(self, msg: Any, round_: int, phase: str) -> None:
         self.t.publish(topics.up(FED, self.name), encode_message(msg, fed=FED, sender=self.name, round=round_,
                                                                  phase=phase))

@@ -82,14 +82,6 @@ def test_a_copy_on_another_shard_is_counted_once() -> None:
     assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
 
 
-@pytest.mark.usefixtures("installed")
-def test_a_technique_that_is_not_mergeable_is_refused_with_its_reason() -> None:
-    from protofl.presets import make_config
-    cfg = make_config("fedproto", median_prototypes=True, num_classes=4, proto_dim=8, adapter_rank=2)
-    with pytest.raises(NotMergeable, match="median_proto.*cannot run on sharded aggregators"):
-        Coordinator(cfg, FED, InProcessBroker().connect("server"), shards=2)
-
-
 def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> None:
     """Shard 0 stops mid-round (its connection gone, its object dropped, as a SIGKILL leaves it); a new
     one on the same state dir folds its journal again and says again what it has: nothing is lost, nothing
@@ -212,10 +204,15 @@ def test_a_pre_aggregated_site_gives_one_aggregators_result(preset: str) -> None
 
 
 @pytest.mark.usefixtures("installed")
-def test_start_refuses_shards_for_a_technique_that_does_not_merge_before_starting_anything(tmp_path: Any) -> None:
+def test_a_technique_that_does_not_merge_is_refused_with_its_reason_before_anything_starts(tmp_path: Any) -> None:
     from typer.testing import CliRunner
 
     from broker_server.cli import app
+    from protofl.presets import make_config
+
+    cfg = make_config("fedproto", median_prototypes=True, num_classes=4, proto_dim=8, adapter_rank=2)
+    with pytest.raises(NotMergeable, match="median_proto.*cannot run on sharded aggregators"):
+        Coordinator(cfg, FED, InProcessBroker().connect("server"), shards=2)
 
     run = CliRunner().invoke(app, ["start", "--preset", "fedproto-median", "--shards", "2", "--port", "0",
                                    "--state-dir", str(tmp_path / "s")])

@@ -148,3 +148,52 @@ def test_a_shard_killed_mid_round_resumes_and_the_result_is_one_aggregators(tmp_
     assert [{k: v for k, v in r.items() if k not in strip} for r in one_rounds] == \
         [{k: v for k, v in r.items() if k not in strip} for r in two_rounds]
     assert "dropped uploads none" in text, text
+
+
+@pytest.mark.slow
+def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) -> None:
+    """A site Mosquitto bridged to the core Mosquitto with `site.bridge_topics` (uploads stay at the site): the
+    site's pre-aggregator (`ShardService --site`) folds its three devices' uploads, the coordinator the two
+    core devices' and merges the site's partial; the result is one aggregator's."""
+    from broker_server.broker import MosquittoBroker
+    from broker_server.service import AggregatorService
+    from broker_server.shard_service import ShardService
+    from broker_server.site import bridge_topics
+    from tests.broker_server.mqtt_helpers import ServiceThread
+    from tests.broker_server.shard_helpers import assert_close, model_state, record_state
+    from tests.broker_server.test_shards import CLIENTS, federate
+
+    cfg = config("fedproto")
+    one, _ = federate(cfg, 0)
+    core = MosquittoBroker(workdir=tmp_path / "core").start()
+    site = None
+    transports: list[MqttTransport] = []
+    try:
+        site = MosquittoBroker(workdir=tmp_path / "site", extra_config=[
+            f"connection protofl-{FED}-a", f"address 127.0.0.1:{core.port}", "bridge_protocol_version mqttv311",
+            "try_private true", "cleansession false", "notifications false", *bridge_topics(FED, "a")]).start()
+        pre = ShardService(FED, parse_broker_url(site.url), site="a", state_dir=tmp_path / "pre", fsync=False)
+        pre.start(10)
+        pre_thread = threading.Thread(target=pre.run, daemon=True)
+        pre_thread.start()
+        service = AggregatorService(cfg, FED, parse_broker_url(core.url), expected_clients=CLIENTS, sites=["a"],
+                                    log_grace=0.1)
+        server = ServiceThread(service, timeout=120).start()  # returns once the site's hello came over the bridge
+        for i, name in enumerate(CLIENTS):
+            t = MqttTransport(parse_broker_url((core if i < 2 else site).url), name, backoff=Backoff(0.1, 1.0))
+            transports.append(t.connect(10))
+            NumpyDevice(name, i, cfg, t).join_when_announced()
+        server.join(120)
+        pre_thread.join(10)
+        assert service.finished and not service.aggregator.dropped, service.aggregator.dropped
+        assert pre.shard.folded == 3 * cfg.rounds and not pre.shard.dropped, pre.shard.dropped
+        assert_close(model_state(one.model), model_state(service.aggregator.model))
+        assert [record_state(r) for r in one.records] == [record_state(r) for r in service.aggregator.records]
+        service.close()
+        pre.close()
+    finally:
+        for t in transports:
+            t.close()
+        for b in (site, core):
+            if b is not None:
+                b.stop()
