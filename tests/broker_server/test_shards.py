@@ -16,6 +16,7 @@ from tests.test_external_technique import installed  # noqa: F401  (a fixture)
 from broker_server.coordinator import Coordinator
 from broker_server.shard import Shard, shard_id
 from broker_server.shell import Aggregator
+from broker_server.watch.observer import FederationObserver
 from protofl.presets import PRESETS
 from protofl.transport import InProcessBroker
 from tests.broker_server.shard_helpers import FED, NumpyDevice, assert_close, config, model_state, record_state
@@ -23,8 +24,8 @@ from tests.broker_server.shard_helpers import FED, NumpyDevice, assert_close, co
 CLIENTS = [f"d{i}" for i in range(5)]
 
 
-def federate(cfg: Any, shards: int, policy: ClipPolicy | None = None,
-             twice: bool = False) -> tuple[Any, list[Shard]]:
+def federate(cfg: Any, shards: int, policy: ClipPolicy | None = None, twice: bool = False,
+             observe: bool = False) -> tuple[Any, list[Shard]]:
     broker = InProcessBroker()
     workers: list[Shard] = []
     if shards == 0:
@@ -32,6 +33,8 @@ def federate(cfg: Any, shards: int, policy: ClipPolicy | None = None,
     else:
         agg = Coordinator(cfg, FED, broker.connect("server"), shards=shards, expected_clients=CLIENTS, policy=policy)
         workers = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in range(shards)]
+    if observe:
+        agg.observer = FederationObserver(agg)
     agg.start()
     for w in workers:
         w.start()
@@ -58,6 +61,19 @@ def test_two_and_three_shards_give_one_aggregators_result(preset: str) -> None:
         assert all(s.folded for s in shards)  # every shard had a share
         assert_close(model_state(one.model), model_state(coord.model), f"{preset}/{n} shards")
         assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
+
+
+def test_watchers_see_the_uploads_the_shards_folded() -> None:
+    """What `status` and /metrics show (the service thread's observer) counts the shards' uploads as one
+    aggregator's: per kind, per member, with each member's last upload."""
+    cfg = config("refprotofl")
+    one, _ = federate(cfg, 0, observe=True)
+    coord, _ = federate(cfg, 2, observe=True)
+    assert coord.observer.accepted == one.observer.accepted and sum(coord.observer.accepted.values()) > 0
+    ours = {m.id: (m.uploads, m.last_upload.round, m.last_upload.kind, m.last_upload.bytes)
+            for m in coord.observer.members()}
+    assert ours == {m.id: (m.uploads, m.last_upload.round, m.last_upload.kind, m.last_upload.bytes)
+                    for m in one.observer.members()}
 
 
 @pytest.mark.parametrize("preset", ["fedproto", "fedavg"])
