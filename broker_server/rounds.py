@@ -677,16 +677,20 @@ class RoundMachine:
     def phase_state(self) -> dict[str, Any]:
         """Sharded aggregators: the state the open phase began with, as `snapshot()` has it, for the shards
         (also mid-phase, after a restart: what the phase received is left out, and nothing a shard folds
-        with - model, radii, rules - changes before the phase closes)."""
-        open_ = self.state.phase
+        with - model, radii, rules - changes before the phase closes). Without the clients and the round
+        records, which a shard does not read and which grow with the fleet and the rounds."""
+        s, open_ = self.state, self.state.phase
+        kept = (s.clients, s.departed, s.leaving, s.records)
         received, owners = (open_.received, open_.owners) if open_ is not None else ({}, {})
         try:
+            s.clients, s.departed, s.leaving, s.records = {}, {}, set(), []
             if open_ is not None:
-                open_.received, open_.owners = {}, {}
+                open_.received, open_.owners, expected, open_.expected = {}, {}, open_.expected, set()
             return self.snapshot()
         finally:
+            s.clients, s.departed, s.leaving, s.records = kept
             if open_ is not None:
-                open_.received, open_.owners = received, owners
+                open_.received, open_.owners, open_.expected = received, owners, expected
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the
