@@ -234,14 +234,20 @@ def broker_config(
     devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N."),
     shards: int = typer.Option(0, help="Credentials (and ACL) for aggregator shards 0..N-1: shards/shard-I.json, for "
                                        "`protofl-server shard --credentials` on each shard's machine."),
+    broker_queue: int | None = typer.Option(None, "--broker-queue", help="The max_queued_messages line printed: "
+                                            "messages the broker holds for the aggregator beyond those in flight "
+                                            "(default: from the fleet, devices x 8, at least 10000)."),
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials."""
-    from broker_server.broker import PACKET_HEADROOM
+    from broker_server.broker import PACKET_HEADROOM, SYS_INTERVAL_S
+    from broker_server.capacity import queue_for_fleet
     from broker_server.security import load_or_create, read_allow_list
     from protofl.wire import Limits
 
     try:
         ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
+        if broker_queue is not None and broker_queue < 1:
+            raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
         auth = load_or_create(out, fed, ids, shards=shards)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
@@ -252,6 +258,10 @@ def broker_config(
         *auth.mosquitto_lines(),
         "# larger packets than the aggregator decodes are refused by the broker (raise it for FedAvg on big models)",
         f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}",
+        "# messages held for the aggregator while it catches up with a round's burst; past it mosquitto drops them",
+        "# after acknowledging them (the server sees $SYS/broker/publish/messages/dropped and asks for re-sends)",
+        f"max_queued_messages {broker_queue or queue_for_fleet(len(auth.secrets.devices), 2)}",
+        f"sys_interval {SYS_INTERVAL_S}",
         f"# the server: protofl-server start --broker mqtt://HOST:PORT --fed {fed} --username {server.username} "
         f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
         f"# each device: protofl-edge join --broker mqtt://HOST:PORT "

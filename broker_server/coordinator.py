@@ -28,7 +28,7 @@ from protofl import topics
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.transport import Transport
-from protofl.wire import Join
+from protofl.wire import Envelope, Join
 
 log = logging.getLogger("protofl.server")
 
@@ -159,8 +159,8 @@ class Coordinator(Aggregator):
                          ("", body, "", PARTIALS, self.round, open_.phase.value), "the shards' partials")
 
     # -- effects and replay -------------------------------------------------------------------------
-    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], where: str) -> None:
-        super()._handle(inp, entry, where)
+    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], what: str | Envelope) -> None:
+        super()._handle(inp, entry, what)
         if isinstance(inp, Received) and isinstance(inp.msg, Join) and inp.env.sender in self._waiting:
             for waiting in self._waiting.pop(inp.env.sender):
                 self._place(waiting)
