@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole
+from broker_server.shard_cli import shard_cli
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
 from protofl.algorithms.robust import clip_text
@@ -251,6 +252,8 @@ def broker_config(
     fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
     allow: Path | None = typer.Option(None, help="Device ids, one a line: each gets credentials."),
     devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N."),
+    shards: int = typer.Option(0, help="Credentials (and ACL) for aggregator shards 0..N-1: shards/shard-I.json, for "
+                                       "`protofl-server shard --credentials` on each shard's machine."),
     broker_queue: int | None = typer.Option(None, "--broker-queue", help="The max_queued_messages line printed: "
                                             "messages the broker holds for the aggregator beyond those in flight "
                                             "(default: from the fleet, devices x 10, at least 10000)."),
@@ -265,7 +268,7 @@ def broker_config(
         ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
         if broker_queue is not None and broker_queue < 1:
             raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
-        auth = load_or_create(out, fed, ids)
+        auth = load_or_create(out, fed, ids, shards=shards)
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
@@ -286,11 +289,15 @@ def broker_config(
         f"# watchers: protofl-server status --broker mqtt://HOST:PORT --credentials {auth.monitor_file} "
         f"(read-only: the server's status and summary topics)",
         f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
+        *([f"# aggregator shards: protofl-server shard --broker mqtt://HOST:PORT --fed {fed} --index I --credentials "
+           f"{auth.directory / 'shards'}/shard-I.json --state-dir DIR; the server: start ... --shards "
+           f"{len(auth.secrets.shard_passwords)} --no-spawn-shards"] if auth.secrets.shard_passwords else []),
     ]))
 
 
 app.command("start")(start_command)  # the long-running service, in its own module
 app.command("status")(status_command)  # watching it: broker_server/watch/
+app.command("shard")(shard_cli)  # one aggregator shard of a `start --shards N` federation
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from broker_server.progress import accuracies
-from broker_server.rounds import Received, RoundRecord
+from broker_server.rounds import Progress, Received, RoundRecord
 from broker_server.watch.snapshot import LEFT, NOT_JOINED, OFFLINE, ONLINE, Member, RoundRow, Snapshot, Upload
 from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
@@ -56,12 +56,18 @@ class FederationObserver:
 
     # -- events (service thread) ----------------------------------------------------------------
     def on_applied(self, inp: Input) -> None:
+        if isinstance(inp, Progress):  # an upload a shard folded (sharded aggregators: its encoding stays there)
+            self._upload(inp.sender, Upload(inp.round, inp.phase, inp.kind, inp.nbytes, "", time.time()))
+            return
         if not isinstance(inp, Received) or not isinstance(inp.msg, (ProtoUpload, ParamsUpload)):
             return
         env = inp.env
-        self.accepted[env.kind] = self.accepted.get(env.kind, 0) + 1
-        self._uploads[env.sender] = self._uploads.get(env.sender, 0) + 1
-        self._last[env.sender] = Upload(env.round, env.phase, env.kind, inp.nbytes, encoding(inp.msg), time.time())
+        self._upload(env.sender, Upload(env.round, env.phase, env.kind, inp.nbytes, encoding(inp.msg), time.time()))
+
+    def _upload(self, sender: str, upload: Upload) -> None:
+        self.accepted[upload.kind] = self.accepted.get(upload.kind, 0) + 1
+        self._uploads[sender] = self._uploads.get(sender, 0) + 1
+        self._last[sender] = upload
 
     def on_round_logged(self, rec: RoundRecord, metrics: Mapping[str, Metrics]) -> dict[str, float | None]:
         """A closed round's metrics are in (or their grace passed): its accuracies, kept for the history."""

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from protofl.errors import ConfigError
+from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
 from protofl.technique import Option, ServerRule, ServerState, Technique, flag, is_number
 
@@ -101,8 +102,10 @@ def select_topk(theta_local: np.ndarray, theta_global: np.ndarray, k: int) -> Sp
     return SparseVector(n=d, indices=idx, values=local[idx].astype(np.float32))
 
 
-class ApudAggregator:
+class ApudAggregator(Additive):
     """Alg. 2 as a stream: coordinate-wise |D_k|-weighted mean over the clients that sent each coordinate."""
+
+    additive = ("_num", "_den", "_count")  # mergeable across aggregator shards
 
     def __init__(self, theta_global: np.ndarray) -> None:
         g = np.asarray(theta_global)
