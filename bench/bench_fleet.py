@@ -157,6 +157,22 @@ def read_event(proc: subprocess.Popen[str], event: str, timeout: float) -> dict[
     raise TimeoutError(f"generator {proc.pid}: no '{event}' within {timeout:.0f} s")
 
 
+def wait_server(server: subprocess.Popen[bytes], progress: list[Path], stall: float, timeout: float) -> bool:
+    """Wait for the server to exit; True if nothing it writes changed for `stall` s (or `timeout` passed)."""
+    def mark() -> tuple[float, ...]:
+        return tuple(p.stat().st_mtime if p.exists() else 0.0 for p in progress)
+
+    end, last, since = time.monotonic() + timeout, mark(), time.monotonic()
+    while server.poll() is None:
+        now = time.monotonic()
+        if (m := mark()) != last:
+            last, since = m, now
+        if now - since > stall or now > end:
+            return True
+        time.sleep(1)
+    return False
+
+
 def dropped_lines(*logs: Path) -> int:
     n = 0
     for log in logs:
@@ -226,8 +242,13 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             sampler.watch("generators", g.pid)
         connected = [read_event(g, "connected", 900) for g in generators]
         connect_s = time.perf_counter() - t0
-        server.wait(args.timeout)
+        stalled = wait_server(server, [server_log, state / "rounds.jsonl"], args.stall, args.timeout)
         wall = time.perf_counter() - t0
+        if stalled:
+            server.terminate()  # a clean stop: its log says where it was
+            server.wait(60)
+            for g in generators:
+                g.terminate()
         done = [read_event(g, "done", 120) for g in generators]
     finally:
         sampler.stop()
@@ -238,7 +259,8 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     p.wait(15)
                 except subprocess.TimeoutExpired:
                     p.kill()
-    rounds = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines() if line.strip()]
+    jsonl = state / "rounds.jsonl"
+    rounds = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
     log_text = server_log.read_text(errors="replace")
     sent = sum(sum(d["uploads"].values()) for d in done)
     folded = sum(len(r["clients"]) for r in rounds)
@@ -249,6 +271,9 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     "uploads_per_s": round(len(r["clients"]) / max(r["ended"] - r["started"], 1e-9), 1),
                     "uplink_bytes": r["uplink_bytes"]} for r in rounds],
         "finished": "finished:" in log_text or f"round {args.rounds}/{args.rounds}" in log_text,
+        "stalled_s": args.stall if stalled else None,
+        "joins_seen_by_server": sum(1 for line in log_text.splitlines() if " joined (" in line),
+        "joins_sent": sum(d["joins"] for d in done),
         "server_tail": [line for line in log_text.splitlines() if "finished" in line or "dropped" in line][-3:],
         "uploads_sent": sent, "uploads_folded": folded, "resent": sum(d["resent"] for d in done),
         "connected": sum(c["connected"] for c in connected),
@@ -352,13 +377,19 @@ def row(r: dict[str, Any]) -> str:
     rounds = r["rounds"]
     closes = [x["close_s"] for x in rounds]
     rates = [x["uploads_per_s"] for x in rounds]
+    where = f"core {r['shares'][0]:,}" + (f" + {r['sites']} sites x ~{r['shares'][1]:,}" if r["sites"] else "")
+    if not rounds:
+        return (f"| {where}, {r['shards']} shard(s) | "
+                f"{r['devices']:,} | never (stalled: {r['joins_seen_by_server']:,} of {r['joins_sent']:,} joins "
+                f"reached the server) | - | {r['rss_mb'].get('server', 0):.0f} MB | "
+                f"{r['rss_mb'].get('core broker', 0):.0f} MB | {r['broker_dropped_lines']} broker drop lines | "
+                f"{r['load_avg']['mean']:.1f} | {r['commit']} |")
     quorum = all(x["closed_by"] == "quorum" and x["clients"] == r["devices"] for x in rounds) and \
         len(rounds) == r["rounds_asked"]
     lost = r["uploads_sent"] - r["uploads_folded"]
     losses = ("none" if lost == 0 and r["broker_dropped_lines"] == 0 and r["connect_failed"] == 0 else
               f"{lost} uploads not folded, {r['broker_dropped_lines']} broker drop lines, "
               f"{r['connect_failed']} never connected")
-    where = f"core {r['shares'][0]:,}" + (f" + {r['sites']} sites x ~{r['shares'][1]:,}" if r["sites"] else "")
     rss = r["rss_mb"]
     brokers = f"{rss.get('core broker', 0):.0f} MB"
     if r["sites"]:
@@ -412,7 +443,8 @@ def main() -> None:
     p.add_argument("--per-process", type=int, default=10000, help="devices per generator process")
     p.add_argument("--shards", type=int, default=0, help="start --shards N (where start has it)")
     p.add_argument("--round-timeout", type=float, default=900.0)
-    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--stall", type=float, default=180.0, help="stop a run whose server wrote nothing for this long")
     p.add_argument("--rate", action="store_true", help="the broker's own rate to a C subscriber instead: --devices "
                                                       "uploads from --publishers mosquitto_pub processes")
     p.add_argument("--publishers", type=int, default=2)
