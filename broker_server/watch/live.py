@@ -2,7 +2,10 @@
 
 `LiveWatch` is driven by `AggregatorService` on the thread that owns the aggregator. After a step that
 changed something it rebuilds the snapshot (at most every `REFRESH_S`, and every `HEARTBEAT_S` anyway,
-so readers can tell a live server from a dead one by `updated`) and hands it on:
+so readers can tell a live server from a dead one by `updated`) and hands it on. A snapshot lists every
+member, so with a large fleet it costs: it is rebuilt no more often than `COST_SHARE` of the thread's time
+allows (at 50,000 members, every few seconds rather than every `REFRESH_S`), so that watching never starves
+the aggregator it watches.
 - to the `SnapshotBoard` the HTTP servers read (metrics.py, ui.py),
 - to `state_dir/status.json` (written atomically) for `protofl-server status --state-dir`,
 - retained on `server/summary` (when it changed, at most every `SUMMARY_S`, QoS 0 and only while
@@ -39,6 +42,7 @@ HEARTBEAT_S = 2.0
 SUMMARY_S = 1.0
 SUMMARY_HEARTBEAT_S = 15.0
 STATUS_FILE = "status.json"
+COST_SHARE = 0.1  # of the service thread's time a snapshot may take at most
 
 
 class LiveWatch:
@@ -54,6 +58,7 @@ class LiveWatch:
         self.broker_restarts = broker_restarts
         self._dirty = True
         self._built = 0.0
+        self._cost = 0.0  # seconds the last refresh took
         self._summary: Snapshot | None = None  # the last one published, `updated` zeroed
         self._summary_at = 0.0
         self._summary_due = False  # a change not published yet (it came within SUMMARY_S of the last one)
@@ -78,17 +83,20 @@ class LiveWatch:
     def after_step(self, handled: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self._dirty = self._dirty or handled > 0
-        due = REFRESH_S if self._dirty else HEARTBEAT_S
-        if now - self._built >= due or (self._summary_due and now - self._summary_at >= SUMMARY_S):
+        spacing = self._cost / COST_SHARE
+        due = max(REFRESH_S if self._dirty else HEARTBEAT_S, spacing)
+        if now - self._built >= due or (self._summary_due and now - self._summary_at >= max(SUMMARY_S, spacing)):
             self.refresh(now)
 
     def refresh(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
+        t0 = time.perf_counter()
         snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0)
         self._built, self._dirty = now, False
         self.board.publish(snap)
         self._write_status(snap)
         self._publish_summary(snap, now)
+        self._cost = time.perf_counter() - t0
         return snap
 
     def stopped(self) -> None:

@@ -125,6 +125,7 @@ class FederationObserver:
 
     def _log_changes(self, members: tuple[Member, ...]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""
+        online = sum(1 for x in members if x.state == ONLINE)  # once: a join burst logs thousands of lines
         for member in members:
             before = self._states.get(member.id)
             self._states[member.id] = member.state
@@ -133,7 +134,7 @@ class FederationObserver:
             if member.state == ONLINE:
                 what = "is back" if before in (OFFLINE, LEFT) else "joined"
                 log.info("device %s %s (%s, %d samples); %d online", member.id, what, member.arch or "default arch",
-                         member.n_samples, sum(1 for x in members if x.state == ONLINE))
+                         member.n_samples, online)
             elif member.state == OFFLINE:
                 left = max(0.0, (member.grace_ends or 0.0) - time.time())
                 log.info("device %s went offline; it keeps its place in the round for %.0f s", member.id, left)
