@@ -419,6 +419,11 @@ def write_report(out: Path) -> None:
         "|---|---|---|---|---|---|---|---|---|",
         *(row(r) for r in runs),
         "",
+    ]
+    notes = RESULTS / "notes.md"  # what the runs showed, in words (kept by hand beside the JSONs)
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    lines += [
         "## Runs",
         "",
     ]
