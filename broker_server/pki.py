@@ -3,8 +3,9 @@
 `protofl-server start` generates, once per federation, a CA (an EC P-256 key and a self-signed
 certificate, valid 10 years) and a broker certificate it signs, in `security/tls/` (keys 0600). The CA
 certificate travels in each device's credentials file; `protofl-edge join --credentials` then speaks TLS
-and accepts only a broker whose certificate this CA signed. The CA signs nothing else, so a certificate it
-signed is this federation's broker whatever address a device used: devices do not match host names (see
+and accepts only a broker whose certificate this CA signed. The CA signs nothing but the federation's brokers
+(the core's, and site brokers': `ensure_site_tls`), so a certificate it signed is one of this federation's
+brokers whatever address a device used: devices do not match host names (see
 BrokerOptions.with_federation_ca). The broker certificate still names the listen host, this machine's
 host name and loopback, for tools that do match names (mosquitto_sub --cafile).
 
