@@ -276,6 +276,8 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "joins_sent": sum(d["joins"] for d in done),
         "server_tail": [line for line in log_text.splitlines() if "finished" in line or "dropped" in line][-3:],
         "uploads_sent": sent, "uploads_folded": folded, "resent": sum(d["resent"] for d in done),
+        "asked_again": {"joins": sum(d.get("asked_join", 0) for d in done),
+                        "uploads": sum(d.get("asked_uploads", 0) for d in done)},
         "connected": sum(c["connected"] for c in connected),
         "connect_failed": sum(c["connect_failed"] for c in connected),
         "disconnected": sum(d["disconnected"] for d in done),
@@ -431,7 +433,8 @@ def write_report(out: Path) -> None:
         lines.append(f"- `{r['command']}` ({r['date']}): " + (
             f"{r['uploads_per_s']:,.0f} uploads/s, {r['seconds']} s" if r["kind"] == "rate" else
             f"rounds {[(x['round'], x['clients'], x['closed_by'], x['close_s']) for x in r['rounds']]}, "
-            f"sent {r['uploads_sent']:,} folded {r['uploads_folded']:,} re-sent {r['resent']}, connected "
+            f"sent {r['uploads_sent']:,} folded {r['uploads_folded']:,} re-sent {r['resent']} (asked again by the "
+            f"server: {r.get('asked_again', {})}), connected "
             f"{r['connected']:,} in {r['connect_s']} s ({r['generator_processes']} generator processes), "
             f"server ready in {r['server_ready_s']} s, wall {r['wall_s']} s, RSS {r['rss_mb']}, "
             f"generator errors {r['generator_errors'] or 'none'}"))

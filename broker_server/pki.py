@@ -121,8 +121,12 @@ def _ensure_ca(out: FederationTls, fed: str) -> tuple[x509.Certificate, _Key]:
 
 def _ensure_broker_cert(out: FederationTls, fed: str, wanted: list[str], ca: tuple[x509.Certificate, _Key]) -> None:
     current = _load(out.broker_cert, out.broker_key)
-    if current is None or not _signed_by(current[0], ca[0]) or not set(wanted) <= _names(current[0]):
+    if current is None or not _signed_by(current[0], ca[0]):
         _save(_broker_certificate(fed, wanted, ca), out.broker_cert, out.broker_key)
+    elif not set(wanted) <= _names(current[0]):
+        # Names it held stay (a site's bridge dials the core by one of them: broker-config --bridge added it).
+        held = [n for n in sorted(_names(current[0])) if n not in wanted]
+        _save(_broker_certificate(fed, [*wanted, *held], ca), out.broker_cert, out.broker_key)
 
 
 def _load(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, _Key] | None:
