@@ -374,8 +374,8 @@ def git_head() -> str:
 
 def row(r: dict[str, Any]) -> str:
     if r["kind"] == "rate":
-        return (f"| broker only (mosquitto_sub) | {r['devices']:,} | - | {r['uploads_per_s']:,.0f} | - | "
-                f"{r['broker_rss_mb']:.0f} MB | - | - | {r['commit']} |")
+        return (f"| broker only (mosquitto_pub to mosquitto_sub) | {r['devices']:,} | - | - | "
+                f"{r['uploads_per_s']:,.0f} | - | {r['broker_rss_mb']:.0f} MB | - | - | {r['commit']} |")
     rounds = r["rounds"]
     closes = [x["close_s"] for x in rounds]
     rates = [x["uploads_per_s"] for x in rounds]
@@ -383,7 +383,7 @@ def row(r: dict[str, Any]) -> str:
     if not rounds:
         return (f"| {where}, {r['shards']} shard(s) | "
                 f"{r['devices']:,} | never (stalled: {r['joins_seen_by_server']:,} of {r['joins_sent']:,} joins "
-                f"reached the server) | - | {r['rss_mb'].get('server', 0):.0f} MB | "
+                f"reached the server) | - | - | {r['rss_mb'].get('server', 0):.0f} MB | "
                 f"{r['rss_mb'].get('core broker', 0):.0f} MB | {r['broker_dropped_lines']} broker drop lines | "
                 f"{r['load_avg']['mean']:.1f} | {r['commit']} |")
     quorum = all(x["closed_by"] == "quorum" and x["clients"] == r["devices"] for x in rounds) and \
@@ -393,12 +393,13 @@ def row(r: dict[str, Any]) -> str:
               f"{lost} uploads not folded, {r['broker_dropped_lines']} broker drop lines, "
               f"{r['connect_failed']} never connected")
     rss = r["rss_mb"]
+    alone = f"{r['broker_rate']['uploads_per_s']:,.0f}" if r.get("broker_rate") else "-"
     brokers = f"{rss.get('core broker', 0):.0f} MB"
     if r["sites"]:
         brokers += f" + sites {rss.get('site brokers', 0):.0f} MB"
     return (f"| {where}, {r['shards']} shard(s) | {r['devices']:,} | "
             f"{min(closes):.2f}-{max(closes):.2f} s{'' if quorum else ' (NOT all at quorum)'} | "
-            f"{min(rates):,.0f}-{max(rates):,.0f} | {rss.get('server', 0):.0f} MB | {brokers} | {losses} | "
+            f"{min(rates):,.0f}-{max(rates):,.0f} | {alone} | {rss.get('server', 0):.0f} MB | {brokers} | {losses} | "
             f"{r['load_avg']['mean']:.1f} (max {r['load_avg']['max']:.1f}) | {r['commit']} |")
 
 
@@ -417,8 +418,9 @@ def write_report(out: Path) -> None:
         "process and any shard processes). Load: the 1-minute load average during the run (2 cores, shared with",
         "other sessions' tests and benchmarks, so figures are noisy).",
         "",
-        "| setup | devices | round close at quorum | uploads/s | server RSS | broker RSS | losses | load | commit |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setup | devices | round close at quorum | uploads/s | broker alone | server RSS | broker RSS | losses "
+        "| load | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(row(r) for r in runs),
         "",
     ]
@@ -456,6 +458,7 @@ def main() -> None:
     p.add_argument("--rate", action="store_true", help="the broker's own rate to a C subscriber instead: --devices "
                                                       "uploads from --publishers mosquitto_pub processes")
     p.add_argument("--publishers", type=int, default=2)
+    p.add_argument("--with-rate", action="store_true", help="also measure the broker's own rate right after the run")
     p.add_argument("--label", default=None, help="result file name (default from the setup)")
     p.add_argument("--report", action="store_true", help="write bench/results/FLEET.md from the saved runs")
     args = p.parse_args()
@@ -466,6 +469,10 @@ def main() -> None:
     before = machine()
     with tempfile.TemporaryDirectory(prefix=".bench-fleet-", dir=REPO) as tmp:
         result = broker_rate(args, Path(tmp)) if args.rate else federate(args, Path(tmp))
+    if not args.rate and args.with_rate:  # the broker's own rate right after, on the same machine and load
+        with tempfile.TemporaryDirectory(prefix=".bench-fleet-", dir=REPO) as tmp:
+            same = argparse.Namespace(**{**vars(args), "devices": min(args.devices, 20000)})
+            result["broker_rate"] = broker_rate(same, Path(tmp))
     result.update(command="python -m bench.bench_fleet " + " ".join(sys.argv[1:]), machine=before,
                   load_after=Path("/proc/loadavg").read_text().split()[:3], commit=git_head(),
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds_asked=args.rounds)
