@@ -33,11 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from edge_agent.resend import ResendRequests
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
-from protofl.wire import Join, ProtoSet, ProtoUpload, RoundStart, Status, decode_message, encode_message
+from protofl.wire import Join, ProtoSet, ProtoUpload, Resend, RoundStart, Status, decode_message, encode_message
 from protofl.wire.codec import WIRE_VERSION, Envelope, pack_envelope
 
 CONNECT_CONCURRENCY = 200  # connections being set up at once per process (the broker's accept backlog is finite)
@@ -113,6 +114,8 @@ class Stats:
     joins: int = 0
     uploads: Counter[int] = field(default_factory=Counter)  # round -> uploads sent
     resent: int = 0
+    asked_join: int = 0  # the server's re-send requests honoured (the broker had dropped a join / an upload)
+    asked_uploads: int = 0
     acked: int = 0
     disconnected: int = 0
     finished: int = 0
@@ -130,6 +133,8 @@ class Device:
         self.body = fleet.bodies[hash(client_id) % len(fleet.bodies)]
         self.last_sent = 0.0
         self.done = False
+        self.last_upload: tuple[tuple[int, str], bytes] | None = None
+        self.requests = ResendRequests(fleet.fed, client_id)
 
     def _next_pid(self) -> int:
         self.pid = self.pid % 65535 + 1
@@ -201,7 +206,10 @@ class Device:
                 self.publish(topics.up(f.fed, self.id), f.join_payload(self.id))
                 if not self.subscribed:
                     self.subscribed = True
-                    self.send(subscribe_packet(self._next_pid(), [topics.public(f.fed), topics.round_(f.fed)]))
+                    self.send(subscribe_packet(self._next_pid(), [topics.public(f.fed), topics.round_(f.fed),
+                                                                  topics.down(f.fed, self.id)]))
+        elif isinstance(msg, Resend) and topic == topics.down(f.fed, self.id):
+            self._on_request(payload)
         elif isinstance(msg, RoundStart):
             if msg.final:
                 self.publish(topics.presence(f.fed, self.id), f.status("done", self.id), retain=True)
@@ -215,8 +223,23 @@ class Device:
             if key in self.handled:
                 f.stats.resent += 1
             self.handled.add(key)
-            self.publish(topics.up(f.fed, self.id), f.upload(self, env.round, env.phase))
+            self.last_upload = (key, f.upload(self, env.round, env.phase))
+            self.publish(topics.up(f.fed, self.id), self.last_upload[1])
             f.stats.uploads[env.round] += 1
+
+    def _on_request(self, payload: bytes) -> None:
+        """The server asks again for what the broker dropped (edge_agent/resend.py checks and rate-limits)."""
+        f = self.fleet
+        got = self.requests.read(payload, time.monotonic())
+        if got is None:
+            return
+        env, msg = got
+        if msg.ask == "join":
+            f.stats.asked_join += 1
+            self.publish(topics.up(f.fed, self.id), f.join_payload(self.id))
+        elif self.last_upload is not None and self.last_upload[0] == (env.round, env.phase):
+            f.stats.asked_uploads += 1
+            self.publish(topics.up(f.fed, self.id), self.last_upload[1])
 
 
 class Fleet:
@@ -288,6 +311,7 @@ def report(event: str, fleet: Fleet) -> None:
     print(json.dumps({"event": event, "pid": os.getpid(), "devices": len(fleet.devices), "connected": s.connected,
                       "connect_failed": s.connect_failed, "connect_s": round(s.connect_s, 3), "joins": s.joins,
                       "uploads": {str(k): v for k, v in sorted(s.uploads.items())}, "resent": s.resent,
+                      "asked_join": s.asked_join, "asked_uploads": s.asked_uploads,
                       "acked": s.acked, "disconnected": s.disconnected, "finished": s.finished,
                       "errors": dict(s.errors),
                       "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}), flush=True)

@@ -11,7 +11,8 @@ added to the federation (the server takes them as members). The site side gets:
   Mosquitto: retained messages keep their flag both ways), a persistent session (`cleansession false`:
   the core queues round messages for the bridge while the link is down, the site queues uploads), TLS to
   the core with the federation CA when the core serves TLS. Topics: `up/+` and `presence/+` out (joins,
-  uploads, metrics and presence, retained flags kept), `config`, `public`, `round`, `server/status` in.
+  uploads, metrics and presence, retained flags kept), `config`, `public`, `round`, `server/status` and
+  `down/+` (the server's re-send requests to one device: broker_server/resend.py) in.
   A device that vanishes at the site gets its will published by the site broker on `presence/<id>`, which
   the bridge carries to the server like any presence message. The file holds the bridge's password: 0600.
 - `passwd` and `acl`: the site's devices only, with the same per-device rights as on the core.
@@ -38,16 +39,13 @@ from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.credentials import Credentials, device_file_text
 from protofl.wire import Limits
 
-# Messages the site broker may hold for its bridge while the core is slow or unreachable, per site device:
-# a join, an upload and a metrics message of one round, with room for a second round.
-QUEUE_PER_DEVICE = 6
-MIN_QUEUE = 10000
-
 
 def bridge_topics(fed: str) -> list[str]:
-    """The bridge's topic lines: what devices publish goes up, what the server publishes comes down (QoS 1)."""
+    """The bridge's topic lines: what devices publish goes up, what the server publishes comes down (QoS 1).
+    The site broker's ACL still decides which device reads which `down/<id>`."""
     up = [topics.up(fed, "+"), topics.presence(fed, "+")]
-    down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed)]
+    down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed),
+            topics.down(fed, "+")]
     return [f"topic {t} out 1" for t in up] + [f"topic {t} in 1" for t in down]
 
 
@@ -107,11 +105,14 @@ def parse_core_url(url: str) -> BrokerOptions:
 
 def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: str, device_ids: list[str],
                       listen: tuple[str, int], tls: bool, core_ca: Path | None = None,
-                      max_packet_size: int | None = None) -> SiteBroker:
+                      max_packet_size: int | None = None, queue: int | None = None) -> SiteBroker:
     """Add site `site` and its devices to the federation's credentials in `core_dir` (the core's security
     directory: STATE/security of `protofl-server start`, or a `broker-config --out`), and write the site
-    broker's files in `out`. `tls`: the site's listener serves TLS signed by the federation CA."""
+    broker's files in `out`. `tls`: the site's listener serves TLS signed by the federation CA. `queue`: what
+    the site broker holds for its bridge while the core is slow or unreachable (default: from its devices, as
+    the core's queue for the aggregator is sized from the fleet)."""
     from broker_server import pki
+    from broker_server.capacity import queue_for_fleet
 
     check_name(site, "--bridge site name")
     core = parse_core_url(core_url)
@@ -123,6 +124,8 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
     if core_ca is not None and not core_ca.is_file():
         raise ConfigError(f"--core-ca {core_ca}: no such file")
     auth = prepare(core_dir, fed, device_ids, sites=[site])  # checks the federation before anything else is written
+    # Which devices connect through this site: the core's start sizes its queue for them, not its open files.
+    auth.secrets.site_devices[site] = sorted(set(device_ids))
     fed_tls = pki.FederationTls(core_dir / "tls")
     renewed = False
     if core.tls and core_ca is None:
@@ -158,7 +161,7 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
                   "use_username_as_clientid true"]
     packet = max_packet_size or Limits().max_message_bytes + PACKET_HEADROOM
     broker = MosquittoBroker(host, port, workdir=out, max_packet_size=packet, allow_anonymous=False,
-                             max_queued_messages=max(MIN_QUEUE, QUEUE_PER_DEVICE * len(creds)), tls=listener,
+                             max_queued_messages=queue or queue_for_fleet(len(creds), 2), tls=listener,
                              extra_config=[line for line in auth_lines if not line.startswith("allow_anonymous")]
                              + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy))
     broker.write_config()

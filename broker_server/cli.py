@@ -233,6 +233,11 @@ def broker_config(
     allow: Path | None = typer.Option(None, help="Device ids, one a line: each gets credentials."),
     devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N (with --bridge: "
                                         "SITE-device-1..SITE-device-N)."),
+    broker_queue: int | None = typer.Option(None, "--broker-queue", help="The max_queued_messages line printed: "
+                                            "messages the broker holds for the aggregator beyond those in flight "
+                                            "(default: from the fleet, devices x 8, at least 10000). With --bridge: "
+                                            "what the site broker holds for its bridge while the core is slow or "
+                                            "unreachable (default: from the site's devices, the same way)."),
     bridge: str | None = typer.Option(None, "--bridge", metavar="SITE", help="Write a site broker instead: a "
                                       "Mosquitto for the devices at site SITE (--allow/--devices), bridged to the "
                                       "core broker (--core), whose credentials in --core-dir gain the bridge's user "
@@ -252,7 +257,8 @@ def broker_config(
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials; with
     --bridge, a site broker's files (run it with: mosquitto -c OUT/mosquitto.conf)."""
-    from broker_server.broker import PACKET_HEADROOM
+    from broker_server.broker import PACKET_HEADROOM, SYS_INTERVAL_S
+    from broker_server.capacity import queue_for_fleet
     from broker_server.security import load_or_create, read_allow_list
     from protofl.wire import Limits
 
@@ -262,8 +268,10 @@ def broker_config(
                     if value is not None]
             if used:
                 raise ConfigError(f"{', '.join(used)} configure a site broker: add --bridge SITE")
-        else:
-            _site_broker(out, fed, allow, devices, bridge, core, core_dir, core_ca, listen, tls)
+        if broker_queue is not None and broker_queue < 1:
+            raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
+        if bridge is not None:
+            _site_broker(out, fed, allow, devices, bridge, core, core_dir, core_ca, listen, tls, broker_queue)
             return
         ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
         auth = load_or_create(out, fed, ids)
@@ -276,6 +284,10 @@ def broker_config(
         *auth.mosquitto_lines(),
         "# larger packets than the aggregator decodes are refused by the broker (raise it for FedAvg on big models)",
         f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}",
+        "# messages held for the aggregator while it catches up with a round's burst; past it mosquitto drops them",
+        "# after acknowledging them (the server sees $SYS/broker/publish/messages/dropped and asks for re-sends)",
+        f"max_queued_messages {broker_queue or queue_for_fleet(len(auth.secrets.devices), 2)}",
+        f"sys_interval {SYS_INTERVAL_S}",
         f"# the server: protofl-server start --broker mqtt://HOST:PORT --fed {fed} --username {server.username} "
         f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
         f"# each device: protofl-edge join --broker mqtt://HOST:PORT "
@@ -287,7 +299,7 @@ def broker_config(
 
 
 def _site_broker(out: Path, fed: str, allow: Path | None, devices: int, site: str, core: str | None,
-                 core_dir: Path | None, core_ca: Path | None, listen: str, tls: str) -> None:
+                 core_dir: Path | None, core_ca: Path | None, listen: str, tls: str, queue: int | None) -> None:
     """broker-config --bridge: the site broker's files, and what to do with them."""
     from broker_server.bridge import write_site_broker
     from broker_server.security import read_allow_list
@@ -305,7 +317,8 @@ def _site_broker(out: Path, fed: str, allow: Path | None, devices: int, site: st
     host, port = Access(listen).host_port()
     ids = read_allow_list(allow) if allow else [f"{site}-device-{i}" for i in range(1, devices + 1)]
     made = write_site_broker(core_dir, out, fed, site, core, ids, (host, port),
-                             tls=tls == "on" or (tls == "auto" and not is_loopback(host)), core_ca=core_ca)
+                             tls=tls == "on" or (tls == "auto" and not is_loopback(host)), core_ca=core_ca,
+                             queue=queue)
     scheme = "mqtts" if made.site_tls else "mqtt"
     shown = "HOST" if host in ("0.0.0.0", "::") else host
     typer.echo("\n".join([

@@ -50,6 +50,8 @@ from protofl.wire import (
 
 log = logging.getLogger("protofl.server")
 UPLOAD_KINDS = frozenset(u.value for u in Upload)
+_UPLOADS = {u.value: u for u in Upload}  # a dict lookup, not an Enum call, for every upload
+_PHASES = {p.value: p for p in Phase}
 
 # encode(message, round, phase) -> the bytes that go on the wire (their length is what is counted)
 Encode = Callable[[Message, int, str], bytes]
@@ -448,18 +450,22 @@ class RoundMachine:
         if env.sender not in s.clients:
             raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
         open_ = s.phase
-        now = f"now round {s.round}/{open_.phase.value if open_ else '-'}"
+
+        def now() -> str:  # only for a drop's line: this runs twice for every upload
+            return f"now round {s.round}/{open_.phase.value if open_ else '-'}"
+
         if open_ is None or env.round < s.round:
-            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
-        if env.phase not in {p.value for p in self.plan.phases}:
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
+        phase = _PHASES.get(env.phase)
+        if phase not in self.plan.phases:
             raise Drop("wrong_phase", f"{env.kind} for phase '{env.phase}', which this federation does not have")
-        phase = Phase(env.phase)
+        assert phase is not None
         if env.round == s.round and self.plan.phases.index(phase) < self.plan.phases.index(open_.phase):
-            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         if env.round > s.round or phase is not open_.phase:
-            raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now}")
-        kind = Upload(env.kind)
-        if kind in open_.received.get(env.sender, set()):
+            raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now()}")
+        kind = _UPLOADS[env.kind]
+        if kind in open_.received.get(env.sender, ()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
@@ -467,7 +473,7 @@ class RoundMachine:
 
     def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
         # `accepts` placed it (membership, round, phase, duplicate): not checked a second time here.
-        open_, kind = self.state.phase, Upload(env.kind)
+        open_, kind = self.state.phase, _UPLOADS[env.kind]
         assert open_ is not None
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
@@ -481,6 +487,10 @@ class RoundMachine:
         """Close the open phase when every expected client sent everything, if at least the floor did."""
         open_ = self.state.phase
         assert open_ is not None
+        # Every expected client must have sent something first: O(1), where the scan below is O(clients) and
+        # would run after every upload of a fleet (issue 27).
+        if len(open_.received) < len(open_.expected):
+            return []
         if not open_.expected or not all(open_.complete(c) for c in open_.expected):
             return []
         if len(open_.done_clients()) >= self.floor:

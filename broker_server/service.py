@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
+from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
@@ -32,7 +34,7 @@ from protofl.config import FederationConfig
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Limits, Metrics, PublicSet, Status, encode_message
+from protofl.wire import Limits, Metrics, PublicSet, Resend, Status, encode_message
 
 if TYPE_CHECKING:
     from broker_server.watch.metrics import FederationMetrics
@@ -75,7 +77,8 @@ class AggregatorService:
                  offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
-                 on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None) -> None:
+                 on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
+                 resend_window: int | None = None) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -104,6 +107,11 @@ class AggregatorService:
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
                                transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)
+        # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/resend.py).
+        self.broker_drops = BrokerDrops()
+        self.resender = Resender(resend_window or _default_window(cfg))
+        self._resend_at = 0.0
+        self.watch.resends = self._resend_counts
         self.durable: DurableState | None = None
         self.resumed = False
         self._connects = 0  # broker connections seen: a new one after the first makes presence stale
@@ -136,6 +144,7 @@ class AggregatorService:
         # only by step(), by when the aggregator's own handler is registered too.
         self.transport.subscribe(topics.up_all(self.fed), _ignore)
         self.transport.subscribe(topics.presence_all(self.fed), _ignore)
+        self.transport.subscribe(DROPPED_TOPIC, self._on_dropped)  # Mosquitto's; where it is readable
         self.aggregator.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
@@ -151,6 +160,9 @@ class AggregatorService:
             self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.aggregator.tick()
+        if n:
+            self.resender.progress(time.monotonic())
+        self._ask_resends()
         self.round_log.poll(time.time())
         self.watch.after_step(n)
         return n
@@ -187,6 +199,40 @@ class AggregatorService:
         if self.durable is not None:
             self.durable.close()
 
+    def _on_dropped(self, topic: str, payload: bytes) -> None:
+        """The broker's dropped-messages counter: new drops start a re-send episode for the open phase."""
+        new = self.broker_drops.observe(payload)
+        if not new:
+            return
+        agg = self.aggregator
+        phase = agg.machine.phase
+        where = f"round {agg.round} {phase.phase.value}" if phase is not None else f"round {agg.round} (joins)"
+        log.warning("the broker dropped %d message(s) (%d so far) in %s after acknowledging them: a queue was full "
+                    "(--broker-queue). Asking the devices that owe this phase to send again", new,
+                    self.broker_drops.total, where)
+        self.resender.alarm(agg.round, phase.phase.value if phase is not None else "")
+
+    def _ask_resends(self, now: float | None = None) -> None:
+        """Send the re-send requests that are due (at most every RESEND_TICK_S, while an episode is on)."""
+        if not self.resender.active:
+            return
+        now = time.monotonic() if now is None else now
+        if now - self._resend_at < RESEND_TICK_S:
+            return
+        self._resend_at = now
+        agg = self.aggregator
+        asks = self.resender.due(owed(agg.machine, agg.members or agg.expected_clients), now)
+        for a in asks:
+            payload = encode_message(Resend(a.ask), fed=self.fed, sender=SERVER_ID, round=a.round, phase=a.phase)
+            self.transport.publish(topics.down(self.fed, a.client), payload, qos=1)
+        if asks:
+            log.info("asked %d device(s) to re-send (%s)", len(asks), ", ".join(
+                f"{a.client} {a.ask}" for a in asks[:5]) + (", ..." if len(asks) > 5 else ""))
+            self.watch.changed()
+
+    def _resend_counts(self) -> tuple[int, int]:
+        return self.broker_drops.total, self.resender.requests
+
     def _round_end(self, rec: RoundRecord) -> None:
         self.round_log.round_end(rec)
         self.watch.round_closed(rec)
@@ -205,6 +251,13 @@ class AggregatorService:
         self.round_log.add_metrics(client, round_, msg)
         if self._user_metrics is not None:
             self._user_metrics(client, round_, msg, nbytes)
+
+
+RESEND_TICK_S = 0.1
+
+
+def _default_window(cfg: FederationConfig) -> int:
+    return resend_window(DEFAULT_QUEUE, uploads_per_phase(cfg))
 
 
 def _ignore(topic: str, payload: bytes) -> None:

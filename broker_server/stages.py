@@ -30,7 +30,7 @@ import numpy as np
 from broker_server.persist import NOT_STATE
 from protofl import registry
 from protofl.algorithms import support
-from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, clip_around
+from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, class_rows, clip_around, clip_rows
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
@@ -43,6 +43,7 @@ __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 _NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
 _ROWS = {"protos": "prototype rows", "anchors": "anchor rows", "adapter": "parameter vectors"}
 log = logging.getLogger("protofl.server")
+Seen = tuple[np.ndarray, np.ndarray]  # norms of the rows as sent (k,) and their distances to their centres (k,)
 
 
 @dataclass
@@ -90,6 +91,37 @@ class ServerModel:
         """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
         clipped, seen = self.clip(table, self.unit_on_wire(), "protos")
         return (support.reconstruct_table(clipped, self.masks) if self.masks is not None else clipped), seen
+
+    def unit_centers(self) -> np.ndarray:
+        """(C, width) float64: the unit prototypes as they travel (each cut to its support, s values in ascending
+        dims, where there are masks), the centres unit uploads are clipped around; a phase takes them once."""
+        assert self.unit is not None
+        if self.masks is None:
+            return self.unit.astype(np.float64)
+        return self.unit[self.masks].reshape(self.unit.shape[0], -1).astype(np.float64)
+
+    def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
+        """(num_classes, proto_width) float64: each class's centre in `table`, zeros where it has none; a
+        phase takes them once (they change only at its end), not once per upload."""
+        out = np.zeros((self.plan.num_classes, self.plan.proto_width))
+        for c, v in table.items():
+            out[c] = v
+        return out
+
+    def clip_rows(self, classes: np.ndarray, values: np.ndarray, centers: np.ndarray,
+                  kind: str) -> tuple[np.ndarray, Seen | None]:
+        """`clip` on the rows of a prototype set: row i of `values` (k, width), of class `classes[i]`, clipped
+        around `centers[classes[i]]` (a `center_rows` table) in one pass; the rows in float64, and what to
+        record (None with clipping off: the rows as sent)."""
+        if not self.policy.enabled:
+            return values.astype(np.float64), None
+        rows, dists, norms = clip_rows(values, centers[class_rows(classes)], self.radius(kind))
+        return rows, (norms, dists)
+
+    def record_rows(self, kind: str, seen: Seen | None) -> None:
+        """`record` for what `clip_rows` returned."""
+        if seen is not None and seen[0].shape[0]:
+            self.log(kind).record_rows(seen[0], seen[1], self.radius(kind))
 
     # -- clipping -------------------------------------------------------------------------------
     def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
@@ -171,9 +203,10 @@ def _check_protos(ps: ProtoSet | None, plan: RoundPlan, what: str) -> None:
     if ps is None:
         return
     width = ps.values.shape[1] if ps.values.ndim == 2 else 0
-    for c in ps.classes:
-        if not 0 <= int(c) < plan.num_classes:
-            raise WireError(f"{what}: class {int(c)} out of range [0, {plan.num_classes})")
+    # Classes are unique and ascending (the decoder checked): the last is the largest, and none is negative.
+    if ps.classes.size and not 0 <= int(ps.classes[0]) <= int(ps.classes[-1]) < plan.num_classes:
+        bad = ps.classes[(ps.classes < 0) | (ps.classes >= plan.num_classes)]
+        raise WireError(f"{what}: class {int(bad[0])} out of range [0, {plan.num_classes})")
     if ps.classes.size and width != plan.proto_width:
         raise WireError(f"{what} for class {int(ps.classes[0])}: expected {plan.proto_width} values, got {width}")
 

@@ -227,9 +227,22 @@ class ServerState(Protocol):
     def unit_upload(self, table: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
         """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
 
+    def unit_centers(self) -> np.ndarray:
+        """(C, width) float64: the unit prototypes as they travel, the centres of unit uploads (once a phase)."""
+
+    def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
+        """(num_classes, proto_width) float64: the centres in `table`, zero rows where none (once a phase)."""
+
     def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
              kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
         """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
+
+    def clip_rows(self, classes: np.ndarray, values: np.ndarray, centers: np.ndarray,
+                  kind: str) -> tuple[np.ndarray, Any]:
+        """`clip` on a prototype set's rows around `centers[classes]` in one pass (pure); and what to record."""
+
+    def record_rows(self, kind: str, seen: Any) -> None:
+        """`record` for what `clip_rows` returned."""
 
     def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
         """Note an accepted upload's rows (their norms set the next radius)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 ROOT = "protofl"
+SERVER_ID = "server"  # the sender of every message the server publishes
 
 
 def config(fed: str) -> str:
@@ -23,6 +24,11 @@ def up(fed: str, client_id: str) -> str:
 
 def up_all(fed: str) -> str:
     return f"{ROOT}/{fed}/up/+"
+
+
+def down(fed: str, client_id: str) -> str:
+    """One device's own inbox: the server's re-send requests (only the server may write it: the ACL)."""
+    return f"{ROOT}/{fed}/down/{client_id}"
 
 
 def presence(fed: str, client_id: str) -> str:

@@ -2,10 +2,7 @@
 
 `LiveWatch` is driven by `AggregatorService` on the thread that owns the aggregator. After a step that
 changed something it rebuilds the snapshot (at most every `REFRESH_S`, and every `HEARTBEAT_S` anyway,
-so readers can tell a live server from a dead one by `updated`) and hands it on. A snapshot lists every
-member, so with a large fleet it costs: it is rebuilt no more often than `COST_SHARE` of the thread's time
-allows (at 50,000 members, every few seconds rather than every `REFRESH_S`), so that watching never starves
-the aggregator it watches.
+so readers can tell a live server from a dead one by `updated`) and hands it on:
 - to the `SnapshotBoard` the HTTP servers read (metrics.py, ui.py),
 - to `state_dir/status.json` (written atomically) for `protofl-server status --state-dir`,
 - retained on `server/summary` (when it changed, at most every `SUMMARY_S`, QoS 0 and only while
@@ -41,8 +38,8 @@ REFRESH_S = 0.25
 HEARTBEAT_S = 2.0
 SUMMARY_S = 1.0
 SUMMARY_HEARTBEAT_S = 15.0
+COST_SHARE = 20  # a refresh waits at least this many times its last cost: watching takes <= 1/20 of the thread
 STATUS_FILE = "status.json"
-COST_SHARE = 0.1  # of the service thread's time a snapshot may take at most
 
 
 class LiveWatch:
@@ -56,14 +53,16 @@ class LiveWatch:
         self.transport = transport
         self.metrics = metrics
         self.broker_restarts = broker_restarts
+        # (messages the broker dropped, re-send requests sent) so far: set by the service (resend.py)
+        self.resends: Callable[[], tuple[int, int]] | None = None
         self._dirty = True
         self._built = 0.0
-        self._cost = 0.0  # seconds the last refresh took
         self._summary: Snapshot | None = None  # the last one published, `updated` zeroed
         self._summary_at = 0.0
         self._summary_due = False  # a change not published yet (it came within SUMMARY_S of the last one)
         self._topic = topics.server_summary(aggregator.fed)
         self._status_failed = False
+        self._cost = 0.0  # seconds the last refresh took
 
     # -- events ---------------------------------------------------------------------------------
     def round_closed(self, rec: RoundRecord) -> None:
@@ -75,6 +74,10 @@ class LiveWatch:
         self._dirty = True
         return self.observer.on_round_logged(rec, metrics)
 
+    def changed(self) -> None:
+        """Something watchers see changed outside a handled message (e.g. re-send requests went out)."""
+        self._dirty = True
+
     def observe_fsync(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.fsync.observe(seconds)
@@ -83,20 +86,24 @@ class LiveWatch:
     def after_step(self, handled: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self._dirty = self._dirty or handled > 0
-        spacing = self._cost / COST_SHARE
-        due = max(REFRESH_S if self._dirty else HEARTBEAT_S, spacing)
-        if now - self._built >= due or (self._summary_due and now - self._summary_at >= max(SUMMARY_S, spacing)):
+        # A snapshot lists every device: at a fleet's size building and encoding one takes a good part of
+        # REFRESH_S, and refreshing that often would take the thread that folds the uploads (measured at 1,000
+        # devices: half its time, issue 27). So a refresh waits at least COST_SHARE times its own last cost.
+        due = max(REFRESH_S if self._dirty else HEARTBEAT_S, self._cost * COST_SHARE)
+        if now - self._built >= due or (self._summary_due and now - self._summary_at >= max(SUMMARY_S, due)):
             self.refresh(now)
 
     def refresh(self, now: float | None = None) -> Snapshot:
+        started = time.perf_counter()
         now = time.monotonic() if now is None else now
-        t0 = time.perf_counter()
-        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0)
+        dropped, asked = self.resends() if self.resends else (0, 0)
+        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0, dropped, asked)
         self._built, self._dirty = now, False
         self.board.publish(snap)
-        self._write_status(snap)
-        self._publish_summary(snap, now)
-        self._cost = time.perf_counter() - t0
+        encoded: list[bytes] = []  # encoded once, for the status file and the summary alike
+        self._write_status(snap, encoded)
+        self._publish_summary(snap, now, encoded)
+        self._cost = time.perf_counter() - started
         return snap
 
     def stopped(self) -> None:
@@ -105,12 +112,18 @@ class LiveWatch:
         self._summary_at = float("-inf")
         self.refresh()
 
-    def _write_status(self, snap: Snapshot) -> None:
+    @staticmethod
+    def _encoded(snap: Snapshot, encoded: list[bytes]) -> bytes:
+        if not encoded:
+            encoded.append(snap.encode())
+        return encoded[0]
+
+    def _write_status(self, snap: Snapshot, encoded: list[bytes]) -> None:
         if self.status_file is None:
             return
         tmp = self.status_file.with_name(self.status_file.name + ".tmp")
         try:
-            tmp.write_bytes(snap.encode())
+            tmp.write_bytes(self._encoded(snap, encoded))
             os.replace(tmp, self.status_file)
         except OSError as exc:  # a watcher's file: the federation goes on without it
             if not self._status_failed:
@@ -118,7 +131,7 @@ class LiveWatch:
                             self.status_file, exc)
             self._status_failed = True
 
-    def _publish_summary(self, snap: Snapshot, now: float) -> None:
+    def _publish_summary(self, snap: Snapshot, now: float, encoded: list[bytes]) -> None:
         transport = self.transport
         if transport is None or not transport.connected:
             return
@@ -130,5 +143,5 @@ class LiveWatch:
             self._summary_due = True  # published by the first step once SUMMARY_S has passed
             return
         with contextlib.suppress(TransportError, ValueError):  # a watcher's message never stops the federation
-            transport.publish(self._topic, snap.encode(), retain=True, qos=0)
+            transport.publish(self._topic, self._encoded(snap, encoded), retain=True, qos=0)
             self._summary, self._summary_at, self._summary_due = same, now, False

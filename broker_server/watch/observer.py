@@ -106,7 +106,7 @@ class FederationObserver:
                                  rec.downlink_bytes, **accs))
         return tuple(rows)
 
-    def snapshot(self, broker_restarts: int = 0) -> Snapshot:
+    def snapshot(self, broker_restarts: int = 0, broker_dropped: int = 0, resend_requests: int = 0) -> Snapshot:
         agg = self.agg
         m = agg.machine
         current = m.state.current
@@ -121,7 +121,8 @@ class FederationObserver:
             uplink_bytes=sum(r.uplink_bytes for r in m.records) + (0 if m.finished else current.uplink_bytes),
             downlink_bytes=sum(r.downlink_bytes for r in m.records) + (0 if m.finished else current.downlink_bytes),
             accepted=dict(self.accepted), dropped=dict(agg.dropped), clipped=dict(agg.model.clipped),
-            history=self.history(), broker_restarts=broker_restarts, server_pid=self.pid, started=self.started)
+            history=self.history(), broker_restarts=broker_restarts, broker_dropped=broker_dropped,
+            resend_requests=resend_requests, server_pid=self.pid, started=self.started)
 
     def _log_changes(self, members: tuple[Member, ...]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""

@@ -146,6 +146,25 @@ class ApudAggregator:
             self._den += w
         self._count += 1
 
+    def add_checked(self, update: SparseVector | np.ndarray, weight: float) -> None:
+        """`add` for the update of a decoded ParamsUpload, whose indices (sorted, unique, in [0, n)) and values
+        (finite) the decoder or the message's constructor checked: only its length and the weight are checked
+        here, with no second pass over the vector (issue 27); the same sums as `add`."""
+        w = float(weight)
+        if not math.isfinite(w) or w <= 0.0:
+            raise ValueError(f"APUD: weight must be a finite number > 0 (the client's |D_k|), got {weight!r}")
+        n = update.n if isinstance(update, SparseVector) else np.shape(update)[0]
+        if n != self._d:
+            raise ValueError(f"APUD: update is for an adapter of length {n}, expected {self._d}")
+        if isinstance(update, SparseVector):
+            idx = update.indices
+            self._num[idx] += w * update.values.astype(np.float64)
+            self._den[idx] += w
+        else:
+            self._num += w * np.asarray(update, dtype=np.float64)
+            self._den += w
+        self._count += 1
+
     def result(self) -> np.ndarray:
         """theta^{t+1} as float32; coordinates nobody sent keep theta^t (eq. 7, second case)."""
         out = self._global.copy()

@@ -321,8 +321,9 @@ class AnchorFold(Fold):
 class PublicUnitFold(UnitFold):
     """Candidate (d): the unit public-set prototypes that travel with the training upload."""
 
-    def table(self, up: Any) -> dict[int, np.ndarray]:
-        pub, _ = table_of(up.public)
-        if pub:
-            check_split(pub, table_of(up.local)[0], self.model.plan.public_classes)
+    def prototypes(self, up: Any) -> ProtoSet | None:
+        pub = up.public
+        if pub is not None and pub.classes.size:
+            local = up.local.classes.tolist() if up.local is not None else []
+            check_split(dict.fromkeys(pub.classes.tolist()), dict.fromkeys(local), self.model.plan.public_classes)
         return pub

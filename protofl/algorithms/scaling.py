@@ -75,6 +75,10 @@ class ScaledAggregator:
         """Fold in one client's {c: n_kc p_kc}; a rejected upload leaves the state unchanged."""
         self._agg.add(scaled, None)
 
+    def add_rows(self, classes: np.ndarray, rows: np.ndarray) -> None:
+        """`add` for one upload as rows (PrototypeAggregator.add_rows: rows a decoded ProtoSet gave)."""
+        self._agg.add_rows(classes, rows)
+
     def check(self, scaled: Mapping[int, np.ndarray]) -> None:
         """Raise ValueError if `add` would reject this table; changes nothing."""
         self._agg.check(scaled, None)
