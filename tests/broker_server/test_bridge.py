@@ -155,11 +155,12 @@ def test_devices_at_a_bridged_site_federate_as_if_on_the_core(tmp_path: Path) ->
 
 @pytest.mark.mosquitto
 def test_a_site_devices_will_reaches_the_server_through_the_bridge(tmp_path: Path) -> None:
-    # The core as `start` serves it (generated passwords, ACL, TLS); the site from the generated config. A site
-    # device killed with SIGKILL: its will is published by the site broker and carried up by the bridge.
+    # The core as `start` serves it (generated passwords, ACL, TLS); the site from the generated config. The
+    # server's request on a site device's own down/<id> reaches it (and not another device); the device killed
+    # with SIGKILL: its will is published by the site broker and carried up by the bridge.
     core_dir, site_dir, port, site_port = tmp_path / "security", tmp_path / "site", free_port(), free_port()
     bridge_cli("--bridge", "lab", "--fed", "w", "--core", f"mqtts://127.0.0.1:{port}", "--core-dir", str(core_dir),
-               "--out", str(site_dir), "--devices", "1", "--listen", f"127.0.0.1:{site_port}")
+               "--out", str(site_dir), "--devices", "2", "--listen", f"127.0.0.1:{site_port}")
     auth = prepare(core_dir, "w")  # what start does at its next start: the bridge's user is in the files
     tls = FederationTls(core_dir / "tls")
     core = MosquittoBroker(port=port, workdir=tmp_path / "core", allow_anonymous=False, tls=tls.listener(),
@@ -178,6 +179,9 @@ def test_a_site_devices_will_reaches_the_server_through_the_bridge(tmp_path: Pat
                                   stdout=subprocess.PIPE, env=ENV, text=True)
         assert device.stdout is not None and device.stdout.readline().strip() == "online"
         wait_for(lambda: (("protofl/w/presence/lab-device-1", b"online") in seen), "the device's presence")
+        server.publish("protofl/w/down/lab-device-2", b"for another device")
+        server.publish("protofl/w/down/lab-device-1", b"send again")
+        assert device.stdout.readline().strip() == "down send again"
         device.kill()  # no DISCONNECT: the site broker publishes its will
         device.wait()
         wait_for(lambda: (("protofl/w/presence/lab-device-1", b"gone") in seen), "the device's will")
@@ -195,6 +199,7 @@ from protofl.transport.mqtt import MqttTransport, Will
 from tests.broker_server.test_bridge import device_options
 options = device_options(sys.argv[1], Path(sys.argv[2]))
 t = MqttTransport(options, options.username, will=Will("protofl/w/presence/lab-device-1", b"gone")).connect(10)
+t.subscribe("protofl/w/down/+", lambda topic, payload: print("down", payload.decode(), flush=True))
 t.publish("protofl/w/presence/lab-device-1", b"online", retain=True)
 t.flush(10)
 print("online", flush=True)
