@@ -173,6 +173,14 @@ def wait_server(server: subprocess.Popen[bytes], progress: list[Path], stall: fl
     return False
 
 
+def final_counts(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """A generator's last report (zeros, with the reason, if it died without one)."""
+    try:
+        return read_event(proc, "done", 120)
+    except (RuntimeError, TimeoutError) as exc:
+        return {"uploads": {}, "resent": 0, "disconnected": 0, "joins": 0, "errors": {str(exc): 1}}
+
+
 def dropped_lines(*logs: Path) -> int:
     n = 0
     for log in logs:
@@ -249,7 +257,7 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             server.wait(60)
             for g in generators:
                 g.terminate()
-        done = [read_event(g, "done", 120) for g in generators]
+        done = [final_counts(g) for g in generators]
     finally:
         sampler.stop()
         for p in [*generators, server, *site_procs]:
