@@ -157,10 +157,20 @@ def read_event(proc: subprocess.Popen[str], event: str, timeout: float) -> dict[
     raise TimeoutError(f"generator {proc.pid}: no '{event}' within {timeout:.0f} s")
 
 
+def cpu_ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def wait_server(server: subprocess.Popen[bytes], progress: list[Path], stall: float, timeout: float) -> bool:
-    """Wait for the server to exit; True if nothing it writes changed for `stall` s (or `timeout` passed)."""
+    """Wait for the server to exit; True if for `stall` s nothing it writes changed and it used no CPU (a busy
+    server may log nothing for minutes while a join burst drains), or `timeout` passed."""
     def mark() -> tuple[float, ...]:
-        return tuple(p.stat().st_mtime if p.exists() else 0.0 for p in progress)
+        busy = cpu_ticks(server.pid) // 100  # a second of CPU since the last look counts as progress
+        return (*(p.stat().st_mtime if p.exists() else 0.0 for p in progress), busy)
 
     end, last, since = time.monotonic() + timeout, mark(), time.monotonic()
     while server.poll() is None:
