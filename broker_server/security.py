@@ -64,6 +64,10 @@ def bridge_user(fed: str, site: str) -> str:
     """The MQTT user a site broker's bridge logs in to the core broker as (broker_server/bridge.py)."""
     return f"protofl-bridge-{fed}-{site}"
 
+def shard_user(fed: str, index: int) -> str:
+    """Aggregator shard `index`'s MQTT user name (and client id): its session survives its restarts."""
+    return f"protofl-shard-{fed}-{index}"
+
 
 def new_password() -> str:
     return secrets.token_urlsafe(PASSWORD_BYTES)
@@ -86,6 +90,7 @@ class FederationSecrets:
     monitor_password: str = field(default_factory=new_password)  # a file from before the monitor gets one
     bridges: dict[str, str] = field(default_factory=dict)  # site name -> its bridge's password on the core
     site_devices: dict[str, list[str]] = field(default_factory=dict)  # site name -> the devices it serves
+    shard_passwords: dict[str, str] = field(default_factory=dict)  # aggregator shards' (shard_user -> password)
 
     @classmethod
     def create(cls, fed: str, device_ids: Iterable[str] = ()) -> FederationSecrets:
@@ -119,11 +124,21 @@ class FederationSecrets:
         self.bridges.setdefault(site, new_password())
         return self.bridge(site)
 
+    def shard(self, index: int) -> Credentials:
+        return Credentials(shard_user(self.fed, index), self.shard_passwords[shard_user(self.fed, index)])
+
+    def add_shards(self, count: int) -> None:
+        """Credentials for aggregator shards 0..count-1 (existing ones are kept)."""
+        for index in range(count):
+            self.shard_passwords.setdefault(shard_user(self.fed, index), new_password())
+
     def add_devices(self, device_ids: Iterable[str]) -> list[str]:
         """Give every id without credentials a new password (existing ones are kept); returns the new ids."""
         added = []
         for client_id in device_ids:
             check_name(client_id, "device id")
+            if client_id.startswith(shard_user(self.fed, 0)[:-1]):
+                raise ConfigError(f"device id '{client_id}' is an aggregator shard's user name; pick another id")
             reserved = [("server", server_user(self.fed)), ("monitor", monitor_user(self.fed)),
                         *((f"site '{site}' bridge", bridge_user(self.fed, site)) for site in self.bridges)]
             for who, user in reserved:
@@ -136,8 +151,8 @@ class FederationSecrets:
 
     def to_json(self) -> str:
         return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices,
-                           "monitor_password": self.monitor_password, "bridges": self.bridges,
-                           "site_devices": self.site_devices}, indent=2, sort_keys=True)
+                           "monitor_password": self.monitor_password, "shard_passwords": self.shard_passwords,
+                           "bridges": self.bridges, "site_devices": self.site_devices}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> FederationSecrets:
@@ -148,10 +163,25 @@ class FederationSecrets:
                 out.monitor_password = str(raw["monitor_password"])
             out.bridges = {str(k): str(v) for k, v in raw.get("bridges", {}).items()}
             out.site_devices = {str(k): [str(i) for i in v] for k, v in raw.get("site_devices", {}).items()}
+            out.shard_passwords = {str(k): str(v) for k, v in raw.get("shard_passwords", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
                               f"credentials (every device then needs its new file)") from None
         return out
+
+
+def shard_acl(fed: str, shards: int) -> list[str]:
+    return [line for index in range(shards) for line in shard_user_acl(fed, shard_user(fed, index), f"shard-{index}")]
+
+
+def shard_user_acl(fed: str, user: str, shard: str) -> list[str]:
+    """An aggregator shard (`shard`, logged in as `user`) reads the uploads (through the shared subscription) and
+    the coordinator's phase and close messages; it writes only its own progress, partial and hello, and relays
+    devices' joins and metrics."""
+    return [f"user {user}", f"topic read {topics.up(fed, '+')}",
+            f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
+            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello")),
+            f"topic write {topics.shards(fed, 'relay', '+')}", ""]
 
 
 def device_acl_lines(fed: str) -> list[str]:
@@ -169,9 +199,9 @@ def device_acl_lines(fed: str) -> list[str]:
     ]
 
 
-def acl_text(fed: str, sites: Iterable[str] = ()) -> str:
-    """Mosquitto ACL for federation `fed`: the devices, the server, the monitor, and the bridge of each site
-    broker in `sites`."""
+def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = ()) -> str:
+    """Mosquitto ACL for federation `fed`: the devices, the server, the monitor, its `shards` aggregator shards,
+    and the bridge of each site broker in `sites`."""
     root = f"{topics.ROOT}/{fed}"
     bridges = [line for site in sorted(sites) for line in (
         f"user {bridge_user(fed, site)}",
@@ -203,6 +233,7 @@ def acl_text(fed: str, sites: Iterable[str] = ()) -> str:
            "# (each site broker lets a device write only its own topics) and read what devices read", ""]
           if bridges else []),
         *bridges,
+        *shard_acl(fed, shards),
     ])
 
 
@@ -232,7 +263,8 @@ def password_text(fed_secrets: FederationSecrets, known: dict[str, str] | None =
     holds these secrets (the server's and the monitor's hashes match), so only new users (and `fresh` ones,
     just given a password) are hashed."""
     users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.bridge(s) for s in sorted(fed_secrets.bridges)),
-             *(fed_secrets.device(i) for i in sorted(fed_secrets.devices))]
+             *(fed_secrets.device(i) for i in sorted(fed_secrets.devices)),
+             *(Credentials(u, p) for u, p in sorted(fed_secrets.shard_passwords.items()))]
     known = dict(known or {})
     if not all(hash_matches(c.password, known.get(c.username, "")) for c in users[:2]):
         known = {}
@@ -271,6 +303,9 @@ class BrokerAuth:
     def acl_file(self) -> Path:
         return self.directory / "acl"
 
+    def shard_file(self, index: int) -> Path:
+        return self.directory / "shards" / f"shard-{index}.json"
+
     def device_file(self, client_id: str) -> Path:
         return self.directory / "devices" / f"{client_id}.json"
 
@@ -303,18 +338,24 @@ class BrokerAuth:
             if client_id not in present or client_id in self.new_devices:
                 cred = self.secrets.device(client_id)
                 write_secret(self.device_file(client_id), device_file_text(cred, self.secrets.fed, ca_pem))
+        if self.secrets.shard_passwords:
+            (self.directory / "shards").mkdir(exist_ok=True)
+        for index in range(len(self.secrets.shard_passwords)):  # a few: written every time
+            write_secret(self.shard_file(index), device_file_text(self.secrets.shard(index), self.secrets.fed, ca_pem))
         return self
 
 
-def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None) -> BrokerAuth:
-    """Read (or generate) `directory/credentials.json`, add missing device ids, write passwd, acl and the
-    per-device provisioning files. Existing passwords are kept, so provisioned devices keep working."""
-    return prepare(directory, fed, device_ids).provision(ca_pem)
+def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None,
+                   shards: int = 0) -> BrokerAuth:
+    """Read (or generate) `directory/credentials.json`, add missing device ids (and aggregator shards), write
+    passwd, acl and the provisioning files. Existing passwords are kept, so provisioned devices keep working."""
+    return prepare(directory, fed, device_ids, shards).provision(ca_pem)
 
 
-def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), sites: Iterable[str] = ()) -> BrokerAuth:
-    """Read (or generate) the federation's secrets, add missing device ids and site bridges, and write only
-    what the broker reads (passwd, acl); `provision` writes the plain secrets."""
+def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: int = 0,
+            sites: Iterable[str] = ()) -> BrokerAuth:
+    """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges,
+    and write only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     store = directory / "credentials.json"
@@ -327,6 +368,7 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), sites: It
     else:
         fed_secrets = FederationSecrets.create(fed)
         added = fed_secrets.add_devices(device_ids)
+    fed_secrets.add_shards(shards)
     for site in sites:
         fed_secrets.add_bridge(site)
     auth = BrokerAuth(directory, fed_secrets, tuple(added))
@@ -334,7 +376,7 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), sites: It
     text = password_text(fed_secrets, known, fresh=added)
     if text != "".join(f"{user}:{hashed}\n" for user, hashed in known.items()):
         write_secret(auth.password_file, text)
-    auth.acl_file.write_text(acl_text(fed, fed_secrets.bridges))
+    auth.acl_file.write_text(acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges))
     return auth
 
 
