@@ -447,7 +447,7 @@ def sweep_lines(ctx: Context) -> list[str]:
            "| term | lambda | global, seed 0 | global, seeds 1, 2 | mean ± std | local, mean | |", "|---|--:|--:|--:|--:|--:|---|"]
     for what, (preset, default_key) in SWEEP.items():
         rows = {1.0: row_stats(ctx, default_key)}
-        rows.update({lam: row_stats(ctx, f"L/{what}-lambda{lam:g}") for lam in LAMBDAS})
+        rows.update({lam: row_stats(ctx, f"L/{what}-lambda{lam:g}") for lam in LAMBDAS[what]})
         seed0 = {lam: st.by_seed.get(SEEDS[0], {}).get("global_acc") for lam, st in rows.items()}
         chosen = max((lam for lam in seed0 if seed0[lam] is not None), key=lambda lam: seed0[lam], default=None)
         if not all(st.expected for st in rows.values()):

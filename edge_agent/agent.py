@@ -28,6 +28,7 @@ from edge_agent.techniques import DeviceContext, DeviceRule, Objective, rules_fo
 from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
+from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
@@ -437,6 +438,9 @@ class EdgeAgent:
         extra = {}
         if self.masks is not None and len(z_local):
             extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.masks)
+        own = self._own_prototype_correct(z_local)
+        if own is not None:
+            extra["own_proto_correct"] = float(own)
         probs, n_test, correct_test, proto_test = None, 0, 0, None
         if (with_test and self.cfg.federate != "full"
                 and self.data.x_global is not None and self.data.y_global is not None):
@@ -449,6 +453,20 @@ class EdgeAgent:
                        correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss,
                        extra={**self.metrics_extra, **extra},
                        proto_correct_local=proto_local, proto_correct_test=proto_test)
+
+    def _own_prototype_correct(self, z_local: np.ndarray) -> int | None:
+        """Correct predictions on the local split by the nearest (L2) of this client's *own* prototypes, the
+        class means of its training features now (TinyProto's eq. 12; docs/algorithms.md, Evaluation). The
+        benchmark names it apart from the nearest *global* prototype (`proto_correct_local`). None where the
+        client has no training data or its features are not finite (a diverged model scores nothing)."""
+        assert self.cfg is not None
+        if not len(z_local) or not len(self.data.y_train):
+            return None
+        z_train = self._get_extractor().embed(self._x)
+        if not np.isfinite(z_train).all():
+            return None
+        own, _ = local_prototypes(z_train, self.data.y_train, self.cfg.num_classes)
+        return int((nearest_prototype(z_local, own) == self.data.y_test).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""
