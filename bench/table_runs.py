@@ -337,6 +337,8 @@ _b = _add(
     Row("B", "tinyproto-s128", "tinyproto s=128 (m/4), mu=auto", "tinyproto", "B", _sets(cps_s=128), tier=REST),
 )
 _b += _local_only("B", "local-only", "B")
+# FedAvg on B: the global model the global predictor is set against (the first suite had none in B).
+_b += _add(Row("B", "fedavg", "fedavg", "fedavg", "B", tier=CONTROL), legacy=False)
 SECTIONS.append(Section("B", "B", "B (TinyProto): 20 clients, alpha = 0.1", "B", tuple(_b),
                         ("With scaling off, mu is unused (clients send plain prototypes and counts).",)))
 
