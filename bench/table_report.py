@@ -327,6 +327,10 @@ def goal_protofl(ctx: Context) -> Goal:
             p = compare(pf, j.rows[k], metric)
             statuses.append(at_least(p, 1.0))
             ev.append(f"{where} ({METRIC_NAMES[metric]}): " + effect(pf, j.rows[k], metric, "protofl", n, within=1.0))
+        for m in ("global_acc", "ensemble_acc", "local_acc"):  # information: the gaps to fedpagr on the others
+            if m != metric and pf.mean(m) is not None and j.rows[others["fedpagr"]].mean(m) is not None:
+                ev.append(f"{where}, also ({METRIC_NAMES[m]}): "
+                          + effect(pf, j.rows[others["fedpagr"]], m, "protofl", "fedpagr", within=1.0))
         statuses.append("MET" if ratio <= 2.0 else "MISSED")
         ev.append(f"{where}: uplink protofl {pf.mean('up_total'):,.0f} B = {ratio:.2f}x tinyproto's "
                   f"({'<=' if ratio <= 2 else '>'} 2x)")
