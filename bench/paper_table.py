@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import table_report
-from bench.table_runs import FEDERATIONS, SETTINGS, SIZING, Run, needed_for, run_args, suite_runs, with_clip
+from bench.table_runs import (FEDERATIONS, SETTINGS, SIZING, Run, as_spelled_today, needed_for, run_args, suite_runs,
+                              test_samples)
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,8 +130,10 @@ class Runner:
             rep = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if with_clip(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
+        if as_spelled_today(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
             return None
+        if rep.get("simulation", {}).get("test_samples", test_samples(run, self.suite)) != test_samples(run, self.suite):
+            return None  # it scored another part of the test set than the table's columns mean
         if not config_matches(rep, run, self.suite):
             return None
         return rep

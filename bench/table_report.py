@@ -739,6 +739,12 @@ def _header(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
     revs = sorted({f"{rep['bench']['git_rev']}{' (dirty)' if rep['bench'].get('git_dirty') else ''}"
                    for _, rep in done})
     finished = sorted(rep["bench"]["finished_utc"] for _, rep in done)
+    # where the runs ran (the simulate report's machine block; runs made before it existed say nothing)
+    where: dict[str, int] = {}
+    for _, rep in done:
+        m = rep.get("machine")
+        k = f"{m['cpu_model']}, {m['cpus']} CPUs, torch {m['torch_threads']} thread(s)" if m else "not recorded"
+        where[k] = where.get(k, 0) + 1
     out = [f"# Paper benchmark on Fashion-MNIST ({ctx.suite} suite)", ""]
     if ctx.sizing_key != ctx.suite:
         out += [f"**Sizing `{ctx.sizing_key}` (test only): the numbers mean nothing.**", ""]
@@ -747,6 +753,7 @@ def _header(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
         f"- written: {now}; runs finished between {finished[0] + ' and ' + finished[-1] + ' UTC' if finished else '-'}",
         f"- machine: {machine()}",
         f"- git revision: {g['rev']}, tree {dirty}; runs made at: {', '.join(revs) or '-'}",
+        "- runs' machines: " + ("; ".join(f"{k} ({n} runs)" for k, n in sorted(where.items())) or "-"),
         f"- runs: {len(done)} of {len(ctx.runs)} finished, {sum(rep['bench']['cli_wall_s'] for _, rep in done):,.0f} s "
         f"of wall time in all (sum of the CLI calls); cache: `{os.path.relpath(ctx.run_root, ctx.table_path.parent)}`",
         "",

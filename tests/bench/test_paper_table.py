@@ -48,8 +48,8 @@ def test_run_args_are_the_public_cli_with_sets():
     joined = " ".join(args)
     assert "--set erpa=false --set prototypes=none --set apud=false" in joined
     assert "--clients 10 --alpha 0.5" in joined and "--dataset fashion-mnist" in joined and "--seed 1" in joined
-    # the full test set (no --test-limit), scored at the final round only
-    assert "--test-limit" not in joined and "--eval-every 1 --test-every 10" in joined
+    # the full test set, asked for explicitly (whatever the simulator's default), scored at the final round only
+    assert "--test-limit 10000 --eval-every 1 --test-every 10" in joined
     # strings stay bare, numbers are JSON
     assert "--set federate=adapter" in " ".join(paper_table.run_args(RUN_BY_KEY["D/a-all-s0"], "quick"))
     assert "--set proto_lambda=0.3" in " ".join(paper_table.run_args(RUN_BY_KEY["L/erpa-lambda0.3-s0"], "quick"))
@@ -58,16 +58,17 @@ def test_run_args_are_the_public_cli_with_sets():
 def test_papers_rows_run_unclipped_and_old_runs_count_as_clipped():
     import dataclasses
 
-    from bench.table_runs import with_clip
+    from bench.table_runs import as_spelled_today
 
     run = RUN_BY_KEY["B/tinyproto-s0"]
     args = paper_table.run_args(run, "full")
     assert args[-3:] == ["--clip", "off", "-q"]  # a paper's row is its method: no upload clipping
     clipped = dataclasses.replace(run, row=dataclasses.replace(run.row, clip=True))
     assert paper_table.run_args(clipped, "full")[-3:] == ["--clip", "on", "-q"]
-    # A run cached before --clip existed ran clipped (the simulator's default): it is the clipped row's run.
-    legacy = [a for a in paper_table.run_args(clipped, "full") if a not in ("--clip", "on")]
-    assert with_clip(legacy) == paper_table.run_args(clipped, "full") != args
+    # A run cached before --clip existed ran clipped (the simulator's default): it is the clipped row's run;
+    # one cached without --test-limit scored the whole test set.
+    legacy = [a for a in paper_table.run_args(clipped, "full") if a not in ("--clip", "on", "--test-limit", "10000")]
+    assert as_spelled_today(legacy) == paper_table.run_args(clipped, "full") != args
 
 
 def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path, capsys):
@@ -266,6 +267,13 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
     monkeypatch.setitem(presets.PRESETS, "tinyproto", {**presets.PRESETS["tinyproto"], "mu": 1.5e-4})
     assert runner.cached(run) is None
     monkeypatch.undo()
+    assert runner.cached(run) is not None
+    # a run that scored another part of the test set than the quick sizing's 500 images is stale
+    rep["simulation"] = {"test_samples": 100}
+    path.write_text(json.dumps(rep))
+    assert runner.cached(run) is None
+    rep["simulation"] = {"test_samples": 500}
+    path.write_text(json.dumps(rep))
     assert runner.cached(run) is not None
     # a different command is stale too
     rep["bench"]["args"] = paper_table.run_args(run, "full")
