@@ -124,6 +124,9 @@ class EdgeAgent:
         self.last_failure: tuple[int, str, str] | None = None  # (round, phase, why) of a round that failed here
         self.finished = False
         self._extractor: Extractor | None = None
+        # The training split's features after this round's training, where the uploads computed them: the
+        # evaluation that follows in the same round reuses them (the model has not changed in between).
+        self._z_train: np.ndarray | None = None
         # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
         self.upload_budget: Callable[[float], int | None] | None = None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
@@ -372,12 +375,14 @@ class EdgeAgent:
             stats = frozen.train_on_cached_features(model, h, self._y, cfg, self.objective, seed)
         else:
             stats = trainer.train_local(model, self._x, self._y, cfg, self.objective, seed=seed)
+        self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline):
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
             self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_,
                        Phase.TRAIN.value)
+        self._z_train = None
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
         """The round message's targets as the dense table training uses (empty without any)."""
@@ -403,7 +408,8 @@ class EdgeAgent:
         sparsifier = self._first("sparsifier", theta) if theta is not None else None
         local = None
         if Upload.PROTOS in sends:
-            protos, counts = self._first("local_prototypes", ctx.embed(self._x), self.data.y_train)
+            self._z_train = ctx.embed(self._x)
+            protos, counts = self._first("local_prototypes", self._z_train, self.data.y_train)
             for rule in self.rules:
                 protos = rule.select_local(protos)
             local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
@@ -462,7 +468,7 @@ class EdgeAgent:
         assert self.cfg is not None
         if not len(z_local) or not len(self.data.y_train):
             return None
-        z_train = self._get_extractor().embed(self._x)
+        z_train = self._z_train if self._z_train is not None else self._get_extractor().embed(self._x)
         if not np.isfinite(z_train).all():
             return None
         own, _ = local_prototypes(z_train, self.data.y_train, self.cfg.num_classes)
