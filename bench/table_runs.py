@@ -88,10 +88,11 @@ batch 64, SGD lr 0.01, momentum 0.9, wd 1e-4, m=512): nothing is tuned per metho
 therefore lower than the papers' (their sizing needs a GPU) and the comparison that matters is between
 rows of one section (same data, partitions, models, seeds, rounds). How much lower, and how much of
 that is the sizing rather than the metric, is measured in "Ours beside the papers' Fashion-MNIST
-figures". Every row runs on seeds 0, 1 and 2
-(a seed changes the partition, the initialisation and the batch order). The suite runs the goals' rows
-first (all seeds of a row together, so a cut suite still has verdicts), then the default's ablation and
-the lambda sweep, then the rest; it is resumable and spans sessions."""
+figures". The rows a goal is judged on run on seeds 0-4 with `--clip off`, beside a clipped twin on
+seeds 0-2; every other row on seeds 0, 1 and 2 (a seed changes the partition, the initialisation and the
+batch order). Every run asks for the whole test set explicitly (`--test-limit 10000`). The suite runs the
+goals' rows first (all seeds of a row together, so a cut suite still has verdicts), then the local-only
+controls, the default's ablation and the lambda sweep, then the rest; it is resumable and spans sessions."""
 
 
 GPU_NOTE = """\
