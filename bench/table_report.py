@@ -368,6 +368,20 @@ def goals(ctx: Context) -> list[Goal]:
     return [goal_tinyproto(ctx), goal_refprotofl(ctx), goal_fedpagr(ctx), goal_protofl(ctx)]
 
 
+def missing_lines(ctx: Context) -> list[str]:
+    """Every row with runs still to make, goal rows first (the suite's order), with the seeds missing."""
+    rows: dict[str, list[int]] = {}
+    for run in ctx.runs:
+        if ctx.cached(run) is None:
+            rows.setdefault(run.row.key, []).append(run.seed)
+    if not rows:
+        return []
+    n = sum(len(v) for v in rows.values())
+    return ([f"### Runs still missing ({n}; `python -m bench.paper_table --suite {ctx.suite}` makes them, goal rows "
+             "first; `--rows`/`--seeds` choose)", ""]
+            + ["- " + "; ".join(f"`{k}` {','.join(map(str, v))}" for k, v in rows.items()), ""])
+
+
 # -- what federation adds: the local-only control --------------------------------------------------------
 CONTROLS: dict[str, tuple[str, tuple[str, ...]]] = {
     # local-only row -> the rows set against it (each unclipped goal row, else the row itself)
@@ -843,6 +857,7 @@ def write(ctx: Context, quiet: bool = False) -> Path:
         out.append(f"{i}. **{goal.status}**: {goal.name}")
         out += [f"   - {e}" for e in goal.evidence]
     out.append("")
+    out += missing_lines(ctx)
     decision = decide_default(ctx)
     out += ["## Default of the `protofl` preset (decided by setting D)", "",
             "ALGORITHMS.md: which combination of stages is the default \"is decided by the ablation benchmark, not "
