@@ -50,8 +50,9 @@ RULE = ("Two rows compare paired by seed (same seed: same partition, initialisat
         "(+: the first row ahead). \"X beats Y\" when the interval lies above 0; \"X is within d of Y\" when it lies "
         "inside ±d; otherwise \"undecided\" (not \"equal\"). Every verdict says how many seeds it rests on "
         "(docs/algorithms.md, Evaluation > Statistics; `bench/paired.py`). A goal is judged on its rows run "
-        "unclipped on seeds 0-4; until those are in, on their clipped twins (seeds 0-2, the runs cached before "
-        "clipping could be switched off), and it says so and lists the missing runs.")
+        "unclipped on seeds 0-4; until those are in, provisionally on the unclipped rows' common seeds where there "
+        "are at least 3, else on their clipped twins (seeds 0-2, the runs cached before clipping could be switched "
+        "off), and it says so and lists the missing runs.")
 
 
 @dataclass
@@ -189,8 +190,9 @@ class Goal:
 
 @dataclass
 class Judged:
-    """The rows a goal is judged on: the goal rows (unclipped, seeds 0-4) when all have run, else their
-    clipped twins (seeds 0-2) when those have; `basis` says which, `waiting` lists the missing runs."""
+    """The rows a goal is judged on: the goal rows (unclipped, seeds 0-4) when all have run; else, provisionally,
+    the goal rows on their common seeds when there are at least 3; else their clipped twins (seeds 0-2) when
+    those have run. `basis` says which, `waiting` lists the missing runs."""
 
     rows: dict[str, RowStats]  # goal row key -> the stats it is judged on
     basis: str
@@ -204,6 +206,10 @@ def judged_rows(ctx: Context, *keys: str) -> Judged:
     if all(st.complete for st in main.values()):
         n = len(next(iter(main.values())).expected)
         return Judged(main, f"on the rows run unclipped, {n} seeds", [], True)
+    common = set.intersection(*(set(st.by_seed) for st in main.values()))
+    if len(common) >= len(SEEDS):  # as many paired seeds as the twins have, and the runs as the papers wrote them
+        return Judged(main, f"PROVISIONAL, on the rows run unclipped, on their {len(common)} common seeds "
+                      f"({','.join(map(str, sorted(common)))}; a goal's rows run on 5)", waiting, True)
     twins = {k: row_stats(ctx, clipped(k)) for k in keys}
     if all(st.complete for st in twins.values()):
         return Judged(twins, "PROVISIONAL, on the clipped twins (seeds 0-2): the unclipped 5-seed rows are not all "

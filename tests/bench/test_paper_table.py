@@ -202,6 +202,12 @@ def test_a_goal_uses_the_clipped_twins_until_its_five_seeds_are_in(tmp_path):
     assert "tinyproto - fedproto = -0.33 [-3.20, +2.54] (-+-, 3 seeds) -> undecided (3 seeds)" in text
     # the cost of clipping, twin - row on common seeds: fedproto 0, +2, +1 -> [-1.48, +3.48]
     assert "clipped - unclipped (head, local split, final round): `B/fedproto` +1.00 [-1.48, +3.48] (0++, 3 seeds)" in text
+    # three unclipped seeds in common: the goal reads them (the papers' methods as written) before the twins
+    reports.update(_five("B/tinyproto", [0.8] * 3, "local_acc", up=10))
+    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    assert goal.evidence[0] == ("judged PROVISIONAL, on the rows run unclipped, on their 3 common seeds (0,1,2; "
+                                "a goal's rows run on 5)")
+    assert "missing runs: `B/tinyproto` seeds 3,4" in goal.evidence[1]
 
 
 def test_goal_1_reads_tinyprotos_own_metric_at_its_best_round(tmp_path):
