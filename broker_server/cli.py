@@ -22,6 +22,7 @@ from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import human_bytes, human_duration
 from protofl.plan import RoundPlan
 from protofl.presets import all_presets, make_config, preset_names
+from protofl.schedule import describe_test_cadence
 
 app = typer.Typer(help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
                   no_args_is_help=True, add_completion=False)
@@ -33,7 +34,13 @@ def _fmt(v: Any) -> str:
 
 
 def _summary(report: dict[str, Any]) -> Table:
-    t = Table(title=f"{report['preset']} on {report['simulation']['dataset']}", show_lines=False)
+    sim = report["simulation"]
+    title = f"{report['preset']} on {sim['dataset']}"
+    if "test_every" in sim:  # older reports do not say; they scored it every --eval-every round
+        # The header says which rounds have global, ensemble and predictor figures: by default the last only.
+        title += (f"\nglobal, ensemble, predictor %: the test set ({sim['test_samples']:,} images) scored in "
+                  f"{describe_test_cadence(sim['test_every'], report['config'].get('rounds'))} (--test-every N)")
+    t = Table(title=title, show_lines=False)
     for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "predictor %",
                 "uplink", "downlink", "clients", "clipped"):
         t.add_column(col, justify="right", overflow="fold")  # piped (80 columns): wrapped, never cut with "…"
@@ -79,6 +86,17 @@ def simulate(
                                     "names (cnn,mlp,...), package.module:factory, installed protofl.models names."),
     transport: str = typer.Option("inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, "
                                                      "one agent process per client)."),
+    backend: str = typer.Option("local", help="Where the devices run: local (this machine, as --transport says) | "
+                                               "ray (Ray workers; the aggregator stays here; needs "
+                                               "protofl-edge[ray])."),
+    ray_address: str | None = typer.Option(None, "--ray-address", help="ray: join this cluster (auto, host:port, "
+                                           "ray://host:10001); default: start a local Ray instance."),
+    device_resources: str = typer.Option("cpu=1", "--device-resources", help="ray: each device's share of a node, "
+                                         "cpu=N[,gpu=N] (cpu=1,gpu=0.25: four devices per GPU)."),
+    ray_workers: int | None = typer.Option(None, "--ray-workers", help="ray: at most this many workers (default: "
+                                           "as many as the cluster holds at --device-resources)."),
+    ray_max_restarts: int = typer.Option(1, "--ray-max-restarts", help="ray: a worker whose process dies is started "
+                                         "again this often (its devices join again); then its devices are lost."),
     broker: str | None = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "
                                                  "start a local one (mosquitto if installed, else embedded amqtt)."),
     local_broker: str = typer.Option("auto", help="mqtt: the local broker, auto | mosquitto | amqtt."),
@@ -92,8 +110,8 @@ def simulate(
     test_limit: int | None = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
     test_every: int | None = typer.Option(None, help="Score global and ensemble accuracy on the test set every N "
-                                                     "rounds (a multiple of --eval-every; default: --eval-every) and "
-                                                     "in the last: the dearest part of evaluation."),
+                                                     "rounds (a multiple of --eval-every) and in the last; default: "
+                                                     "the last round only (the dearest part of evaluation)."),
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
     device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
                                            "auto (cuda if torch sees one, else cpu)."),
@@ -148,7 +166,9 @@ def simulate(
                               test_every=test_every,
                               extractor=extractor, device=device, overrides=overrides, profiles=profiles,
                               time_scale=time_scale, adaptive=adaptive, upload_share=upload_share, clip=clip_on,
-                              out_dir=str(out.resolve()) if out is not None else None)
+                              out_dir=str(out.resolve()) if out is not None else None,
+                              backend=backend, ray_address=ray_address, device_resources=device_resources,
+                              ray_workers=ray_workers, ray_max_restarts=ray_max_restarts)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
                       disable=quiet) as progress:
@@ -236,7 +256,7 @@ def broker_config(
                                        "`protofl-server shard --credentials` on each shard's machine."),
     broker_queue: int | None = typer.Option(None, "--broker-queue", help="The max_queued_messages line printed: "
                                             "messages the broker holds for the aggregator beyond those in flight "
-                                            "(default: from the fleet, devices x 8, at least 10000)."),
+                                            "(default: from the fleet, devices x 10, at least 10000)."),
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials."""
     from broker_server.broker import PACKET_HEADROOM, SYS_INTERVAL_S

@@ -37,7 +37,7 @@ from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
-from protofl.transport.mqtt import MqttTransport, Will
+from protofl.transport.mqtt import MqttTransport, TransportError, Will
 from protofl.wire import Limits, Metrics, PublicSet, Resend, Status, encode_message
 
 if TYPE_CHECKING:
@@ -251,7 +251,11 @@ class AggregatorService:
         asks = self.resender.due(owed(agg.machine, agg.members or agg.expected_clients), now)
         for a in asks:
             payload = encode_message(Resend(a.ask), fed=self.fed, sender=SERVER_ID, round=a.round, phase=a.phase)
-            self.transport.publish(topics.down(self.fed, a.client), payload, qos=1)
+            try:
+                self.transport.publish(topics.down(self.fed, a.client), payload, qos=1)
+            except TransportError as exc:  # the broker is gone for now: these requests expire and are sent again
+                log.warning("could not ask %s to re-send: %s", a.client, exc)
+                break
         if asks:
             log.info("asked %d device(s) to re-send (%s)", len(asks), ", ".join(
                 f"{a.client} {a.ask}" for a in asks[:5]) + (", ..." if len(asks) > 5 else ""))

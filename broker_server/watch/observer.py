@@ -132,6 +132,13 @@ class FederationObserver:
 
     def _log_changes(self, members: tuple[Member, ...]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""
+        online: list[int] = []  # counted once, when a line needs it: once per line is n**2 at a fleet's join
+
+        def n_online() -> int:
+            if not online:
+                online.append(sum(1 for x in members if x.state == ONLINE))
+            return online[0]
+
         for member in members:
             before = self._states.get(member.id)
             self._states[member.id] = member.state
@@ -140,10 +147,9 @@ class FederationObserver:
             if member.state == ONLINE:
                 what = "is back" if before in (OFFLINE, LEFT) else "joined"
                 log.info("device %s %s (%s, %d samples); %d online", member.id, what, member.arch or "default arch",
-                         member.n_samples, sum(1 for x in members if x.state == ONLINE))
+                         member.n_samples, n_online())
             elif member.state == OFFLINE:
                 left = max(0.0, (member.grace_ends or 0.0) - time.time())
                 log.info("device %s went offline; it keeps its place in the round for %.0f s", member.id, left)
             elif member.state == LEFT:
-                log.info("device %s left (offline past its grace); %d online", member.id,
-                         sum(1 for x in members if x.state == ONLINE))
+                log.info("device %s left (offline past its grace); %d online", member.id, n_online())
