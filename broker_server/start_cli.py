@@ -144,7 +144,8 @@ def start_command(
                         max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls), tls, client_ca,
                         shards)
         access.check(external_broker=broker is not None)
-        queue = _broker_capacity(cfg, access, broker_queue, external=broker is not None)
+        queue = _broker_capacity(cfg, access, broker_queue, external=broker is not None,
+                                 bridged=_bridged(state_dir, access.insecure))
         # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
         own = broker is None
         watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
@@ -185,18 +186,29 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
     return cfg, public_set(train, cfg)
 
 
-def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, external: bool) -> int:
+def _bridged(state_dir: Path | None, insecure: bool) -> set[str]:
+    """Devices of this federation at bridged site brokers (broker-config --bridge wrote them in its credentials)."""
+    from broker_server.security import bridged_devices
+
+    return set() if state_dir is None or insecure else bridged_devices(state_dir / "security")
+
+
+def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, external: bool,
+                     bridged: set[str] | None = None) -> int:
     """The local broker's queue for the aggregator (--broker-queue, or sized from the fleet), after raising the
     open-file limit as far as the hard limit allows; a fleet the limit cannot hold is refused here, before
-    anything is written (broker_server/capacity.py)."""
+    anything is written (broker_server/capacity.py). Devices at bridged site brokers (`bridged`) count in the
+    fleet whose burst the queue holds, not in the connections the local broker serves."""
     from broker_server.capacity import queue_for_fleet, raise_open_files, uploads_per_phase
 
     if broker_queue is not None and broker_queue < 1:
         raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
     if external:  # not ours to size (protofl-server broker-config prints a line for N devices): what it holds
         return broker_queue or DEFAULT_QUEUE
-    fleet = max(len(access.device_ids(cfg)), access.max_clients or 0)
-    raise_open_files(fleet)
+    bridged = bridged or set()
+    direct = set(access.device_ids(cfg)) - bridged
+    fleet = max(len(direct) + len(bridged), access.max_clients or 0)
+    raise_open_files(max(len(direct), (access.max_clients or 0) - len(bridged)))
     queue = broker_queue or queue_for_fleet(fleet, uploads_per_phase(cfg))
     log.info("the local broker holds up to %d messages for the aggregator (%s, fleet of %d)", queue,
              "--broker-queue" if broker_queue else "sized from the fleet", fleet)
