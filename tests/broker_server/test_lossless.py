@@ -296,6 +296,9 @@ def test_only_the_server_writes_a_devices_request_topic_and_reads_the_drop_count
         server.publish(topics.server_status(fed), b"status", retain=True)
         at_monitor.wait_for(b"status")  # its subscriptions, sent before, are in place
         dev_b.subscribe(topics.down(fed, "dev-b"), at_b)
+        b_status = Inbox()
+        dev_b.subscribe(topics.server_status(fed), b_status)  # sent after the one above, on one connection:
+        b_status.wait_for(b"status")  # its retained status delivered = both subscriptions are in place
         server.publish(topics.down(fed, "dev-b"), b"request from the server")
         at_b.wait_for(b"request from the server")
         dev_a.publish(topics.down(fed, "dev-b"), b"forged request")  # the broker drops it
