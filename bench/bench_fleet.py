@@ -378,7 +378,7 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_before": Path("/proc/loadavg").read_text().split()[:3],
+            "load_before": Path("/proc/loadavg").read_text().split()[:3], "commit": git_head(),
             "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
@@ -504,7 +504,7 @@ def main() -> None:
 
 def save(args: argparse.Namespace, result: dict[str, Any], before: dict[str, Any]) -> None:
     result.update(command="python -m bench.bench_fleet " + " ".join(sys.argv[1:]), machine=before,
-                  load_after=Path("/proc/loadavg").read_text().split()[:3], commit=git_head(),
+                  load_after=Path("/proc/loadavg").read_text().split()[:3], commit=before["commit"],
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds_asked=args.rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)
     label = args.label or "-".join([("rate" if args.rate else "fleet"), str(args.devices),
