@@ -106,6 +106,8 @@ class Report:
             "round": rec.round,
             "local_acc": acc["local_acc"],
             "local_proto_acc": acc["local_proto_acc"],
+            # nearest of each client's own prototypes (TinyProto's eq. 12), sample-weighted like local_acc
+            "local_own_proto_acc": _pooled_extra(self.metrics.get(rec.round, {}).values(), "own_proto_correct"),
             "global_acc": acc["global_acc"],
             "global_proto_acc": acc["global_proto_acc"],
             "ensemble_acc": ens,
@@ -155,6 +157,13 @@ def _sum_kinds(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
         for kind, n in c.items():
             total[kind] = total.get(kind, 0) + n
     return total
+
+
+def _pooled_extra(metrics: Iterable[Metrics], key: str) -> float | None:
+    """A per-client count of correct local predictions in `Metrics.extra`, pooled: sum / sum of local sizes."""
+    pairs = [(m.extra[key], m.n_local) for m in metrics if key in m.extra]
+    n = sum(w for _, w in pairs)
+    return sum(v for v, _ in pairs) / n if n else None
 
 
 def _weighted_extra(metrics: Iterable[Metrics], key: str) -> float | None:
