@@ -378,7 +378,7 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_before": Path("/proc/loadavg").read_text().split()[:3],
+            "load_before": Path("/proc/loadavg").read_text().split()[:3], "commit": git_head(),
             "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
@@ -485,14 +485,26 @@ def main() -> None:
         return
     raise_open_files()
     before = machine()
-    with tempfile.TemporaryDirectory(prefix=".bench-fleet-", dir=REPO) as tmp:
+    # The work directory (tens of thousands of credentials files) goes only after the result is saved: removing it
+    # takes minutes on a loaded disk.
+    tmp = tempfile.mkdtemp(prefix=".bench-fleet-", dir=REPO)
+    try:
         result = broker_rate(args, Path(tmp)) if args.rate else federate(args, Path(tmp))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    save(args, result, before)
+    shutil.rmtree(tmp, ignore_errors=True)
     if not args.rate and args.with_rate:  # the broker's own rate right after, on the same machine and load
         with tempfile.TemporaryDirectory(prefix=".bench-fleet-", dir=REPO) as tmp:
             same = argparse.Namespace(**{**vars(args), "devices": min(args.devices, 20000)})
             result["broker_rate"] = broker_rate(same, Path(tmp))
+        save(args, result, before)
+
+
+def save(args: argparse.Namespace, result: dict[str, Any], before: dict[str, Any]) -> None:
     result.update(command="python -m bench.bench_fleet " + " ".join(sys.argv[1:]), machine=before,
-                  load_after=Path("/proc/loadavg").read_text().split()[:3], commit=git_head(),
+                  load_after=Path("/proc/loadavg").read_text().split()[:3], commit=before["commit"],
                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds_asked=args.rounds)
     RESULTS.mkdir(parents=True, exist_ok=True)
     label = args.label or "-".join([("rate" if args.rate else "fleet"), str(args.devices),

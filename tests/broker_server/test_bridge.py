@@ -283,3 +283,36 @@ def test_broker_config_bridge_writes_both_sides(tmp_path: Path) -> None:
     bridge_cli("--bridge", "north", "--fed", "lab", "--core", "mqtts://core.example:8883", "--core-dir", str(core),
                "--out", str(site), "--devices", "2", "--listen", "0.0.0.0:1884")
     assert f"remote_password {password}\n" in (site / "mosquitto.conf").read_text()
+
+
+def test_start_counts_site_devices_in_its_queue_but_not_in_its_open_files(tmp_path: Path) -> None:
+    # 500 devices at a bridged site, 100 on the core, a hard open-file limit of 256: the core's broker serves
+    # 100 connections (fits), while its queue for the aggregator must hold the whole fleet's burst (600).
+    import resource
+
+    from broker_server.capacity import queue_for_fleet
+
+    state = tmp_path / "state"
+    bridge_cli("--bridge", "far", "--fed", "cap", "--core", "mqtt://127.0.0.1:1", "--core-dir", str(state / "security"),
+               "--out", str(tmp_path / "site"), "--devices", "500", "--listen", "127.0.0.1:1884")
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    server = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port",
+                               "0", "--fed", "cap", "--devices", "100", "--min-clients", "600", "--state-dir",
+                               str(state)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True,
+                              preexec_fn=limited)
+    lines: list[str] = []
+    try:
+        assert server.stdout is not None
+        for line in server.stdout:
+            lines.append(line)
+            if "waiting for 600 client(s)" in line or "error" in line:
+                break
+    finally:
+        server.terminate()
+        server.wait(30)
+    out = "".join(lines)
+    assert f"holds up to {queue_for_fleet(600, 1)} messages for the aggregator" in out and "fleet of 600" in out, out
+    assert "waiting for 600 client(s)" in out, out
