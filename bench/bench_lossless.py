@@ -18,6 +18,12 @@ except in the "old" setup, whose devices predate them. Setups, in this order in 
 
 Per setup: uploads acknowledged by the broker, messages the broker dropped ($SYS), uploads the aggregator
 folded, how the round closed and how long after the server was continued, and re-send requests.
+
+    python -m bench.bench_lossless --credentials 10000            # a restart's credential step
+
+times `start`'s credential step (security.prepare + provision, with a CA in every device file) for N
+devices: the first start (every password hashed, every file written: what every restart cost before) and
+then restarts (only what is new), alternating over fresh directories.
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
             os.kill(server.pid, signal.SIGCONT)
             stopped = False
             continued = time.time()
-            _until_closed_or_drained(server, state, continued + timeout, n, dropped)
+            _until_closed_or_drained(server, state, continued + timeout, n, dropped, resend)
             if server.poll() is None:
                 server.send_signal(signal.SIGTERM)
                 server.wait(60)
@@ -154,10 +160,10 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
 
 
 def _until_closed_or_drained(server: subprocess.Popen[bytes], state: Path, deadline: float, n: int,
-                             dropped: list[int], limit: float = 1800.0) -> None:
-    """Until the round closed (the server exits), or its deadline passed and the server folded everything the
-    broker kept (N minus what it dropped: a round short of its floor waits for ever), or nothing was folded for
-    120 s."""
+                             dropped: list[int], resend: bool, limit: float = 1800.0) -> None:
+    """Until the round closed (the server exits), or (devices that do not re-send) its deadline passed and the
+    server folded everything the broker kept (N minus what it dropped: a round short of its floor waits for
+    ever), or nothing was folded for 120 s."""
     end, last, changed = time.monotonic() + limit, -1, time.time()
     while server.poll() is None and time.monotonic() < end:
         try:
@@ -167,9 +173,25 @@ def _until_closed_or_drained(server: subprocess.Popen[bytes], state: Path, deadl
         if folded != last:
             last, changed = folded, time.time()
         lost = dropped[-1] - dropped[0] if len(dropped) > 1 else 0
-        if time.time() > deadline and (folded + lost >= n or time.time() - changed > 120):
+        if time.time() > deadline and ((not resend and folded + lost >= n) or time.time() - changed > 120):
             return
         time.sleep(0.5)
+
+
+def credentials_cost(n: int, repeat: int = 3) -> dict[str, Any]:
+    from broker_server.security import prepare
+
+    ids = [f"device-{i}" for i in range(1, n + 1)]
+    ca = "-----BEGIN CERTIFICATE-----\n" + "A" * 600 + "\n-----END CERTIFICATE-----\n"
+    first, again = [], []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="bench-creds-") as tmp:
+            for times in (first, again):
+                t0 = time.perf_counter()
+                prepare(Path(tmp), "bench", ids).provision(ca)
+                times.append(time.perf_counter() - t0)
+    return {"devices": n, "first_start_s": round(min(first), 2), "restart_s": round(min(again), 3),
+            "first_all_s": [round(t, 2) for t in first], "restart_all_s": [round(t, 3) for t in again]}
 
 
 def _tail(path: Path, n: int = 1500) -> str:
@@ -187,7 +209,11 @@ def main() -> None:
     ap.add_argument("--old-queue", type=int, default=DEFAULT_QUEUE, help="the fixed queue of old and resend (a "
                     "smaller one shows the same at fewer devices)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--credentials", type=int, help="time the credential step for this many devices instead")
     args = ap.parse_args()
+    if args.credentials:
+        print(json.dumps(credentials_cost(args.credentials)))
+        return
     n = args.devices
     plan = {"old": (args.old_queue, False), "fleet": (queue_for_fleet(n, 1), True), "resend": (args.old_queue, True)}
     rows = []

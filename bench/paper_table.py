@@ -4,6 +4,7 @@
     python -m bench.paper_table --suite full             # hours; resumable: rerun the same command
     python -m bench.paper_table --suite full --only A    # one setting (D also runs the A/B baselines it shows)
     python -m bench.paper_table --suite full --table-only  # rewrite TABLE.md from the cached runs
+    python -m bench.paper_table --suite full --rows 'B/fedproto,B/tinyproto' --seeds 3,4  # chosen runs only
 
 Every run is a subprocess call of the public CLI (`protofl-server simulate ... --json`), so what users
 run is what is measured. Each finished run is cached as
@@ -20,6 +21,7 @@ rendering in `bench.table_report`.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shlex
@@ -35,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import table_report
-from bench.table_runs import FEDERATIONS, SETTINGS, SIZING, Run, needed_for, run_args, suite_runs, with_clip
+from bench.table_runs import (FEDERATIONS, SETTINGS, SIZING, Run, as_spelled_today, needed_for, run_args, suite_runs,
+                              test_samples)
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,8 +134,10 @@ class Runner:
             rep = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if with_clip(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
+        if as_spelled_today(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
             return None
+        if rep.get("simulation", {}).get("test_samples", test_samples(run, self.suite)) != test_samples(run, self.suite):
+            return None  # it scored another part of the test set than the table's columns mean
         if not config_matches(rep, run, self.suite):
             return None
         return rep
@@ -242,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=None,
                     help="results directory (default bench/results/<suite>; TABLE.md: bench/results/TABLE.md "
                          "for full, <results>/TABLE.md otherwise)")
+    ap.add_argument("--rows", default=None,
+                    help="comma list of row keys or shell patterns (B/fedproto, 'L/cps-*'): run only these rows")
+    ap.add_argument("--seeds", default=None, help="comma list of seeds: run only these seeds of the chosen rows")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (default 1: the CPU is shared)")
     ap.add_argument("--data-dir", default=None, help="where the Fashion-MNIST IDX files are (CLI default otherwise)")
     ap.add_argument("--backend", choices=("local", "ray"), default="local",
@@ -269,6 +277,18 @@ def main(argv: list[str] | None = None) -> int:
         runs = needed_for(only, runs_all)
     else:
         runs = runs_all
+    if ns.rows:
+        patterns = [p.strip() for p in ns.rows.split(",") if p.strip()]
+        unknown = [p for p in patterns if not any(fnmatch.fnmatchcase(r.row.key, p) for r in runs_all)]
+        if unknown:
+            ap.error(f"--rows: no row matches {unknown}; rows are named like B/fedproto (see --dry-run)")
+        runs = [r for r in runs if any(fnmatch.fnmatchcase(r.row.key, p) for p in patterns)]
+    if ns.seeds:
+        try:
+            seeds = {int(x) for x in ns.seeds.split(",") if x.strip()}
+        except ValueError:
+            ap.error(f"--seeds: expected a comma list of integers, got {ns.seeds!r}")
+        runs = [r for r in runs if r.seed in seeds]
     given = list(sys.argv[1:] if argv is None else argv)
     # The table names the command that produces the runs (a --table-only rewrite shows that command).
     argv_shown = "python -m bench.paper_table " + shlex.join([a for a in given if a not in ("--table-only",)])

@@ -4,9 +4,9 @@ several seeds) and its command line.
 A *federation* fixes the data side (clients, alpha, architectures) and, per suite, the sizing (rounds,
 data fraction, test set, evaluation cadence); every method of a section runs on the same one, so data,
 partition, model and seeds are identical and every method sees the same rounds.
-A *row* is one method of a table, run once per seed (ALGORITHMS.md, Evaluation > Statistics: >= 3 seeds,
-mean ± std, "A beats B" only when A is ahead on the mean AND in every seed). A *run* is one (row, seed):
-one `protofl-server simulate` call, one cached JSON file.
+A *row* is one method of a table, run once per seed (docs/algorithms.md, Evaluation > Statistics: >= 3
+seeds, 5 (0-4) for the rows a goal is judged on; two rows compare paired by seed, `bench.paired`). A *run*
+is one (row, seed): one `protofl-server simulate` call, one cached JSON file.
 A *section* is one table (and one PNG): a list of rows, its own or rows of another setting shown again
 (setting D compares the combined pipeline with the presets of A and B).
 """
@@ -14,10 +14,12 @@ A *section* is one table (and one PNG): a list of rows, its own or rows of anoth
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SEEDS = (0, 1, 2)
+TEST_SET_SIZE = 10_000  # Fashion-MNIST's official test set
+GOAL_SEEDS = (0, 1, 2, 3, 4)  # the rows a goal is judged on
 DATASET = "fashion-mnist"
 
 # The five architectures of setting C, round-robin over the 20 clients. FedPAGR's fifth is ResNet18,
@@ -86,10 +88,11 @@ batch 64, SGD lr 0.01, momentum 0.9, wd 1e-4, m=512): nothing is tuned per metho
 therefore lower than the papers' (their sizing needs a GPU) and the comparison that matters is between
 rows of one section (same data, partitions, models, seeds, rounds). How much lower, and how much of
 that is the sizing rather than the metric, is measured in "Ours beside the papers' Fashion-MNIST
-figures". Every row runs on seeds 0, 1 and 2
-(a seed changes the partition, the initialisation and the batch order). The suite runs the goals' rows
-first (all seeds of a row together, so a cut suite still has verdicts), then the default's ablation and
-the lambda sweep, then the rest; it is resumable and spans sessions."""
+figures". The rows a goal is judged on run on seeds 0-4 with `--clip off`, beside a clipped twin on
+seeds 0-2; every other row on seeds 0, 1 and 2 (a seed changes the partition, the initialisation and the
+batch order). Every run asks for the whole test set explicitly (`--test-limit 10000`). The suite runs the
+goals' rows first (all seeds of a row together, so a cut suite still has verdicts), then the local-only
+controls, the default's ablation and the lambda sweep, then the rest; it is resumable and spans sessions."""
 
 
 GPU_NOTE = """\
@@ -178,7 +181,8 @@ class Row:
     seeds: tuple[int, ...] = SEEDS
     confirm_tier: int | None = None  # the seeds after the first run at this tier (chosen on seed 0, confirmed later)
     # Upload clipping is a defence no paper has: off, so a paper's row is its method (docs/algorithms.md,
-    # statistics); a row that measures what the defence costs sets it.
+    # statistics); a row that measures what the defence costs sets it (`clipped_twin`), and so do the rows
+    # not rerun since clipping became switchable (CLIPPED_ROWS: their cached runs ran clipped).
     clip: bool = False
 
     @property
@@ -244,16 +248,55 @@ ROWS: list[Row] = []
 SECTIONS: list[Section] = []
 
 # Tiers (suite order). Within a tier, rows in the order below, every seed of a row together.
-GOAL2, GOAL1, GOAL4, GOAL3, ABLATION, REST, SWEEP_CONFIRM = 1, 2, 3, 4, 5, 6, 7
+GOAL2, GOAL1, GOAL4, GOAL3, CONTROL, ABLATION, REST, SWEEP_CONFIRM = 1, 2, 3, 4, 5, 6, 7, 8
+GOAL_TIERS = (GOAL1, GOAL2, GOAL3, GOAL4)
+CLIPPED = " [clipped]"  # label suffix of a row whose runs clip uploads
 
 
-def _add(*rows: Row) -> list[str]:
-    ROWS.extend(rows)
-    return [r.key for r in rows]
+def _add(*rows: Row, legacy: bool = True) -> list[str]:
+    """Add rows; return their keys (each goal row followed by its clipped twin).
+
+    A goal row (its tier is a goal's) runs unclipped on GOAL_SEEDS, and gets a clipped twin on SEEDS named
+    `<name>-clipped`: what the defence costs, and the row whose runs are the ones cached before clipping
+    could be switched off. `legacy` rows (every other row defined before `--clip off` existed) keep
+    running clipped, so their cached runs stay valid; they say so in their label. New rows pass
+    legacy=False and run as defined."""
+    keys = []
+    for row in rows:
+        if row.tier in GOAL_TIERS:
+            row = replace(row, seeds=GOAL_SEEDS, clip=False)
+            twin = replace(row, name=f"{row.name}-clipped", label=row.label + CLIPPED, clip=True, seeds=SEEDS,
+                           tier=REST, paper=None)
+            ROWS.extend((row, twin))
+            keys += [row.key, twin.key]
+            continue
+        if legacy:
+            row = replace(row, clip=True, label=row.label + CLIPPED)
+        ROWS.append(row)
+        keys.append(row.key)
+    return keys
+
+
+def clipped(key: str) -> str:
+    """The clipped variant of a row: its twin where it has one, else the row itself (a clipped row)."""
+    twin = f"{key}-clipped"
+    return twin if twin in {r.key for r in ROWS} else key
 
 
 def _sets(**kw: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(kw.items())
+
+
+LOCAL_ONLY = "local only (control: fedproto at proto_lambda=0)"
+
+
+def _local_only(setting: str, name: str, fed: str) -> list[str]:
+    """The local-only control of a federation (docs/algorithms.md, Evaluation): every client trains its own
+    model on its own data for the same rounds and epochs, and nothing it receives changes its training.
+    It is fedproto with the alignment weight 0: the cross-entropy alone trains, so the head, the backbone
+    and the client's own prototypes are exactly those of a client that never federated (the prototypes
+    still travel, so its byte columns and its nearest-*global*-prototype figures are not a control's)."""
+    return _add(Row(setting, name, LOCAL_ONLY, "fedproto", fed, _sets(proto_lambda=0), tier=CONTROL), legacy=False)
 
 
 # -- A: RefProtoFL Table 2 (alpha 0.5 also holds every preset, for D and goal 4) -----------------------
@@ -269,12 +312,14 @@ _a = _add(
     Row("A", "a0.5-refprotofl-no-both", "refprotofl w/o ERPA, w/o APUD", "refprotofl", "A05",
         _sets(erpa=False, prototypes="none", apud=False), tier=REST),
 )
+_a += _local_only("A", "a0.5-local-only", "A05")
 SECTIONS.append(Section("A", "A-alpha0.5", "A (RefProtoFL Table 2): alpha = 0.5", "A05", tuple(_a)))
 _a100 = _add(
     Row("A", "a100-fedproto", "fedproto", "fedproto", "A100", tier=REST, paper=Paper("R100", global_="85.96")),
     Row("A", "a100-refprotofl", "refprotofl", "refprotofl", "A100", tier=REST, paper=Paper("R100", global_="85.76")),
     Row("A", "a100-fedavg", "fedavg", "fedavg", "A100", tier=REST, paper=Paper("R100", global_="85.10")),
 )
+_a100 += _local_only("A", "a100-local-only", "A100")
 SECTIONS.append(Section("A", "A-alpha100", "A (RefProtoFL Table 2): alpha = 100", "A100", tuple(_a100)))
 
 # -- B: TinyProto (and every preset, for D and goal 4) -------------------------------------------------
@@ -293,6 +338,9 @@ _b = _add(
     Row("B", "tinyproto-noscale", "tinyproto s=51, no scaling", "tinyproto", "B", _sets(scaling=False), tier=REST),
     Row("B", "tinyproto-s128", "tinyproto s=128 (m/4), mu=auto", "tinyproto", "B", _sets(cps_s=128), tier=REST),
 )
+_b += _local_only("B", "local-only", "B")
+# FedAvg on B: the global model the global predictor is set against (the first suite had none in B).
+_b += _add(Row("B", "fedavg", "fedavg", "fedavg", "B", tier=CONTROL), legacy=False)
 SECTIONS.append(Section("B", "B", "B (TinyProto): 20 clients, alpha = 0.1", "B", tuple(_b),
                         ("With scaling off, mu is unused (clients send plain prototypes and counts).",)))
 
@@ -308,6 +356,7 @@ _c = _add(
     Row("C", "fedpagr-train-head", "fedpagr, head also trained (pagr_train_head)", "fedpagr", "C",
         _sets(pagr_train_head=True), tier=REST),
 )
+_c += _local_only("C", "local-only", "C")
 SECTIONS.append(Section("C", "C", "C (FedPAGR): 20 clients, alpha = 0.1, five architectures", "C", tuple(_c),
                         ("Fifth architecture: a second mlp instead of ResNet18 (ResNet18 costs ~3 s per training "
                          "step here; four such clients would cost more than the rest of the setting).",)))
@@ -345,6 +394,13 @@ def candidate_row(tag: str, suffix: str) -> str:
     return CANDIDATE_ELSEWHERE.get(suffix, {}).get(tag, f"D/{tag}-{suffix}")
 
 
+def decision_row(tag: str, suffix: str) -> str:
+    """The row the default's decision reads for a candidate: its clipped variant, since every candidate has
+    one (the decision was taken on runs that all clipped; the preset's candidate also runs unclipped for
+    goal 4)."""
+    return clipped(candidate_row(tag, suffix))
+
+
 # Combinations measured before the config refused them (scaling + ERPA with every class public), each
 # with the candidate it turned out identical to: (refused run suffix, label, switches, twin row key per tag).
 REFUSED: tuple[tuple[str, str, dict[str, Any], dict[str, str]], ...] = (
@@ -352,7 +408,7 @@ REFUSED: tuple[tuple[str, str, dict[str, Any], dict[str, str]], ...] = (
     ("no-apud", "CPS + scaling + ERPA (dense adapters)", {**_A, "scaling": True, "apud": False},
      {"a": "D/a-no-apud", "b": "D/b-no-apud"}),
     ("no-cps", "scaling + ERPA + APUD", {**_A, "scaling": True, "cps": False},
-     {"a": "A/a0.5-refprotofl", "b": "B/refprotofl"}),
+     {"a": "A/a0.5-refprotofl-clipped", "b": "B/refprotofl-clipped"}),
 )
 
 
@@ -384,7 +440,8 @@ for fed, tag, base, baselines in (
                       "protofl", fed, candidate_sets(switches), tier=GOAL4 if suffix == _preset_suffix else ABLATION)
                   for suffix, label, switches in CANDIDATES if suffix not in CANDIDATE_ELSEWHERE))
     where = "A (alpha = 0.5, 10 clients)" if base == "A" else "B (alpha = 0.1, 20 clients)"
-    SECTIONS.append(Section("D", f"D-{base}", f"D (combined) on {where}", fed, tuple(keys) + baselines,
+    shown = tuple(k for b in baselines for k in dict.fromkeys((b, clipped(b))))
+    SECTIONS.append(Section("D", f"D-{base}", f"D (combined) on {where}", fed, tuple(keys) + shown,
                             (f"Rows marked 'from {base}' are the runs of setting {base} (same federation, sizing "
                              "and seeds), not re-run.",
                              "The candidate rows set every switch explicitly (" + ", ".join(STAGE_KEYS) + "), so "
@@ -394,12 +451,15 @@ for fed, tag, base, baselines in (
                              "round; round 1 trains on FedPAGR's seeded random prototypes.")))
 
 # -- L: lambda sweep of the alignment term on A (alpha 0.5) ---------------------------------------------
-# lambda = 1 is the presets' default (rows of A); chosen on seed 0, confirmed on seeds 1-2.
-LAMBDAS = (0.3, 3.0, 10.0)
-SWEEP: dict[str, tuple[str, str]] = {"erpa": ("refprotofl", "A/a0.5-refprotofl"), "cps": ("tinyproto", "A/a0.5-tinyproto")}
+# lambda = 1 is the presets' default (the clipped twins of A's rows: every sweep row ran clipped, so the
+# sweep compares like with like); chosen on seed 0, confirmed on seeds 1-2. CPS's grid reaches below 0.3,
+# where its first sweep chose the grid's edge.
+LAMBDAS: dict[str, tuple[float, ...]] = {"erpa": (0.3, 3.0, 10.0), "cps": (0.03, 0.1, 0.3, 3.0, 10.0)}
+SWEEP: dict[str, tuple[str, str]] = {"erpa": ("refprotofl", "A/a0.5-refprotofl-clipped"),
+                                     "cps": ("tinyproto", "A/a0.5-tinyproto-clipped")}
 for what, (preset, default_key) in SWEEP.items():
     keys = []
-    for lam in LAMBDAS:
+    for lam in LAMBDAS[what]:
         keys += _add(Row("L", f"{what}-lambda{lam:g}", f"{preset}, proto_lambda={lam:g}", preset, "A05",
                          _sets(proto_lambda=lam), tier=ABLATION, confirm_tier=SWEEP_CONFIRM))
     SECTIONS.append(Section("L", f"L-{what}", f"lambda sweep: {preset} ({what.upper()} alignment) on A, alpha = 0.5",
@@ -449,18 +509,30 @@ def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
         args += ["--data-dir", data_dir]
     if size.train_limit is not None:
         args += ["--train-limit", str(size.train_limit)]
-    if size.test_limit is not None:
-        args += ["--test-limit", str(size.test_limit)]
+    # Always spelled out: the whole test set is what the table's test-set columns mean, whatever the
+    # simulator's default becomes (a faster default may score a subset).
+    args += ["--test-limit", str(size.test_limit if size.test_limit is not None else TEST_SET_SIZE)]
     args += ["--eval-every", str(size.eval_every), "--test-every", str(size.test_every)]
     for k, v in run.sets:
         args += ["--set", f"{k}={_set_value(v)}"]
     return args + ["--clip", "on" if run.row.clip else "off", "-q"]
 
 
-def with_clip(args: list[str]) -> list[str]:
-    """A cached run's arguments as today's `run_args` spells them: a run made before `--clip` existed ran with
-    the simulator's default, clipping on."""
-    if "--clip" in args:
-        return list(args)
-    end = len(args) - 1 if args and args[-1] == "-q" else len(args)
-    return [*args[:end], "--clip", "on", *args[end:]]
+def as_spelled_today(args: list[str]) -> list[str]:
+    """A cached run's arguments as today's `run_args` spells them. A run made before `--clip` existed ran with
+    the simulator's default then, clipping on; one made without `--test-limit` scored the whole test set
+    (the cache check also compares the report's `test_samples`)."""
+    out = list(args)
+    if "--test-limit" not in out and "--eval-every" in out:
+        at = out.index("--eval-every")
+        out[at:at] = ["--test-limit", str(TEST_SET_SIZE)]
+    if "--clip" not in out:
+        end = len(out) - 1 if out and out[-1] == "-q" else len(out)
+        out[end:end] = ["--clip", "on"]
+    return out
+
+
+def test_samples(run: Run, suite: str) -> int:
+    """How many test images the run's report must say it scored."""
+    limit = SIZING[suite][run.fed].test_limit
+    return TEST_SET_SIZE if limit is None else min(limit, TEST_SET_SIZE)

@@ -169,7 +169,10 @@ def _listening_inodes(port: int) -> set[str] | None:
         except OSError:
             continue
         seen_any = True
+        local = f":{port:04X} "  # the local address column ends with the port in hex: skip other rows unsplit
         for row in rows:
+            if local not in row:
+                continue
             cols = row.split()
             if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
                 found.add(cols[9])
@@ -409,7 +412,9 @@ class MosquittoBroker(LocalBroker):
 
     def _answers(self) -> bool:
         assert self.proc is not None
-        if not (_owns_listener(self.proc.pid, self.port) and _mqtt_answers(self.host, self.port, self.tls is not None)):
+        # The MQTT probe first: it fails fast while mosquitto is starting, and /proc/net/tcp, which the ownership
+        # check reads, holds a row per socket on the machine (tens of thousands beside a large fleet: seconds).
+        if not (_mqtt_answers(self.host, self.port, self.tls is not None) and _owns_listener(self.proc.pid, self.port)):
             return False
         return self.socket_path is None or _unix_answers(self.socket_path)
 

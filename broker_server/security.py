@@ -60,6 +60,15 @@ def monitor_user(fed: str) -> str:
     return f"protofl-monitor-{fed}"
 
 
+def bridge_user(fed: str, site: str) -> str:
+    """The MQTT user a site broker's bridge logs in to the core broker as (broker_server/bridge.py)."""
+    return f"protofl-bridge-{fed}-{site}"
+
+def shard_user(fed: str, index: int) -> str:
+    """Aggregator shard `index`'s MQTT user name (and client id): its session survives its restarts."""
+    return f"protofl-shard-{fed}-{index}"
+
+
 def new_password() -> str:
     return secrets.token_urlsafe(PASSWORD_BYTES)
 
@@ -79,6 +88,9 @@ class FederationSecrets:
     server_password: str
     devices: dict[str, str] = field(default_factory=dict)
     monitor_password: str = field(default_factory=new_password)  # a file from before the monitor gets one
+    bridges: dict[str, str] = field(default_factory=dict)  # site name -> its bridge's password on the core
+    site_devices: dict[str, list[str]] = field(default_factory=dict)  # site name -> the devices it serves
+    shard_passwords: dict[str, str] = field(default_factory=dict)  # aggregator shards' (shard_user -> password)
 
     @classmethod
     def create(cls, fed: str, device_ids: Iterable[str] = ()) -> FederationSecrets:
@@ -100,12 +112,36 @@ class FederationSecrets:
                               f"protofl-server broker-config --allow FILE (or --devices N)")
         return Credentials(client_id, self.devices[client_id])
 
+    def bridge(self, site: str) -> Credentials:
+        return Credentials(bridge_user(self.fed, site), self.bridges[site])
+
+    def add_bridge(self, site: str) -> Credentials:
+        """The bridge credential of site broker `site` (created once, then kept: the site's config holds it)."""
+        check_name(site, "site")
+        user = bridge_user(self.fed, site)
+        if user in self.devices:
+            raise ConfigError(f"site '{site}': its bridge user '{user}' is a device id here; pick another site name")
+        self.bridges.setdefault(site, new_password())
+        return self.bridge(site)
+
+    def shard(self, index: int) -> Credentials:
+        return Credentials(shard_user(self.fed, index), self.shard_passwords[shard_user(self.fed, index)])
+
+    def add_shards(self, count: int) -> None:
+        """Credentials for aggregator shards 0..count-1 (existing ones are kept)."""
+        for index in range(count):
+            self.shard_passwords.setdefault(shard_user(self.fed, index), new_password())
+
     def add_devices(self, device_ids: Iterable[str]) -> list[str]:
         """Give every id without credentials a new password (existing ones are kept); returns the new ids."""
         added = []
         for client_id in device_ids:
             check_name(client_id, "device id")
-            for who, user in (("server", server_user(self.fed)), ("monitor", monitor_user(self.fed))):
+            if client_id.startswith(shard_user(self.fed, 0)[:-1]):
+                raise ConfigError(f"device id '{client_id}' is an aggregator shard's user name; pick another id")
+            reserved = [("server", server_user(self.fed)), ("monitor", monitor_user(self.fed)),
+                        *((f"site '{site}' bridge", bridge_user(self.fed, site)) for site in self.bridges)]
+            for who, user in reserved:
                 if client_id == user:
                     raise ConfigError(f"device id '{client_id}' is the {who}'s user name; pick another id")
             if client_id not in self.devices:
@@ -115,7 +151,8 @@ class FederationSecrets:
 
     def to_json(self) -> str:
         return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices,
-                           "monitor_password": self.monitor_password}, indent=2, sort_keys=True)
+                           "monitor_password": self.monitor_password, "shard_passwords": self.shard_passwords,
+                           "bridges": self.bridges, "site_devices": self.site_devices}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> FederationSecrets:
@@ -124,16 +161,32 @@ class FederationSecrets:
             out = cls(str(raw["fed"]), str(raw["server_password"]), {str(k): str(v) for k, v in raw["devices"].items()})
             if raw.get("monitor_password"):
                 out.monitor_password = str(raw["monitor_password"])
+            out.bridges = {str(k): str(v) for k, v in raw.get("bridges", {}).items()}
+            out.site_devices = {str(k): [str(i) for i in v] for k, v in raw.get("site_devices", {}).items()}
+            out.shard_passwords = {str(k): str(v) for k, v in raw.get("shard_passwords", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
                               f"credentials (every device then needs its new file)") from None
         return out
 
 
-def acl_text(fed: str) -> str:
-    """Mosquitto ACL for federation `fed` (patterns apply to every user; %u is the user name)."""
-    root = f"{topics.ROOT}/{fed}"
-    return "\n".join([
+def shard_acl(fed: str, shards: int) -> list[str]:
+    return [line for index in range(shards) for line in shard_user_acl(fed, shard_user(fed, index), f"shard-{index}")]
+
+
+def shard_user_acl(fed: str, user: str, shard: str) -> list[str]:
+    """An aggregator shard (`shard`, logged in as `user`) reads the uploads (through the shared subscription) and
+    the coordinator's phase and close messages; it writes only its own progress, partial and hello, and relays
+    devices' joins and metrics."""
+    return [f"user {user}", f"topic read {topics.up(fed, '+')}",
+            f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
+            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello")),
+            f"topic write {topics.shards(fed, 'relay', '+')}", ""]
+
+
+def device_acl_lines(fed: str) -> list[str]:
+    """What every user may do (patterns apply to every user; %u is the user name): a device's rights."""
+    return [
         f"# generated by protofl-edge for federation '{fed}': devices are users named by their id",
         f"pattern write {topics.up(fed, '%u')}",
         f"pattern write {topics.presence(fed, '%u')}",
@@ -143,6 +196,21 @@ def acl_text(fed: str) -> str:
         f"pattern read {topics.server_status(fed)}",
         f"pattern read {topics.down(fed, '%u')}",
         "",
+    ]
+
+
+def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = ()) -> str:
+    """Mosquitto ACL for federation `fed`: the devices, the server, the monitor, its `shards` aggregator shards,
+    and the bridge of each site broker in `sites`."""
+    root = f"{topics.ROOT}/{fed}"
+    bridges = [line for site in sorted(sites) for line in (
+        f"user {bridge_user(fed, site)}",
+        f"topic write {topics.up(fed, '+')}",
+        f"topic write {topics.presence(fed, '+')}",
+        f"topic read {topics.down(fed, '+')}",  # the server's re-send requests to the site's devices
+        "")]
+    return "\n".join([
+        *device_acl_lines(fed),
         "# the aggregator: the only user that reads uploads and writes the control topics (a device's down/ too);",
         "# it reads the broker's dropped-messages counter to ask devices to re-send what the broker dropped",
         f"user {server_user(fed)}",
@@ -161,6 +229,11 @@ def acl_text(fed: str) -> str:
         f"topic read {topics.server_status(fed)}",
         f"topic read {topics.server_summary(fed)}",
         "",
+        *(["# site brokers' bridges (broker-config --bridge): they carry their devices' uploads and presence up",
+           "# (each site broker lets a device write only its own topics) and read what devices read", ""]
+          if bridges else []),
+        *bridges,
+        *shard_acl(fed, shards),
     ])
 
 
@@ -189,13 +262,20 @@ def password_text(fed_secrets: FederationSecrets, known: dict[str, str] | None =
     """The password file; users in `known` (an existing file's hashes) keep theirs when that file verifiably
     holds these secrets (the server's and the monitor's hashes match), so only new users (and `fresh` ones,
     just given a password) are hashed."""
-    users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.device(i) for i in sorted(fed_secrets.devices))]
+    users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.bridge(s) for s in sorted(fed_secrets.bridges)),
+             *(fed_secrets.device(i) for i in sorted(fed_secrets.devices)),
+             *(Credentials(u, p) for u, p in sorted(fed_secrets.shard_passwords.items()))]
     known = dict(known or {})
     if not all(hash_matches(c.password, known.get(c.username, "")) for c in users[:2]):
         known = {}
     for user in fresh:
         known.pop(user, None)
     return "".join(f"{c.username}:{known.get(c.username) or mosquitto_hash(c.password)}\n" for c in users)
+
+
+def password_lines(users: Iterable[Credentials]) -> str:
+    """Mosquitto's password file for these users, each hashed afresh (a site broker's: broker_server/bridge.py)."""
+    return "".join(f"{c.username}:{mosquitto_hash(c.password)}\n" for c in users)
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -222,6 +302,9 @@ class BrokerAuth:
     @property
     def acl_file(self) -> Path:
         return self.directory / "acl"
+
+    def shard_file(self, index: int) -> Path:
+        return self.directory / "shards" / f"shard-{index}.json"
 
     def device_file(self, client_id: str) -> Path:
         return self.directory / "devices" / f"{client_id}.json"
@@ -255,18 +338,24 @@ class BrokerAuth:
             if client_id not in present or client_id in self.new_devices:
                 cred = self.secrets.device(client_id)
                 write_secret(self.device_file(client_id), device_file_text(cred, self.secrets.fed, ca_pem))
+        if self.secrets.shard_passwords:
+            (self.directory / "shards").mkdir(exist_ok=True)
+        for index in range(len(self.secrets.shard_passwords)):  # a few: written every time
+            write_secret(self.shard_file(index), device_file_text(self.secrets.shard(index), self.secrets.fed, ca_pem))
         return self
 
 
-def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None) -> BrokerAuth:
-    """Read (or generate) `directory/credentials.json`, add missing device ids, write passwd, acl and the
-    per-device provisioning files. Existing passwords are kept, so provisioned devices keep working."""
-    return prepare(directory, fed, device_ids).provision(ca_pem)
+def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None,
+                   shards: int = 0) -> BrokerAuth:
+    """Read (or generate) `directory/credentials.json`, add missing device ids (and aggregator shards), write
+    passwd, acl and the provisioning files. Existing passwords are kept, so provisioned devices keep working."""
+    return prepare(directory, fed, device_ids, shards).provision(ca_pem)
 
 
-def prepare(directory: Path, fed: str, device_ids: Iterable[str] = ()) -> BrokerAuth:
-    """Read (or generate) the federation's secrets, add missing device ids, and write only what the broker
-    reads (passwd, acl); `provision` writes the plain secrets."""
+def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: int = 0,
+            sites: Iterable[str] = ()) -> BrokerAuth:
+    """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges,
+    and write only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     store = directory / "credentials.json"
@@ -279,13 +368,27 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = ()) -> Broker
     else:
         fed_secrets = FederationSecrets.create(fed)
         added = fed_secrets.add_devices(device_ids)
+    fed_secrets.add_shards(shards)
+    for site in sites:
+        fed_secrets.add_bridge(site)
     auth = BrokerAuth(directory, fed_secrets, tuple(added))
     known = read_hashes(auth.password_file)
     text = password_text(fed_secrets, known, fresh=added)
     if text != "".join(f"{user}:{hashed}\n" for user, hashed in known.items()):
         write_secret(auth.password_file, text)
-    auth.acl_file.write_text(acl_text(fed))
+    auth.acl_file.write_text(acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges))
     return auth
+
+
+def bridged_devices(directory: Path) -> set[str]:
+    """The devices that connect through bridged site brokers (broker-config --bridge), per the federation's
+    credentials in `directory` (none if it has none yet): they count in the fleet the core's queue must hold,
+    not in the connections its broker serves."""
+    store = directory / "credentials.json"
+    if not store.exists():
+        return set()
+    found = FederationSecrets.from_json(store.read_text(), str(store))
+    return {i for ids in found.site_devices.values() for i in ids}
 
 
 def read_allow_list(path: Path) -> list[str]:

@@ -9,17 +9,20 @@ numpy only: nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from broker_server import shard_wire
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
+from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
@@ -31,9 +34,10 @@ from broker_server.watch.live import LiveWatch
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy, clip_text
 from protofl.config import FederationConfig
+from protofl.errors import WireError
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
-from protofl.transport.mqtt import MqttTransport, Will
+from protofl.transport.mqtt import MqttTransport, TransportError, Will
 from protofl.wire import Limits, Metrics, PublicSet, Resend, Status, encode_message
 
 if TYPE_CHECKING:
@@ -78,7 +82,7 @@ class AggregatorService:
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
                  on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
-                 resend_window: int | None = None) -> None:
+                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = ()) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -98,12 +102,15 @@ class AggregatorService:
         self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
                                        persistent_session=True, deliver="pump", protocol=protocol,
                                        manual_ack=state_dir is not None)
-        self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
-                                     public=public, expected_clients=expected_clients, members=members,
-                                     policy=policy, max_clients=max_clients,
-                                     on_round_end=self._round_end, on_metrics=self._metrics,
-                                     offline_grace=offline_grace,
-                                     limits=limits)  # None: the aggregator derives them from the config
+        # With shards (docs/design.md, "Scale-out") the aggregator is their coordinator: the same round machine,
+        # fed by the shards' progress and partials instead of the uploads.
+        common: dict[str, Any] = dict(clock=time.time, initial_params=initial_params, public=public,
+                                      expected_clients=expected_clients, members=members, policy=policy,
+                                      max_clients=max_clients, on_round_end=self._round_end,
+                                      on_metrics=self._metrics, offline_grace=offline_grace,
+                                      limits=limits)  # None: the aggregator derives them from the config
+        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites, **common)
+                           if shards or sites else Aggregator(cfg, fed, self.transport, **common))
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
                                transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)
@@ -142,14 +149,34 @@ class AggregatorService:
         # Subscribe before the aggregator announces "waiting": devices join as soon as they see it, and a
         # join that reached the broker before our subscription would be lost. Messages are dispatched
         # only by step(), by when the aggregator's own handler is registered too.
-        self.transport.subscribe(topics.up_all(self.fed), _ignore)
-        self.transport.subscribe(topics.presence_all(self.fed), _ignore)
+        if isinstance(self.aggregator, Coordinator):
+            self._await_shards(self.aggregator)
+        for pattern, _ in self.aggregator.subscriptions():
+            self.transport.subscribe(pattern, _ignore)
         self.transport.subscribe(DROPPED_TOPIC, self._on_dropped)  # Mosquitto's; where it is readable
         self.aggregator.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
         log.info("aggregator for federation '%s' (%s) on %s; waiting for %d client(s)", self.fed,
                  agg.cfg.preset, self.transport.url, quorum)
+
+    def _await_shards(self, coordinator: Coordinator) -> None:
+        """Until every shard said it is subscribed (its retained hello): devices join as soon as the federation
+        is announced, and an upload published before any shard subscribed would reach nobody."""
+        seen: set[str] = set()
+
+        def hello(topic: str, payload: bytes) -> None:
+            with contextlib.suppress(WireError):
+                seen.add(shard_wire.decode(payload, "hello", 1024)["shard"])
+
+        self.transport.subscribe(topics.shards(self.fed, "hello", "+"), hello)
+        said = time.monotonic()
+        while not set(coordinator.shards) <= seen and not self._stop.is_set():
+            self.transport.pump(0.2)
+            if time.monotonic() - said > 10:
+                said = time.monotonic()
+                log.warning("waiting for aggregator shard(s) %s (protofl-server shard --index N ...)",
+                            ", ".join(sorted(set(coordinator.shards) - seen)))
 
     def step(self, timeout: float | None = None) -> int:
         """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
@@ -224,7 +251,11 @@ class AggregatorService:
         asks = self.resender.due(owed(agg.machine, agg.members or agg.expected_clients), now)
         for a in asks:
             payload = encode_message(Resend(a.ask), fed=self.fed, sender=SERVER_ID, round=a.round, phase=a.phase)
-            self.transport.publish(topics.down(self.fed, a.client), payload, qos=1)
+            try:
+                self.transport.publish(topics.down(self.fed, a.client), payload, qos=1)
+            except TransportError as exc:  # the broker is gone for now: these requests expire and are sent again
+                log.warning("could not ask %s to re-send: %s", a.client, exc)
+                break
         if asks:
             log.info("asked %d device(s) to re-send (%s)", len(asks), ", ".join(
                 f"{a.client} {a.ask}" for a in asks[:5]) + (", ..." if len(asks) > 5 else ""))

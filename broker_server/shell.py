@@ -104,7 +104,7 @@ class Aggregator:
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  offline_grace: float = OFFLINE_GRACE_S,
                  journal: JournalAppend | None = None,
-                 on_boundary: Callable[[], None] | None = None) -> None:
+                 on_boundary: Callable[[], None] | None = None, sharded: bool = False) -> None:
         self.fed = fed
         self.transport = transport
         self.clock = clock
@@ -112,7 +112,7 @@ class Aggregator:
         self.limits = limits or decoder_limits(cfg, model_values)
         self.machine = RoundMachine(cfg, self._encode, clock=clock, initial_params=initial_params, public=public,
                                     expected_clients=expected_clients, policy=policy, offline_grace=offline_grace,
-                                    limits={"max_message_bytes": self.limits.max_message_bytes})
+                                    limits={"max_message_bytes": self.limits.max_message_bytes}, sharded=sharded)
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
         # Durability (durable.py): `journal` makes an input durable before the machine applies it;
@@ -162,8 +162,15 @@ class Aggregator:
             self._run(self.machine.announce(), live=True)
         else:
             self._run(self.machine.start(), live=True)
-        self.transport.subscribe(topics.up_all(self.fed), self.on_message)
-        self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
+        self.subscribe()
+
+    def subscribe(self) -> None:
+        for pattern, handler in self.subscriptions():
+            self.transport.subscribe(pattern, handler)
+
+    def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
+        """What the aggregator listens to: devices' `up/` topics and their presence."""
+        return [(topics.up_all(self.fed), self.on_message), (topics.presence_all(self.fed), self.on_presence)]
 
     def reconnected(self) -> None:
         """The broker connection came back: presence seen meanwhile is stale (wills of a restarted broker),

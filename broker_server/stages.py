@@ -259,3 +259,45 @@ class PhaseRun:
     def round_targets(self) -> ProtoSet | None:
         """The targets of the round message that opens this phase."""
         return self.model.first("round_targets", self.phase)
+
+    # -- sharded aggregators: a shard's partial phase, merged by the coordinator (protofl/mergeable.py) ----
+    def partial(self) -> dict[str, Any]:
+        """What this shard folded in the phase: every fold's accumulators and the norm logs (for the clip
+        counts and the next radius), as plain values and arrays."""
+        logs = {kind: {"values": np.asarray(n.values, np.float64), "clipped": int(n.clipped)}
+                for kind, n in self.model.logs.items()}
+        return {"folds": [f.partial() for f in self.folds], "logs": logs}
+
+    def merge(self, part: Mapping[str, Any]) -> None:
+        """Add one shard's `partial()` of this same phase; a malformed one raises ValueError and changes nothing."""
+        self.check_partial(part)
+        for fold, theirs in zip(self.folds, part["folds"], strict=True):
+            fold.merge(theirs)
+        for kind, entry in part["logs"].items():
+            norms = self.model.log(kind)
+            norms.values.extend(float(v) for v in entry["values"])
+            norms.clipped += entry["clipped"]
+
+    def check_partial(self, part: Mapping[str, Any]) -> None:
+        """Raise ValueError if `merge` would refuse this shard's partial (its shapes, finiteness, structure)."""
+        folds, logs = (part.get("folds"), part.get("logs")) if isinstance(part, Mapping) else (None, None)
+        if not isinstance(folds, list) or len(folds) != len(self.folds) or not isinstance(logs, Mapping):
+            raise ValueError(f"a shard's partial phase must have {len(self.folds)} folds and the norm logs")
+        for kind, entry in logs.items():
+            entry = entry if isinstance(entry, Mapping) else {}
+            values, clipped = entry.get("values"), entry.get("clipped")
+            if kind not in _ROWS or not isinstance(values, np.ndarray) or values.ndim != 1 \
+                    or not np.isfinite(values).all() or not isinstance(clipped, int) or not 0 <= clipped <= values.size:
+                raise ValueError(f"a shard's norm log '{kind}' is malformed")
+        for fold, theirs in zip(self.folds, folds, strict=True):
+            fold.merge(theirs, check=True)
+
+
+def check_mergeable(cfg: FederationConfig, policy: ClipPolicy | None = None) -> None:
+    """Raise NotMergeable (with the reason) if some phase of this federation has a fold whose accumulators
+    cannot be split between aggregator shards; checked on a model of its own, before anything runs."""
+    plan = RoundPlan.from_config(cfg)
+    model = build_model(cfg, plan, policy)
+    for phase in plan.phases:
+        for fold in PhaseRun(model, phase).folds:
+            fold.partial()

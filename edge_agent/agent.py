@@ -28,12 +28,13 @@ from edge_agent.techniques import DeviceContext, DeviceRule, Objective, rules_fo
 from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
+from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
-from protofl.schedule import is_due
+from protofl.schedule import check_cadence, is_due, scores_test_set
 from protofl.technique import first_answer
 from protofl.transport import Transport
 from protofl.wire import (
@@ -105,7 +106,7 @@ class EdgeAgent:
         self.profile = profile
         self.device = torch.device(resolve_device(device))
         self.eval_every = max(1, eval_every)
-        self.test_every = max(1, test_every) if test_every is not None else self.eval_every
+        self.test_every = check_cadence(self.eval_every, test_every)  # None: the last round only
         self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
         self.limits: Limits = DEFAULT_LIMITS  # until the config says how large this federation's messages get
@@ -123,6 +124,9 @@ class EdgeAgent:
         self.last_failure: tuple[int, str, str] | None = None  # (round, phase, why) of a round that failed here
         self.finished = False
         self._extractor: Extractor | None = None
+        # The training split's features after this round's training, where the uploads computed them: the
+        # evaluation that follows in the same round reuses them (the model has not changed in between).
+        self._z_train: np.ndarray | None = None
         # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
         self.upload_budget: Callable[[float], int | None] | None = None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
@@ -371,12 +375,14 @@ class EdgeAgent:
             stats = frozen.train_on_cached_features(model, h, self._y, cfg, self.objective, seed)
         else:
             stats = trainer.train_local(model, self._x, self._y, cfg, self.objective, seed=seed)
+        self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline):
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
-            self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_,
+            self._send(self._metrics(stats, with_test=scores_test_set(round_, self.test_every, cfg.rounds)), round_,
                        Phase.TRAIN.value)
+        self._z_train = None
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
         """The round message's targets as the dense table training uses (empty without any)."""
@@ -402,7 +408,8 @@ class EdgeAgent:
         sparsifier = self._first("sparsifier", theta) if theta is not None else None
         local = None
         if Upload.PROTOS in sends:
-            protos, counts = self._first("local_prototypes", ctx.embed(self._x), self.data.y_train)
+            self._z_train = ctx.embed(self._x)
+            protos, counts = self._first("local_prototypes", self._z_train, self.data.y_train)
             for rule in self.rules:
                 protos = rule.select_local(protos)
             local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
@@ -437,6 +444,9 @@ class EdgeAgent:
         extra = {}
         if self.masks is not None and len(z_local):
             extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.masks)
+        own = self._own_prototype_correct(z_local)
+        if own is not None:
+            extra["own_proto_correct"] = float(own)
         probs, n_test, correct_test, proto_test = None, 0, 0, None
         if (with_test and self.cfg.federate != "full"
                 and self.data.x_global is not None and self.data.y_global is not None):
@@ -449,6 +459,20 @@ class EdgeAgent:
                        correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss,
                        extra={**self.metrics_extra, **extra},
                        proto_correct_local=proto_local, proto_correct_test=proto_test)
+
+    def _own_prototype_correct(self, z_local: np.ndarray) -> int | None:
+        """Correct predictions on the local split by the nearest (L2) of this client's *own* prototypes, the
+        class means of its training features now (TinyProto's eq. 12; docs/algorithms.md, Evaluation). The
+        benchmark names it apart from the nearest *global* prototype (`proto_correct_local`). None where the
+        client has no training data or its features are not finite (a diverged model scores nothing)."""
+        assert self.cfg is not None
+        if not len(z_local) or not len(self.data.y_train):
+            return None
+        z_train = self._z_train if self._z_train is not None else self._get_extractor().embed(self._x)
+        if not np.isfinite(z_train).all():
+            return None
+        own, _ = local_prototypes(z_train, self.data.y_train, self.cfg.num_classes)
+        return int((nearest_prototype(z_local, own) == self.data.y_test).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""

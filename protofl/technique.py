@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from protofl.mergeable import NotMergeable, merge_into, partial_of
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
@@ -152,6 +153,52 @@ class Fold:
 
     def finish(self) -> None:
         """Fold the phase into the server model (called once, in rule order)."""
+
+    # Sharded aggregators (protofl/mergeable.py): `merged` names the attributes holding this fold's
+    # accumulators (each `Additive`, a dict of them, or None); a shard sends `partial()`, the coordinator
+    # `merge`s every shard's into its own fold, then `finish`es. None: the fold says nothing, and a sharded
+    # federation refuses it (a fold that reads no uploads, `kinds` empty, has nothing to merge).
+    merged: tuple[str, ...] | None = None
+
+    def partial(self) -> dict[str, Any]:
+        """This fold's accumulators as another shard's coordinator adds them (plain values and arrays)."""
+        if self.merged is None:
+            if not self.kinds:
+                return {}
+            raise NotMergeable(f"{type(self).__module__}.{type(self).__name__} does not name its mergeable "
+                               f"accumulators (Fold.merged): it cannot run on sharded aggregators; run one aggregator")
+        return {name: partial_of(getattr(self, name), f"{type(self).__name__}.{name}") for name in self.merged}
+
+    def merge(self, part: Mapping[str, Any], *, check: bool = False) -> None:
+        """Add another shard's `partial()` of this fold; all of it is checked (ValueError) before anything
+        changes. `check`: only check."""
+        names = self.merged or ()
+        if not isinstance(part, Mapping) or set(part) != set(names):
+            got = sorted(part) if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(f"{type(self).__name__}: partial has {got}, expected {sorted(names)}")
+        for only_check in (True,) if check else (True, False):
+            for name in names:
+                where = f"{type(self).__name__}.{name}"
+                mine, theirs = getattr(self, name), part[name]
+                if not isinstance(mine, dict):
+                    merged = merge_into(mine, theirs, where, check=only_check)
+                    if not only_check:
+                        setattr(self, name, merged)
+                    continue
+                if not isinstance(theirs, Mapping):
+                    raise ValueError(f"{where}: expected a map of accumulators, got {type(theirs).__name__}")
+                for k, v in theirs.items():
+                    acc = mine.get(k)
+                    if acc is None:
+                        acc = self.new_accumulator(name, k)
+                        if not only_check:
+                            mine[k] = acc
+                    merge_into(acc, v, f"{where}[{k}]", check=only_check)
+
+    def new_accumulator(self, name: str, key: Any) -> Any:
+        """A fresh accumulator for `key` of the dict attribute `name`, which another shard has and this
+        fold has not yet (merge); by default none may appear."""
+        raise ValueError(f"{type(self).__name__}.{name}: partial has key {key!r}, which this fold does not have")
 
 
 class ServerRule:

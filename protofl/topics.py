@@ -48,6 +48,19 @@ def server_summary(fed: str) -> str:
     return f"{ROOT}/{fed}/server/summary"
 
 
+# Sharded aggregators (docs/design.md, "Scale-out"): the shards share the uploads through one MQTT 5 shared
+# subscription; the coordinator and the shards talk under `shards/` (versioned msgpack, their own ACL).
+def shared_up(fed: str) -> str:
+    return f"$share/protofl-{fed}/{up_all(fed)}"
+
+
+def shards(fed: str, what: str, who: str = "") -> str:
+    """`shards/phase` and `shards/close` (coordinator -> shards, retained), `shards/progress/<shard>`,
+    `shards/partial/<shard>` (shard -> coordinator) and `shards/relay/<client>` (a device's join or
+    metrics a shard received, passed on as it came)."""
+    return f"{ROOT}/{fed}/shards/{what}" + (f"/{who}" if who else "")
+
+
 def client_of(topic: str) -> str:
     """The client id in an `up/{client_id}` or `presence/{client_id}` topic ("" if none)."""
     parts = topic.split("/")

@@ -21,7 +21,7 @@ from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
 from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
-from protofl.schedule import check_cadence, is_due
+from protofl.schedule import scores_test_set
 from protofl.wire import Metrics
 
 log = logging.getLogger("protofl.simulate")
@@ -60,11 +60,10 @@ class Report:
         self.clips: dict[int, ClipCount] = {}  # per round: rows checked against the radius and clipped
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
-        if (self.evaluate is not None and model.params is not None
-                and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every), self.cfg.rounds)):
+        scored = scores_test_set(rec.round, self.spec.test_every, self.cfg.rounds)  # the official test set's rounds
+        if self.evaluate is not None and model.params is not None and scored:
             self.global_model_acc[rec.round] = self.evaluate(model.params)
-        if self.predictor is not None and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every),
-                                                 self.cfg.rounds):
+        if self.predictor is not None and scored:
             acc = self.predictor(model)
             if acc is not None:
                 self.predictor_acc[rec.round] = acc
@@ -107,6 +106,8 @@ class Report:
             "round": rec.round,
             "local_acc": acc["local_acc"],
             "local_proto_acc": acc["local_proto_acc"],
+            # nearest of each client's own prototypes (TinyProto's eq. 12), sample-weighted like local_acc
+            "local_own_proto_acc": _pooled_extra(self.metrics.get(rec.round, {}).values(), "own_proto_correct"),
             "global_acc": acc["global_acc"],
             "global_proto_acc": acc["global_proto_acc"],
             "ensemble_acc": ens,
@@ -132,7 +133,9 @@ class Report:
             "config": self.cfg.to_dict(),
             "simulation": {"dataset": self.spec.dataset, "clients": self.spec.clients, "alpha": self.spec.alpha,
                            "seed": self.spec.seed, "transport": self.spec.transport, "device": self.spec.device,
-                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off"},
+                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off",
+                           # the rounds that score the test set (None: the last only; protofl.schedule)
+                           "test_every": self.spec.test_every},
             "rounds": rows,
             "totals": {
                 "uplink_bytes": int(sum(r["uplink_bytes"] for r in rows)),
@@ -154,6 +157,13 @@ def _sum_kinds(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
         for kind, n in c.items():
             total[kind] = total.get(kind, 0) + n
     return total
+
+
+def _pooled_extra(metrics: Iterable[Metrics], key: str) -> float | None:
+    """A per-client count of correct local predictions in `Metrics.extra`, pooled: sum / sum of local sizes."""
+    pairs = [(m.extra[key], m.n_local) for m in metrics if key in m.extra]
+    n = sum(w for _, w in pairs)
+    return sum(v for v, _ in pairs) / n if n else None
 
 
 def _weighted_extra(metrics: Iterable[Metrics], key: str) -> float | None:

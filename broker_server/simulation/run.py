@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -62,8 +64,28 @@ def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], No
     out = report.to_json(agg.dropped)
     if ray_info is not None:
         out["ray"] = ray_info  # the rest is the in-process run's report
+    out["machine"] = machine_info(torch)
     warn_long_overruns(out)
     return out
+
+
+def machine_info(torch: Any) -> dict[str, Any]:
+    """What the run's timings and float results depend on: torch's thread counts (they change the order of
+    float sums, so two machines' runs differ slightly), the CPU model and count, torch's version."""
+    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "torch_version": str(torch.__version__), "cpu_model": cpu_model(), "cpus": os.cpu_count()}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def warn_long_overruns(report: dict[str, Any]) -> None:

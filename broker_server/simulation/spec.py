@@ -55,7 +55,7 @@ class SimulationSpec:
     train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
     test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
     eval_every: int = 1
-    test_every: int | None = None  # score the official test set every N rounds (default: eval_every) and in the last
+    test_every: int | None = None  # score the official test set every N rounds and in the last (None: the last only)
     extractor: str = "torch"  # agents extract prototypes with torch or onnxruntime ("onnx")
     device: str = "cpu"  # torch device of the agents and of FedAvg's global model: cpu | cuda | auto
     overrides: dict[str, Any] = field(default_factory=dict)

@@ -99,10 +99,10 @@ class LiveWatch:
         dropped, asked = self.resends() if self.resends else (0, 0)
         snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0, dropped, asked)
         self._built, self._dirty = now, False
-        self.board.publish(snap)
-        encoded: list[bytes] = []  # encoded once, for the status file and the summary alike
-        self._write_status(snap, encoded)
-        self._publish_summary(snap, now, encoded)
+        body = snap.encode()  # once, for the board, the status file and the summary alike
+        self.board.publish(snap, body)
+        self._write_status(body)
+        self._publish_summary(snap, now, body)
         self._cost = time.perf_counter() - started
         return snap
 
@@ -112,18 +112,12 @@ class LiveWatch:
         self._summary_at = float("-inf")
         self.refresh()
 
-    @staticmethod
-    def _encoded(snap: Snapshot, encoded: list[bytes]) -> bytes:
-        if not encoded:
-            encoded.append(snap.encode())
-        return encoded[0]
-
-    def _write_status(self, snap: Snapshot, encoded: list[bytes]) -> None:
+    def _write_status(self, body: bytes) -> None:
         if self.status_file is None:
             return
         tmp = self.status_file.with_name(self.status_file.name + ".tmp")
         try:
-            tmp.write_bytes(self._encoded(snap, encoded))
+            tmp.write_bytes(body)
             os.replace(tmp, self.status_file)
         except OSError as exc:  # a watcher's file: the federation goes on without it
             if not self._status_failed:
@@ -131,7 +125,7 @@ class LiveWatch:
                             self.status_file, exc)
             self._status_failed = True
 
-    def _publish_summary(self, snap: Snapshot, now: float, encoded: list[bytes]) -> None:
+    def _publish_summary(self, snap: Snapshot, now: float, body: bytes) -> None:
         transport = self.transport
         if transport is None or not transport.connected:
             return
@@ -143,5 +137,5 @@ class LiveWatch:
             self._summary_due = True  # published by the first step once SUMMARY_S has passed
             return
         with contextlib.suppress(TransportError, ValueError):  # a watcher's message never stops the federation
-            transport.publish(self._topic, self._encoded(snap, encoded), retain=True, qos=0)
+            transport.publish(self._topic, body, retain=True, qos=0)
             self._summary, self._summary_at, self._summary_due = same, now, False

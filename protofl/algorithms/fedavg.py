@@ -15,20 +15,24 @@ accumulator that holds one running sum, so memory does not grow with the number 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from protofl.algorithms.robust import CoordinateRobust, clip_around
 from protofl.errors import WireError
+from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
 from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
 
 __all__ = ["FedAvgAggregator", "FedAvg"]
 
 
-class FedAvgAggregator:
+class FedAvgAggregator(Additive):
     """Running sample-weighted mean of dense vectors of length `dim`."""
+
+    additive = ("_num", "_den", "_count")  # mergeable across aggregator shards
 
     def __init__(self, dim: int) -> None:
         if int(dim) < 1:
@@ -110,6 +114,7 @@ class VectorFold(Fold):
     """The training phase's parameter vectors, clipped around the global one and averaged."""
 
     kinds = (Upload.ADAPTER,)
+    merged = ("acc", "robust")
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -182,6 +187,15 @@ class VectorFold(Fold):
                 self.robust.add(np.asarray(update, np.float64))
         if seen is not None:
             self.model.record("adapter", [seen])
+
+    def merge(self, part: Mapping[str, Any], *, check: bool = False) -> None:
+        """Another shard's partial; without a known model its length is the first one any shard saw."""
+        theirs = part.get("acc") if isinstance(part, Mapping) else None
+        if self.acc is None and isinstance(theirs, Mapping) and isinstance(theirs.get("_num"), np.ndarray):
+            if check:
+                return  # nothing here to hold it to: the first length wins, as the first upload's does
+            self._start(theirs["_num"].shape[0])
+        super().merge(part, check=check)
 
     def finish(self) -> None:
         model = self.model

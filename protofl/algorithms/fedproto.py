@@ -28,6 +28,7 @@ import numpy as np
 
 from protofl.algorithms.robust import CoordinateRobust, class_rows
 from protofl.errors import WireError
+from protofl.mergeable import Additive
 from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
 from protofl.wire import ProtoSet
 
@@ -79,8 +80,10 @@ def _count(n: object, c: int, who: str) -> int:
     return int(n)
 
 
-class PrototypeAggregator:
+class PrototypeAggregator(Additive):
     """Streaming per-class (weighted) mean of prototypes, FedProto's server step."""
+
+    additive = ("_sum", "_weight", "_senders")  # mergeable across aggregator shards
 
     def __init__(self, num_classes: int, dim: int, weighting: str = "weighted") -> None:
         if int(num_classes) < 1 or int(dim) < 1:
@@ -227,6 +230,7 @@ class MeanFold(Fold):
     the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one."""
 
     kinds = (Upload.PROTOS,)
+    merged = ("acc", "robust")
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -264,6 +268,13 @@ class MeanFold(Fold):
             for c, v in zip(classes.tolist(), rows, strict=True):
                 self.robust.setdefault(c, CoordinateRobust(width, policy.robust, policy.trim)).add(v)
         self.model.record_rows("protos", seen)
+
+    def new_accumulator(self, name: str, key: Any) -> Any:
+        """A class another shard has a robust mean for and this one has not."""
+        if name != "robust" or not isinstance(key, int) or not 0 <= key < self.model.plan.num_classes:
+            return super().new_accumulator(name, key)
+        policy = self.model.policy
+        return CoordinateRobust(self.model.plan.proto_width, policy.robust, policy.trim)
 
     def finish(self) -> None:
         model = self.model

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protofl.mergeable import Additive
+
 ROBUST_MODES = ("mean", "median", "trimmed")
 DEFAULT_FACTOR = 10.0  # generous: honest uploads of one round are far nearer the median than 10x
 DEFAULT_FIRST_RADIUS = 1e4  # round 1, before any statistics (the models' features are O(1..100))
@@ -173,8 +175,10 @@ def clip_text(clipped: Mapping[str, int], checked: Mapping[str, int]) -> str:
     return ", ".join(f"{clipped.get(k, 0)}/{n} {k}" for k, n in sorted(checked.items()))
 
 
-class CoordinateRobust:
+class CoordinateRobust(Additive):
     """Coordinate-wise median or trimmed mean of the uploads, over the senders of each coordinate."""
+
+    additive = ("_rows",)  # every row: merging is exact (the rows are sorted per coordinate at the end)
 
     def __init__(self, dim: int, mode: str, trim: float = DEFAULT_TRIM) -> None:
         if mode not in ("median", "trimmed"):

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.mergeable import Additive
 
 __all__ = ["scale_prototypes", "support_norms", "ScaledAggregator", "apply_mu", "auto_rescale"]
 
@@ -55,11 +56,13 @@ def support_norms(protos: Mapping[int, np.ndarray], masks: np.ndarray | None) ->
     return out
 
 
-class ScaledAggregator:
+class ScaledAggregator(Additive):
     """Eq. (10) as a stream: per class, the plain mean of the scaled vectors over the clients that sent it.
 
     `dim` is the length of what travels: m without masks, s with them.
     """
+
+    additive = ("_agg",)  # mergeable across aggregator shards
 
     def __init__(self, num_classes: int, dim: int) -> None:
         # Eq. (10) is an unweighted mean over senders of the scaled vectors; the weighting is

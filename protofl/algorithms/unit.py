@@ -17,6 +17,7 @@ import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
 from protofl.algorithms.robust import class_rows, row_dots
+from protofl.mergeable import Additive
 from protofl.technique import Fold, ServerState, Upload
 from protofl.wire import ProtoSet
 
@@ -49,8 +50,10 @@ def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
     return normalize_rows(rng.standard_normal((int(num_classes), int(dim)))).astype(np.float32)
 
 
-class ConsensusAggregator:
+class ConsensusAggregator(Additive):
     """Eq. (3) as a stream: per-class sum S_c and sender count K_c of unit client prototypes."""
+
+    additive = ("_sum", "_count", "_senders")  # mergeable across aggregator shards
 
     def __init__(self, previous: np.ndarray) -> None:
         prev = np.asarray(previous)
@@ -153,6 +156,7 @@ class UnitFold(Fold):
     the current prototypes cut the same way, normalised, and added onto their supports in the (C, m) sums."""
 
     kinds = (Upload.PROTOS,)
+    merged = ("acc",)
 
     def __init__(self, model: ServerState) -> None:
         self.model = model

@@ -46,6 +46,17 @@ def test_the_queue_is_sized_from_the_fleet_and_never_below_the_old_default() -> 
     assert resend_window(1, 1) == 5 and resend_window(96_000, 1) == 24_005
 
 
+def test_broker_config_prints_the_queue_for_its_fleet_and_the_sys_interval(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from broker_server.cli import app
+
+    out = CliRunner().invoke(app, ["broker-config", "--out", str(tmp_path / "a"), "--devices", "3000"])
+    assert out.exit_code == 0 and "max_queued_messages 30000\n" in out.output and "sys_interval 1\n" in out.output
+    out = CliRunner().invoke(app, ["broker-config", "--out", str(tmp_path / "b"), "--broker-queue", "0"])
+    assert out.exit_code == 2 and "--broker-queue must be at least 1" in out.output and not (tmp_path / "b").exists()
+
+
 def _limited(soft: int, hard: int):  # type: ignore[no-untyped-def]
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 

@@ -52,7 +52,9 @@ def runs(one_torch_thread: None) -> dict[str, Run]:
 
             mp.setattr(InProcessTransport, "publish", spy)
             box: dict[str, Aggregator] = {}
-            report = run_simulation(SimulationSpec(preset=preset, **FED), on_finish=lambda a: box.setdefault("agg", a))
+            # every round scores the test set: the accuracy columns of every row are what these tests check
+            report = run_simulation(SimulationSpec(preset=preset, **FED, test_every=1),
+                                    on_finish=lambda a: box.setdefault("agg", a))
             out[preset] = Run(report, box["agg"], wire)
     return out
 
@@ -251,3 +253,15 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
         expected = support.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
                                          model.masks[[c]])[0]
         np.testing.assert_allclose(model.unit[c], expected, atol=1e-5)
+
+
+def test_the_nearest_own_prototype_is_scored_in_every_round_and_the_machine_is_recorded(runs: dict[str, Run]) -> None:
+    # TinyProto's eq. 12 (each client's own class means) needs nothing from the federation: every preset, FedAvg
+    # included, has it from round 1, where FedProto has no global prototype yet (local_proto_acc None).
+    for preset, run in runs.items():
+        for row in run.report["rounds"]:
+            assert 0.0 <= row["local_own_proto_acc"] <= 1.0, (preset, row)
+        machine = run.report["machine"]
+        assert machine["torch_threads"] >= 1 and machine["cpus"] >= 1 and machine["cpu_model"], machine
+    first = runs["fedproto"].report["rounds"][0]
+    assert first["local_proto_acc"] is None and first["local_own_proto_acc"] is not None

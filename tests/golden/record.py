@@ -28,6 +28,7 @@ def main(out: str, only: list[str] | None = None) -> None:
             continue
         report = run_simulation(SimulationSpec(**{"preset": name, **FED, **extra}))
         report["totals"].pop("wall_s")
+        report.pop("machine")  # where it ran (CPU model, thread counts): not behaviour
         with open(f"{out}/{name}.json", "w") as fh:
             json.dump(report, fh, indent=1, sort_keys=True)
         print(name, report["totals"], flush=True)
