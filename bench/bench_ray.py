@@ -30,6 +30,7 @@ def _strip(report: dict[str, Any]) -> dict[str, Any]:
     report = json.loads(json.dumps(report))
     report["totals"].pop("wall_s")
     report.pop("ray", None)
+    report.pop("machine", None)
     return report
 
 

@@ -351,7 +351,7 @@ def run_on_ray(spec: SimulationSpec, fed_data: Federation, report: Report,
         _drive(agg, broker, fleet, report)
         info = {"address": spec.ray_address or os.environ.get("RAY_ADDRESS") or
                 ("local" if started else "the caller's session"),
-                "workers": workers, "device_resources": res.text(),
+                "workers": workers, "device_resources": res.text(), "worker_torch_threads": max(1, int(res.cpus)),
                 "nodes": sum(1 for n in ray.nodes() if n.get("Alive", True)), "restarts": fleet.restarts()}
         if not started:
             keep = idle + fleet.live_workers()

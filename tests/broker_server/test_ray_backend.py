@@ -67,6 +67,7 @@ def _same(want: Any, got: Any, path: str = "") -> list[str]:
 def _without_run_facts(report: dict[str, Any]) -> dict[str, Any]:
     report["totals"].pop("wall_s")
     report.pop("ray", None)
+    report.pop("machine", None)  # the driver's machine and threads (the CLI's differ from this process's)
     return report
 
 
