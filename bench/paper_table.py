@@ -106,8 +106,12 @@ def git_info() -> dict[str, Any]:
 
 
 class Runner:
-    def __init__(self, suite: str, run_root: Path, data_dir: str | None, jobs: int, verbose: bool = True) -> None:
+    def __init__(self, suite: str, run_root: Path, data_dir: str | None, jobs: int, verbose: bool = True,
+                 backend_args: list[str] | None = None) -> None:
         self.suite = suite
+        # Where the runs' devices run (`--backend ray ...`): added to each command, not part of the run (its
+        # report is the same), so cached runs stay valid.
+        self.backend_args = list(backend_args or [])
         self.run_root = run_root
         self.data_dir = data_dir
         self.jobs = max(1, jobs)
@@ -149,7 +153,7 @@ class Runner:
         stale = final.is_file()
         tmp = final.with_name(f".{final.stem}.{os.getpid()}.partial.json")
         args = run_args(run, self.suite, self.data_dir)
-        cmd = self.prefix + args + ["--json", str(tmp)]
+        cmd = self.prefix + args + self.backend_args + ["--json", str(tmp)]
         shown = "protofl-server " + shlex.join(args)
         self.log(f"[{index}/{total}] {run.key}{' (stale cache: command or config changed)' if stale else ''}\n    {shown}")
         started = time.time()
@@ -182,6 +186,7 @@ class Runner:
         rep = json.loads(tmp.read_text())
         rep["bench"] = {"suite": self.suite, "setting": run.setting, "run": run.name, "label": run.label,
                         "args": args, "command": shown, "cli_wall_s": round(wall, 1),
+                        **({"backend_args": self.backend_args} if self.backend_args else {}),
                         "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
                         "git_rev": git["rev"], "git_dirty": git["dirty"]}
         tmp2 = final.with_name(f".{final.stem}.{os.getpid()}.final.json")
@@ -224,6 +229,16 @@ def clean_partials(root: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def backend_args(ns: argparse.Namespace, ap: argparse.ArgumentParser) -> list[str]:
+    """The simulate options that put a run's devices on Ray (empty for the local backend)."""
+    if ns.backend == "local":
+        if ns.ray_address or ns.device_resources:
+            ap.error("--ray-address and --device-resources need --backend ray")
+        return []
+    return (["--backend", "ray"] + (["--ray-address", ns.ray_address] if ns.ray_address else [])
+            + (["--device-resources", ns.device_resources] if ns.device_resources else []))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.paper_table", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -237,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma list of seeds: run only these seeds of the chosen rows")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (default 1: the CPU is shared)")
     ap.add_argument("--data-dir", default=None, help="where the Fashion-MNIST IDX files are (CLI default otherwise)")
+    ap.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="ray: every run's devices on Ray workers (simulate --backend ray; the report is the same)")
+    ap.add_argument("--ray-address", default=None, help="ray: the cluster to join (auto, host:port, ray://...)")
+    ap.add_argument("--device-resources", default=None, help="ray: each worker's share, cpu=N[,gpu=N]")
     ap.add_argument("--table-only", action="store_true", help="run nothing; rewrite the table from the cache")
     ap.add_argument("--dry-run", action="store_true", help="print the commands that would run, and exit")
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test only: 1 round, tiny subsets
@@ -276,13 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.table_only:
         argv_shown += " (this file rewritten from the cache with --table-only)"
 
-    runner = Runner(sizing_key, run_root, ns.data_dir, ns.jobs)
+    runner = Runner(sizing_key, run_root, ns.data_dir, ns.jobs, backend_args=backend_args(ns, ap))
     ctx = table_report.Context(suite=ns.suite, sizing_key=sizing_key, run_root=run_root, table_path=table_path,
                                command=argv_shown, git=runner.git, runs=runs_all, cached=runner.cached)
     if ns.dry_run:
         for r in runs:
             state = "cached" if runner.cached(r) else "to run"
-            print(f"{r.key:32s} {state:7s} protofl-server {shlex.join(run_args(r, sizing_key, ns.data_dir))}")
+            print(f"{r.key:32s} {state:7s} protofl-server {shlex.join(run_args(r, sizing_key, ns.data_dir) + runner.backend_args)}")
         return 0
     if ns.table_only:
         table_report.write(ctx)

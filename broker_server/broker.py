@@ -2,8 +2,10 @@
 
 `mosquitto` (from PATH, or the usual sbin directories that a non-root PATH lacks) runs with a config
 generated in a working directory: one listener (127.0.0.1 unless told otherwise), an explicit
-`max_packet_size` and `max_queued_messages`, persistence so that a restart keeps retained messages and
-sessions, and, from `protofl-server start`, a password file and ACL (broker_server/security.py).
+`max_packet_size` and `max_queued_messages` (sized from the fleet: broker_server/capacity.py), `$SYS`
+every `sys_interval` seconds (the server reads the dropped-messages counter there), persistence so that
+a restart keeps retained messages and sessions, and, from `protofl-server start`, a password file and
+ACL (broker_server/security.py).
 Without mosquitto an embedded amqtt broker (MQTT 3.1.1, dev only) runs in a thread of this process;
 it enforces no password or ACL, so `start` refuses it without `--insecure`.
 
@@ -36,6 +38,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from broker_server.capacity import DEFAULT_QUEUE
 from protofl.errors import ProtoFLError
 from protofl.transport.broker_url import DEFAULT_MAX_PACKET
 
@@ -45,6 +48,12 @@ PACKET_HEADROOM = 64 * 1024  # an MQTT PUBLISH's fixed header, topic and propert
 INSTALL_HINT = "install it with: sudo apt-get install mosquitto (macOS: brew install mosquitto)"
 SOCKET_NAME = "mosquitto.sock"
 MAX_SOCKET_PATH = 100  # bytes; sockaddr_un holds 108 with its NUL (104 on macOS): keep a margin
+# How often mosquitto publishes $SYS, including `$SYS/broker/publish/messages/dropped` (default 10 s): the
+# server learns of drops from it, so this bounds how long a round waits before devices are asked to re-send.
+SYS_INTERVAL_S = 1
+# Mosquitto's count of messages it dropped for any client whose queue was full (verified on 2.0.11; its log
+# says "Outgoing messages are being dropped for client X" once only, not per message).
+DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
 
 
 class BrokerStartError(ProtoFLError, RuntimeError):
@@ -160,7 +169,10 @@ def _listening_inodes(port: int) -> set[str] | None:
         except OSError:
             continue
         seen_any = True
+        local = f":{port:04X} "  # the local address column ends with the port in hex: skip other rows unsplit
         for row in rows:
+            if local not in row:
+                continue
             cols = row.split()
             if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
                 found.add(cols[9])
@@ -241,7 +253,7 @@ class MosquittoBroker(LocalBroker):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None, *,
                  binary: str | None = None, max_packet_size: int = DEFAULT_MAX_PACKET,
-                 max_queued_messages: int = 10000, persistence: bool = True, allow_anonymous: bool = True,
+                 max_queued_messages: int = DEFAULT_QUEUE, persistence: bool = True, allow_anonymous: bool = True,
                  extra_config: Sequence[str] = (), tls: ListenerTls | None = None,
                  die_with_parent: bool = False, local_socket: bool = False) -> None:
         super().__init__(host, port)
@@ -343,9 +355,10 @@ class MosquittoBroker(LocalBroker):
             f"allow_anonymous {'true' if self.allow_anonymous else 'false'}",
             f"max_packet_size {self.max_packet_size}",
             # QoS 1 messages the broker holds for one slow client beyond those in flight; beyond it they are
-            # dropped. All devices upload at the same moment, so the aggregator's queue must hold a round's
-            # burst (an upload and a metrics message per device); mosquitto's default 1000 is too few.
+            # dropped (counted in $SYS, after they were acknowledged to their senders). All devices upload at
+            # the same moment, so the aggregator's queue must hold a round's burst: capacity.queue_for_fleet.
             f"max_queued_messages {self.max_queued_messages}",
+            f"sys_interval {SYS_INTERVAL_S}",
             "log_dest stderr",
             "log_type error", "log_type warning", "log_type notice",
         ]
@@ -399,7 +412,9 @@ class MosquittoBroker(LocalBroker):
 
     def _answers(self) -> bool:
         assert self.proc is not None
-        if not (_owns_listener(self.proc.pid, self.port) and _mqtt_answers(self.host, self.port, self.tls is not None)):
+        # The MQTT probe first: it fails fast while mosquitto is starting, and /proc/net/tcp, which the ownership
+        # check reads, holds a row per socket on the machine (tens of thousands beside a large fleet: seconds).
+        if not (_mqtt_answers(self.host, self.port, self.tls is not None) and _owns_listener(self.proc.pid, self.port)):
             return False
         return self.socket_path is None or _unix_answers(self.socket_path)
 
@@ -517,17 +532,20 @@ def start_local_broker(kind: Literal["auto", "mosquitto", "amqtt"] = "auto", *, 
                        workdir: str | Path | None = None, host: str = "127.0.0.1",
                        max_packet_size: int = DEFAULT_MAX_PACKET, auth_lines: Sequence[str] = (),
                        allow_amqtt: bool = True, tls: ListenerTls | None = None,
-                       die_with_parent: bool = False, local_socket: bool = False) -> LocalBroker:
+                       die_with_parent: bool = False, local_socket: bool = False,
+                       max_queued_messages: int = DEFAULT_QUEUE) -> LocalBroker:
     """Start mosquitto if installed (or asked for), else the embedded amqtt broker; returns it running.
 
     `auth_lines` (password file, ACL) switch anonymous access off; amqtt cannot apply them, so with
     them it is used only if `allow_amqtt` (the caller accepted an unauthenticated broker). `local_socket`
-    (mosquitto only) adds the unix socket listener for the server's own connection."""
+    (mosquitto only) adds the unix socket listener for the server's own connection; `max_queued_messages`
+    (mosquitto only) is how many messages it holds for one subscriber (the aggregator) beyond those in flight."""
     if kind == "mosquitto" or (kind == "auto" and find_mosquitto()):
         extra = [line for line in auth_lines if not line.startswith("allow_anonymous")]  # written once, below
         return MosquittoBroker(host, port=port, workdir=workdir, max_packet_size=max_packet_size,
                                allow_anonymous=not auth_lines, extra_config=extra, tls=tls,
-                               die_with_parent=die_with_parent, local_socket=local_socket).start()
+                               die_with_parent=die_with_parent, local_socket=local_socket,
+                               max_queued_messages=max_queued_messages).start()
     if kind not in ("auto", "amqtt"):
         raise BrokerStartError(f"unknown broker kind '{kind}'; use auto, mosquitto or amqtt")
     if tls is not None:

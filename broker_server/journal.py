@@ -2,12 +2,16 @@
 
 One record per accepted message (a join or an upload), in the order the round machine applied them:
 
-    b"PFJ1" | body length (u32, big-endian) | CRC32 of the body (u32) | body (msgpack)
+    b"PFJ2" | meta length (u32, big-endian) | payload length (u32) | CRC32 of meta + payload (u32)
+            | meta (msgpack) | payload (the bytes as they arrived)
 
-The body is `{"t": topic, "p": payload, "c": client, "k": kind, "r": round, "ph": phase}`: the raw
-payload, so that replay goes through the same decoder and the same machine as live traffic. Timers
-(a grace that ran out, a deadline) are records too, with an empty topic and payload: their kind says
-which (broker_server/shell.py).
+The meta is `{"t": topic, "c": client, "k": kind, "r": round, "ph": phase}`; the payload follows it as it
+came off the wire, written with the header and meta in one `writev`: never decoded and encoded again, nor
+copied into a msgpack body (issue 27), and replay goes through the same decoder and the same machine as
+live traffic. Timers (a grace that ran out, a deadline) are records too, with an empty topic and payload:
+their kind says which (broker_server/shell.py). A journal written before (`PFJ1` records: one msgpack
+body holding the payload as well, its CRC over that body) is still read, record by record; new records
+are PFJ2, so a state dir may hold both.
 
 A crash in the middle of an append leaves a prefix of the last record: a short header or a short body
 at the very end of the file. Opening the journal finds it, copies it aside (`<segment>.torn-<offset>`,
@@ -34,9 +38,12 @@ import msgpack
 from protofl.errors import ProtoFLError
 
 log = logging.getLogger("protofl.durability")
-MAGIC = b"PFJ1"
-HEADER = struct.Struct(">4sII")
+MAGIC = b"PFJ2"
+HEADER = struct.Struct(">4sIII")
+OLD_MAGIC = b"PFJ1"  # before issue 27: the payload inside the msgpack body
+OLD_HEADER = struct.Struct(">4sII")
 MAX_RECORD = 1 << 30  # a larger length field is damage, not a message
+MAX_META = 1 << 16
 
 
 class JournalError(ProtoFLError, RuntimeError):
@@ -55,43 +62,81 @@ class Record:
     phase: str
 
 
+def record_parts(topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> list[bytes]:
+    """One record as the pieces `writev` writes: header, meta, and the payload itself (not copied)."""
+    meta = msgpack.packb({"t": topic, "c": client, "k": kind, "r": int(round_), "ph": phase}, use_bin_type=True)
+    crc = zlib.crc32(payload, zlib.crc32(meta))
+    return [HEADER.pack(MAGIC, len(meta), len(payload), crc), meta, payload]
+
+
 def encode_record(topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> bytes:
-    body = msgpack.packb({"t": topic, "p": bytes(payload), "c": client, "k": kind, "r": int(round_), "ph": phase},
-                         use_bin_type=True)
-    return HEADER.pack(MAGIC, len(body), zlib.crc32(body)) + body
+    """One record's bytes, as `Journal.append` writes them."""
+    return b"".join(record_parts(topic, payload, client, kind, round_, phase))
 
 
-def _decode_body(body: bytes, offset: int, end: int) -> Record:
-    d = msgpack.unpackb(body, raw=False, max_bin_len=MAX_RECORD, max_str_len=1 << 16, max_map_len=16)
-    return Record(offset, end, d["t"], d["p"], d["c"], d["k"], int(d["r"]), d["ph"])
+def _unpack_meta(body: bytes | memoryview) -> dict:
+    return msgpack.unpackb(body, raw=False, max_bin_len=MAX_RECORD, max_str_len=1 << 16, max_map_len=16)
+
+
+def _damaged(path: Path | str, pos: int, magic: bytes, length: int) -> JournalError:
+    return JournalError(f"{path}: record at byte {pos} has a bad header ({magic!r}, length {length}); the journal is "
+                        f"damaged, not torn. Restore the state dir from a backup, or move it aside to start a new "
+                        f"federation")
+
+
+def _bad_crc(path: Path | str, pos: int, length: int) -> JournalError:
+    return JournalError(f"{path}: the complete record at byte {pos} ({length} bytes) fails its CRC32 check: it was "
+                        f"written whole and changed on disk since (damage, not a crash mid-write). Nothing was "
+                        f"changed; restore the state dir from a backup, or move it aside to start a new federation")
+
+
+def _read_record(data: bytes, pos: int, path: Path | str) -> Record | None:
+    """The record at `pos`, or None if the data ends inside it (a torn write)."""
+    size = len(data)
+    magic = data[pos:pos + 4]
+    if magic == OLD_MAGIC:
+        if size - pos < OLD_HEADER.size:
+            return None
+        _, length, crc = OLD_HEADER.unpack_from(data, pos)
+        if length > MAX_RECORD:
+            raise _damaged(path, pos, magic, length)
+        end = pos + OLD_HEADER.size + length
+        if end > size:
+            return None
+        body = data[pos + OLD_HEADER.size:end]
+        if zlib.crc32(body) != crc:
+            raise _bad_crc(path, pos, length)
+        d = _unpack_meta(body)
+        return Record(pos, end, d["t"], d["p"], d["c"], d["k"], int(d["r"]), d["ph"])
+    if size - pos < HEADER.size:
+        return None  # torn inside the header
+    magic, meta_len, length, crc = HEADER.unpack_from(data, pos)
+    if magic != MAGIC or length > MAX_RECORD or meta_len > MAX_META:
+        raise _damaged(path, pos, magic, length)
+    start = pos + HEADER.size
+    end = start + meta_len + length
+    if end > size:
+        return None
+    view = memoryview(data)
+    if zlib.crc32(view[start + meta_len:end], zlib.crc32(view[start:start + meta_len])) != crc:
+        raise _bad_crc(path, pos, meta_len + length)
+    d = _unpack_meta(view[start:start + meta_len])
+    return Record(pos, end, d["t"], data[start + meta_len:end], d["c"], d["k"], int(d["r"]), d["ph"])
 
 
 def scan(data: bytes, path: Path | str = "journal") -> tuple[list[Record], int]:
     """The good records of a journal's bytes and the length of its good prefix (where a torn tail starts)."""
     records: list[Record] = []
-    pos, size = 0, len(data)
-    while pos < size:
-        if size - pos < HEADER.size:
-            break  # torn inside the header
-        magic, length, crc = HEADER.unpack_from(data, pos)
-        end = pos + HEADER.size + length
-        if magic != MAGIC or length > MAX_RECORD:
-            raise JournalError(f"{path}: record at byte {pos} has a bad header ({magic!r}, length {length}); the "
-                               f"journal is damaged, not torn. Restore the state dir from a backup, or move it aside "
-                               f"to start a new federation")
-        if end > size:
-            break  # torn inside the body
-        body = data[pos + HEADER.size:end]
-        if zlib.crc32(body) != crc:
-            raise JournalError(f"{path}: the complete record at byte {pos} ({length} bytes) fails its CRC32 check: "
-                               f"it was written whole and changed on disk since (damage, not a crash mid-write). "
-                               f"Nothing was changed; restore the state dir from a backup, or move it aside to "
-                               f"start a new federation")
+    pos = 0
+    while pos < len(data):
         try:
-            records.append(_decode_body(body, pos, end))
+            rec = _read_record(data, pos, path)
         except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
             raise JournalError(f"{path}: record at byte {pos} passes its CRC but does not decode ({exc})") from None
-        pos = end
+        if rec is None:
+            break  # torn inside the header or the body
+        records.append(rec)
+        pos = rec.end
     return records, pos
 
 
@@ -133,12 +178,13 @@ class Journal:
                sync: bool = True) -> int:
         """Write one record and (with `sync`) fsync it; returns the journal's new size. Without `sync`
         the caller must call `sync()` before acknowledging it (group commit)."""
-        rec = encode_record(topic, payload, client, kind, round_, phase)
-        _crash_point(self._fd, rec)
-        written = os.write(self._fd, rec)
-        if written != len(rec):
-            raise OSError(f"{self.path}: short write ({written} of {len(rec)} bytes)")
-        self.size += len(rec)
+        parts = record_parts(topic, payload, client, kind, round_, phase)
+        _crash_point(self._fd, parts)
+        total = sum(len(p) for p in parts)
+        written = os.writev(self._fd, parts)
+        if written != total:
+            raise OSError(f"{self.path}: short write ({written} of {total} bytes)")
+        self.size += total
         self._dirty = True
         if sync:
             self.sync()
@@ -173,12 +219,15 @@ def _fsync_dir(path: Path) -> None:
 # SIGKILLs the process (a real torn write); with PROTOFL_CRASH_<POINT>=N, the N-th time this process
 # passes `crash_point("<point>")` it SIGKILLs itself there (AFTER_APPEND: a record written, not yet
 # applied; AFTER_CHECKPOINT: a checkpoint written, its round message not yet sent). Unset (always,
-# outside tests) each costs one dict lookup.
+# outside tests) each costs one test of an empty dict.
 _passes: dict[str, int] = {}
+# Read once: a test sets them in the environment of the process it starts, and os.environ.get costs ~1 us a
+# call, twice per upload.
+_CRASH = {k: v for k, v in os.environ.items() if k.startswith("PROTOFL_CRASH_")}
 
 
 def crash_point(point: str) -> None:
-    at = os.environ.get(f"PROTOFL_CRASH_{point}")
+    at = _CRASH.get(f"PROTOFL_CRASH_{point}") if _CRASH else None
     if not at:
         return
     _passes[point] = _passes.get(point, 0) + 1
@@ -186,12 +235,13 @@ def crash_point(point: str) -> None:
         _kill_self()
 
 
-def _crash_point(fd: int, rec: bytes) -> None:
-    at = os.environ.get("PROTOFL_CRASH_MID_APPEND")
+def _crash_point(fd: int, parts: list[bytes]) -> None:
+    at = _CRASH.get("PROTOFL_CRASH_MID_APPEND") if _CRASH else None
     if not at:
         return
     _passes["MID_APPEND"] = _passes.get("MID_APPEND", 0) + 1
     if _passes["MID_APPEND"] == int(at):
+        rec = b"".join(parts)
         os.write(fd, rec[:len(rec) // 2])
         os.fsync(fd)
         _kill_self()

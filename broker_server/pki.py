@@ -3,8 +3,9 @@
 `protofl-server start` generates, once per federation, a CA (an EC P-256 key and a self-signed
 certificate, valid 10 years) and a broker certificate it signs, in `security/tls/` (keys 0600). The CA
 certificate travels in each device's credentials file; `protofl-edge join --credentials` then speaks TLS
-and accepts only a broker whose certificate this CA signed. The CA signs nothing else, so a certificate it
-signed is this federation's broker whatever address a device used: devices do not match host names (see
+and accepts only a broker whose certificate this CA signed. The CA signs nothing but the federation's brokers
+(the core's, and site brokers': `ensure_site_tls`), so a certificate it signed is one of this federation's
+brokers whatever address a device used: devices do not match host names (see
 BrokerOptions.with_federation_ca). The broker certificate still names the listen host, this machine's
 host name and loopback, for tools that do match names (mosquitto_sub --cafile).
 
@@ -82,17 +83,50 @@ def broker_names(listen_host: str) -> list[str]:
 def ensure_federation_tls(directory: Path, fed: str, names: Iterable[str]) -> FederationTls:
     """Load or generate the federation CA and a broker certificate for `names` in `directory`."""
     out = FederationTls(directory)
+    ca = _ensure_ca(out, fed)
+    _ensure_broker_cert(out, fed, list(names), ca)
+    return out
+
+
+def ensure_site_tls(core: FederationTls, directory: Path, fed: str, names: Iterable[str]) -> FederationTls:
+    """A site broker's TLS files in `directory`: the federation CA's certificate (not its key) and a broker
+    certificate for `names` signed by the CA in `core` (generated there if missing, as `start` would), so
+    the devices' credentials files verify the site broker as they verify the core."""
+    ca = _ensure_ca(core, fed)
+    out = FederationTls(directory)
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
-    wanted = list(names)
+    out.ca_cert.write_bytes(ca[0].public_bytes(serialization.Encoding.PEM))
+    _ensure_broker_cert(out, fed, list(names), ca)
+    return out
+
+
+def certificate_names(path: Path) -> set[str]:
+    """The DNS names and IP addresses a certificate holds (empty if it cannot be read)."""
+    try:
+        return _names(x509.load_pem_x509_certificate(path.read_bytes()))
+    except (OSError, ValueError):
+        return set()
+
+
+def _ensure_ca(out: FederationTls, fed: str) -> tuple[x509.Certificate, _Key]:
+    out.directory.mkdir(parents=True, exist_ok=True)
+    os.chmod(out.directory, 0o700)
     ca = _load(out.ca_cert, out.ca_key)
     if ca is None:
         ca = _self_signed_ca(fed)
         _save(ca, out.ca_cert, out.ca_key)
+    return ca
+
+
+def _ensure_broker_cert(out: FederationTls, fed: str, wanted: list[str], ca: tuple[x509.Certificate, _Key]) -> None:
     current = _load(out.broker_cert, out.broker_key)
-    if current is None or not _signed_by(current[0], ca[0]) or not set(wanted) <= _names(current[0]):
+    if current is None or not _signed_by(current[0], ca[0]):
         _save(_broker_certificate(fed, wanted, ca), out.broker_cert, out.broker_key)
-    return out
+    elif not set(wanted) <= _names(current[0]):
+        # Names it held stay (a site's bridge dials the core by one of them: broker-config --bridge added it).
+        held = [n for n in sorted(_names(current[0])) if n not in wanted]
+        _save(_broker_certificate(fed, [*wanted, *held], ca), out.broker_cert, out.broker_key)
 
 
 def _load(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, _Key] | None:

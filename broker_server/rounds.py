@@ -50,6 +50,8 @@ from protofl.wire import (
 
 log = logging.getLogger("protofl.server")
 UPLOAD_KINDS = frozenset(u.value for u in Upload)
+_UPLOADS = {u.value: u for u in Upload}  # a dict lookup, not an Enum call, for every upload
+_PHASES = {p.value: p for p in Phase}
 
 # encode(message, round, phase) -> the bytes that go on the wire (their length is what is counted)
 Encode = Callable[[Message, int, str], bytes]
@@ -108,7 +110,29 @@ class DeadlinePassed:
     phase: Phase
 
 
-Input = Received | Presence | GraceOver | DeadlinePassed
+@dataclass(frozen=True)
+class Progress:
+    """Sharded aggregators: shard `shard` folded `sender`'s upload of `kind` for round/phase (its envelope's
+    fields), `nbytes` long. The coordinator's machine places it as it would the upload itself."""
+
+    shard: str
+    sender: str
+    kind: str
+    round: int
+    phase: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Partials:
+    """Sharded aggregators: every shard's partial phase (stages.PhaseRun.partial) for the closing phase."""
+
+    round: int
+    phase: str
+    parts: dict[str, dict[str, Any]]
+
+
+Input = Received | Presence | GraceOver | DeadlinePassed | Progress | Partials
 
 
 # -- effects ------------------------------------------------------------------------------------
@@ -138,7 +162,17 @@ class MetricsIn:
     nbytes: int
 
 
-Effect = Publish | Boundary | RoundClosed | MetricsIn
+@dataclass(frozen=True)
+class Gather:
+    """Sharded aggregators: the open phase is closing; each shard must send its partial phase over exactly
+    the uploads `assignment` gives it ({shard: [(sender, kind), ...]}), and `Partials` closes it."""
+
+    round: int
+    phase: Phase
+    assignment: dict[str, list[tuple[str, str]]]
+
+
+Effect = Publish | Boundary | RoundClosed | MetricsIn | Gather
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -162,6 +196,10 @@ class OpenPhase:
     expected: set[str]
     needs: tuple[Upload, ...]
     received: dict[str, set[Upload]] = field(default_factory=dict)
+    # Sharded aggregators: which shard folded each upload ("sender/kind" -> shard), and why the phase is
+    # closing while the shards' partials are awaited ("" while it is open).
+    owners: dict[str, str] = field(default_factory=dict)
+    closing: str = ""
     deadline: float = field(default=0.0, metadata=NOT_STATE)  # a time: measured again after a restart
 
     def complete(self, client: str) -> bool:
@@ -190,8 +228,11 @@ class RoundMachine:
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None, policy: ClipPolicy | None = None,
                  offline_grace: float = OFFLINE_GRACE_S, resume_grace: float = RESUME_GRACE_S,
-                 limits: dict[str, int] | None = None) -> None:
+                 limits: dict[str, int] | None = None, sharded: bool = False) -> None:
         self.cfg = cfg
+        # Sharded (the coordinator of aggregator shards): uploads arrive as shards' `Progress`, and a phase
+        # closes by merging their `Partials` (docs/design.md, "Scale-out").
+        self.sharded = sharded
         self.limits = dict(limits or {})  # the decoder limits the config message tells devices
         self.encode = encode
         self.clock = clock
@@ -273,8 +314,9 @@ class RoundMachine:
             return out + self._finish_messages()
         if s.phase is None:
             return out + [self._status("waiting", f"{len(s.clients)}/{self.quorum} clients")]
-        return out + [self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
-                      self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value)]
+        out += [self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
+                self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value)]
+        return out + [self._gather()] if s.phase.closing else out
 
     def _welcome(self) -> list[Publish]:
         out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
@@ -294,6 +336,8 @@ class RoundMachine:
         """Raise Drop if `inp` is refused (nothing changes); else whether applying it changes state that a
         restart must rebuild (what the shell journals before applying it)."""
         s = self.state
+        if isinstance(inp, (Progress, Partials)):
+            return self._accepts_shard(inp)
         if isinstance(inp, Received):
             env, msg = inp.env, inp.msg
             if isinstance(msg, (ProtoUpload, ParamsUpload)):
@@ -328,6 +372,10 @@ class RoundMachine:
             return self._on_upload(inp.env, msg, inp.nbytes)
         if isinstance(inp, Presence):
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)
+        if isinstance(inp, Progress):  # a shard saying again what it said (it restarted) changes nothing
+            return self._on_progress(inp) if self.accepts(inp) else []
+        if isinstance(inp, Partials):
+            return self._merge_partials(inp)
         if isinstance(inp, GraceOver):
             return self._depart(inp.client) if self.accepts(inp) else []
         return self._close_phase("deadline") if self.accepts(inp) else []
@@ -341,7 +389,7 @@ class RoundMachine:
         due: list[GraceOver | DeadlinePassed] = [GraceOver(c) for c in sorted(s.leaving)
                                                  if now >= self._grace_ends.get(c, 0.0) and c in s.clients]
         open_ = s.phase
-        if open_ is not None and not due and now >= open_.deadline:
+        if open_ is not None and not due and not open_.closing and now >= open_.deadline:
             done = open_.done_clients()
             if len(done) >= self.floor:
                 due.append(DeadlinePassed(s.round, open_.phase))
@@ -438,28 +486,36 @@ class RoundMachine:
     def _check_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
         open_, kind = self._check_upload_head(env)
-        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.state.round:
-            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.state.round}")
+        self.check_base(msg)
         return open_, kind
 
-    def _check_upload_head(self, env: Header | Envelope) -> tuple[OpenPhase, Upload]:
+    def check_base(self, msg: ProtoUpload | ParamsUpload) -> None:
+        """An adapter upload trained from another round's adapter is stale (Drop)."""
+        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.state.round:
+            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.state.round}")
+
+    def _check_upload_head(self, env: Header | Envelope | Progress) -> tuple[OpenPhase, Upload]:
         """The checks of an upload that its envelope decides."""
         s = self.state
         if env.sender not in s.clients:
             raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
         open_ = s.phase
-        now = f"now round {s.round}/{open_.phase.value if open_ else '-'}"
+
+        def now() -> str:  # only for a drop's line: this runs twice for every upload
+            return f"now round {s.round}/{open_.phase.value if open_ else '-'}"
+
         if open_ is None or env.round < s.round:
-            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
-        if env.phase not in {p.value for p in self.plan.phases}:
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
+        phase = _PHASES.get(env.phase)
+        if phase not in self.plan.phases:
             raise Drop("wrong_phase", f"{env.kind} for phase '{env.phase}', which this federation does not have")
-        phase = Phase(env.phase)
+        assert phase is not None
         if env.round == s.round and self.plan.phases.index(phase) < self.plan.phases.index(open_.phase):
-            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now}")
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         if env.round > s.round or phase is not open_.phase:
-            raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now}")
-        kind = Upload(env.kind)
-        if kind in open_.received.get(env.sender, set()):
+            raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now()}")
+        kind = _UPLOADS[env.kind]
+        if kind in open_.received.get(env.sender, ()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
@@ -467,7 +523,7 @@ class RoundMachine:
 
     def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
         # `accepts` placed it (membership, round, phase, duplicate): not checked a second time here.
-        open_, kind = self.state.phase, Upload(env.kind)
+        open_, kind = self.state.phase, _UPLOADS[env.kind]
         assert open_ is not None
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
@@ -481,6 +537,10 @@ class RoundMachine:
         """Close the open phase when every expected client sent everything, if at least the floor did."""
         open_ = self.state.phase
         assert open_ is not None
+        # Every expected client must have sent something first: O(1), where the scan below is O(clients) and
+        # would run after every upload of a fleet (issue 27).
+        if open_.closing or len(open_.received) < len(open_.expected):
+            return []
         if not open_.expected or not all(open_.complete(c) for c in open_.expected):
             return []
         if len(open_.done_clients()) >= self.floor:
@@ -524,10 +584,18 @@ class RoundMachine:
         return [Boundary(), self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}"), message]
 
     def _close_phase(self, why: str) -> list[Effect]:
+        open_ = self.state.phase
+        assert open_ is not None and self.run is not None
+        if self.sharded:
+            open_.closing = why
+            return [self._gather()]
+        self.run.finish()
+        return self._after_close(why)
+
+    def _after_close(self, why: str) -> list[Effect]:
         s = self.state
         open_ = s.phase
-        assert open_ is not None and self.run is not None
-        self.run.finish()
+        assert open_ is not None
         self.run = None
         nxt = self.plan.next_phase(open_.phase)
         if nxt is not None:
@@ -555,6 +623,56 @@ class RoundMachine:
                                          dt=self.plan.adapter_dtype), Phase.DONE.value),
                 self._status("finished", f"{self.state.round} rounds")]
 
+    # -- sharded aggregators: the coordinator's side ------------------------------------------------
+    def _accepts_shard(self, inp: Progress | Partials) -> bool:
+        s, open_ = self.state, self.state.phase
+        if not self.sharded:
+            raise Drop("unexpected_kind", f"a shard's {type(inp).__name__.lower()}: this aggregator is not sharded")
+        if isinstance(inp, Partials):
+            if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
+                raise Drop("stale", f"partials for round {inp.round}/{inp.phase}; nothing of it is closing")
+            assert self.run is not None
+            for shard, part in sorted(inp.parts.items()):
+                try:
+                    self.run.check_partial(part)
+                except ValueError as exc:
+                    raise Drop("invalid", f"partial of shard {shard}: {exc}") from None
+            return True
+        owner = open_.owners.get(f"{inp.sender}/{inp.kind}") if open_ is not None else None
+        if owner == inp.shard and (inp.round, inp.phase) == (s.round, open_.phase.value if open_ else ""):
+            return False  # the same shard saying it again (it restarted): nothing new
+        if open_ is not None and open_.closing and (inp.round, inp.phase) == (s.round, open_.phase.value):
+            raise Drop("closing", f"{inp.kind} of {inp.sender} from shard {inp.shard}: round {inp.round}/{inp.phase} "
+                                  f"is closing")
+        self._check_upload_head(inp)
+        return True
+
+    def _on_progress(self, inp: Progress) -> list[Effect]:
+        open_, kind = self.state.phase, Upload(inp.kind)
+        assert open_ is not None
+        open_.received[inp.sender] = open_.received.get(inp.sender, set()) | {kind}
+        open_.owners[f"{inp.sender}/{inp.kind}"] = inp.shard
+        self.state.current.uplink_bytes += inp.nbytes
+        return self._close_if_complete()
+
+    def _gather(self) -> Gather:
+        open_ = self.state.phase
+        assert open_ is not None
+        assignment: dict[str, list[tuple[str, str]]] = {}
+        for key, shard in sorted(open_.owners.items()):
+            sender, _, kind = key.rpartition("/")
+            assignment.setdefault(shard, []).append((sender, kind))
+        return Gather(self.state.round, open_.phase, assignment)
+
+    def _merge_partials(self, inp: Partials) -> list[Effect]:
+        open_ = self.state.phase
+        assert open_ is not None and self.run is not None
+        for _, part in sorted(inp.parts.items()):
+            self.run.merge(part)
+        self.run.finish()
+        why, open_.closing = open_.closing, ""
+        return self._after_close(why)
+
     # -- durability: the state at a phase boundary, and a restart from it ------------------------
     def snapshot(self) -> dict[str, Any]:
         """The machine's state as plain values and numpy arrays, taken at a phase boundary: the open phase
@@ -565,6 +683,24 @@ class RoundMachine:
         rules = {name: rule.persist() for name, rule in zip(self.plan.techniques, self.model.rules, strict=True)}
         return {"cfg": self.cfg.to_dict(), "machine": to_plain(self.state),
                 "model": to_plain(self.model), "rules": rules}
+
+    def phase_state(self) -> dict[str, Any]:
+        """Sharded aggregators: the state the open phase began with, as `snapshot()` has it, for the shards
+        (also mid-phase, after a restart: what the phase received is left out, and nothing a shard folds
+        with - model, radii, rules - changes before the phase closes). Without the clients and the round
+        records, which a shard does not read and which grow with the fleet and the rounds."""
+        s, open_ = self.state, self.state.phase
+        kept = (s.clients, s.departed, s.leaving, s.records)
+        received, owners = (open_.received, open_.owners) if open_ is not None else ({}, {})
+        try:
+            s.clients, s.departed, s.leaving, s.records = {}, {}, set(), []
+            if open_ is not None:
+                open_.received, open_.owners, expected, open_.expected = {}, {}, open_.expected, set()
+            return self.snapshot()
+        finally:
+            s.clients, s.departed, s.leaving, s.records = kept
+            if open_ is not None:
+                open_.received, open_.owners, open_.expected = received, owners, expected
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the

@@ -2,9 +2,10 @@
 
 One federation has a server identity, a monitor identity and one user per device (user name = device
 id). The broker enforces the trust boundary with a password file and an ACL generated here:
-- the server (`protofl-server-{fed}`) reads and writes everything under `protofl/{fed}/`;
-- a device writes only `up/<its id>` and `presence/<its id>` and reads `config`, `public`, `round`
-  and `server/status`; nobody else reads `up/#`;
+- the server (`protofl-server-{fed}`) reads and writes everything under `protofl/{fed}/`, and reads the
+  broker's `$SYS/broker/publish/messages/dropped` counter (broker_server/resend.py);
+- a device writes only `up/<its id>` and `presence/<its id>` and reads `config`, `public`, `round`,
+  `server/status` and its own `down/<its id>` (the server's re-send requests); nobody else reads `up/#`;
 - the monitor (`protofl-monitor-{fed}`, for `protofl-server status --broker`) reads `server/status`
   and `server/summary` and nothing else, and writes nothing: its own deny lines come before the
   patterns every user gets (Mosquitto checks a user's deny entries first). Its user name is no
@@ -19,6 +20,11 @@ file per device for `protofl-edge join --credentials` (with
 the federation CA's certificate when the broker serves TLS with it: broker_server/pki.py).
 `prepare` writes what the broker reads (passwd, acl); `BrokerAuth.provision` the plain secrets, which
 `protofl-server start` does only once its broker is listening, so a start that fails hands out nothing.
+A restart keeps what exists: the hashes of users already in `passwd` (credentials.json, their source,
+never changes a password; the server's and monitor's hashes are verified as a check that the two files
+belong together, else every user is hashed again), and the device files already written with the same
+CA (monitor.json, written with it, tells). Only new devices cost a hash and a file: at 10,000 devices a
+restart no longer re-hashes and rewrites all of them.
 No third-party packages: hashing is hashlib, secrets come from `secrets`.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import os
 import secrets
@@ -33,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker_server.broker import DROPPED_TOPIC
 from protofl import topics
 from protofl.errors import ConfigError
 from protofl.names import check_name
@@ -50,6 +58,15 @@ def server_user(fed: str) -> str:
 def monitor_user(fed: str) -> str:
     """The read-only watcher's MQTT user name (`protofl-server status --broker`)."""
     return f"protofl-monitor-{fed}"
+
+
+def bridge_user(fed: str, site: str) -> str:
+    """The MQTT user a site broker's bridge logs in to the core broker as (broker_server/bridge.py)."""
+    return f"protofl-bridge-{fed}-{site}"
+
+def shard_user(fed: str, index: int) -> str:
+    """Aggregator shard `index`'s MQTT user name (and client id): its session survives its restarts."""
+    return f"protofl-shard-{fed}-{index}"
 
 
 def new_password() -> str:
@@ -71,6 +88,9 @@ class FederationSecrets:
     server_password: str
     devices: dict[str, str] = field(default_factory=dict)
     monitor_password: str = field(default_factory=new_password)  # a file from before the monitor gets one
+    bridges: dict[str, str] = field(default_factory=dict)  # site name -> its bridge's password on the core
+    site_devices: dict[str, list[str]] = field(default_factory=dict)  # site name -> the devices it serves
+    shard_passwords: dict[str, str] = field(default_factory=dict)  # aggregator shards' (shard_user -> password)
 
     @classmethod
     def create(cls, fed: str, device_ids: Iterable[str] = ()) -> FederationSecrets:
@@ -92,12 +112,36 @@ class FederationSecrets:
                               f"protofl-server broker-config --allow FILE (or --devices N)")
         return Credentials(client_id, self.devices[client_id])
 
+    def bridge(self, site: str) -> Credentials:
+        return Credentials(bridge_user(self.fed, site), self.bridges[site])
+
+    def add_bridge(self, site: str) -> Credentials:
+        """The bridge credential of site broker `site` (created once, then kept: the site's config holds it)."""
+        check_name(site, "site")
+        user = bridge_user(self.fed, site)
+        if user in self.devices:
+            raise ConfigError(f"site '{site}': its bridge user '{user}' is a device id here; pick another site name")
+        self.bridges.setdefault(site, new_password())
+        return self.bridge(site)
+
+    def shard(self, index: int) -> Credentials:
+        return Credentials(shard_user(self.fed, index), self.shard_passwords[shard_user(self.fed, index)])
+
+    def add_shards(self, count: int) -> None:
+        """Credentials for aggregator shards 0..count-1 (existing ones are kept)."""
+        for index in range(count):
+            self.shard_passwords.setdefault(shard_user(self.fed, index), new_password())
+
     def add_devices(self, device_ids: Iterable[str]) -> list[str]:
         """Give every id without credentials a new password (existing ones are kept); returns the new ids."""
         added = []
         for client_id in device_ids:
             check_name(client_id, "device id")
-            for who, user in (("server", server_user(self.fed)), ("monitor", monitor_user(self.fed))):
+            if client_id.startswith(shard_user(self.fed, 0)[:-1]):
+                raise ConfigError(f"device id '{client_id}' is an aggregator shard's user name; pick another id")
+            reserved = [("server", server_user(self.fed)), ("monitor", monitor_user(self.fed)),
+                        *((f"site '{site}' bridge", bridge_user(self.fed, site)) for site in self.bridges)]
+            for who, user in reserved:
                 if client_id == user:
                     raise ConfigError(f"device id '{client_id}' is the {who}'s user name; pick another id")
             if client_id not in self.devices:
@@ -107,7 +151,8 @@ class FederationSecrets:
 
     def to_json(self) -> str:
         return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices,
-                           "monitor_password": self.monitor_password}, indent=2, sort_keys=True)
+                           "monitor_password": self.monitor_password, "shard_passwords": self.shard_passwords,
+                           "bridges": self.bridges, "site_devices": self.site_devices}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> FederationSecrets:
@@ -116,16 +161,32 @@ class FederationSecrets:
             out = cls(str(raw["fed"]), str(raw["server_password"]), {str(k): str(v) for k, v in raw["devices"].items()})
             if raw.get("monitor_password"):
                 out.monitor_password = str(raw["monitor_password"])
+            out.bridges = {str(k): str(v) for k, v in raw.get("bridges", {}).items()}
+            out.site_devices = {str(k): [str(i) for i in v] for k, v in raw.get("site_devices", {}).items()}
+            out.shard_passwords = {str(k): str(v) for k, v in raw.get("shard_passwords", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
                               f"credentials (every device then needs its new file)") from None
         return out
 
 
-def acl_text(fed: str) -> str:
-    """Mosquitto ACL for federation `fed` (patterns apply to every user; %u is the user name)."""
-    root = f"{topics.ROOT}/{fed}"
-    return "\n".join([
+def shard_acl(fed: str, shards: int) -> list[str]:
+    return [line for index in range(shards) for line in shard_user_acl(fed, shard_user(fed, index), f"shard-{index}")]
+
+
+def shard_user_acl(fed: str, user: str, shard: str) -> list[str]:
+    """An aggregator shard (`shard`, logged in as `user`) reads the uploads (through the shared subscription) and
+    the coordinator's phase and close messages; it writes only its own progress, partial and hello, and relays
+    devices' joins and metrics."""
+    return [f"user {user}", f"topic read {topics.up(fed, '+')}",
+            f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
+            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello")),
+            f"topic write {topics.shards(fed, 'relay', '+')}", ""]
+
+
+def device_acl_lines(fed: str) -> list[str]:
+    """What every user may do (patterns apply to every user; %u is the user name): a device's rights."""
+    return [
         f"# generated by protofl-edge for federation '{fed}': devices are users named by their id",
         f"pattern write {topics.up(fed, '%u')}",
         f"pattern write {topics.presence(fed, '%u')}",
@@ -133,10 +194,28 @@ def acl_text(fed: str) -> str:
         f"pattern read {topics.public(fed)}",
         f"pattern read {topics.round_(fed)}",
         f"pattern read {topics.server_status(fed)}",
+        f"pattern read {topics.down(fed, '%u')}",
         "",
-        "# the aggregator: the only user that reads uploads and writes the control topics",
+    ]
+
+
+def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = ()) -> str:
+    """Mosquitto ACL for federation `fed`: the devices, the server, the monitor, its `shards` aggregator shards,
+    and the bridge of each site broker in `sites`."""
+    root = f"{topics.ROOT}/{fed}"
+    bridges = [line for site in sorted(sites) for line in (
+        f"user {bridge_user(fed, site)}",
+        f"topic write {topics.up(fed, '+')}",
+        f"topic write {topics.presence(fed, '+')}",
+        f"topic read {topics.down(fed, '+')}",  # the server's re-send requests to the site's devices
+        "")]
+    return "\n".join([
+        *device_acl_lines(fed),
+        "# the aggregator: the only user that reads uploads and writes the control topics (a device's down/ too);",
+        "# it reads the broker's dropped-messages counter to ask devices to re-send what the broker dropped",
         f"user {server_user(fed)}",
         f"topic readwrite {root}/#",
+        f"topic read {DROPPED_TOPIC}",
         "",
         "# the monitor (protofl-server status): reads the server's status and summary, writes nothing; its",
         "# deny lines are checked before the patterns above, which would give it a device's topics",
@@ -146,14 +225,56 @@ def acl_text(fed: str) -> str:
         f"topic deny {topics.config(fed)}",
         f"topic deny {topics.public(fed)}",
         f"topic deny {topics.round_(fed)}",
+        f"topic deny {topics.down(fed, '#')}",
         f"topic read {topics.server_status(fed)}",
         f"topic read {topics.server_summary(fed)}",
         "",
+        *(["# site brokers' bridges (broker-config --bridge): they carry their devices' uploads and presence up",
+           "# (each site broker lets a device write only its own topics) and read what devices read", ""]
+          if bridges else []),
+        *bridges,
+        *shard_acl(fed, shards),
     ])
 
 
-def password_text(fed_secrets: FederationSecrets) -> str:
-    users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.device(i) for i in sorted(fed_secrets.devices))]
+def hash_matches(password: str, hashed: str) -> bool:
+    """Whether `hashed` (a `$7$` line's hash) is `password`'s."""
+    try:
+        _, seven, iterations, salt, _digest = hashed.split("$")
+        if seven != "7":
+            return False
+        return hmac.compare_digest(mosquitto_hash(password, base64.b64decode(salt), int(iterations)), hashed)
+    except ValueError:
+        return False
+
+
+def read_hashes(path: Path) -> dict[str, str]:
+    """user -> hash of an existing password file (empty if there is none)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+def password_text(fed_secrets: FederationSecrets, known: dict[str, str] | None = None,
+                  fresh: Iterable[str] = ()) -> str:
+    """The password file; users in `known` (an existing file's hashes) keep theirs when that file verifiably
+    holds these secrets (the server's and the monitor's hashes match), so only new users (and `fresh` ones,
+    just given a password) are hashed."""
+    users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.bridge(s) for s in sorted(fed_secrets.bridges)),
+             *(fed_secrets.device(i) for i in sorted(fed_secrets.devices)),
+             *(Credentials(u, p) for u, p in sorted(fed_secrets.shard_passwords.items()))]
+    known = dict(known or {})
+    if not all(hash_matches(c.password, known.get(c.username, "")) for c in users[:2]):
+        known = {}
+    for user in fresh:
+        known.pop(user, None)
+    return "".join(f"{c.username}:{known.get(c.username) or mosquitto_hash(c.password)}\n" for c in users)
+
+
+def password_lines(users: Iterable[Credentials]) -> str:
+    """Mosquitto's password file for these users, each hashed afresh (a site broker's: broker_server/bridge.py)."""
     return "".join(f"{c.username}:{mosquitto_hash(c.password)}\n" for c in users)
 
 
@@ -182,6 +303,9 @@ class BrokerAuth:
     def acl_file(self) -> Path:
         return self.directory / "acl"
 
+    def shard_file(self, index: int) -> Path:
+        return self.directory / "shards" / f"shard-{index}.json"
+
     def device_file(self, client_id: str) -> Path:
         return self.directory / "devices" / f"{client_id}.json"
 
@@ -196,25 +320,42 @@ class BrokerAuth:
 
     def provision(self, ca_pem: str | None = None) -> BrokerAuth:
         """Write the plain secrets: credentials.json, monitor.json and one devices/<id>.json per device (each
-        carrying the federation CA's certificate `ca_pem` when the broker serves TLS with it)."""
+        carrying the federation CA's certificate `ca_pem` when the broker serves TLS with it). A device file
+        that exists is rewritten only when the CA changed (monitor.json, written with the same CA, tells)."""
         write_secret(self.directory / "credentials.json", self.secrets.to_json() + "\n")
-        write_secret(self.monitor_file, device_file_text(self.secrets.monitor, self.secrets.fed, ca_pem))
-        (self.directory / "devices").mkdir(exist_ok=True)
+        monitor = device_file_text(self.secrets.monitor, self.secrets.fed, ca_pem)
+        try:
+            same_ca = self.monitor_file.read_text() == monitor
+        except OSError:
+            same_ca = False
+        if not same_ca:
+            write_secret(self.monitor_file, monitor)
+        devices_dir = self.directory / "devices"
+        devices_dir.mkdir(exist_ok=True)
+        present = {name[:-len(".json")] for name in os.listdir(devices_dir) if name.endswith(".json")} \
+            if same_ca else set()
         for client_id in self.secrets.devices:
-            cred = self.secrets.device(client_id)
-            write_secret(self.device_file(client_id), device_file_text(cred, self.secrets.fed, ca_pem))
+            if client_id not in present or client_id in self.new_devices:
+                cred = self.secrets.device(client_id)
+                write_secret(self.device_file(client_id), device_file_text(cred, self.secrets.fed, ca_pem))
+        if self.secrets.shard_passwords:
+            (self.directory / "shards").mkdir(exist_ok=True)
+        for index in range(len(self.secrets.shard_passwords)):  # a few: written every time
+            write_secret(self.shard_file(index), device_file_text(self.secrets.shard(index), self.secrets.fed, ca_pem))
         return self
 
 
-def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None) -> BrokerAuth:
-    """Read (or generate) `directory/credentials.json`, add missing device ids, write passwd, acl and the
-    per-device provisioning files. Existing passwords are kept, so provisioned devices keep working."""
-    return prepare(directory, fed, device_ids).provision(ca_pem)
+def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None,
+                   shards: int = 0) -> BrokerAuth:
+    """Read (or generate) `directory/credentials.json`, add missing device ids (and aggregator shards), write
+    passwd, acl and the provisioning files. Existing passwords are kept, so provisioned devices keep working."""
+    return prepare(directory, fed, device_ids, shards).provision(ca_pem)
 
 
-def prepare(directory: Path, fed: str, device_ids: Iterable[str] = ()) -> BrokerAuth:
-    """Read (or generate) the federation's secrets, add missing device ids, and write only what the broker
-    reads (passwd, acl); `provision` writes the plain secrets."""
+def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: int = 0,
+            sites: Iterable[str] = ()) -> BrokerAuth:
+    """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges,
+    and write only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     store = directory / "credentials.json"
@@ -227,10 +368,27 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = ()) -> Broker
     else:
         fed_secrets = FederationSecrets.create(fed)
         added = fed_secrets.add_devices(device_ids)
+    fed_secrets.add_shards(shards)
+    for site in sites:
+        fed_secrets.add_bridge(site)
     auth = BrokerAuth(directory, fed_secrets, tuple(added))
-    write_secret(auth.password_file, password_text(fed_secrets))
-    auth.acl_file.write_text(acl_text(fed))
+    known = read_hashes(auth.password_file)
+    text = password_text(fed_secrets, known, fresh=added)
+    if text != "".join(f"{user}:{hashed}\n" for user, hashed in known.items()):
+        write_secret(auth.password_file, text)
+    auth.acl_file.write_text(acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges))
     return auth
+
+
+def bridged_devices(directory: Path) -> set[str]:
+    """The devices that connect through bridged site brokers (broker-config --bridge), per the federation's
+    credentials in `directory` (none if it has none yet): they count in the fleet the core's queue must hold,
+    not in the connections its broker serves."""
+    store = directory / "credentials.json"
+    if not store.exists():
+        return set()
+    found = FederationSecrets.from_json(store.read_text(), str(store))
+    return {i for ids in found.site_devices.values() for i in ids}
 
 
 def read_allow_list(path: Path) -> list[str]:

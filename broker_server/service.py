@@ -9,18 +9,23 @@ numpy only: nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from broker_server import shard_wire
+from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
+from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
+from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
@@ -29,10 +34,11 @@ from broker_server.watch.live import LiveWatch
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy, clip_text
 from protofl.config import FederationConfig
+from protofl.errors import WireError
 from protofl.humanize import human_bytes
 from protofl.transport.broker_url import BrokerOptions
-from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Limits, Metrics, PublicSet, Status, encode_message
+from protofl.transport.mqtt import MqttTransport, TransportError, Will
+from protofl.wire import Limits, Metrics, PublicSet, Resend, Status, encode_message
 
 if TYPE_CHECKING:
     from broker_server.watch.metrics import FederationMetrics
@@ -75,7 +81,8 @@ class AggregatorService:
                  offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
-                 on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None) -> None:
+                 on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
+                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = ()) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -95,15 +102,23 @@ class AggregatorService:
         self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
                                        persistent_session=True, deliver="pump", protocol=protocol,
                                        manual_ack=state_dir is not None)
-        self.aggregator = Aggregator(cfg, fed, self.transport, clock=time.time, initial_params=initial_params,
-                                     public=public, expected_clients=expected_clients, members=members,
-                                     policy=policy, max_clients=max_clients,
-                                     on_round_end=self._round_end, on_metrics=self._metrics,
-                                     offline_grace=offline_grace,
-                                     limits=limits)  # None: the aggregator derives them from the config
+        # With shards (docs/design.md, "Scale-out") the aggregator is their coordinator: the same round machine,
+        # fed by the shards' progress and partials instead of the uploads.
+        common: dict[str, Any] = dict(clock=time.time, initial_params=initial_params, public=public,
+                                      expected_clients=expected_clients, members=members, policy=policy,
+                                      max_clients=max_clients, on_round_end=self._round_end,
+                                      on_metrics=self._metrics, offline_grace=offline_grace,
+                                      limits=limits)  # None: the aggregator derives them from the config
+        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites, **common)
+                           if shards or sites else Aggregator(cfg, fed, self.transport, **common))
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
                                transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)
+        # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/resend.py).
+        self.broker_drops = BrokerDrops()
+        self.resender = Resender(resend_window or _default_window(cfg))
+        self._resend_at = 0.0
+        self.watch.resends = self._resend_counts
         self.durable: DurableState | None = None
         self.resumed = False
         self._connects = 0  # broker connections seen: a new one after the first makes presence stale
@@ -134,13 +149,34 @@ class AggregatorService:
         # Subscribe before the aggregator announces "waiting": devices join as soon as they see it, and a
         # join that reached the broker before our subscription would be lost. Messages are dispatched
         # only by step(), by when the aggregator's own handler is registered too.
-        self.transport.subscribe(topics.up_all(self.fed), _ignore)
-        self.transport.subscribe(topics.presence_all(self.fed), _ignore)
+        if isinstance(self.aggregator, Coordinator):
+            self._await_shards(self.aggregator)
+        for pattern, _ in self.aggregator.subscriptions():
+            self.transport.subscribe(pattern, _ignore)
+        self.transport.subscribe(DROPPED_TOPIC, self._on_dropped)  # Mosquitto's; where it is readable
         self.aggregator.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
         log.info("aggregator for federation '%s' (%s) on %s; waiting for %d client(s)", self.fed,
                  agg.cfg.preset, self.transport.url, quorum)
+
+    def _await_shards(self, coordinator: Coordinator) -> None:
+        """Until every shard said it is subscribed (its retained hello): devices join as soon as the federation
+        is announced, and an upload published before any shard subscribed would reach nobody."""
+        seen: set[str] = set()
+
+        def hello(topic: str, payload: bytes) -> None:
+            with contextlib.suppress(WireError):
+                seen.add(shard_wire.decode(payload, "hello", 1024)["shard"])
+
+        self.transport.subscribe(topics.shards(self.fed, "hello", "+"), hello)
+        said = time.monotonic()
+        while not set(coordinator.shards) <= seen and not self._stop.is_set():
+            self.transport.pump(0.2)
+            if time.monotonic() - said > 10:
+                said = time.monotonic()
+                log.warning("waiting for aggregator shard(s) %s (protofl-server shard --index N ...)",
+                            ", ".join(sorted(set(coordinator.shards) - seen)))
 
     def step(self, timeout: float | None = None) -> int:
         """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
@@ -151,6 +187,9 @@ class AggregatorService:
             self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.aggregator.tick()
+        if n:
+            self.resender.progress(time.monotonic())
+        self._ask_resends()
         self.round_log.poll(time.time())
         self.watch.after_step(n)
         return n
@@ -187,6 +226,44 @@ class AggregatorService:
         if self.durable is not None:
             self.durable.close()
 
+    def _on_dropped(self, topic: str, payload: bytes) -> None:
+        """The broker's dropped-messages counter: new drops start a re-send episode for the open phase."""
+        new = self.broker_drops.observe(payload)
+        if not new:
+            return
+        agg = self.aggregator
+        phase = agg.machine.phase
+        where = f"round {agg.round} {phase.phase.value}" if phase is not None else f"round {agg.round} (joins)"
+        log.warning("the broker dropped %d message(s) (%d so far) in %s after acknowledging them: a queue was full "
+                    "(--broker-queue). Asking the devices that owe this phase to send again", new,
+                    self.broker_drops.total, where)
+        self.resender.alarm(agg.round, phase.phase.value if phase is not None else "")
+
+    def _ask_resends(self, now: float | None = None) -> None:
+        """Send the re-send requests that are due (at most every RESEND_TICK_S, while an episode is on)."""
+        if not self.resender.active:
+            return
+        now = time.monotonic() if now is None else now
+        if now - self._resend_at < RESEND_TICK_S:
+            return
+        self._resend_at = now
+        agg = self.aggregator
+        asks = self.resender.due(owed(agg.machine, agg.members or agg.expected_clients), now)
+        for a in asks:
+            payload = encode_message(Resend(a.ask), fed=self.fed, sender=SERVER_ID, round=a.round, phase=a.phase)
+            try:
+                self.transport.publish(topics.down(self.fed, a.client), payload, qos=1)
+            except TransportError as exc:  # the broker is gone for now: these requests expire and are sent again
+                log.warning("could not ask %s to re-send: %s", a.client, exc)
+                break
+        if asks:
+            log.info("asked %d device(s) to re-send (%s)", len(asks), ", ".join(
+                f"{a.client} {a.ask}" for a in asks[:5]) + (", ..." if len(asks) > 5 else ""))
+            self.watch.changed()
+
+    def _resend_counts(self) -> tuple[int, int]:
+        return self.broker_drops.total, self.resender.requests
+
     def _round_end(self, rec: RoundRecord) -> None:
         self.round_log.round_end(rec)
         self.watch.round_closed(rec)
@@ -205,6 +282,13 @@ class AggregatorService:
         self.round_log.add_metrics(client, round_, msg)
         if self._user_metrics is not None:
             self._user_metrics(client, round_, msg, nbytes)
+
+
+RESEND_TICK_S = 0.1
+
+
+def _default_window(cfg: FederationConfig) -> int:
+    return resend_window(DEFAULT_QUEUE, uploads_per_phase(cfg))
 
 
 def _ignore(topic: str, payload: bytes) -> None:

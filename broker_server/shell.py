@@ -49,6 +49,7 @@ from protofl.transport import Transport
 from protofl.wire import (
     DEVICE_KINDS,
     Config,
+    Envelope,
     Join,
     Limits,
     Message,
@@ -62,7 +63,7 @@ from protofl.wire import (
 )
 
 log = logging.getLogger("protofl.server")
-SERVER_ID = "server"
+SERVER_ID = topics.SERVER_ID
 
 __all__ = ["SERVER_ID", "Aggregator", "RoundRecord", "decoder_limits"]
 
@@ -83,6 +84,12 @@ GRACE_OVER, DEADLINE = "grace_over", "deadline"
 TIMER_KINDS = (GRACE_OVER, DEADLINE)
 
 
+def _named(what: str | Envelope) -> str:
+    if isinstance(what, str):
+        return what
+    return f"{what.kind} from {what.sender} (round {what.round}/{what.phase or '-'})"
+
+
 class Aggregator:
     def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *,
                  clock: Callable[[], float] = time.time,
@@ -97,7 +104,7 @@ class Aggregator:
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
                  offline_grace: float = OFFLINE_GRACE_S,
                  journal: JournalAppend | None = None,
-                 on_boundary: Callable[[], None] | None = None) -> None:
+                 on_boundary: Callable[[], None] | None = None, sharded: bool = False) -> None:
         self.fed = fed
         self.transport = transport
         self.clock = clock
@@ -105,7 +112,7 @@ class Aggregator:
         self.limits = limits or decoder_limits(cfg, model_values)
         self.machine = RoundMachine(cfg, self._encode, clock=clock, initial_params=initial_params, public=public,
                                     expected_clients=expected_clients, policy=policy, offline_grace=offline_grace,
-                                    limits={"max_message_bytes": self.limits.max_message_bytes})
+                                    limits={"max_message_bytes": self.limits.max_message_bytes}, sharded=sharded)
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
         # Durability (durable.py): `journal` makes an input durable before the machine applies it;
@@ -155,8 +162,15 @@ class Aggregator:
             self._run(self.machine.announce(), live=True)
         else:
             self._run(self.machine.start(), live=True)
-        self.transport.subscribe(topics.up_all(self.fed), self.on_message)
-        self.transport.subscribe(topics.presence_all(self.fed), self.on_presence)
+        self.subscribe()
+
+    def subscribe(self) -> None:
+        for pattern, handler in self.subscriptions():
+            self.transport.subscribe(pattern, handler)
+
+    def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
+        """What the aggregator listens to: devices' `up/` topics and their presence."""
+        return [(topics.up_all(self.fed), self.on_message), (topics.presence_all(self.fed), self.on_presence)]
 
     def reconnected(self) -> None:
         """The broker connection came back: presence seen meanwhile is stale (wills of a restarted broker),
@@ -203,8 +217,7 @@ class Aggregator:
         inp = self._received(topic, payload)
         if inp is not None:
             env = inp.env
-            self._handle(inp, (topic, payload, env.sender, env.kind, env.round, env.phase),
-                         f"{env.kind} from {env.sender} (round {env.round}/{env.phase or '-'})")
+            self._handle(inp, (topic, payload, env.sender, env.kind, env.round, env.phase), env)
 
     def _received(self, topic: str, payload: bytes) -> Received | None:
         """A message from a device's `up/` topic as the machine's input, or None (a counted drop)."""
@@ -279,8 +292,9 @@ class Aggregator:
             return None  # its place was taken while it was away
         return Presence(client, online=msg.state == "online")
 
-    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], where: str) -> None:
-        """Check, journal (if it changes state) and apply one input; any failure is a counted drop."""
+    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], what: str | Envelope) -> None:
+        """Check, journal (if it changes state) and apply one input; any failure is a counted drop. `what` names
+        the input in a drop's line (a message's envelope: its line is only written for a drop)."""
         nbytes = len(entry[1])
         try:
             if self.machine.accepts(inp) and self.journal is not None:
@@ -290,11 +304,11 @@ class Aggregator:
             self._drop(drop.reason, drop.detail, nbytes)
             return
         except (WireError, ValueError) as exc:
-            self._drop("invalid", f"{where}: {exc}", nbytes)
+            self._drop("invalid", f"{_named(what)}: {exc}", nbytes)
             return
         except Exception as exc:  # a bug in a stage must not take the federation down with it
-            log.exception("unexpected error while handling %s", where)
-            self._drop("invalid", f"{where}: {type(exc).__name__}: {exc}", nbytes)
+            log.exception("unexpected error while handling %s", _named(what))
+            self._drop("invalid", f"{_named(what)}: {type(exc).__name__}: {exc}", nbytes)
             return
         if self.on_applied is not None:
             self.on_applied(inp)

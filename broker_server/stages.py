@@ -30,7 +30,7 @@ import numpy as np
 from broker_server.persist import NOT_STATE
 from protofl import registry
 from protofl.algorithms import support
-from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, clip_around
+from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, class_rows, clip_around, clip_rows
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
@@ -43,6 +43,7 @@ __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 _NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
 _ROWS = {"protos": "prototype rows", "anchors": "anchor rows", "adapter": "parameter vectors"}
 log = logging.getLogger("protofl.server")
+Seen = tuple[np.ndarray, np.ndarray]  # norms of the rows as sent (k,) and their distances to their centres (k,)
 
 
 @dataclass
@@ -90,6 +91,37 @@ class ServerModel:
         """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
         clipped, seen = self.clip(table, self.unit_on_wire(), "protos")
         return (support.reconstruct_table(clipped, self.masks) if self.masks is not None else clipped), seen
+
+    def unit_centers(self) -> np.ndarray:
+        """(C, width) float64: the unit prototypes as they travel (each cut to its support, s values in ascending
+        dims, where there are masks), the centres unit uploads are clipped around; a phase takes them once."""
+        assert self.unit is not None
+        if self.masks is None:
+            return self.unit.astype(np.float64)
+        return self.unit[self.masks].reshape(self.unit.shape[0], -1).astype(np.float64)
+
+    def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
+        """(num_classes, proto_width) float64: each class's centre in `table`, zeros where it has none; a
+        phase takes them once (they change only at its end), not once per upload."""
+        out = np.zeros((self.plan.num_classes, self.plan.proto_width))
+        for c, v in table.items():
+            out[c] = v
+        return out
+
+    def clip_rows(self, classes: np.ndarray, values: np.ndarray, centers: np.ndarray,
+                  kind: str) -> tuple[np.ndarray, Seen | None]:
+        """`clip` on the rows of a prototype set: row i of `values` (k, width), of class `classes[i]`, clipped
+        around `centers[classes[i]]` (a `center_rows` table) in one pass; the rows in float64, and what to
+        record (None with clipping off: the rows as sent)."""
+        if not self.policy.enabled:
+            return values.astype(np.float64), None
+        rows, dists, norms = clip_rows(values, centers[class_rows(classes)], self.radius(kind))
+        return rows, (norms, dists)
+
+    def record_rows(self, kind: str, seen: Seen | None) -> None:
+        """`record` for what `clip_rows` returned."""
+        if seen is not None and seen[0].shape[0]:
+            self.log(kind).record_rows(seen[0], seen[1], self.radius(kind))
 
     # -- clipping -------------------------------------------------------------------------------
     def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
@@ -171,9 +203,10 @@ def _check_protos(ps: ProtoSet | None, plan: RoundPlan, what: str) -> None:
     if ps is None:
         return
     width = ps.values.shape[1] if ps.values.ndim == 2 else 0
-    for c in ps.classes:
-        if not 0 <= int(c) < plan.num_classes:
-            raise WireError(f"{what}: class {int(c)} out of range [0, {plan.num_classes})")
+    # Classes are unique and ascending (the decoder checked): the last is the largest, and none is negative.
+    if ps.classes.size and not 0 <= int(ps.classes[0]) <= int(ps.classes[-1]) < plan.num_classes:
+        bad = ps.classes[(ps.classes < 0) | (ps.classes >= plan.num_classes)]
+        raise WireError(f"{what}: class {int(bad[0])} out of range [0, {plan.num_classes})")
     if ps.classes.size and width != plan.proto_width:
         raise WireError(f"{what} for class {int(ps.classes[0])}: expected {plan.proto_width} values, got {width}")
 
@@ -226,3 +259,45 @@ class PhaseRun:
     def round_targets(self) -> ProtoSet | None:
         """The targets of the round message that opens this phase."""
         return self.model.first("round_targets", self.phase)
+
+    # -- sharded aggregators: a shard's partial phase, merged by the coordinator (protofl/mergeable.py) ----
+    def partial(self) -> dict[str, Any]:
+        """What this shard folded in the phase: every fold's accumulators and the norm logs (for the clip
+        counts and the next radius), as plain values and arrays."""
+        logs = {kind: {"values": np.asarray(n.values, np.float64), "clipped": int(n.clipped)}
+                for kind, n in self.model.logs.items()}
+        return {"folds": [f.partial() for f in self.folds], "logs": logs}
+
+    def merge(self, part: Mapping[str, Any]) -> None:
+        """Add one shard's `partial()` of this same phase; a malformed one raises ValueError and changes nothing."""
+        self.check_partial(part)
+        for fold, theirs in zip(self.folds, part["folds"], strict=True):
+            fold.merge(theirs)
+        for kind, entry in part["logs"].items():
+            norms = self.model.log(kind)
+            norms.values.extend(float(v) for v in entry["values"])
+            norms.clipped += entry["clipped"]
+
+    def check_partial(self, part: Mapping[str, Any]) -> None:
+        """Raise ValueError if `merge` would refuse this shard's partial (its shapes, finiteness, structure)."""
+        folds, logs = (part.get("folds"), part.get("logs")) if isinstance(part, Mapping) else (None, None)
+        if not isinstance(folds, list) or len(folds) != len(self.folds) or not isinstance(logs, Mapping):
+            raise ValueError(f"a shard's partial phase must have {len(self.folds)} folds and the norm logs")
+        for kind, entry in logs.items():
+            entry = entry if isinstance(entry, Mapping) else {}
+            values, clipped = entry.get("values"), entry.get("clipped")
+            if kind not in _ROWS or not isinstance(values, np.ndarray) or values.ndim != 1 \
+                    or not np.isfinite(values).all() or not isinstance(clipped, int) or not 0 <= clipped <= values.size:
+                raise ValueError(f"a shard's norm log '{kind}' is malformed")
+        for fold, theirs in zip(self.folds, folds, strict=True):
+            fold.merge(theirs, check=True)
+
+
+def check_mergeable(cfg: FederationConfig, policy: ClipPolicy | None = None) -> None:
+    """Raise NotMergeable (with the reason) if some phase of this federation has a fold whose accumulators
+    cannot be split between aggregator shards; checked on a model of its own, before anything runs."""
+    plan = RoundPlan.from_config(cfg)
+    model = build_model(cfg, plan, policy)
+    for phase in plan.phases:
+        for fold in PhaseRun(model, phase).folds:
+            fold.partial()

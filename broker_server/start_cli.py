@@ -16,12 +16,14 @@ from typing import Any
 
 import typer
 
+from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from protofl import cli_options
 from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.names import check_name
 from protofl.plan import RoundPlan
 from protofl.presets import preset_names
 
@@ -68,6 +70,13 @@ def start_command(
                                             "certificate signed by this CA (the server itself uses the broker's "
                                             "unix socket)."),
     max_clients: int | None = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
+    broker_queue: int | None = typer.Option(None, "--broker-queue", help="Messages the local broker holds for the "
+                                            "aggregator beyond those in flight (mosquitto max_queued_messages); "
+                                            "past it the broker drops them after acknowledging them to the "
+                                            "devices, and the server asks those devices to re-send, never more at "
+                                            "once than half of it holds. Default: from the fleet (devices x what "
+                                            "one sends in a phase x 2, at least 10000). With --broker: what that "
+                                            "broker's max_queued_messages is (default 10000)."),
     offline_grace: float = typer.Option(OFFLINE_GRACE_S, help="Seconds a device whose connection dropped (its last "
                                         "will) keeps its place in the open round before the round stops waiting "
                                         "for it: a flaky link that reconnects within it still delivers."),
@@ -97,6 +106,19 @@ def start_command(
     ui_password: str | None = typer.Option(None, "--ui-password", envvar="PROTOFL_UI_PASSWORD", help="The live "
                                            "page's password (default beyond loopback: generated once into "
                                            "STATE_DIR/security/ui-password)."),
+    shards: int = typer.Option(0, "--shards", help="Aggregate on N shard processes sharing the uploads (an MQTT 5 "
+                               "shared subscription), merged by this server at each phase's close: the same result "
+                               "as one aggregator, N cores. 0: one aggregator."),
+    spawn_shards: bool = typer.Option(True, "--spawn-shards/--no-spawn-shards", help="--shards N: run the shards here, "
+                                      "as children restarted when they die; --no-spawn-shards waits for N `protofl-"
+                                      "server shard` processes on other machines (their credentials: STATE_DIR/"
+                                      "security/shards/)."),
+    sites: str | None = typer.Option(None, "--sites", help="Pre-aggregated sites, NAME,...: each site's broker "
+                                     "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
+                                     "devices' uploads there and sends one partial per phase."),
+    shard_credentials: Path | None = typer.Option(None, "--shard-credentials", help="--broker with --shards: the "
+                                                  "directory of shard-I.json credentials (broker-config --shards N "
+                                                  "writes it) the spawned shards use."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
@@ -116,15 +138,23 @@ def start_command(
             raise ConfigError(f"--offline-grace must be >= 0 seconds, got {offline_grace}")
         if max_clients is not None and max_clients < 1:
             raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
+        if shards < 0:
+            raise ConfigError(f"--shards must be >= 0, got {shards}")
         access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
-                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls), tls, client_ca)
+                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls), tls, client_ca,
+                        shards)
         access.check(external_broker=broker is not None)
+        queue = _broker_capacity(cfg, access, broker_queue, external=broker is not None,
+                                 bridged=_bridged(state_dir, access.insecure))
         # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
         own = broker is None
         watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
+        site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
+        sharding = Sharding(shards, spawn_shards, shard_credentials, site_names)
+        sharding.check(cfg, policy, external_broker=broker is not None, secured=username is not None)
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password,
                None if own else tls_ca, None if own else tls_cert, None if own else tls_key, connect_timeout, policy,
-               offline_grace, watching)
+               offline_grace, watching, queue, sharding)
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -156,7 +186,85 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
     return cfg, public_set(train, cfg)
 
 
+def _bridged(state_dir: Path | None, insecure: bool) -> set[str]:
+    """Devices of this federation at bridged site brokers (broker-config --bridge wrote them in its credentials)."""
+    from broker_server.security import bridged_devices
+
+    return set() if state_dir is None or insecure else bridged_devices(state_dir / "security")
+
+
+def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, external: bool,
+                     bridged: set[str] | None = None) -> int:
+    """The local broker's queue for the aggregator (--broker-queue, or sized from the fleet), after raising the
+    open-file limit as far as the hard limit allows; a fleet the limit cannot hold is refused here, before
+    anything is written (broker_server/capacity.py). Devices at bridged site brokers (`bridged`) count in the
+    fleet whose burst the queue holds, not in the connections the local broker serves."""
+    from broker_server.capacity import queue_for_fleet, raise_open_files, uploads_per_phase
+
+    if broker_queue is not None and broker_queue < 1:
+        raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
+    if external:  # not ours to size (protofl-server broker-config prints a line for N devices): what it holds
+        return broker_queue or DEFAULT_QUEUE
+    bridged = bridged or set()
+    direct = set(access.device_ids(cfg)) - bridged
+    fleet = max(len(direct) + len(bridged), access.max_clients or 0)
+    raise_open_files(max(len(direct), (access.max_clients or 0) - len(bridged)))
+    queue = broker_queue or queue_for_fleet(fleet, uploads_per_phase(cfg))
+    log.info("the local broker holds up to %d messages for the aggregator (%s, fleet of %d)", queue,
+             "--broker-queue" if broker_queue else "sized from the fleet", fleet)
+    return queue
+
+
 TLS_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """`--shards N`: the federation's uploads folded by N shard processes (docs/design.md, "Scale-out")."""
+
+    shards: int = 0
+    spawn: bool = True
+    credentials: Path | None = None  # with --broker: the shards' credentials files (broker-config --shards N)
+    sites: tuple[str, ...] = ()  # pre-aggregated sites (broker_server/site.py)
+
+    def check(self, cfg: Any, policy: Any, *, external_broker: bool, secured: bool) -> None:
+        from broker_server.stages import check_mergeable
+
+        if not self.shards and not self.sites:
+            if self.credentials is not None:
+                raise ConfigError("--shard-credentials is for --shards N")
+            return
+        check_mergeable(cfg, policy)  # NotMergeable (a ConfigError's sibling): the reason, before anything runs
+        if self.credentials is not None and not external_broker:
+            raise ConfigError("--shard-credentials is for --broker: the broker `start` spawns gets its shards' "
+                              "credentials generated (STATE_DIR/security/shards/)")
+        if external_broker and self.spawn and secured and self.credentials is None:
+            raise ConfigError("--shards N with --broker: pass --shard-credentials DIR (protofl-server broker-config "
+                              "--shards N writes DIR/shards/shard-I.json), or --no-spawn-shards and run "
+                              "`protofl-server shard` yourself")
+
+    def spawn_here(self, stack: contextlib.ExitStack, fed: str, broker_url: str, state_dir: Path | None,
+                   auth: Any, connect_timeout: float) -> Any:
+        """Start the shards as children of this server (restarted when they die); None unless asked to."""
+        from broker_server.shard_service import ShardProcesses, child_env, shard_command
+
+        if not self.shards or not self.spawn:
+            return None
+        root = state_dir / "shards" if state_dir is not None else \
+            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-shards-")))
+
+        def credentials(i: int) -> Path | None:
+            if auth is not None:
+                return Path(auth.shard_file(i))
+            return self.credentials / f"shard-{i}.json" if self.credentials is not None else None
+
+        commands = [shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout)
+                    for i in range(self.shards)]
+        procs = ShardProcesses(commands, root, env=child_env()).start()
+        stack.callback(procs.stop)
+        log.info("%d aggregator shard(s) running (pids %s; logs in %s)", self.shards,
+                 " ".join(map(str, procs.pids())), root)
+        return procs
 
 
 @dataclass(frozen=True)
@@ -211,6 +319,7 @@ class Access:
     tls: Any = None  # broker.ListenerTls from --broker-cert/--broker-key, or None
     tls_mode: str = "auto"  # --tls: the generated federation CA (broker_server/pki.py) when tls is None
     client_ca: str | None = None  # --client-ca: devices must present a certificate it signed
+    shards: int = 0  # aggregator shards, each with credentials of its own
 
     def check(self, external_broker: bool = False) -> None:
         if self.tls_mode not in TLS_MODES:
@@ -274,7 +383,7 @@ def is_loopback(host: str) -> bool:
 
 
 def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Path | None, access: Access,
-                  local_broker: str) -> tuple[str, str, Any]:
+                  local_broker: str, queue: int) -> tuple[str, str, Any]:
     """Start the local broker, secured unless --insecure; returns (the server's URL, protocol, BrokerAuth or
     None). The server's URL is the broker's unix socket (mosquitto), which no other process can stand in
     for. Nothing is written before the port is known to be free, and the devices' credentials files only
@@ -285,10 +394,10 @@ def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Pa
     host, port = access.host_port()
     _check_port(host, port)
     sec_dir = None if access.insecure else _security_dir(stack, state_dir)
-    auth = prepare(sec_dir, fed, access.device_ids(cfg)) if sec_dir is not None else None
+    auth = prepare(sec_dir, fed, access.device_ids(cfg), access.shards) if sec_dir is not None else None
     tls, ca_pem = _broker_tls(access, sec_dir, fed, host)
     _warn_exposure(access, host, tls)
-    local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls)
+    local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls, queue)
     if auth is not None:
         auth.provision(ca_pem)
         _announce_credentials(auth, persistent=state_dir is not None)
@@ -338,7 +447,7 @@ def _warn_exposure(access: Access, host: str, tls: Any) -> None:
 
 
 def _start_broker(stack: contextlib.ExitStack, cfg: Any, state_dir: Path | None, access: Access, local_broker: str,
-                  auth: Any, tls: Any) -> Any:
+                  auth: Any, tls: Any, queue: int) -> Any:
     from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
     from broker_server.shell import decoder_limits
     from broker_server.supervisor import BrokerSupervisor
@@ -350,7 +459,7 @@ def _start_broker(stack: contextlib.ExitStack, cfg: Any, state_dir: Path | None,
         local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
                                    workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
                                    auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
-                                   tls=tls, die_with_parent=True, local_socket=True)
+                                   tls=tls, die_with_parent=True, local_socket=True, max_queued_messages=queue)
     except PortInUse as exc:
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
@@ -406,7 +515,8 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
 def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
            local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
            tls_key: str | None, connect_timeout: float, policy: Any = None,
-           offline_grace: float = OFFLINE_GRACE_S, watching: Watching | None = None) -> None:
+           offline_grace: float = OFFLINE_GRACE_S, watching: Watching | None = None,
+           queue: int = DEFAULT_QUEUE, sharding: Sharding | None = None) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
     from broker_server.service import AggregatorService, save_server_model
@@ -418,8 +528,9 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
         protocol = "auto"
         members = access.allow
         broker_is_ours = broker is None
+        auth = None
         if broker is None:
-            broker, protocol, auth = _local_broker(stack, cfg, fed, state_dir, access, local_broker)
+            broker, protocol, auth = _local_broker(stack, cfg, fed, state_dir, access, local_broker, queue)
             if auth is not None:
                 username, password = auth.secrets.server.username, auth.secrets.server.password
                 members = sorted(auth.secrets.devices) if members is None else members
@@ -452,12 +563,16 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 rounds_file.flush()
                 logged = rec.round
 
+        sharding = sharding or Sharding()
+        window = resend_window(queue, uploads_per_phase(cfg))
         service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
                                     on_round_end=on_round_end, on_round_logged=on_round_logged, members=members,
                                     policy=policy, max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir, board=board, metrics=metrics,
-                                    broker_restarts=broker_restarts if broker_is_ours else None)
+                                    broker_restarts=broker_restarts if broker_is_ours else None,
+                                    resend_window=window, shards=sharding.shards, sites=sharding.sites)
         live.append(service)
+        sharding.spawn_here(stack, fed, broker, state_dir, auth if broker_is_ours else None, connect_timeout)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)

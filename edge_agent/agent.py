@@ -34,7 +34,7 @@ from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
-from protofl.schedule import is_due
+from protofl.schedule import check_cadence, is_due, scores_test_set
 from protofl.technique import first_answer
 from protofl.transport import Transport
 from protofl.wire import (
@@ -106,7 +106,7 @@ class EdgeAgent:
         self.profile = profile
         self.device = torch.device(resolve_device(device))
         self.eval_every = max(1, eval_every)
-        self.test_every = max(1, test_every) if test_every is not None else self.eval_every
+        self.test_every = check_cadence(self.eval_every, test_every)  # None: the last round only
         self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
         self.limits: Limits = DEFAULT_LIMITS  # until the config says how large this federation's messages get
@@ -380,7 +380,7 @@ class EdgeAgent:
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
-            self._send(self._metrics(stats, with_test=is_due(round_, self.test_every, cfg.rounds)), round_,
+            self._send(self._metrics(stats, with_test=scores_test_set(round_, self.test_every, cfg.rounds)), round_,
                        Phase.TRAIN.value)
         self._z_train = None
 

@@ -66,7 +66,8 @@ def join_command(
                                          "long as the device profile's compute factor says training takes there."),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
     test_every: Optional[int] = typer.Option(None, help="With --partition: score the official test set every N rounds "
-                                                         "(a multiple of --eval-every; default: --eval-every) and in the last."),
+                                                         "(a multiple of --eval-every) and in the last; "
+                                                         "default: the last round only."),
     threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
     state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep a local checkpoint here after every "

@@ -15,7 +15,10 @@ round; the device reports it on its presence topic and tries the round again aft
 
 Uploads are at-least-once: if a round message the agent already handled arrives again (our reconnect,
 the server's, a broker restart), the uploads of that round are sent again, since the server may have
-been unsubscribed when they first went out; the aggregator drops and counts the duplicates.
+been unsubscribed when they first went out; the aggregator drops and counts the duplicates. The same
+happens when the server asks this device on its `down/<id>` topic (edge_agent/resend.py): the broker
+dropped messages after acknowledging them, so the server asks whoever still owes the open phase to send
+its uploads (or its join) again.
 
 All agent work runs on the runner's thread (`pump`), never on paho's network thread, so training
 does not stall keepalives.
@@ -35,6 +38,7 @@ from edge_agent.agent import EdgeAgent
 from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
+from edge_agent.resend import ResendRequests
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, ProtoFLError, WireError
@@ -158,6 +162,7 @@ class DeviceRunner:
         self._attempts = 0
         self._retry_at = 0.0
         self._class_names: list[str] | None = None
+        self.requests = ResendRequests(fed, client_id)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -335,6 +340,7 @@ class DeviceRunner:
             self._rounds_subscribed = True
             self.transport.subscribe(topics.public(self.fed), self._on_public)
             self.transport.subscribe(topics.round_(self.fed), self._on_round)
+            self.transport.subscribe(topics.down(self.fed, self.client_id), self._on_request)
 
     def _on_public(self, topic: str, payload: bytes) -> None:
         assert self.agent is not None
@@ -353,11 +359,7 @@ class DeviceRunner:
             # The round message came again: after a reconnect of ours or the server's, or a broker restart.
             # Uploads sent while the server was not subscribed are lost, and it would wait for them
             # forever, so send them again; duplicates are dropped (and counted) by the aggregator.
-            for up_topic, up_payload in self._uploads.sent:
-                self._uploads.resend(up_topic, up_payload)
-            if self._uploads.sent:
-                log.info("%s: round %d %s announced again; re-sent %d upload(s)", self.client_id, key[0], key[1],
-                         len(self._uploads.sent))
+            self._resend(key, "announced again")
             return
         trained, sent = agent.stats.rounds_trained, agent.stats.uploaded_bytes
         if (topic, payload) != self._last_round:
@@ -386,6 +388,31 @@ class DeviceRunner:
             log.info("%s: %s, uploaded %d bytes", self.client_id,
                      "trained" if agent.stats.rounds_trained != trained else "prototype phase",
                      agent.stats.uploaded_bytes - sent)
+
+    def _resend(self, key: tuple[int, str], why: str) -> None:
+        """The uploads sent for round message `key` again (nothing if we have not handled it yet)."""
+        agent = self.agent
+        if agent is None or key != self._uploads.key or key not in agent.handled:
+            return
+        for up_topic, up_payload in self._uploads.sent:
+            self._uploads.resend(up_topic, up_payload)
+        if self._uploads.sent:
+            log.info("%s: round %d %s %s; re-sent %d upload(s)", self.client_id, key[0], key[1], why,
+                     len(self._uploads.sent))
+
+    def _on_request(self, topic: str, payload: bytes) -> None:
+        """The server asks again for what the broker may have dropped: our join, or a phase's uploads."""
+        got = self.requests.read(payload, time.monotonic())
+        if got is None:
+            return
+        env, msg = got
+        if msg.ask == "join":
+            if self.server_state in SERVER_UP:
+                log.info("%s: the server asks for our join again", self.client_id)
+                self.joined = False
+                self._maybe_join()
+        else:
+            self._resend((env.round, env.phase), "asked again by the server")
 
     def _report_failure(self, round_: int, phase: str, why: str) -> None:
         """Say on our presence topic that a round failed here (the server logs it), and plan a retry."""

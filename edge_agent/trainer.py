@@ -64,7 +64,7 @@ def sgd_epochs(model: ProtoNet, params: Sequence[torch.Tensor], x: torch.Tensor,
 
     `model` only needs `features` and `head` (the frozen mode passes a view that starts from cached h).
     """
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     rng = np.random.default_rng(seed)
     n = int(x.shape[0])
     total, steps = 0.0, 0
@@ -78,12 +78,50 @@ def sgd_epochs(model: ProtoNet, params: Sequence[torch.Tensor], x: torch.Tensor,
             loss = batch_loss(model, x[idx], y[idx], objective)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss.backward()
             opt.step()
             total += float(loss.detach())
             steps += 1
     return TrainStats(total / max(steps, 1), time.perf_counter() - start, steps)
+
+
+class SGD:
+    """torch.optim.SGD's update (its per-tensor path, the one it takes on CPU): weight decay, momentum with
+    dampening 0, no Nesterov; the same tensor ops in the same order, so the weights agree bit for bit
+    (tests/edge_agent/test_trainer_sgd.py).
+
+    Why not torch.optim.SGD itself: its first construction in a process imports torch._dynamo (about 2 s of
+    CPU, more than a small simulated round), and every simulated device pays it again over MQTT and in each
+    benchmark run; its step also goes through profiling and hook wrappers on every batch.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], lr: float, momentum: float = 0.0,
+                 weight_decay: float = 0.0) -> None:
+        self.params = list(params)
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.buffers: list[torch.Tensor | None] = [None] * len(self.params)  # momentum: fresh each round
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue  # as torch: a parameter the loss did not reach keeps its weights and momentum
+            g = p.grad
+            if self.weight_decay != 0:
+                g = g.add(p, alpha=self.weight_decay)
+            if self.momentum != 0:
+                buf = self.buffers[i]
+                if buf is None:
+                    buf = self.buffers[i] = g.detach().clone()
+                else:
+                    buf.mul_(self.momentum).add_(g, alpha=1)  # 1 - dampening (0)
+                g = buf
+            p.add_(g, alpha=-self.lr)
 
 
 @torch.inference_mode()

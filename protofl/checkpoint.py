@@ -58,6 +58,16 @@ def _unpack(obj: Any) -> Any:
     return obj
 
 
+def pack_tree(obj: Any) -> Any:
+    """A tree of maps, lists and numpy arrays as msgpack-ready values (arrays as typed byte strings)."""
+    return _pack(obj)
+
+
+def unpack_tree(obj: Any) -> Any:
+    """`pack_tree`'s inverse (ValueError for an array of another dtype or the wrong size)."""
+    return _unpack(obj)
+
+
 def encode_checkpoint(state: dict[str, Any]) -> bytes:
     body = msgpack.packb(_pack(state), use_bin_type=True)
     return MAGIC + hashlib.sha256(body).digest() + body

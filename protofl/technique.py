@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from protofl.mergeable import NotMergeable, merge_into, partial_of
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
@@ -153,6 +154,52 @@ class Fold:
     def finish(self) -> None:
         """Fold the phase into the server model (called once, in rule order)."""
 
+    # Sharded aggregators (protofl/mergeable.py): `merged` names the attributes holding this fold's
+    # accumulators (each `Additive`, a dict of them, or None); a shard sends `partial()`, the coordinator
+    # `merge`s every shard's into its own fold, then `finish`es. None: the fold says nothing, and a sharded
+    # federation refuses it (a fold that reads no uploads, `kinds` empty, has nothing to merge).
+    merged: tuple[str, ...] | None = None
+
+    def partial(self) -> dict[str, Any]:
+        """This fold's accumulators as another shard's coordinator adds them (plain values and arrays)."""
+        if self.merged is None:
+            if not self.kinds:
+                return {}
+            raise NotMergeable(f"{type(self).__module__}.{type(self).__name__} does not name its mergeable "
+                               f"accumulators (Fold.merged): it cannot run on sharded aggregators; run one aggregator")
+        return {name: partial_of(getattr(self, name), f"{type(self).__name__}.{name}") for name in self.merged}
+
+    def merge(self, part: Mapping[str, Any], *, check: bool = False) -> None:
+        """Add another shard's `partial()` of this fold; all of it is checked (ValueError) before anything
+        changes. `check`: only check."""
+        names = self.merged or ()
+        if not isinstance(part, Mapping) or set(part) != set(names):
+            got = sorted(part) if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(f"{type(self).__name__}: partial has {got}, expected {sorted(names)}")
+        for only_check in (True,) if check else (True, False):
+            for name in names:
+                where = f"{type(self).__name__}.{name}"
+                mine, theirs = getattr(self, name), part[name]
+                if not isinstance(mine, dict):
+                    merged = merge_into(mine, theirs, where, check=only_check)
+                    if not only_check:
+                        setattr(self, name, merged)
+                    continue
+                if not isinstance(theirs, Mapping):
+                    raise ValueError(f"{where}: expected a map of accumulators, got {type(theirs).__name__}")
+                for k, v in theirs.items():
+                    acc = mine.get(k)
+                    if acc is None:
+                        acc = self.new_accumulator(name, k)
+                        if not only_check:
+                            mine[k] = acc
+                    merge_into(acc, v, f"{where}[{k}]", check=only_check)
+
+    def new_accumulator(self, name: str, key: Any) -> Any:
+        """A fresh accumulator for `key` of the dict attribute `name`, which another shard has and this
+        fold has not yet (merge); by default none may appear."""
+        raise ValueError(f"{type(self).__name__}.{name}: partial has key {key!r}, which this fold does not have")
+
 
 class ServerRule:
     """A technique's server half for one federation: hooks on the shared `ServerState`."""
@@ -227,9 +274,22 @@ class ServerState(Protocol):
     def unit_upload(self, table: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
         """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
 
+    def unit_centers(self) -> np.ndarray:
+        """(C, width) float64: the unit prototypes as they travel, the centres of unit uploads (once a phase)."""
+
+    def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
+        """(num_classes, proto_width) float64: the centres in `table`, zero rows where none (once a phase)."""
+
     def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
              kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
         """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
+
+    def clip_rows(self, classes: np.ndarray, values: np.ndarray, centers: np.ndarray,
+                  kind: str) -> tuple[np.ndarray, Any]:
+        """`clip` on a prototype set's rows around `centers[classes]` in one pass (pure); and what to record."""
+
+    def record_rows(self, kind: str, seen: Any) -> None:
+        """`record` for what `clip_rows` returned."""
 
     def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
         """Note an accepted upload's rows (their norms set the next radius)."""

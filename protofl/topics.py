@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 ROOT = "protofl"
+SERVER_ID = "server"  # the sender of every message the server publishes
 
 
 def config(fed: str) -> str:
@@ -25,6 +26,11 @@ def up_all(fed: str) -> str:
     return f"{ROOT}/{fed}/up/+"
 
 
+def down(fed: str, client_id: str) -> str:
+    """One device's own inbox: the server's re-send requests (only the server may write it: the ACL)."""
+    return f"{ROOT}/{fed}/down/{client_id}"
+
+
 def presence(fed: str, client_id: str) -> str:
     return f"{ROOT}/{fed}/presence/{client_id}"
 
@@ -40,6 +46,19 @@ def server_status(fed: str) -> str:
 def server_summary(fed: str) -> str:
     """The server's retained summary for watchers (JSON, not the device wire format: docs/design.md)."""
     return f"{ROOT}/{fed}/server/summary"
+
+
+# Sharded aggregators (docs/design.md, "Scale-out"): the shards share the uploads through one MQTT 5 shared
+# subscription; the coordinator and the shards talk under `shards/` (versioned msgpack, their own ACL).
+def shared_up(fed: str) -> str:
+    return f"$share/protofl-{fed}/{up_all(fed)}"
+
+
+def shards(fed: str, what: str, who: str = "") -> str:
+    """`shards/phase` and `shards/close` (coordinator -> shards, retained), `shards/progress/<shard>`,
+    `shards/partial/<shard>` (shard -> coordinator) and `shards/relay/<client>` (a device's join or
+    metrics a shard received, passed on as it came)."""
+    return f"{ROOT}/{fed}/shards/{what}" + (f"/{who}" if who else "")
 
 
 def client_of(topic: str) -> str:

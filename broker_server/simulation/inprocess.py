@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,28 +13,45 @@ from broker_server.shell import Aggregator
 from broker_server.simulation.deploy import device_hook
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec
-from protofl.transport import InProcessBroker
+from protofl.transport import InProcessBroker, Transport
+
+if TYPE_CHECKING:
+    from edge_agent.agent import ClientData
+
+
+def make_aggregator(spec: SimulationSpec, fed_data: Federation, report: Report, transport: Transport,
+                    initial_params: np.ndarray | None) -> Aggregator:
+    """The simulation's aggregator on `transport`, wired to the report (every backend runs this one)."""
+    agg = Aggregator(fed_data.cfg, FED, transport, clock=time.time, initial_params=initial_params,
+                     public=fed_data.public_set(), expected_clients=spec.client_ids, policy=spec.policy(),
+                     on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics,
+                     limits=fed_data.limits(initial_params))
+    return agg
+
+
+def client_data(fed_data: Federation, i: int, x_global: np.ndarray | None) -> ClientData:
+    """Client i's share of the partition, normalised, with the official test set `x_global` (if given)."""
+    from edge_agent.agent import ClientData
+
+    train, test, part = fed_data.train, fed_data.test, fed_data.split.clients[i]
+    return ClientData(x_train=train.normalized(part.train), y_train=train.y[part.train],
+                      x_test=train.normalized(part.test), y_test=train.y[part.test],
+                      x_global=x_global, y_global=test.y, mean=train.mean, std=train.std)
 
 
 def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
                   initial_params: np.ndarray | None) -> Aggregator:
     """Run the federation to its last round; returns the aggregator (its `model` is the final state)."""
-    from edge_agent.agent import ClientData, EdgeAgent  # torch: only when a simulation runs
+    from edge_agent.agent import EdgeAgent  # torch: only when a simulation runs
 
-    cfg, train, test, split = fed_data.cfg, fed_data.train, fed_data.test, fed_data.split
-    x_test = test.normalized()
+    cfg = fed_data.cfg
+    x_test = fed_data.test.normalized()
     broker = InProcessBroker()
-    agg = Aggregator(cfg, FED, broker.connect("server"), clock=time.time, initial_params=initial_params,
-                     public=fed_data.public_set(), expected_clients=spec.client_ids, policy=spec.policy(),
-                     on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics,
-                     limits=fed_data.limits(initial_params))
+    agg = make_aggregator(spec, fed_data, report, broker.connect("server"), initial_params)
     agents = []
     deployable = device_hook(spec, cfg.num_classes)
     for i, cid in enumerate(spec.client_ids):
-        part = split.clients[i]
-        data = ClientData(x_train=train.normalized(part.train), y_train=train.y[part.train],
-                          x_test=train.normalized(part.test), y_test=train.y[part.test],
-                          x_global=x_test, y_global=test.y, mean=train.mean, std=train.std)
+        data = client_data(fed_data, i, x_test)
         agents.append(EdgeAgent(cid, FED, broker.connect(cid), data, arch=cfg.arch_for(i), device=spec.device,
                                 eval_every=spec.eval_every, test_every=spec.test_every,
                                 extractor=spec.extractor))

@@ -21,7 +21,7 @@ from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
 from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
-from protofl.schedule import check_cadence, is_due
+from protofl.schedule import scores_test_set
 from protofl.wire import Metrics
 
 log = logging.getLogger("protofl.simulate")
@@ -60,11 +60,10 @@ class Report:
         self.clips: dict[int, ClipCount] = {}  # per round: rows checked against the radius and clipped
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
-        if (self.evaluate is not None and model.params is not None
-                and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every), self.cfg.rounds)):
+        scored = scores_test_set(rec.round, self.spec.test_every, self.cfg.rounds)  # the official test set's rounds
+        if self.evaluate is not None and model.params is not None and scored:
             self.global_model_acc[rec.round] = self.evaluate(model.params)
-        if self.predictor is not None and is_due(rec.round, check_cadence(self.spec.eval_every, self.spec.test_every),
-                                                 self.cfg.rounds):
+        if self.predictor is not None and scored:
             acc = self.predictor(model)
             if acc is not None:
                 self.predictor_acc[rec.round] = acc
@@ -134,7 +133,9 @@ class Report:
             "config": self.cfg.to_dict(),
             "simulation": {"dataset": self.spec.dataset, "clients": self.spec.clients, "alpha": self.spec.alpha,
                            "seed": self.spec.seed, "transport": self.spec.transport, "device": self.spec.device,
-                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off"},
+                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off",
+                           # the rounds that score the test set (None: the last only; protofl.schedule)
+                           "test_every": self.spec.test_every},
             "rounds": rows,
             "totals": {
                 "uplink_bytes": int(sum(r["uplink_bytes"] for r in rows)),

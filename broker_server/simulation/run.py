@@ -40,6 +40,10 @@ def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], No
     from edge_agent.devices import resolve_device
 
     spec = dataclasses.replace(spec, device=resolve_device(spec.device))
+    if spec.backend == "ray":
+        from broker_server.simulation.ray_backend import check_ray, run_on_ray  # Ray: an optional extra
+
+        check_ray(spec)  # before any data loads: the options, and that Ray is installed
     torch.set_num_threads(max(1, torch.get_num_threads()))
     fed_data = prepare(spec)
     cfg = fed_data.cfg
@@ -48,13 +52,18 @@ def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], No
                     predictor=predictor.accuracy if predictor.kind is not None else None,
                     predictor_info=(predictor.kind, predictor.reason))
     initial = predictor.initial_params  # FedAvg: every device starts from the global model's weights
-    runner = run_over_mqtt if spec.transport == "mqtt" else run_inprocess
-    agg = runner(spec, fed_data, report, initial)
+    ray_info = None
+    if spec.backend == "ray":
+        agg, ray_info = run_on_ray(spec, fed_data, report, initial)
+    else:
+        agg = (run_over_mqtt if spec.transport == "mqtt" else run_inprocess)(spec, fed_data, report, initial)
     if spec.out_dir is not None:
         write_run_artifacts(spec, fed_data, agg)
     if on_finish is not None:
         on_finish(agg)
     out = report.to_json(agg.dropped)
+    if ray_info is not None:
+        out["ray"] = ray_info  # the rest is the in-process run's report
     out["machine"] = machine_info(torch)
     warn_long_overruns(out)
     return out

@@ -26,6 +26,7 @@ from protofl.transport.broker_url import BrokerOptions
 from protofl.wire import Limits, Metrics, PublicSet
 
 TRANSPORTS = ("inprocess", "mqtt")
+BACKENDS = ("local", "ray")  # where the devices run: this process (or its agent processes), or Ray workers
 EXTRACTORS = ("torch", "onnx")
 FED = "sim"  # the simulated federation's name (its topics live under protofl/sim/)
 
@@ -54,7 +55,7 @@ class SimulationSpec:
     train_limit: int | None = None  # use a seeded random subset of N training samples (faster runs)
     test_limit: int | None = None  # evaluate global/ensemble accuracy on the first N test samples
     eval_every: int = 1
-    test_every: int | None = None  # score the official test set every N rounds (default: eval_every) and in the last
+    test_every: int | None = None  # score the official test set every N rounds and in the last (None: the last only)
     extractor: str = "torch"  # agents extract prototypes with torch or onnxruntime ("onnx")
     device: str = "cpu"  # torch device of the agents and of FedAvg's global model: cpu | cuda | auto
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -68,6 +69,12 @@ class SimulationSpec:
     # Upload clipping (a defence, not a paper's method): on by default as in `start`, so that a simulation
     # runs the aggregator a deployment runs; the benchmark's papers' rows turn it off.
     clip: bool = True
+    # --backend ray (broker_server/simulation/ray_backend.py): the devices on Ray workers, the aggregator here.
+    backend: str = "local"
+    ray_address: str | None = None  # join this cluster (auto, host:port, ray://...); None: start a local one
+    device_resources: str = "cpu=1"  # each device's share of a node, cpu=N[,gpu=N]
+    ray_workers: int | None = None  # at most this many workers (default: as many as the cluster holds)
+    ray_max_restarts: int = 1  # a worker whose process dies is started again this often, then its devices are lost
 
     def policy(self) -> ClipPolicy:
         """The server's clipping policy: the defaults, switched on or off."""
@@ -122,6 +129,21 @@ def resolve_config(spec: SimulationSpec, num_classes: int | None = None,
     return make_config(spec.preset, spec.config_file, **overrides)
 
 
+def check_backend(spec: SimulationSpec) -> None:
+    """The Ray backend's options, checked before any data loads (Ray itself is checked when the run starts)."""
+    if spec.backend not in BACKENDS:
+        raise ConfigError(f"--backend must be {' or '.join(BACKENDS)}, got '{spec.backend}'")
+    if spec.backend == "local":
+        return
+    if spec.transport != "inprocess":
+        raise ConfigError("--backend ray runs the devices on Ray workers and the broker in this process: "
+                          "leave out --transport mqtt (and --profiles, which shape real broker links)")
+    if spec.ray_workers is not None and spec.ray_workers < 1:
+        raise ConfigError(f"--ray-workers must be >= 1, got {spec.ray_workers}")
+    if spec.ray_max_restarts < 0:
+        raise ConfigError(f"--ray-max-restarts must be >= 0, got {spec.ray_max_restarts}")
+
+
 def prepare(spec: SimulationSpec) -> Federation:
     """Check the spec, load the data and partition it; the config is resolved for the dataset."""
     if spec.clients < 1:
@@ -129,6 +151,7 @@ def prepare(spec: SimulationSpec) -> Federation:
     if not spec.alpha > 0:
         raise ConfigError(f"--alpha must be > 0, got {spec.alpha}")
     check_cadence(spec.eval_every, spec.test_every)
+    check_backend(spec)
     if spec.profiles:
         if spec.transport != "mqtt":
             raise ConfigError("--profiles emulates links in front of a real broker: add --transport mqtt")

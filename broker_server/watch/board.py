@@ -18,8 +18,9 @@ class SnapshotBoard:
         self._body = b""
         self.version = 0
 
-    def publish(self, snapshot: Snapshot) -> None:
-        body = snapshot.encode()
+    def publish(self, snapshot: Snapshot, body: bytes | None = None) -> None:
+        """Hand on `snapshot`; `body` is its encoding where the caller has it already."""
+        body = snapshot.encode() if body is None else body
         with self._changed:
             self._snapshot, self._body = snapshot, body
             self.version += 1

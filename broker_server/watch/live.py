@@ -38,6 +38,7 @@ REFRESH_S = 0.25
 HEARTBEAT_S = 2.0
 SUMMARY_S = 1.0
 SUMMARY_HEARTBEAT_S = 15.0
+COST_SHARE = 20  # a refresh waits at least this many times its last cost: watching takes <= 1/20 of the thread
 STATUS_FILE = "status.json"
 
 
@@ -52,6 +53,8 @@ class LiveWatch:
         self.transport = transport
         self.metrics = metrics
         self.broker_restarts = broker_restarts
+        # (messages the broker dropped, re-send requests sent) so far: set by the service (resend.py)
+        self.resends: Callable[[], tuple[int, int]] | None = None
         self._dirty = True
         self._built = 0.0
         self._summary: Snapshot | None = None  # the last one published, `updated` zeroed
@@ -59,6 +62,7 @@ class LiveWatch:
         self._summary_due = False  # a change not published yet (it came within SUMMARY_S of the last one)
         self._topic = topics.server_summary(aggregator.fed)
         self._status_failed = False
+        self._cost = 0.0  # seconds the last refresh took
 
     # -- events ---------------------------------------------------------------------------------
     def round_closed(self, rec: RoundRecord) -> None:
@@ -70,6 +74,10 @@ class LiveWatch:
         self._dirty = True
         return self.observer.on_round_logged(rec, metrics)
 
+    def changed(self) -> None:
+        """Something watchers see changed outside a handled message (e.g. re-send requests went out)."""
+        self._dirty = True
+
     def observe_fsync(self, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.fsync.observe(seconds)
@@ -78,17 +86,24 @@ class LiveWatch:
     def after_step(self, handled: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self._dirty = self._dirty or handled > 0
-        due = REFRESH_S if self._dirty else HEARTBEAT_S
-        if now - self._built >= due or (self._summary_due and now - self._summary_at >= SUMMARY_S):
+        # A snapshot lists every device: at a fleet's size building and encoding one takes a good part of
+        # REFRESH_S, and refreshing that often would take the thread that folds the uploads (measured at 1,000
+        # devices: half its time, issue 27). So a refresh waits at least COST_SHARE times its own last cost.
+        due = max(REFRESH_S if self._dirty else HEARTBEAT_S, self._cost * COST_SHARE)
+        if now - self._built >= due or (self._summary_due and now - self._summary_at >= max(SUMMARY_S, due)):
             self.refresh(now)
 
     def refresh(self, now: float | None = None) -> Snapshot:
+        started = time.perf_counter()
         now = time.monotonic() if now is None else now
-        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0)
+        dropped, asked = self.resends() if self.resends else (0, 0)
+        snap = self.observer.snapshot(self.broker_restarts() if self.broker_restarts else 0, dropped, asked)
         self._built, self._dirty = now, False
-        self.board.publish(snap)
-        self._write_status(snap)
-        self._publish_summary(snap, now)
+        body = snap.encode()  # once, for the board, the status file and the summary alike
+        self.board.publish(snap, body)
+        self._write_status(body)
+        self._publish_summary(snap, now, body)
+        self._cost = time.perf_counter() - started
         return snap
 
     def stopped(self) -> None:
@@ -97,12 +112,12 @@ class LiveWatch:
         self._summary_at = float("-inf")
         self.refresh()
 
-    def _write_status(self, snap: Snapshot) -> None:
+    def _write_status(self, body: bytes) -> None:
         if self.status_file is None:
             return
         tmp = self.status_file.with_name(self.status_file.name + ".tmp")
         try:
-            tmp.write_bytes(snap.encode())
+            tmp.write_bytes(body)
             os.replace(tmp, self.status_file)
         except OSError as exc:  # a watcher's file: the federation goes on without it
             if not self._status_failed:
@@ -110,7 +125,7 @@ class LiveWatch:
                             self.status_file, exc)
             self._status_failed = True
 
-    def _publish_summary(self, snap: Snapshot, now: float) -> None:
+    def _publish_summary(self, snap: Snapshot, now: float, body: bytes) -> None:
         transport = self.transport
         if transport is None or not transport.connected:
             return
@@ -122,5 +137,5 @@ class LiveWatch:
             self._summary_due = True  # published by the first step once SUMMARY_S has passed
             return
         with contextlib.suppress(TransportError, ValueError):  # a watcher's message never stops the federation
-            transport.publish(self._topic, snap.encode(), retain=True, qos=0)
+            transport.publish(self._topic, body, retain=True, qos=0)
             self._summary, self._summary_at, self._summary_due = same, now, False

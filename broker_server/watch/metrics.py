@@ -23,6 +23,9 @@ never touches the aggregator. Names, types and labels (docs/design.md, "Watching
     protofl_accuracy_round                             gauge: which round that is
     protofl_journal_fsync_seconds                      histogram (with --state-dir)
     protofl_broker_restarts_total                      counter (the broker `start` spawned)
+    protofl_broker_dropped_messages_total              counter: messages the broker dropped after acknowledging
+                                                       them ($SYS, since this server started)
+    protofl_resend_requests_total                      counter: devices asked to send again after such drops
 """
 
 from __future__ import annotations
@@ -106,6 +109,11 @@ class SnapshotCollector(Collector):
         yield accuracy
         yield CounterMetricFamily("protofl_broker_restarts", "Restarts of the broker this server spawned.",
                                   value=snap.broker_restarts)
+        yield CounterMetricFamily("protofl_broker_dropped_messages", "Messages the broker dropped after "
+                                  "acknowledging them (a full queue; $SYS/broker/publish/messages/dropped).",
+                                  value=snap.broker_dropped)
+        yield CounterMetricFamily("protofl_resend_requests", "Devices asked to send again what the broker dropped.",
+                                  value=snap.resend_requests)
 
 
 def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:

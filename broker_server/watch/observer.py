@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from broker_server.progress import accuracies
-from broker_server.rounds import Received, RoundRecord
+from broker_server.rounds import Progress, Received, RoundRecord
 from broker_server.watch.snapshot import LEFT, NOT_JOINED, OFFLINE, ONLINE, Member, RoundRow, Snapshot, Upload
 from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
@@ -56,12 +56,18 @@ class FederationObserver:
 
     # -- events (service thread) ----------------------------------------------------------------
     def on_applied(self, inp: Input) -> None:
+        if isinstance(inp, Progress):  # an upload a shard folded (sharded aggregators: its encoding stays there)
+            self._upload(inp.sender, Upload(inp.round, inp.phase, inp.kind, inp.nbytes, "", time.time()))
+            return
         if not isinstance(inp, Received) or not isinstance(inp.msg, (ProtoUpload, ParamsUpload)):
             return
         env = inp.env
-        self.accepted[env.kind] = self.accepted.get(env.kind, 0) + 1
-        self._uploads[env.sender] = self._uploads.get(env.sender, 0) + 1
-        self._last[env.sender] = Upload(env.round, env.phase, env.kind, inp.nbytes, encoding(inp.msg), time.time())
+        self._upload(env.sender, Upload(env.round, env.phase, env.kind, inp.nbytes, encoding(inp.msg), time.time()))
+
+    def _upload(self, sender: str, upload: Upload) -> None:
+        self.accepted[upload.kind] = self.accepted.get(upload.kind, 0) + 1
+        self._uploads[sender] = self._uploads.get(sender, 0) + 1
+        self._last[sender] = upload
 
     def on_round_logged(self, rec: RoundRecord, metrics: Mapping[str, Metrics]) -> dict[str, float | None]:
         """A closed round's metrics are in (or their grace passed): its accuracies, kept for the history."""
@@ -106,7 +112,7 @@ class FederationObserver:
                                  rec.downlink_bytes, **accs))
         return tuple(rows)
 
-    def snapshot(self, broker_restarts: int = 0) -> Snapshot:
+    def snapshot(self, broker_restarts: int = 0, broker_dropped: int = 0, resend_requests: int = 0) -> Snapshot:
         agg = self.agg
         m = agg.machine
         current = m.state.current
@@ -121,10 +127,18 @@ class FederationObserver:
             uplink_bytes=sum(r.uplink_bytes for r in m.records) + (0 if m.finished else current.uplink_bytes),
             downlink_bytes=sum(r.downlink_bytes for r in m.records) + (0 if m.finished else current.downlink_bytes),
             accepted=dict(self.accepted), dropped=dict(agg.dropped), clipped=dict(agg.model.clipped),
-            history=self.history(), broker_restarts=broker_restarts, server_pid=self.pid, started=self.started)
+            history=self.history(), broker_restarts=broker_restarts, broker_dropped=broker_dropped,
+            resend_requests=resend_requests, server_pid=self.pid, started=self.started)
 
     def _log_changes(self, members: tuple[Member, ...]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""
+        online: list[int] = []  # counted once, when a line needs it: once per line is n**2 at a fleet's join
+
+        def n_online() -> int:
+            if not online:
+                online.append(sum(1 for x in members if x.state == ONLINE))
+            return online[0]
+
         for member in members:
             before = self._states.get(member.id)
             self._states[member.id] = member.state
@@ -133,10 +147,9 @@ class FederationObserver:
             if member.state == ONLINE:
                 what = "is back" if before in (OFFLINE, LEFT) else "joined"
                 log.info("device %s %s (%s, %d samples); %d online", member.id, what, member.arch or "default arch",
-                         member.n_samples, sum(1 for x in members if x.state == ONLINE))
+                         member.n_samples, n_online())
             elif member.state == OFFLINE:
                 left = max(0.0, (member.grace_ends or 0.0) - time.time())
                 log.info("device %s went offline; it keeps its place in the round for %.0f s", member.id, left)
             elif member.state == LEFT:
-                log.info("device %s left (offline past its grace); %d online", member.id,
-                         sum(1 for x in members if x.state == ONLINE))
+                log.info("device %s left (offline past its grace); %d online", member.id, n_online())

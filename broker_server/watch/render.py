@@ -47,7 +47,8 @@ def header(reading: Reading, now: float) -> list[str]:
              else f"members: none yet; waiting for {s.quorum}",
              f"bytes so far: up {human_bytes(s.uplink_bytes)}, down {human_bytes(s.downlink_bytes)}; uploads accepted "
              f"{sum(s.accepted.values())}; dropped: {_counts(s.dropped)}; clipped: {_counts(s.clipped)}",
-             f"broker restarts: {s.broker_restarts}; as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
+             f"broker restarts: {s.broker_restarts}; broker drops: {s.broker_dropped} (re-send requests "
+             f"{s.resend_requests}); as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
              f"({_ago(now - s.updated)} ago) from {reading.source}"]
     found = s.last_accuracies()
     if found is not None:

@@ -93,6 +93,10 @@ class Snapshot:
     clipped: dict[str, int] = field(default_factory=dict)  # uploads by kind
     history: tuple[RoundRow, ...] = ()  # the last closed rounds, oldest first
     broker_restarts: int = 0
+    # messages the broker reported dropped ($SYS, since this server started), and the re-send requests the
+    # server sent for them (broker_server/resend.py)
+    broker_dropped: int = 0
+    resend_requests: int = 0
     server_pid: int = 0
     started: float = 0.0  # when this server process started
 

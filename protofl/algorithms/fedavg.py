@@ -15,20 +15,24 @@ accumulator that holds one running sum, so memory does not grow with the number 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from protofl.algorithms.robust import CoordinateRobust, clip_around
 from protofl.errors import WireError
+from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
 from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
 
 __all__ = ["FedAvgAggregator", "FedAvg"]
 
 
-class FedAvgAggregator:
+class FedAvgAggregator(Additive):
     """Running sample-weighted mean of dense vectors of length `dim`."""
+
+    additive = ("_num", "_den", "_count")  # mergeable across aggregator shards
 
     def __init__(self, dim: int) -> None:
         if int(dim) < 1:
@@ -66,6 +70,20 @@ class FedAvgAggregator:
         self._den += w
         self._count += 1
 
+    def add_checked(self, vector: np.ndarray, weight: float) -> None:
+        """`add` for the vector of a decoded ParamsUpload (finite: the decoder checked it): its shape and the
+        weight are checked, its values not passed over a second time; the same sums as `add`."""
+        w = float(weight)
+        if not math.isfinite(w) or w <= 0.0:
+            raise ValueError(f"FedAvg: weight must be a finite number > 0 (the client's |D_k|), got {weight!r}")
+        v = np.asarray(vector)
+        if v.shape != (self._dim,):
+            raise ValueError(f"FedAvg: expected shape ({self._dim},), got {v.shape}; is the client running the same "
+                             f"model?")
+        self._num += w * v.astype(np.float64, copy=False)
+        self._den += w
+        self._count += 1
+
     def result(self) -> np.ndarray:
         """The weighted mean as float32; raises if nothing was added (there is no mean to take)."""
         if self._count == 0:
@@ -96,6 +114,7 @@ class VectorFold(Fold):
     """The training phase's parameter vectors, clipped around the global one and averaged."""
 
     kinds = (Upload.ADAPTER,)
+    merged = ("acc", "robust")
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -125,7 +144,7 @@ class VectorFold(Fold):
         expected = self.reference.shape[0] if self.reference is not None else (self.acc.dim if self.acc else n)
         if n != expected:
             raise WireError(f"adapter of length {n}, expected {expected}")
-        if self.reference is None:  # no model known: finiteness checks only (in the accumulator)
+        if self.reference is None:  # no model known: the accumulator checks the length (the decoder, finiteness)
             return update, float(up.n_samples), None
         self._check_indices(update, self.reference.shape[0])
         if not self.model.policy.enabled:  # --clip off: folded as sent, no distance to compute or record
@@ -137,12 +156,12 @@ class VectorFold(Fold):
         """(the update clipped around the reference, (what was sent, its distance)); pure."""
         ref, radius = self.reference, self.model.radius("adapter")
         assert ref is not None
-        if isinstance(update, SparseVector):
-            idx = update.indices
-            vals, dist = clip_around(update.values, ref[idx].astype(np.float64), radius)
-            return (update if dist <= radius else SparseVector(update.n, idx, vals)), (update.values, dist)
         if self._ref64 is None:  # once per round: 90 MB and ~0.1 s per upload for a resnet18 model
             self._ref64 = ref.astype(np.float64)
+        if isinstance(update, SparseVector):
+            idx = update.indices
+            vals, dist = clip_around(update.values, self._ref64[idx], radius)
+            return (update if dist <= radius else SparseVector(update.n, idx, vals)), (update.values, dist)
         vals, dist = clip_around(np.asarray(update), self._ref64, radius)
         return (update if dist <= radius else vals), (update, dist)
 
@@ -150,15 +169,17 @@ class VectorFold(Fold):
     def _check_indices(update: SparseVector | np.ndarray, n: int) -> None:
         """A sparse update's positions lie inside the reference vector of length `n`."""
         if isinstance(update, SparseVector):
-            idx = update.indices
-            if idx.shape[0] and (idx.min() < 0 or idx.max() >= n):
+            idx = update.indices  # sorted (a SparseVector's invariant, checked by the decoder): the ends suffice
+            if idx.shape[0] and (idx[0] < 0 or idx[-1] >= n):
                 raise WireError(f"adapter indices out of range [0, {n})")
 
     def fold(self, prepared: Any) -> None:
         update, weight, seen = prepared
         if self.acc is None:
             self._start(update.shape[0])
-        self.acc.add(update, weight)  # validates (and feeds the mean, unused when robust)
+        # A decoded upload's vector was checked by the decoder: the in-tree aggregators skip a second pass over
+        # it (add_checked); another technique's aggregator takes add, which checks.
+        getattr(self.acc, "add_checked", self.acc.add)(update, weight)  # (feeds the mean, unused when robust)
         if self.robust is not None:
             if isinstance(update, SparseVector):
                 self.robust.add(update.values.astype(np.float64), update.indices)
@@ -166,6 +187,15 @@ class VectorFold(Fold):
                 self.robust.add(np.asarray(update, np.float64))
         if seen is not None:
             self.model.record("adapter", [seen])
+
+    def merge(self, part: Mapping[str, Any], *, check: bool = False) -> None:
+        """Another shard's partial; without a known model its length is the first one any shard saw."""
+        theirs = part.get("acc") if isinstance(part, Mapping) else None
+        if self.acc is None and isinstance(theirs, Mapping) and isinstance(theirs.get("_num"), np.ndarray):
+            if check:
+                return  # nothing here to hold it to: the first length wins, as the first upload's does
+            self._start(theirs["_num"].shape[0])
+        super().merge(part, check=check)
 
     def finish(self) -> None:
         model = self.model

@@ -280,8 +280,8 @@ class FedPagrRule(ServerRule):
 class ConsensusFold(UnitFold):
     """The training phase's unit prototypes: eq. (3) as a stream, then refinement at the phase's end."""
 
-    def table(self, up: Any) -> dict[int, np.ndarray]:
-        return up.local.table()[0] if up.local is not None else {}
+    def prototypes(self, up: Any) -> ProtoSet | None:
+        return up.local
 
     def finish(self) -> None:
         cfg, model = self.model.cfg, self.model

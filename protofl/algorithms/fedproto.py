@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from protofl.algorithms.robust import CoordinateRobust
+from protofl.algorithms.robust import CoordinateRobust, class_rows
 from protofl.errors import WireError
-from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload, table_of
+from protofl.mergeable import Additive
+from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
 from protofl.wire import ProtoSet
 
 __all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto"]
@@ -79,8 +80,10 @@ def _count(n: object, c: int, who: str) -> int:
     return int(n)
 
 
-class PrototypeAggregator:
+class PrototypeAggregator(Additive):
     """Streaming per-class (weighted) mean of prototypes, FedProto's server step."""
+
+    additive = ("_sum", "_weight", "_senders")  # mergeable across aggregator shards
 
     def __init__(self, num_classes: int, dim: int, weighting: str = "weighted") -> None:
         if int(num_classes) < 1 or int(dim) < 1:
@@ -106,6 +109,32 @@ class PrototypeAggregator:
         aggregate unchanged.
         """
         self._apply(self._prepare(protos, counts))
+
+    def add_rows(self, classes: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """`add` for one upload as rows: row i of `rows` (k, dim) is class `classes[i]`, from `counts[i]` samples.
+
+        For rows a decoded `ProtoSet` gave (classes unique, counts >= 1, values finite: the decoder checked
+        them, and clipping keeps them finite): only what the decoder could not know is checked here (this
+        aggregator's classes and width, counts present when weighted), all before anything changes; the rows
+        are folded in one pass, with the same sums `add` makes."""
+        who = "prototype aggregator"
+        k = classes.shape[0]
+        if rows.shape != (k, self.dim):
+            raise ValueError(f"{who}: expected rows of shape ({k}, {self.dim}), got {rows.shape}")
+        if k and not 0 <= int(classes.min()) <= int(classes.max()) < self.num_classes:
+            raise ValueError(f"{who}: class ids must lie in [0, {self.num_classes})")
+        if self.weighting == "weighted" and counts is None:
+            raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
+        at = class_rows(classes)
+        if self.weighting == "weighted":
+            assert counts is not None
+            w = counts.astype(np.float64)
+            self._sum[at] += w[:, None] * rows
+            self._weight[at] += w
+        else:
+            self._sum[at] += rows
+            self._weight[at] += 1.0
+        self._senders += 1
 
     def check(self, protos: Mapping[int, np.ndarray], counts: Mapping[int, int] | None = None) -> None:
         """Raise ValueError if `add` would reject this table; changes nothing."""
@@ -201,6 +230,7 @@ class MeanFold(Fold):
     the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one."""
 
     kinds = (Upload.PROTOS,)
+    merged = ("acc", "robust")
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -213,24 +243,38 @@ class MeanFold(Fold):
         self.robust: dict[int, CoordinateRobust] | None = (
             {} if self.default and policy.robust != "mean" else None)
 
+        # The centres uploads are clipped around: the global prototypes, which change only when the phase ends.
+        self.centers = model.center_rows(model.prototypes)
+
     def check(self, up: Any) -> Any:
-        table, counts = table_of(up.local)
-        if self.default and self.model.cfg.aggregation == "weighted" and table and counts is None:
+        ps = up.local
+        if ps is None:
+            ps = ProtoSet.from_table({}, self.model.plan.proto_width)
+        if self.default and self.model.cfg.aggregation == "weighted" and ps.classes.size and ps.counts is None:
             raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
-        table, seen = self.model.clip(table, self.model.prototypes, "protos")
-        return table, counts, seen
+        rows, seen = self.model.clip_rows(ps.classes, ps.values, self.centers, "protos")
+        return ps.classes, rows, ps.counts, seen
 
     def fold(self, prepared: Any) -> None:
-        table, counts, seen = prepared
+        classes, rows, counts, seen = prepared
         if self.default:
-            self.acc.add(table, counts)  # validates (and feeds the mean, unused when robust)
-        else:
-            self.acc.add(table)
+            self.acc.add_rows(classes, rows, counts)  # validates (and feeds the mean, unused when robust)
+        elif hasattr(self.acc, "add_rows"):
+            self.acc.add_rows(classes, rows)
+        else:  # another technique's aggregate that takes tables (mean_aggregator)
+            self.acc.add(dict(zip(classes.tolist(), rows, strict=True)))
         if self.robust is not None:
             policy, width = self.model.policy, self.model.plan.proto_width
-            for c, v in table.items():
+            for c, v in zip(classes.tolist(), rows, strict=True):
                 self.robust.setdefault(c, CoordinateRobust(width, policy.robust, policy.trim)).add(v)
-        self.model.record("protos", seen)
+        self.model.record_rows("protos", seen)
+
+    def new_accumulator(self, name: str, key: Any) -> Any:
+        """A class another shard has a robust mean for and this one has not."""
+        if name != "robust" or not isinstance(key, int) or not 0 <= key < self.model.plan.num_classes:
+            return super().new_accumulator(name, key)
+        policy = self.model.policy
+        return CoordinateRobust(self.model.plan.proto_width, policy.robust, policy.trim)
 
     def finish(self) -> None:
         model = self.model

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from protofl.mergeable import Additive
+
 ROBUST_MODES = ("mean", "median", "trimmed")
 DEFAULT_FACTOR = 10.0  # generous: honest uploads of one round are far nearer the median than 10x
 DEFAULT_FIRST_RADIUS = 1e4  # round 1, before any statistics (the models' features are O(1..100))
@@ -50,6 +52,45 @@ def clip_around(u: np.ndarray, center: np.ndarray, radius: float) -> tuple[np.nd
     if dist <= radius:
         return u64, dist  # u itself, not center + d: that would round, and change honest results
     return center + d * (radius / dist), dist
+
+
+def row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """(k,) float64: np.dot(a[i], b[i]) for every row of two (k, w) float64 arrays, bit for bit.
+
+    A stack of (1, w) @ (w, 1) products goes through the same dot kernel as np.dot on one row, so a norm or
+    distance taken for many rows at once equals the one `clip_around` takes row by row (einsum and
+    sum(axis=1) add in other orders and differ in the last bits); about 3x faster than the loop at 10 rows."""
+    return (a[:, None, :] @ b[:, :, None]).reshape(a.shape[0])
+
+
+def class_rows(classes: np.ndarray) -> slice | np.ndarray:
+    """How to index the rows of a per-class table for `classes` (unique, ascending, as a decoded ProtoSet's):
+    a slice when they are consecutive (a device that holds every class), which numpy reads as a view and adds
+    into in place, where a list of classes costs a gather (and a scatter for +=); else the classes."""
+    k = classes.shape[0]
+    if k and int(classes[-1]) - int(classes[0]) == k - 1:
+        return slice(int(classes[0]), int(classes[0]) + k)
+    return classes
+
+
+def clip_rows(rows: np.ndarray, centers: np.ndarray, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`clip_around` for every row of `rows` (k, w) around the same row of `centers` (k, w, float64), in one
+    pass: (the clipped rows in float64, their distances ||u - c|| before clipping, their norms ||u|| as sent:
+    what `NormLog.record_rows` keeps). Equal to the per-row versions bit for bit: a row within the radius is
+    itself, a row beyond it c + d * (radius / ||d||)."""
+    u64 = np.asarray(rows, dtype=np.float64)
+    k = u64.shape[0]
+    both = np.empty((2 * k, u64.shape[1]))  # d = u - c and u: one batched product gives distances and norms
+    np.subtract(u64, centers, out=both[:k])
+    both[k:] = u64
+    lengths = np.sqrt(row_dots(both, both))
+    d, dist, norm = both[:k], lengths[:k], lengths[k:]
+    over = dist > radius
+    if not over.any():
+        return u64, dist, norm
+    out = u64.copy()
+    out[over] = centers[over] + d[over] * (radius / dist[over])[:, None]
+    return out, dist, norm
 
 
 @dataclass(frozen=True)
@@ -98,6 +139,11 @@ class NormLog:
         self.values.append(float(np.sqrt(np.dot(u, u))))
         self.clipped += dist > radius
 
+    def record_rows(self, norms: np.ndarray, dists: np.ndarray, radius: float) -> None:
+        """`record` for k rows at once: their norms as sent and their distances (what `clip_rows` returns)."""
+        self.values.extend(norms.tolist())
+        self.clipped += int(np.count_nonzero(dists > radius))
+
 
 @dataclass
 class ClipCount:
@@ -129,8 +175,10 @@ def clip_text(clipped: Mapping[str, int], checked: Mapping[str, int]) -> str:
     return ", ".join(f"{clipped.get(k, 0)}/{n} {k}" for k, n in sorted(checked.items()))
 
 
-class CoordinateRobust:
+class CoordinateRobust(Additive):
     """Coordinate-wise median or trimmed mean of the uploads, over the senders of each coordinate."""
+
+    additive = ("_rows",)  # every row: merging is exact (the rows are sorted per coordinate at the end)
 
     def __init__(self, dim: int, mode: str, trim: float = DEFAULT_TRIM) -> None:
         if mode not in ("median", "trimmed"):

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.mergeable import Additive
 
 __all__ = ["scale_prototypes", "support_norms", "ScaledAggregator", "apply_mu", "auto_rescale"]
 
@@ -55,11 +56,13 @@ def support_norms(protos: Mapping[int, np.ndarray], masks: np.ndarray | None) ->
     return out
 
 
-class ScaledAggregator:
+class ScaledAggregator(Additive):
     """Eq. (10) as a stream: per class, the plain mean of the scaled vectors over the clients that sent it.
 
     `dim` is the length of what travels: m without masks, s with them.
     """
+
+    additive = ("_agg",)  # mergeable across aggregator shards
 
     def __init__(self, num_classes: int, dim: int) -> None:
         # Eq. (10) is an unweighted mean over senders of the scaled vectors; the weighting is
@@ -74,6 +77,10 @@ class ScaledAggregator:
     def add(self, scaled: Mapping[int, np.ndarray]) -> None:
         """Fold in one client's {c: n_kc p_kc}; a rejected upload leaves the state unchanged."""
         self._agg.add(scaled, None)
+
+    def add_rows(self, classes: np.ndarray, rows: np.ndarray) -> None:
+        """`add` for one upload as rows (PrototypeAggregator.add_rows: rows a decoded ProtoSet gave)."""
+        self._agg.add_rows(classes, rows)
 
     def check(self, scaled: Mapping[int, np.ndarray]) -> None:
         """Raise ValueError if `add` would reject this table; changes nothing."""

@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms.robust import class_rows, row_dots
+from protofl.mergeable import Additive
 from protofl.technique import Fold, ServerState, Upload
+from protofl.wire import ProtoSet
 
 __all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator", "UnitFold"]
 
@@ -47,8 +50,10 @@ def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
     return normalize_rows(rng.standard_normal((int(num_classes), int(dim)))).astype(np.float32)
 
 
-class ConsensusAggregator:
+class ConsensusAggregator(Additive):
     """Eq. (3) as a stream: per-class sum S_c and sender count K_c of unit client prototypes."""
+
+    additive = ("_sum", "_count", "_senders")  # mergeable across aggregator shards
 
     def __init__(self, previous: np.ndarray) -> None:
         prev = np.asarray(previous)
@@ -99,6 +104,32 @@ class ConsensusAggregator:
             rows.append((int(c), v / length))
         return rows
 
+    def check_rows(self, classes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """`check` for one upload as rows (k, width) of a decoded ProtoSet (classes unique and ascending, rows
+        finite: the decoder checked them): each row normalised to a unit vector, in one pass; raises
+        ValueError, changing nothing, for a class out of range or a zero row. `width` is m, or s where the
+        rows are cut to their classes' supports (`fold_rows` puts them back in place)."""
+        if classes.size and not 0 <= int(classes[0]) <= int(classes[-1]) < self.num_classes:
+            raise ValueError(f"consensus: class ids must lie in [0, {self.num_classes})")
+        rows = np.asarray(rows, dtype=np.float64)
+        length = np.sqrt(row_dots(rows, rows))
+        if (length == 0.0).any():
+            c = int(classes[np.flatnonzero(length == 0.0)[0]])
+            raise ValueError(f"consensus: prototype for class {c} is the zero vector; it has no direction")
+        return rows / length[:, None]
+
+    def fold_rows(self, classes: np.ndarray, units: np.ndarray, support: np.ndarray | None = None) -> None:
+        """Fold in the rows `check_rows` returned (one upload). With `support` (C, s), the dims of each class's
+        mask in ascending order, a row of s values is added onto its class's support only: the same sums as
+        scattering it to full width first, without building the (C, m) rows."""
+        at = class_rows(classes)
+        if support is None:
+            self._sum[at] += units
+        else:
+            self._sum[classes[:, None], support[at]] += units
+        self._count[at] += 1
+        self._senders += 1
+
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
         """(S, K): per-class sums of unit prototypes (C, m) float64 and sender counts (C,) int64, copies."""
         return self._sum.copy(), self._count.copy()
@@ -119,26 +150,41 @@ class ConsensusAggregator:
 
 class UnitFold(Fold):
     """Unit prototypes of a training upload folded into eq. (3)'s sums, clipped around the current ones;
-    `table` says which of the upload's tables."""
+    `prototypes` says which of the upload's sets.
+
+    Where there are masks the rows travel cut to their supports (s of m values) and stay so: clipped around
+    the current prototypes cut the same way, normalised, and added onto their supports in the (C, m) sums."""
 
     kinds = (Upload.PROTOS,)
+    merged = ("acc",)
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
         assert model.unit is not None
         self.acc = ConsensusAggregator(model.unit)
+        self.centers = model.unit_centers()  # the unit prototypes change only when the phase ends
+        masks = model.masks
+        self.support = None if masks is None else np.nonzero(masks)[1].reshape(masks.shape[0], -1)
 
-    def table(self, up: Any) -> dict[int, np.ndarray]:
+    def prototypes(self, up: Any) -> ProtoSet | None:
         raise NotImplementedError
 
     def check(self, up: Any) -> Any:
-        table = self.table(up)
-        if not table:
-            return [], []
-        dense, seen = self.model.unit_upload(table)
-        return self.acc.check(dense), seen
+        ps = self.prototypes(up)
+        if ps is None or not ps.classes.size:
+            return None
+        width = self.centers.shape[1]  # m, or s where rows travel cut to their supports
+        if ps.values.shape[1] != width:
+            raise ValueError(f"consensus: expected {width} values per class, got {ps.values.shape[1]}")
+        rows, seen = self.model.clip_rows(ps.classes, ps.values, self.centers, "protos")
+        if self.support is not None:
+            rows = rows.astype(np.float32)  # a clipped row goes on at float32, as scattering it to width m did
+        return ps.classes, self.acc.check_rows(ps.classes, rows), seen
 
     def fold(self, prepared: Any) -> None:
-        rows, seen = prepared
-        self.acc.fold(rows)
-        self.model.record("protos", seen)
+        if prepared is None:
+            self.acc.fold([])
+            return
+        classes, units, seen = prepared
+        self.acc.fold_rows(classes, units, self.support)
+        self.model.record_rows("protos", seen)

@@ -84,7 +84,8 @@ class BrokerOptions:
     def with_federation_ca(self, pem: str, origin: str) -> BrokerOptions:
         """Verify the broker against the federation's own CA (a device's credentials file carries it),
         unless --tls-ca named a CA file, which wins. The CA is generated for one federation and signs only
-        its broker's certificate, so any certificate it signed is that broker: host names are not matched
+        its brokers' certificates (the core's, its site brokers'), so any certificate it signed is one of
+        them: host names are not matched
         (devices often reach the server by an address it cannot know: NAT, a new IP, a DNS alias)."""
         if self.tls_ca or self.unix_path is not None:
             return self

@@ -26,6 +26,7 @@ class InProcessBroker:
     _subs: list[_Subscription] = field(default_factory=list)
     _queue: deque = field(default_factory=deque)
     delivered: int = 0
+    _turns: dict[str, int] = field(default_factory=dict)  # shared subscription group -> next member
 
     def connect(self, name: str) -> InProcessTransport:
         return InProcessTransport(self, name)
@@ -37,12 +38,26 @@ class InProcessBroker:
                 self.retained[topic] = payload
             else:
                 self.retained.pop(topic, None)
+        groups: dict[str, list[_Subscription]] = {}
         for sub in list(self._subs):
-            if not sub.owner.closed and topic_matches(sub.pattern, topic):
-                self._queue.append((sub, topic, payload))
+            if sub.owner.closed:
+                continue
+            group, pattern = _shared(sub.pattern)
+            if topic_matches(pattern, topic):
+                if group is None:
+                    self._queue.append((sub, topic, payload))
+                else:
+                    groups.setdefault(group, []).append(sub)
+        # MQTT 5 shared subscription `$share/group/filter`: each message to one member of the group, in turn.
+        for group, members in groups.items():
+            turn = self._turns.get(group, 0)
+            self._turns[group] = turn + 1
+            self._queue.append((members[turn % len(members)], topic, payload))
 
     def _subscribe(self, sub: _Subscription) -> None:
         self._subs.append(sub)
+        if _shared(sub.pattern)[0] is not None:
+            return  # MQTT 5: retained messages are not sent to a shared subscription
         for topic, payload in list(self.retained.items()):
             if topic_matches(sub.pattern, topic):
                 self._queue.append((sub, topic, payload))
@@ -82,3 +97,11 @@ class InProcessTransport:
 
     def close(self) -> None:
         self.closed = True
+
+
+def _shared(pattern: str) -> tuple[str | None, str]:
+    """(group, filter) of a `$share/group/filter` subscription; (None, pattern) for any other."""
+    if pattern.startswith("$share/"):
+        _, group, rest = pattern.split("/", 2)
+        return group, rest
+    return None, pattern

@@ -82,7 +82,7 @@ def _set(obj: object, **values: Any) -> None:
         object.__setattr__(obj, k, v)
 
 
-def _build(cls: type, what: str, **kw: Any) -> Any:
+def _build(cls: Callable[..., Any], what: str, **kw: Any) -> Any:
     try:
         return cls(**kw)
     except WireError as e:
@@ -136,13 +136,34 @@ class ProtoSet(_Body):
         classes = _ints(self.classes, "classes", 0, MAX_CLASS, increasing=True)
         values = _floats(self.values, "values", 2)
         counts = None if self.counts is None else _ints(self.counts, "counts", 1, MAX_COUNT)
-        if self.dt not in FLOAT_DTS:
-            raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
+        self._agree(classes, values, counts, self.dt)
+        _set(self, classes=classes, values=values, counts=counts)
+
+    @staticmethod
+    def _agree(classes: np.ndarray, values: np.ndarray, counts: np.ndarray | None, dt: str) -> None:
+        if dt not in FLOAT_DTS:
+            raise WireError(f"dt {dt!r} is not a float wire dtype (f4, f2, q8)")
         if values.shape[0] != classes.size:
             raise WireError(f"{classes.size} classes but {values.shape[0]} prototype rows")
         if counts is not None and counts.size != classes.size:
             raise WireError(f"{classes.size} classes but {counts.size} counts")
-        _set(self, classes=classes, values=values, counts=counts)
+
+    @classmethod
+    def _decoded(cls, classes: np.ndarray, values: np.ndarray, counts: np.ndarray | None, dt: str) -> Self:
+        """From the arrays `decode_array` built: classes u2 and counts u4 (1-D), values finite float32 (2-D).
+
+        The decoder has checked dtypes, shapes and finiteness: only what it cannot know is checked here (class
+        order, counts >= 1, agreeing lengths), with the constructor's messages, and no array is passed over
+        a second time for what it was already checked for (one upload's decode, issue 27)."""
+        if classes.size > 1 and not (classes[1:] > classes[:-1]).all():
+            raise WireError("classes: must be sorted ascending without duplicates")
+        if counts is not None and counts.size and counts.min() < 1:
+            raise WireError(f"counts: values must lie in [1, {MAX_COUNT}]")
+        cls._agree(classes, values, counts, dt)
+        out = cls.__new__(cls)
+        _set(out, classes=classes.astype(np.int64), values=values,
+             counts=None if counts is None else counts.astype(np.int64), dt=dt)
+        return out
 
     @classmethod
     def from_table(cls, table: Mapping[int, np.ndarray], width: int, dt: str = "f4",
@@ -171,14 +192,10 @@ class ProtoSet(_Body):
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS, what: str = "prototypes") -> Self:
         b = expect_keys(body, ("c", "v", "n"), what)
         values = decode_array(b["v"], what=f"{what} values", limits=limits, dts=FLOAT_DTS, ndim=2)
-        return _build(
-            cls,
-            what,
-            classes=decode_array(b["c"], what=f"{what} classes", limits=limits, dts=("u2",), ndim=1),
-            values=values,
-            counts=_opt(b["n"], lambda n: decode_array(n, what=f"{what} counts", limits=limits, dts=("u4",), ndim=1)),
-            dt=b["v"]["dt"],
-        )
+        classes = decode_array(b["c"], what=f"{what} classes", limits=limits, dts=("u2",), ndim=1)
+        counts = None if b["n"] is None else decode_array(b["n"], what=f"{what} counts", limits=limits, dts=("u4",),
+                                                          ndim=1)
+        return _build(cls._decoded, what, classes=classes, values=values, counts=counts, dt=b["v"]["dt"])
 
 
 def _plain(v: Any, what: str, depth: int) -> Any:
@@ -466,8 +483,14 @@ class ProtoUpload(_Body):
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
         b = expect_keys(body, ("local", "public", "n_samples"), cls.KIND)
-        sets = {k: _opt(b[k], lambda s, k=k: ProtoSet.from_body(s, limits, f"protos {k}")) for k in ("local", "public")}
-        return _build(cls, cls.KIND, n_samples=b["n_samples"], **sets)
+        out = cls.__new__(cls)  # the sets are ProtoSets the decoder built: only n_samples is left to check
+        _set(out, local=None if b["local"] is None else ProtoSet.from_body(b["local"], limits, "protos local"),
+             public=None if b["public"] is None else ProtoSet.from_body(b["public"], limits, "protos public"))
+        try:
+            _set(out, n_samples=expect_int(b["n_samples"], "n_samples"))
+        except WireError as e:
+            raise WireError(f"{cls.KIND}: {e}") from None
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -491,14 +514,14 @@ class ParamsUpload(_Body):
             u = SparseVector(n, idx, _floats(u.values, "update values", 1))
         else:
             u = _floats(u, "update", 1)
+        _set(self, update=u)
+        self._check_scalars(self.n_samples, self.base_round)
+
+    def _check_scalars(self, n_samples: Any, base_round: Any) -> None:
         if self.dt not in FLOAT_DTS:
             raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
-        _set(
-            self,
-            update=u,
-            n_samples=expect_int(self.n_samples, "n_samples"),
-            base_round=expect_int(self.base_round, "base_round", 0, 2**31 - 1),
-        )
+        _set(self, n_samples=expect_int(n_samples, "n_samples"),
+             base_round=expect_int(base_round, "base_round", 0, 2**31 - 1))
 
     def to_body(self) -> dict:
         u = self.update
@@ -515,7 +538,15 @@ class ParamsUpload(_Body):
         else:
             update = decode_array(u, what="adapter update", limits=limits, dts=FLOAT_DTS, ndim=1)
             dt = u["dt"]
-        return _build(cls, cls.KIND, update=update, n_samples=b["n_samples"], base_round=b["base_round"], dt=dt)
+        # The decoder checked the update (indices sorted, unique and in range; values finite float32): the
+        # constructor's passes over it are not run again, only its checks of the scalars.
+        out = cls.__new__(cls)
+        _set(out, update=update, dt=dt)
+        try:
+            out._check_scalars(b["n_samples"], b["base_round"])
+        except WireError as e:
+            raise WireError(f"{cls.KIND}: {e}") from None
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -592,14 +623,33 @@ class Status(_Body):
         return _build(cls, cls.KIND, **expect_keys(body, ("state", "detail"), cls.KIND))
 
 
-Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status
-MESSAGE_TYPES: dict[str, type] = {
-    c.KIND: c for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status)
-}
+@dataclass(frozen=True, eq=False)
+class Resend(_Body):
+    """The server asks one device to send again what the broker may have dropped after acknowledging it: its
+    join (`ask` "join"), or its uploads of the envelope's round and phase ("uploads"). Sent on the device's
+    own `down/{client_id}` topic, which only the server may write (the ACL)."""
+
+    KIND: ClassVar[str] = "resend"
+    ASKS: ClassVar[tuple[str, ...]] = ("join", "uploads")
+    ask: str
+
+    def __post_init__(self) -> None:
+        if expect_str(self.ask, "ask") not in self.ASKS:
+            raise WireError(f"ask: expected one of {', '.join(self.ASKS)}, got {self.ask[:40]!r}")
+
+    def to_body(self) -> dict:
+        return {"ask": self.ask}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("ask",), cls.KIND))
+
+
+Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status | Resend
+_CLASSES = (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status, Resend)
+MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in _CLASSES}
 # How each kind's body is read (typed: every message class has `from_body(body, limits)`).
-_FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {
-    c.KIND: c.from_body for c in (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status)
-}
+_FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {c.KIND: c.from_body for c in _CLASSES}
 assert set(MESSAGE_TYPES) == KINDS, "codec.KINDS and MESSAGE_TYPES must list the same kinds"
 
 
@@ -616,14 +666,14 @@ def encode_message(
 def decode_body(env: Envelope, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate the body of an envelope whose fields the receiver has checked already (`read_header`,
     then `Header.open`); every failure is a WireError naming the field, sender and round."""
-    where = f"(sender {env.sender}, round {env.round})"
     try:
         return _FROM_BODY[env.kind](env.body, limits)
     except WireError as e:
-        raise WireError(f"{e} {where}") from None
+        raise WireError(f"{e} (sender {env.sender}, round {env.round})") from None
     except Exception as e:  # a validation gap must still not crash the receiver
         raise WireError(
-            f"{env.kind}: unexpected {type(e).__name__} ({e}) {where}; this is a bug in protofl.wire, please report"
+            f"{env.kind}: unexpected {type(e).__name__} ({e}) (sender {env.sender}, round {env.round}); this is a "
+            f"bug in protofl.wire, please report"
         ) from e
 
 

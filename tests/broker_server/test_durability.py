@@ -81,6 +81,42 @@ def test_a_damaged_record_in_the_middle_is_refused_not_skipped(tmp_path: Path) -
         Journal(path)
 
 
+def test_the_payload_is_journaled_as_it_arrived(tmp_path: Path) -> None:
+    payload = encode_message(Join(arch="a", n_samples=3), fed=FED, sender="c1")
+    j = Journal(tmp_path / "journal.log")
+    j.append("t/c1", payload, "c1", "join", 0, "")
+    j.close()
+    data = (tmp_path / "journal.log").read_bytes()
+    assert data.startswith(b"PFJ2") and data.endswith(payload)  # the bytes themselves, after header and meta
+    [rec] = Journal(tmp_path / "journal.log").records
+    assert (rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase) == ("t/c1", payload, "c1", "join", 0, "")
+
+
+def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
+    import struct
+    import zlib
+
+    import msgpack
+
+    def old_record(i: int) -> bytes:  # PFJ1, as written before issue 27: the payload inside a msgpack body
+        body = msgpack.packb({"t": f"t/{i}", "p": bytes([i]) * 5, "c": f"c{i}", "k": "protos", "r": 1,
+                              "ph": "train"}, use_bin_type=True)
+        return struct.pack(">4sII", b"PFJ1", len(body), zlib.crc32(body)) + body
+
+    path = tmp_path / "journal.log"
+    path.write_bytes(old_record(0) + old_record(1))
+    j = Journal(path)
+    j.append("t/2", b"\x02" * 5, "c2", "protos", 1, "train")  # a restarted server goes on in the new format
+    j.close()
+    recs = Journal(path).records
+    assert [(r.client, r.payload) for r in recs] == [(f"c{i}", bytes([i]) * 5) for i in range(3)]
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01  # damage inside an old record is still refused
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match="fails its CRC32 check"):
+        Journal(path)
+
+
 # -- checkpoint -------------------------------------------------------------------------------
 
 def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:

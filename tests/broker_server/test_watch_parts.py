@@ -169,3 +169,26 @@ def test_start_refuses_a_taken_watch_port_before_writing_anything(tmp_path: Path
             assert not (tmp_path / "state" / "security").exists()
     finally:
         taken.close()
+
+
+def test_a_costly_snapshot_is_refreshed_less_often(tmp_path: Path) -> None:
+    # At a fleet's size a snapshot takes long to build: refreshing every REFRESH_S would take the thread that
+    # folds the uploads (issue 27); a refresh waits at least COST_SHARE times its last cost.
+    from broker_server.shell import Aggregator
+    from broker_server.watch.live import COST_SHARE, REFRESH_S, LiveWatch
+    from protofl.presets import make_config
+    from protofl.transport import InProcessBroker
+
+    agg = Aggregator(make_config("fedproto", rounds=1, num_classes=3, proto_dim=64), "w",
+                     InProcessBroker().connect("server"))
+    watch = LiveWatch(agg, state_dir=tmp_path)
+    watch.refresh(now=100.0)
+    assert watch._cost > 0 and (tmp_path / "status.json").exists()
+    watch._cost = 1.0  # as if the last snapshot took a second
+    watch.after_step(1, now=100.0 + REFRESH_S)
+    assert watch._built == 100.0  # not refreshed: due after COST_SHARE seconds
+    watch.after_step(1, now=100.0 + COST_SHARE)
+    assert watch._built == 100.0 + COST_SHARE
+    watch._cost = 0.0  # a cheap one: every REFRESH_S again
+    watch.after_step(1, now=100.0 + COST_SHARE + REFRESH_S)
+    assert watch._built == 100.0 + COST_SHARE + REFRESH_S

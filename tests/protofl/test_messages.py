@@ -18,6 +18,7 @@ from protofl.wire import (
     ProtoUpload,
     PublicSet,
     RoundStart,
+    Resend,
     Status,
     decode_message,
     encode_message,
@@ -69,6 +70,8 @@ def examples() -> list:
         Metrics(100, 87, 1000, 800, proto_correct_local=90, proto_correct_test=777),
         Status("online", "round 3 train"),
         Status("offline"),
+        Resend("join"),
+        Resend("uploads"),
     ]
 
 

@@ -24,6 +24,7 @@ from protofl.wire import (
     ProtoSet,
     ProtoUpload,
     PublicSet,
+    Resend,
     RoundStart,
     Status,
     decode_message,
@@ -52,6 +53,7 @@ SMALL = [
     ParamsUpload(np.ones(5, np.float32), 3, 1),
     METRICS,
     Status("online", "ok"),
+    Resend("uploads"),
 ]
 assert {type(m) for m in SMALL} == set(MESSAGE_TYPES.values())
 
@@ -164,6 +166,8 @@ CASES: list[tuple[str, Callable[[], bytes], str]] = [
     ("n_samples_negative", edit(Join("cnn", 3), put("body.n_samples", -5)), "n_samples: -5 is outside"),
     ("body_missing_key", edit(Join("cnn", 3), lambda t: t["body"].pop("token")), "join: missing key 'token'"),
     ("body_extra_key", edit(Status("ok"), put("body.x", 1)), "status: unknown key 'x'"),
+    ("resend_unknown_ask", edit(Resend("join"), put("body.ask", "everything")), "ask: expected one of join, uploads"),
+    ("resend_ask_not_str", edit(Resend("join"), put("body.ask", 7)), "ask: expected a string"),
     ("protoset_length_mismatch", edit(PROTOS, put("body.local.c", {"dt": "u2", "sh": [2], "b": u2(1, 4)})),
      "2 classes but 3 prototype rows"),
     ("protoset_unsorted", edit(PROTOS, put("body.local.c.b", u2(4, 1, 7))), "classes: must be sorted"),

@@ -1,0 +1,492 @@
+"""The aggregator's own rate: uploads/s decoded, screened, folded and journaled, in-process and through
+the secured broker, beside the broker's own rate (issue 27, "a faster aggregator").
+
+    python -m bench.bench_aggregator                                   # in-process, this tree
+    python -m bench.bench_aggregator --baseline /path/to/main/worktree # and that tree's, interleaved
+    python -m bench.bench_aggregator --broker --out bench/results/AGGREGATOR.md
+
+1. In-process (one core, no network): the real `Aggregator` (broker_server/shell.py) behind the in-process
+   transport, with a journal (DurableState: the default group commit, fsync off so the disk is not what is
+   measured), fed N real encoded uploads of N joined devices; rate = N / (time from the first upload to the
+   phase's close). Uploads are what the devices of each preset send: tinyproto (CPS-compressed scaled
+   prototypes, s = m/10 values per class, no counts), protofl (spherical CPS: unit prototypes on the masks),
+   fedproto (full 512-d mean prototypes with counts), and APUD (the top-K adapter coordinates of the
+   `refprotofl` adapter, d = 71,242, K = d/10, sent as a packed mask). `--baseline DIR` runs the same
+   workers with DIR's `protofl` and `broker_server` (a `git worktree add` of the previous revision),
+   alternating trees per repeat, so both are measured under the same load.
+2. Through the broker (`--broker`): the real `protofl-server start` path (a spawned secured Mosquitto
+   with generated credentials, TLS off on loopback as the default, the journal with group commit and fsync)
+   and a publisher process playing the N devices with their own credentials; rate = N / (round close -
+   round open) from the server's round record. Beside it, in the same run, the broker's own rate: the same
+   publisher into `mosquitto_sub` (a C subscriber: the rate the broker can deliver, not what Python can
+   read). `mosquitto_sub` comes from Debian's `mosquitto-clients` (`apt-get install -y mosquitto-clients`),
+   a bench-only dependency; without it part 2 says so and is skipped.
+
+Figures vary with the machine's load (printed with them); compare the two trees only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+FED = "bench"
+WORKLOADS = ("tinyproto", "protofl", "fedproto", "apud")
+
+
+# -- part 1: in-process ---------------------------------------------------------------------------
+
+def workload_preset(name: str) -> tuple[str, dict[str, Any]]:
+    """The preset and config values of workload `name` (besides the federation's size)."""
+    common: dict[str, Any] = dict(num_classes=10, proto_dim=512, seed=0)
+    if name == "apud":  # RefProtoFL's adapter uploads alone (no public set in this benchmark)
+        return "refprotofl", dict(erpa=False, prototypes="none", **common)
+    return name, common
+
+
+def workload_config(name: str, n: int) -> Any:
+    from protofl.presets import make_config
+
+    preset, values = workload_preset(name)
+    return make_config(preset, rounds=1, min_clients=n, round_timeout=600.0, **values)
+
+
+def device_ids(n: int) -> list[str]:
+    return [f"device-{i + 1}" for i in range(n)]  # as `protofl-server start --devices N` names them
+
+
+def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
+                 fed: str = FED) -> tuple[list[bytes], list[bytes]]:
+    """n joins and n uploads (round 1, the phase that takes them); `distinct` different upload bodies."""
+    from broker_server.stages import build_model
+    from protofl.adapter import adapter_layout, initial_adapter
+    from protofl.algorithms.apud import select_topk
+    from protofl.algorithms.support import compress_table
+    from protofl.plan import RoundPlan
+    from protofl.wire import Join, ParamsUpload, ProtoSet, ProtoUpload, encode_message
+
+    rng = np.random.default_rng(seed)
+    plan = RoundPlan.from_config(cfg)
+    model = build_model(cfg, plan)
+    ids = device_ids(n)
+    joins = [encode_message(Join(arch="", n_samples=100, profile="", agent_version="bench"), fed=fed, sender=c)
+             for c in ids]
+    bodies: list[Any] = []
+    C, m = cfg.num_classes, cfg.proto_dim
+    for i in range(distinct):
+        if name == "apud":
+            g = initial_adapter(adapter_layout(m, cfg.adapter_rank, C), cfg.seed)
+            local = g + rng.standard_normal(g.shape[0]).astype(np.float32) * 0.01
+            sv = select_topk(local, g, max(1, g.shape[0] // 10))
+            bodies.append(ParamsUpload(update=sv, n_samples=100 + i, base_round=1, dt=plan.adapter_dtype))
+            continue
+        z = rng.standard_normal((C, m)) * 0.3 + 1.0
+        counts = {c: int(rng.integers(5, 60)) for c in range(C)}
+        if cfg.prototypes == "unit":
+            z /= np.linalg.norm(z, axis=1, keepdims=True)
+        table = {c: z[c].astype(np.float32) for c in range(C)}
+        if model.masks is not None:
+            table = compress_table(table, model.masks)
+            if cfg.prototypes == "unit":
+                table = {c: (v / np.linalg.norm(v)).astype(np.float32) for c, v in table.items()}
+        if cfg.scaling:
+            table = {c: (counts[c] * v).astype(np.float32) for c, v in table.items()}
+        cnt = counts if cfg.prototypes == "mean" and not cfg.scaling else None
+        ps = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype, cnt)
+        bodies.append(ProtoUpload(local=ps, public=None, n_samples=100))
+    phase = "train"
+    uploads = [encode_message(bodies[i % distinct], fed=fed, sender=c, round=1, phase=phase)
+               for i, c in enumerate(ids)]
+    return joins, uploads
+
+
+class Setup:
+    """A joined in-process aggregator (round 1 open) with its journal, and the uploads to feed it."""
+
+    def __init__(self, name: str, n: int, distinct: int = 64) -> None:
+        from broker_server.durable import DurableState
+        from broker_server.shell import Aggregator
+        from protofl import topics
+        from protofl.transport import InProcessBroker
+
+        cfg = workload_config(name, n)
+        joins, self.uploads = make_uploads(name, cfg, n, distinct)
+        ids = device_ids(n)
+        self.name, self.n = name, n
+        self.work = Path(tempfile.mkdtemp(prefix="bench-agg-"))
+        self.durable = DurableState(self.work / "state", FED, fsync=False, group_commit=True)
+        self.agg = Aggregator(cfg, FED, InProcessBroker().connect("server"), expected_clients=ids)
+        self.durable.bind(self.agg)
+        self.agg.start()
+        for i, p in enumerate(joins):
+            self.agg.on_message(topics.up(FED, ids[i]), p)
+        assert self.agg.round == 1 and not self.agg.dropped, self.agg.dropped
+        self.topics = [topics.up(FED, c) for c in ids]
+
+    def drive(self) -> tuple[float, float]:
+        """Feed every upload: (wall seconds, CPU seconds of this process) from the first to the phase's close."""
+        agg, durable = self.agg, self.durable
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i, p in enumerate(self.uploads):
+            agg.on_message(self.topics[i], p)
+            if i % 64 == 63:
+                durable.sync()  # group commit: one sync per pumped batch, as the service does
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        assert not agg.dropped and len(agg.records) == 1 and len(agg.records[0].clients) == self.n, agg.dropped
+        return elapsed, cpu
+
+    def close(self) -> None:
+        self.durable.close()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def inprocess_rate(name: str, n: int, distinct: int = 64) -> dict[str, Any]:
+    """One in-process round of n uploads of workload `name`: uploads/s from the first upload to the close."""
+    setup = Setup(name, n, distinct)
+    try:
+        elapsed, cpu = setup.drive()
+    finally:
+        setup.close()
+    # Per CPU second is the one-core rate whatever else the machine runs; per wall second is what it gave here.
+    return {"workload": name, "uploads": n, "upload_bytes": len(setup.uploads[0]), "uploads_per_s": n / cpu,
+            "uploads_per_wall_s": n / elapsed}
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """Child process: one in-process measurement with whatever `protofl` its PYTHONPATH gives."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(json.dumps(inprocess_rate(args.worker, args.n)), flush=True)
+
+
+def run_worker(tree: Path, workload: str, n: int) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    # Run this file by path: the tree under test may not have it.
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--n", str(n)],
+                         env=env, capture_output=True, text=True, check=False, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"worker {workload} on {tree} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def inprocess(trees: dict[str, Path], workloads: list[str], n: int, repeats: int) -> dict[str, Any]:
+    rates: dict[str, dict[str, list[float]]] = {w: {t: [] for t in trees} for w in workloads}
+    walls: dict[str, dict[str, list[float]]] = {w: {t: [] for t in trees} for w in workloads}
+    sizes: dict[str, int] = {}
+    for r in range(repeats):
+        for w in workloads:
+            for label, tree in trees.items():
+                res = run_worker(tree, w, n)
+                rates[w][label].append(res["uploads_per_s"])
+                walls[w][label].append(res["uploads_per_wall_s"])
+                sizes[w] = res["upload_bytes"]
+                print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8}: {res['uploads_per_s']:8.0f} uploads/s", flush=True)
+    return {"uploads": n, "repeats": repeats, "upload_bytes": sizes, "rates": rates, "wall_rates": walls,
+            "median": {w: {t: statistics.median(v) for t, v in d.items()} for w, d in rates.items()}}
+
+
+# -- part 2: through the secured broker ----------------------------------------------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        n, byte = n >> 7, n & 0x7F
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _utf8(text: str) -> bytes:
+    raw = text.encode()
+    return len(raw).to_bytes(2, "big") + raw
+
+
+def _packet(kind: int, body: bytes) -> bytes:
+    return bytes([kind]) + _varint(len(body)) + body
+
+
+def _read_packet(sock: Any) -> tuple[int, bytes]:
+    """One MQTT packet from a blocking socket: (first byte, body)."""
+    def exactly(k: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < k:
+            chunk = sock.recv(k - len(buf))
+            if not chunk:
+                raise ConnectionError("the broker closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    first = exactly(1)[0]
+    length, shift = 0, 0
+    while True:
+        byte = exactly(1)[0]
+        length |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            break
+    return first, exactly(length)
+
+
+def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> None:
+    """Child process: n devices, each its own MQTT 3.1.1 connection with its own credentials (a few lines of
+    protocol over plain sockets, so that thousands of devices cost one process no threads): n joins, then
+    (after the round message, with `wait_round`) n uploads at QoS 1 as fast as they go; waits for every ack."""
+    import resource
+    import socket
+
+    from protofl import topics
+    from protofl.wire import read_header
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
+    joins, uploads = make_uploads(workload, workload_config(workload, n), n, 64, fed=fed)
+    ids = device_ids(n)
+    socks = []
+    for cid in ids:
+        password = json.loads((creds / f"{cid}.json").read_text())["password"]
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = _utf8("MQTT") + bytes([4, 0x80 | 0x40 | 0x02]) + (600).to_bytes(2, "big")
+        sock.sendall(_packet(0x10, head + _utf8(cid) + _utf8(cid) + _utf8(password)))
+        socks.append(sock)
+    for cid, sock in zip(ids, socks, strict=True):
+        kind, body = _read_packet(sock)
+        if kind != 0x20 or body[1] != 0:
+            raise SystemExit(f"{cid}: the broker refused the connection (CONNACK {body!r})")
+    watcher = socks[0]
+    if wait_round:  # the round message is retained: whoever subscribes gets the open round
+        watcher.sendall(_packet(0x82, (1).to_bytes(2, "big") + _utf8(topics.round_(fed)) + b"\x00"))
+
+    def publish_all(payloads: list[bytes]) -> None:
+        for i, (cid, sock) in enumerate(zip(ids, socks, strict=True)):
+            pid = (i % 65535 + 1).to_bytes(2, "big")
+            sock.sendall(_packet(0x32, _utf8(topics.up(fed, cid)) + pid + payloads[i]))
+
+    round_open = [False]
+
+    def acks() -> None:
+        for sock in socks:
+            while True:
+                kind, body = _read_packet(sock)
+                if kind >> 4 == 4:  # PUBACK
+                    break
+                note(kind, body)
+
+    def note(kind: int, body: bytes) -> None:
+        if kind >> 4 == 3:  # a PUBLISH (QoS 0) on the round topic
+            tlen = int.from_bytes(body[:2], "big")
+            if body[2:2 + tlen].decode() == topics.round_(fed) and read_header(body[2 + tlen:]).round >= 1:
+                round_open[0] = True
+
+    publish_all(joins)
+    acks()
+    while wait_round and not round_open[0]:
+        note(*_read_packet(watcher))
+    t0 = time.perf_counter()
+    publish_all(uploads)
+    acks()
+    print(f"{time.perf_counter() - t0:.4f}", flush=True)
+    for sock in socks:
+        sock.sendall(b"\xe0\x00")
+        sock.close()
+
+
+def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> Any:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--publisher", str(port), "--creds", str(creds),
+           "--worker", workload, "--n", str(n), "--fed", fed] + (["--wait-round"] if wait_round else [])
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for(path: Path, timeout: float, proc: Any) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(f"{path} did not appear (server exit code {proc.poll()})")
+        time.sleep(0.1)
+
+
+def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, Any]:
+    """The real `protofl-server start` (its secured Mosquitto, generated credentials, the journal with fsync and
+    group commit) federating n publisher devices for one round; then the same secured broker (its config, as
+    start wrote it) delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s."""
+    import socket
+
+    from broker_server.security import FederationSecrets, server_user
+
+    fed, port, state = "benchagg", _free_port(), work / f"state-{workload}-{time.monotonic_ns()}"
+    preset, values = workload_preset(workload)
+    sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "broker_server.cli", "start", "--preset", preset, *sets, "--fed", fed, "--port",
+         str(port), "--rounds", "1", "--min-clients", str(n), "--round-timeout", "600", "--state-dir", str(state),
+         "--devices", str(n)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONPATH=str(tree)))
+    creds = state / "security" / "devices"
+    try:
+        _wait_for(creds / f"device-{n}.json", 120, server)
+        pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=True)
+        out, _ = server.communicate(timeout=900)
+        pub.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    if server.returncode != 0:
+        raise RuntimeError(f"the server failed:\n{out[-3000:]}")
+    rec = json.loads((state / "rounds.jsonl").read_text().splitlines()[0])
+    if len(rec["clients"]) != n:
+        raise RuntimeError(f"the round closed with {len(rec['clients'])} of {n} clients:\n{out[-3000:]}")
+    aggregator = n / (rec["ended"] - rec["started"])
+
+    # The broker alone: the same secured config, the server's credentials on a C subscriber.
+    secrets = FederationSecrets.from_json((state / "security" / "credentials.json").read_text(), "credentials.json")
+    broker = subprocess.Popen(["mosquitto", "-c", str(state / "broker" / "mosquitto.conf")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
+        sub = subprocess.Popen(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(port), "-u", server_user(fed), "-P",
+                                secrets.server_password, "-q", "1", "-t", f"protofl/{fed}/up/+", "-C", str(2 * n),
+                                "-F", "%U"], stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)  # subscribed (a retained-free topic: nothing to wait for but the SUBACK)
+        pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
+        stamps, _ = sub.communicate(timeout=300)
+        pub.communicate(timeout=60)
+    finally:
+        for proc in (broker,):
+            proc.terminate()
+            proc.wait(timeout=10)
+    times = [float(x) for x in stamps.split()][-n:]  # the uploads (the joins came first)
+    broker_rate = (n - 1) / (times[-1] - times[0])
+    return {"workload": workload, "uploads": n, "aggregator_uploads_per_s": aggregator,
+            "broker_msgs_per_s": broker_rate, "ratio": aggregator / broker_rate}
+
+
+def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: int) -> dict[str, Any]:
+    if shutil.which("mosquitto_sub") is None or shutil.which("mosquitto") is None:
+        print("no mosquitto / mosquitto_sub: apt-get install -y mosquitto mosquitto-clients; part 2 skipped")
+        return {}
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the spawned broker inherits it
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2 * n + 512)), hard))
+    work = Path(tempfile.mkdtemp(prefix="bench-agg-broker-", dir=REPO))
+    out: dict[str, Any] = {w: {t: [] for t in trees} for w in workloads}
+    try:
+        for r in range(repeats):
+            for w in workloads:
+                for label, tree in trees.items():
+                    res = through_broker(tree, w, n, work)
+                    out[w][label].append(res)
+                    print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8} through the broker: aggregator "
+                          f"{res['aggregator_uploads_per_s']:6.0f} uploads/s, broker alone "
+                          f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=4000, help="devices (uploads) per measurement")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--baseline", type=Path, help="another tree (e.g. a worktree of main) to measure beside this one")
+    ap.add_argument("--out", type=Path, help="write the results as markdown here")
+    ap.add_argument("--broker", action="store_true", help="also measure through the secured broker (part 2)")
+    ap.add_argument("--broker-n", type=int, default=2000, help="devices per through-broker measurement")
+    ap.add_argument("--broker-workloads", help="workloads of part 2 (default: --workloads)")
+    ap.add_argument("--broker-repeats", type=int, help="repeats of part 2 (default: --repeats)")
+    ap.add_argument("--skip-inprocess", action="store_true", help="part 2 only")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--creds", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--fed", default=FED, help=argparse.SUPPRESS)
+    ap.add_argument("--wait-round", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.publisher:
+        publisher_main(args.publisher, args.creds, args.worker, args.n, args.fed, args.wait_round)
+        return
+    if args.worker:
+        _worker(args)
+        return
+    trees = {"this": REPO}
+    if args.baseline:
+        trees = {"baseline": args.baseline.resolve(), **trees}
+    workloads = args.workloads.split(",")
+    load = os.getloadavg()
+    res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]])}
+    if not args.skip_inprocess:
+        res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
+    if args.broker:
+        res["broker"] = broker_part(trees, (args.broker_workloads or args.workloads).split(","), args.broker_n,
+                                    args.broker_repeats or args.repeats)
+    res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                      "load_avg_before": [round(x, 2) for x in load],
+                      "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+    if "inprocess" in res:
+        print(json.dumps(res["inprocess"]["median"], indent=1))
+    if args.out:
+        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+        args.out.write_text(markdown(res))
+        print(f"wrote {args.out} and {args.out.with_suffix('.json')}")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The results as the AGGREGATOR.md tables (the prose around them is written by hand)."""
+    lines = [f"Command: `{res['command']}`", "",
+             f"Machine: {res['machine']['cpus']} cores, Python {res['machine']['python']}, load average (1/5/15 min) "
+             f"{res['machine']['load_avg_before']} before, {res['machine']['load_avg_after']} after."]
+    inp = res.get("inprocess", {"rates": {}})
+    trees = list(next(iter(inp["rates"].values()), {}))
+    if inp["rates"]:
+        lines += ["", f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per "
+                      f"CPU second of the aggregator's process; all repeats in brackets):", "",
+                  "| workload | upload bytes | " + " | ".join(trees) + (" | speed-up |" if len(trees) > 1 else ""),
+                  "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else "")]
+    for w, per_tree in inp["rates"].items():
+        cells = [f"{inp['median'][w][t]:,.0f} ({', '.join(f'{x:,.0f}' for x in per_tree[t])})" for t in trees]
+        row = f"| {w} | {inp['upload_bytes'][w]:,} | " + " | ".join(cells) + " |"
+        if len(trees) > 1:
+            row += f" {inp['median'][w][trees[-1]] / inp['median'][w][trees[0]]:.2f}x |"
+        lines.append(row)
+    broker = res.get("broker")
+    if broker:
+        lines += ["", "Through the secured broker (the `start` path, journal with fsync and group commit) beside the "
+                      "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):", "",
+                  "| workload | tree | aggregator | broker alone | ratio |", "|---|---|---|---|---|"]
+        for w, per_tree in broker.items():
+            for t, runs in per_tree.items():
+                for r in runs:
+                    lines.append(f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | {r['broker_msgs_per_s']:,.0f} "
+                                 f"| {r['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""A site broker: a Mosquitto that the devices at one site connect to, bridged to the federation's core broker.
+
+`protofl-server broker-config --bridge SITE` writes its files (docs/design.md "Scale-out"). The core side
+gets a bridge user of its own (security.bridge_user) in the federation's credentials, whose ACL lets it
+write uploads and presence of any device and read what devices read, nothing else; the site's devices are
+added to the federation (the server takes them as members). The site side gets:
+
+- `mosquitto.conf`: the site's listener (TLS with a certificate the federation CA signs, by default beyond
+  loopback, so a device's credentials file verifies the site broker as it verifies the core), its password
+  file and ACL, and one bridge connection to the core: MQTT 3.1.1 with `try_private` (Mosquitto to
+  Mosquitto: retained messages keep their flag both ways), a persistent session (`cleansession false`:
+  the core queues round messages for the bridge while the link is down, the site queues uploads), TLS to
+  the core with the federation CA when the core serves TLS. Topics: `up/+` and `presence/+` out (joins,
+  uploads, metrics and presence, retained flags kept), `config`, `public`, `round`, `server/status` and
+  `down/+` (the server's re-send requests to one device: broker_server/resend.py) in.
+  A device that vanishes at the site gets its will published by the site broker on `presence/<id>`, which
+  the bridge carries to the server like any presence message. The file holds the bridge's password: 0600.
+- `passwd` and `acl`: the site's devices only, with the same per-device rights as on the core.
+- `devices/<id>.json`: each site device's credentials file (the federation CA when the site serves TLS).
+- `core-ca.crt` (TLS to the core) and `tls/` (the site's own listener).
+
+What the bridge does not do: a site broker that dies leaves its devices' last presence on the core (their
+wills die with it); the server's round deadline and offline grace still close rounds without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker_server.broker import PACKET_HEADROOM, ListenerTls, MosquittoBroker
+from broker_server.security import BrokerAuth, device_acl_lines, password_lines, prepare, write_secret
+from protofl import topics
+from protofl.errors import ConfigError
+from protofl.names import check_name
+from protofl.transport.broker_url import BrokerOptions, parse_broker_url
+from protofl.transport.credentials import Credentials, device_file_text
+from protofl.wire import Limits
+
+
+def bridge_topics(fed: str) -> list[str]:
+    """The bridge's topic lines: what devices publish goes up, what the server publishes comes down (QoS 1).
+    The site broker's ACL still decides which device reads which `down/<id>`."""
+    up = [topics.up(fed, "+"), topics.presence(fed, "+")]
+    down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed),
+            topics.down(fed, "+")]
+    return [f"topic {t} out 1" for t in up] + [f"topic {t} in 1" for t in down]
+
+
+def bridge_lines(fed: str, site: str, core: BrokerOptions, cred: Credentials, core_ca: Path | None) -> list[str]:
+    """The `connection` block of the site broker's config (mosquitto.conf(5), "Bridges")."""
+    host = f"[{core.host}]" if ":" in core.host else core.host
+    lines = [
+        f"# the bridge to the core broker of federation '{fed}' (protofl-server broker-config --bridge {site})",
+        f"connection protofl-{fed}-{site}",
+        f"address {host}:{core.port}",
+        "bridge_protocol_version mqttv311",
+        "try_private true",  # tells the core it is a bridge: retained flags kept, no loops
+        # The core's broker replaces client ids by user names; one bridge session per site, kept across drops.
+        f"remote_clientid {cred.username}",
+        f"remote_username {cred.username}",
+        f"remote_password {cred.password}",
+        "cleansession false",
+        # $SYS/broker/connection/... on the site only: the core's ACL lets the bridge write nothing there.
+        "notifications true",
+        "notifications_local_only true",
+        "keepalive_interval 30",
+        "restart_timeout 1 30",
+        "start_type automatic",
+    ]
+    if core_ca is not None:
+        lines.append(f"bridge_cafile {core_ca}")
+    return lines + bridge_topics(fed)
+
+
+@dataclass(frozen=True)
+class SiteBroker:
+    """What `write_site_broker` wrote: the site broker (configured, not started) and the core's credentials."""
+
+    broker: MosquittoBroker
+    core_auth: BrokerAuth
+    site: str
+    devices: tuple[str, ...]
+    core_tls: bool
+    site_tls: bool
+    core_cert_renewed: bool  # the core's certificate was signed again to hold the core's host name
+
+    @property
+    def directory(self) -> Path:
+        return self.broker.workdir
+
+    def device_file(self, client_id: str) -> Path:
+        return self.directory / "devices" / f"{client_id}.json"
+
+
+def parse_core_url(url: str) -> BrokerOptions:
+    core = parse_broker_url(url)
+    if core.unix_path is not None:
+        raise ConfigError(f"--core {url}: a site broker reaches the core over the network; give mqtt://HOST:PORT "
+                          f"or mqtts://HOST:PORT (the address the site uses for the core's broker)")
+    return core
+
+
+def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: str, device_ids: list[str],
+                      listen: tuple[str, int], tls: bool, core_ca: Path | None = None,
+                      max_packet_size: int | None = None, queue: int | None = None) -> SiteBroker:
+    """Add site `site` and its devices to the federation's credentials in `core_dir` (the core's security
+    directory: STATE/security of `protofl-server start`, or a `broker-config --out`), and write the site
+    broker's files in `out`. `tls`: the site's listener serves TLS signed by the federation CA. `queue`: what
+    the site broker holds for its bridge while the core is slow or unreachable (default: from its devices, as
+    the core's queue for the aggregator is sized from the fleet)."""
+    from broker_server import pki
+    from broker_server.capacity import queue_for_fleet
+
+    check_name(site, "--bridge site name")
+    core = parse_core_url(core_url)
+    if not device_ids:
+        raise ConfigError("a site broker needs its devices: --allow FILE (one id a line) or --devices N")
+    if out.resolve() == core_dir.resolve():
+        raise ConfigError(f"--out {out} is the core's directory (--core-dir); the site broker's files go in a "
+                          f"directory of their own")
+    if core_ca is not None and not core_ca.is_file():
+        raise ConfigError(f"--core-ca {core_ca}: no such file")
+    auth = prepare(core_dir, fed, device_ids, sites=[site])  # checks the federation before anything else is written
+    # Which devices connect through this site: the core's start sizes its queue for them, not its open files.
+    auth.secrets.site_devices[site] = sorted(set(device_ids))
+    fed_tls = pki.FederationTls(core_dir / "tls")
+    renewed = False
+    if core.tls and core_ca is None:
+        # The core serves the federation's generated CA (start's default beyond loopback): the bridge checks the
+        # core's certificate against it, and Mosquitto matches the host name, so the certificate must hold it.
+        names = pki.certificate_names(fed_tls.broker_cert)
+        if core.host not in names:
+            pki.ensure_federation_tls(fed_tls.directory, fed, [*sorted(names), *pki.broker_names(core.host)])
+            renewed = bool(names)
+        core_ca = fed_tls.ca_cert
+    # The core's own device files as `start` writes them (with the CA when the core serves the generated one).
+    auth.provision(fed_tls.ca_pem() if core.tls and core_ca == fed_tls.ca_cert else None)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    ca_copy = None
+    if core_ca is not None:
+        ca_copy = out / "core-ca.crt"
+        shutil.copyfile(core_ca, ca_copy)
+    host, port = listen
+    listener: ListenerTls | None = None
+    site_ca_pem = None
+    if tls:
+        site_tls = pki.ensure_site_tls(fed_tls, out / "tls", fed, pki.broker_names(host))
+        listener, site_ca_pem = site_tls.listener(), site_tls.ca_pem()
+    secrets = auth.secrets
+    creds = [secrets.device(i) for i in sorted(set(device_ids))]
+    write_secret(out / "passwd", password_lines(creds))
+    (out / "acl").write_text("\n".join(device_acl_lines(fed)))
+    (out / "devices").mkdir(exist_ok=True)
+    for c in creds:
+        write_secret(out / "devices" / f"{c.username}.json", device_file_text(c, fed, site_ca_pem))
+    auth_lines = ["allow_anonymous false", f"password_file {out / 'passwd'}", f"acl_file {out / 'acl'}",
+                  "use_username_as_clientid true"]
+    packet = max_packet_size or Limits().max_message_bytes + PACKET_HEADROOM
+    broker = MosquittoBroker(host, port, workdir=out, max_packet_size=packet, allow_anonymous=False,
+                             max_queued_messages=queue or queue_for_fleet(len(creds), 2), tls=listener,
+                             extra_config=[line for line in auth_lines if not line.startswith("allow_anonymous")]
+                             + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy))
+    broker.write_config()
+    os.chmod(broker.config_path, 0o600)  # it holds the bridge's password
+    return SiteBroker(broker, auth, site, tuple(c.username for c in creds), core.tls, tls, renewed)

@@ -1,0 +1,211 @@
+"""The coordinator of N aggregator shards (docs/design.md, "Scale-out"): the one round machine of a sharded
+federation, behind the same I/O shell as one aggregator (shell.py), numpy only.
+
+It does not see uploads: each shard tells it which ones it folded (`progress`), and the machine places
+those exactly as it would the uploads themselves (membership, round, phase, one per device and kind, a
+copy another shard also folded refused as a duplicate), so quorum, deadlines and `--min-clients` behave
+as with one aggregator. Joins and metrics reach it through the shards (`shards/relay/<client>`), presence
+directly. At each phase boundary it publishes the machine's state to the shards (`shards/phase`, retained),
+so that every shard clips around the same centres with the same radii; when a phase closes it asks each
+shard for its partial phase over the uploads it counted from it (`shards/close`), merges them once all N
+are in, finishes the phase and publishes the round, as one aggregator would. Progress and the merged
+partials go to the journal like any input, so a restarted coordinator rebuilds the same state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from broker_server import shard_wire
+from broker_server.rounds import Boundary, Drop, Effect, Gather, Input, Partials, Progress, Received
+from broker_server.shard import shard_id, site_shard
+from broker_server.shell import Aggregator
+from broker_server.stages import check_mergeable
+from protofl import topics
+from protofl.config import FederationConfig
+from protofl.errors import WireError
+from protofl.transport import Transport
+from protofl.wire import Envelope, Join
+
+log = logging.getLogger("protofl.server")
+
+__all__ = ["Coordinator"]
+PROGRESS, PARTIALS = "progress", "partials"
+
+
+class Coordinator(Aggregator):
+    """`shards` shards fold the uploads on this broker; each of `sites` is a site pre-aggregator (a shard at a
+    site broker bridged to this one, named site-<name>) that folds its site's. Without shards the coordinator
+    folds this broker's uploads itself and merges the sites' partials into them."""
+
+    def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *, shards: int,
+                 sites: Sequence[str] = (), **kwargs: Any) -> None:
+        if shards < 0 or (shards == 0 and not sites):
+            raise ValueError(f"a sharded federation needs at least 1 shard or site, got {shards} and {list(sites)}")
+        check_mergeable(cfg, kwargs.get("policy"))  # NotMergeable, with its reason, before anything runs
+        super().__init__(cfg, fed, transport, sharded=True, **kwargs)
+        self.direct = shards == 0  # this broker's uploads come to the coordinator itself
+        self.shards = [shard_id(i) for i in range(shards)] + [site_shard(s) for s in sites]
+        self._parts: dict[str, dict[str, Any]] = {}  # the closing phase's partials received so far
+        self._waiting: dict[str, list[Progress]] = {}  # progress of devices whose join is not in yet
+        self._closing_since: float | None = None  # when the open phase began waiting for partials
+        self._said = 0.0
+
+    def start(self, resume: bool = False) -> None:
+        if not resume:  # a previous federation's phase, close and partials must not reach this one's shards
+            for topic in (topics.shards(self.fed, "phase"), topics.shards(self.fed, "close"),
+                          *(topics.shards(self.fed, "partial", s) for s in self.shards)):
+                self.transport.publish(topic, b"", retain=True)
+        super().start(resume)
+        if resume and not self.finished:
+            # The phase message may not have gone out before the crash (it follows the boundary's checkpoint);
+            # a shard that has it already ignores it.
+            self._publish_phase()
+
+    def tick(self, now: float | None = None) -> None:
+        super().tick(now)
+        open_ = self.machine.phase
+        if open_ is None or not open_.closing:
+            self._closing_since = None
+            return
+        t = self.clock() if now is None else now
+        if self._closing_since is None:
+            self._closing_since = self._said = t
+        elif t - self._said >= 30:
+            self._said = t
+            log.warning("round %d %s: waiting %.0f s for the partials of shard(s) %s (a shard that died is restarted "
+                        "by `start`; on another machine, run its `protofl-server shard` command again)", self.round,
+                        open_.phase.value, t - self._closing_since,
+                        ", ".join(s for s in self.shards if s not in self._parts))
+
+    def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
+        """Not the uploads (the shards have those, unless `direct`): what the shards send, and devices' presence."""
+        return [*([(topics.up_all(self.fed), self.on_message)] if self.direct else []),
+                (topics.shards(self.fed, "relay", "+"), self.on_relay),
+                (topics.presence_all(self.fed), self.on_presence),
+                (topics.shards(self.fed, "progress", "+"), self.on_progress),
+                (topics.shards(self.fed, "partial", "+"), self.on_partial)]
+
+    # -- what the shards send -------------------------------------------------------------------------
+    def on_relay(self, topic: str, payload: bytes) -> None:
+        """A device's join or metrics, passed on by the shard that received it: handled as if from up/."""
+        client = topic.rsplit("/", 1)[-1]
+        self.on_message(topics.up(self.fed, client), payload)
+
+    def on_progress(self, topic: str, payload: bytes) -> None:
+        for inp in self._progress_inputs(topic, payload):
+            self._place(inp)
+
+    def _place(self, inp: Progress) -> None:
+        """One upload a shard folded, placed by the machine (journaled alone: a replay needs no batch)."""
+        try:
+            self.machine.accepts(inp)
+        except Drop as drop:
+            if drop.reason == "unknown_client" and inp.round >= self.round:
+                # Its join travels through another shard and may arrive after this: placed once it has.
+                self._waiting.setdefault(inp.sender, []).append(inp)
+                return
+        body = shard_wire.encode("progress", shard=inp.shard, round=inp.round, phase=inp.phase,
+                                 entries=[[inp.sender, inp.kind, inp.nbytes]])
+        self._handle(inp, (topics.shards(self.fed, "progress", inp.shard), body, inp.sender, PROGRESS, inp.round,
+                           inp.phase), f"{inp.kind} of {inp.sender} from {inp.shard}")
+
+    def _progress_inputs(self, topic: str, payload: bytes) -> list[Progress]:
+        try:
+            msg = shard_wire.decode(payload, "progress", self._max_control())
+            entries = shard_wire.progress_entries(msg)
+        except WireError as exc:
+            self._drop("malformed", f"{topic}: {exc}", len(payload))
+            return []
+        if msg["shard"] not in self.shards or topic != topics.shards(self.fed, "progress", msg["shard"]):
+            self._drop("invalid", f"{topic}: progress of '{msg['shard']}', not one of this federation's shards "
+                                  f"({', '.join(self.shards)})", len(payload))
+            return []
+        return [Progress(msg["shard"], sender, kind, msg["round"], msg["phase"], nbytes)
+                for sender, kind, nbytes in entries]
+
+    def on_partial(self, topic: str, payload: bytes) -> None:
+        open_ = self.machine.phase
+        if open_ is None or not open_.closing or not payload:
+            return  # an old retained partial, or nothing is closing
+        try:
+            msg = shard_wire.decode(payload, "partial", self._max_control())
+        except WireError as exc:
+            self._drop("malformed", f"{topic}: {exc}", len(payload))
+            return
+        shard = msg["shard"]
+        if (msg["round"], msg["phase"]) != (self.round, open_.phase.value):
+            return  # another phase's (retained from before)
+        expected = sum(1 for s in open_.owners.values() if s == shard)
+        if shard not in self.shards or topic != topics.shards(self.fed, "partial", shard) or msg["uploads"] != expected:
+            self._drop("invalid", f"{topic}: partial of '{shard}' over {msg['uploads']} upload(s), expected "
+                                  f"{expected}", len(payload))
+            return
+        try:
+            assert self.machine.run is not None
+            self.machine.run.check_partial(msg["part"])
+        except ValueError as exc:
+            log.error("shard %s sent a partial the coordinator cannot merge (%s); waiting for a good one", shard, exc)
+            self._drop("invalid", f"{topic}: {exc}", len(payload))
+            return
+        self._parts[shard] = msg["part"]
+        if set(self._parts) == set(self.shards):
+            parts, self._parts = self._parts, {}
+            body = shard_wire.encode("partials", round=self.round, phase=open_.phase.value, parts=parts)
+            self._handle(Partials(self.round, open_.phase.value, parts),
+                         ("", body, "", PARTIALS, self.round, open_.phase.value), "the shards' partials")
+
+    # -- effects and replay -------------------------------------------------------------------------
+    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], what: str | Envelope) -> None:
+        super()._handle(inp, entry, what)
+        if isinstance(inp, Received) and isinstance(inp.msg, Join) and inp.env.sender in self._waiting:
+            for waiting in self._waiting.pop(inp.env.sender):
+                self._place(waiting)
+
+    def _run(self, effects: list[Effect], *, live: bool) -> None:
+        for effect in effects:
+            super()._run([effect], live=live)
+            if not live:
+                continue
+            if isinstance(effect, Boundary):
+                self._publish_phase()
+            elif isinstance(effect, Gather):
+                self._parts = {}
+                assignment = {s: [list(p) for p in pairs] for s, pairs in effect.assignment.items()}
+                self.transport.publish(topics.shards(self.fed, "close"), shard_wire.encode(
+                    "close", round=effect.round, phase=effect.phase.value, assignment=assignment), retain=True)
+                log.info("round %d %s closing: partials asked of %d shard(s)", effect.round, effect.phase.value,
+                         len(self.shards))
+
+    def _publish_phase(self) -> None:
+        """The machine at this phase boundary, for the shards (before the round message goes to devices)."""
+        m = self.machine
+        payload = shard_wire.encode("phase", round=m.round, phase=m.phase.phase.value if m.phase else "",
+                                    finished=m.finished, machine=m.phase_state() if m.phase is not None else None,
+                                    policy=dataclasses.asdict(m.model.policy), limits=dataclasses.asdict(self.limits),
+                                    members=sorted(self.members) if self.members is not None else None)
+        self._waiting = {}  # progress of devices that never joined in the phase that closed
+        self.transport.publish(topics.shards(self.fed, "phase"), payload, retain=True)
+
+    def replay(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
+        if kind not in (PROGRESS, PARTIALS):
+            super().replay(topic, payload, client, kind, round_, phase)
+            return
+        inputs: list[Input]
+        if kind == PROGRESS:
+            inputs = list(self._progress_inputs(topic, payload))
+        else:
+            msg = shard_wire.decode(payload, "partials", self._max_control())
+            inputs = [Partials(msg["round"], msg["phase"], msg["parts"])]
+        for inp in inputs:
+            try:
+                if self.machine.accepts(inp):
+                    self._run(self.machine.apply(inp), live=False)
+            except Drop as drop:
+                log.warning("journaled %s (round %d) was refused on replay: %s", kind, round_, drop.detail)
+
+    def _max_control(self) -> int:
+        return max(64 << 20, 8 * self.limits.max_message_bytes * max(1, len(self.shards)))

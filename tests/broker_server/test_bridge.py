@@ -1,0 +1,285 @@
+"""Site brokers bridged to the core (`protofl-server broker-config --bridge`, broker_server/bridge.py, issue 27).
+
+Real processes throughout: the server's default secured `start` (its spawned Mosquitto, generated passwords,
+ACL and TLS), the site broker run as `mosquitto -c` on the generated config, devices with their generated
+credentials files.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from broker_server.broker import MosquittoBroker, find_mosquitto, free_port
+from broker_server.cli import app
+from broker_server.pki import FederationTls
+from broker_server.security import prepare
+from protofl.transport.broker_url import BrokerOptions, parse_broker_url
+from protofl.transport.credentials import read_device_file
+from protofl.transport.mqtt import MqttTransport
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+DATA = "synthetic:n=300,n_test=50"
+CORE_IDS = ["dev-0", "dev-1"]
+SITE_IDS = ["dev-2", "dev-3"]
+
+
+def device_options(url: str, creds: Path) -> BrokerOptions:
+    """What `protofl-edge join --broker URL --credentials FILE` connects with."""
+    found = read_device_file(creds)
+    options = parse_broker_url(url).with_auth(found.credentials.username, found.credentials.password)
+    return options.with_federation_ca(found.ca_pem, str(creds)) if found.ca_pem else options
+
+
+def bridge_cli(*args: str) -> str:
+    result = CliRunner().invoke(app, ["broker-config", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+class SiteProcess:
+    """`mosquitto -c SITE/mosquitto.conf`: the generated file as an operator runs it."""
+
+    def __init__(self, directory: Path, port: int) -> None:
+        binary = find_mosquitto()
+        assert binary is not None
+        self.log = directory / "mosquitto.log"
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen([binary, "-c", str(directory / "mosquitto.conf")], stdout=out,
+                                         stderr=subprocess.STDOUT)
+        self.port = port
+
+    def wait_bridged(self, timeout: float = 20) -> None:
+        """Until the bridge says it connected to the core (the site logs its notification)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.log.read_text()
+            if "Connecting bridge" in self.log.read_text():
+                return
+            time.sleep(0.05)
+        raise AssertionError(self.log.read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(10)
+
+
+def run_federation(tmp: Path, fed: str, bridged: bool) -> tuple[dict[str, np.ndarray], str]:
+    """Four devices, two rounds of fedproto, every device on the core or two at a bridged site; returns the
+    server's model and its output."""
+    from edge_agent.local_data import DataSpec
+    from edge_agent.runner import DeviceRunner, RunnerOptions
+
+    tmp.mkdir()
+    state, site_dir = tmp / "state", tmp / "site"
+    core_port, site_port = free_port(), free_port()
+    allow = tmp / "allow.txt"
+    allow.write_text("\n".join(CORE_IDS + SITE_IDS) + "\n")
+    if bridged:
+        (tmp / "site.txt").write_text("\n".join(SITE_IDS) + "\n")
+        bridge_cli("--bridge", "site-a", "--fed", fed, "--core", f"mqtts://127.0.0.1:{core_port}", "--core-dir",
+                   str(state / "security"), "--out", str(site_dir), "--allow", str(tmp / "site.txt"), "--listen",
+                   f"127.0.0.1:{site_port}", "--tls", "on")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(core_port),
+         "--tls", "on", "--fed", fed, "--rounds", "2", "--min-clients", "4", "--round-timeout", "60",
+         "--state-dir", str(state), "--allow", str(allow)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+    site = None
+    runners: list[DeviceRunner] = []
+    errors: list[BaseException] = []
+    try:
+        creds = state / "security" / "devices"
+        end = time.monotonic() + 60
+        while not (creds / f"{CORE_IDS[-1]}.json").exists() and server.poll() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        where = {i: (f"mqtt://127.0.0.1:{core_port}", creds / f"{i}.json") for i in CORE_IDS + SITE_IDS}
+        if bridged:
+            site = SiteProcess(site_dir, site_port)
+            site.wait_bridged()
+            where.update({i: (f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" / f"{i}.json") for i in SITE_IDS})
+        for index, cid in enumerate(CORE_IDS + SITE_IDS):
+            url, file = where[cid]
+            runners.append(DeviceRunner(device_options(url, file), fed, cid, DataSpec(DATA, partition=(index, 4)),
+                                        RunnerOptions(connect_timeout=30)))
+
+        def run(r: DeviceRunner) -> None:
+            try:
+                r.run(timeout=150)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in runners]
+        for t in threads:
+            t.start()
+        out, _ = server.communicate(timeout=180)
+        for t in threads:
+            t.join(30)
+    finally:
+        for r in runners:
+            r.stop()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        if site is not None:
+            site.stop()
+    assert not errors, errors
+    assert server.returncode == 0, out
+    with np.load(state / "server_model.npz") as z:
+        return {k: z[k] for k in z.files}, out
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+@pytest.mark.usefixtures("one_torch_thread")
+def test_devices_at_a_bridged_site_federate_as_if_on_the_core(tmp_path: Path) -> None:
+    expected, out_core = run_federation(tmp_path / "core", "flat", bridged=False)
+    got, out = run_federation(tmp_path / "bridged", "sites", bridged=True)
+    for line in ("round 1/2: 4 clients (quorum)", "round 2/2: 4 clients (quorum)", "dropped uploads none"):
+        assert line in out and line in out_core, out
+    assert sorted(got) == sorted(expected)
+    for name in expected:  # the same uploads, folded in another order: float32 tolerance
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.mosquitto
+def test_a_site_devices_will_reaches_the_server_through_the_bridge(tmp_path: Path) -> None:
+    # The core as `start` serves it (generated passwords, ACL, TLS); the site from the generated config. The
+    # server's request on a site device's own down/<id> reaches it (and not another device); the device killed
+    # with SIGKILL: its will is published by the site broker and carried up by the bridge.
+    core_dir, site_dir, port, site_port = tmp_path / "security", tmp_path / "site", free_port(), free_port()
+    bridge_cli("--bridge", "lab", "--fed", "w", "--core", f"mqtts://127.0.0.1:{port}", "--core-dir", str(core_dir),
+               "--out", str(site_dir), "--devices", "2", "--listen", f"127.0.0.1:{site_port}")
+    auth = prepare(core_dir, "w")  # what start does at its next start: the bridge's user is in the files
+    tls = FederationTls(core_dir / "tls")
+    core = MosquittoBroker(port=port, workdir=tmp_path / "core", allow_anonymous=False, tls=tls.listener(),
+                           extra_config=auth.mosquitto_lines()[1:]).start()
+    site = SiteProcess(site_dir, site_port)
+    seen: list[tuple[str, bytes]] = []
+    server = None
+    try:
+        site.wait_bridged()
+        secret = auth.secrets.server
+        server = MqttTransport(parse_broker_url(f"mqtts://127.0.0.1:{port}").with_auth(secret.username, secret.password)
+                               .with_federation_ca(tls.ca_pem(), "test"), secret.username, deliver="thread").connect(10)
+        server.subscribe("protofl/w/presence/+", lambda topic, payload: seen.append((topic, payload)))
+        device = subprocess.Popen([sys.executable, "-c", DEVICE, f"mqtt://127.0.0.1:{site_port}",
+                                   str(site_dir / "devices" / "lab-device-1.json")],
+                                  stdout=subprocess.PIPE, env=ENV, text=True)
+        assert device.stdout is not None and device.stdout.readline().strip() == "online"
+        wait_for(lambda: (("protofl/w/presence/lab-device-1", b"online") in seen), "the device's presence")
+        server.publish("protofl/w/down/lab-device-2", b"for another device")
+        server.publish("protofl/w/down/lab-device-1", b"send again")
+        assert device.stdout.readline().strip() == "down send again"
+        device.kill()  # no DISCONNECT: the site broker publishes its will
+        device.wait()
+        wait_for(lambda: (("protofl/w/presence/lab-device-1", b"gone") in seen), "the device's will")
+    finally:
+        if server is not None:
+            server.close()
+        site.stop()
+        core.cleanup()
+
+
+DEVICE = """
+import sys, time
+from pathlib import Path
+from protofl.transport.mqtt import MqttTransport, Will
+from tests.broker_server.test_bridge import device_options
+options = device_options(sys.argv[1], Path(sys.argv[2]))
+t = MqttTransport(options, options.username, will=Will("protofl/w/presence/lab-device-1", b"gone")).connect(10)
+t.subscribe("protofl/w/down/+", lambda topic, payload: print("down", payload.decode(), flush=True))
+t.publish("protofl/w/presence/lab-device-1", b"online", retain=True)
+t.flush(10)
+print("online", flush=True)
+time.sleep(120)
+"""
+
+
+def wait_for(pred, what: str, timeout: float = 15) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_broker_config_bridge_refuses_bad_input_and_changes_nothing(tmp_path: Path) -> None:
+    runner = CliRunner()
+    core = tmp_path / "core"
+    base = ["broker-config", "--out", str(tmp_path / "site"), "--devices", "2"]
+    cases = (
+        (["--core", "mqtt://h:1"], "--core configure a site broker: add --bridge SITE"),
+        (["--bridge", "a"], "--bridge needs --core URL"),
+        (["--bridge", "a b", "--core", "mqtt://h:1", "--core-dir", str(core)], "not a valid name"),
+        (["--bridge", "a", "--core", "unix:///tmp/x.sock", "--core-dir", str(core)], "over the network"),
+        (["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(core), "--listen", "0.0.0.0"],
+         "expected HOST:PORT"),
+        (["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(core), "--tls", "maybe"], "--tls must be"),
+        (["--bridge", "a", "--core", "mqtts://h:1", "--core-dir", str(core), "--core-ca", str(tmp_path / "no.crt")],
+         "no such file"),
+        (["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(tmp_path)], "holds no credentials.json"),
+    )
+    for args, words in cases:
+        result = runner.invoke(app, [*base, *args])
+        assert result.exit_code == 2 and words in " ".join(result.output.split()), (args, result.output)
+    assert not core.exists() and not (tmp_path / "site").exists()
+    # No devices for the site: refused before anything is written.
+    result = runner.invoke(app, ["broker-config", "--out", str(tmp_path / "site"), "--bridge", "a", "--core",
+                                 "mqtt://h:1", "--core-dir", str(core)])
+    assert result.exit_code == 2 and "--allow FILE" in result.output
+    assert not core.exists()
+    # A core directory of another federation.
+    bridge_cli("--out", str(core), "--fed", "one", "--devices", "1")
+    result = runner.invoke(app, [*base, "--bridge", "a", "--fed", "two", "--core", "mqtt://h:1", "--core-dir",
+                                 str(core)])
+    assert result.exit_code == 2 and "federation 'one', not 'two'" in result.output
+
+
+def test_broker_config_bridge_writes_both_sides(tmp_path: Path) -> None:
+    core, site = tmp_path / "core", tmp_path / "site"
+    bridge_cli("--out", str(core), "--fed", "lab", "--devices", "1")
+    out = bridge_cli("--bridge", "north", "--fed", "lab", "--core", "mqtts://core.example:8883", "--core-dir",
+                     str(core), "--out", str(site), "--devices", "2", "--listen", "0.0.0.0:1884")
+    assert f"mosquitto -c {site / 'mosquitto.conf'}" in out and "--broker mqtts://HOST:1884" in out
+    conf = (site / "mosquitto.conf").read_text()
+    for line in ("connection protofl-lab-north", "address core.example:8883",
+                 "remote_username protofl-bridge-lab-north",
+                 f"bridge_cafile {site / 'core-ca.crt'}", "topic protofl/lab/up/+ out 1",
+                 "topic protofl/lab/presence/+ out 1", "topic protofl/lab/round in 1", "topic protofl/lab/config in 1",
+                 "topic protofl/lab/server/status in 1", "listener 1884 0.0.0.0", f"password_file {site / 'passwd'}",
+                 "allow_anonymous false", "cleansession false"):
+        assert f"\n{line}\n" in conf, line
+    assert oct((site / "mosquitto.conf").stat().st_mode & 0o777) == "0o600"  # it holds the bridge's password
+    # The core knows the bridge (ACL limited to the federation's device topics) and the site's devices.
+    acl = (core / "acl").read_text()
+    assert "user protofl-bridge-lab-north\ntopic write protofl/lab/up/+\ntopic write protofl/lab/presence/+" in acl
+    core_users = [line.split(":")[0] for line in (core / "passwd").read_text().splitlines()]
+    assert core_users == ["protofl-server-lab", "protofl-monitor-lab", "protofl-bridge-lab-north", "device-1",
+                          "north-device-1", "north-device-2"]
+    assert [line.split(":")[0] for line in (site / "passwd").read_text().splitlines()] == ["north-device-1",
+                                                                                           "north-device-2"]
+    # The site serves TLS (beyond loopback) with a certificate the federation CA signed: the devices' files
+    # carry that CA, as the core's do; the core's certificate now names the host the bridge dials.
+    dev = read_device_file(site / "devices" / "north-device-1.json")
+    assert dev.ca_pem == (core / "tls" / "ca.crt").read_text() == (site / "tls" / "ca.crt").read_text()
+    from broker_server.pki import certificate_names
+
+    assert "core.example" in certificate_names(core / "tls" / "broker.crt")
+    # Again: the same bridge password (the running site keeps working), no new devices.
+    password = conf.split("remote_password ")[1].split()[0]
+    bridge_cli("--bridge", "north", "--fed", "lab", "--core", "mqtts://core.example:8883", "--core-dir", str(core),
+               "--out", str(site), "--devices", "2", "--listen", "0.0.0.0:1884")
+    assert f"remote_password {password}\n" in (site / "mosquitto.conf").read_text()
