@@ -208,7 +208,9 @@ def judged_rows(ctx: Context, *keys: str) -> Judged:
         return Judged(main, f"on the rows run unclipped, {n} seeds", [], True)
     common = set.intersection(*(set(st.by_seed) for st in main.values()))
     if len(common) >= len(SEEDS):  # as many paired seeds as the twins have, and the runs as the papers wrote them
-        return Judged(main, f"PROVISIONAL, on the rows run unclipped, on their {len(common)} common seeds "
+        # every figure of the verdict (means, bytes) on the same seeds as the paired differences
+        on_common = {k: RowStats(st.row, {s: st.by_seed[s] for s in common}, st.expected) for k, st in main.items()}
+        return Judged(on_common, f"PROVISIONAL, on the rows run unclipped, on their {len(common)} common seeds "
                       f"({','.join(map(str, sorted(common)))}; a goal's rows run on 5)", waiting, True)
     twins = {k: row_stats(ctx, clipped(k)) for k in keys}
     if all(st.complete for st in twins.values()):
