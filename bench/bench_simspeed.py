@@ -92,8 +92,11 @@ def render(runs: list[Run], args: argparse.Namespace, revs: dict[str, str]) -> s
     lines = [
         "# The simulator's default run, before and after (issue 28)", "",
         f"- command: `python -m bench.bench_simspeed {' '.join(args.argv)}`",
-        f"- work: `protofl-server {' '.join(args.flags)}` (FedProto, 10 clients, alpha 0.5, 10 rounds, 10 % of "
-        "Fashion-MNIST, 2,000 test images per client; every other option at its default)",
+        f"- work: `protofl-server {' '.join(args.flags)}` "
+        + ("(--smoke: the issue's command, then 3 clients, 2 rounds, 1,000 training and 200 test images: "
+           "the bench's own check, not the issue's work)" if args.smoke else
+           "(FedProto, 10 clients, alpha 0.5, 10 rounds, 10 % of Fashion-MNIST, 2,000 test images per client; "
+           "every other option at its default)"),
         f"- base: `{args.base}` at {revs['base']}; new: `{args.new}` at {revs['new']}",
         f"- machine: {platform.node()}, {os.cpu_count()} CPUs, shared with other jobs (load average in each row); "
         f"torch threads: {threads}; runs interleaved, {args.pairs} pair(s), `nice` as launched",
