@@ -90,6 +90,14 @@ def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
     return row.get("local_acc")
 
 
+def run_accuracies(run: dict[str, Any], metric: str = "global") -> list[float | None]:
+    """Each round's accuracy. `global` falls back to `local_acc` only for a run that never scored the test
+    set; one that scored it on a cadence (by default the last round only) has None in the rounds between,
+    so that a curve or a time to target never mixes local figures into global ones."""
+    scored = metric == "global" and any(r.get("global_acc") is not None for r in run["rounds"])
+    return [r.get("global_acc") if scored else r.get("local_acc") for r in run["rounds"]]
+
+
 def sim_times(run: dict[str, Any]) -> list[float] | None:
     """Time at the end of each round: simulated over shaped links, the wall clock of a real federation's
     rounds.jsonl; None for a simulation without links (its rounds have no time to speak of)."""
@@ -103,8 +111,7 @@ def sim_times(run: dict[str, Any]) -> list[float] | None:
 
 def target_round(run: dict[str, Any], target: float, metric: str = "global") -> int | None:
     """The first round whose accuracy reached `target` (None if none did)."""
-    for row in run["rounds"]:
-        acc = accuracy(row, metric)
+    for row, acc in zip(run["rounds"], run_accuracies(run, metric), strict=True):
         if acc is not None and acc >= target:
             return int(row["round"])
     return None
@@ -180,7 +187,7 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
                          ("accuracy_uplink", "cumulative uplink (bytes)")):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for run in runs:
-            accs = [accuracy(r, metric) for r in run["rounds"]]
+            accs = run_accuracies(run, metric)
             if name == "accuracy_time":
                 times = sim_times(run)
                 xs: list[float] = times if timed and times is not None else [r["round"] for r in run["rounds"]]

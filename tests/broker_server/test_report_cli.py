@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from broker_server.report_cli import summary, time_to_target, write_report
+from broker_server.report_cli import run_accuracies, summary, target_round, time_to_target, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,3 +145,14 @@ def test_an_overrun_longer_than_its_round_is_warned_in_the_log(caplog) -> None:
     r["links"]["devices"][1]["overrun_s"] = 45.0
     warn_long_overruns(r)
     assert "could not keep up with --time-scale 10: 1 upload(s)" in caplog.text and "lower --time-scale" in caplog.text
+
+
+def test_global_accuracy_never_mixes_in_local_figures_between_scored_rounds() -> None:
+    # simulate's default scores the test set in the last round only: the rounds before have no global figure,
+    # and their (higher) local accuracy must not reach a global target early
+    rows = [{"round": 1, "local_acc": 0.9, "global_acc": None}, {"round": 2, "local_acc": 0.95, "global_acc": 0.6}]
+    run = {"rounds": rows}
+    assert run_accuracies(run) == [None, 0.6] and run_accuracies(run, "local") == [0.9, 0.95]
+    assert target_round(run, 0.5) == 2 and target_round(run, 0.5, "local") == 1
+    never = {"rounds": [{"round": 1, "local_acc": 0.9, "global_acc": None}]}  # no test set at all: local stands in
+    assert run_accuracies(never) == [0.9]
