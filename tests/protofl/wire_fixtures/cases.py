@@ -25,6 +25,7 @@ from protofl.wire import (
     ProtoSet,
     ProtoUpload,
     PublicSet,
+    Resend,
     RoundStart,
     Status,
     encode_message,
@@ -162,6 +163,9 @@ def _cases() -> dict[str, Case]:
         # --- status: retained status / presence
         "status_state": Case(Status("online"), phase="", round=0),
         "status_detail": Case(Status("training", "round 3 of 50"), sender=SERVER),
+        # --- resend: the server asks one device (on its down/<id>) for what the broker dropped
+        "resend_uploads": Case(Resend("uploads"), sender=SERVER, round=4, phase="train"),
+        "resend_join": Case(Resend("join"), sender=SERVER, phase="", round=0),
     }
 
 
