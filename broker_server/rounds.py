@@ -132,7 +132,17 @@ class Partials:
     parts: dict[str, dict[str, Any]]
 
 
-Input = Received | Presence | GraceOver | DeadlinePassed | Progress | Partials
+@dataclass(frozen=True)
+class ShardLost:
+    """Sharded aggregators: a shard sent no partial for the closing phase within the shard timeout; the phase
+    closes without the uploads it folded (their devices count as if they had not sent them)."""
+
+    shard: str
+    round: int
+    phase: str
+
+
+Input = Received | Presence | GraceOver | DeadlinePassed | Progress | Partials | ShardLost
 
 
 # -- effects ------------------------------------------------------------------------------------
@@ -336,7 +346,7 @@ class RoundMachine:
         """Raise Drop if `inp` is refused (nothing changes); else whether applying it changes state that a
         restart must rebuild (what the shell journals before applying it)."""
         s = self.state
-        if isinstance(inp, (Progress, Partials)):
+        if isinstance(inp, (Progress, Partials, ShardLost)):
             return self._accepts_shard(inp)
         if isinstance(inp, Received):
             env, msg = inp.env, inp.msg
@@ -376,6 +386,8 @@ class RoundMachine:
             return self._on_progress(inp) if self.accepts(inp) else []
         if isinstance(inp, Partials):
             return self._merge_partials(inp)
+        if isinstance(inp, ShardLost):
+            return self._forget_shard(inp.shard)
         if isinstance(inp, GraceOver):
             return self._depart(inp.client) if self.accepts(inp) else []
         return self._close_phase("deadline") if self.accepts(inp) else []
@@ -624,10 +636,15 @@ class RoundMachine:
                 self._status("finished", f"{self.state.round} rounds")]
 
     # -- sharded aggregators: the coordinator's side ------------------------------------------------
-    def _accepts_shard(self, inp: Progress | Partials) -> bool:
+    def _accepts_shard(self, inp: Progress | Partials | ShardLost) -> bool:
         s, open_ = self.state, self.state.phase
         if not self.sharded:
             raise Drop("unexpected_kind", f"a shard's {type(inp).__name__.lower()}: this aggregator is not sharded")
+        if isinstance(inp, ShardLost):
+            if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
+                raise Drop("stale", f"shard {inp.shard} lost in round {inp.round}/{inp.phase}; nothing of it is "
+                                    f"closing")
+            return True
         if isinstance(inp, Partials):
             if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
                 raise Drop("stale", f"partials for round {inp.round}/{inp.phase}; nothing of it is closing")
@@ -663,6 +680,21 @@ class RoundMachine:
             sender, _, kind = key.rpartition("/")
             assignment.setdefault(shard, []).append((sender, kind))
         return Gather(self.state.round, open_.phase, assignment)
+
+    def _forget_shard(self, shard: str) -> list[Effect]:
+        """The closing phase without `shard`'s uploads: it owns none any more, and their senders count as if
+        they had not sent them (a device that sent nothing else is not among the round's clients)."""
+        open_ = self.state.phase
+        assert open_ is not None
+        for key in [k for k, owner in open_.owners.items() if owner == shard]:
+            sender, _, kind = key.rpartition("/")
+            del open_.owners[key]
+            kinds = open_.received.get(sender, set()) - {Upload(kind)}
+            if kinds:
+                open_.received[sender] = kinds
+            else:
+                open_.received.pop(sender, None)
+        return []
 
     def _merge_partials(self, inp: Partials) -> list[Effect]:
         open_ = self.state.phase

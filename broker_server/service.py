@@ -22,7 +22,7 @@ import numpy as np
 
 from broker_server import shard_wire
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
-from broker_server.coordinator import Coordinator
+from broker_server.coordinator import DEFAULT_SHARD_TIMEOUT_S, Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
@@ -82,7 +82,8 @@ class AggregatorService:
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
                  on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
-                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = ()) -> None:
+                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = (),
+                 shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -109,7 +110,8 @@ class AggregatorService:
                                       max_clients=max_clients, on_round_end=self._round_end,
                                       on_metrics=self._metrics, offline_grace=offline_grace,
                                       limits=limits)  # None: the aggregator derives them from the config
-        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites, **common)
+        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites,
+                                       shard_timeout=shard_timeout, **common)
                            if shards or sites else Aggregator(cfg, fed, self.transport, **common))
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,

@@ -169,6 +169,65 @@ def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: An
     assert [record_state(r)[:5] for r in one.records] == [record_state(r)[:5] for r in coord.records]
 
 
+def test_a_shard_that_never_sends_its_partial_is_given_up_on_after_the_shard_timeout(tmp_path: Any) -> None:
+    """Shard 1 dies for good (its machine gone) after folding part of round 1: the close waits `shard_timeout`
+    for its partial, then closes without its uploads (counted as `shard_lost`, their devices not among the round's
+    clients), and the later phases do not wait for it. A coordinator restarted from its journal decides the same."""
+    from broker_server.durable import DurableState
+
+    cfg = config("fedproto").replace(min_clients=2)
+    broker = InProcessBroker()
+    now = [1000.0]
+
+    def coordinator(name: str) -> tuple[Coordinator, DurableState]:
+        c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS, shard_timeout=60,
+                        clock=lambda: now[0])
+        durable = DurableState(tmp_path / "agg", FED)
+        durable.bind(c)
+        c.start(resume=durable.restore())
+        return c, durable
+
+    coord, durable = coordinator("server")
+    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
+    for sh in shards:
+        sh.start()
+    for i, c in enumerate(CLIENTS):
+        NumpyDevice(c, i, cfg, broker.connect(c)).join()
+    while broker.pump(1):
+        if shards[1].accepted and not shards[1].transport.closed:
+            shards[1].transport.close()  # gone with its machine: what it folded, and what was on its way to it
+    phase = coord.machine.phase
+    assert coord.round == 1 and phase is not None
+    lost = {key.split("/")[0] for key, owner in phase.owners.items() if owner == shard_id(1)}
+    kept = {key.split("/")[0] for key, owner in phase.owners.items() if owner == shard_id(0)}
+    assert lost and kept
+    now[0] += cfg.round_timeout + 1  # the uploads it swallowed never come: the deadline closes the phase
+    coord.tick()
+    broker.pump()  # the close out, shard 0's partial back
+    assert phase.closing and coord.round == 1
+    now[0] += 30
+    coord.tick()  # within the shard timeout: still waiting
+    assert not coord.dropped
+    now[0] += 31
+    coord._merge_if_complete = lambda: None  # type: ignore[method-assign]  # it dies once the loss is journaled
+    coord.tick()
+    assert coord.dropped.get("shard_lost") == len(lost) and coord.round == 1, coord.dropped
+    # The coordinator dies here; restarted from its journal it replays the loss and waits for shard 0 only.
+    coord.transport.close()
+    durable.close()
+    coord, durable = coordinator("server-again")
+    phase = coord.machine.phase
+    assert coord.round == 1 and phase is not None and shard_id(1) not in phase.owners.values()
+    while broker.pump(1):
+        pass
+    durable.close()
+    rec = coord.records[0]
+    assert rec.round == 1 and set(rec.clients) == kept, (rec.clients, lost, kept)
+    # Every later phase closes on shard 0's partial alone: no more waiting for shard 1.
+    assert coord.finished and [len(r.clients) for r in coord.records[1:]] == [len(CLIENTS)] * (cfg.rounds - 1)
+    assert not any(d for k, d in coord.dropped.items() if k != "shard_lost")
+
+
 def bridge(core: InProcessBroker, site: InProcessBroker, lines: list[str]) -> dict[str, int]:
     """Mosquitto's bridge as `site.bridge_topics` configures it, in process: `out` topics from the site broker
     to the core, `in` topics from the core to the site (retained ones kept retained); counts what went up."""
