@@ -129,6 +129,25 @@ def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> 
     assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
 
 
+def durable_coordinator(cfg: Any, broker: InProcessBroker, name: str, tmp_path: Any,
+                        **kwargs: Any) -> tuple[Coordinator, Any]:
+    """A two-shard coordinator with its journal and checkpoint in tmp_path/agg, resumed from them if any."""
+    from broker_server.durable import DurableState
+
+    c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS, **kwargs)
+    durable = DurableState(tmp_path / "agg", FED)
+    durable.bind(c)
+    c.start(resume=durable.restore())
+    return c, durable
+
+
+def two_shards(broker: InProcessBroker) -> list[Shard]:
+    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
+    for s in shards:
+        s.start()
+    return shards
+
+
 @pytest.mark.parametrize("when", ["mid_phase", "closing"])
 def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: Any, when: str) -> None:
     """The coordinator (with its journal and checkpoint) dies mid-phase, or while it waits for the partials;
@@ -140,16 +159,9 @@ def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: An
     broker = InProcessBroker()
 
     def coordinator(name: str) -> tuple[Coordinator, DurableState]:
-        c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS)
-        durable = DurableState(tmp_path / "agg", FED)
-        durable.bind(c)
-        c.start(resume=durable.restore())
-        return c, durable
+        return durable_coordinator(cfg, broker, name, tmp_path)
 
-    coord, durable = coordinator("server")
-    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
-    for s in shards:
-        s.start()
+    (coord, durable), _ = coordinator("server"), two_shards(broker)  # the shards live on the broker
     for i, c in enumerate(CLIENTS):
         NumpyDevice(c, i, cfg, broker.connect(c)).join()
     restarted = False
@@ -180,17 +192,9 @@ def test_a_shard_that_never_sends_its_partial_is_given_up_on_after_the_shard_tim
     now = [1000.0]
 
     def coordinator(name: str) -> tuple[Coordinator, DurableState]:
-        c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS, shard_timeout=60,
-                        clock=lambda: now[0])
-        durable = DurableState(tmp_path / "agg", FED)
-        durable.bind(c)
-        c.start(resume=durable.restore())
-        return c, durable
+        return durable_coordinator(cfg, broker, name, tmp_path, shard_timeout=60, clock=lambda: now[0])
 
-    coord, durable = coordinator("server")
-    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
-    for sh in shards:
-        sh.start()
+    (coord, durable), shards = coordinator("server"), two_shards(broker)
     for i, c in enumerate(CLIENTS):
         NumpyDevice(c, i, cfg, broker.connect(c)).join()
     while broker.pump(1):
