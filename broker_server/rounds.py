@@ -251,6 +251,9 @@ class RoundMachine:
         self.plan = RoundPlan.from_config(cfg)
         self.public = public if self.plan.public_classes else None
         self.expected_clients = sorted(expected_clients) if expected_clients else None
+        # Membership by a set: `in` on the sorted list was a scan per upload (a fifth of the fold's time at
+        # 4,000 devices, quadratic in the fleet).
+        self._expected_set = frozenset(self.expected_clients or ())
         self.model = build_model(cfg, self.plan, policy)  # uploads are clipped by default
         self.layout = (adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes)
                        if cfg.federate == "adapter" else [])
@@ -423,7 +426,7 @@ class RoundMachine:
             self._check_member(head.sender)
 
     def _check_member(self, client: str) -> None:
-        if self.expected_clients and client not in self.expected_clients:
+        if self._expected_set and client not in self._expected_set:
             raise Drop("unknown_client", f"'{client}' is not in this federation's client list")
 
     def _check_metrics(self, env: Header | Envelope) -> None:
