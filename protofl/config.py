@@ -62,6 +62,10 @@ CORE: dict[str, Any] = dict(
     round_timeout=600.0,
 )
 _TUPLES = ("archs", "in_shape")
+# Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
+# federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
+# which refuses keys it does not know, still joins it.
+_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source")
 
 
 class FederationConfig:
@@ -148,6 +152,8 @@ class FederationConfig:
         out: dict[str, Any] = {}
         for key in CORE:
             value = getattr(self, key)
+            if key in _ONLY_WHEN_SET and value == CORE[key]:
+                continue
             out[key] = list(value) if isinstance(value, tuple) else value
         for key, value in self.options.items():
             out[key] = list(value) if isinstance(value, tuple) else value

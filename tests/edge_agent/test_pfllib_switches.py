@@ -27,9 +27,14 @@ def _problem(n: int = 22, seed: int = 0):
     return cfg, model, x, y
 
 
-def test_defaults_are_todays_behaviour() -> None:
+def test_defaults_are_todays_behaviour_and_travel_only_when_set() -> None:
     cfg = FederationConfig()
     assert (cfg.drop_last, cfg.keep_optimizer, cfg.proto_source) == (False, False, "after")
+    # At their defaults they are not in the config message: the bytes (and earlier devices) see no change.
+    assert not {"drop_last", "keep_optimizer", "proto_source"} & set(cfg.to_dict())
+    on = cfg.replace(drop_last=True, proto_source="during")
+    assert on.to_dict()["drop_last"] is True and on.to_dict()["proto_source"] == "during"
+    assert FederationConfig.from_dict(on.to_dict()) == on and "keep_optimizer" not in on.to_dict()
 
 
 @pytest.mark.parametrize("bad", [dict(drop_last=1), dict(keep_optimizer="yes"), dict(proto_source="before")])
