@@ -19,6 +19,12 @@ added to the federation (the server takes them as members). The site side gets:
 - `devices/<id>.json`: each site device's credentials file (the federation CA when the site serves TLS).
 - `core-ca.crt` (TLS to the core) and `tls/` (the site's own listener).
 
+With `--pre-aggregate` the site folds its own uploads: the site broker also gets the user of a site
+pre-aggregator (`protofl-server shard --site SITE`, credentials in `site-aggregator.json`) with a shard's rights
+there, the bridge carries that pre-aggregator's progress, partials and relayed joins up and the coordinator's
+phase and close messages down (broker_server/site.py), `up/+` stays at the site, and the core's ACL gives the
+bridge user those topics instead of the uploads. The core then runs `start --sites SITE`.
+
 What the bridge does not do: a site broker that dies leaves its devices' last presence on the core (their
 wills die with it); the server's round deadline and offline grace still close rounds without them.
 """
@@ -32,6 +38,8 @@ from pathlib import Path
 
 from broker_server.broker import PACKET_HEADROOM, ListenerTls, MosquittoBroker
 from broker_server.security import BrokerAuth, device_acl_lines, password_lines, prepare, write_secret
+from broker_server.site import bridge_topics as site_bridge_topics
+from broker_server.site import site_aggregator_acl, site_aggregator_user
 from protofl import topics
 from protofl.errors import ConfigError
 from protofl.names import check_name
@@ -49,8 +57,10 @@ def bridge_topics(fed: str) -> list[str]:
     return [f"topic {t} out 1" for t in up] + [f"topic {t} in 1" for t in down]
 
 
-def bridge_lines(fed: str, site: str, core: BrokerOptions, cred: Credentials, core_ca: Path | None) -> list[str]:
-    """The `connection` block of the site broker's config (mosquitto.conf(5), "Bridges")."""
+def bridge_lines(fed: str, site: str, core: BrokerOptions, cred: Credentials, core_ca: Path | None,
+                 pre_aggregate: bool = False) -> list[str]:
+    """The `connection` block of the site broker's config (mosquitto.conf(5), "Bridges"); with `pre_aggregate`
+    its topics are the site pre-aggregator's (broker_server/site.py), and the uploads stay at the site."""
     host = f"[{core.host}]" if ":" in core.host else core.host
     lines = [
         f"# the bridge to the core broker of federation '{fed}' (protofl-server broker-config --bridge {site})",
@@ -72,7 +82,7 @@ def bridge_lines(fed: str, site: str, core: BrokerOptions, cred: Credentials, co
     ]
     if core_ca is not None:
         lines.append(f"bridge_cafile {core_ca}")
-    return lines + bridge_topics(fed)
+    return lines + (site_bridge_topics(fed, site) if pre_aggregate else bridge_topics(fed))
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,7 @@ class SiteBroker:
     core_tls: bool
     site_tls: bool
     core_cert_renewed: bool  # the core's certificate was signed again to hold the core's host name
+    pre_aggregated: bool = False  # a site pre-aggregator folds the uploads here (its file: aggregator_file)
 
     @property
     def directory(self) -> Path:
@@ -93,6 +104,11 @@ class SiteBroker:
 
     def device_file(self, client_id: str) -> Path:
         return self.directory / "devices" / f"{client_id}.json"
+
+    @property
+    def aggregator_file(self) -> Path:
+        """The site pre-aggregator's credentials (`protofl-server shard --site SITE --credentials FILE`)."""
+        return self.directory / "site-aggregator.json"
 
 
 def parse_core_url(url: str) -> BrokerOptions:
@@ -105,12 +121,15 @@ def parse_core_url(url: str) -> BrokerOptions:
 
 def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: str, device_ids: list[str],
                       listen: tuple[str, int], tls: bool, core_ca: Path | None = None,
-                      max_packet_size: int | None = None, queue: int | None = None) -> SiteBroker:
+                      max_packet_size: int | None = None, queue: int | None = None,
+                      pre_aggregate: bool = False) -> SiteBroker:
     """Add site `site` and its devices to the federation's credentials in `core_dir` (the core's security
     directory: STATE/security of `protofl-server start`, or a `broker-config --out`), and write the site
     broker's files in `out`. `tls`: the site's listener serves TLS signed by the federation CA. `queue`: what
     the site broker holds for its bridge while the core is slow or unreachable (default: from its devices, as
-    the core's queue for the aggregator is sized from the fleet)."""
+    the core's queue for the aggregator is sized from the fleet). `pre_aggregate`: a site pre-aggregator
+    (`protofl-server shard --site SITE`, its credentials in site-aggregator.json) folds the site's uploads on
+    the site broker, and the bridge carries its progress and partials instead of the uploads (broker_server/site.py)."""
     from broker_server import pki
     from broker_server.capacity import queue_for_fleet
 
@@ -123,7 +142,8 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
                           f"directory of their own")
     if core_ca is not None and not core_ca.is_file():
         raise ConfigError(f"--core-ca {core_ca}: no such file")
-    auth = prepare(core_dir, fed, device_ids, sites=[site])  # checks the federation before anything else is written
+    # prepare checks the federation before anything else is written
+    auth = prepare(core_dir, fed, device_ids, sites=[site], pre_aggregate=pre_aggregate)
     # Which devices connect through this site: the core's start sizes its queue for them, not its open files.
     auth.secrets.site_devices[site] = sorted(set(device_ids))
     fed_tls = pki.FederationTls(core_dir / "tls")
@@ -152,8 +172,19 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
         listener, site_ca_pem = site_tls.listener(), site_tls.ca_pem()
     secrets = auth.secrets
     creds = [secrets.device(i) for i in sorted(set(device_ids))]
-    write_secret(out / "passwd", password_lines(creds))
-    (out / "acl").write_text("\n".join(device_acl_lines(fed)))
+    acl = device_acl_lines(fed)
+    users = list(creds)
+    aggregator = out / "site-aggregator.json"
+    if pre_aggregate:
+        me = Credentials(site_aggregator_user(fed, site), secrets.pre_aggregators[site])
+        users.append(me)
+        acl += ["", f"# the site's pre-aggregator (protofl-server shard --site {site}): it folds the uploads here",
+                *site_aggregator_acl(fed, site)]
+        write_secret(aggregator, device_file_text(me, fed, site_ca_pem))
+    else:
+        aggregator.unlink(missing_ok=True)  # a site that forwards its uploads has no pre-aggregator
+    write_secret(out / "passwd", password_lines(users))
+    (out / "acl").write_text("\n".join(acl))
     (out / "devices").mkdir(exist_ok=True)
     for c in creds:
         write_secret(out / "devices" / f"{c.username}.json", device_file_text(c, fed, site_ca_pem))
@@ -163,7 +194,7 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
     broker = MosquittoBroker(host, port, workdir=out, max_packet_size=packet, allow_anonymous=False,
                              max_queued_messages=queue or queue_for_fleet(len(creds), 2), tls=listener,
                              extra_config=[line for line in auth_lines if not line.startswith("allow_anonymous")]
-                             + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy))
+                             + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy, pre_aggregate))
     broker.write_config()
     os.chmod(broker.config_path, 0o600)  # it holds the bridge's password
-    return SiteBroker(broker, auth, site, tuple(c.username for c in creds), core.tls, tls, renewed)
+    return SiteBroker(broker, auth, site, tuple(c.username for c in creds), core.tls, tls, renewed, pre_aggregate)

@@ -277,6 +277,10 @@ def broker_config(
                                                    "devices."),
     tls: str = typer.Option("auto", "--tls", help="--bridge: TLS on the site's listener with a certificate the "
                             "federation CA signs: auto (on beyond loopback) | on | off."),
+    pre_aggregate: bool = typer.Option(False, "--pre-aggregate", help="--bridge: the site folds its devices' uploads "
+                                       "on a pre-aggregator (protofl-server shard --site SITE, credentials in "
+                                       "OUT/site-aggregator.json) and its bridge carries one partial per phase "
+                                       "instead of every upload; the core runs start --sites SITE."),
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials; with
     --bridge, a site broker's files (run it with: mosquitto -c OUT/mosquitto.conf)."""
@@ -287,14 +291,15 @@ def broker_config(
 
     try:
         if bridge is None:
-            used = [flag for flag, value in (("--core", core), ("--core-dir", core_dir), ("--core-ca", core_ca))
-                    if value is not None]
+            used = [flag for flag, value in (("--core", core), ("--core-dir", core_dir), ("--core-ca", core_ca),
+                                             ("--pre-aggregate", pre_aggregate or None)) if value is not None]
             if used:
                 raise ConfigError(f"{', '.join(used)} configure a site broker: add --bridge SITE")
         if broker_queue is not None and broker_queue < 1:
             raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
         if bridge is not None:
-            _site_broker(out, fed, allow, devices, bridge, core, core_dir, core_ca, listen, tls, broker_queue)
+            _site_broker(out, fed, allow, devices, bridge, core, core_dir, core_ca, listen, tls, broker_queue,
+                         pre_aggregate)
             return
         ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
         auth = load_or_create(out, fed, ids, shards=shards)
@@ -325,7 +330,8 @@ def broker_config(
 
 
 def _site_broker(out: Path, fed: str, allow: Path | None, devices: int, site: str, core: str | None,
-                 core_dir: Path | None, core_ca: Path | None, listen: str, tls: str, queue: int | None) -> None:
+                 core_dir: Path | None, core_ca: Path | None, listen: str, tls: str, queue: int | None,
+                 pre_aggregate: bool = False) -> None:
     """broker-config --bridge: the site broker's files, and what to do with them."""
     from broker_server.bridge import write_site_broker
     from broker_server.security import read_allow_list
@@ -344,7 +350,7 @@ def _site_broker(out: Path, fed: str, allow: Path | None, devices: int, site: st
     ids = read_allow_list(allow) if allow else [f"{site}-device-{i}" for i in range(1, devices + 1)]
     made = write_site_broker(core_dir, out, fed, site, core, ids, (host, port),
                              tls=tls == "on" or (tls == "auto" and not is_loopback(host)), core_ca=core_ca,
-                             queue=queue)
+                             queue=queue, pre_aggregate=pre_aggregate)
     scheme = "mqtts" if made.site_tls else "mqtt"
     shown = "HOST" if host in ("0.0.0.0", "::") else host
     typer.echo("\n".join([
@@ -359,6 +365,10 @@ def _site_broker(out: Path, fed: str, allow: Path | None, devices: int, site: st
           if made.core_cert_renewed else []),
         f"# each device at the site: protofl-edge join --broker {scheme}://{shown}:{port} "
         f"--credentials {made.directory / 'devices'}/ID.json",
+        *([f"# the site's pre-aggregator, beside the site broker: protofl-server shard --site {site} --fed {fed} "
+           f"--broker {scheme}://{shown}:{port} --credentials {made.aggregator_file} --state-dir DIR",
+           f"# the core's server: protofl-server start ... --sites {site} (with every pre-aggregated site's name)"]
+          if made.pre_aggregated else []),
         f"# {len(made.devices)} site device(s): {', '.join(made.devices[:5])}{' ...' if len(made.devices) > 5 else ''}",
     ]))
 

@@ -64,6 +64,11 @@ def bridge_user(fed: str, site: str) -> str:
     """The MQTT user a site broker's bridge logs in to the core broker as (broker_server/bridge.py)."""
     return f"protofl-bridge-{fed}-{site}"
 
+def site_shard(site: str) -> str:
+    """The shard id of site `site`'s pre-aggregator (a shard at the site broker, its traffic bridged)."""
+    return f"site-{check_name(site, 'site')}"
+
+
 def shard_user(fed: str, index: int) -> str:
     """Aggregator shard `index`'s MQTT user name (and client id): its session survives its restarts."""
     return f"protofl-shard-{fed}-{index}"
@@ -91,6 +96,9 @@ class FederationSecrets:
     bridges: dict[str, str] = field(default_factory=dict)  # site name -> its bridge's password on the core
     site_devices: dict[str, list[str]] = field(default_factory=dict)  # site name -> the devices it serves
     shard_passwords: dict[str, str] = field(default_factory=dict)  # aggregator shards' (shard_user -> password)
+    # Pre-aggregated sites (broker_server/site.py): site name -> the password of its pre-aggregator's user on the
+    # site broker. Their bridges carry the pre-aggregator's messages to the core, not the uploads.
+    pre_aggregators: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, fed: str, device_ids: Iterable[str] = ()) -> FederationSecrets:
@@ -152,7 +160,8 @@ class FederationSecrets:
     def to_json(self) -> str:
         return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices,
                            "monitor_password": self.monitor_password, "shard_passwords": self.shard_passwords,
-                           "bridges": self.bridges, "site_devices": self.site_devices}, indent=2, sort_keys=True)
+                           "bridges": self.bridges, "site_devices": self.site_devices,
+                           "pre_aggregators": self.pre_aggregators}, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> FederationSecrets:
@@ -164,6 +173,7 @@ class FederationSecrets:
             out.bridges = {str(k): str(v) for k, v in raw.get("bridges", {}).items()}
             out.site_devices = {str(k): [str(i) for i in v] for k, v in raw.get("site_devices", {}).items()}
             out.shard_passwords = {str(k): str(v) for k, v in raw.get("shard_passwords", {}).items()}
+            out.pre_aggregators = {str(k): str(v) for k, v in raw.get("pre_aggregators", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
                               f"credentials (every device then needs its new file)") from None
@@ -199,15 +209,28 @@ def device_acl_lines(fed: str) -> list[str]:
     ]
 
 
-def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = ()) -> str:
+def core_bridge_acl(fed: str, site: str) -> list[str]:
+    """What a pre-aggregated site's bridge user may do on the core broker (beyond a device's reading rights):
+    carry its pre-aggregator's messages up and the coordinator's down (broker_server/site.py)."""
+    me = site_shard(site)
+    return [f"topic write {topics.presence(fed, '+')}", f"topic write {topics.shards(fed, 'progress', me)}",
+            f"topic write {topics.shards(fed, 'partial', me)}", f"topic write {topics.shards(fed, 'hello', me)}",
+            f"topic write {topics.shards(fed, 'relay', '+')}", f"topic read {topics.shards(fed, 'phase')}",
+            f"topic read {topics.shards(fed, 'close')}"]
+
+
+def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregated: Iterable[str] = ()) -> str:
     """Mosquitto ACL for federation `fed`: the devices, the server, the monitor, its `shards` aggregator shards,
-    and the bridge of each site broker in `sites`."""
+    and the bridge of each site broker in `sites` (of a site in `pre_aggregated`: its pre-aggregator's topics
+    instead of the uploads)."""
     root = f"{topics.ROOT}/{fed}"
+    folded_at_site = set(pre_aggregated)
     bridges = [line for site in sorted(sites) for line in (
         f"user {bridge_user(fed, site)}",
-        f"topic write {topics.up(fed, '+')}",
-        f"topic write {topics.presence(fed, '+')}",
-        f"topic read {topics.down(fed, '+')}",  # the server's re-send requests to the site's devices
+        *(core_bridge_acl(fed, site) if site in folded_at_site else (
+            f"topic write {topics.up(fed, '+')}",
+            f"topic write {topics.presence(fed, '+')}",
+            f"topic read {topics.down(fed, '+')}")),  # the server's re-send requests to the site's devices
         "")]
     return "\n".join([
         *device_acl_lines(fed),
@@ -353,9 +376,10 @@ def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca
 
 
 def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: int = 0,
-            sites: Iterable[str] = ()) -> BrokerAuth:
-    """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges,
-    and write only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
+            sites: Iterable[str] = (), pre_aggregate: bool = False) -> BrokerAuth:
+    """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges
+    (`pre_aggregate`: those sites fold their uploads on a pre-aggregator; else they forward them), and write
+    only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     store = directory / "credentials.json"
@@ -371,12 +395,17 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: i
     fed_secrets.add_shards(shards)
     for site in sites:
         fed_secrets.add_bridge(site)
+        if pre_aggregate:
+            fed_secrets.pre_aggregators.setdefault(site, new_password())
+        else:
+            fed_secrets.pre_aggregators.pop(site, None)
     auth = BrokerAuth(directory, fed_secrets, tuple(added))
     known = read_hashes(auth.password_file)
     text = password_text(fed_secrets, known, fresh=added)
     if text != "".join(f"{user}:{hashed}\n" for user, hashed in known.items()):
         write_secret(auth.password_file, text)
-    auth.acl_file.write_text(acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges))
+    auth.acl_file.write_text(acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges,
+                                      fed_secrets.pre_aggregators))
     return auth
 
 

@@ -33,7 +33,6 @@ from protofl.algorithms.robust import ClipPolicy
 from protofl.checkpoint import read_checkpoint, write_checkpoint
 from protofl.config import FederationConfig
 from protofl.errors import WireError
-from protofl.names import check_name
 from protofl.plan import Phase, Upload
 from protofl.transport import Transport
 from protofl.wire import (
@@ -55,11 +54,6 @@ __all__ = ["Shard", "shard_id"]
 
 def shard_id(index: int) -> str:
     return f"shard-{index}"
-
-
-def site_shard(site: str) -> str:
-    """The shard id of site `site`'s pre-aggregator (a shard at the site broker, its traffic bridged)."""
-    return f"site-{check_name(site, 'site')}"
 
 
 class Shard:

@@ -23,8 +23,8 @@ from typing import IO, Literal
 
 from broker_server import shard_wire
 from broker_server.broker import _die_with_parent
-from broker_server.security import shard_user
-from broker_server.shard import Shard, shard_id, site_shard
+from broker_server.security import shard_user, site_shard
+from broker_server.shard import Shard, shard_id
 from broker_server.site import site_aggregator_user
 from protofl import topics
 from protofl.errors import ConfigError

@@ -7,8 +7,7 @@ the site as one of its shards. What the bridge and the two ACLs must say is writ
 
 from __future__ import annotations
 
-from broker_server.security import shard_user_acl
-from broker_server.shard import site_shard
+from broker_server.security import shard_user_acl, site_shard
 from protofl import topics
 
 
@@ -26,15 +25,6 @@ def bridge_topics(fed: str, site: str) -> list[str]:
     down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed),
             topics.shards(fed, "phase"), topics.shards(fed, "close")]
     return [f"topic {t} out 1" for t in out] + [f"topic {t} in 1" for t in down]
-
-
-def core_bridge_acl(fed: str, site: str) -> list[str]:
-    """What the site's bridge user may do on the core broker (beyond a device's reading rights)."""
-    me = site_shard(site)
-    return [f"topic write {topics.presence(fed, '+')}", f"topic write {topics.shards(fed, 'progress', me)}",
-            f"topic write {topics.shards(fed, 'partial', me)}", f"topic write {topics.shards(fed, 'hello', me)}",
-            f"topic write {topics.shards(fed, 'relay', '+')}", f"topic read {topics.shards(fed, 'phase')}",
-            f"topic read {topics.shards(fed, 'close')}"]
 
 
 def site_aggregator_acl(fed: str, site: str) -> list[str]:

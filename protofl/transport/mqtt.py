@@ -101,12 +101,28 @@ def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
     return 1 + length_bytes + body
 
 
+_MAX_ROUTES = 200_000  # cached topic routes: more than the largest fleet one server holds (~50,000 devices)
+
+
 def _filter_topic(pattern: str) -> str:
     """`$share/group/a/+` matches like `a/+` (a shared subscription delivers the plain topic)."""
     if pattern.startswith("$share/"):
         parts = pattern.split("/", 2)
         return parts[2] if len(parts) == 3 else pattern
     return pattern
+
+
+class _PahoErrors(logging.Logger):
+    """paho's logger for one connection: its error lines reach the transport, nothing else is formatted.
+    Built directly, not through `logging.getLogger`, so it is not registered and goes with its client."""
+
+    def __init__(self, transport: MqttTransport) -> None:
+        super().__init__(f"protofl.mqtt.paho.{transport.client_id}", logging.ERROR)
+        self.propagate = False
+        self._transport = transport
+
+    def handle(self, record: logging.LogRecord) -> None:
+        self._transport._on_paho_error(record.getMessage())
 
 
 class MqttTransport:
@@ -136,6 +152,9 @@ class MqttTransport:
         self._protocol = paho.MQTTv311 if protocol == "3.1.1" else paho.MQTTv5
         self._lock = threading.RLock()
         self._subs: list[tuple[str, Handler]] = []
+        # topic -> the handlers whose pattern matches it: matching a topic against every pattern in Python
+        # cost ~30 us a message (a server's uploads, issue 27); emptied when a subscription is added.
+        self._routes: dict[str, tuple[Handler, ...]] = {}
         self._patterns: dict[str, None] = {}  # ordered: re-subscribed in the original order
         self._retained: dict[str, tuple[bytes, int]] = {}  # topic -> (payload, publish sequence number)
         # QoS >= 1 publishes awaiting PUBACK: mid -> (sequence number, topic). The network thread only
@@ -228,6 +247,7 @@ class MqttTransport:
     def subscribe(self, pattern: str, handler: Handler) -> None:
         with self._lock:
             self._subs.append((pattern, handler))
+            self._routes.clear()
             self._patterns[pattern] = None
             # Subscribing again re-delivers retained messages, which a new handler expects to see
             # (its older handlers get them again too, as after any reconnect).
@@ -310,7 +330,9 @@ class MqttTransport:
             client.username_pw_set(opts.username, opts.password)
         if opts.tls:
             client.tls_set_context(client_context(opts))
-        client.on_log = self._on_log
+        # paho formats a debug line for every packet when an on_log callback is set (~10 us a message with
+        # MQTT 5 properties); a logger is asked first whether the level is wanted, so only errors cost.
+        client.enable_logger(_PahoErrors(self))
         if self.will is not None:
             client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain)
         client.on_connect = self._on_connect
@@ -404,9 +426,9 @@ class MqttTransport:
             self._tls_warned = why
             log.warning("%s: refusing the connection: %s; retrying with backoff", self.client_id, why)
 
-    def _on_log(self, client: paho.Client, userdata: object, level: int, message: str) -> None:
+    def _on_paho_error(self, message: str) -> None:
         # paho reports a failed read (an SSL alert, a reset) only through its log.
-        if level == paho.MQTT_LOG_ERR and message.startswith("failed to receive on socket"):
+        if message.startswith("failed to receive on socket"):
             self._socket_error = message
 
     def _on_connect(self, client: paho.Client, userdata: object, flags: paho.ConnectFlags,
@@ -487,7 +509,12 @@ class MqttTransport:
                   acks: list[tuple[int, int, int]] | None = None) -> None:
         if payload:  # an empty retained payload only clears a retained message; nothing to handle
             with self._lock:
-                handlers = [h for p, h in self._subs if topic_matches(_filter_topic(p), topic)]
+                handlers = self._routes.get(topic)
+                if handlers is None:
+                    if len(self._routes) >= _MAX_ROUTES:  # a fleet's topics: bounded, rebuilt as they come
+                        self._routes.clear()
+                    handlers = self._routes[topic] = tuple(
+                        h for p, h in self._subs if topic_matches(_filter_topic(p), topic))
             for handler in handlers:
                 try:
                     handler(topic, payload)

@@ -75,9 +75,11 @@ class SiteProcess:
             self.proc.wait(10)
 
 
-def run_federation(tmp: Path, fed: str, bridged: bool) -> tuple[dict[str, np.ndarray], str]:
-    """Four devices, two rounds of fedproto, every device on the core or two at a bridged site; returns the
-    server's model and its output."""
+def run_federation(tmp: Path, fed: str, bridged: bool,
+                   pre_aggregate: bool = False) -> tuple[dict[str, np.ndarray], str]:
+    """Four devices, two rounds of fedproto, every device on the core or two at a bridged site (`pre_aggregate`:
+    whose uploads a site pre-aggregator folds, `protofl-server shard --site`); returns the server's model and its
+    output."""
     from edge_agent.local_data import DataSpec
     from edge_agent.runner import DeviceRunner, RunnerOptions
 
@@ -90,13 +92,13 @@ def run_federation(tmp: Path, fed: str, bridged: bool) -> tuple[dict[str, np.nda
         (tmp / "site.txt").write_text("\n".join(SITE_IDS) + "\n")
         bridge_cli("--bridge", "site-a", "--fed", fed, "--core", f"mqtts://127.0.0.1:{core_port}", "--core-dir",
                    str(state / "security"), "--out", str(site_dir), "--allow", str(tmp / "site.txt"), "--listen",
-                   f"127.0.0.1:{site_port}", "--tls", "on")
+                   f"127.0.0.1:{site_port}", "--tls", "on", *(["--pre-aggregate"] if pre_aggregate else []))
     server = subprocess.Popen(
         [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(core_port),
          "--tls", "on", "--fed", fed, "--rounds", "2", "--min-clients", "4", "--round-timeout", "60",
-         "--state-dir", str(state), "--allow", str(allow)],
+         "--state-dir", str(state), "--allow", str(allow), *(["--sites", "site-a"] if pre_aggregate else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
-    site = None
+    site = pre = None
     runners: list[DeviceRunner] = []
     errors: list[BaseException] = []
     try:
@@ -108,6 +110,12 @@ def run_federation(tmp: Path, fed: str, bridged: bool) -> tuple[dict[str, np.nda
         if bridged:
             site = SiteProcess(site_dir, site_port)
             site.wait_bridged()
+            if pre_aggregate:  # as the operator runs it, with the file broker-config wrote
+                pre = subprocess.Popen(
+                    [sys.executable, "-m", "broker_server.cli", "shard", "--site", "site-a", "--fed", fed, "--broker",
+                     f"mqtt://127.0.0.1:{site_port}", "--credentials", str(site_dir / "site-aggregator.json"),
+                     "--state-dir", str(tmp / "pre")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
+                    text=True)
             where.update({i: (f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" / f"{i}.json") for i in SITE_IDS})
         for index, cid in enumerate(CORE_IDS + SITE_IDS):
             url, file = where[cid]
@@ -126,12 +134,16 @@ def run_federation(tmp: Path, fed: str, bridged: bool) -> tuple[dict[str, np.nda
         out, _ = server.communicate(timeout=180)
         for t in threads:
             t.join(30)
+        if pre is not None:  # it stops when the federation's last round has closed
+            pre_out, _ = pre.communicate(timeout=60)
+            assert pre.returncode == 0, pre_out
     finally:
         for r in runners:
             r.stop()
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        for proc in (pre, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
         if site is not None:
             site.stop()
     assert not errors, errors
@@ -146,11 +158,17 @@ def run_federation(tmp: Path, fed: str, bridged: bool) -> tuple[dict[str, np.nda
 def test_devices_at_a_bridged_site_federate_as_if_on_the_core(tmp_path: Path) -> None:
     expected, out_core = run_federation(tmp_path / "core", "flat", bridged=False)
     got, out = run_federation(tmp_path / "bridged", "sites", bridged=True)
+    # broker-config --bridge --pre-aggregate: the site's uploads are folded at the site (a real `shard --site`
+    # process) and only its partials cross the bridge; were the uploads forwarded too, the coordinator (which folds
+    # the core's own uploads) would fold them a second time and the result would differ.
+    pre, out_pre = run_federation(tmp_path / "pre", "presite", bridged=True, pre_aggregate=True)
+    assert "topic protofl/presite/up/+ out" not in (tmp_path / "pre" / "site" / "mosquitto.conf").read_text()
     for line in ("round 1/2: 4 clients (quorum)", "round 2/2: 4 clients (quorum)", "dropped uploads none"):
-        assert line in out and line in out_core, out
-    assert sorted(got) == sorted(expected)
-    for name in expected:  # the same uploads, folded in another order: float32 tolerance
-        np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        assert line in out and line in out_core and line in out_pre, (out, out_pre)
+    for result in (got, pre):
+        assert sorted(result) == sorted(expected)
+        for name in expected:  # the same uploads, folded in another order: float32 tolerance
+            np.testing.assert_allclose(result[name], expected[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.mosquitto
@@ -316,3 +334,40 @@ def test_start_counts_site_devices_in_its_queue_but_not_in_its_open_files(tmp_pa
     out = "".join(lines)
     assert f"holds up to {queue_for_fleet(600, 1)} messages for the aggregator" in out and "fleet of 600" in out, out
     assert "waiting for 600 client(s)" in out, out
+
+
+def test_broker_config_bridge_pre_aggregate_writes_the_pre_aggregators_side(tmp_path: Path) -> None:
+    core, site = tmp_path / "core", tmp_path / "site"
+    bridge_cli("--out", str(core), "--fed", "lab", "--devices", "1")
+    args = ["--bridge", "north", "--fed", "lab", "--core", "mqtt://core.example:1883", "--core-dir", str(core), "--out",
+            str(site), "--devices", "2", "--listen", "127.0.0.1:1884"]
+    out = bridge_cli(*args, "--pre-aggregate")
+    agg_file = site / "site-aggregator.json"
+    assert (f"protofl-server shard --site north --fed lab --broker mqtt://127.0.0.1:1884 --credentials {agg_file}"
+            in out and "start ... --sites north" in out)
+    conf = (site / "mosquitto.conf").read_text()
+    for line in ("topic protofl/lab/presence/+ out 1", "topic protofl/lab/shards/progress/site-north out 1",
+                 "topic protofl/lab/shards/partial/site-north out 1", "topic protofl/lab/shards/phase in 1",
+                 "topic protofl/lab/shards/close in 1", "topic protofl/lab/round in 1"):
+        assert f"\n{line}\n" in conf, line
+    assert "protofl/lab/up/+" not in conf  # the uploads stay at the site
+    # The pre-aggregator: a user of the site broker with a shard's rights there, and its credentials file.
+    me = read_device_file(agg_file).credentials
+    assert me.username == "protofl-site-lab-north"
+    assert [line.split(":")[0] for line in (site / "passwd").read_text().splitlines()] == [
+        "north-device-1", "north-device-2", "protofl-site-lab-north"]
+    site_acl = (site / "acl").read_text()
+    assert "user protofl-site-lab-north\ntopic read protofl/lab/up/+\n" in site_acl
+    # The core: the bridge user writes the pre-aggregator's topics, not the uploads; kept across a restart's rewrite.
+    core_acl = (core / "acl").read_text()
+    bridge_block = core_acl.split("user protofl-bridge-lab-north\n")[1].split("\n\n")[0]
+    assert "topic write protofl/lab/shards/partial/site-north" in bridge_block
+    assert "protofl/lab/up/" not in bridge_block
+    prepare(core, "lab")  # what `start` does with the core's directory
+    assert (core / "acl").read_text() == core_acl
+    # The same password again (a running pre-aggregator keeps working); without the flag the site forwards again.
+    bridge_cli(*args, "--pre-aggregate")
+    assert read_device_file(agg_file).credentials.password == me.password
+    bridge_cli(*args)
+    assert not agg_file.exists() and "topic protofl/lab/up/+ out 1" in (site / "mosquitto.conf").read_text()
+    assert "topic write protofl/lab/up/+" in (core / "acl").read_text().split("user protofl-bridge-lab-north\n")[1]

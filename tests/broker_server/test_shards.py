@@ -9,17 +9,16 @@ from typing import Any
 
 import pytest
 
-from protofl.algorithms.robust import ClipPolicy
-from protofl.mergeable import NotMergeable
-from tests.test_external_technique import installed  # noqa: F401  (a fixture)
-
 from broker_server.coordinator import Coordinator
 from broker_server.shard import Shard, shard_id
 from broker_server.shell import Aggregator
 from broker_server.watch.observer import FederationObserver
+from protofl.algorithms.robust import ClipPolicy
+from protofl.mergeable import NotMergeable
 from protofl.presets import PRESETS
 from protofl.transport import InProcessBroker
 from tests.broker_server.shard_helpers import FED, NumpyDevice, assert_close, config, model_state, record_state
+from tests.test_external_technique import installed  # noqa: F401  (a fixture)
 
 CLIENTS = [f"d{i}" for i in range(5)]
 
@@ -194,7 +193,7 @@ def test_a_pre_aggregated_site_gives_one_aggregators_result(preset: str) -> None
     """Two devices on the core broker, three at a site whose pre-aggregator folds their uploads there: over
     the bridge go its progress batches, one partial per phase, the relayed joins and metrics, never an upload;
     the coordinator folds the core's uploads itself and merges the site's partial: one aggregator's result."""
-    from broker_server.shard import site_shard
+    from broker_server.security import site_shard
     from broker_server.site import bridge_topics
 
     cfg = config(preset)
