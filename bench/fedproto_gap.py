@@ -65,9 +65,11 @@ VARIANTS = (
     Variant("mean", dict(aggregation="mean"), "global prototype = plain mean over clients, not n_kc-weighted"),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
-# Priority: everything at once, then the singles, each on seeds 0-2 before the next; the baseline last (the
-# suite runs it too: `--reuse` takes its runs, looked for again before every run).
-ORDER = [(v.name, s) for v in (*VARIANTS[1:], VARIANTS[0]) for s in SEEDS]
+# Priority: everything at once on seeds 0-2, then the singles seed by seed (every single on seed 0, then on
+# seed 1, ...: a budget cut short still measures each of them); the baseline last (the suite runs it too:
+# `--reuse` takes its runs, looked for again before every run).
+ORDER = ([("all", s) for s in SEEDS] + [(v.name, s) for s in SEEDS for v in VARIANTS[2:]]
+         + [("baseline", s) for s in SEEDS])
 
 
 def args_for(variant: Variant, seed: int, data_dir: str | None) -> list[str]:
@@ -207,7 +209,7 @@ def summary(data_dir: str | None) -> str:
                 cells.append(f"{vals[0]:.2f}")
             else:
                 cells.append(f"{statistics.fmean(vals):.2f} ± {statistics.stdev(vals):.2f}")
-        sets = ", ".join(f"`{k}={v2}`" for k, v2 in v.sets.items()) or "-"
+        sets = ", ".join(f"`{k}={json.dumps(v2).strip(chr(34))}`" for k, v2 in v.sets.items()) or "-"
         lines.append(f"| {v.name} | {v.what} ({sets}) | " + " | ".join(cells) + f" | {','.join(map(str, seeds))} |")
     lines += ["", "Each variant minus the baseline, paired by seed: mean [95 % t interval] (signs seed by seed, "
               "seeds). Points of accuracy.", "",
