@@ -189,8 +189,8 @@ def summary(data_dir: str | None) -> str:
         "",
         "Written by `bench/fedproto_gap.py` (rerun it to refresh; `--table-only` rewrites this file). Setting A's "
         "work (`" + "protofl-server " + shlex.join(WORK) + " --seed S`), seeds 0-2, each PFLlib behaviour switched on "
-        "by a config field (docs/algorithms.md, FedProto, lists every difference found and why the others need no "
-        "switch). Head = the head's accuracy on the clients' held-out splits, pooled over clients (as PFLlib's "
+        "by a config field (the notes at the end list every difference found, and why the others need no switch; "
+        "the conclusion is there too). Head = the head's accuracy on the clients' held-out splits, pooled over clients (as PFLlib's "
         "`evaluate` pools them); nearest global prototype = the same splits classified by the nearest round target. "
         "All in %. The machine (2 cores) was shared with the benchmark suite's two simulations and other helpers "
         "throughout: wall seconds do not compare, accuracies do (one torch thread count, 2, for every run here).",
