@@ -189,8 +189,8 @@ def summary(data_dir: str | None) -> str:
         "",
         "Written by `bench/fedproto_gap.py` (rerun it to refresh; `--table-only` rewrites this file). Setting A's "
         "work (`" + "protofl-server " + shlex.join(WORK) + " --seed S`), seeds 0-2, each PFLlib behaviour switched on "
-        "by a config field (the notes at the end list every difference found, and why the others need no switch; "
-        "the conclusion is there too). Head = the head's accuracy on the clients' held-out splits, pooled over clients (as PFLlib's "
+        "by a config field (the notes at the end: the conclusion, every difference found, and why the others need no "
+        "switch). Head = the head's accuracy on the clients' held-out splits, pooled over clients (as PFLlib's "
         "`evaluate` pools them); nearest global prototype = the same splits classified by the nearest round target. "
         "All in %. The machine (2 cores) was shared with the benchmark suite's two simulations and other helpers "
         "throughout: wall seconds do not compare, accuracies do (one torch thread count, 2, for every run here).",
@@ -221,6 +221,13 @@ def summary(data_dir: str | None) -> str:
             b = {s: m[("baseline", s)][key] for s in SEEDS if ("baseline", s) in m}
             cells.append(paired(a, b).text())
         lines.append(f"| {v.name} | " + " | ".join(cells) + " |")
+    # What the other three add on top of the optimiser: all four against keep_optimizer alone.
+    cells = []
+    for key, _ in COLUMNS:
+        a = {s: m[("all", s)][key] for s in SEEDS if ("all", s) in m}
+        b = {s: m[("keep-opt", s)][key] for s in SEEDS if ("keep-opt", s) in m}
+        cells.append(paired(a, b).text())
+    lines.append("| all minus keep-opt | " + " | ".join(cells) + " |")
     lines += ["", "Per seed (head final / best; nearest global prototype final):", ""]
     for (name, s), x in sorted(m.items(), key=lambda kv: (ORDER.index(kv[0]))):
         rep = got[(name, s)]
