@@ -127,6 +127,9 @@ class EdgeAgent:
         # The training split's features after this round's training, where the uploads computed them: the
         # evaluation that follows in the same round reuses them (the model has not changed in between).
         self._z_train: np.ndarray | None = None
+        # cfg.keep_optimizer: the momentum buffers the last round's local training left (PFLlib keeps one
+        # optimiser per client for the whole run). Not checkpointed: a restarted device starts them afresh.
+        self._momentum: trainer.Momentum = {}
         # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
         self.upload_budget: Callable[[float], int | None] | None = None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
@@ -229,6 +232,7 @@ class EdgeAgent:
                 self._drop("bad_config", f"adapter layout mismatch: server {theirs[:2]}..., device {mine[:2]}...")
                 return
         self.cfg, self.plan, self.model, self.rules = cfg, plan, model, rules
+        self._momentum = {}
         self.masks = msg.class_masks if plan.masked else None
         self.objective = Objective()
         # This federation's largest messages: the round message carries our full model (FedAvg) or
@@ -317,7 +321,8 @@ class EdgeAgent:
         """What handling a round changes: the model's weights and the round state kept between rounds."""
         assert self.model is not None
         return {"model": copy.deepcopy(self.model.state_dict()),
-                **{k: copy.deepcopy(getattr(self, k)) for k in ("global_adapter", "adapter_round", "objective")},
+                **{k: copy.deepcopy(getattr(self, k)) for k in ("global_adapter", "adapter_round", "objective",
+                                                                 "_momentum")},
                 "rules": [copy.deepcopy(rule.state()) for rule in self.rules]}
 
     def _restore(self, saved: dict[str, Any]) -> None:
@@ -370,13 +375,14 @@ class EdgeAgent:
         # Dropout draws from torch's global RNG: seed it per client and round so that training does not
         # depend on what else ran in this process (in-process vs MQTT parity).
         torch.manual_seed(seed)
+        momentum = self._momentum if cfg.keep_optimizer else None
         if cfg.backbone == "frozen":
             h = self._frozen.features(model, self._x)
-            stats = frozen.train_on_cached_features(model, h, self._y, cfg, self.objective, seed)
+            stats = frozen.train_on_cached_features(model, h, self._y, cfg, self.objective, seed, momentum=momentum)
         else:
-            stats = trainer.train_local(model, self._x, self._y, cfg, self.objective, seed=seed)
+            stats = trainer.train_local(model, self._x, self._y, cfg, self.objective, seed=seed, momentum=momentum)
         self._z_train = None
-        for upload in self._train_uploads(round_, msg.deadline):
+        for upload in self._train_uploads(round_, msg.deadline, stats.seen):
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
@@ -398,8 +404,12 @@ class EdgeAgent:
             table = rule.decode_targets(table)
         return table
 
-    def _train_uploads(self, round_: int, deadline: float) -> list[Message]:
-        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one."""
+    def _train_uploads(self, round_: int, deadline: float,
+                       seen: tuple[np.ndarray, np.ndarray] | None = None) -> list[Message]:
+        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one.
+
+        `seen`: the features local training saw, and their labels (cfg.proto_source == "during"): the
+        prototypes average those instead of the trained model's features of the training split."""
         plan, model = self.plan, self.model
         assert plan is not None and model is not None
         ctx = self.context()
@@ -408,8 +418,12 @@ class EdgeAgent:
         sparsifier = self._first("sparsifier", theta) if theta is not None else None
         local = None
         if Upload.PROTOS in sends:
-            self._z_train = ctx.embed(self._x)
-            protos, counts = self._first("local_prototypes", self._z_train, self.data.y_train)
+            if seen is None:
+                self._z_train = ctx.embed(self._x)
+                z, y = self._z_train, self.data.y_train
+            else:
+                z, y = seen
+            protos, counts = self._first("local_prototypes", z, y)
             for rule in self.rules:
                 protos = rule.select_local(protos)
             local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")

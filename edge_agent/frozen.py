@@ -98,7 +98,7 @@ class FrozenBackbone:
 
 
 class _CachedView:
-    """Looks like a ProtoNet to ``trainer.batch_loss``, but ``features`` starts from cached h.
+    """Looks like a ProtoNet to ``trainer.sgd_epochs``, but ``features`` starts from cached h.
 
     Reusing the trainer's loss (not a copy of it) keeps frozen and trainable training on exactly the
     same objective for every technique.
@@ -110,7 +110,8 @@ class _CachedView:
 
 
 def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, cfg: FederationConfig,
-                             objective: Objective, seed: int) -> trainer.TrainStats:
+                             objective: Objective, seed: int,
+                             momentum: trainer.Momentum | None = None) -> trainer.TrainStats:
     """``trainer.train_local`` for a frozen backbone, on cached h: same epochs, batch order, optimiser.
 
     Only stem, adapter, projection and head are optimised; the backbone's parameters get
@@ -121,12 +122,14 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
     for p in model.backbone.parameters():
         p.requires_grad_(False)
     fixed_head = objective.fixed_head
-    params = [p for name, p in model.named_parameters()
-              if not name.startswith("backbone.") and not (fixed_head and name.startswith("head."))]
+    named = [(name, p) for name, p in model.named_parameters()
+             if not name.startswith("backbone.") and not (fixed_head and name.startswith("head."))]
+    params = [p for _, p in named]
     for p in model.head.parameters():
         p.requires_grad_(not fixed_head)
     for p in params:
         p.requires_grad_(True)
     model.train()
     model.backbone.eval()
-    return trainer.sgd_epochs(_CachedView(model), params, h, y, cfg, objective, seed)  # type: ignore[arg-type]
+    return trainer.sgd_epochs(_CachedView(model), params, h, y, cfg, objective, seed,  # type: ignore[arg-type]
+                              momentum=momentum, names=[name for name, _ in named])

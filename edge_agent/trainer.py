@@ -26,11 +26,14 @@ class TrainStats:
     loss: float
     seconds: float
     steps: int
+    # With cfg.proto_source == "during": the features z of every sample a step trained on, as that step saw
+    # them (train mode, before its update), and their labels: PFLlib's FedProto averages these into the
+    # uploaded prototypes. None otherwise (the prototypes come from the trained model in eval mode).
+    seen: tuple[np.ndarray, np.ndarray] | None = None
 
 
-def batch_loss(model: ProtoNet, xb: torch.Tensor, yb: torch.Tensor, objective: Objective) -> torch.Tensor:
-    """The round's objective on one batch (shared by full and frozen-backbone training)."""
-    return objective.loss(model.features(xb), yb, model.head)
+# Momentum buffers kept between rounds (cfg.keep_optimizer), by parameter name; the agent holds them.
+Momentum = dict[str, torch.Tensor]
 
 
 def train_local(
@@ -40,50 +43,75 @@ def train_local(
     cfg: FederationConfig,
     objective: Objective,
     seed: int,
+    momentum: Momentum | None = None,
 ) -> TrainStats:
     """`cfg.local_epochs` epochs of SGD (lr, momentum, weight decay from cfg) on (x, y).
 
-    A fresh optimiser each round, as in the papers' reference code; the batch order comes from
-    `seed` so a run is reproducible on any transport.
+    A fresh optimiser each round, as in the papers' reference code, unless `momentum` is given (the
+    buffers of the previous round, cfg.keep_optimizer: PFLlib makes one optimiser per client for the whole
+    run); it is updated in place. The batch order comes from `seed` so a run is reproducible on any transport.
     """
     frozen = cfg.backbone == "frozen"
     for p in model.backbone.parameters():
         p.requires_grad_(not frozen)
     for p in model.head.parameters():
         p.requires_grad_(not objective.fixed_head)
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     model.train()
     if frozen:
         model.backbone.eval()  # frozen also means BatchNorm statistics stay put
-    return sgd_epochs(model, params, x, y, cfg, objective, seed)
+    return sgd_epochs(model, [p for _, p in named], x, y, cfg, objective, seed,
+                      momentum=momentum, names=[name for name, _ in named])
 
 
 def sgd_epochs(model: ProtoNet, params: Sequence[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-               cfg: FederationConfig, objective: Objective, seed: int) -> TrainStats:
+               cfg: FederationConfig, objective: Objective, seed: int, momentum: Momentum | None = None,
+               names: Sequence[str] | None = None) -> TrainStats:
     """The local SGD loop shared by full and frozen-backbone training: same batch order for a seed.
 
     `model` only needs `features` and `head` (the frozen mode passes a view that starts from cached h).
+    `momentum` (with the parameters' `names`): buffers to start from and to leave this round's in.
+    `cfg.drop_last` skips each epoch's last incomplete batch (PFLlib's DataLoader(drop_last=True)).
     """
     opt = SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if momentum is not None:
+        if names is None or len(names) != len(opt.params):
+            raise ValueError("kept momentum needs one name per trained parameter")
+        opt.buffers = [momentum.get(name) for name in names]
     rng = np.random.default_rng(seed)
     n = int(x.shape[0])
+    collect = cfg.proto_source == "during"
+    seen_z: list[torch.Tensor] = []
+    seen_y: list[torch.Tensor] = []
     total, steps = 0.0, 0
     start = time.perf_counter()
     for _ in range(cfg.local_epochs):
         order = torch.from_numpy(rng.permutation(n))
         for i in range(0, n, cfg.batch_size):
             idx = order[i : i + cfg.batch_size]
-            if idx.numel() < 2:
-                continue  # BatchNorm cannot train on a single sample
-            loss = batch_loss(model, x[idx], y[idx], objective)
+            if idx.numel() < 2 or (cfg.drop_last and idx.numel() < cfg.batch_size):
+                continue  # BatchNorm cannot train on a single sample; drop_last: a short batch
+            z = model.features(x[idx])
+            loss = objective.loss(z, y[idx], model.head)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
+            if collect:
+                seen_z.append(z.detach().clone())
+                seen_y.append(y[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
             total += float(loss.detach())
             steps += 1
-    return TrainStats(total / max(steps, 1), time.perf_counter() - start, steps)
+    if momentum is not None:
+        assert names is not None
+        momentum.update({name: buf for name, buf in zip(names, opt.buffers, strict=True) if buf is not None})
+    seen = None
+    if collect:
+        zs = torch.cat(seen_z).cpu().numpy() if seen_z else np.zeros((0, model.head.in_features), np.float32)
+        ys = torch.cat(seen_y).cpu().numpy() if seen_y else np.zeros(0, np.int64)
+        seen = (zs.astype(np.float32, copy=False), ys.astype(np.int64, copy=False))
+    return TrainStats(total / max(steps, 1), time.perf_counter() - start, steps, seen)
 
 
 class SGD:

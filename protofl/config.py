@@ -25,6 +25,7 @@ from protofl.technique import is_number
 FEDERATE_CHOICES = ("full", "adapter", "none")
 PROTOTYPE_CHOICES = ("none", "mean", "unit")
 DTYPE_CHOICES = ("f4", "f2", "q8")
+PROTO_SOURCE_CHOICES = ("after", "during")
 
 # The core fields and their defaults, in the order they travel.
 CORE: dict[str, Any] = dict(
@@ -44,6 +45,10 @@ CORE: dict[str, Any] = dict(
     momentum=0.9,
     weight_decay=1e-4,
     backbone="train",  # "train" | "frozen" (one paper contradicts itself; both supported)
+    # How PFLlib's FedProto differs from ours (bench/fedproto_gap.py measures each; docs/algorithms.md):
+    drop_last=False,  # skip each epoch's last incomplete batch (PFLlib's DataLoader drop_last=True)
+    keep_optimizer=False,  # momentum buffers carried across rounds (PFLlib: one optimiser per client)
+    proto_source="after",  # local prototypes: "after" training, re-embedded in eval mode | "during" (PFLlib)
     # What crosses the network.
     federate="adapter",  # "full" (the whole model), "adapter" (the federated adapter), "none"
     prototypes="mean",  # "none", "mean" (class means), "unit" (unit prototypes on the sphere)
@@ -57,6 +62,10 @@ CORE: dict[str, Any] = dict(
     round_timeout=600.0,
 )
 _TUPLES = ("archs", "in_shape")
+# Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
+# federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
+# which refuses keys it does not know, still joins it.
+_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source")
 
 
 class FederationConfig:
@@ -77,6 +86,9 @@ class FederationConfig:
     momentum: float
     weight_decay: float
     backbone: str
+    drop_last: bool
+    keep_optimizer: bool
+    proto_source: str
     federate: str
     prototypes: str
     aggregation: str
@@ -140,6 +152,8 @@ class FederationConfig:
         out: dict[str, Any] = {}
         for key in CORE:
             value = getattr(self, key)
+            if key in _ONLY_WHEN_SET and value == CORE[key]:
+                continue
             out[key] = list(value) if isinstance(value, tuple) else value
         for key, value in self.options.items():
             out[key] = list(value) if isinstance(value, tuple) else value
@@ -185,6 +199,11 @@ class FederationConfig:
              f"in_shape must be (channels, height, width), got {self.in_shape!r}; e.g. --set in_shape=3,32,32 "
              f"or in_shape = [3, 32, 32] in a config file")
         need(self.backbone in ("train", "frozen"), f"backbone must be 'train' or 'frozen', got {self.backbone!r}")
+        for name in ("drop_last", "keep_optimizer"):
+            value = getattr(self, name)
+            need(isinstance(value, bool), f"config '{name}' must be true or false, got {value!r}")
+        need(self.proto_source in PROTO_SOURCE_CHOICES,
+             f"proto_source must be one of {PROTO_SOURCE_CHOICES}, got {self.proto_source!r}")
         need(self.federate in FEDERATE_CHOICES, f"federate must be one of {FEDERATE_CHOICES}, got {self.federate!r}")
         need(self.prototypes in PROTOTYPE_CHOICES,
              f"prototypes must be one of {PROTOTYPE_CHOICES}, got {self.prototypes!r}")
