@@ -12,7 +12,8 @@ added to the federation (the server takes them as members). The site side gets:
   the core queues round messages for the bridge while the link is down, the site queues uploads), TLS to
   the core with the federation CA when the core serves TLS. Topics: `up/+` and `presence/+` out (joins,
   uploads, metrics and presence, retained flags kept), `config`, `public`, `round`, `server/status` and
-  `down/+` (the server's re-send requests to one device: broker_server/resend.py) in.
+  `down/+` (the server's re-send requests to one device: broker_server/resend.py) in, and the site's own
+  dropped-messages counter up as `sites/<site>/dropped` (`drops_line`), for the server to see the site's drops.
   A device that vanishes at the site gets its will published by the site broker on `presence/<id>`, which
   the bridge carries to the server like any presence message. The file holds the bridge's password: 0600.
 - `passwd` and `acl`: the site's devices only, with the same per-device rights as on the core.
@@ -36,7 +37,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker_server.broker import PACKET_HEADROOM, ListenerTls, MosquittoBroker
+from broker_server.broker import DROPPED_TOPIC, PACKET_HEADROOM, ListenerTls, MosquittoBroker
 from broker_server.security import BrokerAuth, device_acl_lines, password_lines, prepare, write_secret
 from broker_server.site import bridge_topics as site_bridge_topics
 from broker_server.site import site_aggregator_acl, site_aggregator_user
@@ -82,7 +83,16 @@ def bridge_lines(fed: str, site: str, core: BrokerOptions, cred: Credentials, co
     ]
     if core_ca is not None:
         lines.append(f"bridge_cafile {core_ca}")
-    return lines + (site_bridge_topics(fed, site) if pre_aggregate else bridge_topics(fed))
+    return lines + (site_bridge_topics(fed, site) if pre_aggregate else bridge_topics(fed)) + [drops_line(fed, site)]
+
+
+def drops_line(fed: str, site: str) -> str:
+    """The site broker's dropped-messages counter, up to the core as `sites/<site>/dropped`: the server reads
+    it as it reads its own broker's and asks the devices that owe the phase to send again (resend.py)."""
+    local, name = DROPPED_TOPIC.rsplit("/", 1)
+    remote = topics.site_dropped(fed, site)
+    assert remote.endswith("/" + name)
+    return f"topic {name} out 1 {local}/ {remote[:-len(name)]}"
 
 
 @dataclass(frozen=True)

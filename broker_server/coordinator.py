@@ -10,6 +10,13 @@ so that every shard clips around the same centres with the same radii; when a ph
 shard for its partial phase over the uploads it counted from it (`shards/close`), merges them once all N
 are in, finishes the phase and publishes the round, as one aggregator would. Progress and the merged
 partials go to the journal like any input, so a restarted coordinator rebuilds the same state.
+
+A shard whose partial does not come within `shard_timeout` seconds of the close (a remote shard whose
+machine is gone: `start` restarts the shards it spawned, which resume from their journals in seconds) is given
+up on for that phase once another shard's partial is in: the phase closes with the other shards' partials,
+without the uploads it folded (counted as `shard_lost` drops, their senders as if they had not sent them), and
+that decision is journaled too. Later closes do not wait for it; it counts again from the first upload it
+reports (run again, it resumes).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from broker_server import shard_wire
-from broker_server.rounds import Boundary, Drop, Effect, Gather, Input, Partials, Progress, Received
+from broker_server.rounds import Boundary, Drop, Effect, Gather, Input, Partials, Progress, Received, ShardLost
 from broker_server.security import site_shard
 from broker_server.shard import shard_id
 from broker_server.shell import Aggregator
@@ -34,7 +41,8 @@ from protofl.wire import Envelope, Join
 log = logging.getLogger("protofl.server")
 
 __all__ = ["Coordinator"]
-PROGRESS, PARTIALS = "progress", "partials"
+PROGRESS, PARTIALS, LOST = "progress", "partials", "shard_lost"
+DEFAULT_SHARD_TIMEOUT_S = 300.0  # far beyond a spawned shard's restart (seconds), short of a stalled federation
 
 
 class Coordinator(Aggregator):
@@ -43,14 +51,18 @@ class Coordinator(Aggregator):
     folds this broker's uploads itself and merges the sites' partials into them."""
 
     def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *, shards: int,
-                 sites: Sequence[str] = (), **kwargs: Any) -> None:
+                 sites: Sequence[str] = (), shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S, **kwargs: Any) -> None:
+        if not shard_timeout > 0:
+            raise ValueError(f"the shard timeout must be > 0 seconds, got {shard_timeout}")
         if shards < 0 or (shards == 0 and not sites):
             raise ValueError(f"a sharded federation needs at least 1 shard or site, got {shards} and {list(sites)}")
         check_mergeable(cfg, kwargs.get("policy"))  # NotMergeable, with its reason, before anything runs
         super().__init__(cfg, fed, transport, sharded=True, **kwargs)
         self.direct = shards == 0  # this broker's uploads come to the coordinator itself
         self.shards = [shard_id(i) for i in range(shards)] + [site_shard(s) for s in sites]
+        self.shard_timeout = shard_timeout
         self._parts: dict[str, dict[str, Any]] = {}  # the closing phase's partials received so far
+        self._lost: set[str] = set()  # shards given up on in the closing phase (no partial within the timeout)
         self._waiting: dict[str, list[Progress]] = {}  # progress of devices whose join is not in yet
         self._closing_since: float | None = None  # when the open phase began waiting for partials
         self._said = 0.0
@@ -73,14 +85,37 @@ class Coordinator(Aggregator):
             self._closing_since = None
             return
         t = self.clock() if now is None else now
+        missing = [s for s in self.shards if s not in self._parts and s not in self._lost]
         if self._closing_since is None:
             self._closing_since = self._said = t
+        elif t - self._closing_since >= self.shard_timeout and missing and self._parts:
+            # Only while another shard answered: when none does, the fault is more likely this side's (or every
+            # shard's), and closing on nothing would lose every upload; they resume from their journals.
+            self._give_up(missing)
         elif t - self._said >= 30:
             self._said = t
             log.warning("round %d %s: waiting %.0f s for the partials of shard(s) %s (a shard that died is restarted "
-                        "by `start`; on another machine, run its `protofl-server shard` command again)", self.round,
-                        open_.phase.value, t - self._closing_since,
-                        ", ".join(s for s in self.shards if s not in self._parts))
+                        "by `start`; on another machine, run its `protofl-server shard` command again; after "
+                        "%.0f s (--shard-timeout) the phase closes without its uploads)", self.round,
+                        open_.phase.value, t - self._closing_since, ", ".join(missing), self.shard_timeout)
+
+    def _give_up(self, missing: list[str]) -> None:
+        """The closing phase without the uploads of the shards in `missing` (journaled: a restart decides the same)."""
+        open_ = self.machine.phase
+        assert open_ is not None
+        for shard in missing:
+            owned = sum(1 for s in open_.owners.values() if s == shard)
+            body = shard_wire.encode("lost", shard=shard, round=self.round, phase=open_.phase.value)
+            self._handle(ShardLost(shard, self.round, open_.phase.value),
+                         (topics.shards(self.fed, "partial", shard), body, "", LOST, self.round, open_.phase.value),
+                         f"the loss of {shard}")
+            self._lost.add(shard)
+            if owned:
+                self.dropped["shard_lost"] = self.dropped.get("shard_lost", 0) + owned
+            log.error("round %d %s: no partial from %s in %.0f s (--shard-timeout): the phase closes without its %d "
+                      "upload(s); run its `protofl-server shard` command again for it to take part from the next "
+                      "phase", self.round, open_.phase.value, shard, self.shard_timeout, owned)
+        self._merge_if_complete()
 
     def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
         """Not the uploads (the shards have those, unless `direct`): what the shards send, and devices' presence."""
@@ -113,6 +148,14 @@ class Coordinator(Aggregator):
                                  entries=[[inp.sender, inp.kind, inp.nbytes]])
         self._handle(inp, (topics.shards(self.fed, "progress", inp.shard), body, inp.sender, PROGRESS, inp.round,
                            inp.phase), f"{inp.kind} of {inp.sender} from {inp.shard}")
+        self._back(inp.shard)
+
+    def _back(self, shard: str) -> None:
+        """A shard given up on that folds an upload of the open phase again: its partial is awaited again."""
+        open_ = self.machine.phase
+        if shard in self._lost and open_ is not None and shard in open_.owners.values():
+            self._lost.discard(shard)
+            log.warning("%s is back: its partial is awaited again from this phase on", shard)
 
     def _progress_inputs(self, topic: str, payload: bytes) -> list[Progress]:
         try:
@@ -153,7 +196,14 @@ class Coordinator(Aggregator):
             self._drop("invalid", f"{topic}: {exc}", len(payload))
             return
         self._parts[shard] = msg["part"]
-        if set(self._parts) == set(self.shards):
+        self._merge_if_complete()
+
+    def _merge_if_complete(self) -> None:
+        """Merge and close once every shard not given up on has sent its partial."""
+        open_ = self.machine.phase
+        if open_ is None or not open_.closing:
+            return
+        if set(self._parts) >= set(self.shards) - self._lost:
             parts, self._parts = self._parts, {}
             body = shard_wire.encode("partials", round=self.round, phase=open_.phase.value, parts=parts)
             self._handle(Partials(self.round, open_.phase.value, parts),
@@ -192,12 +242,16 @@ class Coordinator(Aggregator):
         self.transport.publish(topics.shards(self.fed, "phase"), payload, retain=True)
 
     def replay(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
-        if kind not in (PROGRESS, PARTIALS):
+        if kind not in (PROGRESS, PARTIALS, LOST):
             super().replay(topic, payload, client, kind, round_, phase)
             return
         inputs: list[Input]
         if kind == PROGRESS:
             inputs = list(self._progress_inputs(topic, payload))
+        elif kind == LOST:
+            msg = shard_wire.decode(payload, "lost", self._max_control())
+            inputs = [ShardLost(msg["shard"], msg["round"], msg["phase"])]
+            self._lost.add(msg["shard"])
         else:
             msg = shard_wire.decode(payload, "partials", self._max_control())
             inputs = [Partials(msg["round"], msg["phase"], msg["parts"])]
@@ -205,6 +259,8 @@ class Coordinator(Aggregator):
             try:
                 if self.machine.accepts(inp):
                     self._run(self.machine.apply(inp), live=False)
+                if isinstance(inp, Progress):
+                    self._back(inp.shard)
             except Drop as drop:
                 log.warning("journaled %s (round %d) was refused on replay: %s", kind, round_, drop.detail)
 

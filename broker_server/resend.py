@@ -43,12 +43,14 @@ SETTLE_S = 0.5  # after drops, the first requests wait until nothing reached the
 class BrokerDrops:
     """The broker's cumulative dropped-messages counter, read from its `$SYS` payloads."""
 
-    def __init__(self) -> None:
+    def __init__(self, from_zero: bool = False) -> None:
         self.total = 0  # drops seen since this server started
-        self._last: int | None = None
+        # The first reading is the baseline (drops before we listened), unless counted `from_zero`: a site
+        # broker's counter, whose first reading may come only after its bridge reconnected, past the drops.
+        self._last: int | None = 0 if from_zero else None
 
     def observe(self, payload: bytes) -> int:
-        """New drops since the last reading (0 for the first: it is the baseline, drops before we listened)."""
+        """New drops since the last reading (0 for the first, unless counted from zero)."""
         text = payload[:MAX_COUNTER_BYTES + 1].decode("ascii", "replace").strip()
         if len(payload) > MAX_COUNTER_BYTES or not text.isdigit():
             return 0  # not a counter: ignored (only the broker can publish on $SYS)

@@ -216,7 +216,7 @@ def core_bridge_acl(fed: str, site: str) -> list[str]:
     return [f"topic write {topics.presence(fed, '+')}", f"topic write {topics.shards(fed, 'progress', me)}",
             f"topic write {topics.shards(fed, 'partial', me)}", f"topic write {topics.shards(fed, 'hello', me)}",
             f"topic write {topics.shards(fed, 'relay', '+')}", f"topic read {topics.shards(fed, 'phase')}",
-            f"topic read {topics.shards(fed, 'close')}"]
+            f"topic read {topics.shards(fed, 'close')}", f"topic read {topics.down(fed, '+')}"]
 
 
 def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregated: Iterable[str] = ()) -> str:
@@ -231,6 +231,7 @@ def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregate
             f"topic write {topics.up(fed, '+')}",
             f"topic write {topics.presence(fed, '+')}",
             f"topic read {topics.down(fed, '+')}")),  # the server's re-send requests to the site's devices
+        f"topic write {topics.site_dropped(fed, site)}",  # the site broker's drops, for the server to see
         "")]
     return "\n".join([
         *device_acl_lines(fed),

@@ -22,7 +22,7 @@ import numpy as np
 
 from broker_server import shard_wire
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
-from broker_server.coordinator import Coordinator
+from broker_server.coordinator import DEFAULT_SHARD_TIMEOUT_S, Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
@@ -82,7 +82,8 @@ class AggregatorService:
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
                  on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
-                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = ()) -> None:
+                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = (),
+                 shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> None:
         self.fed = fed
         self.tick_interval = tick_interval
         self._user_round_end = on_round_end
@@ -109,13 +110,15 @@ class AggregatorService:
                                       max_clients=max_clients, on_round_end=self._round_end,
                                       on_metrics=self._metrics, offline_grace=offline_grace,
                                       limits=limits)  # None: the aggregator derives them from the config
-        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites, **common)
+        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites,
+                                       shard_timeout=shard_timeout, **common)
                            if shards or sites else Aggregator(cfg, fed, self.transport, **common))
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
                                transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)
         # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/resend.py).
         self.broker_drops = BrokerDrops()
+        self.site_drops: dict[str, BrokerDrops] = {}  # each bridged site broker's counter (sites/<site>/dropped)
         self.resender = Resender(resend_window or _default_window(cfg))
         self._resend_at = 0.0
         self.watch.resends = self._resend_counts
@@ -154,6 +157,7 @@ class AggregatorService:
         for pattern, _ in self.aggregator.subscriptions():
             self.transport.subscribe(pattern, _ignore)
         self.transport.subscribe(DROPPED_TOPIC, self._on_dropped)  # Mosquitto's; where it is readable
+        self.transport.subscribe(topics.site_dropped_all(self.fed), self._on_site_dropped)  # site brokers' (bridged)
         self.aggregator.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
@@ -228,16 +232,32 @@ class AggregatorService:
 
     def _on_dropped(self, topic: str, payload: bytes) -> None:
         """The broker's dropped-messages counter: new drops start a re-send episode for the open phase."""
-        new = self.broker_drops.observe(payload)
+        self._drops_seen(self.broker_drops.observe(payload), "the broker", "--broker-queue")
+
+    def _on_site_dropped(self, topic: str, payload: bytes) -> None:
+        """A bridged site broker's counter, as its bridge carried it up: the same, for the devices at that site
+        (whose uploads the site broker may drop while the core or the link is slow)."""
+        site = topic.split("/")[-2]
+        if topic != topics.site_dropped(self.fed, site):
+            return
+        drops = self.site_drops.setdefault(site, BrokerDrops(from_zero=True))
+        self._drops_seen(drops.observe(payload), f"site broker '{site}'", f"broker-config --bridge {site} "
+                                                                          f"--broker-queue")
+
+    def _drops_seen(self, new: int, who: str, knob: str) -> None:
         if not new:
             return
         agg = self.aggregator
         phase = agg.machine.phase
         where = f"round {agg.round} {phase.phase.value}" if phase is not None else f"round {agg.round} (joins)"
-        log.warning("the broker dropped %d message(s) (%d so far) in %s after acknowledging them: a queue was full "
-                    "(--broker-queue). Asking the devices that owe this phase to send again", new,
-                    self.broker_drops.total, where)
+        log.warning("%s dropped %d message(s) (%d so far, all brokers) in %s after acknowledging them: a queue was "
+                    "full (%s). Asking the devices that owe this phase to send again", who, new,
+                    self._drops_total(), where, knob)
         self.resender.alarm(agg.round, phase.phase.value if phase is not None else "")
+        self.watch.changed()
+
+    def _drops_total(self) -> int:
+        return self.broker_drops.total + sum(d.total for d in self.site_drops.values())
 
     def _ask_resends(self, now: float | None = None) -> None:
         """Send the re-send requests that are due (at most every RESEND_TICK_S, while an episode is on)."""
@@ -262,7 +282,7 @@ class AggregatorService:
             self.watch.changed()
 
     def _resend_counts(self) -> tuple[int, int]:
-        return self.broker_drops.total, self.resender.requests
+        return self._drops_total(), self.resender.requests
 
     def _round_end(self, rec: RoundRecord) -> None:
         self.round_log.round_end(rec)

@@ -15,6 +15,8 @@ partial are checked where it is merged (broker_server/stages.py PhaseRun.check_p
     partials  (the coordinator's journal only) every shard's partial, as merged
     hello     shard -> coordinator, retained: it is subscribed (sent after its subscriptions, so the broker
               has them): a coordinator announces the federation only once every shard said it
+    lost      (the coordinator's journal only) it gave up on a shard's partial for the closing phase
+              (`start --shard-timeout`): the phase closes without that shard's uploads
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from protofl.errors import WireError
 from protofl.wire import Limits
 
 VERSION = 1
-KINDS = ("phase", "close", "progress", "partial", "partials", "hello")
+KINDS = ("phase", "close", "progress", "partial", "partials", "hello", "lost")
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "phase": {"round": int, "phase": str, "finished": bool, "machine": (dict, type(None)), "policy": dict,
               "limits": dict, "members": (list, type(None))},
@@ -39,6 +41,7 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "partial": {"shard": str, "round": int, "phase": str, "uploads": int, "part": dict},
     "partials": {"round": int, "phase": str, "parts": dict},  # the coordinator's journal: every shard's, merged
     "hello": {"shard": str},
+    "lost": {"shard": str, "round": int, "phase": str},  # the coordinator's journal: a shard given up on
 }
 
 

@@ -23,7 +23,7 @@ def bridge_topics(fed: str, site: str) -> list[str]:
     out = [topics.presence(fed, "+"), topics.shards(fed, "progress", me), topics.shards(fed, "partial", me),
            topics.shards(fed, "hello", me), topics.shards(fed, "relay", "+")]
     down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed),
-            topics.shards(fed, "phase"), topics.shards(fed, "close")]
+            topics.shards(fed, "phase"), topics.shards(fed, "close"), topics.down(fed, "+")]
     return [f"topic {t} out 1" for t in out] + [f"topic {t} in 1" for t in down]
 
 

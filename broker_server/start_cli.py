@@ -116,6 +116,10 @@ def start_command(
     sites: str | None = typer.Option(None, "--sites", help="Pre-aggregated sites, NAME,...: each site's broker "
                                      "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
                                      "devices' uploads there and sends one partial per phase."),
+    shard_timeout: float = typer.Option(300.0, "--shard-timeout", help="--shards/--sites: seconds a closing phase "
+                                        "waits for a shard's partial before it closes without that shard's uploads "
+                                        "(a shard on a machine that is gone); a spawned shard is restarted in "
+                                        "seconds and resumes from its journal."),
     shard_credentials: Path | None = typer.Option(None, "--shard-credentials", help="--broker with --shards: the "
                                                   "directory of shard-I.json credentials (broker-config --shards N "
                                                   "writes it) the spawned shards use."),
@@ -150,7 +154,7 @@ def start_command(
         own = broker is None
         watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
         site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
-        sharding = Sharding(shards, spawn_shards, shard_credentials, site_names)
+        sharding = Sharding(shards, spawn_shards, shard_credentials, site_names, shard_timeout)
         sharding.check(cfg, policy, external_broker=broker is not None, secured=username is not None)
         _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password,
                None if own else tls_ca, None if own else tls_cert, None if own else tls_key, connect_timeout, policy,
@@ -226,10 +230,13 @@ class Sharding:
     spawn: bool = True
     credentials: Path | None = None  # with --broker: the shards' credentials files (broker-config --shards N)
     sites: tuple[str, ...] = ()  # pre-aggregated sites (broker_server/site.py)
+    timeout: float = 300.0  # --shard-timeout: how long a closing phase waits for a shard's partial
 
     def check(self, cfg: Any, policy: Any, *, external_broker: bool, secured: bool) -> None:
         from broker_server.stages import check_mergeable
 
+        if not self.timeout > 0:
+            raise ConfigError(f"--shard-timeout must be > 0 seconds, got {self.timeout}")
         if not self.shards and not self.sites:
             if self.credentials is not None:
                 raise ConfigError("--shard-credentials is for --shards N")
@@ -570,7 +577,8 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                                     policy=policy, max_clients=access.max_clients, offline_grace=offline_grace,
                                     state_dir=state_dir, board=board, metrics=metrics,
                                     broker_restarts=broker_restarts if broker_is_ours else None,
-                                    resend_window=window, shards=sharding.shards, sites=sharding.sites)
+                                    resend_window=window, shards=sharding.shards, sites=sharding.sites,
+                                    shard_timeout=sharding.timeout)
         live.append(service)
         sharding.spawn_here(stack, fed, broker, state_dir, auth if broker_is_ours else None, connect_timeout)
 

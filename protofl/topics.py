@@ -48,6 +48,16 @@ def server_summary(fed: str) -> str:
     return f"{ROOT}/{fed}/server/summary"
 
 
+def site_dropped(fed: str, site: str) -> str:
+    """Site broker `site`'s dropped-messages counter (its `$SYS/broker/publish/messages/dropped`), carried
+    to the core by its bridge (broker_server/bridge.py) for the server to read as it reads its own broker's."""
+    return f"{ROOT}/{fed}/sites/{site}/dropped"
+
+
+def site_dropped_all(fed: str) -> str:
+    return f"{ROOT}/{fed}/sites/+/dropped"
+
+
 # Sharded aggregators (docs/design.md, "Scale-out"): the shards share the uploads through one MQTT 5 shared
 # subscription; the coordinator and the shards talk under `shards/` (versioned msgpack, their own ACL).
 def shared_up(fed: str) -> str:

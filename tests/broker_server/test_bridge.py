@@ -371,3 +371,82 @@ def test_broker_config_bridge_pre_aggregate_writes_the_pre_aggregators_side(tmp_
     bridge_cli(*args)
     assert not agg_file.exists() and "topic protofl/lab/up/+ out 1" in (site / "mosquitto.conf").read_text()
     assert "topic write protofl/lab/up/+" in (core / "acl").read_text().split("user protofl-bridge-lab-north\n")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_site_brokers_drops_reach_the_server_and_its_devices_send_again(tmp_path: Path) -> None:
+    # The core as `start` serves it; a site broker (generated config) holding one message for its bridge. The
+    # core broker is stopped (SIGSTOP) while the site's 16 devices join: the site acknowledges every join and
+    # drops what its bridge cannot hold (16 joins + 16 presence > 20 in flight + 1 queued). Once the core runs
+    # again, the site's $SYS counter comes up the bridge; the server says so, asks the devices it has not heard
+    # from to join again, and both rounds close at quorum with every device.
+    import json
+
+    from edge_agent.local_data import DataSpec
+    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from protofl import topics
+    from tests.broker_server.test_lossless import _status, _text, _wait
+
+    n, fed, state, site_dir = 16, "sitedrops", tmp_path / "state", tmp_path / "site"
+    core_port, site_port = free_port(), free_port()
+    ids = [f"site-device-{i}" for i in range(1, n + 1)]
+    (tmp_path / "site.txt").write_text("\n".join(ids) + "\n")
+    bridge_cli("--bridge", "north", "--fed", fed, "--core", f"mqtt://127.0.0.1:{core_port}", "--core-dir",
+               str(state / "security"), "--out", str(site_dir), "--allow", str(tmp_path / "site.txt"), "--listen",
+               f"127.0.0.1:{site_port}", "--broker-queue", "1")
+    assert "topic dropped out 1 $SYS/broker/publish/messages/ protofl/sitedrops/sites/north/" in \
+        (site_dir / "mosquitto.conf").read_text()
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(core_port),
+         "--fed", fed, "--rounds", "2", "--allow", str(tmp_path / "site.txt"), "--min-clients", str(n),
+         "--round-timeout", "120", "--state-dir", str(state), "--verbose"], stdout=log, stderr=subprocess.STDOUT,
+        env=ENV)
+    site, runners, core_pid, stopped = None, [], 0, False
+    try:
+        _wait(lambda: "devices join with" in _text(tmp_path / "server.log"), 60, "the server's broker")
+        core_pid = int((state / "broker" / "mosquitto.pid").read_text())
+        site = SiteProcess(site_dir, site_port)
+        site.wait_bridged()
+        # The federation's retained config has reached the site (devices join once they read it there).
+        first = device_options(f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" / f"{ids[0]}.json")
+        probe = MqttTransport(first, ids[0]).connect(10)
+        seen = threading.Event()
+        probe.subscribe(topics.config(fed), lambda t, p: seen.set())
+        assert seen.wait(30), "the config never reached the site"
+        probe.close()
+        os.kill(core_pid, signal.SIGSTOP)
+        stopped = True
+        data = f"synthetic:n={20 * n},n_test={4 * n}"
+        for i, cid in enumerate(ids):
+            runners.append(DeviceRunner(device_options(f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" /
+                                                       f"{cid}.json"), fed, cid,
+                                        DataSpec(data, partition=(i, n), seed=1), RunnerOptions(connect_timeout=30)))
+        threads = [threading.Thread(target=r.run, kwargs={"timeout": 180}, daemon=True) for r in runners]
+        for t in threads:
+            t.start()
+        _wait(lambda: "Outgoing messages are being dropped for client" in _text(site.log), 60,
+              "the site broker to drop what its bridge cannot hold")
+        os.kill(core_pid, signal.SIGCONT)
+        stopped = False
+        for t in threads:
+            t.join(180)
+        assert server.wait(60) == 0
+    finally:
+        if stopped:
+            os.kill(core_pid, signal.SIGCONT)
+        for r in runners:
+            r.stop()
+        if server.poll() is None:
+            server.kill()
+        if site is not None:
+            site.stop()
+        log.close()
+    out = _text(tmp_path / "server.log")
+    rounds = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
+    assert [(r["round"], len(r["clients"]), r["closed_by"]) for r in rounds] == [(1, n, "quorum"), (2, n, "quorum")]
+    final = _status(state / "status.json")
+    assert final["broker_dropped"] > 0 and final["resend_requests"] > 0, final
+    assert "site broker 'north' dropped" in out and "to re-send" in out, out

@@ -91,6 +91,9 @@ def test_the_dropped_counter_is_read_as_new_drops_with_its_resets_and_garbage_ig
     for junk in (b"-1", b"12abc", b"", b"9" * 40, b"\xff\xfe"):
         assert drops.observe(junk) == 0
     assert drops.total == 8
+    # A site broker's counter comes up its bridge, maybe first after the drops: counted from zero.
+    site = BrokerDrops(from_zero=True)
+    assert site.observe(b"7") == 7 and site.observe(b"7") == 0 and site.total == 7
 
 
 def _machine(ids: list[str]) -> RoundMachine:

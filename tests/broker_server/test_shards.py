@@ -129,6 +129,25 @@ def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> 
     assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
 
 
+def durable_coordinator(cfg: Any, broker: InProcessBroker, name: str, tmp_path: Any,
+                        **kwargs: Any) -> tuple[Coordinator, Any]:
+    """A two-shard coordinator with its journal and checkpoint in tmp_path/agg, resumed from them if any."""
+    from broker_server.durable import DurableState
+
+    c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS, **kwargs)
+    durable = DurableState(tmp_path / "agg", FED)
+    durable.bind(c)
+    c.start(resume=durable.restore())
+    return c, durable
+
+
+def two_shards(broker: InProcessBroker) -> list[Shard]:
+    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
+    for s in shards:
+        s.start()
+    return shards
+
+
 @pytest.mark.parametrize("when", ["mid_phase", "closing"])
 def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: Any, when: str) -> None:
     """The coordinator (with its journal and checkpoint) dies mid-phase, or while it waits for the partials;
@@ -140,16 +159,9 @@ def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: An
     broker = InProcessBroker()
 
     def coordinator(name: str) -> tuple[Coordinator, DurableState]:
-        c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS)
-        durable = DurableState(tmp_path / "agg", FED)
-        durable.bind(c)
-        c.start(resume=durable.restore())
-        return c, durable
+        return durable_coordinator(cfg, broker, name, tmp_path)
 
-    coord, durable = coordinator("server")
-    shards = [Shard(FED, broker.connect(shard_id(i)), shard=shard_id(i)) for i in (0, 1)]
-    for s in shards:
-        s.start()
+    (coord, durable), _ = coordinator("server"), two_shards(broker)  # the shards live on the broker
     for i, c in enumerate(CLIENTS):
         NumpyDevice(c, i, cfg, broker.connect(c)).join()
     restarted = False
@@ -167,6 +179,57 @@ def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: An
     assert restarted and coord.finished, coord.dropped
     assert_close(model_state(one.model), model_state(coord.model))
     assert [record_state(r)[:5] for r in one.records] == [record_state(r)[:5] for r in coord.records]
+
+
+def test_a_shard_that_never_sends_its_partial_is_given_up_on_after_the_shard_timeout(tmp_path: Any) -> None:
+    """Shard 1 dies for good (its machine gone) after folding part of round 1: the close waits `shard_timeout`
+    for its partial, then closes without its uploads (counted as `shard_lost`, their devices not among the round's
+    clients), and the later phases do not wait for it; while no shard has answered it keeps waiting. A coordinator
+    restarted from its journal between the loss and the merge decides the same."""
+    from broker_server.durable import DurableState
+
+    cfg = config("fedproto").replace(min_clients=2)
+    broker = InProcessBroker()
+    now = [1000.0]
+
+    def coordinator(name: str) -> tuple[Coordinator, DurableState]:
+        return durable_coordinator(cfg, broker, name, tmp_path, shard_timeout=60, clock=lambda: now[0])
+
+    (coord, durable), shards = coordinator("server"), two_shards(broker)
+    for i, c in enumerate(CLIENTS):
+        NumpyDevice(c, i, cfg, broker.connect(c)).join()
+    while broker.pump(1):
+        if shards[1].accepted and not shards[1].transport.closed:
+            shards[1].transport.close()  # gone with its machine: what it folded, and what was on its way to it
+    phase = coord.machine.phase
+    assert coord.round == 1 and phase is not None
+    lost = {key.split("/")[0] for key, owner in phase.owners.items() if owner == shard_id(1)}
+    kept = {key.split("/")[0] for key, owner in phase.owners.items() if owner == shard_id(0)}
+    assert lost and kept
+    now[0] += cfg.round_timeout + 1  # the uploads it swallowed never come: the deadline closes the phase
+    coord.tick()
+    assert phase.closing and coord.round == 1
+    now[0] += 61
+    coord.tick()  # past the shard timeout, but no shard has answered yet: nobody is given up on
+    assert not coord.dropped and coord.round == 1
+    broker.pump()  # the close out, shard 0's partial back
+    coord._merge_if_complete = lambda: None  # type: ignore[method-assign]  # it dies once the loss is journaled
+    coord.tick()
+    assert coord.dropped.get("shard_lost") == len(lost) and coord.round == 1, coord.dropped
+    # The coordinator dies here; restarted from its journal it replays the loss and waits for shard 0 only.
+    coord.transport.close()
+    durable.close()
+    coord, durable = coordinator("server-again")
+    phase = coord.machine.phase
+    assert coord.round == 1 and phase is not None and shard_id(1) not in phase.owners.values()
+    while broker.pump(1):
+        pass
+    durable.close()
+    rec = coord.records[0]
+    assert rec.round == 1 and set(rec.clients) == kept, (rec.clients, lost, kept)
+    # Every later phase closes on shard 0's partial alone: no more waiting for shard 1.
+    assert coord.finished and [len(r.clients) for r in coord.records[1:]] == [len(CLIENTS)] * (cfg.rounds - 1)
+    assert not any(d for k, d in coord.dropped.items() if k != "shard_lost")
 
 
 def bridge(core: InProcessBroker, site: InProcessBroker, lines: list[str]) -> dict[str, int]:
