@@ -438,9 +438,9 @@ def control_lines(ctx: Context) -> list[str]:
 # -- the global predictor against FedAvg's global model ------------------------------------------------
 PREDICTORS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     # setting -> (label, FedAvg's row, rows whose technique defines a global predictor)
-    "A05": ("A, alpha 0.5", "A/a0.5-fedavg", ("A/a0.5-refprotofl",)),
-    "A100": ("A, alpha 100", "A/a100-fedavg", ("A/a100-refprotofl",)),
-    "B": ("B", "B/fedavg", ("B/refprotofl",)),
+    "A05": ("A, alpha 0.5", "A/a0.5-fedavg", ("A/a0.5-refprotofl-frozen",)),
+    "A100": ("A, alpha 100", "A/a100-fedavg", ("A/a100-refprotofl-frozen",)),
+    "B": ("B", "B/fedavg", ("B/refprotofl-frozen",)),
     "C": ("C", None, ()),
 }
 
@@ -448,7 +448,9 @@ PREDICTORS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
 def predictor_lines(ctx: Context) -> list[str]:
     out = _intro_and_head("How close a prototype federation's deployable model comes to FedAvg's global model, and at what "
            "fraction of its uplink bytes (broker_server/simulation/predictor.py: RefProtoFL's federated adapter and "
-           "head on the shared backbone; FedPAGR and FedProto define none, their backbones stay private). Global "
+           "head on the shared backbone, which exists with `backbone=frozen` only: with the default every device "
+           "trains its own backbone and there is no one model to give a new device, so these rows run RefProtoFL "
+           "with `--set backbone=frozen`; FedPAGR and FedProto define none, their backbones stay private). Global "
            "predictor and FedAvg's model both scored on the full test set at the final round.",
                           ("setting", "row", "seeds", "global predictor", "FedAvg global", "predictor - FedAvg (points)",
                            "uplink, fraction of FedAvg's"), ("---", "---", "--:", "--:", "--:", "---", "--:"))
@@ -460,8 +462,8 @@ def predictor_lines(ctx: Context) -> list[str]:
         for k in keys:
             st = row_stats(ctx, k)
             if st.mean("predictor_acc") is None:
-                out.append(f"| {where} | {st.row.label} | - | not run yet (`{k}`: its cached runs "
-                           f"predate the metric) | {mean_std(fa, 'global_acc')} | - | - |")
+                out.append(f"| {where} | {st.row.label} | - | not run yet (`{k}`) | {mean_std(fa, 'global_acc')} "
+                           f"| - | - |")
                 continue
             p = paired({s: 100 * v for s, v in st.values("predictor_acc").items()},
                        {s: 100 * v for s, v in fa.values("global_acc").items()})

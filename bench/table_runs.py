@@ -288,6 +288,16 @@ def _sets(**kw: Any) -> tuple[tuple[str, Any], ...]:
 
 
 LOCAL_ONLY = "local only (control: fedproto at proto_lambda=0)"
+PREDICTOR_LABEL = "refprotofl, frozen backbone (its global predictor)"
+
+
+def _predictor_row(setting: str, name: str, fed: str) -> list[str]:
+    """RefProtoFL with `backbone=frozen`: every device keeps the same seeded backbone, so the federated adapter
+    and head on it are one model a new device can be given (the global predictor, broker_server/simulation/
+    predictor.py). With the default `backbone=train` every backbone drifts apart and there is none: the
+    simulate report says so, and its `predictor_acc` stays empty."""
+    return _add(Row(setting, name, PREDICTOR_LABEL, "refprotofl", fed, _sets(backbone="frozen"), tier=CONTROL),
+                legacy=False)
 
 
 def _local_only(setting: str, name: str, fed: str) -> list[str]:
@@ -313,6 +323,7 @@ _a = _add(
         _sets(erpa=False, prototypes="none", apud=False), tier=REST),
 )
 _a += _local_only("A", "a0.5-local-only", "A05")
+_a += _predictor_row("A", "a0.5-refprotofl-frozen", "A05")
 SECTIONS.append(Section("A", "A-alpha0.5", "A (RefProtoFL Table 2): alpha = 0.5", "A05", tuple(_a)))
 _a100 = _add(
     Row("A", "a100-fedproto", "fedproto", "fedproto", "A100", tier=REST, paper=Paper("R100", global_="85.96")),
@@ -320,6 +331,7 @@ _a100 = _add(
     Row("A", "a100-fedavg", "fedavg", "fedavg", "A100", tier=REST, paper=Paper("R100", global_="85.10")),
 )
 _a100 += _local_only("A", "a100-local-only", "A100")
+_a100 += _predictor_row("A", "a100-refprotofl-frozen", "A100")
 SECTIONS.append(Section("A", "A-alpha100", "A (RefProtoFL Table 2): alpha = 100", "A100", tuple(_a100)))
 
 # -- B: TinyProto (and every preset, for D and goal 4) -------------------------------------------------
@@ -341,6 +353,7 @@ _b = _add(
 _b += _local_only("B", "local-only", "B")
 # FedAvg on B: the global model the global predictor is set against (the first suite had none in B).
 _b += _add(Row("B", "fedavg", "fedavg", "fedavg", "B", tier=CONTROL), legacy=False)
+_b += _predictor_row("B", "refprotofl-frozen", "B")
 SECTIONS.append(Section("B", "B", "B (TinyProto): 20 clients, alpha = 0.1", "B", tuple(_b),
                         ("With scaling off, mu is unused (clients send plain prototypes and counts).",)))
 
