@@ -160,6 +160,12 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     runner = ServiceThread(service, timeout=60).start()
     agg = service.aggregator
     client = MqttTransport(mosquitto.url, "attacker", backoff=fast_backoff()).connect(10)
+    # The server's retained config is published after its subscriptions, on the same connection: once it is
+    # here, the broker has them (service.start does not wait for the SUBACK; a join sent before could reach no
+    # subscriber on a loaded machine).
+    announced = threading.Event()
+    client.subscribe(topics.config("drops"), lambda t, p: announced.set())
+    assert announced.wait(20), "the server never announced the federation"
 
     def send(topic_client: str, payload: bytes, until) -> None:  # type: ignore[no-untyped-def]
         client.publish(topics.up("drops", topic_client), payload)
