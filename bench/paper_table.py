@@ -38,7 +38,7 @@ from typing import Any
 
 from bench import table_report
 from bench.table_runs import (FEDERATIONS, SETTINGS, SIZING, Run, as_spelled_today, needed_for, run_args, suite_runs,
-                              test_samples)
+                              test_samples, twin_run)
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +86,17 @@ def config_matches(rep: dict[str, Any], run: Run, suite: str) -> bool:
     return all(cached[k] == v if k in cached else (k in fields and v == defaults.get(k)) for k, v in now.items())
 
 
+def never_clipped(config: dict[str, Any]) -> bool:
+    """A run with this resolved config clips nothing, so `--clip on` and `--clip off` make the same run.
+
+    Its only uploads are full-width unit prototypes (nothing federated, no CPS masks, no ERPA anchors): every
+    row has norm 1, so from round 2 on the radius is 10 x median norm = 10 (protofl/algorithms/robust.py),
+    round 1's is 1e4, and two unit vectors lie at most 2 apart. An unclipped row within the radius is folded
+    as sent with clipping on or off (tests/broker_server/test_clip_switch.py), so the runs are equal."""
+    return (config.get("federate") == "none" and config.get("prototypes") == "unit"
+            and not config.get("cps") and not config.get("erpa"))
+
+
 def git_info() -> dict[str, Any]:
     def git(*a: str) -> str | None:
         try:
@@ -126,7 +137,20 @@ class Runner:
         return self.run_root / run.setting / f"{run.name}.json"
 
     def cached(self, run: Run) -> dict[str, Any] | None:
-        """The cached report if it is finished and made by the current command and config, else None."""
+        """The cached report if it is finished and made by the current command and config, else None.
+
+        An unclipped run that has not run itself is its clipped twin's run (same seed) where that one clipped
+        nothing by construction (`never_clipped`); the report then says so under "same_as"."""
+        rep = self.own_cached(run)
+        if rep is not None or run.row.clip or (twin := twin_run(run)) is None:
+            return rep
+        rep = self.own_cached(twin)
+        if rep is None or not never_clipped(rep.get("config") or {}) or not config_matches(rep, run, self.suite):
+            return None
+        return {**rep, "same_as": twin.key}
+
+    def own_cached(self, run: Run) -> dict[str, Any] | None:
+        """The report in the run's own cache file, if it is finished and made by the current command and config."""
         p = self.path(run)
         if not p.is_file():
             return None
@@ -300,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
                                command=argv_shown, git=runner.git, runs=runs_all, cached=runner.cached)
     if ns.dry_run:
         for r in runs:
-            state = "cached" if runner.cached(r) else "to run"
-            print(f"{r.key:32s} {state:7s} protofl-server {shlex.join(run_args(r, sizing_key, ns.data_dir) + runner.backend_args)}")
+            rep = runner.cached(r)
+            state = "to run" if rep is None else "= twin" if rep.get("same_as") else "cached"
+            args = run_args(r, sizing_key, ns.data_dir) + runner.backend_args
+            print(f"{r.key:32s} {state:7s} protofl-server {shlex.join(args)}")
         return 0
     if ns.table_only:
         table_report.write(ctx)

@@ -52,7 +52,12 @@ RULE = ("Two rows compare paired by seed (same seed: same partition, initialisat
         "(docs/algorithms.md, Evaluation > Statistics; `bench/paired.py`). A goal is judged on its rows run "
         "unclipped on seeds 0-4; until those are in, provisionally on the unclipped rows' common seeds where there "
         "are at least 3, else on their clipped twins (seeds 0-2, the runs cached before clipping could be switched "
-        "off), and it says so and lists the missing runs.")
+        "off), and it says so and lists the missing runs. A row whose only uploads are full-width unit prototypes "
+        "(fedpagr's) clips nothing with clipping on (radius 10 x median norm 1 = 10 > 2, the widest gap between unit "
+        "vectors; `bench/paper_table.py`, `never_clipped`): its unclipped seeds 0-2 are its clipped twin's runs, "
+        "and its clipped - unclipped line says so instead of showing a 0. Checked: `A/a0.5-fedpagr` seed 0 run with "
+        "`--clip off` at 0ce0223 equals its twin (made at ee94744) in every round's accuracies and bytes "
+        "(`bench/results/clip/A/a0.5-fedpagr-clipoff-s0.json`).")
 
 
 @dataclass
@@ -85,6 +90,7 @@ def summary(rep: dict[str, Any]) -> dict[str, Any]:
     out["down_per"] = tot["downlink_bytes"] / slots
     out["up_total"] = tot["uplink_bytes"]
     out["wall_s"] = tot["wall_s"]
+    out["same_as"] = rep.get("same_as")  # an unclipped run that is its clipped twin's (paper_table.never_clipped)
     return out
 
 
@@ -101,6 +107,10 @@ class RowStats:
     @property
     def missing(self) -> list[int]:
         return [s for s in self.expected if s not in self.by_seed]
+
+    def same_as_twin(self) -> list[int]:
+        """The seeds whose run is the clipped twin's (it clipped nothing by construction)."""
+        return sorted(s for s, v in self.by_seed.items() if v.get("same_as"))
 
     def values(self, metric: str) -> dict[int, float]:
         return {s: v[metric] for s, v in self.by_seed.items() if v.get(metric) is not None}
@@ -144,6 +154,8 @@ def _row_line(ctx: Context, key: str, section: Section) -> str | None:
         state = f"FAILED (see `{failed[0].setting}/{failed[0].name}.failed.txt`)" if failed else "not run yet"
         return "| " + " | ".join([label, state] + [""] * (len(COLUMNS) - 3) + [paper]) + " |"
     seeds = ",".join(map(str, sorted(st.by_seed))) + ("" if st.complete else f" of {len(st.expected)}")
+    if same := st.same_as_twin():  # an unclipped row's seeds that are its clipped twin's runs (never clipped)
+        seeds += f" ({','.join(map(str, same))}: the twin's runs)"
     cells = [label, seeds] + [mean_std(st, m) for m in ("local_acc", "local_proto_acc", "local_own_proto_acc@best",
                                                         "global_acc", "global_proto_acc", "ensemble_acc",
                                                         "predictor_acc")]
@@ -235,6 +247,11 @@ def clip_cost(ctx: Context, keys: tuple[str, ...], metric: str) -> str:
         if twin == k:
             continue
         a, b = row_stats(ctx, twin), row_stats(ctx, k)
+        same = b.same_as_twin()
+        if same:  # the same runs: comparing them would show a measured 0 that nothing measured
+            parts.append(f"`{k}` seeds {','.join(map(str, same))} are the twin's runs (full-width unit prototypes: "
+                         "never clipped)")
+            continue
         p = compare(a, b, metric)
         parts.append(f"`{k}` {p.text()}" if p.n else f"`{k}` (no common seeds yet)")
     return f"clipped - unclipped ({METRIC_NAMES[metric]}): " + "; ".join(parts)

@@ -483,6 +483,15 @@ for what, (preset, default_key) in SWEEP.items():
 ROW_BY_KEY: dict[str, Row] = {r.key: r for r in ROWS}
 RUNS: list[Run] = [run for row in ROWS for run in row.runs()]
 RUN_BY_KEY: dict[str, Run] = {r.key: r for r in RUNS}
+
+
+def twin_run(run: Run) -> Run | None:
+    """The run of a goal row's clipped twin on the same seed (None for other rows, or a seed the twin lacks)."""
+    key = clipped(run.row.key)
+    if key == run.row.key:
+        return None
+    twin = ROW_BY_KEY[key]
+    return Run(twin, run.seed) if run.seed in twin.seeds else None
 SETTINGS = ("A", "B", "C", "D", "L")
 
 # The quick suite: the rows every goal needs, on seed 0 only (a smoke run, not evidence).

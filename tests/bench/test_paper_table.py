@@ -287,6 +287,39 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
     assert runner.cached(run) is None
 
 
+def test_an_unclipped_run_that_cannot_clip_is_its_clipped_twins_run(tmp_path):
+    runner = paper_table.Runner("full", tmp_path, None, 1, verbose=False)
+
+    def cache(key: str) -> dict:
+        run = RUN_BY_KEY[key]
+        rep = {"config": paper_table.expected_config(run, "full"),
+               "bench": {"args": paper_table.run_args(run, "full")}, "rounds": [], "totals": {}}
+        runner.path(run).parent.mkdir(parents=True, exist_ok=True)
+        runner.path(run).write_text(json.dumps(rep))
+        return rep
+
+    # fedpagr uploads only full-width unit prototypes: its clipped seed-1 run is its unclipped seed-1 run
+    cache("A/a0.5-fedpagr-clipped-s1")
+    rep = runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s1"])
+    assert rep is not None and rep["same_as"] == "A/a0.5-fedpagr-clipped-s1"
+    assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s0"]) is None  # no twin run for seed 0 in the cache
+    assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s3"]) is None  # the twin has no seed 3: it must run
+    assert "same_as" not in runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-clipped-s1"])
+    own = cache("A/a0.5-fedpagr-s1")  # a run of its own wins
+    assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s1"]) == own
+    # tinyproto's scaled prototypes and the CPS-masked spherical rows can clip: never their twin's run
+    for key in ("A/a0.5-tinyproto", "D/a-spherical", "B/refprotofl"):
+        cache(f"{key}-clipped-s1")
+        assert runner.cached(RUN_BY_KEY[f"{key}-s1"]) is None, key
+    assert paper_table.never_clipped({"federate": "none", "prototypes": "unit", "cps": False, "erpa": False})
+    assert not paper_table.never_clipped({"federate": "adapter", "prototypes": "unit", "cps": False, "erpa": False})
+    # the table says the runs are the same instead of showing a clipped - unclipped difference of 0
+    reports = {**_seeded("A/a0.5-fedpagr-clipped", [_fake_report(0.8, 0.5, 1)] * 3),
+               **{f"A/a0.5-fedpagr-s{i}": {**_fake_report(0.8, 0.5, 1), "same_as": "x"} for i in range(3)}}
+    line = table_report.clip_cost(_ctx(tmp_path, reports), ("A/a0.5-fedpagr",), "global_acc")
+    assert "`A/a0.5-fedpagr` seeds 0,1,2 are the twin's runs" in line and "+0.00" not in line
+
+
 def test_a_config_field_added_since_the_run_keeps_the_cache_while_it_holds_its_default(tmp_path):
     run = RUN_BY_KEY["A/a0.5-tinyproto-s0"]
     config = paper_table.expected_config(run, "quick")

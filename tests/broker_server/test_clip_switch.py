@@ -139,3 +139,21 @@ def test_an_invalid_clip_value_is_a_clear_error(command: str) -> None:
     res = runner.invoke(app, [command, "--clip", "maybe"])
     assert res.exit_code == 2
     assert "--clip must be on or off, got 'maybe'" in " ".join(res.output.split())
+
+
+def test_fedpagrs_unit_uploads_clip_nothing_so_on_and_off_make_the_same_run(tmp_path) -> None:
+    # What lets the benchmark count a fedpagr row's clipped run as its unclipped one (bench/paper_table.py,
+    # never_clipped): unit rows lie at most 2 apart, the radius is 10 x their median norm 1.
+    reports = {}
+    for clip in ("on", "off"):
+        out = tmp_path / f"{clip}.json"
+        res = runner.invoke(app, ["simulate", "--preset", "fedpagr", "--dataset", "synthetic:n=400,n_test=80",
+                                  "--clients", "3", "--rounds", "3", "--seed", "1", "--clip", clip,
+                                  "--json", str(out), "-q"])
+        assert res.exit_code == 0, res.output
+        reports[clip] = json.loads(out.read_text())
+    on, off = reports["on"]["rounds"], reports["off"]["rounds"]
+    assert all(r["clip_checked"].get("protos", 0) > 0 for r in on)  # clipping was on and looked at every row
+    assert all(r["clipped"].get("protos", 0) == 0 for r in on)
+    keys = ("local_acc", "local_proto_acc", "global_acc", "ensemble_acc", "uplink_bytes", "downlink_bytes")
+    assert [[r[k] for k in keys] for r in on] == [[r[k] for k in keys] for r in off]
