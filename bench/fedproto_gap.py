@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.paired import paired
-from bench.paper_table import DATASET_SHAPE, RESULTS, cli_prefix, git_info
+from bench.paper_table import DATASET_SHAPE, RESULTS, cli_prefix, git_info, sim_env
 
 ROOT = RESULTS / "fedproto_gap"
 REPORT = RESULTS / "FEDPROTO_GAP.md"
@@ -149,7 +149,7 @@ def execute(name: str, seed: int, data_dir: str | None) -> None:
     shown = "protofl-server " + shlex.join(args)
     print(shown, flush=True)
     started = time.time()
-    subprocess.run(cli_prefix() + args + ["-q", "--json", str(tmp)], check=True)
+    subprocess.run(cli_prefix() + args + ["-q", "--json", str(tmp)], check=True, env=sim_env())
     rep = json.loads(tmp.read_text())
     rep["bench"] = {"args": args, "command": shown, "cli_wall_s": round(time.time() - started, 1),
                     "git_rev": git_info()["rev"], "git_dirty": git_info()["dirty"]}

@@ -87,7 +87,9 @@ def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path,
 @pytest.mark.slow
 @pytest.mark.skipif(not FASHION.is_file(), reason="Fashion-MNIST (dataset-fashion-mnist) not installed")
 def test_quick_suite_end_to_end_structure(tmp_path):
-    cmd = [sys.executable, "-m", "bench.paper_table", "--suite", "quick", "--tiny", "--results", str(tmp_path)]
+    # two at once: the runs are independent processes (and --jobs is what a user runs the suite with)
+    cmd = [sys.executable, "-m", "bench.paper_table", "--suite", "quick", "--tiny", "--jobs", "2",
+           "--results", str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     runs = suite_runs("quick")
