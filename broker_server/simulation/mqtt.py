@@ -99,6 +99,9 @@ class AgentProcesses:
 
     def start(self) -> None:
         base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        # N torch processes on this machine's cores: their OpenMP threads sleep when idle rather than spin on
+        # cores the other devices need (one small run beside two others: half the CPU time, the same report).
+        base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for i in range(self.spec.clients):
             # the device's own link (a shaping proxy with --profiles) and its own credentials
             broker = device_options(self.links.broker_for(i) if self.links is not None else self.broker, self.auth,
