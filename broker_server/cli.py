@@ -325,7 +325,8 @@ def broker_config(
         f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
         *([f"# aggregator shards: protofl-server shard --broker mqtt://HOST:PORT --fed {fed} --index I --credentials "
            f"{auth.directory / 'shards'}/shard-I.json --state-dir DIR; the server: start ... --shards "
-           f"{len(auth.secrets.shard_passwords)} --no-spawn-shards"] if auth.secrets.shard_passwords else []),
+           f"{len(auth.secrets.shard_passwords)} --no-spawn-shards (the same --shard-timeout on both)"]
+          if auth.secrets.shard_passwords else []),
     ]))
 
 

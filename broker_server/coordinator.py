@@ -29,7 +29,7 @@ from typing import Any
 from broker_server import shard_wire
 from broker_server.rounds import Boundary, Drop, Effect, Gather, Input, Partials, Progress, Received, ShardLost
 from broker_server.security import site_shard
-from broker_server.shard import shard_id
+from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S, shard_id
 from broker_server.shell import Aggregator
 from broker_server.stages import check_mergeable
 from protofl import topics
@@ -42,7 +42,6 @@ log = logging.getLogger("protofl.server")
 
 __all__ = ["Coordinator"]
 PROGRESS, PARTIALS, LOST = "progress", "partials", "shard_lost"
-DEFAULT_SHARD_TIMEOUT_S = 300.0  # far beyond a spawned shard's restart (seconds), short of a stalled federation
 
 
 class Coordinator(Aggregator):

@@ -187,10 +187,10 @@ def shard_acl(fed: str, shards: int) -> list[str]:
 def shard_user_acl(fed: str, user: str, shard: str) -> list[str]:
     """An aggregator shard (`shard`, logged in as `user`) reads the uploads (through the shared subscription) and
     the coordinator's phase and close messages; it writes only its own progress, partial and hello, and relays
-    devices' joins and metrics."""
+    devices' joins and metrics (and its will, `gone`)."""
     return [f"user {user}", f"topic read {topics.up(fed, '+')}",
             f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
-            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello")),
+            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello", "gone")),
             f"topic write {topics.shards(fed, 'relay', '+')}", ""]
 
 

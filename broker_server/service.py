@@ -22,11 +22,12 @@ import numpy as np
 
 from broker_server import shard_wire
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
-from broker_server.coordinator import DEFAULT_SHARD_TIMEOUT_S, Coordinator
+from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
 from broker_server.rounds import OFFLINE_GRACE_S
+from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
 from broker_server.watch.board import SnapshotBoard
@@ -158,6 +159,8 @@ class AggregatorService:
             self.transport.subscribe(pattern, _ignore)
         self.transport.subscribe(DROPPED_TOPIC, self._on_dropped)  # Mosquitto's; where it is readable
         self.transport.subscribe(topics.site_dropped_all(self.fed), self._on_site_dropped)  # site brokers' (bridged)
+        if isinstance(self.aggregator, Coordinator):
+            self.transport.subscribe(topics.shards(self.fed, "gone", "+"), self._on_shard_gone)  # shards' wills
         self.aggregator.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
@@ -243,6 +246,29 @@ class AggregatorService:
         drops = self.site_drops.setdefault(site, BrokerDrops(from_zero=True))
         self._drops_seen(drops.observe(payload), f"site broker '{site}'", f"broker-config --bridge {site} "
                                                                           f"--broker-queue")
+
+    def _on_shard_gone(self, topic: str, payload: bytes) -> None:
+        """A shard's will: its session at the broker ended (it vanished --shard-timeout ago and did not come back),
+        and with it the uploads, joins and metrics the broker had handed it that it never took. Nobody knows
+        which: the devices that still owe the open phase (or their join) are asked again, as after a drop; the
+        shared subscription now gives the live shards everything."""
+        if not payload:
+            return  # cleared: the shard is back
+        try:
+            shard = shard_wire.decode(payload, "gone", 1024)["shard"]
+        except WireError:
+            return
+        agg = self.aggregator
+        if not isinstance(agg, Coordinator) or shard not in agg.shards \
+                or topic != topics.shards(self.fed, "gone", shard):
+            return  # not a shard of ours, or a will on another shard's topic
+        phase = agg.machine.phase
+        where = f"round {agg.round} {phase.phase.value}" if phase is not None else f"round {agg.round} (joins)"
+        log.warning("%s is gone: its session at the broker ended (--shard-timeout) with what the broker held for it "
+                    "in %s. Asking the devices that owe this phase to send again; the other shard(s) take every "
+                    "upload now (run its `protofl-server shard` command again for it to take part)", shard, where)
+        self.resender.alarm(agg.round, phase.phase.value if phase is not None else "")
+        self.watch.changed()
 
     def _drops_seen(self, new: int, who: str, knob: str) -> None:
         if not new:

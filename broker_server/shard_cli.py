@@ -12,6 +12,7 @@ from types import FrameType
 
 import typer
 
+from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S
 from protofl import cli_options
 from protofl.errors import ProtoFLError
 
@@ -37,6 +38,10 @@ def shard_cli(
     tls_cert: str | None = cli_options.TLS_CERT,
     tls_key: str | None = cli_options.TLS_KEY,
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
+    shard_timeout: float = typer.Option(DEFAULT_SHARD_TIMEOUT_S, "--shard-timeout", help="The coordinator's "
+                                        "--shard-timeout (pass the same): how long the broker keeps this shard's "
+                                        "session, and routes its share of the uploads to it, while it is gone; "
+                                        "after that the other shards get every upload. Not used with --site."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every upload drop and phase."),
 ) -> None:
     """Fold a share of the federation's uploads for its coordinator (`start --shards N`)."""
@@ -60,7 +65,8 @@ def shard_cli(
                 options = options.with_federation_ca(found.ca_pem, f"--credentials {credentials}")
         else:
             options = options.with_auth(username, password, tls_ca, tls_cert, tls_key)
-        service = ShardService(fed, options, index=index, site=site, state_dir=state_dir)
+        service = ShardService(fed, options, index=index, site=site, state_dir=state_dir,
+                               shard_timeout=shard_timeout)
     except (ProtoFLError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

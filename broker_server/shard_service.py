@@ -11,6 +11,7 @@ its journal, what it did not was never acknowledged and comes again.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -24,12 +25,12 @@ from typing import IO, Literal
 from broker_server import shard_wire
 from broker_server.broker import _die_with_parent
 from broker_server.security import shard_user, site_shard
-from broker_server.shard import Shard, shard_id
+from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S, Shard, shard_id
 from broker_server.site import site_aggregator_user
 from protofl import topics
 from protofl.errors import ConfigError
 from protofl.transport.broker_url import BrokerOptions
-from protofl.transport.mqtt import MqttTransport
+from protofl.transport.mqtt import DEFAULT_SESSION_EXPIRY_S, MqttTransport, Will
 
 log = logging.getLogger("protofl.shard")
 
@@ -39,15 +40,30 @@ class ShardService:
 
     def __init__(self, fed: str, broker: BrokerOptions, *, index: int | None = None, site: str | None = None,
                  state_dir: Path | str, protocol: Literal["auto", "5", "3.1.1"] = "auto",
-                 client_id: str | None = None, fsync: bool = True) -> None:
-        """Shard `index` on the core broker, or the pre-aggregator of `site` on that site's broker."""
+                 client_id: str | None = None, fsync: bool = True,
+                 shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> None:
+        """Shard `index` on the core broker, or the pre-aggregator of `site` on that site's broker.
+
+        A shard's session outlives its process by `shard_timeout` (the coordinator's): the broker hands each
+        member of a shared subscription its share of the uploads whether it is connected or not, so the session
+        of a shard that never returns would keep taking its share, lost to every phase after the coordinator
+        gave up on it. Expired, the session leaves the group and the live shards get every upload, and the broker
+        publishes the shard's will (`gone`, delayed as long): the coordinator asks the devices that owe the open
+        phase to send again, so what the session held reaches a live shard. A site's pre-aggregator is its site
+        broker's only reader of the uploads: its session waits as long as a device's, and it has no will."""
         if (index is None) == (site is None):
             raise ConfigError("a shard is either --index I (on the core broker) or --site NAME (a site's "
                               "pre-aggregator, on the site broker)")
         name, user = ((shard_id(index), shard_user(fed, index)) if index is not None else
                       (site_shard(str(site)), site_aggregator_user(fed, str(site))))
-        self.transport = MqttTransport(broker, client_id or user, persistent_session=True,
-                                       resume_session=True, deliver="pump", protocol=protocol, manual_ack=True)
+        if not shard_timeout > 0:
+            raise ConfigError(f"--shard-timeout must be > 0 seconds, got {shard_timeout}")
+        expiry = max(1, math.ceil(shard_timeout)) if index is not None else DEFAULT_SESSION_EXPIRY_S
+        self._gone = topics.shards(fed, "gone", name) if index is not None else None
+        will = Will(self._gone, shard_wire.encode("gone", shard=name), delay=expiry) if self._gone else None
+        self.transport = MqttTransport(broker, client_id or user, persistent_session=True, session_expiry=expiry,
+                                       will=will, resume_session=True, deliver="pump", protocol=protocol,
+                                       manual_ack=True)
         self.shard = Shard(fed, self.transport, shard=name, state_dir=state_dir, fsync=fsync,
                            group_commit=True, batch=True)
         self.transport.before_ack = self.shard.sync  # journaled before any of a batch is acknowledged
@@ -56,6 +72,8 @@ class ShardService:
     def start(self, connect_timeout: float = 30.0) -> None:
         self.transport.connect(connect_timeout)
         self.shard.start()  # its handlers are in place before the first pump delivers anything
+        if self._gone is not None:  # back: a will an earlier run of this shard left is no longer true
+            self.transport.publish(self._gone, b"", retain=True)
         # After the subscriptions: the broker handles a client's packets in order, so a coordinator that
         # reads this knows the shared subscription is in place (and, the session being persistent, stays).
         self.transport.publish(topics.shards(self.shard.fed, "hello", self.shard.shard),
@@ -140,10 +158,11 @@ class ShardProcesses:
 
 
 def shard_command(fed: str, broker_url: str, index: int, state_dir: Path, credentials: Path | None,
-                  connect_timeout: float = 30.0) -> list[str]:
+                  connect_timeout: float = 30.0, shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> list[str]:
     """The `protofl-server shard` command line of one child (this interpreter, this package)."""
     cmd = [sys.executable, "-m", "broker_server.cli", "shard", "--fed", fed, "--broker", broker_url,
-           "--index", str(index), "--state-dir", str(state_dir), "--connect-timeout", str(connect_timeout)]
+           "--index", str(index), "--state-dir", str(state_dir), "--connect-timeout", str(connect_timeout),
+           "--shard-timeout", f"{shard_timeout:g}"]
     return cmd + (["--credentials", str(credentials)] if credentials is not None else [])
 
 

@@ -17,6 +17,9 @@ partial are checked where it is merged (broker_server/stages.py PhaseRun.check_p
               has them): a coordinator announces the federation only once every shard said it
     lost      (the coordinator's journal only) it gave up on a shard's partial for the closing phase
               (`start --shard-timeout`): the phase closes without that shard's uploads
+    gone      shard's will, published by the broker, retained: the shard's session ended without it coming
+              back (its --shard-timeout after it vanished), and with it whatever the broker held for it; a shard
+              that starts clears it
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from protofl.errors import WireError
 from protofl.wire import Limits
 
 VERSION = 1
-KINDS = ("phase", "close", "progress", "partial", "partials", "hello", "lost")
+KINDS = ("phase", "close", "progress", "partial", "partials", "hello", "lost", "gone")
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "phase": {"round": int, "phase": str, "finished": bool, "machine": (dict, type(None)), "policy": dict,
               "limits": dict, "members": (list, type(None))},
@@ -42,6 +45,7 @@ _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "partials": {"round": int, "phase": str, "parts": dict},  # the coordinator's journal: every shard's, merged
     "hello": {"shard": str},
     "lost": {"shard": str, "round": int, "phase": str},  # the coordinator's journal: a shard given up on
+    "gone": {"shard": str},  # a shard's will: its session ended at the broker
 }
 
 

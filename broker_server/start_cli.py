@@ -20,6 +20,7 @@ from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_pha
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
+from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S
 from protofl import cli_options
 from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError, ProtoFLError
@@ -116,10 +117,12 @@ def start_command(
     sites: str | None = typer.Option(None, "--sites", help="Pre-aggregated sites, NAME,...: each site's broker "
                                      "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
                                      "devices' uploads there and sends one partial per phase."),
-    shard_timeout: float = typer.Option(300.0, "--shard-timeout", help="--shards/--sites: seconds a closing phase "
-                                        "waits for a shard's partial before it closes without that shard's uploads "
-                                        "(a shard on a machine that is gone); a spawned shard is restarted in "
-                                        "seconds and resumes from its journal."),
+    shard_timeout: float = typer.Option(DEFAULT_SHARD_TIMEOUT_S, "--shard-timeout", help="--shards/--sites: "
+                                        "seconds a closing phase waits for a shard's partial before it closes "
+                                        "without that shard's uploads (a shard on a machine that is gone); a spawned "
+                                        "shard is restarted in seconds and resumes from its journal. Give remote "
+                                        "shards the same --shard-timeout: the broker keeps a gone shard's share of "
+                                        "the uploads this long."),
     shard_credentials: Path | None = typer.Option(None, "--shard-credentials", help="--broker with --shards: the "
                                                   "directory of shard-I.json credentials (broker-config --shards N "
                                                   "writes it) the spawned shards use."),
@@ -230,7 +233,7 @@ class Sharding:
     spawn: bool = True
     credentials: Path | None = None  # with --broker: the shards' credentials files (broker-config --shards N)
     sites: tuple[str, ...] = ()  # pre-aggregated sites (broker_server/site.py)
-    timeout: float = 300.0  # --shard-timeout: how long a closing phase waits for a shard's partial
+    timeout: float = DEFAULT_SHARD_TIMEOUT_S  # --shard-timeout: how long a closing phase waits for a shard's partial
 
     def check(self, cfg: Any, policy: Any, *, external_broker: bool, secured: bool) -> None:
         from broker_server.stages import check_mergeable
@@ -265,8 +268,8 @@ class Sharding:
                 return Path(auth.shard_file(i))
             return self.credentials / f"shard-{i}.json" if self.credentials is not None else None
 
-        commands = [shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout)
-                    for i in range(self.shards)]
+        commands = [shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout,
+                                  self.timeout) for i in range(self.shards)]
         procs = ShardProcesses(commands, root, env=child_env()).start()
         stack.callback(procs.stop)
         log.info("%d aggregator shard(s) running (pids %s; logs in %s)", self.shards,

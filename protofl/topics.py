@@ -66,8 +66,8 @@ def shared_up(fed: str) -> str:
 
 def shards(fed: str, what: str, who: str = "") -> str:
     """`shards/phase` and `shards/close` (coordinator -> shards, retained), `shards/progress/<shard>`,
-    `shards/partial/<shard>` (shard -> coordinator) and `shards/relay/<client>` (a device's join or
-    metrics a shard received, passed on as it came)."""
+    `shards/partial/<shard>`, `shards/hello/<shard>` and `shards/gone/<shard>` (shard -> coordinator; gone is
+    its will) and `shards/relay/<client>` (a device's join or metrics a shard received, passed on as it came)."""
     return f"{ROOT}/{fed}/shards/{what}" + (f"/{who}" if who else "")
 
 

@@ -55,12 +55,16 @@ class PayloadTooLarge(ProtoFLError, ValueError):
 
 @dataclass(frozen=True)
 class Will:
-    """The last will: published by the broker if this client vanishes without a DISCONNECT."""
+    """The last will: published by the broker if this client vanishes without a DISCONNECT.
+
+    `delay` (MQTT 5's will delay interval, seconds): published only if the client has not come back by then, or
+    when its session ends, whichever is first; 0: at once."""
 
     topic: str
     payload: bytes
     retain: bool = True
     qos: int = 1
+    delay: int = 0
 
 
 @dataclass
@@ -125,13 +129,17 @@ class _PahoErrors(logging.Logger):
         self._transport._on_paho_error(record.getMessage())
 
 
+DEFAULT_SESSION_EXPIRY_S = 3600  # a persistent session outlives an hour's outage
+
+
 class MqttTransport:
     """A `Transport` over one MQTT connection. Call `connect()` before publishing."""
 
     def __init__(self, broker: BrokerOptions | str, client_id: str, *, will: Will | None = None,
                  persistent_session: bool = False, deliver: Literal["thread", "pump"] = "thread",
                  protocol: Literal["auto", "5", "3.1.1"] = "auto", backoff: Backoff | None = None,
-                 manual_ack: bool = False, resume_session: bool = False) -> None:
+                 manual_ack: bool = False, resume_session: bool = False,
+                 session_expiry: int = DEFAULT_SESSION_EXPIRY_S) -> None:
         self.options = parse_broker_url(broker) if isinstance(broker, str) else broker
         self.client_id = client_id
         self.will = will
@@ -143,6 +151,11 @@ class MqttTransport:
         self.manual_ack = manual_ack
         self.before_ack: Callable[[], None] | None = None  # manual_ack + pump: called before a batch's acks
         self.resume_session = resume_session
+        if session_expiry < 1:
+            raise ValueError(f"the session expiry must be at least 1 second, got {session_expiry}")
+        # How long the broker keeps a persistent session (MQTT 5) while we are gone: its subscriptions, and the
+        # QoS 1 messages it queues for us meanwhile (on a shared subscription, our share of the group's).
+        self.session_expiry = int(session_expiry)
         self._session = 0  # bumped when the broker has no session for us: older message ids are void
         self.deliver = deliver
         self.backoff = backoff or Backoff()
@@ -334,7 +347,12 @@ class MqttTransport:
         # MQTT 5 properties); a logger is asked first whether the level is wanted, so only errors cost.
         client.enable_logger(_PahoErrors(self))
         if self.will is not None:
-            client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain)
+            will_props = None
+            if self.will.delay and self._protocol == paho.MQTTv5:
+                will_props = Properties(PacketTypes.WILLMESSAGE)
+                will_props.WillDelayInterval = self.will.delay
+            client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain,
+                            properties=will_props)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
@@ -357,7 +375,7 @@ class MqttTransport:
             if self.persistent_session:
                 # Keep our subscriptions and queue QoS 1 uploads at the broker while we reconnect.
                 props = Properties(PacketTypes.CONNECT)
-                props.SessionExpiryInterval = 3600
+                props.SessionExpiryInterval = self.session_expiry
             clean: paho.CleanStartOption = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
             if self.resume_session:
                 clean = False

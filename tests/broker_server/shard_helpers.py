@@ -13,8 +13,8 @@ from protofl.config import FederationConfig
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.sparse import SparseVector
 from protofl.transport.base import Transport
-from protofl.wire import Join, Metrics, ParamsUpload, ProtoSet, ProtoUpload, RoundStart, decode_body, encode_message, \
-    read_header
+from protofl.wire import Join, Metrics, ParamsUpload, ProtoSet, ProtoUpload, Resend, RoundStart, decode_body, \
+    encode_message, read_header
 
 FED = "sh"
 FULL_MODEL = 40  # fedavg's model length (the server knows none: the first upload fixes it)
@@ -32,6 +32,7 @@ class NumpyDevice:
         self.twice = False  # send every upload twice (a re-send after a lost acknowledgement)
         self.masks: np.ndarray | None = None
         self.t.subscribe(topics.round_(FED), self.on_round)
+        self.t.subscribe(topics.down(FED, name), self.on_down)  # the server's re-send requests, as a real device
 
     def join(self) -> None:
         self.send(Join(arch="cnn", n_samples=10 + self.index), 0, "")
@@ -64,14 +65,28 @@ class NumpyDevice:
         key = (head.round, head.phase)
         again = key in self.sent
         self.sent.add(key)
-        phase = Phase(head.phase)
-        rng = np.random.default_rng([self.index, head.round, self.plan.phases.index(phase)])
-        for kind in self.plan.sends(phase):
-            up = self.upload(kind, phase, head.round, rng)
-            for _ in range(2 if self.twice else 1):
-                self.send(up, head.round, head.phase)
-        if phase is self.plan.phases[-1] and self.index % 2 == 0 and not again:  # (varies which shard gets what)
+        self.send_uploads(head.round, head.phase)
+        if Phase(head.phase) is self.plan.phases[-1] and self.index % 2 == 0 and not again:  # (varies which shard)
             self.send(Metrics(n_local=10, correct_local=5, n_test=10, correct_test=5), head.round, "")
+
+    def send_uploads(self, round_: int, phase_name: str) -> None:
+        """The (seeded, so always the same) uploads of a round's phase."""
+        phase = Phase(phase_name)
+        rng = np.random.default_rng([self.index, round_, self.plan.phases.index(phase)])
+        for kind in self.plan.sends(phase):
+            up = self.upload(kind, phase, round_, rng)
+            for _ in range(2 if self.twice else 1):
+                self.send(up, round_, phase_name)
+
+    def on_down(self, topic: str, payload: bytes) -> None:
+        """A re-send request (wire Resend): the join, or the uploads of the round and phase it names."""
+        head = read_header(payload)
+        msg = decode_body(head.open())
+        assert isinstance(msg, Resend), msg
+        if msg.ask == "join":
+            self.join()
+        elif (head.round, head.phase) in self.sent:
+            self.send_uploads(head.round, head.phase)
 
     def upload(self, kind: Upload, phase: Phase, round_: int, rng: np.random.Generator) -> Any:
         plan, cfg = self.plan, self.cfg

@@ -197,3 +197,72 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
         for b in (site, core):
             if b is not None:
                 b.stop()
+
+
+@pytest.mark.slow
+def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: Path) -> None:
+    """A remote shard (`--no-spawn-shards`, nobody restarts it) is SIGKILLed for good after the joins, before
+    round 1's uploads. The broker hands each member of the shared subscription its share whether it is
+    connected or not, so part of round 1's uploads wait in the dead shard's session. When that session expires
+    (its `--shard-timeout`, 2 s here) the broker publishes the shard's will; the coordinator asks the devices
+    that owe round 1 to send again, and the live shard, alone in the group now, gets those and every later
+    upload: every round closes with all 8 devices (--min-clients 8: nothing may be missing), long before the
+    deadline. With an hour's session and no will, round 1 never completed."""
+    devices, timeout, deadline = 8, "2", 60.0
+    port, state = free_port(), tmp_path / "state"
+    cmd = [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--fed", FED, "--port",
+           str(port), "--rounds", "3", "--min-clients", str(devices), "--devices", str(devices), "--round-timeout",
+           f"{deadline:g}", "--state-dir", str(state), "--set", "num_classes=4", "--set", "proto_dim=8", "--set",
+           "adapter_rank=2", "--shards", "2", "--no-spawn-shards", "--shard-timeout", timeout, "--verbose"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(iter(server.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    shards: list[subprocess.Popen[bytes]] = []
+    transports: list[MqttTransport] = []
+    try:
+        wait(lambda: (state / "security" / "shards" / "shard-1.json").exists(), 60, "the shards' credentials", out)
+        for i in range(2):
+            with (tmp_path / f"shard-{i}.log").open("wb") as log:
+                shards.append(subprocess.Popen(
+                    [sys.executable, "-m", "broker_server.cli", "shard", "--broker", f"mqtt://127.0.0.1:{port}",
+                     "--fed", FED, "--index", str(i), "--credentials",
+                     str(state / "security" / "shards" / f"shard-{i}.json"), "--state-dir", str(tmp_path / f"shard-{i}"),
+                     "--shard-timeout", timeout], stdout=log, stderr=subprocess.STDOUT, env=ENV))
+        wait(lambda: any(f"waiting for {devices} client(s)" in line for line in out), 60, "the announcement", out)
+        cfg = config("fedproto")
+        held = []
+        for i in range(devices):
+            found = read_device_file(state / "security" / "devices" / f"device-{i + 1}.json")
+            opts = parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(found.credentials.username,
+                                                                         found.credentials.password)
+            t = MqttTransport(opts, found.credentials.username, backoff=Backoff(0.1, 1.0)).connect(10)
+            transports.append(t)
+            held.append(HeldDevice(found.credentials.username, i, cfg, t, hold_round=1))
+        for d in held:
+            d.join()
+        wait(lambda: all(d.held for d in held), 60, "round 1 at every device", out)
+        shards[1].kill()  # its machine is gone: no restart
+        shards[1].wait()
+        for d in held:
+            d.release()
+        wait(lambda: server.poll() is not None, deadline + 60, "the federation's end", out)
+        reader.join(5)
+    finally:
+        for t in transports:
+            t.close()
+        for p in shards:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    text = "".join(out)
+    assert server.returncode == 0, text
+    assert "shard-1 is gone: its session at the broker ended" in text, text
+    rounds = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3], rounds
+    for r in rounds:
+        assert len(r["clients"]) == devices, (r, text)
+        assert r["ended"] - r["started"] < deadline / 2, (r, text)  # complete, not closed by the deadline
