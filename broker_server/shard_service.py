@@ -91,7 +91,9 @@ class ShardService:
         self._stop.set()
 
     def close(self) -> None:
-        self.transport.close()
+        # Stopped before the federation finished (Ctrl-C, SIGTERM): its session keeps taking its share of the
+        # uploads until it expires, so the will must tell the coordinator then, as after a crash.
+        self.transport.close(send_will=not self.shard.finished)
         self.shard.close()
 
 

@@ -303,8 +303,9 @@ class MqttTransport:
                 return False
             time.sleep(0.01)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush pending publishes (up to `timeout`), DISCONNECT (no will is sent) and stop the threads."""
+    def close(self, timeout: float = 5.0, send_will: bool = False) -> None:
+        """Flush pending publishes (up to `timeout`), DISCONNECT and stop the threads. No will is sent, unless
+        `send_will` (MQTT 5: "disconnect with will message", still published only after its delay)."""
         if self._closing.is_set():
             return
         if timeout > 0 and self._connected.is_set():
@@ -312,7 +313,11 @@ class MqttTransport:
         self._closing.set()
         with self._lock:
             try:
-                self._client.disconnect()
+                if send_will and self.will is not None and self._protocol == paho.MQTTv5:
+                    with_will = paho.ReasonCode(PacketTypes.DISCONNECT, "Disconnect with will message")
+                    self._client.disconnect(reasoncode=with_will)
+                else:
+                    self._client.disconnect()
             except Exception:  # noqa: BLE001 - closing must not fail because the socket already died
                 pass
         self._inbox.put(None)

@@ -200,8 +200,10 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: Path) -> None:
-    """A remote shard (`--no-spawn-shards`, nobody restarts it) is SIGKILLed for good after the joins, before
+@pytest.mark.parametrize("end", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "stopped"])
+def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: Path, end: signal.Signals) -> None:
+    """A remote shard (`--no-spawn-shards`, nobody restarts it) is SIGKILLed (or stopped: SIGTERM, a clean
+    DISCONNECT that asks for its will all the same) for good after the joins, before
     round 1's uploads. The broker hands each member of the shared subscription its share whether it is
     connected or not, so part of round 1's uploads wait in the dead shard's session. When that session expires
     (its `--shard-timeout`, 2 s here) the broker publishes the shard's will; the coordinator asks the devices
@@ -242,8 +244,8 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
         for d in held:
             d.join()
         wait(lambda: all(d.held for d in held), 60, "round 1 at every device", out)
-        shards[1].kill()  # its machine is gone: no restart
-        shards[1].wait()
+        shards[1].send_signal(end)  # its machine is gone (or its operator stopped it): no restart
+        assert shards[1].wait(30) == (0 if end == signal.SIGTERM else -signal.SIGKILL)
         for d in held:
             d.release()
         wait(lambda: server.poll() is not None, deadline + 60, "the federation's end", out)
