@@ -77,13 +77,9 @@ def run_federation(tmp: Path, shards: int, kill_mid_round: bool) -> tuple[dict[s
         cfg = config("fedproto")  # the plan the server's --set gives (num_classes 4, proto_dim 8)
         devices = []
         for i in range(DEVICES):
-            found = read_device_file(creds / f"device-{i + 1}.json")
-            opts = parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(found.credentials.username,
-                                                                         found.credentials.password)
-            t = MqttTransport(opts, found.credentials.username, backoff=Backoff(0.1, 1.0)).connect(10)
+            name, t = connect_device(creds, port, i)
             transports.append(t)
-            devices.append(HeldDevice(found.credentials.username, i, cfg, t,
-                                      hold_round=2 if i >= 2 and kill_mid_round else 0))
+            devices.append(HeldDevice(name, i, cfg, t, hold_round=2 if i >= 2 and kill_mid_round else 0))
         for d in devices:
             d.join()
         if kill_mid_round:
@@ -100,16 +96,30 @@ def run_federation(tmp: Path, shards: int, kill_mid_round: bool) -> tuple[dict[s
         server.wait(120)
         reader.join(5)
     finally:
-        for t in transports:
-            t.close()
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        close_all(transports, [server])
     text = "".join(out)
     assert server.returncode == 0, text
     model = dict(np.load(state / "server_model.npz"))
     rounds = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
     return model, rounds, text
+
+
+def connect_device(creds: Path, port: int, i: int) -> tuple[str, MqttTransport]:
+    """Device i+1 connected to the federation's broker with its generated credentials."""
+    found = read_device_file(creds / f"device-{i + 1}.json")
+    name = found.credentials.username
+    opts = parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(name, found.credentials.password)
+    return name, MqttTransport(opts, name, backoff=Backoff(0.1, 1.0)).connect(10)
+
+
+def close_all(transports: list[MqttTransport], procs: list[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+    """A test's clean-up, whatever happened: the devices' connections, then any process still running."""
+    for t in transports:
+        t.close()
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def uploads(journal: Path, round_: int) -> list[str]:
@@ -229,18 +239,15 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
                 shards.append(subprocess.Popen(
                     [sys.executable, "-m", "broker_server.cli", "shard", "--broker", f"mqtt://127.0.0.1:{port}",
                      "--fed", FED, "--index", str(i), "--credentials",
-                     str(state / "security" / "shards" / f"shard-{i}.json"), "--state-dir", str(tmp_path / f"shard-{i}"),
-                     "--shard-timeout", timeout], stdout=log, stderr=subprocess.STDOUT, env=ENV))
+                     str(state / "security" / "shards" / f"shard-{i}.json"), "--state-dir",
+                     str(tmp_path / f"shard-{i}"), "--shard-timeout", timeout], stdout=log, stderr=subprocess.STDOUT, env=ENV))
         wait(lambda: any(f"waiting for {devices} client(s)" in line for line in out), 60, "the announcement", out)
         cfg = config("fedproto")
         held = []
         for i in range(devices):
-            found = read_device_file(state / "security" / "devices" / f"device-{i + 1}.json")
-            opts = parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(found.credentials.username,
-                                                                         found.credentials.password)
-            t = MqttTransport(opts, found.credentials.username, backoff=Backoff(0.1, 1.0)).connect(10)
+            name, t = connect_device(state / "security" / "devices", port, i)
             transports.append(t)
-            held.append(HeldDevice(found.credentials.username, i, cfg, t, hold_round=1))
+            held.append(HeldDevice(name, i, cfg, t, hold_round=1))
         for d in held:
             d.join()
         wait(lambda: all(d.held for d in held), 60, "round 1 at every device", out)
@@ -251,15 +258,7 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
         wait(lambda: server.poll() is not None, deadline + 60, "the federation's end", out)
         reader.join(5)
     finally:
-        for t in transports:
-            t.close()
-        for p in shards:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        close_all(transports, [*shards, server])
     text = "".join(out)
     assert server.returncode == 0, text
     assert "shard-1 is gone: its session at the broker ended" in text, text
