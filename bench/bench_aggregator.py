@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -303,6 +304,66 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
         sock.close()
 
 
+def subscriber_main(port: int, fed: str, password: str, n: int) -> None:
+    """Child process: the server's MQTT transport (protofl/transport/mqtt.py, as `start` makes it: MQTT 5,
+    persistent session, pumped delivery, manual acks, one no-op 'journal' hook per batch) doing no work with
+    what it gets: 2n messages (joins, then uploads) read, each stamped; prints the stamps. What one Python
+    process can take from the broker before the aggregator does anything."""
+    from broker_server.security import server_user
+    from protofl.transport.broker_url import parse_broker_url
+    from protofl.transport.mqtt import MqttTransport
+
+    user = server_user(fed)
+    stamps: list[float] = []
+    t = MqttTransport(parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(user, password), user,
+                      persistent_session=True, deliver="pump", manual_ack=True)
+    t.before_ack = lambda: None
+    t.connect(30)
+    t.subscribe(f"protofl/{fed}/up/+", lambda topic, payload: stamps.append(time.perf_counter()))
+    time.sleep(1.0)  # the SUBACK (as for mosquitto_sub: nothing retained to wait for)
+    print("subscribed", flush=True)
+    idle_since = time.monotonic()
+    while len(stamps) < 2 * n and time.monotonic() - idle_since < 60:
+        if t.pump(timeout=1.0):
+            idle_since = time.monotonic()
+    t.close()
+    if len(stamps) < 2 * n:
+        raise SystemExit(f"the transport read {len(stamps)} of {2 * n} messages")
+    print(" ".join(f"{x:.6f}" for x in stamps[-n:]), flush=True)
+
+
+def raw_subscriber_main(port: int, fed: str, password: str, n: int) -> None:
+    """Child process: a bare paho-mqtt client (MQTT 5, its network thread acknowledging at once, a callback that
+    only stamps): the Python MQTT client's own ceiling, beneath the server's transport. Prints the stamps."""
+    import paho.mqtt.client as paho
+
+    from broker_server.security import server_user
+
+    user = server_user(fed)
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def on_message(client: Any, userdata: Any, msg: Any) -> None:
+        stamps.append(time.perf_counter())
+        if len(stamps) >= 2 * n:
+            done.set()
+
+    c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=user, protocol=paho.MQTTv5)
+    c.username_pw_set(user, password)
+    c.on_message = on_message
+    c.connect("127.0.0.1", port)
+    c.subscribe(f"protofl/{fed}/up/+", qos=1)
+    c.loop_start()
+    time.sleep(1.0)
+    print("subscribed", flush=True)
+    done.wait(120)
+    c.loop_stop()
+    c.disconnect()
+    if len(stamps) < 2 * n:
+        raise SystemExit(f"paho read {len(stamps)} of {2 * n} messages")
+    print(" ".join(f"{x:.6f}" for x in stamps[-n:]), flush=True)
+
+
 def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> Any:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--publisher", str(port), "--creds", str(creds),
            "--worker", workload, "--n", str(n), "--fed", fed] + (["--wait-round"] if wait_round else [])
@@ -378,14 +439,36 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
         pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
         stamps, _ = sub.communicate(timeout=300)
         pub.communicate(timeout=60)
+        # The server's own MQTT transport on the same broker, doing nothing with what it reads; then bare paho.
+        read_rates = {mode: _read_rate(mode, tree, port, fed, n, creds, workload, secrets.server_password)
+                      for mode in ("--subscriber", "--raw-subscriber")}
     finally:
         for proc in (broker,):
             proc.terminate()
             proc.wait(timeout=10)
     times = [float(x) for x in stamps.split()][-n:]  # the uploads (the joins came first)
     broker_rate = (n - 1) / (times[-1] - times[0])
+    transport_rate = read_rates["--subscriber"]
+    paho_rate = read_rates["--raw-subscriber"]
     return {"workload": workload, "uploads": n, "aggregator_uploads_per_s": aggregator,
-            "broker_msgs_per_s": broker_rate, "ratio": aggregator / broker_rate}
+            "broker_msgs_per_s": broker_rate, "ratio": aggregator / broker_rate,
+            "transport_only_msgs_per_s": transport_rate, "transport_only_ratio": transport_rate / broker_rate,
+            "paho_only_msgs_per_s": paho_rate, "paho_only_ratio": paho_rate / broker_rate}
+
+
+def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, workload: str, password: str) -> float:
+    """Messages/s a reader child (`mode`: the server's transport, or bare paho) takes from the running broker."""
+    reader = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, str(port), "--fed", fed, "--n",
+                               str(n)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(tree), BENCH_PASSWORD=password))
+    assert reader.stdout is not None
+    if reader.stdout.readline().strip() != "subscribed":
+        raise RuntimeError(f"the {mode} reader did not subscribe")
+    pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
+    stamps, _ = reader.communicate(timeout=300)
+    pub.communicate(timeout=60)
+    read = [float(x) for x in stamps.split()]
+    return (n - 1) / (read[-1] - read[0])
 
 
 def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: int) -> dict[str, Any]:
@@ -406,7 +489,10 @@ def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: i
                     out[w][label].append(res)
                     print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8} through the broker: aggregator "
                           f"{res['aggregator_uploads_per_s']:6.0f} uploads/s, broker alone "
-                          f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}", flush=True)
+                          f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's "
+                          f"transport alone {res['transport_only_msgs_per_s']:6.0f} msgs/s "
+                          f"({res['transport_only_ratio']:.2f}), bare paho {res['paho_only_msgs_per_s']:6.0f} msgs/s "
+                          f"({res['paho_only_ratio']:.2f})", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -428,7 +514,15 @@ def main() -> None:
     ap.add_argument("--creds", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--fed", default=FED, help=argparse.SUPPRESS)
     ap.add_argument("--wait-round", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--subscriber", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-subscriber", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.raw_subscriber:
+        raw_subscriber_main(args.raw_subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n)
+        return
+    if args.subscriber:
+        subscriber_main(args.subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n)
+        return
     if args.publisher:
         publisher_main(args.publisher, args.creds, args.worker, args.n, args.fed, args.wait_round)
         return
@@ -479,12 +573,15 @@ def markdown(res: dict[str, Any]) -> str:
     if broker:
         lines += ["", "Through the secured broker (the `start` path, journal with fsync and group commit) beside the "
                       "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):", "",
-                  "| workload | tree | aggregator | broker alone | ratio |", "|---|---|---|---|---|"]
+                  "| workload | tree | aggregator | broker alone | ratio | server's transport alone | its ratio | "
+                  "bare paho | its ratio |", "|---|---|---|---|---|---|---|---|---|"]
         for w, per_tree in broker.items():
             for t, runs in per_tree.items():
                 for r in runs:
                     lines.append(f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | {r['broker_msgs_per_s']:,.0f} "
-                                 f"| {r['ratio']:.2f} |")
+                                 f"| {r['ratio']:.2f} | {r.get('transport_only_msgs_per_s', 0):,.0f} | "
+                                 f"{r.get('transport_only_ratio', 0):.2f} | {r.get('paho_only_msgs_per_s', 0):,.0f} | "
+                                 f"{r.get('paho_only_ratio', 0):.2f} |")
     return "\n".join(lines) + "\n"
 
 
