@@ -628,13 +628,13 @@ def sweep_lines(ctx: Context) -> list[str]:
     lambda against lambda = 1 paired over all three seeds: the preset's default moves only when it beats 1."""
     out = ["Chosen on seed 0 of A (alpha 0.5, global accuracy, the head on the test set at the final round); then the "
            "chosen lambda minus lambda = 1, paired over seeds 0-2: the preset's default moves to the chosen lambda "
-           "only when it beats lambda = 1 under the rule. Every sweep row, and lambda = 1 (the clipped twins of A's "
-           "rows), ran clipped.", "",
+           "only when it beats lambda = 1 under the rule. Every sweep row, and lambda = 1 (ERPA: refprotofl's "
+           "clipped twin of A's row; CPS: a sweep row of its own), ran clipped.", "",
            "| term | lambda | global, seed 0 | global, seeds 1, 2 | mean ± std | local, mean | |",
            "|---|--:|--:|--:|--:|--:|---|"]
     decisions = []
     for what, (preset, default_key) in SWEEP.items():
-        rows = {1.0: row_stats(ctx, default_key)}
+        rows = {1.0: row_stats(ctx, default_key)} if default_key else {}
         rows.update({lam: row_stats(ctx, f"L/{what}-lambda{lam:g}") for lam in LAMBDAS[what]})
         seed0 = {lam: st.by_seed.get(SEEDS[0], {}).get("global_acc") for lam, st in rows.items()}
         ready = all(v is not None for v in seed0.values())
@@ -650,8 +650,7 @@ def sweep_lines(ctx: Context) -> list[str]:
                 if lam != 1.0 and st.complete and rows[1.0].complete:
                     p = compare(st, rows[1.0], "global_acc")
                     mark += f"; minus lambda = 1: {p.text()} -> {verdict(p, f'lambda {lam:g}', 'lambda 1')}"
-                    decisions.append(f"{preset}: proto_lambda " + (f"should move to {lam:g}" if p.beats() > 0 else
-                                                                    f"stays 1 ({lam:g} does not beat it)"))
+                    decisions.append(_lambda_decision(preset, lam, p.beats() > 0))
                 elif lam != 1.0:
                     mark += ", not yet confirmed (seeds 1, 2 missing)"
                     decisions.append(f"{preset}: waiting for seeds 1, 2 of lambda {lam:g}")
@@ -665,6 +664,18 @@ def sweep_lines(ctx: Context) -> list[str]:
             missing = [f"lambda {lam:g}" for lam, v in seed0.items() if v is None]
             decisions.append(f"{preset}: waiting for seed 0 of {', '.join(missing)}")
     return out + ([""] + [f"- default: {d}" for d in decisions] if decisions else [])
+
+
+def _lambda_decision(preset: str, chosen: float, beats_one: bool) -> str:
+    """What the sweep says of the preset's default, against the default the preset has now."""
+    from protofl.presets import make_config
+
+    now = float(make_config(preset).proto_lambda)
+    if beats_one:
+        return (f"{preset}: proto_lambda is {chosen:g}, moved from 1 by this sweep ({chosen:g} beats 1)" if now == chosen
+                else f"{preset}: proto_lambda should move to {chosen:g} (the preset has {now:g})")
+    return (f"{preset}: proto_lambda stays 1 ({chosen:g} does not beat it)" if now == 1.0 else
+            f"{preset}: proto_lambda should go back to 1 ({chosen:g} does not beat it; the preset has {now:g})")
 
 
 # -- plots ---------------------------------------------------------------------------------------------------

@@ -366,10 +366,11 @@ def test_goal_4_is_missed_when_a_preset_beats_it_by_more_than_a_point(tmp_path):
 def test_the_lambda_sweep_moves_a_default_only_when_the_chosen_lambda_beats_it(tmp_path):
     # CPS: 0.1 best on seed 0; minus lambda = 1 per seed +3, +3, +2 -> [+1.23, +4.10]: beats, the default moves.
     # ERPA: 0.3 best on seed 0 (+0.2), then -0.1, -0.3: undecided, the default stays 1.
-    reports = {**_five("A/a0.5-tinyproto-clipped", [0.44, 0.42, 0.42]),
-               **_five("A/a0.5-refprotofl-clipped", [0.48, 0.46, 0.455])}
-    cps = {0.03: (0.45, 0.44, 0.43), 0.1: (0.47, 0.45, 0.44), 0.3: (0.46, 0.44, 0.43), 3.0: (0.41, 0.39, 0.40),
-           10.0: (0.37, 0.32, 0.34)}
+    # CPS's lambda = 1 is a sweep row of its own (the tinyproto preset now has the 0.1 this sweep chose); ERPA's
+    # is refprotofl's row of A.
+    reports = {**_five("A/a0.5-refprotofl-clipped", [0.48, 0.46, 0.455])}
+    cps = {0.03: (0.45, 0.44, 0.43), 0.1: (0.47, 0.45, 0.44), 0.3: (0.46, 0.44, 0.43), 1.0: (0.44, 0.42, 0.42),
+           3.0: (0.41, 0.39, 0.40), 10.0: (0.37, 0.32, 0.34)}
     erpa = {0.3: (0.482, 0.459, 0.452), 3.0: (0.47,) * 3, 10.0: (0.47,) * 3}
     for what, grid in (("cps", cps), ("erpa", erpa)):
         for lam, vals in grid.items():
@@ -380,7 +381,7 @@ def test_the_lambda_sweep_moves_a_default_only_when_the_chosen_lambda_beats_it(t
     assert "| 0.1 |" in chosen_cps and "+2.67 [+1.23, +4.10] (+++, 3 seeds) -> lambda 0.1 beats lambda 1" in chosen_cps
     assert "grid's edge" not in chosen_cps  # 0.1 is inside the extended grid
     assert "| 0.3 |" in chosen_erpa and "undecided (3 seeds)" in chosen_erpa and "grid's edge" in chosen_erpa
-    assert "- default: tinyproto: proto_lambda should move to 0.1" in lines
+    assert "- default: tinyproto: proto_lambda is 0.1, moved from 1 by this sweep (0.1 beats 1)" in lines
     assert "- default: refprotofl: proto_lambda stays 1 (0.3 does not beat it)" in lines
 
 
