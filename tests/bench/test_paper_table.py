@@ -402,3 +402,14 @@ def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_set_against_fedav
     # no split where FedAvg has not run
     assert "Measured" not in "\n".join(table_report.paper_lines(_ctx(tmp_path, {k: v for k, v in reports.items()
                                                                                 if "fedavg" not in k})))
+
+
+def test_a_lambda_decision_is_said_against_the_default_the_preset_has_now():
+    # refprotofl has lambda 1, tinyproto 0.1 (moved there by the sweep): each outcome named against that
+    decide = table_report._lambda_decision
+    assert decide("refprotofl", 0.3, True) == "refprotofl: proto_lambda should move to 0.3 (the preset has 1)"
+    assert decide("refprotofl", 0.3, False) == "refprotofl: proto_lambda stays 1 (0.3 does not beat it)"
+    assert decide("tinyproto", 0.1, True) == "tinyproto: proto_lambda is 0.1, moved from 1 by this sweep (0.1 beats 1)"
+    assert decide("tinyproto", 0.03, True) == "tinyproto: proto_lambda should move to 0.03 (the preset has 0.1)"
+    assert decide("tinyproto", 0.1, False) == ("tinyproto: proto_lambda should go back to 1 (0.1 does not beat it; "
+                                               "the preset has 0.1)")
