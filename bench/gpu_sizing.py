@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.table_report import pct
+
 METHODS = ("fedavg", "fedproto", "refprotofl", "tinyproto", "protofl")
 ROUNDS = 50
 TRAIN_LIMIT = 60000  # Fashion-MNIST's whole training set
@@ -69,9 +71,6 @@ def summary(out: Path, at: int | None = None) -> str:
     rows = ["| run | rounds reached | wall s | round | local head | local proto | local own proto | global | "
             "global proto | ensemble | global predictor | uplink MB |",
             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-
-    def pct(v: Any) -> str:
-        return "-" if v is None else f"{100 * v:.2f}"
 
     for lines in sorted(out.glob("*.rounds.jsonl")):
         name = lines.name.removesuffix(".rounds.jsonl")
