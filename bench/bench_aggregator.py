@@ -169,11 +169,17 @@ def inprocess_rate(name: str, n: int, distinct: int = 64) -> dict[str, Any]:
 def _worker(args: argparse.Namespace) -> None:
     """Child process: one in-process measurement with whatever `protofl` its PYTHONPATH gives."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if os.environ.get("BENCH_READER") == "reference":  # this tree with msgspec's upload reader turned off
+        from broker_server import shell
+        shell.fast_reader.usable = lambda limits: False
     print(json.dumps(inprocess_rate(args.worker, args.n)), flush=True)
 
 
-def run_worker(tree: Path, workload: str, n: int) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+REFERENCE_READER = "this, reference reader"  # the label of `--readers`' extra column
+
+
+def run_worker(tree: Path, workload: str, n: int, reader: str = "") -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", BENCH_READER=reader)
     # Run this file by path: the tree under test may not have it.
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--n", str(n)],
                          env=env, capture_output=True, text=True, check=False, timeout=600)
@@ -189,7 +195,7 @@ def inprocess(trees: dict[str, Path], workloads: list[str], n: int, repeats: int
     for r in range(repeats):
         for w in workloads:
             for label, tree in trees.items():
-                res = run_worker(tree, w, n)
+                res = run_worker(tree, w, n, "reference" if label == REFERENCE_READER else "")
                 rates[w][label].append(res["uploads_per_s"])
                 walls[w][label].append(res["uploads_per_wall_s"])
                 sizes[w] = res["upload_bytes"]
@@ -503,6 +509,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--baseline", type=Path, help="another tree (e.g. a worktree of main) to measure beside this one")
+    ap.add_argument("--readers", action="store_true",
+                    help="in-process, also this tree with the reference upload reader (msgspec's turned off)")
     ap.add_argument("--out", type=Path, help="write the results as markdown here")
     ap.add_argument("--broker", action="store_true", help="also measure through the secured broker (part 2)")
     ap.add_argument("--broker-n", type=int, default=2000, help="devices per through-broker measurement")
@@ -532,13 +540,15 @@ def main() -> None:
     trees = {"this": REPO}
     if args.baseline:
         trees = {"baseline": args.baseline.resolve(), **trees}
+    if args.readers:
+        trees[REFERENCE_READER] = REPO
     workloads = args.workloads.split(",")
     load = os.getloadavg()
     res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]])}
     if not args.skip_inprocess:
         res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
     if args.broker:
-        res["broker"] = broker_part(trees, (args.broker_workloads or args.workloads).split(","), args.broker_n,
+        res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER}, (args.broker_workloads or args.workloads).split(","), args.broker_n,
                                     args.broker_repeats or args.repeats)
     res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                       "load_avg_before": [round(x, 2) for x in load],
@@ -561,13 +571,14 @@ def markdown(res: dict[str, Any]) -> str:
     if inp["rates"]:
         lines += ["", f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per "
                       f"CPU second of the aggregator's process; all repeats in brackets):", "",
-                  "| workload | upload bytes | " + " | ".join(trees) + (" | speed-up |" if len(trees) > 1 else ""),
+                  "| workload | upload bytes | " + " | ".join(trees)
+                  + (f" | this / {trees[0]} |" if len(trees) > 1 else ""),
                   "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else "")]
     for w, per_tree in inp["rates"].items():
         cells = [f"{inp['median'][w][t]:,.0f} ({', '.join(f'{x:,.0f}' for x in per_tree[t])})" for t in trees]
         row = f"| {w} | {inp['upload_bytes'][w]:,} | " + " | ".join(cells) + " |"
         if len(trees) > 1:
-            row += f" {inp['median'][w][trees[-1]] / inp['median'][w][trees[0]]:.2f}x |"
+            row += f" {inp['median'][w]['this'] / inp['median'][w][trees[0]]:.2f}x |"  # this tree against the first
         lines.append(row)
     broker = res.get("broker")
     if broker:

@@ -36,7 +36,7 @@ from protofl import topics
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.transport import Transport
-from protofl.wire import Envelope, Join
+from protofl.wire import Head, Join
 
 log = logging.getLogger("protofl.server")
 
@@ -209,7 +209,7 @@ class Coordinator(Aggregator):
                          ("", body, "", PARTIALS, self.round, open_.phase.value), "the shards' partials")
 
     # -- effects and replay -------------------------------------------------------------------------
-    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], what: str | Envelope) -> None:
+    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], what: str | Head) -> None:
         super()._handle(inp, entry, what)
         if isinstance(inp, Received) and isinstance(inp.msg, Join) and inp.env.sender in self._waiting:
             for waiting in self._waiting.pop(inp.env.sender):

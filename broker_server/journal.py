@@ -44,6 +44,10 @@ OLD_MAGIC = b"PFJ1"  # before issue 27: the payload inside the msgpack body
 OLD_HEADER = struct.Struct(">4sII")
 MAX_RECORD = 1 << 30  # a larger length field is damage, not a message
 MAX_META = 1 << 16
+# A group commit's pending records are written at `sync`, or sooner past these (writev takes at most IOV_MAX,
+# 1,024 on Linux, pieces a call; a record is 3).
+_MAX_PENDING_PARTS = 3 * 256
+_MAX_PENDING_BYTES = 8 << 20
 
 
 class JournalError(ProtoFLError, RuntimeError):
@@ -160,8 +164,13 @@ class Journal:
                         self.path, len(data) - good, good, aside)
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
-        self.size = good
+        self.size = good  # what is appended, written or still pending
         self._dirty = False
+        # Group commit: records appended without `sync` wait here and go out in one writev at `sync` (one
+        # system call per pumped batch, not one per upload: ~5 us of a 2 KB upload's, ~12 us of a 20 KB one's).
+        # Nothing pending is acknowledged, so a crash that loses it loses what the broker delivers again.
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
         os.lseek(self._fd, good, os.SEEK_SET)
         if not data:
             _fsync_dir(self.path.parent)  # the new file's name must survive a crash too
@@ -179,20 +188,35 @@ class Journal:
         """Write one record and (with `sync`) fsync it; returns the journal's new size. Without `sync`
         the caller must call `sync()` before acknowledging it (group commit)."""
         parts = record_parts(topic, payload, client, kind, round_, phase)
-        _crash_point(self._fd, parts)
-        total = sum(len(p) for p in parts)
-        written = os.writev(self._fd, parts)
-        if written != total:
-            raise OSError(f"{self.path}: short write ({written} of {total} bytes)")
+        if _CRASH:  # a test's torn record must come after what is pending, as it would on disk
+            self._write_pending()
+            _crash_point(self._fd, parts)
+        total = len(parts[0]) + len(parts[1]) + len(parts[2])
+        self._pending += parts
+        self._pending_bytes += total
         self.size += total
-        self._dirty = True
         if sync:
             self.sync()
+        elif len(self._pending) >= _MAX_PENDING_PARTS or self._pending_bytes >= _MAX_PENDING_BYTES:
+            self._write_pending()
         crash_point("AFTER_APPEND")
         return self.size
 
+    def _write_pending(self) -> None:
+        """Hand what is pending to the OS (not yet fsync'd)."""
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        for at in range(0, len(pending), _MAX_PENDING_PARTS):
+            chunk = pending[at:at + _MAX_PENDING_PARTS]
+            total = sum(len(p) for p in chunk)
+            written = os.writev(self._fd, chunk)
+            if written != total:
+                raise OSError(f"{self.path}: short write ({written} of {total} bytes)")
+            self._dirty = True
+
     def sync(self) -> None:
         """Everything appended so far is on disk when this returns."""
+        if self._pending:
+            self._write_pending()
         if self._dirty and self.fsync:
             started = time.perf_counter()
             os.fsync(self._fd)
@@ -202,6 +226,8 @@ class Journal:
 
     def close(self) -> None:
         if self._fd >= 0:
+            if self._pending:
+                self._write_pending()
             os.close(self._fd)
             self._fd = -1
 

@@ -36,8 +36,7 @@ from protofl.humanize import human_bytes
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.wire import (
     Config,
-    Envelope,
-    Header,
+    Head,
     Join,
     Message,
     Metrics,
@@ -82,7 +81,7 @@ class Drop(Exception):
 class Received:
     """A decoded message from a device's `up/` topic."""
 
-    env: Envelope
+    env: Head  # the envelope's fields (the body is `msg`)
     msg: Message
     nbytes: int
 
@@ -415,7 +414,7 @@ class RoundMachine:
                 open_.deadline = now + self.cfg.round_timeout
         return due
 
-    def screen(self, head: Header) -> None:
+    def screen(self, head: Head) -> None:
         """Raise Drop for a message its envelope alone shows the machine would refuse (a stranger's upload,
         another round or phase, a second upload, metrics of a far round), before its body is parsed."""
         if head.kind in UPLOAD_KINDS:
@@ -429,13 +428,13 @@ class RoundMachine:
         if self._expected_set and client not in self._expected_set:
             raise Drop("unknown_client", f"'{client}' is not in this federation's client list")
 
-    def _check_metrics(self, env: Header | Envelope) -> None:
+    def _check_metrics(self, env: Head) -> None:
         if env.sender not in self.state.clients:
             raise Drop("unknown_client", f"metrics from '{env.sender}'")
         if not self.state.round - METRICS_LAG <= env.round <= self.state.round:
             raise Drop("stale", f"metrics for round {env.round} from {env.sender}; now round {self.state.round}")
 
-    def _on_join(self, env: Envelope, msg: Join, nbytes: int) -> list[Effect]:
+    def _on_join(self, env: Head, msg: Join, nbytes: int) -> list[Effect]:
         s = self.state
         new = env.sender not in s.clients
         s.departed.pop(env.sender, None)
@@ -498,7 +497,7 @@ class RoundMachine:
         log.info("client %s is back; %d client(s)", client, len(s.clients))
         return []
 
-    def _check_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
+    def _check_upload(self, env: Head, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
         open_, kind = self._check_upload_head(env)
         self.check_base(msg)
@@ -509,7 +508,7 @@ class RoundMachine:
         if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.state.round:
             raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.state.round}")
 
-    def _check_upload_head(self, env: Header | Envelope | Progress) -> tuple[OpenPhase, Upload]:
+    def _check_upload_head(self, env: Head | Progress) -> tuple[OpenPhase, Upload]:
         """The checks of an upload that its envelope decides."""
         s = self.state
         if env.sender not in s.clients:
@@ -536,7 +535,7 @@ class RoundMachine:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
         return open_, kind
 
-    def _on_upload(self, env: Envelope, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
+    def _on_upload(self, env: Head, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
         # `accepts` placed it (membership, round, phase, duplicate): not checked a second time here.
         open_, kind = self.state.phase, _UPLOADS[env.kind]
         assert open_ is not None

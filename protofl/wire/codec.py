@@ -245,8 +245,15 @@ def decode_array(
     if dts is not None and dt not in dts:
         raise WireError(f"{what}: dtype {dt} not allowed here; expected {' or '.join(sorted(dts))}")
     expect_keys(obj, ("dt", "sh", "b", "scale", "zero") if dt == "q8" else ("dt", "sh", "b"), what)
-    sh = _shape(obj["sh"], what, limits, ndim)
-    b = obj["b"]
+    return array_from_parts(dt, obj["sh"], obj["b"], what=what, limits=limits, ndim=ndim,
+                            scale=obj.get("scale"), zero=obj.get("zero"))
+
+
+def array_from_parts(dt: str, sh: Any, b: Any, *, what: str, limits: Limits = DEFAULT_LIMITS, ndim: int | None = None,
+                     scale: Any = None, zero: Any = None) -> np.ndarray:
+    """`decode_array` once the map's keys are checked (`dt` a known code): shape, byte count, values. The
+    compiled upload decoder (`protofl.wire.fast`) checks the map with its schema and the values here."""
+    sh = _shape(sh, what, limits, ndim)
     if not isinstance(b, bytes):
         raise WireError(f"{what}: 'b' must be bin bytes, got {_tname(b)}")
     need = math.prod(sh) * _DTYPES[dt].itemsize
@@ -256,8 +263,8 @@ def decode_array(
     if dt in UINT_DTS:
         return raw.astype(_NATIVE[dt])
     if dt == "q8":
-        scale = expect_float(obj["scale"], f"{what} q8 scale")
-        zero = expect_float(obj["zero"], f"{what} q8 zero")
+        scale = expect_float(scale, f"{what} q8 scale")
+        zero = expect_float(zero, f"{what} q8 zero")
         if scale <= 0:
             raise WireError(f"{what}: q8 scale must be > 0, got {scale}")
         with np.errstate(over="ignore", invalid="ignore"):
@@ -363,7 +370,18 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
     v = decode_array(obj["v"], what=f"{what} values", limits=limits, dts=FLOAT_DTS, ndim=1)
     if form == "i":
         idx = decode_array(obj["i"], what=f"{what} indices", limits=limits, dts=("u2", "u4"), ndim=1)
-        idx = idx.astype(np.int64)
+        return sparse_from_parts(n, idx, None, v, what)
+    packed = decode_array(obj["mask"], what=f"{what} mask", limits=limits, dts=("u1",), ndim=1)
+    return sparse_from_parts(n, None, packed, v, what)
+
+
+def sparse_from_parts(n: int, indices: np.ndarray | None, packed: np.ndarray | None, values: np.ndarray,
+                      what: str) -> SparseVector:
+    """`decode_sparse` once its arrays are decoded (`n` checked): the indices (u2/u4), or else the packed
+    mask (u1), checked against `n` and the values."""
+    v = values
+    if indices is not None:
+        idx = indices.astype(np.int64)
         if idx.size != v.size:
             raise WireError(f"{what}: {idx.size} indices but {v.size} values")
         step = np.diff(idx)
@@ -374,7 +392,7 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
         if idx.size and idx[-1] >= n:
             raise WireError(f"{what}: index {int(idx[-1])} out of range for length {n}")
         return SparseVector(n, idx, v)
-    packed = decode_array(obj["mask"], what=f"{what} mask", limits=limits, dts=("u1",), ndim=1)
+    assert packed is not None
     if packed.size != (n + 7) // 8:
         raise WireError(f"{what}: mask has {packed.size} bytes; length {n} needs {(n + 7) // 8}")
     if n % 8 and packed[-1] >> (n % 8):
@@ -388,12 +406,12 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
 # --- envelope ------------------------------------------------------------------------------------
 
 
-_H = TypeVar("_H", bound="_Head")
+_H = TypeVar("_H", bound="Head")
 
 
 @dataclass(frozen=True)
-class _Head:
-    """The envelope's fields other than the body."""
+class Head:
+    """The envelope's fields other than the body: what a receiver judges a message by before its body."""
 
     v: int
     kind: str
@@ -405,12 +423,12 @@ class _Head:
 
 
 @dataclass(frozen=True)
-class Envelope(_Head):
+class Envelope(Head):
     body: dict
 
 
 @dataclass(frozen=True)
-class Header(_Head):
+class Header(Head):
     """A message read up to its body: every envelope field is checked, the message is within the size
     limit of its kind, and the body is still bytes, skipped without building one object. A receiver
     checks kind, sender, federation and round on the header and pays for the body (`open`) only for a

@@ -483,11 +483,17 @@ class ProtoUpload(_Body):
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
         b = expect_keys(body, ("local", "public", "n_samples"), cls.KIND)
-        out = cls.__new__(cls)  # the sets are ProtoSets the decoder built: only n_samples is left to check
-        _set(out, local=None if b["local"] is None else ProtoSet.from_body(b["local"], limits, "protos local"),
-             public=None if b["public"] is None else ProtoSet.from_body(b["public"], limits, "protos public"))
+        return cls._decoded(None if b["local"] is None else ProtoSet.from_body(b["local"], limits, "protos local"),
+                            None if b["public"] is None else ProtoSet.from_body(b["public"], limits, "protos public"),
+                            b["n_samples"])
+
+    @classmethod
+    def _decoded(cls, local: ProtoSet | None, public: ProtoSet | None, n_samples: Any) -> Self:
+        """From sets a decoder built (here or in `protofl.wire.fast`): only n_samples is left to check."""
+        out = cls.__new__(cls)
+        _set(out, local=local, public=public)
         try:
-            _set(out, n_samples=expect_int(b["n_samples"], "n_samples"))
+            _set(out, n_samples=expect_int(n_samples, "n_samples"))
         except WireError as e:
             raise WireError(f"{cls.KIND}: {e}") from None
         return out
@@ -538,12 +544,17 @@ class ParamsUpload(_Body):
         else:
             update = decode_array(u, what="adapter update", limits=limits, dts=FLOAT_DTS, ndim=1)
             dt = u["dt"]
-        # The decoder checked the update (indices sorted, unique and in range; values finite float32): the
-        # constructor's passes over it are not run again, only its checks of the scalars.
+        return cls._decoded(update, dt, b["n_samples"], b["base_round"])
+
+    @classmethod
+    def _decoded(cls, update: SparseVector | np.ndarray, dt: str, n_samples: Any, base_round: Any) -> Self:
+        """From an update a decoder checked (here or in `protofl.wire.fast`: indices sorted, unique and in range;
+        values finite float32): the constructor's passes over it are not run again, only its checks of the
+        scalars."""
         out = cls.__new__(cls)
         _set(out, update=update, dt=dt)
         try:
-            out._check_scalars(b["n_samples"], b["base_round"])
+            out._check_scalars(n_samples, base_round)
         except WireError as e:
             raise WireError(f"{cls.KIND}: {e}") from None
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from broker_server import shell
 from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
@@ -61,11 +62,19 @@ def same(a: tuple, b: tuple) -> bool:
     return a[2:] == b[2:]
 
 
-@pytest.fixture
-def fedproto() -> tuple[InProcessBroker, Aggregator, Clock]:
+@pytest.fixture(params=["fast", "reference"])
+def fedproto(request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> tuple[InProcessBroker, Aggregator, Clock]:
+    """Under both upload readers (msgspec's, where installed, and the reference decoder): the same drops, for
+    the same reasons, and the same model."""
+    if request.param == "reference":
+        monkeypatch.setattr(shell.fast_reader, "usable", lambda limits: False)
+    elif not shell.fast_reader.available():
+        pytest.skip("msgspec (the `fast` extra) is not installed")
     cfg = make_config("fedproto", rounds=2, num_classes=3, proto_dim=2, adapter_rank=1, min_clients=1, round_timeout=30.0)
     broker, clock = InProcessBroker(), Clock()
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=clock, expected_clients=["a", "b"])
+    assert agg._fast == (request.param == "fast")
     agg.start()
     for c in ("a", "b"):
         send(broker, c, Join(arch="cnn", n_samples=10))

@@ -248,25 +248,30 @@ def test_random_bytes() -> None:
         check((bytes([0x88]) + body) if i % 2 else body)
 
 
+def byte_mutation(rng: random.Random, seed: bytes) -> bytes:
+    """`seed` with one byte set, one bit flipped, cut short, one byte inserted, or one byte deleted."""
+    data = bytearray(seed)
+    pos = rng.randrange(len(data))
+    op = rng.randrange(5)
+    if op == 0:
+        data[pos] = rng.randrange(256)
+    elif op == 1:
+        data[pos] ^= 1 << rng.randrange(8)
+    elif op == 2:
+        del data[pos:]
+    elif op == 3:
+        data.insert(pos, rng.randrange(256))
+    else:
+        del data[pos]
+    return bytes(data)
+
+
 def test_byte_mutations_of_valid_messages() -> None:
     rng = random.Random(99)
     seeds = [valid(m) for m in SMALL]
     decoded = 0
     for i in range(10_000):
-        data = bytearray(seeds[i % len(seeds)])
-        pos = rng.randrange(len(data))
-        op = rng.randrange(5)
-        if op == 0:
-            data[pos] = rng.randrange(256)
-        elif op == 1:
-            data[pos] ^= 1 << rng.randrange(8)
-        elif op == 2:
-            del data[pos:]
-        elif op == 3:
-            data.insert(pos, rng.randrange(256))
-        else:
-            del data[pos]
-        decoded += check(bytes(data))
+        decoded += check(byte_mutation(rng, seeds[i % len(seeds)]))
     assert 0 < decoded < 10_000  # both outcomes happen, or the fuzz is not reaching anything
 
 
@@ -290,6 +295,19 @@ def nodes(obj: Any, path: tuple = ()) -> list[tuple]:
     return out
 
 
+def tree_mutation(rng: random.Random, top: dict, path: tuple) -> bytes:
+    """`top` (changed in place) with the value at `path` dropped (a map's, sometimes) or swapped for one of
+    POOL's, packed."""
+    parent = top
+    for p in path[:-1]:
+        parent = parent[p]
+    if isinstance(parent, dict) and rng.random() < 0.15:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = copy.deepcopy(rng.choice(POOL))
+    return msgpack.packb(top, use_bin_type=True)
+
+
 def test_structural_mutations_of_valid_messages() -> None:
     """Swap one value anywhere in the tree for another msgpack value: reaches the body validators."""
     rng = random.Random(7)
@@ -299,12 +317,5 @@ def test_structural_mutations_of_valid_messages() -> None:
         top = copy.deepcopy(trees[i % len(trees)])
         # Mostly inside the body: the envelope is a small share of what a peer can get wrong.
         path = rng.choice(nodes(top["body"], ("body",))[1:] or [("body",)] if rng.random() < 0.85 else nodes(top)[1:])
-        parent = top
-        for p in path[:-1]:
-            parent = parent[p]
-        if isinstance(parent, dict) and rng.random() < 0.15:
-            del parent[path[-1]]
-        else:
-            parent[path[-1]] = copy.deepcopy(rng.choice(POOL))
-        decoded += check(msgpack.packb(top, use_bin_type=True))
+        decoded += check(tree_mutation(rng, top, path))
     assert 0 < decoded < 4_000
