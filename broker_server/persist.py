@@ -28,8 +28,25 @@ def state_fields(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("state", True)]
 
 
+_FLAT: dict[type, tuple[str, ...] | None] = {}
+
+
+def _flat_fields(cls: type) -> tuple[str, ...] | None:
+    """The state fields of a dataclass whose every state field holds a str, int, float or bool, else None:
+    such an object is its fields as they are (a member's Join: 3,000 of them in a fleet's checkpoint)."""
+    if cls not in _FLAT:
+        hints = typing.get_type_hints(cls)
+        fields = state_fields(cls)
+        _FLAT[cls] = (tuple(f.name for f in fields)
+                      if all(hints[f.name] in (str, int, float, bool) for f in fields) else None)
+    return _FLAT[cls]
+
+
 def to_plain(obj: Any) -> Any:
     """`obj` as plain values (dict keys become [key, value] pairs where they are not strings)."""
+    flat = _FLAT.get(type(obj))  # first: a fleet's members are most of the nodes
+    if flat is not None:
+        return {name: getattr(obj, name) for name in flat}
     if obj is None or isinstance(obj, (bool, int, float, str, bytes, np.ndarray)):
         return obj
     if isinstance(obj, np.generic):
@@ -37,10 +54,14 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, enum.Enum):
         return obj.value
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if _flat_fields(type(obj)) is not None:  # declared str/int/float/bool (a numpy scalar there is the packer's)
+            return to_plain(obj)
         return {f.name: to_plain(getattr(obj, f.name)) for f in state_fields(type(obj))}
     if isinstance(obj, (set, frozenset)):
         return sorted(to_plain(x) for x in obj)
     if isinstance(obj, (list, tuple)):
+        if all(type(x) is str for x in obj):  # a round's clients: a fleet's names, already plain
+            return list(obj)
         return [to_plain(x) for x in obj]
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
