@@ -116,6 +116,8 @@ def test_an_outage_cuts_connections_and_refuses_new_ones_until_it_ends(monkeypat
         assert sink.done.wait(10), "hello did not get through the link while it was up"
         now[0] = 1.5  # down
         wait_until(lambda: proxy.down, "outage at simulated 1.5 s")
+        # The watcher sets `down` and then cuts (the count follows the closing): wait for the count.
+        wait_until(lambda: proxy.stats.cuts >= 1, "the outage's cut")
         assert proxy.stats.cuts == 1
         c.settimeout(10)
         assert c.recv(10) == b""  # the proxy closed our connection
