@@ -246,7 +246,8 @@ class Aggregator:
     def _judged(self, topic: str, head: Head, nbytes: int, topic_client: str,
                 msg: Message | None) -> Received | None:
         """`head`'s message as the machine's input, or None (a counted drop); its body (a `Header`'s) is
-        parsed only once its envelope has passed, unless `msg` (the fast reader's) is given."""
+        parsed only once its envelope has passed, unless `msg` (the fast reader's) is given: then the machine's
+        `accepts` makes the checks `screen` would have made before the body, with the same drops."""
         # Who sent what to whom, from the envelope: a message that cannot be an upload from this topic's
         # device to this federation costs its envelope, never the parsing of its body.
         if head.sender != topic_client:
@@ -259,12 +260,12 @@ class Aggregator:
             self._drop("unexpected_kind", f"{head.kind} from {head.sender} (round {head.round}): a device sends "
                                           f"{', '.join(sorted(DEVICE_KINDS))} on up/", nbytes)
             return None
-        try:
-            self.machine.screen(head)  # round, phase, membership: still before the body
-        except Drop as drop:
-            self._drop(drop.reason, drop.detail, nbytes)
-            return None
         if msg is None:
+            try:
+                self.machine.screen(head)  # round, phase, membership: still before the body
+            except Drop as drop:
+                self._drop(drop.reason, drop.detail, nbytes)
+                return None
             assert isinstance(head, Header)
             try:
                 msg = decode_body(head.open(), self.limits)

@@ -113,15 +113,15 @@ class PrototypeAggregator(Additive):
     def add_rows(self, classes: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None) -> None:
         """`add` for one upload as rows: row i of `rows` (k, dim) is class `classes[i]`, from `counts[i]` samples.
 
-        For rows a decoded `ProtoSet` gave (classes unique, counts >= 1, values finite: the decoder checked
-        them, and clipping keeps them finite): only what the decoder could not know is checked here (this
+        For rows a decoded `ProtoSet` gave (classes unique and ascending, counts >= 1, values finite: the decoder
+        checked them, and clipping keeps them finite): only what the decoder could not know is checked here (this
         aggregator's classes and width, counts present when weighted), all before anything changes; the rows
         are folded in one pass, with the same sums `add` makes."""
         who = "prototype aggregator"
         k = classes.shape[0]
         if rows.shape != (k, self.dim):
             raise ValueError(f"{who}: expected rows of shape ({k}, {self.dim}), got {rows.shape}")
-        if k and not 0 <= int(classes.min()) <= int(classes.max()) < self.num_classes:
+        if k and not 0 <= int(classes[0]) <= int(classes[-1]) < self.num_classes:  # ascending: ends are min, max
             raise ValueError(f"{who}: class ids must lie in [0, {self.num_classes})")
         if self.weighting == "weighted" and counts is None:
             raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
