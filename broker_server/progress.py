@@ -10,7 +10,7 @@ report and log line does. numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from protofl.wire import Metrics
 
 # How long a closed round waits for its participants' metrics before it is shown without them.
 GRACE_S = 5.0
+# ... and at most this much longer while the server asks for metrics the broker dropped (broker_server/resend.py).
+HOLD_S = 30.0
 
 
 def _pooled(counts: list[tuple[int, int]]) -> float | None:
@@ -122,12 +124,18 @@ class RoundProgress:
             return not self._missing.get(rec.round)
         return not self._due(rec)
 
-    def poll(self, now: float, force: bool = False) -> int:
-        """Emit the rounds that are ready (all of them with `force`), in order; returns how many."""
+    def awaited(self) -> dict[int, tuple[float, set[str]]]:
+        """The closed rounds not shown yet that wait for metrics: {round: (when it closed, who has not reported)}."""
+        return {rec.round: (rec.ended, due) for rec in self.pending if (due := self._due(rec))}
+
+    def poll(self, now: float, force: bool = False, hold: Collection[int] = ()) -> int:
+        """Emit the rounds that are ready (all of them with `force`), in order; returns how many. A round in
+        `hold` (its missing metrics are being asked for again) waits up to HOLD_S past its grace."""
         n = 0
         while self.emitted < len(self.closed):
             rec = self.closed[self.emitted]
-            if not (force or self.complete(rec) or now >= rec.ended + self.grace):
+            wait = self.grace + (HOLD_S if rec.round in hold else 0.0)
+            if not (force or self.complete(rec) or now >= rec.ended + wait):
                 break
             self.emitted += 1
             n += 1

@@ -12,20 +12,22 @@ so the next one is published: the server learns of drops once it has caught up w
 
 Which messages were lost the broker does not say. So, from a drop on, `Resender` asks each device that
 still owes the open phase something (a member that has not joined, a client whose upload is missing) to
-send it again, on the device's own `down/<id>` topic (wire `Resend`; only the server may write there).
-A device keeps its last uploads (edge_agent/runner.py) and re-sends them; duplicates are dropped by the
-round machine's envelope screen. The requests are flow-controlled so that a fleet of 10,000 does not
-flood the queue again: at most `window` requests are outstanding (not yet answered by the upload or
-join they ask for; `Resender` says when one expires), where the window is sized so that its answers fit
-half the queue; each device is asked at most `MAX_ATTEMPTS` times per drop episode, and an episode covers
-only the phase open when the drops were seen (joins excepted), so the next phase's devices, still
-training, are not asked. numpy-free, no I/O: the service publishes what `due` returns.
+send it again, on the device's own `down/<id>` topic (wire `Resend`; only the server may write there),
+and each participant of a closed round whose metrics its log line still waits for (its line waits for the
+answers). A device keeps its last uploads and metrics (edge_agent/runner.py) and re-sends them; duplicate
+uploads are dropped by the round machine's envelope screen, a second metrics message replaces the first.
+The requests are flow-controlled so that a fleet of 10,000 does not flood the queue again: at most
+`window` requests are outstanding (not yet answered by what they ask for; `Resender` says when one
+expires), where the window is sized so that its answers fit half the queue; each device is asked at most
+`MAX_ATTEMPTS` times per drop episode, and an episode asks only for the uploads of the phase open when the
+drops were seen (joins and closed rounds' metrics whenever they were lost), so the next phase's devices,
+still training, are not asked. numpy-free, no I/O: the service publishes what `due` returns.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from broker_server.broker import DROPPED_TOPIC
@@ -65,7 +67,8 @@ class BrokerDrops:
 
 @dataclass(frozen=True)
 class Ask:
-    """One request: `client` should send its join ("join") or its uploads of (round, phase) ("uploads")."""
+    """One request: `client` should send its join ("join"), its uploads of (round, phase) ("uploads"), or its
+    metrics of `round` ("metrics")."""
 
     client: str
     ask: str
@@ -73,18 +76,20 @@ class Ask:
     phase: str = ""
 
 
-def owed(machine: RoundMachine, members: Collection[str] | None) -> list[Ask]:
+def owed(machine: RoundMachine, members: Collection[str] | None,
+         metrics: Mapping[int, Collection[str]] | None = None) -> list[Ask]:
     """What devices still owe the federation now: the open phase's missing uploads first, then the joins of
-    members that are not clients (without a member list nobody's join can be known to be missing)."""
+    members that are not clients (without a member list nobody's join can be known to be missing), then the
+    metrics of closed rounds that `metrics` ({round: participants}) says their log lines wait for."""
     s = machine.state
-    if s.finished:
-        return []
     out: list[Ask] = []
     open_ = s.phase
-    if open_ is not None:
+    if open_ is not None and not s.finished:
         out += [Ask(c, "uploads", s.round, open_.phase.value) for c in sorted(open_.expected) if not open_.complete(c)]
-    if members:
+    if members and not s.finished:
         out += [Ask(c, "join") for c in sorted(members) if c not in s.clients]
+    for r, clients in sorted((metrics or {}).items()):
+        out += [Ask(c, "metrics", r) for c in sorted(clients)]
     return out
 
 
@@ -149,7 +154,8 @@ class Resender:
             if now - self._progress < self.settle and now - self._alarmed < self.max_age:
                 return []
             self._alarmed = None
-        mine = [a for a in owing if a.ask == "join" or (a.round, a.phase) == scope]
+        # Joins, and closed rounds' metrics, whenever they were lost; uploads of the phase of the drops only.
+        mine = [a for a in owing if a.ask != "uploads" or (a.round, a.phase) == scope]
         outstanding, eligible = 0, []
         for a in mine:
             asked = self._asked.get(a)

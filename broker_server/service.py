@@ -64,6 +64,8 @@ def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int,
         parts.append(f"so far up {human_bytes(so_far[0])}, down {human_bytes(so_far[1])}")
     if rec.clip_checked:
         parts.append(f"clipped {clip_text(rec.clipped, rec.clip_checked)}")
+    if 0 < len(metrics) < len(rec.clients):
+        parts.append(f"metrics from {len(metrics)}/{len(rec.clients)} clients")
     return ", ".join(parts)
 
 
@@ -82,7 +84,7 @@ class AggregatorService:
                  offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
                  fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
                  metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
-                 on_round_logged: Callable[[RoundRecord, dict[str, float | None]], None] | None = None,
+                 on_round_logged: Callable[[RoundRecord, dict[str, float | None], int], None] | None = None,
                  resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = (),
                  shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> None:
         self.fed = fed
@@ -197,7 +199,8 @@ class AggregatorService:
         if n:
             self.resender.progress(time.monotonic())
         self._ask_resends()
-        self.round_log.poll(time.time())
+        # While drops are being asked for again, a round whose metrics are missing waits for the answers.
+        self.round_log.poll(time.time(), hold=self.round_log.awaited() if self.resender.active else ())
         self.watch.after_step(n)
         return n
 
@@ -294,7 +297,10 @@ class AggregatorService:
             return
         self._resend_at = now
         agg = self.aggregator
-        asks = self.resender.due(owed(agg.machine, agg.members or agg.expected_clients), now)
+        # A closed round's missing metrics too: those sent while the broker dropped are long lost, and a device
+        # whose metrics are merely on their way sends them twice (the second replaces the first).
+        metrics = {r: who for r, (_, who) in self.round_log.awaited().items()}
+        asks = self.resender.due(owed(agg.machine, agg.members or agg.expected_clients, metrics), now)
         for a in asks:
             payload = encode_message(Resend(a.ask), fed=self.fed, sender=SERVER_ID, round=a.round, phase=a.phase)
             try:
@@ -322,7 +328,7 @@ class AggregatorService:
         log.info("%s", round_line(rec, metrics, self.rounds, so_far))
         accs = self.watch.round_logged(rec, metrics)
         if self._user_round_logged is not None:
-            self._user_round_logged(rec, accs)
+            self._user_round_logged(rec, accs, len(metrics))
 
     def _metrics(self, client: str, round_: int, msg: Metrics, nbytes: int) -> None:
         self.round_log.add_metrics(client, round_, msg)

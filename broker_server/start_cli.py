@@ -565,11 +565,13 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 write_server_artifacts(live[0].aggregator.model, state_dir / "artifacts", fed=fed, round_=rec.round,
                                        finished=rec.round >= cfg.rounds)
 
-        def on_round_logged(rec: Any, accs: dict[str, float | None]) -> None:
-            """A round's line once its metrics are in (or their grace passed): bytes, clients and accuracies."""
+        def on_round_logged(rec: Any, accs: dict[str, float | None], reported: int) -> None:
+            """A round's line once its metrics are in (or their grace passed): bytes, clients, accuracies and how
+            many clients' metrics they are over."""
             nonlocal logged
             if rounds_file is not None and rec.round > logged:
-                rounds_file.write(json.dumps({"fed": fed, "preset": cfg.preset, **asdict(rec), **accs}) + "\n")
+                rounds_file.write(json.dumps({"fed": fed, "preset": cfg.preset, **asdict(rec), **accs,
+                                              "metrics_from": reported}) + "\n")
                 rounds_file.flush()
                 logged = rec.round
 
@@ -602,7 +604,7 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             waiting = {rec.round for rec in service.round_log.pending}
             for rec in service.aggregator.records:
                 if rec.round not in waiting:
-                    on_round_logged(rec, accuracies([]))
+                    on_round_logged(rec, accuracies([]), 0)
             if service.resumed and service.finished:
                 log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a "
                             "new federation use another --state-dir", fed, state_dir, len(service.aggregator.records))

@@ -45,7 +45,7 @@ from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.transport.base import Handler
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Config, Envelope, Message, Status, decode_message, encode_message
+from protofl.wire import Config, Envelope, Message, Metrics, Status, decode_message, encode_message, read_header
 
 log = logging.getLogger("protofl.edge")
 SERVER_UP = ("waiting", "running")
@@ -71,9 +71,12 @@ class RunnerOptions:
     artifacts: str | None = None  # where this device's deployable artifacts go (default: STATE_DIR/artifacts)
 
 
+KEPT_METRICS = 2  # rounds whose metrics a device keeps to send again: a round's line waits for its metrics only
+
+
 class _UploadLog:
-    """The agent's transport: passes everything through and keeps the protocol uploads (not metrics)
-    sent for the round message being handled, so that they can be sent again.
+    """The agent's transport: passes everything through and keeps the protocol uploads sent for the round
+    message being handled, and the metrics of the last KEPT_METRICS rounds, so that they can be sent again.
 
     With a `clock` (a device profile), messages go out through a `HeldSender`: uploads not before the
     round's emulated compute time is over, everything in order; the round's timings go to `extra`."""
@@ -85,6 +88,7 @@ class _UploadLog:
         self.clock = clock
         self.deferred: list[tuple[str, bytes, bool, int, bool]] | None = None
         self._upload: bytes | None = None  # the payload the agent just tagged as an upload
+        self.metrics: dict[int, tuple[str, bytes]] = {}  # round -> the metrics message sent for it
         self.extra: dict[str, float] | None = None  # the agent's metrics_extra
         self.held = HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos)) \
             if clock is not None else None
@@ -109,6 +113,8 @@ class _UploadLog:
         upload, self._upload = self._upload is payload, None
         if upload:
             self.sent.append((topic, payload))
+        else:
+            self._keep_metrics(topic, payload)
         if self.deferred is not None:
             self.deferred.append((topic, payload, retain, qos, upload))
             return
@@ -123,6 +129,16 @@ class _UploadLog:
             if upload and self.extra is not None:
                 self.extra.update(self.clock.extra)
             self.held.submit(topic, payload, qos, release)
+
+    def _keep_metrics(self, topic: str, payload: bytes) -> None:
+        try:
+            head = read_header(payload)
+        except WireError:
+            return
+        if head.kind == Metrics.KIND:
+            self.metrics[head.round] = (topic, payload)
+            for old in sorted(self.metrics)[:-KEPT_METRICS]:
+                del self.metrics[old]
 
     def resend(self, topic: str, payload: bytes) -> None:
         """An upload again (its round was announced again): still not before its release time."""
@@ -401,7 +417,8 @@ class DeviceRunner:
                      len(self._uploads.sent))
 
     def _on_request(self, topic: str, payload: bytes) -> None:
-        """The server asks again for what the broker may have dropped: our join, or a phase's uploads."""
+        """The server asks again for what the broker may have dropped: our join, a phase's uploads, or a round's
+        metrics."""
         got = self.requests.read(payload, time.monotonic())
         if got is None:
             return
@@ -411,6 +428,11 @@ class DeviceRunner:
                 log.info("%s: the server asks for our join again", self.client_id)
                 self.joined = False
                 self._maybe_join()
+        elif msg.ask == "metrics":
+            kept = self._uploads.metrics.get(env.round)
+            if kept is not None:
+                self._uploads.resend(*kept)
+                log.info("%s: round %d's metrics asked again by the server; re-sent", self.client_id, env.round)
         else:
             self._resend((env.round, env.phase), "asked again by the server")
 

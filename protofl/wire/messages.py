@@ -637,11 +637,12 @@ class Status(_Body):
 @dataclass(frozen=True, eq=False)
 class Resend(_Body):
     """The server asks one device to send again what the broker may have dropped after acknowledging it: its
-    join (`ask` "join"), or its uploads of the envelope's round and phase ("uploads"). Sent on the device's
-    own `down/{client_id}` topic, which only the server may write (the ACL)."""
+    join (`ask` "join"), its uploads of the envelope's round and phase ("uploads"), or its metrics of the
+    envelope's round ("metrics"). Sent on the device's own `down/{client_id}` topic, which only the server may
+    write (the ACL). A device that does not know an ask refuses the request as unreadable and sends nothing."""
 
     KIND: ClassVar[str] = "resend"
-    ASKS: ClassVar[tuple[str, ...]] = ("join", "uploads")
+    ASKS: ClassVar[tuple[str, ...]] = ("join", "uploads", "metrics")
     ask: str
 
     def __post_init__(self) -> None:

@@ -124,6 +124,41 @@ def test_the_owed_uploads_come_first_then_the_missing_joins_of_members() -> None
     assert got == [Ask("a", "uploads", 1, "train"), Ask("b", "uploads", 1, "train"), Ask("c", "join")]
 
 
+def test_a_closed_rounds_missing_metrics_are_owed_after_the_uploads_and_joins() -> None:
+    ids = ["a", "b", "c"]
+    machine = _machine(ids[:2])
+    for cid in ("a", "b"):
+        _join(machine, cid)
+    got = owed(machine, ids, {1: {"b"}, 0: set()})
+    assert got[-1] == Ask("b", "metrics", 1) and got[:3] == owed(machine, ids)
+    # An episode asks for a closed round's metrics whatever phase its drops were seen in, within its window.
+    r = Resender(window=2, settle=0.0)
+    r.progress(0.0)
+    r.alarm(2, "train")
+    owing = [Ask("d1", "uploads", 1, "train"), Ask("d1", "metrics", 1), Ask("d2", "metrics", 1),
+             Ask("d3", "metrics", 1)]
+    assert r.due(owing, 1.0) == owing[1:3]
+    assert r.due(owing[2:], 1.1) == [owing[3]]  # d1's metrics came: its place in the window is free
+    assert r.due([], 1.2) == [] and not r.active  # everything asked for came: the episode is over
+
+
+def test_a_rounds_line_waits_for_the_metrics_asked_again_up_to_its_hold() -> None:
+    from broker_server.progress import HOLD_S, RoundProgress
+    from broker_server.rounds import RoundRecord
+    from protofl.wire import Metrics
+
+    shown: list[tuple[int, list[str]]] = []
+    progress = RoundProgress(lambda rec, metrics: shown.append((rec.round, sorted(metrics))), grace=5.0)
+    progress.round_end(RoundRecord(round=1, clients=["a", "b"], started=0.0, ended=100.0, closed_by="quorum"))
+    progress.add_metrics("a", 1, Metrics(1, 1, 0, 0))
+    assert progress.awaited() == {1: (100.0, {"b"})}
+    assert progress.poll(106.0, hold=[1]) == 0  # past the grace, but b's metrics are being asked for
+    progress.add_metrics("b", 1, Metrics(1, 0, 0, 0))
+    assert progress.poll(106.1, hold=[1]) == 1 and shown == [(1, ["a", "b"])] and progress.awaited() == {}
+    progress.round_end(RoundRecord(round=2, clients=["a", "b"], started=100.0, ended=200.0, closed_by="quorum"))
+    assert progress.poll(200.0 + 5.0 + HOLD_S, hold=[2]) == 1 and shown[-1] == (2, [])  # not forever
+
+
 def test_requests_are_flow_controlled_by_a_window_and_scoped_to_the_phase_of_the_drops() -> None:
     owing = [Ask(f"d{i}", "uploads", 3, "train") for i in range(10)] + [Ask("late", "join")]
     r = Resender(window=4, quiet=2.0, max_age=30.0, attempts=2, settle=0.5)
@@ -157,11 +192,12 @@ def test_a_device_honours_only_the_servers_bounded_requests_once_per_interval() 
     assert got is not None and got[1].ask == "uploads" and (got[0].round, got[0].phase) == (2, "train")
     assert req.read(msg(Resend("uploads")), 10.5) is None  # once per interval for the same request
     assert req.read(msg(Resend("join")), 10.5) is not None
+    assert req.read(msg(Resend("metrics")), 10.5) is not None
     assert req.read(msg(Resend("uploads")), 11.1) is not None
     for hostile in (msg(Resend("uploads"), sender="d2"), msg(Resend("uploads"), fed="other"), msg(Status("x")),
                     b"\x00" * 10, msg(Status("x" * 5000))):
         assert req.read(hostile, 20.0) is None
-    assert req.refused == 5 and req.honoured == 3
+    assert req.refused == 5 and req.honoured == 4
 
 
 # -- restarts keep the credentials they wrote -------------------------------------------------------
@@ -195,7 +231,8 @@ def test_broker_queue_exhaustion_is_detected_and_no_upload_is_lost(tmp_path: Pat
     # for the aggregator, which is stopped (SIGSTOP) while its 16 devices upload: the broker acknowledges
     # every upload and drops what it cannot hold (16 uploads and 16 metrics > 20 in flight + 1 queued). Once
     # the server runs again it sees the drops ($SYS), says so (log, status.json) and asks the devices it has
-    # not heard from to re-send: the round closes at quorum with every device, not at its deadline.
+    # not heard from to re-send: the round closes at quorum with every device, not at its deadline, and its
+    # line waits for the metrics asked for again.
     n, fed, state = 16, "lossless", tmp_path / "state"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
@@ -245,6 +282,8 @@ def test_broker_queue_exhaustion_is_detected_and_no_upload_is_lost(tmp_path: Pat
     rounds = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
     assert [(r["round"], len(r["clients"]), r["closed_by"]) for r in rounds] == [(1, n, "quorum"), (2, n, "quorum")]
     assert rounds[0]["ended"] - resumed < 30, out  # not its 120 s deadline
+    # The metrics the broker dropped with the uploads were asked for again too: each line is over every device.
+    assert [r["metrics_from"] for r in rounds] == [n, n], out
     final = _status(state / "status.json")
     assert final["broker_dropped"] > 0 and final["resend_requests"] > 0, final
     assert "the broker dropped" in out and "asked" in out and "to re-send" in out, out
