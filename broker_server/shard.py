@@ -37,6 +37,7 @@ from protofl.plan import Phase, Upload
 from protofl.transport import Transport
 from protofl.wire import (
     DEFAULT_LIMITS,
+    Header,
     Join,
     Message,
     Metrics,
@@ -46,6 +47,7 @@ from protofl.wire import (
     encode_message,
     read_header,
 )
+from protofl.wire.fast import read_upload, usable
 
 log = logging.getLogger("protofl.shard")
 
@@ -64,6 +66,7 @@ class Shard:
                  fsync: bool = True, group_commit: bool = False, batch: bool = False) -> None:
         self.fed, self.transport, self.shard = fed, transport, shard
         self.limits = DEFAULT_LIMITS  # the envelope of a phase message; the federation's come with it
+        self._fast = usable(self.limits)
         self.members: frozenset[str] | None = None
         self.cfg: FederationConfig | None = None
         self.policy: ClipPolicy | None = None
@@ -137,6 +140,7 @@ class Shard:
         self.policy = shard_wire.policy_of(msg["policy"])
         check_mergeable(self.cfg, self.policy)  # the coordinator checked too: a shard of another version may not
         self.limits = shard_wire.limits_of(msg["limits"])
+        self._fast = usable(self.limits)
         self.members = frozenset(msg["members"]) if msg["members"] is not None else None
         machine = self._machine(msg)
         self.machine, self.run = machine, machine.run
@@ -209,7 +213,9 @@ class Shard:
         client = topics.client_of(topic)
         if self.members is not None and client not in self.members:
             raise Drop("not_member", f"'{client}' is not a member of this federation")
-        head = read_header(payload, self.limits)
+        # An upload read whole by the compiled reader where the `fast` extra is installed (protofl/wire/fast.py).
+        fast = read_upload(payload, self.limits) if self._fast else None
+        head = fast[0] if fast is not None else read_header(payload, self.limits)
         if head.sender != client or head.fed != self.fed:
             raise Drop("sender_mismatch", f"'{head.sender}' of '{head.fed}' on {client}'s topic")
         if head.kind in (Join.KIND, Metrics.KIND):
@@ -227,7 +233,11 @@ class Shard:
         if key in self.accepted:
             self._progress(*key)  # the coordinator may not have heard it (a restart): idempotent
             raise Drop("duplicate", f"second {head.kind} from {client}")
-        msg = decode_body(head.open(), self.limits)
+        if fast is not None:
+            msg: Message = fast[1]
+        else:
+            assert isinstance(head, Header)
+            msg = decode_body(head.open(), self.limits)
         assert isinstance(msg, (ProtoUpload, ParamsUpload)) and self.machine is not None
         self.machine.check_base(msg)
         self.run.add(Upload(head.kind), msg)  # checks all of it, then folds
