@@ -392,6 +392,46 @@ def _wait_for(path: Path, timeout: float, proc: Any) -> None:
         time.sleep(0.1)
 
 
+class CpuSampler:
+    """A process's CPU seconds (user + system, its threads, not its children), sampled every 20 ms against the
+    wall clock, so that the CPU it spent between two wall-clock times (a round's open and close) can be read
+    afterwards: what the `start` path would fold with a core of its own, where the bench's publisher and
+    broker share the machine's cores with it."""
+
+    def __init__(self, pid: int) -> None:
+        import threading
+
+        self.path, self.samples = Path(f"/proc/{pid}/stat"), [(time.time(), 0.0)]
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                fields = self.path.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                return
+            self.samples.append((time.time(), (int(fields[11]) + int(fields[12])) / self._tick))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def at(self, t: float) -> float:
+        """CPU seconds at wall time `t`, interpolated between the samples around it."""
+        import bisect
+
+        times = [x[0] for x in self.samples]
+        i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        return c0 + (c1 - c0) * min(max((t - t0) / (t1 - t0), 0.0), 1.0) if t1 > t0 else c1
+
+    def between(self, start: float, end: float) -> float:
+        return self.at(end) - self.at(start)
+
+
 def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, Any]:
     """The real `protofl-server start` (its secured Mosquitto, generated credentials, the journal with fsync and
     group commit) federating n publisher devices for one round; then the same secured broker (its config, as
@@ -409,12 +449,14 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
          "--devices", str(n)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONPATH=str(tree)))
     creds = state / "security" / "devices"
+    cpu = CpuSampler(server.pid)
     try:
         _wait_for(creds / f"device-{n}.json", 120, server)
         pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=True)
         out, _ = server.communicate(timeout=900)
         pub.communicate(timeout=60)
     finally:
+        cpu.stop()
         if server.poll() is None:
             server.kill()
     if server.returncode != 0:
@@ -423,6 +465,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
     if len(rec["clients"]) != n:
         raise RuntimeError(f"the round closed with {len(rec['clients'])} of {n} clients:\n{out[-3000:]}")
     aggregator = n / (rec["ended"] - rec["started"])
+    server_cpu = cpu.between(rec["started"], rec["ended"])  # the server process's CPU seconds in the round
 
     # The broker alone: the same secured config, the server's credentials on a C subscriber.
     secrets = FederationSecrets.from_json((state / "security" / "credentials.json").read_text(), "credentials.json")
@@ -457,6 +500,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
     transport_rate = read_rates["--subscriber"]
     paho_rate = read_rates["--raw-subscriber"]
     return {"workload": workload, "uploads": n, "aggregator_uploads_per_s": aggregator,
+            "aggregator_uploads_per_server_cpu_s": n / server_cpu if server_cpu > 0 else None,
             "broker_msgs_per_s": broker_rate, "ratio": aggregator / broker_rate,
             "transport_only_msgs_per_s": transport_rate, "transport_only_ratio": transport_rate / broker_rate,
             "paho_only_msgs_per_s": paho_rate, "paho_only_ratio": paho_rate / broker_rate}
@@ -494,7 +538,8 @@ def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: i
                     res = through_broker(tree, w, n, work)
                     out[w][label].append(res)
                     print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8} through the broker: aggregator "
-                          f"{res['aggregator_uploads_per_s']:6.0f} uploads/s, broker alone "
+                          f"{res['aggregator_uploads_per_s']:6.0f} uploads/s "
+                          f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
                           f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's "
                           f"transport alone {res['transport_only_msgs_per_s']:6.0f} msgs/s "
                           f"({res['transport_only_ratio']:.2f}), bare paho {res['paho_only_msgs_per_s']:6.0f} msgs/s "
@@ -584,12 +629,14 @@ def markdown(res: dict[str, Any]) -> str:
     if broker:
         lines += ["", "Through the secured broker (the `start` path, journal with fsync and group commit) beside the "
                       "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):", "",
-                  "| workload | tree | aggregator | broker alone | ratio | server's transport alone | its ratio | "
-                  "bare paho | its ratio |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| workload | tree | aggregator | per server CPU s | broker alone | ratio | server's transport alone "
+                  "| its ratio | bare paho | its ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
         for w, per_tree in broker.items():
             for t, runs in per_tree.items():
                 for r in runs:
-                    lines.append(f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | {r['broker_msgs_per_s']:,.0f} "
+                    per_cpu = r.get("aggregator_uploads_per_server_cpu_s")
+                    lines.append(f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | "
+                                 f"{'-' if per_cpu is None else f'{per_cpu:,.0f}'} | {r['broker_msgs_per_s']:,.0f} "
                                  f"| {r['ratio']:.2f} | {r.get('transport_only_msgs_per_s', 0):,.0f} | "
                                  f"{r.get('transport_only_ratio', 0):.2f} | {r.get('paho_only_msgs_per_s', 0):,.0f} | "
                                  f"{r.get('paho_only_ratio', 0):.2f} |")
