@@ -4,7 +4,9 @@
 
 Each upload is a real encoded `adapter` message (sparse values + mask or indices, chosen by the
 codec); the aggregator path decodes it with the wire limits and folds it into `ApudAggregator` (as the server
-does: `add_checked`, the decoder having checked the vector). `uploads_per_cpu_s` is the one-core rate whatever
+does: `add_checked`, the decoder having checked the vector). It is read as the server reads it: by the compiled
+reader where the `fast` extra is installed (protofl/wire/fast.py), else by the reference decoder (`--reference`
+forces that). `uploads_per_cpu_s` is the one-core rate whatever
 else the machine runs; `uploads_per_s` the wall-clock one.
 """
 
@@ -22,6 +24,11 @@ import numpy as np
 from protofl.algorithms.apud import ApudAggregator, select_topk
 from protofl.wire import ParamsUpload, decode_message, encode_message
 
+try:  # the server's reader of uploads (trees before it had none)
+    from protofl.wire.fast import read_upload, usable
+except ImportError:
+    read_upload = usable = None  # type: ignore[assignment]
+
 
 def make_payloads(n_distinct: int, d: int, k: int, seed: int = 0) -> list[bytes]:
     rng = np.random.default_rng(seed)
@@ -35,8 +42,11 @@ def make_payloads(n_distinct: int, d: int, k: int, seed: int = 0) -> list[bytes]
     return out
 
 
-def run(uploads: int, d: int, k: int, distinct: int = 64, trace: bool = False) -> dict:
+def run(uploads: int, d: int, k: int, distinct: int = 64, trace: bool = False, reference: bool = False) -> dict:
     payloads = make_payloads(distinct, d, k)
+    from protofl.wire import DEFAULT_LIMITS
+
+    fast = read_upload is not None and usable is not None and usable(DEFAULT_LIMITS) and not reference
     agg = ApudAggregator(np.zeros(d, dtype=np.float32))
     if trace:
         tracemalloc.start()
@@ -44,7 +54,8 @@ def run(uploads: int, d: int, k: int, distinct: int = 64, trace: bool = False) -
     fold = getattr(agg, "add_checked", agg.add)
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(uploads):
-        _, msg = decode_message(payloads[i % distinct])
+        got = read_upload(payloads[i % distinct]) if fast else None
+        msg = got[1] if got is not None else decode_message(payloads[i % distinct])[1]
         fold(msg.update, float(msg.n_samples))
     result = agg.result()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -54,7 +65,7 @@ def run(uploads: int, d: int, k: int, distinct: int = 64, trace: bool = False) -
     assert np.isfinite(result).all()
     return {"uploads": uploads, "d": d, "k": k, "seconds": round(elapsed, 3),
             "uploads_per_s": round(uploads / elapsed, 1), "uploads_per_cpu_s": round(uploads / cpu, 1),
-            "payload_bytes": len(payloads[0]),
+            "payload_bytes": len(payloads[0]), "reader": "fast" if fast else "reference",
             "peak_traced_bytes": peak}
 
 
@@ -63,9 +74,10 @@ def main() -> None:
     ap.add_argument("--uploads", type=int, default=10_000)
     ap.add_argument("--d", type=int, default=100_000)
     ap.add_argument("--k", type=int, default=10_000)
+    ap.add_argument("--reference", action="store_true", help="read with the reference decoder, not the fast reader")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    speed = run(args.uploads, args.d, args.k)
+    speed = run(args.uploads, args.d, args.k, reference=args.reference)
     mem_small = run(args.uploads // 10, args.d, args.k, trace=True)
     mem_full = run(args.uploads, args.d, args.k, trace=True)
     report = {"machine": f"{platform.machine()} {os.cpu_count()} cpu, {platform.python_version()}",
