@@ -204,14 +204,12 @@ class Journal:
 
     def _write_pending(self) -> None:
         """Hand what is pending to the OS (not yet fsync'd)."""
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        for at in range(0, len(pending), _MAX_PENDING_PARTS):
-            chunk = pending[at:at + _MAX_PENDING_PARTS]
-            total = sum(len(p) for p in chunk)
-            written = os.writev(self._fd, chunk)
-            if written != total:
-                raise OSError(f"{self.path}: short write ({written} of {total} bytes)")
-            self._dirty = True
+        # `append` writes before pending passes _MAX_PENDING_PARTS, so one writev takes all of it.
+        pending, total, self._pending, self._pending_bytes = self._pending, self._pending_bytes, [], 0
+        written = os.writev(self._fd, pending)
+        if written != total:
+            raise OSError(f"{self.path}: short write ({written} of {total} bytes)")
+        self._dirty = True
 
     def sync(self) -> None:
         """Everything appended so far is on disk when this returns."""

@@ -10,7 +10,7 @@ report and log line does. numpy only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -128,13 +128,14 @@ class RoundProgress:
         """The closed rounds not shown yet that wait for metrics: {round: (when it closed, who has not reported)}."""
         return {rec.round: (rec.ended, due) for rec in self.pending if (due := self._due(rec))}
 
-    def poll(self, now: float, force: bool = False, hold: Collection[int] = ()) -> int:
-        """Emit the rounds that are ready (all of them with `force`), in order; returns how many. A round in
-        `hold` (its missing metrics are being asked for again) waits up to HOLD_S past its grace."""
+    def poll(self, now: float, force: bool = False, hold: bool = False) -> int:
+        """Emit the rounds that are ready (all of them with `force`), in order; returns how many. With `hold`
+        (missing metrics are being asked for again) a round still missing some waits up to HOLD_S past its
+        grace."""
         n = 0
+        wait = self.grace + (HOLD_S if hold else 0.0)
         while self.emitted < len(self.closed):
             rec = self.closed[self.emitted]
-            wait = self.grace + (HOLD_S if rec.round in hold else 0.0)
             if not (force or self.complete(rec) or now >= rec.ended + wait):
                 break
             self.emitted += 1

@@ -200,7 +200,7 @@ class AggregatorService:
             self.resender.progress(time.monotonic())
         self._ask_resends()
         # While drops are being asked for again, a round whose metrics are missing waits for the answers.
-        self.round_log.poll(time.time(), hold=self.round_log.awaited() if self.resender.active else ())
+        self.round_log.poll(time.time(), hold=self.resender.active)
         self.watch.after_step(n)
         return n
 

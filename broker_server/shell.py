@@ -63,7 +63,6 @@ from protofl.wire import (
     read_header,
 )
 from protofl.wire import fast as fast_reader
-from protofl.wire.fast import read_upload
 
 log = logging.getLogger("protofl.server")
 SERVER_ID = topics.SERVER_ID
@@ -232,7 +231,7 @@ class Aggregator:
         if self.members is not None and topic_client not in self.members:
             self._drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
             return None
-        fast = read_upload(payload, self.limits) if self._fast else None
+        fast = fast_reader.read_upload(payload, self.limits) if self._fast else None
         if fast is not None:  # a valid upload, read whole in C: the checks below on its envelope, as for any
             head, msg = fast
             return self._judged(topic, head, nbytes, topic_client, msg)

@@ -128,10 +128,10 @@ def read_upload(data: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[Head, Proto
         return None
     try:
         env = _DECODER.decode(data)
-        if env.v != WIRE_VERSION or len(data) > limits.max_bytes(type(env).__struct_config__.tag):
+        protos = type(env) is _Protos
+        if env.v != WIRE_VERSION or len(data) > limits.max_bytes("protos" if protos else "adapter"):
             return None
-        what = f"{type(env).__struct_config__.tag} body"
-        msg = _protos(env.body, limits, what) if type(env) is _Protos else _adapter(env.body, limits, what)
+        msg = _protos(env.body, limits) if protos else _adapter(env.body, limits)
     except Exception:  # invalid (msgspec's errors, WireError, RecursionError on deep nesting) or unforeseen: the
         return None  # reference decoder decides, and names what is wrong
     head = _built(Head, {"v": env.v, "kind": msg.KIND, "fed": env.fed, "round": env.round, "phase": env.phase,
@@ -139,45 +139,50 @@ def read_upload(data: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[Head, Proto
     return head, msg
 
 
-def _array(a: _Array, dts: frozenset[str] | tuple[str, ...], ndim: int, limits: Limits, what: str) -> np.ndarray:
+# The errors raised here are never shown (the reference decoder reads the message again and names what is wrong),
+# so they carry no text worth building per upload.
+_WHAT = "upload"
+
+
+def _array(a: _Array, dts: frozenset[str] | tuple[str, ...], ndim: int, limits: Limits) -> np.ndarray:
     if a.dt not in dts:
-        raise WireError(what)
-    return array_from_parts(a.dt, a.sh, a.b, what=what, limits=limits, ndim=ndim)
+        raise WireError(_WHAT)
+    return array_from_parts(a.dt, a.sh, a.b, what=_WHAT, limits=limits, ndim=ndim)
 
 
 _FLOATS = ("f4", "f2")  # q8 never reaches here: its extra keys fail the schema
 
 
-def _set(ps: _ProtoSet | None, limits: Limits, what: str) -> ProtoSet | None:
+def _set(ps: _ProtoSet | None, limits: Limits) -> ProtoSet | None:
     if ps is None:
         return None
-    values = _array(ps.v, _FLOATS, 2, limits, what)
-    classes = _array(ps.c, ("u2",), 1, limits, what)
-    counts = None if ps.n is None else _array(ps.n, ("u4",), 1, limits, what)
+    values = _array(ps.v, _FLOATS, 2, limits)
+    classes = _array(ps.c, ("u2",), 1, limits)
+    counts = None if ps.n is None else _array(ps.n, ("u4",), 1, limits)
     return ProtoSet._decoded(classes, values, counts, ps.v.dt)
 
 
-def _protos(body: _ProtosBody, limits: Limits, what: str) -> ProtoUpload:
-    return ProtoUpload._decoded(_set(body.local, limits, what), _set(body.public, limits, what), body.n_samples)
+def _protos(body: _ProtosBody, limits: Limits) -> ProtoUpload:
+    return ProtoUpload._decoded(_set(body.local, limits), _set(body.public, limits), body.n_samples)
 
 
-def _adapter(body: _AdapterBody, limits: Limits, what: str) -> ParamsUpload:
+def _adapter(body: _AdapterBody, limits: Limits) -> ParamsUpload:
     u = body.update
     if u.n is UNSET:  # dense: exactly dt, sh, b
         if u.dt is UNSET or u.sh is UNSET or u.b is UNSET or not (u.i is u.mask is u.v is UNSET) \
                 or u.dt not in _FLOATS:
-            raise WireError(what)
-        update: SparseVector | np.ndarray = array_from_parts(u.dt, u.sh, u.b, what=what, limits=limits, ndim=1)
+            raise WireError(_WHAT)
+        update: SparseVector | np.ndarray = array_from_parts(u.dt, u.sh, u.b, what=_WHAT, limits=limits, ndim=1)
         dt = u.dt
     else:  # sparse: exactly n, v and one of i / mask
         if not (u.dt is u.sh is u.b is UNSET) or u.v is UNSET or (u.i is UNSET) == (u.mask is UNSET) \
                 or u.n > limits.max_elements:
-            raise WireError(what)
-        values = _array(u.v, _FLOATS, 1, limits, what)
+            raise WireError(_WHAT)
+        values = _array(u.v, _FLOATS, 1, limits)
         if u.i is not UNSET:
-            update = sparse_from_parts(u.n, _array(u.i, ("u2", "u4"), 1, limits, what), None, values, what)
+            update = sparse_from_parts(u.n, _array(u.i, ("u2", "u4"), 1, limits), None, values, _WHAT)
         else:
             assert not isinstance(u.mask, UnsetType)
-            update = sparse_from_parts(u.n, None, _array(u.mask, ("u1",), 1, limits, what), values, what)
+            update = sparse_from_parts(u.n, None, _array(u.mask, ("u1",), 1, limits), values, _WHAT)
         dt = u.v.dt
     return ParamsUpload._decoded(update, dt, body.n_samples, body.base_round)

@@ -152,11 +152,11 @@ def test_a_rounds_line_waits_for_the_metrics_asked_again_up_to_its_hold() -> Non
     progress.round_end(RoundRecord(round=1, clients=["a", "b"], started=0.0, ended=100.0, closed_by="quorum"))
     progress.add_metrics("a", 1, Metrics(1, 1, 0, 0))
     assert progress.awaited() == {1: (100.0, {"b"})}
-    assert progress.poll(106.0, hold=[1]) == 0  # past the grace, but b's metrics are being asked for
+    assert progress.poll(106.0, hold=True) == 0  # past the grace, but b's metrics are being asked for
     progress.add_metrics("b", 1, Metrics(1, 0, 0, 0))
-    assert progress.poll(106.1, hold=[1]) == 1 and shown == [(1, ["a", "b"])] and progress.awaited() == {}
+    assert progress.poll(106.1, hold=True) == 1 and shown == [(1, ["a", "b"])] and progress.awaited() == {}
     progress.round_end(RoundRecord(round=2, clients=["a", "b"], started=100.0, ended=200.0, closed_by="quorum"))
-    assert progress.poll(200.0 + 5.0 + HOLD_S, hold=[2]) == 1 and shown[-1] == (2, [])  # not forever
+    assert progress.poll(200.0 + 5.0 + HOLD_S, hold=True) == 1 and shown[-1] == (2, [])  # not forever
 
 
 def test_requests_are_flow_controlled_by_a_window_and_scoped_to_the_phase_of_the_drops() -> None:

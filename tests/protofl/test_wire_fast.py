@@ -24,7 +24,7 @@ from tests.protofl.test_wire_fuzz import (
     LIMITS,
     PROTOS,
     SMALL,
-    byte_mutation,
+    byte_mutations,
     nodes,
     tree_mutation,
     valid,
@@ -168,11 +168,7 @@ def test_limits_below_the_schemas_bounds_leave_every_upload_to_the_reference() -
 
 
 def test_byte_mutations_of_valid_uploads() -> None:
-    rng = random.Random(2027)
-    seeds = [valid(m) for m in UPLOADS]
-    read = 0
-    for i in range(6_000):
-        read += agrees(byte_mutation(rng, seeds[i % len(seeds)]))
+    read = sum(agrees(data) for data in byte_mutations(2027, UPLOADS, 6_000))
     assert 0 < read < 6_000
 
 

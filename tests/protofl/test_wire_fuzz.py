@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -266,12 +266,16 @@ def byte_mutation(rng: random.Random, seed: bytes) -> bytes:
     return bytes(data)
 
 
+def byte_mutations(seed: int, messages: list[Any], n: int) -> Iterator[bytes]:
+    """`n` byte mutations of the messages' encodings, in turn, from a generator seeded with `seed`."""
+    rng = random.Random(seed)
+    seeds = [valid(m) for m in messages]
+    for i in range(n):
+        yield byte_mutation(rng, seeds[i % len(seeds)])
+
+
 def test_byte_mutations_of_valid_messages() -> None:
-    rng = random.Random(99)
-    seeds = [valid(m) for m in SMALL]
-    decoded = 0
-    for i in range(10_000):
-        decoded += check(byte_mutation(rng, seeds[i % len(seeds)]))
+    decoded = sum(check(data) for data in byte_mutations(99, SMALL, 10_000))
     assert 0 < decoded < 10_000  # both outcomes happen, or the fuzz is not reaching anything
 
 
