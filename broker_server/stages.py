@@ -250,8 +250,14 @@ class PhaseRun:
         for fold, p in prepared:
             fold.fold(p)
 
+    def flush(self) -> None:
+        """Fold every upload a fold has kept back for its next batch: before anything reads the sums or logs."""
+        for fold in self.folds:
+            fold.flush()
+
     def finish(self) -> None:
         """Fold the phase into the server model (coordinates and classes nobody sent keep their value)."""
+        self.flush()
         self.model.close_logs()
         for fold in self.folds:
             fold.finish()
@@ -264,6 +270,7 @@ class PhaseRun:
     def partial(self) -> dict[str, Any]:
         """What this shard folded in the phase: every fold's accumulators and the norm logs (for the clip
         counts and the next radius), as plain values and arrays."""
+        self.flush()
         logs = {kind: {"values": np.asarray(n.values, np.float64), "clipped": int(n.clipped)}
                 for kind, n in self.model.logs.items()}
         return {"folds": [f.partial() for f in self.folds], "logs": logs}
@@ -271,6 +278,7 @@ class PhaseRun:
     def merge(self, part: Mapping[str, Any]) -> None:
         """Add one shard's `partial()` of this same phase; a malformed one raises ValueError and changes nothing."""
         self.check_partial(part)
+        self.flush()
         for fold, theirs in zip(self.folds, part["folds"], strict=True):
             fold.merge(theirs)
         for kind, entry in part["logs"].items():

@@ -151,6 +151,10 @@ class Fold:
     def fold(self, prepared: Any) -> None:
         pass
 
+    def flush(self) -> None:
+        """Fold what `fold` has kept back (a `BatchedFold`'s pending uploads); the phase calls it before
+        anything reads the accumulators or the norm logs (finish, partial, merge)."""
+
     def finish(self) -> None:
         """Fold the phase into the server model (called once, in rule order)."""
 
@@ -199,6 +203,43 @@ class Fold:
         """A fresh accumulator for `key` of the dict attribute `name`, which another shard has and this
         fold has not yet (merge); by default none may appear."""
         raise ValueError(f"{type(self).__name__}.{name}: partial has key {key!r}, which this fold does not have")
+
+
+class BatchedFold(Fold):
+    """A fold that folds its accepted uploads a batch at a time, where one numpy pass over many uploads' rows
+    costs little more than one upload's (issue 27: clipping and folding were a third of an upload's time).
+
+    `fold` keeps what `check` returned; `fold_batch` folds up to BATCH of them at once, in arrival order, and
+    must make the same sums bit for bit as folding each in turn (per-row kernels, and `np.add.at`, which adds
+    in index order). `check` refuses everything `fold_batch` could not fold: a batch is folded after its
+    uploads were accepted and journaled, so nothing may refuse one of them then."""
+
+    BATCH = 64  # uploads
+    # ... or fewer, so that a batch's float64 rows stay in cache (256 KB): 64 uploads of 10 x 512 rows
+    # clipped in one pass ran 1.6x slower than one by one, 64 of 10 x 51 rows 2x faster.
+    BATCH_ELEMENTS = 32_768
+
+    def __init__(self) -> None:
+        self._pending: list[Any] = []
+        self._elements = 0
+
+    def fold(self, prepared: Any) -> None:
+        self._pending.append(prepared)
+        self._elements += self.elements(prepared)
+        if len(self._pending) >= self.BATCH or self._elements >= self.BATCH_ELEMENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            batch, self._pending, self._elements = self._pending, [], 0
+            self.fold_batch(batch)
+
+    def elements(self, prepared: Any) -> int:
+        """How many values one checked upload brings to a batch (what BATCH_ELEMENTS bounds)."""
+        return 0
+
+    def fold_batch(self, batch: list[Any]) -> None:
+        raise NotImplementedError
 
 
 class ServerRule:

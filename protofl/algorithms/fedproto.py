@@ -29,7 +29,7 @@ import numpy as np
 from protofl.algorithms.robust import CoordinateRobust, class_rows
 from protofl.errors import WireError
 from protofl.mergeable import Additive
-from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
+from protofl.technique import BatchedFold, Fold, Phase, ServerRule, ServerState, Technique, Upload
 from protofl.wire import ProtoSet
 
 __all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto"]
@@ -117,14 +117,7 @@ class PrototypeAggregator(Additive):
         checked them, and clipping keeps them finite): only what the decoder could not know is checked here (this
         aggregator's classes and width, counts present when weighted), all before anything changes; the rows
         are folded in one pass, with the same sums `add` makes."""
-        who = "prototype aggregator"
-        k = classes.shape[0]
-        if rows.shape != (k, self.dim):
-            raise ValueError(f"{who}: expected rows of shape ({k}, {self.dim}), got {rows.shape}")
-        if k and not 0 <= int(classes[0]) <= int(classes[-1]) < self.num_classes:  # ascending: ends are min, max
-            raise ValueError(f"{who}: class ids must lie in [0, {self.num_classes})")
-        if self.weighting == "weighted" and counts is None:
-            raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
+        self.check_rows(classes, rows.shape, counts)
         at = class_rows(classes)
         if self.weighting == "weighted":
             assert counts is not None
@@ -135,6 +128,35 @@ class PrototypeAggregator(Additive):
             self._sum[at] += rows
             self._weight[at] += 1.0
         self._senders += 1
+
+    def check_rows(self, classes: np.ndarray, shape: tuple[int, ...], counts: np.ndarray | None) -> None:
+        """Raise ValueError if `add_rows` would reject one upload's rows of this shape; changes nothing."""
+        who = "prototype aggregator"
+        k = classes.shape[0]
+        if shape != (k, self.dim):
+            raise ValueError(f"{who}: expected rows of shape ({k}, {self.dim}), got {shape}")
+        if k and not 0 <= int(classes[0]) <= int(classes[-1]) < self.num_classes:  # ascending: ends are min, max
+            raise ValueError(f"{who}: class ids must lie in [0, {self.num_classes})")
+        if self.weighting == "weighted" and counts is None:
+            raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
+
+    def add_many(self, classes: list[np.ndarray], rows: np.ndarray, counts: np.ndarray | None, uploads: int) -> None:
+        """`add_rows` for several uploads that `check_rows` passed: `classes` one array per upload with rows, in
+        arrival order, `rows` and `counts` theirs concatenated in that order, `uploads` the senders (uploads with
+        no rows included). The weights multiply all rows in one pass; each upload's rows are then added as
+        `add_rows` adds them (a view where its classes are consecutive), so the sums are the same bit for bit."""
+        weighted = self.weighting == "weighted"
+        assert counts is not None or not weighted or not classes
+        w = counts.astype(np.float64) if weighted and counts is not None else None
+        terms = w[:, None] * rows if w is not None else rows
+        at = 0
+        for c in classes:
+            k = c.shape[0]
+            where = class_rows(c)
+            self._sum[where] += terms[at:at + k]
+            self._weight[where] += w[at:at + k] if w is not None else 1.0
+            at += k
+        self._senders += uploads
 
     def check(self, protos: Mapping[int, np.ndarray], counts: Mapping[int, int] | None = None) -> None:
         """Raise ValueError if `add` would reject this table; changes nothing."""
@@ -225,14 +247,16 @@ class FedProtoRule(ServerRule):
         return ProtoSet.from_table(model.prototypes, plan.proto_width, plan.proto_dtype)
 
 
-class MeanFold(Fold):
+class MeanFold(BatchedFold):
     """The training phase's mean prototypes: n-weighted (or another technique's aggregate), clipped around
-    the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one."""
+    the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one. Uploads are
+    clipped and folded a batch at a time (BatchedFold), with the sums of folding them one by one."""
 
     kinds = (Upload.PROTOS,)
     merged = ("acc", "robust")
 
     def __init__(self, model: ServerState) -> None:
+        super().__init__()
         self.model = model
         plan, policy = model.plan, model.policy
         other = model.first("mean_aggregator", plan.proto_width)
@@ -242,6 +266,8 @@ class MeanFold(Fold):
         # Robust means replace plain means only: scaled sums have their own geometry.
         self.robust: dict[int, CoordinateRobust] | None = (
             {} if self.default and policy.robust != "mean" else None)
+        # Another technique's aggregate that takes tables only is fed one upload at a time.
+        self.rows_ok = hasattr(self.acc, "add_many")
 
         # The centres uploads are clipped around: the global prototypes, which change only when the phase ends.
         self.centers = model.center_rows(model.prototypes)
@@ -252,22 +278,38 @@ class MeanFold(Fold):
             ps = ProtoSet.from_table({}, self.model.plan.proto_width)
         if self.default and self.model.cfg.aggregation == "weighted" and ps.classes.size and ps.counts is None:
             raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
-        rows, seen = self.model.clip_rows(ps.classes, ps.values, self.centers, "protos")
-        return ps.classes, rows, ps.counts, seen
+        if self.rows_ok:
+            self.acc.check_rows(ps.classes, ps.values.shape, ps.counts if self.default else None)
+        return ps.classes, ps.values, ps.counts
 
-    def fold(self, prepared: Any) -> None:
-        classes, rows, counts, seen = prepared
-        if self.default:
-            self.acc.add_rows(classes, rows, counts)  # validates (and feeds the mean, unused when robust)
-        elif hasattr(self.acc, "add_rows"):
-            self.acc.add_rows(classes, rows)
-        else:  # another technique's aggregate that takes tables (mean_aggregator)
-            self.acc.add(dict(zip(classes.tolist(), rows, strict=True)))
+    def elements(self, prepared: Any) -> int:
+        return int(prepared[1].size)
+
+    def fold_batch(self, batch: list[Any]) -> None:
+        model = self.model
+        sent = [p for p in batch if p[0].size]
+        if sent:
+            classes = [p[0] for p in sent]
+            # One clip for the batch's rows: per-row kernels, so each row is clipped as it would be on its own.
+            every = np.concatenate(classes)
+            rows, seen = model.clip_rows(every, np.concatenate([p[1] for p in sent]), self.centers, "protos")
+        else:
+            classes, every, rows, seen = [], np.zeros(0, np.int64), np.zeros((0, model.plan.proto_width)), None
+        if self.rows_ok:
+            weighted = self.default and model.cfg.aggregation == "weighted"
+            counts = np.concatenate([p[2] for p in sent]) if weighted and sent else None
+            self.acc.add_many(classes, rows, counts, len(batch))
+        else:  # a table-taking aggregate: each upload's table in turn (an empty upload still counts)
+            at = 0
+            for p in batch:
+                k = p[0].size
+                self.acc.add(dict(zip(p[0].tolist(), rows[at:at + k], strict=True)))
+                at += k
         if self.robust is not None:
-            policy, width = self.model.policy, self.model.plan.proto_width
-            for c, v in zip(classes.tolist(), rows, strict=True):
+            policy, width = model.policy, model.plan.proto_width
+            for c, v in zip(every.tolist(), rows, strict=True):
                 self.robust.setdefault(c, CoordinateRobust(width, policy.robust, policy.trim)).add(v)
-        self.model.record_rows("protos", seen)
+        model.record_rows("protos", seen)
 
     def new_accumulator(self, name: str, key: Any) -> Any:
         """A class another shard has a robust mean for and this one has not."""

@@ -82,6 +82,14 @@ class ScaledAggregator(Additive):
         """`add` for one upload as rows (PrototypeAggregator.add_rows: rows a decoded ProtoSet gave)."""
         self._agg.add_rows(classes, rows)
 
+    def check_rows(self, classes: np.ndarray, shape: tuple[int, ...], counts: np.ndarray | None = None) -> None:
+        """Raise ValueError if `add_rows` would reject one upload's rows of this shape (counts are not used)."""
+        self._agg.check_rows(classes, shape, None)
+
+    def add_many(self, classes: list[np.ndarray], rows: np.ndarray, counts: np.ndarray | None, uploads: int) -> None:
+        """`add_rows` for several checked uploads at once (PrototypeAggregator.add_many; counts are not used)."""
+        self._agg.add_many(classes, rows, None, uploads)
+
     def check(self, scaled: Mapping[int, np.ndarray]) -> None:
         """Raise ValueError if `add` would reject this table; changes nothing."""
         self._agg.check(scaled, None)

@@ -160,9 +160,16 @@ class ProtoSet(_Body):
         if counts is not None and counts.size and counts.min() < 1:
             raise WireError(f"counts: values must lie in [1, {MAX_COUNT}]")
         cls._agree(classes, values, counts, dt)
+        return cls._trusted(classes.astype(np.int64), values, None if counts is None else counts.astype(np.int64), dt)
+
+    @classmethod
+    def _trusted(cls, classes: np.ndarray, values: np.ndarray, counts: np.ndarray | None, dt: str) -> Self:
+        """A set of arrays a decoder has checked whole (`_decoded`'s checks too): classes and counts int64."""
         out = cls.__new__(cls)
-        _set(out, classes=classes.astype(np.int64), values=values,
-             counts=None if counts is None else counts.astype(np.int64), dt=dt)
+        object.__setattr__(out, "classes", classes)
+        object.__setattr__(out, "values", values)
+        object.__setattr__(out, "counts", counts)
+        object.__setattr__(out, "dt", dt)
         return out
 
     @classmethod
@@ -489,13 +496,20 @@ class ProtoUpload(_Body):
 
     @classmethod
     def _decoded(cls, local: ProtoSet | None, public: ProtoSet | None, n_samples: Any) -> Self:
-        """From sets a decoder built (here or in `protofl.wire.fast`): only n_samples is left to check."""
-        out = cls.__new__(cls)
-        _set(out, local=local, public=public)
+        """From sets a decoder built: only n_samples is left to check."""
         try:
-            _set(out, n_samples=expect_int(n_samples, "n_samples"))
+            n_samples = expect_int(n_samples, "n_samples")
         except WireError as e:
             raise WireError(f"{cls.KIND}: {e}") from None
+        return cls._trusted(local, public, n_samples)
+
+    @classmethod
+    def _trusted(cls, local: ProtoSet | None, public: ProtoSet | None, n_samples: int) -> Self:
+        """From sets and a count a decoder has checked whole (`protofl.wire.fast`: n_samples in [0, 2**63))."""
+        out = cls.__new__(cls)
+        object.__setattr__(out, "local", local)
+        object.__setattr__(out, "public", public)
+        object.__setattr__(out, "n_samples", n_samples)
         return out
 
 

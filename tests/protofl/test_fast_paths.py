@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import numpy as np
 import pytest
@@ -190,3 +192,83 @@ def test_checked_vector_folds_make_the_sums_add_makes() -> None:
     with pytest.raises(ValueError, match="weight must be a finite number > 0"):
         fedavg[1].add_checked(np.ones(d), 0.0)
     assert apud[1].senders == fedavg[1].senders == 4
+
+
+@pytest.mark.parametrize("weighting", ["weighted", "mean"])
+def test_add_many_makes_the_sums_add_rows_makes_upload_by_upload(weighting: str) -> None:
+    rng = np.random.default_rng(8)
+    one, many = (PrototypeAggregator(6, 5, weighting) for _ in range(2))
+    uploads = []
+    for _ in range(40):  # classes repeat across uploads: the case a plain fancy-index += would get wrong
+        c = np.sort(rng.choice(6, rng.integers(0, 7), replace=False)).astype(np.int64)
+        uploads.append((c, rng.standard_normal((c.size, 5)) * 10.0 ** rng.integers(-3, 4), rng.integers(1, 99, c.size)))
+    for c, rows, n in uploads:
+        one.add_rows(c, rows, n)
+    sent = [u for u in uploads if u[0].size]
+    many.add_many([u[0] for u in sent], np.concatenate([u[1] for u in sent]), np.concatenate([u[2] for u in sent]),
+                  len(uploads))
+    assert one.senders == many.senders == 40
+    assert np.array_equal(one._sum, many._sum) and np.array_equal(one._weight, many._weight)
+
+
+def _mean_fold_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean",
+                     **overrides: object) -> Any:
+    """One training phase of 150 random uploads through a preset's MeanFold, folded `batch` at a time, with
+    clipping at work (a radius that clips some rows, non-zero centres)."""
+    from broker_server.stages import PhaseRun, build_model
+    from protofl.algorithms.fedproto import MeanFold
+    from protofl.algorithms.robust import ClipPolicy
+    from protofl.plan import Phase, RoundPlan, Upload
+    from protofl.presets import make_config
+
+    monkeypatch.setattr(MeanFold, "BATCH", batch)
+    cfg = make_config(preset, num_classes=6, proto_dim=40, adapter_rank=2, **overrides)
+    plan = RoundPlan.from_config(cfg)
+    model = build_model(cfg, plan, ClipPolicy(robust=robust))
+    rng = np.random.default_rng(9)
+    w = plan.proto_width
+    model.prototypes = {c: rng.standard_normal(w).astype(np.float32) for c in range(0, 6, 2)}
+    model.radii["protos"] = 2.5 * np.sqrt(w)
+    run = PhaseRun(model, Phase.TRAIN)
+    assert [type(f) for f in run.folds] == [MeanFold]
+    for i in range(150):
+        c = np.sort(rng.choice(6, rng.integers(0, 7), replace=False))
+        values = (rng.standard_normal((c.size, w)) * rng.uniform(0.5, 4.0)).astype(np.float32)
+        counts = rng.integers(1, 60, c.size) if i % 7 else None
+        if counts is None and cfg.aggregation == "weighted" and not cfg.scaling:
+            counts = np.ones(c.size, np.int64)  # weighted means refuse a set without counts, even an empty one
+        run.add(Upload.PROTOS, ProtoUpload(local=ProtoSet(classes=c, values=values, counts=counts), public=None,
+                                           n_samples=10))
+    part = run.partial()  # the float64 sums themselves (the prototypes are float32: a last bit may hide there)
+    run.finish()
+    return model, part
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize(("preset", "overrides"), [
+    ("fedproto", {}), ("fedproto", {"aggregation": "mean"}), ("tinyproto", {}), ("tinyproto", {"scaling": False}),
+])
+def test_a_batched_mean_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overrides: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (one, one_sums), (many, many_sums) = (_mean_fold_round(preset, b, monkeypatch, **overrides) for b in (1, 64))
+    assert _same_tree(one_sums, many_sums)  # 150 uploads: two full batches of 64 and a part
+    assert one.round_clips.clipped.get("protos", 0) > 0  # the radius clipped some rows: clipping was at work
+    assert one.round_clips == many.round_clips and one.radii == many.radii
+    assert one.prototypes.keys() == many.prototypes.keys() == set(range(6))
+    assert all(np.array_equal(one.prototypes[c], many.prototypes[c]) for c in one.prototypes)
+
+
+def test_a_batched_robust_mean_fold_folds_as_upload_by_upload(monkeypatch: pytest.MonkeyPatch) -> None:
+    (one, one_sums), (many, many_sums) = (_mean_fold_round("fedproto", b, monkeypatch, robust="median")
+                                          for b in (1, 64))
+    assert _same_tree(one_sums, many_sums)
+    assert all(np.array_equal(one.prototypes[c], many.prototypes[c]) for c in one.prototypes)
