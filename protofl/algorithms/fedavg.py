@@ -158,12 +158,14 @@ class VectorFold(Fold):
         assert ref is not None
         if self._ref64 is None:  # once per round: 90 MB and ~0.1 s per upload for a resnet18 model
             self._ref64 = ref.astype(np.float64)
+        # Within the radius `clip_around` gives the update itself in float64: the fold and the norm log take
+        # that, where each would convert the float32 one again (two passes over K values, issue 27).
         if isinstance(update, SparseVector):
             idx = update.indices
             vals, dist = clip_around(update.values, self._ref64[idx], radius)
-            return (update if dist <= radius else SparseVector(update.n, idx, vals)), (update.values, dist)
+            return SparseVector(update.n, idx, vals), (vals if dist <= radius else update.values, dist)
         vals, dist = clip_around(np.asarray(update), self._ref64, radius)
-        return (update if dist <= radius else vals), (update, dist)
+        return vals, (vals if dist <= radius else update, dist)
 
     @staticmethod
     def _check_indices(update: SparseVector | np.ndarray, n: int) -> None:

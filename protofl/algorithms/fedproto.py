@@ -110,27 +110,10 @@ class PrototypeAggregator(Additive):
         """
         self._apply(self._prepare(protos, counts))
 
-    def add_rows(self, classes: np.ndarray, rows: np.ndarray, counts: np.ndarray | None = None) -> None:
-        """`add` for one upload as rows: row i of `rows` (k, dim) is class `classes[i]`, from `counts[i]` samples.
-
-        For rows a decoded `ProtoSet` gave (classes unique and ascending, counts >= 1, values finite: the decoder
-        checked them, and clipping keeps them finite): only what the decoder could not know is checked here (this
-        aggregator's classes and width, counts present when weighted), all before anything changes; the rows
-        are folded in one pass, with the same sums `add` makes."""
-        self.check_rows(classes, rows.shape, counts)
-        at = class_rows(classes)
-        if self.weighting == "weighted":
-            assert counts is not None
-            w = counts.astype(np.float64)
-            self._sum[at] += w[:, None] * rows
-            self._weight[at] += w
-        else:
-            self._sum[at] += rows
-            self._weight[at] += 1.0
-        self._senders += 1
-
     def check_rows(self, classes: np.ndarray, shape: tuple[int, ...], counts: np.ndarray | None) -> None:
-        """Raise ValueError if `add_rows` would reject one upload's rows of this shape; changes nothing."""
+        """Raise ValueError if this aggregator cannot take one upload's rows of this shape (row i of class
+        `classes[i]`, from `counts[i]` samples), as a decoded `ProtoSet` gives them (classes unique and ascending,
+        counts >= 1, values finite: the decoder checked those): its classes, its width, counts when weighted."""
         who = "prototype aggregator"
         k = classes.shape[0]
         if shape != (k, self.dim):
@@ -141,10 +124,10 @@ class PrototypeAggregator(Additive):
             raise ValueError(f"{who}: weighting='weighted' needs the per-class sample counts n_kc")
 
     def add_many(self, classes: list[np.ndarray], rows: np.ndarray, counts: np.ndarray | None, uploads: int) -> None:
-        """`add_rows` for several uploads that `check_rows` passed: `classes` one array per upload with rows, in
+        """`add` for several uploads as rows that `check_rows` passed: `classes` one array per upload with rows, in
         arrival order, `rows` and `counts` theirs concatenated in that order, `uploads` the senders (uploads with
-        no rows included). The weights multiply all rows in one pass; each upload's rows are then added as
-        `add_rows` adds them (a view where its classes are consecutive), so the sums are the same bit for bit."""
+        no rows included). The weights multiply all rows in one pass; each upload's rows are then added at once
+        (a view where its classes are consecutive): the sums `add` makes upload by upload, bit for bit."""
         weighted = self.weighting == "weighted"
         assert counts is not None or not weighted or not classes
         w = counts.astype(np.float64) if weighted and counts is not None else None

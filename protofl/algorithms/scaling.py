@@ -78,16 +78,12 @@ class ScaledAggregator(Additive):
         """Fold in one client's {c: n_kc p_kc}; a rejected upload leaves the state unchanged."""
         self._agg.add(scaled, None)
 
-    def add_rows(self, classes: np.ndarray, rows: np.ndarray) -> None:
-        """`add` for one upload as rows (PrototypeAggregator.add_rows: rows a decoded ProtoSet gave)."""
-        self._agg.add_rows(classes, rows)
-
     def check_rows(self, classes: np.ndarray, shape: tuple[int, ...], counts: np.ndarray | None = None) -> None:
-        """Raise ValueError if `add_rows` would reject one upload's rows of this shape (counts are not used)."""
+        """PrototypeAggregator.check_rows for one upload's rows of this shape (counts are not used)."""
         self._agg.check_rows(classes, shape, None)
 
     def add_many(self, classes: list[np.ndarray], rows: np.ndarray, counts: np.ndarray | None, uploads: int) -> None:
-        """`add_rows` for several checked uploads at once (PrototypeAggregator.add_many; counts are not used)."""
+        """`add` for several checked uploads as rows (PrototypeAggregator.add_many; counts are not used)."""
         self._agg.add_many(classes, rows, None, uploads)
 
     def check(self, scaled: Mapping[int, np.ndarray]) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
-from protofl.algorithms.robust import class_rows, row_dots
+from protofl.algorithms.robust import row_dots
 from protofl.mergeable import Additive
-from protofl.technique import Fold, ServerState, Upload
+from protofl.technique import BatchedFold, ServerState, Upload
 from protofl.wire import ProtoSet
 
 __all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator", "UnitFold"]
@@ -108,7 +108,7 @@ class ConsensusAggregator(Additive):
         """`check` for one upload as rows (k, width) of a decoded ProtoSet (classes unique and ascending, rows
         finite: the decoder checked them): each row normalised to a unit vector, in one pass; raises
         ValueError, changing nothing, for a class out of range or a zero row. `width` is m, or s where the
-        rows are cut to their classes' supports (`fold_rows` puts them back in place)."""
+        rows are cut to their classes' supports (`fold_many` puts them back in place)."""
         if classes.size and not 0 <= int(classes[0]) <= int(classes[-1]) < self.num_classes:
             raise ValueError(f"consensus: class ids must lie in [0, {self.num_classes})")
         rows = np.asarray(rows, dtype=np.float64)
@@ -118,17 +118,20 @@ class ConsensusAggregator(Additive):
             raise ValueError(f"consensus: prototype for class {c} is the zero vector; it has no direction")
         return rows / length[:, None]
 
-    def fold_rows(self, classes: np.ndarray, units: np.ndarray, support: np.ndarray | None = None) -> None:
-        """Fold in the rows `check_rows` returned (one upload). With `support` (C, s), the dims of each class's
-        mask in ascending order, a row of s values is added onto its class's support only: the same sums as
-        scattering it to full width first, without building the (C, m) rows."""
-        at = class_rows(classes)
-        if support is None:
-            self._sum[at] += units
-        else:
-            self._sum[classes[:, None], support[at]] += units
-        self._count[at] += 1
-        self._senders += 1
+    def fold_many(self, classes: list[np.ndarray], units: np.ndarray, support: np.ndarray | None,
+                  uploads: int) -> None:
+        """Fold in the rows `check_rows` returned, for several uploads: `classes` one array per upload with rows,
+        in arrival order, `units` their rows concatenated in that order, `uploads` the senders (uploads with no
+        rows included). With `support` (C, s), the dims of each class's mask in ascending order, a row of s
+        values goes onto its class's support only: the sums of scattering it to full width first, without
+        building the (C, m) rows. Every value goes to its place in the flat sums through one `np.add.at`,
+        which adds in index order: the sums of `fold` upload by upload."""
+        if classes:
+            every = np.concatenate(classes)
+            dims = np.arange(self.dim) if support is None else support[every]
+            np.add.at(self._sum.reshape(-1), (every[:, None] * self.dim + dims).reshape(-1), units.reshape(-1))
+            np.add.at(self._count, every, 1)
+        self._senders += uploads
 
     def sums(self) -> tuple[np.ndarray, np.ndarray]:
         """(S, K): per-class sums of unit prototypes (C, m) float64 and sender counts (C,) int64, copies."""
@@ -148,17 +151,20 @@ class ConsensusAggregator(Additive):
         return out.astype(np.float32)
 
 
-class UnitFold(Fold):
+class UnitFold(BatchedFold):
     """Unit prototypes of a training upload folded into eq. (3)'s sums, clipped around the current ones;
     `prototypes` says which of the upload's sets.
 
     Where there are masks the rows travel cut to their supports (s of m values) and stay so: clipped around
-    the current prototypes cut the same way, normalised, and added onto their supports in the (C, m) sums."""
+    the current prototypes cut the same way, normalised, and added onto their supports in the (C, m) sums.
+    Each upload is clipped and normalised when it is checked (a row clipped to zero refuses it); the sums
+    and norm logs take a batch at a time (BatchedFold)."""
 
     kinds = (Upload.PROTOS,)
     merged = ("acc",)
 
     def __init__(self, model: ServerState) -> None:
+        super().__init__()
         self.model = model
         assert model.unit is not None
         self.acc = ConsensusAggregator(model.unit)
@@ -181,10 +187,13 @@ class UnitFold(Fold):
             rows = rows.astype(np.float32)  # a clipped row goes on at float32, as scattering it to width m did
         return ps.classes, self.acc.check_rows(ps.classes, rows), seen
 
-    def fold(self, prepared: Any) -> None:
-        if prepared is None:
-            self.acc.fold([])
-            return
-        classes, units, seen = prepared
-        self.acc.fold_rows(classes, units, self.support)
-        self.model.record_rows("protos", seen)
+    def elements(self, prepared: Any) -> int:
+        return 0 if prepared is None else int(prepared[1].size)
+
+    def fold_batch(self, batch: list[Any]) -> None:
+        sent = [p for p in batch if p is not None]
+        units = np.concatenate([p[1] for p in sent]) if sent else np.zeros((0, self.acc.dim))
+        self.acc.fold_many([p[0] for p in sent], units, self.support, len(batch))
+        if sent and sent[0][2] is not None:  # (clipping off records nothing: every seen is None)
+            seen = (np.concatenate([p[2][0] for p in sent]), np.concatenate([p[2][1] for p in sent]))
+            self.model.record_rows("protos", seen)

@@ -71,24 +71,26 @@ if msgspec is not None:
     _Name = Annotated[str, Meta(pattern=f"^(?:{NAME_PATTERN.pattern})\\Z")]  # re.search: `$` would pass "x\n"
     _Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
-    class _Array(Struct, forbid_unknown_fields=True):
+    # gc=False: these hold strings, bytes, ints and lists of ints, never a cycle, so the collector need not
+    # track the ~10 objects each upload makes.
+    class _Array(Struct, forbid_unknown_fields=True, gc=False):
         """An array map {dt, sh, b} (q8 adds scale and zero: unknown here, so a q8 upload reads slowly)."""
 
         dt: str
         sh: list[int]
         b: bytes
 
-    class _ProtoSet(Struct, forbid_unknown_fields=True):
+    class _ProtoSet(Struct, forbid_unknown_fields=True, gc=False):
         c: _Array
         v: _Array
         n: _Array | None
 
-    class _ProtosBody(Struct, forbid_unknown_fields=True):
+    class _ProtosBody(Struct, forbid_unknown_fields=True, gc=False):
         local: _ProtoSet | None
         public: _ProtoSet | None
         n_samples: _Count
 
-    class _Update(Struct, forbid_unknown_fields=True):
+    class _Update(Struct, forbid_unknown_fields=True, gc=False):
         """A dense array map {dt, sh, b} or a sparse vector {n, i or mask, v}: the keys present decide."""
 
         dt: str | UnsetType = UNSET
@@ -99,12 +101,12 @@ if msgspec is not None:
         mask: _Array | UnsetType = UNSET
         v: _Array | UnsetType = UNSET
 
-    class _AdapterBody(Struct, forbid_unknown_fields=True):
+    class _AdapterBody(Struct, forbid_unknown_fields=True, gc=False):
         update: _Update
         n_samples: _Count
         base_round: Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
-    class _Envelope(Struct, forbid_unknown_fields=True, tag_field="kind"):
+    class _Envelope(Struct, forbid_unknown_fields=True, tag_field="kind", gc=False):
         v: int
         fed: _Name
         round: Annotated[int, Meta(ge=0, le=MAX_ROUND - 1)]
@@ -151,7 +153,7 @@ def _array(a: _Array, dts: frozenset[str] | tuple[str, ...], ndim: int, limits: 
 
 
 _FLOATS = ("f4", "f2")  # q8 never reaches here: its extra keys fail the schema
-_FLOAT_DTYPES = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
+_FLOAT_DTYPES: dict[str, np.dtype] = {"f4": np.dtype("<f4"), "f2": np.dtype("<f2")}
 _U2, _U4 = np.dtype("<u2"), np.dtype("<u4")
 
 
@@ -204,11 +206,27 @@ def _adapter(body: _AdapterBody, limits: Limits) -> ParamsUpload:
         if not (u.dt is u.sh is u.b is UNSET) or u.v is UNSET or (u.i is UNSET) == (u.mask is UNSET) \
                 or u.n > limits.max_elements:
             raise WireError(_WHAT)
-        values = _array(u.v, _FLOATS, 1, limits)
+        values = _values(u.v, limits)
         if u.i is not UNSET:
             update = sparse_from_parts(u.n, _array(u.i, ("u2", "u4"), 1, limits), None, values, _WHAT)
         else:
-            assert not isinstance(u.mask, UnsetType)
-            update = sparse_from_parts(u.n, None, _array(u.mask, ("u1",), 1, limits), values, _WHAT)
+            mask = u.mask
+            assert not isinstance(mask, UnsetType)
+            if mask.dt != "u1" or mask.sh != [len(mask.b)] or len(mask.b) > limits.max_elements:
+                raise WireError(_WHAT)
+            # The packed bytes as they arrived (no copy): only their set positions outlive this call.
+            update = sparse_from_parts(u.n, None, np.frombuffer(mask.b, np.uint8), values, _WHAT)
         dt = u.v.dt
     return ParamsUpload._decoded(update, dt, body.n_samples, body.base_round)
+
+
+def _values(a: _Array, limits: Limits) -> np.ndarray:
+    """A sparse update's values, 1-D f4 or f2, as `array_from_parts` gives them (float32, finite, a copy)."""
+    vdt = _FLOAT_DTYPES.get(a.dt)
+    if vdt is None or len(a.sh) != 1 or not 0 <= a.sh[0] <= limits.max_elements \
+            or len(a.b) != a.sh[0] * vdt.itemsize:
+        raise WireError(_WHAT)
+    values = np.frombuffer(a.b, vdt).astype(np.float32)
+    if not np.isfinite(values).all():
+        raise WireError(_WHAT)
+    return values

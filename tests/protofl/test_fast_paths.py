@@ -97,39 +97,29 @@ def test_norm_log_rows_equal_row_by_row() -> None:
     assert one.values == many.values and one.clipped == many.clipped == int((dists > 1.0).sum())
 
 
-@pytest.mark.parametrize("weighting", ["weighted", "mean"])
-def test_add_rows_makes_the_sums_add_makes(weighting: str) -> None:
-    rng = np.random.default_rng(5)
-    table_acc, rows_acc = (PrototypeAggregator(6, 8, weighting) for _ in range(2))
-    for classes in ([0, 1, 2, 3, 4, 5], [1, 4], [2, 3, 4], []):
-        c = np.asarray(classes, dtype=np.int64)
-        rows = rng.standard_normal((c.size, 8))
-        counts = rng.integers(1, 50, c.size)
-        table_acc.add(dict(zip(classes, rows, strict=True)), dict(zip(classes, counts.tolist(), strict=True)))
-        rows_acc.add_rows(c, rows, counts)
-    assert table_acc.senders == rows_acc.senders == 4
-    a, b = table_acc.result(), rows_acc.result()
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-
-
-def test_add_rows_refuses_what_the_decoder_cannot_know_and_changes_nothing() -> None:
+def test_check_rows_refuses_what_the_decoder_cannot_know_and_changes_nothing() -> None:
     acc = PrototypeAggregator(4, 3)
     with pytest.raises(ValueError, match=r"class ids must lie in \[0, 4\)"):
-        acc.add_rows(np.array([1, 4]), np.ones((2, 3)), np.array([1, 1]))
+        acc.check_rows(np.array([1, 4]), (2, 3), np.array([1, 1]))
     with pytest.raises(ValueError, match="expected rows of shape"):
-        acc.add_rows(np.array([1]), np.ones((1, 2)), np.array([1]))
+        acc.check_rows(np.array([1]), (1, 2), np.array([1]))
     with pytest.raises(ValueError, match="needs the per-class sample counts"):
-        acc.add_rows(np.array([1]), np.ones((1, 3)), None)
+        acc.check_rows(np.array([1]), (1, 3), None)
     assert acc.senders == 0 and acc.result() == {}
+
+
+def _random_masks(rng: np.random.Generator, C: int, m: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """(C, m) class masks of s dims each, and their supports (C, s): each class's dims in ascending order."""
+    masks = np.zeros((C, m), dtype=bool)
+    for c in range(C):
+        masks[c, rng.choice(m, s, replace=False)] = True
+    return masks, np.nonzero(masks)[1].reshape(C, s)
 
 
 def test_unit_rows_on_their_supports_make_the_full_width_sums() -> None:
     rng = np.random.default_rng(6)
     C, m, s = 5, 20, 4
-    masks = np.zeros((C, m), dtype=bool)
-    for c in range(C):
-        masks[c, rng.choice(m, s, replace=False)] = True
-    support = np.nonzero(masks)[1].reshape(C, s)
+    masks, support = _random_masks(rng, C, m, s)
     prev = rng.standard_normal((C, m))
     full, cut = ConsensusAggregator(prev), ConsensusAggregator(prev)
     for classes in ([0, 1, 2, 3, 4], [1, 3]):
@@ -137,7 +127,7 @@ def test_unit_rows_on_their_supports_make_the_full_width_sums() -> None:
         values = rng.standard_normal((c.size, s)).astype(np.float32)
         dense = reconstruct_table(dict(zip(classes, values, strict=True)), masks)
         full.add(dense)
-        cut.fold_rows(c, cut.check_rows(c, values), support)
+        cut.fold_many([c], cut.check_rows(c, values), support, 1)
     (s1, k1), (s2, k2) = full.sums(), cut.sums()
     assert np.array_equal(k1, k2) and np.allclose(s1, s2, rtol=1e-15, atol=1e-15)
     assert np.allclose(full.result(), cut.result())
@@ -195,7 +185,7 @@ def test_checked_vector_folds_make_the_sums_add_makes() -> None:
 
 
 @pytest.mark.parametrize("weighting", ["weighted", "mean"])
-def test_add_many_makes_the_sums_add_rows_makes_upload_by_upload(weighting: str) -> None:
+def test_add_many_makes_the_sums_add_makes_upload_by_upload(weighting: str) -> None:
     rng = np.random.default_rng(8)
     one, many = (PrototypeAggregator(6, 5, weighting) for _ in range(2))
     uploads = []
@@ -203,7 +193,7 @@ def test_add_many_makes_the_sums_add_rows_makes_upload_by_upload(weighting: str)
         c = np.sort(rng.choice(6, rng.integers(0, 7), replace=False)).astype(np.int64)
         uploads.append((c, rng.standard_normal((c.size, 5)) * 10.0 ** rng.integers(-3, 4), rng.integers(1, 99, c.size)))
     for c, rows, n in uploads:
-        one.add_rows(c, rows, n)
+        one.add(dict(zip(c.tolist(), rows, strict=True)), dict(zip(c.tolist(), n.tolist(), strict=True)))
     sent = [u for u in uploads if u[0].size]
     many.add_many([u[0] for u in sent], np.concatenate([u[1] for u in sent]), np.concatenate([u[2] for u in sent]),
                   len(uploads))
@@ -211,26 +201,52 @@ def test_add_many_makes_the_sums_add_rows_makes_upload_by_upload(weighting: str)
     assert np.array_equal(one._sum, many._sum) and np.array_equal(one._weight, many._weight)
 
 
+def test_fold_many_makes_the_sums_fold_makes_upload_by_upload() -> None:
+    rng = np.random.default_rng(10)
+    C, m, s = 6, 24, 5
+    _, support = _random_masks(rng, C, m, s)
+    for cut_rows in (False, True):
+        prev = rng.standard_normal((C, m))
+        one, many = ConsensusAggregator(prev), ConsensusAggregator(prev)
+        classes, units = [], []
+        for _ in range(30):
+            c = np.sort(rng.choice(C, rng.integers(1, C + 1), replace=False))
+            u = many.check_rows(c, rng.standard_normal((c.size, s if cut_rows else m)) * 3.0)
+            full = np.zeros((c.size, m))  # the rows scattered to full width, in float64
+            if cut_rows:
+                full[np.arange(c.size)[:, None], support[c]] = u
+            else:
+                full = u
+            one.fold(list(zip(c.tolist(), full, strict=True)))
+            classes.append(c)
+            units.append(u)
+        many.fold_many(classes, np.concatenate(units), support if cut_rows else None, 31)
+        one.fold([])  # an upload without rows counts as a sender
+        (s1, k1), (s2, k2) = one.sums(), many.sums()
+        assert one.senders == many.senders == 31 and np.array_equal(k1, k2) and np.array_equal(s1, s2)
+
+
 def _mean_fold_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean",
                      **overrides: object) -> Any:
-    """One training phase of 150 random uploads through a preset's MeanFold, folded `batch` at a time, with
-    clipping at work (a radius that clips some rows, non-zero centres)."""
+    """One training phase of 150 random uploads through a preset's batched fold (MeanFold, or the unit
+    prototypes' UnitFold), folded `batch` at a time, with clipping at work (a radius that clips some rows,
+    non-zero centres)."""
     from broker_server.stages import PhaseRun, build_model
-    from protofl.algorithms.fedproto import MeanFold
     from protofl.algorithms.robust import ClipPolicy
     from protofl.plan import Phase, RoundPlan, Upload
     from protofl.presets import make_config
+    from protofl.technique import BatchedFold
 
-    monkeypatch.setattr(MeanFold, "BATCH", batch)
+    monkeypatch.setattr(BatchedFold, "BATCH", batch)
     cfg = make_config(preset, num_classes=6, proto_dim=40, adapter_rank=2, **overrides)
     plan = RoundPlan.from_config(cfg)
     model = build_model(cfg, plan, ClipPolicy(robust=robust))
     rng = np.random.default_rng(9)
     w = plan.proto_width
     model.prototypes = {c: rng.standard_normal(w).astype(np.float32) for c in range(0, 6, 2)}
-    model.radii["protos"] = 2.5 * np.sqrt(w)
+    model.radii["protos"] = 2.5 * np.sqrt(w) if model.unit is None else 1.2  # unit rows: centres of norm <= 1
     run = PhaseRun(model, Phase.TRAIN)
-    assert [type(f) for f in run.folds] == [MeanFold]
+    assert len(run.folds) == 1 and isinstance(run.folds[0], BatchedFold)
     for i in range(150):
         c = np.sort(rng.choice(6, rng.integers(0, 7), replace=False))
         values = (rng.standard_normal((c.size, w)) * rng.uniform(0.5, 4.0)).astype(np.float32)
@@ -256,14 +272,16 @@ def _same_tree(a: Any, b: Any) -> bool:
 
 @pytest.mark.parametrize(("preset", "overrides"), [
     ("fedproto", {}), ("fedproto", {"aggregation": "mean"}), ("tinyproto", {}), ("tinyproto", {"scaling": False}),
+    ("protofl", {}), ("protofl", {"cps": False}),
 ])
-def test_a_batched_mean_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overrides: dict[str, Any],
+def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overrides: dict[str, Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     (one, one_sums), (many, many_sums) = (_mean_fold_round(preset, b, monkeypatch, **overrides) for b in (1, 64))
     assert _same_tree(one_sums, many_sums)  # 150 uploads: two full batches of 64 and a part
     assert one.round_clips.clipped.get("protos", 0) > 0  # the radius clipped some rows: clipping was at work
     assert one.round_clips == many.round_clips and one.radii == many.radii
-    assert one.prototypes.keys() == many.prototypes.keys() == set(range(6))
+    assert np.array_equal(one.unit, many.unit) if one.unit is not None else \
+        one.prototypes.keys() == many.prototypes.keys() == set(range(6))
     assert all(np.array_equal(one.prototypes[c], many.prototypes[c]) for c in one.prototypes)
 
 
