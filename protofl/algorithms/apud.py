@@ -157,7 +157,8 @@ class ApudAggregator(Additive):
         if n != self._d:
             raise ValueError(f"APUD: update is for an adapter of length {n}, expected {self._d}")
         if isinstance(update, SparseVector):
-            self._fold_at(update.indices, w * np.asarray(update.values, dtype=np.float64), w)
+            # float32 values are cast to float64 inside the multiply (exactly, as astype would), in one pass
+            self._fold_at(update.indices, np.multiply(update.values, w, dtype=np.float64), w)
         else:
             self._num += w * np.asarray(update, dtype=np.float64)
             self._den += w

@@ -340,8 +340,7 @@ def encode_sparse(sv: SparseVector, dt: str = "f4") -> dict:
 
 def mask_indices(packed: np.ndarray, n: int) -> np.ndarray:
     """The set positions (int64, ascending) of a little-endian packed mask of `n` bits: the same as
-    np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little")), faster where APUD's masks live. `packed`
-    is (n + 7) // 8 bytes with no bit set at or past n (`sparse_from_parts` checks both first).
+    np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little")), faster where APUD's masks live.
 
     numpy's nonzero() over bools has two loops: a memchr scan for inputs at most 10 % set and a branch-free
     one above. On large random masks 6-10 % set (APUD's default K = d/10 is exactly 10 %) the scan
@@ -350,18 +349,15 @@ def mask_indices(packed: np.ndarray, n: int) -> np.ndarray:
     in cache), the scan is the faster one. So such a mask is unpacked with enough set padding bits after
     it to pass 10 %, and the padding's positions, all at or past n, are cut off the end.
     """
-    ones = int(np.bitwise_count(packed).sum())  # a popcount of n / 8 bytes, before anything is unpacked
+    bits = np.unpackbits(packed, count=n, bitorder="little").view(bool)  # nonzero() is ~5x faster on bools
+    ones = int(np.count_nonzero(bits))
     if n < 2**15 or not 0.06 * n <= ones <= 0.1 * n:
-        return np.flatnonzero(np.unpackbits(packed, count=n, bitorder="little").view(bool))  # ~5x faster on bools
+        return np.flatnonzero(bits)
     pad = (n - 10 * ones) // 9 + 1  # the least p with ones + p > (n + p) / 10
-    # The padding is set bits from position n on, packed after the mask (whose bits past n are unset: the
-    # decoder checked), so one unpack gives the padded bools without a copy of n of them.
-    total = n + pad
-    padded = np.full((total + 7) // 8, 0xFF, dtype=np.uint8)
-    padded[:packed.size] = packed
-    if n % 8:
-        padded[packed.size - 1] |= 0xFF << (n % 8) & 0xFF
-    return np.flatnonzero(np.unpackbits(padded, count=total, bitorder="little").view(bool))[:ones]
+    padded = np.empty(n + pad, dtype=bool)
+    padded[:n] = bits
+    padded[n:] = True
+    return np.flatnonzero(padded)[:ones]
 
 
 def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> SparseVector:

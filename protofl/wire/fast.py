@@ -74,11 +74,12 @@ if msgspec is not None:
     # gc=False: these hold strings, bytes, ints and lists of ints, never a cycle, so the collector need not
     # track the ~10 objects each upload makes.
     class _Array(Struct, forbid_unknown_fields=True, gc=False):
-        """An array map {dt, sh, b} (q8 adds scale and zero: unknown here, so a q8 upload reads slowly)."""
+        """An array map {dt, sh, b} (q8 adds scale and zero: unknown here, so a q8 upload reads slowly). `b` is a
+        view of the message's bytes (msgspec's zero-copy bin): the arrays built from it are copies or die first."""
 
         dt: str
         sh: list[int]
-        b: bytes
+        b: memoryview
 
     class _ProtoSet(Struct, forbid_unknown_fields=True, gc=False):
         c: _Array
@@ -95,7 +96,7 @@ if msgspec is not None:
 
         dt: str | UnsetType = UNSET
         sh: list[int] | UnsetType = UNSET
-        b: bytes | UnsetType = UNSET
+        b: memoryview | UnsetType = UNSET
         n: Annotated[int, Meta(ge=0, le=MAX_SPARSE_N - 1)] | UnsetType = UNSET
         i: _Array | UnsetType = UNSET
         mask: _Array | UnsetType = UNSET
@@ -149,7 +150,7 @@ _WHAT = "upload"
 def _array(a: _Array, dts: frozenset[str] | tuple[str, ...], ndim: int, limits: Limits) -> np.ndarray:
     if a.dt not in dts:
         raise WireError(_WHAT)
-    return array_from_parts(a.dt, a.sh, a.b, what=_WHAT, limits=limits, ndim=ndim)
+    return array_from_parts(a.dt, a.sh, a.b.tobytes(), what=_WHAT, limits=limits, ndim=ndim)
 
 
 _FLOATS = ("f4", "f2")  # q8 never reaches here: its extra keys fail the schema
@@ -200,7 +201,8 @@ def _adapter(body: _AdapterBody, limits: Limits) -> ParamsUpload:
         if u.dt is UNSET or u.sh is UNSET or u.b is UNSET or not (u.i is u.mask is u.v is UNSET) \
                 or u.dt not in _FLOATS:
             raise WireError(_WHAT)
-        update: SparseVector | np.ndarray = array_from_parts(u.dt, u.sh, u.b, what=_WHAT, limits=limits, ndim=1)
+        update: SparseVector | np.ndarray = array_from_parts(u.dt, u.sh, u.b.tobytes(), what=_WHAT, limits=limits,
+                                                             ndim=1)
         dt = u.dt
     else:  # sparse: exactly n, v and one of i / mask
         if not (u.dt is u.sh is u.b is UNSET) or u.v is UNSET or (u.i is UNSET) == (u.mask is UNSET) \
@@ -230,3 +232,4 @@ def _values(a: _Array, limits: Limits) -> np.ndarray:
     if not np.isfinite(values).all():
         raise WireError(_WHAT)
     return values
+
