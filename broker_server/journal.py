@@ -66,9 +66,12 @@ class Record:
     phase: str
 
 
-def record_parts(topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> list[bytes]:
-    """One record as the pieces `writev` writes: header, meta, and the payload itself (not copied)."""
-    meta = msgpack.packb({"t": topic, "c": client, "k": kind, "r": int(round_), "ph": phase}, use_bin_type=True)
+def record_parts(topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str,
+                 packer: msgpack.Packer | None = None) -> list[bytes]:
+    """One record as the pieces `writev` writes: header, meta, and the payload itself (not copied). A caller
+    that writes many passes its own `packer` (packb makes one per call: ~1 us of a record's ~10)."""
+    meta = (packer or msgpack.Packer(use_bin_type=True)).pack(
+        {"t": topic, "c": client, "k": kind, "r": int(round_), "ph": phase})
     crc = zlib.crc32(payload, zlib.crc32(meta))
     return [HEADER.pack(MAGIC, len(meta), len(payload), crc), meta, payload]
 
@@ -171,6 +174,7 @@ class Journal:
         # Nothing pending is acknowledged, so a crash that loses it loses what the broker delivers again.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._packer = msgpack.Packer(use_bin_type=True)  # one thread appends (the service's, or a shard's)
         os.lseek(self._fd, good, os.SEEK_SET)
         if not data:
             _fsync_dir(self.path.parent)  # the new file's name must survive a crash too
@@ -187,7 +191,7 @@ class Journal:
                sync: bool = True) -> int:
         """Write one record and (with `sync`) fsync it; returns the journal's new size. Without `sync`
         the caller must call `sync()` before acknowledging it (group commit)."""
-        parts = record_parts(topic, payload, client, kind, round_, phase)
+        parts = record_parts(topic, payload, client, kind, round_, phase, self._packer)
         if _CRASH:  # a test's torn record must come after what is pending, as it would on disk
             self._write_pending()
             _crash_point(self._fd, parts)

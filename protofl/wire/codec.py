@@ -38,6 +38,11 @@ KiB = 2**10
 MiB = 2**20
 
 
+# The kinds with a limit of their own below max_message_bytes, and the field that holds it.
+_SMALL_KINDS = {"join": "max_join_bytes", "status": "max_status_bytes", "metrics": "max_metrics_bytes",
+                "resend": "max_status_bytes"}
+
+
 @dataclass(frozen=True)
 class Limits:
     """Decoder limits; a federation may tighten them (constrained links) or loosen them (big models)."""
@@ -61,9 +66,8 @@ class Limits:
 
     def max_bytes(self, kind: str) -> int:
         """The largest message of `kind` this decoder reads."""
-        small = {"join": self.max_join_bytes, "status": self.max_status_bytes, "metrics": self.max_metrics_bytes,
-                 "resend": self.max_status_bytes}
-        return min(self.max_message_bytes, small.get(kind, self.max_message_bytes))
+        small = _SMALL_KINDS.get(kind)  # (asked for every upload: no dict of the limits built per call)
+        return self.max_message_bytes if small is None else min(self.max_message_bytes, getattr(self, small))
 
     def max_body_objects(self, kind: str) -> int:
         """The most msgpack objects (containers plus their elements) a body of `kind` may hold.
