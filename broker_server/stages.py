@@ -239,11 +239,12 @@ class PhaseRun:
         if phase is model.plan.first_phase:
             model.new_round()
         self.folds: list[Fold] = [f for rule in model.rules for f in rule.folds(phase)]
+        self.takers = {k: [f for f in self.folds if k in f.kinds] for k in Upload}  # per kind, in rule order
 
     def add(self, kind: Upload, up: Any) -> None:
         """Check `up` against the plan and every fold that reads `kind`, then fold it into all of them."""
         check_upload(self.model.plan, self.phase, up)
-        takers = [f for f in self.folds if kind in f.kinds]
+        takers = self.takers[kind]
         if not takers:
             raise WireError(f"this federation does not exchange {kind.value} uploads in the {self.phase.value} phase")
         prepared = [(f, f.check(up)) for f in takers]
