@@ -3,14 +3,15 @@
 An aggregator spends most of an upload's time checking the structure of maps in Python (`read_header`, then
 `Header.open` and the message's `from_body`: ~80 us of a 2 KB prototype upload). Here the same structure is
 declared once as msgspec schemas and checked while the bytes are parsed, in C (~4 us); the values (shapes,
-byte counts, finiteness, class order, sparse indices) are then checked by the reference decoder's own
-functions (`array_from_parts`, `sparse_from_parts`, the messages' `_decoded`).
+byte counts, finiteness, class order, sparse indices) are then checked as the reference decoder checks them:
+written out here for the shapes uploads have (a prototype set, a sparse update's values and packed mask),
+by the reference's own functions for the rest (`array_from_parts`, `sparse_from_parts`, `_decoded`).
 
 The contract: `read_upload` returns what the reference decoder returns (`read_header` + `decode_body`) for a
 message the reference accepts, or None, and then the caller asks the reference decoder, whose WireError
 names what was wrong. It never accepts what the reference refuses: anything this schema does not know (a q8
 upload, a key it does not expect, a value of another type, a limit tighter than the schema's bounds) is None.
-tests/wire/test_fast.py holds the two to that on valid uploads of every form and on their mutations.
+tests/protofl/test_wire_fast.py holds the two to that on valid uploads of every form and on their mutations.
 
 msgspec is the `fast` extra (`pip install 'protofl-edge[fast]'`): a server without it reads every upload with
 the reference decoder, the same results at about half the rate. Devices never need it.
