@@ -249,7 +249,8 @@ class MeanFold(BatchedFold):
         # Robust means replace plain means only: scaled sums have their own geometry.
         self.robust: dict[int, CoordinateRobust] | None = (
             {} if self.default and policy.robust != "mean" else None)
-        # Another technique's aggregate that takes tables only is fed one upload at a time.
+        # Another technique's aggregate that takes tables only is fed one upload at a time, when it arrives (its
+        # `add` may refuse one, which a batch folded later could not do).
         self.rows_ok = hasattr(self.acc, "add_many")
 
         # The centres uploads are clipped around: the global prototypes, which change only when the phase ends.
@@ -264,6 +265,12 @@ class MeanFold(BatchedFold):
         if self.rows_ok:
             self.acc.check_rows(ps.classes, ps.values.shape, ps.counts if self.default else None)
         return ps.classes, ps.values, ps.counts
+
+    def fold(self, prepared: Any) -> None:
+        if self.rows_ok:
+            super().fold(prepared)
+        else:
+            self.fold_batch([prepared])
 
     def elements(self, prepared: Any) -> int:
         return int(prepared[1].size)
@@ -282,12 +289,9 @@ class MeanFold(BatchedFold):
             weighted = self.default and model.cfg.aggregation == "weighted"
             counts = np.concatenate([p[2] for p in sent]) if weighted and sent else None
             self.acc.add_many(classes, rows, counts, len(batch))
-        else:  # a table-taking aggregate: each upload's table in turn (an empty upload still counts)
-            at = 0
-            for p in batch:
-                k = p[0].size
-                self.acc.add(dict(zip(p[0].tolist(), rows[at:at + k], strict=True)))
-                at += k
+        else:  # a table-taking aggregate (a batch of one upload; one with no rows still counts)
+            (c, _, _), = batch
+            self.acc.add(dict(zip(c.tolist(), rows, strict=True)))
         if self.robust is not None:
             policy, width = model.policy, model.plan.proto_width
             for c, v in zip(every.tolist(), rows, strict=True):

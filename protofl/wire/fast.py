@@ -72,7 +72,7 @@ if msgspec is not None:
     _Name = Annotated[str, Meta(pattern=f"^(?:{NAME_PATTERN.pattern})\\Z")]  # re.search: `$` would pass "x\n"
     _Count = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 
-    # gc=False: these hold strings, bytes, ints and lists of ints, never a cycle, so the collector need not
+    # gc=False: these hold strings, views of bytes, ints and lists of ints, never a cycle, so the collector need not
     # track the ~10 objects each upload makes.
     class _Array(Struct, forbid_unknown_fields=True, gc=False):
         """An array map {dt, sh, b} (q8 adds scale and zero: unknown here, so a q8 upload reads slowly). `b` is a
