@@ -86,7 +86,7 @@ def clip_rows(rows: np.ndarray, centers: np.ndarray, radius: float) -> tuple[np.
     lengths = np.sqrt(row_dots(both, both))
     d, dist, norm = both[:k], lengths[:k], lengths[k:]
     over = dist > radius
-    if not over.any():
+    if not np.count_nonzero(over):  # (not .any(): numpy's generic reduction costs ~2 us more a call)
         return u64, dist, norm
     out = u64.copy()
     out[over] = centers[over] + d[over] * (radius / dist[over])[:, None]

@@ -113,7 +113,7 @@ class ConsensusAggregator(Additive):
             raise ValueError(f"consensus: class ids must lie in [0, {self.num_classes})")
         rows = np.asarray(rows, dtype=np.float64)
         length = np.sqrt(row_dots(rows, rows))
-        if (length == 0.0).any():
+        if np.count_nonzero(length == 0.0):  # (not .any(): see robust.clip_rows)
             c = int(classes[np.flatnonzero(length == 0.0)[0]])
             raise ValueError(f"consensus: prototype for class {c} is the zero vector; it has no direction")
         return rows / length[:, None]

@@ -166,10 +166,7 @@ class ProtoSet(_Body):
     def _trusted(cls, classes: np.ndarray, values: np.ndarray, counts: np.ndarray | None, dt: str) -> Self:
         """A set of arrays a decoder has checked whole (`_decoded`'s checks too): classes and counts int64."""
         out = cls.__new__(cls)
-        object.__setattr__(out, "classes", classes)
-        object.__setattr__(out, "values", values)
-        object.__setattr__(out, "counts", counts)
-        object.__setattr__(out, "dt", dt)
+        out.__dict__.update(classes=classes, values=values, counts=counts, dt=dt)  # (one call: frozen fields)
         return out
 
     @classmethod
@@ -507,9 +504,7 @@ class ProtoUpload(_Body):
     def _trusted(cls, local: ProtoSet | None, public: ProtoSet | None, n_samples: int) -> Self:
         """From sets and a count a decoder has checked whole (`protofl.wire.fast`: n_samples in [0, 2**63))."""
         out = cls.__new__(cls)
-        object.__setattr__(out, "local", local)
-        object.__setattr__(out, "public", public)
-        object.__setattr__(out, "n_samples", n_samples)
+        out.__dict__.update(local=local, public=public, n_samples=n_samples)
         return out
 
 
