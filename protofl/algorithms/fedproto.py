@@ -252,6 +252,7 @@ class MeanFold(BatchedFold):
         # Another technique's aggregate that takes tables only is fed one upload at a time, when it arrives (its
         # `add` may refuse one, which a batch folded later could not do).
         self.rows_ok = hasattr(self.acc, "add_many")
+        self.weighted = self.default and model.cfg.aggregation == "weighted"  # the n_kc-weighted mean: needs counts
 
         # The centres uploads are clipped around: the global prototypes, which change only when the phase ends.
         self.centers = model.center_rows(model.prototypes)
@@ -260,7 +261,7 @@ class MeanFold(BatchedFold):
         ps = up.local
         if ps is None:
             ps = ProtoSet.from_table({}, self.model.plan.proto_width)
-        if self.default and self.model.cfg.aggregation == "weighted" and ps.classes.size and ps.counts is None:
+        if self.weighted and ps.classes.size and ps.counts is None:
             raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
         if self.rows_ok:
             self.acc.check_rows(ps.classes, ps.values.shape, ps.counts if self.default else None)
@@ -286,8 +287,7 @@ class MeanFold(BatchedFold):
         else:
             classes, every, rows, seen = [], np.zeros(0, np.int64), np.zeros((0, model.plan.proto_width)), None
         if self.rows_ok:
-            weighted = self.default and model.cfg.aggregation == "weighted"
-            counts = np.concatenate([p[2] for p in sent]) if weighted and sent else None
+            counts = np.concatenate([p[2] for p in sent]) if self.weighted and sent else None
             self.acc.add_many(classes, rows, counts, len(batch))
         else:  # a table-taking aggregate (a batch of one upload; one with no rows still counts)
             (c, _, _), = batch

@@ -19,6 +19,7 @@ the reference decoder, the same results at about half the rate. Devices never ne
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Annotated, Any, Literal
 
@@ -168,13 +169,11 @@ def _set(ps: _ProtoSet | None, limits: Limits) -> ProtoSet | None:
     if ps is None:
         return None
     c, v, n = ps.c, ps.v, ps.n
-    vdt = _FLOAT_DTYPES.get(v.dt)
-    if vdt is None or c.dt != "u2" or len(v.sh) != 2 or len(c.sh) != 1:
+    if c.dt != "u2" or len(v.sh) != 2 or len(c.sh) != 1:
         raise WireError(_WHAT)
     k, w = v.sh
     top = limits.max_elements  # `_shape`: dimensions non-negative, each and their product within the limit
-    if not (0 <= k <= top and 0 <= w <= top and k * w <= top) or c.sh[0] != k \
-            or len(v.b) != k * w * vdt.itemsize or len(c.b) != 2 * k:
+    if not (0 <= k <= top and 0 <= w <= top and k * w <= top) or c.sh[0] != k or len(c.b) != 2 * k:
         raise WireError(_WHAT)
     # Each numpy call costs ~2 us in the aggregator's loop (measured), so few are made: the classes are read by
     # the memoryview itself (u2 is little-endian, as the host, or else numpy reads them) and their order is
@@ -182,9 +181,7 @@ def _set(ps: _ProtoSet | None, limits: Limits) -> ProtoSet | None:
     order = c.b.cast("H").tolist() if _LITTLE else np.frombuffer(c.b, _U2).tolist()
     if order != sorted(set(order)):  # ascending without repeats
         raise WireError(_WHAT)
-    values = np.ndarray((k, w), vdt, v.b).astype(np.float32)
-    if not _finite(values):
-        raise WireError(_WHAT)
+    values = _floats(v, (k, w))
     counts = None
     if n is not None:
         if n.dt != "u4" or n.sh != [k] or len(n.b) != 4 * k:
@@ -229,18 +226,20 @@ def _adapter(body: _AdapterBody, limits: Limits) -> ParamsUpload:
 
 def _values(a: _Array, limits: Limits) -> np.ndarray:
     """A sparse update's values, 1-D f4 or f2, as `array_from_parts` gives them (float32, finite, a copy)."""
-    vdt = _FLOAT_DTYPES.get(a.dt)
-    if vdt is None or len(a.sh) != 1 or not 0 <= a.sh[0] <= limits.max_elements \
-            or len(a.b) != a.sh[0] * vdt.itemsize:
+    if len(a.sh) != 1 or not 0 <= a.sh[0] <= limits.max_elements:
         raise WireError(_WHAT)
-    values = np.frombuffer(a.b, vdt).astype(np.float32)
-    if not _finite(values):
+    return _floats(a, (a.sh[0],))
+
+
+def _floats(a: _Array, shape: tuple[int, ...]) -> np.ndarray:
+    """Array `a` (f4 or f2) of `shape` (the caller checked it against the limits) as float32, finite, a copy.
+    Finiteness by counting: `.all()` goes through numpy's generic reduction (~3 us more per upload in the
+    aggregator's loop, measured), count_nonzero over bools does not."""
+    dt = _FLOAT_DTYPES.get(a.dt)
+    if dt is None or len(a.b) != math.prod(shape) * dt.itemsize:
+        raise WireError(_WHAT)
+    values = np.ndarray(shape, dt, a.b).astype(np.float32)
+    if int(np.count_nonzero(np.isfinite(values))) != values.size:
         raise WireError(_WHAT)
     return values
-
-
-def _finite(values: np.ndarray) -> bool:
-    """isfinite().all(), by counting: `.all()` goes through numpy's generic reduction (~3 us more per upload in
-    the aggregator's loop, measured), count_nonzero over bools does not."""
-    return int(np.count_nonzero(np.isfinite(values))) == values.size
 

@@ -226,7 +226,7 @@ def test_fold_many_makes_the_sums_fold_makes_upload_by_upload() -> None:
         assert one.senders == many.senders == 31 and np.array_equal(k1, k2) and np.array_equal(s1, s2)
 
 
-def _mean_fold_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean",
+def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean",
                      **overrides: object) -> Any:
     """One training phase of 150 random uploads through a preset's batched fold (MeanFold, or the unit
     prototypes' UnitFold), folded `batch` at a time, with clipping at work (a radius that clips some rows,
@@ -276,7 +276,7 @@ def _same_tree(a: Any, b: Any) -> bool:
 ])
 def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overrides: dict[str, Any],
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    (one, one_sums), (many, many_sums) = (_mean_fold_round(preset, b, monkeypatch, **overrides) for b in (1, 64))
+    (one, one_sums), (many, many_sums) = (_batched_round(preset, b, monkeypatch, **overrides) for b in (1, 64))
     assert _same_tree(one_sums, many_sums)  # 150 uploads: two full batches of 64 and a part
     assert one.round_clips.clipped.get("protos", 0) > 0  # the radius clipped some rows: clipping was at work
     assert one.round_clips == many.round_clips and one.radii == many.radii
@@ -286,7 +286,7 @@ def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overr
 
 
 def test_a_batched_robust_mean_fold_folds_as_upload_by_upload(monkeypatch: pytest.MonkeyPatch) -> None:
-    (one, one_sums), (many, many_sums) = (_mean_fold_round("fedproto", b, monkeypatch, robust="median")
+    (one, one_sums), (many, many_sums) = (_batched_round("fedproto", b, monkeypatch, robust="median")
                                           for b in (1, 64))
     assert _same_tree(one_sums, many_sums)
     assert all(np.array_equal(one.prototypes[c], many.prototypes[c]) for c in one.prototypes)
