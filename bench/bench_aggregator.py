@@ -273,8 +273,10 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
         if kind != 0x20 or body[1] != 0:
             raise SystemExit(f"{cid}: the broker refused the connection (CONNACK {body!r})")
     watcher = socks[0]
-    if wait_round:  # the round message is retained: whoever subscribes gets the open round
-        watcher.sendall(_packet(0x82, (1).to_bytes(2, "big") + _utf8(topics.round_(fed)) + b"\x00"))
+    announced = [not wait_round]
+    if wait_round:  # the federation's config and its round are retained: whoever subscribes gets them
+        watcher.sendall(_packet(0x82, (1).to_bytes(2, "big") + _utf8(topics.config(fed)) + b"\x00"
+                                + _utf8(topics.round_(fed)) + b"\x00"))
 
     def publish_all(payloads: list[bytes]) -> None:
         for i, (cid, sock) in enumerate(zip(ids, socks, strict=True)):
@@ -292,11 +294,17 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
                 note(kind, body)
 
     def note(kind: int, body: bytes) -> None:
-        if kind >> 4 == 3:  # a PUBLISH (QoS 0) on the round topic
+        if kind >> 4 == 3:  # a PUBLISH (QoS 0) on the config or the round topic
             tlen = int.from_bytes(body[:2], "big")
-            if body[2:2 + tlen].decode() == topics.round_(fed) and read_header(body[2 + tlen:]).round >= 1:
+            topic = body[2:2 + tlen].decode()
+            announced[0] |= topic == topics.config(fed)
+            if topic == topics.round_(fed) and read_header(body[2 + tlen:]).round >= 1:
                 round_open[0] = True
 
+    # The server announces the federation once it (and each of its shards) reads the uploads: a join published
+    # before that would reach no shard's shared subscription.
+    while not announced[0]:
+        note(*_read_packet(watcher))
     publish_all(joins)
     acks()
     while wait_round and not round_open[0]:
@@ -432,10 +440,11 @@ class CpuSampler:
         return self.at(end) - self.at(start)
 
 
-def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, Any]:
+def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 0) -> dict[str, Any]:
     """The real `protofl-server start` (its secured Mosquitto, generated credentials, the journal with fsync and
-    group commit) federating n publisher devices for one round; then the same secured broker (its config, as
-    start wrote it) delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s."""
+    group commit; with `shards`, `start --shards N`: N spawned shard processes on one shared subscription)
+    federating n publisher devices for one round; then the same secured broker (its config, as start wrote it)
+    delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s."""
     import socket
 
     from broker_server.security import FederationSecrets, server_user
@@ -446,7 +455,8 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
     server = subprocess.Popen(
         [sys.executable, "-m", "broker_server.cli", "start", "--preset", preset, *sets, "--fed", fed, "--port",
          str(port), "--rounds", "1", "--min-clients", str(n), "--round-timeout", "600", "--state-dir", str(state),
-         "--devices", str(n)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         "--devices", str(n), *(["--shards", str(shards)] if shards else [])], stdout=subprocess.PIPE,
+         stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONPATH=str(tree)))
     creds = state / "security" / "devices"
     cpu = CpuSampler(server.pid)
@@ -465,7 +475,8 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
     if len(rec["clients"]) != n:
         raise RuntimeError(f"the round closed with {len(rec['clients'])} of {n} clients:\n{out[-3000:]}")
     aggregator = n / (rec["ended"] - rec["started"])
-    server_cpu = cpu.between(rec["started"], rec["ended"])  # the server process's CPU seconds in the round
+    # The server process's CPU seconds in the round; with shards the folding is in their processes, not this one.
+    server_cpu = 0.0 if shards else cpu.between(rec["started"], rec["ended"])
 
     # The broker alone: the same secured config, the server's credentials on a C subscriber.
     secrets = FederationSecrets.from_json((state / "security" / "credentials.json").read_text(), "credentials.json")
@@ -499,7 +510,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path) -> dict[str, A
     broker_rate = (n - 1) / (times[-1] - times[0])
     transport_rate = read_rates["--subscriber"]
     paho_rate = read_rates["--raw-subscriber"]
-    return {"workload": workload, "uploads": n, "aggregator_uploads_per_s": aggregator,
+    return {"workload": workload, "uploads": n, "shards": shards, "aggregator_uploads_per_s": aggregator,
             "aggregator_uploads_per_server_cpu_s": n / server_cpu if server_cpu > 0 else None,
             "broker_msgs_per_s": broker_rate, "ratio": aggregator / broker_rate,
             "transport_only_msgs_per_s": transport_rate, "transport_only_ratio": transport_rate / broker_rate,
@@ -521,7 +532,16 @@ def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, 
     return (n - 1) / (read[-1] - read[0])
 
 
-def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: int) -> dict[str, Any]:
+def _line(res: dict[str, Any]) -> str:
+    return (f"through the broker: aggregator {res['aggregator_uploads_per_s']:6.0f} uploads/s "
+            f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
+            f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's transport alone "
+            f"{res['transport_only_msgs_per_s']:6.0f} msgs/s ({res['transport_only_ratio']:.2f}), bare paho "
+            f"{res['paho_only_msgs_per_s']:6.0f} msgs/s ({res['paho_only_ratio']:.2f})")
+
+
+def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: int,
+                shard_counts: tuple[int, ...] = (0,)) -> dict[str, Any]:
     if shutil.which("mosquitto_sub") is None or shutil.which("mosquitto") is None:
         print("no mosquitto / mosquitto_sub: apt-get install -y mosquitto mosquitto-clients; part 2 skipped")
         return {}
@@ -530,20 +550,20 @@ def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: i
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the spawned broker inherits it
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2 * n + 512)), hard))
     work = Path(tempfile.mkdtemp(prefix="bench-agg-broker-", dir=REPO))
-    out: dict[str, Any] = {w: {t: [] for t in trees} for w in workloads}
+
+    def setup(label: str, shards: int) -> str:
+        return f"{label}, {shards} shards" if shards else label
+
+    out: dict[str, Any] = {w: {setup(t, s): [] for t in trees for s in shard_counts} for w in workloads}
     try:
         for r in range(repeats):
             for w in workloads:
                 for label, tree in trees.items():
-                    res = through_broker(tree, w, n, work)
-                    out[w][label].append(res)
-                    print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8} through the broker: aggregator "
-                          f"{res['aggregator_uploads_per_s']:6.0f} uploads/s "
-                          f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
-                          f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's "
-                          f"transport alone {res['transport_only_msgs_per_s']:6.0f} msgs/s "
-                          f"({res['transport_only_ratio']:.2f}), bare paho {res['paho_only_msgs_per_s']:6.0f} msgs/s "
-                          f"({res['paho_only_ratio']:.2f})", flush=True)
+                    for shards in shard_counts:
+                        res = through_broker(tree, w, n, work, shards)
+                        out[w][setup(label, shards)].append(res)
+                        print(f"repeat {r + 1}/{repeats} {w:>9} {setup(label, shards):>8} " + _line(res),
+                              flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -561,6 +581,8 @@ def main() -> None:
     ap.add_argument("--broker-n", type=int, default=2000, help="devices per through-broker measurement")
     ap.add_argument("--broker-workloads", help="workloads of part 2 (default: --workloads)")
     ap.add_argument("--broker-repeats", type=int, help="repeats of part 2 (default: --repeats)")
+    ap.add_argument("--broker-shards", default="0",
+                    help="part 2 with `start --shards N` for each N of this comma list (0: one aggregator process)")
     ap.add_argument("--skip-inprocess", action="store_true", help="part 2 only")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
@@ -594,7 +616,8 @@ def main() -> None:
         res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
     if args.broker:
         res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER}, (args.broker_workloads or args.workloads).split(","), args.broker_n,
-                                    args.broker_repeats or args.repeats)
+                                    args.broker_repeats or args.repeats,
+                                    tuple(int(x) for x in args.broker_shards.split(",")))
     res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                       "load_avg_before": [round(x, 2) for x in load],
                       "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
