@@ -450,6 +450,11 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     from broker_server.security import FederationSecrets, server_user
 
     fed, port, state = "benchagg", _free_port(), work / f"state-{workload}-{time.monotonic_ns()}"
+    began = time.monotonic()
+
+    def stage(what: str) -> None:  # progress of a long measurement (10,000 devices take minutes)
+        print(f"  {workload}, {shards or 'no'} shards: {what} at {time.monotonic() - began:.1f} s", file=sys.stderr,
+              flush=True)
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
     server = subprocess.Popen(
@@ -462,8 +467,10 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     cpu = CpuSampler(server.pid)
     try:
         _wait_for(creds / f"device-{n}.json", 120, server)
+        stage("credentials written")
         pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=True)
         out, _ = server.communicate(timeout=900)
+        stage("the round closed")
         pub.communicate(timeout=60)
     finally:
         cpu.stop()
@@ -499,9 +506,12 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
         pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
         stamps, _ = sub.communicate(timeout=300)
         pub.communicate(timeout=60)
+        stage("mosquitto_sub read them")
         # The server's own MQTT transport on the same broker, doing nothing with what it reads; then bare paho.
-        read_rates = {mode: _read_rate(mode, tree, port, fed, n, creds, workload, secrets.server_password)
-                      for mode in ("--subscriber", "--raw-subscriber")}
+        read_rates = {}
+        for mode in ("--subscriber", "--raw-subscriber"):
+            read_rates[mode] = _read_rate(mode, tree, port, fed, n, creds, workload, secrets.server_password)
+            stage(f"{mode[2:]} read them")
     finally:
         for proc in (broker,):
             proc.terminate()
