@@ -20,7 +20,9 @@ the secured broker, beside the broker's own rate (issue 27, "a faster aggregator
    round open) from the server's round record. Beside it, in the same run, the broker's own rate: the same
    publisher into `mosquitto_sub` (a C subscriber: the rate the broker can deliver, not what Python can
    read). `mosquitto_sub` comes from Debian's `mosquitto-clients` (`apt-get install -y mosquitto-clients`),
-   a bench-only dependency; without it part 2 says so and is skipped.
+   a bench-only dependency; without it part 2 says so and is skipped. `--broker-shards 0,4,8`: part 2 for one
+   aggregator process and for `start --shards 4` and `--shards 8` (the round's rate is then the shards' and
+   their coordinator's together; "per server CPU s" is left out, the folding being in the shards).
 
 Figures vary with the machine's load (printed with them); compare the two trees only within one run.
 """
@@ -455,6 +457,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     def stage(what: str) -> None:  # progress of a long measurement (10,000 devices take minutes)
         print(f"  {workload}, {shards or 'no'} shards: {what} at {time.monotonic() - began:.1f} s", file=sys.stderr,
               flush=True)
+
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
     server = subprocess.Popen(
