@@ -106,16 +106,13 @@ def expected_config(variant: Variant, seed: int) -> dict[str, Any]:
 def usable(rep: dict[str, Any], variant: Variant, seed: int, data_dir: str | None) -> bool:
     """The report is this run's: same work, and the config resolves the same today (a field added since
     counts as the same when the run's value for it is the default, as bench/paper_table.py's cache does)."""
-    from protofl.config import FederationConfig
+    from bench.paper_table import config_values
 
     args = rep.get("bench", {}).get("args") or []
     if work_of(args) != work_of(args_for(variant, seed, data_dir)):
         return False
-    cached, now = rep.get("config"), expected_config(variant, seed)
-    if not isinstance(cached, dict) or set(cached) - set(now):
-        return False
-    defaults = json.loads(json.dumps(FederationConfig().to_dict()))
-    return all(cached[k] == v if k in cached else v == defaults.get(k) for k, v in now.items())
+    cached = config_values(rep.get("config"))
+    return cached is not None and cached == config_values(expected_config(variant, seed))
 
 
 def path(name: str, seed: int) -> Path:

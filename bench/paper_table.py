@@ -71,19 +71,26 @@ def expected_config(run: Run, suite: str) -> dict[str, Any]:
 
 
 def config_matches(rep: dict[str, Any], run: Run, suite: str) -> bool:
-    """The cached run's config is the one the run resolves to now. A config field added since the run was
+    """The cached run's config is the one the run resolves to now, compared value by value (a report holds
+    the scoped config, or the flat one of reports made before it). A config field added since the run was
     made matches when it holds its default (the run behaved as the default says); any other difference,
     or a field that is gone, makes the cached run stale."""
-    import dataclasses
+    cached = config_values(rep.get("config"))
+    return cached is not None and cached == config_values(expected_config(run, suite))
 
+
+def config_values(config: Any) -> dict[str, Any] | None:
+    """A report's config as flat values (every field and installed option, defaults filled in); None when
+    today's code cannot read it (a field that is gone)."""
     from protofl.config import FederationConfig
+    from protofl.errors import ConfigError
 
-    cached, now = rep.get("config"), expected_config(run, suite)
-    if not isinstance(cached, dict) or set(cached) - set(now):
-        return False
-    defaults = json.loads(json.dumps(FederationConfig().to_dict()))
-    fields = set(defaults)  # every core field and installed technique option
-    return all(cached[k] == v if k in cached else (k in fields and v == defaults.get(k)) for k, v in now.items())
+    if not isinstance(config, dict):
+        return None
+    try:
+        return json.loads(json.dumps(FederationConfig.from_dict(config).values()))
+    except (ConfigError, TypeError):
+        return None
 
 
 def sim_env() -> dict[str, str]:
@@ -103,8 +110,9 @@ def never_clipped(config: dict[str, Any]) -> bool:
     row has norm 1, so from round 2 on the radius is 10 x median norm = 10 (protofl/algorithms/robust.py),
     round 1's is 1e4, and two unit vectors lie at most 2 apart. An unclipped row within the radius is folded
     as sent with clipping on or off (tests/broker_server/test_clip_switch.py), so the runs are equal."""
-    return (config.get("federate") == "none" and config.get("prototypes") == "unit"
-            and not config.get("cps") and not config.get("erpa"))
+    values = config_values(config) or {}
+    return (values.get("federate") == "none" and values.get("prototypes") == "unit"
+            and not values.get("cps") and not values.get("erpa"))
 
 
 def git_info() -> dict[str, Any]:

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from broker_server.journal import Journal, JournalError, Record, crash_point
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from protofl.config import canonical
+from protofl.errors import ConfigError
 
 if TYPE_CHECKING:
     from broker_server.shell import Aggregator
@@ -204,6 +206,11 @@ class DurableState:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{path} cannot be read ({exc}); restore it from a backup, or move the state dir "
                                   f"aside to start a new federation") from None
+        try:  # a state dir of a server before the scoped config saved the flat form: compare in today's form
+            saved = json.loads(json.dumps(canonical(saved)))
+        except (ConfigError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{self.directory} cannot be resumed: its saved config ({path}) is not one this "
+                                  f"server can run ({exc})") from None
         changed = config_changes(saved, mine)
         if changed:
             raise CheckpointError(f"{self.directory} cannot be resumed: the saved federation was run with another "

@@ -31,7 +31,7 @@ from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plai
 from broker_server.stages import PhaseRun, build_model
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms.robust import ClipPolicy
-from protofl.config import FederationConfig
+from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.wire import (
@@ -740,8 +740,9 @@ class RoundMachine:
         """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the
         journal after it is replayed."""
         mine = self.cfg.to_dict()
-        if saved["cfg"] != mine:
-            changed = sorted(k for k in set(saved["cfg"]) | set(mine) if saved["cfg"].get(k) != mine.get(k))
+        theirs = saved["cfg"] if SCOPE in saved["cfg"] else canonical(saved["cfg"])  # a flat one: before scoping
+        if theirs != mine:
+            changed = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
             raise ValueError(f"the saved federation was run with another config (differs in: {', '.join(changed)})")
         restore_fields(self.model, saved["model"])
         for name, rule in zip(self.plan.techniques, self.model.rules, strict=True):

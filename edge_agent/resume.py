@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from edge_agent.agent import EdgeAgent
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from protofl.config import FederationConfig, canonical
+from protofl.errors import ConfigError
 
 log = logging.getLogger("protofl.edge")
 FORMAT = 2  # 2: the techniques' state per rule, and the round's dense targets
@@ -53,7 +56,7 @@ def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None,
         return None
     if state is None:
         return None
-    if state.get("format") != FORMAT or state.get("cfg") != agent.cfg.to_dict():
+    if state.get("format") != FORMAT or not _same_config(state.get("cfg"), agent.cfg):
         log.warning("%s: %s is from another federation config; starting fresh", agent.client_id, path)
         return None
     try:
@@ -75,3 +78,14 @@ def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None,
              agent.stats.rounds_trained, key)
     return key, [(str(t), bytes(p)) for t, p in state["sent"]]
 
+
+def _same_config(saved: Any, cfg: FederationConfig) -> bool:
+    """A checkpoint's config is this federation's (a flat one, saved before the scoped config, read as today's)."""
+    if not isinstance(saved, dict):
+        return False
+    if saved == cfg.to_dict():
+        return True
+    try:
+        return canonical(saved) == cfg.to_dict()
+    except (ConfigError, TypeError, AttributeError):
+        return False

@@ -1,8 +1,20 @@
-"""Federation configuration: the core fields, plus the options the installed techniques declare.
+"""Federation configuration: the core fields, plus the options of the techniques the federation uses.
 
-A preset (see `protofl.presets`) is a set of values for these; the round plan (protofl.plan) is the one
-reader of the technique switches. The config travels to devices inside the retained `config` message,
-flattened (core fields and technique options side by side), so every value is a plain msgpack value.
+A preset (see `protofl.presets`), a TOML file and `--set` give values by name, flat: a core field or an
+option of an installed technique (an option name is declared by one technique only). The round plan
+(protofl.plan) is the one reader of the technique switches.
+
+On the wire, in a state dir and in every artifact the config is *scoped* (`to_dict`): the core fields,
+then `techniques`, a map from the name of every technique the federation uses (`registry.active`) to
+that technique's options; a technique from another package than protofl-edge also names it, with its
+version, under `technique_packages`. A technique the federation does not use sends nothing, so
+installing a technique on the server changes no federation that leaves it off, and a device that lacks
+it still joins. A device reads the technique names before any option and refuses a federation whose
+techniques it lacks with the package to install (`from_dict`). Options of a technique the federation
+does not use must stay at their defaults (a value given there would be silently dropped, so it is
+refused). The flat form that servers before the scoped config sent (every installed option beside the
+core fields) is still read.
+
 Each technique declares and checks its own options and combination rules (protofl/technique.py); this
 module checks the core fields only.
 """
@@ -60,7 +72,13 @@ CORE: dict[str, Any] = dict(
     # Rounds and faults.
     min_clients=1,
     round_timeout=600.0,
+    # The server's public set, carved out of the training data for every preset (so that every method's clients
+    # hold the same data); the plan says whether a technique uses it (ERPA's anchors).
+    public_per_class=20,
+    public_classes=None,  # the classes it covers: None = every class
 )
+SCOPE = "techniques"  # the key of the scoped options in `to_dict`
+PACKAGES = "technique_packages"  # technique -> "distribution version", for techniques of other packages
 _TUPLES = ("archs", "in_shape")
 # Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
 # federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
@@ -97,7 +115,10 @@ class FederationConfig:
     adapter_dtype: str
     min_clients: int
     round_timeout: float
+    public_per_class: int
+    public_classes: tuple[int, ...] | None
     options: dict[str, Any]
+    techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
     def __init__(self, **values: Any) -> None:
         declared = registry.options()
@@ -110,7 +131,7 @@ class FederationConfig:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(set(CORE) | set(declared))}")
         for key, default in CORE.items():
             value = values.get(key, default)
-            if key in _TUPLES and isinstance(value, list):
+            if (key in _TUPLES or key == "public_classes") and isinstance(value, list):
                 value = tuple(value)
             object.__setattr__(self, key, value)
         opts = {}
@@ -119,6 +140,16 @@ class FederationConfig:
             opts[key] = tuple(value) if isinstance(value, list) else value
         object.__setattr__(self, "options", opts)
         self._validate()
+        active = registry.active(self)
+        object.__setattr__(self, "techniques", tuple(t.name for t in active))
+        unused = {t.name for t in registry.techniques()} - set(self.techniques)
+        stray = sorted(key for key, owner in registry.owners().items()
+                       if owner in unused and key in values and _plain(values[key]) != _plain(declared[key].default))
+        if stray:
+            raise ConfigError(f"option(s) {stray} belong to technique(s) "
+                              f"{sorted({registry.owners()[k] for k in stray})} that this federation does not use "
+                              f"(it uses {list(self.techniques) or 'none'}): switch the technique on, or drop the "
+                              f"option(s)")
         registry.draft(self)  # the techniques' own checks and combination rules
 
     def __getattr__(self, name: str) -> Any:
@@ -138,36 +169,82 @@ class FederationConfig:
         return hash(repr(sorted(self.to_dict().items())))
 
     def __repr__(self) -> str:
-        changed = {k: v for k, v in self.to_dict().items() if v != _default(k)}
+        changed = {k: v for k, v in self.values().items() if v != _default(k)}
         return f"FederationConfig({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
 
     def __reduce__(self) -> tuple[Any, ...]:  # copy.deepcopy and friends: rebuild from the values
-        return (_from_values, (self.to_dict(),))
+        return (_from_values, (self.values(),))
 
     def arch_for(self, client_index: int) -> str:
         return self.archs[client_index % len(self.archs)]
 
     # -- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The scoped form (the module's docstring): core fields, then the used techniques' options."""
         out: dict[str, Any] = {}
         for key in CORE:
             value = getattr(self, key)
             if key in _ONLY_WHEN_SET and value == CORE[key]:
                 continue
-            out[key] = list(value) if isinstance(value, tuple) else value
-        for key, value in self.options.items():
-            out[key] = list(value) if isinstance(value, tuple) else value
+            out[key] = _plain(value)
+        owners = registry.owners()
+        out[SCOPE] = {name: {k: _plain(v) for k, v in self.options.items() if owners[k] == name}
+                      for name in self.techniques}
+        packages = {name: p for name in self.techniques if (p := registry.package(name)) is not None}
+        if packages:
+            out[PACKAGES] = packages
+        return out
+
+    def values(self) -> dict[str, Any]:
+        """Every value by name, flat (core fields and every installed option): what `replace` starts from."""
+        out = {key: _plain(getattr(self, key)) for key in CORE}
+        out.update({key: _plain(v) for key, v in self.options.items()})
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FederationConfig:
+        """A config from its scoped form (`to_dict`), or from flat values (a preset's, a file's, or the
+        config message of a server before the scoped form). The technique names are checked against the
+        installed techniques before any option is read."""
         kwargs = dict(data)
         if isinstance(kwargs.get("archs"), str):
             kwargs["archs"] = tuple(a for a in kwargs["archs"].split(",") if a)
-        return cls(**kwargs)
+        packages = kwargs.pop(PACKAGES, None)
+        if SCOPE not in kwargs:
+            return cls(**kwargs)
+        scoped = kwargs.pop(SCOPE)
+        if not isinstance(scoped, dict) or not all(isinstance(k, str) and isinstance(v, dict)
+                                                   for k, v in scoped.items()):
+            raise ConfigError(f"config '{SCOPE}' must map technique names to their options, got {scoped!r}")
+        installed = {t.name for t in registry.techniques()}
+        missing = [name for name in scoped if name not in installed]
+        if missing:
+            named = packages if isinstance(packages, dict) else {}
+            what = "; ".join(f"'{n}' comes from {named[n]}: pip install '{_requirement(named[n])}'"
+                             if isinstance(named.get(n), str) else f"'{n}' is not a technique of protofl-edge: "
+                             f"install the package that provides it (entry point group {registry.GROUP})"
+                             for n in missing)
+            raise ConfigError(f"this federation uses technique(s) {missing} that are not installed here: {what}; "
+                              f"installed: {sorted(installed)}")
+        owners = registry.owners()
+        for name, opts in scoped.items():
+            for key, value in opts.items():
+                if owners.get(key) != name:
+                    raise ConfigError(f"config '{SCOPE}.{name}.{key}': technique '{name}' has no option '{key}' "
+                                      f"here (its options: {sorted(k for k, o in owners.items() if o == name)}); "
+                                      f"the server may run another version of it: install the same version here")
+                if key in kwargs:
+                    raise ConfigError(f"config option '{key}' is given twice (flat and under '{SCOPE}.{name}')")
+                kwargs[key] = value
+        cfg = cls(**kwargs)
+        if set(cfg.techniques) != set(scoped):  # (a saved copy may have sorted the names)
+            raise ConfigError(f"the config names technique(s) {list(scoped)}, but its values switch on "
+                              f"{list(cfg.techniques)} here: this device runs other versions of the techniques "
+                              f"than the server; install the server's versions")
+        return cfg
 
     def replace(self, **changes: Any) -> FederationConfig:
-        return FederationConfig(**{**self.to_dict(), **changes})
+        return FederationConfig(**{**self.values(), **changes})
 
     # -- validation of the core fields -----------------------------------------------------------
     def _validate(self) -> None:
@@ -214,17 +291,34 @@ class FederationConfig:
         need(self.round_timeout > 0, "round_timeout must be > 0")
         need(not (self.federate == "full" and len(set(self.archs)) > 1),
              "federate='full' (FedAvg) needs one architecture for every client")
+        need(isinstance(self.public_per_class, int) and not isinstance(self.public_per_class, bool)
+             and self.public_per_class >= 0, f"public_per_class must be an integer >= 0, got {self.public_per_class!r}")
+        need(self.public_classes is None or (isinstance(self.public_classes, tuple) and all(
+            isinstance(c, int) and not isinstance(c, bool) and 0 <= c < self.num_classes for c in self.public_classes)),
+             f"public_classes must be a list of class ids in [0, {self.num_classes}), got {self.public_classes!r}")
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))
 
 
 def _default(key: str) -> Any:
-    if key in CORE:
-        value = CORE[key]
-    else:
-        value = registry.options()[key].default
+    return _plain(CORE[key] if key in CORE else registry.options()[key].default)
+
+
+def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def _requirement(package: str) -> str:
+    """'name version' (as `to_dict` names a package) as a pip requirement."""
+    name, _, version = package.partition(" ")
+    return f"{name}=={version}" if version else name
+
+
+def canonical(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (scoped, or flat as saved before the scoped form) in today's scoped form, for comparing
+    a state dir's or a checkpoint's config with a running federation's."""
+    return FederationConfig.from_dict(data).to_dict()
 
 
 def _from_values(values: dict[str, Any]) -> FederationConfig:

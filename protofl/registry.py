@@ -25,12 +25,26 @@ if TYPE_CHECKING:
     from protofl.config import FederationConfig
 
 GROUP = "protofl.techniques"
+OWN_DIST = "protofl-edge"  # the distribution whose techniques need no package named in a config
+OWN = "(own)"
 
 
 @functools.cache
 def techniques() -> tuple[Technique, ...]:
     """Every installed technique, in plan order (their `order`, then name)."""
+    return tuple(tech for tech, _ in _found().values())
+
+
+def package(name: str) -> str | None:
+    """'distribution version' of the package that brings technique `name`, or None for protofl-edge's own."""
+    dist = _found()[name][1]
+    return None if dist is None or dist == OWN else dist
+
+
+@functools.cache
+def _found() -> dict[str, tuple[Technique, str | None]]:
     found: dict[str, Technique] = {}
+    dists: dict[str, str | None] = {}
     for ep in entry_points(group=GROUP):
         try:
             obj = ep.load()
@@ -42,11 +56,15 @@ def techniques() -> tuple[Technique, ...]:
             raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not a protofl Technique")
         if tech.name != ep.name:
             raise ConfigError(f"entry point '{ep.name}' registers a technique named '{tech.name}'; use one name")
-        found.setdefault(ep.name, tech)
+        if ep.name not in found:
+            found[ep.name] = tech
+            dist = getattr(ep, "dist", None)
+            dists[ep.name] = None if dist is None else (OWN if dist.name == OWN_DIST else f"{dist.name} {dist.version}")
     if not found:
         raise ConfigError(f"no technique is registered in the entry-point group {GROUP}: the package metadata is "
                           f"missing; reinstall it (pip install -e . in a checkout)")
-    return tuple(sorted(found.values(), key=lambda t: (t.order, t.name)))
+    ordered = sorted(found.values(), key=lambda t: (t.order, t.name))
+    return {t.name: (t, dists[t.name]) for t in ordered}
 
 
 def technique(name: str) -> Technique:
@@ -67,6 +85,12 @@ def options() -> dict[str, Option]:
                 raise ConfigError(f"config option '{key}' is declared by both '{owner[key]}' and '{tech.name}'")
             out[key], owner[key] = opt, tech.name
     return out
+
+
+@functools.cache
+def owners() -> dict[str, str]:
+    """Option name -> the technique that declares it."""
+    return {key: tech.name for tech in techniques() for key in tech.options}
 
 
 @functools.cache
@@ -105,6 +129,8 @@ def draft(cfg: FederationConfig) -> PlanDraft:
 
 def reload() -> None:
     """Forget what was found (after installing a technique into a running interpreter, e.g. in tests)."""
+    _found.cache_clear()
     techniques.cache_clear()
     options.cache_clear()
+    owners.cache_clear()
     presets.cache_clear()

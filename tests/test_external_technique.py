@@ -49,7 +49,10 @@ def test_simulate_runs_a_technique_installed_from_outside(tmp_path: Path) -> Non
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
-    assert run["preset"] == "fedproto-median" and run["config"]["median_prototypes"] is True
+    config = run["config"]
+    assert run["preset"] == "fedproto-median" and config["techniques"]["median_proto"]["median_prototypes"] is True
+    # a technique of another package names it, so that a device without it says what to install
+    assert config["technique_packages"] == {"median_proto": "median-proto 0.1"}
     assert not run.get("dropped"), run.get("dropped")
     assert [r["clients"] for r in run["rounds"]] == [3, 3]
     assert run["rounds"][-1]["global_proto_acc"] is not None  # the median prototypes came back as targets
@@ -97,6 +100,61 @@ def test_without_the_package_its_preset_is_unknown() -> None:
         make_config("fedproto-median")
 
 
+def test_a_federation_config_names_only_the_techniques_it_uses(installed: None) -> None:
+    from protofl.config import FederationConfig
+    from protofl.presets import make_config
+
+    cfg = make_config("tinyproto")
+    wire = cfg.to_dict()
+    assert list(wire["techniques"]) == ["fedproto", "cps"] and "technique_packages" not in wire
+    assert "median_prototypes" not in json.dumps(wire)  # installed here, not used: nothing of it travels
+    _reload_without_package()
+    try:
+        assert FederationConfig.from_dict(wire) == make_config("tinyproto")  # a device without it reads it
+    finally:
+        sys.path.insert(0, str(EXTERNAL))
+        _reload()
+
+
+def test_a_device_without_a_used_technique_is_told_which_package_to_install(installed: None) -> None:
+    from protofl.config import FederationConfig
+    from protofl.errors import ConfigError
+    from protofl.presets import make_config
+
+    wire = make_config("fedproto-median").to_dict()
+    _reload_without_package()
+    try:
+        with pytest.raises(ConfigError, match=r"\['median_proto'\] that are not installed here: 'median_proto' comes "
+                                              r"from median-proto 0.1: pip install 'median-proto==0.1'"):
+            FederationConfig.from_dict(wire)
+    finally:
+        sys.path.insert(0, str(EXTERNAL))
+        _reload()
+
+
+def test_an_option_of_a_technique_the_federation_does_not_use_is_refused() -> None:
+    from protofl.errors import ConfigError
+    from protofl.presets import make_config
+
+    with pytest.raises(ConfigError, match=r"option\(s\) \['refine_steps'\] belong to technique\(s\) \['fedpagr'\]"):
+        make_config("tinyproto", refine_steps=3)
+
+
+def test_the_flat_config_of_an_earlier_server_is_still_read() -> None:
+    from protofl.config import FederationConfig, canonical
+    from protofl.presets import make_config
+
+    cfg = make_config("tinyproto")
+    flat = cfg.values()  # every installed option beside the core fields: the form before the scoped config
+    assert "techniques" not in flat and flat["cps"] is True and "refine_steps" in flat
+    assert FederationConfig.from_dict(flat) == cfg and canonical(flat) == cfg.to_dict()
+
+
+def _reload_without_package() -> None:
+    sys.path.remove(str(EXTERNAL))
+    _reload()
+
+
 def test_a_technique_that_does_not_load_is_named(tmp_path: Path) -> None:
     # A broken third-party package: the error names its entry point instead of a bare ImportError.
     dist = tmp_path / "broken-0.1.dist-info"
@@ -109,3 +167,105 @@ def test_a_technique_that_does_not_load_is_named(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "technique 'broken = no_such_module:Broken' (entry point group protofl.techniques) does not load" \
         in proc.stderr, proc.stderr[-2000:]
+
+
+# -- a fleet where only the server has the package ----------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[1]
+FLEET_DATA = "synthetic:n=300,n_test=20,size=12"
+SMALL = ["--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]", "--set", "proto_dim=20", "--set", "batch_size=50",
+         "--set", "adapter_rank=2"]
+
+
+class _Fleet:
+    """`protofl-server start` (its own Mosquitto, --insecure on a free port) and two `protofl-edge join` processes
+    that cannot import tests/external_technique; the server can when `with_package`."""
+
+    def __init__(self, tmp: Path, rounds: int) -> None:
+        from broker_server.broker import free_port
+
+        self.tmp, self.rounds, self.port = tmp, rounds, free_port()
+        self.server: subprocess.Popen[str] | None = None
+        self.devices: list[subprocess.Popen[str]] = []
+        self.log = tmp / "server.log"
+
+    def env(self, with_package: bool) -> dict[str, str]:
+        path = [str(EXTERNAL), str(REPO)] if with_package else [str(REPO)]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
+
+    def start(self, with_package: bool) -> None:
+        cmd = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "mosquitto", "--insecure",
+               "--port", str(self.port), "--fed", "mixed", "--preset", "tinyproto", "--rounds", str(self.rounds),
+               "--min-clients", "2", "--round-timeout", "120", "--offline-grace", "300", "--seed", "4",
+               "--state-dir", str(self.tmp / "state"), *SMALL]
+        with self.log.open("a") as out:
+            self.server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                           env=self.env(with_package))
+
+    def join(self) -> None:
+        self.devices = [subprocess.Popen(
+            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{self.port}", "--fed",
+             "mixed", "--client-id", f"dev-{i}", "--data", FLEET_DATA, "--partition", f"{i}/2", "--seed", "4",
+             "--threads", "1", "--connect-timeout", "60"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(False)) for i in range(2)]
+
+    def rounds_done(self) -> int:
+        path = self.tmp / "state" / "rounds.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def finish(self, timeout: float) -> list[str]:
+        assert self.server is not None
+        try:
+            rc = self.server.wait(timeout)
+            assert rc == 0, self.log.read_text()[-4000:]
+            outs = [p.communicate(timeout=60)[0] for p in self.devices]
+        finally:
+            self.stop()
+        for p, out in zip(self.devices, outs, strict=True):
+            assert p.returncode == 0, out[-3000:]
+        return outs
+
+    def stop(self) -> None:
+        for p in [self.server, *self.devices]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_devices_without_a_technique_the_server_has_installed_join_and_finish(tmp_path: Path) -> None:
+    fleet = _Fleet(tmp_path, rounds=2)
+    fleet.start(with_package=True)
+    fleet.join()
+    outs = fleet.finish(240)
+    assert "federation 'mixed' finished: 2 rounds" in fleet.log.read_text()
+    assert not any("median" in out for out in outs), outs  # nothing of the unused technique reached a device
+    saved = json.loads((tmp_path / "state" / "aggregator" / "federation.json").read_text())["config"]
+    assert sorted(saved["techniques"]) == ["cps", "fedproto"]
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_server_restarted_after_a_technique_was_installed_resumes_its_state_dir(tmp_path: Path) -> None:
+    import time
+
+    fleet = _Fleet(tmp_path, rounds=3)
+    fleet.start(with_package=False)
+    fleet.join()
+    try:
+        end = time.monotonic() + 180
+        while fleet.rounds_done() < 1:  # wait for the first round to be journaled and checkpointed
+            assert fleet.server is not None and fleet.server.poll() is None, fleet.log.read_text()[-4000:]
+            assert time.monotonic() < end, "timed out waiting for round 1: " + fleet.log.read_text()[-4000:]
+            time.sleep(0.2)
+        assert fleet.server is not None
+        fleet.server.kill()  # SIGKILL: the package is installed while the server is down
+        fleet.server.wait()
+        fleet.start(with_package=True)
+    except BaseException:
+        fleet.stop()
+        raise
+    fleet.finish(240)
+    log = fleet.log.read_text()
+    assert "resumed federation 'mixed'" in log and "cannot be resumed" not in log, log[-4000:]
+    assert "federation 'mixed' finished: 3 rounds" in log, log[-4000:]

@@ -1,7 +1,15 @@
 """Each preset on a fixed seed gives the report recorded in tests/golden (see its README for when).
 
-Bytes must match exactly and accuracies to 1e-6; keys the golden report lacks are not allowed. A
-change here is a change of behaviour: re-record only when it is intended, and say so in the commit.
+Bytes (and every other integer, string and switch) must match exactly, accuracies to 1e-6 (they are counts
+over a fixed test set: a 1e-6 change is a changed prediction), and every other float -- a measurement of
+float32 features such as `off_mask_energy` -- to a relative 1e-4: what float32 arithmetic keeps across CPUs
+and BLAS builds. The same wheel of torch and numpy computes the features with other kernels on another CPU
+(oneDNN's and OpenBLAS's by instruction set), each op rounding at float32's 6e-8; through two rounds of
+training and a mean over the test set that was measured at 1.8e-6 relative (an AMD EPYC box with numpy 2.4.6
+and scipy-openblas 0.3.31 against the recording's Intel box), so 1e-4 leaves 50x headroom and still fails on
+any change of behaviour (one changed training step moves these by 1e-3 or more). Keys the golden report lacks
+are not allowed. A change here is a change of behaviour: re-record only when it is intended, and say so in
+the commit.
 """
 
 from __future__ import annotations
@@ -17,6 +25,16 @@ import pytest
 GOLDEN = Path(__file__).parent / "golden"
 sys.path.insert(0, str(GOLDEN))
 from record import CASES, FED  # noqa: E402
+
+ACCURACY_ABS = 1e-6
+MEASURE_REL = 1e-4
+
+
+def _close(path: str, want: float, got: float) -> bool:
+    if path.rsplit(".", 1)[-1].split("[", 1)[0].endswith("_acc"):
+        return math.isclose(want, got, rel_tol=0, abs_tol=ACCURACY_ABS)
+    return math.isclose(want, got, rel_tol=MEASURE_REL, abs_tol=1e-12)
+
 
 def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
     if isinstance(want, dict):
@@ -38,7 +56,7 @@ def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
         for i, (w, g) in enumerate(zip(want, got)):
             _compare(f"{path}[{i}]", w, g, problems)
     elif isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
-        if not math.isclose(want, got, rel_tol=0, abs_tol=1e-6):
+        if not _close(path, want, got):
             problems.append(f"{path}: expected {want}, got {got}")
     elif want != got or type(want) is not type(got):
         problems.append(f"{path}: expected {want!r}, got {got!r}")
@@ -58,3 +76,14 @@ def test_report_matches_the_recorded_one(case: str, one_torch_thread: None) -> N
     problems: list[str] = []
     _compare(case, want, got, problems)
     assert not problems, "\n".join(problems[:20])
+
+
+def test_the_tolerances_keep_what_float32_keeps_and_catch_a_change() -> None:
+    # the cross-machine difference that failed the old 1e-6 (issue 40) passes; a changed prediction does not
+    problems: list[str] = []
+    _compare("r", {"off_mask_energy": 0.898313670}, {"off_mask_energy": 0.898312091}, problems)
+    assert not problems
+    _compare("r", {"off_mask_energy": 0.898313670}, {"off_mask_energy": 0.8975}, problems)
+    _compare("r", {"rounds": [{"global_acc": 0.5}]}, {"rounds": [{"global_acc": 0.5 + 1 / 400}]}, problems)
+    _compare("r", {"uplink_bytes": 100}, {"uplink_bytes": 101}, problems)
+    assert len(problems) == 3, problems

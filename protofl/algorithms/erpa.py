@@ -36,7 +36,6 @@ from protofl.errors import ConfigError, WireError
 from protofl.mergeable import Additive
 from protofl.technique import (
     Fold,
-    Option,
     Phase,
     PlanDraft,
     ServerRule,
@@ -44,7 +43,6 @@ from protofl.technique import (
     Technique,
     Upload,
     flag,
-    integer,
     table_of,
 )
 from protofl.wire import ProtoSet
@@ -188,12 +186,6 @@ def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarr
 
 
 # -- the technique ------------------------------------------------------------------------------------
-def _public_classes_check(v: Any) -> str | None:
-    if v is None or (isinstance(v, tuple) and all(isinstance(c, int) and not isinstance(c, bool) for c in v)):
-        return None
-    return f"public_classes must be a list of class ids, got {v!r}"
-
-
 def public_class_list(cfg: FederationConfig) -> tuple[int, ...]:
     """The classes the server's public set covers (none when ERPA is off or the set is empty)."""
     if not cfg.erpa or cfg.public_per_class == 0:
@@ -212,13 +204,11 @@ class Erpa(Technique):
     order = 30
     options = {
         "erpa": flag("erpa"),
-        "public_per_class": integer("public_per_class", 20),
-        "public_classes": Option(None, _public_classes_check),  # None = every class
+        # The public set itself (public_per_class, public_classes) is a core field of the config: it is carved
+        # out of the training data for every preset; ERPA is what anchors on it.
     }
 
     def check(self, cfg: FederationConfig) -> None:
-        if cfg.public_classes is not None and not all(0 <= c < cfg.num_classes for c in cfg.public_classes):
-            raise ConfigError(f"public_classes must be class ids in [0, {cfg.num_classes})")
         if not cfg.erpa:
             return
         # On unit prototypes the public-set prototypes go up with the training upload, which equals the
