@@ -184,7 +184,7 @@ def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rou
                            lambda: make_config(preset, str(config) if config else None, **overrides))
         train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
-    cfg = make_config(preset, str(config) if config else None, **overrides)
+    cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
     if not RoundPlan.from_config(cfg).public_classes:
         return cfg, None
     if train is None:

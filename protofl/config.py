@@ -22,6 +22,7 @@ module checks the core fields only.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,14 +143,23 @@ class FederationConfig:
         self._validate()
         active = registry.active(self)
         object.__setattr__(self, "techniques", tuple(t.name for t in active))
-        unused = {t.name for t in registry.techniques()} - set(self.techniques)
-        stray = sorted(key for key, owner in registry.owners().items()
-                       if owner in unused and key in values and _plain(values[key]) != _plain(declared[key].default))
-        if stray:
-            raise ConfigError(f"option(s) {stray} belong to technique(s) "
-                              f"{sorted({registry.owners()[k] for k in stray})} that this federation does not use "
-                              f"(it uses {list(self.techniques) or 'none'}): switch the technique on, or drop the "
-                              f"option(s)")
+        # An unused technique's options are its defaults: what a preset set for it (protofl's mu with
+        # --set cps=false) means nothing in this federation and does not travel (`to_dict`). A value the user
+        # gave there is refused by `presets.make_config`, which knows who gave it.
+        owners = registry.owners()
+        for key, opt in declared.items():
+            if owners[key] not in self.techniques:
+                opts[key] = opt.default
+        registry.draft(self)  # the techniques' own checks and combination rules
+        assert tuple(t.name for t in registry.active(self)) == self.techniques
+
+    def unused_options(self, given: Mapping[str, Any]) -> list[str]:
+        """The names in `given` that are options of techniques this federation does not use, set away from their
+        defaults (a user's values that would be dropped)."""
+        declared, owners = registry.options(), registry.owners()
+        return sorted(key for key, value in given.items() if key in owners and owners[key] not in self.techniques
+                      and _plain(value) != _plain(declared[key].default))
+
         registry.draft(self)  # the techniques' own checks and combination rules
 
     def __getattr__(self, name: str) -> Any:

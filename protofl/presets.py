@@ -25,11 +25,14 @@ protofl     The combined pipeline as the ablation benchmark chose it (docs/algor
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from protofl import registry
 from protofl.config import FederationConfig, load_config_file
 from protofl.errors import ConfigError
+
+log = logging.getLogger("protofl.config")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "fedavg": dict(federate="full", prototypes="none"),
@@ -53,8 +56,13 @@ def preset_names() -> list[str]:
     return list(all_presets())
 
 
-def make_config(preset: str, config_file: str | None = None, /, **overrides: Any) -> FederationConfig:
-    """Build a validated config: preset switches, then a TOML file's values, then explicit overrides."""
+def make_config(preset: str, config_file: str | None = None, /, *, strict: bool = False,
+                **overrides: Any) -> FederationConfig:
+    """Build a validated config: preset switches, then a TOML file's values, then explicit overrides.
+
+    A value given (in the file or the overrides) for an option of a technique the federation does not use
+    is dropped (the technique's default stands: it does not travel): `strict` refuses it (`start` does, for
+    its --set and --config), else it is logged as a warning."""
     presets = all_presets()
     named = overrides.pop("preset", None)
     if named is not None and named != preset:
@@ -64,11 +72,22 @@ def make_config(preset: str, config_file: str | None = None, /, **overrides: Any
     if preset not in presets:
         raise ConfigError(f"preset '{preset}' not found; known: {', '.join(presets)}")
     values: dict[str, Any] = {"preset": preset, **presets[preset]}
+    from_file: dict[str, Any] = {}
     if config_file:
         from_file = load_config_file(config_file)
         if from_file.get("preset", preset) != preset:
             raise ConfigError(f"config file '{config_file}' says preset = '{from_file['preset']}', but this run's "
                               f"preset is '{preset}': choose it with --preset, or remove the key from the file")
         values.update(from_file)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return FederationConfig.from_dict(values)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values.update(given)
+    cfg = FederationConfig.from_dict(values)
+    stray = cfg.unused_options({**from_file, **given})
+    if stray:
+        owners = registry.owners()
+        what = (f"option(s) {stray} belong to technique(s) {sorted({owners[k] for k in stray})} that this federation "
+                f"does not use (it uses {list(cfg.techniques) or 'none'})")
+        if strict:
+            raise ConfigError(f"{what}: switch the technique on, or drop the option(s)")
+        log.warning("%s: ignored", what)
+    return cfg

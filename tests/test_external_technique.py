@@ -137,7 +137,19 @@ def test_an_option_of_a_technique_the_federation_does_not_use_is_refused() -> No
     from protofl.presets import make_config
 
     with pytest.raises(ConfigError, match=r"option\(s\) \['refine_steps'\] belong to technique\(s\) \['fedpagr'\]"):
-        make_config("tinyproto", refine_steps=3)
+        make_config("tinyproto", strict=True, refine_steps=3)
+    assert make_config("tinyproto", refine_steps=3) == make_config("tinyproto")  # the Python API warns, drops it
+    assert make_config("protofl", cps=False).mu == 1.5e-4  # the default, not the preset's own value of an option it switches off
+
+
+@pytest.mark.slow
+def test_start_refuses_an_option_of_a_technique_its_federation_does_not_use(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--insecure", "--preset", "tinyproto",
+                           "--set", "refine_steps=3", "--state-dir", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "['refine_steps'] belong to technique(s) ['fedpagr']" in proc.stdout + proc.stderr
+    assert not (tmp_path / "s").exists()  # refused before anything was made
 
 
 def test_the_flat_config_of_an_earlier_server_is_still_read() -> None:
