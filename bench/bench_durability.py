@@ -38,8 +38,10 @@ MODES = ("memory", "journal, no fsync", "fsync each upload", "fsync each batch")
 
 
 def one_run(url: str, n: int, classes: int, dim: int, mode: str, state: Path | None) -> float:
-    rec = service_round(url, n, classes, dim, client_id=f"bench-agg-{time.monotonic_ns()}", state_dir=state,
-                        fsync=mode != "journal, no fsync", group_commit=mode != "fsync each upload")
+    from broker_server.settings import Durability
+
+    durability = Durability(state, fsync=mode != "journal, no fsync", group_commit=mode != "fsync each upload")
+    rec = service_round(url, n, classes, dim, client_id=f"bench-agg-{time.monotonic_ns()}", durability=durability)
     return n / (rec.ended - rec.started)
 
 

@@ -119,16 +119,19 @@ def _spawn_publisher(url: str, n: int, classes: int, dim: int, wait_round: bool)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def service_round(url: str, n: int, classes: int, dim: int, **service_kwargs: Any) -> Any:
-    """One round of n publisher uploads through the aggregator service; its RoundRecord."""
+def service_round(url: str, n: int, classes: int, dim: int, client_id: str | None = None, **groups: Any) -> Any:
+    """One round of n publisher uploads through the aggregator service (`groups`: its settings, e.g. durability);
+    its RoundRecord."""
     from broker_server.service import AggregatorService
+    from broker_server.settings import Broker, Federation, Pacing
     from protofl.presets import make_config
     from protofl.transport.broker_url import parse_broker_url
 
     cfg = make_config("fedproto", rounds=1, num_classes=classes, proto_dim=dim, min_clients=n, round_timeout=600.0)
     ids = [f"d{i:05d}" for i in range(n)]
-    service = AggregatorService(cfg, FED, parse_broker_url(url), expected_clients=ids, log_grace=0.0,
-                                **service_kwargs)
+    service = AggregatorService(Federation(cfg, FED, expected_clients=ids),
+                                Broker(parse_broker_url(url), client_id=client_id), pacing=Pacing(log_grace=0.0),
+                                **groups)
     service.start(10)
     pub = _spawn_publisher(url, n, classes, dim, wait_round=True)
     service.run(timeout=600)

@@ -29,7 +29,8 @@ from typing import Any
 from broker_server import shard_wire
 from broker_server.rounds import Boundary, Drop, Effect, Gather, Input, Partials, Progress, Received, ShardLost
 from broker_server.security import site_shard
-from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S, shard_id
+from broker_server.settings import DEFAULT_SHARD_TIMEOUT_S
+from broker_server.shard import shard_id
 from broker_server.shell import Aggregator
 from broker_server.stages import check_mergeable
 from protofl import topics

@@ -14,9 +14,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -24,25 +24,19 @@ from broker_server import shard_wire
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
-from broker_server.progress import GRACE_S, RoundProgress, accuracies
+from broker_server.progress import RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
-from broker_server.rounds import OFFLINE_GRACE_S
-from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S
+from broker_server.settings import Admission, Broker, Durability, Federation, Hooks, Pacing, Sharding, Watchers
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
-from broker_server.watch.board import SnapshotBoard
 from broker_server.watch.live import LiveWatch
 from protofl import topics
-from protofl.algorithms.robust import ClipPolicy, clip_text
+from protofl.algorithms.robust import clip_text
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.humanize import human_bytes
-from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, TransportError, Will
-from protofl.wire import Limits, Metrics, PublicSet, Resend, Status, encode_message
-
-if TYPE_CHECKING:
-    from broker_server.watch.metrics import FederationMetrics
+from protofl.wire import Metrics, Resend, Status, encode_message
 
 log = logging.getLogger("protofl.service")
 
@@ -70,32 +64,26 @@ def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int,
 
 
 class AggregatorService:
-    """Runs an `Aggregator` against a broker until the federation finishes or `stop()` is called."""
+    """Runs an `Aggregator` against a broker until the federation finishes or `stop()` is called.
 
-    def __init__(self, cfg: FederationConfig, fed: str, broker: BrokerOptions, *,
-                 public: PublicSet | None = None, expected_clients: Sequence[str] | None = None,
-                 initial_params: np.ndarray | None = None, limits: Limits | None = None,
-                 protocol: Literal["auto", "5", "3.1.1"] = "auto", client_id: str | None = None,
-                 members: Sequence[str] | None = None, policy: ClipPolicy | None = None,
-                 max_clients: int | None = None,
-                 on_round_end: Callable[[RoundRecord], None] | None = None,
-                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 tick_interval: float = 0.2, log_grace: float = GRACE_S,
-                 offline_grace: float = OFFLINE_GRACE_S, state_dir: Path | str | None = None,
-                 fsync: bool = True, group_commit: bool = True, board: SnapshotBoard | None = None,
-                 metrics: FederationMetrics | None = None, broker_restarts: Callable[[], int] | None = None,
-                 on_round_logged: Callable[[RoundRecord, dict[str, float | None], int], None] | None = None,
-                 resend_window: int | None = None, shards: int = 0, sites: Sequence[str] = (),
-                 shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> None:
+    Its settings come grouped (settings.py), built once by the CLI (start_cli.py) or the embedding code:
+    `federation` what runs, `broker` where, and optionally who may take part (`admission`), where it survives a
+    crash (`durability`), who folds the uploads (`sharding`), how the thread paces itself (`pacing`), who watches
+    (`watchers`) and what the caller is told (`hooks`)."""
+
+    def __init__(self, federation: Federation, broker: Broker, *, admission: Admission | None = None,
+                 durability: Durability | None = None, sharding: Sharding | None = None,
+                 pacing: Pacing | None = None, watchers: Watchers | None = None, hooks: Hooks | None = None) -> None:
+        admission, durability = admission or Admission(), durability or Durability()
+        sharding, pacing = sharding or Sharding(), pacing or Pacing()
+        watchers, self.hooks = watchers or Watchers(), hooks or Hooks()
+        cfg, fed = federation.cfg, federation.fed
         self.fed = fed
-        self.tick_interval = tick_interval
-        self._user_round_end = on_round_end
-        self._user_metrics = on_metrics
-        self._user_round_logged = on_round_logged
+        self.tick_interval = pacing.tick
         self._stop = threading.Event()
         self.rounds = cfg.rounds
         # One log line per round, once its metrics are in (they arrive just after the round closed).
-        self.round_log = RoundProgress(self._log_round, grace=log_grace)
+        self.round_log = RoundProgress(self._log_round, grace=pacing.log_grace)
         will = Will(topics.server_status(fed),
                     encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed,
                                    sender=SERVER_ID))
@@ -103,36 +91,40 @@ class AggregatorService:
         # The default client id is the server's user name (security.server_user): a broker that replaces
         # client ids by user names (the generated config does) then leaves it as it is.
         # With a state dir, an upload is acknowledged only once it is in the journal (manual_ack).
-        self.transport = MqttTransport(broker, client_id or f"protofl-server-{fed}", will=will,
-                                       persistent_session=True, deliver="pump", protocol=protocol,
-                                       manual_ack=state_dir is not None)
+        self.transport = MqttTransport(broker.options, broker.client_id or f"protofl-server-{fed}", will=will,
+                                       persistent_session=True, deliver="pump", protocol=broker.protocol,
+                                       manual_ack=durability.enabled)
         # With shards (docs/design.md, "Scale-out") the aggregator is their coordinator: the same round machine,
         # fed by the shards' progress and partials instead of the uploads.
-        common: dict[str, Any] = dict(clock=time.time, initial_params=initial_params, public=public,
-                                      expected_clients=expected_clients, members=members, policy=policy,
-                                      max_clients=max_clients, on_round_end=self._round_end,
-                                      on_metrics=self._metrics, offline_grace=offline_grace,
-                                      limits=limits)  # None: the aggregator derives them from the config
-        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=shards, sites=sites,
-                                       shard_timeout=shard_timeout, **common)
-                           if shards or sites else Aggregator(cfg, fed, self.transport, **common))
+        common: dict[str, Any] = dict(clock=time.time, initial_params=federation.initial_params,
+                                      public=federation.public, expected_clients=federation.expected_clients,
+                                      members=admission.members, policy=federation.policy,
+                                      max_clients=admission.max_clients, on_round_end=self._round_end,
+                                      on_metrics=self._metrics, offline_grace=federation.offline_grace,
+                                      limits=federation.limits)  # None: the aggregator derives them from the config
+        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=sharding.shards, sites=sharding.sites,
+                                       shard_timeout=sharding.timeout, **common)
+                           if sharding.active else Aggregator(cfg, fed, self.transport, **common))
+        state_dir = durability.state_dir
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
-        self.watch = LiveWatch(self.aggregator, board=board, state_dir=Path(state_dir) if state_dir else None,
-                               transport=self.transport, metrics=metrics, broker_restarts=broker_restarts)
+        self.watch = LiveWatch(self.aggregator, board=watchers.board, state_dir=state_dir,
+                               transport=self.transport, metrics=watchers.metrics,
+                               broker_restarts=watchers.broker_restarts)
         # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/resend.py).
         self.broker_drops = BrokerDrops()
         self.site_drops: dict[str, BrokerDrops] = {}  # each bridged site broker's counter (sites/<site>/dropped)
-        self.resender = Resender(resend_window or _default_window(cfg))
+        self.resender = Resender(pacing.resend_window or _default_window(cfg))
         self._resend_at = 0.0
         self.watch.resends = self._resend_counts
         self.durable: DurableState | None = None
         self.resumed = False
         self._connects = 0  # broker connections seen: a new one after the first makes presence stale
         if state_dir is not None:
-            self.durable = DurableState(Path(state_dir) / "aggregator", fed, fsync=fsync, group_commit=group_commit)
+            self.durable = DurableState(state_dir / "aggregator", fed, fsync=durability.fsync,
+                                        group_commit=durability.group_commit)
             self.durable.bind(self.aggregator)
             self.durable.watch_fsync(self.watch.observe_fsync)
-            if group_commit:
+            if durability.group_commit:
                 self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
             self.resumed = self.durable.restore()
             self.round_log.start_at(self.aggregator.round)  # rounds before the resume were shown already
@@ -319,21 +311,21 @@ class AggregatorService:
     def _round_end(self, rec: RoundRecord) -> None:
         self.round_log.round_end(rec)
         self.watch.round_closed(rec)
-        if self._user_round_end is not None:
-            self._user_round_end(rec)
+        if self.hooks.on_round_end is not None:
+            self.hooks.on_round_end(rec)
 
     def _log_round(self, rec: RoundRecord, metrics: dict[str, Metrics]) -> None:
         through = [r for r in self.aggregator.records if r.round <= rec.round]
         so_far = (sum(r.uplink_bytes for r in through), sum(r.downlink_bytes for r in through))
         log.info("%s", round_line(rec, metrics, self.rounds, so_far))
         accs = self.watch.round_logged(rec, metrics)
-        if self._user_round_logged is not None:
-            self._user_round_logged(rec, accs, len(metrics))
+        if self.hooks.on_round_logged is not None:
+            self.hooks.on_round_logged(rec, accs, len(metrics))
 
     def _metrics(self, client: str, round_: int, msg: Metrics, nbytes: int) -> None:
         self.round_log.add_metrics(client, round_, msg)
-        if self._user_metrics is not None:
-            self._user_metrics(client, round_, msg, nbytes)
+        if self.hooks.on_metrics is not None:
+            self.hooks.on_metrics(client, round_, msg, nbytes)
 
 
 RESEND_TICK_S = 0.1

@@ -291,10 +291,6 @@ class Shard:
 
 
 _PHASES = (Phase.PROTO.value, Phase.TRAIN.value)
-# How long a closing phase waits for a shard's partial (the coordinator's --shard-timeout), and how long the broker
-# keeps a gone shard's session (`protofl-server shard --shard-timeout`): far beyond a spawned shard's restart
-# (seconds), short of a stalled federation.
-DEFAULT_SHARD_TIMEOUT_S = 300.0
 PROGRESS_BATCH = 4096  # uploads per progress message at most (about 100 KB)
 
 

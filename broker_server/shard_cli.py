@@ -12,7 +12,7 @@ from types import FrameType
 
 import typer
 
-from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S
+from broker_server.settings import DEFAULT_SHARD_TIMEOUT_S
 from protofl import cli_options
 from protofl.errors import ProtoFLError
 
@@ -45,6 +45,7 @@ def shard_cli(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every upload drop and phase."),
 ) -> None:
     """Fold a share of the federation's uploads for its coordinator (`start --shards N`)."""
+    from broker_server.settings import Broker, ShardSettings
     from broker_server.shard_service import ShardService
     from protofl.names import check_name
     from protofl.transport.broker_url import parse_broker_url
@@ -54,8 +55,7 @@ def shard_cli(
     logging.getLogger("protofl.shard").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
         check_name(fed, "--fed")
-        if index is not None and index < 0:
-            raise ProtoFLError(f"--index must be >= 0, got {index}")
+        settings = ShardSettings(fed, state_dir, index=index, site=site, timeout=shard_timeout)
         options = parse_broker_url(broker)
         if credentials is not None:
             found = read_device_file(credentials)
@@ -65,8 +65,8 @@ def shard_cli(
                 options = options.with_federation_ca(found.ca_pem, f"--credentials {credentials}")
         else:
             options = options.with_auth(username, password, tls_ca, tls_cert, tls_key)
-        service = ShardService(fed, options, index=index, site=site, state_dir=state_dir,
-                               shard_timeout=shard_timeout)
+        link = Broker(options, connect_timeout=connect_timeout)
+        service = ShardService(settings, link)
     except (ProtoFLError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -77,7 +77,7 @@ def shard_cli(
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, on_signal)
     try:
-        service.start(connect_timeout)
+        service.start(link.connect_timeout)
         service.run()
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -11,7 +11,6 @@ its journal, what it did not was never acknowledged and comes again.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -20,17 +19,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO
 
 from broker_server import shard_wire
 from broker_server.broker import _die_with_parent
-from broker_server.security import shard_user, site_shard
-from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S, Shard, shard_id
-from broker_server.site import site_aggregator_user
+from broker_server.settings import DEFAULT_SHARD_TIMEOUT_S, Broker, ShardSettings
+from broker_server.shard import Shard
 from protofl import topics
-from protofl.errors import ConfigError
-from protofl.transport.broker_url import BrokerOptions
-from protofl.transport.mqtt import DEFAULT_SESSION_EXPIRY_S, MqttTransport, Will
+from protofl.transport.mqtt import MqttTransport, Will
 
 log = logging.getLogger("protofl.shard")
 
@@ -38,34 +34,24 @@ log = logging.getLogger("protofl.shard")
 class ShardService:
     """Shard `index` of federation `fed` against a broker, until the federation finishes or `stop()`."""
 
-    def __init__(self, fed: str, broker: BrokerOptions, *, index: int | None = None, site: str | None = None,
-                 state_dir: Path | str, protocol: Literal["auto", "5", "3.1.1"] = "auto",
-                 client_id: str | None = None, fsync: bool = True,
-                 shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> None:
-        """Shard `index` on the core broker, or the pre-aggregator of `site` on that site's broker.
+    def __init__(self, settings: ShardSettings, broker: Broker) -> None:
+        """Shard `settings.index` on the core broker, or the pre-aggregator of `settings.site` on that site's broker.
 
-        A shard's session outlives its process by `shard_timeout` (the coordinator's): the broker hands each
+        A shard's session outlives its process by its --shard-timeout (the coordinator's): the broker hands each
         member of a shared subscription its share of the uploads whether it is connected or not, so the session
         of a shard that never returns would keep taking its share, lost to every phase after the coordinator
         gave up on it. Expired, the session leaves the group and the live shards get every upload, and the broker
         publishes the shard's will (`gone`, delayed as long): the coordinator asks the devices that owe the open
         phase to send again, so what the session held reaches a live shard. A site's pre-aggregator is its site
         broker's only reader of the uploads: its session waits as long as a device's, and it has no will."""
-        if (index is None) == (site is None):
-            raise ConfigError("a shard is either --index I (on the core broker) or --site NAME (a site's "
-                              "pre-aggregator, on the site broker)")
-        name, user = ((shard_id(index), shard_user(fed, index)) if index is not None else
-                      (site_shard(str(site)), site_aggregator_user(fed, str(site))))
-        if not shard_timeout > 0:
-            raise ConfigError(f"--shard-timeout must be > 0 seconds, got {shard_timeout}")
-        expiry = max(1, math.ceil(shard_timeout)) if index is not None else DEFAULT_SESSION_EXPIRY_S
-        self._gone = topics.shards(fed, "gone", name) if index is not None else None
+        name, expiry = settings.name, settings.session_expiry
+        self._gone = topics.shards(settings.fed, "gone", name) if settings.index is not None else None
         will = Will(self._gone, shard_wire.encode("gone", shard=name), delay=expiry) if self._gone else None
-        self.transport = MqttTransport(broker, client_id or user, persistent_session=True, session_expiry=expiry,
-                                       will=will, resume_session=True, deliver="pump", protocol=protocol,
-                                       manual_ack=True)
-        self.shard = Shard(fed, self.transport, shard=name, state_dir=state_dir, fsync=fsync,
-                           group_commit=True, batch=True)
+        self.transport = MqttTransport(broker.options, broker.client_id or settings.user, persistent_session=True,
+                                       session_expiry=expiry, will=will, resume_session=True, deliver="pump",
+                                       protocol=broker.protocol, manual_ack=True)
+        self.shard = Shard(settings.fed, self.transport, shard=name, state_dir=settings.state_dir,
+                           fsync=settings.fsync, group_commit=True, batch=True)
         self.transport.before_ack = self.shard.sync  # journaled before any of a batch is acknowledged
         self._stop = threading.Event()
 

@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -20,13 +20,25 @@ from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_pha
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
-from broker_server.shard import DEFAULT_SHARD_TIMEOUT_S
+from broker_server.settings import (
+    DEFAULT_SHARD_TIMEOUT_S,
+    Admission,
+    Broker,
+    Durability,
+    Federation,
+    Hooks,
+    MqttVersion,
+    Pacing,
+    Sharding,
+    Watchers,
+)
 from protofl import cli_options
 from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
 from protofl.plan import RoundPlan
 from protofl.presets import preset_names
+from protofl.transport.broker_url import CONNECT_TIMEOUT_S
 
 log = logging.getLogger("protofl.service")
 
@@ -138,30 +150,24 @@ def start_command(
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
         except ValueError as exc:
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
-        if state_dir is not None and state_dir.exists() and not state_dir.is_dir():
-            raise ConfigError(f"--state-dir {state_dir} is a file; it takes a directory (created if missing), "
-                              f"where the federation keeps its journal, checkpoint, broker files and credentials")
-        if not offline_grace >= 0:
-            raise ConfigError(f"--offline-grace must be >= 0 seconds, got {offline_grace}")
-        if max_clients is not None and max_clients < 1:
-            raise ConfigError(f"--max-clients must be at least 1, got {max_clients}")
-        if shards < 0:
-            raise ConfigError(f"--shards must be >= 0, got {shards}")
+        # Every option once, into its group (settings.py): validated there, with the reason and the option.
+        durability = Durability(state_dir)
+        federation = Federation(cfg, fed, public=public, policy=policy, offline_grace=offline_grace)
+        admission = Admission(max_clients=max_clients)  # the members: credentials' devices or --allow, in _serve
+        site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
+        sharding = Sharding(shards, site_names, shard_timeout, spawn_shards, shard_credentials)
         access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
                         max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls), tls, client_ca,
                         shards)
         access.check(external_broker=broker is not None)
         queue = _broker_capacity(cfg, access, broker_queue, external=broker is not None,
                                  bridged=_bridged(state_dir, access.insecure))
-        # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
-        own = broker is None
         watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
-        site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
-        sharding = Sharding(shards, spawn_shards, shard_credentials, site_names, shard_timeout)
-        sharding.check(cfg, policy, external_broker=broker is not None, secured=username is not None)
-        _serve(cfg, public, fed, broker, state_dir, access, local_broker, username, password,
-               None if own else tls_ca, None if own else tls_cert, None if own else tls_key, connect_timeout, policy,
-               offline_grace, watching, queue, sharding)
+        check_sharding(sharding, cfg, policy, external_broker=broker is not None, secured=username is not None)
+        # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
+        client = ClientAuth(username, password, *((tls_ca, tls_cert, tls_key) if broker is not None else ()))
+        _serve(Start(federation, durability, admission, sharding, watching, access, client, broker, local_broker,
+                     queue, connect_timeout))
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -225,56 +231,58 @@ def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, externa
 TLS_MODES = ("auto", "on", "off")
 
 
+def check_sharding(sharding: Sharding, cfg: Any, policy: Any, *, external_broker: bool, secured: bool) -> None:
+    """What `start` refuses of --shards/--sites/--shard-credentials, before anything runs."""
+    from broker_server.stages import check_mergeable
+
+    if not sharding.active:
+        if sharding.credentials is not None:
+            raise ConfigError("--shard-credentials is for --shards N")
+        return
+    check_mergeable(cfg, policy)  # NotMergeable (a ConfigError's sibling): the reason, before anything runs
+    if sharding.credentials is not None and not external_broker:
+        raise ConfigError("--shard-credentials is for --broker: the broker `start` spawns gets its shards' "
+                          "credentials generated (STATE_DIR/security/shards/)")
+    if external_broker and sharding.spawn and secured and sharding.credentials is None:
+        raise ConfigError("--shards N with --broker: pass --shard-credentials DIR (protofl-server broker-config "
+                          "--shards N writes DIR/shards/shard-I.json), or --no-spawn-shards and run "
+                          "`protofl-server shard` yourself")
+
+
+def spawn_shards(sharding: Sharding, stack: contextlib.ExitStack, fed: str, broker_url: str, state_dir: Path | None,
+                 auth: Any, connect_timeout: float) -> Any:
+    """Start the shards as children of this server (restarted when they die); None unless asked to."""
+    from broker_server.shard_service import ShardProcesses, child_env, shard_command
+
+    if not sharding.shards or not sharding.spawn:
+        return None
+    root = state_dir / "shards" if state_dir is not None else \
+        Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-shards-")))
+
+    def credentials(i: int) -> Path | None:
+        if auth is not None:
+            return Path(auth.shard_file(i))
+        return sharding.credentials / f"shard-{i}.json" if sharding.credentials is not None else None
+
+    commands = [shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout,
+                              sharding.timeout) for i in range(sharding.shards)]
+    procs = ShardProcesses(commands, root, env=child_env()).start()
+    stack.callback(procs.stop)
+    log.info("%d aggregator shard(s) running (pids %s; logs in %s)", sharding.shards,
+             " ".join(map(str, procs.pids())), root)
+    return procs
+
+
 @dataclass(frozen=True)
-class Sharding:
-    """`--shards N`: the federation's uploads folded by N shard processes (docs/design.md, "Scale-out")."""
+class ClientAuth:
+    """How the server authenticates to a broker it joins (--broker): --username/--password, --tls-* files (a broker
+    of its own it reaches through that broker's unix socket, as the user `start` generated)."""
 
-    shards: int = 0
-    spawn: bool = True
-    credentials: Path | None = None  # with --broker: the shards' credentials files (broker-config --shards N)
-    sites: tuple[str, ...] = ()  # pre-aggregated sites (broker_server/site.py)
-    timeout: float = DEFAULT_SHARD_TIMEOUT_S  # --shard-timeout: how long a closing phase waits for a shard's partial
-
-    def check(self, cfg: Any, policy: Any, *, external_broker: bool, secured: bool) -> None:
-        from broker_server.stages import check_mergeable
-
-        if not self.timeout > 0:
-            raise ConfigError(f"--shard-timeout must be > 0 seconds, got {self.timeout}")
-        if not self.shards and not self.sites:
-            if self.credentials is not None:
-                raise ConfigError("--shard-credentials is for --shards N")
-            return
-        check_mergeable(cfg, policy)  # NotMergeable (a ConfigError's sibling): the reason, before anything runs
-        if self.credentials is not None and not external_broker:
-            raise ConfigError("--shard-credentials is for --broker: the broker `start` spawns gets its shards' "
-                              "credentials generated (STATE_DIR/security/shards/)")
-        if external_broker and self.spawn and secured and self.credentials is None:
-            raise ConfigError("--shards N with --broker: pass --shard-credentials DIR (protofl-server broker-config "
-                              "--shards N writes DIR/shards/shard-I.json), or --no-spawn-shards and run "
-                              "`protofl-server shard` yourself")
-
-    def spawn_here(self, stack: contextlib.ExitStack, fed: str, broker_url: str, state_dir: Path | None,
-                   auth: Any, connect_timeout: float) -> Any:
-        """Start the shards as children of this server (restarted when they die); None unless asked to."""
-        from broker_server.shard_service import ShardProcesses, child_env, shard_command
-
-        if not self.shards or not self.spawn:
-            return None
-        root = state_dir / "shards" if state_dir is not None else \
-            Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-shards-")))
-
-        def credentials(i: int) -> Path | None:
-            if auth is not None:
-                return Path(auth.shard_file(i))
-            return self.credentials / f"shard-{i}.json" if self.credentials is not None else None
-
-        commands = [shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout,
-                                  self.timeout) for i in range(self.shards)]
-        procs = ShardProcesses(commands, root, env=child_env()).start()
-        stack.callback(procs.stop)
-        log.info("%d aggregator shard(s) running (pids %s; logs in %s)", self.shards,
-                 " ".join(map(str, procs.pids())), root)
-        return procs
+    username: str | None = None
+    password: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -393,7 +401,7 @@ def is_loopback(host: str) -> bool:
 
 
 def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Path | None, access: Access,
-                  local_broker: str, queue: int) -> tuple[str, str, Any]:
+                  local_broker: str, queue: int) -> tuple[str, MqttVersion, Any]:
     """Start the local broker, secured unless --insecure; returns (the server's URL, protocol, BrokerAuth or
     None). The server's URL is the broker's unix socket (mosquitto), which no other process can stand in
     for. Nothing is written before the port is known to be free, and the devices' credentials files only
@@ -522,35 +530,51 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
                 auth.directory / "devices", lines, monitor.username, monitor.password)
 
 
-def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path | None, access: Access,
-           local_broker: str, username: str | None, password: str | None, tls_ca: str | None, tls_cert: str | None,
-           tls_key: str | None, connect_timeout: float, policy: Any = None,
-           offline_grace: float = OFFLINE_GRACE_S, watching: Watching | None = None,
-           queue: int = DEFAULT_QUEUE, sharding: Sharding | None = None) -> None:
+@dataclass(frozen=True)
+class Start:
+    """Everything `start` runs with, built once from its options: the service's groups (settings.py), and what
+    only `start` does (its endpoints for watchers, the local broker and who reaches it, the broker it joins)."""
+
+    federation: Federation
+    durability: Durability
+    admission: Admission
+    sharding: Sharding
+    watching: Watching
+    access: Access
+    client: ClientAuth
+    broker: str | None = None  # --broker: join this one; None: run a local one (`local_broker`)
+    local_broker: str = "auto"
+    queue: int = DEFAULT_QUEUE  # messages the broker holds for the server (capacity.py)
+    connect_timeout: float = CONNECT_TIMEOUT_S
+
+
+def _serve(s: Start) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
     from broker_server.service import AggregatorService, save_server_model
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
+    cfg, fed, state_dir, access = s.federation.cfg, s.federation.fed, s.durability.state_dir, s.access
     with contextlib.ExitStack() as stack:
-        board, metrics = (watching or Watching()).serve(stack, state_dir)
-        protocol = "auto"
+        board, metrics = s.watching.serve(stack, state_dir)
+        protocol: MqttVersion = "auto"
         members = access.allow
+        broker, username, password = s.broker, s.client.username, s.client.password
         broker_is_ours = broker is None
         auth = None
         if broker is None:
-            broker, protocol, auth = _local_broker(stack, cfg, fed, state_dir, access, local_broker, queue)
+            broker, protocol, auth = _local_broker(stack, cfg, fed, state_dir, access, s.local_broker, s.queue)
             if auth is not None:
                 username, password = auth.secrets.server.username, auth.secrets.server.password
                 members = sorted(auth.secrets.devices) if members is None else members
         elif username is None:
             log.warning("joining %s without credentials: unless that broker enforces an ACL (protofl-server "
                         "broker-config writes one), anyone on it can read uploads and publish rounds", broker)
-        if broker_is_ours:  # its unix socket: no TLS files there, and no other process can stand in for it
-            options = parse_broker_url(broker).with_auth(username, password)
-        else:
-            options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
+        # A broker of our own: its unix socket, no TLS files there, and no other process can stand in for it.
+        options = parse_broker_url(broker).with_auth(username, password, s.client.tls_ca, s.client.tls_cert,
+                                                     s.client.tls_key)
+        link = Broker(options, protocol, connect_timeout=s.connect_timeout, queue=s.queue)
         rounds_file = None
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
@@ -575,17 +599,14 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                 rounds_file.flush()
                 logged = rec.round
 
-        sharding = sharding or Sharding()
-        window = resend_window(queue, uploads_per_phase(cfg))
-        service = AggregatorService(cfg, fed, options, public=public, protocol=protocol,  # type: ignore[arg-type]
-                                    on_round_end=on_round_end, on_round_logged=on_round_logged, members=members,
-                                    policy=policy, max_clients=access.max_clients, offline_grace=offline_grace,
-                                    state_dir=state_dir, board=board, metrics=metrics,
-                                    broker_restarts=broker_restarts if broker_is_ours else None,
-                                    resend_window=window, shards=sharding.shards, sites=sharding.sites,
-                                    shard_timeout=sharding.timeout)
+        pacing = Pacing(resend_window=resend_window(s.queue, uploads_per_phase(cfg)))
+        hooks = Hooks(on_round_end=on_round_end, on_round_logged=on_round_logged)
+        watchers = Watchers(board, metrics, broker_restarts if broker_is_ours else None)
+        service = AggregatorService(s.federation, link, admission=replace(s.admission, members=members),
+                                    durability=s.durability, sharding=s.sharding, pacing=pacing, watchers=watchers,
+                                    hooks=hooks)
         live.append(service)
-        sharding.spawn_here(stack, fed, broker, state_dir, auth if broker_is_ours else None, connect_timeout)
+        spawn_shards(s.sharding, stack, fed, broker, state_dir, auth if broker_is_ours else None, s.connect_timeout)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
             log.info("stopping (signal %d)", signum)
@@ -593,10 +614,10 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
             service.stop()
 
         # Before the service says it serves: a signal from then on is a clean stop.
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         started = False
         try:
-            service.start(connect_timeout)
+            service.start(link.connect_timeout)
             started = True
             # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
             # now, without the accuracies that died with the process; rounds closed again by the replay wait for
@@ -613,8 +634,8 @@ def _serve(cfg: Any, public: Any, fed: str, broker: str | None, state_dir: Path 
                          options.url, fed)
             service.run()
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             service.close()
             if state_dir is not None and started:
                 path = save_server_model(service.aggregator.model, state_dir / "server_model.npz")

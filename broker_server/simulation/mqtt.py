@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from broker_server import settings
 from broker_server.broker import PACKET_HEADROOM, start_local_broker
 from broker_server.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService
@@ -232,10 +233,12 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             stack.callback(links.close)
             # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
             cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
-        service = AggregatorService(cfg, FED, server, public=fed_data.public_set(), expected_clients=spec.client_ids,
-                                    initial_params=initial_params, protocol=protocol, policy=spec.policy(),
-                                    on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
-                                    on_metrics=report.on_metrics, limits=fed_data.limits(initial_params))
+        federation = settings.Federation(cfg, FED, public=fed_data.public_set(), initial_params=initial_params,
+                                         expected_clients=spec.client_ids, limits=fed_data.limits(initial_params),
+                                         policy=spec.policy())
+        hooks = settings.Hooks(on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
+                               on_metrics=report.on_metrics)
+        service = AggregatorService(federation, settings.Broker(server, protocol), hooks=hooks)
         if links is not None:
             watcher = UploadWatcher(service.transport, FED).start()  # subscribed before any device uploads
             report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,

@@ -26,6 +26,7 @@ UNIX_SCHEME = "unix"
 # Mosquitto's own ceiling is 256 MiB; 64 MiB leaves room for a FedAvg model of ~16M float32 parameters
 # while keeping one message's worst case bounded on a constrained device.
 DEFAULT_MAX_PACKET = 64 * 2**20
+CONNECT_TIMEOUT_S = 30.0  # how long a client waits for the broker at start (--connect-timeout)
 
 
 @dataclass(frozen=True)

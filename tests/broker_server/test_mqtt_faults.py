@@ -16,6 +16,7 @@ import pytest
 from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.service import AggregatorService
+from broker_server.settings import Broker, Federation, Pacing
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.local_data import DataSpec
 from edge_agent.runner import DeviceRunner, RunnerOptions
@@ -50,7 +51,7 @@ def test_killed_agent_leaves_the_round_at_once_then_rejoins(mosquitto: Mosquitto
     cfg = cfg.replace(min_clients=2, round_timeout=timeout)
     ids = [f"client-{i:03d}" for i in range(n)]
     watcher = Watcher(mosquitto.url, fed)
-    service = AggregatorService(cfg, fed, parse_broker_url(mosquitto.url), expected_clients=ids)
+    service = AggregatorService(Federation(cfg, fed, expected_clients=ids), Broker(parse_broker_url(mosquitto.url)))
     runner = ServiceThread(service, timeout=120).start()
     procs = [join_process(mosquitto.url, fed, i, n, tmp_path / f"{i}.log") for i in range(n)]
     records = service.aggregator.records
@@ -93,7 +94,8 @@ def test_broker_restart_mid_run_everyone_reconnects(start_mosquitto, tmp_path: P
     cfg = prepare(spec).cfg.replace(min_clients=1, round_timeout=8.0)
     opts = parse_broker_url(broker.url)
     watcher = Watcher(broker.url, fed)
-    service = AggregatorService(cfg, fed, opts, expected_clients=[f"client-{i:03d}" for i in range(n)])
+    ids = [f"client-{i:03d}" for i in range(n)]
+    service = AggregatorService(Federation(cfg, fed, expected_clients=ids), Broker(opts))
     service.transport.backoff = fast_backoff()
     runner = ServiceThread(service, timeout=120).start()
     devices = [DeviceRunner(opts, fed, f"client-{i:03d}", DataSpec(spec.dataset, partition=(i, n), seed=1),
@@ -156,7 +158,8 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     broker.pump()
     assert ref.finished and ref.dropped == {}
 
-    service = AggregatorService(cfg, "drops", parse_broker_url(mosquitto.url), expected_clients=ids, log_grace=0.5)
+    service = AggregatorService(Federation(cfg, "drops", expected_clients=ids), Broker(parse_broker_url(mosquitto.url)),
+                                pacing=Pacing(log_grace=0.5))
     runner = ServiceThread(service, timeout=60).start()
     agg = service.aggregator
     client = MqttTransport(mosquitto.url, "attacker", backoff=fast_backoff()).connect(10)

@@ -167,6 +167,7 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
     core devices' and merges the site's partial; the result is one aggregator's."""
     from broker_server.broker import MosquittoBroker
     from broker_server.service import AggregatorService
+    from broker_server.settings import Broker, Federation, Pacing, Sharding, ShardSettings
     from broker_server.shard_service import ShardService
     from broker_server.site import bridge_topics
     from tests.broker_server.mqtt_helpers import ServiceThread
@@ -182,12 +183,13 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
         site = MosquittoBroker(workdir=tmp_path / "site", extra_config=[
             f"connection protofl-{FED}-a", f"address 127.0.0.1:{core.port}", "bridge_protocol_version mqttv311",
             "try_private true", "cleansession false", "notifications false", *bridge_topics(FED, "a")]).start()
-        pre = ShardService(FED, parse_broker_url(site.url), site="a", state_dir=tmp_path / "pre", fsync=False)
+        pre = ShardService(ShardSettings(FED, tmp_path / "pre", site="a", fsync=False),
+                           Broker(parse_broker_url(site.url)))
         pre.start(10)
         pre_thread = threading.Thread(target=pre.run, daemon=True)
         pre_thread.start()
-        service = AggregatorService(cfg, FED, parse_broker_url(core.url), expected_clients=CLIENTS, sites=["a"],
-                                    log_grace=0.1)
+        service = AggregatorService(Federation(cfg, FED, expected_clients=CLIENTS), Broker(parse_broker_url(core.url)),
+                                    sharding=Sharding(sites=["a"]), pacing=Pacing(log_grace=0.1))
         server = ServiceThread(service, timeout=120).start()  # returns once the site's hello came over the bridge
         for i, name in enumerate(CLIENTS):
             t = MqttTransport(parse_broker_url((core if i < 2 else site).url), name, backoff=Backoff(0.1, 1.0))
