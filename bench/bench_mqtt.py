@@ -119,10 +119,11 @@ def _spawn_publisher(url: str, n: int, classes: int, dim: int, wait_round: bool)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def service_round(url: str, n: int, classes: int, dim: int, client_id: str | None = None, **groups: Any) -> Any:
-    """One round of n publisher uploads through the aggregator service (`groups`: its settings, e.g. durability);
+def service_round(url: str, n: int, classes: int, dim: int, client_id: str | None = None,
+                  durability: Any = None) -> Any:
+    """One round of n publisher uploads through the aggregator service (with `durability`: settings.Durability);
     its RoundRecord."""
-    from broker_server.service import AggregatorService
+    from broker_server.service import AggregatorService, server_transport
     from broker_server.settings import Broker, Federation, Pacing
     from protofl.presets import make_config
     from protofl.transport.broker_url import parse_broker_url
@@ -130,8 +131,9 @@ def service_round(url: str, n: int, classes: int, dim: int, client_id: str | Non
     cfg = make_config("fedproto", rounds=1, num_classes=classes, proto_dim=dim, min_clients=n, round_timeout=600.0)
     ids = [f"d{i:05d}" for i in range(n)]
     service = AggregatorService(Federation(cfg, FED, expected_clients=ids),
-                                Broker(parse_broker_url(url), client_id=client_id), pacing=Pacing(log_grace=0.0),
-                                **groups)
+                                server_transport(Broker(parse_broker_url(url), client_id=client_id), FED,
+                                                 durable=bool(durability and durability.enabled)),
+                                durability=durability, pacing=Pacing(log_grace=0.0))
     service.start(10)
     pub = _spawn_publisher(url, n, classes, dim, wait_round=True)
     service.run(timeout=600)

@@ -26,7 +26,17 @@ from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import RoundProgress, accuracies
 from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
-from broker_server.settings import Admission, Broker, Durability, Federation, Hooks, Pacing, Sharding, Watchers
+from broker_server.settings import (
+    CONNECT_TIMEOUT_S,
+    Admission,
+    Broker,
+    Durability,
+    Federation,
+    Hooks,
+    Pacing,
+    Sharding,
+    Watchers,
+)
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
 from broker_server.watch.live import LiveWatch
@@ -35,6 +45,7 @@ from protofl.algorithms.robust import clip_text
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.humanize import human_bytes
+from protofl.transport import Connection
 from protofl.transport.mqtt import MqttTransport, TransportError, Will
 from protofl.wire import Metrics, Resend, Status, encode_message
 
@@ -63,37 +74,46 @@ def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int,
     return ", ".join(parts)
 
 
+def server_transport(broker: Broker, fed: str, *, durable: bool = False) -> MqttTransport:
+    """The aggregator service's MQTT connection to `broker`: its last will on `server/status` ("offline"), so
+    devices see a crashed server and re-join when it comes back; a persistent session (MQTT 5), so the broker
+    queues uploads for it while it reconnects; messages delivered on the service's thread (`pump`); and, `durable`,
+    an upload acknowledged only once it is in the journal (manual_ack). The default client id is the server's user
+    name (security.server_user): a broker that replaces client ids by user names (the generated config does) then
+    leaves it as it is."""
+    will = Will(topics.server_status(fed), encode_message(Status(state="offline", detail="aggregator connection lost"),
+                                                          fed=fed, sender=SERVER_ID))
+    return MqttTransport(broker.options, broker.client_id or f"protofl-server-{fed}", will=will,
+                         persistent_session=True, deliver="pump", protocol=broker.protocol, manual_ack=durable)
+
+
 class AggregatorService:
     """Runs an `Aggregator` against a broker until the federation finishes or `stop()` is called.
 
     Its settings come grouped (settings.py), built once by the CLI (start_cli.py) or the embedding code:
-    `federation` what runs, `broker` where, and optionally who may take part (`admission`), where it survives a
-    crash (`durability`), who folds the uploads (`sharding`), how the thread paces itself (`pacing`), who watches
-    (`watchers`) and what the caller is told (`hooks`)."""
+    `federation` what runs, and optionally who may take part (`admission`), where it survives a crash
+    (`durability`), who folds the uploads (`sharding`), how the thread paces itself (`pacing`), who watches
+    (`watchers`) and what the caller is told (`hooks`). It is handed its connection (`transport`, a
+    `protofl.transport.Connection`: `server_transport` builds the MQTT one; an in-process one runs it in a test),
+    which it connects, pumps and closes."""
 
-    def __init__(self, federation: Federation, broker: Broker, *, admission: Admission | None = None,
+    def __init__(self, federation: Federation, transport: Connection, *, admission: Admission | None = None,
                  durability: Durability | None = None, sharding: Sharding | None = None,
                  pacing: Pacing | None = None, watchers: Watchers | None = None, hooks: Hooks | None = None) -> None:
         admission, durability = admission or Admission(), durability or Durability()
         sharding, pacing = sharding or Sharding(), pacing or Pacing()
         watchers, self.hooks = watchers or Watchers(), hooks or Hooks()
         cfg, fed = federation.cfg, federation.fed
+        if durability.enabled and not transport.manual_ack:
+            raise ValueError("a durable aggregator acknowledges an upload only once it is journaled: its transport "
+                             "must acknowledge after the handlers (server_transport(..., durable=True))")
         self.fed = fed
         self.tick_interval = pacing.tick
         self._stop = threading.Event()
         self.rounds = cfg.rounds
         # One log line per round, once its metrics are in (they arrive just after the round closed).
         self.round_log = RoundProgress(self._log_round, grace=pacing.log_grace)
-        will = Will(topics.server_status(fed),
-                    encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed,
-                                   sender=SERVER_ID))
-        # A persistent session (MQTT 5) makes the broker queue uploads for us while we reconnect.
-        # The default client id is the server's user name (security.server_user): a broker that replaces
-        # client ids by user names (the generated config does) then leaves it as it is.
-        # With a state dir, an upload is acknowledged only once it is in the journal (manual_ack).
-        self.transport = MqttTransport(broker.options, broker.client_id or f"protofl-server-{fed}", will=will,
-                                       persistent_session=True, deliver="pump", protocol=broker.protocol,
-                                       manual_ack=durability.enabled)
+        self.transport = transport
         # With shards (docs/design.md, "Scale-out") the aggregator is their coordinator: the same round machine,
         # fed by the shards' progress and partials instead of the uploads.
         common: dict[str, Any] = dict(clock=time.time, initial_params=federation.initial_params,
@@ -135,7 +155,7 @@ class AggregatorService:
     def finished(self) -> bool:
         return self.aggregator.finished
 
-    def start(self, connect_timeout: float = 30.0) -> None:
+    def start(self, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self.transport.connect(connect_timeout)
         # A previous run may have left a retained "done" round (devices joining now would stop at once)
         # or a public set this preset does not use: clear them before publishing ours. A resumed
@@ -181,7 +201,7 @@ class AggregatorService:
 
     def step(self, timeout: float | None = None) -> int:
         """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
-        connects = self.transport.stats.connects
+        connects = self.transport.connects
         if connects > self._connects:
             if self._connects:
                 self.aggregator.reconnected()

@@ -46,7 +46,7 @@ def shard_cli(
 ) -> None:
     """Fold a share of the federation's uploads for its coordinator (`start --shards N`)."""
     from broker_server.settings import Broker, ShardSettings
-    from broker_server.shard_service import ShardService
+    from broker_server.shard_service import ShardService, shard_transport
     from protofl.names import check_name
     from protofl.transport.broker_url import parse_broker_url
     from protofl.transport.credentials import read_device_file
@@ -66,7 +66,7 @@ def shard_cli(
         else:
             options = options.with_auth(username, password, tls_ca, tls_cert, tls_key)
         link = Broker(options, connect_timeout=connect_timeout)
-        service = ShardService(settings, link)
+        service = ShardService(settings, shard_transport(settings, link))
     except (ProtoFLError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

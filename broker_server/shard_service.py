@@ -23,39 +23,56 @@ from typing import IO
 
 from broker_server import shard_wire
 from broker_server.broker import _die_with_parent
-from broker_server.settings import DEFAULT_SHARD_TIMEOUT_S, Broker, ShardSettings
+from broker_server.settings import CONNECT_TIMEOUT_S, DEFAULT_SHARD_TIMEOUT_S, Broker, ShardSettings
 from broker_server.shard import Shard
 from protofl import topics
+from protofl.transport import Connection
 from protofl.transport.mqtt import MqttTransport, Will
 
 log = logging.getLogger("protofl.shard")
 
 
+def shard_transport(settings: ShardSettings, broker: Broker) -> MqttTransport:
+    """A shard's MQTT connection: its client id is its user name and its session persistent and taken up again by
+    a restarted process (MQTT 5, clean start off), so the uploads the broker handed it that it never acknowledged
+    wait there; an upload is acknowledged only once journaled (manual_ack, one fsync per pumped batch).
+
+    The session outlives the process by the shard's --shard-timeout (the coordinator's): the broker hands each
+    member of a shared subscription its share of the uploads whether it is connected or not, so the session of a
+    shard that never returns would keep taking its share, lost to every phase after the coordinator gave up on it.
+    Expired, the session leaves the group and the live shards get every upload, and the broker publishes the
+    shard's will (`gone`, delayed as long): the coordinator asks the devices that owe the open phase to send again,
+    so what the session held reaches a live shard. A site's pre-aggregator is its site broker's only reader of the
+    uploads: its session waits as long as a device's, and it has no will."""
+    expiry, gone = settings.session_expiry, gone_topic(settings)
+    will = Will(gone, shard_wire.encode("gone", shard=settings.name), delay=expiry) if gone is not None else None
+    return MqttTransport(broker.options, broker.client_id or settings.user, persistent_session=True,
+                         session_expiry=expiry, will=will, resume_session=True, deliver="pump",
+                         protocol=broker.protocol, manual_ack=True)
+
+
+def gone_topic(settings: ShardSettings) -> str | None:
+    """Where a core shard's will says it is gone for good (None: a site's pre-aggregator has no will)."""
+    return topics.shards(settings.fed, "gone", settings.name) if settings.index is not None else None
+
+
 class ShardService:
     """Shard `index` of federation `fed` against a broker, until the federation finishes or `stop()`."""
 
-    def __init__(self, settings: ShardSettings, broker: Broker) -> None:
-        """Shard `settings.index` on the core broker, or the pre-aggregator of `settings.site` on that site's broker.
-
-        A shard's session outlives its process by its --shard-timeout (the coordinator's): the broker hands each
-        member of a shared subscription its share of the uploads whether it is connected or not, so the session
-        of a shard that never returns would keep taking its share, lost to every phase after the coordinator
-        gave up on it. Expired, the session leaves the group and the live shards get every upload, and the broker
-        publishes the shard's will (`gone`, delayed as long): the coordinator asks the devices that owe the open
-        phase to send again, so what the session held reaches a live shard. A site's pre-aggregator is its site
-        broker's only reader of the uploads: its session waits as long as a device's, and it has no will."""
-        name, expiry = settings.name, settings.session_expiry
-        self._gone = topics.shards(settings.fed, "gone", name) if settings.index is not None else None
-        will = Will(self._gone, shard_wire.encode("gone", shard=name), delay=expiry) if self._gone else None
-        self.transport = MqttTransport(broker.options, broker.client_id or settings.user, persistent_session=True,
-                                       session_expiry=expiry, will=will, resume_session=True, deliver="pump",
-                                       protocol=broker.protocol, manual_ack=True)
-        self.shard = Shard(settings.fed, self.transport, shard=name, state_dir=settings.state_dir,
+    def __init__(self, settings: ShardSettings, transport: Connection) -> None:
+        """Shard `settings.index` on the core broker, or the pre-aggregator of `settings.site` on that site's
+        broker, over `transport` (shard_transport builds the MQTT one: persistent, acknowledging after the journal)."""
+        if not transport.manual_ack:
+            raise ValueError("a shard acknowledges an upload only once it is journaled: its transport must "
+                             "acknowledge after the handlers (shard_transport)")
+        self.transport = transport
+        self._gone = gone_topic(settings)
+        self.shard = Shard(settings.fed, self.transport, shard=settings.name, state_dir=settings.state_dir,
                            fsync=settings.fsync, group_commit=True, batch=True)
         self.transport.before_ack = self.shard.sync  # journaled before any of a batch is acknowledged
         self._stop = threading.Event()
 
-    def start(self, connect_timeout: float = 30.0) -> None:
+    def start(self, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self.transport.connect(connect_timeout)
         self.shard.start()  # its handlers are in place before the first pump delivers anything
         if self._gone is not None:  # back: a will an earlier run of this shard left is no longer true
@@ -146,7 +163,8 @@ class ShardProcesses:
 
 
 def shard_command(fed: str, broker_url: str, index: int, state_dir: Path, credentials: Path | None,
-                  connect_timeout: float = 30.0, shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> list[str]:
+                  connect_timeout: float = CONNECT_TIMEOUT_S,
+                  shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> list[str]:
     """The `protofl-server shard` command line of one child (this interpreter, this package)."""
     cmd = [sys.executable, "-m", "broker_server.cli", "shard", "--fed", fed, "--broker", broker_url,
            "--index", str(index), "--state-dir", str(state_dir), "--connect-timeout", str(connect_timeout),

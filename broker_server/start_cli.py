@@ -551,7 +551,7 @@ class Start:
 def _serve(s: Start) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
-    from broker_server.service import AggregatorService, save_server_model
+    from broker_server.service import AggregatorService, save_server_model, server_transport
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
@@ -602,7 +602,8 @@ def _serve(s: Start) -> None:
         pacing = Pacing(resend_window=resend_window(s.queue, uploads_per_phase(cfg)))
         hooks = Hooks(on_round_end=on_round_end, on_round_logged=on_round_logged)
         watchers = Watchers(board, metrics, broker_restarts if broker_is_ours else None)
-        service = AggregatorService(s.federation, link, admission=replace(s.admission, members=members),
+        transport = server_transport(link, fed, durable=s.durability.enabled)
+        service = AggregatorService(s.federation, transport, admission=replace(s.admission, members=members),
                                     durability=s.durability, sharding=s.sharding, pacing=pacing, watchers=watchers,
                                     hooks=hooks)
         live.append(service)

@@ -27,7 +27,7 @@ import numpy as np
 from broker_server import settings
 from broker_server.broker import PACKET_HEADROOM, start_local_broker
 from broker_server.security import BrokerAuth, load_or_create
-from broker_server.service import AggregatorService
+from broker_server.service import AggregatorService, server_transport
 from broker_server.shell import Aggregator, decoder_limits
 from broker_server.simulation.deploy import join_artifact_args
 from broker_server.simulation.links import Links, UploadWatcher
@@ -238,9 +238,10 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
                                          policy=spec.policy())
         hooks = settings.Hooks(on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
                                on_metrics=report.on_metrics)
-        service = AggregatorService(federation, settings.Broker(server, protocol), hooks=hooks)
+        transport = server_transport(settings.Broker(server, protocol), FED)
+        service = AggregatorService(federation, transport, hooks=hooks)
         if links is not None:
-            watcher = UploadWatcher(service.transport, FED).start()  # subscribed before any device uploads
+            watcher = UploadWatcher(transport, FED).start()  # subscribed before any device uploads
             report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,
                                       deadline_s=deadline_s, adaptive=spec.adaptive, upload_share=spec.upload_share)
         service.start()

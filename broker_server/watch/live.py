@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from broker_server.rounds import RoundRecord
     from broker_server.shell import Aggregator
     from broker_server.watch.metrics import FederationMetrics
-    from protofl.transport.mqtt import MqttTransport
+    from protofl.transport import Connection
 
 log = logging.getLogger("protofl.service")
 REFRESH_S = 0.25
@@ -44,7 +44,7 @@ STATUS_FILE = "status.json"
 
 class LiveWatch:
     def __init__(self, aggregator: Aggregator, *, board: SnapshotBoard | None = None,
-                 state_dir: Path | None = None, transport: MqttTransport | None = None,
+                 state_dir: Path | None = None, transport: Connection | None = None,
                  metrics: FederationMetrics | None = None,
                  broker_restarts: Callable[[], int] | None = None) -> None:
         self.observer = FederationObserver(aggregator)

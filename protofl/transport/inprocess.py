@@ -3,11 +3,17 @@
 Publishing only enqueues; `pump()` delivers in FIFO order until the queue is empty. That keeps
 handlers from recursing into each other (an agent's upload closing a round that publishes the next
 round that an agent handles ...) and makes a simulation's message order reproducible.
+
+A client's `InProcessTransport` is also a whole `Connection` (base.py), so a service runs over it as over
+MQTT: its `pump` delivers the broker's queue (every client's: there is one thread), a message is acknowledged
+once its handlers returned (there is nothing to acknowledge), and `before_ack` runs after each batch.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protofl.transport.base import Handler, topic_matches
@@ -80,12 +86,30 @@ class InProcessBroker:
 
 
 class InProcessTransport:
-    """One client's connection to an `InProcessBroker`."""
+    """One client's connection to an `InProcessBroker` (connected from the start)."""
 
     def __init__(self, broker: InProcessBroker, name: str) -> None:
         self.broker = broker
         self.name = name
         self.closed = False
+        self.manual_ack = True  # delivered synchronously: nothing is acknowledged before its handlers returned
+        self.before_ack: Callable[[], None] | None = None
+        self.resume_session = False  # the broker's state is the process's: there is no session to take up
+
+    @property
+    def url(self) -> str:
+        return f"inprocess://{self.name}"
+
+    @property
+    def connected(self) -> bool:
+        return not self.closed
+
+    @property
+    def connects(self) -> int:
+        return 1
+
+    def connect(self, timeout: float = 30.0) -> InProcessTransport:
+        return self
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
         if self.closed:
@@ -95,7 +119,17 @@ class InProcessTransport:
     def subscribe(self, pattern: str, handler: Handler) -> None:
         self.broker._subscribe(_Subscription(pattern, handler, self))
 
-    def close(self) -> None:
+    def pump(self, timeout: float = 0.0, max_messages: int = 1000) -> int:
+        """Deliver up to `max_messages` of the broker's queue; with nothing queued, wait `timeout` (nothing can
+        arrive meanwhile: the broker has one thread), as a connection waits for its next message."""
+        n = self.broker.pump(max_messages)
+        if n and self.before_ack is not None:
+            self.before_ack()
+        elif not n and timeout > 0:
+            time.sleep(timeout)
+        return n
+
+    def close(self, timeout: float = 5.0, send_will: bool = False) -> None:
         self.closed = True
 
 

@@ -202,6 +202,11 @@ class MqttTransport:
         return self._connected.is_set()
 
     @property
+    def connects(self) -> int:
+        """Connections made so far (the first, then each reconnection)."""
+        return self.stats.connects
+
+    @property
     def protocol(self) -> str:
         return "5" if self._protocol == paho.MQTTv5 else "3.1.1"
 

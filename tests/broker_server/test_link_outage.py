@@ -15,7 +15,7 @@ import time
 import pytest
 
 from broker_server.broker import MosquittoBroker
-from broker_server.service import AggregatorService
+from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.local_data import DataSpec
@@ -34,7 +34,7 @@ def run_with_cut(mosquitto: MosquittoBroker, fed: str, cut_s: float, deadline: f
     broker = parse_broker_url(mosquitto.url)
     proxy = LinkProxy((broker.host, broker.port), LinkShape(up_bytes_per_s=10_000, down_bytes_per_s=1e6)).start()
     watcher = Watcher(mosquitto.url, fed)
-    service = AggregatorService(Federation(cfg, fed, expected_clients=IDS), Broker(broker))
+    service = AggregatorService(Federation(cfg, fed, expected_clients=IDS), server_transport(Broker(broker), fed))
     thread = ServiceThread(service, timeout=60).start()
     runners = [DeviceRunner(b, fed, cid, DataSpec(DATA, None, (i, 2), 0.5, 3), RunnerOptions(device="cpu"))
                for i, (cid, b) in enumerate(zip(IDS, [broker, dataclasses.replace(broker, host=proxy.host,

@@ -15,7 +15,7 @@ from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import load_or_create
-from broker_server.service import AggregatorService
+from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Admission, Broker, Federation
 from protofl import topics
 from protofl.presets import make_config
@@ -112,7 +112,8 @@ def test_2000_joins_with_invalid_credentials_change_nothing(start_mosquitto: Cal
     broker = start_mosquitto(persistence=False, allow_anonymous=False, extra_config=auth.mosquitto_lines())
     cfg = make_config("fedproto", rounds=1, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=1)
     server = parse_broker_url(broker.url).with_auth(auth.secrets.server.username, auth.secrets.server.password)
-    service = AggregatorService(Federation(cfg, FED), Broker(server), admission=Admission(sorted(auth.secrets.devices)))
+    service = AggregatorService(Federation(cfg, FED), server_transport(Broker(server), FED),
+                                admission=Admission(sorted(auth.secrets.devices)))
     service.start(connect_timeout=10)
     rss = _rss(broker)
     refused = 0

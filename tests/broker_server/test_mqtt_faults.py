@@ -15,7 +15,7 @@ import pytest
 
 from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
-from broker_server.service import AggregatorService
+from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation, Pacing
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.local_data import DataSpec
@@ -51,7 +51,8 @@ def test_killed_agent_leaves_the_round_at_once_then_rejoins(mosquitto: Mosquitto
     cfg = cfg.replace(min_clients=2, round_timeout=timeout)
     ids = [f"client-{i:03d}" for i in range(n)]
     watcher = Watcher(mosquitto.url, fed)
-    service = AggregatorService(Federation(cfg, fed, expected_clients=ids), Broker(parse_broker_url(mosquitto.url)))
+    service = AggregatorService(Federation(cfg, fed, expected_clients=ids),
+                                server_transport(Broker(parse_broker_url(mosquitto.url)), fed))
     runner = ServiceThread(service, timeout=120).start()
     procs = [join_process(mosquitto.url, fed, i, n, tmp_path / f"{i}.log") for i in range(n)]
     records = service.aggregator.records
@@ -95,7 +96,7 @@ def test_broker_restart_mid_run_everyone_reconnects(start_mosquitto, tmp_path: P
     opts = parse_broker_url(broker.url)
     watcher = Watcher(broker.url, fed)
     ids = [f"client-{i:03d}" for i in range(n)]
-    service = AggregatorService(Federation(cfg, fed, expected_clients=ids), Broker(opts))
+    service = AggregatorService(Federation(cfg, fed, expected_clients=ids), server_transport(Broker(opts), fed))
     service.transport.backoff = fast_backoff()
     runner = ServiceThread(service, timeout=120).start()
     devices = [DeviceRunner(opts, fed, f"client-{i:03d}", DataSpec(spec.dataset, partition=(i, n), seed=1),
@@ -158,7 +159,8 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     broker.pump()
     assert ref.finished and ref.dropped == {}
 
-    service = AggregatorService(Federation(cfg, "drops", expected_clients=ids), Broker(parse_broker_url(mosquitto.url)),
+    service = AggregatorService(Federation(cfg, "drops", expected_clients=ids),
+                                server_transport(Broker(parse_broker_url(mosquitto.url)), "drops"),
                                 pacing=Pacing(log_grace=0.5))
     runner = ServiceThread(service, timeout=60).start()
     agg = service.aggregator

@@ -166,9 +166,9 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
     site's pre-aggregator (`ShardService --site`) folds its three devices' uploads, the coordinator the two
     core devices' and merges the site's partial; the result is one aggregator's."""
     from broker_server.broker import MosquittoBroker
-    from broker_server.service import AggregatorService
+    from broker_server.service import AggregatorService, server_transport
     from broker_server.settings import Broker, Federation, Pacing, Sharding, ShardSettings
-    from broker_server.shard_service import ShardService
+    from broker_server.shard_service import ShardService, shard_transport
     from broker_server.site import bridge_topics
     from tests.broker_server.mqtt_helpers import ServiceThread
     from tests.broker_server.shard_helpers import assert_close, model_state, record_state
@@ -183,12 +183,13 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
         site = MosquittoBroker(workdir=tmp_path / "site", extra_config=[
             f"connection protofl-{FED}-a", f"address 127.0.0.1:{core.port}", "bridge_protocol_version mqttv311",
             "try_private true", "cleansession false", "notifications false", *bridge_topics(FED, "a")]).start()
-        pre = ShardService(ShardSettings(FED, tmp_path / "pre", site="a", fsync=False),
-                           Broker(parse_broker_url(site.url)))
+        pre_settings = ShardSettings(FED, tmp_path / "pre", site="a", fsync=False)
+        pre = ShardService(pre_settings, shard_transport(pre_settings, Broker(parse_broker_url(site.url))))
         pre.start(10)
         pre_thread = threading.Thread(target=pre.run, daemon=True)
         pre_thread.start()
-        service = AggregatorService(Federation(cfg, FED, expected_clients=CLIENTS), Broker(parse_broker_url(core.url)),
+        service = AggregatorService(Federation(cfg, FED, expected_clients=CLIENTS),
+                                    server_transport(Broker(parse_broker_url(core.url)), FED),
                                     sharding=Sharding(sites=["a"]), pacing=Pacing(log_grace=0.1))
         server = ServiceThread(service, timeout=120).start()  # returns once the site's hello came over the bridge
         for i, name in enumerate(CLIENTS):

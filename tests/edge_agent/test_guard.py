@@ -92,7 +92,7 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(mosquitto, monkey
     # (the server logs it), tries again after RETRY_S and the federation finishes with it.
     import logging
 
-    from broker_server.service import AggregatorService
+    from broker_server.service import AggregatorService, server_transport
     from broker_server.settings import Broker, Federation
     from broker_server.simulation import SimulationSpec, prepare
     from edge_agent import runner as runner_module
@@ -114,7 +114,8 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(mosquitto, monkey
     monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
     opts = parse_broker_url(mosquitto.url)
     cfg = prepare(SimulationSpec(preset="fedproto", dataset=data, clients=1, rounds=2, seed=3)).cfg
-    service = AggregatorService(Federation(cfg.replace(min_clients=1), "retry"), Broker(opts))
+    service = AggregatorService(Federation(cfg.replace(min_clients=1), "retry"),
+                                server_transport(Broker(opts), "retry"))
     server = ServiceThread(service, timeout=60).start()
     device = DeviceRunner(opts, "retry", "client-000", DataSpec(data, partition=(0, 1), seed=3), RunnerOptions())
     with caplog.at_level(logging.WARNING, logger="protofl.server"):

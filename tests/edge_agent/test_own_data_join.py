@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from broker_server.broker import MosquittoBroker, free_port
-from broker_server.service import AggregatorService
+from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.runner import DeviceRunner, RunnerOptions
@@ -84,7 +84,7 @@ def test_a_subset_device_joins_and_trains_in_process(mosquitto: MosquittoBroker,
     spy.subscribe(topics.up(fed, "rpi-01"),
                   lambda t, p: metrics.append(m) if isinstance(m := decode_message(p)[1], Metrics) else None)
     cfg = make_config("fedproto", num_classes=10, in_shape=SHAPE, rounds=2, min_clients=1)
-    service = AggregatorService(Federation(cfg, fed), Broker(opts))
+    service = AggregatorService(Federation(cfg, fed), server_transport(Broker(opts), fed))
     server = ServiceThread(service, timeout=60).start()
     device = DeviceRunner(opts, fed, "rpi-01", DataSpec(f"npz:{tmp_path / 'dev.npz'}"), RunnerOptions())
     with ThreadPoolExecutor(1) as pool:

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from broker_server.broker import MosquittoBroker, free_port
-from broker_server.service import AggregatorService
+from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.cli import app
@@ -85,7 +85,7 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     assert decode_message(seen[0][1])[1] == Status(state="online", detail="")
 
     cfg = prepare(SimulationSpec(preset="tinyproto", dataset=DATA, clients=2, rounds=2, seed=3)).cfg
-    service = AggregatorService(Federation(cfg.replace(min_clients=1), fed), Broker(opts))
+    service = AggregatorService(Federation(cfg.replace(min_clients=1), fed), server_transport(Broker(opts), fed))
     runner = ServiceThread(service, timeout=60).start()
     runner.join(60)
     t.join(30)
