@@ -6,14 +6,15 @@ the inputs applied since, and the restart that rebuilds the machine from both.
                                                  uploads, presence changes and the timers that fired; a new
                                                  segment at the first phase boundary past 64 MiB
 
-Live: an input that changes state is appended and fsynced (`record`), then applied, then (a message)
-acknowledged by the transport; when a phase opens the machine is checkpointed with the journal position
-it reflects. Restart (`restore`): load the checkpoint, replay the journal records after its position
-through the aggregator (same decoder, same checks, same order: the same state, bit for bit), then
-resume the round and phase with every deadline and grace measured from the resume. An upload applied
-before the crash but not acknowledged comes again from the broker and is dropped as a duplicate; one
-never written completely was never acknowledged and comes again. Without a checkpoint (deleted, or a
-crash before the first) the journal alone rebuilds the federation from its first segment, and says so.
+Live: the shell drives its machine through `Durable`, the machine wrapped with its journal and checkpoints
+(`DurableState`, the files above; `bind` puts it in place): an input that changes state is appended and fsynced
+(`record`), then applied, then (a message) acknowledged by the transport; when a phase opens the machine is
+checkpointed with the journal position it reflects. Restart (`restore`): load the checkpoint, replay the
+journal records after its position through the shell (same decoder, same checks, same order: the same state,
+bit for bit), then resume the round and phase with every deadline and grace measured from the resume. An upload
+applied before the crash but not acknowledged comes again from the broker and is dropped as a duplicate; one
+never written completely was never acknowledged and comes again. Without a checkpoint (deleted, or a crash
+before the first) the journal alone rebuilds the federation from its first segment, and says so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker_server.journal import Journal, JournalError, Record, crash_point
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
@@ -31,7 +32,9 @@ from protofl.config import canonical
 from protofl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from broker_server.shell import Aggregator
+    from broker_server.rounds import Effect, Input, RoundMachine
+    from broker_server.shell import Entry, Steps
+    from protofl.config import FederationConfig
 
 log = logging.getLogger("protofl.durability")
 FORMAT = 2  # 2: the machine's state derived from its dataclasses, presence and timers journaled
@@ -68,7 +71,45 @@ def journal_records(directory: Path | str) -> list[Record]:
     return out
 
 
+class Server(Protocol):
+    """What a state dir makes durable and rebuilds: the aggregator's shell (shell.Aggregator), or the coordinator
+    of a sharded federation beside its shell (coordinator.Coordinator, which replays its shards' inputs)."""
+
+    @property
+    def machine(self) -> RoundMachine: ...
+
+    @property
+    def cfg(self) -> FederationConfig: ...
+
+    def drive(self, steps: Steps) -> None: ...
+
+    def replay(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None: ...
+
+
+class Durable:
+    """The round machine made durable: what the shell drives (`shell.Steps`) when there is a state dir. An input
+    that changes state is appended to the journal (`store.record`: fsynced, or with its batch under group commit,
+    before the transport acknowledges it) and only then applied; at each live phase boundary the machine is
+    checkpointed with the journal position it reflects (`store.checkpoint`). A replay (`DurableState.restore`)
+    applies journaled inputs to the machine itself: nothing is journaled or checkpointed again."""
+
+    def __init__(self, machine: RoundMachine, store: DurableState) -> None:
+        self.machine = machine
+        self.store = store
+
+    def take(self, inp: Input, entry: Entry) -> list[Effect]:
+        if self.machine.accepts(inp):
+            self.store.record(*entry)  # on disk before it changes anything (and before the ack)
+        return self.machine.apply(inp)
+
+    def boundary(self) -> None:
+        self.store.checkpoint(self.machine.snapshot())
+
+
 class DurableState:
+    """The state dir's journal segments and checkpoint: `record` and `sync` (the journal), `checkpoint` (at a phase
+    boundary), `restore` (a restart: the checkpoint, then the journal replayed through the server)."""
+
     def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True,
                  rotate_bytes: int = ROTATE_BYTES, group_commit: bool = False) -> None:
         self.directory = Path(directory)
@@ -90,7 +131,7 @@ class DurableState:
         self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync)
         self.on_fsync: Callable[[float], None] | None = None  # the metrics endpoint's: set with watch_fsync()
         self.position = 0  # the offset in the current segment that the machine's state reflects
-        self.aggregator: Aggregator | None = None
+        self.server: Server | None = None
         self.replayed = 0
 
     def _check_contiguous(self, found: list[int]) -> None:
@@ -102,10 +143,11 @@ class DurableState:
                                f"{where} segment {self.first_segment} and the last; the federation cannot be rebuilt. "
                                f"Restore them from a backup, or move the state dir aside to start a new federation")
 
-    def bind(self, aggregator: Aggregator) -> None:
-        self.aggregator = aggregator
-        aggregator.journal = self.record
-        aggregator.on_boundary = self.checkpoint
+    def bind(self, server: Server) -> None:
+        """Make `server` durable over this state dir: it drives its machine through `Durable` from now on, and
+        `restore()` rebuilds that machine through it."""
+        self.server = server
+        server.drive(Durable(server.machine, self))
 
     def watch_fsync(self, observe: Callable[[float], None]) -> None:
         """Tell `observe` how long each journal fsync takes (seconds), across segment rotations."""
@@ -134,12 +176,11 @@ class DurableState:
         logging.shutdown()
         os._exit(EXIT_JOURNAL_FAILED)
 
-    def checkpoint(self) -> None:
-        """The machine at a phase boundary (live only: a replay never checkpoints). A segment past
+    def checkpoint(self, machine: dict[str, Any]) -> None:
+        """The machine's `snapshot()` at a phase boundary (live only: a replay never checkpoints). A segment past
         `rotate_bytes` is closed here and the checkpoint points at the start of a new one, so a restart
         reads one segment, not the whole run (older segments stay as the record of what was applied;
         they may be archived or deleted)."""
-        assert self.aggregator is not None
         # The journal up to `position` must be on disk before a checkpoint that points past it (and before
         # the round message that follows a boundary goes out).
         self.sync()
@@ -147,7 +188,7 @@ class DurableState:
         segment, offset = (self.segment + 1, 0) if rotate else (self.segment, self.position)
         write_checkpoint(self.checkpoint_path, {"format": FORMAT, "fed": self.fed, "journal_segment": segment,
                                                 "journal_offset": offset,
-                                                "machine": self.aggregator.machine.snapshot()})
+                                                "machine": machine})
         crash_point("AFTER_CHECKPOINT")
         if rotate:
             self.journal.close()
@@ -157,8 +198,8 @@ class DurableState:
 
     def restore(self) -> bool:
         """Rebuild the machine from the checkpoint and journal; True if there was anything to resume."""
-        agg = self.aggregator
-        assert agg is not None
+        server = self.server
+        assert server is not None, "bind() the server first"
         state = self._state
         self._check_config()
         offset = 0
@@ -168,7 +209,7 @@ class DurableState:
                                       f"(format {state.get('format')}), not '{self.fed}' (format {FORMAT}); pass "
                                       f"--fed {state.get('fed')}, or another --state-dir for a new federation")
             try:
-                agg.machine.restore(state["machine"])
+                server.machine.restore(state["machine"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {self.checkpoint_path} cannot be resumed: {exc}; start with the "
                                       f"same settings, or use another --state-dir for a new federation") from None
@@ -183,7 +224,7 @@ class DurableState:
             log.warning("no checkpoint in %s (deleted, or the server stopped before its first phase boundary): "
                         "rebuilt the federation from its journal alone, segments %d-%d", self.directory,
                         self.first_segment, self.segment)
-        m = agg.machine
+        m = server.machine
         where = "finished" if m.finished else (f"round {m.round} {m.phase.phase.value}" if m.phase else "waiting")
         log.warning("resumed federation '%s' from %s: %s, %d client(s), %d journaled input(s) replayed", self.fed,
                     self.directory, where, len(m.clients), self.replayed)
@@ -192,8 +233,8 @@ class DurableState:
     def _check_config(self) -> None:
         """The federation's config is written once beside the journal (`federation.json`): a restart with
         other settings is refused even where there is no checkpoint to compare with."""
-        assert self.aggregator is not None
-        mine = json.loads(json.dumps(self.aggregator.cfg.to_dict()))
+        assert self.server is not None
+        mine = json.loads(json.dumps(self.server.cfg.to_dict()))
         path = self.directory / "federation.json"
         if not path.exists():
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -218,11 +259,11 @@ class DurableState:
                                   f"another --state-dir for a new federation")
 
     def _replay_segment(self, number: int, offset: int) -> None:
-        assert self.aggregator is not None
+        assert self.server is not None
         journal = self.journal if number == self.segment else Journal(segment_path(self.directory, number))
         try:
             for rec in journal.records_from(offset):
-                self.aggregator.replay(rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)
+                self.server.replay(rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)
                 self.replayed += 1
         finally:
             if journal is not self.journal:

@@ -2,9 +2,10 @@
 
 The shell turns what arrives into the machine's inputs - an upload, join or metrics message on a
 device's `up/` topic, a device's presence, a timer that fired - and carries out the effects the machine
-returns: it publishes messages (retained), hands closed rounds and metrics on, and lets the durable
-service checkpoint at phase boundaries. Before an input that changes state is applied it goes to the
-journal (`journal`), so a restart replays exactly the inputs that were applied, in order (`replay`).
+returns: it publishes messages (retained) and hands closed rounds and metrics on. It drives the machine
+through one interface (`Steps`): in memory, or made durable (durable.Durable), where an input that changes
+state goes to the journal before it is applied and a phase boundary is checkpointed, so a restart replays
+exactly the inputs that were applied, in order (`replay`).
 
 It decodes each message with the federation's limits, checks that the topic's client id is the
 message's sender and that the federation is ours. With a member list (join credentials or `--allow`),
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -79,11 +81,39 @@ def decoder_limits(cfg: FederationConfig, model_values: int | None = None) -> Li
 
 
 
-# journal(topic, payload, client, kind, round, phase): make an input durable before it is applied.
-# Timers have no topic or payload: their kind (TIMER_KINDS) and fields say what fired.
-JournalAppend = Callable[[str, bytes, str, str, int, str], None]
+# An input's journal entry: (topic, payload, client, kind, round, phase). Timers have no topic or payload: their
+# kind (TIMER_KINDS) and fields say what fired.
+Entry = tuple[str, bytes, str, str, int, str]
 GRACE_OVER, DEADLINE = "grace_over", "deadline"
 TIMER_KINDS = (GRACE_OVER, DEADLINE)
+
+
+class Steps(Protocol):
+    """How the shell applies live inputs to its machine, and what it tells of a live phase boundary: the machine in
+    memory (`InMemory`), or the machine made durable (durable.Durable: each input that changes state journaled
+    before it is applied, a checkpoint at each boundary). A replay applies journaled inputs to the machine itself."""
+
+    def take(self, inp: Input, entry: Entry) -> list[Effect]:
+        """Check `inp` (raise Drop, nothing changed), make it durable if it changes state, apply it."""
+        ...
+
+    def boundary(self) -> None:
+        """A phase opened or the federation finished, live (before that phase's round message goes out)."""
+        ...
+
+
+class InMemory:
+    """The machine without durability: an input is checked, then applied."""
+
+    def __init__(self, machine: RoundMachine) -> None:
+        self.machine = machine
+
+    def take(self, inp: Input, entry: Entry) -> list[Effect]:
+        self.machine.accepts(inp)
+        return self.machine.apply(inp)
+
+    def boundary(self) -> None:
+        return None
 
 
 def _named(what: str | Head) -> str:
@@ -104,9 +134,7 @@ class Aggregator:
                  policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 offline_grace: float = OFFLINE_GRACE_S,
-                 journal: JournalAppend | None = None,
-                 on_boundary: Callable[[], None] | None = None, sharded: bool = False) -> None:
+                 offline_grace: float = OFFLINE_GRACE_S, sharded: bool = False) -> None:
         self.fed = fed
         self.transport = transport
         self.clock = clock
@@ -120,10 +148,8 @@ class Aggregator:
                                     limits={"max_message_bytes": self.limits.max_message_bytes}, sharded=sharded)
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
-        # Durability (durable.py): `journal` makes an input durable before the machine applies it;
-        # `on_boundary` checkpoints at a phase boundary (before that phase's round message goes out).
-        self.journal = journal
-        self.on_boundary = on_boundary
+        # How live inputs reach the machine: in memory, until `drive` makes them durable (durable.py).
+        self.steps: Steps = InMemory(self.machine)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
         self.max_clients = max_clients
         self.dropped: dict[str, int] = {}
@@ -158,6 +184,10 @@ class Aggregator:
     @property
     def expected_clients(self) -> list[str] | None:
         return self.machine.expected_clients
+
+    def drive(self, steps: Steps) -> None:
+        """Apply live inputs through `steps` from now on (durable.DurableState.bind: the machine made durable)."""
+        self.steps = steps
 
     def start(self, resume: bool = False) -> None:
         """Announce the federation (or, `resume`d from a checkpoint and journal, its current round and
@@ -309,14 +339,13 @@ class Aggregator:
             return None  # its place was taken while it was away
         return Presence(client, online=msg.state == "online")
 
-    def _handle(self, inp: Input, entry: tuple[str, bytes, str, str, int, str], what: str | Head) -> None:
-        """Check, journal (if it changes state) and apply one input; any failure is a counted drop. `what` names
-        the input in a drop's line (a message's envelope: its line is only written for a drop)."""
+    def _handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
+        """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a
+        counted drop. `what` names the input in a drop's line (a message's envelope: its line is only written for a
+        drop)."""
         nbytes = len(entry[1])
         try:
-            if self.machine.accepts(inp) and self.journal is not None:
-                self.journal(*entry)  # on disk before it changes anything (and before the ack)
-            effects = self.machine.apply(inp)
+            effects = self.steps.take(inp, entry)  # durable: on disk before it changes anything (and before the ack)
         except Drop as drop:
             self._drop(drop.reason, drop.detail, nbytes)
             return
@@ -345,8 +374,8 @@ class Aggregator:
                 if live:
                     self.transport.publish(self._topic(effect.message), effect.payload, retain=True)
             elif isinstance(effect, Boundary):
-                if live and self.on_boundary is not None:
-                    self.on_boundary()
+                if live:
+                    self.steps.boundary()  # durable: the checkpoint, before the phase's round message goes out
             elif isinstance(effect, RoundClosed):
                 if self.on_round_end is not None:
                     self.on_round_end(effect.record)
