@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,39 +109,12 @@ class DeadlinePassed:
     phase: Phase
 
 
-@dataclass(frozen=True)
-class Progress:
-    """Sharded aggregators: shard `shard` folded `sender`'s upload of `kind` for round/phase (its envelope's
-    fields), `nbytes` long. The coordinator's machine places it as it would the upload itself."""
-
-    shard: str
-    sender: str
-    kind: str
-    round: int
-    phase: str
-    nbytes: int
+class ClosingInput:
+    """An input of the closing strategy's own (the sharded coordinator's: a shard's progress, its partials, a shard
+    lost; shard_closing.py): the machine hands it to its `Closing`."""
 
 
-@dataclass(frozen=True)
-class Partials:
-    """Sharded aggregators: every shard's partial phase (stages.PhaseRun.partial) for the closing phase."""
-
-    round: int
-    phase: str
-    parts: dict[str, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class ShardLost:
-    """Sharded aggregators: a shard sent no partial for the closing phase within the shard timeout; the phase
-    closes without the uploads it folded (their devices count as if they had not sent them)."""
-
-    shard: str
-    round: int
-    phase: str
-
-
-Input = Received | Presence | GraceOver | DeadlinePassed | Progress | Partials | ShardLost
+Input = Received | Presence | GraceOver | DeadlinePassed | ClosingInput
 
 
 # -- effects ------------------------------------------------------------------------------------
@@ -171,17 +144,12 @@ class MetricsIn:
     nbytes: int
 
 
-@dataclass(frozen=True)
-class Gather:
-    """Sharded aggregators: the open phase is closing; each shard must send its partial phase over exactly
-    the uploads `assignment` gives it ({shard: [(sender, kind), ...]}), and `Partials` closes it."""
-
-    round: int
-    phase: Phase
-    assignment: dict[str, list[tuple[str, str]]]
+class ClosingEffect:
+    """An effect of the closing strategy's own (the sharded coordinator's: ask the shards for their partials), for
+    what is composed beside the shell (coordinator.py) to carry out."""
 
 
-Effect = Publish | Boundary | RoundClosed | MetricsIn | Gather
+Effect = Publish | Boundary | RoundClosed | MetricsIn | ClosingEffect
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -205,8 +173,8 @@ class OpenPhase:
     expected: set[str]
     needs: tuple[Upload, ...]
     received: dict[str, set[Upload]] = field(default_factory=dict)
-    # Sharded aggregators: which shard folded each upload ("sender/kind" -> shard), and why the phase is
-    # closing while the shards' partials are awaited ("" while it is open).
+    # Where each upload was folded when not here ("sender/kind" -> shard: the sharded closing), and why the phase
+    # is closing while its closing strategy completes it ("" while it is open, and always when it folds here).
     owners: dict[str, str] = field(default_factory=dict)
     closing: str = ""
     deadline: float = field(default=0.0, metadata=NOT_STATE)  # a time: measured again after a restart
@@ -232,16 +200,72 @@ class MachineState:
     current: RoundRecord = field(default_factory=lambda: RoundRecord(round=1))
 
 
+class UploadHead(Protocol):
+    """What places an upload in the open phase: an envelope's fields (`Head`), or a shard's report of one."""
+
+    @property
+    def sender(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def round(self) -> int: ...
+
+    @property
+    def phase(self) -> str: ...
+
+
+class Closing(Protocol):
+    """How the open phase closes, injected into the machine: `FoldHere` (one aggregator: its folds finish here), or
+    the sharded coordinator's `ShardClosing` (the phase waits for the shards' partials and merges them first,
+    shard_closing.py). A strategy may bring inputs and effects of its own (`ClosingInput`, `ClosingEffect`); the
+    machine hands it those inputs and returns its effects. It changes the machine only through `state`, `run`,
+    `check_upload_head`, `close_if_complete` and `after_close`."""
+
+    def close(self, machine: RoundMachine, why: str) -> list[Effect]:
+        """The open phase closes (`why`: quorum or deadline): finish it, or start completing it."""
+        ...
+
+    def accepts(self, machine: RoundMachine, inp: ClosingInput) -> bool:
+        """Raise Drop if `inp` is refused; else whether applying it changes state (as RoundMachine.accepts)."""
+        ...
+
+    def apply(self, machine: RoundMachine, inp: ClosingInput) -> list[Effect]: ...
+
+    def announce(self, machine: RoundMachine) -> list[Effect]:
+        """After a restart: what a phase that is closing asks again."""
+        ...
+
+
+class FoldHere:
+    """One aggregator: the uploads were folded here, so a closing phase is finished at once."""
+
+    def close(self, machine: RoundMachine, why: str) -> list[Effect]:
+        assert machine.run is not None
+        machine.run.finish()
+        return machine.after_close(why)
+
+    def accepts(self, machine: RoundMachine, inp: ClosingInput) -> bool:
+        raise Drop("unexpected_kind", f"a shard's {type(inp).__name__.lower()}: this aggregator is not sharded")
+
+    def apply(self, machine: RoundMachine, inp: ClosingInput) -> list[Effect]:
+        return []
+
+    def announce(self, machine: RoundMachine) -> list[Effect]:
+        return []
+
+
 class RoundMachine:
     def __init__(self, cfg: FederationConfig, encode: Encode, *, clock: Callable[[], float],
                  initial_params: np.ndarray | None = None, public: PublicSet | None = None,
                  expected_clients: Sequence[str] | None = None, policy: ClipPolicy | None = None,
                  offline_grace: float = OFFLINE_GRACE_S, resume_grace: float = RESUME_GRACE_S,
-                 limits: dict[str, int] | None = None, sharded: bool = False) -> None:
+                 limits: dict[str, int] | None = None, closing: Closing | None = None) -> None:
         self.cfg = cfg
-        # Sharded (the coordinator of aggregator shards): uploads arrive as shards' `Progress`, and a phase
-        # closes by merging their `Partials` (docs/design.md, "Scale-out").
-        self.sharded = sharded
+        # How a phase closes: its folds finish here (one aggregator), or the coordinator of aggregator shards merges
+        # their partials first (shard_closing.ShardClosing; docs/design.md, "Sharded aggregators").
+        self.closing: Closing = closing or FoldHere()
         self.limits = dict(limits or {})  # the decoder limits the config message tells devices
         self.encode = encode
         self.clock = clock
@@ -328,7 +352,7 @@ class RoundMachine:
             return out + [self._status("waiting", f"{len(s.clients)}/{self.quorum} clients")]
         out += [self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
                 self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value)]
-        return out + [self._gather()] if s.phase.closing else out
+        return out + self.closing.announce(self)
 
     def _welcome(self) -> list[Publish]:
         out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
@@ -348,8 +372,8 @@ class RoundMachine:
         """Raise Drop if `inp` is refused (nothing changes); else whether applying it changes state that a
         restart must rebuild (what the shell journals before applying it)."""
         s = self.state
-        if isinstance(inp, (Progress, Partials, ShardLost)):
-            return self._accepts_shard(inp)
+        if isinstance(inp, ClosingInput):
+            return self.closing.accepts(self, inp)
         if isinstance(inp, Received):
             env, msg = inp.env, inp.msg
             if isinstance(msg, (ProtoUpload, ParamsUpload)):
@@ -384,12 +408,8 @@ class RoundMachine:
             return self._on_upload(inp.env, msg, inp.nbytes)
         if isinstance(inp, Presence):
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)
-        if isinstance(inp, Progress):  # a shard saying again what it said (it restarted) changes nothing
-            return self._on_progress(inp) if self.accepts(inp) else []
-        if isinstance(inp, Partials):
-            return self._merge_partials(inp)
-        if isinstance(inp, ShardLost):
-            return self._forget_shard(inp.shard)
+        if isinstance(inp, ClosingInput):
+            return self.closing.apply(self, inp)
         if isinstance(inp, GraceOver):
             return self._depart(inp.client) if self.accepts(inp) else []
         return self._close_phase("deadline") if self.accepts(inp) else []
@@ -418,7 +438,7 @@ class RoundMachine:
         """Raise Drop for a message its envelope alone shows the machine would refuse (a stranger's upload,
         another round or phase, a second upload, metrics of a far round), before its body is parsed."""
         if head.kind in UPLOAD_KINDS:
-            self._check_upload_head(head)
+            self.check_upload_head(head)
         elif head.kind == Metrics.KIND:
             self._check_metrics(head)
         elif head.kind == Join.KIND:
@@ -479,7 +499,7 @@ class RoundMachine:
         open_ = s.phase
         if open_ is not None and not open_.complete(client):
             open_.expected.discard(client)
-            return self._close_if_complete()
+            return self.close_if_complete()
         return []
 
     def _come_back(self, client: str) -> list[Effect]:
@@ -499,7 +519,7 @@ class RoundMachine:
 
     def _check_upload(self, env: Head, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
-        open_, kind = self._check_upload_head(env)
+        open_, kind = self.check_upload_head(env)
         self.check_base(msg)
         return open_, kind
 
@@ -508,8 +528,8 @@ class RoundMachine:
         if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.state.round:
             raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.state.round}")
 
-    def _check_upload_head(self, env: Head | Progress) -> tuple[OpenPhase, Upload]:
-        """The checks of an upload that its envelope decides."""
+    def check_upload_head(self, env: Head | UploadHead) -> tuple[OpenPhase, Upload]:
+        """The checks of an upload that its envelope decides (or a shard's report of one it folded)."""
         s = self.state
         if env.sender not in s.clients:
             raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
@@ -545,9 +565,9 @@ class RoundMachine:
         self.run.add(kind, msg)
         open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
         self.state.current.uplink_bytes += nbytes
-        return self._close_if_complete()
+        return self.close_if_complete()
 
-    def _close_if_complete(self) -> list[Effect]:
+    def close_if_complete(self) -> list[Effect]:
         """Close the open phase when every expected client sent everything, if at least the floor did."""
         open_ = self.state.phase
         assert open_ is not None
@@ -598,15 +618,11 @@ class RoundMachine:
         return [Boundary(), self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}"), message]
 
     def _close_phase(self, why: str) -> list[Effect]:
-        open_ = self.state.phase
-        assert open_ is not None and self.run is not None
-        if self.sharded:
-            open_.closing = why
-            return [self._gather()]
-        self.run.finish()
-        return self._after_close(why)
+        assert self.state.phase is not None and self.run is not None
+        return self.closing.close(self, why)
 
-    def _after_close(self, why: str) -> list[Effect]:
+    def after_close(self, why: str) -> list[Effect]:
+        """The open phase's folds are finished (`run.finish()`): open the next phase, or close the round."""
         s = self.state
         open_ = s.phase
         assert open_ is not None
@@ -637,104 +653,19 @@ class RoundMachine:
                                          dt=self.plan.adapter_dtype), Phase.DONE.value),
                 self._status("finished", f"{self.state.round} rounds")]
 
-    # -- sharded aggregators: the coordinator's side ------------------------------------------------
-    def _accepts_shard(self, inp: Progress | Partials | ShardLost) -> bool:
-        s, open_ = self.state, self.state.phase
-        if not self.sharded:
-            raise Drop("unexpected_kind", f"a shard's {type(inp).__name__.lower()}: this aggregator is not sharded")
-        if isinstance(inp, ShardLost):
-            if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
-                raise Drop("stale", f"shard {inp.shard} lost in round {inp.round}/{inp.phase}; nothing of it is "
-                                    f"closing")
-            return True
-        if isinstance(inp, Partials):
-            if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
-                raise Drop("stale", f"partials for round {inp.round}/{inp.phase}; nothing of it is closing")
-            assert self.run is not None
-            for shard, part in sorted(inp.parts.items()):
-                try:
-                    self.run.check_partial(part)
-                except ValueError as exc:
-                    raise Drop("invalid", f"partial of shard {shard}: {exc}") from None
-            return True
-        owner = open_.owners.get(f"{inp.sender}/{inp.kind}") if open_ is not None else None
-        if owner == inp.shard and (inp.round, inp.phase) == (s.round, open_.phase.value if open_ else ""):
-            return False  # the same shard saying it again (it restarted): nothing new
-        if open_ is not None and open_.closing and (inp.round, inp.phase) == (s.round, open_.phase.value):
-            raise Drop("closing", f"{inp.kind} of {inp.sender} from shard {inp.shard}: round {inp.round}/{inp.phase} "
-                                  f"is closing")
-        self._check_upload_head(inp)
-        return True
-
-    def _on_progress(self, inp: Progress) -> list[Effect]:
-        open_, kind = self.state.phase, Upload(inp.kind)
-        assert open_ is not None
-        open_.received[inp.sender] = open_.received.get(inp.sender, set()) | {kind}
-        open_.owners[f"{inp.sender}/{inp.kind}"] = inp.shard
-        self.state.current.uplink_bytes += inp.nbytes
-        return self._close_if_complete()
-
-    def _gather(self) -> Gather:
-        open_ = self.state.phase
-        assert open_ is not None
-        assignment: dict[str, list[tuple[str, str]]] = {}
-        for key, shard in sorted(open_.owners.items()):
-            sender, _, kind = key.rpartition("/")
-            assignment.setdefault(shard, []).append((sender, kind))
-        return Gather(self.state.round, open_.phase, assignment)
-
-    def _forget_shard(self, shard: str) -> list[Effect]:
-        """The closing phase without `shard`'s uploads: it owns none any more, and their senders count as if
-        they had not sent them (a device that sent nothing else is not among the round's clients)."""
-        open_ = self.state.phase
-        assert open_ is not None
-        for key in [k for k, owner in open_.owners.items() if owner == shard]:
-            sender, _, kind = key.rpartition("/")
-            del open_.owners[key]
-            kinds = open_.received.get(sender, set()) - {Upload(kind)}
-            if kinds:
-                open_.received[sender] = kinds
-            else:
-                open_.received.pop(sender, None)
-        return []
-
-    def _merge_partials(self, inp: Partials) -> list[Effect]:
-        open_ = self.state.phase
-        assert open_ is not None and self.run is not None
-        for _, part in sorted(inp.parts.items()):
-            self.run.merge(part)
-        self.run.finish()
-        why, open_.closing = open_.closing, ""
-        return self._after_close(why)
-
     # -- durability: the state at a phase boundary, and a restart from it ------------------------
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, state: MachineState | None = None) -> dict[str, Any]:
         """The machine's state as plain values and numpy arrays, taken at a phase boundary: the open phase
-        has received nothing yet, so its folds are fresh and need not be saved."""
-        open_ = self.state.phase
+        has received nothing yet, so its folds are fresh and need not be saved. `state`: another in place of the
+        machine's own (the sharded closing's phase state for the shards: the same, without what a shard never
+        reads)."""
+        state = self.state if state is None else state
+        open_ = state.phase
         if open_ is not None and open_.received:
             raise RuntimeError("snapshot() is taken at phase boundaries only (this phase has uploads)")
         rules = {name: rule.persist() for name, rule in zip(self.plan.techniques, self.model.rules, strict=True)}
-        return {"cfg": self.cfg.to_dict(), "machine": to_plain(self.state),
+        return {"cfg": self.cfg.to_dict(), "machine": to_plain(state),
                 "model": to_plain(self.model), "rules": rules}
-
-    def phase_state(self) -> dict[str, Any]:
-        """Sharded aggregators: the state the open phase began with, as `snapshot()` has it, for the shards
-        (also mid-phase, after a restart: what the phase received is left out, and nothing a shard folds
-        with - model, radii, rules - changes before the phase closes). Without the clients and the round
-        records, which a shard does not read and which grow with the fleet and the rounds."""
-        s, open_ = self.state, self.state.phase
-        kept = (s.clients, s.departed, s.leaving, s.records)
-        received, owners = (open_.received, open_.owners) if open_ is not None else ({}, {})
-        try:
-            s.clients, s.departed, s.leaving, s.records = {}, {}, set(), []
-            if open_ is not None:
-                open_.received, open_.owners, expected, open_.expected = {}, {}, open_.expected, set()
-            return self.snapshot()
-        finally:
-            s.clients, s.departed, s.leaving, s.records = kept
-            if open_ is not None:
-                open_.received, open_.owners, open_.expected = received, owners, expected
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the

@@ -114,17 +114,20 @@ class AggregatorService:
         # One log line per round, once its metrics are in (they arrive just after the round closed).
         self.round_log = RoundProgress(self._log_round, grace=pacing.log_grace)
         self.transport = transport
-        # With shards (docs/design.md, "Scale-out") the aggregator is their coordinator: the same round machine,
-        # fed by the shards' progress and partials instead of the uploads.
+        # With shards (docs/design.md, "Sharded aggregators") a coordinator is composed beside the shell: the same
+        # round machine, fed by the shards' progress and partials instead of the uploads, its phases closed by
+        # merging their partials. `front` is what the service starts, ticks and makes durable: the coordinator when
+        # there is one, else the shell; `aggregator` is always the shell (the state the watchers read).
         common: dict[str, Any] = dict(clock=time.time, initial_params=federation.initial_params,
                                       public=federation.public, expected_clients=federation.expected_clients,
                                       members=admission.members, policy=federation.policy,
                                       max_clients=admission.max_clients, on_round_end=self._round_end,
                                       on_metrics=self._metrics, offline_grace=federation.offline_grace,
                                       limits=federation.limits)  # None: the aggregator derives them from the config
-        self.aggregator = (Coordinator(cfg, fed, self.transport, shards=sharding.shards, sites=sharding.sites,
-                                       shard_timeout=sharding.timeout, **common)
-                           if sharding.active else Aggregator(cfg, fed, self.transport, **common))
+        self.coordinator = (Coordinator(cfg, fed, self.transport, shards=sharding.shards, sites=sharding.sites,
+                                        shard_timeout=sharding.timeout, **common) if sharding.active else None)
+        self.aggregator = self.coordinator.shell if self.coordinator else Aggregator(cfg, fed, self.transport, **common)
+        self.front: Aggregator | Coordinator = self.coordinator or self.aggregator
         state_dir = durability.state_dir
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
         self.watch = LiveWatch(self.aggregator, board=watchers.board, state_dir=state_dir,
@@ -142,7 +145,7 @@ class AggregatorService:
         if state_dir is not None:
             self.durable = DurableState(state_dir / "aggregator", fed, fsync=durability.fsync,
                                         group_commit=durability.group_commit)
-            self.durable.bind(self.aggregator)
+            self.durable.bind(self.front)
             self.durable.watch_fsync(self.watch.observe_fsync)
             if durability.group_commit:
                 self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
@@ -167,15 +170,15 @@ class AggregatorService:
         # Subscribe before the aggregator announces "waiting": devices join as soon as they see it, and a
         # join that reached the broker before our subscription would be lost. Messages are dispatched
         # only by step(), by when the aggregator's own handler is registered too.
-        if isinstance(self.aggregator, Coordinator):
-            self._await_shards(self.aggregator)
-        for pattern, _ in self.aggregator.subscriptions():
+        if self.coordinator is not None:
+            self._await_shards(self.coordinator)
+        for pattern, _ in self.front.subscriptions():
             self.transport.subscribe(pattern, _ignore)
         self.transport.subscribe(DROPPED_TOPIC, self._on_dropped)  # Mosquitto's; where it is readable
         self.transport.subscribe(topics.site_dropped_all(self.fed), self._on_site_dropped)  # site brokers' (bridged)
-        if isinstance(self.aggregator, Coordinator):
+        if self.coordinator is not None:
             self.transport.subscribe(topics.shards(self.fed, "gone", "+"), self._on_shard_gone)  # shards' wills
-        self.aggregator.start(resume=self.resumed)
+        self.front.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
         log.info("aggregator for federation '%s' (%s) on %s; waiting for %d client(s)", self.fed,
@@ -207,7 +210,7 @@ class AggregatorService:
                 self.aggregator.reconnected()
             self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
-        self.aggregator.tick()
+        self.front.tick()
         if n:
             self.resender.progress(time.monotonic())
         self._ask_resends()
@@ -273,8 +276,8 @@ class AggregatorService:
             shard = shard_wire.decode(payload, "gone", 1024)["shard"]
         except WireError:
             return
-        agg = self.aggregator
-        if not isinstance(agg, Coordinator) or shard not in agg.shards \
+        agg = self.coordinator
+        if agg is None or shard not in agg.shards \
                 or topic != topics.shards(self.fed, "gone", shard):
             return  # not a shard of ours, or a will on another shard's topic
         phase = agg.machine.phase

@@ -27,6 +27,7 @@ import numpy as np
 from broker_server.rounds import (
     OFFLINE_GRACE_S,
     Boundary,
+    Closing,
     DeadlinePassed,
     Drop,
     Effect,
@@ -134,7 +135,8 @@ class Aggregator:
                  policy: ClipPolicy | None = None,
                  on_round_end: Callable[[RoundRecord], None] | None = None,
                  on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 offline_grace: float = OFFLINE_GRACE_S, sharded: bool = False) -> None:
+                 offline_grace: float = OFFLINE_GRACE_S, closing: Closing | None = None,
+                 effects: Callable[[Effect], None] | None = None) -> None:
         self.fed = fed
         self.transport = transport
         self.clock = clock
@@ -145,9 +147,12 @@ class Aggregator:
         self._fast = fast_reader.usable(self.limits)
         self.machine = RoundMachine(cfg, self._encode, clock=clock, initial_params=initial_params, public=public,
                                     expected_clients=expected_clients, policy=policy, offline_grace=offline_grace,
-                                    limits={"max_message_bytes": self.limits.max_message_bytes}, sharded=sharded)
+                                    limits={"max_message_bytes": self.limits.max_message_bytes}, closing=closing)
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
+        # Told of every effect carried out live, after the shell's own part: what is composed beside the shell
+        # carries out the closing strategy's effects there (the coordinator: the shards' phase and close messages).
+        self.effects = effects
         # How live inputs reach the machine: in memory, until `drive` makes them durable (durable.py).
         self.steps: Steps = InMemory(self.machine)
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
@@ -189,15 +194,17 @@ class Aggregator:
         """Apply live inputs through `steps` from now on (durable.DurableState.bind: the machine made durable)."""
         self.steps = steps
 
-    def start(self, resume: bool = False) -> None:
+    def start(self, resume: bool = False, subscribe: bool = True) -> None:
         """Announce the federation (or, `resume`d from a checkpoint and journal, its current round and
-        phase again, with every time measured from now) and subscribe to uploads and presence."""
+        phase again, with every time measured from now) and subscribe to uploads and presence (unless what
+        is composed beside it subscribes, `subscribe` False: the coordinator)."""
         if resume:
             self.machine.resume(self.clock())
             self._run(self.machine.announce(), live=True)
         else:
             self._run(self.machine.start(), live=True)
-        self.subscribe()
+        if subscribe:
+            self.subscribe()
 
     def subscribe(self) -> None:
         for pattern, handler in self.subscriptions():
@@ -220,7 +227,7 @@ class Aggregator:
                 entry = ("", b"", timer.client, GRACE_OVER, self.round, "")
             else:
                 entry = ("", b"", "", DEADLINE, timer.round, timer.phase.value)
-            self._handle(timer, entry, "timer")
+            self.handle(timer, entry, "timer")
 
     def replay(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
         """Apply a journaled input again (after a restart): the same decoder, checks and machine as live,
@@ -239,27 +246,33 @@ class Aggregator:
             log.warning("%s was refused on replay", what)
             return
         try:
-            if self.machine.accepts(inp):
-                self._run(self.machine.apply(inp), live=False)
-            else:
+            if not self.reapply(inp):
                 log.warning("%s changed nothing on replay", what)
         except Drop as drop:
-            self._drop(drop.reason, drop.detail, len(payload))
+            self.drop(drop.reason, drop.detail, len(payload))
             log.warning("%s was refused on replay", what)
+
+    def reapply(self, inp: Input) -> bool:
+        """Apply a journaled input again, as `replay` does (what journaled it decoded it: the coordinator its
+        shards' inputs); False if it changed nothing. Raises Drop if it is refused."""
+        if not self.machine.accepts(inp):
+            return False
+        self._run(self.machine.apply(inp), live=False)
+        return True
 
     # -- the error boundary ---------------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
         inp = self._received(topic, payload)
         if inp is not None:
             env = inp.env
-            self._handle(inp, (topic, payload, env.sender, env.kind, env.round, env.phase), env)
+            self.handle(inp, (topic, payload, env.sender, env.kind, env.round, env.phase), env)
 
     def _received(self, topic: str, payload: bytes) -> Received | None:
         """A message from a device's `up/` topic as the machine's input, or None (a counted drop)."""
         topic_client = topics.client_of(topic)
         nbytes = len(payload)
         if self.members is not None and topic_client not in self.members:
-            self._drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
+            self.drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
             return None
         fast = fast_reader.read_upload(payload, self.limits) if self._fast else None
         if fast is not None:  # a valid upload, read whole in C: the checks below on its envelope, as for any
@@ -268,7 +281,7 @@ class Aggregator:
         try:
             head = read_header(payload, self.limits)  # the envelope only: the body is not parsed yet
         except WireError as exc:
-            self._drop("malformed", f"{topic}: {exc}", nbytes)
+            self.drop("malformed", f"{topic}: {exc}", nbytes)
             return None
         return self._judged(topic, head, nbytes, topic_client, None)
 
@@ -280,30 +293,30 @@ class Aggregator:
         # Who sent what to whom, from the envelope: a message that cannot be an upload from this topic's
         # device to this federation costs its envelope, never the parsing of its body.
         if head.sender != topic_client:
-            self._drop("sender_mismatch", f"topic says '{topic_client}', message says '{head.sender}'", nbytes)
+            self.drop("sender_mismatch", f"topic says '{topic_client}', message says '{head.sender}'", nbytes)
             return None
         if head.fed != self.fed:
-            self._drop("wrong_fed", f"'{head.fed}' on federation '{self.fed}'", nbytes)
+            self.drop("wrong_fed", f"'{head.fed}' on federation '{self.fed}'", nbytes)
             return None
         if head.kind not in DEVICE_KINDS:
-            self._drop("unexpected_kind", f"{head.kind} from {head.sender} (round {head.round}): a device sends "
+            self.drop("unexpected_kind", f"{head.kind} from {head.sender} (round {head.round}): a device sends "
                                           f"{', '.join(sorted(DEVICE_KINDS))} on up/", nbytes)
             return None
         if msg is None:
             try:
                 self.machine.screen(head)  # round, phase, membership: still before the body
             except Drop as drop:
-                self._drop(drop.reason, drop.detail, nbytes)
+                self.drop(drop.reason, drop.detail, nbytes)
                 return None
             assert isinstance(head, Header)
             try:
                 msg = decode_body(head.open(), self.limits)
             except WireError as exc:
-                self._drop("malformed", f"{topic}: {exc}", nbytes)
+                self.drop("malformed", f"{topic}: {exc}", nbytes)
                 return None
         if isinstance(msg, Join) and self.max_clients is not None and head.sender not in self.clients \
                 and len(self.clients) >= self.max_clients:
-            self._drop("max_clients", f"join from '{head.sender}': the federation has its {self.max_clients} "
+            self.drop("max_clients", f"join from '{head.sender}': the federation has its {self.max_clients} "
                                       f"clients (--max-clients)", nbytes)
             return None
         return Received(head, msg, nbytes)
@@ -314,7 +327,7 @@ class Aggregator:
         the rest (strangers, old retained messages) is ignored without a trace."""
         inp = self._presence_input(topic, payload)
         if inp is not None:
-            self._handle(inp, (topic, payload, inp.client, "status", self.round, ""), f"presence of {inp.client}")
+            self.handle(inp, (topic, payload, inp.client, "status", self.round, ""), f"presence of {inp.client}")
 
     def _presence_input(self, topic: str, payload: bytes) -> Presence | None:
         client = topics.client_of(topic)
@@ -324,11 +337,11 @@ class Aggregator:
             head = read_header(payload, self.limits)
             # Checked on the envelope: a presence that is not this client's status costs no body parsing.
             if head.kind != Status.KIND or head.sender != client or head.fed != self.fed:
-                self._drop("invalid", f"{topic}: not {client}'s presence", len(payload))
+                self.drop("invalid", f"{topic}: not {client}'s presence", len(payload))
                 return None
             msg = decode_body(head.open(), self.limits)
         except WireError as exc:
-            self._drop("malformed", f"{topic}: {exc}", len(payload))
+            self.drop("malformed", f"{topic}: {exc}", len(payload))
             return None
         assert isinstance(msg, Status)
         if msg.detail and msg.state == "online":
@@ -339,7 +352,7 @@ class Aggregator:
             return None  # its place was taken while it was away
         return Presence(client, online=msg.state == "online")
 
-    def _handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
+    def handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a
         counted drop. `what` names the input in a drop's line (a message's envelope: its line is only written for a
         drop)."""
@@ -347,20 +360,21 @@ class Aggregator:
         try:
             effects = self.steps.take(inp, entry)  # durable: on disk before it changes anything (and before the ack)
         except Drop as drop:
-            self._drop(drop.reason, drop.detail, nbytes)
+            self.drop(drop.reason, drop.detail, nbytes)
             return
         except (WireError, ValueError) as exc:
-            self._drop("invalid", f"{_named(what)}: {exc}", nbytes)
+            self.drop("invalid", f"{_named(what)}: {exc}", nbytes)
             return
         except Exception as exc:  # a bug in a stage must not take the federation down with it
             log.exception("unexpected error while handling %s", _named(what))
-            self._drop("invalid", f"{_named(what)}: {type(exc).__name__}: {exc}", nbytes)
+            self.drop("invalid", f"{_named(what)}: {type(exc).__name__}: {exc}", nbytes)
             return
         if self.on_applied is not None:
             self.on_applied(inp)
         self._run(effects, live=True)
 
-    def _drop(self, reason: str, detail: str, nbytes: int) -> None:
+    def drop(self, reason: str, detail: str, nbytes: int) -> None:
+        """Count and log a drop (the error boundary's; also what is composed beside the shell refuses)."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         log.info("dropped upload (%s, %d bytes): %s", reason, nbytes, detail)
 
@@ -382,6 +396,8 @@ class Aggregator:
             elif isinstance(effect, MetricsIn):
                 if self.on_metrics is not None:
                     self.on_metrics(effect.client, effect.round, effect.metrics, effect.nbytes)
+            if live and self.effects is not None:
+                self.effects(effect)
 
     def _encode(self, msg: Message, round_: int, phase: str) -> bytes:
         return encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from broker_server.progress import accuracies
-from broker_server.rounds import Progress, Received, RoundRecord
+from broker_server.rounds import Received, RoundRecord
+from broker_server.shard_closing import Progress
 from broker_server.watch.snapshot import LEFT, NOT_JOINED, OFFLINE, ONLINE, Member, RoundRow, Snapshot, Upload
 from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
