@@ -21,6 +21,7 @@ module checks the core fields only.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +34,7 @@ else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
 
 from protofl import registry
 from protofl.errors import ConfigError
-from protofl.technique import is_number
+from protofl.technique import PlanDraft, is_number
 
 FEDERATE_CHOICES = ("full", "adapter", "none")
 PROTOTYPE_CHOICES = ("none", "mean", "unit")
@@ -150,8 +151,15 @@ class FederationConfig:
         for key, opt in declared.items():
             if owners[key] not in self.techniques:
                 opts[key] = opt.default
-        registry.draft(self)  # the techniques' own checks and combination rules
+        # The techniques' own checks and combination rules, and the round plan they shape: made once, here; the
+        # plan (protofl.plan.RoundPlan.from_config) reads this draft instead of shaping it again.
+        object.__setattr__(self, "_draft", registry.draft(self))
         assert tuple(t.name for t in registry.active(self)) == self.techniques
+
+    @property
+    def draft(self) -> PlanDraft:
+        """The round plan as the used techniques shaped it for this config (RoundPlan.from_config reads it)."""
+        return copy.deepcopy(self.__dict__["_draft"])
 
     def unused_options(self, given: Mapping[str, Any]) -> list[str]:
         """The names in `given` that are options of techniques this federation does not use, set away from their
@@ -159,8 +167,6 @@ class FederationConfig:
         declared, owners = registry.options(), registry.owners()
         return sorted(key for key, value in given.items() if key in owners and owners[key] not in self.techniques
                       and _plain(value) != _plain(declared[key].default))
-
-        registry.draft(self)  # the techniques' own checks and combination rules
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not core fields: a technique's option.
