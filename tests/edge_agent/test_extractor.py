@@ -11,8 +11,8 @@ import torch
 from broker_server.simulation import SimulationSpec, run_simulation
 from edge_agent.agent import EdgeAgent
 from edge_agent.extractor import OnnxExtractor, TorchExtractor, make_extractor, weight_fingerprint
-from edge_agent.techniques.fedpagr import cosine_probabilities
 from edge_agent.models import build_model
+from edge_agent.techniques.fedpagr import cosine_probabilities
 from protofl.data import FASHION_MNIST_DIR
 from protofl.errors import ConfigError
 
