@@ -3,6 +3,8 @@ mu (w - w^t), the option's rules, and the term composed with another rule's in o
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -23,7 +25,8 @@ from protofl.presets import make_config
 from protofl.transport import InProcessBroker
 from protofl.wire import Config, ProtoSet, RoundStart, encode_message
 
-SMALL = dict(num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",), batch_size=8)
+SMALL: dict[str, Any] = dict(num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",),
+                             batch_size=8)
 
 
 def _batch() -> Batch:
