@@ -24,7 +24,7 @@ from edge_agent import params as model_params
 from edge_agent.devices import resolve_device
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
-from edge_agent.techniques import DeviceContext, DeviceRule, Objective, rules_for
+from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective, rules_for
 from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
@@ -273,10 +273,9 @@ class EdgeAgent:
         return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
 
     def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:
-        """The objective for a dense target table (the first rule that owns one; else cross-entropy)."""
-        if not table:
-            return Objective()
-        return self._first("objective", self.context(), table, fresh) or Objective()
+        """The objective for a dense target table (empty: the round carries none): the classifier one rule
+        owns (else the head's) plus every rule's loss terms (edge_agent.techniques.make_objective)."""
+        return make_objective(self.rules, self.context(), table, fresh)
 
     # -- rounds ---------------------------------------------------------------------------------
     def on_round(self, env: Envelope, msg: RoundStart) -> None:

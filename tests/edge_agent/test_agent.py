@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from edge_agent.agent import ClientData, EdgeAgent
+from edge_agent.techniques import AlignmentTerm
 from protofl import topics
 from protofl.algorithms import cps
 from protofl.presets import make_config
@@ -90,8 +91,9 @@ def test_scaled_anchor_targets_fixed_mu_and_auto(mu) -> None:
     G = np.array([[3.0, 4.0, 0.0, 0.0]], dtype=np.float32)  # ||G|| = 5
     t = agent.make_objective(agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.array([0]), values=G),
                                                        target_label="cps+scaled")))
-    target = t.values[0].numpy()
-    assert np.count_nonzero(target) <= 4 and t.present.tolist() == [True, False, False]
+    (term,) = [term for term in t.terms if isinstance(term, AlignmentTerm)]
+    target = term.values[0].numpy()
+    assert np.count_nonzero(target) <= 4 and term.present.tolist() == [True, False, False]
     if mu == "auto":
         assert np.linalg.norm(target) == pytest.approx(_rule(agent, "cps").local_norms[0], rel=1e-5)
     else:
