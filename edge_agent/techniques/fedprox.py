@@ -4,7 +4,9 @@ the proximal term added to the round's objective,
     (mu / 2) * ||w - w^t||^2,        gradient  mu * (w - w^t),
 
 over exactly what the federation shares: every parameter of the model with federate="full", the federated
-adapter (A_f and the head, edge_agent/params.py) with "adapter". w^t is those parameters as the round's
+adapter (A_f and the head, edge_agent/params.py) with "adapter"; with nothing shared ("none", the prototype
+presets) every parameter of the private model, w^t being the device's own model at the round's start
+(protofl/algorithms/fedprox.py says why). w^t is those parameters as the round's
 local training starts from them: the global vector the round message delivered, loaded into the model
 (after any rule set the model up for the round, e.g. FedPAGR's anchored head), copied and detached when the
 objective is built. Buffers (BatchNorm statistics) travel with the full model but have no gradient: the term
@@ -41,13 +43,16 @@ def proximal_term(params: Sequence[torch.Tensor], reference: Sequence[torch.Tens
 
 
 def shared_parameters(model: nn.Module, federate: str) -> list[torch.Tensor]:
-    """The parameters the federation shares: the whole model's ("full") or the adapter's and head's
-    ("adapter"), in the order the vector of edge_agent/params.py has them."""
+    """The parameters the term pulls: those the federation shares, the whole model's ("full") or the adapter's and
+    head's ("adapter"), in the order the vector of edge_agent/params.py has them; with nothing shared ("none")
+    the whole private model's."""
     if federate == "full":
         return list(model.parameters())
     if federate == "adapter":
         return [p for _, module in model_params.adapter_modules(model) for p in module.parameters()]
-    raise ValueError(f"federate={federate!r} shares no parameters: FedProx has nothing to pull")
+    if federate == "none":  # nothing shared: the private model's own parameters, pulled towards the round's start
+        return list(model.parameters())
+    raise ValueError(f"federate={federate!r}: not a known way of federating parameters")
 
 
 class ProximalTerm(LossTerm):

@@ -5,11 +5,18 @@ Each client k minimises, in round t, its local loss plus the proximal term of th
 
     h_k(w; w^t) = F_k(w) + (mu / 2) * ||w - w^t||^2,
 
-where w^t is the global model the round started from: a local solution may not drift far from it, which
-bounds the damage of heterogeneous data and of uneven amounts of local work. Here w is what the federation
-shares (the whole model with federate="full", the federated adapter with "adapter") and w^t those parameters
-as the round message delivered them (docs/algorithms.md, "FedProx"); the device half, the term and its
-gradient mu * (w - w^t), is edge_agent/techniques/fedprox.py.
+where w^t is the model the round started from: a local solution may not drift far from it, which bounds
+the damage of heterogeneous data and of uneven amounts of local work. Here w is what the federation shares
+(the whole model with federate="full", the federated adapter with "adapter") and w^t those parameters as the
+round message delivered them (docs/algorithms.md, "FedProx"); the device half, the term and its gradient
+mu * (w - w^t), is edge_agent/techniques/fedprox.py.
+
+With nothing shared (federate="none": the prototype presets), every device's round starts from its own
+private model, so w^t is that: the term pulls every parameter of the private model towards its values at the
+round's start (the paper's proximal term with the device's own starting point, as its Algorithm 2 has it for
+any local solver's start): a bound on how far one round of local training moves the private backbone, which
+the prototype targets then steer. It is a regulariser of the private models, not a pull towards a global one;
+docs/algorithms.md says so beside the shared case.
 
 The server needs nothing new: FedProx aggregates as FedAvg does (the paper's Algorithm 2 averages the local
 solutions), so the parameter vectors go through the existing mean (protofl/algorithms/fedavg.py, or the
@@ -21,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from protofl.errors import ConfigError
 from protofl.technique import Option, Technique, is_number
 
 __all__ = ["FedProx"]
@@ -42,9 +48,3 @@ class FedProx(Technique):
 
     def active(self, cfg: Any) -> bool:
         return bool(cfg.prox_mu > 0)
-
-    def check(self, cfg: Any) -> None:
-        if cfg.prox_mu > 0 and cfg.federate == "none":
-            raise ConfigError(f"prox_mu={cfg.prox_mu} (FedProx) pulls the parameters the federation shares towards "
-                              f"the round's global ones, but this federation shares none (federate='none'): set "
-                              f"federate='full' (the whole model) or federate='adapter' (the adapter), or prox_mu=0")

@@ -1,5 +1,6 @@
-"""FedProx end to end: `simulate --set prox_mu=...` on FedAvg and on FedProto with a federated adapter; the term
-acts (the global parameters move differently), and prox_mu = 0 changes nothing, the config included."""
+"""FedProx end to end: `simulate --set prox_mu=...` on FedAvg, on FedProto with a federated adapter and on FedProto's
+private models; the term acts (the global parameters or prototypes move differently), and prox_mu = 0 changes
+nothing, the config included."""
 
 from __future__ import annotations
 
@@ -51,14 +52,28 @@ def test_fedproto_with_a_federated_adapter_and_the_proximal_term() -> None:
     assert prox["rounds"][-1]["local_proto_acc"] is not None  # still FedProto: prototypes and their targets
 
 
-def test_the_cli_runs_fedavg_with_prox_mu_and_says_what_fedproto_needs(tmp_path: Path) -> None:
+def test_fedproto_with_the_proximal_term_on_its_private_models() -> None:
+    # Nothing shared: the term pulls each private model towards its own start of the round, so it acts once the
+    # round's local steps have moved it (3 epochs here); the global prototypes then differ.
+    protos = []
+    for mu in (0.0, 5.0):
+        box: dict[str, Any] = {}
+        spec = SimulationSpec(preset="fedproto", **FED, overrides=dict(prox_mu=mu, local_epochs=3))  # type: ignore[arg-type]
+        report = run_simulation(spec, on_finish=lambda agg, box=box: box.setdefault("agg", agg))
+        assert ("fedprox" in report["config"]["techniques"]) is (mu > 0)
+        protos.append({c: v.copy() for c, v in box["agg"].model.prototypes.items()})
+    assert protos[0].keys() == protos[1].keys()
+    assert any(not np.array_equal(protos[0][c], protos[1][c]) for c in protos[0])
+
+
+def test_the_cli_runs_fedavg_and_fedproto_with_prox_mu(tmp_path: Path) -> None:
     out = tmp_path / "fedavg.json"
     res = CliRunner().invoke(app, [*CLI, "--preset", "fedavg", "--set", "prox_mu=0.01", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["config"]["techniques"]["fedprox"] == {"prox_mu": 0.01}
-    res = CliRunner().invoke(app, [*CLI, "--preset", "fedproto", "--set", "prox_mu=0.01"])
-    assert res.exit_code == 2, res.output
-    said = " ".join(res.output.split())
-    assert "shares none (federate='none'): set federate='full' (the whole model) or federate='adapter'" in said
+    out = tmp_path / "fedproto.json"
+    res = CliRunner().invoke(app, [*CLI, "--preset", "fedproto", "--set", "prox_mu=0.01", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["config"]["techniques"]["fedprox"] == {"prox_mu": 0.01}
     res = CliRunner().invoke(app, [*CLI, "--preset", "fedproto", "--set", "prox_mu=0.01", "--set", "federate=adapter"])
     assert res.exit_code == 0, res.output

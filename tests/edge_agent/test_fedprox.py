@@ -86,8 +86,7 @@ def test_zero_where_w_is_the_round_start_and_skips_what_does_not_train() -> None
     assert term.loss(_batch()).item() == pytest.approx(0.25 * 48)
     model.head.weight.requires_grad_(False)  # a fixed head stays at w^t in training: the sum leaves it out
     assert term.loss(_batch()).item() == 0.0
-    with pytest.raises(ValueError, match="shares no parameters"):
-        shared_parameters(model, "none")
+    assert shared_parameters(model, "none") == list(model.parameters())  # nothing shared: the private model
 
 
 def test_the_option_and_its_combination_rule() -> None:
@@ -98,10 +97,9 @@ def test_the_option_and_its_combination_rule() -> None:
     for bad, why in ((-0.1, ">= 0"), (float("nan"), "finite"), ("x", "finite"), (True, "finite")):
         with pytest.raises(ConfigError, match=why):
             make_config("fedavg", prox_mu=bad)
-    # FedProto shares no parameters: there is no w^t to pull towards, and the message says what to set
-    with pytest.raises(ConfigError, match="shares none \\(federate='none'\\): set federate='full'.*or prox_mu=0"):
-        make_config("fedproto", prox_mu=0.01)
-    make_config("fedproto", prox_mu=0.01, federate="adapter")  # FedProto with a federated adapter: it applies
+    # FedProto shares no parameters: the term pulls the private model towards its own start of the round
+    assert "fedprox" in RoundPlan.from_config(make_config("fedproto", prox_mu=0.01)).techniques
+    make_config("fedproto", prox_mu=0.01, federate="adapter")  # FedProto with a federated adapter: the adapter
 
 
 def _context(cfg: FederationConfig, masks: np.ndarray | None = None) -> tuple[DeviceContext, list]:
