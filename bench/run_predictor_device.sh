@@ -58,7 +58,7 @@ pack() {  # every result so far as one file
     2>/dev/null && mv -f "$OUT/predictor.tar.gz.tmp" "$OUT/predictor.tar.gz"
 }
 ( while sleep 15; do pack; done ) & PACKER=$!
-( nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 > "$OUT/gpu.csv" 2>/dev/null ) & SMI=$!
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 > "$OUT/gpu.csv" 2>/dev/null & SMI=$!
 
 run() {  # run NAME ARGS...: one process; its log is $RES/NAME.log
   local name=$1; shift
