@@ -17,9 +17,10 @@
 # What comes back in $OUT (the tool returns at most 8 files): predictor.tar.gz (every result JSON and process log
 # under bench/results/predictor, refreshed every 15 s, so a cut run still returns what it finished),
 # SUMMARY.md (the tables and the rule's verdicts), device.log (this script's lines), gpu.csv (utilisation).
-# A dry run of the plumbing on a CPU (tiny sizes, results in a scratch folder):
-#   OUT=/tmp/o RES_DIR=/tmp/r DEVICE=cpu TOTAL_S=150 R18_ROUNDS=1 CNN_ROUNDS=1 \
-#   EXTRA_ARGS="--train-limit 900 --test-limit 200 --public-epochs 1 --threads 1" bash bench/run_predictor_device.sh
+# A dry run of the plumbing on a CPU (every run made a tiny cnn one, results in a scratch folder; on a busy 2-core box
+# the nine processes mostly show the budget skipping and the hard stop at work):
+#   OUT=/tmp/o RES_DIR=/tmp/r DEVICE=cpu TOTAL_S=200 R18_ROUNDS=1 CNN_ROUNDS=1 WITH_B=0 \
+#   EXTRA_ARGS="--arch cnn --train-limit 900 --test-limit 200 --public-epochs 1 --threads 1" bash bench/run_predictor_device.sh
 set -u
 START=$(date +%s)
 TOTAL=${TOTAL_S:-480}        # the whole script ends within this many seconds
