@@ -27,7 +27,7 @@ class Send:
 
     topic: str
     payload: bytes
-    kind: str  # the wire kind: join, protos, params, metrics
+    kind: str  # the wire kind: join, protos, adapter (a parameter vector), metrics
     round: int
     phase: str
     # Emulated compute (a device profile in simulation): not before this epoch time; 0: at once. A carrier
