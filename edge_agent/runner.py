@@ -131,7 +131,10 @@ class DeviceRunner:
                 self.held.close()  # what is held back (the last metrics) goes out first
             done = self.agent is not None and self.agent.finished
             if not done and self.agent is not None and self.agent.stats.rounds_trained and self.artifacts_dir:
-                self._deployable(self.agent.deployable())  # leaving early: what it trained so far is still deployable
+                try:  # leaving early: what it trained so far is still deployable
+                    self._deployable(self.agent.deployable())
+                except (ValueError, RuntimeError) as exc:  # never hides why the loop ended
+                    log.error("%s: could not collect its artifacts: %s", self.client_id, exc)
             if self.transport.connected:
                 self._presence("done" if done else "offline", "left")
             self.transport.close()
