@@ -84,7 +84,7 @@ def test_unknown_extractor_is_refused() -> None:
     with pytest.raises(ConfigError, match="extractor must be one of torch, onnx"):
         make_extractor("tflite", build_model("mlp", (1, 28, 28), 10, seed=0))
     with pytest.raises(ConfigError, match="extractor must be one of torch, onnx"):
-        EdgeAgent("c", "f", None, None, extractor="tflite")  # type: ignore[arg-type]
+        EdgeAgent("c", "f", None, extractor="tflite")  # type: ignore[arg-type]
 
 
 def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
