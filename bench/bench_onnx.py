@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from broker_server.shell import Aggregator  # noqa: E402
 from broker_server.simulation import SimulationSpec, prepare  # noqa: E402
 from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
+from edge_agent.local import LocalDevice  # noqa: E402
 from edge_agent.models import build_model  # noqa: E402
 from edge_agent.onnx_export import export_onnx  # noqa: E402
 from export.bench import bench_model, speedups  # noqa: E402
@@ -84,10 +85,10 @@ def federation(backbone: str, extractor: str, args: argparse.Namespace) -> dict[
         part = split.clients[i]
         data = ClientData(train.normalized(part.train), train.y[part.train], train.normalized(part.test),
                           train.y[part.test], x_test, test.y, train.mean, train.std)
-        agents.append(EdgeAgent(cid, "bench", broker.connect(cid), data, arch=args.arch, extractor=extractor))
+        agents.append(EdgeAgent(cid, "bench", data, arch=args.arch, extractor=extractor))
     agg.start()
     for a in agents:
-        a.start()
+        LocalDevice(a, broker.connect(a.client_id)).start()
     start = time.perf_counter()
     while not agg.finished:
         if broker.pump(1) == 0:

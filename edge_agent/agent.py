@@ -1,30 +1,41 @@
-"""The edge agent: one device's side of a round, over any `Transport`.
+"""The edge agent: one device's side of a round, as inputs -> outcomes, with no transport inside.
 
-It reads the retained `config`, `public` and `round` messages, trains locally and publishes its
-uploads on `up/{client_id}`. The same object runs in the in-process simulator and on a device over
-MQTT; nothing here knows which, and nothing here names a technique: what to send in each phase comes
-from the round plan (protofl.plan), how from the active techniques' device rules (edge_agent/techniques).
-A training round is one pass: round message -> targets -> objective -> local training -> uploads -> send.
+Its inputs are what the server publishes - the retained `config`, `public` and `round` messages - a re-send
+request from the server, and "join now"; each returns an `Outcome` (edge_agent/outcome.py): the uploads to send
+on `up/{client_id}` with their round and phase, whether the checkpointed state changed, a failed round and
+why, the inputs it refused, its deployable artifacts of the moment. The device mirrors the server's round
+machine, which returns effects the I/O shell carries out: here the MQTT runner (edge_agent/runner.py) or the
+simulator's carrier (edge_agent/local.py) carries the outcome out, and the same object runs under both.
+Nothing here names a technique: what to send in each phase comes from the round plan (protofl.plan), how from
+the active techniques' device rules (edge_agent/techniques). A training round is one pass: round message ->
+targets -> objective -> local training -> uploads (+ metrics) -> outcome.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import logging
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from edge_agent import frozen, guard, trainer
 from edge_agent import params as model_params
+from edge_agent.artifacts import DeviceArtifacts, collect_device_artifacts
+from edge_agent.device_config import DeviceConfig, read_config
 from edge_agent.devices import resolve_device
+from edge_agent.emulation import RoundClock
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
-from edge_agent.techniques import DeviceContext, DeviceRule, Objective, rules_for
+from edge_agent.outcome import Drop, Failure, Outcome, Send
+from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
 from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
@@ -36,7 +47,6 @@ from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.schedule import check_cadence, is_due, scores_test_set
 from protofl.technique import first_answer
-from protofl.transport import Transport
 from protofl.wire import (
     DEFAULT_LIMITS,
     Config,
@@ -50,10 +60,16 @@ from protofl.wire import (
     RoundStart,
     decode_message,
     encode_message,
+    read_header,
 )
 
 log = logging.getLogger("protofl.edge")
 AGENT_VERSION = "0.1.0"
+KEPT_METRICS = 2  # rounds whose metrics a device keeps to send again: a round's line waits for its metrics only
+# When a device keeps its deployable artifacts (edge_agent/artifacts.py): once it holds the federation's state,
+# before its first local training (a device that joins late can predict from then on), and when the federation
+# finishes.
+ArtifactMoment = Literal["first_training", "final"]
 
 
 @dataclass
@@ -94,13 +110,39 @@ def stable_seed(*parts: object) -> int:
     return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
 
+@dataclass
+class _Step:
+    """What the input being handled has made the agent do so far (becomes its `Outcome`)."""
+
+    sends: list[Send] = field(default_factory=list)
+    drops: list[Drop] = field(default_factory=list)
+    failure: Failure | None = None
+    artifacts: DeviceArtifacts | None = None
+    configured: bool = False
+    finished: bool = False
+
+    def outcome(self, changed: bool = False, trained: bool = False) -> Outcome:
+        return Outcome(sends=tuple(self.sends), drops=tuple(self.drops), failure=self.failure,
+                       artifacts=self.artifacts, configured=self.configured, finished=self.finished, changed=changed,
+                       trained=trained)
+
+
 class EdgeAgent:
-    def __init__(self, client_id: str, fed: str, transport: Transport, data: ClientData, *,
+    """One device of a federation: inputs in, `Outcome`s out (module docstring).
+
+    `clock`: a device profile's round clock (edge_agent/emulation.py): the upload budget, and when uploads may
+    leave after the emulated compute. `resends`: keep the uploads sent for the last round message and the last
+    rounds' metrics, and send them again when that round message comes again or the server asks (a runner over
+    a broker that may lose them; the in-process simulator loses nothing). `artifacts_at`: the moments whose
+    deployable artifacts the outcomes carry."""
+
+    def __init__(self, client_id: str, fed: str, data: ClientData, *,
                  arch: str | None = None, profile: str = "", device: str = "cpu",
-                 eval_every: int = 1, test_every: int | None = None, extractor: str = "torch") -> None:
+                 eval_every: int = 1, test_every: int | None = None, extractor: str = "torch",
+                 clock: RoundClock | None = None, resends: bool = False,
+                 artifacts_at: Collection[ArtifactMoment] = ()) -> None:
         self.client_id = client_id
         self.fed = fed
-        self.transport = transport
         self.data = data
         self.arch = arch
         self.profile = profile
@@ -121,8 +163,16 @@ class EdgeAgent:
         self.adapter_round = -1  # the round whose global adapter we hold
         self.objective = Objective()  # this round's objective (also what the metrics classify with)
         self.handled: set[tuple[int, str]] = set()
-        self.last_failure: tuple[int, str, str] | None = None  # (round, phase, why) of a round that failed here
         self.finished = False
+        self.clock = clock
+        self.resends = resends
+        self.artifacts_at = frozenset(artifacts_at)
+        # With `resends`: the last round message given (its round and phase) and the uploads sent for it, and
+        # the metrics sent for the last KEPT_METRICS rounds. The first two are checkpointed (edge_agent/resume.py).
+        self.last_key: tuple[int, str] | None = None
+        self.sent: tuple[Send, ...] = ()
+        self.kept_metrics: dict[int, Send] = {}
+        self._step: _Step | None = None
         self._extractor: Extractor | None = None
         # The training split's features after this round's training, where the uploads computed them: the
         # evaluation that follows in the same round reuses them (the model has not changed in between).
@@ -130,16 +180,9 @@ class EdgeAgent:
         # cfg.keep_optimizer: the momentum buffers the last round's local training left (PFLlib keeps one
         # optimiser per client for the whole run). Not checkpointed: a restarted device starts them afresh.
         self._momentum: trainer.Momentum = {}
-        # Set by a runner with a link profile: deadline (server clock) -> upload budget in bytes.
-        self.upload_budget: Callable[[float], int | None] | None = None
-        self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the runner's timings)
-        # Set by a runner: called with (topic, payload) for every upload this agent sends, so that the
-        # runner never decodes a message to learn whether it is one.
-        self.on_upload: Callable[[str, bytes], None] | None = None
-        # Set by a runner that keeps deployable artifacts (edge_agent/artifacts.py): called once the agent
-        # holds the federation's state, before its first local training (a device that joins late can
-        # predict from then on), and when the federation finishes.
-        self.on_deployable: Callable[[EdgeAgent], None] | None = None
+        # With a link profile: deadline (server clock) -> upload budget in bytes.
+        self.upload_budget: Callable[[float], int | None] | None = clock.budget if clock is not None else None
+        self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the clock's timings, the upload choice)
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
@@ -149,72 +192,156 @@ class EdgeAgent:
         """This round's dense targets (empty before any)."""
         return self.objective.table()
 
-    # -- transport glue -----------------------------------------------------------------------
-    def start(self) -> None:
-        self.transport.subscribe(topics.config(self.fed), self.on_message)
-        self.transport.subscribe(topics.public(self.fed), self.on_message)
-        self.transport.subscribe(topics.round_(self.fed), self.on_message)
-        self.join()
+    # -- inputs -> outcomes ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _input(self) -> Iterator[_Step]:
+        """One input being handled: what it does is collected in a `_Step` (an input within an input, e.g. a
+        round message within `receive`, adds to the outer one's)."""
+        if self._step is not None:
+            yield self._step
+            return
+        self._step = _Step()
+        try:
+            yield self._step
+        finally:
+            self._step = None
 
-    def join(self) -> None:
-        self._send(Join(arch=self.arch or "", n_samples=len(self.data.y_train), profile=self.profile,
-                        agent_version=AGENT_VERSION), round_=0, phase="")
+    def join(self) -> Outcome:
+        """Join the federation: the carrier sends it once the server is up (and again when the server asks)."""
+        with self._input() as step:
+            self._send(Join(arch=self.arch or "", n_samples=len(self.data.y_train), profile=self.profile,
+                            agent_version=AGENT_VERSION), round_=0, phase="")
+            return step.outcome()
+
+    def receive(self, topic: str, payload: bytes, *, recv_t: float | None = None) -> Outcome:
+        """A message from the server's topics (`config`, `public`, `round`) as it arrived; `recv_t`: when it came
+        off the wire (epoch s; the round clock measures compute from then)."""
+        with self._input() as step:
+            try:
+                env, msg = decode_message(payload, limits=self.limits)
+            except WireError as exc:
+                self.stats.received_bytes += len(payload)
+                if topic == topics.round_(self.fed):
+                    self._round_arrived(None, recv_t)
+                self._drop("malformed", f"{topic}: {exc}")
+                return step.outcome()
+            return self.handle(topic, env, msg, len(payload), recv_t=recv_t)
+
+    def handle(self, topic: str, env: Envelope, msg: Message, nbytes: int, *, recv_t: float | None = None,
+               config: DeviceConfig | None = None) -> Outcome:
+        """A decoded message from the server. `config`: what `read_config` read from this Config message already
+        (the runner reads the first config itself: the device's data depends on it)."""
+        with self._input() as step:
+            if topic == topics.round_(self.fed):
+                key = (env.round, env.phase)
+                if self.resends and key == self.last_key and key in self.handled:
+                    # The round message came again: after a reconnect of ours or the server's, or a broker restart.
+                    # Uploads sent while the server was not subscribed are lost, and it would wait for them
+                    # forever, so they go again; the aggregator drops (and counts) the duplicates.
+                    return self._again(self.sent, "announced again")
+                self._round_arrived(key, recv_t)
+            self.stats.received_bytes += nbytes
+            if env.fed != self.fed:
+                self._drop("wrong_fed", f"message for federation '{env.fed}'")
+                return step.outcome()
+            handled = set(self.handled)
+            trained = self.stats.rounds_trained
+            if isinstance(msg, Config):
+                self.on_config(msg, config)
+            elif isinstance(msg, PublicSet):
+                self.on_public(msg)
+            elif isinstance(msg, RoundStart):
+                self.on_round(env, msg)
+            return step.outcome(changed=isinstance(msg, RoundStart) and self.handled != handled,
+                                trained=self.stats.rounds_trained != trained)
+
+    def resend(self, ask: str, round_: int, phase: str) -> Outcome:
+        """The server asks again (edge_agent/resend.py read and rate-limited its request) for what the broker may
+        have dropped: our join, the uploads of round message (`round_`, `phase`), or round `round_`'s metrics.
+        The same bytes go again; nothing if this device has not sent them (or does not keep them)."""
+        if ask == "join":
+            return self.join()
+        if ask == "metrics":
+            kept = self.kept_metrics.get(round_)
+            return self._again(() if kept is None else (kept,), "asked again by the server")
+        key = (round_, phase)
+        if key != self.last_key or key not in self.handled:
+            return Outcome()
+        return self._again(self.sent, "asked again by the server")
+
+    def restart(self) -> None:
+        """The server waits for joins again, with no round opened: a fresh federation, whose round numbers start
+        again at 1 (nothing handled yet)."""
+        self.handled.clear()
+
+    def deployable(self) -> DeviceArtifacts:
+        """What this device could deploy now (it holds a model)."""
+        return collect_device_artifacts(self)
+
+    def _round_arrived(self, key: tuple[int, str] | None, recv_t: float | None) -> None:
+        """A new round message (or an unreadable one) on the round topic: what is kept to send again starts
+        afresh, and the round clock starts."""
+        if self.resends:
+            self.last_key, self.sent = key, ()
+        if self.clock is not None:
+            self.clock.begin(time.time() if recv_t is None else recv_t)
+            self.metrics_extra.clear()
+
+    def _again(self, sends: tuple[Send, ...], why: str) -> Outcome:
+        """`sends` once more, still not before their round's release time (a profile's emulated compute)."""
+        release = (self.clock.release_t or 0.0) if self.clock is not None else 0.0
+        return Outcome(sends=tuple(dataclasses.replace(s, not_before=release) for s in sends),
+                       resent=why if sends else "")
 
     def _send(self, msg: Message, round_: int, phase: str, upload: bool = False) -> int:
         payload = encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
-        topic = topics.up(self.fed, self.client_id)
-        if upload and self.on_upload is not None:
-            self.on_upload(topic, payload)
-        self.transport.publish(topic, payload, qos=1)
+        release = 0.0
+        if upload and self.clock is not None:
+            release = self.clock.upload_release()  # the emulated compute is over: the uploads may leave
+            self.metrics_extra.update(self.clock.extra)
+        send = Send(topics.up(self.fed, self.client_id), payload, msg.KIND, round_, phase, release)
+        if self.resends:
+            if upload:
+                self.sent += (send,)
+            elif isinstance(msg, Metrics):
+                self.kept_metrics[round_] = send
+                for old in sorted(self.kept_metrics)[:-KEPT_METRICS]:
+                    del self.kept_metrics[old]
+        assert self._step is not None, "the agent sends only while it handles an input"
+        self._step.sends.append(send)
         self.stats.uploaded_bytes += len(payload)
         return len(payload)
+
+    def restore_sent(self, key: tuple[int, str] | None, payloads: list[tuple[str, bytes]]) -> None:
+        """What a checkpoint says was sent for round message `key` (edge_agent/resume.py)."""
+        def kind(payload: bytes) -> str:
+            try:
+                return read_header(payload, self.limits).kind
+            except WireError:
+                return ""
+
+        self.last_key = key
+        self.sent = tuple(Send(t, p, kind(p), *(key or (0, ""))) for t, p in payloads)
 
     def _drop(self, reason: str, detail: str) -> None:
         self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
         log.warning("%s: dropped message (%s): %s", self.client_id, reason, detail)
-
-    def on_message(self, topic: str, payload: bytes) -> None:
-        try:
-            env, msg = decode_message(payload, limits=self.limits)
-        except WireError as exc:
-            self.stats.received_bytes += len(payload)
-            self._drop("malformed", f"{topic}: {exc}")
-            return
-        self.handle(topic, env, msg, len(payload))
-
-    def handle(self, topic: str, env: Envelope, msg: Message, nbytes: int) -> None:
-        """A decoded message from the server (the runner decodes round messages itself, once)."""
-        self.stats.received_bytes += nbytes
-        if env.fed != self.fed:
-            self._drop("wrong_fed", f"message for federation '{env.fed}'")
-            return
-        if isinstance(msg, Config):
-            self.on_config(msg)
-        elif isinstance(msg, PublicSet):
-            self.on_public(msg)
-        elif isinstance(msg, RoundStart):
-            self.on_round(env, msg)
+        if self._step is not None:
+            self._step.drops.append(Drop(reason, detail))
 
     # -- config and public set ----------------------------------------------------------------
-    def on_config(self, msg: Config) -> None:
+    def on_config(self, msg: Config, read: DeviceConfig | None = None) -> None:
+        """Adopt the federation's config (`read`: what `read_config` read from `msg` already)."""
+        shape = tuple(self.data.x_train.shape[1:])
         try:
-            cfg = FederationConfig.from_dict(dict(msg.params))
-        except (ConfigError, TypeError) as exc:
-            self._drop("bad_config", str(exc))
+            read = read_config(msg, shape) if read is None else read.for_data(shape)
+        except ConfigError as exc:
+            # Keep the previous config and model: a hostile or mistaken config must not wedge this device.
+            self._drop("bad_config", f"{exc}; keeping the previous config")
             return
+        cfg, plan, rules = read.cfg, read.plan, list(read.rules)
         if self.cfg == cfg and self.model is not None:
             return  # retained config re-delivered after a reconnect
-        problem = guard.config_problem(cfg, tuple(self.data.x_train.shape[1:]))
-        if problem is not None:
-            # Keep the previous config and model: a hostile or mistaken config must not wedge this device.
-            self._drop("bad_config", f"{problem}; keeping the previous config")
-            return
-        plan = RoundPlan.from_config(cfg)
-        try:
-            rules = rules_for(cfg, plan, msg)
-        except ConfigError as exc:
-            self._drop("bad_config", str(exc))
-            return
         options: dict[str, Any] = {}
         for rule in rules:
             options.update(rule.model_options())
@@ -243,8 +370,11 @@ class EdgeAgent:
         self.limits = own if stated <= own.max_message_bytes else Limits(
             max_message_bytes=stated, max_elements=own.max_elements, max_bin_len=max(own.max_bin_len, stated))
         self.handled.clear()
+        if self._step is not None:
+            self._step.configured = True
 
     def on_public(self, msg: PublicSet) -> None:
+        """Keep the server's public set (normalised as this device's data is)."""
         x = msg.x.astype(np.float32)
         if msg.x.dtype == np.uint8:
             mean = np.asarray(self.data.mean, dtype=np.float32).reshape(1, -1, 1, 1)
@@ -273,18 +403,20 @@ class EdgeAgent:
         return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
 
     def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:
-        """The objective for a dense target table (the first rule that owns one; else cross-entropy)."""
-        if not table:
-            return Objective()
-        return self._first("objective", self.context(), table, fresh) or Objective()
+        """The objective for a dense target table (empty: the round carries none): the classifier one rule
+        owns (else the head's) plus every rule's loss terms (edge_agent.techniques.make_objective)."""
+        return make_objective(self.rules, self.context(), table, fresh)
 
     # -- rounds ---------------------------------------------------------------------------------
     def on_round(self, env: Envelope, msg: RoundStart) -> None:
+        """A round message: train (or a phase's own upload) once per round and phase, or the federation's end."""
         if msg.final:
             first = not self.finished
             self.finished = True
-            if first and self.model is not None and self.on_deployable is not None:
-                self.on_deployable(self)
+            if first and self._step is not None:
+                self._step.finished = True
+                if self.model is not None and "final" in self.artifacts_at:
+                    self._step.artifacts = self.deployable()
             return
         key = (env.round, env.phase)
         if key in self.handled or self.plan is None or self.model is None:
@@ -311,11 +443,10 @@ class EdgeAgent:
             self._restore(saved)
             self.handled.discard(key)
             self.stats.failed_rounds += 1
-            self.last_failure = (env.round, env.phase, f"{type(exc).__name__}: {exc}")
+            if self._step is not None:
+                self._step.failure = Failure(env.round, env.phase, f"{type(exc).__name__}: {exc}")
             self._drop("round_failed", f"round {env.round} {env.phase}: {type(exc).__name__}: {exc}; "
                                        f"previous state restored, the round will be retried")
-            return
-        self.last_failure = None
 
     def _snapshot(self) -> dict[str, Any]:
         """What handling a round changes: the model's weights and the round state kept between rounds."""
@@ -369,8 +500,8 @@ class EdgeAgent:
         except WireError as exc:
             self._drop("bad_round", str(exc))
             return
-        if self.stats.rounds_trained == 0 and self.on_deployable is not None:
-            self.on_deployable(self)  # the global state as received, before this device changes anything
+        if self.stats.rounds_trained == 0 and "first_training" in self.artifacts_at and self._step is not None:
+            self._step.artifacts = self.deployable()  # the global state as received, before this device changes it
         seed = stable_seed(cfg.seed, self.client_id, round_)
         # Dropout draws from torch's global RNG: seed it per client and round so that training does not
         # depend on what else ran in this process (in-process vs MQTT parity).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +26,12 @@ from edge_agent import trainer
 from edge_agent.models import ProtoNet
 from protofl import artifacts as art
 from protofl.algorithms.fedproto import local_prototypes
+from protofl.config import FederationConfig
 
 if TYPE_CHECKING:
     from edge_agent.agent import EdgeAgent
 
-__all__ = ["model_spec", "write_device_artifacts"]
+__all__ = ["DeviceArtifacts", "collect_device_artifacts", "model_spec", "write_device_artifacts"]
 
 
 def model_spec(model: ProtoNet, mean: Sequence[float] | None = None,
@@ -56,31 +58,68 @@ def _own_prototypes(agent: EdgeAgent) -> tuple[dict[int, np.ndarray], dict[int, 
     return table, counts, "cosine" if agent.plan.prototypes == "unit" else "l2"
 
 
+@dataclass(frozen=True)
+class DeviceArtifacts:
+    """What a device could deploy at one moment, copied out of it (the agent goes on training): its model, its
+    own class means and the prototype table it classifies with. `write` puts it on disk."""
+
+    client_id: str
+    fed: str
+    cfg: FederationConfig
+    arch: str
+    rounds_trained: int
+    state: dict[str, np.ndarray]  # the model's state_dict, copied
+    spec: dict[str, Any]  # model_spec: how to rebuild it, with its input normalisation
+    own: dict[int, np.ndarray]  # its own class means through the model, full width
+    counts: dict[int, int]
+    own_metric: str
+    targets: dict[int, np.ndarray]  # the round's dense targets as this device decodes them (empty: none)
+    metric: str | None  # how the objective compares features with them (None: it classifies with the head)
+    final: bool = False  # the federation had finished
+
+    def write(self, root: str | os.PathLike[str], class_names: Sequence[str] | None = None,
+              data: str | None = None) -> Path:
+        """Write ROOT/devices/<id>/; returns that folder. `data`: the spec of its data (`--data`), recorded so
+        that the export tools can default to the same inputs."""
+        cfg, own, counts, own_metric = self.cfg, self.own, self.counts, self.own_metric
+        out = art.device_dir(root, self.client_id)
+        names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
+        art.write_model(out / art.MODEL, self.state, self.spec)
+        art.write_prototypes(out / art.LOCAL, own, metric=own_metric, class_names=names, source="local",
+                             counts=counts)
+        targets, metric = self.targets, self.metric
+        if targets and metric is not None:
+            table = {int(c): np.asarray(v, np.float32) for c, v in targets.items()}
+            art.write_prototypes(out / art.PROTOTYPES, table, metric=metric, class_names=names, source="global")
+            source = "global"
+        else:
+            art.write_prototypes(out / art.PROTOTYPES, own, metric=own_metric, class_names=names, source="local")
+            source, metric = "local", own_metric
+        art.write_json(out / art.DEVICE, art.stamp(
+            written_by="protofl-edge join", client_id=self.client_id, fed=self.fed, preset=cfg.preset,
+            rounds_trained=self.rounds_trained, arch=self.arch, config=cfg.to_dict(), class_names=names,
+            data=data,
+            prototypes={"source": source, "metric": metric, "classes": sorted(int(c) for c in (
+                targets if source == "global" else own))}))
+        return out
+
+
+def collect_device_artifacts(agent: EdgeAgent) -> DeviceArtifacts:
+    """`agent`'s deployable artifacts now (configured: it holds a model)."""
+    model, cfg = agent.model, agent.cfg
+    assert model is not None and cfg is not None, "an agent has artifacts once it has a config"
+    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    own, counts, own_metric = _own_prototypes(agent)
+    targets = {int(c): np.array(v, copy=True) for c, v in agent.objective.table().items()}
+    return DeviceArtifacts(client_id=agent.client_id, fed=agent.fed, cfg=cfg, arch=model.arch,
+                           rounds_trained=agent.stats.rounds_trained, state=state,
+                           spec=model_spec(model, agent.data.mean, agent.data.std), own=own, counts=counts,
+                           own_metric=own_metric, targets=targets, metric=agent.objective.metric,
+                           final=agent.finished)
+
+
 def write_device_artifacts(agent: EdgeAgent, root: str | os.PathLike[str], class_names: Sequence[str] | None = None,
                            data: str | None = None) -> Path:
     """Write ROOT/devices/<id>/ for `agent` (configured: it holds a model); returns that folder. `data`: the
     spec of its data (`--data`), recorded so that the export tools can default to the same inputs."""
-    model, cfg = agent.model, agent.cfg
-    assert model is not None and cfg is not None, "an agent writes artifacts once it has a config"
-    out = art.device_dir(root, agent.client_id)
-    names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
-    state = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    art.write_model(out / art.MODEL, state, model_spec(model, agent.data.mean, agent.data.std))
-    own, counts, own_metric = _own_prototypes(agent)
-    art.write_prototypes(out / art.LOCAL, own, metric=own_metric, class_names=names, source="local",
-                         counts=counts)
-    targets, metric = agent.objective.table(), agent.objective.metric
-    if targets and metric is not None:
-        table = {int(c): np.asarray(v, np.float32) for c, v in targets.items()}
-        art.write_prototypes(out / art.PROTOTYPES, table, metric=metric, class_names=names, source="global")
-        source = "global"
-    else:
-        art.write_prototypes(out / art.PROTOTYPES, own, metric=own_metric, class_names=names, source="local")
-        source, metric = "local", own_metric
-    art.write_json(out / art.DEVICE, art.stamp(
-        written_by="protofl-edge join", client_id=agent.client_id, fed=agent.fed, preset=cfg.preset,
-        rounds_trained=agent.stats.rounds_trained, arch=model.arch, config=cfg.to_dict(), class_names=names,
-        data=data,
-        prototypes={"source": source, "metric": metric, "classes": sorted(int(c) for c in (
-            targets if source == "global" else own))}))
-    return out
+    return collect_device_artifacts(agent).write(root, class_names, data)

@@ -1,10 +1,11 @@
 """Prototype-space extraction behind one small interface: torch, or onnxruntime.
 
-The agent asks an :class:`Extractor` for z (to compute public and local prototypes) and for class
-probabilities (its metrics; the head is applied to z in numpy by :func:`class_probabilities`, so one
-forward pass serves both). :class:`TorchExtractor` is the reference (``trainer.embed``). :class:`OnnxExtractor` runs the *features* graph on onnxruntime; because the
-agent trains between extractions, the graph is re-exported on demand whenever the weights changed,
-detected by a fingerprint of the weights (so a round exports once, however many times it extracts).
+The agent asks an :class:`Extractor` for z (to compute public and local prototypes and its metrics; the
+round's objective turns z into class probabilities, so one forward pass serves every prediction).
+:class:`TorchExtractor` is the reference (``trainer.embed``). :class:`OnnxExtractor` runs the *features*
+graph on onnxruntime; because the agent trains between extractions, the graph is re-exported on demand
+whenever the weights changed, detected by a fingerprint of the weights (so a round exports once, however
+many times it extracts).
 
 With a frozen backbone only the backbone is exported, once, and the few small layers after it
 (stem, adapter, projection) run in torch: no per-round export at all.
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from edge_agent import trainer
-from edge_agent.models import ProtoNet
+from edge_agent.models import ProtoNet, head_probabilities
 from edge_agent.onnx_export import ExportError, export_onnx
 from edge_agent.onnx_runtime import embed_onnx, session
 from protofl.errors import ConfigError
@@ -41,9 +42,8 @@ class Extractor(Protocol):
         """z (n, m) float32 for images x (n, c, h, w), normalised float32."""
         ...
 
-    def predict_proba(self, x: np.ndarray | torch.Tensor, unit_prototypes: torch.Tensor | np.ndarray | None = None,
-                      beta: float = 0.1) -> np.ndarray:
-        """(n, C) class probabilities: the head's softmax, or softmax(z_hat . P^T / beta) (unit prototypes P)."""
+    def predict_proba(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
+        """(n, C) class probabilities: the head's softmax (models.head_probabilities)."""
         ...
 
 
@@ -74,30 +74,6 @@ def _as_tensor(x: np.ndarray | torch.Tensor, like: nn.Module) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(device)
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32, copy=False)
-
-
-def class_probabilities(model: ProtoNet, z: np.ndarray, unit_prototypes: torch.Tensor | np.ndarray | None = None,
-                        beta: float = 0.1) -> np.ndarray:
-    """(n, C) class probabilities from features z: the head's softmax, or softmax(z_hat . P^T / beta) (unit prototypes P).
-
-    The head is a single Linear: applied in numpy it always uses the head's current weights (a technique
-    may anchor them at round start), needs no export, and lets evaluation reuse one forward pass for
-    the head's and the nearest prototype's predictions.
-    """
-    if len(z) == 0:
-        return np.zeros((0, model.num_classes), dtype=np.float32)
-    if unit_prototypes is not None:
-        P = _as_numpy(unit_prototypes)
-        z_hat = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-12)  # F.normalize's eps
-        return _softmax(z_hat @ P.T / np.float32(beta))
-    w = model.head.weight.detach().cpu().numpy()
-    b = model.head.bias.detach().cpu().numpy()
-    return _softmax(z @ w.T + b)
-
-
 class TorchExtractor:
     """The reference: the model itself, in eval mode."""
 
@@ -107,9 +83,8 @@ class TorchExtractor:
     def embed(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
         return trainer.embed(self.model, _as_tensor(x, self.model))
 
-    def predict_proba(self, x: np.ndarray | torch.Tensor, unit_prototypes: torch.Tensor | np.ndarray | None = None,
-                      beta: float = 0.1) -> np.ndarray:
-        return class_probabilities(self.model, self.embed(x), unit_prototypes, beta)
+    def predict_proba(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
+        return head_probabilities(self.model, self.embed(x))
 
 
 class OnnxExtractor:
@@ -176,9 +151,8 @@ class OnnxExtractor:
             z = self.model.features_from_backbone(_as_tensor(out, self.model))
         return z.cpu().numpy().astype(np.float32, copy=False)
 
-    def predict_proba(self, x: np.ndarray | torch.Tensor, unit_prototypes: torch.Tensor | np.ndarray | None = None,
-                      beta: float = 0.1) -> np.ndarray:
-        return class_probabilities(self.model, self.embed(x), unit_prototypes, beta)
+    def predict_proba(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
+        return head_probabilities(self.model, self.embed(x))
 
 
 def make_extractor(kind: str, model: ProtoNet, *, frozen_backbone: bool = False,

@@ -44,8 +44,8 @@ def config_problem(cfg: FederationConfig, sample_shape: tuple[int, ...] | None =
     if inputs > budget.max_input_values:
         return (f"in_shape {tuple(cfg.in_shape)} has {inputs:,} values a sample, over this device's "
                 f"{budget.max_input_values:,}")
-    if sample_shape is not None and tuple(cfg.in_shape) != tuple(sample_shape):
-        return f"in_shape {tuple(cfg.in_shape)} is not the shape of this device's data {tuple(sample_shape)}"
+    if sample_shape is not None and (shape := shape_problem(cfg, sample_shape)) is not None:
+        return shape
     if not 0 < cfg.lr <= budget.max_lr:
         return f"lr {cfg.lr} outside (0, {budget.max_lr}]"
     if not 0 <= cfg.momentum < 1:
@@ -55,6 +55,13 @@ def config_problem(cfg: FederationConfig, sample_shape: tuple[int, ...] | None =
     if cfg.local_epochs > budget.max_local_epochs or cfg.batch_size > budget.max_batch_size:
         return (f"local_epochs {cfg.local_epochs} / batch_size {cfg.batch_size} over this device's "
                 f"{budget.max_local_epochs} / {budget.max_batch_size}")
+    return None
+
+
+def shape_problem(cfg: FederationConfig, sample_shape: tuple[int, ...]) -> str | None:
+    """Why `cfg` does not fit this device's data (None if it does): its input shape is not the data's."""
+    if tuple(cfg.in_shape) != tuple(sample_shape):
+        return f"in_shape {tuple(cfg.in_shape)} is not the shape of this device's data {tuple(sample_shape)}"
     return None
 
 

@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,7 +54,9 @@ __all__ = [
     "build_backbone",
     "build_model",
     "eval_mode",
+    "head_probabilities",
     "resolve_arch",
+    "softmax_rows",
 ]
 
 InShape = tuple[int, int, int]
@@ -513,6 +516,25 @@ class ProtoNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
 
+
+def softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax of (n, C) logits, float32 (numpy: how a device turns scores into probabilities)."""
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32, copy=False)
+
+
+def head_probabilities(model: ProtoNet, z: np.ndarray) -> np.ndarray:
+    """(n, C) class probabilities from features z: the head's softmax.
+
+    The head is a single Linear: applied in numpy it always uses the head's current weights (a technique
+    may anchor them at round start), needs no export, and lets evaluation reuse one forward pass for
+    the head's and the nearest prototype's predictions.
+    """
+    if len(z) == 0:
+        return np.zeros((0, model.num_classes), dtype=np.float32)
+    w = model.head.weight.detach().cpu().numpy()
+    b = model.head.bias.detach().cpu().numpy()
+    return softmax_rows(z @ w.T + b)
 
 def _check_in_shape(in_shape: tuple[int, ...]) -> InShape:
     try:

@@ -20,6 +20,13 @@ happens when the server asks this device on its `down/<id>` topic (edge_agent/re
 dropped messages after acknowledging them, so the server asks whoever still owes the open phase to send
 its uploads (or its join) again.
 
+The agent publishes nothing itself (edge_agent/agent.py): each message the runner hands it comes back as
+an `Outcome` (edge_agent/outcome.py), which the runner carries out: a local checkpoint first where the state
+changed (`--state-dir`: an upload never leaves before the state that made it is on disk, so a restarted device
+cannot have sent work it no longer holds), then the sends in order - with a device profile through a
+`HeldSender`, each not before the release time the agent's round clock gave it -, a failed round on the presence
+topic with a retry planned, the deployable artifacts, the log lines.
+
 All agent work runs on the runner's thread (`pump`), never on paho's network thread, so training
 does not stall keepalives.
 """
@@ -33,19 +40,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from edge_agent import guard
 from edge_agent.agent import EdgeAgent
+from edge_agent.artifacts import DeviceArtifacts
+from edge_agent.device_config import DeviceConfig, read_config
 from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
+from edge_agent.outcome import Outcome, Send
 from edge_agent.resend import ResendRequests
 from protofl import topics
-from protofl.config import FederationConfig
 from protofl.errors import ConfigError, ProtoFLError, WireError
-from protofl.transport.base import Handler
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Config, Envelope, Message, Metrics, Status, decode_message, encode_message, read_header
+from protofl.wire import Config, Status, decode_message, encode_message
 
 log = logging.getLogger("protofl.edge")
 SERVER_UP = ("waiting", "running")
@@ -71,92 +78,6 @@ class RunnerOptions:
     artifacts: str | None = None  # where this device's deployable artifacts go (default: STATE_DIR/artifacts)
 
 
-KEPT_METRICS = 2  # rounds whose metrics a device keeps to send again: a round's line waits for its metrics only
-
-
-class _UploadLog:
-    """The agent's transport: passes everything through and keeps the protocol uploads sent for the round
-    message being handled, and the metrics of the last KEPT_METRICS rounds, so that they can be sent again.
-
-    With a `clock` (a device profile), messages go out through a `HeldSender`: uploads not before the
-    round's emulated compute time is over, everything in order; the round's timings go to `extra`."""
-
-    def __init__(self, transport: MqttTransport, clock: RoundClock | None = None) -> None:
-        self.transport = transport
-        self.key: tuple[int, str] | None = None
-        self.sent: list[tuple[str, bytes]] = []
-        self.clock = clock
-        self.deferred: list[tuple[str, bytes, bool, int, bool]] | None = None
-        self._upload: bytes | None = None  # the payload the agent just tagged as an upload
-        self.metrics: dict[int, tuple[str, bytes]] = {}  # round -> the metrics message sent for it
-        self.extra: dict[str, float] | None = None  # the agent's metrics_extra
-        self.held = HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos)) \
-            if clock is not None else None
-
-    def start(self, key: tuple[int, str] | None, defer: bool = False) -> None:
-        """A new round message is handled; with `defer`, what it publishes waits for `release()` (the
-        runner saves its local checkpoint first: an upload never leaves before the state that made it is
-        on disk, so a restarted device cannot have sent work it no longer holds)."""
-        self.key, self.sent = key, []
-        self.deferred = [] if defer else None
-
-    def release(self) -> None:
-        deferred, self.deferred = self.deferred, None
-        for topic, payload, retain, qos, upload in deferred or ():
-            self._emit(topic, payload, retain, qos, upload)
-
-    def note_upload(self, topic: str, payload: bytes) -> None:
-        """The agent tags its own uploads (its `on_upload`): the next publish of this payload is one."""
-        self._upload = payload
-
-    def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
-        upload, self._upload = self._upload is payload, None
-        if upload:
-            self.sent.append((topic, payload))
-        else:
-            self._keep_metrics(topic, payload)
-        if self.deferred is not None:
-            self.deferred.append((topic, payload, retain, qos, upload))
-            return
-        self._emit(topic, payload, retain, qos, upload)
-
-    def _emit(self, topic: str, payload: bytes, retain: bool, qos: int, upload: bool) -> None:
-        if self.held is None or retain:
-            self.transport.publish(topic, payload, retain=retain, qos=qos)
-        else:
-            assert self.clock is not None
-            release = self.clock.upload_release() if upload else 0.0
-            if upload and self.extra is not None:
-                self.extra.update(self.clock.extra)
-            self.held.submit(topic, payload, qos, release)
-
-    def _keep_metrics(self, topic: str, payload: bytes) -> None:
-        try:
-            head = read_header(payload)
-        except WireError:
-            return
-        if head.kind == Metrics.KIND:
-            self.metrics[head.round] = (topic, payload)
-            for old in sorted(self.metrics)[:-KEPT_METRICS]:
-                del self.metrics[old]
-
-    def resend(self, topic: str, payload: bytes) -> None:
-        """An upload again (its round was announced again): still not before its release time."""
-        if self.held is None:
-            self.transport.publish(topic, payload, qos=1)
-        else:
-            assert self.clock is not None
-            self.held.submit(topic, payload, 1, self.clock.release_t or 0.0)
-
-    def subscribe(self, pattern: str, handler: Handler) -> None:
-        self.transport.subscribe(pattern, handler)
-
-    def close(self) -> None:
-        if self.held is not None:
-            self.held.close()
-        self.transport.close()
-
-
 class DeviceRunner:
     def __init__(self, broker: BrokerOptions, fed: str, client_id: str, data: DataSpec,
                  opts: RunnerOptions = RunnerOptions()) -> None:
@@ -172,7 +93,10 @@ class DeviceRunner:
         self.fatal: BaseException | None = None
         self._rounds_subscribed = False
         self.clock = RoundClock(opts.emulation) if opts.emulation is not None else None
-        self._uploads = _UploadLog(self.transport, self.clock)
+        # With a device profile, messages go out through a HeldSender: uploads not before their release time,
+        # everything in order (retained ones, the presence, at once).
+        self.held = HeldSender(lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos)) \
+            if self.clock is not None else None
         self._stop = threading.Event()
         self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
         self._attempts = 0
@@ -203,11 +127,14 @@ class DeviceRunner:
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"{self.client_id}: federation '{self.fed}' did not finish within {timeout} s")
         finally:
-            if self._uploads.held is not None:
-                self._uploads.held.close()  # what is held back (the last metrics) goes out first
+            if self.held is not None:
+                self.held.close()  # what is held back (the last metrics) goes out first
             done = self.agent is not None and self.agent.finished
-            if not done and self.agent is not None and self.agent.stats.rounds_trained:
-                self._deployable(self.agent)  # leaving early: what it trained so far is still deployable
+            if not done and self.agent is not None and self.agent.stats.rounds_trained and self.artifacts_dir:
+                try:  # leaving early: what it trained so far is still deployable
+                    self._deployable(self.agent.deployable())
+                except (ValueError, RuntimeError) as exc:  # never hides why the loop ended
+                    log.error("%s: could not collect its artifacts: %s", self.client_id, exc)
             if self.transport.connected:
                 self._presence("done" if done else "offline", "left")
             self.transport.close()
@@ -234,32 +161,39 @@ class DeviceRunner:
             self._config(topic, payload)
 
     def _config(self, topic: str, payload: bytes) -> None:
-        if self.agent is None:
+        agent = self.agent
+        if agent is None:
+            # The first config: this device's data is loaded for it (a partition depends on the config), so it
+            # is read here, once (edge_agent/device_config.py), and the agent adopts what was read.
             try:
-                _, msg = decode_message(payload)
+                env, msg = decode_message(payload)
                 if not isinstance(msg, Config):
                     return
-                cfg = FederationConfig.from_dict(dict(msg.params))
-                problem = guard.config_problem(cfg)
-                if problem is not None:
-                    raise ConfigError(f"{problem}; waiting for a config this device can afford")
-            except (WireError, ConfigError, TypeError) as exc:
-                log.error("%s: unusable federation config on %s: %s", self.client_id, topic, exc)
+                read = read_config(msg)
+            except (WireError, ConfigError) as exc:
+                log.error("%s: unusable federation config on %s: %s; waiting for a config this device can afford",
+                          self.client_id, topic, exc)
                 return
             try:
-                self.agent = self._build_agent(cfg)
+                agent = self.agent = self._build_agent(read)
             except ProtoFLError as exc:
                 self.fatal = exc  # e.g. the data does not fit this federation: nothing to retry
                 return
-        fresh = self.agent.model is None
+
+            def step() -> Outcome:
+                return agent.handle(topic, env, msg, len(payload), config=read)
+        else:
+            def step() -> Outcome:
+                return agent.receive(topic, payload)
+        fresh = agent.model is None
         try:
-            self.agent.on_message(topic, payload)
+            step()
         except ConfigError as exc:
             if not fresh:
                 raise
             self.fatal = exc  # this device cannot build its model (e.g. its arch's factory fails): nothing to retry
             return
-        if fresh and self.agent.model is not None and self.opts.state_dir is not None:
+        if fresh and agent.model is not None and self.opts.state_dir is not None:
             self._resume()
         self._maybe_join()
 
@@ -270,35 +204,32 @@ class DeviceRunner:
         assert self.agent is not None and self.opts.state_dir is not None
         got = restore_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent)
         if got is not None:
-            self._uploads.key, self._uploads.sent = got
+            self.agent.restore_sent(*got)  # the last round message handled, and the uploads sent for it
 
     def _save(self) -> None:
         from edge_agent.resume import checkpoint_path, save_agent
 
         assert self.agent is not None and self.opts.state_dir is not None
-        save_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent, self._uploads.key,
-                   self._uploads.sent)
+        agent = self.agent
+        save_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), agent, agent.last_key,
+                   [(s.topic, s.payload) for s in agent.sent])
 
-    def _build_agent(self, cfg: FederationConfig) -> EdgeAgent:
+    def _build_agent(self, read: DeviceConfig) -> EdgeAgent:
+        cfg = read.cfg
         data = load_client_data(self.data, cfg, self.client_id)
         arch = self.opts.arch
         if arch is None and self.data.partition is not None:
             arch = cfg.arch_for(self.data.partition[0])  # the simulator's round-robin assignment
         log.info("%s: %d training / %d test samples, arch %s, preset %s", self.client_id, len(data.y_train),
                  len(data.y_test), arch or cfg.archs[0], cfg.preset)
-        agent = EdgeAgent(self.client_id, self.fed, self._uploads, data, arch=arch, profile=self.profile_label,
-                          device=self.opts.device, eval_every=self.opts.eval_every, test_every=self.opts.test_every,
-                          extractor=self.opts.extractor)
-        agent.on_upload = self._uploads.note_upload
         if self.artifacts_dir is not None:
             from protofl.data.classnames import class_names
 
             self._class_names = class_names(dataset_spec(self.data.data), cfg.num_classes)
-            agent.on_deployable = self._deployable
-        if self.clock is not None:
-            self._uploads.extra = agent.metrics_extra
-            agent.upload_budget = self.clock.budget
-        return agent
+        return EdgeAgent(self.client_id, self.fed, data, arch=arch, profile=self.profile_label, device=self.opts.device,
+                         eval_every=self.opts.eval_every, test_every=self.opts.test_every,
+                         extractor=self.opts.extractor, clock=self.clock, resends=True,
+                         artifacts_at=("first_training", "final") if self.artifacts_dir is not None else ())
 
     @property
     def artifacts_dir(self) -> str | None:
@@ -307,21 +238,17 @@ class DeviceRunner:
             return opts.artifacts
         return None if opts.state_dir is None else str(Path(opts.state_dir) / "artifacts")
 
-    def _deployable(self, agent: EdgeAgent) -> None:
+    def _deployable(self, arts: DeviceArtifacts) -> None:
         """Write this device's deployable artifacts (edge_agent/artifacts.py); a failure is logged, not fatal:
         the federation needs the device more than the files."""
-        from edge_agent.artifacts import write_device_artifacts
-
-        if self.artifacts_dir is None or agent.model is None:
+        if self.artifacts_dir is None:
             return
         try:
-            where = write_device_artifacts(agent, self.artifacts_dir, self._class_names,
-                                           data=dataset_spec(self.data.data))
+            where = arts.write(self.artifacts_dir, self._class_names, data=dataset_spec(self.data.data))
         except (OSError, ValueError) as exc:  # a full disk, an unreadable classes file: said, never a lost round
             log.error("%s: could not write its artifacts to %s: %s", self.client_id, self.artifacts_dir, exc)
             return
-        log.info("%s: deployable artifacts in %s (%d round(s) trained)", self.client_id, where,
-                 agent.stats.rounds_trained)
+        log.info("%s: deployable artifacts in %s (%d round(s) trained)", self.client_id, where, arts.rounds_trained)
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         try:
@@ -336,7 +263,7 @@ class DeviceRunner:
         elif msg.state == "waiting" and self.agent is not None and self.server_state != "waiting":
             # A server waiting for joins has opened no round yet: a fresh federation, whose round
             # numbers start again at 1.
-            self.agent.handled.clear()
+            self.agent.restart()
         if msg.state == "waiting":
             # A waiting server announced itself (again): after a broker that died and lost our join with it
             # (it had acknowledged it to us), only a join sent now gets us in. A second join changes nothing.
@@ -350,7 +277,7 @@ class DeviceRunner:
         agent = self.agent
         if agent is None or agent.model is None or self.joined or self.server_state not in SERVER_UP:
             return
-        agent.join()
+        self._send(agent.join().sends)
         self.joined = True
         if not self._rounds_subscribed:
             self._rounds_subscribed = True
@@ -361,66 +288,36 @@ class DeviceRunner:
     def _on_public(self, topic: str, payload: bytes) -> None:
         assert self.agent is not None
         with _AGENT_LOCK:
-            self.agent.on_message(topic, payload)
+            self.agent.receive(topic, payload)
 
     def _on_round(self, topic: str, payload: bytes) -> None:
         agent = self.agent
         assert agent is not None
-        try:  # decoded once, here; the agent handles the decoded message
-            decoded: tuple[Envelope, Message] | None = decode_message(payload, limits=agent.limits)
-        except WireError:
-            decoded = None  # the agent decodes it again to count the drop
-        key = (decoded[0].round, decoded[0].phase) if decoded is not None else None
-        if key is not None and key == self._uploads.key and key in agent.handled:
-            # The round message came again: after a reconnect of ours or the server's, or a broker restart.
-            # Uploads sent while the server was not subscribed are lost, and it would wait for them
-            # forever, so send them again; duplicates are dropped (and counted) by the aggregator.
-            self._resend(key, "announced again")
-            return
-        trained, sent = agent.stats.rounds_trained, agent.stats.uploaded_bytes
-        if (topic, payload) != self._last_round:
-            self._last_round, self._attempts = (topic, payload), 0
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
         with _AGENT_LOCK:
-            if self.clock is not None:
-                self.clock.begin(recv_t)
-                agent.metrics_extra.clear()
-            durable = self.opts.state_dir is not None
-            self._uploads.start(key, defer=durable)
-            handled = set(agent.handled)
-            try:
-                if decoded is None:
-                    agent.on_message(topic, payload)
-                else:
-                    agent.handle(topic, *decoded, len(payload))
-                if durable and agent.handled != handled:
-                    self._save()  # this round's work survives a restart of the device, before it leaves
-            finally:
-                self._uploads.release()
-        if agent.last_failure is not None:
-            self._report_failure(*agent.last_failure)
-        if agent.stats.uploaded_bytes != sent:
-            log.info("%s: %s, uploaded %d bytes", self.client_id,
-                     "trained" if agent.stats.rounds_trained != trained else "prototype phase",
-                     agent.stats.uploaded_bytes - sent)
-
-    def _resend(self, key: tuple[int, str], why: str) -> None:
-        """The uploads sent for round message `key` again (nothing if we have not handled it yet)."""
-        agent = self.agent
-        if agent is None or key != self._uploads.key or key not in agent.handled:
+            out = agent.receive(topic, payload, recv_t=recv_t)
+            if out.changed and self.opts.state_dir is not None:
+                self._save()  # this round's work survives a restart of the device, before it leaves
+        if out.resent:
+            self._resent(out, "")
             return
-        for up_topic, up_payload in self._uploads.sent:
-            self._uploads.resend(up_topic, up_payload)
-        if self._uploads.sent:
-            log.info("%s: round %d %s %s; re-sent %d upload(s)", self.client_id, key[0], key[1], why,
-                     len(self._uploads.sent))
+        if (topic, payload) != self._last_round:
+            self._last_round, self._attempts = (topic, payload), 0
+        self._send(out.sends)
+        if out.artifacts is not None:
+            self._deployable(out.artifacts)
+        if out.failure is not None:
+            self._report_failure(out.failure.round, out.failure.phase, out.failure.reason)
+        if out.sends:
+            log.info("%s: %s, uploaded %d bytes", self.client_id, "trained" if out.trained else "prototype phase",
+                     out.nbytes)
 
     def _on_request(self, topic: str, payload: bytes) -> None:
         """The server asks again for what the broker may have dropped: our join, a phase's uploads, or a round's
         metrics."""
         got = self.requests.read(payload, time.monotonic())
-        if got is None:
+        if got is None or self.agent is None:
             return
         env, msg = got
         if msg.ask == "join":
@@ -428,13 +325,28 @@ class DeviceRunner:
                 log.info("%s: the server asks for our join again", self.client_id)
                 self.joined = False
                 self._maybe_join()
-        elif msg.ask == "metrics":
-            kept = self._uploads.metrics.get(env.round)
-            if kept is not None:
-                self._uploads.resend(*kept)
-                log.info("%s: round %d's metrics asked again by the server; re-sent", self.client_id, env.round)
         else:
-            self._resend((env.round, env.phase), "asked again by the server")
+            self._resent(self.agent.resend(msg.ask, env.round, env.phase), msg.ask)
+
+    def _resent(self, out: Outcome, ask: str) -> None:
+        """Uploads (or metrics) sent again: a round message that came again, or the server's request `ask`."""
+        if not out.sends:
+            return
+        self._send(out.sends)
+        first = out.sends[0]
+        if ask == "metrics":
+            log.info("%s: round %d's metrics asked again by the server; re-sent", self.client_id, first.round)
+        else:
+            log.info("%s: round %d %s %s; re-sent %d upload(s)", self.client_id, first.round, first.phase, out.resent,
+                     len(out.sends))
+
+    def _send(self, sends: tuple[Send, ...]) -> None:
+        """The agent's messages, in order; with a device profile each not before its release time."""
+        for s in sends:
+            if self.held is None:
+                self.transport.publish(s.topic, s.payload, qos=1)
+            else:
+                self.held.submit(s.topic, s.payload, 1, s.not_before)
 
     def _report_failure(self, round_: int, phase: str, why: str) -> None:
         """Say on our presence topic that a round failed here (the server logs it), and plan a retry."""

@@ -21,6 +21,7 @@ module checks the core fields only.
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +34,7 @@ else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
 
 from protofl import registry
 from protofl.errors import ConfigError
-from protofl.technique import is_number
+from protofl.technique import PlanDraft, is_number
 
 FEDERATE_CHOICES = ("full", "adapter", "none")
 PROTOTYPE_CHOICES = ("none", "mean", "unit")
@@ -121,7 +122,11 @@ class FederationConfig:
     options: dict[str, Any]
     techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, _unused: str = "refuse", **values: Any) -> None:
+        """`values` by name (core fields and options, flat). A value given for an option of a technique this
+        federation does not use would be dropped (it does not travel), so it is refused, unless `_unused` is
+        "drop" (presets.make_config, where a preset's own value for a technique the user switched off is
+        dropped quietly and the user's own are refused or logged there)."""
         declared = registry.options()
         shadowed = sorted(set(declared) & set(CORE))
         if shadowed:
@@ -143,15 +148,23 @@ class FederationConfig:
         self._validate()
         active = registry.active(self)
         object.__setattr__(self, "techniques", tuple(t.name for t in active))
-        # An unused technique's options are its defaults: what a preset set for it (protofl's mu with
-        # --set cps=false) means nothing in this federation and does not travel (`to_dict`). A value the user
-        # gave there is refused by `presets.make_config`, which knows who gave it.
+        # An unused technique's options are its defaults: they do not travel (`to_dict`).
+        stray = self.unused_options(values)
+        if stray and _unused != "drop":
+            raise ConfigError(unused_message(stray, self.techniques))
         owners = registry.owners()
         for key, opt in declared.items():
             if owners[key] not in self.techniques:
                 opts[key] = opt.default
-        registry.draft(self)  # the techniques' own checks and combination rules
+        # The techniques' own checks and combination rules, and the round plan they shape: made once, here; the
+        # plan (protofl.plan.RoundPlan.from_config) reads this draft instead of shaping it again.
+        object.__setattr__(self, "_draft", registry.draft(self))
         assert tuple(t.name for t in registry.active(self)) == self.techniques
+
+    @property
+    def draft(self) -> PlanDraft:
+        """The round plan as the used techniques shaped it for this config (RoundPlan.from_config reads it)."""
+        return copy.deepcopy(self.__dict__["_draft"])
 
     def unused_options(self, given: Mapping[str, Any]) -> list[str]:
         """The names in `given` that are options of techniques this federation does not use, set away from their
@@ -159,8 +172,6 @@ class FederationConfig:
         declared, owners = registry.options(), registry.owners()
         return sorted(key for key, value in given.items() if key in owners and owners[key] not in self.techniques
                       and _plain(value) != _plain(declared[key].default))
-
-        registry.draft(self)  # the techniques' own checks and combination rules
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not core fields: a technique's option.
@@ -212,11 +223,13 @@ class FederationConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> FederationConfig:
+    def from_dict(cls, data: dict[str, Any], *, unused: str = "refuse") -> FederationConfig:
         """A config from its scoped form (`to_dict`), or from flat values (a preset's, a file's, or the
         config message of a server before the scoped form). The technique names are checked against the
         installed techniques before any option is read."""
-        kwargs = dict(data)
+        if "_unused" in data:
+            raise ConfigError("unknown config key(s) ['_unused']")
+        kwargs: dict[str, Any] = dict(data, _unused=unused)
         if isinstance(kwargs.get("archs"), str):
             kwargs["archs"] = tuple(a for a in kwargs["archs"].split(",") if a)
         packages = kwargs.pop(PACKAGES, None)
@@ -313,6 +326,12 @@ class FederationConfig:
 
 def _default(key: str) -> Any:
     return _plain(CORE[key] if key in CORE else registry.options()[key].default)
+
+
+def unused_message(stray: list[str], used: tuple[str, ...]) -> str:
+    owners = registry.owners()
+    return (f"option(s) {stray} belong to technique(s) {sorted({owners[k] for k in stray})} that this federation "
+            f"does not use (it uses {list(used) or 'none'}): switch the technique on, or drop the option(s)")
 
 
 def _plain(value: Any) -> Any:

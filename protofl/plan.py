@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protofl import registry
 from protofl.config import FederationConfig
 from protofl.technique import Phase, Upload
 from protofl.wire import Limits
@@ -42,7 +41,7 @@ class RoundPlan:
 
     @classmethod
     def from_config(cls, cfg: FederationConfig) -> RoundPlan:
-        d = registry.draft(cfg)
+        d = cfg.draft
         return cls(
             phases=d.phases,
             uploads={p: d.uploads.get(p, ()) for p in d.phases},
@@ -58,7 +57,7 @@ class RoundPlan:
             proto_dim=d.proto_dim,
             proto_dtype=d.proto_dtype,
             adapter_dtype=d.adapter_dtype,
-            techniques=tuple(t.name for t in registry.active(cfg)),
+            techniques=cfg.techniques,
         )
 
     @property

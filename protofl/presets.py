@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from protofl import registry
-from protofl.config import FederationConfig, load_config_file
+from protofl.config import FederationConfig, load_config_file, unused_message
 from protofl.errors import ConfigError
 
 log = logging.getLogger("protofl.config")
@@ -81,13 +81,10 @@ def make_config(preset: str, config_file: str | None = None, /, *, strict: bool 
         values.update(from_file)
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)
-    cfg = FederationConfig.from_dict(values)
+    cfg = FederationConfig.from_dict(values, unused="drop")
     stray = cfg.unused_options({**from_file, **given})
     if stray:
-        owners = registry.owners()
-        what = (f"option(s) {stray} belong to technique(s) {sorted({owners[k] for k in stray})} that this federation "
-                f"does not use (it uses {list(cfg.techniques) or 'none'})")
         if strict:
-            raise ConfigError(f"{what}: switch the technique on, or drop the option(s)")
-        log.warning("%s: ignored", what)
+            raise ConfigError(unused_message(stray, cfg.techniques))
+        log.warning("%s: ignored", unused_message(stray, cfg.techniques).split(": switch")[0])
     return cfg

@@ -1,6 +1,7 @@
 """A technique is its two modules: each is named in code (identifiers and strings, docstrings included;
 comments not) by at most 4 files of the product: its server module, its device module, the presets and
-at most one registry. The round machine, the I/O shell, the agent and the trainer name none.
+at most one registry. The round machine, the I/O shell, the agent and the trainer name none. FedProx, added
+after the contract was, is named by its two modules only (and its two entry-point lines in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protofl", "edge_agent", "broker_server", "export")
-TECHNIQUES = ("pagr", "erpa", "apud", "cps")
+# How a file names each technique. FedProx by its name, its option (prox_mu) or its term: "prox" as a word of
+# an identifier or string, or "proximal"; not "proxy" (the link-shaping proxies) nor "approx".
+PATTERNS = {t: rf"(?<![a-z]){t}|fed{t}" for t in ("pagr", "erpa", "apud", "cps")} | {
+    "prox": r"fedprox|(?<![a-z])prox(?![a-z])|proximal"}
+TECHNIQUES = tuple(PATTERNS)
 GENERIC = ("broker_server/rounds.py", "broker_server/shell.py", "broker_server/stages.py",
            "edge_agent/agent.py", "edge_agent/trainer.py", "protofl/plan.py", "protofl/config.py",
            "protofl/registry.py", "protofl/technique.py", "edge_agent/techniques/__init__.py")
@@ -26,7 +31,7 @@ def named_in(path: Path) -> set[str]:
     for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
         if tok.type in (tokenize.NAME, tokenize.STRING) or tok.type == getattr(tokenize, "FSTRING_MIDDLE", -1):
             text = tok.string.lower()
-            found.update(t for t in TECHNIQUES if re.search(rf"(?<![a-z]){t}|fed{t}", text))
+            found.update(t for t, pattern in PATTERNS.items() if re.search(pattern, text))
     return found
 
 
@@ -45,6 +50,13 @@ def test_a_technique_is_named_by_at_most_four_files(technique: str) -> None:
     assert len(files) <= 4, f"'{technique}' is named in {len(files)} files: {files}"
 
 
+def test_fedprox_is_named_by_its_two_modules_and_its_entry_points_only() -> None:
+    assert sorted(files_naming()["prox"]) == ["edge_agent/techniques/fedprox.py", "protofl/algorithms/fedprox.py"]
+    lines = [line for line in (ROOT / "pyproject.toml").read_text().splitlines() if "prox" in line.lower()]
+    assert lines == ['fedprox = "protofl.algorithms.fedprox:FedProx"',
+                     'fedprox = "edge_agent.techniques.fedprox:FedProxDevice"'], lines
+
+
 def test_the_generic_modules_name_no_technique() -> None:
     named = {f: sorted(named_in(ROOT / f)) for f in GENERIC if (ROOT / f).exists()}
     assert not any(named.values()), {f: t for f, t in named.items() if t}
@@ -54,3 +66,8 @@ def test_the_counter_sees_identifiers_strings_and_docstrings_but_not_comments(tm
     src = tmp_path / "m.py"
     src.write_text('"""Doc about CPS; a hyperparameter."""\n# erpa in a comment\nx_apud = "fedpagr"\n')
     assert named_in(src) == {"cps", "apud", "pagr"}
+    src.write_text('"""Through a link proxy; approx."""\n# FedProx in a comment\nLinkProxy = 1\n')
+    assert named_in(src) == set()
+    for code in ('mu = cfg.prox_mu\n', 'x = "FedProx"\n', '"""The proximal term."""\n'):
+        src.write_text(code)
+        assert named_in(src) == {"prox"}, code

@@ -1,14 +1,14 @@
 """`simulate --out DIR`: the run's deployable artifacts (layout: protofl/artifacts.py).
 
 The federation's (DIR/manifest.json, DIR/global/) come from the server's final model; every device writes
-its own (DIR/devices/<id>/) when it sees the final round message: in-process through the agent's hook,
-over MQTT as `protofl-edge join --artifacts DIR` does.
+its own (DIR/devices/<id>/) when it sees the final round message: in-process from the outcome the agent
+returns for it, over MQTT as `protofl-edge join --artifacts DIR` does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from broker_server.artifacts import write_server_artifacts
 from broker_server.shell import Aggregator
@@ -16,22 +16,23 @@ from broker_server.simulation.spec import FED, Federation, SimulationSpec
 from protofl.data.classnames import class_names
 
 if TYPE_CHECKING:
-    from edge_agent.agent import EdgeAgent
+    from edge_agent.artifacts import DeviceArtifacts
 
-__all__ = ["device_hook", "join_artifact_args", "write_run_artifacts"]
+__all__ = ["DEVICE_ARTIFACTS", "device_hook", "join_artifact_args", "write_run_artifacts"]
+# When a simulated device's agent collects its deployable artifacts (where the run keeps them): at the end only.
+DEVICE_ARTIFACTS: tuple[Literal["final"]] = ("final",)
 
 
-def device_hook(spec: SimulationSpec, num_classes: int) -> Callable[[EdgeAgent], None] | None:
-    """An in-process agent's `on_deployable`: its artifacts once the federation finished (None without --out)."""
+def device_hook(spec: SimulationSpec, num_classes: int) -> Callable[[DeviceArtifacts], None] | None:
+    """What an in-process device does with the artifacts its agent's outcome carries (agents built with
+    `artifacts_at=DEVICE_ARTIFACTS`): write them once the federation finished (None without --out)."""
     if spec.out_dir is None:
         return None
-    from edge_agent.artifacts import write_device_artifacts
-
     out, names = spec.out_dir, class_names(spec.dataset, num_classes)
 
-    def write(agent: EdgeAgent) -> None:
-        if agent.finished:  # a simulation keeps what each device ends with, not its state before training
-            write_device_artifacts(agent, out, names, data=spec.dataset)
+    def write(arts: DeviceArtifacts) -> None:
+        if arts.final:  # a simulation keeps what each device ends with, not its state before training
+            arts.write(out, names, data=spec.dataset)
 
     return write
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from broker_server.shell import Aggregator
-from broker_server.simulation.deploy import device_hook
+from broker_server.simulation.deploy import DEVICE_ARTIFACTS, device_hook
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec
 from protofl.transport import InProcessBroker, Transport
@@ -43,22 +43,24 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
                   initial_params: np.ndarray | None) -> Aggregator:
     """Run the federation to its last round; returns the aggregator (its `model` is the final state)."""
     from edge_agent.agent import EdgeAgent  # torch: only when a simulation runs
+    from edge_agent.local import LocalDevice
 
     cfg = fed_data.cfg
     x_test = fed_data.test.normalized()
     broker = InProcessBroker()
     agg = make_aggregator(spec, fed_data, report, broker.connect("server"), initial_params)
-    agents = []
+    devices = []
     deployable = device_hook(spec, cfg.num_classes)
     for i, cid in enumerate(spec.client_ids):
         data = client_data(fed_data, i, x_test)
-        agents.append(EdgeAgent(cid, FED, broker.connect(cid), data, arch=cfg.arch_for(i), device=spec.device,
-                                eval_every=spec.eval_every, test_every=spec.test_every,
-                                extractor=spec.extractor))
-        agents[-1].on_deployable = deployable
+        agent = EdgeAgent(cid, FED, data, arch=cfg.arch_for(i), device=spec.device, eval_every=spec.eval_every,
+                          test_every=spec.test_every, extractor=spec.extractor,
+                          artifacts_at=DEVICE_ARTIFACTS if deployable is not None else ())
+        devices.append(LocalDevice(agent, broker.connect(cid), deployable))
+    agents = [d.agent for d in devices]
     agg.start()
-    for a in agents:
-        a.start()
+    for d in devices:
+        d.start()
     while not agg.finished:
         if broker.pump(1) == 0:
             drops = describe_drops(agg.dropped, {a.client_id: a.stats.dropped for a in agents})

@@ -1,8 +1,9 @@
 """`simulate --backend ray`, the worker side: a Ray actor that hosts some of the simulation's devices.
 
-Each device is the ordinary `EdgeAgent`, over a `RecordingTransport`: the worker has no broker. What an
-agent subscribes to and publishes while it handles one delivery is recorded, in order, and returned to
-the driver, which replays it on the one broker the aggregator uses (broker_server/simulation/ray_backend.py).
+Each device is the ordinary `EdgeAgent` under the simulator's carrier (edge_agent/local.py), over a
+`RecordingTransport`: the worker has no broker. What a device subscribes to and publishes (its agent's
+outcome) while it handles one delivery is recorded, in order, and returned to the driver, which replays it
+on the one broker the aggregator uses (broker_server/simulation/ray_backend.py).
 Messages cross as their encoded bytes in both directions; no model object leaves a worker. Nothing here
 imports Ray: the driver wraps `DeviceWorker` with `ray.remote`.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.simulation.deploy import device_hook
+from broker_server.simulation.deploy import DEVICE_ARTIFACTS, device_hook
 from broker_server.simulation.spec import FED, SimulationSpec
 from protofl.transport import Handler
 
@@ -80,6 +81,7 @@ class DeviceWorker:
             std: tuple[float, ...]) -> list[Op]:
         """Build device `cid` on its data and start it (subscribe, join)."""
         from edge_agent.agent import ClientData, EdgeAgent
+        from edge_agent.local import LocalDevice
 
         # Arrays from Ray's object store are read-only views; the agent's tensors need their own memory.
         if self.test_set is None:
@@ -89,11 +91,11 @@ class DeviceWorker:
                           mean=mean, std=std)
         transport = RecordingTransport(cid)
         spec = self.spec
-        agent = EdgeAgent(cid, FED, transport, data, arch=arch, device=spec.device, eval_every=spec.eval_every,
-                          test_every=spec.test_every, extractor=spec.extractor)
-        agent.on_deployable = self.hook
+        agent = EdgeAgent(cid, FED, data, arch=arch, device=spec.device, eval_every=spec.eval_every,
+                          test_every=spec.test_every, extractor=spec.extractor,
+                          artifacts_at=DEVICE_ARTIFACTS if self.hook is not None else ())
         self.agents[cid], self.transports[cid] = agent, transport
-        agent.start()
+        LocalDevice(agent, transport, self.hook).start()
         return transport.take()
 
     def deliver(self, cid: str, index: int, topic: str, payload: bytes) -> list[Op]:

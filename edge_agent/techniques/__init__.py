@@ -6,7 +6,12 @@ docs/design.md the whole contract). Every hook has a do-nothing default:
 
 - `model_options`: what the technique needs of the model (e.g. a consensus projection);
 - `decode_targets`: turn the round message's target table into the dense table training uses (a chain);
-- `objective`: the training objective from the dense targets (the first rule with one owns it);
+- `classifier` / `loss_terms`: the round's training objective (`make_objective`), asked of every active rule
+  whether or not the round carries targets. At most one rule owns the `Classifier` (how features become
+  class scores and probabilities, through which head, fixed or trained, and its classification loss; the
+  default is the linear head with cross-entropy); every rule may add `LossTerm`s (an alignment term, an
+  entropy regulariser, a pull towards the parameters the round started from). The loss is the
+  classifier's, then each term added in rule order;
 - `local_prototypes` / `select_local` / `encode_table`: the prototype upload (mean or unit prototypes,
   which classes travel, how a table is put on the wire);
 - `phase_upload` / `public_prototypes`: uploads of their own (a first phase, the public set's prototypes);
@@ -17,7 +22,7 @@ docs/design.md the whole contract). Every hook has a do-nothing default:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edge_agent.models import head_probabilities
 from protofl.algorithms.fedproto import nearest_prototype
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -37,8 +43,9 @@ if TYPE_CHECKING:
 
 GROUP = "protofl.device_rules"
 
-__all__ = ["GROUP", "DeviceContext", "DeviceRule", "Objective", "Sparsifier", "device_rules", "model_options",
-           "rules_for"]
+__all__ = ["GROUP", "AlignmentTerm", "Batch", "Classifier", "DeviceContext", "DeviceRule", "LossTerm",
+           "NearestTargetClassifier", "Objective", "Sparsifier", "alignment", "device_rules", "make_objective",
+           "model_options", "rules_for"]
 
 
 @dataclass
@@ -59,54 +66,55 @@ class DeviceContext:
     adapter_round: int = -1
 
 
-class Objective:
-    """The local training objective of a round, and how the trained model classifies for the metrics.
+@dataclass
+class Batch:
+    """One training step as the classifier prepared it: what its loss and every loss term read."""
 
-    The default: cross-entropy of the head; the head's softmax; no nearest-prototype prediction."""
+    z: torch.Tensor  # the features of the batch
+    y: torch.Tensor  # their labels
+    head: torch.nn.Module
+    head_input: torch.Tensor  # what the head scores: z, or a classifier's transform of it (e.g. z / ||z||)
+    # The batch's logits against the class prototypes, where the classifier scores by them (None: it does not).
+    prototype_logits: torch.Tensor | None = None
+
+
+class Classifier:
+    """How features become class scores and probabilities, and the classification loss on them.
+
+    At most one active rule owns it (`DeviceRule.classifier`). The default: the linear head on z, trained,
+    cross-entropy of its logits, its softmax for the metrics, no nearest-prototype prediction."""
 
     fixed_head = False  # whether the head stays as it is during local training
     # How features compare with the dense targets when a device classifies by nearest prototype ("l2" or
-    # "cosine"); None: this objective classifies with the head only. A device's deployable prototypes
+    # "cosine"); None: this classifier predicts with the head only. A device's deployable prototypes
     # (edge_agent/artifacts.py) carry it.
     metric: str | None = None
 
-    def loss(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
-        return F.cross_entropy(head(z), y)
+    def batch(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> Batch:
+        return Batch(z=z, y=y, head=head, head_input=z)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(batch.head(batch.head_input), batch.y)
 
     def probabilities(self, model: ProtoNet, z: np.ndarray) -> np.ndarray:
-        from edge_agent.extractor import class_probabilities
-
-        return class_probabilities(model, z)
+        return head_probabilities(model, z)
 
     def nearest_correct(self, z: np.ndarray, y: np.ndarray, probs: np.ndarray) -> int | None:
-        """Correct predictions of the nearest target prototype; None where there are no targets."""
+        """Correct predictions of the nearest target prototype; None where it predicts by none."""
         return None
 
     def table(self) -> dict[int, np.ndarray]:
-        """The dense targets (what a checkpoint keeps to rebuild the objective)."""
+        """The prototypes it predicts by, with `metric` (none by default)."""
         return {}
 
 
-class AlignmentObjective(Objective):
-    """Cross-entropy plus lambda times the one alignment term of docs/algorithms.md: the per-element squared
-    error between z and its class's dense target, mean over the batch and the m dims; a sample whose class
-    has no target adds zero but still counts in the batch."""
+class NearestTargetClassifier(Classifier):
+    """The linear head, and the nearest dense target by L2 (FedProto's inference) beside it."""
 
     metric = "l2"
 
-    def __init__(self, targets: dict[int, np.ndarray], num_classes: int, dim: int, weight: float,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(self, targets: dict[int, np.ndarray]) -> None:
         self.targets = targets
-        self.weight = weight
-        values = torch.zeros(num_classes, dim)
-        present = torch.zeros(num_classes, dtype=torch.bool)
-        for c, v in targets.items():
-            values[c] = torch.from_numpy(np.asarray(v, dtype=np.float32))
-            present[c] = True
-        self.values, self.present = values.to(device), present.to(device)
-
-    def loss(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
-        return F.cross_entropy(head(z), y) + self.weight * alignment(z, y, self.values, self.present)
 
     def nearest_correct(self, z: np.ndarray, y: np.ndarray, probs: np.ndarray) -> int | None:
         if not self.targets:
@@ -117,6 +125,73 @@ class AlignmentObjective(Objective):
 
     def table(self) -> dict[int, np.ndarray]:
         return self.targets
+
+
+class LossTerm:
+    """One term of a round's objective: a scalar from a batch (and whatever the rule gave it), added to the
+    classifier's loss. A term keeps no state that training changes."""
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Objective:
+    """A round's local training objective: the classifier's loss plus every term, added in that order,
+    and how the trained model classifies for the metrics (the classifier's).
+
+    `Objective()` is the default: cross-entropy of the head, no terms."""
+
+    def __init__(self, classifier: Classifier | None = None, terms: Sequence[LossTerm] = (),
+                 targets: Mapping[int, np.ndarray] | None = None) -> None:
+        self.classifier = classifier if classifier is not None else Classifier()
+        self.terms = tuple(terms)
+        self.targets = dict(targets or {})  # the dense table it was built from
+
+    @property
+    def fixed_head(self) -> bool:
+        return self.classifier.fixed_head
+
+    @property
+    def metric(self) -> str | None:
+        return self.classifier.metric
+
+    def loss(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+        batch = self.classifier.batch(z, y, head)
+        total = self.classifier.loss(batch)
+        for term in self.terms:
+            total = total + term.loss(batch)
+        return total
+
+    def probabilities(self, model: ProtoNet, z: np.ndarray) -> np.ndarray:
+        return self.classifier.probabilities(model, z)
+
+    def nearest_correct(self, z: np.ndarray, y: np.ndarray, probs: np.ndarray) -> int | None:
+        """Correct predictions of the nearest target prototype; None where there are no targets."""
+        return self.classifier.nearest_correct(z, y, probs)
+
+    def table(self) -> dict[int, np.ndarray]:
+        """The dense targets (what a checkpoint keeps to rebuild the objective): the prototypes the
+        classifier predicts by, where it has some, else the table the objective was built from."""
+        return self.classifier.table() or self.targets
+
+
+class AlignmentTerm(LossTerm):
+    """lambda times the one alignment term of docs/algorithms.md: the per-element squared error between z
+    and its class's dense target, mean over the batch and the m dims; a sample whose class has no target
+    adds zero but still counts in the batch. Shared by every mean-prototype technique."""
+
+    def __init__(self, targets: dict[int, np.ndarray], num_classes: int, dim: int, weight: float,
+                 device: torch.device | str = "cpu") -> None:
+        self.weight = weight
+        values = torch.zeros(num_classes, dim)
+        present = torch.zeros(num_classes, dtype=torch.bool)
+        for c, v in targets.items():
+            values[c] = torch.from_numpy(np.asarray(v, dtype=np.float32))
+            present[c] = True
+        self.values, self.present = values.to(device), present.to(device)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        return self.weight * alignment(batch.z, batch.y, self.values, self.present)
 
 
 def alignment(z: torch.Tensor, y: torch.Tensor, targets: torch.Tensor, has_target: torch.Tensor) -> torch.Tensor:
@@ -153,9 +228,15 @@ class DeviceRule:
     def decode_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         return table
 
-    def objective(self, ctx: DeviceContext, table: dict[int, np.ndarray], fresh: bool) -> Objective | None:
-        """The objective for these dense targets (`fresh`: from a round message, not a checkpoint)."""
+    def classifier(self, ctx: DeviceContext, table: dict[int, np.ndarray], fresh: bool) -> Classifier | None:
+        """The classifier of the round's objective, if this rule owns it (at most one active rule may), for
+        these dense targets (empty where the round carries none; `fresh`: from a round message, not a
+        checkpoint: a rule may set the model up for the round, e.g. anchor the head)."""
         return None
+
+    def loss_terms(self, ctx: DeviceContext, table: dict[int, np.ndarray], fresh: bool) -> Sequence[LossTerm]:
+        """This rule's terms of the round's objective (asked after every rule's `classifier`)."""
+        return ()
 
     # -- uploads --------------------------------------------------------------------------------
     def local_prototypes(self, z: np.ndarray, y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
@@ -219,6 +300,19 @@ def rules_for(cfg: FederationConfig, plan: RoundPlan, config: Config) -> list[De
         raise ConfigError(f"this federation uses technique(s) {missing} that this device has no rule for: "
                           f"install the package that brings them here too")
     return [known[name](cfg, plan, config) for name in plan.techniques]
+
+
+def make_objective(rules: Sequence[DeviceRule], ctx: DeviceContext, table: dict[int, np.ndarray],
+                   fresh: bool) -> Objective:
+    """The round's objective from the active rules, in rule order: the classifier of the one that owns it
+    (else the head's), then every rule's loss terms. Each rule is asked, targets or none (a term may need
+    none); a classifier set up for the round (`fresh`) is in place before any term is built."""
+    owners = [(rule, c) for rule in rules if (c := rule.classifier(ctx, table, fresh)) is not None]
+    if len(owners) > 1:
+        raise ConfigError(f"techniques {[rule.name for rule, _ in owners]} each own this round's classifier; at "
+                          f"most one may: turn one of them off")
+    terms = [term for rule in rules for term in rule.loss_terms(ctx, table, fresh)]
+    return Objective(owners[0][1] if owners else None, terms, table)
 
 
 def model_options(cfg: FederationConfig) -> dict[str, Any]:

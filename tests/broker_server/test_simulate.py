@@ -169,16 +169,17 @@ def test_same_seed_same_result() -> None:
 def test_a_stall_names_every_sides_drops(monkeypatch: pytest.MonkeyPatch) -> None:
     # A device that rejects every round announcement: nobody uploads, the round never closes.
     from edge_agent.agent import EdgeAgent
+    from edge_agent.outcome import Outcome
 
-    on_message = EdgeAgent.on_message
+    receive = EdgeAgent.receive
 
-    def reject_rounds(self: EdgeAgent, topic: str, payload: bytes) -> None:
+    def reject_rounds(self: EdgeAgent, topic: str, payload: bytes, **kwargs) -> Outcome:
         if topic == topics.round_(SIM_FED):
             self._drop("test_reject", "round announcement rejected by the test")
-            return
-        on_message(self, topic, payload)
+            return Outcome()
+        return receive(self, topic, payload, **kwargs)
 
-    monkeypatch.setattr(EdgeAgent, "on_message", reject_rounds)
+    monkeypatch.setattr(EdgeAgent, "receive", reject_rounds)
     spec = SimulationSpec(preset="fedproto", dataset="synthetic:n=400,n_test=50", clients=2, rounds=1, seed=1)
     with pytest.raises(RuntimeError, match="simulation stalled in round 1") as err:
         run_simulation(spec)

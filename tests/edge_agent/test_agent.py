@@ -1,4 +1,5 @@
-"""The edge agent over the in-process broker: what it uploads for each preset, and what it ignores."""
+"""The edge agent over the in-process broker (carried by the simulator's `LocalDevice`): what it uploads for each
+preset, and what it ignores. tests/edge_agent/test_agent_outcomes.py drives the agent as a function."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ import pytest
 import torch
 
 from edge_agent.agent import ClientData, EdgeAgent
+from edge_agent.local import LocalDevice
+from edge_agent.techniques import AlignmentTerm
 from protofl import topics
 from protofl.algorithms import cps
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
-from protofl.wire import (ParamsUpload, Config, Metrics, ProtoSet, ProtoUpload, RoundStart, decode_message,
-                          encode_message)
+from protofl.wire import (
+    Config,
+    Metrics,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    RoundStart,
+    decode_message,
+    encode_message,
+)
 
 FED = "ag"
 
@@ -24,14 +35,15 @@ def tiny_data(seed: int = 0, n: int = 40) -> ClientData:
     return ClientData(x_train=x, y_train=y, x_test=x[:10], y_test=y[:10])
 
 
-def setup(preset: str, **overrides):
+def setup(preset: str, on_artifacts=None, **overrides):
     cfg = make_config(preset, num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",),
                       batch_size=8, cps_s=4, **overrides)
     broker = InProcessBroker()
     uploads: list = []
     broker.connect("spy").subscribe(topics.up(FED, "+"), lambda t, p: uploads.append(decode_message(p)))
-    agent = EdgeAgent("dev1", FED, broker.connect("dev1"), tiny_data())
-    agent.start()
+    agent = EdgeAgent("dev1", FED, tiny_data(),
+                      artifacts_at=("first_training", "final") if on_artifacts is not None else ())
+    LocalDevice(agent, broker.connect("dev1"), on_artifacts).start()
     masks = cps.make_masks(3, 16, 4, seed=0) if cfg.cps else None
     server = broker.connect("server")
     server.publish(topics.config(FED), encode_message(
@@ -90,8 +102,9 @@ def test_scaled_anchor_targets_fixed_mu_and_auto(mu) -> None:
     G = np.array([[3.0, 4.0, 0.0, 0.0]], dtype=np.float32)  # ||G|| = 5
     t = agent.make_objective(agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.array([0]), values=G),
                                                        target_label="cps+scaled")))
-    target = t.values[0].numpy()
-    assert np.count_nonzero(target) <= 4 and t.present.tolist() == [True, False, False]
+    (term,) = [term for term in t.terms if isinstance(term, AlignmentTerm)]
+    target = term.values[0].numpy()
+    assert np.count_nonzero(target) <= 4 and term.present.tolist() == [True, False, False]
     if mu == "auto":
         assert np.linalg.norm(target) == pytest.approx(_rule(agent, "cps").local_norms[0], rel=1e-5)
     else:
@@ -128,8 +141,8 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     broker = InProcessBroker()
     uploads: list = []
     broker.connect("spy").subscribe(topics.up(FED, "+"), lambda t, p: uploads.append(decode_message(p)))
-    agent = EdgeAgent("dev1", FED, broker.connect("dev1"), tiny_data())
-    agent.start()
+    agent = EdgeAgent("dev1", FED, tiny_data())
+    LocalDevice(agent, broker.connect("dev1")).start()
     layout = adapter_layout(16, 2, 3)
     server = broker.connect("server")
     server.publish(topics.config(FED), encode_message(Config(preset="refprotofl", params=cfg.to_dict(),

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from broker_server.shell import Aggregator  # noqa: E402
 from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
+from edge_agent.local import LocalDevice  # noqa: E402
 from protofl.data import make_synthetic  # noqa: E402
 from protofl.presets import PRESETS, make_config  # noqa: E402
 from protofl.transport import InProcessBroker  # noqa: E402
@@ -40,10 +41,10 @@ def test_one_round_of_every_preset_with_agents_on_cuda(preset: str) -> None:
         data = ClientData(x_train=train.normalized(part[:80]), y_train=train.y[part[:80]],
                           x_test=train.normalized(part[80:]), y_test=train.y[part[80:]],
                           x_global=test.normalized(), y_global=test.y)
-        agents.append(EdgeAgent(cid, "cuda", broker.connect(cid), data, device="cuda"))
+        agents.append(EdgeAgent(cid, "cuda", data, device="cuda"))
     agg.start()
     for a in agents:
-        a.start()
+        LocalDevice(a, broker.connect(a.client_id)).start()
     broker.pump()
     assert agg.finished, f"stalled in round {agg.round}: server dropped {agg.dropped}, " \
                          f"agents dropped {[a.stats.dropped for a in agents]}"

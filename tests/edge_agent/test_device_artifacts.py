@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge_agent.artifacts import write_device_artifacts
 from edge_agent.models import build_model
 from export.checkpoint import load_model
 from protofl import artifacts as art
@@ -17,14 +16,13 @@ from tests.edge_agent.test_agent import setup, start_round
 
 
 def test_a_late_joiner_has_deployable_artifacts_before_it_trains_and_after_the_end(tmp_path: Path) -> None:
-    cfg, broker, server, agent, uploads = setup("fedproto")
     seen: list[tuple[int, str]] = []
 
-    def deployable(a) -> None:  # what join --state-dir does (edge_agent/runner.py), recorded
-        out = write_device_artifacts(a, tmp_path, ["cat", "dog", "owl"], data="npz:mine.npz")
-        seen.append((a.stats.rounds_trained, art.read_prototypes(out / art.PROTOTYPES).source))
+    def deployable(arts) -> None:  # what join --state-dir does (edge_agent/runner.py), recorded
+        out = arts.write(tmp_path, ["cat", "dog", "owl"], data="npz:mine.npz")
+        seen.append((arts.rounds_trained, art.read_prototypes(out / art.PROTOTYPES).source))
 
-    agent.on_deployable = deployable
+    cfg, broker, server, agent, uploads = setup("fedproto", on_artifacts=deployable)
     targets = {0: np.full(16, 0.5, np.float32), 1: np.full(16, -0.5, np.float32)}
     # It joins in round 3: the round message carries the federation's global prototypes.
     start_round(broker, server, 3, RoundStart(deadline=0.0, targets=ProtoSet.from_table(targets, 16),
@@ -52,8 +50,7 @@ def test_a_late_joiner_has_deployable_artifacts_before_it_trains_and_after_the_e
 
 
 def test_without_targets_a_device_classifies_by_its_own_class_means(tmp_path: Path) -> None:
-    cfg, broker, server, agent, uploads = setup("fedavg")
-    agent.on_deployable = lambda a: write_device_artifacts(a, tmp_path)
+    cfg, broker, server, agent, uploads = setup("fedavg", on_artifacts=lambda arts: arts.write(tmp_path))
     start_round(broker, server, 1, RoundStart(deadline=0.0))
     protos = art.read_prototypes(art.device_dir(tmp_path, "dev1") / art.PROTOTYPES)
     assert protos.source == "local" and protos.metric == "l2" and protos.classes.tolist() == [0, 1]

@@ -12,6 +12,7 @@ from broker_server.simulation import SimulationSpec, run_simulation
 from edge_agent.agent import EdgeAgent
 from edge_agent.extractor import OnnxExtractor, TorchExtractor, make_extractor, weight_fingerprint
 from edge_agent.models import build_model
+from edge_agent.techniques.fedpagr import cosine_probabilities
 from protofl.data import FASHION_MNIST_DIR
 from protofl.errors import ConfigError
 
@@ -34,7 +35,8 @@ def test_onnx_matches_torch_on_real_images(arch: str, images: np.ndarray) -> Non
     assert np.abs(o.embed(images) - t.embed(images)).max() < TOL
     assert np.abs(o.predict_proba(images) - t.predict_proba(images)).max() < TOL
     P = torch.nn.functional.normalize(torch.randn(10, 512, generator=torch.Generator().manual_seed(0)), dim=1)
-    assert np.abs(o.predict_proba(images, P, 0.1) - t.predict_proba(images, P, 0.1)).max() < TOL  # FedPAGR path
+    cosine = [cosine_probabilities(e.embed(images), P, 0.1) for e in (o, t)]  # FedPAGR's classifier
+    assert np.abs(cosine[0] - cosine[1]).max() < TOL
     assert o.embed(images[:1]).shape == (1, 512) and o.embed(images[:0]).shape == (0, 512)
 
 
@@ -82,7 +84,7 @@ def test_unknown_extractor_is_refused() -> None:
     with pytest.raises(ConfigError, match="extractor must be one of torch, onnx"):
         make_extractor("tflite", build_model("mlp", (1, 28, 28), 10, seed=0))
     with pytest.raises(ConfigError, match="extractor must be one of torch, onnx"):
-        EdgeAgent("c", "f", None, None, extractor="tflite")  # type: ignore[arg-type]
+        EdgeAgent("c", "f", None, extractor="tflite")  # type: ignore[arg-type]
 
 
 def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:

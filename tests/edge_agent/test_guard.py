@@ -75,13 +75,16 @@ def test_a_round_that_fails_locally_is_rolled_back_reported_and_retried(monkeypa
         return real(model, *args, **kwargs)
 
     monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
-    msg = RoundStart(deadline=0.0)
-    start_round(broker, server, 2, msg)
-    assert agent.last_failure is not None and agent.last_failure[:2] == (2, "train")
+    # The agent as a function of its input: the round message in, the failure out (and nothing to send).
+    round2 = encode_message(RoundStart(deadline=0.0), fed=FED, sender="server", round=2, phase="train")
+    out = agent.receive(topics.round_(FED), round2)
+    assert out.failure is not None and (out.failure.round, out.failure.phase) == (2, "train")
+    assert "FloatingPointError: local training diverged" in out.failure.reason and out.sends == ()
+    assert not out.changed and not out.trained
     assert agent.stats.failed_rounds == 1 and same_weights(before, weights(agent))  # rolled back, no NaN
     assert (2, "train") not in agent.handled  # so it can be tried again
-    start_round(broker, server, 2, msg)  # the retry (the runner re-delivers the round message)
-    assert agent.last_failure is None and kinds(uploads)[-2:] == ["protos", "metrics"]
+    out = agent.receive(topics.round_(FED), round2)  # the retry (the runner re-delivers the round message)
+    assert out.failure is None and out.kinds() == ["protos", "metrics"] and out.changed and out.trained
     assert agent.stats.rounds_trained == 2
 
 

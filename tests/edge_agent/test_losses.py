@@ -65,3 +65,33 @@ def test_fedpagr_loss_hand_example() -> None:
     ent = -(ls[0] + ls[1]) / 2
     expected = ce_head + ce_proto + lam * ent
     assert fedpagr_loss(z, y, head, P, beta, lam).item() == pytest.approx(expected, rel=1e-6)
+
+
+def _loss_and_grads(loss_of, z: torch.Tensor, head: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    z = z.detach().clone().requires_grad_()
+    loss = loss_of(z)
+    return loss, list(torch.autograd.grad(loss, [z, *head.parameters()]))
+
+
+def test_composed_objectives_are_the_single_losses_bit_for_bit() -> None:
+    # The objective is the classifier's loss plus each rule's terms, added in order: the same operations in the
+    # same order as the one loss each technique had before (golden reports, bytes and accuracies, did not move).
+    from edge_agent.techniques import AlignmentTerm, NearestTargetClassifier, Objective
+    from edge_agent.techniques.fedpagr import pagr_objective
+
+    g = torch.Generator().manual_seed(0)
+    z, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+    head = torch.nn.Linear(8, 3)
+    targets = {0: torch.randn(8, generator=g).numpy(), 2: torch.randn(8, generator=g).numpy()}
+    align = AlignmentTerm(targets, 3, 8, 0.3)
+    objective = Objective(NearestTargetClassifier(targets), (align,), targets)
+    got = _loss_and_grads(lambda z: objective.loss(z, y, head), z, head)
+    want = _loss_and_grads(lambda z: torch.nn.functional.cross_entropy(head(z), y)
+                           + 0.3 * alignment(z, y, align.values, align.present), z, head)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    P = torch.nn.functional.normalize(torch.randn(3, 8, generator=g), dim=1)
+    pagr = pagr_objective(P, 0.1, 0.1, train_head=True, cosine=True)
+    got = _loss_and_grads(lambda z: pagr.loss(z, y, head), z, head)
+    want = _loss_and_grads(lambda z: fedpagr_loss(z, y, head, P, 0.1, 0.1), z, head)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
+    assert Objective().loss(z, y, head).item() == torch.nn.functional.cross_entropy(head(z), y).item()

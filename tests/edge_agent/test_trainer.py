@@ -10,7 +10,7 @@ from edge_agent.frozen import train_on_cached_features
 from edge_agent.models import build_model
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
-from edge_agent.techniques.fedpagr import PagrObjective
+from edge_agent.techniques.fedpagr import pagr_objective
 
 
 def _pagr_round(train_head: bool, frozen: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
@@ -21,7 +21,7 @@ def _pagr_round(train_head: bool, frozen: bool = False) -> tuple[torch.Tensor, t
     with torch.no_grad():  # the agent anchors the head at round start: rows := P, bias 0
         model.head.weight.copy_(P)
         model.head.bias.zero_()
-    targets = PagrObjective(P, cfg.beta, cfg.lambda_e, train_head=train_head, cosine=True)
+    targets = pagr_objective(P, cfg.beta, cfg.lambda_e, train_head=train_head, cosine=True)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(64, *cfg.in_shape, generator=g), torch.randint(0, cfg.num_classes, (64,), generator=g)
     before = [p.detach().clone() for p in model.projection.parameters()]

@@ -1,0 +1,49 @@
+"""An agent on a plain `Transport`: the simulator's carrier of its outcomes (no broker, no checkpoint).
+
+The in-process simulator (broker_server/simulation/inprocess.py) and the Ray worker's recording transport
+(broker_server/simulation/ray_worker.py) run every device as an `EdgeAgent` under a `LocalDevice`: it
+subscribes the server's `config`, `public` and `round` topics, joins at once, hands every delivery to the
+agent and publishes what the agent's outcome sends, in order, as the delivery's consequence (the in-process
+broker queues them behind it). What the MQTT runner does besides (edge_agent/runner.py: presence, checkpoints,
+retries, re-sends) has no place where nothing is lost and nothing restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from edge_agent.agent import EdgeAgent
+from edge_agent.artifacts import DeviceArtifacts
+from edge_agent.outcome import Outcome
+from protofl import topics
+from protofl.transport import Transport
+
+__all__ = ["LocalDevice"]
+
+
+class LocalDevice:
+    """`agent` over `transport`; `on_artifacts` gets the deployable artifacts an outcome carries."""
+
+    def __init__(self, agent: EdgeAgent, transport: Transport,
+                 on_artifacts: Callable[[DeviceArtifacts], None] | None = None) -> None:
+        self.agent = agent
+        self.transport = transport
+        self.on_artifacts = on_artifacts
+        self.last: Outcome = Outcome()  # the latest delivery's outcome
+
+    def start(self) -> None:
+        """Subscribe the server's topics, then join."""
+        fed = self.agent.fed
+        for topic in (topics.config(fed), topics.public(fed), topics.round_(fed)):
+            self.transport.subscribe(topic, self.deliver)
+        self.carry(self.agent.join())
+
+    def deliver(self, topic: str, payload: bytes) -> None:
+        self.carry(self.agent.receive(topic, payload))
+
+    def carry(self, out: Outcome) -> None:
+        self.last = out
+        for send in out.sends:
+            self.transport.publish(send.topic, send.payload, qos=1)
+        if out.artifacts is not None and self.on_artifacts is not None:
+            self.on_artifacts(out.artifacts)
