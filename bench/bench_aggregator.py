@@ -628,7 +628,8 @@ def main() -> None:
     if not args.skip_inprocess:
         res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
     if args.broker:
-        res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER}, (args.broker_workloads or args.workloads).split(","), args.broker_n,
+        res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER},
+                                    (args.broker_workloads or args.workloads).split(","), args.broker_n,
                                     args.broker_repeats or args.repeats,
                                     tuple(int(x) for x in args.broker_shards.split(",")))
     res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),

@@ -115,7 +115,8 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
             worst = max(worst, abs(meas / bnd - 1))
             encs = sorted({r["dt"] + (f" K={r['k']}" if r["k"] else "") for r in rows if r["dt"]})
             lines.append(f"| {run['preset']} | {cls} | {mean([r['downlink_s'] for r in rows]):.1f} / "
-                         f"{mean([r['bound_down_s'] for r in rows]):.1f} | {mean([r['compute_s'] for r in rows]):.1f} | "
+                         f"{mean([r['bound_down_s'] for r in rows]):.1f} | "
+                         f"{mean([r['compute_s'] for r in rows]):.1f} | "
                          f"{mean([r['upload_s'] for r in rows]):.2f} / {mean([r['bound_up_s'] for r in rows]):.2f} | "
                          f"{human_bytes(mean([r['uplink_bytes'] for r in rows]))} | {', '.join(encs)} | {meas:.1f} | "
                          f"{bnd:.1f} | {meas / bnd:.2f} |")

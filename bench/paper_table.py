@@ -37,8 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from bench import table_report
-from bench.table_runs import (FEDERATIONS, SETTINGS, SIZING, Run, as_spelled_today, needed_for, run_args, suite_runs,
-                              test_samples, twin_run)
+from bench.table_runs import (
+    FEDERATIONS,
+    SETTINGS,
+    SIZING,
+    Run,
+    as_spelled_today,
+    needed_for,
+    run_args,
+    suite_runs,
+    test_samples,
+    twin_run,
+)
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +188,8 @@ class Runner:
             return None
         if as_spelled_today(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
             return None
-        if rep.get("simulation", {}).get("test_samples", test_samples(run, self.suite)) != test_samples(run, self.suite):
+        samples = test_samples(run, self.suite)
+        if rep.get("simulation", {}).get("test_samples", samples) != samples:
             return None  # it scored another part of the test set than the table's columns mean
         if not config_matches(rep, run, self.suite):
             return None
@@ -197,7 +208,8 @@ class Runner:
         args = run_args(run, self.suite, self.data_dir)
         cmd = self.prefix + args + self.backend_args + ["--json", str(tmp)]
         shown = "protofl-server " + shlex.join(args)
-        self.log(f"[{index}/{total}] {run.key}{' (stale cache: command or config changed)' if stale else ''}\n    {shown}")
+        why = " (stale cache: command or config changed)" if stale else ""
+        self.log(f"[{index}/{total}] {run.key}{why}\n    {shown}")
         started = time.time()
         git = git_info()  # the revision this run's CLI loads (the tree may change during a long suite)
         with self.lock:

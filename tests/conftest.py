@@ -7,8 +7,8 @@ silent skip; set PROTOFL_ALLOW_NO_MOSQUITTO=1 to skip those tests on a machine w
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 # Before torch starts its OpenMP threads, here and in every process a test spawns: idle threads sleep instead of
 # spinning. Tests run several torch processes at once on CI's 2 cores (devices, servers); spinning threads took

@@ -165,8 +165,8 @@ def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, on
     # RefProtoFL's federated adapter and head on the frozen backbone every device shares.
     run, report = tmp_path / "run", tmp_path / "run.json"
     r = runner.invoke(server_app, ["simulate", "--preset", "refprotofl", "--set", "backbone=frozen", "--dataset",
-                                   DATA, "--clients", "3", "--rounds", "2", "--test-every", "1", "--out", str(run), "--json",
-                                   str(report)],
+                                   DATA, "--clients", "3", "--rounds", "2", "--test-every", "1", "--out", str(run),
+                                   "--json", str(report)],
                        env={"COLUMNS": "200"})  # the table's columns unwrapped
     assert r.exit_code == 0, r.output
     rows = json.loads(report.read_text())["rounds"]

@@ -152,7 +152,8 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 def test_explain_missing_names_the_extra_only_for_a_missing_package() -> None:
-    with pytest.raises(ConfigError, match=r"^x needs onnxruntime, which is not installed: pip install 'protofl-edge\[onnx\]'$"):
+    want = r"^x needs onnxruntime, which is not installed: pip install 'protofl-edge\[onnx\]'$"
+    with pytest.raises(ConfigError, match=want):
         with explain_missing("x"):
             raise ModuleNotFoundError("No module named 'onnxruntime'", name="onnxruntime")
     with pytest.raises(ImportError, match="libcudnn"):  # installed but broken: its own error, untouched

@@ -14,8 +14,17 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (ParamsUpload, Envelope, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
-                          encode_message, pack_envelope)
+from protofl.wire import (
+    Envelope,
+    Join,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    RoundStart,
+    decode_message,
+    encode_message,
+    pack_envelope,
+)
 
 FED = "t"
 
@@ -71,7 +80,8 @@ def fedproto(request: pytest.FixtureRequest,
         monkeypatch.setattr(shell.fast_reader, "usable", lambda limits: False)
     elif not shell.fast_reader.available():
         pytest.skip("msgspec (the `fast` extra) is not installed")
-    cfg = make_config("fedproto", rounds=2, num_classes=3, proto_dim=2, adapter_rank=1, min_clients=1, round_timeout=30.0)
+    cfg = make_config("fedproto", rounds=2, num_classes=3, proto_dim=2, adapter_rank=1, min_clients=1,
+                      round_timeout=30.0)
     broker, clock = InProcessBroker(), Clock()
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=clock, expected_clients=["a", "b"])
     assert agg._fast == (request.param == "fast")

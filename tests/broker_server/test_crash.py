@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import random
+import signal
 import time
 from pathlib import Path
 

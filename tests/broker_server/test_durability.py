@@ -15,17 +15,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
-from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from broker_server.durable import DurableState, journal_records
 from broker_server.journal import Journal, JournalError, encode_record
+from broker_server.shell import Aggregator
 from protofl import topics
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from protofl.plan import Phase
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (ParamsUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
-                          encode_message)
+from protofl.wire import (
+    Join,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    PublicSet,
+    RoundStart,
+    Status,
+    decode_message,
+    encode_message,
+)
 from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "dur"
@@ -89,7 +98,8 @@ def test_the_payload_is_journaled_as_it_arrived(tmp_path: Path) -> None:
     data = (tmp_path / "journal.log").read_bytes()
     assert data.startswith(b"PFJ2") and data.endswith(payload)  # the bytes themselves, after header and meta
     [rec] = Journal(tmp_path / "journal.log").records
-    assert (rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase) == ("t/c1", payload, "c1", "join", 0, "")
+    assert ((rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)
+            == ("t/c1", payload, "c1", "join", 0, ""))
 
 
 def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import load_or_create
 from broker_server.service import AggregatorService
+from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.service import AggregatorService
+from broker_server.shell import Aggregator
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.local_data import DataSpec
 from edge_agent.runner import DeviceRunner, RunnerOptions

@@ -23,7 +23,8 @@ def device(rnd: int, cid: str, cls: str, made_it: bool, done: float | None, up: 
 
 
 def run(preset: str, accs: list[float], round_s: list[float]) -> dict[str, Any]:
-    rounds = [{"round": i + 1, "local_acc": a, "global_acc": a, "uplink_bytes": 1000 * (i + 1)} for i, a in enumerate(accs)]
+    rounds = [{"round": i + 1, "local_acc": a, "global_acc": a, "uplink_bytes": 1000 * (i + 1)}
+              for i, a in enumerate(accs)]
     t, lrounds = 0.0, []
     for i, s in enumerate(round_s):
         t += s

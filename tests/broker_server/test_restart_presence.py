@@ -125,8 +125,8 @@ def test_a_grace_is_measured_from_the_resume_not_stored_as_a_time(tmp_path: Path
     assert run.agg.records[0].clients == IDS
 
 
-def test_min_clients_is_a_floor_for_a_round_that_every_remaining_device_finished(tmp_path: Path,
-                                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_min_clients_is_a_floor_for_a_round_that_every_remaining_device_finished(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     run = Run(tmp_path, clock, min_clients=3)
     for c in IDS:

@@ -13,7 +13,7 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import ParamsUpload, Join, ProtoSet, ProtoUpload, encode_message
+from protofl.wire import Join, ParamsUpload, ProtoSet, ProtoUpload, encode_message
 from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "r"
@@ -60,6 +60,7 @@ def send(broker: InProcessBroker, client: str, msg: object, round_: int = 0, pha
 
 
 UNIT_OK = {0: [1.0, 0, 0, 0], 1: [0, 1.0, 0, 0]}
+ERPA_SCALED = dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1)  # ERPA with CPS scaling
 CASES = {
     # FedPAGR: a zero prototype has no direction (it used to escape the boundary as a ValueError)
     "fedpagr/zero_vector": ("fedpagr", {}, "train", ProtoUpload(local=protoset({**UNIT_OK, 2: [0, 0, 0, 0]}),
@@ -84,10 +85,10 @@ CASES = {
         update=SparseVector(n=10, indices=np.array([1]), values=np.array([1.0], np.float32)), n_samples=4,
         base_round=1), "invalid"),
     # ERPA + scaling: the public table is fine, the scaled local table is not; neither may be folded
-    "protofl-erpa/scaled_class_out_of_range": ("protofl", dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1), "proto",
+    "protofl-erpa/scaled_class_out_of_range": ("protofl", ERPA_SCALED, "proto",
                                                ProtoUpload(local=protoset({1: [1.0], 7: [2.0]}),
                                                            public=protoset({0: [2.0]}), n_samples=4), "invalid"),
-    "protofl-erpa/scaled_wrong_width": ("protofl", dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1), "proto",
+    "protofl-erpa/scaled_wrong_width": ("protofl", ERPA_SCALED, "proto",
                                         ProtoUpload(local=protoset({1: [1.0, 2.0]}), public=protoset({0: [2.0]}),
                                                     n_samples=4), "invalid"),
 }

@@ -240,7 +240,8 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
                     [sys.executable, "-m", "broker_server.cli", "shard", "--broker", f"mqtt://127.0.0.1:{port}",
                      "--fed", FED, "--index", str(i), "--credentials",
                      str(state / "security" / "shards" / f"shard-{i}.json"), "--state-dir",
-                     str(tmp_path / f"shard-{i}"), "--shard-timeout", timeout], stdout=log, stderr=subprocess.STDOUT, env=ENV))
+                     str(tmp_path / f"shard-{i}"), "--shard-timeout", timeout],
+                    stdout=log, stderr=subprocess.STDOUT, env=ENV))
         wait(lambda: any(f"waiting for {devices} client(s)" in line for line in out), 60, "the announcement", out)
         cfg = config("fedproto")
         held = []

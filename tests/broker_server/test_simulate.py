@@ -85,7 +85,7 @@ def test_report_bytes_are_the_encoded_messages(runs: dict[str, Run], preset: str
     up, down, metrics = counted_from_the_wire(run)
     rows = r["rounds"]
     assert [row["round"] for row in rows] == [1, 2] == [rec.round for rec in run.agg.records]
-    for row, rec in zip(rows, run.agg.records):
+    for row, rec in zip(rows, run.agg.records, strict=True):
         assert (row["uplink_bytes"], row["downlink_bytes"]) == (rec.uplink_bytes, rec.downlink_bytes)
         assert row["uplink_bytes"] == up[row["round"]] > 0
         assert row["downlink_bytes"] == down[row["round"]] > 0

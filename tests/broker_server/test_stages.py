@@ -29,7 +29,8 @@ def test_erpa_anchors_ext_mean_for_public_weighted_mean_for_the_rest() -> None:
     m = model_for("refprotofl", public_classes=(0,))
     phase = PhaseRun(m, Phase.PROTO)
     phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [2, 2]}, {1: 1}), n_samples=1))
-    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}), n_samples=6))
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}),
+                                         n_samples=6))
     phase.finish()
     a, _ = m.targets.table()
     # a_0 = (1 + 3) / 2 = 2 (uniform); a_1 = (1*2 + 2*5) / 3 = 4 (n-weighted); a_2 = 1 (one sender)
@@ -125,4 +126,5 @@ def test_public_prototypes_in_the_training_phase_are_refused_elsewhere() -> None
     m = model_for("fedpagr", refine=False)
     m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
     with pytest.raises(WireError, match="public-set prototypes in the training phase"):
-        PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))
+        PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS,
+                                     ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))

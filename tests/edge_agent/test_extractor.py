@@ -95,7 +95,7 @@ def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch
     ref = run_simulation(spec)
     monkeypatch.setitem(EdgeAgent.__init__.__kwdefaults__, "extractor", "onnx")
     got = run_simulation(spec)
-    for a, b in zip(ref["rounds"], got["rounds"]):
+    for a, b in zip(ref["rounds"], got["rounds"], strict=True):
         for key in ("local_acc", "global_acc", "ensemble_acc"):
             assert abs(a[key] - b[key]) <= 0.02, (key, a, b)  # z agrees to ~1e-7: at most a tie flips
         assert a["uplink_bytes"] == b["uplink_bytes"]

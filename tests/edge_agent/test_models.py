@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import hashlib
 import os
 import subprocess
@@ -25,7 +24,6 @@ from edge_agent.models import (
 )
 from edge_agent.params import full_vector
 from protofl.errors import ConfigError
-
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
 # Backbone output dims h, fixed by the spec of each architecture.

@@ -136,7 +136,7 @@ def test_start_and_join_with_devices_holding_three_to_six_classes(tmp_path: Path
                 p.kill()
     assert server.returncode == 0, out
     assert "round 2/2: 3 clients" in out and "federation 'owntrial' finished: 2 rounds" in out, out
-    for p, o in zip(devices, dev_out):
+    for p, o in zip(devices, dev_out, strict=True):
         assert p.returncode == 0, o
     assert {d: ns for d, ns in metrics.items()} == {d: [n_test, n_test] for d, (_, n_test) in counts.items()}
 

@@ -8,16 +8,17 @@ import torch
 from edge_agent import trainer
 from edge_agent.frozen import train_on_cached_features
 from edge_agent.models import build_model
+from edge_agent.techniques.fedpagr import pagr_objective
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
-from edge_agent.techniques.fedpagr import pagr_objective
 
 
 def _pagr_round(train_head: bool, frozen: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.nn.Module]:
     cfg = FederationConfig(federate="none", prototypes="unit", consensus=True, proto_dim=16, adapter_rank=4,
                            archs=("mlp",), pagr_train_head=train_head, backbone="frozen" if frozen else "train")
     model = build_model("mlp", cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, projection=True, seed=0)
-    P = torch.nn.functional.normalize(torch.randn(cfg.num_classes, cfg.proto_dim, generator=torch.Generator().manual_seed(1)), dim=1)
+    gen = torch.Generator().manual_seed(1)
+    P = torch.nn.functional.normalize(torch.randn(cfg.num_classes, cfg.proto_dim, generator=gen), dim=1)
     with torch.no_grad():  # the agent anchors the head at round start: rows := P, bias 0
         model.head.weight.copy_(P)
         model.head.bias.zero_()
@@ -31,7 +32,7 @@ def _pagr_round(train_head: bool, frozen: bool = False) -> tuple[torch.Tensor, t
         train_on_cached_features(model, h, y, cfg, targets, seed=0)
     else:
         trainer.train_local(model, x, y, cfg, targets, seed=0)
-    moved = any(not torch.equal(b, p) for b, p in zip(before, model.projection.parameters()))
+    moved = any(not torch.equal(b, p) for b, p in zip(before, model.projection.parameters(), strict=True))
     assert moved, "the consensus projection g_k must train"
     return model.head.weight.detach(), P, model
 

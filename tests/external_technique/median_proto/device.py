@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 
 from edge_agent.techniques import DeviceRule
-
 from median_proto import NAME
 
 
