@@ -92,7 +92,7 @@ def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
     for i in range(distinct):
         if name == "apud":
             g = initial_adapter(adapter_layout(m, cfg.adapter_rank, C), cfg.seed)
-            local = g + rng.standard_normal(g.shape[0]).astype(np.float32) * 0.01
+            local = g + rng.standard_normal(len(g)).astype(np.float32) * 0.01
             sv = select_topk(local, g, max(1, g.shape[0] // 10))
             bodies.append(ParamsUpload(update=sv, n_samples=100 + i, base_round=1, dt=plan.adapter_dtype))
             continue

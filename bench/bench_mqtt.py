@@ -45,7 +45,8 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
     from protofl.transport.broker_url import parse_broker_url
 
     torch.set_num_threads(1)  # like the agent processes; fastest for small batches on a shared box
-    modes = (("inprocess", {}), ("mqtt_threads", dict(transport="mqtt", agents="thread")),
+    modes: tuple[tuple[str, dict[str, Any]], ...] = (
+             ("inprocess", {}), ("mqtt_threads", dict(transport="mqtt", agents="thread")),
              ("mqtt_processes", dict(transport="mqtt", agents="process")))
     lat: dict[str, list[float]] = {name: [] for name, _ in modes}
     walls: dict[str, list[float]] = {name: [] for name, _ in modes}
@@ -53,7 +54,7 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
     plan = [m for _ in range(repeat) for m in modes[:2]] + [modes[2]]
     for name, extra in plan:
         spec = SimulationSpec(preset=preset, dataset=dataset, clients=clients, rounds=rounds, seed=0,
-                              broker=parse_broker_url(broker_url), timeout=900, **extra)  # type: ignore[arg-type]
+                              broker=parse_broker_url(broker_url), timeout=900, **extra)
         t0 = time.perf_counter()
         finished: list[Aggregator] = []
         run_simulation(spec, on_finish=finished.append)

@@ -34,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from bench import table_report
 from bench.table_runs import (
@@ -66,8 +66,15 @@ def cli_prefix() -> list[str]:
     return [sys.executable, "-m", "broker_server.cli"]
 
 
+class DatasetShape(TypedDict):
+    """resolve_config's dataset arguments."""
+
+    num_classes: int
+    in_shape: tuple[int, ...]
+
+
 # What Fashion-MNIST decides in the config (the simulation reads it off the data).
-DATASET_SHAPE = dict(num_classes=10, in_shape=(1, 28, 28))
+DATASET_SHAPE: DatasetShape = {"num_classes": 10, "in_shape": (1, 28, 28)}
 
 
 def expected_config(run: Run, suite: str) -> dict[str, Any]:

@@ -142,6 +142,13 @@ class RowStats:
         vals = list(self.values(metric).values())
         return statistics.fmean(vals) if vals else None
 
+    def mean_required(self, metric: str) -> float:
+        """The mean of a figure every run's summary holds (bytes, wall time), for a row that has run."""
+        m = self.mean(metric)
+        if m is None:
+            raise ValueError(f"{self.row.key}: no run of this row holds {metric!r}")
+        return m
+
     def std(self, metric: str) -> float | None:
         vals = list(self.values(metric).values())
         return statistics.stdev(vals) if len(vals) > 1 else None
@@ -183,8 +190,8 @@ def _row_line(ctx: Context, key: str, section: Section) -> str | None:
     cells = [label, seeds] + [mean_std(st, m) for m in ("local_acc", "local_proto_acc", "local_own_proto_acc@best",
                                                         "global_acc", "global_proto_acc", "ensemble_acc",
                                                         "predictor_acc")]
-    cells += [mean_std(st, "off_mask_energy", 1.0, 3), f"{st.mean('up_per'):,.0f}", f"{st.mean('up_total') / 1e6:.3f}",
-              f"{st.mean('wall_s'):.0f}", paper]
+    cells += [mean_std(st, "off_mask_energy", 1.0, 3), f"{st.mean_required('up_per'):,.0f}",
+              f"{st.mean_required('up_total') / 1e6:.3f}", f"{st.mean_required('wall_s'):.0f}", paper]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -293,7 +300,7 @@ def goal_tinyproto(ctx: Context) -> Goal:
     if not j.complete:
         return Goal(name, "NOT RUN", _basis_lines(j))
     fp, tp = (j.rows[k] for k in keys)
-    ratio = fp.mean("up_total") / max(tp.mean("up_total"), 1)
+    ratio = fp.mean_required("up_total") / max(tp.mean_required("up_total"), 1)
     ev = _basis_lines(j)
     if tp.mean(GOAL1_METRIC) is None or fp.mean(GOAL1_METRIC) is None:
         status = "NOT RUN"
@@ -372,8 +379,8 @@ def goal_protofl(ctx: Context) -> Goal:
     ev, statuses = _basis_lines(j), []
     for where, (tag, others, metric) in D_COMPARE.items():
         pf = j.rows[candidate_row(tag, suffix)]
-        tp_bytes = j.rows[others["tinyproto"]].mean("up_total")
-        ratio = pf.mean("up_total") / max(tp_bytes, 1)
+        tp_bytes = j.rows[others["tinyproto"]].mean_required("up_total")
+        ratio = pf.mean_required("up_total") / max(tp_bytes, 1)
         for n, k in others.items():
             p = compare(pf, j.rows[k], metric)
             statuses.append(at_least(p, 1.0))
@@ -513,7 +520,7 @@ def predictor_lines(ctx: Context) -> list[str]:
                 continue
             p = paired({s: 100 * v for s, v in st.values("predictor_acc").items()},
                        {s: 100 * v for s, v in fa.values("global_acc").items()})
-            frac = st.mean("up_total") / max(fa.mean("up_total") or 1, 1)
+            frac = st.mean_required("up_total") / max(fa.mean("up_total") or 1, 1)
             out.append(f"| {where} | {st.row.label} | {p.n} | {mean_std(st, 'predictor_acc')} | "
                        f"{mean_std(fa, 'global_acc')} | {p.text()} | {frac:.4f} |")
     return out
@@ -543,14 +550,13 @@ def paper_lines(ctx: Context) -> list[str]:
             if match is None:
                 continue
             paper, ours = float(match.group()), st.mean(metric)
-            done = st.complete and ours is not None
+            gap = 100 * ours - paper if st.complete and ours is not None else None  # ours - paper, in points
+            shown = (mean_std(st, metric), f"{gap:+.2f}") if gap is not None else ("not run yet", "-")
             out.append(f"| {st.row.label} | {row.setting}: {fed.clients} clients, alpha {fed.alpha:g} | {name} | "
-                       f"{paper:.2f} [{row.paper.ref}] | {mean_std(st, metric) if done else 'not run yet'} | "
-                       f"{f'{100 * ours - paper:+.2f}' if done else '-'} |")
-            if done and attr == "global_":
+                       f"{paper:.2f} [{row.paper.ref}] | {shown[0]} | {shown[1]} |")
+            if gap is not None and attr == "global_":
                 ens = st.mean("ensemble_acc")
-                gaps.setdefault(row.paper.ref, {})[row.preset] = (100 * ours - paper,
-                                                                  None if ens is None else 100 * ens - paper)
+                gaps.setdefault(row.paper.ref, {})[row.preset] = (gap, None if ens is None else 100 * ens - paper)
     out.append("")
     for ref, note in PAPER_GAP_NOTES.items():
         out.append(f"- [{ref}] {note}")
@@ -614,7 +620,7 @@ def decide_default(ctx: Context) -> Decision:
                 "within noise, more bytes" if suffix in tied else f"beaten by {best}")
         mark += f"; vs best {gap}" if gap else ""
         lines.append(f"| {label} | {mean_std(a, 'global_acc')} | {mean_std(b, 'local_acc')} | "
-                     f"{mean_std(sc, 'score')} | {sc.mean('up_total') / 1e6:.3f} | {mark} |")
+                     f"{mean_std(sc, 'score')} | {sc.mean_required('up_total') / 1e6:.3f} | {mark} |")
     switches = ", ".join(f"{k}={json.dumps(v)}" for k, v in choice.items())
     now = ", ".join(f"{k}={json.dumps(v)}" for k, v in current.items())
     lines += ["", f"Chosen: **{chosen}** ({switches}).", f"`--preset protofl` at this revision: {now} -> "
@@ -717,8 +723,8 @@ _PLOT_NOTE_SHOWN = False
 
 def _curves(ctx: Context, key: str) -> tuple[list[float], list[float], list[float], list[float]] | None:
     """Mean cumulative uplink and mean / min / max local accuracy per round over the row's seeds."""
-    reps = [ctx.cached(r) for r in ctx.runs if r.row.key == key]
-    reps = [r for r in reps if r is not None and r["rounds"]]
+    cached = [ctx.cached(r) for r in ctx.runs if r.row.key == key]
+    reps = [r for r in cached if r is not None and r["rounds"]]
     if not reps:
         return None
     n = min(len(r["rounds"]) for r in reps)

@@ -473,7 +473,9 @@ class ProtoNet(nn.Module):
         in_shape: InShape = (1, 28, 28),
     ) -> None:
         super().__init__()
-        h_dim = int(backbone.out_dim)
+        # getattr: nn.Module.__getattr__ types any attribute as Tensor | Module; out_dim is the plain int every
+        # backbone sets (built-in or installed).
+        h_dim = int(getattr(backbone, "out_dim"))  # noqa: B009
         self.backbone = backbone
         self.stem: nn.Module = nn.Identity() if h_dim == proto_dim else nn.Linear(h_dim, proto_dim)
         self.adapter = ResidualAdapter(proto_dim, adapter_rank)

@@ -154,7 +154,8 @@ def test_a_late_joiner_labels_with_the_global_state_before_it_trains(fedproto_ru
     loaded = load_artifact(run)  # the weights a device that joins now starts from, and the global prototypes
     cfg = art.read_json(run / art.MANIFEST)["config"]
     initial = build_model(cfg["archs"][0], tuple(cfg["in_shape"]), cfg["num_classes"], seed=cfg["seed"])
-    assert torch.equal(loaded.model.head.weight, initial.head.weight) and loaded.prototypes.source == "global"
+    assert loaded.prototypes is not None and loaded.prototypes.source == "global"
+    assert torch.equal(loaded.model.head.weight, initial.head.weight)
     npz, _, _ = unlabelled(tmp_path)
     done = edge_without_torch("predict", "--model", tmp_path / "new.onnx", "--input", npz, "--show", "1")
     assert done.returncode == 0 and "labelled 40 samples" in done.stdout, done.stdout + done.stderr

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -267,8 +268,8 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
 
     run = RUN_BY_KEY["A/a0.5-tinyproto-s0"]
     runner = paper_table.Runner("quick", tmp_path, None, 1, verbose=False)
-    rep = {"config": paper_table.expected_config(run, "quick"),
-           "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
+    rep: dict[str, Any] = {"config": paper_table.expected_config(run, "quick"),
+                           "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
     path = runner.path(run)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(rep))
@@ -308,7 +309,8 @@ def test_an_unclipped_run_that_cannot_clip_is_its_clipped_twins_run(tmp_path):
     assert rep is not None and rep["same_as"] == "A/a0.5-fedpagr-clipped-s1"
     assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s0"]) is None  # no twin run for seed 0 in the cache
     assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s3"]) is None  # the twin has no seed 3: it must run
-    assert "same_as" not in runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-clipped-s1"])
+    twin = runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-clipped-s1"])
+    assert twin is not None and "same_as" not in twin
     own = cache("A/a0.5-fedpagr-s1")  # a run of its own wins
     assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s1"]) == own
     # tinyproto's scaled prototypes and the CPS-masked spherical rows can clip: never their twin's run

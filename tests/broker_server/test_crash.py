@@ -19,6 +19,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,8 @@ def journal_size(fed: Federation) -> int:
     return sum(p.stat().st_size for p in (fed.state / "aggregator").glob("journal-*.log"))
 
 
-def wait_for(pred, timeout: float, what: str, fed: Federation) -> None:  # type: ignore[no-untyped-def]
+def wait_for(pred: Callable[..., object], timeout: float, what: str, fed: Federation) -> None:
+    """Poll `pred()` until it holds (a predicate may bind a loop's values as its defaults)."""
     end = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > end:

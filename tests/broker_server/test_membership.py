@@ -19,7 +19,7 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
 from protofl.transport.broker_url import parse_broker_url
-from protofl.wire import Join, ProtoSet, ProtoUpload, Status, encode_message
+from protofl.wire import Join, Message, ProtoSet, ProtoUpload, Status, encode_message
 
 FED = "mem"
 
@@ -33,7 +33,7 @@ def federation(n_expected: int | None = None, **kw: object) -> tuple[InProcessBr
     return broker, agg
 
 
-def send(broker: InProcessBroker, cid: str, msg: object, round_: int = 0, phase: str = "", topic: str = "") -> None:
+def send(broker: InProcessBroker, cid: str, msg: Message, round_: int = 0, phase: str = "", topic: str = "") -> None:
     payload = encode_message(msg, fed=FED, sender=cid, round=round_, phase=phase)
     broker.connect(cid).publish(topic or topics.up(FED, cid), payload)
     broker.pump()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -167,26 +168,34 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     client.subscribe(topics.config("drops"), lambda t, p: announced.set())
     assert announced.wait(20), "the server never announced the federation"
 
-    def send(topic_client: str, payload: bytes, until) -> None:  # type: ignore[no-untyped-def]
+    def send(topic_client: str, payload: bytes, until: Callable[[], bool]) -> None:
         client.publish(topics.up("drops", topic_client), payload)
         end = time.monotonic() + 10
         while not until():
             assert time.monotonic() < end, f"aggregator did not process the message (dropped {agg.dropped})"
             time.sleep(0.01)
 
+    def joined(cid: str) -> Callable[[], bool]:
+        return lambda: cid in agg.clients
+
+    def received() -> dict[str, set[str]]:
+        """Who sent what in the open phase (nothing between phases)."""
+        phase = agg.machine.phase
+        return {} if phase is None else {k: {u.value for u in v} for k, v in phase.received.items()}
+
     try:
         for c in ids:
-            send(c, _join(c), lambda c=c: c in agg.clients)
-        send("c0", _upload("c0", 1, seed=10), lambda: "c0" in agg.machine.phase.received)
-        before = {k: {u.value for u in v} for k, v in agg.machine.phase.received.items()}
+            send(c, _join(c), joined(c))
+        send("c0", _upload("c0", 1, seed=10), lambda: "c0" in received())
+        before = received()
         send("c0", _upload("c0", 1, seed=10), lambda: agg.dropped.get("duplicate") == 1)
         # c0's upload published on c1's topic: the topic's client id differs from the sender
         send("c1", _upload("c0", 1, seed=99, sender="c0"), lambda: agg.dropped.get("sender_mismatch") == 1)
-        assert {k: {u.value for u in v} for k, v in agg.machine.phase.received.items()} == before == {"c0": {"protos"}}
+        assert received() == before == {"c0": {"protos"}}
         send("c1", _upload("c1", 1, seed=11), lambda: agg.round == 2)
         # round 1 is over: a replay of a round-1 upload is stale
         send("c0", _upload("c0", 1, seed=10), lambda: agg.dropped.get("stale") == 1)
-        send("c0", _upload("c0", 2, seed=20), lambda: "c0" in agg.machine.phase.received)
+        send("c0", _upload("c0", 2, seed=20), lambda: "c0" in received())
         send("c1", _upload("c1", 2, seed=21), lambda: agg.finished)
         runner.join(30)
     finally:
@@ -195,8 +204,8 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     assert agg.dropped == {"duplicate": 1, "sender_mismatch": 1, "stale": 1}
     assert [r.clients for r in agg.records] == [ids, ids]
     assert sorted(agg.model.prototypes) == sorted(ref.model.prototypes) == [0, 1, 2]
-    for c in ref.model.prototypes:  # same uploads in the same order: bit-identical
-        np.testing.assert_array_equal(agg.model.prototypes[c], ref.model.prototypes[c])
+    for k in ref.model.prototypes:  # same uploads in the same order: bit-identical
+        np.testing.assert_array_equal(agg.model.prototypes[k], ref.model.prototypes[k])
 
 
 def test_agents_are_started_on_the_simulations_device() -> None:

@@ -14,7 +14,7 @@ from protofl import topics
 from protofl.algorithms.robust import ClipPolicy, CoordinateRobust, clip_around
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
-from protofl.wire import Join, ProtoSet, ProtoUpload, encode_message
+from protofl.wire import Join, Message, ProtoSet, ProtoUpload, encode_message
 from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "poison"
@@ -33,7 +33,7 @@ def run(n_honest: int, n_poison: int, policy: ClipPolicy | None,
     agg.start()
     rng = np.random.default_rng(seed)
 
-    def send(cid: str, msg: object, round_: int = 0, phase: str = "") -> None:
+    def send(cid: str, msg: Message, round_: int = 0, phase: str = "") -> None:
         broker.connect(cid).publish(topics.up(FED, cid), encode_message(msg, fed=FED, sender=cid, round=round_,
                                                                        phase=phase))
 

@@ -113,7 +113,7 @@ def test_round_axes_have_whole_number_ticks(tmp_path: Path, monkeypatch) -> None
     ticks: list[list[float]] = []
     save = matplotlib.figure.Figure.savefig
 
-    def recording(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(fig, *args, **kwargs):  # untyped: it stands in for Figure.savefig
         ax = fig.axes[0]
         lo, hi = ax.get_xlim()
         if ax.get_xlabel() == "round":

@@ -112,7 +112,7 @@ def connect_device(creds: Path, port: int, i: int) -> tuple[str, MqttTransport]:
     return name, MqttTransport(opts, name, backoff=Backoff(0.1, 1.0)).connect(10)
 
 
-def close_all(transports: list[MqttTransport], procs: list[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+def close_all(transports: list[MqttTransport], procs: list[subprocess.Popen[Any]]) -> None:
     """A test's clean-up, whatever happened: the devices' connections, then any process still running."""
     for t in transports:
         t.close()

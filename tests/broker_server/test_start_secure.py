@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ def server_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 
 @pytest.fixture
-def squatter() -> int:
+def squatter() -> Iterator[int]:
     """Something that is not our broker, listening on a port (and accepting connections)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

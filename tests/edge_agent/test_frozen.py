@@ -91,7 +91,7 @@ def test_cache_is_reused_until_the_backbone_changes(small_set) -> None:
         model.head.weight.add_(1.0)
     assert cache.features(model, x) is h1  # head changes do not invalidate h
     with torch.no_grad():
-        model.backbone.stem[0].weight.mul_(2.0)
+        model.backbone.get_parameter("stem.0.weight").mul_(2.0)
     assert cache.features(model, x) is not h1  # a changed backbone does
 
 

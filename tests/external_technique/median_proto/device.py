@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from edge_agent.techniques import DeviceRule
-from median_proto import NAME
+
+from . import NAME
 
 
 class MedianProtoDevice(DeviceRule):
