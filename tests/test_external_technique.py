@@ -140,7 +140,8 @@ def test_an_option_of_a_technique_the_federation_does_not_use_is_refused() -> No
     with pytest.raises(ConfigError, match=r"option\(s\) \['refine_steps'\] belong to technique\(s\) \['fedpagr'\]"):
         make_config("tinyproto", strict=True, refine_steps=3)
     assert make_config("tinyproto", refine_steps=3) == make_config("tinyproto")  # the Python API warns, drops it
-    assert make_config("protofl", cps=False).mu == 1.5e-4  # the default, not the preset's own value of an option it switches off
+    # the default, not the preset's own value of an option it switches off
+    assert make_config("protofl", cps=False).mu == 1.5e-4
 
 
 @pytest.mark.slow

@@ -3,6 +3,8 @@ weighted prototypes, APUD and FedAvg folds, and what the next round's targets ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from protofl.sparse import SparseVector
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
 
-def model_for(preset: str, **overrides: object) -> ServerModel:
+def model_for(preset: str, **overrides: Any) -> ServerModel:
     cfg = make_config(preset, num_classes=3, proto_dim=2, adapter_rank=1, **overrides)
     return build_model(cfg, RoundPlan.from_config(cfg))
 
