@@ -76,6 +76,7 @@ def test_agents_as_separate_processes_match_inprocess(mosquitto_module: Mosquitt
     inproc, expected = run(SimulationSpec(preset="protofl", overrides=every_stage, **FED))
     mqtt, got = run(SimulationSpec(preset="protofl", transport="mqtt", agents="process", timeout=240,
                                    broker=parse_broker_url(mosquitto_module.url), overrides=every_stage, **FED))
-    assert mqtt["config"]["erpa"] is True and mqtt["config"]["apud"] and mqtt["config"]["cps"]
+    used = mqtt["config"]["techniques"]
+    assert used["erpa"]["erpa"] is True and used["apud"]["apud"] and used["cps"]["cps"]
     assert_same_model(expected, got)
     assert_same_rounds(inproc, mqtt)
