@@ -92,7 +92,7 @@ def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
     for i in range(distinct):
         if name == "apud":
             g = initial_adapter(adapter_layout(m, cfg.adapter_rank, C), cfg.seed)
-            local = g + rng.standard_normal(g.shape[0]).astype(np.float32) * 0.01
+            local = g + rng.standard_normal(len(g)).astype(np.float32) * 0.01
             sv = select_topk(local, g, max(1, g.shape[0] // 10))
             bodies.append(ParamsUpload(update=sv, n_samples=100 + i, base_round=1, dt=plan.adapter_dtype))
             continue
@@ -628,7 +628,8 @@ def main() -> None:
     if not args.skip_inprocess:
         res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
     if args.broker:
-        res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER}, (args.broker_workloads or args.workloads).split(","), args.broker_n,
+        res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER},
+                                    (args.broker_workloads or args.workloads).split(","), args.broker_n,
                                     args.broker_repeats or args.repeats,
                                     tuple(int(x) for x in args.broker_shards.split(",")))
     res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),

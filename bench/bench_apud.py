@@ -56,6 +56,7 @@ def run(uploads: int, d: int, k: int, distinct: int = 64, trace: bool = False, r
     for i in range(uploads):
         got = read_upload(payloads[i % distinct]) if fast else None
         msg = got[1] if got is not None else decode_message(payloads[i % distinct])[1]
+        assert isinstance(msg, ParamsUpload)  # every payload is one (make_payloads); as the server dispatches
         fold(msg.update, float(msg.n_samples))
     result = agg.result()
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu

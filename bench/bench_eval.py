@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
              f"Federation: `protofl-server {' '.join(BASE)}` plus the flags below.", "",
              "| case | flags | wall s | x end-only | final local | final global |", "|---|---|--:|--:|--:|--:|"]
     for name, flags, wall, last in rows:
-        lines.append(f"| {name} | `{' '.join(flags)}` | {wall:.1f} | {wall / floor:.2f} | {100 * last['local_acc']:.2f} | "
-                     f"{100 * last['global_acc']:.2f} |")
+        lines.append(f"| {name} | `{' '.join(flags)}` | {wall:.1f} | {wall / floor:.2f} | "
+                     f"{100 * last['local_acc']:.2f} | {100 * last['global_acc']:.2f} |")
     lines += ["", f"Before and after on the same protocol give {'the same' if same else 'DIFFERENT'} final accuracies "
               "(the same computation, one forward pass fewer per split)."]
     ns.out.parent.mkdir(parents=True, exist_ok=True)

@@ -270,13 +270,14 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         done = [final_counts(g) for g in generators]
     finally:
         sampler.stop()
-        for p in [*generators, server, *site_procs]:
-            if p.poll() is None:
-                p.terminate()
+        procs: list[subprocess.Popen[Any]] = [*generators, server, *site_procs]  # text and bytes pipes
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
                 try:
-                    p.wait(15)
+                    proc.wait(15)
                 except subprocess.TimeoutExpired:
-                    p.kill()
+                    proc.kill()
     jsonl = state / "rounds.jsonl"
     rounds = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()] if jsonl.exists() else []
     log_text = server_log.read_text(errors="replace")

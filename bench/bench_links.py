@@ -91,7 +91,8 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
         t = ttt[run["preset"]]
         missed = sum(1 for d in run["links"]["devices"] if not d["made_it"])
         mean_round = mean([r["round_s"] for r in lr[1:]] or [lr[0]["round_s"]])
-        lines.append(f"| {run['preset']} | {len(lr)} | {100 * final:.1f} | {mean_round:.1f} | "
+        shown = "-" if final is None else f"{100 * final:.1f}"  # a last round without that accuracy
+        lines.append(f"| {run['preset']} | {len(lr)} | {shown} | {mean_round:.1f} | "
                      f"{ratio:.2f} | {lr[-1]['sim_time_s']:.1f} | {'not reached' if t is None else f'{t:.1f}'} | "
                      f"{human_bytes(run['totals']['uplink_bytes'])} | "
                      f"{human_bytes(sum(d.get('resent_bytes', 0) for d in run['links']['devices']))} | {missed} |")
@@ -115,7 +116,8 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
             worst = max(worst, abs(meas / bnd - 1))
             encs = sorted({r["dt"] + (f" K={r['k']}" if r["k"] else "") for r in rows if r["dt"]})
             lines.append(f"| {run['preset']} | {cls} | {mean([r['downlink_s'] for r in rows]):.1f} / "
-                         f"{mean([r['bound_down_s'] for r in rows]):.1f} | {mean([r['compute_s'] for r in rows]):.1f} | "
+                         f"{mean([r['bound_down_s'] for r in rows]):.1f} | "
+                         f"{mean([r['compute_s'] for r in rows]):.1f} | "
                          f"{mean([r['upload_s'] for r in rows]):.2f} / {mean([r['bound_up_s'] for r in rows]):.2f} | "
                          f"{human_bytes(mean([r['uplink_bytes'] for r in rows]))} | {', '.join(encs)} | {meas:.1f} | "
                          f"{bnd:.1f} | {meas / bnd:.2f} |")
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         meta = json.loads((runs_dir / "meta.json").read_text())
         write_report(runs, runs_dir, target=args.target, metric=args.metric)
         when = meta.get("when", "date not recorded")
-        args.out.write_text(links_md(runs, args, tuple(meta["load"]), meta["wall_s"], when))  # type: ignore[arg-type]
+        load0, load1 = meta["load"]
+        args.out.write_text(links_md(runs, args, (load0, load1), meta["wall_s"], when))
         print(f"wrote {args.out} and {runs_dir}/ from the runs there")
         return
     torch.set_num_threads(1)

@@ -183,7 +183,8 @@ def credentials_cost(n: int, repeat: int = 3) -> dict[str, Any]:
 
     ids = [f"device-{i}" for i in range(1, n + 1)]
     ca = "-----BEGIN CERTIFICATE-----\n" + "A" * 600 + "\n-----END CERTIFICATE-----\n"
-    first, again = [], []
+    first: list[float] = []
+    again: list[float] = []
     for _ in range(repeat):
         with tempfile.TemporaryDirectory(prefix="bench-creds-") as tmp:
             for times in (first, again):

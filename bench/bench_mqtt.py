@@ -40,24 +40,26 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
                   repeat: int = 2) -> dict[str, Any]:
     import torch
 
+    from broker_server.shell import Aggregator
     from broker_server.simulation import SimulationSpec, run_simulation
     from protofl.transport.broker_url import parse_broker_url
 
     torch.set_num_threads(1)  # like the agent processes; fastest for small batches on a shared box
-    modes = (("inprocess", {}), ("mqtt_threads", dict(transport="mqtt", agents="thread")),
+    modes: tuple[tuple[str, dict[str, Any]], ...] = (
+             ("inprocess", {}), ("mqtt_threads", dict(transport="mqtt", agents="thread")),
              ("mqtt_processes", dict(transport="mqtt", agents="process")))
     lat: dict[str, list[float]] = {name: [] for name, _ in modes}
     walls: dict[str, list[float]] = {name: [] for name, _ in modes}
     # In-process and threads alternate `repeat` times (this box is shared: load drifts); processes once.
     plan = [m for _ in range(repeat) for m in modes[:2]] + [modes[2]]
     for name, extra in plan:
-        records: list[Any] = []
         spec = SimulationSpec(preset=preset, dataset=dataset, clients=clients, rounds=rounds, seed=0,
-                              broker=parse_broker_url(broker_url), timeout=900, **extra)  # type: ignore[arg-type]
+                              broker=parse_broker_url(broker_url), timeout=900, **extra)
         t0 = time.perf_counter()
-        run_simulation(spec, on_finish=lambda agg: records.extend(agg.records))
+        finished: list[Aggregator] = []
+        run_simulation(spec, on_finish=finished.append)
         walls[name].append(time.perf_counter() - t0)
-        per_round = [r.ended - r.started for r in records]
+        per_round = [r.ended - r.started for r in finished[0].records]
         lat[name] += per_round[1:]  # round 1 warms up models and kernels
         print(f"  {name:15s} rounds {[round(x, 2) for x in per_round]} s, wall {walls[name][-1]:.1f} s", flush=True)
     out: dict[str, Any] = {}

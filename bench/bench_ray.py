@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(backend: str, n_threads: int) -> tuple[float, dict[str, Any]]:
         torch.set_num_threads(n_threads)  # the driver's (in-process: the agents'); a worker sets its own
-        spec = SimulationSpec(**base, backend=backend, device_resources=res)  # type: ignore[arg-type]
+        spec = SimulationSpec(**base, backend=backend, device_resources=res)
         t = time.perf_counter()
         try:
             report = run_simulation(spec)

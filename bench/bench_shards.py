@@ -107,7 +107,7 @@ def run_once(preset: str, n: int) -> dict[str, float]:
     t0 = time.process_time()
     broker.pump()  # the close request to the shard, its partial (encoded, decoded, checked) back, the merge
     merged = time.process_time() - t0
-    assert _closed(coord) and not coord.machine.phase.closing, coord.dropped  # type: ignore[union-attr]
+    assert _closed(coord) and not coord.machine.phase.closing, coord.dropped
     out["coordinator"] = len(payloads) / placed
     out["close ms"] = 1000 * merged
     return out

@@ -34,11 +34,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from bench import table_report
-from bench.table_runs import (FEDERATIONS, SETTINGS, SIZING, Run, as_spelled_today, needed_for, run_args, suite_runs,
-                              test_samples, twin_run)
+from bench.table_runs import (
+    FEDERATIONS,
+    SETTINGS,
+    SIZING,
+    Run,
+    as_spelled_today,
+    needed_for,
+    run_args,
+    suite_runs,
+    test_samples,
+    twin_run,
+)
 from broker_server.simulation import SimulationSpec, resolve_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +66,15 @@ def cli_prefix() -> list[str]:
     return [sys.executable, "-m", "broker_server.cli"]
 
 
+class DatasetShape(TypedDict):
+    """resolve_config's dataset arguments."""
+
+    num_classes: int
+    in_shape: tuple[int, ...]
+
+
 # What Fashion-MNIST decides in the config (the simulation reads it off the data).
-DATASET_SHAPE = dict(num_classes=10, in_shape=(1, 28, 28))
+DATASET_SHAPE: DatasetShape = {"num_classes": 10, "in_shape": (1, 28, 28)}
 
 
 def expected_config(run: Run, suite: str) -> dict[str, Any]:
@@ -178,7 +195,8 @@ class Runner:
             return None
         if as_spelled_today(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
             return None
-        if rep.get("simulation", {}).get("test_samples", test_samples(run, self.suite)) != test_samples(run, self.suite):
+        samples = test_samples(run, self.suite)
+        if rep.get("simulation", {}).get("test_samples", samples) != samples:
             return None  # it scored another part of the test set than the table's columns mean
         if not config_matches(rep, run, self.suite):
             return None
@@ -197,7 +215,8 @@ class Runner:
         args = run_args(run, self.suite, self.data_dir)
         cmd = self.prefix + args + self.backend_args + ["--json", str(tmp)]
         shown = "protofl-server " + shlex.join(args)
-        self.log(f"[{index}/{total}] {run.key}{' (stale cache: command or config changed)' if stale else ''}\n    {shown}")
+        why = " (stale cache: command or config changed)" if stale else ""
+        self.log(f"[{index}/{total}] {run.key}{why}\n    {shown}")
         started = time.time()
         git = git_info()  # the revision this run's CLI loads (the tree may change during a long suite)
         with self.lock:

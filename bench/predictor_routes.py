@@ -822,6 +822,8 @@ class Runner:
                 g, b = (ha.T @ ha).cpu().numpy(), (ha.T @ onehot).cpu().numpy()
                 g_sum = g if g_sum is None else g_sum + g
                 b_sum = b if b_sum is None else b_sum + b
+            if g_sum is None or b_sum is None:
+                raise ValueError("ridge: the federation has no clients")
             sd["ridge"] = ridge_solve(g_sum, b_sum)
         return sd["ridge"]
 

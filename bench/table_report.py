@@ -11,16 +11,39 @@ import re
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.paired import Paired, paired, verdict
-from bench.table_runs import (CANDIDATES, FEDERATIONS, GPU_NOTE, LAMBDAS, PAPER_GAP_NOTES, PAPER_REFS, REFUSED,
-                              ROW_BY_KEY, ROWS, SECTIONS, SEEDS, SIZING, SIZING_NOTE, SWEEP, Row, Run, Section,
-                              candidate_row, clipped, decision_row, preset_stages, preset_variant, run_args)
+from bench.table_runs import (
+    CANDIDATES,
+    FEDERATIONS,
+    GPU_NOTE,
+    LAMBDAS,
+    PAPER_GAP_NOTES,
+    PAPER_REFS,
+    REFUSED,
+    ROW_BY_KEY,
+    ROWS,
+    SECTIONS,
+    SEEDS,
+    SIZING,
+    SIZING_NOTE,
+    SWEEP,
+    Row,
+    Run,
+    Section,
+    candidate_row,
+    clipped,
+    decision_row,
+    preset_stages,
+    preset_variant,
+    run_args,
+)
 
 # The accuracies, named for what they compute: which predictor (the head; the nearest *global* prototype,
 # FedProto's inference; the nearest of the client's *own* prototypes, TinyProto's eq. 12; the clients'
@@ -119,6 +142,13 @@ class RowStats:
         vals = list(self.values(metric).values())
         return statistics.fmean(vals) if vals else None
 
+    def mean_required(self, metric: str) -> float:
+        """The mean of a figure every run's summary holds (bytes, wall time), for a row that has run."""
+        m = self.mean(metric)
+        if m is None:
+            raise ValueError(f"{self.row.key}: no run of this row holds {metric!r}")
+        return m
+
     def std(self, metric: str) -> float | None:
         vals = list(self.values(metric).values())
         return statistics.stdev(vals) if len(vals) > 1 else None
@@ -150,7 +180,8 @@ def _row_line(ctx: Context, key: str, section: Section) -> str | None:
     label = row.label + (f" (from {row.setting})" if row.setting != section.setting else "")
     paper = row.paper.text() if row.paper else ""
     if not st.by_seed:
-        failed = [r for r in ctx.runs if r.row.key == key and (ctx.run_root / r.setting / f"{r.name}.failed.txt").is_file()]
+        failed = [r for r in ctx.runs
+                  if r.row.key == key and (ctx.run_root / r.setting / f"{r.name}.failed.txt").is_file()]
         state = f"FAILED (see `{failed[0].setting}/{failed[0].name}.failed.txt`)" if failed else "not run yet"
         return "| " + " | ".join([label, state] + [""] * (len(COLUMNS) - 3) + [paper]) + " |"
     seeds = ",".join(map(str, sorted(st.by_seed))) + ("" if st.complete else f" of {len(st.expected)}")
@@ -159,8 +190,8 @@ def _row_line(ctx: Context, key: str, section: Section) -> str | None:
     cells = [label, seeds] + [mean_std(st, m) for m in ("local_acc", "local_proto_acc", "local_own_proto_acc@best",
                                                         "global_acc", "global_proto_acc", "ensemble_acc",
                                                         "predictor_acc")]
-    cells += [mean_std(st, "off_mask_energy", 1.0, 3), f"{st.mean('up_per'):,.0f}", f"{st.mean('up_total') / 1e6:.3f}",
-              f"{st.mean('wall_s'):.0f}", paper]
+    cells += [mean_std(st, "off_mask_energy", 1.0, 3), f"{st.mean_required('up_per'):,.0f}",
+              f"{st.mean_required('up_total') / 1e6:.3f}", f"{st.mean_required('wall_s'):.0f}", paper]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -269,7 +300,7 @@ def goal_tinyproto(ctx: Context) -> Goal:
     if not j.complete:
         return Goal(name, "NOT RUN", _basis_lines(j))
     fp, tp = (j.rows[k] for k in keys)
-    ratio = fp.mean("up_total") / max(tp.mean("up_total"), 1)
+    ratio = fp.mean_required("up_total") / max(tp.mean_required("up_total"), 1)
     ev = _basis_lines(j)
     if tp.mean(GOAL1_METRIC) is None or fp.mean(GOAL1_METRIC) is None:
         status = "NOT RUN"
@@ -277,7 +308,8 @@ def goal_tinyproto(ctx: Context) -> Goal:
     else:
         p = compare(tp, fp, GOAL1_METRIC)
         status = at_least(p, 1.0) if ratio >= 8 else "MISSED"
-        ev.append(effect(tp, fp, GOAL1_METRIC, "tinyproto", "fedproto", within=1.0) + f" ({METRIC_NAMES[GOAL1_METRIC]})")
+        ev.append(effect(tp, fp, GOAL1_METRIC, "tinyproto", "fedproto", within=1.0)
+                  + f" ({METRIC_NAMES[GOAL1_METRIC]})")
     ev.append(f"uplink per run: fedproto {fp.mean('up_total'):,.0f} B, tinyproto {tp.mean('up_total'):,.0f} B -> "
               f"{ratio:.2f}x fewer ({'>=' if ratio >= 8 else '<'} 8x)")
     for m in ("local_acc", "local_proto_acc", "local_own_proto_acc"):
@@ -314,7 +346,8 @@ def goal_fedpagr(ctx: Context) -> Goal:
     ps = [compare(pg, other, "ensemble_acc") for other in (fp, ns, ne)]
     ev = _basis_lines(j) + [
         effect(pg, fp, "ensemble_acc", "fedpagr", "fedproto"),
-        effect(pg, ns, "ensemble_acc", "fedpagr", "w/o separation") + "; paper (CIFAR-10): separation is worth 2.7 points",
+        effect(pg, ns, "ensemble_acc", "fedpagr", "w/o separation")
+        + "; paper (CIFAR-10): separation is worth 2.7 points",
         effect(pg, ne, "ensemble_acc", "fedpagr", "w/o entropy") + "; paper (CIFAR-10): entropy is worth 3.3 points",
         f"also ({METRIC_NAMES['local_acc']}): " + effect(pg, fp, "local_acc", "fedpagr", "fedproto"),
         clip_cost(ctx, keys, "ensemble_acc")]
@@ -346,8 +379,8 @@ def goal_protofl(ctx: Context) -> Goal:
     ev, statuses = _basis_lines(j), []
     for where, (tag, others, metric) in D_COMPARE.items():
         pf = j.rows[candidate_row(tag, suffix)]
-        tp_bytes = j.rows[others["tinyproto"]].mean("up_total")
-        ratio = pf.mean("up_total") / max(tp_bytes, 1)
+        tp_bytes = j.rows[others["tinyproto"]].mean_required("up_total")
+        ratio = pf.mean_required("up_total") / max(tp_bytes, 1)
         for n, k in others.items():
             p = compare(pf, j.rows[k], metric)
             statuses.append(at_least(p, 1.0))
@@ -433,10 +466,11 @@ def _intro_and_head(intro: str, columns: tuple[str, ...], align: tuple[str, ...]
 
 
 def control_lines(ctx: Context) -> list[str]:
-    out = _intro_and_head("Each method minus the local-only control of its federation (every client trains alone on the same "
-           "data, rounds and epochs), paired by seed, in points: what federation adds to the head's local accuracy "
-           "(final round) and to the nearest own prototype's (best round, TinyProto's eq. 12). A row marked "
-           "[clipped] is a clipped twin standing in until the unclipped row has run.",
+    out = _intro_and_head("Each method minus the local-only control of its federation (every client trains alone on "
+                          "the same data, rounds and epochs), paired by seed, in points: what federation adds to the "
+                          "head's local accuracy (final round) and to the nearest own prototype's (best round, "
+                          "TinyProto's eq. 12). A row marked [clipped] is a clipped twin standing in until the "
+                          "unclipped row has run.",
                           ("setting", "method", "seeds", "head local: method - local only",
                            "nearest own proto, best: method - local only"), ("---", "---", "--:", "---", "---"))
     for ctl_key, (where, keys) in CONTROLS.items():
@@ -463,14 +497,16 @@ PREDICTORS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
 
 
 def predictor_lines(ctx: Context) -> list[str]:
-    out = _intro_and_head("How close a prototype federation's deployable model comes to FedAvg's global model, and at what "
-           "fraction of its uplink bytes (broker_server/simulation/predictor.py: RefProtoFL's federated adapter and "
-           "head on the shared backbone, which exists with `backbone=frozen` only: with the default every device "
-           "trains its own backbone and there is no one model to give a new device, so these rows run RefProtoFL "
-           "with `--set backbone=frozen`; FedPAGR and FedProto define none, their backbones stay private). Global "
-           "predictor and FedAvg's model both scored on the full test set at the final round.",
-                          ("setting", "row", "seeds", "global predictor", "FedAvg global", "predictor - FedAvg (points)",
-                           "uplink, fraction of FedAvg's"), ("---", "---", "--:", "--:", "--:", "---", "--:"))
+    out = _intro_and_head("How close a prototype federation's deployable model comes to FedAvg's global model, and at "
+                          "what fraction of its uplink bytes (broker_server/simulation/predictor.py: RefProtoFL's "
+                          "federated adapter and head on the shared backbone, which exists with `backbone=frozen` "
+                          "only: with the default every device trains its own backbone and there is no one model to "
+                          "give a new device, so these rows run RefProtoFL with `--set backbone=frozen`; FedPAGR and "
+                          "FedProto define none, their backbones stay private). Global predictor and FedAvg's model "
+                          "both scored on the full test set at the final round.",
+                          ("setting", "row", "seeds", "global predictor", "FedAvg global",
+                           "predictor - FedAvg (points)", "uplink, fraction of FedAvg's"),
+                          ("---", "---", "--:", "--:", "--:", "---", "--:"))
     for _, (where, fedavg_key, keys) in PREDICTORS.items():
         if fedavg_key is None:
             out.append(f"| {where} | FedAvg cannot run: five architectures share no parameter vector | | | | | |")
@@ -484,14 +520,15 @@ def predictor_lines(ctx: Context) -> list[str]:
                 continue
             p = paired({s: 100 * v for s, v in st.values("predictor_acc").items()},
                        {s: 100 * v for s, v in fa.values("global_acc").items()})
-            frac = st.mean("up_total") / max(fa.mean("up_total") or 1, 1)
+            frac = st.mean_required("up_total") / max(fa.mean("up_total") or 1, 1)
             out.append(f"| {where} | {st.row.label} | {p.n} | {mean_std(st, 'predictor_acc')} | "
                        f"{mean_std(fa, 'global_acc')} | {p.text()} | {frac:.4f} |")
     return out
 
 
 # -- ours beside the papers' Fashion-MNIST figures ------------------------------------------------------------
-PAPER_METRICS = (("local", "local_acc", "local"), ("global_", "global_acc", "global"), ("ensemble", "ensemble_acc", "ens."))
+PAPER_METRICS = (("local", "local_acc", "local"), ("global_", "global_acc", "global"),
+                 ("ensemble", "ensemble_acc", "ens."))
 _LEADING_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -513,14 +550,13 @@ def paper_lines(ctx: Context) -> list[str]:
             if match is None:
                 continue
             paper, ours = float(match.group()), st.mean(metric)
-            done = st.complete and ours is not None
+            gap = 100 * ours - paper if st.complete and ours is not None else None  # ours - paper, in points
+            shown = (mean_std(st, metric), f"{gap:+.2f}") if gap is not None else ("not run yet", "-")
             out.append(f"| {st.row.label} | {row.setting}: {fed.clients} clients, alpha {fed.alpha:g} | {name} | "
-                       f"{paper:.2f} [{row.paper.ref}] | {mean_std(st, metric) if done else 'not run yet'} | "
-                       f"{f'{100 * ours - paper:+.2f}' if done else '-'} |")
-            if done and attr == "global_":
+                       f"{paper:.2f} [{row.paper.ref}] | {shown[0]} | {shown[1]} |")
+            if gap is not None and attr == "global_":
                 ens = st.mean("ensemble_acc")
-                gaps.setdefault(row.paper.ref, {})[row.preset] = (100 * ours - paper,
-                                                                  None if ens is None else 100 * ens - paper)
+                gaps.setdefault(row.paper.ref, {})[row.preset] = (gap, None if ens is None else 100 * ens - paper)
     out.append("")
     for ref, note in PAPER_GAP_NOTES.items():
         out.append(f"- [{ref}] {note}")
@@ -530,7 +566,8 @@ def paper_lines(ctx: Context) -> list[str]:
             parts = [f"{p} global {g:+.2f} ({g - fedavg:+.2f} beyond FedAvg's)"
                      + (f", ensemble {e:+.2f}" if e is not None else "")
                      for p, (g, e) in by_preset.items() if p != "fedavg"]
-            out.append(f"  Measured, ours - paper in points: FedAvg's global model {fedavg:+.2f}; " + "; ".join(parts) + ".")
+            out.append(f"  Measured, ours - paper in points: FedAvg's global model {fedavg:+.2f}; "
+                       + "; ".join(parts) + ".")
     return out
 
 
@@ -580,9 +617,10 @@ def decide_default(ctx: Context) -> Decision:
         sc = scored[suffix]
         gap = compare(scored[suffix], scored[best], "score").text() if suffix != best else ""
         mark = ("**chosen**" if suffix == chosen else "best score" if suffix == best else
-                "within noise, more bytes" if suffix in tied else f"beaten by {best}") + (f"; vs best {gap}" if gap else "")
-        lines.append(f"| {label} | {mean_std(a, 'global_acc')} | {mean_std(b, 'local_acc')} | {mean_std(sc, 'score')} | "
-                     f"{sc.mean('up_total') / 1e6:.3f} | {mark} |")
+                "within noise, more bytes" if suffix in tied else f"beaten by {best}")
+        mark += f"; vs best {gap}" if gap else ""
+        lines.append(f"| {label} | {mean_std(a, 'global_acc')} | {mean_std(b, 'local_acc')} | "
+                     f"{mean_std(sc, 'score')} | {sc.mean_required('up_total') / 1e6:.3f} | {mark} |")
     switches = ", ".join(f"{k}={json.dumps(v)}" for k, v in choice.items())
     now = ", ".join(f"{k}={json.dumps(v)}" for k, v in current.items())
     lines += ["", f"Chosen: **{chosen}** ({switches}).", f"`--preset protofl` at this revision: {now} -> "
@@ -599,7 +637,8 @@ def refused_lines(ctx: Context) -> list[str]:
            "client sends an n-weighted prototype, so scaling acts on nothing. These runs were made before the "
            "config refused the combination (`protofl/config.py`); each is compared with its scaling-free twin, "
            "seed by seed (A: global accuracy, B: local accuracy).", "",
-           "| refused combination | on | seeds | its accuracy, per seed | twin | twin's, per seed | max abs diff (points) |",
+           "| refused combination | on | seeds | its accuracy, per seed | twin | twin's, per seed "
+           "| max abs diff (points) |",
            "|---|---|--:|---|---|---|--:|"]
     metric_of = {"a": "global_acc", "b": "local_acc"}
     for suffix, label, _, twins in REFUSED:
@@ -672,8 +711,8 @@ def _lambda_decision(preset: str, chosen: float, beats_one: bool) -> str:
 
     now = float(make_config(preset).proto_lambda)
     if beats_one:
-        return (f"{preset}: proto_lambda is {chosen:g}, moved from 1 by this sweep ({chosen:g} beats 1)" if now == chosen
-                else f"{preset}: proto_lambda should move to {chosen:g} (the preset has {now:g})")
+        return (f"{preset}: proto_lambda is {chosen:g}, moved from 1 by this sweep ({chosen:g} beats 1)"
+                if now == chosen else f"{preset}: proto_lambda should move to {chosen:g} (the preset has {now:g})")
     return (f"{preset}: proto_lambda stays 1 ({chosen:g} does not beat it)" if now == 1.0 else
             f"{preset}: proto_lambda should go back to 1 ({chosen:g} does not beat it; the preset has {now:g})")
 
@@ -684,8 +723,8 @@ _PLOT_NOTE_SHOWN = False
 
 def _curves(ctx: Context, key: str) -> tuple[list[float], list[float], list[float], list[float]] | None:
     """Mean cumulative uplink and mean / min / max local accuracy per round over the row's seeds."""
-    reps = [ctx.cached(r) for r in ctx.runs if r.row.key == key]
-    reps = [r for r in reps if r is not None and r["rounds"]]
+    cached = [ctx.cached(r) for r in ctx.runs if r.row.key == key]
+    reps = [r for r in cached if r is not None and r["rounds"]]
     if not reps:
         return None
     n = min(len(r["rounds"]) for r in reps)
@@ -746,7 +785,7 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
         return False
     for ax, title in zip(axes, ("local accuracy per round (mean, band: min-max over seeds)",
                                 "final global accuracy (mean, bars: min-max)",
-                                "final ensemble accuracy (mean, bars: min-max)")):
+                                "final ensemble accuracy (mean, bars: min-max)"), strict=True):
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(EngFormatter(unit="B", places=1))
@@ -757,7 +796,7 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     for ax in axes[1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
@@ -852,7 +891,8 @@ def _sizing(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
         mine = [rep for r, rep in done if r.setting == setting]
         total = sum(1 for r in ctx.runs if r.setting == setting)
         if total:
-            out.append(f"| {setting} | {len(mine)} of {total} | {sum(rep['bench']['cli_wall_s'] for rep in mine):,.0f} |")
+            wall = sum(rep["bench"]["cli_wall_s"] for rep in mine)
+            out.append(f"| {setting} | {len(mine)} of {total} | {wall:,.0f} |")
     return out + [""]
 
 
@@ -899,8 +939,8 @@ def write(ctx: Context, quiet: bool = False) -> Path:
     decision = decide_default(ctx)
     out += ["## Default of the `protofl` preset (decided by setting D)", "",
             "ALGORITHMS.md: which combination of stages is the default \"is decided by the ablation benchmark, not "
-            "by taste\". Candidates: the rows of setting D, and (a) w/o CPS, whose switches are the refprotofl preset's "
-            "(its rows are refprotofl's: same federation, sizing and seeds).", ""]
+            "by taste\". Candidates: the rows of setting D, and (a) w/o CPS, whose switches are the refprotofl "
+            "preset's (its rows are refprotofl's: same federation, sizing and seeds).", ""]
     out += decision.lines if decision.status == "CHOSEN" else [DECISION_RULE, "", f"**NOT RUN**: {decision.lines[0]}"]
     out += ["", "### Refused since measured: scaling with ERPA on a full public set", ""] + refused_lines(ctx)
     out += ["", "## Lambda sweep (alignment term on the MSE scale)", ""] + sweep_lines(ctx) + [""]

@@ -186,7 +186,7 @@ class Row:
     def key(self) -> str:
         return f"{self.setting}/{self.name}"
 
-    def runs(self) -> list["Run"]:
+    def runs(self) -> list[Run]:
         return [Run(self, seed) for seed in self.seeds]
 
 
@@ -333,7 +333,8 @@ SECTIONS.append(Section("A", "A-alpha100", "A (RefProtoFL Table 2): alpha = 100"
 
 # -- B: TinyProto (and every preset, for D and goal 4) -------------------------------------------------
 _b = _add(
-    Row("B", "fedproto", "fedproto", "fedproto", "B", tier=GOAL1, paper=Paper("T", local="82.90", bytes_="0.15 M params/rnd")),
+    Row("B", "fedproto", "fedproto", "fedproto", "B", tier=GOAL1,
+        paper=Paper("T", local="82.90", bytes_="0.15 M params/rnd")),
     Row("B", "tinyproto", "tinyproto s=51 (m/10), mu=auto (preset)", "tinyproto", "B", tier=GOAL1,
         paper=Paper("T", local="84.52 (s=50)", bytes_="0.02 M params/rnd")),
     Row("B", "refprotofl", "refprotofl", "refprotofl", "B", tier=GOAL4),
@@ -392,7 +393,8 @@ CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("no-cps", "ERPA + APUD (w/o CPS) = refprotofl", {**_A, "cps": False}),
     ("spherical", "(b) spherical CPS: FedPAGR's objective on CPS-masked unit prototypes", _SPHERICAL),
     ("spherical-refine", "(c) spherical CPS, s = m/4, + refinement", {**_SPHERICAL, "cps_s": 128, "refine": True}),
-    ("spherical-erpa", "(d) spherical CPS + ERPA anchors from the public set, normalised", {**_SPHERICAL, "erpa": True}),
+    ("spherical-erpa", "(d) spherical CPS + ERPA anchors from the public set, normalised",
+     {**_SPHERICAL, "erpa": True}),
 )
 # Candidates whose runs are another setting's rows (same federation, sizing, seeds and resolved stages):
 # suffix -> {tag: row key}. Their D rows are not run twice.

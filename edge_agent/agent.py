@@ -459,7 +459,7 @@ class EdgeAgent:
     def _restore(self, saved: dict[str, Any]) -> None:
         assert self.model is not None
         self.model.load_state_dict(saved.pop("model"))
-        for rule, state in zip(self.rules, saved.pop("rules")):
+        for rule, state in zip(self.rules, saved.pop("rules"), strict=True):
             rule.load_state(state)
         for k, v in saved.items():
             setattr(self, k, v)

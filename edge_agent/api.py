@@ -79,7 +79,7 @@ def make_runner(broker: str, fed: str, client_id: str, data: str, data_dir: str 
                  device: str, profile: str, eval_every: int, threads: int | None, username: str | None,
                  password: str | None, tls_ca: str | None, tls_cert: str | None, tls_key: str | None, mqtt: str,
                  connect_timeout: float, extractor: str = "torch",
-                 emulation: "Emulation | None" = None, keepalive: int = 30,
+                 emulation: Emulation | None = None, keepalive: int = 30,
                  test_every: int | None = None, state_dir: Path | None = None,
                  credentials: Path | None = None, artifacts: Path | str | None = None) -> DeviceRunner:
     """The device loop `protofl-edge join` runs, from its options (checked before anything connects). A

@@ -28,7 +28,10 @@ class TorchCommand(TyperCommand):
     a missing option); ``--help`` still works and, where torch is missing, ends with the same hint.
     """
 
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+    # ctx: Any, not typer.Context. The base method declares click's Context, a base of typer.Context (and a
+    # private name, typer._click.core.Context, in the typer releases that vendor click): declaring the
+    # subclass would narrow the override's parameter.
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         if not set(args) & set(self.get_help_option_names(ctx)):
             try:
                 require_torch(f"protofl-edge {self.name}")
@@ -56,7 +59,12 @@ def models(
     from edge_agent.models import MODEL_GROUP, available_architectures, build_model
     from edge_agent.params import adapter_vector, count_parameters
 
-    shape = tuple(int(v) for v in in_shape.split(","))
+    try:
+        shape = tuple(int(v) for v in in_shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3:
+        raise typer.BadParameter(f"c,h,w: three integers such as 1,28,28, got {in_shape!r}", param_hint="--in-shape")
     t = Table(title=f"architectures for input {shape}, m={proto_dim}, C={classes}",
               caption=f"also: --arch package.module:factory, or install a package registering {MODEL_GROUP}")
     for col in ("arch", "backbone params", "backbone d", "adapter d", "total params"):

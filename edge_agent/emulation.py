@@ -22,8 +22,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from protofl.budget import upload_budget
 from protofl.profiles import DeviceProfile, LinkProfile

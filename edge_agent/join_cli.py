@@ -7,7 +7,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def _emulation(profile: str, adaptive: bool, share: float, time_scale: float,
-               emulate_compute: bool) -> "Emulation | None":
+               emulate_compute: bool) -> Emulation | None:
     """--profile and its switches, checked before torch is imported (a bad profile exits 2 at once)."""
     from edge_agent.emulation import Emulation
     from protofl.profiles import parse_pair
@@ -41,20 +41,23 @@ def _emulation(profile: str, adaptive: bool, share: float, time_scale: float,
 
 def join_command(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
-    fed: Optional[str] = typer.Option(None, help="Federation name (the server's --fed; default: the one in "
-                                                 "--credentials, else 'default')."),
-    client_id: Optional[str] = typer.Option(None, "--client-id", help="This device's id (letters, digits, _ . -); "
-                                                                       "default: the user name of --credentials."),
+    fed: str | None = typer.Option(None, help="Federation name (the server's --fed; default: the one in "
+                                              "--credentials, else 'default')."),
+    client_id: str | None = typer.Option(None, "--client-id", help="This device's id (letters, digits, _ . -); "
+                                                                   "default: the user name of --credentials."),
     data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | imagefolder:DIR | "
                                          "csv:FILE[,label=COL] | package.module:function | an .npz/.csv file or "
                                          "a directory; shaped to the federation's classes and in_shape."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
-    partition: Optional[str] = typer.Option(None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split)."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
+    partition: str | None = typer.Option(None, help="Take client i's Dirichlet share, i/N (trials with the "
+                                                    "simulator's split)."),
     alpha: float = typer.Option(0.5, help="Dirichlet alpha of --partition."),
-    seed: Optional[int] = typer.Option(None, help="Seed of --partition and synthetic data (default: the federation's)."),
-    test_limit: Optional[int] = typer.Option(None, help="With --partition: evaluate on the first N test samples."),
-    train_limit: Optional[int] = typer.Option(None, help="With --partition: the simulator's --train-limit."),
-    arch: Optional[str] = typer.Option(None, help="Backbone: a built-in name (protofl-edge models), package.module:factory, or an installed protofl.models name (default: the federation's)."),
+    seed: int | None = typer.Option(None, help="Seed of --partition and synthetic data (default: the federation's)."),
+    test_limit: int | None = typer.Option(None, help="With --partition: evaluate on the first N test samples."),
+    train_limit: int | None = typer.Option(None, help="With --partition: the simulator's --train-limit."),
+    arch: str | None = typer.Option(None, help="Backbone: a built-in name (protofl-edge models), "
+                                               "package.module:factory, or an installed protofl.models name "
+                                               "(default: the federation's)."),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
     profile: str = typer.Option("", help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
                                          "names: ls profiles/ (a link profile turns on adaptive uploads)."),
@@ -65,25 +68,25 @@ def join_command(
     emulate_compute: bool = typer.Option(False, "--emulate-compute", help="Simulation only: hold uploads back as "
                                          "long as the device profile's compute factor says training takes there."),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
-    test_every: Optional[int] = typer.Option(None, help="With --partition: score the official test set every N rounds "
-                                                         "(a multiple of --eval-every) and in the last; "
-                                                         "default: the last round only."),
-    threads: Optional[int] = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
+    test_every: int | None = typer.Option(None, help="With --partition: score the official test set every N rounds "
+                                                     "(a multiple of --eval-every) and in the last; "
+                                                     "default: the last round only."),
+    threads: int | None = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", help="Keep a local checkpoint here after every "
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="Keep a local checkpoint here after every "
                                              "round (model, round state, last uploads): restarted, the device "
                                              "resumes where it was instead of starting over. Its deployable "
                                              "artifacts go to DIR/artifacts."),
-    artifacts: Optional[Path] = typer.Option(None, "--artifacts", help="Write this device's deployable artifacts "
+    artifacts: Path | None = typer.Option(None, "--artifacts", help="Write this device's deployable artifacts "
                                              "(model, prototypes: protofl-export onnx --from reads them) here, "
                                              "under devices/<id>/ (default: STATE_DIR/artifacts)."),
-    username: Optional[str] = cli_options.USERNAME,
-    password: Optional[str] = cli_options.PASSWORD,
-    credentials: Optional[Path] = typer.Option(None, help="This device's credentials file (devices/<id>.json, written "
-                                                          "by protofl-server start or broker-config)."),
-    tls_ca: Optional[str] = cli_options.TLS_CA,
-    tls_cert: Optional[str] = cli_options.TLS_CERT,
-    tls_key: Optional[str] = cli_options.TLS_KEY,
+    username: str | None = cli_options.USERNAME,
+    password: str | None = cli_options.PASSWORD,
+    credentials: Path | None = typer.Option(None, help="This device's credentials file (devices/<id>.json, written "
+                                                       "by protofl-server start or broker-config)."),
+    tls_ca: str | None = cli_options.TLS_CA,
+    tls_cert: str | None = cli_options.TLS_CERT,
+    tls_key: str | None = cli_options.TLS_KEY,
     mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
     keepalive: int = typer.Option(30, help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
@@ -105,7 +108,7 @@ def join_command(
                               credentials, artifacts)
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if runner.stopping:
@@ -118,9 +121,9 @@ def join_command(
         agent = runner.run()
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

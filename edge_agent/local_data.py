@@ -78,7 +78,7 @@ def dataset_spec(data: str) -> str:
     raise DataError(f"--data '{data}': cannot tell the format of {p}; name it: {', '.join(DATASET_SPECS)}")
 
 
-def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> "ClientData":
+def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> ClientData:
     """This device's normalised train/test arrays (and, for a partition, the official test set).
 
     The federation's config is the truth about the classes and the input shape: the data may hold any

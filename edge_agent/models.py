@@ -443,7 +443,10 @@ class ResidualAdapter(nn.Module):
 
 
 class ConsensusProjection(nn.Sequential):
-    """A private consensus projection g_k (docs/algorithms.md): Linear(m,2m), LayerNorm, ReLU, Dropout(0.1), Linear(2m,m), LayerNorm."""
+    """A private consensus projection g_k (docs/algorithms.md).
+
+    Linear(m,2m), LayerNorm, ReLU, Dropout(0.1), Linear(2m,m), LayerNorm.
+    """
 
     def __init__(self, dim: int, dropout: float = 0.1) -> None:
         super().__init__(
@@ -470,7 +473,9 @@ class ProtoNet(nn.Module):
         in_shape: InShape = (1, 28, 28),
     ) -> None:
         super().__init__()
-        h_dim = int(getattr(backbone, "out_dim"))
+        # getattr: nn.Module.__getattr__ types any attribute as Tensor | Module; out_dim is the plain int every
+        # backbone sets (built-in or installed).
+        h_dim = int(getattr(backbone, "out_dim"))  # noqa: B009
         self.backbone = backbone
         self.stem: nn.Module = nn.Identity() if h_dim == proto_dim else nn.Linear(h_dim, proto_dim)
         self.adapter = ResidualAdapter(proto_dim, adapter_rank)

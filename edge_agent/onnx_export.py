@@ -98,7 +98,7 @@ def _quiet() -> Iterator[None]:
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 
 

@@ -21,6 +21,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import typer
@@ -31,6 +32,9 @@ from protofl.artifacts import METRICS, PrototypeFile, read_prototypes, write_pro
 from protofl.data import load_images
 from protofl.errors import DataError, ProtoFLError
 from protofl.requirements import explain_missing
+
+if TYPE_CHECKING:  # onnxruntime is optional at import time
+    from onnxruntime import InferenceSession
 
 __all__ = ["Labels", "classify", "load_prototypes", "predict_command", "save_prototypes"]
 
@@ -119,8 +123,12 @@ class _Model:
         return tuple(int(v) for v in s.split(",")) if s else None  # type: ignore[return-value]
 
     @property
-    def norm(self) -> dict[str, tuple[float, ...] | None]:
-        return {"mean": parse_floats(self.meta.get("norm_mean")), "std": parse_floats(self.meta.get("norm_std"))}
+    def mean(self) -> tuple[float, ...] | None:
+        return parse_floats(self.meta.get("norm_mean"))
+
+    @property
+    def std(self) -> tuple[float, ...] | None:
+        return parse_floats(self.meta.get("norm_std"))
 
     @property
     def logits(self) -> bool:
@@ -137,28 +145,30 @@ class _Model:
         return None if not name else (Path(name) if Path(name).is_absolute() else self.path.parent / name)
 
 
-def _labels(model: _Model, sess: object, x: np.ndarray, table: PrototypeFile | None, metric: str) -> Labels:
-    out = embed_onnx(sess, x)  # type: ignore[arg-type]
+def _labels(model: _Model, sess: InferenceSession, x: np.ndarray, table: PrototypeFile | None, metric: str) -> Labels:
+    out = embed_onnx(sess, x)
     if table is None:  # a logits graph
         return _argmax(out)
     return classify(out, table, metric)
 
 
-def _fit(model: _Model, sess: object, data: str, fit_limit: int, metric: str | None, table_path: Path | None) -> None:
+def _fit(model: _Model, sess: InferenceSession, data: str, fit_limit: int, metric: str | None,
+         table_path: Path | None) -> None:
     """--fit: a prototype table from the labelled training split of `data`, through the same graph."""
     if model.logits:
         raise DataError("--fit builds prototypes for a features graph; this one is a classifier (logits)")
     if table_path is None:
         raise DataError("--fit needs --prototypes FILE: where to write the table it builds")
-    x_tr, y_tr, ds = load_images(data, "train", fit_limit, in_shape=model.in_shape, **model.norm)
-    z_tr = embed_onnx(sess, x_tr)  # type: ignore[arg-type]
+    x_tr, y_tr, ds = load_images(data, "train", fit_limit, in_shape=model.in_shape, mean=model.mean,
+                                 std=model.std)
+    z_tr = embed_onnx(sess, x_tr)
     protos, _ = local_prototypes(_unit(z_tr) if metric == "cosine" else z_tr, y_tr, ds.num_classes)
     write_prototypes(table_path, protos, metric=metric or "l2")
     typer.echo(f"wrote {len(protos)} prototypes ({z_tr.shape[1]} dims, from {len(y_tr)} {data} training "
                f"images) to {table_path}")
 
 
-def _label_input(model: _Model, sess: object, input_: str, table: PrototypeFile | None, metric: str, how: str,
+def _label_input(model: _Model, sess: InferenceSession, input_: str, table: PrototypeFile | None, metric: str, how: str,
                  out: Path | None, fmt: str | None, show: int) -> None:
     """--input: label data without labels, one line per sample to --out."""
     from protofl.data.unlabelled import load_unlabelled
@@ -166,7 +176,7 @@ def _label_input(model: _Model, sess: object, input_: str, table: PrototypeFile 
     if model.in_shape is None:
         raise DataError(f"{model.path} records no input shape; re-export it with protofl-export onnx")
     batch = load_unlabelled(input_, model.in_shape)
-    labels = _labels(model, sess, batch.normalized(model.norm["mean"], model.norm["std"]), table, metric)
+    labels = _labels(model, sess, batch.normalized(model.mean, model.std), table, metric)
     names = model.class_names(table)
     typer.echo(f"{model.path.name}: labelled {len(batch.names)} samples of {input_} by {how}")
     for i in range(min(show, len(batch.names))):
@@ -177,10 +187,10 @@ def _label_input(model: _Model, sess: object, input_: str, table: PrototypeFile 
         typer.echo(f"wrote {len(batch.names)} labels to {out}")
 
 
-def _score(model: _Model, sess: object, data: str, split: str, limit: int | None, table: PrototypeFile | None,
+def _score(model: _Model, sess: InferenceSession, data: str, split: str, limit: int | None, table: PrototypeFile | None,
            metric: str, how: str, out: Path | None, fmt: str | None, show: int) -> None:
     """--data: classify a labelled split and say the accuracy."""
-    x, y, _ = load_images(data, split, limit, in_shape=model.in_shape, **model.norm)
+    x, y, _ = load_images(data, split, limit, in_shape=model.in_shape, mean=model.mean, std=model.std)
     labels = _labels(model, sess, x, table, metric)
     pred = labels.classes
     acc = float((pred == y).mean()) if len(y) else 0.0

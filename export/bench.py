@@ -8,6 +8,7 @@ by other processes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import statistics
@@ -68,7 +69,7 @@ def bench_model(model: ProtoNet, onnx_models: dict[str, str | os.PathLike[str]],
         for b in batches:
             xb = torch.from_numpy(np.ascontiguousarray(x[:b], dtype=np.float32))
             with torch.inference_mode():
-                sec = time_call(lambda: fn(xb), iters)
+                sec = time_call(functools.partial(fn, xb), iters)
             rows.append(BenchRow("torch", b, threads, 1e3 * sec, b / sec))
     finally:
         torch.set_num_threads(before)
@@ -77,7 +78,7 @@ def bench_model(model: ProtoNet, onnx_models: dict[str, str | os.PathLike[str]],
         name = sess.get_inputs()[0].name
         for b in batches:
             feed = {name: np.ascontiguousarray(x[:b], dtype=np.float32)}
-            sec = time_call(lambda: sess.run(None, feed), iters)
+            sec = time_call(functools.partial(sess.run, None, feed), iters)
             rows.append(BenchRow(backend, b, threads, 1e3 * sec, b / sec))
         del sess
         gc.collect()  # drop the session's thread pool before the next backend is timed

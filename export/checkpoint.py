@@ -45,7 +45,7 @@ class ModelSpec:
     projection: bool = False
 
     @classmethod
-    def of(cls, model: ProtoNet) -> "ModelSpec":
+    def of(cls, model: ProtoNet) -> ModelSpec:
         return cls(model.arch, model.in_shape, model.num_classes, model.proto_dim, model.adapter.rank,
                    model.projection is not None)
 

@@ -58,7 +58,7 @@ def _shape(text: str) -> tuple[int, int, int]:
         raise ConfigError(f"--in-shape must be c,h,w integers such as 1,28,28, got {text!r}") from None
     if len(shape) != 3:
         raise ConfigError(f"--in-shape must have three values c,h,w, got {text!r}")
-    return shape  # type: ignore[return-value]
+    return shape
 
 
 def _model(arch: str | None, checkpoint: Path | None, in_shape: str, classes: int, proto_dim: int, seed: int):

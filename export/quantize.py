@@ -98,6 +98,7 @@ def quantize_model(src: str | os.PathLike[str], dst: str | os.PathLike[str], mod
                 quantize_dynamic(str(pre), str(dst_p), op_types_to_quantize=["MatMul", "Gemm"],
                                  weight_type=QuantType.QInt8)
             else:
+                assert calibration is not None  # static mode without images was refused above
                 name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
                 quantize_static(str(pre), str(dst_p), calibration_reader(name, calibration),
                                 quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,

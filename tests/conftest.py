@@ -7,8 +7,8 @@ silent skip; set PROTOFL_ALLOW_NO_MOSQUITTO=1 to skip those tests on a machine w
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 # Before torch starts its OpenMP threads, here and in every process a test spawns: idle threads sleep instead of
 # spinning. Tests run several torch processes at once on CI's 2 cores (devices, servers); spinning threads took
@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
+from pluggy import Result  # noqa: E402
 
 from broker_server.broker import MosquittoBroker, find_mosquitto
 
@@ -71,7 +72,8 @@ ALLOW_NO_DATA = "PROTOFL_ALLOW_NO_DATA"
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, Result[pytest.TestReport], None]:
     """A test skipped because Fashion-MNIST is missing counts as failed: CI installs the data
     (README: apt-get install dataset-fashion-mnist), and a skipped test checks nothing. Set
     PROTOFL_ALLOW_NO_DATA=1 to allow those skips on a machine without the package."""

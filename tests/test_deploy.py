@@ -154,7 +154,8 @@ def test_a_late_joiner_labels_with_the_global_state_before_it_trains(fedproto_ru
     loaded = load_artifact(run)  # the weights a device that joins now starts from, and the global prototypes
     cfg = art.read_json(run / art.MANIFEST)["config"]
     initial = build_model(cfg["archs"][0], tuple(cfg["in_shape"]), cfg["num_classes"], seed=cfg["seed"])
-    assert torch.equal(loaded.model.head.weight, initial.head.weight) and loaded.prototypes.source == "global"
+    assert loaded.prototypes is not None and loaded.prototypes.source == "global"
+    assert torch.equal(loaded.model.head.weight, initial.head.weight)
     npz, _, _ = unlabelled(tmp_path)
     done = edge_without_torch("predict", "--model", tmp_path / "new.onnx", "--input", npz, "--show", "1")
     assert done.returncode == 0 and "labelled 40 samples" in done.stdout, done.stdout + done.stderr
@@ -165,8 +166,8 @@ def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, on
     # RefProtoFL's federated adapter and head on the frozen backbone every device shares.
     run, report = tmp_path / "run", tmp_path / "run.json"
     r = runner.invoke(server_app, ["simulate", "--preset", "refprotofl", "--set", "backbone=frozen", "--dataset",
-                                   DATA, "--clients", "3", "--rounds", "2", "--test-every", "1", "--out", str(run), "--json",
-                                   str(report)],
+                                   DATA, "--clients", "3", "--rounds", "2", "--test-every", "1", "--out", str(run),
+                                   "--json", str(report)],
                        env={"COLUMNS": "200"})  # the table's columns unwrapped
     assert r.exit_code == 0, r.output
     rows = json.loads(report.read_text())["rounds"]

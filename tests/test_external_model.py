@@ -77,7 +77,8 @@ def test_entry_point_and_module_factory_build_the_same_seeded_model(installed: N
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
     # the dry pass moved no BatchNorm statistics and left every module in training mode
-    bn = a.backbone.net[1]
+    bn = a.backbone.get_submodule("net.1")
+    assert isinstance(bn, nn.BatchNorm2d) and bn.running_mean is not None and bn.num_batches_tracked is not None
     assert torch.equal(bn.running_mean, torch.zeros(8)) and int(bn.num_batches_tracked) == 0
     assert all(m.training for m in a.modules())
     assert a(torch.randn(3, 1, 28, 28)).shape == (3, 10)

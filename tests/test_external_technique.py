@@ -10,12 +10,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 EXTERNAL = Path(__file__).parent / "external_technique"
-FED = dict(dataset="synthetic:n=600,n_test=200", clients=3, alpha=0.5, seed=3)
+FED: dict[str, Any] = dict(dataset="synthetic:n=600,n_test=200", clients=3, alpha=0.5, seed=3)
 
 
 def _reload() -> None:
@@ -60,6 +61,7 @@ def test_simulate_runs_a_technique_installed_from_outside(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_the_server_folds_the_median_and_devices_send_no_counts(installed: None, one_torch_thread: None) -> None:
+    from broker_server.shell import Aggregator
     from broker_server.simulation import SimulationSpec, run_simulation
     from protofl.plan import RoundPlan
     from protofl.presets import make_config
@@ -77,14 +79,13 @@ def test_the_server_folds_the_median_and_devices_send_no_counts(installed: None,
                 uploads.append(msg)
         publish(self, topic, payload, retain=retain, qos=qos)
 
-    box: dict[str, object] = {}
+    finished: list[Aggregator] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InProcessTransport, "publish", spy)
-        run = run_simulation(SimulationSpec(preset="fedproto-median", rounds=1, **FED),
-                             on_finish=lambda a: box.setdefault("agg", a))
+        run = run_simulation(SimulationSpec(preset="fedproto-median", rounds=1, **FED), on_finish=finished.append)
     assert not run["dropped"] and len(uploads) == FED["clients"]
     assert all(up.local is not None and up.local.counts is None for up in uploads)  # the device half acted
-    model = box["agg"].model  # type: ignore[attr-defined]
+    model = finished[0].model
     tables = [up.local.table()[0] for up in uploads if up.local is not None]
     for c, got in model.prototypes.items():
         rows = [t[c] for t in tables if c in t]
@@ -139,7 +140,8 @@ def test_an_option_of_a_technique_the_federation_does_not_use_is_refused() -> No
     with pytest.raises(ConfigError, match=r"option\(s\) \['refine_steps'\] belong to technique\(s\) \['fedpagr'\]"):
         make_config("tinyproto", strict=True, refine_steps=3)
     assert make_config("tinyproto", refine_steps=3) == make_config("tinyproto")  # the Python API warns, drops it
-    assert make_config("protofl", cps=False).mu == 1.5e-4  # the default, not the preset's own value of an option it switches off
+    # the default, not the preset's own value of an option it switches off
+    assert make_config("protofl", cps=False).mu == 1.5e-4
 
 
 @pytest.mark.slow

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.golden.record import CASES, FED
+
 GOLDEN = Path(__file__).parent / "golden"
-sys.path.insert(0, str(GOLDEN))
-from record import CASES, FED  # noqa: E402
 
 ACCURACY_ABS = 1e-6
 MEASURE_REL = 1e-4
@@ -53,7 +52,7 @@ def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
         if not isinstance(got, list) or len(got) != len(want):
             problems.append(f"{path}: expected {want!r}, got {got!r}")
             return
-        for i, (w, g) in enumerate(zip(want, got)):
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
             _compare(f"{path}[{i}]", w, g, problems)
     elif isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
         if not _close(path, want, got):

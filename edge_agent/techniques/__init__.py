@@ -239,7 +239,8 @@ class DeviceRule:
         return ()
 
     # -- uploads --------------------------------------------------------------------------------
-    def local_prototypes(self, z: np.ndarray, y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
+    def local_prototypes(self, z: np.ndarray,
+                         y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
         return None
 
     def select_local(self, protos: dict[int, np.ndarray]) -> dict[int, np.ndarray]:

@@ -11,6 +11,7 @@ import numpy as np
 
 from edge_agent.techniques import DeviceRule, Sparsifier
 from protofl.algorithms import apud
+from protofl.sparse import SparseVector
 
 
 class ApudDevice(DeviceRule):
@@ -20,4 +21,14 @@ class ApudDevice(DeviceRule):
         if self.plan.federate != "adapter":
             return None
         k = apud.client_budget(theta.shape[0], self.cfg.apud_ratio, self.cfg.apud_budget_bytes)
-        return Sparsifier(k=k, select=apud.select_topk)
+        return Sparsifier(k=k, select=_select_topk)
+
+
+def _select_topk(theta: np.ndarray, theta_global: np.ndarray | None, k: int) -> SparseVector:
+    """Alg. 1's top-K against the global adapter the round opened with.
+
+    An adapter round always has one (the agent trains a round only once it holds the round's adapter); a
+    ValueError, like select_topk's own for mismatched shapes, fails the round rather than sending garbage."""
+    if theta_global is None:
+        raise ValueError("APUD: no global adapter to measure the local update against")
+    return apud.select_topk(theta, theta_global, k)

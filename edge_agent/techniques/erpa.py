@@ -45,7 +45,7 @@ class ErpaDevice(DeviceRule):
         if self.plan.public_phase is not Phase.TRAIN:
             return None
         z_public = self._public_z(ctx)
-        if z_public is None:
+        if z_public is None or ctx.public_y is None:  # _public_z is None without public labels too
             return None
         covered = set(self.plan.public_classes)
         protos = unit.client_prototypes(z_public, ctx.public_y, self.plan.num_classes)

@@ -109,7 +109,8 @@ class FedPagrDevice(DeviceRule):
     def model_options(self) -> dict[str, Any]:
         return {"projection": bool(self.cfg.consensus)}
 
-    def local_prototypes(self, z: np.ndarray, y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
+    def local_prototypes(self, z: np.ndarray,
+                         y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
         if self.plan.prototypes != "unit":
             return None
         return unit.client_prototypes(z, y, self.plan.num_classes), None

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,7 +204,8 @@ def test_a_goal_uses_the_clipped_twins_until_its_five_seeds_are_in(tmp_path):
     # tinyproto - fedproto: -1, +1, -1 -> mean -0.33, s = 1.1547, half width 4.3027 * 1.1547 / sqrt(3) = 2.868
     assert "tinyproto - fedproto = -0.33 [-3.20, +2.54] (-+-, 3 seeds) -> undecided (3 seeds)" in text
     # the cost of clipping, twin - row on common seeds: fedproto 0, +2, +1 -> [-1.48, +3.48]
-    assert "clipped - unclipped (head, local split, final round): `B/fedproto` +1.00 [-1.48, +3.48] (0++, 3 seeds)" in text
+    assert ("clipped - unclipped (head, local split, final round): `B/fedproto` +1.00 [-1.48, +3.48] (0++, 3 seeds)"
+            in text)
     # three unclipped seeds in common: the goal reads them (the papers' methods as written) before the twins
     reports.update(_five("B/tinyproto", [0.8] * 3, "local_acc", up=10))
     goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
@@ -224,7 +226,8 @@ def test_goal_1_reads_tinyprotos_own_metric_at_its_best_round(tmp_path):
         reports[f"B/tinyproto-s{s}"] = run([0.60, best, 0.50], 100)
     goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
     assert goal.status == "MET", goal.evidence
-    assert "tinyproto is within 1 of fedproto (5 seeds)" in goal.evidence[1] and "10.00x fewer (>= 8x)" in goal.evidence[2]
+    assert "tinyproto is within 1 of fedproto (5 seeds)" in goal.evidence[1]
+    assert "10.00x fewer (>= 8x)" in goal.evidence[2]
     assert table_report.summary(reports["B/tinyproto-s0"])["local_own_proto_acc@best"] == 0.805
     # at 5x fewer bytes the same accuracies miss
     for s in range(5):
@@ -265,8 +268,8 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
 
     run = RUN_BY_KEY["A/a0.5-tinyproto-s0"]
     runner = paper_table.Runner("quick", tmp_path, None, 1, verbose=False)
-    rep = {"config": paper_table.expected_config(run, "quick"),
-           "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
+    rep: dict[str, Any] = {"config": paper_table.expected_config(run, "quick"),
+                           "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
     path = runner.path(run)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(rep))
@@ -306,7 +309,8 @@ def test_an_unclipped_run_that_cannot_clip_is_its_clipped_twins_run(tmp_path):
     assert rep is not None and rep["same_as"] == "A/a0.5-fedpagr-clipped-s1"
     assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s0"]) is None  # no twin run for seed 0 in the cache
     assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s3"]) is None  # the twin has no seed 3: it must run
-    assert "same_as" not in runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-clipped-s1"])
+    twin = runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-clipped-s1"])
+    assert twin is not None and "same_as" not in twin
     own = cache("A/a0.5-fedpagr-s1")  # a run of its own wins
     assert runner.cached(RUN_BY_KEY["A/a0.5-fedpagr-s1"]) == own
     # tinyproto's scaled prototypes and the CPS-masked spherical rows can clip: never their twin's run
@@ -394,7 +398,8 @@ def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_set_against_fedav
     # fedavg's row ran clipped; fedproto's and refprotofl's unclipped rows have not run: their clipped twins stand in
     reports = {**_seeded("A/a0.5-fedavg", [_fake_report(0.8, 0.70, 1)] * 3),
                **_seeded("A/a0.5-fedproto-clipped", [_fake_report(0.8, 0.45, 1, ensemble=0.72)] * 3),
-               **_seeded("A/a0.5-refprotofl-clipped", [_fake_report(0.8, g, 1, ensemble=0.73) for g in (0.46, 0.47, 0.48)])}
+               **_seeded("A/a0.5-refprotofl-clipped",
+                         [_fake_report(0.8, g, 1, ensemble=0.73) for g in (0.46, 0.47, 0.48)])}
     lines = table_report.paper_lines(_ctx(tmp_path, reports))
     text = "\n".join(lines)
     # paper 73.82 (fedproto), 73.72 (fedavg): ours 45.00 and 70.00

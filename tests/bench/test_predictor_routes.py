@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -56,8 +57,8 @@ def test_topk_count_is_apuds_budget() -> None:
 
 
 def test_route_uplink_counts_each_route_upload_by_upload() -> None:
-    kw = dict(sizes=[300, 1200], classes_held=[3, 10], rounds=4, full_params=1000, dim=8, head_params=90,
-              adapter_params=50, public_n=200, num_classes=10)
+    kw: dict[str, Any] = dict(sizes=[300, 1200], classes_held=[3, 10], rounds=4, full_params=1000, dim=8,
+                              head_params=90, adapter_params=50, public_n=200, num_classes=10)
     p, q = pr.params_upload_bytes, pr.proto_upload_bytes
     senders = ["client-000", "client-001"]
     fed = sum(p(1000, n, r, sender=s) for n, s in zip([300, 1200], senders, strict=True) for r in range(1, 5))

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 
@@ -41,7 +42,8 @@ def chromium() -> Iterator[object]:
         raise
     options = webdriver.ChromeOptions()
     options.binary_location = chrome  # type: ignore[assignment]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1280,1000"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,1000"):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:

@@ -17,8 +17,8 @@ from tests.pipelines import ADAPTER_PIPELINE, as_cli_sets
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=400,n_test=20,size=12"
 # APUD sparse adapters and CPS-scaled prototypes (tests/pipelines.py), every upload kind of a round.
-SETTINGS = [*as_cli_sets(ADAPTER_PIPELINE), "--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]", "--set", "proto_dim=20", "--set",
-            "adapter_rank=2", "--set", "batch_size=50", "--seed", "4"]
+SETTINGS = [*as_cli_sets(ADAPTER_PIPELINE), "--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]",
+            "--set", "proto_dim=20", "--set", "adapter_rank=2", "--set", "batch_size=50", "--seed", "4"]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -78,8 +78,9 @@ class Federation:
     def start_agent(self, i: int) -> subprocess.Popen[bytes]:
         who = (["--credentials", str(self.state / "security" / "devices" / f"{self.client_id(i)}.json")]
                if self.secured else ["--fed", self.fed, "--client-id", self.client_id(i)])
-        cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, *who, "--data", DATA, "--partition", f"{i}/{self.clients}",
-               "--alpha", "1.0", "--seed", "4", "--threads", "1", "--device", "cpu", "--connect-timeout", "60"]
+        cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, *who, "--data", DATA,
+               "--partition", f"{i}/{self.clients}", "--alpha", "1.0", "--seed", "4", "--threads", "1",
+               "--device", "cpu", "--connect-timeout", "60"]
         if self.device_state is not None:
             cmd += ["--state-dir", str(self.device_state)]
         with (self.logs / f"{self.client_id(i)}.log").open("ab") as out:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from broker_server.service import AggregatorService
 from protofl import topics
@@ -39,7 +39,7 @@ class Watcher:
             elif isinstance(msg, Status):
                 self.presence.setdefault(topics.client_of(topic), []).append(msg.state)
 
-    def wait(self, pred: Callable[["Watcher"], bool], timeout: float, what: str) -> None:
+    def wait(self, pred: Callable[[Watcher], bool], timeout: float, what: str) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self._lock:
@@ -67,7 +67,7 @@ class ServiceThread:
         except BaseException as exc:  # noqa: BLE001 - re-raised in join()
             self.error = exc
 
-    def start(self) -> "ServiceThread":
+    def start(self) -> ServiceThread:
         self.service.start(connect_timeout=10)
         self.thread.start()
         return self

@@ -13,8 +13,18 @@ from protofl.config import FederationConfig
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.sparse import SparseVector
 from protofl.transport.base import Transport
-from protofl.wire import Join, Metrics, ParamsUpload, ProtoSet, ProtoUpload, Resend, RoundStart, decode_body, \
-    encode_message, read_header
+from protofl.wire import (
+    Join,
+    Metrics,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    Resend,
+    RoundStart,
+    decode_body,
+    encode_message,
+    read_header,
+)
 
 FED = "sh"
 FULL_MODEL = 40  # fedavg's model length (the server knows none: the first upload fixes it)

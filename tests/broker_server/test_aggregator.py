@@ -14,8 +14,18 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (ParamsUpload, Envelope, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
-                          encode_message, pack_envelope)
+from protofl.wire import (
+    Envelope,
+    Join,
+    Message,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    RoundStart,
+    decode_message,
+    encode_message,
+    pack_envelope,
+)
 
 FED = "t"
 
@@ -28,7 +38,7 @@ class Clock:
         return self.now
 
 
-def send(broker: InProcessBroker, topic_client: str, msg: object, *, sender: str | None = None,
+def send(broker: InProcessBroker, topic_client: str, msg: Message, *, sender: str | None = None,
          round_: int = 0, phase: str = "") -> None:
     payload = encode_message(msg, fed=FED, sender=sender or topic_client, round=round_, phase=phase)
     broker.connect(topic_client).publish(topics.up(FED, topic_client), payload)
@@ -71,7 +81,8 @@ def fedproto(request: pytest.FixtureRequest,
         monkeypatch.setattr(shell.fast_reader, "usable", lambda limits: False)
     elif not shell.fast_reader.available():
         pytest.skip("msgspec (the `fast` extra) is not installed")
-    cfg = make_config("fedproto", rounds=2, num_classes=3, proto_dim=2, adapter_rank=1, min_clients=1, round_timeout=30.0)
+    cfg = make_config("fedproto", rounds=2, num_classes=3, proto_dim=2, adapter_rank=1, min_clients=1,
+                      round_timeout=30.0)
     broker, clock = InProcessBroker(), Clock()
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=clock, expected_clients=["a", "b"])
     assert agg._fast == (request.param == "fast")
@@ -97,7 +108,7 @@ def test_fedproto_round_weighted_prototypes_by_hand(fedproto) -> None:
     np.testing.assert_allclose(agg.model.prototypes[1], [0, 2])
     assert 2 not in agg.model.prototypes
     env, msg = retained_round(broker)
-    assert env.round == 2 and list(msg.targets.classes) == [0, 1]
+    assert env.round == 2 and msg.targets is not None and list(msg.targets.classes) == [0, 1]
     assert agg.records[0].clients == ["a", "b"] and agg.records[0].closed_by == "quorum"
     assert agg.records[0].uplink_bytes > 0 and agg.records[0].downlink_bytes > 0
 
@@ -184,7 +195,7 @@ def test_refprotofl_two_phases_and_apud_aggregation_by_hand() -> None:
     send(broker, "b", ProtoUpload(public=protoset({0: [4, 0, 0, 0]}), local=protoset({1: [0, 5, 0, 0]}, {1: 3}),
                                   n_samples=30), round_=1, phase="proto")
     env, msg = retained_round(broker)
-    assert (env.round, env.phase) == (1, "train")
+    assert (env.round, env.phase) == (1, "train") and msg.targets is not None
     anchors = {int(c): msg.targets.values[i] for i, c in enumerate(msg.targets.classes)}
     np.testing.assert_allclose(anchors[0], [3, 0, 0, 0])  # (2 + 4) / 2, uniform over clients
     np.testing.assert_allclose(anchors[1], [0, 4, 0, 0])  # (1*1 + 3*5) / 4
@@ -194,6 +205,7 @@ def test_refprotofl_two_phases_and_apud_aggregation_by_hand() -> None:
     send(broker, "b", ParamsUpload(update=SparseVector(d, np.array([0, 1]), np.array([3.0, 7.0], np.float32)),
                                     n_samples=30, base_round=1), round_=1, phase="train")
     new = agg.model.adapter
+    assert new is not None
     assert new[0] == pytest.approx((10 * 1 + 30 * 3) / 40)  # 2.5
     assert new[1] == pytest.approx(7.0)  # only b sent it
     np.testing.assert_array_equal(new[2:], theta0[2:])  # nobody sent these: unchanged
@@ -210,6 +222,7 @@ def test_adapter_trained_from_an_old_adapter_is_stale() -> None:
     send(broker, "a", Join(arch="cnn", n_samples=10))
     send(broker, "a", ProtoUpload(public=protoset({0: [1, 0, 0, 0]}), local=None, n_samples=10),
          round_=1, phase="proto")
+    assert agg.model.adapter is not None
     d = agg.model.adapter.shape[0]
     before = snapshot(agg)
     send(broker, "a", ParamsUpload(update=SparseVector(d, np.array([0]), np.array([1.0], np.float32)),

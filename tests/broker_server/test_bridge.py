@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -225,7 +226,7 @@ time.sleep(120)
 """
 
 
-def wait_for(pred, what: str, timeout: float = 15) -> None:  # type: ignore[no-untyped-def]
+def wait_for(pred: Callable[[], object], what: str, timeout: float = 15) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():

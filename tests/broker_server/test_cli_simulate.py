@@ -20,7 +20,8 @@ def test_simulate_writes_the_json_report(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert report["preset"] == "tinyproto"
-    assert report["config"]["mu"] == "auto" and report["config"]["cps_s"] == 32
+    cps = report["config"]["techniques"]["cps"]  # the config names its techniques, each with its options
+    assert cps["mu"] == "auto" and cps["cps_s"] == 32
     assert [r["round"] for r in report["rounds"]] == [1, 2]
     assert set(report["totals"]) == {"uplink_bytes", "downlink_bytes", "wall_s", "clipped", "clip_checked"}
     assert report["simulation"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # auto, resolved

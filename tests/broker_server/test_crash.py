@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import random
+import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,8 @@ def journal_size(fed: Federation) -> int:
     return sum(p.stat().st_size for p in (fed.state / "aggregator").glob("journal-*.log"))
 
 
-def wait_for(pred, timeout: float, what: str, fed: Federation) -> None:  # type: ignore[no-untyped-def]
+def wait_for(pred: Callable[..., object], timeout: float, what: str, fed: Federation) -> None:
+    """Poll `pred()` until it holds (a predicate may bind a loop's values as its defaults)."""
     end = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > end:
@@ -192,13 +194,13 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_referen
         fed.start_agents()
         rng = random.Random(3)
         for n, at in enumerate((0, 3), 1):  # during the joins (a lost join), then mid-round
-            wait_for(lambda: journal_size(fed) > 0 and rounds_done(fed) >= at, 120, f"{at} rounds", fed)
+            wait_for(lambda at=at: journal_size(fed) > 0 and rounds_done(fed) >= at, 120, f"{at} rounds", fed)
             time.sleep(rng.uniform(0.0, 0.3))
             pid = broker_pid(fed)
             os.kill(pid, signal.SIGKILL)
             # The restart is done when the server says so: a new pid alone may still be starting (on a
             # loaded machine a kill then lands inside the supervisor's readiness check, a third death).
-            wait_for(lambda: broker_pid(fed) != pid and alive(broker_pid(fed))
+            wait_for(lambda pid=pid, n=n: broker_pid(fed) != pid and alive(broker_pid(fed))
                      and fed.log_tail(10**7).count("broker restarted") >= n, 30, "the broker's restart", fed)
         wait_for(lambda: rounds_done(fed) >= 7, 120, "7 rounds", fed)
         pid = broker_pid(fed)
@@ -236,7 +238,7 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
         fed.start_agents()
         for k in range(2):
             # first life: once it has checkpointed a round; second: once it has resumed from that checkpoint
-            wait_for(lambda: ckpt.exists() and dev_log_path.read_text().count("dev-01: resumed from") == k, 120,
+            wait_for(lambda k=k: ckpt.exists() and dev_log_path.read_text().count("dev-01: resumed from") == k, 120,
                      f"dev-01's life {k + 1} to be under way", fed)
             others = [fed.agents[i] for i in range(SMALL_CLIENTS) if i != 1]
             for p in others:

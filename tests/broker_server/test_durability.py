@@ -15,18 +15,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
-from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from broker_server.durable import DurableState, journal_records
 from broker_server.journal import Journal, JournalError, encode_record
+from broker_server.shell import Aggregator
 from protofl import topics
+from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from protofl.config import FederationConfig
 from protofl.plan import Phase
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import (ParamsUpload, Join, ProtoSet, ProtoUpload, PublicSet, RoundStart, Status, decode_message,
-                          encode_message)
+from protofl.wire import (
+    Config,
+    Join,
+    ParamsUpload,
+    ProtoSet,
+    ProtoUpload,
+    PublicSet,
+    RoundStart,
+    Status,
+    decode_message,
+    encode_message,
+)
 from tests.pipelines import ADAPTER_PIPELINE
+from tests.wire_helpers import decode_as
 
 FED = "dur"
 
@@ -89,7 +101,8 @@ def test_the_payload_is_journaled_as_it_arrived(tmp_path: Path) -> None:
     data = (tmp_path / "journal.log").read_bytes()
     assert data.startswith(b"PFJ2") and data.endswith(payload)  # the bytes themselves, after header and meta
     [rec] = Journal(tmp_path / "journal.log").records
-    assert (rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase) == ("t/c1", payload, "c1", "join", 0, "")
+    assert ((rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)
+            == ("t/c1", payload, "c1", "join", 0, ""))
 
 
 def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
@@ -122,11 +135,11 @@ def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
 def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.bin"
     assert read_checkpoint(path) is None
-    state = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "n": None, "l": [1, "x", {"k": np.int64(3)}]}
-    write_checkpoint(path, state)
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    write_checkpoint(path, {"a": a, "n": None, "l": [1, "x", {"k": np.int64(3)}]})
     back = read_checkpoint(path)
     assert back is not None and back["n"] is None and back["l"] == [1, "x", {"k": 3}]
-    assert back["a"].dtype == np.float32 and back["a"].tobytes() == state["a"].tobytes()
+    assert back["a"].dtype == np.float32 and back["a"].tobytes() == a.tobytes()
     assert not path.with_name("checkpoint.bin.tmp").exists()
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x01
@@ -143,7 +156,7 @@ def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> N
 CLIENTS = ["c0", "c1", "c2"]
 
 
-def _cfg(preset: str):  # type: ignore[no-untyped-def]
+def _cfg(preset: str) -> FederationConfig:
     if preset == "fedpagr+erpa":  # candidate (d): public-set unit prototypes ride on the training upload
         return make_config("fedpagr", rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
                            round_timeout=600.0, seed=3, refine=False, erpa=True, public_classes=(0, 1))
@@ -181,7 +194,7 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
 
 
 def _aggregator(preset: str, state: Path | None, broker: InProcessBroker | None = None,
-                rotate_bytes: int = 1 << 20, cfg=None, public: PublicSet | None = None,  # type: ignore[no-untyped-def]
+                rotate_bytes: int = 1 << 20, cfg: FederationConfig | None = None, public: PublicSet | None = None,
                 ) -> tuple[Aggregator, DurableState | None]:
     agg = Aggregator(cfg or _cfg(preset), FED, (broker or InProcessBroker()).connect("server"),
                      expected_clients=CLIENTS, public=public)
@@ -292,10 +305,11 @@ def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(t
     env0, msg0 = decode_message(before[topics.round_(FED)])
     env1, msg1 = decode_message(broker.retained[topics.round_(FED)])
     assert (env0.round, env0.phase) == (env1.round, env1.phase) == (3, "train")
-    assert isinstance(msg1, RoundStart) and msg1.adapter is not None and msg0.adapter is not None
+    assert isinstance(msg0, RoundStart) and isinstance(msg1, RoundStart)
+    assert msg1.adapter is not None and msg0.adapter is not None and again.model.adapter is not None
     assert msg1.adapter.shape == again.model.adapter.shape  # dense: the full adapter
     assert msg1.adapter.tobytes() == msg0.adapter.tobytes() == again.model.adapter.tobytes()
-    cfg0, cfg1 = (decode_message(b[topics.config(FED)])[1] for b in (before, broker.retained))
+    cfg0, cfg1 = (decode_as(Config, b[topics.config(FED)]) for b in (before, broker.retained))
     assert (cfg1.params, cfg1.adapter_layout) == (cfg0.params, cfg0.adapter_layout)
     _, status = decode_message(broker.retained[topics.server_status(FED)])
     assert isinstance(status, Status) and status.state == "running"  # not "waiting": devices keep their rounds
@@ -329,6 +343,7 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         return _aggregator("refprotofl", state, rotate_bytes=0, cfg=cfg, public=public)
 
     ref, _ = make(None)
+    assert ref.model.adapter is not None
     plan, n_adapter = ref.machine.plan, ref.model.adapter.shape[0]
     msgs = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=9, profile="", agent_version="t"), fed=FED,
                                                sender=c)) for c in CLIENTS]
@@ -362,6 +377,7 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         agg, d = make(cut)
         for t, p in msgs[i:]:
             agg.on_message(t, p)
+        assert agg.model.adapter is not None and ref.model.adapter is not None
         assert agg.finished and agg.model.adapter.tobytes() == ref.model.adapter.tobytes(), i
         assert agg.model.targets is not None and ref.model.targets is not None
         assert agg.model.targets.values.tobytes() == ref.model.targets.values.tobytes(), i

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ MiB = 2**20
 def config_payload(entries: int, sender: str = MEMBER) -> bytes:
     """A `config` message with an `entries`-entry adapter layout, packed by hand: building it through
     `Config` would run the very validation under test on the attacker's side."""
-    body = {"preset": "x", "params": {}, "adapter_layout": [[f"w{i}", [1]] for i in range(entries)],
+    body: dict[str, Any] = {"preset": "x", "params": {}, "adapter_layout": [[f"w{i}", [1]] for i in range(entries)],
             "class_masks": None, "mask_shape": None, "limits": {}}
     return pack_envelope(Envelope(1, "config", FED, 0, "", sender, "attack", body))
 
@@ -99,7 +100,8 @@ def test_a_simulation_keeps_the_probabilities_its_devices_send() -> None:
                           fed=FED, sender=MEMBER, round=1)
     with pytest.raises(WireError, match="for a metrics message"):
         decode_message(data, limits=decoder_limits(fed.cfg))
-    assert decode_message(data, limits=fed.limits(None))[1].probs.shape == probs.shape
+    got = decode_message(data, limits=fed.limits(None))[1]
+    assert isinstance(got, Metrics) and got.probs is not None and got.probs.shape == probs.shape
 
 
 def rss_mb(pid: int) -> float:

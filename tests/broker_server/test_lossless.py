@@ -12,10 +12,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from broker_server.broker import MosquittoBroker
 from broker_server.capacity import DEFAULT_QUEUE, queue_for_fleet, resend_window
 from broker_server.resend import Ask, BrokerDrops, Resender, owed
 from broker_server.rounds import RoundMachine
@@ -57,7 +59,7 @@ def test_broker_config_prints_the_queue_for_its_fleet_and_the_sys_interval(tmp_p
     assert out.exit_code == 2 and "--broker-queue must be at least 1" in out.output and not (tmp_path / "b").exists()
 
 
-def _limited(soft: int, hard: int):  # type: ignore[no-untyped-def]
+def _limited(soft: int, hard: int) -> Callable[[], None]:
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
@@ -303,7 +305,7 @@ def _status(path: Path) -> dict:
         return {}
 
 
-def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
     end = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > end:
@@ -313,7 +315,7 @@ def _wait(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
 
 @pytest.mark.mosquitto
 def test_only_the_server_writes_a_devices_request_topic_and_reads_the_drop_counter(
-        start_mosquitto, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        start_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path) -> None:
     from broker_server.broker import DROPPED_TOPIC
     from broker_server.security import load_or_create
     from protofl import topics

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from broker_server.shell import Aggregator
 from broker_server.broker import MosquittoBroker
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import load_or_create
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Admission, Broker, Federation
+from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
 from protofl.transport.broker_url import parse_broker_url
-from protofl.wire import Join, ProtoSet, ProtoUpload, Status, encode_message
+from protofl.wire import Join, Message, ProtoSet, ProtoUpload, Status, encode_message
 
 FED = "mem"
 
@@ -35,7 +34,7 @@ def federation(n_expected: int | None = None, **kw: object) -> tuple[InProcessBr
     return broker, agg
 
 
-def send(broker: InProcessBroker, cid: str, msg: object, round_: int = 0, phase: str = "", topic: str = "") -> None:
+def send(broker: InProcessBroker, cid: str, msg: Message, round_: int = 0, phase: str = "", topic: str = "") -> None:
     payload = encode_message(msg, fed=FED, sender=cid, round=round_, phase=phase)
     broker.connect(cid).publish(topic or topics.up(FED, cid), payload)
     broker.pump()

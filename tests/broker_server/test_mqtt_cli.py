@@ -32,8 +32,8 @@ def test_start_and_join_over_the_embedded_broker(tmp_path: Path) -> None:
     port = free_port()
     state = tmp_path / "state"
     server = subprocess.Popen(
-        cli("broker_server.cli", "start", "--local-broker", "amqtt", "--insecure", "--port", str(port), "--fed", "clitest",
-            "--preset", "fedproto", "--rounds", "2", "--min-clients", "2", "--round-timeout", "60",
+        cli("broker_server.cli", "start", "--local-broker", "amqtt", "--insecure", "--port", str(port),
+            "--fed", "clitest", "--preset", "fedproto", "--rounds", "2", "--min-clients", "2", "--round-timeout", "60",
             "--state-dir", str(state)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     devices = [subprocess.Popen(
         cli("edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "clitest",
@@ -50,7 +50,7 @@ def test_start_and_join_over_the_embedded_broker(tmp_path: Path) -> None:
     assert server.returncode == 0, out
     assert "round 1/2: 2 clients (quorum), local acc" in out and "round 2/2: 2 clients" in out, out
     assert "federation 'clitest' finished: 2 rounds" in out
-    for d, o in zip(devices, dev_out):
+    for d, o in zip(devices, dev_out, strict=True):
         assert d.returncode == 0, o
         assert "federation finished after 2 trained round(s)" in o
     rows = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from broker_server.broker import MosquittoBroker
+from broker_server.shell import Aggregator
 from broker_server.simulation import SimulationSpec, run_simulation
 from broker_server.stages import ServerModel
 from protofl.presets import PRESETS
 from protofl.transport.broker_url import parse_broker_url
 from tests.pipelines import ADAPTER_PIPELINE
 
-FED = dict(dataset="synthetic:n=600,n_test=100", clients=5, alpha=0.5, rounds=3, seed=2)
-TOL = dict(rtol=1e-4, atol=1e-5)
+FED: dict[str, Any] = dict(dataset="synthetic:n=600,n_test=100", clients=5, alpha=0.5, rounds=3, seed=2)
+RTOL, ATOL = 1e-4, 1e-5
 
 
 # The agent processes train single-threaded; the threads in this process do too.
@@ -27,9 +28,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(spec: SimulationSpec) -> tuple[dict[str, Any], ServerModel]:
-    box: dict[str, ServerModel] = {}
-    report = run_simulation(spec, on_finish=lambda agg: box.setdefault("model", agg.model))
-    return report, box["model"]
+    finished: list[Aggregator] = []
+    report = run_simulation(spec, on_finish=finished.append)
+    return report, finished[0].model
 
 
 def assert_same_model(a: ServerModel, b: ServerModel) -> None:
@@ -37,10 +38,10 @@ def assert_same_model(a: ServerModel, b: ServerModel) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert (x is None) == (y is None), name
         if x is not None:
-            np.testing.assert_allclose(y, x, **TOL, err_msg=name)
+            np.testing.assert_allclose(y, x, rtol=RTOL, atol=ATOL, err_msg=name)
     assert sorted(a.prototypes) == sorted(b.prototypes)
     for c in a.prototypes:
-        np.testing.assert_allclose(b.prototypes[c], a.prototypes[c], **TOL, err_msg=f"prototype {c}")
+        np.testing.assert_allclose(b.prototypes[c], a.prototypes[c], rtol=RTOL, atol=ATOL, err_msg=f"prototype {c}")
 
 
 def assert_same_rounds(inproc: dict[str, Any], mqtt: dict[str, Any]) -> None:
@@ -75,6 +76,7 @@ def test_agents_as_separate_processes_match_inprocess(mosquitto_module: Mosquitt
     inproc, expected = run(SimulationSpec(preset="protofl", overrides=every_stage, **FED))
     mqtt, got = run(SimulationSpec(preset="protofl", transport="mqtt", agents="process", timeout=240,
                                    broker=parse_broker_url(mosquitto_module.url), overrides=every_stage, **FED))
-    assert mqtt["config"]["erpa"] is True and mqtt["config"]["apud"] and mqtt["config"]["cps"]
+    used = mqtt["config"]["techniques"]
+    assert used["erpa"]["erpa"] is True and used["apud"]["apud"] and used["cps"]["cps"]
     assert_same_model(expected, got)
     assert_same_rounds(inproc, mqtt)

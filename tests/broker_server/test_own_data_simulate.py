@@ -43,7 +43,7 @@ def test_simulate_a_csv_dataset(tmp_path: Path) -> None:
     y = rng.integers(0, 4, 240)
     x = rng.normal(0, 1, (4, 64))[y] + 0.5 * rng.normal(0, 1, (240, 64))
     rows = ["target," + ",".join(f"f{i}" for i in range(64))]
-    rows += [f"{c}," + ",".join(f"{v:.4f}" for v in row) for c, row in zip(y, x)]
+    rows += [f"{c}," + ",".join(f"{v:.4f}" for v in row) for c, row in zip(y, x, strict=True)]
     (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "c.json"
     res = runner.invoke(app, ["simulate", "--preset", "fedproto", "--dataset",

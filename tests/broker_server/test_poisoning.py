@@ -14,7 +14,7 @@ from protofl import topics
 from protofl.algorithms.robust import ClipPolicy, CoordinateRobust, clip_around
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
-from protofl.wire import Join, ProtoSet, ProtoUpload, encode_message
+from protofl.wire import Join, Message, ProtoSet, ProtoUpload, encode_message
 from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "poison"
@@ -33,7 +33,7 @@ def run(n_honest: int, n_poison: int, policy: ClipPolicy | None,
     agg.start()
     rng = np.random.default_rng(seed)
 
-    def send(cid: str, msg: object, round_: int = 0, phase: str = "") -> None:
+    def send(cid: str, msg: Message, round_: int = 0, phase: str = "") -> None:
         broker.connect(cid).publish(topics.up(FED, cid), encode_message(msg, fed=FED, sender=cid, round=round_,
                                                                        phase=phase))
 
@@ -84,7 +84,7 @@ def test_a_poisoner_moves_no_global_prototype_more_than_the_clipping_bound() -> 
     poisoned, radii, agg = run(2, 1, None)
     assert agg.finished and [r.closed_by for r in agg.records] == ["quorum"] * ROUNDS  # the federation finishes
     previous = {c: np.zeros(M) for c in range(C)}
-    for r, (g, rad) in enumerate(zip(poisoned, radii), 1):
+    for r, (g, rad) in enumerate(zip(poisoned, radii, strict=True), 1):
         for c in range(C):
             moved = np.linalg.norm(g[c] - previous[c])
             assert moved <= rad["radius"] * (1 + 1e-9), (r, c, moved, rad)
@@ -102,7 +102,7 @@ def test_robust_median_two_poisoners_of_ten_move_the_result_less_than_the_bound(
     honest, _, _ = run(8, 0, policy)
     poisoned, radii, agg = run(8, 2, policy)
     assert agg.finished
-    for r, (g_h, g_p, rad) in enumerate(zip(honest, poisoned, radii), 1):
+    for r, (g_h, g_p, rad) in enumerate(zip(honest, poisoned, radii, strict=True), 1):
         for c in range(C):
             moved = np.linalg.norm(g_p[c] - g_h[c])
             # The median of 10 with 2 outliers stays among the honest values: well inside the bound.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from broker_server.shell import RoundRecord
 from broker_server.progress import GRACE_S, RoundProgress, accuracies
 from broker_server.service import round_line
+from broker_server.shell import RoundRecord
 from protofl.humanize import human_bytes
 from protofl.wire import Metrics
 

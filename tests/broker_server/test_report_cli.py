@@ -23,7 +23,8 @@ def device(rnd: int, cid: str, cls: str, made_it: bool, done: float | None, up: 
 
 
 def run(preset: str, accs: list[float], round_s: list[float]) -> dict[str, Any]:
-    rounds = [{"round": i + 1, "local_acc": a, "global_acc": a, "uplink_bytes": 1000 * (i + 1)} for i, a in enumerate(accs)]
+    rounds = [{"round": i + 1, "local_acc": a, "global_acc": a, "uplink_bytes": 1000 * (i + 1)}
+              for i, a in enumerate(accs)]
     t, lrounds = 0.0, []
     for i, s in enumerate(round_s):
         t += s
@@ -112,7 +113,7 @@ def test_round_axes_have_whole_number_ticks(tmp_path: Path, monkeypatch) -> None
     ticks: list[list[float]] = []
     save = matplotlib.figure.Figure.savefig
 
-    def recording(fig, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(fig, *args, **kwargs):  # untyped: it stands in for Figure.savefig
         ax = fig.axes[0]
         lo, hi = ax.get_xlim()
         if ax.get_xlabel() == "round":

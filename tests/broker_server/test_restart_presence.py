@@ -18,7 +18,7 @@ from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
-from protofl.wire import Join, ProtoSet, ProtoUpload, Status, encode_message
+from protofl.wire import Join, Message, ProtoSet, ProtoUpload, Status, encode_message
 
 FED = "rp"
 IDS = ["a", "b", "c"]
@@ -44,7 +44,7 @@ class Run:
         self.durable.bind(self.agg)
         self.agg.start(resume=self.durable.restore())
 
-    def send(self, cid: str, msg: object, round_: int = 0, phase: str = "", topic: str = "") -> None:
+    def send(self, cid: str, msg: Message, round_: int = 0, phase: str = "", topic: str = "") -> None:
         payload = encode_message(msg, fed=FED, sender=cid, round=round_, phase=phase)
         self.broker.connect(cid).publish(topic or topics.up(FED, cid), payload)
         self.broker.pump()
@@ -125,8 +125,8 @@ def test_a_grace_is_measured_from_the_resume_not_stored_as_a_time(tmp_path: Path
     assert run.agg.records[0].clients == IDS
 
 
-def test_min_clients_is_a_floor_for_a_round_that_every_remaining_device_finished(tmp_path: Path,
-                                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_min_clients_is_a_floor_for_a_round_that_every_remaining_device_finished(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     run = Run(tmp_path, clock, min_clients=3)
     for c in IDS:

@@ -13,7 +13,7 @@ from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
-from protofl.wire import ParamsUpload, Join, ProtoSet, ProtoUpload, encode_message
+from protofl.wire import Join, Message, ParamsUpload, ProtoSet, ProtoUpload, encode_message
 from tests.pipelines import ADAPTER_PIPELINE
 
 FED = "r"
@@ -53,14 +53,16 @@ def federation(preset: str, **overrides: Any) -> tuple[InProcessBroker, Aggregat
     return broker, agg
 
 
-def send(broker: InProcessBroker, client: str, msg: object, round_: int = 0, phase: str = "") -> None:
+def send(broker: InProcessBroker, client: str, msg: Message, round_: int = 0, phase: str = "") -> None:
     payload = encode_message(msg, fed=FED, sender=client, round=round_, phase=phase)
     broker.connect(client).publish(topics.up(FED, client), payload)
     broker.pump()
 
 
 UNIT_OK = {0: [1.0, 0, 0, 0], 1: [0, 1.0, 0, 0]}
-CASES = {
+ERPA_SCALED = dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1)  # ERPA with CPS scaling
+# name -> (preset, config overrides, phase, the upload, the drop reason it must be counted under)
+CASES: dict[str, tuple[str, dict[str, Any], str, Message, str]] = {
     # FedPAGR: a zero prototype has no direction (it used to escape the boundary as a ValueError)
     "fedpagr/zero_vector": ("fedpagr", {}, "train", ProtoUpload(local=protoset({**UNIT_OK, 2: [0, 0, 0, 0]}),
                                                                 public=None, n_samples=4), "invalid"),
@@ -84,10 +86,10 @@ CASES = {
         update=SparseVector(n=10, indices=np.array([1]), values=np.array([1.0], np.float32)), n_samples=4,
         base_round=1), "invalid"),
     # ERPA + scaling: the public table is fine, the scaled local table is not; neither may be folded
-    "protofl-erpa/scaled_class_out_of_range": ("protofl", dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1), "proto",
+    "protofl-erpa/scaled_class_out_of_range": ("protofl", ERPA_SCALED, "proto",
                                                ProtoUpload(local=protoset({1: [1.0], 7: [2.0]}),
                                                            public=protoset({0: [2.0]}), n_samples=4), "invalid"),
-    "protofl-erpa/scaled_wrong_width": ("protofl", dict(ADAPTER_PIPELINE, erpa=True, public_classes=(0,), cps_s=1), "proto",
+    "protofl-erpa/scaled_wrong_width": ("protofl", ERPA_SCALED, "proto",
                                         ProtoUpload(local=protoset({1: [1.0, 2.0]}), public=protoset({0: [2.0]}),
                                                     n_samples=4), "invalid"),
 }
@@ -103,7 +105,7 @@ def test_bad_upload_is_a_counted_drop_and_changes_nothing(case: str) -> None:
             send(broker, c, ProtoUpload(local=None, public=protoset({k: [1.0] * agg.machine.plan.proto_width
                                                                      for k in agg.machine.plan.public_classes}),
                                         n_samples=4), 1, "proto")
-        assert agg.machine.phase.phase.value == "train"
+        assert agg.machine.phase is not None and agg.machine.phase.phase.value == "train"
     before = state(agg.machine)
     dropped = dict(agg.dropped)
     send(broker, "a", msg, 1, phase)

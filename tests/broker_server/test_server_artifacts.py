@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -12,10 +13,10 @@ from protofl import artifacts as art
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
 
-SMALL = dict(num_classes=3, proto_dim=16, adapter_rank=2)
+SMALL: dict[str, Any] = dict(num_classes=3, proto_dim=16, adapter_rank=2)
 
 
-def server_model(preset: str, **overrides: object):
+def server_model(preset: str, **overrides: Any):
     cfg = make_config(preset, **SMALL, **overrides)
     return build_model(cfg, RoundPlan.from_config(cfg))
 

@@ -16,7 +16,7 @@ from broker_server.watch.observer import FederationObserver
 from protofl.algorithms.robust import ClipPolicy
 from protofl.mergeable import NotMergeable
 from protofl.presets import PRESETS
-from protofl.transport import InProcessBroker
+from protofl.transport import InProcessBroker, InProcessTransport
 from tests.broker_server.shard_helpers import FED, NumpyDevice, assert_close, config, model_state, record_state
 from tests.test_external_technique import installed  # noqa: F401  (a fixture)
 
@@ -199,8 +199,9 @@ def test_a_shard_that_never_sends_its_partial_is_given_up_on_after_the_shard_tim
     for i, c in enumerate(CLIENTS):
         NumpyDevice(c, i, cfg, broker.connect(c)).join()
     while broker.pump(1):
-        if shards[1].accepted and not shards[1].transport.closed:
-            shards[1].transport.close()  # gone with its machine: what it folded, and what was on its way to it
+        gone = shards[1].transport
+        if shards[1].accepted and isinstance(gone, InProcessTransport) and not gone.closed:
+            gone.close()  # gone with its machine: what it folded, and what was on its way to it
     phase = coord.machine.phase
     assert coord.round == 1 and phase is not None
     lost = {key.split("/")[0] for key, owner in phase.owners.items() if owner == shard_id(1)}

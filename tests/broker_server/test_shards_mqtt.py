@@ -112,7 +112,7 @@ def connect_device(creds: Path, port: int, i: int) -> tuple[str, MqttTransport]:
     return name, MqttTransport(opts, name, backoff=Backoff(0.1, 1.0)).connect(10)
 
 
-def close_all(transports: list[MqttTransport], procs: list[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+def close_all(transports: list[MqttTransport], procs: list[subprocess.Popen[Any]]) -> None:
     """A test's clean-up, whatever happened: the devices' connections, then any process still running."""
     for t in transports:
         t.close()
@@ -243,7 +243,8 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
                     [sys.executable, "-m", "broker_server.cli", "shard", "--broker", f"mqtt://127.0.0.1:{port}",
                      "--fed", FED, "--index", str(i), "--credentials",
                      str(state / "security" / "shards" / f"shard-{i}.json"), "--state-dir",
-                     str(tmp_path / f"shard-{i}"), "--shard-timeout", timeout], stdout=log, stderr=subprocess.STDOUT, env=ENV))
+                     str(tmp_path / f"shard-{i}"), "--shard-timeout", timeout],
+                    stdout=log, stderr=subprocess.STDOUT, env=ENV))
         wait(lambda: any(f"waiting for {devices} client(s)" in line for line in out), 60, "the announcement", out)
         cfg = config("fedproto")
         held = []

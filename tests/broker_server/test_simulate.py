@@ -23,7 +23,7 @@ from protofl.presets import PRESETS
 from protofl.transport.inprocess import InProcessTransport
 from protofl.wire import Envelope, unpack_envelope
 
-FED = dict(dataset="synthetic:n=600,n_test=100", clients=4, alpha=0.5, rounds=2, seed=3)
+FED: dict[str, Any] = dict(dataset="synthetic:n=600,n_test=100", clients=4, alpha=0.5, rounds=2, seed=3)
 PROTOTYPE_PRESETS = [p for p in PRESETS if p != "fedavg"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -51,22 +51,23 @@ def runs(one_torch_thread: None) -> dict[str, Run]:
                 publish(self, topic, payload, retain=retain, qos=qos)
 
             mp.setattr(InProcessTransport, "publish", spy)
-            box: dict[str, Aggregator] = {}
+            finished: list[Aggregator] = []
             # every round scores the test set: the accuracy columns of every row are what these tests check
-            report = run_simulation(SimulationSpec(preset=preset, **FED, test_every=1),
-                                    on_finish=lambda a: box.setdefault("agg", a))
-            out[preset] = Run(report, box["agg"], wire)
+            report = run_simulation(SimulationSpec(preset=preset, **FED, test_every=1), on_finish=finished.append)
+            out[preset] = Run(report, finished[0], wire)
     return out
 
 
-def counted_from_the_wire(run: Run) -> tuple[Counter, Counter, Counter]:
+def counted_from_the_wire(run: Run) -> tuple[Counter[int], Counter[int], Counter[int]]:
     """(uplink, downlink, metrics) bytes per round, recounted from the messages that were sent.
 
     Uplink: every client upload (joins count in round 1, when they were needed); metrics travel apart.
     Downlink: every client receives each round announcement of the round, and config and public set once
     (round 1); the final "done" announcement closes the federation and belongs to no round."""
     fed, n = SIM_FED, FED["clients"]
-    up, down, metrics = Counter(), Counter(), Counter()
+    up: Counter[int] = Counter()
+    down: Counter[int] = Counter()
+    metrics: Counter[int] = Counter()
     for topic, env, size in run.wire:
         if topic.startswith(topics.up(fed, "")):
             (metrics if env.kind == "metrics" else up)[max(env.round, 1)] += size
@@ -85,7 +86,7 @@ def test_report_bytes_are_the_encoded_messages(runs: dict[str, Run], preset: str
     up, down, metrics = counted_from_the_wire(run)
     rows = r["rounds"]
     assert [row["round"] for row in rows] == [1, 2] == [rec.round for rec in run.agg.records]
-    for row, rec in zip(rows, run.agg.records):
+    for row, rec in zip(rows, run.agg.records, strict=True):
         assert (row["uplink_bytes"], row["downlink_bytes"]) == (rec.uplink_bytes, rec.downlink_bytes)
         assert row["uplink_bytes"] == up[row["round"]] > 0
         assert row["downlink_bytes"] == down[row["round"]] > 0
@@ -236,21 +237,22 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
                 uploads.append(msg)
         publish(self, topic, payload, retain=retain, qos=qos)
 
-    box: dict[str, Aggregator] = {}
+    finished: list[Aggregator] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InProcessTransport, "publish", spy)
         run = run_simulation(SimulationSpec(preset="fedpagr", **FED, overrides=dict(cps=True, refine=False, erpa=True)),
-                             on_finish=lambda a: box.setdefault("agg", a))
+                             on_finish=finished.append)
     assert not run["dropped"]
     assert all(r["closed_by"] == "quorum" and r["clients"] == FED["clients"] for r in run["rounds"])
-    model = box["agg"].model
+    model = finished[0].model
     public = model.plan.public_classes
-    assert public and len(uploads) == FED["clients"]
+    assert public and len(uploads) == FED["clients"] and model.masks is not None and model.unit is not None
     for up in uploads:
         assert up.public is not None and set(up.public.table()[0]) == set(public)
-        assert not set(up.local.table()[0]) & set(public)  # uncovered classes only
+        assert up.local is not None and not set(up.local.table()[0]) & set(public)  # uncovered classes only
+    publics = [up.public for up in uploads if up.public is not None]
     for c in public:
-        rows = [support.reconstruct_table({c: up.public.table()[0][c]}, model.masks)[c] for up in uploads]
+        rows = [support.reconstruct_table({c: pub.table()[0][c]}, model.masks)[c] for pub in publics]
         expected = support.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
                                          model.masks[[c]])[0]
         np.testing.assert_allclose(model.unit[c], expected, atol=1e-5)

@@ -13,9 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from broker_server.cli import app
+from broker_server.shell import Aggregator
 from broker_server.simulation import SimulationSpec, run_simulation
 
-FED = dict(dataset="synthetic:n=400,n_test=60", clients=3, alpha=0.5, rounds=2, seed=1, archs=("mlp",))
+FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=60", clients=3, alpha=0.5, rounds=2, seed=1,
+                           archs=("mlp",))
 CLI = ["simulate", "-q", "--dataset", "synthetic:n=400,n_test=60", "--clients", "3", "--rounds", "2", "--seed", "1",
        "--arch", "mlp"]
 
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _run(preset: str, **overrides: Any) -> tuple[dict[str, Any], np.ndarray]:
     """The report (without its timings) and the federated vector the server ends with."""
     box: dict[str, Any] = {}
-    report = run_simulation(SimulationSpec(preset=preset, **FED, overrides=overrides),  # type: ignore[arg-type]
+    report = run_simulation(SimulationSpec(preset=preset, **FED, overrides=overrides),
                             on_finish=lambda agg: box.setdefault("agg", agg))
     model = box["agg"].model
     vector = model.params if model.params is not None else model.adapter
@@ -57,11 +59,11 @@ def test_fedproto_with_the_proximal_term_on_its_private_models() -> None:
     # round's local steps have moved it (3 epochs here); the global prototypes then differ.
     protos = []
     for mu in (0.0, 5.0):
-        box: dict[str, Any] = {}
-        spec = SimulationSpec(preset="fedproto", **FED, overrides=dict(prox_mu=mu, local_epochs=3))  # type: ignore[arg-type]
-        report = run_simulation(spec, on_finish=lambda agg, box=box: box.setdefault("agg", agg))
+        finished: list[Aggregator] = []
+        spec = SimulationSpec(preset="fedproto", **FED, overrides=dict(prox_mu=mu, local_epochs=3))
+        report = run_simulation(spec, on_finish=finished.append)
         assert ("fedprox" in report["config"]["techniques"]) is (mu > 0)
-        protos.append({c: v.copy() for c, v in box["agg"].model.prototypes.items()})
+        protos.append({c: v.copy() for c, v in finished[0].model.prototypes.items()})
     assert protos[0].keys() == protos[1].keys()
     assert any(not np.array_equal(protos[0][c], protos[1][c]) for c in protos[0])
 

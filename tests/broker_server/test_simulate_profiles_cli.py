@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_an_unknown_profile_exits_2() -> None:
 def test_bad_fleets(tmp_path: Path) -> None:
     bad = tmp_path / "fast.toml"
     bad.write_text('kind = "link"\nuplink_kbps = 1\ndownlink_kbps = 1\nrtt_ms = 1\njitter_ms = 0\nloss = 0.1\n')
-    mqtt = dict(transport="mqtt", dataset="does-not-matter", clients=2)
+    mqtt: dict[str, Any] = dict(transport="mqtt", dataset="does-not-matter", clients=2)
     for spec, message in ((SimulationSpec(profiles=f"rpi4+{bad}:2", **mqtt), r"unknown key\(s\) \['loss'\]"),
                           (SimulationSpec(profiles="rpi4+lte:2", clients=2), "add --transport mqtt"),
                           (SimulationSpec(profiles="rpi4+lte:2", **{**mqtt, "clients": 3}),

@@ -235,6 +235,7 @@ def test_the_supervisor_says_a_squatter_took_the_port_and_restarts_once_it_is_go
         assert broker.socket_path is not None and not str(broker.socket_path).startswith(str(workdir))
         assert broker.socket_path.parent.stat().st_mode & 0o777 == 0o700
         assert f"listener 0 {broker.socket_path}" in broker.config_path.read_text()
+        assert broker.proc is not None
         broker.proc.kill()  # dies by a signal: its socket file stays behind
         broker.proc.wait()
         tls = ensure_federation_tls(tmp_path / "squat", "squatter", ["127.0.0.1"])

@@ -3,6 +3,8 @@ weighted prototypes, APUD and FedAvg folds, and what the next round's targets ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from protofl.sparse import SparseVector
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
 
-def model_for(preset: str, **overrides: object) -> ServerModel:
+def model_for(preset: str, **overrides: Any) -> ServerModel:
     cfg = make_config(preset, num_classes=3, proto_dim=2, adapter_rank=1, **overrides)
     return build_model(cfg, RoundPlan.from_config(cfg))
 
@@ -29,8 +31,10 @@ def test_erpa_anchors_ext_mean_for_public_weighted_mean_for_the_rest() -> None:
     m = model_for("refprotofl", public_classes=(0,))
     phase = PhaseRun(m, Phase.PROTO)
     phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [2, 2]}, {1: 1}), n_samples=1))
-    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}), n_samples=6))
+    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}),
+                                         n_samples=6))
     phase.finish()
+    assert m.targets is not None
     a, _ = m.targets.table()
     # a_0 = (1 + 3) / 2 = 2 (uniform); a_1 = (1*2 + 2*5) / 3 = 4 (n-weighted); a_2 = 1 (one sender)
     assert {c: v.tolist() for c, v in a.items()} == {0: [2.0, 0.0], 1: [4.0, 4.0], 2: [1.0, 1.0]}
@@ -43,6 +47,7 @@ def test_erpa_with_scaling_averages_the_scaled_vectors_over_senders() -> None:
     phase.add(Upload.PROTOS, ProtoUpload(public=None, local=ps({1: [4, 2]}), n_samples=1))
     # G_1 = (2 + 4) / 2, (0 + 2) / 2 = (3, 1) (TinyProto eq. 10: 1/|N_c|); a_0 = the one ext prototype
     phase.finish()
+    assert m.targets is not None
     assert {c: v.tolist() for c, v in m.targets.table()[0].items()} == {0: [1.0, 1.0], 1: [3.0, 1.0]}
 
 
@@ -75,14 +80,15 @@ def test_apud_fold_keeps_coordinates_nobody_sent() -> None:
 
 def test_fedavg_without_a_known_model_takes_the_first_length_and_holds_the_rest_to_it() -> None:
     m = model_for("fedavg")
-    assert m.params is None  # a server without torch does not know the model's size
+    before: np.ndarray | None = m.params  # (not m.params itself: the type checker would hold it None below)
+    assert before is None  # a server without torch does not know the model's size
     phase = PhaseRun(m, Phase.TRAIN)
     phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([1.0, 2.0, 3.0], np.float32), n_samples=1, base_round=1))
     with pytest.raises(WireError, match="length 2, expected 3"):
         phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([1.0, 2.0], np.float32), n_samples=1, base_round=1))
     phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
     phase.finish()
-    assert m.params.tolist() == [2.0, 2.0, 2.0]
+    assert m.params is not None and m.params.tolist() == [2.0, 2.0, 2.0]
 
 
 def _spherical_erpa(public_classes: tuple[int, ...] = (0,)) -> ServerModel:
@@ -103,6 +109,7 @@ def test_erpa_on_unit_prototypes_anchors_public_classes_on_the_public_set() -> N
     # class 0: normalised uniform mean of the public prototypes (0,1), (1,0); class 1: FedPAGR's consensus
     # of the local unit prototypes (1,0), (0,1) (the (0,2) upload is normalised first); class 2 nobody
     # sent keeps its row
+    assert m.unit is not None
     np.testing.assert_allclose(m.unit, [[r, r], [r, r], [0.6, 0.8]], rtol=1e-6)
     assert m.unit.dtype == np.float32
 
@@ -125,4 +132,5 @@ def test_public_prototypes_in_the_training_phase_are_refused_elsewhere() -> None
     m = model_for("fedpagr", refine=False)
     m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
     with pytest.raises(WireError, match="public-set prototypes in the training phase"):
-        PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))
+        PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS,
+                                     ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))

@@ -8,15 +8,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.shell import Aggregator
 from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, free_port
 from broker_server.cli import app
+from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
@@ -35,7 +35,7 @@ def server_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 
 @pytest.fixture
-def squatter() -> int:
+def squatter() -> Iterator[int]:
     """Something that is not our broker, listening on a port (and accepting connections)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -119,8 +119,8 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
     allow = tmp_path / "allow.txt"
     allow.write_text("dev-0\ndev-1\n")
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--listen", f"0.0.0.0:{port}", "--fed",
-         "secure", "--rounds", "1", "--min-clients", "2", "--round-timeout", "60", "--state-dir", str(state),
+        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--listen", f"0.0.0.0:{port}",
+         "--fed", "secure", "--rounds", "1", "--min-clients", "2", "--round-timeout", "60", "--state-dir", str(state),
          "--allow", str(allow)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     devices: list[subprocess.Popen[str]] = []
     try:
@@ -152,5 +152,5 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
     assert f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}\n" in conf
     assert f"mosquitto listening on mqtts://0.0.0.0:{port} and unix://" in out and "without TLS" not in out, out
     assert (state / "security" / "tls" / "ca.crt").read_text() == ca
-    for d, o in zip(devices, dev_out):
+    for d, o in zip(devices, dev_out, strict=True):
         assert d.returncode == 0 and "federation finished after 1 trained round(s)" in o, o

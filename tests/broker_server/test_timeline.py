@@ -52,7 +52,8 @@ def test_keepalive_outlasts_the_largest_transfer() -> None:
     from broker_server.simulation.links import Links
     from protofl.transport.broker_url import parse_broker_url
 
-    links = Links(DEVICES, parse_broker_url("mqtt://127.0.0.1:1883"), time_scale=20.0, seed=0, largest_message=6_800_000)
+    links = Links(DEVICES, parse_broker_url("mqtt://127.0.0.1:1883"), time_scale=20.0, seed=0,
+                  largest_message=6_800_000)
     try:
         # nb-iot downlink 3400 B/s: 6.8 MB take 2000 simulated s = 100 real s at scale 20 -> 2 x 100 + 1
         assert links.broker_for(1).keepalive == 201

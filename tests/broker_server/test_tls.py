@@ -8,19 +8,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from cryptography import x509
 
 from broker_server.broker import ListenerTls, MosquittoBroker, free_port
 from broker_server.pki import broker_names, ensure_federation_tls
 from broker_server.security import load_or_create
-from protofl.transport.credentials import read_device_file
 from protofl import topics
 from protofl.transport.broker_url import parse_broker_url
+from protofl.transport.credentials import read_device_file
 from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -75,7 +76,7 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
          "1000", "--min-clients", "3", "--round-timeout", "300", "--port", str(port), "--state-dir", str(state),
          "--offline-grace", str(GRACE), "--metrics-port", str(metrics_port), "--ui-port", str(ui_port)],
         stdout=log, stderr=subprocess.STDOUT, env=ENV, text=True)
-    devices: dict[str, subprocess.Popen[str]] = {}
+    devices: dict[str, subprocess.Popen[bytes]] = {}
     try:
         creds = state / "security" / "devices"
         eventually(lambda: (creds / "device-3.json").exists() or server.poll() is not None, 60, "credentials")
@@ -140,10 +141,11 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
         if os.environ.get("PROTOFL_SCREENSHOTS"):
             shutil.copy(shot, Path(os.environ["PROTOFL_SCREENSHOTS"]) / "live-page.png")
     finally:
-        for p in (*devices.values(), server):
+        procs: list[subprocess.Popen[Any]] = [*devices.values(), server]  # bytes and text pipes
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in (*devices.values(), server):
+        for p in procs:
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:

@@ -13,6 +13,7 @@ from edge_agent.techniques import AlignmentTerm
 from protofl import topics
 from protofl.algorithms import cps
 from protofl.presets import make_config
+from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
 from protofl.wire import (
     Config,
@@ -70,6 +71,7 @@ def test_fedproto_agent_uploads_prototypes_with_counts_once_per_round() -> None:
     assert kinds(uploads) == ["join", "protos", "metrics"]
     env, up = uploads[1]
     assert isinstance(up, ProtoUpload) and env.round == 1 and env.sender == "dev1"
+    assert up.local is not None and up.local.counts is not None
     assert up.local.classes.tolist() == [0, 1] and up.local.counts.tolist() == [20, 20]
     assert up.local.values.shape == (2, 16)
     metrics = uploads[2][1]
@@ -155,6 +157,7 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     start_round(broker, server, 1, RoundStart(deadline=0.0), phase="train")
     env, up = uploads[2]
     assert isinstance(up, ParamsUpload) and up.base_round == 1
+    assert isinstance(up.update, SparseVector) and agent.model is not None
     d = theta.shape[0]
     assert up.update.nnz == int(np.ceil(0.1 * d))
     from edge_agent.params import adapter_vector

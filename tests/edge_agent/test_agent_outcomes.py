@@ -7,6 +7,8 @@ the refused inputs - and that a refused input leaves the state as it was.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -18,15 +20,16 @@ from edge_agent.resume import restore_agent, save_agent
 from protofl import topics
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms import cps
+from protofl.config import FederationConfig
 from protofl.presets import make_config
 from protofl.profiles import load_device
-from protofl.wire import Config, Metrics, RoundStart, decode_message, encode_message
+from protofl.wire import Config, Join, Metrics, RoundStart, decode_message, encode_message
 from tests.edge_agent.test_agent import FED, tiny_data
 
 UP = topics.up(FED, "dev1")
 
 
-def config_payload(preset: str, **overrides) -> tuple[bytes, object]:
+def config_payload(preset: str, **overrides: Any) -> tuple[bytes, FederationConfig]:
     cfg = make_config(preset, num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",),
                       batch_size=8, cps_s=4, public_classes=(0,), **overrides)
     masks = cps.make_masks(3, 16, 4, seed=0) if cfg.cps else None
@@ -57,6 +60,7 @@ def test_join_is_one_send_on_the_devices_upload_topic() -> None:
     out = agent.join()
     assert out.kinds() == ["join"] and out.sends[0].topic == UP and out.sends[0].key == (0, "")
     env, msg = decode_message(out.sends[0].payload)
+    assert isinstance(msg, Join)
     assert env.sender == "dev1" and msg.n_samples == 40 and msg.profile == "rpi4"
     assert not out.changed and out.failure is None
 

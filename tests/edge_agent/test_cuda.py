@@ -49,4 +49,4 @@ def test_one_round_of_every_preset_with_agents_on_cuda(preset: str) -> None:
     assert agg.finished, f"stalled in round {agg.round}: server dropped {agg.dropped}, " \
                          f"agents dropped {[a.stats.dropped for a in agents]}"
     assert agg.records[0].clients == clients
-    assert all(next(a.model.parameters()).is_cuda for a in agents)
+    assert all(a.model is not None and next(a.model.parameters()).is_cuda for a in agents)

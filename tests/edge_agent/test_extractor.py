@@ -63,7 +63,7 @@ def test_frozen_backbone_exports_once(images: np.ndarray) -> None:
     o.embed(images)
     with torch.no_grad():
         model.adapter.up.weight.add_(0.01)
-        model.stem.weight.mul_(1.1)
+        model.get_parameter("stem.weight").mul_(1.1)
     assert np.abs(o.embed(images) - t.embed(images)).max() < TOL
     assert o.exports == 1  # only the backbone is in the graph, and it did not change
 
@@ -93,9 +93,11 @@ def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch
     spec = SimulationSpec(preset="fedproto", dataset="synthetic:n=400,n_test=100", clients=2, rounds=2, seed=1,
                           test_every=1)
     ref = run_simulation(spec)
-    monkeypatch.setitem(EdgeAgent.__init__.__kwdefaults__, "extractor", "onnx")
+    defaults = EdgeAgent.__init__.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "extractor", "onnx")
     got = run_simulation(spec)
-    for a, b in zip(ref["rounds"], got["rounds"]):
+    for a, b in zip(ref["rounds"], got["rounds"], strict=True):
         for key in ("local_acc", "global_acc", "ensemble_acc"):
             assert abs(a[key] - b[key]) <= 0.02, (key, a, b)  # z agrees to ~1e-7: at most a tie flips
         assert a["uplink_bytes"] == b["uplink_bytes"]

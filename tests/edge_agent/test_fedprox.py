@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from edge_agent import params as model_params
 from edge_agent.agent import ClientData, EdgeAgent
+from edge_agent.local import LocalDevice
 from edge_agent.models import build_model
 from edge_agent.techniques import AlignmentTerm, Batch, DeviceContext, make_objective, rules_for
 from edge_agent.techniques.fedprox import ProximalTerm, proximal_term, shared_parameters
@@ -170,9 +171,8 @@ def test_the_agent_pulls_towards_the_adapter_the_round_delivered() -> None:
     rng = np.random.default_rng(0)
     y = np.repeat([0, 1], 20)
     x = rng.standard_normal((40, 1, 6, 6)).astype(np.float32) + y[:, None, None, None]
-    agent = EdgeAgent("dev1", "fp", broker.connect("dev1"), ClientData(x_train=x, y_train=y, x_test=x[:8],
-                                                                      y_test=y[:8]))
-    agent.start()
+    agent = EdgeAgent("dev1", "fp", ClientData(x_train=x, y_train=y, x_test=x[:8], y_test=y[:8]))
+    LocalDevice(agent, broker.connect("dev1")).start()
     server = broker.connect("server")
     server.publish(topics.config("fp"), encode_message(
         Config(preset="fedproto", params=cfg.to_dict(), adapter_layout=model_params.adapter_layout(model)),

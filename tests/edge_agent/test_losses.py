@@ -36,7 +36,7 @@ def test_alignment_gradient_pulls_z_towards_its_target() -> None:
     z = torch.tensor([[2.0, 0.0]], requires_grad=True)
     alignment(z, torch.tensor([0]), torch.tensor([[0.0, 0.0]]), torch.tensor([True])).backward()
     # d/dz (1/1)(1/2)((z0)^2 + z1^2) = (z0, z1) = (2, 0)
-    assert z.grad.tolist() == [[2.0, 0.0]]
+    assert z.grad is not None and z.grad.tolist() == [[2.0, 0.0]]
 
 
 def test_entropy_regulariser_hand_example() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import hashlib
 import os
 import subprocess
@@ -25,7 +24,6 @@ from edge_agent.models import (
 )
 from edge_agent.params import full_vector
 from protofl.errors import ConfigError
-
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
 # Backbone output dims h, fixed by the spec of each architecture.
@@ -101,6 +99,7 @@ def test_projection_variant() -> None:
     kinds = [type(m) for m in model.projection]
     assert kinds == [nn.Linear, nn.LayerNorm, nn.ReLU, nn.Dropout, nn.Linear, nn.LayerNorm]
     first, last = model.projection[0], model.projection[4]
+    assert isinstance(first, nn.Linear) and isinstance(last, nn.Linear)
     assert (first.in_features, first.out_features) == (512, 1024)
     assert (last.in_features, last.out_features) == (1024, 512)
     assert model.projection[3].p == 0.1

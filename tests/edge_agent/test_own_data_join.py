@@ -19,7 +19,7 @@ from broker_server.settings import Broker, Federation
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.runner import DeviceRunner, RunnerOptions
 from protofl import topics
-from protofl.data import make_synthetic
+from protofl.data import Dataset, make_synthetic
 from protofl.errors import DataError
 from protofl.presets import make_config
 from protofl.transport.broker_url import parse_broker_url
@@ -35,7 +35,7 @@ TRAIN, TEST = make_synthetic(num_classes=10, n_train=1000, n_test=400, shape=SHA
 
 def device_npz(path: Path, classes: list[int], per_class: int = 20, test_per_class: int = 7) -> tuple[int, int]:
     """An npz holding only `classes` of the 10-class synthetic task, with its own test split; (n, n_test)."""
-    def take(ds, k):  # type: ignore[no-untyped-def]
+    def take(ds: Dataset, k: int) -> tuple[np.ndarray, np.ndarray]:
         idx = np.concatenate([np.flatnonzero(ds.y == c)[:k] for c in classes])
         return ds.x[idx], ds.y[idx]
 
@@ -93,7 +93,7 @@ def test_a_subset_device_joins_and_trains_in_process(mosquitto: MosquittoBroker,
         agent = running.result(30)
     service.close()
     spy.close()
-    assert agent is not None and agent.finished and agent.stats.rounds_trained == 2  # type: ignore[attr-defined]
+    assert agent is not None and agent.finished and agent.stats.rounds_trained == 2
     assert [m.n_local for m in metrics] == [n_test, n_test]  # its own test split, as given
     assert all(np.isfinite(m.loss) and m.loss > 0 for m in metrics)  # it trained (no accuracy claim: 2 short rounds)
 
@@ -137,7 +137,7 @@ def test_start_and_join_with_devices_holding_three_to_six_classes(tmp_path: Path
                 p.kill()
     assert server.returncode == 0, out
     assert "round 2/2: 3 clients" in out and "federation 'owntrial' finished: 2 rounds" in out, out
-    for p, o in zip(devices, dev_out):
+    for p, o in zip(devices, dev_out, strict=True):
         assert p.returncode == 0, o
     assert {d: ns for d, ns in metrics.items()} == {d: [n_test, n_test] for d, (_, n_test) in counts.items()}
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -19,7 +18,6 @@ from edge_agent.params import (
     load_adapter_vector,
     load_full_vector,
 )
-
 
 M, R, C = 512, 32, 10
 # d by hand: W_down (32x512) + b_down (32) + W_up (512x32) + b_up (512) + head W (10x512) + head b (10).

@@ -21,6 +21,7 @@ from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import MqttTransport
 from protofl.wire import Status, decode_message
 from tests.broker_server.mqtt_helpers import ServiceThread, fast_backoff
+from tests.wire_helpers import decode_as
 
 DATA = "synthetic:n=600,n_test=100"
 
@@ -103,7 +104,7 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     first_join = next(i for i, (tp, _) in enumerate(seen) if tp == topics.up(fed, "client-000"))
     assert seen[0][0] == topics.presence(fed, "client-000") and first_server < first_join
     last_presence = [p for tp, p in seen if tp == topics.presence(fed, "client-000")][-1]
-    assert decode_message(last_presence)[1].state == "done"
+    assert decode_as(Status, last_presence).state == "done"
 
 
 def test_join_cli_errors_say_what_to_do() -> None:

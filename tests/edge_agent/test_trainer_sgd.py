@@ -35,6 +35,6 @@ def test_weights_match_torch_sgd_exactly(momentum: float, weight_decay: float) -
             o.zero_grad()
             torch.nn.functional.cross_entropy(net(x), y).backward()
             o.step()
-    for (name, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters()):
+    for (name, a), (_, b) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     assert all(p.grad is None for p in ours.unused.parameters())

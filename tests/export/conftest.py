@@ -38,11 +38,11 @@ def trained_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not Path(FASHION_MNIST_DIR).is_dir():
         pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR}")
     from edge_agent import trainer
-    from edge_agent.techniques import Objective
     from edge_agent.models import build_model
+    from edge_agent.techniques import Objective
     from export.checkpoint import save_checkpoint
-    from protofl.data import load_images
     from protofl.config import FederationConfig
+    from protofl.data import load_images
 
     x, y, ds = load_images("fashion-mnist", "train", 10000, seed=7)
     model = build_model("cnn", (1, 28, 28), 10, seed=0)

@@ -22,7 +22,7 @@ def test_round_trip_rebuilds_the_same_model(tmp_path: Path) -> None:
     assert meta["norm_mean"] == [0.5] and meta["norm_std"] == [0.25]
     loaded = load_model(None, path)  # everything comes from the checkpoint
     assert loaded.arch == "mlp" and loaded.in_shape == (1, 20, 20) and loaded.proto_dim == 64
-    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), k
 
 
@@ -56,7 +56,7 @@ def test_missing_checkpoint_and_no_arch(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="say which architecture"):
         load_model(None, None)
     a, b = load_model("cnn", None, seed=4), load_model("cnn", None, seed=4)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # seeded initial weights
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))  # seeded initial weights
 
 
 def test_a_federation_s_device_files_load_without_torch_load(tmp_path: Path) -> None:

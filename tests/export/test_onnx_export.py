@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
 
 from edge_agent import onnx_export
-from edge_agent.models import BUILTIN_ARCHITECTURES, build_model
-from edge_agent.onnx_export import export_onnx
+from edge_agent.models import BUILTIN_ARCHITECTURES, ProtoNet, build_model
+from edge_agent.onnx_export import ExportInfo, export_onnx
 from edge_agent.onnx_runtime import read_metadata, session
 from export.verify import verify_onnx
 from protofl.errors import ConfigError
@@ -19,7 +20,7 @@ from tests.export.conftest import needs_fmnist
 pytestmark = needs_fmnist
 
 
-def _exported(tmp_path: Path, arch: str, what: str, **kw) -> tuple[Path, object]:
+def _exported(tmp_path: Path, arch: str, what: str, **kw: Any) -> tuple[ExportInfo, ProtoNet]:
     model = build_model(arch, (1, 28, 28), 10, seed=0)
     info = export_onnx(model, tmp_path / f"{arch}-{what}.onnx", what=what, mean=(0.286,), std=(0.353,), **kw)
     return info, model

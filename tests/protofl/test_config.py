@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from protofl import registry as _registry
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import RoundPlan
-from protofl import registry as _registry
 from protofl.presets import PRESETS, make_config
 
 OPTIONS = _registry.options()

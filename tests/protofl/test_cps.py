@@ -49,7 +49,7 @@ def test_greedy_beats_first_random_candidate():
 
 
 @pytest.mark.parametrize("shape", [(3, 10, 3), (12, 20, 4), (100, 512, 51)])
-def test_deterministic_given_seed(shape):
+def test_deterministic_given_seed(shape: tuple[int, int, int]) -> None:
     a = make_masks(*shape, seed=7)
     b = make_masks(*shape, seed=7)
     np.testing.assert_array_equal(a, b)

@@ -227,7 +227,7 @@ def test_fold_many_makes_the_sums_fold_makes_upload_by_upload() -> None:
 
 
 def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean",
-                     **overrides: object) -> Any:
+                     **overrides: Any) -> Any:
     """One training phase of 150 random uploads through a preset's batched fold (MeanFold, or the unit
     prototypes' UnitFold), folded `batch` at a time, with clipping at work (a radius that clips some rows,
     non-zero centres)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -172,7 +172,7 @@ def test_slow_handler_does_not_block_the_network_loop(mosquitto: MosquittoBroker
     t.publish("s/go", b"1")
     assert seen.wait(5)
     # While the handler is busy, QoS 1 publishes are still acknowledged: the network loop runs on.
-    for i in range(20):
+    for _ in range(20):
         t.publish("s/more", b"x")
     assert t.flush(5)
     release.set()

@@ -35,7 +35,8 @@ SCRIPT = textwrap.dedent(
     modules = sorted(m.name for m in pkgutil.iter_modules(algorithms.__path__))
     for name in modules:
         importlib.import_module(f"protofl.algorithms.{name}")
-    assert {"apud", "cps", "erpa", "fedavg", "fedproto", "fedpagr", "scaling", "support", "unit"} <= set(modules), modules
+    expected = {"apud", "cps", "erpa", "fedavg", "fedproto", "fedpagr", "scaling", "support", "unit"}
+    assert expected <= set(modules), modules
 
     from protofl.algorithms import apud, cps, erpa, fedavg, fedpagr, fedproto, scaling, support, unit
 

@@ -71,7 +71,8 @@ def test_imagefolder_subsets_splits_and_class_files(tmp_path: Path) -> None:
 
 def _csv(path: Path, x: np.ndarray, y: np.ndarray, label: str = "label") -> None:
     cols = [f"f{i}" for i in range(x.shape[1])]
-    lines = [",".join([label, *cols])] + [",".join([str(int(c)), *(f"{v:g}" for v in row)]) for c, row in zip(y, x)]
+    lines = [",".join([label, *cols])]
+    lines += [",".join([str(int(c)), *(f"{v:g}" for v in row)]) for c, row in zip(y, x, strict=True)]
     path.write_text("\n".join(lines) + "\n")
 
 

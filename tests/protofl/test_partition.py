@@ -7,8 +7,10 @@ import os
 import numpy as np
 import pytest
 
+from protofl.config import FederationConfig
 from protofl.data import (
     FASHION_MNIST_DIR,
+    Dataset,
     build_federation,
     carve_public,
     dirichlet_partition,
@@ -179,7 +181,7 @@ def test_build_federation_fashion_mnist_two_batches_per_client() -> None:
 # -- the federation recipe (protofl.data.federation): what the simulator, devices and the server share --
 
 
-def _recipe_inputs():  # type: ignore[no-untyped-def]
+def _recipe_inputs() -> tuple[Dataset, FederationConfig]:
     from protofl.data.federation import limit_train
     from protofl.presets import make_config
 

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from pathlib import Path
 
 import pytest
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10, which the project supports: the same parser, from PyPI (as protofl.profiles does)
+    import tomli as tomllib
+
 from protofl.errors import ConfigError
-from protofl.profiles import (SHIPPED, DeviceProfile, LinkProfile, Outage, known_profiles, load_device, load_link,
-                              load_profile, parse_fleet, parse_pair)
+from protofl.profiles import (
+    SHIPPED,
+    DeviceProfile,
+    LinkProfile,
+    Outage,
+    known_profiles,
+    load_device,
+    load_link,
+    load_profile,
+    parse_fleet,
+    parse_pair,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEVICES = {"rpi3", "rpi4", "rpi5", "jetson-nano", "jetson-orin-nano", "x86-cpu", "x86-gpu"}

@@ -45,7 +45,8 @@ def _structure_diff(got: Any, want: Any, at: str = "") -> str | None:
     if isinstance(want, list):
         if len(got) != len(want):
             return f"{at}: length {len(want)} became {len(got)}"
-        return next((d for i, (g, w) in enumerate(zip(got, want)) if (d := _structure_diff(g, w, f"{at}[{i}]"))), None)
+        return next((d for i, (g, w) in enumerate(zip(got, want, strict=True))
+                     if (d := _structure_diff(g, w, f"{at}[{i}]"))), None)
     return None if got == want else f"{at}: {want!r:.80} became {got!r:.80}"
 
 
@@ -54,7 +55,7 @@ def test_encoding_is_the_recorded_bytes(name: str) -> None:
     want = stored(name)
     got = CASES[name].encode()
     if got != want:
-        at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
         where = _structure_diff(msgpack.unpackb(got), msgpack.unpackb(want)) or "same structure, other bytes"
         pytest.fail(
             f"{name}: the encoding changed ({len(want)} -> {len(got)} bytes, first difference at byte {at}; "
@@ -76,7 +77,7 @@ def assert_same(got: Any, want: Any, at: str) -> None:
             assert_same(getattr(got, f.name), getattr(want, f.name), f"{at}.{f.name}")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{at}: {want!r} decoded as {got!r}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{at}[{i}]")
     elif isinstance(want, dict):
         assert list(got) == list(want), f"{at}: keys {list(want)} decoded as {list(got)}"

@@ -16,11 +16,11 @@ from protofl.sparse import SparseVector
 from protofl.wire import (
     DEFAULT_LIMITS,
     MESSAGE_TYPES,
-    ParamsUpload,
     Config,
     Join,
     Limits,
     Metrics,
+    ParamsUpload,
     ProtoSet,
     ProtoUpload,
     PublicSet,

@@ -6,7 +6,7 @@ import numpy as np
 
 from edge_agent.techniques import DeviceRule
 
-from median_proto import NAME
+from . import NAME
 
 
 class MedianProtoDevice(DeviceRule):

@@ -18,10 +18,10 @@ import numpy as np
 
 from protofl.sparse import SparseVector
 from protofl.wire import (
-    ParamsUpload,
     Config,
     Join,
     Metrics,
+    ParamsUpload,
     ProtoSet,
     ProtoUpload,
     PublicSet,

@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 if __package__ in (None, ""):  # run as a script: make `tests.` importable from the repository root
     sys.path.insert(0, str(HERE.parents[2]))
 
-from tests.protofl.wire_fixtures.cases import CASES
+from tests.protofl.wire_fixtures.cases import CASES  # noqa: E402 - after the sys.path line above
 
 
 def fixture_path(name: str) -> Path:
