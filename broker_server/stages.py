@@ -9,8 +9,12 @@ them: an upload that raises leaves everything as it was (the I/O shell counts it
 they never hold the uploads.
 
 Bounded uploads (protofl/algorithms/robust.py): every prototype and parameter value is clipped to a ball
-around the current global value before it is folded, with a radius derived from the previous round's
-accepted distances; `--robust median|trimmed` replaces plain means by coordinate-wise robust means.
+around the current global value before any fold sees it, with a radius derived from the previous round's
+accepted norms; `--robust median|trimmed` replaces plain means by coordinate-wise robust means. The phase
+does the clipping, once per part of an upload (its local and public-set prototypes, its parameter vector),
+around the centres the folds declare (`protofl.technique.Clip`; around zero where none does), records the
+norms, and hands every fold the clipped values (`ClippedUpload`): a fold cannot forget to clip. Prototype
+rows are clipped a batch of uploads at a time in one pass (issue 27), bit for bit as one by one.
 `--clip off` (ClipPolicy.enabled False) folds uploads unclipped and counts nothing. The rows checked and
 clipped are counted per round (`ServerModel.round_clips`, reset when a round's first phase opens) and in
 total (`clipped`); the first clip of a server's life logs one line that says what happened and how to
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +34,24 @@ import numpy as np
 from broker_server.persist import NOT_STATE
 from protofl import registry
 from protofl.algorithms import support
-from protofl.algorithms.robust import ClipCount, ClipPolicy, NormLog, class_rows, clip_around, clip_rows
+from protofl.algorithms.robust import ClipCount, ClipPolicy, CoordinateRobust, NormLog, class_rows, clip_rows
 from protofl.config import FederationConfig
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.sparse import SparseVector
-from protofl.technique import Fold, ServerRule, first_answer
+from protofl.technique import (
+    DEFAULT_LOGS,
+    PARTS,
+    BatchedFold,
+    Clip,
+    ClippedSet,
+    ClippedUpload,
+    ClippedVector,
+    Fold,
+    Part,
+    ServerRule,
+    first_answer,
+)
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
 __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
@@ -43,7 +59,6 @@ __all__ = ["PhaseRun", "ServerModel", "build_model", "check_upload"]
 _NAMES = {Phase.PROTO: "prototype", Phase.TRAIN: "training", Phase.DONE: "final"}
 _ROWS = {"protos": "prototype rows", "anchors": "anchor rows", "adapter": "parameter vectors"}
 log = logging.getLogger("protofl.server")
-Seen = tuple[np.ndarray, np.ndarray]  # norms of the rows as sent (k,) and their distances to their centres (k,)
 
 
 @dataclass
@@ -87,11 +102,6 @@ class ServerModel:
         table = dict(enumerate(self.unit))
         return support.compress_table(table, self.masks) if self.masks is not None else table
 
-    def unit_upload(self, table: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-        """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
-        clipped, seen = self.clip(table, self.unit_on_wire(), "protos")
-        return (support.reconstruct_table(clipped, self.masks) if self.masks is not None else clipped), seen
-
     def unit_centers(self) -> np.ndarray:
         """(C, width) float64: the unit prototypes as they travel (each cut to its support, s values in ascending
         dims, where there are masks), the centres unit uploads are clipped around; a phase takes them once."""
@@ -108,40 +118,14 @@ class ServerModel:
             out[c] = v
         return out
 
-    def clip_rows(self, classes: np.ndarray, values: np.ndarray, centers: np.ndarray,
-                  kind: str) -> tuple[np.ndarray, Seen | None]:
-        """`clip` on the rows of a prototype set: row i of `values` (k, width), of class `classes[i]`, clipped
-        around `centers[classes[i]]` (a `center_rows` table) in one pass; the rows in float64, and what to
-        record (None with clipping off: the rows as sent)."""
-        if not self.policy.enabled:
-            return values.astype(np.float64), None
-        rows, dists, norms = clip_rows(values, centers[class_rows(classes)], self.radius(kind))
-        return rows, (norms, dists)
-
-    def record_rows(self, kind: str, seen: Seen | None) -> None:
-        """`record` for what `clip_rows` returned."""
-        if seen is not None and seen[0].shape[0]:
-            self.log(kind).record_rows(seen[0], seen[1], self.radius(kind))
-
     # -- clipping -------------------------------------------------------------------------------
-    def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
-             kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-        """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record.
-        Clipping off: the rows as sent (in float64, as an unclipped row is when it is on) and nothing to record."""
-        if not self.policy.enabled:
-            return {c: np.asarray(v, np.float64) for c, v in table.items()}, []
-        return clip_table(table, centers, self.radius(kind), self.plan.proto_width)
+    def robust_mean(self, dim: int) -> CoordinateRobust | None:
+        """A coordinate-wise robust mean of `dim` values replacing a plain mean, or None (plain means)."""
+        p = self.policy
+        return None if p.robust == "mean" else CoordinateRobust(dim, p.robust, p.trim)
 
     def log(self, kind: str) -> NormLog:
         return self.logs.setdefault(kind, NormLog())
-
-    def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
-        """Note the accepted upload's rows (their norms set the next radius); nothing with clipping off."""
-        if not self.policy.enabled:
-            return
-        radius, norms = self.radius(kind), self.log(kind)
-        for v, d in seen:
-            norms.record(v, d, radius)
 
     def close_logs(self) -> None:
         """At a phase's end: count what was clipped, then each kind's next radius from its accepted norms."""
@@ -177,17 +161,6 @@ class ServerModel:
                     "scaled back onto that ball (%s). Honest uploads can be clipped too; the count is in each "
                     "round's line. --clip off folds uploads as sent.", norms.clipped, len(norms.values),
                     _ROWS.get(kind, "rows"), kind, self.radius(kind), self.policy.rule())
-
-
-def clip_table(table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray], radius: float,
-               width: int) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-    """Every row clipped to `radius` around its class's center (zero where none); and (row, distance)s."""
-    out, seen = {}, []
-    for c, v in table.items():
-        center = centers.get(c)
-        out[c], d = clip_around(v, np.zeros(width) if center is None else np.asarray(center, np.float64), radius)
-        seen.append((v, d))
-    return out, seen
 
 
 def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None) -> ServerModel:
@@ -229,6 +202,181 @@ def check_upload(plan: RoundPlan, phase: Phase, up: ProtoUpload | ParamsUpload) 
         raise WireError("FedAvg needs the full parameter vector, got a sparse update")
 
 
+# -- clipping: once per part of an upload, before any fold sees it ------------------------------------------
+class _SetClips:
+    """One prototype part (local or public-set) of the uploads a phase takes: every set clipped around one table
+    of centres and its norms recorded in one log. Accepted sets wait for a batch (clipped in one pass: per-row
+    kernels, so each row as it would be on its own), until a fold reads one, the batch is full, or the phase
+    flushes; a set a fold reads in `check` (before it is accepted) is clipped alone, and recorded on acceptance."""
+
+    def __init__(self, model: ServerModel, clip: Clip | None) -> None:
+        self.model = model
+        plan = model.plan
+        self.on = model.policy.enabled and clip is not None
+        self.kind = clip.log if clip is not None else ""
+        self.centers: np.ndarray | None = None
+        if self.on:
+            assert clip is not None
+            shape = (plan.num_classes, plan.proto_width)
+            centers = np.zeros(shape) if clip.centers is None else np.asarray(clip.centers, np.float64)
+            if centers.shape != shape:
+                raise ValueError(f"prototype centres of shape {centers.shape}; this federation's are {shape}")
+            self.centers = centers
+        self.empty = np.zeros((0, plan.proto_width))
+        self.pending: list[ClippedSet] = []
+        self.elements = 0
+
+    def view(self, ps: ProtoSet | None) -> ClippedSet | None:
+        if ps is None:
+            return None
+        out = ClippedSet(ps.classes, ps.counts, ps.values, self)
+        if not ps.classes.size:
+            out._rows, out._sent = self.empty, None
+        return out
+
+    def clip_set(self, s: ClippedSet) -> None:
+        """`s.rows` was read before it was clipped: with its batch where it is accepted, else on its own."""
+        if s._sent is None:
+            return
+        if any(p is s for p in self.pending):
+            self.run()
+            return
+        rows, seen = self._clip(s._sent, s.classes)
+        s._rows, s._seen = rows, seen
+
+    def accept(self, s: ClippedSet | None) -> None:
+        """`s` passed every check: its norms are recorded (now, or with its batch)."""
+        if s is None or s._sent is None:
+            return
+        if s._rows is not None:  # clipped alone in a check: what was accepted before it goes first
+            self.run()
+            self._record(s._seen)
+            s._sent = s._seen = None
+            return
+        self.pending.append(s)
+        self.elements += s.shape[0] * s.shape[1]
+        if len(self.pending) >= BatchedFold.BATCH or self.elements >= BatchedFold.BATCH_ELEMENTS:
+            self.run()
+
+    def run(self) -> None:
+        """Clip every pending set in one pass and record their norms, in the order they were accepted."""
+        if not self.pending:
+            return
+        batch, self.pending, self.elements = self.pending, [], 0
+        values = batch[0]._sent if len(batch) == 1 else np.concatenate([s._sent for s in batch])
+        classes = batch[0].classes if len(batch) == 1 else np.concatenate([s.classes for s in batch])
+        assert values is not None
+        rows, seen = self._clip(values, classes)
+        at = 0
+        for s in batch:
+            k = s.shape[0]
+            s._rows, s._batch, s._start, s._sent = rows[at:at + k], rows, at, None
+            at += k
+        self._record(seen)
+
+    def _clip(self, values: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+        if self.centers is None:  # --clip off, or a part declared unbounded: the rows as sent, in float64
+            return values.astype(np.float64), None
+        rows, dists, norms = clip_rows(values, self.centers[class_rows(classes)], self.model.radius(self.kind))
+        return rows, (norms, dists)
+
+    def _record(self, seen: tuple[np.ndarray, np.ndarray] | None) -> None:
+        if seen is not None and seen[0].shape[0]:
+            self.model.log(self.kind).record_rows(seen[0], seen[1], self.model.radius(self.kind))
+
+
+class _VectorClips:
+    """The parameter vectors of the uploads a phase takes: each clipped around one reference vector (a sparse
+    upload around the reference's values at its positions) when it is accepted, its norm recorded."""
+
+    def __init__(self, model: ServerModel, clip: Clip | None) -> None:
+        self.model = model
+        self.on = model.policy.enabled and clip is not None and clip.centers is not None
+        self.kind = clip.log if clip is not None else ""
+        self.reference = clip.centers if self.on and clip is not None else None
+        self._ref64: np.ndarray | None = None  # the reference in float64, once a phase (90 MB for a resnet18)
+
+    def view(self, update: SparseVector | np.ndarray) -> ClippedVector:
+        return ClippedVector(update, self)
+
+    def clip_vector(self, v: ClippedVector) -> None:
+        sent = v._sent
+        assert sent is not None
+        if self.reference is None:  # --clip off, or no reference to clip around: as sent
+            v._vector = sent
+            return
+        if v.n != self.reference.shape[0]:
+            raise WireError(f"adapter of length {v.n}, expected {self.reference.shape[0]}")
+        if self._ref64 is None:
+            self._ref64 = np.asarray(self.reference, np.float64)
+        radius = self.model.radius(self.kind)
+        # protofl.algorithms.robust.clip_around, keeping the float64 values as sent for the norm log (one pass
+        # over the K values fewer than converting them again, issue 27)
+        sparse = isinstance(sent, SparseVector)
+        center = self._ref64[sent.indices] if isinstance(sent, SparseVector) else self._ref64
+        u64 = np.asarray(sent.values if isinstance(sent, SparseVector) else sent, np.float64)
+        d = u64 - center
+        dist = float(np.sqrt(np.dot(d, d)))
+        vals = u64 if dist <= radius else center + d * (radius / dist)
+        v._vector = SparseVector(sent.n, sent.indices, vals) if sparse else vals  # type: ignore[union-attr]
+        v._seen = (u64, dist)
+
+    def accept(self, v: ClippedVector | None) -> None:
+        """`v` passed every check: clipped if no fold read it yet (a length other than the reference's refuses
+        the upload here, before anything is folded), and its norm recorded."""
+        if v is None:
+            return
+        if v._vector is None:
+            self.clip_vector(v)
+        if v._seen is not None:
+            u64, dist = v._seen
+            self.model.log(self.kind).record(u64, dist, self.model.radius(self.kind))
+            v._seen = None
+        v._sent = None
+
+
+class _UploadClips:
+    """The clipping of one upload kind in one phase: per part, the `Clip` its folds declare (one per part: two
+    folds that declare different ones are a technique combination that cannot run), or around zero."""
+
+    def __init__(self, model: ServerModel, kind: Upload, takers: Sequence[Fold]) -> None:
+        self.kind = kind
+        specs: dict[Part, Clip | None] = {}
+        for part in PARTS[kind]:
+            declared = [(f, f.clip[part]) for f in takers if part in f.clip]
+            spec = declared[0][1] if declared else Clip(DEFAULT_LOGS[part])
+            for f, other in declared[1:]:
+                if not (spec is other or (spec is not None and spec.same(other))):
+                    raise ValueError(f"{type(declared[0][0]).__name__} and {type(f).__name__} clip the {part.value} "
+                                     f"values of {kind.value} uploads differently; one clip per part of an upload")
+            if spec is not None and spec.log not in _ROWS:
+                raise ValueError(f"norm log '{spec.log}' is not one of {sorted(_ROWS)}")
+            specs[part] = spec
+        self.local = _SetClips(model, specs[Part.LOCAL]) if kind is Upload.PROTOS else None
+        self.public = _SetClips(model, specs[Part.PUBLIC]) if kind is Upload.PROTOS else None
+        self.update = _VectorClips(model, specs[Part.UPDATE]) if kind is Upload.ADAPTER else None
+
+    def view(self, up: Any) -> ClippedUpload:
+        if self.local is not None and self.public is not None:
+            return ClippedUpload(self.kind, up.n_samples, local=self.local.view(up.local),
+                                 public=self.public.view(up.public))
+        assert self.update is not None
+        return ClippedUpload(self.kind, up.n_samples, update=self.update.view(up.update), base_round=up.base_round)
+
+    def accept(self, view: ClippedUpload) -> None:
+        # A prototype upload's sets never refuse here; a parameter upload has its one vector, which may.
+        if self.local is not None and self.public is not None:
+            self.local.accept(view.local)
+            self.public.accept(view.public)
+        elif self.update is not None:
+            self.update.accept(view.update)
+
+    def flush(self) -> None:
+        for sets in (self.local, self.public):
+            if sets is not None:
+                sets.run()
+
+
 class PhaseRun:
     """One open phase: every active rule's folds for it, fed each accepted upload."""
 
@@ -240,21 +388,29 @@ class PhaseRun:
             model.new_round()
         self.folds: list[Fold] = [f for rule in model.rules for f in rule.folds(phase)]
         self.takers = {k: [f for f in self.folds if k in f.kinds] for k in Upload}  # per kind, in rule order
+        self.clips = {k: _UploadClips(model, k, takers) for k, takers in self.takers.items() if takers}
 
     def add(self, kind: Upload, up: Any) -> None:
-        """Check `up` against the plan and every fold that reads `kind`, then fold it into all of them."""
+        """Check `up` against the plan and every fold that reads `kind`, then clip it (once: `Clip`) and fold it
+        into all of them."""
         check_upload(self.model.plan, self.phase, up)
         takers = self.takers[kind]
         if not takers:
             raise WireError(f"this federation does not exchange {kind.value} uploads in the {self.phase.value} phase")
-        prepared = [(f, f.check(up)) for f in takers]
+        clips = self.clips[kind]
+        view = clips.view(up)
+        prepared = [(f, f.check(view)) for f in takers]
+        clips.accept(view)
         for fold, p in prepared:
             fold.fold(p)
 
     def flush(self) -> None:
-        """Fold every upload a fold has kept back for its next batch: before anything reads the sums or logs."""
+        """Fold every upload a fold has kept back for its next batch, and clip and record every accepted upload:
+        before anything reads the sums or logs."""
         for fold in self.folds:
             fold.flush()
+        for clips in self.clips.values():
+            clips.flush()
 
     def finish(self) -> None:
         """Fold the phase into the server model (coordinates and classes nobody sent keep their value)."""

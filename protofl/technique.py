@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from protofl.mergeable import NotMergeable, merge_into, partial_of
+from protofl.sparse import SparseVector
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
-    from protofl.algorithms.robust import ClipPolicy
+    from protofl.algorithms.robust import CoordinateRobust
     from protofl.config import FederationConfig
     from protofl.plan import RoundPlan
 
@@ -137,15 +138,147 @@ class Technique:
         return ServerRule(model)
 
 
+class Part(str, enum.Enum):
+    """The values of an upload that are bounded each on its own: a prototype upload's own prototypes and its
+    public-set ones, a parameter upload's vector."""
+
+    LOCAL = "local"
+    PUBLIC = "public"
+    UPDATE = "update"
+
+
+PARTS: Mapping[Upload, tuple[Part, ...]] = {Upload.PROTOS: (Part.LOCAL, Part.PUBLIC), Upload.ADAPTER: (Part.UPDATE,)}
+# The norm log (and so the radius) of a part whose folds declare no `Clip` for it: clipped around zero.
+DEFAULT_LOGS: Mapping[Part, str] = {Part.LOCAL: "protos", Part.PUBLIC: "protos", Part.UPDATE: "adapter"}
+
+
+@dataclass(frozen=True, eq=False)
+class Clip:
+    """What the values of one part of an upload are clipped around (protofl/algorithms/robust.py), and the
+    norm log they count in: "protos", "anchors" or "adapter", one radius each, set from the norms it logged.
+
+    `centers`: for a prototype set a (num_classes, width) float64 table whose row c is the centre of class c's
+    rows (`ServerState.center_rows`), for a parameter vector the (n,) vector it is clipped around; None: zero.
+    A fold declares one per part it reads (`Fold.clip`) and the phase clips each upload's part once, before
+    any fold's `check`, records its norms, and hands every fold the clipped values; folds never see the
+    policy (radius, `--clip off`). A part no fold declares is clipped around zero into `DEFAULT_LOGS`; a
+    part declared None is folded as sent (say why where it is declared)."""
+
+    log: str
+    centers: np.ndarray | None = None
+
+    def same(self, other: Clip | None) -> bool:
+        """Whether two folds' declarations for one part agree (the same log and centres)."""
+        if other is None or other.log != self.log:
+            return False
+        a, b = self.centers, other.centers
+        return a is b or (a is not None and b is not None and a.shape == b.shape and bool(np.array_equal(a, b)))
+
+
+class _SetClipper(Protocol):
+    def clip_set(self, s: ClippedSet) -> None: ...
+
+
+class _VectorClipper(Protocol):
+    def clip_vector(self, v: ClippedVector) -> None: ...
+
+
+class ClippedSet:
+    """One prototype set of an upload as the folds see it: `classes` (unique, ascending, in range: the plan
+    checked them), `counts` (one per row, or None), the `shape` (k, width) it was sent with, and `rows`, its
+    values clipped by the phase (float64, k x width; read-only).
+
+    The phase clips a batch of accepted uploads' rows in one pass, when a fold first reads one of them (or the
+    batch is full, or the phase ends); a fold's `check` that reads `rows` has that upload's set clipped alone."""
+
+    __slots__ = ("classes", "counts", "shape", "_sent", "_rows", "_batch", "_start", "_clipper", "_seen")
+
+    def __init__(self, classes: np.ndarray, counts: np.ndarray | None, sent: np.ndarray,
+                 clipper: _SetClipper) -> None:
+        self.classes, self.counts, self.shape = classes, counts, sent.shape
+        self._sent: np.ndarray | None = sent
+        self._rows: np.ndarray | None = None
+        self._batch: np.ndarray | None = None  # the rows of the batch this set was clipped in, from `_start`
+        self._start = 0
+        self._clipper = clipper
+        self._seen: Any = None  # clipped alone before it was accepted: what the phase records when it is
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self._clipper.clip_set(self)
+        assert self._rows is not None
+        return self._rows
+
+    def table(self) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+        """({class: clipped row}, {class: count} or None)."""
+        rows, classes = self.rows, self.classes.tolist()
+        table = {c: rows[i] for i, c in enumerate(classes)}
+        return table, None if self.counts is None else dict(zip(classes, self.counts.tolist(), strict=True))
+
+
+def stacked_rows(sets: Sequence[ClippedSet]) -> np.ndarray:
+    """The clipped rows of `sets` one after the other (k1 + k2 + ..., width): the rows of the batch they were
+    clipped in, without a copy, where they lie in it in this order (a batched fold's batch), else a copy."""
+    rows = [s.rows for s in sets]  # (clips whatever is still pending)
+    batch, at = sets[0]._batch, sets[0]._start
+    if batch is not None:
+        for s in sets:
+            if s._batch is not batch or s._start != at:
+                return np.concatenate(rows)
+            at += s.shape[0]
+        return batch[sets[0]._start:at]
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+
+class ClippedVector:
+    """A parameter upload's vector as the folds see it: its dense length `n`, the positions sent (`indices`,
+    sorted and unique; None for a dense vector), and `vector`: the update clipped by the phase (a SparseVector
+    or a dense array; float64 where it was clipped, as sent where it was not)."""
+
+    __slots__ = ("n", "indices", "_sent", "_vector", "_clipper", "_seen")
+
+    def __init__(self, update: SparseVector | np.ndarray, clipper: _VectorClipper) -> None:
+        self.n: int = update.n if isinstance(update, SparseVector) else int(update.shape[0])
+        self.indices: np.ndarray | None = update.indices if isinstance(update, SparseVector) else None
+        self._sent: SparseVector | np.ndarray | None = update
+        self._vector: SparseVector | np.ndarray | None = None
+        self._clipper = clipper
+        self._seen: Any = None
+
+    @property
+    def vector(self) -> SparseVector | np.ndarray:
+        if self._vector is None:
+            self._clipper.clip_vector(self)
+        assert self._vector is not None
+        return self._vector
+
+
+class ClippedUpload:
+    """An upload as the folds see it (the phase builds it after the plan's checks): its `kind`, `n_samples`,
+    `base_round`, and its parts, every value clipped: `local` and `public` (ClippedSet, or None where the
+    upload has no such set) of a prototype upload, `update` (ClippedVector) of a parameter upload."""
+
+    __slots__ = ("kind", "n_samples", "base_round", "local", "public", "update")
+
+    def __init__(self, kind: Upload, n_samples: int, *, local: ClippedSet | None = None,
+                 public: ClippedSet | None = None, update: ClippedVector | None = None,
+                 base_round: int = 0) -> None:
+        self.kind, self.n_samples, self.base_round = kind, n_samples, base_round
+        self.local, self.public, self.update = local, public, update
+
+
 class Fold:
     """One rule's part of one phase: reads some upload kinds, checks then folds each accepted upload.
 
     `check` is pure and raises WireError/ValueError for an upload it refuses; the phase calls every fold's
-    `check` before any `fold`, so a refused upload changes nothing."""
+    `check` before any `fold`, so a refused upload changes nothing. Both see the upload as a `ClippedUpload`:
+    its values already clipped, around the centres `clip` declares per part (`Clip`)."""
 
     kinds: tuple[Upload, ...] = ()
+    clip: Mapping[Part, Clip | None] = {}
 
-    def check(self, up: Any) -> Any:
+    def check(self, up: ClippedUpload) -> Any:
         return up
 
     def fold(self, prepared: Any) -> None:
@@ -289,9 +422,8 @@ class ServerState(Protocol):
 
     Generic fields: a parameter vector (`adapter` or the whole model, `params`), mean prototypes in wire
     space (`prototypes`), unit prototypes on the sphere (`unit`), per-class support masks (`masks`), the
-    targets a first phase built (`targets`). Every upload is clipped around the current global value
-    before it is folded (protofl/algorithms/robust.py), unless `policy.enabled` is off (`--clip off`):
-    then `clip` returns the rows as sent, `record` counts nothing and `radius` is infinite."""
+    targets a first phase built (`targets`). Uploads reach the folds clipped (`Clip`, `ClippedUpload`): the
+    clipping policy is the phase's, not the rules'."""
 
     cfg: FederationConfig
     plan: RoundPlan
@@ -301,7 +433,6 @@ class ServerState(Protocol):
     unit: np.ndarray | None
     masks: np.ndarray | None
     targets: ProtoSet | None
-    policy: ClipPolicy
 
     def first(self, hook: str, *args: Any) -> Any:
         """The first active rule's non-None answer to `hook`, or None."""
@@ -312,31 +443,15 @@ class ServerState(Protocol):
     def unit_on_wire(self) -> dict[int, np.ndarray]:
         """The unit prototypes as they travel (cut to their support masks where there are masks)."""
 
-    def unit_upload(self, table: dict[int, np.ndarray]) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-        """Unit prototypes from the wire, clipped around the current ones and at full width; and what to record."""
-
     def unit_centers(self) -> np.ndarray:
         """(C, width) float64: the unit prototypes as they travel, the centres of unit uploads (once a phase)."""
 
     def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
         """(num_classes, proto_width) float64: the centres in `table`, zero rows where none (once a phase)."""
 
-    def clip(self, table: dict[int, np.ndarray], centers: Mapping[int, np.ndarray],
-             kind: str) -> tuple[dict[int, np.ndarray], list[tuple[np.ndarray, float]]]:
-        """`table` clipped to this round's radius for `kind` around `centers` (pure); and what to record."""
-
-    def clip_rows(self, classes: np.ndarray, values: np.ndarray, centers: np.ndarray,
-                  kind: str) -> tuple[np.ndarray, Any]:
-        """`clip` on a prototype set's rows around `centers[classes]` in one pass (pure); and what to record."""
-
-    def record_rows(self, kind: str, seen: Any) -> None:
-        """`record` for what `clip_rows` returned."""
-
-    def record(self, kind: str, seen: list[tuple[np.ndarray, float]]) -> None:
-        """Note an accepted upload's rows (their norms set the next radius)."""
-
-    def radius(self, kind: str) -> float:
-        """This round's clipping radius for `kind` (infinite with clipping off)."""
+    def robust_mean(self, dim: int) -> CoordinateRobust | None:
+        """A coordinate-wise robust mean of `dim` values that replaces a plain mean (`--robust median|trimmed`),
+        or None where means stay plain."""
 
 
 def table_of(ps: ProtoSet | None) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:

@@ -35,7 +35,11 @@ from protofl.algorithms.unit import UnitFold
 from protofl.errors import ConfigError, WireError
 from protofl.mergeable import Additive
 from protofl.technique import (
+    Clip,
+    ClippedSet,
+    ClippedUpload,
     Fold,
+    Part,
     Phase,
     PlanDraft,
     ServerRule,
@@ -43,7 +47,6 @@ from protofl.technique import (
     Technique,
     Upload,
     flag,
-    table_of,
 )
 from protofl.wire import ProtoSet
 
@@ -272,6 +275,8 @@ class AnchorFold(Fold):
 
     kinds = (Upload.PROTOS,)
     merged = ("erpa", "other")
+    # Anchors are built from scratch each round: both sets are clipped around zero.
+    clip = {Part.LOCAL: Clip("anchors"), Part.PUBLIC: Clip("anchors")}
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -280,29 +285,25 @@ class AnchorFold(Fold):
         self.erpa = ErpaAggregator(plan.num_classes, plan.proto_width, self.public)
         self.other = model.first("mean_aggregator", plan.proto_width)  # None: n-weighted, inside self.erpa
 
-    def check(self, up: Any) -> Any:
-        pub, _ = table_of(up.public)
-        loc, counts = table_of(up.local)
+    def check(self, up: ClippedUpload) -> Any:
+        pub, _ = up.public.table() if up.public is not None else ({}, None)
+        loc, counts = up.local.table() if up.local is not None else ({}, None)
         check_split(pub, loc, self.public)
         if self.other is None and loc and counts is None:
             raise WireError("local prototypes without counts (this federation does not use scaling)")
-        # Anchors are built from scratch each round: clipped around zero.
-        pub, seen_pub = self.model.clip(pub, {}, "anchors")
-        loc, seen_loc = self.model.clip(loc, {}, "anchors")
         if self.other is not None:
             # Both accumulators check before folding: check the other table first so that a bad one
             # cannot leave this half folded.
             self.other.check(loc)
-        return pub, loc, counts, seen_pub + seen_loc
+        return pub, loc, counts
 
     def fold(self, prepared: Any) -> None:
-        pub, loc, counts, seen = prepared
+        pub, loc, counts = prepared
         if self.other is not None:
             self.erpa.add(pub, {}, {})
             self.other.add(loc)
         else:
             self.erpa.add(pub, loc, counts or {})
-        self.model.record("anchors", seen)
 
     def finish(self) -> None:
         glob = self.other.result() if self.other is not None else self.erpa.global_prototypes()
@@ -315,7 +316,9 @@ class AnchorFold(Fold):
 class PublicUnitFold(UnitFold):
     """Candidate (d): the unit public-set prototypes that travel with the training upload."""
 
-    def prototypes(self, up: Any) -> ProtoSet | None:
+    part = Part.PUBLIC
+
+    def prototypes(self, up: ClippedUpload) -> ClippedSet | None:
         pub = up.public
         if pub is not None and pub.classes.size:
             local = up.local.classes.tolist() if up.local is not None else []

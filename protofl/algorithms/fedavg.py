@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from protofl.algorithms.robust import CoordinateRobust, clip_around
+from protofl.algorithms.robust import CoordinateRobust
 from protofl.errors import WireError
 from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
-from protofl.technique import Fold, Phase, ServerRule, ServerState, Technique, Upload
+from protofl.technique import Clip, ClippedUpload, Fold, Part, Phase, ServerRule, ServerState, Technique, Upload
 
 __all__ = ["FedAvgAggregator", "FedAvg"]
 
@@ -119,10 +119,11 @@ class VectorFold(Fold):
     def __init__(self, model: ServerState) -> None:
         self.model = model
         self.reference: np.ndarray | None = model.adapter if model.plan.federate == "adapter" else model.params
-        # FedAvg without a known model (a server with no torch): the first upload fixes the length.
+        # FedAvg without a known model (a server with no torch): the first upload fixes the length, and there
+        # is nothing to clip around: such uploads are folded as sent.
+        self.clip = {Part.UPDATE: Clip("adapter", self.reference) if self.reference is not None else None}
         self.acc: Any = None
         self.robust: CoordinateRobust | None = None
-        self._ref64: np.ndarray | None = None  # the reference in float64, once per round
         if self.reference is not None:
             self._start(self.reference.shape[0])
 
@@ -131,52 +132,27 @@ class VectorFold(Fold):
         other = model.first("vector_aggregator", self.reference) if self.reference is not None else None
         self.acc = other if other is not None else FedAvgAggregator(n)
         self.sparse_ok = other is not None
-        policy = model.policy
-        if policy.robust != "mean" and self.reference is not None:
-            self.robust = CoordinateRobust(n, policy.robust, policy.trim)
+        if self.reference is not None:
+            self.robust = model.robust_mean(n)
 
-    def check(self, up: Any) -> Any:
+    def check(self, up: ClippedUpload) -> Any:
         update = up.update
+        assert update is not None
         # (a sparse update of the whole model is refused at the plan boundary, broker_server/stages.py)
-        if isinstance(update, SparseVector) and self.acc is not None and not self.sparse_ok:
+        if update.indices is not None and self.acc is not None and not self.sparse_ok:
             raise WireError("this federation averages dense parameter vectors; got a sparse update")
-        n = update.n if isinstance(update, SparseVector) else update.shape[0]
+        n = update.n
         expected = self.reference.shape[0] if self.reference is not None else (self.acc.dim if self.acc else n)
         if n != expected:
             raise WireError(f"adapter of length {n}, expected {expected}")
-        if self.reference is None:  # no model known: the accumulator checks the length (the decoder, finiteness)
-            return update, float(up.n_samples), None
-        self._check_indices(update, self.reference.shape[0])
-        if not self.model.policy.enabled:  # --clip off: folded as sent, no distance to compute or record
-            return update, float(up.n_samples), None
-        clipped, seen = self._clipped(update)
-        return clipped, float(up.n_samples), seen
-
-    def _clipped(self, update: SparseVector | np.ndarray) -> tuple[SparseVector | np.ndarray, tuple[np.ndarray, float]]:
-        """(the update clipped around the reference, (what was sent, its distance)); pure."""
-        ref, radius = self.reference, self.model.radius("adapter")
-        assert ref is not None
-        if self._ref64 is None:  # once per round: 90 MB and ~0.1 s per upload for a resnet18 model
-            self._ref64 = ref.astype(np.float64)
-        # Within the radius `clip_around` gives the update itself in float64: the fold and the norm log take
-        # that, where each would convert the float32 one again (two passes over K values, issue 27).
-        if isinstance(update, SparseVector):
-            idx = update.indices
-            vals, dist = clip_around(update.values, self._ref64[idx], radius)
-            return SparseVector(update.n, idx, vals), (vals if dist <= radius else update.values, dist)
-        vals, dist = clip_around(np.asarray(update), self._ref64, radius)
-        return vals, (vals if dist <= radius else update, dist)
-
-    @staticmethod
-    def _check_indices(update: SparseVector | np.ndarray, n: int) -> None:
-        """A sparse update's positions lie inside the reference vector of length `n`."""
-        if isinstance(update, SparseVector):
-            idx = update.indices  # sorted (a SparseVector's invariant, checked by the decoder): the ends suffice
-            if idx.shape[0] and (idx[0] < 0 or idx[-1] >= n):
-                raise WireError(f"adapter indices out of range [0, {n})")
+        idx = update.indices  # sorted (a SparseVector's invariant, checked by the decoder): the ends suffice
+        if idx is not None and idx.shape[0] and (idx[0] < 0 or idx[-1] >= n):
+            raise WireError(f"adapter indices out of range [0, {n})")
+        return update, float(up.n_samples)
 
     def fold(self, prepared: Any) -> None:
-        update, weight, seen = prepared
+        view, weight = prepared
+        update = view.vector  # clipped by the phase around the reference
         if self.acc is None:
             self._start(update.shape[0])
         # A decoded upload's vector was checked by the decoder: the in-tree aggregators skip a second pass over
@@ -187,8 +163,6 @@ class VectorFold(Fold):
                 self.robust.add(update.values.astype(np.float64), update.indices)
             else:
                 self.robust.add(np.asarray(update, np.float64))
-        if seen is not None:
-            self.model.record("adapter", [seen])
 
     def merge(self, part: Mapping[str, Any], *, check: bool = False) -> None:
         """Another shard's partial; without a known model its length is the first one any shard saw."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -279,9 +279,6 @@ class FedPagrRule(ServerRule):
 
 class ConsensusFold(UnitFold):
     """The training phase's unit prototypes: eq. (3) as a stream, then refinement at the phase's end."""
-
-    def prototypes(self, up: Any) -> ProtoSet | None:
-        return up.local
 
     def finish(self) -> None:
         cfg, model = self.model.cfg, self.model

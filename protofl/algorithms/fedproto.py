@@ -29,7 +29,20 @@ import numpy as np
 from protofl.algorithms.robust import CoordinateRobust, class_rows
 from protofl.errors import WireError
 from protofl.mergeable import Additive
-from protofl.technique import BatchedFold, Fold, Phase, ServerRule, ServerState, Technique, Upload
+from protofl.technique import (
+    BatchedFold,
+    Clip,
+    ClippedSet,
+    ClippedUpload,
+    Fold,
+    Part,
+    Phase,
+    ServerRule,
+    ServerState,
+    Technique,
+    Upload,
+    stacked_rows,
+)
 from protofl.wire import ProtoSet
 
 __all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto"]
@@ -231,9 +244,9 @@ class FedProtoRule(ServerRule):
 
 
 class MeanFold(BatchedFold):
-    """The training phase's mean prototypes: n-weighted (or another technique's aggregate), clipped around
-    the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one. Uploads are
-    clipped and folded a batch at a time (BatchedFold), with the sums of folding them one by one."""
+    """The training phase's mean prototypes: n-weighted (or another technique's aggregate), of uploads clipped
+    around the current global prototypes; `--robust` replaces the plain mean by a coordinate-wise one. Uploads
+    are folded a batch at a time (BatchedFold), with the sums of folding them one by one."""
 
     kinds = (Upload.PROTOS,)
     merged = ("acc", "robust")
@@ -241,31 +254,31 @@ class MeanFold(BatchedFold):
     def __init__(self, model: ServerState) -> None:
         super().__init__()
         self.model = model
-        plan, policy = model.plan, model.policy
+        plan = model.plan
         other = model.first("mean_aggregator", plan.proto_width)
         self.default = other is None
         self.acc = other if other is not None else PrototypeAggregator(plan.num_classes, plan.proto_width,
                                                                         weighting=model.cfg.aggregation)
         # Robust means replace plain means only: scaled sums have their own geometry.
         self.robust: dict[int, CoordinateRobust] | None = (
-            {} if self.default and policy.robust != "mean" else None)
+            {} if self.default and model.robust_mean(plan.proto_width) is not None else None)
         # Another technique's aggregate that takes tables only is fed one upload at a time, when it arrives (its
         # `add` may refuse one, which a batch folded later could not do).
         self.rows_ok = hasattr(self.acc, "add_many")
         self.weighted = self.default and model.cfg.aggregation == "weighted"  # the n_kc-weighted mean: needs counts
+        # Uploads are clipped around the global prototypes, which change only when the phase ends.
+        self.clip = {Part.LOCAL: Clip("protos", model.center_rows(model.prototypes))}
+        self._none = np.zeros(0, np.int64)
 
-        # The centres uploads are clipped around: the global prototypes, which change only when the phase ends.
-        self.centers = model.center_rows(model.prototypes)
-
-    def check(self, up: Any) -> Any:
+    def check(self, up: ClippedUpload) -> Any:
         ps = up.local
-        if ps is None:
-            ps = ProtoSet.from_table({}, self.model.plan.proto_width)
-        if self.weighted and ps.classes.size and ps.counts is None:
+        classes, shape, counts = (self._none, (0, self.model.plan.proto_width), None) if ps is None else \
+            (ps.classes, ps.shape, ps.counts)
+        if self.weighted and classes.size and counts is None:
             raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
         if self.rows_ok:
-            self.acc.check_rows(ps.classes, ps.values.shape, ps.counts if self.default else None)
-        return ps.classes, ps.values, ps.counts
+            self.acc.check_rows(classes, shape, counts if self.default else None)
+        return ps
 
     def fold(self, prepared: Any) -> None:
         if self.rows_ok:
@@ -274,36 +287,35 @@ class MeanFold(BatchedFold):
             self.fold_batch([prepared])
 
     def elements(self, prepared: Any) -> int:
-        return int(prepared[1].size)
+        return 0 if prepared is None else prepared.shape[0] * prepared.shape[1]
 
     def fold_batch(self, batch: list[Any]) -> None:
-        model = self.model
-        sent = [p for p in batch if p[0].size]
-        if sent:
-            classes = [p[0] for p in sent]
-            # One clip for the batch's rows: per-row kernels, so each row is clipped as it would be on its own.
-            every = np.concatenate(classes)
-            rows, seen = model.clip_rows(every, np.concatenate([p[1] for p in sent]), self.centers, "protos")
-        else:
-            classes, every, rows, seen = [], np.zeros(0, np.int64), np.zeros((0, model.plan.proto_width)), None
+        sent: list[ClippedSet] = [p for p in batch if p is not None and p.classes.size]
+        classes = [p.classes for p in sent]
+        rows = stacked_rows(sent) if sent else np.zeros((0, self.model.plan.proto_width))
         if self.rows_ok:
-            counts = np.concatenate([p[2] for p in sent]) if self.weighted and sent else None
+            counts = np.concatenate([p.counts for p in sent]) if self.weighted and sent else None
             self.acc.add_many(classes, rows, counts, len(batch))
         else:  # a table-taking aggregate (a batch of one upload; one with no rows still counts)
-            (c, _, _), = batch
-            self.acc.add(dict(zip(c.tolist(), rows, strict=True)))
-        if self.robust is not None:
-            policy, width = model.policy, model.plan.proto_width
+            self.acc.add(dict(zip(classes[0].tolist(), rows, strict=True)) if sent else {})
+        if self.robust is not None and sent:
+            every = np.concatenate(classes)
             for c, v in zip(every.tolist(), rows, strict=True):
-                self.robust.setdefault(c, CoordinateRobust(width, policy.robust, policy.trim)).add(v)
-        model.record_rows("protos", seen)
+                acc = self.robust.get(c)
+                if acc is None:
+                    acc = self.robust[c] = self._robust_mean()
+                acc.add(v)
+
+    def _robust_mean(self) -> CoordinateRobust:
+        out = self.model.robust_mean(self.model.plan.proto_width)
+        assert out is not None
+        return out
 
     def new_accumulator(self, name: str, key: Any) -> Any:
         """A class another shard has a robust mean for and this one has not."""
         if name != "robust" or not isinstance(key, int) or not 0 <= key < self.model.plan.num_classes:
             return super().new_accumulator(name, key)
-        policy = self.model.policy
-        return CoordinateRobust(self.model.plan.proto_width, policy.robust, policy.trim)
+        return self._robust_mean()
 
     def finish(self) -> None:
         model = self.model

@@ -18,8 +18,7 @@ import numpy as np
 from protofl.algorithms.fedproto import local_prototypes
 from protofl.algorithms.robust import row_dots
 from protofl.mergeable import Additive
-from protofl.technique import BatchedFold, ServerState, Upload
-from protofl.wire import ProtoSet
+from protofl.technique import BatchedFold, Clip, ClippedSet, ClippedUpload, Part, ServerState, Upload
 
 __all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator", "UnitFold"]
 
@@ -153,15 +152,16 @@ class ConsensusAggregator(Additive):
 
 class UnitFold(BatchedFold):
     """Unit prototypes of a training upload folded into eq. (3)'s sums, clipped around the current ones;
-    `prototypes` says which of the upload's sets.
+    `part` says which of the upload's sets (`prototypes` reads it, and may check more).
 
     Where there are masks the rows travel cut to their supports (s of m values) and stay so: clipped around
     the current prototypes cut the same way, normalised, and added onto their supports in the (C, m) sums.
-    Each upload is clipped and normalised when it is checked (a row clipped to zero refuses it); the sums
-    and norm logs take a batch at a time (BatchedFold)."""
+    Each upload is normalised when it is checked (a row clipped to zero refuses it); the sums take a batch at a
+    time (BatchedFold)."""
 
     kinds = (Upload.PROTOS,)
     merged = ("acc",)
+    part = Part.LOCAL
 
     def __init__(self, model: ServerState) -> None:
         super().__init__()
@@ -169,23 +169,24 @@ class UnitFold(BatchedFold):
         assert model.unit is not None
         self.acc = ConsensusAggregator(model.unit)
         self.centers = model.unit_centers()  # the unit prototypes change only when the phase ends
+        self.clip = {self.part: Clip("protos", self.centers)}
         masks = model.masks
         self.support = None if masks is None else np.nonzero(masks)[1].reshape(masks.shape[0], -1)
 
-    def prototypes(self, up: Any) -> ProtoSet | None:
-        raise NotImplementedError
+    def prototypes(self, up: ClippedUpload) -> ClippedSet | None:
+        return up.local if self.part is Part.LOCAL else up.public
 
-    def check(self, up: Any) -> Any:
+    def check(self, up: ClippedUpload) -> Any:
         ps = self.prototypes(up)
         if ps is None or not ps.classes.size:
             return None
         width = self.centers.shape[1]  # m, or s where rows travel cut to their supports
-        if ps.values.shape[1] != width:
-            raise ValueError(f"consensus: expected {width} values per class, got {ps.values.shape[1]}")
-        rows, seen = self.model.clip_rows(ps.classes, ps.values, self.centers, "protos")
+        if ps.shape[1] != width:
+            raise ValueError(f"consensus: expected {width} values per class, got {ps.shape[1]}")
+        rows = ps.rows  # clipped by the phase (this upload's alone: the check needs them)
         if self.support is not None:
             rows = rows.astype(np.float32)  # a clipped row goes on at float32, as scattering it to width m did
-        return ps.classes, self.acc.check_rows(ps.classes, rows), seen
+        return ps.classes, self.acc.check_rows(ps.classes, rows)
 
     def elements(self, prepared: Any) -> int:
         return 0 if prepared is None else int(prepared[1].size)
@@ -194,6 +195,3 @@ class UnitFold(BatchedFold):
         sent = [p for p in batch if p is not None]
         units = np.concatenate([p[1] for p in sent]) if sent else np.zeros((0, self.acc.dim))
         self.acc.fold_many([p[0] for p in sent], units, self.support, len(batch))
-        if sent and sent[0][2] is not None:  # (clipping off records nothing: every seen is None)
-            seen = (np.concatenate([p[2][0] for p in sent]), np.concatenate([p[2][1] for p in sent]))
-            self.model.record_rows("protos", seen)
