@@ -33,7 +33,7 @@ def global_prototypes(model: ServerModel) -> tuple[dict[int, np.ndarray], str] |
     the federation's); mean prototypes by L2.
     """
     plan = model.plan
-    targets = model.first("round_targets", Phase.TRAIN)
+    targets = model.rules.round_targets(Phase.TRAIN)
     if targets is None or len(targets.classes) == 0:
         return None
     table, _ = targets.table()

@@ -49,8 +49,7 @@ from protofl.technique import (
     ClippedVector,
     Fold,
     Part,
-    ServerRule,
-    first_answer,
+    RuleChain,
 )
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
 
@@ -82,20 +81,10 @@ class ServerModel:
     clipped: dict[str, int] = field(default_factory=dict)  # rows clipped so far, per kind
     round_clips: ClipCount = field(default_factory=ClipCount)  # rows checked and clipped in the current round
     explained: bool = False  # the one log line that says what clipping did has been written
-    rules: list[ServerRule] = field(default_factory=list, metadata=NOT_STATE)  # their state: persist()
+    rules: RuleChain = field(default_factory=RuleChain, metadata=NOT_STATE)  # their state: persist()
     logs: dict[str, NormLog] = field(default_factory=dict, metadata=NOT_STATE)  # this phase's norms, per kind
 
-    # -- rules ----------------------------------------------------------------------------------
-    def first(self, hook: str, *args: Any) -> Any:
-        """The first rule's non-None answer to `hook`, or None."""
-        return first_answer(self.rules, hook, *args)
-
-    def chain(self, hook: str, value: Any) -> Any:
-        """`value` passed through every rule's `hook` in order."""
-        for rule in self.rules:
-            value = getattr(rule, hook)(value)
-        return value
-
+    # -- generic values the rules read -----------------------------------------------------------
     def unit_on_wire(self) -> dict[int, np.ndarray]:
         """The unit prototypes as they travel: every class, cut to its support mask where there are masks."""
         assert self.unit is not None
@@ -166,7 +155,7 @@ class ServerModel:
 def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None) -> ServerModel:
     """The server model at round 0, with the active techniques' rules attached."""
     model = ServerModel(cfg, plan, policy=policy or ClipPolicy())
-    model.rules = [tech.server_rule(model) for tech in registry.active(cfg)]
+    model.rules = RuleChain([tech.server_rule(model) for tech in registry.active(cfg)])
     for rule in model.rules:
         rule.init_model()
     return model
@@ -421,7 +410,7 @@ class PhaseRun:
 
     def round_targets(self) -> ProtoSet | None:
         """The targets of the round message that opens this phase."""
-        return self.model.first("round_targets", self.phase)
+        return self.model.rules.round_targets(self.phase)
 
     # -- sharded aggregators: a shard's partial phase, merged by the coordinator (protofl/mergeable.py) ----
     def partial(self) -> dict[str, Any]:

@@ -10,16 +10,17 @@ A technique is one name with two halves (docs/design.md, "Techniques"):
 Both halves register through Python entry points (`protofl.techniques` and `protofl.device_rules`), the
 built-in techniques too, so a third-party technique is installed, not merged. The round machine, the I/O
 shell, the agent and the trainer name no technique; they call the hooks below on the active rules in
-order. Rules talk to each other only through these hooks and the generic `ServerModel` fields.
+order (on the server through a `RuleChain`, typed). Rules talk to each other only through these hooks and the
+generic `ServerModel` fields.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -62,7 +63,7 @@ def is_number(value: Any) -> bool:
 
 
 def first_answer(rules: Sequence[Any], hook: str, *args: Any) -> Any:
-    """The first rule's non-None answer to `hook` (server and device rules alike), or None."""
+    """The first rule's non-None answer to `hook`, or None (device rules; the server's are a typed `RuleChain`)."""
     for rule in rules:
         out = getattr(rule, hook)(*args)
         if out is not None:
@@ -375,8 +376,49 @@ class BatchedFold(Fold):
         raise NotImplementedError
 
 
+class PrototypeMean(Protocol):
+    """An aggregate of prototype tables that replaces the n-weighted mean (`ServerRule.mean_aggregator`): fed
+    one upload's table at a time ({class: row}, the rows clipped), read once at the phase's end."""
+
+    def check(self, table: Mapping[int, np.ndarray]) -> None:
+        """Raise ValueError if `add` would refuse this table; changes nothing."""
+
+    def add(self, table: Mapping[int, np.ndarray]) -> None: ...
+
+    def result(self) -> dict[int, np.ndarray]:
+        """The aggregate per class that somebody sent (float32)."""
+
+
+@runtime_checkable
+class RowMean(PrototypeMean, Protocol):
+    """A `PrototypeMean` that also takes a batch of uploads' rows in one pass (what a decoded ProtoSet gives:
+    classes unique and ascending, rows (k, width)); a batched fold feeds it so."""
+
+    def check_rows(self, classes: np.ndarray, shape: tuple[int, ...], counts: np.ndarray | None) -> None:
+        """Raise ValueError if it cannot take one upload's rows of this shape; changes nothing."""
+
+    def add_many(self, classes: list[np.ndarray], rows: np.ndarray, counts: np.ndarray | None, uploads: int) -> None:
+        """Several uploads' rows (checked), concatenated in arrival order; `uploads` counts those without rows too."""
+
+
+class VectorMean(Protocol):
+    """An aggregate of parameter vectors that replaces the sample-weighted mean (`ServerRule.vector_aggregator`):
+    fed one upload's vector (dense, or a SparseVector: the coordinates it sent) with its weight |D_k|."""
+
+    @property
+    def senders(self) -> int: ...
+
+    def add(self, vector: SparseVector | np.ndarray, weight: float) -> None: ...
+
+    def result(self) -> np.ndarray:
+        """The new global vector (float32)."""
+
+
 class ServerRule:
-    """A technique's server half for one federation: hooks on the shared `ServerState`."""
+    """A technique's server half for one federation: hooks on the shared `ServerState`.
+
+    The hooks one rule offers the others are typed methods; the phase and the other rules ask all the active
+    rules at once through `ServerState.rules` (a `RuleChain`), in rule order."""
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
@@ -392,21 +434,24 @@ class ServerRule:
         """The targets the round message opening `phase` carries (the first rule with some wins)."""
         return None
 
-    # Hooks one rule offers another (ServerModel.chain / ServerModel.first call them in rule order).
-    def mean_aggregator(self, width: int) -> Any | None:
-        """A replacement for the n-weighted mean of local prototypes (None: keep the default)."""
+    def mean_aggregator(self, width: int) -> PrototypeMean | None:
+        """A replacement for the n-weighted mean of local prototypes `width` values wide (None: keep the
+        default; the first rule that offers one wins)."""
         return None
 
-    def vector_aggregator(self, reference: np.ndarray) -> Any | None:
-        """A replacement for the sample-weighted mean of parameter vectors (None: keep the default)."""
+    def vector_aggregator(self, reference: np.ndarray) -> VectorMean | None:
+        """A replacement for the sample-weighted mean of parameter vectors around the global `reference` (None:
+        keep the default; the first rule that offers one wins)."""
         return None
 
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """Rework a phase's freshly built target table (e.g. refinement); default unchanged."""
+        """Rework a phase's freshly built target table (e.g. refinement); default unchanged. Every rule's, in
+        rule order."""
         return table
 
     def adjust_consensus(self, unit: np.ndarray) -> np.ndarray:
-        """Rework the consensus of unit prototypes before it is refined; default unchanged."""
+        """Rework the consensus of unit prototypes (C, m) before it is refined; default unchanged. Every rule's,
+        in rule order."""
         return unit
 
     def persist(self) -> dict[str, Any]:
@@ -415,6 +460,54 @@ class ServerRule:
 
     def restore(self, state: dict[str, Any]) -> None:
         pass
+
+
+T = TypeVar("T")
+
+
+class RuleChain:
+    """A federation's active server rules in rule order, asked as one (`ServerState.rules`): each hook of
+    `ServerRule` with its rule-order semantics. An offer (`round_targets`, `mean_aggregator`,
+    `vector_aggregator`) is the first rule's that makes one, None where none does; an adjustment
+    (`adjust_targets`, `adjust_consensus`) passes the value through every rule in order."""
+
+    def __init__(self, rules: Sequence[ServerRule] = ()) -> None:
+        self.rules: tuple[ServerRule, ...] = tuple(rules)
+
+    def __iter__(self) -> Iterator[ServerRule]:
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __getitem__(self, i: int) -> ServerRule:
+        return self.rules[i]
+
+    def _first(self, offer: Callable[[ServerRule], T | None]) -> T | None:
+        for rule in self.rules:
+            out = offer(rule)
+            if out is not None:
+                return out
+        return None
+
+    def round_targets(self, phase: Phase) -> ProtoSet | None:
+        return self._first(lambda rule: rule.round_targets(phase))
+
+    def mean_aggregator(self, width: int) -> PrototypeMean | None:
+        return self._first(lambda rule: rule.mean_aggregator(width))
+
+    def vector_aggregator(self, reference: np.ndarray) -> VectorMean | None:
+        return self._first(lambda rule: rule.vector_aggregator(reference))
+
+    def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        for rule in self.rules:
+            table = rule.adjust_targets(table)
+        return table
+
+    def adjust_consensus(self, unit: np.ndarray) -> np.ndarray:
+        for rule in self.rules:
+            unit = rule.adjust_consensus(unit)
+        return unit
 
 
 class ServerState(Protocol):
@@ -433,12 +526,7 @@ class ServerState(Protocol):
     unit: np.ndarray | None
     masks: np.ndarray | None
     targets: ProtoSet | None
-
-    def first(self, hook: str, *args: Any) -> Any:
-        """The first active rule's non-None answer to `hook`, or None."""
-
-    def chain(self, hook: str, value: Any) -> Any:
-        """`value` passed through every active rule's `hook` in order."""
+    rules: RuleChain  # every active rule, in rule order: ask them as one (their hooks)
 
     def unit_on_wire(self) -> dict[int, np.ndarray]:
         """The unit prototypes as they travel (cut to their support masks where there are masks)."""

@@ -30,7 +30,7 @@ import numpy as np
 from protofl.errors import ConfigError
 from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
-from protofl.technique import Option, ServerRule, ServerState, Technique, flag, is_number
+from protofl.technique import Option, ServerRule, ServerState, Technique, VectorMean, flag, is_number
 
 __all__ = ["topk_budget", "budget_from_bytes", "client_budget", "select_topk", "ApudAggregator", "Apud"]
 
@@ -232,5 +232,5 @@ class Apud(Technique):
 
 
 class ApudRule(ServerRule):
-    def vector_aggregator(self, reference: np.ndarray) -> Any | None:
+    def vector_aggregator(self, reference: np.ndarray) -> VectorMean | None:
         return ApudAggregator(reference) if self.model.plan.federate == "adapter" else None

@@ -27,7 +27,17 @@ import numpy as np
 from protofl.algorithms.scaling import ScaledAggregator
 from protofl.algorithms.support import as_masks, restrict_to_masks
 from protofl.errors import ConfigError
-from protofl.technique import Option, PlanDraft, ServerRule, ServerState, Technique, flag, integer, is_number
+from protofl.technique import (
+    Option,
+    PlanDraft,
+    PrototypeMean,
+    ServerRule,
+    ServerState,
+    Technique,
+    flag,
+    integer,
+    is_number,
+)
 
 if TYPE_CHECKING:
     from protofl.config import FederationConfig
@@ -171,6 +181,6 @@ class CpsRule(ServerRule):
             if model.unit is not None:  # spherical CPS: every unit prototype lives on its class's mask
                 model.unit = restrict_to_masks(model.unit, model.masks)
 
-    def mean_aggregator(self, width: int) -> Any | None:
+    def mean_aggregator(self, width: int) -> PrototypeMean | None:
         """Scaling: the server sees n_kc * p_kc only, aggregated by eq. (10)."""
         return ScaledAggregator(self.model.plan.num_classes, width) if self.model.cfg.scaling else None

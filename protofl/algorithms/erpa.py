@@ -283,7 +283,7 @@ class AnchorFold(Fold):
         plan = model.plan
         self.public = sorted(plan.public_classes)
         self.erpa = ErpaAggregator(plan.num_classes, plan.proto_width, self.public)
-        self.other = model.first("mean_aggregator", plan.proto_width)  # None: n-weighted, inside self.erpa
+        self.other = model.rules.mean_aggregator(plan.proto_width)  # None: n-weighted, inside self.erpa
 
     def check(self, up: ClippedUpload) -> Any:
         pub, _ = up.public.table() if up.public is not None else ({}, None)
@@ -308,7 +308,7 @@ class AnchorFold(Fold):
     def finish(self) -> None:
         glob = self.other.result() if self.other is not None else self.erpa.global_prototypes()
         table = combine_anchors(self.erpa.ext_prototypes(), glob, self.public)
-        table = self.model.chain("adjust_targets", table)
+        table = self.model.rules.adjust_targets(table)
         plan = self.model.plan
         self.model.targets = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype) if table else None
 

@@ -129,7 +129,7 @@ class VectorFold(Fold):
 
     def _start(self, n: int) -> None:
         model = self.model
-        other = model.first("vector_aggregator", self.reference) if self.reference is not None else None
+        other = model.rules.vector_aggregator(self.reference) if self.reference is not None else None
         self.acc = other if other is not None else FedAvgAggregator(n)
         self.sparse_ok = other is not None
         if self.reference is not None:

@@ -283,7 +283,7 @@ class ConsensusFold(UnitFold):
     def finish(self) -> None:
         cfg, model = self.model.cfg, self.model
         S, K = self.acc.sums()
-        p_bar = model.chain("adjust_consensus", self.acc.result())
+        p_bar = model.rules.adjust_consensus(self.acc.result())
         unit = (geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
                                  momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
                 if cfg.refine else p_bar)

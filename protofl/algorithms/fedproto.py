@@ -37,6 +37,8 @@ from protofl.technique import (
     Fold,
     Part,
     Phase,
+    PrototypeMean,
+    RowMean,
     ServerRule,
     ServerState,
     Technique,
@@ -255,16 +257,17 @@ class MeanFold(BatchedFold):
         super().__init__()
         self.model = model
         plan = model.plan
-        other = model.first("mean_aggregator", plan.proto_width)
+        other = model.rules.mean_aggregator(plan.proto_width)
         self.default = other is None
-        self.acc = other if other is not None else PrototypeAggregator(plan.num_classes, plan.proto_width,
-                                                                        weighting=model.cfg.aggregation)
+        self.acc: PrototypeMean = other if other is not None else PrototypeAggregator(
+            plan.num_classes, plan.proto_width, weighting=model.cfg.aggregation)
         # Robust means replace plain means only: scaled sums have their own geometry.
         self.robust: dict[int, CoordinateRobust] | None = (
             {} if self.default and model.robust_mean(plan.proto_width) is not None else None)
         # Another technique's aggregate that takes tables only is fed one upload at a time, when it arrives (its
         # `add` may refuse one, which a batch folded later could not do).
-        self.rows_ok = hasattr(self.acc, "add_many")
+        self.by_rows: RowMean | None = self.acc if isinstance(self.acc, RowMean) else None
+        self.rows_ok = self.by_rows is not None
         self.weighted = self.default and model.cfg.aggregation == "weighted"  # the n_kc-weighted mean: needs counts
         # Uploads are clipped around the global prototypes, which change only when the phase ends.
         self.clip = {Part.LOCAL: Clip("protos", model.center_rows(model.prototypes))}
@@ -276,8 +279,8 @@ class MeanFold(BatchedFold):
             (ps.classes, ps.shape, ps.counts)
         if self.weighted and classes.size and counts is None:
             raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
-        if self.rows_ok:
-            self.acc.check_rows(classes, shape, counts if self.default else None)
+        if self.by_rows is not None:
+            self.by_rows.check_rows(classes, shape, counts if self.default else None)
         return ps
 
     def fold(self, prepared: Any) -> None:
@@ -293,9 +296,9 @@ class MeanFold(BatchedFold):
         sent: list[ClippedSet] = [p for p in batch if p is not None and p.classes.size]
         classes = [p.classes for p in sent]
         rows = stacked_rows(sent) if sent else np.zeros((0, self.model.plan.proto_width))
-        if self.rows_ok:
+        if self.by_rows is not None:
             counts = np.concatenate([p.counts for p in sent]) if self.weighted and sent else None
-            self.acc.add_many(classes, rows, counts, len(batch))
+            self.by_rows.add_many(classes, rows, counts, len(batch))
         else:  # a table-taking aggregate (a batch of one upload; one with no rows still counts)
             self.acc.add(dict(zip(classes[0].tolist(), rows, strict=True)) if sent else {})
         if self.robust is not None and sent:
