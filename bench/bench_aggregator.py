@@ -101,8 +101,9 @@ def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
         if cfg.prototypes == "unit":
             z /= np.linalg.norm(z, axis=1, keepdims=True)
         table = {c: z[c].astype(np.float32) for c in range(C)}
-        if model.masks is not None:
-            table = compress_table(table, model.masks)
+        masks = model.rules.support_masks()
+        if masks is not None:
+            table = compress_table(table, masks)
             if cfg.prototypes == "unit":
                 table = {c: (v / np.linalg.norm(v)).astype(np.float32) for c, v in table.items()}
         if cfg.scaling:

@@ -37,8 +37,9 @@ def global_prototypes(model: ServerModel) -> tuple[dict[int, np.ndarray], str] |
     if targets is None or len(targets.classes) == 0:
         return None
     table, _ = targets.table()
-    if plan.masked and model.masks is not None:
-        table = support.reconstruct_table(table, model.masks)
+    masks = model.rules.support_masks()
+    if plan.masked and masks is not None:
+        table = support.reconstruct_table(table, masks)
     scaled = "scaled" in plan.target_label.split("+")
     metric = "cosine" if plan.prototypes == "unit" or scaled else "l2"
     return {int(c): np.asarray(v, np.float32) for c, v in table.items()}, metric
@@ -57,10 +58,10 @@ def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, 
     names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
     kind, reason = art.predictor_kind(cfg)
     glob = out / art.GLOBAL
-    protos = global_prototypes(model)
+    protos, masks = global_prototypes(model), model.rules.support_masks()
     if protos is not None:
         art.write_prototypes(glob / art.PROTOTYPES, protos[0], metric=protos[1], class_names=names,
-                             source="global", masks=model.masks)
+                             source="global", masks=masks)
     federated = "model" if cfg.federate == "full" else "adapter" if cfg.federate == "adapter" else None
     vector = model.params if federated == "model" else model.adapter if federated == "adapter" else None
     if vector is not None:
@@ -72,5 +73,5 @@ def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, 
         predictor={"kind": kind if vector is not None else None, "reason": reason},
         federated=federated if vector is not None else None,
         prototypes=None if protos is None else {"metric": protos[1], "classes": sorted(protos[0]),
-                                                 "width": cfg.proto_dim, "masked": model.masks is not None}))
+                                                 "width": cfg.proto_dim, "masked": masks is not None}))
     return out

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from protofl.config import FederationConfig
 
 log = logging.getLogger("protofl.durability")
-FORMAT = 2  # 2: the machine's state derived from its dataclasses, presence and timers journaled
+FORMAT = 3  # 2: the machine's state derived from its dataclasses, presence and timers journaled; 3: each
+# technique's server rule keeps its own state (saved per technique, no longer inside the server model)
+READS = (2, 3)  # a format-2 checkpoint resumes too: its rules' fields are found in its server model
 ROTATE_BYTES = 64 << 20  # a journal segment is closed at the first phase boundary past this size
 EXIT_JOURNAL_FAILED = 75  # EX_TEMPFAIL: restart the server once the disk is writable again
 
@@ -204,7 +206,7 @@ class DurableState:
         self._check_config()
         offset = 0
         if state is not None:
-            if state.get("format") != FORMAT or state.get("fed") != self.fed:
+            if state.get("format") not in READS or state.get("fed") != self.fed:
                 raise CheckpointError(f"checkpoint {self.checkpoint_path} is of federation '{state.get('fed')}' "
                                       f"(format {state.get('format')}), not '{self.fed}' (format {FORMAT}); pass "
                                       f"--fed {state.get('fed')}, or another --state-dir for a new federation")

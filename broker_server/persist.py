@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import numpy as np
@@ -103,8 +104,17 @@ def from_plain(tp: Any, data: Any) -> Any:
     return data
 
 
-def restore_fields(obj: Any, data: dict[str, Any]) -> None:
-    """Set `obj`'s state fields from their `to_plain` form (its other fields stay as they are)."""
+def restore_fields(obj: Any, data: Mapping[str, Any], *, older: Mapping[str, Any] | None = None,
+                   what: str = "") -> None:
+    """Set `obj`'s state fields from their `to_plain` form (its other fields stay as they are). `older`: where a
+    field that `data` lacks was kept in an earlier layout of the checkpoint; a field in neither is a ValueError
+    naming it (`what`: whose state)."""
     hints = typing.get_type_hints(type(obj))
     for f in state_fields(type(obj)):
-        setattr(obj, f.name, from_plain(hints[f.name], data[f.name]))
+        if f.name in data:
+            value = data[f.name]
+        elif older is not None and f.name in older:
+            value = older[f.name]
+        else:
+            raise ValueError(f"{what or type(obj).__name__} has no saved '{f.name}' (a checkpoint of another version)")
+        setattr(obj, f.name, from_plain(hints[f.name], value))

@@ -13,9 +13,9 @@ those); `apply(input)` changes the state and returns what should happen outside:
 "a phase boundary" (the durable service checkpoints there), "a round closed", "metrics came in". Timers
 are inputs like messages, so a journal of inputs replays to the same state whatever the clock says.
 
-What survives a crash is declared once: `MachineState` and the server model's state fields; their
-checkpoint form is derived from the dataclasses (persist.py). Times are not state: after a restart the
-open phase's deadline and every grace period are measured from the resume.
+What survives a crash is declared once: `MachineState`, the server model's state fields and each rule's
+`state` (saved per technique); their checkpoint form is derived from the dataclasses (persist.py). Times
+are not state: after a restart the open phase's deadline and every grace period are measured from the resume.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ class RoundMachine:
 
     def _welcome(self) -> list[Publish]:
         out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
-                                    class_masks=self.model.masks, limits=self.limits), "", round_=0)]
+                                    class_masks=self.model.rules.support_masks(), limits=self.limits), "", round_=0)]
         if self.public is not None:
             out.append(self._publish(self.public, "", round_=0))
         return out
@@ -596,13 +596,11 @@ class RoundMachine:
     def _round_message(self, phase: Phase, deadline: float) -> RoundStart:
         """The round message that opens `phase`: a function of the model, so that a restarted aggregator
         announces the same one (its deadline aside)."""
-        model, plan = self.model, self.plan
+        plan = self.plan
         assert self.run is not None
-        targets = self.run.round_targets()
-        return RoundStart(deadline=deadline,
-                          adapter=model.adapter if plan.adapter_phase is phase else None,
-                          params=model.params if phase is Phase.TRAIN else None,
-                          targets=targets, target_label=plan.target_label if targets is not None else "",
+        f = self.run.round_fields()
+        return RoundStart(deadline=deadline, adapter=f.adapter, params=f.params, targets=f.targets,
+                          target_label=plan.target_label if f.targets is not None else "",
                           participants=None, final=False, dt=plan.adapter_dtype)
 
     def _open_phase(self, phase: Phase) -> list[Effect]:
@@ -648,7 +646,8 @@ class RoundMachine:
         return out + self._open_round(rec.round + 1)
 
     def _finish_messages(self) -> list[Effect]:
-        return [self._publish(RoundStart(deadline=self.clock(), adapter=self.model.adapter, params=self.model.params,
+        f = self.model.rules.round_fields(Phase.DONE)
+        return [self._publish(RoundStart(deadline=self.clock(), adapter=f.adapter, params=f.params,
                                          targets=None, target_label="", participants=None, final=True,
                                          dt=self.plan.adapter_dtype), Phase.DONE.value),
                 self._status("finished", f"{self.state.round} rounds")]
@@ -663,7 +662,7 @@ class RoundMachine:
         open_ = state.phase
         if open_ is not None and open_.received:
             raise RuntimeError("snapshot() is taken at phase boundaries only (this phase has uploads)")
-        rules = {name: rule.persist() for name, rule in zip(self.plan.techniques, self.model.rules, strict=True)}
+        rules = {name: {} if rule.state is None else to_plain(rule.state) for name, rule in self.model.rules.named()}
         return {"cfg": self.cfg.to_dict(), "machine": to_plain(state),
                 "model": to_plain(self.model), "rules": rules}
 
@@ -676,8 +675,12 @@ class RoundMachine:
             changed = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
             raise ValueError(f"the saved federation was run with another config (differs in: {', '.join(changed)})")
         restore_fields(self.model, saved["model"])
-        for name, rule in zip(self.plan.techniques, self.model.rules, strict=True):
-            rule.restore(saved["rules"].get(name, {}))
+        for name, rule in self.model.rules.named():
+            if rule.state is not None:
+                # A checkpoint written before the rules kept their own state (durable.py format 2) has their
+                # fields, under the same names, in the server model's.
+                restore_fields(rule.state, saved["rules"].get(name) or {}, older=saved["model"],
+                               what=f"the state of technique '{name}'")
         self.state = from_plain(MachineState, saved["machine"])
         self.run = None if self.state.phase is None else PhaseRun(self.model, self.state.phase.phase)
 

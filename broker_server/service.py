@@ -363,17 +363,21 @@ def _ignore(topic: str, payload: bytes) -> None:
 
 
 def save_server_model(model: ServerModel, path: str | Path) -> Path:
-    """The federation's agreed state as a plain .npz (no pickle): adapter, params, unit prototypes, and
-    the mean prototypes as `proto_classes` + `prototypes` rows."""
+    """The federation's agreed state as a plain .npz (no pickle): every array of the active rules' states under
+    its field's name (adapter, params, unit prototypes...), the support masks (`masks`), and a table of class
+    rows as `<field>` rows with their classes (the mean prototypes: `proto_classes` + `prototypes`)."""
     arrays: dict[str, np.ndarray] = {}
-    for name in ("adapter", "params", "unit", "masks"):
-        value = getattr(model, name)
-        if value is not None:
+    values = model.rules.state_values()
+    for name in ("adapter", "params"):  # the parameter vector, until it is a rule's
+        values.setdefault(name, getattr(model, name))
+    values["masks"] = model.rules.support_masks()
+    for name, value in values.items():
+        if isinstance(value, np.ndarray):
             arrays[name] = np.asarray(value)
-    if model.prototypes:
-        classes = sorted(model.prototypes)
-        arrays["proto_classes"] = np.asarray(classes, dtype=np.int64)
-        arrays["prototypes"] = np.stack([model.prototypes[c] for c in classes]).astype(np.float32)
+        elif isinstance(value, dict) and value and all(isinstance(v, np.ndarray) for v in value.values()):
+            classes = sorted(value)
+            arrays["proto_classes" if name == "prototypes" else f"{name}_classes"] = np.asarray(classes, np.int64)
+            arrays[name] = np.stack([value[c] for c in classes]).astype(np.float32)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp.npz")

@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.persist import NOT_STATE
+from broker_server.persist import NOT_STATE, state_fields
 from protofl import registry
-from protofl.algorithms import support
 from protofl.algorithms.robust import ClipCount, ClipPolicy, CoordinateRobust, NormLog, class_rows, clip_rows
 from protofl.config import FederationConfig
 from protofl.errors import WireError
@@ -49,6 +48,7 @@ from protofl.technique import (
     ClippedVector,
     Fold,
     Part,
+    RoundFields,
     RuleChain,
 )
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
@@ -62,52 +62,25 @@ log = logging.getLogger("protofl.server")
 
 @dataclass
 class ServerModel:
-    """The federation's agreed state and its clipping state: protofl.technique.ServerState, which the
-    rules see, plus the rules themselves and the per-phase norm logs."""
+    """What the active rules share (protofl.technique.ServerState): the config, the plan, the rules (each
+    keeping its own state), and the clipping state with this phase's norm logs."""
 
     # What is not state (the config it was built from, the rules, this phase's logs) is marked NOT_STATE:
-    # every other field is saved and restored by broker_server/persist.py without being listed again.
+    # every other field is saved and restored by broker_server/persist.py without being listed again. The
+    # rules' own states are saved beside it, per technique (broker_server/rounds.py, `snapshot`).
     cfg: FederationConfig = field(metadata=NOT_STATE)
     plan: RoundPlan = field(metadata=NOT_STATE)
     adapter: np.ndarray | None = None
     params: np.ndarray | None = None
-    prototypes: dict[int, np.ndarray] = field(default_factory=dict)
-    unit: np.ndarray | None = None
-    masks: np.ndarray | None = None
-    targets: ProtoSet | None = None
     policy: ClipPolicy = field(default_factory=ClipPolicy, metadata=NOT_STATE)
     # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
     radii: dict[str, float] = field(default_factory=dict)
     clipped: dict[str, int] = field(default_factory=dict)  # rows clipped so far, per kind
     round_clips: ClipCount = field(default_factory=ClipCount)  # rows checked and clipped in the current round
     explained: bool = False  # the one log line that says what clipping did has been written
-    rules: RuleChain = field(default_factory=RuleChain, metadata=NOT_STATE)  # their state: persist()
+    rules: RuleChain = field(default_factory=RuleChain, metadata=NOT_STATE)  # each with its own `state`
     logs: dict[str, NormLog] = field(default_factory=dict, metadata=NOT_STATE)  # this phase's norms, per kind
 
-    # -- generic values the rules read -----------------------------------------------------------
-    def unit_on_wire(self) -> dict[int, np.ndarray]:
-        """The unit prototypes as they travel: every class, cut to its support mask where there are masks."""
-        assert self.unit is not None
-        table = dict(enumerate(self.unit))
-        return support.compress_table(table, self.masks) if self.masks is not None else table
-
-    def unit_centers(self) -> np.ndarray:
-        """(C, width) float64: the unit prototypes as they travel (each cut to its support, s values in ascending
-        dims, where there are masks), the centres unit uploads are clipped around; a phase takes them once."""
-        assert self.unit is not None
-        if self.masks is None:
-            return self.unit.astype(np.float64)
-        return self.unit[self.masks].reshape(self.unit.shape[0], -1).astype(np.float64)
-
-    def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
-        """(num_classes, proto_width) float64: each class's centre in `table`, zeros where it has none; a
-        phase takes them once (they change only at its end), not once per upload."""
-        out = np.zeros((self.plan.num_classes, self.plan.proto_width))
-        for c, v in table.items():
-            out[c] = v
-        return out
-
-    # -- clipping -------------------------------------------------------------------------------
     def robust_mean(self, dim: int) -> CoordinateRobust | None:
         """A coordinate-wise robust mean of `dim` values replacing a plain mean, or None (plain means)."""
         p = self.policy
@@ -155,10 +128,29 @@ class ServerModel:
 def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None) -> ServerModel:
     """The server model at round 0, with the active techniques' rules attached."""
     model = ServerModel(cfg, plan, policy=policy or ClipPolicy())
-    model.rules = RuleChain([tech.server_rule(model) for tech in registry.active(cfg)])
+    active = registry.active(cfg)
+    model.rules = RuleChain([tech.server_rule(model) for tech in active], [tech.name for tech in active])
     for rule in model.rules:
         rule.init_model()
+    check_rules(model)
     return model
+
+
+def check_rules(model: ServerModel) -> None:
+    """The rules agree with the plan and with each other: every upload the plan asks for in a phase is folded by
+    some rule and no rule folds one it does not ask for (ServerRule.uploads), and no two rules' states have a
+    field of one name (a checkpoint keeps them per technique, a tool reads them by name)."""
+    plan, seen = model.plan, dict[str, str]()
+    for phase in plan.phases:
+        folded, sent = model.rules.uploads(phase), plan.sends(phase)
+        if set(folded) != set(sent):
+            raise ValueError(f"the {phase.value} phase: the plan asks for {[u.value for u in sent]}, the server "
+                             f"rules fold {[u.value for u in folded]} (techniques {', '.join(plan.techniques)})")
+    for name, rule in model.rules.named():
+        for f in state_fields(type(rule.state)) if rule.state is not None else ():
+            if f.name in seen:
+                raise ValueError(f"the states of '{seen[f.name]}' and '{name}' both have '{f.name}'")
+            seen[f.name] = name
 
 
 def _check_protos(ps: ProtoSet | None, plan: RoundPlan, what: str) -> None:
@@ -408,9 +400,9 @@ class PhaseRun:
         for fold in self.folds:
             fold.finish()
 
-    def round_targets(self) -> ProtoSet | None:
-        """The targets of the round message that opens this phase."""
-        return self.model.rules.round_targets(self.phase)
+    def round_fields(self) -> RoundFields:
+        """What the round message that opens this phase carries from the rules."""
+        return self.model.rules.round_fields(self.phase)
 
     # -- sharded aggregators: a shard's partial phase, merged by the coordinator (protofl/mergeable.py) ----
     def partial(self) -> dict[str, Any]:

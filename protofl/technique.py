@@ -4,18 +4,20 @@ A technique is one name with two halves (docs/design.md, "Techniques"):
 
 - this side, `Technique`: the config options it declares, the combination rules it enforces, what it
   adds to the round plan (`shape`) and its server rule (`server_rule`), which joins the phases it takes
-  part in with a `Fold` per phase: check an upload, fold it in, finish the phase into the `ServerState`;
+  part in with a `Fold` per phase: check an upload, fold it in, finish the phase into the rule's `state`;
 - the device side (torch), `edge_agent.techniques.DeviceRule`, registered under the same name.
 
 Both halves register through Python entry points (`protofl.techniques` and `protofl.device_rules`), the
 built-in techniques too, so a third-party technique is installed, not merged. The round machine, the I/O
 shell, the agent and the trainer name no technique; they call the hooks below on the active rules in
-order (on the server through a `RuleChain`, typed). Rules talk to each other only through these hooks and the
-generic `ServerModel` fields.
+order (on the server through a `RuleChain`, typed). Each server rule keeps its own state; rules talk to each
+other only through these hooks (what one offers the others: support masks, unit prototypes, a replacement
+aggregate) and the round plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -159,7 +161,7 @@ class Clip:
     norm log they count in: "protos", "anchors" or "adapter", one radius each, set from the norms it logged.
 
     `centers`: for a prototype set a (num_classes, width) float64 table whose row c is the centre of class c's
-    rows (`ServerState.center_rows`), for a parameter vector the (n,) vector it is clipped around; None: zero.
+    rows (`robust.center_table`), for a parameter vector the (n,) vector it is clipped around; None: zero.
     A fold declares one per part it reads (`Fold.clip`) and the phase clips each upload's part once, before
     any fold's `check`, records its norms, and hands every fold the clipped values; folds never see the
     policy (radius, `--clip off`). A part no fold declares is clipped around zero into `DEFAULT_LOGS`; a
@@ -414,65 +416,104 @@ class VectorMean(Protocol):
         """The new global vector (float32)."""
 
 
-class ServerRule:
-    """A technique's server half for one federation: hooks on the shared `ServerState`.
+@dataclass(frozen=True)
+class RoundFields:
+    """What the round message opening a phase carries from the rules (None: nothing of that field): the targets
+    (`target_label` is the plan's), the federated adapter, the whole model's parameters. A rule declares the
+    fields it fills (`ServerRule.fills`); for each field the first rule in rule order that gives one wins."""
 
-    The hooks one rule offers the others are typed methods; the phase and the other rules ask all the active
-    rules at once through `ServerState.rules` (a `RuleChain`), in rule order."""
+    targets: ProtoSet | None = None
+    adapter: np.ndarray | None = None
+    params: np.ndarray | None = None
+
+
+ROUND_FIELDS = ("targets", "adapter", "params")
+
+
+class ServerRule:
+    """A technique's server half for one federation: its own state, its folds, and hooks.
+
+    - `state`: a dataclass instance holding what this rule keeps from phase to phase (its global prototypes,
+      anchors, parameter vector), or None; its checkpoint form is derived from its fields
+      (broker_server/persist.py: `field(metadata=NOT_STATE)` for what is not state) and saved under the
+      technique's name, so a rule lists nothing to persist.
+    - `uploads()`: the upload kinds its folds take in each phase (what it adds to the round plan; the server
+      checks them against the plan), and `fills`: the round-message fields its `round_fields` fills.
+    - Hooks one rule offers the others are typed methods; the phase and the other rules ask all the active
+      rules at once through `ServerState.rules` (a `RuleChain`), in rule order."""
+
+    state: Any = None
+    fills: frozenset[str] = frozenset()
 
     def __init__(self, model: ServerState) -> None:
         self.model = model
 
     def init_model(self) -> None:
-        """Round-0 state (masks, initial prototypes, the initial adapter)."""
+        """Round-0 state (initial prototypes, the initial adapter); every rule is built (and its offers answer)
+        before any rule's `init_model` runs."""
+
+    def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
+        """The upload kinds this rule's folds take in each phase (none by default)."""
+        return {}
 
     def folds(self, phase: Phase) -> list[Fold]:
         """This rule's folds for a phase that is opening (none by default)."""
         return []
 
-    def round_targets(self, phase: Phase) -> ProtoSet | None:
-        """The targets the round message opening `phase` carries (the first rule with some wins)."""
+    def round_fields(self, phase: Phase) -> RoundFields | None:
+        """What the round message opening `phase` (Phase.DONE: the final one) carries from this rule: only the
+        fields it `fills`."""
+        return None
+
+    # -- what one rule offers the others (the first rule with an answer wins) --------------------------------
+    def support_masks(self) -> np.ndarray | None:
+        """(C, m) bool per-class support masks that prototypes travel on (protofl/algorithms/support.py)."""
+        return None
+
+    def unit_prototypes(self) -> np.ndarray | None:
+        """(C, m) unit prototypes on the sphere at full width (protofl/algorithms/unit.py), as agreed so far."""
         return None
 
     def mean_aggregator(self, width: int) -> PrototypeMean | None:
         """A replacement for the n-weighted mean of local prototypes `width` values wide (None: keep the
-        default; the first rule that offers one wins)."""
+        default)."""
         return None
 
     def vector_aggregator(self, reference: np.ndarray) -> VectorMean | None:
         """A replacement for the sample-weighted mean of parameter vectors around the global `reference` (None:
-        keep the default; the first rule that offers one wins)."""
+        keep the default)."""
         return None
 
+    # -- adjustments (every rule's, in rule order) -------------------------------------------------------------
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """Rework a phase's freshly built target table (e.g. refinement); default unchanged. Every rule's, in
-        rule order."""
+        """Rework a phase's freshly built target table (e.g. refinement); default unchanged."""
         return table
 
     def adjust_consensus(self, unit: np.ndarray) -> np.ndarray:
-        """Rework the consensus of unit prototypes (C, m) before it is refined; default unchanged. Every rule's,
-        in rule order."""
+        """Rework the consensus of unit prototypes (C, m) before it is refined; default unchanged."""
         return unit
-
-    def persist(self) -> dict[str, Any]:
-        """Extra state to checkpoint at a phase boundary (plain values and arrays)."""
-        return {}
-
-    def restore(self, state: dict[str, Any]) -> None:
-        pass
 
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class RuleChain:
-    """A federation's active server rules in rule order, asked as one (`ServerState.rules`): each hook of
-    `ServerRule` with its rule-order semantics. An offer (`round_targets`, `mean_aggregator`,
-    `vector_aggregator`) is the first rule's that makes one, None where none does; an adjustment
-    (`adjust_targets`, `adjust_consensus`) passes the value through every rule in order."""
+    """A federation's active server rules in rule order, under their techniques' names, asked as one
+    (`ServerState.rules`): each hook of `ServerRule` with its rule-order semantics. An offer (`round_fields`
+    field by field, `support_masks`, `unit_prototypes`, `mean_aggregator`, `vector_aggregator`) is the first
+    rule's that makes one, None where none does; an adjustment (`adjust_targets`, `adjust_consensus`) passes
+    the value through every rule in order."""
 
-    def __init__(self, rules: Sequence[ServerRule] = ()) -> None:
+    def __init__(self, rules: Sequence[ServerRule] = (), names: Sequence[str] = ()) -> None:
         self.rules: tuple[ServerRule, ...] = tuple(rules)
+        self.names: tuple[str, ...] = tuple(names) or tuple(type(r).__name__ for r in self.rules)
+        if len(self.names) != len(self.rules):
+            raise ValueError(f"{len(self.rules)} rules, {len(self.names)} names")
+        for name, rule in zip(self.names, self.rules, strict=True):
+            bad = sorted(set(rule.fills) - set(ROUND_FIELDS))
+            if bad:
+                raise ValueError(f"the server rule of '{name}' fills {bad}; a round message has {list(ROUND_FIELDS)}")
 
     def __iter__(self) -> Iterator[ServerRule]:
         return iter(self.rules)
@@ -483,6 +524,25 @@ class RuleChain:
     def __getitem__(self, i: int) -> ServerRule:
         return self.rules[i]
 
+    def named(self) -> Iterator[tuple[str, ServerRule]]:
+        return zip(self.names, self.rules, strict=True)
+
+    def state(self, kind: type[S]) -> S:
+        """The state of the active rule whose state is a `kind` (tools and tests read a technique's state so)."""
+        for rule in self.rules:
+            if isinstance(rule.state, kind):
+                return rule.state
+        raise LookupError(f"no active rule keeps a {kind.__name__}; active: {', '.join(self.names)}")
+
+    def state_values(self) -> dict[str, Any]:
+        """Every active rule's state fields by name (no two rules' states share a name: `check_rules`)."""
+        out: dict[str, Any] = {}
+        for rule in self.rules:
+            if rule.state is not None:
+                out.update((f.name, getattr(rule.state, f.name)) for f in dataclasses.fields(rule.state)
+                           if f.metadata.get("state", True))
+        return out
+
     def _first(self, offer: Callable[[ServerRule], T | None]) -> T | None:
         for rule in self.rules:
             out = offer(rule)
@@ -490,8 +550,36 @@ class RuleChain:
                 return out
         return None
 
+    def uploads(self, phase: Phase) -> tuple[Upload, ...]:
+        """Every upload kind some rule's folds take in `phase`, in `Upload` order."""
+        kinds = {k for rule in self.rules for k in rule.uploads().get(phase, ())}
+        return tuple(k for k in Upload if k in kinds)
+
+    def round_fields(self, phase: Phase) -> RoundFields:
+        out: dict[str, Any] = {}
+        for name, rule in self.named():
+            fields = rule.round_fields(phase)
+            if fields is None:
+                continue
+            for key in ROUND_FIELDS:
+                value = getattr(fields, key)
+                if value is None:
+                    continue
+                if key not in rule.fills:
+                    raise ValueError(f"the server rule of '{name}' filled the round message's '{key}', which it "
+                                     f"does not declare (ServerRule.fills)")
+                out.setdefault(key, value)
+        return RoundFields(**out)
+
     def round_targets(self, phase: Phase) -> ProtoSet | None:
-        return self._first(lambda rule: rule.round_targets(phase))
+        """The targets of the round message opening `phase`."""
+        return self.round_fields(phase).targets
+
+    def support_masks(self) -> np.ndarray | None:
+        return self._first(lambda rule: rule.support_masks())
+
+    def unit_prototypes(self) -> np.ndarray | None:
+        return self._first(lambda rule: rule.unit_prototypes())
 
     def mean_aggregator(self, width: int) -> PrototypeMean | None:
         return self._first(lambda rule: rule.mean_aggregator(width))
@@ -511,31 +599,16 @@ class RuleChain:
 
 
 class ServerState(Protocol):
-    """What the federation has agreed on so far, shared by the active rules (broker_server.stages.ServerModel).
-
-    Generic fields: a parameter vector (`adapter` or the whole model, `params`), mean prototypes in wire
-    space (`prototypes`), unit prototypes on the sphere (`unit`), per-class support masks (`masks`), the
-    targets a first phase built (`targets`). Uploads reach the folds clipped (`Clip`, `ClippedUpload`): the
-    clipping policy is the phase's, not the rules'."""
+    """What the active rules share (broker_server.stages.ServerModel): the config and the round plan, the
+    rules themselves (`rules`: their state and offers: support masks, unit prototypes, replacement aggregates),
+    and the robust-mean setting. What a technique keeps is its rule's own `state`, not this. Uploads reach the
+    folds clipped (`Clip`, `ClippedUpload`): the clipping policy is the phase's, not the rules'."""
 
     cfg: FederationConfig
     plan: RoundPlan
     adapter: np.ndarray | None
     params: np.ndarray | None
-    prototypes: dict[int, np.ndarray]
-    unit: np.ndarray | None
-    masks: np.ndarray | None
-    targets: ProtoSet | None
     rules: RuleChain  # every active rule, in rule order: ask them as one (their hooks)
-
-    def unit_on_wire(self) -> dict[int, np.ndarray]:
-        """The unit prototypes as they travel (cut to their support masks where there are masks)."""
-
-    def unit_centers(self) -> np.ndarray:
-        """(C, width) float64: the unit prototypes as they travel, the centres of unit uploads (once a phase)."""
-
-    def center_rows(self, table: Mapping[int, np.ndarray]) -> np.ndarray:
-        """(num_classes, proto_width) float64: the centres in `table`, zero rows where none (once a phase)."""
 
     def robust_mean(self, dim: int) -> CoordinateRobust | None:
         """A coordinate-wise robust mean of `dim` values that replaces a plain mean (`--robust median|trimmed`),

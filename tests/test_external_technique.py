@@ -87,7 +87,7 @@ def test_the_server_folds_the_median_and_devices_send_no_counts(installed: None,
     assert all(up.local is not None and up.local.counts is None for up in uploads)  # the device half acted
     model = finished[0].model
     tables = [up.local.table()[0] for up in uploads if up.local is not None]
-    for c, got in model.prototypes.items():
+    for c, got in model.rules.state_values()["prototypes"].items():
         rows = [t[c] for t in tables if c in t]
         # round 1's clip radius (1e4) bounds nothing here: the fold is the plain coordinate-wise median
         np.testing.assert_allclose(got, np.median(np.stack(rows).astype(np.float64), axis=0), rtol=1e-6)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from protofl.algorithms.scaling import ScaledAggregator
-from protofl.algorithms.support import as_masks, restrict_to_masks
+from protofl.algorithms.support import as_masks
 from protofl.errors import ConfigError
 from protofl.technique import (
     Option,
@@ -174,12 +174,15 @@ class Cps(Technique):
 
 
 class CpsRule(ServerRule):
-    def init_model(self) -> None:
-        cfg, model = self.model.cfg, self.model
-        if cfg.cps:
-            model.masks = make_masks(cfg.num_classes, cfg.proto_dim, support_size(cfg), seed=cfg.seed)
-            if model.unit is not None:  # spherical CPS: every unit prototype lives on its class's mask
-                model.unit = restrict_to_masks(model.unit, model.masks)
+    """The masks are a function of the config (its seed): made once, offered to every rule, never checkpointed."""
+
+    def __init__(self, model: ServerState) -> None:
+        super().__init__(model)
+        cfg = model.cfg
+        self.masks = make_masks(cfg.num_classes, cfg.proto_dim, support_size(cfg), seed=cfg.seed) if cfg.cps else None
+
+    def support_masks(self) -> np.ndarray | None:
+        return self.masks
 
     def mean_aggregator(self, width: int) -> PrototypeMean | None:
         """Scaling: the server sees n_kc * p_kc only, aggregated by eq. (10)."""

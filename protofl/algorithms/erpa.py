@@ -26,6 +26,7 @@ n-weighted for g, so memory is O(C m) whatever the number of clients.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from protofl.technique import (
     Part,
     Phase,
     PlanDraft,
+    RoundFields,
     ServerRule,
     ServerState,
     Technique,
@@ -53,7 +55,7 @@ from protofl.wire import ProtoSet
 if TYPE_CHECKING:
     from protofl.config import FederationConfig
 
-__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors", "unit_anchors", "check_split", "Erpa"]
+__all__ = ["client_prototypes", "ErpaAggregator", "combine_anchors", "unit_anchors", "check_split", "Erpa", "Anchors"]
 
 
 def client_prototypes(
@@ -245,23 +247,43 @@ class Erpa(Technique):
         return ErpaRule(model)
 
 
+@dataclass
+class Anchors:
+    """ERPA's server state: the anchors the first phase built (Alg. 5, eq. 16), the training round's targets."""
+
+    targets: ProtoSet | None = None
+
+
 class ErpaRule(ServerRule):
+    fills = frozenset({"targets"})
+
     def __init__(self, model: ServerState) -> None:
         super().__init__(model)
+        self.state = Anchors()
         self.public_fold: PublicUnitFold | None = None
+
+    def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
+        plan = self.model.plan
+        if plan.public_phase is None:
+            return {}
+        return {plan.public_phase: (Upload.PROTOS,)}
 
     def folds(self, phase: Phase) -> list[Fold]:
         plan = self.model.plan
         self.public_fold = None
         if phase is Phase.PROTO:
-            return [AnchorFold(self.model)]
+            return [AnchorFold(self.model, self.state)]
         if phase is Phase.TRAIN and plan.public_phase is Phase.TRAIN:
-            self.public_fold = PublicUnitFold(self.model)
+            unit = self.model.rules.unit_prototypes()
+            assert unit is not None, "public-set prototypes on the sphere need unit prototypes"
+            self.public_fold = PublicUnitFold(unit, self.model.rules.support_masks(), plan.public_classes)
             return [self.public_fold]
         return []
 
-    def round_targets(self, phase: Phase) -> ProtoSet | None:
-        return self.model.targets if phase is Phase.TRAIN and self.model.plan.two_phase else None
+    def round_fields(self, phase: Phase) -> RoundFields | None:
+        if phase is Phase.TRAIN and self.model.plan.two_phase and self.state.targets is not None:
+            return RoundFields(targets=self.state.targets)
+        return None
 
     def adjust_consensus(self, unit: np.ndarray) -> np.ndarray:
         if self.public_fold is None:
@@ -278,8 +300,8 @@ class AnchorFold(Fold):
     # Anchors are built from scratch each round: both sets are clipped around zero.
     clip = {Part.LOCAL: Clip("anchors"), Part.PUBLIC: Clip("anchors")}
 
-    def __init__(self, model: ServerState) -> None:
-        self.model = model
+    def __init__(self, model: ServerState, state: Anchors) -> None:
+        self.model, self.state = model, state
         plan = model.plan
         self.public = sorted(plan.public_classes)
         self.erpa = ErpaAggregator(plan.num_classes, plan.proto_width, self.public)
@@ -310,7 +332,7 @@ class AnchorFold(Fold):
         table = combine_anchors(self.erpa.ext_prototypes(), glob, self.public)
         table = self.model.rules.adjust_targets(table)
         plan = self.model.plan
-        self.model.targets = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype) if table else None
+        self.state.targets = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype) if table else None
 
 
 class PublicUnitFold(UnitFold):
@@ -318,9 +340,13 @@ class PublicUnitFold(UnitFold):
 
     part = Part.PUBLIC
 
+    def __init__(self, unit: np.ndarray, masks: np.ndarray | None, public_classes: Iterable[int]) -> None:
+        super().__init__(unit, masks)
+        self.public_classes = tuple(public_classes)
+
     def prototypes(self, up: ClippedUpload) -> ClippedSet | None:
         pub = up.public
         if pub is not None and pub.classes.size:
             local = up.local.classes.tolist() if up.local is not None else []
-            check_split(dict.fromkeys(pub.classes.tolist()), dict.fromkeys(local), self.model.plan.public_classes)
+            check_split(dict.fromkeys(pub.classes.tolist()), dict.fromkeys(local), self.public_classes)
         return pub

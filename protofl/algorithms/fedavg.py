@@ -24,7 +24,18 @@ from protofl.algorithms.robust import CoordinateRobust
 from protofl.errors import WireError
 from protofl.mergeable import Additive
 from protofl.sparse import SparseVector
-from protofl.technique import Clip, ClippedUpload, Fold, Part, Phase, ServerRule, ServerState, Technique, Upload
+from protofl.technique import (
+    Clip,
+    ClippedUpload,
+    Fold,
+    Part,
+    Phase,
+    RoundFields,
+    ServerRule,
+    ServerState,
+    Technique,
+    Upload,
+)
 
 __all__ = ["FedAvgAggregator", "FedAvg"]
 
@@ -106,8 +117,20 @@ class FedAvg(Technique):
 
 
 class FedAvgRule(ServerRule):
+    fills = frozenset({"adapter", "params"})
+
+    def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
+        return {Phase.TRAIN: (Upload.ADAPTER,)}
+
     def folds(self, phase: Phase) -> list[Fold]:
         return [VectorFold(self.model)] if phase is Phase.TRAIN else []
+
+    def round_fields(self, phase: Phase) -> RoundFields | None:
+        """The full adapter in the round message of the plan's adapter phase, the whole model's parameters in
+        the training phase's (once known); both in the final one."""
+        model, final = self.model, phase is Phase.DONE
+        return RoundFields(adapter=model.adapter if final or model.plan.adapter_phase is phase else None,
+                           params=model.params if final or phase is Phase.TRAIN else None)
 
 
 class VectorFold(Fold):

@@ -30,20 +30,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from protofl.algorithms import support
-from protofl.algorithms.unit import UnitFold, initial_prototypes, normalize_rows
+from protofl.algorithms.unit import UnitFold, initial_prototypes, normalize_rows, on_wire
 from protofl.errors import ConfigError
 from protofl.technique import (
     Fold,
     Phase,
     PlanDraft,
+    RoundFields,
     ServerRule,
     ServerState,
     Technique,
+    Upload,
     flag,
     integer,
     number,
@@ -55,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FedPagr",
+    "UnitState",
     "refinement_loss_and_grad",
     "geometric_refine",
     "refine_anchor_table",
@@ -249,26 +253,50 @@ class FedPagr(Technique):
         return FedPagrRule(model)
 
 
+@dataclass
+class UnitState:
+    """FedPAGR's server state: the unit prototypes (C, m) on the sphere (restricted to the support masks where
+    prototypes travel masked), the next round's targets; None where prototypes are not unit."""
+
+    unit: np.ndarray | None = None
+
+
 class FedPagrRule(ServerRule):
+    fills = frozenset({"targets"})
+
+    def __init__(self, model: ServerState) -> None:
+        super().__init__(model)
+        self.state = UnitState()
+
     def init_model(self) -> None:
         cfg = self.model.cfg
         if cfg.prototypes == "unit":
-            self.model.unit = initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
+            unit = initial_prototypes(cfg.num_classes, cfg.proto_dim, cfg.seed)
+            masks = self.model.rules.support_masks()
+            # on masks (spherical CPS) every unit prototype lives on its class's support
+            self.state.unit = support.restrict_to_masks(unit, masks) if masks is not None else unit
+
+    def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
+        return {Phase.TRAIN: (Upload.PROTOS,)} if self.model.plan.prototypes == "unit" else {}
+
+    def unit_prototypes(self) -> np.ndarray | None:
+        return self.state.unit
 
     def folds(self, phase: Phase) -> list[Fold]:
-        if phase is Phase.TRAIN and self.model.cfg.prototypes == "unit":
-            return [ConsensusFold(self.model)]
+        if phase is Phase.TRAIN and self.state.unit is not None:
+            return [ConsensusFold(self.model, self.state)]
         return []
 
-    def round_targets(self, phase: Phase) -> ProtoSet | None:
-        plan = self.model.plan
-        if phase is not Phase.TRAIN or plan.prototypes != "unit":
+    def round_fields(self, phase: Phase) -> RoundFields | None:
+        plan, unit = self.model.plan, self.state.unit
+        if phase is not Phase.TRAIN or unit is None:
             return None
-        return ProtoSet.from_table(self.model.unit_on_wire(), plan.proto_width, plan.proto_dtype)
+        table = on_wire(unit, self.model.rules.support_masks())
+        return RoundFields(targets=ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype))
 
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Refinement of a first phase's anchor table (docs/algorithms.md, the combined pipeline)."""
-        cfg, masks = self.model.cfg, self.model.masks
+        cfg, masks = self.model.cfg, self.model.rules.support_masks()
         if not cfg.refine or not table:
             return table
         dense = support.reconstruct_table(table, masks) if masks is not None else table
@@ -280,6 +308,12 @@ class FedPagrRule(ServerRule):
 class ConsensusFold(UnitFold):
     """The training phase's unit prototypes: eq. (3) as a stream, then refinement at the phase's end."""
 
+    def __init__(self, model: ServerState, state: UnitState) -> None:
+        assert state.unit is not None
+        self.masks = model.rules.support_masks()
+        super().__init__(state.unit, self.masks)
+        self.model, self.state = model, state
+
     def finish(self) -> None:
         cfg, model = self.model.cfg, self.model
         S, K = self.acc.sums()
@@ -288,4 +322,4 @@ class ConsensusFold(UnitFold):
                                  momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
                 if cfg.refine else p_bar)
         # Refinement moves rows off their support masks; project them back (after the T steps).
-        model.unit = support.restrict_to_masks(unit, model.masks) if model.masks is not None else unit
+        self.state.unit = support.restrict_to_masks(unit, self.masks) if self.masks is not None else unit

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from protofl.algorithms.robust import CoordinateRobust, class_rows
+from protofl.algorithms.robust import CoordinateRobust, center_table, class_rows
 from protofl.errors import WireError
 from protofl.mergeable import Additive
 from protofl.technique import (
@@ -38,6 +39,7 @@ from protofl.technique import (
     Part,
     Phase,
     PrototypeMean,
+    RoundFields,
     RowMean,
     ServerRule,
     ServerState,
@@ -47,7 +49,7 @@ from protofl.technique import (
 )
 from protofl.wire import ProtoSet
 
-__all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto"]
+__all__ = ["local_prototypes", "PrototypeAggregator", "nearest_prototype", "FedProto", "MeanPrototypes"]
 
 _WEIGHTINGS = ("weighted", "mean")
 
@@ -231,18 +233,35 @@ class FedProto(Technique):
         return FedProtoRule(model)
 
 
+@dataclass
+class MeanPrototypes:
+    """FedProto's server state: the global prototype of every class somebody sent, in wire space (class -> row),
+    which the next training round carries as its targets."""
+
+    prototypes: dict[int, np.ndarray] = field(default_factory=dict)
+
+
 class FedProtoRule(ServerRule):
+    fills = frozenset({"targets"})
+
+    def __init__(self, model: ServerState) -> None:
+        super().__init__(model)
+        self.state = MeanPrototypes()
+
     def _in_training(self) -> bool:
         return Upload.PROTOS in self.model.plan.sends(Phase.TRAIN)
 
-    def folds(self, phase: Phase) -> list[Fold]:
-        return [MeanFold(self.model)] if phase is Phase.TRAIN and self._in_training() else []
+    def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
+        return {Phase.TRAIN: (Upload.PROTOS,)} if self._in_training() else {}
 
-    def round_targets(self, phase: Phase) -> ProtoSet | None:
-        plan, model = self.model.plan, self.model
-        if phase is not Phase.TRAIN or not self._in_training() or not model.prototypes:
+    def folds(self, phase: Phase) -> list[Fold]:
+        return [MeanFold(self.model, self.state)] if phase is Phase.TRAIN and self._in_training() else []
+
+    def round_fields(self, phase: Phase) -> RoundFields | None:
+        plan, protos = self.model.plan, self.state.prototypes
+        if phase is not Phase.TRAIN or not self._in_training() or not protos:
             return None
-        return ProtoSet.from_table(model.prototypes, plan.proto_width, plan.proto_dtype)
+        return RoundFields(targets=ProtoSet.from_table(protos, plan.proto_width, plan.proto_dtype))
 
 
 class MeanFold(BatchedFold):
@@ -253,9 +272,9 @@ class MeanFold(BatchedFold):
     kinds = (Upload.PROTOS,)
     merged = ("acc", "robust")
 
-    def __init__(self, model: ServerState) -> None:
+    def __init__(self, model: ServerState, state: MeanPrototypes) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.state = model, state
         plan = model.plan
         other = model.rules.mean_aggregator(plan.proto_width)
         self.default = other is None
@@ -270,7 +289,7 @@ class MeanFold(BatchedFold):
         self.rows_ok = self.by_rows is not None
         self.weighted = self.default and model.cfg.aggregation == "weighted"  # the n_kc-weighted mean: needs counts
         # Uploads are clipped around the global prototypes, which change only when the phase ends.
-        self.clip = {Part.LOCAL: Clip("protos", model.center_rows(model.prototypes))}
+        self.clip = {Part.LOCAL: Clip("protos", center_table(state.prototypes, plan.num_classes, plan.proto_width))}
         self._none = np.zeros(0, np.int64)
 
     def check(self, up: ClippedUpload) -> Any:
@@ -328,4 +347,4 @@ class MeanFold(BatchedFold):
             result = {c: acc.result(zero).astype(np.float32) for c, acc in self.robust.items()}
         if result:
             # FedProto keeps a class's old prototype if nobody sent it this round.
-            model.prototypes = {**model.prototypes, **result}
+            self.state.prototypes = {**self.state.prototypes, **result}

@@ -73,6 +73,15 @@ def class_rows(classes: np.ndarray) -> slice | np.ndarray:
     return classes
 
 
+def center_table(table: Mapping[int, np.ndarray], num_classes: int, width: int) -> np.ndarray:
+    """(num_classes, width) float64: row c the centre `table[c]`, zeros for a class without one. A phase builds
+    it once (the centres change only when it ends) and clips every prototype row around its class's row."""
+    out = np.zeros((num_classes, width))
+    for c, v in table.items():
+        out[c] = v
+    return out
+
+
 def clip_rows(rows: np.ndarray, centers: np.ndarray, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`clip_around` for every row of `rows` (k, w) around the same row of `centers` (k, w, float64), in one
     pass: (the clipped rows in float64, their distances ||u - c|| before clipping, their norms ||u|| as sent:

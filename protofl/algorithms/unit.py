@@ -17,10 +17,12 @@ import numpy as np
 
 from protofl.algorithms.fedproto import local_prototypes
 from protofl.algorithms.robust import row_dots
+from protofl.algorithms.support import compress_table
 from protofl.mergeable import Additive
-from protofl.technique import BatchedFold, Clip, ClippedSet, ClippedUpload, Part, ServerState, Upload
+from protofl.technique import BatchedFold, Clip, ClippedSet, ClippedUpload, Part, Upload
 
-__all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "ConsensusAggregator", "UnitFold"]
+__all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "on_wire", "wire_centers",
+           "ConsensusAggregator", "UnitFold"]
 
 
 def normalize_rows(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
@@ -47,6 +49,20 @@ def initial_prototypes(num_classes: int, dim: int, seed: int) -> np.ndarray:
         raise ValueError(f"unit prototypes: need num_classes >= 1 and dim >= 1, got {num_classes}, {dim}")
     rng = np.random.default_rng(seed)
     return normalize_rows(rng.standard_normal((int(num_classes), int(dim)))).astype(np.float32)
+
+
+def on_wire(unit: np.ndarray, masks: np.ndarray | None) -> dict[int, np.ndarray]:
+    """The unit prototypes as they travel: every class, cut to its support mask where there are masks."""
+    table = dict(enumerate(unit))
+    return compress_table(table, masks) if masks is not None else table
+
+
+def wire_centers(unit: np.ndarray, masks: np.ndarray | None) -> np.ndarray:
+    """(C, width) float64: the unit prototypes as they travel (each cut to its support, s values in ascending
+    dims, where there are masks), the centres unit uploads are clipped around; a phase takes them once."""
+    if masks is None:
+        return unit.astype(np.float64)
+    return unit[masks].reshape(unit.shape[0], -1).astype(np.float64)
 
 
 class ConsensusAggregator(Additive):
@@ -151,8 +167,9 @@ class ConsensusAggregator(Additive):
 
 
 class UnitFold(BatchedFold):
-    """Unit prototypes of a training upload folded into eq. (3)'s sums, clipped around the current ones;
-    `part` says which of the upload's sets (`prototypes` reads it, and may check more).
+    """Unit prototypes of a training upload folded into eq. (3)'s sums around `unit` (C, m), the current ones
+    on their `masks`' supports where there are masks; `part` says which of the upload's sets (`prototypes` reads
+    it, and may check more).
 
     Where there are masks the rows travel cut to their supports (s of m values) and stay so: clipped around
     the current prototypes cut the same way, normalised, and added onto their supports in the (C, m) sums.
@@ -163,14 +180,11 @@ class UnitFold(BatchedFold):
     merged = ("acc",)
     part = Part.LOCAL
 
-    def __init__(self, model: ServerState) -> None:
+    def __init__(self, unit: np.ndarray, masks: np.ndarray | None) -> None:
         super().__init__()
-        self.model = model
-        assert model.unit is not None
-        self.acc = ConsensusAggregator(model.unit)
-        self.centers = model.unit_centers()  # the unit prototypes change only when the phase ends
+        self.acc = ConsensusAggregator(unit)
+        self.centers = wire_centers(unit, masks)  # the unit prototypes change only when the phase ends
         self.clip = {self.part: Clip("protos", self.centers)}
-        masks = model.masks
         self.support = None if masks is None else np.nonzero(masks)[1].reshape(masks.shape[0], -1)
 
     def prototypes(self, up: ClippedUpload) -> ClippedSet | None:

@@ -11,6 +11,7 @@ import pytest
 from broker_server import shell
 from broker_server.shell import Aggregator
 from protofl import topics
+from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.transport import InProcessBroker
@@ -59,7 +60,8 @@ def retained_round(broker: InProcessBroker) -> tuple[Envelope, RoundStart]:
 
 def snapshot(agg: Aggregator) -> tuple:
     m = agg.model
-    return (None if m.adapter is None else m.adapter.copy(), {c: v.copy() for c, v in m.prototypes.items()},
+    protos = m.rules.state_values().get("prototypes", {})
+    return (None if m.adapter is None else m.adapter.copy(), {c: v.copy() for c, v in protos.items()},
             agg.round, None if agg.machine.phase is None else agg.machine.phase.phase,
             None if agg.machine.phase is None else {k: set(v) for k, v in agg.machine.phase.received.items()})
 
@@ -104,9 +106,10 @@ def test_fedproto_round_weighted_prototypes_by_hand(fedproto) -> None:
          round_=1, phase="train")
     # g_0 = (1*1 + 3*4)/4 = 3.25 ; g_1 = (0, 2) ; class 2 nobody sent -> absent
     assert agg.round == 2
-    np.testing.assert_allclose(agg.model.prototypes[0], [3.25, 0])
-    np.testing.assert_allclose(agg.model.prototypes[1], [0, 2])
-    assert 2 not in agg.model.prototypes
+    protos = agg.model.rules.state(MeanPrototypes).prototypes
+    np.testing.assert_allclose(protos[0], [3.25, 0])
+    np.testing.assert_allclose(protos[1], [0, 2])
+    assert 2 not in protos
     env, msg = retained_round(broker)
     assert env.round == 2 and msg.targets is not None and list(msg.targets.classes) == [0, 1]
     assert agg.records[0].clients == ["a", "b"] and agg.records[0].closed_by == "quorum"

@@ -52,8 +52,8 @@ def test_clip_off_folds_a_row_that_clipping_would_scale_as_it_was_sent() -> None
     on, off = fedproto(ClipPolicy(first_radius=1.0)), fedproto(ClipPolicy(first_radius=1.0, enabled=False))
     for model in (on, off):
         one_round(model, upload({0: [3.0, 4.0]}))
-    assert np.allclose(on.prototypes[0], [0.6, 0.8]) and on.clipped == {"protos": 1}
-    assert off.prototypes[0].tolist() == [3.0, 4.0]
+    assert np.allclose(on.rules.state_values()["prototypes"][0], [0.6, 0.8]) and on.clipped == {"protos": 1}
+    assert off.rules.state_values()["prototypes"][0].tolist() == [3.0, 4.0]
     assert off.clipped == {} and off.radii == {} and off.round_clips.checked == {} and off.radius("protos") == np.inf
 
 

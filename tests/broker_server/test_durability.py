@@ -211,11 +211,12 @@ def _aggregator(preset: str, state: Path | None, broker: InProcessBroker | None 
 
 def _state(agg: Aggregator) -> dict[str, bytes]:
     m = agg.model
-    out = {f"proto{c}": v.tobytes() for c, v in m.prototypes.items()}
+    values = m.rules.state_values()
+    out = {f"proto{c}": v.tobytes() for c, v in values.get("prototypes", {}).items()}
     if m.adapter is not None:
         out["adapter"] = m.adapter.tobytes()
-    if m.unit is not None:
-        out["unit"] = m.unit.tobytes()
+    if values.get("unit") is not None:
+        out["unit"] = values["unit"].tobytes()
     return out
 
 
@@ -379,7 +380,45 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
             agg.on_message(t, p)
         assert agg.model.adapter is not None and ref.model.adapter is not None
         assert agg.finished and agg.model.adapter.tobytes() == ref.model.adapter.tobytes(), i
-        assert agg.model.targets is not None and ref.model.targets is not None
-        assert agg.model.targets.values.tobytes() == ref.model.targets.values.tobytes(), i
+        got, want = (a.model.rules.state_values()["targets"] for a in (agg, ref))
+        assert got is not None and want is not None
+        assert got.values.tobytes() == want.values.tobytes(), i
         assert d is not None
         d.close()
+
+
+# -- a state dir of the format before the rules kept their own state ---------------------------------
+
+FORMAT2 = Path(__file__).parent / "state_dirs_format2"
+
+
+@pytest.mark.parametrize("preset", ["fedproto", "protofl+adapters", "fedpagr+erpa"])
+def test_a_state_dir_of_format_2_resumes_and_ends_in_the_same_state(preset: str, tmp_path: Path) -> None:
+    # Written by main ff023dc (durable.py format 2: the technique values inside the server model's checkpoint):
+    # round 2 open, one device's round-2 uploads journaled after its checkpoint (state_dirs_format2/README.md).
+    state = tmp_path / "state"
+    shutil.copytree(FORMAT2 / preset.replace("+", "-"), state)
+    assert read_checkpoint(state / "checkpoint.bin")["format"] == 2
+    ref, _ = _aggregator(preset, None)
+    msgs = _messages(preset, ref)
+    for t, p in msgs:
+        ref.on_message(t, p)
+    applied = len(journal_records(state))
+    agg, d = _aggregator(preset, state)
+    assert agg.round == 2 and d is not None
+    for t, p in msgs[applied - 1:]:  # the last one journaled comes again: a duplicate
+        agg.on_message(t, p)
+    assert agg.finished and _state(agg) == _state(ref) and agg.dropped == {"duplicate": 1}
+    assert [r.clipped for r in agg.records] == [r.clipped for r in ref.records]
+    d.close()
+    assert read_checkpoint(state / "checkpoint.bin")["format"] == 3  # written anew at the boundaries since
+
+
+def test_a_checkpoint_without_a_techniques_state_is_refused_with_what_is_missing(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    shutil.copytree(FORMAT2 / "fedproto", state)
+    saved = read_checkpoint(state / "checkpoint.bin")
+    del saved["machine"]["model"]["prototypes"]  # neither the format-2 place nor the per-technique one
+    write_checkpoint(state / "checkpoint.bin", saved)
+    with pytest.raises(CheckpointError, match="the state of technique 'fedproto' has no saved 'prototypes'"):
+        _aggregator("fedproto", state)

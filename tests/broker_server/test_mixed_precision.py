@@ -19,7 +19,7 @@ def test_one_round_takes_f4_and_q8_prototypes_and_adapters() -> None:
     send(broker, "b", ProtoUpload(local=b, public=None, n_samples=3), 1, "train")
     assert agg.dropped == {} and agg.records[0].clients == ["a", "b"] and agg.round == 2
     # q8 steps are (3 - 0) / 255: b's values come back within 0.006 of themselves
-    np.testing.assert_allclose(agg.model.prototypes[0], [2.5, 2.0, 1.5, 1.0], atol=0.01)
+    np.testing.assert_allclose(agg.model.rules.state_values()["prototypes"][0], [2.5, 2.0, 1.5, 1.0], atol=0.01)
 
 
 def test_apud_adapters_in_f4_and_q8() -> None:

@@ -34,14 +34,16 @@ def run(spec: SimulationSpec) -> tuple[dict[str, Any], ServerModel]:
 
 
 def assert_same_model(a: ServerModel, b: ServerModel) -> None:
+    va, vb = a.rules.state_values(), b.rules.state_values()
     for name in ("adapter", "params", "unit"):
-        x, y = getattr(a, name), getattr(b, name)
+        x, y = va.get(name, getattr(a, name, None)), vb.get(name, getattr(b, name, None))
         assert (x is None) == (y is None), name
         if x is not None:
             np.testing.assert_allclose(y, x, rtol=RTOL, atol=ATOL, err_msg=name)
-    assert sorted(a.prototypes) == sorted(b.prototypes)
-    for c in a.prototypes:
-        np.testing.assert_allclose(b.prototypes[c], a.prototypes[c], rtol=RTOL, atol=ATOL, err_msg=f"prototype {c}")
+    pa, pb = va.get("prototypes", {}), vb.get("prototypes", {})
+    assert sorted(pa) == sorted(pb)
+    for c in pa:
+        np.testing.assert_allclose(pb[c], pa[c], rtol=RTOL, atol=ATOL, err_msg=f"prototype {c}")
 
 
 def assert_same_rounds(inproc: dict[str, Any], mqtt: dict[str, Any]) -> None:

@@ -54,7 +54,7 @@ def run(n_honest: int, n_poison: int, policy: ClipPolicy | None,
             ps = ProtoSet(classes=np.arange(C), values=values.astype(np.float32), counts=counts)
             send(cid, ProtoUpload(local=ps, public=None, n_samples=100), r, "train")
         broker.pump()
-        globals_.append({c: v.astype(np.float64) for c, v in agg.model.prototypes.items()})
+        globals_.append({c: v.astype(np.float64) for c, v in agg.model.rules.state_values()["prototypes"].items()})
     return globals_, [{"radius": x} for x in radii], agg
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from broker_server.artifacts import write_server_artifacts
 from broker_server.stages import build_model
+from protofl.algorithms.fedproto import MeanPrototypes
 from protofl import artifacts as art
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
@@ -24,15 +25,17 @@ def server_model(preset: str, **overrides: Any):
 def test_masked_prototypes_are_written_at_full_width_with_their_masks(tmp_path: Path) -> None:
     model = server_model("tinyproto", cps_s=4)
     # TinyProto's global prototypes live on the wire as their s = 4 values on each class's mask
-    model.prototypes = {0: np.array([1, 2, 3, 4], np.float32), 2: np.array([5, 6, 7, 8], np.float32)}
+    protos = model.rules.state(MeanPrototypes).prototypes = {0: np.array([1, 2, 3, 4], np.float32),
+                                                               2: np.array([5, 6, 7, 8], np.float32)}
+    masks = model.rules.support_masks()
     write_server_artifacts(model, tmp_path, fed="f", round_=3, finished=False, class_names=["a", "b", "c"])
     got = art.read_prototypes(tmp_path / "global" / art.PROTOTYPES)
     assert got.classes.tolist() == [0, 2] and got.values.shape == (2, 16) and got.class_names == ("a", "c")
     for row, c in zip(got.values, (0, 2), strict=True):  # expanded onto the class's mask, zero elsewhere
-        assert np.array_equal(row[model.masks[c]], model.prototypes[c]) and not row[~model.masks[c]].any()
+        assert np.array_equal(row[masks[c]], protos[c]) and not row[~masks[c]].any()
     assert got.metric == "cosine"  # scaled sums: only their direction is the federation's
     with np.load(tmp_path / "global" / art.PROTOTYPES, allow_pickle=False) as f:
-        assert np.array_equal(f["masks"].astype(bool), model.masks)
+        assert np.array_equal(f["masks"].astype(bool), masks)
     manifest = art.read_json(tmp_path / art.MANIFEST)
     assert manifest["round"] == 3 and not manifest["finished"] and manifest["fed"] == "f"
     assert manifest["predictor"]["kind"] is None and manifest["federated"] is None

@@ -246,16 +246,17 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
     assert all(r["closed_by"] == "quorum" and r["clients"] == FED["clients"] for r in run["rounds"])
     model = finished[0].model
     public = model.plan.public_classes
-    assert public and len(uploads) == FED["clients"] and model.masks is not None and model.unit is not None
+    masks, unit = model.rules.support_masks(), model.rules.unit_prototypes()
+    assert public and len(uploads) == FED["clients"] and masks is not None and unit is not None
     for up in uploads:
         assert up.public is not None and set(up.public.table()[0]) == set(public)
         assert up.local is not None and not set(up.local.table()[0]) & set(public)  # uncovered classes only
     publics = [up.public for up in uploads if up.public is not None]
     for c in public:
-        rows = [support.reconstruct_table({c: pub.table()[0][c]}, model.masks)[c] for pub in publics]
+        rows = [support.reconstruct_table({c: pub.table()[0][c]}, masks)[c] for pub in publics]
         expected = support.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
-                                         model.masks[[c]])[0]
-        np.testing.assert_allclose(model.unit[c], expected, atol=1e-5)
+                                         masks[[c]])[0]
+        np.testing.assert_allclose(unit[c], expected, atol=1e-5)
 
 
 def test_the_nearest_own_prototype_is_scored_in_every_round_and_the_machine_is_recorded(runs: dict[str, Run]) -> None:

@@ -63,7 +63,7 @@ def test_fedproto_with_the_proximal_term_on_its_private_models() -> None:
         spec = SimulationSpec(preset="fedproto", **FED, overrides=dict(prox_mu=mu, local_epochs=3))
         report = run_simulation(spec, on_finish=finished.append)
         assert ("fedprox" in report["config"]["techniques"]) is (mu > 0)
-        protos.append({c: v.copy() for c, v in finished[0].model.prototypes.items()})
+        protos.append({c: v.copy() for c, v in finished[0].model.rules.state_values()["prototypes"].items()})
     assert protos[0].keys() == protos[1].keys()
     assert any(not np.array_equal(protos[0][c], protos[1][c]) for c in protos[0])
 

@@ -6,7 +6,7 @@ keeps what its fold was handed; it declares no `Clip`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ import pytest
 from broker_server.stages import PhaseRun, ServerModel, build_model
 from protofl import registry
 from protofl.adapter import adapter_layout, initial_adapter
+from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.algorithms.robust import ClipPolicy
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
@@ -58,6 +59,9 @@ class Toy(Technique):
         kept = self.kept
 
         class Rule(ServerRule):
+            def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
+                return {Phase.TRAIN: self.model.plan.sends(Phase.TRAIN)}  # whatever the others take, it reads too
+
             def folds(self, phase: Phase) -> list[Fold]:
                 return [KeepFold(kept)] if phase is Phase.TRAIN else []
 
@@ -103,7 +107,8 @@ def test_a_fold_alone_that_declares_nothing_gets_rows_clipped_around_zero(toy: l
 
 def test_beside_fedproto_a_fold_gets_the_rows_fedproto_folds_and_norms_count_once(toy: list[Any]) -> None:
     m = model_for("fedproto")
-    m.prototypes = {0: np.array([1.0, 1.0], np.float32)}
+    state = m.rules.state(MeanPrototypes)
+    state.prototypes = {0: np.array([1.0, 1.0], np.float32)}
     m.radii["protos"] = 1.0
     run = PhaseRun(m, Phase.TRAIN)
     run.add(Upload.PROTOS, protos({0: [1.0, 5.0], 1: [0.5, 0.0]}, {0: 2, 1: 2}))
@@ -111,7 +116,7 @@ def test_beside_fedproto_a_fold_gets_the_rows_fedproto_folds_and_norms_count_onc
     # class 0 around (1, 1): (1, 5) is 4 away -> (1, 2); class 1 around zero (no prototype yet): 0.5 away, as sent
     (_, classes, rows), = toy
     assert classes == [0, 1] and rows.tolist() == [[1.0, 2.0], [0.5, 0.0]]
-    assert m.prototypes[0].tolist() == [1.0, 2.0] and m.prototypes[1].tolist() == [0.5, 0.0]  # FedProto's the same
+    assert state.prototypes[0].tolist() == [1.0, 2.0] and state.prototypes[1].tolist() == [0.5, 0.0]  # FedProto's too
     assert m.round_clips.checked == {"protos": 2} and m.round_clips.clipped == {"protos": 1}  # not 4 and 2
 
 

@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from broker_server.stages import PhaseRun, ServerModel, build_model
+from protofl.algorithms.erpa import Anchors
+from protofl.algorithms.fedpagr import UnitState
+from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.errors import WireError
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
@@ -34,8 +37,9 @@ def test_erpa_anchors_ext_mean_for_public_weighted_mean_for_the_rest() -> None:
     phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}),
                                          n_samples=6))
     phase.finish()
-    assert m.targets is not None
-    a, _ = m.targets.table()
+    targets = m.rules.state(Anchors).targets
+    assert targets is not None
+    a, _ = targets.table()
     # a_0 = (1 + 3) / 2 = 2 (uniform); a_1 = (1*2 + 2*5) / 3 = 4 (n-weighted); a_2 = 1 (one sender)
     assert {c: v.tolist() for c, v in a.items()} == {0: [2.0, 0.0], 1: [4.0, 4.0], 2: [1.0, 1.0]}
 
@@ -47,20 +51,22 @@ def test_erpa_with_scaling_averages_the_scaled_vectors_over_senders() -> None:
     phase.add(Upload.PROTOS, ProtoUpload(public=None, local=ps({1: [4, 2]}), n_samples=1))
     # G_1 = (2 + 4) / 2, (0 + 2) / 2 = (3, 1) (TinyProto eq. 10: 1/|N_c|); a_0 = the one ext prototype
     phase.finish()
-    assert m.targets is not None
-    assert {c: v.tolist() for c, v in m.targets.table()[0].items()} == {0: [1.0, 1.0], 1: [3.0, 1.0]}
+    targets = m.rules.state(Anchors).targets
+    assert targets is not None
+    assert {c: v.tolist() for c, v in targets.table()[0].items()} == {0: [1.0, 1.0], 1: [3.0, 1.0]}
 
 
 def test_fedproto_round_keeps_unsent_classes_and_becomes_next_targets() -> None:
     m = model_for("fedproto")
-    m.prototypes = {2: np.array([9, 9], np.float32)}
+    m.rules.state(MeanPrototypes).prototypes = {2: np.array([9, 9], np.float32)}
     phase = PhaseRun(m, Phase.TRAIN)
     phase.add(Upload.PROTOS, ProtoUpload(local=ps({0: [1, 0]}, {0: 1}), public=None, n_samples=1))
     phase.add(Upload.PROTOS, ProtoUpload(local=ps({0: [4, 3]}, {0: 2}), public=None, n_samples=2))
     phase.finish()
     # g_0 = (1*(1,0) + 2*(4,3)) / 3 = (3, 2); class 2 nobody sent keeps (9, 9)
-    assert {c: v.tolist() for c, v in m.prototypes.items()} == {0: [3.0, 2.0], 2: [9.0, 9.0]}
-    targets = PhaseRun(m, Phase.TRAIN).round_targets()
+    protos = m.rules.state(MeanPrototypes).prototypes
+    assert {c: v.tolist() for c, v in protos.items()} == {0: [3.0, 2.0], 2: [9.0, 9.0]}
+    targets = PhaseRun(m, Phase.TRAIN).round_fields().targets
     assert targets is not None and targets.classes.tolist() == [0, 2]
 
 
@@ -95,7 +101,7 @@ def _spherical_erpa(public_classes: tuple[int, ...] = (0,)) -> ServerModel:
     """Candidate (d) without CPS masks (proto_dim 2 is too small for them): unit prototypes, consensus,
     ERPA anchors for the public classes."""
     m = model_for("fedpagr", refine=False, erpa=True, public_classes=public_classes)
-    m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
+    m.rules.state(UnitState).unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
     return m
 
 
@@ -109,9 +115,10 @@ def test_erpa_on_unit_prototypes_anchors_public_classes_on_the_public_set() -> N
     # class 0: normalised uniform mean of the public prototypes (0,1), (1,0); class 1: FedPAGR's consensus
     # of the local unit prototypes (1,0), (0,1) (the (0,2) upload is normalised first); class 2 nobody
     # sent keeps its row
-    assert m.unit is not None
-    np.testing.assert_allclose(m.unit, [[r, r], [r, r], [0.6, 0.8]], rtol=1e-6)
-    assert m.unit.dtype == np.float32
+    unit = m.rules.state(UnitState).unit
+    assert unit is not None
+    np.testing.assert_allclose(unit, [[r, r], [r, r], [0.6, 0.8]], rtol=1e-6)
+    assert unit.dtype == np.float32
 
 
 @pytest.mark.parametrize("up, match", [
@@ -125,12 +132,12 @@ def test_erpa_on_unit_prototypes_rejects_a_bad_upload_whole(up: ProtoUpload, mat
     with pytest.raises((WireError, ValueError), match=match):
         phase.add(Upload.PROTOS, up)
     phase.finish()  # nothing was folded: every row keeps its value
-    np.testing.assert_array_equal(m.unit, np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32))
+    np.testing.assert_array_equal(m.rules.state(UnitState).unit, np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32))
 
 
 def test_public_prototypes_in_the_training_phase_are_refused_elsewhere() -> None:
     m = model_for("fedpagr", refine=False)
-    m.unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
+    m.rules.state(UnitState).unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
     with pytest.raises(WireError, match="public-set prototypes in the training phase"):
         PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS,
                                      ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))

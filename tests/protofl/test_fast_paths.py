@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.algorithms.fedproto import MeanPrototypes, PrototypeAggregator
 from protofl.algorithms.robust import NormLog, clip_around, clip_rows, row_dots
 from protofl.algorithms.support import reconstruct_table
 from protofl.algorithms.unit import ConsensusAggregator
@@ -243,8 +243,11 @@ def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, rob
     model = build_model(cfg, plan, ClipPolicy(robust=robust))
     rng = np.random.default_rng(9)
     w = plan.proto_width
-    model.prototypes = {c: rng.standard_normal(w).astype(np.float32) for c in range(0, 6, 2)}
-    model.radii["protos"] = 2.5 * np.sqrt(w) if model.unit is None else 1.2  # unit rows: centres of norm <= 1
+    values = model.rules.state_values()
+    if "prototypes" in values:
+        model.rules.state(MeanPrototypes).prototypes = {c: rng.standard_normal(w).astype(np.float32)
+                                                        for c in range(0, 6, 2)}
+    model.radii["protos"] = 2.5 * np.sqrt(w) if values.get("unit") is None else 1.2  # unit rows: centres of norm <= 1
     run = PhaseRun(model, Phase.TRAIN)
     assert len(run.folds) == 1 and isinstance(run.folds[0], BatchedFold)
     for i in range(150):
@@ -280,13 +283,15 @@ def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overr
     assert _same_tree(one_sums, many_sums)  # 150 uploads: two full batches of 64 and a part
     assert one.round_clips.clipped.get("protos", 0) > 0  # the radius clipped some rows: clipping was at work
     assert one.round_clips == many.round_clips and one.radii == many.radii
-    assert np.array_equal(one.unit, many.unit) if one.unit is not None else \
-        one.prototypes.keys() == many.prototypes.keys() == set(range(6))
-    assert all(np.array_equal(one.prototypes[c], many.prototypes[c]) for c in one.prototypes)
+    one_, many_ = one.rules.state_values(), many.rules.state_values()
+    assert np.array_equal(one_["unit"], many_["unit"]) if one_.get("unit") is not None else \
+        one_["prototypes"].keys() == many_["prototypes"].keys() == set(range(6))
+    assert all(np.array_equal(v, many_["prototypes"][c]) for c, v in one_.get("prototypes", {}).items())
 
 
 def test_a_batched_robust_mean_fold_folds_as_upload_by_upload(monkeypatch: pytest.MonkeyPatch) -> None:
     (one, one_sums), (many, many_sums) = (_batched_round("fedproto", b, monkeypatch, robust="median")
                                           for b in (1, 64))
     assert _same_tree(one_sums, many_sums)
-    assert all(np.array_equal(one.prototypes[c], many.prototypes[c]) for c in one.prototypes)
+    one_, many_ = one.rules.state(MeanPrototypes).prototypes, many.rules.state(MeanPrototypes).prototypes
+    assert all(np.array_equal(one_[c], many_[c]) for c in one_)
