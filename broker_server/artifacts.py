@@ -62,8 +62,9 @@ def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, 
     if protos is not None:
         art.write_prototypes(glob / art.PROTOTYPES, protos[0], metric=protos[1], class_names=names,
                              source="global", masks=masks)
-    federated = "model" if cfg.federate == "full" else "adapter" if cfg.federate == "adapter" else None
-    vector = model.params if federated == "model" else model.adapter if federated == "adapter" else None
+    final = model.rules.round_fields(Phase.DONE)  # the federated vector, as the final round message carries it
+    federated, vector = (("model", final.params) if final.params is not None else
+                         ("adapter", final.adapter) if final.adapter is not None else (None, None))
     if vector is not None:
         art.write_vector(glob / art.FEDERATED, vector, federated or "")
     art.write_json(out / art.MANIFEST, art.stamp(

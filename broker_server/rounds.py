@@ -29,7 +29,6 @@ import numpy as np
 
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
 from broker_server.stages import PhaseRun, build_model
-from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
@@ -277,15 +276,9 @@ class RoundMachine:
         # Membership by a set: `in` on the sorted list was a scan per upload (a fifth of the fold's time at
         # 4,000 devices, quadratic in the fleet).
         self._expected_set = frozenset(self.expected_clients or ())
-        self.model = build_model(cfg, self.plan, policy)  # uploads are clipped by default
-        self.layout = (adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes)
-                       if cfg.federate == "adapter" else [])
-        if self.layout:
-            self.model.adapter = initial_adapter(self.layout, seed=cfg.seed)
-        if cfg.federate == "full" and initial_params is not None:
-            # Without an initial vector the devices start from the config seed's model (identical
-            # everywhere); the simulator passes the vector so that round 1's downlink is counted.
-            self.model.params = np.asarray(initial_params, np.float32)
+        # Uploads are clipped by default. `initial_params`: the whole model's, where the server knows it.
+        self.model = build_model(cfg, self.plan, policy, initial_params)
+        self.layout = self.model.rules.adapter_layout() or []  # the federated adapter's, announced in the config
         self.state = MachineState()
         # What a new device receives once (config + public set): a function of the config, never state.
         self.welcome_bytes = sum(len(p.payload) for p in self._welcome())
@@ -524,9 +517,10 @@ class RoundMachine:
         return open_, kind
 
     def check_base(self, msg: ProtoUpload | ParamsUpload) -> None:
-        """An adapter upload trained from another round's adapter is stale (Drop)."""
-        if isinstance(msg, ParamsUpload) and self.plan.federate == "adapter" and msg.base_round != self.state.round:
-            raise Drop("stale", f"adapter trained from round {msg.base_round}'s adapter, now {self.state.round}")
+        """An upload a rule finds stale (e.g. trained from another round's adapter) is dropped as such."""
+        why = self.model.rules.stale(msg, self.state.round)
+        if why is not None:
+            raise Drop("stale", why)
 
     def check_upload_head(self, env: Head | UploadHead) -> tuple[OpenPhase, Upload]:
         """The checks of an upload that its envelope decides (or a shard's report of one it folded)."""

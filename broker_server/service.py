@@ -368,8 +368,6 @@ def save_server_model(model: ServerModel, path: str | Path) -> Path:
     rows as `<field>` rows with their classes (the mean prototypes: `proto_classes` + `prototypes`)."""
     arrays: dict[str, np.ndarray] = {}
     values = model.rules.state_values()
-    for name in ("adapter", "params"):  # the parameter vector, until it is a rule's
-        values.setdefault(name, getattr(model, name))
     values["masks"] = model.rules.support_masks()
     for name, value in values.items():
         if isinstance(value, np.ndarray):

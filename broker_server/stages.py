@@ -1,8 +1,8 @@
 """A federation's server model and its open phase, composed from the active techniques' rules (numpy only).
 
 `build_model` makes the `ServerModel` (the rules see it as protofl.technique.ServerState) and the rule
-of every active technique, in
-rule order, and lets each set up its round-0 state. `PhaseRun` is one open phase: the folds the rules
+of every active technique, in rule order (each keeping its own state), checks that they fold what the plan
+asks for, and lets each set up its round-0 state. `PhaseRun` is one open phase: the folds the rules
 contribute for it. An upload is checked once against the round plan here (class ids, widths, lengths,
 whether this phase takes it), then by every fold that reads its kind, and only then folded into any of
 them: an upload that raises leaves everything as it was (the I/O shell counts it as a drop). Folds stream:
@@ -70,8 +70,8 @@ class ServerModel:
     # rules' own states are saved beside it, per technique (broker_server/rounds.py, `snapshot`).
     cfg: FederationConfig = field(metadata=NOT_STATE)
     plan: RoundPlan = field(metadata=NOT_STATE)
-    adapter: np.ndarray | None = None
-    params: np.ndarray | None = None
+    # The whole model's parameters the devices start from, where the server knows them (the simulator passes them).
+    initial_params: np.ndarray | None = field(default=None, metadata=NOT_STATE)
     policy: ClipPolicy = field(default_factory=ClipPolicy, metadata=NOT_STATE)
     # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
     radii: dict[str, float] = field(default_factory=dict)
@@ -125,9 +125,10 @@ class ServerModel:
                     _ROWS.get(kind, "rows"), kind, self.radius(kind), self.policy.rule())
 
 
-def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None) -> ServerModel:
+def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None,
+                initial_params: np.ndarray | None = None) -> ServerModel:
     """The server model at round 0, with the active techniques' rules attached."""
-    model = ServerModel(cfg, plan, policy=policy or ClipPolicy())
+    model = ServerModel(cfg, plan, initial_params=initial_params, policy=policy or ClipPolicy())
     active = registry.active(cfg)
     model.rules = RuleChain([tech.server_rule(model) for tech in active], [tech.name for tech in active])
     for rule in model.rules:
@@ -168,19 +169,13 @@ def _check_protos(ps: ProtoSet | None, plan: RoundPlan, what: str) -> None:
 def check_upload(plan: RoundPlan, phase: Phase, up: ProtoUpload | ParamsUpload) -> None:
     """The plan's checks of one upload: the one place they are written (the wire decoder already checked
     types, finiteness and sizes)."""
-    if isinstance(up, ProtoUpload):
-        _check_protos(up.local, plan, "prototype")
-        _check_protos(up.public, plan, "public prototype")
-        if up.public is not None and up.public.classes.size and plan.public_phase is not phase:
-            raise WireError(f"public-set prototypes in the {_NAMES[phase]} phase; this federation sends them "
-                            + (f"in the {_NAMES[plan.public_phase]} phase" if plan.public_phase else "not at all"))
-        return
-    if plan.federate == "none":
-        raise WireError("this federation does not exchange adapters")
-    if up.n_samples <= 0:
-        raise WireError("adapter upload with n_samples = 0")
-    if isinstance(up.update, SparseVector) and plan.federate == "full":
-        raise WireError("FedAvg needs the full parameter vector, got a sparse update")
+    if not isinstance(up, ProtoUpload):
+        return  # a parameter upload: the decoder checked its vector; its length and weight are the folds' to check
+    _check_protos(up.local, plan, "prototype")
+    _check_protos(up.public, plan, "public prototype")
+    if up.public is not None and up.public.classes.size and plan.public_phase is not phase:
+        raise WireError(f"public-set prototypes in the {_NAMES[phase]} phase; this federation sends them "
+                        + (f"in the {_NAMES[plan.public_phase]} phase" if plan.public_phase else "not at all"))
 
 
 # -- clipping: once per part of an upload, before any fold sees it ------------------------------------------
@@ -188,7 +183,8 @@ class _SetClips:
     """One prototype part (local or public-set) of the uploads a phase takes: every set clipped around one table
     of centres and its norms recorded in one log. Accepted sets wait for a batch (clipped in one pass: per-row
     kernels, so each row as it would be on its own), until a fold reads one, the batch is full, or the phase
-    flushes; a set a fold reads in `check` (before it is accepted) is clipped alone, and recorded on acceptance."""
+    flushes; a set a fold reads in `check` (before it is accepted) is clipped alone. Norms are recorded once a
+    set is accepted, a batch of sets at a time."""
 
     def __init__(self, model: ServerModel, clip: Clip | None) -> None:
         self.model = model
@@ -204,55 +200,54 @@ class _SetClips:
                 raise ValueError(f"prototype centres of shape {centers.shape}; this federation's are {shape}")
             self.centers = centers
         self.empty = np.zeros((0, plan.proto_width))
-        self.pending: list[ClippedSet] = []
+        self.pending: list[ClippedSet] = []  # accepted, not clipped yet
         self.elements = 0
-
-    def view(self, ps: ProtoSet | None) -> ClippedSet | None:
-        if ps is None:
-            return None
-        out = ClippedSet(ps.classes, ps.counts, ps.values, self)
-        if not ps.classes.size:
-            out._rows, out._sent = self.empty, None
-        return out
+        self.batch, self.batch_elements = BatchedFold.BATCH, BatchedFold.BATCH_ELEMENTS  # (a batched fold's bounds)
+        self.seen: list[tuple[np.ndarray, np.ndarray]] = []  # accepted sets clipped alone: norms not recorded yet
 
     def clip_set(self, s: ClippedSet) -> None:
         """`s.rows` was read before it was clipped: with its batch where it is accepted, else on its own."""
-        if s._sent is None:
-            return
-        if any(p is s for p in self.pending):
+        if s._sent is None:  # nothing to clip: no rows
+            s._rows = self.empty
+        elif any(p is s for p in self.pending):
             self.run()
-            return
-        rows, seen = self._clip(s._sent, s.classes)
-        s._rows, s._seen = rows, seen
+        else:
+            s._rows, s._seen = self._clip(s._sent, s.classes)
 
-    def accept(self, s: ClippedSet | None) -> None:
+    def accept(self, s: ClippedSet) -> None:
         """`s` passed every check: its norms are recorded (now, or with its batch)."""
-        if s is None or s._sent is None:
-            return
-        if s._rows is not None:  # clipped alone in a check: what was accepted before it goes first
-            self.run()
-            self._record(s._seen)
+        k = s.shape[0]
+        if not k:
+            s._sent, s._rows = None, self.empty
+        elif s._rows is not None:  # clipped alone in a check: its norms are recorded with the next ones
+            if s._seen is not None:
+                self.seen.append(s._seen)
+                if len(self.seen) >= self.batch:
+                    self._record_seen()
             s._sent = s._seen = None
-            return
-        self.pending.append(s)
-        self.elements += s.shape[0] * s.shape[1]
-        if len(self.pending) >= BatchedFold.BATCH or self.elements >= BatchedFold.BATCH_ELEMENTS:
-            self.run()
+        else:
+            self.pending.append(s)
+            self.elements += k * s.shape[1]
+            if len(self.pending) >= self.batch or self.elements >= self.batch_elements:
+                self.run()
 
     def run(self) -> None:
-        """Clip every pending set in one pass and record their norms, in the order they were accepted."""
+        """Clip every pending set in one pass and record their norms (and those of the sets clipped alone)."""
+        if self.seen:
+            self._record_seen()
         if not self.pending:
             return
         batch, self.pending, self.elements = self.pending, [], 0
-        values = batch[0]._sent if len(batch) == 1 else np.concatenate([s._sent for s in batch])
-        classes = batch[0].classes if len(batch) == 1 else np.concatenate([s.classes for s in batch])
+        if len(batch) == 1:
+            values, classes = batch[0]._sent, batch[0].classes
+        else:
+            values, classes = np.concatenate([s._sent for s in batch]), np.concatenate([s.classes for s in batch])
         assert values is not None
         rows, seen = self._clip(values, classes)
         at = 0
         for s in batch:
-            k = s.shape[0]
-            s._rows, s._batch, s._start, s._sent = rows[at:at + k], rows, at, None
-            at += k
+            s._batch, s._start, s._sent = rows, at, None
+            at += s.shape[0]
         self._record(seen)
 
     def _clip(self, values: np.ndarray, classes: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
@@ -260,6 +255,11 @@ class _SetClips:
             return values.astype(np.float64), None
         rows, dists, norms = clip_rows(values, self.centers[class_rows(classes)], self.model.radius(self.kind))
         return rows, (norms, dists)
+
+    def _record_seen(self) -> None:
+        seen, self.seen = self.seen, []
+        self._record(seen[0] if len(seen) == 1 else (np.concatenate([n for n, _ in seen]),
+                                                     np.concatenate([d for _, d in seen])))
 
     def _record(self, seen: tuple[np.ndarray, np.ndarray] | None) -> None:
         if seen is not None and seen[0].shape[0]:
@@ -276,9 +276,6 @@ class _VectorClips:
         self.kind = clip.log if clip is not None else ""
         self.reference = clip.centers if self.on and clip is not None else None
         self._ref64: np.ndarray | None = None  # the reference in float64, once a phase (90 MB for a resnet18)
-
-    def view(self, update: SparseVector | np.ndarray) -> ClippedVector:
-        return ClippedVector(update, self)
 
     def clip_vector(self, v: ClippedVector) -> None:
         sent = v._sent
@@ -302,11 +299,9 @@ class _VectorClips:
         v._vector = SparseVector(sent.n, sent.indices, vals) if sparse else vals  # type: ignore[union-attr]
         v._seen = (u64, dist)
 
-    def accept(self, v: ClippedVector | None) -> None:
+    def accept(self, v: ClippedVector) -> None:
         """`v` passed every check: clipped if no fold read it yet (a length other than the reference's refuses
         the upload here, before anything is folded), and its norm recorded."""
-        if v is None:
-            return
         if v._vector is None:
             self.clip_vector(v)
         if v._seen is not None:
@@ -333,29 +328,34 @@ class _UploadClips:
             if spec is not None and spec.log not in _ROWS:
                 raise ValueError(f"norm log '{spec.log}' is not one of {sorted(_ROWS)}")
             specs[part] = spec
-        self.local = _SetClips(model, specs[Part.LOCAL]) if kind is Upload.PROTOS else None
-        self.public = _SetClips(model, specs[Part.PUBLIC]) if kind is Upload.PROTOS else None
-        self.update = _VectorClips(model, specs[Part.UPDATE]) if kind is Upload.ADAPTER else None
+        self.sets = kind is Upload.PROTOS
+        self.local = _SetClips(model, specs.get(Part.LOCAL))
+        self.public = _SetClips(model, specs.get(Part.PUBLIC))
+        self.update = _VectorClips(model, specs.get(Part.UPDATE))
 
     def view(self, up: Any) -> ClippedUpload:
-        if self.local is not None and self.public is not None:
-            return ClippedUpload(self.kind, up.n_samples, local=self.local.view(up.local),
-                                 public=self.public.view(up.public))
-        assert self.update is not None
-        return ClippedUpload(self.kind, up.n_samples, update=self.update.view(up.update), base_round=up.base_round)
+        if self.sets:
+            local, public = up.local, up.public
+            return ClippedUpload(self.kind, up.n_samples,
+                                 None if local is None else ClippedSet(local.classes, local.counts, local.values,
+                                                                       self.local),
+                                 None if public is None else ClippedSet(public.classes, public.counts, public.values,
+                                                                        self.public))
+        return ClippedUpload(self.kind, up.n_samples, None, None, ClippedVector(up.update, self.update), up.base_round)
 
     def accept(self, view: ClippedUpload) -> None:
         # A prototype upload's sets never refuse here; a parameter upload has its one vector, which may.
-        if self.local is not None and self.public is not None:
-            self.local.accept(view.local)
-            self.public.accept(view.public)
-        elif self.update is not None:
-            self.update.accept(view.update)
+        local, public, update = view.local, view.public, view.update
+        if local is not None:
+            self.local.accept(local)
+        if public is not None:
+            self.public.accept(public)
+        if update is not None:
+            self.update.accept(update)
 
     def flush(self) -> None:
-        for sets in (self.local, self.public):
-            if sets is not None:
-                sets.run()
+        self.local.run()
+        self.public.run()
 
 
 class PhaseRun:
@@ -380,6 +380,12 @@ class PhaseRun:
             raise WireError(f"this federation does not exchange {kind.value} uploads in the {self.phase.value} phase")
         clips = self.clips[kind]
         view = clips.view(up)
+        if len(takers) == 1:  # (most phases: one fold per kind)
+            fold = takers[0]
+            p = fold.check(view)
+            clips.accept(view)
+            fold.fold(p)
+            return
         prepared = [(f, f.check(view)) for f in takers]
         clips.accept(view)
         for fold, p in prepared:

@@ -31,6 +31,7 @@ from protofl.sparse import SparseVector
 from protofl.wire import ProtoSet
 
 if TYPE_CHECKING:
+    from protofl.adapter import Layout
     from protofl.algorithms.robust import CoordinateRobust
     from protofl.config import FederationConfig
     from protofl.plan import RoundPlan
@@ -195,23 +196,28 @@ class ClippedSet:
     batch is full, or the phase ends); a fold's `check` that reads `rows` has that upload's set clipped alone."""
 
     __slots__ = ("classes", "counts", "shape", "_sent", "_rows", "_batch", "_start", "_clipper", "_seen")
+    _sent: np.ndarray | None  # the values as sent, until they are clipped
 
     def __init__(self, classes: np.ndarray, counts: np.ndarray | None, sent: np.ndarray,
                  clipper: _SetClipper) -> None:
-        self.classes, self.counts, self.shape = classes, counts, sent.shape
-        self._sent: np.ndarray | None = sent
+        self.classes, self.counts, self.shape, self._sent, self._clipper = classes, counts, sent.shape, sent, clipper
+        # Clipped: `_rows` (alone), or rows `_start`... of `_batch` (the rows of the batch it was clipped in).
         self._rows: np.ndarray | None = None
-        self._batch: np.ndarray | None = None  # the rows of the batch this set was clipped in, from `_start`
+        self._batch: np.ndarray | None = None
         self._start = 0
-        self._clipper = clipper
         self._seen: Any = None  # clipped alone before it was accepted: what the phase records when it is
 
     @property
     def rows(self) -> np.ndarray:
-        if self._rows is None:
-            self._clipper.clip_set(self)
-        assert self._rows is not None
-        return self._rows
+        rows = self._rows
+        if rows is None:
+            if self._batch is None:
+                self._clipper.clip_set(self)
+                if self._rows is not None:
+                    return self._rows
+            assert self._batch is not None
+            rows = self._rows = self._batch[self._start:self._start + self.shape[0]]
+        return rows
 
     def table(self) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
         """({class: clipped row}, {class: count} or None)."""
@@ -223,15 +229,18 @@ class ClippedSet:
 def stacked_rows(sets: Sequence[ClippedSet]) -> np.ndarray:
     """The clipped rows of `sets` one after the other (k1 + k2 + ..., width): the rows of the batch they were
     clipped in, without a copy, where they lie in it in this order (a batched fold's batch), else a copy."""
-    rows = [s.rows for s in sets]  # (clips whatever is still pending)
-    batch, at = sets[0]._batch, sets[0]._start
+    first = sets[0]
+    if first._batch is None and first._rows is None:
+        first._clipper.clip_set(first)  # (clips the batch it waits in)
+    batch, at = first._batch, first._start
     if batch is not None:
         for s in sets:
             if s._batch is not batch or s._start != at:
-                return np.concatenate(rows)
+                break
             at += s.shape[0]
-        return batch[sets[0]._start:at]
-    return rows[0] if len(rows) == 1 else np.concatenate(rows)
+        else:
+            return batch[first._start:at]
+    return np.concatenate([s.rows for s in sets])
 
 
 class ClippedVector:
@@ -262,13 +271,13 @@ class ClippedUpload:
     `base_round`, and its parts, every value clipped: `local` and `public` (ClippedSet, or None where the
     upload has no such set) of a prototype upload, `update` (ClippedVector) of a parameter upload."""
 
-    __slots__ = ("kind", "n_samples", "base_round", "local", "public", "update")
+    __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round")
 
-    def __init__(self, kind: Upload, n_samples: int, *, local: ClippedSet | None = None,
+    def __init__(self, kind: Upload, n_samples: int, local: ClippedSet | None = None,
                  public: ClippedSet | None = None, update: ClippedVector | None = None,
                  base_round: int = 0) -> None:
-        self.kind, self.n_samples, self.base_round = kind, n_samples, base_round
-        self.local, self.public, self.update = local, public, update
+        self.kind, self.n_samples, self.local, self.public, self.update, self.base_round = \
+            kind, n_samples, local, public, update, base_round
 
 
 class Fold:
@@ -465,6 +474,11 @@ class ServerRule:
         fields it `fills`."""
         return None
 
+    def stale(self, upload: object, round_: int) -> str | None:
+        """Why an upload for the open round `round_` is stale to this rule (e.g. trained from another round's
+        global value), or None. Asked before the upload is journaled: a stale upload is dropped, never applied."""
+        return None
+
     # -- what one rule offers the others (the first rule with an answer wins) --------------------------------
     def support_masks(self) -> np.ndarray | None:
         """(C, m) bool per-class support masks that prototypes travel on (protofl/algorithms/support.py)."""
@@ -472,6 +486,10 @@ class ServerRule:
 
     def unit_prototypes(self) -> np.ndarray | None:
         """(C, m) unit prototypes on the sphere at full width (protofl/algorithms/unit.py), as agreed so far."""
+        return None
+
+    def adapter_layout(self) -> Layout | None:
+        """The layout of the federated adapter that the config message announces (protofl/adapter.py)."""
         return None
 
     def mean_aggregator(self, width: int) -> PrototypeMean | None:
@@ -501,9 +519,9 @@ S = TypeVar("S")
 class RuleChain:
     """A federation's active server rules in rule order, under their techniques' names, asked as one
     (`ServerState.rules`): each hook of `ServerRule` with its rule-order semantics. An offer (`round_fields`
-    field by field, `support_masks`, `unit_prototypes`, `mean_aggregator`, `vector_aggregator`) is the first
-    rule's that makes one, None where none does; an adjustment (`adjust_targets`, `adjust_consensus`) passes
-    the value through every rule in order."""
+    field by field, `stale`, `support_masks`, `unit_prototypes`, `adapter_layout`, `mean_aggregator`,
+    `vector_aggregator`) is the first rule's that makes one, None where none does; an adjustment
+    (`adjust_targets`, `adjust_consensus`) passes the value through every rule in order."""
 
     def __init__(self, rules: Sequence[ServerRule] = (), names: Sequence[str] = ()) -> None:
         self.rules: tuple[ServerRule, ...] = tuple(rules)
@@ -514,6 +532,8 @@ class RuleChain:
             bad = sorted(set(rule.fills) - set(ROUND_FIELDS))
             if bad:
                 raise ValueError(f"the server rule of '{name}' fills {bad}; a round message has {list(ROUND_FIELDS)}")
+        # Asked for every upload: only the rules that say anything (none in a prototype federation).
+        self._stale = tuple(r for r in self.rules if type(r).stale is not ServerRule.stale)
 
     def __iter__(self) -> Iterator[ServerRule]:
         return iter(self.rules)
@@ -575,8 +595,18 @@ class RuleChain:
         """The targets of the round message opening `phase`."""
         return self.round_fields(phase).targets
 
+    def stale(self, upload: object, round_: int) -> str | None:
+        for rule in self._stale:
+            why = rule.stale(upload, round_)
+            if why is not None:
+                return why
+        return None
+
     def support_masks(self) -> np.ndarray | None:
         return self._first(lambda rule: rule.support_masks())
+
+    def adapter_layout(self) -> Layout | None:
+        return self._first(lambda rule: rule.adapter_layout())
 
     def unit_prototypes(self) -> np.ndarray | None:
         return self._first(lambda rule: rule.unit_prototypes())
@@ -606,9 +636,8 @@ class ServerState(Protocol):
 
     cfg: FederationConfig
     plan: RoundPlan
-    adapter: np.ndarray | None
-    params: np.ndarray | None
     rules: RuleChain  # every active rule, in rule order: ask them as one (their hooks)
+    initial_params: np.ndarray | None  # the whole model's parameters the devices start from, if the server knows
 
     def robust_mean(self, dim: int) -> CoordinateRobust | None:
         """A coordinate-wise robust mean of `dim` values that replaces a plain mean (`--robust median|trimmed`),

@@ -17,6 +17,7 @@ from broker_server.stages import ServerModel
 from protofl import artifacts
 from protofl.config import FederationConfig
 from protofl.data import Dataset
+from protofl.plan import Phase
 
 __all__ = ["GlobalPredictor"]
 
@@ -63,7 +64,8 @@ class GlobalPredictor:
 
         from edge_agent import params as model_params
 
-        vector = server.params if self.kind == "model" else server.adapter if self.kind == "adapter" else None
+        final = server.rules.round_fields(Phase.DONE)  # the federated vector, as the final round message has it
+        vector = final.params if self.kind == "model" else final.adapter if self.kind == "adapter" else None
         if vector is None:
             return None
         if self.kind == "model":

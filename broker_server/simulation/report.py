@@ -21,6 +21,7 @@ from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
 from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
+from protofl.plan import Phase
 from protofl.schedule import scores_test_set
 from protofl.wire import Metrics
 
@@ -61,8 +62,9 @@ class Report:
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         scored = scores_test_set(rec.round, self.spec.test_every, self.cfg.rounds)  # the official test set's rounds
-        if self.evaluate is not None and model.params is not None and scored:
-            self.global_model_acc[rec.round] = self.evaluate(model.params)
+        params = model.rules.round_fields(Phase.DONE).params  # the whole model's, where it is federated
+        if self.evaluate is not None and params is not None and scored:
+            self.global_model_acc[rec.round] = self.evaluate(params)
         if self.predictor is not None and scored:
             acc = self.predictor(model)
             if acc is not None:

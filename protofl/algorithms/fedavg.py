@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from protofl.adapter import Layout, adapter_layout, initial_adapter
 from protofl.algorithms.robust import CoordinateRobust
 from protofl.errors import WireError
 from protofl.mergeable import Additive
@@ -36,8 +38,9 @@ from protofl.technique import (
     Technique,
     Upload,
 )
+from protofl.wire import ParamsUpload
 
-__all__ = ["FedAvgAggregator", "FedAvg"]
+__all__ = ["FedAvgAggregator", "FedAvg", "FederatedVector"]
 
 
 class FedAvgAggregator(Additive):
@@ -116,21 +119,55 @@ class FedAvg(Technique):
         return FedAvgRule(model)
 
 
+@dataclass
+class FederatedVector:
+    """FedAvg's server state: the global parameter vector, the federated adapter or the whole model's parameters
+    (known from the start where the server has the model: the simulator; else from the first round's uploads)."""
+
+    adapter: np.ndarray | None = None
+    params: np.ndarray | None = None
+
+
 class FedAvgRule(ServerRule):
     fills = frozenset({"adapter", "params"})
+
+    def __init__(self, model: ServerState) -> None:
+        super().__init__(model)
+        self.state = FederatedVector()
+        cfg = model.cfg
+        self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" \
+            else None
+
+    def init_model(self) -> None:
+        """Round 0: the adapter from the config's seed; the whole model's parameters where the server knows them
+        (without, the devices start from the config seed's model, identical everywhere; the simulator passes
+        the vector so that round 1's downlink is counted)."""
+        if self.layout is not None:
+            self.state.adapter = initial_adapter(self.layout, seed=self.model.cfg.seed)
+        elif self.model.initial_params is not None:
+            self.state.params = np.asarray(self.model.initial_params, np.float32)
+
+    def adapter_layout(self) -> Layout | None:
+        return self.layout
 
     def uploads(self) -> Mapping[Phase, tuple[Upload, ...]]:
         return {Phase.TRAIN: (Upload.ADAPTER,)}
 
     def folds(self, phase: Phase) -> list[Fold]:
-        return [VectorFold(self.model)] if phase is Phase.TRAIN else []
+        return [VectorFold(self.model, self.state)] if phase is Phase.TRAIN else []
+
+    def stale(self, upload: object, round_: int) -> str | None:
+        """An adapter trained from another round's adapter (the round message carries the adapter)."""
+        if isinstance(upload, ParamsUpload) and self.layout is not None and upload.base_round != round_:
+            return f"adapter trained from round {upload.base_round}'s adapter, now {round_}"
+        return None
 
     def round_fields(self, phase: Phase) -> RoundFields | None:
         """The full adapter in the round message of the plan's adapter phase, the whole model's parameters in
         the training phase's (once known); both in the final one."""
-        model, final = self.model, phase is Phase.DONE
-        return RoundFields(adapter=model.adapter if final or model.plan.adapter_phase is phase else None,
-                           params=model.params if final or phase is Phase.TRAIN else None)
+        state, final = self.state, phase is Phase.DONE
+        return RoundFields(adapter=state.adapter if final or self.model.plan.adapter_phase is phase else None,
+                           params=state.params if final or phase is Phase.TRAIN else None)
 
 
 class VectorFold(Fold):
@@ -139,9 +176,10 @@ class VectorFold(Fold):
     kinds = (Upload.ADAPTER,)
     merged = ("acc", "robust")
 
-    def __init__(self, model: ServerState) -> None:
-        self.model = model
-        self.reference: np.ndarray | None = model.adapter if model.plan.federate == "adapter" else model.params
+    def __init__(self, model: ServerState, state: FederatedVector) -> None:
+        self.model, self.state = model, state
+        self.full = model.cfg.federate == "full"
+        self.reference: np.ndarray | None = state.params if self.full else state.adapter
         # FedAvg without a known model (a server with no torch): the first upload fixes the length, and there
         # is nothing to clip around: such uploads are folded as sent.
         self.clip = {Part.UPDATE: Clip("adapter", self.reference) if self.reference is not None else None}
@@ -161,7 +199,10 @@ class VectorFold(Fold):
     def check(self, up: ClippedUpload) -> Any:
         update = up.update
         assert update is not None
-        # (a sparse update of the whole model is refused at the plan boundary, broker_server/stages.py)
+        if up.n_samples <= 0:
+            raise WireError("adapter upload with n_samples = 0")
+        if update.indices is not None and self.full:
+            raise WireError("FedAvg needs the full parameter vector, got a sparse update")
         if update.indices is not None and self.acc is not None and not self.sparse_ok:
             raise WireError("this federation averages dense parameter vectors; got a sparse update")
         n = update.n
@@ -197,7 +238,6 @@ class VectorFold(Fold):
         super().merge(part, check=check)
 
     def finish(self) -> None:
-        model = self.model
         if self.acc is None or self.acc.senders == 0:
             return
         if self.robust is None:
@@ -205,7 +245,7 @@ class VectorFold(Fold):
         else:
             assert self.reference is not None  # a robust mean exists only around a known reference
             result = self.robust.result(self.reference).astype(np.float32)
-        if model.plan.federate == "adapter":
-            model.adapter = result
+        if self.full:
+            self.state.params = result
         else:
-            model.params = result
+            self.state.adapter = result

@@ -138,9 +138,7 @@ def config(preset: str, **overrides: Any) -> FederationConfig:
 def model_state(model: Any) -> dict[str, Any]:
     """What the federation agreed on: the values the two must share (float tolerance)."""
     out: dict[str, Any] = {}
-    for name in ("adapter", "params"):
-        out[name] = getattr(model, name)
-    for name, value in model.rules.state_values().items():  # every technique's state: prototypes, unit, targets
+    for name, value in model.rules.state_values().items():  # every technique's state: vectors, prototypes...
         out[name] = value.table()[0] if isinstance(value, ProtoSet) else value
     out["masks"] = model.rules.support_masks()
     out["radii"] = dict(model.radii)

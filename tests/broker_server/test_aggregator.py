@@ -60,8 +60,9 @@ def retained_round(broker: InProcessBroker) -> tuple[Envelope, RoundStart]:
 
 def snapshot(agg: Aggregator) -> tuple:
     m = agg.model
-    protos = m.rules.state_values().get("prototypes", {})
-    return (None if m.adapter is None else m.adapter.copy(), {c: v.copy() for c, v in protos.items()},
+    values = m.rules.state_values()
+    protos, adapter = values.get("prototypes", {}), values.get("adapter")
+    return (None if adapter is None else adapter.copy(), {c: v.copy() for c, v in protos.items()},
             agg.round, None if agg.machine.phase is None else agg.machine.phase.phase,
             None if agg.machine.phase is None else {k: set(v) for k, v in agg.machine.phase.received.items()})
 
@@ -207,7 +208,7 @@ def test_refprotofl_two_phases_and_apud_aggregation_by_hand() -> None:
                                     n_samples=10, base_round=1), round_=1, phase="train")
     send(broker, "b", ParamsUpload(update=SparseVector(d, np.array([0, 1]), np.array([3.0, 7.0], np.float32)),
                                     n_samples=30, base_round=1), round_=1, phase="train")
-    new = agg.model.adapter
+    new = agg.model.rules.state_values()["adapter"]
     assert new is not None
     assert new[0] == pytest.approx((10 * 1 + 30 * 3) / 40)  # 2.5
     assert new[1] == pytest.approx(7.0)  # only b sent it
@@ -225,8 +226,7 @@ def test_adapter_trained_from_an_old_adapter_is_stale() -> None:
     send(broker, "a", Join(arch="cnn", n_samples=10))
     send(broker, "a", ProtoUpload(public=protoset({0: [1, 0, 0, 0]}), local=None, n_samples=10),
          round_=1, phase="proto")
-    assert agg.model.adapter is not None
-    d = agg.model.adapter.shape[0]
+    d = agg.model.rules.state_values()["adapter"].shape[0]
     before = snapshot(agg)
     send(broker, "a", ParamsUpload(update=SparseVector(d, np.array([0]), np.array([1.0], np.float32)),
                                     n_samples=10, base_round=0), round_=1, phase="train")

@@ -64,9 +64,10 @@ SCRIPT = textwrap.dedent(
                     out.append(ParamsUpload(update=rng.standard_normal(1000).astype(np.float32), n_samples=10,
                                              base_round=env.round))
                 elif cfg.federate == "adapter":
-                    d = agg.model.adapter.shape[0]
-                    local = agg.model.adapter + rng.standard_normal(d).astype(np.float32)
-                    out.append(ParamsUpload(update=apud.select_topk(local, agg.model.adapter, 30), n_samples=10,
+                    adapter = agg.model.rules.state_values()["adapter"]
+                    d = adapter.shape[0]
+                    local = adapter + rng.standard_normal(d).astype(np.float32)
+                    out.append(ParamsUpload(update=apud.select_topk(local, adapter, 30), n_samples=10,
                                              base_round=env.round))
                 if cfg.prototypes != "none" and not cfg.erpa:
                     unit = cfg.prototypes == "unit"

@@ -61,17 +61,19 @@ def test_clip_off_folds_an_adapter_update_as_sent() -> None:
     # APUD: one update moves coordinates 0..9 by +5 (distance 5 * sqrt(10) from the global): radius 1 would
     # shrink the move to 1 / sqrt(10) per coordinate; off, the new global is the update itself.
     from protofl.adapter import adapter_layout, initial_adapter
+    from protofl.algorithms.fedavg import FederatedVector
 
     cfg = make_config("protofl", num_classes=3, proto_dim=4, adapter_rank=1, **ADAPTER_PIPELINE)
     model = build_model(cfg, RoundPlan.from_config(cfg), ClipPolicy(first_radius=1.0, enabled=False))
-    model.adapter = initial_adapter(adapter_layout(4, 1, 3), seed=0)
-    before = model.adapter.copy()
+    vec = model.rules.state(FederatedVector)
+    vec.adapter = initial_adapter(adapter_layout(4, 1, 3), seed=0)
+    before = vec.adapter.copy()
     idx = np.arange(10)
     phase = PhaseRun(model, Phase.TRAIN)
     phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(before.shape[0], idx, before[idx] + 5.0),
                                            n_samples=10, base_round=1, dt="f4"))
     phase.finish()
-    assert np.allclose(model.adapter[idx], before[idx] + 5.0) and model.clipped == {}
+    assert np.allclose(vec.adapter[idx], before[idx] + 5.0) and model.clipped == {}
 
 
 def _report_rows(model: ServerModel, rounds: list[tuple[ProtoUpload, ...]]) -> list[dict[str, Any]]:

@@ -171,7 +171,8 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
     """Joins, then each client's training uploads for rounds 1-3 (deterministic in client and round)."""
     out = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=10 + k, profile="", agent_version="t"),
                                               fed=FED, sender=c)) for k, c in enumerate(CLIENTS)]
-    n_adapter = agg.model.adapter.shape[0] if agg.model.adapter is not None else 0
+    adapter = agg.model.rules.state_values().get("adapter")
+    n_adapter = adapter.shape[0] if adapter is not None else 0
     width = agg.machine.plan.proto_width  # CPS: only the class's support travels
     for r in (1, 2, 3):
         for k, c in enumerate(CLIENTS):
@@ -213,8 +214,8 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
     m = agg.model
     values = m.rules.state_values()
     out = {f"proto{c}": v.tobytes() for c, v in values.get("prototypes", {}).items()}
-    if m.adapter is not None:
-        out["adapter"] = m.adapter.tobytes()
+    if values.get("adapter") is not None:
+        out["adapter"] = values["adapter"].tobytes()
     if values.get("unit") is not None:
         out["unit"] = values["unit"].tobytes()
     return out
@@ -307,9 +308,10 @@ def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(t
     env1, msg1 = decode_message(broker.retained[topics.round_(FED)])
     assert (env0.round, env0.phase) == (env1.round, env1.phase) == (3, "train")
     assert isinstance(msg0, RoundStart) and isinstance(msg1, RoundStart)
-    assert msg1.adapter is not None and msg0.adapter is not None and again.model.adapter is not None
-    assert msg1.adapter.shape == again.model.adapter.shape  # dense: the full adapter
-    assert msg1.adapter.tobytes() == msg0.adapter.tobytes() == again.model.adapter.tobytes()
+    adapter = again.model.rules.state_values()["adapter"]
+    assert msg1.adapter is not None and msg0.adapter is not None and adapter is not None
+    assert msg1.adapter.shape == adapter.shape  # dense: the full adapter
+    assert msg1.adapter.tobytes() == msg0.adapter.tobytes() == adapter.tobytes()
     cfg0, cfg1 = (decode_as(Config, b[topics.config(FED)]) for b in (before, broker.retained))
     assert (cfg1.params, cfg1.adapter_layout) == (cfg0.params, cfg0.adapter_layout)
     _, status = decode_message(broker.retained[topics.server_status(FED)])
@@ -344,8 +346,7 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         return _aggregator("refprotofl", state, rotate_bytes=0, cfg=cfg, public=public)
 
     ref, _ = make(None)
-    assert ref.model.adapter is not None
-    plan, n_adapter = ref.machine.plan, ref.model.adapter.shape[0]
+    plan, n_adapter = ref.machine.plan, ref.model.rules.state_values()["adapter"].shape[0]
     msgs = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=9, profile="", agent_version="t"), fed=FED,
                                                sender=c)) for c in CLIENTS]
     for r in (1, 2):
@@ -378,8 +379,8 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         agg, d = make(cut)
         for t, p in msgs[i:]:
             agg.on_message(t, p)
-        assert agg.model.adapter is not None and ref.model.adapter is not None
-        assert agg.finished and agg.model.adapter.tobytes() == ref.model.adapter.tobytes(), i
+        assert agg.finished and agg.model.rules.state_values()["adapter"].tobytes() == \
+            ref.model.rules.state_values()["adapter"].tobytes(), i
         got, want = (a.model.rules.state_values()["targets"] for a in (agg, ref))
         assert got is not None and want is not None
         assert got.values.tobytes() == want.values.tobytes(), i
@@ -398,7 +399,8 @@ def test_a_state_dir_of_format_2_resumes_and_ends_in_the_same_state(preset: str,
     # round 2 open, one device's round-2 uploads journaled after its checkpoint (state_dirs_format2/README.md).
     state = tmp_path / "state"
     shutil.copytree(FORMAT2 / preset.replace("+", "-"), state)
-    assert read_checkpoint(state / "checkpoint.bin")["format"] == 2
+    saved = read_checkpoint(state / "checkpoint.bin")
+    assert saved is not None and saved["format"] == 2
     ref, _ = _aggregator(preset, None)
     msgs = _messages(preset, ref)
     for t, p in msgs:
@@ -411,13 +413,15 @@ def test_a_state_dir_of_format_2_resumes_and_ends_in_the_same_state(preset: str,
     assert agg.finished and _state(agg) == _state(ref) and agg.dropped == {"duplicate": 1}
     assert [r.clipped for r in agg.records] == [r.clipped for r in ref.records]
     d.close()
-    assert read_checkpoint(state / "checkpoint.bin")["format"] == 3  # written anew at the boundaries since
+    saved = read_checkpoint(state / "checkpoint.bin")
+    assert saved is not None and saved["format"] == 3  # written anew at the boundaries since
 
 
 def test_a_checkpoint_without_a_techniques_state_is_refused_with_what_is_missing(tmp_path: Path) -> None:
     state = tmp_path / "state"
     shutil.copytree(FORMAT2 / "fedproto", state)
     saved = read_checkpoint(state / "checkpoint.bin")
+    assert saved is not None
     del saved["machine"]["model"]["prototypes"]  # neither the format-2 place nor the per-technique one
     write_checkpoint(state / "checkpoint.bin", saved)
     with pytest.raises(CheckpointError, match="the state of technique 'fedproto' has no saved 'prototypes'"):

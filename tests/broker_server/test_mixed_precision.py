@@ -24,13 +24,11 @@ def test_one_round_takes_f4_and_q8_prototypes_and_adapters() -> None:
 
 def test_apud_adapters_in_f4_and_q8() -> None:
     broker, agg = federation("refprotofl", erpa=False, prototypes="none")
-    assert agg.model.adapter is not None
-    d = agg.model.adapter.shape[0]
+    d = agg.model.rules.state_values()["adapter"].shape[0]
     idx = np.array([0, 1])
     for client, dt, vals in (("a", "f4", [1.0, 2.0]), ("b", "q8", [3.0, 4.0])):
         up = ParamsUpload(update=SparseVector(d, idx, np.array(vals, np.float32)), n_samples=2, base_round=1, dt=dt)
         send(broker, client, up, 1, "train")
     assert agg.dropped == {} and agg.records[0].clients == ["a", "b"]
     # APUD eq. 6, equal weights: [(1 + 3) / 2, (2 + 4) / 2] on the two coordinates both sent
-    assert agg.model.adapter is not None
-    np.testing.assert_allclose(agg.model.adapter[:2], [2.0, 3.0], atol=0.01)
+    np.testing.assert_allclose(agg.model.rules.state_values()["adapter"][:2], [2.0, 3.0], atol=0.01)

@@ -36,9 +36,9 @@ def run(spec: SimulationSpec) -> tuple[dict[str, Any], ServerModel]:
 def assert_same_model(a: ServerModel, b: ServerModel) -> None:
     va, vb = a.rules.state_values(), b.rules.state_values()
     for name in ("adapter", "params", "unit"):
-        x, y = va.get(name, getattr(a, name, None)), vb.get(name, getattr(b, name, None))
+        x, y = va.get(name), vb.get(name)
         assert (x is None) == (y is None), name
-        if x is not None:
+        if x is not None and y is not None:
             np.testing.assert_allclose(y, x, rtol=RTOL, atol=ATOL, err_msg=name)
     pa, pb = va.get("prototypes", {}), vb.get("prototypes", {})
     assert sorted(pa) == sorted(pb)

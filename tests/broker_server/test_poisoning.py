@@ -122,6 +122,7 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
     # huge weight. Round 1's radius is the first radius; the mean moves by at most it, the median by 0.01.
     from broker_server.stages import PhaseRun, build_model
     from protofl.adapter import adapter_layout, initial_adapter
+    from protofl.algorithms.fedavg import FederatedVector
     from protofl.plan import Phase, RoundPlan, Upload
     from protofl.sparse import SparseVector
     from protofl.wire import ParamsUpload
@@ -129,8 +130,9 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
     cfg = make_config("protofl", num_classes=C, proto_dim=M, adapter_rank=1, **ADAPTER_PIPELINE)
     policy = ClipPolicy(first_radius=1.0, robust=robust)
     model = build_model(cfg, RoundPlan.from_config(cfg), policy)
-    model.adapter = initial_adapter(adapter_layout(M, 1, C), seed=0)
-    before = model.adapter.astype(np.float64).copy()
+    vec = model.rules.state(FederatedVector)
+    vec.adapter = initial_adapter(adapter_layout(M, 1, C), seed=0)
+    before = vec.adapter.astype(np.float64).copy()
     phase = PhaseRun(model, Phase.TRAIN)
     idx = np.arange(10)
     for k in range(5):
@@ -138,7 +140,7 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
         phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
                                         n_samples=10**9 if k == 4 else 10, base_round=1, dt="f4"))
     phase.finish()
-    moved = np.linalg.norm(model.adapter.astype(np.float64) - before)
+    moved = np.linalg.norm(vec.adapter.astype(np.float64) - before)
     if robust == "mean":
         assert moved <= 1.0 + 1e-5 and model.clipped["adapter"] == 1
     else:

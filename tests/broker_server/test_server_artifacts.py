@@ -9,8 +9,9 @@ import numpy as np
 
 from broker_server.artifacts import write_server_artifacts
 from broker_server.stages import build_model
-from protofl.algorithms.fedproto import MeanPrototypes
 from protofl import artifacts as art
+from protofl.algorithms.fedavg import FederatedVector
+from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
 
@@ -45,12 +46,12 @@ def test_masked_prototypes_are_written_at_full_width_with_their_masks(tmp_path: 
 def test_a_federated_adapter_is_written_and_the_manifest_says_whether_it_is_a_predictor(tmp_path: Path) -> None:
     for backbone, predictor in (("train", None), ("frozen", "adapter")):
         model = server_model("refprotofl", public_classes=(0,), backbone=backbone)
-        model.adapter = np.arange(10, dtype=np.float32)
+        model.rules.state(FederatedVector).adapter = np.arange(10, dtype=np.float32)
         out = tmp_path / backbone
         write_server_artifacts(model, out, fed="f", round_=1, finished=True, data="fashion-mnist",
                                norm=((0.286,), (0.353,)))
         vector, kind = art.read_vector(out / "global" / art.FEDERATED)
-        assert kind == "adapter" and np.array_equal(vector, model.adapter)
+        assert kind == "adapter" and np.array_equal(vector, np.arange(10, dtype=np.float32))
         manifest = art.read_json(out / art.MANIFEST)
         assert manifest["federated"] == "adapter" and manifest["predictor"]["kind"] == predictor
         assert manifest["norm_mean"] == [0.286] and manifest["data"] == "fashion-mnist"

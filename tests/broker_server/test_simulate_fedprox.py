@@ -30,7 +30,8 @@ def _run(preset: str, **overrides: Any) -> tuple[dict[str, Any], np.ndarray]:
     report = run_simulation(SimulationSpec(preset=preset, **FED, overrides=overrides),
                             on_finish=lambda agg: box.setdefault("agg", agg))
     model = box["agg"].model
-    vector = model.params if model.params is not None else model.adapter
+    values = model.rules.state_values()
+    vector = values["params"] if values["params"] is not None else values["adapter"]
     report["totals"].pop("wall_s")
     report.pop("machine")
     return json.loads(json.dumps(report)), np.asarray(vector).copy()

@@ -15,6 +15,7 @@ import pytest
 from broker_server.stages import PhaseRun, ServerModel, build_model
 from protofl import registry
 from protofl.adapter import adapter_layout, initial_adapter
+from protofl.algorithms.fedavg import FederatedVector
 from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.algorithms.robust import ClipPolicy
 from protofl.plan import Phase, RoundPlan, Upload
@@ -78,7 +79,7 @@ def toy() -> Iterator[list[Any]]:
         yield kept
 
 
-def model_for(preset: str, policy: ClipPolicy | None = None, **overrides: object) -> ServerModel:
+def model_for(preset: str, policy: ClipPolicy | None = None, **overrides: Any) -> ServerModel:
     cfg = make_config(preset, num_classes=3, proto_dim=2, adapter_rank=1, **overrides)
     plan = RoundPlan.from_config(cfg)
     assert "toy_keep" in plan.techniques
@@ -122,8 +123,9 @@ def test_beside_fedproto_a_fold_gets_the_rows_fedproto_folds_and_norms_count_onc
 
 def test_a_parameter_vector_is_clipped_around_the_global_one_for_every_fold(toy: list[Any]) -> None:
     m = model_for("fedavg", federate="adapter", prototypes="none")
-    m.adapter = initial_adapter(adapter_layout(2, 1, 3), seed=0)  # (the round machine's round 0)
-    d, before = m.adapter.shape[0], m.adapter.astype(np.float64)
+    start = m.rules.state(FederatedVector).adapter
+    assert start is not None and np.array_equal(start, initial_adapter(adapter_layout(2, 1, 3), seed=0))  # round 0
+    d, before = start.shape[0], start.astype(np.float64)
     m.radii["adapter"] = 1.0
     run = PhaseRun(m, Phase.TRAIN)
     far = before + np.r_[3.0, 4.0, np.zeros(d - 2)]  # 5 from the global adapter
@@ -132,7 +134,9 @@ def test_a_parameter_vector_is_clipped_around_the_global_one_for_every_fold(toy:
     (_, _, vector), = toy
     # onto the ball of radius 1 around it: (3, 4) / 5; FedAvg's one upload is the new adapter
     np.testing.assert_allclose(vector - before, np.r_[0.6, 0.8, np.zeros(d - 2)], atol=1e-6)
-    np.testing.assert_allclose(m.adapter, vector, atol=1e-6)
+    after = m.rules.state(FederatedVector).adapter
+    assert after is not None
+    np.testing.assert_allclose(after, vector, atol=1e-6)
     assert m.round_clips.checked == {"adapter": 1} and m.round_clips.clipped == {"adapter": 1}
 
 

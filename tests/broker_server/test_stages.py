@@ -10,6 +10,7 @@ import pytest
 
 from broker_server.stages import PhaseRun, ServerModel, build_model
 from protofl.algorithms.erpa import Anchors
+from protofl.algorithms.fedavg import FederatedVector
 from protofl.algorithms.fedpagr import UnitState
 from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.errors import WireError
@@ -72,21 +73,23 @@ def test_fedproto_round_keeps_unsent_classes_and_becomes_next_targets() -> None:
 
 def test_apud_fold_keeps_coordinates_nobody_sent() -> None:
     m = model_for("refprotofl")
-    m.adapter = np.zeros(8, np.float32)  # any length: the phase follows the server's adapter
+    vec = m.rules.state(FederatedVector)
+    vec.adapter = np.zeros(8, np.float32)  # any length: the phase follows the server's adapter
     phase = PhaseRun(m, Phase.TRAIN)
-    n = m.adapter.shape[0]
+    n = vec.adapter.shape[0]
     phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)),
                                     n_samples=1, base_round=1))
     phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)),
                                     n_samples=3, base_round=1))
     phase.finish()
     # theta_0 = (1*2 + 3*5) / 4 = 4.25; theta_2 = 4 (one sender); the rest keep 0
-    assert m.adapter[0] == pytest.approx(4.25) and m.adapter[2] == 4.0 and not m.adapter[[1, 3]].any()
+    assert vec.adapter[0] == pytest.approx(4.25) and vec.adapter[2] == 4.0 and not vec.adapter[[1, 3]].any()
 
 
 def test_fedavg_without_a_known_model_takes_the_first_length_and_holds_the_rest_to_it() -> None:
     m = model_for("fedavg")
-    before: np.ndarray | None = m.params  # (not m.params itself: the type checker would hold it None below)
+    vec = m.rules.state(FederatedVector)
+    before: np.ndarray | None = vec.params  # (not vec.params itself: the type checker would hold it None below)
     assert before is None  # a server without torch does not know the model's size
     phase = PhaseRun(m, Phase.TRAIN)
     phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([1.0, 2.0, 3.0], np.float32), n_samples=1, base_round=1))
@@ -94,7 +97,8 @@ def test_fedavg_without_a_known_model_takes_the_first_length_and_holds_the_rest_
         phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([1.0, 2.0], np.float32), n_samples=1, base_round=1))
     phase.add(Upload.ADAPTER, ParamsUpload(update=np.array([3.0, 2.0, 1.0], np.float32), n_samples=1, base_round=1))
     phase.finish()
-    assert m.params is not None and m.params.tolist() == [2.0, 2.0, 2.0]
+    after = vec.params
+    assert after is not None and after.tolist() == [2.0, 2.0, 2.0]
 
 
 def _spherical_erpa(public_classes: tuple[int, ...] = (0,)) -> ServerModel:

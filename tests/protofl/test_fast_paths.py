@@ -243,11 +243,11 @@ def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, rob
     model = build_model(cfg, plan, ClipPolicy(robust=robust))
     rng = np.random.default_rng(9)
     w = plan.proto_width
-    values = model.rules.state_values()
-    if "prototypes" in values:
+    state = model.rules.state_values()
+    if "prototypes" in state:
         model.rules.state(MeanPrototypes).prototypes = {c: rng.standard_normal(w).astype(np.float32)
                                                         for c in range(0, 6, 2)}
-    model.radii["protos"] = 2.5 * np.sqrt(w) if values.get("unit") is None else 1.2  # unit rows: centres of norm <= 1
+    model.radii["protos"] = 2.5 * np.sqrt(w) if state.get("unit") is None else 1.2  # unit rows: centres of norm <= 1
     run = PhaseRun(model, Phase.TRAIN)
     assert len(run.folds) == 1 and isinstance(run.folds[0], BatchedFold)
     for i in range(150):
