@@ -300,7 +300,8 @@ def route_uplink(route: str, *, sizes: Sequence[int], classes_held: Sequence[int
 
 def _project_protos() -> tuple[Callable, Callable, Any] | None:
     try:  # the project's prototype math (needs msgpack through protofl.technique -> protofl.wire)
-        from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes, nearest_prototype
+        from protofl.algorithms.fedproto import PrototypeAggregator
+        from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
     except ImportError:
         return None
     return local_prototypes, nearest_prototype, PrototypeAggregator

@@ -39,7 +39,7 @@ from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_obj
 from edge_agent.uploads import train_uploads
 from protofl import topics
 from protofl.adapter import layout_size
-from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
+from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError

@@ -25,7 +25,7 @@ import torch
 from edge_agent import trainer
 from edge_agent.models import ProtoNet
 from protofl import artifacts as art
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms.prototypes import local_prototypes
 from protofl.config import FederationConfig
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ import numpy as np
 import typer
 
 from edge_agent.onnx_runtime import embed_onnx, parse_floats, read_metadata, session
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms.prototypes import local_prototypes
 from protofl.artifacts import METRICS, PrototypeFile, read_prototypes, write_prototypes
 from protofl.data import load_images
 from protofl.errors import DataError, ProtoFLError

@@ -280,7 +280,7 @@ def quantize(
         import numpy as np
 
         from edge_agent.extractor import TorchExtractor
-        from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
+        from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 
         ext = TorchExtractor(loaded.model)
         protos, _ = local_prototypes(ext.embed(x_tr), y_tr, ds.num_classes)
@@ -290,7 +290,7 @@ def quantize(
         import numpy as np
 
         from edge_agent.extractor import TorchExtractor
-        from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
+        from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 
         if meta.get("what") == "backbone":
             raise ConfigError("the torch column compares features models; export with --what features")

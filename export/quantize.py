@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_agent.onnx_runtime import embed_onnx, session
-from protofl.algorithms.fedproto import local_prototypes, nearest_prototype
+from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.errors import ConfigError
 
 if TYPE_CHECKING:  # onnxruntime is optional at import time

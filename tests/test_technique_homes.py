@@ -52,7 +52,10 @@ def test_a_technique_is_named_by_at_most_four_files(technique: str) -> None:
 
 def test_fedprox_is_named_by_its_two_modules_and_its_entry_points_only() -> None:
     assert sorted(files_naming()["prox"]) == ["edge_agent/techniques/fedprox.py", "protofl/algorithms/fedprox.py"]
-    lines = [line for line in (ROOT / "pyproject.toml").read_text().splitlines() if "prox" in line.lower()]
+    text = (ROOT / "pyproject.toml").read_text()
+    contract = text.index('id = "technique-homes"')  # the import contract lists every technique module: not a use
+    outside = text[:contract] + text[text.index("\n[[", contract):]
+    lines = [line for line in outside.splitlines() if "prox" in line.lower()]
     assert lines == ['fedprox = "protofl.algorithms.fedprox:FedProx"',
                      'fedprox = "edge_agent.techniques.fedprox:FedProxDevice"'], lines
 
@@ -71,3 +74,26 @@ def test_the_counter_sees_identifiers_strings_and_docstrings_but_not_comments(tm
     for code in ('mu = cfg.prox_mu\n', 'x = "FedProx"\n', '"""The proximal term."""\n'):
         src.write_text(code)
         assert named_in(src) == {"prox"}, code
+
+
+def test_the_import_contract_keeps_every_technique_module_out_of_the_generic_ones() -> None:
+    # Concepts, not spellings: `lint-imports` (the README's test command) enforces that the generic modules import
+    # no technique module; this checks that its contract lists every technique this package registers and every
+    # generic module above, so that a new technique or generic module cannot slip past it.
+    import sys
+    from importlib.metadata import entry_points
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    contract = next(c for c in contracts if c["id"] == "technique-homes")
+    ours = {ep.value.split(":")[0] for group in ("protofl.techniques", "protofl.device_rules")
+            for ep in entry_points(group=group) if ep.value.startswith(("protofl.", "edge_agent."))}
+    missing = sorted(ours - set(contract["forbidden_modules"]))
+    assert len(ours) >= 14 and not missing, missing
+    generic = {f.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for f in GENERIC}
+    assert generic <= set(contract["source_modules"]), sorted(generic - set(contract["source_modules"]))
+    assert contract["as_packages"] is False  # a technique's own device module may import its server half

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from edge_agent.models import head_probabilities
-from protofl.algorithms.fedproto import nearest_prototype
+from protofl.algorithms.prototypes import nearest_prototype
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import Phase, RoundPlan

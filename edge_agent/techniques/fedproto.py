@@ -21,7 +21,7 @@ from edge_agent.techniques import (
     LossTerm,
     NearestTargetClassifier,
 )
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms.prototypes import local_prototypes
 
 
 class FedProtoDevice(DeviceRule):

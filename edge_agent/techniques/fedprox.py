@@ -8,7 +8,7 @@ adapter (A_f and the head, edge_agent/params.py) with "adapter"; with nothing sh
 presets) every parameter of the private model, w^t being the device's own model at the round's start
 (protofl/algorithms/fedprox.py says why). w^t is those parameters as the round's
 local training starts from them: the global vector the round message delivered, loaded into the model
-(after any rule set the model up for the round, e.g. FedPAGR's anchored head), copied and detached when the
+(after any rule set the model up for the round, e.g. an anchored head), copied and detached when the
 objective is built. Buffers (BatchNorm statistics) travel with the full model but have no gradient: the term
 is over parameters, as the paper's reference code has it; a parameter that does not train this round (a
 frozen backbone, a fixed head) stays at w^t and adds nothing, so the sum skips it.

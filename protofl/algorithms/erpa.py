@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes
+from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.algorithms.prototypes import local_prototypes
 from protofl.algorithms.unit import UnitFold
 from protofl.errors import ConfigError, WireError
 from protofl.mergeable import Additive

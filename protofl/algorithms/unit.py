@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms.prototypes import local_prototypes
 from protofl.algorithms.robust import row_dots
 from protofl.algorithms.support import compress_table
 from protofl.mergeable import Additive

@@ -18,7 +18,7 @@ from edge_agent.techniques import AlignmentTerm, Batch, DeviceContext, make_obje
 from edge_agent.techniques.fedprox import ProximalTerm, proximal_term, shared_parameters
 from protofl import topics
 from protofl.algorithms import cps
-from protofl.algorithms.fedproto import local_prototypes
+from protofl.algorithms.prototypes import local_prototypes
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import RoundPlan

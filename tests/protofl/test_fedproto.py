@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from protofl.algorithms.fedproto import PrototypeAggregator, local_prototypes, nearest_prototype
+from protofl.algorithms.fedproto import PrototypeAggregator
+from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 
 
 def test_local_prototypes_hand_example():
