@@ -52,6 +52,7 @@ WORKLOADS = ("tinyproto", "protofl", "fedproto", "apud")
 
 # -- part 1: in-process ---------------------------------------------------------------------------
 
+
 def workload_preset(name: str) -> tuple[str, dict[str, Any]]:
     """The preset and config values of workload `name` (besides the federation's size)."""
     common: dict[str, Any] = dict(num_classes=10, proto_dim=512, seed=0)
@@ -71,8 +72,9 @@ def device_ids(n: int) -> list[str]:
     return [f"device-{i + 1}" for i in range(n)]  # as `protofl-server start --devices N` names them
 
 
-def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
-                 fed: str = FED) -> tuple[list[bytes], list[bytes]]:
+def make_uploads(
+    name: str, cfg: Any, n: int, distinct: int, seed: int = 0, fed: str = FED
+) -> tuple[list[bytes], list[bytes]]:
     """n joins and n uploads (round 1, the phase that takes them); `distinct` different upload bodies."""
     from broker_server.stages import build_model
     from protofl.adapter import adapter_layout, initial_adapter
@@ -85,8 +87,9 @@ def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
     plan = RoundPlan.from_config(cfg)
     model = build_model(cfg, plan)
     ids = device_ids(n)
-    joins = [encode_message(Join(arch="", n_samples=100, profile="", agent_version="bench"), fed=fed, sender=c)
-             for c in ids]
+    joins = [
+        encode_message(Join(arch="", n_samples=100, profile="", agent_version="bench"), fed=fed, sender=c) for c in ids
+    ]
     bodies: list[Any] = []
     C, m = cfg.num_classes, cfg.proto_dim
     for i in range(distinct):
@@ -112,8 +115,7 @@ def make_uploads(name: str, cfg: Any, n: int, distinct: int, seed: int = 0,
         ps = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype, cnt)
         bodies.append(ProtoUpload(local=ps, public=None, n_samples=100))
     phase = "train"
-    uploads = [encode_message(bodies[i % distinct], fed=fed, sender=c, round=1, phase=phase)
-               for i, c in enumerate(ids)]
+    uploads = [encode_message(bodies[i % distinct], fed=fed, sender=c, round=1, phase=phase) for i, c in enumerate(ids)]
     return joins, uploads
 
 
@@ -165,8 +167,13 @@ def inprocess_rate(name: str, n: int, distinct: int = 64) -> dict[str, Any]:
     finally:
         setup.close()
     # Per CPU second is the one-core rate whatever else the machine runs; per wall second is what it gave here.
-    return {"workload": name, "uploads": n, "upload_bytes": len(setup.uploads[0]), "uploads_per_s": n / cpu,
-            "uploads_per_wall_s": n / elapsed}
+    return {
+        "workload": name,
+        "uploads": n,
+        "upload_bytes": len(setup.uploads[0]),
+        "uploads_per_s": n / cpu,
+        "uploads_per_wall_s": n / elapsed,
+    }
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -174,6 +181,7 @@ def _worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if os.environ.get("BENCH_READER") == "reference":  # this tree with msgspec's upload reader turned off
         from broker_server import shell
+
         shell.fast_reader.usable = lambda limits: False
     print(json.dumps(inprocess_rate(args.worker, args.n)), flush=True)
 
@@ -184,8 +192,14 @@ REFERENCE_READER = "this, reference reader"  # the label of `--readers`' extra c
 def run_worker(tree: Path, workload: str, n: int, reader: str = "") -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", BENCH_READER=reader)
     # Run this file by path: the tree under test may not have it.
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--n", str(n)],
-                         env=env, capture_output=True, text=True, check=False, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--n", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
     if out.returncode:
         raise RuntimeError(f"worker {workload} on {tree} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -203,11 +217,18 @@ def inprocess(trees: dict[str, Path], workloads: list[str], n: int, repeats: int
                 walls[w][label].append(res["uploads_per_wall_s"])
                 sizes[w] = res["upload_bytes"]
                 print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8}: {res['uploads_per_s']:8.0f} uploads/s", flush=True)
-    return {"uploads": n, "repeats": repeats, "upload_bytes": sizes, "rates": rates, "wall_rates": walls,
-            "median": {w: {t: statistics.median(v) for t, v in d.items()} for w, d in rates.items()}}
+    return {
+        "uploads": n,
+        "repeats": repeats,
+        "upload_bytes": sizes,
+        "rates": rates,
+        "wall_rates": walls,
+        "median": {w: {t: statistics.median(v) for t, v in d.items()} for w, d in rates.items()},
+    }
 
 
 # -- part 2: through the secured broker ----------------------------------------------------------------
+
 
 def _varint(n: int) -> bytes:
     out = bytearray()
@@ -229,6 +250,7 @@ def _packet(kind: int, body: bytes) -> bytes:
 
 def _read_packet(sock: Any) -> tuple[int, bytes]:
     """One MQTT packet from a blocking socket: (first byte, body)."""
+
     def exactly(k: int) -> bytes:
         buf = bytearray()
         while len(buf) < k:
@@ -278,8 +300,11 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
     watcher = socks[0]
     announced = [not wait_round]
     if wait_round:  # the federation's config and its round are retained: whoever subscribes gets them
-        watcher.sendall(_packet(0x82, (1).to_bytes(2, "big") + _utf8(topics.config(fed)) + b"\x00"
-                                + _utf8(topics.round_(fed)) + b"\x00"))
+        watcher.sendall(
+            _packet(
+                0x82, (1).to_bytes(2, "big") + _utf8(topics.config(fed)) + b"\x00" + _utf8(topics.round_(fed)) + b"\x00"
+            )
+        )
 
     def publish_all(payloads: list[bytes]) -> None:
         for i, (cid, sock) in enumerate(zip(ids, socks, strict=True)):
@@ -299,9 +324,9 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
     def note(kind: int, body: bytes) -> None:
         if kind >> 4 == 3:  # a PUBLISH (QoS 0) on the config or the round topic
             tlen = int.from_bytes(body[:2], "big")
-            topic = body[2:2 + tlen].decode()
+            topic = body[2 : 2 + tlen].decode()
             announced[0] |= topic == topics.config(fed)
-            if topic == topics.round_(fed) and read_header(body[2 + tlen:]).round >= 1:
+            if topic == topics.round_(fed) and read_header(body[2 + tlen :]).round >= 1:
                 round_open[0] = True
 
     # The server announces the federation once it (and each of its shards) reads the uploads: a join published
@@ -332,8 +357,13 @@ def subscriber_main(port: int, fed: str, password: str, n: int) -> None:
 
     user = server_user(fed)
     stamps: list[float] = []
-    t = MqttTransport(parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(user, password), user,
-                      persistent_session=True, deliver="pump", manual_ack=True)
+    t = MqttTransport(
+        parse_broker_url(f"mqtt://127.0.0.1:{port}").with_auth(user, password),
+        user,
+        persistent_session=True,
+        deliver="pump",
+        manual_ack=True,
+    )
     t.before_ack = lambda: None
     t.connect(30)
     t.subscribe(f"protofl/{fed}/up/+", lambda topic, payload: stamps.append(time.perf_counter()))
@@ -382,8 +412,20 @@ def raw_subscriber_main(port: int, fed: str, password: str, n: int) -> None:
 
 
 def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> Any:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--publisher", str(port), "--creds", str(creds),
-           "--worker", workload, "--n", str(n), "--fed", fed] + (["--wait-round"] if wait_round else [])
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--publisher",
+        str(port),
+        "--creds",
+        str(creds),
+        "--worker",
+        workload,
+        "--n",
+        str(n),
+        "--fed",
+        fed,
+    ] + (["--wait-round"] if wait_round else [])
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
@@ -456,17 +498,44 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     began = time.monotonic()
 
     def stage(what: str) -> None:  # progress of a long measurement (10,000 devices take minutes)
-        print(f"  {workload}, {shards or 'no'} shards: {what} at {time.monotonic() - began:.1f} s", file=sys.stderr,
-              flush=True)
+        print(
+            f"  {workload}, {shards or 'no'} shards: {what} at {time.monotonic() - began:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", preset, *sets, "--fed", fed, "--port",
-         str(port), "--rounds", "1", "--min-clients", str(n), "--round-timeout", "600", "--state-dir", str(state),
-         "--devices", str(n), *(["--shards", str(shards)] if shards else [])], stdout=subprocess.PIPE,
-         stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONPATH=str(tree)))
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            preset,
+            *sets,
+            "--fed",
+            fed,
+            "--port",
+            str(port),
+            "--rounds",
+            "1",
+            "--min-clients",
+            str(n),
+            "--round-timeout",
+            "600",
+            "--state-dir",
+            str(state),
+            "--devices",
+            str(n),
+            *(["--shards", str(shards)] if shards else []),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(tree)),
+    )
     creds = state / "security" / "devices"
     cpu = CpuSampler(server.pid)
     try:
@@ -491,8 +560,11 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
 
     # The broker alone: the same secured config, the server's credentials on a C subscriber.
     secrets = FederationSecrets.from_json((state / "security" / "credentials.json").read_text(), "credentials.json")
-    broker = subprocess.Popen(["mosquitto", "-c", str(state / "broker" / "mosquitto.conf")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    broker = subprocess.Popen(
+        ["mosquitto", "-c", str(state / "broker" / "mosquitto.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         end = time.monotonic() + 30
         while True:
@@ -503,9 +575,29 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
                 if time.monotonic() > end:
                     raise
                 time.sleep(0.1)
-        sub = subprocess.Popen(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(port), "-u", server_user(fed), "-P",
-                                secrets.server_password, "-q", "1", "-t", f"protofl/{fed}/up/+", "-C", str(2 * n),
-                                "-F", "%U"], stdout=subprocess.PIPE, text=True)
+        sub = subprocess.Popen(
+            [
+                "mosquitto_sub",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-u",
+                server_user(fed),
+                "-P",
+                secrets.server_password,
+                "-q",
+                "1",
+                "-t",
+                f"protofl/{fed}/up/+",
+                "-C",
+                str(2 * n),
+                "-F",
+                "%U",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(1.0)  # subscribed (a retained-free topic: nothing to wait for but the SUBACK)
         pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
         stamps, _ = sub.communicate(timeout=300)
@@ -524,18 +616,29 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     broker_rate = (n - 1) / (times[-1] - times[0])
     transport_rate = read_rates["--subscriber"]
     paho_rate = read_rates["--raw-subscriber"]
-    return {"workload": workload, "uploads": n, "shards": shards, "aggregator_uploads_per_s": aggregator,
-            "aggregator_uploads_per_server_cpu_s": n / server_cpu if server_cpu > 0 else None,
-            "broker_msgs_per_s": broker_rate, "ratio": aggregator / broker_rate,
-            "transport_only_msgs_per_s": transport_rate, "transport_only_ratio": transport_rate / broker_rate,
-            "paho_only_msgs_per_s": paho_rate, "paho_only_ratio": paho_rate / broker_rate}
+    return {
+        "workload": workload,
+        "uploads": n,
+        "shards": shards,
+        "aggregator_uploads_per_s": aggregator,
+        "aggregator_uploads_per_server_cpu_s": n / server_cpu if server_cpu > 0 else None,
+        "broker_msgs_per_s": broker_rate,
+        "ratio": aggregator / broker_rate,
+        "transport_only_msgs_per_s": transport_rate,
+        "transport_only_ratio": transport_rate / broker_rate,
+        "paho_only_msgs_per_s": paho_rate,
+        "paho_only_ratio": paho_rate / broker_rate,
+    }
 
 
 def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, workload: str, password: str) -> float:
     """Messages/s a reader child (`mode`: the server's transport, or bare paho) takes from the running broker."""
-    reader = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, str(port), "--fed", fed, "--n",
-                               str(n)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(tree), BENCH_PASSWORD=password))
+    reader = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), mode, str(port), "--fed", fed, "--n", str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(tree), BENCH_PASSWORD=password),
+    )
     assert reader.stdout is not None
     if reader.stdout.readline().strip() != "subscribed":
         raise RuntimeError(f"the {mode} reader did not subscribe")
@@ -547,15 +650,18 @@ def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, 
 
 
 def _line(res: dict[str, Any]) -> str:
-    return (f"through the broker: aggregator {res['aggregator_uploads_per_s']:6.0f} uploads/s "
-            f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
-            f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's transport alone "
-            f"{res['transport_only_msgs_per_s']:6.0f} msgs/s ({res['transport_only_ratio']:.2f}), bare paho "
-            f"{res['paho_only_msgs_per_s']:6.0f} msgs/s ({res['paho_only_ratio']:.2f})")
+    return (
+        f"through the broker: aggregator {res['aggregator_uploads_per_s']:6.0f} uploads/s "
+        f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
+        f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's transport alone "
+        f"{res['transport_only_msgs_per_s']:6.0f} msgs/s ({res['transport_only_ratio']:.2f}), bare paho "
+        f"{res['paho_only_msgs_per_s']:6.0f} msgs/s ({res['paho_only_ratio']:.2f})"
+    )
 
 
-def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: int,
-                shard_counts: tuple[int, ...] = (0,)) -> dict[str, Any]:
+def broker_part(
+    trees: dict[str, Path], workloads: list[str], n: int, repeats: int, shard_counts: tuple[int, ...] = (0,)
+) -> dict[str, Any]:
     if shutil.which("mosquitto_sub") is None or shutil.which("mosquitto") is None:
         print("no mosquitto / mosquitto_sub: apt-get install -y mosquitto mosquitto-clients; part 2 skipped")
         return {}
@@ -576,11 +682,11 @@ def broker_part(trees: dict[str, Path], workloads: list[str], n: int, repeats: i
                     for shards in shard_counts:
                         res = through_broker(tree, w, n, work, shards)
                         out[w][setup(label, shards)].append(res)
-                        print(f"repeat {r + 1}/{repeats} {w:>9} {setup(label, shards):>8} " + _line(res),
-                              flush=True)
+                        print(f"repeat {r + 1}/{repeats} {w:>9} {setup(label, shards):>8} " + _line(res), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -588,15 +694,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--baseline", type=Path, help="another tree (e.g. a worktree of main) to measure beside this one")
-    ap.add_argument("--readers", action="store_true",
-                    help="in-process, also this tree with the reference upload reader (msgspec's turned off)")
+    ap.add_argument(
+        "--readers",
+        action="store_true",
+        help="in-process, also this tree with the reference upload reader (msgspec's turned off)",
+    )
     ap.add_argument("--out", type=Path, help="write the results as markdown here")
     ap.add_argument("--broker", action="store_true", help="also measure through the secured broker (part 2)")
     ap.add_argument("--broker-n", type=int, default=2000, help="devices per through-broker measurement")
     ap.add_argument("--broker-workloads", help="workloads of part 2 (default: --workloads)")
     ap.add_argument("--broker-repeats", type=int, help="repeats of part 2 (default: --repeats)")
-    ap.add_argument("--broker-shards", default="0",
-                    help="part 2 with `start --shards N` for each N of this comma list (0: one aggregator process)")
+    ap.add_argument(
+        "--broker-shards",
+        default="0",
+        help="part 2 with `start --shards N` for each N of this comma list (0: one aggregator process)",
+    )
     ap.add_argument("--skip-inprocess", action="store_true", help="part 2 only")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
@@ -629,13 +741,19 @@ def main() -> None:
     if not args.skip_inprocess:
         res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
     if args.broker:
-        res["broker"] = broker_part({k: v for k, v in trees.items() if k != REFERENCE_READER},
-                                    (args.broker_workloads or args.workloads).split(","), args.broker_n,
-                                    args.broker_repeats or args.repeats,
-                                    tuple(int(x) for x in args.broker_shards.split(",")))
-    res["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                      "load_avg_before": [round(x, 2) for x in load],
-                      "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+        res["broker"] = broker_part(
+            {k: v for k, v in trees.items() if k != REFERENCE_READER},
+            (args.broker_workloads or args.workloads).split(","),
+            args.broker_n,
+            args.broker_repeats or args.repeats,
+            tuple(int(x) for x in args.broker_shards.split(",")),
+        )
+    res["machine"] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_avg_before": [round(x, 2) for x in load],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+    }
     if "inprocess" in res:
         print(json.dumps(res["inprocess"]["median"], indent=1))
     if args.out:
@@ -646,17 +764,23 @@ def main() -> None:
 
 def markdown(res: dict[str, Any]) -> str:
     """The results as the AGGREGATOR.md tables (the prose around them is written by hand)."""
-    lines = [f"Command: `{res['command']}`", "",
-             f"Machine: {res['machine']['cpus']} cores, Python {res['machine']['python']}, load average (1/5/15 min) "
-             f"{res['machine']['load_avg_before']} before, {res['machine']['load_avg_after']} after."]
+    lines = [
+        f"Command: `{res['command']}`",
+        "",
+        f"Machine: {res['machine']['cpus']} cores, Python {res['machine']['python']}, load average (1/5/15 min) "
+        f"{res['machine']['load_avg_before']} before, {res['machine']['load_avg_after']} after.",
+    ]
     inp = res.get("inprocess", {"rates": {}})
     trees = list(next(iter(inp["rates"].values()), {}))
     if inp["rates"]:
-        lines += ["", f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per "
-                      f"CPU second of the aggregator's process; all repeats in brackets):", "",
-                  "| workload | upload bytes | " + " | ".join(trees)
-                  + (f" | this / {trees[0]} |" if len(trees) > 1 else ""),
-                  "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else "")]
+        lines += [
+            "",
+            f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per "
+            f"CPU second of the aggregator's process; all repeats in brackets):",
+            "",
+            "| workload | upload bytes | " + " | ".join(trees) + (f" | this / {trees[0]} |" if len(trees) > 1 else ""),
+            "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else ""),
+        ]
     for w, per_tree in inp["rates"].items():
         cells = [f"{inp['median'][w][t]:,.0f} ({', '.join(f'{x:,.0f}' for x in per_tree[t])})" for t in trees]
         row = f"| {w} | {inp['upload_bytes'][w]:,} | " + " | ".join(cells) + " |"
@@ -665,19 +789,26 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(row)
     broker = res.get("broker")
     if broker:
-        lines += ["", "Through the secured broker (the `start` path, journal with fsync and group commit) beside the "
-                      "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):", "",
-                  "| workload | tree | aggregator | per server CPU s | broker alone | ratio | server's transport alone "
-                  "| its ratio | bare paho | its ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Through the secured broker (the `start` path, journal with fsync and group commit) beside the "
+            "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):",
+            "",
+            "| workload | tree | aggregator | per server CPU s | broker alone | ratio | server's transport alone "
+            "| its ratio | bare paho | its ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for w, per_tree in broker.items():
             for t, runs in per_tree.items():
                 for r in runs:
                     per_cpu = r.get("aggregator_uploads_per_server_cpu_s")
-                    lines.append(f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | "
-                                 f"{'-' if per_cpu is None else f'{per_cpu:,.0f}'} | {r['broker_msgs_per_s']:,.0f} "
-                                 f"| {r['ratio']:.2f} | {r.get('transport_only_msgs_per_s', 0):,.0f} | "
-                                 f"{r.get('transport_only_ratio', 0):.2f} | {r.get('paho_only_msgs_per_s', 0):,.0f} | "
-                                 f"{r.get('paho_only_ratio', 0):.2f} |")
+                    lines.append(
+                        f"| {w} | {t} | {r['aggregator_uploads_per_s']:,.0f} | "
+                        f"{'-' if per_cpu is None else f'{per_cpu:,.0f}'} | {r['broker_msgs_per_s']:,.0f} "
+                        f"| {r['ratio']:.2f} | {r.get('transport_only_msgs_per_s', 0):,.0f} | "
+                        f"{r.get('transport_only_ratio', 0):.2f} | {r.get('paho_only_msgs_per_s', 0):,.0f} | "
+                        f"{r.get('paho_only_ratio', 0):.2f} |"
+                    )
     return "\n".join(lines) + "\n"
 
 

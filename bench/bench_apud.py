@@ -37,8 +37,15 @@ def make_payloads(n_distinct: int, d: int, k: int, seed: int = 0) -> list[bytes]
     for i in range(n_distinct):
         local = theta_g + rng.standard_normal(d).astype(np.float32) * 0.01
         sv = select_topk(local, theta_g, k)
-        out.append(encode_message(ParamsUpload(update=sv, n_samples=100 + i, base_round=1),
-                                  fed="bench", sender=f"c{i}", round=1, phase="train"))
+        out.append(
+            encode_message(
+                ParamsUpload(update=sv, n_samples=100 + i, base_round=1),
+                fed="bench",
+                sender=f"c{i}",
+                round=1,
+                phase="train",
+            )
+        )
     return out
 
 
@@ -64,10 +71,17 @@ def run(uploads: int, d: int, k: int, distinct: int = 64, trace: bool = False, r
     if trace:
         tracemalloc.stop()
     assert np.isfinite(result).all()
-    return {"uploads": uploads, "d": d, "k": k, "seconds": round(elapsed, 3),
-            "uploads_per_s": round(uploads / elapsed, 1), "uploads_per_cpu_s": round(uploads / cpu, 1),
-            "payload_bytes": len(payloads[0]), "reader": "fast" if fast else "reference",
-            "peak_traced_bytes": peak}
+    return {
+        "uploads": uploads,
+        "d": d,
+        "k": k,
+        "seconds": round(elapsed, 3),
+        "uploads_per_s": round(uploads / elapsed, 1),
+        "uploads_per_cpu_s": round(uploads / cpu, 1),
+        "payload_bytes": len(payloads[0]),
+        "reader": "fast" if fast else "reference",
+        "peak_traced_bytes": peak,
+    }
 
 
 def main() -> None:
@@ -81,10 +95,14 @@ def main() -> None:
     speed = run(args.uploads, args.d, args.k, reference=args.reference)
     mem_small = run(args.uploads // 10, args.d, args.k, trace=True)
     mem_full = run(args.uploads, args.d, args.k, trace=True)
-    report = {"machine": f"{platform.machine()} {os.cpu_count()} cpu, {platform.python_version()}",
-              "throughput": speed,
-              "peak_memory": {f"{mem_small['uploads']} uploads": mem_small["peak_traced_bytes"],
-                              f"{mem_full['uploads']} uploads": mem_full["peak_traced_bytes"]}}
+    report = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cpu, {platform.python_version()}",
+        "throughput": speed,
+        "peak_memory": {
+            f"{mem_small['uploads']} uploads": mem_small["peak_traced_bytes"],
+            f"{mem_full['uploads']} uploads": mem_full["peak_traced_bytes"],
+        },
+    }
     print(json.dumps(report, indent=2))
 
 

@@ -79,24 +79,34 @@ def run(n: int, classes: int, dim: int, repeats: int, directory: Path) -> dict[s
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = {m: statistics.median(v) for m, v in rates.items()}
-    return {"uploads": n, "classes": classes, "dim": dim, "repeats": repeats, "rates": rates, "median": med,
-            "fsync_ms": 1000 * fsync_s, "cpus": os.cpu_count(), "machine": platform.platform(),
-            "load": os.getloadavg()}
+    return {
+        "uploads": n,
+        "classes": classes,
+        "dim": dim,
+        "repeats": repeats,
+        "rates": rates,
+        "median": med,
+        "fsync_ms": 1000 * fsync_s,
+        "cpus": os.cpu_count(),
+        "machine": platform.platform(),
+        "load": os.getloadavg(),
+    }
 
 
 def markdown(res: dict[str, Any], command: str) -> str:
     med, mem = res["median"], res["median"]["memory"]
-    rows = "\n".join(f"| {m} | {med[m]:.0f} | {', '.join(f'{x:.0f}' for x in res['rates'][m])} | "
-                     f"{med[m] / mem:.2f} |" for m in MODES)
+    rows = "\n".join(
+        f"| {m} | {med[m]:.0f} | {', '.join(f'{x:.0f}' for x in res['rates'][m])} | {med[m] / mem:.2f} |" for m in MODES
+    )
     return f"""# Durability: what fsync-before-ack costs
 
-Command: `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {res['cpus']} CPUs, {res['machine']};
-load average at the end {res['load'][0]:.1f}, {res['load'][1]:.1f}, {res['load'][2]:.1f}).
+Command: `{command}` ({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, {res["cpus"]} CPUs, {res["machine"]};
+load average at the end {res["load"][0]:.1f}, {res["load"][1]:.1f}, {res["load"][2]:.1f}).
 
-{res['uploads']} prototype uploads ({res['classes']} classes x {res['dim']} values, QoS 1) from one publisher
+{res["uploads"]} prototype uploads ({res["classes"]} classes x {res["dim"]} values, QoS 1) from one publisher
 process through Mosquitto into the aggregator service; uploads/s = uploads / (round close - round open),
-median of {res['repeats']} interleaved repeats. One append + fsync of 256 bytes on this disk: median
-{res['fsync_ms']:.2f} ms.
+median of {res["repeats"]} interleaved repeats. One append + fsync of 256 bytes on this disk: median
+{res["fsync_ms"]:.2f} ms.
 
 | mode | uploads/s (median) | each repeat | vs memory |
 |---|---|---|---|
@@ -120,8 +130,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the result table (markdown) here")
     args = ap.parse_args()
     res = run(args.n, args.classes, args.dim, args.repeats, args.dir)
-    command = "python -m bench.bench_durability" + (f" --n {args.n}" if args.n != 2000 else "") + \
-        (f" --out {args.out}" if args.out else "")
+    command = (
+        "python -m bench.bench_durability"
+        + (f" --n {args.n}" if args.n != 2000 else "")
+        + (f" --out {args.out}" if args.out else "")
+    )
     text = markdown(res, command)
     print(text)
     if args.out:

@@ -108,8 +108,9 @@ class Sampler:
 def cli(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = log.open("ab") if log is not None else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                            stdin=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.PIPE
+    )
 
 
 def wait_for(pred: Any, timeout: float, what: str) -> None:
@@ -136,11 +137,17 @@ def spawn_generators(work: Path, devices: list[list[Any]], per_process: int) -> 
     procs = []
     for i in range(0, len(devices), per_process):
         spec = work / f"generator-{i // per_process}.json"
-        spec.write_text(json.dumps({"fed": FED, "preset": PRESET, "seed": i,
-                                    "devices": devices[i:i + per_process]}))
+        spec.write_text(json.dumps({"fed": FED, "preset": PRESET, "seed": i, "devices": devices[i : i + per_process]}))
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.fleet_devices", str(spec)], env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.fleet_devices", str(spec)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -168,6 +175,7 @@ def cpu_ticks(pid: int) -> int:
 def wait_server(server: subprocess.Popen[bytes], progress: list[Path], stall: float, timeout: float) -> bool:
     """Wait for the server to exit; True if for `stall` s nothing it writes changed and it used no CPU (a busy
     server may log nothing for minutes while a join burst drains), or `timeout` passed."""
+
     def mark() -> tuple[float, ...]:
         busy = cpu_ticks(server.pid) // 100  # a second of CPU since the last look counts as progress
         return (*(p.stat().st_mtime if p.exists() else 0.0 for p in progress), busy)
@@ -209,18 +217,57 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sites: list[tuple[str, int, Path]] = []
     for i, n in enumerate(shares[1:]):
         site, port, out = f"site-{i + 1}", free_port(), work / f"site-{i + 1}"
-        made = subprocess.run([sys.executable, "-m", "broker_server.cli", "broker-config", "--bridge", site, "--fed",
-                               FED,
-                               "--core", f"mqtt://127.0.0.1:{core_port}", "--core-dir", str(state / "security"),
-                               "--out", str(out), "--devices", str(n), "--listen", f"127.0.0.1:{port}", "--tls",
-                               "off"], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        made = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "broker_server.cli",
+                "broker-config",
+                "--bridge",
+                site,
+                "--fed",
+                FED,
+                "--core",
+                f"mqtt://127.0.0.1:{core_port}",
+                "--core-dir",
+                str(state / "security"),
+                "--out",
+                str(out),
+                "--devices",
+                str(n),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--tls",
+                "off",
+            ],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
         if made.returncode != 0:
             raise RuntimeError(made.stdout + made.stderr)
         sites.append((site, port, out))
     server_log = work / "server.log"
-    start = ["broker_server.cli", "start", "--preset", PRESET, "--fed", FED, "--port", str(core_port), "--devices",
-             str(shares[0]), "--min-clients", str(args.devices), "--rounds", str(args.rounds), "--round-timeout",
-             str(args.round_timeout), "--state-dir", str(state)]
+    start = [
+        "broker_server.cli",
+        "start",
+        "--preset",
+        PRESET,
+        "--fed",
+        FED,
+        "--port",
+        str(core_port),
+        "--devices",
+        str(shares[0]),
+        "--min-clients",
+        str(args.devices),
+        "--rounds",
+        str(args.rounds),
+        "--round-timeout",
+        str(args.round_timeout),
+        "--state-dir",
+        str(state),
+    ]
     if args.shards:
         start += ["--shards", str(args.shards)]
     t_start = time.perf_counter()
@@ -229,8 +276,11 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     site_procs: list[subprocess.Popen[bytes]] = []
     generators: list[subprocess.Popen[str]] = []
     try:
-        wait_for(lambda: "waiting for" in server_log.read_text(errors="replace") or server.poll() is not None, 600,
-                 "the server to start")
+        wait_for(
+            lambda: "waiting for" in server_log.read_text(errors="replace") or server.poll() is not None,
+            600,
+            "the server to start",
+        )
         if server.poll() is not None:
             raise RuntimeError(server_log.read_text()[-3000:])
         server_ready_s = time.perf_counter() - t_start
@@ -242,8 +292,9 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         mosquitto = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
         for _, _, out in sites:
             with (out / "mosquitto.log").open("ab") as log:
-                p = subprocess.Popen([mosquitto, "-c", str(out / "mosquitto.conf")], stdout=log,
-                                     stderr=subprocess.STDOUT)
+                p = subprocess.Popen(
+                    [mosquitto, "-c", str(out / "mosquitto.conf")], stdout=log, stderr=subprocess.STDOUT
+                )
             site_procs.append(p)
             sampler.watch("site brokers", p.pid)
         for _, _, out in sites:
@@ -284,30 +335,50 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     sent = sum(sum(d["uploads"].values()) for d in done)
     folded = sum(len(r["clients"]) for r in rounds)
     return {
-        "kind": "federate", "devices": args.devices, "shares": shares, "sites": len(sites), "shards": args.shards or 1,
-        "rounds": [{"round": r["round"], "clients": len(r["clients"]), "closed_by": r["closed_by"],
-                    "close_s": round(r["ended"] - r["started"], 3),
-                    "uploads_per_s": round(len(r["clients"]) / max(r["ended"] - r["started"], 1e-9), 1),
-                    "uplink_bytes": r["uplink_bytes"]} for r in rounds],
+        "kind": "federate",
+        "devices": args.devices,
+        "shares": shares,
+        "sites": len(sites),
+        "shards": args.shards or 1,
+        "rounds": [
+            {
+                "round": r["round"],
+                "clients": len(r["clients"]),
+                "closed_by": r["closed_by"],
+                "close_s": round(r["ended"] - r["started"], 3),
+                "uploads_per_s": round(len(r["clients"]) / max(r["ended"] - r["started"], 1e-9), 1),
+                "uplink_bytes": r["uplink_bytes"],
+            }
+            for r in rounds
+        ],
         "finished": "finished:" in log_text or f"round {args.rounds}/{args.rounds}" in log_text,
         "stalled_s": args.stall if stalled else None,
         "joins_seen_by_server": sum(1 for line in log_text.splitlines() if " joined (" in line),
         "joins_sent": sum(d["joins"] for d in done),
         "server_tail": [line for line in log_text.splitlines() if "finished" in line or "dropped" in line][-3:],
-        "uploads_sent": sent, "uploads_folded": folded, "resent": sum(d["resent"] for d in done),
-        "asked_again": {"joins": sum(d.get("asked_join", 0) for d in done),
-                        "uploads": sum(d.get("asked_uploads", 0) for d in done)},
+        "uploads_sent": sent,
+        "uploads_folded": folded,
+        "resent": sum(d["resent"] for d in done),
+        "asked_again": {
+            "joins": sum(d.get("asked_join", 0) for d in done),
+            "uploads": sum(d.get("asked_uploads", 0) for d in done),
+        },
         "connected": sum(c["connected"] for c in connected),
         "connect_failed": sum(c["connect_failed"] for c in connected),
         "disconnected": sum(d["disconnected"] for d in done),
         "generator_errors": merge([d["errors"] for d in done]),
-        "broker_dropped_lines": dropped_lines(state / "broker" / "mosquitto.log",
-                                              *(out / "mosquitto.log" for _, _, out in sites)),
-        "server_ready_s": round(server_ready_s, 1), "connect_s": round(connect_s, 1), "wall_s": round(wall, 1),
+        "broker_dropped_lines": dropped_lines(
+            state / "broker" / "mosquitto.log", *(out / "mosquitto.log" for _, _, out in sites)
+        ),
+        "server_ready_s": round(server_ready_s, 1),
+        "connect_s": round(connect_s, 1),
+        "wall_s": round(wall, 1),
         "rss_mb": {k: round(v, 1) for k, v in sampler.peak.items()},
         "generator_processes": len(generators),
-        "load_avg": {"max": max(sampler.load, default=0.0),
-                     "mean": round(sum(sampler.load) / max(len(sampler.load), 1), 2)},
+        "load_avg": {
+            "max": max(sampler.load, default=0.0),
+            "mean": round(sum(sampler.load) / max(len(sampler.load), 1), 2),
+        },
     }
 
 
@@ -333,19 +404,43 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     ids = [f"device-{i}" for i in range(1, args.publishers + 1)]
     auth = prepare(work / "security", FED, ids)
-    broker = MosquittoBroker(port=0, workdir=work / "broker", allow_anonymous=False,
-                             max_queued_messages=max(10000, args.devices),
-                             extra_config=auth.mosquitto_lines()[1:]).start()
+    broker = MosquittoBroker(
+        port=0,
+        workdir=work / "broker",
+        allow_anonymous=False,
+        max_queued_messages=max(10000, args.devices),
+        extra_config=auth.mosquitto_lines()[1:],
+    ).start()
     body = upload_body(make_config(PRESET), np.random.default_rng(0))
     procs: list[subprocess.Popen[bytes]] = []
     try:
         server = auth.secrets.server
-        sub = subprocess.Popen(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(broker.port), "-u", server.username,
-                                "-P", server.password, "-t", f"protofl/{FED}/up/+", "-q", "1", "-C",
-                                str(args.devices)], stdout=subprocess.DEVNULL)
+        sub = subprocess.Popen(
+            [
+                "mosquitto_sub",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(broker.port),
+                "-u",
+                server.username,
+                "-P",
+                server.password,
+                "-t",
+                f"protofl/{FED}/up/+",
+                "-q",
+                "1",
+                "-C",
+                str(args.devices),
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         procs.append(sub)
-        wait_for(lambda: f"as {server.username}" in broker.log_path.read_text(errors="replace"), 30,
-                 "mosquitto_sub to connect")
+        wait_for(
+            lambda: f"as {server.username}" in broker.log_path.read_text(errors="replace"),
+            30,
+            "mosquitto_sub to connect",
+        )
         time.sleep(0.5)  # its SUBSCRIBE follows its CONNECT; the broker logs only the latter
         per = args.devices // len(ids)
         # The real upload's size; its bytes are not line-safe, and a broker does not look at them. `-l` sends one
@@ -360,9 +455,29 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         for cid, lines in zip(ids, files, strict=True):
             with lines.open("rb") as stdin:
-                procs.append(subprocess.Popen(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(broker.port), "-u", cid,
-                                               "-P", auth.secrets.devices[cid], "-t", f"protofl/{FED}/up/{cid}", "-q",
-                                               "1", "-l", "-M", "1000"], stdin=stdin))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            "mosquitto_pub",
+                            "-h",
+                            "127.0.0.1",
+                            "-p",
+                            str(broker.port),
+                            "-u",
+                            cid,
+                            "-P",
+                            auth.secrets.devices[cid],
+                            "-t",
+                            f"protofl/{FED}/up/{cid}",
+                            "-q",
+                            "1",
+                            "-l",
+                            "-M",
+                            "1000",
+                        ],
+                        stdin=stdin,
+                    )
+                )
         sub.wait(600)
         secs = time.perf_counter() - t0
         broker_rss = rss_mb(broker.proc.pid if broker.proc else None)
@@ -372,54 +487,77 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 p.kill()
                 p.wait()
         broker.cleanup()
-    return {"kind": "rate", "devices": args.devices, "publishers": len(ids), "upload_bytes": size,
-            "seconds": round(secs, 3), "uploads_per_s": round(args.devices / secs, 1),
-            "broker_rss_mb": round(broker_rss, 1)}
+    return {
+        "kind": "rate",
+        "devices": args.devices,
+        "publishers": len(ids),
+        "upload_bytes": size,
+        "seconds": round(secs, 3),
+        "uploads_per_s": round(args.devices / secs, 1),
+        "broker_rss_mb": round(broker_rss, 1),
+    }
 
 
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_before": Path("/proc/loadavg").read_text().split()[:3], "commit": git_head(),
-            "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_before": Path("/proc/loadavg").read_text().split()[:3],
+        "commit": git_head(),
+        "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
 
 
 def git_head() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         return ""
 
 
 def row(r: dict[str, Any]) -> str:
     if r["kind"] == "rate":
-        return (f"| broker only (mosquitto_pub to mosquitto_sub) | {r['devices']:,} | - | - | "
-                f"{r['uploads_per_s']:,.0f} | - | {r['broker_rss_mb']:.0f} MB | - | - | {r['commit']} |")
+        return (
+            f"| broker only (mosquitto_pub to mosquitto_sub) | {r['devices']:,} | - | - | "
+            f"{r['uploads_per_s']:,.0f} | - | {r['broker_rss_mb']:.0f} MB | - | - | {r['commit']} |"
+        )
     rounds = r["rounds"]
     closes = [x["close_s"] for x in rounds]
     rates = [x["uploads_per_s"] for x in rounds]
     where = f"core {r['shares'][0]:,}" + (f" + {r['sites']} sites x ~{r['shares'][1]:,}" if r["sites"] else "")
     if not rounds:
-        return (f"| {where}, {r['shards']} shard(s) | "
-                f"{r['devices']:,} | never (stalled: {r['joins_seen_by_server']:,} of {r['joins_sent']:,} joins "
-                f"reached the server) | - | - | {r['rss_mb'].get('server', 0):.0f} MB | "
-                f"{r['rss_mb'].get('core broker', 0):.0f} MB | {r['broker_dropped_lines']} broker drop lines | "
-                f"{r['load_avg']['mean']:.1f} | {r['commit']} |")
-    quorum = all(x["closed_by"] == "quorum" and x["clients"] == r["devices"] for x in rounds) and \
-        len(rounds) == r["rounds_asked"]
+        return (
+            f"| {where}, {r['shards']} shard(s) | "
+            f"{r['devices']:,} | never (stalled: {r['joins_seen_by_server']:,} of {r['joins_sent']:,} joins "
+            f"reached the server) | - | - | {r['rss_mb'].get('server', 0):.0f} MB | "
+            f"{r['rss_mb'].get('core broker', 0):.0f} MB | {r['broker_dropped_lines']} broker drop lines | "
+            f"{r['load_avg']['mean']:.1f} | {r['commit']} |"
+        )
+    quorum = (
+        all(x["closed_by"] == "quorum" and x["clients"] == r["devices"] for x in rounds)
+        and len(rounds) == r["rounds_asked"]
+    )
     lost = r["uploads_sent"] - r["uploads_folded"]
-    losses = ("none" if lost == 0 and r["broker_dropped_lines"] == 0 and r["connect_failed"] == 0 else
-              f"{lost} uploads not folded, {r['broker_dropped_lines']} broker drop lines, "
-              f"{r['connect_failed']} never connected")
+    losses = (
+        "none"
+        if lost == 0 and r["broker_dropped_lines"] == 0 and r["connect_failed"] == 0
+        else f"{lost} uploads not folded, {r['broker_dropped_lines']} broker drop lines, "
+        f"{r['connect_failed']} never connected"
+    )
     rss = r["rss_mb"]
     alone = f"{r['broker_rate']['uploads_per_s']:,.0f}" if r.get("broker_rate") else "-"
     brokers = f"{rss.get('core broker', 0):.0f} MB"
     if r["sites"]:
         brokers += f" + sites {rss.get('site brokers', 0):.0f} MB"
-    return (f"| {where}, {r['shards']} shard(s) | {r['devices']:,} | "
-            f"{min(closes):.2f}-{max(closes):.2f} s{'' if quorum else ' (NOT all at quorum)'} | "
-            f"{min(rates):,.0f}-{max(rates):,.0f} | {alone} | {rss.get('server', 0):.0f} MB | {brokers} | {losses} | "
-            f"{r['load_avg']['mean']:.1f} (max {r['load_avg']['max']:.1f}) | {r['commit']} |")
+    return (
+        f"| {where}, {r['shards']} shard(s) | {r['devices']:,} | "
+        f"{min(closes):.2f}-{max(closes):.2f} s{'' if quorum else ' (NOT all at quorum)'} | "
+        f"{min(rates):,.0f}-{max(rates):,.0f} | {alone} | {rss.get('server', 0):.0f} MB | {brokers} | {losses} | "
+        f"{r['load_avg']['mean']:.1f} (max {r['load_avg']['max']:.1f}) | {r['commit']} |"
+    )
 
 
 def write_report(out: Path) -> None:
@@ -451,14 +589,19 @@ def write_report(out: Path) -> None:
         "",
     ]
     for r in runs:
-        lines.append(f"- `{r['command']}` ({r['date']}): " + (
-            f"{r['uploads_per_s']:,.0f} uploads/s, {r['seconds']} s" if r["kind"] == "rate" else
-            f"rounds {[(x['round'], x['clients'], x['closed_by'], x['close_s']) for x in r['rounds']]}, "
-            f"sent {r['uploads_sent']:,} folded {r['uploads_folded']:,} re-sent {r['resent']} (asked again by the "
-            f"server: {r.get('asked_again', {})}), connected "
-            f"{r['connected']:,} in {r['connect_s']} s ({r['generator_processes']} generator processes), "
-            f"server ready in {r['server_ready_s']} s, wall {r['wall_s']} s, RSS {r['rss_mb']}, "
-            f"generator errors {r['generator_errors'] or 'none'}"))
+        lines.append(
+            f"- `{r['command']}` ({r['date']}): "
+            + (
+                f"{r['uploads_per_s']:,.0f} uploads/s, {r['seconds']} s"
+                if r["kind"] == "rate"
+                else f"rounds {[(x['round'], x['clients'], x['closed_by'], x['close_s']) for x in r['rounds']]}, "
+                f"sent {r['uploads_sent']:,} folded {r['uploads_folded']:,} re-sent {r['resent']} (asked again by the "
+                f"server: {r.get('asked_again', {})}), connected "
+                f"{r['connected']:,} in {r['connect_s']} s ({r['generator_processes']} generator processes), "
+                f"server ready in {r['server_ready_s']} s, wall {r['wall_s']} s, RSS {r['rss_mb']}, "
+                f"generator errors {r['generator_errors'] or 'none'}"
+            )
+        )
     out.write_text("\n".join(lines) + "\n")
 
 
@@ -466,16 +609,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--sites", type=int, default=None, help="bridged site brokers (default: as many as the devices "
-                                                           "beyond --core-max need)")
+    p.add_argument(
+        "--sites",
+        type=int,
+        default=None,
+        help="bridged site brokers (default: as many as the devices beyond --core-max need)",
+    )
     p.add_argument("--core-max", type=int, default=15000, help="devices on the core broker at most")
     p.add_argument("--per-process", type=int, default=10000, help="devices per generator process")
     p.add_argument("--shards", type=int, default=0, help="start --shards N (where start has it)")
     p.add_argument("--round-timeout", type=float, default=900.0)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--stall", type=float, default=180.0, help="stop a run whose server wrote nothing for this long")
-    p.add_argument("--rate", action="store_true", help="the broker's own rate to a C subscriber instead: --devices "
-                                                      "uploads from --publishers mosquitto_pub processes")
+    p.add_argument(
+        "--rate",
+        action="store_true",
+        help="the broker's own rate to a C subscriber instead: --devices "
+        "uploads from --publishers mosquitto_pub processes",
+    )
     p.add_argument("--publishers", type=int, default=2)
     p.add_argument("--with-rate", action="store_true", help="also measure the broker's own rate right after the run")
     p.add_argument("--label", default=None, help="result file name (default from the setup)")
@@ -504,13 +655,23 @@ def main() -> None:
 
 
 def save(args: argparse.Namespace, result: dict[str, Any], before: dict[str, Any]) -> None:
-    result.update(command="python -m bench.bench_fleet " + " ".join(sys.argv[1:]), machine=before,
-                  load_after=Path("/proc/loadavg").read_text().split()[:3], commit=before["commit"],
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds_asked=args.rounds)
+    result.update(
+        command="python -m bench.bench_fleet " + " ".join(sys.argv[1:]),
+        machine=before,
+        load_after=Path("/proc/loadavg").read_text().split()[:3],
+        commit=before["commit"],
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        rounds_asked=args.rounds,
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    label = args.label or "-".join([("rate" if args.rate else "fleet"), str(args.devices),
-                                    *([f"sites{result['sites']}"] if result.get("sites") else []),
-                                    *([f"shards{args.shards}"] if args.shards else [])])
+    label = args.label or "-".join(
+        [
+            ("rate" if args.rate else "fleet"),
+            str(args.devices),
+            *([f"sites{result['sites']}"] if result.get("sites") else []),
+            *([f"shards{args.shards}"] if args.shards else []),
+        ]
+    )
     (RESULTS / f"{label}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(row(result))

@@ -46,8 +46,14 @@ def bound_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
         c = classes[d["class"]]
         down_s = down[d["round"]] * 8 / 1000 / c["downlink_kbps"]
         up_s = d["uplink_bytes"] * 8 / 1000 / c["uplink_kbps"]
-        out.append({**d, "bound_down_s": down_s, "bound_up_s": up_s,
-                    "bound_s": down_s + up_s + c["rtt_ms"] / 1000 + d["compute_s"]})
+        out.append(
+            {
+                **d,
+                "bound_down_s": down_s,
+                "bound_up_s": up_s,
+                "bound_s": down_s + up_s + c["rtt_ms"] / 1000 + d["compute_s"],
+            }
+        )
     return out
 
 
@@ -55,57 +61,79 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float,
-             when: str) -> str:
+def links_md(
+    runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float, when: str
+) -> str:
     from broker_server.report_cli import accuracy, time_to_target
     from protofl.humanize import human_bytes
 
     target = args.target
-    lines = ["# A mixed fleet over emulated links", "",
-             f"`python -m bench.bench_links --rounds {args.rounds} --time-scale {args.time_scale:g} "
-             f"--proto-time-scale {args.proto_time_scale:g} --target {args.target:g} --metric {args.metric} "
-             f"--train-limit {args.train_limit} --test-limit {args.test_limit} --deadline {args.deadline:g}` "
-             f"(run {when}; {platform.machine()}, {os.cpu_count()} cores "
-             f"shared with other jobs, load average {load[0]} at the start and {load[1]} at the end; {wall / 60:.0f} "
-             "min of wall time).", "",
-             f"Fleet `{args.fleet}`, Fashion-MNIST (alpha {args.alpha}), arch {args.arch}, seed {args.seed}, "
-             f"round deadline {args.deadline:g} s (simulated), adaptive uploads "
-             f"{'on' if args.adaptive else 'off'}, time scale {args.time_scale:g} for fedavg and "
-             f"{args.proto_time_scale:g} for the prototype presets. All times are simulated "
-             "seconds: link times measured through the shaping proxies (x time scale), compute emulated as the "
-             "device's CPU time / its profile's compute factor (see edge_agent/emulation.py).", "",
-             f"## Per preset (accuracy = {args.metric}_acc; target {100 * target:.0f} %)", "",
-             "Round / compute: the fleet's round (rounds >= 2) over the emulated compute of its slowest device "
-             "in that round (1.0 = communication costs nothing).", "",
-             "| preset | rounds | final acc % | mean round (s) | round / compute | simulated time (s) | "
-             "time to target (s) | uplink | re-sent after reconnects | missed deadlines |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# A mixed fleet over emulated links",
+        "",
+        f"`python -m bench.bench_links --rounds {args.rounds} --time-scale {args.time_scale:g} "
+        f"--proto-time-scale {args.proto_time_scale:g} --target {args.target:g} --metric {args.metric} "
+        f"--train-limit {args.train_limit} --test-limit {args.test_limit} --deadline {args.deadline:g}` "
+        f"(run {when}; {platform.machine()}, {os.cpu_count()} cores "
+        f"shared with other jobs, load average {load[0]} at the start and {load[1]} at the end; {wall / 60:.0f} "
+        "min of wall time).",
+        "",
+        f"Fleet `{args.fleet}`, Fashion-MNIST (alpha {args.alpha}), arch {args.arch}, seed {args.seed}, "
+        f"round deadline {args.deadline:g} s (simulated), adaptive uploads "
+        f"{'on' if args.adaptive else 'off'}, time scale {args.time_scale:g} for fedavg and "
+        f"{args.proto_time_scale:g} for the prototype presets. All times are simulated "
+        "seconds: link times measured through the shaping proxies (x time scale), compute emulated as the "
+        "device's CPU time / its profile's compute factor (see edge_agent/emulation.py).",
+        "",
+        f"## Per preset (accuracy = {args.metric}_acc; target {100 * target:.0f} %)",
+        "",
+        "Round / compute: the fleet's round (rounds >= 2) over the emulated compute of its slowest device "
+        "in that round (1.0 = communication costs nothing).",
+        "",
+        "| preset | rounds | final acc % | mean round (s) | round / compute | simulated time (s) | "
+        "time to target (s) | uplink | re-sent after reconnects | missed deadlines |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ttt: dict[str, float | None] = {}
     for run in runs:
         lr = run["links"]["rounds"]
         final = accuracy(run["rounds"][-1], args.metric)
         ttt[run["preset"]] = time_to_target(run, target, args.metric)
-        slowest = {r: max(d["compute_s"] for d in run["links"]["devices"] if d["round"] == r and d["compute_s"])
-                   for r in {d["round"] for d in run["links"]["devices"]}}
+        slowest = {
+            r: max(d["compute_s"] for d in run["links"]["devices"] if d["round"] == r and d["compute_s"])
+            for r in {d["round"] for d in run["links"]["devices"]}
+        }
         ratio = mean([x["round_s"] / slowest[x["round"]] for x in lr[1:] if x["round"] in slowest])
         t = ttt[run["preset"]]
         missed = sum(1 for d in run["links"]["devices"] if not d["made_it"])
         mean_round = mean([r["round_s"] for r in lr[1:]] or [lr[0]["round_s"]])
         shown = "-" if final is None else f"{100 * final:.1f}"  # a last round without that accuracy
-        lines.append(f"| {run['preset']} | {len(lr)} | {shown} | {mean_round:.1f} | "
-                     f"{ratio:.2f} | {lr[-1]['sim_time_s']:.1f} | {'not reached' if t is None else f'{t:.1f}'} | "
-                     f"{human_bytes(run['totals']['uplink_bytes'])} | "
-                     f"{human_bytes(sum(d.get('resent_bytes', 0) for d in run['links']['devices']))} | {missed} |")
+        lines.append(
+            f"| {run['preset']} | {len(lr)} | {shown} | {mean_round:.1f} | "
+            f"{ratio:.2f} | {lr[-1]['sim_time_s']:.1f} | {'not reached' if t is None else f'{t:.1f}'} | "
+            f"{human_bytes(run['totals']['uplink_bytes'])} | "
+            f"{human_bytes(sum(d.get('resent_bytes', 0) for d in run['links']['devices']))} | {missed} |"
+        )
     base = ttt.get("fedavg")
-    ratios = [f"{p} {'-' if ttt.get(p) is None or not base else f'{base / ttt[p]:.2f}x'}"  # type: ignore[operator]
-              for p in ("tinyproto", "protofl") if p in ttt]
-    lines += ["", f"Time to {100 * target:.0f} %, fedavg / preset (> 1: the preset gets there sooner): "
-              + (", ".join(ratios) if base else "fedavg did not reach the target") + ".", "",
-              "## Measured round time beside the analytical bound (rounds >= 2, mean per device)", "",
-              "Bound = round message / downlink rate + upload / uplink rate + RTT + compute. Within 20 % is the "
-              "issue's bar.", "",
-              "| preset | class | downlink meas / bound | compute | upload meas / bound | upload bytes | encoding | "
-              "round meas (s) | bound (s) | meas / bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = [
+        f"{p} {'-' if ttt.get(p) is None or not base else f'{base / ttt[p]:.2f}x'}"  # type: ignore[operator]
+        for p in ("tinyproto", "protofl")
+        if p in ttt
+    ]
+    lines += [
+        "",
+        f"Time to {100 * target:.0f} %, fedavg / preset (> 1: the preset gets there sooner): "
+        + (", ".join(ratios) if base else "fedavg did not reach the target")
+        + ".",
+        "",
+        "## Measured round time beside the analytical bound (rounds >= 2, mean per device)",
+        "",
+        "Bound = round message / downlink rate + upload / uplink rate + RTT + compute. Within 20 % is the issue's bar.",
+        "",
+        "| preset | class | downlink meas / bound | compute | upload meas / bound | upload bytes | encoding | "
+        "round meas (s) | bound (s) | meas / bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     worst = 0.0
     for run in runs:
         by_class: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -115,14 +143,19 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
             meas, bnd = mean([r["done_s"] for r in rows]), mean([r["bound_s"] for r in rows])
             worst = max(worst, abs(meas / bnd - 1))
             encs = sorted({r["dt"] + (f" K={r['k']}" if r["k"] else "") for r in rows if r["dt"]})
-            lines.append(f"| {run['preset']} | {cls} | {mean([r['downlink_s'] for r in rows]):.1f} / "
-                         f"{mean([r['bound_down_s'] for r in rows]):.1f} | "
-                         f"{mean([r['compute_s'] for r in rows]):.1f} | "
-                         f"{mean([r['upload_s'] for r in rows]):.2f} / {mean([r['bound_up_s'] for r in rows]):.2f} | "
-                         f"{human_bytes(mean([r['uplink_bytes'] for r in rows]))} | {', '.join(encs)} | {meas:.1f} | "
-                         f"{bnd:.1f} | {meas / bnd:.2f} |")
-    lines += ["", f"Largest deviation from the bound: {100 * worst:.0f} % "
-              f"({'within' if worst <= 0.2 else 'NOT within'} 20 %).", ""]
+            lines.append(
+                f"| {run['preset']} | {cls} | {mean([r['downlink_s'] for r in rows]):.1f} / "
+                f"{mean([r['bound_down_s'] for r in rows]):.1f} | "
+                f"{mean([r['compute_s'] for r in rows]):.1f} | "
+                f"{mean([r['upload_s'] for r in rows]):.2f} / {mean([r['bound_up_s'] for r in rows]):.2f} | "
+                f"{human_bytes(mean([r['uplink_bytes'] for r in rows]))} | {', '.join(encs)} | {meas:.1f} | "
+                f"{bnd:.1f} | {meas / bnd:.2f} |"
+            )
+    lines += [
+        "",
+        f"Largest deviation from the bound: {100 * worst:.0f} % ({'within' if worst <= 0.2 else 'NOT within'} 20 %).",
+        "",
+    ]
     for run in runs:
         rows = [r for r in bound_rows(run) if r["link"] == "nb-iot"]
         if not rows:
@@ -131,9 +164,11 @@ def links_md(runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[s
         comm = mean([r["downlink_s"] + r["upload_s"] for r in rows])
         up = mean([r["upload_s"] for r in rows])
         comp = mean([r["compute_s"] for r in rows])
-        lines.append(f"- {run['preset']} over nb-iot: round {done:.1f} s = compute {comp:.1f} s + downlink "
-                     f"{done - comp - up:.1f} s + upload {up:.1f} s; communication {100 * comm / done:.0f} % of it, "
-                     f"round / compute = {done / comp:.2f}.")
+        lines.append(
+            f"- {run['preset']} over nb-iot: round {done:.1f} s = compute {comp:.1f} s + downlink "
+            f"{done - comp - up:.1f} s + upload {up:.1f} s; communication {100 * comm / done:.0f} % of it, "
+            f"round / compute = {done / comp:.2f}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -143,14 +178,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--time-scale", type=float, default=20.0, help="fedavg's (its NB-IoT round is ~48 min)")
-    ap.add_argument("--proto-time-scale", type=float, default=5.0,
-                    help="the prototype presets': their rounds are short, and each real millisecond of "
-                         "scheduling noise costs time-scale simulated ones")
+    ap.add_argument(
+        "--proto-time-scale",
+        type=float,
+        default=5.0,
+        help="the prototype presets': their rounds are short, and each real millisecond of "
+        "scheduling noise costs time-scale simulated ones",
+    )
     ap.add_argument("--deadline", type=float, default=3600.0, help="simulated seconds")
     ap.add_argument("--target", type=float, default=0.6, help="target accuracy for time-to-target")
-    ap.add_argument("--metric", choices=("local", "global"), default="local",
-                    help="local_acc (each client on its own split: comparable across FedAvg and the personalised "
-                         "prototype presets) or global_acc")
+    ap.add_argument(
+        "--metric",
+        choices=("local", "global"),
+        default="local",
+        help="local_acc (each client on its own split: comparable across FedAvg and the personalised "
+        "prototype presets) or global_acc",
+    )
     ap.add_argument("--train-limit", type=int, default=6000)
     ap.add_argument("--test-limit", type=int, default=1000)
     ap.add_argument("--alpha", type=float, default=0.5)
@@ -185,17 +228,31 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     runs = []
     for preset in args.presets.split(","):
-        spec = SimulationSpec(preset=preset, dataset="fashion-mnist", clients=clients, alpha=args.alpha,
-                              rounds=args.rounds, seed=args.seed, archs=(args.arch,), transport="mqtt",
-                              agents="thread", train_limit=args.train_limit, test_limit=args.test_limit,
-                              profiles=args.fleet, adaptive=args.adaptive,
-                              time_scale=args.time_scale if preset == "fedavg" else args.proto_time_scale,
-                              overrides={"round_timeout": args.deadline}, timeout=3600)
+        spec = SimulationSpec(
+            preset=preset,
+            dataset="fashion-mnist",
+            clients=clients,
+            alpha=args.alpha,
+            rounds=args.rounds,
+            seed=args.seed,
+            archs=(args.arch,),
+            transport="mqtt",
+            agents="thread",
+            train_limit=args.train_limit,
+            test_limit=args.test_limit,
+            profiles=args.fleet,
+            adaptive=args.adaptive,
+            time_scale=args.time_scale if preset == "fedavg" else args.proto_time_scale,
+            overrides={"round_timeout": args.deadline},
+            timeout=3600,
+        )
         started = time.time()
         run = run_simulation(spec)
         (runs_dir / f"{preset}.json").write_text(json.dumps(run, indent=1))
-        print(f"{preset}: {run['links']['rounds'][-1]['sim_time_s']:.0f} simulated s in {time.time() - started:.0f} s",
-              flush=True)
+        print(
+            f"{preset}: {run['links']['rounds'][-1]['sim_time_s']:.0f} simulated s in {time.time() - started:.0f} s",
+            flush=True,
+        )
         runs.append(run)
     load1 = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0))

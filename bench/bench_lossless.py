@@ -56,16 +56,44 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
     ids = [f"d{i:05d}" for i in range(n)]
     index = {cid: i for i, cid in enumerate(ids)}
     with tempfile.TemporaryDirectory(prefix="bench-lossless-") as tmp:
-        broker = MosquittoBroker(workdir=Path(tmp) / "broker", max_queued_messages=queue, persistence=False,
-                                 die_with_parent=True).start()
+        broker = MosquittoBroker(
+            workdir=Path(tmp) / "broker", max_queued_messages=queue, persistence=False, die_with_parent=True
+        ).start()
         state = Path(tmp) / "state"
         out = (Path(tmp) / "server.log").open("w")
         server = subprocess.Popen(
-            [sys.executable, "-m", "broker_server.cli", "start", "--broker", broker.url, "--fed", FED, "--preset",
-             "fedproto", "--rounds", "1", "--min-clients", str(n), "--round-timeout", str(timeout), "--state-dir",
-             str(state), "--set", f"num_classes={CLASSES}", "--set", f"proto_dim={DIM}", "--connect-timeout", "30",
-             "--broker-queue", str(queue)],
-            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)))
+            [
+                sys.executable,
+                "-m",
+                "broker_server.cli",
+                "start",
+                "--broker",
+                broker.url,
+                "--fed",
+                FED,
+                "--preset",
+                "fedproto",
+                "--rounds",
+                "1",
+                "--min-clients",
+                str(n),
+                "--round-timeout",
+                str(timeout),
+                "--state-dir",
+                str(state),
+                "--set",
+                f"num_classes={CLASSES}",
+                "--set",
+                f"proto_dim={DIM}",
+                "--connect-timeout",
+                "30",
+                "--broker-queue",
+                str(queue),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
         dropped: list[int] = []
         opened = threading.Event()
         requests = {"seen": 0, "answered": 0}
@@ -94,8 +122,7 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
                     devices.publish(topics.up(FED, cid), msg[index[cid]])
 
             waiting = threading.Event()
-            devices.subscribe(topics.server_status(FED),
-                              lambda t, p: waiting.set() if p and b"waiting" in p else None)
+            devices.subscribe(topics.server_status(FED), lambda t, p: waiting.set() if p and b"waiting" in p else None)
             devices.subscribe(topics.round_(FED), on_round)
             devices.subscribe(f"{topics.ROOT}/{FED}/down/+", on_request)
             if not waiting.wait(120):  # the server subscribes before it says "waiting"; earlier joins are lost
@@ -107,8 +134,10 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
                 devices.flush(120)
                 time.sleep(0.3)
             if not opened.wait(120):
-                raise RuntimeError(f"{name}: round 1 did not open (joins lost? broker dropped {dropped[-1:]}): "
-                                   f"{_tail(Path(tmp) / 'server.log')} {_tail(broker.log_path)}")
+                raise RuntimeError(
+                    f"{name}: round 1 did not open (joins lost? broker dropped {dropped[-1:]}): "
+                    f"{_tail(Path(tmp) / 'server.log')} {_tail(broker.log_path)}"
+                )
             os.kill(server.pid, signal.SIGSTOP)
             stopped = True
             t0 = time.monotonic()
@@ -125,10 +154,18 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
                 server.send_signal(signal.SIGTERM)
                 server.wait(60)
             status = json.loads((state / "status.json").read_text())
-            dropping = sorted({line.rsplit(" ", 1)[1].rstrip(".") for line in broker.log_path.read_text().splitlines()
-                               if "Outgoing messages are being dropped for client" in line})
-            rounds = [json.loads(x) for x in (state / "rounds.jsonl").read_text().splitlines()] \
-                if (state / "rounds.jsonl").exists() else []
+            dropping = sorted(
+                {
+                    line.rsplit(" ", 1)[1].rstrip(".")
+                    for line in broker.log_path.read_text().splitlines()
+                    if "Outgoing messages are being dropped for client" in line
+                }
+            )
+            rounds = (
+                [json.loads(x) for x in (state / "rounds.jsonl").read_text().splitlines()]
+                if (state / "rounds.jsonl").exists()
+                else []
+            )
         finally:
             if os.environ.get("BENCH_KEEP_LOGS"):
                 import shutil
@@ -147,20 +184,31 @@ def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout
             broker.cleanup()
     rec = rounds[0] if rounds else None
     return {
-        "setup": name, "devices": n, "queue": queue, "paused_s": round(paused, 1),
+        "setup": name,
+        "devices": n,
+        "queue": queue,
+        "paused_s": round(paused, 1),
         "uploads_acked": n if acked else None,
         "broker_dropped": (dropped[-1] - dropped[0]) if len(dropped) > 1 else 0,
         "folded": status["accepted"].get("protos", 0),
         "closed_by": rec["closed_by"] if rec else f"not closed ({timeout:.0f} s deadline, floor {n})",
         "close_after_continue_s": round(rec["ended"] - continued, 1) if rec else None,
         "clients": len(rec["clients"]) if rec else status["accepted"].get("protos", 0),
-        "resend_requests": status.get("resend_requests", 0), "answered": requests["answered"],
+        "resend_requests": status.get("resend_requests", 0),
+        "answered": requests["answered"],
         "dropping_for": dropping,
     }
 
 
-def _until_closed_or_drained(server: subprocess.Popen[bytes], state: Path, deadline: float, n: int,
-                             dropped: list[int], resend: bool, limit: float = 1800.0) -> None:
+def _until_closed_or_drained(
+    server: subprocess.Popen[bytes],
+    state: Path,
+    deadline: float,
+    n: int,
+    dropped: list[int],
+    resend: bool,
+    limit: float = 1800.0,
+) -> None:
     """Until the round closed (the server exits), or (devices that do not re-send) its deadline passed and the
     server folded everything the broker kept (N minus what it dropped: a round short of its floor waits for
     ever), or nothing was folded for 120 s."""
@@ -191,8 +239,13 @@ def credentials_cost(n: int, repeat: int = 3) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 prepare(Path(tmp), "bench", ids).provision(ca)
                 times.append(time.perf_counter() - t0)
-    return {"devices": n, "first_start_s": round(min(first), 2), "restart_s": round(min(again), 3),
-            "first_all_s": [round(t, 2) for t in first], "restart_all_s": [round(t, 3) for t in again]}
+    return {
+        "devices": n,
+        "first_start_s": round(min(first), 2),
+        "restart_s": round(min(again), 3),
+        "first_all_s": [round(t, 2) for t in first],
+        "restart_all_s": [round(t, 3) for t in again],
+    }
 
 
 def _tail(path: Path, n: int = 1500) -> str:
@@ -207,8 +260,12 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=3.0, help="seconds the server stays stopped after the uploads")
     ap.add_argument("--timeout", type=float, default=60.0, help="the round's deadline (the old setup waits it out)")
     ap.add_argument("--setups", default="old,fleet,resend")
-    ap.add_argument("--old-queue", type=int, default=DEFAULT_QUEUE, help="the fixed queue of old and resend (a "
-                    "smaller one shows the same at fewer devices)")
+    ap.add_argument(
+        "--old-queue",
+        type=int,
+        default=DEFAULT_QUEUE,
+        help="the fixed queue of old and resend (a smaller one shows the same at fewer devices)",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--credentials", type=int, help="time the credential step for this many devices instead")
     args = ap.parse_args()
@@ -223,14 +280,25 @@ def main() -> None:
         row = run_setup(name, n, queue, resend, args.pause, args.timeout)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    cols = ["setup", "devices", "queue", "paused_s", "broker_dropped", "folded", "closed_by", "close_after_continue_s",
-            "resend_requests", "answered"]
+    cols = [
+        "setup",
+        "devices",
+        "queue",
+        "paused_s",
+        "broker_dropped",
+        "folded",
+        "closed_by",
+        "close_after_continue_s",
+        "resend_requests",
+        "answered",
+    ]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "machine": os.uname().nodename, "cpus": os.cpu_count()},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"rows": rows, "machine": os.uname().nodename, "cpus": os.cpu_count()}, indent=2)
+        )
 
 
 if __name__ == "__main__":

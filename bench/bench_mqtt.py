@@ -36,8 +36,10 @@ FED = "bench"
 
 # -- part 1: round latency --------------------------------------------------------------------
 
-def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_url: str,
-                  repeat: int = 2) -> dict[str, Any]:
+
+def round_latency(
+    clients: int, rounds: int, preset: str, dataset: str, broker_url: str, repeat: int = 2
+) -> dict[str, Any]:
     import torch
 
     from broker_server.shell import Aggregator
@@ -46,15 +48,25 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
 
     torch.set_num_threads(1)  # like the agent processes; fastest for small batches on a shared box
     modes: tuple[tuple[str, dict[str, Any]], ...] = (
-             ("inprocess", {}), ("mqtt_threads", dict(transport="mqtt", agents="thread")),
-             ("mqtt_processes", dict(transport="mqtt", agents="process")))
+        ("inprocess", {}),
+        ("mqtt_threads", dict(transport="mqtt", agents="thread")),
+        ("mqtt_processes", dict(transport="mqtt", agents="process")),
+    )
     lat: dict[str, list[float]] = {name: [] for name, _ in modes}
     walls: dict[str, list[float]] = {name: [] for name, _ in modes}
     # In-process and threads alternate `repeat` times (this box is shared: load drifts); processes once.
     plan = [m for _ in range(repeat) for m in modes[:2]] + [modes[2]]
     for name, extra in plan:
-        spec = SimulationSpec(preset=preset, dataset=dataset, clients=clients, rounds=rounds, seed=0,
-                              broker=parse_broker_url(broker_url), timeout=900, **extra)
+        spec = SimulationSpec(
+            preset=preset,
+            dataset=dataset,
+            clients=clients,
+            rounds=rounds,
+            seed=0,
+            broker=parse_broker_url(broker_url),
+            timeout=900,
+            **extra,
+        )
         t0 = time.perf_counter()
         finished: list[Aggregator] = []
         run_simulation(spec, on_finish=finished.append)
@@ -64,8 +76,11 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
         print(f"  {name:15s} rounds {[round(x, 2) for x in per_round]} s, wall {walls[name][-1]:.1f} s", flush=True)
     out: dict[str, Any] = {}
     for name, _ in modes:
-        out[name] = {"median_round_s": round(float(np.median(lat[name])), 3),
-                     "rounds_s": [round(x, 3) for x in lat[name]], "wall_s": [round(w, 1) for w in walls[name]]}
+        out[name] = {
+            "median_round_s": round(float(np.median(lat[name])), 3),
+            "rounds_s": [round(x, 3) for x in lat[name]],
+            "wall_s": [round(w, 1) for w in walls[name]],
+        }
     base = out["inprocess"]["median_round_s"]
     for name in ("mqtt_threads", "mqtt_processes"):
         m = out[name]["median_round_s"]
@@ -76,6 +91,7 @@ def round_latency(clients: int, rounds: int, preset: str, dataset: str, broker_u
 
 # -- part 2: aggregator throughput ------------------------------------------------------------
 
+
 def _payloads(n: int, classes: int, dim: int) -> tuple[list[bytes], list[bytes]]:
     from protofl.wire import Join, ProtoSet, ProtoUpload, encode_message
 
@@ -83,12 +99,20 @@ def _payloads(n: int, classes: int, dim: int) -> tuple[list[bytes], list[bytes]]
     joins, ups = [], []
     for i in range(n):
         cid = f"d{i:05d}"
-        joins.append(encode_message(Join(arch="", n_samples=100, profile="", agent_version="bench"), fed=FED,
-                                    sender=cid))
-        ps = ProtoSet(classes=np.arange(classes), values=rng.standard_normal((classes, dim)).astype(np.float32),
-                      counts=np.full(classes, 10), dt="f4")
-        ups.append(encode_message(ProtoUpload(local=ps, public=None, n_samples=100), fed=FED, sender=cid, round=1,
-                                  phase="train"))
+        joins.append(
+            encode_message(Join(arch="", n_samples=100, profile="", agent_version="bench"), fed=FED, sender=cid)
+        )
+        ps = ProtoSet(
+            classes=np.arange(classes),
+            values=rng.standard_normal((classes, dim)).astype(np.float32),
+            counts=np.full(classes, 10),
+            dt="f4",
+        )
+        ups.append(
+            encode_message(
+                ProtoUpload(local=ps, public=None, n_samples=100), fed=FED, sender=cid, round=1, phase="train"
+            )
+        )
     return joins, ups
 
 
@@ -115,14 +139,26 @@ def publisher_main(url: str, n: int, classes: int, dim: int, wait_round: bool) -
 
 
 def _spawn_publisher(url: str, n: int, classes: int, dim: int, wait_round: bool) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "bench.bench_mqtt", "--publisher", url, "--n", str(n), "--classes", str(classes),
-           "--dim", str(dim)] + (["--wait-round"] if wait_round else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.bench_mqtt",
+        "--publisher",
+        url,
+        "--n",
+        str(n),
+        "--classes",
+        str(classes),
+        "--dim",
+        str(dim),
+    ] + (["--wait-round"] if wait_round else [])
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 
-def service_round(url: str, n: int, classes: int, dim: int, client_id: str | None = None,
-                  durability: Any = None) -> Any:
+def service_round(
+    url: str, n: int, classes: int, dim: int, client_id: str | None = None, durability: Any = None
+) -> Any:
     """One round of n publisher uploads through the aggregator service (with `durability`: settings.Durability);
     its RoundRecord."""
     from broker_server.service import AggregatorService, server_transport
@@ -132,10 +168,14 @@ def service_round(url: str, n: int, classes: int, dim: int, client_id: str | Non
 
     cfg = make_config("fedproto", rounds=1, num_classes=classes, proto_dim=dim, min_clients=n, round_timeout=600.0)
     ids = [f"d{i:05d}" for i in range(n)]
-    service = AggregatorService(Federation(cfg, FED, expected_clients=ids),
-                                server_transport(Broker(parse_broker_url(url), client_id=client_id), FED,
-                                                 durable=bool(durability and durability.enabled)),
-                                durability=durability, pacing=Pacing(log_grace=0.0))
+    service = AggregatorService(
+        Federation(cfg, FED, expected_clients=ids),
+        server_transport(
+            Broker(parse_broker_url(url), client_id=client_id), FED, durable=bool(durability and durability.enabled)
+        ),
+        durability=durability,
+        pacing=Pacing(log_grace=0.0),
+    )
     service.start(10)
     pub = _spawn_publisher(url, n, classes, dim, wait_round=True)
     service.run(timeout=600)
@@ -191,10 +231,14 @@ def throughput(url: str, n: int, classes: int, dim: int) -> dict[str, Any]:
 
     # c) the aggregator service through the broker
     rec = service_round(url, n, classes, dim)
-    return {"uploads": n, "upload_bytes": size, "inprocess_uploads_per_s": round(inproc),
-            "broker_only_msgs_per_s": round(broker_only),
-            "aggregator_uploads_per_s": round(n / (rec.ended - rec.started)),
-            "aggregator_mb_per_s": round(n * size / (rec.ended - rec.started) / 2**20, 1)}
+    return {
+        "uploads": n,
+        "upload_bytes": size,
+        "inprocess_uploads_per_s": round(inproc),
+        "broker_only_msgs_per_s": round(broker_only),
+        "aggregator_uploads_per_s": round(n / (rec.ended - rec.started)),
+        "aggregator_mb_per_s": round(n * size / (rec.ended - rec.started) / 2**20, 1),
+    }
 
 
 def main() -> None:
@@ -219,13 +263,19 @@ def main() -> None:
 
     from broker_server.broker import MosquittoBroker
 
-    result: dict[str, Any] = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                                          "load_avg_1m": round(os.getloadavg()[0], 2)}}
+    result: dict[str, Any] = {
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+        }
+    }
     with MosquittoBroker(persistence=False) as broker:
         if not args.skip_latency:
             print(f"round latency, {args.clients} clients, {args.preset}, {args.dataset}:", flush=True)
-            result["latency"] = round_latency(args.clients, args.rounds, args.preset, args.dataset, broker.url,
-                                              args.repeat)
+            result["latency"] = round_latency(
+                args.clients, args.rounds, args.preset, args.dataset, broker.url, args.repeat
+            )
         if not args.skip_throughput:
             print(f"aggregator throughput, {args.n} uploads of {args.classes}x{args.dim} prototypes:", flush=True)
             result["throughput"] = throughput(broker.url, args.n, args.classes, args.dim)
@@ -233,9 +283,11 @@ def main() -> None:
     lat = result.get("latency")
     if lat:
         for name in ("mqtt_threads", "mqtt_processes"):
-            print(f"{name}: median round {lat[name]['median_round_s']} s vs in-process "
-                  f"{lat['inprocess']['median_round_s']} s "
-                  f"-> overhead {lat[name]['overhead_s']:+.3f} s ({lat[name]['overhead_pct']:+.1f}%)")
+            print(
+                f"{name}: median round {lat[name]['median_round_s']} s vs in-process "
+                f"{lat['inprocess']['median_round_s']} s "
+                f"-> overhead {lat[name]['overhead_s']:+.3f} s ({lat[name]['overhead_pct']:+.1f}%)"
+            )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

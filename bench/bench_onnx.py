@@ -60,31 +60,58 @@ def extraction(archs: list[str], threads: list[int], iters: int) -> list[dict[st
                 for r in rows:
                     d = r.as_dict() | {"arch": arch, "speedup_vs_torch": round(gains.get((r.backend, r.batch), 1.0), 2)}
                     out.append(d)
-                    print(f"  {arch:8s} {r.backend:9s} threads {n} batch {r.batch:3d}: {r.latency_ms:8.3f} ms "
-                          f"{r.throughput:9.0f} img/s  x{d['speedup_vs_torch']:.2f} vs torch", flush=True)
-        out.append({"arch": arch, "export_s_dynamo": round(fp32.seconds, 2),
-                    "export_s_torchscript": round(legacy.seconds, 2)})
+                    print(
+                        f"  {arch:8s} {r.backend:9s} threads {n} batch {r.batch:3d}: {r.latency_ms:8.3f} ms "
+                        f"{r.throughput:9.0f} img/s  x{d['speedup_vs_torch']:.2f} vs torch",
+                        flush=True,
+                    )
+        out.append(
+            {"arch": arch, "export_s_dynamo": round(fp32.seconds, 2), "export_s_torchscript": round(legacy.seconds, 2)}
+        )
         print(f"  {arch:8s} one export: dynamo {fp32.seconds:.2f} s, torchscript {legacy.seconds:.2f} s", flush=True)
     return out
 
 
 def federation(backbone: str, extractor: str, args: argparse.Namespace) -> dict[str, Any]:
-    spec = SimulationSpec(preset=args.preset, dataset="fashion-mnist", clients=args.clients, alpha=args.alpha,
-                          rounds=args.rounds, seed=0, train_limit=args.train_limit, test_limit=args.test_limit,
-                          archs=(args.arch,), overrides={"backbone": backbone})
+    spec = SimulationSpec(
+        preset=args.preset,
+        dataset="fashion-mnist",
+        clients=args.clients,
+        alpha=args.alpha,
+        rounds=args.rounds,
+        seed=0,
+        train_limit=args.train_limit,
+        test_limit=args.test_limit,
+        archs=(args.arch,),
+        overrides={"backbone": backbone},
+    )
     fed = prepare(spec)
     cfg, train, test, split = fed.cfg, fed.train, fed.test, fed.split
     metrics: dict[int, dict[str, Metrics]] = defaultdict(dict)
     broker = InProcessBroker()
     ids = [f"dev-{i:02d}" for i in range(spec.clients)]
-    agg = Aggregator(cfg, "bench", broker.connect("server"), public=fed.public_set(), expected_clients=ids,
-                     on_metrics=lambda c, r, m, n: metrics[r].__setitem__(c, m))
+    agg = Aggregator(
+        cfg,
+        "bench",
+        broker.connect("server"),
+        public=fed.public_set(),
+        expected_clients=ids,
+        on_metrics=lambda c, r, m, n: metrics[r].__setitem__(c, m),
+    )
     x_test = test.normalized()
     agents = []
     for i, cid in enumerate(ids):
         part = split.clients[i]
-        data = ClientData(train.normalized(part.train), train.y[part.train], train.normalized(part.test),
-                          train.y[part.test], x_test, test.y, train.mean, train.std)
+        data = ClientData(
+            train.normalized(part.train),
+            train.y[part.train],
+            train.normalized(part.test),
+            train.y[part.test],
+            x_test,
+            test.y,
+            train.mean,
+            train.std,
+        )
         agents.append(EdgeAgent(cid, "bench", data, arch=args.arch, extractor=extractor))
     agg.start()
     for a in agents:
@@ -99,19 +126,27 @@ def federation(backbone: str, extractor: str, args: argparse.Namespace) -> dict[
     for r in sorted(metrics):
         ms = list(metrics[r].values())
         n_local = sum(m.n_local for m in ms)
-        rows.append({
-            "round": r,
-            "local_acc": round(sum(m.correct_local for m in ms) / n_local, 4) if n_local else None,
-            "global_acc": round(float(np.mean([m.correct_test / m.n_test for m in ms if m.n_test])), 4),
-            "train_s_per_device": round(statistics.mean(m.train_s for m in ms), 3),
-        })
+        rows.append(
+            {
+                "round": r,
+                "local_acc": round(sum(m.correct_local for m in ms) / n_local, 4) if n_local else None,
+                "global_acc": round(float(np.mean([m.correct_test / m.n_test for m in ms if m.n_test])), 4),
+                "train_s_per_device": round(statistics.mean(m.train_s for m in ms), 3),
+            }
+        )
     cache_s = [a._frozen.seconds for a in agents if a._frozen.h is not None]
     exports = [getattr(a._extractor, "exports", 0) for a in agents]
-    return {"backbone": backbone, "extractor": extractor, "rounds": rows, "wall_s": round(wall, 1),
-            "h_cache_s_per_device": round(statistics.mean(cache_s), 2) if cache_s else None,
-            "h_cache_backend": agents[0]._frozen.used or None,
-            "onnx_exports_per_device": statistics.mean(exports) if extractor == "onnx" else None,
-            "clients": spec.clients, "samples_per_device": int(np.mean([len(c.train) for c in split.clients]))}
+    return {
+        "backbone": backbone,
+        "extractor": extractor,
+        "rounds": rows,
+        "wall_s": round(wall, 1),
+        "h_cache_s_per_device": round(statistics.mean(cache_s), 2) if cache_s else None,
+        "h_cache_backend": agents[0]._frozen.used or None,
+        "onnx_exports_per_device": statistics.mean(exports) if extractor == "onnx" else None,
+        "clients": spec.clients,
+        "samples_per_device": int(np.mean([len(c.train) for c in split.clients])),
+    }
 
 
 def main() -> None:
@@ -136,28 +171,43 @@ def main() -> None:
     import onnxruntime
 
     # Other processes on a shared machine slow both backends unevenly: the load average is recorded.
-    report: dict[str, Any] = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                                          "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-                                          "load_avg_start": list(os.getloadavg())}}
+    report: dict[str, Any] = {
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "load_avg_start": list(os.getloadavg()),
+        }
+    }
     if not args.skip_extraction:
         print(f"Part 1: features extraction, torch vs onnxruntime (median of {args.iters} runs)", flush=True)
         report["extraction"] = extraction(["cnn", "resnet8"], [int(t) for t in args.threads.split(",")], args.iters)
     if not args.skip_federation:
-        print(f"Part 2: {args.preset}, {args.clients} x {args.arch}, Fashion-MNIST ({args.train_limit} train), "
-              f"alpha {args.alpha}, {args.rounds} rounds", flush=True)
+        print(
+            f"Part 2: {args.preset}, {args.clients} x {args.arch}, Fashion-MNIST ({args.train_limit} train), "
+            f"alpha {args.alpha}, {args.rounds} rounds",
+            flush=True,
+        )
         runs = []
         for backbone, extractor in (("train", "torch"), ("frozen", "torch"), ("train", "onnx")):
             run = federation(backbone, extractor, args)
             runs.append(run)
             last = run["rounds"][-1]
             per_round = statistics.mean(r["train_s_per_device"] for r in run["rounds"])
-            print(f"  backbone={backbone:6s} extractor={extractor:5s}: train {per_round:.3f} s/round/device, "
-                  f"final local acc {last['local_acc']:.4f}, global acc {last['global_acc']:.4f}, "
-                  f"wall {run['wall_s']} s, h cache {run['h_cache_s_per_device']} s ({run['h_cache_backend']}), "
-                  f"exports/device {run['onnx_exports_per_device']}", flush=True)
+            print(
+                f"  backbone={backbone:6s} extractor={extractor:5s}: train {per_round:.3f} s/round/device, "
+                f"final local acc {last['local_acc']:.4f}, global acc {last['global_acc']:.4f}, "
+                f"wall {run['wall_s']} s, h cache {run['h_cache_s_per_device']} s ({run['h_cache_backend']}), "
+                f"exports/device {run['onnx_exports_per_device']}",
+                flush=True,
+            )
             for r in run["rounds"]:
-                print(f"      round {r['round']}: local {r['local_acc']:.4f} global {r['global_acc']:.4f} "
-                      f"train {r['train_s_per_device']:.3f} s", flush=True)
+                print(
+                    f"      round {r['round']}: local {r['local_acc']:.4f} global {r['global_acc']:.4f} "
+                    f"train {r['train_s_per_device']:.3f} s",
+                    flush=True,
+                )
         report["federation"] = runs
     report["machine"]["load_avg_end"] = list(os.getloadavg())
     if args.json:

@@ -72,8 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     from broker_server.simulation import SimulationSpec, run_simulation
 
     res = ns.device_resources or ("cpu=1,gpu=%g" % (1 / ns.devices) if ns.device == "cuda" else "cpu=1")
-    base = dict(preset=ns.preset, dataset=ns.dataset, clients=ns.devices, alpha=0.5, rounds=ns.rounds, seed=0,
-                train_limit=ns.train_limit, test_limit=ns.test_limit, device=ns.device)
+    base = dict(
+        preset=ns.preset,
+        dataset=ns.dataset,
+        clients=ns.devices,
+        alpha=0.5,
+        rounds=ns.rounds,
+        seed=0,
+        train_limit=ns.train_limit,
+        test_limit=ns.test_limit,
+        device=ns.device,
+    )
     load_before = os.getloadavg()
     t = time.perf_counter()
     if ns.ray_address:
@@ -128,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for rep in range(ns.repeats):
         walls = [w for _, r, w, _ in rows if r == rep]
-        lines.append(f"| {rep + 1} | " + " | ".join(f"{w:.1f}" for w in walls)
-                     + f" | {walls[2] / walls[0]:.2f} | {walls[2] / walls[1]:.2f} |")
+        lines.append(
+            f"| {rep + 1} | "
+            + " | ".join(f"{w:.1f}" for w in walls)
+            + f" | {walls[2] / walls[0]:.2f} | {walls[2] / walls[1]:.2f} |"
+        )
     lines += [
         "",
         f"The first Ray run, which starts the workers (processes that import torch), took {cold:.1f} s; the "
@@ -138,9 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         f"Starting the local Ray instance: {ray_start:.1f} s (not in the table; `simulate --backend ray` pays it "
         "once per command unless it joins a running cluster with `--ray-address`).",
         "",
-        "Reports: " + ("identical to the in-process one (bytes exact, accuracies within "
-                       f"{diff:.1e})." if diff <= 1e-5 else f"differ from the in-process one (largest difference "
-                                                           f"{diff}): see the runs."),
+        "Reports: "
+        + (
+            f"identical to the in-process one (bytes exact, accuracies within {diff:.1e})."
+            if diff <= 1e-5
+            else f"differ from the in-process one (largest difference {diff}): see the runs."
+        ),
         "",
         "Reading: in-process torch already uses every core of this machine; Ray adds worker processes and a "
         "round trip per delivered message, and gains where a cluster has more cores or GPUs than one box, with "

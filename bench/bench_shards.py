@@ -63,8 +63,7 @@ def _closed(agg: Any) -> bool:
 def _joined(agg: Any, broker: InProcessBroker, clients: list[str], fed: str) -> None:
     agg.start()
     for c in clients:
-        broker.connect(c).publish(topics.up(fed, c), encode_message(Join(arch="cnn", n_samples=10), fed=fed,
-                                                                    sender=c))
+        broker.connect(c).publish(topics.up(fed, c), encode_message(Join(arch="cnn", n_samples=10), fed=fed, sender=c))
     broker.pump()
 
 
@@ -129,17 +128,24 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    lines = [f"# Sharded aggregators: per-upload rates in CPU time ({args.uploads} devices' uploads, median of "
-             f"{args.repeats})", "",
-             f"{platform.machine()}, CPU seconds of one process (the machine is shared), no broker, no journal: "
-             f"`python -m bench.bench_shards --preset {args.preset} --uploads {args.uploads}`.", "",
-             "| preset | one aggregator uploads/s | one shard uploads/s | coordinator uploads/s | close (ask, "
-             "partial, merge, next phase) | ceiling: coordinator / one aggregator |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Sharded aggregators: per-upload rates in CPU time ({args.uploads} devices' uploads, median of "
+        f"{args.repeats})",
+        "",
+        f"{platform.machine()}, CPU seconds of one process (the machine is shared), no broker, no journal: "
+        f"`python -m bench.bench_shards --preset {args.preset} --uploads {args.uploads}`.",
+        "",
+        "| preset | one aggregator uploads/s | one shard uploads/s | coordinator uploads/s | close (ask, "
+        "partial, merge, next phase) | ceiling: coordinator / one aggregator |",
+        "|---|---|---|---|---|---|",
+    ]
     for preset in args.preset.split(","):
         runs = [run_once(preset, args.uploads) for _ in range(args.repeats)]
         m = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        lines.append(f"| {preset} | {m['one aggregator']:,.0f} | {m['one shard']:,.0f} | {m['coordinator']:,.0f} | "
-                     f"{m['close ms']:.1f} ms | {m['coordinator'] / m['one aggregator']:.1f}x |")
+        lines.append(
+            f"| {preset} | {m['one aggregator']:,.0f} | {m['one shard']:,.0f} | {m['coordinator']:,.0f} | "
+            f"{m['close ms']:.1f} ms | {m['coordinator'] / m['one aggregator']:.1f}x |"
+        )
         print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -27,8 +27,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["simulate", "--preset", "fedproto", "--dataset", "fashion-mnist", "--clients", "10", "--alpha", "0.5",
-         "--rounds", "10", "--seed", "0", "--train-limit", "6000", "--test-limit", "2000", "-q"]
+FLAGS = [
+    "simulate",
+    "--preset",
+    "fedproto",
+    "--dataset",
+    "fashion-mnist",
+    "--clients",
+    "10",
+    "--alpha",
+    "0.5",
+    "--rounds",
+    "10",
+    "--seed",
+    "0",
+    "--train-limit",
+    "6000",
+    "--test-limit",
+    "2000",
+    "-q",
+]
 FINAL = ("local_acc", "local_proto_acc", "global_acc", "global_proto_acc", "ensemble_acc")
 
 
@@ -66,14 +84,23 @@ def simulate(tree: str, path: Path, threads: int | None, data_dir: str | None, f
                 raise SystemExit(f"{tree}: simulate failed ({' '.join(cmd)}):\n{err.read()[-3000:]}")
         rep = json.loads(out.read_text())
     last = rep["rounds"][-1]
-    return Run(tree, wall, usage.ru_utime, usage.ru_stime, load_before, os.getloadavg()[0],
-               {k: last.get(k) for k in FINAL}, sum(r["global_acc"] is not None for r in rep["rounds"]))
+    return Run(
+        tree,
+        wall,
+        usage.ru_utime,
+        usage.ru_stime,
+        load_before,
+        os.getloadavg()[0],
+        {k: last.get(k) for k in FINAL},
+        sum(r["global_acc"] is not None for r in rep["rounds"]),
+    )
 
 
 def git_rev(path: Path) -> str:
     out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
     return (out.stdout.strip() or "unknown") + (" (with uncommitted changes)" if dirty else "")
 
 
@@ -90,32 +117,45 @@ def render(runs: list[Run], args: argparse.Namespace, revs: dict[str, str]) -> s
     speed = _mean([r.wall for r in by["base"]]) / _mean([r.wall for r in by["new"]])
     threads = args.threads if args.threads is not None else "torch's default"
     lines = [
-        "# The simulator's default run, before and after (issue 28)", "",
+        "# The simulator's default run, before and after (issue 28)",
+        "",
         f"- command: `python -m bench.bench_simspeed {' '.join(args.argv)}`",
         f"- work: `protofl-server {' '.join(args.flags)}` "
-        + ("(--smoke: the issue's command, then 3 clients, 2 rounds, 1,000 training and 200 test images: "
-           "the bench's own check, not the issue's work)" if args.smoke else
-           "(--fifth: the issue's command on a fifth of its data, 1,200 training and 400 test images, 10 clients, "
-           "10 rounds, default options: the same balance of training and scoring)" if args.fifth else
-           "(FedProto, 10 clients, alpha 0.5, 10 rounds, 10 % of Fashion-MNIST, 2,000 test images per client; "
-           "every other option at its default)"),
+        + (
+            "(--smoke: the issue's command, then 3 clients, 2 rounds, 1,000 training and 200 test images: "
+            "the bench's own check, not the issue's work)"
+            if args.smoke
+            else "(--fifth: the issue's command on a fifth of its data, 1,200 training and 400 test images, "
+            "10 clients, "
+            "10 rounds, default options: the same balance of training and scoring)"
+            if args.fifth
+            else "(FedProto, 10 clients, alpha 0.5, 10 rounds, 10 % of Fashion-MNIST, 2,000 test images per client; "
+            "every other option at its default)"
+        ),
         f"- base: `{args.base}` at {revs['base']}; new: `{args.new}` at {revs['new']}",
         f"- machine: {platform.node()}, {os.cpu_count()} CPUs, shared with other jobs (load average in each row); "
         f"torch threads: {threads}; runs interleaved, {args.pairs} pair(s), `nice` as launched",
-        f"- written: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", "",
+        f"- written: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        "",
         "| # | tree | wall s | user s | sys s | load before/after | rounds scoring the test set | "
-        + " | ".join(f"final {k}" for k in FINAL) + " |",
+        + " | ".join(f"final {k}" for k in FINAL)
+        + " |",
         "|--:|---|--:|--:|--:|---|--:|" + "--:|" * len(FINAL),
     ]
     for i, r in enumerate(runs, 1):
         accs = " | ".join(_pct(r.final[k]) for k in FINAL)
-        lines.append(f"| {i} | {r.tree} | {r.wall:.1f} | {r.user:.1f} | {r.sys:.1f} | "
-                     f"{r.load_before:.1f} / {r.load_after:.1f} | {r.rounds_scored} | {accs} |")
-    lines += ["", f"**Speed-up of the default run: {speed:.2f}x** (mean wall, base / new). "
-              f"Mean user+sys CPU: base {_mean([r.user + r.sys for r in by['base']]):.1f} s, "
-              f"new {_mean([r.user + r.sys for r in by['new']]):.1f} s; system CPU: base "
-              f"{_mean([r.sys for r in by['base']]):.1f} s, new {_mean([r.sys for r in by['new']]):.1f} s.",
-              "Final accuracies: identical in every run (checked by the bench)."]
+        lines.append(
+            f"| {i} | {r.tree} | {r.wall:.1f} | {r.user:.1f} | {r.sys:.1f} | "
+            f"{r.load_before:.1f} / {r.load_after:.1f} | {r.rounds_scored} | {accs} |"
+        )
+    lines += [
+        "",
+        f"**Speed-up of the default run: {speed:.2f}x** (mean wall, base / new). "
+        f"Mean user+sys CPU: base {_mean([r.user + r.sys for r in by['base']]):.1f} s, "
+        f"new {_mean([r.user + r.sys for r in by['new']]):.1f} s; system CPU: base "
+        f"{_mean([r.sys for r in by['base']]):.1f} s, new {_mean([r.sys for r in by['new']]):.1f} s.",
+        "Final accuracies: identical in every run (checked by the bench).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -128,21 +168,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of every run (default: torch's)")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--smoke", action="store_true", help="a 2-round, 3-client version (checks the bench itself)")
-    ap.add_argument("--fifth", action="store_true", help="the issue's work on a fifth of its data (1,200 training, "
-                    "400 test images; 10 clients, 10 rounds): the same balance of training and scoring, 5x quicker")
+    ap.add_argument(
+        "--fifth",
+        action="store_true",
+        help="the issue's work on a fifth of its data (1,200 training, "
+        "400 test images; 10 clients, 10 rounds): the same balance of training and scoring, 5x quicker",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "SIMSPEED.md")
     args = ap.parse_args(argv)
     args.argv = argv
-    args.flags = [*FLAGS, "--clients", "3", "--rounds", "2", "--train-limit", "1000", "--test-limit", "200"] \
-        if args.smoke else [*FLAGS, "--train-limit", "1200", "--test-limit", "400"] if args.fifth else FLAGS
+    args.flags = (
+        [*FLAGS, "--clients", "3", "--rounds", "2", "--train-limit", "1000", "--test-limit", "200"]
+        if args.smoke
+        else [*FLAGS, "--train-limit", "1200", "--test-limit", "400"]
+        if args.fifth
+        else FLAGS
+    )
     trees = {"base": args.base.resolve(), "new": args.new.resolve()}
     runs: list[Run] = []
     for i in range(args.pairs):
         for tree in ("base", "new") if i % 2 == 0 else ("new", "base"):
             runs.append(simulate(tree, trees[tree], args.threads, args.data_dir, args.flags))
             r = runs[-1]
-            print(f"{tree}: wall {r.wall:.1f} s, user {r.user:.1f} s, sys {r.sys:.1f} s, load "
-                  f"{r.load_before:.1f}->{r.load_after:.1f}, final {r.final}", flush=True)
+            print(
+                f"{tree}: wall {r.wall:.1f} s, user {r.user:.1f} s, sys {r.sys:.1f} s, load "
+                f"{r.load_before:.1f}->{r.load_after:.1f}, final {r.final}",
+                flush=True,
+            )
     finals = {json.dumps(r.final, sort_keys=True) for r in runs}
     if len(finals) != 1:
         raise SystemExit(f"the final accuracies differ between runs: {sorted(finals)}")

@@ -28,15 +28,22 @@ from bench.table_runs import ROW_BY_KEY, Run, run_args
 
 ROWS = ("B/tinyproto", "A/a0.5-tinyproto", "B/fedproto", "B/refprotofl")
 SEEDS = (0, 1, 2)
-METRICS = (("local_acc", "local"), ("local_proto_acc", "local proto"), ("global_acc", "global"),
-           ("global_proto_acc", "global proto"), ("ensemble_acc", "ens."))
+METRICS = (
+    ("local_acc", "local"),
+    ("local_proto_acc", "local proto"),
+    ("global_acc", "global"),
+    ("global_proto_acc", "global proto"),
+    ("ensemble_acc", "ens."),
+)
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}  # Student t, 97.5 %, by degrees of freedom
 ROOT = RESULTS / "clip"
-INTRO = ("The benchmark's full sizing (bench/table_runs.py), each run with `--clip on` and `--clip off`; final-round "
-         "accuracies in %. A clipped row is one class's prototype (or anchor) from one client, or one client's "
-         "parameter vector; round 1 clips nothing (its radius, 1e4, waits for statistics). Wall seconds were "
-         "measured on a 2-core machine shared with other jobs: they do not compare. What the numbers mean: "
-         "docs/algorithms.md, section 8.")
+INTRO = (
+    "The benchmark's full sizing (bench/table_runs.py), each run with `--clip on` and `--clip off`; final-round "
+    "accuracies in %. A clipped row is one class's prototype (or anchor) from one client, or one client's "
+    "parameter vector; round 1 clips nothing (its radius, 1e4, waits for statistics). Wall seconds were "
+    "measured on a 2-core machine shared with other jobs: they do not compare. What the numbers mean: "
+    "docs/algorithms.md, section 8."
+)
 
 
 def clip_run(key: str, seed: int, clip: bool) -> Run:
@@ -58,8 +65,11 @@ def execute(run: Run, data_dir: str | None) -> None:
     started = time.time()
     subprocess.run(cli_prefix() + args + ["--json", str(tmp)], check=True)
     rep = json.loads(tmp.read_text())
-    rep["bench"] = {"command": "protofl-server " + shlex.join(args), "cli_wall_s": round(time.time() - started, 1),
-                    "git_rev": git_info()["rev"]}
+    rep["bench"] = {
+        "command": "protofl-server " + shlex.join(args),
+        "cli_wall_s": round(time.time() - started, 1),
+        "git_rev": git_info()["rev"],
+    }
     out.write_text(json.dumps(rep, indent=1))
     tmp.unlink()
 
@@ -105,10 +115,15 @@ def _pts(x: float) -> str:
 
 
 def table(keys: tuple[str, ...], seeds: tuple[int, ...]) -> list[str]:
-    lines = ["| row | seed | clip | " + " | ".join(label for _, label in METRICS) + " | uplink B | rows clipped "
-             "per round (total) | wall s |", "|---|--:|---|" + "--:|" * len(METRICS) + "--:|---|--:|"]
-    diffs = ["| row | seeds | " + " | ".join(f"{label}: on - off" for _, label in METRICS) + " |",
-             "|---|--:|" + "---|" * len(METRICS)]
+    lines = [
+        "| row | seed | clip | " + " | ".join(label for _, label in METRICS) + " | uplink B | rows clipped "
+        "per round (total) | wall s |",
+        "|---|--:|---|" + "--:|" * len(METRICS) + "--:|---|--:|",
+    ]
+    diffs = [
+        "| row | seeds | " + " | ".join(f"{label}: on - off" for _, label in METRICS) + " |",
+        "|---|--:|" + "---|" * len(METRICS),
+    ]
     for key in keys:
         got: dict[bool, dict[int, dict[str, Any]]] = {True: {}, False: {}}
         for seed in seeds:
@@ -118,10 +133,12 @@ def table(keys: tuple[str, ...], seeds: tuple[int, ...]) -> list[str]:
                     continue
                 rep = got[clip][seed] = json.loads(p.read_text())
                 last = rep["rounds"][-1]
-                lines.append(f"| {key} | {seed} | {'on' if clip else 'off'} | "
-                             + " | ".join(pct(last.get(m)) for m, _ in METRICS)
-                             + f" | {rep['totals']['uplink_bytes']:,} | {clip_share(rep)} | "
-                             f"{rep['bench']['cli_wall_s']:.0f} |")
+                lines.append(
+                    f"| {key} | {seed} | {'on' if clip else 'off'} | "
+                    + " | ".join(pct(last.get(m)) for m, _ in METRICS)
+                    + f" | {rep['totals']['uplink_bytes']:,} | {clip_share(rep)} | "
+                    f"{rep['bench']['cli_wall_s']:.0f} |"
+                )
         both = sorted(set(got[True]) & set(got[False]))
         if both:
             cells = []
@@ -130,11 +147,24 @@ def table(keys: tuple[str, ...], seeds: tuple[int, ...]) -> list[str]:
                 off = [got[False][s]["rounds"][-1].get(m) for s in both]
                 cells.append("-" if None in on or None in off else paired(on, off))
             diffs.append(f"| {key} | {','.join(map(str, both))} | " + " | ".join(cells) + " |")
-    commands = [f"- `{json.loads(p.read_text())['bench']['command']}`" for key in keys
-                for p in [path(clip_run(key, seeds[0], True))] if p.is_file()]
-    return (lines + ["", "Paired by seed, in points (a row whose clipped runs clipped nothing has no off run: off "
-                     "folds the very same rows, tests/broker_server/test_clip_switch.py):", ""] + diffs
-            + ["", f"Commands (seed {seeds[0]}, clip on; the other runs change --seed and --clip):", ""] + commands)
+    commands = [
+        f"- `{json.loads(p.read_text())['bench']['command']}`"
+        for key in keys
+        for p in [path(clip_run(key, seeds[0], True))]
+        if p.is_file()
+    ]
+    return (
+        lines
+        + [
+            "",
+            "Paired by seed, in points (a row whose clipped runs clipped nothing has no off run: off "
+            "folds the very same rows, tests/broker_server/test_clip_switch.py):",
+            "",
+        ]
+        + diffs
+        + ["", f"Commands (seed {seeds[0]}, clip on; the other runs change --seed and --clip):", ""]
+        + commands
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,8 +40,27 @@ REPORT = RESULTS / "FEDPROTO_GAP.md"
 SEEDS = (0, 1, 2)
 ROUNDS = 10
 # Setting A's sizing (bench/table_runs.py, full suite): 10 clients, Dirichlet 0.5, 6,000 training images.
-WORK = ["simulate", "--preset", "fedproto", "--dataset", "fashion-mnist", "--clients", "10", "--alpha", "0.5",
-        "--rounds", str(ROUNDS), "--arch", "cnn", "--train-limit", "6000", "--eval-every", "1", "--clip", "off"]
+WORK = [
+    "simulate",
+    "--preset",
+    "fedproto",
+    "--dataset",
+    "fashion-mnist",
+    "--clients",
+    "10",
+    "--alpha",
+    "0.5",
+    "--rounds",
+    str(ROUNDS),
+    "--arch",
+    "cnn",
+    "--train-limit",
+    "6000",
+    "--eval-every",
+    "1",
+    "--clip",
+    "off",
+]
 # Only what the official test set scores (global and ensemble accuracy, unused here): not part of the work.
 SCORING_FLAGS = {"--test-limit": 1, "--test-every": 1, "--json": 1, "-q": 0, "--data-dir": 1}
 SCORING = ["--test-limit", "200"]
@@ -58,8 +77,11 @@ PFLLIB = dict(drop_last=True, keep_optimizer=True, proto_source="during", aggreg
 VARIANTS = (
     Variant("baseline", {}, "ours as benchmarked (setting A's fedproto row)"),
     Variant("all", PFLLIB, "every PFLlib behaviour below at once"),
-    Variant("during", dict(proto_source="during"),
-            "prototypes = mean of the features training saw (train mode, before each step), not re-embedded after"),
+    Variant(
+        "during",
+        dict(proto_source="during"),
+        "prototypes = mean of the features training saw (train mode, before each step), not re-embedded after",
+    ),
     Variant("keep-opt", dict(keep_optimizer=True), "one optimiser per client for the run: momentum kept across rounds"),
     Variant("drop-last", dict(drop_last=True), "each epoch's last incomplete batch skipped (DataLoader drop_last)"),
     Variant("mean", dict(aggregation="mean"), "global prototype = plain mean over clients, not n_kc-weighted"),
@@ -68,14 +90,22 @@ BY_NAME = {v.name: v for v in VARIANTS}
 # Priority: everything at once on seeds 0-2, then the singles seed by seed (every single on seed 0, then on
 # seed 1, ...: a budget cut short still measures each of them); the baseline last (the suite runs it too:
 # `--reuse` takes its runs, looked for again before every run).
-ORDER = ([("all", s) for s in SEEDS] + [(v.name, s) for s in SEEDS for v in VARIANTS[2:]]
-         + [("baseline", s) for s in SEEDS])
+ORDER = (
+    [("all", s) for s in SEEDS] + [(v.name, s) for s in SEEDS for v in VARIANTS[2:]] + [("baseline", s) for s in SEEDS]
+)
 
 
 def args_for(variant: Variant, seed: int, data_dir: str | None) -> list[str]:
     sets = [a for k, v in variant.sets.items() for a in ("--set", f"{k}={json.dumps(v).strip(chr(34))}")]
-    return [*WORK[:11], "--seed", str(seed), *WORK[11:], *sets, *SCORING,
-            *(["--data-dir", data_dir] if data_dir else [])]
+    return [
+        *WORK[:11],
+        "--seed",
+        str(seed),
+        *WORK[11:],
+        *sets,
+        *SCORING,
+        *(["--data-dir", data_dir] if data_dir else []),
+    ]
 
 
 def work_of(args: list[str]) -> list[str]:
@@ -98,8 +128,9 @@ def work_of(args: list[str]) -> list[str]:
 def expected_config(variant: Variant, seed: int) -> dict[str, Any]:
     from broker_server.simulation import SimulationSpec, resolve_config
 
-    spec = SimulationSpec(preset="fedproto", clients=10, rounds=ROUNDS, seed=seed, archs=("cnn",),
-                          overrides=dict(variant.sets))
+    spec = SimulationSpec(
+        preset="fedproto", clients=10, rounds=ROUNDS, seed=seed, archs=("cnn",), overrides=dict(variant.sets)
+    )
     return json.loads(json.dumps(resolve_config(spec, **DATASET_SHAPE).to_dict()))
 
 
@@ -148,8 +179,13 @@ def execute(name: str, seed: int, data_dir: str | None) -> None:
     started = time.time()
     subprocess.run(cli_prefix() + args + ["-q", "--json", str(tmp)], check=True, env=sim_env())
     rep = json.loads(tmp.read_text())
-    rep["bench"] = {"args": args, "command": shown, "cli_wall_s": round(time.time() - started, 1),
-                    "git_rev": git_info()["rev"], "git_dirty": git_info()["dirty"]}
+    rep["bench"] = {
+        "args": args,
+        "command": shown,
+        "cli_wall_s": round(time.time() - started, 1),
+        "git_rev": git_info()["rev"],
+        "git_dirty": git_info()["dirty"],
+    }
     tmp.write_text(json.dumps(rep, indent=1))
     tmp.replace(out)
 
@@ -169,13 +205,16 @@ def metrics(rep: dict[str, Any]) -> dict[str, float]:
     rounds = rep["rounds"]
     head = pct(rounds, "local_acc")
     proto = pct(rounds, "local_proto_acc")
-    return {"final": head[-1], "best": max(head), "pfl9": max(head[:-1]), "proto": proto[-1],
-            "proto_best": max(proto)}
+    return {"final": head[-1], "best": max(head), "pfl9": max(head[:-1]), "proto": proto[-1], "proto_best": max(proto)}
 
 
-COLUMNS = (("final", "head, final round"), ("best", "head, best round (= PFLlib's printed best, gr = 10)"),
-           ("pfl9", "head, best of rounds 1-9 (PFLlib gr = 9)"), ("proto", "nearest global prototype, final"),
-           ("proto_best", "nearest global prototype, best round"))
+COLUMNS = (
+    ("final", "head, final round"),
+    ("best", "head, best round (= PFLlib's printed best, gr = 10)"),
+    ("pfl9", "head, best of rounds 1-9 (PFLlib gr = 9)"),
+    ("proto", "nearest global prototype, final"),
+    ("proto_best", "nearest global prototype, best round"),
+)
 
 
 def summary(data_dir: str | None) -> str:
@@ -208,9 +247,14 @@ def summary(data_dir: str | None) -> str:
                 cells.append(f"{statistics.fmean(vals):.2f} ± {statistics.stdev(vals):.2f}")
         sets = ", ".join(f"`{k}={json.dumps(v2).strip(chr(34))}`" for k, v2 in v.sets.items()) or "-"
         lines.append(f"| {v.name} | {v.what} ({sets}) | " + " | ".join(cells) + f" | {','.join(map(str, seeds))} |")
-    lines += ["", "Each variant minus the baseline, paired by seed: mean [95 % t interval] (signs seed by seed, "
-              "seeds). Points of accuracy.", "",
-              "| variant | " + " | ".join(label for _, label in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    lines += [
+        "",
+        "Each variant minus the baseline, paired by seed: mean [95 % t interval] (signs seed by seed, "
+        "seeds). Points of accuracy.",
+        "",
+        "| variant | " + " | ".join(label for _, label in COLUMNS) + " |",
+        "|---|" + "---|" * len(COLUMNS),
+    ]
     for v in VARIANTS[1:]:
         cells = []
         for key, _ in COLUMNS:
@@ -226,12 +270,14 @@ def summary(data_dir: str | None) -> str:
         cells.append(paired(a, b).text())
     lines.append("| all minus keep-opt | " + " | ".join(cells) + " |")
     lines += ["", "Per seed (head final / best; nearest global prototype final):", ""]
-    for (name, s), x in sorted(m.items(), key=lambda kv: (ORDER.index(kv[0]))):
+    for (name, s), x in sorted(m.items(), key=lambda kv: ORDER.index(kv[0])):
         rep = got[(name, s)]
         wall = rep.get("bench", {}).get("cli_wall_s")
-        lines.append(f"- {name} s{s}: {x['final']:.2f} / {x['best']:.2f}; {x['proto']:.2f} "
-                     f"(rounds: {', '.join(f'{a:.1f}' for a in pct(rep['rounds'], 'local_acc'))}; "
-                     f"{wall} s wall, shared machine)")
+        lines.append(
+            f"- {name} s{s}: {x['final']:.2f} / {x['best']:.2f}; {x['proto']:.2f} "
+            f"(rounds: {', '.join(f'{a:.1f}' for a in pct(rep['rounds'], 'local_acc'))}; "
+            f"{wall} s wall, shared machine)"
+        )
     missing = [f"{n} s{s}" for n, s in ORDER if (n, s) not in m]
     if missing:
         lines += ["", f"Not run (yet): {', '.join(missing)}."]
@@ -251,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.reuse is not None:
         reuse_baseline(ns.reuse, ns.data_dir)
     if not ns.table_only:
-        wanted = ORDER if ns.runs is None else [(r.rsplit("-s", 1)[0], int(r.rsplit("-s", 1)[1]))
-                                                for r in ns.runs.split(",")]
+        wanted = (
+            ORDER
+            if ns.runs is None
+            else [(r.rsplit("-s", 1)[0], int(r.rsplit("-s", 1)[1])) for r in ns.runs.split(",")]
+        )
         for name, seed in wanted:
             if ns.reuse is not None:
                 reuse_baseline(ns.reuse, ns.data_dir)

@@ -59,12 +59,20 @@ def _remaining(n: int) -> bytes:
             return bytes(out)
 
 
-def connect_packet(client_id: str, username: str, password: str, will_topic: str, will: bytes,
-                   keepalive: int) -> bytes:
+def connect_packet(client_id: str, username: str, password: str, will_topic: str, will: bytes, keepalive: int) -> bytes:
     # clean session, will QoS 1 retained, user name and password (MQTT 3.1.1, section 3.1)
     flags = 0x02 | 0x04 | 0x08 | 0x20 | 0x80 | 0x40
-    body = (_str("MQTT") + bytes([4, flags]) + struct.pack("!H", keepalive) + _str(client_id) + _str(will_topic)
-            + struct.pack("!H", len(will)) + will + _str(username) + _str(password))
+    body = (
+        _str("MQTT")
+        + bytes([4, flags])
+        + struct.pack("!H", keepalive)
+        + _str(client_id)
+        + _str(will_topic)
+        + struct.pack("!H", len(will))
+        + will
+        + _str(username)
+        + _str(password)
+    )
     return b"\x10" + _remaining(len(body)) + body
 
 
@@ -83,8 +91,12 @@ def upload_body(cfg: FederationConfig, rng: np.random.Generator) -> dict[str, An
     plan's width), counts hidden by scaling, as the device half sends it."""
     plan = RoundPlan.from_config(cfg)
     values = (rng.standard_normal((cfg.num_classes, plan.proto_width)) * 10).astype(np.float32)
-    local = ProtoSet(classes=np.arange(cfg.num_classes), values=values,
-                     counts=None if cfg.scaling else np.full(cfg.num_classes, 20), dt=plan.proto_dtype)
+    local = ProtoSet(
+        classes=np.arange(cfg.num_classes),
+        values=values,
+        counts=None if cfg.scaling else np.full(cfg.num_classes, 20),
+        dt=plan.proto_dtype,
+    )
     return ProtoUpload(local=local, public=None, n_samples=20 * cfg.num_classes).to_body()
 
 
@@ -153,8 +165,9 @@ class Device:
         f = self.fleet
         reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=2**20)
         offline = encode_message(Status(state="offline", detail="connection lost"), fed=f.fed, sender=self.id)
-        self.send(connect_packet(self.id, self.id, self.password, topics.presence(f.fed, self.id), offline,
-                                 f.keepalive))
+        self.send(
+            connect_packet(self.id, self.id, self.password, topics.presence(f.fed, self.id), offline, f.keepalive)
+        )
         head = await reader.readexactly(4)
         if head[0] != 0x20 or head[3] != 0:
             raise ConnectionError(f"CONNACK refused (code {head[3]})")
@@ -189,7 +202,7 @@ class Device:
 
     def _on_publish(self, flags: int, data: bytes) -> None:
         (tlen,) = struct.unpack_from("!H", data)
-        topic = data[2:2 + tlen].decode()
+        topic = data[2 : 2 + tlen].decode()
         pos = 2 + tlen
         if flags & 0x06:
             (pid,) = struct.unpack_from("!H", data, pos)
@@ -207,8 +220,11 @@ class Device:
                 self.publish(topics.up(f.fed, self.id), f.join_payload(self.id))
                 if not self.subscribed:
                     self.subscribed = True
-                    self.send(subscribe_packet(self._next_pid(), [topics.public(f.fed), topics.round_(f.fed),
-                                                                  topics.down(f.fed, self.id)]))
+                    self.send(
+                        subscribe_packet(
+                            self._next_pid(), [topics.public(f.fed), topics.round_(f.fed), topics.down(f.fed, self.id)]
+                        )
+                    )
         elif isinstance(msg, Resend) and topic == topics.down(f.fed, self.id):
             self._on_request(payload)
         elif isinstance(msg, RoundStart):
@@ -259,12 +275,14 @@ class Fleet:
         return encode_message(Status(state=state, detail="bench"), fed=self.fed, sender=client_id)
 
     def join_payload(self, client_id: str) -> bytes:
-        return encode_message(Join(arch="", n_samples=200, profile="", agent_version="bench-fleet"), fed=self.fed,
-                              sender=client_id)
+        return encode_message(
+            Join(arch="", n_samples=200, profile="", agent_version="bench-fleet"), fed=self.fed, sender=client_id
+        )
 
     def upload(self, device: Device, round_: int, phase: str) -> bytes:
-        return pack_envelope(Envelope(WIRE_VERSION, "protos", self.fed, round_, phase, device.id,
-                                      uuid.uuid4().hex[:16], device.body))
+        return pack_envelope(
+            Envelope(WIRE_VERSION, "protos", self.fed, round_, phase, device.id, uuid.uuid4().hex[:16], device.body)
+        )
 
     async def _connect_all(self) -> list[tuple[Device, asyncio.StreamReader]]:
         gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
@@ -309,13 +327,29 @@ class Fleet:
 
 def report(event: str, fleet: Fleet) -> None:
     s = fleet.stats
-    print(json.dumps({"event": event, "pid": os.getpid(), "devices": len(fleet.devices), "connected": s.connected,
-                      "connect_failed": s.connect_failed, "connect_s": round(s.connect_s, 3), "joins": s.joins,
-                      "uploads": {str(k): v for k, v in sorted(s.uploads.items())}, "resent": s.resent,
-                      "asked_join": s.asked_join, "asked_uploads": s.asked_uploads,
-                      "acked": s.acked, "disconnected": s.disconnected, "finished": s.finished,
-                      "errors": dict(s.errors),
-                      "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": event,
+                "pid": os.getpid(),
+                "devices": len(fleet.devices),
+                "connected": s.connected,
+                "connect_failed": s.connect_failed,
+                "connect_s": round(s.connect_s, 3),
+                "joins": s.joins,
+                "uploads": {str(k): v for k, v in sorted(s.uploads.items())},
+                "resent": s.resent,
+                "asked_join": s.asked_join,
+                "asked_uploads": s.asked_uploads,
+                "acked": s.acked,
+                "disconnected": s.disconnected,
+                "finished": s.finished,
+                "errors": dict(s.errors),
+                "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main(path: str) -> None:

@@ -40,8 +40,9 @@ def run_name(method: str, alpha: float, seed: int) -> str:
     return f"a{alpha:g}-{method}-s{seed}"
 
 
-def run_one(method: str, alpha: float, seed: int, rounds: int, out: Path, data_dir: str | None,
-            device: str, train_limit: int) -> None:
+def run_one(
+    method: str, alpha: float, seed: int, rounds: int, out: Path, data_dir: str | None, device: str, train_limit: int
+) -> None:
     """One federation in this process; per-round lines as they come."""
     from broker_server.simulation import SimulationSpec, run_simulation
 
@@ -54,13 +55,31 @@ def run_one(method: str, alpha: float, seed: int, rounds: int, out: Path, data_d
         with lines.open("a") as f:
             f.write(json.dumps({**row, "wall_s": round(time.monotonic() - started, 1)}) + "\n")
 
-    spec = SimulationSpec(preset=method, dataset="fashion-mnist", data_dir=data_dir, clients=10, alpha=alpha,
-                          rounds=rounds, seed=seed, archs=("resnet18",), train_limit=train_limit,
-                          test_limit=10000, eval_every=1, test_every=min(TEST_EVERY, rounds), device=device,
-                          clip=False)
+    spec = SimulationSpec(
+        preset=method,
+        dataset="fashion-mnist",
+        data_dir=data_dir,
+        clients=10,
+        alpha=alpha,
+        rounds=rounds,
+        seed=seed,
+        archs=("resnet18",),
+        train_limit=train_limit,
+        test_limit=10000,
+        eval_every=1,
+        test_every=min(TEST_EVERY, rounds),
+        device=device,
+        clip=False,
+    )
     report = run_simulation(spec, on_round=on_round)
-    report["bench"] = {"wall_s": round(time.monotonic() - started, 1), "method": method, "alpha": alpha,
-                       "seed": seed, "rounds": rounds, "train_limit": train_limit}
+    report["bench"] = {
+        "wall_s": round(time.monotonic() - started, 1),
+        "method": method,
+        "alpha": alpha,
+        "seed": seed,
+        "rounds": rounds,
+        "train_limit": train_limit,
+    }
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
 
 
@@ -68,9 +87,11 @@ def summary(out: Path, at: int | None = None) -> str:
     """One line per run: how far it got (rounds, wall seconds) and its figures at round `at` (default: the
     local figures at the last round it reached, the test-set figures at its last scored round), uplink to
     that round. Runs cut before `at` show their last round."""
-    rows = ["| run | rounds reached | wall s | round | local head | local proto | local own proto | global | "
-            "global proto | ensemble | global predictor | uplink MB |",
-            "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    rows = [
+        "| run | rounds reached | wall s | round | local head | local proto | local own proto | global | "
+        "global proto | ensemble | global predictor | uplink MB |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
 
     for lines in sorted(out.glob("*.rounds.jsonl")):
         name = lines.name.removesuffix(".rounds.jsonl")
@@ -84,11 +105,13 @@ def summary(out: Path, at: int | None = None) -> str:
         t = tested[-1] if tested else {}
         up = sum(r.get("uplink_bytes", 0) or 0 for r in upto) / 1e6
         scored = f"{here['round']}" + (f" (test set: {t['round']})" if t and t["round"] != here["round"] else "")
-        rows.append(f"| {name} | {recs[-1]['round']} | {recs[-1].get('wall_s')} | {scored} | "
-                    f"{pct(here.get('local_acc'))} | {pct(here.get('local_proto_acc'))} | "
-                    f"{pct(here.get('local_own_proto_acc'))} | {pct(t.get('global_acc'))} | "
-                    f"{pct(t.get('global_proto_acc'))} | {pct(t.get('ensemble_acc'))} | "
-                    f"{pct(t.get('predictor_acc'))} | {up:.1f} |")
+        rows.append(
+            f"| {name} | {recs[-1]['round']} | {recs[-1].get('wall_s')} | {scored} | "
+            f"{pct(here.get('local_acc'))} | {pct(here.get('local_proto_acc'))} | "
+            f"{pct(here.get('local_own_proto_acc'))} | {pct(t.get('global_acc'))} | "
+            f"{pct(t.get('global_proto_acc'))} | {pct(t.get('ensemble_acc'))} | "
+            f"{pct(t.get('predictor_acc'))} | {up:.1f} |"
+        )
     return "\n".join(rows)
 
 
@@ -128,9 +151,25 @@ def main(argv: list[str] | None = None) -> int:
             while pending and len(running) < parallel:
                 m = pending.pop(0)
                 log = (a.out / f"{run_name(m, a.alpha, seed)}.log").open("w")
-                cmd = [sys.executable, "-m", "bench.gpu_sizing", "--one", m, "--alpha", str(a.alpha),
-                       "--seeds", str(seed), "--rounds", str(a.rounds), "--train-limit", str(a.train_limit),
-                       "--device", a.device, "--out", str(a.out)] + (["--data-dir", a.data_dir] if a.data_dir else [])
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.gpu_sizing",
+                    "--one",
+                    m,
+                    "--alpha",
+                    str(a.alpha),
+                    "--seeds",
+                    str(seed),
+                    "--rounds",
+                    str(a.rounds),
+                    "--train-limit",
+                    str(a.train_limit),
+                    "--device",
+                    a.device,
+                    "--out",
+                    str(a.out),
+                ] + (["--data-dir", a.data_dir] if a.data_dir else [])
                 running.append((m, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)))
                 print(f"started {run_name(m, a.alpha, seed)}", flush=True)
             for m, p in list(running):

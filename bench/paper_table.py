@@ -82,8 +82,14 @@ def expected_config(run: Run, suite: str) -> dict[str, Any]:
     fed = FEDERATIONS[run.fed]
     size = SIZING[suite][run.fed]
     clients = size.clients if size.clients is not None else fed.clients
-    spec = SimulationSpec(preset=run.preset, clients=clients, rounds=size.rounds, seed=run.seed,
-                          archs=tuple(fed.archs), overrides=dict(run.sets))
+    spec = SimulationSpec(
+        preset=run.preset,
+        clients=clients,
+        rounds=size.rounds,
+        seed=run.seed,
+        archs=tuple(fed.archs),
+        overrides=dict(run.sets),
+    )
     return json.loads(json.dumps(resolve_config(spec, **DATASET_SHAPE).to_dict()))
 
 
@@ -128,8 +134,12 @@ def never_clipped(config: dict[str, Any]) -> bool:
     round 1's is 1e4, and two unit vectors lie at most 2 apart. An unclipped row within the radius is folded
     as sent with clipping on or off (tests/broker_server/test_clip_switch.py), so the runs are equal."""
     values = config_values(config) or {}
-    return (values.get("federate") == "none" and values.get("prototypes") == "unit"
-            and not values.get("cps") and not values.get("erpa"))
+    return (
+        values.get("federate") == "none"
+        and values.get("prototypes") == "unit"
+        and not values.get("cps")
+        and not values.get("erpa")
+    )
 
 
 def git_info() -> dict[str, Any]:
@@ -147,13 +157,24 @@ def git_info() -> dict[str, Any]:
     untracked = git("status", "--porcelain", *outside_results)
     n_tracked = len(tracked.splitlines()) if tracked else 0
     n_all = len(untracked.splitlines()) if untracked else 0
-    return {"rev": rev or "unknown", "dirty": bool(n_all), "modified_tracked": n_tracked,
-            "untracked": n_all - n_tracked}
+    return {
+        "rev": rev or "unknown",
+        "dirty": bool(n_all),
+        "modified_tracked": n_tracked,
+        "untracked": n_all - n_tracked,
+    }
 
 
 class Runner:
-    def __init__(self, suite: str, run_root: Path, data_dir: str | None, jobs: int, verbose: bool = True,
-                 backend_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        suite: str,
+        run_root: Path,
+        data_dir: str | None,
+        jobs: int,
+        verbose: bool = True,
+        backend_args: list[str] | None = None,
+    ) -> None:
         self.suite = suite
         # Where the runs' devices run (`--backend ray ...`): added to each command, not part of the run (its
         # report is the same), so cached runs stay valid.
@@ -222,8 +243,15 @@ class Runner:
         with self.lock:
             if self.stopping:
                 return False
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True, env=sim_env())
+            proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+                env=sim_env(),
+            )
             self.children.add(proc)
         try:
             out, err = proc.communicate()
@@ -240,25 +268,37 @@ class Runner:
             tmp.unlink(missing_ok=True)
             if self.stopping:
                 return False
-            fail_log.write_text(f"$ {shown}\nexit {proc.returncode} after {wall:.0f} s\n--- stderr ---\n{err[-4000:]}"
-                                f"\n--- stdout ---\n{out[-2000:]}")
+            fail_log.write_text(
+                f"$ {shown}\nexit {proc.returncode} after {wall:.0f} s\n--- stderr ---\n{err[-4000:]}"
+                f"\n--- stdout ---\n{out[-2000:]}"
+            )
             self.log(f"    FAILED (exit {proc.returncode}, {wall:.0f} s); see {fail_log}")
             return False
         rep = json.loads(tmp.read_text())
-        rep["bench"] = {"suite": self.suite, "setting": run.setting, "run": run.name, "label": run.label,
-                        "args": args, "command": shown, "cli_wall_s": round(wall, 1),
-                        **({"backend_args": self.backend_args} if self.backend_args else {}),
-                        "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-                        "git_rev": git["rev"], "git_dirty": git["dirty"]}
+        rep["bench"] = {
+            "suite": self.suite,
+            "setting": run.setting,
+            "run": run.name,
+            "label": run.label,
+            "args": args,
+            "command": shown,
+            "cli_wall_s": round(wall, 1),
+            **({"backend_args": self.backend_args} if self.backend_args else {}),
+            "finished_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+            "git_rev": git["rev"],
+            "git_dirty": git["dirty"],
+        }
         tmp2 = final.with_name(f".{final.stem}.{os.getpid()}.final.json")
         tmp2.write_text(json.dumps(rep, indent=1))
         os.replace(tmp2, final)
         tmp.unlink(missing_ok=True)
         fail_log.unlink(missing_ok=True)
         last = rep["rounds"][-1] if rep["rounds"] else {}
-        self.log(f"    done in {wall:.0f} s: local {table_report.pct(last.get('local_acc'))}, global "
-                 f"{table_report.pct(last.get('global_acc'))}, ensemble {table_report.pct(last.get('ensemble_acc'))}, "
-                 f"uplink {rep['totals']['uplink_bytes'] / 1e6:.3f} MB")
+        self.log(
+            f"    done in {wall:.0f} s: local {table_report.pct(last.get('local_acc'))}, global "
+            f"{table_report.pct(last.get('global_acc'))}, ensemble {table_report.pct(last.get('ensemble_acc'))}, "
+            f"uplink {rep['totals']['uplink_bytes'] / 1e6:.3f} MB"
+        )
         return True
 
     @staticmethod
@@ -296,25 +336,42 @@ def backend_args(ns: argparse.Namespace, ap: argparse.ArgumentParser) -> list[st
         if ns.ray_address or ns.device_resources:
             ap.error("--ray-address and --device-resources need --backend ray")
         return []
-    return (["--backend", "ray"] + (["--ray-address", ns.ray_address] if ns.ray_address else [])
-            + (["--device-resources", ns.device_resources] if ns.device_resources else []))
+    return (
+        ["--backend", "ray"]
+        + (["--ray-address", ns.ray_address] if ns.ray_address else [])
+        + (["--device-resources", ns.device_resources] if ns.device_resources else [])
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.paper_table", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.paper_table",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--suite", choices=("full", "quick"), default="quick")
     ap.add_argument("--only", default=None, help="comma list of settings to run (A,B,C,D,L); the table shows all")
-    ap.add_argument("--results", type=Path, default=None,
-                    help="results directory (default bench/results/<suite>; TABLE.md: bench/results/TABLE.md "
-                         "for full, <results>/TABLE.md otherwise)")
-    ap.add_argument("--rows", default=None,
-                    help="comma list of row keys or shell patterns (B/fedproto, 'L/cps-*'): run only these rows")
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="results directory (default bench/results/<suite>; TABLE.md: bench/results/TABLE.md "
+        "for full, <results>/TABLE.md otherwise)",
+    )
+    ap.add_argument(
+        "--rows",
+        default=None,
+        help="comma list of row keys or shell patterns (B/fedproto, 'L/cps-*'): run only these rows",
+    )
     ap.add_argument("--seeds", default=None, help="comma list of seeds: run only these seeds of the chosen rows")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (default 1: the CPU is shared)")
     ap.add_argument("--data-dir", default=None, help="where the Fashion-MNIST IDX files are (CLI default otherwise)")
-    ap.add_argument("--backend", choices=("local", "ray"), default="local",
-                    help="ray: every run's devices on Ray workers (simulate --backend ray; the report is the same)")
+    ap.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="ray: every run's devices on Ray workers (simulate --backend ray; the report is the same)",
+    )
     ap.add_argument("--ray-address", default=None, help="ray: the cluster to join (auto, host:port, ray://...)")
     ap.add_argument("--device-resources", default=None, help="ray: each worker's share, cpu=N[,gpu=N]")
     ap.add_argument("--table-only", action="store_true", help="run nothing; rewrite the table from the cache")
@@ -357,8 +414,16 @@ def main(argv: list[str] | None = None) -> int:
         argv_shown += " (this file rewritten from the cache with --table-only)"
 
     runner = Runner(sizing_key, run_root, ns.data_dir, ns.jobs, backend_args=backend_args(ns, ap))
-    ctx = table_report.Context(suite=ns.suite, sizing_key=sizing_key, run_root=run_root, table_path=table_path,
-                               command=argv_shown, git=runner.git, runs=runs_all, cached=runner.cached)
+    ctx = table_report.Context(
+        suite=ns.suite,
+        sizing_key=sizing_key,
+        run_root=run_root,
+        table_path=table_path,
+        command=argv_shown,
+        git=runner.git,
+        runs=runs_all,
+        cached=runner.cached,
+    )
     if ns.dry_run:
         for r in runs:
             rep = runner.cached(r)
@@ -374,8 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     run_root.mkdir(parents=True, exist_ok=True)
     clean_partials(run_root)
     todo = [r for r in runs if runner.cached(r) is None]
-    print(f"{ns.suite} suite ({sizing_key} sizing): {len(runs)} runs, {len(runs) - len(todo)} cached, "
-          f"{len(todo)} to run; results in {run_root}", flush=True)
+    print(
+        f"{ns.suite} suite ({sizing_key} sizing): {len(runs)} runs, {len(runs) - len(todo)} cached, "
+        f"{len(todo)} to run; results in {run_root}",
+        flush=True,
+    )
 
     def on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -409,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         table_report.write(ctx, quiet=True)
         return 130
     table_report.write(ctx)
-    print(f"{len(todo) - failed} run(s) finished, {failed} failed, in {time.time() - started:.0f} s; "
-          f"table: {table_path}", flush=True)
+    print(
+        f"{len(todo) - failed} run(s) finished, {failed} failed, in {time.time() - started:.0f} s; table: {table_path}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

@@ -106,12 +106,37 @@ from bench.paired import paired
 # What is run and reported
 # --------------------------------------------------------------------------------------------------
 
-CANDIDATES = ("proto-l2", "proto-cos", "head", "head-ncm", "adapter-head", "ridge", "head-ridge",
-              "distil-mean", "distil-counts", "topk-ef")
+CANDIDATES = (
+    "proto-l2",
+    "proto-cos",
+    "head",
+    "head-ncm",
+    "adapter-head",
+    "ridge",
+    "head-ridge",
+    "distil-mean",
+    "distil-counts",
+    "topk-ef",
+)
 CONTROLS = ("public", "local", "local-public")
 REFERENCES = ("fedavg", "ensemble-public")
-ROUTES = ("fedavg", "public", "proto-l2", "proto-cos", "ridge", "head", "head-ncm", "head-ridge", "adapter-head",
-          "distil-mean", "distil-counts", "topk-ef", "local", "local-public", "ensemble-public")
+ROUTES = (
+    "fedavg",
+    "public",
+    "proto-l2",
+    "proto-cos",
+    "ridge",
+    "head",
+    "head-ncm",
+    "head-ridge",
+    "adapter-head",
+    "distil-mean",
+    "distil-counts",
+    "topk-ef",
+    "local",
+    "local-public",
+    "ensemble-public",
+)
 # A job computes one or several routes (they share the work); jobs run in this order (cheap ones first).
 JOBS: dict[str, tuple[str, ...]] = {
     "public": ("public",),
@@ -198,8 +223,7 @@ def msgpack_size(obj: Any) -> int:
         return (1 if n < 16 else 3 if n < 65536 else 5) + sum(msgpack_size(v) for v in obj)
     if isinstance(obj, dict):
         n = len(obj)
-        return (1 if n < 16 else 3 if n < 65536 else 5) + sum(msgpack_size(k) + msgpack_size(v)
-                                                                for k, v in obj.items())
+        return (1 if n < 16 else 3 if n < 65536 else 5) + sum(msgpack_size(k) + msgpack_size(v) for k, v in obj.items())
     raise TypeError(f"cannot size {type(obj).__name__}")
 
 
@@ -212,12 +236,21 @@ def _array(dt: str, shape: Sequence[int]) -> dict:
 
 def _envelope(kind: str, body: dict, round_: int, sender: str) -> dict:
     # protofl.wire.codec.ENVELOPE_KEYS; msg_id: 16 hex characters (encode_message's uuid4().hex[:16])
-    return {"v": 1, "kind": kind, "fed": "sim", "round": round_, "phase": "train", "sender": sender,
-            "msg_id": "0" * 16, "body": body}
+    return {
+        "v": 1,
+        "kind": kind,
+        "fed": "sim",
+        "round": round_,
+        "phase": "train",
+        "sender": sender,
+        "msg_id": "0" * 16,
+        "body": body,
+    }
 
 
-def params_upload_bytes(n_values: int, n_samples: int, round_: int = 1, dt: str = "f4",
-                        sender: str = "client-000") -> int:
+def params_upload_bytes(
+    n_values: int, n_samples: int, round_: int = 1, dt: str = "f4", sender: str = "client-000"
+) -> int:
     """Encoded bytes of a ParamsUpload carrying a dense vector of `n_values` (protofl.wire.ParamsUpload)."""
     body = {"update": _array(dt, [n_values]), "n_samples": int(n_samples), "base_round": int(round_)}
     return msgpack_size(_envelope("adapter", body, round_, sender))
@@ -239,11 +272,15 @@ def topk_count(d: int, ratio: float = TOPK_RATIO) -> int:
     return max(1, min(int(d), math.ceil(round(ratio * int(d), 6))))
 
 
-def proto_upload_bytes(n_classes: int, dim: int, n_samples: int, round_: int = 1, counts: bool = True,
-                       sender: str = "client-000") -> int:
+def proto_upload_bytes(
+    n_classes: int, dim: int, n_samples: int, round_: int = 1, counts: bool = True, sender: str = "client-000"
+) -> int:
     """Encoded bytes of a ProtoUpload with `n_classes` local prototypes of width `dim` (and their counts)."""
-    local = {"c": _array("u2", [n_classes]), "v": _array("f4", [n_classes, dim]),
-             "n": _array("u4", [n_classes]) if counts else None}
+    local = {
+        "c": _array("u2", [n_classes]),
+        "v": _array("f4", [n_classes, dim]),
+        "n": _array("u4", [n_classes]) if counts else None,
+    }
     body = {"local": local, "public": None, "n_samples": int(n_samples)}
     return msgpack_size(_envelope("protos", body, round_, sender))
 
@@ -254,9 +291,19 @@ def ridge_values(dim: int, num_classes: int) -> int:
     return d * (d + 1) // 2 + d * num_classes
 
 
-def route_uplink(route: str, *, sizes: Sequence[int], classes_held: Sequence[int], rounds: int, full_params: int,
-                 dim: int, head_params: int, adapter_params: int, public_n: int,
-                 num_classes: int = NUM_CLASSES) -> int:
+def route_uplink(
+    route: str,
+    *,
+    sizes: Sequence[int],
+    classes_held: Sequence[int],
+    rounds: int,
+    full_params: int,
+    dim: int,
+    head_params: int,
+    adapter_params: int,
+    public_n: int,
+    num_classes: int = NUM_CLASSES,
+) -> int:
     """Uplink bytes over the whole run, all clients, for `route` (0 for controls)."""
     total = 0
     for k, (n, held) in enumerate(zip(sizes, classes_held, strict=True)):
@@ -267,8 +314,10 @@ def route_uplink(route: str, *, sizes: Sequence[int], classes_held: Sequence[int
         if route == "fedavg":
             total += sum(params_upload_bytes(full_params, n, r, sender=sender) for r in range(1, rounds + 1))
         elif route == "topk-ef":
-            total += sum(sparse_upload_bytes(full_params, topk_count(full_params), n, r, sender=sender)
-                         for r in range(1, rounds + 1))
+            total += sum(
+                sparse_upload_bytes(full_params, topk_count(full_params), n, r, sender=sender)
+                for r in range(1, rounds + 1)
+            )
         elif route in ("proto-l2", "proto-cos"):
             total += proto
         elif route == "ridge":
@@ -280,8 +329,11 @@ def route_uplink(route: str, *, sizes: Sequence[int], classes_held: Sequence[int
         elif route == "head-ridge":
             total += ridge + heads
         elif route == "adapter-head":
-            total += sum(params_upload_bytes(adapter_params + head_params, n, r, sender=sender)
-                         + proto_upload_bytes(held, dim, n, r, sender=sender) for r in range(1, rounds + 1))
+            total += sum(
+                params_upload_bytes(adapter_params + head_params, n, r, sender=sender)
+                + proto_upload_bytes(held, dim, n, r, sender=sender)
+                for r in range(1, rounds + 1)
+            )
         elif route == "distil-mean":
             total += params_upload_bytes(public_n * num_classes, n, rounds, sender=sender)
         elif route == "distil-counts":
@@ -317,12 +369,15 @@ def class_means(z: np.ndarray, y: np.ndarray, num_classes: int) -> tuple[dict[in
     sums = np.zeros((num_classes, z.shape[1]), np.float64)
     np.add.at(sums, y, z.astype(np.float64))
     present = np.flatnonzero(counts)
-    return ({int(c): (sums[c] / counts[c]).astype(np.float32) for c in present},
-            {int(c): int(counts[c]) for c in present})
+    return (
+        {int(c): (sums[c] / counts[c]).astype(np.float32) for c in present},
+        {int(c): int(counts[c]) for c in present},
+    )
 
 
-def global_prototypes(uploads: Sequence[tuple[dict[int, np.ndarray], dict[int, int]]], num_classes: int,
-                      dim: int) -> dict[int, np.ndarray]:
+def global_prototypes(
+    uploads: Sequence[tuple[dict[int, np.ndarray], dict[int, int]]], num_classes: int, dim: int
+) -> dict[int, np.ndarray]:
     """The server's n-weighted global prototypes g_c = sum_k n_kc p_kc / sum_k n_kc over the devices that sent c."""
     proj = _project_protos()
     if proj is not None:
@@ -360,8 +415,9 @@ def nearest_cos(z: np.ndarray, protos: dict[int, np.ndarray]) -> np.ndarray:
     return classes[np.argmax(zz @ table.T, axis=1)]
 
 
-def ncm_head(protos: dict[int, np.ndarray], num_classes: int, dim: int,
-             margin: float = NCM_MARGIN) -> tuple[np.ndarray, np.ndarray]:
+def ncm_head(
+    protos: dict[int, np.ndarray], num_classes: int, dim: int, margin: float = NCM_MARGIN
+) -> tuple[np.ndarray, np.ndarray]:
     """The L2 nearest-prototype rule as a linear head: w_c = g_c / T, b_c = -|g_c|^2 / (2 T), whose argmax is
     the nearest prototype for any T > 0. T = mean over class pairs of |g_c - g_c'|^2 / (2 margin), so that a
     feature at a prototype leads the other classes by `margin` logits on average (unscaled, the logits of
@@ -419,9 +475,16 @@ def _softmax(a: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=1, keepdims=True)
 
 
-def distil_head(phi: np.ndarray, targets: np.ndarray, w0: np.ndarray, b0: np.ndarray, steps: int = DISTIL_STEPS,
-                weight_decay: float = WEIGHT_DECAY, lr: float | None = None,
-                nesterov: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def distil_head(
+    phi: np.ndarray,
+    targets: np.ndarray,
+    w0: np.ndarray,
+    b0: np.ndarray,
+    steps: int = DISTIL_STEPS,
+    weight_decay: float = WEIGHT_DECAY,
+    lr: float | None = None,
+    nesterov: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
     """Server-side ensemble distillation, numpy only: the head (W (C, m), b (C,)) on the frozen backbone's
     public-set features phi (n, m) minimising mean_x CE(targets(x), softmax(W phi(x) + b)) + wd/2 |W|^2
     (= the KL to the targets up to a constant), by `steps` full-batch gradient steps from (w0, b0).
@@ -478,8 +541,13 @@ def select(rows: Sequence[dict[str, Any]], ratio_max: float = RATIO_MAX, within:
     "why": text}."""
     st = route_stats(rows)
     if "fedavg" not in st or "public" not in st:
-        return {"checks": {}, "default": None, "provisional": None, "decided": False,
-                "why": "FedAvg's and the public-only control's rows are needed"}
+        return {
+            "checks": {},
+            "default": None,
+            "provisional": None,
+            "decided": False,
+            "why": "FedAvg's and the public-only control's rows are needed",
+        }
     checks: dict[str, dict[str, Any]] = {}
     for route in CANDIDATES:
         if route not in st:
@@ -515,9 +583,12 @@ def select(rows: Sequence[dict[str, Any]], ratio_max: float = RATIO_MAX, within:
             tied = [best]
         default = min(tied, key=lambda r: (checks[r]["bytes"], -checks[r]["mean"]))
         out["default"] = default
-        out["why"] = (f"{default} qualifies (best by mean: {best}; not beaten by it and fewest bytes among: "
-                      f"{', '.join(sorted(tied))})" if default != best
-                      else f"{default} qualifies with the highest mean")
+        out["why"] = (
+            f"{default} qualifies (best by mean: {best}; not beaten by it and fewest bytes among: "
+            f"{', '.join(sorted(tied))})"
+            if default != best
+            else f"{default} qualifies with the highest mean"
+        )
         if not decided:
             out["why"] += " -- one-seed reading of the means, not a decision"
         return out
@@ -525,9 +596,11 @@ def select(rows: Sequence[dict[str, Any]], ratio_max: float = RATIO_MAX, within:
     if fall:
         prov = max(fall, key=lambda r: checks[r]["mean"])
         out["provisional"] = prov
-        out["why"] = (f"no candidate qualifies: moonshot missed here; provisional default {prov} "
-                      f"(meets the byte bound and beats the public-only control), "
-                      f"{prov} - fedavg = {checks[prov]['vs_fedavg'].text()}")
+        out["why"] = (
+            f"no candidate qualifies: moonshot missed here; provisional default {prov} "
+            f"(meets the byte bound and beats the public-only control), "
+            f"{prov} - fedavg = {checks[prov]['vs_fedavg'].text()}"
+        )
     else:
         out["why"] = "no candidate qualifies, and none meets the byte bound while beating the public-only control"
     if not decided:
@@ -552,8 +625,9 @@ def federation(train_y: np.ndarray, clients: int, alpha: float, seed: int) -> An
     batch 64): the partition every preset's simulation of (N, alpha, seed) uses."""
     from protofl.data.partition import build_federation
 
-    return build_federation(train_y, clients, alpha, seed, public_per_class=PUBLIC_PER_CLASS, public_classes=None,
-                            batch_size=BATCH)
+    return build_federation(
+        train_y, clients, alpha, seed, public_per_class=PUBLIC_PER_CLASS, public_classes=None, batch_size=BATCH
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -587,8 +661,9 @@ class Budget:
             return
         need = (time.monotonic() - started) / done * (total - done)
         if need > self.left():
-            raise BudgetStop(f"--yield-late: {done} of {total} done; the rest needs ~{need:.0f} s, "
-                             f"{self.left():.0f} s left")
+            raise BudgetStop(
+                f"--yield-late: {done} of {total} done; the rest needs ~{need:.0f} s, {self.left():.0f} s left"
+            )
 
 
 class Runner:
@@ -611,8 +686,9 @@ class Runner:
             torch.backends.cudnn.allow_tf32 = True
         if a.threads:
             torch.set_num_threads(a.threads)
-        self.eval_bs = a.eval_batch or (4096 if self.device.type == "cuda" and a.arch == "cnn"
-                                        else 1024 if self.device.type == "cuda" else 500)
+        self.eval_bs = a.eval_batch or (
+            4096 if self.device.type == "cuda" and a.arch == "cnn" else 1024 if self.device.type == "cuda" else 500
+        )
         self.budget = Budget(a.budget_s, start=_T0_MONO)
         self.out: Path = a.out
         self.out.mkdir(parents=True, exist_ok=True)
@@ -624,9 +700,11 @@ class Runner:
         self.test_x = self._tensor(test.normalized())
         self.test_y = torch.from_numpy(test.y).to(self.device)
         self.test_y_np = test.y
-        log(f"data: {len(self.train_full)} train, {len(test)} test images loaded in {time.monotonic() - t:.1f} s; "
-            f"device {self.device}" + (f" ({torch.cuda.get_device_name(self.device)})"
-                                       if self.device.type == "cuda" else ""))
+        log(
+            f"data: {len(self.train_full)} train, {len(test)} test images loaded in {time.monotonic() - t:.1f} s; "
+            f"device {self.device}"
+            + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else "")
+        )
         self.step_s: float | None = None  # seconds per training step of the full model (measured)
         self.head_step_s: float | None = None  # ... of a head on features
         self.durations: dict[str, float] = {}
@@ -638,11 +716,22 @@ class Runner:
 
     def setting(self) -> dict[str, Any]:
         a = self.a
-        return {"dataset": "fashion-mnist", "arch": a.arch, "clients": a.clients, "alpha": a.alpha,
-                "rounds": a.rounds, "local_epochs": a.local_epochs, "train_limit": a.train_limit,
-                "test_images": int(len(self.test_y_np)), "public_per_class": PUBLIC_PER_CLASS,
-                "batch": BATCH, "lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY,
-                "public_epochs": a.public_epochs}
+        return {
+            "dataset": "fashion-mnist",
+            "arch": a.arch,
+            "clients": a.clients,
+            "alpha": a.alpha,
+            "rounds": a.rounds,
+            "local_epochs": a.local_epochs,
+            "train_limit": a.train_limit,
+            "test_images": int(len(self.test_y_np)),
+            "public_per_class": PUBLIC_PER_CLASS,
+            "batch": BATCH,
+            "lr": LR,
+            "momentum": MOMENTUM,
+            "weight_decay": WEIGHT_DECAY,
+            "public_epochs": a.public_epochs,
+        }
 
     def model(self, seed: int) -> Any:
         from edge_agent.models import build_model
@@ -658,19 +747,31 @@ class Runner:
         x = train.normalized()
         cl = []
         for c in split.clients:
-            cl.append({"x": self._tensor(x[c.train]), "y": torch.from_numpy(train.y[c.train]).to(self.device),
-                       "y_np": train.y[c.train], "n": int(len(c.train))})
+            cl.append(
+                {
+                    "x": self._tensor(x[c.train]),
+                    "y": torch.from_numpy(train.y[c.train]).to(self.device),
+                    "y_np": train.y[c.train],
+                    "n": int(len(c.train)),
+                }
+            )
         pub = split.public
-        d = {"seed": seed, "clients": cl, "pub_x": self._tensor(x[pub]),
-             "pub_y": torch.from_numpy(train.y[pub]).to(self.device), "pub_y_np": train.y[pub],
-             "sizes": [c["n"] for c in cl],
-             "held": [int((np.bincount(c["y_np"], minlength=NUM_CLASSES) > 0).sum()) for c in cl],
-             "counts": np.stack([np.bincount(c["y_np"], minlength=NUM_CLASSES) for c in cl])}
+        d = {
+            "seed": seed,
+            "clients": cl,
+            "pub_x": self._tensor(x[pub]),
+            "pub_y": torch.from_numpy(train.y[pub]).to(self.device),
+            "pub_y_np": train.y[pub],
+            "sizes": [c["n"] for c in cl],
+            "held": [int((np.bincount(c["y_np"], minlength=NUM_CLASSES) > 0).sum()) for c in cl],
+            "counts": np.stack([np.bincount(c["y_np"], minlength=NUM_CLASSES) for c in cl]),
+        }
         log(f"seed {seed}: {len(cl)} clients, sizes {d['sizes']}, classes held {d['held']}, public {len(pub)}")
         return d
 
-    def sgd(self, params: Sequence[Any], loss_of: Callable[[Any], Any], n: int, epochs: int,
-            rng: np.random.Generator) -> tuple[Any, int]:
+    def sgd(
+        self, params: Sequence[Any], loss_of: Callable[[Any], Any], n: int, epochs: int, rng: np.random.Generator
+    ) -> tuple[Any, int]:
         """`epochs` epochs of SGD (lr 0.01, momentum 0.9, wd 1e-4, batch 64; a fresh optimiser, as the project's
         devices each round); batches of < 2 skipped (BatchNorm). No host sync per step."""
         torch = self.torch
@@ -680,7 +781,7 @@ class Runner:
         for _ in range(epochs):
             perm = torch.from_numpy(rng.permutation(n)).to(self.device)
             for i in range(0, n, BATCH):
-                idx = perm[i:i + BATCH]
+                idx = perm[i : i + BATCH]
                 if idx.numel() < 2:
                     continue
                 loss = loss_of(idx)
@@ -696,14 +797,14 @@ class Runner:
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         with torch.no_grad():
             for i in range(0, int(x.shape[0]), self.eval_bs):
-                correct += (fn(x[i:i + self.eval_bs]).argmax(1) == y[i:i + self.eval_bs]).sum()
+                correct += (fn(x[i : i + self.eval_bs]).argmax(1) == y[i : i + self.eval_bs]).sum()
         return 100.0 * int(correct.item()) / max(int(x.shape[0]), 1)
 
     def features(self, model: Any, x: Any) -> Any:
         torch = self.torch
         model.eval()
         with torch.no_grad():
-            return torch.cat([model.features(x[i:i + self.eval_bs]) for i in range(0, int(x.shape[0]), self.eval_bs)])
+            return torch.cat([model.features(x[i : i + self.eval_bs]) for i in range(0, int(x.shape[0]), self.eval_bs)])
 
     def full_params(self, model: Any) -> int:
         return sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
@@ -722,22 +823,58 @@ class Runner:
         return bool(rec.get("complete", True))
 
     def write(self, route: str, seed: int, rec: dict[str, Any], sd: dict[str, Any], partial: bool = False) -> None:
-        uplink = route_uplink(route, sizes=sd["sizes"], classes_held=sd["held"], rounds=self.a.rounds,
-                              full_params=sd["full_params"], dim=PROTO_DIM, head_params=PROTO_DIM * NUM_CLASSES
-                              + NUM_CLASSES, adapter_params=sd["adapter_params"], public_n=int(sd["pub_x"].shape[0]))
-        fed = route_uplink("fedavg", sizes=sd["sizes"], classes_held=sd["held"], rounds=self.a.rounds,
-                           full_params=sd["full_params"], dim=PROTO_DIM, head_params=0, adapter_params=0,
-                           public_n=0)
-        kind = ("baseline" if route == "fedavg" else "control" if route in CONTROLS
-                else "reference (not deployable)" if route == "ensemble-public" else "candidate")
-        full = {"route": route, "seed": seed, "kind": kind, "setting": self.setting(), "complete": not partial,
-                **rec,
-                "uplink_total": uplink, "uplink_per_client_round": uplink / (self.a.clients * self.a.rounds),
-                "uplink_ratio": uplink / fed if route not in CONTROLS and route != "ensemble-public" else None,
-                "fedavg_uplink_total": fed, "revision": _revision(), "device": str(self.device),
-                "device_name": (self.torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
-                                else platform.processor() or platform.machine()),
-                "torch": self.torch.__version__, "written": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        uplink = route_uplink(
+            route,
+            sizes=sd["sizes"],
+            classes_held=sd["held"],
+            rounds=self.a.rounds,
+            full_params=sd["full_params"],
+            dim=PROTO_DIM,
+            head_params=PROTO_DIM * NUM_CLASSES + NUM_CLASSES,
+            adapter_params=sd["adapter_params"],
+            public_n=int(sd["pub_x"].shape[0]),
+        )
+        fed = route_uplink(
+            "fedavg",
+            sizes=sd["sizes"],
+            classes_held=sd["held"],
+            rounds=self.a.rounds,
+            full_params=sd["full_params"],
+            dim=PROTO_DIM,
+            head_params=0,
+            adapter_params=0,
+            public_n=0,
+        )
+        kind = (
+            "baseline"
+            if route == "fedavg"
+            else "control"
+            if route in CONTROLS
+            else "reference (not deployable)"
+            if route == "ensemble-public"
+            else "candidate"
+        )
+        full = {
+            "route": route,
+            "seed": seed,
+            "kind": kind,
+            "setting": self.setting(),
+            "complete": not partial,
+            **rec,
+            "uplink_total": uplink,
+            "uplink_per_client_round": uplink / (self.a.clients * self.a.rounds),
+            "uplink_ratio": uplink / fed if route not in CONTROLS and route != "ensemble-public" else None,
+            "fedavg_uplink_total": fed,
+            "revision": _revision(),
+            "device": str(self.device),
+            "device_name": (
+                self.torch.cuda.get_device_name(self.device)
+                if self.device.type == "cuda"
+                else platform.processor() or platform.machine()
+            ),
+            "torch": self.torch.__version__,
+            "written": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
         p = self.path(route, seed, partial)
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(full, indent=1))
@@ -745,9 +882,11 @@ class Runner:
         if not partial:
             with contextlib.suppress(FileNotFoundError):
                 self.path(route, seed, True).unlink()
-            log(f"  {route} seed {seed}: acc {rec['acc']:.2f} %, uplink {uplink:,} B"
+            log(
+                f"  {route} seed {seed}: acc {rec['acc']:.2f} %, uplink {uplink:,} B"
                 + (f" = {uplink / fed:.5f} x FedAvg's" if full["uplink_ratio"] is not None else "")
-                + f"  -> {p.name}")
+                + f"  -> {p.name}"
+            )
 
     # -- the shared public model (route 2's), one per seed for every process ----------------------------
     @contextlib.contextmanager
@@ -780,8 +919,13 @@ class Runner:
                 px, py = sd["pub_x"], sd["pub_y"]
                 ce = torch.nn.functional.cross_entropy
                 rng = np.random.default_rng([seed, 2])
-                _, steps = self.sgd(list(model.parameters()), lambda idx: ce(model(px[idx]), py[idx]),
-                                    int(px.shape[0]), self.a.public_epochs, rng)
+                _, steps = self.sgd(
+                    list(model.parameters()),
+                    lambda idx: ce(model(px[idx]), py[idx]),
+                    int(px.shape[0]),
+                    self.a.public_epochs,
+                    rng,
+                )
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 step_s = (time.monotonic() - t) / max(steps, 1)
@@ -798,16 +942,21 @@ class Runner:
         the public set and the test set, kept on the device."""
         if "feats" not in sd:
             model, _ = self.public_model(sd)
-            sd["feats"] = {"clients": [self.features(model, c["x"]) for c in sd["clients"]],
-                           "pub": self.features(model, sd["pub_x"]), "test": self.features(model, self.test_x)}
+            sd["feats"] = {
+                "clients": [self.features(model, c["x"]) for c in sd["clients"]],
+                "pub": self.features(model, sd["pub_x"]),
+                "test": self.features(model, self.test_x),
+            }
             sd["feats"]["test_np"] = sd["feats"]["test"].cpu().numpy()
         return sd["feats"]
 
     def protos(self, sd: dict[str, Any]) -> dict[int, np.ndarray]:
         if "protos" not in sd:
             f = self.shared_features(sd)
-            ups = [class_means(h.cpu().numpy(), c["y_np"], NUM_CLASSES)
-                   for h, c in zip(f["clients"], sd["clients"], strict=True)]
+            ups = [
+                class_means(h.cpu().numpy(), c["y_np"], NUM_CLASSES)
+                for h, c in zip(f["clients"], sd["clients"], strict=True)
+            ]
             sd["protos"] = global_prototypes(ups, NUM_CLASSES, PROTO_DIM)
         return sd["protos"]
 
@@ -829,9 +978,16 @@ class Runner:
         return sd["ridge"]
 
     # -- federated averaging of a module's floating state ----------------------------------------------
-    def federate(self, route: str, sd: dict[str, Any], glob: Any, local_train: Callable[[int, Any, int], None],
-                 score: Callable[[], float], after_round: Callable[[int], None] | None = None,
-                 topk: int | None = None) -> dict[str, Any]:
+    def federate(
+        self,
+        route: str,
+        sd: dict[str, Any],
+        glob: Any,
+        local_train: Callable[[int, Any, int], None],
+        score: Callable[[], float],
+        after_round: Callable[[int], None] | None = None,
+        topk: int | None = None,
+    ) -> dict[str, Any]:
         """R rounds: each client starts from the global module, trains (`local_train(k, work, round)`), and the
         floating state (parameters, BatchNorm statistics) is averaged weighted by |D_k|; with `topk`, each client
         contributes only the `topk` largest entries of (its update + its residual), the rest kept as its residual
@@ -879,7 +1035,7 @@ class Runner:
                     gvec += accv
                     at = 0
                     for g in gs:
-                        g.copy_(gvec[at:at + g.numel()].view_as(g))
+                        g.copy_(gvec[at : at + g.numel()].view_as(g))
                         at += g.numel()
                 else:
                     for g, s in zip(gs, acc_state, strict=True):
@@ -889,11 +1045,14 @@ class Runner:
             if r % a.test_every == 0 or r == a.rounds:
                 curve.append([r, score()])
                 if r < a.rounds:
-                    self.write(route, sd["seed"], {"acc": curve[-1][1], "curve": curve, "rounds_done": r}, sd,
-                               partial=True)
+                    self.write(
+                        route, sd["seed"], {"acc": curve[-1][1], "curve": curve, "rounds_done": r}, sd, partial=True
+                    )
             if a.progress and (r % a.progress == 0 or r == a.rounds):
-                log(f"  {route} seed {sd['seed']}: round {r}/{a.rounds}" + (f", acc {curve[-1][1]:.2f}" if curve
-                                                                           and curve[-1][0] == r else ""))
+                log(
+                    f"  {route} seed {sd['seed']}: round {r}/{a.rounds}"
+                    + (f", acc {curve[-1][1]:.2f}" if curve and curve[-1][0] == r else "")
+                )
         return {"acc": curve[-1][1], "curve": curve, "rounds_done": a.rounds}
 
     # -- the jobs --------------------------------------------------------------------------------------
@@ -909,15 +1068,27 @@ class Runner:
         y = self.test_y_np
         wall = time.monotonic() - t
         for route, pred in (("proto-l2", nearest_l2(z, g)), ("proto-cos", nearest_cos(z, g))):
-            self.write(route, sd["seed"], {"acc": 100.0 * float((pred == y).mean()), "wall_s": wall,
-                                           "classes_with_prototype": sorted(g)}, sd)
+            self.write(
+                route,
+                sd["seed"],
+                {"acc": 100.0 * float((pred == y).mean()), "wall_s": wall, "classes_with_prototype": sorted(g)},
+                sd,
+            )
 
     def job_ridge(self, sd: dict[str, Any]) -> None:
         t = time.monotonic()
         w, b = self.ridge(sd)
         pred = head_predict(self.shared_features(sd)["test_np"], w, b)
-        self.write("ridge", sd["seed"], {"acc": 100.0 * float((pred == self.test_y_np).mean()),
-                                         "wall_s": time.monotonic() - t, "ridge_lambda_rel": RIDGE_LAMBDA}, sd)
+        self.write(
+            "ridge",
+            sd["seed"],
+            {
+                "acc": 100.0 * float((pred == self.test_y_np).mean()),
+                "wall_s": time.monotonic() - t,
+                "ridge_lambda_rel": RIDGE_LAMBDA,
+            },
+            sd,
+        )
 
     def _head_route(self, route: str, sd: dict[str, Any], w0: np.ndarray, b0: np.ndarray, adapter: bool) -> None:
         torch = self.torch
@@ -956,8 +1127,13 @@ class Runner:
                 return loss
 
             work.train()
-            self.sgd(list(work.parameters()), loss_of, int(h.shape[0]), self.a.local_epochs,
-                     np.random.default_rng([sd["seed"], 4, r, k]))
+            self.sgd(
+                list(work.parameters()),
+                loss_of,
+                int(h.shape[0]),
+                self.a.local_epochs,
+                np.random.default_rng([sd["seed"], 4, r, k]),
+            )
             if adapter:  # the device's prototype upload of z after training (eval mode)
                 with torch.no_grad():
                     z = z_of(work, h).cpu().numpy()
@@ -965,8 +1141,9 @@ class Runner:
 
         def after_round(r: int) -> None:
             if adapter:
-                state["g"], state["has"] = self._proto_table(global_prototypes(state["uploads"], NUM_CLASSES,
-                                                                               PROTO_DIM))
+                state["g"], state["has"] = self._proto_table(
+                    global_prototypes(state["uploads"], NUM_CLASSES, PROTO_DIM)
+                )
                 state["uploads"] = []
 
         def score() -> float:
@@ -986,8 +1163,9 @@ class Runner:
 
     def job_head(self, sd: dict[str, Any]) -> None:
         model, _ = self.public_model(sd)
-        self._head_route("head", sd, model.head.weight.detach().cpu().numpy(),
-                         model.head.bias.detach().cpu().numpy(), adapter=False)
+        self._head_route(
+            "head", sd, model.head.weight.detach().cpu().numpy(), model.head.bias.detach().cpu().numpy(), adapter=False
+        )
 
     def job_head_ncm(self, sd: dict[str, Any]) -> None:
         w, b = ncm_head(self.protos(sd), NUM_CLASSES, PROTO_DIM)
@@ -999,8 +1177,13 @@ class Runner:
 
     def job_adapter_head(self, sd: dict[str, Any]) -> None:
         model, _ = self.public_model(sd)
-        self._head_route("adapter-head", sd, model.head.weight.detach().cpu().numpy(),
-                         model.head.bias.detach().cpu().numpy(), adapter=True)
+        self._head_route(
+            "adapter-head",
+            sd,
+            model.head.weight.detach().cpu().numpy(),
+            model.head.bias.detach().cpu().numpy(),
+            adapter=True,
+        )
 
     def job_fedavg(self, sd: dict[str, Any], route: str = "fedavg") -> None:
         torch = self.torch
@@ -1011,8 +1194,13 @@ class Runner:
         def local_train(k: int, work: Any, r: int) -> None:
             c = sd["clients"][k]
             work.train()
-            self.sgd(list(work.parameters()), lambda idx: ce(work(c["x"][idx]), c["y"][idx]), c["n"],
-                     self.a.local_epochs, np.random.default_rng([sd["seed"], 1, r, k]))
+            self.sgd(
+                list(work.parameters()),
+                lambda idx: ce(work(c["x"][idx]), c["y"][idx]),
+                c["n"],
+                self.a.local_epochs,
+                np.random.default_rng([sd["seed"], 1, r, k]),
+            )
 
         def score() -> float:
             glob.eval()
@@ -1029,8 +1217,7 @@ class Runner:
     def job_topk_ef(self, sd: dict[str, Any]) -> None:
         self.job_fedavg(sd, "topk-ef")
 
-    def _local_models(self, sd: dict[str, Any], init: Any, tag: int,
-                      each: Callable[[int, Any], None]) -> None:
+    def _local_models(self, sd: dict[str, Any], init: Any, tag: int, each: Callable[[int, Any], None]) -> None:
         """Each device trains its own copy of `init` for R rounds of E epochs (a fresh optimiser each round, as
         under FedAvg), no federation; `each(k, model)` sees the trained model."""
         torch = self.torch
@@ -1046,8 +1233,13 @@ class Runner:
                 return ce(m(c["x"][idx]), c["y"][idx])
 
             for r in range(1, self.a.rounds + 1):
-                self.sgd(list(m.parameters()), loss_of, c["n"], self.a.local_epochs,
-                         np.random.default_rng([sd["seed"], tag, r, k]))
+                self.sgd(
+                    list(m.parameters()),
+                    loss_of,
+                    c["n"],
+                    self.a.local_epochs,
+                    np.random.default_rng([sd["seed"], tag, r, k]),
+                )
             m.eval()
             each(k, m)
             if self.a.progress:
@@ -1056,10 +1248,12 @@ class Runner:
     def job_local(self, sd: dict[str, Any]) -> None:
         t = time.monotonic()
         accs: list[float] = []
-        self._local_models(sd, self.model(sd["seed"]), 6,
-                           lambda k, m: accs.append(self.accuracy(m, self.test_x, self.test_y)))
-        self.write("local", sd["seed"], {"acc": statistics.fmean(accs), "per_device": accs,
-                                         "wall_s": time.monotonic() - t}, sd)
+        self._local_models(
+            sd, self.model(sd["seed"]), 6, lambda k, m: accs.append(self.accuracy(m, self.test_x, self.test_y))
+        )
+        self.write(
+            "local", sd["seed"], {"acc": statistics.fmean(accs), "per_device": accs, "wall_s": time.monotonic() - t}, sd
+        )
 
     def job_distil(self, sd: dict[str, Any]) -> None:
         torch = self.torch
@@ -1075,12 +1269,11 @@ class Runner:
             with torch.no_grad():
                 pub_probs.append(torch.softmax(m(sd["pub_x"]), 1).cpu().numpy())
                 for i in range(0, int(self.test_x.shape[0]), self.eval_bs):
-                    test_probs[i:i + self.eval_bs] += torch.softmax(m(self.test_x[i:i + self.eval_bs]), 1)
+                    test_probs[i : i + self.eval_bs] += torch.softmax(m(self.test_x[i : i + self.eval_bs]), 1)
 
         self._local_models(sd, model, 5, each)
         wall = time.monotonic() - t
-        self.write("local-public", sd["seed"], {"acc": statistics.fmean(accs), "per_device": accs, "wall_s": wall},
-                   sd)
+        self.write("local-public", sd["seed"], {"acc": statistics.fmean(accs), "per_device": accs, "wall_s": wall}, sd)
         ens = 100.0 * float((test_probs.argmax(1) == self.test_y).float().mean().item())
         self.write("ensemble-public", sd["seed"], {"acc": ens, "wall_s": wall}, sd)
         phi = f["pub"].cpu().numpy()
@@ -1090,9 +1283,16 @@ class Runner:
             t1 = time.monotonic()
             w, b = distil_head(phi, ensemble_targets(probs, counts), w0, b0)
             pred = head_predict(f["test_np"], w, b)
-            self.write(route, sd["seed"], {"acc": 100.0 * float((pred == self.test_y_np).mean()),
-                                           "wall_s": wall + time.monotonic() - t1,
-                                           "distil_steps": DISTIL_STEPS}, sd)
+            self.write(
+                route,
+                sd["seed"],
+                {
+                    "acc": 100.0 * float((pred == self.test_y_np).mean()),
+                    "wall_s": wall + time.monotonic() - t1,
+                    "distil_steps": DISTIL_STEPS,
+                },
+                sd,
+            )
 
     # -- scheduling --------------------------------------------------------------------------------------
     def calibrate(self) -> None:
@@ -1123,8 +1323,10 @@ class Runner:
             out[name] = (time.monotonic() - t) / n_time
         self.step_s = self.step_s or out["full"]
         self.head_step_s = out["head"]
-        log(f"calibrated: {out['full'] * 1e3:.2f} ms a training step of the {self.a.arch}, "
-            f"{out['head'] * 1e3:.2f} ms of a head on features (batch {BATCH})")
+        log(
+            f"calibrated: {out['full'] * 1e3:.2f} ms a training step of the {self.a.arch}, "
+            f"{out['head'] * 1e3:.2f} ms of a head on features (batch {BATCH})"
+        )
 
     def estimate(self, job: str, sd: dict[str, Any]) -> float:
         """Seconds a job is expected to take: this process's time for it on an earlier seed, else steps x the
@@ -1143,13 +1345,20 @@ class Runner:
             n_evals = (a.rounds // a.test_every + 1) if job != "local" else a.clients
             return 1.15 * (a.rounds * a.local_epochs * per_epoch * step + n_evals * evals)
         # the shared backbone: trained on the public set (unless this process has it), its features once
-        shared = (0.0 if "public" in sd else a.public_epochs * math.ceil(PUBLIC_PER_CLASS * NUM_CLASSES / BATCH) * step
-                  ) + (0.0 if "feats" in sd else images / BATCH * step / 3)
+        shared = (
+            0.0 if "public" in sd else a.public_epochs * math.ceil(PUBLIC_PER_CLASS * NUM_CLASSES / BATCH) * step
+        ) + (0.0 if "feats" in sd else images / BATCH * step / 3)
         if job == "distil":
             return 1.15 * (a.rounds * a.local_epochs * per_epoch * step + 2 * a.clients * evals) + shared
         if job in ("head", "head-ncm", "head-ridge", "adapter-head"):
-            return 1.15 * (a.rounds * a.local_epochs * per_epoch * self.head_step_s
-                           * (3 if job == "adapter-head" else 1) + (a.rounds // a.test_every + 1) * evals / 10) + shared
+            return (
+                1.15
+                * (
+                    a.rounds * a.local_epochs * per_epoch * self.head_step_s * (3 if job == "adapter-head" else 1)
+                    + (a.rounds // a.test_every + 1) * evals / 10
+                )
+                + shared
+            )
         return 1.15 * evals + shared
 
     def run(self, seeds: Sequence[int], jobs: Sequence[str]) -> int:
@@ -1167,8 +1376,10 @@ class Runner:
             for job in todo:
                 est = self.estimate(job, sd)
                 if est > self.budget.left():
-                    msg = (f"SKIPPED {job} seed {seed} ({', '.join(JOBS[job])}): needs ~{est:.0f} s, "
-                           f"{self.budget.left():.0f} s of --budget-s left")
+                    msg = (
+                        f"SKIPPED {job} seed {seed} ({', '.join(JOBS[job])}): needs ~{est:.0f} s, "
+                        f"{self.budget.left():.0f} s of --budget-s left"
+                    )
                     log(msg)
                     self.skipped.append(msg)
                     with open(self.out / "skipped.txt", "a") as fh:
@@ -1211,10 +1422,20 @@ def _revision() -> str:
     if os.environ.get("PREDICTOR_REVISION"):
         return os.environ["PREDICTOR_REVISION"]
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=5,
+        ).stdout.strip()
         return (rev or "unknown") + (" (dirty)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -1240,15 +1461,21 @@ def summary(dirs: Sequence[Path]) -> str:
                 lines += ["Skipped for the budget:", "```", (d / "skipped.txt").read_text().rstrip(), "```", ""]
             continue
         s = rows[0]["setting"]
-        lines += [f"## {d.name}: {s['arch']}, {s['clients']} clients, alpha {s['alpha']}, {s['rounds']} rounds x "
-                  f"{s['local_epochs']} local epochs, train-limit {s['train_limit']}, {s['test_images']} test images",
-                  "", f"devices: {sorted({r.get('device_name', '?') for r in rows})}; revisions: "
-                  f"{sorted({r.get('revision', '?') for r in rows})}", ""]
+        lines += [
+            f"## {d.name}: {s['arch']}, {s['clients']} clients, alpha {s['alpha']}, {s['rounds']} rounds x "
+            f"{s['local_epochs']} local epochs, train-limit {s['train_limit']}, {s['test_images']} test images",
+            "",
+            f"devices: {sorted({r.get('device_name', '?') for r in rows})}; revisions: "
+            f"{sorted({r.get('revision', '?') for r in rows})}",
+            "",
+        ]
         st = route_stats(rows)
         dec = select(rows)
-        lines += ["| route | kind | seeds | global acc % | B/client/round | uplink total MB | x FedAvg's bytes | "
-                  "- FedAvg (points) | - public-only (points) | rule |",
-                  "|---|---|---|--:|--:|--:|--:|---|---|---|"]
+        lines += [
+            "| route | kind | seeds | global acc % | B/client/round | uplink total MB | x FedAvg's bytes | "
+            "- FedAvg (points) | - public-only (points) | rule |",
+            "|---|---|---|--:|--:|--:|--:|---|---|---|",
+        ]
         for route in ROUTES:
             if route not in st:
                 continue
@@ -1260,17 +1487,37 @@ def summary(dirs: Sequence[Path]) -> str:
             vp = paired(acc, st["public"]["acc"]).text() if "public" in st and route != "public" else "-"
             ratio = st[route]["ratio_mean"]
             c = dec["checks"].get(route)
-            rule = "-" if c is None else ("" if c["intervals"] else "means only: ") + (
-                "QUALIFIES" if c["qualifies"] else "fails " + ",".join(
-                n for n, ok in (("(1) bytes", c["bytes_ok"]), ("(2) near FedAvg", c["near_fedavg"]),
-                                ("(3) beats public", c["beats_public"])) if not ok))
-            lines.append(f"| {route} | {kind} | {','.join(map(str, sorted(acc)))} | {statistics.fmean(vals):.2f}{sd} | "
-                         f"{statistics.fmean(st[route]['per_client_round']):,.0f} | "
-                         f"{st[route]['uplink_mean'] / 1e6:.3f} | "
-                         f"{'-' if ratio is None else f'{ratio:.5f}'} | {vf} | {vp} | {rule} |")
+            rule = (
+                "-"
+                if c is None
+                else ("" if c["intervals"] else "means only: ")
+                + (
+                    "QUALIFIES"
+                    if c["qualifies"]
+                    else "fails "
+                    + ",".join(
+                        n
+                        for n, ok in (
+                            ("(1) bytes", c["bytes_ok"]),
+                            ("(2) near FedAvg", c["near_fedavg"]),
+                            ("(3) beats public", c["beats_public"]),
+                        )
+                        if not ok
+                    )
+                )
+            )
+            lines.append(
+                f"| {route} | {kind} | {','.join(map(str, sorted(acc)))} | {statistics.fmean(vals):.2f}{sd} | "
+                f"{statistics.fmean(st[route]['per_client_round']):,.0f} | "
+                f"{st[route]['uplink_mean'] / 1e6:.3f} | "
+                f"{'-' if ratio is None else f'{ratio:.5f}'} | {vf} | {vp} | {rule} |"
+            )
         conv = [r.get("converged_at") for r in rows if r["route"] == "fedavg"]
-        lines += ["", f"FedAvg's stopping rule (gain < 0.2 points over 5 rounds) fired at rounds: {conv}",
-                  f"Rule verdict: **{dec.get('default') or dec.get('provisional') or 'none'}** -- {dec['why']}"]
+        lines += [
+            "",
+            f"FedAvg's stopping rule (gain < 0.2 points over 5 rounds) fired at rounds: {conv}",
+            f"Rule verdict: **{dec.get('default') or dec.get('provisional') or 'none'}** -- {dec['why']}",
+        ]
         if partial:
             lines.append(f"Unfinished (partial files): {', '.join(partial)}")
         skipped = d / "skipped.txt"
@@ -1287,38 +1534,63 @@ def summary(dirs: Sequence[Path]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     doc = __doc__ or ""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                 epilog=doc.split("\n", 1)[1].strip() + "\n\n" + NUMBERS,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n", 1)[1].strip() + "\n\n" + NUMBERS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--out", type=Path, default=None, help="results directory (one per setting)")
-    ap.add_argument("--summary", type=Path, nargs="+", default=None,
-                    help="print the table and the rule's verdict for these results directories, and exit")
-    ap.add_argument("--routes", default="all",
-                    help=f"routes or jobs to run, comma-separated (default all); jobs: {', '.join(JOBS)}")
+    ap.add_argument(
+        "--summary",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="print the table and the rule's verdict for these results directories, and exit",
+    )
+    ap.add_argument(
+        "--routes", default="all", help=f"routes or jobs to run, comma-separated (default all); jobs: {', '.join(JOBS)}"
+    )
     ap.add_argument("--seeds", default="0", help="comma-separated seeds, or a range 0-4")
     ap.add_argument("--rounds", type=int, default=10, help="rounds R of every federated route (and R x E local epochs)")
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--alpha", type=float, default=0.5, help="Dirichlet label-skew concentration")
     ap.add_argument("--local-epochs", type=int, default=1, help="E, local epochs a round")
-    ap.add_argument("--train-limit", type=int, default=6000,
-                    help="seeded subset of the training set before partitioning (TABLE.md's 6000; 60000 = all)")
+    ap.add_argument(
+        "--train-limit",
+        type=int,
+        default=6000,
+        help="seeded subset of the training set before partitioning (TABLE.md's 6000; 60000 = all)",
+    )
     ap.add_argument("--test-limit", type=int, default=None, help="first N test images only (smoke runs; default all)")
-    ap.add_argument("--public-epochs", type=int, default=PUBLIC_EPOCHS,
-                    help="epochs of the public-only model (the issue's 60; fewer only for smoke runs)")
+    ap.add_argument(
+        "--public-epochs",
+        type=int,
+        default=PUBLIC_EPOCHS,
+        help="epochs of the public-only model (the issue's 60; fewer only for smoke runs)",
+    )
     ap.add_argument("--test-every", type=int, default=1, help="score iterative routes every N rounds (and the last)")
     ap.add_argument("--arch", default="cnn", help="the client model (edge_agent.models): cnn or resnet18")
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
-    ap.add_argument("--data-dir", default=None,
-                    help="Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock seconds for this process: no job starts that would not finish in time; a job that "
-                         "runs over stops (leaving its partial file)")
-    ap.add_argument("--yield-late", action="store_true",
-                    help="stop a long job once its pace says it cannot finish in --budget-s (frees the GPU for "
-                         "the processes beside it); without it a job runs until the budget is spent")
+    ap.add_argument(
+        "--data-dir", default=None, help="Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)"
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock seconds for this process: no job starts that would not finish in time; a job that "
+        "runs over stops (leaving its partial file)",
+    )
+    ap.add_argument(
+        "--yield-late",
+        action="store_true",
+        help="stop a long job once its pace says it cannot finish in --budget-s (frees the GPU for "
+        "the processes beside it); without it a job runs until the budget is spent",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--eval-batch", type=int, default=0,
-                    help="evaluation batch (0: 4096 cnn / 1024 otherwise on cuda, 500 cpu)")
+    ap.add_argument(
+        "--eval-batch", type=int, default=0, help="evaluation batch (0: 4096 cnn / 1024 otherwise on cuda, 500 cpu)"
+    )
     ap.add_argument("--progress", type=int, default=5, help="log every N rounds (0: off)")
     a = ap.parse_args(argv)
     if a.summary is not None:
@@ -1341,8 +1613,10 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [j for j in JOBS if j in wanted or any(r in wanted for r in JOBS[j])]
     if a.test_every < 1 or a.rounds < 1:
         ap.error("--rounds and --test-every must be >= 1")
-    log(f"predictor routes: {a.arch}, {a.clients} clients, alpha {a.alpha}, R={a.rounds}, E={a.local_epochs}, "
-        f"train-limit {a.train_limit}, seeds {seeds}, jobs {jobs}, budget {a.budget_s} s, out {a.out}")
+    log(
+        f"predictor routes: {a.arch}, {a.clients} clients, alpha {a.alpha}, R={a.rounds}, E={a.local_epochs}, "
+        f"train-limit {a.train_limit}, seeds {seeds}, jobs {jobs}, budget {a.budget_s} s, out {a.out}"
+    )
     runner = Runner(a)
     failed = runner.run(seeds, jobs)
     log(f"finished in {runner.budget.elapsed():.1f} s")

@@ -60,27 +60,50 @@ METRIC_NAMES: dict[str, str] = {
     "ensemble_acc": "clients' ensemble, test set, final round",
     "predictor_acc": "global predictor, test set, final round",
 }
-COLUMNS = ("method", "seeds", "head local", "nearest global proto local", "nearest own proto local, best rnd",
-           "head global", "nearest global proto global", "ens.", "global predictor", "off-mask energy",
-           "up B/client/rnd", "up total MB", "wall s", "paper (their setting)")
+COLUMNS = (
+    "method",
+    "seeds",
+    "head local",
+    "nearest global proto local",
+    "nearest own proto local, best rnd",
+    "head global",
+    "nearest global proto global",
+    "ens.",
+    "global predictor",
+    "off-mask energy",
+    "up B/client/rnd",
+    "up total MB",
+    "wall s",
+    "paper (their setting)",
+)
 # Final-round metrics of a run, as the report's last row holds them; those scored every round also at their best.
-METRICS = ("local_acc", "local_proto_acc", "local_own_proto_acc", "global_acc", "global_proto_acc", "ensemble_acc",
-           "predictor_acc", "off_mask_energy")
+METRICS = (
+    "local_acc",
+    "local_proto_acc",
+    "local_own_proto_acc",
+    "global_acc",
+    "global_proto_acc",
+    "ensemble_acc",
+    "predictor_acc",
+    "off_mask_energy",
+)
 BEST_OF = ("local_acc", "local_proto_acc", "local_own_proto_acc")
 
-RULE = ("Two rows compare paired by seed (same seed: same partition, initialisation and batch order): the mean of "
-        "the per-seed differences with its 95 % Student-t interval over the seeds, and the seed-by-seed signs "
-        "(+: the first row ahead). \"X beats Y\" when the interval lies above 0; \"X is within d of Y\" when it lies "
-        "inside ±d; otherwise \"undecided\" (not \"equal\"). Every verdict says how many seeds it rests on "
-        "(docs/algorithms.md, Evaluation > Statistics; `bench/paired.py`). A goal is judged on its rows run "
-        "unclipped on seeds 0-4; until those are in, provisionally on the unclipped rows' common seeds where there "
-        "are at least 3, else on their clipped twins (seeds 0-2, the runs cached before clipping could be switched "
-        "off), and it says so and lists the missing runs. A row whose only uploads are full-width unit prototypes "
-        "(fedpagr's) clips nothing with clipping on (radius 10 x median norm 1 = 10 > 2, the widest gap between unit "
-        "vectors; `bench/paper_table.py`, `never_clipped`): its unclipped seeds 0-2 are its clipped twin's runs, "
-        "and its clipped - unclipped line says so instead of showing a 0. Checked: `A/a0.5-fedpagr` seed 0 run with "
-        "`--clip off` at 0ce0223 equals its twin (made at ee94744) in every round's accuracies and bytes "
-        "(`bench/results/clip/A/a0.5-fedpagr-clipoff-s0.json`).")
+RULE = (
+    "Two rows compare paired by seed (same seed: same partition, initialisation and batch order): the mean of "
+    "the per-seed differences with its 95 % Student-t interval over the seeds, and the seed-by-seed signs "
+    '(+: the first row ahead). "X beats Y" when the interval lies above 0; "X is within d of Y" when it lies '
+    'inside ±d; otherwise "undecided" (not "equal"). Every verdict says how many seeds it rests on '
+    "(docs/algorithms.md, Evaluation > Statistics; `bench/paired.py`). A goal is judged on its rows run "
+    "unclipped on seeds 0-4; until those are in, provisionally on the unclipped rows' common seeds where there "
+    "are at least 3, else on their clipped twins (seeds 0-2, the runs cached before clipping could be switched "
+    "off), and it says so and lists the missing runs. A row whose only uploads are full-width unit prototypes "
+    "(fedpagr's) clips nothing with clipping on (radius 10 x median norm 1 = 10 > 2, the widest gap between unit "
+    "vectors; `bench/paper_table.py`, `never_clipped`): its unclipped seeds 0-2 are its clipped twin's runs, "
+    "and its clipped - unclipped line says so instead of showing a 0. Checked: `A/a0.5-fedpagr` seed 0 run with "
+    "`--clip off` at 0ce0223 equals its twin (made at ee94744) in every round's accuracies and bytes "
+    "(`bench/results/clip/A/a0.5-fedpagr-clipoff-s0.json`)."
+)
 
 
 @dataclass
@@ -180,18 +203,33 @@ def _row_line(ctx: Context, key: str, section: Section) -> str | None:
     label = row.label + (f" (from {row.setting})" if row.setting != section.setting else "")
     paper = row.paper.text() if row.paper else ""
     if not st.by_seed:
-        failed = [r for r in ctx.runs
-                  if r.row.key == key and (ctx.run_root / r.setting / f"{r.name}.failed.txt").is_file()]
+        failed = [
+            r for r in ctx.runs if r.row.key == key and (ctx.run_root / r.setting / f"{r.name}.failed.txt").is_file()
+        ]
         state = f"FAILED (see `{failed[0].setting}/{failed[0].name}.failed.txt`)" if failed else "not run yet"
         return "| " + " | ".join([label, state] + [""] * (len(COLUMNS) - 3) + [paper]) + " |"
     seeds = ",".join(map(str, sorted(st.by_seed))) + ("" if st.complete else f" of {len(st.expected)}")
     if same := st.same_as_twin():  # an unclipped row's seeds that are its clipped twin's runs (never clipped)
         seeds += f" ({','.join(map(str, same))}: the twin's runs)"
-    cells = [label, seeds] + [mean_std(st, m) for m in ("local_acc", "local_proto_acc", "local_own_proto_acc@best",
-                                                        "global_acc", "global_proto_acc", "ensemble_acc",
-                                                        "predictor_acc")]
-    cells += [mean_std(st, "off_mask_energy", 1.0, 3), f"{st.mean_required('up_per'):,.0f}",
-              f"{st.mean_required('up_total') / 1e6:.3f}", f"{st.mean_required('wall_s'):.0f}", paper]
+    cells = [label, seeds] + [
+        mean_std(st, m)
+        for m in (
+            "local_acc",
+            "local_proto_acc",
+            "local_own_proto_acc@best",
+            "global_acc",
+            "global_proto_acc",
+            "ensemble_acc",
+            "predictor_acc",
+        )
+    ]
+    cells += [
+        mean_std(st, "off_mask_energy", 1.0, 3),
+        f"{st.mean_required('up_per'):,.0f}",
+        f"{st.mean_required('up_total') / 1e6:.3f}",
+        f"{st.mean_required('wall_s'):.0f}",
+        paper,
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -211,12 +249,14 @@ def effect(x: RowStats, y: RowStats, metric: str, xname: str, yname: str, within
     if x.mean(metric) is None or y.mean(metric) is None:
         return f"{xname} vs {yname}: -"
     p = compare(x, y, metric)
-    return (f"{xname} {mean_std(x, metric)} vs {yname} {mean_std(y, metric)}: {xname} - {yname} = {p.text()} "
-            f"-> {verdict(p, xname, yname, within)}")
+    return (
+        f"{xname} {mean_std(x, metric)} vs {yname} {mean_std(y, metric)}: {xname} - {yname} = {p.text()} "
+        f"-> {verdict(p, xname, yname, within)}"
+    )
 
 
 def at_least(p: Paired, d: float) -> str:
-    """"X at least as good as Y" read under the rule: MET when X beats Y or the two are within d; MISSED when
+    """ "X at least as good as Y" read under the rule: MET when X beats Y or the two are within d; MISSED when
     Y beats X by more than d can hide (Y beats X and the interval is not inside ±d); else UNDECIDED."""
     if p.beats() > 0 or p.within(d):
         return "MET"
@@ -253,12 +293,21 @@ def judged_rows(ctx: Context, *keys: str) -> Judged:
     if len(common) >= len(SEEDS):  # as many paired seeds as the twins have, and the runs as the papers wrote them
         # every figure of the verdict (means, bytes) on the same seeds as the paired differences
         on_common = {k: RowStats(st.row, {s: st.by_seed[s] for s in common}, st.expected) for k, st in main.items()}
-        return Judged(on_common, f"PROVISIONAL, on the rows run unclipped, on their {len(common)} common seeds "
-                      f"({','.join(map(str, sorted(common)))}; a goal's rows run on 5)", waiting, True)
+        return Judged(
+            on_common,
+            f"PROVISIONAL, on the rows run unclipped, on their {len(common)} common seeds "
+            f"({','.join(map(str, sorted(common)))}; a goal's rows run on 5)",
+            waiting,
+            True,
+        )
     twins = {k: row_stats(ctx, clipped(k)) for k in keys}
     if all(st.complete for st in twins.values()):
-        return Judged(twins, "PROVISIONAL, on the clipped twins (seeds 0-2): the unclipped 5-seed rows are not all "
-                      "in yet", waiting, True)
+        return Judged(
+            twins,
+            "PROVISIONAL, on the clipped twins (seeds 0-2): the unclipped 5-seed rows are not all in yet",
+            waiting,
+            True,
+        )
     twin_waiting = [f"`{clipped(k)}` seeds {','.join(map(str, st.missing))}" for k, st in twins.items() if st.missing]
     return Judged(main, "not run", waiting + twin_waiting, False)
 
@@ -280,8 +329,10 @@ def clip_cost(ctx: Context, keys: tuple[str, ...], metric: str) -> str:
         a, b = row_stats(ctx, twin), row_stats(ctx, k)
         same = b.same_as_twin()
         if same:  # the same runs: comparing them would show a measured 0 that nothing measured
-            parts.append(f"`{k}` seeds {','.join(map(str, same))} are the twin's runs (full-width unit prototypes: "
-                         "never clipped)")
+            parts.append(
+                f"`{k}` seeds {','.join(map(str, same))} are the twin's runs (full-width unit prototypes: "
+                "never clipped)"
+            )
             continue
         p = compare(a, b, metric)
         parts.append(f"`{k}` {p.text()}" if p.n else f"`{k}` (no common seeds yet)")
@@ -292,9 +343,11 @@ GOAL1_METRIC = "local_own_proto_acc@best"
 
 
 def goal_tinyproto(ctx: Context) -> Goal:
-    name = ("tinyproto within 1 point of fedproto (or ahead) at >= 8x fewer uplink bytes, setting B. Metric: "
-            f"{METRIC_NAMES[GOAL1_METRIC]}: the goal restates TinyProto's claim, so it uses the paper's metric; the "
-            "head's and the nearest global prototype's are shown beside it")
+    name = (
+        "tinyproto within 1 point of fedproto (or ahead) at >= 8x fewer uplink bytes, setting B. Metric: "
+        f"{METRIC_NAMES[GOAL1_METRIC]}: the goal restates TinyProto's claim, so it uses the paper's metric; the "
+        "head's and the nearest global prototype's are shown beside it"
+    )
     keys = ("B/fedproto", "B/tinyproto")
     j = judged_rows(ctx, *keys)
     if not j.complete:
@@ -308,10 +361,13 @@ def goal_tinyproto(ctx: Context) -> Goal:
     else:
         p = compare(tp, fp, GOAL1_METRIC)
         status = at_least(p, 1.0) if ratio >= 8 else "MISSED"
-        ev.append(effect(tp, fp, GOAL1_METRIC, "tinyproto", "fedproto", within=1.0)
-                  + f" ({METRIC_NAMES[GOAL1_METRIC]})")
-    ev.append(f"uplink per run: fedproto {fp.mean('up_total'):,.0f} B, tinyproto {tp.mean('up_total'):,.0f} B -> "
-              f"{ratio:.2f}x fewer ({'>=' if ratio >= 8 else '<'} 8x)")
+        ev.append(
+            effect(tp, fp, GOAL1_METRIC, "tinyproto", "fedproto", within=1.0) + f" ({METRIC_NAMES[GOAL1_METRIC]})"
+        )
+    ev.append(
+        f"uplink per run: fedproto {fp.mean('up_total'):,.0f} B, tinyproto {tp.mean('up_total'):,.0f} B -> "
+        f"{ratio:.2f}x fewer ({'>=' if ratio >= 8 else '<'} 8x)"
+    )
     for m in ("local_acc", "local_proto_acc", "local_own_proto_acc"):
         if tp.mean(m) is not None and fp.mean(m) is not None:
             ev.append(f"also ({METRIC_NAMES[m]}): " + effect(tp, fp, m, "tinyproto", "fedproto", within=1.0))
@@ -320,8 +376,10 @@ def goal_tinyproto(ctx: Context) -> Goal:
 
 
 def goal_refprotofl(ctx: Context) -> Goal:
-    name = ("refprotofl at least as accurate as fedproto (beats it, or within 1 point), setting A, alpha 0.5. Metric: "
-            f"{METRIC_NAMES['global_acc']}: RefProtoFL's Table 2 reports top-1 test accuracy at the end of training")
+    name = (
+        "refprotofl at least as accurate as fedproto (beats it, or within 1 point), setting A, alpha 0.5. Metric: "
+        f"{METRIC_NAMES['global_acc']}: RefProtoFL's Table 2 reports top-1 test accuracy at the end of training"
+    )
     keys = ("A/a0.5-fedproto", "A/a0.5-refprotofl")
     j = judged_rows(ctx, *keys)
     if not j.complete:
@@ -336,8 +394,10 @@ def goal_refprotofl(ctx: Context) -> Goal:
 
 
 def goal_fedpagr(ctx: Context) -> Goal:
-    name = ("fedpagr beats fedproto in setting C, and beats each of its two ablations. Metric: "
-            f"{METRIC_NAMES['ensemble_acc']}: FedPAGR's global claim and its ablation are on ensemble accuracy")
+    name = (
+        "fedpagr beats fedproto in setting C, and beats each of its two ablations. Metric: "
+        f"{METRIC_NAMES['ensemble_acc']}: FedPAGR's global claim and its ablation are on ensemble accuracy"
+    )
     keys = ("C/fedproto", "C/fedpagr", "C/fedpagr-no-sep", "C/fedpagr-no-ent")
     j = judged_rows(ctx, *keys)
     if not j.complete:
@@ -350,25 +410,30 @@ def goal_fedpagr(ctx: Context) -> Goal:
         + "; paper (CIFAR-10): separation is worth 2.7 points",
         effect(pg, ne, "ensemble_acc", "fedpagr", "w/o entropy") + "; paper (CIFAR-10): entropy is worth 3.3 points",
         f"also ({METRIC_NAMES['local_acc']}): " + effect(pg, fp, "local_acc", "fedpagr", "fedproto"),
-        clip_cost(ctx, keys, "ensemble_acc")]
-    status = ("MET" if all(p.beats() > 0 for p in ps) else "MISSED" if any(p.beats() < 0 for p in ps)
-              else "UNDECIDED")
+        clip_cost(ctx, keys, "ensemble_acc"),
+    ]
+    status = "MET" if all(p.beats() > 0 for p in ps) else "MISSED" if any(p.beats() < 0 for p in ps) else "UNDECIDED"
     return Goal(name, status, ev)
 
 
 D_COMPARE = {
     # where -> (the candidate rows' tag, {single-paper preset: row}, metric)
-    "A": ("a", {"refprotofl": "A/a0.5-refprotofl", "tinyproto": "A/a0.5-tinyproto", "fedpagr": "A/a0.5-fedpagr"},
-          "global_acc"),
+    "A": (
+        "a",
+        {"refprotofl": "A/a0.5-refprotofl", "tinyproto": "A/a0.5-tinyproto", "fedpagr": "A/a0.5-fedpagr"},
+        "global_acc",
+    ),
     "B": ("b", {"refprotofl": "B/refprotofl", "tinyproto": "B/tinyproto", "fedpagr": "B/fedpagr"}, "local_acc"),
 }
 
 
 def goal_protofl(ctx: Context) -> Goal:
-    name = ("the protofl preset at least as accurate as every single-paper preset (beats it, or within 1 point) in "
-            "A (alpha 0.5) and B, at no more than 2x tinyproto's uplink bytes. Metrics: A "
-            f"{METRIC_NAMES['global_acc']} (RefProtoFL's), B {METRIC_NAMES['local_acc']} (the personalised "
-            "accuracy every paper reports; the head, since the preset predicts with it)")
+    name = (
+        "the protofl preset at least as accurate as every single-paper preset (beats it, or within 1 point) in "
+        "A (alpha 0.5) and B, at no more than 2x tinyproto's uplink bytes. Metrics: A "
+        f"{METRIC_NAMES['global_acc']} (RefProtoFL's), B {METRIC_NAMES['local_acc']} (the personalised "
+        "accuracy every paper reports; the head, since the preset predicts with it)"
+    )
     suffix = preset_variant()
     if suffix is None:
         return Goal(name, "NOT RUN", ["`--preset protofl` equals none of setting D's candidate rows"])
@@ -387,11 +452,15 @@ def goal_protofl(ctx: Context) -> Goal:
             ev.append(f"{where} ({METRIC_NAMES[metric]}): " + effect(pf, j.rows[k], metric, "protofl", n, within=1.0))
         for m in ("global_acc", "ensemble_acc", "local_acc"):  # information: the gaps to fedpagr on the others
             if m != metric and pf.mean(m) is not None and j.rows[others["fedpagr"]].mean(m) is not None:
-                ev.append(f"{where}, also ({METRIC_NAMES[m]}): "
-                          + effect(pf, j.rows[others["fedpagr"]], m, "protofl", "fedpagr", within=1.0))
+                ev.append(
+                    f"{where}, also ({METRIC_NAMES[m]}): "
+                    + effect(pf, j.rows[others["fedpagr"]], m, "protofl", "fedpagr", within=1.0)
+                )
         statuses.append("MET" if ratio <= 2.0 else "MISSED")
-        ev.append(f"{where}: uplink protofl {pf.mean('up_total'):,.0f} B = {ratio:.2f}x tinyproto's "
-                  f"({'<=' if ratio <= 2 else '>'} 2x)")
+        ev.append(
+            f"{where}: uplink protofl {pf.mean('up_total'):,.0f} B = {ratio:.2f}x tinyproto's "
+            f"({'<=' if ratio <= 2 else '>'} 2x)"
+        )
     if suffix == SHORTFALL_SPLIT[0]:
         ev += shortfall_parts(ctx, j)
     ev.append(clip_cost(ctx, (candidate_row("a", suffix),), "global_acc"))
@@ -416,9 +485,11 @@ def shortfall_parts(ctx: Context, j: Judged) -> list[str]:
         return [f"why (B): waiting for `{between}`, `{pf_key}` and `{clipped(fedpagr)}`"]
     out = []
     for m in ("local_acc", "ensemble_acc"):
-        out.append(f"why (B, {METRIC_NAMES[m]}; clipped rows): fedpagr = the preset + full 512-d prototypes (no masks) "
-                   f"+ refinement. Masks: {effect(mid_st, pf, m, 'w/o masks', 'preset')}. "
-                   f"Refinement: {effect(pg, mid_st, m, 'fedpagr', 'w/o refinement')}")
+        out.append(
+            f"why (B, {METRIC_NAMES[m]}; clipped rows): fedpagr = the preset + full 512-d prototypes (no masks) "
+            f"+ refinement. Masks: {effect(mid_st, pf, m, 'w/o masks', 'preset')}. "
+            f"Refinement: {effect(pg, mid_st, m, 'fedpagr', 'w/o refinement')}"
+        )
     return out
 
 
@@ -435,16 +506,20 @@ def missing_lines(ctx: Context) -> list[str]:
     if not rows:
         return []
     n = sum(len(v) for v in rows.values())
-    return ([f"### Runs still missing ({n}; `python -m bench.paper_table --suite {ctx.suite}` makes them, goal rows "
-             "first; `--rows`/`--seeds` choose)", ""]
-            + ["- " + "; ".join(f"`{k}` {','.join(map(str, v))}" for k, v in rows.items()), ""])
+    return [
+        f"### Runs still missing ({n}; `python -m bench.paper_table --suite {ctx.suite}` makes them, goal rows "
+        "first; `--rows`/`--seeds` choose)",
+        "",
+    ] + ["- " + "; ".join(f"`{k}` {','.join(map(str, v))}" for k, v in rows.items()), ""]
 
 
 # -- what federation adds: the local-only control --------------------------------------------------------
 CONTROLS: dict[str, tuple[str, tuple[str, ...]]] = {
     # local-only row -> the rows set against it (each unclipped goal row, else the row itself)
-    "A/a0.5-local-only": ("A, alpha 0.5", ("A/a0.5-fedproto", "A/a0.5-refprotofl", "A/a0.5-tinyproto",
-                                           "A/a0.5-fedpagr", "A/a0.5-fedavg")),
+    "A/a0.5-local-only": (
+        "A, alpha 0.5",
+        ("A/a0.5-fedproto", "A/a0.5-refprotofl", "A/a0.5-tinyproto", "A/a0.5-fedpagr", "A/a0.5-fedavg"),
+    ),
     "A/a100-local-only": ("A, alpha 100", ("A/a100-fedproto", "A/a100-refprotofl", "A/a100-fedavg")),
     "B/local-only": ("B", ("B/fedproto", "B/tinyproto", "B/refprotofl", "B/fedpagr")),
     "C/local-only": ("C", ("C/fedproto", "C/fedpagr")),
@@ -466,13 +541,21 @@ def _intro_and_head(intro: str, columns: tuple[str, ...], align: tuple[str, ...]
 
 
 def control_lines(ctx: Context) -> list[str]:
-    out = _intro_and_head("Each method minus the local-only control of its federation (every client trains alone on "
-                          "the same data, rounds and epochs), paired by seed, in points: what federation adds to the "
-                          "head's local accuracy (final round) and to the nearest own prototype's (best round, "
-                          "TinyProto's eq. 12). A row marked [clipped] is a clipped twin standing in until the "
-                          "unclipped row has run.",
-                          ("setting", "method", "seeds", "head local: method - local only",
-                           "nearest own proto, best: method - local only"), ("---", "---", "--:", "---", "---"))
+    out = _intro_and_head(
+        "Each method minus the local-only control of its federation (every client trains alone on "
+        "the same data, rounds and epochs), paired by seed, in points: what federation adds to the "
+        "head's local accuracy (final round) and to the nearest own prototype's (best round, "
+        "TinyProto's eq. 12). A row marked [clipped] is a clipped twin standing in until the "
+        "unclipped row has run.",
+        (
+            "setting",
+            "method",
+            "seeds",
+            "head local: method - local only",
+            "nearest own proto, best: method - local only",
+        ),
+        ("---", "---", "--:", "---", "---"),
+    )
     for ctl_key, (where, keys) in CONTROLS.items():
         ctl = row_stats(ctx, ctl_key)
         if not ctl.by_seed:
@@ -481,8 +564,10 @@ def control_lines(ctx: Context) -> list[str]:
         for k in keys:
             st = _available(ctx, k)
             a, b = compare(st, ctl, "local_acc"), compare(st, ctl, "local_own_proto_acc@best")
-            out.append(f"| {where} | {st.row.label} | {a.n} | {a.text()} -> {verdict(a, 'it', 'local only')} | "
-                       f"{b.text() if b.n else '-'} |")
+            out.append(
+                f"| {where} | {st.row.label} | {a.n} | {a.text()} -> {verdict(a, 'it', 'local only')} | "
+                f"{b.text() if b.n else '-'} |"
+            )
     return out
 
 
@@ -497,16 +582,25 @@ PREDICTORS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
 
 
 def predictor_lines(ctx: Context) -> list[str]:
-    out = _intro_and_head("How close a prototype federation's deployable model comes to FedAvg's global model, and at "
-                          "what fraction of its uplink bytes (broker_server/simulation/predictor.py: RefProtoFL's "
-                          "federated adapter and head on the shared backbone, which exists with `backbone=frozen` "
-                          "only: with the default every device trains its own backbone and there is no one model to "
-                          "give a new device, so these rows run RefProtoFL with `--set backbone=frozen`; FedPAGR and "
-                          "FedProto define none, their backbones stay private). Global predictor and FedAvg's model "
-                          "both scored on the full test set at the final round.",
-                          ("setting", "row", "seeds", "global predictor", "FedAvg global",
-                           "predictor - FedAvg (points)", "uplink, fraction of FedAvg's"),
-                          ("---", "---", "--:", "--:", "--:", "---", "--:"))
+    out = _intro_and_head(
+        "How close a prototype federation's deployable model comes to FedAvg's global model, and at "
+        "what fraction of its uplink bytes (broker_server/simulation/predictor.py: RefProtoFL's "
+        "federated adapter and head on the shared backbone, which exists with `backbone=frozen` "
+        "only: with the default every device trains its own backbone and there is no one model to "
+        "give a new device, so these rows run RefProtoFL with `--set backbone=frozen`; FedPAGR and "
+        "FedProto define none, their backbones stay private). Global predictor and FedAvg's model "
+        "both scored on the full test set at the final round.",
+        (
+            "setting",
+            "row",
+            "seeds",
+            "global predictor",
+            "FedAvg global",
+            "predictor - FedAvg (points)",
+            "uplink, fraction of FedAvg's",
+        ),
+        ("---", "---", "--:", "--:", "--:", "---", "--:"),
+    )
     for _, (where, fedavg_key, keys) in PREDICTORS.items():
         if fedavg_key is None:
             out.append(f"| {where} | FedAvg cannot run: five architectures share no parameter vector | | | | | |")
@@ -515,20 +609,28 @@ def predictor_lines(ctx: Context) -> list[str]:
         for k in keys:
             st = row_stats(ctx, k)
             if st.mean("predictor_acc") is None:
-                out.append(f"| {where} | {st.row.label} | - | not run yet (`{k}`) | {mean_std(fa, 'global_acc')} "
-                           f"| - | - |")
+                out.append(
+                    f"| {where} | {st.row.label} | - | not run yet (`{k}`) | {mean_std(fa, 'global_acc')} | - | - |"
+                )
                 continue
-            p = paired({s: 100 * v for s, v in st.values("predictor_acc").items()},
-                       {s: 100 * v for s, v in fa.values("global_acc").items()})
+            p = paired(
+                {s: 100 * v for s, v in st.values("predictor_acc").items()},
+                {s: 100 * v for s, v in fa.values("global_acc").items()},
+            )
             frac = st.mean_required("up_total") / max(fa.mean("up_total") or 1, 1)
-            out.append(f"| {where} | {st.row.label} | {p.n} | {mean_std(st, 'predictor_acc')} | "
-                       f"{mean_std(fa, 'global_acc')} | {p.text()} | {frac:.4f} |")
+            out.append(
+                f"| {where} | {st.row.label} | {p.n} | {mean_std(st, 'predictor_acc')} | "
+                f"{mean_std(fa, 'global_acc')} | {p.text()} | {frac:.4f} |"
+            )
     return out
 
 
 # -- ours beside the papers' Fashion-MNIST figures ------------------------------------------------------------
-PAPER_METRICS = (("local", "local_acc", "local"), ("global_", "global_acc", "global"),
-                 ("ensemble", "ensemble_acc", "ens."))
+PAPER_METRICS = (
+    ("local", "local_acc", "local"),
+    ("global_", "global_acc", "global"),
+    ("ensemble", "ensemble_acc", "ens."),
+)
 _LEADING_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -536,10 +638,14 @@ def paper_lines(ctx: Context) -> list[str]:
     """Every Fashion-MNIST figure a paper reports beside ours in the same metric, the difference, and why.
     For RefProtoFL each prototype method's gap is set against FedAvg's (one global model in both metrics) and
     against its own ensemble accuracy's gap (one federation-level predictor)."""
-    out = ["Ours: mean ± std over the seeds at our CPU sizing; the paper's: in its own setting (references under "
-           "the setting's table). TinyProto's figures are CIFAR-10 (only its byte ratio carries over: goal 1) and "
-           "FedPAGR's ablation is CIFAR-10 points; both stay in their sections.", "",
-           "| method | federation | metric | paper | ours | ours - paper (points) |", "|---|---|---|--:|--:|--:|"]
+    out = [
+        "Ours: mean ± std over the seeds at our CPU sizing; the paper's: in its own setting (references under "
+        "the setting's table). TinyProto's figures are CIFAR-10 (only its byte ratio carries over: goal 1) and "
+        "FedPAGR's ablation is CIFAR-10 points; both stay in their sections.",
+        "",
+        "| method | federation | metric | paper | ours | ours - paper (points) |",
+        "|---|---|---|--:|--:|--:|",
+    ]
     gaps: dict[str, dict[str, tuple[float, float | None]]] = {}  # ref -> preset -> (global - paper, ensemble - paper)
     for row in ROWS:
         if row.paper is None or row.paper.ref not in PAPER_GAP_NOTES:
@@ -552,8 +658,10 @@ def paper_lines(ctx: Context) -> list[str]:
             paper, ours = float(match.group()), st.mean(metric)
             gap = 100 * ours - paper if st.complete and ours is not None else None  # ours - paper, in points
             shown = (mean_std(st, metric), f"{gap:+.2f}") if gap is not None else ("not run yet", "-")
-            out.append(f"| {st.row.label} | {row.setting}: {fed.clients} clients, alpha {fed.alpha:g} | {name} | "
-                       f"{paper:.2f} [{row.paper.ref}] | {shown[0]} | {shown[1]} |")
+            out.append(
+                f"| {st.row.label} | {row.setting}: {fed.clients} clients, alpha {fed.alpha:g} | {name} | "
+                f"{paper:.2f} [{row.paper.ref}] | {shown[0]} | {shown[1]} |"
+            )
             if gap is not None and attr == "global_":
                 ens = st.mean("ensemble_acc")
                 gaps.setdefault(row.paper.ref, {})[row.preset] = (gap, None if ens is None else 100 * ens - paper)
@@ -563,22 +671,28 @@ def paper_lines(ctx: Context) -> list[str]:
         by_preset = gaps.get(ref, {})
         if "fedavg" in by_preset and len(by_preset) > 1:
             fedavg = by_preset["fedavg"][0]
-            parts = [f"{p} global {g:+.2f} ({g - fedavg:+.2f} beyond FedAvg's)"
-                     + (f", ensemble {e:+.2f}" if e is not None else "")
-                     for p, (g, e) in by_preset.items() if p != "fedavg"]
-            out.append(f"  Measured, ours - paper in points: FedAvg's global model {fedavg:+.2f}; "
-                       + "; ".join(parts) + ".")
+            parts = [
+                f"{p} global {g:+.2f} ({g - fedavg:+.2f} beyond FedAvg's)"
+                + (f", ensemble {e:+.2f}" if e is not None else "")
+                for p, (g, e) in by_preset.items()
+                if p != "fedavg"
+            ]
+            out.append(
+                f"  Measured, ours - paper in points: FedAvg's global model {fedavg:+.2f}; " + "; ".join(parts) + "."
+            )
     return out
 
 
 # -- the combined preset's default, from setting D ----------------------------------------------------------
-DECISION_RULE = ("Written before the runs: a candidate's score per seed is the mean of its final global accuracy "
-                 "in A and its final local accuracy in B (the metrics goal 4 is judged on). The best candidate is the "
-                 "one with the highest mean score; every candidate that the best does not beat under the rule is "
-                 "within noise of it, and among those the one with the fewest uplink bytes (A + B, mean over seeds) "
-                 "is the default. The rule is now the paired interval (it was \"ahead on the mean AND in every "
-                 "seed\" when the decision was first taken; both pick the same candidate on these runs). Every "
-                 "candidate's runs here ran clipped (the preset's candidate also runs unclipped, for goal 4).")
+DECISION_RULE = (
+    "Written before the runs: a candidate's score per seed is the mean of its final global accuracy "
+    "in A and its final local accuracy in B (the metrics goal 4 is judged on). The best candidate is the "
+    "one with the highest mean score; every candidate that the best does not beat under the rule is "
+    "within noise of it, and among those the one with the fewest uplink bytes (A + B, mean over seeds) "
+    'is the default. The rule is now the paired interval (it was "ahead on the mean AND in every '
+    'seed" when the decision was first taken; both pick the same candidate on these runs). Every '
+    "candidate's runs here ran clipped (the preset's candidate also runs unclipped, for goal 4)."
+)
 
 
 @dataclass
@@ -593,8 +707,13 @@ def _score(a: RowStats, b: RowStats) -> RowStats:
     """A pseudo-row whose per-seed 'score' is the mean of A's global and B's local accuracy, and whose
     'up_total' is A's + B's uplink."""
     seeds = set(a.values("global_acc")) & set(b.values("local_acc"))
-    by_seed = {s: {"score": (a.by_seed[s]["global_acc"] + b.by_seed[s]["local_acc"]) / 2,
-                   "up_total": a.by_seed[s]["up_total"] + b.by_seed[s]["up_total"]} for s in seeds}
+    by_seed = {
+        s: {
+            "score": (a.by_seed[s]["global_acc"] + b.by_seed[s]["local_acc"]) / 2,
+            "up_total": a.by_seed[s]["up_total"] + b.by_seed[s]["up_total"],
+        }
+        for s in seeds
+    }
     return RowStats(a.row, by_seed, a.expected)
 
 
@@ -610,22 +729,42 @@ def decide_default(ctx: Context) -> Decision:
     chosen = min(tied, key=lambda s: scored[s].mean("up_total") or 0.0)
     choice = dict(next(sw for s, _, sw in CANDIDATES if s == chosen))
     current = preset_stages()
-    lines = [DECISION_RULE, "", "| candidate | A global | B local | score | uplink A + B (MB) | |",
-             "|---|--:|--:|--:|--:|---|"]
+    lines = [
+        DECISION_RULE,
+        "",
+        "| candidate | A global | B local | score | uplink A + B (MB) | |",
+        "|---|--:|--:|--:|--:|---|",
+    ]
     for suffix, label, _ in CANDIDATES:
         a, b = (got[k] for k in keys[suffix])
         sc = scored[suffix]
         gap = compare(scored[suffix], scored[best], "score").text() if suffix != best else ""
-        mark = ("**chosen**" if suffix == chosen else "best score" if suffix == best else
-                "within noise, more bytes" if suffix in tied else f"beaten by {best}")
+        mark = (
+            "**chosen**"
+            if suffix == chosen
+            else "best score"
+            if suffix == best
+            else "within noise, more bytes"
+            if suffix in tied
+            else f"beaten by {best}"
+        )
         mark += f"; vs best {gap}" if gap else ""
-        lines.append(f"| {label} | {mean_std(a, 'global_acc')} | {mean_std(b, 'local_acc')} | "
-                     f"{mean_std(sc, 'score')} | {sc.mean_required('up_total') / 1e6:.3f} | {mark} |")
+        lines.append(
+            f"| {label} | {mean_std(a, 'global_acc')} | {mean_std(b, 'local_acc')} | "
+            f"{mean_std(sc, 'score')} | {sc.mean_required('up_total') / 1e6:.3f} | {mark} |"
+        )
     switches = ", ".join(f"{k}={json.dumps(v)}" for k, v in choice.items())
     now = ", ".join(f"{k}={json.dumps(v)}" for k, v in current.items())
-    lines += ["", f"Chosen: **{chosen}** ({switches}).", f"`--preset protofl` at this revision: {now} -> "
-              + ("matches the rule's choice." if current == choice else
-                 "does NOT match the rule's choice: set PRESETS['protofl'] in protofl/presets.py to it.")]
+    lines += [
+        "",
+        f"Chosen: **{chosen}** ({switches}).",
+        f"`--preset protofl` at this revision: {now} -> "
+        + (
+            "matches the rule's choice."
+            if current == choice
+            else "does NOT match the rule's choice: set PRESETS['protofl'] in protofl/presets.py to it."
+        ),
+    ]
     return Decision("CHOSEN", lines, choice, current == choice)
 
 
@@ -633,13 +772,16 @@ def decide_default(ctx: Context) -> Decision:
 def refused_lines(ctx: Context) -> list[str]:
     """Runs kept in D/refused/ (made before the config refused their switches) against the candidate they
     turned out to equal, seed by seed: the measurement behind the refusal."""
-    out = ["Scaling with ERPA when the public set covers every class: every anchor is a public-set mean, no "
-           "client sends an n-weighted prototype, so scaling acts on nothing. These runs were made before the "
-           "config refused the combination (`protofl/config.py`); each is compared with its scaling-free twin, "
-           "seed by seed (A: global accuracy, B: local accuracy).", "",
-           "| refused combination | on | seeds | its accuracy, per seed | twin | twin's, per seed "
-           "| max abs diff (points) |",
-           "|---|---|--:|---|---|---|--:|"]
+    out = [
+        "Scaling with ERPA when the public set covers every class: every anchor is a public-set mean, no "
+        "client sends an n-weighted prototype, so scaling acts on nothing. These runs were made before the "
+        "config refused the combination (`protofl/config.py`); each is compared with its scaling-free twin, "
+        "seed by seed (A: global accuracy, B: local accuracy).",
+        "",
+        "| refused combination | on | seeds | its accuracy, per seed | twin | twin's, per seed "
+        "| max abs diff (points) |",
+        "|---|---|--:|---|---|---|--:|",
+    ]
     metric_of = {"a": "global_acc", "b": "local_acc"}
     for suffix, label, _, twins in REFUSED:
         for tag, twin_key in twins.items():
@@ -654,10 +796,12 @@ def refused_lines(ctx: Context) -> list[str]:
             if not mine:
                 continue
             diff = max((abs(mine[s] - theirs[s]) for s in common), default=None)
-            out.append(f"| {label} | {'A' if tag == 'a' else 'B'} | {','.join(map(str, sorted(mine)))} | "
-                       f"{' / '.join(pct(mine[s]) for s in sorted(mine))} | {twin.row.label} (`{twin_key}`) | "
-                       f"{' / '.join(pct(theirs.get(s)) for s in sorted(mine))} | "
-                       f"{'-' if diff is None else f'{100 * diff:.2f}'} |")
+            out.append(
+                f"| {label} | {'A' if tag == 'a' else 'B'} | {','.join(map(str, sorted(mine)))} | "
+                f"{' / '.join(pct(mine[s]) for s in sorted(mine))} | {twin.row.label} (`{twin_key}`) | "
+                f"{' / '.join(pct(theirs.get(s)) for s in sorted(mine))} | "
+                f"{'-' if diff is None else f'{100 * diff:.2f}'} |"
+            )
     return out
 
 
@@ -665,12 +809,15 @@ def refused_lines(ctx: Context) -> list[str]:
 def sweep_lines(ctx: Context) -> list[str]:
     """Per alignment term: each lambda's global accuracy on seed 0 (the choice), on seeds 1-2, and the chosen
     lambda against lambda = 1 paired over all three seeds: the preset's default moves only when it beats 1."""
-    out = ["Chosen on seed 0 of A (alpha 0.5, global accuracy, the head on the test set at the final round); then the "
-           "chosen lambda minus lambda = 1, paired over seeds 0-2: the preset's default moves to the chosen lambda "
-           "only when it beats lambda = 1 under the rule. Every sweep row, and lambda = 1 (ERPA: refprotofl's "
-           "clipped twin of A's row; CPS: a sweep row of its own), ran clipped.", "",
-           "| term | lambda | global, seed 0 | global, seeds 1, 2 | mean ± std | local, mean | |",
-           "|---|--:|--:|--:|--:|--:|---|"]
+    out = [
+        "Chosen on seed 0 of A (alpha 0.5, global accuracy, the head on the test set at the final round); then the "
+        "chosen lambda minus lambda = 1, paired over seeds 0-2: the preset's default moves to the chosen lambda "
+        "only when it beats lambda = 1 under the rule. Every sweep row, and lambda = 1 (ERPA: refprotofl's "
+        "clipped twin of A's row; CPS: a sweep row of its own), ran clipped.",
+        "",
+        "| term | lambda | global, seed 0 | global, seeds 1, 2 | mean ± std | local, mean | |",
+        "|---|--:|--:|--:|--:|--:|---|",
+    ]
     decisions = []
     for what, (preset, default_key) in SWEEP.items():
         rows = {1.0: row_stats(ctx, default_key)} if default_key else {}
@@ -697,8 +844,10 @@ def sweep_lines(ctx: Context) -> list[str]:
                     decisions.append(f"{preset}: proto_lambda stays 1 (best on seed 0)")
                 if lam in (min(rows), max(rows)):
                     mark += "; at the grid's edge: the best may lie beyond it"
-            out.append(f"| {what.upper()} ({preset}) | {lam:g} | {pct(seed0[lam])} | {later} | "
-                       f"{mean_std(st, 'global_acc')} | {mean_std(st, 'local_acc')} | {mark} |")
+            out.append(
+                f"| {what.upper()} ({preset}) | {lam:g} | {pct(seed0[lam])} | {later} | "
+                f"{mean_std(st, 'global_acc')} | {mean_std(st, 'local_acc')} | {mark} |"
+            )
         if chosen is None:
             missing = [f"lambda {lam:g}" for lam, v in seed0.items() if v is None]
             decisions.append(f"{preset}: waiting for seed 0 of {', '.join(missing)}")
@@ -711,10 +860,16 @@ def _lambda_decision(preset: str, chosen: float, beats_one: bool) -> str:
 
     now = float(make_config(preset).proto_lambda)
     if beats_one:
-        return (f"{preset}: proto_lambda is {chosen:g}, moved from 1 by this sweep ({chosen:g} beats 1)"
-                if now == chosen else f"{preset}: proto_lambda should move to {chosen:g} (the preset has {now:g})")
-    return (f"{preset}: proto_lambda stays 1 ({chosen:g} does not beat it)" if now == 1.0 else
-            f"{preset}: proto_lambda should go back to 1 ({chosen:g} does not beat it; the preset has {now:g})")
+        return (
+            f"{preset}: proto_lambda is {chosen:g}, moved from 1 by this sweep ({chosen:g} beats 1)"
+            if now == chosen
+            else f"{preset}: proto_lambda should move to {chosen:g} (the preset has {now:g})"
+        )
+    return (
+        f"{preset}: proto_lambda stays 1 ({chosen:g} does not beat it)"
+        if now == 1.0
+        else f"{preset}: proto_lambda should go back to 1 ({chosen:g} does not beat it; the preset has {now:g})"
+    )
 
 
 # -- plots ---------------------------------------------------------------------------------------------------
@@ -733,7 +888,7 @@ def _curves(ctx: Context, key: str) -> tuple[list[float], list[float], list[floa
         accs = [r["rounds"][i]["local_acc"] for r in reps if r["rounds"][i].get("local_acc") is not None]
         if len(accs) != len(reps):
             continue
-        xs.append(max(statistics.fmean(sum(x["uplink_bytes"] for x in r["rounds"][:i + 1]) for r in reps), 1))
+        xs.append(max(statistics.fmean(sum(x["uplink_bytes"] for x in r["rounds"][: i + 1]) for r in reps), 1))
         mean.append(100 * statistics.fmean(accs))
         lo.append(100 * min(accs))
         hi.append(100 * max(accs))
@@ -755,8 +910,11 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
             print("note: matplotlib is not installed; skipping the plots (pip install -e '.[plotting]')", flush=True)
             _PLOT_NOTE_SHOWN = True
         return False
-    colors = [plt.get_cmap("tab20")(i) for i in range(20)] if len(section.rows) > 10 else \
-        plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    colors = (
+        [plt.get_cmap("tab20")(i) for i in range(20)]
+        if len(section.rows) > 10
+        else plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
+    )
     markers = "osD^v<>ph*X"
     fig, axes = plt.subplots(1, 3, figsize=(16, 5.6))
     drawn = False
@@ -766,8 +924,11 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
             continue
         drawn = True
         row = st.row
-        label = row.label + (f" (from {row.setting})" if row.setting != section.setting else "") + \
-            f" [{len(st.by_seed)} seed{'s' if len(st.by_seed) != 1 else ''}]"
+        label = (
+            row.label
+            + (f" (from {row.setting})" if row.setting != section.setting else "")
+            + f" [{len(st.by_seed)} seed{'s' if len(st.by_seed) != 1 else ''}]"
+        )
         color, marker = colors[i % len(colors)], markers[i % len(markers)]
         curve = _curves(ctx, key)
         if curve is not None and curve[0]:
@@ -778,14 +939,27 @@ def plot_section(ctx: Context, section: Section, path: Path) -> bool:
             vals = list(st.values(metric).values())
             if vals:
                 m = 100 * statistics.fmean(vals)
-                ax.errorbar([st.mean("up_total")], [m], yerr=[[m - 100 * min(vals)], [100 * max(vals) - m]],
-                            marker=marker, color=color, capsize=3, label=label)
+                ax.errorbar(
+                    [st.mean("up_total")],
+                    [m],
+                    yerr=[[m - 100 * min(vals)], [100 * max(vals) - m]],
+                    marker=marker,
+                    color=color,
+                    capsize=3,
+                    label=label,
+                )
     if not drawn:
         plt.close(fig)
         return False
-    for ax, title in zip(axes, ("local accuracy per round (mean, band: min-max over seeds)",
-                                "final global accuracy (mean, bars: min-max)",
-                                "final ensemble accuracy (mean, bars: min-max)"), strict=True):
+    for ax, title in zip(
+        axes,
+        (
+            "local accuracy per round (mean, band: min-max over seeds)",
+            "final global accuracy (mean, bars: min-max)",
+            "final ensemble accuracy (mean, bars: min-max)",
+        ),
+        strict=True,
+    ):
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(EngFormatter(unit="B", places=1))
@@ -818,17 +992,23 @@ def machine() -> str:
     except metadata.PackageNotFoundError:
         torch_v = "not installed"
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    return (f"{os.cpu_count()} CPUs, {platform.platform()}, {platform.machine()}, Python "
-            f"{platform.python_version()}, torch {torch_v}; load average at writing {load}")
+    return (
+        f"{os.cpu_count()} CPUs, {platform.platform()}, {platform.machine()}, Python "
+        f"{platform.python_version()}, torch {torch_v}; load average at writing {load}"
+    )
 
 
 def _header(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     g = ctx.git
-    dirty = (f"dirty ({g['modified_tracked']} modified tracked file(s), {g['untracked']} untracked)"
-             if g["dirty"] else "clean")
-    revs = sorted({f"{rep['bench']['git_rev']}{' (dirty)' if rep['bench'].get('git_dirty') else ''}"
-                   for _, rep in done})
+    dirty = (
+        f"dirty ({g['modified_tracked']} modified tracked file(s), {g['untracked']} untracked)"
+        if g["dirty"]
+        else "clean"
+    )
+    revs = sorted(
+        {f"{rep['bench']['git_rev']}{' (dirty)' if rep['bench'].get('git_dirty') else ''}" for _, rep in done}
+    )
     finished = sorted(rep["bench"]["finished_utc"] for _, rep in done)
     # where the runs ran (the simulate report's machine block; runs made before it existed say nothing)
     where: dict[str, int] = {}
@@ -874,18 +1054,29 @@ def _header(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
 
 def _sizing(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
     sz = SIZING[ctx.sizing_key]
-    out = ["## Sizing", "", "| federation | clients, alpha, archs | rounds | --train-limit | --test-limit | "
-           "--eval-every | --test-every |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "## Sizing",
+        "",
+        "| federation | clients, alpha, archs | rounds | --train-limit | --test-limit | --eval-every | --test-every |",
+        "|---|---|---|---|---|---|---|",
+    ]
     used = {r.fed for r in ctx.runs}
     for k, f in FEDERATIONS.items():
         if k in used:
             s = sz[k]
             desc = f.describe + (f" (here {s.clients} clients)" if s.clients is not None else "")
-            out.append(f"| {k} | {desc} | {s.rounds} | {s.train_limit} | {s.test_limit or 'all 10,000'} | "
-                       f"{s.eval_every} | {s.test_every} |")
-    out += ["", SIZING_NOTE if ctx.sizing_key == "full" else
-            f"`{ctx.sizing_key}` sizing: a smoke run (few rounds, small subsets, seed 0 only); only the runs the "
-            "goals need. The `full` suite's sizing is explained in bench/results/TABLE.md.", ""]
+            out.append(
+                f"| {k} | {desc} | {s.rounds} | {s.train_limit} | {s.test_limit or 'all 10,000'} | "
+                f"{s.eval_every} | {s.test_every} |"
+            )
+    out += [
+        "",
+        SIZING_NOTE
+        if ctx.sizing_key == "full"
+        else f"`{ctx.sizing_key}` sizing: a smoke run (few rounds, small subsets, seed 0 only); only the runs the "
+        "goals need. The `full` suite's sizing is explained in bench/results/TABLE.md.",
+        "",
+    ]
     out += ["### Measured wall time", "", "| setting | runs finished | sum of CLI wall times (s) |", "|---|--:|--:|"]
     for setting in ("A", "B", "C", "D", "L"):
         mine = [rep for r, rep in done if r.setting == setting]
@@ -898,9 +1089,13 @@ def _sizing(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
 
 def _section(ctx: Context, sec: Section, plot_dir: Path) -> list[str]:
     f, s = FEDERATIONS[sec.fed], SIZING[ctx.sizing_key][sec.fed]
-    out = [f"### {sec.title}", "",
-           f"{f.describe}{f' (here {s.clients} clients)' if s.clients is not None else ''}; {s.rounds} rounds, "
-           f"--train-limit {s.train_limit}, test set: {s.test_limit or 'all 10,000'} images.", ""]
+    out = [
+        f"### {sec.title}",
+        "",
+        f"{f.describe}{f' (here {s.clients} clients)' if s.clients is not None else ''}; {s.rounds} rounds, "
+        f"--train-limit {s.train_limit}, test set: {s.test_limit or 'all 10,000'} images.",
+        "",
+    ]
     out += [f"- {n}" for n in sec.notes] + [""]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["--:"] * (len(COLUMNS) - 2) + ["---"]) + "|"]
     refs: list[str] = []
@@ -916,8 +1111,11 @@ def _section(ctx: Context, sec: Section, plot_dir: Path) -> list[str]:
         if row.setting == sec.setting:
             for run in (r for r in ctx.runs if r.row.key == key):
                 rep = ctx.cached(run)
-                cmds.append(f"{run.label}: {rep['bench']['command']}" if rep is not None else
-                            f"{run.label} (not run yet): protofl-server {shlex.join(run_args(run, ctx.sizing_key))}")
+                cmds.append(
+                    f"{run.label}: {rep['bench']['command']}"
+                    if rep is not None
+                    else f"{run.label} (not run yet): protofl-server {shlex.join(run_args(run, ctx.sizing_key))}"
+                )
     out.append("")
     out += [f"[{r}] {PAPER_REFS[r]}  " for r in refs]
     png = plot_dir / f"{sec.key}.png"
@@ -929,18 +1127,31 @@ def _section(ctx: Context, sec: Section, plot_dir: Path) -> list[str]:
 def write(ctx: Context, quiet: bool = False) -> Path:
     done = [(r, rep) for r in ctx.runs if (rep := ctx.cached(r)) is not None]
     out = _header(ctx, done) + _sizing(ctx, done)
-    out += ["## Goals", "", RULE + (" Quick/tiny suites: one seed, too few rounds to be evidence."
-                                    if ctx.suite != "full" or ctx.sizing_key != "full" else ""), ""]
+    out += [
+        "## Goals",
+        "",
+        RULE
+        + (
+            " Quick/tiny suites: one seed, too few rounds to be evidence."
+            if ctx.suite != "full" or ctx.sizing_key != "full"
+            else ""
+        ),
+        "",
+    ]
     for i, goal in enumerate(goals(ctx), 1):
         out.append(f"{i}. **{goal.status}**: {goal.name}")
         out += [f"   - {e}" for e in goal.evidence]
     out.append("")
     out += missing_lines(ctx)
     decision = decide_default(ctx)
-    out += ["## Default of the `protofl` preset (decided by setting D)", "",
-            "ALGORITHMS.md: which combination of stages is the default \"is decided by the ablation benchmark, not "
-            "by taste\". Candidates: the rows of setting D, and (a) w/o CPS, whose switches are the refprotofl "
-            "preset's (its rows are refprotofl's: same federation, sizing and seeds).", ""]
+    out += [
+        "## Default of the `protofl` preset (decided by setting D)",
+        "",
+        'ALGORITHMS.md: which combination of stages is the default "is decided by the ablation benchmark, not '
+        'by taste". Candidates: the rows of setting D, and (a) w/o CPS, whose switches are the refprotofl '
+        "preset's (its rows are refprotofl's: same federation, sizing and seeds).",
+        "",
+    ]
     out += decision.lines if decision.status == "CHOSEN" else [DECISION_RULE, "", f"**NOT RUN**: {decision.lines[0]}"]
     out += ["", "### Refused since measured: scaling with ERPA on a full public set", ""] + refused_lines(ctx)
     out += ["", "## Lambda sweep (alignment term on the MSE scale)", ""] + sweep_lines(ctx) + [""]

@@ -43,8 +43,9 @@ FEDERATIONS: dict[str, Federation] = {
     "A05": Federation("A05", 10, 0.5, ("cnn",), "10 clients, Dirichlet alpha=0.5, cnn"),
     "A100": Federation("A100", 10, 100.0, ("cnn",), "10 clients, Dirichlet alpha=100, cnn"),
     "B": Federation("B", 20, 0.1, ("cnn",), "20 clients, Dirichlet alpha=0.1, cnn"),
-    "C": Federation("C", 20, 0.1, C_ARCHS, "20 clients, Dirichlet alpha=0.1, archs " + ",".join(C_ARCHS)
-                    + " round-robin"),
+    "C": Federation(
+        "C", 20, 0.1, C_ARCHS, "20 clients, Dirichlet alpha=0.1, archs " + ",".join(C_ARCHS) + " round-robin"
+    ),
 }
 
 
@@ -70,8 +71,10 @@ SIZING: dict[str, dict[str, Sizing]] = {
     },
     "quick": {k: Sizing(rounds=2, train_limit=2000, test_limit=500, eval_every=1, test_every=2) for k in FEDERATIONS},
     # test only: 5 clients everywhere (C keeps one client per architecture), 1 round, tiny subsets
-    "tiny": {k: Sizing(rounds=1, train_limit=1000, test_limit=100, eval_every=1, test_every=1, clients=5)
-             for k in FEDERATIONS},
+    "tiny": {
+        k: Sizing(rounds=1, train_limit=1000, test_limit=100, eval_every=1, test_every=1, clients=5)
+        for k in FEDERATIONS
+    },
 }
 
 SIZING_NOTE = """\
@@ -134,13 +137,13 @@ class Paper:
 
 PAPER_REFS: dict[str, str] = {
     "R05": "RefProtoFL Table 2, FashionMNIST, alpha=0.5: Top-1 test accuracy, ResNet18, 10 clients, 50 rounds, "
-           "full training set.",
+    "full training set.",
     "R100": "RefProtoFL Table 2, FashionMNIST, alpha=100: Top-1 test accuracy, ResNet18, 10 clients, 50 rounds, "
-            "full training set.",
+    "full training set.",
     "T": "TinyProto Table (CIFAR-10, not Fashion-MNIST): accuracy and parameters sent per round; FedProto 82.90 at "
-         "0.15 M vs TinyProto-FP (s=50) 84.52 at 0.02 M (about 7.5x fewer).",
+    "0.15 M vs TinyProto-FP (s=50) 84.52 at 0.02 M (about 7.5x fewer).",
     "P": "FedPAGR Table 1, Fashion-MNIST, alpha=0.1, 20 clients, 5 architectures (incl. ResNet18), full data: "
-         "local / ensemble accuracy.",
+    "local / ensemble accuracy.",
     "Pabl": "FedPAGR ablation on CIFAR-10 (not Fashion-MNIST): change in ensemble accuracy vs full FedPAGR.",
 }
 
@@ -148,18 +151,18 @@ PAPER_REFS: dict[str, str] = {
 # Why our figure and the paper's differ, per reference (the measured half is computed in TABLE.md).
 PAPER_GAP_NOTES: dict[str, str] = {
     "R05": "RefProtoFL does not say how it scores a prototype method's test accuracy. Our *global* is each client's "
-           "personalised model on the balanced test set, averaged over clients; FedAvg's is one model's in both. "
-           "At our CPU sizing that per-client metric sits ~28 points under the paper; at the paper's own sizing "
-           "(section 'Setting A at the papers' sizing, on a GPU', one seed, round 10 of 50) it is 72.5-72.7, "
-           "1.3-1.5 under the paper: the gap is the sizing's, and the paper's figure is most likely this metric. "
-           "FedAvg's small gap here is not the sizing's cost either way: our FedAvg is held near 70 % by the CPU "
-           "sizing and reaches 89.4 at the paper's, while the paper's drops from 85 to 74 with heterogeneity.",
+    "personalised model on the balanced test set, averaged over clients; FedAvg's is one model's in both. "
+    "At our CPU sizing that per-client metric sits ~28 points under the paper; at the paper's own sizing "
+    "(section 'Setting A at the papers' sizing, on a GPU', one seed, round 10 of 50) it is 72.5-72.7, "
+    "1.3-1.5 under the paper: the gap is the sizing's, and the paper's figure is most likely this metric. "
+    "FedAvg's small gap here is not the sizing's cost either way: our FedAvg is held near 70 % by the CPU "
+    "sizing and reaches 89.4 at the paper's, while the paper's drops from 85 to 74 with heterogeneity.",
     "R100": "Near-IID clients: the per-client metric costs little (the prototype methods sit close to FedAvg), "
-            "and what every method shares is the sizing's cost (10 % of the data, 10 rounds, a small cnn "
-            "instead of ResNet18 for 50 rounds on the full training set).",
+    "and what every method shares is the sizing's cost (10 % of the data, 10 rounds, a small cnn "
+    "instead of ResNet18 for 50 rounds on the full training set).",
     "P": "FedPAGR's Table 1 uses the whole training set, ResNet18 as the fifth architecture and more rounds; ours "
-         "10 % of the data, a second mlp and 15 rounds: every client model is weaker, and an average of 20 weak "
-         "models trained on skewed labels loses more on the balanced test set than each does on its own split.",
+    "10 % of the data, a second mlp and 15 rounds: every client model is weaker, and an average of 20 weak "
+    "models trained on skewed labels loses more on the balanced test set than each does on its own split.",
 }
 
 
@@ -262,8 +265,15 @@ def _add(*rows: Row, legacy: bool = True) -> list[str]:
     for row in rows:
         if row.tier in GOAL_TIERS:
             row = replace(row, seeds=GOAL_SEEDS, clip=False)
-            twin = replace(row, name=f"{row.name}-clipped", label=row.label + CLIPPED, clip=True, seeds=SEEDS,
-                           tier=REST, paper=None)
+            twin = replace(
+                row,
+                name=f"{row.name}-clipped",
+                label=row.label + CLIPPED,
+                clip=True,
+                seeds=SEEDS,
+                tier=REST,
+                paper=None,
+            )
             ROWS.extend((row, twin))
             keys += [row.key, twin.key]
             continue
@@ -293,8 +303,9 @@ def _predictor_row(setting: str, name: str, fed: str) -> list[str]:
     and head on it are one model a new device can be given (the global predictor, broker_server/simulation/
     predictor.py). With the default `backbone=train` every backbone drifts apart and there is none: the
     simulate report says so, and its `predictor_acc` stays empty."""
-    return _add(Row(setting, name, PREDICTOR_LABEL, "refprotofl", fed, _sets(backbone="frozen"), tier=CONTROL),
-                legacy=False)
+    return _add(
+        Row(setting, name, PREDICTOR_LABEL, "refprotofl", fed, _sets(backbone="frozen"), tier=CONTROL), legacy=False
+    )
 
 
 def _local_only(setting: str, name: str, fed: str) -> list[str]:
@@ -313,11 +324,25 @@ _a = _add(
     Row("A", "a0.5-tinyproto", "tinyproto", "tinyproto", "A05", tier=GOAL4),
     Row("A", "a0.5-fedpagr", "fedpagr (single arch)", "fedpagr", "A05", tier=GOAL4),
     Row("A", "a0.5-fedavg", "fedavg", "fedavg", "A05", tier=ABLATION, paper=Paper("R05", global_="73.72")),
-    Row("A", "a0.5-refprotofl-no-erpa", "refprotofl w/o ERPA", "refprotofl", "A05",
-        _sets(erpa=False, prototypes="none"), tier=REST),
+    Row(
+        "A",
+        "a0.5-refprotofl-no-erpa",
+        "refprotofl w/o ERPA",
+        "refprotofl",
+        "A05",
+        _sets(erpa=False, prototypes="none"),
+        tier=REST,
+    ),
     Row("A", "a0.5-refprotofl-no-apud", "refprotofl w/o APUD", "refprotofl", "A05", _sets(apud=False), tier=REST),
-    Row("A", "a0.5-refprotofl-no-both", "refprotofl w/o ERPA, w/o APUD", "refprotofl", "A05",
-        _sets(erpa=False, prototypes="none", apud=False), tier=REST),
+    Row(
+        "A",
+        "a0.5-refprotofl-no-both",
+        "refprotofl w/o ERPA, w/o APUD",
+        "refprotofl",
+        "A05",
+        _sets(erpa=False, prototypes="none", apud=False),
+        tier=REST,
+    ),
 )
 _a += _local_only("A", "a0.5-local-only", "A05")
 _a += _predictor_row("A", "a0.5-refprotofl-frozen", "A05")
@@ -333,18 +358,46 @@ SECTIONS.append(Section("A", "A-alpha100", "A (RefProtoFL Table 2): alpha = 100"
 
 # -- B: TinyProto (and every preset, for D and goal 4) -------------------------------------------------
 _b = _add(
-    Row("B", "fedproto", "fedproto", "fedproto", "B", tier=GOAL1,
-        paper=Paper("T", local="82.90", bytes_="0.15 M params/rnd")),
-    Row("B", "tinyproto", "tinyproto s=51 (m/10), mu=auto (preset)", "tinyproto", "B", tier=GOAL1,
-        paper=Paper("T", local="84.52 (s=50)", bytes_="0.02 M params/rnd")),
+    Row(
+        "B",
+        "fedproto",
+        "fedproto",
+        "fedproto",
+        "B",
+        tier=GOAL1,
+        paper=Paper("T", local="82.90", bytes_="0.15 M params/rnd"),
+    ),
+    Row(
+        "B",
+        "tinyproto",
+        "tinyproto s=51 (m/10), mu=auto (preset)",
+        "tinyproto",
+        "B",
+        tier=GOAL1,
+        paper=Paper("T", local="84.52 (s=50)", bytes_="0.02 M params/rnd"),
+    ),
     Row("B", "refprotofl", "refprotofl", "refprotofl", "B", tier=GOAL4),
     Row("B", "fedpagr", "fedpagr (single arch)", "fedpagr", "B", tier=GOAL4),
     # Goal 4's shortfall taken apart: fedpagr differs from candidate (b) in two switches, the CPS masks and
     # refinement. This row is (b) without the masks (and fedpagr without refinement), so it splits the gap.
-    Row("B", "fedpagr-no-refine", "fedpagr w/o refinement (= (b) spherical CPS without the masks)", "fedpagr", "B",
-        _sets(refine=False), tier=ABLATION),
-    Row("B", "tinyproto-mu-paper", "tinyproto s=51, mu=1.5e-4 (the paper's CIFAR-10 value)", "tinyproto", "B",
-        _sets(mu=1.5e-4), tier=ABLATION),
+    Row(
+        "B",
+        "fedpagr-no-refine",
+        "fedpagr w/o refinement (= (b) spherical CPS without the masks)",
+        "fedpagr",
+        "B",
+        _sets(refine=False),
+        tier=ABLATION,
+    ),
+    Row(
+        "B",
+        "tinyproto-mu-paper",
+        "tinyproto s=51, mu=1.5e-4 (the paper's CIFAR-10 value)",
+        "tinyproto",
+        "B",
+        _sets(mu=1.5e-4),
+        tier=ABLATION,
+    ),
     Row("B", "tinyproto-noscale", "tinyproto s=51, no scaling", "tinyproto", "B", _sets(scaling=False), tier=REST),
     Row("B", "tinyproto-s128", "tinyproto s=128 (m/4), mu=auto", "tinyproto", "B", _sets(cps_s=128), tier=REST),
 )
@@ -352,25 +405,73 @@ _b += _local_only("B", "local-only", "B")
 # FedAvg on B: the global model the global predictor is set against (the first suite had none in B).
 _b += _add(Row("B", "fedavg", "fedavg", "fedavg", "B", tier=CONTROL), legacy=False)
 _b += _predictor_row("B", "refprotofl-frozen", "B")
-SECTIONS.append(Section("B", "B", "B (TinyProto): 20 clients, alpha = 0.1", "B", tuple(_b),
-                        ("With scaling off, mu is unused (clients send plain prototypes and counts).",)))
+SECTIONS.append(
+    Section(
+        "B",
+        "B",
+        "B (TinyProto): 20 clients, alpha = 0.1",
+        "B",
+        tuple(_b),
+        ("With scaling off, mu is unused (clients send plain prototypes and counts).",),
+    )
+)
 
 # -- C: FedPAGR -----------------------------------------------------------------------------------------
 _c = _add(
     Row("C", "fedproto", "fedproto", "fedproto", "C", tier=GOAL3, paper=Paper("P", local="95.53", ensemble="62.10")),
-    Row("C", "fedpagr", "fedpagr (head fixed during a round, Alg. 1)", "fedpagr", "C", tier=GOAL3,
-        paper=Paper("P", local="95.96", ensemble="80.20")),
-    Row("C", "fedpagr-no-sep", "fedpagr w/o separation (lambda_s=0)", "fedpagr", "C", _sets(lambda_s=0), tier=GOAL3,
-        paper=Paper("Pabl", ensemble="-2.7 pts")),
-    Row("C", "fedpagr-no-ent", "fedpagr w/o entropy (lambda_e=0)", "fedpagr", "C", _sets(lambda_e=0), tier=GOAL3,
-        paper=Paper("Pabl", ensemble="-3.3 pts")),
-    Row("C", "fedpagr-train-head", "fedpagr, head also trained (pagr_train_head)", "fedpagr", "C",
-        _sets(pagr_train_head=True), tier=REST),
+    Row(
+        "C",
+        "fedpagr",
+        "fedpagr (head fixed during a round, Alg. 1)",
+        "fedpagr",
+        "C",
+        tier=GOAL3,
+        paper=Paper("P", local="95.96", ensemble="80.20"),
+    ),
+    Row(
+        "C",
+        "fedpagr-no-sep",
+        "fedpagr w/o separation (lambda_s=0)",
+        "fedpagr",
+        "C",
+        _sets(lambda_s=0),
+        tier=GOAL3,
+        paper=Paper("Pabl", ensemble="-2.7 pts"),
+    ),
+    Row(
+        "C",
+        "fedpagr-no-ent",
+        "fedpagr w/o entropy (lambda_e=0)",
+        "fedpagr",
+        "C",
+        _sets(lambda_e=0),
+        tier=GOAL3,
+        paper=Paper("Pabl", ensemble="-3.3 pts"),
+    ),
+    Row(
+        "C",
+        "fedpagr-train-head",
+        "fedpagr, head also trained (pagr_train_head)",
+        "fedpagr",
+        "C",
+        _sets(pagr_train_head=True),
+        tier=REST,
+    ),
 )
 _c += _local_only("C", "local-only", "C")
-SECTIONS.append(Section("C", "C", "C (FedPAGR): 20 clients, alpha = 0.1, five architectures", "C", tuple(_c),
-                        ("Fifth architecture: a second mlp instead of ResNet18 (ResNet18 costs ~3 s per training "
-                         "step here; four such clients would cost more than the rest of the setting).",)))
+SECTIONS.append(
+    Section(
+        "C",
+        "C",
+        "C (FedPAGR): 20 clients, alpha = 0.1, five architectures",
+        "C",
+        tuple(_c),
+        (
+            "Fifth architecture: a second mlp instead of ResNet18 (ResNet18 costs ~3 s per training "
+            "step here; four such clients would cost more than the rest of the setting).",
+        ),
+    )
+)
 
 # -- D: the combined pipeline's candidates, on A (alpha 0.5) and on B -------------------------------------
 # Every row is `--preset protofl` with every switch of STAGE_KEYS spelled out, so it means the same run
@@ -380,10 +481,28 @@ STAGE_KEYS = ("federate", "prototypes", "consensus", "erpa", "apud", "cps", "cps
 # Scaling is off in (a): with the public set on every class ERPA anchors every class with the public-set mean,
 # so scaling has nothing to act on and the config refuses it (the runs made before the refusal are kept in
 # D/refused/ and shown in their own table: identical to their scaling-free twins).
-_A = dict(federate="adapter", prototypes="mean", consensus=False, erpa=True, apud=True, cps=True, cps_s=None,
-          scaling=False, refine=False)
-_SPHERICAL = dict(federate="none", prototypes="unit", consensus=True, erpa=False, apud=False, cps=True, cps_s=None,
-                  scaling=False, refine=False)
+_A = dict(
+    federate="adapter",
+    prototypes="mean",
+    consensus=False,
+    erpa=True,
+    apud=True,
+    cps=True,
+    cps_s=None,
+    scaling=False,
+    refine=False,
+)
+_SPHERICAL = dict(
+    federate="none",
+    prototypes="unit",
+    consensus=True,
+    erpa=False,
+    apud=False,
+    cps=True,
+    cps_s=None,
+    scaling=False,
+    refine=False,
+)
 CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # (name suffix, label, switches): ALGORITHMS.md's candidates and the stage removals of (a).
     # (a) w/o CPS is ERPA + APUD, the refprotofl preset: its row is the baseline's.
@@ -393,8 +512,11 @@ CANDIDATES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("no-cps", "ERPA + APUD (w/o CPS) = refprotofl", {**_A, "cps": False}),
     ("spherical", "(b) spherical CPS: FedPAGR's objective on CPS-masked unit prototypes", _SPHERICAL),
     ("spherical-refine", "(c) spherical CPS, s = m/4, + refinement", {**_SPHERICAL, "cps_s": 128, "refine": True}),
-    ("spherical-erpa", "(d) spherical CPS + ERPA anchors from the public set, normalised",
-     {**_SPHERICAL, "erpa": True}),
+    (
+        "spherical-erpa",
+        "(d) spherical CPS + ERPA anchors from the public set, normalised",
+        {**_SPHERICAL, "erpa": True},
+    ),
 )
 # Candidates whose runs are another setting's rows (same federation, sizing, seeds and resolved stages):
 # suffix -> {tag: row key}. Their D rows are not run twice.
@@ -417,10 +539,18 @@ def decision_row(tag: str, suffix: str) -> str:
 # with the candidate it turned out identical to: (refused run suffix, label, switches, twin row key per tag).
 REFUSED: tuple[tuple[str, str, dict[str, Any], dict[str, str]], ...] = (
     ("all", "CPS + scaling + ERPA + APUD", {**_A, "scaling": True}, {"a": "D/a-all", "b": "D/b-all"}),
-    ("no-apud", "CPS + scaling + ERPA (dense adapters)", {**_A, "scaling": True, "apud": False},
-     {"a": "D/a-no-apud", "b": "D/b-no-apud"}),
-    ("no-cps", "scaling + ERPA + APUD", {**_A, "scaling": True, "cps": False},
-     {"a": "A/a0.5-refprotofl-clipped", "b": "B/refprotofl-clipped"}),
+    (
+        "no-apud",
+        "CPS + scaling + ERPA (dense adapters)",
+        {**_A, "scaling": True, "apud": False},
+        {"a": "D/a-no-apud", "b": "D/b-no-apud"},
+    ),
+    (
+        "no-cps",
+        "scaling + ERPA + APUD",
+        {**_A, "scaling": True, "cps": False},
+        {"a": "A/a0.5-refprotofl-clipped", "b": "B/refprotofl-clipped"},
+    ),
 )
 
 
@@ -448,19 +578,41 @@ for fed, tag, base, baselines in (
     ("A05", "a", "A", ("A/a0.5-fedproto", "A/a0.5-refprotofl", "A/a0.5-tinyproto", "A/a0.5-fedpagr")),
     ("B", "b", "B", ("B/fedproto", "B/refprotofl", "B/tinyproto", "B/fedpagr")),
 ):
-    keys = _add(*(Row("D", f"{tag}-{suffix}", label + (" = protofl preset" if suffix == _preset_suffix else ""),
-                      "protofl", fed, candidate_sets(switches), tier=GOAL4 if suffix == _preset_suffix else ABLATION)
-                  for suffix, label, switches in CANDIDATES if suffix not in CANDIDATE_ELSEWHERE))
+    keys = _add(
+        *(
+            Row(
+                "D",
+                f"{tag}-{suffix}",
+                label + (" = protofl preset" if suffix == _preset_suffix else ""),
+                "protofl",
+                fed,
+                candidate_sets(switches),
+                tier=GOAL4 if suffix == _preset_suffix else ABLATION,
+            )
+            for suffix, label, switches in CANDIDATES
+            if suffix not in CANDIDATE_ELSEWHERE
+        )
+    )
     where = "A (alpha = 0.5, 10 clients)" if base == "A" else "B (alpha = 0.1, 20 clients)"
     shown = tuple(k for b in baselines for k in dict.fromkeys((b, clipped(b))))
-    SECTIONS.append(Section("D", f"D-{base}", f"D (combined) on {where}", fed, tuple(keys) + shown,
-                            (f"Rows marked 'from {base}' are the runs of setting {base} (same federation, sizing "
-                             "and seeds), not re-run.",
-                             "The candidate rows set every switch explicitly (" + ", ".join(STAGE_KEYS) + "), so "
-                             "they do not move when the preset's default does.",
-                             "(d) sends its public-set prototypes with the training upload (one phase, see "
-                             "protofl/plan.py): with nothing federated that equals ERPA's phase 1 of the next "
-                             "round; round 1 trains on FedPAGR's seeded random prototypes.")))
+    SECTIONS.append(
+        Section(
+            "D",
+            f"D-{base}",
+            f"D (combined) on {where}",
+            fed,
+            tuple(keys) + shown,
+            (
+                f"Rows marked 'from {base}' are the runs of setting {base} (same federation, sizing "
+                "and seeds), not re-run.",
+                "The candidate rows set every switch explicitly (" + ", ".join(STAGE_KEYS) + "), so "
+                "they do not move when the preset's default does.",
+                "(d) sends its public-set prototypes with the training upload (one phase, see "
+                "protofl/plan.py): with nothing federated that equals ERPA's phase 1 of the next "
+                "round; round 1 trains on FedPAGR's seeded random prototypes.",
+            ),
+        )
+    )
 
 # -- L: lambda sweep of the alignment term on A (alpha 0.5) ---------------------------------------------
 # lambda = 1 is FedProto's and RefProtoFL's value: the erpa term's lambda = 1 row is refprotofl's own row of A
@@ -468,19 +620,37 @@ for fed, tag, base, baselines in (
 # sweep row of its own, since this sweep moved tinyproto's default to 0.1 (the preset's row is that value).
 # Chosen on seed 0, confirmed on seeds 1-2. CPS's grid reaches below 0.3, where its first sweep chose the edge.
 LAMBDAS: dict[str, tuple[float, ...]] = {"erpa": (0.3, 3.0, 10.0), "cps": (0.03, 0.1, 0.3, 1.0, 3.0, 10.0)}
-SWEEP: dict[str, tuple[str, str | None]] = {"erpa": ("refprotofl", "A/a0.5-refprotofl-clipped"),
-                                            "cps": ("tinyproto", None)}
+SWEEP: dict[str, tuple[str, str | None]] = {
+    "erpa": ("refprotofl", "A/a0.5-refprotofl-clipped"),
+    "cps": ("tinyproto", None),
+}
 for what, (preset, default_key) in SWEEP.items():
     keys = []
     for lam in LAMBDAS[what]:
-        keys += _add(Row("L", f"{what}-lambda{lam:g}", f"{preset}, proto_lambda={lam:g}", preset, "A05",
-                         _sets(proto_lambda=lam), tier=ABLATION, confirm_tier=SWEEP_CONFIRM))
-    SECTIONS.append(Section("L", f"L-{what}", f"lambda sweep: {preset} ({what.upper()} alignment) on A, alpha = 0.5",
-                            "A05", (*([default_key] if default_key else []), *keys),
-                            ("proto_lambda=1 is the preset's row of A (all seeds). Chosen on seed 0; the other "
-                             "seeds confirm.",) if default_key else
-                            ("Every lambda, 1 included, is a row of its own. Chosen on seed 0; the other seeds "
-                             "confirm.",)))
+        keys += _add(
+            Row(
+                "L",
+                f"{what}-lambda{lam:g}",
+                f"{preset}, proto_lambda={lam:g}",
+                preset,
+                "A05",
+                _sets(proto_lambda=lam),
+                tier=ABLATION,
+                confirm_tier=SWEEP_CONFIRM,
+            )
+        )
+    SECTIONS.append(
+        Section(
+            "L",
+            f"L-{what}",
+            f"lambda sweep: {preset} ({what.upper()} alignment) on A, alpha = 0.5",
+            "A05",
+            (*([default_key] if default_key else []), *keys),
+            ("proto_lambda=1 is the preset's row of A (all seeds). Chosen on seed 0; the other seeds confirm.",)
+            if default_key
+            else ("Every lambda, 1 included, is a row of its own. Chosen on seed 0; the other seeds confirm.",),
+        )
+    )
 
 ROW_BY_KEY: dict[str, Row] = {r.key: r for r in ROWS}
 RUNS: list[Run] = [run for row in ROWS for run in row.runs()]
@@ -494,6 +664,8 @@ def twin_run(run: Run) -> Run | None:
         return None
     twin = ROW_BY_KEY[key]
     return Run(twin, run.seed) if run.seed in twin.seeds else None
+
+
 SETTINGS = ("A", "B", "C", "D", "L")
 
 # The quick suite: the rows every goal needs, on seed 0 only (a smoke run, not evidence).
@@ -526,9 +698,23 @@ def run_args(run: Run, suite: str, data_dir: str | None = None) -> list[str]:
     fed = FEDERATIONS[run.fed]
     size = SIZING[suite][run.fed]
     clients = size.clients if size.clients is not None else fed.clients
-    args = ["simulate", "--preset", run.preset, "--dataset", DATASET, "--clients", str(clients),
-            "--alpha", f"{fed.alpha:g}", "--rounds", str(size.rounds), "--seed", str(run.seed),
-            "--arch", ",".join(fed.archs)]
+    args = [
+        "simulate",
+        "--preset",
+        run.preset,
+        "--dataset",
+        DATASET,
+        "--clients",
+        str(clients),
+        "--alpha",
+        f"{fed.alpha:g}",
+        "--rounds",
+        str(size.rounds),
+        "--seed",
+        str(run.seed),
+        "--arch",
+        ",".join(fed.archs),
+    ]
     if data_dir:
         args += ["--data-dir", data_dir]
     if size.train_limit is not None:

@@ -45,10 +45,18 @@ def global_prototypes(model: ServerModel) -> tuple[dict[int, np.ndarray], str] |
     return {int(c): np.asarray(v, np.float32) for c, v in table.items()}, metric
 
 
-def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, fed: str, round_: int,
-                           finished: bool, class_names: Sequence[str] | None = None,
-                           written_by: str = "protofl-server start", data: str | None = None,
-                           norm: tuple[Sequence[float], Sequence[float]] | None = None) -> Path:
+def write_server_artifacts(
+    model: ServerModel,
+    root: str | os.PathLike[str],
+    *,
+    fed: str,
+    round_: int,
+    finished: bool,
+    class_names: Sequence[str] | None = None,
+    written_by: str = "protofl-server start",
+    data: str | None = None,
+    norm: tuple[Sequence[float], Sequence[float]] | None = None,
+) -> Path:
     """Write ROOT/manifest.json and ROOT/global/ for the server's current model; returns ROOT.
 
     `data` and `norm` (the data spec and its per-channel mean/std, where the server knows them: a
@@ -60,19 +68,41 @@ def write_server_artifacts(model: ServerModel, root: str | os.PathLike[str], *, 
     glob = out / art.GLOBAL
     protos, masks = global_prototypes(model), model.rules.support_masks()
     if protos is not None:
-        art.write_prototypes(glob / art.PROTOTYPES, protos[0], metric=protos[1], class_names=names,
-                             source="global", masks=masks)
+        art.write_prototypes(
+            glob / art.PROTOTYPES, protos[0], metric=protos[1], class_names=names, source="global", masks=masks
+        )
     final = model.rules.round_fields(Phase.DONE)  # the federated vector, as the final round message carries it
-    federated, vector = (("model", final.params) if final.params is not None else
-                         ("adapter", final.adapter) if final.adapter is not None else (None, None))
+    federated, vector = (
+        ("model", final.params)
+        if final.params is not None
+        else ("adapter", final.adapter)
+        if final.adapter is not None
+        else (None, None)
+    )
     if vector is not None:
         art.write_vector(glob / art.FEDERATED, vector, federated or "")
-    art.write_json(out / art.MANIFEST, art.stamp(
-        written_by=written_by, fed=fed, preset=cfg.preset, round=int(round_), finished=bool(finished),
-        config=cfg.to_dict(), class_names=names, data=data,
-        **({"norm_mean": [float(v) for v in norm[0]], "norm_std": [float(v) for v in norm[1]]} if norm else {}),
-        predictor={"kind": kind if vector is not None else None, "reason": reason},
-        federated=federated if vector is not None else None,
-        prototypes=None if protos is None else {"metric": protos[1], "classes": sorted(protos[0]),
-                                                 "width": cfg.proto_dim, "masked": masks is not None}))
+    art.write_json(
+        out / art.MANIFEST,
+        art.stamp(
+            written_by=written_by,
+            fed=fed,
+            preset=cfg.preset,
+            round=int(round_),
+            finished=bool(finished),
+            config=cfg.to_dict(),
+            class_names=names,
+            data=data,
+            **({"norm_mean": [float(v) for v in norm[0]], "norm_std": [float(v) for v in norm[1]]} if norm else {}),
+            predictor={"kind": kind if vector is not None else None, "reason": reason},
+            federated=federated if vector is not None else None,
+            prototypes=None
+            if protos is None
+            else {
+                "metric": protos[1],
+                "classes": sorted(protos[0]),
+                "width": cfg.proto_dim,
+                "masked": masks is not None,
+            },
+        ),
+    )
     return out

@@ -53,13 +53,19 @@ def bridge_topics(fed: str) -> list[str]:
     """The bridge's topic lines: what devices publish goes up, what the server publishes comes down (QoS 1).
     The site broker's ACL still decides which device reads which `down/<id>`."""
     up = [topics.up(fed, "+"), topics.presence(fed, "+")]
-    down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed),
-            topics.down(fed, "+")]
+    down = [
+        topics.config(fed),
+        topics.public(fed),
+        topics.round_(fed),
+        topics.server_status(fed),
+        topics.down(fed, "+"),
+    ]
     return [f"topic {t} out 1" for t in up] + [f"topic {t} in 1" for t in down]
 
 
-def bridge_lines(fed: str, site: str, core: BrokerOptions, cred: Credentials, core_ca: Path | None,
-                 pre_aggregate: bool = False) -> list[str]:
+def bridge_lines(
+    fed: str, site: str, core: BrokerOptions, cred: Credentials, core_ca: Path | None, pre_aggregate: bool = False
+) -> list[str]:
     """The `connection` block of the site broker's config (mosquitto.conf(5), "Bridges"); with `pre_aggregate`
     its topics are the site pre-aggregator's (broker_server/site.py), and the uploads stay at the site."""
     host = f"[{core.host}]" if ":" in core.host else core.host
@@ -92,7 +98,7 @@ def drops_line(fed: str, site: str) -> str:
     local, name = DROPPED_TOPIC.rsplit("/", 1)
     remote = topics.site_dropped(fed, site)
     assert remote.endswith("/" + name)
-    return f"topic {name} out 1 {local}/ {remote[:-len(name)]}"
+    return f"topic {name} out 1 {local}/ {remote[: -len(name)]}"
 
 
 @dataclass(frozen=True)
@@ -124,15 +130,27 @@ class SiteBroker:
 def parse_core_url(url: str) -> BrokerOptions:
     core = parse_broker_url(url)
     if core.unix_path is not None:
-        raise ConfigError(f"--core {url}: a site broker reaches the core over the network; give mqtt://HOST:PORT "
-                          f"or mqtts://HOST:PORT (the address the site uses for the core's broker)")
+        raise ConfigError(
+            f"--core {url}: a site broker reaches the core over the network; give mqtt://HOST:PORT "
+            f"or mqtts://HOST:PORT (the address the site uses for the core's broker)"
+        )
     return core
 
 
-def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: str, device_ids: list[str],
-                      listen: tuple[str, int], tls: bool, core_ca: Path | None = None,
-                      max_packet_size: int | None = None, queue: int | None = None,
-                      pre_aggregate: bool = False) -> SiteBroker:
+def write_site_broker(
+    core_dir: Path,
+    out: Path,
+    fed: str,
+    site: str,
+    core_url: str,
+    device_ids: list[str],
+    listen: tuple[str, int],
+    tls: bool,
+    core_ca: Path | None = None,
+    max_packet_size: int | None = None,
+    queue: int | None = None,
+    pre_aggregate: bool = False,
+) -> SiteBroker:
     """Add site `site` and its devices to the federation's credentials in `core_dir` (the core's security
     directory: STATE/security of `protofl-server start`, or a `broker-config --out`), and write the site
     broker's files in `out`. `tls`: the site's listener serves TLS signed by the federation CA. `queue`: what
@@ -148,8 +166,9 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
     if not device_ids:
         raise ConfigError("a site broker needs its devices: --allow FILE (one id a line) or --devices N")
     if out.resolve() == core_dir.resolve():
-        raise ConfigError(f"--out {out} is the core's directory (--core-dir); the site broker's files go in a "
-                          f"directory of their own")
+        raise ConfigError(
+            f"--out {out} is the core's directory (--core-dir); the site broker's files go in a directory of their own"
+        )
     if core_ca is not None and not core_ca.is_file():
         raise ConfigError(f"--core-ca {core_ca}: no such file")
     # prepare checks the federation before anything else is written
@@ -188,8 +207,11 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
     if pre_aggregate:
         me = Credentials(site_aggregator_user(fed, site), secrets.pre_aggregators[site])
         users.append(me)
-        acl += ["", f"# the site's pre-aggregator (protofl-server shard --site {site}): it folds the uploads here",
-                *site_aggregator_acl(fed, site)]
+        acl += [
+            "",
+            f"# the site's pre-aggregator (protofl-server shard --site {site}): it folds the uploads here",
+            *site_aggregator_acl(fed, site),
+        ]
         write_secret(aggregator, device_file_text(me, fed, site_ca_pem))
     else:
         aggregator.unlink(missing_ok=True)  # a site that forwards its uploads has no pre-aggregator
@@ -198,13 +220,24 @@ def write_site_broker(core_dir: Path, out: Path, fed: str, site: str, core_url: 
     (out / "devices").mkdir(exist_ok=True)
     for c in creds:
         write_secret(out / "devices" / f"{c.username}.json", device_file_text(c, fed, site_ca_pem))
-    auth_lines = ["allow_anonymous false", f"password_file {out / 'passwd'}", f"acl_file {out / 'acl'}",
-                  "use_username_as_clientid true"]
+    auth_lines = [
+        "allow_anonymous false",
+        f"password_file {out / 'passwd'}",
+        f"acl_file {out / 'acl'}",
+        "use_username_as_clientid true",
+    ]
     packet = max_packet_size or Limits().max_message_bytes + PACKET_HEADROOM
-    broker = MosquittoBroker(host, port, workdir=out, max_packet_size=packet, allow_anonymous=False,
-                             max_queued_messages=queue or queue_for_fleet(len(creds), 2), tls=listener,
-                             extra_config=[line for line in auth_lines if not line.startswith("allow_anonymous")]
-                             + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy, pre_aggregate))
+    broker = MosquittoBroker(
+        host,
+        port,
+        workdir=out,
+        max_packet_size=packet,
+        allow_anonymous=False,
+        max_queued_messages=queue or queue_for_fleet(len(creds), 2),
+        tls=listener,
+        extra_config=[line for line in auth_lines if not line.startswith("allow_anonymous")]
+        + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy, pre_aggregate),
+    )
     broker.write_config()
     os.chmod(broker.config_path, 0o600)  # it holds the bridge's password
     return SiteBroker(broker, auth, site, tuple(c.username for c in creds), core.tls, tls, renewed, pre_aggregate)

@@ -89,9 +89,13 @@ class ListenerTls:
     require_client_cert: bool = False
 
     def lines(self) -> list[str]:
-        return [f"cafile {self.cafile}", f"certfile {self.certfile}", f"keyfile {self.keyfile}",
-                "tls_version tlsv1.2",  # the oldest version allowed; 1.3 is negotiated where both have it
-                f"require_certificate {'true' if self.require_client_cert else 'false'}"]
+        return [
+            f"cafile {self.cafile}",
+            f"certfile {self.certfile}",
+            f"keyfile {self.keyfile}",
+            "tls_version tlsv1.2",  # the oldest version allowed; 1.3 is negotiated where both have it
+            f"require_certificate {'true' if self.require_client_cert else 'false'}",
+        ]
 
 
 class PortInUse(BrokerStartError):
@@ -106,9 +110,11 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise PortInUse(f"port {port} on {host} is already in use ({exc.strerror}): another broker or program "
-                            f"listens there; stop it, join it with --broker mqtt://{host}:{port}, or choose "
-                            f"another port") from None
+            raise PortInUse(
+                f"port {port} on {host} is already in use ({exc.strerror}): another broker or program "
+                f"listens there; stop it, join it with --broker mqtt://{host}:{port}, or choose "
+                f"another port"
+            ) from None
 
 
 # MQTT 3.1.1 CONNECT, clean session, keepalive 5 s, client id "protofl-ready"; any CONNACK (accepted or
@@ -251,11 +257,22 @@ class LocalBroker:
 class MosquittoBroker(LocalBroker):
     kind = "mosquitto"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, workdir: str | Path | None = None, *,
-                 binary: str | None = None, max_packet_size: int = DEFAULT_MAX_PACKET,
-                 max_queued_messages: int = DEFAULT_QUEUE, persistence: bool = True, allow_anonymous: bool = True,
-                 extra_config: Sequence[str] = (), tls: ListenerTls | None = None,
-                 die_with_parent: bool = False, local_socket: bool = False) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        workdir: str | Path | None = None,
+        *,
+        binary: str | None = None,
+        max_packet_size: int = DEFAULT_MAX_PACKET,
+        max_queued_messages: int = DEFAULT_QUEUE,
+        persistence: bool = True,
+        allow_anonymous: bool = True,
+        extra_config: Sequence[str] = (),
+        tls: ListenerTls | None = None,
+        die_with_parent: bool = False,
+        local_socket: bool = False,
+    ) -> None:
         super().__init__(host, port)
         # die_with_parent (Linux): the kernel sends mosquitto SIGTERM when the thread that started it dies,
         # even by SIGKILL, so a crashed server leaves no orphan broker; SIGTERM makes it save its
@@ -360,7 +377,9 @@ class MosquittoBroker(LocalBroker):
             f"max_queued_messages {self.max_queued_messages}",
             f"sys_interval {SYS_INTERVAL_S}",
             "log_dest stderr",
-            "log_type error", "log_type warning", "log_type notice",
+            "log_type error",
+            "log_type warning",
+            "log_type notice",
         ]
         if self.persistence:
             lines += ["persistence true", f"persistence_location {self.workdir}/"]
@@ -387,16 +406,24 @@ class MosquittoBroker(LocalBroker):
             self.write_config()
             self._remove_stale_socket()
             with self.log_path.open("ab") as out:
-                self.proc = subprocess.Popen([self.binary, "-c", str(self.config_path)], stdout=out,
-                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             preexec_fn=_die_with_parent if self.die_with_parent else None)
+                self.proc = subprocess.Popen(
+                    [self.binary, "-c", str(self.config_path)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent if self.die_with_parent else None,
+                )
             end = time.monotonic() + timeout
             while time.monotonic() < end:
                 if self.proc.poll() is not None:
                     break
                 if self._answers() and self.proc.poll() is None:
-                    log.info("mosquitto listening on %s%s (config %s)", self.url,
-                             f" and {self.unix_url}" if self.socket_path else "", self.config_path)
+                    log.info(
+                        "mosquitto listening on %s%s (config %s)",
+                        self.url,
+                        f" and {self.unix_url}" if self.socket_path else "",
+                        self.config_path,
+                    )
                     self._auto_port = False  # from now on a restart keeps the port devices know
                     return self
                 time.sleep(0.05)
@@ -405,8 +432,10 @@ class MosquittoBroker(LocalBroker):
             if "Address already in use" in tail:
                 if self._auto_port:
                     continue  # another process took the port we picked; pick again
-                raise PortInUse(f"port {self.port} on {self.host} is already in use: another program took it "
-                                f"as mosquitto started; stop it or choose another port")
+                raise PortInUse(
+                    f"port {self.port} on {self.host} is already in use: another program took it "
+                    f"as mosquitto started; stop it or choose another port"
+                )
             raise BrokerStartError(f"mosquitto did not start on {self.url} (config {self.config_path}): {tail}")
         raise BrokerStartError(f"mosquitto could not find a free port on {self.host}: {self._log_tail()}")
 
@@ -474,15 +503,19 @@ class AmqttBroker(LocalBroker):
         try:
             from amqtt.broker import Broker
         except ImportError:
-            raise BrokerStartError("no local broker available: mosquitto is not installed and amqtt is not "
-                                   f"importable; {INSTALL_HINT}, or pip install 'protofl-edge[amqtt]'") from None
+            raise BrokerStartError(
+                "no local broker available: mosquitto is not installed and amqtt is not "
+                f"importable; {INSTALL_HINT}, or pip install 'protofl-edge[amqtt]'"
+            ) from None
         for name in ("amqtt", "transitions"):  # they log every connection and state change
             logging.getLogger(name).setLevel(logging.WARNING)
         if self.port:
             check_port_free(self.host, self.port)
         self.port = self.port or free_port(self.host)
-        config = {"listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
-                  "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}}}
+        config = {
+            "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
+            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+        }
         ready: dict[str, object] = {}
         started = threading.Event()
         loop = asyncio.new_event_loop()
@@ -507,8 +540,9 @@ class AmqttBroker(LocalBroker):
         self._thread = threading.Thread(target=run, name="amqtt-broker", daemon=True)
         self._thread.start()
         if not started.wait(timeout) or "error" in ready:
-            raise BrokerStartError(f"embedded amqtt broker did not start on {self.url}: "
-                                   f"{ready.get('error', 'timeout')}")
+            raise BrokerStartError(
+                f"embedded amqtt broker did not start on {self.url}: {ready.get('error', 'timeout')}"
+            )
         log.info("embedded amqtt broker (MQTT 3.1.1, dev only) listening on %s", self.url)
         return self
 
@@ -528,12 +562,20 @@ class AmqttBroker(LocalBroker):
         self._loop = self._thread = None
 
 
-def start_local_broker(kind: Literal["auto", "mosquitto", "amqtt"] = "auto", *, port: int = 0,
-                       workdir: str | Path | None = None, host: str = "127.0.0.1",
-                       max_packet_size: int = DEFAULT_MAX_PACKET, auth_lines: Sequence[str] = (),
-                       allow_amqtt: bool = True, tls: ListenerTls | None = None,
-                       die_with_parent: bool = False, local_socket: bool = False,
-                       max_queued_messages: int = DEFAULT_QUEUE) -> LocalBroker:
+def start_local_broker(
+    kind: Literal["auto", "mosquitto", "amqtt"] = "auto",
+    *,
+    port: int = 0,
+    workdir: str | Path | None = None,
+    host: str = "127.0.0.1",
+    max_packet_size: int = DEFAULT_MAX_PACKET,
+    auth_lines: Sequence[str] = (),
+    allow_amqtt: bool = True,
+    tls: ListenerTls | None = None,
+    die_with_parent: bool = False,
+    local_socket: bool = False,
+    max_queued_messages: int = DEFAULT_QUEUE,
+) -> LocalBroker:
     """Start mosquitto if installed (or asked for), else the embedded amqtt broker; returns it running.
 
     `auth_lines` (password file, ACL) switch anonymous access off; amqtt cannot apply them, so with
@@ -542,19 +584,32 @@ def start_local_broker(kind: Literal["auto", "mosquitto", "amqtt"] = "auto", *, 
     (mosquitto only) is how many messages it holds for one subscriber (the aggregator) beyond those in flight."""
     if kind == "mosquitto" or (kind == "auto" and find_mosquitto()):
         extra = [line for line in auth_lines if not line.startswith("allow_anonymous")]  # written once, below
-        return MosquittoBroker(host, port=port, workdir=workdir, max_packet_size=max_packet_size,
-                               allow_anonymous=not auth_lines, extra_config=extra, tls=tls,
-                               die_with_parent=die_with_parent, local_socket=local_socket,
-                               max_queued_messages=max_queued_messages).start()
+        return MosquittoBroker(
+            host,
+            port=port,
+            workdir=workdir,
+            max_packet_size=max_packet_size,
+            allow_anonymous=not auth_lines,
+            extra_config=extra,
+            tls=tls,
+            die_with_parent=die_with_parent,
+            local_socket=local_socket,
+            max_queued_messages=max_queued_messages,
+        ).start()
     if kind not in ("auto", "amqtt"):
         raise BrokerStartError(f"unknown broker kind '{kind}'; use auto, mosquitto or amqtt")
     if tls is not None:
         raise BrokerStartError(f"TLS needs mosquitto (the embedded amqtt broker is plain TCP only); {INSTALL_HINT}")
     if auth_lines and not allow_amqtt:
-        raise BrokerStartError("the embedded amqtt broker enforces no passwords or ACL, so any process that "
-                               f"reaches it can read uploads and publish rounds; {INSTALL_HINT}, or pass "
-                               "--insecure to accept an unauthenticated development broker")
+        raise BrokerStartError(
+            "the embedded amqtt broker enforces no passwords or ACL, so any process that "
+            f"reaches it can read uploads and publish rounds; {INSTALL_HINT}, or pass "
+            "--insecure to accept an unauthenticated development broker"
+        )
     if kind == "auto":
-        log.warning("mosquitto not found; using the embedded amqtt broker (MQTT 3.1.1, development only). "
-                    "For real deployments %s", INSTALL_HINT)
+        log.warning(
+            "mosquitto not found; using the embedded amqtt broker (MQTT 3.1.1, development only). "
+            "For real deployments %s",
+            INSTALL_HINT,
+        )
     return AmqttBroker(host, port=port).start()

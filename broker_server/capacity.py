@@ -103,10 +103,16 @@ def raise_open_files(devices: int, where: str = "the local broker") -> OpenFiles
             f"{hard} (soft {soft}). Raise the hard limit (as root: `ulimit -Hn {need}` in the shell that starts "
             f"the server, LimitNOFILE={need} in its systemd unit, or nofile in /etc/security/limits.conf), or "
             f"spread the fleet over bridged site brokers (protofl-server broker-config --bridge), each holding "
-            f"fewer devices")
+            f"fewer devices"
+        )
     if _finite(soft) >= top:
         return OpenFiles(soft, hard)
     resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
-    log.info("open-file limit raised from %d to %d (hard limit %s): room for %d device connection(s)", soft, top,
-             hard, top - BROKER_OWN_FILES)
+    log.info(
+        "open-file limit raised from %d to %d (hard limit %s): room for %d device connection(s)",
+        soft,
+        top,
+        hard,
+        top - BROKER_OWN_FILES,
+    )
     return OpenFiles(top, hard, raised_from=soft)

@@ -24,8 +24,11 @@ from protofl.plan import RoundPlan
 from protofl.presets import all_presets, make_config, preset_names
 from protofl.schedule import describe_test_cadence
 
-app = typer.Typer(help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="protofl-edge aggregator: run a federation server or simulate one on this machine.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console(stderr=True)
 
 
@@ -38,20 +41,45 @@ def _summary(report: dict[str, Any]) -> Table:
     title = f"{report['preset']} on {sim['dataset']}"
     if "test_every" in sim:  # older reports do not say; they scored it every --eval-every round
         # The header says which rounds have global, ensemble and predictor figures: by default the last only.
-        title += (f"\nglobal, ensemble, predictor %: the test set ({sim['test_samples']:,} images) scored in "
-                  f"{describe_test_cadence(sim['test_every'], report['config'].get('rounds'))} (--test-every N)")
+        title += (
+            f"\nglobal, ensemble, predictor %: the test set ({sim['test_samples']:,} images) scored in "
+            f"{describe_test_cadence(sim['test_every'], report['config'].get('rounds'))} (--test-every N)"
+        )
     t = Table(title=title, show_lines=False)
-    for col in ("round", "local %", "local proto %", "global %", "global proto %", "ensemble %", "predictor %",
-                "uplink", "downlink", "clients", "clipped"):
+    for col in (
+        "round",
+        "local %",
+        "local proto %",
+        "global %",
+        "global proto %",
+        "ensemble %",
+        "predictor %",
+        "uplink",
+        "downlink",
+        "clients",
+        "clipped",
+    ):
         t.add_column(col, justify="right", overflow="fold")  # piped (80 columns): wrapped, never cut with "…"
     for r in report["rounds"]:
-        t.add_row(str(r["round"]), _fmt(r["local_acc"]), _fmt(r["local_proto_acc"]), _fmt(r["global_acc"]),
-                  _fmt(r["global_proto_acc"]), _fmt(r["ensemble_acc"]), _fmt(r.get("predictor_acc")),
-                  human_bytes(r["uplink_bytes"]), human_bytes(r["downlink_bytes"]), str(r["clients"]), _clip_cell(r))
+        t.add_row(
+            str(r["round"]),
+            _fmt(r["local_acc"]),
+            _fmt(r["local_proto_acc"]),
+            _fmt(r["global_acc"]),
+            _fmt(r["global_proto_acc"]),
+            _fmt(r["ensemble_acc"]),
+            _fmt(r.get("predictor_acc")),
+            human_bytes(r["uplink_bytes"]),
+            human_bytes(r["downlink_bytes"]),
+            str(r["clients"]),
+            _clip_cell(r),
+        )
     tot = report["totals"]
-    t.caption = (f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
-                 f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}, "
-                 f"clipping {report['simulation'].get('clip', 'on')}")
+    t.caption = (
+        f"total uplink {human_bytes(tot['uplink_bytes'])}, downlink {human_bytes(tot['downlink_bytes'])}, "
+        f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}, "
+        f"clipping {report['simulation'].get('clip', 'on')}"
+    )
     predictor = report.get("predictor") or {}
     if predictor.get("reason"):  # what "predictor %" is, or why it is empty
         t.caption += f"\npredictor: {predictor['reason']}"
@@ -66,39 +94,68 @@ def _clip_cell(row: dict[str, Any]) -> str:
 def _progress_status(row: dict[str, Any]) -> str:
     sim = f"sim {human_duration(row['sim_time_s'])} " if row.get("sim_time_s") is not None else ""
     clipped = f" clipped {_clip_cell(row)}" if row.get("clip_checked") else ""
-    return (f"{sim}local {_fmt(row['local_acc'])}% global {_fmt(row['global_acc'])}% "
-            f"up {human_bytes(row['uplink_bytes'])}{clipped}")
+    return (
+        f"{sim}local {_fmt(row['local_acc'])}% global {_fmt(row['global_acc'])}% "
+        f"up {human_bytes(row['uplink_bytes'])}{clipped}"
+    )
 
 
 @app.command()
 def simulate(
     preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(preset_names())}."),
-    dataset: str = typer.Option("synthetic", help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR | "
-                                                  "imagefolder:DIR | csv:FILE[,label=COL] | package.module:function "
-                                                  "(--set num_classes=K --set in_shape=C,H,W fix the shape)"),
+    dataset: str = typer.Option(
+        "synthetic",
+        help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR | "
+        "imagefolder:DIR | csv:FILE[,label=COL] | package.module:function "
+        "(--set num_classes=K --set in_shape=C,H,W fix the shape)",
+    ),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
-    clients: int | None = typer.Option(None, help="Number of simulated devices (default 5, or as many as "
-                                                  "--profiles lists)."),
+    clients: int | None = typer.Option(
+        None, help="Number of simulated devices (default 5, or as many as --profiles lists)."
+    ),
     alpha: float = typer.Option(0.5, help="Dirichlet concentration of the label partition (smaller = more skewed)."),
     rounds: int = typer.Option(3, help="Communication rounds."),
     seed: int = typer.Option(0, help="Seed for partition, models and training order."),
-    arch: str | None = typer.Option(None, help="Architecture, or a comma list assigned round-robin: built-in "
-                                    "names (cnn,mlp,...), package.module:factory, installed protofl.models names."),
-    transport: str = typer.Option("inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, "
-                                                     "one agent process per client)."),
-    backend: str = typer.Option("local", help="Where the devices run: local (this machine, as --transport says) | "
-                                               "ray (Ray workers; the aggregator stays here; needs "
-                                               "protofl-edge[ray])."),
-    ray_address: str | None = typer.Option(None, "--ray-address", help="ray: join this cluster (auto, host:port, "
-                                           "ray://host:10001); default: start a local Ray instance."),
-    device_resources: str = typer.Option("cpu=1", "--device-resources", help="ray: each device's share of a node, "
-                                         "cpu=N[,gpu=N] (cpu=1,gpu=0.25: four devices per GPU)."),
-    ray_workers: int | None = typer.Option(None, "--ray-workers", help="ray: at most this many workers (default: "
-                                           "as many as the cluster holds at --device-resources)."),
-    ray_max_restarts: int = typer.Option(1, "--ray-max-restarts", help="ray: a worker whose process dies is started "
-                                         "again this often (its devices join again); then its devices are lost."),
-    broker: str | None = typer.Option(None, help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "
-                                                 "start a local one (mosquitto if installed, else embedded amqtt)."),
+    arch: str | None = typer.Option(
+        None,
+        help="Architecture, or a comma list assigned round-robin: built-in "
+        "names (cnn,mlp,...), package.module:factory, installed protofl.models names.",
+    ),
+    transport: str = typer.Option(
+        "inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, one agent process per client)."
+    ),
+    backend: str = typer.Option(
+        "local",
+        help="Where the devices run: local (this machine, as --transport says) | "
+        "ray (Ray workers; the aggregator stays here; needs "
+        "protofl-edge[ray]).",
+    ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        help="ray: join this cluster (auto, host:port, ray://host:10001); default: start a local Ray instance.",
+    ),
+    device_resources: str = typer.Option(
+        "cpu=1",
+        "--device-resources",
+        help="ray: each device's share of a node, cpu=N[,gpu=N] (cpu=1,gpu=0.25: four devices per GPU).",
+    ),
+    ray_workers: int | None = typer.Option(
+        None,
+        "--ray-workers",
+        help="ray: at most this many workers (default: as many as the cluster holds at --device-resources).",
+    ),
+    ray_max_restarts: int = typer.Option(
+        1,
+        "--ray-max-restarts",
+        help="ray: a worker whose process dies is started "
+        "again this often (its devices join again); then its devices are lost.",
+    ),
+    broker: str | None = typer.Option(
+        None,
+        help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "
+        "start a local one (mosquitto if installed, else embedded amqtt).",
+    ),
     local_broker: str = typer.Option("auto", help="mqtt: the local broker, auto | mosquitto | amqtt."),
     username: str | None = typer.Option(None, help="mqtt: MQTT user name."),
     password: str | None = typer.Option(None, envvar="PROTOFL_MQTT_PASSWORD", help="mqtt: MQTT password."),
@@ -109,27 +166,48 @@ def simulate(
     train_limit: int | None = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
     test_limit: int | None = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
     eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
-    test_every: int | None = typer.Option(None, help="Score global and ensemble accuracy on the test set every N "
-                                                     "rounds (a multiple of --eval-every) and in the last; default: "
-                                                     "the last round only (the dearest part of evaluation)."),
+    test_every: int | None = typer.Option(
+        None,
+        help="Score global and ensemble accuracy on the test set every N "
+        "rounds (a multiple of --eval-every) and in the last; default: "
+        "the last round only (the dearest part of evaluation).",
+    ),
     extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
-    device: str = typer.Option("cpu", help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
-                                           "auto (cuda if torch sees one, else cpu)."),
-    profiles: str | None = typer.Option(None, help="mqtt: a fleet over emulated links, DEVICE+LINK:COUNT,... "
-                                                   "(rpi4+lte:4,rpi3+nb-iot:4); names from profiles/ or .toml files."),
-    time_scale: float = typer.Option(1.0, help="--profiles: run links, delays, deadlines and compute this many times "
-                                               "faster; reports give simulated (unscaled) time."),
-    deadline: float | None = typer.Option(None, help="Round deadline in simulated seconds (the config's "
-                                                     "round_timeout)."),
-    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive", help="--profiles: each device fits its upload "
-                                  "to its link and the deadline (precision f4/f2/q8, sparse K)."),
+    device: str = typer.Option(
+        "cpu",
+        help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
+        "auto (cuda if torch sees one, else cpu).",
+    ),
+    profiles: str | None = typer.Option(
+        None,
+        help="mqtt: a fleet over emulated links, DEVICE+LINK:COUNT,... "
+        "(rpi4+lte:4,rpi3+nb-iot:4); names from profiles/ or .toml files.",
+    ),
+    time_scale: float = typer.Option(
+        1.0,
+        help="--profiles: run links, delays, deadlines and compute this many times "
+        "faster; reports give simulated (unscaled) time.",
+    ),
+    deadline: float | None = typer.Option(
+        None, help="Round deadline in simulated seconds (the config's round_timeout)."
+    ),
+    adaptive: bool = typer.Option(
+        True,
+        "--adaptive/--no-adaptive",
+        help="--profiles: each device fits its upload to its link and the deadline (precision f4/f2/q8, sparse K).",
+    ),
     upload_share: float = typer.Option(0.8, help="--profiles: share of the time left an upload may use."),
-    report_dir: Path | None = typer.Option(None, "--report-dir", help="Also write the report's PNGs and "
-                                           "summary.md here (needs matplotlib)."),
+    report_dir: Path | None = typer.Option(
+        None, "--report-dir", help="Also write the report's PNGs and summary.md here (needs matplotlib)."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
-    out: Path | None = typer.Option(None, "--out", help="Leave the run's deployable artifacts here: every device's "
-                                    "model and prototypes, the federation's global state (protofl-export onnx "
-                                    "--from DIR/devices/ID or DIR/global)."),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Leave the run's deployable artifacts here: every device's "
+        "model and prototypes, the federation's global state (protofl-export onnx "
+        "--from DIR/devices/ID or DIR/global).",
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
     clip: str = CLIP_OPTION,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
@@ -155,23 +233,52 @@ def simulate(
             from protofl.transport.broker_url import parse_broker_url
 
             if broker is None:
-                raise ConfigError("--username/--tls-* need --broker (the local broker gets generated credentials "
-                                  "and speaks plain TCP on loopback)")
+                raise ConfigError(
+                    "--username/--tls-* need --broker (the local broker gets generated credentials "
+                    "and speaks plain TCP on loopback)"
+                )
             broker_options = parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key)
-        spec = SimulationSpec(preset=preset, dataset=dataset, data_dir=data_dir, clients=clients, alpha=alpha,
-                              rounds=rounds, seed=seed, archs=tuple(arch.split(",")) if arch else None,
-                              transport=transport, broker=broker_options, broker_kind=local_broker,
-                              config_file=str(config) if config else None,
-                              train_limit=train_limit, test_limit=test_limit, eval_every=eval_every,
-                              test_every=test_every,
-                              extractor=extractor, device=device, overrides=overrides, profiles=profiles,
-                              time_scale=time_scale, adaptive=adaptive, upload_share=upload_share, clip=clip_on,
-                              out_dir=str(out.resolve()) if out is not None else None,
-                              backend=backend, ray_address=ray_address, device_resources=device_resources,
-                              ray_workers=ray_workers, ray_max_restarts=ray_max_restarts)
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
-                      disable=quiet) as progress:
+        spec = SimulationSpec(
+            preset=preset,
+            dataset=dataset,
+            data_dir=data_dir,
+            clients=clients,
+            alpha=alpha,
+            rounds=rounds,
+            seed=seed,
+            archs=tuple(arch.split(",")) if arch else None,
+            transport=transport,
+            broker=broker_options,
+            broker_kind=local_broker,
+            config_file=str(config) if config else None,
+            train_limit=train_limit,
+            test_limit=test_limit,
+            eval_every=eval_every,
+            test_every=test_every,
+            extractor=extractor,
+            device=device,
+            overrides=overrides,
+            profiles=profiles,
+            time_scale=time_scale,
+            adaptive=adaptive,
+            upload_share=upload_share,
+            clip=clip_on,
+            out_dir=str(out.resolve()) if out is not None else None,
+            backend=backend,
+            ray_address=ray_address,
+            device_resources=device_resources,
+            ray_workers=ray_workers,
+            ray_max_restarts=ray_max_restarts,
+        )
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=quiet,
+        ) as progress:
             task = progress.add_task(f"{preset} rounds", total=rounds, status="")
 
             def on_round(row: dict[str, Any]) -> None:
@@ -211,12 +318,14 @@ def _write_report(run: dict[str, Any], out: Path) -> None:
 
 @app.command()
 def report(
-    run_json: Path = typer.Argument(..., help="A run's JSON (simulate --json), or several (one per preset).",
-                                    exists=False),
+    run_json: Path = typer.Argument(
+        ..., help="A run's JSON (simulate --json), or several (one per preset).", exists=False
+    ),
     more: list[Path] = typer.Argument(None, help="More runs to compare (e.g. one per preset)."),
     out: Path = typer.Option(..., "--out", help="Directory for the PNGs and summary.md."),
-    target: float | None = typer.Option(None, help="Target accuracy for time-to-target (0-1; default: 90 % of "
-                                                   "the best final accuracy among the runs)."),
+    target: float | None = typer.Option(
+        None, help="Target accuracy for time-to-target (0-1; default: 90 % of the best final accuracy among the runs)."
+    ),
     metric: str = typer.Option("global", help="global (official test set) | local (each client's own split)."),
 ) -> None:
     """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""
@@ -247,40 +356,75 @@ def presets() -> None:
 
 @app.command("broker-config")
 def broker_config(
-    out: Path = typer.Option(..., help="Directory for credentials.json, passwd, acl and devices/<id>.json "
-                                       "(existing credentials there are kept; new ids are added). With --bridge: "
-                                       "the site broker's directory (mosquitto.conf and its files)."),
+    out: Path = typer.Option(
+        ...,
+        help="Directory for credentials.json, passwd, acl and devices/<id>.json "
+        "(existing credentials there are kept; new ids are added). With --bridge: "
+        "the site broker's directory (mosquitto.conf and its files).",
+    ),
     fed: str = typer.Option("default", help="Federation name (the server's --fed)."),
     allow: Path | None = typer.Option(None, help="Device ids, one a line: each gets credentials."),
-    devices: int = typer.Option(0, help="Without --allow: credentials for device-1..device-N (with --bridge: "
-                                        "SITE-device-1..SITE-device-N)."),
-    shards: int = typer.Option(0, help="Credentials (and ACL) for aggregator shards 0..N-1: shards/shard-I.json, for "
-                                       "`protofl-server shard --credentials` on each shard's machine."),
-    broker_queue: int | None = typer.Option(None, "--broker-queue", help="The max_queued_messages line printed: "
-                                            "messages the broker holds for the aggregator beyond those in flight "
-                                            "(default: from the fleet, devices x 10, at least 10000). With --bridge: "
-                                            "what the site broker holds for its bridge while the core is slow or "
-                                            "unreachable (default: from the site's devices, the same way)."),
-    bridge: str | None = typer.Option(None, "--bridge", metavar="SITE", help="Write a site broker instead: a "
-                                      "Mosquitto for the devices at site SITE (--allow/--devices), bridged to the "
-                                      "core broker (--core), whose credentials in --core-dir gain the bridge's user "
-                                      "and the site's devices."),
-    core: str | None = typer.Option(None, "--core", help="--bridge: the core broker as the site reaches it "
-                                    "(mqtt://HOST:PORT, or mqtts://HOST:PORT when it serves TLS)."),
-    core_dir: Path | None = typer.Option(None, "--core-dir", help="--bridge: the core's security directory "
-                                         "(STATE/security of protofl-server start --state-dir STATE, or an earlier "
-                                         "broker-config --out): credentials.json and, with TLS, tls/."),
-    core_ca: Path | None = typer.Option(None, "--core-ca", help="--bridge: the CA that signed the core broker's "
-                                        "certificate, when it is your own (--broker-cert); default: the "
-                                        "federation's generated CA in --core-dir/tls."),
-    listen: str = typer.Option("0.0.0.0:1883", help="--bridge: HOST:PORT the site broker listens on for its "
-                                                   "devices."),
-    tls: str = typer.Option("auto", "--tls", help="--bridge: TLS on the site's listener with a certificate the "
-                            "federation CA signs: auto (on beyond loopback) | on | off."),
-    pre_aggregate: bool = typer.Option(False, "--pre-aggregate", help="--bridge: the site folds its devices' uploads "
-                                       "on a pre-aggregator (protofl-server shard --site SITE, credentials in "
-                                       "OUT/site-aggregator.json) and its bridge carries one partial per phase "
-                                       "instead of every upload; the core runs start --sites SITE."),
+    devices: int = typer.Option(
+        0, help="Without --allow: credentials for device-1..device-N (with --bridge: SITE-device-1..SITE-device-N)."
+    ),
+    shards: int = typer.Option(
+        0,
+        help="Credentials (and ACL) for aggregator shards 0..N-1: shards/shard-I.json, for "
+        "`protofl-server shard --credentials` on each shard's machine.",
+    ),
+    broker_queue: int | None = typer.Option(
+        None,
+        "--broker-queue",
+        help="The max_queued_messages line printed: "
+        "messages the broker holds for the aggregator beyond those in flight "
+        "(default: from the fleet, devices x 10, at least 10000). With --bridge: "
+        "what the site broker holds for its bridge while the core is slow or "
+        "unreachable (default: from the site's devices, the same way).",
+    ),
+    bridge: str | None = typer.Option(
+        None,
+        "--bridge",
+        metavar="SITE",
+        help="Write a site broker instead: a "
+        "Mosquitto for the devices at site SITE (--allow/--devices), bridged to the "
+        "core broker (--core), whose credentials in --core-dir gain the bridge's user "
+        "and the site's devices.",
+    ),
+    core: str | None = typer.Option(
+        None,
+        "--core",
+        help="--bridge: the core broker as the site reaches it "
+        "(mqtt://HOST:PORT, or mqtts://HOST:PORT when it serves TLS).",
+    ),
+    core_dir: Path | None = typer.Option(
+        None,
+        "--core-dir",
+        help="--bridge: the core's security directory "
+        "(STATE/security of protofl-server start --state-dir STATE, or an earlier "
+        "broker-config --out): credentials.json and, with TLS, tls/.",
+    ),
+    core_ca: Path | None = typer.Option(
+        None,
+        "--core-ca",
+        help="--bridge: the CA that signed the core broker's "
+        "certificate, when it is your own (--broker-cert); default: the "
+        "federation's generated CA in --core-dir/tls.",
+    ),
+    listen: str = typer.Option("0.0.0.0:1883", help="--bridge: HOST:PORT the site broker listens on for its devices."),
+    tls: str = typer.Option(
+        "auto",
+        "--tls",
+        help="--bridge: TLS on the site's listener with a certificate the "
+        "federation CA signs: auto (on beyond loopback) | on | off.",
+    ),
+    pre_aggregate: bool = typer.Option(
+        False,
+        "--pre-aggregate",
+        help="--bridge: the site folds its devices' uploads "
+        "on a pre-aggregator (protofl-server shard --site SITE, credentials in "
+        "OUT/site-aggregator.json) and its bridge carries one partial per phase "
+        "instead of every upload; the core runs start --sites SITE.",
+    ),
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials; with
     --bridge, a site broker's files (run it with: mosquitto -c OUT/mosquitto.conf)."""
@@ -291,15 +435,24 @@ def broker_config(
 
     try:
         if bridge is None:
-            used = [flag for flag, value in (("--core", core), ("--core-dir", core_dir), ("--core-ca", core_ca),
-                                             ("--pre-aggregate", pre_aggregate or None)) if value is not None]
+            used = [
+                flag
+                for flag, value in (
+                    ("--core", core),
+                    ("--core-dir", core_dir),
+                    ("--core-ca", core_ca),
+                    ("--pre-aggregate", pre_aggregate or None),
+                )
+                if value is not None
+            ]
             if used:
                 raise ConfigError(f"{', '.join(used)} configure a site broker: add --bridge SITE")
         if broker_queue is not None and broker_queue < 1:
             raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
         if bridge is not None:
-            _site_broker(out, fed, allow, devices, bridge, core, core_dir, core_ca, listen, tls, broker_queue,
-                         pre_aggregate)
+            _site_broker(
+                out, fed, allow, devices, bridge, core, core_dir, core_ca, listen, tls, broker_queue, pre_aggregate
+            )
             return
         ids = read_allow_list(allow) if allow else [f"device-{i}" for i in range(1, devices + 1)]
         auth = load_or_create(out, fed, ids, shards=shards)
@@ -307,71 +460,125 @@ def broker_config(
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
     server = auth.secrets.server
-    typer.echo("\n".join([
-        "# add to mosquitto.conf (then restart mosquitto, or send it SIGHUP to reload the files):",
-        *auth.mosquitto_lines(),
-        "# larger packets than the aggregator decodes are refused by the broker (raise it for FedAvg on big models)",
-        f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}",
-        "# messages held for the aggregator while it catches up with a round's burst; past it mosquitto drops them",
-        "# after acknowledging them (the server sees $SYS/broker/publish/messages/dropped and asks for re-sends)",
-        f"max_queued_messages {broker_queue or queue_for_fleet(len(auth.secrets.devices), 2)}",
-        f"sys_interval {SYS_INTERVAL_S}",
-        f"# the server: protofl-server start --broker mqtt://HOST:PORT --fed {fed} --username {server.username} "
-        f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
-        f"# each device: protofl-edge join --broker mqtt://HOST:PORT "
-        f"--credentials {auth.directory / 'devices'}/ID.json",
-        f"# watchers: protofl-server status --broker mqtt://HOST:PORT --credentials {auth.monitor_file} "
-        f"(read-only: the server's status and summary topics)",
-        f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
-        *([f"# aggregator shards: protofl-server shard --broker mqtt://HOST:PORT --fed {fed} --index I --credentials "
-           f"{auth.directory / 'shards'}/shard-I.json --state-dir DIR; the server: start ... --shards "
-           f"{len(auth.secrets.shard_passwords)} --no-spawn-shards (the same --shard-timeout on both)"]
-          if auth.secrets.shard_passwords else []),
-    ]))
+    typer.echo(
+        "\n".join(
+            [
+                "# add to mosquitto.conf (then restart mosquitto, or send it SIGHUP to reload the files):",
+                *auth.mosquitto_lines(),
+                "# larger packets than the aggregator decodes are refused by the broker (raise it "
+                "for FedAvg on big models)",
+                f"max_packet_size {Limits().max_message_bytes + PACKET_HEADROOM}",
+                "# messages held for the aggregator while it catches up with a round's burst; past "
+                "it mosquitto drops them",
+                "# after acknowledging them (the server sees $SYS/broker/publish/messages/dropped "
+                "and asks for re-sends)",
+                f"max_queued_messages {broker_queue or queue_for_fleet(len(auth.secrets.devices), 2)}",
+                f"sys_interval {SYS_INTERVAL_S}",
+                f"# the server: protofl-server start --broker mqtt://HOST:PORT --fed {fed} --username "
+                f"{server.username} "
+                f"(password in {auth.directory / 'credentials.json'}, pass it as $PROTOFL_MQTT_PASSWORD)",
+                f"# each device: protofl-edge join --broker mqtt://HOST:PORT "
+                f"--credentials {auth.directory / 'devices'}/ID.json",
+                f"# watchers: protofl-server status --broker mqtt://HOST:PORT --credentials {auth.monitor_file} "
+                f"(read-only: the server's status and summary topics)",
+                f"# {len(auth.secrets.devices)} device(s), new: {', '.join(auth.new_devices) or 'none'}",
+                *(
+                    [
+                        f"# aggregator shards: protofl-server shard --broker mqtt://HOST:PORT --fed "
+                        f"{fed} --index I --credentials "
+                        f"{auth.directory / 'shards'}/shard-I.json --state-dir DIR; the server: start ... --shards "
+                        f"{len(auth.secrets.shard_passwords)} --no-spawn-shards (the same --shard-timeout on both)"
+                    ]
+                    if auth.secrets.shard_passwords
+                    else []
+                ),
+            ]
+        )
+    )
 
 
-def _site_broker(out: Path, fed: str, allow: Path | None, devices: int, site: str, core: str | None,
-                 core_dir: Path | None, core_ca: Path | None, listen: str, tls: str, queue: int | None,
-                 pre_aggregate: bool = False) -> None:
+def _site_broker(
+    out: Path,
+    fed: str,
+    allow: Path | None,
+    devices: int,
+    site: str,
+    core: str | None,
+    core_dir: Path | None,
+    core_ca: Path | None,
+    listen: str,
+    tls: str,
+    queue: int | None,
+    pre_aggregate: bool = False,
+) -> None:
     """broker-config --bridge: the site broker's files, and what to do with them."""
     from broker_server.bridge import write_site_broker
     from broker_server.security import read_allow_list
     from broker_server.start_cli import TLS_MODES, Access, is_loopback
 
     if core is None or core_dir is None:
-        raise ConfigError("--bridge needs --core URL (the core broker as the site reaches it) and --core-dir DIR "
-                          "(the core's security directory: STATE/security of protofl-server start)")
+        raise ConfigError(
+            "--bridge needs --core URL (the core broker as the site reaches it) and --core-dir DIR "
+            "(the core's security directory: STATE/security of protofl-server start)"
+        )
     if tls not in TLS_MODES:
         raise ConfigError(f"--tls must be auto, on or off, got '{tls}'")
     if core_dir.exists() and not (core_dir / "credentials.json").is_file():
-        raise ConfigError(f"--core-dir {core_dir} holds no credentials.json: give the core's security directory "
-                          f"(STATE/security of protofl-server start --state-dir STATE), or a new directory for a "
-                          f"federation whose server has not started yet")
+        raise ConfigError(
+            f"--core-dir {core_dir} holds no credentials.json: give the core's security directory "
+            f"(STATE/security of protofl-server start --state-dir STATE), or a new directory for a "
+            f"federation whose server has not started yet"
+        )
     host, port = Access(listen).host_port()
     ids = read_allow_list(allow) if allow else [f"{site}-device-{i}" for i in range(1, devices + 1)]
-    made = write_site_broker(core_dir, out, fed, site, core, ids, (host, port),
-                             tls=tls == "on" or (tls == "auto" and not is_loopback(host)), core_ca=core_ca,
-                             queue=queue, pre_aggregate=pre_aggregate)
+    made = write_site_broker(
+        core_dir,
+        out,
+        fed,
+        site,
+        core,
+        ids,
+        (host, port),
+        tls=tls == "on" or (tls == "auto" and not is_loopback(host)),
+        core_ca=core_ca,
+        queue=queue,
+        pre_aggregate=pre_aggregate,
+    )
     scheme = "mqtts" if made.site_tls else "mqtt"
     shown = "HOST" if host in ("0.0.0.0", "::") else host
-    typer.echo("\n".join([
-        f"# site broker '{site}' of federation '{fed}' in {made.directory}: run it with",
-        f"mosquitto -c {made.broker.config_path}",
-        f"# it bridges to {core} as {made.core_auth.secrets.bridge(site).username} "
-        f"({'TLS, verified with ' + str(made.directory / 'core-ca.crt') if made.core_tls else 'plain TCP'})",
-        f"# the core: its credentials in {core_dir} now hold the bridge and the site's devices; (re)start the "
-        f"server (protofl-server start --state-dir ... resumes) so that its broker and membership take them "
-        f"(a start with --allow FILE: list the site's devices in FILE too)",
-        *([f"# the core's broker certificate was signed again to name {parse_host(core)}: restart the core"]
-          if made.core_cert_renewed else []),
-        f"# each device at the site: protofl-edge join --broker {scheme}://{shown}:{port} "
-        f"--credentials {made.directory / 'devices'}/ID.json",
-        *([f"# the site's pre-aggregator, beside the site broker: protofl-server shard --site {site} --fed {fed} "
-           f"--broker {scheme}://{shown}:{port} --credentials {made.aggregator_file} --state-dir DIR",
-           f"# the core's server: protofl-server start ... --sites {site} (with every pre-aggregated site's name)"]
-          if made.pre_aggregated else []),
-        f"# {len(made.devices)} site device(s): {', '.join(made.devices[:5])}{' ...' if len(made.devices) > 5 else ''}",
-    ]))
+    typer.echo(
+        "\n".join(
+            [
+                f"# site broker '{site}' of federation '{fed}' in {made.directory}: run it with",
+                f"mosquitto -c {made.broker.config_path}",
+                f"# it bridges to {core} as {made.core_auth.secrets.bridge(site).username} "
+                f"({'TLS, verified with ' + str(made.directory / 'core-ca.crt') if made.core_tls else 'plain TCP'})",
+                f"# the core: its credentials in {core_dir} now hold the bridge and the site's devices; (re)start the "
+                f"server (protofl-server start --state-dir ... resumes) so that its broker and membership take them "
+                f"(a start with --allow FILE: list the site's devices in FILE too)",
+                *(
+                    [f"# the core's broker certificate was signed again to name {parse_host(core)}: restart the core"]
+                    if made.core_cert_renewed
+                    else []
+                ),
+                f"# each device at the site: protofl-edge join --broker {scheme}://{shown}:{port} "
+                f"--credentials {made.directory / 'devices'}/ID.json",
+                *(
+                    [
+                        f"# the site's pre-aggregator, beside the site broker: protofl-server shard "
+                        f"--site {site} --fed {fed} "
+                        f"--broker {scheme}://{shown}:{port} --credentials {made.aggregator_file} --state-dir DIR",
+                        f"# the core's server: protofl-server start ... --sites {site} (with every "
+                        f"pre-aggregated site's name)",
+                    ]
+                    if made.pre_aggregated
+                    else []
+                ),
+                f"# {len(made.devices)} site device(s): "
+                f"{', '.join(made.devices[:5])}{' ...' if len(made.devices) > 5 else ''}",
+            ]
+        )
+    )
 
 
 def parse_host(url: str) -> str:

@@ -14,9 +14,11 @@ from protofl.errors import ConfigError
 
 DATA_KEYS = ("num_classes", "in_shape")  # what a dataset decides unless the user fixes it
 CLIP_VALUES = ("on", "off")
-CLIP_HELP = ("Clip every upload to a ball around the current global value (radius: 10x the previous round's "
-             "median upload norm), a defence against a poisoning member that no paper's method has; off folds "
-             "uploads as they were sent.")
+CLIP_HELP = (
+    "Clip every upload to a ball around the current global value (radius: 10x the previous round's "
+    "median upload norm), a defence against a poisoning member that no paper's method has; off folds "
+    "uploads as they were sent."
+)
 
 # On by default in both commands: a simulation runs the aggregator a deployment runs (the benchmark's
 # papers' rows pass --clip off).

@@ -55,9 +55,17 @@ class Coordinator:
     folds this broker's uploads itself and merges the sites' partials into them. `shell_options` are the shell's
     (shell.Aggregator: clock, expected clients, members, policy, ...)."""
 
-    def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *, shards: int,
-                 sites: Sequence[str] = (), shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S,
-                 **shell_options: Any) -> None:
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        fed: str,
+        transport: Transport,
+        *,
+        shards: int,
+        sites: Sequence[str] = (),
+        shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S,
+        **shell_options: Any,
+    ) -> None:
         if not shard_timeout > 0:
             raise ValueError(f"the shard timeout must be > 0 seconds, got {shard_timeout}")
         if shards < 0 or (shards == 0 and not sites):
@@ -135,8 +143,11 @@ class Coordinator:
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self, resume: bool = False) -> None:
         if not resume:  # a previous federation's phase, close and partials must not reach this one's shards
-            for topic in (topics.shards(self.fed, "phase"), topics.shards(self.fed, "close"),
-                          *(topics.shards(self.fed, "partial", s) for s in self.shards)):
+            for topic in (
+                topics.shards(self.fed, "phase"),
+                topics.shards(self.fed, "close"),
+                *(topics.shards(self.fed, "partial", s) for s in self.shards),
+            ):
                 self.transport.publish(topic, b"", retain=True)
         self.shell.start(resume, subscribe=False)
         for pattern, handler in self.subscriptions():
@@ -165,10 +176,16 @@ class Coordinator:
             self._give_up(missing)
         elif t - self._said >= 30:
             self._said = t
-            log.warning("round %d %s: waiting %.0f s for the partials of shard(s) %s (a shard that died is restarted "
-                        "by `start`; on another machine, run its `protofl-server shard` command again; after "
-                        "%.0f s (--shard-timeout) the phase closes without its uploads)", self.round,
-                        open_.phase.value, t - self._closing_since, ", ".join(missing), self.shard_timeout)
+            log.warning(
+                "round %d %s: waiting %.0f s for the partials of shard(s) %s (a shard that died is restarted "
+                "by `start`; on another machine, run its `protofl-server shard` command again; after "
+                "%.0f s (--shard-timeout) the phase closes without its uploads)",
+                self.round,
+                open_.phase.value,
+                t - self._closing_since,
+                ", ".join(missing),
+                self.shard_timeout,
+            )
 
     def _give_up(self, missing: list[str]) -> None:
         """The closing phase without the uploads of the shards in `missing` (journaled: a restart decides the same)."""
@@ -177,24 +194,35 @@ class Coordinator:
         for shard in missing:
             owned = sum(1 for s in open_.owners.values() if s == shard)
             body = shard_wire.encode("lost", shard=shard, round=self.round, phase=open_.phase.value)
-            self.shell.handle(ShardLost(shard, self.round, open_.phase.value),
-                              (topics.shards(self.fed, "partial", shard), body, "", LOST, self.round,
-                               open_.phase.value), f"the loss of {shard}")
+            self.shell.handle(
+                ShardLost(shard, self.round, open_.phase.value),
+                (topics.shards(self.fed, "partial", shard), body, "", LOST, self.round, open_.phase.value),
+                f"the loss of {shard}",
+            )
             self._lost.add(shard)
             if owned:
                 self.dropped["shard_lost"] = self.dropped.get("shard_lost", 0) + owned
-            log.error("round %d %s: no partial from %s in %.0f s (--shard-timeout): the phase closes without its %d "
-                      "upload(s); run its `protofl-server shard` command again for it to take part from the next "
-                      "phase", self.round, open_.phase.value, shard, self.shard_timeout, owned)
+            log.error(
+                "round %d %s: no partial from %s in %.0f s (--shard-timeout): the phase closes without its %d "
+                "upload(s); run its `protofl-server shard` command again for it to take part from the next "
+                "phase",
+                self.round,
+                open_.phase.value,
+                shard,
+                self.shard_timeout,
+                owned,
+            )
         self._merge_if_complete()
 
     def subscriptions(self) -> list[tuple[str, Callable[[str, bytes], None]]]:
         """Not the uploads (the shards have those, unless `direct`): what the shards send, and devices' presence."""
-        return [*([(topics.up_all(self.fed), self.on_message)] if self.direct else []),
-                (topics.shards(self.fed, "relay", "+"), self.on_relay),
-                (topics.presence_all(self.fed), self.shell.on_presence),
-                (topics.shards(self.fed, "progress", "+"), self.on_progress),
-                (topics.shards(self.fed, "partial", "+"), self.on_partial)]
+        return [
+            *([(topics.up_all(self.fed), self.on_message)] if self.direct else []),
+            (topics.shards(self.fed, "relay", "+"), self.on_relay),
+            (topics.presence_all(self.fed), self.shell.on_presence),
+            (topics.shards(self.fed, "progress", "+"), self.on_progress),
+            (topics.shards(self.fed, "partial", "+"), self.on_partial),
+        ]
 
     # -- what devices and the shards send -------------------------------------------------------------
     def on_message(self, topic: str, payload: bytes) -> None:
@@ -224,10 +252,14 @@ class Coordinator:
                 # Its join travels through another shard and may arrive after this: placed once it has.
                 self._waiting.setdefault(inp.sender, []).append(inp)
                 return
-        body = shard_wire.encode("progress", shard=inp.shard, round=inp.round, phase=inp.phase,
-                                 entries=[[inp.sender, inp.kind, inp.nbytes]])
-        self.shell.handle(inp, (topics.shards(self.fed, "progress", inp.shard), body, inp.sender, PROGRESS,
-                                inp.round, inp.phase), f"{inp.kind} of {inp.sender} from {inp.shard}")
+        body = shard_wire.encode(
+            "progress", shard=inp.shard, round=inp.round, phase=inp.phase, entries=[[inp.sender, inp.kind, inp.nbytes]]
+        )
+        self.shell.handle(
+            inp,
+            (topics.shards(self.fed, "progress", inp.shard), body, inp.sender, PROGRESS, inp.round, inp.phase),
+            f"{inp.kind} of {inp.sender} from {inp.shard}",
+        )
         self._back(inp.shard)
 
     def _back(self, shard: str) -> None:
@@ -245,11 +277,16 @@ class Coordinator:
             self.shell.drop("malformed", f"{topic}: {exc}", len(payload))
             return []
         if msg["shard"] not in self.shards or topic != topics.shards(self.fed, "progress", msg["shard"]):
-            self.shell.drop("invalid", f"{topic}: progress of '{msg['shard']}', not one of this federation's shards "
-                                       f"({', '.join(self.shards)})", len(payload))
+            self.shell.drop(
+                "invalid",
+                f"{topic}: progress of '{msg['shard']}', not one of this federation's shards "
+                f"({', '.join(self.shards)})",
+                len(payload),
+            )
             return []
-        return [Progress(msg["shard"], sender, kind, msg["round"], msg["phase"], nbytes)
-                for sender, kind, nbytes in entries]
+        return [
+            Progress(msg["shard"], sender, kind, msg["round"], msg["phase"], nbytes) for sender, kind, nbytes in entries
+        ]
 
     def on_partial(self, topic: str, payload: bytes) -> None:
         open_ = self.machine.phase
@@ -265,8 +302,11 @@ class Coordinator:
             return  # another phase's (retained from before)
         expected = sum(1 for s in open_.owners.values() if s == shard)
         if shard not in self.shards or topic != topics.shards(self.fed, "partial", shard) or msg["uploads"] != expected:
-            self.shell.drop("invalid", f"{topic}: partial of '{shard}' over {msg['uploads']} upload(s), expected "
-                                       f"{expected}", len(payload))
+            self.shell.drop(
+                "invalid",
+                f"{topic}: partial of '{shard}' over {msg['uploads']} upload(s), expected {expected}",
+                len(payload),
+            )
             return
         try:
             assert self.machine.run is not None
@@ -286,8 +326,11 @@ class Coordinator:
         if set(self._parts) >= set(self.shards) - self._lost:
             parts, self._parts = self._parts, {}
             body = shard_wire.encode("partials", round=self.round, phase=open_.phase.value, parts=parts)
-            self.shell.handle(Partials(self.round, open_.phase.value, parts),
-                              ("", body, "", PARTIALS, self.round, open_.phase.value), "the shards' partials")
+            self.shell.handle(
+                Partials(self.round, open_.phase.value, parts),
+                ("", body, "", PARTIALS, self.round, open_.phase.value),
+                "the shards' partials",
+            )
 
     # -- effects and replay -------------------------------------------------------------------------
     def _carry_out(self, effect: Effect) -> None:
@@ -297,18 +340,28 @@ class Coordinator:
         elif isinstance(effect, Gather):
             self._parts = {}
             assignment = {s: [list(p) for p in pairs] for s, pairs in effect.assignment.items()}
-            self.transport.publish(topics.shards(self.fed, "close"), shard_wire.encode(
-                "close", round=effect.round, phase=effect.phase.value, assignment=assignment), retain=True)
-            log.info("round %d %s closing: partials asked of %d shard(s)", effect.round, effect.phase.value,
-                     len(self.shards))
+            self.transport.publish(
+                topics.shards(self.fed, "close"),
+                shard_wire.encode("close", round=effect.round, phase=effect.phase.value, assignment=assignment),
+                retain=True,
+            )
+            log.info(
+                "round %d %s closing: partials asked of %d shard(s)", effect.round, effect.phase.value, len(self.shards)
+            )
 
     def _publish_phase(self) -> None:
         """The machine at this phase boundary, for the shards (before the round message goes to devices)."""
         m = self.machine
-        payload = shard_wire.encode("phase", round=m.round, phase=m.phase.phase.value if m.phase else "",
-                                    finished=m.finished, machine=self.closing.phase_state(m),
-                                    policy=dataclasses.asdict(m.model.policy), limits=dataclasses.asdict(self.limits),
-                                    members=sorted(self.members) if self.members is not None else None)
+        payload = shard_wire.encode(
+            "phase",
+            round=m.round,
+            phase=m.phase.phase.value if m.phase else "",
+            finished=m.finished,
+            machine=self.closing.phase_state(m),
+            policy=dataclasses.asdict(m.model.policy),
+            limits=dataclasses.asdict(self.limits),
+            members=sorted(self.members) if self.members is not None else None,
+        )
         self._waiting = {}  # progress of devices that never joined in the phase that closed
         self.transport.publish(topics.shards(self.fed, "phase"), payload, retain=True)
 

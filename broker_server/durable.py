@@ -57,7 +57,7 @@ def segments(directory: Path | str) -> list[int]:
     """The numbers of the journal segments in `directory`, in order."""
     out = []
     for path in Path(directory).glob("journal-*.log"):
-        number = path.name[len("journal-"):-len(".log")]
+        number = path.name[len("journal-") : -len(".log")]
         if number.isdigit():
             out.append(int(number))
     return sorted(out)
@@ -112,12 +112,20 @@ class DurableState:
     """The state dir's journal segments and checkpoint: `record` and `sync` (the journal), `checkpoint` (at a phase
     boundary), `restore` (a restart: the checkpoint, then the journal replayed through the server)."""
 
-    def __init__(self, directory: Path | str, fed: str, *, fsync: bool = True,
-                 rotate_bytes: int = ROTATE_BYTES, group_commit: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path | str,
+        fed: str,
+        *,
+        fsync: bool = True,
+        rotate_bytes: int = ROTATE_BYTES,
+        group_commit: bool = False,
+    ) -> None:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
-            raise CheckpointError(f"{self.directory} is a file, not a directory; --state-dir takes a directory "
-                                  f"(it is created if missing)")
+            raise CheckpointError(
+                f"{self.directory} is a file, not a directory; --state-dir takes a directory (it is created if missing)"
+            )
         self.fed = fed
         self.fsync = fsync
         # group_commit: `record` writes without fsync; `sync()` (the transport's before_ack hook, and every
@@ -141,9 +149,11 @@ class DurableState:
         if found != expected:
             missing = sorted(set(range(self.first_segment, (found or [self.first_segment])[-1] + 1)) - set(found))
             where = "the checkpoint's" if self._state else "the first (no checkpoint)"
-            raise JournalError(f"{self.directory}: journal segment(s) {', '.join(map(str, missing))} missing between "
-                               f"{where} segment {self.first_segment} and the last; the federation cannot be rebuilt. "
-                               f"Restore them from a backup, or move the state dir aside to start a new federation")
+            raise JournalError(
+                f"{self.directory}: journal segment(s) {', '.join(map(str, missing))} missing between "
+                f"{where} segment {self.first_segment} and the last; the federation cannot be rebuilt. "
+                f"Restore them from a backup, or move the state dir aside to start a new federation"
+            )
 
     def bind(self, server: Server) -> None:
         """Make `server` durable over this state dir: it drives its machine through `Durable` from now on, and
@@ -158,8 +168,7 @@ class DurableState:
     def record(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> None:
         """Append an input that changes state (and fsync): only then may it be applied and acknowledged."""
         try:
-            self.position = self.journal.append(topic, payload, client, kind, round_, phase,
-                                                sync=not self.group_commit)
+            self.position = self.journal.append(topic, payload, client, kind, round_, phase, sync=not self.group_commit)
         except OSError as exc:
             # Going on without a journal would silently void the guarantee.
             self._fail(exc)
@@ -173,8 +182,12 @@ class DurableState:
 
     def _fail(self, exc: OSError) -> None:
         # Crash-only: nothing unsynced is acknowledged; the broker keeps it for the restarted server.
-        log.critical("cannot write the journal %s (%s): stopping without acknowledging; restart the server "
-                     "when the disk is writable", self.journal.path, exc)
+        log.critical(
+            "cannot write the journal %s (%s): stopping without acknowledging; restart the server "
+            "when the disk is writable",
+            self.journal.path,
+            exc,
+        )
         logging.shutdown()
         os._exit(EXIT_JOURNAL_FAILED)
 
@@ -188,9 +201,16 @@ class DurableState:
         self.sync()
         rotate = self.journal.size >= max(1, self.rotate_bytes)
         segment, offset = (self.segment + 1, 0) if rotate else (self.segment, self.position)
-        write_checkpoint(self.checkpoint_path, {"format": FORMAT, "fed": self.fed, "journal_segment": segment,
-                                                "journal_offset": offset,
-                                                "machine": machine})
+        write_checkpoint(
+            self.checkpoint_path,
+            {
+                "format": FORMAT,
+                "fed": self.fed,
+                "journal_segment": segment,
+                "journal_offset": offset,
+                "machine": machine,
+            },
+        )
         crash_point("AFTER_CHECKPOINT")
         if rotate:
             self.journal.close()
@@ -207,14 +227,18 @@ class DurableState:
         offset = 0
         if state is not None:
             if state.get("format") not in READS or state.get("fed") != self.fed:
-                raise CheckpointError(f"checkpoint {self.checkpoint_path} is of federation '{state.get('fed')}' "
-                                      f"(format {state.get('format')}), not '{self.fed}' (format {FORMAT}); pass "
-                                      f"--fed {state.get('fed')}, or another --state-dir for a new federation")
+                raise CheckpointError(
+                    f"checkpoint {self.checkpoint_path} is of federation '{state.get('fed')}' "
+                    f"(format {state.get('format')}), not '{self.fed}' (format {FORMAT}); pass "
+                    f"--fed {state.get('fed')}, or another --state-dir for a new federation"
+                )
             try:
                 server.machine.restore(state["machine"])
             except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {self.checkpoint_path} cannot be resumed: {exc}; start with the "
-                                      f"same settings, or use another --state-dir for a new federation") from None
+                raise CheckpointError(
+                    f"checkpoint {self.checkpoint_path} cannot be resumed: {exc}; start with the "
+                    f"same settings, or use another --state-dir for a new federation"
+                ) from None
             offset = int(state["journal_offset"])
         for number in range(self.first_segment, self.segment + 1):
             self._replay_segment(number, offset if number == self.first_segment else 0)
@@ -223,13 +247,23 @@ class DurableState:
         if state is None and not self.replayed:
             return False
         if state is None:
-            log.warning("no checkpoint in %s (deleted, or the server stopped before its first phase boundary): "
-                        "rebuilt the federation from its journal alone, segments %d-%d", self.directory,
-                        self.first_segment, self.segment)
+            log.warning(
+                "no checkpoint in %s (deleted, or the server stopped before its first phase boundary): "
+                "rebuilt the federation from its journal alone, segments %d-%d",
+                self.directory,
+                self.first_segment,
+                self.segment,
+            )
         m = server.machine
         where = "finished" if m.finished else (f"round {m.round} {m.phase.phase.value}" if m.phase else "waiting")
-        log.warning("resumed federation '%s' from %s: %s, %d client(s), %d journaled input(s) replayed", self.fed,
-                    self.directory, where, len(m.clients), self.replayed)
+        log.warning(
+            "resumed federation '%s' from %s: %s, %d client(s), %d journaled input(s) replayed",
+            self.fed,
+            self.directory,
+            where,
+            len(m.clients),
+            self.replayed,
+        )
         return True
 
     def _check_config(self) -> None:
@@ -247,18 +281,23 @@ class DurableState:
         try:
             saved = json.loads(path.read_text())["config"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{path} cannot be read ({exc}); restore it from a backup, or move the state dir "
-                                  f"aside to start a new federation") from None
+            raise CheckpointError(
+                f"{path} cannot be read ({exc}); restore it from a backup, or move the state dir "
+                f"aside to start a new federation"
+            ) from None
         try:  # a state dir of a server before the scoped config saved the flat form: compare in today's form
             saved = json.loads(json.dumps(canonical(saved)))
         except (ConfigError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{self.directory} cannot be resumed: its saved config ({path}) is not one this "
-                                  f"server can run ({exc})") from None
+            raise CheckpointError(
+                f"{self.directory} cannot be resumed: its saved config ({path}) is not one this server can run ({exc})"
+            ) from None
         changed = config_changes(saved, mine)
         if changed:
-            raise CheckpointError(f"{self.directory} cannot be resumed: the saved federation was run with another "
-                                  f"config (differs in: {', '.join(changed)}); start with the same settings, or use "
-                                  f"another --state-dir for a new federation")
+            raise CheckpointError(
+                f"{self.directory} cannot be resumed: the saved federation was run with another "
+                f"config (differs in: {', '.join(changed)}); start with the same settings, or use "
+                f"another --state-dir for a new federation"
+            )
 
     def _replay_segment(self, number: int, offset: int) -> None:
         assert self.server is not None

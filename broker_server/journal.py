@@ -66,12 +66,14 @@ class Record:
     phase: str
 
 
-def record_parts(topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str,
-                 packer: msgpack.Packer | None = None) -> list[bytes]:
+def record_parts(
+    topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str, packer: msgpack.Packer | None = None
+) -> list[bytes]:
     """One record as the pieces `writev` writes: header, meta, and the payload itself (not copied). A caller
     that writes many passes its own `packer` (packb makes one per call: ~1 us of a record's ~10)."""
     meta = (packer or msgpack.Packer(use_bin_type=True)).pack(
-        {"t": topic, "c": client, "k": kind, "r": int(round_), "ph": phase})
+        {"t": topic, "c": client, "k": kind, "r": int(round_), "ph": phase}
+    )
     crc = zlib.crc32(payload, zlib.crc32(meta))
     return [HEADER.pack(MAGIC, len(meta), len(payload), crc), meta, payload]
 
@@ -86,21 +88,25 @@ def _unpack_meta(body: bytes | memoryview) -> dict:
 
 
 def _damaged(path: Path | str, pos: int, magic: bytes, length: int) -> JournalError:
-    return JournalError(f"{path}: record at byte {pos} has a bad header ({magic!r}, length {length}); the journal is "
-                        f"damaged, not torn. Restore the state dir from a backup, or move it aside to start a new "
-                        f"federation")
+    return JournalError(
+        f"{path}: record at byte {pos} has a bad header ({magic!r}, length {length}); the journal is "
+        f"damaged, not torn. Restore the state dir from a backup, or move it aside to start a new "
+        f"federation"
+    )
 
 
 def _bad_crc(path: Path | str, pos: int, length: int) -> JournalError:
-    return JournalError(f"{path}: the complete record at byte {pos} ({length} bytes) fails its CRC32 check: it was "
-                        f"written whole and changed on disk since (damage, not a crash mid-write). Nothing was "
-                        f"changed; restore the state dir from a backup, or move it aside to start a new federation")
+    return JournalError(
+        f"{path}: the complete record at byte {pos} ({length} bytes) fails its CRC32 check: it was "
+        f"written whole and changed on disk since (damage, not a crash mid-write). Nothing was "
+        f"changed; restore the state dir from a backup, or move it aside to start a new federation"
+    )
 
 
 def _read_record(data: bytes, pos: int, path: Path | str) -> Record | None:
     """The record at `pos`, or None if the data ends inside it (a torn write)."""
     size = len(data)
-    magic = data[pos:pos + 4]
+    magic = data[pos : pos + 4]
     if magic == OLD_MAGIC:
         if size - pos < OLD_HEADER.size:
             return None
@@ -110,7 +116,7 @@ def _read_record(data: bytes, pos: int, path: Path | str) -> Record | None:
         end = pos + OLD_HEADER.size + length
         if end > size:
             return None
-        body = data[pos + OLD_HEADER.size:end]
+        body = data[pos + OLD_HEADER.size : end]
         if zlib.crc32(body) != crc:
             raise _bad_crc(path, pos, length)
         d = _unpack_meta(body)
@@ -125,10 +131,10 @@ def _read_record(data: bytes, pos: int, path: Path | str) -> Record | None:
     if end > size:
         return None
     view = memoryview(data)
-    if zlib.crc32(view[start + meta_len:end], zlib.crc32(view[start:start + meta_len])) != crc:
+    if zlib.crc32(view[start + meta_len : end], zlib.crc32(view[start : start + meta_len])) != crc:
         raise _bad_crc(path, pos, meta_len + length)
-    d = _unpack_meta(view[start:start + meta_len])
-    return Record(pos, end, d["t"], data[start + meta_len:end], d["c"], d["k"], int(d["r"]), d["ph"])
+    d = _unpack_meta(view[start : start + meta_len])
+    return Record(pos, end, d["t"], data[start + meta_len : end], d["c"], d["k"], int(d["r"]), d["ph"])
 
 
 def scan(data: bytes, path: Path | str = "journal") -> tuple[list[Record], int]:
@@ -162,9 +168,14 @@ class Journal:
         if good < len(data):
             aside = self.path.with_name(f"{self.path.name}.torn-{good}")
             aside.write_bytes(data[good:])
-            log.warning("%s: a torn last record (%d bytes at offset %d: a crash mid-write, shorter than its header "
-                        "says) was moved to %s; its message was never acknowledged and will be delivered again",
-                        self.path, len(data) - good, good, aside)
+            log.warning(
+                "%s: a torn last record (%d bytes at offset %d: a crash mid-write, shorter than its header "
+                "says) was moved to %s; its message was never acknowledged and will be delivered again",
+                self.path,
+                len(data) - good,
+                good,
+                aside,
+            )
             os.ftruncate(self._fd, good)
             os.fsync(self._fd)
         self.size = good  # what is appended, written or still pending
@@ -182,13 +193,16 @@ class Journal:
     def records_from(self, offset: int) -> Iterator[Record]:
         """Records at or after `offset` (a checkpoint's journal position), as found when opened."""
         if offset > self.size:
-            raise JournalError(f"{self.path}: the checkpoint says the journal holds {offset} bytes, but it holds "
-                               f"{self.size}: the journal was truncated or replaced. Restore the state dir from a "
-                               f"backup, or move it aside to start a new federation")
+            raise JournalError(
+                f"{self.path}: the checkpoint says the journal holds {offset} bytes, but it holds "
+                f"{self.size}: the journal was truncated or replaced. Restore the state dir from a "
+                f"backup, or move it aside to start a new federation"
+            )
         return (r for r in self.records if r.offset >= offset)
 
-    def append(self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str, *,
-               sync: bool = True) -> int:
+    def append(
+        self, topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str, *, sync: bool = True
+    ) -> int:
         """Write one record and (with `sync`) fsync it; returns the journal's new size. Without `sync`
         the caller must call `sync()` before acknowledging it (group commit)."""
         parts = record_parts(topic, payload, client, kind, round_, phase, self._packer)
@@ -270,7 +284,7 @@ def _crash_point(fd: int, parts: list[bytes]) -> None:
     _passes["MID_APPEND"] = _passes.get("MID_APPEND", 0) + 1
     if _passes["MID_APPEND"] == int(at):
         rec = b"".join(parts)
-        os.write(fd, rec[:len(rec) // 2])
+        os.write(fd, rec[: len(rec) // 2])
         os.fsync(fd)
         _kill_self()
 

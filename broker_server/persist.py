@@ -38,8 +38,9 @@ def _flat_fields(cls: type) -> tuple[str, ...] | None:
     if cls not in _FLAT:
         hints = typing.get_type_hints(cls)
         fields = state_fields(cls)
-        _FLAT[cls] = (tuple(f.name for f in fields)
-                      if all(hints[f.name] in (str, int, float, bool) for f in fields) else None)
+        _FLAT[cls] = (
+            tuple(f.name for f in fields) if all(hints[f.name] in (str, int, float, bool) for f in fields) else None
+        )
     return _FLAT[cls]
 
 
@@ -104,8 +105,9 @@ def from_plain(tp: Any, data: Any) -> Any:
     return data
 
 
-def restore_fields(obj: Any, data: Mapping[str, Any], *, older: Mapping[str, Any] | None = None,
-                   what: str = "") -> None:
+def restore_fields(
+    obj: Any, data: Mapping[str, Any], *, older: Mapping[str, Any] | None = None, what: str = ""
+) -> None:
     """Set `obj`'s state fields from their `to_plain` form (its other fields stay as they are). `older`: where a
     field that `data` lacks was kept in an earlier layout of the checkpoint; a field in neither is a ValueError
     naming it (`what`: whose state)."""

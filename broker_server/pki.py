@@ -68,8 +68,12 @@ class FederationTls:
 
     def listener(self, client_ca: str | None = None) -> ListenerTls:
         """The broker's TLS listener; with `client_ca`, every client must present a certificate it signed."""
-        return ListenerTls(str(self.broker_cert), str(self.broker_key), client_ca or str(self.ca_cert),
-                           require_client_cert=client_ca is not None)
+        return ListenerTls(
+            str(self.broker_cert),
+            str(self.broker_key),
+            client_ca or str(self.ca_cert),
+            require_client_cert=client_ca is not None,
+        )
 
 
 def broker_names(listen_host: str) -> list[str]:
@@ -143,8 +147,12 @@ def _load(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, _Key] | No
 
 def _save(pair: tuple[x509.Certificate, _Key], cert_path: Path, key_path: Path) -> None:
     cert, key = pair
-    write_secret(key_path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption()).decode())
+    write_secret(
+        key_path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ).decode(),
+    )
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
@@ -162,7 +170,8 @@ def _names(cert: x509.Certificate) -> set[str]:
     except x509.ExtensionNotFound:
         return set()
     return {str(n) for n in san.get_values_for_type(x509.DNSName)} | {
-        str(n) for n in san.get_values_for_type(x509.IPAddress)}
+        str(n) for n in san.get_values_for_type(x509.IPAddress)
+    }
 
 
 def _now() -> datetime:
@@ -171,41 +180,64 @@ def _now() -> datetime:
 
 def _builder(subject: str, issuer: x509.Name, key: _Key, days: int) -> x509.CertificateBuilder:
     now = _now()
-    return (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-            .issuer_name(issuer).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - timedelta(minutes=5))  # a device whose clock is a little behind
-            .not_valid_after(now + timedelta(days=days))
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False))
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))  # a device whose clock is a little behind
+        .not_valid_after(now + timedelta(days=days))
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
 
 
 def _self_signed_ca(fed: str) -> tuple[x509.Certificate, _Key]:
     key = ec.generate_private_key(ec.SECP256R1())
     subject = f"protofl federation {fed} CA"[:64]  # a common name holds at most 64 characters
-    usage = x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                          encipher_only=False, decipher_only=False)
-    cert = (_builder(subject, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]), key, CA_DAYS)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(usage, critical=True)
-            .sign(key, hashes.SHA256()))
+    usage = x509.KeyUsage(
+        digital_signature=False,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=True,
+        crl_sign=True,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    cert = (
+        _builder(subject, x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]), key, CA_DAYS)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(usage, critical=True)
+        .sign(key, hashes.SHA256())
+    )
     return cert, key
 
 
-def _broker_certificate(fed: str, names: list[str], ca: tuple[x509.Certificate, _Key]) -> tuple[
-        x509.Certificate, _Key]:
+def _broker_certificate(fed: str, names: list[str], ca: tuple[x509.Certificate, _Key]) -> tuple[x509.Certificate, _Key]:
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
-    usage = x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=False, crl_sign=False,
-                          encipher_only=False, decipher_only=False)
-    cert = (_builder(f"protofl federation {fed} broker"[:64], ca_cert.subject, key, BROKER_DAYS)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(usage, critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    usage = x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=False,
+        crl_sign=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    cert = (
+        _builder(f"protofl federation {fed} broker"[:64], ca_cert.subject, key, BROKER_DAYS)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(usage, critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     return cert, key
 
 

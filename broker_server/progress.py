@@ -46,10 +46,10 @@ def accuracies(metrics: Iterable[Metrics]) -> dict[str, float | None]:
     return {
         "local_acc": _pooled([(m.correct_local, m.n_local) for m in ms]),
         "global_acc": _mean([(m.correct_test, m.n_test) for m in ms]),
-        "local_proto_acc": _pooled([(m.proto_correct_local, m.n_local) for m in ms
-                                    if m.proto_correct_local is not None]),
-        "global_proto_acc": _mean([(m.proto_correct_test, m.n_test) for m in ms
-                                   if m.proto_correct_test is not None]),
+        "local_proto_acc": _pooled(
+            [(m.proto_correct_local, m.n_local) for m in ms if m.proto_correct_local is not None]
+        ),
+        "global_proto_acc": _mean([(m.proto_correct_test, m.n_test) for m in ms if m.proto_correct_test is not None]),
     }
 
 
@@ -66,8 +66,14 @@ class RoundProgress:
     and round; a message for any other round (far ahead, or already emitted) is not stored. Of an
     emitted round only the participants still missing are remembered."""
 
-    def __init__(self, emit: Callable[[RoundRecord, dict[str, Metrics]], None], *, grace: float = GRACE_S,
-                 eval_every: int | None = None, rounds: int | None = None) -> None:
+    def __init__(
+        self,
+        emit: Callable[[RoundRecord, dict[str, Metrics]], None],
+        *,
+        grace: float = GRACE_S,
+        eval_every: int | None = None,
+        rounds: int | None = None,
+    ) -> None:
         self.emit = emit
         self.grace = grace
         self.eval_every = eval_every
@@ -82,7 +88,7 @@ class RoundProgress:
     @property
     def pending(self) -> list[RoundRecord]:
         """Closed rounds not emitted yet, oldest first."""
-        return self.closed[self.emitted:]
+        return self.closed[self.emitted :]
 
     def start_at(self, round_: int) -> None:
         """A service resumed in `round_`: the rounds before it were shown by the process that ran them,

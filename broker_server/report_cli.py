@@ -36,8 +36,10 @@ def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     runs = []
     for p in paths:
         if not p.is_file():
-            raise ConfigError(f"run file '{p}' not found (write one with protofl-server simulate --json RUN.json, "
-                              f"or give a server's STATE_DIR/rounds.jsonl)")
+            raise ConfigError(
+                f"run file '{p}' not found (write one with protofl-server simulate --json RUN.json, "
+                f"or give a server's STATE_DIR/rounds.jsonl)"
+            )
         text = p.read_text()
         try:
             run = json.loads(text)
@@ -69,15 +71,30 @@ def rounds_log(text: str, path: Path) -> dict[str, Any]:
     if not rows:
         raise ConfigError(f"{path}: no rounds yet")
     t0 = float(rows[0]["started"])
-    rounds = [{"round": r["round"], **{k: r.get(k) for k in ("local_acc", "global_acc", "local_proto_acc",
-                                                              "global_proto_acc")},
-               "ensemble_acc": None, "uplink_bytes": r["uplink_bytes"], "downlink_bytes": r["downlink_bytes"],
-               "clients": len(r.get("clients", [])), "closed_by": r.get("closed_by", ""),
-               "time_s": float(r["ended"]) - t0} for r in rows]
-    return {"preset": rows[-1].get("preset") or rows[-1].get("fed", path.stem), "fed": rows[-1].get("fed"),
-            "clock": "wall", "rounds": rounds,
-            "totals": {"uplink_bytes": sum(r["uplink_bytes"] for r in rounds),
-                       "downlink_bytes": sum(r["downlink_bytes"] for r in rounds), "wall_s": rounds[-1]["time_s"]}}
+    rounds = [
+        {
+            "round": r["round"],
+            **{k: r.get(k) for k in ("local_acc", "global_acc", "local_proto_acc", "global_proto_acc")},
+            "ensemble_acc": None,
+            "uplink_bytes": r["uplink_bytes"],
+            "downlink_bytes": r["downlink_bytes"],
+            "clients": len(r.get("clients", [])),
+            "closed_by": r.get("closed_by", ""),
+            "time_s": float(r["ended"]) - t0,
+        }
+        for r in rows
+    ]
+    return {
+        "preset": rows[-1].get("preset") or rows[-1].get("fed", path.stem),
+        "fed": rows[-1].get("fed"),
+        "clock": "wall",
+        "rounds": rounds,
+        "totals": {
+            "uplink_bytes": sum(r["uplink_bytes"] for r in rounds),
+            "downlink_bytes": sum(r["downlink_bytes"] for r in rounds),
+            "wall_s": rounds[-1]["time_s"],
+        },
+    }
 
 
 METRICS = ("global", "local")
@@ -145,8 +162,10 @@ def long_overruns(run: dict[str, Any]) -> list[str]:
     for d in links.get("devices", []):
         over, length = d.get("overrun_s"), round_s.get(d["round"])
         if over is not None and length is not None and over > length:
-            out.append(f"round {d['round']}: {d['client']} ({d['class']}) released its upload {human_duration(over)} "
-                       f"late, longer than the round itself ({human_duration(length)})")
+            out.append(
+                f"round {d['round']}: {d['client']} ({d['class']}) released its upload {human_duration(over)} "
+                f"late, longer than the round itself ({human_duration(length)})"
+            )
     return out
 
 
@@ -174,17 +193,22 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("protofl-server report draws with matplotlib, which is not installed: "
-                          "pip install 'protofl-edge[plotting]'") from None
+        raise ConfigError(
+            "protofl-server report draws with matplotlib, which is not installed: pip install 'protofl-edge[plotting]'"
+        ) from None
     from matplotlib.ticker import MaxNLocator
 
     paths = []
     timed = all(sim_times(r) is not None for r in runs)
     clocks = {"wall" if r.get("clock") == "wall" else "simulated" for r in runs}
-    time_label = {frozenset({"wall"}): "time since round 1 opened (s)",
-                  frozenset({"simulated"}): "simulated time (s)"}.get(frozenset(clocks), "time (s)")
-    for name, xlabel in (("accuracy_time", time_label if timed else "round"),
-                         ("accuracy_uplink", "cumulative uplink (bytes)")):
+    time_label = {
+        frozenset({"wall"}): "time since round 1 opened (s)",
+        frozenset({"simulated"}): "simulated time (s)",
+    }.get(frozenset(clocks), "time (s)")
+    for name, xlabel in (
+        ("accuracy_time", time_label if timed else "round"),
+        ("accuracy_uplink", "cumulative uplink (bytes)"),
+    ):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for run in runs:
             accs = run_accuracies(run, metric)
@@ -216,8 +240,7 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         by_class = class_rows(run)
         if not by_class:
             continue
-        fig, axes = plt.subplots(len(by_class), 1, figsize=(7.0, 1.9 * len(by_class) + 0.8), squeeze=False,
-                                 sharex=True)
+        fig, axes = plt.subplots(len(by_class), 1, figsize=(7.0, 1.9 * len(by_class) + 0.8), squeeze=False, sharex=True)
         for ax, (cls, rows) in zip(axes[:, 0], sorted(by_class.items()), strict=True):
             rounds = sorted({r["round"] for r in rows})
             bottom = [0.0] * len(rounds)
@@ -226,12 +249,18 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
                 ax.bar(rounds, vals, bottom=bottom, color=COLOURS[part], label=part[:-2])
                 bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
             missed = [n for n in rounds if any(not r["made_it"] for r in rows if r["round"] == n)]
-            ax.plot(missed, [bottom[rounds.index(n)] for n in missed], "kx", markersize=9,
-                    label="missed" if missed else None)
+            ax.plot(
+                missed,
+                [bottom[rounds.index(n)] for n in missed],
+                "kx",
+                markersize=9,
+                label="missed" if missed else None,
+            )
             ax.set_ylabel(f"{cls}\nsim s")
             ax.grid(axis="y", alpha=0.3)
-        axes[0, 0].set_title(f"{run['preset']}: mean per device, per round (deadline "
-                             f"{human_duration(run['links']['deadline_s'])})")
+        axes[0, 0].set_title(
+            f"{run['preset']}: mean per device, per round (deadline {human_duration(run['links']['deadline_s'])})"
+        )
         axes[0, 0].legend(fontsize=7, ncol=5, loc="upper right")
         axes[-1, 0].set_xlabel("round")
         axes[-1, 0].set_xticks(sorted({r["round"] for rows in by_class.values() for r in rows}))
@@ -267,62 +296,88 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
     finals = [accuracy(r["rounds"][-1], metric) for r in runs if r["rounds"]]
     best = max((a for a in finals if a is not None), default=0.0)
     target = 0.9 * best if target is None else target
-    lines = ["# Simulation report", "", f"Target accuracy for time-to-target: {100 * target:.1f} % "
-             f"(accuracy = {metric}_acc).", "",
-             "| preset | rounds | final acc % | time | mean round | uplink | missed deadlines | "
-             "time to target |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Simulation report",
+        "",
+        f"Target accuracy for time-to-target: {100 * target:.1f} % (accuracy = {metric}_acc).",
+        "",
+        "| preset | rounds | final acc % | time | mean round | uplink | missed deadlines | time to target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         times = sim_times(run)
         links = run.get("links") or {}
         missed = sum(1 for d in links.get("devices", []) if not d["made_it"])
         final = accuracy(run["rounds"][-1], metric) if run["rounds"] else None
-        lines.append(f"| {run['preset']} | {len(run['rounds'])} | {'-' if final is None else f'{100 * final:.1f}'} | "
-                     f"{human_duration(times[-1]) if times else '-'} | "
-                     f"{human_duration(times[-1] / len(times)) if times else '-'} | "
-                     f"{human_bytes(run['totals']['uplink_bytes'])} | {missed if links else '-'} | "
-                     f"{reached(run, target, metric)} |")
+        lines.append(
+            f"| {run['preset']} | {len(run['rounds'])} | {'-' if final is None else f'{100 * final:.1f}'} | "
+            f"{human_duration(times[-1]) if times else '-'} | "
+            f"{human_duration(times[-1] / len(times)) if times else '-'} | "
+            f"{human_bytes(run['totals']['uplink_bytes'])} | {missed if links else '-'} | "
+            f"{reached(run, target, metric)} |"
+        )
     for run in runs:
         by_class = class_rows(run)
         if not by_class:
             continue
         links = run["links"]
-        lines += ["", f"## {run['preset']}: per device class (mean per device per round, simulated seconds)", "",
-                  f"Time scale {links['time_scale']:g}, deadline {human_duration(links['deadline_s'])}, adaptive "
-                  f"uploads {'on' if links['adaptive'] else 'off'}.", "",
-                  "| class | devices | downlink | compute | upload | done | upload bytes | encodings | budget | "
-                  "missed | overrun |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {run['preset']}: per device class (mean per device per round, simulated seconds)",
+            "",
+            f"Time scale {links['time_scale']:g}, deadline {human_duration(links['deadline_s'])}, adaptive "
+            f"uploads {'on' if links['adaptive'] else 'off'}.",
+            "",
+            "| class | devices | downlink | compute | upload | done | upload bytes | encodings | budget | "
+            "missed | overrun |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for cls, rows in sorted(by_class.items()):
+
             def m(key: str, rows: list[dict[str, Any]] = rows) -> str:
                 vals = [r[key] for r in rows if r.get(key) is not None]
                 return f"{_mean(vals):.1f}" if vals else "-"
+
             enc = Counter(f"{r['dt']}" + (f" K={r['k']}" if r.get("k") else "") for r in rows if r["dt"])
             budgets = [r["budget_bytes"] for r in rows if r.get("budget_bytes") is not None]
-            lines.append(f"| {cls} | {len({r['client'] for r in rows})} | {m('downlink_s')} | {m('compute_s')} | "
-                         f"{m('upload_s')} | {m('done_s')} | {human_bytes(_mean([r['uplink_bytes'] for r in rows]))} | "
-                         f"{', '.join(f'{k} x{v}' for k, v in enc.most_common(3)) or '-'} | "
-                         f"{human_bytes(_mean(budgets)) if budgets else 'off'} | "
-                         f"{sum(1 for r in rows if not r['made_it'])}/{len(rows)} | {m('overrun_s')} |")
+            lines.append(
+                f"| {cls} | {len({r['client'] for r in rows})} | {m('downlink_s')} | {m('compute_s')} | "
+                f"{m('upload_s')} | {m('done_s')} | {human_bytes(_mean([r['uplink_bytes'] for r in rows]))} | "
+                f"{', '.join(f'{k} x{v}' for k, v in enc.most_common(3)) or '-'} | "
+                f"{human_bytes(_mean(budgets)) if budgets else 'off'} | "
+                f"{sum(1 for r in rows if not r['made_it'])}/{len(rows)} | {m('overrun_s')} |"
+            )
     for run in runs:
         late = long_overruns(run)
         if late:
             scale = run["links"]["time_scale"]
-            lines += ["", f"**Warning ({run['preset']}):** this machine could not keep up with time scale {scale:g}: "
-                      f"{len(late)} upload(s) left later than the emulation asked by more than their whole round, "
-                      f"so those rounds' times are this machine's, not the devices'. Run again with a lower "
-                      f"--time-scale.", "", *(f"- {line}" for line in late[:10])]
+            lines += [
+                "",
+                f"**Warning ({run['preset']}):** this machine could not keep up with time scale {scale:g}: "
+                f"{len(late)} upload(s) left later than the emulation asked by more than their whole round, "
+                f"so those rounds' times are this machine's, not the devices'. Run again with a lower "
+                f"--time-scale.",
+                "",
+                *(f"- {line}" for line in late[:10]),
+            ]
             if len(late) > 10:
                 lines.append(f"- ... and {len(late) - 10} more")
-    lines += ["", "Time is simulated for a simulation over shaped links (`--profiles`) and the wall clock since "
-              "round 1 opened for a server's rounds.jsonl; without either, time to target is the round that reached "
-              "it.",
-              "", "Simulated time composes measured link times (through the shaping proxies, times the time scale) "
-              "with emulated compute (CPU time / the device's compute factor); `overrun` is how much later, in "
-              "simulated seconds, this machine released an upload than the emulation asked for."]
+    lines += [
+        "",
+        "Time is simulated for a simulation over shaped links (`--profiles`) and the wall clock since "
+        "round 1 opened for a server's rounds.jsonl; without either, time to target is the round that reached "
+        "it.",
+        "",
+        "Simulated time composes measured link times (through the shaping proxies, times the time scale) "
+        "with emulated compute (CPU time / the device's compute factor); `overrun` is how much later, in "
+        "simulated seconds, this machine released an upload than the emulation asked for.",
+    ]
     return "\n".join(lines) + "\n"
 
 
-def write_report(runs: dict[str, Any] | list[dict[str, Any]], out: Path, target: float | None = None,
-                 metric: str = "global") -> list[Path]:
+def write_report(
+    runs: dict[str, Any] | list[dict[str, Any]], out: Path, target: float | None = None, metric: str = "global"
+) -> list[Path]:
     """The PNGs and summary.md of `runs` in `out`; returns the files written."""
     runs = [runs] if isinstance(runs, dict) else runs
     if target is not None and not 0 < target <= 1:

@@ -53,7 +53,7 @@ class BrokerDrops:
 
     def observe(self, payload: bytes) -> int:
         """New drops since the last reading (0 for the first, unless counted from zero)."""
-        text = payload[:MAX_COUNTER_BYTES + 1].decode("ascii", "replace").strip()
+        text = payload[: MAX_COUNTER_BYTES + 1].decode("ascii", "replace").strip()
         if len(payload) > MAX_COUNTER_BYTES or not text.isdigit():
             return 0  # not a counter: ignored (only the broker can publish on $SYS)
         value = int(text)
@@ -76,8 +76,9 @@ class Ask:
     phase: str = ""
 
 
-def owed(machine: RoundMachine, members: Collection[str] | None,
-         metrics: Mapping[int, Collection[str]] | None = None) -> list[Ask]:
+def owed(
+    machine: RoundMachine, members: Collection[str] | None, metrics: Mapping[int, Collection[str]] | None = None
+) -> list[Ask]:
     """What devices still owe the federation now: the open phase's missing uploads first, then the joins of
     members that are not clients (without a member list nobody's join can be known to be missing), then the
     metrics of closed rounds that `metrics` ({round: participants}) says their log lines wait for."""
@@ -104,8 +105,14 @@ class Resender:
     requests wait until the server has drained what the broker still held (`settle` seconds of quiet): the
     devices whose uploads are in that backlog owe nothing."""
 
-    def __init__(self, window: int, quiet: float = QUIET_S, max_age: float = MAX_AGE_S,
-                 attempts: int = MAX_ATTEMPTS, settle: float = SETTLE_S) -> None:
+    def __init__(
+        self,
+        window: int,
+        quiet: float = QUIET_S,
+        max_age: float = MAX_AGE_S,
+        attempts: int = MAX_ATTEMPTS,
+        settle: float = SETTLE_S,
+    ) -> None:
         if window < 1:
             raise ValueError(f"the re-send window must be at least 1, got {window}")
         self.window = window
@@ -170,7 +177,7 @@ class Resender:
                 self._scope = None
                 self._asked.clear()
             return []
-        take = eligible[:max(0, self.window - outstanding)]
+        take = eligible[: max(0, self.window - outstanding)]
         for a in take:
             self._asked[a] = (now, self._asked.get(a, (0.0, 0))[1] + 1)
         self.requests += len(take)

@@ -256,11 +256,21 @@ class FoldHere:
 
 
 class RoundMachine:
-    def __init__(self, cfg: FederationConfig, encode: Encode, *, clock: Callable[[], float],
-                 initial_params: np.ndarray | None = None, public: PublicSet | None = None,
-                 expected_clients: Sequence[str] | None = None, policy: ClipPolicy | None = None,
-                 offline_grace: float = OFFLINE_GRACE_S, resume_grace: float = RESUME_GRACE_S,
-                 limits: dict[str, int] | None = None, closing: Closing | None = None) -> None:
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        encode: Encode,
+        *,
+        clock: Callable[[], float],
+        initial_params: np.ndarray | None = None,
+        public: PublicSet | None = None,
+        expected_clients: Sequence[str] | None = None,
+        policy: ClipPolicy | None = None,
+        offline_grace: float = OFFLINE_GRACE_S,
+        resume_grace: float = RESUME_GRACE_S,
+        limits: dict[str, int] | None = None,
+        closing: Closing | None = None,
+    ) -> None:
         self.cfg = cfg
         # How a phase closes: its folds finish here (one aggregator), or the coordinator of aggregator shards merges
         # their partials first (shard_closing.ShardClosing; docs/design.md, "Sharded aggregators").
@@ -343,13 +353,26 @@ class RoundMachine:
             return out + self._finish_messages()
         if s.phase is None:
             return out + [self._status("waiting", f"{len(s.clients)}/{self.quorum} clients")]
-        out += [self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
-                self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value)]
+        out += [
+            self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
+            self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value),
+        ]
         return out + self.closing.announce(self)
 
     def _welcome(self) -> list[Publish]:
-        out = [self._publish(Config(preset=self.cfg.preset, params=self.cfg.to_dict(), adapter_layout=self.layout,
-                                    class_masks=self.model.rules.support_masks(), limits=self.limits), "", round_=0)]
+        out = [
+            self._publish(
+                Config(
+                    preset=self.cfg.preset,
+                    params=self.cfg.to_dict(),
+                    adapter_layout=self.layout,
+                    class_masks=self.model.rules.support_masks(),
+                    limits=self.limits,
+                ),
+                "",
+                round_=0,
+            )
+        ]
         if self.public is not None:
             out.append(self._publish(self.public, "", round_=0))
         return out
@@ -413,17 +436,24 @@ class RoundMachine:
         s = self.state
         if s.finished:
             return []
-        due: list[GraceOver | DeadlinePassed] = [GraceOver(c) for c in sorted(s.leaving)
-                                                 if now >= self._grace_ends.get(c, 0.0) and c in s.clients]
+        due: list[GraceOver | DeadlinePassed] = [
+            GraceOver(c) for c in sorted(s.leaving) if now >= self._grace_ends.get(c, 0.0) and c in s.clients
+        ]
         open_ = s.phase
         if open_ is not None and not due and not open_.closing and now >= open_.deadline:
             done = open_.done_clients()
             if len(done) >= self.floor:
                 due.append(DeadlinePassed(s.round, open_.phase))
             else:
-                log.warning("round %d %s: deadline passed with %d/%d clients (min %d); waiting another %.0fs",
-                            s.round, open_.phase.value, len(done), len(open_.expected), self.floor,
-                            self.cfg.round_timeout)
+                log.warning(
+                    "round %d %s: deadline passed with %d/%d clients (min %d); waiting another %.0fs",
+                    s.round,
+                    open_.phase.value,
+                    len(done),
+                    len(open_.expected),
+                    self.floor,
+                    self.cfg.round_timeout,
+                )
                 open_.deadline = now + self.cfg.round_timeout
         return due
 
@@ -456,8 +486,14 @@ class RoundMachine:
         s.current.uplink_bytes += nbytes
         if new:
             s.current.downlink_bytes += self.welcome_bytes
-            log.info("client %s joined (%s, %d samples); %d/%d", env.sender, msg.arch or "default arch",
-                     msg.n_samples, len(s.clients), self.quorum)
+            log.info(
+                "client %s joined (%s, %d samples); %d/%d",
+                env.sender,
+                msg.arch or "default arch",
+                msg.n_samples,
+                len(s.clients),
+                self.quorum,
+            )
         if s.round == 0 and not s.finished and len(s.clients) >= self.quorum:
             return self._open_round(1)
         if s.phase is not None and new:
@@ -575,9 +611,14 @@ class RoundMachine:
             return self._close_phase("quorum")
         if not self._below_floor_said:
             self._below_floor_said = True
-            log.warning("round %d %s: every client still here sent (%d), fewer than --min-clients %d: waiting "
-                        "for devices to come back, or the deadline", self.state.round, open_.phase.value,
-                        len(open_.done_clients()), self.floor)
+            log.warning(
+                "round %d %s: every client still here sent (%d), fewer than --min-clients %d: waiting "
+                "for devices to come back, or the deadline",
+                self.state.round,
+                open_.phase.value,
+                len(open_.done_clients()),
+                self.floor,
+            )
         return []
 
     # -- phases ---------------------------------------------------------------------------------
@@ -593,9 +634,16 @@ class RoundMachine:
         plan = self.plan
         assert self.run is not None
         f = self.run.round_fields()
-        return RoundStart(deadline=deadline, adapter=f.adapter, params=f.params, targets=f.targets,
-                          target_label=plan.target_label if f.targets is not None else "",
-                          participants=None, final=False, dt=plan.adapter_dtype)
+        return RoundStart(
+            deadline=deadline,
+            adapter=f.adapter,
+            params=f.params,
+            targets=f.targets,
+            target_label=plan.target_label if f.targets is not None else "",
+            participants=None,
+            final=False,
+            dt=plan.adapter_dtype,
+        )
 
     def _open_phase(self, phase: Phase) -> list[Effect]:
         s = self.state
@@ -630,8 +678,15 @@ class RoundMachine:
         # Read before the next round's first phase starts its counts again.
         rec.clipped, rec.clip_checked = dict(self.model.round_clips.clipped), dict(self.model.round_clips.checked)
         s.records.append(rec)
-        log.info("round %d: %d/%d clients (%s), up %s, down %s", rec.round, len(rec.clients), len(open_.expected),
-                 why, human_bytes(rec.uplink_bytes), human_bytes(rec.downlink_bytes))
+        log.info(
+            "round %d: %d/%d clients (%s), up %s, down %s",
+            rec.round,
+            len(rec.clients),
+            len(open_.expected),
+            why,
+            human_bytes(rec.uplink_bytes),
+            human_bytes(rec.downlink_bytes),
+        )
         s.current = RoundRecord(round=rec.round + 1)
         out: list[Effect] = [RoundClosed(rec)]
         if rec.round >= self.cfg.rounds:
@@ -641,10 +696,22 @@ class RoundMachine:
 
     def _finish_messages(self) -> list[Effect]:
         f = self.model.rules.round_fields(Phase.DONE)
-        return [self._publish(RoundStart(deadline=self.clock(), adapter=f.adapter, params=f.params,
-                                         targets=None, target_label="", participants=None, final=True,
-                                         dt=self.plan.adapter_dtype), Phase.DONE.value),
-                self._status("finished", f"{self.state.round} rounds")]
+        return [
+            self._publish(
+                RoundStart(
+                    deadline=self.clock(),
+                    adapter=f.adapter,
+                    params=f.params,
+                    targets=None,
+                    target_label="",
+                    participants=None,
+                    final=True,
+                    dt=self.plan.adapter_dtype,
+                ),
+                Phase.DONE.value,
+            ),
+            self._status("finished", f"{self.state.round} rounds"),
+        ]
 
     # -- durability: the state at a phase boundary, and a restart from it ------------------------
     def snapshot(self, state: MachineState | None = None) -> dict[str, Any]:
@@ -657,8 +724,7 @@ class RoundMachine:
         if open_ is not None and open_.received:
             raise RuntimeError("snapshot() is taken at phase boundaries only (this phase has uploads)")
         rules = {name: {} if rule.state is None else to_plain(rule.state) for name, rule in self.model.rules.named()}
-        return {"cfg": self.cfg.to_dict(), "machine": to_plain(state),
-                "model": to_plain(self.model), "rules": rules}
+        return {"cfg": self.cfg.to_dict(), "machine": to_plain(state), "model": to_plain(self.model), "rules": rules}
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Back to a `snapshot()` (the config must be the one it was taken with); call `resume` once the
@@ -673,8 +739,12 @@ class RoundMachine:
             if rule.state is not None:
                 # A checkpoint written before the rules kept their own state (durable.py format 2) has their
                 # fields, under the same names, in the server model's.
-                restore_fields(rule.state, saved["rules"].get(name) or {}, older=saved["model"],
-                               what=f"the state of technique '{name}'")
+                restore_fields(
+                    rule.state,
+                    saved["rules"].get(name) or {},
+                    older=saved["model"],
+                    what=f"the state of technique '{name}'",
+                )
         self.state = from_plain(MachineState, saved["machine"])
         self.run = None if self.state.phase is None else PhaseRun(self.model, self.state.phase.phase)
 

@@ -64,6 +64,7 @@ def bridge_user(fed: str, site: str) -> str:
     """The MQTT user a site broker's bridge logs in to the core broker as (broker_server/bridge.py)."""
     return f"protofl-bridge-{fed}-{site}"
 
+
 def site_shard(site: str) -> str:
     """The shard id of site `site`'s pre-aggregator (a shard at the site broker, its traffic bridged)."""
     return f"site-{check_name(site, 'site')}"
@@ -116,8 +117,10 @@ class FederationSecrets:
 
     def device(self, client_id: str) -> Credentials:
         if client_id not in self.devices:
-            raise ConfigError(f"no credentials for device '{client_id}' in federation '{self.fed}'; add it with "
-                              f"protofl-server broker-config --allow FILE (or --devices N)")
+            raise ConfigError(
+                f"no credentials for device '{client_id}' in federation '{self.fed}'; add it with "
+                f"protofl-server broker-config --allow FILE (or --devices N)"
+            )
         return Credentials(client_id, self.devices[client_id])
 
     def bridge(self, site: str) -> Credentials:
@@ -147,8 +150,11 @@ class FederationSecrets:
             check_name(client_id, "device id")
             if client_id.startswith(shard_user(self.fed, 0)[:-1]):
                 raise ConfigError(f"device id '{client_id}' is an aggregator shard's user name; pick another id")
-            reserved = [("server", server_user(self.fed)), ("monitor", monitor_user(self.fed)),
-                        *((f"site '{site}' bridge", bridge_user(self.fed, site)) for site in self.bridges)]
+            reserved = [
+                ("server", server_user(self.fed)),
+                ("monitor", monitor_user(self.fed)),
+                *((f"site '{site}' bridge", bridge_user(self.fed, site)) for site in self.bridges),
+            ]
             for who, user in reserved:
                 if client_id == user:
                     raise ConfigError(f"device id '{client_id}' is the {who}'s user name; pick another id")
@@ -158,10 +164,20 @@ class FederationSecrets:
         return added
 
     def to_json(self) -> str:
-        return json.dumps({"fed": self.fed, "server_password": self.server_password, "devices": self.devices,
-                           "monitor_password": self.monitor_password, "shard_passwords": self.shard_passwords,
-                           "bridges": self.bridges, "site_devices": self.site_devices,
-                           "pre_aggregators": self.pre_aggregators}, indent=2, sort_keys=True)
+        return json.dumps(
+            {
+                "fed": self.fed,
+                "server_password": self.server_password,
+                "devices": self.devices,
+                "monitor_password": self.monitor_password,
+                "shard_passwords": self.shard_passwords,
+                "bridges": self.bridges,
+                "site_devices": self.site_devices,
+                "pre_aggregators": self.pre_aggregators,
+            },
+            indent=2,
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str, where: str) -> FederationSecrets:
@@ -175,8 +191,10 @@ class FederationSecrets:
             out.shard_passwords = {str(k): str(v) for k, v in raw.get("shard_passwords", {}).items()}
             out.pre_aggregators = {str(k): str(v) for k, v in raw.get("pre_aggregators", {}).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ConfigError(f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
-                              f"credentials (every device then needs its new file)") from None
+            raise ConfigError(
+                f"{where}: not a protofl credentials file ({exc}); remove it to generate new "
+                f"credentials (every device then needs its new file)"
+            ) from None
         return out
 
 
@@ -188,10 +206,15 @@ def shard_user_acl(fed: str, user: str, shard: str) -> list[str]:
     """An aggregator shard (`shard`, logged in as `user`) reads the uploads (through the shared subscription) and
     the coordinator's phase and close messages; it writes only its own progress, partial and hello, and relays
     devices' joins and metrics (and its will, `gone`)."""
-    return [f"user {user}", f"topic read {topics.up(fed, '+')}",
-            f"topic read {topics.shards(fed, 'phase')}", f"topic read {topics.shards(fed, 'close')}",
-            *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello", "gone")),
-            f"topic write {topics.shards(fed, 'relay', '+')}", ""]
+    return [
+        f"user {user}",
+        f"topic read {topics.up(fed, '+')}",
+        f"topic read {topics.shards(fed, 'phase')}",
+        f"topic read {topics.shards(fed, 'close')}",
+        *(f"topic write {topics.shards(fed, what, shard)}" for what in ("progress", "partial", "hello", "gone")),
+        f"topic write {topics.shards(fed, 'relay', '+')}",
+        "",
+    ]
 
 
 def device_acl_lines(fed: str) -> list[str]:
@@ -213,10 +236,16 @@ def core_bridge_acl(fed: str, site: str) -> list[str]:
     """What a pre-aggregated site's bridge user may do on the core broker (beyond a device's reading rights):
     carry its pre-aggregator's messages up and the coordinator's down (broker_server/site.py)."""
     me = site_shard(site)
-    return [f"topic write {topics.presence(fed, '+')}", f"topic write {topics.shards(fed, 'progress', me)}",
-            f"topic write {topics.shards(fed, 'partial', me)}", f"topic write {topics.shards(fed, 'hello', me)}",
-            f"topic write {topics.shards(fed, 'relay', '+')}", f"topic read {topics.shards(fed, 'phase')}",
-            f"topic read {topics.shards(fed, 'close')}", f"topic read {topics.down(fed, '+')}"]
+    return [
+        f"topic write {topics.presence(fed, '+')}",
+        f"topic write {topics.shards(fed, 'progress', me)}",
+        f"topic write {topics.shards(fed, 'partial', me)}",
+        f"topic write {topics.shards(fed, 'hello', me)}",
+        f"topic write {topics.shards(fed, 'relay', '+')}",
+        f"topic read {topics.shards(fed, 'phase')}",
+        f"topic read {topics.shards(fed, 'close')}",
+        f"topic read {topics.down(fed, '+')}",
+    ]
 
 
 def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregated: Iterable[str] = ()) -> str:
@@ -225,40 +254,59 @@ def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregate
     instead of the uploads)."""
     root = f"{topics.ROOT}/{fed}"
     folded_at_site = set(pre_aggregated)
-    bridges = [line for site in sorted(sites) for line in (
-        f"user {bridge_user(fed, site)}",
-        *(core_bridge_acl(fed, site) if site in folded_at_site else (
-            f"topic write {topics.up(fed, '+')}",
-            f"topic write {topics.presence(fed, '+')}",
-            f"topic read {topics.down(fed, '+')}")),  # the server's re-send requests to the site's devices
-        f"topic write {topics.site_dropped(fed, site)}",  # the site broker's drops, for the server to see
-        "")]
-    return "\n".join([
-        *device_acl_lines(fed),
-        "# the aggregator: the only user that reads uploads and writes the control topics (a device's down/ too);",
-        "# it reads the broker's dropped-messages counter to ask devices to re-send what the broker dropped",
-        f"user {server_user(fed)}",
-        f"topic readwrite {root}/#",
-        f"topic read {DROPPED_TOPIC}",
-        "",
-        "# the monitor (protofl-server status): reads the server's status and summary, writes nothing; its",
-        "# deny lines are checked before the patterns above, which would give it a device's topics",
-        f"user {monitor_user(fed)}",
-        f"topic deny {topics.up(fed, '#')}",
-        f"topic deny {topics.presence(fed, '#')}",
-        f"topic deny {topics.config(fed)}",
-        f"topic deny {topics.public(fed)}",
-        f"topic deny {topics.round_(fed)}",
-        f"topic deny {topics.down(fed, '#')}",
-        f"topic read {topics.server_status(fed)}",
-        f"topic read {topics.server_summary(fed)}",
-        "",
-        *(["# site brokers' bridges (broker-config --bridge): they carry their devices' uploads and presence up",
-           "# (each site broker lets a device write only its own topics) and read what devices read", ""]
-          if bridges else []),
-        *bridges,
-        *shard_acl(fed, shards),
-    ])
+    bridges = [
+        line
+        for site in sorted(sites)
+        for line in (
+            f"user {bridge_user(fed, site)}",
+            *(
+                core_bridge_acl(fed, site)
+                if site in folded_at_site
+                else (
+                    f"topic write {topics.up(fed, '+')}",
+                    f"topic write {topics.presence(fed, '+')}",
+                    f"topic read {topics.down(fed, '+')}",
+                )
+            ),  # the server's re-send requests to the site's devices
+            f"topic write {topics.site_dropped(fed, site)}",  # the site broker's drops, for the server to see
+            "",
+        )
+    ]
+    return "\n".join(
+        [
+            *device_acl_lines(fed),
+            "# the aggregator: the only user that reads uploads and writes the control topics (a device's down/ too);",
+            "# it reads the broker's dropped-messages counter to ask devices to re-send what the broker dropped",
+            f"user {server_user(fed)}",
+            f"topic readwrite {root}/#",
+            f"topic read {DROPPED_TOPIC}",
+            "",
+            "# the monitor (protofl-server status): reads the server's status and summary, writes nothing; its",
+            "# deny lines are checked before the patterns above, which would give it a device's topics",
+            f"user {monitor_user(fed)}",
+            f"topic deny {topics.up(fed, '#')}",
+            f"topic deny {topics.presence(fed, '#')}",
+            f"topic deny {topics.config(fed)}",
+            f"topic deny {topics.public(fed)}",
+            f"topic deny {topics.round_(fed)}",
+            f"topic deny {topics.down(fed, '#')}",
+            f"topic read {topics.server_status(fed)}",
+            f"topic read {topics.server_summary(fed)}",
+            "",
+            *(
+                [
+                    "# site brokers' bridges (broker-config --bridge): they carry their devices' "
+                    "uploads and presence up",
+                    "# (each site broker lets a device write only its own topics) and read what devices read",
+                    "",
+                ]
+                if bridges
+                else []
+            ),
+            *bridges,
+            *shard_acl(fed, shards),
+        ]
+    )
 
 
 def hash_matches(password: str, hashed: str) -> bool:
@@ -281,14 +329,19 @@ def read_hashes(path: Path) -> dict[str, str]:
     return dict(line.split(":", 1) for line in lines if ":" in line)
 
 
-def password_text(fed_secrets: FederationSecrets, known: dict[str, str] | None = None,
-                  fresh: Iterable[str] = ()) -> str:
+def password_text(
+    fed_secrets: FederationSecrets, known: dict[str, str] | None = None, fresh: Iterable[str] = ()
+) -> str:
     """The password file; users in `known` (an existing file's hashes) keep theirs when that file verifiably
     holds these secrets (the server's and the monitor's hashes match), so only new users (and `fresh` ones,
     just given a password) are hashed."""
-    users = [fed_secrets.server, fed_secrets.monitor, *(fed_secrets.bridge(s) for s in sorted(fed_secrets.bridges)),
-             *(fed_secrets.device(i) for i in sorted(fed_secrets.devices)),
-             *(Credentials(u, p) for u, p in sorted(fed_secrets.shard_passwords.items()))]
+    users = [
+        fed_secrets.server,
+        fed_secrets.monitor,
+        *(fed_secrets.bridge(s) for s in sorted(fed_secrets.bridges)),
+        *(fed_secrets.device(i) for i in sorted(fed_secrets.devices)),
+        *(Credentials(u, p) for u, p in sorted(fed_secrets.shard_passwords.items())),
+    ]
     known = dict(known or {})
     if not all(hash_matches(c.password, known.get(c.username, "")) for c in users[:2]):
         known = {}
@@ -338,9 +391,13 @@ class BrokerAuth:
         return self.directory / "monitor.json"
 
     def mosquitto_lines(self) -> list[str]:
-        return ["allow_anonymous false", f"password_file {self.password_file}", f"acl_file {self.acl_file}",
-                # A device could otherwise connect with another device's client id and take its session over.
-                "use_username_as_clientid true"]
+        return [
+            "allow_anonymous false",
+            f"password_file {self.password_file}",
+            f"acl_file {self.acl_file}",
+            # A device could otherwise connect with another device's client id and take its session over.
+            "use_username_as_clientid true",
+        ]
 
     def provision(self, ca_pem: str | None = None) -> BrokerAuth:
         """Write the plain secrets: credentials.json, monitor.json and one devices/<id>.json per device (each
@@ -356,8 +413,9 @@ class BrokerAuth:
             write_secret(self.monitor_file, monitor)
         devices_dir = self.directory / "devices"
         devices_dir.mkdir(exist_ok=True)
-        present = {name[:-len(".json")] for name in os.listdir(devices_dir) if name.endswith(".json")} \
-            if same_ca else set()
+        present = (
+            {name[: -len(".json")] for name in os.listdir(devices_dir) if name.endswith(".json")} if same_ca else set()
+        )
         for client_id in self.secrets.devices:
             if client_id not in present or client_id in self.new_devices:
                 cred = self.secrets.device(client_id)
@@ -369,15 +427,22 @@ class BrokerAuth:
         return self
 
 
-def load_or_create(directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None,
-                   shards: int = 0) -> BrokerAuth:
+def load_or_create(
+    directory: Path, fed: str, device_ids: Iterable[str] = (), ca_pem: str | None = None, shards: int = 0
+) -> BrokerAuth:
     """Read (or generate) `directory/credentials.json`, add missing device ids (and aggregator shards), write
     passwd, acl and the provisioning files. Existing passwords are kept, so provisioned devices keep working."""
     return prepare(directory, fed, device_ids, shards).provision(ca_pem)
 
 
-def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: int = 0,
-            sites: Iterable[str] = (), pre_aggregate: bool = False) -> BrokerAuth:
+def prepare(
+    directory: Path,
+    fed: str,
+    device_ids: Iterable[str] = (),
+    shards: int = 0,
+    sites: Iterable[str] = (),
+    pre_aggregate: bool = False,
+) -> BrokerAuth:
     """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges
     (`pre_aggregate`: those sites fold their uploads on a pre-aggregator; else they forward them), and write
     only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
@@ -387,8 +452,10 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: i
     if store.exists():
         fed_secrets = FederationSecrets.from_json(store.read_text(), str(store))
         if fed_secrets.fed != fed:
-            raise ConfigError(f"{store} holds credentials of federation '{fed_secrets.fed}', not '{fed}'; use "
-                              f"another --state-dir per federation")
+            raise ConfigError(
+                f"{store} holds credentials of federation '{fed_secrets.fed}', not '{fed}'; use "
+                f"another --state-dir per federation"
+            )
         added = fed_secrets.add_devices(device_ids)
     else:
         fed_secrets = FederationSecrets.create(fed)
@@ -405,8 +472,9 @@ def prepare(directory: Path, fed: str, device_ids: Iterable[str] = (), shards: i
     text = password_text(fed_secrets, known, fresh=added)
     if text != "".join(f"{user}:{hashed}\n" for user, hashed in known.items()):
         write_secret(auth.password_file, text)
-    auth.acl_file.write_text(acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges,
-                                      fed_secrets.pre_aggregators))
+    auth.acl_file.write_text(
+        acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges, fed_secrets.pre_aggregators)
+    )
     return auth
 
 

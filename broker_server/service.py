@@ -52,19 +52,25 @@ from protofl.wire import Metrics, Resend, Status, encode_message
 log = logging.getLogger("protofl.service")
 
 
-def round_line(rec: RoundRecord, metrics: dict[str, Metrics], rounds: int,
-               so_far: tuple[int, int] | None = None) -> str:
+def round_line(
+    rec: RoundRecord, metrics: dict[str, Metrics], rounds: int, so_far: tuple[int, int] | None = None
+) -> str:
     """The service's log line for a closed round: participants, accuracies (those reported), bytes, time, and
     the federation's bytes up and down through this round (`so_far`, when given)."""
     parts = [f"round {rec.round}/{rounds}: {len(rec.clients)} clients ({rec.closed_by})"]
     acc = accuracies(metrics.values())
-    for key, label in (("local_acc", "local acc"), ("local_proto_acc", "local proto acc"),
-                       ("global_acc", "global acc"), ("global_proto_acc", "global proto acc")):
+    for key, label in (
+        ("local_acc", "local acc"),
+        ("local_proto_acc", "local proto acc"),
+        ("global_acc", "global acc"),
+        ("global_proto_acc", "global proto acc"),
+    ):
         value = acc[key]
         if value is not None:
             parts.append(f"{label} {100 * value:.1f}%")
-    parts.append(f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, "
-                 f"{rec.ended - rec.started:.1f} s")
+    parts.append(
+        f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, {rec.ended - rec.started:.1f} s"
+    )
     if so_far is not None:
         parts.append(f"so far up {human_bytes(so_far[0])}, down {human_bytes(so_far[1])}")
     if rec.clip_checked:
@@ -81,10 +87,19 @@ def server_transport(broker: Broker, fed: str, *, durable: bool = False) -> Mqtt
     an upload acknowledged only once it is in the journal (manual_ack). The default client id is the server's user
     name (security.server_user): a broker that replaces client ids by user names (the generated config does) then
     leaves it as it is."""
-    will = Will(topics.server_status(fed), encode_message(Status(state="offline", detail="aggregator connection lost"),
-                                                          fed=fed, sender=SERVER_ID))
-    return MqttTransport(broker.options, broker.client_id or f"protofl-server-{fed}", will=will,
-                         persistent_session=True, deliver="pump", protocol=broker.protocol, manual_ack=durable)
+    will = Will(
+        topics.server_status(fed),
+        encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed, sender=SERVER_ID),
+    )
+    return MqttTransport(
+        broker.options,
+        broker.client_id or f"protofl-server-{fed}",
+        will=will,
+        persistent_session=True,
+        deliver="pump",
+        protocol=broker.protocol,
+        manual_ack=durable,
+    )
 
 
 class AggregatorService:
@@ -97,16 +112,27 @@ class AggregatorService:
     `protofl.transport.Connection`: `server_transport` builds the MQTT one; an in-process one runs it in a test),
     which it connects, pumps and closes."""
 
-    def __init__(self, federation: Federation, transport: Connection, *, admission: Admission | None = None,
-                 durability: Durability | None = None, sharding: Sharding | None = None,
-                 pacing: Pacing | None = None, watchers: Watchers | None = None, hooks: Hooks | None = None) -> None:
+    def __init__(
+        self,
+        federation: Federation,
+        transport: Connection,
+        *,
+        admission: Admission | None = None,
+        durability: Durability | None = None,
+        sharding: Sharding | None = None,
+        pacing: Pacing | None = None,
+        watchers: Watchers | None = None,
+        hooks: Hooks | None = None,
+    ) -> None:
         admission, durability = admission or Admission(), durability or Durability()
         sharding, pacing = sharding or Sharding(), pacing or Pacing()
         watchers, self.hooks = watchers or Watchers(), hooks or Hooks()
         cfg, fed = federation.cfg, federation.fed
         if durability.enabled and not transport.manual_ack:
-            raise ValueError("a durable aggregator acknowledges an upload only once it is journaled: its transport "
-                             "must acknowledge after the handlers (server_transport(..., durable=True))")
+            raise ValueError(
+                "a durable aggregator acknowledges an upload only once it is journaled: its transport "
+                "must acknowledge after the handlers (server_transport(..., durable=True))"
+            )
         self.fed = fed
         self.tick_interval = pacing.tick
         self._stop = threading.Event()
@@ -118,21 +144,44 @@ class AggregatorService:
         # round machine, fed by the shards' progress and partials instead of the uploads, its phases closed by
         # merging their partials. `front` is what the service starts, ticks and makes durable: the coordinator when
         # there is one, else the shell; `aggregator` is always the shell (the state the watchers read).
-        common: dict[str, Any] = dict(clock=time.time, initial_params=federation.initial_params,
-                                      public=federation.public, expected_clients=federation.expected_clients,
-                                      members=admission.members, policy=federation.policy,
-                                      max_clients=admission.max_clients, on_round_end=self._round_end,
-                                      on_metrics=self._metrics, offline_grace=federation.offline_grace,
-                                      limits=federation.limits)  # None: the aggregator derives them from the config
-        self.coordinator = (Coordinator(cfg, fed, self.transport, shards=sharding.shards, sites=sharding.sites,
-                                        shard_timeout=sharding.timeout, **common) if sharding.active else None)
+        common: dict[str, Any] = dict(
+            clock=time.time,
+            initial_params=federation.initial_params,
+            public=federation.public,
+            expected_clients=federation.expected_clients,
+            members=admission.members,
+            policy=federation.policy,
+            max_clients=admission.max_clients,
+            on_round_end=self._round_end,
+            on_metrics=self._metrics,
+            offline_grace=federation.offline_grace,
+            limits=federation.limits,
+        )  # None: the aggregator derives them from the config
+        self.coordinator = (
+            Coordinator(
+                cfg,
+                fed,
+                self.transport,
+                shards=sharding.shards,
+                sites=sharding.sites,
+                shard_timeout=sharding.timeout,
+                **common,
+            )
+            if sharding.active
+            else None
+        )
         self.aggregator = self.coordinator.shell if self.coordinator else Aggregator(cfg, fed, self.transport, **common)
         self.front: Aggregator | Coordinator = self.coordinator or self.aggregator
         state_dir = durability.state_dir
         # What watchers see (status, /metrics, the live page): snapshots built on this thread only.
-        self.watch = LiveWatch(self.aggregator, board=watchers.board, state_dir=state_dir,
-                               transport=self.transport, metrics=watchers.metrics,
-                               broker_restarts=watchers.broker_restarts)
+        self.watch = LiveWatch(
+            self.aggregator,
+            board=watchers.board,
+            state_dir=state_dir,
+            transport=self.transport,
+            metrics=watchers.metrics,
+            broker_restarts=watchers.broker_restarts,
+        )
         # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/resend.py).
         self.broker_drops = BrokerDrops()
         self.site_drops: dict[str, BrokerDrops] = {}  # each bridged site broker's counter (sites/<site>/dropped)
@@ -143,8 +192,9 @@ class AggregatorService:
         self.resumed = False
         self._connects = 0  # broker connections seen: a new one after the first makes presence stale
         if state_dir is not None:
-            self.durable = DurableState(state_dir / "aggregator", fed, fsync=durability.fsync,
-                                        group_commit=durability.group_commit)
+            self.durable = DurableState(
+                state_dir / "aggregator", fed, fsync=durability.fsync, group_commit=durability.group_commit
+            )
             self.durable.bind(self.front)
             self.durable.watch_fsync(self.watch.observe_fsync)
             if durability.group_commit:
@@ -181,8 +231,13 @@ class AggregatorService:
         self.front.start(resume=self.resumed)
         agg = self.aggregator
         quorum = len(agg.expected_clients) if agg.expected_clients else agg.cfg.min_clients
-        log.info("aggregator for federation '%s' (%s) on %s; waiting for %d client(s)", self.fed,
-                 agg.cfg.preset, self.transport.url, quorum)
+        log.info(
+            "aggregator for federation '%s' (%s) on %s; waiting for %d client(s)",
+            self.fed,
+            agg.cfg.preset,
+            self.transport.url,
+            quorum,
+        )
 
     def _await_shards(self, coordinator: Coordinator) -> None:
         """Until every shard said it is subscribed (its retained hello): devices join as soon as the federation
@@ -199,8 +254,10 @@ class AggregatorService:
             self.transport.pump(0.2)
             if time.monotonic() - said > 10:
                 said = time.monotonic()
-                log.warning("waiting for aggregator shard(s) %s (protofl-server shard --index N ...)",
-                            ", ".join(sorted(set(coordinator.shards) - seen)))
+                log.warning(
+                    "waiting for aggregator shard(s) %s (protofl-server shard --index N ...)",
+                    ", ".join(sorted(set(coordinator.shards) - seen)),
+                )
 
     def step(self, timeout: float | None = None) -> int:
         """Deliver what arrived (waiting up to `timeout`), then check deadlines; returns messages handled."""
@@ -232,8 +289,10 @@ class AggregatorService:
                 return
             if end is not None and time.monotonic() > end:
                 agg = self.aggregator
-                raise TimeoutError(f"federation '{self.fed}' did not finish within {timeout:.0f} s: round "
-                                   f"{agg.round}, {len(agg.clients)} client(s) joined, dropped {agg.dropped}")
+                raise TimeoutError(
+                    f"federation '{self.fed}' did not finish within {timeout:.0f} s: round "
+                    f"{agg.round}, {len(agg.clients)} client(s) joined, dropped {agg.dropped}"
+                )
 
     def stop(self) -> None:
         """Ask `run()` to return (thread-safe; e.g. from a signal handler)."""
@@ -244,8 +303,12 @@ class AggregatorService:
         self.round_log.poll(time.time(), force=True)
         self.watch.stopped()
         if not self.finished and self.transport.connected:
-            payload = encode_message(Status(state="stopped", detail=f"stopped in round {self.aggregator.round}"),
-                                     fed=self.fed, sender=SERVER_ID, round=self.aggregator.round)
+            payload = encode_message(
+                Status(state="stopped", detail=f"stopped in round {self.aggregator.round}"),
+                fed=self.fed,
+                sender=SERVER_ID,
+                round=self.aggregator.round,
+            )
             self.transport.publish(topics.server_status(self.fed), payload, retain=True)
         self.transport.close()
         if self.durable is not None:
@@ -262,8 +325,9 @@ class AggregatorService:
         if topic != topics.site_dropped(self.fed, site):
             return
         drops = self.site_drops.setdefault(site, BrokerDrops(from_zero=True))
-        self._drops_seen(drops.observe(payload), f"site broker '{site}'", f"broker-config --bridge {site} "
-                                                                          f"--broker-queue")
+        self._drops_seen(
+            drops.observe(payload), f"site broker '{site}'", f"broker-config --bridge {site} --broker-queue"
+        )
 
     def _on_shard_gone(self, topic: str, payload: bytes) -> None:
         """A shard's will: its session at the broker ended (it vanished --shard-timeout ago and did not come back),
@@ -277,14 +341,17 @@ class AggregatorService:
         except WireError:
             return
         agg = self.coordinator
-        if agg is None or shard not in agg.shards \
-                or topic != topics.shards(self.fed, "gone", shard):
+        if agg is None or shard not in agg.shards or topic != topics.shards(self.fed, "gone", shard):
             return  # not a shard of ours, or a will on another shard's topic
         phase = agg.machine.phase
         where = f"round {agg.round} {phase.phase.value}" if phase is not None else f"round {agg.round} (joins)"
-        log.warning("%s is gone: its session at the broker ended (--shard-timeout) with what the broker held for it "
-                    "in %s. Asking the devices that owe this phase to send again; the other shard(s) take every "
-                    "upload now (run its `protofl-server shard` command again for it to take part)", shard, where)
+        log.warning(
+            "%s is gone: its session at the broker ended (--shard-timeout) with what the broker held for it "
+            "in %s. Asking the devices that owe this phase to send again; the other shard(s) take every "
+            "upload now (run its `protofl-server shard` command again for it to take part)",
+            shard,
+            where,
+        )
         self.resender.alarm(agg.round, phase.phase.value if phase is not None else "")
         self.watch.changed()
 
@@ -294,9 +361,15 @@ class AggregatorService:
         agg = self.aggregator
         phase = agg.machine.phase
         where = f"round {agg.round} {phase.phase.value}" if phase is not None else f"round {agg.round} (joins)"
-        log.warning("%s dropped %d message(s) (%d so far, all brokers) in %s after acknowledging them: a queue was "
-                    "full (%s). Asking the devices that owe this phase to send again", who, new,
-                    self._drops_total(), where, knob)
+        log.warning(
+            "%s dropped %d message(s) (%d so far, all brokers) in %s after acknowledging them: a queue was "
+            "full (%s). Asking the devices that owe this phase to send again",
+            who,
+            new,
+            self._drops_total(),
+            where,
+            knob,
+        )
         self.resender.alarm(agg.round, phase.phase.value if phase is not None else "")
         self.watch.changed()
 
@@ -324,8 +397,11 @@ class AggregatorService:
                 log.warning("could not ask %s to re-send: %s", a.client, exc)
                 break
         if asks:
-            log.info("asked %d device(s) to re-send (%s)", len(asks), ", ".join(
-                f"{a.client} {a.ask}" for a in asks[:5]) + (", ..." if len(asks) > 5 else ""))
+            log.info(
+                "asked %d device(s) to re-send (%s)",
+                len(asks),
+                ", ".join(f"{a.client} {a.ask}" for a in asks[:5]) + (", ..." if len(asks) > 5 else ""),
+            )
             self.watch.changed()
 
     def _resend_counts(self) -> tuple[int, int]:

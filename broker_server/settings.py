@@ -102,9 +102,11 @@ class Durability:
         if self.state_dir is not None:
             object.__setattr__(self, "state_dir", Path(self.state_dir))
             if self.state_dir.exists() and not self.state_dir.is_dir():
-                raise ConfigError(f"--state-dir {self.state_dir} is a file; it takes a directory (created if "
-                                  f"missing), where the federation keeps its journal, checkpoint, broker files and "
-                                  f"credentials")
+                raise ConfigError(
+                    f"--state-dir {self.state_dir} is a file; it takes a directory (created if "
+                    f"missing), where the federation keeps its journal, checkpoint, broker files and "
+                    f"credentials"
+                )
 
     @property
     def enabled(self) -> bool:
@@ -148,8 +150,9 @@ class Pacing:
 
     def __post_init__(self) -> None:
         if not self.tick > 0 or not self.log_grace >= 0:
-            raise ConfigError(f"the service's tick must be > 0 and its log grace >= 0 seconds, got {self.tick} and "
-                              f"{self.log_grace}")
+            raise ConfigError(
+                f"the service's tick must be > 0 and its log grace >= 0 seconds, got {self.tick} and {self.log_grace}"
+            )
         if self.resend_window is not None and self.resend_window < 1:
             raise ConfigError(f"the re-send window must be at least 1 request, got {self.resend_window}")
 
@@ -210,8 +213,10 @@ class ShardSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "state_dir", Path(self.state_dir))
         if (self.index is None) == (self.site is None):
-            raise ConfigError("a shard is either --index I (on the core broker) or --site NAME (a site's "
-                              "pre-aggregator, on the site broker)")
+            raise ConfigError(
+                "a shard is either --index I (on the core broker) or --site NAME (a site's "
+                "pre-aggregator, on the site broker)"
+            )
         if self.index is not None and self.index < 0:
             raise ConfigError(f"--index must be >= 0, got {self.index}")
         if not self.timeout > 0:
@@ -231,8 +236,11 @@ class ShardSettings:
         from broker_server.security import shard_user
         from broker_server.site import site_aggregator_user
 
-        return shard_user(self.fed, self.index) if self.index is not None else \
-            site_aggregator_user(self.fed, str(self.site))
+        return (
+            shard_user(self.fed, self.index)
+            if self.index is not None
+            else site_aggregator_user(self.fed, str(self.site))
+        )
 
     @property
     def session_expiry(self) -> int:

@@ -62,8 +62,17 @@ class Shard:
     """A shard has no config of its own: the coordinator's phase message brings the federation's config,
     clipping policy, decoder limits and member list with the machine's state."""
 
-    def __init__(self, fed: str, transport: Transport, *, shard: str, state_dir: Path | str | None = None,
-                 fsync: bool = True, group_commit: bool = False, batch: bool = False) -> None:
+    def __init__(
+        self,
+        fed: str,
+        transport: Transport,
+        *,
+        shard: str,
+        state_dir: Path | str | None = None,
+        fsync: bool = True,
+        group_commit: bool = False,
+        batch: bool = False,
+    ) -> None:
         self.fed, self.transport, self.shard = fed, transport, shard
         self.limits = DEFAULT_LIMITS  # the envelope of a phase message; the federation's come with it
         self._fast = usable(self.limits)
@@ -96,8 +105,9 @@ class Shard:
         saved = read_checkpoint(self.dir / "phase.bin") if self.dir is not None else None
         if saved is not None:
             self._open(saved["payload"], persist=False)
-            log.warning("%s resumed round %d %s with %d upload(s) from its journal", self.shard, *self.where,
-                        len(self.accepted))
+            log.warning(
+                "%s resumed round %d %s with %d upload(s) from its journal", self.shard, *self.where, len(self.accepted)
+            )
         self.transport.subscribe(topics.shards(self.fed, "phase"), self.on_phase)
         self.transport.subscribe(topics.shards(self.fed, "close"), self.on_close)
         self.transport.subscribe(topics.shared_up(self.fed), self.on_message)
@@ -125,9 +135,14 @@ class Shard:
             self.finished, self.run = True, None
             return
         if _order(msg["round"], msg["phase"]) < _order(*self.where):
-            log.warning("%s: the coordinator opens round %d %s, before this shard's round %d %s: a shard's state "
-                        "dir belongs to one federation; start it with a new --state-dir for a new one", self.shard,
-                        msg["round"], msg["phase"], *self.where)
+            log.warning(
+                "%s: the coordinator opens round %d %s, before this shard's round %d %s: a shard's state "
+                "dir belongs to one federation; start it with a new --state-dir for a new one",
+                self.shard,
+                msg["round"],
+                msg["phase"],
+                *self.where,
+            )
         if _order(msg["round"], msg["phase"]) <= _order(*self.where):
             return  # the phase it already folds (the retained message again), or an older one
         self._open(payload, persist=True)
@@ -176,8 +191,9 @@ class Shard:
         mine = {(str(s), str(k)) for s, k in msg["assignment"].get(self.shard, [])}
         run = self.run if mine == set(self.accepted) else self._refold(mine)
         self.closed = True
-        self._partial_payload = shard_wire.encode("partial", shard=self.shard, round=self.where[0],
-                                                  phase=self.where[1], uploads=len(mine), part=run.partial())
+        self._partial_payload = shard_wire.encode(
+            "partial", shard=self.shard, round=self.where[0], phase=self.where[1], uploads=len(mine), part=run.partial()
+        )
         self.transport.publish(topics.shards(self.fed, "partial", self.shard), self._partial_payload, retain=True)
         log.info("%s: round %d %s partial sent (%d upload(s))", self.shard, *self.where, len(mine))
 
@@ -193,8 +209,12 @@ class Shard:
             if (rec.round, rec.phase) == self.where and (rec.client, rec.kind) in keep:
                 upload = decode_body(read_header(rec.payload, self.limits).open(), self.limits)
                 machine.run.add(Upload(rec.kind), upload)
-        log.warning("%s: round %d %s folded again without %d upload(s) the coordinator took from elsewhere",
-                    self.shard, *self.where, len(set(self.accepted) - keep))
+        log.warning(
+            "%s: round %d %s folded again without %d upload(s) the coordinator took from elsewhere",
+            self.shard,
+            *self.where,
+            len(set(self.accepted) - keep),
+        )
         return machine.run
 
     # -- devices' messages ------------------------------------------------------------------------
@@ -227,8 +247,11 @@ class Shard:
             self._hold(topic, payload, head.round, head.phase, client, head.kind)
             return
         if self.run is None or self.closed or (head.round, head.phase) != self.where:
-            raise Drop("stale", f"{head.kind} for round {head.round}/{head.phase}; this shard folds {self.where}"
-                                + (" (closed)" if self.closed else ""))
+            raise Drop(
+                "stale",
+                f"{head.kind} for round {head.round}/{head.phase}; this shard folds {self.where}"
+                + (" (closed)" if self.closed else ""),
+            )
         key = (client, head.kind)
         if key in self.accepted:
             self._progress(*key)  # the coordinator may not have heard it (a restart): idempotent
@@ -266,9 +289,16 @@ class Shard:
     def flush(self) -> None:
         """Tell the coordinator what this shard folded since the last flush: one message (a batch's worth)."""
         for start in range(0, len(self._pending), PROGRESS_BATCH):
-            self.transport.publish(topics.shards(self.fed, "progress", self.shard), shard_wire.encode(
-                "progress", shard=self.shard, round=self.where[0], phase=self.where[1],
-                entries=self._pending[start:start + PROGRESS_BATCH]))
+            self.transport.publish(
+                topics.shards(self.fed, "progress", self.shard),
+                shard_wire.encode(
+                    "progress",
+                    shard=self.shard,
+                    round=self.where[0],
+                    phase=self.where[1],
+                    entries=self._pending[start : start + PROGRESS_BATCH],
+                ),
+            )
         self._pending = []
 
     # -- helpers ----------------------------------------------------------------------------------

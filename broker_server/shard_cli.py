@@ -20,28 +20,45 @@ log = logging.getLogger("protofl.shard")
 
 
 def shard_cli(
-    broker: str = typer.Option(..., help="The coordinator's broker: mqtt://host:port, mqtts://... (or the unix "
-                                         "socket of the broker `start` spawned)."),
+    broker: str = typer.Option(
+        ...,
+        help="The coordinator's broker: mqtt://host:port, mqtts://... (or the unix "
+        "socket of the broker `start` spawned).",
+    ),
     fed: str = typer.Option("default", help="Federation name (the coordinator's --fed)."),
-    index: int | None = typer.Option(None, help="This shard's number, 0..N-1 for a coordinator started with "
-                                                "--shards N."),
-    site: str | None = typer.Option(None, help="Instead of --index: pre-aggregate site NAME's uploads on its site "
-                                               "broker (--broker; the coordinator's start --sites NAME)."),
-    state_dir: Path = typer.Option(..., "--state-dir", help="This shard's journal and open phase (run the same "
-                                   "command again after a crash: it resumes from them)."),
-    credentials: Path | None = typer.Option(None, help="The shard's credentials file: STATE_DIR/security/shards/"
-                                            "shard-INDEX.json of the coordinator's start (or broker-config "
-                                            "--shards N)."),
+    index: int | None = typer.Option(
+        None, help="This shard's number, 0..N-1 for a coordinator started with --shards N."
+    ),
+    site: str | None = typer.Option(
+        None,
+        help="Instead of --index: pre-aggregate site NAME's uploads on its site "
+        "broker (--broker; the coordinator's start --sites NAME).",
+    ),
+    state_dir: Path = typer.Option(
+        ...,
+        "--state-dir",
+        help="This shard's journal and open phase (run the same command again after a crash: it resumes from them).",
+    ),
+    credentials: Path | None = typer.Option(
+        None,
+        help="The shard's credentials file: STATE_DIR/security/shards/"
+        "shard-INDEX.json of the coordinator's start (or broker-config "
+        "--shards N).",
+    ),
     username: str | None = cli_options.USERNAME,
     password: str | None = cli_options.PASSWORD,
     tls_ca: str | None = cli_options.TLS_CA,
     tls_cert: str | None = cli_options.TLS_CERT,
     tls_key: str | None = cli_options.TLS_KEY,
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
-    shard_timeout: float = typer.Option(DEFAULT_SHARD_TIMEOUT_S, "--shard-timeout", help="The coordinator's "
-                                        "--shard-timeout (pass the same): how long the broker keeps this shard's "
-                                        "session, and routes its share of the uploads to it, while it is gone; "
-                                        "after that the other shards get every upload. Not used with --site."),
+    shard_timeout: float = typer.Option(
+        DEFAULT_SHARD_TIMEOUT_S,
+        "--shard-timeout",
+        help="The coordinator's "
+        "--shard-timeout (pass the same): how long the broker keeps this shard's "
+        "session, and routes its share of the uploads to it, while it is gone; "
+        "after that the other shards get every upload. Not used with --site.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every upload drop and phase."),
 ) -> None:
     """Fold a share of the federation's uploads for its coordinator (`start --shards N`)."""

@@ -83,8 +83,9 @@ class ShardClosing:
         s, open_ = machine.state, machine.phase
         if isinstance(inp, ShardLost):
             if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
-                raise Drop("stale", f"shard {inp.shard} lost in round {inp.round}/{inp.phase}; nothing of it is "
-                                    f"closing")
+                raise Drop(
+                    "stale", f"shard {inp.shard} lost in round {inp.round}/{inp.phase}; nothing of it is closing"
+                )
             return True
         if isinstance(inp, Partials):
             if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
@@ -102,8 +103,10 @@ class ShardClosing:
         if owner == inp.shard and (inp.round, inp.phase) == (s.round, open_.phase.value if open_ else ""):
             return False  # the same shard saying it again (it restarted): nothing new
         if open_ is not None and open_.closing and (inp.round, inp.phase) == (s.round, open_.phase.value):
-            raise Drop("closing", f"{inp.kind} of {inp.sender} from shard {inp.shard}: round {inp.round}/{inp.phase} "
-                                  f"is closing")
+            raise Drop(
+                "closing",
+                f"{inp.kind} of {inp.sender} from shard {inp.shard}: round {inp.round}/{inp.phase} is closing",
+            )
         machine.check_upload_head(inp)
         return True
 

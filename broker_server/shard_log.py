@@ -53,10 +53,11 @@ class ShardLog:
         tmp = self.path.with_name(self.path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            view = memoryview(b"".join(encode_record(r.topic, r.payload, r.client, r.kind, r.round, r.phase)
-                                       for r in records))
+            view = memoryview(
+                b"".join(encode_record(r.topic, r.payload, r.client, r.kind, r.round, r.phase) for r in records)
+            )
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -46,9 +46,17 @@ def shard_transport(settings: ShardSettings, broker: Broker) -> MqttTransport:
     uploads: its session waits as long as a device's, and it has no will."""
     expiry, gone = settings.session_expiry, gone_topic(settings)
     will = Will(gone, shard_wire.encode("gone", shard=settings.name), delay=expiry) if gone is not None else None
-    return MqttTransport(broker.options, broker.client_id or settings.user, persistent_session=True,
-                         session_expiry=expiry, will=will, resume_session=True, deliver="pump",
-                         protocol=broker.protocol, manual_ack=True)
+    return MqttTransport(
+        broker.options,
+        broker.client_id or settings.user,
+        persistent_session=True,
+        session_expiry=expiry,
+        will=will,
+        resume_session=True,
+        deliver="pump",
+        protocol=broker.protocol,
+        manual_ack=True,
+    )
 
 
 def gone_topic(settings: ShardSettings) -> str | None:
@@ -63,12 +71,21 @@ class ShardService:
         """Shard `settings.index` on the core broker, or the pre-aggregator of `settings.site` on that site's
         broker, over `transport` (shard_transport builds the MQTT one: persistent, acknowledging after the journal)."""
         if not transport.manual_ack:
-            raise ValueError("a shard acknowledges an upload only once it is journaled: its transport must "
-                             "acknowledge after the handlers (shard_transport)")
+            raise ValueError(
+                "a shard acknowledges an upload only once it is journaled: its transport must "
+                "acknowledge after the handlers (shard_transport)"
+            )
         self.transport = transport
         self._gone = gone_topic(settings)
-        self.shard = Shard(settings.fed, self.transport, shard=settings.name, state_dir=settings.state_dir,
-                           fsync=settings.fsync, group_commit=True, batch=True)
+        self.shard = Shard(
+            settings.fed,
+            self.transport,
+            shard=settings.name,
+            state_dir=settings.state_dir,
+            fsync=settings.fsync,
+            group_commit=True,
+            batch=True,
+        )
         self.transport.before_ack = self.shard.sync  # journaled before any of a batch is acknowledged
         self._stop = threading.Event()
 
@@ -79,8 +96,11 @@ class ShardService:
             self.transport.publish(self._gone, b"", retain=True)
         # After the subscriptions: the broker handles a client's packets in order, so a coordinator that
         # reads this knows the shared subscription is in place (and, the session being persistent, stays).
-        self.transport.publish(topics.shards(self.shard.fed, "hello", self.shard.shard),
-                               shard_wire.encode("hello", shard=self.shard.shard), retain=True)
+        self.transport.publish(
+            topics.shards(self.shard.fed, "hello", self.shard.shard),
+            shard_wire.encode("hello", shard=self.shard.shard),
+            retain=True,
+        )
         log.info("%s of federation '%s' on %s", self.shard.shard, self.shard.fed, self.transport.url)
 
     def run(self, until_finished: bool = True) -> None:
@@ -104,8 +124,9 @@ class ShardProcesses:
     """`start --shards N`: N `protofl-server shard` children, restarted when one dies (SIGKILL, OOM, a crash);
     one that exits 0 saw the federation finish. They die with the server (PR_SET_PDEATHSIG)."""
 
-    def __init__(self, commands: Sequence[list[str]], log_dir: Path, *, env: dict[str, str] | None = None,
-                 interval: float = 0.2) -> None:
+    def __init__(
+        self, commands: Sequence[list[str]], log_dir: Path, *, env: dict[str, str] | None = None, interval: float = 0.2
+    ) -> None:
         self.commands = list(commands)
         self.log_dir = log_dir
         self.env = env
@@ -129,8 +150,9 @@ class ShardProcesses:
     def _spawn(self, i: int) -> None:
         out = (self.log_dir / f"shard-{i}.log").open("ab")
         self._logs.append(out)
-        self.procs[i] = subprocess.Popen(self.commands[i], stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         preexec_fn=_die_with_parent)
+        self.procs[i] = subprocess.Popen(
+            self.commands[i], stdout=out, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent
+        )
 
     def _watch(self) -> None:
         while not self._stop.wait(self.interval):
@@ -138,9 +160,13 @@ class ShardProcesses:
                 if proc is None or proc.poll() is None or proc.returncode == 0 or self._stop.is_set():
                     continue
                 rc = proc.returncode
-                log.warning("aggregator shard %d (pid %d) died (%s); restarting it: it resumes from its journal "
-                            "(log: %s)", i, proc.pid, f"signal {-rc}" if rc < 0 else f"exit status {rc}",
-                            self.log_dir / f"shard-{i}.log")
+                log.warning(
+                    "aggregator shard %d (pid %d) died (%s); restarting it: it resumes from its journal (log: %s)",
+                    i,
+                    proc.pid,
+                    f"signal {-rc}" if rc < 0 else f"exit status {rc}",
+                    self.log_dir / f"shard-{i}.log",
+                )
                 self.restarts += 1
                 self._spawn(i)
 
@@ -162,13 +188,34 @@ class ShardProcesses:
             out.close()
 
 
-def shard_command(fed: str, broker_url: str, index: int, state_dir: Path, credentials: Path | None,
-                  connect_timeout: float = CONNECT_TIMEOUT_S,
-                  shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S) -> list[str]:
+def shard_command(
+    fed: str,
+    broker_url: str,
+    index: int,
+    state_dir: Path,
+    credentials: Path | None,
+    connect_timeout: float = CONNECT_TIMEOUT_S,
+    shard_timeout: float = DEFAULT_SHARD_TIMEOUT_S,
+) -> list[str]:
     """The `protofl-server shard` command line of one child (this interpreter, this package)."""
-    cmd = [sys.executable, "-m", "broker_server.cli", "shard", "--fed", fed, "--broker", broker_url,
-           "--index", str(index), "--state-dir", str(state_dir), "--connect-timeout", str(connect_timeout),
-           "--shard-timeout", f"{shard_timeout:g}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "broker_server.cli",
+        "shard",
+        "--fed",
+        fed,
+        "--broker",
+        broker_url,
+        "--index",
+        str(index),
+        "--state-dir",
+        str(state_dir),
+        "--connect-timeout",
+        str(connect_timeout),
+        "--shard-timeout",
+        f"{shard_timeout:g}",
+    ]
     return cmd + (["--credentials", str(credentials)] if credentials is not None else [])
 
 

@@ -37,8 +37,15 @@ from protofl.wire import Limits
 VERSION = 1
 KINDS = ("phase", "close", "progress", "partial", "partials", "hello", "lost", "gone")
 _FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "phase": {"round": int, "phase": str, "finished": bool, "machine": (dict, type(None)), "policy": dict,
-              "limits": dict, "members": (list, type(None))},
+    "phase": {
+        "round": int,
+        "phase": str,
+        "finished": bool,
+        "machine": (dict, type(None)),
+        "policy": dict,
+        "limits": dict,
+        "members": (list, type(None)),
+    },
     "close": {"round": int, "phase": str, "assignment": dict},
     "progress": {"shard": str, "round": int, "phase": str, "entries": list},  # [[sender, kind, nbytes], ...]
     "partial": {"shard": str, "round": int, "phase": str, "uploads": int, "part": dict},
@@ -69,8 +76,10 @@ def decode(payload: bytes, kind: str, max_bytes: int) -> dict[str, Any]:
         raise ShardWireError(f"{kind} message does not decode: {exc}") from None
     if not isinstance(msg, dict) or msg.get("v") != VERSION or msg.get("k") != kind:
         what = (msg.get("v"), msg.get("k")) if isinstance(msg, dict) else type(msg).__name__
-        raise ShardWireError(f"expected a version {VERSION} '{kind}' message, got {what}: are the shards and the "
-                             f"coordinator the same protofl version?")
+        raise ShardWireError(
+            f"expected a version {VERSION} '{kind}' message, got {what}: are the shards and the "
+            f"coordinator the same protofl version?"
+        )
     for name, tp in _FIELDS[kind].items():
         value = msg.get(name)
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -96,9 +105,15 @@ def progress_entries(msg: dict[str, Any]) -> list[tuple[str, str, int]]:
     """A progress message's uploads, checked: (sender, kind, nbytes) each."""
     out = []
     for entry in msg["entries"]:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                and isinstance(entry[1], str) and isinstance(entry[2], int) and not isinstance(entry[2], bool)
-                and entry[2] >= 0):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and isinstance(entry[0], str)
+            and isinstance(entry[1], str)
+            and isinstance(entry[2], int)
+            and not isinstance(entry[2], bool)
+            and entry[2] >= 0
+        ):
             raise ShardWireError(f"progress message: entry {entry!r} is not [sender, kind, bytes]")
         out.append((entry[0], entry[1], entry[2]))
     return out

@@ -76,10 +76,12 @@ __all__ = ["SERVER_ID", "Aggregator", "RoundRecord", "decoder_limits"]
 def decoder_limits(cfg: FederationConfig, model_values: int | None = None) -> Limits:
     """The federation's decoder limits (its largest message), known before any broker or machine exists:
     the local broker's packet limit is set from them."""
-    adapter = (layout_size(adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes))
-               if cfg.federate == "adapter" else 0)
+    adapter = (
+        layout_size(adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes))
+        if cfg.federate == "adapter"
+        else 0
+    )
     return RoundPlan.from_config(cfg).limits(model_values, adapter)
-
 
 
 # An input's journal entry: (topic, payload, client, kind, round, phase). Timers have no topic or payload: their
@@ -124,19 +126,26 @@ def _named(what: str | Head) -> str:
 
 
 class Aggregator:
-    def __init__(self, cfg: FederationConfig, fed: str, transport: Transport, *,
-                 clock: Callable[[], float] = time.time,
-                 initial_params: np.ndarray | None = None,
-                 public: PublicSet | None = None,
-                 expected_clients: Sequence[str] | None = None,
-                 limits: Limits | None = None,
-                 members: Sequence[str] | None = None,
-                 max_clients: int | None = None,
-                 policy: ClipPolicy | None = None,
-                 on_round_end: Callable[[RoundRecord], None] | None = None,
-                 on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
-                 offline_grace: float = OFFLINE_GRACE_S, closing: Closing | None = None,
-                 effects: Callable[[Effect], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        fed: str,
+        transport: Transport,
+        *,
+        clock: Callable[[], float] = time.time,
+        initial_params: np.ndarray | None = None,
+        public: PublicSet | None = None,
+        expected_clients: Sequence[str] | None = None,
+        limits: Limits | None = None,
+        members: Sequence[str] | None = None,
+        max_clients: int | None = None,
+        policy: ClipPolicy | None = None,
+        on_round_end: Callable[[RoundRecord], None] | None = None,
+        on_metrics: Callable[[str, int, Metrics, int], None] | None = None,
+        offline_grace: float = OFFLINE_GRACE_S,
+        closing: Closing | None = None,
+        effects: Callable[[Effect], None] | None = None,
+    ) -> None:
         self.fed = fed
         self.transport = transport
         self.clock = clock
@@ -145,9 +154,18 @@ class Aggregator:
         # Uploads read by msgspec's compiled schema where the `fast` extra is installed (the same messages,
         # ~2x the rate); the reference decoder reads everything else and says what is wrong with a bad one.
         self._fast = fast_reader.usable(self.limits)
-        self.machine = RoundMachine(cfg, self._encode, clock=clock, initial_params=initial_params, public=public,
-                                    expected_clients=expected_clients, policy=policy, offline_grace=offline_grace,
-                                    limits={"max_message_bytes": self.limits.max_message_bytes}, closing=closing)
+        self.machine = RoundMachine(
+            cfg,
+            self._encode,
+            clock=clock,
+            initial_params=initial_params,
+            public=public,
+            expected_clients=expected_clients,
+            policy=policy,
+            offline_grace=offline_grace,
+            limits={"max_message_bytes": self.limits.max_message_bytes},
+            closing=closing,
+        )
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
         # Told of every effect carried out live, after the shell's own part: what is composed beside the shell
@@ -285,8 +303,7 @@ class Aggregator:
             return None
         return self._judged(topic, head, nbytes, topic_client, None)
 
-    def _judged(self, topic: str, head: Head, nbytes: int, topic_client: str,
-                msg: Message | None) -> Received | None:
+    def _judged(self, topic: str, head: Head, nbytes: int, topic_client: str, msg: Message | None) -> Received | None:
         """`head`'s message as the machine's input, or None (a counted drop); its body (a `Header`'s) is
         parsed only once its envelope has passed, unless `msg` (the fast reader's) is given: then the machine's
         `accepts` makes the checks `screen` would have made before the body, with the same drops."""
@@ -299,8 +316,12 @@ class Aggregator:
             self.drop("wrong_fed", f"'{head.fed}' on federation '{self.fed}'", nbytes)
             return None
         if head.kind not in DEVICE_KINDS:
-            self.drop("unexpected_kind", f"{head.kind} from {head.sender} (round {head.round}): a device sends "
-                                          f"{', '.join(sorted(DEVICE_KINDS))} on up/", nbytes)
+            self.drop(
+                "unexpected_kind",
+                f"{head.kind} from {head.sender} (round {head.round}): a device sends "
+                f"{', '.join(sorted(DEVICE_KINDS))} on up/",
+                nbytes,
+            )
             return None
         if msg is None:
             try:
@@ -314,10 +335,17 @@ class Aggregator:
             except WireError as exc:
                 self.drop("malformed", f"{topic}: {exc}", nbytes)
                 return None
-        if isinstance(msg, Join) and self.max_clients is not None and head.sender not in self.clients \
-                and len(self.clients) >= self.max_clients:
-            self.drop("max_clients", f"join from '{head.sender}': the federation has its {self.max_clients} "
-                                      f"clients (--max-clients)", nbytes)
+        if (
+            isinstance(msg, Join)
+            and self.max_clients is not None
+            and head.sender not in self.clients
+            and len(self.clients) >= self.max_clients
+        ):
+            self.drop(
+                "max_clients",
+                f"join from '{head.sender}': the federation has its {self.max_clients} clients (--max-clients)",
+                nbytes,
+            )
             return None
         return Received(head, msg, nbytes)
 
@@ -347,8 +375,12 @@ class Aggregator:
         if msg.detail and msg.state == "online":
             # A device reports a round that failed there on its presence topic (the rest is its profile).
             (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)
-        if msg.state == "online" and self.max_clients is not None and client not in self.clients \
-                and len(self.clients) >= self.max_clients:
+        if (
+            msg.state == "online"
+            and self.max_clients is not None
+            and client not in self.clients
+            and len(self.clients) >= self.max_clients
+        ):
             return None  # its place was taken while it was away
         return Presence(client, online=msg.state == "online")
 

@@ -20,10 +20,22 @@ def bridge_topics(fed: str, site: str) -> list[str]:
     """The site bridge's `topic` lines with a pre-aggregator: device presence and the pre-aggregator's messages
     out, what the server publishes (the coordinator's phase and close too) in; `up/+` stays at the site."""
     me = site_shard(site)
-    out = [topics.presence(fed, "+"), topics.shards(fed, "progress", me), topics.shards(fed, "partial", me),
-           topics.shards(fed, "hello", me), topics.shards(fed, "relay", "+")]
-    down = [topics.config(fed), topics.public(fed), topics.round_(fed), topics.server_status(fed),
-            topics.shards(fed, "phase"), topics.shards(fed, "close"), topics.down(fed, "+")]
+    out = [
+        topics.presence(fed, "+"),
+        topics.shards(fed, "progress", me),
+        topics.shards(fed, "partial", me),
+        topics.shards(fed, "hello", me),
+        topics.shards(fed, "relay", "+"),
+    ]
+    down = [
+        topics.config(fed),
+        topics.public(fed),
+        topics.round_(fed),
+        topics.server_status(fed),
+        topics.shards(fed, "phase"),
+        topics.shards(fed, "close"),
+        topics.down(fed, "+"),
+    ]
     return [f"topic {t} out 1" for t in out] + [f"topic {t} in 1" for t in down]
 
 

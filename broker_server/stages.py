@@ -119,14 +119,22 @@ class ServerModel:
         if self.explained or not norms.clipped:
             return
         self.explained = True
-        log.warning("clipping: %d of %d %s (%s) lay farther than %.4g from the current global value and were "
-                    "scaled back onto that ball (%s). Honest uploads can be clipped too; the count is in each "
-                    "round's line. --clip off folds uploads as sent.", norms.clipped, len(norms.values),
-                    _ROWS.get(kind, "rows"), kind, self.radius(kind), self.policy.rule())
+        log.warning(
+            "clipping: %d of %d %s (%s) lay farther than %.4g from the current global value and were "
+            "scaled back onto that ball (%s). Honest uploads can be clipped too; the count is in each "
+            "round's line. --clip off folds uploads as sent.",
+            norms.clipped,
+            len(norms.values),
+            _ROWS.get(kind, "rows"),
+            kind,
+            self.radius(kind),
+            self.policy.rule(),
+        )
 
 
-def build_model(cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None,
-                initial_params: np.ndarray | None = None) -> ServerModel:
+def build_model(
+    cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None, initial_params: np.ndarray | None = None
+) -> ServerModel:
     """The server model at round 0, with the active techniques' rules attached."""
     model = ServerModel(cfg, plan, initial_params=initial_params, policy=policy or ClipPolicy())
     active = registry.active(cfg)
@@ -145,8 +153,10 @@ def check_rules(model: ServerModel) -> None:
     for phase in plan.phases:
         folded, sent = model.rules.uploads(phase), plan.sends(phase)
         if set(folded) != set(sent):
-            raise ValueError(f"the {phase.value} phase: the plan asks for {[u.value for u in sent]}, the server "
-                             f"rules fold {[u.value for u in folded]} (techniques {', '.join(plan.techniques)})")
+            raise ValueError(
+                f"the {phase.value} phase: the plan asks for {[u.value for u in sent]}, the server "
+                f"rules fold {[u.value for u in folded]} (techniques {', '.join(plan.techniques)})"
+            )
     for name, rule in model.rules.named():
         for f in state_fields(type(rule.state)) if rule.state is not None else ():
             if f.name in seen:
@@ -174,8 +184,10 @@ def check_upload(plan: RoundPlan, phase: Phase, up: ProtoUpload | ParamsUpload) 
     _check_protos(up.local, plan, "prototype")
     _check_protos(up.public, plan, "public prototype")
     if up.public is not None and up.public.classes.size and plan.public_phase is not phase:
-        raise WireError(f"public-set prototypes in the {_NAMES[phase]} phase; this federation sends them "
-                        + (f"in the {_NAMES[plan.public_phase]} phase" if plan.public_phase else "not at all"))
+        raise WireError(
+            f"public-set prototypes in the {_NAMES[phase]} phase; this federation sends them "
+            + (f"in the {_NAMES[plan.public_phase]} phase" if plan.public_phase else "not at all")
+        )
 
 
 # -- clipping: once per part of an upload, before any fold sees it ------------------------------------------
@@ -258,8 +270,9 @@ class _SetClips:
 
     def _record_seen(self) -> None:
         seen, self.seen = self.seen, []
-        self._record(seen[0] if len(seen) == 1 else (np.concatenate([n for n, _ in seen]),
-                                                     np.concatenate([d for _, d in seen])))
+        self._record(
+            seen[0] if len(seen) == 1 else (np.concatenate([n for n, _ in seen]), np.concatenate([d for _, d in seen]))
+        )
 
     def _record(self, seen: tuple[np.ndarray, np.ndarray] | None) -> None:
         if seen is not None and seen[0].shape[0]:
@@ -323,8 +336,10 @@ class _UploadClips:
             spec = declared[0][1] if declared else Clip(DEFAULT_LOGS[part])
             for f, other in declared[1:]:
                 if not (spec is other or (spec is not None and spec.same(other))):
-                    raise ValueError(f"{type(declared[0][0]).__name__} and {type(f).__name__} clip the {part.value} "
-                                     f"values of {kind.value} uploads differently; one clip per part of an upload")
+                    raise ValueError(
+                        f"{type(declared[0][0]).__name__} and {type(f).__name__} clip the {part.value} "
+                        f"values of {kind.value} uploads differently; one clip per part of an upload"
+                    )
             if spec is not None and spec.log not in _ROWS:
                 raise ValueError(f"norm log '{spec.log}' is not one of {sorted(_ROWS)}")
             specs[part] = spec
@@ -336,11 +351,12 @@ class _UploadClips:
     def view(self, up: Any) -> ClippedUpload:
         if self.sets:
             local, public = up.local, up.public
-            return ClippedUpload(self.kind, up.n_samples,
-                                 None if local is None else ClippedSet(local.classes, local.counts, local.values,
-                                                                       self.local),
-                                 None if public is None else ClippedSet(public.classes, public.counts, public.values,
-                                                                        self.public))
+            return ClippedUpload(
+                self.kind,
+                up.n_samples,
+                None if local is None else ClippedSet(local.classes, local.counts, local.values, self.local),
+                None if public is None else ClippedSet(public.classes, public.counts, public.values, self.public),
+            )
         return ClippedUpload(self.kind, up.n_samples, None, None, ClippedVector(up.update, self.update), up.base_round)
 
     def accept(self, view: ClippedUpload) -> None:
@@ -415,8 +431,10 @@ class PhaseRun:
         """What this shard folded in the phase: every fold's accumulators and the norm logs (for the clip
         counts and the next radius), as plain values and arrays."""
         self.flush()
-        logs = {kind: {"values": np.asarray(n.values, np.float64), "clipped": int(n.clipped)}
-                for kind, n in self.model.logs.items()}
+        logs = {
+            kind: {"values": np.asarray(n.values, np.float64), "clipped": int(n.clipped)}
+            for kind, n in self.model.logs.items()
+        }
         return {"folds": [f.partial() for f in self.folds], "logs": logs}
 
     def merge(self, part: Mapping[str, Any]) -> None:
@@ -438,8 +456,14 @@ class PhaseRun:
         for kind, entry in logs.items():
             entry = entry if isinstance(entry, Mapping) else {}
             values, clipped = entry.get("values"), entry.get("clipped")
-            if kind not in _ROWS or not isinstance(values, np.ndarray) or values.ndim != 1 \
-                    or not np.isfinite(values).all() or not isinstance(clipped, int) or not 0 <= clipped <= values.size:
+            if (
+                kind not in _ROWS
+                or not isinstance(values, np.ndarray)
+                or values.ndim != 1
+                or not np.isfinite(values).all()
+                or not isinstance(clipped, int)
+                or not 0 <= clipped <= values.size
+            ):
                 raise ValueError(f"a shard's norm log '{kind}' is malformed")
         for fold, theirs in zip(self.folds, folds, strict=True):
             fold.merge(theirs, check=True)

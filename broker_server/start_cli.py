@@ -44,61 +44,105 @@ log = logging.getLogger("protofl.service")
 
 
 def start_command(
-    broker: str | None = typer.Option(None, help="Join this broker (mqtt://host:port or mqtts://...). Default: "
-                                                 "start a local one (mosquitto if installed, else embedded amqtt)."),
+    broker: str | None = typer.Option(
+        None,
+        help="Join this broker (mqtt://host:port or mqtts://...). Default: "
+        "start a local one (mosquitto if installed, else embedded amqtt).",
+    ),
     fed: str = typer.Option("default", help="Federation name (topics live under protofl/{fed}/)."),
     preset: str = typer.Option("protofl", help=f"Method to run: {' | '.join(preset_names())}."),
     config: Path | None = typer.Option(None, help="TOML file of config overrides (a federation table)."),
-    min_clients: int | None = typer.Option(None, help="Clients needed to start round 1 and to close a phase at its "
-                                                      "deadline."),
-    round_timeout: float | None = typer.Option(None, help="Seconds a phase waits for uploads before closing with "
-                                                          "whoever sent."),
+    min_clients: int | None = typer.Option(
+        None, help="Clients needed to start round 1 and to close a phase at its deadline."
+    ),
+    round_timeout: float | None = typer.Option(
+        None, help="Seconds a phase waits for uploads before closing with whoever sent."
+    ),
     rounds: int | None = typer.Option(None, help="Communication rounds."),
     seed: int | None = typer.Option(None, help="Seed of the initial adapter, support masks and public set."),
-    public_data: str | None = typer.Option(None, "--public-data", help="Dataset the public set is drawn from "
-                                                                          "(presets with public-set anchors)."),
+    public_data: str | None = typer.Option(
+        None, "--public-data", help="Dataset the public set is drawn from (presets with public-set anchors)."
+    ),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
-    state_dir: Path | None = typer.Option(None, "--state-dir", help="Keep the federation here: its upload journal "
-                                             "and checkpoint (crash safe: run the same command again to resume), "
-                                             "the local broker's files, credentials, rounds.jsonl and "
-                                             "server_model.npz."),
+    state_dir: Path | None = typer.Option(
+        None,
+        "--state-dir",
+        help="Keep the federation here: its upload journal "
+        "and checkpoint (crash safe: run the same command again to resume), "
+        "the local broker's files, credentials, rounds.jsonl and "
+        "server_model.npz.",
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
-    listen: str | None = typer.Option(None, help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); "
-                                                    "0.0.0.0:1883 serves other machines."),
-    local_broker: str = typer.Option("auto", help="Local broker: auto | mosquitto | amqtt (amqtt enforces no "
-                                                  "passwords or ACL: needs --insecure)."),
-    allow: Path | None = typer.Option(None, help="Device ids allowed to join, one a line: each gets credentials, "
-                                                    "anyone else is ignored."),
-    devices: int | None = typer.Option(None, help="Without --allow: generate credentials for device-1..device-N "
-                                                     "(default: --min-clients)."),
-    tls: str = typer.Option("auto", "--tls", help="TLS on the local broker with the federation's generated CA, "
-                            "whose certificate travels in every devices/<id>.json: auto (on when --listen is beyond "
-                            "loopback) | on | off. --broker-cert/--broker-key/--tls-ca serve your own instead."),
-    broker_cert: str | None = typer.Option(None, "--broker-cert", help="TLS: the local broker's certificate (PEM; "
-                                              "its names must be the host devices connect to). Needs --broker-key "
-                                              "and --tls-ca (the CA that signed it)."),
+    listen: str | None = typer.Option(
+        None,
+        help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); 0.0.0.0:1883 serves other machines.",
+    ),
+    local_broker: str = typer.Option(
+        "auto", help="Local broker: auto | mosquitto | amqtt (amqtt enforces no passwords or ACL: needs --insecure)."
+    ),
+    allow: Path | None = typer.Option(
+        None, help="Device ids allowed to join, one a line: each gets credentials, anyone else is ignored."
+    ),
+    devices: int | None = typer.Option(
+        None, help="Without --allow: generate credentials for device-1..device-N (default: --min-clients)."
+    ),
+    tls: str = typer.Option(
+        "auto",
+        "--tls",
+        help="TLS on the local broker with the federation's generated CA, "
+        "whose certificate travels in every devices/<id>.json: auto (on when --listen is beyond "
+        "loopback) | on | off. --broker-cert/--broker-key/--tls-ca serve your own instead.",
+    ),
+    broker_cert: str | None = typer.Option(
+        None,
+        "--broker-cert",
+        help="TLS: the local broker's certificate (PEM; "
+        "its names must be the host devices connect to). Needs --broker-key "
+        "and --tls-ca (the CA that signed it).",
+    ),
     broker_key: str | None = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
-    client_ca: str | None = typer.Option(None, "--client-ca", help="TLS: require every device to present a "
-                                            "certificate signed by this CA (the server itself uses the broker's "
-                                            "unix socket)."),
+    client_ca: str | None = typer.Option(
+        None,
+        "--client-ca",
+        help="TLS: require every device to present a "
+        "certificate signed by this CA (the server itself uses the broker's "
+        "unix socket).",
+    ),
     max_clients: int | None = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
-    broker_queue: int | None = typer.Option(None, "--broker-queue", help="Messages the local broker holds for the "
-                                            "aggregator beyond those in flight (mosquitto max_queued_messages); "
-                                            "past it the broker drops them after acknowledging them to the "
-                                            "devices, and the server asks those devices to re-send, never more at "
-                                            "once than half of it holds. Default: from the fleet (devices x what "
-                                            "one sends in a phase x 2, at least 10000). With --broker: what that "
-                                            "broker's max_queued_messages is (default 10000)."),
-    offline_grace: float = typer.Option(OFFLINE_GRACE_S, help="Seconds a device whose connection dropped (its last "
-                                        "will) keeps its place in the open round before the round stops waiting "
-                                        "for it: a flaky link that reconnects within it still delivers."),
-    insecure: bool = typer.Option(False, "--insecure", help="Local broker without passwords or ACL (anyone who "
-                                  "reaches it can read uploads and publish rounds). Development only."),
-    robust: str = typer.Option("mean", help="Aggregate plain-mean prototypes and adapters with mean | median | "
-                                             "trimmed (coordinate-wise; ignores claimed sample counts)."),
-    clip_factor: float = typer.Option(10.0, help="Clip every upload to this many times the median upload norm "
-                                                 "of the previous round, around the current global value."),
+    broker_queue: int | None = typer.Option(
+        None,
+        "--broker-queue",
+        help="Messages the local broker holds for the "
+        "aggregator beyond those in flight (mosquitto max_queued_messages); "
+        "past it the broker drops them after acknowledging them to the "
+        "devices, and the server asks those devices to re-send, never more at "
+        "once than half of it holds. Default: from the fleet (devices x what "
+        "one sends in a phase x 2, at least 10000). With --broker: what that "
+        "broker's max_queued_messages is (default 10000).",
+    ),
+    offline_grace: float = typer.Option(
+        OFFLINE_GRACE_S,
+        help="Seconds a device whose connection dropped (its last "
+        "will) keeps its place in the open round before the round stops waiting "
+        "for it: a flaky link that reconnects within it still delivers.",
+    ),
+    insecure: bool = typer.Option(
+        False,
+        "--insecure",
+        help="Local broker without passwords or ACL (anyone who "
+        "reaches it can read uploads and publish rounds). Development only.",
+    ),
+    robust: str = typer.Option(
+        "mean",
+        help="Aggregate plain-mean prototypes and adapters with mean | median | "
+        "trimmed (coordinate-wise; ignores claimed sample counts).",
+    ),
+    clip_factor: float = typer.Option(
+        10.0,
+        help="Clip every upload to this many times the median upload norm "
+        "of the previous round, around the current global value.",
+    ),
     clip_first: float = typer.Option(1e4, help="The clipping radius of the first round (no statistics yet)."),
     clip: str = CLIP_OPTION,
     username: str | None = cli_options.USERNAME,
@@ -107,45 +151,83 @@ def start_command(
     tls_cert: str | None = cli_options.TLS_CERT,
     tls_key: str | None = cli_options.TLS_KEY,
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
-    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve Prometheus metrics on this port "
-                                            "(/metrics; 0 = any free port): rounds, phase, members, uploads, bytes, "
-                                            "accuracy, round durations, journal fsyncs, broker restarts."),
-    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Address of --metrics-port (0.0.0.0 lets a "
-                                     "Prometheus on another machine scrape it)."),
-    ui_port: int | None = typer.Option(None, "--ui-port", help="Serve the live page on this port (0 = any free "
-                                       "port): devices, round timeline, accuracy and bytes curves."),
-    ui_host: str = typer.Option("127.0.0.1", "--ui-host", help="Address of --ui-port; beyond loopback the page asks "
-                                "for a password (user protofl)."),
-    ui_password: str | None = typer.Option(None, "--ui-password", envvar="PROTOFL_UI_PASSWORD", help="The live "
-                                           "page's password (default beyond loopback: generated once into "
-                                           "STATE_DIR/security/ui-password)."),
-    shards: int = typer.Option(0, "--shards", help="Aggregate on N shard processes sharing the uploads (an MQTT 5 "
-                               "shared subscription), merged by this server at each phase's close: the same result "
-                               "as one aggregator, N cores. 0: one aggregator."),
-    spawn_shards: bool = typer.Option(True, "--spawn-shards/--no-spawn-shards", help="--shards N: run the shards here, "
-                                      "as children restarted when they die; --no-spawn-shards waits for N `protofl-"
-                                      "server shard` processes on other machines (their credentials: STATE_DIR/"
-                                      "security/shards/)."),
-    sites: str | None = typer.Option(None, "--sites", help="Pre-aggregated sites, NAME,...: each site's broker "
-                                     "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
-                                     "devices' uploads there and sends one partial per phase."),
-    shard_timeout: float = typer.Option(DEFAULT_SHARD_TIMEOUT_S, "--shard-timeout", help="--shards/--sites: "
-                                        "seconds a closing phase waits for a shard's partial before it closes "
-                                        "without that shard's uploads (a shard on a machine that is gone); a spawned "
-                                        "shard is restarted in seconds and resumes from its journal. Give remote "
-                                        "shards the same --shard-timeout: the broker keeps a gone shard's share of "
-                                        "the uploads this long."),
-    shard_credentials: Path | None = typer.Option(None, "--shard-credentials", help="--broker with --shards: the "
-                                                  "directory of shard-I.json credentials (broker-config --shards N "
-                                                  "writes it) the spawned shards use."),
+    metrics_port: int | None = typer.Option(
+        None,
+        "--metrics-port",
+        help="Serve Prometheus metrics on this port "
+        "(/metrics; 0 = any free port): rounds, phase, members, uploads, bytes, "
+        "accuracy, round durations, journal fsyncs, broker restarts.",
+    ),
+    metrics_host: str = typer.Option(
+        "127.0.0.1",
+        "--metrics-host",
+        help="Address of --metrics-port (0.0.0.0 lets a Prometheus on another machine scrape it).",
+    ),
+    ui_port: int | None = typer.Option(
+        None,
+        "--ui-port",
+        help="Serve the live page on this port (0 = any free "
+        "port): devices, round timeline, accuracy and bytes curves.",
+    ),
+    ui_host: str = typer.Option(
+        "127.0.0.1",
+        "--ui-host",
+        help="Address of --ui-port; beyond loopback the page asks for a password (user protofl).",
+    ),
+    ui_password: str | None = typer.Option(
+        None,
+        "--ui-password",
+        envvar="PROTOFL_UI_PASSWORD",
+        help="The live page's password (default beyond loopback: generated once into STATE_DIR/security/ui-password).",
+    ),
+    shards: int = typer.Option(
+        0,
+        "--shards",
+        help="Aggregate on N shard processes sharing the uploads (an MQTT 5 "
+        "shared subscription), merged by this server at each phase's close: the same result "
+        "as one aggregator, N cores. 0: one aggregator.",
+    ),
+    spawn_shards: bool = typer.Option(
+        True,
+        "--spawn-shards/--no-spawn-shards",
+        help="--shards N: run the shards here, "
+        "as children restarted when they die; --no-spawn-shards waits for N `protofl-"
+        "server shard` processes on other machines (their credentials: STATE_DIR/"
+        "security/shards/).",
+    ),
+    sites: str | None = typer.Option(
+        None,
+        "--sites",
+        help="Pre-aggregated sites, NAME,...: each site's broker "
+        "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
+        "devices' uploads there and sends one partial per phase.",
+    ),
+    shard_timeout: float = typer.Option(
+        DEFAULT_SHARD_TIMEOUT_S,
+        "--shard-timeout",
+        help="--shards/--sites: "
+        "seconds a closing phase waits for a shard's partial before it closes "
+        "without that shard's uploads (a shard on a machine that is gone); a spawned "
+        "shard is restarted in seconds and resumes from its journal. Give remote "
+        "shards the same --shard-timeout: the broker keeps a gone shard's share of "
+        "the uploads this long.",
+    ),
+    shard_credentials: Path | None = typer.Option(
+        None,
+        "--shard-credentials",
+        help="--broker with --shards: the "
+        "directory of shard-I.json credentials (broker-config --shards N "
+        "writes it) the spawned shards use.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("protofl.server").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
-        cfg, public = _federation(preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed,
-                                  public_data, data_dir)
+        cfg, public = _federation(
+            preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed, public_data, data_dir
+        )
         try:
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
         except ValueError as exc:
@@ -156,46 +238,85 @@ def start_command(
         admission = Admission(max_clients=max_clients)  # the members: credentials' devices or --allow, in _serve
         site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
         sharding = Sharding(shards, site_names, shard_timeout, spawn_shards, shard_credentials)
-        access = Access(listen or f"127.0.0.1:{port}", insecure, read_allow_list(allow) if allow else None, devices,
-                        max_clients, listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls), tls, client_ca,
-                        shards)
+        access = Access(
+            listen or f"127.0.0.1:{port}",
+            insecure,
+            read_allow_list(allow) if allow else None,
+            devices,
+            max_clients,
+            listener_tls(broker_cert, broker_key, client_ca, tls_ca, tls),
+            tls,
+            client_ca,
+            shards,
+        )
         access.check(external_broker=broker is not None)
-        queue = _broker_capacity(cfg, access, broker_queue, external=broker is not None,
-                                 bridged=_bridged(state_dir, access.insecure))
+        queue = _broker_capacity(
+            cfg, access, broker_queue, external=broker is not None, bridged=_bridged(state_dir, access.insecure)
+        )
         watching = Watching(metrics_host, metrics_port, ui_host, ui_port, ui_password)
         check_sharding(sharding, cfg, policy, external_broker=broker is not None, secured=username is not None)
         # The server reaches a broker of its own through that broker's unix socket: no TLS files there.
         client = ClientAuth(username, password, *((tls_ca, tls_cert, tls_key) if broker is not None else ()))
-        _serve(Start(federation, durability, admission, sharding, watching, access, client, broker, local_broker,
-                     queue, connect_timeout))
+        _serve(
+            Start(
+                federation,
+                durability,
+                admission,
+                sharding,
+                watching,
+                access,
+                client,
+                broker,
+                local_broker,
+                queue,
+                connect_timeout,
+            )
+        )
     except (ProtoFLError, TimeoutError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
 
 
-def _federation(preset: str, config: Path | None, overrides: dict[str, Any], rounds: int | None,
-                min_clients: int | None, round_timeout: float | None, seed: int | None, public_data: str | None,
-                data_dir: str | None) -> tuple[Any, Any]:
+def _federation(
+    preset: str,
+    config: Path | None,
+    overrides: dict[str, Any],
+    rounds: int | None,
+    min_clients: int | None,
+    round_timeout: float | None,
+    seed: int | None,
+    public_data: str | None,
+    data_dir: str | None,
+) -> tuple[Any, Any]:
     """The validated config and, where its plan has public classes, the public set carved exactly as the
     simulator carves it."""
     from protofl.data import load_dataset
     from protofl.data.federation import public_set
     from protofl.presets import make_config
 
-    overrides.update({k: v for k, v in dict(rounds=rounds, min_clients=min_clients, round_timeout=round_timeout,
-                                            seed=seed).items() if v is not None})
+    overrides.update(
+        {
+            k: v
+            for k, v in dict(rounds=rounds, min_clients=min_clients, round_timeout=round_timeout, seed=seed).items()
+            if v is not None
+        }
+    )
     train = None
     if public_data is not None:
-        shape = data_shape(fixed_by_user(str(config) if config else None, overrides),
-                           lambda: make_config(preset, str(config) if config else None, **overrides))
+        shape = data_shape(
+            fixed_by_user(str(config) if config else None, overrides),
+            lambda: make_config(preset, str(config) if config else None, **overrides),
+        )
         train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
     cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
     if not RoundPlan.from_config(cfg).public_classes:
         return cfg, None
     if train is None:
-        raise ConfigError(f"preset '{cfg.preset}' uses public-set anchors and needs a public set: pass --public-data "
-                          f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0")
+        raise ConfigError(
+            f"preset '{cfg.preset}' uses public-set anchors and needs a public set: pass --public-data "
+            f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
+        )
     return cfg, public_set(train, cfg)
 
 
@@ -206,8 +327,9 @@ def _bridged(state_dir: Path | None, insecure: bool) -> set[str]:
     return set() if state_dir is None or insecure else bridged_devices(state_dir / "security")
 
 
-def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, external: bool,
-                     bridged: set[str] | None = None) -> int:
+def _broker_capacity(
+    cfg: Any, access: Access, broker_queue: int | None, external: bool, bridged: set[str] | None = None
+) -> int:
     """The local broker's queue for the aggregator (--broker-queue, or sized from the fleet), after raising the
     open-file limit as far as the hard limit allows; a fleet the limit cannot hold is refused here, before
     anything is written (broker_server/capacity.py). Devices at bridged site brokers (`bridged`) count in the
@@ -223,8 +345,12 @@ def _broker_capacity(cfg: Any, access: Access, broker_queue: int | None, externa
     fleet = max(len(direct) + len(bridged), access.max_clients or 0)
     raise_open_files(max(len(direct), (access.max_clients or 0) - len(bridged)))
     queue = broker_queue or queue_for_fleet(fleet, uploads_per_phase(cfg))
-    log.info("the local broker holds up to %d messages for the aggregator (%s, fleet of %d)", queue,
-             "--broker-queue" if broker_queue else "sized from the fleet", fleet)
+    log.info(
+        "the local broker holds up to %d messages for the aggregator (%s, fleet of %d)",
+        queue,
+        "--broker-queue" if broker_queue else "sized from the fleet",
+        fleet,
+    )
     return queue
 
 
@@ -241,35 +367,52 @@ def check_sharding(sharding: Sharding, cfg: Any, policy: Any, *, external_broker
         return
     check_mergeable(cfg, policy)  # NotMergeable (a ConfigError's sibling): the reason, before anything runs
     if sharding.credentials is not None and not external_broker:
-        raise ConfigError("--shard-credentials is for --broker: the broker `start` spawns gets its shards' "
-                          "credentials generated (STATE_DIR/security/shards/)")
+        raise ConfigError(
+            "--shard-credentials is for --broker: the broker `start` spawns gets its shards' "
+            "credentials generated (STATE_DIR/security/shards/)"
+        )
     if external_broker and sharding.spawn and secured and sharding.credentials is None:
-        raise ConfigError("--shards N with --broker: pass --shard-credentials DIR (protofl-server broker-config "
-                          "--shards N writes DIR/shards/shard-I.json), or --no-spawn-shards and run "
-                          "`protofl-server shard` yourself")
+        raise ConfigError(
+            "--shards N with --broker: pass --shard-credentials DIR (protofl-server broker-config "
+            "--shards N writes DIR/shards/shard-I.json), or --no-spawn-shards and run "
+            "`protofl-server shard` yourself"
+        )
 
 
-def spawn_shards(sharding: Sharding, stack: contextlib.ExitStack, fed: str, broker_url: str, state_dir: Path | None,
-                 auth: Any, connect_timeout: float) -> Any:
+def spawn_shards(
+    sharding: Sharding,
+    stack: contextlib.ExitStack,
+    fed: str,
+    broker_url: str,
+    state_dir: Path | None,
+    auth: Any,
+    connect_timeout: float,
+) -> Any:
     """Start the shards as children of this server (restarted when they die); None unless asked to."""
     from broker_server.shard_service import ShardProcesses, child_env, shard_command
 
     if not sharding.shards or not sharding.spawn:
         return None
-    root = state_dir / "shards" if state_dir is not None else \
-        Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-shards-")))
+    root = (
+        state_dir / "shards"
+        if state_dir is not None
+        else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="protofl-shards-")))
+    )
 
     def credentials(i: int) -> Path | None:
         if auth is not None:
             return Path(auth.shard_file(i))
         return sharding.credentials / f"shard-{i}.json" if sharding.credentials is not None else None
 
-    commands = [shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout,
-                              sharding.timeout) for i in range(sharding.shards)]
+    commands = [
+        shard_command(fed, broker_url, i, root / f"shard-{i}", credentials(i), connect_timeout, sharding.timeout)
+        for i in range(sharding.shards)
+    ]
     procs = ShardProcesses(commands, root, env=child_env()).start()
     stack.callback(procs.stop)
-    log.info("%d aggregator shard(s) running (pids %s; logs in %s)", sharding.shards,
-             " ".join(map(str, procs.pids())), root)
+    log.info(
+        "%d aggregator shard(s) running (pids %s; logs in %s)", sharding.shards, " ".join(map(str, procs.pids())), root
+    )
     return procs
 
 
@@ -312,16 +455,20 @@ class Watching:
             from broker_server.watch.ui import serve_ui, ui_password
 
             loopback = is_loopback(self.ui_host)
-            password = ui_password(self.ui_password, self.ui_host, loopback,
-                                   state_dir / "security" if state_dir is not None else None)
+            password = ui_password(
+                self.ui_password, self.ui_host, loopback, state_dir / "security" if state_dir is not None else None
+            )
             endpoint = serve_ui(board, self.ui_host, self.ui_port, password)
             stack.callback(endpoint.close)
-            log.info("live page on %s%s", endpoint.url, "" if password is None else " (user protofl, password "
-                     "required)")
+            log.info(
+                "live page on %s%s", endpoint.url, "" if password is None else " (user protofl, password required)"
+            )
             if not loopback:
-                log.warning("the live page on %s speaks plain HTTP: its password crosses the network in clear; put "
-                            "it behind a TLS proxy or an SSH tunnel beyond a trusted network (SECURITY.md)",
-                            self.ui_host)
+                log.warning(
+                    "the live page on %s speaks plain HTTP: its password crosses the network in clear; put "
+                    "it behind a TLS proxy or an SSH tunnel beyond a trusted network (SECURITY.md)",
+                    self.ui_host,
+                )
         return board, metrics
 
 
@@ -345,9 +492,11 @@ class Access:
         if external_broker and self.tls_mode != "auto":
             raise ConfigError("--tls applies to the local broker; with --broker, use mqtts:// and --tls-ca")
         if self.insecure and (self.tls_mode == "on" or self.client_ca) and self.tls is None:
-            raise ConfigError("--tls on (or --client-ca) hands devices the federation CA in their credentials files, "
-                              "which --insecure does not write; drop --insecure, or serve your own certificate "
-                              "(--broker-cert/--broker-key/--tls-ca)")
+            raise ConfigError(
+                "--tls on (or --client-ca) hands devices the federation CA in their credentials files, "
+                "which --insecure does not write; drop --insecure, or serve your own certificate "
+                "(--broker-cert/--broker-key/--tls-ca)"
+            )
 
     def generated_tls(self, host: str) -> bool:
         """Whether the local broker serves TLS with the federation's generated CA: by default when it
@@ -370,8 +519,9 @@ class Access:
         return [f"device-{i}" for i in range(1, (self.devices or cfg.min_clients) + 1)]
 
 
-def listener_tls(cert: str | None, key: str | None, client_ca: str | None, tls_ca: str | None,
-                 mode: str = "auto") -> Any:
+def listener_tls(
+    cert: str | None, key: str | None, client_ca: str | None, tls_ca: str | None, mode: str = "auto"
+) -> Any:
     """The local broker's TLS listener from the operator's own files, or None (then `Access` decides on
     the generated CA). The server's own connection uses the broker's unix socket, so it needs no client
     certificate even where --client-ca requires one of every device."""
@@ -400,8 +550,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _local_broker(stack: contextlib.ExitStack, cfg: Any, fed: str, state_dir: Path | None, access: Access,
-                  local_broker: str, queue: int) -> tuple[str, MqttVersion, Any]:
+def _local_broker(
+    stack: contextlib.ExitStack,
+    cfg: Any,
+    fed: str,
+    state_dir: Path | None,
+    access: Access,
+    local_broker: str,
+    queue: int,
+) -> tuple[str, MqttVersion, Any]:
     """Start the local broker, secured unless --insecure; returns (the server's URL, protocol, BrokerAuth or
     None). The server's URL is the broker's unix socket (mosquitto), which no other process can stand in
     for. Nothing is written before the port is known to be free, and the devices' credentials files only
@@ -459,13 +616,23 @@ def _warn_exposure(access: Access, host: str, tls: Any) -> None:
         where = "on loopback only" if is_loopback(host) else f"on {host}, reachable from other machines"
         log.warning("--insecure: the broker accepts anyone %s: they can read every upload and publish rounds", where)
     if not is_loopback(host) and tls is None:
-        log.warning("listening on %s without TLS (--tls off or --insecure): passwords and uploads cross the network "
-                    "in clear, and a process that takes the broker's port while it is down gets them (SECURITY.md)",
-                    host)
+        log.warning(
+            "listening on %s without TLS (--tls off or --insecure): passwords and uploads cross the network "
+            "in clear, and a process that takes the broker's port while it is down gets them (SECURITY.md)",
+            host,
+        )
 
 
-def _start_broker(stack: contextlib.ExitStack, cfg: Any, state_dir: Path | None, access: Access, local_broker: str,
-                  auth: Any, tls: Any, queue: int) -> Any:
+def _start_broker(
+    stack: contextlib.ExitStack,
+    cfg: Any,
+    state_dir: Path | None,
+    access: Access,
+    local_broker: str,
+    auth: Any,
+    tls: Any,
+    queue: int,
+) -> Any:
     from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
     from broker_server.shell import decoder_limits
     from broker_server.supervisor import BrokerSupervisor
@@ -474,10 +641,19 @@ def _start_broker(stack: contextlib.ExitStack, cfg: Any, state_dir: Path | None,
     # The broker refuses what the aggregator's decoder would refuse anyway (plus the packet's header).
     packet = decoder_limits(cfg).max_message_bytes + PACKET_HEADROOM
     try:
-        local = start_local_broker(local_broker, port=port, host=host,  # type: ignore[arg-type]
-                                   workdir=state_dir / "broker" if state_dir else None, max_packet_size=packet,
-                                   auth_lines=auth.mosquitto_lines() if auth else (), allow_amqtt=access.insecure,
-                                   tls=tls, die_with_parent=True, local_socket=True, max_queued_messages=queue)
+        local = start_local_broker(
+            local_broker,  # type: ignore[arg-type]
+            port=port,
+            host=host,
+            workdir=state_dir / "broker" if state_dir else None,
+            max_packet_size=packet,
+            auth_lines=auth.mosquitto_lines() if auth else (),
+            allow_amqtt=access.insecure,
+            tls=tls,
+            die_with_parent=True,
+            local_socket=True,
+            max_queued_messages=queue,
+        )
     except PortInUse as exc:
         raise ConfigError(f"{exc} (to serve on any free port: --port 0)") from None
     stack.callback(getattr(local, "cleanup", local.stop))
@@ -518,16 +694,25 @@ def _announce_credentials(auth: Any, persistent: bool) -> None:
     """Tell the operator where the device credentials are (or, when they vanish at exit, show them once)."""
     new = ", ".join(auth.new_devices) or "none"
     if persistent:
-        log.info("credentials in %s (new devices: %s): give each device its devices/<id>.json and run "
-                 "protofl-edge join --credentials FILE; watchers: protofl-server status --credentials %s",
-                 auth.directory, new, auth.monitor_file)
+        log.info(
+            "credentials in %s (new devices: %s): give each device its devices/<id>.json and run "
+            "protofl-edge join --credentials FILE; watchers: protofl-server status --credentials %s",
+            auth.directory,
+            new,
+            auth.monitor_file,
+        )
         return
     lines = "\n".join(f"  {i} {auth.secrets.devices[i]}" for i in sorted(auth.secrets.devices))
     monitor = auth.secrets.monitor
-    log.warning("no --state-dir: credentials for this run only (shown once; protofl-edge join --username ID "
-                "--password PASSWORD, or --credentials with the files in %s):\n%s\nthe read-only monitor "
-                "(protofl-server status --broker URL --username %s --password PASSWORD): %s",
-                auth.directory / "devices", lines, monitor.username, monitor.password)
+    log.warning(
+        "no --state-dir: credentials for this run only (shown once; protofl-edge join --username ID "
+        "--password PASSWORD, or --credentials with the files in %s):\n%s\nthe read-only monitor "
+        "(protofl-server status --broker URL --username %s --password PASSWORD): %s",
+        auth.directory / "devices",
+        lines,
+        monitor.username,
+        monitor.password,
+    )
 
 
 @dataclass(frozen=True)
@@ -569,11 +754,15 @@ def _serve(s: Start) -> None:
                 username, password = auth.secrets.server.username, auth.secrets.server.password
                 members = sorted(auth.secrets.devices) if members is None else members
         elif username is None:
-            log.warning("joining %s without credentials: unless that broker enforces an ACL (protofl-server "
-                        "broker-config writes one), anyone on it can read uploads and publish rounds", broker)
+            log.warning(
+                "joining %s without credentials: unless that broker enforces an ACL (protofl-server "
+                "broker-config writes one), anyone on it can read uploads and publish rounds",
+                broker,
+            )
         # A broker of our own: its unix socket, no TLS files there, and no other process can stand in for it.
-        options = parse_broker_url(broker).with_auth(username, password, s.client.tls_ca, s.client.tls_cert,
-                                                     s.client.tls_key)
+        options = parse_broker_url(broker).with_auth(
+            username, password, s.client.tls_ca, s.client.tls_cert, s.client.tls_key
+        )
         link = Broker(options, protocol, connect_timeout=s.connect_timeout, queue=s.queue)
         rounds_file = None
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
@@ -586,16 +775,23 @@ def _serve(s: Start) -> None:
 
         def on_round_end(rec: Any) -> None:
             if state_dir is not None and live:  # what a device could be given now (docs/design.md section 9)
-                write_server_artifacts(live[0].aggregator.model, state_dir / "artifacts", fed=fed, round_=rec.round,
-                                       finished=rec.round >= cfg.rounds)
+                write_server_artifacts(
+                    live[0].aggregator.model,
+                    state_dir / "artifacts",
+                    fed=fed,
+                    round_=rec.round,
+                    finished=rec.round >= cfg.rounds,
+                )
 
         def on_round_logged(rec: Any, accs: dict[str, float | None], reported: int) -> None:
             """A round's line once its metrics are in (or their grace passed): bytes, clients, accuracies and how
             many clients' metrics they are over."""
             nonlocal logged
             if rounds_file is not None and rec.round > logged:
-                rounds_file.write(json.dumps({"fed": fed, "preset": cfg.preset, **asdict(rec), **accs,
-                                              "metrics_from": reported}) + "\n")
+                rounds_file.write(
+                    json.dumps({"fed": fed, "preset": cfg.preset, **asdict(rec), **accs, "metrics_from": reported})
+                    + "\n"
+                )
                 rounds_file.flush()
                 logged = rec.round
 
@@ -603,9 +799,16 @@ def _serve(s: Start) -> None:
         hooks = Hooks(on_round_end=on_round_end, on_round_logged=on_round_logged)
         watchers = Watchers(board, metrics, broker_restarts if broker_is_ours else None)
         transport = server_transport(link, fed, durable=s.durability.enabled)
-        service = AggregatorService(s.federation, transport, admission=replace(s.admission, members=members),
-                                    durability=s.durability, sharding=s.sharding, pacing=pacing, watchers=watchers,
-                                    hooks=hooks)
+        service = AggregatorService(
+            s.federation,
+            transport,
+            admission=replace(s.admission, members=members),
+            durability=s.durability,
+            sharding=s.sharding,
+            pacing=pacing,
+            watchers=watchers,
+            hooks=hooks,
+        )
         live.append(service)
         spawn_shards(s.sharding, stack, fed, broker, state_dir, auth if broker_is_ours else None, s.connect_timeout)
 
@@ -628,11 +831,19 @@ def _serve(s: Start) -> None:
                 if rec.round not in waiting:
                     on_round_logged(rec, accuracies([]), 0)
             if service.resumed and service.finished:
-                log.warning("federation '%s' in %s finished already (%d rounds); writing its model again. For a "
-                            "new federation use another --state-dir", fed, state_dir, len(service.aggregator.records))
+                log.warning(
+                    "federation '%s' in %s finished already (%d rounds); writing its model again. For a "
+                    "new federation use another --state-dir",
+                    fed,
+                    state_dir,
+                    len(service.aggregator.records),
+                )
             if not broker_is_ours:  # for our own broker, _local_broker said how devices reach it
-                log.info("devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
-                         options.url, fed)
+                log.info(
+                    "devices join with: protofl-edge join --broker %s --fed %s --client-id ID --data PATH",
+                    options.url,
+                    fed,
+                )
             service.run()
         finally:
             for sig, handler in previous.items():
@@ -640,10 +851,20 @@ def _serve(s: Start) -> None:
             service.close()
             if state_dir is not None and started:
                 path = save_server_model(service.aggregator.model, state_dir / "server_model.npz")
-                write_server_artifacts(service.aggregator.model, state_dir / "artifacts", fed=fed,
-                                       round_=len(service.aggregator.records), finished=service.aggregator.finished)
+                write_server_artifacts(
+                    service.aggregator.model,
+                    state_dir / "artifacts",
+                    fed=fed,
+                    round_=len(service.aggregator.records),
+                    finished=service.aggregator.finished,
+                )
                 log.info("server model written to %s (deployable artifacts in %s)", path, state_dir / "artifacts")
         agg = service.aggregator
         if agg.finished:
-            log.info("federation '%s' finished: %d rounds, dropped uploads %s, clipped rows %s", fed,
-                     len(agg.records), agg.dropped or "none", agg.model.clipped or "none")
+            log.info(
+                "federation '%s' finished: %d rounds, dropped uploads %s, clipped rows %s",
+                fed,
+                len(agg.records),
+                agg.dropped or "none",
+                agg.model.clipped or "none",
+            )

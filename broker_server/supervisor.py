@@ -90,8 +90,13 @@ class BrokerSupervisor:
 
     def _report_death(self, proc: subprocess.Popen[bytes]) -> None:
         rc = proc.returncode
-        log.warning("the broker (mosquitto pid %d) died (%s); restarting it on %s. Its log: %s", proc.pid,
-                    f"signal {-rc}" if rc < 0 else f"exit status {rc}", self.broker.url, self.broker._log_tail(300))
+        log.warning(
+            "the broker (mosquitto pid %d) died (%s); restarting it on %s. Its log: %s",
+            proc.pid,
+            f"signal {-rc}" if rc < 0 else f"exit status {rc}",
+            self.broker.url,
+            self.broker._log_tail(300),
+        )
         if rc != 0 and self.broker.db_path.exists():
             aside = self.broker.db_path.with_name(f"mosquitto.db.stale-{int(time.time())}")
             self.broker.db_path.replace(aside)
@@ -112,11 +117,18 @@ class BrokerSupervisor:
 
     def _squatter_warning(self) -> str:
         b = self.broker
-        devices = ("devices that reconnect refuse it unless its certificate is signed by the broker's CA" if b.tls
-                   else "devices that reconnect (no TLS) may send it their user names and passwords and take "
-                        "its messages for the server's")
-        server = (f"this server reaches its broker only through {b.socket_path} and never talks to that process"
-                  if b.socket_path else "this server's own reconnects go to that port too")
-        return (f"could not restart the broker: another process took its port {b.port} on {b.host} while it was "
-                f"down; {devices}; {server}. Stop that process (ss -ltnp 'sport = :{b.port}' names it)")
-
+        devices = (
+            "devices that reconnect refuse it unless its certificate is signed by the broker's CA"
+            if b.tls
+            else "devices that reconnect (no TLS) may send it their user names and passwords and take "
+            "its messages for the server's"
+        )
+        server = (
+            f"this server reaches its broker only through {b.socket_path} and never talks to that process"
+            if b.socket_path
+            else "this server's own reconnects go to that port too"
+        )
+        return (
+            f"could not restart the broker: another process took its port {b.port} on {b.host} while it was "
+            f"down; {devices}; {server}. Stop that process (ss -ltnp 'sport = :{b.port}' names it)"
+        )

@@ -122,9 +122,16 @@ class _Step:
     finished: bool = False
 
     def outcome(self, changed: bool = False, trained: bool = False) -> Outcome:
-        return Outcome(sends=tuple(self.sends), drops=tuple(self.drops), failure=self.failure,
-                       artifacts=self.artifacts, configured=self.configured, finished=self.finished, changed=changed,
-                       trained=trained)
+        return Outcome(
+            sends=tuple(self.sends),
+            drops=tuple(self.drops),
+            failure=self.failure,
+            artifacts=self.artifacts,
+            configured=self.configured,
+            finished=self.finished,
+            changed=changed,
+            trained=trained,
+        )
 
 
 class EdgeAgent:
@@ -136,11 +143,22 @@ class EdgeAgent:
     a broker that may lose them; the in-process simulator loses nothing). `artifacts_at`: the moments whose
     deployable artifacts the outcomes carry."""
 
-    def __init__(self, client_id: str, fed: str, data: ClientData, *,
-                 arch: str | None = None, profile: str = "", device: str = "cpu",
-                 eval_every: int = 1, test_every: int | None = None, extractor: str = "torch",
-                 clock: RoundClock | None = None, resends: bool = False,
-                 artifacts_at: Collection[ArtifactMoment] = ()) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        fed: str,
+        data: ClientData,
+        *,
+        arch: str | None = None,
+        profile: str = "",
+        device: str = "cpu",
+        eval_every: int = 1,
+        test_every: int | None = None,
+        extractor: str = "torch",
+        clock: RoundClock | None = None,
+        resends: bool = False,
+        artifacts_at: Collection[ArtifactMoment] = (),
+    ) -> None:
         self.client_id = client_id
         self.fed = fed
         self.data = data
@@ -209,8 +227,16 @@ class EdgeAgent:
     def join(self) -> Outcome:
         """Join the federation: the carrier sends it once the server is up (and again when the server asks)."""
         with self._input() as step:
-            self._send(Join(arch=self.arch or "", n_samples=len(self.data.y_train), profile=self.profile,
-                            agent_version=AGENT_VERSION), round_=0, phase="")
+            self._send(
+                Join(
+                    arch=self.arch or "",
+                    n_samples=len(self.data.y_train),
+                    profile=self.profile,
+                    agent_version=AGENT_VERSION,
+                ),
+                round_=0,
+                phase="",
+            )
             return step.outcome()
 
     def receive(self, topic: str, payload: bytes, *, recv_t: float | None = None) -> Outcome:
@@ -227,8 +253,16 @@ class EdgeAgent:
                 return step.outcome()
             return self.handle(topic, env, msg, len(payload), recv_t=recv_t)
 
-    def handle(self, topic: str, env: Envelope, msg: Message, nbytes: int, *, recv_t: float | None = None,
-               config: DeviceConfig | None = None) -> Outcome:
+    def handle(
+        self,
+        topic: str,
+        env: Envelope,
+        msg: Message,
+        nbytes: int,
+        *,
+        recv_t: float | None = None,
+        config: DeviceConfig | None = None,
+    ) -> Outcome:
         """A decoded message from the server. `config`: what `read_config` read from this Config message already
         (the runner reads the first config itself: the device's data depends on it)."""
         with self._input() as step:
@@ -252,8 +286,10 @@ class EdgeAgent:
                 self.on_public(msg)
             elif isinstance(msg, RoundStart):
                 self.on_round(env, msg)
-            return step.outcome(changed=isinstance(msg, RoundStart) and self.handled != handled,
-                                trained=self.stats.rounds_trained != trained)
+            return step.outcome(
+                changed=isinstance(msg, RoundStart) and self.handled != handled,
+                trained=self.stats.rounds_trained != trained,
+            )
 
     def resend(self, ask: str, round_: int, phase: str) -> Outcome:
         """The server asks again (edge_agent/resend.py read and rate-limited its request) for what the broker may
@@ -290,8 +326,9 @@ class EdgeAgent:
     def _again(self, sends: tuple[Send, ...], why: str) -> Outcome:
         """`sends` once more, still not before their round's release time (a profile's emulated compute)."""
         release = (self.clock.release_t or 0.0) if self.clock is not None else 0.0
-        return Outcome(sends=tuple(dataclasses.replace(s, not_before=release) for s in sends),
-                       resent=why if sends else "")
+        return Outcome(
+            sends=tuple(dataclasses.replace(s, not_before=release) for s in sends), resent=why if sends else ""
+        )
 
     def _send(self, msg: Message, round_: int, phase: str, upload: bool = False) -> int:
         payload = encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
@@ -314,6 +351,7 @@ class EdgeAgent:
 
     def restore_sent(self, key: tuple[int, str] | None, payloads: list[tuple[str, bytes]]) -> None:
         """What a checkpoint says was sent for round message `key` (edge_agent/resume.py)."""
+
         def kind(payload: bytes) -> str:
             try:
                 return read_header(payload, self.limits).kind
@@ -350,8 +388,9 @@ class EdgeAgent:
         # reference code (PFLlib deep-copies one model per client). Backbones still diverge: they
         # are trained privately and never sent. Identical starts give the prototype spaces a common
         # origin, which cross-client anchor means need.
-        model = build_model(arch, cfg.in_shape, cfg.num_classes, cfg.proto_dim,
-                            cfg.adapter_rank, seed=cfg.seed, **options).to(self.device)
+        model = build_model(
+            arch, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed, **options
+        ).to(self.device)
         if cfg.federate == "adapter":
             mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(model)]
             theirs = [(n, tuple(s)) for n, s in msg.adapter_layout]
@@ -364,11 +403,18 @@ class EdgeAgent:
         self.objective = Objective()
         # This federation's largest messages: the round message carries our full model (FedAvg) or
         # adapter; the server's stated limit may be larger still.
-        own = self.plan.limits(layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
-                               layout_size(model_params.adapter_layout(self.model)))
+        own = self.plan.limits(
+            layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
+            layout_size(model_params.adapter_layout(self.model)),
+        )
         stated = int(msg.limits.get("max_message_bytes", 0))
-        self.limits = own if stated <= own.max_message_bytes else Limits(
-            max_message_bytes=stated, max_elements=own.max_elements, max_bin_len=max(own.max_bin_len, stated))
+        self.limits = (
+            own
+            if stated <= own.max_message_bytes
+            else Limits(
+                max_message_bytes=stated, max_elements=own.max_elements, max_bin_len=max(own.max_bin_len, stated)
+            )
+        )
         self.handled.clear()
         if self._step is not None:
             self._step.configured = True
@@ -387,10 +433,20 @@ class EdgeAgent:
     def context(self) -> DeviceContext:
         """What the rules may read this round."""
         assert self.cfg is not None and self.plan is not None and self.model is not None
-        return DeviceContext(cfg=self.cfg, plan=self.plan, model=self.model, device=self.device,
-                             embed=self._get_extractor().embed, x=self._x, y=self.data.y_train,
-                             public_x=self.public_x, public_y=self.public_y, masks=self.masks,
-                             global_adapter=self.global_adapter, adapter_round=self.adapter_round)
+        return DeviceContext(
+            cfg=self.cfg,
+            plan=self.plan,
+            model=self.model,
+            device=self.device,
+            embed=self._get_extractor().embed,
+            x=self._x,
+            y=self.data.y_train,
+            public_x=self.public_x,
+            public_y=self.public_y,
+            masks=self.masks,
+            global_adapter=self.global_adapter,
+            adapter_round=self.adapter_round,
+        )
 
     def _first(self, hook: str, *args: Any) -> Any:
         return first_answer(self.rules, hook, *args)
@@ -445,16 +501,23 @@ class EdgeAgent:
             self.stats.failed_rounds += 1
             if self._step is not None:
                 self._step.failure = Failure(env.round, env.phase, f"{type(exc).__name__}: {exc}")
-            self._drop("round_failed", f"round {env.round} {env.phase}: {type(exc).__name__}: {exc}; "
-                                       f"previous state restored, the round will be retried")
+            self._drop(
+                "round_failed",
+                f"round {env.round} {env.phase}: {type(exc).__name__}: {exc}; "
+                f"previous state restored, the round will be retried",
+            )
 
     def _snapshot(self) -> dict[str, Any]:
         """What handling a round changes: the model's weights and the round state kept between rounds."""
         assert self.model is not None
-        return {"model": copy.deepcopy(self.model.state_dict()),
-                **{k: copy.deepcopy(getattr(self, k)) for k in ("global_adapter", "adapter_round", "objective",
-                                                                 "_momentum")},
-                "rules": [copy.deepcopy(rule.state()) for rule in self.rules]}
+        return {
+            "model": copy.deepcopy(self.model.state_dict()),
+            **{
+                k: copy.deepcopy(getattr(self, k))
+                for k in ("global_adapter", "adapter_round", "objective", "_momentum")
+            },
+            "rules": [copy.deepcopy(rule.state()) for rule in self.rules],
+        }
 
     def _restore(self, saved: dict[str, Any]) -> None:
         assert self.model is not None
@@ -517,8 +580,11 @@ class EdgeAgent:
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
-            self._send(self._metrics(stats, with_test=scores_test_set(round_, self.test_every, cfg.rounds)), round_,
-                       Phase.TRAIN.value)
+            self._send(
+                self._metrics(stats, with_test=scores_test_set(round_, self.test_every, cfg.rounds)),
+                round_,
+                Phase.TRAIN.value,
+            )
         self._z_train = None
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
@@ -528,15 +594,17 @@ class EdgeAgent:
         if msg.targets is None or len(msg.targets.classes) == 0:
             return {}
         if msg.target_label != plan.target_label:
-            raise WireError(f"targets labelled '{msg.target_label}', but this federation's plan sends "
-                            f"'{plan.target_label}'")
+            raise WireError(
+                f"targets labelled '{msg.target_label}', but this federation's plan sends '{plan.target_label}'"
+            )
         table, _ = msg.targets.table()
         for rule in self.rules:
             table = rule.decode_targets(table)
         return table
 
-    def _train_uploads(self, round_: int, deadline: float,
-                       seen: tuple[np.ndarray, np.ndarray] | None = None) -> list[Message]:
+    def _train_uploads(
+        self, round_: int, deadline: float, seen: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> list[Message]:
         """This round's training-phase uploads, fitted to `upload_budget` where a runner set one.
 
         `seen`: the features local training saw, and their labels (cfg.proto_source == "during"): the
@@ -560,15 +628,32 @@ class EdgeAgent:
             local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
         public = self._first("public_prototypes", ctx, self.pack) if plan.public_phase is Phase.TRAIN else None
         budget = self.upload_budget(deadline) if self.upload_budget is not None else None
-        out, choice = train_uploads(plan, theta=theta, sparsifier=sparsifier, global_adapter=self.global_adapter,
-                                    base_round=round_ if plan.federate == "full" else self.adapter_round,
-                                    local=local, n=len(self.data.y_train), round_=round_, fed=self.fed,
-                                    sender=self.client_id, budget=budget, public=public)
+        out, choice = train_uploads(
+            plan,
+            theta=theta,
+            sparsifier=sparsifier,
+            global_adapter=self.global_adapter,
+            base_round=round_ if plan.federate == "full" else self.adapter_round,
+            local=local,
+            n=len(self.data.y_train),
+            round_=round_,
+            fed=self.fed,
+            sender=self.client_id,
+            budget=budget,
+            public=public,
+        )
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())
-            log.info("%s: round %d upload budget %d B: %s%s, %d B%s", self.client_id, round_, budget, choice.dt,
-                     f" K={choice.k}" if choice.k is not None else "", choice.nbytes,
-                     "" if choice.fits else " (does not fit: may miss the deadline)")
+            log.info(
+                "%s: round %d upload budget %d B: %s%s, %d B%s",
+                self.client_id,
+                round_,
+                budget,
+                choice.dt,
+                f" K={choice.k}" if choice.k is not None else "",
+                choice.nbytes,
+                "" if choice.fits else " (does not fit: may miss the deadline)",
+            )
         return out
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -593,17 +678,29 @@ class EdgeAgent:
         if own is not None:
             extra["own_proto_correct"] = float(own)
         probs, n_test, correct_test, proto_test = None, 0, 0, None
-        if (with_test and self.cfg.federate != "full"
-                and self.data.x_global is not None and self.data.y_global is not None):
+        if (
+            with_test
+            and self.cfg.federate != "full"
+            and self.data.x_global is not None
+            and self.data.y_global is not None
+        ):
             z_global = self._get_extractor().embed(self.data.x_global)
             probs = objective.probabilities(self.model, z_global)
             n_test = len(self.data.y_global)
             correct_test = int((probs.argmax(1) == self.data.y_global).sum())
             proto_test = objective.nearest_correct(z_global, self.data.y_global, probs)
-        return Metrics(n_local=len(self.data.y_test), correct_local=correct_local, n_test=n_test,
-                       correct_test=correct_test, probs=probs, train_s=stats.seconds, loss=stats.loss,
-                       extra={**self.metrics_extra, **extra},
-                       proto_correct_local=proto_local, proto_correct_test=proto_test)
+        return Metrics(
+            n_local=len(self.data.y_test),
+            correct_local=correct_local,
+            n_test=n_test,
+            correct_test=correct_test,
+            probs=probs,
+            train_s=stats.seconds,
+            loss=stats.loss,
+            extra={**self.metrics_extra, **extra},
+            proto_correct_local=proto_local,
+            proto_correct_test=proto_test,
+        )
 
     def _own_prototype_correct(self, z_local: np.ndarray) -> int | None:
         """Correct predictions on the local split by the nearest (L2) of this client's *own* prototypes, the
@@ -623,6 +720,5 @@ class EdgeAgent:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""
         assert self.cfg is not None and self.model is not None
         if self._extractor is None or self._extractor.model is not self.model:
-            self._extractor = make_extractor(self.extractor, self.model,
-                                             frozen_backbone=self.cfg.backbone == "frozen")
+            self._extractor = make_extractor(self.extractor, self.model, frozen_backbone=self.cfg.backbone == "frozen")
         return self._extractor

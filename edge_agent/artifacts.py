@@ -34,12 +34,18 @@ if TYPE_CHECKING:
 __all__ = ["DeviceArtifacts", "collect_device_artifacts", "model_spec", "write_device_artifacts"]
 
 
-def model_spec(model: ProtoNet, mean: Sequence[float] | None = None,
-               std: Sequence[float] | None = None) -> dict[str, Any]:
+def model_spec(
+    model: ProtoNet, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+) -> dict[str, Any]:
     """What rebuilds `model` (export/checkpoint.py's ModelSpec) and the normalisation its inputs had."""
-    spec: dict[str, Any] = {"arch": model.arch, "in_shape": list(model.in_shape), "num_classes": model.num_classes,
-                            "proto_dim": model.proto_dim, "adapter_rank": model.adapter.rank,
-                            "projection": model.projection is not None}
+    spec: dict[str, Any] = {
+        "arch": model.arch,
+        "in_shape": list(model.in_shape),
+        "num_classes": model.num_classes,
+        "proto_dim": model.proto_dim,
+        "adapter_rank": model.adapter.rank,
+        "projection": model.projection is not None,
+    }
     if mean is not None and std is not None:
         spec["norm_mean"], spec["norm_std"] = [float(v) for v in mean], [float(v) for v in std]
     return spec
@@ -77,16 +83,16 @@ class DeviceArtifacts:
     metric: str | None  # how the objective compares features with them (None: it classifies with the head)
     final: bool = False  # the federation had finished
 
-    def write(self, root: str | os.PathLike[str], class_names: Sequence[str] | None = None,
-              data: str | None = None) -> Path:
+    def write(
+        self, root: str | os.PathLike[str], class_names: Sequence[str] | None = None, data: str | None = None
+    ) -> Path:
         """Write ROOT/devices/<id>/; returns that folder. `data`: the spec of its data (`--data`), recorded so
         that the export tools can default to the same inputs."""
         cfg, own, counts, own_metric = self.cfg, self.own, self.counts, self.own_metric
         out = art.device_dir(root, self.client_id)
         names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
         art.write_model(out / art.MODEL, self.state, self.spec)
-        art.write_prototypes(out / art.LOCAL, own, metric=own_metric, class_names=names, source="local",
-                             counts=counts)
+        art.write_prototypes(out / art.LOCAL, own, metric=own_metric, class_names=names, source="local", counts=counts)
         targets, metric = self.targets, self.metric
         if targets and metric is not None:
             table = {int(c): np.asarray(v, np.float32) for c, v in targets.items()}
@@ -95,12 +101,25 @@ class DeviceArtifacts:
         else:
             art.write_prototypes(out / art.PROTOTYPES, own, metric=own_metric, class_names=names, source="local")
             source, metric = "local", own_metric
-        art.write_json(out / art.DEVICE, art.stamp(
-            written_by="protofl-edge join", client_id=self.client_id, fed=self.fed, preset=cfg.preset,
-            rounds_trained=self.rounds_trained, arch=self.arch, config=cfg.to_dict(), class_names=names,
-            data=data,
-            prototypes={"source": source, "metric": metric, "classes": sorted(int(c) for c in (
-                targets if source == "global" else own))}))
+        art.write_json(
+            out / art.DEVICE,
+            art.stamp(
+                written_by="protofl-edge join",
+                client_id=self.client_id,
+                fed=self.fed,
+                preset=cfg.preset,
+                rounds_trained=self.rounds_trained,
+                arch=self.arch,
+                config=cfg.to_dict(),
+                class_names=names,
+                data=data,
+                prototypes={
+                    "source": source,
+                    "metric": metric,
+                    "classes": sorted(int(c) for c in (targets if source == "global" else own)),
+                },
+            ),
+        )
         return out
 
 
@@ -111,15 +130,26 @@ def collect_device_artifacts(agent: EdgeAgent) -> DeviceArtifacts:
     state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     own, counts, own_metric = _own_prototypes(agent)
     targets = {int(c): np.array(v, copy=True) for c, v in agent.objective.table().items()}
-    return DeviceArtifacts(client_id=agent.client_id, fed=agent.fed, cfg=cfg, arch=model.arch,
-                           rounds_trained=agent.stats.rounds_trained, state=state,
-                           spec=model_spec(model, agent.data.mean, agent.data.std), own=own, counts=counts,
-                           own_metric=own_metric, targets=targets, metric=agent.objective.metric,
-                           final=agent.finished)
+    return DeviceArtifacts(
+        client_id=agent.client_id,
+        fed=agent.fed,
+        cfg=cfg,
+        arch=model.arch,
+        rounds_trained=agent.stats.rounds_trained,
+        state=state,
+        spec=model_spec(model, agent.data.mean, agent.data.std),
+        own=own,
+        counts=counts,
+        own_metric=own_metric,
+        targets=targets,
+        metric=agent.objective.metric,
+        final=agent.finished,
+    )
 
 
-def write_device_artifacts(agent: EdgeAgent, root: str | os.PathLike[str], class_names: Sequence[str] | None = None,
-                           data: str | None = None) -> Path:
+def write_device_artifacts(
+    agent: EdgeAgent, root: str | os.PathLike[str], class_names: Sequence[str] | None = None, data: str | None = None
+) -> Path:
     """Write ROOT/devices/<id>/ for `agent` (configured: it holds a model); returns that folder. `data`: the
     spec of its data (`--data`), recorded so that the export tools can default to the same inputs."""
     return collect_device_artifacts(agent).write(root, class_names, data)

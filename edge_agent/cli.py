@@ -17,8 +17,9 @@ from typer.core import TyperCommand
 from protofl.errors import ConfigError
 from protofl.requirements import TORCH_INSTALL_HINT, require_torch, torch_available
 
-app = typer.Typer(help="protofl-edge device agent: join a federation, inspect models.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="protofl-edge device agent: join a federation, inspect models.", no_args_is_help=True, add_completion=False
+)
 
 
 class TorchCommand(TyperCommand):
@@ -65,8 +66,10 @@ def models(
         shape = ()
     if len(shape) != 3:
         raise typer.BadParameter(f"c,h,w: three integers such as 1,28,28, got {in_shape!r}", param_hint="--in-shape")
-    t = Table(title=f"architectures for input {shape}, m={proto_dim}, C={classes}",
-              caption=f"also: --arch package.module:factory, or install a package registering {MODEL_GROUP}")
+    t = Table(
+        title=f"architectures for input {shape}, m={proto_dim}, C={classes}",
+        caption=f"also: --arch package.module:factory, or install a package registering {MODEL_GROUP}",
+    )
     for col in ("arch", "backbone params", "backbone d", "adapter d", "total params"):
         t.add_column(col, justify="right" if col != "arch" else "left")
     for arch in available_architectures():
@@ -75,8 +78,13 @@ def models(
         except ConfigError as exc:  # an installed model that does not build here: say why, list the rest
             t.add_row(arch, f"[red]{escape(str(exc))}[/red]", "", "", "")
             continue
-        t.add_row(arch, f"{count_parameters(m.backbone):,}", f"{m.backbone_dim:,}", f"{adapter_vector(m).shape[0]:,}",
-                  f"{count_parameters(m):,}")
+        t.add_row(
+            arch,
+            f"{count_parameters(m.backbone):,}",
+            f"{m.backbone_dim:,}",
+            f"{adapter_vector(m).shape[0]:,}",
+            f"{count_parameters(m):,}",
+        )
     Console().print(t)
 
 

@@ -93,8 +93,9 @@ class RoundClock:
             now = time.time()
             target = self.recv_t + compute / self.em.time_scale if self.em.emulate_compute else now
             self.release_t = max(now, target)
-            self.extra.update(compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t,
-                              overrun_s=max(0.0, now - target))
+            self.extra.update(
+                compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t, overrun_s=max(0.0, now - target)
+            )
         return self.release_t
 
 

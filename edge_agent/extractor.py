@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # onnxruntime is optional
 
 __all__ = ["EXTRACTORS", "Extractor", "OnnxExtractor", "TorchExtractor", "make_extractor", "weight_fingerprint"]
 
+
 class Extractor(Protocol):
     model: ProtoNet
 
@@ -98,13 +99,21 @@ class OnnxExtractor:
     that agree with torch to 1e-6 either way. Where it is unavailable (it is deprecated) dynamo is used.
     """
 
-    def __init__(self, model: ProtoNet, *, frozen_backbone: bool = False, threads: int | None = None,
-                 exporters: tuple[str, ...] = ("torchscript", "dynamo"), batch_size: int = 512) -> None:
+    def __init__(
+        self,
+        model: ProtoNet,
+        *,
+        frozen_backbone: bool = False,
+        threads: int | None = None,
+        exporters: tuple[str, ...] = ("torchscript", "dynamo"),
+        batch_size: int = 512,
+    ) -> None:
         try:
             import onnxruntime  # noqa: F401
         except ImportError:
-            raise ConfigError("extractor 'onnx' needs onnxruntime: pip install 'protofl-edge[onnx]', "
-                              "or use --extractor torch") from None
+            raise ConfigError(
+                "extractor 'onnx' needs onnxruntime: pip install 'protofl-edge[onnx]', or use --extractor torch"
+            ) from None
         self.model = model
         self.frozen_backbone = frozen_backbone
         self.threads = threads
@@ -139,8 +148,9 @@ class OnnxExtractor:
                 return
             except ExportError as exc:
                 errors.append(str(exc))
-        raise ExportError(f"could not export the {self.model.arch} {what} graph: {'; '.join(errors)}; "
-                          "use --extractor torch")
+        raise ExportError(
+            f"could not export the {self.model.arch} {what} graph: {'; '.join(errors)}; use --extractor torch"
+        )
 
     def embed(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
         out = embed_onnx(self._current_session(), _as_numpy(x), self.batch_size)
@@ -155,8 +165,9 @@ class OnnxExtractor:
         return head_probabilities(self.model, self.embed(x))
 
 
-def make_extractor(kind: str, model: ProtoNet, *, frozen_backbone: bool = False,
-                   threads: int | None = None) -> Extractor:
+def make_extractor(
+    kind: str, model: ProtoNet, *, frozen_backbone: bool = False, threads: int | None = None
+) -> Extractor:
     """``kind``: one of ``protofl.names.EXTRACTORS`` (``--extractor``)."""
     if check_extractor(kind) == "onnx":
         return OnnxExtractor(model, frozen_backbone=frozen_backbone, threads=threads)

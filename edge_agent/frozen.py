@@ -56,8 +56,9 @@ def _torch_backbone(model: ProtoNet, x: torch.Tensor, batch_size: int) -> torch.
         model.backbone.train(was)
 
 
-def compute_backbone_features(model: ProtoNet, x: torch.Tensor, backend: str = "auto", batch_size: int = 512,
-                              threads: int | None = None) -> tuple[torch.Tensor, str]:
+def compute_backbone_features(
+    model: ProtoNet, x: torch.Tensor, backend: str = "auto", batch_size: int = 512, threads: int | None = None
+) -> tuple[torch.Tensor, str]:
     """(h, backend used) for every row of ``x``; h is float32 on x's device, (n, backbone_dim)."""
     if backend not in BACKENDS:
         raise ConfigError(f"frozen backbone backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -109,9 +110,15 @@ class _CachedView:
         self.head = model.head
 
 
-def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, cfg: FederationConfig,
-                             objective: Objective, seed: int,
-                             momentum: trainer.Momentum | None = None) -> trainer.TrainStats:
+def train_on_cached_features(
+    model: ProtoNet,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    cfg: FederationConfig,
+    objective: Objective,
+    seed: int,
+    momentum: trainer.Momentum | None = None,
+) -> trainer.TrainStats:
     """``trainer.train_local`` for a frozen backbone, on cached h: same epochs, batch order, optimiser.
 
     Only stem, adapter, projection and head are optimised; the backbone's parameters get
@@ -122,8 +129,11 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
     for p in model.backbone.parameters():
         p.requires_grad_(False)
     fixed_head = objective.fixed_head
-    named = [(name, p) for name, p in model.named_parameters()
-             if not name.startswith("backbone.") and not (fixed_head and name.startswith("head."))]
+    named = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if not name.startswith("backbone.") and not (fixed_head and name.startswith("head."))
+    ]
     params = [p for _, p in named]
     for p in model.head.parameters():
         p.requires_grad_(not fixed_head)
@@ -131,5 +141,14 @@ def train_on_cached_features(model: ProtoNet, h: torch.Tensor, y: torch.Tensor, 
         p.requires_grad_(True)
     model.train()
     model.backbone.eval()
-    return trainer.sgd_epochs(_CachedView(model), params, h, y, cfg, objective, seed,  # type: ignore[arg-type]
-                              momentum=momentum, names=[name for name, _ in named])
+    return trainer.sgd_epochs(
+        _CachedView(model),  # type: ignore[arg-type]
+        params,
+        h,
+        y,
+        cfg,
+        objective,
+        seed,
+        momentum=momentum,
+        names=[name for name, _ in named],
+    )

@@ -32,18 +32,23 @@ class DeviceBudget:
 DEFAULT_BUDGET = DeviceBudget()
 
 
-def config_problem(cfg: FederationConfig, sample_shape: tuple[int, ...] | None = None,
-                   budget: DeviceBudget = DEFAULT_BUDGET) -> str | None:
+def config_problem(
+    cfg: FederationConfig, sample_shape: tuple[int, ...] | None = None, budget: DeviceBudget = DEFAULT_BUDGET
+) -> str | None:
     """Why this device cannot adopt `cfg` (None if it can): sizes it cannot afford, settings that only
     diverge, an input shape that is not its data's (when `sample_shape` is known)."""
     table = cfg.num_classes * cfg.proto_dim
     if table > budget.max_table_values:
-        return (f"num_classes * proto_dim = {cfg.num_classes} * {cfg.proto_dim} = {table:,} values a prototype "
-                f"table, over this device's {budget.max_table_values:,}")
+        return (
+            f"num_classes * proto_dim = {cfg.num_classes} * {cfg.proto_dim} = {table:,} values a prototype "
+            f"table, over this device's {budget.max_table_values:,}"
+        )
     inputs = math.prod(cfg.in_shape)
     if inputs > budget.max_input_values:
-        return (f"in_shape {tuple(cfg.in_shape)} has {inputs:,} values a sample, over this device's "
-                f"{budget.max_input_values:,}")
+        return (
+            f"in_shape {tuple(cfg.in_shape)} has {inputs:,} values a sample, over this device's "
+            f"{budget.max_input_values:,}"
+        )
     if sample_shape is not None and (shape := shape_problem(cfg, sample_shape)) is not None:
         return shape
     if not 0 < cfg.lr <= budget.max_lr:
@@ -53,8 +58,10 @@ def config_problem(cfg: FederationConfig, sample_shape: tuple[int, ...] | None =
     if not 0 <= cfg.weight_decay <= 1:
         return f"weight_decay {cfg.weight_decay} outside [0, 1]"
     if cfg.local_epochs > budget.max_local_epochs or cfg.batch_size > budget.max_batch_size:
-        return (f"local_epochs {cfg.local_epochs} / batch_size {cfg.batch_size} over this device's "
-                f"{budget.max_local_epochs} / {budget.max_batch_size}")
+        return (
+            f"local_epochs {cfg.local_epochs} / batch_size {cfg.batch_size} over this device's "
+            f"{budget.max_local_epochs} / {budget.max_batch_size}"
+        )
     return None
 
 

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from edge_agent.emulation import Emulation
 
 
-def _emulation(profile: str, adaptive: bool, share: float, time_scale: float,
-               emulate_compute: bool) -> Emulation | None:
+def _emulation(
+    profile: str, adaptive: bool, share: float, time_scale: float, emulate_compute: bool
+) -> Emulation | None:
     """--profile and its switches, checked before torch is imported (a bad profile exits 2 at once)."""
     from edge_agent.emulation import Emulation
     from protofl.profiles import parse_pair
@@ -36,61 +37,103 @@ def _emulation(profile: str, adaptive: bool, share: float, time_scale: float,
     device, link = parse_pair(profile)
     if emulate_compute and device is None:
         raise ConfigError(f"--emulate-compute needs a device profile; '{profile}' names only a link")
-    return Emulation(device=device, link=link, time_scale=time_scale, emulate_compute=emulate_compute,
-                     adaptive=adaptive and link is not None, upload_share=share)
+    return Emulation(
+        device=device,
+        link=link,
+        time_scale=time_scale,
+        emulate_compute=emulate_compute,
+        adaptive=adaptive and link is not None,
+        upload_share=share,
+    )
+
 
 def join_command(
     broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
-    fed: str | None = typer.Option(None, help="Federation name (the server's --fed; default: the one in "
-                                              "--credentials, else 'default')."),
-    client_id: str | None = typer.Option(None, "--client-id", help="This device's id (letters, digits, _ . -); "
-                                                                   "default: the user name of --credentials."),
-    data: str = typer.Option(..., help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | imagefolder:DIR | "
-                                         "csv:FILE[,label=COL] | package.module:function | an .npz/.csv file or "
-                                         "a directory; shaped to the federation's classes and in_shape."),
+    fed: str | None = typer.Option(
+        None, help="Federation name (the server's --fed; default: the one in --credentials, else 'default')."
+    ),
+    client_id: str | None = typer.Option(
+        None, "--client-id", help="This device's id (letters, digits, _ . -); default: the user name of --credentials."
+    ),
+    data: str = typer.Option(
+        ...,
+        help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | imagefolder:DIR | "
+        "csv:FILE[,label=COL] | package.module:function | an .npz/.csv file or "
+        "a directory; shaped to the federation's classes and in_shape.",
+    ),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
-    partition: str | None = typer.Option(None, help="Take client i's Dirichlet share, i/N (trials with the "
-                                                    "simulator's split)."),
+    partition: str | None = typer.Option(
+        None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split)."
+    ),
     alpha: float = typer.Option(0.5, help="Dirichlet alpha of --partition."),
     seed: int | None = typer.Option(None, help="Seed of --partition and synthetic data (default: the federation's)."),
     test_limit: int | None = typer.Option(None, help="With --partition: evaluate on the first N test samples."),
     train_limit: int | None = typer.Option(None, help="With --partition: the simulator's --train-limit."),
-    arch: str | None = typer.Option(None, help="Backbone: a built-in name (protofl-edge models), "
-                                               "package.module:factory, or an installed protofl.models name "
-                                               "(default: the federation's)."),
+    arch: str | None = typer.Option(
+        None,
+        help="Backbone: a built-in name (protofl-edge models), "
+        "package.module:factory, or an installed protofl.models name "
+        "(default: the federation's).",
+    ),
     device: str = typer.Option("auto", help="auto | cpu | cuda."),
-    profile: str = typer.Option("", help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
-                                         "names: ls profiles/ (a link profile turns on adaptive uploads)."),
-    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
-                                  help="With a link profile: fit each upload to the link and the round deadline."),
+    profile: str = typer.Option(
+        "",
+        help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
+        "names: ls profiles/ (a link profile turns on adaptive uploads).",
+    ),
+    adaptive: bool = typer.Option(
+        True,
+        "--adaptive/--no-adaptive",
+        help="With a link profile: fit each upload to the link and the round deadline.",
+    ),
     upload_share: float = typer.Option(0.8, help="Share of the time left before the deadline an upload may use."),
     time_scale: float = typer.Option(1.0, help="Simulation only: the link and clocks run this many times faster."),
-    emulate_compute: bool = typer.Option(False, "--emulate-compute", help="Simulation only: hold uploads back as "
-                                         "long as the device profile's compute factor says training takes there."),
+    emulate_compute: bool = typer.Option(
+        False,
+        "--emulate-compute",
+        help="Simulation only: hold uploads back as "
+        "long as the device profile's compute factor says training takes there.",
+    ),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
-    test_every: int | None = typer.Option(None, help="With --partition: score the official test set every N rounds "
-                                                     "(a multiple of --eval-every) and in the last; "
-                                                     "default: the last round only."),
+    test_every: int | None = typer.Option(
+        None,
+        help="With --partition: score the official test set every N rounds "
+        "(a multiple of --eval-every) and in the last; "
+        "default: the last round only.",
+    ),
     threads: int | None = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
     extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
-    state_dir: Path | None = typer.Option(None, "--state-dir", help="Keep a local checkpoint here after every "
-                                             "round (model, round state, last uploads): restarted, the device "
-                                             "resumes where it was instead of starting over. Its deployable "
-                                             "artifacts go to DIR/artifacts."),
-    artifacts: Path | None = typer.Option(None, "--artifacts", help="Write this device's deployable artifacts "
-                                             "(model, prototypes: protofl-export onnx --from reads them) here, "
-                                             "under devices/<id>/ (default: STATE_DIR/artifacts)."),
+    state_dir: Path | None = typer.Option(
+        None,
+        "--state-dir",
+        help="Keep a local checkpoint here after every "
+        "round (model, round state, last uploads): restarted, the device "
+        "resumes where it was instead of starting over. Its deployable "
+        "artifacts go to DIR/artifacts.",
+    ),
+    artifacts: Path | None = typer.Option(
+        None,
+        "--artifacts",
+        help="Write this device's deployable artifacts "
+        "(model, prototypes: protofl-export onnx --from reads them) here, "
+        "under devices/<id>/ (default: STATE_DIR/artifacts).",
+    ),
     username: str | None = cli_options.USERNAME,
     password: str | None = cli_options.PASSWORD,
-    credentials: Path | None = typer.Option(None, help="This device's credentials file (devices/<id>.json, written "
-                                                       "by protofl-server start or broker-config)."),
+    credentials: Path | None = typer.Option(
+        None,
+        help="This device's credentials file (devices/<id>.json, written by protofl-server start or broker-config).",
+    ),
     tls_ca: str | None = cli_options.TLS_CA,
     tls_cert: str | None = cli_options.TLS_CERT,
     tls_key: str | None = cli_options.TLS_KEY,
     mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
-    keepalive: int = typer.Option(30, help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
-                                           "(paho counts a message as activity only once it is complete)."),
+    keepalive: int = typer.Option(
+        30,
+        help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
+        "(paho counts a message as activity only once it is complete).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
@@ -102,10 +145,37 @@ def join_command(
         emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute)
         if not 1 <= keepalive <= 65535:
             raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
-        runner = make_runner(broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit,
-                              arch, device, profile, eval_every, threads, username, password, tls_ca, tls_cert,
-                              tls_key, mqtt, connect_timeout, extractor, emulation, keepalive, test_every, state_dir,
-                              credentials, artifacts)
+        runner = make_runner(
+            broker,
+            fed,
+            client_id,
+            data,
+            data_dir,
+            partition,
+            alpha,
+            seed,
+            test_limit,
+            train_limit,
+            arch,
+            device,
+            profile,
+            eval_every,
+            threads,
+            username,
+            password,
+            tls_ca,
+            tls_cert,
+            tls_key,
+            mqtt,
+            connect_timeout,
+            extractor,
+            emulation,
+            keepalive,
+            test_every,
+            state_dir,
+            credentials,
+            artifacts,
+        )
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -129,5 +199,3 @@ def join_command(
             signal.signal(s, handler)
     if agent is None or not agent.finished:
         raise typer.Exit(1)  # left before the federation finished
-
-

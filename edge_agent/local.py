@@ -24,8 +24,9 @@ __all__ = ["LocalDevice"]
 class LocalDevice:
     """`agent` over `transport`; `on_artifacts` gets the deployable artifacts an outcome carries."""
 
-    def __init__(self, agent: EdgeAgent, transport: Transport,
-                 on_artifacts: Callable[[DeviceArtifacts], None] | None = None) -> None:
+    def __init__(
+        self, agent: EdgeAgent, transport: Transport, on_artifacts: Callable[[DeviceArtifacts], None] | None = None
+    ) -> None:
         self.agent = agent
         self.transport = transport
         self.on_artifacts = on_artifacts

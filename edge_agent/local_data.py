@@ -67,8 +67,10 @@ def dataset_spec(data: str) -> str:
         return data
     p = Path(data)
     if not p.exists():
-        raise DataError(f"--data '{data}': not found: {p} does not exist (and it is not a dataset spec either: "
-                        f"{', '.join(DATASET_SPECS)})")
+        raise DataError(
+            f"--data '{data}': not found: {p} does not exist (and it is not a dataset spec either: "
+            f"{', '.join(DATASET_SPECS)})"
+        )
     if p.is_file() and p.suffix.lower() in (".npz", ".csv"):
         return f"{p.suffix.lower()[1:]}:{p}"
     if p.is_dir():
@@ -91,8 +93,13 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
     seed = cfg.seed if spec.seed is None else spec.seed
     x_global = y_global = None
     if spec.partition is not None:
-        train, test = load_dataset(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed,
-                                   num_classes=cfg.num_classes, in_shape=cfg.in_shape)
+        train, test = load_dataset(
+            dataset_spec(spec.data),
+            data_dir=spec.data_dir,
+            seed=seed,
+            num_classes=cfg.num_classes,
+            in_shape=cfg.in_shape,
+        )
         train = limit_train(train, spec.train_limit, seed)
         i, n = spec.partition
         part = federation_split(train, n, spec.alpha, seed, cfg).clients[i]
@@ -100,14 +107,40 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
         if spec.test_limit is not None:
             test = test.subset(np.arange(min(spec.test_limit, len(test))))
         x_global, y_global = test.normalized(), test.y
-        return ClientData(x_train=train.normalized(tr), y_train=train.y[tr], x_test=train.normalized(te),
-                          y_test=train.y[te], x_global=x_global, y_global=y_global, mean=train.mean, std=train.std)
-    train, own_test = load_source(dataset_spec(spec.data), data_dir=spec.data_dir, seed=seed, holdout=None,
-                                  num_classes=cfg.num_classes, in_shape=cfg.in_shape)
+        return ClientData(
+            x_train=train.normalized(tr),
+            y_train=train.y[tr],
+            x_test=train.normalized(te),
+            y_test=train.y[te],
+            x_global=x_global,
+            y_global=y_global,
+            mean=train.mean,
+            std=train.std,
+        )
+    train, own_test = load_source(
+        dataset_spec(spec.data),
+        data_dir=spec.data_dir,
+        seed=seed,
+        holdout=None,
+        num_classes=cfg.num_classes,
+        in_shape=cfg.in_shape,
+    )
     train = limit_train(train, spec.train_limit, seed)
     if own_test is not None:
-        return ClientData(x_train=train.normalized(), y_train=train.y, x_test=own_test.normalized(),
-                          y_test=own_test.y, mean=train.mean, std=train.std)
+        return ClientData(
+            x_train=train.normalized(),
+            y_train=train.y,
+            x_test=own_test.normalized(),
+            y_test=own_test.y,
+            mean=train.mean,
+            std=train.std,
+        )
     tr, te = split_client(np.arange(len(train)), 0.75, stable_seed(seed, client_id))
-    return ClientData(x_train=train.normalized(tr), y_train=train.y[tr], x_test=train.normalized(te),
-                      y_test=train.y[te], mean=train.mean, std=train.std)
+    return ClientData(
+        x_train=train.normalized(tr),
+        y_train=train.y[tr],
+        x_test=train.normalized(te),
+        y_test=train.y[te],
+        mean=train.mean,
+        std=train.std,
+    )

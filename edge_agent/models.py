@@ -281,9 +281,7 @@ def _tv_mobilenet_v3_small(in_shape: InShape) -> nn.Module:
 
     net = torchvision.models.mobilenet_v3_small(weights=None)
     first = net.features[0][0]
-    net.features[0][0] = nn.Conv2d(
-        in_shape[0], first.out_channels, 3, stride=1, padding=1, bias=False
-    )
+    net.features[0][0] = nn.Conv2d(in_shape[0], first.out_channels, 3, stride=1, padding=1, bias=False)
     net.classifier = nn.Identity()  # the pooled 576-channel features are h
     return OwnBackbone(net, 576)
 
@@ -316,8 +314,10 @@ else:
 
 
 MODEL_GROUP = "protofl.models"
-FACTORY_CONTRACT = ("a factory takes the input shape (channels, height, width) and returns a torch.nn.Module "
-                    "mapping (n, c, h, w) to (n, d) features")
+FACTORY_CONTRACT = (
+    "a factory takes the input shape (channels, height, width) and returns a torch.nn.Module "
+    "mapping (n, c, h, w) to (n, d) features"
+)
 
 
 def _installed_models() -> dict[str, str]:
@@ -333,8 +333,10 @@ def available_architectures() -> list[str]:
 
 def _accepted() -> str:
     installed = ", ".join(sorted(_installed_models())) or "none installed"
-    return (f"known: {', '.join(ARCHITECTURES)}; or package.module:factory ({FACTORY_CONTRACT}); or a name an "
-            f"installed package registers in the entry-point group {MODEL_GROUP} ({installed})")
+    return (
+        f"known: {', '.join(ARCHITECTURES)}; or package.module:factory ({FACTORY_CONTRACT}); or a name an "
+        f"installed package registers in the entry-point group {MODEL_GROUP} ({installed})"
+    )
 
 
 @contextlib.contextmanager
@@ -361,21 +363,28 @@ def _own_backbone(arch: str, factory: Callable[[InShape], object], shape: InShap
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 -- third-party code: report whatever it raised
-        raise ConfigError(f"architecture {arch!r}: the factory failed for input shape {shape}: "
-                          f"{type(exc).__name__}: {exc}; {FACTORY_CONTRACT}") from exc
+        raise ConfigError(
+            f"architecture {arch!r}: the factory failed for input shape {shape}: "
+            f"{type(exc).__name__}: {exc}; {FACTORY_CONTRACT}"
+        ) from exc
     if not isinstance(net, nn.Module):
-        raise ConfigError(f"architecture {arch!r}: the factory returned {type(net).__name__}, not a torch.nn.Module; "
-                          f"{_accepted()}")
+        raise ConfigError(
+            f"architecture {arch!r}: the factory returned {type(net).__name__}, not a torch.nn.Module; {_accepted()}"
+        )
     try:
         with eval_mode(net), torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = net(torch.zeros((2, *shape)))
     except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"architecture {arch!r}: a forward pass on a (2, {', '.join(map(str, shape))}) batch "
-                          f"failed: {type(exc).__name__}: {exc}; {FACTORY_CONTRACT}") from exc
+        raise ConfigError(
+            f"architecture {arch!r}: a forward pass on a (2, {', '.join(map(str, shape))}) batch "
+            f"failed: {type(exc).__name__}: {exc}; {FACTORY_CONTRACT}"
+        ) from exc
     if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != 2 or out[0].numel() < 1:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError(f"architecture {arch!r}: the backbone maps a (2, {', '.join(map(str, shape))}) batch to "
-                          f"{got}, expected a tensor (2, d) (or (2, ...), flattened); {_accepted()}")
+        raise ConfigError(
+            f"architecture {arch!r}: the backbone maps a (2, {', '.join(map(str, shape))}) batch to "
+            f"{got}, expected a tensor (2, d) (or (2, ...), flattened); {_accepted()}"
+        )
     return OwnBackbone(net, int(out[0].numel()))
 
 
@@ -385,18 +394,20 @@ def _load_factory(arch: str, target: str) -> object:
     if not module_name or not attr:
         raise ConfigError(f"architecture {arch!r}: expected package.module:factory; {_accepted()}")
     if module_name.endswith(".py"):
-        raise ConfigError(f"architecture {arch!r}: name the module, not the file: "
-                          f"{module_name[:-3].replace('/', '.')}:{attr} with its folder on PYTHONPATH")
+        raise ConfigError(
+            f"architecture {arch!r}: name the module, not the file: "
+            f"{module_name[:-3].replace('/', '.')}:{attr} with its folder on PYTHONPATH"
+        )
     try:
         obj: object = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # noqa: BLE001 -- an import runs third-party code
-        raise ConfigError(f"architecture {arch!r}: cannot load {target} ({type(exc).__name__}: {exc}); "
-                          f"{_accepted()}") from exc
+        raise ConfigError(
+            f"architecture {arch!r}: cannot load {target} ({type(exc).__name__}: {exc}); {_accepted()}"
+        ) from exc
     if not callable(obj):
-        raise ConfigError(f"architecture {arch!r}: {target} is a {type(obj).__name__}, not callable; "
-                          f"{_accepted()}")
+        raise ConfigError(f"architecture {arch!r}: {target} is a {type(obj).__name__}, not callable; {_accepted()}")
     return obj
 
 
@@ -540,6 +551,7 @@ def head_probabilities(model: ProtoNet, z: np.ndarray) -> np.ndarray:
     w = model.head.weight.detach().cpu().numpy()
     b = model.head.bias.detach().cpu().numpy()
     return softmax_rows(z @ w.T + b)
+
 
 def _check_in_shape(in_shape: tuple[int, ...]) -> InShape:
     try:

@@ -104,22 +104,46 @@ def _quiet() -> Iterator[None]:
 
 def _export_dynamo(graph: nn.Module, example: torch.Tensor, path: Path, opset: int | None) -> None:
     batch = torch.export.Dim("batch", min=1)
-    program = torch.onnx.export(graph, (example,), dynamo=True, verbose=False, opset_version=opset,
-                                input_names=["x"], output_names=["out"], dynamic_shapes=({0: batch},))
+    program = torch.onnx.export(
+        graph,
+        (example,),
+        dynamo=True,
+        verbose=False,
+        opset_version=opset,
+        input_names=["x"],
+        output_names=["out"],
+        dynamic_shapes=({0: batch},),
+    )
     if program is None:
         raise ExportError("torch.onnx.export(dynamo=True) returned no program")
     program.save(str(path), external_data=False)
 
 
 def _export_torchscript(graph: nn.Module, example: torch.Tensor, path: Path, opset: int | None) -> None:
-    torch.onnx.export(graph, (example,), str(path), dynamo=False, opset_version=min(opset or 17, LEGACY_MAX_OPSET),
-                      input_names=["x"], output_names=["out"],
-                      dynamic_axes={"x": {0: "batch"}, "out": {0: "batch"}}, do_constant_folding=True)
+    torch.onnx.export(
+        graph,
+        (example,),
+        str(path),
+        dynamo=False,
+        opset_version=min(opset or 17, LEGACY_MAX_OPSET),
+        input_names=["x"],
+        output_names=["out"],
+        dynamic_axes={"x": {0: "batch"}, "out": {0: "batch"}},
+        do_constant_folding=True,
+    )
 
 
-def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "features", opset: int | None = None,
-                mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
-                exporter: str = "auto", metadata: dict[str, str] | None = None) -> ExportInfo:
+def export_onnx(
+    model: ProtoNet,
+    out: str | os.PathLike[str],
+    *,
+    what: str = "features",
+    opset: int | None = None,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+    exporter: str = "auto",
+    metadata: dict[str, str] | None = None,
+) -> ExportInfo:
     """Export ``model`` (``what`` = features | backbone | logits) to ``out`` with a dynamic batch axis and
     metadata.
 
@@ -160,18 +184,25 @@ def export_onnx(model: ProtoNet, out: str | os.PathLike[str], *, what: str = "fe
             try:
                 _export_torchscript(graph, example, path, opset)
             except Exception as exc:  # noqa: BLE001
-                raise ExportError(f"ONNX export of {model.arch} ({what}) failed with both exporters: "
-                                  f"dynamo: {reason or 'not tried'}; torchscript: {exc}") from exc
+                raise ExportError(
+                    f"ONNX export of {model.arch} ({what}) failed with both exporters: "
+                    f"dynamo: {reason or 'not tried'}; torchscript: {exc}"
+                ) from exc
     seconds = time.perf_counter() - start
 
     proto = onnx.load(str(path))
     out_dim = {"backbone": model.backbone_dim, "logits": model.num_classes}.get(what, model.proto_dim)
     meta = {
-        "protofl_version": __version__, "what": what, "arch": model.arch,
-        "in_shape": ",".join(str(v) for v in model.in_shape), "out_dim": str(out_dim),
-        "proto_dim": str(model.proto_dim), "backbone_dim": str(model.backbone_dim),
+        "protofl_version": __version__,
+        "what": what,
+        "arch": model.arch,
+        "in_shape": ",".join(str(v) for v in model.in_shape),
+        "out_dim": str(out_dim),
+        "proto_dim": str(model.proto_dim),
+        "backbone_dim": str(model.backbone_dim),
         "num_classes": str(model.num_classes),
-        "norm_mean": ",".join(repr(float(v)) for v in mean), "norm_std": ",".join(repr(float(v)) for v in std),
+        "norm_mean": ",".join(repr(float(v)) for v in mean),
+        "norm_std": ",".join(repr(float(v)) for v in std),
         "input": "float32 (batch, c, h, w), normalised: (pixel / 255 - norm_mean) / norm_std",
         "exporter": used,
         **(metadata or {}),

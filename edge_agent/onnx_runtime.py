@@ -61,8 +61,9 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, str]:
     try:
         proto = onnx.load(str(p), load_external_data=False)
     except Exception as exc:  # noqa: BLE001 -- protobuf raises its own DecodeError for non-ONNX bytes
-        raise ConfigError(f"{p} is not an ONNX model ({type(exc).__name__}: {exc}); "
-                          "export one with `protofl-export onnx`") from None
+        raise ConfigError(
+            f"{p} is not an ONNX model ({type(exc).__name__}: {exc}); export one with `protofl-export onnx`"
+        ) from None
     return {e.key: e.value for e in proto.metadata_props}
 
 

@@ -37,9 +37,7 @@ def adapter_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _adapter_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [
-        (f"{prefix}.{name}", p)
-        for prefix, module in adapter_modules(model)
-        for name, p in module.named_parameters()
+        (f"{prefix}.{name}", p) for prefix, module in adapter_modules(model) for name, p in module.named_parameters()
     ]
 
 
@@ -49,11 +47,7 @@ def _full_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     # behaviour in eval mode and FedAvg averages them (as the reference implementations do), but
     # num_batches_tracked is an integer step counter -- averaging it is meaningless, it only matters
     # when BatchNorm momentum is None (not used here), and each client may keep its own.
-    return [
-        (name, t)
-        for name, t in model.state_dict(keep_vars=True).items()
-        if t.is_floating_point()
-    ]
+    return [(name, t) for name, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()]
 
 
 def _layout(tensors: list[tuple[str, torch.Tensor]]) -> Layout:

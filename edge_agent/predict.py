@@ -66,8 +66,10 @@ def classify(z: np.ndarray, table: PrototypeFile, metric: str) -> Labels:
     """The nearest prototype to each row of `z`: L2, or cosine (then distance = 1 - cosine similarity).
     Ties go to the lower class id, as protofl.algorithms.fedproto.nearest_prototype."""
     if z.shape[1] != table.values.shape[1]:
-        raise DataError(f"the model outputs {z.shape[1]} values but the prototypes have {table.values.shape[1]}: "
-                        "use the prototype table exported with this model")
+        raise DataError(
+            f"the model outputs {z.shape[1]} values but the prototypes have {table.values.shape[1]}: "
+            "use the prototype table exported with this model"
+        )
     order = np.argsort(table.classes, kind="stable")
     classes, protos = table.classes[order], table.values[order].astype(np.float64)
     z64 = z.astype(np.float64)
@@ -89,8 +91,14 @@ def _argmax(logits: np.ndarray) -> Labels:
     return Labels(best.astype(np.int64), p[np.arange(len(p)), best], "score")
 
 
-def write_labels(out: Path, fmt: str | None, names: list[str], labels: Labels, class_name: dict[int, str],
-                 truth: np.ndarray | None = None) -> None:
+def write_labels(
+    out: Path,
+    fmt: str | None,
+    names: list[str],
+    labels: Labels,
+    class_name: dict[int, str],
+    truth: np.ndarray | None = None,
+) -> None:
     """One line per sample, as CSV or JSON Lines (module docstring)."""
     fmt = fmt or ("jsonl" if out.suffix.lower() in (".jsonl", ".json", ".ndjson") else "csv")
     if fmt not in FORMATS:
@@ -98,8 +106,11 @@ def write_labels(out: Path, fmt: str | None, names: list[str], labels: Labels, c
     out.parent.mkdir(parents=True, exist_ok=True)
     keys = ["sample", "class", "class_name", labels.value_name] + (["label"] if truth is not None else [])
     triples = zip(names, labels.classes, labels.values, strict=True)
-    rows = ([n, int(c), class_name.get(int(c), str(int(c))), round(float(v), 6)]
-            + ([int(truth[i])] if truth is not None else []) for i, (n, c, v) in enumerate(triples))
+    rows = (
+        [n, int(c), class_name.get(int(c), str(int(c))), round(float(v), 6)]
+        + ([int(truth[i])] if truth is not None else [])
+        for i, (n, c, v) in enumerate(triples)
+    )
     with out.open("w", newline="") as fh:
         if fmt == "csv":
             w = csv.writer(fh)
@@ -152,24 +163,35 @@ def _labels(model: _Model, sess: InferenceSession, x: np.ndarray, table: Prototy
     return classify(out, table, metric)
 
 
-def _fit(model: _Model, sess: InferenceSession, data: str, fit_limit: int, metric: str | None,
-         table_path: Path | None) -> None:
+def _fit(
+    model: _Model, sess: InferenceSession, data: str, fit_limit: int, metric: str | None, table_path: Path | None
+) -> None:
     """--fit: a prototype table from the labelled training split of `data`, through the same graph."""
     if model.logits:
         raise DataError("--fit builds prototypes for a features graph; this one is a classifier (logits)")
     if table_path is None:
         raise DataError("--fit needs --prototypes FILE: where to write the table it builds")
-    x_tr, y_tr, ds = load_images(data, "train", fit_limit, in_shape=model.in_shape, mean=model.mean,
-                                 std=model.std)
+    x_tr, y_tr, ds = load_images(data, "train", fit_limit, in_shape=model.in_shape, mean=model.mean, std=model.std)
     z_tr = embed_onnx(sess, x_tr)
     protos, _ = local_prototypes(_unit(z_tr) if metric == "cosine" else z_tr, y_tr, ds.num_classes)
     write_prototypes(table_path, protos, metric=metric or "l2")
-    typer.echo(f"wrote {len(protos)} prototypes ({z_tr.shape[1]} dims, from {len(y_tr)} {data} training "
-               f"images) to {table_path}")
+    typer.echo(
+        f"wrote {len(protos)} prototypes ({z_tr.shape[1]} dims, from {len(y_tr)} {data} training "
+        f"images) to {table_path}"
+    )
 
 
-def _label_input(model: _Model, sess: InferenceSession, input_: str, table: PrototypeFile | None, metric: str, how: str,
-                 out: Path | None, fmt: str | None, show: int) -> None:
+def _label_input(
+    model: _Model,
+    sess: InferenceSession,
+    input_: str,
+    table: PrototypeFile | None,
+    metric: str,
+    how: str,
+    out: Path | None,
+    fmt: str | None,
+    show: int,
+) -> None:
     """--input: label data without labels, one line per sample to --out."""
     from protofl.data.unlabelled import load_unlabelled
 
@@ -187,15 +209,28 @@ def _label_input(model: _Model, sess: InferenceSession, input_: str, table: Prot
         typer.echo(f"wrote {len(batch.names)} labels to {out}")
 
 
-def _score(model: _Model, sess: InferenceSession, data: str, split: str, limit: int | None, table: PrototypeFile | None,
-           metric: str, how: str, out: Path | None, fmt: str | None, show: int) -> None:
+def _score(
+    model: _Model,
+    sess: InferenceSession,
+    data: str,
+    split: str,
+    limit: int | None,
+    table: PrototypeFile | None,
+    metric: str,
+    how: str,
+    out: Path | None,
+    fmt: str | None,
+    show: int,
+) -> None:
     """--data: classify a labelled split and say the accuracy."""
     x, y, _ = load_images(data, split, limit, in_shape=model.in_shape, mean=model.mean, std=model.std)
     labels = _labels(model, sess, x, table, metric)
     pred = labels.classes
     acc = float((pred == y).mean()) if len(y) else 0.0
-    typer.echo(f"{model.path.name}: {len(y)} {data} {split} images, {how}: accuracy {100 * acc:.2f}% "
-               f"({int((pred == y).sum())}/{len(y)})")
+    typer.echo(
+        f"{model.path.name}: {len(y)} {data} {split} images, {how}: accuracy {100 * acc:.2f}% "
+        f"({int((pred == y).sum())}/{len(y)})"
+    )
     for i in range(min(show, len(y))):
         typer.echo(f"  #{i}: predicted {int(pred[i])}, label {int(y[i])}")
     if out is not None:
@@ -203,9 +238,21 @@ def _score(model: _Model, sess: InferenceSession, data: str, split: str, limit: 
         typer.echo(f"wrote predictions to {out}")
 
 
-def _run(model_path: Path, prototypes: Path | None, data: str, input_: str | None, split: str, limit: int | None,
-         fit: bool, fit_limit: int, metric: str | None, out: Path | None, fmt: str | None, show: int,
-         threads: int | None) -> None:
+def _run(
+    model_path: Path,
+    prototypes: Path | None,
+    data: str,
+    input_: str | None,
+    split: str,
+    limit: int | None,
+    fit: bool,
+    fit_limit: int,
+    metric: str | None,
+    out: Path | None,
+    fmt: str | None,
+    show: int,
+    threads: int | None,
+) -> None:
     if metric is not None and metric not in METRICS:
         raise DataError(f"--metric must be 'l2' or 'cosine', got {metric!r}")
     model = _Model(model_path, read_metadata(model_path))
@@ -216,12 +263,15 @@ def _run(model_path: Path, prototypes: Path | None, data: str, input_: str | Non
     table = None
     if not model.logits:
         if table_path is None:
-            raise DataError(f"{model_path} is a features graph: pass --prototypes FILE (protofl-export onnx --from "
-                            "ARTIFACT writes one beside the model), or --fit to build one from labelled data")
+            raise DataError(
+                f"{model_path} is a features graph: pass --prototypes FILE (protofl-export onnx --from "
+                "ARTIFACT writes one beside the model), or --fit to build one from labelled data"
+            )
         table = read_prototypes(table_path)
     used = metric or (table.metric if table is not None else None) or model.meta.get("metric") or "l2"
-    how = ("the argmax of its logits" if table is None
-           else f"nearest prototype ({used}) over {len(table.classes)} classes")
+    how = (
+        "the argmax of its logits" if table is None else f"nearest prototype ({used}) over {len(table.classes)} classes"
+    )
     if input_ is not None:
         _label_input(model, sess, input_, table, used, how, out, fmt, show)
     else:
@@ -230,20 +280,36 @@ def _run(model_path: Path, prototypes: Path | None, data: str, input_: str | Non
 
 def predict_command(
     model: Path = typer.Option(..., "--model", help="ONNX from protofl-export onnx (features, or logits)."),
-    prototypes: Path | None = typer.Option(None, "--prototypes", help="Prototype table .npz (classes, prototypes); "
-                                           "default: the one the model names (exported --from an artifact)."),
-    input_: str | None = typer.Option(None, "--input", help="Data to label, without labels: npz:PATH (array x), "
-                                      "imagefolder:DIR (every image under it), csv:FILE[,name=COL], or a path."),
-    data: str = typer.Option("fashion-mnist", "--data", help="Labelled data to score: fashion-mnist, npz:PATH, "
-                                                                "idx:DIR, ... (ignored with --input)."),
+    prototypes: Path | None = typer.Option(
+        None,
+        "--prototypes",
+        help="Prototype table .npz (classes, prototypes); "
+        "default: the one the model names (exported --from an artifact).",
+    ),
+    input_: str | None = typer.Option(
+        None,
+        "--input",
+        help="Data to label, without labels: npz:PATH (array x), "
+        "imagefolder:DIR (every image under it), csv:FILE[,name=COL], or a path.",
+    ),
+    data: str = typer.Option(
+        "fashion-mnist",
+        "--data",
+        help="Labelled data to score: fashion-mnist, npz:PATH, idx:DIR, ... (ignored with --input).",
+    ),
     split: str = typer.Option("test", help="Which split of --data to classify: test or train."),
     limit: int | None = typer.Option(None, help="Classify a seeded random subset of this many images of --data."),
     fit: bool = typer.Option(False, "--fit", help="First build --prototypes from the training split of --data."),
     fit_limit: int = typer.Option(10000, help="Training images used by --fit."),
-    metric: str | None = typer.Option(None, help="l2 (mean prototypes) or cosine (unit prototypes); default: the "
-                                                 "table's own, else l2."),
-    out: Path | None = typer.Option(None, "--out", help="Write one line per sample here: sample, class, class_name, "
-                                                        "distance (or score): CSV, or JSON Lines for .jsonl."),
+    metric: str | None = typer.Option(
+        None, help="l2 (mean prototypes) or cosine (unit prototypes); default: the table's own, else l2."
+    ),
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Write one line per sample here: sample, class, class_name, "
+        "distance (or score): CSV, or JSON Lines for .jsonl.",
+    ),
     fmt: str | None = typer.Option(None, "--format", help="csv or jsonl (default: from --out's suffix)."),
     show: int = typer.Option(10, help="Print the first N predictions."),
     threads: int | None = typer.Option(None, help="onnxruntime intra-op threads (default: all cores)."),

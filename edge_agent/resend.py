@@ -19,8 +19,15 @@ from protofl.wire import Envelope, Limits, Resend, decode_message
 
 log = logging.getLogger("protofl.edge")
 MIN_INTERVAL_S = 1.0
-REQUEST_LIMITS = Limits(max_message_bytes=4096, max_elements=16, max_list_len=16, max_map_len=16,
-                        max_str_len=256, max_bin_len=16, max_objects=64)
+REQUEST_LIMITS = Limits(
+    max_message_bytes=4096,
+    max_elements=16,
+    max_list_len=16,
+    max_map_len=16,
+    max_str_len=256,
+    max_bin_len=16,
+    max_objects=64,
+)
 
 
 class ResendRequests:

@@ -34,15 +34,22 @@ def checkpoint_path(state_dir: Path | str, fed: str, client_id: str) -> Path:
 
 def save_agent(path: Path, agent: EdgeAgent, key: tuple[int, str] | None, sent: list[tuple[str, bytes]]) -> None:
     assert agent.cfg is not None and agent.model is not None
-    write_checkpoint(path, {
-        "format": FORMAT, "cfg": agent.cfg.to_dict(),
-        "model": {k: v.detach().cpu().numpy() for k, v in agent.model.state_dict().items()},
-        "global_adapter": agent.global_adapter, "adapter_round": agent.adapter_round,
-        "targets": [[int(c), np.asarray(v)] for c, v in sorted(agent.targets_table.items())],
-        "rules": {rule.name: rule.state() for rule in agent.rules},
-        "handled": sorted([r, p] for r, p in agent.handled), "rounds_trained": agent.stats.rounds_trained,
-        "key": None if key is None else list(key), "sent": [[t, p] for t, p in sent],
-    })
+    write_checkpoint(
+        path,
+        {
+            "format": FORMAT,
+            "cfg": agent.cfg.to_dict(),
+            "model": {k: v.detach().cpu().numpy() for k, v in agent.model.state_dict().items()},
+            "global_adapter": agent.global_adapter,
+            "adapter_round": agent.adapter_round,
+            "targets": [[int(c), np.asarray(v)] for c, v in sorted(agent.targets_table.items())],
+            "rules": {rule.name: rule.state() for rule in agent.rules},
+            "handled": sorted([r, p] for r, p in agent.handled),
+            "rounds_trained": agent.stats.rounds_trained,
+            "key": None if key is None else list(key),
+            "sent": [[t, p] for t, p in sent],
+        },
+    )
 
 
 def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None, list[tuple[str, bytes]]] | None:
@@ -74,8 +81,13 @@ def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None,
     agent.handled = {(int(r), str(p)) for r, p in state["handled"]}
     agent.stats.rounds_trained = int(state["rounds_trained"])
     key = None if state["key"] is None else (int(state["key"][0]), str(state["key"][1]))
-    log.info("%s: resumed from %s (%d round(s) trained, last handled %s)", agent.client_id, path,
-             agent.stats.rounds_trained, key)
+    log.info(
+        "%s: resumed from %s (%d round(s) trained, last handled %s)",
+        agent.client_id,
+        path,
+        agent.stats.rounds_trained,
+        key,
+    )
     return key, [(str(t), bytes(p)) for t, p in state["sent"]]
 
 

@@ -79,8 +79,9 @@ class RunnerOptions:
 
 
 class DeviceRunner:
-    def __init__(self, broker: BrokerOptions, fed: str, client_id: str, data: DataSpec,
-                 opts: RunnerOptions = RunnerOptions()) -> None:
+    def __init__(
+        self, broker: BrokerOptions, fed: str, client_id: str, data: DataSpec, opts: RunnerOptions = RunnerOptions()
+    ) -> None:
         self.fed = fed
         self.client_id = client_id
         self.data = data
@@ -95,8 +96,11 @@ class DeviceRunner:
         self.clock = RoundClock(opts.emulation) if opts.emulation is not None else None
         # With a device profile, messages go out through a HeldSender: uploads not before their release time,
         # everything in order (retained ones, the presence, at once).
-        self.held = HeldSender(lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos)) \
-            if self.clock is not None else None
+        self.held = (
+            HeldSender(lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos))
+            if self.clock is not None
+            else None
+        )
         self._stop = threading.Event()
         self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
         self._attempts = 0
@@ -121,8 +125,11 @@ class DeviceRunner:
                     self._retry_at = 0.0
                     self._on_round(*self._last_round)
                 if self.agent is not None and self.agent.finished:
-                    log.info("%s: federation finished after %d trained round(s)", self.client_id,
-                             self.agent.stats.rounds_trained)
+                    log.info(
+                        "%s: federation finished after %d trained round(s)",
+                        self.client_id,
+                        self.agent.stats.rounds_trained,
+                    )
                     break
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"{self.client_id}: federation '{self.fed}' did not finish within {timeout} s")
@@ -171,8 +178,12 @@ class DeviceRunner:
                     return
                 read = read_config(msg)
             except (WireError, ConfigError) as exc:
-                log.error("%s: unusable federation config on %s: %s; waiting for a config this device can afford",
-                          self.client_id, topic, exc)
+                log.error(
+                    "%s: unusable federation config on %s: %s; waiting for a config this device can afford",
+                    self.client_id,
+                    topic,
+                    exc,
+                )
                 return
             try:
                 agent = self.agent = self._build_agent(read)
@@ -183,8 +194,10 @@ class DeviceRunner:
             def step() -> Outcome:
                 return agent.handle(topic, env, msg, len(payload), config=read)
         else:
+
             def step() -> Outcome:
                 return agent.receive(topic, payload)
+
         fresh = agent.model is None
         try:
             step()
@@ -211,8 +224,12 @@ class DeviceRunner:
 
         assert self.agent is not None and self.opts.state_dir is not None
         agent = self.agent
-        save_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), agent, agent.last_key,
-                   [(s.topic, s.payload) for s in agent.sent])
+        save_agent(
+            checkpoint_path(self.opts.state_dir, self.fed, self.client_id),
+            agent,
+            agent.last_key,
+            [(s.topic, s.payload) for s in agent.sent],
+        )
 
     def _build_agent(self, read: DeviceConfig) -> EdgeAgent:
         cfg = read.cfg
@@ -220,16 +237,32 @@ class DeviceRunner:
         arch = self.opts.arch
         if arch is None and self.data.partition is not None:
             arch = cfg.arch_for(self.data.partition[0])  # the simulator's round-robin assignment
-        log.info("%s: %d training / %d test samples, arch %s, preset %s", self.client_id, len(data.y_train),
-                 len(data.y_test), arch or cfg.archs[0], cfg.preset)
+        log.info(
+            "%s: %d training / %d test samples, arch %s, preset %s",
+            self.client_id,
+            len(data.y_train),
+            len(data.y_test),
+            arch or cfg.archs[0],
+            cfg.preset,
+        )
         if self.artifacts_dir is not None:
             from protofl.data.classnames import class_names
 
             self._class_names = class_names(dataset_spec(self.data.data), cfg.num_classes)
-        return EdgeAgent(self.client_id, self.fed, data, arch=arch, profile=self.profile_label, device=self.opts.device,
-                         eval_every=self.opts.eval_every, test_every=self.opts.test_every,
-                         extractor=self.opts.extractor, clock=self.clock, resends=True,
-                         artifacts_at=("first_training", "final") if self.artifacts_dir is not None else ())
+        return EdgeAgent(
+            self.client_id,
+            self.fed,
+            data,
+            arch=arch,
+            profile=self.profile_label,
+            device=self.opts.device,
+            eval_every=self.opts.eval_every,
+            test_every=self.opts.test_every,
+            extractor=self.opts.extractor,
+            clock=self.clock,
+            resends=True,
+            artifacts_at=("first_training", "final") if self.artifacts_dir is not None else (),
+        )
 
     @property
     def artifacts_dir(self) -> str | None:
@@ -310,8 +343,9 @@ class DeviceRunner:
         if out.failure is not None:
             self._report_failure(out.failure.round, out.failure.phase, out.failure.reason)
         if out.sends:
-            log.info("%s: %s, uploaded %d bytes", self.client_id, "trained" if out.trained else "prototype phase",
-                     out.nbytes)
+            log.info(
+                "%s: %s, uploaded %d bytes", self.client_id, "trained" if out.trained else "prototype phase", out.nbytes
+            )
 
     def _on_request(self, topic: str, payload: bytes) -> None:
         """The server asks again for what the broker may have dropped: our join, a phase's uploads, or a round's
@@ -337,8 +371,14 @@ class DeviceRunner:
         if ask == "metrics":
             log.info("%s: round %d's metrics asked again by the server; re-sent", self.client_id, first.round)
         else:
-            log.info("%s: round %d %s %s; re-sent %d upload(s)", self.client_id, first.round, first.phase, out.resent,
-                     len(out.sends))
+            log.info(
+                "%s: round %d %s %s; re-sent %d upload(s)",
+                self.client_id,
+                first.round,
+                first.phase,
+                out.resent,
+                len(out.sends),
+            )
 
     def _send(self, sends: tuple[Send, ...]) -> None:
         """The agent's messages, in order; with a device profile each not before its release time."""
@@ -352,8 +392,9 @@ class DeviceRunner:
         """Say on our presence topic that a round failed here (the server logs it), and plan a retry."""
         self._attempts += 1
         retry = self._attempts < MAX_ATTEMPTS
-        detail = (f"round {round_} {phase} failed ({why}); "
-                  + (f"retry {self._attempts}/{MAX_ATTEMPTS - 1} in {RETRY_S:.0f} s" if retry else "giving up"))
+        detail = f"round {round_} {phase} failed ({why}); " + (
+            f"retry {self._attempts}/{MAX_ATTEMPTS - 1} in {RETRY_S:.0f} s" if retry else "giving up"
+        )
         log.warning("%s: %s", self.client_id, detail)
         self._presence("online", detail)
         self._retry_at = time.monotonic() + RETRY_S if retry else 0.0

@@ -60,13 +60,22 @@ def train_local(
     model.train()
     if frozen:
         model.backbone.eval()  # frozen also means BatchNorm statistics stay put
-    return sgd_epochs(model, [p for _, p in named], x, y, cfg, objective, seed,
-                      momentum=momentum, names=[name for name, _ in named])
+    return sgd_epochs(
+        model, [p for _, p in named], x, y, cfg, objective, seed, momentum=momentum, names=[name for name, _ in named]
+    )
 
 
-def sgd_epochs(model: ProtoNet, params: Sequence[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-               cfg: FederationConfig, objective: Objective, seed: int, momentum: Momentum | None = None,
-               names: Sequence[str] | None = None) -> TrainStats:
+def sgd_epochs(
+    model: ProtoNet,
+    params: Sequence[torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: FederationConfig,
+    objective: Objective,
+    seed: int,
+    momentum: Momentum | None = None,
+    names: Sequence[str] | None = None,
+) -> TrainStats:
     """The local SGD loop shared by full and frozen-backbone training: same batch order for a seed.
 
     `model` only needs `features` and `head` (the frozen mode passes a view that starts from cached h).
@@ -124,8 +133,9 @@ class SGD:
     benchmark run; its step also goes through profiling and hook wrappers on every batch.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], lr: float, momentum: float = 0.0,
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], lr: float, momentum: float = 0.0, weight_decay: float = 0.0
+    ) -> None:
         self.params = list(params)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.buffers: list[torch.Tensor | None] = [None] * len(self.params)  # momentum: fresh each round

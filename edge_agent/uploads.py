@@ -18,10 +18,21 @@ from protofl.plan import Phase, RoundPlan
 from protofl.wire import Message, ParamsUpload, ProtoSet, ProtoUpload, message_size
 
 
-def train_uploads(plan: RoundPlan, *, theta: np.ndarray | None, sparsifier: Sparsifier | None,
-                  global_adapter: np.ndarray | None, base_round: int, local: ProtoSet | None, n: int, round_: int,
-                  fed: str, sender: str, budget: int | None,
-                  public: ProtoSet | None = None) -> tuple[list[Message], UploadChoice | None]:
+def train_uploads(
+    plan: RoundPlan,
+    *,
+    theta: np.ndarray | None,
+    sparsifier: Sparsifier | None,
+    global_adapter: np.ndarray | None,
+    base_round: int,
+    local: ProtoSet | None,
+    n: int,
+    round_: int,
+    fed: str,
+    sender: str,
+    budget: int | None,
+    public: ProtoSet | None = None,
+) -> tuple[list[Message], UploadChoice | None]:
     """(the uploads, the choice made; None without a budget: the config's encoding).
 
     `public`: public-set prototypes that travel with the training upload."""
@@ -32,18 +43,21 @@ def train_uploads(plan: RoundPlan, *, theta: np.ndarray | None, sparsifier: Spar
         out: list[Message] = []
         if theta is not None:
             update = sparsifier.select(theta, global_adapter, k) if sparsifier is not None and k is not None else theta
-            out.append(ParamsUpload(update=update, n_samples=n, base_round=base_round,
-                                     dt=leaner(dt, plan.adapter_dtype)))
+            out.append(
+                ParamsUpload(update=update, n_samples=n, base_round=base_round, dt=leaner(dt, plan.adapter_dtype))
+            )
         if local is not None:
             pub = None if public is None else dataclasses.replace(public, dt=leaner(dt, plan.proto_dtype))
-            out.append(ProtoUpload(local=dataclasses.replace(local, dt=leaner(dt, plan.proto_dtype)),
-                                   public=pub, n_samples=n))
+            out.append(
+                ProtoUpload(local=dataclasses.replace(local, dt=leaner(dt, plan.proto_dtype)), public=pub, n_samples=n)
+            )
         return out
 
     def size_of(dt: str, k: int | None) -> int | None:
         try:
-            return sum(message_size(m, fed=fed, sender=sender, round=round_, phase=Phase.TRAIN.value)
-                       for m in build(dt, k))
+            return sum(
+                message_size(m, fed=fed, sender=sender, round=round_, phase=Phase.TRAIN.value) for m in build(dt, k)
+            )
         except ValueError:  # e.g. f2 cannot carry values beyond +-65504
             return None
 

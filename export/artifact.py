@@ -55,10 +55,20 @@ def _device(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
     _, spec = load_checkpoint(a.model)
     protos = art.read_prototypes(a.prototypes) if a.prototypes.is_file() else None
     info = a.info
-    note = (f"device {info.get('client_id', a.path.name)} of federation '{info.get('fed')}' "
-            f"({info.get('preset')}), {info.get('rounds_trained', '?')} round(s) trained")
-    return Loaded(model.eval(), "features", protos, a.class_names, _norm(spec), info.get("data"), note,
-                  a.prototypes if protos is not None else None)
+    note = (
+        f"device {info.get('client_id', a.path.name)} of federation '{info.get('fed')}' "
+        f"({info.get('preset')}), {info.get('rounds_trained', '?')} round(s) trained"
+    )
+    return Loaded(
+        model.eval(),
+        "features",
+        protos,
+        a.class_names,
+        _norm(spec),
+        info.get("data"),
+        note,
+        a.prototypes if protos is not None else None,
+    )
 
 
 def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str] | None) -> Loaded:
@@ -67,11 +77,18 @@ def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
     cfg = FederationConfig.from_dict(dict(a.info["config"]))
     name = arch or cfg.archs[0]
     if checkpoint is not None:
-        model = load_model(arch, checkpoint, in_shape=cfg.in_shape, num_classes=cfg.num_classes,
-                           proto_dim=cfg.proto_dim, adapter_rank=cfg.adapter_rank)
+        model = load_model(
+            arch,
+            checkpoint,
+            in_shape=cfg.in_shape,
+            num_classes=cfg.num_classes,
+            proto_dim=cfg.proto_dim,
+            adapter_rank=cfg.adapter_rank,
+        )
     else:  # what a device of this federation starts from (edge_agent.agent, on_config)
-        model = build_model(name, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed,
-                            **model_options(cfg))
+        model = build_model(
+            name, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed, **model_options(cfg)
+        )
     kind = None
     if a.federated.is_file():  # what the round message gives a device that joins now
         vector, kind = art.read_vector(a.federated)
@@ -81,26 +98,46 @@ def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
             else:
                 model_params.load_adapter_vector(model, vector)
         except ValueError as exc:
-            raise ConfigError(f"the federation's global {kind} does not fit a {model.arch} model ({exc}); it was "
-                              f"trained on {cfg.archs[0]}: drop --arch/--checkpoint") from None
+            raise ConfigError(
+                f"the federation's global {kind} does not fit a {model.arch} model ({exc}); it was "
+                f"trained on {cfg.archs[0]}: drop --arch/--checkpoint"
+            ) from None
     protos = art.read_prototypes(a.prototypes) if a.prototypes.is_file() else None
     if kind is None and protos is None:
-        raise ConfigError(f"{a.path} holds neither global prototypes nor federated parameters yet (a federation "
-                          "before its first round); export a device's artifact instead (--device ID)")
+        raise ConfigError(
+            f"{a.path} holds neither global prototypes nor federated parameters yet (a federation "
+            "before its first round); export a device's artifact instead (--device ID)"
+        )
     round_ = a.info.get("round", "?")
     weights = f"weights from {checkpoint}" if checkpoint else "initial weights"
     if kind is not None:
         weights += f" + the global {kind}"
     predictor = a.info.get("predictor") or {}
-    note = (f"a new device of federation '{a.info.get('fed')}' ({cfg.preset}) after round {round_}: {model.arch} "
-            f"{weights}" + (", global prototypes" if protos is not None else "")
-            + ("" if predictor.get("kind") else f" (no global predictor: {predictor.get('reason', '')})"))
-    return Loaded(model.eval(), "features" if protos is not None else "logits", protos, a.class_names,
-                  _norm(a.info), a.info.get("data"), note, a.prototypes if protos is not None else None)
+    note = (
+        f"a new device of federation '{a.info.get('fed')}' ({cfg.preset}) after round {round_}: {model.arch} "
+        f"{weights}"
+        + (", global prototypes" if protos is not None else "")
+        + ("" if predictor.get("kind") else f" (no global predictor: {predictor.get('reason', '')})")
+    )
+    return Loaded(
+        model.eval(),
+        "features" if protos is not None else "logits",
+        protos,
+        a.class_names,
+        _norm(a.info),
+        a.info.get("data"),
+        note,
+        a.prototypes if protos is not None else None,
+    )
 
 
-def load_artifact(path: str | os.PathLike[str], *, device: str | None = None, arch: str | None = None,
-                  checkpoint: str | os.PathLike[str] | None = None) -> Loaded:
+def load_artifact(
+    path: str | os.PathLike[str],
+    *,
+    device: str | None = None,
+    arch: str | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+) -> Loaded:
     """The model and prototype table named by `--from PATH` (and `--device`, `--arch`, `--checkpoint`)."""
     try:
         a = art.resolve(Path(path), device)

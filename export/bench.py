@@ -35,8 +35,13 @@ class BenchRow:
     throughput: float  # images per second at that median
 
     def as_dict(self) -> dict[str, object]:
-        return {"backend": self.backend, "batch": self.batch, "threads": self.threads,
-                "latency_ms": round(self.latency_ms, 3), "images_per_s": round(self.throughput, 1)}
+        return {
+            "backend": self.backend,
+            "batch": self.batch,
+            "threads": self.threads,
+            "latency_ms": round(self.latency_ms, 3),
+            "images_per_s": round(self.throughput, 1),
+        }
 
 
 def time_call(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -51,9 +56,15 @@ def time_call(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def bench_model(model: ProtoNet, onnx_models: dict[str, str | os.PathLike[str]], x: np.ndarray,
-                batches: tuple[int, ...] = (1, 64), threads: int = 1, iters: int = 20,
-                what: str = "features") -> list[BenchRow]:
+def bench_model(
+    model: ProtoNet,
+    onnx_models: dict[str, str | os.PathLike[str]],
+    x: np.ndarray,
+    batches: tuple[int, ...] = (1, 64),
+    threads: int = 1,
+    iters: int = 20,
+    what: str = "features",
+) -> list[BenchRow]:
     """Time ``model`` (torch) and each ``onnx_models[backend]`` on the first ``batch`` rows of ``x``.
 
     ``x`` needs at least max(batches) rows. torch's thread count is restored afterwards.
@@ -88,5 +99,6 @@ def bench_model(model: ProtoNet, onnx_models: dict[str, str | os.PathLike[str]],
 def speedups(rows: list[BenchRow], baseline: str = "torch") -> dict[tuple[str, int], float]:
     """{(backend, batch): baseline latency / backend latency}."""
     base = {r.batch: r.latency_ms for r in rows if r.backend == baseline}
-    return {(r.backend, r.batch): base[r.batch] / r.latency_ms for r in rows
-            if r.backend != baseline and r.batch in base}
+    return {
+        (r.backend, r.batch): base[r.batch] / r.latency_ms for r in rows if r.backend != baseline and r.batch in base
+    }

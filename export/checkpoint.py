@@ -46,16 +46,34 @@ class ModelSpec:
 
     @classmethod
     def of(cls, model: ProtoNet) -> ModelSpec:
-        return cls(model.arch, model.in_shape, model.num_classes, model.proto_dim, model.adapter.rank,
-                   model.projection is not None)
+        return cls(
+            model.arch,
+            model.in_shape,
+            model.num_classes,
+            model.proto_dim,
+            model.adapter.rank,
+            model.projection is not None,
+        )
 
     def build(self, seed: int | None = 0) -> ProtoNet:
-        return build_model(self.arch, self.in_shape, self.num_classes, self.proto_dim, self.adapter_rank,
-                           projection=self.projection, seed=seed)
+        return build_model(
+            self.arch,
+            self.in_shape,
+            self.num_classes,
+            self.proto_dim,
+            self.adapter_rank,
+            projection=self.projection,
+            seed=seed,
+        )
 
 
-def save_checkpoint(model: ProtoNet, path: str | os.PathLike[str], *, mean: tuple[float, ...] | None = None,
-                    std: tuple[float, ...] | None = None) -> Path:
+def save_checkpoint(
+    model: ProtoNet,
+    path: str | os.PathLike[str],
+    *,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+) -> Path:
     """Write ``model``'s weights and description to ``path`` (see the module docstring).
 
     ``mean``/``std``: the input normalisation the model was trained with, recorded so that an export
@@ -65,8 +83,13 @@ def save_checkpoint(model: ProtoNet, path: str | os.PathLike[str], *, mean: tupl
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     obj: dict[str, Any] = {
-        "format": CHECKPOINT_FORMAT, "version": 1, "arch": spec.arch, "in_shape": list(spec.in_shape),
-        "num_classes": spec.num_classes, "proto_dim": spec.proto_dim, "adapter_rank": spec.adapter_rank,
+        "format": CHECKPOINT_FORMAT,
+        "version": 1,
+        "arch": spec.arch,
+        "in_shape": list(spec.in_shape),
+        "num_classes": spec.num_classes,
+        "proto_dim": spec.proto_dim,
+        "adapter_rank": spec.adapter_rank,
         "projection": spec.projection,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
     }
@@ -90,12 +113,20 @@ def _federation_file(p: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]] 
         except CheckpointError as exc:
             raise ConfigError(str(exc)) from None
         if not isinstance(state, dict) or "model" not in state or "cfg" not in state:
-            raise ConfigError(f"{p} is a protofl checkpoint but not a device's (no model); export a device's "
-                              "artifacts instead: --from STATE_DIR/artifacts")
+            raise ConfigError(
+                f"{p} is a protofl checkpoint but not a device's (no model); export a device's "
+                "artifacts instead: --from STATE_DIR/artifacts"
+            )
         cfg = state["cfg"]
-        meta = {"arch": cfg["archs"][0], "in_shape": cfg["in_shape"], "num_classes": cfg["num_classes"],
-                "proto_dim": cfg["proto_dim"], "adapter_rank": cfg["adapter_rank"],
-                "projection": any(k.startswith("projection.") for k in state["model"]), "arch_guessed": True}
+        meta = {
+            "arch": cfg["archs"][0],
+            "in_shape": cfg["in_shape"],
+            "num_classes": cfg["num_classes"],
+            "proto_dim": cfg["proto_dim"],
+            "adapter_rank": cfg["adapter_rank"],
+            "projection": any(k.startswith("projection.") for k in state["model"]),
+            "arch_guessed": True,
+        }
         return _tensors(state["model"]), meta
     if p.suffix == ".npz":
         try:
@@ -110,9 +141,11 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     """(state_dict, description) from a checkpoint; the description is {} for a bare state_dict."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"checkpoint {p} does not exist; pass the path of a file written by save_checkpoint "
-                          "or torch.save(model.state_dict()), a device's artifacts/devices/<id>/model.npz, or "
-                          "leave --checkpoint out for seeded initial weights")
+        raise ConfigError(
+            f"checkpoint {p} does not exist; pass the path of a file written by save_checkpoint "
+            "or torch.save(model.state_dict()), a device's artifacts/devices/<id>/model.npz, or "
+            "leave --checkpoint out for seeded initial weights"
+        )
     found = _federation_file(p)
     if found is not None:
         return found
@@ -120,8 +153,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
         # weights_only refuses anything but tensors and primitive containers: say why, not a traceback.
-        raise ConfigError(f"checkpoint {p} cannot be loaded safely (weights_only=True): "
-                          f"{str(exc).splitlines()[0]}. Save plain state_dicts, never whole modules") from None
+        raise ConfigError(
+            f"checkpoint {p} cannot be loaded safely (weights_only=True): "
+            f"{str(exc).splitlines()[0]}. Save plain state_dicts, never whole modules"
+        ) from None
     if not isinstance(obj, dict):
         raise ConfigError(f"checkpoint {p}: expected a dict, got {type(obj).__name__}")
     if obj.get("format") == CHECKPOINT_FORMAT:
@@ -134,9 +169,17 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     return state, meta
 
 
-def load_model(arch: str | None, checkpoint: str | os.PathLike[str] | None, *,
-               in_shape: tuple[int, int, int] = (1, 28, 28), num_classes: int = 10, proto_dim: int = 512,
-               adapter_rank: int = 32, projection: bool = False, seed: int = 0) -> ProtoNet:
+def load_model(
+    arch: str | None,
+    checkpoint: str | os.PathLike[str] | None,
+    *,
+    in_shape: tuple[int, int, int] = (1, 28, 28),
+    num_classes: int = 10,
+    proto_dim: int = 512,
+    adapter_rank: int = 32,
+    projection: bool = False,
+    seed: int = 0,
+) -> ProtoNet:
     """The model to export or compare against: the checkpoint's weights, else seeded initial weights.
 
     With a checkpoint, its recorded description wins over the keyword defaults; an explicit ``arch``
@@ -150,21 +193,31 @@ def load_model(arch: str | None, checkpoint: str | os.PathLike[str] | None, *,
     if arch and meta.pop("arch_guessed", False):
         meta["arch"] = arch  # a resume checkpoint records the federation's archs, not which one this device ran
     if arch and meta.get("arch") and meta["arch"] != arch:
-        raise ConfigError(f"checkpoint {checkpoint} holds a '{meta['arch']}' model but --arch is '{arch}'; "
-                          f"drop --arch or pass --arch {meta['arch']}")
+        raise ConfigError(
+            f"checkpoint {checkpoint} holds a '{meta['arch']}' model but --arch is '{arch}'; "
+            f"drop --arch or pass --arch {meta['arch']}"
+        )
     name = arch or meta.get("arch")
     if not name:
-        raise ConfigError(f"checkpoint {checkpoint} is a bare state_dict: pass --arch (and --in-shape, "
-                          "--classes, --proto-dim if not the defaults)")
-    spec = ModelSpec(str(name), tuple(int(v) for v in meta.get("in_shape", in_shape)),  # type: ignore[arg-type]
-                     int(meta.get("num_classes", num_classes)), int(meta.get("proto_dim", proto_dim)),
-                     int(meta.get("adapter_rank", adapter_rank)), bool(meta.get("projection", projection)))
+        raise ConfigError(
+            f"checkpoint {checkpoint} is a bare state_dict: pass --arch (and --in-shape, "
+            "--classes, --proto-dim if not the defaults)"
+        )
+    spec = ModelSpec(
+        str(name),
+        tuple(int(v) for v in meta.get("in_shape", in_shape)),  # type: ignore[arg-type]
+        int(meta.get("num_classes", num_classes)),
+        int(meta.get("proto_dim", proto_dim)),
+        int(meta.get("adapter_rank", adapter_rank)),
+        bool(meta.get("projection", projection)),
+    )
     model = spec.build(seed)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ConfigError(f"checkpoint {checkpoint} does not fit a {spec.arch} model with in_shape "
-                          f"{spec.in_shape}, {spec.num_classes} classes, proto_dim {spec.proto_dim}: "
-                          f"{' '.join(str(exc).split())[:400]} ... check --arch/--in-shape/--classes/--proto-dim"
-                          ) from None
+        raise ConfigError(
+            f"checkpoint {checkpoint} does not fit a {spec.arch} model with in_shape "
+            f"{spec.in_shape}, {spec.num_classes} classes, proto_dim {spec.proto_dim}: "
+            f"{' '.join(str(exc).split())[:400]} ... check --arch/--in-shape/--classes/--proto-dim"
+        ) from None
     return model.eval()

@@ -29,8 +29,9 @@ from rich.table import Table
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.requirements import explain_missing
 
-app = typer.Typer(help="Export backbones to ONNX, verify, quantize and benchmark them.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Export backbones to ONNX, verify, quantize and benchmark them.", no_args_is_help=True, add_completion=False
+)
 console = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,12 +65,15 @@ def _shape(text: str) -> tuple[int, int, int]:
 def _model(arch: str | None, checkpoint: Path | None, in_shape: str, classes: int, proto_dim: int, seed: int):
     from export.checkpoint import load_model
 
-    return load_model(arch, checkpoint, in_shape=_shape(in_shape), num_classes=classes, proto_dim=proto_dim,
-                      seed=seed)
+    return load_model(arch, checkpoint, in_shape=_shape(in_shape), num_classes=classes, proto_dim=proto_dim, seed=seed)
 
 
-FROM = typer.Option(None, "--from", help="A run's deployable artifacts: a device's folder (RUN/devices/ID), a run's "
-                                         "folder (its global state, or --device ID), or RUN/global.")
+FROM = typer.Option(
+    None,
+    "--from",
+    help="A run's deployable artifacts: a device's folder (RUN/devices/ID), a run's "
+    "folder (its global state, or --device ID), or RUN/global.",
+)
 DEVICE = typer.Option(None, "--device", help="With --from RUN: which device's artifact.")
 
 
@@ -91,8 +95,12 @@ def _recorded(meta: dict[str, str], arch: str | None, checkpoint: Path | None):
     rec = json.loads(meta["artifact"])
     if not Path(rec["from"]).exists():
         return None
-    return _artifact(Path(rec["from"]), rec.get("device"), rec.get("arch"),
-                     Path(rec["checkpoint"]) if rec.get("checkpoint") else None)
+    return _artifact(
+        Path(rec["from"]),
+        rec.get("device"),
+        rec.get("arch"),
+        Path(rec["checkpoint"]) if rec.get("checkpoint") else None,
+    )
 
 
 def _data(data: str | None, loaded: Any, meta: dict[str, str] | None = None) -> str:
@@ -128,11 +136,17 @@ def onnx(
     checkpoint: Path | None = typer.Option(None, help="ProtoNet checkpoint; none = seeded initial weights."),
     out: Path = typer.Option(..., "--out", help="Where to write the .onnx file."),
     opset: int | None = typer.Option(None, help="ONNX opset (default: the exporter's)."),
-    what: str | None = typer.Option(None, help="features (x -> z), backbone (x -> h) or logits (x -> class scores); "
-                                               "default: features; logits from a federation without prototypes "
-                                               "(FedAvg's global model)."),
-    prototypes: Path | None = typer.Option(None, "--prototypes", help="With --from: where the prototype table "
-                                           "goes (default: beside --out, NAME.prototypes.npz)."),
+    what: str | None = typer.Option(
+        None,
+        help="features (x -> z), backbone (x -> h) or logits (x -> class scores); "
+        "default: features; logits from a federation without prototypes "
+        "(FedAvg's global model).",
+    ),
+    prototypes: Path | None = typer.Option(
+        None,
+        "--prototypes",
+        help="With --from: where the prototype table goes (default: beside --out, NAME.prototypes.npz).",
+    ),
     in_shape: str = typer.Option("1,28,28", help="Input shape c,h,w (without a checkpoint)."),
     classes: int = typer.Option(10, help="Number of classes (without a checkpoint)."),
     proto_dim: int = typer.Option(512, help="Prototype dimension m (without a checkpoint)."),
@@ -152,23 +166,35 @@ def onnx(
     if loaded is not None and not (mean or std) and loaded.norm is not None:
         m, s = loaded.norm
     elif loaded is not None and not (mean or std):
-        typer.echo(f"note: the artifact records no input normalisation; using mean {m}, std {s} (--mean/--std "
-                   "to change)", err=True)
+        typer.echo(
+            f"note: the artifact records no input normalisation; using mean {m}, std {s} (--mean/--std to change)",
+            err=True,
+        )
     meta = _export_metadata(loaded, graph, out, prototypes)
     if from_ is not None:  # so that verify and quantize find what the graph came from by themselves
-        meta["artifact"] = json.dumps({"from": str(from_.resolve()), "device": device, "arch": arch,
-                                       "checkpoint": str(checkpoint.resolve()) if checkpoint else None})
+        meta["artifact"] = json.dumps(
+            {
+                "from": str(from_.resolve()),
+                "device": device,
+                "arch": arch,
+                "checkpoint": str(checkpoint.resolve()) if checkpoint else None,
+            }
+        )
     info = export_onnx(model, out, what=graph, opset=opset, mean=m, std=s, exporter=exporter, metadata=meta)
     note = f" (dynamo failed: {info.fallback_reason})" if info.fallback_reason else ""
-    typer.echo(f"wrote {info.path} ({info.path.stat().st_size / 1e6:.2f} MB): {model.arch} {info.what}, "
-               f"input (batch,{','.join(map(str, model.in_shape))}) -> (batch,{info.out_dim}), opset {info.opset}, "
-               f"{info.exporter} exporter{note}, {info.seconds:.1f} s")
+    typer.echo(
+        f"wrote {info.path} ({info.path.stat().st_size / 1e6:.2f} MB): {model.arch} {info.what}, "
+        f"input (batch,{','.join(map(str, model.in_shape))}) -> (batch,{info.out_dim}), opset {info.opset}, "
+        f"{info.exporter} exporter{note}, {info.seconds:.1f} s"
+    )
     if loaded is not None:
         typer.echo(f"from {loaded.note}")
         if "prototypes" in meta:
-            typer.echo(f"wrote {info.path.parent / meta['prototypes']}: {len(loaded.prototypes.classes)} prototypes "
-                       f"({loaded.prototypes.values.shape[1]} values each, {loaded.prototypes.metric or 'l2'}, "
-                       f"{loaded.prototypes.source or 'given'}); protofl-edge predict --model {info.path} uses it")
+            typer.echo(
+                f"wrote {info.path.parent / meta['prototypes']}: {len(loaded.prototypes.classes)} prototypes "
+                f"({loaded.prototypes.values.shape[1]} values each, {loaded.prototypes.metric or 'l2'}, "
+                f"{loaded.prototypes.source or 'given'}); protofl-edge predict --model {info.path} uses it"
+            )
 
 
 def _export_metadata(loaded: Any, what: str, out: Path, prototypes: Path | None) -> dict[str, str]:
@@ -190,8 +216,11 @@ def _export_metadata(loaded: Any, what: str, out: Path, prototypes: Path | None)
         assert src is not None
         if src.resolve() != dest.resolve():
             shutil.copyfile(src, dest)
-        meta["prototypes"] = str(dest.resolve().relative_to(out.resolve().parent)) \
-            if dest.resolve().is_relative_to(out.resolve().parent) else str(dest.resolve())
+        meta["prototypes"] = (
+            str(dest.resolve().relative_to(out.resolve().parent))
+            if dest.resolve().is_relative_to(out.resolve().parent)
+            else str(dest.resolve())
+        )
         meta["metric"] = loaded.prototypes.metric or "l2"
     elif what == "features":
         typer.echo("note: this artifact holds no prototype table; build one with protofl-edge predict --fit", err=True)
@@ -206,8 +235,11 @@ def verify(
     device: str | None = DEVICE,
     arch: str | None = typer.Option(None, help="Architecture to compare with (default: the file's metadata)."),
     checkpoint: Path | None = typer.Option(None, help="Checkpoint the export was made from."),
-    data: str | None = typer.Option(None, help="Real inputs: a dataset spec (fashion-mnist, npz:PATH, idx:DIR, "
-                                               "imagefolder:DIR, ...; default: the run's data, else fashion-mnist)."),
+    data: str | None = typer.Option(
+        None,
+        help="Real inputs: a dataset spec (fashion-mnist, npz:PATH, idx:DIR, "
+        "imagefolder:DIR, ...; default: the run's data, else fashion-mnist).",
+    ),
     n: int = typer.Option(256, help="Number of test images compared."),
     tol: float = typer.Option(1e-4, help="Largest allowed absolute difference."),
     seed: int = typer.Option(0, help="Seed of the initial weights (without a checkpoint)."),
@@ -221,11 +253,26 @@ def verify(
 
     meta = read_metadata(model_path)
     loaded = _artifact(from_, device, arch, checkpoint) if from_ is not None else _recorded(meta, arch, checkpoint)
-    model = loaded.model if loaded is not None else _model(
-        arch or meta.get("arch"), checkpoint, meta.get("in_shape", "1,28,28"),
-        classes or int(meta.get("num_classes", 10)), proto_dim or int(meta.get("proto_dim", 512)), seed)
-    x, _, _ = load_images(_data(data, loaded, meta), "test", n, in_shape=model.in_shape,
-                          mean=parse_floats(meta.get("norm_mean")), std=parse_floats(meta.get("norm_std")))
+    model = (
+        loaded.model
+        if loaded is not None
+        else _model(
+            arch or meta.get("arch"),
+            checkpoint,
+            meta.get("in_shape", "1,28,28"),
+            classes or int(meta.get("num_classes", 10)),
+            proto_dim or int(meta.get("proto_dim", 512)),
+            seed,
+        )
+    )
+    x, _, _ = load_images(
+        _data(data, loaded, meta),
+        "test",
+        n,
+        in_shape=model.in_shape,
+        mean=parse_floats(meta.get("norm_mean")),
+        std=parse_floats(meta.get("norm_std")),
+    )
     result = verify_onnx(model_path, model, x, tol)
     typer.echo(result.summary(), err=not result.ok)
     if not result.ok:
@@ -238,8 +285,11 @@ def quantize(
     model_path: Path = typer.Argument(..., metavar="MODEL.onnx", help="The fp32 model."),
     out: Path = typer.Option(..., "--out", help="Where to write the int8 model."),
     mode: str = typer.Option("dynamic", help="dynamic (weights only) or static (calibrated activations too)."),
-    data: str | None = typer.Option(None, help="Calibration and accuracy data: a dataset spec (default: the run's "
-                                               "data recorded in the model, else fashion-mnist)."),
+    data: str | None = typer.Option(
+        None,
+        help="Calibration and accuracy data: a dataset spec (default: the run's "
+        "data recorded in the model, else fashion-mnist).",
+    ),
     calib: int = typer.Option(512, help="Training images used for static calibration."),
     report: bool = typer.Option(True, "--report/--no-report", help="Measure nearest-prototype accuracy fp32 vs int8."),
     train_n: int = typer.Option(10000, help="Training images that make the prototypes for the report."),
@@ -266,15 +316,18 @@ def quantize(
     if mode == "static":
         calibration, _, _ = load_images(data, "train", calib, seed=1, **norm)
     path = quantize_model(model_path, out, mode, calibration)
-    typer.echo(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB, {mode} int8; fp32 was "
-               f"{model_path.stat().st_size / 1e6:.2f} MB)")
+    typer.echo(
+        f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB, {mode} int8; fp32 was "
+        f"{model_path.stat().st_size / 1e6:.2f} MB)"
+    )
     _carry_prototypes(model_path, path, meta)
     if not report:
         return
     x_tr, y_tr, ds = load_images(data, "train", train_n, **norm)
     x_te, y_te, _ = load_images(data, "test", test_n, **norm)
-    rep = compare_accuracy(model_path, path, mode, x_tr, y_tr, x_te, y_te, ds.num_classes, threads,
-                           what=meta.get("what", "features"))
+    rep = compare_accuracy(
+        model_path, path, mode, x_tr, y_tr, x_te, y_te, ds.num_classes, threads, what=meta.get("what", "features")
+    )
     typer.echo(rep.summary())
     if loaded is not None and meta.get("what", "features") == "features":
         import numpy as np
@@ -294,8 +347,14 @@ def quantize(
 
         if meta.get("what") == "backbone":
             raise ConfigError("the torch column compares features models; export with --what features")
-        model = _model(arch or meta.get("arch"), checkpoint, meta.get("in_shape", "1,28,28"),
-                       int(meta.get("num_classes", 10)), int(meta.get("proto_dim", 512)), 0)
+        model = _model(
+            arch or meta.get("arch"),
+            checkpoint,
+            meta.get("in_shape", "1,28,28"),
+            int(meta.get("num_classes", 10)),
+            int(meta.get("proto_dim", 512)),
+            0,
+        )
         ext = TorchExtractor(model)
         protos, _ = local_prototypes(ext.embed(x_tr), y_tr, ds.num_classes)
         acc = float(np.mean(nearest_prototype(ext.embed(x_te), protos) == y_te))
@@ -322,11 +381,15 @@ def _profile_threads(name: str) -> int:
 
     device, _ = parse_pair(name)
     if device is None:
-        raise ConfigError(f"profile '{name}' names no device (a link profile has no CPU); pass a device profile "
-                          "such as rpi4, or --threads N")
+        raise ConfigError(
+            f"profile '{name}' names no device (a link profile has no CPU); pass a device profile "
+            "such as rpi4, or --threads N"
+        )
     if device.threads is None:
-        raise ConfigError(f"device profile '{device.name}' sets no `threads`; add `threads = N` (its CPU cores) to "
-                          "its file, or pass --threads N")
+        raise ConfigError(
+            f"device profile '{device.name}' sets no `threads`; add `threads = N` (its CPU cores) to "
+            "its file, or pass --threads N"
+        )
     return device.threads
 
 
@@ -344,8 +407,10 @@ def bench(
     threads: int | None = typer.Option(None, help="Intra-op threads for torch and onnxruntime (default 1)."),
     profile: str | None = typer.Option(None, help="Take --threads from a device profile's `threads` (NAME or FILE)."),
     iters: int = typer.Option(20, help="Timed runs per measurement (the median is reported)."),
-    data: str | None = typer.Option(None, help="Input images (and static calibration): a dataset spec (default: the "
-                                               "run's data, else fashion-mnist)."),
+    data: str | None = typer.Option(
+        None,
+        help="Input images (and static calibration): a dataset spec (default: the run's data, else fashion-mnist).",
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the rows as JSON."),
 ) -> None:
     """Latency and throughput: torch vs onnxruntime fp32 vs int8."""
@@ -367,8 +432,11 @@ def bench(
     with tempfile.TemporaryDirectory(prefix="protofl-bench-") as tmp:
         fp32 = model_path or export_onnx(model, Path(tmp) / "fp32.onnx", what=what, mean=m, std=s).path
         if int8 is None:
-            calib = load_images(data, "train", 512, in_shape=model.in_shape, mean=m, std=s, seed=1)[0] \
-                if int8_mode == "static" else None
+            calib = (
+                load_images(data, "train", 512, in_shape=model.in_shape, mean=m, std=s, seed=1)[0]
+                if int8_mode == "static"
+                else None
+            )
             int8 = quantize_model(fp32, Path(tmp) / "int8.onnx", int8_mode, calib)
         rows = bench_model(model, {"onnx-fp32": fp32, "onnx-int8": int8}, x, batches, n_threads, iters, what=what)
     gains = speedups(rows)
@@ -378,8 +446,13 @@ def bench(
         t.add_column(col, justify="left" if col == "backend" else "right")
     for r in rows:
         gain = gains.get((r.backend, r.batch))
-        t.add_row(r.backend, str(r.batch), f"{r.latency_ms:.3f}", f"{r.throughput:,.0f}",
-                  "1.00x" if r.backend == "torch" else f"{gain:.2f}x")
+        t.add_row(
+            r.backend,
+            str(r.batch),
+            f"{r.latency_ms:.3f}",
+            f"{r.throughput:,.0f}",
+            "1.00x" if r.backend == "torch" else f"{gain:.2f}x",
+        )
     console.print(t)
     if json_out is not None:
         json_out.write_text(json.dumps([r.as_dict() for r in rows], indent=2))

@@ -30,8 +30,15 @@ from protofl.errors import ConfigError
 if TYPE_CHECKING:  # onnxruntime is optional at import time
     from onnxruntime.quantization import CalibrationDataReader
 
-__all__ = ["MODES", "QuantReport", "calibration_reader", "classifier_accuracy", "compare_accuracy",
-           "prototype_accuracy", "quantize_model"]
+__all__ = [
+    "MODES",
+    "QuantReport",
+    "calibration_reader",
+    "classifier_accuracy",
+    "compare_accuracy",
+    "prototype_accuracy",
+    "quantize_model",
+]
 
 MODES = ("dynamic", "static")
 log = logging.getLogger("protofl.export")
@@ -48,7 +55,8 @@ def calibration_reader(input_name: str, x: np.ndarray, batch_size: int = 64) -> 
         def __init__(self) -> None:
             self._batches: Iterator[dict[str, np.ndarray]] = iter(
                 {input_name: np.ascontiguousarray(x[i : i + batch_size], dtype=np.float32)}
-                for i in range(0, len(x), batch_size))
+                for i in range(0, len(x), batch_size)
+            )
 
         def get_next(self) -> dict[str, np.ndarray] | None:
             return next(self._batches, None)
@@ -72,8 +80,12 @@ def _preprocess(src: Path, dst: Path) -> None:
         onnx.save(proto, str(dst))
 
 
-def quantize_model(src: str | os.PathLike[str], dst: str | os.PathLike[str], mode: str = "dynamic",
-                   calibration: np.ndarray | None = None) -> Path:
+def quantize_model(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    mode: str = "dynamic",
+    calibration: np.ndarray | None = None,
+) -> Path:
     """Write an int8 version of ``src`` to ``dst``; ``static`` needs ``calibration`` images (n, c, h, w)."""
     if mode not in MODES:
         raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -84,8 +96,10 @@ def quantize_model(src: str | os.PathLike[str], dst: str | os.PathLike[str], mod
     if not src_p.is_file():
         raise ConfigError(f"ONNX model {src_p} does not exist; export one with `protofl-export onnx --out {src_p}`")
     if mode == "static" and (calibration is None or len(calibration) == 0):
-        raise ConfigError("static quantisation needs calibration images: pass --data (fashion-mnist, npz:PATH "
-                          "or idx:DIR) or use --mode dynamic")
+        raise ConfigError(
+            "static quantisation needs calibration images: pass --data (fashion-mnist, npz:PATH "
+            "or idx:DIR) or use --mode dynamic"
+        )
     dst_p.parent.mkdir(parents=True, exist_ok=True)
     meta = {e.key: e.value for e in onnx.load(str(src_p), load_external_data=False).metadata_props}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,15 +109,22 @@ def quantize_model(src: str | os.PathLike[str], dst: str | os.PathLike[str], mod
         logging.getLogger().setLevel(logging.ERROR)  # the quantiser logs its pre-processing advice at WARNING
         try:
             if mode == "dynamic":
-                quantize_dynamic(str(pre), str(dst_p), op_types_to_quantize=["MatMul", "Gemm"],
-                                 weight_type=QuantType.QInt8)
+                quantize_dynamic(
+                    str(pre), str(dst_p), op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8
+                )
             else:
                 assert calibration is not None  # static mode without images was refused above
                 name = onnx.load(str(pre), load_external_data=False).graph.input[0].name
-                quantize_static(str(pre), str(dst_p), calibration_reader(name, calibration),
-                                quant_format=QuantFormat.QDQ, activation_type=QuantType.QUInt8,
-                                weight_type=QuantType.QInt8, per_channel=True,
-                                calibrate_method=CalibrationMethod.MinMax)
+                quantize_static(
+                    str(pre),
+                    str(dst_p),
+                    calibration_reader(name, calibration),
+                    quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8,
+                    weight_type=QuantType.QInt8,
+                    per_channel=True,
+                    calibrate_method=CalibrationMethod.MinMax,
+                )
         finally:
             logging.getLogger().setLevel(quiet)
     proto = onnx.load(str(dst_p))
@@ -133,15 +154,30 @@ class QuantReport:
         return 100.0 * (self.fp32_acc - self.int8_acc)
 
     def summary(self) -> str:
-        how = ("classifier (argmax) accuracy", f"{self.n_test} test images") if self.what == "logits" else (
-            "nearest-prototype accuracy", f"prototypes from {self.n_train} training images, {self.n_test} test images")
-        return (f"{how[0]} fp32 {100 * self.fp32_acc:.2f}% -> int8 ({self.mode}) "
-                f"{100 * self.int8_acc:.2f}% (drop {self.drop_points:+.2f} points; {how[1]}); size "
-                f"{self.fp32_bytes / 1e6:.2f} MB -> {self.int8_bytes / 1e6:.2f} MB")
+        how = (
+            ("classifier (argmax) accuracy", f"{self.n_test} test images")
+            if self.what == "logits"
+            else (
+                "nearest-prototype accuracy",
+                f"prototypes from {self.n_train} training images, {self.n_test} test images",
+            )
+        )
+        return (
+            f"{how[0]} fp32 {100 * self.fp32_acc:.2f}% -> int8 ({self.mode}) "
+            f"{100 * self.int8_acc:.2f}% (drop {self.drop_points:+.2f} points; {how[1]}); size "
+            f"{self.fp32_bytes / 1e6:.2f} MB -> {self.int8_bytes / 1e6:.2f} MB"
+        )
 
 
-def prototype_accuracy(model: str | os.PathLike[str], x_train: np.ndarray, y_train: np.ndarray,
-                       x_test: np.ndarray, y_test: np.ndarray, num_classes: int, threads: int | None = None) -> float:
+def prototype_accuracy(
+    model: str | os.PathLike[str],
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    num_classes: int,
+    threads: int | None = None,
+) -> float:
     """Accuracy of nearest-prototype classification with prototypes from (x_train, y_train) via ``model``."""
     sess = session(model, threads)
     protos, _ = local_prototypes(embed_onnx(sess, x_train), y_train, num_classes)
@@ -149,16 +185,26 @@ def prototype_accuracy(model: str | os.PathLike[str], x_train: np.ndarray, y_tra
     return float((pred == y_test).mean()) if len(y_test) else 0.0
 
 
-def classifier_accuracy(model: str | os.PathLike[str], x_test: np.ndarray, y_test: np.ndarray,
-                        threads: int | None = None) -> float:
+def classifier_accuracy(
+    model: str | os.PathLike[str], x_test: np.ndarray, y_test: np.ndarray, threads: int | None = None
+) -> float:
     """Accuracy of a logits graph's own argmax (a federation's global predictor)."""
     pred = embed_onnx(session(model, threads), x_test).argmax(1)
     return float((pred == y_test).mean()) if len(y_test) else 0.0
 
 
-def compare_accuracy(fp32: str | os.PathLike[str], int8: str | os.PathLike[str], mode: str,
-                     x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray, y_test: np.ndarray,
-                     num_classes: int, threads: int | None = None, what: str = "features") -> QuantReport:
+def compare_accuracy(
+    fp32: str | os.PathLike[str],
+    int8: str | os.PathLike[str],
+    mode: str,
+    x_train: np.ndarray,
+    y_train: np.ndarray,
+    x_test: np.ndarray,
+    y_test: np.ndarray,
+    num_classes: int,
+    threads: int | None = None,
+    what: str = "features",
+) -> QuantReport:
     """Accuracy through the fp32 and the int8 model, on the same images: by nearest prototype (prototypes
     from the training images through each model), or for a logits graph by its argmax."""
     if what == "logits":

@@ -40,9 +40,11 @@ class VerifyResult:
 
     def summary(self) -> str:
         head = "PASS" if self.ok else "FAIL"
-        figures = (f"max |onnx - torch| = {self.max_abs_diff:.3g} (tolerance {self.tol:g}), "
-                   f"mean {self.mean_abs_diff:.3g}, over {self.n_samples} real images in batches "
-                   f"{', '.join(str(b) for b in self.batch_sizes)}")
+        figures = (
+            f"max |onnx - torch| = {self.max_abs_diff:.3g} (tolerance {self.tol:g}), "
+            f"mean {self.mean_abs_diff:.3g}, over {self.n_samples} real images in batches "
+            f"{', '.join(str(b) for b in self.batch_sizes)}"
+        )
         if self.max_abs_diff == self.max_abs_diff and self.worst_sample >= 0:  # not NaN
             figures += f"; worst image #{self.worst_sample}"
         lines = [f"{head} {self.path}: checker {self.checker}; {figures}"]
@@ -73,8 +75,9 @@ def _torch_outputs(model: ProtoNet, what: str, x: np.ndarray, spans: list[tuple[
             m.training = flag
 
 
-def verify_onnx(path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, tol: float = 1e-4,
-                threads: int | None = None) -> VerifyResult:
+def verify_onnx(
+    path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, tol: float = 1e-4, threads: int | None = None
+) -> VerifyResult:
     """Check ``path`` and compare it with ``model`` (the same ``what`` as its metadata) on images ``x``."""
     import onnx
 
@@ -89,8 +92,10 @@ def verify_onnx(path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, to
         result.problems.append("the file is not a valid ONNX model; re-export it with `protofl-export onnx`")
         return result
     if meta.get("arch") and meta["arch"] != model.arch:
-        result.problems.append(f"the ONNX file was exported from '{meta['arch']}' but compared with '{model.arch}': "
-                               f"pass --arch {meta['arch']} (and its checkpoint)")
+        result.problems.append(
+            f"the ONNX file was exported from '{meta['arch']}' but compared with '{model.arch}': "
+            f"pass --arch {meta['arch']} (and its checkpoint)"
+        )
     if x.ndim != 4 or tuple(x.shape[1:]) != tuple(model.in_shape):
         raise ConfigError(f"verification images have shape {x.shape[1:]} but the model takes {model.in_shape}")
     spans = _batches(len(x))
@@ -101,8 +106,9 @@ def verify_onnx(path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, to
     result.n_samples = len(x)
     result.batch_sizes = tuple(sorted({b - a for a, b in spans}))
     if got.shape != ref.shape:
-        result.problems.append(f"output shapes differ: onnx {got.shape}, torch {what} {ref.shape}; "
-                               "wrong --arch, --proto-dim or --what?")
+        result.problems.append(
+            f"output shapes differ: onnx {got.shape}, torch {what} {ref.shape}; wrong --arch, --proto-dim or --what?"
+        )
         return result
     diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
     if not np.isfinite(diff).all():
@@ -114,9 +120,11 @@ def verify_onnx(path: str | os.PathLike[str], model: ProtoNet, x: np.ndarray, to
     result.worst_sample = int(per_sample.argmax()) if len(per_sample) else -1
     if result.max_abs_diff > tol:
         scale = float(np.abs(ref).max()) if ref.size else 0.0
-        result.problems.append(f"outputs differ by up to {result.max_abs_diff:.3g} (largest torch output "
-                               f"magnitude {scale:.3g}): the ONNX file does not hold these weights -- compare with "
-                               "what it was exported from: --from ARTIFACT, or --arch/--checkpoint/--seed of the "
-                               "export")
+        result.problems.append(
+            f"outputs differ by up to {result.max_abs_diff:.3g} (largest torch output "
+            f"magnitude {scale:.3g}): the ONNX file does not hold these weights -- compare with "
+            "what it was exported from: --from ARTIFACT, or --arch/--checkpoint/--seed of the "
+            "export"
+        )
     result.ok = not result.problems
     return result

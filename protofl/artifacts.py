@@ -37,8 +37,21 @@ if TYPE_CHECKING:
     from protofl.config import FederationConfig
 
 __all__ = [
-    "FORMAT", "METRICS", "VERSION", "Artifact", "PrototypeFile", "device_dir", "predictor_kind", "read_json",
-    "read_model", "read_prototypes", "read_vector", "resolve", "write_json", "write_model", "write_prototypes",
+    "FORMAT",
+    "METRICS",
+    "VERSION",
+    "Artifact",
+    "PrototypeFile",
+    "device_dir",
+    "predictor_kind",
+    "read_json",
+    "read_model",
+    "read_prototypes",
+    "read_vector",
+    "resolve",
+    "write_json",
+    "write_model",
+    "write_prototypes",
     "write_vector",
 ]
 
@@ -47,7 +60,12 @@ VERSION = 1
 METRICS = ("l2", "cosine")
 MANIFEST, GLOBAL, DEVICES = "manifest.json", "global", "devices"
 MODEL, PROTOTYPES, LOCAL, FEDERATED, DEVICE = (
-    "model.npz", "prototypes.npz", "local_prototypes.npz", "federated.npz", "device.json")
+    "model.npz",
+    "prototypes.npz",
+    "local_prototypes.npz",
+    "federated.npz",
+    "device.json",
+)
 
 
 def device_dir(root: str | os.PathLike[str], client_id: str) -> Path:
@@ -67,15 +85,20 @@ def predictor_kind(cfg: FederationConfig) -> tuple[str | None, str]:
         return "model", "every parameter is federated: the aggregated model"
     if cfg.federate == "adapter":
         if len(set(cfg.archs)) > 1:
-            return None, ("the devices run different architectures: the federated adapter and head have no "
-                          "one backbone to sit on")
+            return None, (
+                "the devices run different architectures: the federated adapter and head have no one backbone to sit on"
+            )
         if cfg.backbone != "frozen":
-            return None, ("the adapter and head are federated, but every device trains its own backbone "
-                          "(backbone=train): no single model a new device could be given; with "
-                          "--set backbone=frozen every device keeps the same seeded backbone and there is one")
+            return None, (
+                "the adapter and head are federated, but every device trains its own backbone "
+                "(backbone=train): no single model a new device could be given; with "
+                "--set backbone=frozen every device keeps the same seeded backbone and there is one"
+            )
         return "adapter", "the federated adapter and head on the shared frozen backbone (seeded alike everywhere)"
-    return None, ("only prototypes are federated and every backbone stays on its device: a new device "
-                  "classifies by nearest global prototype on its own backbone")
+    return None, (
+        "only prototypes are federated and every backbone stays on its device: a new device "
+        "classifies by nearest global prototype on its own backbone"
+    )
 
 
 # -- files ------------------------------------------------------------------------------------------
@@ -119,8 +142,9 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise DataError(f"{path} is not a protofl artifact file (format {FORMAT!r})")
     if int(obj.get("version", 0)) > VERSION:
-        raise DataError(f"{path} is artifact format version {obj['version']}; this protofl-edge reads up to "
-                        f"{VERSION}: upgrade it")
+        raise DataError(
+            f"{path} is artifact format version {obj['version']}; this protofl-edge reads up to {VERSION}: upgrade it"
+        )
     return obj
 
 
@@ -148,22 +172,33 @@ class PrototypeFile:
         return self.class_names[int(np.flatnonzero(self.classes == c)[0])]
 
 
-def write_prototypes(path: str | os.PathLike[str], table: Mapping[int, np.ndarray], *, metric: str | None = None,
-                     class_names: Sequence[str] | None = None, source: str = "",
-                     counts: Mapping[int, int] | None = None, masks: np.ndarray | None = None) -> Path:
+def write_prototypes(
+    path: str | os.PathLike[str],
+    table: Mapping[int, np.ndarray],
+    *,
+    metric: str | None = None,
+    class_names: Sequence[str] | None = None,
+    source: str = "",
+    counts: Mapping[int, int] | None = None,
+    masks: np.ndarray | None = None,
+) -> Path:
     """A prototype file (module docstring); `class_names` are the federation's, indexed by class id."""
     if metric is not None and metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     classes = np.array(sorted(int(c) for c in table), dtype=np.int64)
     width = len(next(iter(table.values()))) if table else 0
-    values = np.stack([np.asarray(table[int(c)], np.float32) for c in classes]) if len(classes) else \
-        np.zeros((0, width), np.float32)
+    values = (
+        np.stack([np.asarray(table[int(c)], np.float32) for c in classes])
+        if len(classes)
+        else np.zeros((0, width), np.float32)
+    )
     arrays: dict[str, np.ndarray] = {"classes": classes, "prototypes": values}
     if metric is not None:
         arrays["metric"] = np.array(metric)
     if class_names is not None:
-        arrays["class_names"] = np.array([str(class_names[int(c)]) if int(c) < len(class_names) else str(int(c))
-                                          for c in classes])
+        arrays["class_names"] = np.array(
+            [str(class_names[int(c)]) if int(c) < len(class_names) else str(int(c)) for c in classes]
+        )
     if source:
         arrays["source"] = np.array(source)
     if counts is not None:
@@ -177,16 +212,19 @@ def read_prototypes(path: str | os.PathLike[str]) -> PrototypeFile:
     """A prototype file, checked (any npz with ``classes`` and ``prototypes`` will do)."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"prototype table {p} does not exist; pass --fit to build it from the training split, "
-                        "or point --prototypes at an .npz with 'classes' and 'prototypes' (protofl-export onnx "
-                        "--from ARTIFACT writes one beside the model)")
+        raise DataError(
+            f"prototype table {p} does not exist; pass --fit to build it from the training split, "
+            "or point --prototypes at an .npz with 'classes' and 'prototypes' (protofl-export onnx "
+            "--from ARTIFACT writes one beside the model)"
+        )
     arrays = _load_npz(p, "prototype table")
     if "classes" not in arrays or "prototypes" not in arrays:
         raise DataError(f"{p}: needs arrays 'classes' (C,) and 'prototypes' (C, m); found {sorted(arrays)}")
     classes, values = arrays["classes"], arrays["prototypes"]
     if classes.ndim != 1 or values.ndim != 2 or len(classes) != len(values) or len(classes) == 0:
-        raise DataError(f"{p}: 'classes' must be (C,) and 'prototypes' (C, m) with C >= 1, got "
-                        f"{classes.shape} and {values.shape}")
+        raise DataError(
+            f"{p}: 'classes' must be (C,) and 'prototypes' (C, m) with C >= 1, got {classes.shape} and {values.shape}"
+        )
     if not np.issubdtype(classes.dtype, np.integer) or not np.isfinite(values).all():
         raise DataError(f"{p}: classes must be integers and prototypes finite")
     metric = str(arrays["metric"]) if "metric" in arrays else None
@@ -195,8 +233,13 @@ def read_prototypes(path: str | os.PathLike[str]) -> PrototypeFile:
     names = tuple(str(n) for n in arrays["class_names"]) if "class_names" in arrays else None
     if names is not None and len(names) != len(classes):
         raise DataError(f"{p}: {len(names)} class names for {len(classes)} classes")
-    return PrototypeFile(classes.astype(np.int64), values.astype(np.float32), metric, names,
-                         str(arrays["source"]) if "source" in arrays else "")
+    return PrototypeFile(
+        classes.astype(np.int64),
+        values.astype(np.float32),
+        metric,
+        names,
+        str(arrays["source"]) if "source" in arrays else "",
+    )
 
 
 def write_model(path: str | os.PathLike[str], state: Mapping[str, np.ndarray], spec: Mapping[str, Any]) -> Path:
@@ -211,12 +254,16 @@ def read_model(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], dic
     p = Path(path)
     arrays = _load_npz(p, "model file")
     if "spec" not in arrays:
-        raise DataError(f"{p} is not a protofl model file (no 'spec'); export tools read a device's "
-                        f"{DEVICES}/<id>/{MODEL} or a torch checkpoint")
+        raise DataError(
+            f"{p} is not a protofl model file (no 'spec'); export tools read a device's "
+            f"{DEVICES}/<id>/{MODEL} or a torch checkpoint"
+        )
     spec = json.loads(str(arrays.pop("spec")))
     if spec.get("format") != FORMAT or int(spec.get("version", 0)) > VERSION:
-        raise DataError(f"{p}: model file format {spec.get('format')!r} version {spec.get('version')}; this "
-                        f"protofl-edge reads {FORMAT!r} up to version {VERSION}")
+        raise DataError(
+            f"{p}: model file format {spec.get('format')!r} version {spec.get('version')}; this "
+            f"protofl-edge reads {FORMAT!r} up to version {VERSION}"
+        )
     return {k.removeprefix("state/"): v for k, v in arrays.items() if k.startswith("state/")}, spec
 
 
@@ -269,8 +316,10 @@ def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact
     if p.name == GLOBAL and (p.parent / MANIFEST).is_file():  # its folder is made with its first file
         return Artifact(p, "global", read_json(p.parent / MANIFEST))
     if not p.exists():
-        raise DataError(f"artifact {p} does not exist; a run writes them (simulate --out DIR, start --state-dir "
-                        f"DIR: DIR/artifacts, join --state-dir DIR: DIR/artifacts)")
+        raise DataError(
+            f"artifact {p} does not exist; a run writes them (simulate --out DIR, start --state-dir "
+            f"DIR: DIR/artifacts, join --state-dir DIR: DIR/artifacts)"
+        )
     if (p / MODEL).is_file():
         return Artifact(p, "device", read_json(p / DEVICE))
     if (p / MANIFEST).is_file() or (p / DEVICES).is_dir():
@@ -282,5 +331,7 @@ def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact
         if len(found) == 1:  # a device's own run (join --state-dir): its one device
             return resolve(device_dir(p, found[0]))
         raise DataError(f"{p} holds device artifacts only: name one with --device ({', '.join(found) or 'none'})")
-    raise DataError(f"{p} is not a protofl artifact folder: expected {MODEL} (a device), {MANIFEST} (a run) or "
-                    f"the {GLOBAL}/ folder of a run")
+    raise DataError(
+        f"{p} is not a protofl artifact folder: expected {MODEL} (a device), {MANIFEST} (a run) or "
+        f"the {GLOBAL}/ folder of a run"
+    )

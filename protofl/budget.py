@@ -39,8 +39,11 @@ class UploadChoice:
 
     def as_extra(self) -> dict[str, float]:
         """For the metrics message's `extra` (floats only): what was chosen, and under which budget."""
-        out = {"upload_bytes": float(self.nbytes), "upload_value_bytes": float(VALUE_BYTES[self.dt]),
-               "upload_fits": float(self.fits)}
+        out = {
+            "upload_bytes": float(self.nbytes),
+            "upload_value_bytes": float(VALUE_BYTES[self.dt]),
+            "upload_fits": float(self.fits),
+        }
         if self.budget is not None:
             out["upload_budget"] = float(self.budget)
         if self.k is not None:
@@ -62,11 +65,12 @@ def leaner(a: str, b: str) -> str:
 
 def lower_levels(dt: str) -> tuple[str, ...]:
     """`dt` and the precisions below it."""
-    return LEVELS[LEVELS.index(dt):]
+    return LEVELS[LEVELS.index(dt) :]
 
 
-def choose_upload(size_of: Callable[[str, int | None], int | None], dt: str, k: int | None,
-                  budget: int | None) -> UploadChoice:
+def choose_upload(
+    size_of: Callable[[str, int | None], int | None], dt: str, k: int | None, budget: int | None
+) -> UploadChoice:
     """The richest (dt, K) whose uploads fit `budget` bytes; see the module docstring.
 
     `size_of(dt, k)` is the encoded size of everything uploaded this round, or None where the values

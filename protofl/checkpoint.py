@@ -93,7 +93,7 @@ def write_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -111,11 +111,13 @@ def read_checkpoint(path: Path | str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     data = path.read_bytes()
-    what_to_do = (f"it is not used. Restore {path.parent} from a backup, or move it aside to start a new "
-                  f"federation (devices will have to join again)")
+    what_to_do = (
+        f"it is not used. Restore {path.parent} from a backup, or move it aside to start a new "
+        f"federation (devices will have to join again)"
+    )
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 32:
         raise CheckpointError(f"checkpoint {path} is not a protofl checkpoint (bad header); {what_to_do}")
-    digest, body = data[len(MAGIC):len(MAGIC) + 32], data[len(MAGIC) + 32:]
+    digest, body = data[len(MAGIC) : len(MAGIC) + 32], data[len(MAGIC) + 32 :]
     if hashlib.sha256(body).digest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupt (SHA-256 mismatch over {len(body)} bytes); {what_to_do}")
     try:

@@ -11,5 +11,6 @@ PASSWORD = typer.Option(None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PA
 TLS_CA = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker.")
 TLS_CERT = typer.Option(None, "--tls-cert", help="Client certificate (PEM).")
 TLS_KEY = typer.Option(None, "--tls-key", help="Client private key (PEM).")
-CONNECT_TIMEOUT = typer.Option(CONNECT_TIMEOUT_S,
-                               help="Give up if the broker cannot be reached for this long at start.")
+CONNECT_TIMEOUT = typer.Option(
+    CONNECT_TIMEOUT_S, help="Give up if the broker cannot be reached for this long at start."
+)

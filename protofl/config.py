@@ -130,8 +130,10 @@ class FederationConfig:
         declared = registry.options()
         shadowed = sorted(set(declared) & set(CORE))
         if shadowed:
-            raise ConfigError(f"technique option(s) {shadowed} have the name of a core field: an installed technique "
-                              f"must name its options differently")
+            raise ConfigError(
+                f"technique option(s) {shadowed} have the name of a core field: an installed technique "
+                f"must name its options differently"
+            )
         unknown = sorted(set(values) - set(CORE) - set(declared))
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(set(CORE) | set(declared))}")
@@ -170,8 +172,11 @@ class FederationConfig:
         """The names in `given` that are options of techniques this federation does not use, set away from their
         defaults (a user's values that would be dropped)."""
         declared, owners = registry.options(), registry.owners()
-        return sorted(key for key, value in given.items() if key in owners and owners[key] not in self.techniques
-                      and _plain(value) != _plain(declared[key].default))
+        return sorted(
+            key
+            for key, value in given.items()
+            if key in owners and owners[key] not in self.techniques and _plain(value) != _plain(declared[key].default)
+        )
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not core fields: a technique's option.
@@ -209,8 +214,9 @@ class FederationConfig:
                 continue
             out[key] = _plain(value)
         owners = registry.owners()
-        out[SCOPE] = {name: {k: _plain(v) for k, v in self.options.items() if owners[k] == name}
-                      for name in self.techniques}
+        out[SCOPE] = {
+            name: {k: _plain(v) for k, v in self.options.items() if owners[k] == name} for name in self.techniques
+        }
         packages = {name: p for name in self.techniques if (p := registry.package(name)) is not None}
         if packages:
             out[PACKAGES] = packages
@@ -236,34 +242,44 @@ class FederationConfig:
         if SCOPE not in kwargs:
             return cls(**kwargs)
         scoped = kwargs.pop(SCOPE)
-        if not isinstance(scoped, dict) or not all(isinstance(k, str) and isinstance(v, dict)
-                                                   for k, v in scoped.items()):
+        if not isinstance(scoped, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in scoped.items()
+        ):
             raise ConfigError(f"config '{SCOPE}' must map technique names to their options, got {scoped!r}")
         installed = {t.name for t in registry.techniques()}
         missing = [name for name in scoped if name not in installed]
         if missing:
             named = packages if isinstance(packages, dict) else {}
-            what = "; ".join(f"'{n}' comes from {named[n]}: pip install '{_requirement(named[n])}'"
-                             if isinstance(named.get(n), str) else f"'{n}' is not a technique of protofl-edge: "
-                             f"install the package that provides it (entry point group {registry.GROUP})"
-                             for n in missing)
-            raise ConfigError(f"this federation uses technique(s) {missing} that are not installed here: {what}; "
-                              f"installed: {sorted(installed)}")
+            what = "; ".join(
+                f"'{n}' comes from {named[n]}: pip install '{_requirement(named[n])}'"
+                if isinstance(named.get(n), str)
+                else f"'{n}' is not a technique of protofl-edge: "
+                f"install the package that provides it (entry point group {registry.GROUP})"
+                for n in missing
+            )
+            raise ConfigError(
+                f"this federation uses technique(s) {missing} that are not installed here: {what}; "
+                f"installed: {sorted(installed)}"
+            )
         owners = registry.owners()
         for name, opts in scoped.items():
             for key, value in opts.items():
                 if owners.get(key) != name:
-                    raise ConfigError(f"config '{SCOPE}.{name}.{key}': technique '{name}' has no option '{key}' "
-                                      f"here (its options: {sorted(k for k, o in owners.items() if o == name)}); "
-                                      f"the server may run another version of it: install the same version here")
+                    raise ConfigError(
+                        f"config '{SCOPE}.{name}.{key}': technique '{name}' has no option '{key}' "
+                        f"here (its options: {sorted(k for k, o in owners.items() if o == name)}); "
+                        f"the server may run another version of it: install the same version here"
+                    )
                 if key in kwargs:
                     raise ConfigError(f"config option '{key}' is given twice (flat and under '{SCOPE}.{name}')")
                 kwargs[key] = value
         cfg = cls(**kwargs)
         if set(cfg.techniques) != set(scoped):  # (a saved copy may have sorted the names)
-            raise ConfigError(f"the config names technique(s) {list(scoped)}, but its values switch on "
-                              f"{list(cfg.techniques)} here: this device runs other versions of the techniques "
-                              f"than the server; install the server's versions")
+            raise ConfigError(
+                f"the config names technique(s) {list(scoped)}, but its values switch on "
+                f"{list(cfg.techniques)} here: this device runs other versions of the techniques "
+                f"than the server; install the server's versions"
+            )
         return cfg
 
     def replace(self, **changes: Any) -> FederationConfig:
@@ -275,50 +291,88 @@ class FederationConfig:
             if not cond:
                 raise ConfigError(msg)
 
-        for name in ("seed", "rounds", "num_classes", "proto_dim", "adapter_rank", "local_epochs",
-                     "batch_size", "min_clients"):
+        for name in (
+            "seed",
+            "rounds",
+            "num_classes",
+            "proto_dim",
+            "adapter_rank",
+            "local_epochs",
+            "batch_size",
+            "min_clients",
+        ):
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool),
-                 f"config '{name}' must be an integer, got {value!r}")
+            need(
+                isinstance(value, int) and not isinstance(value, bool),
+                f"config '{name}' must be an integer, got {value!r}",
+            )
         for name in ("lr", "momentum", "weight_decay", "proto_lambda", "round_timeout"):
             value = getattr(self, name)
             need(is_number(value), f"config '{name}' must be a finite number, got {value!r}")
         need(self.rounds >= 1, f"rounds must be >= 1, got {self.rounds}")
         need(2 <= self.num_classes <= 65535, f"num_classes must be in [2, 65535], got {self.num_classes}")
         need(1 <= self.proto_dim <= 65536, f"proto_dim must be in [1, 65536], got {self.proto_dim}")
-        need(1 <= self.adapter_rank <= self.proto_dim,
-             f"adapter_rank must be in [1, proto_dim={self.proto_dim}], got {self.adapter_rank}")
+        need(
+            1 <= self.adapter_rank <= self.proto_dim,
+            f"adapter_rank must be in [1, proto_dim={self.proto_dim}], got {self.adapter_rank}",
+        )
         need(self.local_epochs >= 1 and self.batch_size >= 1, "local_epochs and batch_size must be >= 1")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(isinstance(self.archs, tuple) and len(self.archs) >= 1
-             and all(isinstance(a, str) and a for a in self.archs),
-             f"archs must be a non-empty list of architectures (built-in names, package.module:factory or "
-             f"protofl.models names), got {self.archs!r}")
-        need(isinstance(self.in_shape, tuple) and len(self.in_shape) == 3
-             and all(isinstance(v, int) and v > 0 for v in self.in_shape),
-             f"in_shape must be (channels, height, width), got {self.in_shape!r}; e.g. --set in_shape=3,32,32 "
-             f"or in_shape = [3, 32, 32] in a config file")
+        need(
+            isinstance(self.archs, tuple)
+            and len(self.archs) >= 1
+            and all(isinstance(a, str) and a for a in self.archs),
+            f"archs must be a non-empty list of architectures (built-in names, package.module:factory or "
+            f"protofl.models names), got {self.archs!r}",
+        )
+        need(
+            isinstance(self.in_shape, tuple)
+            and len(self.in_shape) == 3
+            and all(isinstance(v, int) and v > 0 for v in self.in_shape),
+            f"in_shape must be (channels, height, width), got {self.in_shape!r}; e.g. --set in_shape=3,32,32 "
+            f"or in_shape = [3, 32, 32] in a config file",
+        )
         need(self.backbone in ("train", "frozen"), f"backbone must be 'train' or 'frozen', got {self.backbone!r}")
         for name in ("drop_last", "keep_optimizer"):
             value = getattr(self, name)
             need(isinstance(value, bool), f"config '{name}' must be true or false, got {value!r}")
-        need(self.proto_source in PROTO_SOURCE_CHOICES,
-             f"proto_source must be one of {PROTO_SOURCE_CHOICES}, got {self.proto_source!r}")
+        need(
+            self.proto_source in PROTO_SOURCE_CHOICES,
+            f"proto_source must be one of {PROTO_SOURCE_CHOICES}, got {self.proto_source!r}",
+        )
         need(self.federate in FEDERATE_CHOICES, f"federate must be one of {FEDERATE_CHOICES}, got {self.federate!r}")
-        need(self.prototypes in PROTOTYPE_CHOICES,
-             f"prototypes must be one of {PROTOTYPE_CHOICES}, got {self.prototypes!r}")
+        need(
+            self.prototypes in PROTOTYPE_CHOICES,
+            f"prototypes must be one of {PROTOTYPE_CHOICES}, got {self.prototypes!r}",
+        )
         need(self.aggregation in ("weighted", "mean"), "aggregation must be 'weighted' or 'mean'")
-        need(self.proto_dtype in DTYPE_CHOICES and self.adapter_dtype in DTYPE_CHOICES,
-             f"proto_dtype/adapter_dtype must be one of {DTYPE_CHOICES}")
+        need(
+            self.proto_dtype in DTYPE_CHOICES and self.adapter_dtype in DTYPE_CHOICES,
+            f"proto_dtype/adapter_dtype must be one of {DTYPE_CHOICES}",
+        )
         need(self.min_clients >= 1, "min_clients must be >= 1")
         need(self.round_timeout > 0, "round_timeout must be > 0")
-        need(not (self.federate == "full" and len(set(self.archs)) > 1),
-             "federate='full' (FedAvg) needs one architecture for every client")
-        need(isinstance(self.public_per_class, int) and not isinstance(self.public_per_class, bool)
-             and self.public_per_class >= 0, f"public_per_class must be an integer >= 0, got {self.public_per_class!r}")
-        need(self.public_classes is None or (isinstance(self.public_classes, tuple) and all(
-            isinstance(c, int) and not isinstance(c, bool) and 0 <= c < self.num_classes for c in self.public_classes)),
-             f"public_classes must be a list of class ids in [0, {self.num_classes}), got {self.public_classes!r}")
+        need(
+            not (self.federate == "full" and len(set(self.archs)) > 1),
+            "federate='full' (FedAvg) needs one architecture for every client",
+        )
+        need(
+            isinstance(self.public_per_class, int)
+            and not isinstance(self.public_per_class, bool)
+            and self.public_per_class >= 0,
+            f"public_per_class must be an integer >= 0, got {self.public_per_class!r}",
+        )
+        need(
+            self.public_classes is None
+            or (
+                isinstance(self.public_classes, tuple)
+                and all(
+                    isinstance(c, int) and not isinstance(c, bool) and 0 <= c < self.num_classes
+                    for c in self.public_classes
+                )
+            ),
+            f"public_classes must be a list of class ids in [0, {self.num_classes}), got {self.public_classes!r}",
+        )
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))
@@ -330,8 +384,10 @@ def _default(key: str) -> Any:
 
 def unused_message(stray: list[str], used: tuple[str, ...]) -> str:
     owners = registry.owners()
-    return (f"option(s) {stray} belong to technique(s) {sorted({owners[k] for k in stray})} that this federation "
-            f"does not use (it uses {list(used) or 'none'}): switch the technique on, or drop the option(s)")
+    return (
+        f"option(s) {stray} belong to technique(s) {sorted({owners[k] for k in stray})} that this federation "
+        f"does not use (it uses {list(used) or 'none'}): switch the technique on, or drop the option(s)"
+    )
 
 
 def _plain(value: Any) -> Any:

@@ -65,9 +65,11 @@ def partial_of(value: Any, where: str) -> Any:
         return {k: partial_of(v, f"{where}[{k}]") for k, v in value.items()}
     if isinstance(value, Additive):
         return value.partial()
-    raise NotMergeable(f"{where} is a {type(value).__module__}.{type(value).__name__}, which does not say how two "
-                       f"shards' copies merge (derive it from protofl.mergeable.Additive and name its sums in "
-                       f"`additive`): this federation cannot run on sharded aggregators; run one aggregator")
+    raise NotMergeable(
+        f"{where} is a {type(value).__module__}.{type(value).__name__}, which does not say how two "
+        f"shards' copies merge (derive it from protofl.mergeable.Additive and name its sums in "
+        f"`additive`): this federation cannot run on sharded aggregators; run one aggregator"
+    )
 
 
 def merge_into(target: Any, part: Any, where: str, *, check: bool = False) -> Any:
@@ -101,8 +103,12 @@ def _add(mine: Any, theirs: Any, where: str, *, check: bool) -> Any:
             raise ValueError(f"{where}: expected {mine!r}, got {theirs!r}")
         return mine
     if isinstance(mine, (int, float)):
-        if isinstance(theirs, bool) or not isinstance(theirs, (int, float)) or not math.isfinite(theirs) \
-                or (isinstance(mine, int) and not isinstance(theirs, int)):
+        if (
+            isinstance(theirs, bool)
+            or not isinstance(theirs, (int, float))
+            or not math.isfinite(theirs)
+            or (isinstance(mine, int) and not isinstance(theirs, int))
+        ):
             raise ValueError(f"{where}: expected a finite {type(mine).__name__}, got {theirs!r}")
         return mine if check else mine + theirs
     if isinstance(mine, list):

@@ -96,5 +96,4 @@ class RoundPlan:
         need = int(1.25 * (dense + protos + masks)) + MiB
         message = max(default.max_message_bytes, need)
         elements = max(default.max_elements, (model_values or 0) + 1, 2 * adapter_values)
-        return Limits(max_message_bytes=message, max_elements=elements,
-                      max_bin_len=max(default.max_bin_len, message))
+        return Limits(max_message_bytes=message, max_elements=elements, max_bin_len=max(default.max_bin_len, message))

@@ -42,8 +42,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tinyproto": dict(federate="none", prototypes="mean", cps=True, scaling=True, mu="auto", proto_lambda=0.1),
     "fedpagr": dict(federate="none", prototypes="unit", consensus=True, refine=True),
     # mu only acts with scaling (off here); "auto" is what `--set scaling=true` on mean prototypes wants
-    "protofl": dict(federate="none", prototypes="unit", consensus=True, erpa=False, apud=False, cps=True,
-                    scaling=False, refine=False, mu="auto"),
+    "protofl": dict(
+        federate="none",
+        prototypes="unit",
+        consensus=True,
+        erpa=False,
+        apud=False,
+        cps=True,
+        scaling=False,
+        refine=False,
+        mu="auto",
+    ),
 }
 
 
@@ -56,8 +65,9 @@ def preset_names() -> list[str]:
     return list(all_presets())
 
 
-def make_config(preset: str, config_file: str | None = None, /, *, strict: bool = False,
-                **overrides: Any) -> FederationConfig:
+def make_config(
+    preset: str, config_file: str | None = None, /, *, strict: bool = False, **overrides: Any
+) -> FederationConfig:
     """Build a validated config: preset switches, then a TOML file's values, then explicit overrides.
 
     A value given (in the file or the overrides) for an option of a technique the federation does not use
@@ -67,8 +77,10 @@ def make_config(preset: str, config_file: str | None = None, /, *, strict: bool 
     named = overrides.pop("preset", None)
     if named is not None and named != preset:
         # The config's `preset` records where its values came from; a --set or a file cannot change it.
-        raise ConfigError(f"the preset is chosen with --preset {named} (or make_config('{named}', ...)), not as a "
-                          f"config value; this run's preset is '{preset}'")
+        raise ConfigError(
+            f"the preset is chosen with --preset {named} (or make_config('{named}', ...)), not as a "
+            f"config value; this run's preset is '{preset}'"
+        )
     if preset not in presets:
         raise ConfigError(f"preset '{preset}' not found; known: {', '.join(presets)}")
     values: dict[str, Any] = {"preset": preset, **presets[preset]}
@@ -76,8 +88,10 @@ def make_config(preset: str, config_file: str | None = None, /, *, strict: bool 
     if config_file:
         from_file = load_config_file(config_file)
         if from_file.get("preset", preset) != preset:
-            raise ConfigError(f"config file '{config_file}' says preset = '{from_file['preset']}', but this run's "
-                              f"preset is '{preset}': choose it with --preset, or remove the key from the file")
+            raise ConfigError(
+                f"config file '{config_file}' says preset = '{from_file['preset']}', but this run's "
+                f"preset is '{preset}': choose it with --preset, or remove the key from the file"
+            )
         values.update(from_file)
     given = {k: v for k, v in overrides.items() if v is not None}
     values.update(given)

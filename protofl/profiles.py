@@ -150,8 +150,13 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> Profile:
         raise ConfigError(f"{where}: 'description' must be a string, got {description!r}")
     if kind == "device":
         v = _check_keys(data, _DEVICE_KEYS, where, {"threads"})
-        return DeviceProfile(name, description, float(v["compute_factor"]), int(v["memory_mb"]),
-                             int(v["threads"]) if "threads" in v else None)
+        return DeviceProfile(
+            name,
+            description,
+            float(v["compute_factor"]),
+            int(v["memory_mb"]),
+            int(v["threads"]) if "threads" in v else None,
+        )
     if kind == "link":
         outage_table = data.pop("outage", None)
         v = _check_keys(data, _LINK_KEYS, where, set())
@@ -162,11 +167,20 @@ def parse_profile(data: dict[str, Any], name: str, where: str) -> Profile:
             o = _check_keys(outage_table, _OUTAGE_KEYS, f"{where} [outage]", {"first_s"})
             outage = Outage(float(o["every_s"]), float(o["duration_s"]), float(o.get("first_s", 0.0)))
             if outage.duration_s >= outage.every_s:
-                raise ConfigError(f"{where} [outage]: duration_s ({outage.duration_s:g}) must be shorter than "
-                                  f"every_s ({outage.every_s:g}), or the link is never up")
-        return LinkProfile(name, description, float(v["uplink_kbps"]), float(v["downlink_kbps"]),
-                           float(v["rtt_ms"]), float(v["jitter_ms"]), outage)
-    raise ConfigError(f"{where}: 'kind' must be \"device\" or \"link\", got {kind!r}")
+                raise ConfigError(
+                    f"{where} [outage]: duration_s ({outage.duration_s:g}) must be shorter than "
+                    f"every_s ({outage.every_s:g}), or the link is never up"
+                )
+        return LinkProfile(
+            name,
+            description,
+            float(v["uplink_kbps"]),
+            float(v["downlink_kbps"]),
+            float(v["rtt_ms"]),
+            float(v["jitter_ms"]),
+            outage,
+        )
+    raise ConfigError(f'{where}: \'kind\' must be "device" or "link", got {kind!r}')
 
 
 def load_profile(spec: str) -> Profile:
@@ -179,8 +193,7 @@ def load_profile(spec: str) -> Profile:
     else:
         known = known_profiles()
         if spec not in known:
-            raise ConfigError(f"profile '{spec}' not found; known: {', '.join(sorted(known))} "
-                              f"(or give a .toml file)")
+            raise ConfigError(f"profile '{spec}' not found; known: {', '.join(sorted(known))} (or give a .toml file)")
         path, name = known[spec], spec
     try:
         with path.open("rb") as fh:

@@ -50,8 +50,10 @@ def _found() -> dict[str, tuple[Technique, str | None]]:
             obj = ep.load()
             tech = obj() if isinstance(obj, type) else obj
         except Exception as exc:  # a broken third-party package: say which, not a bare traceback
-            raise ConfigError(f"technique '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
-                              f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it") from exc
+            raise ConfigError(
+                f"technique '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
+                f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it"
+            ) from exc
         if not isinstance(tech, Technique):
             raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not a protofl Technique")
         if tech.name != ep.name:
@@ -61,8 +63,10 @@ def _found() -> dict[str, tuple[Technique, str | None]]:
             dist = getattr(ep, "dist", None)
             dists[ep.name] = None if dist is None else (OWN if dist.name == OWN_DIST else f"{dist.name} {dist.version}")
     if not found:
-        raise ConfigError(f"no technique is registered in the entry-point group {GROUP}: the package metadata is "
-                          f"missing; reinstall it (pip install -e . in a checkout)")
+        raise ConfigError(
+            f"no technique is registered in the entry-point group {GROUP}: the package metadata is "
+            f"missing; reinstall it (pip install -e . in a checkout)"
+        )
     ordered = sorted(found.values(), key=lambda t: (t.order, t.name))
     return {t.name: (t, dists[t.name]) for t in ordered}
 
@@ -111,9 +115,15 @@ def active(cfg: FederationConfig) -> tuple[Technique, ...]:
 
 def draft(cfg: FederationConfig) -> PlanDraft:
     """Check the active techniques' combination rules and let them shape the round plan."""
-    d = PlanDraft(num_classes=cfg.num_classes, proto_dim=cfg.proto_dim, federate=cfg.federate,
-                  prototypes=cfg.prototypes, proto_dtype=cfg.proto_dtype, adapter_dtype=cfg.adapter_dtype,
-                  proto_width=cfg.proto_dim)
+    d = PlanDraft(
+        num_classes=cfg.num_classes,
+        proto_dim=cfg.proto_dim,
+        federate=cfg.federate,
+        prototypes=cfg.prototypes,
+        proto_dtype=cfg.proto_dtype,
+        adapter_dtype=cfg.adapter_dtype,
+        proto_width=cfg.proto_dim,
+    )
     train: list[Upload] = []
     if cfg.federate != "none":
         train.append(Upload.ADAPTER)

@@ -20,8 +20,9 @@ from protofl.errors import ConfigError
 
 __all__ = ["ONNX_INSTALL_HINT", "TORCH_INSTALL_HINT", "explain_missing", "require_torch", "torch_available"]
 
-TORCH_INSTALL_HINT = ("pip install 'protofl-edge[device]' "
-                      "(on a Jetson, install NVIDIA's torch wheel for its JetPack first)")
+TORCH_INSTALL_HINT = (
+    "pip install 'protofl-edge[device]' (on a Jetson, install NVIDIA's torch wheel for its JetPack first)"
+)
 ONNX_INSTALL_HINT = "pip install 'protofl-edge[onnx]'"
 _ONNX_MODULES = ("onnx", "onnxruntime", "onnxscript")
 

@@ -33,8 +33,10 @@ def check_cadence(eval_every: int, test_every: int | None) -> int | None:
     if test_every is None:
         return None
     if test_every < 1 or test_every % eval_every:
-        raise ConfigError(f"--test-every must be a positive multiple of --eval-every ({eval_every}), got {test_every}: "
-                          "the test set is scored on rounds that report metrics")
+        raise ConfigError(
+            f"--test-every must be a positive multiple of --eval-every ({eval_every}), got {test_every}: "
+            "the test set is scored on rounds that report metrics"
+        )
     return test_every
 
 

@@ -81,21 +81,25 @@ def flag(name: str) -> Option:
 
 def integer(name: str, default: int | None, low: int = 0, what: str = "") -> Option:
     """An integer option >= `low` (None allowed when it is the default)."""
+
     def check(v: Any) -> str | None:
         if v is None and default is None:
             return None
         if not isinstance(v, int) or isinstance(v, bool):
             return f"config '{name}' must be an integer, got {v!r}"
         return None if v >= low else (what or f"{name} must be >= {low}, got {v}")
+
     return Option(default, check)
 
 
 def number(name: str, default: float, positive: bool = False) -> Option:
     """A finite number option (> 0 when `positive`)."""
+
     def check(v: Any) -> str | None:
         if not is_number(v):
             return f"config '{name}' must be a finite number, got {v!r}"
         return f"{name} must be > 0" if positive and v <= 0 else None
+
     return Option(default, check)
 
 
@@ -198,8 +202,7 @@ class ClippedSet:
     __slots__ = ("classes", "counts", "shape", "_sent", "_rows", "_batch", "_start", "_clipper", "_seen")
     _sent: np.ndarray | None  # the values as sent, until they are clipped
 
-    def __init__(self, classes: np.ndarray, counts: np.ndarray | None, sent: np.ndarray,
-                 clipper: _SetClipper) -> None:
+    def __init__(self, classes: np.ndarray, counts: np.ndarray | None, sent: np.ndarray, clipper: _SetClipper) -> None:
         self.classes, self.counts, self.shape, self._sent, self._clipper = classes, counts, sent.shape, sent, clipper
         # Clipped: `_rows` (alone), or rows `_start`... of `_batch` (the rows of the batch it was clipped in).
         self._rows: np.ndarray | None = None
@@ -216,7 +219,7 @@ class ClippedSet:
                 if self._rows is not None:
                     return self._rows
             assert self._batch is not None
-            rows = self._rows = self._batch[self._start:self._start + self.shape[0]]
+            rows = self._rows = self._batch[self._start : self._start + self.shape[0]]
         return rows
 
     def table(self) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
@@ -239,7 +242,7 @@ def stacked_rows(sets: Sequence[ClippedSet]) -> np.ndarray:
                 break
             at += s.shape[0]
         else:
-            return batch[first._start:at]
+            return batch[first._start : at]
     return np.concatenate([s.rows for s in sets])
 
 
@@ -273,11 +276,23 @@ class ClippedUpload:
 
     __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round")
 
-    def __init__(self, kind: Upload, n_samples: int, local: ClippedSet | None = None,
-                 public: ClippedSet | None = None, update: ClippedVector | None = None,
-                 base_round: int = 0) -> None:
-        self.kind, self.n_samples, self.local, self.public, self.update, self.base_round = \
-            kind, n_samples, local, public, update, base_round
+    def __init__(
+        self,
+        kind: Upload,
+        n_samples: int,
+        local: ClippedSet | None = None,
+        public: ClippedSet | None = None,
+        update: ClippedVector | None = None,
+        base_round: int = 0,
+    ) -> None:
+        self.kind, self.n_samples, self.local, self.public, self.update, self.base_round = (
+            kind,
+            n_samples,
+            local,
+            public,
+            update,
+            base_round,
+        )
 
 
 class Fold:
@@ -314,8 +329,10 @@ class Fold:
         if self.merged is None:
             if not self.kinds:
                 return {}
-            raise NotMergeable(f"{type(self).__module__}.{type(self).__name__} does not name its mergeable "
-                               f"accumulators (Fold.merged): it cannot run on sharded aggregators; run one aggregator")
+            raise NotMergeable(
+                f"{type(self).__module__}.{type(self).__name__} does not name its mergeable "
+                f"accumulators (Fold.merged): it cannot run on sharded aggregators; run one aggregator"
+            )
         return {name: partial_of(getattr(self, name), f"{type(self).__name__}.{name}") for name in self.merged}
 
     def merge(self, part: Mapping[str, Any], *, check: bool = False) -> None:
@@ -559,8 +576,11 @@ class RuleChain:
         out: dict[str, Any] = {}
         for rule in self.rules:
             if rule.state is not None:
-                out.update((f.name, getattr(rule.state, f.name)) for f in dataclasses.fields(rule.state)
-                           if f.metadata.get("state", True))
+                out.update(
+                    (f.name, getattr(rule.state, f.name))
+                    for f in dataclasses.fields(rule.state)
+                    if f.metadata.get("state", True)
+                )
         return out
 
     def _first(self, offer: Callable[[ServerRule], T | None]) -> T | None:
@@ -586,8 +606,10 @@ class RuleChain:
                 if value is None:
                     continue
                 if key not in rule.fills:
-                    raise ValueError(f"the server rule of '{name}' filled the round message's '{key}', which it "
-                                     f"does not declare (ServerRule.fills)")
+                    raise ValueError(
+                        f"the server rule of '{name}' filled the round message's '{key}', which it "
+                        f"does not declare (ServerRule.fills)"
+                    )
                 out.setdefault(key, value)
         return RoundFields(**out)
 

@@ -26,8 +26,10 @@ ALLOW_MISSING = "PROTOFL_ALLOW_NO_MOSQUITTO"
 def _require_mosquitto() -> str:
     path = find_mosquitto()
     if path is None:
-        msg = ("mosquitto is not installed (looked on PATH and in /usr/sbin, /usr/local/sbin): "
-               "install it with `apt-get install mosquitto`")
+        msg = (
+            "mosquitto is not installed (looked on PATH and in /usr/sbin, /usr/local/sbin): "
+            "install it with `apt-get install mosquitto`"
+        )
         if os.environ.get(ALLOW_MISSING) == "1":
             pytest.skip(f"{msg} ({ALLOW_MISSING}=1)")
         pytest.fail(f"{msg}, or set {ALLOW_MISSING}=1 to skip the broker tests", pytrace=False)
@@ -72,8 +74,9 @@ ALLOW_NO_DATA = "PROTOFL_ALLOW_NO_DATA"
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item,
-                              call: pytest.CallInfo[None]) -> Generator[None, Result[pytest.TestReport], None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Result[pytest.TestReport], None]:
     """A test skipped because Fashion-MNIST is missing counts as failed: CI installs the data
     (README: apt-get install dataset-fashion-mnist), and a skipped test checks nothing. Set
     PROTOFL_ALLOW_NO_DATA=1 to allow those skips on a machine without the package."""
@@ -81,8 +84,10 @@ def pytest_runtest_makereport(item: pytest.Item,
     report = outcome.get_result()
     if report.skipped and "Fashion-MNIST" in str(report.longrepr) and os.environ.get(ALLOW_NO_DATA) != "1":
         report.outcome = "failed"
-        report.longrepr = (f"Fashion-MNIST is not installed ({report.longrepr}); apt-get install "
-                           f"dataset-fashion-mnist, or set {ALLOW_NO_DATA}=1 to skip the tests that need it")
+        report.longrepr = (
+            f"Fashion-MNIST is not installed ({report.longrepr}); apt-get install "
+            f"dataset-fashion-mnist, or set {ALLOW_NO_DATA}=1 to skip the tests that need it"
+        )
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-ADAPTER_PIPELINE: dict[str, Any] = dict(federate="adapter", prototypes="mean", consensus=False, erpa=False,
-                                        apud=True, cps=True, scaling=True, mu="auto", refine=False)
+ADAPTER_PIPELINE: dict[str, Any] = dict(
+    federate="adapter",
+    prototypes="mean",
+    consensus=False,
+    erpa=False,
+    apud=True,
+    cps=True,
+    scaling=True,
+    mu="auto",
+    refine=False,
+)
 
 
 def as_cli_sets(switches: dict[str, Any]) -> list[str]:

@@ -33,6 +33,7 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 DATA = "synthetic:n=600,n_test=100"
 runner = CliRunner()
 
+
 def edge_without_torch(*args: str | Path) -> subprocess.CompletedProcess[str]:
     """`protofl-edge ...` in a process whose imports of torch fail, as on a device without it (and that
     never imported it when the command returns)."""
@@ -87,15 +88,18 @@ def export_and_label(artifact: Path, tmp: Path, what: str | None = None, **selec
     extra = [a for k, v in select.items() for a in (f"--{k}", v)]
     model = tmp / "deploy" / "model.onnx"
     graph = ["--what", what] if what else []
-    r = runner.invoke(export_app, ["onnx", "--from", str(artifact), *extra, "--out", str(model), *graph,
-                                   "--exporter", "torchscript"])
+    r = runner.invoke(
+        export_app, ["onnx", "--from", str(artifact), *extra, "--out", str(model), *graph, "--exporter", "torchscript"]
+    )
     assert r.exit_code == 0, r.output
     exported = r.output
     r = runner.invoke(export_app, ["verify", str(model), "--from", str(artifact), *extra, "--n", "32"])
     assert r.exit_code == 0 and "PASS" in r.output and "max |onnx - torch| = " in r.output, r.output
     verified = exported + r.output
-    r = runner.invoke(export_app, ["quantize", str(model), "--out", str(tmp / "int8" / "model.onnx"),
-                                   "--train-n", "200", "--test-n", "100"])
+    r = runner.invoke(
+        export_app,
+        ["quantize", str(model), "--out", str(tmp / "int8" / "model.onnx"), "--train-n", "200", "--test-n", "100"],
+    )
     assert r.exit_code == 0 and "int8 (dynamic)" in r.output, r.output
     npz, photos, x = unlabelled(tmp)
     loaded = load_artifact(artifact, **select)
@@ -104,8 +108,11 @@ def export_and_label(artifact: Path, tmp: Path, what: str | None = None, **selec
         done = edge_without_torch("predict", "--model", model, "--input", source, "--out", out, "--show", "0")
         assert done.returncode == 0, done.stdout + done.stderr
         got = read_labels(out)
-        keys = [str(i) for i in range(len(x))] if out.suffix == ".csv" else \
-            [f"batch{i % 2}/{i:03d}.png" for i in range(len(x))]
+        keys = (
+            [str(i) for i in range(len(x))]
+            if out.suffix == ".csv"
+            else [f"batch{i % 2}/{i:03d}.png" for i in range(len(x))]
+        )
         agree = np.mean([got[k] == int(w) for k, w in zip(keys, want, strict=True)])
         assert agree >= 0.99, f"{source}: {agree:.1%} of the labels agree with torch's"
     # the int8 model found its prototype table too (copied beside it)
@@ -117,8 +124,24 @@ def export_and_label(artifact: Path, tmp: Path, what: str | None = None, **selec
 @pytest.fixture(scope="module")
 def fedproto_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: None) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("sim")
-    r = runner.invoke(server_app, ["simulate", "--preset", "fedproto", "--dataset", DATA, "--clients", "3",
-                                   "--rounds", "2", "--out", str(out / "run"), "--json", str(out / "run.json")])
+    r = runner.invoke(
+        server_app,
+        [
+            "simulate",
+            "--preset",
+            "fedproto",
+            "--dataset",
+            DATA,
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--out",
+            str(out / "run"),
+            "--json",
+            str(out / "run.json"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "predictor: only prototypes are federated" in r.output  # the table says why it has no predictor
     return out / "run", json.loads((out / "run.json").read_text())
@@ -141,13 +164,15 @@ def test_simulate_leaves_what_a_device_deploys(fedproto_run: tuple[Path, dict], 
 
 
 @pytest.mark.slow
-def test_a_late_joiner_labels_with_the_global_state_before_it_trains(fedproto_run: tuple[Path, dict],
-                                                                     tmp_path: Path) -> None:
+def test_a_late_joiner_labels_with_the_global_state_before_it_trains(
+    fedproto_run: tuple[Path, dict], tmp_path: Path
+) -> None:
     from edge_agent.models import build_model
 
     run, _ = fedproto_run
-    r = runner.invoke(export_app, ["onnx", "--from", str(run), "--out", str(tmp_path / "new.onnx"),
-                                   "--exporter", "torchscript"])
+    r = runner.invoke(
+        export_app, ["onnx", "--from", str(run), "--out", str(tmp_path / "new.onnx"), "--exporter", "torchscript"]
+    )
     assert r.exit_code == 0 and "a new device of federation 'sim'" in r.output, r.output
     from export.artifact import load_artifact
 
@@ -165,10 +190,29 @@ def test_a_late_joiner_labels_with_the_global_state_before_it_trains(fedproto_ru
 def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, one_torch_thread: None) -> None:
     # RefProtoFL's federated adapter and head on the frozen backbone every device shares.
     run, report = tmp_path / "run", tmp_path / "run.json"
-    r = runner.invoke(server_app, ["simulate", "--preset", "refprotofl", "--set", "backbone=frozen", "--dataset",
-                                   DATA, "--clients", "3", "--rounds", "2", "--test-every", "1", "--out", str(run),
-                                   "--json", str(report)],
-                       env={"COLUMNS": "200"})  # the table's columns unwrapped
+    r = runner.invoke(
+        server_app,
+        [
+            "simulate",
+            "--preset",
+            "refprotofl",
+            "--set",
+            "backbone=frozen",
+            "--dataset",
+            DATA,
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--test-every",
+            "1",
+            "--out",
+            str(run),
+            "--json",
+            str(report),
+        ],
+        env={"COLUMNS": "200"},
+    )  # the table's columns unwrapped
     assert r.exit_code == 0, r.output
     rows = json.loads(report.read_text())["rounds"]
     assert all(isinstance(row["predictor_acc"], float) for row in rows)
@@ -186,15 +230,65 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("start")
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "amqtt", "--insecure", "--port",
-         str(port), "--fed", "dep", "--preset", "fedproto", "--rounds", "2", "--min-clients", "2",
-         "--round-timeout", "60", "--state-dir", str(tmp / "server")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
-    devices = [subprocess.Popen(
-        [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "dep",
-         "--client-id", f"dev-{i}", "--data", DATA, "--partition", f"{i}/2", "--threads", "1",
-         "--connect-timeout", "60", "--state-dir", str(tmp / f"dev-{i}")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True) for i in range(2)]
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--local-broker",
+            "amqtt",
+            "--insecure",
+            "--port",
+            str(port),
+            "--fed",
+            "dep",
+            "--preset",
+            "fedproto",
+            "--rounds",
+            "2",
+            "--min-clients",
+            "2",
+            "--round-timeout",
+            "60",
+            "--state-dir",
+            str(tmp / "server"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
+    devices = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "edge_agent.cli",
+                "join",
+                "--broker",
+                f"mqtt://127.0.0.1:{port}",
+                "--fed",
+                "dep",
+                "--client-id",
+                f"dev-{i}",
+                "--data",
+                DATA,
+                "--partition",
+                f"{i}/2",
+                "--threads",
+                "1",
+                "--connect-timeout",
+                "60",
+                "--state-dir",
+                str(tmp / f"dev-{i}"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         out, _ = server.communicate(timeout=240)
         dev_out = [d.communicate(timeout=60)[0] for d in devices]

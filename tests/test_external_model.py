@@ -86,16 +86,19 @@ def test_entry_point_and_module_factory_build_the_same_seeded_model(installed: N
     assert isinstance(proj.stem, nn.Identity) and proj.projection is not None  # d == m: no stem, as for built-ins
 
 
-@pytest.mark.parametrize("arch, problem", [
-    ("vgg99", r"unknown architecture 'vgg99'; "),
-    ("nope.module:make", r"cannot load nope.module:make \(ModuleNotFoundError"),
-    ("tiny_backbone.nets:missing", r"has no attribute 'missing'"),
-    (f"{__name__}:NOT_CALLABLE", r"is a int, not callable; "),
-    (f"{__name__}:returns_a_list", r"the factory returned list, not a torch.nn.Module; "),
-    (f"{__name__}:returns_a_vector", r"maps a \(2, 1, 28, 28\) batch to \(\), expected a tensor \(2, d\)"),
-    (f"{__name__}:raises", r"the factory failed for input shape \(1, 28, 28\): ValueError: needs 3 channels"),
-    ("mymodel.py:Net", r"name the module, not the file: mymodel:Net with its folder on PYTHONPATH"),
-])
+@pytest.mark.parametrize(
+    "arch, problem",
+    [
+        ("vgg99", r"unknown architecture 'vgg99'; "),
+        ("nope.module:make", r"cannot load nope.module:make \(ModuleNotFoundError"),
+        ("tiny_backbone.nets:missing", r"has no attribute 'missing'"),
+        (f"{__name__}:NOT_CALLABLE", r"is a int, not callable; "),
+        (f"{__name__}:returns_a_list", r"the factory returned list, not a torch.nn.Module; "),
+        (f"{__name__}:returns_a_vector", r"maps a \(2, 1, 28, 28\) batch to \(\), expected a tensor \(2, d\)"),
+        (f"{__name__}:raises", r"the factory failed for input shape \(1, 28, 28\): ValueError: needs 3 channels"),
+        ("mymodel.py:Net", r"name the module, not the file: mymodel:Net with its folder on PYTHONPATH"),
+    ],
+)
 def test_a_factory_that_does_not_fit_says_what_was_wrong(installed: None, arch: str, problem: str) -> None:
     from edge_agent.models import build_model
     from protofl.errors import ConfigError
@@ -128,8 +131,22 @@ def test_models_lists_the_installed_model() -> None:
 @pytest.mark.slow
 def test_simulate_mixes_built_in_entry_point_and_module_factory(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
-    proc = _run("protofl-server", "simulate", "--preset", "fedproto", "--dataset", DATASET, "--clients", "3",
-                "--rounds", "2", "--arch", "cnn,tinynet,tiny_backbone.nets:make", "--json", str(out))
+    proc = _run(
+        "protofl-server",
+        "simulate",
+        "--preset",
+        "fedproto",
+        "--dataset",
+        DATASET,
+        "--clients",
+        "3",
+        "--rounds",
+        "2",
+        "--arch",
+        "cnn,tinynet,tiny_backbone.nets:make",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["config"]["archs"] == ["cnn", "tinynet", "tiny_backbone.nets:make"]
@@ -142,9 +159,26 @@ def test_join_processes_run_own_models_over_mqtt(tmp_path: Path) -> None:
     # simulate --transport mqtt starts mosquitto and one `protofl-edge join` process per device; the devices
     # extract prototypes with onnxruntime from the own model re-exported each round
     out = tmp_path / "run.json"
-    proc = _run("protofl-server", "simulate", "--transport", "mqtt", "--preset", "tinyproto", "--dataset", DATASET,
-                "--clients", "2", "--rounds", "2", "--arch", "tinynet,tiny_backbone.nets:make", "--extractor", "onnx",
-                "--json", str(out))
+    proc = _run(
+        "protofl-server",
+        "simulate",
+        "--transport",
+        "mqtt",
+        "--preset",
+        "tinyproto",
+        "--dataset",
+        DATASET,
+        "--clients",
+        "2",
+        "--rounds",
+        "2",
+        "--arch",
+        "tinynet,tiny_backbone.nets:make",
+        "--extractor",
+        "onnx",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
     assert run["simulation"]["transport"] == "mqtt" and run["dropped"] == {}
@@ -155,22 +189,59 @@ def test_join_processes_run_own_models_over_mqtt(tmp_path: Path) -> None:
 def test_a_device_whose_factory_fails_exits_instead_of_waiting() -> None:
     # the factory imports (join's early check passes) but returns no nn.Module: the join process stops with the
     # reason as soon as the config comes, and simulate reports the agent's exit
-    proc = _run("protofl-server", "simulate", "--transport", "mqtt", "--dataset", DATASET, "--clients", "2",
-                "--rounds", "1", "--arch", f"cnn,{__name__}:returns_a_list", timeout=300)
+    proc = _run(
+        "protofl-server",
+        "simulate",
+        "--transport",
+        "mqtt",
+        "--dataset",
+        DATASET,
+        "--clients",
+        "2",
+        "--rounds",
+        "1",
+        "--arch",
+        f"cnn,{__name__}:returns_a_list",
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert "the factory returned list, not a torch.nn.Module" in " ".join(proc.stderr.split())
 
 
 def test_join_refuses_an_arch_that_names_no_model_before_connecting() -> None:
     # port 1: nothing listens there; the arch is checked first
-    proc = _run("protofl-edge", "join", "--broker", "mqtt://127.0.0.1:1", "--fed", "f", "--client-id", "d1",
-                "--data", "synthetic", "--arch", "tiny_backbone.nets:nothing", timeout=120)
+    proc = _run(
+        "protofl-edge",
+        "join",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--fed",
+        "f",
+        "--client-id",
+        "d1",
+        "--data",
+        "synthetic",
+        "--arch",
+        "tiny_backbone.nets:nothing",
+        timeout=120,
+    )
     assert proc.returncode == 2 and "has no attribute 'nothing'" in " ".join(proc.stderr.split())
 
 
 def test_simulate_refuses_a_factory_that_cannot_be_imported() -> None:
-    proc = _run("protofl-server", "simulate", "--dataset", DATASET, "--clients", "2", "--rounds", "1",
-                "--arch", "cnn,no_such_pkg.nets:make", timeout=120)
+    proc = _run(
+        "protofl-server",
+        "simulate",
+        "--dataset",
+        DATASET,
+        "--clients",
+        "2",
+        "--rounds",
+        "1",
+        "--arch",
+        "cnn,no_such_pkg.nets:make",
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "architecture 'no_such_pkg.nets:make': cannot load" in " ".join(proc.stderr.split())
 
@@ -207,12 +278,27 @@ def test_export_rebuilds_the_own_model_from_its_checkpoint(installed: None, tmp_
     assert load_checkpoint(ckpt)[1]["arch"] == "tiny_backbone.nets:make"
     rng = np.random.default_rng(1)
     data = tmp_path / "data.npz"
-    np.savez(data, x=rng.integers(0, 256, (64, 28, 28), dtype=np.uint8), y=rng.integers(0, 10, 64),
-             x_test=rng.integers(0, 256, (64, 28, 28), dtype=np.uint8), y_test=rng.integers(0, 10, 64))
+    np.savez(
+        data,
+        x=rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
+        y=rng.integers(0, 10, 64),
+        x_test=rng.integers(0, 256, (64, 28, 28), dtype=np.uint8),
+        y_test=rng.integers(0, 10, 64),
+    )
     onnx_path = tmp_path / "tiny.onnx"
     proc = _run("protofl-export", "onnx", "--checkpoint", str(ckpt), "--out", str(onnx_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     assert "tiny_backbone.nets:make features, input (batch,1,28,28) -> (batch,512)" in proc.stdout
-    proc = _run("protofl-export", "verify", str(onnx_path), "--checkpoint", str(ckpt), "--data", f"npz:{data}",
-                "--n", "64", timeout=300)
+    proc = _run(
+        "protofl-export",
+        "verify",
+        str(onnx_path),
+        "--checkpoint",
+        str(ckpt),
+        "--data",
+        f"npz:{data}",
+        "--n",
+        "64",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]

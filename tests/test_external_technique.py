@@ -45,9 +45,26 @@ def installed() -> Iterator[None]:
 def test_simulate_runs_a_technique_installed_from_outside(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXTERNAL), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "run.json"
-    proc = subprocess.run(["protofl-server", "simulate", "--preset", "fedproto-median", "--dataset", FED["dataset"],
-                           "--clients", "3", "--rounds", "2", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            "protofl-server",
+            "simulate",
+            "--preset",
+            "fedproto-median",
+            "--dataset",
+            FED["dataset"],
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())
     config = run["config"]
@@ -125,8 +142,11 @@ def test_a_device_without_a_used_technique_is_told_which_package_to_install(inst
     wire = make_config("fedproto-median").to_dict()
     _reload_without_package()
     try:
-        with pytest.raises(ConfigError, match=r"\['median_proto'\] that are not installed here: 'median_proto' comes "
-                                              r"from median-proto 0.1: pip install 'median-proto==0.1'"):
+        with pytest.raises(
+            ConfigError,
+            match=r"\['median_proto'\] that are not installed here: 'median_proto' comes "
+            r"from median-proto 0.1: pip install 'median-proto==0.1'",
+        ):
             FederationConfig.from_dict(wire)
     finally:
         sys.path.insert(0, str(EXTERNAL))
@@ -146,9 +166,24 @@ def test_an_option_of_a_technique_the_federation_does_not_use_is_refused() -> No
 
 @pytest.mark.slow
 def test_start_refuses_an_option_of_a_technique_its_federation_does_not_use(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--insecure", "--preset", "tinyproto",
-                           "--set", "refine_steps=3", "--state-dir", str(tmp_path / "s")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--insecure",
+            "--preset",
+            "tinyproto",
+            "--set",
+            "refine_steps=3",
+            "--state-dir",
+            str(tmp_path / "s"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "['refine_steps'] belong to technique(s) ['fedpagr']" in proc.stdout + proc.stderr
     assert not (tmp_path / "s").exists()  # refused before anything was made
@@ -179,15 +214,26 @@ def test_a_technique_that_does_not_load_is_named(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "technique 'broken = no_such_module:Broken' (entry point group protofl.techniques) does not load" \
-        in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "technique 'broken = no_such_module:Broken' (entry point group protofl.techniques) does not load" in proc.stderr
+    ), proc.stderr[-2000:]
 
 
 # -- a fleet where only the server has the package ----------------------------------------------------------------
 REPO = Path(__file__).resolve().parents[1]
 FLEET_DATA = "synthetic:n=300,n_test=20,size=12"
-SMALL = ["--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]", "--set", "proto_dim=20", "--set", "batch_size=50",
-         "--set", "adapter_rank=2"]
+SMALL = [
+    "--set",
+    'archs=["mlp"]',
+    "--set",
+    "in_shape=[1,12,12]",
+    "--set",
+    "proto_dim=20",
+    "--set",
+    "batch_size=50",
+    "--set",
+    "adapter_rank=2",
+]
 
 
 class _Fleet:
@@ -207,20 +253,71 @@ class _Fleet:
         return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
 
     def start(self, with_package: bool) -> None:
-        cmd = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "mosquitto", "--insecure",
-               "--port", str(self.port), "--fed", "mixed", "--preset", "tinyproto", "--rounds", str(self.rounds),
-               "--min-clients", "2", "--round-timeout", "120", "--offline-grace", "300", "--seed", "4",
-               "--state-dir", str(self.tmp / "state"), *SMALL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--local-broker",
+            "mosquitto",
+            "--insecure",
+            "--port",
+            str(self.port),
+            "--fed",
+            "mixed",
+            "--preset",
+            "tinyproto",
+            "--rounds",
+            str(self.rounds),
+            "--min-clients",
+            "2",
+            "--round-timeout",
+            "120",
+            "--offline-grace",
+            "300",
+            "--seed",
+            "4",
+            "--state-dir",
+            str(self.tmp / "state"),
+            *SMALL,
+        ]
         with self.log.open("a") as out:
-            self.server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                           env=self.env(with_package))
+            self.server = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=self.env(with_package)
+            )
 
     def join(self) -> None:
-        self.devices = [subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{self.port}", "--fed",
-             "mixed", "--client-id", f"dev-{i}", "--data", FLEET_DATA, "--partition", f"{i}/2", "--seed", "4",
-             "--threads", "1", "--connect-timeout", "60"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.env(False)) for i in range(2)]
+        self.devices = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "edge_agent.cli",
+                    "join",
+                    "--broker",
+                    f"mqtt://127.0.0.1:{self.port}",
+                    "--fed",
+                    "mixed",
+                    "--client-id",
+                    f"dev-{i}",
+                    "--data",
+                    FLEET_DATA,
+                    "--partition",
+                    f"{i}/2",
+                    "--seed",
+                    "4",
+                    "--threads",
+                    "1",
+                    "--connect-timeout",
+                    "60",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=self.env(False),
+            )
+            for i in range(2)
+        ]
 
     def rounds_done(self) -> int:
         path = self.tmp / "state" / "rounds.jsonl"

@@ -56,10 +56,15 @@ CLI_MODULES = {"protofl-server": "broker_server.cli", "protofl-edge": "edge_agen
 
 
 def python_without_torch(code: str, *argv: str, blocked: str = "torch") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BLOCKED": blocked, "COLUMNS": "250",  # rich wraps help text at the terminal width
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-c", code, *argv], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env = {
+        **os.environ,
+        "BLOCKED": blocked,
+        "COLUMNS": "250",  # rich wraps help text at the terminal width
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def run_without_torch(cli: str, *args: str, blocked: str = "torch") -> subprocess.CompletedProcess[str]:
@@ -92,11 +97,15 @@ def test_edge_help_says_what_to_install() -> None:
     assert version.returncode == 0 and "protofl-edge" in version.stdout, version.stdout + version.stderr
 
 
-@pytest.mark.parametrize("args", [
-    ["join", "--broker", "mqtt://127.0.0.1:1", "--data", "synthetic"],  # said before the missing --client-id
-    ["join", "--broker", "mqtt://127.0.0.1:1", "--client-id", "dev1", "--data", "synthetic"],
-    ["models"],
-], ids=lambda a: " ".join(a[:3]))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["join", "--broker", "mqtt://127.0.0.1:1", "--data", "synthetic"],  # said before the missing --client-id
+        ["join", "--broker", "mqtt://127.0.0.1:1", "--client-id", "dev1", "--data", "synthetic"],
+        ["models"],
+    ],
+    ids=lambda a: " ".join(a[:3]),
+)
 def test_device_commands_without_torch_exit_2_with_the_hint(args: list[str]) -> None:
     proc = run_without_torch("protofl-edge", *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -106,13 +115,21 @@ def test_device_commands_without_torch_exit_2_with_the_hint(args: list[str]) -> 
 
 def test_predict_needs_no_torch(tmp_path: Path) -> None:
     # `predict` runs on onnxruntime alone: without torch it gets as far as its own input checks.
-    proc = run_without_torch("protofl-edge", "predict", "--model", str(tmp_path / "absent.onnx"),
-                             "--prototypes", str(tmp_path / "p.npz"))
+    proc = run_without_torch(
+        "protofl-edge", "predict", "--model", str(tmp_path / "absent.onnx"), "--prototypes", str(tmp_path / "p.npz")
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "absent.onnx does not exist" in proc.stderr and "PyTorch" not in proc.stderr, proc.stderr
     # ... and where the onnx extra is missing as well, it says so.
-    proc = run_without_torch("protofl-edge", "predict", "--model", str(tmp_path / "absent.onnx"),
-                             "--prototypes", str(tmp_path / "p.npz"), blocked="torch,onnx,onnxruntime")
+    proc = run_without_torch(
+        "protofl-edge",
+        "predict",
+        "--model",
+        str(tmp_path / "absent.onnx"),
+        "--prototypes",
+        str(tmp_path / "p.npz"),
+        blocked="torch,onnx,onnxruntime",
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "protofl-edge predict needs onnx, which is not installed: pip install 'protofl-edge[onnx]'" in proc.stderr
 
@@ -126,8 +143,10 @@ def test_export_without_torch_says_what_to_install(tmp_path: Path) -> None:
 def test_require_torch() -> None:
     assert torch_available()  # the tests run with the device extra
     require_torch("this test")  # torch is there: nothing to say
-    proc = python_without_torch(BLOCKER + textwrap.dedent(
-        """
+    proc = python_without_torch(
+        BLOCKER
+        + textwrap.dedent(
+            """
         from protofl.errors import ConfigError
         from protofl.requirements import require_torch, torch_available
 
@@ -137,7 +156,8 @@ def test_require_torch() -> None:
         except ConfigError as exc:
             print(exc)
         """
-    ))
+        )
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == f"protofl-server simulate needs PyTorch, which is not installed: {TORCH_INSTALL_HINT}"
 
@@ -146,8 +166,10 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (REPO / "README.md").read_text()
     test_cmd = re.search(r"Run the tests:\n\n```\n(.+?)\n```", readme).group(1)  # type: ignore[union-attr]
     tree = "protofl edge_agent broker_server export bench tests"  # lint and types over the whole tree
-    assert test_cmd.endswith(f"lint-imports && ruff check {tree} && mypy {tree} && "
-                             "python -m pytest -q -n 2 --dist loadfile")
+    assert test_cmd.endswith(
+        f"lint-imports && ruff check {tree} && ruff format --check {tree} && mypy {tree} && "
+        f"python -m pytest -q -n 2 --dist loadfile"
+    )
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == test_cmd
 

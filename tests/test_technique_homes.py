@@ -18,11 +18,21 @@ PACKAGES = ("protofl", "edge_agent", "broker_server", "export")
 # How a file names each technique. FedProx by its name, its option (prox_mu) or its term: "prox" as a word of
 # an identifier or string, or "proximal"; not "proxy" (the link-shaping proxies) nor "approx".
 PATTERNS = {t: rf"(?<![a-z]){t}|fed{t}" for t in ("pagr", "erpa", "apud", "cps")} | {
-    "prox": r"fedprox|(?<![a-z])prox(?![a-z])|proximal"}
+    "prox": r"fedprox|(?<![a-z])prox(?![a-z])|proximal"
+}
 TECHNIQUES = tuple(PATTERNS)
-GENERIC = ("broker_server/rounds.py", "broker_server/shell.py", "broker_server/stages.py",
-           "edge_agent/agent.py", "edge_agent/trainer.py", "protofl/plan.py", "protofl/config.py",
-           "protofl/registry.py", "protofl/technique.py", "edge_agent/techniques/__init__.py")
+GENERIC = (
+    "broker_server/rounds.py",
+    "broker_server/shell.py",
+    "broker_server/stages.py",
+    "edge_agent/agent.py",
+    "edge_agent/trainer.py",
+    "protofl/plan.py",
+    "protofl/config.py",
+    "protofl/registry.py",
+    "protofl/technique.py",
+    "edge_agent/techniques/__init__.py",
+)
 
 
 def named_in(path: Path) -> set[str]:
@@ -54,10 +64,12 @@ def test_fedprox_is_named_by_its_two_modules_and_its_entry_points_only() -> None
     assert sorted(files_naming()["prox"]) == ["edge_agent/techniques/fedprox.py", "protofl/algorithms/fedprox.py"]
     text = (ROOT / "pyproject.toml").read_text()
     contract = text.index('id = "technique-homes"')  # the import contract lists every technique module: not a use
-    outside = text[:contract] + text[text.index("\n[[", contract):]
+    outside = text[:contract] + text[text.index("\n[[", contract) :]
     lines = [line for line in outside.splitlines() if "prox" in line.lower()]
-    assert lines == ['fedprox = "protofl.algorithms.fedprox:FedProx"',
-                     'fedprox = "edge_agent.techniques.fedprox:FedProxDevice"'], lines
+    assert lines == [
+        'fedprox = "protofl.algorithms.fedprox:FedProx"',
+        'fedprox = "edge_agent.techniques.fedprox:FedProxDevice"',
+    ], lines
 
 
 def test_the_generic_modules_name_no_technique() -> None:
@@ -71,7 +83,7 @@ def test_the_counter_sees_identifiers_strings_and_docstrings_but_not_comments(tm
     assert named_in(src) == {"cps", "apud", "pagr"}
     src.write_text('"""Through a link proxy; approx."""\n# FedProx in a comment\nLinkProxy = 1\n')
     assert named_in(src) == set()
-    for code in ('mu = cfg.prox_mu\n', 'x = "FedProx"\n', '"""The proximal term."""\n'):
+    for code in ("mu = cfg.prox_mu\n", 'x = "FedProx"\n', '"""The proximal term."""\n'):
         src.write_text(code)
         assert named_in(src) == {"prox"}, code
 
@@ -90,8 +102,12 @@ def test_the_import_contract_keeps_every_technique_module_out_of_the_generic_one
 
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     contract = next(c for c in contracts if c["id"] == "technique-homes")
-    ours = {ep.value.split(":")[0] for group in ("protofl.techniques", "protofl.device_rules")
-            for ep in entry_points(group=group) if ep.value.startswith(("protofl.", "edge_agent."))}
+    ours = {
+        ep.value.split(":")[0]
+        for group in ("protofl.techniques", "protofl.device_rules")
+        for ep in entry_points(group=group)
+        if ep.value.startswith(("protofl.", "edge_agent."))
+    }
     missing = sorted(ours - set(contract["forbidden_modules"]))
     assert len(ours) >= 14 and not missing, missing
     generic = {f.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for f in GENERIC}

@@ -46,6 +46,14 @@ def write_run_artifacts(spec: SimulationSpec, fed_data: Federation, agg: Aggrega
     """The federation's artifacts from the aggregator's final model."""
     assert spec.out_dir is not None
     cfg = fed_data.cfg
-    write_server_artifacts(agg.model, spec.out_dir, fed=FED, round_=len(agg.records), finished=agg.finished,
-                           class_names=class_names(spec.dataset, cfg.num_classes), written_by="protofl-server simulate",
-                           data=spec.dataset, norm=(fed_data.train.mean, fed_data.train.std))
+    write_server_artifacts(
+        agg.model,
+        spec.out_dir,
+        fed=FED,
+        round_=len(agg.records),
+        finished=agg.finished,
+        class_names=class_names(spec.dataset, cfg.num_classes),
+        written_by="protofl-server simulate",
+        data=spec.dataset,
+        norm=(fed_data.train.mean, fed_data.train.std),
+    )

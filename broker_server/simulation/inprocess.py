@@ -19,13 +19,23 @@ if TYPE_CHECKING:
     from edge_agent.agent import ClientData
 
 
-def make_aggregator(spec: SimulationSpec, fed_data: Federation, report: Report, transport: Transport,
-                    initial_params: np.ndarray | None) -> Aggregator:
+def make_aggregator(
+    spec: SimulationSpec, fed_data: Federation, report: Report, transport: Transport, initial_params: np.ndarray | None
+) -> Aggregator:
     """The simulation's aggregator on `transport`, wired to the report (every backend runs this one)."""
-    agg = Aggregator(fed_data.cfg, FED, transport, clock=time.time, initial_params=initial_params,
-                     public=fed_data.public_set(), expected_clients=spec.client_ids, policy=spec.policy(),
-                     on_round_end=lambda rec: report.on_round_end(rec, agg.model), on_metrics=report.on_metrics,
-                     limits=fed_data.limits(initial_params))
+    agg = Aggregator(
+        fed_data.cfg,
+        FED,
+        transport,
+        clock=time.time,
+        initial_params=initial_params,
+        public=fed_data.public_set(),
+        expected_clients=spec.client_ids,
+        policy=spec.policy(),
+        on_round_end=lambda rec: report.on_round_end(rec, agg.model),
+        on_metrics=report.on_metrics,
+        limits=fed_data.limits(initial_params),
+    )
     return agg
 
 
@@ -34,13 +44,21 @@ def client_data(fed_data: Federation, i: int, x_global: np.ndarray | None) -> Cl
     from edge_agent.agent import ClientData
 
     train, test, part = fed_data.train, fed_data.test, fed_data.split.clients[i]
-    return ClientData(x_train=train.normalized(part.train), y_train=train.y[part.train],
-                      x_test=train.normalized(part.test), y_test=train.y[part.test],
-                      x_global=x_global, y_global=test.y, mean=train.mean, std=train.std)
+    return ClientData(
+        x_train=train.normalized(part.train),
+        y_train=train.y[part.train],
+        x_test=train.normalized(part.test),
+        y_test=train.y[part.test],
+        x_global=x_global,
+        y_global=test.y,
+        mean=train.mean,
+        std=train.std,
+    )
 
 
-def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
-                  initial_params: np.ndarray | None) -> Aggregator:
+def run_inprocess(
+    spec: SimulationSpec, fed_data: Federation, report: Report, initial_params: np.ndarray | None
+) -> Aggregator:
     """Run the federation to its last round; returns the aggregator (its `model` is the final state)."""
     from edge_agent.agent import EdgeAgent  # torch: only when a simulation runs
     from edge_agent.local import LocalDevice
@@ -53,9 +71,17 @@ def run_inprocess(spec: SimulationSpec, fed_data: Federation, report: Report,
     deployable = device_hook(spec, cfg.num_classes)
     for i, cid in enumerate(spec.client_ids):
         data = client_data(fed_data, i, x_test)
-        agent = EdgeAgent(cid, FED, data, arch=cfg.arch_for(i), device=spec.device, eval_every=spec.eval_every,
-                          test_every=spec.test_every, extractor=spec.extractor,
-                          artifacts_at=DEVICE_ARTIFACTS if deployable is not None else ())
+        agent = EdgeAgent(
+            cid,
+            FED,
+            data,
+            arch=cfg.arch_for(i),
+            device=spec.device,
+            eval_every=spec.eval_every,
+            test_every=spec.test_every,
+            extractor=spec.extractor,
+            artifacts_at=DEVICE_ARTIFACTS if deployable is not None else (),
+        )
         devices.append(LocalDevice(agent, broker.connect(cid), deployable))
     agents = [d.agent for d in devices]
     agg.start()

@@ -31,31 +31,45 @@ def expand(fleet: list[DeviceClass], clients: int | None) -> list[DeviceClass]:
     """One device class per client, in fleet order; `clients` (if given) must match the fleet's size."""
     per_client = [dataclasses.replace(c, count=1) for c in fleet for _ in range(c.count)]
     if clients is not None and clients != len(per_client):
-        raise ConfigError(f"--clients {clients} but --profiles describes {len(per_client)} devices; "
-                          f"leave --clients out or make the counts add up")
+        raise ConfigError(
+            f"--clients {clients} but --profiles describes {len(per_client)} devices; "
+            f"leave --clients out or make the counts add up"
+        )
     return per_client
 
 
 def link_shape(link: LinkProfile) -> LinkShape:
-    return LinkShape(up_bytes_per_s=link.uplink_bytes_per_s, down_bytes_per_s=link.downlink_bytes_per_s,
-                     rtt_s=link.rtt_ms / 1000, jitter_s=link.jitter_ms / 1000,
-                     down_at=link.outage.down_at if link.outage is not None else None)
+    return LinkShape(
+        up_bytes_per_s=link.uplink_bytes_per_s,
+        down_bytes_per_s=link.downlink_bytes_per_s,
+        rtt_s=link.rtt_ms / 1000,
+        jitter_s=link.jitter_ms / 1000,
+        down_at=link.outage.down_at if link.outage is not None else None,
+    )
 
 
 class Links:
     """The proxies of a fleet, started together (their simulated clocks share one origin)."""
 
-    def __init__(self, devices: list[DeviceClass], broker: BrokerOptions, time_scale: float, seed: int,
-                 largest_message: int = 0) -> None:
+    def __init__(
+        self, devices: list[DeviceClass], broker: BrokerOptions, time_scale: float, seed: int, largest_message: int = 0
+    ) -> None:
         if broker.tls:
             raise ConfigError("--profiles shapes plain TCP to a local broker; it cannot be combined with mqtts://")
         self.devices = devices
         self.broker = broker
         self.time_scale = time_scale
         self.largest_message = largest_message
-        self.proxies = [LinkProxy((broker.host, broker.port), link_shape(d.link), time_scale=time_scale,
-                                  seed=seed * 1000 + i, name=f"link-{i:03d}-{d.link.name}")
-                        for i, d in enumerate(devices)]
+        self.proxies = [
+            LinkProxy(
+                (broker.host, broker.port),
+                link_shape(d.link),
+                time_scale=time_scale,
+                seed=seed * 1000 + i,
+                name=f"link-{i:03d}-{d.link.name}",
+            )
+            for i, d in enumerate(devices)
+        ]
 
     def start(self) -> Links:
         for p in self.proxies:
@@ -79,8 +93,16 @@ class Links:
         return max(self.broker.keepalive, min(65535, int(2 * transfer) + 1))
 
     def stats(self) -> list[dict[str, Any]]:
-        return [{"up_bytes": p.stats.up.bytes, "down_bytes": p.stats.down.bytes, "connections": p.stats.connections,
-                 "cuts": p.stats.cuts, "refused": p.stats.refused} for p in self.proxies]
+        return [
+            {
+                "up_bytes": p.stats.up.bytes,
+                "down_bytes": p.stats.down.bytes,
+                "connections": p.stats.connections,
+                "cuts": p.stats.cuts,
+                "refused": p.stats.refused,
+            }
+            for p in self.proxies
+        ]
 
     def close(self) -> None:
         for p in self.proxies:

@@ -57,8 +57,16 @@ def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
     """`protofl-edge join` arguments of a simulated device with a profile (none without --profiles)."""
     if device is None:
         return []
-    return ["--profile", device.spec or device.name, "--time-scale", repr(spec.time_scale), "--emulate-compute",
-            "--upload-share", repr(spec.upload_share), "--adaptive" if spec.adaptive else "--no-adaptive"]
+    return [
+        "--profile",
+        device.spec or device.name,
+        "--time-scale",
+        repr(spec.time_scale),
+        "--emulate-compute",
+        "--upload-share",
+        repr(spec.upload_share),
+        "--adaptive" if spec.adaptive else "--no-adaptive",
+    ]
 
 
 def emulation(spec: SimulationSpec, device: DeviceClass | None) -> Emulation | None:
@@ -67,20 +75,55 @@ def emulation(spec: SimulationSpec, device: DeviceClass | None) -> Emulation | N
         return None
     from edge_agent.emulation import Emulation
 
-    return Emulation(device=device.device, link=device.link, time_scale=spec.time_scale, emulate_compute=True,
-                     adaptive=spec.adaptive, upload_share=spec.upload_share)
+    return Emulation(
+        device=device.device,
+        link=device.link,
+        time_scale=spec.time_scale,
+        emulate_compute=True,
+        adaptive=spec.adaptive,
+        upload_share=spec.upload_share,
+    )
 
 
 def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index: int) -> list[str]:
     """`protofl-edge join` arguments for client `index` of the simulated federation."""
-    args = ["--broker", broker.url, "--fed", FED, "--client-id", client_id(index), "--data", spec.dataset,
-            "--partition", f"{index}/{spec.clients}", "--alpha", repr(spec.alpha), "--seed", str(spec.seed),
-            "--eval-every", str(spec.eval_every), "--extractor", spec.extractor, "--device", spec.device,
-            "--threads", "1", "--mqtt", protocol, *join_artifact_args(spec)]
-    for flag, value in (("--data-dir", spec.data_dir), ("--test-limit", spec.test_limit),
-                        ("--test-every", spec.test_every), ("--train-limit", spec.train_limit),
-                        ("--username", broker.username),
-                        ("--tls-ca", broker.tls_ca), ("--tls-cert", broker.tls_cert), ("--tls-key", broker.tls_key)):
+    args = [
+        "--broker",
+        broker.url,
+        "--fed",
+        FED,
+        "--client-id",
+        client_id(index),
+        "--data",
+        spec.dataset,
+        "--partition",
+        f"{index}/{spec.clients}",
+        "--alpha",
+        repr(spec.alpha),
+        "--seed",
+        str(spec.seed),
+        "--eval-every",
+        str(spec.eval_every),
+        "--extractor",
+        spec.extractor,
+        "--device",
+        spec.device,
+        "--threads",
+        "1",
+        "--mqtt",
+        protocol,
+        *join_artifact_args(spec),
+    ]
+    for flag, value in (
+        ("--data-dir", spec.data_dir),
+        ("--test-limit", spec.test_limit),
+        ("--test-every", spec.test_every),
+        ("--train-limit", spec.train_limit),
+        ("--username", broker.username),
+        ("--tls-ca", broker.tls_ca),
+        ("--tls-cert", broker.tls_cert),
+        ("--tls-key", broker.tls_key),
+    ):
         if value is not None:
             args += [flag, str(value)]
     return args
@@ -89,8 +132,14 @@ def join_args(spec: SimulationSpec, broker: BrokerOptions, protocol: str, index:
 class AgentProcesses:
     """One `python -m edge_agent.cli join ...` per client, output in a log file each."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None,
-                 links: Links | None = None) -> None:
+    def __init__(
+        self,
+        spec: SimulationSpec,
+        broker: BrokerOptions,
+        protocol: str,
+        auth: BrokerAuth | None = None,
+        links: Links | None = None,
+    ) -> None:
         self.spec, self.broker, self.protocol, self.auth, self.links = spec, broker, protocol, auth, links
         self._tmp = tempfile.TemporaryDirectory(prefix="protofl-agents-")
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -105,17 +154,27 @@ class AgentProcesses:
         base.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         for i in range(self.spec.clients):
             # the device's own link (a shaping proxy with --profiles) and its own credentials
-            broker = device_options(self.links.broker_for(i) if self.links is not None else self.broker, self.auth,
-                                    client_id(i))
+            broker = device_options(
+                self.links.broker_for(i) if self.links is not None else self.broker, self.auth, client_id(i)
+            )
             device = self.links.devices[i] if self.links is not None else None
             env = dict(base)
             if broker.password is not None:
                 env[PASSWORD_ENV] = broker.password  # not on the command line, where ps shows it
-            cmd = [sys.executable, "-m", "edge_agent.cli", "join", *join_args(self.spec, broker, self.protocol, i),
-                   *profile_args(self.spec, device), "--keepalive", str(broker.keepalive)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "edge_agent.cli",
+                "join",
+                *join_args(self.spec, broker, self.protocol, i),
+                *profile_args(self.spec, device),
+                "--keepalive",
+                str(broker.keepalive),
+            ]
             with self.log_path(i).open("wb") as out:
-                self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                                   stdin=subprocess.DEVNULL, env=env))
+                self.procs.append(
+                    subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                )
 
     def check(self) -> None:
         """Raise if an agent failed; a clean exit (the federation finished for it) is fine."""
@@ -153,23 +212,47 @@ class AgentProcesses:
 class AgentThreads:
     """The same `DeviceRunner`s as threads of this process."""
 
-    def __init__(self, spec: SimulationSpec, broker: BrokerOptions, protocol: str, auth: BrokerAuth | None = None,
-                 links: Links | None = None) -> None:
+    def __init__(
+        self,
+        spec: SimulationSpec,
+        broker: BrokerOptions,
+        protocol: str,
+        auth: BrokerAuth | None = None,
+        links: Links | None = None,
+    ) -> None:
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
 
         def opts(i: int) -> RunnerOptions:
             device = links.devices[i] if links is not None else None
-            return RunnerOptions(device=spec.device, eval_every=spec.eval_every, test_every=spec.test_every,
-                                 protocol=protocol,  # type: ignore[arg-type]
-                                 extractor=spec.extractor, emulation=emulation(spec, device),
-                                 artifacts=spec.out_dir)
+            return RunnerOptions(
+                device=spec.device,
+                eval_every=spec.eval_every,
+                test_every=spec.test_every,
+                protocol=protocol,  # type: ignore[arg-type]
+                extractor=spec.extractor,
+                emulation=emulation(spec, device),
+                artifacts=spec.out_dir,
+            )
 
-        self.runners = [DeviceRunner(device_options(links.broker_for(i) if links is not None else broker, auth,
-                                                    client_id(i)), FED, client_id(i),
-                                     DataSpec(spec.dataset, spec.data_dir, (i, spec.clients), spec.alpha, spec.seed,
-                                              spec.test_limit, spec.train_limit), opts(i))
-                        for i in range(spec.clients)]
+        self.runners = [
+            DeviceRunner(
+                device_options(links.broker_for(i) if links is not None else broker, auth, client_id(i)),
+                FED,
+                client_id(i),
+                DataSpec(
+                    spec.dataset,
+                    spec.data_dir,
+                    (i, spec.clients),
+                    spec.alpha,
+                    spec.seed,
+                    spec.test_limit,
+                    spec.train_limit,
+                ),
+                opts(i),
+            )
+            for i in range(spec.clients)
+        ]
         self.errors: list[BaseException] = []
         self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True) for r in self.runners]
 
@@ -204,8 +287,9 @@ class AgentThreads:
             t.join(5)
 
 
-def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
-                  initial_params: np.ndarray | None) -> Aggregator:
+def run_over_mqtt(
+    spec: SimulationSpec, fed_data: Federation, report: Report, initial_params: np.ndarray | None
+) -> Aggregator:
     """Run the federation to its last round through a broker; returns the service's aggregator."""
     if spec.agents not in ("process", "thread"):
         raise ConfigError(f"agents must be 'process' or 'thread', got '{spec.agents}'")
@@ -217,8 +301,11 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             auth = load_or_create(sec_dir, FED, spec.client_ids)
             # The broker refuses packets the aggregator would not decode anyway.
             packet = decoder_limits(cfg, None if initial_params is None else len(initial_params)).max_message_bytes
-            local = start_local_broker(spec.broker_kind, auth_lines=auth.mosquitto_lines(),  # type: ignore[arg-type]
-                                       max_packet_size=packet + PACKET_HEADROOM)
+            local = start_local_broker(
+                spec.broker_kind,  # type: ignore[arg-type]
+                auth_lines=auth.mosquitto_lines(),
+                max_packet_size=packet + PACKET_HEADROOM,
+            )
             stack.callback(getattr(local, "cleanup", local.stop))
             broker, protocol = parse_broker_url(local.url), local.protocol
             auth = auth if local.kind == "mosquitto" else None  # amqtt checks no credentials
@@ -233,17 +320,32 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
             stack.callback(links.close)
             # The server's deadline runs on real time: the simulated deadline, time_scale times faster.
             cfg = cfg.replace(round_timeout=cfg.round_timeout / spec.time_scale)
-        federation = settings.Federation(cfg, FED, public=fed_data.public_set(), initial_params=initial_params,
-                                         expected_clients=spec.client_ids, limits=fed_data.limits(initial_params),
-                                         policy=spec.policy())
-        hooks = settings.Hooks(on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model),
-                               on_metrics=report.on_metrics)
+        federation = settings.Federation(
+            cfg,
+            FED,
+            public=fed_data.public_set(),
+            initial_params=initial_params,
+            expected_clients=spec.client_ids,
+            limits=fed_data.limits(initial_params),
+            policy=spec.policy(),
+        )
+        hooks = settings.Hooks(
+            on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model), on_metrics=report.on_metrics
+        )
         transport = server_transport(settings.Broker(server, protocol), FED)
         service = AggregatorService(federation, transport, hooks=hooks)
         if links is not None:
             watcher = UploadWatcher(transport, FED).start()  # subscribed before any device uploads
-            report.links = LinkReport(links.devices, spec.client_ids, links, watcher, time_scale=spec.time_scale,
-                                      deadline_s=deadline_s, adaptive=spec.adaptive, upload_share=spec.upload_share)
+            report.links = LinkReport(
+                links.devices,
+                spec.client_ids,
+                links,
+                watcher,
+                time_scale=spec.time_scale,
+                deadline_s=deadline_s,
+                adaptive=spec.adaptive,
+                upload_share=spec.upload_share,
+            )
         service.start()
         stack.callback(service.close)
         agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, auth, links)
@@ -256,8 +358,9 @@ def run_over_mqtt(spec: SimulationSpec, fed_data: Federation, report: Report,
         def until() -> bool:
             agents.check()
             if not service.finished and not agents.alive():
-                raise RuntimeError(f"every agent left before the federation finished "
-                                   f"(round {service.aggregator.round})")
+                raise RuntimeError(
+                    f"every agent left before the federation finished (round {service.aggregator.round})"
+                )
             progress.poll(time.time())
             # A device evaluates after its last upload, so the last round's metrics come after the close;
             # they always come (an agent leaves only after sending them), unless the agent died.

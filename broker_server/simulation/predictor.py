@@ -39,14 +39,26 @@ class GlobalPredictor:
         if self.kind is None:
             return  # nothing to build or score
         # The model every device of the first architecture starts from (edge_agent.agent, on_config).
-        self.model = build_model(cfg.archs[0], cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank,
-                                 seed=cfg.seed, **model_options(cfg))
+        self.model = build_model(
+            cfg.archs[0],
+            cfg.in_shape,
+            cfg.num_classes,
+            cfg.proto_dim,
+            cfg.adapter_rank,
+            seed=cfg.seed,
+            **model_options(cfg),
+        )
         if self.kind == "model":
             self.initial_params = model_params.full_vector(self.model)
         if self.kind == "adapter" and not isinstance(self.model.stem, torch.nn.Identity):
-            self.kind, self.reason = None, (f"the {cfg.archs[0]} backbone gives {self.model.backbone_dim} values, "
-                                            f"not m = {cfg.proto_dim}: each device trains its own stem between "
-                                            "the backbone and the federated adapter")
+            self.kind, self.reason = (
+                None,
+                (
+                    f"the {cfg.archs[0]} backbone gives {self.model.backbone_dim} values, "
+                    f"not m = {cfg.proto_dim}: each device trains its own stem between "
+                    "the backbone and the federated adapter"
+                ),
+            )
         if self.kind == "adapter" and self.model.projection is not None:
             self.kind, self.reason = None, "each device trains its own projection after the federated adapter"
         self.model.to(device).eval()
@@ -55,8 +67,13 @@ class GlobalPredictor:
         self._h: Any = None
         if self.kind == "adapter":  # the backbone is frozen: its test features once, not every round
             with torch.inference_mode():
-                self._h = torch.cat([self.model.backbone_features(x[i:i + batch_size])
-                                     for i in range(0, len(x), batch_size)]) if len(x) else x
+                self._h = (
+                    torch.cat(
+                        [self.model.backbone_features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+                    )
+                    if len(x)
+                    else x
+                )
 
     def accuracy(self, server: ServerModel) -> float | None:
         """The global predictor's test accuracy for the server's current state (None: none, or none yet)."""
@@ -76,8 +93,11 @@ class GlobalPredictor:
         correct, n = 0, len(self.y)
         with torch.inference_mode():
             for i in range(0, n, self.batch_size):
-                z = (self.model.features_from_backbone(self._h[i:i + self.batch_size]) if self._h is not None
-                     else self.model.features(self.x[i:i + self.batch_size]))
+                z = (
+                    self.model.features_from_backbone(self._h[i : i + self.batch_size])
+                    if self._h is not None
+                    else self.model.features(self.x[i : i + self.batch_size])
+                )
                 pred = self.model.head(z).argmax(1).cpu().numpy()
-                correct += int((pred == self.y[i:i + self.batch_size]).sum())
+                correct += int((pred == self.y[i : i + self.batch_size]).sum())
         return correct / n if n else 0.0

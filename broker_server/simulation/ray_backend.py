@@ -86,8 +86,11 @@ class DeviceResources:
 
     def slots(self, node: dict[str, float]) -> int:
         """How many devices fit on a node with these resources at once."""
-        fits = [math.floor(node.get(name, 0.0) / share + 1e-9) for name, share in
-                (("CPU", self.cpus), ("GPU", self.gpus)) if share > 0]
+        fits = [
+            math.floor(node.get(name, 0.0) / share + 1e-9)
+            for name, share in (("CPU", self.cpus), ("GPU", self.gpus))
+            if share > 0
+        ]
         return min(fits)
 
     def text(self) -> str:
@@ -148,14 +151,18 @@ class RayFleet:
         subscribes and joins, in device order)."""
         self._data_refs = (self.ray.put(self.fed_data.test.normalized()), self.ray.put(self.fed_data.test.y))
         n = len(self.spec.client_ids)
-        self.slots = [_Slot(idle.pop() if idle else None, [i for i in range(n) if i % self.workers == w])
-                      for w in range(self.workers)]
+        self.slots = [
+            _Slot(idle.pop() if idle else None, [i for i in range(n) if i % self.workers == w])
+            for w in range(self.workers)
+        ]
         ready = [self._reset(slot) for slot in self.slots]
         done, waiting = self.ray.wait(ready, num_returns=len(ready), timeout=START_TIMEOUT_S)
         if waiting:
-            raise RayRunError(f"Ray placed only {len(done)} of {len(ready)} workers ({self.res.text()} each) in "
-                              f"{START_TIMEOUT_S:.0f} s: the cluster's resources are taken (ray status shows by "
-                              "what); ask for less with --device-resources or --ray-workers")
+            raise RayRunError(
+                f"Ray placed only {len(done)} of {len(ready)} workers ({self.res.text()} each) in "
+                f"{START_TIMEOUT_S:.0f} s: the cluster's resources are taken (ray status shows by "
+                "what); ask for less with --device-resources or --ray-workers"
+            )
         for slot, ref in zip(self.slots, ready, strict=True):
             try:
                 self.ray.get(ref)
@@ -172,18 +179,34 @@ class RayFleet:
 
     def _new_worker(self) -> Any:
         # Named, so that `ray list actors` shows whose workers these are.
-        return self.ray.remote(DeviceWorker).options(
-            num_cpus=self.res.cpus, num_gpus=self.res.gpus, max_restarts=0, max_task_retries=0,
-            name=f"protofl-sim-worker-{uuid.uuid4().hex[:12]}",
-        ).remote(max(1, int(self.res.cpus)))
+        return (
+            self.ray.remote(DeviceWorker)
+            .options(
+                num_cpus=self.res.cpus,
+                num_gpus=self.res.gpus,
+                max_restarts=0,
+                max_task_retries=0,
+                name=f"protofl-sim-worker-{uuid.uuid4().hex[:12]}",
+            )
+            .remote(max(1, int(self.res.cpus)))
+        )
 
     def _add(self, i: int) -> None:
         """Device `i` on its worker, with a fresh connection on the broker."""
         d, w = client_data(self.fed_data, i, None), i % self.workers
         slot = self.slots[w]
         self.proxies[i] = self.broker.connect(self.spec.client_ids[i])
-        ref = slot.actor.add.remote(self.spec.client_ids[i], self.fed_data.cfg.arch_for(i), d.x_train, d.y_train,
-                                    d.x_test, d.y_test, *self._data_refs, d.mean, d.std)
+        ref = slot.actor.add.remote(
+            self.spec.client_ids[i],
+            self.fed_data.cfg.arch_for(i),
+            d.x_train,
+            d.y_train,
+            d.x_test,
+            d.y_test,
+            *self._data_refs,
+            d.mean,
+            d.std,
+        )
         self._pending.append((i, w, slot.incarnation, ref))
 
     def _deliver(self, i: int, w: int, incarnation: int, index: int, topic: str, payload: bytes) -> None:
@@ -242,15 +265,25 @@ class RayFleet:
             self.proxies[i].close()  # what was queued for the dead devices is not delivered
         if slot.restarts < self.spec.ray_max_restarts:
             slot.restarts += 1
-            log.warning("Ray worker %d (devices %s) died: %s; starting it again (%d/%d), its devices join again",
-                        w, ", ".join(cids), type(exc).__name__, slot.restarts, self.spec.ray_max_restarts)
+            log.warning(
+                "Ray worker %d (devices %s) died: %s; starting it again (%d/%d), its devices join again",
+                w,
+                ", ".join(cids),
+                type(exc).__name__,
+                slot.restarts,
+                self.spec.ray_max_restarts,
+            )
             slot.actor = self._new_worker()
             self._reset(slot)
             for i in slot.devices:
                 self._add(i)
             return
-        log.warning("Ray worker %d (devices %s) died: %s; no restart left, its devices are lost",
-                    w, ", ".join(cids), type(exc).__name__)
+        log.warning(
+            "Ray worker %d (devices %s) died: %s; no restart left, its devices are lost",
+            w,
+            ", ".join(cids),
+            type(exc).__name__,
+        )
         for cid in cids:
             self.lost.append(cid)
             # What the broker does for a device that vanished: its last will says it is offline.
@@ -273,8 +306,12 @@ class RayFleet:
 
     def live_workers(self) -> list[Any]:
         """The workers that are still up (a worker that died was replaced, or its devices are lost)."""
-        return [s.actor for s in self.slots if s.restarts <= self.spec.ray_max_restarts and
-                not any(self.spec.client_ids[i] in self.lost for i in s.devices)]
+        return [
+            s.actor
+            for s in self.slots
+            if s.restarts <= self.spec.ray_max_restarts
+            and not any(self.spec.client_ids[i] in self.lost for i in s.devices)
+        ]
 
 
 class _FlushFirst:
@@ -309,8 +346,10 @@ def connect(ray: Any, address: str | None) -> bool:
         try:
             ray.init(address=address, **quiet)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise ConfigError(f"--ray-address {address}: cannot join that Ray cluster ({exc}); start one with "
-                              "`ray start --head` or leave --ray-address out for a local instance") from None
+            raise ConfigError(
+                f"--ray-address {address}: cannot join that Ray cluster ({exc}); start one with "
+                "`ray start --head` or leave --ray-address out for a local instance"
+            ) from None
     else:
         # "local": a new instance even where another Ray cluster runs on this machine (it is not ours to use).
         ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, **quiet)
@@ -322,8 +361,9 @@ def connect(ray: Any, address: str | None) -> bool:
 _IDLE: dict[tuple[str, float, float], list[Any]] = {}
 
 
-def run_on_ray(spec: SimulationSpec, fed_data: Federation, report: Report,
-               initial_params: np.ndarray | None) -> tuple[Aggregator, dict[str, Any]]:
+def run_on_ray(
+    spec: SimulationSpec, fed_data: Federation, report: Report, initial_params: np.ndarray | None
+) -> tuple[Aggregator, dict[str, Any]]:
     """Run the federation to its last round with the devices on Ray; returns the aggregator and what the
     report says of the Ray run (cluster, workers, restarts)."""
     res = check_ray(spec)
@@ -339,20 +379,29 @@ def run_on_ray(spec: SimulationSpec, fed_data: Federation, report: Report,
     try:
         room = pool_size(ray.nodes(), res)
         if room < 1:
-            raise ConfigError(f"--device-resources {res.text()}: no node of the Ray cluster has that much "
-                              f"(cluster: {ray.cluster_resources()}); ask for less or add nodes")
+            raise ConfigError(
+                f"--device-resources {res.text()}: no node of the Ray cluster has that much "
+                f"(cluster: {ray.cluster_resources()}); ask for less or add nodes"
+            )
         workers = min(len(spec.client_ids), room, spec.ray_workers or room)
         broker = InProcessBroker()
         fleet = RayFleet(ray, spec, fed_data, broker, workers, res)
-        agg = make_aggregator(spec, fed_data, report, _FlushFirst(broker.connect("server"), fleet.flush),
-                              initial_params)
+        agg = make_aggregator(
+            spec, fed_data, report, _FlushFirst(broker.connect("server"), fleet.flush), initial_params
+        )
         agg.start()
         fleet.start(idle)  # takes what it needs of `idle`
         _drive(agg, broker, fleet, report)
-        info = {"address": spec.ray_address or os.environ.get("RAY_ADDRESS") or
-                ("local" if started else "the caller's session"),
-                "workers": workers, "device_resources": res.text(), "worker_torch_threads": max(1, int(res.cpus)),
-                "nodes": sum(1 for n in ray.nodes() if n.get("Alive", True)), "restarts": fleet.restarts()}
+        info = {
+            "address": spec.ray_address
+            or os.environ.get("RAY_ADDRESS")
+            or ("local" if started else "the caller's session"),
+            "workers": workers,
+            "device_resources": res.text(),
+            "worker_torch_threads": max(1, int(res.cpus)),
+            "nodes": sum(1 for n in ray.nodes() if n.get("Alive", True)),
+            "restarts": fleet.restarts(),
+        }
         if not started:
             keep = idle + fleet.live_workers()
         return agg, info
@@ -373,8 +422,10 @@ def _drive(agg: Aggregator, broker: InProcessBroker, fleet: RayFleet, report: Re
         if broker.pump(1) == 0 and fleet.flush() == 0:
             where = f"simulation stalled in round {agg.round}: no messages left to deliver"
             if fleet.lost:
-                raise DevicesLost(f"{where}: device(s) {', '.join(fleet.lost)} lost with their Ray worker "
-                                  f"(restarted {fleet.spec.ray_max_restarts} time(s) at most; --ray-max-restarts)")
+                raise DevicesLost(
+                    f"{where}: device(s) {', '.join(fleet.lost)} lost with their Ray worker "
+                    f"(restarted {fleet.spec.ray_max_restarts} time(s) at most; --ray-max-restarts)"
+                )
             raise RuntimeError(f"{where} ({describe_drops(agg.dropped, fleet.dropped())})")
         report.poll(time.time(), force=broker.pending == 0 and fleet.in_flight == 0)
     while broker.pump() or fleet.flush():

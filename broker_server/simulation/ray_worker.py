@@ -76,9 +76,19 @@ class DeviceWorker:
         self.transports.clear()
         return os.getpid()
 
-    def add(self, cid: str, arch: str | None, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
-            y_test: np.ndarray, x_global: np.ndarray, y_global: np.ndarray, mean: tuple[float, ...],
-            std: tuple[float, ...]) -> list[Op]:
+    def add(
+        self,
+        cid: str,
+        arch: str | None,
+        x_train: np.ndarray,
+        y_train: np.ndarray,
+        x_test: np.ndarray,
+        y_test: np.ndarray,
+        x_global: np.ndarray,
+        y_global: np.ndarray,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+    ) -> list[Op]:
         """Build device `cid` on its data and start it (subscribe, join)."""
         from edge_agent.agent import ClientData, EdgeAgent
         from edge_agent.local import LocalDevice
@@ -86,14 +96,29 @@ class DeviceWorker:
         # Arrays from Ray's object store are read-only views; the agent's tensors need their own memory.
         if self.test_set is None:
             self.test_set = (np.array(x_global), np.array(y_global))
-        data = ClientData(x_train=np.array(x_train), y_train=np.array(y_train), x_test=np.array(x_test),
-                          y_test=np.array(y_test), x_global=self.test_set[0], y_global=self.test_set[1],
-                          mean=mean, std=std)
+        data = ClientData(
+            x_train=np.array(x_train),
+            y_train=np.array(y_train),
+            x_test=np.array(x_test),
+            y_test=np.array(y_test),
+            x_global=self.test_set[0],
+            y_global=self.test_set[1],
+            mean=mean,
+            std=std,
+        )
         transport = RecordingTransport(cid)
         spec = self.spec
-        agent = EdgeAgent(cid, FED, data, arch=arch, device=spec.device, eval_every=spec.eval_every,
-                          test_every=spec.test_every, extractor=spec.extractor,
-                          artifacts_at=DEVICE_ARTIFACTS if self.hook is not None else ())
+        agent = EdgeAgent(
+            cid,
+            FED,
+            data,
+            arch=arch,
+            device=spec.device,
+            eval_every=spec.eval_every,
+            test_every=spec.test_every,
+            extractor=spec.extractor,
+            artifacts_at=DEVICE_ARTIFACTS if self.hook is not None else (),
+        )
         self.agents[cid], self.transports[cid] = agent, transport
         LocalDevice(agent, transport, self.hook).start()
         return transport.take()

@@ -35,11 +35,17 @@ class Report:
     The runners wire the aggregator's `on_round_end` and `on_metrics` to the methods of the same name.
     `evaluate` (FedAvg) scores the aggregated parameter vector: the round's global accuracy."""
 
-    def __init__(self, spec: SimulationSpec, cfg: FederationConfig, test_labels: np.ndarray, *,
-                 on_round: Callable[[dict[str, Any]], None] | None = None,
-                 evaluate: Callable[[np.ndarray], float] | None = None,
-                 predictor: Callable[[ServerModel], float | None] | None = None,
-                 predictor_info: tuple[str | None, str] = (None, "")) -> None:
+    def __init__(
+        self,
+        spec: SimulationSpec,
+        cfg: FederationConfig,
+        test_labels: np.ndarray,
+        *,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+        evaluate: Callable[[np.ndarray], float] | None = None,
+        predictor: Callable[[ServerModel], float | None] | None = None,
+        predictor_info: tuple[str | None, str] = (None, ""),
+    ) -> None:
         self.spec = spec
         self.cfg = cfg
         self.test_labels = test_labels
@@ -100,8 +106,9 @@ class Report:
         clips = self.clips.get(rec.round, ClipCount())
         if self.cfg.federate == "full":
             # FedAvg: global accuracy is the aggregated model's; it has no ensemble.
-            acc["global_acc"] = self.global_model_acc.get(rec.round, self.predictor_acc.get(rec.round,
-                                                                                          acc["global_acc"]))
+            acc["global_acc"] = self.global_model_acc.get(
+                rec.round, self.predictor_acc.get(rec.round, acc["global_acc"])
+            )
         elif rec.round in self.ens and len(self.test_labels):
             ens = float((self.ens[rec.round].argmax(1) == self.test_labels).mean())
         return {
@@ -133,11 +140,18 @@ class Report:
         return {
             "preset": self.cfg.preset,
             "config": self.cfg.to_dict(),
-            "simulation": {"dataset": self.spec.dataset, "clients": self.spec.clients, "alpha": self.spec.alpha,
-                           "seed": self.spec.seed, "transport": self.spec.transport, "device": self.spec.device,
-                           "test_samples": int(len(self.test_labels)), "clip": "on" if self.spec.clip else "off",
-                           # the rounds that score the test set (None: the last only; protofl.schedule)
-                           "test_every": self.spec.test_every},
+            "simulation": {
+                "dataset": self.spec.dataset,
+                "clients": self.spec.clients,
+                "alpha": self.spec.alpha,
+                "seed": self.spec.seed,
+                "transport": self.spec.transport,
+                "device": self.spec.device,
+                "test_samples": int(len(self.test_labels)),
+                "clip": "on" if self.spec.clip else "off",
+                # the rounds that score the test set (None: the last only; protofl.schedule)
+                "test_every": self.spec.test_every,
+            },
             "rounds": rows,
             "totals": {
                 "uplink_bytes": int(sum(r["uplink_bytes"] for r in rows)),

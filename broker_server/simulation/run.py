@@ -26,8 +26,12 @@ from protofl.errors import ConfigError
 log = logging.getLogger("protofl.simulate")
 
 
-def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], None] | None = None, *,
-                   on_finish: Callable[[Aggregator], None] | None = None) -> dict[str, Any]:
+def run_simulation(
+    spec: SimulationSpec,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    on_finish: Callable[[Aggregator], None] | None = None,
+) -> dict[str, Any]:
     """Run a federation end to end and return the report dict.
 
     `on_round` gets each round's report row once its metrics are in; `on_finish` the aggregator once
@@ -48,9 +52,14 @@ def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], No
     fed_data = prepare(spec)
     cfg = fed_data.cfg
     predictor = GlobalPredictor(cfg, fed_data.test, spec.device)
-    report = Report(spec, cfg, fed_data.test.y, on_round=on_round,
-                    predictor=predictor.accuracy if predictor.kind is not None else None,
-                    predictor_info=(predictor.kind, predictor.reason))
+    report = Report(
+        spec,
+        cfg,
+        fed_data.test.y,
+        on_round=on_round,
+        predictor=predictor.accuracy if predictor.kind is not None else None,
+        predictor_info=(predictor.kind, predictor.reason),
+    )
     initial = predictor.initial_params  # FedAvg: every device starts from the global model's weights
     ray_info = None
     if spec.backend == "ray":
@@ -72,8 +81,13 @@ def run_simulation(spec: SimulationSpec, on_round: Callable[[dict[str, Any]], No
 def machine_info(torch: Any) -> dict[str, Any]:
     """What the run's timings and float results depend on: torch's thread counts (they change the order of
     float sums, so two machines' runs differ slightly), the CPU model and count, torch's version."""
-    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
-            "torch_version": str(torch.__version__), "cpu_model": cpu_model(), "cpus": os.cpu_count()}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "torch_version": str(torch.__version__),
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def cpu_model() -> str:
@@ -92,6 +106,11 @@ def warn_long_overruns(report: dict[str, Any]) -> None:
     """Say in the log where this machine fell behind the time scale by more than a whole round."""
     late = long_overruns(report)
     if late:
-        log.warning("this machine could not keep up with --time-scale %g: %d upload(s) left later than the emulation "
-                    "asked by more than their whole round (those rounds' times are this machine's, not the devices'); "
-                    "run again with a lower --time-scale. First: %s", report["links"]["time_scale"], len(late), late[0])
+        log.warning(
+            "this machine could not keep up with --time-scale %g: %d upload(s) left later than the emulation "
+            "asked by more than their whole round (those rounds' times are this machine's, not the devices'); "
+            "run again with a lower --time-scale. First: %s",
+            report["links"]["time_scale"],
+            len(late),
+            late[0],
+        )

@@ -112,8 +112,9 @@ class Federation:
         return replace(lim, max_metrics_bytes=lim.max_metrics_bytes + probs)
 
 
-def resolve_config(spec: SimulationSpec, num_classes: int | None = None,
-                   in_shape: tuple[int, ...] | None = None) -> FederationConfig:
+def resolve_config(
+    spec: SimulationSpec, num_classes: int | None = None, in_shape: tuple[int, ...] | None = None
+) -> FederationConfig:
     """The config a simulation of `spec` runs with; the dataset's classes and input shape, where given, win
     (`prepare` loads the data to fit what `--set`/`--config` fixed, so the two agree)."""
     overrides = dict(spec.overrides)
@@ -136,8 +137,10 @@ def check_backend(spec: SimulationSpec) -> None:
     if spec.backend == "local":
         return
     if spec.transport != "inprocess":
-        raise ConfigError("--backend ray runs the devices on Ray workers and the broker in this process: "
-                          "leave out --transport mqtt (and --profiles, which shape real broker links)")
+        raise ConfigError(
+            "--backend ray runs the devices on Ray workers and the broker in this process: "
+            "leave out --transport mqtt (and --profiles, which shape real broker links)"
+        )
     if spec.ray_workers is not None and spec.ray_workers < 1:
         raise ConfigError(f"--ray-workers must be >= 1, got {spec.ray_workers}")
     if spec.ray_max_restarts < 0:
@@ -163,8 +166,9 @@ def prepare(spec: SimulationSpec) -> Federation:
     if spec.extractor not in EXTRACTORS:
         raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")
     fixed = fixed_by_user(spec.config_file, spec.overrides)  # --set num_classes / in_shape: the data must fit them
-    train, test = load_dataset(spec.dataset, data_dir=spec.data_dir, seed=spec.seed,
-                               **data_shape(fixed, lambda: resolve_config(spec)))
+    train, test = load_dataset(
+        spec.dataset, data_dir=spec.data_dir, seed=spec.seed, **data_shape(fixed, lambda: resolve_config(spec))
+    )
     train = limit_train(train, spec.train_limit, spec.seed)
     cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape))
     split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads

@@ -26,9 +26,15 @@ from protofl.profiles import DeviceClass
 from protofl.wire import Metrics
 
 
-def device_rows(rec: RoundRecord, clients: Sequence[str], devices: Sequence[DeviceClass],
-                arrivals: Sequence[Arrival], metrics: Mapping[str, Metrics], scale: float,
-                deadline_s: float) -> list[dict[str, Any]]:
+def device_rows(
+    rec: RoundRecord,
+    clients: Sequence[str],
+    devices: Sequence[DeviceClass],
+    arrivals: Sequence[Arrival],
+    metrics: Mapping[str, Metrics],
+    scale: float,
+    deadline_s: float,
+) -> list[dict[str, Any]]:
     rows = []
     for cid, dev in zip(clients, devices, strict=True):
         mine = [a for a in arrivals if a.sender == cid and a.round == rec.round]
@@ -41,7 +47,11 @@ def device_rows(rec: RoundRecord, clients: Sequence[str], devices: Sequence[Devi
         extra = dict(metrics[cid].extra) if cid in metrics else {}
         last = max((a.t for a in ups), default=None)
         row: dict[str, Any] = {
-            "round": rec.round, "client": cid, "class": dev.name, "device": dev.device.name, "link": dev.link.name,
+            "round": rec.round,
+            "client": cid,
+            "class": dev.name,
+            "device": dev.device.name,
+            "link": dev.link.name,
             "made_it": cid in rec.clients,
             "uplink_bytes": sum(a.nbytes for a in ups),
             "resent_bytes": sum(a.nbytes for a in mine) - sum(a.nbytes for a in ups),
@@ -49,8 +59,12 @@ def device_rows(rec: RoundRecord, clients: Sequence[str], devices: Sequence[Devi
             "k": next((a.k for a in ups if a.k is not None), None),
             "budget_bytes": int(extra["upload_budget"]) if "upload_budget" in extra else None,
             "fits": bool(extra["upload_fits"]) if "upload_fits" in extra else None,
-            "downlink_s": None, "compute_s": extra.get("compute_s"), "compute_cpu_s": extra.get("compute_cpu_s"),
-            "upload_s": None, "done_s": None, "wall_done_s": None,
+            "downlink_s": None,
+            "compute_s": extra.get("compute_s"),
+            "compute_cpu_s": extra.get("compute_cpu_s"),
+            "upload_s": None,
+            "done_s": None,
+            "wall_done_s": None,
             "overrun_s": extra["overrun_s"] * scale if "overrun_s" in extra else None,
         }
         if "recv_t" in extra:
@@ -74,13 +88,24 @@ def round_summary(rec: RoundRecord, rows: Sequence[dict[str, Any]], scale: float
         round_s = max(done)
     else:
         round_s = deadline_s if rec.closed_by == "deadline" else (rec.ended - rec.started) * scale
-    return {"round": rec.round, "round_s": round_s, "wall_round_s": (rec.ended - rec.started) * scale,
-            "closed_by": rec.closed_by, "missed": sorted(r["client"] for r in rows if not r["made_it"])}
+    return {
+        "round": rec.round,
+        "round_s": round_s,
+        "wall_round_s": (rec.ended - rec.started) * scale,
+        "closed_by": rec.closed_by,
+        "missed": sorted(r["client"] for r in rows if not r["made_it"]),
+    }
 
 
-def timeline(records: Sequence[RoundRecord], clients: Sequence[str], devices: Sequence[DeviceClass],
-             arrivals: Sequence[Arrival], metrics: Mapping[int, Mapping[str, Metrics]], scale: float,
-             deadline_s: float) -> dict[str, Any]:
+def timeline(
+    records: Sequence[RoundRecord],
+    clients: Sequence[str],
+    devices: Sequence[DeviceClass],
+    arrivals: Sequence[Arrival],
+    metrics: Mapping[int, Mapping[str, Metrics]],
+    scale: float,
+    deadline_s: float,
+) -> dict[str, Any]:
     """The report's `links` section: per-round lengths with the running simulated time, per-device rows."""
     rounds, devices_out, t = [], [], 0.0
     for rec in records:
@@ -96,8 +121,18 @@ def timeline(records: Sequence[RoundRecord], clients: Sequence[str], devices: Se
 class LinkReport:
     """What a simulation over shaped links adds to its report (the `links` section)."""
 
-    def __init__(self, devices: Sequence[DeviceClass], clients: Sequence[str], links: Any, watcher: Any, *,
-                 time_scale: float, deadline_s: float, adaptive: bool, upload_share: float) -> None:
+    def __init__(
+        self,
+        devices: Sequence[DeviceClass],
+        clients: Sequence[str],
+        links: Any,
+        watcher: Any,
+        *,
+        time_scale: float,
+        deadline_s: float,
+        adaptive: bool,
+        upload_share: float,
+    ) -> None:
         self.devices, self.clients, self.links, self.watcher = list(devices), list(clients), links, watcher
         self.time_scale, self.deadline_s = time_scale, deadline_s
         self.adaptive, self.upload_share = adaptive, upload_share
@@ -106,8 +141,9 @@ class LinkReport:
     def timings_in(self, metrics: Mapping[int, Mapping[str, Metrics]]) -> bool:
         """Whether every device has reported its timings (metrics) for every round so far."""
         rounds = [r for r in metrics if r >= 1]
-        return bool(rounds) and all(cid in metrics.get(r, {}) for r in range(1, max(rounds) + 1)
-                                    for cid in self.clients)
+        return bool(rounds) and all(
+            cid in metrics.get(r, {}) for r in range(1, max(rounds) + 1) for cid in self.clients
+        )
 
     def grace_over(self, now: float, grace_s: float = 30.0) -> bool:
         """After the federation finished, wait at most `grace_s` real seconds for late timings."""
@@ -118,22 +154,40 @@ class LinkReport:
     def sim_time(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> float:
         """Simulated time at the end of the last of `records` (the rounds so far, in order): the composed
         clock of the `links` section, the one figure the progress bar, the rows and the report all show."""
-        rounds = timeline(records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale,
-                          self.deadline_s)["rounds"]
+        rounds = timeline(
+            records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale, self.deadline_s
+        )["rounds"]
         return float(rounds[-1]["sim_time_s"]) if rounds else 0.0
 
     def to_json(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> dict[str, Any]:
         classes: dict[str, dict[str, Any]] = {}
         for d in self.devices:
-            c = classes.setdefault(d.name, {
-                "class": d.name, "count": 0, "compute_factor": d.device.compute_factor,
-                "memory_mb": d.device.memory_mb, "uplink_kbps": d.link.uplink_kbps,
-                "downlink_kbps": d.link.downlink_kbps, "rtt_ms": d.link.rtt_ms, "jitter_ms": d.link.jitter_ms})
+            c = classes.setdefault(
+                d.name,
+                {
+                    "class": d.name,
+                    "count": 0,
+                    "compute_factor": d.device.compute_factor,
+                    "memory_mb": d.device.memory_mb,
+                    "uplink_kbps": d.link.uplink_kbps,
+                    "downlink_kbps": d.link.downlink_kbps,
+                    "rtt_ms": d.link.rtt_ms,
+                    "jitter_ms": d.link.jitter_ms,
+                },
+            )
             c["count"] += 1
-        out = {"time_scale": self.time_scale, "deadline_s": self.deadline_s, "adaptive": self.adaptive,
-               "upload_share": self.upload_share, "classes": list(classes.values()),
-               "clients": {cid: d.name for cid, d in zip(self.clients, self.devices, strict=True)},
-               "proxies": self.links.stats()}
-        out.update(timeline(records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale,
-                            self.deadline_s))
+        out = {
+            "time_scale": self.time_scale,
+            "deadline_s": self.deadline_s,
+            "adaptive": self.adaptive,
+            "upload_share": self.upload_share,
+            "classes": list(classes.values()),
+            "clients": {cid: d.name for cid, d in zip(self.clients, self.devices, strict=True)},
+            "proxies": self.links.stats(),
+        }
+        out.update(
+            timeline(
+                records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale, self.deadline_s
+            )
+        )
         return out

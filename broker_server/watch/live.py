@@ -43,10 +43,16 @@ STATUS_FILE = "status.json"
 
 
 class LiveWatch:
-    def __init__(self, aggregator: Aggregator, *, board: SnapshotBoard | None = None,
-                 state_dir: Path | None = None, transport: Connection | None = None,
-                 metrics: FederationMetrics | None = None,
-                 broker_restarts: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        aggregator: Aggregator,
+        *,
+        board: SnapshotBoard | None = None,
+        state_dir: Path | None = None,
+        transport: Connection | None = None,
+        metrics: FederationMetrics | None = None,
+        broker_restarts: Callable[[], int] | None = None,
+    ) -> None:
         self.observer = FederationObserver(aggregator)
         self.board = board or SnapshotBoard()
         self.status_file = state_dir / STATUS_FILE if state_dir is not None else None
@@ -121,8 +127,11 @@ class LiveWatch:
             os.replace(tmp, self.status_file)
         except OSError as exc:  # a watcher's file: the federation goes on without it
             if not self._status_failed:
-                log.warning("cannot write %s (%s); protofl-server status --state-dir will not see this server",
-                            self.status_file, exc)
+                log.warning(
+                    "cannot write %s (%s); protofl-server status --state-dir will not see this server",
+                    self.status_file,
+                    exc,
+                )
             self._status_failed = True
 
     def _publish_summary(self, snap: Snapshot, now: float, body: bytes) -> None:

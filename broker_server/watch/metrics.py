@@ -62,8 +62,9 @@ class SnapshotCollector(Collector):
         snap = self.board.latest()
         if snap is None:
             return
-        info = GaugeMetricFamily("protofl_federation_info", "The federation this server runs.",
-                                 labels=["fed", "preset"])
+        info = GaugeMetricFamily(
+            "protofl_federation_info", "The federation this server runs.", labels=["fed", "preset"]
+        )
         info.add_metric([snap.fed, snap.preset], 1)
         yield info
         yield GaugeMetricFamily("protofl_round", "The open round (the last one once finished).", value=snap.round)
@@ -75,15 +76,21 @@ class SnapshotCollector(Collector):
             phase.add_metric([name], 1 if name == current else 0)
         yield phase
         if snap.deadline is not None:
-            yield GaugeMetricFamily("protofl_phase_deadline_timestamp_seconds", "When the open phase closes at the "
-                                    "latest (epoch seconds).", value=snap.deadline)
+            yield GaugeMetricFamily(
+                "protofl_phase_deadline_timestamp_seconds",
+                "When the open phase closes at the latest (epoch seconds).",
+                value=snap.deadline,
+            )
         members = GaugeMetricFamily("protofl_members", "Members by state.", labels=["state"])
         for state in MEMBER_STATES:
             members.add_metric([state], snap.count(state))
         yield members
         online = GaugeMetricFamily("protofl_device_online", "1 while the device is connected.", labels=["device"])
-        last = GaugeMetricFamily("protofl_device_last_upload_timestamp_seconds", "The device's last accepted upload "
-                                 "(epoch seconds).", labels=["device"])
+        last = GaugeMetricFamily(
+            "protofl_device_last_upload_timestamp_seconds",
+            "The device's last accepted upload (epoch seconds).",
+            labels=["device"],
+        )
         for m in snap.members:
             online.add_metric([m.id], 1 if m.state == ONLINE else 0)
             if m.last_upload is not None:
@@ -93,27 +100,38 @@ class SnapshotCollector(Collector):
         yield _counter("protofl_uploads_accepted", "Uploads accepted.", "kind", snap.accepted)
         yield _counter("protofl_uploads_dropped", "Messages dropped, by reason.", "reason", snap.dropped)
         yield _counter("protofl_uploads_clipped", "Uploads clipped around the global value.", "kind", snap.clipped)
-        yield CounterMetricFamily("protofl_uplink_bytes", "Bytes devices sent (joins and uploads).",
-                                  value=snap.uplink_bytes)
-        yield CounterMetricFamily("protofl_downlink_bytes", "Bytes the server sent to devices.",
-                                  value=snap.downlink_bytes)
-        accuracy = GaugeMetricFamily("protofl_accuracy_ratio", "Accuracy of the last evaluated round (0-1).",
-                                     labels=["kind"])
+        yield CounterMetricFamily(
+            "protofl_uplink_bytes", "Bytes devices sent (joins and uploads).", value=snap.uplink_bytes
+        )
+        yield CounterMetricFamily(
+            "protofl_downlink_bytes", "Bytes the server sent to devices.", value=snap.downlink_bytes
+        )
+        accuracy = GaugeMetricFamily(
+            "protofl_accuracy_ratio", "Accuracy of the last evaluated round (0-1).", labels=["kind"]
+        )
         found = snap.last_accuracies()
         if found is not None:
             for key in ACCURACY_KEYS:
                 if key in found[1]:
                     accuracy.add_metric([key.removesuffix("_acc")], found[1][key])
-            yield GaugeMetricFamily("protofl_accuracy_round", "The round protofl_accuracy_ratio is from.",
-                                    value=found[0])
+            yield GaugeMetricFamily(
+                "protofl_accuracy_round", "The round protofl_accuracy_ratio is from.", value=found[0]
+            )
         yield accuracy
-        yield CounterMetricFamily("protofl_broker_restarts", "Restarts of the broker this server spawned.",
-                                  value=snap.broker_restarts)
-        yield CounterMetricFamily("protofl_broker_dropped_messages", "Messages the broker dropped after "
-                                  "acknowledging them (a full queue; $SYS/broker/publish/messages/dropped).",
-                                  value=snap.broker_dropped)
-        yield CounterMetricFamily("protofl_resend_requests", "Devices asked to send again what the broker dropped.",
-                                  value=snap.resend_requests)
+        yield CounterMetricFamily(
+            "protofl_broker_restarts", "Restarts of the broker this server spawned.", value=snap.broker_restarts
+        )
+        yield CounterMetricFamily(
+            "protofl_broker_dropped_messages",
+            "Messages the broker dropped after "
+            "acknowledging them (a full queue; $SYS/broker/publish/messages/dropped).",
+            value=snap.broker_dropped,
+        )
+        yield CounterMetricFamily(
+            "protofl_resend_requests",
+            "Devices asked to send again what the broker dropped.",
+            value=snap.resend_requests,
+        )
 
 
 def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
@@ -130,10 +148,18 @@ class FederationMetrics:
     def __init__(self, board: SnapshotBoard) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(SnapshotCollector(board))
-        self.round_duration = Histogram("protofl_round_duration_seconds", "Rounds from opening to close.",
-                                        buckets=ROUND_BUCKETS, registry=self.registry)
-        self.fsync = Histogram("protofl_journal_fsync_seconds", "Journal fsyncs (one per group of uploads).",
-                               buckets=FSYNC_BUCKETS, registry=self.registry)
+        self.round_duration = Histogram(
+            "protofl_round_duration_seconds",
+            "Rounds from opening to close.",
+            buckets=ROUND_BUCKETS,
+            registry=self.registry,
+        )
+        self.fsync = Histogram(
+            "protofl_journal_fsync_seconds",
+            "Journal fsyncs (one per group of uploads).",
+            buckets=FSYNC_BUCKETS,
+            registry=self.registry,
+        )
 
 
 @dataclass
@@ -154,7 +180,8 @@ def serve_metrics(metrics: FederationMetrics, host: str, port: int) -> HttpEndpo
     try:
         server, thread = start_http_server(port, addr=host, registry=metrics.registry)
     except OSError as exc:
-        raise ConfigError(f"--metrics-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free "
-                          f"one)") from None
+        raise ConfigError(
+            f"--metrics-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free one)"
+        ) from None
     shown = f"[{host}]" if ":" in host else host
     return HttpEndpoint(server, thread, f"http://{shown}:{server.server_port}/metrics")

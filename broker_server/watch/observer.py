@@ -100,17 +100,36 @@ class FederationObserver:
                 state = ONLINE
             else:
                 state = LEFT if cid in s.departed else NOT_JOINED
-            out.append(Member(cid, state, arch=join.arch if join else "", n_samples=join.n_samples if join else 0,
-                              profile=join.profile if join else "", uploads=self._uploads.get(cid, 0),
-                              last_upload=self._last.get(cid), grace_ends=m.grace_end(cid)))
+            out.append(
+                Member(
+                    cid,
+                    state,
+                    arch=join.arch if join else "",
+                    n_samples=join.n_samples if join else 0,
+                    profile=join.profile if join else "",
+                    uploads=self._uploads.get(cid, 0),
+                    last_upload=self._last.get(cid),
+                    grace_ends=m.grace_end(cid),
+                )
+            )
         return tuple(out)
 
     def history(self) -> tuple[RoundRow, ...]:
         rows = []
         for rec in self.agg.records[-HISTORY:]:
             accs = self._accuracies.get(rec.round, {})
-            rows.append(RoundRow(rec.round, len(rec.clients), rec.closed_by, rec.started, rec.ended, rec.uplink_bytes,
-                                 rec.downlink_bytes, **accs))
+            rows.append(
+                RoundRow(
+                    rec.round,
+                    len(rec.clients),
+                    rec.closed_by,
+                    rec.started,
+                    rec.ended,
+                    rec.uplink_bytes,
+                    rec.downlink_bytes,
+                    **accs,
+                )
+            )
         return tuple(rows)
 
     def snapshot(self, broker_restarts: int = 0, broker_dropped: int = 0, resend_requests: int = 0) -> Snapshot:
@@ -121,15 +140,29 @@ class FederationObserver:
         members = self.members()
         self._log_changes(members)
         return Snapshot(
-            fed=agg.fed, preset=agg.cfg.preset, state=self.state(), round=m.round, rounds=agg.cfg.rounds,
-            updated=time.time(), phase=open_.phase.value if open_ is not None else None,
-            deadline=open_.deadline if open_ is not None else None, quorum=m.quorum, completed=len(m.records),
+            fed=agg.fed,
+            preset=agg.cfg.preset,
+            state=self.state(),
+            round=m.round,
+            rounds=agg.cfg.rounds,
+            updated=time.time(),
+            phase=open_.phase.value if open_ is not None else None,
+            deadline=open_.deadline if open_ is not None else None,
+            quorum=m.quorum,
+            completed=len(m.records),
             members=members,
             uplink_bytes=sum(r.uplink_bytes for r in m.records) + (0 if m.finished else current.uplink_bytes),
             downlink_bytes=sum(r.downlink_bytes for r in m.records) + (0 if m.finished else current.downlink_bytes),
-            accepted=dict(self.accepted), dropped=dict(agg.dropped), clipped=dict(agg.model.clipped),
-            history=self.history(), broker_restarts=broker_restarts, broker_dropped=broker_dropped,
-            resend_requests=resend_requests, server_pid=self.pid, started=self.started)
+            accepted=dict(self.accepted),
+            dropped=dict(agg.dropped),
+            clipped=dict(agg.model.clipped),
+            history=self.history(),
+            broker_restarts=broker_restarts,
+            broker_dropped=broker_dropped,
+            resend_requests=resend_requests,
+            server_pid=self.pid,
+            started=self.started,
+        )
 
     def _log_changes(self, members: tuple[Member, ...]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""
@@ -147,8 +180,14 @@ class FederationObserver:
                 continue
             if member.state == ONLINE:
                 what = "is back" if before in (OFFLINE, LEFT) else "joined"
-                log.info("device %s %s (%s, %d samples); %d online", member.id, what, member.arch or "default arch",
-                         member.n_samples, n_online())
+                log.info(
+                    "device %s %s (%s, %d samples); %d online",
+                    member.id,
+                    what,
+                    member.arch or "default arch",
+                    member.n_samples,
+                    n_online(),
+                )
             elif member.state == OFFLINE:
                 left = max(0.0, (member.grace_ends or 0.0) - time.time())
                 log.info("device %s went offline; it keeps its place in the round for %.0f s", member.id, left)

@@ -40,20 +40,27 @@ def header(reading: Reading, now: float) -> list[str]:
     if s.deadline is not None and s.state == "running":
         left = s.deadline - now
         where += f", deadline in {_ago(left)}" if left > 0 else f", deadline passed {_ago(-left)} ago"
-    members = ", ".join(f"{n} {state}" for state in ("online", "offline", "left", "not joined")
-                        if (n := s.count(state)))
-    lines = [f"federation '{s.fed}' ({s.preset}): {state}, {where}",
-             f"members: {len(s.members)} ({members or 'none yet'}); quorum {s.quorum}" if s.members
-             else f"members: none yet; waiting for {s.quorum}",
-             f"bytes so far: up {human_bytes(s.uplink_bytes)}, down {human_bytes(s.downlink_bytes)}; uploads accepted "
-             f"{sum(s.accepted.values())}; dropped: {_counts(s.dropped)}; clipped: {_counts(s.clipped)}",
-             f"broker restarts: {s.broker_restarts}; broker drops: {s.broker_dropped} (re-send requests "
-             f"{s.resend_requests}); as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
-             f"({_ago(now - s.updated)} ago) from {reading.source}"]
+    members = ", ".join(
+        f"{n} {state}" for state in ("online", "offline", "left", "not joined") if (n := s.count(state))
+    )
+    lines = [
+        f"federation '{s.fed}' ({s.preset}): {state}, {where}",
+        f"members: {len(s.members)} ({members or 'none yet'}); quorum {s.quorum}"
+        if s.members
+        else f"members: none yet; waiting for {s.quorum}",
+        f"bytes so far: up {human_bytes(s.uplink_bytes)}, down {human_bytes(s.downlink_bytes)}; uploads accepted "
+        f"{sum(s.accepted.values())}; dropped: {_counts(s.dropped)}; clipped: {_counts(s.clipped)}",
+        f"broker restarts: {s.broker_restarts}; broker drops: {s.broker_dropped} (re-send requests "
+        f"{s.resend_requests}); as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
+        f"({_ago(now - s.updated)} ago) from {reading.source}",
+    ]
     found = s.last_accuracies()
     if found is not None:
-        lines.insert(3, f"accuracy (round {found[0]}): " + ", ".join(
-            f"{k.removesuffix('_acc').replace('_', ' ')} {100 * v:.1f} %" for k, v in found[1].items()))
+        lines.insert(
+            3,
+            f"accuracy (round {found[0]}): "
+            + ", ".join(f"{k.removesuffix('_acc').replace('_', ' ')} {100 * v:.1f} %" for k, v in found[1].items()),
+        )
     return lines
 
 
@@ -78,12 +85,26 @@ def members_table(s: Snapshot, now: float) -> Table:
 
 def rounds_table(s: Snapshot) -> Table:
     t = Table(title=f"last {min(ROUNDS_SHOWN, len(s.history))} rounds", title_justify="left")
-    for col in ("round", "devices", "closed by", *(k.removesuffix("_acc").replace("_", " ") + " %"
-                                                  for k in ACCURACY_KEYS), "up", "down", "length"):
+    for col in (
+        "round",
+        "devices",
+        "closed by",
+        *(k.removesuffix("_acc").replace("_", " ") + " %" for k in ACCURACY_KEYS),
+        "up",
+        "down",
+        "length",
+    ):
         t.add_column(col, overflow="fold", justify="left" if col == "closed by" else "right")
     for r in s.history[-ROUNDS_SHOWN:]:
-        t.add_row(str(r.round), str(r.clients), r.closed_by, *(_pct(getattr(r, k)) for k in ACCURACY_KEYS),
-                  human_bytes(r.uplink_bytes), human_bytes(r.downlink_bytes), human_duration(r.duration_s))
+        t.add_row(
+            str(r.round),
+            str(r.clients),
+            r.closed_by,
+            *(_pct(getattr(r, k)) for k in ACCURACY_KEYS),
+            human_bytes(r.uplink_bytes),
+            human_bytes(r.downlink_bytes),
+            human_duration(r.duration_s),
+        )
     return t
 
 

@@ -128,13 +128,17 @@ class Snapshot:
     @classmethod
     def from_json(cls, raw: Any, where: str = "summary") -> Snapshot:
         if not isinstance(raw, dict) or raw.get("kind") != SUMMARY_KIND:
-            raise SummaryError(f"{where}: not a protofl summary (no \"kind\": \"{SUMMARY_KIND}\")")
+            raise SummaryError(f'{where}: not a protofl summary (no "kind": "{SUMMARY_KIND}")')
         if raw.get("v") != SUMMARY_VERSION:
-            raise SummaryError(f"{where}: summary version {raw.get('v')!r}; this build reads {SUMMARY_VERSION}: use "
-                               f"the same protofl-edge version on the server and here")
+            raise SummaryError(
+                f"{where}: summary version {raw.get('v')!r}; this build reads {SUMMARY_VERSION}: use "
+                f"the same protofl-edge version on the server and here"
+            )
         try:
-            members = tuple(_build(Member, m, last_upload=_build(Upload, m["last_upload"])
-                                   if m.get("last_upload") else None) for m in raw["members"])
+            members = tuple(
+                _build(Member, m, last_upload=_build(Upload, m["last_upload"]) if m.get("last_upload") else None)
+                for m in raw["members"]
+            )
             history = tuple(_build(RoundRow, r) for r in raw["history"])
             return _build(cls, raw, members=members, history=history)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

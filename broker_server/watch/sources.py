@@ -42,9 +42,11 @@ def read_state_dir(state_dir: Path, now: float | None = None) -> Reading:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"no {path}: no server has run with --state-dir {state_dir} yet (or one older than the "
-                          f"status command); start it, or read its broker: --broker URL --credentials "
-                          f"{Path(state_dir) / 'security' / 'monitor.json'}") from None
+        raise ConfigError(
+            f"no {path}: no server has run with --state-dir {state_dir} yet (or one older than the "
+            f"status command); start it, or read its broker: --broker URL --credentials "
+            f"{Path(state_dir) / 'security' / 'monitor.json'}"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     snap = Snapshot.decode(data, str(path))
@@ -78,8 +80,10 @@ def read_broker(options: BrokerOptions, fed: str, timeout: float = 10.0) -> Read
     from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
 
     if not options.username:
-        raise ConfigError("reading the broker needs the monitor credential: --credentials "
-                          "STATE_DIR/security/monitor.json (or --username/--password)")
+        raise ConfigError(
+            "reading the broker needs the monitor credential: --credentials "
+            "STATE_DIR/security/monitor.json (or --username/--password)"
+        )
     got: dict[str, bytes] = {}
     summary_in, both_in = threading.Event(), threading.Event()
     lock = threading.Lock()
@@ -109,8 +113,10 @@ def read_broker(options: BrokerOptions, fed: str, timeout: float = 10.0) -> Read
         summary, status = got.get(topics.server_summary(fed)), got.get(topics.server_status(fed))
     where = f"{options.url} ({topics.server_summary(fed)})"
     if summary is None:
-        raise ConfigError(f"no summary on {topics.server_summary(fed)} at {options.url} within {timeout:.0f} s: is "
-                          f"--fed right ('{fed}'), and is the server running (a version with the status command)?")
+        raise ConfigError(
+            f"no summary on {topics.server_summary(fed)} at {options.url} within {timeout:.0f} s: is "
+            f"--fed right ('{fed}'), and is the server running (a version with the status command)?"
+        )
     try:
         snap = Snapshot.decode(summary, where)
     except SummaryError as exc:

@@ -23,18 +23,28 @@ from protofl.transport.broker_url import BrokerOptions
 
 
 def status_command(
-    state_dir: Path | None = typer.Option(None, "--state-dir", help="The server's --state-dir, on the server box: read "
-                                             "its status.json (no credentials needed)."),
-    broker: str | None = typer.Option(None, help="Read the server's retained summary from its broker instead "
-                                                 "(mqtt://HOST:PORT or mqtts://...), as the read-only monitor."),
-    credentials: Path | None = typer.Option(None, help="The monitor credential for --broker: STATE_DIR/security/"
-                                                       "monitor.json, written by protofl-server start (the default "
-                                                       "when --state-dir is given too)."),
+    state_dir: Path | None = typer.Option(
+        None,
+        "--state-dir",
+        help="The server's --state-dir, on the server box: read its status.json (no credentials needed).",
+    ),
+    broker: str | None = typer.Option(
+        None,
+        help="Read the server's retained summary from its broker instead "
+        "(mqtt://HOST:PORT or mqtts://...), as the read-only monitor.",
+    ),
+    credentials: Path | None = typer.Option(
+        None,
+        help="The monitor credential for --broker: STATE_DIR/security/"
+        "monitor.json, written by protofl-server start (the default "
+        "when --state-dir is given too).",
+    ),
     fed: str | None = typer.Option(None, help="Federation name (default: the credential's, else 'default')."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every --interval seconds until Ctrl-C."),
     interval: float = typer.Option(2.0, help="Seconds between refreshes with --watch."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON (the monitor protocol, "
-                                                       "docs/design.md) instead of tables."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the summary as JSON (the monitor protocol, docs/design.md) instead of tables."
+    ),
     timeout: float = typer.Option(10.0, help="Give up reading the broker after this many seconds."),
     username: str | None = cli_options.USERNAME,
     password: str | None = cli_options.PASSWORD,
@@ -58,13 +68,22 @@ def status_command(
         raise typer.Exit(0) from None
 
 
-def _reader(state_dir: Path | None, broker: str | None, credentials: Path | None, fed: str | None,
-            username: str | None, password: str | None, tls_ca: str | None,
-            timeout: float) -> Callable[[], Reading]:
+def _reader(
+    state_dir: Path | None,
+    broker: str | None,
+    credentials: Path | None,
+    fed: str | None,
+    username: str | None,
+    password: str | None,
+    tls_ca: str | None,
+    timeout: float,
+) -> Callable[[], Reading]:
     if broker is None:
         if state_dir is None:
-            raise ProtoFLError("say where the federation is: --state-dir DIR (on the server box) or --broker URL "
-                               "--credentials STATE_DIR/security/monitor.json (from anywhere that reaches the broker)")
+            raise ProtoFLError(
+                "say where the federation is: --state-dir DIR (on the server box) or --broker URL "
+                "--credentials STATE_DIR/security/monitor.json (from anywhere that reaches the broker)"
+            )
         if credentials is not None:
             raise ProtoFLError("--credentials is for --broker; --state-dir alone reads the state dir's status.json")
         where = state_dir
@@ -75,8 +94,14 @@ def _reader(state_dir: Path | None, broker: str | None, credentials: Path | None
     return lambda: read_broker(options, fed, timeout)
 
 
-def _monitor_options(broker: str, credentials: Path | None, fed: str | None, username: str | None,
-                     password: str | None, tls_ca: str | None) -> tuple[BrokerOptions, str]:
+def _monitor_options(
+    broker: str,
+    credentials: Path | None,
+    fed: str | None,
+    username: str | None,
+    password: str | None,
+    tls_ca: str | None,
+) -> tuple[BrokerOptions, str]:
     from protofl.transport.broker_url import parse_broker_url
     from protofl.transport.credentials import read_device_file
 
@@ -86,16 +111,16 @@ def _monitor_options(broker: str, credentials: Path | None, fed: str | None, use
     found = read_device_file(credentials)
     if found.fed is not None and fed is not None and found.fed != fed:
         raise ProtoFLError(f"--credentials {credentials} is for federation '{found.fed}', not '{fed}'")
-    options = options.with_auth(username or found.credentials.username,
-                                password if password is not None else found.credentials.password, tls_ca)
+    options = options.with_auth(
+        username or found.credentials.username, password if password is not None else found.credentials.password, tls_ca
+    )
     if found.ca_pem is not None and tls_ca is None:
         options = options.with_federation_ca(found.ca_pem, f"--credentials {credentials}")
     return options, fed or found.fed or "default"
 
 
 def _document(reading: Reading) -> str:
-    return json.dumps({**reading.snapshot.to_json(), "server_note": reading.server, "source": reading.source},
-                      indent=1)
+    return json.dumps({**reading.snapshot.to_json(), "server_note": reading.server, "source": reading.source}, indent=1)
 
 
 def _show(reading: Reading, as_json: bool) -> None:

@@ -43,8 +43,13 @@ def ui_password(given: str | None, host: str, loopback: bool, security_dir: Path
         return None
     if security_dir is None:
         password = new_password()
-        log.warning("the live page on %s asks for a password (user %s): %s (no --state-dir: this run only; "
-                    "--ui-password sets one)", host, UI_USER, password)
+        log.warning(
+            "the live page on %s asks for a password (user %s): %s (no --state-dir: this run only; "
+            "--ui-password sets one)",
+            host,
+            UI_USER,
+            password,
+        )
         return password
     path = security_dir / PASSWORD_FILE
     if path.exists():
@@ -99,8 +104,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
         self.send_header("X-Content-Type-Options", "nosniff")
-        self.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
-                         "style-src 'unsafe-inline'")
+        self.send_header(
+            "Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'"
+        )
         self.end_headers()
         self.wfile.write(body)
 
@@ -125,8 +131,9 @@ def serve_ui(board: SnapshotBoard, host: str, port: int, password: str | None) -
     try:
         server = _UiServer((host, port), board, password)
     except OSError as exc:
-        raise ConfigError(f"--ui-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free "
-                          f"one)") from None
+        raise ConfigError(
+            f"--ui-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free one)"
+        ) from None
     thread = threading.Thread(target=server.serve_forever, name="protofl-ui", daemon=True)
     thread.start()
     shown = f"[{host}]" if ":" in host else host

@@ -43,9 +43,23 @@ if TYPE_CHECKING:
 
 GROUP = "protofl.device_rules"
 
-__all__ = ["GROUP", "AlignmentTerm", "Batch", "Classifier", "DeviceContext", "DeviceRule", "LossTerm",
-           "NearestTargetClassifier", "Objective", "Sparsifier", "alignment", "device_rules", "make_objective",
-           "model_options", "rules_for"]
+__all__ = [
+    "GROUP",
+    "AlignmentTerm",
+    "Batch",
+    "Classifier",
+    "DeviceContext",
+    "DeviceRule",
+    "LossTerm",
+    "NearestTargetClassifier",
+    "Objective",
+    "Sparsifier",
+    "alignment",
+    "device_rules",
+    "make_objective",
+    "model_options",
+    "rules_for",
+]
 
 
 @dataclass
@@ -141,8 +155,12 @@ class Objective:
 
     `Objective()` is the default: cross-entropy of the head, no terms."""
 
-    def __init__(self, classifier: Classifier | None = None, terms: Sequence[LossTerm] = (),
-                 targets: Mapping[int, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        classifier: Classifier | None = None,
+        terms: Sequence[LossTerm] = (),
+        targets: Mapping[int, np.ndarray] | None = None,
+    ) -> None:
         self.classifier = classifier if classifier is not None else Classifier()
         self.terms = tuple(terms)
         self.targets = dict(targets or {})  # the dense table it was built from
@@ -180,8 +198,14 @@ class AlignmentTerm(LossTerm):
     and its class's dense target, mean over the batch and the m dims; a sample whose class has no target
     adds zero but still counts in the batch. Shared by every mean-prototype technique."""
 
-    def __init__(self, targets: dict[int, np.ndarray], num_classes: int, dim: int, weight: float,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        targets: dict[int, np.ndarray],
+        num_classes: int,
+        dim: int,
+        weight: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.weight = weight
         values = torch.zeros(num_classes, dim)
         present = torch.zeros(num_classes, dtype=torch.bool)
@@ -239,15 +263,17 @@ class DeviceRule:
         return ()
 
     # -- uploads --------------------------------------------------------------------------------
-    def local_prototypes(self, z: np.ndarray,
-                         y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
+    def local_prototypes(
+        self, z: np.ndarray, y: np.ndarray
+    ) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
         return None
 
     def select_local(self, protos: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         return protos
 
-    def encode_table(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None,
-                     role: str) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+    def encode_table(
+        self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str
+    ) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
         """A table on its way to the wire; `role` is "local" (this device's data) or "public"."""
         return protos, counts
 
@@ -284,8 +310,10 @@ def device_rules() -> dict[str, type[DeviceRule]]:
         try:
             cls = ep.load()
         except Exception as exc:  # a broken third-party package: say which, not a bare traceback
-            raise ConfigError(f"device rule '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
-                              f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it") from exc
+            raise ConfigError(
+                f"device rule '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
+                f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it"
+            ) from exc
         if not (isinstance(cls, type) and issubclass(cls, DeviceRule)):
             raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not a DeviceRule")
         found.setdefault(ep.name, cls)
@@ -298,20 +326,25 @@ def rules_for(cfg: FederationConfig, plan: RoundPlan, config: Config) -> list[De
     known = device_rules()
     missing = [name for name in plan.techniques if name not in known]
     if missing:
-        raise ConfigError(f"this federation uses technique(s) {missing} that this device has no rule for: "
-                          f"install the package that brings them here too")
+        raise ConfigError(
+            f"this federation uses technique(s) {missing} that this device has no rule for: "
+            f"install the package that brings them here too"
+        )
     return [known[name](cfg, plan, config) for name in plan.techniques]
 
 
-def make_objective(rules: Sequence[DeviceRule], ctx: DeviceContext, table: dict[int, np.ndarray],
-                   fresh: bool) -> Objective:
+def make_objective(
+    rules: Sequence[DeviceRule], ctx: DeviceContext, table: dict[int, np.ndarray], fresh: bool
+) -> Objective:
     """The round's objective from the active rules, in rule order: the classifier of the one that owns it
     (else the head's), then every rule's loss terms. Each rule is asked, targets or none (a term may need
     none); a classifier set up for the round (`fresh`) is in place before any term is built."""
     owners = [(rule, c) for rule in rules if (c := rule.classifier(ctx, table, fresh)) is not None]
     if len(owners) > 1:
-        raise ConfigError(f"techniques {[rule.name for rule, _ in owners]} each own this round's classifier; at "
-                          f"most one may: turn one of them off")
+        raise ConfigError(
+            f"techniques {[rule.name for rule, _ in owners]} each own this round's classifier; at "
+            f"most one may: turn one of them off"
+        )
     terms = [term for rule in rules for term in rule.loss_terms(ctx, table, fresh)]
     return Objective(owners[0][1] if owners else None, terms, table)
 

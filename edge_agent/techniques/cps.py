@@ -49,8 +49,9 @@ class CpsDevice(DeviceRule):
             table.update(scaled)
         return table
 
-    def encode_table(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None,
-                     role: str) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+    def encode_table(
+        self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str
+    ) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
         masks = self.masks
         if self.plan.prototypes == "unit":
             if masks is not None and protos:

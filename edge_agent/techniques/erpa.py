@@ -30,8 +30,9 @@ class ErpaDevice(DeviceRule):
             return None
         plan = self.plan
         z_public = self._public_z(ctx)
-        pub, local, counts = erpa.client_prototypes(z_public, ctx.public_y, ctx.embed(ctx.x), ctx.y,
-                                                    plan.num_classes, plan.public_classes)
+        pub, local, counts = erpa.client_prototypes(
+            z_public, ctx.public_y, ctx.embed(ctx.x), ctx.y, plan.num_classes, plan.public_classes
+        )
         public = pack(pub, None, "public") if z_public is not None else None
         return ProtoUpload(local=pack(local, counts, "local"), public=public, n_samples=len(ctx.y))
 

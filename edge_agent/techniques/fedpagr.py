@@ -33,8 +33,9 @@ def entropy_regulariser(proto_logits: torch.Tensor) -> torch.Tensor:
     return -F.log_softmax(proto_logits, dim=1).mean(dim=1).mean()
 
 
-def fedpagr_loss(z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module, prototypes: torch.Tensor,
-                 beta: float, lambda_e: float) -> torch.Tensor:
+def fedpagr_loss(
+    z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module, prototypes: torch.Tensor, beta: float, lambda_e: float
+) -> torch.Tensor:
     """CE(head(z_hat), y) + CE((z_hat . P^T) / beta, y) + lambda_E * L_ent, with z_hat = z/||z||."""
     z_hat = F.normalize(z, dim=1)
     proto_logits = z_hat @ prototypes.t() / beta
@@ -109,8 +110,9 @@ class FedPagrDevice(DeviceRule):
     def model_options(self) -> dict[str, Any]:
         return {"projection": bool(self.cfg.consensus)}
 
-    def local_prototypes(self, z: np.ndarray,
-                         y: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
+    def local_prototypes(
+        self, z: np.ndarray, y: np.ndarray
+    ) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
         if self.plan.prototypes != "unit":
             return None
         return unit.client_prototypes(z, y, self.plan.num_classes), None

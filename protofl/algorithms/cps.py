@@ -110,8 +110,6 @@ def unpack_masks(packed: np.ndarray, num_classes: int, m: int) -> np.ndarray:
     return bits[:, :m].astype(bool)
 
 
-
-
 # -- the technique ------------------------------------------------------------------------------------
 def support_size(cfg: FederationConfig) -> int:
     """TinyProto's s, the values per class on the wire (default m/10)."""
@@ -147,19 +145,22 @@ class Cps(Technique):
         if cfg.scaling and cfg.prototypes == "none":
             raise ConfigError("scaling needs prototypes='mean'")
         if cfg.scaling and cfg.prototypes == "unit":
-            raise ConfigError("scaling multiplies mean prototypes by their counts; unit prototypes have none: "
-                              "turn scaling off")
+            raise ConfigError(
+                "scaling multiplies mean prototypes by their counts; unit prototypes have none: turn scaling off"
+            )
         if cfg.refine and cfg.cps and cfg.num_classes * s <= cfg.proto_dim:
             if cfg.prototypes == "unit":
                 raise ConfigError(
                     f"refine on spherical CPS prototypes whose masks do not overlap (num_classes * cps_s = "
                     f"{cfg.num_classes * s} <= proto_dim = {cfg.proto_dim}) changes nothing: they are already "
                     f"orthogonal; use cps_s > {cfg.proto_dim // cfg.num_classes} so that masks overlap, or turn "
-                    f"refine off")
+                    f"refine off"
+                )
             raise ConfigError(
                 f"refine with CPS masks that do not overlap (num_classes * cps_s = {cfg.num_classes * s} <= "
                 f"proto_dim = {cfg.proto_dim}) changes nothing: masked anchors are already orthogonal; use "
-                f"cps_s > {cfg.proto_dim // cfg.num_classes} so that masks overlap, or turn refine off")
+                f"cps_s > {cfg.proto_dim // cfg.num_classes} so that masks overlap, or turn refine off"
+            )
 
     def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
         if cfg.cps:

@@ -86,12 +86,16 @@ def check_split(public: Mapping[int, Any], local: Mapping[int, Any], public_clas
     covered = {int(c) for c in public_classes}
     wrong_pub = sorted({int(c) for c in public} - covered)
     if wrong_pub:
-        raise WireError(f"public prototypes for classes {wrong_pub} with no public data; send local prototypes "
-                        f"(with counts) for those")
+        raise WireError(
+            f"public prototypes for classes {wrong_pub} with no public data; send local prototypes "
+            f"(with counts) for those"
+        )
     wrong_loc = sorted({int(c) for c in local} & covered)
     if wrong_loc:
-        raise WireError(f"local prototypes for public-covered classes {wrong_loc}; those are anchored by public "
-                        f"prototypes only (keeps the label histogram private)")
+        raise WireError(
+            f"local prototypes for public-covered classes {wrong_loc}; those are anchored by public "
+            f"prototypes only (keeps the label histogram private)"
+        )
 
 
 class ErpaAggregator(Additive):
@@ -168,8 +172,9 @@ def combine_anchors(
     return out
 
 
-def unit_anchors(ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarray,
-                 public_classes: Iterable[int]) -> np.ndarray:
+def unit_anchors(
+    ext_sum: np.ndarray, ext_count: np.ndarray, consensus: np.ndarray, public_classes: Iterable[int]
+) -> np.ndarray:
     """Eq. (16) on the unit sphere (the combined pipeline's candidate (d), docs/algorithms.md): the anchor of a
     public-covered class c that some client sent is the normalised uniform mean of the clients' unit
     public-set prototypes, normalize(ext_sum[c] / ext_count[c]) (eq. 14, then normalised like the unit
@@ -220,19 +225,25 @@ class Erpa(Technique):
         # On unit prototypes the public-set prototypes go up with the training upload, which equals the
         # next round's first phase only while nothing federated changes the device's features in between.
         if cfg.prototypes == "unit" and cfg.federate != "none":
-            raise ConfigError("erpa on unit prototypes sends its public-set prototypes with the training upload, "
-                              "which is exact only when no adapter or model is federated: set federate='none' "
-                              "(or prototypes='mean')")
+            raise ConfigError(
+                "erpa on unit prototypes sends its public-set prototypes with the training upload, "
+                "which is exact only when no adapter or model is federated: set federate='none' "
+                "(or prototypes='mean')"
+            )
         if cfg.prototypes == "unit" and cfg.refine:
-            raise ConfigError("refinement of ERPA unit anchors is not built: turn refine off (or erpa off for "
-                              "the unit prototypes' own refinement)")
+            raise ConfigError(
+                "refinement of ERPA unit anchors is not built: turn refine off (or erpa off for "
+                "the unit prototypes' own refinement)"
+            )
         # A public-covered class is anchored by the public-set mean; only the other classes travel as
         # n-weighted prototypes. With every class covered scaling acts on nothing (measured: identical
         # accuracy on 3 seeds with and without it, bench/results/TABLE.md).
         if cfg.scaling and len(public_class_list(cfg)) == cfg.num_classes:
-            raise ConfigError("scaling changes nothing with erpa when the public set covers every class: every "
-                              "anchor is the public-set mean, so no client sends an n-weighted prototype; turn "
-                              "scaling off, or list fewer public_classes (scaling then acts on the others)")
+            raise ConfigError(
+                "scaling changes nothing with erpa when the public set covers every class: every "
+                "anchor is the public-set mean, so no client sends an n-weighted prototype; turn "
+                "scaling off, or list fewer public_classes (scaling then acts on the others)"
+            )
 
     def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
         draft.public_classes = public_class_list(cfg)
@@ -241,8 +252,10 @@ class Erpa(Technique):
             return
         draft.phases = (Phase.PROTO, Phase.TRAIN)
         draft.public_phase = Phase.PROTO
-        draft.uploads = {Phase.PROTO: (Upload.PROTOS,),
-                         Phase.TRAIN: tuple(u for u in draft.uploads.get(Phase.TRAIN, ()) if u is not Upload.PROTOS)}
+        draft.uploads = {
+            Phase.PROTO: (Upload.PROTOS,),
+            Phase.TRAIN: tuple(u for u in draft.uploads.get(Phase.TRAIN, ()) if u is not Upload.PROTOS),
+        }
 
     def server_rule(self, model: ServerState) -> ServerRule:
         return ErpaRule(model)

@@ -92,8 +92,9 @@ class FedAvgAggregator(Additive):
             raise ValueError(f"FedAvg: weight must be a finite number > 0 (the client's |D_k|), got {weight!r}")
         v = np.asarray(vector)
         if v.shape != (self._dim,):
-            raise ValueError(f"FedAvg: expected shape ({self._dim},), got {v.shape}; is the client running the same "
-                             f"model?")
+            raise ValueError(
+                f"FedAvg: expected shape ({self._dim},), got {v.shape}; is the client running the same model?"
+            )
         self._num += w * v.astype(np.float64, copy=False)
         self._den += w
         self._count += 1
@@ -135,8 +136,9 @@ class FedAvgRule(ServerRule):
         super().__init__(model)
         self.state = FederatedVector()
         cfg = model.cfg
-        self.layout = adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" \
-            else None
+        self.layout = (
+            adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes) if cfg.federate == "adapter" else None
+        )
 
     def init_model(self) -> None:
         """Round 0: the adapter from the config's seed; the whole model's parameters where the server knows them
@@ -166,8 +168,10 @@ class FedAvgRule(ServerRule):
         """The full adapter in the round message of the plan's adapter phase, the whole model's parameters in
         the training phase's (once known); both in the final one."""
         state, final = self.state, phase is Phase.DONE
-        return RoundFields(adapter=state.adapter if final or self.model.plan.adapter_phase is phase else None,
-                           params=state.params if final or phase is Phase.TRAIN else None)
+        return RoundFields(
+            adapter=state.adapter if final or self.model.plan.adapter_phase is phase else None,
+            params=state.params if final or phase is Phase.TRAIN else None,
+        )
 
 
 class VectorFold(Fold):

@@ -235,19 +235,23 @@ class FedPagr(Technique):
         if cfg.consensus and cfg.prototypes != "unit":
             raise ConfigError("consensus (FedPAGR) needs prototypes='unit'")
         if cfg.pagr_train_head and not cfg.consensus:
-            raise ConfigError("pagr_train_head is FedPAGR's trained-head variant; it needs consensus=true "
-                              "(prototypes='unit')")
+            raise ConfigError(
+                "pagr_train_head is FedPAGR's trained-head variant; it needs consensus=true (prototypes='unit')"
+            )
         if cfg.refine and cfg.prototypes == "none":
-            raise ConfigError("refine moves prototypes; with prototypes='none' there is nothing to refine: "
-                              "turn refine off")
+            raise ConfigError(
+                "refine moves prototypes; with prototypes='none' there is nothing to refine: turn refine off"
+            )
 
     def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
         if cfg.prototypes == "unit":
             draft.target_label = ["unit"]
         elif cfg.refine and Phase.PROTO not in draft.phases:
-            raise ConfigError("refine acts on FedPAGR's unit prototypes (prototypes='unit') or on the targets "
-                              "of a first prototype phase (public-set anchors on mean prototypes); with neither it "
-                              "changes nothing: turn refine off or switch one of them on")
+            raise ConfigError(
+                "refine acts on FedPAGR's unit prototypes (prototypes='unit') or on the targets "
+                "of a first prototype phase (public-set anchors on mean prototypes); with neither it "
+                "changes nothing: turn refine off or switch one of them on"
+            )
 
     def server_rule(self, model: ServerState) -> ServerRule:
         return FedPagrRule(model)
@@ -300,8 +304,15 @@ class FedPagrRule(ServerRule):
         if not cfg.refine or not table:
             return table
         dense = support.reconstruct_table(table, masks) if masks is not None else table
-        out = refine_anchor_table(dense, masks, steps=cfg.refine_steps, lr=cfg.refine_lr,
-                                  momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
+        out = refine_anchor_table(
+            dense,
+            masks,
+            steps=cfg.refine_steps,
+            lr=cfg.refine_lr,
+            momentum=cfg.refine_momentum,
+            lambda_s=cfg.lambda_s,
+            margin=cfg.margin,
+        )
         return support.compress_table(out, masks) if masks is not None else out
 
 
@@ -318,8 +329,19 @@ class ConsensusFold(UnitFold):
         cfg, model = self.model.cfg, self.model
         S, K = self.acc.sums()
         p_bar = model.rules.adjust_consensus(self.acc.result())
-        unit = (geometric_refine(p_bar, S, K, steps=cfg.refine_steps, lr=cfg.refine_lr,
-                                 momentum=cfg.refine_momentum, lambda_s=cfg.lambda_s, margin=cfg.margin)
-                if cfg.refine else p_bar)
+        unit = (
+            geometric_refine(
+                p_bar,
+                S,
+                K,
+                steps=cfg.refine_steps,
+                lr=cfg.refine_lr,
+                momentum=cfg.refine_momentum,
+                lambda_s=cfg.lambda_s,
+                margin=cfg.margin,
+            )
+            if cfg.refine
+            else p_bar
+        )
         # Refinement moves rows off their support masks; project them back (after the T steps).
         self.state.unit = support.restrict_to_masks(unit, self.masks) if self.masks is not None else unit

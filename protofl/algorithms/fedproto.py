@@ -126,8 +126,8 @@ class PrototypeAggregator(Additive):
         for c in classes:
             k = c.shape[0]
             where = class_rows(c)
-            self._sum[where] += terms[at:at + k]
-            self._weight[where] += w[at:at + k] if w is not None else 1.0
+            self._sum[where] += terms[at : at + k]
+            self._weight[where] += w[at : at + k] if w is not None else 1.0
             at += k
         self._senders += uploads
 
@@ -232,11 +232,15 @@ class MeanFold(BatchedFold):
         plan = model.plan
         other = model.rules.mean_aggregator(plan.proto_width)
         self.default = other is None
-        self.acc: PrototypeMean = other if other is not None else PrototypeAggregator(
-            plan.num_classes, plan.proto_width, weighting=model.cfg.aggregation)
+        self.acc: PrototypeMean = (
+            other
+            if other is not None
+            else PrototypeAggregator(plan.num_classes, plan.proto_width, weighting=model.cfg.aggregation)
+        )
         # Robust means replace plain means only: scaled sums have their own geometry.
         self.robust: dict[int, CoordinateRobust] | None = (
-            {} if self.default and model.robust_mean(plan.proto_width) is not None else None)
+            {} if self.default and model.robust_mean(plan.proto_width) is not None else None
+        )
         # Another technique's aggregate that takes tables only is fed one upload at a time, when it arrives (its
         # `add` may refuse one, which a batch folded later could not do).
         self.by_rows: RowMean | None = self.acc if isinstance(self.acc, RowMean) else None
@@ -248,8 +252,9 @@ class MeanFold(BatchedFold):
 
     def check(self, up: ClippedUpload) -> Any:
         ps = up.local
-        classes, shape, counts = (self._none, (0, self.model.plan.proto_width), None) if ps is None else \
-            (ps.classes, ps.shape, ps.counts)
+        classes, shape, counts = (
+            (self._none, (0, self.model.plan.proto_width), None) if ps is None else (ps.classes, ps.shape, ps.counts)
+        )
         if self.weighted and classes.size and counts is None:
             raise WireError("prototypes without counts (weighted aggregation needs n_kc)")
         if self.by_rows is not None:

@@ -15,9 +15,7 @@ import numpy as np
 __all__ = ["local_prototypes", "nearest_prototype"]
 
 
-def local_prototypes(
-    z: np.ndarray, y: np.ndarray, num_classes: int
-) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+def local_prototypes(z: np.ndarray, y: np.ndarray, num_classes: int) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     """Per-class mean of the rows of `z` (n, m) grouped by label `y` (n,), and the class counts.
 
     Only classes present in `y` appear in either dict: an absent class has no mean, and sending a

@@ -129,11 +129,12 @@ class ClipPolicy:
         med = float(np.median(previous_norms))
         return self.factor * med if med > 0 else self.first_radius
 
-
     def rule(self) -> str:
         """The radius rule in words (the server's one explanatory log line)."""
-        return (f"radius = {self.factor:g} x the median norm of the previous round's accepted uploads of that "
-                f"kind; {self.first_radius:g} before any")
+        return (
+            f"radius = {self.factor:g} x the median norm of the previous round's accepted uploads of that "
+            f"kind; {self.first_radius:g} before any"
+        )
 
 
 class NormLog:

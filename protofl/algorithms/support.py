@@ -15,8 +15,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["compress", "reconstruct", "compress_table", "reconstruct_table", "restrict_to_masks",
-           "off_mask_energy", "as_masks"]
+__all__ = [
+    "compress",
+    "reconstruct",
+    "compress_table",
+    "reconstruct_table",
+    "restrict_to_masks",
+    "off_mask_energy",
+    "as_masks",
+]
 
 
 def compress(p: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -24,8 +31,9 @@ def compress(p: np.ndarray, mask: np.ndarray) -> np.ndarray:
     p = np.asarray(p)
     mask = np.asarray(mask)
     if mask.dtype != bool or mask.ndim != 1 or p.shape != mask.shape:
-        raise ValueError(f"support compress: need p (m,) and a bool mask (m,), got {p.shape} and "
-                         f"{mask.dtype} {mask.shape}")
+        raise ValueError(
+            f"support compress: need p (m,) and a bool mask (m,), got {p.shape} and {mask.dtype} {mask.shape}"
+        )
     return p[mask].astype(np.float32)
 
 

@@ -21,8 +21,15 @@ from protofl.algorithms.support import compress_table
 from protofl.mergeable import Additive
 from protofl.technique import BatchedFold, Clip, ClippedSet, ClippedUpload, Part, Upload
 
-__all__ = ["normalize_rows", "client_prototypes", "initial_prototypes", "on_wire", "wire_centers",
-           "ConsensusAggregator", "UnitFold"]
+__all__ = [
+    "normalize_rows",
+    "client_prototypes",
+    "initial_prototypes",
+    "on_wire",
+    "wire_centers",
+    "ConsensusAggregator",
+    "UnitFold",
+]
 
 
 def normalize_rows(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
@@ -133,8 +140,7 @@ class ConsensusAggregator(Additive):
             raise ValueError(f"consensus: prototype for class {c} is the zero vector; it has no direction")
         return rows / length[:, None]
 
-    def fold_many(self, classes: list[np.ndarray], units: np.ndarray, support: np.ndarray | None,
-                  uploads: int) -> None:
+    def fold_many(self, classes: list[np.ndarray], units: np.ndarray, support: np.ndarray | None, uploads: int) -> None:
         """Fold in the rows `check_rows` returned, for several uploads: `classes` one array per upload with rows,
         in arrival order, `units` their rows concatenated in that order, `uploads` the senders (uploads with no
         rows included). With `support` (C, s), the dims of each class's mask in ascending order, a row of s

@@ -16,8 +16,18 @@ from protofl.data import own
 __all__ = ["FASHION_MNIST_CLASSES", "class_names"]
 
 # Xiao, Rasul and Vollgraf, "Fashion-MNIST", arXiv:1708.07747, Table 1 (labels 0-9).
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
-                         "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 
 def _imagefolder(arg: str) -> list[str] | None:

@@ -31,9 +31,7 @@ class Dataset:
 
     def __post_init__(self) -> None:
         if self.x.dtype != np.uint8 or self.x.ndim != 4:
-            raise DataError(
-                f"dataset {self.name!r}: x must be uint8 (n, c, h, w), got {self.x.dtype} {self.x.shape}"
-            )
+            raise DataError(f"dataset {self.name!r}: x must be uint8 (n, c, h, w), got {self.x.dtype} {self.x.shape}")
         if self.y.ndim != 1 or len(self.y) != len(self.x):
             raise DataError(
                 f"dataset {self.name!r}: y must be 1-D with one label per image, got {self.y.shape} "
@@ -68,8 +66,13 @@ class Dataset:
         idx = np.asarray(indices, dtype=np.int64)
         return Dataset(self.x[idx], self.y[idx], self.num_classes, self.name, self.mean, self.std)
 
-    def normalized(self, indices: np.ndarray | Sequence[int] | None = None, *,
-                   mean: Sequence[float] | None = None, std: Sequence[float] | None = None) -> np.ndarray:
+    def normalized(
+        self,
+        indices: np.ndarray | Sequence[int] | None = None,
+        *,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ) -> np.ndarray:
         """float32 (x / 255 - mean) / std, for all samples or only ``indices``.
 
         ``mean``/``std`` default to the dataset's own; pass a model's (from its ONNX metadata) to feed

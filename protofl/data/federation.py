@@ -33,8 +33,15 @@ def limit_train(train: Dataset, limit: int | None, seed: int) -> Dataset:
 def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg: FederationConfig) -> FederatedSplit:
     """The partition for (dataset, N, alpha, seed); the public set is carved for every preset, so that
     the clients' data is the same whichever method runs on it."""
-    return build_federation(train.y, clients, alpha, seed, public_per_class=cfg.public_per_class,
-                            public_classes=cfg.public_classes, batch_size=cfg.batch_size)
+    return build_federation(
+        train.y,
+        clients,
+        alpha,
+        seed,
+        public_per_class=cfg.public_per_class,
+        public_classes=cfg.public_classes,
+        batch_size=cfg.batch_size,
+    )
 
 
 def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
@@ -45,5 +52,6 @@ def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
     idx = federation_public(train.y, cfg.seed, cfg.public_per_class, cfg.public_classes)
     if len(idx) == 0:
         return None
-    return PublicSet(x=train.x[idx], y=train.y[idx].astype(np.int64),
-                     classes=sorted(int(c) for c in np.unique(train.y[idx])))
+    return PublicSet(
+        x=train.x[idx], y=train.y[idx].astype(np.int64), classes=sorted(int(c) for c in np.unique(train.y[idx]))
+    )

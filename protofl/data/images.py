@@ -15,9 +15,16 @@ from protofl.errors import DataError
 __all__ = ["load_images"]
 
 
-def load_images(spec: str, split: str = "test", n: int | None = None, *, in_shape: tuple[int, ...] | None = None,
-                mean: tuple[float, ...] | None = None, std: tuple[float, ...] | None = None,
-                seed: int = 0) -> tuple[np.ndarray, np.ndarray, Dataset]:
+def load_images(
+    spec: str,
+    split: str = "test",
+    n: int | None = None,
+    *,
+    in_shape: tuple[int, ...] | None = None,
+    mean: tuple[float, ...] | None = None,
+    std: tuple[float, ...] | None = None,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray, Dataset]:
     """(x normalised float32, y, dataset) for ``split`` ("train" | "test") of a dataset spec.
 
     ``n`` keeps a seeded random subset (all classes represented in expectation, unlike the first n).
@@ -29,8 +36,10 @@ def load_images(spec: str, split: str = "test", n: int | None = None, *, in_shap
     train, test = load_dataset(spec, seed=seed)  # raises DataError naming the missing path and the specs
     ds = train if split == "train" else test
     if in_shape is not None and tuple(ds.in_shape) != tuple(in_shape):
-        raise DataError(f"dataset {spec!r} has images of shape {ds.in_shape} but the model takes {tuple(in_shape)}; "
-                        "pass data of the model's input shape")
+        raise DataError(
+            f"dataset {spec!r} has images of shape {ds.in_shape} but the model takes {tuple(in_shape)}; "
+            "pass data of the model's input shape"
+        )
     idx = np.arange(len(ds))
     if n is not None and n < len(ds):
         idx = np.sort(np.random.default_rng([seed, 0xDA7A]).permutation(len(ds))[:n])

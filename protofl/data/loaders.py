@@ -102,9 +102,7 @@ def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     got = len(raw) - header
     if got != expected:
         what = "truncated" if got < expected else "trailing bytes in"
-        raise DataError(
-            f"{p}: {what} IDX payload: dims {dims} x {dtype.itemsize} bytes = {expected} bytes, got {got}"
-        )
+        raise DataError(f"{p}: {what} IDX payload: dims {dims} x {dtype.itemsize} bytes = {expected} bytes, got {got}")
     arr = np.frombuffer(raw, dtype=dtype, count=math.prod(dims), offset=header).reshape(dims)
     # astype makes a writable native-endian copy (frombuffer over bytes is read-only).
     return arr.astype(dtype.newbyteorder("="))
@@ -182,17 +180,21 @@ def _num_classes(where: str, *labels: np.ndarray, declared: int | None = None) -
     if declared is None:
         return top + 1
     if top >= declared:
-        raise DataError(f"{where}: label {top} out of range for {declared} classes: the federation expects "
-                        f"{declared} classes (labels 0..{declared - 1}); a device may hold any subset of them")
+        raise DataError(
+            f"{where}: label {top} out of range for {declared} classes: the federation expects "
+            f"{declared} classes (labels 0..{declared - 1}); a device may hold any subset of them"
+        )
     return declared
 
 
 def _check_shape(where: str, have: tuple[int, ...], in_shape: tuple[int, ...] | None) -> None:
     if in_shape is not None and tuple(have) != tuple(in_shape):
         c, h, w = in_shape
-        raise DataError(f"{where}: images are {tuple(have)} (channels, height, width) but the federation expects "
-                        f"in_shape {tuple(in_shape)}: {c} channel(s) of {h}x{w}; bring data of that shape "
-                        f"(imagefolder: and csv: adapt to it; arrays are not resized)")
+        raise DataError(
+            f"{where}: images are {tuple(have)} (channels, height, width) but the federation expects "
+            f"in_shape {tuple(in_shape)}: {c} channel(s) of {h}x{w}; bring data of that shape "
+            f"(imagefolder: and csv: adapt to it; arrays are not resized)"
+        )
 
 
 def load_idx_dir(
@@ -246,8 +248,13 @@ def load_fashion_mnist(data_dir: str | os.PathLike[str] | None = None) -> tuple[
 
 
 def load_npz(
-    path: str | os.PathLike[str], seed: int = 0, name: str | None = None, *, holdout: float | None = 0.2,
-    num_classes: int | None = None, in_shape: tuple[int, ...] | None = None,
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    name: str | None = None,
+    *,
+    holdout: float | None = 0.2,
+    num_classes: int | None = None,
+    in_shape: tuple[int, ...] | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, test) from an .npz with ``x``, ``y`` and optionally ``x_test``, ``y_test``.
 
@@ -275,17 +282,39 @@ def read_npz(path: Path, what: str = "npz dataset") -> dict[str, np.ndarray]:
         raise DataError(f"{path}: cannot read as .npz ({e})") from None
 
 
-def _npz(path: str | os.PathLike[str], seed: int, name: str | None, *, holdout: float | None,
-         num_classes: int | None, in_shape: tuple[int, ...] | None) -> tuple[Dataset, Dataset | None]:
+def _npz(
+    path: str | os.PathLike[str],
+    seed: int,
+    name: str | None,
+    *,
+    holdout: float | None,
+    num_classes: int | None,
+    in_shape: tuple[int, ...] | None,
+) -> tuple[Dataset, Dataset | None]:
     p = Path(path)
     arrays = read_npz(p)
-    return from_arrays(arrays, str(p), name if name is not None else p.stem, seed, holdout=holdout,
-                       num_classes=num_classes, in_shape=in_shape)
+    return from_arrays(
+        arrays,
+        str(p),
+        name if name is not None else p.stem,
+        seed,
+        holdout=holdout,
+        num_classes=num_classes,
+        in_shape=in_shape,
+    )
 
 
-def from_arrays(arrays: dict[str, np.ndarray], where: str, name: str, seed: int = 0, *,
-                holdout: float | None = 0.2, num_classes: int | None = None,
-                in_shape: tuple[int, ...] | None = None, nchw: bool = False) -> tuple[Dataset, Dataset | None]:
+def from_arrays(
+    arrays: dict[str, np.ndarray],
+    where: str,
+    name: str,
+    seed: int = 0,
+    *,
+    holdout: float | None = 0.2,
+    num_classes: int | None = None,
+    in_shape: tuple[int, ...] | None = None,
+    nchw: bool = False,
+) -> tuple[Dataset, Dataset | None]:
     """(train, test) from the npz layout (``x``, ``y``, optional ``x_test``/``y_test``, ``num_classes``,
     ``mean``/``std``), whatever read it. Without a test split a seeded ``holdout`` share becomes one (None:
     no test split, test is None). ``nchw``: the images are already (n, c, h, w) (no layout guess)."""
@@ -322,8 +351,10 @@ def from_arrays(arrays: dict[str, np.ndarray], where: str, name: str, seed: int 
         if nc.ndim != 0 or not np.issubdtype(nc.dtype, np.integer) or int(nc) < 1:
             raise DataError(f"{where}: num_classes must be a positive integer scalar, got {nc!r}")
         if num_classes is not None and int(nc) != num_classes:
-            raise DataError(f"{where}: num_classes is {int(nc)} but the federation has {num_classes} classes; "
-                            f"drop num_classes from the file or make it {num_classes}")
+            raise DataError(
+                f"{where}: num_classes is {int(nc)} but the federation has {num_classes} classes; "
+                f"drop num_classes from the file or make it {num_classes}"
+            )
         declared = int(nc)
     k = _num_classes(where, y, *(() if y_test is None else (y_test,)), declared=declared)
     if "mean" in arrays and "std" in arrays:
@@ -350,9 +381,7 @@ def _parse_synthetic(options: str, seed: int) -> tuple[Dataset, Dataset]:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in _SYNTHETIC_KEYS:
-            raise DataError(
-                f"bad synthetic option {item!r}; use key=value with keys {', '.join(_SYNTHETIC_KEYS)}"
-            )
+            raise DataError(f"bad synthetic option {item!r}; use key=value with keys {', '.join(_SYNTHETIC_KEYS)}")
         values[key] = value.strip()
     try:
         n = int(values.get("n", 2000))
@@ -370,8 +399,12 @@ def _parse_synthetic(options: str, seed: int) -> tuple[Dataset, Dataset]:
 
 
 def load_dataset(
-    spec: str, data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *,
-    num_classes: int | None = None, in_shape: tuple[int, ...] | None = None,
+    spec: str,
+    data_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    *,
+    num_classes: int | None = None,
+    in_shape: tuple[int, ...] | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, test) for a dataset spec.
 
@@ -391,8 +424,13 @@ def load_dataset(
 
 
 def load_source(
-    spec: str, data_dir: str | os.PathLike[str] | None = None, seed: int = 0, *,
-    num_classes: int | None = None, in_shape: tuple[int, ...] | None = None, holdout: float | None = 0.2,
+    spec: str,
+    data_dir: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    *,
+    num_classes: int | None = None,
+    in_shape: tuple[int, ...] | None = None,
+    holdout: float | None = 0.2,
 ) -> tuple[Dataset, Dataset | None]:
     """``load_dataset`` where the data's own test split may be absent: with ``holdout=None`` the test
     split is the data's own (npz/loader ``x_test``, IDX ``t10k``, an image folder's ``test/``) or None.
@@ -411,21 +449,25 @@ def load_source(
         return _conform(load_idx_dir(arg, Path(arg).name or "idx", num_classes), spec, num_classes, shape)
     if kind in own.KINDS and arg:
         arrays, name = own.read(kind, arg, shape, num_classes=num_classes, seed=seed)
-        return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape,
-                           nchw=True)
+        return from_arrays(
+            arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape, nchw=True
+        )
     if own.is_loader(spec):
         arrays, name = own.read(own.LOADER, spec, shape, num_classes=num_classes, seed=seed)
         return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape)
     raise DataError(f"unknown dataset spec {spec!r}; use one of: {', '.join(DATASET_SPECS)}")
 
 
-def _conform(pair: tuple[Dataset, Dataset], where: str, num_classes: int | None,
-             in_shape: tuple[int, ...] | None) -> tuple[Dataset, Dataset]:
+def _conform(
+    pair: tuple[Dataset, Dataset], where: str, num_classes: int | None, in_shape: tuple[int, ...] | None
+) -> tuple[Dataset, Dataset]:
     """A loaded (train, test) held to the federation's classes and shape (labels checked, never remapped)."""
     train, test = pair
     _check_shape(where, train.in_shape, in_shape)
     if num_classes is None or num_classes == train.num_classes and num_classes == test.num_classes:
         return train, test
     k = _num_classes(where, train.y, test.y, declared=num_classes)
-    return (Dataset(train.x, train.y, k, train.name, train.mean, train.std),
-            Dataset(test.x, test.y, k, test.name, test.mean, test.std))
+    return (
+        Dataset(train.x, train.y, k, train.name, train.mean, train.std),
+        Dataset(test.x, test.y, k, test.name, test.mean, test.std),
+    )

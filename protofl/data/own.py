@@ -55,8 +55,9 @@ def path_of(arg: str) -> str:
     return arg.split(",", 1)[0].strip()
 
 
-def read(kind: str, arg: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None,
-         seed: int = 0) -> tuple[Arrays, str]:
+def read(
+    kind: str, arg: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None, seed: int = 0
+) -> tuple[Arrays, str]:
     if kind == "imagefolder":
         return read_imagefolder(arg, in_shape)
     if kind == "csv":
@@ -70,8 +71,10 @@ def _options(arg: str, what: str, keys: tuple[str, ...]) -> tuple[Path, dict[str
     for item in filter(None, (s.strip() for s in items)):
         key, sep, value = item.partition("=")
         if not sep or key.strip() not in keys:
-            raise DataError(f"bad {what} option {item!r}; use key=value with keys {', '.join(keys)} "
-                            f"(e.g. {what}:PATH,{keys[0]}=...)")
+            raise DataError(
+                f"bad {what} option {item!r}; use key=value with keys {', '.join(keys)} "
+                f"(e.g. {what}:PATH,{keys[0]}=...)"
+            )
         out[key.strip()] = value.strip()
     return Path(path.strip()), out
 
@@ -85,8 +88,9 @@ def _pillow() -> Any:
     try:
         from PIL import Image
     except ImportError:
-        raise DataError("imagefolder: decoding images needs Pillow: pip install 'protofl-edge[device]' "
-                        "(or pip install Pillow)") from None
+        raise DataError(
+            "imagefolder: decoding images needs Pillow: pip install 'protofl-edge[device]' (or pip install Pillow)"
+        ) from None
     return Image
 
 
@@ -101,8 +105,10 @@ def _labels_of(dirs: list[Path], names: list[str] | None, where: Path) -> dict[s
         index = {n: i for i, n in enumerate(names)}
         unknown = [n for n in found if n not in index]
         if unknown:
-            raise DataError(f"{where}: folder(s) {unknown} are not in the classes file ({len(names)} names: "
-                            f"{', '.join(names[:10])}{', ...' if len(names) > 10 else ''})")
+            raise DataError(
+                f"{where}: folder(s) {unknown} are not in the classes file ({len(names)} names: "
+                f"{', '.join(names[:10])}{', ...' if len(names) > 10 else ''})"
+            )
         return {n: index[n] for n in found}
     if found and all(n.isdigit() for n in found):
         return {n: int(n) for n in found}
@@ -158,8 +164,10 @@ def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays
     for key, root in splits.items():
         dirs = _class_dirs(root)
         if not dirs:
-            raise DataError(f"{root}: no class folders; an image folder holds one sub-folder per class "
-                            f"(DIR/<class>/<image>.png), optionally under DIR/train and DIR/test")
+            raise DataError(
+                f"{root}: no class folders; an image folder holds one sub-folder per class "
+                f"(DIR/<class>/<image>.png), optionally under DIR/train and DIR/test"
+            )
         if key == "x":
             index = _labels_of(dirs, names, root)
         else:  # the test split is labelled like the train split (it may hold fewer classes)
@@ -175,8 +183,10 @@ def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays
             raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders")
     shape = tuple(in_shape) if in_shape is not None else _first_shape(files["x"][0])
     if len(shape) != 3 or shape[0] not in (1, 3):
-        raise DataError(f"imagefolder {d}: images decode to 1 (L) or 3 (RGB) channels, but the federation's "
-                        f"in_shape is {shape}; use --set in_shape=1,H,W or 3,H,W")
+        raise DataError(
+            f"imagefolder {d}: images decode to 1 (L) or 3 (RGB) channels, but the federation's "
+            f"in_shape is {shape}; use --set in_shape=1,H,W or 3,H,W"
+        )
     arrays: Arrays = {}
     for key in splits:
         arrays[key] = _decode(files[key], shape)
@@ -195,8 +205,10 @@ def _csv_shape(n: int, in_shape: tuple[int, ...] | None, where: Path) -> tuple[i
         return (1, side, side) if side * side == n else (1, 1, n)
     if math.prod(in_shape) != n:
         c, h, w = in_shape
-        raise DataError(f"csv {where}: {n} feature columns, but the federation's in_shape {tuple(in_shape)} needs "
-                        f"{c}x{h}x{w} = {math.prod(in_shape)} (channels x height x width, in that order)")
+        raise DataError(
+            f"csv {where}: {n} feature columns, but the federation's in_shape {tuple(in_shape)} needs "
+            f"{c}x{h}x{w} = {math.prod(in_shape)} (channels x height x width, in that order)"
+        )
     return tuple(in_shape)
 
 
@@ -211,9 +223,11 @@ def _csv_pixels(v: np.ndarray, lo_hi: tuple[float, float] | None, where: Path) -
         return v.astype(np.uint8)
     if vmin >= 0 and vmax <= 1:
         return np.rint(v * 255.0).astype(np.uint8)
-    raise DataError(f"csv {where}: features range over [{vmin:g}, {vmax:g}]; they must be integers 0..255 or "
-                    f"values in [0, 1], or name their range: csv:{where},range={vmin:g}:{vmax:g} (the same range "
-                    f"on every device)")
+    raise DataError(
+        f"csv {where}: features range over [{vmin:g}, {vmax:g}]; they must be integers 0..255 or "
+        f"values in [0, 1], or name their range: csv:{where},range={vmin:g}:{vmax:g} (the same range "
+        f"on every device)"
+    )
 
 
 def csv_range(opts: dict[str, str]) -> tuple[float, float] | None:
@@ -255,8 +269,10 @@ def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
     lo_hi = csv_range(opts)
     header, body = csv_rows(path)
     if label not in header:
-        raise DataError(f"csv {path}: no label column {label!r}; columns are {header[:12]}"
-                        f"{' ...' if len(header) > 12 else ''}; name it with csv:{path},label=COLUMN")
+        raise DataError(
+            f"csv {path}: no label column {label!r}; columns are {header[:12]}"
+            f"{' ...' if len(header) > 12 else ''}; name it with csv:{path},label=COLUMN"
+        )
     li = header.index(label)
     try:
         table = np.array([[float(c) for c in r] for r in body], dtype=np.float64)
@@ -276,8 +292,9 @@ def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def read_loader(spec: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None,
-                seed: int = 0) -> tuple[Arrays, str]:
+def read_loader(
+    spec: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None, seed: int = 0
+) -> tuple[Arrays, str]:
     """Data from a loader function of one's own, ``package.module:function`` (importable: on PYTHONPATH).
 
     The contract: the function is called with the keyword arguments among ``in_shape`` (the federation's
@@ -292,13 +309,18 @@ def read_loader(spec: str, in_shape: tuple[int, ...] | None, *, num_classes: int
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise DataError(f"loader {spec}: cannot import {module_name} ({e}); a loader spec is "
-                        "package.module:function and the module must be importable (PYTHONPATH)") from None
+        raise DataError(
+            f"loader {spec}: cannot import {module_name} ({e}); a loader spec is "
+            "package.module:function and the module must be importable (PYTHONPATH)"
+        ) from None
     func = getattr(module, func_name, None)
     if not callable(func):
         raise DataError(f"loader {spec}: {module_name} has no function {func_name}")
-    offered: dict[str, Any] = {"in_shape": None if in_shape is None else tuple(in_shape),
-                               "num_classes": num_classes, "seed": seed}
+    offered: dict[str, Any] = {
+        "in_shape": None if in_shape is None else tuple(in_shape),
+        "num_classes": num_classes,
+        "seed": seed,
+    }
     params = inspect.signature(func).parameters
     if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
         kwargs = offered
@@ -306,7 +328,9 @@ def read_loader(spec: str, in_shape: tuple[int, ...] | None, *, num_classes: int
         kwargs = {k: v for k, v in offered.items() if k in params}
     result = func(**kwargs)
     if not isinstance(result, (tuple, list)) or len(result) not in (2, 4):
-        raise DataError(f"loader {spec}: must return (x, y) or (x, y, x_test, y_test), got "
-                        f"{type(result).__name__}{f' of {len(result)}' if isinstance(result, (tuple, list)) else ''}")
+        raise DataError(
+            f"loader {spec}: must return (x, y) or (x, y, x_test, y_test), got "
+            f"{type(result).__name__}{f' of {len(result)}' if isinstance(result, (tuple, list)) else ''}"
+        )
     keys = ("x", "y", "x_test", "y_test")[: len(result)]
     return {k: np.asarray(v) for k, v in zip(keys, result, strict=True)}, func_name

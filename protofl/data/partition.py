@@ -82,9 +82,7 @@ def _derive_seed(seed: int, *tags: int) -> int:
     return int(np.random.SeedSequence([seed, *tags]).generate_state(1, dtype=np.uint64)[0])
 
 
-def dirichlet_partition(
-    labels: np.ndarray, n_clients: int, alpha: float, seed: int, min_size: int
-) -> list[np.ndarray]:
+def dirichlet_partition(labels: np.ndarray, n_clients: int, alpha: float, seed: int, min_size: int) -> list[np.ndarray]:
     """Split positions 0..len(labels)-1 among clients with Dirichlet(alpha) label skew.
 
     For every class c (ascending), the shuffled samples of c are cut among the clients in proportions
@@ -127,9 +125,7 @@ def dirichlet_partition(
     )
 
 
-def split_client(
-    indices: np.ndarray, train_fraction: float = 0.75, seed: int = 0
-) -> tuple[np.ndarray, np.ndarray]:
+def split_client(indices: np.ndarray, train_fraction: float = 0.75, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Seeded random split of one client's indices into (train, test), both sorted.
 
     train gets round(train_fraction * n) samples, but with n >= 2 each side keeps at least one sample

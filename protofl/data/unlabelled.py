@@ -45,8 +45,10 @@ class Unlabelled:
 
 def _check(x: np.ndarray, in_shape: Shape, where: str) -> np.ndarray:
     if tuple(x.shape[1:]) != tuple(in_shape):
-        raise DataError(f"{where}: images are {tuple(x.shape[1:])} (channels, height, width) but the model takes "
-                        f"{tuple(in_shape)}; arrays are not resized: bring them in that shape, or an image folder")
+        raise DataError(
+            f"{where}: images are {tuple(x.shape[1:])} (channels, height, width) but the model takes "
+            f"{tuple(in_shape)}; arrays are not resized: bring them in that shape, or an image folder"
+        )
     return x
 
 
@@ -65,8 +67,16 @@ def _images(root: Path, in_shape: Shape) -> Unlabelled:
     if root.is_file():
         files, base = [root], root.parent
     else:
-        files, base = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in own.IMAGE_SUFFIXES
-                             and not any(part.startswith(".") for part in p.relative_to(root).parts)), root
+        files, base = (
+            sorted(
+                p
+                for p in root.rglob("*")
+                if p.is_file()
+                and p.suffix.lower() in own.IMAGE_SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(root).parts)
+            ),
+            root,
+        )
     if not files:
         raise DataError(f"{root}: no images ({', '.join(own.IMAGE_SUFFIXES)}) to label")
     if in_shape[0] not in (1, 3):
@@ -107,8 +117,10 @@ def load_unlabelled(spec: str, in_shape: Shape) -> Unlabelled:
         return _csv(arg, in_shape)
     p = Path(spec)
     if not p.exists():
-        raise DataError(f"--input '{spec}': not found; give npz:PATH, imagefolder:DIR, csv:FILE, or a path to an "
-                        ".npz, a .csv, a folder of images or one image")
+        raise DataError(
+            f"--input '{spec}': not found; give npz:PATH, imagefolder:DIR, csv:FILE, or a path to an "
+            ".npz, a .csv, a folder of images or one image"
+        )
     if p.is_file() and p.suffix.lower() == ".npz":
         return _npz(p, in_shape)
     if p.is_file() and p.suffix.lower() == ".csv":

@@ -70,13 +70,23 @@ class BrokerOptions:
             return f"the federation CA in {self.tls_ca_from or 'the credentials file'}"
         return "the system's trusted CAs (no --tls-ca given)"
 
-    def with_auth(self, username: str | None = None, password: str | None = None, tls_ca: str | None = None,
-                  tls_cert: str | None = None, tls_key: str | None = None) -> BrokerOptions:
+    def with_auth(
+        self,
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> BrokerOptions:
         """Overlay CLI flags on what the URL said; any TLS file switches TLS on."""
-        opts = replace(self, username=username if username is not None else self.username,
-                       password=password if password is not None else self.password,
-                       tls_ca=tls_ca or self.tls_ca, tls_cert=tls_cert or self.tls_cert,
-                       tls_key=tls_key or self.tls_key)
+        opts = replace(
+            self,
+            username=username if username is not None else self.username,
+            password=password if password is not None else self.password,
+            tls_ca=tls_ca or self.tls_ca,
+            tls_cert=tls_cert or self.tls_cert,
+            tls_key=tls_key or self.tls_key,
+        )
         if opts.tls_ca or opts.tls_cert or opts.tls_key:
             opts = replace(opts, tls=True)
         opts.check()
@@ -129,9 +139,13 @@ def parse_broker_url(url: str) -> BrokerOptions:
         raise ConfigError(f"broker URL '{url}': the port must be a number in 1..65535") from None
     if not parts.hostname:
         raise ConfigError(f"broker URL '{url}': no host name")
-    opts = BrokerOptions(host=parts.hostname, port=port or DEFAULT_PORTS[scheme], tls=scheme == "mqtts",
-                         username=unquote(parts.username) if parts.username else None,
-                         password=unquote(parts.password) if parts.password else None)
+    opts = BrokerOptions(
+        host=parts.hostname,
+        port=port or DEFAULT_PORTS[scheme],
+        tls=scheme == "mqtts",
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None,
+    )
     opts.check()
     return opts
 

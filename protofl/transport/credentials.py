@@ -48,8 +48,10 @@ def read_device_file(path: Path) -> DeviceFile:
     except OSError as exc:
         raise ConfigError(f"--credentials {path}: {exc.strerror or exc}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"--credentials {path}: expected a JSON object with username and password (the "
-                          f"devices/<id>.json file written by protofl-server start), got an error: {exc}") from None
+        raise ConfigError(
+            f"--credentials {path}: expected a JSON object with username and password (the "
+            f"devices/<id>.json file written by protofl-server start), got an error: {exc}"
+        ) from None
     fed = raw.get("fed")
     return DeviceFile(cred, str(fed) if fed is not None else None, str(ca) if ca is not None else None)
 

@@ -89,8 +89,15 @@ class ProxyStats:
 class _Pipe:
     """One direction of one connection: a reader that schedules, a writer that delivers on time."""
 
-    def __init__(self, proxy: LinkProxy, src: socket.socket, dst: socket.socket, bucket: TokenBucket,
-                 stats: DirectionStats, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        proxy: LinkProxy,
+        src: socket.socket,
+        dst: socket.socket,
+        bucket: TokenBucket,
+        stats: DirectionStats,
+        on_close: Callable[[], None],
+    ) -> None:
         self.proxy, self.src, self.dst, self.bucket, self.stats = proxy, src, dst, bucket, stats
         self.on_close = on_close
         self.queue: Queue[tuple[float, bytes] | None] = Queue(_QUEUE_CHUNKS)
@@ -143,8 +150,10 @@ class _Connection:
         shape, s = proxy.shape, proxy.time_scale
         up = TokenBucket(shape.up_bytes_per_s * s, shape.burst_bytes)
         down = TokenBucket(shape.down_bytes_per_s * s, shape.burst_bytes)
-        self.pipes = (_Pipe(proxy, device, broker, up, proxy.stats.up, self._half_closed),
-                      _Pipe(proxy, broker, device, down, proxy.stats.down, self._half_closed))
+        self.pipes = (
+            _Pipe(proxy, device, broker, up, proxy.stats.up, self._half_closed),
+            _Pipe(proxy, broker, device, down, proxy.stats.down, self._half_closed),
+        )
 
     def start(self) -> None:
         for p in self.pipes:
@@ -169,8 +178,17 @@ class _Connection:
 class LinkProxy:
     """Listens on 127.0.0.1 (port 0 = any free one) and forwards every connection to `upstream`."""
 
-    def __init__(self, upstream: tuple[str, int], shape: LinkShape, *, time_scale: float = 1.0,
-                 host: str = "127.0.0.1", port: int = 0, seed: int = 0, name: str = "link") -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        shape: LinkShape,
+        *,
+        time_scale: float = 1.0,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        seed: int = 0,
+        name: str = "link",
+    ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
         self.upstream = upstream
@@ -189,8 +207,10 @@ class LinkProxy:
         self._listener.settimeout(0.1)  # accept() wakes up to notice close()
         self.host, self.port = self._listener.getsockname()[:2]
         self._t0 = time.monotonic()
-        self._threads = [threading.Thread(target=self._accept, daemon=True, name=f"{name}-accept"),
-                         threading.Thread(target=self._watch, daemon=True, name=f"{name}-outages")]
+        self._threads = [
+            threading.Thread(target=self._accept, daemon=True, name=f"{name}-accept"),
+            threading.Thread(target=self._watch, daemon=True, name=f"{name}-outages"),
+        ]
 
     # -- clock ------------------------------------------------------------------------------------
     def sim_now(self) -> float:

@@ -79,7 +79,7 @@ class Backoff:
     _rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def next(self) -> float:
-        delay = min(self.maximum, self.initial * self.factor ** self.attempt)
+        delay = min(self.maximum, self.initial * self.factor**self.attempt)
         self.attempt += 1
         return delay * (1.0 - self.jitter * self._rng.random())
 
@@ -135,11 +135,20 @@ DEFAULT_SESSION_EXPIRY_S = 3600  # a persistent session outlives an hour's outag
 class MqttTransport:
     """A `Transport` over one MQTT connection. Call `connect()` before publishing."""
 
-    def __init__(self, broker: BrokerOptions | str, client_id: str, *, will: Will | None = None,
-                 persistent_session: bool = False, deliver: Literal["thread", "pump"] = "thread",
-                 protocol: Literal["auto", "5", "3.1.1"] = "auto", backoff: Backoff | None = None,
-                 manual_ack: bool = False, resume_session: bool = False,
-                 session_expiry: int = DEFAULT_SESSION_EXPIRY_S) -> None:
+    def __init__(
+        self,
+        broker: BrokerOptions | str,
+        client_id: str,
+        *,
+        will: Will | None = None,
+        persistent_session: bool = False,
+        deliver: Literal["thread", "pump"] = "thread",
+        protocol: Literal["auto", "5", "3.1.1"] = "auto",
+        backoff: Backoff | None = None,
+        manual_ack: bool = False,
+        resume_session: bool = False,
+        session_expiry: int = DEFAULT_SESSION_EXPIRY_S,
+    ) -> None:
         self.options = parse_broker_url(broker) if isinstance(broker, str) else broker
         self.client_id = client_id
         self.will = will
@@ -242,7 +251,8 @@ class MqttTransport:
                 f"cannot publish {len(payload)} bytes on '{topic}': the MQTT packet would be {size} bytes, over the "
                 f"{source} maximum packet size of {limit} bytes; raise max_packet_size (mosquitto.conf and "
                 f"BrokerOptions) or shrink the message (e.g. a sparser adapter upload, proto_dtype=f2/q8, "
-                f"a smaller model)")
+                f"a smaller model)"
+            )
         with self._lock:
             info = self._client.publish(topic, payload, qos=qos, retain=retain)
             self._seq += 1
@@ -256,8 +266,10 @@ class MqttTransport:
                     self._retained.pop(topic, None)
             self._match_acks()
         if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
-            raise TransportError(f"outgoing MQTT queue of '{self.client_id}' is full; the broker at {self.url} "
-                                 f"has been unreachable for a while ({self.last_error or 'no reason given'})")
+            raise TransportError(
+                f"outgoing MQTT queue of '{self.client_id}' is full; the broker at {self.url} "
+                f"has been unreachable for a while ({self.last_error or 'no reason given'})"
+            )
         # MQTT_ERR_NO_CONN is fine for QoS >= 1: paho keeps the message and sends it after reconnecting.
         self.stats.published += 1
         self.stats.published_bytes += len(payload)
@@ -336,8 +348,13 @@ class MqttTransport:
             mid, reason = self._acks.popleft()
             seq_topic = self._pending.pop(mid, None)
             if seq_topic is not None and reason >= 128:
-                log.warning("%s: the broker at %s refused our message on '%s' (reason %d); check its ACL",
-                            self.client_id, self.url, seq_topic[1], reason)
+                log.warning(
+                    "%s: the broker at %s refused our message on '%s' (reason %d); check its ACL",
+                    self.client_id,
+                    self.url,
+                    seq_topic[1],
+                    reason,
+                )
 
     # -- paho plumbing --------------------------------------------------------------------------
     def _new_client(self) -> paho.Client:
@@ -345,9 +362,15 @@ class MqttTransport:
         # 3.1.1 cannot ask for a clean session on the first connect only, so it always starts clean:
         # otherwise a restarted aggregator would be handed the previous run's queued joins.
         opts = self.options
-        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=self._protocol,
-                             clean_session=None if v5 else True, reconnect_on_failure=False,
-                             manual_ack=self.manual_ack, transport="unix" if opts.unix_path else "tcp")
+        client = paho.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=self.client_id,
+            protocol=self._protocol,
+            clean_session=None if v5 else True,
+            reconnect_on_failure=False,
+            manual_ack=self.manual_ack,
+            transport="unix" if opts.unix_path else "tcp",
+        )
         client.connect_timeout = 5.0
         if opts.username is not None:
             client.username_pw_set(opts.username, opts.password)
@@ -361,8 +384,9 @@ class MqttTransport:
             if self.will.delay and self._protocol == paho.MQTTv5:
                 will_props = Properties(PacketTypes.WILLMESSAGE)
                 will_props.WillDelayInterval = self.will.delay
-            client.will_set(self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain,
-                            properties=will_props)
+            client.will_set(
+                self.will.topic, self.will.payload, qos=self.will.qos, retain=self.will.retain, properties=will_props
+            )
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
@@ -426,8 +450,13 @@ class MqttTransport:
             if not self._connack_seen and self._socket_error:
                 self.last_error = self._socket_error
             tls_failed = self.options.tls and "ssl" in self._socket_error.lower()
-            if not self._connack_seen and not self._ever_connected and self._can_downgrade \
-                    and self._protocol == paho.MQTTv5 and not tls_failed:
+            if (
+                not self._connack_seen
+                and not self._ever_connected
+                and self._can_downgrade
+                and self._protocol == paho.MQTTv5
+                and not tls_failed
+            ):
                 # Some 3.1.1-only brokers drop an MQTT 5 CONNECT without answering (amqtt does when
                 # it carries a will), rather than refusing it with a CONNACK.
                 self._downgrade = True
@@ -459,12 +488,22 @@ class MqttTransport:
         if message.startswith("failed to receive on socket"):
             self._socket_error = message
 
-    def _on_connect(self, client: paho.Client, userdata: object, flags: paho.ConnectFlags,
-                    reason: paho.ReasonCode, properties: Properties | None) -> None:
+    def _on_connect(
+        self,
+        client: paho.Client,
+        userdata: object,
+        flags: paho.ConnectFlags,
+        reason: paho.ReasonCode,
+        properties: Properties | None,
+    ) -> None:
         self._connack_seen = True
         if reason.is_failure:
-            if reason.value == _UNSUPPORTED_PROTOCOL and self._protocol == paho.MQTTv5 and self._can_downgrade \
-                    and not self._ever_connected:
+            if (
+                reason.value == _UNSUPPORTED_PROTOCOL
+                and self._protocol == paho.MQTTv5
+                and self._can_downgrade
+                and not self._ever_connected
+            ):
                 self._downgrade = True
                 self.last_error = "broker refused MQTT 5"
             else:
@@ -503,18 +542,26 @@ class MqttTransport:
         self.backoff.reset()
         self.last_error = ""
 
-    def _on_disconnect(self, client: paho.Client, userdata: object, flags: paho.DisconnectFlags,
-                       reason: paho.ReasonCode, properties: Properties | None) -> None:
+    def _on_disconnect(
+        self,
+        client: paho.Client,
+        userdata: object,
+        flags: paho.DisconnectFlags,
+        reason: paho.ReasonCode,
+        properties: Properties | None,
+    ) -> None:
         was_connected = self._connected.is_set()
         self._connected.clear()
         if was_connected:
             self.stats.disconnects += 1
             if not self._closing.is_set():
-                log.warning("%s: lost connection to %s (%s); reconnecting with backoff", self.client_id, self.url,
-                            reason)
+                log.warning(
+                    "%s: lost connection to %s (%s); reconnecting with backoff", self.client_id, self.url, reason
+                )
 
-    def _on_publish(self, client: paho.Client, userdata: object, mid: int, reason: paho.ReasonCode,
-                    properties: Properties | None) -> None:
+    def _on_publish(
+        self, client: paho.Client, userdata: object, mid: int, reason: paho.ReasonCode, properties: Properties | None
+    ) -> None:
         self._acks.append((mid, reason.value if reason is not None else 0))
 
     def _on_message(self, client: paho.Client, userdata: object, msg: paho.MQTTMessage) -> None:
@@ -533,8 +580,15 @@ class MqttTransport:
                 return
             self._dispatch(*item)
 
-    def _dispatch(self, topic: str, payload: bytes, mid: int = 0, qos: int = 0, session: int = 0,
-                  acks: list[tuple[int, int, int]] | None = None) -> None:
+    def _dispatch(
+        self,
+        topic: str,
+        payload: bytes,
+        mid: int = 0,
+        qos: int = 0,
+        session: int = 0,
+        acks: list[tuple[int, int, int]] | None = None,
+    ) -> None:
         if payload:  # an empty retained payload only clears a retained message; nothing to handle
             with self._lock:
                 handlers = self._routes.get(topic)
@@ -542,7 +596,8 @@ class MqttTransport:
                     if len(self._routes) >= _MAX_ROUTES:  # a fleet's topics: bounded, rebuilt as they come
                         self._routes.clear()
                     handlers = self._routes[topic] = tuple(
-                        h for p, h in self._subs if topic_matches(_filter_topic(p), topic))
+                        h for p, h in self._subs if topic_matches(_filter_topic(p), topic)
+                    )
             for handler in handlers:
                 try:
                     handler(topic, payload)
@@ -565,15 +620,20 @@ class MqttTransport:
     def _failure_message(self) -> str:
         reason = self.last_error or "no answer before the timeout"
         if self._refused:
-            hint = ("check --username/--password" if self._refused in _AUTH_REFUSALS
-                    else "check the client id, credentials and the broker's configuration")
+            hint = (
+                "check --username/--password"
+                if self._refused in _AUTH_REFUSALS
+                else "check the client id, credentials and the broker's configuration"
+            )
             return f"broker at {self.url} refused the connection ({reason}); {hint}"
         why = self._tls_explanation()
         if why is not None:
             return f"TLS failed: {why}"
         if "SSL" in reason or "certificate" in reason.lower():
-            return (f"TLS with the broker at {self.url} failed: {reason}; check --tls-ca/--tls-cert/--tls-key and "
-                    f"that the URL's host name matches the broker's certificate")
+            return (
+                f"TLS with the broker at {self.url} failed: {reason}; check --tls-ca/--tls-cert/--tls-key and "
+                f"that the URL's host name matches the broker's certificate"
+            )
         return f"cannot reach broker at {self.url}: {reason}; {START_BROKER_HINT}"
 
     def _tls_explanation(self) -> str | None:

@@ -16,15 +16,22 @@ import ssl
 from protofl.transport.broker_url import BrokerOptions
 
 PROBE_TIMEOUT = 3.0
-_CLIENT_CERT_REFUSED = ("ALERT_BAD_CERTIFICATE", "ALERT_UNKNOWN_CA", "ALERT_CERTIFICATE_UNKNOWN",
-                        "ALERT_DECRYPT_ERROR", "ALERT_CERTIFICATE_EXPIRED", "ALERT_UNSUPPORTED_CERTIFICATE")
+_CLIENT_CERT_REFUSED = (
+    "ALERT_BAD_CERTIFICATE",
+    "ALERT_UNKNOWN_CA",
+    "ALERT_CERTIFICATE_UNKNOWN",
+    "ALERT_DECRYPT_ERROR",
+    "ALERT_CERTIFICATE_EXPIRED",
+    "ALERT_UNSUPPORTED_CERTIFICATE",
+)
 
 
 def client_context(opts: BrokerOptions) -> ssl.SSLContext:
     """Verify the broker with the CA file, else the CA text (a credentials file's), else the system's
     trusted CAs; present the client certificate if there is one."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=opts.tls_ca,
-                                     cadata=None if opts.tls_ca else opts.tls_ca_pem)
+    ctx = ssl.create_default_context(
+        ssl.Purpose.SERVER_AUTH, cafile=opts.tls_ca, cadata=None if opts.tls_ca else opts.tls_ca_pem
+    )
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if opts.tls_cert:
         ctx.load_cert_chain(opts.tls_cert, opts.tls_key)
@@ -55,25 +62,35 @@ def explain(exc: BaseException | None, opts: BrokerOptions) -> str | None:
     if not isinstance(exc, ssl.SSLError) or not reason:
         return None
     if "CERTIFICATE_REQUIRED" in reason or (reason.endswith("ALERT_HANDSHAKE_FAILURE") and not opts.tls_cert):
-        return (f"the broker at {opts.url} demanded a client certificate and refused the TLS handshake without "
-                f"one: pass --tls-cert FILE --tls-key FILE (a certificate signed by the CA the broker requires, "
-                f"its --client-ca)")
+        return (
+            f"the broker at {opts.url} demanded a client certificate and refused the TLS handshake without "
+            f"one: pass --tls-cert FILE --tls-key FILE (a certificate signed by the CA the broker requires, "
+            f"its --client-ca)"
+        )
     if reason.endswith(_CLIENT_CERT_REFUSED):
-        return (f"the broker at {opts.url} refused this client's certificate (--tls-cert {opts.tls_cert}; "
-                f"{reason}): it is not signed by the CA the broker requires, or it expired")
+        return (
+            f"the broker at {opts.url} refused this client's certificate (--tls-cert {opts.tls_cert}; "
+            f"{reason}): it is not signed by the CA the broker requires, or it expired"
+        )
     if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER_FAILURE" in reason:
-        return (f"{opts.host}:{opts.port} does not speak TLS: use the broker's TLS port, or mqtt:// without "
-                f"TLS files if the broker has no TLS")
+        return (
+            f"{opts.host}:{opts.port} does not speak TLS: use the broker's TLS port, or mqtt:// without "
+            f"TLS files if the broker has no TLS"
+        )
     return None
 
 
 def _broker_not_verified(exc: ssl.SSLCertVerificationError, opts: BrokerOptions) -> str:
     detail = str(exc.verify_message or exc.reason or exc)
     if "mismatch" in detail:
-        return (f"the certificate of the broker at {opts.url} does not name '{opts.host}' ({detail}): connect by "
-                f"a name or address the certificate holds (its subjectAltName)")
+        return (
+            f"the certificate of the broker at {opts.url} does not name '{opts.host}' ({detail}): connect by "
+            f"a name or address the certificate holds (its subjectAltName)"
+        )
     if "expired" in detail or "not yet valid" in detail:
         return f"the certificate of the broker at {opts.url} is not valid now ({detail})"
-    return (f"the broker at {opts.url} presented a certificate that {opts.ca_description} did not sign "
-            f"({detail}): it is not the broker that CA vouches for (another process may hold its port), or "
-            f"the CA is the wrong one")
+    return (
+        f"the broker at {opts.url} presented a certificate that {opts.ca_description} did not sign "
+        f"({detail}): it is not the broker that CA vouches for (another process may hold its port), or "
+        f"the CA is the wrong one"
+    )

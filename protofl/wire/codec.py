@@ -39,8 +39,12 @@ MiB = 2**20
 
 
 # The kinds with a limit of their own below max_message_bytes, and the field that holds it.
-_SMALL_KINDS = {"join": "max_join_bytes", "status": "max_status_bytes", "metrics": "max_metrics_bytes",
-                "resend": "max_status_bytes"}
+_SMALL_KINDS = {
+    "join": "max_join_bytes",
+    "status": "max_status_bytes",
+    "metrics": "max_metrics_bytes",
+    "resend": "max_status_bytes",
+}
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,14 @@ class Limits:
         hundred objects rather than `max_objects`: a body of a million empty lists costs a receiver
         about a second of parsing before any validation could refuse it. The server's kinds (config,
         public, round) carry lists whose length the federation sets, and keep `max_objects`."""
-        fixed = {"join": 64, "status": 64, "resend": 64, "protos": 256, "adapter": 256,
-                 "metrics": 64 + self.max_map_len}
+        fixed = {
+            "join": 64,
+            "status": 64,
+            "resend": 64,
+            "protos": 256,
+            "adapter": 256,
+            "metrics": 64 + self.max_map_len,
+        }
         return min(self.max_objects, fixed.get(kind, self.max_objects))
 
 
@@ -249,12 +259,22 @@ def decode_array(
     if dts is not None and dt not in dts:
         raise WireError(f"{what}: dtype {dt} not allowed here; expected {' or '.join(sorted(dts))}")
     expect_keys(obj, ("dt", "sh", "b", "scale", "zero") if dt == "q8" else ("dt", "sh", "b"), what)
-    return array_from_parts(dt, obj["sh"], obj["b"], what=what, limits=limits, ndim=ndim,
-                            scale=obj.get("scale"), zero=obj.get("zero"))
+    return array_from_parts(
+        dt, obj["sh"], obj["b"], what=what, limits=limits, ndim=ndim, scale=obj.get("scale"), zero=obj.get("zero")
+    )
 
 
-def array_from_parts(dt: str, sh: Any, b: Any, *, what: str, limits: Limits = DEFAULT_LIMITS, ndim: int | None = None,
-                     scale: Any = None, zero: Any = None) -> np.ndarray:
+def array_from_parts(
+    dt: str,
+    sh: Any,
+    b: Any,
+    *,
+    what: str,
+    limits: Limits = DEFAULT_LIMITS,
+    ndim: int | None = None,
+    scale: Any = None,
+    zero: Any = None,
+) -> np.ndarray:
     """`decode_array` once the map's keys are checked (`dt` a known code): shape, byte count, values. The
     compiled upload decoder (`protofl.wire.fast`) checks the map with its schema and the values here."""
     sh = _shape(sh, what, limits, ndim)
@@ -379,8 +399,9 @@ def decode_sparse(obj: Any, *, what: str, limits: Limits = DEFAULT_LIMITS) -> Sp
     return sparse_from_parts(n, None, packed, v, what)
 
 
-def sparse_from_parts(n: int, indices: np.ndarray | None, packed: np.ndarray | None, values: np.ndarray,
-                      what: str) -> SparseVector:
+def sparse_from_parts(
+    n: int, indices: np.ndarray | None, packed: np.ndarray | None, values: np.ndarray, what: str
+) -> SparseVector:
     """`decode_sparse` once its arrays are decoded (`n` checked): the indices (u2/u4), or else the packed
     mask (u1), checked against `n` and the values."""
     v = values
@@ -631,8 +652,9 @@ def read_header(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_L
     top, body_at = _read_top(buf, limits)
     head = _check_head(top)
     if size > limits.max_bytes(head["kind"]):
-        raise WireError(f"message: {size} bytes, over the limit of {limits.max_bytes(head['kind'])} for a "
-                        f"{head['kind']} message")
+        raise WireError(
+            f"message: {size} bytes, over the limit of {limits.max_bytes(head['kind'])} for a {head['kind']} message"
+        )
     assert body_at is not None  # _check_head found the key
     start, end = body_at
     if _TYPE_AT[buf[start]] != "dict":

@@ -65,9 +65,14 @@ def available() -> bool:
 
 def usable(limits: Limits) -> bool:
     """Whether this reader can decide for `limits`: msgspec is there and no limit is below the schema's bounds."""
-    return (msgspec is not None and limits.max_str_len >= _LONGEST_STR and limits.max_map_len >= _LONGEST_MAP
-            and limits.max_list_len >= MAX_NDIM and limits.max_bin_len >= limits.max_message_bytes
-            and all(limits.max_body_objects(k) >= n for k, n in _BODY_OBJECTS.items()))
+    return (
+        msgspec is not None
+        and limits.max_str_len >= _LONGEST_STR
+        and limits.max_map_len >= _LONGEST_MAP
+        and limits.max_list_len >= MAX_NDIM
+        and limits.max_bin_len >= limits.max_message_bytes
+        and all(limits.max_body_objects(k) >= n for k, n in _BODY_OBJECTS.items())
+    )
 
 
 if msgspec is not None:
@@ -140,8 +145,18 @@ def read_upload(data: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[Head, Proto
         msg = _protos(env.body, limits) if protos else _adapter(env.body, limits)
     except Exception:  # invalid (msgspec's errors, WireError, RecursionError on deep nesting) or unforeseen: the
         return None  # reference decoder decides, and names what is wrong
-    head = _built(Head, {"v": env.v, "kind": msg.KIND, "fed": env.fed, "round": env.round, "phase": env.phase,
-                         "sender": env.sender, "msg_id": env.msg_id})
+    head = _built(
+        Head,
+        {
+            "v": env.v,
+            "kind": msg.KIND,
+            "fed": env.fed,
+            "round": env.round,
+            "phase": env.phase,
+            "sender": env.sender,
+            "msg_id": env.msg_id,
+        },
+    )
     return head, msg
 
 
@@ -200,15 +215,19 @@ def _protos(body: _ProtosBody, limits: Limits) -> ProtoUpload:
 def _adapter(body: _AdapterBody, limits: Limits) -> ParamsUpload:
     u = body.update
     if u.n is UNSET:  # dense: exactly dt, sh, b
-        if u.dt is UNSET or u.sh is UNSET or u.b is UNSET or not (u.i is u.mask is u.v is UNSET) \
-                or u.dt not in _FLOATS:
+        if u.dt is UNSET or u.sh is UNSET or u.b is UNSET or not (u.i is u.mask is u.v is UNSET) or u.dt not in _FLOATS:
             raise WireError(_WHAT)
-        update: SparseVector | np.ndarray = array_from_parts(u.dt, u.sh, u.b.tobytes(), what=_WHAT, limits=limits,
-                                                             ndim=1)
+        update: SparseVector | np.ndarray = array_from_parts(
+            u.dt, u.sh, u.b.tobytes(), what=_WHAT, limits=limits, ndim=1
+        )
         dt = u.dt
     else:  # sparse: exactly n, v and one of i / mask
-        if not (u.dt is u.sh is u.b is UNSET) or u.v is UNSET or (u.i is UNSET) == (u.mask is UNSET) \
-                or u.n > limits.max_elements:
+        if (
+            not (u.dt is u.sh is u.b is UNSET)
+            or u.v is UNSET
+            or (u.i is UNSET) == (u.mask is UNSET)
+            or u.n > limits.max_elements
+        ):
             raise WireError(_WHAT)
         values = _values(u.v, limits)
         if u.i is not UNSET:
@@ -242,4 +261,3 @@ def _floats(a: _Array, shape: tuple[int, ...]) -> np.ndarray:
     if int(np.count_nonzero(np.isfinite(values))) != values.size:
         raise WireError(_WHAT)
     return values
-

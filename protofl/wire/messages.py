@@ -170,12 +170,16 @@ class ProtoSet(_Body):
         return out
 
     @classmethod
-    def from_table(cls, table: Mapping[int, np.ndarray], width: int, dt: str = "f4",
-                   counts: Mapping[int, int] | None = None) -> Self:
+    def from_table(
+        cls, table: Mapping[int, np.ndarray], width: int, dt: str = "f4", counts: Mapping[int, int] | None = None
+    ) -> Self:
         """Rows in ascending class order; `width` shapes an empty table."""
         classes = sorted(table)
-        values = (np.stack([table[c] for c in classes]).astype(np.float32) if classes
-                  else np.zeros((0, width), dtype=np.float32))
+        values = (
+            np.stack([table[c] for c in classes]).astype(np.float32)
+            if classes
+            else np.zeros((0, width), dtype=np.float32)
+        )
         cnt = None if counts is None else np.asarray([counts[c] for c in classes], dtype=np.int64)
         return cls(classes=np.asarray(classes, dtype=np.int64), values=values, counts=cnt, dt=dt)
 
@@ -197,8 +201,9 @@ class ProtoSet(_Body):
         b = expect_keys(body, ("c", "v", "n"), what)
         values = decode_array(b["v"], what=f"{what} values", limits=limits, dts=FLOAT_DTS, ndim=2)
         classes = decode_array(b["c"], what=f"{what} classes", limits=limits, dts=("u2",), ndim=1)
-        counts = None if b["n"] is None else decode_array(b["n"], what=f"{what} counts", limits=limits, dts=("u4",),
-                                                          ndim=1)
+        counts = (
+            None if b["n"] is None else decode_array(b["n"], what=f"{what} counts", limits=limits, dts=("u4",), ndim=1)
+        )
         return _build(cls._decoded, what, classes=classes, values=values, counts=counts, dt=b["v"]["dt"])
 
 
@@ -487,9 +492,11 @@ class ProtoUpload(_Body):
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
         b = expect_keys(body, ("local", "public", "n_samples"), cls.KIND)
-        return cls._decoded(None if b["local"] is None else ProtoSet.from_body(b["local"], limits, "protos local"),
-                            None if b["public"] is None else ProtoSet.from_body(b["public"], limits, "protos public"),
-                            b["n_samples"])
+        return cls._decoded(
+            None if b["local"] is None else ProtoSet.from_body(b["local"], limits, "protos local"),
+            None if b["public"] is None else ProtoSet.from_body(b["public"], limits, "protos public"),
+            b["n_samples"],
+        )
 
     @classmethod
     def _decoded(cls, local: ProtoSet | None, public: ProtoSet | None, n_samples: Any) -> Self:
@@ -535,8 +542,11 @@ class ParamsUpload(_Body):
     def _check_scalars(self, n_samples: Any, base_round: Any) -> None:
         if self.dt not in FLOAT_DTS:
             raise WireError(f"dt {self.dt!r} is not a float wire dtype (f4, f2, q8)")
-        _set(self, n_samples=expect_int(n_samples, "n_samples"),
-             base_round=expect_int(base_round, "base_round", 0, 2**31 - 1))
+        _set(
+            self,
+            n_samples=expect_int(n_samples, "n_samples"),
+            base_round=expect_int(base_round, "base_round", 0, 2**31 - 1),
+        )
 
     def to_body(self) -> dict:
         u = self.update
@@ -591,8 +601,12 @@ class Metrics(_Body):
         counts = {k: expect_int(getattr(self, k), k) for k in ("n_local", "correct_local", "n_test", "correct_test")}
         for k in ("proto_correct_local", "proto_correct_test"):
             counts[k] = _opt(getattr(self, k), lambda v, k=k: expect_int(v, k))
-        for n, c in (("n_local", "correct_local"), ("n_test", "correct_test"),
-                     ("n_local", "proto_correct_local"), ("n_test", "proto_correct_test")):
+        for n, c in (
+            ("n_local", "correct_local"),
+            ("n_test", "correct_test"),
+            ("n_local", "proto_correct_local"),
+            ("n_test", "proto_correct_test"),
+        ):
             if counts[c] is not None and counts[c] > counts[n]:
                 raise WireError(f"{c} = {counts[c]} exceeds {n} = {counts[n]}")
         _set(

@@ -11,8 +11,12 @@ def test_paired_difference_mean_interval_and_signs() -> None:
 
 
 def test_clip_share_per_round_and_in_total() -> None:
-    rep = {"simulation": {"clip": "on"},
-           "rounds": [{"clipped": {}, "clip_checked": {"protos": 10}},
-                      {"clipped": {"protos": 3}, "clip_checked": {"protos": 10}}]}
+    rep = {
+        "simulation": {"clip": "on"},
+        "rounds": [
+            {"clipped": {}, "clip_checked": {"protos": 10}},
+            {"clipped": {"protos": 3}, "clip_checked": {"protos": 10}},
+        ],
+    }
     assert clip_effect.clip_share(rep) == "0/10 3/10 (15.0 % of 20)"
     assert clip_effect.clip_share({"simulation": {"clip": "off"}, "rounds": []}) == "off"

@@ -14,20 +14,29 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 
 def _row(rnd: int, local: float, up: int, **tested: float) -> dict:
-    return {"round": rnd, "local_acc": local, "local_proto_acc": None, "local_own_proto_acc": None,
-            "uplink_bytes": up, "wall_s": 10.0 * rnd, **tested}
+    return {
+        "round": rnd,
+        "local_acc": local,
+        "local_proto_acc": None,
+        "local_own_proto_acc": None,
+        "uplink_bytes": up,
+        "wall_s": 10.0 * rnd,
+        **tested,
+    }
 
 
 def test_summary_reads_the_asked_round_and_the_last_scored_one(tmp_path: Path) -> None:
-    _write(tmp_path / "a0.5-fedproto-s0.rounds.jsonl",
-           [_row(1, 0.5, 1_000_000), _row(2, 0.6, 1_000_000, global_acc=0.7, ensemble_acc=0.8),
-            _row(3, 0.65, 1_000_000)])
+    _write(
+        tmp_path / "a0.5-fedproto-s0.rounds.jsonl",
+        [_row(1, 0.5, 1_000_000), _row(2, 0.6, 1_000_000, global_acc=0.7, ensemble_acc=0.8), _row(3, 0.65, 1_000_000)],
+    )
     _write(tmp_path / "a0.5-fedavg-s0.rounds.jsonl", [_row(1, 0.4, 5_000_000)])  # cut after round 1
     (tmp_path / "a0.5-tinyproto-s0.rounds.jsonl").write_text("")  # started, no round finished
     lines = summary(tmp_path, at=2).splitlines()
     by_run = {line.split(" | ")[0].strip("| "): line for line in lines[2:]}
-    assert by_run["a0.5-fedproto-s0"] == ("| a0.5-fedproto-s0 | 3 | 30.0 | 2 | 60.00 | - | - | 70.00 | - | 80.00 | - "
-                                          "| 2.0 |")
+    assert by_run["a0.5-fedproto-s0"] == (
+        "| a0.5-fedproto-s0 | 3 | 30.0 | 2 | 60.00 | - | - | 70.00 | - | 80.00 | - | 2.0 |"
+    )
     assert by_run["a0.5-fedavg-s0"] == "| a0.5-fedavg-s0 | 1 | 10.0 | 1 | 40.00 | - | - | - | - | - | - | 5.0 |"
     assert by_run["a0.5-tinyproto-s0"].startswith("| a0.5-tinyproto-s0 | 0 |")
     last = {line.split(" | ")[0].strip("| "): line for line in summary(tmp_path).splitlines()[2:]}

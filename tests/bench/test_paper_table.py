@@ -75,9 +75,16 @@ def test_papers_rows_run_unclipped_and_old_runs_count_as_clipped():
 def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setattr(table_report, "_PLOT_NOTE_SHOWN", False)
-    ctx = table_report.Context(suite="quick", sizing_key="tiny", run_root=tmp_path, table_path=tmp_path / "T.md",
-                               command="x", git={"rev": "r", "dirty": False, "modified_tracked": 0, "untracked": 0},
-                               runs=suite_runs("quick"), cached=lambda r: None)
+    ctx = table_report.Context(
+        suite="quick",
+        sizing_key="tiny",
+        run_root=tmp_path,
+        table_path=tmp_path / "T.md",
+        command="x",
+        git={"rev": "r", "dirty": False, "modified_tracked": 0, "untracked": 0},
+        runs=suite_runs("quick"),
+        cached=lambda r: None,
+    )
     assert table_report.plot_section(ctx, SECTIONS[0], tmp_path / "p.png") is False
     assert "matplotlib" in capsys.readouterr().out
     table_report.write(ctx, quiet=True)  # a table with nothing run and no plots still renders
@@ -89,8 +96,18 @@ def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path,
 @pytest.mark.skipif(not FASHION.is_file(), reason="Fashion-MNIST (dataset-fashion-mnist) not installed")
 def test_quick_suite_end_to_end_structure(tmp_path):
     # two at once: the runs are independent processes (and --jobs is what a user runs the suite with)
-    cmd = [sys.executable, "-m", "bench.paper_table", "--suite", "quick", "--tiny", "--jobs", "2",
-           "--results", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.paper_table",
+        "--suite",
+        "quick",
+        "--tiny",
+        "--jobs",
+        "2",
+        "--results",
+        str(tmp_path),
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     runs = suite_runs("quick")
@@ -102,8 +119,13 @@ def test_quick_suite_end_to_end_structure(tmp_path):
     assert not list(tmp_path.glob("*/.*"))
 
     text = (tmp_path / "TABLE.md").read_text()
-    for head in ("- command: `python -m bench.paper_table --suite quick --tiny", "- written: ", "- machine: ",
-                 "- git revision: ", "CPUs"):
+    for head in (
+        "- command: `python -m bench.paper_table --suite quick --tiny",
+        "- written: ",
+        "- machine: ",
+        "- git revision: ",
+        "CPUs",
+    ):
         assert head in text
     assert re.search(r"git revision: [0-9a-f]{4,}|git revision: unknown", text)
     for setting in "ABCD":
@@ -139,15 +161,25 @@ def test_quick_suite_end_to_end_structure(tmp_path):
 
 
 def _fake_report(local: float, global_: float, uplink: int, ensemble: float | None = None) -> dict:
-    return {"rounds": [{"clients": 1, "local_acc": local, "global_acc": global_, "ensemble_acc": ensemble,
-                        "uplink_bytes": uplink}],
-            "totals": {"uplink_bytes": uplink, "downlink_bytes": 0, "wall_s": 1.0}}
+    return {
+        "rounds": [
+            {"clients": 1, "local_acc": local, "global_acc": global_, "ensemble_acc": ensemble, "uplink_bytes": uplink}
+        ],
+        "totals": {"uplink_bytes": uplink, "downlink_bytes": 0, "wall_s": 1.0},
+    }
 
 
 def _ctx(tmp_path, reports: dict) -> table_report.Context:
-    return table_report.Context(suite="full", sizing_key="full", run_root=tmp_path, table_path=tmp_path / "T.md",
-                                command="x", git={"rev": "r", "dirty": False, "modified_tracked": 0, "untracked": 0},
-                                runs=suite_runs("full"), cached=lambda r: reports.get(r.key))
+    return table_report.Context(
+        suite="full",
+        sizing_key="full",
+        run_root=tmp_path,
+        table_path=tmp_path / "T.md",
+        command="x",
+        git={"rev": "r", "dirty": False, "modified_tracked": 0, "untracked": 0},
+        runs=suite_runs("full"),
+        cached=lambda r: reports.get(r.key),
+    )
 
 
 def _seeded(row: str, per_seed: list[dict]) -> dict:
@@ -168,15 +200,19 @@ def test_goal_2_is_judged_paired_by_seed_with_an_interval(tmp_path):
     # refprotofl - fedproto per seed, in points: +5, -2, +10, +3, +4 -> mean 4.0, s = 4.3012, t(4) = 2.7764,
     # half width 5.3406: [-1.34, +9.34]: neither beats, not within 1 -> undecided, though ahead on the mean
     # (the old rule said "a tie", and counted it as met).
-    reports = {**_five("A/a0.5-fedproto", [0.50, 0.60, 0.40, 0.50, 0.50]),
-               **_five("A/a0.5-refprotofl", [0.55, 0.58, 0.50, 0.53, 0.54])}
+    reports = {
+        **_five("A/a0.5-fedproto", [0.50, 0.60, 0.40, 0.50, 0.50]),
+        **_five("A/a0.5-refprotofl", [0.55, 0.58, 0.50, 0.53, 0.54]),
+    }
     goal = table_report.goal_refprotofl(_ctx(tmp_path, reports))
     assert goal.status == "UNDECIDED"
     text = "\n".join(goal.evidence)
     assert "judged on the rows run unclipped, 5 seeds" in text
     assert "refprotofl - fedproto = +4.00 [-1.34, +9.34] (+-+++, 5 seeds) -> undecided (5 seeds)" in text
-    assert table_report.mean_std(table_report.row_stats(_ctx(tmp_path, reports), "A/a0.5-refprotofl"),
-                                 "global_acc") == "54.00 ± 2.92"
+    assert (
+        table_report.mean_std(table_report.row_stats(_ctx(tmp_path, reports), "A/a0.5-refprotofl"), "global_acc")
+        == "54.00 ± 2.92"
+    )
     # fedproto ahead by 2 points in every seed, give or take 0.5: fedproto beats it by more than 1 -> missed
     reports.update(_five("A/a0.5-refprotofl", [0.48, 0.585, 0.38, 0.475, 0.48]))
     assert table_report.goal_refprotofl(_ctx(tmp_path, reports)).status == "MISSED"
@@ -204,22 +240,26 @@ def test_a_goal_uses_the_clipped_twins_until_its_five_seeds_are_in(tmp_path):
     # tinyproto - fedproto: -1, +1, -1 -> mean -0.33, s = 1.1547, half width 4.3027 * 1.1547 / sqrt(3) = 2.868
     assert "tinyproto - fedproto = -0.33 [-3.20, +2.54] (-+-, 3 seeds) -> undecided (3 seeds)" in text
     # the cost of clipping, twin - row on common seeds: fedproto 0, +2, +1 -> [-1.48, +3.48]
-    assert ("clipped - unclipped (head, local split, final round): `B/fedproto` +1.00 [-1.48, +3.48] (0++, 3 seeds)"
-            in text)
+    assert (
+        "clipped - unclipped (head, local split, final round): `B/fedproto` +1.00 [-1.48, +3.48] (0++, 3 seeds)" in text
+    )
     # three unclipped seeds in common: the goal reads them (the papers' methods as written) before the twins
     reports.update(_five("B/tinyproto", [0.8] * 3, "local_acc", up=10))
     goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
-    assert goal.evidence[0] == ("judged PROVISIONAL, on the rows run unclipped, on their 3 common seeds (0,1,2; "
-                                "a goal's rows run on 5)")
+    assert goal.evidence[0] == (
+        "judged PROVISIONAL, on the rows run unclipped, on their 3 common seeds (0,1,2; a goal's rows run on 5)"
+    )
     assert "missing runs: `B/tinyproto` seeds 3,4" in goal.evidence[1]
 
 
 def test_goal_1_reads_tinyprotos_own_metric_at_its_best_round(tmp_path):
     def run(own_by_round: list[float], up: int) -> dict:
         rep = _fake_report(0.8, 0.5, up)
-        rep["rounds"] = [{**rep["rounds"][0], "round": i + 1, "local_own_proto_acc": v}
-                         for i, v in enumerate(own_by_round)]
+        rep["rounds"] = [
+            {**rep["rounds"][0], "round": i + 1, "local_own_proto_acc": v} for i, v in enumerate(own_by_round)
+        ]
         return rep
+
     # fedproto: best 0.80 in every seed; tinyproto: best 0.805, 0.797, 0.80, 0.802, 0.798 (its final rounds lower)
     reports = {f"B/fedproto-s{s}": run([0.70, 0.80, 0.75], 1000) for s in range(5)}
     for s, best in enumerate((0.805, 0.797, 0.80, 0.802, 0.798)):
@@ -237,21 +277,32 @@ def test_goal_1_reads_tinyprotos_own_metric_at_its_best_round(tmp_path):
 
 def test_default_decision_picks_the_fewest_bytes_among_those_the_best_does_not_beat(tmp_path):
     # per candidate: (A global per seed, B local per seed, uplink per run)
-    numbers = {"all": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 900),      # best score
-               "no-apud": ((0.59, 0.63, 0.60), (0.80, 0.81, 0.80), 300),  # behind on the mean, ahead in seed 1: tied
-               "no-erpa": ((0.55, 0.57, 0.56), (0.78, 0.79, 0.78), 100),  # behind everywhere: beaten
-               "no-cps": ((0.10, 0.10, 0.10), (0.10, 0.10, 0.10), 50),  # its rows are refprotofl's
-               "spherical": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 10),
-               "spherical-refine": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 20),
-               "spherical-erpa": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 950)}  # equal to the best: tied
+    numbers = {
+        "all": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 900),  # best score
+        "no-apud": ((0.59, 0.63, 0.60), (0.80, 0.81, 0.80), 300),  # behind on the mean, ahead in seed 1: tied
+        "no-erpa": ((0.55, 0.57, 0.56), (0.78, 0.79, 0.78), 100),  # behind everywhere: beaten
+        "no-cps": ((0.10, 0.10, 0.10), (0.10, 0.10, 0.10), 50),  # its rows are refprotofl's
+        "spherical": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 10),
+        "spherical-refine": ((0.50, 0.50, 0.50), (0.70, 0.70, 0.70), 20),
+        "spherical-erpa": ((0.60, 0.62, 0.61), (0.80, 0.82, 0.81), 950),
+    }  # equal to the best: tied
     reports = {}
     for suffix, (a_global, b_local, up) in numbers.items():
         reports.update(_seeded(decision_row("a", suffix), [_fake_report(0.8, g, up) for g in a_global]))
         reports.update(_seeded(decision_row("b", suffix), [_fake_report(b, 0.2, up) for b in b_local]))
     d = table_report.decide_default(_ctx(tmp_path, reports))
     assert d.status == "CHOSEN"
-    assert d.choice == {"federate": "adapter", "prototypes": "mean", "consensus": False, "erpa": True, "apud": False,
-                        "cps": True, "cps_s": None, "scaling": False, "refine": False}
+    assert d.choice == {
+        "federate": "adapter",
+        "prototypes": "mean",
+        "consensus": False,
+        "erpa": True,
+        "apud": False,
+        "cps": True,
+        "cps_s": None,
+        "scaling": False,
+        "refine": False,
+    }
     assert d.matches_preset == (table_report.preset_stages() == d.choice)
     text = "\n".join(d.lines)
     assert "**chosen**" in text and "beaten by all" in text and "within noise, more bytes" in text
@@ -268,8 +319,12 @@ def test_a_cached_run_is_stale_when_its_resolved_config_changes(tmp_path, monkey
 
     run = RUN_BY_KEY["A/a0.5-tinyproto-s0"]
     runner = paper_table.Runner("quick", tmp_path, None, 1, verbose=False)
-    rep: dict[str, Any] = {"config": paper_table.expected_config(run, "quick"),
-                           "bench": {"args": paper_table.run_args(run, "quick")}, "rounds": [], "totals": {}}
+    rep: dict[str, Any] = {
+        "config": paper_table.expected_config(run, "quick"),
+        "bench": {"args": paper_table.run_args(run, "quick")},
+        "rounds": [],
+        "totals": {},
+    }
     path = runner.path(run)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(rep))
@@ -297,8 +352,12 @@ def test_an_unclipped_run_that_cannot_clip_is_its_clipped_twins_run(tmp_path):
 
     def cache(key: str) -> dict:
         run = RUN_BY_KEY[key]
-        rep = {"config": paper_table.expected_config(run, "full"),
-               "bench": {"args": paper_table.run_args(run, "full")}, "rounds": [], "totals": {}}
+        rep = {
+            "config": paper_table.expected_config(run, "full"),
+            "bench": {"args": paper_table.run_args(run, "full")},
+            "rounds": [],
+            "totals": {},
+        }
         runner.path(run).parent.mkdir(parents=True, exist_ok=True)
         runner.path(run).write_text(json.dumps(rep))
         return rep
@@ -320,8 +379,10 @@ def test_an_unclipped_run_that_cannot_clip_is_its_clipped_twins_run(tmp_path):
     assert paper_table.never_clipped({"federate": "none", "prototypes": "unit", "cps": False, "erpa": False})
     assert not paper_table.never_clipped({"federate": "adapter", "prototypes": "unit", "cps": False, "erpa": False})
     # the table says the runs are the same instead of showing a clipped - unclipped difference of 0
-    reports = {**_seeded("A/a0.5-fedpagr-clipped", [_fake_report(0.8, 0.5, 1)] * 3),
-               **{f"A/a0.5-fedpagr-s{i}": {**_fake_report(0.8, 0.5, 1), "same_as": "x"} for i in range(3)}}
+    reports = {
+        **_seeded("A/a0.5-fedpagr-clipped", [_fake_report(0.8, 0.5, 1)] * 3),
+        **{f"A/a0.5-fedpagr-s{i}": {**_fake_report(0.8, 0.5, 1), "same_as": "x"} for i in range(3)},
+    }
     line = table_report.clip_cost(_ctx(tmp_path, reports), ("A/a0.5-fedpagr",), "global_acc")
     assert "`A/a0.5-fedpagr` seeds 0,1,2 are the twin's runs" in line and "+0.00" not in line
 
@@ -365,8 +426,11 @@ def test_goal_4_is_missed_when_a_preset_beats_it_by_more_than_a_point(tmp_path):
         reports.update(_five("D/b-spherical-clipped", [0.85] * 3, "local_acc"))
         reports.update(_five("B/fedpagr-clipped", [0.86] * 3, "local_acc"))
         reports.update(_five("B/fedpagr-no-refine", [0.845, 0.858, 0.857], "local_acc"))
-        why = next(e for e in table_report.goal_protofl(_ctx(tmp_path, reports)).evidence
-                   if e.startswith("why (B, head, local split"))
+        why = next(
+            e
+            for e in table_report.goal_protofl(_ctx(tmp_path, reports)).evidence
+            if e.startswith("why (B, head, local split")
+        )
         # w/o masks - preset: -0.5, +0.8, +0.7 -> mean +0.33, s 0.7234, half width 4.3027 * 0.7234 / sqrt(3) = 1.797
         assert "w/o masks - preset = +0.33 [-1.46, +2.13] (-++, 3 seeds) -> undecided (3 seeds)" in why
         assert "fedpagr - w/o refinement = +0.67 [-1.13, +2.46] (+++, 3 seeds) -> undecided (3 seeds)" in why
@@ -378,8 +442,14 @@ def test_the_lambda_sweep_moves_a_default_only_when_the_chosen_lambda_beats_it(t
     # CPS's lambda = 1 is a sweep row of its own (the tinyproto preset now has the 0.1 this sweep chose); ERPA's
     # is refprotofl's row of A.
     reports = {**_five("A/a0.5-refprotofl-clipped", [0.48, 0.46, 0.455])}
-    cps = {0.03: (0.45, 0.44, 0.43), 0.1: (0.47, 0.45, 0.44), 0.3: (0.46, 0.44, 0.43), 1.0: (0.44, 0.42, 0.42),
-           3.0: (0.41, 0.39, 0.40), 10.0: (0.37, 0.32, 0.34)}
+    cps = {
+        0.03: (0.45, 0.44, 0.43),
+        0.1: (0.47, 0.45, 0.44),
+        0.3: (0.46, 0.44, 0.43),
+        1.0: (0.44, 0.42, 0.42),
+        3.0: (0.41, 0.39, 0.40),
+        10.0: (0.37, 0.32, 0.34),
+    }
     erpa = {0.3: (0.482, 0.459, 0.452), 3.0: (0.47,) * 3, 10.0: (0.47,) * 3}
     for what, grid in (("cps", cps), ("erpa", erpa)):
         for lam, vals in grid.items():
@@ -396,10 +466,11 @@ def test_the_lambda_sweep_moves_a_default_only_when_the_chosen_lambda_beats_it(t
 
 def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_set_against_fedavgs(tmp_path):
     # fedavg's row ran clipped; fedproto's and refprotofl's unclipped rows have not run: their clipped twins stand in
-    reports = {**_seeded("A/a0.5-fedavg", [_fake_report(0.8, 0.70, 1)] * 3),
-               **_seeded("A/a0.5-fedproto-clipped", [_fake_report(0.8, 0.45, 1, ensemble=0.72)] * 3),
-               **_seeded("A/a0.5-refprotofl-clipped",
-                         [_fake_report(0.8, g, 1, ensemble=0.73) for g in (0.46, 0.47, 0.48)])}
+    reports = {
+        **_seeded("A/a0.5-fedavg", [_fake_report(0.8, 0.70, 1)] * 3),
+        **_seeded("A/a0.5-fedproto-clipped", [_fake_report(0.8, 0.45, 1, ensemble=0.72)] * 3),
+        **_seeded("A/a0.5-refprotofl-clipped", [_fake_report(0.8, g, 1, ensemble=0.73) for g in (0.46, 0.47, 0.48)]),
+    }
     lines = table_report.paper_lines(_ctx(tmp_path, reports))
     text = "\n".join(lines)
     # paper 73.82 (fedproto), 73.72 (fedavg): ours 45.00 and 70.00
@@ -410,8 +481,9 @@ def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_set_against_fedav
     assert "fedproto global -28.82 (-25.10 beyond FedAvg's), ensemble -1.82" in text
     assert "refprotofl global -27.21 (-23.49 beyond FedAvg's), ensemble -1.21." in text
     # no split where FedAvg has not run
-    assert "Measured" not in "\n".join(table_report.paper_lines(_ctx(tmp_path, {k: v for k, v in reports.items()
-                                                                                if "fedavg" not in k})))
+    assert "Measured" not in "\n".join(
+        table_report.paper_lines(_ctx(tmp_path, {k: v for k, v in reports.items() if "fedavg" not in k}))
+    )
 
 
 def test_a_lambda_decision_is_said_against_the_default_the_preset_has_now():
@@ -421,5 +493,6 @@ def test_a_lambda_decision_is_said_against_the_default_the_preset_has_now():
     assert decide("refprotofl", 0.3, False) == "refprotofl: proto_lambda stays 1 (0.3 does not beat it)"
     assert decide("tinyproto", 0.1, True) == "tinyproto: proto_lambda is 0.1, moved from 1 by this sweep (0.1 beats 1)"
     assert decide("tinyproto", 0.03, True) == "tinyproto: proto_lambda should move to 0.03 (the preset has 0.1)"
-    assert decide("tinyproto", 0.1, False) == ("tinyproto: proto_lambda should go back to 1 (0.1 does not beat it; "
-                                               "the preset has 0.1)")
+    assert decide("tinyproto", 0.1, False) == (
+        "tinyproto: proto_lambda should go back to 1 (0.1 does not beat it; the preset has 0.1)"
+    )

@@ -30,8 +30,9 @@ def test_proto_upload_bytes_are_the_encoded_message(k: int) -> None:
     from protofl.wire import ProtoSet, ProtoUpload, message_size
 
     for counts in (True, False):
-        ps = ProtoSet(classes=np.arange(k), values=np.zeros((k, 512), np.float32),
-                      counts=np.full(k, 40) if counts else None)
+        ps = ProtoSet(
+            classes=np.arange(k), values=np.zeros((k, 512), np.float32), counts=np.full(k, 40) if counts else None
+        )
         msg = ProtoUpload(local=ps, public=None, n_samples=777)
         real = message_size(msg, fed="sim", sender="client-000", round=2, phase="train", msg_id="0" * 16)
         assert pr.proto_upload_bytes(k, 512, 777, 2, counts=counts) == real
@@ -57,8 +58,17 @@ def test_topk_count_is_apuds_budget() -> None:
 
 
 def test_route_uplink_counts_each_route_upload_by_upload() -> None:
-    kw: dict[str, Any] = dict(sizes=[300, 1200], classes_held=[3, 10], rounds=4, full_params=1000, dim=8,
-                              head_params=90, adapter_params=50, public_n=200, num_classes=10)
+    kw: dict[str, Any] = dict(
+        sizes=[300, 1200],
+        classes_held=[3, 10],
+        rounds=4,
+        full_params=1000,
+        dim=8,
+        head_params=90,
+        adapter_params=50,
+        public_n=200,
+        num_classes=10,
+    )
     p, q = pr.params_upload_bytes, pr.proto_upload_bytes
     senders = ["client-000", "client-001"]
     fed = sum(p(1000, n, r, sender=s) for n, s in zip([300, 1200], senders, strict=True) for r in range(1, 5))
@@ -74,16 +84,22 @@ def test_route_uplink_counts_each_route_upload_by_upload() -> None:
     assert pr.route_uplink("head-ridge", **kw) == ridge + heads
     assert pr.route_uplink("adapter-head", **kw) == sum(
         p(140, n, r, sender=s) + q(k, 8, n, r, sender=s)
-        for n, k, s in zip([300, 1200], [3, 10], senders, strict=True) for r in range(1, 5))
-    assert pr.route_uplink("distil-mean", **kw) == sum(p(2000, n, 4, sender=s)
-                                                       for n, s in zip([300, 1200], senders, strict=True))
-    assert pr.route_uplink("distil-counts", **kw) == sum(p(2010, n, 4, sender=s)
-                                                         for n, s in zip([300, 1200], senders, strict=True))
+        for n, k, s in zip([300, 1200], [3, 10], senders, strict=True)
+        for r in range(1, 5)
+    )
+    assert pr.route_uplink("distil-mean", **kw) == sum(
+        p(2000, n, 4, sender=s) for n, s in zip([300, 1200], senders, strict=True)
+    )
+    assert pr.route_uplink("distil-counts", **kw) == sum(
+        p(2010, n, 4, sender=s) for n, s in zip([300, 1200], senders, strict=True)
+    )
     k = pr.topk_count(1000)
     assert k == 4
-    assert pr.route_uplink("topk-ef", **kw) == sum(pr.sparse_upload_bytes(1000, 4, n, r, sender=s)
-                                                   for n, s in zip([300, 1200], senders, strict=True)
-                                                   for r in range(1, 5))
+    assert pr.route_uplink("topk-ef", **kw) == sum(
+        pr.sparse_upload_bytes(1000, 4, n, r, sender=s)
+        for n, s in zip([300, 1200], senders, strict=True)
+        for r in range(1, 5)
+    )
     for control in ("public", "local", "local-public", "ensemble-public"):
         assert pr.route_uplink(control, **kw) == 0
     with pytest.raises(ValueError, match="unknown route"):
@@ -105,8 +121,9 @@ def test_the_cnn_fedavg_upload_is_tables_size() -> None:
 def test_distil_one_gradient_step_by_hand() -> None:
     # phi = I (2 samples, 2 dims), one-hot targets, head at 0: p = (1/2, 1/2) for both samples;
     # grad_W = (P - T)^T phi / n = [[-1/2, 1/2], [1/2, -1/2]] / 2, grad_b = mean(P - T) = 0.
-    w, b = pr.distil_head(np.eye(2), np.eye(2), np.zeros((2, 2)), np.zeros(2), steps=1, weight_decay=0.0, lr=1.0,
-                          nesterov=False)
+    w, b = pr.distil_head(
+        np.eye(2), np.eye(2), np.zeros((2, 2)), np.zeros(2), steps=1, weight_decay=0.0, lr=1.0, nesterov=False
+    )
     np.testing.assert_allclose(w, [[0.25, -0.25], [-0.25, 0.25]], atol=1e-7)
     np.testing.assert_allclose(b, [0.0, 0.0], atol=1e-7)
     # weight decay acts on W, not on b: from W0 = I, b0 = (1, 0), lr 1, wd 0.5, targets = the head's own
@@ -149,10 +166,10 @@ def test_nearest_prototype_l2_and_cosine_by_hand() -> None:
     # cosine: (2,2) and (0.5,0.5) point along g2 -> 2; (1.2,0.1) -> 0
     np.testing.assert_array_equal(pr.nearest_cos(z, protos), [0, 2, 2, 2])
     # ties go to the lower class id
-    np.testing.assert_array_equal(pr.nearest_cos(np.array([[1.0, 0.0]]), {1: np.ones(2), 3: np.array([2.0, 0])}),
-                                  [3])
-    np.testing.assert_array_equal(pr.nearest_l2(np.array([[0.0, 0.0]]), {1: np.array([1.0, 0]), 3: np.array([0, 1.0])}),
-                                  [1])
+    np.testing.assert_array_equal(pr.nearest_cos(np.array([[1.0, 0.0]]), {1: np.ones(2), 3: np.array([2.0, 0])}), [3])
+    np.testing.assert_array_equal(
+        pr.nearest_l2(np.array([[0.0, 0.0]]), {1: np.array([1.0, 0]), 3: np.array([0, 1.0])}), [1]
+    )
 
 
 def test_ncm_head_is_the_nearest_prototype_rule_with_the_asked_margin() -> None:
@@ -225,8 +242,9 @@ def test_the_federation_is_the_simulators() -> None:
 
     # the config defaults federation_split reads (every preset leaves them alone); a namespace stands for the
     # config so that the technique registry (whatever else is installed beside this checkout) stays out of it
-    cfg = SimpleNamespace(public_per_class=CORE["public_per_class"], public_classes=CORE["public_classes"],
-                          batch_size=CORE["batch_size"])
+    cfg = SimpleNamespace(
+        public_per_class=CORE["public_per_class"], public_classes=CORE["public_classes"], batch_size=CORE["batch_size"]
+    )
     assert (cfg.public_per_class, cfg.public_classes, cfg.batch_size) == (pr.PUBLIC_PER_CLASS, None, pr.BATCH)
 
     train, _ = make_synthetic(num_classes=10, n_train=3000, n_test=10, seed=5)
@@ -247,8 +265,18 @@ def test_the_federation_is_the_simulators() -> None:
 
 # -- the rule ----------------------------------------------------------------------------------------------
 def _rows(route: str, accs: list[float], ratio: float | None, total: float = 1e5) -> list[dict]:
-    return [{"route": route, "seed": s, "acc": a, "uplink_total": total, "uplink_ratio": ratio,
-             "uplink_per_client_round": total / 100, "complete": True} for s, a in enumerate(accs)]
+    return [
+        {
+            "route": route,
+            "seed": s,
+            "acc": a,
+            "uplink_total": total,
+            "uplink_ratio": ratio,
+            "uplink_per_client_round": total / 100,
+            "complete": True,
+        }
+        for s, a in enumerate(accs)
+    ]
 
 
 FEDAVG = [80.0, 81.0, 79.0, 80.5, 79.5]
@@ -256,12 +284,15 @@ PUBLIC = [75.0, 76.0, 74.0, 75.5, 74.5]
 
 
 def test_rule_picks_the_fewest_bytes_among_those_the_best_does_not_beat() -> None:
-    rows = (_rows("fedavg", FEDAVG, 1.0, 1e9) + _rows("public", PUBLIC, None, 0)
-            + _rows("ridge", [80.0, 81.2, 79.1, 80.4, 79.6], 0.002, 5e5)          # ~ FedAvg, beats public
-            + _rows("head", [80.2, 81.0, 79.3, 80.3, 79.9], 0.004, 1e6)           # best mean, ties ridge
-            + _rows("proto-l2", [76.0, 77.5, 75.0, 76.0, 75.5], 0.0001, 1e4)       # beats public, not near FedAvg
-            + _rows("adapter-head", [82.0, 83.0, 81.0, 82.5, 81.5], 0.03, 3e7)     # best, but too many bytes
-            + _rows("distil-mean", [75.1, 75.9, 74.1, 75.4, 74.6], 0.00001, 1e3))  # only matches public
+    rows = (
+        _rows("fedavg", FEDAVG, 1.0, 1e9)
+        + _rows("public", PUBLIC, None, 0)
+        + _rows("ridge", [80.0, 81.2, 79.1, 80.4, 79.6], 0.002, 5e5)  # ~ FedAvg, beats public
+        + _rows("head", [80.2, 81.0, 79.3, 80.3, 79.9], 0.004, 1e6)  # best mean, ties ridge
+        + _rows("proto-l2", [76.0, 77.5, 75.0, 76.0, 75.5], 0.0001, 1e4)  # beats public, not near FedAvg
+        + _rows("adapter-head", [82.0, 83.0, 81.0, 82.5, 81.5], 0.03, 3e7)  # best, but too many bytes
+        + _rows("distil-mean", [75.1, 75.9, 74.1, 75.4, 74.6], 0.00001, 1e3)
+    )  # only matches public
     dec = pr.select(rows)
     c = dec["checks"]
     assert dec["decided"]
@@ -273,18 +304,24 @@ def test_rule_picks_the_fewest_bytes_among_those_the_best_does_not_beat() -> Non
 
 
 def test_rule_keeps_the_best_when_it_beats_the_cheaper_ones() -> None:
-    rows = (_rows("fedavg", FEDAVG, 1.0, 1e9) + _rows("public", PUBLIC, None, 0)
-            + _rows("ridge", [79.0, 80.1, 78.0, 79.6, 78.4], 0.002, 5e5)
-            + _rows("head", [80.0, 81.0, 79.0, 80.5, 79.5], 0.004, 1e6))  # head - ridge = +1.0 every seed
+    rows = (
+        _rows("fedavg", FEDAVG, 1.0, 1e9)
+        + _rows("public", PUBLIC, None, 0)
+        + _rows("ridge", [79.0, 80.1, 78.0, 79.6, 78.4], 0.002, 5e5)
+        + _rows("head", [80.0, 81.0, 79.0, 80.5, 79.5], 0.004, 1e6)
+    )  # head - ridge = +1.0 every seed
     dec = pr.select(rows)
     assert dec["default"] == "head"
 
 
 def test_rule_without_a_qualifier_names_a_provisional_default() -> None:
-    rows = (_rows("fedavg", FEDAVG, 1.0, 1e9) + _rows("public", PUBLIC, None, 0)
-            + _rows("proto-l2", [76.0, 77.5, 75.0, 76.0, 75.5], 0.0001, 1e4)
-            + _rows("ridge", [77.0, 78.2, 76.1, 77.4, 76.6], 0.002, 5e5)
-            + _rows("head", [70.0, 71.0, 69.0, 70.5, 69.5], 0.004, 1e6))
+    rows = (
+        _rows("fedavg", FEDAVG, 1.0, 1e9)
+        + _rows("public", PUBLIC, None, 0)
+        + _rows("proto-l2", [76.0, 77.5, 75.0, 76.0, 75.5], 0.0001, 1e4)
+        + _rows("ridge", [77.0, 78.2, 76.1, 77.4, 76.6], 0.002, 5e5)
+        + _rows("head", [70.0, 71.0, 69.0, 70.5, 69.5], 0.004, 1e6)
+    )
     dec = pr.select(rows)
     assert dec["default"] is None and dec["provisional"] == "ridge"
     assert "moonshot missed" in dec["why"]
@@ -294,8 +331,12 @@ def test_rule_without_a_qualifier_names_a_provisional_default() -> None:
 
 
 def test_rule_on_one_seed_is_a_reading_of_the_means() -> None:
-    rows = (_rows("fedavg", [89.0], 1.0, 1e9) + _rows("public", [80.0], None, 0)
-            + _rows("ridge", [88.0], 0.001, 1e6) + _rows("head", [88.5], 0.002, 2e6))
+    rows = (
+        _rows("fedavg", [89.0], 1.0, 1e9)
+        + _rows("public", [80.0], None, 0)
+        + _rows("ridge", [88.0], 0.001, 1e6)
+        + _rows("head", [88.5], 0.002, 2e6)
+    )
     dec = pr.select(rows)
     assert not dec["decided"] and dec["default"] == "head"
     assert "not a decision" in dec["why"]
@@ -312,10 +353,20 @@ def test_converged_at_is_the_issues_stopping_rule() -> None:
 
 
 def test_summary_table_and_verdict(tmp_path: Path) -> None:
-    setting = {"arch": "cnn", "clients": 10, "alpha": 0.5, "rounds": 5, "local_epochs": 1, "train_limit": 6000,
-               "test_images": 10000}
-    rows = (_rows("fedavg", FEDAVG, 1.0, 1e9) + _rows("public", PUBLIC, None, 0)
-            + _rows("ridge", [80.0, 81.2, 79.1, 80.4, 79.6], 0.002, 5e5))
+    setting = {
+        "arch": "cnn",
+        "clients": 10,
+        "alpha": 0.5,
+        "rounds": 5,
+        "local_epochs": 1,
+        "train_limit": 6000,
+        "test_images": 10000,
+    }
+    rows = (
+        _rows("fedavg", FEDAVG, 1.0, 1e9)
+        + _rows("public", PUBLIC, None, 0)
+        + _rows("ridge", [80.0, 81.2, 79.1, 80.4, 79.6], 0.002, 5e5)
+    )
     for r in rows:
         r.update(setting=setting, kind="x", converged_at=None)
         (tmp_path / f"{r['route']}-s{r['seed']}.json").write_text(json.dumps(r))

@@ -17,8 +17,21 @@ from tests.pipelines import ADAPTER_PIPELINE, as_cli_sets
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=400,n_test=20,size=12"
 # APUD sparse adapters and CPS-scaled prototypes (tests/pipelines.py), every upload kind of a round.
-SETTINGS = [*as_cli_sets(ADAPTER_PIPELINE), "--set", "archs=[\"mlp\"]", "--set", "in_shape=[1,12,12]",
-            "--set", "proto_dim=20", "--set", "adapter_rank=2", "--set", "batch_size=50", "--seed", "4"]
+SETTINGS = [
+    *as_cli_sets(ADAPTER_PIPELINE),
+    "--set",
+    'archs=["mlp"]',
+    "--set",
+    "in_shape=[1,12,12]",
+    "--set",
+    "proto_dim=20",
+    "--set",
+    "adapter_rank=2",
+    "--set",
+    "batch_size=50",
+    "--seed",
+    "4",
+]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -27,9 +40,20 @@ def env(**extra: str) -> dict[str, str]:
 
 
 class Federation:
-    def __init__(self, fed: str, clients: int, rounds: int, state: Path, logs: Path, *,
-                 broker_url: str | None = None, port: int | None = None, device_state: Path | None = None,
-                 secured: bool = False, offline_grace: float | None = 300.0) -> None:
+    def __init__(
+        self,
+        fed: str,
+        clients: int,
+        rounds: int,
+        state: Path,
+        logs: Path,
+        *,
+        broker_url: str | None = None,
+        port: int | None = None,
+        device_state: Path | None = None,
+        secured: bool = False,
+        offline_grace: float | None = 300.0,
+    ) -> None:
         self.fed, self.clients, self.rounds, self.state, self.logs = fed, clients, rounds, state, logs
         self.broker_url = broker_url
         self.port = port
@@ -51,9 +75,30 @@ class Federation:
         else:
             where = ["--port", str(self.port)] if self.secured else ["--insecure", "--port", str(self.port)]
         grace = [] if self.offline_grace is None else ["--offline-grace", str(self.offline_grace)]
-        return [sys.executable, "-m", "broker_server.cli", "start", *where, "--fed", self.fed, "--preset", "protofl",
-                "--rounds", str(self.rounds), "--min-clients", str(self.clients), "--round-timeout", "300", *grace,
-                "--state-dir", str(self.state), "--connect-timeout", "30", "--verbose", *SETTINGS]
+        return [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            *where,
+            "--fed",
+            self.fed,
+            "--preset",
+            "protofl",
+            "--rounds",
+            str(self.rounds),
+            "--min-clients",
+            str(self.clients),
+            "--round-timeout",
+            "300",
+            *grace,
+            "--state-dir",
+            str(self.state),
+            "--connect-timeout",
+            "30",
+            "--verbose",
+            *SETTINGS,
+        ]
 
     def client_id(self, i: int) -> str:
         return f"device-{i + 1}" if self.secured else f"dev-{i:02d}"
@@ -63,8 +108,9 @@ class Federation:
         with (self.logs / "server.log").open("ab") as out:
             out.write(f"\n==== start {self.starts} {extra_env} ====\n".encode())
             out.flush()
-            self.server = subprocess.Popen(self.server_args(), stdout=out, stderr=subprocess.STDOUT,
-                                           env=env(**extra_env))
+            self.server = subprocess.Popen(
+                self.server_args(), stdout=out, stderr=subprocess.STDOUT, env=env(**extra_env)
+            )
         return self.server
 
     def kill_server(self) -> None:
@@ -76,11 +122,34 @@ class Federation:
         self.agents = [self.start_agent(i) for i in range(self.clients)]
 
     def start_agent(self, i: int) -> subprocess.Popen[bytes]:
-        who = (["--credentials", str(self.state / "security" / "devices" / f"{self.client_id(i)}.json")]
-               if self.secured else ["--fed", self.fed, "--client-id", self.client_id(i)])
-        cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", self.url, *who, "--data", DATA,
-               "--partition", f"{i}/{self.clients}", "--alpha", "1.0", "--seed", "4", "--threads", "1",
-               "--device", "cpu", "--connect-timeout", "60"]
+        who = (
+            ["--credentials", str(self.state / "security" / "devices" / f"{self.client_id(i)}.json")]
+            if self.secured
+            else ["--fed", self.fed, "--client-id", self.client_id(i)]
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "edge_agent.cli",
+            "join",
+            "--broker",
+            self.url,
+            *who,
+            "--data",
+            DATA,
+            "--partition",
+            f"{i}/{self.clients}",
+            "--alpha",
+            "1.0",
+            "--seed",
+            "4",
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
+            "--connect-timeout",
+            "60",
+        ]
         if self.device_state is not None:
             cmd += ["--state-dir", str(self.device_state)]
         with (self.logs / f"{self.client_id(i)}.log").open("ab") as out:
@@ -96,8 +165,10 @@ class Federation:
             except subprocess.TimeoutExpired:
                 rc = None
             if rc != 0:
-                raise AssertionError(f"{' '.join(p.args[2:5])} ended with {rc}; server log tail:\n"  # type: ignore
-                                     f"{self.log_tail()}")
+                raise AssertionError(
+                    f"{' '.join(p.args[2:5])} ended with {rc}; server log tail:\n"  # type: ignore
+                    f"{self.log_tail()}"
+                )
 
     def log_tail(self, n: int = 4000) -> str:
         return (self.logs / "server.log").read_text(errors="replace")[-n:]

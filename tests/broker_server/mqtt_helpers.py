@@ -46,8 +46,10 @@ class Watcher:
                 if pred(self):
                     return
             time.sleep(0.01)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; rounds {self.rounds}, "
-                             f"presence {self.presence}, server {self.server}")
+        raise AssertionError(
+            f"timed out after {timeout} s waiting for {what}; rounds {self.rounds}, "
+            f"presence {self.presence}, server {self.server}"
+        )
 
     def close(self) -> None:
         self.transport.close()
@@ -77,7 +79,8 @@ class ServiceThread:
         if self.thread.is_alive():
             self.service.stop()
             self.thread.join(5)
-            raise AssertionError(f"the service did not finish within {timeout} s "
-                                 f"(round {self.service.aggregator.round})")
+            raise AssertionError(
+                f"the service did not finish within {timeout} s (round {self.service.aggregator.round})"
+            )
         if self.error is not None:
             raise self.error

@@ -56,11 +56,13 @@ class NumpyDevice:
             if payload and not joined:
                 joined.append(True)
                 self.join()
+
         self.t.subscribe(topics.config(FED), on_config)
 
     def send(self, msg: Any, round_: int, phase: str) -> None:
-        self.t.publish(topics.up(FED, self.name), encode_message(msg, fed=FED, sender=self.name, round=round_,
-                                                                 phase=phase))
+        self.t.publish(
+            topics.up(FED, self.name), encode_message(msg, fed=FED, sender=self.name, round=round_, phase=phase)
+        )
 
     def on_round(self, topic: str, payload: bytes) -> None:
         if not payload:
@@ -102,8 +104,9 @@ class NumpyDevice:
         plan, cfg = self.plan, self.cfg
         if kind is Upload.ADAPTER:
             if plan.federate == "full":
-                return ParamsUpload(update=rng.normal(size=FULL_MODEL).astype(np.float32), n_samples=5 + self.index,
-                                    base_round=round_)
+                return ParamsUpload(
+                    update=rng.normal(size=FULL_MODEL).astype(np.float32), n_samples=5 + self.index, base_round=round_
+                )
             n = layout_size(adapter_layout(cfg.proto_dim, cfg.adapter_rank, cfg.num_classes))
             if cfg.options.get("apud"):
                 idx = np.sort(rng.choice(n, size=max(1, n // 5), replace=False)).astype(np.int64)
@@ -131,8 +134,18 @@ class NumpyDevice:
 
 def config(preset: str, **overrides: Any) -> FederationConfig:
     from protofl.presets import make_config
-    return make_config(preset, num_classes=4, proto_dim=8, adapter_rank=2, min_clients=4, rounds=3,
-                       public_per_class=1, round_timeout=60, **overrides)
+
+    return make_config(
+        preset,
+        num_classes=4,
+        proto_dim=8,
+        adapter_rank=2,
+        min_clients=4,
+        rounds=3,
+        public_per_class=1,
+        round_timeout=60,
+        **overrides,
+    )
 
 
 def model_state(model: Any) -> dict[str, Any]:
@@ -153,8 +166,9 @@ def assert_close(a: Any, b: Any, where: str = "") -> None:
             assert_close(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         assert a is not None and b is not None, f"{where}: {a} vs {b}"
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6,
-                                   err_msg=where)
+        np.testing.assert_allclose(
+            np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-6, err_msg=where
+        )
     elif isinstance(a, float):
         assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), f"{where}: {a} vs {b}"
     else:

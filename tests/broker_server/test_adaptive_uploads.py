@@ -23,10 +23,20 @@ TIME_SCALE = 10.0
 
 
 def run(adaptive: bool) -> dict[str, Any]:
-    spec = SimulationSpec(preset="fedavg", dataset="synthetic:n=600,n_test=50", clients=2, rounds=1, seed=2,
-                          transport="mqtt", agents="thread", profiles=FLEET, time_scale=TIME_SCALE, adaptive=adaptive,
-                          overrides={"round_timeout": 120.0, "archs": ("resnet8",), "proto_dim": 32},
-                          timeout=90)
+    spec = SimulationSpec(
+        preset="fedavg",
+        dataset="synthetic:n=600,n_test=50",
+        clients=2,
+        rounds=1,
+        seed=2,
+        transport="mqtt",
+        agents="thread",
+        profiles=FLEET,
+        time_scale=TIME_SCALE,
+        adaptive=adaptive,
+        overrides={"round_timeout": 120.0, "archs": ("resnet8",), "proto_dim": 32},
+        timeout=90,
+    )
     return run_simulation(spec)["links"]
 
 

@@ -56,8 +56,9 @@ class SiteProcess:
         assert binary is not None
         self.log = directory / "mosquitto.log"
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([binary, "-c", str(directory / "mosquitto.conf")], stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [binary, "-c", str(directory / "mosquitto.conf")], stdout=out, stderr=subprocess.STDOUT
+            )
         self.port = port
 
     def wait_bridged(self, timeout: float = 20) -> None:
@@ -76,8 +77,9 @@ class SiteProcess:
             self.proc.wait(10)
 
 
-def run_federation(tmp: Path, fed: str, bridged: bool,
-                   pre_aggregate: bool = False) -> tuple[dict[str, np.ndarray], str]:
+def run_federation(
+    tmp: Path, fed: str, bridged: bool, pre_aggregate: bool = False
+) -> tuple[dict[str, np.ndarray], str]:
     """Four devices, two rounds of fedproto, every device on the core or two at a bridged site (`pre_aggregate`:
     whose uploads a site pre-aggregator folds, `protofl-server shard --site`); returns the server's model and its
     output."""
@@ -91,14 +93,56 @@ def run_federation(tmp: Path, fed: str, bridged: bool,
     allow.write_text("\n".join(CORE_IDS + SITE_IDS) + "\n")
     if bridged:
         (tmp / "site.txt").write_text("\n".join(SITE_IDS) + "\n")
-        bridge_cli("--bridge", "site-a", "--fed", fed, "--core", f"mqtts://127.0.0.1:{core_port}", "--core-dir",
-                   str(state / "security"), "--out", str(site_dir), "--allow", str(tmp / "site.txt"), "--listen",
-                   f"127.0.0.1:{site_port}", "--tls", "on", *(["--pre-aggregate"] if pre_aggregate else []))
+        bridge_cli(
+            "--bridge",
+            "site-a",
+            "--fed",
+            fed,
+            "--core",
+            f"mqtts://127.0.0.1:{core_port}",
+            "--core-dir",
+            str(state / "security"),
+            "--out",
+            str(site_dir),
+            "--allow",
+            str(tmp / "site.txt"),
+            "--listen",
+            f"127.0.0.1:{site_port}",
+            "--tls",
+            "on",
+            *(["--pre-aggregate"] if pre_aggregate else []),
+        )
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(core_port),
-         "--tls", "on", "--fed", fed, "--rounds", "2", "--min-clients", "4", "--round-timeout", "60",
-         "--state-dir", str(state), "--allow", str(allow), *(["--sites", "site-a"] if pre_aggregate else [])],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            str(core_port),
+            "--tls",
+            "on",
+            "--fed",
+            fed,
+            "--rounds",
+            "2",
+            "--min-clients",
+            "4",
+            "--round-timeout",
+            "60",
+            "--state-dir",
+            str(state),
+            "--allow",
+            str(allow),
+            *(["--sites", "site-a"] if pre_aggregate else []),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
     site = pre = None
     runners: list[DeviceRunner] = []
     errors: list[BaseException] = []
@@ -113,15 +157,39 @@ def run_federation(tmp: Path, fed: str, bridged: bool,
             site.wait_bridged()
             if pre_aggregate:  # as the operator runs it, with the file broker-config wrote
                 pre = subprocess.Popen(
-                    [sys.executable, "-m", "broker_server.cli", "shard", "--site", "site-a", "--fed", fed, "--broker",
-                     f"mqtt://127.0.0.1:{site_port}", "--credentials", str(site_dir / "site-aggregator.json"),
-                     "--state-dir", str(tmp / "pre")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
-                    text=True)
+                    [
+                        sys.executable,
+                        "-m",
+                        "broker_server.cli",
+                        "shard",
+                        "--site",
+                        "site-a",
+                        "--fed",
+                        fed,
+                        "--broker",
+                        f"mqtt://127.0.0.1:{site_port}",
+                        "--credentials",
+                        str(site_dir / "site-aggregator.json"),
+                        "--state-dir",
+                        str(tmp / "pre"),
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=ENV,
+                    text=True,
+                )
             where.update({i: (f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" / f"{i}.json") for i in SITE_IDS})
         for index, cid in enumerate(CORE_IDS + SITE_IDS):
             url, file = where[cid]
-            runners.append(DeviceRunner(device_options(url, file), fed, cid, DataSpec(DATA, partition=(index, 4)),
-                                        RunnerOptions(connect_timeout=30)))
+            runners.append(
+                DeviceRunner(
+                    device_options(url, file),
+                    fed,
+                    cid,
+                    DataSpec(DATA, partition=(index, 4)),
+                    RunnerOptions(connect_timeout=30),
+                )
+            )
 
         def run(r: DeviceRunner) -> None:
             try:
@@ -178,32 +246,65 @@ def test_a_site_devices_will_reaches_the_server_through_the_bridge(tmp_path: Pat
     # server's request on a site device's own down/<id> reaches it (and not another device); the device killed
     # with SIGKILL: its will is published by the site broker and carried up by the bridge.
     core_dir, site_dir, port, site_port = tmp_path / "security", tmp_path / "site", free_port(), free_port()
-    bridge_cli("--bridge", "lab", "--fed", "w", "--core", f"mqtts://127.0.0.1:{port}", "--core-dir", str(core_dir),
-               "--out", str(site_dir), "--devices", "2", "--listen", f"127.0.0.1:{site_port}")
+    bridge_cli(
+        "--bridge",
+        "lab",
+        "--fed",
+        "w",
+        "--core",
+        f"mqtts://127.0.0.1:{port}",
+        "--core-dir",
+        str(core_dir),
+        "--out",
+        str(site_dir),
+        "--devices",
+        "2",
+        "--listen",
+        f"127.0.0.1:{site_port}",
+    )
     auth = prepare(core_dir, "w")  # what start does at its next start: the bridge's user is in the files
     tls = FederationTls(core_dir / "tls")
-    core = MosquittoBroker(port=port, workdir=tmp_path / "core", allow_anonymous=False, tls=tls.listener(),
-                           extra_config=auth.mosquitto_lines()[1:]).start()
+    core = MosquittoBroker(
+        port=port,
+        workdir=tmp_path / "core",
+        allow_anonymous=False,
+        tls=tls.listener(),
+        extra_config=auth.mosquitto_lines()[1:],
+    ).start()
     site = SiteProcess(site_dir, site_port)
     seen: list[tuple[str, bytes]] = []
     server = None
     try:
         site.wait_bridged()
         secret = auth.secrets.server
-        server = MqttTransport(parse_broker_url(f"mqtts://127.0.0.1:{port}").with_auth(secret.username, secret.password)
-                               .with_federation_ca(tls.ca_pem(), "test"), secret.username, deliver="thread").connect(10)
+        server = MqttTransport(
+            parse_broker_url(f"mqtts://127.0.0.1:{port}")
+            .with_auth(secret.username, secret.password)
+            .with_federation_ca(tls.ca_pem(), "test"),
+            secret.username,
+            deliver="thread",
+        ).connect(10)
         server.subscribe("protofl/w/presence/+", lambda topic, payload: seen.append((topic, payload)))
-        device = subprocess.Popen([sys.executable, "-c", DEVICE, f"mqtt://127.0.0.1:{site_port}",
-                                   str(site_dir / "devices" / "lab-device-1.json")],
-                                  stdout=subprocess.PIPE, env=ENV, text=True)
+        device = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                DEVICE,
+                f"mqtt://127.0.0.1:{site_port}",
+                str(site_dir / "devices" / "lab-device-1.json"),
+            ],
+            stdout=subprocess.PIPE,
+            env=ENV,
+            text=True,
+        )
         assert device.stdout is not None and device.stdout.readline().strip() == "online"
-        wait_for(lambda: (("protofl/w/presence/lab-device-1", b"online") in seen), "the device's presence")
+        wait_for(lambda: ("protofl/w/presence/lab-device-1", b"online") in seen, "the device's presence")
         server.publish("protofl/w/down/lab-device-2", b"for another device")
         server.publish("protofl/w/down/lab-device-1", b"send again")
         assert device.stdout.readline().strip() == "down send again"
         device.kill()  # no DISCONNECT: the site broker publishes its will
         device.wait()
-        wait_for(lambda: (("protofl/w/presence/lab-device-1", b"gone") in seen), "the device's will")
+        wait_for(lambda: ("protofl/w/presence/lab-device-1", b"gone") in seen, "the device's will")
     finally:
         if server is not None:
             server.close()
@@ -244,11 +345,15 @@ def test_broker_config_bridge_refuses_bad_input_and_changes_nothing(tmp_path: Pa
         (["--bridge", "a"], "--bridge needs --core URL"),
         (["--bridge", "a b", "--core", "mqtt://h:1", "--core-dir", str(core)], "not a valid name"),
         (["--bridge", "a", "--core", "unix:///tmp/x.sock", "--core-dir", str(core)], "over the network"),
-        (["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(core), "--listen", "0.0.0.0"],
-         "expected HOST:PORT"),
+        (
+            ["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(core), "--listen", "0.0.0.0"],
+            "expected HOST:PORT",
+        ),
         (["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(core), "--tls", "maybe"], "--tls must be"),
-        (["--bridge", "a", "--core", "mqtts://h:1", "--core-dir", str(core), "--core-ca", str(tmp_path / "no.crt")],
-         "no such file"),
+        (
+            ["--bridge", "a", "--core", "mqtts://h:1", "--core-dir", str(core), "--core-ca", str(tmp_path / "no.crt")],
+            "no such file",
+        ),
         (["--bridge", "a", "--core", "mqtt://h:1", "--core-dir", str(tmp_path)], "holds no credentials.json"),
     )
     for args, words in cases:
@@ -256,40 +361,84 @@ def test_broker_config_bridge_refuses_bad_input_and_changes_nothing(tmp_path: Pa
         assert result.exit_code == 2 and words in " ".join(result.output.split()), (args, result.output)
     assert not core.exists() and not (tmp_path / "site").exists()
     # No devices for the site: refused before anything is written.
-    result = runner.invoke(app, ["broker-config", "--out", str(tmp_path / "site"), "--bridge", "a", "--core",
-                                 "mqtt://h:1", "--core-dir", str(core)])
+    result = runner.invoke(
+        app,
+        [
+            "broker-config",
+            "--out",
+            str(tmp_path / "site"),
+            "--bridge",
+            "a",
+            "--core",
+            "mqtt://h:1",
+            "--core-dir",
+            str(core),
+        ],
+    )
     assert result.exit_code == 2 and "--allow FILE" in result.output
     assert not core.exists()
     # A core directory of another federation.
     bridge_cli("--out", str(core), "--fed", "one", "--devices", "1")
-    result = runner.invoke(app, [*base, "--bridge", "a", "--fed", "two", "--core", "mqtt://h:1", "--core-dir",
-                                 str(core)])
+    result = runner.invoke(
+        app, [*base, "--bridge", "a", "--fed", "two", "--core", "mqtt://h:1", "--core-dir", str(core)]
+    )
     assert result.exit_code == 2 and "federation 'one', not 'two'" in result.output
 
 
 def test_broker_config_bridge_writes_both_sides(tmp_path: Path) -> None:
     core, site = tmp_path / "core", tmp_path / "site"
     bridge_cli("--out", str(core), "--fed", "lab", "--devices", "1")
-    out = bridge_cli("--bridge", "north", "--fed", "lab", "--core", "mqtts://core.example:8883", "--core-dir",
-                     str(core), "--out", str(site), "--devices", "2", "--listen", "0.0.0.0:1884")
+    out = bridge_cli(
+        "--bridge",
+        "north",
+        "--fed",
+        "lab",
+        "--core",
+        "mqtts://core.example:8883",
+        "--core-dir",
+        str(core),
+        "--out",
+        str(site),
+        "--devices",
+        "2",
+        "--listen",
+        "0.0.0.0:1884",
+    )
     assert f"mosquitto -c {site / 'mosquitto.conf'}" in out and "--broker mqtts://HOST:1884" in out
     conf = (site / "mosquitto.conf").read_text()
-    for line in ("connection protofl-lab-north", "address core.example:8883",
-                 "remote_username protofl-bridge-lab-north",
-                 f"bridge_cafile {site / 'core-ca.crt'}", "topic protofl/lab/up/+ out 1",
-                 "topic protofl/lab/presence/+ out 1", "topic protofl/lab/round in 1", "topic protofl/lab/config in 1",
-                 "topic protofl/lab/server/status in 1", "listener 1884 0.0.0.0", f"password_file {site / 'passwd'}",
-                 "allow_anonymous false", "cleansession false"):
+    for line in (
+        "connection protofl-lab-north",
+        "address core.example:8883",
+        "remote_username protofl-bridge-lab-north",
+        f"bridge_cafile {site / 'core-ca.crt'}",
+        "topic protofl/lab/up/+ out 1",
+        "topic protofl/lab/presence/+ out 1",
+        "topic protofl/lab/round in 1",
+        "topic protofl/lab/config in 1",
+        "topic protofl/lab/server/status in 1",
+        "listener 1884 0.0.0.0",
+        f"password_file {site / 'passwd'}",
+        "allow_anonymous false",
+        "cleansession false",
+    ):
         assert f"\n{line}\n" in conf, line
     assert oct((site / "mosquitto.conf").stat().st_mode & 0o777) == "0o600"  # it holds the bridge's password
     # The core knows the bridge (ACL limited to the federation's device topics) and the site's devices.
     acl = (core / "acl").read_text()
     assert "user protofl-bridge-lab-north\ntopic write protofl/lab/up/+\ntopic write protofl/lab/presence/+" in acl
     core_users = [line.split(":")[0] for line in (core / "passwd").read_text().splitlines()]
-    assert core_users == ["protofl-server-lab", "protofl-monitor-lab", "protofl-bridge-lab-north", "device-1",
-                          "north-device-1", "north-device-2"]
-    assert [line.split(":")[0] for line in (site / "passwd").read_text().splitlines()] == ["north-device-1",
-                                                                                           "north-device-2"]
+    assert core_users == [
+        "protofl-server-lab",
+        "protofl-monitor-lab",
+        "protofl-bridge-lab-north",
+        "device-1",
+        "north-device-1",
+        "north-device-2",
+    ]
+    assert [line.split(":")[0] for line in (site / "passwd").read_text().splitlines()] == [
+        "north-device-1",
+        "north-device-2",
+    ]
     # The site serves TLS (beyond loopback) with a certificate the federation CA signed: the devices' files
     # carry that CA, as the core's do; the core's certificate now names the host the bridge dials.
     dev = read_device_file(site / "devices" / "north-device-1.json")
@@ -299,8 +448,22 @@ def test_broker_config_bridge_writes_both_sides(tmp_path: Path) -> None:
     assert "core.example" in certificate_names(core / "tls" / "broker.crt")
     # Again: the same bridge password (the running site keeps working), no new devices.
     password = conf.split("remote_password ")[1].split()[0]
-    bridge_cli("--bridge", "north", "--fed", "lab", "--core", "mqtts://core.example:8883", "--core-dir", str(core),
-               "--out", str(site), "--devices", "2", "--listen", "0.0.0.0:1884")
+    bridge_cli(
+        "--bridge",
+        "north",
+        "--fed",
+        "lab",
+        "--core",
+        "mqtts://core.example:8883",
+        "--core-dir",
+        str(core),
+        "--out",
+        str(site),
+        "--devices",
+        "2",
+        "--listen",
+        "0.0.0.0:1884",
+    )
     assert f"remote_password {password}\n" in (site / "mosquitto.conf").read_text()
 
 
@@ -312,16 +475,51 @@ def test_start_counts_site_devices_in_its_queue_but_not_in_its_open_files(tmp_pa
     from broker_server.capacity import queue_for_fleet
 
     state = tmp_path / "state"
-    bridge_cli("--bridge", "far", "--fed", "cap", "--core", "mqtt://127.0.0.1:1", "--core-dir", str(state / "security"),
-               "--out", str(tmp_path / "site"), "--devices", "500", "--listen", "127.0.0.1:1884")
+    bridge_cli(
+        "--bridge",
+        "far",
+        "--fed",
+        "cap",
+        "--core",
+        "mqtt://127.0.0.1:1",
+        "--core-dir",
+        str(state / "security"),
+        "--out",
+        str(tmp_path / "site"),
+        "--devices",
+        "500",
+        "--listen",
+        "127.0.0.1:1884",
+    )
 
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
-    server = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port",
-                               "0", "--fed", "cap", "--devices", "100", "--min-clients", "600", "--state-dir",
-                               str(state)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True,
-                              preexec_fn=limited)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            "0",
+            "--fed",
+            "cap",
+            "--devices",
+            "100",
+            "--min-clients",
+            "600",
+            "--state-dir",
+            str(state),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+        preexec_fn=limited,
+    )
     lines: list[str] = []
     try:
         assert server.stdout is not None
@@ -340,23 +538,47 @@ def test_start_counts_site_devices_in_its_queue_but_not_in_its_open_files(tmp_pa
 def test_broker_config_bridge_pre_aggregate_writes_the_pre_aggregators_side(tmp_path: Path) -> None:
     core, site = tmp_path / "core", tmp_path / "site"
     bridge_cli("--out", str(core), "--fed", "lab", "--devices", "1")
-    args = ["--bridge", "north", "--fed", "lab", "--core", "mqtt://core.example:1883", "--core-dir", str(core), "--out",
-            str(site), "--devices", "2", "--listen", "127.0.0.1:1884"]
+    args = [
+        "--bridge",
+        "north",
+        "--fed",
+        "lab",
+        "--core",
+        "mqtt://core.example:1883",
+        "--core-dir",
+        str(core),
+        "--out",
+        str(site),
+        "--devices",
+        "2",
+        "--listen",
+        "127.0.0.1:1884",
+    ]
     out = bridge_cli(*args, "--pre-aggregate")
     agg_file = site / "site-aggregator.json"
-    assert (f"protofl-server shard --site north --fed lab --broker mqtt://127.0.0.1:1884 --credentials {agg_file}"
-            in out and "start ... --sites north" in out)
+    assert (
+        f"protofl-server shard --site north --fed lab --broker mqtt://127.0.0.1:1884 --credentials {agg_file}" in out
+        and "start ... --sites north" in out
+    )
     conf = (site / "mosquitto.conf").read_text()
-    for line in ("topic protofl/lab/presence/+ out 1", "topic protofl/lab/shards/progress/site-north out 1",
-                 "topic protofl/lab/shards/partial/site-north out 1", "topic protofl/lab/shards/phase in 1",
-                 "topic protofl/lab/shards/close in 1", "topic protofl/lab/round in 1"):
+    for line in (
+        "topic protofl/lab/presence/+ out 1",
+        "topic protofl/lab/shards/progress/site-north out 1",
+        "topic protofl/lab/shards/partial/site-north out 1",
+        "topic protofl/lab/shards/phase in 1",
+        "topic protofl/lab/shards/close in 1",
+        "topic protofl/lab/round in 1",
+    ):
         assert f"\n{line}\n" in conf, line
     assert "protofl/lab/up/+" not in conf  # the uploads stay at the site
     # The pre-aggregator: a user of the site broker with a shard's rights there, and its credentials file.
     me = read_device_file(agg_file).credentials
     assert me.username == "protofl-site-lab-north"
     assert [line.split(":")[0] for line in (site / "passwd").read_text().splitlines()] == [
-        "north-device-1", "north-device-2", "protofl-site-lab-north"]
+        "north-device-1",
+        "north-device-2",
+        "protofl-site-lab-north",
+    ]
     site_acl = (site / "acl").read_text()
     assert "user protofl-site-lab-north\ntopic read protofl/lab/up/+\n" in site_acl
     # The core: the bridge user writes the pre-aggregator's topics, not the uploads; kept across a restart's rewrite.
@@ -394,17 +616,57 @@ def test_a_site_brokers_drops_reach_the_server_and_its_devices_send_again(tmp_pa
     core_port, site_port = free_port(), free_port()
     ids = [f"site-device-{i}" for i in range(1, n + 1)]
     (tmp_path / "site.txt").write_text("\n".join(ids) + "\n")
-    bridge_cli("--bridge", "north", "--fed", fed, "--core", f"mqtt://127.0.0.1:{core_port}", "--core-dir",
-               str(state / "security"), "--out", str(site_dir), "--allow", str(tmp_path / "site.txt"), "--listen",
-               f"127.0.0.1:{site_port}", "--broker-queue", "1")
-    assert "topic dropped out 1 $SYS/broker/publish/messages/ protofl/sitedrops/sites/north/" in \
-        (site_dir / "mosquitto.conf").read_text()
+    bridge_cli(
+        "--bridge",
+        "north",
+        "--fed",
+        fed,
+        "--core",
+        f"mqtt://127.0.0.1:{core_port}",
+        "--core-dir",
+        str(state / "security"),
+        "--out",
+        str(site_dir),
+        "--allow",
+        str(tmp_path / "site.txt"),
+        "--listen",
+        f"127.0.0.1:{site_port}",
+        "--broker-queue",
+        "1",
+    )
+    assert (
+        "topic dropped out 1 $SYS/broker/publish/messages/ protofl/sitedrops/sites/north/"
+        in (site_dir / "mosquitto.conf").read_text()
+    )
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(core_port),
-         "--fed", fed, "--rounds", "2", "--allow", str(tmp_path / "site.txt"), "--min-clients", str(n),
-         "--round-timeout", "120", "--state-dir", str(state), "--verbose"], stdout=log, stderr=subprocess.STDOUT,
-        env=ENV)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            str(core_port),
+            "--fed",
+            fed,
+            "--rounds",
+            "2",
+            "--allow",
+            str(tmp_path / "site.txt"),
+            "--min-clients",
+            str(n),
+            "--round-timeout",
+            "120",
+            "--state-dir",
+            str(state),
+            "--verbose",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+    )
     site, runners, core_pid, stopped = None, [], 0, False
     try:
         _wait(lambda: "devices join with" in _text(tmp_path / "server.log"), 60, "the server's broker")
@@ -422,14 +684,23 @@ def test_a_site_brokers_drops_reach_the_server_and_its_devices_send_again(tmp_pa
         stopped = True
         data = f"synthetic:n={20 * n},n_test={4 * n}"
         for i, cid in enumerate(ids):
-            runners.append(DeviceRunner(device_options(f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" /
-                                                       f"{cid}.json"), fed, cid,
-                                        DataSpec(data, partition=(i, n), seed=1), RunnerOptions(connect_timeout=30)))
+            runners.append(
+                DeviceRunner(
+                    device_options(f"mqtt://127.0.0.1:{site_port}", site_dir / "devices" / f"{cid}.json"),
+                    fed,
+                    cid,
+                    DataSpec(data, partition=(i, n), seed=1),
+                    RunnerOptions(connect_timeout=30),
+                )
+            )
         threads = [threading.Thread(target=r.run, kwargs={"timeout": 180}, daemon=True) for r in runners]
         for t in threads:
             t.start()
-        _wait(lambda: "Outgoing messages are being dropped for client" in _text(site.log), 60,
-              "the site broker to drop what its bridge cannot hold")
+        _wait(
+            lambda: "Outgoing messages are being dropped for client" in _text(site.log),
+            60,
+            "the site broker to drop what its bridge cannot hold",
+        )
         os.kill(core_pid, signal.SIGCONT)
         stopped = False
         for t in threads:

@@ -14,9 +14,30 @@ runner = CliRunner()
 
 def test_simulate_writes_the_json_report(tmp_path) -> None:
     out = tmp_path / "r" / "report.json"
-    res = runner.invoke(app, ["simulate", "--preset", "tinyproto", "--dataset", "synthetic:n=600,n_test=100",
-                              "--clients", "3", "--rounds", "2", "--seed", "1", "--json", str(out),
-                              "--set", "mu=auto", "--set", "cps_s=32", "--device", "auto"])
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--preset",
+            "tinyproto",
+            "--dataset",
+            "synthetic:n=600,n_test=100",
+            "--clients",
+            "3",
+            "--rounds",
+            "2",
+            "--seed",
+            "1",
+            "--json",
+            str(out),
+            "--set",
+            "mu=auto",
+            "--set",
+            "cps_s=32",
+            "--device",
+            "auto",
+        ],
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert report["preset"] == "tinyproto"
@@ -57,8 +78,20 @@ def test_presets_command_lists_every_preset() -> None:
 
 
 def test_onnx_extractor_gives_the_same_report_as_torch(tmp_path) -> None:
-    base = ["simulate", "-q", "--preset", "fedproto", "--dataset", "synthetic:n=400,n_test=50", "--clients", "2",
-            "--rounds", "1", "--arch", "mlp"]
+    base = [
+        "simulate",
+        "-q",
+        "--preset",
+        "fedproto",
+        "--dataset",
+        "synthetic:n=400,n_test=50",
+        "--clients",
+        "2",
+        "--rounds",
+        "1",
+        "--arch",
+        "mlp",
+    ]
     reports = {}
     for ex in ("torch", "onnx"):
         out = tmp_path / f"{ex}.json"

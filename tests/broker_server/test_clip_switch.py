@@ -35,8 +35,11 @@ def fedproto(policy: ClipPolicy) -> ServerModel:
 def upload(rows: dict[int, list[float]]) -> ProtoUpload:
     classes = sorted(rows)
     values = np.array([rows[c] for c in classes], np.float32)
-    return ProtoUpload(local=ProtoSet(classes=np.array(classes), values=values, counts=np.ones(len(classes), np.int64)),
-                       public=None, n_samples=1)
+    return ProtoUpload(
+        local=ProtoSet(classes=np.array(classes), values=values, counts=np.ones(len(classes), np.int64)),
+        public=None,
+        n_samples=1,
+    )
 
 
 def one_round(model: ServerModel, *uploads: ProtoUpload) -> None:
@@ -70,8 +73,10 @@ def test_clip_off_folds_an_adapter_update_as_sent() -> None:
     before = vec.adapter.copy()
     idx = np.arange(10)
     phase = PhaseRun(model, Phase.TRAIN)
-    phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(before.shape[0], idx, before[idx] + 5.0),
-                                           n_samples=10, base_round=1, dt="f4"))
+    phase.add(
+        Upload.ADAPTER,
+        ParamsUpload(update=SparseVector(before.shape[0], idx, before[idx] + 5.0), n_samples=10, base_round=1, dt="f4"),
+    )
     phase.finish()
     assert np.allclose(vec.adapter[idx], before[idx] + 5.0) and model.clipped == {}
 
@@ -82,8 +87,12 @@ def _report_rows(model: ServerModel, rounds: list[tuple[ProtoUpload, ...]]) -> l
     for r, uploads in enumerate(rounds, 1):
         one_round(model, *uploads)
         # what the round machine records at the close, before the next round starts its counts again
-        rec = RoundRecord(round=r, clients=["a", "b"], clipped=dict(model.round_clips.clipped),
-                          clip_checked=dict(model.round_clips.checked))
+        rec = RoundRecord(
+            round=r,
+            clients=["a", "b"],
+            clipped=dict(model.round_clips.clipped),
+            clip_checked=dict(model.round_clips.checked),
+        )
         report.on_round_end(rec, model)
     return report.to_json({})["rounds"]
 
@@ -97,8 +106,10 @@ def test_the_simulate_json_counts_the_rows_beyond_the_radius_each_round() -> Non
     r1 = (upload({0: [3.0, 4.0], 1: [0.5, 0.0], 2: [0.0, 2.0]}), upload({0: [0.3, 0.4]}))
     r2 = (upload({1: [0.5, 13.0], 0: [0.5, 0.5]}), upload({2: [0.0, 1.0]}))
     rows = _report_rows(model, [r1, r2])
-    assert [(r["clipped"], r["clip_checked"]) for r in rows] == [({"protos": 2}, {"protos": 4}),
-                                                                ({"protos": 1}, {"protos": 3})]
+    assert [(r["clipped"], r["clip_checked"]) for r in rows] == [
+        ({"protos": 2}, {"protos": 4}),
+        ({"protos": 1}, {"protos": 3}),
+    ]
     assert model.radii["protos"] == pytest.approx(10.0)  # next: 10 x the median of round 2's norms 13.01, 0.71, 1
     assert model.clipped == {"protos": 3}  # the running total is the rows' sum
     off = _report_rows(fedproto(ClipPolicy(first_radius=1.0, enabled=False)), [r1, r2])
@@ -118,8 +129,25 @@ def test_the_first_clip_is_explained_once_in_the_server_log(caplog: pytest.LogCa
 
 def test_simulate_takes_clip_off_and_records_it(tmp_path) -> None:
     out = tmp_path / "r.json"
-    res = runner.invoke(app, ["simulate", "--preset", "fedproto", "--dataset", "synthetic:n=300,n_test=50",
-                              "--clients", "2", "--rounds", "1", "--clip", "off", "--json", str(out), "-q"])
+    res = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--preset",
+            "fedproto",
+            "--dataset",
+            "synthetic:n=300,n_test=50",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--clip",
+            "off",
+            "--json",
+            str(out),
+            "-q",
+        ],
+    )
     assert res.exit_code == 0, res.output
     report = json.loads(out.read_text())
     assert report["simulation"]["clip"] == "off"
@@ -128,8 +156,9 @@ def test_simulate_takes_clip_off_and_records_it(tmp_path) -> None:
 
 def test_start_passes_the_switch_into_the_clip_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[ClipPolicy] = []
-    monkeypatch.setattr(start_cli, "_serve", lambda *a, **k: seen.extend(
-        x for x in (*a, *k.values()) if isinstance(x, ClipPolicy)))
+    monkeypatch.setattr(
+        start_cli, "_serve", lambda *a, **k: seen.extend(x for x in (*a, *k.values()) if isinstance(x, ClipPolicy))
+    )
     for args, enabled in ((["--clip", "off"], False), (["--clip", "ON"], True), ([], True)):
         res = runner.invoke(app, ["start", "--preset", "fedproto", *args])
         assert res.exit_code == 0, res.output
@@ -149,9 +178,27 @@ def test_fedpagrs_unit_uploads_clip_nothing_so_on_and_off_make_the_same_run(tmp_
     reports = {}
     for clip in ("on", "off"):
         out = tmp_path / f"{clip}.json"
-        res = runner.invoke(app, ["simulate", "--preset", "fedpagr", "--dataset", "synthetic:n=400,n_test=80",
-                                  "--clients", "3", "--rounds", "3", "--seed", "1", "--clip", clip,
-                                  "--json", str(out), "-q"])
+        res = runner.invoke(
+            app,
+            [
+                "simulate",
+                "--preset",
+                "fedpagr",
+                "--dataset",
+                "synthetic:n=400,n_test=80",
+                "--clients",
+                "3",
+                "--rounds",
+                "3",
+                "--seed",
+                "1",
+                "--clip",
+                clip,
+                "--json",
+                str(out),
+                "-q",
+            ],
+        )
         assert res.exit_code == 0, res.output
         reports[clip] = json.loads(out.read_text())
     on, off = reports["on"]["rounds"], reports["off"]["rounds"]

@@ -35,8 +35,11 @@ CLIENTS, ROUNDS = 4, 16
 # right after a journal append, right after a checkpoint, in the middle of an append (a torn record).
 MOMENTS = ["random", "after_append", "random", "after_checkpoint", "mid_append"] * 4 + ["random", "after_append"]
 LONG_DOWNTIMES = {5: 15.0, 13: 15.0, 18: 8.0}  # the server (and its broker) stay down this long; else 0-2 s
-CRASH_ENV = {"after_append": "PROTOFL_CRASH_AFTER_APPEND", "after_checkpoint": "PROTOFL_CRASH_AFTER_CHECKPOINT",
-             "mid_append": "PROTOFL_CRASH_MID_APPEND"}
+CRASH_ENV = {
+    "after_append": "PROTOFL_CRASH_AFTER_APPEND",
+    "after_checkpoint": "PROTOFL_CRASH_AFTER_CHECKPOINT",
+    "mid_append": "PROTOFL_CRASH_MID_APPEND",
+}
 UPLOAD_KINDS = ("adapter", "protos")
 
 
@@ -55,11 +58,13 @@ SMALL_CLIENTS, SMALL_ROUNDS = 3, 15
 
 
 @pytest.fixture(scope="module")
-def small_reference(tmp_path_factory: pytest.TempPathFactory,
-                    mosquitto_module: MosquittoBroker) -> dict[str, np.ndarray]:
+def small_reference(
+    tmp_path_factory: pytest.TempPathFactory, mosquitto_module: MosquittoBroker
+) -> dict[str, np.ndarray]:
     """A 3-device federation, never interrupted (the broker and device tests' reference)."""
-    return uninterrupted("small", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path_factory.mktemp("small-reference"),
-                         mosquitto_module.url)
+    return uninterrupted(
+        "small", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path_factory.mktemp("small-reference"), mosquitto_module.url
+    )
 
 
 def journal_size(fed: Federation) -> int:
@@ -123,10 +128,26 @@ def test_the_default_start_killed_22_times_ends_like_an_uninterrupted_run(tmp_pa
     rng = random.Random(24)
     # The reference, never interrupted, runs alongside (same settings, own state dir and broker), so that
     # its CPU time overlaps the crash run's downtimes.
-    ref = Federation("crash", CLIENTS, ROUNDS, tmp_path / "ref" / "state", tmp_path / "ref" / "logs",
-                     port=free_port(), secured=True, offline_grace=None)
-    fed = Federation("crash", CLIENTS, ROUNDS, tmp_path / "state", tmp_path / "logs", port=free_port(),
-                     secured=True, offline_grace=None)
+    ref = Federation(
+        "crash",
+        CLIENTS,
+        ROUNDS,
+        tmp_path / "ref" / "state",
+        tmp_path / "ref" / "logs",
+        port=free_port(),
+        secured=True,
+        offline_grace=None,
+    )
+    fed = Federation(
+        "crash",
+        CLIENTS,
+        ROUNDS,
+        tmp_path / "state",
+        tmp_path / "logs",
+        port=free_port(),
+        secured=True,
+        offline_grace=None,
+    )
     for f in (ref, fed):
         f.start_server()
         # the devices' credentials exist once the server has written them
@@ -180,8 +201,9 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_reference: dict[str, np.ndarray],
-                                                                   tmp_path: Path) -> None:
+def test_the_spawned_broker_is_supervised_and_dies_with_the_server(
+    small_reference: dict[str, np.ndarray], tmp_path: Path
+) -> None:
     # The server's own mosquitto (persistence under --state-dir/broker): kill -9 of the broker mid-run,
     # twice (the server restarts it; server and devices reconnect), then kill -9 of the server (its
     # broker exits with it, no orphan; the restarted server starts a new one and resumes). The result
@@ -200,8 +222,16 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_referen
             os.kill(pid, signal.SIGKILL)
             # The restart is done when the server says so: a new pid alone may still be starting (on a
             # loaded machine a kill then lands inside the supervisor's readiness check, a third death).
-            wait_for(lambda pid=pid, n=n: broker_pid(fed) != pid and alive(broker_pid(fed))
-                     and fed.log_tail(10**7).count("broker restarted") >= n, 30, "the broker's restart", fed)
+            wait_for(
+                lambda pid=pid, n=n: (
+                    broker_pid(fed) != pid
+                    and alive(broker_pid(fed))
+                    and fed.log_tail(10**7).count("broker restarted") >= n
+                ),
+                30,
+                "the broker's restart",
+                fed,
+            )
         wait_for(lambda: rounds_done(fed) >= 7, 120, "7 rounds", fed)
         pid = broker_pid(fed)
         fed.kill_server()
@@ -220,7 +250,8 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(small_referen
 @pytest.mark.slow
 @pytest.mark.mosquitto
 def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
-        small_reference: dict[str, np.ndarray], mosquitto_module: MosquittoBroker, tmp_path: Path) -> None:
+    small_reference: dict[str, np.ndarray], mosquitto_module: MosquittoBroker, tmp_path: Path
+) -> None:
     # dev-01 (with --state-dir) is killed with SIGKILL twice at random moments and restarted: it loads its
     # own last local state (backbone weights included, trained over the rounds it took part in) and
     # resumes from the retained round message. Without that, its restarted backbone would be the seeded
@@ -229,8 +260,15 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
     # delay before a kill. The other two devices are therefore frozen (SIGSTOP) around each kill: no round can
     # close without them, so dev-01 always dies mid-federation, training its round or waiting for the next.
     rng = random.Random(7)
-    fed = Federation("devkill", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs",
-                     broker_url=mosquitto_module.url, device_state=tmp_path / "devices")
+    fed = Federation(
+        "devkill",
+        SMALL_CLIENTS,
+        SMALL_ROUNDS,
+        tmp_path / "state",
+        tmp_path / "logs",
+        broker_url=mosquitto_module.url,
+        device_state=tmp_path / "devices",
+    )
     ckpt = tmp_path / "devices" / "devkill-dev-01.ckpt"
     dev_log_path = fed.logs / "dev-01.log"
     try:
@@ -238,8 +276,12 @@ def test_a_device_killed_mid_round_resumes_from_its_own_checkpoint(
         fed.start_agents()
         for k in range(2):
             # first life: once it has checkpointed a round; second: once it has resumed from that checkpoint
-            wait_for(lambda k=k: ckpt.exists() and dev_log_path.read_text().count("dev-01: resumed from") == k, 120,
-                     f"dev-01's life {k + 1} to be under way", fed)
+            wait_for(
+                lambda k=k: ckpt.exists() and dev_log_path.read_text().count("dev-01: resumed from") == k,
+                120,
+                f"dev-01's life {k + 1} to be under way",
+                fed,
+            )
             others = [fed.agents[i] for i in range(SMALL_CLIENTS) if i != 1]
             for p in others:
                 p.send_signal(signal.SIGSTOP)

@@ -45,6 +45,7 @@ FED = "dur"
 
 # -- journal ----------------------------------------------------------------------------------
 
+
 def _records(path: Path, n: int) -> list[bytes]:
     recs = [encode_record(f"t/{i}", bytes([i]) * (10 + i), f"c{i}", "protos", 1, "train") for i in range(n)]
     path.write_bytes(b"".join(recs))
@@ -101,8 +102,14 @@ def test_the_payload_is_journaled_as_it_arrived(tmp_path: Path) -> None:
     data = (tmp_path / "journal.log").read_bytes()
     assert data.startswith(b"PFJ2") and data.endswith(payload)  # the bytes themselves, after header and meta
     [rec] = Journal(tmp_path / "journal.log").records
-    assert ((rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)
-            == ("t/c1", payload, "c1", "join", 0, ""))
+    assert (rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase) == (
+        "t/c1",
+        payload,
+        "c1",
+        "join",
+        0,
+        "",
+    )
 
 
 def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
@@ -112,8 +119,9 @@ def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
     import msgpack
 
     def old_record(i: int) -> bytes:  # PFJ1, as written before issue 27: the payload inside a msgpack body
-        body = msgpack.packb({"t": f"t/{i}", "p": bytes([i]) * 5, "c": f"c{i}", "k": "protos", "r": 1,
-                              "ph": "train"}, use_bin_type=True)
+        body = msgpack.packb(
+            {"t": f"t/{i}", "p": bytes([i]) * 5, "c": f"c{i}", "k": "protos", "r": 1, "ph": "train"}, use_bin_type=True
+        )
         return struct.pack(">4sII", b"PFJ1", len(body), zlib.crc32(body)) + body
 
     path = tmp_path / "journal.log"
@@ -131,6 +139,7 @@ def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
 
 
 # -- checkpoint -------------------------------------------------------------------------------
+
 
 def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.bin"
@@ -158,19 +167,45 @@ CLIENTS = ["c0", "c1", "c2"]
 
 def _cfg(preset: str) -> FederationConfig:
     if preset == "fedpagr+erpa":  # candidate (d): public-set unit prototypes ride on the training upload
-        return make_config("fedpagr", rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
-                           round_timeout=600.0, seed=3, refine=False, erpa=True, public_classes=(0, 1))
+        return make_config(
+            "fedpagr",
+            rounds=3,
+            min_clients=3,
+            proto_dim=20,
+            adapter_rank=2,
+            num_classes=3,
+            round_timeout=600.0,
+            seed=3,
+            refine=False,
+            erpa=True,
+            public_classes=(0, 1),
+        )
     if preset == "protofl+adapters":  # APUD adapters and CPS-scaled prototypes in one upload
-        return make_config("protofl", rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
-                           round_timeout=600.0, seed=3, **ADAPTER_PIPELINE)
-    return make_config(preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
-                       round_timeout=600.0, seed=3)
+        return make_config(
+            "protofl",
+            rounds=3,
+            min_clients=3,
+            proto_dim=20,
+            adapter_rank=2,
+            num_classes=3,
+            round_timeout=600.0,
+            seed=3,
+            **ADAPTER_PIPELINE,
+        )
+    return make_config(
+        preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3, round_timeout=600.0, seed=3
+    )
 
 
 def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
     """Joins, then each client's training uploads for rounds 1-3 (deterministic in client and round)."""
-    out = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=10 + k, profile="", agent_version="t"),
-                                              fed=FED, sender=c)) for k, c in enumerate(CLIENTS)]
+    out = [
+        (
+            topics.up(FED, c),
+            encode_message(Join(arch="", n_samples=10 + k, profile="", agent_version="t"), fed=FED, sender=c),
+        )
+        for k, c in enumerate(CLIENTS)
+    ]
     adapter = agg.model.rules.state_values().get("adapter")
     n_adapter = adapter.shape[0] if adapter is not None else 0
     width = agg.machine.plan.proto_width  # CPS: only the class's support travels
@@ -182,23 +217,50 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
                 protos = ProtoSet(classes=np.array([2]), values=rng.normal(size=(1, width)).astype(np.float32), dt="f4")
             else:
                 public = None
-                protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, width)).astype(np.float32),
-                                  counts=np.asarray([5 + k, 6, 7]), dt="f4")
-            out.append((topics.up(FED, c), encode_message(ProtoUpload(local=protos, public=public, n_samples=18),
-                                                          fed=FED, sender=c, round=r, phase="train")))
+                protos = ProtoSet(
+                    classes=np.arange(3),
+                    values=rng.normal(size=(3, width)).astype(np.float32),
+                    counts=np.asarray([5 + k, 6, 7]),
+                    dt="f4",
+                )
+            out.append(
+                (
+                    topics.up(FED, c),
+                    encode_message(
+                        ProtoUpload(local=protos, public=public, n_samples=18),
+                        fed=FED,
+                        sender=c,
+                        round=r,
+                        phase="train",
+                    ),
+                )
+            )
             if n_adapter:
                 idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
-                up = ParamsUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
-                                   n_samples=18, base_round=r)
+                up = ParamsUpload(
+                    update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
+                    n_samples=18,
+                    base_round=r,
+                )
                 out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
     return out
 
 
-def _aggregator(preset: str, state: Path | None, broker: InProcessBroker | None = None,
-                rotate_bytes: int = 1 << 20, cfg: FederationConfig | None = None, public: PublicSet | None = None,
-                ) -> tuple[Aggregator, DurableState | None]:
-    agg = Aggregator(cfg or _cfg(preset), FED, (broker or InProcessBroker()).connect("server"),
-                     expected_clients=CLIENTS, public=public)
+def _aggregator(
+    preset: str,
+    state: Path | None,
+    broker: InProcessBroker | None = None,
+    rotate_bytes: int = 1 << 20,
+    cfg: FederationConfig | None = None,
+    public: PublicSet | None = None,
+) -> tuple[Aggregator, DurableState | None]:
+    agg = Aggregator(
+        cfg or _cfg(preset),
+        FED,
+        (broker or InProcessBroker()).connect("server"),
+        expected_clients=CLIENTS,
+        public=public,
+    )
     durable = None
     if state is not None:
         durable = DurableState(state, FED, rotate_bytes=rotate_bytes)
@@ -221,8 +283,16 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
     return out
 
 
-@pytest.mark.parametrize("preset,rotate", [("fedproto", 1 << 20), ("protofl+adapters", 1 << 20),
-                                           ("protofl+adapters", 0), ("protofl", 1 << 20), ("fedpagr+erpa", 1 << 20)])
+@pytest.mark.parametrize(
+    "preset,rotate",
+    [
+        ("fedproto", 1 << 20),
+        ("protofl+adapters", 1 << 20),
+        ("protofl+adapters", 0),
+        ("protofl", 1 << 20),
+        ("fedpagr+erpa", 1 << 20),
+    ],
+)
 def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate: int, tmp_path: Path) -> None:
     # rotate 0: a new journal segment at every phase boundary; 1 MiB: one segment for the whole run.
     ref, _ = _aggregator(preset, None)
@@ -278,13 +348,28 @@ def test_a_corrupt_checkpoint_stops_the_restart_with_the_file_named(tmp_path: Pa
     agg, durable = _aggregator("fedproto", tmp_path)  # journal only: the joins are replayed
     assert durable is not None and sorted(agg.clients) == CLIENTS and agg.round == 1
     durable.close()
-    other = Aggregator(make_config("fedproto", rounds=4, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
-                                   round_timeout=600.0, seed=3), FED,
-                       InProcessBroker().connect("s"), expected_clients=CLIENTS)
+    other = Aggregator(
+        make_config(
+            "fedproto",
+            rounds=4,
+            min_clients=3,
+            proto_dim=20,
+            adapter_rank=2,
+            num_classes=3,
+            round_timeout=600.0,
+            seed=3,
+        ),
+        FED,
+        InProcessBroker().connect("s"),
+        expected_clients=CLIENTS,
+    )
     d = DurableState(tmp_path, FED)
     d.bind(other)
-    with pytest.raises(CheckpointError, match="cannot be resumed: the saved federation was run with another config "
-                                              r"\(differs in: .*rounds"):
+    with pytest.raises(
+        CheckpointError,
+        match="cannot be resumed: the saved federation was run with another config "
+        r"\(differs in: .*rounds",
+    ):
         d.restore()
 
 
@@ -295,7 +380,7 @@ def test_a_restarted_aggregator_announces_the_same_round_with_the_full_adapter(t
     live_broker = InProcessBroker()
     agg, durable = _aggregator("protofl+adapters", tmp_path / "live", live_broker)
     msgs = _messages("protofl+adapters", agg)
-    for t, p in msgs[:3 + 2 * 6 + 2]:  # joins, rounds 1 and 2, and one upload pair of round 3
+    for t, p in msgs[: 3 + 2 * 6 + 2]:  # joins, rounds 1 and 2, and one upload pair of round 3
         agg.on_message(t, p)
     assert agg.round == 3 and durable is not None
     before = dict(live_broker.retained)
@@ -328,8 +413,20 @@ def test_start_refuses_a_corrupt_checkpoint_and_changes_nothing(tmp_path: Path) 
     agg_dir.mkdir()
     ck = agg_dir / "checkpoint.bin"
     ck.write_bytes(b"PFCK1\n" + b"\0" * 32 + b"not the body that was hashed")
-    r = CliRunner().invoke(app, ["start", "--broker", "mqtt://127.0.0.1:9", "--preset", "fedproto", "--state-dir",
-                                 str(tmp_path), "--connect-timeout", "1"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "start",
+            "--broker",
+            "mqtt://127.0.0.1:9",
+            "--preset",
+            "fedproto",
+            "--state-dir",
+            str(tmp_path),
+            "--connect-timeout",
+            "1",
+        ],
+    )
     assert r.exit_code == 2
     assert f"error: checkpoint {ck} is corrupt (SHA-256 mismatch" in r.output and "move it aside" in r.output
     assert sorted(p.name for p in agg_dir.iterdir()) == ["checkpoint.bin"]  # no journal started beside it
@@ -338,8 +435,18 @@ def test_start_refuses_a_corrupt_checkpoint_and_changes_nothing(tmp_path: Path) 
 def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) -> None:
     # refprotofl: a prototype phase (public-set and local prototypes -> anchors), then a training phase
     # (APUD adapters). A restart after any message, either phase, ends bit-identical.
-    cfg = make_config("refprotofl", rounds=2, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3,
-                      round_timeout=600.0, seed=3, public_classes=(0, 1), public_per_class=2)
+    cfg = make_config(
+        "refprotofl",
+        rounds=2,
+        min_clients=3,
+        proto_dim=20,
+        adapter_rank=2,
+        num_classes=3,
+        round_timeout=600.0,
+        seed=3,
+        public_classes=(0, 1),
+        public_per_class=2,
+    )
     public = PublicSet(x=np.zeros((4, 1, 4, 4), np.uint8), y=np.asarray([0, 0, 1, 1]), classes=[0, 1])
 
     def make(state: Path | None) -> tuple[Aggregator, DurableState | None]:
@@ -347,22 +454,42 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
 
     ref, _ = make(None)
     plan, n_adapter = ref.machine.plan, ref.model.rules.state_values()["adapter"].shape[0]
-    msgs = [(topics.up(FED, c), encode_message(Join(arch="", n_samples=9, profile="", agent_version="t"), fed=FED,
-                                               sender=c)) for c in CLIENTS]
+    msgs = [
+        (
+            topics.up(FED, c),
+            encode_message(Join(arch="", n_samples=9, profile="", agent_version="t"), fed=FED, sender=c),
+        )
+        for c in CLIENTS
+    ]
     for r in (1, 2):
         for k, c in enumerate(CLIENTS):
             rng = np.random.default_rng(10 * r + k)
-            pub = ProtoSet(classes=np.asarray([0, 1]), values=rng.normal(size=(2, plan.proto_width)).astype(np.float32),
-                           counts=np.asarray([2, 2]), dt="f4")
-            loc = ProtoSet(classes=np.asarray([2]), values=rng.normal(size=(1, plan.proto_width)).astype(np.float32),
-                           counts=np.asarray([5 + k]), dt="f4")
-            msgs.append((topics.up(FED, c), encode_message(ProtoUpload(local=loc, public=pub, n_samples=9), fed=FED,
-                                                           sender=c, round=r, phase="proto")))
+            pub = ProtoSet(
+                classes=np.asarray([0, 1]),
+                values=rng.normal(size=(2, plan.proto_width)).astype(np.float32),
+                counts=np.asarray([2, 2]),
+                dt="f4",
+            )
+            loc = ProtoSet(
+                classes=np.asarray([2]),
+                values=rng.normal(size=(1, plan.proto_width)).astype(np.float32),
+                counts=np.asarray([5 + k]),
+                dt="f4",
+            )
+            msgs.append(
+                (
+                    topics.up(FED, c),
+                    encode_message(
+                        ProtoUpload(local=loc, public=pub, n_samples=9), fed=FED, sender=c, round=r, phase="proto"
+                    ),
+                )
+            )
         for k, c in enumerate(CLIENTS):
             rng = np.random.default_rng(100 * r + k)
             idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
-            up = ParamsUpload(update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)),
-                               n_samples=9, base_round=r)
+            up = ParamsUpload(
+                update=SparseVector(n_adapter, idx, rng.normal(size=5).astype(np.float32)), n_samples=9, base_round=r
+            )
             msgs.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
     for t, p in msgs:
         ref.on_message(t, p)
@@ -379,8 +506,11 @@ def test_an_erpa_federation_restarts_in_its_prototype_phase_too(tmp_path: Path) 
         agg, d = make(cut)
         for t, p in msgs[i:]:
             agg.on_message(t, p)
-        assert agg.finished and agg.model.rules.state_values()["adapter"].tobytes() == \
-            ref.model.rules.state_values()["adapter"].tobytes(), i
+        assert (
+            agg.finished
+            and agg.model.rules.state_values()["adapter"].tobytes()
+            == ref.model.rules.state_values()["adapter"].tobytes()
+        ), i
         got, want = (a.model.rules.state_values()["targets"] for a in (agg, ref))
         assert got is not None and want is not None
         assert got.values.tobytes() == want.values.tobytes(), i
@@ -408,7 +538,7 @@ def test_a_state_dir_of_format_2_resumes_and_ends_in_the_same_state(preset: str,
     applied = len(journal_records(state))
     agg, d = _aggregator(preset, state)
     assert agg.round == 2 and d is not None
-    for t, p in msgs[applied - 1:]:  # the last one journaled comes again: a duplicate
+    for t, p in msgs[applied - 1 :]:  # the last one journaled comes again: a duplicate
         agg.on_message(t, p)
     assert agg.finished and _state(agg) == _state(ref) and agg.dropped == {"duplicate": 1}
     assert [r.clipped for r in agg.records] == [r.clipped for r in ref.records]

@@ -56,8 +56,14 @@ MiB = 2**20
 def config_payload(entries: int, sender: str = MEMBER) -> bytes:
     """A `config` message with an `entries`-entry adapter layout, packed by hand: building it through
     `Config` would run the very validation under test on the attacker's side."""
-    body: dict[str, Any] = {"preset": "x", "params": {}, "adapter_layout": [[f"w{i}", [1]] for i in range(entries)],
-            "class_masks": None, "mask_shape": None, "limits": {}}
+    body: dict[str, Any] = {
+        "preset": "x",
+        "params": {},
+        "adapter_layout": [[f"w{i}", [1]] for i in range(entries)],
+        "class_masks": None,
+        "mask_shape": None,
+        "limits": {},
+    }
     return pack_envelope(Envelope(1, "config", FED, 0, "", sender, "attack", body))
 
 
@@ -71,8 +77,9 @@ def big_metrics(round_: int, nbytes: int = 8 * MiB) -> bytes:
 def upload(round_: int, width: int) -> bytes:
     """A valid fedproto upload: one class's prototype, from one sample."""
     local = ProtoSet(classes=np.array([0]), values=np.zeros((1, width), np.float32), counts=np.array([1]))
-    return encode_message(ProtoUpload(local=local, public=None, n_samples=1), fed=FED, sender=MEMBER,
-                          round=round_, phase="train")
+    return encode_message(
+        ProtoUpload(local=local, public=None, n_samples=1), fed=FED, sender=MEMBER, round=round_, phase="train"
+    )
 
 
 def test_a_config_on_up_costs_its_envelope_in_linear_time() -> None:
@@ -96,8 +103,12 @@ def test_a_simulation_keeps_the_probabilities_its_devices_send() -> None:
     # 4000 samples x 10 classes as f2 is 80 kB, over the 64 KiB a device's metrics get in the field.
     fed = prepare(SimulationSpec(preset="fedproto", dataset="synthetic:n=600,n_test=4000,size=8", clients=2))
     probs = np.full((len(fed.test.y), fed.cfg.num_classes), 0.1, np.float32)
-    data = encode_message(Metrics(n_local=1, correct_local=0, n_test=len(probs), correct_test=0, probs=probs),
-                          fed=FED, sender=MEMBER, round=1)
+    data = encode_message(
+        Metrics(n_local=1, correct_local=0, n_test=len(probs), correct_test=0, probs=probs),
+        fed=FED,
+        sender=MEMBER,
+        round=1,
+    )
     with pytest.raises(WireError, match="for a metrics message"):
         decode_message(data, limits=decoder_limits(fed.cfg))
     got = decode_message(data, limits=fed.limits(None))[1]
@@ -149,10 +160,32 @@ class Server:
         self.width = make_config("fedproto").proto_dim
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(port),
-                 "--fed", FED, "--rounds", "2", "--min-clients", "1", "--round-timeout", "600",
-                 "--state-dir", str(state), "--allow", str(tmp_path / "allow.txt")],
-                stdout=out, stderr=subprocess.STDOUT, env=ENV)
+                [
+                    sys.executable,
+                    "-m",
+                    "broker_server.cli",
+                    "start",
+                    "--preset",
+                    "fedproto",
+                    "--port",
+                    str(port),
+                    "--fed",
+                    FED,
+                    "--rounds",
+                    "2",
+                    "--min-clients",
+                    "1",
+                    "--round-timeout",
+                    "600",
+                    "--state-dir",
+                    str(state),
+                    "--allow",
+                    str(tmp_path / "allow.txt"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+            )
         self.attacker: MqttTransport | None = None
         creds = state / "security" / "devices" / f"{MEMBER}.json"
         end = time.monotonic() + 30

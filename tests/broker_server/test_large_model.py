@@ -10,9 +10,17 @@ from broker_server.simulation import SimulationSpec, run_simulation
 
 @pytest.mark.slow
 def test_fedavg_resnet18_round_completes(one_torch_thread: None) -> None:
-    report = run_simulation(SimulationSpec(preset="fedavg", dataset="synthetic:n=120,n_test=8", clients=2,
-                                           rounds=1, seed=0, archs=("resnet18",),
-                                           overrides={"batch_size": 32, "public_per_class": 0}))
+    report = run_simulation(
+        SimulationSpec(
+            preset="fedavg",
+            dataset="synthetic:n=120,n_test=8",
+            clients=2,
+            rounds=1,
+            seed=0,
+            archs=("resnet18",),
+            overrides={"batch_size": 32, "public_per_class": 0},
+        )
+    )
     (row,) = report["rounds"]
     assert report["dropped"] == {} and row["clients"] == 2 and row["closed_by"] == "quorum"
     # two uploads of the full model, each over the old fixed limit of 32 MiB

@@ -28,8 +28,9 @@ DATA = "synthetic:n=600,n_test=50"
 IDS = ["client-000", "client-001"]
 
 
-def run_with_cut(mosquitto: MosquittoBroker, fed: str, cut_s: float,
-                 deadline: float) -> tuple[AggregatorService, LinkProxy]:
+def run_with_cut(
+    mosquitto: MosquittoBroker, fed: str, cut_s: float, deadline: float
+) -> tuple[AggregatorService, LinkProxy]:
     cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=2, rounds=1, seed=3)).cfg
     cfg = cfg.replace(min_clients=1, round_timeout=deadline)
     broker = parse_broker_url(mosquitto.url)
@@ -38,8 +39,10 @@ def run_with_cut(mosquitto: MosquittoBroker, fed: str, cut_s: float,
     service = AggregatorService(Federation(cfg, fed, expected_clients=IDS), server_transport(Broker(broker), fed))
     thread = ServiceThread(service, timeout=60).start()
     via = [broker, dataclasses.replace(broker, host=proxy.host, port=proxy.port)]  # client-001 behind the proxy
-    runners = [DeviceRunner(b, fed, cid, DataSpec(DATA, None, (i, 2), 0.5, 3), RunnerOptions(device="cpu"))
-               for i, (cid, b) in enumerate(zip(IDS, via, strict=True))]
+    runners = [
+        DeviceRunner(b, fed, cid, DataSpec(DATA, None, (i, 2), 0.5, 3), RunnerOptions(device="cpu"))
+        for i, (cid, b) in enumerate(zip(IDS, via, strict=True))
+    ]
     threads = [threading.Thread(target=r.run, kwargs={"timeout": 60}, daemon=True) for r in runners]
     try:
         for t in threads:

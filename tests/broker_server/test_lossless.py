@@ -65,9 +65,27 @@ def _limited(soft: int, hard: int) -> Callable[[], None]:
 
 def test_start_refuses_a_fleet_beyond_the_hard_open_file_limit_before_writing_anything(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    out = subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", "0",
-                          "--devices", "500", "--state-dir", str(state)], capture_output=True, text=True, env=ENV,
-                         timeout=120, preexec_fn=_limited(256, 256))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            "0",
+            "--devices",
+            "500",
+            "--state-dir",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+        preexec_fn=_limited(256, 256),
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     err = out.stderr
     assert "open-file limit too low for the fleet" in err and "needs 564 open files for 500 device" in err, err
@@ -77,10 +95,19 @@ def test_start_refuses_a_fleet_beyond_the_hard_open_file_limit_before_writing_an
 
 def test_the_soft_open_file_limit_is_raised_to_the_hard_limit_for_the_broker_to_inherit() -> None:
     hard = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
-    code = ("import resource; from broker_server.capacity import raise_open_files; got = raise_open_files(1000); "
-            "print(got.raised_from, resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60,
-                         preexec_fn=_limited(128, hard), check=True)
+    code = (
+        "import resource; from broker_server.capacity import raise_open_files; got = raise_open_files(1000); "
+        "print(got.raised_from, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+        preexec_fn=_limited(128, hard),
+        check=True,
+    )
     assert out.stdout.split() == ["128", str(hard)], out.stdout + out.stderr
 
 
@@ -99,8 +126,9 @@ def test_the_dropped_counter_is_read_as_new_drops_with_its_resets_and_garbage_ig
 
 
 def _machine(ids: list[str]) -> RoundMachine:
-    cfg = make_config("fedproto", rounds=2, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=len(ids),
-                      round_timeout=600.0)
+    cfg = make_config(
+        "fedproto", rounds=2, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=len(ids), round_timeout=600.0
+    )
     machine = RoundMachine(cfg, lambda msg, r, p: b"x", clock=lambda: 0.0)
     machine.start()
     return machine
@@ -137,8 +165,12 @@ def test_a_closed_rounds_missing_metrics_are_owed_after_the_uploads_and_joins() 
     r = Resender(window=2, settle=0.0)
     r.progress(0.0)
     r.alarm(2, "train")
-    owing = [Ask("d1", "uploads", 1, "train"), Ask("d1", "metrics", 1), Ask("d2", "metrics", 1),
-             Ask("d3", "metrics", 1)]
+    owing = [
+        Ask("d1", "uploads", 1, "train"),
+        Ask("d1", "metrics", 1),
+        Ask("d2", "metrics", 1),
+        Ask("d3", "metrics", 1),
+    ]
     assert r.due(owing, 1.0) == owing[1:3]
     assert r.due(owing[2:], 1.1) == [owing[3]]  # d1's metrics came: its place in the window is free
     assert r.due([], 1.2) == [] and not r.active  # everything asked for came: the episode is over
@@ -196,8 +228,13 @@ def test_a_device_honours_only_the_servers_bounded_requests_once_per_interval() 
     assert req.read(msg(Resend("join")), 10.5) is not None
     assert req.read(msg(Resend("metrics")), 10.5) is not None
     assert req.read(msg(Resend("uploads")), 11.1) is not None
-    for hostile in (msg(Resend("uploads"), sender="d2"), msg(Resend("uploads"), fed="other"), msg(Status("x")),
-                    b"\x00" * 10, msg(Status("x" * 5000))):
+    for hostile in (
+        msg(Resend("uploads"), sender="d2"),
+        msg(Resend("uploads"), fed="other"),
+        msg(Status("x")),
+        b"\x00" * 10,
+        msg(Status("x" * 5000)),
+    ):
         assert req.read(hostile, 20.0) is None
     assert req.refused == 5 and req.honoured == 4
 
@@ -220,8 +257,11 @@ def test_a_restart_hashes_and_writes_only_new_devices(tmp_path: Path) -> None:
     (d / "credentials.json").unlink()
     fourth = prepare(d, "f", ["a"])
     fresh = read_hashes(fourth.password_file)
-    for user, password in ((server_user("f"), fourth.secrets.server_password),
-                           (monitor_user("f"), fourth.secrets.monitor_password), ("a", fourth.secrets.devices["a"])):
+    for user, password in (
+        (server_user("f"), fourth.secrets.server_password),
+        (monitor_user("f"), fourth.secrets.monitor_password),
+        ("a", fourth.secrets.devices["a"]),
+    ):
         assert hash_matches(password, fresh[user])
 
 
@@ -238,22 +278,58 @@ def test_broker_queue_exhaustion_is_detected_and_no_upload_is_lost(tmp_path: Pat
     n, fed, state = 16, "lossless", tmp_path / "state"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", "0", "--fed", fed,
-         "--rounds", "2", "--devices", str(n), "--min-clients", str(n), "--round-timeout", "120",
-         "--broker-queue", "1", "--state-dir", str(state), "--verbose"], stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            "0",
+            "--fed",
+            fed,
+            "--rounds",
+            "2",
+            "--devices",
+            str(n),
+            "--min-clients",
+            str(n),
+            "--round-timeout",
+            "120",
+            "--broker-queue",
+            "1",
+            "--state-dir",
+            str(state),
+            "--verbose",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+    )
     runners: list[DeviceRunner] = []
     stopped = False
     try:
         creds = state / "security" / "devices"
-        _wait(lambda: (creds / f"device-{n}.json").exists() and "devices join with" in _text(tmp_path / "server.log"),
-              60, "the server's credentials and broker")
+        _wait(
+            lambda: (creds / f"device-{n}.json").exists() and "devices join with" in _text(tmp_path / "server.log"),
+            60,
+            "the server's credentials and broker",
+        )
         url = _text(tmp_path / "server.log").split("join --broker ", 1)[1].split()[0]
         data = f"synthetic:n={20 * n},n_test={4 * n}"
         for i in range(n):
             cred, _ = read_device_credentials(creds / f"device-{i + 1}.json")
             opts = parse_broker_url(url).with_auth(cred.username, cred.password)
-            runners.append(DeviceRunner(opts, fed, cred.username, DataSpec(data, partition=(i, n), seed=1),
-                                        RunnerOptions(connect_timeout=30)))
+            runners.append(
+                DeviceRunner(
+                    opts,
+                    fed,
+                    cred.username,
+                    DataSpec(data, partition=(i, n), seed=1),
+                    RunnerOptions(connect_timeout=30),
+                )
+            )
         threads = [threading.Thread(target=r.run, kwargs={"timeout": 180}, daemon=True) for r in runners]
         for t in threads:
             t.start()
@@ -262,8 +338,11 @@ def test_broker_queue_exhaustion_is_detected_and_no_upload_is_lost(tmp_path: Pat
         os.kill(server.pid, signal.SIGSTOP)
         stopped = True
         broker_log = state / "broker" / "mosquitto.log"
-        _wait(lambda: all(r.agent is not None and r.agent.stats.rounds_trained >= 1 for r in runners), 90,
-              "every device to train round 1 and upload")
+        _wait(
+            lambda: all(r.agent is not None and r.agent.stats.rounds_trained >= 1 for r in runners),
+            90,
+            "every device to train round 1 and upload",
+        )
         assert all(r.transport.flush(30) for r in runners)  # every upload acknowledged by the broker
         assert f"Outgoing messages are being dropped for client protofl-server-{fed}" in _text(broker_log)
         resumed = time.time()
@@ -315,7 +394,8 @@ def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
 
 @pytest.mark.mosquitto
 def test_only_the_server_writes_a_devices_request_topic_and_reads_the_drop_counter(
-        start_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path) -> None:
+    start_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path
+) -> None:
     from broker_server.broker import DROPPED_TOPIC
     from broker_server.security import load_or_create
     from protofl import topics

@@ -26,8 +26,9 @@ FED = "mem"
 
 
 def federation(n_expected: int | None = None, **kw: object) -> tuple[InProcessBroker, Aggregator]:
-    cfg = make_config("fedproto", rounds=3, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=2,
-                      round_timeout=60.0)
+    cfg = make_config(
+        "fedproto", rounds=3, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=2, round_timeout=60.0
+    )
     broker = InProcessBroker()
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=lambda: 0.0, **kw)  # type: ignore[arg-type]
     agg.start()
@@ -105,14 +106,16 @@ def test_max_clients_holds_under_2000_valid_joins_at_bounded_memory() -> None:
     assert len(agg.clients) == 5
 
 
-def test_2000_joins_with_invalid_credentials_change_nothing(start_mosquitto: Callable[..., MosquittoBroker],
-                                                          tmp_path: Path) -> None:
+def test_2000_joins_with_invalid_credentials_change_nothing(
+    start_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path
+) -> None:
     auth = load_or_create(tmp_path / "sec", FED, ["dev-a"])
     broker = start_mosquitto(persistence=False, allow_anonymous=False, extra_config=auth.mosquitto_lines())
     cfg = make_config("fedproto", rounds=1, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=1)
     server = parse_broker_url(broker.url).with_auth(auth.secrets.server.username, auth.secrets.server.password)
-    service = AggregatorService(Federation(cfg, FED), server_transport(Broker(server), FED),
-                                admission=Admission(sorted(auth.secrets.devices)))
+    service = AggregatorService(
+        Federation(cfg, FED), server_transport(Broker(server), FED), admission=Admission(sorted(auth.secrets.devices))
+    )
     service.start(connect_timeout=10)
     rss = _rss(broker)
     refused = 0
@@ -130,6 +133,7 @@ def test_2000_joins_with_invalid_credentials_change_nothing(start_mosquitto: Cal
 
 def _connect_refused(port: int, user: str, password: str) -> bool:
     """A raw MQTT 3.1.1 CONNECT with a user name and password; True if the broker refused it."""
+
     def s(x: str) -> bytes:
         return struct.pack("!H", len(x)) + x.encode()
 

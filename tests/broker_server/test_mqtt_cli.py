@@ -32,14 +32,59 @@ def test_start_and_join_over_the_embedded_broker(tmp_path: Path) -> None:
     port = free_port()
     state = tmp_path / "state"
     server = subprocess.Popen(
-        cli("broker_server.cli", "start", "--local-broker", "amqtt", "--insecure", "--port", str(port),
-            "--fed", "clitest", "--preset", "fedproto", "--rounds", "2", "--min-clients", "2", "--round-timeout", "60",
-            "--state-dir", str(state)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
-    devices = [subprocess.Popen(
-        cli("edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "clitest",
-            "--client-id", f"dev-{i}", "--data", DATA, "--partition", f"{i}/2", "--threads", "1",
-            "--connect-timeout", "60"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
-        for i in range(2)]
+        cli(
+            "broker_server.cli",
+            "start",
+            "--local-broker",
+            "amqtt",
+            "--insecure",
+            "--port",
+            str(port),
+            "--fed",
+            "clitest",
+            "--preset",
+            "fedproto",
+            "--rounds",
+            "2",
+            "--min-clients",
+            "2",
+            "--round-timeout",
+            "60",
+            "--state-dir",
+            str(state),
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
+    devices = [
+        subprocess.Popen(
+            cli(
+                "edge_agent.cli",
+                "join",
+                "--broker",
+                f"mqtt://127.0.0.1:{port}",
+                "--fed",
+                "clitest",
+                "--client-id",
+                f"dev-{i}",
+                "--data",
+                DATA,
+                "--partition",
+                f"{i}/2",
+                "--threads",
+                "1",
+                "--connect-timeout",
+                "60",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         out, _ = server.communicate(timeout=180)
         dev_out = [d.communicate(timeout=60)[0] for d in devices]
@@ -64,8 +109,9 @@ def test_start_explains_what_is_missing(tmp_path: Path) -> None:
     r = runner.invoke(app, ["start", "--preset", "refprotofl"])
     assert r.exit_code == 2 and "needs a public set: pass --public-data" in r.output
     port = free_port()
-    r = runner.invoke(app, ["start", "--preset", "fedproto", "--broker", f"mqtt://127.0.0.1:{port}",
-                            "--connect-timeout", "1"])
+    r = runner.invoke(
+        app, ["start", "--preset", "fedproto", "--broker", f"mqtt://127.0.0.1:{port}", "--connect-timeout", "1"]
+    )
     assert r.exit_code == 2
     assert f"cannot reach broker at mqtt://127.0.0.1:{port}" in r.output and "protofl-server start" in r.output
     r = runner.invoke(app, ["simulate", "--transport", "carrier-pigeon", "-q"])
@@ -76,8 +122,22 @@ def test_start_explains_what_is_missing(tmp_path: Path) -> None:
 @pytest.mark.mosquitto
 def test_simulate_over_mqtt_reports_like_inprocess(tmp_path: Path) -> None:
     # `simulate --transport mqtt` with no --broker starts its own (mosquitto here); one process per agent.
-    args = ["simulate", "--preset", "tinyproto", "--dataset", DATA, "--clients", "3", "--rounds", "2", "--seed", "5",
-            "--test-limit", "50", "-q"]
+    args = [
+        "simulate",
+        "--preset",
+        "tinyproto",
+        "--dataset",
+        DATA,
+        "--clients",
+        "3",
+        "--rounds",
+        "2",
+        "--seed",
+        "5",
+        "--test-limit",
+        "50",
+        "-q",
+    ]
     runner = CliRunner()
     r = runner.invoke(app, [*args, "--json", str(tmp_path / "inproc.json")])
     assert r.exit_code == 0, r.output

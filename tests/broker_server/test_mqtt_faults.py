@@ -34,9 +34,28 @@ DATA = "synthetic:n=1500,n_test=100"
 
 
 def join_process(url: str, fed: str, i: int, n: int, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", url, "--fed", fed,
-           "--client-id", f"client-{i:03d}", "--data", DATA, "--partition", f"{i}/{n}", "--seed", "4",
-           "--threads", "1", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edge_agent.cli",
+        "join",
+        "--broker",
+        url,
+        "--fed",
+        fed,
+        "--client-id",
+        f"client-{i:03d}",
+        "--data",
+        DATA,
+        "--partition",
+        f"{i}/{n}",
+        "--seed",
+        "4",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with log.open("ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -52,8 +71,9 @@ def test_killed_agent_leaves_the_round_at_once_then_rejoins(mosquitto: Mosquitto
     cfg = cfg.replace(min_clients=2, round_timeout=timeout)
     ids = [f"client-{i:03d}" for i in range(n)]
     watcher = Watcher(mosquitto.url, fed)
-    service = AggregatorService(Federation(cfg, fed, expected_clients=ids),
-                                server_transport(Broker(parse_broker_url(mosquitto.url)), fed))
+    service = AggregatorService(
+        Federation(cfg, fed, expected_clients=ids), server_transport(Broker(parse_broker_url(mosquitto.url)), fed)
+    )
     runner = ServiceThread(service, timeout=120).start()
     procs = [join_process(mosquitto.url, fed, i, n, tmp_path / f"{i}.log") for i in range(n)]
     records = service.aggregator.records
@@ -101,11 +121,15 @@ def test_broker_restart_mid_run_everyone_reconnects(start_mosquitto, tmp_path: P
     transport.backoff = fast_backoff()
     service = AggregatorService(Federation(cfg, fed, expected_clients=ids), transport)
     runner = ServiceThread(service, timeout=120).start()
-    devices = [DeviceRunner(opts, fed, f"client-{i:03d}", DataSpec(spec.dataset, partition=(i, n), seed=1),
-                            RunnerOptions()) for i in range(n)]
+    devices = [
+        DeviceRunner(opts, fed, f"client-{i:03d}", DataSpec(spec.dataset, partition=(i, n), seed=1), RunnerOptions())
+        for i in range(n)
+    ]
     results: dict[str, object] = {}
-    threads = [threading.Thread(target=lambda d=d: results.__setitem__(d.client_id, d.run(timeout=120)), daemon=True)
-               for d in devices]
+    threads = [
+        threading.Thread(target=lambda d=d: results.__setitem__(d.client_id, d.run(timeout=120)), daemon=True)
+        for d in devices
+    ]
     for t in threads:
         t.start()
     try:
@@ -131,12 +155,19 @@ def test_broker_restart_mid_run_everyone_reconnects(start_mosquitto, tmp_path: P
 
 # -- hostile and stale uploads ----------------------------------------------------------------
 
+
 def _upload(client: str, round_: int, seed: int, sender: str | None = None) -> bytes:
     rng = np.random.default_rng(seed)
-    protos = ProtoSet(classes=np.arange(3), values=rng.normal(size=(3, 8)).astype(np.float32),
-                      counts=np.asarray([5, 6, 7]), dt="f4")
-    return encode_message(ProtoUpload(local=protos, public=None, n_samples=18), fed="drops",
-                          sender=sender or client, round=round_, phase="train")
+    protos = ProtoSet(
+        classes=np.arange(3), values=rng.normal(size=(3, 8)).astype(np.float32), counts=np.asarray([5, 6, 7]), dt="f4"
+    )
+    return encode_message(
+        ProtoUpload(local=protos, public=None, n_samples=18),
+        fed="drops",
+        sender=sender or client,
+        round=round_,
+        phase="train",
+    )
 
 
 def _join(client: str) -> bytes:
@@ -145,8 +176,9 @@ def _join(client: str) -> bytes:
 
 @pytest.mark.mosquitto
 def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosquitto: MosquittoBroker) -> None:
-    cfg = make_config("fedproto", rounds=2, min_clients=2, proto_dim=8, adapter_rank=4, num_classes=3,
-                      round_timeout=60.0)
+    cfg = make_config(
+        "fedproto", rounds=2, min_clients=2, proto_dim=8, adapter_rank=4, num_classes=3, round_timeout=60.0
+    )
     ids = ["c0", "c1"]
     # Reference: the same honest uploads through the in-process aggregator.
     broker = InProcessBroker()
@@ -161,9 +193,11 @@ def test_past_duplicate_and_spoofed_uploads_are_dropped_and_change_nothing(mosqu
     broker.pump()
     assert ref.finished and ref.dropped == {}
 
-    service = AggregatorService(Federation(cfg, "drops", expected_clients=ids),
-                                server_transport(Broker(parse_broker_url(mosquitto.url)), "drops"),
-                                pacing=Pacing(log_grace=0.5))
+    service = AggregatorService(
+        Federation(cfg, "drops", expected_clients=ids),
+        server_transport(Broker(parse_broker_url(mosquitto.url)), "drops"),
+        pacing=Pacing(log_grace=0.5),
+    )
     runner = ServiceThread(service, timeout=60).start()
     agg = service.aggregator
     client = MqttTransport(mosquitto.url, "attacker", backoff=fast_backoff()).connect(10)
@@ -229,9 +263,18 @@ def test_a_simulation_that_runs_out_of_time_names_every_sides_drops(mosquitto: M
     from broker_server.simulation import run_simulation
 
     # 1000 rounds cannot finish in 3 s; the agents are threads, so their drops can be read.
-    spec = SimulationSpec(preset="fedproto", dataset="synthetic:n=400,n_test=50", clients=2, rounds=1000, seed=1,
-                          archs=("mlp",), transport="mqtt", agents="thread", timeout=3,
-                          broker=parse_broker_url(mosquitto.url))
+    spec = SimulationSpec(
+        preset="fedproto",
+        dataset="synthetic:n=400,n_test=50",
+        clients=2,
+        rounds=1000,
+        seed=1,
+        archs=("mlp",),
+        transport="mqtt",
+        agents="thread",
+        timeout=3,
+        broker=parse_broker_url(mosquitto.url),
+    )
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 3 s") as err:
         run_simulation(spec)

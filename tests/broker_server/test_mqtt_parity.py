@@ -51,8 +51,12 @@ def assert_same_rounds(inproc: dict[str, Any], mqtt: dict[str, Any]) -> None:
     assert mqtt["dropped"] == {} == inproc["dropped"]
     for a, b in zip(inproc["rounds"], mqtt["rounds"], strict=True):
         # the same messages crossed the wire (uplink/downlink are counted from the encoded bytes)
-        assert (b["round"], b["clients"], b["uplink_bytes"], b["downlink_bytes"]) == \
-               (a["round"], a["clients"], a["uplink_bytes"], a["downlink_bytes"])
+        assert (b["round"], b["clients"], b["uplink_bytes"], b["downlink_bytes"]) == (
+            a["round"],
+            a["clients"],
+            a["uplink_bytes"],
+            a["downlink_bytes"],
+        )
         assert b["local_acc"] == pytest.approx(a["local_acc"], abs=0.02)
 
 
@@ -62,8 +66,16 @@ def assert_same_rounds(inproc: dict[str, Any], mqtt: dict[str, Any]) -> None:
 def test_every_preset_over_mosquitto_matches_inprocess(preset: str, mosquitto_module: MosquittoBroker) -> None:
     inproc, expected = run(SimulationSpec(preset=preset, **FED))
     # Agents as threads of this process (DeviceRunner, the same loop `protofl-edge join` runs).
-    mqtt, got = run(SimulationSpec(preset=preset, transport="mqtt", agents="thread", timeout=180,
-                                   broker=parse_broker_url(mosquitto_module.url), **FED))
+    mqtt, got = run(
+        SimulationSpec(
+            preset=preset,
+            transport="mqtt",
+            agents="thread",
+            timeout=180,
+            broker=parse_broker_url(mosquitto_module.url),
+            **FED,
+        )
+    )
     assert_same_model(expected, got)
     assert_same_rounds(inproc, mqtt)
 
@@ -76,8 +88,17 @@ def test_agents_as_separate_processes_match_inprocess(mosquitto_module: Mosquitt
     # (`protofl-edge join --partition i/5`).
     every_stage = {**ADAPTER_PIPELINE, "erpa": True, "public_classes": (0, 1, 2, 3, 4)}
     inproc, expected = run(SimulationSpec(preset="protofl", overrides=every_stage, **FED))
-    mqtt, got = run(SimulationSpec(preset="protofl", transport="mqtt", agents="process", timeout=240,
-                                   broker=parse_broker_url(mosquitto_module.url), overrides=every_stage, **FED))
+    mqtt, got = run(
+        SimulationSpec(
+            preset="protofl",
+            transport="mqtt",
+            agents="process",
+            timeout=240,
+            broker=parse_broker_url(mosquitto_module.url),
+            overrides=every_stage,
+            **FED,
+        )
+    )
     used = mqtt["config"]["techniques"]
     assert used["erpa"]["erpa"] is True and used["apud"]["apud"] and used["cps"]["cps"]
     assert_same_model(expected, got)

@@ -22,11 +22,13 @@ C, M, ROUNDS = 4, 8, 4
 CENTRES = np.eye(C, M) * 5.0  # class c's honest prototypes sit near 5 e_c
 
 
-def run(n_honest: int, n_poison: int, policy: ClipPolicy | None,
-        seed: int = 0) -> tuple[list[dict], list[dict], Aggregator]:
+def run(
+    n_honest: int, n_poison: int, policy: ClipPolicy | None, seed: int = 0
+) -> tuple[list[dict], list[dict], Aggregator]:
     """Globals after each round, the radius each round used, and the aggregator."""
-    cfg = make_config("fedproto", rounds=ROUNDS, num_classes=C, proto_dim=M, adapter_rank=1, min_clients=1,
-                      round_timeout=30.0)
+    cfg = make_config(
+        "fedproto", rounds=ROUNDS, num_classes=C, proto_dim=M, adapter_rank=1, min_clients=1, round_timeout=30.0
+    )
     broker = InProcessBroker()
     ids = [f"h{i}" for i in range(n_honest)] + [f"p{i}" for i in range(n_poison)]
     agg = Aggregator(cfg, FED, broker.connect("server"), clock=lambda: 0.0, expected_clients=ids, policy=policy)
@@ -34,8 +36,9 @@ def run(n_honest: int, n_poison: int, policy: ClipPolicy | None,
     rng = np.random.default_rng(seed)
 
     def send(cid: str, msg: Message, round_: int = 0, phase: str = "") -> None:
-        broker.connect(cid).publish(topics.up(FED, cid), encode_message(msg, fed=FED, sender=cid, round=round_,
-                                                                       phase=phase))
+        broker.connect(cid).publish(
+            topics.up(FED, cid), encode_message(msg, fed=FED, sender=cid, round=round_, phase=phase)
+        )
 
     for cid in ids:
         send(cid, Join(arch="cnn", n_samples=100))
@@ -137,8 +140,15 @@ def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> N
     idx = np.arange(10)
     for k in range(5):
         vals = before[idx] + (1e6 if k == 4 else 0.01)
-        phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
-                                        n_samples=10**9 if k == 4 else 10, base_round=1, dt="f4"))
+        phase.add(
+            Upload.ADAPTER,
+            ParamsUpload(
+                update=SparseVector(before.shape[0], idx, vals.astype(np.float32)),
+                n_samples=10**9 if k == 4 else 10,
+                base_round=1,
+                dt="f4",
+            ),
+        )
     phase.finish()
     moved = np.linalg.norm(vec.adapter.astype(np.float64) - before)
     if robust == "mean":

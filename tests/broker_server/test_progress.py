@@ -11,10 +11,22 @@ from protofl.humanize import human_bytes
 from protofl.wire import Metrics
 
 
-def m(n_local: int, correct_local: int, n_test: int, correct_test: int, proto_local: int | None = None,
-      proto_test: int | None = None) -> Metrics:
-    return Metrics(n_local=n_local, correct_local=correct_local, n_test=n_test, correct_test=correct_test,
-                   proto_correct_local=proto_local, proto_correct_test=proto_test)
+def m(
+    n_local: int,
+    correct_local: int,
+    n_test: int,
+    correct_test: int,
+    proto_local: int | None = None,
+    proto_test: int | None = None,
+) -> Metrics:
+    return Metrics(
+        n_local=n_local,
+        correct_local=correct_local,
+        n_test=n_test,
+        correct_test=correct_test,
+        proto_correct_local=proto_local,
+        proto_correct_test=proto_test,
+    )
 
 
 def test_accuracies_by_hand() -> None:
@@ -22,16 +34,24 @@ def test_accuracies_by_hand() -> None:
     # local = (8 + 1) / (10 + 30) = 0.225 (sample-weighted); global = mean(0.3, 0.5) = 0.4.
     # Only b sent nearest-prototype counts: local proto = 15/30 = 0.5, global proto = 60/100 = 0.6.
     acc = accuracies([m(10, 8, 100, 30), m(30, 1, 100, 50, proto_local=15, proto_test=60)])
-    assert acc == pytest.approx({"local_acc": 0.225, "global_acc": 0.4, "local_proto_acc": 0.5,
-                                 "global_proto_acc": 0.6})
+    assert acc == pytest.approx(
+        {"local_acc": 0.225, "global_acc": 0.4, "local_proto_acc": 0.5, "global_proto_acc": 0.6}
+    )
     # A field device reports no test set: it does not count toward the global mean.
     assert accuracies([m(4, 2, 0, 0), m(4, 4, 10, 5)])["global_acc"] == 0.5
     assert accuracies([]) == dict.fromkeys(("local_acc", "global_acc", "local_proto_acc", "global_proto_acc"))
 
 
 def rec(r: int, clients: list[str], ended: float = 100.0) -> RoundRecord:
-    return RoundRecord(round=r, clients=clients, uplink_bytes=3000, downlink_bytes=2 * 2**20, started=ended - 2.5,
-                       ended=ended, closed_by="quorum")
+    return RoundRecord(
+        round=r,
+        clients=clients,
+        uplink_bytes=3000,
+        downlink_bytes=2 * 2**20,
+        started=ended - 2.5,
+        ended=ended,
+        closed_by="quorum",
+    )
 
 
 def test_a_round_is_shown_when_every_participant_reported_in_order() -> None:
@@ -73,14 +93,23 @@ def test_rounds_without_evaluation_do_not_wait() -> None:
 
 def test_service_line_shows_the_accuracies_that_were_reported() -> None:
     line = round_line(rec(2, ["a", "b"]), {"a": m(10, 8, 100, 30), "b": m(30, 1, 100, 50, 15, 60)}, rounds=5)
-    assert line == ("round 2/5: 2 clients (quorum), local acc 22.5%, local proto acc 50.0%, global acc 40.0%, "
-                    "global proto acc 60.0%, up 2.9 KB, down 2.0 MB, 2.5 s")
+    assert line == (
+        "round 2/5: 2 clients (quorum), local acc 22.5%, local proto acc 50.0%, global acc 40.0%, "
+        "global proto acc 60.0%, up 2.9 KB, down 2.0 MB, 2.5 s"
+    )
     assert round_line(rec(1, ["a"]), {}, rounds=1) == "round 1/1: 1 clients (quorum), up 2.9 KB, down 2.0 MB, 2.5 s"
 
 
 def test_human_bytes() -> None:
-    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 2**20, 5 * 2**30, 2**50)] == \
-           ["0 B", "1023 B", "1.0 KB", "1.5 KB", "1.0 MB", "5.0 GB", "1048576.0 GB"]
+    assert [human_bytes(n) for n in (0, 1023, 1024, 1536, 2**20, 5 * 2**30, 2**50)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KB",
+        "1.5 KB",
+        "1.0 MB",
+        "5.0 GB",
+        "1048576.0 GB",
+    ]
 
 
 def held(p: RoundProgress) -> int:

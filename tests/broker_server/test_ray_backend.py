@@ -23,8 +23,7 @@ ray = pytest.importorskip("ray")
 
 from broker_server.simulation import SimulationSpec, run_simulation  # noqa: E402
 
-FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=100", clients=3, alpha=0.5, rounds=2, seed=1,
-                           archs=("mlp",))
+FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=100", clients=3, alpha=0.5, rounds=2, seed=1, archs=("mlp",))
 PRESETS = ["fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl"]
 
 
@@ -96,8 +95,11 @@ def _kill_a_worker(row: dict[str, Any]) -> None:
     the process of one of the run's three workers (one device each)."""
     if row["round"] != 1:
         return
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["name"].startswith("protofl-sim-worker-"))
+    names = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("protofl-sim-worker-")
+    )
     assert len(names) == 3  # the session's pool: this run's workers
     os.kill(ray.get(ray.get_actor(names[0]).pid.remote()), signal.SIGKILL)
 
@@ -105,8 +107,9 @@ def _kill_a_worker(row: dict[str, Any]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_killed_worker_is_started_again_and_the_run_completes(cluster: Any) -> None:
-    report = run_simulation(SimulationSpec(preset="protofl", backend="ray", **{**FED, "rounds": 3}),
-                            on_round=_kill_a_worker)
+    report = run_simulation(
+        SimulationSpec(preset="protofl", backend="ray", **{**FED, "rounds": 3}), on_round=_kill_a_worker
+    )
     assert [r["round"] for r in report["rounds"]] == [1, 2, 3]
     assert all(r["clients"] == 3 for r in report["rounds"])
     assert len(report["ray"]["restarts"]) == 1 and set(report["ray"]["restarts"].values()) == {1}
@@ -127,11 +130,41 @@ def test_a_worker_killed_with_no_restart_left_ends_the_run_naming_its_devices(cl
 def test_the_cli_joins_a_running_cluster_by_its_address(cluster: Any, tmp_path: Any) -> None:
     """What the README shows: `ray start --head` elsewhere, then `simulate --backend ray --ray-address ...`."""
     out = tmp_path / "r.json"
-    args = ["--preset", "tinyproto", "--dataset", FED["dataset"], "--clients", "3", "--rounds", "2", "--seed", "1",
-            "--arch", "mlp"]
-    proc = subprocess.run([sys.executable, "-m", "broker_server.cli", "simulate", *args, "--backend", "ray",
-                           "--ray-address", cluster.address, "--ray-workers", "1", "--json", str(out), "-q"],
-                          capture_output=True, text=True, timeout=280)
+    args = [
+        "--preset",
+        "tinyproto",
+        "--dataset",
+        FED["dataset"],
+        "--clients",
+        "3",
+        "--rounds",
+        "2",
+        "--seed",
+        "1",
+        "--arch",
+        "mlp",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "simulate",
+            *args,
+            "--backend",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            "--ray-workers",
+            "1",
+            "--json",
+            str(out),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["ray"]["address"] == cluster.address and got["ray"]["nodes"] == 2
@@ -144,10 +177,11 @@ def test_out_leaves_the_same_artifacts_as_inprocess(cluster: Any, tmp_path: Any)
     """--out: each worker writes its devices' artifacts (here the nodes share this file system)."""
     for backend in ("local", "ray"):
         run_simulation(SimulationSpec(preset="tinyproto", backend=backend, out_dir=str(tmp_path / backend), **FED))
-    files = {b: sorted(str(p.relative_to(tmp_path / b)) for p in (tmp_path / b).rglob("*") if p.is_file())
-             for b in ("local", "ray")}
+    files = {
+        b: sorted(str(p.relative_to(tmp_path / b)) for p in (tmp_path / b).rglob("*") if p.is_file())
+        for b in ("local", "ray")
+    }
     assert files["ray"] == files["local"]
     assert {f"devices/client-00{i}" for i in range(3)} <= {str(Path(f).parent) for f in files["ray"]}
     tables = [p for p in files["ray"] if p.startswith("devices/client-000/") and p.endswith(".npz")]
-    assert tables and all((tmp_path / "ray" / p).read_bytes() == (tmp_path / "local" / p).read_bytes()
-                          for p in tables)
+    assert tables and all((tmp_path / "ray" / p).read_bytes() == (tmp_path / "local" / p).read_bytes() for p in tables)

@@ -22,15 +22,18 @@ def test_without_ray_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPa
     assert not out.exists()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--backend", "spark"], "--backend must be local or ray"),
-    (["--backend", "ray", "--transport", "mqtt"], "leave out --transport mqtt"),
-    (["--backend", "ray", "--device-resources", "cpu=1,tpu=2"], "'tpu=2' is not cpu=N or gpu=N"),
-    (["--backend", "ray", "--device-resources", "cpu=-1"], "cpu must be a number >= 0"),
-    (["--backend", "ray", "--device-resources", "cpu=0"], "needs some cpu or gpu"),
-    (["--backend", "ray", "--ray-workers", "0"], "--ray-workers must be >= 1"),
-    (["--backend", "ray", "--ray-max-restarts", "-1"], "--ray-max-restarts must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--backend", "spark"], "--backend must be local or ray"),
+        (["--backend", "ray", "--transport", "mqtt"], "leave out --transport mqtt"),
+        (["--backend", "ray", "--device-resources", "cpu=1,tpu=2"], "'tpu=2' is not cpu=N or gpu=N"),
+        (["--backend", "ray", "--device-resources", "cpu=-1"], "cpu must be a number >= 0"),
+        (["--backend", "ray", "--device-resources", "cpu=0"], "needs some cpu or gpu"),
+        (["--backend", "ray", "--ray-workers", "0"], "--ray-workers must be >= 1"),
+        (["--backend", "ray", "--ray-max-restarts", "-1"], "--ray-max-restarts must be >= 0"),
+    ],
+)
 def test_bad_ray_options_exit_2_with_a_reason(args: list[str], says: str) -> None:
     res = runner.invoke(app, [*SMALL, *args])
     assert res.exit_code == 2, res.output

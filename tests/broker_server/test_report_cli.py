@@ -16,26 +16,57 @@ REPO = Path(__file__).resolve().parents[2]
 
 def device(rnd: int, cid: str, cls: str, made_it: bool, done: float | None, up: int, dt: str) -> dict[str, Any]:
     dev, link = cls.split("+")
-    return {"round": rnd, "client": cid, "class": cls, "device": dev, "link": link, "made_it": made_it,
-            "uplink_bytes": up, "dt": dt, "k": None, "budget_bytes": 10_000, "fits": True, "downlink_s": 1.0,
-            "compute_s": 4.0, "compute_cpu_s": 1.0, "upload_s": None if done is None else done - 5.0, "done_s": done,
-            "wall_done_s": done, "overrun_s": 0.0, "in_time": made_it}
+    return {
+        "round": rnd,
+        "client": cid,
+        "class": cls,
+        "device": dev,
+        "link": link,
+        "made_it": made_it,
+        "uplink_bytes": up,
+        "dt": dt,
+        "k": None,
+        "budget_bytes": 10_000,
+        "fits": True,
+        "downlink_s": 1.0,
+        "compute_s": 4.0,
+        "compute_cpu_s": 1.0,
+        "upload_s": None if done is None else done - 5.0,
+        "done_s": done,
+        "wall_done_s": done,
+        "overrun_s": 0.0,
+        "in_time": made_it,
+    }
 
 
 def run(preset: str, accs: list[float], round_s: list[float]) -> dict[str, Any]:
-    rounds = [{"round": i + 1, "local_acc": a, "global_acc": a, "uplink_bytes": 1000 * (i + 1)}
-              for i, a in enumerate(accs)]
+    rounds = [
+        {"round": i + 1, "local_acc": a, "global_acc": a, "uplink_bytes": 1000 * (i + 1)} for i, a in enumerate(accs)
+    ]
     t, lrounds = 0.0, []
     for i, s in enumerate(round_s):
         t += s
-        lrounds.append({"round": i + 1, "round_s": s, "wall_round_s": s, "closed_by": "quorum", "missed": [],
-                        "sim_time_s": t})
+        lrounds.append(
+            {"round": i + 1, "round_s": s, "wall_round_s": s, "closed_by": "quorum", "missed": [], "sim_time_s": t}
+        )
     devices = [device(r, "client-000", "rpi4+lte", True, 6.0, 500, "f4") for r in (1, 2)]
-    devices += [device(1, "client-001", "rpi3+nb-iot", False, None, 0, "q8"),
-                device(2, "client-001", "rpi3+nb-iot", True, round_s[1], 300, "q8")]
-    return {"preset": preset, "rounds": rounds, "totals": {"uplink_bytes": 3000},
-            "links": {"time_scale": 10.0, "deadline_s": 60.0, "adaptive": True, "upload_share": 0.8,
-                      "rounds": lrounds, "devices": devices}}
+    devices += [
+        device(1, "client-001", "rpi3+nb-iot", False, None, 0, "q8"),
+        device(2, "client-001", "rpi3+nb-iot", True, round_s[1], 300, "q8"),
+    ]
+    return {
+        "preset": preset,
+        "rounds": rounds,
+        "totals": {"uplink_bytes": 3000},
+        "links": {
+            "time_scale": 10.0,
+            "deadline_s": 60.0,
+            "adaptive": True,
+            "upload_share": 0.8,
+            "rounds": lrounds,
+            "devices": devices,
+        },
+    }
 
 
 def test_time_to_target_reads_the_simulated_clock() -> None:
@@ -48,8 +79,14 @@ def test_report_writes_the_plots_and_the_summary(tmp_path: Path) -> None:
     runs = [run("fedavg", [0.2, 0.5], [60.0, 60.0]), run("tinyproto", [0.3, 0.6], [20.0, 30.0])]
     paths = write_report(runs, tmp_path / "rep", target=0.5)
     names = sorted(p.name for p in paths)
-    assert names == ["accuracy_time.png", "accuracy_uplink.png", "bytes_class.png", "summary.md",
-                     "timeline_fedavg.png", "timeline_tinyproto.png"]
+    assert names == [
+        "accuracy_time.png",
+        "accuracy_uplink.png",
+        "bytes_class.png",
+        "summary.md",
+        "timeline_fedavg.png",
+        "timeline_tinyproto.png",
+    ]
     assert all(p.stat().st_size > 1000 for p in paths)
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| fedavg | 2 | 50.0 | 2 min 00 s | 1 min 00 s | 2.9 KB | 1 | 2 min 00 s |" in md
@@ -66,11 +103,17 @@ def test_report_command_exits_2_on_a_missing_run(tmp_path: Path) -> None:
     good.write_text(json.dumps(run("tinyproto", [0.3, 0.6], [20.0, 30.0])))
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="250")  # rich wraps at the terminal width
     cmd = [sys.executable, "-m", "broker_server.cli", "report"]
-    proc = subprocess.run([*cmd, str(tmp_path / "absent.json"), "--out", str(tmp_path / "o")], capture_output=True,
-                          text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [*cmd, str(tmp_path / "absent.json"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "absent.json' not found" in proc.stderr, proc.stderr
-    proc = subprocess.run([*cmd, str(good), "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env,
-                          timeout=60)
+    proc = subprocess.run(
+        [*cmd, str(good), "--out", str(tmp_path / "o")], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "o" / "summary.md").is_file()
 
@@ -81,15 +124,44 @@ def test_report_command_exits_2_on_a_missing_run(tmp_path: Path) -> None:
 def test_report_reads_a_servers_rounds_jsonl(tmp_path: Path) -> None:
     # `protofl-server report STATE_DIR/rounds.jsonl` said "is not JSON: Extra data"; now it plots the real
     # federation's accuracies against its wall clock.
-    lines = [{"fed": "lab", "preset": "tinyproto", "round": r, "clients": ["a", "b"], "uplink_bytes": 1000,
-              "downlink_bytes": 5000, "started": 100.0 + 10 * r, "ended": 108.0 + 10 * r, "closed_by": "quorum",
-              "local_acc": 0.2 * r, "global_acc": 0.1 * r, "local_proto_acc": None, "global_proto_acc": None}
-             for r in (1, 2, 3)]
+    lines = [
+        {
+            "fed": "lab",
+            "preset": "tinyproto",
+            "round": r,
+            "clients": ["a", "b"],
+            "uplink_bytes": 1000,
+            "downlink_bytes": 5000,
+            "started": 100.0 + 10 * r,
+            "ended": 108.0 + 10 * r,
+            "closed_by": "quorum",
+            "local_acc": 0.2 * r,
+            "global_acc": 0.1 * r,
+            "local_proto_acc": None,
+            "global_proto_acc": None,
+        }
+        for r in (1, 2, 3)
+    ]
     path = tmp_path / "rounds.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"round": 4, "cli')  # torn last line
     env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="250")
-    proc = subprocess.run([sys.executable, "-m", "broker_server.cli", "report", str(path), "--out", str(tmp_path / "o"),
-                           "--target", "0.2"], capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "report",
+            str(path),
+            "--out",
+            str(tmp_path / "o"),
+            "--target",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "o" / "summary.md").read_text()
     # 3 rounds, final global 30 %, 28 s from round 1's opening (110) to round 3's close (138); 20 % in round 2
@@ -132,8 +204,9 @@ def test_an_overrun_longer_than_its_round_is_warned_in_the_summary() -> None:
     r["links"]["devices"][1]["overrun_s"] = 45.0  # round 2 lasted 30 simulated s
     md = summary([r])
     assert "**Warning (tinyproto):** this machine could not keep up with time scale 10" in md, md
-    assert "- round 2: client-000 (rpi4+lte) released its upload 45.0 s late, longer than the round itself (30.0 s)" \
-        in md
+    assert (
+        "- round 2: client-000 (rpi4+lte) released its upload 45.0 s late, longer than the round itself (30.0 s)" in md
+    )
     assert "Warning" not in summary([run("tinyproto", [0.3, 0.6], [20.0, 30.0])])
 
 

@@ -36,8 +36,15 @@ class Run:
     """One server process over a state dir: an aggregator, its durable state and an in-process broker."""
 
     def __init__(self, state: Path, clock: Clock, min_clients: int = 3) -> None:
-        cfg = make_config("fedproto", rounds=3, num_classes=2, proto_dim=2, adapter_rank=1, min_clients=min_clients,
-                          round_timeout=600.0)
+        cfg = make_config(
+            "fedproto",
+            rounds=3,
+            num_classes=2,
+            proto_dim=2,
+            adapter_rank=1,
+            min_clients=min_clients,
+            round_timeout=600.0,
+        )
         self.broker = InProcessBroker()
         self.agg = Aggregator(cfg, FED, self.broker.connect("server"), clock=clock)
         self.durable = DurableState(state, FED)
@@ -126,7 +133,8 @@ def test_a_grace_is_measured_from_the_resume_not_stored_as_a_time(tmp_path: Path
 
 
 def test_min_clients_is_a_floor_for_a_round_that_every_remaining_device_finished(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     clock = Clock()
     run = Run(tmp_path, clock, min_clients=3)
     for c in IDS:
@@ -169,8 +177,9 @@ def test_a_devices_return_is_journaled_so_its_upload_survives_a_restart(tmp_path
     assert run.agg.records[0].clients == IDS
 
 
-def test_a_missing_checkpoint_is_said_and_the_journal_rebuilds_the_federation(tmp_path: Path,
-                                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_a_missing_checkpoint_is_said_and_the_journal_rebuilds_the_federation(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     clock = Clock()
     run = Run(tmp_path, clock)
     for c in IDS:

@@ -106,7 +106,7 @@ def test_acl_devices_write_only_their_own_topics_and_cannot_read_uploads(secured
     try:
         at_server, at_b = Inbox(), Inbox()
         server.subscribe(f"{topics.ROOT}/{FED}/#", at_server)
-        dev_b.subscribe(f"{topics.ROOT}/{FED}/up/#", at_b)   # a device trying to read others' uploads
+        dev_b.subscribe(f"{topics.ROOT}/{FED}/up/#", at_b)  # a device trying to read others' uploads
         dev_b.subscribe(topics.server_status(FED), at_b)
         dev_b.subscribe(topics.round_(FED), at_b)
         server.publish(topics.round_(FED), b"real round", retain=True)
@@ -128,8 +128,13 @@ def test_acl_devices_write_only_their_own_topics_and_cannot_read_uploads(secured
         server.publish(topics.server_status(FED), b"fence")
         at_b.wait_for(b"fence")
         got = at_server.payloads()
-        assert not {b"spoofed upload", b"hostile round", b"hostile config", b"hostile status",
-                    b"hostile presence"} & set(got), got
+        assert not {
+            b"spoofed upload",
+            b"hostile round",
+            b"hostile config",
+            b"hostile status",
+            b"hostile presence",
+        } & set(got), got
         # dev-b saw the real round and nothing on up/#, not even dev-a's legitimate upload.
         assert at_b.payloads() == [b"real round", b"fence"]
         # The retained round is still the server's: a new subscriber gets it.
@@ -209,9 +214,17 @@ def test_the_monitor_reads_status_only_publishes_nothing_and_takes_no_devices_pl
         assert at_monitor.payloads() == [b"status", b"summary", b"fence 1"]
         # What it must not write: anything, its "own" device topics included.
         mine = s.monitor.username
-        targets = [topics.up(FED, mine), topics.up(FED, "dev-a"), topics.presence(FED, mine), topics.round_(FED),
-                   topics.config(FED), topics.public(FED), topics.server_status(FED), topics.server_summary(FED),
-                   f"{topics.ROOT}/{FED}/anything"]
+        targets = [
+            topics.up(FED, mine),
+            topics.up(FED, "dev-a"),
+            topics.presence(FED, mine),
+            topics.round_(FED),
+            topics.config(FED),
+            topics.public(FED),
+            topics.server_status(FED),
+            topics.server_summary(FED),
+            f"{topics.ROOT}/{FED}/anything",
+        ]
         for topic in targets:
             monitor.publish(topic, b"from the monitor", retain=True)
         assert monitor.flush(5)  # every publish acknowledged: the broker has handled (and dropped) them all

@@ -26,8 +26,10 @@ def server_model(preset: str, **overrides: Any):
 def test_masked_prototypes_are_written_at_full_width_with_their_masks(tmp_path: Path) -> None:
     model = server_model("tinyproto", cps_s=4)
     # TinyProto's global prototypes live on the wire as their s = 4 values on each class's mask
-    protos = model.rules.state(MeanPrototypes).prototypes = {0: np.array([1, 2, 3, 4], np.float32),
-                                                               2: np.array([5, 6, 7, 8], np.float32)}
+    protos = model.rules.state(MeanPrototypes).prototypes = {
+        0: np.array([1, 2, 3, 4], np.float32),
+        2: np.array([5, 6, 7, 8], np.float32),
+    }
     masks = model.rules.support_masks()
     write_server_artifacts(model, tmp_path, fed="f", round_=3, finished=False, class_names=["a", "b", "c"])
     got = art.read_prototypes(tmp_path / "global" / art.PROTOTYPES)
@@ -48,8 +50,9 @@ def test_a_federated_adapter_is_written_and_the_manifest_says_whether_it_is_a_pr
         model = server_model("refprotofl", public_classes=(0,), backbone=backbone)
         model.rules.state(FederatedVector).adapter = np.arange(10, dtype=np.float32)
         out = tmp_path / backbone
-        write_server_artifacts(model, out, fed="f", round_=1, finished=True, data="fashion-mnist",
-                               norm=((0.286,), (0.353,)))
+        write_server_artifacts(
+            model, out, fed="f", round_=1, finished=True, data="fashion-mnist", norm=((0.286,), (0.353,))
+        )
         vector, kind = art.read_vector(out / "global" / art.FEDERATED)
         assert kind == "adapter" and np.array_equal(vector, np.arange(10, dtype=np.float32))
         manifest = art.read_json(out / art.MANIFEST)

@@ -21,9 +21,12 @@ def test_the_service_runs_over_an_in_process_connection(tmp_path: Path, durable:
     one, _ = federate(cfg, 0)
     broker = InProcessBroker()
     transport: Connection = broker.connect("server")
-    service = AggregatorService(Federation(cfg, FED, expected_clients=CLIENTS), transport,
-                                durability=Durability(tmp_path if durable else None),
-                                pacing=Pacing(tick=0.01, log_grace=0.0))
+    service = AggregatorService(
+        Federation(cfg, FED, expected_clients=CLIENTS),
+        transport,
+        durability=Durability(tmp_path if durable else None),
+        pacing=Pacing(tick=0.01, log_grace=0.0),
+    )
     service.start()
     for i, c in enumerate(CLIENTS):
         NumpyDevice(c, i, cfg, broker.connect(c)).join()

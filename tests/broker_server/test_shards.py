@@ -23,8 +23,9 @@ from tests.test_external_technique import installed  # noqa: F401  (a fixture)
 CLIENTS = [f"d{i}" for i in range(5)]
 
 
-def federate(cfg: Any, shards: int, policy: ClipPolicy | None = None, twice: bool = False,
-             observe: bool = False) -> tuple[Any, list[Shard]]:
+def federate(
+    cfg: Any, shards: int, policy: ClipPolicy | None = None, twice: bool = False, observe: bool = False
+) -> tuple[Any, list[Shard]]:
     broker = InProcessBroker()
     workers: list[Shard] = []
     if shards == 0:
@@ -55,8 +56,10 @@ def test_two_and_three_shards_give_one_aggregators_result(preset: str) -> None:
     for n in (2, 3):
         coord, shards = federate(cfg, n)
         assert not coord.dropped and not any(s.dropped for s in shards), (coord.dropped, [s.dropped for s in shards])
-        assert sum(s.folded for s in shards) == sum(len(one.machine.plan.sends(p)) for p in one.machine.plan.phases) \
-            * len(CLIENTS) * cfg.rounds
+        assert (
+            sum(s.folded for s in shards)
+            == sum(len(one.machine.plan.sends(p)) for p in one.machine.plan.phases) * len(CLIENTS) * cfg.rounds
+        )
         assert all(s.folded for s in shards)  # every shard had a share
         assert_close(model_state(one.model), model_state(coord.model), f"{preset}/{n} shards")
         assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
@@ -69,10 +72,13 @@ def test_watchers_see_the_uploads_the_shards_folded() -> None:
     one, _ = federate(cfg, 0, observe=True)
     coord, _ = federate(cfg, 2, observe=True)
     assert coord.observer.accepted == one.observer.accepted and sum(coord.observer.accepted.values()) > 0
-    ours = {m.id: (m.uploads, m.last_upload.round, m.last_upload.kind, m.last_upload.bytes)
-            for m in coord.observer.members()}
-    assert ours == {m.id: (m.uploads, m.last_upload.round, m.last_upload.kind, m.last_upload.bytes)
-                    for m in one.observer.members()}
+    ours = {
+        m.id: (m.uploads, m.last_upload.round, m.last_upload.kind, m.last_upload.bytes)
+        for m in coord.observer.members()
+    }
+    assert ours == {
+        m.id: (m.uploads, m.last_upload.round, m.last_upload.kind, m.last_upload.bytes) for m in one.observer.members()
+    }
 
 
 @pytest.mark.parametrize("preset", ["fedproto", "fedavg"])
@@ -115,8 +121,7 @@ def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> 
     restarted = False
     while broker.pump(1):
         phase = coord.machine.phase
-        if not restarted and coord.round == 2 and phase is not None and shards[0].accepted \
-                and len(phase.received) == 2:
+        if not restarted and coord.round == 2 and phase is not None and shards[0].accepted and len(phase.received) == 2:
             shards[0].transport.close()
             shards[0].close()
             shards[0] = Shard(FED, broker.connect("shard-0-again"), shard=shard_id(0), state_dir=tmp_path / "0")
@@ -129,8 +134,9 @@ def test_a_shard_restarted_mid_round_resumes_from_its_journal(tmp_path: Any) -> 
     assert [record_state(r) for r in one.records] == [record_state(r) for r in coord.records]
 
 
-def durable_coordinator(cfg: Any, broker: InProcessBroker, name: str, tmp_path: Any,
-                        **kwargs: Any) -> tuple[Coordinator, Any]:
+def durable_coordinator(
+    cfg: Any, broker: InProcessBroker, name: str, tmp_path: Any, **kwargs: Any
+) -> tuple[Coordinator, Any]:
     """A two-shard coordinator with its journal and checkpoint in tmp_path/agg, resumed from them if any."""
     from broker_server.durable import DurableState
 
@@ -167,8 +173,11 @@ def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: An
     restarted = False
     while broker.pump(1):
         phase = coord.machine.phase
-        ready = phase is not None and coord.round == 2 and (
-            len(phase.received) == 3 if when == "mid_phase" else bool(phase.closing))
+        ready = (
+            phase is not None
+            and coord.round == 2
+            and (len(phase.received) == 3 if when == "mid_phase" else bool(phase.closing))
+        )
         if not restarted and ready:
             coord.transport.close()
             durable.close()
@@ -246,8 +255,10 @@ def bridge(core: InProcessBroker, site: InProcessBroker, lines: list[str]) -> di
             what = parts[3] if parts[2] == "shards" else parts[2]  # up, presence, round, ..., progress, partial
             if direction == "out":
                 up[what] = up.get(what, 0) + 1
-            (to_core if direction == "out" else to_site).publish(topic, payload,
-                                                                 retain=what not in ("up", "relay", "progress"))
+            (to_core if direction == "out" else to_site).publish(
+                topic, payload, retain=what not in ("up", "relay", "progress")
+            )
+
         (to_site if direction == "out" else to_core).subscribe(pattern, forward)
     return up
 
@@ -293,10 +304,14 @@ def test_a_technique_that_does_not_merge_is_refused_with_its_reason_before_anyth
     with pytest.raises(NotMergeable, match="median_proto.*cannot run on sharded aggregators"):
         Coordinator(cfg, FED, InProcessBroker().connect("server"), shards=2)
 
-    run = CliRunner().invoke(app, ["start", "--preset", "fedproto-median", "--shards", "2", "--port", "0",
-                                   "--state-dir", str(tmp_path / "s")])
+    run = CliRunner().invoke(
+        app,
+        ["start", "--preset", "fedproto-median", "--shards", "2", "--port", "0", "--state-dir", str(tmp_path / "s")],
+    )
     assert run.exit_code == 2 and "MedianAggregator" in run.output and "run one aggregator" in run.output, run.output
     assert not (tmp_path / "s").exists()  # no broker, no credentials
-    bad = CliRunner().invoke(app, ["shard", "--broker", "mqtt://127.0.0.1:1", "--index", "0", "--site", "a",
-                                   "--state-dir", str(tmp_path / "x")])
+    bad = CliRunner().invoke(
+        app,
+        ["shard", "--broker", "mqtt://127.0.0.1:1", "--index", "0", "--site", "a", "--state-dir", str(tmp_path / "x")],
+    )
     assert bad.exit_code == 2 and "either --index I" in bad.output, bad.output

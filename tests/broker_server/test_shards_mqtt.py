@@ -50,6 +50,7 @@ class HeldDevice(NumpyDevice):
     @staticmethod
     def _round_of(payload: bytes) -> str:
         from protofl.wire import read_header
+
         return f"round {read_header(payload).round}" if payload else ""
 
     def release(self) -> None:
@@ -60,12 +61,42 @@ class HeldDevice(NumpyDevice):
 
 def run_federation(tmp: Path, shards: int, kill_mid_round: bool) -> tuple[dict[str, np.ndarray], list[dict], str]:
     port, state = free_port(), tmp / f"state-{shards}"
-    cmd = [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--fed", FED, "--port",
-           str(port), "--rounds", str(ROUNDS), "--min-clients", str(DEVICES), "--devices", str(DEVICES),
-           "--round-timeout", "120", "--state-dir", str(state), "--set", "num_classes=4", "--set", "proto_dim=8",
-           "--set", "adapter_rank=2", "--verbose"]
-    server = subprocess.Popen(cmd + (["--shards", str(shards)] if shards else []), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=ENV, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "broker_server.cli",
+        "start",
+        "--preset",
+        "fedproto",
+        "--fed",
+        FED,
+        "--port",
+        str(port),
+        "--rounds",
+        str(ROUNDS),
+        "--min-clients",
+        str(DEVICES),
+        "--devices",
+        str(DEVICES),
+        "--round-timeout",
+        "120",
+        "--state-dir",
+        str(state),
+        "--set",
+        "num_classes=4",
+        "--set",
+        "proto_dim=8",
+        "--set",
+        "adapter_rank=2",
+        "--verbose",
+    ]
+    server = subprocess.Popen(
+        cmd + (["--shards", str(shards)] if shards else []),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(server.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
@@ -149,14 +180,18 @@ def wait(pred: Any, timeout: float, what: str, out: list[str]) -> None:
 def test_a_shard_killed_mid_round_resumes_and_the_result_is_one_aggregators(tmp_path: Path) -> None:
     one, one_rounds, _ = run_federation(tmp_path, 0, kill_mid_round=False)
     two, two_rounds, text = run_federation(tmp_path, 2, kill_mid_round=True)
-    assert "resumed round 2 train" in (tmp_path / "state-2" / "shards").joinpath(
-        f"shard-{0}.log").read_text() + (tmp_path / "state-2" / "shards" / "shard-1.log").read_text()
+    assert (
+        "resumed round 2 train"
+        in (tmp_path / "state-2" / "shards").joinpath(f"shard-{0}.log").read_text()
+        + (tmp_path / "state-2" / "shards" / "shard-1.log").read_text()
+    )
     assert set(one) == set(two)
     for key in one:
         np.testing.assert_allclose(one[key], two[key], rtol=1e-5, atol=1e-6, err_msg=key)
     strip = ("started", "ended", "local_acc", "global_acc", "local_proto_acc", "global_proto_acc")
-    assert [{k: v for k, v in r.items() if k not in strip} for r in one_rounds] == \
-        [{k: v for k, v in r.items() if k not in strip} for r in two_rounds]
+    assert [{k: v for k, v in r.items() if k not in strip} for r in one_rounds] == [
+        {k: v for k, v in r.items() if k not in strip} for r in two_rounds
+    ]
     assert "dropped uploads none" in text, text
 
 
@@ -180,17 +215,29 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
     site = None
     transports: list[MqttTransport] = []
     try:
-        site = MosquittoBroker(workdir=tmp_path / "site", extra_config=[
-            f"connection protofl-{FED}-a", f"address 127.0.0.1:{core.port}", "bridge_protocol_version mqttv311",
-            "try_private true", "cleansession false", "notifications false", *bridge_topics(FED, "a")]).start()
+        site = MosquittoBroker(
+            workdir=tmp_path / "site",
+            extra_config=[
+                f"connection protofl-{FED}-a",
+                f"address 127.0.0.1:{core.port}",
+                "bridge_protocol_version mqttv311",
+                "try_private true",
+                "cleansession false",
+                "notifications false",
+                *bridge_topics(FED, "a"),
+            ],
+        ).start()
         pre_settings = ShardSettings(FED, tmp_path / "pre", site="a", fsync=False)
         pre = ShardService(pre_settings, shard_transport(pre_settings, Broker(parse_broker_url(site.url))))
         pre.start(10)
         pre_thread = threading.Thread(target=pre.run, daemon=True)
         pre_thread.start()
-        service = AggregatorService(Federation(cfg, FED, expected_clients=CLIENTS),
-                                    server_transport(Broker(parse_broker_url(core.url)), FED),
-                                    sharding=Sharding(sites=["a"]), pacing=Pacing(log_grace=0.1))
+        service = AggregatorService(
+            Federation(cfg, FED, expected_clients=CLIENTS),
+            server_transport(Broker(parse_broker_url(core.url)), FED),
+            sharding=Sharding(sites=["a"]),
+            pacing=Pacing(log_grace=0.1),
+        )
         server = ServiceThread(service, timeout=120).start()  # returns once the site's hello came over the bridge
         for i, name in enumerate(CLIENTS):
             t = MqttTransport(parse_broker_url((core if i < 2 else site).url), name, backoff=Backoff(0.1, 1.0))
@@ -225,10 +272,40 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
     deadline. With an hour's session and no will, round 1 never completed."""
     devices, timeout, deadline = 8, "2", 60.0
     port, state = free_port(), tmp_path / "state"
-    cmd = [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--fed", FED, "--port",
-           str(port), "--rounds", "3", "--min-clients", str(devices), "--devices", str(devices), "--round-timeout",
-           f"{deadline:g}", "--state-dir", str(state), "--set", "num_classes=4", "--set", "proto_dim=8", "--set",
-           "adapter_rank=2", "--shards", "2", "--no-spawn-shards", "--shard-timeout", timeout, "--verbose"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "broker_server.cli",
+        "start",
+        "--preset",
+        "fedproto",
+        "--fed",
+        FED,
+        "--port",
+        str(port),
+        "--rounds",
+        "3",
+        "--min-clients",
+        str(devices),
+        "--devices",
+        str(devices),
+        "--round-timeout",
+        f"{deadline:g}",
+        "--state-dir",
+        str(state),
+        "--set",
+        "num_classes=4",
+        "--set",
+        "proto_dim=8",
+        "--set",
+        "adapter_rank=2",
+        "--shards",
+        "2",
+        "--no-spawn-shards",
+        "--shard-timeout",
+        timeout,
+        "--verbose",
+    ]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.extend(iter(server.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
@@ -239,12 +316,31 @@ def test_a_shard_gone_for_good_loses_nothing_once_its_session_expires(tmp_path: 
         wait(lambda: (state / "security" / "shards" / "shard-1.json").exists(), 60, "the shards' credentials", out)
         for i in range(2):
             with (tmp_path / f"shard-{i}.log").open("wb") as log:
-                shards.append(subprocess.Popen(
-                    [sys.executable, "-m", "broker_server.cli", "shard", "--broker", f"mqtt://127.0.0.1:{port}",
-                     "--fed", FED, "--index", str(i), "--credentials",
-                     str(state / "security" / "shards" / f"shard-{i}.json"), "--state-dir",
-                     str(tmp_path / f"shard-{i}"), "--shard-timeout", timeout],
-                    stdout=log, stderr=subprocess.STDOUT, env=ENV))
+                shards.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "broker_server.cli",
+                            "shard",
+                            "--broker",
+                            f"mqtt://127.0.0.1:{port}",
+                            "--fed",
+                            FED,
+                            "--index",
+                            str(i),
+                            "--credentials",
+                            str(state / "security" / "shards" / f"shard-{i}.json"),
+                            "--state-dir",
+                            str(tmp_path / f"shard-{i}"),
+                            "--shard-timeout",
+                            timeout,
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=ENV,
+                    )
+                )
         wait(lambda: any(f"waiting for {devices} client(s)" in line for line in out), 60, "the announcement", out)
         cfg = config("fedproto")
         held = []

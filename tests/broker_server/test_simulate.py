@@ -44,8 +44,15 @@ def runs(one_torch_thread: None) -> dict[str, Run]:
         for preset in PRESETS:
             wire: list[tuple[str, Envelope, int]] = []
 
-            def spy(self: InProcessTransport, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1,
-                    wire: list = wire) -> None:
+            def spy(
+                self: InProcessTransport,
+                topic: str,
+                payload: bytes,
+                *,
+                retain: bool = False,
+                qos: int = 1,
+                wire: list = wire,
+            ) -> None:
                 if payload:  # an empty retained payload clears a topic: not a message
                     wire.append((topic, unpack_envelope(payload), len(payload)))
                 publish(self, topic, payload, retain=retain, qos=qos)
@@ -125,7 +132,7 @@ def test_prototype_presets_report_nearest_prototype_accuracy(runs: dict[str, Run
     # FedProto-style presets hold no global prototypes in round 1 (nothing aggregated yet): None there.
     # ERPA anchors and FedPAGR's round-0 prototypes (also the spherical protofl preset's) exist from round 1 on.
     first_has = preset in ("refprotofl", "fedpagr", "protofl")
-    for row in rows[0 if first_has else 1:]:
+    for row in rows[0 if first_has else 1 :]:
         assert 0.0 <= row["local_proto_acc"] <= 1.0 and 0.0 <= row["global_proto_acc"] <= 1.0, row
     if not first_has:
         assert rows[0]["local_proto_acc"] is None and rows[0]["global_proto_acc"] is None
@@ -153,9 +160,16 @@ def test_partition_is_identical_across_presets() -> None:
 def test_fedproto_learns_an_easy_task() -> None:
     # Four well-separated synthetic classes, near-IID clients (alpha = 100), so chance is 0.25 on every
     # client's held-out split. Measured with seeds 0-4: final local accuracy 0.68-0.87.
-    easy = SimulationSpec(preset="fedproto", dataset="synthetic:n=900,n_test=200,classes=4,noise=0.05,size=16",
-                          clients=3, alpha=100.0, rounds=3, seed=0, archs=("mlp",),
-                          overrides=dict(local_epochs=5, lr=0.05))
+    easy = SimulationSpec(
+        preset="fedproto",
+        dataset="synthetic:n=900,n_test=200,classes=4,noise=0.05,size=16",
+        clients=3,
+        alpha=100.0,
+        rounds=3,
+        seed=0,
+        archs=("mlp",),
+        overrides=dict(local_epochs=5, lr=0.05),
+    )
     rows = run_simulation(easy)["rounds"]
     assert rows[-1]["local_acc"] > 0.5, rows
     assert rows[-1]["global_acc"] > 0.5, rows
@@ -240,8 +254,10 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
     finished: list[Aggregator] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InProcessTransport, "publish", spy)
-        run = run_simulation(SimulationSpec(preset="fedpagr", **FED, overrides=dict(cps=True, refine=False, erpa=True)),
-                             on_finish=finished.append)
+        run = run_simulation(
+            SimulationSpec(preset="fedpagr", **FED, overrides=dict(cps=True, refine=False, erpa=True)),
+            on_finish=finished.append,
+        )
     assert not run["dropped"]
     assert all(r["closed_by"] == "quorum" and r["clients"] == FED["clients"] for r in run["rounds"])
     model = finished[0].model
@@ -254,8 +270,9 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
     publics = [up.public for up in uploads if up.public is not None]
     for c in public:
         rows = [support.reconstruct_table({c: pub.table()[0][c]}, masks)[c] for pub in publics]
-        expected = support.restrict_to_masks(normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None],
-                                         masks[[c]])[0]
+        expected = support.restrict_to_masks(
+            normalize_rows(np.mean(normalize_rows(np.stack(rows)), axis=0))[None], masks[[c]]
+        )[0]
         np.testing.assert_allclose(unit[c], expected, atol=1e-5)
 
 

@@ -16,10 +16,21 @@ from broker_server.cli import app
 from broker_server.shell import Aggregator
 from broker_server.simulation import SimulationSpec, run_simulation
 
-FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=60", clients=3, alpha=0.5, rounds=2, seed=1,
-                           archs=("mlp",))
-CLI = ["simulate", "-q", "--dataset", "synthetic:n=400,n_test=60", "--clients", "3", "--rounds", "2", "--seed", "1",
-       "--arch", "mlp"]
+FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=60", clients=3, alpha=0.5, rounds=2, seed=1, archs=("mlp",))
+CLI = [
+    "simulate",
+    "-q",
+    "--dataset",
+    "synthetic:n=400,n_test=60",
+    "--clients",
+    "3",
+    "--rounds",
+    "2",
+    "--seed",
+    "1",
+    "--arch",
+    "mlp",
+]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,8 +38,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _run(preset: str, **overrides: Any) -> tuple[dict[str, Any], np.ndarray]:
     """The report (without its timings) and the federated vector the server ends with."""
     box: dict[str, Any] = {}
-    report = run_simulation(SimulationSpec(preset=preset, **FED, overrides=overrides),
-                            on_finish=lambda agg: box.setdefault("agg", agg))
+    report = run_simulation(
+        SimulationSpec(preset=preset, **FED, overrides=overrides), on_finish=lambda agg: box.setdefault("agg", agg)
+    )
     model = box["agg"].model
     values = model.rules.state_values()
     vector = values["params"] if values["params"] is not None else values["adapter"]

@@ -21,9 +21,18 @@ from protofl.wire import Metrics
 
 
 def row(r: int, global_acc: float) -> dict[str, Any]:
-    return {"round": r, "local_acc": 0.5, "local_proto_acc": None, "global_acc": global_acc, "global_proto_acc": None,
-            "ensemble_acc": None, "uplink_bytes": 123_456, "downlink_bytes": 654_321, "clients": 10,
-            "sim_time_s": 100.0 * r}
+    return {
+        "round": r,
+        "local_acc": 0.5,
+        "local_proto_acc": None,
+        "global_acc": global_acc,
+        "global_proto_acc": None,
+        "ensemble_acc": None,
+        "uplink_bytes": 123_456,
+        "downlink_bytes": 654_321,
+        "clients": 10,
+        "sim_time_s": 100.0 * r,
+    }
 
 
 @pytest.fixture
@@ -36,8 +45,12 @@ def partial_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
         for r in rows:
             on_round(dict(r))
         rows[-1] = row(4, 0.452)
-        return {"preset": spec.preset, "rounds": rows, "simulation": {"dataset": "synthetic", "device": "cpu"},
-                "totals": {"uplink_bytes": 4 * 123_456, "downlink_bytes": 4 * 654_321, "wall_s": 3.0}}
+        return {
+            "preset": spec.preset,
+            "rounds": rows,
+            "simulation": {"dataset": "synthetic", "device": "cpu"},
+            "totals": {"uplink_bytes": 4 * 123_456, "downlink_bytes": 4 * 654_321, "wall_s": 3.0},
+        }
 
     monkeypatch.setattr(simulation, "run_simulation", fake)
 
@@ -60,9 +73,13 @@ def test_the_table_keeps_every_figure_when_piped(partial_last_row: None) -> None
 
 
 def metrics(recv: float, compute: float, release: float) -> Metrics:
-    return Metrics(n_local=1, correct_local=1, n_test=0, correct_test=0,
-                   extra={"recv_t": recv, "compute_s": compute, "compute_cpu_s": compute, "release_t": release,
-                          "overrun_s": 0.0})
+    return Metrics(
+        n_local=1,
+        correct_local=1,
+        n_test=0,
+        correct_test=0,
+        extra={"recv_t": recv, "compute_s": compute, "compute_cpu_s": compute, "release_t": release, "overrun_s": 0.0},
+    )
 
 
 class FakeLinks:
@@ -80,19 +97,32 @@ def test_a_run_over_links_has_one_simulated_clock() -> None:
     # composed clock of the links section (the issue saw 657.9 s against about 129 s).
     clients = ["client-000", "client-001"]
     devices = expand(parse_fleet("rpi4+lte,rpi3+nb-iot"), 2)
-    arrivals = [Arrival("client-000", 1, "train", "protos", 2000, 100.35, "f4"),
-                Arrival("client-001", 1, "train", "protos", 2200, 100.9, "q8"),
-                Arrival("client-000", 2, "train", "protos", 2000, 102.5, "f4")]
+    arrivals = [
+        Arrival("client-000", 1, "train", "protos", 2000, 100.35, "f4"),
+        Arrival("client-001", 1, "train", "protos", 2200, 100.9, "q8"),
+        Arrival("client-000", 2, "train", "protos", 2000, 102.5, "f4"),
+    ]
     shown: list[dict[str, Any]] = []
     cfg = make_config("fedproto", rounds=2)
     report = Report(SimulationSpec(preset="fedproto", rounds=2), cfg, np.zeros(0, np.int64), on_round=shown.append)
-    report.links = LinkReport(devices, clients, FakeLinks(), FakeWatcher(arrivals), time_scale=10.0, deadline_s=60.0,
-                              adaptive=True, upload_share=0.8)
+    report.links = LinkReport(
+        devices,
+        clients,
+        FakeLinks(),
+        FakeWatcher(arrivals),
+        time_scale=10.0,
+        deadline_s=60.0,
+        adaptive=True,
+        upload_share=0.8,
+    )
     # round 2 closed at its deadline after 6 real s: 60 simulated s, though the wall clock says 80 s by then
-    for rec, ms in ((RoundRecord(1, clients, 0, 0, 100.0, 101.0, "quorum"),
-                     {"client-000": metrics(100.1, 2.0, 100.3), "client-001": metrics(100.2, 3.0, 100.4)}),
-                    (RoundRecord(2, ["client-000"], 0, 0, 102.0, 108.0, "deadline"),
-                     {"client-000": metrics(102.1, 2.0, 102.2)})):
+    for rec, ms in (
+        (
+            RoundRecord(1, clients, 0, 0, 100.0, 101.0, "quorum"),
+            {"client-000": metrics(100.1, 2.0, 100.3), "client-001": metrics(100.2, 3.0, 100.4)},
+        ),
+        (RoundRecord(2, ["client-000"], 0, 0, 102.0, 108.0, "deadline"), {"client-000": metrics(102.1, 2.0, 102.2)}),
+    ):
         report.on_round_end(rec, None)  # type: ignore[arg-type]  # no FedAvg model to evaluate
         for cid, m in ms.items():
             report.on_metrics(cid, rec.round, m, 10)

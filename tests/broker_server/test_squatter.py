@@ -38,6 +38,7 @@ pytestmark = pytest.mark.mosquitto
 
 # -- a squatter that records CONNECT packets ---------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Connect:
     client_id: str
@@ -62,7 +63,7 @@ def parse_connect(body: bytes) -> Connect:
     def take(n: int) -> bytes:
         nonlocal pos
         pos += n
-        return body[pos - n:pos]
+        return body[pos - n : pos]
 
     def field() -> bytes:
         return take(int.from_bytes(take(2), "big"))
@@ -161,8 +162,7 @@ def test_the_squatter_parses_a_real_connect(tmp_path: Path) -> None:
     tls = ensure_federation_tls(tmp_path / "squat", "squatter", ["127.0.0.1"])
     port = free_port()
     squatter = Squatter("127.0.0.1", port, tls.broker_cert, tls.broker_key)
-    t = MqttTransport(f"mqtt://u:p%40ss@127.0.0.1:{port}", "cid", will=Will("a/b", b"offline"),
-                      backoff=Backoff(5, 5))
+    t = MqttTransport(f"mqtt://u:p%40ss@127.0.0.1:{port}", "cid", will=Will("a/b", b"offline"), backoff=Backoff(5, 5))
     t._net.start()
     try:
         assert squatter.got_connect.wait(10)
@@ -173,6 +173,7 @@ def test_the_squatter_parses_a_real_connect(tmp_path: Path) -> None:
 
 
 # -- the supervisor, in this process --------------------------------------------------------------------
+
 
 class Lines:
     """Lines as they come (log records, a process's output), with a wait for one that matches."""
@@ -223,13 +224,19 @@ def broker_log() -> Iterator[LogEvents]:
     logger.removeHandler(handler)
 
 
-def test_the_supervisor_says_a_squatter_took_the_port_and_restarts_once_it_is_gone(tmp_path: Path,
-                                                                                   broker_log: LogEvents) -> None:
+def test_the_supervisor_says_a_squatter_took_the_port_and_restarts_once_it_is_gone(
+    tmp_path: Path, broker_log: LogEvents
+) -> None:
     auth = load_or_create(tmp_path / "sec", "sup", ["dev-a"])
     # A work directory too long for a socket address: the socket goes to a private temporary directory.
     workdir = tmp_path / ("w" * 120)
-    broker = MosquittoBroker(workdir=workdir, allow_anonymous=False, extra_config=auth.mosquitto_lines()[1:],
-                             local_socket=True, persistence=False).start()
+    broker = MosquittoBroker(
+        workdir=workdir,
+        allow_anonymous=False,
+        extra_config=auth.mosquitto_lines()[1:],
+        local_socket=True,
+        persistence=False,
+    ).start()
     squatter = None
     try:
         assert broker.socket_path is not None and not str(broker.socket_path).startswith(str(workdir))
@@ -259,6 +266,7 @@ def test_the_supervisor_says_a_squatter_took_the_port_and_restarts_once_it_is_go
 
 # -- the real thing: `protofl-server start` and `protofl-edge join` ----------------------------------------
 
+
 class Output(Lines):
     """A process's output, line by line."""
 
@@ -274,8 +282,9 @@ class Output(Lines):
 
 
 def _popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=ENV, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True
+    )
 
 
 def _stop(*procs: subprocess.Popen[str] | None) -> None:
@@ -292,8 +301,9 @@ def _stop(*procs: subprocess.Popen[str] | None) -> None:
                 p.wait()
 
 
-def _squat_while_the_broker_is_down(server: subprocess.Popen[str], state: Path, host: str, port: int,
-                                    squat_tls: Path) -> Squatter:
+def _squat_while_the_broker_is_down(
+    server: subprocess.Popen[str], state: Path, host: str, port: int, squat_tls: Path
+) -> Squatter:
     """Freeze the server (so its supervisor cannot restart the broker first), SIGKILL the broker, take
     its port, and let the server go on."""
     mosquitto_pid = int((state / "broker" / "mosquitto.pid").read_text())
@@ -324,8 +334,20 @@ def test_the_server_never_sends_its_password_to_a_squatter_on_loopback(tmp_path:
     # The default start (loopback, no TLS): the server's reconnects go to the broker's unix socket, and the
     # supervisor says who holds the port.
     port, state, fed = free_port(), tmp_path / "state", "squat"
-    server = _popen("broker_server.cli", "start", "--preset", "fedproto", "--port", str(port), "--fed", fed,
-                    "--min-clients", "2", "--state-dir", str(state))
+    server = _popen(
+        "broker_server.cli",
+        "start",
+        "--preset",
+        "fedproto",
+        "--port",
+        str(port),
+        "--fed",
+        fed,
+        "--min-clients",
+        "2",
+        "--state-dir",
+        str(state),
+    )
     out = Output(server)
     squatter = None
     try:
@@ -349,15 +371,41 @@ def test_neither_server_nor_device_talks_to_a_squatter_with_default_tls(tmp_path
     # credentials file (and a plain mqtt:// URL: the file's CA switches TLS on); the broker is killed and
     # a squatter with a certificate for 127.0.0.1 from another CA takes the port.
     port, state, fed = free_port(), tmp_path / "state", "squat"
-    server = _popen("broker_server.cli", "start", "--preset", "fedproto", "--listen", f"0.0.0.0:{port}", "--fed",
-                    fed, "--min-clients", "2", "--devices", "2", "--state-dir", str(state))
+    server = _popen(
+        "broker_server.cli",
+        "start",
+        "--preset",
+        "fedproto",
+        "--listen",
+        f"0.0.0.0:{port}",
+        "--fed",
+        fed,
+        "--min-clients",
+        "2",
+        "--devices",
+        "2",
+        "--state-dir",
+        str(state),
+    )
     out = Output(server)
     device = dev_out = squatter = None
     try:
         out.wait(f"protofl-server-{fed}: connected to ")
         cred = state / "security" / "devices" / "device-1.json"
-        device = _popen("edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--credentials", str(cred),
-                        "--data", "synthetic:n=100,n_test=20", "--threads", "1", "--connect-timeout", "60")
+        device = _popen(
+            "edge_agent.cli",
+            "join",
+            "--broker",
+            f"mqtt://127.0.0.1:{port}",
+            "--credentials",
+            str(cred),
+            "--data",
+            "synthetic:n=100,n_test=20",
+            "--threads",
+            "1",
+            "--connect-timeout",
+            "60",
+        )
         dev_out = Output(device)
         dev_out.wait(f"device-1: connected to mqtts?://127.0.0.1:{port}")
         squatter = _squat_while_the_broker_is_down(server, state, "0.0.0.0", port, tmp_path / "squat")

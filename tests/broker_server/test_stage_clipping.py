@@ -39,8 +39,13 @@ class KeepFold(Fold):
             self.kept.append(("local", up.local.classes.tolist(), up.local.rows.copy()))
         if up.update is not None:
             v = up.update.vector
-            self.kept.append(("update", v.indices.tolist() if isinstance(v, SparseVector) else None,
-                              np.asarray(v.values if isinstance(v, SparseVector) else v, np.float64).copy()))
+            self.kept.append(
+                (
+                    "update",
+                    v.indices.tolist() if isinstance(v, SparseVector) else None,
+                    np.asarray(v.values if isinstance(v, SparseVector) else v, np.float64).copy(),
+                )
+            )
 
 
 class Toy(Technique):
@@ -88,8 +93,11 @@ def model_for(preset: str, policy: ClipPolicy | None = None, **overrides: Any) -
 
 def protos(table: dict[int, list[float]], counts: dict[int, int] | None = None) -> ProtoUpload:
     classes = sorted(table)
-    ps = ProtoSet(classes=np.array(classes), values=np.array([table[c] for c in classes], np.float32),
-                  counts=None if counts is None else np.array([counts[c] for c in classes]))
+    ps = ProtoSet(
+        classes=np.array(classes),
+        values=np.array([table[c] for c in classes], np.float32),
+        counts=None if counts is None else np.array([counts[c] for c in classes]),
+    )
     return ProtoUpload(local=ps, public=None, n_samples=1)
 
 
@@ -100,7 +108,7 @@ def test_a_fold_alone_that_declares_nothing_gets_rows_clipped_around_zero(toy: l
     run.add(Upload.PROTOS, protos({0: [30.0, 40.0], 2: [3.0, 4.0]}))
     run.finish()
     # (30, 40) is 50 from zero: scaled onto the ball of radius 5, (3, 4); (3, 4) is 5 away and stays as sent
-    (_, classes, rows), = toy
+    ((_, classes, rows),) = toy
     assert classes == [0, 2] and rows.tolist() == [[3.0, 4.0], [3.0, 4.0]]
     assert m.round_clips.checked == {"protos": 2} and m.round_clips.clipped == {"protos": 1}
     assert m.radii["protos"] == 10.0 * 27.5  # the factor times the median norm as sent, (50 + 5) / 2
@@ -115,7 +123,7 @@ def test_beside_fedproto_a_fold_gets_the_rows_fedproto_folds_and_norms_count_onc
     run.add(Upload.PROTOS, protos({0: [1.0, 5.0], 1: [0.5, 0.0]}, {0: 2, 1: 2}))
     run.finish()
     # class 0 around (1, 1): (1, 5) is 4 away -> (1, 2); class 1 around zero (no prototype yet): 0.5 away, as sent
-    (_, classes, rows), = toy
+    ((_, classes, rows),) = toy
     assert classes == [0, 1] and rows.tolist() == [[1.0, 2.0], [0.5, 0.0]]
     assert state.prototypes[0].tolist() == [1.0, 2.0] and state.prototypes[1].tolist() == [0.5, 0.0]  # FedProto's too
     assert m.round_clips.checked == {"protos": 2} and m.round_clips.clipped == {"protos": 1}  # not 4 and 2
@@ -131,7 +139,7 @@ def test_a_parameter_vector_is_clipped_around_the_global_one_for_every_fold(toy:
     far = before + np.r_[3.0, 4.0, np.zeros(d - 2)]  # 5 from the global adapter
     run.add(Upload.ADAPTER, ParamsUpload(update=far.astype(np.float32), n_samples=1, base_round=1))
     run.finish()
-    (_, _, vector), = toy
+    ((_, _, vector),) = toy
     # onto the ball of radius 1 around it: (3, 4) / 5; FedAvg's one upload is the new adapter
     np.testing.assert_allclose(vector - before, np.r_[0.6, 0.8, np.zeros(d - 2)], atol=1e-6)
     after = m.rules.state(FederatedVector).adapter
@@ -146,7 +154,7 @@ def test_with_clipping_off_every_fold_gets_the_values_as_sent(toy: list[Any]) ->
     run = PhaseRun(m, Phase.TRAIN)
     run.add(Upload.PROTOS, protos({0: [30.0, 40.0]}))
     run.finish()
-    (_, _, rows), = toy
+    ((_, _, rows),) = toy
     assert rows.tolist() == [[30.0, 40.0]] and m.round_clips.checked == {}
 
 

@@ -27,16 +27,20 @@ def model_for(preset: str, **overrides: Any) -> ServerModel:
 
 def ps(table: dict[int, list[float]], counts: dict[int, int] | None = None) -> ProtoSet:
     classes = sorted(table)
-    return ProtoSet(classes=np.array(classes), values=np.array([table[c] for c in classes], np.float32),
-                    counts=None if counts is None else np.array([counts[c] for c in classes]))
+    return ProtoSet(
+        classes=np.array(classes),
+        values=np.array([table[c] for c in classes], np.float32),
+        counts=None if counts is None else np.array([counts[c] for c in classes]),
+    )
 
 
 def test_erpa_anchors_ext_mean_for_public_weighted_mean_for_the_rest() -> None:
     m = model_for("refprotofl", public_classes=(0,))
     phase = PhaseRun(m, Phase.PROTO)
     phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [2, 2]}, {1: 1}), n_samples=1))
-    phase.add(Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}),
-                                         n_samples=6))
+    phase.add(
+        Upload.PROTOS, ProtoUpload(public=ps({0: [3, 0]}), local=ps({1: [5, 5], 2: [1, 1]}, {1: 2, 2: 4}), n_samples=6)
+    )
     phase.finish()
     targets = m.rules.state(Anchors).targets
     assert targets is not None
@@ -77,10 +81,16 @@ def test_apud_fold_keeps_coordinates_nobody_sent() -> None:
     vec.adapter = np.zeros(8, np.float32)  # any length: the phase follows the server's adapter
     phase = PhaseRun(m, Phase.TRAIN)
     n = vec.adapter.shape[0]
-    phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)),
-                                    n_samples=1, base_round=1))
-    phase.add(Upload.ADAPTER, ParamsUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)),
-                                    n_samples=3, base_round=1))
+    phase.add(
+        Upload.ADAPTER,
+        ParamsUpload(
+            update=SparseVector(n, np.array([0, 2]), np.array([2.0, 4.0], np.float32)), n_samples=1, base_round=1
+        ),
+    )
+    phase.add(
+        Upload.ADAPTER,
+        ParamsUpload(update=SparseVector(n, np.array([0]), np.array([5.0], np.float32)), n_samples=3, base_round=1),
+    )
     phase.finish()
     # theta_0 = (1*2 + 3*5) / 4 = 4.25; theta_2 = 4 (one sender); the rest keep 0
     assert vec.adapter[0] == pytest.approx(4.25) and vec.adapter[2] == 4.0 and not vec.adapter[[1, 3]].any()
@@ -125,11 +135,14 @@ def test_erpa_on_unit_prototypes_anchors_public_classes_on_the_public_set() -> N
     assert unit.dtype == np.float32
 
 
-@pytest.mark.parametrize("up, match", [
-    (ProtoUpload(public=ps({1: [1, 0]}), local=ps({2: [1, 0]}), n_samples=1), "with no public data"),
-    (ProtoUpload(public=ps({0: [1, 0]}), local=ps({0: [1, 0]}), n_samples=1), "public-covered"),
-    (ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 0]}), n_samples=1), "zero vector"),
-])
+@pytest.mark.parametrize(
+    "up, match",
+    [
+        (ProtoUpload(public=ps({1: [1, 0]}), local=ps({2: [1, 0]}), n_samples=1), "with no public data"),
+        (ProtoUpload(public=ps({0: [1, 0]}), local=ps({0: [1, 0]}), n_samples=1), "public-covered"),
+        (ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 0]}), n_samples=1), "zero vector"),
+    ],
+)
 def test_erpa_on_unit_prototypes_rejects_a_bad_upload_whole(up: ProtoUpload, match: str) -> None:
     m = _spherical_erpa()
     phase = PhaseRun(m, Phase.TRAIN)
@@ -143,5 +156,6 @@ def test_public_prototypes_in_the_training_phase_are_refused_elsewhere() -> None
     m = model_for("fedpagr", refine=False)
     m.rules.state(UnitState).unit = np.array([[1, 0], [0, 1], [0.6, 0.8]], np.float32)
     with pytest.raises(WireError, match="public-set prototypes in the training phase"):
-        PhaseRun(m, Phase.TRAIN).add(Upload.PROTOS,
-                                     ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1))
+        PhaseRun(m, Phase.TRAIN).add(
+            Upload.PROTOS, ProtoUpload(public=ps({0: [1, 0]}), local=ps({1: [0, 1]}), n_samples=1)
+        )

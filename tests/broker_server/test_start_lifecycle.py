@@ -18,18 +18,52 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 def test_a_state_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.write_text("not a directory")
-    out = subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", "0",
-                          "--fed", "f", "--state-dir", str(state)], capture_output=True, text=True, env=ENV,
-                         timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            "0",
+            "--fed",
+            "f",
+            "--state-dir",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
     assert out.returncode == 2, out.stderr
     assert f"--state-dir {state} is a file; it takes a directory" in out.stderr
     assert "Traceback" not in out.stderr and state.read_text() == "not a directory"
 
 
 def test_sigterm_to_the_process_group_stops_server_and_broker_without_a_restart(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port",
-                             str(free_port()), "--fed", "term", "--state-dir", str(tmp_path / "state")],
-                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            str(free_port()),
+            "--fed",
+            "term",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:  # an event: the server says it is serving

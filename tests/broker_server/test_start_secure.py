@@ -30,8 +30,13 @@ DATA = "synthetic:n=300,n_test=50"
 
 
 def server_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", *args],
-                          capture_output=True, text=True, env=ENV, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -60,11 +65,13 @@ def test_start_with_a_port_squatter_fails_with_a_clear_message(squatter: int, tm
 
 
 def test_start_checks_its_tls_flags_before_starting(tmp_path: Path) -> None:
-    for args, words in ((["--tls", "maybe"], "--tls must be auto, on or off"),
-                        (["--tls", "on", "--insecure"], "hands devices the federation CA"),
-                        (["--client-ca", __file__, "--insecure"], "hands devices the federation CA"),
-                        (["--tls", "off", "--client-ca", __file__], "--tls off contradicts"),
-                        (["--tls", "on", "--broker", "mqtt://127.0.0.1:1"], "--tls applies to the local broker")):
+    for args, words in (
+        (["--tls", "maybe"], "--tls must be auto, on or off"),
+        (["--tls", "on", "--insecure"], "hands devices the federation CA"),
+        (["--client-ca", __file__, "--insecure"], "hands devices the federation CA"),
+        (["--tls", "off", "--client-ca", __file__], "--tls off contradicts"),
+        (["--tls", "on", "--broker", "mqtt://127.0.0.1:1"], "--tls applies to the local broker"),
+    ):
         out = server_cli("--port", "0", "--fed", "flags", *args)
         assert out.returncode == 2 and words in out.stderr, (args, out.stderr)
 
@@ -79,8 +86,9 @@ def test_start_refuses_the_unauthenticated_embedded_broker_and_bad_listen(tmp_pa
 def test_broker_config_writes_password_acl_and_device_files(tmp_path: Path) -> None:
     allow = tmp_path / "allow.txt"
     allow.write_text("rpi-07\njetson-1\n")
-    result = CliRunner().invoke(app, ["broker-config", "--out", str(tmp_path / "sec"), "--fed", "lab",
-                                      "--allow", str(allow)])
+    result = CliRunner().invoke(
+        app, ["broker-config", "--out", str(tmp_path / "sec"), "--fed", "lab", "--allow", str(allow)]
+    )
     assert result.exit_code == 0, result.output
     assert f"password_file {tmp_path / 'sec' / 'passwd'}" in result.output
     assert "allow_anonymous false" in result.output and "max_packet_size " in result.output
@@ -100,12 +108,12 @@ def test_the_aggregator_ignores_ids_that_are_not_members() -> None:
     agg.start()
     intruder = broker.connect("x")
     for i in range(2000):
-        intruder.publish(topics.up("m", f"x{i}"), encode_message(Join(arch="cnn", n_samples=1), fed="m",
-                                                                  sender=f"x{i}"))
+        intruder.publish(
+            topics.up("m", f"x{i}"), encode_message(Join(arch="cnn", n_samples=1), fed="m", sender=f"x{i}")
+        )
     broker.pump()
     assert agg.clients == {} and agg.round == 0 and agg.dropped == {"not_member": 2000}
-    broker.connect("a").publish(topics.up("m", "a"), encode_message(Join(arch="cnn", n_samples=1), fed="m",
-                                                                     sender="a"))
+    broker.connect("a").publish(topics.up("m", "a"), encode_message(Join(arch="cnn", n_samples=1), fed="m", sender="a"))
     broker.pump()
     assert list(agg.clients) == ["a"] and agg.round == 1
 
@@ -119,23 +127,72 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
     allow = tmp_path / "allow.txt"
     allow.write_text("dev-0\ndev-1\n")
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--listen", f"0.0.0.0:{port}",
-         "--fed", "secure", "--rounds", "1", "--min-clients", "2", "--round-timeout", "60", "--state-dir", str(state),
-         "--allow", str(allow)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--listen",
+            f"0.0.0.0:{port}",
+            "--fed",
+            "secure",
+            "--rounds",
+            "1",
+            "--min-clients",
+            "2",
+            "--round-timeout",
+            "60",
+            "--state-dir",
+            str(state),
+            "--allow",
+            str(allow),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
     devices: list[subprocess.Popen[str]] = []
     try:
         creds = state / "security" / "devices"
         end = time.monotonic() + 30
         while not (creds / "dev-1.json").exists() and time.monotonic() < end:
             time.sleep(0.1)
-        devices = [subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}",
-             "--credentials", str(creds / f"dev-{i}.json"), "--data", DATA, "--partition", f"{i}/2", "--threads", "1",
-             "--connect-timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
-            for i in range(2)]
+        devices = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "edge_agent.cli",
+                    "join",
+                    "--broker",
+                    f"mqtt://127.0.0.1:{port}",
+                    "--credentials",
+                    str(creds / f"dev-{i}.json"),
+                    "--data",
+                    DATA,
+                    "--partition",
+                    f"{i}/2",
+                    "--threads",
+                    "1",
+                    "--connect-timeout",
+                    "30",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+                text=True,
+            )
+            for i in range(2)
+        ]
         ca = json.loads((creds / "dev-0.json").read_text())["ca"]
-        anon = MqttTransport(parse_broker_url(f"mqtt://127.0.0.1:{port}").with_federation_ca(ca, "dev-0.json"), "anon",
-                             backoff=Backoff(0.2, 1.0))
+        anon = MqttTransport(
+            parse_broker_url(f"mqtt://127.0.0.1:{port}").with_federation_ca(ca, "dev-0.json"),
+            "anon",
+            backoff=Backoff(0.2, 1.0),
+        )
         with pytest.raises(TransportError, match="refused the connection"):
             anon.connect(timeout=15)
         out, _ = server.communicate(timeout=120)

@@ -15,9 +15,21 @@ DEVICES = expand(parse_fleet("rpi4+lte,rpi3+nb-iot"), 2)
 
 
 def metrics(recv: float, compute: float, release: float) -> Metrics:
-    return Metrics(n_local=1, correct_local=1, n_test=0, correct_test=0,
-                   extra={"recv_t": recv, "compute_s": compute, "compute_cpu_s": compute / 4, "release_t": release,
-                          "overrun_s": 0.0, "upload_budget": 5000.0, "upload_fits": 1.0})
+    return Metrics(
+        n_local=1,
+        correct_local=1,
+        n_test=0,
+        correct_test=0,
+        extra={
+            "recv_t": recv,
+            "compute_s": compute,
+            "compute_cpu_s": compute / 4,
+            "release_t": release,
+            "overrun_s": 0.0,
+            "upload_budget": 5000.0,
+            "upload_fits": 1.0,
+        },
+    )
 
 
 def test_composed_times_and_round_lengths() -> None:
@@ -26,9 +38,11 @@ def test_composed_times_and_round_lengths() -> None:
     # its upload in at 100.35 -> downlink 1 s, compute 2 s, upload 0.5 s: done at 3.5 simulated s.
     # client-001 re-sent its upload after a reconnect: the first copy counts (in at 100.9 -> upload 5 s).
     r1 = RoundRecord(round=1, clients=CLIENTS, started=100.0, ended=101.0, closed_by="quorum")
-    arrivals = [Arrival("client-000", 1, "train", "protos", 2000, 100.35, "f4"),
-                Arrival("client-001", 1, "train", "protos", 2200, 100.9, "q8"),
-                Arrival("client-001", 1, "train", "protos", 2200, 101.5, "q8")]
+    arrivals = [
+        Arrival("client-000", 1, "train", "protos", 2000, 100.35, "f4"),
+        Arrival("client-001", 1, "train", "protos", 2200, 100.9, "q8"),
+        Arrival("client-001", 1, "train", "protos", 2200, 101.5, "q8"),
+    ]
     ms = {1: {"client-000": metrics(100.1, 2.0, 100.3), "client-001": metrics(100.2, 3.0, 100.4)}}
     # Round 2 closed at its deadline without client-001.
     r2 = RoundRecord(round=2, clients=["client-000"], started=102.0, ended=108.0, closed_by="deadline")
@@ -52,8 +66,9 @@ def test_keepalive_outlasts_the_largest_transfer() -> None:
     from broker_server.simulation.links import Links
     from protofl.transport.broker_url import parse_broker_url
 
-    links = Links(DEVICES, parse_broker_url("mqtt://127.0.0.1:1883"), time_scale=20.0, seed=0,
-                  largest_message=6_800_000)
+    links = Links(
+        DEVICES, parse_broker_url("mqtt://127.0.0.1:1883"), time_scale=20.0, seed=0, largest_message=6_800_000
+    )
     try:
         # nb-iot downlink 3400 B/s: 6.8 MB take 2000 simulated s = 100 real s at scale 20 -> 2 x 100 + 1
         assert links.broker_for(1).keepalive == 201

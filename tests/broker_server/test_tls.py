@@ -31,12 +31,41 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _leaf(d: Path, name: str, cn: str, san: str | None) -> None:
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
+    _openssl(
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        "-subj",
+        f"/CN={cn}",
+        cwd=d,
+    )
     ext = d / f"{name}.ext"
     ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", f"{name}.crt", "-days", "2", "-extfile", str(ext), cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        f"{name}.crt",
+        "-days",
+        "2",
+        "-extfile",
+        str(ext),
+        cwd=d,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +75,24 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("openssl not installed")
     d = tmp_path_factory.mktemp("certs")
     for ca in ("ca", "other-ca"):
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout",
-                 f"{ca}.key", "-out", f"{ca}.crt", "-days", "2", "-subj", f"/CN=protofl test {ca}", cwd=d)
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            f"{ca}.key",
+            "-out",
+            f"{ca}.crt",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=protofl test {ca}",
+            cwd=d,
+        )
     _leaf(d, "broker", "localhost", "DNS:localhost,IP:127.0.0.1")
     _leaf(d, "client", "dev-a", None)
     return d
@@ -73,16 +118,19 @@ def test_the_federation_ca_is_generated_once_and_travels_in_the_device_files(tmp
     assert read_device_file(load_or_create(tmp_path / "plain", "lab", ["dev-a"]).device_file("dev-a")).ca_pem is None
 
 
-def test_a_device_with_the_federation_ca_refuses_a_broker_it_did_not_sign(start_mosquitto, certs: Path,
-                                                                          tmp_path: Path) -> None:
+def test_a_device_with_the_federation_ca_refuses_a_broker_it_did_not_sign(
+    start_mosquitto, certs: Path, tmp_path: Path
+) -> None:
     # The broker's certificate names 127.0.0.1 and is valid, but from another CA: refused, naming the file.
     broker, auth = tls_broker(start_mosquitto, certs, tmp_path, require_client_cert=False)
     ca = ensure_federation_tls(tmp_path / "fed-tls", "tls", ["127.0.0.1"]).ca_pem()
     opts = parse_broker_url(broker.url).with_auth("dev-a", auth.secrets.devices["dev-a"])
-    with pytest.raises(TransportError, match="presented a certificate that the federation CA in --credentials "
-                                             "dev-a.json did not sign"):
-        MqttTransport(opts.with_federation_ca(ca, "--credentials dev-a.json"), "dev-a",
-                      backoff=Backoff(0.1, 0.5)).connect(2)
+    with pytest.raises(
+        TransportError, match="presented a certificate that the federation CA in --credentials dev-a.json did not sign"
+    ):
+        MqttTransport(
+            opts.with_federation_ca(ca, "--credentials dev-a.json"), "dev-a", backoff=Backoff(0.1, 0.5)
+        ).connect(2)
 
 
 def tls_broker(start: Callable[..., MosquittoBroker], certs: Path, tmp_path: Path, require_client_cert: bool):
@@ -104,8 +152,9 @@ def test_tls_with_the_servers_ca_and_credentials(start_mosquitto, certs: Path, t
     assert t.flush(5)
     t.close(timeout=1)
     # A CA that did not sign the broker's certificate: the device refuses the broker, naming the CA.
-    with pytest.raises(TransportError, match=f"presented a certificate that the CA of --tls-ca "
-                                             f"{certs / 'other-ca.crt'} did not sign"):
+    with pytest.raises(
+        TransportError, match=f"presented a certificate that the CA of --tls-ca {certs / 'other-ca.crt'} did not sign"
+    ):
         dev(broker.url, auth, tls_ca=str(certs / "other-ca.crt")).connect(2)
     # Plain MQTT to the TLS port gets nowhere.
     with pytest.raises(TransportError):
@@ -115,11 +164,19 @@ def test_tls_with_the_servers_ca_and_credentials(start_mosquitto, certs: Path, t
 def test_tls_requiring_client_certificates(start_mosquitto, certs: Path, tmp_path: Path) -> None:
     broker, auth = tls_broker(start_mosquitto, certs, tmp_path, require_client_cert=True)
     # No client certificate: said as such, with the flags to pass (not "is it running?").
-    with pytest.raises(TransportError, match="demanded a client certificate and refused the TLS handshake without "
-                                             "one: pass --tls-cert FILE --tls-key FILE"):
+    with pytest.raises(
+        TransportError,
+        match="demanded a client certificate and refused the TLS handshake without "
+        "one: pass --tls-cert FILE --tls-key FILE",
+    ):
         dev(broker.url, auth, tls_ca=str(certs / "ca.crt")).connect(2)
-    t = dev(broker.url, auth, tls_ca=str(certs / "ca.crt"), tls_cert=str(certs / "client.crt"),
-            tls_key=str(certs / "client.key")).connect(10)
+    t = dev(
+        broker.url,
+        auth,
+        tls_ca=str(certs / "ca.crt"),
+        tls_cert=str(certs / "client.crt"),
+        tls_key=str(certs / "client.key"),
+    ).connect(10)
     assert t.connected
     t.close(timeout=1)
 
@@ -129,14 +186,47 @@ def test_start_and_join_over_tls_with_client_certificates(certs: Path, tmp_path:
     # Both CLIs: the server's own broker with a TLS listener that requires client certificates, passwords
     # and the ACL; one device joins with the CA, its certificate and its credentials file.
     port, state = free_port(), tmp_path / "state"
-    tls = ["--tls-ca", str(certs / "ca.crt"), "--tls-cert", str(certs / "client.crt"), "--tls-key",
-           str(certs / "client.key")]
+    tls = [
+        "--tls-ca",
+        str(certs / "ca.crt"),
+        "--tls-cert",
+        str(certs / "client.crt"),
+        "--tls-key",
+        str(certs / "client.key"),
+    ]
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port", str(port),
-         "--fed", "tls", "--rounds", "1", "--min-clients", "1", "--round-timeout", "60", "--state-dir", str(state),
-         "--broker-cert", str(certs / "broker.crt"), "--broker-key", str(certs / "broker.key"),
-         "--client-ca", str(certs / "ca.crt"), *tls], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV,
-        text=True)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--port",
+            str(port),
+            "--fed",
+            "tls",
+            "--rounds",
+            "1",
+            "--min-clients",
+            "1",
+            "--round-timeout",
+            "60",
+            "--state-dir",
+            str(state),
+            "--broker-cert",
+            str(certs / "broker.crt"),
+            "--broker-key",
+            str(certs / "broker.key"),
+            "--client-ca",
+            str(certs / "ca.crt"),
+            *tls,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
     device = None
     try:
         cred = state / "security" / "devices" / "device-1.json"
@@ -144,9 +234,30 @@ def test_start_and_join_over_tls_with_client_certificates(certs: Path, tmp_path:
         while not cred.exists() and time.monotonic() < end:
             time.sleep(0.1)
         device = subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtts://localhost:{port}", "--fed", "tls",
-             "--credentials", str(cred), "--data", "synthetic:n=200,n_test=40", "--threads", "1",
-             "--connect-timeout", "30", *tls], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+            [
+                sys.executable,
+                "-m",
+                "edge_agent.cli",
+                "join",
+                "--broker",
+                f"mqtts://localhost:{port}",
+                "--fed",
+                "tls",
+                "--credentials",
+                str(cred),
+                "--data",
+                "synthetic:n=200,n_test=40",
+                "--threads",
+                "1",
+                "--connect-timeout",
+                "30",
+                *tls,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            text=True,
+        )
         out, _ = server.communicate(timeout=120)
         dev_out, _ = device.communicate(timeout=30)
     finally:

@@ -72,10 +72,37 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
     state = tmp_path / "state"
     log = (tmp_path / "server.log").open("w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--fed", "watch", "--rounds",
-         "1000", "--min-clients", "3", "--round-timeout", "300", "--port", str(port), "--state-dir", str(state),
-         "--offline-grace", str(GRACE), "--metrics-port", str(metrics_port), "--ui-port", str(ui_port)],
-        stdout=log, stderr=subprocess.STDOUT, env=ENV, text=True)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "fedproto",
+            "--fed",
+            "watch",
+            "--rounds",
+            "1000",
+            "--min-clients",
+            "3",
+            "--round-timeout",
+            "300",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(state),
+            "--offline-grace",
+            str(GRACE),
+            "--metrics-port",
+            str(metrics_port),
+            "--ui-port",
+            str(ui_port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        text=True,
+    )
     devices: dict[str, subprocess.Popen[bytes]] = {}
     try:
         creds = state / "security" / "devices"
@@ -83,10 +110,30 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
         assert server.poll() is None, (tmp_path / "server.log").read_text()
         for i, dev in enumerate(DEVICES):
             devices[dev] = subprocess.Popen(
-                [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}",
-                 "--credentials", str(creds / f"{dev}.json"), "--data", DATA, "--partition", f"{i}/3",
-                 "--threads", "1", "--connect-timeout", "60", "--test-every", "1"],  # global acc in every row
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+                [
+                    sys.executable,
+                    "-m",
+                    "edge_agent.cli",
+                    "join",
+                    "--broker",
+                    f"mqtt://127.0.0.1:{port}",
+                    "--credentials",
+                    str(creds / f"{dev}.json"),
+                    "--data",
+                    DATA,
+                    "--partition",
+                    f"{i}/3",
+                    "--threads",
+                    "1",
+                    "--connect-timeout",
+                    "60",
+                    "--test-every",
+                    "1",
+                ],  # global acc in every row
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=ENV,
+            )
 
         # status, from the state dir: the round and 3 members online
         def all_online() -> str | None:
@@ -96,6 +143,7 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
         text = eventually(all_online, 240, "status to show a running round with 3 members online")
         assert re.search(r"federation 'watch' \(fedproto\): running, round \d+/1000", text), text
         assert member_states(text) == dict.fromkeys(DEVICES, "online"), text
+
         # ... and from the broker, as the generated read-only monitor (its summary is at most a second behind)
         def monitor_all_online() -> str | None:
             text = status_text("--broker", f"mqtt://127.0.0.1:{port}", "--state-dir", str(state))
@@ -120,17 +168,26 @@ def test_status_metrics_and_page_follow_a_federation(tmp_path: Path, browser: ob
         eventually(lambda: page_states(browser) == dict.fromkeys(DEVICES, "online"), 30, "the page's 3 devices online")
         round_text = browser.find_element("id", "round").text  # type: ignore[attr-defined]
         assert re.fullmatch(r"round \d+/1000", round_text), round_text
-        eventually(lambda: browser.find_elements("css selector", "#accuracy polyline"), 60,  # type: ignore[attr-defined]
-                   "an accuracy curve once a round's metrics are in")
+        eventually(
+            lambda: browser.find_elements("css selector", "#accuracy polyline"),  # type: ignore[attr-defined]
+            60,
+            "an accuracy curve once a round's metrics are in",
+        )
 
         # kill a device: offline in all three, within its grace
         devices["device-2"].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         offline = ("offline",)
-        eventually(lambda: member_states(status_text("--state-dir", str(state))).get("device-2") in offline, GRACE,
-                   "status to show device-2 offline")
-        eventually(lambda: scrape(metrics_url)["protofl_device_online"][(("device", "device-2"),)] == 0, GRACE,
-                   "/metrics to show device-2 offline")
+        eventually(
+            lambda: member_states(status_text("--state-dir", str(state))).get("device-2") in offline,
+            GRACE,
+            "status to show device-2 offline",
+        )
+        eventually(
+            lambda: scrape(metrics_url)["protofl_device_online"][(("device", "device-2"),)] == 0,
+            GRACE,
+            "/metrics to show device-2 offline",
+        )
         eventually(lambda: page_states(browser).get("device-2") in offline, GRACE, "the page to show device-2 offline")
         assert time.monotonic() - killed < GRACE
         assert member_states(status_text("--state-dir", str(state)))["device-1"] == "online"

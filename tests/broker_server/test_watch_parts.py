@@ -26,14 +26,32 @@ from broker_server.watch.ui import serve_ui, ui_password
 def snapshot(**changes: object) -> Snapshot:
     """A running server's snapshot, updated now (a module-level time would be stale in a long suite run)."""
     now = time.time()
-    base = dict(fed="lab", preset="tinyproto", state="running", round=3, rounds=10, updated=now, phase="train",
-                deadline=now + 30, quorum=2, completed=2, server_pid=os.getpid(), started=900.0,
-                members=(Member("dev-a", "online", "cnn", 600, "rpi4+lte", 2,
-                                Upload(2, "train", "protos", 2200, "f2", 990.0)),
-                         Member("dev-b", "offline", "cnn", 500, grace_ends=1004.0)),
-                uplink_bytes=9000, downlink_bytes=20000, accepted={"protos": 4}, dropped={"duplicate": 1},
-                history=(RoundRow(1, 2, "quorum", 900.0, 950.0, 4000, 10000, 0.5, 0.4),
-                         RoundRow(2, 2, "quorum", 950.0, 990.0, 5000, 10000)))
+    base = dict(
+        fed="lab",
+        preset="tinyproto",
+        state="running",
+        round=3,
+        rounds=10,
+        updated=now,
+        phase="train",
+        deadline=now + 30,
+        quorum=2,
+        completed=2,
+        server_pid=os.getpid(),
+        started=900.0,
+        members=(
+            Member("dev-a", "online", "cnn", 600, "rpi4+lte", 2, Upload(2, "train", "protos", 2200, "f2", 990.0)),
+            Member("dev-b", "offline", "cnn", 500, grace_ends=1004.0),
+        ),
+        uplink_bytes=9000,
+        downlink_bytes=20000,
+        accepted={"protos": 4},
+        dropped={"duplicate": 1},
+        history=(
+            RoundRow(1, 2, "quorum", 900.0, 950.0, 4000, 10000, 0.5, 0.4),
+            RoundRow(2, 2, "quorum", 950.0, 990.0, 5000, 10000),
+        ),
+    )
     base.update(changes)
     return Snapshot(**base)  # type: ignore[arg-type]
 
@@ -100,8 +118,13 @@ def test_the_live_page_asks_for_a_password_when_it_has_one(tmp_path: Path) -> No
         board.publish(published)
         body = urllib.request.urlopen(get("protofl", "s3cret"), timeout=5).read()
         assert Snapshot.decode(body) == published
-        page = urllib.request.urlopen(urllib.request.Request(endpoint.url, headers=get("protofl", "s3cret").headers),
-                                      timeout=5).read().decode()
+        page = (
+            urllib.request.urlopen(
+                urllib.request.Request(endpoint.url, headers=get("protofl", "s3cret").headers), timeout=5
+            )
+            .read()
+            .decode()
+        )
         assert "<title>protofl federation</title>" in page and "api/summary" in page
     finally:
         endpoint.close()
@@ -114,42 +137,48 @@ def test_metrics_follow_the_board() -> None:
     metrics = FederationMetrics(board)
     endpoint = serve_metrics(metrics, "127.0.0.1", 0)
     try:
+
         def scrape() -> dict[str, float]:
             text = urllib.request.urlopen(endpoint.url, timeout=5).read().decode()
-            return {s.name + json.dumps(s.labels, sort_keys=True): s.value
-                    for f in text_string_to_metric_families(text) for s in f.samples}
+            return {
+                s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+            }
 
         assert not any(k.startswith("protofl_round{") for k in scrape())  # nothing before the first snapshot
         metrics.round_duration.observe(42.0)
         metrics.fsync.observe(0.003)
         board.publish(snapshot())
         got = scrape()
-        assert got['protofl_round{}'] == 3 and got['protofl_rounds_completed_total{}'] == 2
+        assert got["protofl_round{}"] == 3 and got["protofl_rounds_completed_total{}"] == 2
         assert got['protofl_phase{"phase": "train"}'] == 1 and got['protofl_phase{"phase": "waiting"}'] == 0
         assert got['protofl_device_online{"device": "dev-a"}'] == 1
         assert got['protofl_device_online{"device": "dev-b"}'] == 0
         assert got['protofl_members{"state": "offline"}'] == 1
         assert got['protofl_uploads_dropped_total{"reason": "duplicate"}'] == 1
         assert got['protofl_uploads_accepted_total{"kind": "protos"}'] == 4
-        assert got['protofl_uplink_bytes_total{}'] == 9000 and got['protofl_downlink_bytes_total{}'] == 20000
-        assert got['protofl_accuracy_ratio{"kind": "local"}'] == 0.5 and got['protofl_accuracy_round{}'] == 1
-        assert got['protofl_round_duration_seconds_count{}'] == 1
+        assert got["protofl_uplink_bytes_total{}"] == 9000 and got["protofl_downlink_bytes_total{}"] == 20000
+        assert got['protofl_accuracy_ratio{"kind": "local"}'] == 0.5 and got["protofl_accuracy_round{}"] == 1
+        assert got["protofl_round_duration_seconds_count{}"] == 1
         assert got['protofl_round_duration_seconds_bucket{"le": "60.0"}'] == 1
         assert got['protofl_journal_fsync_seconds_bucket{"le": "0.005"}'] == 1
-        assert got['protofl_broker_restarts_total{}'] == 0
+        assert got["protofl_broker_restarts_total{}"] == 0
     finally:
         endpoint.close()
 
 
 def test_status_watch_refreshes_into_a_pipe(tmp_path: Path) -> None:
     (tmp_path / "status.json").write_bytes(snapshot().encode())
-    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05",
-                                      "--updates", "3"])
+    result = CliRunner().invoke(
+        app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05", "--updates", "3"]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.count("federation 'lab' (tinyproto): running, round 3/10") == 3, result.output
     (tmp_path / "status.json").unlink()  # the server's file gone for a moment: said, and tried again
-    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05",
-                                      "--updates", "2", "--json"])
+    result = CliRunner().invoke(
+        app, ["status", "--state-dir", str(tmp_path), "--watch", "--interval", "0.05", "--updates", "2", "--json"]
+    )
     assert result.exit_code == 0 and result.output.count("cannot read the federation") == 2, result.output
 
 
@@ -164,10 +193,28 @@ def test_start_refuses_a_taken_watch_port_before_writing_anything(tmp_path: Path
     taken.listen()
     try:
         for flag in ("--metrics-port", "--ui-port"):
-            out = subprocess.run([sys.executable, "-m", "broker_server.cli", "start", "--preset", "fedproto", "--port",
-                                  "0", "--fed", "w", "--state-dir", str(tmp_path / "state"), flag,
-                                  str(taken.getsockname()[1])], capture_output=True, text=True, timeout=60,
-                                 env=dict(os.environ, PYTHONPATH=str(repo), COLUMNS="250"))
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "broker_server.cli",
+                    "start",
+                    "--preset",
+                    "fedproto",
+                    "--port",
+                    "0",
+                    "--fed",
+                    "w",
+                    "--state-dir",
+                    str(tmp_path / "state"),
+                    flag,
+                    str(taken.getsockname()[1]),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=dict(os.environ, PYTHONPATH=str(repo), COLUMNS="250"),
+            )
             assert out.returncode == 2, out.stderr
             assert f"{flag} {taken.getsockname()[1]} on 127.0.0.1" in out.stderr and "0 for any free one" in out.stderr
             assert not (tmp_path / "state" / "security").exists()
@@ -183,8 +230,9 @@ def test_a_costly_snapshot_is_refreshed_less_often(tmp_path: Path) -> None:
     from protofl.presets import make_config
     from protofl.transport import InProcessBroker
 
-    agg = Aggregator(make_config("fedproto", rounds=1, num_classes=3, proto_dim=64), "w",
-                     InProcessBroker().connect("server"))
+    agg = Aggregator(
+        make_config("fedproto", rounds=1, num_classes=3, proto_dim=64), "w", InProcessBroker().connect("server")
+    )
     watch = LiveWatch(agg, state_dir=tmp_path)
     watch.refresh(now=100.0)
     assert watch._cost > 0 and (tmp_path / "status.json").exists()

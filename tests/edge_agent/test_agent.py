@@ -37,26 +37,39 @@ def tiny_data(seed: int = 0, n: int = 40) -> ClientData:
 
 
 def setup(preset: str, on_artifacts=None, **overrides):
-    cfg = make_config(preset, num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",),
-                      batch_size=8, cps_s=4, **overrides)
+    cfg = make_config(
+        preset,
+        num_classes=3,
+        proto_dim=16,
+        adapter_rank=2,
+        in_shape=(1, 6, 6),
+        archs=("mlp",),
+        batch_size=8,
+        cps_s=4,
+        **overrides,
+    )
     broker = InProcessBroker()
     uploads: list = []
     broker.connect("spy").subscribe(topics.up(FED, "+"), lambda t, p: uploads.append(decode_message(p)))
-    agent = EdgeAgent("dev1", FED, tiny_data(),
-                      artifacts_at=("first_training", "final") if on_artifacts is not None else ())
+    agent = EdgeAgent(
+        "dev1", FED, tiny_data(), artifacts_at=("first_training", "final") if on_artifacts is not None else ()
+    )
     LocalDevice(agent, broker.connect("dev1"), on_artifacts).start()
     masks = cps.make_masks(3, 16, 4, seed=0) if cfg.cps else None
     server = broker.connect("server")
-    server.publish(topics.config(FED), encode_message(
-        Config(preset=preset, params=cfg.to_dict(), adapter_layout=[], class_masks=masks), fed=FED, sender="server"),
-        retain=True)
+    server.publish(
+        topics.config(FED),
+        encode_message(
+            Config(preset=preset, params=cfg.to_dict(), adapter_layout=[], class_masks=masks), fed=FED, sender="server"
+        ),
+        retain=True,
+    )
     broker.pump()
     return cfg, broker, server, agent, uploads
 
 
 def start_round(broker, server, r: int, msg: RoundStart, phase: str = "train") -> None:
-    server.publish(topics.round_(FED), encode_message(msg, fed=FED, sender="server", round=r, phase=phase),
-                   retain=True)
+    server.publish(topics.round_(FED), encode_message(msg, fed=FED, sender="server", round=r, phase=phase), retain=True)
     broker.pump()
 
 
@@ -102,8 +115,11 @@ def test_scaled_anchor_targets_fixed_mu_and_auto(mu) -> None:
     cfg, broker, server, agent, uploads = setup("tinyproto", mu=mu)
     start_round(broker, server, 1, RoundStart(deadline=0.0))
     G = np.array([[3.0, 4.0, 0.0, 0.0]], dtype=np.float32)  # ||G|| = 5
-    t = agent.make_objective(agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.array([0]), values=G),
-                                                       target_label="cps+scaled")))
+    t = agent.make_objective(
+        agent._targets(
+            RoundStart(deadline=0.0, targets=ProtoSet(classes=np.array([0]), values=G), target_label="cps+scaled")
+        )
+    )
     (term,) = [term for term in t.terms if isinstance(term, AlignmentTerm)]
     target = term.values[0].numpy()
     assert np.count_nonzero(target) <= 4 and term.present.tolist() == [True, False, False]
@@ -116,12 +132,17 @@ def test_scaled_anchor_targets_fixed_mu_and_auto(mu) -> None:
 def test_fedpagr_anchoring_sets_head_rows_to_prototypes() -> None:
     cfg, broker, server, agent, uploads = setup("fedpagr")
     P = np.eye(3, 16, dtype=np.float32)
-    agent.make_objective(agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.arange(3), values=P),
-                                                   target_label="unit")))
+    agent.make_objective(
+        agent._targets(RoundStart(deadline=0.0, targets=ProtoSet(classes=np.arange(3), values=P), target_label="unit"))
+    )
     assert torch.equal(agent.model.head.weight.detach(), torch.from_numpy(P))
     assert not agent.model.head.bias.detach().any()
-    start_round(broker, server, 1, RoundStart(deadline=0.0, targets=ProtoSet(classes=np.arange(3), values=P),
-                                              target_label="unit"))
+    start_round(
+        broker,
+        server,
+        1,
+        RoundStart(deadline=0.0, targets=ProtoSet(classes=np.arange(3), values=P), target_label="unit"),
+    )
     up = uploads[1][1]
     assert np.allclose(np.linalg.norm(up.local.values, axis=1), 1.0, atol=1e-5)  # unit prototypes
 
@@ -129,8 +150,10 @@ def test_fedpagr_anchoring_sets_head_rows_to_prototypes() -> None:
 def test_agent_drops_malformed_and_foreign_messages() -> None:
     cfg, broker, server, agent, uploads = setup("fedproto")
     server.publish(topics.round_(FED), b"\x00not msgpack at all")
-    server.publish(topics.round_(FED), encode_message(RoundStart(deadline=0.0), fed="other", sender="server",
-                                                      round=1, phase="train"))
+    server.publish(
+        topics.round_(FED),
+        encode_message(RoundStart(deadline=0.0), fed="other", sender="server", round=1, phase="train"),
+    )
     broker.pump()
     assert agent.stats.dropped == {"malformed": 1, "wrong_fed": 1}
     assert kinds(uploads) == ["join"]
@@ -138,8 +161,17 @@ def test_agent_drops_malformed_and_foreign_messages() -> None:
 
 def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     from protofl.adapter import adapter_layout, initial_adapter
-    cfg = make_config("refprotofl", num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6),
-                      archs=("mlp",), batch_size=8, public_classes=(0,))
+
+    cfg = make_config(
+        "refprotofl",
+        num_classes=3,
+        proto_dim=16,
+        adapter_rank=2,
+        in_shape=(1, 6, 6),
+        archs=("mlp",),
+        batch_size=8,
+        public_classes=(0,),
+    )
     broker = InProcessBroker()
     uploads: list = []
     broker.connect("spy").subscribe(topics.up(FED, "+"), lambda t, p: uploads.append(decode_message(p)))
@@ -147,8 +179,12 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     LocalDevice(agent, broker.connect("dev1")).start()
     layout = adapter_layout(16, 2, 3)
     server = broker.connect("server")
-    server.publish(topics.config(FED), encode_message(Config(preset="refprotofl", params=cfg.to_dict(),
-                                                             adapter_layout=layout), fed=FED, sender="server"))
+    server.publish(
+        topics.config(FED),
+        encode_message(
+            Config(preset="refprotofl", params=cfg.to_dict(), adapter_layout=layout), fed=FED, sender="server"
+        ),
+    )
     theta = initial_adapter(layout, seed=0)
     start_round(broker, server, 1, RoundStart(deadline=0.0, adapter=theta), phase="proto")
     env, up = uploads[1]
@@ -161,11 +197,13 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     d = theta.shape[0]
     assert up.update.nnz == int(np.ceil(0.1 * d))
     from edge_agent.params import adapter_vector
+
     assert np.array_equal(up.update.values, adapter_vector(agent.model)[up.update.indices])
 
 
-def test_a_device_without_a_technique_of_the_federation_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
-                                                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_a_device_without_a_technique_of_the_federation_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # The server runs a technique this device has no rule for (a package installed there, not here): the
     # device keeps no half-built state and says what is missing.
     from edge_agent import techniques
@@ -176,8 +214,14 @@ def test_a_device_without_a_technique_of_the_federation_says_what_to_install(mon
     assert agent.cfg is None and agent.model is None and agent.stats.dropped == {"bad_config": 1}
     assert "technique(s) ['cps'] that this device has no rule for: install the package" in caplog.text
     monkeypatch.setattr(techniques, "device_rules", lambda: known)
-    server.publish(topics.config(FED), encode_message(
-        Config(preset="tinyproto", params=cfg.to_dict(), adapter_layout=[], class_masks=cps.make_masks(3, 16, 4)),
-        fed=FED, sender="server"), retain=True)
+    server.publish(
+        topics.config(FED),
+        encode_message(
+            Config(preset="tinyproto", params=cfg.to_dict(), adapter_layout=[], class_masks=cps.make_masks(3, 16, 4)),
+            fed=FED,
+            sender="server",
+        ),
+        retain=True,
+    )
     broker.pump()
     assert agent.cfg == cfg and [r.name for r in agent.rules] == ["fedproto", "cps"]

@@ -30,8 +30,18 @@ UP = topics.up(FED, "dev1")
 
 
 def config_payload(preset: str, **overrides: Any) -> tuple[bytes, FederationConfig]:
-    cfg = make_config(preset, num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",),
-                      batch_size=8, cps_s=4, public_classes=(0,), **overrides)
+    cfg = make_config(
+        preset,
+        num_classes=3,
+        proto_dim=16,
+        adapter_rank=2,
+        in_shape=(1, 6, 6),
+        archs=("mlp",),
+        batch_size=8,
+        cps_s=4,
+        public_classes=(0,),
+        **overrides,
+    )
     masks = cps.make_masks(3, 16, 4, seed=0) if cfg.cps else None
     layout = adapter_layout(16, 2, 3) if cfg.federate == "adapter" else []
     msg = Config(preset=preset, params=cfg.to_dict(), adapter_layout=layout, class_masks=masks)
@@ -65,8 +75,9 @@ def test_join_is_one_send_on_the_devices_upload_topic() -> None:
     assert not out.changed and out.failure is None
 
 
-@pytest.mark.parametrize("preset,uploads", [("fedavg", ["adapter"]), ("fedproto", ["protos"]),
-                                            ("tinyproto", ["protos"])])
+@pytest.mark.parametrize(
+    "preset,uploads", [("fedavg", ["adapter"]), ("fedproto", ["protos"]), ("tinyproto", ["protos"])]
+)
 def test_a_training_round_message_in_gives_its_uploads_and_metrics_out(preset: str, uploads: list[str]) -> None:
     agent = configured(preset)
     out = agent.receive(topics.round_(FED), round_payload(1))
@@ -137,8 +148,9 @@ def test_a_bad_config_in_is_a_refusal_out_and_the_state_is_unchanged() -> None:
     cfg, model, before = agent.cfg, agent.model, weights(agent)
     assert cfg is not None
     for hostile in (cfg.replace(lr=1e30), cfg.replace(in_shape=(3, 32, 32))):
-        payload = encode_message(Config(preset="fedproto", params=hostile.to_dict(), adapter_layout=[]), fed=FED,
-                                 sender="server")
+        payload = encode_message(
+            Config(preset="fedproto", params=hostile.to_dict(), adapter_layout=[]), fed=FED, sender="server"
+        )
         out = agent.receive(topics.config(FED), payload)
         assert not out.configured and out.sends == () and not out.changed
         assert [d.reason for d in out.drops] == ["bad_config"] and "keeping the previous config" in out.drops[0].detail
@@ -154,8 +166,11 @@ def test_a_bad_config_in_is_a_refusal_out_and_the_state_is_unchanged() -> None:
 def test_a_first_config_this_device_cannot_afford_leaves_it_without_a_model() -> None:
     agent = EdgeAgent("dev1", FED, tiny_data())
     _, cfg = config_payload("fedproto")
-    payload = encode_message(Config(preset="fedproto", params=cfg.replace(num_classes=65535, proto_dim=65536).to_dict(),
-                                    adapter_layout=[]), fed=FED, sender="server")
+    payload = encode_message(
+        Config(preset="fedproto", params=cfg.replace(num_classes=65535, proto_dim=65536).to_dict(), adapter_layout=[]),
+        fed=FED,
+        sender="server",
+    )
     out = agent.receive(topics.config(FED), payload)
     assert out.drops[0].reason == "bad_config" and "65535 * 65536" in out.drops[0].detail
     assert agent.cfg is None and agent.model is None and not out.configured

@@ -25,8 +25,9 @@ def test_a_late_joiner_has_deployable_artifacts_before_it_trains_and_after_the_e
     cfg, broker, server, agent, uploads = setup("fedproto", on_artifacts=deployable)
     targets = {0: np.full(16, 0.5, np.float32), 1: np.full(16, -0.5, np.float32)}
     # It joins in round 3: the round message carries the federation's global prototypes.
-    start_round(broker, server, 3, RoundStart(deadline=0.0, targets=ProtoSet.from_table(targets, 16),
-                                              target_label="dense"))
+    start_round(
+        broker, server, 3, RoundStart(deadline=0.0, targets=ProtoSet.from_table(targets, 16), target_label="dense")
+    )
     assert seen == [(0, "global")]  # written before its first local training
     start_round(broker, server, 4, RoundStart(deadline=0.0, final=True), phase="done")
     assert seen == [(0, "global"), (1, "global")]  # and again with what it ends with

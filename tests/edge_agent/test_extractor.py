@@ -90,8 +90,9 @@ def test_unknown_extractor_is_refused() -> None:
 def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     # The simulator builds EdgeAgent with the default extractor; switch the default to run the same
     # federation with prototypes and metrics on onnxruntime.
-    spec = SimulationSpec(preset="fedproto", dataset="synthetic:n=400,n_test=100", clients=2, rounds=2, seed=1,
-                          test_every=1)
+    spec = SimulationSpec(
+        preset="fedproto", dataset="synthetic:n=400,n_test=100", clients=2, rounds=2, seed=1, test_every=1
+    )
     ref = run_simulation(spec)
     defaults = EdgeAgent.__init__.__kwdefaults__
     assert defaults is not None

@@ -26,8 +26,9 @@ from protofl.presets import make_config
 from protofl.transport import InProcessBroker
 from protofl.wire import Config, ProtoSet, RoundStart, encode_message
 
-SMALL: dict[str, Any] = dict(num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",),
-                             batch_size=8)
+SMALL: dict[str, Any] = dict(
+    num_classes=3, proto_dim=16, adapter_rank=2, in_shape=(1, 6, 6), archs=("mlp",), batch_size=8
+)
 
 
 def _batch() -> Batch:
@@ -109,8 +110,9 @@ def _context(cfg: FederationConfig, masks: np.ndarray | None = None) -> tuple[De
     rules = rules_for(cfg, plan, Config(preset=cfg.preset, params=cfg.to_dict(), class_masks=masks))
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(24, *cfg.in_shape, generator=g), np.repeat([0, 1, 2], 8)
-    ctx = DeviceContext(cfg=cfg, plan=plan, model=model, device=torch.device("cpu"), embed=lambda a: a, x=x, y=y,
-                        masks=masks)
+    ctx = DeviceContext(
+        cfg=cfg, plan=plan, model=model, device=torch.device("cpu"), embed=lambda a: a, x=x, y=y, masks=masks
+    )
     return ctx, rules
 
 
@@ -174,16 +176,32 @@ def test_the_agent_pulls_towards_the_adapter_the_round_delivered() -> None:
     agent = EdgeAgent("dev1", "fp", ClientData(x_train=x, y_train=y, x_test=x[:8], y_test=y[:8]))
     LocalDevice(agent, broker.connect("dev1")).start()
     server = broker.connect("server")
-    server.publish(topics.config("fp"), encode_message(
-        Config(preset="fedproto", params=cfg.to_dict(), adapter_layout=model_params.adapter_layout(model)),
-        fed="fp", sender="server"), retain=True)
+    server.publish(
+        topics.config("fp"),
+        encode_message(
+            Config(preset="fedproto", params=cfg.to_dict(), adapter_layout=model_params.adapter_layout(model)),
+            fed="fp",
+            sender="server",
+        ),
+        retain=True,
+    )
     broker.pump()
     start = model_params.adapter_vector(model)
     theta = start + np.asarray(rng.standard_normal(start.shape) * 0.1, dtype=np.float32)
     protos, _ = local_prototypes(rng.standard_normal((6, 16)).astype(np.float32), np.arange(6) % 3, 3)
-    server.publish(topics.round_("fp"), encode_message(
-        RoundStart(deadline=0.0, adapter=theta, targets=ProtoSet.from_table(protos, 16, "f4"), target_label="dense"),
-        fed="fp", sender="server", round=1, phase="train"), retain=True)
+    server.publish(
+        topics.round_("fp"),
+        encode_message(
+            RoundStart(
+                deadline=0.0, adapter=theta, targets=ProtoSet.from_table(protos, 16, "f4"), target_label="dense"
+            ),
+            fed="fp",
+            sender="server",
+            round=1,
+            phase="train",
+        ),
+        retain=True,
+    )
     broker.pump()
     assert agent.stats.rounds_trained == 1
     prox = agent.objective.terms[-1]

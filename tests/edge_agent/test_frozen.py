@@ -100,13 +100,25 @@ def test_bad_backend_and_shape_mismatch() -> None:
     with pytest.raises(ConfigError, match="backend must be one of auto, onnx, torch"):
         compute_backbone_features(model, torch.zeros(2, 1, 28, 28), "tvm")
     with pytest.raises(ValueError, match="3 rows of h for 2 labels"):
-        train_on_cached_features(model, torch.zeros(3, 512), torch.zeros(2, dtype=torch.long),
-                                 FederationConfig(backbone="frozen"), Objective(), seed=0)
+        train_on_cached_features(
+            model,
+            torch.zeros(3, 512),
+            torch.zeros(2, dtype=torch.long),
+            FederationConfig(backbone="frozen"),
+            Objective(),
+            seed=0,
+        )
 
 
 def test_agents_run_a_frozen_federation() -> None:
-    spec = SimulationSpec(preset="refprotofl", dataset="synthetic:n=400,n_test=100", clients=2, rounds=2, seed=2,
-                          overrides={"backbone": "frozen"})
+    spec = SimulationSpec(
+        preset="refprotofl",
+        dataset="synthetic:n=400,n_test=100",
+        clients=2,
+        rounds=2,
+        seed=2,
+        overrides={"backbone": "frozen"},
+    )
     report = run_simulation(spec)
     assert report["config"]["backbone"] == "frozen" and report["dropped"] == {}
     # Accuracy on this tiny federation is near chance with either backbone mode (bench/bench_onnx.py

@@ -24,9 +24,15 @@ def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 
 def publish_config(broker, server, cfg: FederationConfig) -> None:
     # Built by hand: the hostile values pass FederationConfig's own checks, as in the probe.
-    server.publish(topics.config(FED), encode_message(Config(preset=cfg.preset, params=cfg.to_dict(),
-                                                             adapter_layout=[], class_masks=None),
-                                                      fed=FED, sender="server"), retain=True)
+    server.publish(
+        topics.config(FED),
+        encode_message(
+            Config(preset=cfg.preset, params=cfg.to_dict(), adapter_layout=[], class_masks=None),
+            fed=FED,
+            sender="server",
+        ),
+        retain=True,
+    )
     broker.pump()
 
 
@@ -38,8 +44,9 @@ def test_budget_checks_by_hand() -> None:
     cfg = FederationConfig(num_classes=65535, proto_dim=65536)  # the 17 GB probe passes the config checks
     assert "65535 * 65536" in said(config_problem(cfg))
     assert "lr 1e+30" in said(config_problem(FederationConfig(lr=1e30)))
-    assert "not the shape of this device's data" in said(config_problem(FederationConfig(in_shape=(1, 28, 28)),
-                                                                         (3, 32, 32)))
+    assert "not the shape of this device's data" in said(
+        config_problem(FederationConfig(in_shape=(1, 28, 28)), (3, 32, 32))
+    )
     assert config_problem(FederationConfig(in_shape=(1, 28, 28)), (1, 28, 28)) is None
     assert "over this device's bound" in said(anchors_problem(np.full((2, 3), 1.5e38, np.float32)))
     assert anchors_problem(np.full((2, 3), 1e6, np.float32)) is None  # TinyProto-sized sums are fine
@@ -50,8 +57,11 @@ def test_hostile_config_and_anchors_leave_the_previous_working_state() -> None:
     start_round(broker, server, 1, RoundStart(deadline=0.0))
     assert kinds(uploads)[-2:] == ["protos", "metrics"]
     model, before = agent.model, weights(agent)
-    for hostile in (cfg.replace(num_classes=65535, proto_dim=65536), cfg.replace(lr=1e30),
-                    cfg.replace(in_shape=(3, 32, 32))):
+    for hostile in (
+        cfg.replace(num_classes=65535, proto_dim=65536),
+        cfg.replace(lr=1e30),
+        cfg.replace(in_shape=(3, 32, 32)),
+    ):
         publish_config(broker, server, hostile)
         assert agent.cfg == cfg and agent.model is model and same_weights(before, weights(agent))
     assert agent.stats.dropped["bad_config"] == 3
@@ -94,8 +104,9 @@ def test_a_round_that_fails_locally_is_rolled_back_reported_and_retried(monkeypa
 
 
 @pytest.mark.mosquitto
-def test_the_device_loop_reports_a_failed_round_and_retries_it(mosquitto, monkeypatch: pytest.MonkeyPatch,
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_the_device_loop_reports_a_failed_round_and_retries_it(
+    mosquitto, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     # Over a real broker: training diverges once in round 1; the device says so on its presence topic
     # (the server logs it), tries again after RETRY_S and the federation finishes with it.
     import logging
@@ -122,8 +133,9 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(mosquitto, monkey
     monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
     opts = parse_broker_url(mosquitto.url)
     cfg = prepare(SimulationSpec(preset="fedproto", dataset=data, clients=1, rounds=2, seed=3)).cfg
-    service = AggregatorService(Federation(cfg.replace(min_clients=1), "retry"),
-                                server_transport(Broker(opts), "retry"))
+    service = AggregatorService(
+        Federation(cfg.replace(min_clients=1), "retry"), server_transport(Broker(opts), "retry")
+    )
     server = ServiceThread(service, timeout=60).start()
     device = DeviceRunner(opts, "retry", "client-000", DataSpec(data, partition=(0, 1), seed=3), RunnerOptions())
     with caplog.at_level(logging.WARNING, logger="protofl.server"):

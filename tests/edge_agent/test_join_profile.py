@@ -15,8 +15,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def join(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", "mqtt://127.0.0.1:1", "--client-id", "d1",
-           "--data", "synthetic", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "edge_agent.cli",
+        "join",
+        "--broker",
+        "mqtt://127.0.0.1:1",
+        "--client-id",
+        "d1",
+        "--data",
+        "synthetic",
+        *args,
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
 
@@ -26,10 +37,12 @@ def test_bad_profiles_exit_2_with_the_reason(tmp_path: Path) -> None:
     negative.write_text('kind = "link"\nuplink_kbps = -5\ndownlink_kbps = 1\nrtt_ms = 1\njitter_ms = 0\n')
     unknown = tmp_path / "odd.toml"
     unknown.write_text('kind = "device"\ncompute_factor = 1\nmemory_mb = 1\ncolour = "red"\n')
-    for profile, message in (("rpi9", "profile 'rpi9' not found; known: ethernet, "),
-                             (str(negative), "'uplink_kbps' must be > 0"),
-                             (str(unknown), "unknown key(s) ['colour']"),
-                             (str(tmp_path / "absent.toml"), "absent.toml' not found")):
+    for profile, message in (
+        ("rpi9", "profile 'rpi9' not found; known: ethernet, "),
+        (str(negative), "'uplink_kbps' must be > 0"),
+        (str(unknown), "unknown key(s) ['colour']"),
+        (str(tmp_path / "absent.toml"), "absent.toml' not found"),
+    ):
         proc = join("--profile", profile)
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

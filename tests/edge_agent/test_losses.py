@@ -86,8 +86,11 @@ def test_composed_objectives_are_the_single_losses_bit_for_bit() -> None:
     align = AlignmentTerm(targets, 3, 8, 0.3)
     objective = Objective(NearestTargetClassifier(targets), (align,), targets)
     got = _loss_and_grads(lambda z: objective.loss(z, y, head), z, head)
-    want = _loss_and_grads(lambda z: torch.nn.functional.cross_entropy(head(z), y)
-                           + 0.3 * alignment(z, y, align.values, align.present), z, head)
+    want = _loss_and_grads(
+        lambda z: torch.nn.functional.cross_entropy(head(z), y) + 0.3 * alignment(z, y, align.values, align.present),
+        z,
+        head,
+    )
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True))
     P = torch.nn.functional.normalize(torch.randn(3, 8, generator=g), dim=1)
     pagr = pagr_objective(P, 0.1, 0.1, train_head=True, cosine=True)

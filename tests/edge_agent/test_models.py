@@ -27,8 +27,15 @@ from protofl.errors import ConfigError
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
 # Backbone output dims h, fixed by the spec of each architecture.
-H_DIMS = {"cnn": 512, "mlp": 512, "resnet8": 64, "resnet18": 512, "mobilenetv2": 256,
-          "tv_resnet18": 512, "tv_mobilenet_v3_small": 576}
+H_DIMS = {
+    "cnn": 512,
+    "mlp": 512,
+    "resnet8": 64,
+    "resnet18": 512,
+    "mobilenetv2": 256,
+    "tv_resnet18": 512,
+    "tv_mobilenet_v3_small": 576,
+}
 
 
 def test_architecture_list() -> None:
@@ -148,9 +155,7 @@ def test_seeded_construction_is_identical_across_processes() -> None:
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     # A different global seed in the child must not matter either.
     code = "import torch; torch.manual_seed(999); " + _HASH_SNIPPET
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == here
 

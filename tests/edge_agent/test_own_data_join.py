@@ -35,6 +35,7 @@ TRAIN, TEST = make_synthetic(num_classes=10, n_train=1000, n_test=400, shape=SHA
 
 def device_npz(path: Path, classes: list[int], per_class: int = 20, test_per_class: int = 7) -> tuple[int, int]:
     """An npz holding only `classes` of the 10-class synthetic task, with its own test split; (n, n_test)."""
+
     def take(ds: Dataset, k: int) -> tuple[np.ndarray, np.ndarray]:
         idx = np.concatenate([np.flatnonzero(ds.y == c)[:k] for c in classes])
         return ds.x[idx], ds.y[idx]
@@ -68,8 +69,12 @@ def test_data_paths_map_to_specs_and_missing_ones_are_not_found(tmp_path: Path) 
     (tmp_path / "imgs" / "cat").mkdir(parents=True)
     assert dataset_spec(str(tmp_path / "imgs")) == f"imagefolder:{tmp_path / 'imgs'}"
     assert dataset_spec("mytrial.data:load") == "mytrial.data:load"
-    for missing in (str(tmp_path / "gone.npz"), f"npz:{tmp_path / 'gone.npz'}", f"imagefolder:{tmp_path / 'gone'}",
-                    f"csv:{tmp_path / 'gone.csv'},label=y"):
+    for missing in (
+        str(tmp_path / "gone.npz"),
+        f"npz:{tmp_path / 'gone.npz'}",
+        f"imagefolder:{tmp_path / 'gone'}",
+        f"csv:{tmp_path / 'gone.csv'},label=y",
+    ):
         with pytest.raises(DataError, match=rf"not found: {tmp_path}/gone"):
             dataset_spec(missing)
 
@@ -81,8 +86,10 @@ def test_a_subset_device_joins_and_trains_in_process(mosquitto: MosquittoBroker,
     n, n_test = device_npz(tmp_path / "dev.npz", [0, 1, 2, 3, 4, 5])
     metrics: list[Metrics] = []
     spy = MqttTransport(opts, "spy", backoff=fast_backoff()).connect(10)
-    spy.subscribe(topics.up(fed, "rpi-01"),
-                  lambda t, p: metrics.append(m) if isinstance(m := decode_message(p)[1], Metrics) else None)
+    spy.subscribe(
+        topics.up(fed, "rpi-01"),
+        lambda t, p: metrics.append(m) if isinstance(m := decode_message(p)[1], Metrics) else None,
+    )
     cfg = make_config("fedproto", num_classes=10, in_shape=SHAPE, rounds=2, min_clients=1)
     service = AggregatorService(Federation(cfg, fed), server_transport(Broker(opts), fed))
     server = ServiceThread(service, timeout=60).start()
@@ -109,11 +116,38 @@ def test_start_and_join_with_devices_holding_three_to_six_classes(tmp_path: Path
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "mosquitto", "--insecure",
-         "--port", str(port), "--fed", "owntrial", "--preset", "fedproto", "--rounds", "2", "--min-clients", "3",
-         "--round-timeout", "60", "--set", "num_classes=10", "--set", "in_shape=1,16,16",
-         "--state-dir", str(tmp_path / "state")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--local-broker",
+            "mosquitto",
+            "--insecure",
+            "--port",
+            str(port),
+            "--fed",
+            "owntrial",
+            "--preset",
+            "fedproto",
+            "--rounds",
+            "2",
+            "--min-clients",
+            "3",
+            "--round-timeout",
+            "60",
+            "--set",
+            "num_classes=10",
+            "--set",
+            "in_shape=1,16,16",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
     metrics: dict[str, list[int]] = {}
     spy = MqttTransport(parse_broker_url(f"mqtt://127.0.0.1:{port}"), "spy", backoff=fast_backoff()).connect(30)
 
@@ -123,10 +157,33 @@ def test_start_and_join_with_devices_holding_three_to_six_classes(tmp_path: Path
             metrics.setdefault(topics.client_of(topic), []).append(msg.n_local)
 
     spy.subscribe(f"{topics.ROOT}/owntrial/up/+", on_up)
-    devices = [subprocess.Popen(
-        [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "owntrial",
-         "--client-id", d, "--data", str(tmp_path / f"{d}.npz"), "--threads", "1", "--connect-timeout", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True) for d in holdings]
+    devices = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "edge_agent.cli",
+                "join",
+                "--broker",
+                f"mqtt://127.0.0.1:{port}",
+                "--fed",
+                "owntrial",
+                "--client-id",
+                d,
+                "--data",
+                str(tmp_path / f"{d}.npz"),
+                "--threads",
+                "1",
+                "--connect-timeout",
+                "60",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+        )
+        for d in holdings
+    ]
     try:
         out, _ = server.communicate(timeout=120)
         dev_out = [p.communicate(timeout=60)[0] for p in devices]
@@ -140,4 +197,3 @@ def test_start_and_join_with_devices_holding_three_to_six_classes(tmp_path: Path
     for p, o in zip(devices, dev_out, strict=True):
         assert p.returncode == 0, o
     assert {d: ns for d, ns in metrics.items()} == {d: [n_test, n_test] for d, (_, n_test) in counts.items()}
-

@@ -19,8 +19,9 @@ from tests.edge_agent.test_agent import setup, start_round
 
 
 def _problem(n: int = 22, seed: int = 0):
-    cfg = FederationConfig(federate="none", proto_dim=16, adapter_rank=4, archs=("mlp",), in_shape=(1, 4, 4),
-                           num_classes=3, batch_size=8)
+    cfg = FederationConfig(
+        federate="none", proto_dim=16, adapter_rank=4, archs=("mlp",), in_shape=(1, 4, 4), num_classes=3, batch_size=8
+    )
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
     model = build_model("mlp", cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=seed)
@@ -75,8 +76,9 @@ def test_keep_optimizer_carries_momentum_across_rounds_as_one_torch_optimizer_do
     _torch_sgd_rounds(ref, x, y, cfg, seeds=(1, 2))
     for (name, a), b in zip(kept.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name}: kept momentum != one torch optimiser")
-    assert any(not torch.allclose(a, c) for a, c in zip(kept.parameters(), fresh.parameters(), strict=True)), \
+    assert any(not torch.allclose(a, c) for a, c in zip(kept.parameters(), fresh.parameters(), strict=True)), (
         "a kept optimiser must train differently from a fresh one in round 2"
+    )
 
 
 def test_proto_source_during_returns_the_features_each_step_saw() -> None:

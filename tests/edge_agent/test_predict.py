@@ -33,15 +33,33 @@ def test_predict_fits_then_classifies(tmp_path: Path) -> None:
     model = tmp_path / "f.onnx"
     export_onnx(build_model("mlp", (1, 28, 28), 10, seed=0), model, mean=(0.286,), std=(0.353,))
     protos, preds = tmp_path / "protos.npz", tmp_path / "pred.csv"
-    r = runner.invoke(app, ["predict", "--model", str(model), "--prototypes", str(protos), "--fit",
-                            "--fit-limit", "2000", "--limit", "300", "--show", "2", "--out", str(preds)])
+    r = runner.invoke(
+        app,
+        [
+            "predict",
+            "--model",
+            str(model),
+            "--prototypes",
+            str(protos),
+            "--fit",
+            "--fit-limit",
+            "2000",
+            "--limit",
+            "300",
+            "--show",
+            "2",
+            "--out",
+            str(preds),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "wrote 10 prototypes" in r.output and "accuracy" in r.output
     acc = float(r.output.split("accuracy ")[1].split("%")[0])
     assert acc > 40.0  # random mlp features + class means: far above 10% chance on Fashion-MNIST
     assert len(preds.read_text().splitlines()) == 301
-    r = runner.invoke(app, ["predict", "--model", str(model), "--prototypes", str(protos), "--limit", "50",
-                            "--metric", "cosine"])
+    r = runner.invoke(
+        app, ["predict", "--model", str(model), "--prototypes", str(protos), "--limit", "50", "--metric", "cosine"]
+    )
     assert r.exit_code == 0, r.output
 
 
@@ -53,6 +71,16 @@ def test_predict_input_errors(tmp_path: Path) -> None:
     r = runner.invoke(app, ["predict", "--model", str(model), "--prototypes", str(tmp_path / "none.npz")])
     assert r.exit_code == 2 and "none.npz does not exist; pass --fit" in r.output
     save_prototypes(tmp_path / "p.npz", {0: np.zeros(3, np.float32)})
-    r = runner.invoke(app, ["predict", "--model", str(model), "--prototypes", str(tmp_path / "p.npz"),
-                            "--data", f"npz:{tmp_path / 'missing.npz'}"])
+    r = runner.invoke(
+        app,
+        [
+            "predict",
+            "--model",
+            str(model),
+            "--prototypes",
+            str(tmp_path / "p.npz"),
+            "--data",
+            f"npz:{tmp_path / 'missing.npz'}",
+        ],
+    )
     assert r.exit_code == 2 and "missing.npz does not exist" in r.output

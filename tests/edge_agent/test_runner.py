@@ -30,8 +30,9 @@ def test_partition_share_is_the_simulators() -> None:
     spec = SimulationSpec(preset="protofl", dataset=DATA, clients=4, alpha=0.3, seed=7, test_limit=50, train_limit=500)
     fed = prepare(spec)
     for i in (0, 3):
-        mine = load_client_data(DataSpec(DATA, partition=(i, 4), alpha=0.3, test_limit=50, train_limit=500), fed.cfg,
-                                f"client-{i:03d}")
+        mine = load_client_data(
+            DataSpec(DATA, partition=(i, 4), alpha=0.3, test_limit=50, train_limit=500), fed.cfg, f"client-{i:03d}"
+        )
         part = fed.split.clients[i]
         np.testing.assert_array_equal(mine.x_train, fed.train.normalized(part.train))
         np.testing.assert_array_equal(mine.y_test, fed.train.y[part.test])
@@ -112,8 +113,10 @@ def test_join_cli_errors_say_what_to_do() -> None:
     r = cli.invoke(app, ["join", "--client-id", "bad id!", "--data", DATA])
     assert r.exit_code == 2 and "--client-id 'bad id!'" in r.output
     port = free_port()
-    r = cli.invoke(app, ["join", "--broker", f"mqtt://127.0.0.1:{port}", "--client-id", "c1", "--data", DATA,
-                         "--connect-timeout", "1"])
+    r = cli.invoke(
+        app,
+        ["join", "--broker", f"mqtt://127.0.0.1:{port}", "--client-id", "c1", "--data", DATA, "--connect-timeout", "1"],
+    )
     assert r.exit_code == 2
     assert f"cannot reach broker at mqtt://127.0.0.1:{port}" in r.output and "protofl-server start" in r.output
     r = cli.invoke(app, ["join", "--broker", "http://x", "--client-id", "c1", "--data", DATA])

@@ -14,8 +14,16 @@ from protofl.errors import ConfigError
 
 
 def _pagr_round(train_head: bool, frozen: bool = False) -> tuple[torch.Tensor, torch.Tensor, ProtoNet]:
-    cfg = FederationConfig(federate="none", prototypes="unit", consensus=True, proto_dim=16, adapter_rank=4,
-                           archs=("mlp",), pagr_train_head=train_head, backbone="frozen" if frozen else "train")
+    cfg = FederationConfig(
+        federate="none",
+        prototypes="unit",
+        consensus=True,
+        proto_dim=16,
+        adapter_rank=4,
+        archs=("mlp",),
+        pagr_train_head=train_head,
+        backbone="frozen" if frozen else "train",
+    )
     model = build_model("mlp", cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, projection=True, seed=0)
     gen = torch.Generator().manual_seed(1)
     P = torch.nn.functional.normalize(torch.randn(cfg.num_classes, cfg.proto_dim, generator=gen), dim=1)

@@ -48,6 +48,7 @@ def trained_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_model("cnn", (1, 28, 28), 10, seed=0)
     # One thread (the session default): on a shared 2-core box two torch threads contending with other
     # processes made this step 4x slower, not 2x faster.
-    trainer.train_local(model, torch.from_numpy(x), torch.from_numpy(y), FederationConfig(local_epochs=1),
-                        Objective(), seed=0)
+    trainer.train_local(
+        model, torch.from_numpy(x), torch.from_numpy(y), FederationConfig(local_epochs=1), Objective(), seed=0
+    )
     return save_checkpoint(model, tmp_path_factory.mktemp("ckpt") / "cnn.pt", mean=ds.mean, std=ds.std)

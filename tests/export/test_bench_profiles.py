@@ -37,8 +37,28 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_bench_runs_with_each_shipped_device_profile(profile: str, models: tuple[Path, Path], tmp_path: Path) -> None:
     fp32, int8 = models
     out = tmp_path / "rows.json"
-    r = runner.invoke(app, ["bench", "--arch", "mlp", "--profile", profile, "--model", str(fp32), "--int8", str(int8),
-                            "--batch", "1", "--iters", "1", "--data", "synthetic:n=300", "--json", str(out)])
+    r = runner.invoke(
+        app,
+        [
+            "bench",
+            "--arch",
+            "mlp",
+            "--profile",
+            profile,
+            "--model",
+            str(fp32),
+            "--int8",
+            str(int8),
+            "--batch",
+            "1",
+            "--iters",
+            "1",
+            "--data",
+            "synthetic:n=300",
+            "--json",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     threads = load_profile(profile).threads  # type: ignore[union-attr]
     assert {row["threads"] for row in json.loads(out.read_text())} == {threads}

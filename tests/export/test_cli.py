@@ -60,8 +60,9 @@ def test_bad_options_exit_2(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "--what must be one of features, backbone" in r.output
     r = runner.invoke(app, ["onnx", "--arch", "vgg99", "--out", str(tmp_path / "m.onnx")])
     assert r.exit_code == 2 and "unknown architecture 'vgg99'" in r.output
-    r = runner.invoke(app, ["onnx", "--arch", "cnn", "--checkpoint", str(tmp_path / "no.pt"),
-                            "--out", str(tmp_path / "x.onnx")])
+    r = runner.invoke(
+        app, ["onnx", "--arch", "cnn", "--checkpoint", str(tmp_path / "no.pt"), "--out", str(tmp_path / "x.onnx")]
+    )
     assert r.exit_code == 2 and "no.pt does not exist" in r.output
 
 
@@ -71,8 +72,25 @@ def test_checkpoint_export_verifies_and_quantizes(trained_cnn: Path, tmp_path: P
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["verify", str(fp32), "--checkpoint", str(trained_cnn), "--n", "32"])
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["quantize", str(fp32), "--out", str(int8), "--mode", "static", "--calib", "128",
-                            "--train-n", "1000", "--test-n", "500", "--checkpoint", str(trained_cnn)])
+    r = runner.invoke(
+        app,
+        [
+            "quantize",
+            str(fp32),
+            "--out",
+            str(int8),
+            "--mode",
+            "static",
+            "--calib",
+            "128",
+            "--train-n",
+            "1000",
+            "--test-n",
+            "500",
+            "--checkpoint",
+            str(trained_cnn),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "nearest-prototype accuracy fp32" in r.output and "int8 (static)" in r.output
     assert "torch fp32 nearest-prototype accuracy" in r.output and int8.is_file()
@@ -80,12 +98,14 @@ def test_checkpoint_export_verifies_and_quantizes(trained_cnn: Path, tmp_path: P
 
 def test_bench_prints_all_backends(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    r = runner.invoke(app, ["bench", "--arch", "mlp", "--batch", "1,8", "--iters", "2", "--int8-mode", "dynamic",
-                            "--json", str(out)])
+    r = runner.invoke(
+        app, ["bench", "--arch", "mlp", "--batch", "1,8", "--iters", "2", "--int8-mode", "dynamic", "--json", str(out)]
+    )
     assert r.exit_code == 0, r.output
     rows = json.loads(out.read_text())
     assert {(row["backend"], row["batch"]) for row in rows} == {
-        (b, n) for b in ("torch", "onnx-fp32", "onnx-int8") for n in (1, 8)}
+        (b, n) for b in ("torch", "onnx-fp32", "onnx-int8") for n in (1, 8)
+    }
     assert all(row["latency_ms"] > 0 and row["threads"] == 1 for row in rows)
     r = runner.invoke(app, ["bench", "--arch", "mlp", "--profile", "no-such-device"])
     assert r.exit_code == 2 and "profile 'no-such-device' not found" in r.output

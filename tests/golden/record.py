@@ -11,7 +11,12 @@ from typing import Any
 
 FED: dict[str, Any] = dict(dataset="synthetic:n=1200,n_test=300", clients=4, alpha=0.5, rounds=2, seed=3)
 CASES: dict[str, dict[str, Any]] = {
-    "fedavg": {}, "fedproto": {}, "refprotofl": {}, "tinyproto": {}, "fedpagr": {}, "protofl": {},
+    "fedavg": {},
+    "fedproto": {},
+    "refprotofl": {},
+    "tinyproto": {},
+    "fedpagr": {},
+    "protofl": {},
     # the default preset (spherical CPS) with ERPA's public-set anchors on half the classes: candidate (d)
     "protofl-erpa": {"preset": "protofl", "overrides": {"erpa": True, "public_classes": (0, 1, 2, 3, 4)}},
 }

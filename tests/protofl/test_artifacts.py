@@ -19,8 +19,9 @@ from protofl.presets import make_config
 def test_prototype_file_round_trip_with_metric_names_and_counts(tmp_path: Path) -> None:
     table = {3: np.ones(4, np.float32), 0: np.arange(4, dtype=np.float32)}
     names = ["zero", "one", "two", "three"]
-    path = art.write_prototypes(tmp_path / "p.npz", table, metric="cosine", class_names=names, source="global",
-                                counts={0: 5, 3: 2})
+    path = art.write_prototypes(
+        tmp_path / "p.npz", table, metric="cosine", class_names=names, source="global", counts={0: 5, 3: 2}
+    )
     got = art.read_prototypes(path)
     assert got.classes.tolist() == [0, 3] and got.metric == "cosine" and got.source == "global"
     assert got.class_names == ("zero", "three") and got.name_of(3) == "three"
@@ -74,16 +75,20 @@ def test_resolve_names_a_device_a_run_or_its_global_state(tmp_path: Path) -> Non
         art.resolve(tmp_path)
 
 
-@pytest.mark.parametrize("preset, overrides, kind, reason", [
-    ("fedavg", {}, "model", "aggregated model"),
-    ("refprotofl", {"backbone": "frozen"}, "adapter", "shared frozen backbone"),
-    ("refprotofl", {}, None, "every device trains its own backbone (backbone=train)"),
-    ("refprotofl", {"backbone": "frozen", "archs": ("cnn", "mlp")}, None, "different architectures"),
-    ("fedproto", {}, None, "only prototypes are federated"),
-    ("protofl", {}, None, "nearest global prototype on its own backbone"),
-])
-def test_a_global_predictor_where_the_config_defines_one(preset: str, overrides: dict, kind: str | None,
-                                                         reason: str) -> None:
+@pytest.mark.parametrize(
+    "preset, overrides, kind, reason",
+    [
+        ("fedavg", {}, "model", "aggregated model"),
+        ("refprotofl", {"backbone": "frozen"}, "adapter", "shared frozen backbone"),
+        ("refprotofl", {}, None, "every device trains its own backbone (backbone=train)"),
+        ("refprotofl", {"backbone": "frozen", "archs": ("cnn", "mlp")}, None, "different architectures"),
+        ("fedproto", {}, None, "only prototypes are federated"),
+        ("protofl", {}, None, "nearest global prototype on its own backbone"),
+    ],
+)
+def test_a_global_predictor_where_the_config_defines_one(
+    preset: str, overrides: dict, kind: str | None, reason: str
+) -> None:
     got_kind, got_reason = art.predictor_kind(make_config(preset, **overrides))
     assert got_kind == kind and reason in got_reason
 
@@ -114,8 +119,9 @@ def test_data_to_label_from_npz_image_folder_and_csv(tmp_path: Path) -> None:
     got = load_unlabelled(str(tmp_path / "imgs"), (1, 8, 8))
     assert got.names == ["a/0.png", "a/1.png", "b/2.png"] and np.array_equal(got.x[:, 0], x[:3])
     assert load_unlabelled(str(tmp_path / "imgs" / "b" / "2.png"), (1, 8, 8)).names == ["2.png"]
-    rows = ["id," + ",".join(f"p{i}" for i in range(4))] + [f"s{i}," + ",".join(str(v) for v in x[i, 0, :4])
-                                                           for i in range(2)]
+    rows = ["id," + ",".join(f"p{i}" for i in range(4))] + [
+        f"s{i}," + ",".join(str(v) for v in x[i, 0, :4]) for i in range(2)
+    ]
     (tmp_path / "u.csv").write_text("\n".join(rows) + "\n")
     got = load_unlabelled(f"csv:{tmp_path / 'u.csv'},name=id", (1, 2, 2))
     assert got.names == ["s0", "s1"] and np.array_equal(got.x.reshape(2, 4), x[:2, 0, :4])

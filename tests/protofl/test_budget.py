@@ -28,12 +28,15 @@ def test_no_budget_keeps_the_config_encoding() -> None:
     assert (c.dt, c.k, c.nbytes, c.fits, c.budget) == ("f4", 1000, 6100, True, None)
 
 
-@pytest.mark.parametrize("budget, dt, k, nbytes", [
-    (6100, "f4", 1000, 6100),  # K=1000 at f4: 100 + 1000 * 6 = 6100 fits exactly
-    (6099, "f2", 1000, 4100),  # f4 one byte over; f2: 100 + 1000 * 4
-    (4000, "q8", 1000, 3100),  # f2 over; q8: 100 + 1000 * 3
-    (3000, "q8", 966, 2998),   # q8 at K=1000 over: the largest K with 100 + 3K <= 3000 is 966
-])
+@pytest.mark.parametrize(
+    "budget, dt, k, nbytes",
+    [
+        (6100, "f4", 1000, 6100),  # K=1000 at f4: 100 + 1000 * 6 = 6100 fits exactly
+        (6099, "f2", 1000, 4100),  # f4 one byte over; f2: 100 + 1000 * 4
+        (4000, "q8", 1000, 3100),  # f2 over; q8: 100 + 1000 * 3
+        (3000, "q8", 966, 2998),  # q8 at K=1000 over: the largest K with 100 + 3K <= 3000 is 966
+    ],
+)
 def test_steps_down_precision_then_k(budget: int, dt: str, k: int, nbytes: int) -> None:
     c = choose_upload(sparse_size, "f4", 1000, budget)
     assert (c.dt, c.k, c.nbytes, c.fits) == (dt, k, nbytes, True)

@@ -29,18 +29,21 @@ def test_preset_stage_switches() -> None:
     assert make_config("fedpagr").prototypes == "unit"
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (dict(rounds=0), "rounds must be >= 1"),
-    (dict(lr=-1.0), "lr must be > 0"),
-    (dict(lr=float("nan")), "finite number"),
-    (dict(mu="sometimes"), "mu must be a positive number or 'auto'"),
-    (dict(apud_ratio=1.5), "apud_ratio"),
-    (dict(backbone="melted"), "backbone must be"),
-    (dict(public_classes=(42,)), "public_classes"),
-    (dict(cps_s=0), "cps_s"),
-    (dict(num_classes=True), "must be an integer"),
-    (dict(archs=("cnn", "mlp")), "one architecture"),  # fedavg cannot mix architectures
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (dict(rounds=0), "rounds must be >= 1"),
+        (dict(lr=-1.0), "lr must be > 0"),
+        (dict(lr=float("nan")), "finite number"),
+        (dict(mu="sometimes"), "mu must be a positive number or 'auto'"),
+        (dict(apud_ratio=1.5), "apud_ratio"),
+        (dict(backbone="melted"), "backbone must be"),
+        (dict(public_classes=(42,)), "public_classes"),
+        (dict(cps_s=0), "cps_s"),
+        (dict(num_classes=True), "must be an integer"),
+        (dict(archs=("cnn", "mlp")), "one architecture"),  # fedavg cannot mix architectures
+    ],
+)
 def test_bad_values_are_rejected_with_a_reason(overrides: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("[", r"\[")):
         make_config("fedavg", **overrides)

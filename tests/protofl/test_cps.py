@@ -145,8 +145,12 @@ def test_off_mask_energy_hand_example() -> None:
     from protofl.algorithms.support import off_mask_energy
 
     masks = np.array([[True, False, False], [False, True, True]])
-    z = np.array([[3.0, 4.0, 0.0],   # class 0: on-mask 9, off-mask 16
-                  [1.0, 0.0, 2.0]])  # class 1: on-mask 4, off-mask 1
+    z = np.array(
+        [
+            [3.0, 4.0, 0.0],  # class 0: on-mask 9, off-mask 16
+            [1.0, 0.0, 2.0],
+        ]
+    )  # class 1: on-mask 4, off-mask 1
     assert off_mask_energy(z, np.array([0, 1]), masks) == pytest.approx(17 / 30)
     assert off_mask_energy(np.zeros((2, 3)), np.array([0, 1]), masks) == 0.0
 
@@ -155,11 +159,15 @@ def test_restrict_to_masks_hand_example() -> None:
     from protofl.algorithms.support import restrict_to_masks
 
     masks = np.array([[True, True, False], [False, False, True], [False, True, True]])
-    P = np.array([[3.0, 4.0, 12.0],   # cut to (3, 4, 0) -> (0.6, 0.8, 0)
-                  [1.0, 1.0, -2.0],   # cut to (0, 0, -2) -> (0, 0, -1)
-                  [1.0, 0.0, 0.0]])   # zero on its support: the normalised mask (0, 1/sqrt2, 1/sqrt2)
+    P = np.array(
+        [
+            [3.0, 4.0, 12.0],  # cut to (3, 4, 0) -> (0.6, 0.8, 0)
+            [1.0, 1.0, -2.0],  # cut to (0, 0, -2) -> (0, 0, -1)
+            [1.0, 0.0, 0.0],
+        ]
+    )  # zero on its support: the normalised mask (0, 1/sqrt2, 1/sqrt2)
     out = restrict_to_masks(P, masks)
-    np.testing.assert_allclose(out, [[0.6, 0.8, 0.0], [0.0, 0.0, -1.0], [0.0, 2 ** -0.5, 2 ** -0.5]], atol=1e-7)
+    np.testing.assert_allclose(out, [[0.6, 0.8, 0.0], [0.0, 0.0, -1.0], [0.0, 2**-0.5, 2**-0.5]], atol=1e-7)
     assert out.dtype == np.float32
     with pytest.raises(ValueError, match="shape"):
         restrict_to_masks(P[:2], masks)

@@ -202,8 +202,13 @@ def test_npz_three_layouts_give_the_same_nchw(tmp_path: Path) -> None:
 
 def test_npz_float_images_and_column_labels(tmp_path: Path) -> None:
     x = _nchw(10, 1)
-    np.savez(tmp_path / "f.npz", x=x.astype(np.float32) / 255.0, y=(np.arange(10) % 2)[:, None],
-             x_test=x[:3], y_test=np.array([0, 1, 0]))
+    np.savez(
+        tmp_path / "f.npz",
+        x=x.astype(np.float32) / 255.0,
+        y=(np.arange(10) % 2)[:, None],
+        x_test=x[:3],
+        y_test=np.array([0, 1, 0]),
+    )
     train, test = load_npz(tmp_path / "f.npz")
     assert train.x.dtype == np.uint8
     np.testing.assert_array_equal(train.x, x)  # round(v / 255 * 255) == v

@@ -142,11 +142,21 @@ def test_a_decoded_prototype_set_is_checked_once_and_refused_with_the_constructo
     assert isinstance(msg, ProtoUpload) and msg.local == good and msg.local.classes.dtype == np.int64
 
     def upload(classes: list[int], counts: list[int]) -> bytes:
-        body = {"c": {"dt": "u2", "sh": [len(classes)], "b": np.asarray(classes, "<u2").tobytes()},
-                "v": {"dt": "f4", "sh": [len(classes), 4], "b": np.ones((len(classes), 4), "<f4").tobytes()},
-                "n": {"dt": "u4", "sh": [len(counts)], "b": np.asarray(counts, "<u4").tobytes()}}
-        top = {"v": 1, "kind": "protos", "fed": "f", "round": 0, "phase": "", "sender": "c", "msg_id": "x",
-               "body": {"local": body, "public": None, "n_samples": 7}}
+        body = {
+            "c": {"dt": "u2", "sh": [len(classes)], "b": np.asarray(classes, "<u2").tobytes()},
+            "v": {"dt": "f4", "sh": [len(classes), 4], "b": np.ones((len(classes), 4), "<f4").tobytes()},
+            "n": {"dt": "u4", "sh": [len(counts)], "b": np.asarray(counts, "<u4").tobytes()},
+        }
+        top = {
+            "v": 1,
+            "kind": "protos",
+            "fed": "f",
+            "round": 0,
+            "phase": "",
+            "sender": "c",
+            "msg_id": "x",
+            "body": {"local": body, "public": None, "n_samples": 7},
+        }
         return msgpack.packb(top, use_bin_type=True)
 
     with pytest.raises(WireError, match="classes: must be sorted ascending without duplicates"):
@@ -195,8 +205,9 @@ def test_add_many_makes_the_sums_add_makes_upload_by_upload(weighting: str) -> N
     for c, rows, n in uploads:
         one.add(dict(zip(c.tolist(), rows, strict=True)), dict(zip(c.tolist(), n.tolist(), strict=True)))
     sent = [u for u in uploads if u[0].size]
-    many.add_many([u[0] for u in sent], np.concatenate([u[1] for u in sent]), np.concatenate([u[2] for u in sent]),
-                  len(uploads))
+    many.add_many(
+        [u[0] for u in sent], np.concatenate([u[1] for u in sent]), np.concatenate([u[2] for u in sent]), len(uploads)
+    )
     assert one.senders == many.senders == 40
     assert np.array_equal(one._sum, many._sum) and np.array_equal(one._weight, many._weight)
 
@@ -226,8 +237,9 @@ def test_fold_many_makes_the_sums_fold_makes_upload_by_upload() -> None:
         assert one.senders == many.senders == 31 and np.array_equal(k1, k2) and np.array_equal(s1, s2)
 
 
-def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean",
-                     **overrides: Any) -> Any:
+def _batched_round(
+    preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, robust: str = "mean", **overrides: Any
+) -> Any:
     """One training phase of 150 random uploads through a preset's batched fold (MeanFold, or the unit
     prototypes' UnitFold), folded `batch` at a time, with clipping at work (a radius that clips some rows,
     non-zero centres)."""
@@ -245,8 +257,9 @@ def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, rob
     w = plan.proto_width
     state = model.rules.state_values()
     if "prototypes" in state:
-        model.rules.state(MeanPrototypes).prototypes = {c: rng.standard_normal(w).astype(np.float32)
-                                                        for c in range(0, 6, 2)}
+        model.rules.state(MeanPrototypes).prototypes = {
+            c: rng.standard_normal(w).astype(np.float32) for c in range(0, 6, 2)
+        }
     model.radii["protos"] = 2.5 * np.sqrt(w) if state.get("unit") is None else 1.2  # unit rows: centres of norm <= 1
     run = PhaseRun(model, Phase.TRAIN)
     assert len(run.folds) == 1 and isinstance(run.folds[0], BatchedFold)
@@ -256,8 +269,10 @@ def _batched_round(preset: str, batch: int, monkeypatch: pytest.MonkeyPatch, rob
         counts = rng.integers(1, 60, c.size) if i % 7 else None
         if counts is None and cfg.aggregation == "weighted" and not cfg.scaling:
             counts = np.ones(c.size, np.int64)  # weighted means refuse a set without counts, even an empty one
-        run.add(Upload.PROTOS, ProtoUpload(local=ProtoSet(classes=c, values=values, counts=counts), public=None,
-                                           n_samples=10))
+        run.add(
+            Upload.PROTOS,
+            ProtoUpload(local=ProtoSet(classes=c, values=values, counts=counts), public=None, n_samples=10),
+        )
     part = run.partial()  # the float64 sums themselves (the prototypes are float32: a last bit may hide there)
     run.finish()
     return model, part
@@ -273,25 +288,35 @@ def _same_tree(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.mark.parametrize(("preset", "overrides"), [
-    ("fedproto", {}), ("fedproto", {"aggregation": "mean"}), ("tinyproto", {}), ("tinyproto", {"scaling": False}),
-    ("protofl", {}), ("protofl", {"cps": False}),
-])
-def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(preset: str, overrides: dict[str, Any],
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("fedproto", {}),
+        ("fedproto", {"aggregation": "mean"}),
+        ("tinyproto", {}),
+        ("tinyproto", {"scaling": False}),
+        ("protofl", {}),
+        ("protofl", {"cps": False}),
+    ],
+)
+def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(
+    preset: str, overrides: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     (one, one_sums), (many, many_sums) = (_batched_round(preset, b, monkeypatch, **overrides) for b in (1, 64))
     assert _same_tree(one_sums, many_sums)  # 150 uploads: two full batches of 64 and a part
     assert one.round_clips.clipped.get("protos", 0) > 0  # the radius clipped some rows: clipping was at work
     assert one.round_clips == many.round_clips and one.radii == many.radii
     one_, many_ = one.rules.state_values(), many.rules.state_values()
-    assert np.array_equal(one_["unit"], many_["unit"]) if one_.get("unit") is not None else \
-        one_["prototypes"].keys() == many_["prototypes"].keys() == set(range(6))
+    assert (
+        np.array_equal(one_["unit"], many_["unit"])
+        if one_.get("unit") is not None
+        else one_["prototypes"].keys() == many_["prototypes"].keys() == set(range(6))
+    )
     assert all(np.array_equal(v, many_["prototypes"][c]) for c, v in one_.get("prototypes", {}).items())
 
 
 def test_a_batched_robust_mean_fold_folds_as_upload_by_upload(monkeypatch: pytest.MonkeyPatch) -> None:
-    (one, one_sums), (many, many_sums) = (_batched_round("fedproto", b, monkeypatch, robust="median")
-                                          for b in (1, 64))
+    (one, one_sums), (many, many_sums) = (_batched_round("fedproto", b, monkeypatch, robust="median") for b in (1, 64))
     assert _same_tree(one_sums, many_sums)
     one_, many_ = one.rules.state(MeanPrototypes).prototypes, many.rules.state(MeanPrototypes).prototypes
     assert all(np.array_equal(one_[c], many_[c]) for c in one_)

@@ -83,8 +83,9 @@ def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> Non
             c.sendall(b"x" * n)
             assert sink.done.wait(30), f"only {sink.received} of {n} bytes arrived"
         simulated = (sink.t_done - t0) * scale
-        print(f"1 MB over 1 Mbit/s: {simulated:.2f} simulated s "
-              f"(real {sink.t_done - t0:.3f} s at time scale {scale:g})")
+        print(
+            f"1 MB over 1 Mbit/s: {simulated:.2f} simulated s (real {sink.t_done - t0:.3f} s at time scale {scale:g})"
+        )
     # 8 s of serialisation + 25 ms one-way delay; within 10 % of 8 s.
     assert 7.2 <= simulated <= 8.8, f"1 MB took {simulated:.2f} simulated s over a 1 Mbit/s link"
 

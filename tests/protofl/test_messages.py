@@ -122,8 +122,9 @@ def test_lossy_dtypes(dt: str, atol: float) -> None:
     assert pu.local is not None
     assert pu.local.dt == dt and np.allclose(pu.local.values, ps.values, atol=atol)
     adapter, params = RNG.uniform(-1, 1, 200).astype(np.float32), np.ones(3, np.float32)
-    rs = decode_as(RoundStart, encode_message(RoundStart(1.0, adapter=adapter, params=params, dt=dt), fed="f",
-                                              sender="s"))
+    rs = decode_as(
+        RoundStart, encode_message(RoundStart(1.0, adapter=adapter, params=params, dt=dt), fed="f", sender="s")
+    )
     assert rs.adapter is not None and rs.params is not None
     assert rs.dt == dt and np.allclose(rs.adapter, adapter, atol=atol) and np.array_equal(rs.params, params)
     sent = SparseVector(100, np.array([1, 50]), np.array([0.25, -0.5], np.float32))

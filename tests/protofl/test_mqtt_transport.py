@@ -41,14 +41,20 @@ def fast_backoff() -> Backoff:
 
 # -- URLs and options (no broker) ----------------------------------------------------------------
 
+
 def test_broker_urls() -> None:
     assert parse_broker_url("mqtt://example.org").port == 1883
     o = parse_broker_url("mqtts://dev%40lab:s3cret@broker.local")
     assert (o.host, o.port, o.tls, o.username, o.password) == ("broker.local", 8883, True, "dev@lab", "s3cret")
     assert o.url == "mqtts://broker.local:8883"  # never prints the password
     assert parse_broker_url("10.0.0.5:1884").url == "mqtt://10.0.0.5:1884"
-    for bad, words in (("http://x", "scheme must be mqtt://, mqtts:// or unix://"), ("mqtt://x:99999", "port"),
-                       ("mqtt://x/topic", "no path"), ("mqtt://", "no host"), ("unix://sock", "unix:///absolute")):
+    for bad, words in (
+        ("http://x", "scheme must be mqtt://, mqtts:// or unix://"),
+        ("mqtt://x:99999", "port"),
+        ("mqtt://x/topic", "no path"),
+        ("mqtt://", "no host"),
+        ("unix://sock", "unix:///absolute"),
+    ):
         with pytest.raises(ConfigError, match=words):
             parse_broker_url(bad)
 
@@ -56,8 +62,11 @@ def test_broker_urls() -> None:
 def test_unix_socket_urls_and_the_federation_ca(tmp_path) -> None:
     # The server's own connection to its broker: a socket path, no TLS (its directory keeps others out).
     o = parse_broker_url("unix:///var/lib/protofl/broker/mosquitto.sock").with_auth("srv", "pw")
-    assert (o.unix_path, o.url, o.username) == ("/var/lib/protofl/broker/mosquitto.sock",
-                                                "unix:///var/lib/protofl/broker/mosquitto.sock", "srv")
+    assert (o.unix_path, o.url, o.username) == (
+        "/var/lib/protofl/broker/mosquitto.sock",
+        "unix:///var/lib/protofl/broker/mosquitto.sock",
+        "srv",
+    )
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
     with pytest.raises(ConfigError, match="unix socket connection takes no TLS"):
@@ -88,7 +97,7 @@ def test_backoff_grows_with_jitter_and_caps() -> None:
     delays = [b.next() for _ in range(6)]
     # attempt n waits initial * 2**n (capped at 8) times a factor in [0.5, 1]
     for n, d in enumerate(delays):
-        base = min(8.0, 2.0 ** n)
+        base = min(8.0, 2.0**n)
         assert base * 0.5 <= d <= base
     b.reset()
     assert b.next() <= 1.0
@@ -104,12 +113,16 @@ def test_packet_size_counts_header_topic_and_packet_id() -> None:
 def test_unreachable_broker_says_what_to_do() -> None:
     port = free_port()
     t = MqttTransport(f"mqtt://127.0.0.1:{port}", "lonely", backoff=fast_backoff())
-    with pytest.raises(TransportError, match=rf"cannot reach broker at mqtt://127.0.0.1:{port}: .*refused.*"
-                                             r"is it running\? \(start one with protofl-server start\)"):
+    with pytest.raises(
+        TransportError,
+        match=rf"cannot reach broker at mqtt://127.0.0.1:{port}: .*refused.*"
+        r"is it running\? \(start one with protofl-server start\)",
+    ):
         t.connect(timeout=1.0)
 
 
 # -- against real brokers ------------------------------------------------------------------------
+
 
 @pytest.fixture(params=["mosquitto", "amqtt"])
 def broker(request: pytest.FixtureRequest) -> Iterator[LocalBroker]:
@@ -217,6 +230,9 @@ def test_closed_transport_refuses_to_publish(mosquitto: MosquittoBroker) -> None
 def test_refused_credentials_say_so(start_mosquitto: Callable[..., MosquittoBroker]) -> None:
     broker = start_mosquitto(persistence=False, allow_anonymous=False)
     t = MqttTransport(parse_broker_url(broker.url).with_auth(username="dev"), "anon", backoff=fast_backoff())
-    with pytest.raises(TransportError, match=r"refused the connection \((Not authorized|Bad user name or password)\); "
-                                             r"check --username/--password"):
+    with pytest.raises(
+        TransportError,
+        match=r"refused the connection \((Not authorized|Bad user name or password)\); "
+        r"check --username/--password",
+    ):
         t.connect(timeout=2.0)

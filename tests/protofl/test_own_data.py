@@ -60,8 +60,12 @@ def test_imagefolder_subsets_splits_and_class_files(tmp_path: Path) -> None:
     train, test = load_source(f"imagefolder:{tmp_path / 'split'}", holdout=None)
     assert test is not None and test.y.tolist() == [0, 2] and train.y.tolist() == [0, 0, 1, 1, 2, 2]
     (tmp_path / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
-    train, test = load_source(f"imagefolder:{tmp_path / 'named'},classes={tmp_path / 'classes.txt'}",
-                              in_shape=(3, 8, 8), num_classes=4, holdout=None)
+    train, test = load_source(
+        f"imagefolder:{tmp_path / 'named'},classes={tmp_path / 'classes.txt'}",
+        in_shape=(3, 8, 8),
+        num_classes=4,
+        holdout=None,
+    )
     assert test is not None and len(train) == 6 and len(test) == 2  # DIR/train and DIR/test: its own test split
     assert sorted(set(train.y.tolist())) == [0, 3] and test.y.tolist() == [3, 3]
     (tmp_path / "classes.txt").write_text("bee\n")
@@ -79,13 +83,15 @@ def _csv(path: Path, x: np.ndarray, y: np.ndarray, label: str = "label") -> None
 def test_csv_reshapes_to_the_federations_shape(tmp_path: Path) -> None:
     x = np.arange(10 * 12).reshape(10, 12) % 256
     _csv(tmp_path / "a.csv", x, np.arange(10) % 3, label="target")
-    train, test = load_dataset(f"csv:{tmp_path / 'a.csv'},label=target", in_shape=(3, 2, 2), num_classes=4,
-                               seed=1)
+    train, test = load_dataset(f"csv:{tmp_path / 'a.csv'},label=target", in_shape=(3, 2, 2), num_classes=4, seed=1)
     assert train.x.shape[1:] == (3, 2, 2) and len(train) + len(test) == 10 and train.num_classes == 4
     row = np.flatnonzero((x[:, 0][:, None] == train.x[:, 0, 0, 0][None, :]).any(axis=1))[0]
     np.testing.assert_array_equal(train.x[0].ravel(), x[row])  # channel, row, column order
-    with pytest.raises(DataError, match=r"12 feature columns, but the federation's in_shape \(1, 4, 4\) needs "
-                                        r"1x4x4 = 16"):
+    with pytest.raises(
+        DataError,
+        match=r"12 feature columns, but the federation's in_shape \(1, 4, 4\) needs "
+        r"1x4x4 = 16",
+    ):
         load_dataset(f"csv:{tmp_path / 'a.csv'},label=target", in_shape=(1, 4, 4))
     with pytest.raises(DataError, match="no label column 'label'.*label=COLUMN"):
         load_dataset(f"csv:{tmp_path / 'a.csv'}")
@@ -114,7 +120,8 @@ def test_npz_keeps_its_test_split_and_the_federation_decides(tmp_path: Path) -> 
 
 
 def test_a_loader_function_of_ones_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "trialdata.py").write_text(textwrap.dedent("""
+    (tmp_path / "trialdata.py").write_text(
+        textwrap.dedent("""
         import numpy as np
 
         def load(in_shape, num_classes):
@@ -127,7 +134,8 @@ def test_a_loader_function_of_ones_own(tmp_path: Path, monkeypatch: pytest.Monke
 
         def broken():
             return np.zeros((2, 5, 5), np.uint8)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     train, test = load_source("trialdata:load", in_shape=(3, 6, 6), num_classes=4, holdout=None)
     assert test is not None and train.x.shape == (8, 3, 6, 6) and int(train.x.max()) == 128 and len(test) == 3
@@ -160,10 +168,15 @@ def test_pillow_is_imported_only_to_read_an_image_folder(tmp_path: Path) -> None
         from protofl.errors import DataError
         assert sys.modules["PIL"] is None  # nothing imported it
         try:
-            protofl.data.load_dataset("imagefolder:{tmp_path / 'd'}")
+            protofl.data.load_dataset("imagefolder:{tmp_path / "d"}")
         except DataError as e:
             print(e)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2]).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout
     assert "needs Pillow: pip install 'protofl-edge[device]'" in out

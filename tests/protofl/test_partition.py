@@ -153,9 +153,7 @@ def test_build_federation_synthetic() -> None:
 
 
 def test_build_federation_public_options() -> None:
-    fed = build_federation(
-        LABELS, n_clients=4, alpha=1.0, seed=0, public_per_class=5, public_classes=[0, 2, 9]
-    )
+    fed = build_federation(LABELS, n_clients=4, alpha=1.0, seed=0, public_per_class=5, public_classes=[0, 2, 9])
     check_federation(LABELS, fed, 4, 5, [0, 2, 9])
     none = build_federation(LABELS, n_clients=4, alpha=1.0, seed=0, public_per_class=0)
     assert len(none.public) == 0
@@ -167,9 +165,7 @@ def test_build_federation_too_many_clients() -> None:
         build_federation(LABELS, n_clients=600, alpha=1.0, seed=0, public_per_class=0)
 
 
-@pytest.mark.skipif(
-    not os.path.isdir(FASHION_MNIST_DIR), reason=f"Fashion-MNIST not installed at {FASHION_MNIST_DIR}"
-)
+@pytest.mark.skipif(not os.path.isdir(FASHION_MNIST_DIR), reason=f"Fashion-MNIST not installed at {FASHION_MNIST_DIR}")
 def test_build_federation_fashion_mnist_two_batches_per_client() -> None:
     y = load_fashion_mnist()[0].y
     fed = build_federation(y, n_clients=20, alpha=0.1, seed=0)

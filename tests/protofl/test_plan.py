@@ -16,8 +16,14 @@ A, P = Upload.ADAPTER, Upload.PROTOS
 EXPECTED = {
     "fedavg": ((Phase.TRAIN,), {Phase.TRAIN: (A,)}, None, ("fedavg",), "dense", 512),
     "fedproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedproto",), "dense", 512),
-    "refprotofl": ((Phase.PROTO, Phase.TRAIN), {Phase.PROTO: (P,), Phase.TRAIN: (A,)}, Phase.PROTO,
-                   ("fedavg", "apud", "fedproto", "erpa"), "dense", 512),
+    "refprotofl": (
+        (Phase.PROTO, Phase.TRAIN),
+        {Phase.PROTO: (P,), Phase.TRAIN: (A,)},
+        Phase.PROTO,
+        ("fedavg", "apud", "fedproto", "erpa"),
+        "dense",
+        512,
+    ),
     "tinyproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedproto", "cps"), "cps+scaled", 51),
     "fedpagr": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedpagr",), "unit", 512),
     # candidate (b) of setting D, spherical CPS (bench/results/TABLE.md chose it)
@@ -37,29 +43,33 @@ def test_each_preset_plan(preset: str) -> None:
 
 def test_erpa_in_the_combined_pipeline_moves_prototypes_to_the_proto_phase() -> None:
     # public set on half the classes: the others are anchored by scaled prototypes (scaling acts)
-    plan = RoundPlan.from_config(make_config("protofl", **{**ADAPTER_PIPELINE, "erpa": True},
-                                               public_classes=(0, 1, 2, 3, 4)))
+    plan = RoundPlan.from_config(
+        make_config("protofl", **{**ADAPTER_PIPELINE, "erpa": True}, public_classes=(0, 1, 2, 3, 4))
+    )
     assert plan.sends(Phase.PROTO) == (P,) and plan.sends(Phase.TRAIN) == (A,)
     assert plan.public_phase is Phase.PROTO and plan.next_phase(Phase.PROTO) is Phase.TRAIN
     assert plan.next_phase(Phase.TRAIN) is None
     assert plan.target_label == "cps+scaled"  # scaling hides n_kc
 
 
-@pytest.mark.parametrize("overrides, reason", [
-    (dict(preset="fedproto", refine=True), "with neither it changes nothing"),
-    (dict(preset="fedavg", refine=True), "nothing to refine"),
-    # 10 classes x s = 51 <= 512: disjoint masks, refinement is a no-op
-    (dict(preset="refprotofl", cps=True, refine=True), "changes nothing: masked anchors are already orthogonal"),
-    # every class public: ERPA anchors are public-set means, no client sends a scaled prototype
-    (dict(preset="tinyproto", erpa=True), "scaling changes nothing with erpa"),
-    # spherical CPS: 10 x 51 <= 512, disjoint masks, the unit prototypes are already orthogonal
-    (dict(preset="fedpagr", cps=True), "spherical CPS prototypes whose masks do not overlap"),
-    (dict(preset="fedpagr", scaling=True), "unit prototypes"),
-    # ERPA on unit prototypes (candidate (d)) sends public prototypes with the training upload: exact
-    # only while nothing federated changes the features in between
-    (dict(preset="fedpagr", refine=False, erpa=True, federate="adapter"), "exact only when no adapter"),
-    (dict(preset="fedpagr", erpa=True), "refinement of ERPA unit anchors is not built"),
-])
+@pytest.mark.parametrize(
+    "overrides, reason",
+    [
+        (dict(preset="fedproto", refine=True), "with neither it changes nothing"),
+        (dict(preset="fedavg", refine=True), "nothing to refine"),
+        # 10 classes x s = 51 <= 512: disjoint masks, refinement is a no-op
+        (dict(preset="refprotofl", cps=True, refine=True), "changes nothing: masked anchors are already orthogonal"),
+        # every class public: ERPA anchors are public-set means, no client sends a scaled prototype
+        (dict(preset="tinyproto", erpa=True), "scaling changes nothing with erpa"),
+        # spherical CPS: 10 x 51 <= 512, disjoint masks, the unit prototypes are already orthogonal
+        (dict(preset="fedpagr", cps=True), "spherical CPS prototypes whose masks do not overlap"),
+        (dict(preset="fedpagr", scaling=True), "unit prototypes"),
+        # ERPA on unit prototypes (candidate (d)) sends public prototypes with the training upload: exact
+        # only while nothing federated changes the features in between
+        (dict(preset="fedpagr", refine=False, erpa=True, federate="adapter"), "exact only when no adapter"),
+        (dict(preset="fedpagr", erpa=True), "refinement of ERPA unit anchors is not built"),
+    ],
+)
 def test_meaningless_switch_combinations_are_refused_with_a_reason(overrides: dict, reason: str) -> None:
     preset = overrides.pop("preset")
     with pytest.raises(ConfigError, match=reason):

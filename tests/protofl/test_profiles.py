@@ -91,17 +91,20 @@ def test_a_copied_file_is_a_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert load_link("mine") == link
 
 
-@pytest.mark.parametrize("text, message", [
-    (LINK + "bandwidth = 3\n", r"unknown key\(s\) \['bandwidth'\]; known keys: \['downlink_kbps', "),
-    (LINK.replace("uplink_kbps = 100", "uplink_kbps = -1"), r"'uplink_kbps' must be > 0 .* got -1"),
-    (LINK.replace("rtt_ms = 50\n", ""), r"missing key\(s\) \['rtt_ms'\]"),
-    (LINK.replace("rtt_ms = 50", 'rtt_ms = "fast"'), r"'rtt_ms' must be a number, got 'fast'"),
-    (LINK + "[outage]\nevery_s = 5\nduration_s = 5\n", r"duration_s \(5\) must be shorter than every_s \(5\)"),
-    ('kind = "device"\ncompute_factor = 0\nmemory_mb = 10\n', r"'compute_factor' must be > 0"),
-    ('kind = "device"\ncompute_factor = 1\nmemory_mb = 1.5\n', r"'memory_mb' must be an integer"),
-    ('kind = "phone"\n', r"'kind' must be \"device\" or \"link\", got 'phone'"),
-    ("kind = ", r"is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (LINK + "bandwidth = 3\n", r"unknown key\(s\) \['bandwidth'\]; known keys: \['downlink_kbps', "),
+        (LINK.replace("uplink_kbps = 100", "uplink_kbps = -1"), r"'uplink_kbps' must be > 0 .* got -1"),
+        (LINK.replace("rtt_ms = 50\n", ""), r"missing key\(s\) \['rtt_ms'\]"),
+        (LINK.replace("rtt_ms = 50", 'rtt_ms = "fast"'), r"'rtt_ms' must be a number, got 'fast'"),
+        (LINK + "[outage]\nevery_s = 5\nduration_s = 5\n", r"duration_s \(5\) must be shorter than every_s \(5\)"),
+        ('kind = "device"\ncompute_factor = 0\nmemory_mb = 10\n', r"'compute_factor' must be > 0"),
+        ('kind = "device"\ncompute_factor = 1\nmemory_mb = 1.5\n', r"'memory_mb' must be an integer"),
+        ('kind = "phone"\n', r"'kind' must be \"device\" or \"link\", got 'phone'"),
+        ("kind = ", r"is not valid TOML"),
+    ],
+)
 def test_bad_profiles_say_what_is_wrong(tmp_path: Path, text: str, message: str) -> None:
     path = write(tmp_path, text)
     with pytest.raises(ConfigError, match=message) as info:
@@ -120,9 +123,13 @@ def test_pairs_and_fleets() -> None:
     assert parse_pair("nb-iot") == (None, load_link("nb-iot"))
     fleet = parse_fleet("rpi4+lte:4,jetson-orin-nano+wifi:2,rpi3+nb-iot")
     assert [(c.name, c.count) for c in fleet] == [("rpi4+lte", 4), ("jetson-orin-nano+wifi", 2), ("rpi3+nb-iot", 1)]
-    for bad, message in (("rpi4+rpi3", "names two devices"), ("rpi4:x", "is not an integer"),
-                         ("rpi4+lte:0", "count must be >= 1"), ("rpi4:2", "give a device and a link"),
-                         ("rpi4+lte,,", "empty entry")):
+    for bad, message in (
+        ("rpi4+rpi3", "names two devices"),
+        ("rpi4:x", "is not an integer"),
+        ("rpi4+lte:0", "count must be >= 1"),
+        ("rpi4:2", "give a device and a link"),
+        ("rpi4+lte,,", "empty entry"),
+    ):
         with pytest.raises(ConfigError, match=message):
             parse_fleet(bad)
     with pytest.raises(ConfigError, match="is a link profile; a device profile is needed"):
@@ -142,10 +149,24 @@ def test_the_wheel_carries_the_profiles(tmp_path: Path) -> None:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     for name in ("protofl", "edge_agent", "broker_server", "export", "profiles"):
-        shutil.copytree(REPO / name, src / name, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+        shutil.copytree(REPO / name, src / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if n.startswith("protofl/_profiles/")}

@@ -49,18 +49,46 @@ def message(kind: str, body: dict[str, Any], sender: str = "rpi-07") -> bytes:
 
 
 def config(n: int) -> bytes:
-    return message("config", {"preset": "x", "params": {}, "adapter_layout": [[f"w{i}", [2, 3]] for i in range(n)],
-                              "class_masks": None, "mask_shape": None, "limits": {}})
+    return message(
+        "config",
+        {
+            "preset": "x",
+            "params": {},
+            "adapter_layout": [[f"w{i}", [2, 3]] for i in range(n)],
+            "class_masks": None,
+            "mask_shape": None,
+            "limits": {},
+        },
+    )
 
 
 def round_participants(n: int) -> bytes:
-    return message("round", {"deadline": 1.0, "adapter": None, "params": None, "anchors": None, "anchor_kind": "",
-                             "participants": [f"c{i}" for i in range(n)], "final": False})
+    return message(
+        "round",
+        {
+            "deadline": 1.0,
+            "adapter": None,
+            "params": None,
+            "anchors": None,
+            "anchor_kind": "",
+            "participants": [f"c{i}" for i in range(n)],
+            "final": False,
+        },
+    )
 
 
 def params_list(n: int) -> bytes:
-    return message("config", {"preset": "x", "params": {"l": [[i, float(i)] for i in range(n)]},
-                              "adapter_layout": [], "class_masks": None, "mask_shape": None, "limits": {}})
+    return message(
+        "config",
+        {
+            "preset": "x",
+            "params": {"l": [[i, float(i)] for i in range(n)]},
+            "adapter_layout": [],
+            "class_masks": None,
+            "mask_shape": None,
+            "limits": {},
+        },
+    )
 
 
 def public_classes(n: int) -> bytes:
@@ -83,9 +111,11 @@ def cpu_seconds(fn: Callable[[], Any]) -> float:
     return best
 
 
-@pytest.mark.parametrize("make,small", [(config, 25_000), (round_participants, 25_000), (params_list, 25_000),
-                                        (public_classes, 16_000)],
-                         ids=["adapter_layout", "participants", "params", "public_classes"])
+@pytest.mark.parametrize(
+    "make,small",
+    [(config, 25_000), (round_participants, 25_000), (params_list, 25_000), (public_classes, 16_000)],
+    ids=["adapter_layout", "participants", "params", "public_classes"],
+)
 def test_every_long_field_decodes_in_linear_time(make: Callable[[int], bytes], small: int) -> None:
     payloads = {n: make(n) for n in (small, 4 * small)}
     for data in payloads.values():
@@ -96,16 +126,29 @@ def test_every_long_field_decodes_in_linear_time(make: Callable[[int], bytes], s
 
 
 def test_a_repeated_layout_name_is_still_refused() -> None:
-    body: dict[str, Any] = {"preset": "x", "params": {}, "adapter_layout": [["a", [1]], ["b", [1]], ["a", [2]]],
-            "class_masks": None, "mask_shape": None, "limits": {}}
+    body: dict[str, Any] = {
+        "preset": "x",
+        "params": {},
+        "adapter_layout": [["a", [1]], ["b", [1]], ["a", [2]]],
+        "class_masks": None,
+        "mask_shape": None,
+        "limits": {},
+    }
     with pytest.raises(WireError, match=r"adapter_layout\[2\]: name 'a' is empty or repeated"):
         decode_message(message("config", body))
 
 
 def test_unknown_keys_are_found_in_linear_time() -> None:
     # 4090 unknown keys (up to the map limit), and the first in sort order is named.
-    body: dict[str, Any] = {"preset": "x", "params": {}, "adapter_layout": [], "class_masks": None,
-                            "mask_shape": None, "limits": {}, **{f"k{i:05d}": i for i in range(4090)}}
+    body: dict[str, Any] = {
+        "preset": "x",
+        "params": {},
+        "adapter_layout": [],
+        "class_masks": None,
+        "mask_shape": None,
+        "limits": {},
+        **{f"k{i:05d}": i for i in range(4090)},
+    }
     assert cpu_seconds(lambda: pytest.raises(WireError, decode_message, message("config", body))) < 0.5
     with pytest.raises(WireError, match="config: unknown key 'k00000'"):
         decode_message(message("config", body))
@@ -113,11 +156,28 @@ def test_unknown_keys_are_found_in_linear_time() -> None:
 
 def test_the_header_is_read_without_the_body() -> None:
     # A body that would fail to parse (an ext type, a string that is not UTF-8): the header still reads.
-    raw = msgpack.packb({"v": 1, "kind": "protos", "fed": "fed", "round": 3, "phase": "train", "sender": "rpi-07",
-                         "msg_id": "m1", "body": {"local": msgpack.ExtType(1, b"x")}}, use_bin_type=True)
+    raw = msgpack.packb(
+        {
+            "v": 1,
+            "kind": "protos",
+            "fed": "fed",
+            "round": 3,
+            "phase": "train",
+            "sender": "rpi-07",
+            "msg_id": "m1",
+            "body": {"local": msgpack.ExtType(1, b"x")},
+        },
+        use_bin_type=True,
+    )
     head = read_header(raw)
-    assert (head.kind, head.fed, head.round, head.phase, head.sender, head.size) == \
-           ("protos", "fed", 3, "train", "rpi-07", len(raw))
+    assert (head.kind, head.fed, head.round, head.phase, head.sender, head.size) == (
+        "protos",
+        "fed",
+        3,
+        "train",
+        "rpi-07",
+        len(raw),
+    )
     with pytest.raises(WireError, match="ext types are not allowed"):
         head.open()
 
@@ -158,8 +218,19 @@ def test_kinds_small_by_nature_are_refused_over_64_kib(kind: str) -> None:
 
 def test_the_size_of_a_small_kind_is_checked_before_its_body() -> None:
     # 70 KiB of metrics whose body would not even parse: the size is what refuses it.
-    raw = msgpack.packb({"v": 1, "kind": "metrics", "fed": "fed", "round": 1, "phase": "", "sender": "rpi-07",
-                         "msg_id": "m1", "body": {"extra": msgpack.ExtType(1, b"x" * 70_000)}}, use_bin_type=True)
+    raw = msgpack.packb(
+        {
+            "v": 1,
+            "kind": "metrics",
+            "fed": "fed",
+            "round": 1,
+            "phase": "",
+            "sender": "rpi-07",
+            "msg_id": "m1",
+            "body": {"extra": msgpack.ExtType(1, b"x" * 70_000)},
+        },
+        use_bin_type=True,
+    )
     with pytest.raises(WireError, match="for a metrics message"):
         read_header(raw)
 
@@ -174,21 +245,44 @@ def test_other_kinds_keep_the_message_limit() -> None:
 
 def test_a_device_body_is_refused_after_a_few_hundred_objects() -> None:
     # A million empty lists in an upload's body: refused while parsing, long before the million.
-    raw = msgpack.packb({"v": 1, "kind": "protos", "fed": "fed", "round": 1, "phase": "train", "sender": "rpi-07",
-                         "msg_id": "m1", "body": {"local": [[]] * 90_000}}, use_bin_type=True)
+    raw = msgpack.packb(
+        {
+            "v": 1,
+            "kind": "protos",
+            "fed": "fed",
+            "round": 1,
+            "phase": "train",
+            "sender": "rpi-07",
+            "msg_id": "m1",
+            "body": {"local": [[]] * 90_000},
+        },
+        use_bin_type=True,
+    )
     head = read_header(raw)
     assert cpu_seconds(lambda: pytest.raises(WireError, head.open)) < 0.05
     with pytest.raises(WireError, match="protos body: more than 256 msgpack objects"):
         head.open()
-    assert {k: DEFAULT_LIMITS.max_body_objects(k) for k in sorted(DEVICE_KINDS)} == \
-           {"adapter": 256, "join": 64, "metrics": 64 + 4096, "protos": 256}
+    assert {k: DEFAULT_LIMITS.max_body_objects(k) for k in sorted(DEVICE_KINDS)} == {
+        "adapter": 256,
+        "join": 64,
+        "metrics": 64 + 4096,
+        "protos": 256,
+    }
     assert DEFAULT_LIMITS.max_body_objects("config") == DEFAULT_LIMITS.max_objects
 
 
 def test_metrics_with_the_most_extra_entries_fit_their_budget() -> None:
     extra = {f"e{i}": float(i) for i in range(DEFAULT_LIMITS.max_map_len)}
-    msg = Metrics(n_local=1, correct_local=0, n_test=1, correct_test=0, probs=np.zeros((2, 3), np.float32),
-                  extra=extra, proto_correct_local=0, proto_correct_test=0)
+    msg = Metrics(
+        n_local=1,
+        correct_local=0,
+        n_test=1,
+        correct_test=0,
+        probs=np.zeros((2, 3), np.float32),
+        extra=extra,
+        proto_correct_local=0,
+        proto_correct_test=0,
+    )
     data = encode_message(msg, fed="fed", sender="rpi-07")
     assert decode_message(data, limits=Limits(max_metrics_bytes=2**20))[1] == msg
 

@@ -72,9 +72,13 @@ def agrees(data: bytes, limits: Limits = DEFAULT_LIMITS) -> bool:
 
 def _arrays(a: Any, b: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     if isinstance(a, ProtoUpload):
-        return [pair for x, y in ((a.local, b.local), (a.public, b.public)) if x is not None
-                for pair in ((x.classes, y.classes), (x.values, y.values))
-                + (((x.counts, y.counts),) if x.counts is not None else ())]
+        return [
+            pair
+            for x, y in ((a.local, b.local), (a.public, b.public))
+            if x is not None
+            for pair in ((x.classes, y.classes), (x.values, y.values))
+            + (((x.counts, y.counts),) if x.counts is not None else ())
+        ]
     u, w = a.update, b.update
     return [(u.indices, w.indices), (u.values, w.values)] if isinstance(u, SparseVector) else [(u, w)]
 
@@ -165,8 +169,13 @@ def test_sparse_and_dense_keys_are_not_mixed() -> None:
 
 def test_limits_below_the_schemas_bounds_leave_every_upload_to_the_reference() -> None:
     assert fast.usable(DEFAULT_LIMITS)
-    for tight in (Limits(max_objects=50), Limits(max_str_len=20), Limits(max_list_len=4), Limits(max_map_len=6),
-                  Limits(max_bin_len=1000)):
+    for tight in (
+        Limits(max_objects=50),
+        Limits(max_str_len=20),
+        Limits(max_list_len=4),
+        Limits(max_map_len=6),
+        Limits(max_bin_len=1000),
+    ):
         assert not fast.usable(tight), tight
     small = Limits(max_message_bytes=64)
     assert fast.read_upload(valid(PROTOS), small) is None

@@ -45,8 +45,10 @@ def _structure_diff(got: Any, want: Any, at: str = "") -> str | None:
     if isinstance(want, list):
         if len(got) != len(want):
             return f"{at}: length {len(want)} became {len(got)}"
-        return next((d for i, (g, w) in enumerate(zip(got, want, strict=True))
-                     if (d := _structure_diff(g, w, f"{at}[{i}]"))), None)
+        return next(
+            (d for i, (g, w) in enumerate(zip(got, want, strict=True)) if (d := _structure_diff(g, w, f"{at}[{i}]"))),
+            None,
+        )
     return None if got == want else f"{at}: {want!r:.80} became {got!r:.80}"
 
 
@@ -92,7 +94,13 @@ def test_recorded_bytes_decode_to_the_case(name: str) -> None:
     case, data = CASES[name], stored(name)
     env, msg = decode_message(data)
     assert (env.v, env.kind, env.fed, env.round, env.phase, env.sender, env.msg_id) == (
-        WIRE_VERSION, case.kind, case.fed, case.round, case.phase, case.sender, case.msg_id,
+        WIRE_VERSION,
+        case.kind,
+        case.fed,
+        case.round,
+        case.phase,
+        case.sender,
+        case.msg_id,
     )
     assert_same(msg, case.msg, name)
     # and what a receiver decoded, it sends on unchanged (nothing lost in decoding, e.g. a dtype)

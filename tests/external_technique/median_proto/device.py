@@ -12,6 +12,7 @@ from . import NAME
 class MedianProtoDevice(DeviceRule):
     name = NAME
 
-    def encode_table(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None,
-                     role: str) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
+    def encode_table(
+        self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str
+    ) -> tuple[dict[int, np.ndarray], dict[int, int] | None]:
         return protos, None

@@ -94,14 +94,23 @@ def _cases() -> dict[str, Case]:
             Config(
                 "tinyproto",
                 {
-                    "lr": 0.01, "rounds": 50, "neg": -3, "big": 2**40, "mu": "auto", "on": True, "off": None,
-                    "stages": ["cps", "scaling"], "nested": {"a": [1, None, False, 2.5]},
+                    "lr": 0.01,
+                    "rounds": 50,
+                    "neg": -3,
+                    "big": 2**40,
+                    "mu": "auto",
+                    "on": True,
+                    "off": None,
+                    "stages": ["cps", "scaling"],
+                    "nested": {"a": [1, None, False, 2.5]},
                 },
                 [("adapter.down", (4, 8)), ("adapter.up", (8, 4)), ("head.bias", (10,)), ("scalar", ())],
                 masks,
                 {"max_upload_bytes": 65536, "max_elements": 1 << 24},
             ),
-            sender=SERVER, phase="", round=0,
+            sender=SERVER,
+            phase="",
+            round=0,
         ),
         # --- public: the server's public set
         "public_u1": Case(PublicSet(public_u1, np.array([0, 3]), [0, 3]), sender=SERVER, phase="", round=0),
@@ -109,21 +118,30 @@ def _cases() -> dict[str, Case]:
         # --- round: opens a round phase
         "round_minimal": Case(RoundStart(0.0), sender=SERVER, phase="proto", round=1),
         "round_anchors_f4": Case(
-            RoundStart(1700000000.5, adapter=DENSE, targets=_protos("f4", counts=False), target_label="cps",
-                       participants=[DEVICE, "jetson.02"]),
-            sender=SERVER, phase="train",
+            RoundStart(
+                1700000000.5,
+                adapter=DENSE,
+                targets=_protos("f4", counts=False),
+                target_label="cps",
+                participants=[DEVICE, "jetson.02"],
+            ),
+            sender=SERVER,
+            phase="train",
         ),
         "round_anchors_counts_f2": Case(
             RoundStart(42.25, targets=_protos("f2", counts=True), target_label="erpa", participants=[]),
-            sender=SERVER, phase="proto",
+            sender=SERVER,
+            phase="proto",
         ),
         "round_params_final_f2": Case(
             RoundStart(12.5, params=DENSE, final=True, dt="f2"), sender=SERVER, phase="done", round=50
         ),
         "round_adapter_params_q8": Case(
-            RoundStart(99.0, adapter=Q8, params=CONSTANT, targets=_protos("q8", counts=False), target_label="pagr",
-                       dt="q8"),
-            sender=SERVER, phase="train",
+            RoundStart(
+                99.0, adapter=Q8, params=CONSTANT, targets=_protos("q8", counts=False), target_label="pagr", dt="q8"
+            ),
+            sender=SERVER,
+            phase="train",
         ),
         # --- protos: a client's prototypes
         "protos_counts_f4": Case(ProtoUpload(_protos("f4", counts=True), None, 313), phase="proto"),
@@ -145,18 +163,28 @@ def _cases() -> dict[str, Case]:
             ParamsUpload(SparseVector(70000, np.array([0, 65536]), _f(-0.75, 1.5)), 313, 2, dt="f2")
         ),
         "adapter_sparse_mask_q8": Case(
-            ParamsUpload(SparseVector(20, np.arange(0, 20, 2), _f(-1.0, 0.5, 3.0, 126.5, 10.0, 0.0, 2.0, 2.5, 4.0,
-                                                                   -0.5)), 313, 2, dt="q8")
+            ParamsUpload(
+                SparseVector(20, np.arange(0, 20, 2), _f(-1.0, 0.5, 3.0, 126.5, 10.0, 0.0, 2.0, 2.5, 4.0, -0.5)),
+                313,
+                2,
+                dt="q8",
+            )
         ),
         "adapter_sparse_empty_f4": Case(ParamsUpload(SparseVector(8, np.array([], np.int64), _f()), 0, 0)),
         # --- metrics: a client's evaluation
         "metrics_minimal": Case(Metrics(100, 90, 50, 40), phase="done"),
         "metrics_full": Case(
             Metrics(
-                100, 90, 50, 40,
+                100,
+                90,
+                50,
+                40,
                 probs=np.array([[0.25, 0.75, 0.0], [0.5, 0.125, 0.375]], dtype=np.float32),
-                train_s=3.5, loss=-0.125, extra={"off_mask_energy": 0.25, "steps": 12.0},
-                proto_correct_local=80, proto_correct_test=35,
+                train_s=3.5,
+                loss=-0.125,
+                extra={"off_mask_energy": 0.25, "steps": 12.0},
+                proto_correct_local=80,
+                proto_correct_test=35,
             ),
             phase="done",
         ),
