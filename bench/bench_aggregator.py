@@ -104,7 +104,8 @@ def make_uploads(
         if cfg.prototypes == "unit":
             z /= np.linalg.norm(z, axis=1, keepdims=True)
         table = {c: z[c].astype(np.float32) for c in range(C)}
-        masks = model.rules.support_masks()
+        # (the rules offer the support masks; a baseline tree from before issue 40 kept them on the model)
+        masks = model.rules.support_masks() if hasattr(model.rules, "support_masks") else getattr(model, "masks", None)
         if masks is not None:
             table = compress_table(table, masks)
             if cfg.prototypes == "unit":

@@ -221,7 +221,7 @@ class _SetClips:
         """`s.rows` was read before it was clipped: with its batch where it is accepted, else on its own."""
         if s._sent is None:  # nothing to clip: no rows
             s._rows = self.empty
-        elif any(p is s for p in self.pending):
+        elif s._pending:
             self.run()
         else:
             s._rows, s._seen = self._clip(s._sent, s.classes)
@@ -238,6 +238,7 @@ class _SetClips:
                     self._record_seen()
             s._sent = s._seen = None
         else:
+            s._pending = True
             self.pending.append(s)
             self.elements += k * s.shape[1]
             if len(self.pending) >= self.batch or self.elements >= self.batch_elements:
@@ -258,7 +259,7 @@ class _SetClips:
         rows, seen = self._clip(values, classes)
         at = 0
         for s in batch:
-            s._batch, s._start, s._sent = rows, at, None
+            s._batch, s._start, s._sent, s._pending = rows, at, None, False
             at += s.shape[0]
         self._record(seen)
 

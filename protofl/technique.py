@@ -199,7 +199,7 @@ class ClippedSet:
     The phase clips a batch of accepted uploads' rows in one pass, when a fold first reads one of them (or the
     batch is full, or the phase ends); a fold's `check` that reads `rows` has that upload's set clipped alone."""
 
-    __slots__ = ("classes", "counts", "shape", "_sent", "_rows", "_batch", "_start", "_clipper", "_seen")
+    __slots__ = ("classes", "counts", "shape", "_sent", "_rows", "_batch", "_start", "_clipper", "_seen", "_pending")
     _sent: np.ndarray | None  # the values as sent, until they are clipped
 
     def __init__(self, classes: np.ndarray, counts: np.ndarray | None, sent: np.ndarray, clipper: _SetClipper) -> None:
@@ -209,6 +209,7 @@ class ClippedSet:
         self._batch: np.ndarray | None = None
         self._start = 0
         self._seen: Any = None  # clipped alone before it was accepted: what the phase records when it is
+        self._pending = False  # accepted, waiting for its batch to be clipped
 
     @property
     def rows(self) -> np.ndarray:
