@@ -68,9 +68,10 @@ class Report:
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         scored = scores_test_set(rec.round, self.spec.test_every, self.cfg.rounds)  # the official test set's rounds
-        params = model.rules.round_fields(Phase.DONE).params  # the whole model's, where it is federated
-        if self.evaluate is not None and params is not None and scored:
-            self.global_model_acc[rec.round] = self.evaluate(params)
+        if self.evaluate is not None and scored:
+            params = model.rules.round_fields(Phase.DONE).params  # the whole model's, where it is federated
+            if params is not None:
+                self.global_model_acc[rec.round] = self.evaluate(params)
         if self.predictor is not None and scored:
             acc = self.predictor(model)
             if acc is not None:
