@@ -156,9 +156,8 @@ def test_simulate_takes_clip_off_and_records_it(tmp_path) -> None:
 
 def test_start_passes_the_switch_into_the_clip_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[ClipPolicy] = []
-    monkeypatch.setattr(
-        start_cli, "_serve", lambda *a, **k: seen.extend(x for x in (*a, *k.values()) if isinstance(x, ClipPolicy))
-    )
+    # `start` builds its settings once and hands `_serve` one Start: the policy is the federation group's
+    monkeypatch.setattr(start_cli, "_serve", lambda s: seen.append(s.federation.policy))
     for args, enabled in ((["--clip", "off"], False), (["--clip", "ON"], True), ([], True)):
         res = runner.invoke(app, ["start", "--preset", "fedproto", *args])
         assert res.exit_code == 0, res.output

@@ -35,10 +35,11 @@ SCRIPT = textwrap.dedent(
     modules = sorted(m.name for m in pkgutil.iter_modules(algorithms.__path__))
     for name in modules:
         importlib.import_module(f"protofl.algorithms.{name}")
-    expected = {"apud", "cps", "erpa", "fedavg", "fedproto", "fedpagr", "scaling", "support", "unit"}
+    expected = {"apud", "cps", "erpa", "fedavg", "fedproto", "fedpagr", "fedprox", "prototypes", "scaling", "support",
+                "unit"}
     assert expected <= set(modules), modules
 
-    from protofl.algorithms import apud, cps, erpa, fedavg, fedpagr, fedproto, scaling, support, unit
+    from protofl.algorithms import apud, cps, erpa, fedavg, fedpagr, fedproto, prototypes, scaling, support, unit
 
     # one tiny full aggregation per accumulator
     agg = fedavg.FedAvgAggregator(3)
@@ -46,10 +47,10 @@ SCRIPT = textwrap.dedent(
     assert agg.result().shape == (3,)
 
     z = np.arange(12, dtype=np.float32).reshape(4, 3)
-    protos, counts = fedproto.local_prototypes(z, np.array([0, 0, 1, 1]), 2)
+    protos, counts = prototypes.local_prototypes(z, np.array([0, 0, 1, 1]), 2)
     pa = fedproto.PrototypeAggregator(2, 3)
     pa.add(protos, counts)
-    assert fedproto.nearest_prototype(z, pa.result()).tolist() == [0, 0, 1, 1]
+    assert prototypes.nearest_prototype(z, pa.result()).tolist() == [0, 0, 1, 1]
 
     g = np.zeros(10, dtype=np.float32)
     aa = apud.ApudAggregator(g)
