@@ -448,8 +448,11 @@ class EdgeAgent:
             adapter_round=self.adapter_round,
         )
 
-    def _first(self, hook: str, *args: Any) -> Any:
-        return first_answer(self.rules, hook, *args)
+    def local_prototypes(
+        self, z: np.ndarray, y: np.ndarray
+    ) -> tuple[dict[int, np.ndarray], dict[int, int] | None] | None:
+        """The prototypes of the rule that makes them (mean or unit prototypes), or None: the plain class means."""
+        return first_answer(self.rules, lambda r: r.local_prototypes(z, y))
 
     def pack(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str) -> ProtoSet:
         """A prototype table on the wire: each rule's encoding in turn, then the plan's width and dtype."""
@@ -542,7 +545,8 @@ class EdgeAgent:
         """A phase before training (e.g. public-set prototypes): the rule that owns it builds the upload."""
         if not self._holds_round_adapter(round_):
             return  # we missed this round's adapter; prototypes from a stale adapter would mislead
-        upload = self._first("phase_upload", self.context(), phase, self.pack)
+        ctx = self.context()
+        upload = first_answer(self.rules, lambda r: r.phase_upload(ctx, phase, self.pack))
         if upload is not None:
             self._send(upload, round_, phase.value, upload=True)
 
@@ -613,8 +617,8 @@ class EdgeAgent:
         assert plan is not None and model is not None
         ctx = self.context()
         sends = plan.sends(Phase.TRAIN)
-        theta = self._first("vector", ctx) if Upload.ADAPTER in sends else None
-        sparsifier = self._first("sparsifier", theta) if theta is not None else None
+        theta = first_answer(self.rules, lambda r: r.vector(ctx)) if Upload.ADAPTER in sends else None
+        sparsifier = first_answer(self.rules, lambda r: r.sparsifier(theta)) if theta is not None else None
         local = None
         if Upload.PROTOS in sends:
             if seen is None:
@@ -622,11 +626,18 @@ class EdgeAgent:
                 z, y = self._z_train, self.data.y_train
             else:
                 z, y = seen
-            protos, counts = self._first("local_prototypes", z, y)
+            found = self.local_prototypes(z, y)
+            if found is None:  # the plan sends prototypes only where an active technique makes them
+                raise ConfigError("this federation's plan sends prototypes, but no technique here makes them")
+            protos, counts = found
             for rule in self.rules:
                 protos = rule.select_local(protos)
             local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
-        public = self._first("public_prototypes", ctx, self.pack) if plan.public_phase is Phase.TRAIN else None
+        public = (
+            first_answer(self.rules, lambda r: r.public_prototypes(ctx, self.pack))
+            if plan.public_phase is Phase.TRAIN
+            else None
+        )
         budget = self.upload_budget(deadline) if self.upload_budget is not None else None
         out, choice = train_uploads(
             plan,

@@ -57,7 +57,7 @@ def _own_prototypes(agent: EdgeAgent) -> tuple[dict[int, np.ndarray], dict[int, 
     x = torch.from_numpy(np.ascontiguousarray(agent.data.x_train, dtype=np.float32)).to(agent.device)
     z = trainer.embed(agent.model, x)
     y = agent.data.y_train
-    found = agent._first("local_prototypes", z, y)  # the technique's own kind (unit prototypes, ...)
+    found = agent.local_prototypes(z, y)  # the technique's own kind (unit prototypes, ...)
     table, counts = found if found is not None else local_prototypes(z, y, agent.plan.num_classes)
     if counts is None:
         counts = {int(c): int((y == c).sum()) for c in table}

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
     from protofl.plan import RoundPlan
 
 
+R = TypeVar("R")
+A = TypeVar("A")
+
+
 class Phase(str, enum.Enum):
     """A round's phases, as they travel in the envelope's `phase` field."""
 
@@ -65,10 +69,11 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def first_answer(rules: Sequence[Any], hook: str, *args: Any) -> Any:
-    """The first rule's non-None answer to `hook`, or None (device rules; the server's are a typed `RuleChain`)."""
+def first_answer(rules: Sequence[R], ask: Callable[[R], A | None]) -> A | None:
+    """The first rule's non-None answer to `ask` (a typed call of one hook, e.g. `lambda r: r.vector(ctx)`), or
+    None: how the device asks its rules a hook that one rule owns (the server's are a typed `RuleChain`)."""
     for rule in rules:
-        out = getattr(rule, hook)(*args)
+        out = ask(rule)
         if out is not None:
             return out
     return None
