@@ -382,12 +382,15 @@ def _default(key: str) -> Any:
     return _plain(CORE[key] if key in CORE else registry.options()[key].default)
 
 
-def unused_message(stray: list[str], used: tuple[str, ...]) -> str:
+def unused_message(stray: list[str], used: tuple[str, ...], *, advice: bool = True) -> str:
+    """What is wrong with values given for options of techniques a federation does not use (`advice`: and what
+    to do about it)."""
     owners = registry.owners()
-    return (
+    what = (
         f"option(s) {stray} belong to technique(s) {sorted({owners[k] for k in stray})} that this federation "
-        f"does not use (it uses {list(used) or 'none'}): switch the technique on, or drop the option(s)"
+        f"does not use (it uses {list(used) or 'none'})"
     )
+    return f"{what}: switch the technique on, or drop the option(s)" if advice else what
 
 
 def _plain(value: Any) -> Any:

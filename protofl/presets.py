@@ -100,5 +100,5 @@ def make_config(
     if stray:
         if strict:
             raise ConfigError(unused_message(stray, cfg.techniques))
-        log.warning("%s: ignored", unused_message(stray, cfg.techniques).split(": switch")[0])
+        log.warning("%s: ignored", unused_message(stray, cfg.techniques, advice=False))
     return cfg
