@@ -56,11 +56,13 @@ def write_server_artifacts(
     written_by: str = "protofl-server start",
     data: str | None = None,
     norm: tuple[Sequence[float], Sequence[float]] | None = None,
+    backbone: np.ndarray | None = None,
 ) -> Path:
     """Write ROOT/manifest.json and ROOT/global/ for the server's current model; returns ROOT.
 
     `data` and `norm` (the data spec and its per-channel mean/std, where the server knows them: a
-    simulation, or `start --public-data`) let the export tools default to the same inputs."""
+    simulation, or `start --public-data`) let the export tools default to the same inputs. `backbone`: the
+    shared backbone the public message shipped, where a global head sits on it (global/predictor.npz)."""
     cfg = model.cfg
     out = Path(root)
     names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
@@ -81,6 +83,11 @@ def write_server_artifacts(
     )
     if vector is not None:
         art.write_vector(glob / art.FEDERATED, vector, federated or "")
+    head = model.rules.predictor_head()
+    head_info = model.rules.predictor_info()
+    if head is not None:
+        head_info = {**head_info, "backbone": "shipped" if backbone is not None else "seeded initial model"}
+        art.write_predictor(glob / art.PREDICTOR, head[0], head[1], backbone, head_info)
     art.write_json(
         out / art.MANIFEST,
         art.stamp(
@@ -93,7 +100,11 @@ def write_server_artifacts(
             class_names=names,
             data=data,
             **({"norm_mean": [float(v) for v in norm[0]], "norm_std": [float(v) for v in norm[1]]} if norm else {}),
-            predictor={"kind": kind if vector is not None else None, "reason": reason},
+            predictor={
+                "kind": kind if vector is not None or head is not None else None,
+                "reason": reason,
+                **({"made_from": head_info} if head is not None else {}),
+            },
             federated=federated if vector is not None else None,
             prototypes=None
             if protos is None

@@ -281,7 +281,13 @@ class RoundMachine:
         self.offline_grace = offline_grace
         self.resume_grace = max(resume_grace, offline_grace)
         self.plan = RoundPlan.from_config(cfg)
-        self.public = public if self.plan.public_classes else None
+        # The public message: the public set where the plan uses it, and the shared backbone where one travels
+        # (a federation whose plan uses no public images sends only that: a set of zero samples).
+        if public is not None and not self.plan.public_classes and public.backbone is not None:
+            public = PublicSet(x=public.x[:0], y=public.y[:0], classes=[], backbone=public.backbone)
+        self.public = (
+            public if self.plan.public_classes or (public is not None and public.backbone is not None) else None
+        )
         self.expected_clients = sorted(expected_clients) if expected_clients else None
         # Membership by a set: `in` on the sorted list was a scan per upload (a fifth of the fold's time at
         # 4,000 devices, quadratic in the fleet).
@@ -592,7 +598,7 @@ class RoundMachine:
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
         assert self.run is not None
-        self.run.add(kind, msg)
+        self.run.add(kind, msg, env.sender)
         open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
         self.state.current.uplink_bytes += nbytes
         return self.close_if_complete()

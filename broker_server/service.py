@@ -215,7 +215,7 @@ class AggregatorService:
         # federation publishes its own round message again instead.
         if not self.resumed:
             self.transport.publish(topics.round_(self.fed), b"", retain=True)
-        if not self.aggregator.machine.plan.public_classes:
+        if self.aggregator.machine.public is None:
             self.transport.publish(topics.public(self.fed), b"", retain=True)
         # Subscribe before the aggregator announces "waiting": devices join as soon as they see it, and a
         # join that reached the broker before our subscription would be lost. Messages are dispatched

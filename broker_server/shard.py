@@ -208,7 +208,7 @@ class Shard:
         for rec in self.log.records():
             if (rec.round, rec.phase) == self.where and (rec.client, rec.kind) in keep:
                 upload = decode_body(read_header(rec.payload, self.limits).open(), self.limits)
-                machine.run.add(Upload(rec.kind), upload)
+                machine.run.add(Upload(rec.kind), upload, rec.client)
         log.warning(
             "%s: round %d %s folded again without %d upload(s) the coordinator took from elsewhere",
             self.shard,
@@ -263,7 +263,7 @@ class Shard:
             msg = decode_body(head.open(), self.limits)
         assert isinstance(msg, (ProtoUpload, ParamsUpload)) and self.machine is not None
         self.machine.check_base(msg)
-        self.run.add(Upload(head.kind), msg)  # checks all of it, then folds
+        self.run.add(Upload(head.kind), msg, client)  # checks all of it, then folds
         self.accepted[key] = len(payload)
         self.folded += 1
         if not journaled:

@@ -349,7 +349,7 @@ class _UploadClips:
         self.public = _SetClips(model, specs.get(Part.PUBLIC))
         self.update = _VectorClips(model, specs.get(Part.UPDATE))
 
-    def view(self, up: Any) -> ClippedUpload:
+    def view(self, up: Any, sender: str = "") -> ClippedUpload:
         if self.sets:
             local, public = up.local, up.public
             return ClippedUpload(
@@ -357,8 +357,11 @@ class _UploadClips:
                 up.n_samples,
                 None if local is None else ClippedSet(local.classes, local.counts, local.values, self.local),
                 None if public is None else ClippedSet(public.classes, public.counts, public.values, self.public),
+                sender=sender,
             )
-        return ClippedUpload(self.kind, up.n_samples, None, None, ClippedVector(up.update, self.update), up.base_round)
+        return ClippedUpload(
+            self.kind, up.n_samples, None, None, ClippedVector(up.update, self.update), up.base_round, sender
+        )
 
     def accept(self, view: ClippedUpload) -> None:
         # A prototype upload's sets never refuse here; a parameter upload has its one vector, which may.
@@ -388,15 +391,15 @@ class PhaseRun:
         self.takers = {k: [f for f in self.folds if k in f.kinds] for k in Upload}  # per kind, in rule order
         self.clips = {k: _UploadClips(model, k, takers) for k, takers in self.takers.items() if takers}
 
-    def add(self, kind: Upload, up: Any) -> None:
-        """Check `up` against the plan and every fold that reads `kind`, then clip it (once: `Clip`) and fold it
-        into all of them."""
+    def add(self, kind: Upload, up: Any, sender: str = "") -> None:
+        """Check `up` (from client `sender`) against the plan and every fold that reads `kind`, then clip it (once:
+        `Clip`) and fold it into all of them."""
         check_upload(self.model.plan, self.phase, up)
         takers = self.takers[kind]
         if not takers:
             raise WireError(f"this federation does not exchange {kind.value} uploads in the {self.phase.value} phase")
         clips = self.clips[kind]
-        view = clips.view(up)
+        view = clips.view(up, sender)
         if len(takers) == 1:  # (most phases: one fold per kind)
             fold = takers[0]
             p = fold.check(view)

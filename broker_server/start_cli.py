@@ -320,6 +320,12 @@ def _federation(
     return cfg, public_set(train, cfg)
 
 
+def _backbone_of(agg: Any) -> Any:
+    """The shared backbone the federation's public message ships (None: none, or the seeded model)."""
+    public = agg.machine.public
+    return None if public is None else public.backbone
+
+
 def _bridged(state_dir: Path | None, insecure: bool) -> set[str]:
     """Devices of this federation at bridged site brokers (broker-config --bridge wrote them in its credentials)."""
     from broker_server.security import bridged_devices
@@ -781,6 +787,7 @@ def _serve(s: Start) -> None:
                     fed=fed,
                     round_=rec.round,
                     finished=rec.round >= cfg.rounds,
+                    backbone=_backbone_of(live[0].aggregator),
                 )
 
         def on_round_logged(rec: Any, accs: dict[str, float | None], reported: int) -> None:
@@ -857,6 +864,7 @@ def _serve(s: Start) -> None:
                     fed=fed,
                     round_=len(service.aggregator.records),
                     finished=service.aggregator.finished,
+                    backbone=_backbone_of(service.aggregator),
                 )
                 log.info("server model written to %s (deployable artifacts in %s)", path, state_dir / "artifacts")
         agg = service.aggregator

@@ -46,6 +46,7 @@ from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.schedule import check_cadence, is_due, scores_test_set
+from protofl.sparse import SparseVector
 from protofl.technique import first_answer
 from protofl.wire import (
     DEFAULT_LIMITS,
@@ -177,6 +178,7 @@ class EdgeAgent:
         self.masks: np.ndarray | None = None  # the config's support masks, where prototypes use them
         self.public_x: torch.Tensor | None = None
         self.public_y: np.ndarray | None = None
+        self.backbone: np.ndarray | None = None  # the federation's shared backbone (the public message's)
         self.global_adapter: np.ndarray | None = None
         self.adapter_round = -1  # the round whose global adapter we hold
         self.objective = Objective()  # this round's objective (also what the metrics classify with)
@@ -426,8 +428,10 @@ class EdgeAgent:
             mean = np.asarray(self.data.mean, dtype=np.float32).reshape(1, -1, 1, 1)
             std = np.asarray(self.data.std, dtype=np.float32).reshape(1, -1, 1, 1)
             x = (x / 255.0 - mean) / std
-        self.public_x = torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-        self.public_y = np.asarray(msg.y, dtype=np.int64)
+        # A public message may carry only the shared backbone (a federation whose plan uses no public images).
+        self.public_x = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if len(msg.y) else None
+        self.public_y = np.asarray(msg.y, dtype=np.int64) if len(msg.y) else None
+        self.backbone = msg.backbone
 
     # -- rules ----------------------------------------------------------------------------------
     def context(self) -> DeviceContext:
@@ -443,6 +447,7 @@ class EdgeAgent:
             y=self.data.y_train,
             public_x=self.public_x,
             public_y=self.public_y,
+            backbone=self.backbone,
             masks=self.masks,
             global_adapter=self.global_adapter,
             adapter_round=self.adapter_round,
@@ -617,8 +622,12 @@ class EdgeAgent:
         assert plan is not None and model is not None
         ctx = self.context()
         sends = plan.sends(Phase.TRAIN)
-        theta = first_answer(self.rules, lambda r: r.vector(ctx)) if Upload.ADAPTER in sends else None
-        sparsifier = first_answer(self.rules, lambda r: r.sparsifier(theta)) if theta is not None else None
+        theta: np.ndarray | SparseVector | None = None
+        for rule in self.rules if Upload.ADAPTER in sends else ():  # the first rule's vector
+            theta = rule.vector(ctx)
+            if theta is not None:
+                break
+        sparsifier = first_answer(self.rules, lambda r: r.sparsifier(theta)) if isinstance(theta, np.ndarray) else None
         local = None
         if Upload.PROTOS in sends:
             if seen is None:
@@ -644,7 +653,7 @@ class EdgeAgent:
             theta=theta,
             sparsifier=sparsifier,
             global_adapter=self.global_adapter,
-            base_round=round_ if plan.federate == "full" else self.adapter_round,
+            base_round=self.adapter_round if plan.federate == "adapter" else round_,
             local=local,
             n=len(self.data.y_train),
             round_=round_,
@@ -652,6 +661,7 @@ class EdgeAgent:
             sender=self.client_id,
             budget=budget,
             public=public,
+            vector_dt=first_answer(self.rules, lambda r: r.vector_dtype()) if theta is not None else None,
         )
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())

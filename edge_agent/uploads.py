@@ -15,13 +15,14 @@ import numpy as np
 from edge_agent.techniques import Sparsifier
 from protofl.budget import UploadChoice, choose_upload, leaner
 from protofl.plan import Phase, RoundPlan
+from protofl.sparse import SparseVector
 from protofl.wire import Message, ParamsUpload, ProtoSet, ProtoUpload, message_size
 
 
 def train_uploads(
     plan: RoundPlan,
     *,
-    theta: np.ndarray | None,
+    theta: np.ndarray | SparseVector | None,
     sparsifier: Sparsifier | None,
     global_adapter: np.ndarray | None,
     base_round: int,
@@ -32,20 +33,23 @@ def train_uploads(
     sender: str,
     budget: int | None,
     public: ProtoSet | None = None,
+    vector_dt: str | None = None,
 ) -> tuple[list[Message], UploadChoice | None]:
     """(the uploads, the choice made; None without a budget: the config's encoding).
 
-    `public`: public-set prototypes that travel with the training upload."""
+    `public`: public-set prototypes that travel with the training upload; `vector_dt`: the dtype the vector
+    travels in whatever the budget (a rule's `vector_dtype`)."""
     k0 = sparsifier.k if sparsifier is not None and theta is not None else None
 
     def build(dt: str, k: int | None) -> list[Message]:
         # `dt` caps the precision: an array the config already sends leaner stays as it is.
         out: list[Message] = []
         if theta is not None:
-            update = sparsifier.select(theta, global_adapter, k) if sparsifier is not None and k is not None else theta
-            out.append(
-                ParamsUpload(update=update, n_samples=n, base_round=base_round, dt=leaner(dt, plan.adapter_dtype))
-            )
+            update: np.ndarray | SparseVector = theta
+            if sparsifier is not None and k is not None and isinstance(theta, np.ndarray):
+                update = sparsifier.select(theta, global_adapter, k)
+            vdt = vector_dt or leaner(dt, plan.adapter_dtype)
+            out.append(ParamsUpload(update=update, n_samples=n, base_round=base_round, dt=vdt))
         if local is not None:
             pub = None if public is None else dataclasses.replace(public, dt=leaner(dt, plan.proto_dtype))
             out.append(

@@ -52,6 +52,8 @@ __all__ = [
     "write_json",
     "write_model",
     "write_prototypes",
+    "write_predictor",
+    "read_predictor",
     "write_vector",
 ]
 
@@ -66,6 +68,7 @@ MODEL, PROTOTYPES, LOCAL, FEDERATED, DEVICE = (
     "federated.npz",
     "device.json",
 )
+PREDICTOR = "predictor.npz"  # a global head on the shared backbone (protofl/algorithms/ridge.py), and the backbone
 
 
 def device_dir(root: str | os.PathLike[str], client_id: str) -> Path:
@@ -83,6 +86,10 @@ def predictor_kind(cfg: FederationConfig) -> tuple[str | None, str]:
     """
     if cfg.federate == "full":
         return "model", "every parameter is federated: the aggregated model"
+    if cfg.draft.shared_backbone:
+        return "head", (
+            "a global head solved from the devices' statistics (ridge), on the shared backbone every device was sent"
+        )
     if cfg.federate == "adapter":
         if len(set(cfg.archs)) > 1:
             return None, (
@@ -273,6 +280,34 @@ def write_vector(path: str | os.PathLike[str], vector: np.ndarray, kind: str) ->
     return _atomic_npz(Path(path), {"vector": np.asarray(vector, np.float32), "kind": np.array(kind)})
 
 
+def write_predictor(
+    path: str | os.PathLike[str], weight: np.ndarray, bias: np.ndarray, backbone: np.ndarray | None, info: dict
+) -> Path:
+    """A global head (W (C, d), b (C,)) and the shared backbone it sits on (the whole parameter vector of the
+    federation's first architecture; absent: the seeded initial model), with what it was made from (`info`)."""
+    arrays = {
+        "head_weight": np.asarray(weight, np.float32),
+        "head_bias": np.asarray(bias, np.float32),
+        "info": np.array(json.dumps(info, sort_keys=True)),
+    }
+    if backbone is not None:
+        arrays["backbone"] = np.asarray(backbone, np.float32)
+    return _atomic_npz(Path(path), arrays)
+
+
+def read_predictor(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
+    """(W, b, the backbone vector or None, info) of `write_predictor`."""
+    arrays = _load_npz(Path(path), "global predictor")
+    if "head_weight" not in arrays or "head_bias" not in arrays:
+        raise DataError(f"{path}: needs arrays 'head_weight' and 'head_bias'; found {sorted(arrays)}")
+    w, b = arrays["head_weight"].astype(np.float32), arrays["head_bias"].astype(np.float32)
+    if w.ndim != 2 or b.shape != (w.shape[0],) or not (np.isfinite(w).all() and np.isfinite(b).all()):
+        raise DataError(f"{path}: head_weight (C, d) and head_bias (C,) must be finite, got {w.shape}, {b.shape}")
+    backbone = arrays["backbone"].astype(np.float32) if "backbone" in arrays else None
+    info = json.loads(str(arrays["info"])) if "info" in arrays else {}
+    return w, b, backbone, info
+
+
 def read_vector(path: str | os.PathLike[str]) -> tuple[np.ndarray, str]:
     arrays = _load_npz(Path(path), "federated parameters")
     if "vector" not in arrays or "kind" not in arrays:
@@ -302,6 +337,10 @@ class Artifact:
     @property
     def federated(self) -> Path:
         return self.path / FEDERATED
+
+    @property
+    def predictor(self) -> Path:
+        return self.path / PREDICTOR
 
     @property
     def class_names(self) -> list[str] | None:

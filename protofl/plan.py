@@ -38,6 +38,7 @@ class RoundPlan:
     proto_dtype: str
     adapter_dtype: str
     techniques: tuple[str, ...]  # the active techniques, in rule order
+    shared_backbone: bool = False  # the public message ships a shared backbone (edge_agent/backbone.py)
 
     @classmethod
     def from_config(cls, cfg: FederationConfig) -> RoundPlan:
@@ -58,6 +59,7 @@ class RoundPlan:
             proto_dtype=d.proto_dtype,
             adapter_dtype=d.adapter_dtype,
             techniques=cfg.techniques,
+            shared_backbone=d.shared_backbone,
         )
 
     @property

@@ -52,6 +52,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         scaling=False,
         refine=False,
         mu="auto",
+        # The deployable global predictor (issue 41): a ridge head on the shared backbone, solved from statistics
+        # each device sends once (protofl/algorithms/ridge.py; bench/results/PREDICTOR.md chose it).
+        ridge=True,
     ),
 }
 

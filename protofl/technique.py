@@ -125,6 +125,7 @@ class PlanDraft:
     masked: bool = False  # prototypes travel as the values on their class's support mask
     public_classes: tuple[int, ...] = ()
     public_phase: Phase | None = None  # the phase whose prototype upload carries public-set prototypes
+    shared_backbone: bool = False  # the public message ships the federation's shared backbone to every device
 
 
 class Technique:
@@ -277,10 +278,10 @@ class ClippedVector:
 
 class ClippedUpload:
     """An upload as the folds see it (the phase builds it after the plan's checks): its `kind`, `n_samples`,
-    `base_round`, and its parts, every value clipped: `local` and `public` (ClippedSet, or None where the
+    `base_round`, its `sender`, and its parts, every value clipped: `local` and `public` (ClippedSet, or None where the
     upload has no such set) of a prototype upload, `update` (ClippedVector) of a parameter upload."""
 
-    __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round")
+    __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round", "sender")
 
     def __init__(
         self,
@@ -290,6 +291,7 @@ class ClippedUpload:
         public: ClippedSet | None = None,
         update: ClippedVector | None = None,
         base_round: int = 0,
+        sender: str = "",
     ) -> None:
         self.kind, self.n_samples, self.local, self.public, self.update, self.base_round = (
             kind,
@@ -299,6 +301,7 @@ class ClippedUpload:
             update,
             base_round,
         )
+        self.sender = sender  # the client that sent it ("" where a caller does not say: tests, tools)
 
 
 class Fold:
@@ -525,6 +528,15 @@ class ServerRule:
         keep the default)."""
         return None
 
+    def predictor_head(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """A global predictor's head on the federation's shared backbone (W (C, d), b (C,)), where this rule
+        builds one (protofl/algorithms/ridge.py); None before it can."""
+        return None
+
+    def predictor_info(self) -> dict[str, Any]:
+        """What `predictor_head` was made from, for the run's records (e.g. how many devices); {} by default."""
+        return {}
+
     # -- adjustments (every rule's, in rule order) -------------------------------------------------------------
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Rework a phase's freshly built target table (e.g. refinement); default unchanged."""
@@ -543,8 +555,8 @@ class RuleChain:
     """A federation's active server rules in rule order, under their techniques' names, asked as one
     (`ServerState.rules`): each hook of `ServerRule` with its rule-order semantics. An offer (`round_fields`
     field by field, `stale`, `support_masks`, `unit_prototypes`, `adapter_layout`, `mean_aggregator`,
-    `vector_aggregator`) is the first rule's that makes one, None where none does; an adjustment
-    (`adjust_targets`, `adjust_consensus`) passes the value through every rule in order."""
+    `vector_aggregator`, `predictor_head`, `predictor_info`) is the first rule's that makes one, None where none
+    does; an adjustment (`adjust_targets`, `adjust_consensus`) passes the value through every rule in order."""
 
     def __init__(self, rules: Sequence[ServerRule] = (), names: Sequence[str] = ()) -> None:
         self.rules: tuple[ServerRule, ...] = tuple(rules)
@@ -644,6 +656,12 @@ class RuleChain:
 
     def vector_aggregator(self, reference: np.ndarray) -> VectorMean | None:
         return self._first(lambda rule: rule.vector_aggregator(reference))
+
+    def predictor_head(self) -> tuple[np.ndarray, np.ndarray] | None:
+        return self._first(lambda rule: rule.predictor_head())
+
+    def predictor_info(self) -> dict[str, Any]:
+        return self._first(lambda rule: rule.predictor_info() or None) or {}
 
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         for rule in self.rules:

@@ -1,10 +1,12 @@
 """The global predictor's accuracy in a simulation: one model a new device could be given, on the test set.
 
-Where the config defines one (protofl.artifacts.predictor_kind): FedAvg's aggregated model, or the
-federated adapter and head on the frozen backbone every device holds alike (RefProtoFL's theta^{a,T} on a
-shared backbone). The simulator scores it, not a device: it is a function of the server's agreed state
-after each round, which no device holds until the next round message, and one evaluation per round costs
-less than one per device. torch (the simulation runs the devices anyway); never on the service path.
+Where the config defines one (protofl.artifacts.predictor_kind): FedAvg's aggregated model, the federated
+adapter and head on the frozen backbone every device holds alike (RefProtoFL's theta^{a,T} on a shared
+backbone), or a global head on the shared backbone the public message ships (the ridge predictor,
+protofl/algorithms/ridge.py: `ServerRule.predictor_head`). The simulator scores it, not a device: it is a
+function of the server's agreed state after each round, which no device holds until the next round message,
+and one evaluation per round costs less than one per device. torch (the simulation runs the devices anyway);
+never on the service path.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ __all__ = ["GlobalPredictor"]
 class GlobalPredictor:
     """Scores the server model's global predictor; `kind` None (with `reason`) where the config has none."""
 
-    def __init__(self, cfg: FederationConfig, test: Dataset, device: str = "cpu", batch_size: int = 512) -> None:
+    def __init__(
+        self,
+        cfg: FederationConfig,
+        test: Dataset,
+        device: str = "cpu",
+        batch_size: int = 512,
+        backbone: np.ndarray | None = None,
+    ) -> None:
         import torch
 
         from edge_agent import params as model_params
@@ -38,16 +47,20 @@ class GlobalPredictor:
         self.y = test.y
         if self.kind is None:
             return  # nothing to build or score
-        # The model every device of the first architecture starts from (edge_agent.agent, on_config).
-        self.model = build_model(
-            cfg.archs[0],
-            cfg.in_shape,
-            cfg.num_classes,
-            cfg.proto_dim,
-            cfg.adapter_rank,
-            seed=cfg.seed,
-            **model_options(cfg),
-        )
+        if self.kind == "head":  # the shared backbone the devices embedded their data with, and its plain head
+            from edge_agent.backbone import backbone_model
+
+            self.model = backbone_model(cfg, backbone)
+        else:  # the model every device of the first architecture starts from (edge_agent.agent, on_config)
+            self.model = build_model(
+                cfg.archs[0],
+                cfg.in_shape,
+                cfg.num_classes,
+                cfg.proto_dim,
+                cfg.adapter_rank,
+                seed=cfg.seed,
+                **model_options(cfg),
+            )
         if self.kind == "model":
             self.initial_params = model_params.full_vector(self.model)
         if self.kind == "adapter" and not isinstance(self.model.stem, torch.nn.Identity):
@@ -74,6 +87,14 @@ class GlobalPredictor:
                     if len(x)
                     else x
                 )
+        self._z: Any = None
+        if self.kind == "head":  # the whole feature extractor is fixed: the test set's z once
+            with torch.inference_mode():
+                self._z = (
+                    torch.cat([self.model.features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+                    if len(x)
+                    else x
+                )
 
     def accuracy(self, server: ServerModel) -> float | None:
         """The global predictor's test accuracy for the server's current state (None: none, or none yet)."""
@@ -81,6 +102,8 @@ class GlobalPredictor:
 
         from edge_agent import params as model_params
 
+        if self.kind == "head":
+            return self._head_accuracy(server)
         final = server.rules.round_fields(Phase.DONE)  # the federated vector, as the final round message has it
         vector = final.params if self.kind == "model" else final.adapter if self.kind == "adapter" else None
         if vector is None:
@@ -99,5 +122,21 @@ class GlobalPredictor:
                     else self.model.features(self.x[i : i + self.batch_size])
                 )
                 pred = self.model.head(z).argmax(1).cpu().numpy()
+                correct += int((pred == self.y[i : i + self.batch_size]).sum())
+        return correct / n if n else 0.0
+
+    def _head_accuracy(self, server: ServerModel) -> float | None:
+        import torch
+
+        head = server.rules.predictor_head()
+        if head is None:
+            return None
+        with torch.no_grad():
+            self.model.head.weight.copy_(torch.from_numpy(head[0]))
+            self.model.head.bias.copy_(torch.from_numpy(head[1]))
+        correct, n = 0, len(self.y)
+        with torch.inference_mode():
+            for i in range(0, n, self.batch_size):
+                pred = self.model.head(self._z[i : i + self.batch_size]).argmax(1).cpu().numpy()
                 correct += int((pred == self.y[i : i + self.batch_size]).sum())
         return correct / n if n else 0.0

@@ -51,7 +51,8 @@ def run_simulation(
     torch.set_num_threads(max(1, torch.get_num_threads()))
     fed_data = prepare(spec)
     cfg = fed_data.cfg
-    predictor = GlobalPredictor(cfg, fed_data.test, spec.device)
+    public = fed_data.public_set()  # (trains the shared backbone, where the plan ships one)
+    predictor = GlobalPredictor(cfg, fed_data.test, spec.device, backbone=None if public is None else public.backbone)
     report = Report(
         spec,
         cfg,

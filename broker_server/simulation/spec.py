@@ -99,9 +99,16 @@ class Federation:
     test: Dataset
     split: FederatedSplit
     cfg: FederationConfig
+    _public: tuple[PublicSet | None] | None = field(default=None, init=False, repr=False, compare=False)
 
     def public_set(self) -> PublicSet | None:
-        return public_set(self.train, self.cfg)
+        """The public message: the public set where the plan uses it, the shared backbone where one travels
+        (trained here, once per simulation: torch runs the devices anyway)."""
+        if self._public is None:
+            from edge_agent.backbone import with_backbone
+
+            self._public = (with_backbone(self.cfg, self.train, public_set(self.train, self.cfg)),)
+        return self._public[0]
 
     def limits(self, initial_params: np.ndarray | None) -> Limits:
         """The aggregator's decoder limits: the federation's, and room in a metrics message for the class

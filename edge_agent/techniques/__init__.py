@@ -15,7 +15,7 @@ docs/design.md the whole contract). Every hook has a do-nothing default:
 - `local_prototypes` / `select_local` / `encode_table`: the prototype upload (mean or unit prototypes,
   which classes travel, how a table is put on the wire);
 - `phase_upload` / `public_prototypes`: uploads of their own (a first phase, the public set's prototypes);
-- `vector` / `sparsifier`: the parameter vector upload and how it is made sparse;
+- `vector` / `vector_dtype` / `sparsifier`: the parameter vector upload, its fixed dtype, and how it is made sparse;
 - `state` / `load_state`: what a rule keeps between rounds (checkpointed with the device).
 """
 
@@ -36,6 +36,7 @@ from protofl.algorithms.prototypes import nearest_prototype
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import Phase, RoundPlan
+from protofl.sparse import SparseVector
 from protofl.wire import Config, ProtoSet, ProtoUpload
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class DeviceContext:
     y: np.ndarray  # their labels
     public_x: torch.Tensor | None = None  # the server's public set, where the federation has one
     public_y: np.ndarray | None = None
+    # The federation's shared backbone (the whole vector of its first architecture's model), where the public
+    # message carried one (protofl/algorithms/ridge.py).
+    backbone: np.ndarray | None = None
     masks: np.ndarray | None = None  # the support masks of the config message, where prototypes use them
     global_adapter: np.ndarray | None = None
     adapter_round: int = -1
@@ -285,7 +289,11 @@ class DeviceRule:
         """Public-set prototypes that travel with the training upload."""
         return None
 
-    def vector(self, ctx: DeviceContext) -> np.ndarray | None:
+    def vector(self, ctx: DeviceContext) -> np.ndarray | SparseVector | None:
+        return None
+
+    def vector_dtype(self) -> str | None:
+        """The wire dtype its vector must travel in whatever the budget (None: the plan's, leaner if need be)."""
         return None
 
     def sparsifier(self, theta: np.ndarray) -> Sparsifier | None:

@@ -17,7 +17,7 @@ from protofl.errors import ConfigError
 from protofl.plan import RoundPlan
 from protofl.wire import PublicSet
 
-__all__ = ["federation_split", "limit_train", "public_set"]
+__all__ = ["federation_split", "limit_train", "public_indices", "public_set"]
 
 
 def limit_train(train: Dataset, limit: int | None, seed: int) -> Dataset:
@@ -44,12 +44,17 @@ def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg:
     )
 
 
+def public_indices(train: Dataset, cfg: FederationConfig) -> np.ndarray:
+    """The samples of `train` the public set takes for `cfg` (carved for every preset, whatever its plan)."""
+    return federation_public(train.y, cfg.seed, cfg.public_per_class, cfg.public_classes)
+
+
 def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
     """The server-held public set of a federation whose plan has public classes (None otherwise, or when it
     would be empty): the samples `federation_split` keeps out of every client for `cfg.seed`."""
     if not RoundPlan.from_config(cfg).public_classes:
         return None
-    idx = federation_public(train.y, cfg.seed, cfg.public_per_class, cfg.public_classes)
+    idx = public_indices(train, cfg)
     if len(idx) == 0:
         return None
     return PublicSet(

@@ -367,12 +367,15 @@ class Config(_Body):
 
 @dataclass(frozen=True, eq=False)
 class PublicSet(_Body):
-    """The server-held public samples: x (n, c, h, w) uint8 or float32, labels y drawn from `classes`."""
+    """The server-held public samples: x (n, c, h, w) uint8 or float32, labels y drawn from `classes`; and
+    `backbone`, where the federation has a shared one (the ridge predictor's, protofl/algorithms/ridge.py): the
+    whole parameter vector of its first architecture's model, float32, as edge_agent.params flattens it."""
 
     KIND: ClassVar[str] = "public"
     x: np.ndarray
     y: np.ndarray
     classes: list[int]
+    backbone: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         x = np.asarray(self.x)
@@ -390,18 +393,26 @@ class PublicSet(_Body):
             raise WireError(f"{x.shape[0]} samples but {y.size} labels")
         if not np.isin(y, classes).all():
             raise WireError("y: a label is not in classes")
-        _set(self, x=x, y=y, classes=classes)
+        _set(self, x=x, y=y, classes=classes, backbone=_opt(self.backbone, lambda a: _floats(a, "backbone", 1)))
 
     def to_body(self) -> dict:
         dt = "u1" if self.x.dtype == np.uint8 else "f4"
-        return {"x": encode_array(self.x, dt), "y": encode_array(self.y, "u2"), "classes": self.classes}
+        return {
+            "x": encode_array(self.x, dt),
+            "y": encode_array(self.y, "u2"),
+            "classes": self.classes,
+            "backbone": _opt(self.backbone, lambda a: encode_array(a, "f4")),
+        }
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        b = expect_keys(body, ("x", "y", "classes"), cls.KIND)
+        b = expect_keys(body, ("x", "y", "classes", "backbone"), cls.KIND)
         x = decode_array(b["x"], what="public x", limits=limits, dts=("u1", "f4"), ndim=4)
         y = decode_array(b["y"], what="public y", limits=limits, dts=("u2",), ndim=1)
-        return _build(cls, cls.KIND, x=x, y=y, classes=b["classes"])
+        backbone = _opt(
+            b["backbone"], lambda a: decode_array(a, what="public backbone", limits=limits, dts=("f4",), ndim=1)
+        )
+        return _build(cls, cls.KIND, x=x, y=y, classes=b["classes"], backbone=backbone)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,50 @@
+"""The ridge predictor's device half: this device's ridge statistics of the shared backbone's features, once.
+
+The server half (the layout, the sums, the closed-form solve) is protofl/algorithms/ridge.py. In the first round
+this device trains, it embeds its training data with the federation's shared backbone (shipped with the public
+set; without one, the seeded initial model every device builds alike) and uploads [triu(G), B] as the training
+phase's parameter vector, always float32 (an upload budget never makes it leaner: lossy statistics would bend
+the fit); in later rounds it uploads that vector empty. Whether it has sent them is its checkpointed state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_agent.backbone import backbone_model
+from edge_agent.techniques import DeviceContext, DeviceRule
+from protofl.algorithms.ridge import ridge_length, ridge_statistics
+from protofl.sparse import SparseVector
+
+
+class RidgeDevice(DeviceRule):
+    name = "ridge"
+    BATCH = 256
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.sent = False
+
+    def vector(self, ctx: DeviceContext) -> np.ndarray | SparseVector | None:
+        cfg = self.cfg
+        n = ridge_length(cfg.proto_dim, cfg.num_classes)
+        if self.sent:
+            return SparseVector(n, np.zeros(0, np.int64), np.zeros(0, np.float32))
+        model = backbone_model(cfg, ctx.backbone).to(ctx.device)
+        with torch.inference_mode():
+            h = [model.features(ctx.x[i : i + self.BATCH]).cpu().numpy() for i in range(0, len(ctx.x), self.BATCH)]
+        feats = np.concatenate(h) if h else np.zeros((0, cfg.proto_dim), np.float32)
+        self.sent = True
+        return ridge_statistics(feats, ctx.y, cfg.num_classes)
+
+    def vector_dtype(self) -> str | None:
+        return "f4"
+
+    def state(self) -> dict[str, Any]:
+        return {"sent": self.sent}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.sent = bool(state.get("sent", False))
