@@ -128,6 +128,7 @@ class AggregatorService:
         sharding, pacing = sharding or Sharding(), pacing or Pacing()
         watchers, self.hooks = watchers or Watchers(), hooks or Hooks()
         cfg, fed = federation.cfg, federation.fed
+        self.validation = federation.validation
         if durability.enabled and not transport.manual_ack:
             raise ValueError(
                 "a durable aggregator acknowledges an upload only once it is journaled: its transport "
@@ -417,7 +418,11 @@ class AggregatorService:
         through = [r for r in self.aggregator.records if r.round <= rec.round]
         so_far = (sum(r.uplink_bytes for r in through), sum(r.downlink_bytes for r in through))
         log.info("%s", round_line(rec, metrics, self.rounds, so_far))
-        accs = self.watch.round_logged(rec, metrics)
+        scored = None
+        validation = self.validation
+        if validation is not None:  # the global predictor on the server's own labelled data, this round
+            scored = {"predictor_acc": validation.accuracy(self.aggregator.model.rules.predictor_head())}
+        accs = self.watch.round_logged(rec, metrics, scored)
         if self.hooks.on_round_logged is not None:
             self.hooks.on_round_logged(rec, accs, len(metrics))
 

@@ -5,7 +5,8 @@ Each group is a frozen dataclass, validated when it is built (a `ConfigError` na
 with its defaults here and nowhere else (the CLIs' options take theirs from these):
 
     Federation   what runs: the config, its name, the public set, the initial model, decoder limits, clipping,
-                 the devices expected before round 1 and how long a device that dropped keeps its place
+                 the devices expected before round 1, how long a device that dropped keeps its place, and the
+                 server's own labelled data that scores the global predictor (`Validation`)
     Admission    who may take part (security): the members, the cap on clients
     Durability   --state-dir: the journal and checkpoint, fsync and group commit
     Sharding     --shards/--sites: who folds the uploads, and how long a close waits for a shard
@@ -68,11 +69,31 @@ class Federation:
     limits: Limits | None = None
     policy: ClipPolicy | None = None
     offline_grace: float = OFFLINE_GRACE_S
+    validation: Validation | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expected_clients", _names(self.expected_clients))
         if not self.offline_grace >= 0:
             raise ConfigError(f"--offline-grace must be >= 0 seconds, got {self.offline_grace}")
+
+
+@dataclass(frozen=True, eq=False)
+class Validation:
+    """The server's own labelled data for scoring the global predictor every round (`start --validation`): the
+    shared backbone's features of it (computed once by the torch side: the backbone never changes), labels, and
+    what it is in words."""
+
+    features: np.ndarray  # (n, d) float32
+    labels: np.ndarray  # (n,) int
+    what: str
+
+    def accuracy(self, head: tuple[np.ndarray, np.ndarray] | None) -> float | None:
+        """The head's accuracy on these features (None: no head yet, or no data)."""
+        if head is None or len(self.labels) == 0:
+            return None
+        w, b = head
+        pred = np.argmax(self.features @ w.T + b, axis=1)
+        return float(np.mean(pred == self.labels))
 
 
 @dataclass(frozen=True)

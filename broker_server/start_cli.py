@@ -30,6 +30,7 @@ from broker_server.settings import (
     MqttVersion,
     Pacing,
     Sharding,
+    Validation,
     Watchers,
 )
 from protofl import cli_options
@@ -63,7 +64,19 @@ def start_command(
     public_data: str | None = typer.Option(
         None, "--public-data", help="Dataset the public set is drawn from (presets with public-set anchors)."
     ),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Where --public-data's files are (fashion-mnist)."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Where --public-data's (and --validation's) files are (fashion-mnist)."
+    ),
+    validation: str | None = typer.Option(
+        None,
+        "--validation",
+        help="Labelled data the server scores the global predictor on every round (its test split: fashion-mnist, "
+        "npz:PATH, imagefolder:DIR, ...): in status, the live page, /metrics and rounds.jsonl. Needs torch here "
+        "(the shared backbone embeds it once).",
+    ),
+    validation_limit: int | None = typer.Option(
+        2000, "--validation-limit", help="Score the first N images of --validation (default 2000; 0: all)."
+    ),
     state_dir: Path | None = typer.Option(
         None,
         "--state-dir",
@@ -225,8 +238,18 @@ def start_command(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("protofl.server").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
-        cfg, public = _federation(
-            preset, config, parse_sets(set_), rounds, min_clients, round_timeout, seed, public_data, data_dir
+        cfg, public, scored = _federation(
+            preset,
+            config,
+            parse_sets(set_),
+            rounds,
+            min_clients,
+            round_timeout,
+            seed,
+            public_data,
+            data_dir,
+            validation,
+            validation_limit,
         )
         try:
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
@@ -234,7 +257,7 @@ def start_command(
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
         # Every option once, into its group (settings.py): validated there, with the reason and the option.
         durability = Durability(state_dir)
-        federation = Federation(cfg, fed, public=public, policy=policy, offline_grace=offline_grace)
+        federation = Federation(cfg, fed, public=public, policy=policy, offline_grace=offline_grace, validation=scored)
         admission = Admission(max_clients=max_clients)  # the members: credentials' devices or --allow, in _serve
         site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
         sharding = Sharding(shards, site_names, shard_timeout, spawn_shards, shard_credentials)
@@ -287,9 +310,13 @@ def _federation(
     seed: int | None,
     public_data: str | None,
     data_dir: str | None,
-) -> tuple[Any, Any]:
+    validation: str | None = None,
+    validation_limit: int | None = None,
+) -> tuple[Any, Any, Validation | None]:
     """The validated config and, where its plan has public classes, the public set carved exactly as the
     simulator carves it."""
+    import numpy as np
+
     from protofl.data import load_dataset
     from protofl.data.federation import public_set
     from protofl.presets import make_config
@@ -310,14 +337,91 @@ def _federation(
         train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
     cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
-    if not RoundPlan.from_config(cfg).public_classes:
-        return cfg, None
+    plan = RoundPlan.from_config(cfg)
+    if validation is not None and not plan.shared_backbone:
+        raise ConfigError(
+            f"--validation scores the global predictor's head on the shared backbone; preset '{cfg.preset}' has none "
+            f"(it runs with the ridge predictor: --set ridge=true, where nothing else is federated)"
+        )
+    if plan.shared_backbone:
+        public = public_set(train, cfg) if train is not None and plan.public_classes else None
+        val = None
+        if validation is not None:
+            _, val = load_dataset(validation, data_dir=data_dir, num_classes=cfg.num_classes, in_shape=cfg.in_shape)
+            if validation_limit and validation_limit < len(val.y):
+                val = val.subset(np.arange(validation_limit))
+        return (cfg, *_with_backbone(cfg, train, public, val))
+    if not plan.public_classes:
+        return cfg, None, None
     if train is None:
         raise ConfigError(
             f"preset '{cfg.preset}' uses public-set anchors and needs a public set: pass --public-data "
             f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
         )
-    return cfg, public_set(train, cfg)
+    return cfg, public_set(train, cfg), None
+
+
+def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) -> tuple[Any, Validation | None]:
+    """The public message with the federation's shared backbone (the ridge predictor's), trained on the public set
+    by the torch side in a child process (the server stays torch-free; edge_agent/backbone.py), and the server's
+    validation data (`--validation`: a Dataset, or None) embedded with it. Without --public-data none travels and
+    the devices use the seeded initial model (random features), which is said."""
+    import subprocess
+
+    import numpy as np
+
+    from protofl.data.federation import public_indices
+    from protofl.wire import PublicSet
+
+    idx = public_indices(train, cfg) if train is not None and cfg.backbone_epochs else np.zeros(0, np.int64)
+    if len(idx) == 0 and cfg.public_per_class and cfg.backbone_epochs:
+        log.warning(
+            "the global predictor's shared backbone is the seeded initial model (random features): pass "
+            "--public-data DATA (e.g. fashion-mnist) to train it on the public set, or --set ridge=false"
+        )
+    if len(idx) == 0 and validation is None:
+        return public, None
+    with tempfile.TemporaryDirectory(prefix="protofl-backbone-") as tmp:
+        t = Path(tmp)
+        (t / "config.json").write_text(json.dumps(cfg.to_dict()))
+        argv = [sys.executable, "-m", "edge_agent.backbone", str(t / "config.json")]
+        if len(idx):
+            np.savez(
+                t / "public.npz", x=train.x[idx], y=train.y[idx], mean=np.array(train.mean), std=np.array(train.std)
+            )
+            argv += ["--public", str(t / "public.npz"), "--out", str(t / "backbone.npy")]
+            log.info(
+                "training the shared backbone on the public set (%d images, %d epochs)", len(idx), cfg.backbone_epochs
+            )
+        if validation is not None:
+            x = validation.x
+            np.savez(t / "val.npz", x=x, mean=np.array(validation.mean), std=np.array(validation.std))
+            argv += ["--embed", str(t / "val.npz"), "--embed-out", str(t / "val.npy")]
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            if "No module named" in done.stderr:
+                raise ConfigError(
+                    f"training the global predictor's shared backbone (--public-data) and scoring it (--validation) "
+                    f"need torch on the server ({last}): pip install 'protofl-edge[device]' here, or leave both out "
+                    f"(the devices then use the seeded initial model as the backbone)"
+                )
+            raise ConfigError(f"the shared backbone's child process failed: {done.stderr.strip()[-2000:]}")
+        vec = np.load(t / "backbone.npy", allow_pickle=False) if len(idx) else None
+        scored = (
+            None
+            if validation is None
+            else Validation(
+                np.load(t / "val.npy", allow_pickle=False),
+                np.asarray(validation.y, np.int64),
+                f"{len(validation.y):,} images of {validation.name}",
+            )
+        )
+    if vec is None:
+        return public, scored
+    if public is None:
+        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec), scored
+    return replace(public, backbone=vec), scored
 
 
 def _backbone_of(agg: Any) -> Any:

@@ -35,7 +35,7 @@ from protofl.data.federation import public_indices
 from protofl.plan import RoundPlan
 from protofl.wire import PublicSet
 
-__all__ = ["backbone_model", "cache_key", "train_backbone", "trained_backbone", "with_backbone"]
+__all__ = ["backbone_model", "cache_key", "embed", "train_backbone", "trained_backbone", "with_backbone"]
 
 log = logging.getLogger("protofl.backbone")
 
@@ -175,24 +175,50 @@ def with_backbone(cfg: FederationConfig, train: Dataset, public: PublicSet | Non
     return dataclasses.replace(public, backbone=vec)
 
 
+def embed(model: ProtoNet, x: np.ndarray, batch: int = 256) -> np.ndarray:
+    """The features z of normalised inputs (float32, (n, m))."""
+    out = []
+    with torch.inference_mode():
+        for i in range(0, len(x), batch):
+            out.append(model.features(torch.from_numpy(np.ascontiguousarray(x[i : i + batch]))).numpy())
+    return np.concatenate(out) if out else np.zeros((0, model.proto_dim), np.float32)
+
+
+def _save(path: str, array: np.ndarray) -> None:
+    tmp = Path(path + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m edge_agent.backbone CONFIG.json PUBLIC.npz OUT.npy`: what `start --public-data` runs in a child
-    process (the config as `FederationConfig.to_dict` JSON; the public set's x, y, mean, std)."""
+    """What `protofl-server start` runs in a child process, so that the server stays torch-free: train the shared
+    backbone on the public set (--public NPZ with x, y, mean, std; --out NPY), and/or embed the server's labelled
+    validation data with it (--embed NPZ with x, mean, std; --embed-out NPY; --backbone NPY: the backbone to embed
+    with, else the trained one, else the seeded initial model). CONFIG: the config as `to_dict` JSON."""
     import json
 
     p = argparse.ArgumentParser(prog="python -m edge_agent.backbone", description=main.__doc__)
     p.add_argument("config")
-    p.add_argument("public")
-    p.add_argument("out")
+    p.add_argument("--public")
+    p.add_argument("--out")
+    p.add_argument("--backbone")
+    p.add_argument("--embed")
+    p.add_argument("--embed-out")
     a = p.parse_args(argv)
     cfg = FederationConfig.from_dict(json.loads(Path(a.config).read_text()))
-    with np.load(a.public, allow_pickle=False) as z:
-        x, y, mean, std = z["x"], z["y"], z["mean"].tolist(), z["std"].tolist()
-    vec = trained_backbone(cfg, x, y, mean, std)
-    tmp = Path(a.out + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, vec, allow_pickle=False)
-    os.replace(tmp, a.out)
+    vec = None
+    if a.public:
+        with np.load(a.public, allow_pickle=False) as z:
+            x, y, mean, std = z["x"], z["y"], z["mean"].tolist(), z["std"].tolist()
+        vec = trained_backbone(cfg, x, y, mean, std)
+        _save(a.out, vec)
+    elif a.backbone:
+        vec = np.load(a.backbone, allow_pickle=False)
+    if a.embed:
+        with np.load(a.embed, allow_pickle=False) as z:
+            x, mean, std = z["x"], z["mean"].tolist(), z["std"].tolist()
+        _save(a.embed_out, embed(backbone_model(cfg, vec), normalize(x, mean, std)))
     return 0
 
 

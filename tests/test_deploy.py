@@ -224,6 +224,44 @@ def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, on
     assert "the global adapter, global prototypes" in export_and_label(run, tmp_path / "features")
 
 
+@pytest.mark.slow
+def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulation_scored_it(
+    tmp_path: Path, one_torch_thread: None
+) -> None:
+    """The protofl preset's global predictor (issue 41): a ridge head on the shared backbone, scored by the
+    simulation every round; its ONNX export labels the simulation's test set exactly as the simulation scored it
+    (the same labels, bit for bit, as the torch model; the same count correct as the report's accuracy)."""
+    from export.artifact import load_artifact
+
+    run, report = tmp_path / "run", tmp_path / "run.json"
+    argv = ["simulate", "--dataset", DATA, "--clients", "3", "--rounds", "2", "--test-every", "1"]
+    r = runner.invoke(server_app, [*argv, "--out", str(run), "--json", str(report)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    out = json.loads(report.read_text())
+    assert out["config"]["preset"] == "protofl" and out["predictor"]["kind"] == "head", out["predictor"]
+    accs = [row["predictor_acc"] for row in out["rounds"]]
+    assert all(isinstance(a, float) for a in accs), accs
+    manifest = art.read_json(run / art.MANIFEST)
+    made = manifest["predictor"]["made_from"]
+    assert made == {"kind": "ridge", "devices": 3, "samples": made["samples"], "backbone": "shipped"}, made
+    model = tmp_path / "global.onnx"
+    r = runner.invoke(
+        export_app, ["onnx", "--from", str(run / "global"), "--out", str(model), "--exporter", "torchscript"]
+    )
+    assert r.exit_code == 0 and "cnn logits" in r.output and "ridge head from 3 device(s)" in r.output, r.output
+    _, test = load_dataset(DATA)  # the simulation's test set, whole (no --test-limit)
+    npz = tmp_path / "test.npz"
+    np.savez(npz, x=test.x)
+    labels = tmp_path / "labels.csv"
+    done = edge_without_torch("predict", "--model", model, "--input", f"npz:{npz}", "--out", labels, "--show", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = read_labels(labels)
+    onnx_labels = np.array([got[str(i)] for i in range(len(test.y))])
+    want = torch_labels(load_artifact(run / "global"), "logits", test.x)
+    assert np.array_equal(onnx_labels, want), f"{int((onnx_labels != want).sum())} labels differ from torch's"
+    assert int((onnx_labels == test.y).sum()) == round(accs[-1] * len(test.y)), (accs[-1], len(test.y))
+
+
 @pytest.fixture(scope="module")
 def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`start` + two `join --state-dir` processes over the embedded broker: their state dirs."""

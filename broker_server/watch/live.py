@@ -76,9 +76,11 @@ class LiveWatch:
             self.metrics.round_duration.observe(max(0.0, rec.ended - rec.started))
         self._dirty = True
 
-    def round_logged(self, rec: RoundRecord, metrics: Mapping[str, Metrics]) -> dict[str, float | None]:
+    def round_logged(
+        self, rec: RoundRecord, metrics: Mapping[str, Metrics], scored: Mapping[str, float | None] | None = None
+    ) -> dict[str, float | None]:
         self._dirty = True
-        return self.observer.on_round_logged(rec, metrics)
+        return self.observer.on_round_logged(rec, metrics, scored)
 
     def changed(self) -> None:
         """Something watchers see changed outside a handled message (e.g. re-send requests went out)."""

@@ -70,9 +70,12 @@ class FederationObserver:
         self._uploads[sender] = self._uploads.get(sender, 0) + 1
         self._last[sender] = upload
 
-    def on_round_logged(self, rec: RoundRecord, metrics: Mapping[str, Metrics]) -> dict[str, float | None]:
-        """A closed round's metrics are in (or their grace passed): its accuracies, kept for the history."""
-        accs = accuracies(metrics.values())
+    def on_round_logged(
+        self, rec: RoundRecord, metrics: Mapping[str, Metrics], scored: Mapping[str, float | None] | None = None
+    ) -> dict[str, float | None]:
+        """A closed round's metrics are in (or their grace passed): its accuracies, kept for the history; `scored`:
+        what the server scored itself (the global predictor on its validation data)."""
+        accs = {**accuracies(metrics.values()), **(scored or {})}
         self._accuracies[rec.round] = accs
         for old in [r for r in self._accuracies if r <= rec.round - HISTORY]:
             del self._accuracies[old]

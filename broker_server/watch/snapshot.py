@@ -18,7 +18,7 @@ from protofl.errors import ProtoFLError
 
 SUMMARY_VERSION = 1
 SUMMARY_KIND = "protofl.summary"
-ACCURACY_KEYS = ("local_acc", "global_acc", "local_proto_acc", "global_proto_acc")
+ACCURACY_KEYS = ("local_acc", "global_acc", "local_proto_acc", "global_proto_acc", "predictor_acc")
 # Member states: connected; offline but keeping its place for its grace; offline past it; never seen.
 ONLINE, OFFLINE, LEFT, NOT_JOINED = "online", "offline", "left", "not joined"
 MEMBER_STATES = (ONLINE, OFFLINE, LEFT, NOT_JOINED)
@@ -67,6 +67,8 @@ class RoundRow:
     global_acc: float | None = None
     local_proto_acc: float | None = None
     global_proto_acc: float | None = None
+    # the global predictor, scored by the server on its own labelled data (`start --validation`)
+    predictor_acc: float | None = None
 
     @property
     def duration_s(self) -> float:
