@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole
 from broker_server.shard_cli import shard_cli
@@ -19,7 +19,7 @@ from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
 from protofl.algorithms.robust import clip_text
 from protofl.errors import ConfigError, ProtoFLError
-from protofl.humanize import human_bytes, human_duration
+from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 from protofl.plan import RoundPlan
 from protofl.presets import all_presets, make_config, preset_names
 from protofl.schedule import describe_test_cadence
@@ -30,6 +30,10 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console(stderr=True)
+
+
+# The summary table's accuracy columns, in order (the report's keys; older reports lack predictor_acc).
+TABLE_ACCURACIES = ("local_acc", "local_proto_acc", "global_acc", "global_proto_acc", "ensemble_acc", "predictor_acc")
 
 
 def _fmt(v: Any) -> str:
@@ -45,15 +49,10 @@ def _summary(report: dict[str, Any]) -> Table:
             f"\nglobal, ensemble, predictor %: the test set ({sim['test_samples']:,} images) scored in "
             f"{describe_test_cadence(sim['test_every'], report['config'].get('rounds'))} (--test-every N)"
         )
-    t = Table(title=title, show_lines=False)
+    t = Table(title=title, show_lines=False, caption_justify="left")
     for col in (
         "round",
-        "local %",
-        "local proto %",
-        "global %",
-        "global proto %",
-        "ensemble %",
-        "predictor %",
+        *(accuracy_label(k) + " %" for k in TABLE_ACCURACIES),
         "uplink",
         "downlink",
         "clients",
@@ -63,12 +62,7 @@ def _summary(report: dict[str, Any]) -> Table:
     for r in report["rounds"]:
         t.add_row(
             str(r["round"]),
-            _fmt(r["local_acc"]),
-            _fmt(r["local_proto_acc"]),
-            _fmt(r["global_acc"]),
-            _fmt(r["global_proto_acc"]),
-            _fmt(r["ensemble_acc"]),
-            _fmt(r.get("predictor_acc")),
+            *(_fmt(r.get(k)) for k in TABLE_ACCURACIES),
             human_bytes(r["uplink_bytes"]),
             human_bytes(r["downlink_bytes"]),
             str(r["clients"]),
@@ -80,6 +74,7 @@ def _summary(report: dict[str, Any]) -> Table:
         f"wall {tot['wall_s']:.1f} s, device {report['simulation']['device']}, "
         f"clipping {report['simulation'].get('clip', 'on')}"
     )
+    t.caption += f"\n{accuracy_legend(TABLE_ACCURACIES)}"  # what each accuracy measures: local is not the federation's
     predictor = report.get("predictor") or {}
     if predictor.get("reason"):  # what "predictor %" is, or why it is empty
         t.caption += f"\npredictor: {predictor['reason']}"
@@ -95,7 +90,7 @@ def _progress_status(row: dict[str, Any]) -> str:
     sim = f"sim {human_duration(row['sim_time_s'])} " if row.get("sim_time_s") is not None else ""
     clipped = f" clipped {_clip_cell(row)}" if row.get("clip_checked") else ""
     return (
-        f"{sim}local {_fmt(row['local_acc'])}% global {_fmt(row['global_acc'])}% "
+        f"{sim}{accuracy_label('local_acc')} {_fmt(row['local_acc'])}% global {_fmt(row['global_acc'])}% "
         f"up {human_bytes(row['uplink_bytes'])}{clipped}"
     )
 
@@ -272,9 +267,10 @@ def simulate(
         )
         with Progress(
             TextColumn("[bold]{task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=12),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
+            # the round's figures fold onto a second line where the terminal is narrow, rather than being cut
+            TextColumn("{task.fields[status]}", table_column=Column(overflow="fold")),
             TimeElapsedColumn(),
             console=console,
             disable=quiet,
@@ -326,7 +322,11 @@ def report(
     target: float | None = typer.Option(
         None, help="Target accuracy for time-to-target (0-1; default: 90 % of the best final accuracy among the runs)."
     ),
-    metric: str = typer.Option("global", help="global (official test set) | local (each client's own split)."),
+    metric: str = typer.Option(
+        "global",
+        help="global (each device on the official test set, every class; a run that never scored it: local) | "
+        "local (each device on its own held-out split: its own classes only).",
+    ),
 ) -> None:
     """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""
     from broker_server.report_cli import load_runs, write_report

@@ -13,7 +13,10 @@ federation's `STATE_DIR/rounds.jsonl` (one line a round, with its accuracies onc
   machine fell behind the time scale by more than a whole round.
 Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model; where a
 run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out
-split). matplotlib comes with the `plotting` extra. No torch.
+split, so on its own classes only). The plots and the summary name which one each run shows, local as
+"local (own classes)", and the summary has a legend: a real federation's rounds.jsonl has local figures
+only, which are not the federation's accuracy on every class. matplotlib comes with the `plotting`
+extra. No torch.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from protofl.errors import ConfigError
-from protofl.humanize import human_bytes, human_duration
+from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 
 PARTS = ("downlink_s", "compute_s", "upload_s", "wait_s")
 COLOURS = {"downlink_s": "#4c72b0", "compute_s": "#55a868", "upload_s": "#c44e52", "wait_s": "#cccccc"}
@@ -107,12 +110,19 @@ def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
     return row.get("local_acc")
 
 
+def run_metric(run: dict[str, Any], metric: str = "global") -> str:
+    """Which accuracy `run_accuracies` gives for `run`: "global_acc", or "local_acc" (asked for, or a run
+    that never scored the test set, such as a real federation's rounds.jsonl)."""
+    scored = metric == "global" and any(r.get("global_acc") is not None for r in run["rounds"])
+    return "global_acc" if scored else "local_acc"
+
+
 def run_accuracies(run: dict[str, Any], metric: str = "global") -> list[float | None]:
     """Each round's accuracy. `global` falls back to `local_acc` only for a run that never scored the test
     set; one that scored it on a cadence (by default the last round only) has None in the rounds between,
     so that a curve or a time to target never mixes local figures into global ones."""
-    scored = metric == "global" and any(r.get("global_acc") is not None for r in run["rounds"])
-    return [r.get("global_acc") if scored else r.get("local_acc") for r in run["rounds"]]
+    key = run_metric(run, metric)
+    return [r.get(key) for r in run["rounds"]]
 
 
 def sim_times(run: dict[str, Any]) -> list[float] | None:
@@ -205,6 +215,9 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         frozenset({"wall"}): "time since round 1 opened (s)",
         frozenset({"simulated"}): "simulated time (s)",
     }.get(frozenset(clocks), "time (s)")
+    keys = {run_metric(r, metric) for r in runs}
+    # The axis names the accuracy where every run shows the same one, else each run's line does.
+    ylabel = f"{accuracy_label(keys.pop(), 'accuracy')} (%)" if len(keys) == 1 else "accuracy (%)"
     for name, xlabel in (
         ("accuracy_time", time_label if timed else "round"),
         ("accuracy_uplink", "cumulative uplink (bytes)"),
@@ -222,14 +235,19 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
                     xs.append(total)
             # not strict: a run's link rounds may end before its accuracy rows (see time_to_target)
             pts = [(x, 100 * a) for x, a in zip(xs, accs, strict=False) if a is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["preset"])
+            label = (
+                run["preset"]
+                if ylabel != "accuracy (%)"
+                else f"{run['preset']}: {accuracy_label(run_metric(run, metric))}"
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ends = [t[-1] for t in map(sim_times, runs) if t] if timed else []
         if name == "accuracy_uplink" or (ends and min(ends) > 0 and max(ends) / min(ends) > 30):
             ax.set_xscale("log")  # FedAvg over NB-IoT and a prototype preset differ by orders of magnitude
         if xlabel == "round":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no tick at 1.25
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{metric} accuracy (%)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -293,24 +311,29 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
 
 
 def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str = "global") -> str:
-    finals = [accuracy(r["rounds"][-1], metric) for r in runs if r["rounds"]]
+    keys = [run_metric(r, metric) for r in runs]
+    # the last round's accuracy of the kind each run shows (the last round scores the test set, if any does)
+    finals = [r["rounds"][-1].get(k) if r["rounds"] else None for r, k in zip(runs, keys, strict=True)]
     best = max((a for a in finals if a is not None), default=0.0)
     target = 0.9 * best if target is None else target
+    fallback = ", or local_acc for a run that never scored the test set" if metric == "global" else ""
     lines = [
         "# Simulation report",
         "",
-        f"Target accuracy for time-to-target: {100 * target:.1f} % (accuracy = {metric}_acc).",
+        f"Target accuracy for time-to-target: {100 * target:.1f} % (accuracy = {metric}_acc{fallback}).",
         "",
-        "| preset | rounds | final acc % | time | mean round | uplink | missed deadlines | time to target |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Accuracy: {accuracy_legend(keys)}.",
+        "",
+        "| preset | rounds | accuracy | final acc % | time | mean round | uplink | missed deadlines | time to target |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in runs:
+    for run, key, final in zip(runs, keys, finals, strict=True):
         times = sim_times(run)
         links = run.get("links") or {}
         missed = sum(1 for d in links.get("devices", []) if not d["made_it"])
-        final = accuracy(run["rounds"][-1], metric) if run["rounds"] else None
         lines.append(
-            f"| {run['preset']} | {len(run['rounds'])} | {'-' if final is None else f'{100 * final:.1f}'} | "
+            f"| {run['preset']} | {len(run['rounds'])} | {accuracy_label(key)} | "
+            f"{'-' if final is None else f'{100 * final:.1f}'} | "
             f"{human_duration(times[-1]) if times else '-'} | "
             f"{human_duration(times[-1] / len(times)) if times else '-'} | "
             f"{human_bytes(run['totals']['uplink_bytes'])} | {missed if links else '-'} | "

@@ -44,7 +44,7 @@ from protofl import topics
 from protofl.algorithms.robust import clip_text
 from protofl.config import FederationConfig
 from protofl.errors import WireError
-from protofl.humanize import human_bytes
+from protofl.humanize import accuracy_label, human_bytes
 from protofl.transport import Connection
 from protofl.transport.mqtt import MqttTransport, TransportError, Will
 from protofl.wire import Metrics, Resend, Status, encode_message
@@ -59,15 +59,10 @@ def round_line(
     the federation's bytes up and down through this round (`so_far`, when given)."""
     parts = [f"round {rec.round}/{rounds}: {len(rec.clients)} clients ({rec.closed_by})"]
     acc = accuracies(metrics.values())
-    for key, label in (
-        ("local_acc", "local acc"),
-        ("local_proto_acc", "local proto acc"),
-        ("global_acc", "global acc"),
-        ("global_proto_acc", "global proto acc"),
-    ):
+    for key in ("local_acc", "local_proto_acc", "global_acc", "global_proto_acc"):
         value = acc[key]
-        if value is not None:
-            parts.append(f"{label} {100 * value:.1f}%")
+        if value is not None:  # "local acc (own classes) 81.0%": local is on each device's own classes only
+            parts.append(f"{accuracy_label(key, 'acc')} {100 * value:.1f}%")
     parts.append(
         f"up {human_bytes(rec.uplink_bytes)}, down {human_bytes(rec.downlink_bytes)}, {rec.ended - rec.started:.1f} s"
     )

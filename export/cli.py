@@ -288,26 +288,42 @@ def quantize(
     data: str | None = typer.Option(
         None,
         help="Calibration and accuracy data: a dataset spec (default: the run's "
-        "data recorded in the model, else fashion-mnist).",
+        "data recorded in the model, else fashion-mnist; a device's model records the device's own data, so "
+        "its accuracy is on that device's classes only). The accuracy is on its test split.",
     ),
     calib: int = typer.Option(512, help="Training images used for static calibration."),
-    report: bool = typer.Option(True, "--report/--no-report", help="Measure nearest-prototype accuracy fp32 vs int8."),
-    train_n: int = typer.Option(10000, help="Training images that make the prototypes for the report."),
-    test_n: int = typer.Option(10000, help="Test images classified for the report."),
+    report: bool = typer.Option(
+        True,
+        "--report/--no-report",
+        help="Measure the model's accuracy, fp32 vs int8, on --test-n test images of --data: by nearest "
+        "prototype (class means of --train-n training images through each model), a logits graph by its argmax.",
+    ),
+    train_n: int = typer.Option(
+        10000, help="Training images of --data whose class means (through each model) are the report's prototypes."
+    ),
+    test_n: int = typer.Option(10000, help="Test images of --data (its test split) the report classifies."),
     from_: Path | None = FROM,
     device: str | None = DEVICE,
     arch: str | None = typer.Option(None, help="With --checkpoint: also report the torch model's accuracy."),
     checkpoint: Path | None = typer.Option(None, help="Checkpoint the export was made from (for the torch column)."),
     threads: int | None = typer.Option(None, help="onnxruntime threads for the report."),
 ) -> None:
-    """int8 quantisation with onnxruntime, and the accuracy it costs (nearest prototype; a logits graph: its
-    own argmax)."""
+    """int8 quantisation with onnxruntime, and the accuracy it costs.
+
+    The accuracy is the model's own, fp32 and int8, on --test-n test images of --data (default: the data its
+    run recorded; for a device's model that is the device's own data, so its own classes only): by nearest
+    prototype, the prototypes the class means of --train-n training images through each model (not the table
+    shipped with the model), or for a logits graph (a global predictor) by its own argmax. The report's first
+    line says which model, which data and how many of its classes."""
     from edge_agent.onnx_runtime import parse_floats, read_metadata
     from export.quantize import compare_accuracy, quantize_model
     from protofl.data import load_images
 
     meta = read_metadata(model_path)
     loaded = _artifact(from_, device, arch, checkpoint)
+    # where the data comes from, for the report's words: a device's recorded data holds its own classes only
+    recorded = (loaded.data if loaded is not None else None) or meta.get("data")
+    origin = "--data" if data else "the data its run recorded" if recorded else ""
     data = _data(data, loaded, meta)
     norm: dict[str, Any] = dict(mean=parse_floats(meta.get("norm_mean")), std=parse_floats(meta.get("norm_std")))
     if meta.get("in_shape"):
@@ -326,7 +342,20 @@ def quantize(
     x_tr, y_tr, ds = load_images(data, "train", train_n, **norm)
     x_te, y_te, _ = load_images(data, "test", test_n, **norm)
     rep = compare_accuracy(
-        model_path, path, mode, x_tr, y_tr, x_te, y_te, ds.num_classes, threads, what=meta.get("what", "features")
+        model_path,
+        path,
+        mode,
+        x_tr,
+        y_tr,
+        x_te,
+        y_te,
+        ds.num_classes,
+        threads,
+        what=meta.get("what", "features"),
+        model=f"{model_path.name} ({meta['source']})" if meta.get("source") else model_path.name,
+        data=data,
+        data_origin=origin,
+        model_classes=int(meta["num_classes"]) if meta.get("num_classes") else None,
     )
     typer.echo(rep.summary())
     if loaded is not None and meta.get("what", "features") == "features":

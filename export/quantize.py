@@ -7,8 +7,12 @@
   calibrated on real images through a ``CalibrationDataReader`` (:func:`calibration_reader`);
   convolutions run as int8 kernels.
 
-The accuracy report classifies by nearest prototype, with the prototypes computed from training data
-*through each model* (the fp32 one and the int8 one), as a device would after switching models.
+The accuracy report measures the model's own accuracy, fp32 and int8, on the test images of the data it
+is given (`--data`, else the data its run recorded: for a device's model that is the device's own data,
+so only the classes that device holds). A features graph classifies by nearest prototype, with the
+prototypes the class means of training images of the same data *through each model* (the fp32 one and the
+int8 one), as a device would after switching models, not the prototype table shipped with the model; a
+logits graph (a federation's global predictor) by its own argmax. `QuantReport.summary` says all of that.
 """
 
 from __future__ import annotations
@@ -147,24 +151,41 @@ class QuantReport:
     n_train: int
     n_test: int
     what: str = "features"
+    # what was measured, in words: the model (its file, and what it is where its metadata says) and the data
+    model: str = ""
+    data: str = ""
+    data_origin: str = ""  # "--data", "the data its run recorded", "" (the default)
+    test_classes: int = 0  # classes present among the test images
+    num_classes: int = 0  # classes the model tells apart (else the data's)
 
     @property
     def drop_points(self) -> float:
         """Accuracy lost, in percentage points (negative: int8 did better)."""
         return 100.0 * (self.fp32_acc - self.int8_acc)
 
-    def summary(self) -> str:
+    def measured(self) -> str:
+        """One line: whose accuracy, on which images, by which classifier."""
+        classes = f"{self.test_classes} of {self.num_classes} classes"
+        if self.test_classes < self.num_classes:
+            classes += ": only those, not an accuracy on every class"
+        data = f"'{self.data}'" if self.data else "the data"
+        origin = f"{self.data_origin}; " if self.data_origin else ""
         how = (
-            ("classifier (argmax) accuracy", f"{self.n_test} test images")
+            "by its own class scores (argmax of the logits graph)"
             if self.what == "logits"
-            else (
-                "nearest-prototype accuracy",
-                f"prototypes from {self.n_train} training images, {self.n_test} test images",
-            )
+            else f"by nearest prototype, the prototypes the class means of {self.n_train} training images of "
+            f"{data} through each model (not the prototype table shipped with it)"
         )
         return (
-            f"{how[0]} fp32 {100 * self.fp32_acc:.2f}% -> int8 ({self.mode}) "
-            f"{100 * self.int8_acc:.2f}% (drop {self.drop_points:+.2f} points; {how[1]}); size "
+            f"accuracy of {self.model or 'the model'} on {self.n_test} images of the test split of {data} "
+            f"({origin}{classes}), {how}"
+        )
+
+    def summary(self) -> str:
+        name = "classifier (argmax) accuracy" if self.what == "logits" else "nearest-prototype accuracy"
+        return (
+            f"{self.measured()}\n{name} fp32 {100 * self.fp32_acc:.2f}% -> int8 ({self.mode}) "
+            f"{100 * self.int8_acc:.2f}% (drop {self.drop_points:+.2f} points); size "
             f"{self.fp32_bytes / 1e6:.2f} MB -> {self.int8_bytes / 1e6:.2f} MB"
         )
 
@@ -204,12 +225,33 @@ def compare_accuracy(
     num_classes: int,
     threads: int | None = None,
     what: str = "features",
+    *,
+    model: str = "",
+    data: str = "",
+    data_origin: str = "",
+    model_classes: int | None = None,
 ) -> QuantReport:
     """Accuracy through the fp32 and the int8 model, on the same images: by nearest prototype (prototypes
-    from the training images through each model), or for a logits graph by its argmax."""
+    from the training images through each model), or for a logits graph by its argmax. `model`, `data` and
+    `data_origin` name them in the report's words, and `model_classes` (the classes the model tells apart,
+    where its metadata says: a device's data may hold fewer) how many of them the test images cover."""
     if what == "logits":
         a32, a8 = classifier_accuracy(fp32, x_test, y_test, threads), classifier_accuracy(int8, x_test, y_test, threads)
     else:
         a32 = prototype_accuracy(fp32, x_train, y_train, x_test, y_test, num_classes, threads)
         a8 = prototype_accuracy(int8, x_train, y_train, x_test, y_test, num_classes, threads)
-    return QuantReport(mode, a32, a8, os.path.getsize(fp32), os.path.getsize(int8), len(y_train), len(y_test), what)
+    return QuantReport(
+        mode,
+        a32,
+        a8,
+        os.path.getsize(fp32),
+        os.path.getsize(int8),
+        len(y_train),
+        len(y_test),
+        what,
+        model=model or Path(fp32).name,
+        data=data,
+        data_origin=data_origin,
+        test_classes=len(np.unique(y_test)),
+        num_classes=model_classes or num_classes,
+    )

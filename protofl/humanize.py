@@ -1,6 +1,9 @@
-"""Numbers for people: one byte formatter for every log line, table and report caption."""
+"""Numbers for people: one byte formatter for every log line, table and report caption, and the names that say
+what each accuracy measures."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 def human_bytes(n: float) -> str:
@@ -20,3 +23,32 @@ def human_duration(seconds: float) -> str:
     if s < 3600:
         return f"{int(s // 60)} min {int(s % 60):02d} s"
     return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+
+
+# What each accuracy is, in the words people read (tables, log lines, the live page, /metrics' help, reports).
+# The machine-readable names stay as they are (JSON keys, rounds.jsonl fields, Prometheus label values: renaming
+# them breaks whoever reads them). "local" is each device's model on a held-out part of its own data, so on the
+# classes that device holds only; read as the federation's accuracy it misleads (issue 41), so it says so.
+OWN_CLASSES = "own classes"
+_LEGEND = {
+    "local": f"local ({OWN_CLASSES}) = each device's model on a held-out part of its own data, so on the classes "
+    "it holds only: not the federation's accuracy on every class",
+    "global": "global = each device's model on the test set of every class, averaged (FedAvg: the global model)",
+    "proto": "proto = by the nearest global prototype instead of the head",
+    "ensemble": "ensemble = the devices' averaged class probabilities on the test set",
+    "predictor": "predictor = one model a new device could be given, on the test set",
+}
+
+
+def accuracy_label(key: str, noun: str = "") -> str:
+    """How a table or a line names the accuracy `key`: `local_acc` -> "local (own classes)" (with `noun` "acc":
+    "local acc (own classes)"), `global_acc` -> "global", `global_proto_acc` -> "global proto"."""
+    name = " ".join(filter(None, (key.removesuffix("_acc").replace("_", " "), noun)))
+    return f"{name} ({OWN_CLASSES})" if key.startswith("local") else name
+
+
+def accuracy_legend(keys: Iterable[str]) -> str:
+    """One line saying what the accuracies `keys` (JSON keys, e.g. `local_acc`) measure, in a fixed order
+    (local, global, proto, ensemble, predictor)."""
+    words = {w for key in keys for w in key.removesuffix("_acc").split("_")}
+    return "; ".join(text for name, text in _LEGEND.items() if name in words)

@@ -101,6 +101,9 @@ def export_and_label(artifact: Path, tmp: Path, what: str | None = None, **selec
         ["quantize", str(model), "--out", str(tmp / "int8" / "model.onnx"), "--train-n", "200", "--test-n", "100"],
     )
     assert r.exit_code == 0 and "int8 (dynamic)" in r.output, r.output
+    # what the accuracy is (issue 41): this model, on the run's own data's test split
+    assert "accuracy of model.onnx (" in r.output and " images of the test split of 'synthetic:" in r.output, r.output
+    assert "(the data its run recorded; " in r.output, r.output
     npz, photos, x = unlabelled(tmp)
     loaded = load_artifact(artifact, **select)
     want = torch_labels(loaded, what or loaded.what, x)

@@ -21,7 +21,7 @@ def test_the_readme_python_example_runs(tmp_path: Path) -> None:
     script.write_text(block.group(1))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    got = re.search(r"local accuracy ([\d.]+) %, uplink (\d+) B", proc.stdout)
+    got = re.search(r"local accuracy \(own classes\) ([\d.]+) %, uplink (\d+) B", proc.stdout)
     assert got is not None, proc.stdout[-2000:]
     assert float(got.group(1)) > 25.0 and int(got.group(2)) > 0  # 4 classes: better than chance
 

@@ -19,7 +19,8 @@ never touches the aggregator. Names, types and labels (docs/design.md, "Watching
     protofl_uplink_bytes_total / protofl_downlink_bytes_total   counter (the federation's, restarts included)
     protofl_round_duration_seconds                     histogram
     protofl_accuracy_ratio{kind}                       gauge 0..1 of the last evaluated round: local, global,
-                                                       local_proto, global_proto
+                                                       local_proto, global_proto (local: on each device's own
+                                                       classes only; ACCURACY_HELP)
     protofl_accuracy_round                             gauge: which round that is
     protofl_journal_fsync_seconds                      histogram (with --state-dir)
     protofl_broker_restarts_total                      counter (the broker `start` spawned)
@@ -48,6 +49,13 @@ from protofl.technique import Phase
 log = logging.getLogger("protofl.service")
 ROUND_BUCKETS = (1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 FSYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# What each kind of protofl_accuracy_ratio measures (its label values stay the JSON keys' stems: scrapers use them).
+ACCURACY_HELP = (
+    "Accuracy of the last evaluated round (0-1), by kind. local, local_proto: each device's model on a held-out "
+    "part of its own data, so on its own classes only, not the federation's accuracy on every class; global, "
+    "global_proto: each device's model on the test set of every class, averaged; _proto: by the nearest global "
+    "prototype instead of the head."
+)
 # The values of protofl_phase: before round 1, each phase of a round, after the last, a stopped server.
 PHASES = ("waiting", *(p.value for p in Phase if p is not Phase.DONE), "finished", "stopped")
 
@@ -106,9 +114,7 @@ class SnapshotCollector(Collector):
         yield CounterMetricFamily(
             "protofl_downlink_bytes", "Bytes the server sent to devices.", value=snap.downlink_bytes
         )
-        accuracy = GaugeMetricFamily(
-            "protofl_accuracy_ratio", "Accuracy of the last evaluated round (0-1).", labels=["kind"]
-        )
+        accuracy = GaugeMetricFamily("protofl_accuracy_ratio", ACCURACY_HELP, labels=["kind"])
         found = snap.last_accuracies()
         if found is not None:
             for key in ACCURACY_KEYS:

@@ -14,7 +14,7 @@ from rich.text import Text
 
 from broker_server.watch.snapshot import ACCURACY_KEYS, Member, Snapshot
 from broker_server.watch.sources import Reading
-from protofl.humanize import human_bytes, human_duration
+from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 
 ROUNDS_SHOWN = 5
 
@@ -59,7 +59,7 @@ def header(reading: Reading, now: float) -> list[str]:
         lines.insert(
             3,
             f"accuracy (round {found[0]}): "
-            + ", ".join(f"{k.removesuffix('_acc').replace('_', ' ')} {100 * v:.1f} %" for k, v in found[1].items()),
+            + ", ".join(f"{accuracy_label(k)} {100 * v:.1f} %" for k, v in found[1].items()),
         )
     return lines
 
@@ -89,7 +89,7 @@ def rounds_table(s: Snapshot) -> Table:
         "round",
         "devices",
         "closed by",
-        *(k.removesuffix("_acc").replace("_", " ") + " %" for k in ACCURACY_KEYS),
+        *(accuracy_label(k) + " %" for k in ACCURACY_KEYS),
         "up",
         "down",
         "length",
@@ -105,6 +105,9 @@ def rounds_table(s: Snapshot) -> Table:
             human_bytes(r.downlink_bytes),
             human_duration(r.duration_s),
         )
+    shown = [k for k in ACCURACY_KEYS if any(getattr(r, k) is not None for r in s.history[-ROUNDS_SHOWN:])]
+    if shown:  # what the accuracy columns measure: "local" is not the federation's accuracy
+        t.caption, t.caption_justify = accuracy_legend(shown), "left"
     return t
 
 

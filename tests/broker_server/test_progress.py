@@ -94,7 +94,8 @@ def test_rounds_without_evaluation_do_not_wait() -> None:
 def test_service_line_shows_the_accuracies_that_were_reported() -> None:
     line = round_line(rec(2, ["a", "b"]), {"a": m(10, 8, 100, 30), "b": m(30, 1, 100, 50, 15, 60)}, rounds=5)
     assert line == (
-        "round 2/5: 2 clients (quorum), local acc 22.5%, local proto acc 50.0%, global acc 40.0%, "
+        "round 2/5: 2 clients (quorum), local acc (own classes) 22.5%, local proto acc (own classes) 50.0%, "
+        "global acc 40.0%, "
         "global proto acc 60.0%, up 2.9 KB, down 2.0 MB, 2.5 s"
     )
     assert round_line(rec(1, ["a"]), {}, rounds=1) == "round 1/1: 1 clients (quorum), up 2.9 KB, down 2.0 MB, 2.5 s"

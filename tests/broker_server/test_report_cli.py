@@ -89,8 +89,8 @@ def test_report_writes_the_plots_and_the_summary(tmp_path: Path) -> None:
     ]
     assert all(p.stat().st_size > 1000 for p in paths)
     md = (tmp_path / "rep" / "summary.md").read_text()
-    assert "| fedavg | 2 | 50.0 | 2 min 00 s | 1 min 00 s | 2.9 KB | 1 | 2 min 00 s |" in md
-    assert "| tinyproto | 2 | 60.0 | 50.0 s | 25.0 s | 2.9 KB | 1 | 50.0 s |" in md
+    assert "| fedavg | 2 | global | 50.0 | 2 min 00 s | 1 min 00 s | 2.9 KB | 1 | 2 min 00 s |" in md
+    assert "| tinyproto | 2 | global | 60.0 | 50.0 s | 25.0 s | 2.9 KB | 1 | 50.0 s |" in md
     assert "| rpi3+nb-iot | 1 | 1.0 | 4.0 |" in md and "1/2 |" in md  # missed one round of two
 
 
@@ -165,7 +165,7 @@ def test_report_reads_a_servers_rounds_jsonl(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "o" / "summary.md").read_text()
     # 3 rounds, final global 30 %, 28 s from round 1's opening (110) to round 3's close (138); 20 % in round 2
-    assert "| tinyproto | 3 | 30.0 | 28.0 s | 9.3 s | 2.9 KB | - | 18.0 s |" in md, md
+    assert "| tinyproto | 3 | global | 30.0 | 28.0 s | 9.3 s | 2.9 KB | - | 18.0 s |" in md, md
 
 
 def test_time_to_target_of_a_run_without_a_clock_is_its_round(tmp_path: Path) -> None:
@@ -174,7 +174,7 @@ def test_time_to_target_of_a_run_without_a_clock_is_its_round(tmp_path: Path) ->
     r = run("fedproto", [0.3, 0.6], [1.0, 1.0])
     del r["links"]
     md = summary([r], target=0.5)
-    assert "| fedproto | 2 | 60.0 | - | - | 2.9 KB | - | round 2 |" in md, md
+    assert "| fedproto | 2 | global | 60.0 | - | - | 2.9 KB | - | round 2 |" in md, md
     assert "| round 2 |" not in summary([r], target=0.9) and "not reached" in summary([r], target=0.9)
 
 
@@ -230,3 +230,37 @@ def test_global_accuracy_never_mixes_in_local_figures_between_scored_rounds() ->
     assert target_round(run, 0.5) == 2 and target_round(run, 0.5, "local") == 1
     never = {"rounds": [{"round": 1, "local_acc": 0.9, "global_acc": None}]}  # no test set at all: local stands in
     assert run_accuracies(never) == [0.9]
+
+
+# -- issue 41: say what each number is ------------------------------------------------------------------
+
+
+def test_a_run_with_local_accuracy_only_says_it_is_on_each_devices_own_classes(tmp_path: Path, monkeypatch) -> None:
+    # A real federation's rounds.jsonl has local figures only (its devices hold no test set): the report
+    # showed them as "global accuracy". Now the row, the legend and the plots' axis say what they are.
+    import matplotlib.figure
+
+    labels: list[str] = []
+    save = matplotlib.figure.Figure.savefig
+
+    def recording(fig, *args, **kwargs):  # untyped: it stands in for Figure.savefig
+        labels.append(fig.axes[0].get_ylabel())
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", recording)
+    r = run("protofl", [0.7, 0.8], [1.0, 1.0])
+    del r["links"]
+    for row in r["rounds"]:
+        row["global_acc"] = None
+    md = summary([r], target=0.75)
+    assert "| protofl | 2 | local (own classes) | 80.0 |" in md, md
+    assert "local (own classes) = each device's model on a held-out part of its own data" in md, md
+    assert "not the federation's accuracy on every class" in md and "global =" not in md, md
+    write_report(r, tmp_path / "o")
+    assert labels[:2] == ["local accuracy (own classes) (%)"] * 2, labels
+    # mixed runs: each line names its accuracy
+    labels.clear()
+    write_report([r, run("fedavg", [0.2, 0.5], [60.0, 60.0])], tmp_path / "o2")
+    assert labels[0] == "accuracy (%)", labels
+    md = (tmp_path / "o2" / "summary.md").read_text()
+    assert "| fedavg | 2 | global | 50.0 |" in md and "| protofl | 2 | local (own classes) | 80.0 |" in md, md

@@ -58,7 +58,9 @@ def partial_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_progress_bar_ends_on_the_reports_figures(partial_last_row: None) -> None:
     result = CliRunner().invoke(app, ["simulate", "--rounds", "4"])
     assert result.exit_code == 0, result.output
-    assert "4/4 sim 6 min 40 s local 50.00% global 45.20%" in result.stderr, result.stderr
+    # 80 columns: the figures fold onto a second line, beside the elapsed time
+    flat = " ".join(result.stderr.replace("0:00:00", "").split())
+    assert "4/4 sim 6 min 40 s local (own classes) 50.00% global 45.20% up 120.6 KB" in flat, result.stderr
     assert "global 10.00%" not in result.stderr
 
 
@@ -69,7 +71,13 @@ def test_the_table_keeps_every_figure_when_piped(partial_last_row: None) -> None
     assert "…" not in table, table
     for header in ("ensemble %", "downlink", "clients", "global proto %"):
         assert header in table, table
-    assert "│     4 │   50.00 │             - │    45.20 │" in table and "639.0 KB" in table, table
+    assert "│     4 │                 50.00 │                           - │    45.20 │" in table, table
+    assert "639.0 KB" in table, table
+    # issue 41: what each accuracy measures, local on each device's own classes only
+    assert "local (own classes) %" in table and "local proto (own classes) %" in table, table
+    flat = " ".join(table.split())
+    assert "local (own classes) = each device's model on a held-out part of its own data" in flat, table
+    assert "not the federation's accuracy on every class" in flat, table
 
 
 def metrics(recv: float, compute: float, release: float) -> Metrics:

@@ -77,7 +77,7 @@ def test_status_from_a_state_dir_and_what_it_says_of_a_dead_server(tmp_path: Pat
     assert result.exit_code == 0, result.output
     assert "federation 'lab' (tinyproto): running, round 3/10, phase train" in result.output
     assert "members: 2 (1 online, 1 offline); quorum 2" in result.output
-    assert "accuracy (round 1): local 50.0 %, global 40.0 %" in result.output
+    assert "accuracy (round 1): local (own classes) 50.0 %, global 40.0 %" in result.output
     assert "dropped: duplicate 1" in result.output
     gone = snapshot(server_pid=2**22 + 12345)  # beyond pid_max: no such process
     (tmp_path / "status.json").write_bytes(gone.encode())
@@ -244,3 +244,45 @@ def test_a_costly_snapshot_is_refreshed_less_often(tmp_path: Path) -> None:
     watch._cost = 0.0  # a cheap one: every REFRESH_S again
     watch.after_step(1, now=100.0 + COST_SHARE + REFRESH_S)
     assert watch._built == 100.0 + COST_SHARE + REFRESH_S
+
+
+# -- issue 41: say what each number is -----------------------------------------------------------------
+
+
+def test_status_metrics_and_page_say_local_is_on_each_devices_own_classes(tmp_path: Path) -> None:
+    # "local" accuracy (each device on its own held-out split) read as the federation's accuracy: every
+    # place that shows it says it is on the device's own classes, while the machine-readable names stay.
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from broker_server.watch.metrics import SnapshotCollector
+    from broker_server.watch.snapshot import ACCURACY_KEYS
+    from broker_server.watch.ui import page_html
+    from protofl.humanize import accuracy_label, accuracy_legend
+
+    (tmp_path / "status.json").write_bytes(snapshot().encode())
+    result = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "accuracy (round 1): local (own classes) 50.0 %, global 40.0 %" in out, result.output
+    assert "┃ local (own classes) % ┃ global % ┃ local proto (own classes) % ┃" in result.output, result.output
+    # the rounds table's legend: local and global (the only ones reported), not proto
+    legend = accuracy_legend(["local_acc", "global_acc"])
+    assert legend in out and "not the federation's accuracy on every class" in legend, result.output
+    assert "proto =" not in out, result.output
+    doc = json.loads(CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path), "--json"]).output)
+    assert doc["history"][0]["local_acc"] == 0.5  # the JSON keeps its keys
+
+    board = SnapshotBoard()
+    board.publish(snapshot())
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(board))
+    text = generate_latest(registry).decode()
+    help_line = next(line for line in text.splitlines() if line.startswith("# HELP protofl_accuracy_ratio "))
+    assert "on its own classes only, not the federation's accuracy on every class" in help_line, help_line
+    assert 'protofl_accuracy_ratio{kind="local"} 0.5' in text  # label values unchanged
+
+    page = page_html().decode()
+    for key in ACCURACY_KEYS:
+        assert f'["{key}", "{accuracy_label(key)}", ' in page, key
+    assert accuracy_legend(ACCURACY_KEYS) in page

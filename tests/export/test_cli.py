@@ -93,6 +93,11 @@ def test_checkpoint_export_verifies_and_quantizes(trained_cnn: Path, tmp_path: P
     )
     assert r.exit_code == 0, r.output
     assert "nearest-prototype accuracy fp32" in r.output and "int8 (static)" in r.output
+    # what that accuracy measures (issue 41): the model, the images, the classes, the classifier
+    assert "accuracy of t.onnx on 500 images of the test split of 'fashion-mnist' (10 of 10 classes), by nearest " in (
+        r.output
+    ), r.output
+    assert "the class means of 1000 training images" in r.output, r.output
     assert "torch fp32 nearest-prototype accuracy" in r.output and int8.is_file()
 
 
