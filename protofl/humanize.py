@@ -36,7 +36,8 @@ _LEGEND = {
     "global": "global = each device's model on the test set of every class, averaged (FedAvg: the global model)",
     "proto": "proto = by the nearest global prototype instead of the head",
     "ensemble": "ensemble = the devices' averaged class probabilities on the test set",
-    "predictor": "predictor = one model a new device could be given, on the test set",
+    "predictor": "predictor = the global predictor, one model a new device could be given, on the test set (start: "
+    "on the server's --validation data)",
 }
 
 
