@@ -45,6 +45,7 @@ from bench.table_runs import (
     as_spelled_today,
     needed_for,
     run_args,
+    spellings,
     suite_runs,
     test_samples,
     twin_run,
@@ -214,8 +215,8 @@ class Runner:
             rep = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError):
             return None
-        if as_spelled_today(rep.get("bench", {}).get("args") or []) != run_args(run, self.suite, self.data_dir):
-            return None
+        if as_spelled_today(rep.get("bench", {}).get("args") or []) not in spellings(run, self.suite, self.data_dir):
+            return None  # another command (a row's runs made as spelled then still need today's config, below)
         samples = test_samples(run, self.suite)
         if rep.get("simulation", {}).get("test_samples", samples) != samples:
             return None  # it scored another part of the test set than the table's columns mean

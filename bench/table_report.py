@@ -4,6 +4,7 @@ default's decision, the lambda sweep and one PNG per section."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -37,6 +38,7 @@ from bench.table_runs import (
     Row,
     Run,
     Section,
+    as_spelled_today,
     candidate_row,
     clipped,
     decision_row,
@@ -45,28 +47,65 @@ from bench.table_runs import (
     run_args,
 )
 
-# The accuracies, named for what they compute: which predictor (the head; the nearest *global* prototype,
-# FedProto's inference; the nearest of the client's *own* prototypes, TinyProto's eq. 12; the clients'
-# ensemble; the federation's global predictor) on which data (each client's held-out split: local; the
-# official test set), at the final round or the best round (local split only: it is scored every round).
+# The accuracies, named for what they compute: which predictor (the model's own classifier: the head, or the
+# cosine classifier, see `classifier`; the nearest *global* prototype, FedProto's inference; the nearest of the
+# client's *own* prototypes, TinyProto's eq. 12; the clients' ensemble; the federation's global predictor) on
+# which data (each client's held-out split: local; the official test set), at the final round or the best round
+# (local split only: it is scored every round). "{clf}" is the classifier of the rows compared (`metric_name`).
 METRIC_NAMES: dict[str, str] = {
-    "local_acc": "head, local split, final round",
-    "local_acc@best": "head, local split, best round",
+    "local_acc": "{clf}, local split, final round",
+    "local_acc@best": "{clf}, local split, best round",
     "local_proto_acc": "nearest global prototype, local split, final round",
     "local_own_proto_acc": "nearest own (local) prototype, local split, final round",
     "local_own_proto_acc@best": "nearest own (local) prototype, local split, best round (TinyProto's eq. 12 metric)",
-    "global_acc": "head, test set, final round (FedAvg: its global model)",
+    "global_acc": "{clf}, test set, final round (FedAvg: its global model)",
     "global_proto_acc": "nearest global prototype, test set, final round",
     "ensemble_acc": "clients' ensemble, test set, final round",
     "predictor_acc": "global predictor, test set, final round",
 }
+HEAD, COSINE = "head", "cosine to P"
+
+
+@functools.cache
+def classifier(key: str) -> str:
+    """What a row's own classifier computes, the one its *classifier* columns score (edge_agent/agent.py
+    `_metrics`, the round objective's `probabilities`): HEAD, the model's linear head; or COSINE, FedPAGR's
+    cosine classifier where the consensus projection trains on unit prototypes (fedpagr, the protofl preset,
+    setting D's spherical candidates; edge_agent/techniques/fedpagr.py `CosineClassifier`): softmax(z_hat . P^T /
+    beta), the unit feature against the anchored global class vectors P (the head's rows are set to P), so its
+    prediction is the nearest global prototype by cosine."""
+    from protofl.presets import make_config
+
+    row = ROW_BY_KEY[key]
+    cfg = make_config(row.preset, **dict(row.sets))
+    return COSINE if cfg.consensus and cfg.prototypes == "unit" else HEAD
+
+
+def metric_name(metric: str, **rows: str) -> str:
+    """METRIC_NAMES[metric] with its classifier named for the rows compared (name -> row key): "head" or "cosine
+    classifier (...)" when they share one, else each row's."""
+    name = METRIC_NAMES[metric]
+    if "{clf}" not in name:
+        return name
+    kinds = {n: classifier(k) for n, k in rows.items()}
+    if not kinds:
+        clf = "own classifier (the head, or cosine to P for the cosine classifiers)"
+    elif set(kinds.values()) == {HEAD}:
+        clf = "head"
+    elif set(kinds.values()) == {COSINE}:
+        clf = "cosine classifier (cosine to P)"
+    else:
+        clf = "own classifier (" + "; ".join(f"{n}: {k}" for n, k in kinds.items()) + ")"
+    return name.format(clf=clf)
+
+
 COLUMNS = (
     "method",
     "seeds",
-    "head local",
+    "classifier local",
     "nearest global proto local",
     "nearest own proto local, best rnd",
-    "head global",
+    "classifier global",
     "nearest global proto global",
     "ens.",
     "global predictor",
@@ -195,7 +234,23 @@ def mean_std(st: RowStats, metric: str, scale: float = 100.0, digits: int = 2) -
     return f"{scale * m:.{digits}f}" + (f" ± {scale * s:.{digits}f}" if s is not None else "")
 
 
-def _row_line(ctx: Context, key: str, section: Section) -> str | None:
+FEWER = " †"  # a cell averaged over fewer seeds than its row lists
+COSINE_CELL = " (cos)"  # a classifier cell that is the cosine classifier's, not a head's
+ROW_CELLS = (  # the accuracy columns of a setting's table, in COLUMNS' order
+    ("local_acc", "classifier local"),
+    ("local_proto_acc", "nearest global proto local"),
+    ("local_own_proto_acc@best", "nearest own proto local, best rnd"),
+    ("global_acc", "classifier global"),
+    ("global_proto_acc", "nearest global proto global"),
+    ("ensemble_acc", "ens."),
+    ("predictor_acc", "global predictor"),
+    ("off_mask_energy", "off-mask energy"),
+)
+
+
+def _row_line(ctx: Context, key: str, section: Section, fewer: list[str] | None = None) -> str | None:
+    """A row of a setting's table. A cell averaged over fewer seeds than the row lists is marked FEWER, and
+    `fewer` gets its footnote (the seeds it rests on)."""
     st = row_stats(ctx, key)
     if not st.expected:
         return None
@@ -211,20 +266,27 @@ def _row_line(ctx: Context, key: str, section: Section) -> str | None:
     seeds = ",".join(map(str, sorted(st.by_seed))) + ("" if st.complete else f" of {len(st.expected)}")
     if same := st.same_as_twin():  # an unclipped row's seeds that are its clipped twin's runs (never clipped)
         seeds += f" ({','.join(map(str, same))}: the twin's runs)"
-    cells = [label, seeds] + [
-        mean_std(st, m)
-        for m in (
-            "local_acc",
-            "local_proto_acc",
-            "local_own_proto_acc@best",
-            "global_acc",
-            "global_proto_acc",
-            "ensemble_acc",
-            "predictor_acc",
-        )
-    ]
+    cells = [label, seeds]
+    for metric, column in ROW_CELLS:
+        cell = mean_std(st, metric, *((1.0, 3) if metric == "off_mask_energy" else ()))
+        if metric in ("local_acc", "global_acc") and cell != "-" and classifier(key) == COSINE:
+            cell += COSINE_CELL
+        has = sorted(st.values(metric))
+        if has and len(has) < len(st.by_seed):
+            cell += FEWER
+            if fewer is not None:
+                lacking = sorted(set(st.by_seed) - set(has))
+                fewer.append(
+                    f"{label}, *{column}*: seeds {','.join(map(str, has))} only; the runs of seeds "
+                    f"{','.join(map(str, lacking))} do not report it"
+                    + (
+                        " (the twin's runs, made before the simulator reported it)"
+                        if set(lacking) <= set(st.same_as_twin())
+                        else ""
+                    )
+                )
+        cells.append(cell)
     cells += [
-        mean_std(st, "off_mask_energy", 1.0, 3),
         f"{st.mean_required('up_per'):,.0f}",
         f"{st.mean_required('up_total') / 1e6:.3f}",
         f"{st.mean_required('wall_s'):.0f}",
@@ -269,6 +331,10 @@ class Goal:
     name: str
     status: str  # MET, MISSED, UNDECIDED, NOT RUN
     evidence: list[str]
+    # a goal judged under several conditions (goal 1: per lambda): one verdict each, in order; `status` is the
+    # first's
+    parts: list[Goal] = field(default_factory=list)
+    condition: str = ""  # what a part's verdict is judged under
 
 
 @dataclass
@@ -336,22 +402,41 @@ def clip_cost(ctx: Context, keys: tuple[str, ...], metric: str) -> str:
             continue
         p = compare(a, b, metric)
         parts.append(f"`{k}` {p.text()}" if p.n else f"`{k}` (no common seeds yet)")
-    return f"clipped - unclipped ({METRIC_NAMES[metric]}): " + "; ".join(parts)
+    return f"clipped - unclipped ({metric_name(metric, **{k: k for k in keys})}): " + "; ".join(parts)
 
 
 GOAL1_METRIC = "local_own_proto_acc@best"
+# Goal 1's tinyproto rows, the paper's lambda first: lambda = 1 (the config default, FedProto's weight and the
+# value the goal was written for), then the preset's (0.1 since the lambda sweep, setting L).
+GOAL1_ROWS = (("B/tinyproto-lambda1", "the paper's"), ("B/tinyproto", "the preset's"))
 
 
-def goal_tinyproto(ctx: Context) -> Goal:
-    name = (
+def goal1_name() -> str:
+    return (
         "tinyproto within 1 point of fedproto (or ahead) at >= 8x fewer uplink bytes, setting B. Metric: "
         f"{METRIC_NAMES[GOAL1_METRIC]}: the goal restates TinyProto's claim, so it uses the paper's metric; the "
         "head's and the nearest global prototype's are shown beside it"
     )
-    keys = ("B/fedproto", "B/tinyproto")
+
+
+def goal_tinyproto(ctx: Context) -> Goal:
+    """Goal 1 judged once per lambda of GOAL1_ROWS, the paper's first; the headline status is the paper's."""
+    parts = [goal_tinyproto_at(ctx, key, whose) for key, whose in GOAL1_ROWS]
+    return Goal(goal1_name(), parts[0].status, [], parts)
+
+
+def goal_tinyproto_at(ctx: Context, tiny_key: str = "B/tinyproto", whose: str = "the preset's") -> Goal:
+    """Goal 1 on one tinyproto row against B/fedproto; `condition` names the row's lambda."""
+    lam = dict(ROW_BY_KEY[tiny_key].sets).get("proto_lambda")
+    if lam is None:
+        from protofl.presets import make_config
+
+        lam = make_config(ROW_BY_KEY[tiny_key].preset).proto_lambda
+    condition = f"at {whose} lambda = {float(lam):g} (`{tiny_key}`)"
+    keys = ("B/fedproto", tiny_key)
     j = judged_rows(ctx, *keys)
     if not j.complete:
-        return Goal(name, "NOT RUN", _basis_lines(j))
+        return Goal(goal1_name(), "NOT RUN", _basis_lines(j), condition=condition)
     fp, tp = (j.rows[k] for k in keys)
     ratio = fp.mean_required("up_total") / max(tp.mean_required("up_total"), 1)
     ev = _basis_lines(j)
@@ -370,15 +455,19 @@ def goal_tinyproto(ctx: Context) -> Goal:
     )
     for m in ("local_acc", "local_proto_acc", "local_own_proto_acc"):
         if tp.mean(m) is not None and fp.mean(m) is not None:
-            ev.append(f"also ({METRIC_NAMES[m]}): " + effect(tp, fp, m, "tinyproto", "fedproto", within=1.0))
+            ev.append(
+                f"also ({metric_name(m, tinyproto=tiny_key, fedproto=keys[0])}): "
+                + effect(tp, fp, m, "tinyproto", "fedproto", within=1.0)
+            )
     ev.append(clip_cost(ctx, keys, "local_acc"))
-    return Goal(name, status, ev)
+    return Goal(goal1_name(), status, ev, condition=condition)
 
 
 def goal_refprotofl(ctx: Context) -> Goal:
     name = (
         "refprotofl at least as accurate as fedproto (beats it, or within 1 point), setting A, alpha 0.5. Metric: "
-        f"{METRIC_NAMES['global_acc']}: RefProtoFL's Table 2 reports top-1 test accuracy at the end of training"
+        f"{metric_name('global_acc', refprotofl='A/a0.5-refprotofl', fedproto='A/a0.5-fedproto')}: RefProtoFL's "
+        "Table 2 reports top-1 test accuracy at the end of training"
     )
     keys = ("A/a0.5-fedproto", "A/a0.5-refprotofl")
     j = judged_rows(ctx, *keys)
@@ -388,7 +477,10 @@ def goal_refprotofl(ctx: Context) -> Goal:
     p = compare(rp, fp, "global_acc")
     ev = _basis_lines(j) + [effect(rp, fp, "global_acc", "refprotofl", "fedproto", within=1.0)]
     for m in ("global_proto_acc", "ensemble_acc", "local_acc"):
-        ev.append(f"also ({METRIC_NAMES[m]}): " + effect(rp, fp, m, "refprotofl", "fedproto", within=1.0))
+        ev.append(
+            f"also ({metric_name(m, **dict(zip(('fedproto', 'refprotofl'), keys, strict=True)))}): "
+            + effect(rp, fp, m, "refprotofl", "fedproto", within=1.0)
+        )
     ev.append(clip_cost(ctx, keys, "global_acc"))
     return Goal(name, at_least(p, 1.0), ev)
 
@@ -409,7 +501,8 @@ def goal_fedpagr(ctx: Context) -> Goal:
         effect(pg, ns, "ensemble_acc", "fedpagr", "w/o separation")
         + "; paper (CIFAR-10): separation is worth 2.7 points",
         effect(pg, ne, "ensemble_acc", "fedpagr", "w/o entropy") + "; paper (CIFAR-10): entropy is worth 3.3 points",
-        f"also ({METRIC_NAMES['local_acc']}): " + effect(pg, fp, "local_acc", "fedpagr", "fedproto"),
+        f"also ({metric_name('local_acc', fedpagr='C/fedpagr', fedproto='C/fedproto')}): "
+        + effect(pg, fp, "local_acc", "fedpagr", "fedproto"),
         clip_cost(ctx, keys, "ensemble_acc"),
     ]
     status = "MET" if all(p.beats() > 0 for p in ps) else "MISSED" if any(p.beats() < 0 for p in ps) else "UNDECIDED"
@@ -428,13 +521,14 @@ D_COMPARE = {
 
 
 def goal_protofl(ctx: Context) -> Goal:
+    suffix = preset_variant()
+    compared = {} if suffix is None else {"protofl": candidate_row("b", suffix), **D_COMPARE["B"][1]}
     name = (
         "the protofl preset at least as accurate as every single-paper preset (beats it, or within 1 point) in "
         "A (alpha 0.5) and B, at no more than 2x tinyproto's uplink bytes. Metrics: A "
-        f"{METRIC_NAMES['global_acc']} (RefProtoFL's), B {METRIC_NAMES['local_acc']} (the personalised "
-        "accuracy every paper reports; the head, since the preset predicts with it)"
+        f"{metric_name('global_acc', **compared)} (RefProtoFL's), B {metric_name('local_acc', **compared)} (the "
+        "personalised accuracy every paper reports; each preset's own classifier, the one it predicts with)"
     )
-    suffix = preset_variant()
     if suffix is None:
         return Goal(name, "NOT RUN", ["`--preset protofl` equals none of setting D's candidate rows"])
     keys = tuple(k for tag, others, _ in D_COMPARE.values() for k in (candidate_row(tag, suffix), *others.values()))
@@ -449,11 +543,14 @@ def goal_protofl(ctx: Context) -> Goal:
         for n, k in others.items():
             p = compare(pf, j.rows[k], metric)
             statuses.append(at_least(p, 1.0))
-            ev.append(f"{where} ({METRIC_NAMES[metric]}): " + effect(pf, j.rows[k], metric, "protofl", n, within=1.0))
+            pair = {"protofl": candidate_row(tag, suffix), n: k}
+            ev.append(
+                f"{where} ({metric_name(metric, **pair)}): " + effect(pf, j.rows[k], metric, "protofl", n, within=1.0)
+            )
         for m in ("global_acc", "ensemble_acc", "local_acc"):  # information: the gaps to fedpagr on the others
             if m != metric and pf.mean(m) is not None and j.rows[others["fedpagr"]].mean(m) is not None:
                 ev.append(
-                    f"{where}, also ({METRIC_NAMES[m]}): "
+                    f"{where}, also ({metric_name(m, protofl=candidate_row(tag, suffix), fedpagr=others['fedpagr'])}): "
                     + effect(pf, j.rows[others["fedpagr"]], m, "protofl", "fedpagr", within=1.0)
                 )
         statuses.append("MET" if ratio <= 2.0 else "MISSED")
@@ -486,7 +583,8 @@ def shortfall_parts(ctx: Context, j: Judged) -> list[str]:
     out = []
     for m in ("local_acc", "ensemble_acc"):
         out.append(
-            f"why (B, {METRIC_NAMES[m]}; clipped rows): fedpagr = the preset + full 512-d prototypes (no masks) "
+            f"why (B, {metric_name(m, preset=pf_key, fedpagr=fedpagr)}; clipped rows): fedpagr = the preset + full "
+            "512-d prototypes (no masks) "
             f"+ refinement. Masks: {effect(mid_st, pf, m, 'w/o masks', 'preset')}. "
             f"Refinement: {effect(pg, mid_st, m, 'fedpagr', 'w/o refinement')}"
         )
@@ -544,14 +642,15 @@ def control_lines(ctx: Context) -> list[str]:
     out = _intro_and_head(
         "Each method minus the local-only control of its federation (every client trains alone on "
         "the same data, rounds and epochs), paired by seed, in points: what federation adds to the "
-        "head's local accuracy (final round) and to the nearest own prototype's (best round, "
-        "TinyProto's eq. 12). A row marked [clipped] is a clipped twin standing in until the "
+        "own classifier's local accuracy (final round; the local-only control's is its head, a method marked "
+        "(cos) predicts by cosine to P, see the columns' note at the top) and to the nearest own prototype's "
+        "(best round, TinyProto's eq. 12). A row marked [clipped] is a clipped twin standing in until the "
         "unclipped row has run.",
         (
             "setting",
             "method",
             "seeds",
-            "head local: method - local only",
+            "classifier local: method - local only",
             "nearest own proto, best: method - local only",
         ),
         ("---", "---", "--:", "---", "---"),
@@ -564,8 +663,9 @@ def control_lines(ctx: Context) -> list[str]:
         for k in keys:
             st = _available(ctx, k)
             a, b = compare(st, ctl, "local_acc"), compare(st, ctl, "local_own_proto_acc@best")
+            label = st.row.label + (COSINE_CELL if classifier(st.row.key) == COSINE else "")
             out.append(
-                f"| {where} | {st.row.label} | {a.n} | {a.text()} -> {verdict(a, 'it', 'local only')} | "
+                f"| {where} | {label} | {a.n} | {a.text()} -> {verdict(a, 'it', 'local only')} | "
                 f"{b.text() if b.n else '-'} |"
             )
     return out
@@ -632,6 +732,21 @@ PAPER_METRICS = (
     ("ensemble", "ensemble_acc", "ens."),
 )
 _LEADING_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+FEDAVG = "fedavg"
+FEDAVG_PER_CLIENT_REF = "F"
+FEDAVG_PER_CLIENT_NOTE = (
+    "FedAvg's per-client global accuracy (each client's model after its final round's local training, on the "
+    "test set, mean over clients: the metric of the prototype rows' *global*, which the paper's prototype "
+    "figures most likely are) is not in the cached runs. The FedAvg reports hold only the aggregated model's "
+    "test accuracy: "
+    'FedAvg\'s clients skip the test set (edge_agent/agent.py `_metrics`, `federate != "full"`) and the '
+    "report's `global_acc` is the server's evaluation of the aggregated vector (broker_server/simulation/"
+    "report.py `round_row`). No command produces it today: it needs the clients of a `federate=full` run to "
+    "score the test set and the report to keep their mean beside the global model's; then the FedAvg rows "
+    "rerun with their cached runs moved aside (their command and config are unchanged, so the cache would keep "
+    "them): `python -m bench.paper_table --suite full --rows 'A/a0.5-fedavg,A/a100-fedavg'` (~35-40 s a run "
+    "here now, plus ~1 min for ten clients each scoring the 10,000 test images)."
+)
 
 
 def paper_lines(ctx: Context) -> list[str]:
@@ -658,14 +773,28 @@ def paper_lines(ctx: Context) -> list[str]:
             paper, ours = float(match.group()), st.mean(metric)
             gap = 100 * ours - paper if st.complete and ours is not None else None  # ours - paper, in points
             shown = (mean_std(st, metric), f"{gap:+.2f}") if gap is not None else ("not run yet", "-")
+            where = f"{row.setting}: {fed.clients} clients, alpha {fed.alpha:g}"
+            one_model = row.preset == FEDAVG and attr == "global_"
+            cos = classifier(row.key) == COSINE
+            if one_model:
+                name = "global model (one model)"
+            elif metric == "global_acc":
+                name = "global (per client" + (", cos)" if cos else ")")
+            elif metric == "local_acc" and cos:
+                name += " (cos)"
             out.append(
-                f"| {st.row.label} | {row.setting}: {fed.clients} clients, alpha {fed.alpha:g} | {name} | "
-                f"{paper:.2f} [{row.paper.ref}] | {shown[0]} | {shown[1]} |"
+                f"| {st.row.label} | {where} | {name} | {paper:.2f} [{row.paper.ref}] | {shown[0]} | {shown[1]} |"
             )
+            if one_model:  # the paper's FedAvg figure beside the prototype rows' metric: not in the runs
+                out.append(
+                    f"| {st.row.label} | {where} | global (per client) | {paper:.2f} [{row.paper.ref}] | "
+                    f"not in the cached runs [{FEDAVG_PER_CLIENT_REF}] | - |"
+                )
             if gap is not None and attr == "global_":
                 ens = st.mean("ensemble_acc")
                 gaps.setdefault(row.paper.ref, {})[row.preset] = (gap, None if ens is None else 100 * ens - paper)
     out.append("")
+    out.append(f"- [{FEDAVG_PER_CLIENT_REF}] {FEDAVG_PER_CLIENT_NOTE}")
     for ref, note in PAPER_GAP_NOTES.items():
         out.append(f"- [{ref}] {note}")
         by_preset = gaps.get(ref, {})
@@ -1033,12 +1162,18 @@ def _header(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
         "and rounds.",
         "",
         "Columns: **mean ± std over the seeds listed** (sample std), each accuracy named for what it computes. "
-        "*head local* = the model's own head on each client's 25 % held-out split, sample-weighted, final round; "
+        "*classifier local* = the model's own classifier on each client's 25 % held-out split, sample-weighted, "
+        "final round: its linear head, or, in a cell marked *(cos)*, the cosine classifier of FedPAGR's objective "
+        "(the rows that train the consensus projection on unit prototypes: fedpagr, the protofl preset, setting "
+        "D's spherical candidates): softmax(z_hat . P^T / beta), the unit feature against the anchored global "
+        "class vectors P (the head's rows are set to P), i.e. the nearest global prototype by cosine, the same "
+        "prediction as the next column's (edge_agent/techniques/fedpagr.py, `CosineClassifier`); "
         "*nearest global proto local* = the same split by the nearest *global* prototype (FedProto's inference; L2, "
         "FedPAGR: cosine to P), final round; *nearest own proto local, best rnd* = by the nearest of the client's "
         "*own* prototypes (class means of its training features), the best round's (TinyProto's eq. 12 metric; "
-        "'-' for runs made before the simulator reported it); *head global* = each client's head on the test set, "
-        "mean over clients (FedAvg: its global model); *nearest global proto global* = the same by the nearest "
+        "'-' for runs made before the simulator reported it); *classifier global* = each client's own classifier "
+        "(head, or *(cos)* as above) on the test set, mean over clients (FedAvg: its one global model, not a mean "
+        "over clients); *nearest global proto global* = the same by the nearest "
         "global prototype; *ens.* = the clients' averaged class probabilities on the test set (FedAvg has none); "
         "*global predictor* = the federation's deployable model where the technique defines one (RefProtoFL: "
         "adapter and head on the shared backbone); every test-set figure uses all 10,000 images at the final "
@@ -1047,7 +1182,8 @@ def _header(ctx: Context, done: list[tuple[Run, dict[str, Any]]]) -> list[str]:
         "papers' methods as written. Bytes are counted from the real encoded messages: *B/client/rnd* = total "
         "over the run / (clients x rounds); evaluation traffic is not uplink. *wall s* = mean simulation wall "
         "time on a CPU shared with other jobs. *paper* = the figure from ALGORITHMS.md's reference list, in the "
-        "paper's own setting (model, data, rounds differ).",
+        "paper's own setting (model, data, rounds differ). A cell marked † is averaged over fewer seeds than "
+        "its row lists; the footnote under its table names the seeds.",
         "",
     ]
 
@@ -1100,8 +1236,9 @@ def _section(ctx: Context, sec: Section, plot_dir: Path) -> list[str]:
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["--:"] * (len(COLUMNS) - 2) + ["---"]) + "|"]
     refs: list[str] = []
     cmds: list[str] = []
+    fewer: list[str] = []
     for key in sec.rows:
-        line = _row_line(ctx, key, sec)
+        line = _row_line(ctx, key, sec, fewer)
         if line is None:
             continue
         out.append(line)
@@ -1111,17 +1248,34 @@ def _section(ctx: Context, sec: Section, plot_dir: Path) -> list[str]:
         if row.setting == sec.setting:
             for run in (r for r in ctx.runs if r.row.key == key):
                 rep = ctx.cached(run)
-                cmds.append(
-                    f"{run.label}: {rep['bench']['command']}"
-                    if rep is not None
-                    else f"{run.label} (not run yet): protofl-server {shlex.join(run_args(run, ctx.sizing_key))}"
-                )
+                today = run_args(run, ctx.sizing_key)
+                if rep is None:
+                    cmds.append(f"{run.label} (not run yet): protofl-server {shlex.join(today)}")
+                    continue
+                cmds.append(f"{run.label}: {rep['bench']['command']}")
+                if not rep.get("same_as") and as_spelled_today(rep["bench"].get("args") or []) != today:
+                    cmds.append(f"  (made as spelled then; the same run today: protofl-server {shlex.join(today)})")
     out.append("")
+    out += [f"† {n}.  " for n in fewer] + ([""] if fewer else [])
     out += [f"[{r}] {PAPER_REFS[r]}  " for r in refs]
     png = plot_dir / f"{sec.key}.png"
     if plot_section(ctx, sec, png):
         out += ["", f"![{sec.title}]({os.path.relpath(png, ctx.table_path.parent)})"]
     return out + ["", "<details><summary>commands</summary>", "", "```"] + cmds + ["```", "", "</details>", ""]
+
+
+def goal_lines(judged: list[Goal]) -> list[str]:
+    """The goals as a numbered list: each verdict (a goal judged under several conditions: each condition's,
+    the first first), then its evidence."""
+    out = []
+    for i, goal in enumerate(judged, 1):
+        verdicts = "; ".join(f"**{part.status}** {part.condition}" for part in goal.parts)
+        out.append(f"{i}. {verdicts or f'**{goal.status}**'}: {goal.name}")
+        out += [f"   - {e}" for e in goal.evidence]
+        for part in goal.parts:
+            out.append(f"   - {part.condition}: **{part.status}**")
+            out += [f"     - {e}" for e in part.evidence]
+    return out
 
 
 def write(ctx: Context, quiet: bool = False) -> Path:
@@ -1138,9 +1292,7 @@ def write(ctx: Context, quiet: bool = False) -> Path:
         ),
         "",
     ]
-    for i, goal in enumerate(goals(ctx), 1):
-        out.append(f"{i}. **{goal.status}**: {goal.name}")
-        out += [f"   - {e}" for e in goal.evidence]
+    out += goal_lines(goals(ctx))
     out.append("")
     out += missing_lines(ctx)
     decision = decide_default(ctx)

@@ -142,7 +142,7 @@ def test_quick_suite_end_to_end_structure(tmp_path):
         cells = [c.strip() for c in mine[0].strip("|").split("|")]
         assert len(cells) == len(table_report.COLUMNS)
         assert cells[1] == "0"  # the seeds it ran on (quick: seed 0 only)
-        assert re.fullmatch(r"\d+\.\d\d", cells[2]), cells  # local accuracy is a number
+        assert re.fullmatch(r"\d+\.\d\d( \(cos\))?", cells[2]), cells  # local accuracy is a number
         assert re.fullmatch(r"[\d,]+", cells[10]), cells  # uplink bytes per client per round
     goals = text.split("## Goals", 1)[1].split("\n## ", 1)[0]
     statuses = re.findall(r"^\d\. \*\*(MET|MISSED|UNDECIDED|NOT RUN)\*\*", goals, flags=re.M)
@@ -225,13 +225,13 @@ def test_goal_2_is_judged_paired_by_seed_with_an_interval(tmp_path):
 def test_a_goal_uses_the_clipped_twins_until_its_five_seeds_are_in(tmp_path):
     reports = _five("B/fedproto", [0.8] * 5, "local_acc", up=100)
     reports.update(_five("B/tinyproto", [0.8] * 2, "local_acc", up=10))  # seeds 2-4 missing
-    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    goal = table_report.goal_tinyproto_at(_ctx(tmp_path, reports))
     assert goal.status == "NOT RUN" and "`B/tinyproto` seeds 2,3,4" in goal.evidence[1]
     assert "`B/fedproto-clipped` seeds 0,1,2" in goal.evidence[1]
     # the clipped twins (seeds 0-2) are complete: provisional verdicts on them, the missing runs listed
     reports.update(_five("B/fedproto-clipped", [0.80, 0.82, 0.81], "local_acc", up=100))
     reports.update(_five("B/tinyproto-clipped", [0.79, 0.83, 0.80], "local_acc", up=10))
-    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    goal = table_report.goal_tinyproto_at(_ctx(tmp_path, reports))
     text = "\n".join(goal.evidence)
     assert goal.evidence[0].startswith("judged PROVISIONAL, on the clipped twins")
     assert "missing runs: `B/tinyproto` seeds 2,3,4" in text
@@ -245,7 +245,7 @@ def test_a_goal_uses_the_clipped_twins_until_its_five_seeds_are_in(tmp_path):
     )
     # three unclipped seeds in common: the goal reads them (the papers' methods as written) before the twins
     reports.update(_five("B/tinyproto", [0.8] * 3, "local_acc", up=10))
-    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    goal = table_report.goal_tinyproto_at(_ctx(tmp_path, reports))
     assert goal.evidence[0] == (
         "judged PROVISIONAL, on the rows run unclipped, on their 3 common seeds (0,1,2; a goal's rows run on 5)"
     )
@@ -264,7 +264,7 @@ def test_goal_1_reads_tinyprotos_own_metric_at_its_best_round(tmp_path):
     reports = {f"B/fedproto-s{s}": run([0.70, 0.80, 0.75], 1000) for s in range(5)}
     for s, best in enumerate((0.805, 0.797, 0.80, 0.802, 0.798)):
         reports[f"B/tinyproto-s{s}"] = run([0.60, best, 0.50], 100)
-    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    goal = table_report.goal_tinyproto_at(_ctx(tmp_path, reports))
     assert goal.status == "MET", goal.evidence
     assert "tinyproto is within 1 of fedproto (5 seeds)" in goal.evidence[1]
     assert "10.00x fewer (>= 8x)" in goal.evidence[2]
@@ -272,7 +272,88 @@ def test_goal_1_reads_tinyprotos_own_metric_at_its_best_round(tmp_path):
     # at 5x fewer bytes the same accuracies miss
     for s in range(5):
         reports[f"B/tinyproto-s{s}"]["totals"]["uplink_bytes"] = 200
-    assert table_report.goal_tinyproto(_ctx(tmp_path, reports)).status == "MISSED"
+    assert table_report.goal_tinyproto_at(_ctx(tmp_path, reports)).status == "MISSED"
+
+
+def test_goal_1_is_judged_at_the_papers_lambda_first_then_at_the_presets(tmp_path):
+    def run(own: float, up: int) -> dict:
+        rep = _fake_report(0.8, 0.5, up)
+        rep["rounds"][0]["local_own_proto_acc"] = own
+        return rep
+
+    # fedproto 0.80 everywhere; tinyproto at lambda = 1 ahead by 1-2 points, at the preset's 0.1 behind by 2-3
+    reports = {f"B/fedproto-s{s}": run(0.80, 1000) for s in range(5)}
+    for s, (one, preset) in enumerate(((0.81, 0.78), (0.82, 0.77), (0.815, 0.775), (0.81, 0.78), (0.82, 0.77))):
+        reports[f"B/tinyproto-lambda1-s{s}"] = run(one, 100)
+        reports[f"B/tinyproto-s{s}"] = run(preset, 100)
+    goal = table_report.goal_tinyproto(_ctx(tmp_path, reports))
+    assert [p.status for p in goal.parts] == ["MET", "MISSED"] and goal.status == "MET"
+    assert goal.parts[0].condition == "at the paper's lambda = 1 (`B/tinyproto-lambda1`)"
+    assert goal.parts[1].condition.startswith("at the preset's lambda = ")
+    assert "tinyproto beats fedproto (5 seeds)" in goal.parts[0].evidence[1]
+    assert "fedproto beats tinyproto (5 seeds)" in goal.parts[1].evidence[1]
+    # the table's line names both verdicts, the paper's lambda first
+    text = "\n".join(table_report.goal_lines([goal]))
+    line = text.splitlines()[0]
+    assert line.startswith("1. **MET** at the paper's lambda = 1 (`B/tinyproto-lambda1`); **MISSED** at the preset's")
+    assert "   - at the paper's lambda = 1 (`B/tinyproto-lambda1`): **MET**" in text
+
+
+def test_a_rows_runs_made_while_the_preset_had_its_value_are_its_cached_runs(tmp_path):
+    """`B/tinyproto-lambda1` spells proto_lambda=1 out; its runs were made while the preset's default was 1,
+    without the --set: they count when their resolved config is today's, and the table shows both commands."""
+    import dataclasses
+
+    runner = paper_table.Runner("full", tmp_path, None, 1, verbose=False)
+    run = RUN_BY_KEY["B/tinyproto-lambda1-s3"]
+    assert "--set proto_lambda=1.0" in " ".join(paper_table.run_args(run, "full"))
+    then = paper_table.run_args(run, "full", as_made=True)
+    assert "proto_lambda" not in " ".join(then)
+    rep: dict[str, Any] = {
+        "config": paper_table.expected_config(run, "full"),
+        "bench": {"args": then, "command": "protofl-server " + " ".join(then)},
+        "rounds": [],
+        "totals": {},
+    }
+    runner.path(run).parent.mkdir(parents=True)
+    runner.path(run).write_text(json.dumps(rep))
+    assert runner.cached(run) is not None
+    # the same spelling with the preset's lambda now (0.1) is another config: stale
+    rep["config"] = paper_table.expected_config(RUN_BY_KEY["B/tinyproto-s3"], "full")
+    runner.path(run).write_text(json.dumps(rep))
+    assert runner.cached(run) is None
+    # a row without made_as takes today's spelling only
+    plain = dataclasses.replace(run, row=dataclasses.replace(run.row, made_as=None))
+    assert paper_table.run_args(plain, "full", as_made=True) == paper_table.run_args(plain, "full")
+
+
+def test_cosine_classifiers_and_cells_on_fewer_seeds_are_marked(tmp_path):
+    assert table_report.classifier("B/fedpagr") == table_report.COSINE
+    assert table_report.classifier(candidate_row("b", "spherical")) == table_report.COSINE
+    assert table_report.classifier("B/tinyproto") == table_report.HEAD
+    assert table_report.classifier("D/a-all") == table_report.HEAD  # mean prototypes: the head predicts
+    assert table_report.metric_name("local_acc", a="B/fedproto") == "head, local split, final round"
+    assert table_report.metric_name("local_acc", a="B/fedpagr").startswith("cosine classifier")
+    assert table_report.metric_name("local_acc", x="B/fedpagr", y="B/fedproto") == (
+        "own classifier (x: cosine to P; y: head), local split, final round"
+    )
+    # fedpagr's eq. 12 figure on seeds 3-4 of 0-4: a dagger, and a footnote naming the seeds
+    reports: dict[str, dict] = {}
+    for s in range(5):
+        rep = _fake_report(0.8, 0.5, 1)
+        if s >= 3:
+            rep["rounds"][0]["local_own_proto_acc"] = 0.7
+        reports[f"B/fedpagr-s{s}"] = rep
+    sec = next(s for s in SECTIONS if s.key == "B")
+    fewer: list[str] = []
+    line = table_report._row_line(_ctx(tmp_path, reports), "B/fedpagr", sec, fewer)
+    assert line is not None
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "80.00 ± 0.00 (cos)" and cells[4] == "70.00 ± 0.00 †" and cells[3] == "-"
+    assert fewer == [
+        "fedpagr (single arch), *nearest own proto local, best rnd*: seeds 3,4 only; the runs of seeds 0,1,2 do not "
+        "report it"
+    ]
 
 
 def test_default_decision_picks_the_fewest_bytes_among_those_the_best_does_not_beat(tmp_path):
@@ -429,7 +510,7 @@ def test_goal_4_is_missed_when_a_preset_beats_it_by_more_than_a_point(tmp_path):
         why = next(
             e
             for e in table_report.goal_protofl(_ctx(tmp_path, reports)).evidence
-            if e.startswith("why (B, head, local split")
+            if e.startswith("why (B, cosine classifier (cosine to P), local split")
         )
         # w/o masks - preset: -0.5, +0.8, +0.7 -> mean +0.33, s 0.7234, half width 4.3027 * 0.7234 / sqrt(3) = 1.797
         assert "w/o masks - preset = +0.33 [-1.46, +2.13] (-++, 3 seeds) -> undecided (3 seeds)" in why
@@ -474,9 +555,22 @@ def test_papers_figures_sit_beside_ours_and_refprotofls_gap_is_set_against_fedav
     lines = table_report.paper_lines(_ctx(tmp_path, reports))
     text = "\n".join(lines)
     # paper 73.82 (fedproto), 73.72 (fedavg): ours 45.00 and 70.00
-    assert "| fedproto [clipped] | A: 10 clients, alpha 0.5 | global | 73.82 [R05] | 45.00 ± 0.00 | -28.82 |" in lines
-    assert "| refprotofl [clipped] | A: 10 clients, alpha 0.5 | global | 74.21 [R05] | 47.00 ± 1.00 | -27.21 |" in lines
-    assert "| fedavg [clipped] | A: 10 clients, alpha 100 | global | 85.10 [R100] | not run yet | - |" in lines
+    row = (
+        "| fedproto [clipped] | A: 10 clients, alpha 0.5 | global (per client) | 73.82 [R05] | 45.00 ± 0.00 | -28.82 |"
+    )
+    assert row in lines
+    row = "| refprotofl [clipped] | A: 10 clients, alpha 0.5 | global (per client) | 74.21 [R05] | 47.00 ± 1.00 | "
+    row += "-27.21 |"
+    assert row in lines
+    assert (
+        "| fedavg [clipped] | A: 10 clients, alpha 100 | global model (one model) | 85.10 [R100] | not run yet | - |"
+        in lines
+    )
+    # the paper's FedAvg figure beside the prototype rows' per-client metric: not in the runs, and why
+    row = "| fedavg [clipped] | A: 10 clients, alpha 100 | global (per client) | 85.10 [R100] | "
+    row += "not in the cached runs [F] | - |"
+    assert row in lines
+    assert "- [F] FedAvg's per-client global accuracy" in text and "`_metrics`" in text
     assert "Measured, ours - paper in points: FedAvg's global model -3.72; " in text
     assert "fedproto global -28.82 (-25.10 beyond FedAvg's), ensemble -1.82" in text
     assert "refprotofl global -27.21 (-23.49 beyond FedAvg's), ensemble -1.21." in text
