@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from edge_agent import params as model_params
 from edge_agent.models import ProtoNet, build_model
 from export.checkpoint import load_checkpoint, load_model
@@ -71,10 +73,39 @@ def _device(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
     )
 
 
+def _predictor(a: art.Artifact, cfg: FederationConfig) -> Loaded:
+    """The federation's global predictor: its head (global/predictor.npz) on the shared backbone."""
+    from edge_agent.backbone import backbone_model
+
+    w, b, backbone, info = art.read_predictor(a.predictor)
+    try:
+        model = backbone_model(cfg, backbone)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if tuple(model.head.weight.shape) != w.shape:
+        raise ConfigError(
+            f"{a.predictor}: a head of shape {w.shape} does not fit the federation's {model.arch} model "
+            f"{tuple(model.head.weight.shape)}"
+        )
+    with torch.no_grad():
+        model.head.weight.copy_(torch.from_numpy(w))
+        model.head.bias.copy_(torch.from_numpy(b))
+    note = (
+        f"the global predictor of federation '{a.info.get('fed')}' ({cfg.preset}) after round "
+        f"{a.info.get('round', '?')}: a {info.get('kind', 'global')} head from {info.get('devices', '?')} device(s)' "
+        f"statistics ({info.get('samples', '?')} samples) on the shared {model.arch} backbone "
+        f"({info.get('backbone', 'shipped')})"
+    )
+    # The global prototypes live in the devices' own feature spaces, not the backbone's: they do not go with it.
+    return Loaded(model.eval(), "logits", None, a.class_names, _norm(a.info), a.info.get("data"), note)
+
+
 def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str] | None) -> Loaded:
     from edge_agent.techniques import model_options
 
     cfg = FederationConfig.from_dict(dict(a.info["config"]))
+    if a.predictor.is_file() and arch is None and checkpoint is None:
+        return _predictor(a, cfg)
     name = arch or cfg.archs[0]
     if checkpoint is not None:
         model = load_model(
