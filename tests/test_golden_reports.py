@@ -27,10 +27,19 @@ GOLDEN = Path(__file__).parent / "golden"
 
 ACCURACY_ABS = 1e-6
 MEASURE_REL = 1e-4
+# The ridge predictor's accuracy (issue 41) sits on a backbone trained for 60 epochs (240 SGD steps) on the public
+# set before the federation starts: far more steps than two rounds of local training, so float32's differences
+# between CPUs grow further there, and an image whose two best classes are within them may change its label. Two of
+# the 300 test images (0.0067) are allowed; a changed recipe (epochs, lambda, the statistics) moves it more, and the
+# bytes and every other figure of the case still match exactly.
+PREDICTOR_ABS = 2 / 300
 
 
 def _close(path: str, want: float, got: float) -> bool:
-    if path.rsplit(".", 1)[-1].split("[", 1)[0].endswith("_acc"):
+    key = path.rsplit(".", 1)[-1].split("[", 1)[0]
+    if key == "predictor_acc":
+        return math.isclose(want, got, rel_tol=0, abs_tol=PREDICTOR_ABS + 1e-9)
+    if key.endswith("_acc"):
         return math.isclose(want, got, rel_tol=0, abs_tol=ACCURACY_ABS)
     return math.isclose(want, got, rel_tol=MEASURE_REL, abs_tol=1e-12)
 

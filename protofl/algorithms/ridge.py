@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from protofl.errors import ConfigError, WireError
+from protofl.errors import WireError
 from protofl.technique import (
     Clip,
     ClippedUpload,
@@ -139,14 +139,11 @@ class Ridge(Technique):
         "backbone_epochs": integer("backbone_epochs", 60, 0),
     }
 
-    def check(self, cfg: Any) -> None:
-        if cfg.options.get("ridge") and cfg.federate != "none":
-            raise ConfigError(
-                f"ridge builds a global predictor for federations that share no model; with federate="
-                f"'{cfg.federate}' the federated {'model' if cfg.federate == 'full' else 'adapter and head'} "
-                f"is the global predictor already (and its parameter upload is the one ridge's statistics "
-                f"would ride): set ridge=false, or federate='none'"
-            )
+    def active(self, cfg: Any) -> bool:
+        # A predictor for federations that share no model. Where one is federated (federate = "full" or
+        # "adapter": the protofl preset with `--set federate=adapter`), that model is the global predictor, and
+        # its parameter upload is the one the statistics would ride: the switch then does nothing (docs/algorithms.md).
+        return bool(cfg.options.get("ridge")) and cfg.federate == "none"
 
     def shape(self, draft: PlanDraft, cfg: Any) -> None:
         draft.shared_backbone = True
@@ -160,7 +157,7 @@ class Ridge(Technique):
 
 @dataclass
 class RidgeState:
-    """The summed statistics of every device counted so far, and who they are (in the order counted)."""
+    """The summed statistics of every device counted so far, and who they are (sorted)."""
 
     stats: np.ndarray | None = None  # float64, ridge_length(d, C)
     contributors: list[str] = field(default_factory=list)
@@ -274,5 +271,5 @@ class RidgeFold(Fold):
             return
         st = self.rule.state
         st.stats = self.stats.copy() if st.stats is None else st.stats + self.stats
-        st.contributors = [*st.contributors, *self.senders]
+        st.contributors = sorted([*st.contributors, *self.senders])  # (sorted: the same however shards merged)
         st.samples += self.samples

@@ -397,16 +397,21 @@ class PublicSet(_Body):
 
     def to_body(self) -> dict:
         dt = "u1" if self.x.dtype == np.uint8 else "f4"
-        return {
-            "x": encode_array(self.x, dt),
-            "y": encode_array(self.y, "u2"),
-            "classes": self.classes,
-            "backbone": _opt(self.backbone, lambda a: encode_array(a, "f4")),
-        }
+        body = {"x": encode_array(self.x, dt), "y": encode_array(self.y, "u2"), "classes": self.classes}
+        # Additive within version 1: the key travels only with a backbone, so a public set without one is the
+        # bytes it always was (and a device of an earlier version, which refuses unknown keys, still reads it).
+        if self.backbone is not None:
+            body["backbone"] = encode_array(self.backbone, "f4")
+        return body
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        b = expect_keys(body, ("x", "y", "classes", "backbone"), cls.KIND)
+        keys = (
+            ("x", "y", "classes", "backbone")
+            if isinstance(body, dict) and "backbone" in body
+            else ("x", "y", "classes")
+        )
+        b = {"backbone": None, **expect_keys(body, keys, cls.KIND)}
         x = decode_array(b["x"], what="public x", limits=limits, dts=("u1", "f4"), ndim=4)
         y = decode_array(b["y"], what="public y", limits=limits, dts=("u2",), ndim=1)
         backbone = _opt(

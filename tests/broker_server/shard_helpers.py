@@ -25,6 +25,7 @@ from protofl.wire import (
     encode_message,
     read_header,
 )
+from tests.wire_helpers import ridge_upload
 
 FED = "sh"
 FULL_MODEL = 40  # fedavg's model length (the server knows none: the first upload fixes it)
@@ -103,6 +104,8 @@ class NumpyDevice:
     def upload(self, kind: Upload, phase: Phase, round_: int, rng: np.random.Generator) -> Any:
         plan, cfg = self.plan, self.cfg
         if kind is Upload.ADAPTER:
+            if plan.federate == "none":  # the ridge predictor's statistics (the protofl preset)
+                return ridge_upload(cfg, round_, 5 + self.index, rng)
             if plan.federate == "full":
                 return ParamsUpload(
                     update=rng.normal(size=FULL_MODEL).astype(np.float32), n_samples=5 + self.index, base_round=round_

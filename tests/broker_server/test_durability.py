@@ -38,7 +38,7 @@ from protofl.wire import (
     encode_message,
 )
 from tests.pipelines import ADAPTER_PIPELINE
-from tests.wire_helpers import decode_as
+from tests.wire_helpers import decode_as, ridge_upload
 
 FED = "dur"
 
@@ -235,6 +235,9 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
                     ),
                 )
             )
+            if not n_adapter and agg.machine.plan.shared_backbone:  # the ridge predictor's statistics
+                up = ridge_upload(agg.machine.cfg, r, 18, rng)
+                out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
             if n_adapter:
                 idx = np.sort(rng.choice(n_adapter, size=5, replace=False)).astype(np.int64)
                 up = ParamsUpload(

@@ -83,7 +83,8 @@ def test_resolve_names_a_device_a_run_or_its_global_state(tmp_path: Path) -> Non
         ("refprotofl", {}, None, "every device trains its own backbone (backbone=train)"),
         ("refprotofl", {"backbone": "frozen", "archs": ("cnn", "mlp")}, None, "different architectures"),
         ("fedproto", {}, None, "only prototypes are federated"),
-        ("protofl", {}, None, "nearest global prototype on its own backbone"),
+        ("protofl", {}, "head", "a global head solved from the devices' statistics (ridge)"),
+        ("protofl", {"ridge": False}, None, "nearest global prototype on its own backbone"),
     ],
 )
 def test_a_global_predictor_where_the_config_defines_one(

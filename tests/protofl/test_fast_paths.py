@@ -262,7 +262,8 @@ def _batched_round(
         }
     model.radii["protos"] = 2.5 * np.sqrt(w) if state.get("unit") is None else 1.2  # unit rows: centres of norm <= 1
     run = PhaseRun(model, Phase.TRAIN)
-    assert len(run.folds) == 1 and isinstance(run.folds[0], BatchedFold)
+    protos = [f for f in run.folds if Upload.PROTOS in f.kinds]  # (the ridge predictor's fold takes the other kind)
+    assert len(protos) == 1 and isinstance(protos[0], BatchedFold)
     for i in range(150):
         c = np.sort(rng.choice(6, rng.integers(0, 7), replace=False))
         values = (rng.standard_normal((c.size, w)) * rng.uniform(0.5, 4.0)).astype(np.float32)

@@ -26,8 +26,9 @@ EXPECTED = {
     ),
     "tinyproto": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedproto", "cps"), "cps+scaled", 51),
     "fedpagr": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedpagr",), "unit", 512),
-    # candidate (b) of setting D, spherical CPS (bench/results/TABLE.md chose it)
-    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (P,)}, None, ("fedpagr", "cps"), "unit+cps", 51),
+    # candidate (b) of setting D, spherical CPS (bench/results/TABLE.md chose it), and the ridge predictor (issue 41:
+    # bench/results/PREDICTOR.md chose it), whose statistics ride the parameter upload
+    "protofl": ((Phase.TRAIN,), {Phase.TRAIN: (P, A)}, None, ("fedpagr", "cps", "ridge"), "unit+cps", 51),
 }
 
 

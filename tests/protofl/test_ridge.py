@@ -51,12 +51,12 @@ def _upload(h: np.ndarray, y: np.ndarray) -> ParamsUpload:
     return ParamsUpload(update=ridge_statistics(h, y, 3), n_samples=len(y), base_round=1)
 
 
-def test_the_protofl_preset_runs_it_and_refuses_it_where_a_model_is_federated() -> None:
+def test_the_protofl_preset_runs_it_and_it_stands_aside_where_a_model_is_federated() -> None:
     cfg = make_config("protofl")
     assert "ridge" in cfg.techniques and RoundPlan.from_config(cfg).shared_backbone
     assert RoundPlan.from_config(cfg).sends(Phase.TRAIN) == (Upload.PROTOS, Upload.ADAPTER)
-    with pytest.raises(ConfigError, match="the federated model is the global predictor already"):
-        make_config("fedavg", ridge=True)
+    for cfg in (make_config("fedavg", ridge=True), make_config("protofl", federate="adapter")):
+        assert "ridge" not in cfg.techniques and not RoundPlan.from_config(cfg).shared_backbone
     with pytest.raises(ConfigError, match="ridge_lambda must be > 0"):
         make_config("protofl", ridge_lambda=0)
 

@@ -94,7 +94,7 @@ def params_list(n: int) -> bytes:
 def public_classes(n: int) -> bytes:
     x = {"dt": "u1", "sh": [1, 1, 1, 1], "b": b"\0"}
     y = {"dt": "u2", "sh": [1], "b": b"\0\0"}
-    return message("public", {"x": x, "y": y, "classes": list(range(n))})
+    return message("public", {"x": x, "y": y, "classes": list(range(n)), "backbone": None})
 
 
 def cpu_seconds(fn: Callable[[], Any]) -> float:

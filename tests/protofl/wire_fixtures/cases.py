@@ -115,6 +115,13 @@ def _cases() -> dict[str, Case]:
         # --- public: the server's public set
         "public_u1": Case(PublicSet(public_u1, np.array([0, 3]), [0, 3]), sender=SERVER, phase="", round=0),
         "public_f4": Case(PublicSet(public_f4, np.array([1, 1, 4]), [1, 2, 4]), sender=SERVER, phase="", round=0),
+        # the shared backbone of the ridge predictor (additive within version 1: the key travels only with one)
+        "public_backbone": Case(
+            PublicSet(public_u1[:0], np.zeros(0, np.int64), [], backbone=np.array([0.5, -1.25, 3.0], np.float32)),
+            sender=SERVER,
+            phase="",
+            round=0,
+        ),
         # --- round: opens a round phase
         "round_minimal": Case(RoundStart(0.0), sender=SERVER, phase="proto", round=1),
         "round_anchors_f4": Case(
