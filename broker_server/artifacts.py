@@ -20,6 +20,7 @@ from broker_server.stages import ServerModel
 from protofl import artifacts as art
 from protofl.algorithms import support
 from protofl.plan import Phase
+from protofl.wire import PublicSet
 
 __all__ = ["global_prototypes", "write_server_artifacts"]
 
@@ -56,13 +57,14 @@ def write_server_artifacts(
     written_by: str = "protofl-server start",
     data: str | None = None,
     norm: tuple[Sequence[float], Sequence[float]] | None = None,
-    backbone: np.ndarray | None = None,
+    backbone: PublicSet | None = None,
 ) -> Path:
     """Write ROOT/manifest.json and ROOT/global/ for the server's current model; returns ROOT.
 
     `data` and `norm` (the data spec and its per-channel mean/std, where the server knows them: a
     simulation, or `start --public-data`) let the export tools default to the same inputs. `backbone`: the
-    shared backbone the public message shipped, where a global head sits on it (global/predictor.npz)."""
+    public message that shipped the shared backbone (and its inputs' normalisation), where a global head sits on it
+    (global/predictor.npz)."""
     cfg = model.cfg
     out = Path(root)
     names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
@@ -85,9 +87,12 @@ def write_server_artifacts(
         art.write_vector(glob / art.FEDERATED, vector, federated or "")
     head = model.rules.predictor_head()
     head_info = model.rules.predictor_info()
+    vec = None if backbone is None else backbone.backbone
     if head is not None:
-        head_info = {**head_info, "backbone": "shipped" if backbone is not None else "seeded initial model"}
-        art.write_predictor(glob / art.PREDICTOR, head[0], head[1], backbone, head_info)
+        head_info = {**head_info, "backbone": "shipped" if vec is not None else "seeded initial model"}
+        if backbone is not None and backbone.norm is not None:
+            head_info.update(norm_mean=backbone.norm[0], norm_std=backbone.norm[1])
+        art.write_predictor(glob / art.PREDICTOR, head[0], head[1], vec, head_info)
     art.write_json(
         out / art.MANIFEST,
         art.stamp(

@@ -712,6 +712,7 @@ class RoundMachine:
                     target_label="",
                     participants=None,
                     final=True,
+                    predictor=f.predictor,
                     dt=self.plan.adapter_dtype,
                 ),
                 Phase.DONE.value,

@@ -393,9 +393,9 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
             log.info(
                 "training the shared backbone on the public set (%d images, %d epochs)", len(idx), cfg.backbone_epochs
             )
-        if validation is not None:
-            x = validation.x
-            np.savez(t / "val.npz", x=x, mean=np.array(validation.mean), std=np.array(validation.std))
+        if validation is not None:  # normalised as the backbone's inputs are (the public data's), where it is trained
+            like = train if len(idx) else validation
+            np.savez(t / "val.npz", x=validation.x, mean=np.array(like.mean), std=np.array(like.std))
             argv += ["--embed", str(t / "val.npz"), "--embed-out", str(t / "val.npy")]
         done = subprocess.run(argv, capture_output=True, text=True)
         if done.returncode != 0:
@@ -419,15 +419,15 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
         )
     if vec is None:
         return public, scored
+    norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
     if public is None:
-        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec), scored
-    return replace(public, backbone=vec), scored
+        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec, norm=norm), scored
+    return replace(public, backbone=vec, norm=norm), scored
 
 
 def _backbone_of(agg: Any) -> Any:
-    """The shared backbone the federation's public message ships (None: none, or the seeded model)."""
-    public = agg.machine.public
-    return None if public is None else public.backbone
+    """The public message that ships the shared backbone (None: none, or the seeded model)."""
+    return agg.machine.public
 
 
 def _bridged(state_dir: Path | None, insecure: bool) -> set[str]:

@@ -179,6 +179,8 @@ class EdgeAgent:
         self.public_x: torch.Tensor | None = None
         self.public_y: np.ndarray | None = None
         self.backbone: np.ndarray | None = None  # the federation's shared backbone (the public message's)
+        self.backbone_norm: tuple[list[float], list[float]] | None = None  # the normalisation its inputs take
+        self.global_head: tuple[np.ndarray, np.ndarray] | None = None  # its global head (the final round message's)
         self.global_adapter: np.ndarray | None = None
         self.adapter_round = -1  # the round whose global adapter we hold
         self.objective = Objective()  # this round's objective (also what the metrics classify with)
@@ -432,6 +434,7 @@ class EdgeAgent:
         self.public_x = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if len(msg.y) else None
         self.public_y = np.asarray(msg.y, dtype=np.int64) if len(msg.y) else None
         self.backbone = msg.backbone
+        self.backbone_norm = msg.norm
 
     # -- rules ----------------------------------------------------------------------------------
     def context(self) -> DeviceContext:
@@ -448,6 +451,8 @@ class EdgeAgent:
             public_x=self.public_x,
             public_y=self.public_y,
             backbone=self.backbone,
+            backbone_norm=self.backbone_norm,
+            data_norm=(tuple(self.data.mean), tuple(self.data.std)),
             masks=self.masks,
             global_adapter=self.global_adapter,
             adapter_round=self.adapter_round,
@@ -477,6 +482,8 @@ class EdgeAgent:
         if msg.final:
             first = not self.finished
             self.finished = True
+            if msg.predictor is not None:  # the federation's global predictor: kept beside this device's own model
+                self.global_head = msg.predictor
             if first and self._step is not None:
                 self._step.finished = True
                 if self.model is not None and "final" in self.artifacts_at:

@@ -82,6 +82,11 @@ class DeviceArtifacts:
     targets: dict[int, np.ndarray]  # the round's dense targets as this device decodes them (empty: none)
     metric: str | None  # how the objective compares features with them (None: it classifies with the head)
     final: bool = False  # the federation had finished
+    # The federation's global predictor, where the final round message carried one: its head (W, b) and the shared
+    # backbone it sits on (None: the seeded initial model); written as predictor.npz beside the device's model.
+    predictor: tuple[np.ndarray, np.ndarray] | None = None
+    backbone: np.ndarray | None = None
+    backbone_norm: tuple[list[float], list[float]] | None = None
 
     def write(
         self, root: str | os.PathLike[str], class_names: Sequence[str] | None = None, data: str | None = None
@@ -101,6 +106,14 @@ class DeviceArtifacts:
         else:
             art.write_prototypes(out / art.PROTOTYPES, own, metric=own_metric, class_names=names, source="local")
             source, metric = "local", own_metric
+        if self.predictor is not None:
+            info: dict[str, Any] = {
+                "kind": "global",
+                "backbone": "shipped" if self.backbone is not None else "seeded initial model",
+            }
+            if self.backbone_norm is not None:
+                info.update(norm_mean=self.backbone_norm[0], norm_std=self.backbone_norm[1])
+            art.write_predictor(out / art.PREDICTOR, self.predictor[0], self.predictor[1], self.backbone, info)
         art.write_json(
             out / art.DEVICE,
             art.stamp(
@@ -144,6 +157,9 @@ def collect_device_artifacts(agent: EdgeAgent) -> DeviceArtifacts:
         targets=targets,
         metric=agent.objective.metric,
         final=agent.finished,
+        predictor=agent.global_head,
+        backbone=agent.backbone if agent.global_head is not None else None,
+        backbone_norm=agent.backbone_norm if agent.global_head is not None else None,
     )
 
 

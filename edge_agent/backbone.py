@@ -55,6 +55,26 @@ def backbone_model(cfg: FederationConfig, vector: np.ndarray | None = None) -> P
     return model.eval()
 
 
+def renormalize(
+    x: np.ndarray | torch.Tensor,
+    frm: tuple[Sequence[float], Sequence[float]],
+    to: tuple[Sequence[float], Sequence[float]] | None,
+) -> torch.Tensor:
+    """Inputs normalised with `frm` (a device's own mean/std), normalised instead with `to` (the backbone's: what it
+    was trained on); `to` None: as they are."""
+    xt = torch.as_tensor(x)
+    same = to is not None and all(
+        len(a) == len(b) and all(np.float32(u) == np.float32(v) for u, v in zip(a, b, strict=True))
+        for a, b in zip(frm, to, strict=True)
+    )
+    if to is None or same:  # (the same normalisation: the inputs as they are, bit for bit)
+        return xt
+    shape = (1, -1, 1, 1)
+    m0, s0 = torch.tensor(frm[0]).reshape(shape), torch.tensor(frm[1]).reshape(shape)
+    m1, s1 = torch.tensor(to[0]).reshape(shape), torch.tensor(to[1]).reshape(shape)
+    return ((xt * s0.to(xt) + m0.to(xt)) - m1.to(xt)) / s1.to(xt)
+
+
 def normalize(x: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """uint8 (n, c, h, w) images as a device normalises them (float32 inputs pass through)."""
     if x.dtype != np.uint8:
@@ -170,9 +190,10 @@ def with_backbone(cfg: FederationConfig, train: Dataset, public: PublicSet | Non
     if len(idx) == 0 or int(cfg.backbone_epochs) == 0:
         return public
     vec = trained_backbone(cfg, train.x[idx], train.y[idx], train.mean, train.std)
+    norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
     if public is None:
-        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec)
-    return dataclasses.replace(public, backbone=vec)
+        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec, norm=norm)
+    return dataclasses.replace(public, backbone=vec, norm=norm)
 
 
 def embed(model: ProtoNet, x: np.ndarray, batch: int = 256) -> np.ndarray:

@@ -90,14 +90,21 @@ def _predictor(a: art.Artifact, cfg: FederationConfig) -> Loaded:
     with torch.no_grad():
         model.head.weight.copy_(torch.from_numpy(w))
         model.head.bias.copy_(torch.from_numpy(b))
-    note = (
-        f"the global predictor of federation '{a.info.get('fed')}' ({cfg.preset}) after round "
-        f"{a.info.get('round', '?')}: a {info.get('kind', 'global')} head from {info.get('devices', '?')} device(s)' "
-        f"statistics ({info.get('samples', '?')} samples) on the shared {model.arch} backbone "
-        f"({info.get('backbone', 'shipped')})"
+    when = f"after round {a.info['round']}" if "round" in a.info else f"as device {a.info.get('client_id')} kept it"
+    made = (
+        f"a {info.get('kind')} head from {info['devices']} device(s)' statistics ({info.get('samples', '?')} samples)"
+        if "devices" in info
+        else "its global head"
     )
+    note = (
+        f"the global predictor of federation '{a.info.get('fed')}' ({cfg.preset}) {when}: {made} on the shared "
+        f"{model.arch} backbone ({info.get('backbone', 'shipped')})"
+    )
+    norm = _norm(info) or _norm(a.info)  # the backbone's inputs' (shipped with it), else the run's data's
+    if norm is None and a.model.is_file():  # a device's copy: the normalisation its data had
+        norm = _norm(load_checkpoint(a.model)[1])
     # The global prototypes live in the devices' own feature spaces, not the backbone's: they do not go with it.
-    return Loaded(model.eval(), "logits", None, a.class_names, _norm(a.info), a.info.get("data"), note)
+    return Loaded(model.eval(), "logits", None, a.class_names, norm, a.info.get("data"), note)
 
 
 def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str] | None) -> Loaded:
@@ -174,4 +181,8 @@ def load_artifact(
         a = art.resolve(Path(path), device)
     except ValueError as exc:  # DataError: say it as the CLI's input error
         raise ConfigError(str(exc)) from None
+    if a.kind == "predictor":
+        if arch is not None or checkpoint is not None:
+            raise ConfigError("--from a global predictor brings its own backbone; drop --arch/--checkpoint")
+        return _predictor(a, FederationConfig.from_dict(dict(a.info["config"])))
     return _device(a, arch, checkpoint) if a.kind == "device" else _global(a, arch, checkpoint)

@@ -323,7 +323,7 @@ class Artifact:
     """What `--from PATH` names: a device's artifact, or the federation's global state."""
 
     path: Path  # the device's folder, or the global folder
-    kind: str  # "device" | "global"
+    kind: str  # "device" | "global" | "predictor" (a global predictor's file, the run's or a device's copy)
     info: dict[str, Any]  # device.json, or the manifest
 
     @property
@@ -352,6 +352,12 @@ def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact
     """The artifact at `path`: a device folder (it holds model.npz), a global folder, or a run's root
     (then `device` picks one of its devices, else its global state)."""
     p = Path(path)
+    if p.name == PREDICTOR and p.is_file():  # a global predictor: the run's (global/), or kept by a device
+        if (p.parent.parent / MANIFEST).is_file() and p.parent.name == GLOBAL:
+            return Artifact(p.parent, "predictor", read_json(p.parent.parent / MANIFEST))
+        if (p.parent / DEVICE).is_file():
+            return Artifact(p.parent, "predictor", read_json(p.parent / DEVICE))
+        raise DataError(f"{p}: a global predictor needs its run's {MANIFEST} or its device's {DEVICE} beside it")
     if p.name == GLOBAL and (p.parent / MANIFEST).is_file():  # its folder is made with its first file
         return Artifact(p, "global", read_json(p.parent / MANIFEST))
     if not p.exists():

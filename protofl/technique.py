@@ -454,15 +454,17 @@ class VectorMean(Protocol):
 @dataclass(frozen=True)
 class RoundFields:
     """What the round message opening a phase carries from the rules (None: nothing of that field): the targets
-    (`target_label` is the plan's), the federated adapter, the whole model's parameters. A rule declares the
-    fields it fills (`ServerRule.fills`); for each field the first rule in rule order that gives one wins."""
+    (`target_label` is the plan's), the federated adapter, the whole model's parameters, a global predictor's head.
+    A rule declares the fields it fills (`ServerRule.fills`); for each field the first rule in rule order that gives
+    one wins."""
 
     targets: ProtoSet | None = None
     adapter: np.ndarray | None = None
     params: np.ndarray | None = None
+    predictor: tuple[np.ndarray, np.ndarray] | None = None  # a global head (W, b): the final message's
 
 
-ROUND_FIELDS = ("targets", "adapter", "params")
+ROUND_FIELDS = ("targets", "adapter", "params", "predictor")
 
 
 class ServerRule:

@@ -265,10 +265,8 @@ def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulati
     assert int((onnx_labels == test.y).sum()) == round(accs[-1] * len(test.y)), (accs[-1], len(test.y))
 
 
-@pytest.fixture(scope="module")
-def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`start` + two `join --state-dir` processes over the embedded broker: their state dirs."""
-    tmp = tmp_path_factory.mktemp("start")
+def trial(tmp: Path, *server_args: str) -> Path:
+    """`start SERVER_ARGS` + two `join --state-dir` processes over the embedded broker: their state dirs."""
     port = free_port()
     server = subprocess.Popen(
         [
@@ -283,8 +281,7 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(port),
             "--fed",
             "dep",
-            "--preset",
-            "fedproto",
+            *server_args,
             "--rounds",
             "2",
             "--min-clients",
@@ -342,6 +339,18 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
+@pytest.fixture(scope="module")
+def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return trial(tmp_path_factory.mktemp("start"), "--preset", "fedproto")
+
+
+@pytest.fixture(scope="module")
+def started_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default preset (its ridge predictor), its backbone trained on the public set of the server's data, scored
+    every round on the server's validation data."""
+    return trial(tmp_path_factory.mktemp("start-default"), "--public-data", DATA, "--validation", DATA)
+
+
 @pytest.mark.slow
 def test_start_and_join_leave_what_a_device_deploys(started: Path, tmp_path: Path, one_torch_thread: None) -> None:
     device = started / "dev-1" / "artifacts"  # join --state-dir DIR: DIR/artifacts/devices/dev-1
@@ -357,3 +366,38 @@ def test_start_leaves_the_federation_s_global_state(started: Path) -> None:
     assert manifest["fed"] == "dep" and manifest["round"] == 2 and manifest["finished"]
     glob = art.read_prototypes(started / "server" / "artifacts" / "global" / art.PROTOTYPES)
     assert glob.values.shape == (len(glob.classes), 512) and glob.source == "global"
+
+
+@pytest.mark.slow
+def test_start_scores_the_predictor_and_every_device_keeps_it(
+    started_default: Path, tmp_path: Path, one_torch_thread: None
+) -> None:
+    """The default preset's global predictor in a real federation: scored by the server every round on its own data
+    (rounds.jsonl), written with the run's artifacts, and kept by every device (join --state-dir) as the final round
+    message carried it; a device's copy exports and labels exactly as the server's does."""
+    from export.artifact import load_artifact
+
+    rows = [json.loads(line) for line in (started_default / "server" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
+    server = started_default / "server" / "artifacts" / "global" / art.PREDICTOR
+    w, b, backbone, info = art.read_predictor(server)
+    assert info["devices"] == 2 and info["backbone"] == "shipped" and backbone is not None, info
+    _, test = load_dataset(DATA)
+    want = torch_labels(load_artifact(started_default / "server" / "artifacts" / "global"), "logits", test.x)
+    assert np.mean(want == test.y) == pytest.approx(rows[-1]["predictor_acc"], abs=0.02)  # 100 vs the val split
+    for dev in ("dev-0", "dev-1"):
+        kept = started_default / dev / "artifacts" / "devices" / dev / art.PREDICTOR
+        w2, b2, backbone2, _ = art.read_predictor(kept)
+        assert backbone2 is not None and np.array_equal(backbone2, backbone)
+        assert np.array_equal(w2, w) and np.array_equal(b2, b)
+    model = tmp_path / "kept.onnx"
+    kept = started_default / "dev-1" / "artifacts" / "devices" / "dev-1" / art.PREDICTOR
+    r = runner.invoke(export_app, ["onnx", "--from", str(kept), "--out", str(model), "--exporter", "torchscript"])
+    assert r.exit_code == 0 and "as device dev-1 kept it" in r.output, r.output
+    npz = tmp_path / "test.npz"
+    np.savez(npz, x=test.x)
+    labels = tmp_path / "labels.csv"
+    done = edge_without_torch("predict", "--model", model, "--input", f"npz:{npz}", "--out", labels, "--show", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    got = read_labels(labels)
+    assert np.array_equal(np.array([got[str(i)] for i in range(len(test.y))]), want)

@@ -56,5 +56,5 @@ def write_run_artifacts(spec: SimulationSpec, fed_data: Federation, agg: Aggrega
         written_by="protofl-server simulate",
         data=spec.dataset,
         norm=(fed_data.train.mean, fed_data.train.std),
-        backbone=None if agg.machine.public is None else agg.machine.public.backbone,
+        backbone=agg.machine.public,
     )

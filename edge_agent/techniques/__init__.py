@@ -79,6 +79,10 @@ class DeviceContext:
     # The federation's shared backbone (the whole vector of its first architecture's model), where the public
     # message carried one (protofl/algorithms/ridge.py).
     backbone: np.ndarray | None = None
+    # The normalisation the backbone's inputs take ((mean, std) per channel; None: this device's own), and this
+    # device's own (what `x` is normalised with).
+    backbone_norm: tuple[list[float], list[float]] | None = None
+    data_norm: tuple[Sequence[float], Sequence[float]] | None = None
     masks: np.ndarray | None = None  # the support masks of the config message, where prototypes use them
     global_adapter: np.ndarray | None = None
     adapter_round: int = -1

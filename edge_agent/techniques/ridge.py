@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_agent.backbone import backbone_model
+from edge_agent.backbone import backbone_model, renormalize
 from edge_agent.techniques import DeviceContext, DeviceRule
 from protofl.algorithms.ridge import ridge_length, ridge_statistics
 from protofl.sparse import SparseVector
@@ -34,8 +34,13 @@ class RidgeDevice(DeviceRule):
         if self.sent:
             return SparseVector(n, np.zeros(0, np.int64), np.zeros(0, np.float32))
         model = backbone_model(cfg, ctx.backbone).to(ctx.device)
+        own = ctx.data_norm
+        to = ctx.backbone_norm if own is not None else None  # the backbone's inputs as it was trained on them
         with torch.inference_mode():
-            h = [model.features(ctx.x[i : i + self.BATCH]).cpu().numpy() for i in range(0, len(ctx.x), self.BATCH)]
+            h = [
+                model.features(renormalize(ctx.x[i : i + self.BATCH], own or ((), ()), to)).cpu().numpy()
+                for i in range(0, len(ctx.x), self.BATCH)
+            ]
         feats = np.concatenate(h) if h else np.zeros((0, cfg.proto_dim), np.float32)
         self.sent = True
         return ridge_statistics(feats, ctx.y, cfg.num_classes)

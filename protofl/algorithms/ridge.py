@@ -46,6 +46,7 @@ from protofl.technique import (
     Part,
     Phase,
     PlanDraft,
+    RoundFields,
     ServerRule,
     ServerState,
     Technique,
@@ -165,6 +166,8 @@ class RidgeState:
 
 
 class RidgeRule(ServerRule):
+    fills = frozenset({"predictor"})
+
     def __init__(self, model: ServerState) -> None:
         super().__init__(model)
         self.state = RidgeState()
@@ -178,6 +181,10 @@ class RidgeRule(ServerRule):
 
     def folds(self, phase: Phase) -> list[Fold]:
         return [RidgeFold(self)] if phase is self.model.plan.phases[-1] else []
+
+    def round_fields(self, phase: Phase) -> RoundFields | None:
+        """The head in the final round message: every device keeps the federation's predictor beside its model."""
+        return RoundFields(predictor=self.predictor_head()) if phase is Phase.DONE else None
 
     def predictor_head(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The global head (W (C, d), b (C,)) from the statistics counted so far; None before any."""

@@ -369,13 +369,15 @@ class Config(_Body):
 class PublicSet(_Body):
     """The server-held public samples: x (n, c, h, w) uint8 or float32, labels y drawn from `classes`; and
     `backbone`, where the federation has a shared one (the ridge predictor's, protofl/algorithms/ridge.py): the
-    whole parameter vector of its first architecture's model, float32, as edge_agent.params flattens it."""
+    whole parameter vector of its first architecture's model, float32, as edge_agent.params flattens it, and `norm`,
+    the per-channel (mean, std) its inputs were normalised with (images in [0, 1]): a device embeds its data so."""
 
     KIND: ClassVar[str] = "public"
     x: np.ndarray
     y: np.ndarray
     classes: list[int]
     backbone: np.ndarray | None = None
+    norm: tuple[list[float], list[float]] | None = None
 
     def __post_init__(self) -> None:
         x = np.asarray(self.x)
@@ -393,7 +395,18 @@ class PublicSet(_Body):
             raise WireError(f"{x.shape[0]} samples but {y.size} labels")
         if not np.isin(y, classes).all():
             raise WireError("y: a label is not in classes")
-        _set(self, x=x, y=y, classes=classes, backbone=_opt(self.backbone, lambda a: _floats(a, "backbone", 1)))
+        norm = self.norm
+        if norm is not None:
+            if self.backbone is None:
+                raise WireError("norm: only with a backbone")
+            if not isinstance(norm, (tuple, list)) or len(norm) != 2:
+                raise WireError("norm: expected (mean, std)")
+            mean, std = (_floats(v, f"norm {w}", 1).tolist() for v, w in zip(norm, ("mean", "std"), strict=True))
+            if len(mean) != len(std) or not 1 <= len(mean) <= 16 or min(std) <= 0:
+                raise WireError("norm: mean and std need one value per channel (at most 16), std > 0")
+            norm = (mean, std)
+        backbone = _opt(self.backbone, lambda a: _floats(a, "backbone", 1))
+        _set(self, x=x, y=y, classes=classes, backbone=backbone, norm=norm)
 
     def to_body(self) -> dict:
         dt = "u1" if self.x.dtype == np.uint8 else "f4"
@@ -401,7 +414,11 @@ class PublicSet(_Body):
         # Additive within version 1: the key travels only with a backbone, so a public set without one is the
         # bytes it always was (and a device of an earlier version, which refuses unknown keys, still reads it).
         if self.backbone is not None:
-            body["backbone"] = encode_array(self.backbone, "f4")
+            body["backbone"] = {
+                "params": encode_array(self.backbone, "f4"),
+                "mean": None if self.norm is None else self.norm[0],
+                "std": None if self.norm is None else self.norm[1],
+            }
         return body
 
     @classmethod
@@ -414,10 +431,18 @@ class PublicSet(_Body):
         b = {"backbone": None, **expect_keys(body, keys, cls.KIND)}
         x = decode_array(b["x"], what="public x", limits=limits, dts=("u1", "f4"), ndim=4)
         y = decode_array(b["y"], what="public y", limits=limits, dts=("u2",), ndim=1)
-        backbone = _opt(
-            b["backbone"], lambda a: decode_array(a, what="public backbone", limits=limits, dts=("f4",), ndim=1)
-        )
-        return _build(cls, cls.KIND, x=x, y=y, classes=b["classes"], backbone=backbone)
+        backbone, norm = None, None
+        if b["backbone"] is not None:
+            bb = expect_keys(b["backbone"], ("params", "mean", "std"), "public backbone")
+            backbone = decode_array(bb["params"], what="public backbone", limits=limits, dts=("f4",), ndim=1)
+            if (bb["mean"] is None) != (bb["std"] is None):
+                raise WireError("public backbone: mean and std go together")
+            if bb["mean"] is not None:
+                for k in ("mean", "std"):
+                    if not isinstance(bb[k], list) or len(bb[k]) > 16:
+                        raise WireError(f"public backbone: {k} must be a list of at most 16 numbers")
+                norm = ([expect_float(v, "mean") for v in bb["mean"]], [expect_float(v, "std") for v in bb["std"]])
+        return _build(cls, cls.KIND, x=x, y=y, classes=b["classes"], backbone=backbone, norm=norm)
 
 
 @dataclass(frozen=True, eq=False)
@@ -434,8 +459,19 @@ class RoundStart(_Body):
     participants: list[str] | None = None
     final: bool = False
     dt: str = "f4"
+    # The global predictor's head (W (C, d), b (C,)) on the shared backbone (the ridge predictor), f4: the final
+    # round message carries it, so that every device can keep the federation's predictor beside its own model.
+    # Additive within version 1: the key travels only with a head.
+    predictor: tuple[np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
+        if self.predictor is not None:
+            if not isinstance(self.predictor, (tuple, list)) or len(self.predictor) != 2:
+                raise WireError("predictor: expected (weight, bias)")
+            w, b = _floats(self.predictor[0], "predictor weight", 2), _floats(self.predictor[1], "predictor bias", 1)
+            if b.shape[0] != w.shape[0]:
+                raise WireError(f"predictor: {w.shape[0]} rows of weights but {b.shape[0]} biases")
+            _set(self, predictor=(w, b))
         if self.targets is not None and not isinstance(self.targets, ProtoSet):
             raise WireError(f"targets: expected a ProtoSet, got {type(self.targets).__name__}")
         if self.dt not in FLOAT_DTS:
@@ -456,7 +492,7 @@ class RoundStart(_Body):
         )
 
     def to_body(self) -> dict:
-        return {
+        body = {
             "deadline": self.deadline,
             "adapter": _opt(self.adapter, lambda a: encode_array(a, self.dt)),
             "params": _opt(self.params, lambda a: encode_array(a, self.dt)),
@@ -465,11 +501,25 @@ class RoundStart(_Body):
             "participants": self.participants,
             "final": self.final,
         }
+        if self.predictor is not None:
+            body["predictor"] = [encode_array(self.predictor[0], "f4"), encode_array(self.predictor[1], "f4")]
+        return body
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        keys = ("deadline", "adapter", "params", "anchors", "anchor_kind", "participants", "final")
+        keys: tuple[str, ...] = ("deadline", "adapter", "params", "anchors", "anchor_kind", "participants", "final")
+        if isinstance(body, dict) and "predictor" in body:
+            keys = (*keys, "predictor")
         b = expect_keys(body, keys, cls.KIND)
+        predictor = None
+        if "predictor" in b:
+            pair = b["predictor"]
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise WireError("round: predictor must be [weight, bias]")
+            predictor = (
+                decode_array(pair[0], what="round predictor weight", limits=limits, dts=("f4",), ndim=2),
+                decode_array(pair[1], what="round predictor bias", limits=limits, dts=("f4",), ndim=1),
+            )
         dense = {k: _opt(b[k], lambda a, k=k: decode_array(a, what=f"round {k}", limits=limits, dts=FLOAT_DTS, ndim=1))
                  for k in ("adapter", "params")}  # fmt: skip
         dts = {b[k]["dt"] for k in ("adapter", "params") if b[k] is not None}
@@ -478,7 +528,8 @@ class RoundStart(_Body):
         anchors = _opt(b["anchors"], lambda a: ProtoSet.from_body(a, limits, "round anchors"))
         return _build(
             cls, cls.KIND, deadline=b["deadline"], targets=anchors, target_label=b["anchor_kind"],
-            participants=b["participants"], final=b["final"], dt=dts.pop() if dts else "f4", **dense,
+            participants=b["participants"], final=b["final"], dt=dts.pop() if dts else "f4", predictor=predictor,
+            **dense,
         )  # fmt: skip
 
 

@@ -117,7 +117,13 @@ def _cases() -> dict[str, Case]:
         "public_f4": Case(PublicSet(public_f4, np.array([1, 1, 4]), [1, 2, 4]), sender=SERVER, phase="", round=0),
         # the shared backbone of the ridge predictor (additive within version 1: the key travels only with one)
         "public_backbone": Case(
-            PublicSet(public_u1[:0], np.zeros(0, np.int64), [], backbone=np.array([0.5, -1.25, 3.0], np.float32)),
+            PublicSet(
+                public_u1[:0],
+                np.zeros(0, np.int64),
+                [],
+                backbone=np.array([0.5, -1.25, 3.0], np.float32),
+                norm=([0.25], [0.5]),
+            ),
             sender=SERVER,
             phase="",
             round=0,
@@ -142,6 +148,17 @@ def _cases() -> dict[str, Case]:
         ),
         "round_params_final_f2": Case(
             RoundStart(12.5, params=DENSE, final=True, dt="f2"), sender=SERVER, phase="done", round=50
+        ),
+        # the final message with the ridge predictor's head (additive within version 1: the key travels only with one)
+        "round_final_predictor": Case(
+            RoundStart(
+                7.0,
+                final=True,
+                predictor=(np.array([[0.5, -1.0], [2.0, 0.25], [0.0, 1.5]], np.float32), np.array([1, -2, 0.5])),
+            ),
+            sender=SERVER,
+            phase="done",
+            round=3,
         ),
         "round_adapter_params_q8": Case(
             RoundStart(
