@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -284,7 +284,7 @@ class RoundMachine:
         # The public message: the public set where the plan uses it, and the shared backbone where one travels
         # (a federation whose plan uses no public images sends only that: a set of zero samples).
         if public is not None and not self.plan.public_classes and public.backbone is not None:
-            public = PublicSet(x=public.x[:0], y=public.y[:0], classes=[], backbone=public.backbone)
+            public = replace(public, x=public.x[:0], y=public.y[:0], classes=[])
         self.public = (
             public if self.plan.public_classes or (public is not None and public.backbone is not None) else None
         )
