@@ -121,8 +121,10 @@ def train_backbone(
 
 
 def cache_key(cfg: FederationConfig, x: np.ndarray, y: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> str:
-    """What determines the trained backbone: the recipe's config values, the public set's bytes, the norm."""
+    """What determines the trained backbone: the recipe's config values, the model's layout (a user's factory may
+    change under its name), the public set's bytes, the norm."""
     h = hashlib.sha256()
+    h.update(repr(model_params.full_layout(backbone_model(cfg))).encode())
     recipe = (
         cfg.archs[0], cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, cfg.seed, cfg.lr,
         cfg.momentum, cfg.weight_decay, cfg.batch_size, cfg.backbone_epochs, tuple(mean), tuple(std),
