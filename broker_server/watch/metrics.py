@@ -20,7 +20,8 @@ never touches the aggregator. Names, types and labels (docs/design.md, "Watching
     protofl_round_duration_seconds                     histogram
     protofl_accuracy_ratio{kind}                       gauge 0..1 of the last evaluated round: local, global,
                                                        local_proto, global_proto (local: on each device's own
-                                                       classes only; ACCURACY_HELP)
+                                                       classes only; ACCURACY_HELP), predictor (the server's,
+                                                       start --validation)
     protofl_accuracy_round                             gauge: which round that is
     protofl_journal_fsync_seconds                      histogram (with --state-dir)
     protofl_broker_restarts_total                      counter (the broker `start` spawned)
@@ -54,7 +55,8 @@ ACCURACY_HELP = (
     "Accuracy of the last evaluated round (0-1), by kind. local, local_proto: each device's model on a held-out "
     "part of its own data, so on its own classes only, not the federation's accuracy on every class; global, "
     "global_proto: each device's model on the test set of every class, averaged; _proto: by the nearest global "
-    "prototype instead of the head."
+    "prototype instead of the head; predictor: the global predictor on the server's own labelled data "
+    "(start --validation)."
 )
 # The values of protofl_phase: before round 1, each phase of a round, after the last, a stopped server.
 PHASES = ("waiting", *(p.value for p in Phase if p is not Phase.DONE), "finished", "stopped")

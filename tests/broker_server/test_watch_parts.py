@@ -48,7 +48,7 @@ def snapshot(**changes: object) -> Snapshot:
         accepted={"protos": 4},
         dropped={"duplicate": 1},
         history=(
-            RoundRow(1, 2, "quorum", 900.0, 950.0, 4000, 10000, 0.5, 0.4),
+            RoundRow(1, 2, "quorum", 900.0, 950.0, 4000, 10000, 0.5, 0.4, predictor_acc=0.75),
             RoundRow(2, 2, "quorum", 950.0, 990.0, 5000, 10000),
         ),
     )
@@ -61,7 +61,8 @@ def test_the_summary_round_trips_and_refuses_another_version() -> None:
     assert Snapshot.decode(snap.encode()) == snap
     # The field-by-field JSON form is exactly what dataclasses.asdict gives (it replaced it for speed).
     assert json.loads(snap.encode()) == json.loads(json.dumps({"v": 1, "kind": "protofl.summary", **asdict(snap)}))
-    assert snap.last_accuracies() == (1, {"local_acc": 0.5, "global_acc": 0.4})  # round 2's metrics not in
+    want = {"local_acc": 0.5, "global_acc": 0.4, "predictor_acc": 0.75}
+    assert snap.last_accuracies() == (1, want)  # round 2's metrics not in
     raw = json.loads(snap.encode())
     raw["added_later"] = {"x": 1}  # a newer writer's field: ignored
     assert Snapshot.from_json(raw) == snap
@@ -281,6 +282,7 @@ def test_status_metrics_and_page_say_local_is_on_each_devices_own_classes(tmp_pa
     help_line = next(line for line in text.splitlines() if line.startswith("# HELP protofl_accuracy_ratio "))
     assert "on its own classes only, not the federation's accuracy on every class" in help_line, help_line
     assert 'protofl_accuracy_ratio{kind="local"} 0.5' in text  # label values unchanged
+    assert 'protofl_accuracy_ratio{kind="predictor"} 0.75' in text  # the server's own score of the global predictor
 
     page = page_html().decode()
     for key in ACCURACY_KEYS:
