@@ -325,7 +325,8 @@ def report(
     metric: str = typer.Option(
         "global",
         help="global (each device on the official test set, every class; a run that never scored it: local) | "
-        "local (each device on its own held-out split: its own classes only).",
+        "local (each device on its own held-out split: its own classes only) | predictor (the global predictor: "
+        "a simulation's test set, or a server's --validation data).",
     ),
 ) -> None:
     """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""

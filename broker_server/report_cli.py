@@ -13,10 +13,11 @@ federation's `STATE_DIR/rounds.jsonl` (one line a round, with its accuracies onc
   machine fell behind the time scale by more than a whole round.
 Accuracy is `global_acc` (each client on the official test set; FedAvg: the global model; where a
 run has none, `local_acc`), or with `--metric local` `local_acc` (each client on its own held-out
-split, so on its own classes only). The plots and the summary name which one each run shows, local as
-"local (own classes)", and the summary has a legend: a real federation's rounds.jsonl has local figures
-only, which are not the federation's accuracy on every class. matplotlib comes with the `plotting`
-extra. No torch.
+split, so on its own classes only), or with `--metric predictor` `predictor_acc` (the global predictor: a
+simulation's test set, or a server's `--validation` data). The plots and the summary name which one
+each run shows, local as "local (own classes)", and the summary has a legend: a real federation's
+rounds.jsonl has local figures only (and, with `start --validation`, the predictor's), which are not the
+federation's accuracy on every class. matplotlib comes with the `plotting` extra. No torch.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def rounds_log(text: str, path: Path) -> dict[str, Any]:
     rounds = [
         {
             "round": r["round"],
-            **{k: r.get(k) for k in ("local_acc", "global_acc", "local_proto_acc", "global_proto_acc")},
+            **{
+                k: r.get(k) for k in ("local_acc", "global_acc", "local_proto_acc", "global_proto_acc", "predictor_acc")
+            },
             "ensemble_acc": None,
             "uplink_bytes": r["uplink_bytes"],
             "downlink_bytes": r["downlink_bytes"],
@@ -100,11 +103,13 @@ def rounds_log(text: str, path: Path) -> dict[str, Any]:
     }
 
 
-METRICS = ("global", "local")
+METRICS = ("global", "local", "predictor")
 
 
 def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
-    """`global_acc` (falling back to `local_acc` where a run has none), or `local_acc`."""
+    """`global_acc` (falling back to `local_acc` where a run has none), `local_acc`, or `predictor_acc`."""
+    if metric == "predictor":
+        return row.get("predictor_acc")
     if metric == "global" and row.get("global_acc") is not None:
         return row["global_acc"]
     return row.get("local_acc")
@@ -113,6 +118,8 @@ def accuracy(row: dict[str, Any], metric: str = "global") -> float | None:
 def run_metric(run: dict[str, Any], metric: str = "global") -> str:
     """Which accuracy `run_accuracies` gives for `run`: "global_acc", or "local_acc" (asked for, or a run
     that never scored the test set, such as a real federation's rounds.jsonl)."""
+    if metric == "predictor":  # the global predictor (a simulation's test set, or start --validation)
+        return "predictor_acc"
     scored = metric == "global" and any(r.get("global_acc") is not None for r in run["rounds"])
     return "global_acc" if scored else "local_acc"
 
