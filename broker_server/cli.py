@@ -18,6 +18,7 @@ from broker_server.shard_cli import shard_cli
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
 from protofl.algorithms.robust import clip_text
+from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 from protofl.plan import RoundPlan
@@ -213,7 +214,10 @@ def simulate(
     from protofl.requirements import require_torch
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not quiet:
+        logging.getLogger("protofl.data").setLevel(logging.INFO)  # what own data loading did: loaded, skipped
     try:
+        check_source(dataset)  # a wrong path or spec fails now, not after torch is imported
         require_torch("protofl-server simulate")  # the simulated devices train with torch
         overrides = parse_sets(set_)
         clip_on = parse_clip(clip)
@@ -265,7 +269,7 @@ def simulate(
             ray_workers=ray_workers,
             ray_max_restarts=ray_max_restarts,
         )
-        with Progress(
+        progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(bar_width=12),
             MofNCompleteColumn(),
@@ -274,17 +278,20 @@ def simulate(
             TimeElapsedColumn(),
             console=console,
             disable=quiet,
-        ) as progress:
-            task = progress.add_task(f"{preset} rounds", total=rounds, status="")
+        )
+        task = progress.add_task(f"{preset} rounds", total=rounds, status="")
 
-            def on_round(row: dict[str, Any]) -> None:
-                progress.update(task, advance=1, status=_progress_status(row))
+        def on_round(row: dict[str, Any]) -> None:
+            progress.update(task, advance=1, status=_progress_status(row))
 
-            report = run_simulation(spec, on_round=on_round)
+        try:  # the bar is drawn once the inputs are checked and the data loaded (on_start), not before
+            report = run_simulation(spec, on_round=on_round, on_start=progress.start)
             if report["rounds"]:
                 # A row is shown once its metrics are in or their grace passed, and late metrics still reach
                 # the report: the bar ends on the report's own last row, the figures the table shows.
                 progress.update(task, completed=len(report["rounds"]), status=_progress_status(report["rounds"][-1]))
+        finally:
+            progress.stop()
     except ProtoFLError as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None

@@ -150,9 +150,11 @@ def make_runner(
     """The device loop `protofl-edge join` runs, from its options (checked before anything connects). A
     credentials file that carries the federation CA makes the device speak TLS and accept only a broker
     whose certificate that CA signed (unless --tls-ca names another CA)."""
+    from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
+
+    dataset_spec(data)  # a --data that names nothing or a bad spec fails now, before torch is imported
     import torch
 
-    from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
     from edge_agent.runner import DeviceRunner, RunnerOptions
     from protofl.transport.broker_url import parse_broker_url
 
@@ -169,7 +171,6 @@ def make_runner(
         raise ConfigError("--device cuda: torch sees no CUDA device; use --device cpu")
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    dataset_spec(data)  # fail now, not after connecting, on a --data that names nothing
     options = replace(
         parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key), keepalive=keepalive
     )

@@ -13,6 +13,7 @@ the device's own class means, as TinyProto's nearest-local-prototype rule uses t
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,9 +28,12 @@ from edge_agent.models import ProtoNet
 from protofl import artifacts as art
 from protofl.algorithms.prototypes import local_prototypes
 from protofl.config import FederationConfig
+from protofl.errors import DataError
 
 if TYPE_CHECKING:
     from edge_agent.agent import EdgeAgent
+
+log = logging.getLogger("protofl.edge")
 
 __all__ = ["DeviceArtifacts", "collect_device_artifacts", "model_spec", "write_device_artifacts"]
 
@@ -126,6 +130,7 @@ class DeviceArtifacts:
                 config=cfg.to_dict(),
                 class_names=names,
                 data=data,
+                csv_scaling=csv_scaling_of(data),
                 prototypes={
                     "source": source,
                     "metric": metric,
@@ -134,6 +139,21 @@ class DeviceArtifacts:
             ),
         )
         return out
+
+
+def csv_scaling_of(data: str | None) -> dict[str, Any] | None:
+    """The per-column standardisation a ``csv:`` data spec trains with (None for other data, or a CSV taken as
+    it is): recorded in device.json, carried into an ONNX export's metadata, applied by predict."""
+    from protofl.data import own
+
+    kind, sep, arg = (data or "").partition(":")
+    if not sep or kind.strip().lower() != "csv":
+        return None
+    try:
+        return own.csv_scaling(arg)
+    except DataError as exc:  # the file moved since training: the artifacts still matter more
+        log.warning("cannot record the csv scaling of %s: %s", data, exc)
+        return None
 
 
 def collect_device_artifacts(agent: EdgeAgent) -> DeviceArtifacts:

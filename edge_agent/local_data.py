@@ -17,6 +17,7 @@ import numpy as np
 from protofl.config import FederationConfig
 from protofl.data import DATASET_SPECS, load_dataset, load_source, own, split_client
 from protofl.data.federation import federation_split, limit_train
+from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def dataset_spec(data: str) -> str:
         path = Path(own.path_of(arg))
         if not path.exists():
             raise DataError(f"--data '{data}': not found: {path} does not exist")
-        return data
+        return check_source(data)  # its options, and the files they name
     if own.is_loader(data) and not Path(data).exists():
         return data
     p = Path(data)

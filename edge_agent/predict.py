@@ -197,10 +197,15 @@ def _label_input(
 
     if model.in_shape is None:
         raise DataError(f"{model.path} records no input shape; re-export it with protofl-export onnx")
-    batch = load_unlabelled(input_, model.in_shape)
+    scaling = json.loads(model.meta["csv_scaling"]) if model.meta.get("csv_scaling") else None
+    batch = load_unlabelled(input_, model.in_shape, scaling)
     labels = _labels(model, sess, batch.normalized(model.mean, model.std), table, metric)
     names = model.class_names(table)
     typer.echo(f"{model.path.name}: labelled {len(batch.names)} samples of {input_} by {how}")
+    if batch.skipped:
+        typer.echo(f"skipped {len(batch.skipped)} file(s) that could not be read (not labelled):")
+        for name, reason in batch.skipped:
+            typer.echo(f"  {name}: {reason}")
     for i in range(min(show, len(batch.names))):
         c = int(labels.classes[i])
         typer.echo(f"  {batch.names[i]}: {c} ({names.get(c, c)}), {labels.value_name} {labels.values[i]:.4g}")

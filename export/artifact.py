@@ -42,6 +42,7 @@ class Loaded:
     data: str | None  # the data spec the run used, where recorded (verify/quantize/bench default to it)
     note: str  # what was loaded, in words
     prototypes_path: Path | None = None  # the file `prototypes` was read from
+    csv_scaling: dict | None = None  # a CSV's per-column standardisation the model was trained with
 
 
 def _norm(info: dict) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
@@ -70,6 +71,7 @@ def _device(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
         info.get("data"),
         note,
         a.prototypes if protos is not None else None,
+        info.get("csv_scaling"),
     )
 
 

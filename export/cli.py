@@ -209,6 +209,8 @@ def _export_metadata(loaded: Any, what: str, out: Path, prototypes: Path | None)
         meta["class_names"] = json.dumps(loaded.class_names)
     if loaded.data:
         meta["data"] = loaded.data
+    if getattr(loaded, "csv_scaling", None):
+        meta["csv_scaling"] = json.dumps(loaded.csv_scaling)  # predict standardises new rows the same way
     if what == "features" and loaded.prototypes is not None:
         dest = prototypes or out.with_name(out.stem + ".prototypes.npz")
         dest.parent.mkdir(parents=True, exist_ok=True)

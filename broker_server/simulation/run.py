@@ -31,12 +31,14 @@ def run_simulation(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     *,
     on_finish: Callable[[Aggregator], None] | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run a federation end to end and return the report dict.
 
     `on_round` gets each round's report row once its metrics are in; `on_finish` the aggregator once
-    the run is over (its `model` is the final server state). `spec.device` "auto" is resolved here,
-    once, and the report records the device used."""
+    the run is over (its `model` is the final server state); `on_start` is called once the inputs are checked
+    and the data loaded, before the first round (a progress display starts there). `spec.device` "auto" is
+    resolved here, once, and the report records the device used."""
     if spec.transport not in TRANSPORTS:
         raise ConfigError(f"unknown transport '{spec.transport}'; use {' or '.join(TRANSPORTS)}")
     import torch  # the agents train with torch; imported here, not on the service path
@@ -62,6 +64,8 @@ def run_simulation(
         predictor_info=(predictor.kind, predictor.reason),
     )
     initial = predictor.initial_params  # FedAvg: every device starts from the global model's weights
+    if on_start is not None:
+        on_start()
     ray_info = None
     if spec.backend == "ray":
         agg, ray_info = run_on_ray(spec, fed_data, report, initial)

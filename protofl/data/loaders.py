@@ -23,6 +23,7 @@ from protofl.errors import DataError
 
 __all__ = [
     "DATASET_SPECS",
+    "check_source",
     "FASHION_MNIST_DIR",
     "FASHION_MNIST_MEAN",
     "FASHION_MNIST_STD",
@@ -46,8 +47,8 @@ DATASET_SPECS = (
     "synthetic:n=2000,classes=10,size=28",
     "npz:PATH",
     "idx:DIR",
-    "imagefolder:DIR[,classes=FILE]",
-    "csv:FILE[,label=COL][,range=LO:HI]",
+    "imagefolder:DIR[,classes=FILE][,strict=true]",
+    "csv:FILE[,label=COL][,range=LO:HI][,test=FILE][,scale=column|pixels]",
     "package.module:function",
 )
 
@@ -456,6 +457,37 @@ def load_source(
         arrays, name = own.read(own.LOADER, spec, shape, num_classes=num_classes, seed=seed)
         return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape)
     raise DataError(f"unknown dataset spec {spec!r}; use one of: {', '.join(DATASET_SPECS)}")
+
+
+def check_source(spec: str) -> str:
+    """`spec` checked without reading its data (fast, numpy only: before torch is imported): a known kind, its
+    file or folder there, its options valid. Returns `spec`; a loader function is checked when it is called."""
+    kind, sep, arg = spec.partition(":")
+    kind = kind.strip().lower()
+    if kind in ("fashion-mnist", "fashion_mnist", "fmnist") and not sep or kind == "synthetic":
+        return spec
+    if own.is_loader(spec) and kind not in ("npz", "idx", *own.KINDS):
+        return spec
+    if kind not in ("npz", "idx", *own.KINDS) or not arg.strip():
+        raise DataError(f"unknown dataset spec {spec!r}; use one of: {', '.join(DATASET_SPECS)}")
+    path = Path(own.path_of(arg))
+    if not path.exists():
+        raise DataError(f"dataset {spec!r}: not found: {path} does not exist")
+    files: list[str] = []
+    if kind == "imagefolder":
+        _, opts = own._options(arg, "imagefolder", ("classes", "strict"))
+        own._is_strict(opts, "imagefolder")
+        files = [opts["classes"]] if "classes" in opts else []
+        if not path.is_dir():
+            raise DataError(f"image folder not found: {path} is not a directory")
+    elif kind == "csv":
+        _, opts, _ = own._csv_options(arg)
+        own.csv_range(opts)
+        files = [opts["test"]] if "test" in opts else []
+    for f in files:
+        if not Path(f).is_file():
+            raise DataError(f"dataset {spec!r}: not found: {f} does not exist")
+    return spec
 
 
 def _conform(

@@ -10,12 +10,20 @@ a held-out test split where the data has none, normalisation statistics).
   ``classes=FILE`` (the federation's class names, one a line) a folder's label is its line; else, when
   every folder name is a number, that number (so a device may hold any subset: folders 0, 3, 7); else its
   position among the sorted folder names (then the device holds every class folder, empty or not).
-  ``DIR/train`` and ``DIR/test`` both present: they are the train and test splits.
-- ``csv:FILE[,label=COL][,range=LO:HI]``: a header row, then one sample a row: the label column
-  (``label`` unless named) holds integer class ids, every other column is a feature, in (channel, row,
-  column) order of the federation's in_shape. Features are pixel values (integers 0..255, or all values
-  in [0, 1]) unless ``range=LO:HI`` maps [LO, HI] linearly onto them (values outside are clipped): the
-  same fixed range on every device, so that all of them see the same features.
+  ``DIR/train`` and ``DIR/test`` both present: they are the train and test splits; ``DIR/train`` alone: the
+  train split (a test split is held out of it). A file Pillow cannot decode (empty, truncated) is skipped
+  and counted, a file of another suffix (README.txt) listed; more than MAX_UNREADABLE (half) of the image
+  files unreadable stops loading; ``strict=true``: the first unreadable file does. The log says how many
+  images were loaded, skipped (with the reasons) and converted (mode, size).
+- ``csv:FILE[,label=COL][,range=LO:HI][,test=FILE][,scale=column|pixels]``: a header row, then one sample a
+  row: the label column (``label`` unless named) holds integer class ids, every other column is a feature,
+  in (channel, row, column) order of the federation's in_shape. Features that are pixel values (integers
+  0..255, or all in [0, 1]) are taken as they are (``scale=pixels`` insists); ``range=LO:HI`` maps [LO, HI]
+  linearly onto 0..255 (the same fixed range on every device); any other values (``scale=column``
+  insists) are standardised per column with the mean and std of the training file, clipped to +-CSV_Z
+  standard deviations: :func:`csv_scaling` gives that scaling, stored with the device's artifacts, so
+  that predict applies the same. ``test=FILE``: the test split, same header. A cell that is not a number
+  is an error naming its line and column.
 - ``package.module:function``: see :func:`read_loader`.
 
 numpy only at import time (Pillow is imported lazily by the image folder reader).
@@ -26,14 +34,19 @@ from __future__ import annotations
 import csv
 import importlib
 import inspect
+import logging
 import math
 import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from protofl.errors import DataError
+
+log = logging.getLogger("protofl.data")
 
 __all__ = ["IMAGE_SUFFIXES", "KINDS", "LOADER", "is_loader", "read", "read_csv", "read_imagefolder", "read_loader"]
 
@@ -115,37 +128,103 @@ def _labels_of(dirs: list[Path], names: list[str] | None, where: Path) -> dict[s
     return {n: i for i, n in enumerate(found)}
 
 
-def _decode(paths: list[Path], in_shape: tuple[int, ...]) -> np.ndarray:
+# More than this share of a folder's image files unreadable stops loading: that is the wrong folder or a format
+# Pillow cannot read, not a few broken files (a handful among many is skipped and counted).
+MAX_UNREADABLE = 0.5
+
+
+@dataclass
+class Decoded:
+    """Images decoded from files: the readable ones (``x``, uint8 (n, c, h, w)), which files they are
+    (``kept``: indices into the paths given), the unreadable ones with the reason and what was converted."""
+
+    x: np.ndarray
+    kept: list[int]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    converted: Counter[str] = field(default_factory=Counter)
+
+
+def _is_strict(opts: dict[str, str], what: str) -> bool:
+    value = opts.get("strict", "false").lower()
+    if value not in ("true", "1", "yes", "false", "0", "no"):
+        raise DataError(f"{what} option strict={opts['strict']}: use strict=true or strict=false")
+    return value in ("true", "1", "yes")
+
+
+def decode_images(paths: list[Path], in_shape: tuple[int, ...], *, strict: bool = False) -> Decoded:
+    """Decode `paths` to `in_shape` (c, h, w): converted to L or RGB, resized. A file Pillow cannot read is
+    skipped with its reason (``strict``: the first one is an error); more than MAX_UNREADABLE of them is an
+    error either way."""
     image_mod = _pillow()
     c, h, w = in_shape
     mode = {1: "L", 3: "RGB"}[c]
     out = np.empty((len(paths), h, w, c), dtype=np.uint8)
+    kept: list[int] = []
+    skipped: list[tuple[Path, str]] = []
+    converted: Counter[str] = Counter()
     for i, p in enumerate(paths):
         try:
             with image_mod.open(p) as img:
+                if img.mode != mode:
+                    converted[f"{img.mode} to {mode}"] += 1
                 img = img.convert(mode)
                 if img.size != (w, h):
+                    converted[f"resized from {img.size[0]}x{img.size[1]}"] += 1
                     img = img.resize((w, h), image_mod.Resampling.BILINEAR)
-                out[i] = np.asarray(img, dtype=np.uint8).reshape(h, w, c)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{p}: cannot decode as an image ({e})") from None
-    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
+                out[len(kept)] = np.asarray(img, dtype=np.uint8).reshape(h, w, c)
+            kept.append(i)
+        except (OSError, ValueError, SyntaxError) as e:
+            reason = "empty file" if p.is_file() and p.stat().st_size == 0 else f"cannot decode as an image: {e}"
+            if strict:
+                raise DataError(f"{p}: {reason} (strict: the first unreadable file stops loading)") from None
+            skipped.append((p, reason))
+    if paths and len(skipped) > MAX_UNREADABLE * len(paths):
+        first = "; ".join(f"{p.name}: {r}" for p, r in skipped[:3])
+        raise DataError(
+            f"{len(skipped)} of {len(paths)} image files are unreadable (more than {MAX_UNREADABLE:.0%}: the wrong "
+            f"folder, or a format Pillow cannot read?); first: {first}"
+        )
+    x = np.ascontiguousarray(out[: len(kept)].transpose(0, 3, 1, 2))
+    return Decoded(x, kept, skipped, converted)
 
 
-def _first_shape(path: Path) -> tuple[int, int, int]:
-    """in_shape when the federation gives none: the first image's size, 1 channel if it is grey, else 3."""
+def _decode(paths: list[Path], in_shape: tuple[int, ...]) -> np.ndarray:
+    """Every one of `paths` decoded (the first unreadable file is an error)."""
+    return decode_images(paths, in_shape, strict=True).x
+
+
+def describe_load(where: str | Path, loaded: int, decoded: list[Decoded], others: list[Path]) -> str:
+    """One line: how many images were loaded, skipped (each with its reason, the first few) and converted."""
+    skipped = [s for d in decoded for s in d.skipped]
+    converted: Counter[str] = sum((d.converted for d in decoded), Counter())
+    text = f"{where}: loaded {loaded} image(s)"
+    if skipped or others:
+        reasons = [f"{p.name} ({r})" for p, r in skipped] + [f"{p.name} (not an image file)" for p in others]
+        more = f", ... {len(reasons) - 5} more" if len(reasons) > 5 else ""
+        text += f"; skipped {len(skipped) + len(others)}: {', '.join(reasons[:5])}{more}"
+    if converted:
+        text += "; converted " + ", ".join(f"{n} {k}" for k, n in sorted(converted.items()))
+    return text
+
+
+def _first_shape(paths: list[Path]) -> tuple[int, int, int]:
+    """in_shape when the federation gives none: the first readable image's size, 1 channel if it is grey,
+    else 3."""
     image_mod = _pillow()
-    try:
-        with image_mod.open(path) as img:
-            c = 1 if img.mode in ("1", "L", "LA", "I", "I;16", "F") else 3
-            return (c, img.size[1], img.size[0])
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: cannot decode as an image ({e})") from None
+    for path in paths:
+        try:
+            with image_mod.open(path) as img:
+                c = 1 if img.mode in ("1", "L", "LA", "I", "I;16", "F") else 3
+                return (c, img.size[1], img.size[0])
+        except (OSError, ValueError, SyntaxError):
+            continue
+    raise DataError(f"{paths[0].parent.parent}: none of its {len(paths)} image files can be decoded")
 
 
 def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
     """The npz layout from ``DIR[,classes=FILE]`` (module docstring)."""
-    d, opts = _options(arg, "imagefolder", ("classes",))
+    d, opts = _options(arg, "imagefolder", ("classes", "strict"))
+    strict = _is_strict(opts, "imagefolder")
     if not d.is_dir():
         raise DataError(f"image folder not found: {d} does not exist or is not a directory")
     names: list[str] | None = None
@@ -157,7 +236,9 @@ def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays
             raise DataError(f"imagefolder classes file not found or unreadable: {cf} ({e.strerror or e})") from None
     splits = {"x": d / "train", "x_test": d / "test"}
     if not (splits["x"].is_dir() and splits["x_test"].is_dir()):
-        splits = {"x": d}
+        # DIR/train alone (no test/): the train split, a test split is held out of it
+        splits = {"x": d / "train"} if [c.name for c in _class_dirs(d)] == ["train"] else {"x": d}
+    others: list[Path] = []
     files: dict[str, list[Path]] = {}
     labels: dict[str, list[int]] = {}
     index: dict[str, int] = {}
@@ -176,21 +257,32 @@ def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays
                 raise DataError(f"{root}: class folder(s) {unknown} are not in {splits['x']} ({', '.join(index)})")
         files[key], labels[key] = [], []
         for cdir in dirs:
-            imgs = sorted(p for p in cdir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            listed = sorted(p for p in cdir.iterdir() if p.is_file() and not p.name.startswith("."))
+            imgs = [p for p in listed if p.suffix.lower() in IMAGE_SUFFIXES]
+            others += [p for p in listed if p.suffix.lower() not in IMAGE_SUFFIXES]
             files[key] += imgs
             labels[key] += [index[cdir.name]] * len(imgs)
         if not files[key]:
             raise DataError(f"{root}: no images ({', '.join(IMAGE_SUFFIXES)}) in its class folders")
-    shape = tuple(in_shape) if in_shape is not None else _first_shape(files["x"][0])
+    shape = tuple(in_shape) if in_shape is not None else _first_shape(files["x"])
     if len(shape) != 3 or shape[0] not in (1, 3):
         raise DataError(
             f"imagefolder {d}: images decode to 1 (L) or 3 (RGB) channels, but the federation's "
             f"in_shape is {shape}; use --set in_shape=1,H,W or 3,H,W"
         )
     arrays: Arrays = {}
+    decoded: list[Decoded] = []
     for key in splits:
-        arrays[key] = _decode(files[key], shape)
-        arrays["y" if key == "x" else "y_test"] = np.asarray(labels[key], dtype=np.int64)
+        got = decode_images(files[key], shape, strict=strict)
+        if not got.kept:
+            raise DataError(f"{splits[key]}: none of its {len(files[key])} image files can be decoded")
+        decoded.append(got)
+        arrays[key] = got.x
+        arrays["y" if key == "x" else "y_test"] = np.asarray(labels[key], dtype=np.int64)[got.kept]
+    loaded = sum(len(a) for k, a in arrays.items() if k in splits)
+    splits_text = " + ".join(f"{len(arrays[k])} {splits[k].name}" for k in splits) if len(splits) > 1 else ""
+    summary = describe_load(d, loaded, decoded, others) + (f" ({splits_text})" if splits_text else "")
+    (log.warning if any(g.skipped for g in decoded) or others else log.info)("%s", summary)
     return arrays, d.name or "imagefolder"
 
 
@@ -226,7 +318,7 @@ def _csv_pixels(v: np.ndarray, lo_hi: tuple[float, float] | None, where: Path) -
     raise DataError(
         f"csv {where}: features range over [{vmin:g}, {vmax:g}]; they must be integers 0..255 or "
         f"values in [0, 1], or name their range: csv:{where},range={vmin:g}:{vmax:g} (the same range "
-        f"on every device)"
+        f"on every device), or standardise each column: scale=column"
     )
 
 
@@ -262,11 +354,51 @@ def csv_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     return header, rows[1:]
 
 
-def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
-    """The npz layout from ``FILE[,label=COL][,range=LO:HI]`` (module docstring)."""
-    path, opts = _options(arg, "csv", ("label", "range"))
-    label = opts.get("label", "label")
-    lo_hi = csv_range(opts)
+# Column standardisation: z = (value - mean) / std per column, clipped to +-CSV_Z and mapped onto 0..255.
+CSV_Z = 4.0
+CSV_SCALES = ("column", "pixels")
+
+
+def csv_table(path: Path, header: list[str], body: list[list[str]], columns: list[int]) -> np.ndarray:
+    """The float table of `columns` of `body`; a cell that is not a number is an error naming its line and
+    column."""
+    out = np.empty((len(body), len(columns)), dtype=np.float64)
+    for n, row in enumerate(body):
+        for j, ci in enumerate(columns):
+            try:
+                out[n, j] = float(row[ci])
+            except ValueError:
+                raise DataError(
+                    f"csv {path} line {n + 2}, column {header[ci]!r} (column {ci + 1}): {row[ci]!r} is not a number"
+                ) from None
+    return out
+
+
+def csv_scale(v: np.ndarray, scaling: dict[str, Any]) -> np.ndarray:
+    """Rows `v` (columns in the scaling's order) standardised by `scaling` (see :func:`csv_scaling`), as uint8."""
+    mean, std = np.asarray(scaling["mean"], np.float64), np.asarray(scaling["std"], np.float64)
+    z = np.clip((v - mean) / std, -CSV_Z, CSV_Z)
+    return np.rint((z + CSV_Z) / (2 * CSV_Z) * 255.0).astype(np.uint8)
+
+
+def _fit_scaling(v: np.ndarray, columns: list[str]) -> dict[str, Any]:
+    std = v.std(axis=0) if len(v) else np.ones(v.shape[1])
+    return {
+        "kind": "column",
+        "columns": columns,
+        "mean": [float(m) for m in (v.mean(axis=0) if len(v) else np.zeros(v.shape[1]))],
+        "std": [float(s) if s > 0 else 1.0 for s in std],
+        "clip_z": CSV_Z,
+    }
+
+
+def _looks_like_pixels(v: np.ndarray) -> bool:
+    vmin, vmax = (float(v.min()), float(v.max())) if v.size else (0.0, 0.0)
+    return bool((np.all(v == np.rint(v)) and vmin >= 0 and vmax <= 255) or (vmin >= 0 and vmax <= 1))
+
+
+def _read_csv_split(path: Path, label: str) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(feature column names, features, labels) of one CSV file."""
     header, body = csv_rows(path)
     if label not in header:
         raise DataError(
@@ -274,17 +406,77 @@ def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
             f"{' ...' if len(header) > 12 else ''}; name it with csv:{path},label=COLUMN"
         )
     li = header.index(label)
-    try:
-        table = np.array([[float(c) for c in r] for r in body], dtype=np.float64)
-    except ValueError as e:
-        raise DataError(f"csv {path}: every field must be a number ({e})") from None
-    y = table[:, li]
+    y = csv_table(path, header, body, [li])[:, 0]
     if not np.all(y == np.rint(y)):
-        raise DataError(f"csv {path}: column {label!r} must hold integer class ids (0, 1, ...)")
-    features = np.delete(table, li, axis=1)
+        n = int(np.argmax(y != np.rint(y)))
+        raise DataError(
+            f"csv {path} line {n + 2}, column {label!r}: {body[n][li]!r}; the label column must hold integer "
+            "class ids (0, 1, ...)"
+        )
+    keep = [i for i in range(len(header)) if i != li]
+    return [header[i] for i in keep], csv_table(path, header, body, keep), y.astype(np.int64)
+
+
+def _csv_options(arg: str) -> tuple[Path, dict[str, str], str]:
+    path, opts = _options(arg, "csv", ("label", "range", "test", "scale"))
+    scale = opts.get("scale", "")
+    if scale and scale not in CSV_SCALES:
+        raise DataError(f"csv option scale={scale}: use scale=column (standardise each column) or scale=pixels")
+    if scale == "column" and "range" in opts:
+        raise DataError("csv: scale=column and range=LO:HI exclude each other; give one")
+    return path, opts, scale
+
+
+def csv_scaling(arg: str) -> dict[str, Any] | None:
+    """The per-column standardisation a ``csv:`` spec trains with (fitted on its training file), or None where
+    its features are taken as they are (pixels, or a fixed ``range``): what predict must apply to new rows."""
+    path, opts, scale = _csv_options(arg)
+    if "range" in opts or scale == "pixels":
+        return None
+    columns, features, _ = _read_csv_split(path, opts.get("label", "label"))
+    if not scale and _looks_like_pixels(features):
+        return None
+    return _fit_scaling(features, columns)
+
+
+def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
+    """The npz layout from ``FILE[,label=COL][,range=LO:HI][,test=FILE][,scale=column|pixels]`` (module
+    docstring)."""
+    path, opts, scale = _csv_options(arg)
+    label = opts.get("label", "label")
+    lo_hi = csv_range(opts)
+    columns, features, y = _read_csv_split(path, label)
+    splits = {"x": (features, y)}
+    if "test" in opts:
+        test_path = Path(opts["test"])
+        test_columns, test_features, test_y = _read_csv_split(test_path, label)
+        if test_columns != columns:
+            raise DataError(
+                f"csv test file {test_path}: its feature columns differ from {path}'s "
+                f"({test_columns[:6]} vs {columns[:6]}); give both files the same header"
+            )
+        splits["x_test"] = (test_features, test_y)
     shape = _csv_shape(features.shape[1], in_shape, path)
-    x = _csv_pixels(features, lo_hi, path).reshape((len(body), *shape))
-    return {"x": x, "y": y.astype(np.int64)}, path.stem
+    scaling = None
+    if lo_hi is None and (scale == "column" or (not scale and not _looks_like_pixels(features))):
+        scaling = _fit_scaling(features, columns)  # fitted on the training file alone
+    arrays: Arrays = {}
+    for key, (v, labels) in splits.items():
+        if not np.all(np.isfinite(v)):
+            raise DataError(f"csv {path}: features contain NaN or inf")
+        x = csv_scale(v, scaling) if scaling is not None else _csv_pixels(v, lo_hi, path)
+        arrays[key] = x.reshape((len(v), *shape))
+        arrays["y" if key == "x" else "y_test"] = labels
+    how = (
+        "each column standardised on the training file"
+        if scaling is not None
+        else f"range {lo_hi[0]:g}:{lo_hi[1]:g}"
+        if lo_hi is not None
+        else "as pixel values"
+    )
+    test_text = f" + {len(arrays['x_test'])} test rows of {opts['test']}" if "test" in opts else ""
+    log.info("csv %s: loaded %d rows of %d features%s, %s", path, len(y), len(columns), test_text, how)
+    return arrays, path.stem
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ index. Arrays must already have the model's shape (they are not resized); images
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +35,7 @@ Shape = tuple[int, int, int]
 class Unlabelled:
     x: np.ndarray  # uint8 (n, c, h, w)
     names: list[str]  # one per sample
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, reason): files that could not be read
 
     def normalized(self, mean: tuple[float, ...] | None, std: tuple[float, ...] | None) -> np.ndarray:
         """float32 (x / 255 - mean) / std, as the model's inputs were during training (0/1 where unknown)."""
@@ -81,10 +83,17 @@ def _images(root: Path, in_shape: Shape) -> Unlabelled:
         raise DataError(f"{root}: no images ({', '.join(own.IMAGE_SUFFIXES)}) to label")
     if in_shape[0] not in (1, 3):
         raise DataError(f"images decode to 1 (L) or 3 (RGB) channels; the model takes {in_shape[0]}")
-    return Unlabelled(own._decode(files, in_shape), [p.relative_to(base).as_posix() for p in files])
+    got = own.decode_images(files, in_shape, strict=False)  # unreadable files are listed, the rest labelled
+    if not got.kept:
+        raise DataError(f"{root}: none of its {len(files)} image files can be decoded ({got.skipped[0][1]})")
+    return Unlabelled(
+        got.x,
+        [files[i].relative_to(base).as_posix() for i in got.kept],
+        [(p.relative_to(base).as_posix(), reason) for p, reason in got.skipped],
+    )
 
 
-def _csv(arg: str, in_shape: Shape) -> Unlabelled:
+def _csv(arg: str, in_shape: Shape, scaling: dict[str, Any] | None = None) -> Unlabelled:
     path, opts = own._options(arg, "csv", ("label", "name", "range"))
     lo_hi = own.csv_range(opts)
     header, body = own.csv_rows(path)
@@ -92,18 +101,24 @@ def _csv(arg: str, in_shape: Shape) -> Unlabelled:
     if "name" in opts and opts["name"] not in header:
         raise DataError(f"csv {path}: no name column {opts['name']!r}; columns are {header[:12]}")
     keep = [i for i in range(len(header)) if i not in drop]
-    try:
-        table = np.array([[float(r[i]) for i in keep] for r in body], dtype=np.float64)
-    except ValueError as exc:
-        raise DataError(f"csv {path}: every feature must be a number ({exc})") from None
+    if scaling is not None:  # the model's inputs were standardised per column: the same columns, the same way
+        missing = [c for c in scaling["columns"] if c not in header]
+        if missing:
+            raise DataError(f"csv {path}: the model was trained on columns it lacks: {missing[:6]}")
+        keep = [header.index(c) for c in scaling["columns"]]
+    table = own.csv_table(path, header, body, keep)
     shape = own._csv_shape(table.shape[1], in_shape, path)
-    x = own._csv_pixels(table, lo_hi, path).reshape((len(body), *shape))
+    if scaling is not None:
+        x = own.csv_scale(table, scaling).reshape((len(body), *shape))
+    else:
+        x = own._csv_pixels(table, lo_hi, path).reshape((len(body), *shape))
     names = [r[header.index(opts["name"])] for r in body] if "name" in opts else [str(i) for i in range(len(body))]
     return Unlabelled(x, names)
 
 
-def load_unlabelled(spec: str, in_shape: Shape) -> Unlabelled:
-    """The images named by `spec` (module docstring) in the model's input shape `in_shape` (c, h, w)."""
+def load_unlabelled(spec: str, in_shape: Shape, csv_scaling: dict[str, Any] | None = None) -> Unlabelled:
+    """The images named by `spec` (module docstring) in the model's input shape `in_shape` (c, h, w);
+    `csv_scaling`: the per-column standardisation the model was trained with (a CSV's rows get the same)."""
     kind, sep, arg = spec.partition(":")
     kind = kind.strip().lower()
     if sep and kind == "npz":
@@ -114,7 +129,7 @@ def load_unlabelled(spec: str, in_shape: Shape) -> Unlabelled:
             raise DataError(f"image folder to label not found: {root} does not exist or is not a directory")
         return _images(root, in_shape)
     if sep and kind == "csv":
-        return _csv(arg, in_shape)
+        return _csv(arg, in_shape, csv_scaling)
     p = Path(spec)
     if not p.exists():
         raise DataError(
@@ -124,7 +139,7 @@ def load_unlabelled(spec: str, in_shape: Shape) -> Unlabelled:
     if p.is_file() and p.suffix.lower() == ".npz":
         return _npz(p, in_shape)
     if p.is_file() and p.suffix.lower() == ".csv":
-        return _csv(str(p), in_shape)
+        return _csv(str(p), in_shape, csv_scaling)
     if p.is_dir() or p.suffix.lower() in own.IMAGE_SUFFIXES:
         return _images(p, in_shape)
     raise DataError(f"--input '{spec}': cannot tell the format of {p}; name it: npz:PATH, imagefolder:DIR, csv:FILE")

@@ -42,6 +42,8 @@ def partial_last_row(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def fake(spec: SimulationSpec, on_round: Any = None, **kwargs: Any) -> dict[str, Any]:
         rows = [row(r, 0.3) for r in (1, 2, 3)] + [row(4, 0.1)]
+        if kwargs.get("on_start") is not None:
+            kwargs["on_start"]()  # the inputs are checked and the data loaded: the bar starts
         for r in rows:
             on_round(dict(r))
         rows[-1] = row(4, 0.452)

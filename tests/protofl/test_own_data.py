@@ -95,10 +95,13 @@ def test_csv_reshapes_to_the_federations_shape(tmp_path: Path) -> None:
         load_dataset(f"csv:{tmp_path / 'a.csv'},label=target", in_shape=(1, 4, 4))
     with pytest.raises(DataError, match="no label column 'label'.*label=COLUMN"):
         load_dataset(f"csv:{tmp_path / 'a.csv'}")
-    # Features outside the pixel ranges need a fixed range=LO:HI (clipped), the same on every device.
+    # Features outside the pixel ranges are standardised per column (issue 42), or take a fixed range=LO:HI
+    # (clipped), the same on every device; scale=pixels insists on pixel values.
     _csv(tmp_path / "b.csv", np.array([[-1.0, 0.0, 1.0, 3.0]] * 4), np.array([0, 1, 0, 1]))
-    with pytest.raises(DataError, match=r"range=-1:3"):
-        load_dataset(f"csv:{tmp_path / 'b.csv'}")
+    with pytest.raises(DataError, match=r"range=-1:3.*scale=column"):
+        load_dataset(f"csv:{tmp_path / 'b.csv'},scale=pixels")
+    train, _ = load_source(f"csv:{tmp_path / 'b.csv'}", holdout=None)
+    assert train.x[0].ravel().tolist() == [128] * 4  # constant columns: their mean, the middle of 0..255
     train, _ = load_source(f"csv:{tmp_path / 'b.csv'},range=-1:1", holdout=None)
     assert train.in_shape == (1, 2, 2) and train.x[0].ravel().tolist() == [0, 128, 255, 255]
     with pytest.raises(DataError, match="not found"):
