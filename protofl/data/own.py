@@ -199,7 +199,8 @@ def describe_load(where: str | Path, loaded: int, decoded: list[Decoded], others
     converted: Counter[str] = sum((d.converted for d in decoded), Counter())
     text = f"{where}: loaded {loaded} image(s)"
     if skipped or others:
-        reasons = [f"{p.name} ({r})" for p, r in skipped] + [f"{p.name} (not an image file)" for p in others]
+        reasons = [f"{p.parent.name}/{p.name} ({r})" for p, r in skipped]
+        reasons += [f"{p.parent.name}/{p.name} (not an image file)" for p in others]
         more = f", ... {len(reasons) - 5} more" if len(reasons) > 5 else ""
         text += f"; skipped {len(skipped) + len(others)}: {', '.join(reasons[:5])}{more}"
     if converted:

@@ -68,8 +68,8 @@ def test_simulate_skips_unreadable_files_and_says_what_it_loaded(
         code, out, report = simulate(f"imagefolder:{imgs}")
     assert code == 0, out
     said = " ".join(caplog.text.split())
-    assert "loaded 36 image(s); skipped 3: empty.png (empty file), cut.jpg (cannot decode as an image" in said, said
-    assert "README.txt (not an image file)" in said
+    assert "loaded 36 image(s); skipped 3: ant/empty.png (empty file), bee/cut.jpg (cannot decode" in said, said
+    assert "cat/README.txt (not an image file)" in said
     assert "converted 3 L to RGB, 3 RGBA to RGB, 3 resized from 30x20" in said, said
     # strict=true: the first unreadable file stops loading, and names it
     code, out, _ = simulate(f"imagefolder:{imgs},strict=true")
@@ -236,5 +236,5 @@ def test_join_says_what_it_loaded_and_trains_past_broken_files(tmp_path: Path) -
                 p.kill()
     assert server.returncode == 0, out
     said = " ".join(dev_out.split())
-    assert "loaded 24 image(s); skipped 3: empty.png (empty file), cut.jpg (cannot decode" in said, dev_out
-    assert "README.txt (not an image file); converted 3 L to RGB, 3 RGBA to RGB, 3 resized from 30x20" in said
+    assert "loaded 24 image(s); skipped 3: ant/empty.png (empty file), bee/cut.jpg (cannot decode" in said, dev_out
+    assert "cat/README.txt (not an image file); converted 3 L to RGB, 3 RGBA to RGB, 3 resized from 30x20" in said
