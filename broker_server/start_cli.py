@@ -259,6 +259,7 @@ def start_command(
             data_dir,
             validation,
             validation_limit,
+            state_dir,
         )
         try:
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
@@ -321,9 +322,11 @@ def _federation(
     data_dir: str | None,
     validation: str | None = None,
     validation_limit: int | None = None,
+    state_dir: Path | None = None,
 ) -> tuple[Any, Any, Validation | None]:
     """The validated config and, where its plan has public classes, the public set carved exactly as the
-    simulator carves it."""
+    simulator carves it. The class names of --public-data name the federation's classes unless --classes or the
+    config does, or `state_dir` holds a federation started without names (it resumes as it was started)."""
     import numpy as np
 
     from protofl.data import load_dataset
@@ -344,7 +347,8 @@ def _federation(
         shape = data_shape(fixed, lambda: make_config(preset, str(config) if config else None, **overrides))
         train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
-        if "class_names" not in fixed:  # the public data's own names (fashion-mnist's, class folders) name the classes
+        if "class_names" not in fixed and not _started_without_names(state_dir):
+            # the public data's own names (fashion-mnist's, class folders) name the classes
             overrides["class_names"] = data_class_names(public_data, train.num_classes)
     cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
     plan = RoundPlan.from_config(cfg)
@@ -375,6 +379,19 @@ def _federation(
             f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
         )
     return cfg, public_set(train, cfg), None
+
+
+def _started_without_names(state_dir: Path | None) -> bool:
+    """Whether `state_dir` holds a federation whose saved config names no classes (one started before the names
+    were part of the config, or without them): it resumes without names rather than refusing the changed config."""
+    saved = None if state_dir is None else state_dir / "aggregator" / "federation.json"
+    if saved is None or not saved.is_file():
+        return False
+    try:
+        config = json.loads(saved.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # the resume says what is wrong with it
+    return isinstance(config, dict) and "class_names" not in config
 
 
 def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) -> tuple[Any, Validation | None]:

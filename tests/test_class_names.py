@@ -6,6 +6,7 @@ journal says which class ids each device uploaded, with how many samples."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,24 @@ def test_simulate_takes_the_names_from_classes_or_the_class_folders(tmp_path: Pa
                                    "--out", str(tmp_path / "own")])  # fmt: skip
     assert r.exit_code == 0, r.output
     assert art.read_json(tmp_path / "own" / art.MANIFEST)["config"]["class_names"] == ["4", "ankle-boot", "dog"]
+
+
+def test_start_names_the_classes_from_its_public_data_unless_it_resumes_a_federation_without_names(
+    tmp_path: Path,
+) -> None:
+    from broker_server.start_cli import _federation
+
+    _folders(tmp_path / "public", ["bird", "cat", "dog"])
+    spec = f"imagefolder:{tmp_path / 'public'}"
+    args = (None, None, None, None, spec, None)  # rounds, min_clients, round_timeout, seed, --public-data, --data-dir
+    cfg, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE]}, *args)
+    assert cfg.class_names == ("bird", "cat", "dog") and cfg.num_classes == 3
+    cfg, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE], "class_names": ["dog", "cat", "bird"]},
+                            *args)  # fmt: skip
+    assert cfg.class_names == ("dog", "cat", "bird")  # --classes wins; the folders are matched by name
+    (tmp_path / "state" / "aggregator").mkdir(parents=True)
+    (tmp_path / "state" / "aggregator" / "federation.json").write_text(
+        json.dumps({"fed": "f", "config": make_config("fedproto").to_dict()})
+    )
+    cfg, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE]}, *args, None, None, tmp_path / "state")
+    assert cfg.class_names is None and cfg.num_classes == 3  # a federation started without names resumes so
