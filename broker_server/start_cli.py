@@ -851,7 +851,7 @@ class Start:
 def _serve(s: Start) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
-    from broker_server.service import AggregatorService, save_server_model, server_transport
+    from broker_server.service import ROUNDS_LOG, AggregatorService, save_server_model, server_transport
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
@@ -883,8 +883,8 @@ def _serve(s: Start) -> None:
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            logged = last_logged_round(state_dir / "rounds.jsonl")
-            rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
+            logged = last_logged_round(state_dir / ROUNDS_LOG)
+            rounds_file = stack.enter_context((state_dir / ROUNDS_LOG).open("a"))
 
         live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
 
