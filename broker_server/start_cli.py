@@ -717,7 +717,7 @@ def _local_broker(
     _warn_exposure(access, host, tls)
     local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls, queue)
     if auth is not None:
-        auth.provision(ca_pem)
+        auth.provision(ca_pem, broker=_reached_at(local, host))
         _announce_credentials(auth, persistent=state_dir is not None)
     _announce_join(local, fed, host, auth, ca_pem)
     if isinstance(local, MosquittoBroker) and local.socket_path is not None:
@@ -806,12 +806,17 @@ def _start_broker(
     return local
 
 
-def _announce_join(local: Any, fed: str, host: str, auth: Any, ca_pem: str | None) -> None:
-    """How devices join: the broker's address as they reach it (not the server's own unix socket)."""
+def _reached_at(local: Any, host: str) -> str:
+    """The local broker's address as devices and watchers reach it (not the server's own unix socket)."""
     import socket
 
     shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
-    url = f"{local.url.split('://')[0]}://{f'[{shown}]' if ':' in shown else shown}:{local.port}"
+    return f"{local.url.split('://')[0]}://{f'[{shown}]' if ':' in shown else shown}:{local.port}"
+
+
+def _announce_join(local: Any, fed: str, host: str, auth: Any, ca_pem: str | None) -> None:
+    """How devices join: the broker's address as they reach it (not the server's own unix socket)."""
+    url = _reached_at(local, host)
     if ca_pem is not None:
         how = "--credentials devices/ID.json (TLS: the file carries the federation CA that verifies the broker)"
     elif auth is not None:
@@ -879,7 +884,7 @@ class Start:
 def _serve(s: Start) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
-    from broker_server.service import AggregatorService, save_server_model, server_transport
+    from broker_server.service import ROUNDS_LOG, AggregatorService, save_server_model, server_transport
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
@@ -911,8 +916,8 @@ def _serve(s: Start) -> None:
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            logged = last_logged_round(state_dir / "rounds.jsonl")
-            rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
+            logged = last_logged_round(state_dir / ROUNDS_LOG)
+            rounds_file = stack.enter_context((state_dir / ROUNDS_LOG).open("a"))
 
         live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
 
