@@ -67,7 +67,7 @@ def write_server_artifacts(
     (global/predictor.npz)."""
     cfg = model.cfg
     out = Path(root)
-    names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
+    names = list(cfg.class_names or class_names or [str(i) for i in range(cfg.num_classes)])
     kind, reason = art.predictor_kind(cfg)
     glob = out / art.GLOBAL
     protos, masks = global_prototypes(model), model.rules.support_masks()

@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole
+from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole, read_classes
 from broker_server.shard_cli import shard_cli
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
@@ -106,6 +106,12 @@ def simulate(
         "(--set num_classes=K --set in_shape=C,H,W fix the shape)",
     ),
     data_dir: str | None = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
+    classes: Path | None = typer.Option(
+        None,
+        "--classes",
+        help="The federation's class names, one a line (the first is class 0): class folders and a CSV's label "
+        "names are matched with them. Default: an image folder's class folders (an npz's class_names), else none.",
+    ),
     clients: int | None = typer.Option(
         None, help="Number of simulated devices (default 5, or as many as --profiles lists)."
     ),
@@ -220,6 +226,7 @@ def simulate(
         check_source(dataset)  # a wrong path or spec fails now, not after torch is imported
         require_torch("protofl-server simulate")  # the simulated devices train with torch
         overrides = parse_sets(set_)
+        read_classes(classes, overrides)
         clip_on = parse_clip(clip)
         if deadline is not None:
             overrides["round_timeout"] = deadline

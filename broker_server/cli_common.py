@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -12,7 +13,8 @@ from rich.console import Console, RenderableType
 from protofl.config import load_config_file
 from protofl.errors import ConfigError
 
-DATA_KEYS = ("num_classes", "in_shape")  # what a dataset decides unless the user fixes it
+# What a dataset decides unless the user fixes it (class names, from --classes or a config, fix num_classes too).
+DATA_KEYS = ("num_classes", "in_shape", "class_names")
 CLIP_VALUES = ("on", "off")
 CLIP_HELP = (
     "Clip every upload to a ball around the current global value (radius: 10x the previous round's "
@@ -63,10 +65,23 @@ def _value(raw: str) -> Any:
 def fixed_by_user(config_file: str | None, overrides: dict[str, Any]) -> set[str]:
     """The data keys (`num_classes`, `in_shape`) that `--config` or `--set` fix: the data must then fit them
     (an image folder is resized, a CSV reshaped) instead of deciding them."""
-    named = set(overrides)
+    named = {k for k, v in overrides.items() if v is not None}
     if config_file:
         named |= set(load_config_file(config_file))
+    if "class_names" in named:
+        named.add("num_classes")
     return {k for k in DATA_KEYS if k in named}
+
+
+def read_classes(path: Path | str | None, overrides: dict[str, Any]) -> None:
+    """`--classes FILE` (one class name a line) into `overrides` as the federation's class_names."""
+    if path is None:
+        return
+    from protofl.data.own import read_classes_file
+
+    if overrides.get("class_names") is not None:
+        raise ConfigError("--classes and --set class_names both name the classes: give one")
+    overrides["class_names"] = read_classes_file(path, "--classes file")
 
 
 def data_shape(fixed: set[str], config: Callable[[], Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ once, as the fields of a dataclass, and nothing else has to list it again.
 lists, tuples, dicts, other dataclasses, None) into plain values and arrays that protofl/checkpoint.py
 writes; `from_plain(T, data)` builds a `T` back, guided by the type hints, so a field added to a state
 dataclass is saved and restored without another line anywhere. A field that is not state (a callback, the
-config it was built from, a cache) says so with `field(metadata=NOT_STATE)`; `restore_fields` sets the
+config it was built from, a cache) says so with `field(metadata=NOT_STATE)`; a field with a default that
+`from_plain`'s data lacks (state added since it was written) gets its default; `restore_fields` sets the
 state fields of an existing object (one whose non-state fields were built from the config).
 """
 
@@ -95,7 +96,14 @@ def from_plain(tp: Any, data: Any) -> Any:
         return {from_plain(kt, k): from_plain(vt, v) for k, v in pairs}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        return tp(**{f.name: from_plain(hints[f.name], data[f.name]) for f in state_fields(tp)})
+        # A field the data lacks keeps its default where it has one (state added since the data was written)
+        return tp(
+            **{
+                f.name: from_plain(hints[f.name], data[f.name])
+                for f in state_fields(tp)
+                if f.name in data or not _has_default(f)
+            }
+        )
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(data)
     if tp is np.ndarray:
@@ -103,6 +111,10 @@ def from_plain(tp: Any, data: Any) -> Any:
     if tp in (int, float, str, bool):
         return tp(data)
     return data
+
+
+def _has_default(f: dataclasses.Field[Any]) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
 def restore_fields(

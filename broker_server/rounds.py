@@ -186,6 +186,20 @@ class OpenPhase:
 
 
 @dataclass
+class Accepted:
+    """A member's accepted uploads, for the watchers (broker_server/watch): how many, and the last one. State like
+    the rest, so a restarted server shows what was accepted before it (issue 42); `at` is the machine's clock when
+    it was applied (a journal replay's time for one replayed)."""
+
+    uploads: int = 0
+    round: int = 0
+    phase: str = ""
+    kind: str = ""
+    bytes: int = 0
+    at: float = 0.0
+
+
+@dataclass
 class MachineState:
     """Everything of the round machine that a restart must rebuild (besides the server model)."""
 
@@ -197,6 +211,9 @@ class MachineState:
     leaving: set[str] = field(default_factory=set)  # offline, still expected for their grace
     records: list[RoundRecord] = field(default_factory=list)
     current: RoundRecord = field(default_factory=lambda: RoundRecord(round=1))
+    # What the watchers count (a checkpoint written before they were state lacks both: restored empty)
+    accepted: dict[str, Accepted] = field(default_factory=dict)  # by member
+    accepted_kinds: dict[str, int] = field(default_factory=dict)  # uploads by kind, every member
 
 
 class UploadHead(Protocol):
@@ -601,7 +618,17 @@ class RoundMachine:
         self.run.add(kind, msg, env.sender)
         open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
         self.state.current.uplink_bytes += nbytes
+        self.count_upload(env, nbytes)
         return self.close_if_complete()
+
+    def count_upload(self, env: UploadHead, nbytes: int) -> None:
+        """An accepted upload, counted for the watchers (its sender's, and its kind's)."""
+        s = self.state
+        seen = s.accepted.get(env.sender)
+        s.accepted[env.sender] = Accepted(
+            (seen.uploads if seen else 0) + 1, env.round, env.phase, env.kind, nbytes, self.clock()
+        )
+        s.accepted_kinds[env.kind] = s.accepted_kinds.get(env.kind, 0) + 1
 
     def close_if_complete(self) -> list[Effect]:
         """Close the open phase when every expected client sent everything, if at least the floor did."""

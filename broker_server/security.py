@@ -399,17 +399,27 @@ class BrokerAuth:
             "use_username_as_clientid true",
         ]
 
-    def provision(self, ca_pem: str | None = None) -> BrokerAuth:
+    def provision(self, ca_pem: str | None = None, broker: str | None = None) -> BrokerAuth:
         """Write the plain secrets: credentials.json, monitor.json and one devices/<id>.json per device (each
-        carrying the federation CA's certificate `ca_pem` when the broker serves TLS with it). A device file
-        that exists is rewritten only when the CA changed (monitor.json, written with the same CA, tells)."""
+        carrying the federation CA's certificate `ca_pem` when the broker serves TLS with it; monitor.json also
+        the `broker` URL a watcher connects to, so `protofl-server status --credentials monitor.json` needs no
+        --broker). A device file that exists is rewritten only when the CA changed (monitor.json, written with
+        the same CA, tells)."""
         write_secret(self.directory / "credentials.json", self.secrets.to_json() + "\n")
         monitor = device_file_text(self.secrets.monitor, self.secrets.fed, ca_pem)
         try:
-            same_ca = self.monitor_file.read_text() == monitor
+            before = self.monitor_file.read_text()
         except OSError:
+            before = ""
+        try:  # the same but for the broker's address (a --port 0 broker moves at each start)
+            was = json.loads(before)
+            was.pop("broker", None)
+            same_ca = was == json.loads(monitor)
+        except (ValueError, AttributeError):
             same_ca = False
-        if not same_ca:
+        if broker is not None:
+            monitor = device_file_text(self.secrets.monitor, self.secrets.fed, ca_pem, broker)
+        if before != monitor:
             write_secret(self.monitor_file, monitor)
         devices_dir = self.directory / "devices"
         devices_dir.mkdir(exist_ok=True)

@@ -40,6 +40,7 @@ from broker_server.settings import (
 from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
 from broker_server.stages import ServerModel
 from broker_server.watch.live import LiveWatch
+from broker_server.watch.observer import round_accuracies
 from protofl import topics
 from protofl.algorithms.robust import clip_text
 from protofl.config import FederationConfig
@@ -50,6 +51,7 @@ from protofl.transport.mqtt import MqttTransport, TransportError, Will
 from protofl.wire import Metrics, Resend, Status, encode_message
 
 log = logging.getLogger("protofl.service")
+ROUNDS_LOG = "rounds.jsonl"  # in the state dir: a line a round, with its accuracies (start_cli.py writes it)
 
 
 def round_line(
@@ -196,6 +198,9 @@ class AggregatorService:
             if durability.group_commit:
                 self.transport.before_ack = self.durable.sync  # one fsync per pumped batch, then its acks
             self.resumed = self.durable.restore()
+            if self.resumed:  # the watch shows what happened before this process: members, counts, accuracies
+                self.watch.observer.resumed()
+                self.watch.observer.remember(round_accuracies(state_dir / ROUNDS_LOG))
             self.round_log.start_at(self.aggregator.round)  # rounds before the resume were shown already
             # Take up the broker session the crashed process left: the uploads it never acknowledged wait there.
             self.transport.resume_session = self.resumed

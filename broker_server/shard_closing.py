@@ -136,7 +136,9 @@ class ShardClosing:
         if open_ is None:
             return None
         fresh = dataclasses.replace(open_, expected=set(), received={}, owners={})
-        bare = dataclasses.replace(s, phase=fresh, clients={}, departed={}, leaving=set(), records=[])
+        bare = dataclasses.replace(
+            s, phase=fresh, clients={}, departed={}, leaving=set(), records=[], accepted={}, accepted_kinds={}
+        )
         return machine.snapshot(bare)
 
     def _place(self, machine: RoundMachine, inp: Progress) -> list[Effect]:
@@ -145,6 +147,7 @@ class ShardClosing:
         open_.received[inp.sender] = open_.received.get(inp.sender, set()) | {kind}
         open_.owners[f"{inp.sender}/{inp.kind}"] = inp.shard
         machine.state.current.uplink_bytes += inp.nbytes
+        machine.count_upload(inp, inp.nbytes)
         return machine.close_if_complete()
 
     def _forget(self, machine: RoundMachine, shard: str) -> list[Effect]:

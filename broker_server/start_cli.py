@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
-from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets
+from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from broker_server.settings import (
@@ -66,6 +66,13 @@ def start_command(
     ),
     data_dir: str | None = typer.Option(
         None, "--data-dir", help="Where --public-data's (and --validation's) files are (fashion-mnist)."
+    ),
+    classes: Path | None = typer.Option(
+        None,
+        "--classes",
+        help="The federation's class names, one a line (the first is class 0): in the config, so every device "
+        "matches its class folders (and a CSV's label names) with them and refuses others. Default: "
+        "--public-data's names (fashion-mnist's, an image folder's class folders), else none.",
     ),
     validation: str | None = typer.Option(
         None,
@@ -238,10 +245,12 @@ def start_command(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     logging.getLogger("protofl.server").setLevel(logging.INFO if verbose else logging.WARNING)
     try:
+        overrides = parse_sets(set_)
+        read_classes(classes, overrides)
         cfg, public, scored = _federation(
             preset,
             config,
-            parse_sets(set_),
+            overrides,
             rounds,
             min_clients,
             round_timeout,
@@ -250,6 +259,7 @@ def start_command(
             data_dir,
             validation,
             validation_limit,
+            state_dir,
         )
         try:
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
@@ -312,12 +322,15 @@ def _federation(
     data_dir: str | None,
     validation: str | None = None,
     validation_limit: int | None = None,
+    state_dir: Path | None = None,
 ) -> tuple[Any, Any, Validation | None]:
     """The validated config and, where its plan has public classes, the public set carved exactly as the
-    simulator carves it."""
+    simulator carves it. The class names of --public-data name the federation's classes unless --classes or the
+    config does, or `state_dir` holds a federation started without names (it resumes as it was started)."""
     import numpy as np
 
     from protofl.data import load_dataset
+    from protofl.data.classnames import data_class_names
     from protofl.data.federation import public_set
     from protofl.presets import make_config
 
@@ -330,12 +343,13 @@ def _federation(
     )
     train = None
     if public_data is not None:
-        shape = data_shape(
-            fixed_by_user(str(config) if config else None, overrides),
-            lambda: make_config(preset, str(config) if config else None, **overrides),
-        )
+        fixed = fixed_by_user(str(config) if config else None, overrides)
+        shape = data_shape(fixed, lambda: make_config(preset, str(config) if config else None, **overrides))
         train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
+        if "class_names" not in fixed and not _started_without_names(state_dir):
+            # the public data's own names (fashion-mnist's, class folders) name the classes
+            overrides["class_names"] = data_class_names(public_data, train.num_classes)
     cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
     plan = RoundPlan.from_config(cfg)
     if validation is not None and not plan.shared_backbone:
@@ -347,7 +361,13 @@ def _federation(
         public = public_set(train, cfg) if train is not None and plan.public_classes else None
         val = None
         if validation is not None:
-            _, val = load_dataset(validation, data_dir=data_dir, num_classes=cfg.num_classes, in_shape=cfg.in_shape)
+            _, val = load_dataset(
+                validation,
+                data_dir=data_dir,
+                num_classes=cfg.num_classes,
+                in_shape=cfg.in_shape,
+                class_names=cfg.class_names,
+            )
             if validation_limit and validation_limit < len(val.y):
                 val = val.subset(np.arange(validation_limit))
         return (cfg, *_with_backbone(cfg, train, public, val))
@@ -359,6 +379,19 @@ def _federation(
             f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
         )
     return cfg, public_set(train, cfg), None
+
+
+def _started_without_names(state_dir: Path | None) -> bool:
+    """Whether `state_dir` holds a federation whose saved config names no classes (one started before the names
+    were part of the config, or without them): it resumes without names rather than refusing the changed config."""
+    saved = None if state_dir is None else state_dir / "aggregator" / "federation.json"
+    if saved is None or not saved.is_file():
+        return False
+    try:
+        config = json.loads(saved.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # the resume says what is wrong with it
+    return isinstance(config, dict) and "class_names" not in config
 
 
 def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) -> tuple[Any, Validation | None]:
@@ -684,7 +717,7 @@ def _local_broker(
     _warn_exposure(access, host, tls)
     local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls, queue)
     if auth is not None:
-        auth.provision(ca_pem)
+        auth.provision(ca_pem, broker=_reached_at(local, host))
         _announce_credentials(auth, persistent=state_dir is not None)
     _announce_join(local, fed, host, auth, ca_pem)
     if isinstance(local, MosquittoBroker) and local.socket_path is not None:
@@ -773,12 +806,17 @@ def _start_broker(
     return local
 
 
-def _announce_join(local: Any, fed: str, host: str, auth: Any, ca_pem: str | None) -> None:
-    """How devices join: the broker's address as they reach it (not the server's own unix socket)."""
+def _reached_at(local: Any, host: str) -> str:
+    """The local broker's address as devices and watchers reach it (not the server's own unix socket)."""
     import socket
 
     shown = socket.gethostname() if host in ("0.0.0.0", "::") else host
-    url = f"{local.url.split('://')[0]}://{f'[{shown}]' if ':' in shown else shown}:{local.port}"
+    return f"{local.url.split('://')[0]}://{f'[{shown}]' if ':' in shown else shown}:{local.port}"
+
+
+def _announce_join(local: Any, fed: str, host: str, auth: Any, ca_pem: str | None) -> None:
+    """How devices join: the broker's address as they reach it (not the server's own unix socket)."""
+    url = _reached_at(local, host)
     if ca_pem is not None:
         how = "--credentials devices/ID.json (TLS: the file carries the federation CA that verifies the broker)"
     elif auth is not None:
@@ -846,7 +884,7 @@ class Start:
 def _serve(s: Start) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
-    from broker_server.service import AggregatorService, save_server_model, server_transport
+    from broker_server.service import ROUNDS_LOG, AggregatorService, save_server_model, server_transport
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
@@ -878,8 +916,8 @@ def _serve(s: Start) -> None:
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
             state_dir.mkdir(parents=True, exist_ok=True)
-            logged = last_logged_round(state_dir / "rounds.jsonl")
-            rounds_file = stack.enter_context((state_dir / "rounds.jsonl").open("a"))
+            logged = last_logged_round(state_dir / ROUNDS_LOG)
+            rounds_file = stack.enter_context((state_dir / ROUNDS_LOG).open("a"))
 
         live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
 

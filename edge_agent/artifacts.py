@@ -99,7 +99,7 @@ class DeviceArtifacts:
         that the export tools can default to the same inputs."""
         cfg, own, counts, own_metric = self.cfg, self.own, self.counts, self.own_metric
         out = art.device_dir(root, self.client_id)
-        names = list(class_names) if class_names is not None else [str(i) for i in range(cfg.num_classes)]
+        names = list(cfg.class_names or class_names or [str(i) for i in range(cfg.num_classes)])
         art.write_model(out / art.MODEL, self.state, self.spec)
         art.write_prototypes(out / art.LOCAL, own, metric=own_metric, class_names=names, source="local", counts=counts)
         targets, metric = self.targets, self.metric

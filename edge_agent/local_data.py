@@ -86,9 +86,10 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
 
     The federation's config is the truth about the classes and the input shape: the data may hold any
     subset of `cfg.num_classes` classes; a label outside [0, num_classes) or images of another shape are an
-    error that says what the federation expects. Without `--partition` the data's own test split (npz
-    `x_test`/`y_test`, IDX `t10k`, an image folder's `test/`, a loader's 4-tuple) is the local test set, as
-    given; data without one holds back 25 % once."""
+    error that says what the federation expects. Where the federation names its classes (`cfg.class_names`),
+    class folders and a CSV's label names are matched with its names, and a name it does not have is refused.
+    Without `--partition` the data's own test split (npz `x_test`/`y_test`, IDX `t10k`, an image folder's
+    `test/`, a loader's 4-tuple) is the local test set, as given; data without one holds back 25 % once."""
     from edge_agent.agent import ClientData, stable_seed  # torch: only on the device side
 
     seed = cfg.seed if spec.seed is None else spec.seed
@@ -100,6 +101,7 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
             seed=seed,
             num_classes=cfg.num_classes,
             in_shape=cfg.in_shape,
+            class_names=cfg.class_names,
         )
         train = limit_train(train, spec.train_limit, seed)
         i, n = spec.partition
@@ -125,6 +127,7 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
         holdout=None,
         num_classes=cfg.num_classes,
         in_shape=cfg.in_shape,
+        class_names=cfg.class_names,
     )
     train = limit_train(train, spec.train_limit, seed)
     if own_test is not None:

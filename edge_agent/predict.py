@@ -7,7 +7,8 @@ without pickle), optionally with the ``metric`` to compare by and the ``class_na
 ``logits`` graph (a federation's global predictor) classifies by its own argmax and needs none.
 
 * ``--input SPEC`` labels data without labels (npz, image folder, CSV, a path: protofl/data/unlabelled.py);
-* ``--data SPEC`` scores a labelled dataset's split, as before;
+* ``--data SPEC`` scores a labelled dataset's split (an image folder's class folders, a CSV's label names are
+  labelled by the class names of the model's table or metadata, not by their sorted order);
 * ``--out FILE`` writes one line per sample -- its index or file name, the class, the class name and the
   distance to the nearest prototype (L2; 1 - cosine for ``cosine``), or the class's softmax score for a
   logits graph -- as CSV, or JSON Lines for ``.jsonl``/``.json`` (or ``--format``);
@@ -151,6 +152,14 @@ class _Model:
         names = json.loads(self.meta["class_names"]) if self.meta.get("class_names") else []
         return {i: str(n) for i, n in enumerate(names)}
 
+    def named_classes(self, table: PrototypeFile | None) -> list[str] | None:
+        """The model's class names by class id, where it names its classes (not only by their ids): what a
+        labelled image folder's class folders are matched with (None: they are read as before)."""
+        names = self.class_names(table)
+        if not names or all(n == str(c) for c, n in names.items()):
+            return None
+        return [names.get(i, str(i)) for i in range(max(names) + 1)]
+
     def default_prototypes(self) -> Path | None:
         name = self.meta.get("prototypes")
         return None if not name else (Path(name) if Path(name).is_absolute() else self.path.parent / name)
@@ -227,8 +236,16 @@ def _score(
     fmt: str | None,
     show: int,
 ) -> None:
-    """--data: classify a labelled split and say the accuracy."""
-    x, y, _ = load_images(data, split, limit, in_shape=model.in_shape, mean=model.mean, std=model.std)
+    """--data: classify a labelled split and say the accuracy (class folders labelled by the model's class names)."""
+    x, y, _ = load_images(
+        data,
+        split,
+        limit,
+        in_shape=model.in_shape,
+        mean=model.mean,
+        std=model.std,
+        class_names=model.named_classes(table),
+    )
     labels = _labels(model, sess, x, table, metric)
     pred = labels.classes
     acc = float((pred == y).mean()) if len(y) else 0.0

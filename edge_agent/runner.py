@@ -343,8 +343,14 @@ class DeviceRunner:
         if out.failure is not None:
             self._report_failure(out.failure.round, out.failure.phase, out.failure.reason)
         if out.sends:
+            # Each message by kind, as the server counts it (the MQTT payload, envelope included: `status` shows
+            # the same figure for a device's last upload), and their sum.
             log.info(
-                "%s: %s, uploaded %d bytes", self.client_id, "trained" if out.trained else "prototype phase", out.nbytes
+                "%s: %s, uploaded %d bytes (%s)",
+                self.client_id,
+                "trained" if out.trained else "prototype phase",
+                out.nbytes,
+                ", ".join(f"{s.kind} {len(s.payload)} B" for s in out.sends),
             )
 
     def _on_request(self, topic: str, payload: bytes) -> None:

@@ -281,6 +281,12 @@ def verify(
         raise typer.Exit(1)
 
 
+def _named_classes(meta: dict[str, str]) -> list[str] | None:
+    """The model's class names by class id (its metadata's), where they are more than the ids."""
+    names = json.loads(meta["class_names"]) if meta.get("class_names") else None
+    return [str(n) for n in names] if names and names != [str(i) for i in range(len(names))] else None
+
+
 @app.command()
 @_friendly
 def quantize(
@@ -330,6 +336,8 @@ def quantize(
     norm: dict[str, Any] = dict(mean=parse_floats(meta.get("norm_mean")), std=parse_floats(meta.get("norm_std")))
     if meta.get("in_shape"):
         norm["in_shape"] = _shape(meta["in_shape"])
+    # class folders (a CSV's label names) labelled by the model's class names, as predict labels them
+    norm["class_names"] = _named_classes(meta)
     calibration = None
     if mode == "static":
         calibration, _, _ = load_images(data, "train", calib, seed=1, **norm)

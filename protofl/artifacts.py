@@ -61,6 +61,7 @@ FORMAT = "protofl-artifacts"
 VERSION = 1
 METRICS = ("l2", "cosine")
 MANIFEST, GLOBAL, DEVICES = "manifest.json", "global", "devices"
+ARTIFACTS = "artifacts"  # where a --state-dir (start's, join's) keeps them
 MODEL, PROTOTYPES, LOCAL, FEDERATED, DEVICE = (
     "model.npz",
     "prototypes.npz",
@@ -350,7 +351,8 @@ class Artifact:
 
 def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact:
     """The artifact at `path`: a device folder (it holds model.npz), a global folder, or a run's root
-    (then `device` picks one of its devices, else its global state)."""
+    (then `device` picks one of its devices, else its global state); a --state-dir (start's, join's) stands for
+    its artifacts/ folder."""
     p = Path(path)
     if p.name == PREDICTOR and p.is_file():  # a global predictor: the run's (global/), or kept by a device
         if (p.parent.parent / MANIFEST).is_file() and p.parent.name == GLOBAL:
@@ -367,6 +369,9 @@ def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact
         )
     if (p / MODEL).is_file():
         return Artifact(p, "device", read_json(p / DEVICE))
+    inner = p / ARTIFACTS
+    if not (p / MANIFEST).is_file() and ((inner / MANIFEST).is_file() or (inner / DEVICES).is_dir()):
+        return resolve(inner, device)  # a --state-dir (start's, or join's: its devices/ folder is the device's state)
     if (p / MANIFEST).is_file() or (p / DEVICES).is_dir():
         if device is not None:
             return resolve(device_dir(p, device))
@@ -377,6 +382,6 @@ def resolve(path: str | os.PathLike[str], device: str | None = None) -> Artifact
             return resolve(device_dir(p, found[0]))
         raise DataError(f"{p} holds device artifacts only: name one with --device ({', '.join(found) or 'none'})")
     raise DataError(
-        f"{p} is not a protofl artifact folder: expected {MODEL} (a device), {MANIFEST} (a run) or "
-        f"the {GLOBAL}/ folder of a run"
+        f"{p} is not a protofl artifact folder: expected {MODEL} (a device), {MANIFEST} (a run), "
+        f"the {GLOBAL}/ folder of a run, or a --state-dir with an {ARTIFACTS}/ folder"
     )

@@ -34,6 +34,7 @@ else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
 
 from protofl import registry
 from protofl.errors import ConfigError
+from protofl.names import class_key
 from protofl.technique import PlanDraft, is_number
 
 FEDERATE_CHOICES = ("full", "adapter", "none")
@@ -78,6 +79,9 @@ CORE: dict[str, Any] = dict(
     # hold the same data); the plan says whether a technique uses it (ERPA's anchors).
     public_per_class=20,
     public_classes=None,  # the classes it covers: None = every class
+    # The federation's class names, one per class id (None: unnamed): every device maps its class folders' (and a
+    # CSV's label strings') names onto these ids (protofl/data/own.py), and the artifacts name classes by them.
+    class_names=None,
 )
 SCOPE = "techniques"  # the key of the scoped options in `to_dict`
 PACKAGES = "technique_packages"  # technique -> "distribution version", for techniques of other packages
@@ -85,7 +89,7 @@ _TUPLES = ("archs", "in_shape")
 # Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
 # federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
 # which refuses keys it does not know, still joins it.
-_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source")
+_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source", "class_names")
 
 
 class FederationConfig:
@@ -119,6 +123,7 @@ class FederationConfig:
     round_timeout: float
     public_per_class: int
     public_classes: tuple[int, ...] | None
+    class_names: tuple[str, ...] | None
     options: dict[str, Any]
     techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
@@ -137,10 +142,15 @@ class FederationConfig:
         unknown = sorted(set(values) - set(CORE) - set(declared))
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(set(CORE) | set(declared))}")
+        if values.get("class_names") is not None and "num_classes" not in values:
+            names = values["class_names"]
+            values = dict(values, num_classes=len(names.split(",") if isinstance(names, str) else names))
         for key, default in CORE.items():
             value = values.get(key, default)
-            if (key in _TUPLES or key == "public_classes") and isinstance(value, list):
+            if (key in _TUPLES or key in ("public_classes", "class_names")) and isinstance(value, list):
                 value = tuple(value)
+            if key == "class_names" and isinstance(value, str):  # --set class_names=a,b,c
+                value = tuple(n.strip() for n in value.split(","))
             object.__setattr__(self, key, value)
         opts = {}
         for key, opt in declared.items():
@@ -373,9 +383,31 @@ class FederationConfig:
             ),
             f"public_classes must be a list of class ids in [0, {self.num_classes}), got {self.public_classes!r}",
         )
+        self._validate_class_names()
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))
+
+    def _validate_class_names(self) -> None:
+        names = self.class_names
+        if names is None:
+            return
+        if not (isinstance(names, tuple) and all(isinstance(n, str) and n.strip() for n in names)):
+            raise ConfigError(f"class_names must be a list of non-empty names, one per class id, got {names!r}")
+        if len(names) != self.num_classes:
+            raise ConfigError(
+                f"class_names has {len(names)} names but the federation has num_classes={self.num_classes}: "
+                f"one name per class id 0..{self.num_classes - 1}"
+            )
+        seen: dict[str, str] = {}
+        for name in names:
+            key = class_key(name)
+            if key in seen:
+                raise ConfigError(
+                    f"class_names {seen[key]!r} and {name!r} name the same class (a class folder's name is matched "
+                    f"ignoring case, spaces and punctuation): give every class a distinct name"
+                )
+            seen[key] = name
 
 
 def _default(key: str) -> Any:

@@ -266,66 +266,29 @@ def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulati
     assert int((onnx_labels == test.y).sum()) == round(accs[-1] * len(test.y)), (accs[-1], len(test.y))
 
 
+def start_process(port: int, fed: str, state_dir: Path, *args: str) -> subprocess.Popen[str]:
+    """`protofl-server start ARGS` on the embedded broker at `port`, insecure, keeping its state in `state_dir`."""
+    argv = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "amqtt", "--insecure",
+            "--port", str(port), "--fed", fed, *args, "--state-dir", str(state_dir)]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+
+
+def join_process(port: int, fed: str, client_id: str, state_dir: Path, *args: str) -> subprocess.Popen[str]:
+    """`protofl-edge join ARGS` to the broker at `port`, one torch thread, keeping its state in `state_dir`."""
+    argv = [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", fed,
+            "--client-id", client_id, *args, "--threads", "1", "--connect-timeout", "60",
+            "--state-dir", str(state_dir)]  # fmt: skip
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
+
+
 def trial(tmp: Path, *server_args: str) -> Path:
     """`start SERVER_ARGS` + two `join --state-dir` processes over the embedded broker: their state dirs."""
     port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "broker_server.cli",
-            "start",
-            "--local-broker",
-            "amqtt",
-            "--insecure",
-            "--port",
-            str(port),
-            "--fed",
-            "dep",
-            *server_args,
-            "--rounds",
-            "2",
-            "--min-clients",
-            "2",
-            "--round-timeout",
-            "60",
-            "--state-dir",
-            str(tmp / "server"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=ENV,
-        text=True,
+    server = start_process(
+        port, "dep", tmp / "server", *server_args, "--rounds", "2", "--min-clients", "2", "--round-timeout", "60"
     )
     devices = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "edge_agent.cli",
-                "join",
-                "--broker",
-                f"mqtt://127.0.0.1:{port}",
-                "--fed",
-                "dep",
-                "--client-id",
-                f"dev-{i}",
-                "--data",
-                DATA,
-                "--partition",
-                f"{i}/2",
-                "--threads",
-                "1",
-                "--connect-timeout",
-                "60",
-                "--state-dir",
-                str(tmp / f"dev-{i}"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=ENV,
-            text=True,
-        )
+        join_process(port, "dep", f"dev-{i}", tmp / f"dev-{i}", "--data", DATA, "--partition", f"{i}/2")
         for i in range(2)
     ]
     try:

@@ -17,6 +17,7 @@ from broker_server.simulation.links import expand
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.data import Dataset, FederatedSplit, load_dataset
+from protofl.data.classnames import data_class_names
 from protofl.data.federation import federation_split, limit_train, public_set
 from protofl.errors import ConfigError
 from protofl.presets import make_config
@@ -120,10 +121,13 @@ class Federation:
 
 
 def resolve_config(
-    spec: SimulationSpec, num_classes: int | None = None, in_shape: tuple[int, ...] | None = None
+    spec: SimulationSpec,
+    num_classes: int | None = None,
+    in_shape: tuple[int, ...] | None = None,
+    class_names: list[str] | None = None,
 ) -> FederationConfig:
-    """The config a simulation of `spec` runs with; the dataset's classes and input shape, where given, win
-    (`prepare` loads the data to fit what `--set`/`--config` fixed, so the two agree)."""
+    """The config a simulation of `spec` runs with; the dataset's classes, input shape and class names, where
+    given, win (`prepare` loads the data to fit what `--set`/`--config`/`--classes` fixed, so the two agree)."""
     overrides = dict(spec.overrides)
     # Over shaped links a round must be able to close at its deadline without the slow devices.
     min_clients = int(overrides.get("min_clients", 1)) if spec.profiles else spec.clients
@@ -132,6 +136,8 @@ def resolve_config(
         overrides["num_classes"] = num_classes
     if in_shape is not None:
         overrides["in_shape"] = tuple(in_shape)
+    if class_names is not None:
+        overrides["class_names"] = list(class_names)
     if spec.archs:
         overrides["archs"] = tuple(spec.archs)
     return make_config(spec.preset, spec.config_file, **overrides)
@@ -177,7 +183,12 @@ def prepare(spec: SimulationSpec) -> Federation:
         spec.dataset, data_dir=spec.data_dir, seed=spec.seed, **data_shape(fixed, lambda: resolve_config(spec))
     )
     train = limit_train(train, spec.train_limit, spec.seed)
-    cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape))
+    # Own data that names its classes (class folders, an npz's class_names) names the federation's, unless the user
+    # did (--classes); Fashion-MNIST's names stay out of the config (its devices read ids; the artifacts name them).
+    named = None
+    if "class_names" not in fixed and spec.dataset.partition(":")[0].strip().lower() in ("imagefolder", "npz"):
+        named = data_class_names(spec.dataset, train.num_classes)
+    cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape), named)
     split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads
     if spec.test_limit is not None:
         test = test.subset(np.arange(min(spec.test_limit, len(test))))

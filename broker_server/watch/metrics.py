@@ -13,7 +13,7 @@ never touches the aggregator. Names, types and labels (docs/design.md, "Watching
     protofl_members{state}                             gauge: online, offline, left, not joined
     protofl_device_online{device}                      gauge 1/0 (devices are the federation's members)
     protofl_device_last_upload_timestamp_seconds{device}
-    protofl_uploads_accepted_total{kind}               counter (this server process)
+    protofl_uploads_accepted_total{kind}               counter (the federation's, restarts included)
     protofl_uploads_dropped_total{reason}              counter (this server process)
     protofl_uploads_clipped_total{kind}                counter
     protofl_uplink_bytes_total / protofl_downlink_bytes_total   counter (the federation's, restarts included)

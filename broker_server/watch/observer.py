@@ -3,22 +3,36 @@
 `FederationObserver` lives on the thread that owns the `Aggregator` (service.py) and is the only
 code of this package that reads it: it is told of inputs applied and of rounds logged with their
 accuracies, and `snapshot()` copies what the watchers show into an immutable `Snapshot`. Other threads
-(HTTP servers) only ever read snapshots. It also logs joins, departures and returns at INFO, so the
-default log says who is in the federation (the round machine's own lines need `-v`). numpy only.
+(HTTP servers) only ever read snapshots. What it counts (uploads accepted, each member's last one) is the round
+machine's state, and a restarted server's history takes the accuracies logged before it from rounds.jsonl
+(`remember`), so the watch shows what happened before a restart (docs/design.md, "Watching a federation"). It also
+logs joins, departures and returns at INFO, so the default log says who is in the federation (the round machine's
+own lines need `-v`). numpy only.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker_server.progress import accuracies
 from broker_server.rounds import Received, RoundRecord
-from broker_server.shard_closing import Progress
-from broker_server.watch.snapshot import LEFT, NOT_JOINED, OFFLINE, ONLINE, Member, RoundRow, Snapshot, Upload
+from broker_server.watch.snapshot import (
+    ACCURACY_KEYS,
+    LEFT,
+    NOT_JOINED,
+    OFFLINE,
+    ONLINE,
+    Member,
+    RoundRow,
+    Snapshot,
+    Upload,
+)
 from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
 
@@ -47,28 +61,37 @@ class FederationObserver:
         self.agg = aggregator
         self.started = time.time()
         self.pid = os.getpid()
-        self.accepted: dict[str, int] = {}
-        self._uploads: dict[str, int] = {}
-        self._last: dict[str, Upload] = {}
+        # How each member's last upload travelled (its encoding), as seen live by this process: the counts and the
+        # rest of the last upload are the machine's state (durable: a restart keeps them), its encoding is not.
+        self._encodings: dict[str, tuple[int, str, str, str]] = {}
         self._accuracies: dict[int, dict[str, float | None]] = {}
         self._states: dict[str, str] = {}
         self.stopped = False
         aggregator.on_applied = self.on_applied
 
+    @property
+    def accepted(self) -> dict[str, int]:
+        """Uploads accepted, by kind (the federation's, restarts included: the machine's state)."""
+        return dict(self.agg.machine.state.accepted_kinds)
+
     # -- events (service thread) ----------------------------------------------------------------
     def on_applied(self, inp: Input) -> None:
-        if isinstance(inp, Progress):  # an upload a shard folded (sharded aggregators: its encoding stays there)
-            self._upload(inp.sender, Upload(inp.round, inp.phase, inp.kind, inp.nbytes, "", time.time()))
-            return
         if not isinstance(inp, Received) or not isinstance(inp.msg, (ProtoUpload, ParamsUpload)):
-            return
+            return  # a shard's Progress: the upload's encoding stays at the shard
         env = inp.env
-        self._upload(env.sender, Upload(env.round, env.phase, env.kind, inp.nbytes, encoding(inp.msg), time.time()))
+        self._encodings[env.sender] = (env.round, env.phase, env.kind, encoding(inp.msg))
 
-    def _upload(self, sender: str, upload: Upload) -> None:
-        self.accepted[upload.kind] = self.accepted.get(upload.kind, 0) + 1
-        self._uploads[sender] = self._uploads.get(sender, 0) + 1
-        self._last[sender] = upload
+    def remember(self, accuracies: Mapping[int, Mapping[str, float | None]]) -> None:
+        """The accuracies of rounds logged before this process (rounds.jsonl, `round_accuracies`): a restarted
+        server's history keeps them."""
+        last = max(accuracies, default=0)
+        for round_, accs in accuracies.items():
+            if round_ > last - HISTORY:
+                self._accuracies.setdefault(round_, dict(accs))
+
+    def resumed(self) -> None:
+        """The machine was rebuilt from a state dir: its members are where they were, not new joins."""
+        self._states = {m.id: m.state for m in self.members()}
 
     def on_round_logged(
         self, rec: RoundRecord, metrics: Mapping[str, Metrics], scored: Mapping[str, float | None] | None = None
@@ -80,6 +103,14 @@ class FederationObserver:
         for old in [r for r in self._accuracies if r <= rec.round - HISTORY]:
             del self._accuracies[old]
         return accs
+
+    def _last_upload(self, cid: str) -> Upload | None:
+        a = self.agg.machine.state.accepted.get(cid)
+        if a is None or not a.uploads:
+            return None
+        seen = self._encodings.get(cid)
+        enc = seen[3] if seen is not None and seen[:3] == (a.round, a.phase, a.kind) else ""
+        return Upload(a.round, a.phase, a.kind, a.bytes, enc, a.at)
 
     # -- the snapshot ---------------------------------------------------------------------------
     def state(self) -> str:
@@ -94,6 +125,7 @@ class FederationObserver:
         m = self.agg.machine
         s = m.state
         ids = set(s.clients) | set(s.departed) | set(self.agg.members or ()) | set(m.expected_clients or ())
+        accepted = s.accepted
         out = []
         for cid in sorted(ids):
             join = s.clients.get(cid) or s.departed.get(cid)
@@ -110,9 +142,10 @@ class FederationObserver:
                     arch=join.arch if join else "",
                     n_samples=join.n_samples if join else 0,
                     profile=join.profile if join else "",
-                    uploads=self._uploads.get(cid, 0),
-                    last_upload=self._last.get(cid),
-                    grace_ends=m.grace_end(cid),
+                    uploads=accepted[cid].uploads if cid in accepted else 0,
+                    last_upload=self._last_upload(cid),
+                    # a finished federation waits for nobody: no place to keep
+                    grace_ends=None if m.finished else m.grace_end(cid),
                 )
             )
         return tuple(out)
@@ -156,7 +189,7 @@ class FederationObserver:
             members=members,
             uplink_bytes=sum(r.uplink_bytes for r in m.records) + (0 if m.finished else current.uplink_bytes),
             downlink_bytes=sum(r.downlink_bytes for r in m.records) + (0 if m.finished else current.downlink_bytes),
-            accepted=dict(self.accepted),
+            accepted=self.accepted,
             dropped=dict(agg.dropped),
             clipped=dict(agg.model.clipped),
             history=self.history(),
@@ -176,10 +209,14 @@ class FederationObserver:
                 online.append(sum(1 for x in members if x.state == ONLINE))
             return online[0]
 
+        finished = self.agg.machine.finished
         for member in members:
             before = self._states.get(member.id)
             self._states[member.id] = member.state
             if before == member.state or (before is None and member.state == NOT_JOINED):
+                continue
+            if finished and member.state in (OFFLINE, LEFT):  # devices going home after the end: no news
+                log.debug("device %s is %s (the federation is finished)", member.id, member.state)
                 continue
             if member.state == ONLINE:
                 what = "is back" if before in (OFFLINE, LEFT) else "joined"
@@ -196,3 +233,20 @@ class FederationObserver:
                 log.info("device %s went offline; it keeps its place in the round for %.0f s", member.id, left)
             elif member.state == LEFT:
                 log.info("device %s left (offline past its grace); %d online", member.id, n_online())
+
+
+def round_accuracies(path: Path) -> dict[int, dict[str, float | None]]:
+    """round -> its accuracies, from a server's rounds.jsonl (the durable record of what rounds logged; a torn last
+    line from a crash is skipped): what a restarted server's history shows for the rounds before it."""
+    out: dict[int, dict[str, float | None]] = {}
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            row = json.loads(line)
+            out[int(row["round"])] = {k: row[k] for k in ACCURACY_KEYS if isinstance(row.get(k), (int, float))}
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out

@@ -47,7 +47,7 @@ class Member:
     arch: str = ""
     n_samples: int = 0
     profile: str = ""  # DEVICE+LINK as the device said when it joined ("" when it runs without one)
-    uploads: int = 0  # accepted by this server process
+    uploads: int = 0  # accepted (the federation's, restarts included)
     last_upload: Upload | None = None
     grace_ends: float | None = None  # offline: when it stops holding up the round
 
@@ -90,7 +90,7 @@ class Snapshot:
     members: tuple[Member, ...] = ()
     uplink_bytes: int = 0
     downlink_bytes: int = 0
-    accepted: dict[str, int] = field(default_factory=dict)  # uploads by kind
+    accepted: dict[str, int] = field(default_factory=dict)  # uploads by kind (the federation's, restarts included)
     dropped: dict[str, int] = field(default_factory=dict)  # messages by reason
     clipped: dict[str, int] = field(default_factory=dict)  # uploads by kind
     history: tuple[RoundRow, ...] = ()  # the last closed rounds, oldest first

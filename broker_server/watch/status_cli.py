@@ -31,7 +31,8 @@ def status_command(
     broker: str | None = typer.Option(
         None,
         help="Read the server's retained summary from its broker instead "
-        "(mqtt://HOST:PORT or mqtts://...), as the read-only monitor.",
+        "(mqtt://HOST:PORT or mqtts://...), as the read-only monitor (default with --credentials: "
+        "the broker its monitor.json names).",
     ),
     credentials: Path | None = typer.Option(
         None,
@@ -78,20 +79,34 @@ def _reader(
     tls_ca: str | None,
     timeout: float,
 ) -> Callable[[], Reading]:
+    if broker is None and credentials is not None:
+        # The monitor's file says where its broker is (protofl-server start writes it there)
+        broker = _monitor_broker(credentials)
     if broker is None:
         if state_dir is None:
             raise ProtoFLError(
-                "say where the federation is: --state-dir DIR (on the server box) or --broker URL "
-                "--credentials STATE_DIR/security/monitor.json (from anywhere that reaches the broker)"
+                "say where the federation is: --state-dir DIR (on the server box) or --credentials "
+                "STATE_DIR/security/monitor.json (from anywhere that reaches the broker; --broker URL where the "
+                "file does not say)"
             )
-        if credentials is not None:
-            raise ProtoFLError("--credentials is for --broker; --state-dir alone reads the state dir's status.json")
         where = state_dir
         return lambda: read_state_dir(where)
     if credentials is None and state_dir is not None and username is None:
         credentials = state_dir / "security" / "monitor.json"
     options, fed = _monitor_options(broker, credentials, fed, username, password, tls_ca)
     return lambda: read_broker(options, fed, timeout)
+
+
+def _monitor_broker(credentials: Path) -> str:
+    from protofl.transport.credentials import read_device_file
+
+    found = read_device_file(credentials)
+    if found.broker is None:
+        raise ProtoFLError(
+            f"--credentials {credentials} does not say where its broker is (a file from an older server): "
+            f"add --broker mqtt://HOST:PORT (or mqtts://...)"
+        )
+    return found.broker
 
 
 def _monitor_options(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -406,6 +407,7 @@ def load_dataset(
     *,
     num_classes: int | None = None,
     in_shape: tuple[int, ...] | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> tuple[Dataset, Dataset]:
     """(train, test) for a dataset spec.
 
@@ -418,8 +420,12 @@ def load_dataset(
     ``num_classes``/``in_shape`` (the federation's, when it has one): the data's labels must lie in
     [0, num_classes) -- any subset of the classes will do -- and its images must be in_shape
     (channels, height, width); image folders are resized and CSV rows reshaped to it. None: the data decides.
+    ``class_names`` (the federation's, where it names its classes): an image folder's class folders and a CSV's
+    label names are matched with them (``protofl.data.own``); data labelled by ids is read as before.
     """
-    train, test = load_source(spec, data_dir, seed, num_classes=num_classes, in_shape=in_shape, holdout=0.2)
+    train, test = load_source(
+        spec, data_dir, seed, num_classes=num_classes, in_shape=in_shape, holdout=0.2, class_names=class_names
+    )
     assert test is not None  # a holdout always makes one
     return train, test
 
@@ -432,6 +438,7 @@ def load_source(
     num_classes: int | None = None,
     in_shape: tuple[int, ...] | None = None,
     holdout: float | None = 0.2,
+    class_names: Sequence[str] | None = None,
 ) -> tuple[Dataset, Dataset | None]:
     """``load_dataset`` where the data's own test split may be absent: with ``holdout=None`` the test
     split is the data's own (npz/loader ``x_test``, IDX ``t10k``, an image folder's ``test/``) or None.
@@ -449,7 +456,7 @@ def load_source(
     if kind == "idx" and arg:
         return _conform(load_idx_dir(arg, Path(arg).name or "idx", num_classes), spec, num_classes, shape)
     if kind in own.KINDS and arg:
-        arrays, name = own.read(kind, arg, shape, num_classes=num_classes, seed=seed)
+        arrays, name = own.read(kind, arg, shape, num_classes=num_classes, seed=seed, class_names=class_names)
         return from_arrays(
             arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape, nchw=True
         )

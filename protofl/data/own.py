@@ -6,24 +6,31 @@ a held-out test split where the data has none, normalisation statistics).
 
 - ``imagefolder:DIR[,classes=FILE]``: one sub-folder per class holding png/jpg/... images of any size
   and mode, decoded with Pillow (the ``device`` extra; imported only here, when an image folder is read),
-  converted to L (1 channel) or RGB (3) and resized to the federation's in_shape. Labels: with
-  ``classes=FILE`` (the federation's class names, one a line) a folder's label is its line; else, when
-  every folder name is a number, that number (so a device may hold any subset: folders 0, 3, 7); else its
-  position among the sorted folder names (then the device holds every class folder, empty or not).
+  converted to L (1 channel) or RGB (3) and resized to the federation's in_shape. Labels: where the
+  federation names its classes (its config's ``class_names``), a folder's label is the id of the class it
+  names (matched ignoring case, spaces and punctuation: ``ankle-boot`` is "Ankle boot"), a number names the id
+  itself, and any other name is refused; a ``classes=FILE`` of the device's own must then list the
+  federation's names, in its order. Where the federation has no names: with ``classes=FILE`` (the
+  federation's class names, one a line) a folder's label is its line; else, when every folder name is a
+  number, that number (so a device may hold any subset: folders 0, 3, 7); else its position among the
+  sorted folder names, which is only right when the device holds every class folder: fewer named folders
+  than the federation has classes are refused (their order cannot say which classes they are).
   ``DIR/train`` and ``DIR/test`` both present: they are the train and test splits; ``DIR/train`` alone: the
   train split (a test split is held out of it). A file Pillow cannot decode (empty, truncated) is skipped
   and counted, a file of another suffix (README.txt) listed; more than MAX_UNREADABLE (half) of the image
   files unreadable stops loading; ``strict=true``: the first unreadable file does. The log says how many
   images were loaded, skipped (with the reasons) and converted (mode, size).
 - ``csv:FILE[,label=COL][,range=LO:HI][,test=FILE][,scale=column|pixels]``: a header row, then one sample a
-  row: the label column (``label`` unless named) holds integer class ids, every other column is a feature,
-  in (channel, row, column) order of the federation's in_shape. Features that are pixel values (integers
-  0..255, or all in [0, 1]) are taken as they are (``scale=pixels`` insists); ``range=LO:HI`` maps [LO, HI]
-  linearly onto 0..255 (the same fixed range on every device); any other values (``scale=column``
-  insists) are standardised per column with the mean and std of the training file, clipped to +-CSV_Z
-  standard deviations: :func:`csv_scaling` gives that scaling, stored with the device's artifacts, so
-  that predict applies the same. ``test=FILE``: the test split, same header. A cell that is not a number
-  is an error naming its line and column.
+  row: the label column (``label`` unless named) holds integer class ids, or class names where the
+  federation has them (matched as folder names are), every other column is a feature, in (channel, row,
+  column) order of the federation's in_shape. Features that are pixel values (integers 0..255, or all in
+  [0, 1]) are taken as they are (``scale=pixels`` insists); ``range=LO:HI`` maps [LO, HI] linearly onto
+  0..255 (values outside are clipped; the same fixed range on every device, so that all of them see the
+  same features); any other values (``scale=column`` insists) are standardised per column with the mean
+  and std of the training file, clipped to +-CSV_Z standard deviations: :func:`csv_scaling` gives that
+  scaling, stored with the device's artifacts, so that predict applies the same. ``test=FILE``: the test
+  split, same header. A cell that is not a number (a label that is neither a class id nor a name) is an
+  error naming its line and column.
 - ``package.module:function``: see :func:`read_loader`.
 
 numpy only at import time (Pillow is imported lazily by the image folder reader).
@@ -38,6 +45,7 @@ import logging
 import math
 import re
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +53,22 @@ from typing import Any
 import numpy as np
 
 from protofl.errors import DataError
+from protofl.names import class_key
 
 log = logging.getLogger("protofl.data")
 
-__all__ = ["IMAGE_SUFFIXES", "KINDS", "LOADER", "is_loader", "read", "read_csv", "read_imagefolder", "read_loader"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "KINDS",
+    "LOADER",
+    "is_loader",
+    "label_map",
+    "read",
+    "read_classes_file",
+    "read_csv",
+    "read_imagefolder",
+    "read_loader",
+]
 
 KINDS = ("imagefolder", "csv")
 LOADER = "loader"
@@ -69,13 +89,62 @@ def path_of(arg: str) -> str:
 
 
 def read(
-    kind: str, arg: str, in_shape: tuple[int, ...] | None, *, num_classes: int | None = None, seed: int = 0
+    kind: str,
+    arg: str,
+    in_shape: tuple[int, ...] | None,
+    *,
+    num_classes: int | None = None,
+    seed: int = 0,
+    class_names: Sequence[str] | None = None,
 ) -> tuple[Arrays, str]:
+    """`class_names`: the federation's, where it names its classes (labels are matched by name)."""
     if kind == "imagefolder":
-        return read_imagefolder(arg, in_shape)
+        return read_imagefolder(arg, in_shape, class_names=class_names, num_classes=num_classes)
     if kind == "csv":
-        return read_csv(arg, in_shape)
+        return read_csv(arg, in_shape, class_names=class_names)
     return read_loader(arg, in_shape, num_classes=num_classes, seed=seed)
+
+
+def read_classes_file(path: str | Path, what: str = "classes file") -> list[str]:
+    """The class names of a classes file: one a line, blank lines skipped; the line (from 0) is the class id."""
+    p = Path(path)
+    try:
+        names = [line.strip() for line in p.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{what} not found or unreadable: {p} ({getattr(e, 'strerror', None) or e})") from None
+    if not names:
+        raise DataError(f"{what} {p} names no class: one class name a line, the first is class 0")
+    return names
+
+
+def listed(names: Sequence[str], most: int = 20) -> str:
+    """Names for a message: all of them up to `most`, in order."""
+    return ", ".join(names[:most]) + (f", ... ({len(names)} in all)" if len(names) > most else "")
+
+
+def label_map(found: Sequence[str], federation: Sequence[str], where: str, what: str) -> dict[str, int]:
+    """Each name in `found` (class folders, a CSV's label strings) -> the id of the federation's class it names:
+    matched by `class_key` (case, spaces and punctuation ignored), else a number names the id itself; a name
+    the federation does not have is a DataError that lists its classes."""
+    exact = {n: i for i, n in enumerate(federation)}
+    keyed = {class_key(n): i for i, n in enumerate(federation)}
+    out: dict[str, int] = {}
+    unknown: list[str] = []
+    for name in found:
+        i = exact.get(name, keyed.get(class_key(name)))
+        if i is None and name.strip().isdigit() and int(name) < len(federation):
+            i = int(name)
+        if i is None:
+            unknown.append(name)
+        else:
+            out[name] = i
+    if unknown:
+        raise DataError(
+            f"{where}: {what} {unknown} {'is' if len(unknown) == 1 else 'are'} not among this federation's "
+            f"{len(federation)} classes ({listed(federation)}); name each after one of them (case, spaces and "
+            f"punctuation do not matter) or give its class id 0..{len(federation) - 1}, or leave it out"
+        )
+    return out
 
 
 def _options(arg: str, what: str, keys: tuple[str, ...]) -> tuple[Path, dict[str, str]]:
@@ -111,9 +180,24 @@ def _class_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _labels_of(dirs: list[Path], names: list[str] | None, where: Path) -> dict[str, int]:
+def _labels_of(
+    dirs: list[Path],
+    names: list[str] | None,
+    where: Path,
+    federation: Sequence[str] | None = None,
+    num_classes: int | None = None,
+) -> dict[str, int]:
     """Folder name -> label (see the module docstring)."""
     found = [d.name for d in dirs]
+    if federation is not None:
+        index = label_map(found, federation, str(where), "class folder(s)")
+        by_id: dict[int, list[str]] = {}
+        for name, i in index.items():
+            by_id.setdefault(i, []).append(name)
+        doubles = [f"{ns} are all '{federation[i]}'" for i, ns in sorted(by_id.items()) if len(ns) > 1]
+        if doubles:
+            raise DataError(f"{where}: class folders {'; '.join(doubles)}: one folder per class")
+        return index
     if names is not None:
         index = {n: i for i, n in enumerate(names)}
         unknown = [n for n in found if n not in index]
@@ -125,6 +209,13 @@ def _labels_of(dirs: list[Path], names: list[str] | None, where: Path) -> dict[s
         return {n: index[n] for n in found}
     if found and all(n.isdigit() for n in found):
         return {n: int(n) for n in found}
+    if num_classes is not None and len(found) < num_classes:
+        raise DataError(
+            f"{where}: {len(found)} named class folder(s) ({listed(found)}) in a federation of {num_classes} "
+            f"classes that names none: their sorted order cannot say which classes they are. Start the server "
+            f"with --classes FILE (one class name a line: every device's folders are then matched by name), or "
+            f"give this device the federation's list: imagefolder:DIR,classes=FILE"
+        )
     return {n: i for i, n in enumerate(found)}
 
 
@@ -222,19 +313,29 @@ def _first_shape(paths: list[Path]) -> tuple[int, int, int]:
     raise DataError(f"{paths[0].parent.parent}: none of its {len(paths)} image files can be decoded")
 
 
-def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
-    """The npz layout from ``DIR[,classes=FILE]`` (module docstring)."""
+def read_imagefolder(
+    arg: str,
+    in_shape: tuple[int, ...] | None,
+    *,
+    class_names: Sequence[str] | None = None,
+    num_classes: int | None = None,
+) -> tuple[Arrays, str]:
+    """The npz layout from ``DIR[,classes=FILE][,strict=true]`` (module docstring); `class_names`: the
+    federation's."""
     d, opts = _options(arg, "imagefolder", ("classes", "strict"))
     strict = _is_strict(opts, "imagefolder")
     if not d.is_dir():
         raise DataError(f"image folder not found: {d} does not exist or is not a directory")
     names: list[str] | None = None
     if "classes" in opts:
-        cf = Path(opts["classes"])
-        try:
-            names = [line.strip() for line in cf.read_text().splitlines() if line.strip()]
-        except OSError as e:
-            raise DataError(f"imagefolder classes file not found or unreadable: {cf} ({e.strerror or e})") from None
+        names = read_classes_file(opts["classes"], "imagefolder classes file")
+        if class_names is not None and [class_key(n) for n in names] != [class_key(n) for n in class_names]:
+            raise DataError(
+                f"imagefolder {d}: its classes file {opts['classes']} names {len(names)} classes ({listed(names)}), "
+                f"but this federation's {len(class_names)} classes are ({listed(class_names)}), in that order (a "
+                f"line is a class id): leave classes= out (the federation's names are used) or make the file the "
+                f"federation's list"
+            )
     splits = {"x": d / "train", "x_test": d / "test"}
     if not (splits["x"].is_dir() and splits["x_test"].is_dir()):
         # DIR/train alone (no test/): the train split, a test split is held out of it
@@ -251,16 +352,18 @@ def read_imagefolder(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays
                 f"(DIR/<class>/<image>.png), optionally under DIR/train and DIR/test"
             )
         if key == "x":
-            index = _labels_of(dirs, names, root)
+            index = _labels_of(dirs, names, root, class_names, num_classes)
+        elif class_names is not None:  # a test folder may hold a class the train folder lacks: named, it is known
+            index = {**index, **_labels_of(dirs, names, root, class_names)}
         else:  # the test split is labelled like the train split (it may hold fewer classes)
             unknown = [d.name for d in dirs if d.name not in index]
             if unknown:
                 raise DataError(f"{root}: class folder(s) {unknown} are not in {splits['x']} ({', '.join(index)})")
         files[key], labels[key] = [], []
         for cdir in dirs:
-            listed = sorted(p for p in cdir.iterdir() if p.is_file() and not p.name.startswith("."))
-            imgs = [p for p in listed if p.suffix.lower() in IMAGE_SUFFIXES]
-            others += [p for p in listed if p.suffix.lower() not in IMAGE_SUFFIXES]
+            entries = sorted(p for p in cdir.iterdir() if p.is_file() and not p.name.startswith("."))
+            imgs = [p for p in entries if p.suffix.lower() in IMAGE_SUFFIXES]
+            others += [p for p in entries if p.suffix.lower() not in IMAGE_SUFFIXES]
             files[key] += imgs
             labels[key] += [index[cdir.name]] * len(imgs)
         if not files[key]:
@@ -398,8 +501,8 @@ def _looks_like_pixels(v: np.ndarray) -> bool:
     return bool((np.all(v == np.rint(v)) and vmin >= 0 and vmax <= 255) or (vmin >= 0 and vmax <= 1))
 
 
-def _read_csv_split(path: Path, label: str) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(feature column names, features, labels) of one CSV file."""
+def _read_csv_split(path: Path, label: str) -> tuple[list[str], np.ndarray, list[str]]:
+    """(feature column names, features, label cells) of one CSV file."""
     header, body = csv_rows(path)
     if label not in header:
         raise DataError(
@@ -407,15 +510,41 @@ def _read_csv_split(path: Path, label: str) -> tuple[list[str], np.ndarray, np.n
             f"{' ...' if len(header) > 12 else ''}; name it with csv:{path},label=COLUMN"
         )
     li = header.index(label)
-    y = csv_table(path, header, body, [li])[:, 0]
-    if not np.all(y == np.rint(y)):
-        n = int(np.argmax(y != np.rint(y)))
-        raise DataError(
-            f"csv {path} line {n + 2}, column {label!r}: {body[n][li]!r}; the label column must hold integer "
-            "class ids (0, 1, ...)"
-        )
     keep = [i for i in range(len(header)) if i != li]
-    return [header[i] for i in keep], csv_table(path, header, body, keep), y.astype(np.int64)
+    return [header[i] for i in keep], csv_table(path, header, body, keep), [r[li].strip() for r in body]
+
+
+def _csv_labels(cells: list[str], path: Path, label: str, class_names: Sequence[str] | None) -> np.ndarray:
+    """A label column: integer class ids, or class names matched with the federation's; a cell that is
+    neither is an error naming its line."""
+    named = [n for n, c in enumerate(cells) if not _is_number(c)]
+    if named:
+        if class_names is None:
+            names = sorted({cells[n] for n in named})
+            raise DataError(
+                f"csv {path}: column {label!r} holds class names ({listed(names, 10)}), but this federation names "
+                f"no classes to match them with (the first: line {named[0] + 2}, {cells[named[0]]!r}): start the "
+                f"server with --classes FILE (one class name a line), or write class ids 0, 1, ... in the column"
+            )
+        index = label_map(sorted(set(cells)), class_names, f"csv {path}", f"label(s) in column {label!r}")
+        return np.array([index[c] for c in cells], dtype=np.int64)
+    y = np.array([float(c) for c in cells], dtype=np.float64)
+    bad = ~np.isfinite(y) | (y != np.rint(y))
+    if np.any(bad):
+        n = int(np.argmax(bad))
+        raise DataError(
+            f"csv {path} line {n + 2}, column {label!r}: {cells[n]!r}; the label column must hold integer "
+            "class ids (0, 1, ...) or class names"
+        )
+    return y.astype(np.int64)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _csv_options(arg: str) -> tuple[Path, dict[str, str], str]:
@@ -440,23 +569,26 @@ def csv_scaling(arg: str) -> dict[str, Any] | None:
     return _fit_scaling(features, columns)
 
 
-def read_csv(arg: str, in_shape: tuple[int, ...] | None) -> tuple[Arrays, str]:
+def read_csv(
+    arg: str, in_shape: tuple[int, ...] | None, *, class_names: Sequence[str] | None = None
+) -> tuple[Arrays, str]:
     """The npz layout from ``FILE[,label=COL][,range=LO:HI][,test=FILE][,scale=column|pixels]`` (module
-    docstring)."""
+    docstring); `class_names`: the federation's (a label column of names is matched with them)."""
     path, opts, scale = _csv_options(arg)
     label = opts.get("label", "label")
     lo_hi = csv_range(opts)
-    columns, features, y = _read_csv_split(path, label)
+    columns, features, cells = _read_csv_split(path, label)
+    y = _csv_labels(cells, path, label, class_names)
     splits = {"x": (features, y)}
     if "test" in opts:
         test_path = Path(opts["test"])
-        test_columns, test_features, test_y = _read_csv_split(test_path, label)
+        test_columns, test_features, test_cells = _read_csv_split(test_path, label)
         if test_columns != columns:
             raise DataError(
                 f"csv test file {test_path}: its feature columns differ from {path}'s "
                 f"({test_columns[:6]} vs {columns[:6]}); give both files the same header"
             )
-        splits["x_test"] = (test_features, test_y)
+        splits["x_test"] = (test_features, _csv_labels(test_cells, test_path, label, class_names))
     shape = _csv_shape(features.shape[1], in_shape, path)
     scaling = None
     if lo_hi is None and (scale == "column" or (not scale and not _looks_like_pixels(features))):

@@ -29,10 +29,13 @@ class DeviceFile:
     credentials: Credentials
     fed: str | None = None
     ca_pem: str | None = None
+    broker: str | None = None  # where to connect (the monitor's file says: `protofl-server status --credentials`)
 
 
-def device_file_text(cred: Credentials, fed: str, ca_pem: str | None = None) -> str:
+def device_file_text(cred: Credentials, fed: str, ca_pem: str | None = None, broker: str | None = None) -> str:
     raw = {"fed": fed, "username": cred.username, "password": cred.password}
+    if broker is not None:
+        raw["broker"] = broker
     if ca_pem is not None:
         raw["ca"] = ca_pem
     return json.dumps(raw) + "\n"
@@ -52,8 +55,13 @@ def read_device_file(path: Path) -> DeviceFile:
             f"--credentials {path}: expected a JSON object with username and password (the "
             f"devices/<id>.json file written by protofl-server start), got an error: {exc}"
         ) from None
-    fed = raw.get("fed")
-    return DeviceFile(cred, str(fed) if fed is not None else None, str(ca) if ca is not None else None)
+    fed, broker = raw.get("fed"), raw.get("broker")
+    return DeviceFile(
+        cred,
+        str(fed) if fed is not None else None,
+        str(ca) if ca is not None else None,
+        str(broker) if broker is not None else None,
+    )
 
 
 def read_device_credentials(path: Path) -> tuple[Credentials, str | None]:

@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
     from broker_server.shell import Aggregator
     from protofl import topics
     from protofl.algorithms import apud
+    from tests.wire_helpers import ridge_upload
     from protofl.presets import PRESETS, make_config
     from protofl.transport import InProcessBroker
     from protofl.wire import (ParamsUpload, Join, ProtoSet, ProtoUpload, RoundStart, decode_message,
@@ -69,6 +70,8 @@ SCRIPT = textwrap.dedent(
                     local = adapter + rng.standard_normal(d).astype(np.float32)
                     out.append(ParamsUpload(update=apud.select_topk(local, adapter, 30), n_samples=10,
                                              base_round=env.round))
+                elif agg.machine.plan.shared_backbone:  # the ridge predictor's statistics (the protofl preset)
+                    out.append(ridge_upload(cfg, env.round, 10, rng))
                 if cfg.prototypes != "none" and not cfg.erpa:
                     unit = cfg.prototypes == "unit"
                     out.append(ProtoUpload(local=protoset([0, 2], width, rng,

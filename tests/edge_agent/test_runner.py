@@ -67,11 +67,14 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     opts = parse_broker_url(mosquitto.url)
     seen: list[tuple[str, bytes]] = []
     arrived = {topic: threading.Event() for topic in (f"protofl/{fed}/spy-ready", topics.presence(fed, "client-000"))}
+    done = threading.Event()  # the device's last presence ("done") reached the spy
 
     def spied(topic: str, payload: bytes) -> None:
         if topic in arrived and not arrived[topic].is_set():
             arrived[topic].set()
         seen.append((topic, payload))
+        if topic == topics.presence(fed, "client-000") and payload and decode_as(Status, payload).state == "done":
+            done.set()
 
     spy = MqttTransport(opts, "spy", backoff=fast_backoff()).connect(10)
     spy.subscribe(f"protofl/{fed}/#", spied)
@@ -92,6 +95,8 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     runner.join(60)
     t.join(30)
     service.close()
+    # The device's "done" presence may reach the spy after the device returned (a loaded machine): wait for it.
+    assert done.wait(30), "the device never said it was done"
     spy.close()
     agent = result["agent"]
     assert agent is not None and agent.finished and agent.stats.rounds_trained == 2  # type: ignore[attr-defined]
