@@ -3,6 +3,8 @@ what it adds, what it refuses (and then changes nothing), a device counted once,
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,7 @@ def test_the_sums_do_not_depend_on_how_the_data_is_split() -> None:
     np.testing.assert_allclose(ridge_head(parts, 4, 3)[0], ridge_head(whole, 4, 3)[0], rtol=1e-4, atol=1e-6)
 
 
-def _model(**sets: object):
+def _model(**sets: Any) -> Any:
     cfg = make_config("protofl", proto_dim=4, adapter_rank=2, num_classes=3, **sets)
     return build_model(cfg, RoundPlan.from_config(cfg))
 
