@@ -3,6 +3,8 @@ what it adds, what it refuses (and then changes nothing), a device counted once,
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -37,12 +39,12 @@ def test_the_sums_do_not_depend_on_how_the_data_is_split() -> None:
     rng = np.random.default_rng(0)
     h, y = rng.normal(size=(60, 4)), rng.integers(0, 3, 60)
     whole = ridge_statistics(h, y, 3).astype(np.float64)
-    parts = sum(ridge_statistics(h[i : i + 20], y[i : i + 20], 3).astype(np.float64) for i in (0, 20, 40))
+    parts = np.sum([ridge_statistics(h[i : i + 20], y[i : i + 20], 3).astype(np.float64) for i in (0, 20, 40)], 0)
     np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-4)  # float32 on the wire
     np.testing.assert_allclose(ridge_head(parts, 4, 3)[0], ridge_head(whole, 4, 3)[0], rtol=1e-4, atol=1e-6)
 
 
-def _model(**sets: object):
+def _model(**sets: Any) -> Any:
     cfg = make_config("protofl", proto_dim=4, adapter_rank=2, num_classes=3, **sets)
     return build_model(cfg, RoundPlan.from_config(cfg))
 
