@@ -222,6 +222,7 @@ def simulate(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not quiet:
         logging.getLogger("protofl.data").setLevel(logging.INFO)  # what own data loading did: loaded, skipped
+        logging.getLogger("protofl.models").setLevel(logging.INFO)  # an own backbone's measured feature width
     try:
         check_source(dataset)  # a wrong path or spec fails now, not after torch is imported
         require_torch("protofl-server simulate")  # the simulated devices train with torch

@@ -73,6 +73,13 @@ def fixed_by_user(config_file: str | None, overrides: dict[str, Any]) -> set[str
     return {k for k in DATA_KEYS if k in named}
 
 
+def sets(config_file: str | None, overrides: dict[str, Any], key: str) -> bool:
+    """Whether `--config` or `--set` gives `key` a value (the user fixed it: it is not the preset's default)."""
+    if overrides.get(key) is not None:
+        return True
+    return bool(config_file) and key in load_config_file(str(config_file))
+
+
 def read_classes(path: Path | str | None, overrides: dict[str, Any]) -> None:
     """`--classes FILE` (one class name a line) into `overrides` as the federation's class_names."""
     if path is None:

@@ -93,6 +93,7 @@ def rounds_log(text: str, path: Path) -> dict[str, Any]:
     return {
         "preset": rows[-1].get("preset") or rows[-1].get("fed", path.stem),
         "fed": rows[-1].get("fed"),
+        "source": "rounds.jsonl",  # a real federation's rounds, not a simulation (the report's title says which)
         "clock": "wall",
         "rounds": rounds,
         "totals": {
@@ -317,6 +318,19 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
     return paths
 
 
+def report_title(runs: list[dict[str, Any]]) -> str:
+    """The report's title, by what it read: simulate's reports, a server's rounds.jsonl, or both."""
+    federations = sum(1 for r in runs if r.get("source") == "rounds.jsonl")
+    if federations == 0:
+        return "Simulation report"
+    if federations == len(runs):
+        return "Federation report (a server's rounds.jsonl)"
+    return (
+        f"Report: {len(runs) - federations} simulation{'s' if len(runs) - federations > 1 else ''} and "
+        f"{federations} federation{'s' if federations > 1 else ''} (a server's rounds.jsonl)"
+    )
+
+
 def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str = "global") -> str:
     keys = [run_metric(r, metric) for r in runs]
     # the last round's accuracy of the kind each run shows (the last round scores the test set, if any does)
@@ -325,7 +339,7 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
     target = 0.9 * best if target is None else target
     fallback = ", or local_acc for a run that never scored the test set" if metric == "global" else ""
     lines = [
-        "# Simulation report",
+        f"# {report_title(runs)}",
         "",
         f"Target accuracy for time-to-target: {100 * target:.1f} % (accuracy = {metric}_acc{fallback}).",
         "",

@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
-from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes
+from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes, sets
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from broker_server.settings import (
@@ -331,7 +331,7 @@ def _federation(
 
     from protofl.data import load_dataset
     from protofl.data.classnames import data_class_names
-    from protofl.data.federation import public_set
+    from protofl.data.federation import fit_public, public_set
     from protofl.presets import make_config
 
     overrides.update(
@@ -351,6 +351,8 @@ def _federation(
             # the public data's own names (fashion-mnist's, class folders) name the classes
             overrides["class_names"] = data_class_names(public_data, train.num_classes)
     cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
+    if train is not None:  # a public set that fits the public data (or none, where nothing uses one)
+        cfg = fit_public(train, cfg, fixed=sets(str(config) if config else None, overrides, "public_per_class"))
     plan = RoundPlan.from_config(cfg)
     if validation is not None and not plan.shared_backbone:
         raise ConfigError(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
@@ -37,6 +38,11 @@ import torch
 from torch import nn
 
 from protofl.errors import ConfigError
+
+log = logging.getLogger("protofl.models")
+
+# (architecture, input shape, output shape) of own backbones whose flattened feature width was logged: said once.
+_FLATTENED: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
 
 __all__ = [
     "ARCHITECTURES",
@@ -385,7 +391,17 @@ def _own_backbone(arch: str, factory: Callable[[InShape], object], shape: InShap
             f"architecture {arch!r}: the backbone maps a (2, {', '.join(map(str, shape))}) batch to "
             f"{got}, expected a tensor (2, d) (or (2, ...), flattened); {_accepted()}"
         )
-    return OwnBackbone(net, int(out[0].numel()))
+    width = int(out[0].numel())
+    said = (arch, tuple(shape), tuple(out.shape[1:]))
+    if out.dim() > 2 and said not in _FLATTENED:
+        _FLATTENED.add(said)
+        log.info(
+            "architecture %r: the backbone's output per sample, %s, is flattened to %d features (the feature width)",
+            arch,
+            "x".join(map(str, out.shape[1:])),
+            width,
+        )
+    return OwnBackbone(net, width)
 
 
 def _load_factory(arch: str, target: str) -> object:

@@ -11,14 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.cli_common import data_shape, fixed_by_user
+from broker_server.cli_common import data_shape, fixed_by_user, sets
 from broker_server.shell import decoder_limits
 from broker_server.simulation.links import expand
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.data import Dataset, FederatedSplit, load_dataset
 from protofl.data.classnames import data_class_names
-from protofl.data.federation import federation_split, limit_train, public_set
+from protofl.data.federation import federation_split, fit_public, limit_train, public_set
 from protofl.errors import ConfigError
 from protofl.presets import make_config
 from protofl.profiles import DeviceClass, parse_fleet
@@ -189,6 +189,7 @@ def prepare(spec: SimulationSpec) -> Federation:
     if "class_names" not in fixed and spec.dataset.partition(":")[0].strip().lower() in ("imagefolder", "npz"):
         named = data_class_names(spec.dataset, train.num_classes)
     cfg = resolve_config(spec, train.num_classes, tuple(train.in_shape), named)
+    cfg = fit_public(train, cfg, fixed=sets(spec.config_file, spec.overrides, "public_per_class"))
     split = federation_split(train, spec.clients, spec.alpha, spec.seed, cfg)  # what --partition i/N loads
     if spec.test_limit is not None:
         test = test.subset(np.arange(min(spec.test_limit, len(test))))

@@ -4,20 +4,43 @@
 alpha, seed)) and `public_set` (the server's public set) are the only places these choices are
 made: a device loading `--partition i/N`, `protofl-server start --public-data` and the simulator
 therefore see the same samples. numpy only.
+
+The public set's size (`public_size`): `public_per_class` per class, carved for every preset wherever the
+data has that many of each class, so that methods compared on the same data (Fashion-MNIST: 6000 a class)
+hold the same client data. Where a class has fewer (small own data, where a carve failed before):
+a federation that uses no public set (neither ERPA's anchors nor the ridge predictor's trained shared
+backbone) draws none and its clients keep every sample; one that uses it takes what the data can give
+(`fit_public`: a quarter of the smallest class, at least 1 a class) unless the user fixed
+`public_per_class`, and an error says which option to set where even that does not fit.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 
 from protofl.config import FederationConfig
 from protofl.data.loaders import Dataset
 from protofl.data.partition import FederatedSplit, build_federation, federation_public
-from protofl.errors import ConfigError
+from protofl.errors import ConfigError, DataError
 from protofl.plan import RoundPlan
 from protofl.wire import PublicSet
 
-__all__ = ["federation_split", "limit_train", "public_indices", "public_set"]
+__all__ = [
+    "fit_public",
+    "federation_split",
+    "limit_train",
+    "public_indices",
+    "public_set",
+    "public_size",
+    "public_user",
+]
+
+log = logging.getLogger("protofl.data")
+
+# The share of its smallest class a public set fitted to small own data takes at most (the clients keep the rest).
+PUBLIC_SHARE = 4
 
 
 def limit_train(train: Dataset, limit: int | None, seed: int) -> Dataset:
@@ -38,7 +61,7 @@ def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg:
         clients,
         alpha,
         seed,
-        public_per_class=cfg.public_per_class,
+        public_per_class=public_size(train.y, cfg),
         public_classes=cfg.public_classes,
         batch_size=cfg.batch_size,
     )
@@ -46,7 +69,92 @@ def federation_split(train: Dataset, clients: int, alpha: float, seed: int, cfg:
 
 def public_indices(train: Dataset, cfg: FederationConfig) -> np.ndarray:
     """The samples of `train` the public set takes for `cfg` (carved for every preset, whatever its plan)."""
-    return federation_public(train.y, cfg.seed, cfg.public_per_class, cfg.public_classes)
+    return federation_public(train.y, cfg.seed, public_size(train.y, cfg), cfg.public_classes)
+
+
+def public_user(cfg: FederationConfig) -> str | None:
+    """The option that switches off the active technique that uses the public set's samples (None: none does):
+    "erpa" (anchors on the public classes) or "ridge" (the shared backbone, trained on them where
+    backbone_epochs > 0)."""
+    plan = RoundPlan.from_config(cfg)
+    if plan.public_classes:
+        return "erpa"
+    if plan.shared_backbone and int(cfg.backbone_epochs) > 0:
+        return "ridge"
+    return None
+
+
+def _smallest_class(labels: np.ndarray, cfg: FederationConfig) -> tuple[int, int]:
+    """(class, count) of the public set's class (`cfg.public_classes`, None = every class present) with the fewest
+    samples in `labels`."""
+    y = np.asarray(labels)
+    classes = np.unique(y).tolist() if cfg.public_classes is None else [int(c) for c in cfg.public_classes]
+    if not classes:
+        return -1, 0
+    counts = [(int(np.count_nonzero(y == c)), int(c)) for c in sorted(classes)]
+    have, c = min(counts)
+    return c, have
+
+
+def _too_few(c: int, have: int, want: int, user: str, cfg: FederationConfig) -> DataError:
+    uses = "ERPA's anchors" if user == "erpa" else "the ridge predictor's shared backbone"
+    fit = have // PUBLIC_SHARE
+    set_size = f"--set public_per_class={fit} (a quarter of class {c}'s samples) or " if 0 < fit < want else ""
+    return DataError(
+        f"public set: class {c} has {have} samples, fewer than the {want} per class asked; preset "
+        f"'{cfg.preset}' uses the public set ({uses}): use {set_size}--set {user}=false to run without it"
+    )
+
+
+def public_size(labels: np.ndarray, cfg: FederationConfig) -> int:
+    """The public set's samples per class for (labels, cfg): `cfg.public_per_class` where every class of the set
+    has that many (carved whatever the preset, so methods compared on the same data hold the same client data);
+    0 where one has fewer and no active technique uses a public set (nothing drawn, the clients keep every
+    sample); a DataError naming the options to set where one does (`fit_public` fits the config first)."""
+    want = int(cfg.public_per_class)
+    if want == 0:
+        return 0
+    c, have = _smallest_class(labels, cfg)
+    if have >= want:
+        return want
+    user = public_user(cfg)
+    if user is None:
+        return 0
+    raise _too_few(c, have, want, user, cfg)
+
+
+def fit_public(train: Dataset, cfg: FederationConfig, fixed: bool) -> FederationConfig:
+    """`cfg` with a public set that fits `train` (said once in the log): where a class has fewer than
+    `public_per_class` samples and a technique uses the public set, a quarter of the smallest class (at least 1),
+    unless the user `fixed` public_per_class (then, as where even 1 does not fit, a DataError names the options);
+    where no technique uses it, public_per_class 0 (none drawn). Unchanged where the data has enough."""
+    want = int(cfg.public_per_class)
+    if want == 0:
+        return cfg
+    c, have = _smallest_class(train.y, cfg)
+    if have >= want:
+        return cfg
+    user = public_user(cfg)
+    if user is None:
+        log.info(
+            "no public set: preset '%s' uses none, and class %d has %d samples, fewer than public_per_class %d",
+            cfg.preset,
+            c,
+            have,
+            want,
+        )
+        return cfg.replace(public_per_class=0)
+    fit = have // PUBLIC_SHARE
+    if fixed or fit < 1:
+        raise _too_few(c, have, want, user, cfg)
+    log.warning(
+        "public set: %d per class (a quarter of class %d's %d samples; public_per_class %d does not fit this data)",
+        fit,
+        c,
+        have,
+        want,
+    )
+    return cfg.replace(public_per_class=fit)
 
 
 def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:

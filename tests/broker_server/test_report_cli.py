@@ -264,3 +264,27 @@ def test_a_run_with_local_accuracy_only_says_it_is_on_each_devices_own_classes(t
     assert labels[0] == "accuracy (%)", labels
     md = (tmp_path / "o2" / "summary.md").read_text()
     assert "| fedavg | 2 | global | 50.0 |" in md and "| protofl | 2 | local (own classes) | 80.0 |" in md, md
+
+
+# -- issue 42 ------------------------------------------------------------------------------------------
+
+
+def test_report_is_titled_by_what_it_read(tmp_path: Path) -> None:
+    # `protofl-server report STATE/rounds.jsonl` titled a real federation's rounds "Simulation report".
+    row = {"fed": "lab", "preset": "fedproto", "clients": ["a"], "uplink_bytes": 10, "downlink_bytes": 20}
+    rounds = tmp_path / "rounds.jsonl"
+    rounds.write_text("".join(json.dumps({**row, "round": r, "started": r, "ended": r + 0.5}) + "\n" for r in (1, 2)))
+    sim = tmp_path / "run.json"
+    sim.write_text(json.dumps(run("tinyproto", [0.3, 0.6], [20.0, 30.0])))
+    env = dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="250")
+
+    def title(*paths: Path) -> str:
+        out = tmp_path / f"o{len(list(tmp_path.iterdir()))}"
+        cmd = [sys.executable, "-m", "broker_server.cli", "report", *map(str, paths), "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return (out / "summary.md").read_text().splitlines()[0]
+
+    assert title(rounds) == "# Federation report (a server's rounds.jsonl)"
+    assert title(sim) == "# Simulation report"
+    assert title(sim, rounds) == "# Report: 1 simulation and 1 federation (a server's rounds.jsonl)"
