@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -115,6 +116,10 @@ class Coordinator:
     @property
     def dropped(self) -> dict[str, int]:
         return self.shell.dropped
+
+    @property
+    def last_drops(self) -> deque[str]:
+        return self.shell.last_drops
 
     @property
     def members(self) -> frozenset[str] | None:
@@ -282,6 +287,7 @@ class Coordinator:
                 f"{topic}: progress of '{msg['shard']}', not one of this federation's shards "
                 f"({', '.join(self.shards)})",
                 len(payload),
+                str(msg["shard"]),
             )
             return []
         return [
@@ -306,6 +312,7 @@ class Coordinator:
                 "invalid",
                 f"{topic}: partial of '{shard}' over {msg['uploads']} upload(s), expected {expected}",
                 len(payload),
+                str(shard),
             )
             return
         try:
@@ -313,7 +320,7 @@ class Coordinator:
             self.machine.run.check_partial(msg["part"])
         except ValueError as exc:
             log.error("shard %s sent a partial the coordinator cannot merge (%s); waiting for a good one", shard, exc)
-            self.shell.drop("invalid", f"{topic}: {exc}", len(payload))
+            self.shell.drop("invalid", f"{topic}: {exc}", len(payload), str(shard))
             return
         self._parts[shard] = msg["part"]
         self._merge_if_complete()

@@ -87,10 +87,13 @@ class Received:
 
 @dataclass(frozen=True)
 class Presence:
-    """A client's presence: online (connected), or offline (its last will, or it said goodbye)."""
+    """A client's presence: online (connected), or offline (its last will, or it said goodbye). `gave_up`: the
+    (round, phase) an online client gave up on (it failed there every time it tried): it leaves that phase, so
+    the phase closes at quorum instead of waiting for its deadline; it stays a client for the next one."""
 
     client: str
     online: bool
+    gave_up: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,7 @@ class RoundMachine:
                 return True
             if isinstance(msg, Join):
                 self._check_member(env.sender)
+                self._check_arch(env.sender, msg)
                 return env.sender not in s.clients or env.sender in s.leaving
             if isinstance(msg, Metrics):
                 self._check_metrics(env)
@@ -428,6 +432,8 @@ class RoundMachine:
         if isinstance(inp, Presence):
             if s.finished:
                 return False
+            if inp.gave_up is not None:
+                return self._gives_up(inp.client, inp.gave_up)
             if inp.online:
                 return inp.client in s.leaving or inp.client in s.departed
             return inp.client in s.clients and inp.client not in s.leaving
@@ -446,6 +452,8 @@ class RoundMachine:
             assert isinstance(msg, (ProtoUpload, ParamsUpload))
             return self._on_upload(inp.env, msg, inp.nbytes)
         if isinstance(inp, Presence):
+            if inp.gave_up is not None:
+                return self._give_up(inp.client, inp.gave_up) if self._gives_up(inp.client, inp.gave_up) else []
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)
         if isinstance(inp, ClosingInput):
             return self.closing.apply(self, inp)
@@ -499,6 +507,44 @@ class RoundMachine:
             raise Drop("unknown_client", f"metrics from '{env.sender}'")
         if not self.state.round - METRICS_LAG <= env.round <= self.state.round:
             raise Drop("stale", f"metrics for round {env.round} from {env.sender}; now round {self.state.round}")
+
+    def _check_arch(self, client: str, msg: Join) -> None:
+        """A federation of one model (federate="full": every client holds the same parameter vector) refuses a
+        device of another architecture at its join: its uploads could never be folded, and it would hold every
+        round up until the deadline."""
+        cfg = self.cfg
+        if cfg.federate != "full" or not msg.arch:  # no --arch: the device builds the federation's own
+            return
+        runs = cfg.archs[0]
+        if msg.arch != runs:
+            raise Drop(
+                "wrong_arch",
+                f"join from '{client}' with --arch {msg.arch}: this federation ({cfg.preset}, federate=full) "
+                f"averages one model, architecture '{runs}'; join with --arch {runs} (or without --arch)",
+            )
+
+    def _gives_up(self, client: str, where: tuple[int, str]) -> bool:
+        """Whether `client` giving up on `where` (round, phase) takes it out of the open phase."""
+        open_ = self.state.phase
+        return (
+            open_ is not None
+            and (self.state.round, open_.phase.value) == where
+            and client in open_.expected
+            and not open_.complete(client)
+        )
+
+    def _give_up(self, client: str, where: tuple[int, str]) -> list[Effect]:
+        open_ = self.state.phase
+        assert open_ is not None
+        open_.expected.discard(client)
+        log.warning(
+            "client %s gave up on round %d %s; the phase waits for %d other client(s)",
+            client,
+            where[0],
+            where[1],
+            len(open_.expected),
+        )
+        return self.close_if_complete()
 
     def _on_join(self, env: Head, msg: Join, nbytes: int) -> list[Effect]:
         s = self.state

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -88,6 +89,14 @@ def decoder_limits(cfg: FederationConfig, model_values: int | None = None) -> Li
 # kind (TIMER_KINDS) and fields say what fired.
 Entry = tuple[str, bytes, str, str, int, str]
 GRACE_OVER, DEADLINE = "grace_over", "deadline"
+LAST_DROPS = 5  # drops `status` shows with their device and reason
+# Drops that say a device is misconfigured or its upload broken (not routine: a late or second copy): logged
+# at warning, so that `start` without --verbose shows them.
+LOUD_DROPS = frozenset({"invalid", "wrong_arch"})
+# The presence state of a device that gave up on a round (edge_agent/runner.py): the envelope says which.
+GAVE_UP = "gave_up"
+# What the server says on a device's `down/` topic when it refuses its join for good (Status.state).
+REFUSED = "refused"
 TIMER_KINDS = (GRACE_OVER, DEADLINE)
 
 
@@ -176,6 +185,8 @@ class Aggregator:
         self.members = frozenset(members) if members is not None else None  # None: anyone may join
         self.max_clients = max_clients
         self.dropped: dict[str, int] = {}
+        # The last drops, each "REASON from DEVICE: why", for `status` (the counts say how many, these say whose).
+        self.last_drops: deque[str] = deque(maxlen=LAST_DROPS)
         # Watching (broker_server/watch): told of every input applied live, after it changed the state.
         self.on_applied: Callable[[Input], None] | None = None
 
@@ -290,7 +301,9 @@ class Aggregator:
         topic_client = topics.client_of(topic)
         nbytes = len(payload)
         if self.members is not None and topic_client not in self.members:
-            self.drop("not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes)
+            self.drop(
+                "not_member", f"{topic}: '{topic_client}' is not a member of this federation", nbytes, topic_client
+            )
             return None
         fast = fast_reader.read_upload(payload, self.limits) if self._fast else None
         if fast is not None:  # a valid upload, read whole in C: the checks below on its envelope, as for any
@@ -299,7 +312,7 @@ class Aggregator:
         try:
             head = read_header(payload, self.limits)  # the envelope only: the body is not parsed yet
         except WireError as exc:
-            self.drop("malformed", f"{topic}: {exc}", nbytes)
+            self.drop("malformed", f"{topic}: {exc}", nbytes, topic_client)
             return None
         return self._judged(topic, head, nbytes, topic_client, None)
 
@@ -310,10 +323,12 @@ class Aggregator:
         # Who sent what to whom, from the envelope: a message that cannot be an upload from this topic's
         # device to this federation costs its envelope, never the parsing of its body.
         if head.sender != topic_client:
-            self.drop("sender_mismatch", f"topic says '{topic_client}', message says '{head.sender}'", nbytes)
+            self.drop(
+                "sender_mismatch", f"topic says '{topic_client}', message says '{head.sender}'", nbytes, topic_client
+            )
             return None
         if head.fed != self.fed:
-            self.drop("wrong_fed", f"'{head.fed}' on federation '{self.fed}'", nbytes)
+            self.drop("wrong_fed", f"'{head.fed}' on federation '{self.fed}'", nbytes, topic_client)
             return None
         if head.kind not in DEVICE_KINDS:
             self.drop(
@@ -321,19 +336,20 @@ class Aggregator:
                 f"{head.kind} from {head.sender} (round {head.round}): a device sends "
                 f"{', '.join(sorted(DEVICE_KINDS))} on up/",
                 nbytes,
+                topic_client,
             )
             return None
         if msg is None:
             try:
                 self.machine.screen(head)  # round, phase, membership: still before the body
             except Drop as drop:
-                self.drop(drop.reason, drop.detail, nbytes)
+                self.drop(drop.reason, drop.detail, nbytes, topic_client)
                 return None
             assert isinstance(head, Header)
             try:
                 msg = decode_body(head.open(), self.limits)
             except WireError as exc:
-                self.drop("malformed", f"{topic}: {exc}", nbytes)
+                self.drop("malformed", f"{topic}: {exc}", nbytes, topic_client)
                 return None
         if (
             isinstance(msg, Join)
@@ -345,6 +361,7 @@ class Aggregator:
                 "max_clients",
                 f"join from '{head.sender}': the federation has its {self.max_clients} clients (--max-clients)",
                 nbytes,
+                topic_client,
             )
             return None
         return Received(head, msg, nbytes)
@@ -365,13 +382,19 @@ class Aggregator:
             head = read_header(payload, self.limits)
             # Checked on the envelope: a presence that is not this client's status costs no body parsing.
             if head.kind != Status.KIND or head.sender != client or head.fed != self.fed:
-                self.drop("invalid", f"{topic}: not {client}'s presence", len(payload))
+                self.drop("invalid", f"{topic}: not {client}'s presence", len(payload), client)
                 return None
             msg = decode_body(head.open(), self.limits)
         except WireError as exc:
-            self.drop("malformed", f"{topic}: {exc}", len(payload))
+            self.drop("malformed", f"{topic}: {exc}", len(payload), client)
             return None
         assert isinstance(msg, Status)
+        if msg.state == GAVE_UP:
+            # It failed the round of its envelope every time it tried: it leaves that phase (still a client).
+            log.warning("device %s: %s", client, msg.detail or f"gave up on round {head.round} {head.phase}")
+            if client not in self.clients:
+                return None
+            return Presence(client, online=True, gave_up=(head.round, head.phase))
         if msg.detail and msg.state == "online":
             # A device reports a round that failed there on its presence topic (the rest is its profile).
             (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)
@@ -388,27 +411,41 @@ class Aggregator:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a
         counted drop. `what` names the input in a drop's line (a message's envelope: its line is only written for a
         drop)."""
-        nbytes = len(entry[1])
+        nbytes, client = len(entry[1]), entry[2]
         try:
             effects = self.steps.take(inp, entry)  # durable: on disk before it changes anything (and before the ack)
         except Drop as drop:
-            self.drop(drop.reason, drop.detail, nbytes)
+            self.drop(drop.reason, drop.detail, nbytes, client)
+            if drop.reason == "wrong_arch":
+                self._refuse(client, drop.detail)
             return
         except (WireError, ValueError) as exc:
-            self.drop("invalid", f"{_named(what)}: {exc}", nbytes)
+            self.drop("invalid", f"{_named(what)}: {exc}", nbytes, client)
             return
         except Exception as exc:  # a bug in a stage must not take the federation down with it
             log.exception("unexpected error while handling %s", _named(what))
-            self.drop("invalid", f"{_named(what)}: {type(exc).__name__}: {exc}", nbytes)
+            self.drop("invalid", f"{_named(what)}: {type(exc).__name__}: {exc}", nbytes, client)
             return
         if self.on_applied is not None:
             self.on_applied(inp)
         self._run(effects, live=True)
 
-    def drop(self, reason: str, detail: str, nbytes: int) -> None:
-        """Count and log a drop (the error boundary's; also what is composed beside the shell refuses)."""
+    def drop(self, reason: str, detail: str, nbytes: int, client: str = "") -> None:
+        """Count and log a drop (the error boundary's; also what is composed beside the shell refuses), with its
+        reason and the device it came from (`client`: its topic's; "" where no device is known)."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        log.info("dropped upload (%s, %d bytes): %s", reason, nbytes, detail)
+        who = client or "-"
+        (log.warning if reason in LOUD_DROPS else log.info)(
+            "dropped a message from %s (%s, %d bytes): %s", who, reason, nbytes, detail
+        )
+        self.last_drops.append(f"{reason} from {who}: {detail}")
+
+    def _refuse(self, client: str, why: str) -> None:
+        """Tell `client`, on its own `down/` topic, that its join is refused and why (the device stops)."""
+        if not client:
+            return
+        payload = encode_message(Status(state=REFUSED, detail=why), fed=self.fed, sender=SERVER_ID)
+        self.transport.publish(topics.down(self.fed, client), payload, qos=1)
 
     # -- effects --------------------------------------------------------------------------------
     def _run(self, effects: list[Effect], *, live: bool) -> None:

@@ -11,11 +11,12 @@ lightweight load generator can use it as the runner does.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from protofl.errors import WireError
 from protofl.topics import SERVER_ID
-from protofl.wire import Envelope, Limits, Resend, decode_message
+from protofl.wire import Envelope, Limits, Resend, Status, decode_message
 
 log = logging.getLogger("protofl.edge")
 MIN_INTERVAL_S = 1.0
@@ -28,6 +29,21 @@ REQUEST_LIMITS = Limits(
     max_bin_len=16,
     max_objects=64,
 )
+
+# What the server says on `down/<id>` when it refuses this device's join for good (broker_server/shell.py REFUSED).
+REFUSED = "refused"
+REFUSAL_LIMITS = dataclasses.replace(REQUEST_LIMITS, max_str_len=2048)  # the reason is a sentence or two
+
+
+def refusal(payload: bytes, fed: str) -> str | None:
+    """Why the server refused this device's join, if `payload` (on its `down/` topic) is the server's refusal."""
+    try:
+        env, msg = decode_message(payload, limits=REFUSAL_LIMITS)
+    except WireError:
+        return None
+    if isinstance(msg, Status) and msg.state == REFUSED and env.sender == SERVER_ID and env.fed == fed:
+        return msg.detail or "refused by the server"
+    return None
 
 
 class ResendRequests:

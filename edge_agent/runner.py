@@ -47,7 +47,7 @@ from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
 from edge_agent.outcome import Outcome, Send
-from edge_agent.resend import ResendRequests
+from edge_agent.resend import ResendRequests, refusal
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.transport.broker_url import BrokerOptions
@@ -61,6 +61,7 @@ SERVER_UP = ("waiting", "running")
 _AGENT_LOCK = threading.Lock()
 RETRY_S = 5.0  # a failed round is tried again after this long
 MAX_ATTEMPTS = 3
+GAVE_UP = "gave_up"  # our presence after the last failed try of a round: we leave that phase (broker_server/shell.py)
 
 
 @dataclass(frozen=True)
@@ -310,13 +311,15 @@ class DeviceRunner:
         agent = self.agent
         if agent is None or agent.model is None or self.joined or self.server_state not in SERVER_UP:
             return
+        if not self._rounds_subscribed:
+            # Our own `down/` topic before the join goes out: a refusal of the join comes there, at once.
+            self.transport.subscribe(topics.down(self.fed, self.client_id), self._on_request)
         self._send(agent.join().sends)
         self.joined = True
         if not self._rounds_subscribed:
             self._rounds_subscribed = True
             self.transport.subscribe(topics.public(self.fed), self._on_public)
             self.transport.subscribe(topics.round_(self.fed), self._on_round)
-            self.transport.subscribe(topics.down(self.fed, self.client_id), self._on_request)
 
     def _on_public(self, topic: str, payload: bytes) -> None:
         assert self.agent is not None
@@ -355,7 +358,11 @@ class DeviceRunner:
 
     def _on_request(self, topic: str, payload: bytes) -> None:
         """The server asks again for what the broker may have dropped: our join, a phase's uploads, or a round's
-        metrics."""
+        metrics; or it refuses our join for good (e.g. another architecture than the federation's model): we stop."""
+        why = refusal(payload, self.fed)
+        if why is not None:
+            self.fatal = ConfigError(f"{self.client_id}: the server refused this device's join: {why}")
+            return
         got = self.requests.read(payload, time.monotonic())
         if got is None or self.agent is None:
             return
@@ -402,12 +409,19 @@ class DeviceRunner:
             f"retry {self._attempts}/{MAX_ATTEMPTS - 1} in {RETRY_S:.0f} s" if retry else "giving up"
         )
         log.warning("%s: %s", self.client_id, detail)
-        self._presence("online", detail)
+        if retry:
+            self._presence("online", detail)
+        else:
+            # We leave this phase: the server closes it at quorum instead of waiting for its deadline (the
+            # envelope says which round and phase); the next round message is tried afresh.
+            self._presence(GAVE_UP, detail, round_, phase)
         self._retry_at = time.monotonic() + RETRY_S if retry else 0.0
 
     # -- presence -------------------------------------------------------------------------------
-    def _status(self, state: str, detail: str = "") -> bytes:
-        return encode_message(Status(state=state, detail=detail), fed=self.fed, sender=self.client_id)
+    def _status(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> bytes:
+        msg = Status(state=state, detail=detail)
+        return encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
 
-    def _presence(self, state: str, detail: str = "") -> None:
-        self.transport.publish(topics.presence(self.fed, self.client_id), self._status(state, detail), retain=True)
+    def _presence(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> None:
+        payload = self._status(state, detail, round_, phase)
+        self.transport.publish(topics.presence(self.fed, self.client_id), payload, retain=True)

@@ -191,6 +191,7 @@ class FederationObserver:
             downlink_bytes=sum(r.downlink_bytes for r in m.records) + (0 if m.finished else current.downlink_bytes),
             accepted=self.accepted,
             dropped=dict(agg.dropped),
+            last_drops=tuple(agg.last_drops),
             clipped=dict(agg.model.clipped),
             history=self.history(),
             broker_restarts=broker_restarts,

@@ -54,6 +54,7 @@ def header(reading: Reading, now: float) -> list[str]:
         f"{s.resend_requests}); as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
         f"({_ago(now - s.updated)} ago) from {reading.source}",
     ]
+    lines += [f"  dropped: {d}" for d in s.last_drops]
     found = s.last_accuracies()
     if found is not None:
         lines.insert(

@@ -93,6 +93,7 @@ class Snapshot:
     accepted: dict[str, int] = field(default_factory=dict)  # uploads by kind (the federation's, restarts included)
     dropped: dict[str, int] = field(default_factory=dict)  # messages by reason
     clipped: dict[str, int] = field(default_factory=dict)  # uploads by kind
+    last_drops: tuple[str, ...] = ()  # the last few drops, oldest first: "REASON from DEVICE: why"
     history: tuple[RoundRow, ...] = ()  # the last closed rounds, oldest first
     broker_restarts: int = 0
     # messages the broker reported dropped ($SYS, since this server started), and the re-send requests the
@@ -122,6 +123,7 @@ class Snapshot:
         out["history"] = [_fields_of(r, _ROW_FIELDS) for r in self.history]
         for name in ("accepted", "dropped", "clipped"):
             out[name] = dict(out[name])
+        out["last_drops"] = list(self.last_drops)
         return {"v": SUMMARY_VERSION, "kind": SUMMARY_KIND, **out}
 
     def encode(self) -> bytes:
@@ -142,7 +144,8 @@ class Snapshot:
                 for m in raw["members"]
             )
             history = tuple(_build(RoundRow, r) for r in raw["history"])
-            return _build(cls, raw, members=members, history=history)
+            drops = tuple(str(d) for d in raw.get("last_drops", ()))
+            return _build(cls, raw, members=members, history=history, last_drops=drops)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SummaryError(f"{where}: a damaged summary ({type(exc).__name__}: {exc})") from None
 

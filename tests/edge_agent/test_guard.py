@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from edge_agent import agent as agent_module
+from edge_agent import runner as runner_module
 from edge_agent.guard import anchors_problem, config_problem
 from protofl import topics
 from protofl.config import FederationConfig
@@ -103,6 +106,33 @@ def test_a_round_that_fails_locally_is_rolled_back_reported_and_retried(monkeypa
     assert agent.stats.rounds_trained == 2
 
 
+DATA = "synthetic:n=300,n_test=50"
+
+
+def _served(
+    mosquitto: Any,
+    fed: str,
+    *,
+    clients: int,
+    rounds: int,
+    timeout: float,
+    round_timeout: float | None = None,
+    expected: list[str] | None = None,
+) -> tuple[Any, Any, Any]:
+    """A fedproto server (min_clients 1) over `mosquitto`, in a thread: (broker options, service, its thread)."""
+    from broker_server.service import AggregatorService, server_transport
+    from broker_server.settings import Broker, Federation
+    from broker_server.simulation import SimulationSpec, prepare
+    from protofl.transport.broker_url import parse_broker_url
+    from tests.broker_server.mqtt_helpers import ServiceThread
+
+    opts = parse_broker_url(mosquitto.url)
+    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=clients, rounds=rounds, seed=3)).cfg
+    cfg = cfg.replace(min_clients=1, **({} if round_timeout is None else {"round_timeout": round_timeout}))
+    service = AggregatorService(Federation(cfg, fed, expected_clients=expected), server_transport(Broker(opts), fed))
+    return opts, service, ServiceThread(service, timeout=timeout).start()
+
+
 @pytest.mark.mosquitto
 def test_the_device_loop_reports_a_failed_round_and_retries_it(
     mosquitto, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -111,16 +141,9 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(
     # (the server logs it), tries again after RETRY_S and the federation finishes with it.
     import logging
 
-    from broker_server.service import AggregatorService, server_transport
-    from broker_server.settings import Broker, Federation
-    from broker_server.simulation import SimulationSpec, prepare
-    from edge_agent import runner as runner_module
     from edge_agent.local_data import DataSpec
     from edge_agent.runner import DeviceRunner, RunnerOptions
-    from protofl.transport.broker_url import parse_broker_url
-    from tests.broker_server.mqtt_helpers import ServiceThread
 
-    data = "synthetic:n=300,n_test=50"
     monkeypatch.setattr(runner_module, "RETRY_S", 0.5)
     real, calls = agent_module.trainer.train_local, {"n": 0}
 
@@ -131,13 +154,8 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(agent_module.trainer, "train_local", diverges_once)
-    opts = parse_broker_url(mosquitto.url)
-    cfg = prepare(SimulationSpec(preset="fedproto", dataset=data, clients=1, rounds=2, seed=3)).cfg
-    service = AggregatorService(
-        Federation(cfg.replace(min_clients=1), "retry"), server_transport(Broker(opts), "retry")
-    )
-    server = ServiceThread(service, timeout=60).start()
-    device = DeviceRunner(opts, "retry", "client-000", DataSpec(data, partition=(0, 1), seed=3), RunnerOptions())
+    opts, service, server = _served(mosquitto, "retry", clients=1, rounds=2, timeout=60)
+    device = DeviceRunner(opts, "retry", "client-000", DataSpec(DATA, partition=(0, 1), seed=3), RunnerOptions())
     with caplog.at_level(logging.WARNING, logger="protofl.server"):
         agent = device.run(timeout=60)
         server.join(30)
@@ -146,3 +164,53 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(
     assert agent.stats.rounds_trained == 2 and calls["n"] == 3
     assert [r.clients for r in service.aggregator.records] == [["client-000"], ["client-000"]]
     assert any("device client-000: round 1 train failed (FloatingPointError" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.mosquitto
+def test_a_device_that_gives_up_on_a_round_leaves_it_and_the_round_closes_at_quorum(
+    mosquitto, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 42: one of two devices fails round 1 every time it tries. After its last try it leaves the round (its
+    # presence says it gave up on round 1 train), so the round closes at quorum, not at the 120 s deadline.
+    import logging
+    import threading
+
+    from edge_agent.local_data import DataSpec
+    from edge_agent.runner import DeviceRunner, RunnerOptions
+
+    monkeypatch.setattr(runner_module, "RETRY_S", 0.2)
+    real = agent_module.trainer.train_local
+
+    def bad_fails(*args, **kwargs):
+        if threading.current_thread().name == "bad":
+            raise FloatingPointError("local training diverged (loss inf); lower lr")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(agent_module.trainer, "train_local", bad_fails)
+    opts, service, server = _served(
+        mosquitto, "giveup", clients=2, rounds=1, timeout=90, round_timeout=120.0, expected=["good", "bad"]
+    )
+    runners = {
+        name: DeviceRunner(opts, "giveup", name, DataSpec(DATA, partition=(i, 2), seed=3), RunnerOptions())
+        for i, name in enumerate(("good", "bad"))
+    }
+    results: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = runners[name].run(timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[name] = exc
+
+    threads = [threading.Thread(target=run, args=(n,), name=n) for n in runners]
+    with caplog.at_level(logging.WARNING, logger="protofl.server"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        server.join(30)
+    service.close()
+    records = service.aggregator.records
+    assert [(r.clients, r.closed_by) for r in records] == [(["good"], "quorum")], results
+    assert records[0].ended - records[0].started < 60, "the round waited for its deadline"
+    assert any("client bad gave up on round 1 train" in r.getMessage() for r in caplog.records)
