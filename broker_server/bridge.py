@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from broker_server.broker import DROPPED_TOPIC, PACKET_HEADROOM, ListenerTls, MosquittoBroker
+from broker_server.broker import DROPPED_TOPIC, MOSQUITTO_USER, PACKET_HEADROOM, ListenerTls, MosquittoBroker
 from broker_server.security import BrokerAuth, device_acl_lines, password_lines, prepare, write_secret
 from broker_server.site import bridge_topics as site_bridge_topics
 from broker_server.site import site_aggregator_acl, site_aggregator_user
@@ -137,6 +138,50 @@ def parse_core_url(url: str) -> BrokerOptions:
     return core
 
 
+def _site_owner(out: Path) -> tuple[int, int] | None:
+    """Run as root: the uid and gid of the user the site's mosquitto drops to (it then reads its files and
+    writes its persistence as that user); None otherwise (the site broker runs as whoever wrote it)."""
+    if os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        found = pwd.getpwnam(MOSQUITTO_USER)
+    except KeyError:
+        raise ConfigError(
+            f"broker-config --bridge as root: the site broker drops to user '{MOSQUITTO_USER}', and there is "
+            f"none here (install Mosquitto's package, which creates it, or run broker-config as the user "
+            f"that will run the site broker)"
+        ) from None
+    owner = found.pw_uid, found.pw_gid
+    for parent in out.resolve().parents:
+        if parent.exists() and not _enters(parent, *owner):
+            raise ConfigError(
+                f"--out {out}: the site broker runs as user '{MOSQUITTO_USER}' (broker-config runs as root), "
+                f"who cannot enter {parent}; pick a directory it can reach (e.g. under /etc/mosquitto) or let "
+                f"it enter that one (chmod o+x)"
+            )
+    return owner
+
+
+def _enters(path: Path, uid: int, gid: int) -> bool:
+    st = path.stat()
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def _hand_over(out: Path, owner: tuple[int, int]) -> None:
+    """The site broker's own files to its user (the devices' credential files stay root's)."""
+    keep = {out / "devices", out / "site-aggregator.json"}
+    os.chown(out, *owner)
+    for path in out.rglob("*"):
+        if not any(path == k or k in path.parents for k in keep):
+            os.chown(path, *owner)
+
+
 def write_site_broker(
     core_dir: Path,
     out: Path,
@@ -162,6 +207,7 @@ def write_site_broker(
     from broker_server.capacity import queue_for_fleet
 
     check_name(site, "--bridge site name")
+    owner = _site_owner(out)
     core = parse_core_url(core_url)
     if not device_ids:
         raise ConfigError("a site broker needs its devices: --allow FILE (one id a line) or --devices N")
@@ -235,9 +281,12 @@ def write_site_broker(
         allow_anonymous=False,
         max_queued_messages=queue or queue_for_fleet(len(creds), 2),
         tls=listener,
+        drop_root=True,
         extra_config=[line for line in auth_lines if not line.startswith("allow_anonymous")]
         + bridge_lines(fed, site, core, secrets.bridge(site), ca_copy, pre_aggregate),
     )
     broker.write_config()
     os.chmod(broker.config_path, 0o600)  # it holds the bridge's password
+    if owner is not None:
+        _hand_over(out, owner)
     return SiteBroker(broker, auth, site, tuple(c.username for c in creds), core.tls, tls, renewed, pre_aggregate)

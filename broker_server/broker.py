@@ -254,6 +254,9 @@ class LocalBroker:
         self.stop()
 
 
+MOSQUITTO_USER = "mosquitto"  # the user mosquitto drops to when started as root
+
+
 class MosquittoBroker(LocalBroker):
     kind = "mosquitto"
 
@@ -272,8 +275,12 @@ class MosquittoBroker(LocalBroker):
         tls: ListenerTls | None = None,
         die_with_parent: bool = False,
         local_socket: bool = False,
+        drop_root: bool = False,
     ) -> None:
         super().__init__(host, port)
+        # drop_root: a config run by an operator (a site broker's): as root, mosquitto drops to its own user
+        # (its files are handed to that user: bridge.py). Else, as root, ours keeps root to write our work dir.
+        self.drop_root = drop_root
         # die_with_parent (Linux): the kernel sends mosquitto SIGTERM when the thread that started it dies,
         # even by SIGKILL, so a crashed server leaves no orphan broker; SIGTERM makes it save its
         # persistence file first, which the restarted server's broker loads.
@@ -388,7 +395,7 @@ class MosquittoBroker(LocalBroker):
         lines += self.extra_config
         if os.geteuid() == 0:
             # As root mosquitto drops privileges to user "mosquitto", who cannot write our work directory.
-            lines.append("user root")
+            lines.append(f"user {MOSQUITTO_USER if self.drop_root else 'root'}")
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.socket_path is not None:
             os.chmod(self.workdir, 0o700)  # where the server's socket lives: nobody else may bind one there

@@ -36,7 +36,7 @@ import hmac
 import json
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -232,42 +232,63 @@ def device_acl_lines(fed: str) -> list[str]:
     ]
 
 
-def core_bridge_acl(fed: str, site: str) -> list[str]:
+def site_device_acl(fed: str, devices: Iterable[str], uploads: bool) -> list[str]:
+    """A site bridge's writing rights: its own devices' topics only (never another site's or the core's
+    devices): their presence, and their uploads unless the site folds them. It reads every `down/+` (the
+    bridge subscribes to that pattern; the site broker's ACL decides which device reads which)."""
+    return [
+        *(
+            line
+            for device in sorted(set(devices))
+            for line in (
+                *([f"topic write {topics.up(fed, device)}"] if uploads else []),
+                f"topic write {topics.presence(fed, device)}",
+            )
+        ),
+        f"topic read {topics.down(fed, '+')}",
+    ]
+
+
+def core_bridge_acl(fed: str, site: str, devices: Iterable[str] = ()) -> list[str]:
     """What a pre-aggregated site's bridge user may do on the core broker (beyond a device's reading rights):
-    carry its pre-aggregator's messages up and the coordinator's down (broker_server/site.py)."""
+    carry its pre-aggregator's messages up and the coordinator's down (broker_server/site.py), and its own
+    devices' presence."""
     me = site_shard(site)
     return [
-        f"topic write {topics.presence(fed, '+')}",
+        *site_device_acl(fed, devices, uploads=False),
         f"topic write {topics.shards(fed, 'progress', me)}",
         f"topic write {topics.shards(fed, 'partial', me)}",
         f"topic write {topics.shards(fed, 'hello', me)}",
         f"topic write {topics.shards(fed, 'relay', '+')}",
         f"topic read {topics.shards(fed, 'phase')}",
         f"topic read {topics.shards(fed, 'close')}",
-        f"topic read {topics.down(fed, '+')}",
     ]
 
 
-def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregated: Iterable[str] = ()) -> str:
+def acl_text(
+    fed: str,
+    shards: int = 0,
+    sites: Iterable[str] = (),
+    pre_aggregated: Iterable[str] = (),
+    site_devices: Mapping[str, Iterable[str]] | None = None,
+) -> str:
     """Mosquitto ACL for federation `fed`: the devices, the server, the monitor, its `shards` aggregator shards,
     and the bridge of each site broker in `sites` (of a site in `pre_aggregated`: its pre-aggregator's topics
-    instead of the uploads)."""
+    instead of the uploads). A bridge writes only the topics of its own site's devices (`site_devices`;
+    none for a site without a list), so one compromised site cannot upload as another site's member."""
     root = f"{topics.ROOT}/{fed}"
     folded_at_site = set(pre_aggregated)
+    own = site_devices or {}
     bridges = [
         line
         for site in sorted(sites)
         for line in (
             f"user {bridge_user(fed, site)}",
             *(
-                core_bridge_acl(fed, site)
+                core_bridge_acl(fed, site, own.get(site, ()))
                 if site in folded_at_site
-                else (
-                    f"topic write {topics.up(fed, '+')}",
-                    f"topic write {topics.presence(fed, '+')}",
-                    f"topic read {topics.down(fed, '+')}",
-                )
-            ),  # the server's re-send requests to the site's devices
+                else site_device_acl(fed, own.get(site, ()), uploads=True)
+            ),
             f"topic write {topics.site_dropped(fed, site)}",  # the site broker's drops, for the server to see
             "",
         )
@@ -295,8 +316,8 @@ def acl_text(fed: str, shards: int = 0, sites: Iterable[str] = (), pre_aggregate
             "",
             *(
                 [
-                    "# site brokers' bridges (broker-config --bridge): they carry their devices' "
-                    "uploads and presence up",
+                    "# site brokers' bridges (broker-config --bridge): they carry their own devices' "
+                    "uploads and presence up, no other device's",
                     "# (each site broker lets a device write only its own topics) and read what devices read",
                     "",
                 ]
@@ -353,6 +374,22 @@ def password_text(
 def password_lines(users: Iterable[Credentials]) -> str:
     """Mosquitto's password file for these users, each hashed afresh (a site broker's: broker_server/bridge.py)."""
     return "".join(f"{c.username}:{mosquitto_hash(c.password)}\n" for c in users)
+
+
+def private_dir(path: Path) -> Path:
+    """Make `path` (and its missing parents) a directory only its owner can enter (0700; an existing one is
+    narrowed): a state dir's files name devices, their accuracies and upload times (SECURITY.md)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def private_file(path: Path) -> int:
+    """Open `path` for appending, created 0600 (an existing one is narrowed): a file descriptor."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -456,6 +493,7 @@ def prepare(
     """Read (or generate) the federation's secrets, add missing device ids, aggregator shards and site bridges
     (`pre_aggregate`: those sites fold their uploads on a pre-aggregator; else they forward them), and write
     only what the broker reads (passwd, acl); `provision` writes the plain secrets."""
+    device_ids = list(device_ids)
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     store = directory / "credentials.json"
@@ -473,6 +511,8 @@ def prepare(
     fed_secrets.add_shards(shards)
     for site in sites:
         fed_secrets.add_bridge(site)
+        # The devices given with a site are its own: its bridge may write their topics only.
+        fed_secrets.site_devices[site] = sorted(set(device_ids))
         if pre_aggregate:
             fed_secrets.pre_aggregators.setdefault(site, new_password())
         else:
@@ -483,7 +523,13 @@ def prepare(
     if text != "".join(f"{user}:{hashed}\n" for user, hashed in known.items()):
         write_secret(auth.password_file, text)
     auth.acl_file.write_text(
-        acl_text(fed, len(fed_secrets.shard_passwords), fed_secrets.bridges, fed_secrets.pre_aggregators)
+        acl_text(
+            fed,
+            len(fed_secrets.shard_passwords),
+            fed_secrets.bridges,
+            fed_secrets.pre_aggregators,
+            fed_secrets.site_devices,
+        )
     )
     return auth
 

@@ -886,11 +886,14 @@ class Start:
 def _serve(s: Start) -> None:
     from broker_server.artifacts import write_server_artifacts
     from broker_server.progress import accuracies
+    from broker_server.security import private_dir, private_file
     from broker_server.service import ROUNDS_LOG, AggregatorService, save_server_model, server_transport
     from broker_server.supervisor import broker_restarts, stop_all_supervisors
     from protofl.transport.broker_url import parse_broker_url
 
     cfg, fed, state_dir, access = s.federation.cfg, s.federation.fed, s.durability.state_dir, s.access
+    if state_dir is not None:
+        private_dir(state_dir)  # 0700: status.json, rounds.jsonl, the journal name devices
     with contextlib.ExitStack() as stack:
         board, metrics = s.watching.serve(stack, state_dir)
         protocol: MqttVersion = "auto"
@@ -917,9 +920,8 @@ def _serve(s: Start) -> None:
         rounds_file = None
         logged = 0  # the last round rounds.jsonl holds: a restarted server that closes it again adds no line
         if state_dir is not None:
-            state_dir.mkdir(parents=True, exist_ok=True)
             logged = last_logged_round(state_dir / ROUNDS_LOG)
-            rounds_file = stack.enter_context((state_dir / ROUNDS_LOG).open("a"))
+            rounds_file = stack.enter_context(open(private_file(state_dir / ROUNDS_LOG), "a"))
 
         live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
 

@@ -125,7 +125,9 @@ class LiveWatch:
             return
         tmp = self.status_file.with_name(self.status_file.name + ".tmp")
         try:
-            tmp.write_bytes(body)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it names devices: owner only
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
             os.replace(tmp, self.status_file)
         except OSError as exc:  # a watcher's file: the federation goes on without it
             if not self._status_failed:

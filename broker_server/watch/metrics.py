@@ -38,11 +38,12 @@ from dataclasses import dataclass
 from threading import Thread
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from broker_server.watch.board import SnapshotBoard
+from broker_server.watch.httpd import BoundedHTTPServer, GuardedHandler
 from broker_server.watch.snapshot import ACCURACY_KEYS, MEMBER_STATES, ONLINE
 from protofl.errors import ConfigError
 from protofl.technique import Phase
@@ -183,13 +184,38 @@ class HttpEndpoint:
         self.server.server_close()
 
 
+class _MetricsHandler(GuardedHandler):
+    server: _MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        path = self.path.split("?", 1)[0]
+        if path in ("/metrics", "/"):
+            code, kind, body = 200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry)
+        else:
+            code, kind, body = 404, "text/plain; charset=utf-8", b"not found: the metrics are at /metrics\n"
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class _MetricsServer(BoundedHTTPServer):
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
+        self.registry = registry
+        super().__init__(address, _MetricsHandler, "/metrics")
+
+
 def serve_metrics(metrics: FederationMetrics, host: str, port: int) -> HttpEndpoint:
-    """Serve `/metrics` on host:port (port 0: any free one) in a thread of its own."""
+    """Serve `/metrics` on host:port (port 0: any free one) in a thread of its own (httpd.py: `Host`
+    checked, connections bounded and timed out)."""
     try:
-        server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+        server = _MetricsServer((host, port), metrics.registry)
     except OSError as exc:
         raise ConfigError(
             f"--metrics-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free one)"
         ) from None
+    thread = Thread(target=server.serve_forever, name="protofl-metrics", daemon=True)
+    thread.start()
     shown = f"[{host}]" if ":" in host else host
     return HttpEndpoint(server, thread, f"http://{shown}:{server.server_port}/metrics")

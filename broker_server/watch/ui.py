@@ -5,7 +5,9 @@ A small HTTP server in threads of its own: `/` is the page (page.html, drawn in 
 It reads the `SnapshotBoard` only. On loopback it is open, as the machine's own users are; bound to any
 other address it asks for a password (HTTP Basic, user `protofl`): `--ui-password`, or one generated
 once into `state_dir/security/ui-password`. Basic auth over plain HTTP sends that password in clear:
-beyond a trusted network put the page behind a TLS proxy or an SSH tunnel (SECURITY.md).
+beyond a trusted network put the page behind a TLS proxy or an SSH tunnel (SECURITY.md). The server
+(httpd.py) answers only loopback names, IP addresses and its own host in `Host` (DNS rebinding), and
+serves a bounded number of connections, each with a read timeout.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ import base64
 import hmac
 import importlib.resources
 import logging
-import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from broker_server.watch.board import SnapshotBoard
+from broker_server.watch.httpd import BoundedHTTPServer, GuardedHandler
 from broker_server.watch.metrics import HttpEndpoint
 from protofl.errors import ConfigError
 
@@ -60,7 +61,7 @@ def ui_password(given: str | None, host: str, loopback: bool, security_dir: Path
     return path.read_text().strip()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(GuardedHandler):
     server: _UiServer
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -110,20 +111,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's signature
-        log.debug("ui: " + format, *args)
 
-
-class _UiServer(ThreadingHTTPServer):
-    daemon_threads = True
-
+class _UiServer(BoundedHTTPServer):
     def __init__(self, address: tuple[str, int], board: SnapshotBoard, password: str | None) -> None:
         self.board = board
         self.password = password
         self.page = page_html()
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, _Handler)
+        super().__init__(address, _Handler, "the live page")
 
 
 def serve_ui(board: SnapshotBoard, host: str, port: int, password: str | None) -> HttpEndpoint:

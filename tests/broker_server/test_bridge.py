@@ -7,10 +7,13 @@ credentials files.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +36,17 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO))
 DATA = "synthetic:n=300,n_test=50"
 CORE_IDS = ["dev-0", "dev-1"]
 SITE_IDS = ["dev-2", "dev-3"]
+
+
+@pytest.fixture(autouse=True)
+def mosquitto_enters_tmp_path(tmp_path: Path) -> None:
+    """As root, broker-config hands a site's files to user mosquitto, and the site broker drops to it: let it
+    enter the test's directory (pytest makes its own 0700)."""
+    if os.geteuid() == 0:
+        for path in (tmp_path, *tmp_path.parents):
+            if path == Path(tempfile.gettempdir()):
+                break
+            path.chmod(path.stat().st_mode | 0o001)
 
 
 def device_options(url: str, creds: Path) -> BrokerOptions:
@@ -312,6 +326,108 @@ def test_a_site_devices_will_reaches_the_server_through_the_bridge(tmp_path: Pat
         core.cleanup()
 
 
+def test_a_bridge_cannot_publish_as_another_sites_or_the_cores_device(tmp_path: Path) -> None:
+    # Issue 43: the core's ACL let a site's bridge user write up/+ and presence/+, so one compromised site
+    # could upload as any member. Against the core's real Mosquitto, as the north site's bridge user: another
+    # site's device and the core's own are refused, its own site's devices go through.
+    core_dir, port = tmp_path / "security", free_port()
+    bridge_cli("--out", str(core_dir), "--fed", "w", "--devices", "1")
+    for site in ("north", "south"):
+        bridge_cli(
+            "--bridge",
+            site,
+            "--fed",
+            "w",
+            "--core",
+            f"mqtt://127.0.0.1:{port}",
+            "--core-dir",
+            str(core_dir),
+            "--out",
+            str(tmp_path / site),
+            "--devices",
+            "1",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+        )
+    auth = prepare(core_dir, "w")  # what start does with the core's directory
+    core = MosquittoBroker(
+        port=port, workdir=tmp_path / "core", allow_anonymous=False, extra_config=auth.mosquitto_lines()[1:]
+    ).start()
+    seen: list[str] = []
+    transports: list[MqttTransport] = []
+    try:
+        secret = auth.secrets.server
+        server = MqttTransport(
+            parse_broker_url(core.url).with_auth(secret.username, secret.password), secret.username, deliver="thread"
+        ).connect(10)
+        transports.append(server)
+        server.subscribe("protofl/w/up/+", lambda topic, payload: seen.append(topic))
+        server.subscribe("protofl/w/presence/+", lambda topic, payload: seen.append(topic))
+        bridge = auth.secrets.bridge("north")
+        north = MqttTransport(parse_broker_url(core.url).with_auth(bridge.username, bridge.password), "x").connect(10)
+        transports.append(north)
+        forged = [
+            "protofl/w/up/south-device-1",
+            "protofl/w/presence/south-device-1",
+            "protofl/w/up/device-1",
+            "protofl/w/presence/device-1",
+        ]
+
+        def own(topic: str) -> bool:  # sent again until the server's subscriptions are in place
+            north.publish(topic, b"own")
+            north.flush(10)
+            time.sleep(0.1)
+            return topic in seen
+
+        wait_for(lambda: own("protofl/w/presence/north-device-1"), f"the site's own device: {seen}")
+        for topic in forged:
+            with contextlib.suppress(Exception):  # MQTT 5 may say "not authorized"; 3.1.1 drops it quietly
+                north.publish(topic, b"forged")
+        wait_for(lambda: own("protofl/w/up/north-device-1"), f"the site's own upload: {seen}")  # after them
+        time.sleep(0.5)
+        assert not set(forged) & set(seen), seen
+    finally:
+        for t in transports:
+            t.close()
+        core.cleanup()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: what broker-config writes when run as root")
+def test_a_site_broker_written_by_root_drops_to_the_mosquitto_user(tmp_path: Path) -> None:
+    import pwd
+
+    core, site, site_port = tmp_path / "core", tmp_path / "site", free_port()
+    common = ["--fed", "lab", "--core", "mqtt://127.0.0.1:1", "--core-dir", str(core), "--devices", "1"]
+    listen = ["--listen", f"127.0.0.1:{site_port}"]
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)
+    hidden.chmod(0o700)
+    refused = CliRunner().invoke(
+        app, ["broker-config", "--bridge", "north", *common, "--out", str(hidden / "s"), *listen]
+    )
+    assert refused.exit_code != 0 and f"cannot enter {hidden};" in " ".join(refused.output.split()), refused.output
+    bridge_cli("--bridge", "north", *common, "--out", str(site), *listen)
+    conf = (site / "mosquitto.conf").read_text()
+    assert "\nuser mosquitto\n" in conf and "user root" not in conf
+    mosquitto = pwd.getpwnam("mosquitto").pw_uid
+    assert site.stat().st_uid == mosquitto and (site / "passwd").stat().st_uid == mosquitto
+    assert (site / "devices" / "north-device-1.json").stat().st_uid == 0  # the devices' files stay root's
+    proc = SiteProcess(site, site_port)
+    try:
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            assert proc.proc.poll() is None, proc.log.read_text()
+            with contextlib.suppress(OSError):
+                with socket.create_connection(("127.0.0.1", site_port), timeout=1):
+                    break
+            time.sleep(0.1)
+        status = Path(f"/proc/{proc.proc.pid}/status").read_text()
+        uid = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
+        assert set(uid) == {str(mosquitto)}, status  # real, effective, saved: root is gone
+    finally:
+        proc.stop()
+
+
 DEVICE = """
 import sys, time
 from pathlib import Path
@@ -425,7 +541,13 @@ def test_broker_config_bridge_writes_both_sides(tmp_path: Path) -> None:
     assert oct((site / "mosquitto.conf").stat().st_mode & 0o777) == "0o600"  # it holds the bridge's password
     # The core knows the bridge (ACL limited to the federation's device topics) and the site's devices.
     acl = (core / "acl").read_text()
-    assert "user protofl-bridge-lab-north\ntopic write protofl/lab/up/+\ntopic write protofl/lab/presence/+" in acl
+    assert (
+        "user protofl-bridge-lab-north\n"
+        "topic write protofl/lab/up/north-device-1\ntopic write protofl/lab/presence/north-device-1\n"
+        "topic write protofl/lab/up/north-device-2\ntopic write protofl/lab/presence/north-device-2\n"
+        "topic read protofl/lab/down/+\n"
+    ) in acl
+    assert "topic write protofl/lab/up/+" not in acl  # its own devices only (issue 43)
     core_users = [line.split(":")[0] for line in (core / "passwd").read_text().splitlines()]
     assert core_users == [
         "protofl-server-lab",
@@ -593,7 +715,9 @@ def test_broker_config_bridge_pre_aggregate_writes_the_pre_aggregators_side(tmp_
     assert read_device_file(agg_file).credentials.password == me.password
     bridge_cli(*args)
     assert not agg_file.exists() and "topic protofl/lab/up/+ out 1" in (site / "mosquitto.conf").read_text()
-    assert "topic write protofl/lab/up/+" in (core / "acl").read_text().split("user protofl-bridge-lab-north\n")[1]
+    forwarding = (core / "acl").read_text().split("user protofl-bridge-lab-north\n")[1].split("\n\n")[0]
+    assert "topic write protofl/lab/up/north-device-1" in forwarding  # its own devices' uploads only
+    assert "topic write protofl/lab/up/+" not in forwarding
 
 
 @pytest.mark.slow

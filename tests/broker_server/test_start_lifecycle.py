@@ -1,12 +1,15 @@
 """`protofl-server start`'s own lifecycle (issue 24): a state dir that is a file, and a SIGTERM that reaches the
-server and its spawned broker together (Ctrl-C, `kill` of the process group, a service manager)."""
+server and its spawned broker together (Ctrl-C, `kill` of the process group, a service manager); the modes of
+the state files that name devices (issue 43)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from broker_server.broker import free_port
@@ -15,24 +18,29 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 
 
+def start_command(port: int, fed: str, state: Path) -> list[str]:
+    """`protofl-server start` of the fedproto preset with a state dir, as an operator runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "broker_server.cli",
+        "start",
+        "--preset",
+        "fedproto",
+        "--port",
+        str(port),
+        "--fed",
+        fed,
+        "--state-dir",
+        str(state),
+    ]
+
+
 def test_a_state_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.write_text("not a directory")
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "broker_server.cli",
-            "start",
-            "--preset",
-            "fedproto",
-            "--port",
-            "0",
-            "--fed",
-            "f",
-            "--state-dir",
-            str(state),
-        ],
+        start_command(0, "f", state),
         capture_output=True,
         text=True,
         env=ENV,
@@ -45,20 +53,7 @@ def test_a_state_dir_that_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_sigterm_to_the_process_group_stops_server_and_broker_without_a_restart(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "broker_server.cli",
-            "start",
-            "--preset",
-            "fedproto",
-            "--port",
-            str(free_port()),
-            "--fed",
-            "term",
-            "--state-dir",
-            str(tmp_path / "state"),
-        ],
+        start_command(free_port(), "term", tmp_path / "state"),
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
@@ -78,3 +73,25 @@ def test_sigterm_to_the_process_group_stops_server_and_broker_without_a_restart(
     log = "".join(seen) + rest
     assert "stopping (signal 15)" in log
     assert "restarting it" not in log and "broker restarted" not in log, log
+
+
+def test_status_and_rounds_are_0600_in_a_0700_state_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    state.chmod(0o755)  # made by hand, readable by all: start narrows it
+    (state / "rounds.jsonl").touch(mode=0o644)
+    (state / "rounds.jsonl").chmod(0o644)
+    proc = subprocess.Popen(
+        start_command(free_port(), "modes", state), stderr=subprocess.DEVNULL, env=ENV, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "status.json").exists():
+            assert proc.poll() is None, "start exited"
+            assert time.monotonic() < deadline, "no status.json in 60 s"
+            time.sleep(0.2)
+        modes = {p: stat.S_IMODE((state / p).stat().st_mode) for p in ("", "status.json", "rounds.jsonl")}
+        assert modes == {"": 0o700, "status.json": 0o600, "rounds.jsonl": 0o600}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0
