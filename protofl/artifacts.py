@@ -164,9 +164,14 @@ def _load_npz(path: Path, what: str) -> dict[str, np.ndarray]:
         raise DataError(f"{what} {path} does not exist")
     try:
         _declared_bytes(path, what)
+    except DataError:
+        raise  # already says what is wrong with which member
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path}: cannot read as .npz ({exc})") from None
+    try:
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError) as exc:
         raise DataError(f"{path}: cannot read as .npz ({exc})") from None
 
 
