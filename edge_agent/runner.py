@@ -165,8 +165,18 @@ class DeviceRunner:
 
     # -- handlers (runner thread) -------------------------------------------------------------
     def _on_config(self, topic: str, payload: bytes) -> None:
-        with _AGENT_LOCK:
-            self._config(topic, payload)
+        first = self.agent is None or self.agent.model is None
+        try:
+            with _AGENT_LOCK:
+                self._config(topic, payload)
+        except Exception as exc:  # noqa: BLE001 - said and fatal: a device that cannot start must not idle (issue 43)
+            if not first:
+                raise  # a later config: the transport logs it and the federation goes on
+            log.exception("%s: the federation config could not be handled", self.client_id)
+            self.fatal = ConfigError(
+                f"{self.client_id}: handling the federation config failed ({type(exc).__name__}: {exc}); "
+                "this device cannot take part, so it leaves"
+            )
 
     def _config(self, topic: str, payload: bytes) -> None:
         agent = self.agent

@@ -23,7 +23,9 @@ A prototype file holds ``classes`` (C,) int64 and ``prototypes`` (C, m) float32,
 from __future__ import annotations
 
 import json
+import math
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,9 +124,50 @@ def _atomic_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> Path:
     return path
 
 
+# The most bytes the arrays of one file of each kind may declare (issue 43): every member's npy header is read
+# before any array is, so a small npz that declares gigabytes of zeros is refused without allocating them.
+MiB = 1 << 20
+MAX_NPZ_BYTES = {"prototype table": 256 * MiB}
+MAX_NPZ_BYTES_DEFAULT = 512 * MiB  # a model file, the federated vector, a global predictor with its backbone
+
+
+def _declared_bytes(path: Path, what: str) -> int:
+    """The bytes the arrays of the npz at `path` declare, from their headers alone (no array is read); a
+    DataError for a member that is not an npy array, an object array, or more bytes than `what` may hold."""
+    limit = MAX_NPZ_BYTES.get(what, MAX_NPZ_BYTES_DEFAULT)
+    total = 0
+    with zipfile.ZipFile(path) as zf:
+        for name in zf.namelist():
+            if not name.endswith(".npy"):
+                raise DataError(f"{path}: member {name!r} is not an .npy array; a {what} holds only arrays")
+            with zf.open(name) as m:
+                version = np.lib.format.read_magic(m)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(m)
+                elif version == (2, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(m)
+                else:
+                    raise DataError(f"{path}: member {name!r} is npy format {version}; protofl reads 1.0 and 2.0")
+            if dtype.hasobject:
+                raise DataError(f"{path}: member {name!r} holds Python objects; a {what} holds numbers and text")
+            total += math.prod(shape) * dtype.itemsize
+            if total > limit:
+                raise DataError(
+                    f"{path}: its arrays declare more than {limit // MiB} MiB (member {name!r}: shape {shape}, "
+                    f"{dtype}); a {what} is never that large: refused before reading it"
+                )
+    return total
+
+
 def _load_npz(path: Path, what: str) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise DataError(f"{what} {path} does not exist")
+    try:
+        _declared_bytes(path, what)
+    except DataError:
+        raise  # already says what is wrong with which member
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{path}: cannot read as .npz ({exc})") from None
     try:
         with np.load(path, allow_pickle=False) as f:
             return {k: f[k] for k in f.files}

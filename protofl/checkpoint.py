@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 
 from protofl.errors import ProtoFLError
+from protofl.wire.codec import object_counter
 
 MAGIC = b"PFCK1\n"
 _ND = "__nd__"
@@ -105,6 +106,32 @@ def write_checkpoint(path: Path | str, state: dict[str, Any]) -> None:
         os.close(dfd)
 
 
+# Decoder bounds (issue 43): a body that passes its hash is still a file a user may be handed, and a megabyte
+# of empty msgpack lists is a million Python objects. Lengths are checked on each header before its container is
+# built; the object count is checked as containers are built (as protofl/wire/codec.py does for the wire). A
+# checkpoint of 3,000 members is ~20,000 objects, so these leave room for federations 100 times that size.
+MAX_OBJECTS = 2_000_000
+MAX_ARRAY_LEN = 1_000_000
+MAX_MAP_LEN = 1_000_000
+MAX_STR_LEN = 16 << 20
+MAX_BIN_LEN = 1 << 30
+
+
+def _bounded() -> dict[str, Any]:
+    count = object_counter(MAX_OBJECTS, "the body")
+    return {
+        "raw": False,
+        "strict_map_key": False,
+        "list_hook": count,
+        "object_hook": count,
+        "max_array_len": MAX_ARRAY_LEN,
+        "max_map_len": MAX_MAP_LEN,
+        "max_str_len": MAX_STR_LEN,
+        "max_bin_len": MAX_BIN_LEN,
+        "max_ext_len": 0,
+    }
+
+
 def read_checkpoint(path: Path | str) -> dict[str, Any] | None:
     """The state in `path`, None if there is no checkpoint; CheckpointError if it is damaged."""
     path = Path(path)
@@ -121,7 +148,7 @@ def read_checkpoint(path: Path | str) -> dict[str, Any] | None:
     if hashlib.sha256(body).digest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupt (SHA-256 mismatch over {len(body)} bytes); {what_to_do}")
     try:
-        state = _unpack(msgpack.unpackb(body, raw=False, strict_map_key=False))
+        state = _unpack(msgpack.unpackb(body, **_bounded()))
     except (ValueError, TypeError, KeyError, msgpack.ExtraData) as exc:
         raise CheckpointError(f"checkpoint {path} passes its hash but does not decode ({exc}); {what_to_do}") from None
     if not isinstance(state, dict):

@@ -16,10 +16,11 @@ a held-out test split where the data has none, normalisation statistics).
   sorted folder names, which is only right when the device holds every class folder: fewer named folders
   than the federation has classes are refused (their order cannot say which classes they are).
   ``DIR/train`` and ``DIR/test`` both present: they are the train and test splits; ``DIR/train`` alone: the
-  train split (a test split is held out of it). A file Pillow cannot decode (empty, truncated) is skipped
-  and counted, a file of another suffix (README.txt) listed; more than MAX_UNREADABLE (half) of the image
-  files unreadable stops loading; ``strict=true``: the first unreadable file does. The log says how many
-  images were loaded, skipped (with the reasons) and converted (mode, size).
+  train split (a test split is held out of it). A file Pillow cannot decode (empty, truncated, or declaring
+  more than MAX_IMAGE_PIXELS: a decompression bomb) is skipped and counted, a file of another suffix
+  (README.txt) listed; more than MAX_UNREADABLE (half) of the image files unreadable stops loading;
+  ``strict=true``: the first unreadable file does. The log says how many images were loaded, skipped (with
+  the reasons) and converted (mode, size).
 - ``csv:FILE[,label=COL][,range=LO:HI][,test=FILE][,scale=column|pixels]``: a header row, then one sample a
   row: the label column (``label`` unless named) holds integer class ids, or class names where the
   federation has them (matched as folder names are), every other column is a feature, in (channel, row,
@@ -45,7 +46,7 @@ import logging
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,24 @@ def _pillow() -> Any:
     return Image
 
 
+# The most pixels an image file may declare (issue 43): its header is read before its pixels, so a small PNG that
+# claims 50000x50000 is skipped as unreadable (with the other unreadable files) before Pillow allocates them.
+# Pillow's own bomb check (DecompressionBombError, at twice its MAX_IMAGE_PIXELS) is caught the same way.
+MAX_IMAGE_PIXELS = 64_000_000
+
+
+class _TooLarge(Exception):
+    """An image file that declares more pixels than MAX_IMAGE_PIXELS (its message names the size)."""
+
+
+def _check_pixels(img: Any, path: Path) -> None:
+    w, h = img.size
+    if w * h > MAX_IMAGE_PIXELS:
+        raise _TooLarge(
+            f"declares {w}x{h} pixels, more than {MAX_IMAGE_PIXELS:,} (a decompression bomb?): refused before decoding"
+        )
+
+
 def _class_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
@@ -256,6 +275,7 @@ def decode_images(paths: list[Path], in_shape: tuple[int, ...], *, strict: bool 
     for i, p in enumerate(paths):
         try:
             with image_mod.open(p) as img:
+                _check_pixels(img, p)
                 if img.mode != mode:
                     converted[f"{img.mode} to {mode}"] += 1
                 img = img.convert(mode)
@@ -264,6 +284,11 @@ def decode_images(paths: list[Path], in_shape: tuple[int, ...], *, strict: bool 
                     img = img.resize((w, h), image_mod.Resampling.BILINEAR)
                 out[len(kept)] = np.asarray(img, dtype=np.uint8).reshape(h, w, c)
             kept.append(i)
+        except (_TooLarge, image_mod.DecompressionBombError) as e:
+            reason = f"too large to decode: {e}" if not isinstance(e, _TooLarge) else str(e)
+            if strict:
+                raise DataError(f"{p}: {reason} (strict: the first unreadable file stops loading)") from None
+            skipped.append((p, reason))
         except (OSError, ValueError, SyntaxError) as e:
             reason = "empty file" if p.is_file() and p.stat().st_size == 0 else f"cannot decode as an image: {e}"
             if strict:
@@ -306,9 +331,10 @@ def _first_shape(paths: list[Path]) -> tuple[int, int, int]:
     for path in paths:
         try:
             with image_mod.open(path) as img:
+                _check_pixels(img, path)
                 c = 1 if img.mode in ("1", "L", "LA", "I", "I;16", "F") else 3
                 return (c, img.size[1], img.size[0])
-        except (OSError, ValueError, SyntaxError):
+        except (OSError, ValueError, SyntaxError, _TooLarge, image_mod.DecompressionBombError):
             continue
     raise DataError(f"{paths[0].parent.parent}: none of its {len(paths)} image files can be decoded")
 
@@ -440,11 +466,35 @@ def csv_range(opts: dict[str, str]) -> tuple[float, float] | None:
     return lo_hi
 
 
+# The widest CSV read (issue 43): a 3x256x256 image as pixel columns plus its label. The header line's width is
+# checked before any row is parsed, and every line is read within MAX_CSV_LINE characters, so a file of a million
+# columns is refused before it becomes a million strings per row.
+MAX_CSV_COLUMNS = 3 * 256 * 256 + 1
+MAX_CSV_LINE = 64 << 20
+
+
+def _csv_lines(f: Any, path: Path) -> Iterator[str]:
+    """The physical lines of `f`, each refused when longer than MAX_CSV_LINE characters or wider (by its
+    commas) than MAX_CSV_COLUMNS; the first line that is not blank (the header) by its parsed width."""
+    header_seen = False
+    while line := f.readline(MAX_CSV_LINE + 1):
+        if len(line) > MAX_CSV_LINE:
+            raise DataError(f"csv {path}: a line longer than {MAX_CSV_LINE} characters; refused before parsing it")
+        if line.count(",") >= MAX_CSV_COLUMNS and (header_seen or len(next(csv.reader([line]), [])) > MAX_CSV_COLUMNS):
+            what = "a line" if header_seen else "the header line"
+            raise DataError(
+                f"csv {path}: {what} has more than {MAX_CSV_COLUMNS} columns (the most protofl reads: a "
+                "3x256x256 image and its label); refused before reading the rows"
+            )
+        header_seen = header_seen or bool(line.strip())
+        yield line
+
+
 def csv_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     """(header, sample rows) of a CSV file: blank lines skipped, every row as long as the header."""
     try:
         with path.open(newline="") as f:
-            rows = [r for r in csv.reader(f) if r and any(c.strip() for c in r)]
+            rows = [r for r in csv.reader(_csv_lines(f, path)) if r and any(c.strip() for c in r)]
     except FileNotFoundError:
         raise DataError(f"csv file not found: {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -538,8 +538,9 @@ _TYPE_AT = _type_names()
 _ENVELOPE_OBJECTS = 64
 
 
-def _counter(limit: int, what: str) -> Callable[[Any], Any]:
-    """A msgpack list/object hook that refuses the container that takes the count over `limit`."""
+def object_counter(limit: int, what: str) -> Callable[[Any], Any]:
+    """A msgpack list/object hook that refuses (WireError) the container that takes the count over `limit`
+    (also protofl/checkpoint.py's, for a checkpoint file)."""
     left = [limit]
 
     def count(container: Any) -> Any:
@@ -552,7 +553,7 @@ def _counter(limit: int, what: str) -> Callable[[Any], Any]:
 
 
 def _options(limits: Limits, max_objects: int, what: str) -> dict[str, Any]:
-    count = _counter(max_objects, what)
+    count = object_counter(max_objects, what)
     return {
         "raw": False,
         "strict_map_key": True,

@@ -1,10 +1,15 @@
-"""Helpers for the broker tests: a watcher of a federation's retained topics, a service in a thread."""
+"""Helpers for the broker tests: a watcher of a federation's retained topics, a service in a thread, `start` and
+one `join` as processes."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from broker_server.service import AggregatorService
 from protofl import topics
@@ -84,3 +89,42 @@ class ServiceThread:
             )
         if self.error is not None:
             raise self.error
+
+
+def start_and_join(
+    tmp_path: Path, fed: str, data: str, *, classes: int = 3, shape: str = "3,16,16", timeout: float = 120
+) -> tuple[int | None, str, int | None, str]:
+    """`protofl-server start` (its own mosquitto, 1 round of fedproto, 1 client) and one `protofl-edge join
+    --data DATA` as processes: (device exit code, its output, server exit code, its output); a device still
+    running after `timeout` is killed (code None), and then so is the server."""
+    from broker_server.broker import free_port
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    server_args = ["start", "--local-broker", "mosquitto", "--insecure", "--port", str(port), "--fed", fed]
+    server_args += ["--preset", "fedproto", "--rounds", "1", "--min-clients", "1", "--round-timeout", "60"]
+    server_args += ["--set", f"num_classes={classes}", "--set", f"in_shape={shape}"]
+    server_args += ["--state-dir", str(tmp_path / "state")]
+
+    def command(module: str, args: list[str]) -> subprocess.Popen[str]:
+        run = [sys.executable, "-m", module, *args]
+        return subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+
+    server = command("broker_server.cli", server_args)
+    join_args = ["join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", fed, "--client-id", "cam-1"]
+    join_args += ["--data", data, "--arch", "mlp", "--threads", "1", "--connect-timeout", "60"]
+    device = command("edge_agent.cli", join_args)
+    try:
+        try:
+            dev_out, _ = device.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            device.kill()
+            return None, device.communicate()[0], None, ""
+        if device.returncode != 0:  # the server would wait for it: not worth waiting for
+            server.kill()
+        out, _ = server.communicate(timeout=60)
+    finally:
+        for p in (server, device):
+            if p.poll() is None:
+                p.kill()
+    return device.returncode, dev_out, server.returncode, out

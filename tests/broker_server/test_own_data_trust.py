@@ -207,34 +207,14 @@ def test_predict_labels_the_readable_images_and_lists_the_rest(tmp_path: Path) -
 def test_join_says_what_it_loaded_and_trains_past_broken_files(tmp_path: Path) -> None:
     """`start` and one `join` on an image folder with a zero-byte PNG, a truncated JPEG and a README.txt: the
     device's log says what it loaded, skipped and converted, and it trains (today: exit 2 at the first)."""
-    from broker_server.broker import free_port
+    from tests.broker_server.mqtt_helpers import start_and_join
     from tests.conftest import _require_mosquitto
 
     _require_mosquitto()
     imgs = image_folder(tmp_path / "imgs", n=8)
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    server_args = ["start", "--local-broker", "mosquitto", "--insecure", "--port", str(port), "--fed", "own42"]
-    server_args += ["--preset", "fedproto", "--rounds", "1", "--min-clients", "1", "--round-timeout", "60"]
-    server_args += ["--set", "num_classes=3", "--set", "in_shape=3,16,16", "--state-dir", str(tmp_path / "state")]
-
-    def command(module: str, args: list[str]) -> subprocess.Popen[str]:
-        run = [sys.executable, "-m", module, *args]
-        return subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-
-    server = command("broker_server.cli", server_args)
-    join_args = ["join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "own42", "--client-id", "cam-1"]
-    join_args += ["--data", f"imagefolder:{imgs}", "--arch", "mlp", "--threads", "1", "--connect-timeout", "60"]
-    device = command("edge_agent.cli", join_args)
-    try:
-        dev_out, _ = device.communicate(timeout=120)
-        assert device.returncode == 0, dev_out  # (a device that stops at a broken file: the server is killed)
-        out, _ = server.communicate(timeout=60)
-    finally:
-        for p in (server, device):
-            if p.poll() is None:
-                p.kill()
-    assert server.returncode == 0, out
+    code, dev_out, server_code, out = start_and_join(tmp_path, "own42", f"imagefolder:{imgs}")
+    assert code == 0, dev_out  # (a device that stops at a broken file: the server is killed)
+    assert server_code == 0, out
     said = " ".join(dev_out.split())
     assert "loaded 24 image(s); skipped 3: ant/empty.png (empty file), bee/cut.jpg (cannot decode" in said, dev_out
     assert "cat/README.txt (not an image file); converted 3 L to RGB, 3 RGBA to RGB, 3 resized from 30x20" in said
