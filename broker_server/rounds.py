@@ -32,6 +32,7 @@ from broker_server.stages import PhaseRun, build_model
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
+from protofl.names import printable
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.wire import (
     Config,
@@ -558,7 +559,7 @@ class RoundMachine:
             log.info(
                 "client %s joined (%s, %d samples); %d/%d",
                 env.sender,
-                msg.arch or "default arch",
+                printable(msg.arch) or "default arch",
                 msg.n_samples,
                 len(s.clients),
                 self.quorum,

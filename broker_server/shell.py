@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from broker_server.member_log import MemberLog
 from broker_server.rounds import (
     OFFLINE_GRACE_S,
     Boundary,
@@ -48,6 +49,7 @@ from protofl.adapter import adapter_layout, layout_size
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import WireError
+from protofl.names import printable
 from protofl.plan import Phase, RoundPlan
 from protofl.transport import Transport
 from protofl.wire import (
@@ -187,6 +189,8 @@ class Aggregator:
         self.dropped: dict[str, int] = {}
         # The last drops, each "REASON from DEVICE: why", for `status` (the counts say how many, these say whose).
         self.last_drops: deque[str] = deque(maxlen=LAST_DROPS)
+        # Lines about what a member sent: at most LINES_PER_MINUTE per member (a member sets their pace).
+        self.member_log = MemberLog(log)
         # Watching (broker_server/watch): told of every input applied live, after it changed the state.
         self.on_applied: Callable[[Input], None] | None = None
 
@@ -391,13 +395,15 @@ class Aggregator:
         assert isinstance(msg, Status)
         if msg.state == GAVE_UP:
             # It failed the round of its envelope every time it tried: it leaves that phase (still a client).
-            log.warning("device %s: %s", client, msg.detail or f"gave up on round {head.round} {head.phase}")
+            said = printable(msg.detail) or f"gave up on round {head.round} {head.phase}"
+            self.member_log(logging.WARNING, client, "device %s: %s", client, said)
             if client not in self.clients:
                 return None
             return Presence(client, online=True, gave_up=(head.round, head.phase))
         if msg.detail and msg.state == "online":
             # A device reports a round that failed there on its presence topic (the rest is its profile).
-            (log.warning if "failed" in msg.detail else log.debug)("device %s: %s", client, msg.detail)
+            level = logging.WARNING if "failed" in msg.detail else logging.DEBUG
+            self.member_log(level, client, "device %s: %s", client, printable(msg.detail))
         if (
             msg.state == "online"
             and self.max_clients is not None
@@ -435,9 +441,9 @@ class Aggregator:
         reason and the device it came from (`client`: its topic's; "" where no device is known)."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         who = client or "-"
-        (log.warning if reason in LOUD_DROPS else log.info)(
-            "dropped a message from %s (%s, %d bytes): %s", who, reason, nbytes, detail
-        )
+        detail = printable(detail)  # it may quote what the member sent
+        level = logging.WARNING if reason in LOUD_DROPS else logging.INFO
+        self.member_log(level, who, "dropped a message from %s (%s, %d bytes): %s", who, reason, nbytes, detail)
         self.last_drops.append(f"{reason} from {who}: {detail}")
 
     def _refuse(self, client: str, why: str) -> None:

@@ -50,6 +50,7 @@ from edge_agent.outcome import Outcome, Send
 from edge_agent.resend import ResendRequests, refusal
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
+from protofl.names import MAX_TEXT
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
 from protofl.wire import Config, Status, decode_message, encode_message
@@ -429,7 +430,8 @@ class DeviceRunner:
 
     # -- presence -------------------------------------------------------------------------------
     def _status(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> bytes:
-        msg = Status(state=state, detail=detail)
+        # The server refuses a longer detail (protofl.names.MAX_TEXT): a long error is cut, the presence still goes.
+        msg = Status(state=state, detail=detail if len(detail) <= MAX_TEXT else detail[: MAX_TEXT - 3] + "...")
         return encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
 
     def _presence(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> None:

@@ -34,6 +34,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from protofl.errors import ProtoFLError
+from protofl.names import printable
 from protofl.transport.base import Handler, topic_matches
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.tls import client_context, explain, probe
@@ -96,6 +97,7 @@ class TransportStats:
     received: int = 0
     received_bytes: int = 0
     handler_errors: int = 0
+    inbox_dropped: int = 0  # messages left unhandled: their topic held INBOX_TOPIC_BYTES already
 
 
 def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
@@ -105,6 +107,13 @@ def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
     return 1 + length_bytes + body
 
 
+# What the messages of one topic waiting for their handler may hold (one device's `up/` topic on a server): a
+# message arriving over it is left unhandled (QoS 1: acknowledged all the same, as a refused message is), so a
+# member sending faster than the server reads costs it this much memory, not whatever it sends. A topic with
+# fewer than INBOX_TOPIC_MESSAGES waiting always takes its next message, whatever its size: a device's round
+# (its uploads, then its metrics) is never cut, even with uploads up to the packet limit.
+INBOX_TOPIC_BYTES = 8 * 2**20
+INBOX_TOPIC_MESSAGES = 4
 _MAX_ROUTES = 200_000  # cached topic routes: more than the largest fleet one server holds (~50,000 devices)
 
 
@@ -185,6 +194,10 @@ class MqttTransport:
         self._acks: deque[tuple[int, int]] = deque()
         self._seq = 0
         self._inbox: queue.SimpleQueue[tuple[str, bytes, int, int, int] | None] = queue.SimpleQueue()
+        self.inbox_topic_bytes = INBOX_TOPIC_BYTES
+        self._held: dict[str, list[int]] = {}  # topic -> [payload bytes, messages] of it in the inbox
+        self._held_lock = threading.Lock()  # never held while taking another lock
+        self._left: dict[str, int] = {}  # topic -> messages left unhandled (logged at 1, 10, 100, ...)
         self.arrived: dict[str, float] = {}  # topic -> epoch time its latest message was received
         self._connected = threading.Event()
         self._closing = threading.Event()
@@ -569,8 +582,42 @@ class MqttTransport:
         self.stats.received_bytes += len(msg.payload)
         # When it came off the wire, not when a busy consumer got to it (link timing in simulations).
         self.arrived[msg.topic] = time.time()
+        n = len(msg.payload)
+        with self._held_lock:
+            held = self._held.get(msg.topic)
+            if held is None:
+                held = self._held[msg.topic] = [0, 0]
+            over = held[1] >= INBOX_TOPIC_MESSAGES and held[0] + n > self.inbox_topic_bytes
+            if not over:
+                held[0] += n
+            if not over or (self.manual_ack and msg.qos > 0):  # queued: the message, or its acknowledgement
+                held[1] += 1
+            waiting = held[0]
+        if over:
+            self._leave(msg, waiting)
+            return
         # paho types the payload bytes | bytearray; it decodes bytes, which bytes() returns as is (no copy).
         self._inbox.put((msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._session))
+
+    def _leave(self, msg: paho.MQTTMessage, held: int) -> None:
+        """Leave `msg` unhandled: its topic has `held` bytes waiting already. A QoS 1 message the handlers
+        acknowledge (manual_ack) is acknowledged all the same, or the broker would hold it in flight."""
+        self.stats.inbox_dropped += 1
+        if len(self._left) >= _MAX_ROUTES:
+            self._left.clear()
+        count = self._left[msg.topic] = self._left.get(msg.topic, 0) + 1
+        if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...: a flood costs its log a few lines
+            log.warning(
+                "%s: left %d message(s) on '%s' unhandled: %d bytes of that topic wait for their handler "
+                "already (at most %d)",
+                self.client_id,
+                count,
+                printable(msg.topic),
+                held,
+                self.inbox_topic_bytes,
+            )
+        if self.manual_ack and msg.qos > 0:
+            self._inbox.put((msg.topic, b"", msg.mid, msg.qos, self._session))  # only its acknowledgement
 
     # -- delivery -------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -589,6 +636,13 @@ class MqttTransport:
         session: int = 0,
         acks: list[tuple[int, int, int]] | None = None,
     ) -> None:
+        with self._held_lock:
+            held = self._held.get(topic)
+            if held is not None:
+                held[0] -= len(payload)
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._held[topic]
         if payload:  # an empty retained payload only clears a retained message; nothing to handle
             with self._lock:
                 handlers = self._routes.get(topic)

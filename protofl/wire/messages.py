@@ -20,6 +20,7 @@ import numpy as np
 
 from protofl import WIRE_VERSION
 from protofl.errors import WireError
+from protofl.names import MAX_LABEL, MAX_TEXT, printable
 from protofl.sparse import SparseVector
 from protofl.wire.codec import (
     DEFAULT_LIMITS,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 MAX_CLASS = 2**16 - 1  # class ids travel as u2
 MAX_COUNT = 2**32 - 1  # sample counts travel as u4
 MAX_PARAM_DEPTH = 4  # the params map itself is level 1
+MAX_MAP_KEYS = 256  # entries of a map of named figures a device sends (Metrics.extra)
 
 
 class _Body:
@@ -264,9 +266,12 @@ def _layout_entry(i: int, entry: Any) -> tuple[str, tuple[int, ...]]:
 def _str_map(v: Any, what: str, value: Any) -> dict:
     if not isinstance(v, dict):
         raise WireError(f"{what}: expected a map, got {type(v).__name__}")
+    if len(v) > MAX_MAP_KEYS:
+        raise WireError(f"{what}: {len(v)} keys, over the limit of {MAX_MAP_KEYS}")
     for k in v:
         if not isinstance(k, str):
-            raise WireError(f"{what}: map key {k!r} is not a string")
+            raise WireError(f"{what}: map key {printable(repr(k), 40)} is not a string")
+        expect_str(k, f"{what} key", MAX_LABEL)
     return {k: value(x, f"{what}.{k[:40]}") for k, x in v.items()}
 
 
@@ -304,7 +309,7 @@ class Join(_Body):
 
     def __post_init__(self) -> None:
         for name in ("arch", "profile", "agent_version", "token"):
-            expect_str(getattr(self, name), name)
+            expect_str(getattr(self, name), name, MAX_TEXT if name == "token" else MAX_LABEL)
         _set(self, n_samples=expect_int(self.n_samples, "n_samples"))
 
     def to_body(self) -> dict:
@@ -713,8 +718,8 @@ class Status(_Body):
     detail: str = ""
 
     def __post_init__(self) -> None:
-        expect_str(self.state, "state")
-        expect_str(self.detail, "detail")
+        expect_str(self.state, "state", MAX_LABEL)
+        expect_str(self.detail, "detail", MAX_TEXT)
 
     def to_body(self) -> dict:
         return {"state": self.state, "detail": self.detail}

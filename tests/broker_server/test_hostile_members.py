@@ -259,3 +259,77 @@ def test_metrics_for_far_rounds_do_not_grow_the_servers_memory(server: Server) -
     server.send(upload(2, server.width))
     # The summary counts the drops: each metrics message by its size, from the envelope.
     assert "'malformed': 20" in server.finish()
+
+
+FORGED = "2026-01-01 00:00:00 FORGED LINE"
+FLOOD_S = 8.0  # the issue's floods ran 5-30 s; 8 s is enough to see growth at the rate a member can send
+
+
+def flood(
+    server: Server, topic: str, payloads: list[bytes], seconds: float = FLOOD_S, qos: int = 0
+) -> tuple[int, float]:
+    """Publish `payloads` round robin on `topic` at `qos` for `seconds`,
+    sampling the server's memory; (messages sent, peak RSS in MB over the flood and 2 s after it)."""
+    assert server.attacker is not None
+    peak, sent = rss_mb(server.proc.pid), 0
+    end = time.monotonic() + seconds
+    next_sample = 0.0
+    out = server.attacker._client._out_packet  # paho's send queue: QoS 0 waits there, unbounded
+    while time.monotonic() < end:
+        if len(out) > 1000 or len(server.attacker._pending) > 1000:  # as fast as the broker takes them
+            server.attacker.flush(0.001)  # (not faster: no backlog left on the member's side after the flood)
+        else:
+            server.attacker.publish(topic, payloads[sent % len(payloads)], qos=qos)
+            sent += 1
+        if time.monotonic() >= next_sample:
+            peak, next_sample = max(peak, rss_mb(server.proc.pid)), time.monotonic() + 0.1
+    server.attacker.flush(10)
+    for _ in range(20):
+        time.sleep(0.1)
+        peak = max(peak, rss_mb(server.proc.pid))
+    return sent, peak
+
+
+def status_payload(detail: str, state: str = "online") -> bytes:
+    """A presence packed by hand: building it through `Status` would refuse a detail over the limit."""
+    return pack_envelope(Envelope(1, "status", FED, 0, "", MEMBER, "attack", {"state": state, "detail": detail}))
+
+
+@pytest.mark.slow
+def test_a_presence_flood_neither_floods_the_log_nor_forges_a_line(server: Server) -> None:
+    server.join()
+    server.seen.wait("round 1 after the join", 30, round_=1)
+    before_log, before_rss = server.log.stat().st_size, rss_mb(server.proc.pid)
+    payloads = [
+        status_payload(f"round 1 failed\n{FORGED}"),  # short: accepted, logged (a line a minute's worth)
+        status_payload("failed " + "x" * 60_000 + f"\r\n{FORGED}"),  # over the detail limit: a drop
+        status_payload(f"round 1 failed\x1b[2J\u2028{FORGED}"),  # an escape and a line separator
+    ]
+    sent, peak = flood(server, topics.presence(FED, MEMBER), payloads)
+    server.send(upload(1, server.width))
+    server.seen.wait("round 2 after the flood", 60, round_=2)
+    grown_log = server.log.stat().st_size - before_log
+    assert sent > 1000, f"only {sent} presence messages sent"
+    assert grown_log <= MiB, f"the log grew by {grown_log} bytes over {sent} presence messages"
+    assert peak - before_rss <= 50, f"the server peaked at {peak:.0f} MB (from {before_rss:.0f} MB)"
+    server.send(upload(2, server.width))
+    log_text = server.finish()
+    assert not any(line.startswith(FORGED) for line in log_text.splitlines()), "a forged line in the log"
+    assert "\x1b" not in log_text and "\u2028" not in log_text
+    assert "were left out (at most 30 per member per minute)" in log_text or "failed" in log_text
+
+
+@pytest.mark.slow
+def test_a_metrics_flood_for_stale_rounds_does_not_grow_the_server(server: Server) -> None:
+    server.join()
+    server.seen.wait("round 1 after the join", 30, round_=1)
+    before = rss_mb(server.proc.pid)
+    # Well-formed 60 KB metrics for rounds long past and far ahead: each refused by its envelope.
+    payloads = [big_metrics(r, 60_000) for r in (0, 100_000, 100_001)]
+    sent, peak = flood(server, topics.up(FED, MEMBER), payloads, 2 * FLOOD_S, qos=1)
+    assert sent > 1000, f"only {sent} metrics sent"
+    assert peak - before <= 50, f"the server peaked at {peak:.0f} MB (from {before:.0f} MB) over {sent} metrics"
+    server.send(upload(1, server.width))  # the member's own uploads still count once its flood is over
+    server.seen.wait("round 2 after the flood", 120, round_=2)
+    server.send(upload(2, server.width))
+    server.finish()
