@@ -405,8 +405,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
 
     import numpy as np
 
-    from protofl.data.federation import public_indices
-    from protofl.wire import PublicSet
+    from protofl.data.federation import public_indices, with_shared_backbone
 
     idx = public_indices(train, cfg) if train is not None and cfg.backbone_epochs else np.zeros(0, np.int64)
     if len(idx) == 0 and cfg.public_per_class and cfg.backbone_epochs:
@@ -454,10 +453,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
         )
     if vec is None:
         return public, scored
-    norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
-    if public is None:
-        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec, norm=norm), scored
-    return replace(public, backbone=vec, norm=norm), scored
+    return with_shared_backbone(public, train, vec), scored
 
 
 def _backbone_of(agg: Any) -> Any:

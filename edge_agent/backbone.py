@@ -15,7 +15,6 @@ devices never retrain it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import logging
 import os
@@ -28,14 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from edge_agent import params as model_params
+from edge_agent import trainer
 from edge_agent.models import ProtoNet, build_model
 from protofl.config import FederationConfig
 from protofl.data import Dataset
-from protofl.data.federation import public_indices
+from protofl.data.federation import public_indices, with_shared_backbone
 from protofl.plan import RoundPlan
 from protofl.wire import PublicSet
 
-__all__ = ["backbone_model", "cache_key", "embed", "train_backbone", "trained_backbone", "with_backbone"]
+__all__ = ["backbone_model", "cache_key", "train_backbone", "trained_backbone", "with_backbone"]
 
 log = logging.getLogger("protofl.backbone")
 
@@ -192,19 +192,7 @@ def with_backbone(cfg: FederationConfig, train: Dataset, public: PublicSet | Non
     if len(idx) == 0 or int(cfg.backbone_epochs) == 0:
         return public
     vec = trained_backbone(cfg, train.x[idx], train.y[idx], train.mean, train.std)
-    norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
-    if public is None:
-        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=vec, norm=norm)
-    return dataclasses.replace(public, backbone=vec, norm=norm)
-
-
-def embed(model: ProtoNet, x: np.ndarray, batch: int = 256) -> np.ndarray:
-    """The features z of normalised inputs (float32, (n, m))."""
-    out = []
-    with torch.inference_mode():
-        for i in range(0, len(x), batch):
-            out.append(model.features(torch.from_numpy(np.ascontiguousarray(x[i : i + batch]))).numpy())
-    return np.concatenate(out) if out else np.zeros((0, model.proto_dim), np.float32)
+    return with_shared_backbone(public, train, vec)
 
 
 def _save(path: str, array: np.ndarray) -> None:
@@ -241,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.embed:
         with np.load(a.embed, allow_pickle=False) as z:
             x, mean, std = z["x"], z["mean"].tolist(), z["std"].tolist()
-        _save(a.embed_out, embed(backbone_model(cfg, vec), normalize(x, mean, std)))
+        _save(a.embed_out, trainer.embed(backbone_model(cfg, vec), torch.from_numpy(normalize(x, mean, std))))
     return 0
 
 

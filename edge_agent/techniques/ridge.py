@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
+from edge_agent import trainer
 from edge_agent.backbone import backbone_model, renormalize
 from edge_agent.techniques import DeviceContext, DeviceRule
 from protofl.algorithms.ridge import ridge_length, ridge_statistics
@@ -22,7 +22,6 @@ from protofl.sparse import SparseVector
 
 class RidgeDevice(DeviceRule):
     name = "ridge"
-    BATCH = 256
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -36,12 +35,7 @@ class RidgeDevice(DeviceRule):
         model = backbone_model(cfg, ctx.backbone).to(ctx.device)
         own = ctx.data_norm
         to = ctx.backbone_norm if own is not None else None  # the backbone's inputs as it was trained on them
-        with torch.inference_mode():
-            h = [
-                model.features(renormalize(ctx.x[i : i + self.BATCH], own or ((), ()), to)).cpu().numpy()
-                for i in range(0, len(ctx.x), self.BATCH)
-            ]
-        feats = np.concatenate(h) if h else np.zeros((0, cfg.proto_dim), np.float32)
+        feats = trainer.embed(model, renormalize(ctx.x, own or ((), ()), to))
         self.sent = True
         return ridge_statistics(feats, ctx.y, cfg.num_classes)
 

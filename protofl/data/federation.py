@@ -16,6 +16,7 @@ backbone) draws none and its clients keep every sample; one that uses it takes w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -35,6 +36,7 @@ __all__ = [
     "public_set",
     "public_size",
     "public_user",
+    "with_shared_backbone",
 ]
 
 log = logging.getLogger("protofl.data")
@@ -168,3 +170,12 @@ def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
     return PublicSet(
         x=train.x[idx], y=train.y[idx].astype(np.int64), classes=sorted(int(c) for c in np.unique(train.y[idx]))
     )
+
+
+def with_shared_backbone(public: PublicSet | None, train: Dataset, backbone: np.ndarray) -> PublicSet:
+    """The public message carrying the shared backbone trained on `train`'s public samples, with the normalisation
+    its inputs had (`train`'s): the public set where there is one, else a set of zero samples."""
+    norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
+    if public is None:
+        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=backbone, norm=norm)
+    return dataclasses.replace(public, backbone=backbone, norm=norm)
