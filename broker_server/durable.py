@@ -138,7 +138,10 @@ class DurableState:
         found = [n for n in segments(self.directory) if n >= self.first_segment]
         self._check_contiguous(found)
         self.segment = found[-1] if found else self.first_segment
-        self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync)
+        # The checkpoint reflects its segment up to its offset: a cut below that is refused, never truncated.
+        self._keep = int(self._state.get("journal_offset", 0)) if self._state else 0
+        keep = self._keep if self.segment == self.first_segment else 0
+        self.journal = Journal(segment_path(self.directory, self.segment), fsync=fsync, keep=keep)
         self.on_fsync: Callable[[float], None] | None = None  # the metrics endpoint's: set with watch_fsync()
         self.position = 0  # the offset in the current segment that the machine's state reflects
         self.server: Server | None = None
@@ -301,7 +304,8 @@ class DurableState:
 
     def _replay_segment(self, number: int, offset: int) -> None:
         assert self.server is not None
-        journal = self.journal if number == self.segment else Journal(segment_path(self.directory, number))
+        keep = self._keep if number == self.first_segment else 0
+        journal = self.journal if number == self.segment else Journal(segment_path(self.directory, number), keep=keep)
         try:
             for rec in journal.records_from(offset):
                 self.server.replay(rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase)

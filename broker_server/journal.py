@@ -2,23 +2,30 @@
 
 One record per accepted message (a join or an upload), in the order the round machine applied them:
 
-    b"PFJ2" | meta length (u32, big-endian) | payload length (u32) | CRC32 of meta + payload (u32)
-            | meta (msgpack) | payload (the bytes as they arrived)
+    b"PFJ3" | meta length (u32, big-endian) | payload length (u32) | CRC32 of meta + payload (u32)
+            | CRC32 of the 16 header bytes before it (u32) | meta (msgpack) | payload (the bytes as they arrived)
 
 The meta is `{"t": topic, "c": client, "k": kind, "r": round, "ph": phase}`; the payload follows it as it
 came off the wire, written with the header and meta in one `writev`: never decoded and encoded again, nor
 copied into a msgpack body (issue 27), and replay goes through the same decoder and the same machine as
 live traffic. Timers (a grace that ran out, a deadline) are records too, with an empty topic and payload:
-their kind says which (broker_server/shell.py). A journal written before (`PFJ1` records: one msgpack
-body holding the payload as well, its CRC over that body) is still read, record by record; new records
-are PFJ2, so a state dir may hold both.
+their kind says which (broker_server/shell.py). Journals written before are still read, record by record
+(`PFJ1`: one msgpack body holding the payload as well, its CRC over that body; `PFJ2`: today's layout
+without the header's own CRC); new records are PFJ3, so a state dir may hold all three.
 
 A crash in the middle of an append leaves a prefix of the last record: a short header or a short body
 at the very end of the file. Opening the journal finds it, copies it aside (`<segment>.torn-<offset>`,
 the evidence) and truncates the file there; the message it held was never acknowledged, so the broker
-delivers it again. A record that is complete but fails its CRC was written whole and then changed on
-disk (bit rot, a bad copy): that is damage, not a torn write, wherever it is, and the journal is refused
-with a `JournalError` naming the file and offset - never skipped, never truncated.
+delivers it again. Anything else is damage (bit rot, a bad copy), wherever it is, and the journal is
+refused with a `JournalError` naming the file and offset - never skipped, never truncated:
+- a record that is complete but fails its CRC was written whole and changed on disk since;
+- a PFJ3 header that fails its own CRC (issue 43): its lengths are never trusted, so a flipped length
+  bit cannot make a complete, acknowledged record look like a record cut short by the end of the file;
+- a record that claims to run past the end of the file while a whole, CRC-correct record starts after
+  it (a torn write is the last thing in the file: the check that keeps PFJ1/PFJ2 journals, whose
+  headers carry no CRC, from truncating good records after a flipped length);
+- a good prefix shorter than the checkpoint's journal offset (`Journal(keep=...)`): the checkpoint
+  reflects records that are no longer there.
 No pickle: msgpack with binary payloads.
 """
 
@@ -38,10 +45,14 @@ import msgpack
 from protofl.errors import ProtoFLError
 
 log = logging.getLogger("protofl.durability")
-MAGIC = b"PFJ2"
-HEADER = struct.Struct(">4sIII")
+MAGIC = b"PFJ3"
+HEADER = struct.Struct(">4sIIII")  # magic, meta length, payload length, CRC of meta + payload, CRC of the 16 before
+V2_MAGIC = b"PFJ2"  # issue 27 to issue 43: the same without the header's CRC
+V2_HEADER = struct.Struct(">4sIII")
 OLD_MAGIC = b"PFJ1"  # before issue 27: the payload inside the msgpack body
 OLD_HEADER = struct.Struct(">4sII")
+_HEAD = struct.Struct(">4sIII")  # what the header's own CRC covers
+_CRC = struct.Struct(">I")
 MAX_RECORD = 1 << 30  # a larger length field is damage, not a message
 MAX_META = 1 << 16
 # A group commit's pending records are written at `sync`, or sooner past these (writev takes at most IOV_MAX,
@@ -75,7 +86,8 @@ def record_parts(
         {"t": topic, "c": client, "k": kind, "r": int(round_), "ph": phase}
     )
     crc = zlib.crc32(payload, zlib.crc32(meta))
-    return [HEADER.pack(MAGIC, len(meta), len(payload), crc), meta, payload]
+    head = _HEAD.pack(MAGIC, len(meta), len(payload), crc)
+    return [head + _CRC.pack(zlib.crc32(head)), meta, payload]
 
 
 def encode_record(topic: str, payload: bytes, client: str, kind: str, round_: int, phase: str) -> bytes:
@@ -104,7 +116,7 @@ def _bad_crc(path: Path | str, pos: int, length: int) -> JournalError:
 
 
 def _read_record(data: bytes, pos: int, path: Path | str) -> Record | None:
-    """The record at `pos`, or None if the data ends inside it (a torn write)."""
+    """The record at `pos`, or None if the data ends inside it (a torn write: nothing whole may follow)."""
     size = len(data)
     magic = data[pos : pos + 4]
     if magic == OLD_MAGIC:
@@ -115,26 +127,72 @@ def _read_record(data: bytes, pos: int, path: Path | str) -> Record | None:
             raise _damaged(path, pos, magic, length)
         end = pos + OLD_HEADER.size + length
         if end > size:
+            _check_torn(data, pos, path, length)
             return None
         body = data[pos + OLD_HEADER.size : end]
         if zlib.crc32(body) != crc:
             raise _bad_crc(path, pos, length)
         d = _unpack_meta(body)
         return Record(pos, end, d["t"], d["p"], d["c"], d["k"], int(d["r"]), d["ph"])
-    if size - pos < HEADER.size:
+    if magic == MAGIC:
+        header = HEADER
+    elif magic == V2_MAGIC:
+        header = V2_HEADER
+    elif size - pos < HEADER.size:
+        return None  # torn inside the magic bytes
+    else:
+        raise _damaged(path, pos, magic, 0)
+    if size - pos < header.size:
         return None  # torn inside the header
-    magic, meta_len, length, crc = HEADER.unpack_from(data, pos)
-    if magic != MAGIC or length > MAX_RECORD or meta_len > MAX_META:
+    if magic == MAGIC:
+        _, meta_len, length, crc, head_crc = HEADER.unpack_from(data, pos)
+        if zlib.crc32(data[pos : pos + _HEAD.size]) != head_crc:
+            raise JournalError(
+                f"{path}: the header of the record at byte {pos} fails its own CRC32 check: its lengths "
+                f"cannot be trusted (damage, not a crash mid-write). Nothing was changed; restore the state "
+                f"dir from a backup, or move it aside to start a new federation"
+            )
+    else:
+        _, meta_len, length, crc = V2_HEADER.unpack_from(data, pos)
+    if length > MAX_RECORD or meta_len > MAX_META:
         raise _damaged(path, pos, magic, length)
-    start = pos + HEADER.size
+    start = pos + header.size
     end = start + meta_len + length
     if end > size:
-        return None
+        if magic == V2_MAGIC:
+            _check_torn(data, pos, path, meta_len + length)
+        return None  # a PFJ3 header passed its CRC: its lengths are what was written, cut short by the end
     view = memoryview(data)
     if zlib.crc32(view[start + meta_len : end], zlib.crc32(view[start : start + meta_len])) != crc:
         raise _bad_crc(path, pos, meta_len + length)
     d = _unpack_meta(view[start : start + meta_len])
     return Record(pos, end, d["t"], data[start + meta_len : end], d["c"], d["k"], int(d["r"]), d["ph"])
+
+
+def _check_torn(data: bytes, pos: int, path: Path | str, length: int) -> None:
+    """A record without a header CRC (PFJ1, PFJ2) that claims to run past the end of the file is a torn write
+    only if no whole record follows it; otherwise a flipped length bit made it claim more than it holds."""
+    at = pos + 1
+    while (at := _next_magic(data, at)) >= 0:
+        try:
+            if _read_record(data, at, path) is not None:
+                break
+        except (JournalError, ValueError, KeyError, TypeError, msgpack.ExtraData):
+            pass  # not a record: magic bytes inside some payload
+        at += 1
+    else:
+        return None
+    raise JournalError(
+        f"{path}: the record at byte {pos} claims {length} bytes, past the end of the file, but a whole "
+        f"record starts at byte {at} after it: its length was changed on disk (damage, not a crash "
+        f"mid-write). Nothing was changed; restore the state dir from a backup, or move it aside to start "
+        f"a new federation"
+    )
+
+
+def _next_magic(data: bytes, at: int) -> int:
+    found = [i for i in (data.find(m, at) for m in (MAGIC, V2_MAGIC, OLD_MAGIC)) if i >= 0]
+    return min(found) if found else -1
 
 
 def scan(data: bytes, path: Path | str = "journal") -> tuple[list[Record], int]:
@@ -157,13 +215,22 @@ class Journal:
     """An open journal file: `append` returns only once the record is on disk (unless fsync=False, the
     benchmark's comparison)."""
 
-    def __init__(self, path: Path | str, *, fsync: bool = True) -> None:
+    def __init__(self, path: Path | str, *, fsync: bool = True, keep: int = 0) -> None:
+        """`keep`: the bytes a checkpoint says the file holds (its journal offset): a good prefix shorter than
+        that is refused before anything is truncated."""
         self.path = Path(path)
         self.fsync = fsync
         self.on_fsync: Callable[[float], None] | None = None  # told each fsync's seconds (the metrics endpoint)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         data = self.path.read_bytes() if self.path.exists() else b""
         self.records, good = scan(data, self.path)
+        if good < keep:
+            raise JournalError(
+                f"{self.path}: the checkpoint says the journal holds {keep} bytes, but its good records end at "
+                f"byte {good} (of {len(data)}): the journal was cut or replaced below what the checkpoint "
+                f"reflects. Nothing was changed; restore the state dir from a backup, or move it aside to start "
+                f"a new federation"
+            )
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         if good < len(data):
             aside = self.path.with_name(f"{self.path.name}.torn-{good}")

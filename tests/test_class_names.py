@@ -92,7 +92,7 @@ def uploaded_counts(state_dir: Path) -> dict[str, dict[int, int]]:
 
 def _is_journal(path: Path) -> bool:
     with path.open("rb") as f:
-        return f.read(4) in (b"PFJ2", b"PFJ1")
+        return f.read(4) in (b"PFJ3", b"PFJ2", b"PFJ1")
 
 
 @pytest.mark.slow

@@ -10,6 +10,10 @@
   that a flood of half-open connections cannot keep the operator out; when none can be taken, the new one
   is closed at once. The first connection closed in a burst is logged (a WARNING), the rest counted, never
   a traceback per socket.
+- Byte trickle: a client that sends one byte every few seconds never trips the read timeout, so a request
+  must also be complete within `REQUEST_DEADLINE` seconds of its first byte being awaited; a connection
+  past it is cut when the next one arrives or by the server's sweep about every second, whichever
+  comes first (the thread that served it ends, its slot frees).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import ipaddress
 import logging
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 log = logging.getLogger("protofl.service")
 MAX_CONNECTIONS = 32
 READ_TIMEOUT = 5.0
+REQUEST_DEADLINE = 10.0
 BACKLOG = 64
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
@@ -122,7 +128,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         self._lock = threading.Lock()
         self._refusing = False
-        self._open: dict[Any, bool] = {}  # connection -> being answered, oldest first
+        self._open: dict[Any, tuple[bool, float]] = {}  # connection -> (being answered, since), oldest first
+        self.request_deadline = REQUEST_DEADLINE
+        self.overdue = 0
+        self._last_sweep = time.monotonic()
         self.refused = 0
         self.evicted = 0
         self.foreign_hosts = 0
@@ -130,7 +139,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def track(self, connection: Any, busy: bool) -> None:
         with self._lock:
-            self._open[connection] = busy
+            self._open[connection] = (busy, time.monotonic())
 
     def untrack(self, connection: Any) -> None:
         with self._lock:
@@ -139,7 +148,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def _evict_one(self) -> bool:
         """Cut the oldest connection not being answered (its thread then ends and frees its slot)."""
         with self._lock:
-            idle = next((c for c, busy in self._open.items() if not busy), None)
+            idle = next((c for c, (busy, _) in self._open.items() if not busy), None)
             if idle is None:
                 return False
             del self._open[idle]
@@ -150,7 +159,36 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             pass
         return True
 
+    def _cut_overdue(self) -> None:
+        """Cut the connections whose request is not complete `request_deadline` seconds after it was awaited."""
+        limit = time.monotonic() - self.request_deadline
+        with self._lock:
+            late = [c for c, (busy, since) in self._open.items() if not busy and since < limit]
+            for c in late:
+                del self._open[c]
+            self.overdue += len(late)
+        for c in late:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if late:
+            log.debug(
+                "%s: cut %d connection(s) still sending a request after %.0f s",
+                self.label,
+                len(late),
+                self.request_deadline,
+            )
+
+    def service_actions(self) -> None:
+        # serve_forever's loop calls this about every half second; the sweep runs at most once a second.
+        now = time.monotonic()
+        if now - self._last_sweep >= min(self.request_deadline, 1.0):
+            self._last_sweep = now
+            self._cut_overdue()
+
     def process_request(self, request: Any, client_address: Any) -> None:
+        self._cut_overdue()
         if not self._slots.acquire(blocking=False):
             self._note_full()
             if not (self._evict_one() and self._slots.acquire(timeout=1.0)):

@@ -97,7 +97,7 @@ class TransportStats:
     received: int = 0
     received_bytes: int = 0
     handler_errors: int = 0
-    inbox_dropped: int = 0  # messages left unhandled: their topic held INBOX_TOPIC_BYTES already
+    inbox_dropped: int = 0  # messages left unhandled: their topic held INBOX_TOPIC_BYTES, or the inbox its total
 
 
 def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
@@ -114,6 +114,12 @@ def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
 # (its uploads, then its metrics) is never cut, even with uploads up to the packet limit.
 INBOX_TOPIC_BYTES = 8 * 2**20
 INBOX_TOPIC_MESSAGES = 4
+# And in all, whatever the number of topics (members x topics x the bound above would be gigabytes): past this a
+# message is left unhandled too, except a QoS 1 message that the handlers acknowledge (manual_ack) on a topic with
+# fewer than INBOX_TOPIC_MESSAGES waiting. Those the broker's in-flight window bounds instead: it sends the
+# client no more unacknowledged QoS 1 messages than that window (Mosquitto's max_inflight_messages, or the
+# client's Receive Maximum), so a round's uploads are never cut by another member's flood of QoS 0 messages.
+INBOX_TOTAL_BYTES = 256 * 2**20
 _MAX_ROUTES = 200_000  # cached topic routes: more than the largest fleet one server holds (~50,000 devices)
 
 
@@ -196,6 +202,8 @@ class MqttTransport:
         self._inbox: queue.SimpleQueue[tuple[str, bytes, int, int, int] | None] = queue.SimpleQueue()
         self.inbox_topic_bytes = INBOX_TOPIC_BYTES
         self._held: dict[str, list[int]] = {}  # topic -> [payload bytes, messages] of it in the inbox
+        self._held_total = 0  # payload bytes in the inbox, all topics
+        self.inbox_total_bytes = INBOX_TOTAL_BYTES
         self._held_lock = threading.Lock()  # never held while taking another lock
         self._left: dict[str, int] = {}  # topic -> messages left unhandled (logged at 1, 10, 100, ...)
         self.arrived: dict[str, float] = {}  # topic -> epoch time its latest message was received
@@ -587,9 +595,13 @@ class MqttTransport:
             held = self._held.get(msg.topic)
             if held is None:
                 held = self._held[msg.topic] = [0, 0]
-            over = held[1] >= INBOX_TOPIC_MESSAGES and held[0] + n > self.inbox_topic_bytes
+            windowed = self.manual_ack and msg.qos > 0 and held[1] < INBOX_TOPIC_MESSAGES
+            over = (held[1] >= INBOX_TOPIC_MESSAGES and held[0] + n > self.inbox_topic_bytes) or (
+                not windowed and self._held_total + n > self.inbox_total_bytes
+            )
             if not over:
                 held[0] += n
+                self._held_total += n
             if not over or (self.manual_ack and msg.qos > 0):  # queued: the message, or its acknowledgement
                 held[1] += 1
             waiting = held[0]
@@ -600,21 +612,24 @@ class MqttTransport:
         self._inbox.put((msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._session))
 
     def _leave(self, msg: paho.MQTTMessage, held: int) -> None:
-        """Leave `msg` unhandled: its topic has `held` bytes waiting already. A QoS 1 message the handlers
-        acknowledge (manual_ack) is acknowledged all the same, or the broker would hold it in flight."""
+        """Leave `msg` unhandled: its topic has `held` bytes waiting already, or the inbox its total. A QoS 1
+        message the handlers acknowledge (manual_ack) is acknowledged all the same, or the broker would hold it in
+        flight."""
         self.stats.inbox_dropped += 1
         if len(self._left) >= _MAX_ROUTES:
             self._left.clear()
         count = self._left[msg.topic] = self._left.get(msg.topic, 0) + 1
         if count == 10 ** (len(str(count)) - 1):  # 1, 10, 100, ...: a flood costs its log a few lines
             log.warning(
-                "%s: left %d message(s) on '%s' unhandled: %d bytes of that topic wait for their handler "
-                "already (at most %d)",
+                "%s: left %d message(s) on '%s' unhandled: %d bytes of that topic (at most %d) and %d in all "
+                "(at most %d) wait for their handlers already",
                 self.client_id,
                 count,
                 printable(msg.topic),
                 held,
                 self.inbox_topic_bytes,
+                self._held_total,
+                self.inbox_total_bytes,
             )
         if self.manual_ack and msg.qos > 0:
             self._inbox.put((msg.topic, b"", msg.mid, msg.qos, self._session))  # only its acknowledgement
@@ -641,6 +656,7 @@ class MqttTransport:
             if held is not None:
                 held[0] -= len(payload)
                 held[1] -= 1
+                self._held_total -= len(payload)
                 if held[1] <= 0:
                     del self._held[topic]
         if payload:  # an empty retained payload only clears a retained message; nothing to handle

@@ -8,6 +8,7 @@ uploads, folded in the same (journal) order."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from broker_server.durable import DurableState, journal_records
-from broker_server.journal import Journal, JournalError, encode_record
+from broker_server.journal import HEADER, Journal, JournalError, encode_record
 from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
@@ -76,7 +77,7 @@ def test_a_damaged_record_in_the_middle_is_refused_not_skipped(tmp_path: Path) -
     path = tmp_path / "journal.log"
     recs = _records(path, 3)
     data = bytearray(b"".join(recs))
-    data[len(recs[0]) + 14] ^= 0xFF  # a flipped bit in the second record's body
+    data[len(recs[0]) + 24] ^= 0xFF  # a flipped bit in the second record's body
     path.write_bytes(bytes(data))
     with pytest.raises(JournalError, match="complete record at byte .* fails its CRC32 check.*damage"):
         Journal(path)
@@ -94,13 +95,79 @@ def test_a_damaged_record_in_the_middle_is_refused_not_skipped(tmp_path: Path) -
         Journal(path)
 
 
+def test_no_header_bit_flip_truncates_an_acknowledged_record(tmp_path: Path) -> None:
+    # Issue 43: the header's lengths were trusted before any check, so 12 % of header bit flips made a complete
+    # record (and all after it) read as a torn tail and truncated. Every flip of every header bit is now refused
+    # (the header's own CRC) or read back whole; the file is never changed.
+    path = tmp_path / "journal.log"
+    recs = _records(path, 3)
+    whole = b"".join(recs)
+    starts = [0, len(recs[0]), len(recs[0]) + len(recs[1])]
+    outcomes = {"refused": 0, "whole": 0}
+    for start in starts:
+        for bit in range(HEADER.size * 8):
+            data = bytearray(whole)
+            data[start + bit // 8] ^= 1 << (bit % 8)
+            path.write_bytes(bytes(data))
+            try:
+                j = Journal(path)
+            except JournalError:
+                outcomes["refused"] += 1
+            else:
+                assert [r.client for r in j.records] == ["c0", "c1", "c2"], (start, bit)
+                j.close()
+                outcomes["whole"] += 1
+            assert path.read_bytes() == bytes(data) and not list(tmp_path.glob("*.torn-*")), (start, bit)
+    assert outcomes == {"refused": 3 * HEADER.size * 8, "whole": 0}
+
+
+def test_a_length_flip_in_an_old_header_is_refused_when_a_record_follows(tmp_path: Path) -> None:
+    # PFJ2 headers (issue 27 to 43) carry no CRC of their own: a length flip that points past the end of the file
+    # is told from a torn write by the whole record after it.
+    import struct
+    import zlib
+
+    import msgpack
+
+    def v2(i: int) -> bytes:
+        meta = msgpack.packb({"t": f"t/{i}", "c": f"c{i}", "k": "protos", "r": 1, "ph": "train"}, use_bin_type=True)
+        payload = bytes([i]) * 40
+        return struct.pack(">4sIII", b"PFJ2", len(meta), len(payload), zlib.crc32(payload, zlib.crc32(meta))) + (
+            meta + payload
+        )
+
+    path = tmp_path / "journal.log"
+    recs = [v2(i) for i in range(3)]
+    for byte, bit in itertools.product((6, 9, 10), range(8)):  # meta and payload lengths made to reach past the end
+        data = bytearray(b"".join(recs))
+        data[len(recs[0]) + byte] ^= 1 << bit
+        path.write_bytes(bytes(data))
+        with pytest.raises(JournalError, match=f"byte {len(recs[0])} claims .* past the end .* a whole record"):
+            Journal(path)
+        assert path.read_bytes() == bytes(data)
+    path.write_bytes(b"".join(recs)[:-7])  # the last record cut short is still a torn write
+    assert [r.client for r in Journal(path).records] == ["c0", "c1"]
+
+
+def test_a_journal_cut_below_the_checkpoint_offset_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "journal.log"
+    recs = _records(path, 3)
+    whole = b"".join(recs)
+    cut = whole[: len(whole) - 5]  # the last record torn, but the checkpoint reflects it
+    path.write_bytes(cut)
+    with pytest.raises(JournalError, match=f"{path}: the checkpoint says the journal holds {len(whole)} bytes"):
+        Journal(path, keep=len(whole))
+    assert path.read_bytes() == cut and not list(tmp_path.glob("*.torn-*"))  # nothing changed
+    assert [r.client for r in Journal(path, keep=len(recs[0])).records] == ["c0", "c1"]  # above it: a torn tail
+
+
 def test_the_payload_is_journaled_as_it_arrived(tmp_path: Path) -> None:
     payload = encode_message(Join(arch="a", n_samples=3), fed=FED, sender="c1")
     j = Journal(tmp_path / "journal.log")
     j.append("t/c1", payload, "c1", "join", 0, "")
     j.close()
     data = (tmp_path / "journal.log").read_bytes()
-    assert data.startswith(b"PFJ2") and data.endswith(payload)  # the bytes themselves, after header and meta
+    assert data.startswith(b"PFJ3") and data.endswith(payload)  # the bytes themselves, after header and meta
     [rec] = Journal(tmp_path / "journal.log").records
     assert (rec.topic, rec.payload, rec.client, rec.kind, rec.round, rec.phase) == (
         "t/c1",

@@ -94,3 +94,33 @@ def test_half_open_connections_leave_threads_bounded_and_the_server_answering(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "connections taken" in warnings[0].getMessage()
     assert not any(r.exc_info for r in caplog.records if r.levelno > logging.DEBUG)
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_its_deadline(endpoint: HttpEndpoint) -> None:
+    """Slowloris by trickle: one byte every 0.3 s never trips the 5 s read timeout; the request deadline cuts it."""
+    endpoint.server.request_deadline = 1.5
+    parts = urlsplit(endpoint.url)
+    trickling = [socket.create_connection((parts.hostname, parts.port or 80), timeout=5) for _ in range(8)]
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 1000
+    cut: list[int] = []
+    try:
+        started = time.monotonic()
+        for i in range(len(request)):
+            for n, s in enumerate(trickling):
+                if n in cut:
+                    continue
+                try:
+                    s.sendall(request[i : i + 1])
+                except OSError:
+                    cut.append(n)  # the server shut the connection: the event this test waits for
+            if len(cut) == len(trickling) or time.monotonic() - started > 15:
+                break
+            time.sleep(0.3)
+        elapsed = time.monotonic() - started
+        assert sorted(cut) == list(range(len(trickling))), f"still open after {elapsed:.1f} s: trickle not cut"
+        assert elapsed >= 1.5  # not before its deadline
+        assert endpoint.server.overdue >= len(trickling)
+        assert get(endpoint.url) in {200, 503}  # and the server answers
+    finally:
+        for s in trickling:
+            s.close()

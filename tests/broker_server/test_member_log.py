@@ -88,3 +88,33 @@ def test_the_transport_holds_a_bounded_backlog_per_topic() -> None:
     assert len(handled) == kept and acks == [(1, 1, 0)]
     arrive("fed/up/dev-a", 60_000)  # drained: its next message is taken
     assert t._inbox.qsize() == 1
+
+
+def test_the_transport_holds_a_bounded_backlog_in_all() -> None:
+    """Many members each within their topic's bound add up: the inbox's total is bounded too (QoS 0 floods), while
+    a QoS 1 message the server acknowledges itself still waits (the broker's in-flight window bounds those)."""
+    import paho.mqtt.client as paho
+
+    from protofl.transport.mqtt import MqttTransport
+
+    t = MqttTransport("mqtt://127.0.0.1:1", "server", deliver="pump", manual_ack=True)
+    t.inbox_total_bytes = 4 * 2**20
+
+    def arrive(topic: str, nbytes: int, qos: int = 0) -> None:
+        msg = paho.MQTTMessage(mid=1, topic=topic.encode())
+        msg.payload, msg.qos = b"x" * nbytes, qos
+        t._on_message(t._client, None, msg)
+
+    for member in range(200):  # 200 members x 10 x 60 KB at QoS 0: 114 MiB, each topic inside its own bound
+        for _ in range(10):
+            arrive(f"fed/metrics/dev-{member}", 60_000)
+    assert t._held_total <= t.inbox_total_bytes
+    assert t.stats.inbox_dropped == 2000 - t.inbox_total_bytes // 60_000
+    arrive("fed/up/dev-0", 60_000, qos=1)  # a round's upload is not cut by the flood
+    assert t._held_total > t.inbox_total_bytes
+    handled: list[str] = []
+    t.subscribe("fed/+/+", lambda topic, payload: handled.append(topic))
+    t._client.ack = lambda mid, qos: paho.MQTTErrorCode.MQTT_ERR_SUCCESS  # type: ignore[method-assign]
+    while t.pump(max_messages=10_000):
+        pass
+    assert handled[-1] == "fed/up/dev-0" and t._held_total == 0
