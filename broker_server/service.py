@@ -266,6 +266,7 @@ class AggregatorService:
         if connects > self._connects:
             if self._connects:
                 self.aggregator.reconnected()
+                self.watch.resumed()
             self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.front.tick()
