@@ -33,6 +33,10 @@ except ImportError:  # pragma: no cover - Windows
 
 DEFAULT_QUEUE = 10_000  # what the generated config always had: the floor
 MOSQUITTO_INFLIGHT = 20  # max_inflight_messages, Mosquitto's default: delivered but not yet acknowledged
+# The server's (and each shard's) in-flight window, asked of the broker in its MQTT 5 CONNECT (Receive Maximum): the
+# uploads delivered to it unacknowledged, so the most one journal group commit (one fsync) covers. None: the
+# broker's max_inflight_messages (MOSQUITTO_INFLIGHT). Measured in bench/results/AGGREGATOR.md (issue 48).
+SERVER_RECEIVE_MAXIMUM: int | None = None
 QUEUE_HEADROOM = 2  # a restart's re-sends on top of a round's burst
 # Messages a device sends at once besides a phase's uploads: presence "online", join, metrics.
 BURST_EXTRA = 3
@@ -55,10 +59,23 @@ def queue_for_fleet(devices: int, uploads_per_phase: int) -> int:
     return max(DEFAULT_QUEUE, devices * (uploads_per_phase + BURST_EXTRA) * QUEUE_HEADROOM)
 
 
-def resend_window(queue: int, uploads_per_phase: int) -> int:
+def inflight_window(receive_maximum: int | None = SERVER_RECEIVE_MAXIMUM) -> int:
+    """Messages the broker may have delivered to one reader unacknowledged: its Receive Maximum, else the broker's."""
+    return receive_maximum if receive_maximum is not None else MOSQUITTO_INFLIGHT
+
+
+def resend_window(queue: int, uploads_per_phase: int, window: int | None = None) -> int:
     """Re-send requests outstanding at once (broker_server/resend.py): their answers (a join or a phase's
     uploads each) fill at most half of what the broker holds for the aggregator, queue plus in flight."""
-    return max(1, (queue + MOSQUITTO_INFLIGHT) // (2 * (uploads_per_phase + 1)))
+    inflight = inflight_window() if window is None else window
+    return max(1, (queue + inflight) // (2 * (uploads_per_phase + 1)))
+
+
+def held_bytes(queue: int, message_bytes: int, readers: int = 1, window: int | None = None) -> int:
+    """Bytes the broker may hold for the aggregator at once, in messages of `message_bytes`: its queue, and the
+    in-flight window of each of its `readers` (the server, or each shard of a shared subscription)."""
+    inflight = inflight_window() if window is None else window
+    return (queue + readers * inflight) * message_bytes
 
 
 def files_for_fleet(devices: int) -> int:

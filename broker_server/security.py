@@ -36,6 +36,7 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -401,6 +402,31 @@ def write_secret(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_secret_dir(path: Path, files: dict[str, str]) -> None:
+    """Fill the empty (or missing) directory `path` with `files` (name -> text), each readable by its owner only,
+    in one pass: written into a new sibling directory, which then replaces `path` (a crash leaves `path` as it was,
+    never half of the files). A fleet's device files one by one (a temporary file and a rename each) were 24 % of a
+    4,000-device start (issue 48)."""
+    tmp = path.with_name(path.name + ".new")
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier pass's
+    tmp.mkdir(mode=0o700)
+    dfd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name, text in files.items():
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
+            try:
+                data = memoryview(text.encode())
+                while data:
+                    data = data[os.write(fd, data) :]
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dfd)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o755
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)  # over an empty directory: rename(2) replaces it
+
+
 @dataclass(frozen=True)
 class BrokerAuth:
     """Where the generated files are, and the Mosquitto config lines that use them."""
@@ -460,13 +486,19 @@ class BrokerAuth:
             write_secret(self.monitor_file, monitor)
         devices_dir = self.directory / "devices"
         devices_dir.mkdir(exist_ok=True)
-        present = (
-            {name[: -len(".json")] for name in os.listdir(devices_dir) if name.endswith(".json")} if same_ca else set()
-        )
-        for client_id in self.secrets.devices:
-            if client_id not in present or client_id in self.new_devices:
-                cred = self.secrets.device(client_id)
-                write_secret(self.device_file(client_id), device_file_text(cred, self.secrets.fed, ca_pem))
+        there = {name[: -len(".json")] for name in os.listdir(devices_dir) if name.endswith(".json")}
+        present = there if same_ca else set()
+        fed, new = self.secrets.fed, set(self.new_devices)
+        texts = {
+            f"{cid}.json": device_file_text(self.secrets.device(cid), fed, ca_pem)
+            for cid in self.secrets.devices
+            if cid not in present or cid in new
+        }
+        if not there:  # a new fleet: every file in one pass, the directory renamed into place once
+            write_secret_dir(devices_dir, texts)
+        else:
+            for name, text in texts.items():
+                write_secret(devices_dir / name, text)
         if self.secrets.shard_passwords:
             (self.directory / "shards").mkdir(exist_ok=True)
         for index in range(len(self.secrets.shard_passwords)):  # a few: written every time

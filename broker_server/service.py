@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from broker_server import shard_wire
-from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
+from broker_server.capacity import DEFAULT_QUEUE, SERVER_RECEIVE_MAXIMUM, resend_window, uploads_per_phase
 from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import RoundProgress, accuracies
@@ -96,6 +96,7 @@ def server_transport(broker: Broker, fed: str, *, durable: bool = False) -> Mqtt
         deliver="pump",
         protocol=broker.protocol,
         manual_ack=durable,
+        receive_maximum=SERVER_RECEIVE_MAXIMUM,
     )
 
 
@@ -266,6 +267,7 @@ class AggregatorService:
         if connects > self._connects:
             if self._connects:
                 self.aggregator.reconnected()
+                self.watch.resumed()
             self._connects = connects
         n = self.transport.pump(self.tick_interval if timeout is None else timeout)
         self.front.tick()

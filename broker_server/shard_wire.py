@@ -1,7 +1,7 @@
 """What aggregator shards and their coordinator say to each other (docs/design.md, "Scale-out"); numpy only.
 
 Every message is a msgpack map `{"v": VERSION, "k": kind, ...}` whose arrays travel as typed byte strings
-(protofl.checkpoint.pack_tree; no pickle). `decode` refuses anything else - another version, another kind,
+(protofl.checkpoint.packb; no pickle). `decode` refuses anything else - another version, another kind,
 a field of the wrong type - with a ShardWireError that says what was wrong; shapes and finiteness of a
 partial are checked where it is merged (broker_server/stages.py PhaseRun.check_partial).
 
@@ -30,7 +30,7 @@ from typing import Any
 import msgpack
 
 from protofl.algorithms.robust import ClipPolicy
-from protofl.checkpoint import pack_tree, unpack_tree
+from protofl.checkpoint import packb, unpack_tree
 from protofl.errors import WireError
 from protofl.wire import Limits
 
@@ -62,7 +62,7 @@ class ShardWireError(WireError):
 
 def encode(what: str, /, **fields: Any) -> bytes:
     assert what in KINDS and set(fields) == set(_FIELDS[what]), (what, sorted(fields))
-    return msgpack.packb(pack_tree({"v": VERSION, "k": what, **fields}), use_bin_type=True)
+    return packb({"v": VERSION, "k": what, **fields})
 
 
 def decode(payload: bytes, kind: str, max_bytes: int) -> dict[str, Any]:

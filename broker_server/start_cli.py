@@ -475,7 +475,8 @@ def _broker_capacity(
     open-file limit as far as the hard limit allows; a fleet the limit cannot hold is refused here, before
     anything is written (broker_server/capacity.py). Devices at bridged site brokers (`bridged`) count in the
     fleet whose burst the queue holds, not in the connections the local broker serves."""
-    from broker_server.capacity import queue_for_fleet, raise_open_files, uploads_per_phase
+    from broker_server.capacity import held_bytes, inflight_window, queue_for_fleet, raise_open_files, uploads_per_phase
+    from broker_server.shell import decoder_limits
 
     if broker_queue is not None and broker_queue < 1:
         raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
@@ -487,10 +488,13 @@ def _broker_capacity(
     raise_open_files(max(len(direct), (access.max_clients or 0) - len(bridged)))
     queue = broker_queue or queue_for_fleet(fleet, uploads_per_phase(cfg))
     log.info(
-        "the local broker holds up to %d messages for the aggregator (%s, fleet of %d)",
+        "the local broker holds up to %d messages for the aggregator (%s, fleet of %d) and %d in flight to each of "
+        "its readers: at most %.0f MiB at the federation's largest message",
         queue,
         "--broker-queue" if broker_queue else "sized from the fleet",
         fleet,
+        inflight_window(),
+        held_bytes(queue, decoder_limits(cfg).max_message_bytes) / 2**20,
     )
     return queue
 

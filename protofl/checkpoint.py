@@ -77,10 +77,15 @@ def _packed_leaf(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} cannot be written to a checkpoint")
 
 
+def packb(tree: Any) -> bytes:
+    """msgpack of `pack_tree(tree)`, the same bytes, without its Python walk: msgpack writes tuples as lists and
+    float64 scalars (a float subclass) as the floats `.item()` gives, and calls back only for the other numpy
+    leaves (the shards' messages, issue 48: a walk per placed upload was 15.7 % of the coordinator's thread)."""
+    return msgpack.packb(tree, use_bin_type=True, default=_packed_leaf)
+
+
 def encode_checkpoint(state: dict[str, Any]) -> bytes:
-    # The same bytes as packing `_pack(state)`: msgpack writes tuples as lists, and float64 scalars (a float
-    # subclass) as the floats `.item()` gives.
-    body = msgpack.packb(state, use_bin_type=True, default=_packed_leaf)
+    body = packb(state)
     return MAGIC + hashlib.sha256(body).digest() + body
 
 

@@ -16,12 +16,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker_server.progress import accuracies
-from broker_server.rounds import Received, RoundRecord
+from broker_server.rounds import GraceOver, Presence, Received, RoundRecord
+from broker_server.shard_closing import Progress
 from broker_server.watch.snapshot import (
     ACCURACY_KEYS,
     LEFT,
@@ -67,6 +68,11 @@ class FederationObserver:
         self._accuracies: dict[int, dict[str, float | None]] = {}
         self._states: dict[str, str] = {}
         self.stopped = False
+        # Incremental members: the inputs applied since the last snapshot name the members they changed (an input
+        # changes its own device's row only); what changes every row (a round closed, a resume, a shard lost) or
+        # names none sets `_everyone`, and the next snapshot builds every row again.
+        self._touched: set[str] = set()
+        self._everyone = True
         aggregator.on_applied = self.on_applied
 
     @property
@@ -76,10 +82,23 @@ class FederationObserver:
 
     # -- events (service thread) ----------------------------------------------------------------
     def on_applied(self, inp: Input) -> None:
-        if not isinstance(inp, Received) or not isinstance(inp.msg, (ProtoUpload, ParamsUpload)):
-            return  # a shard's Progress: the upload's encoding stays at the shard
+        if isinstance(inp, (Presence, GraceOver)):
+            self._touched.add(inp.client)
+            return
+        if isinstance(inp, Progress):  # a shard's: the upload's encoding stays at the shard
+            self._touched.add(inp.sender)
+            return
+        if not isinstance(inp, Received):
+            self._everyone = True  # a deadline, a shard's partials or its loss: rows may change anywhere
+            return
         env = inp.env
-        self._encodings[env.sender] = (env.round, env.phase, env.kind, encoding(inp.msg))
+        self._touched.add(env.sender)
+        if isinstance(inp.msg, (ProtoUpload, ParamsUpload)):
+            self._encodings[env.sender] = (env.round, env.phase, env.kind, encoding(inp.msg))
+
+    def invalidate(self) -> None:
+        """Every member's row may have changed (a round closed, the machine resumed): the next `changes` has all."""
+        self._everyone = True
 
     def remember(self, accuracies: Mapping[int, Mapping[str, float | None]]) -> None:
         """The accuracies of rounds logged before this process (rounds.jsonl, `round_accuracies`): a restarted
@@ -125,30 +144,45 @@ class FederationObserver:
         m = self.agg.machine
         s = m.state
         ids = set(s.clients) | set(s.departed) | set(self.agg.members or ()) | set(m.expected_clients or ())
-        accepted = s.accepted
-        out = []
-        for cid in sorted(ids):
-            join = s.clients.get(cid) or s.departed.get(cid)
-            if cid in s.leaving:
-                state = OFFLINE
-            elif cid in s.clients:
-                state = ONLINE
-            else:
-                state = LEFT if cid in s.departed else NOT_JOINED
-            out.append(
-                Member(
-                    cid,
-                    state,
-                    arch=join.arch if join else "",
-                    n_samples=join.n_samples if join else 0,
-                    profile=join.profile if join else "",
-                    uploads=accepted[cid].uploads if cid in accepted else 0,
-                    last_upload=self._last_upload(cid),
-                    # a finished federation waits for nobody: no place to keep
-                    grace_ends=None if m.finished else m.grace_end(cid),
-                )
-            )
-        return tuple(out)
+        return tuple(self._member(cid) for cid in sorted(ids))
+
+    def _member(self, cid: str) -> Member:
+        m = self.agg.machine
+        s = m.state
+        join = s.clients.get(cid) or s.departed.get(cid)
+        if cid in s.leaving:
+            state = OFFLINE
+        elif cid in s.clients:
+            state = ONLINE
+        else:
+            state = LEFT if cid in s.departed else NOT_JOINED
+        a = s.accepted.get(cid)
+        return Member(
+            cid,
+            state,
+            arch=join.arch if join else "",
+            n_samples=join.n_samples if join else 0,
+            profile=join.profile if join else "",
+            uploads=a.uploads if a is not None else 0,
+            last_upload=self._last_upload(cid),
+            # a finished federation waits for nobody: no place to keep
+            grace_ends=None if m.finished else m.grace_end(cid),
+        )
+
+    def changes(self) -> tuple[bool, dict[str, Member]]:
+        """(every row, rows): the members' rows changed since the last call, all of them (True) where an input named
+        none, or after `invalidate`; the cost is the rows changed, not the fleet (the live watch, off the folding
+        thread, keeps the rest). Logs joins, departures and returns as `snapshot` does."""
+        if self._everyone:
+            rows = {m.id: m for m in self.members()}
+            everyone = True
+        else:
+            rows = {cid: self._member(cid) for cid in sorted(self._touched)}
+            everyone = False
+        self._touched.clear()
+        self._everyone = False
+        self._log_changes(rows.values())
+        return everyone, rows
 
     def history(self) -> tuple[RoundRow, ...]:
         rows = []
@@ -169,12 +203,21 @@ class FederationObserver:
         return tuple(rows)
 
     def snapshot(self, broker_restarts: int = 0, broker_dropped: int = 0, resend_requests: int = 0) -> Snapshot:
+        """Every member's row built again (what the live watch keeps up incrementally: `changes`)."""
+        members = self.members()
+        self._touched.clear()
+        self._everyone = False
+        self._log_changes(members)
+        return self.frame(members, broker_restarts, broker_dropped, resend_requests)
+
+    def frame(
+        self, members: tuple[Member, ...], broker_restarts: int = 0, broker_dropped: int = 0, resend_requests: int = 0
+    ) -> Snapshot:
+        """The snapshot of everything but the members' rows, which are given."""
         agg = self.agg
         m = agg.machine
         current = m.state.current
         open_ = m.phase
-        members = self.members()
-        self._log_changes(members)
         return Snapshot(
             fed=agg.fed,
             preset=agg.cfg.preset,
@@ -201,13 +244,15 @@ class FederationObserver:
             started=self.started,
         )
 
-    def _log_changes(self, members: tuple[Member, ...]) -> None:
+    def _log_changes(self, members: Iterable[Member]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""
+
         online: list[int] = []  # counted once, when a line needs it: once per line is n**2 at a fleet's join
 
         def n_online() -> int:
             if not online:
-                online.append(sum(1 for x in members if x.state == ONLINE))
+                s = self.agg.machine.state
+                online.append(sum(1 for c in s.clients if c not in s.leaving))
             return online[0]
 
         finished = self.agg.machine.finished

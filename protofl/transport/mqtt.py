@@ -163,6 +163,7 @@ class MqttTransport:
         manual_ack: bool = False,
         resume_session: bool = False,
         session_expiry: int = DEFAULT_SESSION_EXPIRY_S,
+        receive_maximum: int | None = None,
     ) -> None:
         self.options = parse_broker_url(broker) if isinstance(broker, str) else broker
         self.client_id = client_id
@@ -180,6 +181,12 @@ class MqttTransport:
         # How long the broker keeps a persistent session (MQTT 5) while we are gone: its subscriptions, and the
         # QoS 1 messages it queues for us meanwhile (on a shared subscription, our share of the group's).
         self.session_expiry = int(session_expiry)
+        # MQTT 5 Receive Maximum: the QoS 1 messages the broker may have delivered to us unacknowledged (None: the
+        # broker's own limit, Mosquitto's max_inflight_messages, 20). With manual_ack one journal group commit covers
+        # at most this many uploads.
+        if receive_maximum is not None and not 1 <= receive_maximum <= 65535:
+            raise ValueError(f"the receive maximum must be 1 to 65535 messages, got {receive_maximum}")
+        self.receive_maximum = receive_maximum
         self._session = 0  # bumped when the broker has no session for us: older message ids are void
         self.deliver = deliver
         self.backoff = backoff or Backoff()
@@ -427,10 +434,13 @@ class MqttTransport:
         host = self.options.unix_path or self.options.host  # paho's unix transport takes the path as host
         if self._protocol == paho.MQTTv5:
             props = None
-            if self.persistent_session:
-                # Keep our subscriptions and queue QoS 1 uploads at the broker while we reconnect.
+            if self.persistent_session or self.receive_maximum is not None:
                 props = Properties(PacketTypes.CONNECT)
-                props.SessionExpiryInterval = self.session_expiry
+                if self.persistent_session:
+                    # Keep our subscriptions and queue QoS 1 uploads at the broker while we reconnect.
+                    props.SessionExpiryInterval = self.session_expiry
+                if self.receive_maximum is not None:
+                    props.ReceiveMaximum = self.receive_maximum
             clean: paho.CleanStartOption = paho.MQTT_CLEAN_START_FIRST_ONLY if self.persistent_session else True
             if self.resume_session:
                 clean = False

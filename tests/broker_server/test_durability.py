@@ -208,6 +208,23 @@ def test_a_journal_of_the_previous_format_is_still_read(tmp_path: Path) -> None:
 # -- checkpoint -------------------------------------------------------------------------------
 
 
+def test_packb_writes_pack_trees_bytes_without_its_walk() -> None:
+    # Issue 48: the shards' messages and checkpoints are packed by msgpack's C walk (numpy leaves called back);
+    # the bytes are the Python walk's, so what was written before reads the same and a shard of either agrees.
+    import msgpack
+
+    from protofl.checkpoint import pack_tree, packb
+
+    tree = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "t": (1, np.float64(0.5), np.float32(0.25), np.int64(-3), np.bool_(True), np.uint8(7)),
+        "m": {"k": [np.zeros(0, np.int64), None, "x", 2**40]},
+    }
+    assert packb(tree) == msgpack.packb(pack_tree(tree), use_bin_type=True)
+    with pytest.raises(TypeError, match="set cannot be written"):
+        packb({"s": {1}})
+
+
 def test_checkpoint_round_trip_and_a_corrupt_one_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.bin"
     assert read_checkpoint(path) is None

@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from broker_server.broker import MosquittoBroker
-from broker_server.capacity import DEFAULT_QUEUE, queue_for_fleet, resend_window
+from broker_server.capacity import (
+    DEFAULT_QUEUE,
+    MOSQUITTO_INFLIGHT,
+    held_bytes,
+    inflight_window,
+    queue_for_fleet,
+    resend_window,
+)
 from broker_server.resend import Ask, BrokerDrops, Resender, owed
 from broker_server.rounds import RoundMachine
 from broker_server.security import (
@@ -45,8 +52,12 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 def test_the_queue_is_sized_from_the_fleet_and_never_below_the_old_default() -> None:
     assert queue_for_fleet(10, 1) == DEFAULT_QUEUE
     assert queue_for_fleet(12_000, 1) == 12_000 * 4 * 2  # upload + presence, join, metrics; twice over
-    # The re-sends that may be outstanding fill half of what the broker holds (queue + 20 in flight).
-    assert resend_window(1, 1) == 5 and resend_window(96_000, 1) == 24_005
+    # The re-sends that may be outstanding fill half of what the broker holds (queue + the window in flight).
+    assert resend_window(1, 1, window=20) == 5 and resend_window(96_000, 1, window=20) == 24_005
+    assert resend_window(1, 1) == (1 + inflight_window()) // 4
+    # In bytes: the queue and each reader's window (the server, or each shard) of the largest message.
+    assert held_bytes(1000, 2048, readers=4, window=100) == (1000 + 400) * 2048
+    assert inflight_window(None) == MOSQUITTO_INFLIGHT and inflight_window(300) == 300
 
 
 def test_broker_config_prints_the_queue_for_its_fleet_and_the_sys_interval(tmp_path: Path) -> None:

@@ -211,3 +211,28 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
     assert (state / "security" / "tls" / "ca.crt").read_text() == ca
     for d, o in zip(devices, dev_out, strict=True):
         assert d.returncode == 0 and "federation finished after 1 trained round(s)" in o, o
+
+
+def test_a_fleets_device_files_are_written_in_one_pass_and_a_later_device_beside_them(tmp_path: Path) -> None:
+    # Issue 48: a new fleet's files go into a new directory renamed into place once (a crashed pass's leftover is
+    # cleared); a device added later gets its own file beside the others, which stay as they were.
+    import stat
+
+    from broker_server.security import BrokerAuth, FederationSecrets
+
+    sec = tmp_path / "sec"
+    sec.mkdir()
+    (sec / "devices.new").mkdir()
+    (sec / "devices.new" / "stale.json").write_text("{}")
+    secrets = FederationSecrets.create("lab", [f"d{i}" for i in range(50)])
+    BrokerAuth(sec, secrets).provision()
+    files = sorted(p.name for p in (sec / "devices").iterdir())
+    assert files == sorted(f"d{i}.json" for i in range(50)) and not (sec / "devices.new").exists()
+    d7 = sec / "devices" / "d7.json"
+    assert stat.S_IMODE(d7.stat().st_mode) == 0o600
+    assert json.loads(d7.read_text())["password"] == secrets.device("d7").password
+    before = d7.stat().st_mtime_ns
+    added = secrets.add_devices(["late"])
+    BrokerAuth(sec, secrets, new_devices=tuple(added)).provision()
+    assert json.loads((sec / "devices" / "late.json").read_text())["username"] == "late"
+    assert d7.stat().st_mtime_ns == before and len(list((sec / "devices").iterdir())) == 51

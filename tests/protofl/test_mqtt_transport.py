@@ -236,3 +236,28 @@ def test_refused_credentials_say_so(start_mosquitto: Callable[..., MosquittoBrok
         r"check --username/--password",
     ):
         t.connect(timeout=2.0)
+
+
+def test_a_receive_maximum_widens_the_window_of_unacknowledged_deliveries(mosquitto: MosquittoBroker) -> None:
+    # Issue 48: the server acknowledges an upload only after its journal's group commit; the broker delivers at
+    # most its max_inflight_messages (20) unacknowledged unless the MQTT 5 CONNECT asks for more, so one fsync
+    # covered at most 20 uploads. Asking 100: 100 are delivered before any is acknowledged.
+    reader = MqttTransport(
+        mosquitto.url, "reader", deliver="pump", manual_ack=True, receive_maximum=100, backoff=fast_backoff()
+    ).connect(10)
+    reader.before_ack = lambda: None
+    reader.subscribe("w/#", lambda _t, _p: None)
+    sender = MqttTransport(mosquitto.url, "sender", backoff=fast_backoff()).connect(10)
+    try:
+        for i in range(150):
+            sender.publish(f"w/{i}", b"x")
+        end = time.monotonic() + 15
+        while reader._inbox.qsize() < 100 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert reader._inbox.qsize() >= 100, f"{reader._inbox.qsize()} delivered unacknowledged"
+        assert reader.pump(max_messages=1000) >= 100  # acknowledged now: the rest follow
+    finally:
+        sender.close()
+        reader.close()
+    with pytest.raises(ValueError, match="1 to 65535"):
+        MqttTransport(mosquitto.url, "bad", receive_maximum=0)
