@@ -227,6 +227,7 @@ def device_acl_lines(fed: str) -> list[str]:
         f"pattern read {topics.public(fed)}",
         f"pattern read {topics.round_(fed)}",
         f"pattern read {topics.server_status(fed)}",
+        f"pattern read {topics.fleet(fed)}",
         f"pattern read {topics.down(fed, '%u')}",
         "",
     ]
