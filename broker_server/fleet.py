@@ -15,6 +15,7 @@ Devices stay connected between runs: a run's server says its name on the retaine
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -181,7 +182,6 @@ def _serve_run(
 ) -> None:
     """Run `run` as a child `start` on the fleet's broker until it ends (or the fleet stops: it stays `running`,
     and resumes when the fleet starts again)."""
-    from broker_server.broker import _die_with_parent
     from broker_server.shard_service import child_env
 
     secrets = auth.secrets  # type: ignore[attr-defined]
@@ -211,7 +211,7 @@ def _serve_run(
     run.set_state("running")
     log.info("run '%s' %s (log: %s)", run.name, "resumes" if resumed else "starts", run.log)
     with open(run.log, "ab") as out:
-        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_killed_with_parent)
     asked = False
     while child.poll() is None:
         if stop.is_set():
@@ -225,8 +225,40 @@ def _serve_run(
             child.wait(POLL_S)
     code = child.returncode
     state = "stopped" if run.stop_requested else "finished" if code == 0 else "failed"
+    if state == "finished":
+        _report(run)
     run.set_state(state)
     log.info("run '%s' %s (exit %d)", run.name, state, code)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def _killed_with_parent() -> None:
+    """In the forked run server, before exec: SIGKILL when the fleet server dies without stopping it (a crash of
+    the fleet is a crash of its run: the run resumes from its journal when the fleet starts again)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _report(run: runs.Run) -> None:
+    """The run's report (protofl-server report) in FLEET/runs/NAME/report/: the plots where matplotlib is
+    installed, the summary always."""
+    from broker_server.report_cli import load_runs, summary, write_report
+
+    out = run.dir / "report"
+    try:
+        loaded = load_runs([run.dir / "rounds.jsonl"])
+        try:
+            write_report(loaded, out)
+        except ConfigError as exc:  # no matplotlib: the summary still
+            log.warning("run '%s': report without plots (%s)", run.name, exc)
+            out.mkdir(exist_ok=True)
+            (out / "summary.md").write_text(summary(loaded))
+    except (ProtoFLError, OSError) as exc:
+        log.error("run '%s': no report: %s", run.name, exc)
+        return
+    log.info("run '%s': report in %s", run.name, out)
 
 
 # -- protofl-server run submit|list|stop|logs ------------------------------------------------------------------------
