@@ -29,31 +29,14 @@ from types import FrameType
 import typer
 
 from broker_server import runs
-from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
-from protofl.transport import Transport
 from protofl.transport.broker_url import PASSWORD_ENV
-from protofl.wire import Status, encode_message
 
 log = logging.getLogger("protofl.fleet")
 FLEET_FILE = "fleet.json"
 FLEET_PACKET_MB = 64  # the fleet's broker refuses bigger messages (runs differ: no one config sizes it)
 POLL_S = 1.0  # how often an idle fleet looks for a submitted run, and a running one for a stop request
-
-
-def announce_run(transport: Transport, fed: str, run: str) -> None:
-    """Say (retained) that the fleet's current run is `run`."""
-    payload = encode_message(Status(state="run", detail=run), fed=fed, sender=topics.SERVER_ID)
-    transport.publish(topics.fleet(fed), payload, retain=True)
-
-
-def end_run(transport: Transport, fed: str) -> None:
-    """The run is over: its retained messages cleared (no device of the next run reads them), the fleet idle."""
-    for topic in (topics.config(fed), topics.public(fed), topics.round_(fed)):
-        transport.publish(topic, b"", retain=True)
-    payload = encode_message(Status(state="idle", detail=""), fed=fed, sender=topics.SERVER_ID)
-    transport.publish(topics.fleet(fed), payload, retain=True)
 
 
 def _fleet_file(state_dir: Path, fed: str, listen: str) -> dict[str, str]:
@@ -124,6 +107,7 @@ def _serve_fleet(
     verbose: bool,
 ) -> None:
     from broker_server.broker import PACKET_HEADROOM
+    from broker_server.enrol import revoked
     from broker_server.security import private_dir, read_allow_list
     from broker_server.start_cli import Access, _local_broker, listener_tls
     from broker_server.supervisor import stop_all_supervisors
@@ -133,6 +117,7 @@ def _serve_fleet(
     _fleet_file(state_dir, fed, listen)
     enrolled = _enrolled(state_dir)
     ids = read_allow_list(allow) if allow else enrolled or [f"device-{i}" for i in range(1, (devices or 0) + 1)]
+    ids = [i for i in ids if i not in revoked(state_dir)]  # `devices revoke` took them out: not enrolled again
     access = Access(
         listen, False, sorted(set(ids) | set(enrolled)), None, None, listener_tls(None, None, None, None, tls), tls
     )
@@ -200,6 +185,8 @@ def _serve_run(
         str(run.dir),
         "--fleet-run",
         run.name,
+        "--revoked-file",
+        str(run.dir.parent.parent / "security" / "revoked"),
         "--connect-timeout",
         str(connect_timeout),
         *(["--verbose"] if verbose else []),

@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from broker_server.fleet_run import STOP, stop_requested
 from protofl.errors import ConfigError
 from protofl.names import check_name
 
 RUNS = "runs"
-SPEC, STATE, LOG, STOP = "run.json", "state", "server.log", "stop-requested"
+SPEC, STATE, LOG = "run.json", "state", "server.log"
 STATES = ("queued", "running", "finished", "failed", "stopped")
 OVER = ("finished", "failed", "stopped")
 # What the fleet sets for every run (its broker, credentials, federation name, state dir): not a run's to choose.
@@ -75,11 +76,6 @@ class Run:
     @property
     def log(self) -> Path:
         return self.dir / LOG
-
-
-def stop_requested(state_dir: Path | None) -> bool:
-    """Whether `run stop` asked to stop the run kept in `state_dir`."""
-    return state_dir is not None and (state_dir / STOP).exists()
 
 
 def runs_dir(fleet: Path) -> Path:
@@ -156,7 +152,6 @@ def _check_start_options(args: list[str]) -> None:
         command.make_context("start", list(args), resilient_parsing=False)
     except typer.TyperException as exc:  # click's usage errors (typer vendors click in some releases)
         raise ConfigError(f"the run's options: {getattr(exc, 'format_message', exc.__str__)()}") from None
-
 
 
 def next_run(fleet: Path) -> Run | None:

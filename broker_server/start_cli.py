@@ -18,8 +18,8 @@ import typer
 
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes, sets
+from broker_server.fleet_run import stop_requested
 from broker_server.rounds import OFFLINE_GRACE_S
-from broker_server.runs import stop_requested
 from broker_server.security import read_allow_list
 from broker_server.settings import (
     DEFAULT_SHARD_TIMEOUT_S,
@@ -244,6 +244,9 @@ def start_command(
     fleet_run: str | None = typer.Option(
         None, "--fleet-run", hidden=True, help="This is run NAME of a fleet (broker_server/fleet.py starts it)."
     ),
+    revoked_file: Path | None = typer.Option(
+        None, "--revoked-file", hidden=True, help="A fleet's revoked devices (broker_server/enrol.py): watched."
+    ),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -308,6 +311,7 @@ def start_command(
                 queue,
                 connect_timeout,
                 None if fleet_run is None else check_name(fleet_run, "--fleet-run"),
+                revoked_file,
             )
         )
     except (ProtoFLError, TimeoutError) as exc:
@@ -885,6 +889,24 @@ class Start:
     queue: int = DEFAULT_QUEUE  # messages the broker holds for the server (capacity.py)
     connect_timeout: float = CONNECT_TIMEOUT_S
     fleet_run: str | None = None  # run NAME of a fleet (broker_server/fleet.py): said on the fleet topic
+    revoked_file: Path | None = None  # a fleet's revoked devices (broker_server/enrol.py), watched while serving
+
+
+def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
+    """`service.run`'s `until`: on the service's thread, each device revoked meanwhile is said to the aggregator as
+    its "revoked" presence (broker_server/enrol.py); it returns when the federation is done, as `run` would."""
+    from broker_server.enrol import Revocations, revoked_presence
+    from protofl import topics
+
+    watch = Revocations(path)
+
+    def until() -> bool:
+        for client_id in watch.poll():
+            log.warning("device %s revoked: it leaves the federation", client_id)
+            service.aggregator.on_presence(topics.presence(fed, client_id), revoked_presence(fed, client_id))
+        return bool(service.finished and not service.round_log.pending)
+
+    return until
 
 
 def _serve(s: Start) -> None:
@@ -1002,10 +1024,10 @@ def _serve(s: Start) -> None:
                     fed,
                 )
             if s.fleet_run is not None:
-                from broker_server.fleet import announce_run, end_run
+                from broker_server.fleet_run import announce_run, end_run
 
                 announce_run(service.transport, fed, s.fleet_run)
-            service.run()
+            service.run(until=None if s.revoked_file is None else _watch_revoked(service, fed, s.revoked_file))
             if s.fleet_run is not None and (service.finished or stop_requested(state_dir)):
                 end_run(service.transport, fed)
         finally:

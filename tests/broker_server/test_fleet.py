@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -88,7 +89,7 @@ def test_two_runs_back_to_back_on_one_fleet_and_a_kill_during_the_second(
         for p in ref:
             assert p.wait(180) == 0, (tmp_path / "ref" / "server.log").read_text()[-3000:]
         # No device was restarted, and each served both runs and waits for the next.
-        for device, agent in zip(DEVICES, agents):
+        for device, agent in zip(DEVICES, agents, strict=True):
             assert agent.poll() is None, fleet.tail()
             text = (fleet.logs / f"{device}.log").read_text()
             for run in ("first", "second"):
@@ -115,3 +116,63 @@ def test_two_runs_back_to_back_on_one_fleet_and_a_kill_during_the_second(
         for p in ref:
             if p.poll() is None:
                 p.kill()
+
+
+def connect_refused(url: str, credentials: Path, client_id: str) -> str:
+    """Connect with a device's credentials file: '' when the broker takes it, else its refusal."""
+    from protofl.transport.broker_url import parse_broker_url
+    from protofl.transport.credentials import read_device_file
+    from protofl.transport.mqtt import MqttTransport, TransportError
+
+    cred = read_device_file(credentials).credentials
+    t = MqttTransport(parse_broker_url(url).with_auth(cred.username, cred.password), client_id + "-probe")
+    try:
+        t.connect(5)
+    except (TransportError, TimeoutError) as exc:
+        return str(exc)
+    finally:
+        t.close()
+    return ""
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_device_enrolled_and_another_revoked_on_a_running_fleet(tmp_path: Path) -> None:
+    fleet = Fleet(tmp_path, free_port(), 3)
+    try:
+        fleet.start()
+        agents = [fleet.join(device, i, 4) for i, device in enumerate(DEVICES)]
+        fleet.submit("live", "--preset", "tinyproto", "--rounds", "5", "--min-clients", "2", "--set", 'archs=["mlp"]')
+        rounds = fleet.run_dir("live") / "rounds.jsonl"
+
+        def logged() -> list[dict[str, Any]]:
+            return [json.loads(x) for x in rounds.read_text().splitlines()] if rounds.exists() else []
+
+        wait_for(lambda: len(logged()) >= 1, 120, "the run's first round", fleet.tail)
+        # device-3 frozen: the open round waits for it (its deadline is 120 s) until it is revoked.
+        agents[2].send_signal(signal.SIGSTOP)
+        old = fleet.credentials("device-3").read_text()
+        (tmp_path / "device-3.json").write_text(old)
+        added = server_cli("devices", "add", "device-4", "--fleet", str(fleet.state)).stdout
+        assert "device-4: enrolled" in added, added
+        fleet.join("device-4", 3, 4)
+        log = fleet.run_dir("live") / "server.log"
+        wait_for(lambda: "device device-4 joined" in log.read_text(), 120, "device-4's join", fleet.tail)
+        server_cli("devices", "revoke", "device-3", "--fleet", str(fleet.state))
+        assert not fleet.credentials("device-3").exists()
+        listed = server_cli("devices", "list", "--fleet", str(fleet.state)).stdout
+        assert "device-4 enrolled" in listed and "device-3 revoked" in listed, listed
+        fleet.wait_state("live", "finished", 120)
+        agents[2].send_signal(signal.SIGCONT)
+        rows: list[dict[str, Any]] = logged()
+        assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
+        # device-4 took part from a round on; the rounds after the revocation closed without device-3.
+        assert "device-4" in rows[-1]["clients"] and "device-3" not in rows[-1]["clients"], rows
+        assert rows[-1]["clients"] == ["device-1", "device-2", "device-4"], rows
+        assert all(r["closed_by"] != "deadline" for r in rows), rows  # the revoked device held no round open
+        refusal = connect_refused(fleet.url, tmp_path / "device-3.json", "device-3")
+        assert "authori" in refusal.lower(), refusal
+        assert connect_refused(fleet.url, fleet.credentials("device-4"), "device-4") == ""
+        assert "device device-3 revoked" in log.read_text(), log.read_text()[-3000:]
+    finally:
+        fleet.stop()
