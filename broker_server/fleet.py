@@ -330,3 +330,49 @@ def run_logs(
         if not follow or (run.state in runs.OVER and pos >= os.path.getsize(run.log)):
             return
         time.sleep(0.5)
+
+
+# -- protofl-server service install ----------------------------------------------------------------------------------
+service_app = typer.Typer(help="Run the fleet as a systemd service.")
+
+
+@service_app.command("install", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def service_install(
+    ctx: typer.Context,
+    state_dir: Path = typer.Option(..., "--state-dir", help="The fleet's state dir."),
+    out: Path = typer.Option(Path("/etc/systemd/system"), "--out", help="Where the unit file goes."),
+    name: str = typer.Option("protofl-fleet", "--name", help="The unit's name (NAME.service)."),
+    max_devices: int = typer.Option(
+        0, "--max-devices", help="Connections the broker must hold (LimitNOFILE); default: the enrolled, x2, >= 1000."
+    ),
+    user: str | None = typer.Option(None, "--user", help="Run as this user (default: root)."),
+) -> None:
+    """Write a systemd unit for `protofl-server fleet --state-dir DIR [the options after --]`: restarted on failure
+    (the run it died under resumes, crash exact), started at boot, LimitNOFILE for the fleet's connections."""
+    from broker_server.capacity import files_for_fleet
+    from protofl.cli_options import check_options
+    from protofl.systemd import Unit, enable_hint, python_module
+
+    args = ["--state-dir", str(state_dir.resolve()), *ctx.args]
+    try:
+        check_options(fleet_command, "fleet", args)
+        devices = max_devices or max(1000, 2 * len(_enrolled(state_dir)))
+        unit = Unit(
+            name,
+            f"protofl-edge fleet server ({state_dir.resolve()})",
+            python_module("broker_server.cli", "fleet", *args),
+            state_dir.resolve().parent,
+            nofile=files_for_fleet(devices) + 1024,  # the broker's connections, and the server's own files
+            env=_pythonpath(),
+            user=user,
+        )
+        path = unit.write(out)
+    except (ProtoFLError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(enable_hint(path))
+
+
+def _pythonpath() -> dict[str, str]:
+    """The PYTHONPATH this command runs with, for a unit that must import the same package."""
+    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}

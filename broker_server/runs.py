@@ -138,20 +138,11 @@ def submit(fleet: Path, name: str, args: list[str]) -> Run:
 
 
 def _check_start_options(args: list[str]) -> None:
-    """Parse `args` as `protofl-server start` would (unknown options, bad values), without running anything."""
-    import typer
-
+    """Parse `args` as `protofl-server start` would, without running anything."""
     from broker_server.start_cli import start_command
+    from protofl.cli_options import check_options
 
-    if "--help" in args:
-        raise ConfigError("the run's options ask for help: protofl-server start --help lists them")
-    app = typer.Typer()
-    app.command()(start_command)
-    command = typer.main.get_command(app)
-    try:
-        command.make_context("start", list(args), resilient_parsing=False)
-    except typer.TyperException as exc:  # click's usage errors (typer vendors click in some releases)
-        raise ConfigError(f"the run's options: {getattr(exc, 'format_message', exc.__str__)()}") from None
+    check_options(start_command, "start", args)
 
 
 def next_run(fleet: Path) -> Run | None:

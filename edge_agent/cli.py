@@ -106,5 +106,10 @@ from edge_agent.join_cli import join_command  # noqa: E402 -- the device loop, i
 _torch_command("join")(join_command)
 
 
+from edge_agent.service_cli import service_app  # noqa: E402 -- systemd units, no torch
+
+app.add_typer(service_app, name="service")
+
+
 if __name__ == "__main__":
     app()
