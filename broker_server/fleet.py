@@ -351,28 +351,21 @@ def service_install(
     (the run it died under resumes, crash exact), started at boot, LimitNOFILE for the fleet's connections."""
     from broker_server.capacity import files_for_fleet
     from protofl.cli_options import check_options
-    from protofl.systemd import Unit, enable_hint, python_module
+    from protofl.systemd import Unit, carried_env, install, python_module
 
     args = ["--state-dir", str(state_dir.resolve()), *ctx.args]
-    try:
+
+    def build() -> Unit:
         check_options(fleet_command, "fleet", args)
         devices = max_devices or max(1000, 2 * len(_enrolled(state_dir)))
-        unit = Unit(
+        return Unit(
             name,
             f"protofl-edge fleet server ({state_dir.resolve()})",
             python_module("broker_server.cli", "fleet", *args),
             state_dir.resolve().parent,
             nofile=files_for_fleet(devices) + 1024,  # the broker's connections, and the server's own files
-            env=_pythonpath(),
+            env=carried_env(),
             user=user,
         )
-        path = unit.write(out)
-    except (ProtoFLError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(enable_hint(path))
 
-
-def _pythonpath() -> dict[str, str]:
-    """The PYTHONPATH this command runs with, for a unit that must import the same package."""
-    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    install(build, out)

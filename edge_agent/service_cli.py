@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
-
-from protofl.errors import ProtoFLError
 
 service_app = typer.Typer(help="Run this device's join as a systemd service.")
 
@@ -25,24 +22,22 @@ def service_install(
     from edge_agent.join_cli import join_command
     from protofl.cli_options import check_options
     from protofl.profiles import parse_pair
-    from protofl.systemd import Unit, enable_hint, python_module
+    from protofl.systemd import Unit, carried_env, install, python_module
 
     args = list(ctx.args)
-    try:
+
+    def build() -> Unit:
         check_options(join_command, "join", args)
         profile = args[args.index("--profile") + 1] if "--profile" in args[:-1] else ""
         device = parse_pair(profile)[0] if profile else None
-        unit = Unit(
+        return Unit(
             name,
             "protofl-edge device agent (join)",
             python_module("edge_agent.cli", "join", *args),
             Path.cwd(),
             memory_mb=device.memory_mb if device is not None else None,
-            env={"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {},
+            env=carried_env(),
             user=user,
         )
-        path = unit.write(out)
-    except (ProtoFLError, OSError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(enable_hint(path))
+
+    install(build, out)

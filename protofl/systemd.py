@@ -4,12 +4,14 @@ service install` (a device's `join`). One writer for both: restarted on failure,
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protofl.errors import ConfigError
+from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
 
 SYSTEM_UNITS = Path("/etc/systemd/system")
@@ -74,3 +76,21 @@ def python_module(module: str, *args: str) -> list[str]:
 def enable_hint(path: Path) -> str:
     where = "" if path.parent == SYSTEM_UNITS else f"copy it to {SYSTEM_UNITS}/, then "
     return f"{path} written; {where}systemctl daemon-reload && systemctl enable --now {path.stem}"
+
+
+def carried_env() -> dict[str, str]:
+    """The PYTHONPATH this command runs with, for a unit that must import the same package."""
+    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+
+
+def install(build: Callable[[], Unit], out: Path) -> None:
+    """The `service install` commands' end: build the unit (its options checked), write it to `out` and say how to
+    enable it; a refusal is one line and exit 2, with nothing written."""
+    import typer
+
+    try:
+        path = build().write(out)
+    except (ProtoFLError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(enable_hint(path))
