@@ -110,6 +110,10 @@ from edge_agent.service_cli import service_app  # noqa: E402 -- systemd units, n
 
 app.add_typer(service_app, name="service")
 
+from edge_agent.doctor import doctor_command  # noqa: E402 -- no torch unless torch is the check
+
+app.command("doctor")(doctor_command)
+
 
 if __name__ == "__main__":
     app()
