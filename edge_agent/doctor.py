@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import shutil
 import socket
-import ssl
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,17 +72,6 @@ def clock_findings(ca_pem: str | None, peer_der: bytes | None, now: datetime) ->
                 )
             ]
     return [Finding("ok", "clock", f"{_utc(now)}, within the certificates' validity")]
-
-
-def _peer_certificate(host: str, port: int) -> bytes | None:
-    """The broker's certificate, unverified (only its dates are read)."""
-    ctx = ssl.create_default_context()
-    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-    try:
-        with socket.create_connection((host, port), timeout=5) as raw, ctx.wrap_socket(raw) as tls:
-            return tls.getpeercert(binary_form=True)
-    except (OSError, ValueError):
-        return None
 
 
 def network_findings(url: str, username: str, password: str, ca_pem: str | None, tls_ca: str | None) -> list[Finding]:
@@ -289,10 +277,11 @@ def doctor_command(
     peer = None
     if broker is not None:
         from protofl.transport.broker_url import parse_broker_url
+        from protofl.transport.tls import peer_certificate
 
         try:
             opts = parse_broker_url(broker)
-            peer = _peer_certificate(opts.host, opts.port) if opts.tls else None
+            peer = peer_certificate(opts.host, opts.port) if opts.tls else None
         except ProtoFLError as exc:
             found.append(Finding("fail", "broker", str(exc), "fix --broker: mqtts://HOST:PORT"))
             broker = None

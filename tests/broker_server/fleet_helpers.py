@@ -72,7 +72,8 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, logs: Callab
 
 
 class Fleet:
-    def __init__(self, root: Path, port: int, devices: int) -> None:
+    def __init__(self, root: Path, port: int, devices: int, extra: list[str] | None = None) -> None:
+        self.extra = extra or []
         self.state, self.logs, self.port, self.devices = root / "fleet", root / "logs", port, devices
         self.logs.mkdir(parents=True, exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
@@ -81,7 +82,7 @@ class Fleet:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "broker_server.cli", "fleet", "--state-dir", str(self.state)]
-        cmd += ["--port", str(self.port), "--devices", str(self.devices)]
+        cmd += ["--port", str(self.port), "--devices", str(self.devices), *self.extra]
         with (self.logs / "fleet.log").open("ab") as out:
             self.server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env())
         wait_for(lambda: self.credentials("device-1").exists(), 60, "the fleet's credentials", self.tail)
