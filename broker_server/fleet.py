@@ -29,6 +29,7 @@ from types import FrameType
 import typer
 
 from broker_server import runs
+from broker_server.device_logs import LOG_DIR
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
 from protofl.transport.broker_url import PASSWORD_ENV
@@ -187,6 +188,8 @@ def _serve_run(
         run.name,
         "--revoked-file",
         str(run.dir.parent.parent / "security" / "revoked"),
+        "--device-logs",
+        str(run.dir.parent.parent / LOG_DIR),
         "--connect-timeout",
         str(connect_timeout),
         *(["--verbose"] if verbose else []),
@@ -369,3 +372,43 @@ def service_install(
         )
 
     install(build, out)
+
+
+def logs_command(
+    device: str = typer.Argument(..., help="The device id."),
+    fleet: Path = typer.Option(..., "--fleet", help="The fleet's state dir (or a `start --state-dir`)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing lines as they come."),
+) -> None:
+    """A device's log lines, shipped by the device (protofl-edge join --ship-logs) and kept at the server (at most
+    30 lines a minute and 512 KB per device)."""
+    import time
+
+    from broker_server.device_logs import log_files
+
+    try:
+        files = log_files(fleet / LOG_DIR, device)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not files and not follow:
+        typer.echo(f"no log lines from {device} in {fleet / LOG_DIR}", err=True)
+        raise typer.Exit(1)
+    for path in files[:-1]:
+        sys.stdout.write(path.read_text(errors="replace"))
+    current = fleet / LOG_DIR / f"{device}.log"
+    pos = 0
+    while True:
+        try:
+            with open(current, "rb") as f:
+                if os.fstat(f.fileno()).st_size < pos:
+                    pos = 0  # rotated
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        except OSError:
+            pass
+        if not follow:
+            return
+        time.sleep(0.5)

@@ -18,6 +18,7 @@ import typer
 
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes, sets
+from broker_server.device_logs import LOG_DIR, DeviceLogs
 from broker_server.fleet_run import stop_requested
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
@@ -247,6 +248,9 @@ def start_command(
     revoked_file: Path | None = typer.Option(
         None, "--revoked-file", hidden=True, help="A fleet's revoked devices (broker_server/enrol.py): watched."
     ),
+    device_logs: Path | None = typer.Option(
+        None, "--device-logs", hidden=True, help="Where the devices' log lines go (default: STATE_DIR/device-logs)."
+    ),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -312,6 +316,7 @@ def start_command(
                 connect_timeout,
                 None if fleet_run is None else check_name(fleet_run, "--fleet-run"),
                 revoked_file,
+                device_logs,
             )
         )
     except (ProtoFLError, TimeoutError) as exc:
@@ -890,6 +895,7 @@ class Start:
     connect_timeout: float = CONNECT_TIMEOUT_S
     fleet_run: str | None = None  # run NAME of a fleet (broker_server/fleet.py): said on the fleet topic
     revoked_file: Path | None = None  # a fleet's revoked devices (broker_server/enrol.py), watched while serving
+    device_logs: Path | None = None  # where devices' log lines go (broker_server/device_logs.py; default in state dir)
 
 
 def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
@@ -1002,6 +1008,9 @@ def _serve(s: Start) -> None:
         try:
             service.start(link.connect_timeout)
             started = True
+            logs_dir = s.device_logs or (state_dir / LOG_DIR if state_dir is not None else None)
+            if logs_dir is not None:
+                DeviceLogs(logs_dir, fed).subscribe(service.transport)
             # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
             # now, without the accuracies that died with the process; rounds closed again by the replay wait for
             # theirs as usual.

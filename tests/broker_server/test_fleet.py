@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from broker_server.broker import MosquittoBroker, free_port
+from broker_server.device_logs import FILE_CAP
 from broker_server.durable import journal_records
+from broker_server.member_log import LINES_PER_MINUTE
 from tests.broker_server.crash_helpers import env
 from tests.broker_server.fleet_helpers import RUN_SETTINGS, Fleet, join_command, server_cli, wait_for
 
@@ -118,6 +120,26 @@ def test_two_runs_back_to_back_on_one_fleet_and_a_kill_during_the_second(
                 p.kill()
 
 
+def flood(fleet: Fleet, device: str, lines: int) -> None:
+    """`lines` log lines as fast as the broker takes them, on `device`'s log topic with its credentials."""
+    from protofl import topics
+    from protofl.transport.broker_url import parse_broker_url
+    from protofl.transport.credentials import read_device_file
+    from protofl.transport.mqtt import MqttTransport
+    from protofl.wire import Status, encode_message
+
+    cred = read_device_file(fleet.credentials(device)).credentials
+    t = MqttTransport(parse_broker_url(fleet.url).with_auth(cred.username, cred.password), device)
+    t.connect(10)
+    try:
+        for i in range(lines):
+            msg = Status(state="error", detail=f"flood {i} " + "x" * 900)
+            t.publish(topics.device_log("default", device), encode_message(msg, fed="default", sender=device), qos=1)
+        t.flush(30)
+    finally:
+        t.close()
+
+
 def connect_refused(url: str, credentials: Path, client_id: str) -> str:
     """Connect with a device's credentials file: '' when the broker takes it, else its refusal."""
     from protofl.transport.broker_url import parse_broker_url
@@ -155,6 +177,9 @@ def test_a_device_enrolled_and_another_revoked_on_a_running_fleet(tmp_path: Path
         (tmp_path / "device-3.json").write_text(old)
         added = server_cli("devices", "add", "device-4", "--fleet", str(fleet.state)).stdout
         assert "device-4: enrolled" in added, added
+        flood(fleet, "device-4", 2000)  # before device-4 joins: a hostile device-4 floods its log topic
+        logs = fleet.state / "device-logs" / "device-4.log"
+        wait_for(lambda: logs.exists() and logs.read_text().count("flood") >= LINES_PER_MINUTE, 60, "the flood")
         fleet.join("device-4", 3, 4)
         log = fleet.run_dir("live") / "server.log"
         wait_for(lambda: "device device-4 joined" in log.read_text(), 120, "device-4's join", fleet.tail)
@@ -174,5 +199,10 @@ def test_a_device_enrolled_and_another_revoked_on_a_running_fleet(tmp_path: Path
         assert "authori" in refusal.lower(), refusal
         assert connect_refused(fleet.url, fleet.credentials("device-4"), "device-4") == ""
         assert "device device-3 revoked" in log.read_text(), log.read_text()[-3000:]
+        # Device logs at the server: device-1's own lines; the flood bounded (30 lines a minute, 256 KB a file).
+        shown = server_cli("logs", "device-1", "--fleet", str(fleet.state)).stdout
+        assert "protofl.edge: device-1: trained, uploaded" in shown, shown[-2000:]
+        kept = logs.read_text()
+        assert kept.count("flood") == LINES_PER_MINUTE and logs.stat().st_size <= FILE_CAP, kept[-2000:]
     finally:
         fleet.stop()
