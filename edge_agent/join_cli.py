@@ -136,10 +136,10 @@ def join_command(
         "(paho counts a message as activity only once it is complete).",
     ),
     ship_logs: str = typer.Option(
-        "info",
+        "warning",
         "--ship-logs",
         help="Send this device's log lines at this level or above to the server (protofl-server logs ID), at most "
-        "60 a minute: debug | info | warning | error | off.",
+        "60 a minute: debug | info | warning | error | off (info: a line or two a round, more bytes on a slow link).",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),

@@ -91,7 +91,9 @@ class Fleet:
         return self.state / "security" / "devices" / f"{device}.json"
 
     def join(self, device: str, i: int, clients: int) -> subprocess.Popen[bytes]:
-        cmd = join_command(self.url, i, clients, ["--credentials", str(self.credentials(device))])
+        cmd = join_command(
+            self.url, i, clients, ["--credentials", str(self.credentials(device)), "--ship-logs", "info"]
+        )
         with (self.logs / f"{device}.log").open("ab") as out:
             self.agents[device] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env())
         return self.agents[device]
