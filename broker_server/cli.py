@@ -14,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole, read_classes
+from broker_server.enrol import devices_app
+from broker_server.fleet import fleet_command, logs_command, run_app, service_app
 from broker_server.shard_cli import shard_cli
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
@@ -606,6 +608,11 @@ def parse_host(url: str) -> str:
 app.command("start")(start_command)  # the long-running service, in its own module
 app.command("status")(status_command)  # watching it: broker_server/watch/
 app.command("shard")(shard_cli)  # one aggregator shard of a `start --shards N` federation
+app.command("fleet")(fleet_command)  # one long-running server for many runs: broker_server/fleet.py
+app.add_typer(run_app, name="run")  # a fleet's runs: submit, list, stop, logs
+app.add_typer(service_app, name="service")  # the fleet as a systemd unit
+app.command("logs")(logs_command)  # a device's log lines, kept at the server: broker_server/device_logs.py
+app.add_typer(devices_app, name="devices")  # enrol and revoke devices on a running fleet: broker_server/enrol.py
 
 
 if __name__ == "__main__":

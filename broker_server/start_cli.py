@@ -18,6 +18,8 @@ import typer
 
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes, sets
+from broker_server.device_logs import LOG_DIR, DeviceLogs
+from broker_server.fleet_run import stop_requested
 from broker_server.rounds import OFFLINE_GRACE_S
 from broker_server.security import read_allow_list
 from broker_server.settings import (
@@ -240,6 +242,15 @@ def start_command(
         "writes it) the spawned shards use.",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
+    fleet_run: str | None = typer.Option(
+        None, "--fleet-run", hidden=True, help="This is run NAME of a fleet (broker_server/fleet.py starts it)."
+    ),
+    revoked_file: Path | None = typer.Option(
+        None, "--revoked-file", hidden=True, help="A fleet's revoked devices (broker_server/enrol.py): watched."
+    ),
+    device_logs: Path | None = typer.Option(
+        None, "--device-logs", hidden=True, help="Where the devices' log lines go (default: STATE_DIR/device-logs)."
+    ),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -303,6 +314,9 @@ def start_command(
                 local_broker,
                 queue,
                 connect_timeout,
+                None if fleet_run is None else check_name(fleet_run, "--fleet-run"),
+                revoked_file,
+                device_logs,
             )
         )
     except (ProtoFLError, TimeoutError) as exc:
@@ -703,11 +717,12 @@ def _local_broker(
     access: Access,
     local_broker: str,
     queue: int,
+    packet: int | None = None,
 ) -> tuple[str, MqttVersion, Any]:
     """Start the local broker, secured unless --insecure; returns (the server's URL, protocol, BrokerAuth or
-    None). The server's URL is the broker's unix socket (mosquitto), which no other process can stand in
-    for. Nothing is written before the port is known to be free, and the devices' credentials files only
-    once the broker listens."""
+    None). Its packet limit is `cfg`'s largest message, or `packet` bytes (a fleet's, whose runs differ). The
+    server's URL is the broker's unix socket (mosquitto), which no other process can stand in for. Nothing is
+    written before the port is known to be free, and the devices' credentials files only once the broker listens."""
     from broker_server.broker import MosquittoBroker
     from broker_server.security import prepare
 
@@ -717,7 +732,7 @@ def _local_broker(
     auth = prepare(sec_dir, fed, access.device_ids(cfg), access.shards) if sec_dir is not None else None
     tls, ca_pem = _broker_tls(access, sec_dir, fed, host)
     _warn_exposure(access, host, tls)
-    local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls, queue)
+    local = _start_broker(stack, cfg, state_dir, access, local_broker, auth, tls, queue, packet)
     if auth is not None:
         auth.provision(ca_pem, broker=_reached_at(local, host))
         _announce_credentials(auth, persistent=state_dir is not None)
@@ -777,6 +792,7 @@ def _start_broker(
     auth: Any,
     tls: Any,
     queue: int,
+    packet: int | None = None,
 ) -> Any:
     from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, start_local_broker
     from broker_server.shell import decoder_limits
@@ -784,7 +800,7 @@ def _start_broker(
 
     host, port = access.host_port()
     # The broker refuses what the aggregator's decoder would refuse anyway (plus the packet's header).
-    packet = decoder_limits(cfg).max_message_bytes + PACKET_HEADROOM
+    packet = packet or decoder_limits(cfg).max_message_bytes + PACKET_HEADROOM
     try:
         local = start_local_broker(
             local_broker,  # type: ignore[arg-type]
@@ -881,6 +897,26 @@ class Start:
     local_broker: str = "auto"
     queue: int = DEFAULT_QUEUE  # messages the broker holds for the server (capacity.py)
     connect_timeout: float = CONNECT_TIMEOUT_S
+    fleet_run: str | None = None  # run NAME of a fleet (broker_server/fleet.py): said on the fleet topic
+    revoked_file: Path | None = None  # a fleet's revoked devices (broker_server/enrol.py), watched while serving
+    device_logs: Path | None = None  # where devices' log lines go (broker_server/device_logs.py; default in state dir)
+
+
+def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
+    """`service.run`'s `until`: on the service's thread, each device revoked meanwhile is said to the aggregator as
+    its "revoked" presence (broker_server/enrol.py); it returns when the federation is done, as `run` would."""
+    from broker_server.enrol import Revocations, revoked_presence
+    from protofl import topics
+
+    watch = Revocations(path)
+
+    def until() -> bool:
+        for client_id in watch.poll():
+            log.warning("device %s revoked: it leaves the federation", client_id)
+            service.aggregator.on_presence(topics.presence(fed, client_id), revoked_presence(fed, client_id))
+        return bool(service.finished and not service.round_log.pending)
+
+    return until
 
 
 def _serve(s: Start) -> None:
@@ -976,6 +1012,9 @@ def _serve(s: Start) -> None:
         try:
             service.start(link.connect_timeout)
             started = True
+            logs_dir = s.device_logs or (state_dir / LOG_DIR if state_dir is not None else None)
+            if logs_dir is not None:
+                DeviceLogs(logs_dir, fed).subscribe(service.transport)
             # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line
             # now, without the accuracies that died with the process; rounds closed again by the replay wait for
             # theirs as usual.
@@ -997,7 +1036,13 @@ def _serve(s: Start) -> None:
                     options.url,
                     fed,
                 )
-            service.run()
+            if s.fleet_run is not None:
+                from broker_server.fleet_run import announce_run, end_run
+
+                announce_run(service.transport, fed, s.fleet_run)
+            service.run(until=None if s.revoked_file is None else _watch_revoked(service, fed, s.revoked_file))
+            if s.fleet_run is not None and (service.finished or stop_requested(state_dir)):
+                end_run(service.transport, fed)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -106,5 +106,14 @@ from edge_agent.join_cli import join_command  # noqa: E402 -- the device loop, i
 _torch_command("join")(join_command)
 
 
+from edge_agent.service_cli import service_app  # noqa: E402 -- systemd units, no torch
+
+app.add_typer(service_app, name="service")
+
+from edge_agent.doctor import doctor_command  # noqa: E402 -- no torch unless torch is the check
+
+app.command("doctor")(doctor_command)
+
+
 if __name__ == "__main__":
     app()

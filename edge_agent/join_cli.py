@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from edge_agent.api import make_runner, resolve_identity
+from edge_agent.log_ship import LEVELS, LogShipper
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
 
@@ -134,6 +135,12 @@ def join_command(
         help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
         "(paho counts a message as activity only once it is complete).",
     ),
+    ship_logs: str = typer.Option(
+        "warning",
+        "--ship-logs",
+        help="Send this device's log lines at this level or above to the server (protofl-server logs ID), at most "
+        "60 a minute: debug | info | warning | error | off (info: a line or two a round, more bytes on a slow link).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
 ) -> None:
@@ -143,6 +150,8 @@ def join_command(
     try:
         client_id, username, password, fed = resolve_identity(client_id, username, password, credentials, fed)
         emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute)
+        if ship_logs not in (*LEVELS, "off"):
+            raise ConfigError(f"--ship-logs must be one of {', '.join(LEVELS)} or off, got '{ship_logs}'")
         if not 1 <= keepalive <= 65535:
             raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
         runner = make_runner(
@@ -187,6 +196,11 @@ def join_command(
         runner.stop()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    shipper = (
+        None if ship_logs == "off" else LogShipper(runner.transport, runner.fed, runner.client_id, LEVELS[ship_logs])
+    )
+    if shipper is not None:
+        logging.getLogger("protofl").addHandler(shipper)
     try:
         agent = runner.run()
     except ProtoFLError as exc:
@@ -197,5 +211,7 @@ def join_command(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if shipper is not None:
+            logging.getLogger("protofl").removeHandler(shipper)
     if agent is None or not agent.finished:
         raise typer.Exit(1)  # left before the federation finished

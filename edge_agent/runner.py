@@ -109,6 +109,12 @@ class DeviceRunner:
         self._retry_at = 0.0
         self._class_names: list[str] | None = None
         self.requests = ResendRequests(fed, client_id)
+        # A fleet (broker_server/fleet.py) runs one run after another on this connection: its retained `fleet`
+        # topic names the current run. `fleet_run` None: no fleet seen (one federation: leave when it ends).
+        self.fleet_run: str | None = None
+        self.runs_done: list[str] = []  # the fleet's runs this device finished, or could not serve
+        self._held: dict[str, bytes] = {}  # config/public/round seen between runs, handled when the run is ours
+        self._agent_run = ""  # the fleet's run the agent serves ("" outside a fleet)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -117,6 +123,7 @@ class DeviceRunner:
             resolve_arch(self.opts.arch)  # an --arch that names no model fails here, not after the config came
         self.transport.connect(self.opts.connect_timeout)
         self._presence("online", self.profile_label)
+        self.transport.subscribe(topics.fleet(self.fed), self._on_fleet)  # before the config: says whose it is
         self.transport.subscribe(topics.config(self.fed), self._on_config)
         self.transport.subscribe(topics.server_status(self.fed), self._on_status)
         end = None if timeout is None else time.monotonic() + timeout
@@ -126,7 +133,9 @@ class DeviceRunner:
                 if self._retry_at and time.monotonic() >= self._retry_at and self._last_round is not None:
                     self._retry_at = 0.0
                     self._on_round(*self._last_round)
-                if self.agent is not None and self.agent.finished:
+                if self.agent is not None and self.agent.finished and self.fleet_run is not None:
+                    self._run_over("finished")
+                elif self.agent is not None and self.agent.finished:
                     log.info(
                         "%s: federation finished after %d trained round(s)",
                         self.client_id,
@@ -164,8 +173,103 @@ class DeviceRunner:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    # -- a fleet's runs -------------------------------------------------------------------------
+    def _on_fleet(self, topic: str, payload: bytes) -> None:
+        try:
+            env, msg = decode_message(payload)
+        except WireError as exc:
+            log.warning("%s: bad fleet status: %s", self.client_id, exc)
+            return
+        if not isinstance(msg, Status) or env.fed != self.fed:
+            return
+        run = msg.detail if msg.state == "run" else ""
+        if run == self.fleet_run:
+            return
+        log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
+        first, self.fleet_run = self.fleet_run is None, run
+        if self.agent is not None and first:
+            self._agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
+        elif self.agent is not None and run not in ("", self._agent_run):
+            self._run_over("replaced")
+        if self.agent is None and self._serving():
+            self._take_held()
+
+    def _serving(self) -> bool:
+        """Whether the fleet's current run is one this device takes part in (not over for it)."""
+        return self.fleet_run is None or (self.fleet_run != "" and self.fleet_run not in self.runs_done)
+
+    def _hold(self, topic: str, payload: bytes) -> bool:
+        """Between a fleet's runs: keep the latest of each retained message (an empty one clears it: the run that
+        ended cleared its own) for the run it belongs to; True when held (or empty), not handled."""
+        if self.fleet_run is None:
+            return False
+        if self.agent is not None and self.agent.finished:
+            self._run_over("finished")
+        if self._serving() and (self.agent is not None or topic == topics.config(self.fed)):
+            return not payload  # ours to handle (an empty one is the ended run's clear: nothing)
+        if payload:
+            self._held[topic] = payload
+        else:
+            self._held.pop(topic, None)
+        return True
+
+    def _take_held(self) -> None:
+        """The run is ours now: its config (then, once joined, its public set and round) as if they just came."""
+        config = self._held.pop(topics.config(self.fed), None)
+        if config is not None:
+            self._on_config(topics.config(self.fed), config)
+
+    def _run_over(self, why: str) -> None:
+        """The fleet's run ended for this device (finished, or it cannot serve it): drop its agent and wait for the
+        next run on the same connection, its retained messages held until then."""
+        run = self._agent_run if self.agent is not None else self.fleet_run or ""
+        if self.agent is not None:
+            log.info(
+                "%s: run '%s' %s after %d trained round(s); waiting for the fleet's next run",
+                self.client_id,
+                run,
+                why,
+                self.agent.stats.rounds_trained,
+            )
+        if run and run not in self.runs_done:
+            self.runs_done.append(run)
+        self.agent, self.joined, self._last_round, self._attempts, self._retry_at = None, False, None, 0, 0.0
+        self._held.clear()
+        if self.transport.connected:
+            self._presence("online", f"run '{run}' over ({why}); waiting for the next run")
+
+    def _cannot_serve(self, exc: BaseException) -> None:
+        """A device that cannot serve a run: in a fleet it says so and waits for the next; alone it leaves."""
+        if self.fleet_run is None:
+            self.fatal = exc
+            return
+        run = self.fleet_run
+        log.error("%s: cannot serve run '%s': %s; waiting for the fleet's next run", self.client_id, run, exc)
+        self.agent = None
+        if run and run not in self.runs_done:
+            self.runs_done.append(run)
+        self._held.clear()
+        self.joined = False
+        self._presence("online", f"cannot serve run '{run}': {exc}")
+
+    def _take_held_rounds(self) -> None:
+        """Joined a fleet's next run: its public set and round, which came before this device's agent did."""
+        for topic, handler in ((topics.public(self.fed), self._on_public), (topics.round_(self.fed), self._on_round)):
+            payload = self._held.pop(topic, None)
+            if payload is not None and self.agent is not None:
+                handler(topic, payload)
+
+    @property
+    def _checkpoint_key(self) -> str:
+        """Whose checkpoint this is: the federation, or in a fleet the federation and its run."""
+        return self.fed if not self._agent_run else f"{self.fed}.{self._agent_run}"
+
     # -- handlers (runner thread) -------------------------------------------------------------
     def _on_config(self, topic: str, payload: bytes) -> None:
+        if self._hold(topic, payload):
+            return
+        if self.fleet_run is not None and not payload:
+            return  # the run's config cleared as it ended
         first = self.agent is None or self.agent.model is None
         try:
             with _AGENT_LOCK:
@@ -174,9 +278,11 @@ class DeviceRunner:
             if not first:
                 raise  # a later config: the transport logs it and the federation goes on
             log.exception("%s: the federation config could not be handled", self.client_id)
-            self.fatal = ConfigError(
-                f"{self.client_id}: handling the federation config failed ({type(exc).__name__}: {exc}); "
-                "this device cannot take part, so it leaves"
+            self._cannot_serve(
+                ConfigError(
+                    f"{self.client_id}: handling the federation config failed ({type(exc).__name__}: {exc}); "
+                    "this device cannot take part, so it leaves"
+                )
             )
 
     def _config(self, topic: str, payload: bytes) -> None:
@@ -199,8 +305,9 @@ class DeviceRunner:
                 return
             try:
                 agent = self.agent = self._build_agent(read)
+                self._agent_run = self.fleet_run or ""
             except ProtoFLError as exc:
-                self.fatal = exc  # e.g. the data does not fit this federation: nothing to retry
+                self._cannot_serve(exc)  # e.g. the data does not fit this federation: nothing to retry
                 return
 
             def step() -> Outcome:
@@ -216,7 +323,7 @@ class DeviceRunner:
         except ConfigError as exc:
             if not fresh:
                 raise
-            self.fatal = exc  # this device cannot build its model (e.g. its arch's factory fails): nothing to retry
+            self._cannot_serve(exc)  # this device cannot build its model (e.g. its arch's factory fails)
             return
         if fresh and agent.model is not None and self.opts.state_dir is not None:
             self._resume()
@@ -227,7 +334,7 @@ class DeviceRunner:
         from edge_agent.resume import checkpoint_path, restore_agent
 
         assert self.agent is not None and self.opts.state_dir is not None
-        got = restore_agent(checkpoint_path(self.opts.state_dir, self.fed, self.client_id), self.agent)
+        got = restore_agent(checkpoint_path(self.opts.state_dir, self._checkpoint_key, self.client_id), self.agent)
         if got is not None:
             self.agent.restore_sent(*got)  # the last round message handled, and the uploads sent for it
 
@@ -237,7 +344,7 @@ class DeviceRunner:
         assert self.agent is not None and self.opts.state_dir is not None
         agent = self.agent
         save_agent(
-            checkpoint_path(self.opts.state_dir, self.fed, self.client_id),
+            checkpoint_path(self.opts.state_dir, self._checkpoint_key, self.client_id),
             agent,
             agent.last_key,
             [(s.topic, s.payload) for s in agent.sent],
@@ -331,15 +438,19 @@ class DeviceRunner:
             self._rounds_subscribed = True
             self.transport.subscribe(topics.public(self.fed), self._on_public)
             self.transport.subscribe(topics.round_(self.fed), self._on_round)
+        else:
+            self._take_held_rounds()
 
     def _on_public(self, topic: str, payload: bytes) -> None:
-        assert self.agent is not None
+        if self._hold(topic, payload) or self.agent is None:
+            return
         with _AGENT_LOCK:
             self.agent.receive(topic, payload)
 
     def _on_round(self, topic: str, payload: bytes) -> None:
+        if self._hold(topic, payload) or self.agent is None:
+            return
         agent = self.agent
-        assert agent is not None
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
         with _AGENT_LOCK:
@@ -372,7 +483,7 @@ class DeviceRunner:
         metrics; or it refuses our join for good (e.g. another architecture than the federation's model): we stop."""
         why = refusal(payload, self.fed)
         if why is not None:
-            self.fatal = ConfigError(f"{self.client_id}: the server refused this device's join: {why}")
+            self._cannot_serve(ConfigError(f"{self.client_id}: the server refused this device's join: {why}"))
             return
         got = self.requests.read(payload, time.monotonic())
         if got is None or self.agent is None:

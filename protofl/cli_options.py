@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import typer
 
 from protofl.transport.broker_url import CONNECT_TIMEOUT_S, PASSWORD_ENV
@@ -14,3 +17,18 @@ TLS_KEY = typer.Option(None, "--tls-key", help="Client private key (PEM).")
 CONNECT_TIMEOUT = typer.Option(
     CONNECT_TIMEOUT_S, help="Give up if the broker cannot be reached for this long at start."
 )
+
+
+def check_options(command: Callable[..., Any], name: str, args: list[str]) -> None:
+    """Parse `args` as the typer command function `command` would (unknown options, bad values), without running
+    it: what a queued run or a written service unit will run with is refused now, with click's reason."""
+    from protofl.errors import ConfigError
+
+    if "--help" in args:
+        raise ConfigError(f"the options ask for help: protofl {name} --help lists them")
+    app = typer.Typer()
+    app.command()(command)
+    try:
+        typer.main.get_command(app).make_context(name, list(args), resilient_parsing=False)
+    except typer.TyperException as exc:  # click's usage errors (typer vendors click in some releases)
+        raise ConfigError(f"{name} options: {getattr(exc, 'format_message', exc.__str__)()}") from None

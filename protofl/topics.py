@@ -43,6 +43,17 @@ def server_status(fed: str) -> str:
     return f"{ROOT}/{fed}/server/status"
 
 
+def fleet(fed: str) -> str:
+    """A fleet's current run (retained Status: state "run" with the run's name as detail, or "idle"): a device of
+    a fleet waits for the next run when one ends instead of leaving (broker_server/fleet.py)."""
+    return f"{ROOT}/{fed}/server/fleet"
+
+
+def device_log(fed: str, client_id: str) -> str:
+    """One device's log lines, shipped to the server (edge_agent/log_ship.py, broker_server/device_logs.py)."""
+    return f"{ROOT}/{fed}/log/{client_id}"
+
+
 def server_summary(fed: str) -> str:
     """The server's retained summary for watchers (JSON, not the device wire format: docs/design.md)."""
     return f"{ROOT}/{fed}/server/summary"

@@ -88,9 +88,39 @@ def _broker_not_verified(exc: ssl.SSLCertVerificationError, opts: BrokerOptions)
             f"a name or address the certificate holds (its subjectAltName)"
         )
     if "expired" in detail or "not yet valid" in detail:
-        return f"the certificate of the broker at {opts.url} is not valid now ({detail})"
+        return f"the certificate of the broker at {opts.url} is not valid now ({detail}){_clock_hint(opts)}"
     return (
         f"the broker at {opts.url} presented a certificate that {opts.ca_description} did not sign "
         f"({detail}): it is not the broker that CA vouches for (another process may hold its port), or "
         f"the CA is the wrong one"
+    )
+
+
+def peer_certificate(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> bytes | None:
+    """The TLS server's certificate (DER), not verified: only its dates are read."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, ctx.wrap_socket(raw) as tls:
+            return tls.getpeercert(binary_form=True)
+    except (OSError, ValueError):
+        return None
+
+
+def _clock_hint(opts: BrokerOptions) -> str:
+    """A certificate that is not valid now: this device's clock against the certificate's validity (a device
+    without RTC boots in 1970, or at its last shutdown's time, until NTP sets its clock)."""
+    from datetime import datetime, timezone
+
+    from cryptography import x509
+
+    der = peer_certificate(opts.host, opts.port)
+    if der is None:
+        return ""
+    cert = x509.load_der_x509_certificate(der)
+    fmt = "%Y-%m-%d %H:%M UTC"
+    return (
+        f": this device's clock says {datetime.now(timezone.utc).strftime(fmt)}, the certificate is valid from "
+        f"{cert.not_valid_before_utc.strftime(fmt)} to {cert.not_valid_after_utc.strftime(fmt)}; set the clock "
+        f"(timedatectl set-ntp true, or date -s) and join again (protofl-edge doctor checks it)"
     )
