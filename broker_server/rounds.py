@@ -34,6 +34,7 @@ from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
 from protofl.names import printable
 from protofl.plan import Phase, RoundPlan, Upload
+from protofl.traits import Traits
 from protofl.wire import (
     Config,
     Head,
@@ -95,6 +96,7 @@ class Presence:
     client: str
     online: bool
     gave_up: tuple[int, str] | None = None
+    traits: Traits | None = None  # what an online device says it is now (its power state): kept with its join
 
 
 @dataclass(frozen=True)
@@ -436,7 +438,7 @@ class RoundMachine:
             if inp.gave_up is not None:
                 return self._gives_up(inp.client, inp.gave_up)
             if inp.online:
-                return inp.client in s.leaving or inp.client in s.departed
+                return inp.client in s.leaving or inp.client in s.departed or self._new_traits(inp)
             return inp.client in s.clients and inp.client not in s.leaving
         if isinstance(inp, GraceOver):
             return not s.finished and inp.client in s.leaving and inp.client in s.clients
@@ -455,6 +457,8 @@ class RoundMachine:
         if isinstance(inp, Presence):
             if inp.gave_up is not None:
                 return self._give_up(inp.client, inp.gave_up) if self._gives_up(inp.client, inp.gave_up) else []
+            if inp.online and self._new_traits(inp):
+                self._set_traits(inp.client, inp.traits)
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)
         if isinstance(inp, ClosingInput):
             return self.closing.apply(self, inp)
@@ -498,6 +502,18 @@ class RoundMachine:
             self._check_metrics(head)
         elif head.kind == Join.KIND:
             self._check_member(head.sender)
+
+    def _new_traits(self, inp: Presence) -> bool:
+        """Whether an online presence says something new about what a member is (its traits)."""
+        s = self.state
+        join = s.clients.get(inp.client) or s.departed.get(inp.client)
+        return inp.traits is not None and join is not None and join.traits != inp.traits
+
+    def _set_traits(self, client: str, traits: Traits | None) -> None:
+        s = self.state
+        for members in (s.clients, s.departed):
+            if client in members:
+                members[client] = replace(members[client], traits=traits)
 
     def _check_member(self, client: str) -> None:
         if self._expected_set and client not in self._expected_set:

@@ -411,7 +411,7 @@ class Aggregator:
             and len(self.clients) >= self.max_clients
         ):
             return None  # its place was taken while it was away
-        return Presence(client, online=msg.state == "online")
+        return Presence(client, online=msg.state == "online", traits=msg.traits)
 
     def handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a

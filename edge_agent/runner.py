@@ -51,6 +51,7 @@ from edge_agent.resend import ResendRequests, refusal
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.names import MAX_TEXT
+from protofl.traits import Traits, device_traits
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
 from protofl.wire import Config, Status, decode_message, encode_message
@@ -78,6 +79,7 @@ class RunnerOptions:
     emulation: Emulation | None = None  # --profile: upload budget; in simulation, compute time and time scale
     state_dir: str | None = None  # --state-dir: a local checkpoint after every round, to resume after a restart
     artifacts: str | None = None  # where this device's deployable artifacts go (default: STATE_DIR/artifacts)
+    tags: tuple[str, ...] = ()  # `join --tag`: what a run's selection may pick this device by (protofl/traits.py)
 
 
 class DeviceRunner:
@@ -116,7 +118,7 @@ class DeviceRunner:
         if self.opts.arch is not None:
             resolve_arch(self.opts.arch)  # an --arch that names no model fails here, not after the config came
         self.transport.connect(self.opts.connect_timeout)
-        self._presence("online", self.profile_label)
+        self._presence("online", self.profile_label, traits=self.traits())
         self.transport.subscribe(topics.config(self.fed), self._on_config)
         self.transport.subscribe(topics.server_status(self.fed), self._on_status)
         end = None if timeout is None else time.monotonic() + timeout
@@ -159,6 +161,12 @@ class DeviceRunner:
     def profile_label(self) -> str:
         em = self.opts.emulation
         return self.opts.profile or (em.label if em is not None else "")
+
+    def traits(self) -> Traits:
+        """What this device says it is, now (its power state is read each time: it changes)."""
+        em = self.opts.emulation
+        link = em.link.name if em is not None and em.link is not None else ""
+        return device_traits(link, self.opts.tags)
 
     @property
     def stopping(self) -> bool:
@@ -267,6 +275,7 @@ class DeviceRunner:
             data,
             arch=arch,
             profile=self.profile_label,
+            traits=self.traits(),
             device=self.opts.device,
             eval_every=self.opts.eval_every,
             test_every=self.opts.test_every,
@@ -429,11 +438,16 @@ class DeviceRunner:
         self._retry_at = time.monotonic() + RETRY_S if retry else 0.0
 
     # -- presence -------------------------------------------------------------------------------
-    def _status(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> bytes:
+    def _status(
+        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
+    ) -> bytes:
         # The server refuses a longer detail (protofl.names.MAX_TEXT): a long error is cut, the presence still goes.
-        msg = Status(state=state, detail=detail if len(detail) <= MAX_TEXT else detail[: MAX_TEXT - 3] + "...")
+        cut = detail if len(detail) <= MAX_TEXT else detail[: MAX_TEXT - 3] + "..."
+        msg = Status(state=state, detail=cut, traits=traits)
         return encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
 
-    def _presence(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> None:
-        payload = self._status(state, detail, round_, phase)
+    def _presence(
+        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
+    ) -> None:
+        payload = self._status(state, detail, round_, phase, traits)
         self.transport.publish(topics.presence(self.fed, self.client_id), payload, retain=True)
