@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
+from broker_server.selection import Selection
 from broker_server.stages import PhaseRun, build_model
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
@@ -41,6 +42,7 @@ from protofl.wire import (
     Join,
     Message,
     Metrics,
+    Pace,
     ParamsUpload,
     ProtoUpload,
     PublicSet,
@@ -149,12 +151,22 @@ class MetricsIn:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Steer:
+    """Send `message` (encoded as `payload`) to one device on its own `down/` topic, not retained: pace steering,
+    "you are not in this round; come back then" (broker_server/selection.py)."""
+
+    client: str
+    message: Message
+    payload: bytes
+
+
 class ClosingEffect:
     """An effect of the closing strategy's own (the sharded coordinator's: ask the shards for their partials), for
     what is composed beside the shell (coordinator.py) to carry out."""
 
 
-Effect = Publish | Boundary | RoundClosed | MetricsIn | ClosingEffect
+Effect = Publish | Steer | Boundary | RoundClosed | MetricsIn | ClosingEffect
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -170,6 +182,10 @@ class RoundRecord:
     # rows clipped and rows checked against the radius in this round, per kind (empty with clipping off)
     clipped: dict[str, int] = field(default_factory=dict)
     clip_checked: dict[str, int] = field(default_factory=dict)
+    # With a run's selection (broker_server/selection.py): the members chosen for the round, and why each other
+    # member is not in it (empty without one: every member takes part).
+    selected: list[str] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -293,8 +309,12 @@ class RoundMachine:
         resume_grace: float = RESUME_GRACE_S,
         limits: dict[str, int] | None = None,
         closing: Closing | None = None,
+        time_scale: float = 1.0,
     ) -> None:
         self.cfg = cfg
+        # Who takes part in each round (the run's selection; `time_scale`: a simulation's links run that much
+        # faster than the deadline the server is given).
+        self.selection = Selection(cfg, time_scale)
         # How a phase closes: its folds finish here (one aggregator), or the coordinator of aggregator shards merges
         # their partials first (shard_closing.ShardClosing; docs/design.md, "Sharded aggregators").
         self.closing: Closing = closing or FoldHere()
@@ -364,8 +384,10 @@ class RoundMachine:
 
     @property
     def floor(self) -> int:
-        """Clients that must have sent everything before a phase may close."""
-        return min(self.cfg.min_clients, self.quorum)
+        """Clients that must have sent everything before a phase may close (with a run's selection, no more than
+        the round chose)."""
+        least = min(self.cfg.min_clients, self.quorum)
+        return max(1, min(least, len(self.state.current.selected))) if self.selection.active else least
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> list[Effect]:
@@ -583,6 +605,9 @@ class RoundMachine:
         if s.round == 0 and not s.finished and len(s.clients) >= self.quorum:
             return self._open_round(1)
         if s.phase is not None and new:
+            if self.selection.active:  # not chosen for the open round: it comes back for the next one
+                why = f"joined during round {s.round}, chosen before it came"
+                return [self._pace(env.sender, s.phase.deadline, why)]
             s.phase.expected.add(env.sender)
         return []
 
@@ -627,7 +652,7 @@ class RoundMachine:
         if s.finished or client not in s.departed:
             return []
         s.clients[client] = s.departed.pop(client)
-        if s.phase is not None:
+        if s.phase is not None and (not self.selection.active or client in s.current.selected):
             s.phase.expected.add(client)
         log.info("client %s is back; %d client(s)", client, len(s.clients))
         return []
@@ -664,6 +689,8 @@ class RoundMachine:
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         if env.round > s.round or phase is not open_.phase:
             raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now()}")
+        if self.selection.active and env.sender not in open_.expected and env.sender not in open_.received:
+            raise Drop("not_selected", f"{env.kind} from {env.sender}, who is not in round {s.round}'s selection")
         kind = _UPLOADS[env.kind]
         if kind in open_.received.get(env.sender, ()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
@@ -699,7 +726,12 @@ class RoundMachine:
         assert open_ is not None
         # Every expected client must have sent something first: O(1), where the scan below is O(clients) and
         # would run after every upload of a fleet (issue 27).
-        if open_.closing or len(open_.received) < len(open_.expected):
+        if open_.closing:
+            return []
+        target = self.selection.target
+        if target and len(open_.received) >= target and len(open_.done_clients()) >= max(target, self.floor):
+            return self._close_phase("target")  # over-selection: the first `target` to finish close it
+        if len(open_.received) < len(open_.expected):
             return []
         if not open_.expected or not all(open_.complete(c) for c in open_.expected):
             return []
@@ -736,7 +768,7 @@ class RoundMachine:
             params=f.params,
             targets=f.targets,
             target_label=plan.target_label if f.targets is not None else "",
-            participants=None,
+            participants=sorted(self.state.current.selected) if self.selection.active else None,
             final=False,
             dt=plan.adapter_dtype,
         )
@@ -745,13 +777,33 @@ class RoundMachine:
         s = self.state
         self.run = PhaseRun(self.model, phase)
         deadline = self.clock() + self.cfg.round_timeout
+        steer: list[Effect] = []
+        if self.selection.active and phase is self.plan.first_phase:
+            steer = self._select(deadline)
+        expected = set(s.clients) & set(s.current.selected) if self.selection.active else set(s.clients)
         message = self._publish(self._round_message(phase, deadline), phase.value)
         # Counted before the boundary's checkpoint, so that a restart (which announces it again without
         # counting) keeps it.
         s.current.downlink_bytes += len(message.payload) * len(s.clients)
-        s.phase = OpenPhase(phase, set(s.clients), self.plan.sends(phase), deadline=deadline)
+        s.phase = OpenPhase(phase, expected, self.plan.sends(phase), deadline=deadline)
         self._below_floor_said = False
-        return [Boundary(), self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}"), message]
+        running = self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}")
+        return [Boundary(), running, message, *steer]
+
+    def _select(self, deadline: float) -> list[Effect]:
+        """Choose the round's members (the run's selection; a function of the state, the seed and the round), and
+        tell every member left out when to come back: at this round's deadline at the latest."""
+        s = self.state
+        s.current.selected = []
+        down = len(self._publish(self._round_message(self.plan.first_phase, deadline), "").payload)
+        choice = self.selection.choose(s.round, s.clients, down, {c: a.bytes for c, a in s.accepted.items()})
+        s.current.selected, s.current.left_out = list(choice.chosen), dict(choice.left_out)
+        log.info("round %d: %d member(s) chosen, %d left out", s.round, len(choice.chosen), len(choice.left_out))
+        return [self._pace(c, deadline, why) for c, why in sorted(choice.left_out.items())]
+
+    def _pace(self, client: str, until: float, why: str) -> Steer:
+        msg = Pace(until=until, reason=why)
+        return Steer(client, msg, self.encode(msg, self.state.round, self.plan.first_phase.value))
 
     def _close_phase(self, why: str) -> list[Effect]:
         assert self.state.phase is not None and self.run is not None

@@ -47,7 +47,7 @@ from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
 from edge_agent.outcome import Outcome, Send
-from edge_agent.resend import ResendRequests, refusal
+from edge_agent.resend import ResendRequests, pace, refusal
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.names import MAX_TEXT
@@ -111,6 +111,7 @@ class DeviceRunner:
         self._retry_at = 0.0
         self._class_names: list[str] | None = None
         self.requests = ResendRequests(fed, client_id)
+        self.paced_until = 0.0  # the server's last "come back then" (pace steering; 0: never said)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -382,6 +383,13 @@ class DeviceRunner:
         why = refusal(payload, self.fed)
         if why is not None:
             self.fatal = ConfigError(f"{self.client_id}: the server refused this device's join: {why}")
+            return
+        paced = pace(payload, self.fed)
+        if paced is not None:  # not in that round: nothing to train; its round message leaves us out too
+            self.paced_until = paced[1].until
+            back = time.strftime("%H:%M:%S", time.localtime(paced[1].until))
+            log.info("%s: not in round %d (%s); the server expects us back at %s", self.client_id, paced[0],
+                     paced[1].reason, back)  # fmt: skip
             return
         got = self.requests.read(payload, time.monotonic())
         if got is None or self.agent is None:
