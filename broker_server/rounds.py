@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from broker_server.buffered import Buffered
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
 from broker_server.selection import Selection
 from broker_server.stages import PhaseRun, build_model
@@ -186,6 +187,9 @@ class RoundRecord:
     # member is not in it (empty without one: every member takes part).
     selected: list[str] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
+    # Asynchronous rounds (broker_server/buffered.py): the older uploads folded into this version ("device@the
+    # version it trained from" -> staleness), each at weight 1/sqrt(1 + staleness).
+    staleness: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -236,6 +240,9 @@ class MachineState:
     # What the watchers count (a checkpoint written before they were state lacks both: restored empty)
     accepted: dict[str, Accepted] = field(default_factory=dict)  # by member
     accepted_kinds: dict[str, int] = field(default_factory=dict)  # uploads by kind, every member
+    # Asynchronous rounds (broker_server/buffered.py): "member/kind" -> the last version an upload was folded from,
+    # so that no (member, kind, version) upload is folded twice, whichever version is open when it comes again.
+    versions: dict[str, int] = field(default_factory=dict)
 
 
 class UploadHead(Protocol):
@@ -324,6 +331,8 @@ class RoundMachine:
         self.offline_grace = offline_grace
         self.resume_grace = max(resume_grace, offline_grace)
         self.plan = RoundPlan.from_config(cfg)
+        # Buffered asynchronous rounds (FedBuff), where the config asks for them.
+        self.buffered = Buffered(cfg, self.plan, sharded=not isinstance(self.closing, FoldHere))
         # The public message: the public set where the plan uses it, and the shared backbone where one travels
         # (a federation whose plan uses no public images sends only that: a set of zero samples).
         if public is not None and not self.plan.public_classes and public.backbone is not None:
@@ -660,12 +669,13 @@ class RoundMachine:
     def _check_upload(self, env: Head, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
         open_, kind = self.check_upload_head(env)
-        self.check_base(msg)
+        self.check_base(msg, env.round)
         return open_, kind
 
-    def check_base(self, msg: ProtoUpload | ParamsUpload) -> None:
-        """An upload a rule finds stale (e.g. trained from another round's adapter) is dropped as such."""
-        why = self.model.rules.stale(msg, self.state.round)
+    def check_base(self, msg: ProtoUpload | ParamsUpload, round_: int | None = None) -> None:
+        """An upload a rule finds stale (e.g. trained from another round's adapter than `round_`, the one its envelope
+        names: the open round's but for an asynchronous round's older upload) is dropped as such."""
+        why = self.model.rules.stale(msg, self.state.round if round_ is None else round_)
         if why is not None:
             raise Drop("stale", why)
 
@@ -679,7 +689,8 @@ class RoundMachine:
         def now() -> str:  # only for a drop's line: this runs twice for every upload
             return f"now round {s.round}/{open_.phase.value if open_ else '-'}"
 
-        if open_ is None or env.round < s.round:
+        older = open_ is not None and self.buffered.takes(s.round, env.round)  # FedBuff: folded, weighted
+        if open_ is None or (env.round < s.round and not older):
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         phase = _PHASES.get(env.phase)
         if phase not in self.plan.phases:
@@ -689,10 +700,13 @@ class RoundMachine:
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         if env.round > s.round or phase is not open_.phase:
             raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now()}")
-        if self.selection.active and env.sender not in open_.expected and env.sender not in open_.received:
+        key = self.buffered.key(env.sender, s.round, env.round)
+        if self.selection.active and env.sender not in open_.expected and key not in open_.received:
             raise Drop("not_selected", f"{env.kind} from {env.sender}, who is not in round {s.round}'s selection")
         kind = _UPLOADS[env.kind]
-        if kind in open_.received.get(env.sender, ()):
+        if self.buffered.active and env.round <= s.versions.get(f"{env.sender}/{env.kind}", 0):
+            raise Drop("duplicate", f"{env.kind} from {env.sender} for version {env.round}, folded already")
+        if kind in open_.received.get(key, ()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
@@ -705,8 +719,16 @@ class RoundMachine:
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
         assert self.run is not None
-        self.run.add(kind, msg, env.sender)
-        open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
+        r = self.state.round
+        if env.round == r:
+            self.run.add(kind, msg, env.sender)
+        else:  # an asynchronous round's older upload (broker_server/buffered.py)
+            self.run.add(kind, msg, env.sender, weight=self.buffered.weight(r, env.round))
+            self.state.current.staleness[f"{env.sender}@{env.round}"] = r - env.round
+        key = self.buffered.key(env.sender, r, env.round)
+        open_.received[key] = open_.received.get(key, set()) | {kind}
+        if self.buffered.active:
+            self.state.versions[f"{env.sender}/{env.kind}"] = env.round
         self.state.current.uplink_bytes += nbytes
         self.count_upload(env, nbytes)
         return self.close_if_complete()
@@ -728,6 +750,8 @@ class RoundMachine:
         # would run after every upload of a fleet (issue 27).
         if open_.closing:
             return []
+        if self.buffered.full(len(open_.received)) and self.buffered.full(len(open_.done_clients())):
+            return self._close_phase("buffer")  # FedBuff: K uploads folded (K is its floor), a new version
         target = self.selection.target
         if target and len(open_.received) >= target and len(open_.done_clients()) >= max(target, self.floor):
             return self._close_phase("target")  # over-selection: the first `target` to finish close it
@@ -820,7 +844,8 @@ class RoundMachine:
             return self._open_phase(nxt)
         s.phase = None
         rec = s.current
-        rec.clients = open_.done_clients()
+        # (an asynchronous round's older upload is recorded under "member@version": the member)
+        rec.clients = sorted({c.split("@", 1)[0] for c in open_.done_clients()})
         rec.ended = self.clock()
         rec.closed_by = why
         # Read before the next round's first phase starts its counts again.

@@ -350,6 +350,11 @@ class DeviceRunner:
     def _on_round(self, topic: str, payload: bytes) -> None:
         agent = self.agent
         assert agent is not None
+        if self.transport.waiting(topic):
+            # A newer round message is already here (the server moved on while we trained: asynchronous rounds,
+            # broker_server/buffered.py): training on this one would only make an older upload.
+            log.debug("%s: a round message skipped, a newer one waits behind it", self.client_id)
+            return
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
         with _AGENT_LOCK:

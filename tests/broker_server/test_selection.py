@@ -21,10 +21,11 @@ from protofl.wire import Join
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _command(module: str, args: list[str]) -> subprocess.Popen[str]:
+def _command(module: str, log: Path, args: list[str]) -> subprocess.Popen[bytes]:
+    """`module` as a process, its output in `log` (a file: a pipe nobody reads while the others run fills up)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    run = [sys.executable, "-m", module, *args]
-    return subprocess.Popen(run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    with log.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def test_a_run_selects_by_tag_and_leaves_out_a_link_that_cannot_finish(tmp_path: Path) -> None:
@@ -37,6 +38,7 @@ def test_a_run_selects_by_tag_and_leaves_out_a_link_that_cannot_finish(tmp_path:
     state = tmp_path / "state"
     server = _command(
         "broker_server.cli",
+        tmp_path / "server.log",
         ["start", "--local-broker", "mosquitto", "--insecure", "--port", str(port), "--fed", "sel"]
         + ["--preset", "tinyproto", "--rounds", "2", "--min-clients", "3", "--round-timeout", "60"]
         + ["--set", "select=tag=field-a"]
@@ -51,14 +53,15 @@ def test_a_run_selects_by_tag_and_leaves_out_a_link_that_cannot_finish(tmp_path:
         args = ["join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "sel", "--client-id", cid]
         args += ["--data", "synthetic", "--arch", "mlp", "--threads", "1", "--connect-timeout", "60"]
         args += ["--profile", profile] + [x for t in tags for x in ("--tag", t)]
-        devices[cid] = _command("edge_agent.cli", args)
+        devices[cid] = _command("edge_agent.cli", tmp_path / f"{cid}.log", args)
     outs: dict[str, str] = {}
     try:
         for cid, p in devices.items():
-            outs[cid] = p.communicate(timeout=150)[0]
+            p.wait(timeout=150)
+            outs[cid] = (tmp_path / f"{cid}.log").read_text()
             assert p.returncode == 0, f"{cid} exited {p.returncode}:\n{outs[cid][-3000:]}"
-        outs["server"] = server.communicate(timeout=60)[0]
-        assert server.returncode == 0, outs["server"][-3000:]
+        server.wait(timeout=60)
+        assert server.returncode == 0, (tmp_path / "server.log").read_text()[-3000:]
     finally:
         for p in (server, *devices.values()):
             if p.poll() is None:
