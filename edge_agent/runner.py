@@ -163,11 +163,13 @@ class DeviceRunner:
         em = self.opts.emulation
         return self.opts.profile or (em.label if em is not None else "")
 
-    def traits(self) -> Traits:
-        """What this device says it is, now (its power state is read each time: it changes)."""
+    def traits(self) -> Traits | None:
+        """What this device says it is, now (its power state is read each time: it changes); None where it knows
+        nothing to say (the join and presence are then the bytes they always were)."""
         em = self.opts.emulation
         link = em.link.name if em is not None and em.link is not None else ""
-        return device_traits(link, self.opts.tags)
+        traits = device_traits(link, self.opts.tags)
+        return None if traits == Traits() else traits
 
     @property
     def stopping(self) -> bool:
