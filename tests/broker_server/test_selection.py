@@ -104,3 +104,25 @@ def test_the_draw_is_a_function_of_seed_and_round_with_over_selection_and_a_mini
     assert sorted(c for c in chosen if c.startswith("nb")) == ["nb-0"] and len(chosen) == 7
     with pytest.raises(ConfigError, match="select_min"):
         make_config("tinyproto", select_target=2, select_min=3)
+
+
+def test_a_presence_with_new_traits_is_kept_with_the_join() -> None:
+    """A device's presence says what it is now (its power state changes): the machine keeps it with its join,
+    journaled like any state change; the same traits again change nothing."""
+    from broker_server.rounds import Presence
+    from broker_server.shell import Aggregator
+    from protofl import topics
+    from protofl.transport import InProcessBroker
+    from protofl.wire import Status, encode_message
+
+    agg = Aggregator(make_config("tinyproto", min_clients=2), "f", InProcessBroker().connect("s"))
+    agg.start()
+    agg.on_message(
+        topics.up("f", "d1"),
+        encode_message(Join("cnn", 10, traits=Traits("lte", ("a",), "battery", 90)), fed="f", sender="d1"),
+    )
+    now = Traits("lte", ("a",), "battery", 15)
+    assert agg.machine.accepts(Presence("d1", True, traits=now))
+    agg.on_presence(topics.presence("f", "d1"), encode_message(Status("online", traits=now), fed="f", sender="d1"))
+    assert agg.clients["d1"].traits == now and agg.clients["d1"].n_samples == 10
+    assert not agg.machine.accepts(Presence("d1", True, traits=now))
