@@ -195,7 +195,7 @@ def participation_md(
     runs: dict[tuple[str, str, int], dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float
 ) -> str:
     """The section: per preset and mode, mean over seeds of time and bytes to the target, final accuracy."""
-    from broker_server.report_cli import accuracy, time_to_target
+    from broker_server.report_cli import accuracy, long_overruns, time_to_target
     from protofl.humanize import human_bytes
 
     def bytes_to(run: dict[str, Any], t: float | None) -> int | None:
@@ -218,11 +218,14 @@ def participation_md(
         f"{100 * args.target:.0f} %. Simulated seconds. Modes: sync = today (deadline {args.deadline:g} s); select = "
         f"{MODES['select']} (the rpi3+nb-iot devices are left out of every round, told when to come back); async = "
         f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds). Bytes = up + down "
-        "of the rounds up to the one that reached the target.",
+        "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "
+        "last round (select: the chosen only, so the left-out rpi3+nb-iot devices' own accuracy is not in it). Late "
+        "releases: uploads this machine released later than the emulation asked by more than their whole round "
+        "(report_cli.long_overruns): those rounds' times are this machine's, not the devices'.",
         "",
         "| preset | mode | seeds at target | time to target (s) | bytes to target | final acc % | simulated time (s) |"
-        " devices a round |",
-        "|---|---|---|---|---|---|---|---|",
+        " devices a round | late releases |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for preset in args.presets.split(","):
@@ -243,7 +246,7 @@ def participation_md(
                 f"{'-' if not hit else f'{mean(hit):.1f}'} | "
                 f"{'-' if not hit else human_bytes(mean([b for b in bs if b is not None]))} | "
                 f"{100 * acc_mean:.1f} | {mean([r['links']['rounds'][-1]['sim_time_s'] for r in rs]):.1f} | "
-                f"{devices:.1f} |"
+                f"{devices:.1f} | {sum(len(long_overruns(r)) for r in rs)} |"
             )
             if mode == "sync":
                 base_t, base_acc = t_mean, acc_mean
@@ -272,6 +275,7 @@ def participation_main(args: argparse.Namespace) -> None:
     load0 = open("/proc/loadavg").read().split()[0]
     t0 = time.time()
     runs: dict[tuple[str, str, int], dict[str, Any]] = {}
+    ran = False
     for preset in args.presets.split(","):
         for seed in (int(x) for x in args.seeds.split(",")):
             for mode in args.modes.split(","):
@@ -291,9 +295,14 @@ def participation_main(args: argparse.Namespace) -> None:
                 run = run_simulation(spec)
                 path.write_text(json.dumps(run, indent=1))
                 runs[(preset, mode, seed)] = run
+                ran = True
                 print(f"{preset} {mode} seed {seed}: {time.time() - started:.0f} s", flush=True)
     load1 = open("/proc/loadavg").read().split()[0]
-    section = participation_md(runs, args, (load0, load1), time.time() - t0)
+    meta_path = runs_dir / "meta.json"
+    if ran or not meta_path.exists():  # else: the section again from the runs, with the loads of their run
+        meta_path.write_text(json.dumps({"load": [load0, load1], "wall_s": time.time() - t0}))
+    meta = json.loads(meta_path.read_text())
+    section = participation_md(runs, args, tuple(meta["load"]), meta["wall_s"])  # type: ignore[arg-type]
     text = args.out.read_text() if args.out.exists() else ""
     head = text.split(SECTION)[0].rstrip("\n")
     args.out.write_text((head + "\n\n" if head else "") + section)
