@@ -302,7 +302,7 @@ def participation_main(args: argparse.Namespace) -> None:
     if ran or not meta_path.exists():  # else: the section again from the runs, with the loads of their run
         meta_path.write_text(json.dumps({"load": [load0, load1], "wall_s": time.time() - t0}))
     meta = json.loads(meta_path.read_text())
-    section = participation_md(runs, args, tuple(meta["load"]), meta["wall_s"])  # type: ignore[arg-type]
+    section = participation_md(runs, args, tuple(meta["load"]), meta["wall_s"])
     text = args.out.read_text() if args.out.exists() else ""
     head = text.split(SECTION)[0].rstrip("\n")
     args.out.write_text((head + "\n\n" if head else "") + section)
