@@ -187,6 +187,8 @@ MODES: dict[str, dict[str, Any]] = {
     "sync": {},
     "select": {"select_fit": True, "select_compute_s": 1.0, "round_timeout": 8.0},
     "async": {"buffer_k": 5, "staleness_bound": 4},
+    # a sensitivity row: a smaller buffer (a version from the two Jetsons' and one more upload)
+    "async3": {"buffer_k": 3, "staleness_bound": 4},
 }
 SECTION = "## Who takes part: synchronous, with selection, asynchronous (issue 47)"
 
@@ -217,7 +219,8 @@ def participation_md(
         f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
         f"{100 * args.target:.0f} %. Simulated seconds. Modes: sync = today (deadline {args.deadline:g} s); select = "
         f"{MODES['select']} (the rpi3+nb-iot devices are left out of every round, told when to come back); async = "
-        f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds). Bytes = up + down "
+        f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds; async3: buffer_k "
+        f"3, a sensitivity row where it ran). Bytes = up + down "
         "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "
         "last round (select: the chosen only, so the left-out rpi3+nb-iot devices' own accuracy is not in it). Late "
         "releases: uploads this machine released later than the emulation asked by more than their whole round "
@@ -286,7 +289,7 @@ def participation_main(args: argparse.Namespace) -> None:
                 overrides = {"round_timeout": args.deadline, **MODES[mode]}
                 spec = SimulationSpec(
                     preset=preset, dataset="fashion-mnist", clients=clients, alpha=args.alpha,
-                    rounds=2 * args.rounds if mode == "async" else args.rounds, seed=seed, archs=(args.arch,),
+                    rounds=2 * args.rounds if mode.startswith("async") else args.rounds, seed=seed, archs=(args.arch,),
                     transport="mqtt", agents="thread", train_limit=args.train_limit, test_limit=args.test_limit,
                     profiles=args.fleet, adaptive=args.adaptive, time_scale=args.proto_time_scale,
                     overrides=overrides, timeout=3600,
