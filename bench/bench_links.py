@@ -213,8 +213,8 @@ def participation_md(
         "",
         f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {args.presets} "
         f"--rounds {args.rounds} --proto-time-scale {args.proto_time_scale:g} --target {args.target:g}` "
-        f"({platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average {load[0]} at the start "
-        f"and {load[1]} at the end; {wall / 60:.0f} min of wall time). Fleet `{args.fleet}`, Fashion-MNIST (alpha "
+        f"({platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average {load[0]} to {load[1]} "
+        f"while it ran; {wall / 60:.0f} min of wall time). Fleet `{args.fleet}`, Fashion-MNIST (alpha "
         f"{args.alpha}, train limit {args.train_limit}), arch {args.arch}, seeds {', '.join(map(str, seeds))}; "
         f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
         f"{100 * args.target:.0f} %. Simulated seconds. Modes: sync = today (deadline {args.deadline:g} s); select = "
@@ -301,10 +301,13 @@ def participation_main(args: argparse.Namespace) -> None:
                 ran = True
                 print(f"{preset} {mode} seed {seed}: {time.time() - started:.0f} s", flush=True)
     load1 = open("/proc/loadavg").read().split()[0]
-    meta_path = runs_dir / "meta.json"
-    if ran or not meta_path.exists():  # else: the section again from the runs, with the loads of their run
-        meta_path.write_text(json.dumps({"load": [load0, load1], "wall_s": time.time() - t0}))
-    meta = json.loads(meta_path.read_text())
+    meta_path = runs_dir / "meta.json"  # the loads and wall time of every invocation that ran something
+    meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {"load": [], "wall_s": 0.0}
+    if ran:
+        meta = {"load": [*meta["load"], load0, load1], "wall_s": meta["wall_s"] + time.time() - t0}
+        meta_path.write_text(json.dumps(meta))
+    loads = sorted(meta["load"], key=float) or [load0, load1]
+    meta["load"] = [loads[0], loads[-1]]
     section = participation_md(runs, args, tuple(meta["load"]), meta["wall_s"])
     text = args.out.read_text() if args.out.exists() else ""
     head = text.split(SECTION)[0].rstrip("\n")
