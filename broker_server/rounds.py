@@ -822,6 +822,14 @@ class RoundMachine:
         down = len(self._publish(self._round_message(self.plan.first_phase, deadline), "").payload)
         choice = self.selection.choose(s.round, s.clients, down, {c: a.bytes for c, a in s.accepted.items()})
         s.current.selected, s.current.left_out = list(choice.chosen), dict(choice.left_out)
+        if not choice.chosen:
+            log.warning(
+                "round %d: the run's selection chose none of the %d member(s) (select=%r): the round waits for its "
+                "deadline again and again; let devices with those traits join, or change the selection",
+                s.round,
+                len(s.clients),
+                self.cfg.select,
+            )
         log.info("round %d: %d member(s) chosen, %d left out", s.round, len(choice.chosen), len(choice.left_out))
         return [self._pace(c, deadline, why) for c, why in sorted(choice.left_out.items())]
 
