@@ -15,6 +15,13 @@ The analytical bound of a device's round is
 (the RTT is the two one-way delays, the round message's and the upload's; compute_s is the same
 emulated compute the measurement uses, so the comparison is the links'). Round 1 is left out of the
 comparison (joins, the config and the public set cross the links then).
+
+Who takes part (issue 47): `--modes sync,select,async --seeds 0,1,2` runs each preset synchronously (today),
+synchronously with the selection that leaves out the devices whose link and compute cannot finish a round by a
+short deadline (`select_fit`), and with buffered asynchronous rounds (`buffer_k`), and writes the section "Who
+takes part" of LINKS.md (the rest of it is left as it is):
+
+    nice python -m bench.bench_links --modes sync,select,async --seeds 0,1,2 --presets tinyproto,protofl
 """
 
 from __future__ import annotations
@@ -172,6 +179,142 @@ def links_md(
     return "\n".join(lines) + "\n"
 
 
+# What each mode adds to the run's config (protofl/participation.py). select: a deadline the rpi4 and Jetson
+# classes meet and the rpi3 on NB-IoT does not (its round is ~11 s for tinyproto, ~59 s for protofl: the table
+# above), with the reference machine's compute of a round (~1 s: rpi4's measured ~4.2 s x its factor 0.25).
+# async: a new version every half of the fleet's uploads, twice the versions of sync's rounds (the same uploads).
+MODES: dict[str, dict[str, Any]] = {
+    "sync": {},
+    "select": {"select_fit": True, "select_compute_s": 1.0, "round_timeout": 8.0},
+    "async": {"buffer_k": 5, "staleness_bound": 4},
+    # a sensitivity row: a smaller buffer (a version from the two Jetsons' and one more upload)
+    "async3": {"buffer_k": 3, "staleness_bound": 4},
+}
+SECTION = "## Who takes part: synchronous, with selection, asynchronous (issue 47)"
+
+
+def participation_md(
+    runs: dict[tuple[str, str, int], dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float
+) -> str:
+    """The section: per preset and mode, mean over seeds of time and bytes to the target, final accuracy."""
+    from broker_server.report_cli import accuracy, long_overruns, time_to_target
+    from protofl.humanize import human_bytes
+
+    def bytes_to(run: dict[str, Any], t: float | None) -> int | None:
+        if t is None:
+            return None
+        times = [r["sim_time_s"] for r in run["links"]["rounds"]]
+        n = next(i for i, x in enumerate(times) if x >= t - 1e-9) + 1
+        return sum(r["uplink_bytes"] + r["downlink_bytes"] for r in run["rounds"][:n])
+
+    seeds = sorted({k[2] for k in runs})
+    lines = [
+        SECTION,
+        "",
+        f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {args.presets} "
+        f"--rounds {args.rounds} --proto-time-scale {args.proto_time_scale:g} --target {args.target:g}` "
+        f"({platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average {load[0]} to {load[1]} "
+        f"while it ran; {wall / 60:.0f} min of wall time). Fleet `{args.fleet}`, Fashion-MNIST (alpha "
+        f"{args.alpha}, train limit {args.train_limit}), arch {args.arch}, seeds {', '.join(map(str, seeds))}; "
+        f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
+        f"{100 * args.target:.0f} %. Simulated seconds. Modes: sync = today (deadline {args.deadline:g} s); select = "
+        f"{MODES['select']} (the rpi3+nb-iot devices are left out of every round, told when to come back); async = "
+        f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds; async3: buffer_k "
+        f"3, a sensitivity row where it ran). Bytes = up + down "
+        "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "
+        "last round (select: the chosen only, so the left-out rpi3+nb-iot devices' own accuracy is not in it). Late "
+        "releases: uploads this machine released later than the emulation asked by more than their whole round "
+        "(report_cli.long_overruns): those rounds' times are this machine's, not the devices'.",
+        "",
+        "| preset | mode | seeds at target | time to target (s) | bytes to target | final acc % | simulated time (s) |"
+        " devices a round | late releases |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for preset in args.presets.split(","):
+        base_t, base_acc = None, None
+        for mode in args.modes.split(","):
+            rs = [runs[(preset, mode, s)] for s in seeds if (preset, mode, s) in runs]
+            if not rs:
+                continue
+            ts = [time_to_target(r, args.target, args.metric) for r in rs]
+            bs = [bytes_to(r, t) for r, t in zip(rs, ts, strict=True)]
+            accs = [accuracy(r["rounds"][-1], args.metric) for r in rs]
+            hit = [t for t in ts if t is not None]
+            t_mean = mean(hit) if len(hit) == len(rs) else None
+            acc_mean = mean([a for a in accs if a is not None])
+            devices = mean([r2["clients"] for r in rs for r2 in r["rounds"]])
+            lines.append(
+                f"| {preset} | {mode} | {len(hit)}/{len(rs)} | "
+                f"{'-' if not hit else f'{mean(hit):.1f}'} | "
+                f"{'-' if not hit else human_bytes(mean([b for b in bs if b is not None]))} | "
+                f"{100 * acc_mean:.1f} | {mean([r['links']['rounds'][-1]['sim_time_s'] for r in rs]):.1f} | "
+                f"{devices:.1f} | {sum(len(long_overruns(r)) for r in rs)} |"
+            )
+            if mode == "sync":
+                base_t, base_acc = t_mean, acc_mean
+            elif base_t and t_mean is not None and base_acc is not None:
+                verdicts.append(
+                    f"- {preset}, {mode}: time to target {t_mean / base_t:.2f} x sync's (goal <= 0.33), final "
+                    f"accuracy {100 * (acc_mean - base_acc):+.1f} points (goal >= -1): "
+                    f"{'met' if t_mean / base_t <= 1 / 3 and acc_mean - base_acc >= -0.01 else 'not met'}."
+                )
+            else:
+                verdicts.append(f"- {preset}, {mode}: not every seed reached the target (or sync did not).")
+    lines += ["", *verdicts, ""]
+    return "\n".join(lines) + "\n"
+
+
+def participation_main(args: argparse.Namespace) -> None:
+    import torch
+
+    from broker_server.simulation import SimulationSpec, run_simulation
+    from protofl.profiles import parse_fleet
+
+    torch.set_num_threads(1)
+    runs_dir = args.runs_dir or args.out.parent / "links" / "participation"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    clients = sum(c.count for c in parse_fleet(args.fleet))
+    load0 = open("/proc/loadavg").read().split()[0]
+    t0 = time.time()
+    runs: dict[tuple[str, str, int], dict[str, Any]] = {}
+    ran = False
+    for preset in args.presets.split(","):
+        for seed in (int(x) for x in args.seeds.split(",")):
+            for mode in args.modes.split(","):
+                path = runs_dir / f"{preset}-{mode}-{seed}.json"
+                if path.exists() and not args.again:
+                    runs[(preset, mode, seed)] = json.loads(path.read_text())
+                    continue
+                overrides = {"round_timeout": args.deadline, **MODES[mode]}
+                spec = SimulationSpec(
+                    preset=preset, dataset="fashion-mnist", clients=clients, alpha=args.alpha,
+                    rounds=2 * args.rounds if mode.startswith("async") else args.rounds, seed=seed, archs=(args.arch,),
+                    transport="mqtt", agents="thread", train_limit=args.train_limit, test_limit=args.test_limit,
+                    profiles=args.fleet, adaptive=args.adaptive, time_scale=args.proto_time_scale,
+                    overrides=overrides, timeout=3600,
+                )  # fmt: skip
+                started = time.time()
+                run = run_simulation(spec)
+                path.write_text(json.dumps(run, indent=1))
+                runs[(preset, mode, seed)] = run
+                ran = True
+                print(f"{preset} {mode} seed {seed}: {time.time() - started:.0f} s", flush=True)
+    load1 = open("/proc/loadavg").read().split()[0]
+    meta_path = runs_dir / "meta.json"  # the loads and wall time of every invocation that ran something
+    meta: dict[str, Any] = json.loads(meta_path.read_text()) if meta_path.exists() else {"load": [], "wall_s": 0.0}
+    if ran:
+        meta = {"load": [*meta["load"], load0, load1], "wall_s": meta["wall_s"] + time.time() - t0}
+        meta_path.write_text(json.dumps(meta))
+    loads = sorted(meta["load"], key=float) or [load0, load1]
+    meta["load"] = [loads[0], loads[-1]]
+    section = participation_md(runs, args, tuple(meta["load"]), meta["wall_s"])
+    text = args.out.read_text() if args.out.exists() else ""
+    head = text.split(SECTION)[0].rstrip("\n")
+    args.out.write_text((head + "\n\n" if head else "") + section)
+    print(section)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fleet", default=FLEET)
@@ -203,7 +346,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "LINKS.md")
     ap.add_argument("--runs-dir", type=Path, default=None, help="run JSONs and PNGs (default: next to --out)")
     ap.add_argument("--from-runs", action="store_true", help="rewrite --out and the plots from the run JSONs")
+    ap.add_argument("--modes", default="", help="sync,select,async: who takes part (issue 47); see the docstring")
+    ap.add_argument("--seeds", default="0,1,2", help="with --modes")
+    ap.add_argument("--again", action="store_true", help="with --modes: run again what has a run JSON already")
     args = ap.parse_args(argv)
+    if args.modes:
+        participation_main(args)
+        return
 
     import torch
 

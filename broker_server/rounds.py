@@ -27,19 +27,23 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from broker_server.buffered import Buffered
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
+from broker_server.selection import Selection
 from broker_server.stages import PhaseRun, build_model
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
 from protofl.names import printable
 from protofl.plan import Phase, RoundPlan, Upload
+from protofl.traits import Traits
 from protofl.wire import (
     Config,
     Head,
     Join,
     Message,
     Metrics,
+    Pace,
     ParamsUpload,
     ProtoUpload,
     PublicSet,
@@ -95,6 +99,7 @@ class Presence:
     client: str
     online: bool
     gave_up: tuple[int, str] | None = None
+    traits: Traits | None = None  # what an online device says it is now (its power state): kept with its join
 
 
 @dataclass(frozen=True)
@@ -147,12 +152,22 @@ class MetricsIn:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Steer:
+    """Send `message` (encoded as `payload`) to one device on its own `down/` topic, not retained: pace steering,
+    "you are not in this round; come back then" (broker_server/selection.py)."""
+
+    client: str
+    message: Message
+    payload: bytes
+
+
 class ClosingEffect:
     """An effect of the closing strategy's own (the sharded coordinator's: ask the shards for their partials), for
     what is composed beside the shell (coordinator.py) to carry out."""
 
 
-Effect = Publish | Boundary | RoundClosed | MetricsIn | ClosingEffect
+Effect = Publish | Steer | Boundary | RoundClosed | MetricsIn | ClosingEffect
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -168,6 +183,13 @@ class RoundRecord:
     # rows clipped and rows checked against the radius in this round, per kind (empty with clipping off)
     clipped: dict[str, int] = field(default_factory=dict)
     clip_checked: dict[str, int] = field(default_factory=dict)
+    # With a run's selection (broker_server/selection.py): the members chosen for the round, and why each other
+    # member is not in it (empty without one: every member takes part).
+    selected: list[str] = field(default_factory=list)
+    left_out: dict[str, str] = field(default_factory=dict)
+    # Asynchronous rounds (broker_server/buffered.py): the older uploads folded into this version ("device@the
+    # version it trained from" -> staleness), each at weight 1/sqrt(1 + staleness).
+    staleness: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -218,6 +240,9 @@ class MachineState:
     # What the watchers count (a checkpoint written before they were state lacks both: restored empty)
     accepted: dict[str, Accepted] = field(default_factory=dict)  # by member
     accepted_kinds: dict[str, int] = field(default_factory=dict)  # uploads by kind, every member
+    # Asynchronous rounds (broker_server/buffered.py): "member/kind" -> the last version an upload was folded from,
+    # so that no (member, kind, version) upload is folded twice, whichever version is open when it comes again.
+    versions: dict[str, int] = field(default_factory=dict)
 
 
 class UploadHead(Protocol):
@@ -291,8 +316,12 @@ class RoundMachine:
         resume_grace: float = RESUME_GRACE_S,
         limits: dict[str, int] | None = None,
         closing: Closing | None = None,
+        time_scale: float = 1.0,
     ) -> None:
         self.cfg = cfg
+        # Who takes part in each round (the run's selection; `time_scale`: a simulation's links run that much
+        # faster than the deadline the server is given).
+        self.selection = Selection(cfg, time_scale)
         # How a phase closes: its folds finish here (one aggregator), or the coordinator of aggregator shards merges
         # their partials first (shard_closing.ShardClosing; docs/design.md, "Sharded aggregators").
         self.closing: Closing = closing or FoldHere()
@@ -302,6 +331,8 @@ class RoundMachine:
         self.offline_grace = offline_grace
         self.resume_grace = max(resume_grace, offline_grace)
         self.plan = RoundPlan.from_config(cfg)
+        # Buffered asynchronous rounds (FedBuff), where the config asks for them.
+        self.buffered = Buffered(cfg, self.plan, sharded=not isinstance(self.closing, FoldHere))
         # The public message: the public set where the plan uses it, and the shared backbone where one travels
         # (a federation whose plan uses no public images sends only that: a set of zero samples).
         if public is not None and not self.plan.public_classes and public.backbone is not None:
@@ -362,8 +393,10 @@ class RoundMachine:
 
     @property
     def floor(self) -> int:
-        """Clients that must have sent everything before a phase may close."""
-        return min(self.cfg.min_clients, self.quorum)
+        """Clients that must have sent everything before a phase may close (with a run's selection, no more than
+        the round chose)."""
+        least = min(self.cfg.min_clients, self.quorum)
+        return max(1, min(least, len(self.state.current.selected))) if self.selection.active else least
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> list[Effect]:
@@ -436,7 +469,7 @@ class RoundMachine:
             if inp.gave_up is not None:
                 return self._gives_up(inp.client, inp.gave_up)
             if inp.online:
-                return inp.client in s.leaving or inp.client in s.departed
+                return inp.client in s.leaving or inp.client in s.departed or self._new_traits(inp)
             return inp.client in s.clients and inp.client not in s.leaving
         if isinstance(inp, GraceOver):
             return not s.finished and inp.client in s.leaving and inp.client in s.clients
@@ -455,6 +488,8 @@ class RoundMachine:
         if isinstance(inp, Presence):
             if inp.gave_up is not None:
                 return self._give_up(inp.client, inp.gave_up) if self._gives_up(inp.client, inp.gave_up) else []
+            if inp.online and self._new_traits(inp):
+                self._set_traits(inp.client, inp.traits)
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)
         if isinstance(inp, ClosingInput):
             return self.closing.apply(self, inp)
@@ -498,6 +533,18 @@ class RoundMachine:
             self._check_metrics(head)
         elif head.kind == Join.KIND:
             self._check_member(head.sender)
+
+    def _new_traits(self, inp: Presence) -> bool:
+        """Whether an online presence says something new about what a member is (its traits)."""
+        s = self.state
+        join = s.clients.get(inp.client) or s.departed.get(inp.client)
+        return inp.traits is not None and join is not None and join.traits != inp.traits
+
+    def _set_traits(self, client: str, traits: Traits | None) -> None:
+        s = self.state
+        for members in (s.clients, s.departed):
+            if client in members:
+                members[client] = replace(members[client], traits=traits)
 
     def _check_member(self, client: str) -> None:
         if self._expected_set and client not in self._expected_set:
@@ -567,6 +614,9 @@ class RoundMachine:
         if s.round == 0 and not s.finished and len(s.clients) >= self.quorum:
             return self._open_round(1)
         if s.phase is not None and new:
+            if self.selection.active:  # not chosen for the open round: it comes back for the next one
+                why = f"joined during round {s.round}, chosen before it came"
+                return [self._pace(env.sender, s.phase.deadline, why)]
             s.phase.expected.add(env.sender)
         return []
 
@@ -611,7 +661,7 @@ class RoundMachine:
         if s.finished or client not in s.departed:
             return []
         s.clients[client] = s.departed.pop(client)
-        if s.phase is not None:
+        if s.phase is not None and (not self.selection.active or client in s.current.selected):
             s.phase.expected.add(client)
         log.info("client %s is back; %d client(s)", client, len(s.clients))
         return []
@@ -619,12 +669,13 @@ class RoundMachine:
     def _check_upload(self, env: Head, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
         open_, kind = self.check_upload_head(env)
-        self.check_base(msg)
+        self.check_base(msg, env.round)
         return open_, kind
 
-    def check_base(self, msg: ProtoUpload | ParamsUpload) -> None:
-        """An upload a rule finds stale (e.g. trained from another round's adapter) is dropped as such."""
-        why = self.model.rules.stale(msg, self.state.round)
+    def check_base(self, msg: ProtoUpload | ParamsUpload, round_: int | None = None) -> None:
+        """An upload a rule finds stale (e.g. trained from another round's adapter than `round_`, the one its envelope
+        names: the open round's but for an asynchronous round's older upload) is dropped as such."""
+        why = self.model.rules.stale(msg, self.state.round if round_ is None else round_)
         if why is not None:
             raise Drop("stale", why)
 
@@ -638,7 +689,8 @@ class RoundMachine:
         def now() -> str:  # only for a drop's line: this runs twice for every upload
             return f"now round {s.round}/{open_.phase.value if open_ else '-'}"
 
-        if open_ is None or env.round < s.round:
+        older = open_ is not None and self.buffered.takes(s.round, env.round)  # FedBuff: folded, weighted
+        if open_ is None or (env.round < s.round and not older):
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         phase = _PHASES.get(env.phase)
         if phase not in self.plan.phases:
@@ -648,8 +700,13 @@ class RoundMachine:
             raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; {now()}")
         if env.round > s.round or phase is not open_.phase:
             raise Drop("wrong_phase", f"{env.kind} for round {env.round}/{env.phase}, {now()}")
+        key = self.buffered.key(env.sender, s.round, env.round)
+        if self.selection.active and env.sender not in open_.expected and key not in open_.received:
+            raise Drop("not_selected", f"{env.kind} from {env.sender}, who is not in round {s.round}'s selection")
         kind = _UPLOADS[env.kind]
-        if kind in open_.received.get(env.sender, ()):
+        if self.buffered.active and env.round <= s.versions.get(f"{env.sender}/{env.kind}", 0):
+            raise Drop("duplicate", f"{env.kind} from {env.sender} for version {env.round}, folded already")
+        if kind in open_.received.get(key, ()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
         if kind not in open_.needs:
             raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
@@ -662,8 +719,16 @@ class RoundMachine:
         # The phase checks the whole upload before folding any of it: one that raises here leaves it
         # (and everything below) unchanged.
         assert self.run is not None
-        self.run.add(kind, msg, env.sender)
-        open_.received[env.sender] = open_.received.get(env.sender, set()) | {kind}
+        r = self.state.round
+        if env.round == r:
+            self.run.add(kind, msg, env.sender)
+        else:  # an asynchronous round's older upload (broker_server/buffered.py)
+            self.run.add(kind, msg, env.sender, weight=self.buffered.weight(r, env.round))
+            self.state.current.staleness[f"{env.sender}@{env.round}"] = r - env.round
+        key = self.buffered.key(env.sender, r, env.round)
+        open_.received[key] = open_.received.get(key, set()) | {kind}
+        if self.buffered.active:
+            self.state.versions[f"{env.sender}/{env.kind}"] = env.round
         self.state.current.uplink_bytes += nbytes
         self.count_upload(env, nbytes)
         return self.close_if_complete()
@@ -683,7 +748,14 @@ class RoundMachine:
         assert open_ is not None
         # Every expected client must have sent something first: O(1), where the scan below is O(clients) and
         # would run after every upload of a fleet (issue 27).
-        if open_.closing or len(open_.received) < len(open_.expected):
+        if open_.closing:
+            return []
+        if self.buffered.full(len(open_.received)) and self.buffered.full(len(open_.done_clients())):
+            return self._close_phase("buffer")  # FedBuff: K uploads folded (K is its floor), a new version
+        target = self.selection.target
+        if target and len(open_.received) >= target and len(open_.done_clients()) >= max(target, self.floor):
+            return self._close_phase("target")  # over-selection: the first `target` to finish close it
+        if len(open_.received) < len(open_.expected):
             return []
         if not open_.expected or not all(open_.complete(c) for c in open_.expected):
             return []
@@ -720,7 +792,7 @@ class RoundMachine:
             params=f.params,
             targets=f.targets,
             target_label=plan.target_label if f.targets is not None else "",
-            participants=None,
+            participants=sorted(self.state.current.selected) if self.selection.active else None,
             final=False,
             dt=plan.adapter_dtype,
         )
@@ -729,13 +801,41 @@ class RoundMachine:
         s = self.state
         self.run = PhaseRun(self.model, phase)
         deadline = self.clock() + self.cfg.round_timeout
+        steer: list[Effect] = []
+        if self.selection.active and phase is self.plan.first_phase:
+            steer = self._select(deadline)
+        expected = set(s.clients) & set(s.current.selected) if self.selection.active else set(s.clients)
         message = self._publish(self._round_message(phase, deadline), phase.value)
         # Counted before the boundary's checkpoint, so that a restart (which announces it again without
         # counting) keeps it.
         s.current.downlink_bytes += len(message.payload) * len(s.clients)
-        s.phase = OpenPhase(phase, set(s.clients), self.plan.sends(phase), deadline=deadline)
+        s.phase = OpenPhase(phase, expected, self.plan.sends(phase), deadline=deadline)
         self._below_floor_said = False
-        return [Boundary(), self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}"), message]
+        running = self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}")
+        return [Boundary(), running, message, *steer]
+
+    def _select(self, deadline: float) -> list[Effect]:
+        """Choose the round's members (the run's selection; a function of the state, the seed and the round), and
+        tell every member left out when to come back: at this round's deadline at the latest."""
+        s = self.state
+        s.current.selected = []
+        down = len(self._publish(self._round_message(self.plan.first_phase, deadline), "").payload)
+        choice = self.selection.choose(s.round, s.clients, down, {c: a.bytes for c, a in s.accepted.items()})
+        s.current.selected, s.current.left_out = list(choice.chosen), dict(choice.left_out)
+        if not choice.chosen:
+            log.warning(
+                "round %d: the run's selection chose none of the %d member(s) (select=%r): the round waits for its "
+                "deadline again and again; let devices with those traits join, or change the selection",
+                s.round,
+                len(s.clients),
+                self.cfg.select,
+            )
+        log.info("round %d: %d member(s) chosen, %d left out", s.round, len(choice.chosen), len(choice.left_out))
+        return [self._pace(c, deadline, why) for c, why in sorted(choice.left_out.items())]
+
+    def _pace(self, client: str, until: float, why: str) -> Steer:
+        msg = Pace(until=until, reason=why)
+        return Steer(client, msg, self.encode(msg, self.state.round, self.plan.first_phase.value))
 
     def _close_phase(self, why: str) -> list[Effect]:
         assert self.state.phase is not None and self.run is not None
@@ -752,7 +852,8 @@ class RoundMachine:
             return self._open_phase(nxt)
         s.phase = None
         rec = s.current
-        rec.clients = open_.done_clients()
+        # (an asynchronous round's older upload is recorded under "member@version": the member)
+        rec.clients = sorted({c.split("@", 1)[0] for c in open_.done_clients()})
         rec.ended = self.clock()
         rec.closed_by = why
         # Read before the next round's first phase starts its counts again.

@@ -154,6 +154,7 @@ class AggregatorService:
             on_round_end=self._round_end,
             on_metrics=self._metrics,
             offline_grace=federation.offline_grace,
+            time_scale=federation.time_scale,
             limits=federation.limits,
         )  # None: the aggregator derives them from the config
         self.coordinator = (

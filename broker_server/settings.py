@@ -70,6 +70,9 @@ class Federation:
     policy: ClipPolicy | None = None
     offline_grace: float = OFFLINE_GRACE_S
     validation: Validation | None = field(default=None, compare=False)
+    # A simulation's links run this many times faster than the deadline the server is given: the selection's
+    # deadline estimates (broker_server/selection.py) are in the profiles' time.
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expected_clients", _names(self.expected_clients))

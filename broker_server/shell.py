@@ -42,6 +42,7 @@ from broker_server.rounds import (
     RoundClosed,
     RoundMachine,
     RoundRecord,
+    Steer,
 )
 from broker_server.stages import ServerModel
 from protofl import topics
@@ -156,6 +157,7 @@ class Aggregator:
         offline_grace: float = OFFLINE_GRACE_S,
         closing: Closing | None = None,
         effects: Callable[[Effect], None] | None = None,
+        time_scale: float = 1.0,
     ) -> None:
         self.fed = fed
         self.transport = transport
@@ -176,6 +178,7 @@ class Aggregator:
             offline_grace=offline_grace,
             limits={"max_message_bytes": self.limits.max_message_bytes},
             closing=closing,
+            time_scale=time_scale,
         )
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics
@@ -411,7 +414,7 @@ class Aggregator:
             and len(self.clients) >= self.max_clients
         ):
             return None  # its place was taken while it was away
-        return Presence(client, online=msg.state == "online")
+        return Presence(client, online=msg.state == "online", traits=msg.traits)
 
     def handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a
@@ -462,6 +465,9 @@ class Aggregator:
             if isinstance(effect, Publish):
                 if live:
                     self.transport.publish(self._topic(effect.message), effect.payload, retain=True)
+            elif isinstance(effect, Steer):
+                if live:  # one device's own topic, not retained: it is about this round only
+                    self.transport.publish(topics.down(self.fed, effect.client), effect.payload, qos=1)
             elif isinstance(effect, Boundary):
                 if live:
                     self.steps.boundary()  # durable: the checkpoint, before the phase's round message goes out

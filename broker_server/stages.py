@@ -363,6 +363,20 @@ class _UploadClips:
             self.kind, up.n_samples, None, None, ClippedVector(up.update, self.update), up.base_round, sender
         )
 
+    def weighted_view(self, up: Any, sender: str, weight: float) -> ClippedUpload:
+        """`view`, counting `weight` times: its sample count and per-class counts times `weight`, or, for a set that
+        travels without counts, its rows (broker_server/buffered.py states the rule)."""
+        view = self.view(up, sender)
+        view.n_samples = up.n_samples * weight
+        for s in (view.local, view.public):
+            if s is None:
+                continue
+            if s.counts is not None:
+                s.counts = s.counts * weight
+            else:
+                s._sent = np.asarray(s._sent, np.float64) * weight
+        return view
+
     def accept(self, view: ClippedUpload) -> None:
         # A prototype upload's sets never refuse here; a parameter upload has its one vector, which may.
         local, public, update = view.local, view.public, view.update
@@ -391,15 +405,16 @@ class PhaseRun:
         self.takers = {k: [f for f in self.folds if k in f.kinds] for k in Upload}  # per kind, in rule order
         self.clips = {k: _UploadClips(model, k, takers) for k, takers in self.takers.items() if takers}
 
-    def add(self, kind: Upload, up: Any, sender: str = "") -> None:
+    def add(self, kind: Upload, up: Any, sender: str = "", weight: float = 1.0) -> None:
         """Check `up` (from client `sender`) against the plan and every fold that reads `kind`, then clip it (once:
-        `Clip`) and fold it into all of them."""
+        `Clip`) and fold it into all of them. `weight`: what it counts beside a synchronous round's upload (an
+        asynchronous round's older upload: broker_server/buffered.py)."""
         check_upload(self.model.plan, self.phase, up)
         takers = self.takers[kind]
         if not takers:
             raise WireError(f"this federation does not exchange {kind.value} uploads in the {self.phase.value} phase")
         clips = self.clips[kind]
-        view = clips.view(up, sender)
+        view = clips.view(up, sender) if weight == 1.0 else clips.weighted_view(up, sender, weight)
         if len(takers) == 1:  # (most phases: one fold per kind)
             fold = takers[0]
             p = fold.check(view)

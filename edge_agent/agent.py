@@ -48,6 +48,7 @@ from protofl.plan import Phase, RoundPlan, Upload
 from protofl.schedule import check_cadence, is_due, scores_test_set
 from protofl.sparse import SparseVector
 from protofl.technique import first_answer
+from protofl.traits import Traits
 from protofl.wire import (
     DEFAULT_LIMITS,
     Config,
@@ -152,6 +153,7 @@ class EdgeAgent:
         *,
         arch: str | None = None,
         profile: str = "",
+        traits: Traits | None = None,
         device: str = "cpu",
         eval_every: int = 1,
         test_every: int | None = None,
@@ -165,6 +167,7 @@ class EdgeAgent:
         self.data = data
         self.arch = arch
         self.profile = profile
+        self.traits = traits  # what the join says this device is (link, tags, power: protofl/traits.py)
         self.device = torch.device(resolve_device(device))
         self.eval_every = max(1, eval_every)
         self.test_every = check_cadence(self.eval_every, test_every)  # None: the last round only
@@ -237,6 +240,7 @@ class EdgeAgent:
                     n_samples=len(self.data.y_train),
                     profile=self.profile,
                     agent_version=AGENT_VERSION,
+                    traits=self.traits,
                 ),
                 round_=0,
                 phase="",

@@ -12,6 +12,7 @@ federation finishes and returns the agent (its `stats`, its `model`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from protofl.errors import ConfigError
 from protofl.names import check_extractor, check_name
 from protofl.schedule import check_cadence
+from protofl.traits import check_tags
 
 if TYPE_CHECKING:
     from edge_agent.agent import EdgeAgent
@@ -146,6 +148,7 @@ def make_runner(
     state_dir: Path | None = None,
     credentials: Path | None = None,
     artifacts: Path | str | None = None,
+    tags: Sequence[str] = (),
 ) -> DeviceRunner:
     """The device loop `protofl-edge join` runs, from its options (checked before anything connects). A
     credentials file that carries the federation CA makes the device speak TLS and accept only a broker
@@ -195,5 +198,6 @@ def make_runner(
         emulation=emulation,
         state_dir=str(state_dir) if state_dir is not None else None,
         artifacts=str(artifacts) if artifacts is not None else None,
+        tags=check_tags(tags),
     )
     return DeviceRunner(options, fed, client_id, spec, opts)

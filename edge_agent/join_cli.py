@@ -95,6 +95,11 @@ def join_command(
         help="Simulation only: hold uploads back as "
         "long as the device profile's compute factor says training takes there.",
     ),
+    tag: list[str] = typer.Option(
+        [],
+        "--tag",
+        help="A label for this device (repeatable): a run may select its devices by tag (--set select=tag:NAME).",
+    ),
     eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
     test_every: int | None = typer.Option(
         None,
@@ -184,6 +189,7 @@ def join_command(
             state_dir,
             credentials,
             artifacts,
+            tags=tag,
         )
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -16,7 +16,7 @@ import logging
 
 from protofl.errors import WireError
 from protofl.topics import SERVER_ID
-from protofl.wire import Envelope, Limits, Resend, Status, decode_message
+from protofl.wire import Envelope, Limits, Pace, Resend, Status, decode_message
 
 log = logging.getLogger("protofl.edge")
 MIN_INTERVAL_S = 1.0
@@ -43,6 +43,18 @@ def refusal(payload: bytes, fed: str) -> str | None:
         return None
     if isinstance(msg, Status) and msg.state == REFUSED and env.sender == SERVER_ID and env.fed == fed:
         return msg.detail or "refused by the server"
+    return None
+
+
+def pace(payload: bytes, fed: str) -> tuple[int, Pace] | None:
+    """(round, the message) if `payload` (on our `down/` topic) is the server's pace steering: we are not in that
+    round, and it expects us back at `until` (broker_server/selection.py)."""
+    try:
+        env, msg = decode_message(payload, limits=REFUSAL_LIMITS)
+    except WireError:
+        return None
+    if isinstance(msg, Pace) and env.sender == SERVER_ID and env.fed == fed:
+        return env.round, msg
     return None
 
 

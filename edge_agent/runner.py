@@ -47,10 +47,11 @@ from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.models import resolve_arch
 from edge_agent.outcome import Outcome, Send
-from edge_agent.resend import ResendRequests, refusal
+from edge_agent.resend import ResendRequests, pace, refusal
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.names import MAX_TEXT
+from protofl.traits import Traits, device_traits
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
 from protofl.wire import Config, Status, decode_message, encode_message
@@ -78,6 +79,7 @@ class RunnerOptions:
     emulation: Emulation | None = None  # --profile: upload budget; in simulation, compute time and time scale
     state_dir: str | None = None  # --state-dir: a local checkpoint after every round, to resume after a restart
     artifacts: str | None = None  # where this device's deployable artifacts go (default: STATE_DIR/artifacts)
+    tags: tuple[str, ...] = ()  # `join --tag`: what a run's selection may pick this device by (protofl/traits.py)
 
 
 class DeviceRunner:
@@ -115,6 +117,7 @@ class DeviceRunner:
         self.runs_done: list[str] = []  # the fleet's runs this device finished, or could not serve
         self._held: dict[str, bytes] = {}  # config/public/round seen between runs, handled when the run is ours
         self._agent_run = ""  # the fleet's run the agent serves ("" outside a fleet)
+        self.paced_until = 0.0  # the server's last "come back then" (pace steering; 0: never said)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -122,7 +125,7 @@ class DeviceRunner:
         if self.opts.arch is not None:
             resolve_arch(self.opts.arch)  # an --arch that names no model fails here, not after the config came
         self.transport.connect(self.opts.connect_timeout)
-        self._presence("online", self.profile_label)
+        self._presence("online", self.profile_label, traits=self.traits())
         self.transport.subscribe(topics.fleet(self.fed), self._on_fleet)  # before the config: says whose it is
         self.transport.subscribe(topics.config(self.fed), self._on_config)
         self.transport.subscribe(topics.server_status(self.fed), self._on_status)
@@ -168,6 +171,14 @@ class DeviceRunner:
     def profile_label(self) -> str:
         em = self.opts.emulation
         return self.opts.profile or (em.label if em is not None else "")
+
+    def traits(self) -> Traits | None:
+        """What this device says it is, now (its power state is read each time: it changes); None where it knows
+        nothing to say (the join and presence are then the bytes they always were)."""
+        em = self.opts.emulation
+        link = em.link.name if em is not None and em.link is not None else ""
+        traits = device_traits(link, self.opts.tags)
+        return None if traits == Traits() else traits
 
     @property
     def stopping(self) -> bool:
@@ -374,6 +385,7 @@ class DeviceRunner:
             data,
             arch=arch,
             profile=self.profile_label,
+            traits=self.traits(),
             device=self.opts.device,
             eval_every=self.opts.eval_every,
             test_every=self.opts.test_every,
@@ -451,6 +463,11 @@ class DeviceRunner:
         if self._hold(topic, payload) or self.agent is None:
             return
         agent = self.agent
+        if self.transport.waiting(topic):
+            # A newer round message is already here (the server moved on while we trained: asynchronous rounds,
+            # broker_server/buffered.py): training on this one would only make an older upload.
+            log.debug("%s: a round message skipped, a newer one waits behind it", self.client_id)
+            return
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
         with _AGENT_LOCK:
@@ -484,6 +501,13 @@ class DeviceRunner:
         why = refusal(payload, self.fed)
         if why is not None:
             self._cannot_serve(ConfigError(f"{self.client_id}: the server refused this device's join: {why}"))
+            return
+        paced = pace(payload, self.fed)
+        if paced is not None:  # not in that round: nothing to train; its round message leaves us out too
+            self.paced_until = paced[1].until
+            back = time.strftime("%H:%M:%S", time.localtime(paced[1].until))
+            log.info("%s: not in round %d (%s); the server expects us back at %s", self.client_id, paced[0],
+                     paced[1].reason, back)  # fmt: skip
             return
         got = self.requests.read(payload, time.monotonic())
         if got is None or self.agent is None:
@@ -540,11 +564,16 @@ class DeviceRunner:
         self._retry_at = time.monotonic() + RETRY_S if retry else 0.0
 
     # -- presence -------------------------------------------------------------------------------
-    def _status(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> bytes:
+    def _status(
+        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
+    ) -> bytes:
         # The server refuses a longer detail (protofl.names.MAX_TEXT): a long error is cut, the presence still goes.
-        msg = Status(state=state, detail=detail if len(detail) <= MAX_TEXT else detail[: MAX_TEXT - 3] + "...")
+        cut = detail if len(detail) <= MAX_TEXT else detail[: MAX_TEXT - 3] + "..."
+        msg = Status(state=state, detail=cut, traits=traits)
         return encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
 
-    def _presence(self, state: str, detail: str = "", round_: int = 0, phase: str = "") -> None:
-        payload = self._status(state, detail, round_, phase)
+    def _presence(
+        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
+    ) -> None:
+        payload = self._status(state, detail, round_, phase, traits)
         self.transport.publish(topics.presence(self.fed, self.client_id), payload, retain=True)

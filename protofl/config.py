@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
     import tomli as tomllib
 
-from protofl import registry
+from protofl import participation, registry
 from protofl.errors import ConfigError
 from protofl.names import class_key
 from protofl.technique import PlanDraft, is_number
@@ -82,6 +82,8 @@ CORE: dict[str, Any] = dict(
     # The federation's class names, one per class id (None: unnamed): every device maps its class folders' (and a
     # CSV's label strings') names onto these ids (protofl/data/own.py), and the artifacts name classes by them.
     class_names=None,
+    # Who takes part each round, and buffered asynchronous rounds (protofl/participation.py, issue 47).
+    **participation.FIELDS,
 )
 SCOPE = "techniques"  # the key of the scoped options in `to_dict`
 PACKAGES = "technique_packages"  # technique -> "distribution version", for techniques of other packages
@@ -89,7 +91,7 @@ _TUPLES = ("archs", "in_shape")
 # Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
 # federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
 # which refuses keys it does not know, still joins it.
-_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source", "class_names")
+_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source", "class_names", *participation.FIELDS)
 
 
 class FederationConfig:
@@ -124,6 +126,14 @@ class FederationConfig:
     public_per_class: int
     public_classes: tuple[int, ...] | None
     class_names: tuple[str, ...] | None
+    select: str
+    select_target: int
+    select_over: float
+    select_min: int
+    select_fit: bool
+    select_compute_s: float
+    buffer_k: int
+    staleness_bound: int
     options: dict[str, Any]
     techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
@@ -384,6 +394,8 @@ class FederationConfig:
             f"public_classes must be a list of class ids in [0, {self.num_classes}), got {self.public_classes!r}",
         )
         self._validate_class_names()
+        for trouble in participation.check({k: getattr(self, k) for k in participation.FIELDS}):
+            need(False, trouble)
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))

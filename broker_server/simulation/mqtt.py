@@ -328,6 +328,7 @@ def run_over_mqtt(
             expected_clients=spec.client_ids,
             limits=fed_data.limits(initial_params),
             policy=spec.policy(),
+            time_scale=spec.time_scale if spec.profiles else 1.0,
         )
         hooks = settings.Hooks(
             on_round_end=lambda rec: report.on_round_end(rec, service.aggregator.model), on_metrics=report.on_metrics

@@ -163,6 +163,7 @@ class FederationObserver:
             arch=join.arch if join else "",
             n_samples=join.n_samples if join else 0,
             profile=join.profile if join else "",
+            traits=join.traits.describe() if join and join.traits else "",
             uploads=a.uploads if a is not None else 0,
             last_upload=self._last_upload(cid),
             # a finished federation waits for nobody: no place to keep
@@ -197,6 +198,7 @@ class FederationObserver:
                     rec.ended,
                     rec.uplink_bytes,
                     rec.downlink_bytes,
+                    left_out=len(rec.left_out),
                     **accs,
                 )
             )

@@ -80,7 +80,8 @@ def members_table(s: Snapshot, now: float) -> Table:
         state = m.state
         if m.state == "offline" and m.grace_ends is not None:
             state += f" (keeps its place {_ago(m.grace_ends - now)})"
-        t.add_row(m.id, state, m.arch or "-", m.profile or "-", str(m.uploads), _last_upload(m, now))
+        profile = f"{m.profile or '-'} ({m.traits})" if m.traits else m.profile or "-"
+        t.add_row(m.id, state, m.arch or "-", profile, str(m.uploads), _last_upload(m, now))
     return t
 
 
@@ -99,7 +100,7 @@ def rounds_table(s: Snapshot) -> Table:
     for r in s.history[-ROUNDS_SHOWN:]:
         t.add_row(
             str(r.round),
-            str(r.clients),
+            f"{r.clients} (+{r.left_out} left out)" if r.left_out else str(r.clients),
             r.closed_by,
             *(_pct(getattr(r, k)) for k in ACCURACY_KEYS),
             human_bytes(r.uplink_bytes),

@@ -50,6 +50,7 @@ class Member:
     uploads: int = 0  # accepted (the federation's, restarts included)
     last_upload: Upload | None = None
     grace_ends: float | None = None  # offline: when it stops holding up the round
+    traits: str = ""  # what it says it is (link, tags, power: protofl/traits.py), in words ("" where it says nothing)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RoundRow:
     global_proto_acc: float | None = None
     # the global predictor, scored by the server on its own labelled data (`start --validation`)
     predictor_acc: float | None = None
+    left_out: int = 0  # members the run's selection left out of the round (broker_server/selection.py)
 
     @property
     def duration_s(self) -> float:

@@ -336,6 +336,13 @@ class MqttTransport:
                 self._ack(mid, qos, session)
         return n
 
+    def waiting(self, topic: str) -> int:
+        """How many messages of `topic` wait in the inbox behind the one being handled (a handler's question: is a
+        newer one already here?)."""
+        with self._held_lock:
+            held = self._held.get(topic)
+            return held[1] if held is not None else 0
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every QoS >= 1 publish so far is acknowledged by the broker."""
         end = time.monotonic() + timeout

@@ -44,6 +44,7 @@ _SMALL_KINDS = {
     "status": "max_status_bytes",
     "metrics": "max_metrics_bytes",
     "resend": "max_status_bytes",
+    "pace": "max_status_bytes",
 }
 
 
@@ -109,7 +110,8 @@ MAX_NDIM = 8
 MAX_SPARSE_N = 2**32
 # "resend" (the server asks one device, on its own `down/{client_id}` topic, to send again what the broker
 # dropped) is additive within version 1: a device that does not know it never subscribes to that topic.
-KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "metrics", "status", "resend"})
+# "pace" (the server tells one device, on its `down/` topic, when to come back: issue 47) is additive the same way.
+KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "metrics", "status", "resend", "pace"})
 # What a device sends on its `up/{client_id}` topic (its status goes to `presence/{client_id}`): a
 # receiver of `up/` refuses any other kind from the header, before the body is parsed.
 DEVICE_KINDS = frozenset({"join", "protos", "adapter", "metrics"})

@@ -22,6 +22,7 @@ from protofl import WIRE_VERSION
 from protofl.errors import WireError
 from protofl.names import MAX_LABEL, MAX_TEXT, printable
 from protofl.sparse import SparseVector
+from protofl.traits import Traits
 from protofl.wire.codec import (
     DEFAULT_LIMITS,
     FLOAT_DTS,
@@ -306,18 +307,26 @@ class Join(_Body):
     profile: str = ""
     agent_version: str = ""
     token: str = ""
+    # What the device says it is (protofl/traits.py): additive within version 1, the key travels only with traits.
+    traits: Traits | None = None
 
     def __post_init__(self) -> None:
         for name in ("arch", "profile", "agent_version", "token"):
             expect_str(getattr(self, name), name, MAX_TEXT if name == "token" else MAX_LABEL)
         _set(self, n_samples=expect_int(self.n_samples, "n_samples"))
+        _check_traits(self.traits)
 
     def to_body(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traits"}
+        if self.traits is not None:
+            body["traits"] = self.traits.to_body()
+        return body
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(cls, cls.KIND, **expect_keys(body, [f.name for f in fields(cls)], cls.KIND))
+        return _build(
+            cls, cls.KIND, **_with_traits(body, [f.name for f in fields(cls) if f.name != "traits"], cls.KIND)
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -716,17 +725,59 @@ class Status(_Body):
     KIND: ClassVar[str] = "status"
     state: str
     detail: str = ""
+    # A device's presence may say what it is now (its power state changes): additive, only with traits.
+    traits: Traits | None = None
 
     def __post_init__(self) -> None:
         expect_str(self.state, "state", MAX_LABEL)
         expect_str(self.detail, "detail", MAX_TEXT)
+        _check_traits(self.traits)
 
     def to_body(self) -> dict:
-        return {"state": self.state, "detail": self.detail}
+        body: dict[str, Any] = {"state": self.state, "detail": self.detail}
+        if self.traits is not None:
+            body["traits"] = self.traits.to_body()
+        return body
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(cls, cls.KIND, **expect_keys(body, ("state", "detail"), cls.KIND))
+        return _build(cls, cls.KIND, **_with_traits(body, ["state", "detail"], cls.KIND))
+
+
+@dataclass(frozen=True, eq=False)
+class Pace(_Body):
+    """Pace steering (issue 47): the server tells one device, on its own `down/{client_id}` topic, that it is not
+    in the envelope's round and when to come back (`until`, the server's clock, epoch s), with the reason. The
+    device trains nothing for that round and waits for a later round message. Additive within version 1: a device
+    that does not know the kind refuses it as unreadable, and the round message's participants leave it out anyway."""
+
+    KIND: ClassVar[str] = "pace"
+    until: float
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _set(self, until=expect_float(self.until, "until", 0.0))
+        expect_str(self.reason, "reason", MAX_TEXT)
+
+    def to_body(self) -> dict:
+        return {"until": self.until, "reason": self.reason}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("until", "reason"), cls.KIND))
+
+
+def _with_traits(body: Any, keys: list[str], kind: str) -> dict[str, Any]:
+    """A body of exactly `keys`, plus "traits" where it has them (additive: the key travels only with traits)."""
+    b = dict(expect_keys(body, [*keys, "traits"] if isinstance(body, dict) and "traits" in body else keys, kind))
+    if "traits" in b:
+        b["traits"] = Traits.from_body(b["traits"])
+    return b
+
+
+def _check_traits(traits: Any) -> None:
+    if traits is not None and not isinstance(traits, Traits):
+        raise WireError(f"traits: expected Traits, got {type(traits).__name__}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -752,8 +803,8 @@ class Resend(_Body):
         return _build(cls, cls.KIND, **expect_keys(body, ("ask",), cls.KIND))
 
 
-Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status | Resend
-_CLASSES = (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status, Resend)
+Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status | Resend | Pace
+_CLASSES = (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status, Resend, Pace)
 MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in _CLASSES}
 # How each kind's body is read (typed: every message class has `from_body(body, limits)`).
 _FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {c.KIND: c.from_body for c in _CLASSES}

@@ -20,6 +20,7 @@ from broker_server.durable import DurableState, journal_records
 from broker_server.journal import HEADER, Journal, JournalError, encode_record
 from broker_server.shell import Aggregator
 from protofl import topics
+from protofl.algorithms.robust import ClipPolicy
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from protofl.config import FederationConfig
 from protofl.plan import Phase
@@ -340,6 +341,7 @@ def _aggregator(
     rotate_bytes: int = 1 << 20,
     cfg: FederationConfig | None = None,
     public: PublicSet | None = None,
+    policy: ClipPolicy | None = None,
 ) -> tuple[Aggregator, DurableState | None]:
     agg = Aggregator(
         cfg or _cfg(preset),
@@ -347,6 +349,7 @@ def _aggregator(
         (broker or InProcessBroker()).connect("server"),
         expected_clients=CLIENTS,
         public=public,
+        policy=policy,
     )
     durable = None
     if state is not None:
@@ -357,6 +360,17 @@ def _aggregator(
             return agg, durable
     agg.start()
     return agg, durable
+
+
+def feed_and_cut(live: Aggregator, msgs: list[tuple[str, bytes]], tmp_path: Path) -> list[Path]:
+    """Feed `msgs` to `live` (durable in tmp_path/live), copying its state dir after each: cut0, cut1, ... as a
+    crash right after that message would leave it."""
+    cuts = []
+    for i, (t, p) in enumerate(msgs):
+        live.on_message(t, p)
+        cuts.append(tmp_path / f"cut{i}")
+        shutil.copytree(tmp_path / "live", cuts[-1])
+    return cuts
 
 
 def _state(agg: Aggregator) -> dict[str, bytes]:
@@ -389,12 +403,7 @@ def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate:
     assert ref.finished and ref.dropped == {} and len(ref.records) == 3
 
     live, durable = _aggregator(preset, tmp_path / "live", rotate_bytes=rotate)
-    cuts = []
-    for i, (t, p) in enumerate(msgs):
-        live.on_message(t, p)
-        cut = tmp_path / f"cut{i}"
-        shutil.copytree(tmp_path / "live", cut)  # the state dir as a crash right now would leave it
-        cuts.append(cut)
+    cuts = feed_and_cut(live, msgs, tmp_path)
     assert durable is not None and live.finished and _state(live) == _state(ref)
     durable.close()
     for i, cut in enumerate(cuts):

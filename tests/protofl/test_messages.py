@@ -10,6 +10,7 @@ import pytest
 
 from protofl.errors import WireError
 from protofl.sparse import SparseVector
+from protofl.traits import Traits
 from protofl.wire import (
     KINDS,
     MESSAGE_TYPES,
@@ -17,6 +18,7 @@ from protofl.wire import (
     Join,
     Message,
     Metrics,
+    Pace,
     ParamsUpload,
     ProtoSet,
     ProtoUpload,
@@ -77,6 +79,9 @@ def examples() -> list:
         Status("offline"),
         Resend("join"),
         Resend("uploads"),
+        Join("cnn", 10, profile="rpi4+lte", traits=Traits("lte", ("field-a",), "battery", 55)),
+        Status("online", "rpi3", Traits(power="mains")),
+        Pace(1767225600.0, "not selected"),
     ]
 
 

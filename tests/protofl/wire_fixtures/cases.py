@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from protofl.sparse import SparseVector
+from protofl.traits import Traits
 from protofl.wire import (
     Config,
     Join,
     Metrics,
+    Pace,
     ParamsUpload,
     ProtoSet,
     ProtoUpload,
@@ -88,6 +90,11 @@ def _cases() -> dict[str, Case]:
         # --- join: a device announces itself
         "join_full": Case(Join("cnn", 1200, profile="rpi4", agent_version="0.3.1", token="t0k"), phase="", round=0),
         "join_defaults": Case(Join("resnet18", 0), phase="", round=0),
+        "join_traits": Case(
+            Join("cnn", 1200, profile="rpi4+lte", traits=Traits("lte", ("field-a", "roof"), "battery", 80)),
+            phase="",
+            round=0,
+        ),
         # --- config: the retained federation configuration
         "config_minimal": Case(Config("fedproto"), sender=SERVER, phase="", round=0),
         "config_full": Case(
@@ -215,6 +222,14 @@ def _cases() -> dict[str, Case]:
         # --- status: retained status / presence
         "status_state": Case(Status("online"), phase="", round=0),
         "status_detail": Case(Status("training", "round 3 of 50"), sender=SERVER),
+        "status_traits": Case(Status("online", "rpi3+nb-iot", Traits("nb-iot", (), "mains")), phase="", round=0),
+        # --- pace: the server tells one device (on its down/<id>) it is not in a round, and when to come back
+        "pace_until": Case(
+            Pace(1767225600.5, "link nb-iot: ~412 s for this round, deadline 120 s"),
+            sender=SERVER,
+            round=3,
+            phase="train",
+        ),
         # --- resend: the server asks one device (on its down/<id>) for what the broker dropped
         "resend_uploads": Case(Resend("uploads"), sender=SERVER, round=4, phase="train"),
         "resend_join": Case(Resend("join"), sender=SERVER, phase="", round=0),
