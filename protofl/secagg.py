@@ -52,8 +52,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 RING_BITS = 32
-PRIME = 2**521 - 1  # a Mersenne prime: a 32-byte secret is one element of its field
+PRIME = 2**256 + 297  # the smallest prime above 2^256: a 32-byte secret is one element of its field
 SECRET_BYTES = 32
+SHARE_BYTES = 33  # a share: an element of GF(PRIME)
 
 
 class SecAggError(ValueError):
@@ -130,7 +131,7 @@ def threshold(k: int) -> int:
     return max(1, k // 2 + 1)
 
 
-# -- Shamir over GF(2^521 - 1) ----------------------------------------------------------------------------------
+# -- Shamir over GF(2^256 + 297) ---------------------------------------------------------------------------------
 def split(secret: bytes, xs: Iterable[int], t: int) -> dict[int, int]:
     """Shares of a SECRET_BYTES secret at the points `xs` (distinct, >= 1): any t rebuild it, fewer tell nothing."""
     coeffs = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
@@ -217,7 +218,7 @@ class Device:
         out = {}
         for v in order:
             x = xs[v]
-            plain = x.to_bytes(4, "big") + b_sh[x].to_bytes(66, "big") + s_sh[x].to_bytes(66, "big")
+            plain = x.to_bytes(4, "big") + b_sh[x].to_bytes(SHARE_BYTES, "big") + s_sh[x].to_bytes(SHARE_BYTES, "big")
             out[v] = self._box(v).encrypt(self._nonce(self.id, v), plain, self._ad(self.id, v))
         return out
 
@@ -232,8 +233,8 @@ class Device:
                 raise SecAggError(f"{self.id}: the share from {u} does not decrypt") from exc
             self.held[u] = (
                 int.from_bytes(plain[:4], "big"),
-                int.from_bytes(plain[4:70], "big"),
-                int.from_bytes(plain[70:], "big"),
+                int.from_bytes(plain[4 : 4 + SHARE_BYTES], "big"),
+                int.from_bytes(plain[4 + SHARE_BYTES :], "big"),
             )
 
     def masked_input(self, x: np.ndarray, shared: Iterable[str]) -> np.ndarray:
