@@ -43,6 +43,7 @@ import math
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives import hashes, serialization
@@ -287,6 +288,7 @@ class Server:
     shared: set[str] = field(default_factory=set)  # devices whose encrypted shares arrived (U1)
     masked: dict[str, np.ndarray] = field(default_factory=dict)  # (U2)
     k: int | None = None
+    answers: dict[str, dict[str, tuple[str, int, int]]] = field(default_factory=dict)  # unmasking, by responder
 
     def advertised(self, device: str, keys: Keys) -> None:
         self.keys[device] = keys
@@ -316,8 +318,18 @@ class Server:
             raise SecAggError(f"a masked input from {device}, which shared no keys")
         self.masked[device] = np.asarray(y, dtype=np.uint32)
 
-    def unmask(self, answers: Mapping[str, Mapping[str, tuple[str, int, int]]]) -> np.ndarray:
-        """The sum over the survivors (uint32, the ring's), from the responding devices' shares."""
+    def answered(self, device: str, given: Mapping[str, tuple[str, int, int]]) -> None:
+        """One survivor's unmasking answer (its shares of its neighbours' secrets)."""
+        if device not in self.masked:
+            raise SecAggError(f"an unmasking answer from {device}, which sent no masked input")
+        self.answers[device] = dict(given)
+
+    def unmask(self, answers: Mapping[str, Mapping[str, tuple[str, int, int]]] | None = None) -> np.ndarray:
+        """The sum over the survivors (uint32, the ring's), from the responding devices' shares (`answers`, or
+        those `answered` so far)."""
+        for device, given in (answers or {}).items():
+            self.answered(device, given)
+        answers = self.answers
         survivors = set(self.masked)
         if not survivors:
             raise SecAggError("no masked input arrived")
@@ -341,6 +353,59 @@ class Server:
                 # v added pair_mask(v, u); remove it
                 total -= pair_mask(v, u, pair_key(s_u, self.keys[v].s, self.context), n)
         return total.astype(np.uint32)
+
+    # -- durability: what a journal or a checkpoint keeps of a phase in progress (plain values, no pickle) --------
+    def state(self) -> dict[str, Any]:
+        """The phase so far as plain values (bytes, ints, str, lists: msgpack takes it as it is); the graph is
+        recomputed from the keys and the seed."""
+        return {
+            "context": self.context,
+            "seed": self.seed,
+            "k": self.k,
+            "keys": {i: [k.c, k.s] for i, k in sorted(self.keys.items())},
+            "graph": bool(self.graph),
+            "shared": sorted(self.shared),
+            "masked": {i: np.asarray(y, dtype="<u4").tobytes() for i, y in sorted(self.masked.items())},
+            "answers": {
+                v: {u: [kind, x, y.to_bytes(SHARE_BYTES, "big")] for u, (kind, x, y) in sorted(given.items())}
+                for v, given in sorted(self.answers.items())
+            },
+        }
+
+    @classmethod
+    def restore(cls, saved: Mapping[str, Any]) -> Server:
+        """A server from `state()`: it goes on where that one stopped (e.g. mid-unmask after a restart)."""
+        out = cls(bytes(saved["context"]), seed=bytes(saved["seed"]), k=saved["k"])
+        out.keys = {i: Keys(bytes(c), bytes(s)) for i, (c, s) in saved["keys"].items()}
+        if saved["graph"]:
+            out.graph = neighbours(out.keys, out.seed, out.k)
+        out.shared = set(saved["shared"])
+        out.masked = {i: np.frombuffer(bytes(y), dtype="<u4").astype(np.uint32) for i, y in saved["masked"].items()}
+        out.answers = {
+            v: {u: (str(kind), int(x), int.from_bytes(bytes(y), "big")) for u, (kind, x, y) in given.items()}
+            for v, given in saved["answers"].items()
+        }
+        return out
+
+
+# -- prototype tables on the ring -------------------------------------------------------------------------------
+def table_vector(protos: Mapping[int, np.ndarray], num_classes: int, width: int) -> np.ndarray:
+    """A device's prototype table as one dense vector to mask: per class its row (zeros for a class it lacks) and
+    a presence value (1 or 0), so that the unmasked sum gives each class's row sum and its number of senders
+    without telling which device sent which class. float64, num_classes * (width + 1)."""
+    out = np.zeros((num_classes, width + 1), dtype=np.float64)
+    for c, row in protos.items():
+        out[c, :width] = row
+        out[c, width] = 1.0
+    return out.reshape(-1)
+
+
+def table_of_sum(total: np.ndarray, num_classes: int, width: int) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+    """The decoded sum of `table_vector`s: ({class: row sum}, {class: senders}) for every class somebody sent."""
+    grid = np.asarray(total, dtype=np.float64).reshape(num_classes, width + 1)
+    senders = np.rint(grid[:, width]).astype(np.int64)
+    present = [c for c in range(num_classes) if senders[c] > 0]
+    return {c: grid[c, :width] for c in present}, {c: int(senders[c]) for c in present}
 
 
 def context(fed: str, round_: int, phase: str) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -146,3 +147,44 @@ def test_the_graph_is_symmetric_and_grows_with_log_n() -> None:
         k = secagg.degree(n)
         assert k == min(n - 1, 2 * math.ceil(math.log2(n)))
         assert {len(v) for v in g.values()} == {k}
+
+
+def test_a_server_restarted_mid_unmask_resumes_from_its_saved_state() -> None:
+    ring = FixedPoint.for_sum(1.0, 5)
+    server = Server(CTX, seed=b"phase-seed")
+    devices = {i: Device(i, CTX) for i in FIVE}
+    for i, d in devices.items():
+        server.advertised(i, d.advertise())
+    keys_for = server.close_advertise()
+    sent = {i: devices[i].share_keys(keys_for[i], server.threshold()) for i in devices}
+    for v, boxes in server.route_shares(sent).items():
+        devices[v].receive_shares(boxes)
+    for i in ("d1", "d3", "d4", "d5"):  # d2 drops after sharing its keys
+        server.received(i, devices[i].masked_input(ring.encode(FIVE[i]), server.shared))
+    survivors = set(server.masked)
+    server.answered("d1", devices["d1"].unmask(survivors))
+    server.answered("d3", devices["d3"].unmask(survivors))
+    # kill -9 here: what a journal would hold, through msgpack (no pickle), and a new server from it
+    saved = msgpack.unpackb(msgpack.packb(server.state(), use_bin_type=True), raw=False, strict_map_key=False)
+    again = Server.restore(saved)
+    assert again.graph == server.graph and again.masked.keys() == server.masked.keys()
+    again.answered("d4", devices["d4"].unmask(survivors))
+    again.answered("d5", devices["d5"].unmask(survivors))  # (each survivor needs t = 3 of its 4 neighbours)
+    total = ring.decode(again.unmask())
+    assert np.allclose(total, [0.75, -1.0, 0.0, 1.75], atol=5 * ring.resolution)  # without d2, as by hand above
+
+
+def test_prototype_tables_sum_per_class_with_their_senders() -> None:
+    # 3 devices, 3 classes, width 2: a class a device lacks travels as zeros with presence 0
+    tables = {
+        "a": {0: np.array([0.5, 0.5]), 2: np.array([-0.25, 0.0])},
+        "b": {0: np.array([0.25, -0.5])},
+        "c": {1: np.array([1.0, 0.0]), 2: np.array([0.5, 0.5])},
+    }
+    vectors = {i: secagg.table_vector(t, 3, 2) for i, t in tables.items()}
+    assert vectors["b"].tolist() == [0.25, -0.5, 1.0, 0, 0, 0, 0, 0, 0]
+    ring = FixedPoint.for_sum(1.0, 3)
+    total, _, _ = run_phase(vectors, ring)
+    sums, senders = secagg.table_of_sum(total, 3, 2)
+    assert senders == {0: 2, 1: 1, 2: 2}
+    assert np.allclose(sums[0], [0.75, 0.0]) and np.allclose(sums[1], [1.0, 0.0]) and np.allclose(sums[2], [0.25, 0.5])
