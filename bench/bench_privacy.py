@@ -13,10 +13,11 @@ one round at 100 devices (process time; rpi4's is this machine's over its profil
 unmask time at 1,000 and 10,000 devices with 10 % dropped after sharing their keys (the costly case: each dropped
 device's mask key is rebuilt and its pairwise masks recomputed).
 
-`accuracy` runs `simulate` (the in-process transport, setting A's sizing: 10 clients, alpha 0.5, 10 rounds, 6,000
-training images, the full test set) at epsilon in {1, 4, 8, inf} and delta 1e-5 over the run, seeds 0-2, for
-tinyproto and the protofl preset without its ridge predictor (DP covers prototype uploads only); each report is
-kept in bench/results/privacy/ (a file that exists is not run again).
+`accuracy` runs `simulate` (the in-process transport; by default a small setting: 10 clients, alpha 0.5, 5 rounds,
+3,000 training images, 2,000 test images; `--rounds`, `--train-limit`... for setting A's sizing) at epsilon in
+{1, 4, 8, inf} and delta 1e-5 over the run, seeds 0-2 (`--seeds`), for tinyproto and the protofl preset without its
+ridge predictor (DP covers prototype uploads only; `--presets`); each report is kept in bench/results/privacy/ (a
+file that exists is not run again).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,18 @@ from protofl import secagg
 from protofl.secagg import Device, FixedPoint, Server
 
 RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass(frozen=True)
+class Size:
+    """A run's sizing (the small setting by default: it runs on a loaded 2-core machine)."""
+
+    clients: int = 10
+    rounds: int = 5
+    train: int = 3000
+    test: int = 2000
+
+
 ROOT = RESULTS / "privacy"
 EPSILONS = (1.0, 4.0, 8.0, None)  # None: no DP
 SEEDS = (0, 1, 2)
@@ -146,7 +160,7 @@ def report_path(preset: str, eps: float | None, seed: int) -> Path:
     return ROOT / f"{preset}-eps{'inf' if eps is None else f'{eps:g}'}-s{seed}.json"
 
 
-def run_accuracy(data_dir: str, device: str, jobs: int, presets: list[str], seeds: list[int]) -> None:
+def run_accuracy(data_dir: str, device: str, jobs: int, presets: list[str], seeds: list[int], size: Size) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     ROOT.mkdir(parents=True, exist_ok=True)
@@ -160,9 +174,11 @@ def run_accuracy(data_dir: str, device: str, jobs: int, presets: list[str], seed
                     continue
                 cmd = [
                     sys.executable, "-m", "broker_server.cli", "simulate", "--preset", preset,
-                    "--dataset", "fashion-mnist", "--data-dir", data_dir, "--clients", "10", "--alpha", "0.5",
-                    "--rounds", "10", "--seed", str(seed), "--arch", "cnn", "--train-limit", "6000",
-                    "--test-limit", "10000", "--eval-every", "10", "--test-every", "10", "--transport", "inprocess",
+                    "--dataset", "fashion-mnist", "--data-dir", data_dir, "--clients", str(size.clients),
+                    "--alpha", "0.5",
+                    "--rounds", str(size.rounds), "--seed", str(seed), "--arch", "cnn",
+                    "--train-limit", str(size.train), "--test-limit", str(size.test),
+                    "--eval-every", str(size.rounds), "--test-every", str(size.rounds), "--transport", "inprocess",
                     "--device", device, "-q", "--json", str(path), *extra,
                 ]  # fmt: skip
                 if eps is not None:
@@ -286,13 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (accuracy)")
     ap.add_argument("--presets", default=",".join(PRESETS), help="accuracy: which presets")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="accuracy: which seeds")
+    ap.add_argument("--clients", type=int, default=Size.clients)
+    ap.add_argument("--rounds", type=int, default=Size.rounds)
+    ap.add_argument("--train-limit", type=int, default=Size.train)
+    ap.add_argument("--test-limit", type=int, default=Size.test)
     args = ap.parse_args(argv)
     if args.what == "secagg":
         print(json.dumps(run_secagg(), indent=1))
     elif args.what == "accuracy":
-        run_accuracy(
-            args.data_dir, args.device, args.jobs, args.presets.split(","), [int(x) for x in args.seeds.split(",")]
-        )
+        seeds = [int(x) for x in args.seeds.split(",")]
+        size = Size(args.clients, args.rounds, args.train_limit, args.test_limit)
+        run_accuracy(args.data_dir, args.device, args.jobs, args.presets.split(","), seeds, size)
     write_table()
     return 0
 

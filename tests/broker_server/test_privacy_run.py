@@ -98,3 +98,29 @@ def test_status_metrics_and_page_show_the_privacy_ledger(tmp_path: Path) -> None
     text = generate_latest(registry).decode()
     assert "protofl_dp_epsilon_budget 6.0" in text and "protofl_dp_epsilon_spent 0.0" in text
     assert "s.privacy.epsilon_spent" in page_html().decode()
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_start_takes_the_budget_and_stops_over_the_real_broker(tmp_path: Path) -> None:
+    """`start --set dp_epsilon=3 --set dp_noise=2 --rounds 3` and one `join` over its mosquitto: the device sends
+    noised prototypes, the server stops after round 1 with the reason, and rounds.jsonl says what it spent."""
+    from tests.broker_server.mqtt_helpers import start_and_join
+    from tests.broker_server.test_own_data_trust import image_folder
+    from tests.conftest import _require_mosquitto
+
+    _require_mosquitto()
+    imgs = image_folder(tmp_path / "imgs", n=8, broken=False)
+    extra = ["--set", "dp_epsilon=3", "--set", "dp_noise=2", "--set", "dp_clip=5"]
+    code, dev_out, server_code, out = start_and_join(
+        tmp_path, "dp46", f"imagefolder:{imgs}", rounds=3, server_extra=extra
+    )
+    assert code == 0, dev_out
+    assert server_code == 0, out
+    said = " ".join(out.split())
+    assert "privacy budget spent: epsilon 2.17 after 1 round(s); round 2 would make it 3.19" in said, out
+    assert "privacy (local DP): epsilon 2.17 of 3 spent after 1 round(s)" in said, out
+    lines = [json.loads(line) for line in (tmp_path / "state" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in lines] == [1] and lines[0]["epsilon"] == pytest.approx(2.17, abs=0.01)
+    status = json.loads((tmp_path / "state" / "status.json").read_text())
+    assert status["state"] == "finished" and status["privacy"]["epsilon_spent"] == pytest.approx(2.17, abs=0.01)
