@@ -77,9 +77,11 @@ def run_simulation(
     if on_finish is not None:
         on_finish(agg)
     out = report.to_json(agg.dropped)
-    dp = privacy.resolve(cfg, cfg.draft)
-    if dp is not None:  # what the run spent, and why it stopped early where it did
-        out["privacy"] = {**privacy.ledger(dp, len(report.records)), "stopped": agg.machine.state.stopped or None}
+    if report.dp is not None:  # what the run spent, and why it stopped early where it did
+        out["privacy"] = {
+            **privacy.ledger(report.dp, len(report.records)),
+            "stopped": agg.machine.state.stopped or None,
+        }
     if ray_info is not None:
         out["ray"] = ray_info  # the rest is the in-process run's report
     out["machine"] = machine_info(torch)
