@@ -228,8 +228,9 @@ def accuracy_table() -> list[str]:
                 vals = [v for r in runs.values() if (v := _final(r, key)) is not None]
                 if not vals:
                     return "-"
-                sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-                return f"{100 * statistics.mean(vals):.1f} ± {100 * sd:.1f}"
+                if len(vals) == 1:
+                    return f"{100 * vals[0]:.1f}"
+                return f"{100 * statistics.mean(vals):.1f} ± {100 * statistics.stdev(vals):.1f}"
 
             diffs = [
                 100 * (a - b)
@@ -265,10 +266,11 @@ def write_table() -> None:
         lines += [
             "### Secure aggregation per device and round (`python -m bench.bench_privacy secagg`)",
             "",
-            f"Machine: {sec['machine']}. A tinyproto upload (10 classes x 51 values, f4) is {tiny:,} B encoded.",
+            f"Machine: {sec['machine']['cpus']} cores, load average {sec['machine']['load_1m']} when it ended, numpy "
+            f"{sec['machine']['numpy']}. A tinyproto upload (10 classes x 51 values, f4) is {tiny:,} B encoded.",
             "",
             f"Each of the four uploads also takes an envelope (about {sec['envelope_bytes']} B, the tinyproto upload's "
-            "bytes beyond its values): the last column but five counts them.",
+            "bytes beyond its values): the column 'with 4 envelopes' counts them.",
             "",
             "| devices | k | t | up: keys + shares + masked + unmask | up / tinyproto upload | with 4 envelopes | "
             "down: keys + shares | "
