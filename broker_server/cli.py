@@ -19,6 +19,7 @@ from broker_server.fleet import fleet_command, logs_command, run_app, service_ap
 from broker_server.shard_cli import shard_cli
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
+from protofl import privacy
 from protofl.algorithms.robust import clip_text
 from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, ProtoFLError
@@ -78,6 +79,10 @@ def _summary(report: dict[str, Any]) -> Table:
         f"clipping {report['simulation'].get('clip', 'on')}"
     )
     t.caption += f"\n{accuracy_legend(TABLE_ACCURACIES)}"  # what each accuracy measures: local is not the federation's
+    if report.get("privacy"):
+        t.caption += "\n" + privacy.describe(report["privacy"])
+        if report["privacy"].get("stopped"):
+            t.caption += f"\nstopped: {report['privacy']['stopped']}"
     predictor = report.get("predictor") or {}
     if predictor.get("reason"):  # what "predictor %" is, or why it is empty
         t.caption += f"\npredictor: {predictor['reason']}"

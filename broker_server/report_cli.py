@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from protofl import privacy
 from protofl.errors import ConfigError
 from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 
@@ -360,6 +361,12 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
             f"{human_bytes(run['totals']['uplink_bytes'])} | {missed if links else '-'} | "
             f"{reached(run, target, metric)} |"
         )
+    for run in runs:
+        dp = run.get("privacy")
+        if dp:  # differential privacy: what the run spent, and why it stopped early where it did
+            lines += ["", f"**{run['preset']}:** {privacy.describe(dp)}."]
+            if dp.get("stopped"):
+                lines.append(f"Stopped before its last round: {dp['stopped']}.")
     for run in runs:
         by_class = class_rows(run)
         if not by_class:

@@ -31,6 +31,7 @@ from broker_server.buffered import Buffered
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
 from broker_server.selection import Selection
 from broker_server.stages import PhaseRun, build_model
+from protofl import privacy
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
@@ -243,6 +244,7 @@ class MachineState:
     # Asynchronous rounds (broker_server/buffered.py): "member/kind" -> the last version an upload was folded from,
     # so that no (member, kind, version) upload is folded twice, whichever version is open when it comes again.
     versions: dict[str, int] = field(default_factory=dict)
+    stopped: str = ""  # why the run finished before its last round (a spent privacy budget), "" otherwise
 
 
 class UploadHead(Protocol):
@@ -346,6 +348,7 @@ class RoundMachine:
         self._expected_set = frozenset(self.expected_clients or ())
         # Uploads are clipped by default. `initial_params`: the whole model's, where the server knows it.
         self.model = build_model(cfg, self.plan, policy, initial_params)
+        self.dp = privacy.resolve(cfg, self.plan)  # the DP mechanism the devices apply: what the rounds spend
         self.layout = self.model.rules.adapter_layout() or []  # the federated adapter's, announced in the config
         self.state = MachineState()
         # What a new device receives once (config + public set): a function of the config, never state.
@@ -870,7 +873,11 @@ class RoundMachine:
         )
         s.current = RoundRecord(round=rec.round + 1)
         out: list[Effect] = [RoundClosed(rec)]
-        if rec.round >= self.cfg.rounds:
+        stop = privacy.stop_reason(self.dp, rec.round) if rec.round < self.cfg.rounds else None
+        if stop is not None:
+            log.warning("%s", stop)
+            s.stopped = stop
+        if rec.round >= self.cfg.rounds or stop is not None:
             s.finished = True
             return out + [Boundary(), *self._finish_messages()]
         return out + self._open_round(rec.round + 1)
@@ -892,7 +899,9 @@ class RoundMachine:
                 ),
                 Phase.DONE.value,
             ),
-            self._status("finished", f"{self.state.round} rounds"),
+            self._status(
+                "finished", f"{self.state.round} rounds" + (f"; {self.state.stopped}" if self.state.stopped else "")
+            ),
         ]
 
     # -- durability: the state at a phase boundary, and a restart from it ------------------------

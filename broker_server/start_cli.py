@@ -35,7 +35,7 @@ from broker_server.settings import (
     Validation,
     Watchers,
 )
-from protofl import cli_options
+from protofl import cli_options, privacy
 from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
@@ -968,9 +968,11 @@ def _serve(s: Start) -> None:
                     state_dir / "artifacts",
                     fed=fed,
                     round_=rec.round,
-                    finished=rec.round >= cfg.rounds,
+                    finished=rec.round >= cfg.rounds or live[0].aggregator.finished,  # (or its DP budget spent)
                     backbone=_backbone_of(live[0].aggregator),
                 )
+
+        dp = privacy.resolve(cfg, cfg.draft)  # differential privacy: each round's line says the epsilon spent
 
         def on_round_logged(rec: Any, accs: dict[str, float | None], reported: int) -> None:
             """A round's line once its metrics are in (or their grace passed): bytes, clients, accuracies and how
@@ -978,7 +980,16 @@ def _serve(s: Start) -> None:
             nonlocal logged
             if rounds_file is not None and rec.round > logged:
                 rounds_file.write(
-                    json.dumps({"fed": fed, "preset": cfg.preset, **asdict(rec), **accs, "metrics_from": reported})
+                    json.dumps(
+                        {
+                            "fed": fed,
+                            "preset": cfg.preset,
+                            **asdict(rec),
+                            **accs,
+                            "metrics_from": reported,
+                            **({"epsilon": dp.spent(rec.round)} if dp is not None else {}),
+                        }
+                    )
                     + "\n"
                 )
                 rounds_file.flush()
@@ -1067,3 +1078,7 @@ def _serve(s: Start) -> None:
                 agg.dropped or "none",
                 agg.model.clipped or "none",
             )
+            if dp is not None:
+                log.info("%s", privacy.describe(privacy.ledger(dp, len(agg.records))))
+            if agg.machine.state.stopped:
+                log.warning("federation '%s' stopped early: %s", fed, agg.machine.state.stopped)

@@ -37,7 +37,7 @@ from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
 from edge_agent.uploads import train_uploads
-from protofl import topics
+from protofl import privacy, topics
 from protofl.adapter import layout_size
 from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
@@ -179,6 +179,8 @@ class EdgeAgent:
         self.model: ProtoNet | None = None
         self.rules: list[DeviceRule] = []  # the active techniques' device halves, in rule order
         self.masks: np.ndarray | None = None  # the config's support masks, where prototypes use them
+        self.dp: privacy.DpSettings | None = None  # the federation's DP mechanism: clip + noise on every row sent
+        self._noise = privacy.device_rng()
         self.public_x: torch.Tensor | None = None
         self.public_y: np.ndarray | None = None
         self.backbone: np.ndarray | None = None  # the federation's shared backbone (the public message's)
@@ -408,6 +410,7 @@ class EdgeAgent:
         self.cfg, self.plan, self.model, self.rules = cfg, plan, model, rules
         self._momentum = {}
         self.masks = msg.class_masks if plan.masked else None
+        self.dp = privacy.resolve(cfg, plan)
         self.objective = Objective()
         # This federation's largest messages: the round message carries our full model (FedAvg) or
         # adapter; the server's stated limit may be larger still.
@@ -473,6 +476,8 @@ class EdgeAgent:
         assert self.plan is not None
         for rule in self.rules:
             protos, counts = rule.encode_table(protos, counts, role)
+        if self.dp is not None:  # last, on the values that travel (protofl/privacy.py)
+            protos, counts = privacy.privatize(protos, counts, self.dp.std, self.dp.clip, self._noise)
         return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
 
     def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:
@@ -666,7 +671,7 @@ class EdgeAgent:
             global_adapter=self.global_adapter,
             base_round=self.adapter_round if plan.federate == "adapter" else round_,
             local=local,
-            n=len(self.data.y_train),
+            n=1 if self.dp is not None else len(self.data.y_train),  # DP: the sample count stays here
             round_=round_,
             fed=self.fed,
             sender=self.client_id,

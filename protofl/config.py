@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
     import tomli as tomllib
 
-from protofl import participation, registry
+from protofl import participation, privacy, registry
 from protofl.errors import ConfigError
 from protofl.names import class_key
 from protofl.technique import PlanDraft, is_number
@@ -84,6 +84,13 @@ CORE: dict[str, Any] = dict(
     class_names=None,
     # Who takes part each round, and buffered asynchronous rounds (protofl/participation.py, issue 47).
     **participation.FIELDS,
+    # Differential privacy of the uploads (protofl/privacy.py, docs/privacy.md): the run's budget (None: off), its
+    # delta, each row's L2 clip on the device, the noise multiplier (None: calibrated from the budget over `rounds`).
+    dp_epsilon=None,
+    dp_delta=1e-5,
+    dp_clip=1.0,
+    dp_noise=None,
+    dp_mode="local",
 )
 SCOPE = "techniques"  # the key of the scoped options in `to_dict`
 PACKAGES = "technique_packages"  # technique -> "distribution version", for techniques of other packages
@@ -91,7 +98,18 @@ _TUPLES = ("archs", "in_shape")
 # Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
 # federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
 # which refuses keys it does not know, still joins it.
-_ONLY_WHEN_SET = ("drop_last", "keep_optimizer", "proto_source", "class_names", *participation.FIELDS)
+_ONLY_WHEN_SET = (
+    "drop_last",
+    "keep_optimizer",
+    "proto_source",
+    "class_names",
+    "dp_epsilon",
+    "dp_delta",
+    "dp_clip",
+    "dp_noise",
+    "dp_mode",
+    *participation.FIELDS,
+)
 
 
 class FederationConfig:
@@ -134,6 +152,11 @@ class FederationConfig:
     select_compute_s: float
     buffer_k: int
     staleness_bound: int
+    dp_epsilon: float | None
+    dp_delta: float
+    dp_clip: float
+    dp_noise: float | None
+    dp_mode: str
     options: dict[str, Any]
     techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
@@ -181,6 +204,10 @@ class FederationConfig:
         # The techniques' own checks and combination rules, and the round plan they shape: made once, here; the
         # plan (protofl.plan.RoundPlan.from_config) reads this draft instead of shaping it again.
         object.__setattr__(self, "_draft", registry.draft(self))
+        privacy.check(self, self.__dict__["_draft"])
+        if self.dp_epsilon is not None and self.dp_noise is None:
+            # Resolved here, so that the config message carries it: a device adds the noise it is told.
+            object.__setattr__(self, "dp_noise", privacy.calibrate(float(self.dp_epsilon), self.dp_delta, self.rounds))
         assert tuple(t.name for t in registry.active(self)) == self.techniques
 
     @property
@@ -396,6 +423,8 @@ class FederationConfig:
         self._validate_class_names()
         for trouble in participation.check({k: getattr(self, k) for k in participation.FIELDS}):
             need(False, trouble)
+        problems = privacy.check_numbers(self)
+        need(not problems, "; ".join(problems))
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))

@@ -19,6 +19,7 @@ from broker_server.shell import RoundRecord
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.simulation.timeline import LinkReport
 from broker_server.stages import ServerModel
+from protofl import privacy
 from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
 from protofl.plan import Phase
@@ -65,6 +66,7 @@ class Report:
         self.started = time.perf_counter()
         self.links: LinkReport | None = None  # set by a run over shaped links (--profiles)
         self.clips: dict[int, ClipCount] = {}  # per round: rows checked against the radius and clipped
+        self.dp = privacy.resolve(cfg, cfg.draft)  # differential privacy: each row says the epsilon spent
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         scored = scores_test_set(rec.round, self.spec.test_every, self.cfg.rounds)  # the official test set's rounds
@@ -132,6 +134,7 @@ class Report:
             "clipped": dict(clips.clipped),
             "clip_checked": dict(clips.checked),
             **({"sim_time_s": sim_time_s} if self.links is not None else {}),
+            **({"epsilon": self.dp.spent(rec.round)} if self.dp is not None else {}),
         }
 
     def to_json(self, dropped: dict[str, int]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from broker_server.simulation.mqtt import run_over_mqtt
 from broker_server.simulation.predictor import GlobalPredictor
 from broker_server.simulation.report import Report
 from broker_server.simulation.spec import TRANSPORTS, SimulationSpec, prepare
+from protofl import privacy
 from protofl.errors import ConfigError
 
 log = logging.getLogger("protofl.simulate")
@@ -76,6 +77,11 @@ def run_simulation(
     if on_finish is not None:
         on_finish(agg)
     out = report.to_json(agg.dropped)
+    if report.dp is not None:  # what the run spent, and why it stopped early where it did
+        out["privacy"] = {
+            **privacy.ledger(report.dp, len(report.records)),
+            "stopped": agg.machine.state.stopped or None,
+        }
     if ray_info is not None:
         out["ray"] = ray_info  # the rest is the in-process run's report
     out["machine"] = machine_info(torch)

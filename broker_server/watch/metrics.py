@@ -16,6 +16,7 @@ never touches the aggregator. Names, types and labels (docs/design.md, "Watching
     protofl_uploads_accepted_total{kind}               counter (the federation's, restarts included)
     protofl_uploads_dropped_total{reason}              counter (this server process)
     protofl_uploads_clipped_total{kind}                counter
+    protofl_dp_epsilon_spent / _budget / _per_round, protofl_dp_delta   gauge (with differential privacy only)
     protofl_uplink_bytes_total / protofl_downlink_bytes_total   counter (the federation's, restarts included)
     protofl_round_duration_seconds                     histogram
     protofl_accuracy_ratio{kind}                       gauge 0..1 of the last evaluated round: local, global,
@@ -110,6 +111,14 @@ class SnapshotCollector(Collector):
         yield last
         yield _counter("protofl_uploads_accepted", "Uploads accepted.", "kind", snap.accepted)
         yield _counter("protofl_uploads_dropped", "Messages dropped, by reason.", "reason", snap.dropped)
+        if snap.privacy is not None:
+            for key, help_ in (
+                ("epsilon_spent", "Differential privacy: epsilon spent so far (at protofl_dp_delta)."),
+                ("epsilon_budget", "Differential privacy: the run's epsilon budget."),
+                ("epsilon_per_round", "Differential privacy: one round's epsilon alone."),
+                ("delta", "Differential privacy: the delta every epsilon is at."),
+            ):
+                yield GaugeMetricFamily(f"protofl_dp_{key}", help_, value=snap.privacy[key])
         yield _counter("protofl_uploads_clipped", "Uploads clipped around the global value.", "kind", snap.clipped)
         yield CounterMetricFamily(
             "protofl_uplink_bytes", "Bytes devices sent (joins and uploads).", value=snap.uplink_bytes

@@ -34,6 +34,7 @@ from broker_server.watch.snapshot import (
     Snapshot,
     Upload,
 )
+from protofl import privacy
 from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
 
@@ -244,6 +245,7 @@ class FederationObserver:
             resend_requests=resend_requests,
             server_pid=self.pid,
             started=self.started,
+            privacy=None if m.dp is None else privacy.ledger(m.dp, len(m.records)),
         )
 
     def _log_changes(self, members: Iterable[Member]) -> None:

@@ -14,6 +14,7 @@ from rich.text import Text
 
 from broker_server.watch.snapshot import ACCURACY_KEYS, Member, Snapshot
 from broker_server.watch.sources import Reading
+from protofl import privacy
 from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 
 ROUNDS_SHOWN = 5
@@ -54,6 +55,8 @@ def header(reading: Reading, now: float) -> list[str]:
         f"{s.resend_requests}); as of {datetime.fromtimestamp(s.updated):%H:%M:%S} "
         f"({_ago(now - s.updated)} ago) from {reading.source}",
     ]
+    if s.privacy is not None:
+        lines.append(privacy.describe(s.privacy))
     lines += [f"  dropped: {d}" for d in s.last_drops]
     found = s.last_accuracies()
     if found is not None:

@@ -104,6 +104,9 @@ class Snapshot:
     resend_requests: int = 0
     server_pid: int = 0
     started: float = 0.0  # when this server process started
+    # differential privacy (protofl/privacy.py `ledger`): the budget, delta, clip, noise, epsilon per round and
+    # spent so far; None: the federation runs without DP
+    privacy: dict[str, Any] | None = None
 
     def count(self, state: str) -> int:
         return sum(1 for m in self.members if m.state == state)

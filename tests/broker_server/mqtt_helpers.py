@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from broker_server.service import AggregatorService
@@ -92,19 +92,27 @@ class ServiceThread:
 
 
 def start_and_join(
-    tmp_path: Path, fed: str, data: str, *, classes: int = 3, shape: str = "3,16,16", timeout: float = 120
+    tmp_path: Path,
+    fed: str,
+    data: str,
+    *,
+    classes: int = 3,
+    shape: str = "3,16,16",
+    timeout: float = 120,
+    rounds: int = 1,
+    server_extra: Sequence[str] = (),
 ) -> tuple[int | None, str, int | None, str]:
-    """`protofl-server start` (its own mosquitto, 1 round of fedproto, 1 client) and one `protofl-edge join
-    --data DATA` as processes: (device exit code, its output, server exit code, its output); a device still
-    running after `timeout` is killed (code None), and then so is the server."""
+    """`protofl-server start` (its own mosquitto, `rounds` rounds of fedproto, 1 client; `server_extra`: more of its
+    options) and one `protofl-edge join --data DATA` as processes: (device exit code, its output, server exit code,
+    its output); a device still running after `timeout` is killed (code None), and then so is the server."""
     from broker_server.broker import free_port
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     server_args = ["start", "--local-broker", "mosquitto", "--insecure", "--port", str(port), "--fed", fed]
-    server_args += ["--preset", "fedproto", "--rounds", "1", "--min-clients", "1", "--round-timeout", "60"]
+    server_args += ["--preset", "fedproto", "--rounds", str(rounds), "--min-clients", "1", "--round-timeout", "60"]
     server_args += ["--set", f"num_classes={classes}", "--set", f"in_shape={shape}"]
-    server_args += ["--state-dir", str(tmp_path / "state")]
+    server_args += ["--state-dir", str(tmp_path / "state"), *server_extra]
 
     def command(module: str, args: list[str]) -> subprocess.Popen[str]:
         run = [sys.executable, "-m", module, *args]
