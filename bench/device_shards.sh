@@ -17,7 +17,8 @@
 # from a registry), writes this tree's package metadata beside them (the techniques are entry points:
 # protofl.registry), puts wrappers for the carried mosquitto and mosquitto_sub (Debian 12's 2.0.11, with the
 # shared libraries `ldd` lists except glibc's, on LD_LIBRARY_PATH for them alone) first on PATH, then for each N
-# of SHARDS_LIST (1 2 4 8, then 0: one aggregator process) runs
+# of SHARDS_LIST (1 2 4 8, then 0: one aggregator process), then of WINDOW_SHARDS (8 4) with the in-flight window
+# WINDOW (200) asked by the server and its shards, runs
 #     python -m bench.bench_aggregator --skip-inprocess --broker --broker-n N_DEVICES --broker-workloads tinyproto
 #         --broker-repeats 1 --broker-shards N --out $OUT/shards-N.md
 # (the real `start` path: its spawned secured Mosquitto, the journal with fsync and group commit, then the same
@@ -32,6 +33,8 @@ TOTAL=${TOTAL_S:-420}
 STEP=${STEP_S:-100}
 N_DEVICES=${N_DEVICES:-5000}
 SHARDS_LIST=${SHARDS_LIST:-"1 2 4 8 0"}
+WINDOW_SHARDS=${WINDOW_SHARDS:-"8 4"}  # then these again with the server's and shards' in-flight window WINDOW
+WINDOW=${WINDOW:-200}                   # (PROTOFL_RECEIVE_MAXIMUM: broker_server/capacity.py), while time is left
 OUT=${OUT:-/tmp/device-shards-out}
 PY=${PYTHON:-python3}
 LIBS_SKIP='^(linux-vdso|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libresolv|ld-linux)'
@@ -108,29 +111,36 @@ summary() {  # every result so far, as one table
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("| shards | uploads/s (start) | broker alone (mosquitto_sub) | ratio | server's transport alone | bare paho | "
+print("| shards | window | uploads/s (start) | broker alone (mosquitto_sub) | ratio | server's transport alone | bare paho | "
       "start / bare paho | load before |")
-print("|--:|--:|--:|--:|--:|--:|--:|--|")
+print("|--:|--:|--:|--:|--:|--:|--:|--:|--|")
 for f in sorted(out.glob("shards-*.json")):
     res = json.loads(f.read_text())
     load = res["machine"]["load_avg_before"]
+    window = f.stem.split("-window")[1] if "-window" in f.stem else "broker's (20)"
     for runs in res.get("broker", {}).get("tinyproto", {}).values():
         for r in runs:
-            print(f"| {r['shards'] or 'one process'} | {r['aggregator_uploads_per_s']:,.0f} | {r['broker_msgs_per_s']:,.0f} | "
+            print(f"| {r['shards'] or 'one process'} | {window} | {r['aggregator_uploads_per_s']:,.0f} | {r['broker_msgs_per_s']:,.0f} | "
                   f"{r['ratio']:.2f} | {r['transport_only_msgs_per_s']:,.0f} | {r['paho_only_msgs_per_s']:,.0f} | "
                   f"{r['aggregator_uploads_per_s'] / r['paho_only_msgs_per_s']:.2f} | {load} |")
 EOF
 }
 
-for s in $SHARDS_LIST; do
+steps=()
+for s in $SHARDS_LIST; do steps+=("$s:"); done
+for s in $WINDOW_SHARDS; do steps+=("$s:$WINDOW"); done
+for step in "${steps[@]}"; do
+  s=${step%%:*}
+  w=${step#*:}
+  name="$s${w:+-window$w}"
   b=$(left)
-  if [ "$b" -lt 30 ]; then say "not started: --shards $s (${b} s left)"; continue; fi
+  if [ "$b" -lt 30 ]; then say "not started: --shards $s ${w:+window $w }(${b} s left)"; continue; fi
   t=$(( b < STEP ? b : STEP ))
-  say "start --shards $s, $N_DEVICES devices (timeout ${t} s)"
+  say "start --shards $s${w:+, in-flight window $w}, $N_DEVICES devices (timeout ${t} s)"
   # Its own process group (setsid), so that a step cut by its timeout takes its server, broker and publishers along.
-  setsid $PY -m bench.bench_aggregator --skip-inprocess --broker \
+  PROTOFL_RECEIVE_MAXIMUM="$w" setsid $PY -m bench.bench_aggregator --skip-inprocess --broker \
     --broker-n "$N_DEVICES" --broker-workloads tinyproto --broker-repeats 1 --broker-shards "$s" \
-    --out "$OUT/shards-$s.md" > "$OUT/shards-$s.log" 2>&1 &
+    --out "$OUT/shards-$name.md" > "$OUT/shards-$name.log" 2>&1 &
   pid=$!
   ( sleep "$t"; kill -INT -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null ) &
   dog=$!
@@ -138,8 +148,8 @@ for s in $SHARDS_LIST; do
   rc=$?
   kill "$dog" 2>/dev/null
   kill -KILL -- "-$pid" 2>/dev/null  # what the step left running
-  say "end --shards $s: exit $rc; $(grep -E '^repeat' "$OUT/shards-$s.log" | sed 's/.*through the broker: //' | tail -1)"
-  [ "$rc" -ne 0 ] && tail -5 "$OUT/shards-$s.log" | tee -a "$LOG"
+  say "end $name: exit $rc; $(grep -E '^repeat' "$OUT/shards-$name.log" | sed 's/.*through the broker: //' | tail -1)"
+  [ "$rc" -ne 0 ] && tail -5 "$OUT/shards-$name.log" | tee -a "$LOG"
   rm -rf "$PWD"/bench-agg-broker-*  # a cut run's state dirs (the bench removes its own when it ends)
   summary
 done
