@@ -18,6 +18,7 @@ limit cannot hold, before anything is written.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from protofl.config import FederationConfig
@@ -37,6 +38,8 @@ MOSQUITTO_INFLIGHT = 20  # max_inflight_messages, Mosquitto's default: delivered
 # uploads delivered to it unacknowledged, so the most one journal group commit (one fsync) covers. None: the
 # broker's max_inflight_messages (MOSQUITTO_INFLIGHT). Measured in bench/results/AGGREGATOR.md (issue 48).
 SERVER_RECEIVE_MAXIMUM: int | None = None
+# Where the window is measured (bench/device_shards.sh): the server and the shards it spawns ask this one instead.
+RECEIVE_MAXIMUM_ENV = "PROTOFL_RECEIVE_MAXIMUM"
 QUEUE_HEADROOM = 2  # a restart's re-sends on top of a round's burst
 # Messages a device sends at once besides a phase's uploads: presence "online", join, metrics.
 BURST_EXTRA = 3
@@ -59,9 +62,26 @@ def queue_for_fleet(devices: int, uploads_per_phase: int) -> int:
     return max(DEFAULT_QUEUE, devices * (uploads_per_phase + BURST_EXTRA) * QUEUE_HEADROOM)
 
 
-def inflight_window(receive_maximum: int | None = SERVER_RECEIVE_MAXIMUM) -> int:
-    """Messages the broker may have delivered to one reader unacknowledged: its Receive Maximum, else the broker's."""
-    return receive_maximum if receive_maximum is not None else MOSQUITTO_INFLIGHT
+def server_receive_maximum() -> int | None:
+    """The Receive Maximum the server and its shards ask: $PROTOFL_RECEIVE_MAXIMUM where set (1 to 65535), else
+    SERVER_RECEIVE_MAXIMUM (None: the broker's own window)."""
+    raw = os.environ.get(RECEIVE_MAXIMUM_ENV, "").strip()
+    if not raw:
+        return SERVER_RECEIVE_MAXIMUM
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise ConfigError(f"{RECEIVE_MAXIMUM_ENV}={raw!r}: the in-flight window is 1 to 65535 messages")
+    return value
+
+
+def inflight_window(receive_maximum: int | None = None) -> int:
+    """Messages the broker may have delivered to one reader unacknowledged: `receive_maximum` (default: what the
+    server asks, `server_receive_maximum`), else the broker's own window."""
+    window = server_receive_maximum() if receive_maximum is None else receive_maximum
+    return window if window is not None else MOSQUITTO_INFLIGHT
 
 
 def resend_window(queue: int, uploads_per_phase: int, window: int | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from broker_server import shard_wire
-from broker_server.capacity import DEFAULT_QUEUE, SERVER_RECEIVE_MAXIMUM, resend_window, uploads_per_phase
+from broker_server.capacity import DEFAULT_QUEUE, resend_window, server_receive_maximum, uploads_per_phase
 from broker_server.coordinator import Coordinator
 from broker_server.durable import DurableState
 from broker_server.progress import RoundProgress, accuracies
@@ -96,7 +96,7 @@ def server_transport(broker: Broker, fed: str, *, durable: bool = False) -> Mqtt
         deliver="pump",
         protocol=broker.protocol,
         manual_ack=durable,
-        receive_maximum=SERVER_RECEIVE_MAXIMUM,
+        receive_maximum=server_receive_maximum(),
     )
 
 

@@ -23,7 +23,7 @@ from typing import IO
 
 from broker_server import shard_wire
 from broker_server.broker import _die_with_parent
-from broker_server.capacity import SERVER_RECEIVE_MAXIMUM
+from broker_server.capacity import server_receive_maximum
 from broker_server.settings import CONNECT_TIMEOUT_S, DEFAULT_SHARD_TIMEOUT_S, Broker, ShardSettings
 from broker_server.shard import Shard
 from protofl import topics
@@ -57,7 +57,7 @@ def shard_transport(settings: ShardSettings, broker: Broker) -> MqttTransport:
         deliver="pump",
         protocol=broker.protocol,
         manual_ack=True,
-        receive_maximum=SERVER_RECEIVE_MAXIMUM,
+        receive_maximum=server_receive_maximum(),
     )
 
 

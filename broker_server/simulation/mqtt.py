@@ -31,6 +31,7 @@ from broker_server.service import AggregatorService, server_transport
 from broker_server.shell import Aggregator, decoder_limits
 from broker_server.simulation.deploy import join_artifact_args
 from broker_server.simulation.links import Links, UploadWatcher
+from broker_server.simulation.memory import MALLOC_ENV
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
 from broker_server.simulation.timeline import LinkReport
@@ -148,7 +149,11 @@ class AgentProcesses:
         return Path(self._tmp.name) / f"{client_id(i)}.log"
 
     def start(self) -> None:
-        base = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        base = dict(
+            os.environ,
+            **MALLOC_ENV,  # the device processes keep the memory they free, as the simulator's own (memory.py)
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        )
         # N torch processes on this machine's cores: their OpenMP threads sleep when idle rather than spin on
         # cores the other devices need (one small run beside two others: half the CPU time, the same report).
         base.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -44,6 +44,10 @@ def run_simulation(
         raise ConfigError(f"unknown transport '{spec.transport}'; use {' or '.join(TRANSPORTS)}")
     import torch  # the agents train with torch; imported here, not on the service path
 
+    from broker_server.simulation.memory import keep_freed_memory
+
+    keep_freed_memory()  # each batch's activations reuse the last one's pages (the system time, issue 48)
+
     from edge_agent.devices import resolve_device
 
     spec = dataclasses.replace(spec, device=resolve_device(spec.device))

@@ -60,6 +60,21 @@ def test_the_queue_is_sized_from_the_fleet_and_never_below_the_old_default() -> 
     assert inflight_window(None) == MOSQUITTO_INFLIGHT and inflight_window(300) == 300
 
 
+def test_the_server_window_can_be_set_for_a_measurement_and_a_bad_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker_server.capacity import RECEIVE_MAXIMUM_ENV, server_receive_maximum
+    from protofl.errors import ConfigError
+
+    monkeypatch.setenv(RECEIVE_MAXIMUM_ENV, "200")
+    assert server_receive_maximum() == 200 and inflight_window() == 200
+    assert resend_window(1000, 1) == (1000 + 200) // 4
+    for bad in ("0", "70000", "many"):
+        monkeypatch.setenv(RECEIVE_MAXIMUM_ENV, bad)
+        with pytest.raises(ConfigError, match="1 to 65535"):
+            server_receive_maximum()
+
+
 def test_broker_config_prints_the_queue_for_its_fleet_and_the_sys_interval(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
