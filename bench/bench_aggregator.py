@@ -53,6 +53,11 @@ WORKLOADS = ("tinyproto", "protofl", "fedproto", "apud")
 # -- part 1: in-process ---------------------------------------------------------------------------
 
 
+def _path(tree: Path) -> str:
+    """`tree` first on a child's import path, before what ours has (carried wheels on a bare machine)."""
+    return os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def workload_preset(name: str) -> tuple[str, dict[str, Any]]:
     """The preset and config values of workload `name` (besides the federation's size)."""
     common: dict[str, Any] = dict(num_classes=10, proto_dim=512, seed=0)
@@ -191,7 +196,7 @@ REFERENCE_READER = "this, reference reader"  # the label of `--readers`' extra c
 
 
 def run_worker(tree: Path, workload: str, n: int, reader: str = "") -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", BENCH_READER=reader)
+    env = dict(os.environ, PYTHONPATH=_path(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", BENCH_READER=reader)
     # Run this file by path: the tree under test may not have it.
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--n", str(n)],
@@ -427,7 +432,7 @@ def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wa
         "--fed",
         fed,
     ] + (["--wait-round"] if wait_round else [])
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=_path(REPO)))
 
 
 def _free_port() -> int:
@@ -442,7 +447,8 @@ def _wait_for(path: Path, timeout: float, proc: Any) -> None:
     end = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError(f"{path} did not appear (server exit code {proc.poll()})")
+            said = proc.stdout.read()[-3000:] if proc.poll() is not None and proc.stdout is not None else ""
+            raise RuntimeError(f"{path} did not appear (server exit code {proc.poll()}); its output:\n{said}")
         time.sleep(0.1)
 
 
@@ -535,7 +541,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(tree)),
+        env=dict(os.environ, PYTHONPATH=_path(tree)),
     )
     creds = state / "security" / "devices"
     cpu = CpuSampler(server.pid)
@@ -638,7 +644,7 @@ def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, 
         [sys.executable, str(Path(__file__).resolve()), mode, str(port), "--fed", fed, "--n", str(n)],
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(tree), BENCH_PASSWORD=password),
+        env=dict(os.environ, PYTHONPATH=_path(tree), BENCH_PASSWORD=password),
     )
     assert reader.stdout is not None
     if reader.stdout.readline().strip() != "subscribed":

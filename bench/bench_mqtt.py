@@ -152,7 +152,7 @@ def _spawn_publisher(url: str, n: int, classes: int, dim: int, wait_round: bool)
         "--dim",
         str(dim),
     ] + (["--wait-round"] if wait_round else [])
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
 

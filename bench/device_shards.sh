@@ -6,10 +6,10 @@
 #     bash bench/device_shards.sh --prepare
 #     python -m pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #         --platform manylinux_2_28_x86_64 --no-deps -d runs/device-carry/wheels \
-#         paho-mqtt==2.2.0 msgpack==1.2.4 msgspec==0.22.0 typer==0.29.2 click==8.4.0 rich==15.0.0 \
-#         markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.20.0 shellingham==1.5.4 typing_extensions==4.15.0 \
+#         paho-mqtt==2.2.0 msgpack==1.2.4 msgspec==0.22.0 \
 #         cryptography==48.0.0 cffi==2.0.0 pycparser==3.0 prometheus_client==0.26.0 numpy==2.4.6
-# (the versions this box runs; numpy is installed only where the machine's Python has none).
+# (the versions this box runs; numpy is installed only where the machine's Python has none; not typer, click or
+# rich: the machine has its own, and a carried typer 0.29.2 needs pydantic, which it lacks).
 # There (the device tool's command, from the repository root, carry ["runs/device-carry"]):
 #     bash bench/device_shards.sh
 #
