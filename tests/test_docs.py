@@ -69,8 +69,10 @@ def with_sizes(script: str, sizes: list[tuple[str, str]]) -> str:
     out = []
     for line in lines:
         for opt, value in sizes:
-            if re.search(rf"{re.escape(opt)}[ =]\S+", line):
-                line = re.sub(rf"{re.escape(opt)}[ =]\S+", f"{opt} {value}", line)
+            # `--set key=value` is one option per key; any other option is one option
+            given = re.escape(opt) + (rf"[ =]{re.escape(value.split('=')[0])}=\S+" if opt == "--set" else r"[ =]\S+")
+            if re.search(given, line):
+                line = re.sub(given, f"{opt} {value}", line)
             elif "protofl-server simulate" in line:
                 code, sep, comment = line.partition("  #")
                 line = f"{code.rstrip()} {opt} {value}" + (f"  {sep.strip()}{comment}" if sep else "")
@@ -118,9 +120,10 @@ def test_every_page_has_its_blocks_run_or_says_why() -> None:
 def test_sizes_replace_and_add() -> None:
     script = "protofl-server simulate --rounds 20 --json out.json  # comment\nprotofl-edge models\n"
     got = with_sizes(script, [("--rounds", "1"), ("--train-limit", "600")])
-    assert (
-        got == "protofl-server simulate --rounds 1 --json out.json --train-limit 600  # comment\nprotofl-edge models\n"
-    )
+    want = "protofl-server simulate --rounds 1 --json out.json --train-limit 600  # comment\nprotofl-edge models\n"
+    assert got == want
+    got = with_sizes("protofl-server simulate --set a=1 --set b=2\n", [("--set", "b=3"), ("--set", "c=4")])
+    assert got == "protofl-server simulate --set a=1 --set b=3 --set c=4\n"
 
 
 @pytest.mark.slow
