@@ -4,7 +4,7 @@ A page's ```bash blocks run in order, as one bash script, through the real comma
 `protofl-edge`, `protofl-export` of this checkout), in a fresh directory that holds a `tests` link to the
 repository's (the pages' commands are typed in a clone). Where a page says its sizes are made smaller in the doc
 tests (`<!-- doc-test sizes: --opt N ... -->`, and a note that says the same to the reader), each of those options
-takes that value where a command gives it, and every `protofl-server simulate` that does not gets it added. Port
+takes that value where a command gives it, and every `protofl-server simulate` or `start` that does not gets it added. Port
 1883 becomes a free port. A block whose first line is `# not run by the doc tests: REASON` is not run (a real
 Raspberry Pi, an installer); the reason is required.
 """
@@ -73,7 +73,7 @@ def with_sizes(script: str, sizes: list[tuple[str, str]]) -> str:
             given = re.escape(opt) + (rf"[ =]{re.escape(value.split('=')[0])}=\S+" if opt == "--set" else r"[ =]\S+")
             if re.search(given, line):
                 line = re.sub(given, f"{opt} {value}", line)
-            elif "protofl-server simulate" in line:
+            elif "protofl-server simulate" in line or "protofl-server start" in line:
                 code, sep, comment = line.partition("  #")
                 line = f"{code.rstrip()} {opt} {value}" + (f"  {sep.strip()}{comment}" if sep else "")
         out.append(line)
