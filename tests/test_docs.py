@@ -4,13 +4,14 @@ A page's ```bash blocks run in order, as one bash script, through the real comma
 `protofl-edge`, `protofl-export` of this checkout), in a fresh directory that holds a `tests` link to the
 repository's (the pages' commands are typed in a clone). Where a page says its sizes are made smaller in the doc
 tests (`<!-- doc-test sizes: --opt N ... -->`, and a note that says the same to the reader), each of those options
-takes that value where a command gives it, and every `protofl-server simulate` or `start` that does not gets it added. Port
-1883 becomes a free port. A block whose first line is `# not run by the doc tests: REASON` is not run (a real
-Raspberry Pi, an installer); the reason is required.
+takes that value where a command gives it, and every `protofl-server simulate` or `start` that takes it but does
+not give it gets it added. Port 1883 becomes a free port. A block whose first line is `# not run by the doc tests: REASON` is not run
+(a real Raspberry Pi, an installer); the reason is required.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -63,19 +64,35 @@ def read_page(path: Path) -> Page:
     return Page(path, run, skipped, sizes)
 
 
+@functools.cache
+def server_options(command: str) -> frozenset[str]:
+    """The options `protofl-server COMMAND` takes (a size is added only to a command that has the option)."""
+    import typer
+
+    from broker_server.cli import app
+
+    cmd = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    return frozenset(name for p in cmd.params for name in p.opts)
+
+
 def with_sizes(script: str, sizes: list[tuple[str, str]]) -> str:
-    """The script with the page's doc-test sizes: replaced where given, added to every `simulate` that lacks them."""
+    """The script with the page's doc-test sizes: replaced where given, added to every `simulate` or `start` that
+    takes the option and lacks it."""
     lines = script.replace("\\\n", " ").splitlines()  # one line per command
     out = []
     for line in lines:
+        server = re.search(r"protofl-server (simulate|start)\b", line)
         for opt, value in sizes:
             # `--set key=value` is one option per key; any other option is one option
             given = re.escape(opt) + (rf"[ =]{re.escape(value.split('=')[0])}=\S+" if opt == "--set" else r"[ =]\S+")
             if re.search(given, line):
                 line = re.sub(given, f"{opt} {value}", line)
-            elif "protofl-server simulate" in line or "protofl-server start" in line:
+            elif server and opt in server_options(server.group(1)):
                 code, sep, comment = line.partition("  #")
-                line = f"{code.rstrip()} {opt} {value}" + (f"  {sep.strip()}{comment}" if sep else "")
+                code, amp = code.rstrip(), ""
+                if code.endswith("&"):  # a command sent to the background
+                    code, amp = code[:-1].rstrip(), " &"
+                line = f"{code} {opt} {value}{amp}" + (f"  {sep.strip()}{comment}" if sep else "")
         out.append(line)
     return "\n".join(out) + "\n"
 
@@ -119,11 +136,13 @@ def test_every_page_has_its_blocks_run_or_says_why() -> None:
 
 def test_sizes_replace_and_add() -> None:
     script = "protofl-server simulate --rounds 20 --json out.json  # comment\nprotofl-edge models\n"
-    got = with_sizes(script, [("--rounds", "1"), ("--train-limit", "600")])
+    got = with_sizes(script, [("--rounds", "1"), ("--train-limit", "600"), ("--train-n", "300")])
     want = "protofl-server simulate --rounds 1 --json out.json --train-limit 600  # comment\nprotofl-edge models\n"
     assert got == want
     got = with_sizes("protofl-server simulate --set a=1 --set b=2\n", [("--set", "b=3"), ("--set", "c=4")])
     assert got == "protofl-server simulate --set a=1 --set b=3 --set c=4\n"
+    got = with_sizes("protofl-server start \\\n    --rounds 5 &  # in the background\n", [("--set", "e=1")])
+    assert got == "protofl-server start      --rounds 5 --set e=1 &  # in the background\n"
 
 
 @pytest.mark.slow
@@ -138,20 +157,17 @@ def test_the_page_runs(path: Path, tmp_path: Path) -> None:
     (work / "tests").symlink_to(REPO / "tests")
     env = dict(os.environ, PATH=f"{shims(tmp_path)}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(REPO)  # `python` in a block imports this checkout too
-    proc = subprocess.Popen(
-        ["bash", "-c", script],
-        cwd=work,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    finally:
+    log = tmp_path / "output.log"  # a file, not a pipe: a failed page's background server would hold a pipe open
+    with log.open("w") as fh:
+        proc = subprocess.Popen(
+            ["bash", "-c", script], cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # what a failed page left in the background
-        except ProcessLookupError:
-            pass
+            proc.wait(timeout=TIMEOUT_S)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what a failed page left in the background
+            except ProcessLookupError:
+                pass
+    out = log.read_text(errors="replace")
     assert proc.returncode == 0, f"{path.relative_to(REPO)} failed:\n{script}\n--- output ---\n{out[-6000:]}"
