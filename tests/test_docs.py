@@ -5,8 +5,8 @@ A page's ```bash blocks run in order, as one bash script, through the real comma
 repository's (the pages' commands are typed in a clone). Where a page says its sizes are made smaller in the doc
 tests (`<!-- doc-test sizes: --opt N ... -->`, and a note that says the same to the reader), each of those options
 takes that value where a command gives it, and every `protofl-server simulate` or `start` that takes it but does
-not give it gets it added. Port 1883 becomes a free port. A block whose first line is `# not run by the doc tests: REASON` is not run
-(a real Raspberry Pi, an installer); the reason is required.
+not give it gets it added. Port 1883 becomes a free port. A block whose first line is
+`# not run by the doc tests: REASON` is not run (a real Raspberry Pi, an installer); the reason is required.
 """
 
 from __future__ import annotations
