@@ -1,6 +1,6 @@
 """`protofl-server shard`: one aggregator shard joining a sharded federation's coordinator through their
 broker (docs/design.md, "Scale-out"). `protofl-server start --shards N` runs N of these as its children;
-on other machines, run them against the same broker (README, "Sharded aggregators")."""
+on other machines, run them against the same broker (docs/how-to/sharded-aggregators.md)."""
 
 from __future__ import annotations
 

@@ -128,7 +128,7 @@ def test_a_worker_killed_with_no_restart_left_ends_the_run_naming_its_devices(cl
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_cli_joins_a_running_cluster_by_its_address(cluster: Any, tmp_path: Any) -> None:
-    """What the README shows: `ray start --head` elsewhere, then `simulate --backend ray --ray-address ...`."""
+    """What docs/how-to/ray.md shows: `ray start --head` elsewhere, then `simulate --backend ray --ray-address ...`."""
     out = tmp_path / "r.json"
     args = [
         "--preset",
