@@ -54,7 +54,7 @@ from protofl.names import MAX_TEXT
 from protofl.traits import Traits, device_traits
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Config, Status, decode_message, encode_message
+from protofl.wire import Config, RoundStart, Status, decode_message, encode_message
 
 log = logging.getLogger("protofl.edge")
 SERVER_UP = ("waiting", "running")
@@ -463,9 +463,10 @@ class DeviceRunner:
         if self._hold(topic, payload) or self.agent is None:
             return
         agent = self.agent
-        if self.transport.waiting(topic):
+        if self.transport.waiting(topic) and not _never_skipped(payload):
             # A newer round message is already here (the server moved on while we trained: asynchronous rounds,
-            # broker_server/buffered.py): training on this one would only make an older upload.
+            # broker_server/buffered.py): training on this one would only make an older upload. A final one is
+            # never skipped: it carries the federation's end and its artifacts.
             log.debug("%s: a round message skipped, a newer one waits behind it", self.client_id)
             return
         # When the message came off the wire: the time this thread was busy before it is not our compute.
@@ -577,3 +578,13 @@ class DeviceRunner:
     ) -> None:
         payload = self._status(state, detail, round_, phase, traits)
         self.transport.publish(topics.presence(self.fed, self.client_id), payload, retain=True)
+
+
+def _never_skipped(payload: bytes) -> bool:
+    """A round message handled even when a newer one waits: the federation's last (its end and its artifacts), or
+    one this cheap look cannot tell (the agent decodes it with the federation's limits and says what is wrong)."""
+    try:
+        msg = decode_message(payload)[1]
+    except ProtoFLError:
+        return True
+    return not isinstance(msg, RoundStart) or msg.final

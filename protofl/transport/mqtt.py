@@ -208,7 +208,8 @@ class MqttTransport:
         self._seq = 0
         self._inbox: queue.SimpleQueue[tuple[str, bytes, int, int, int] | None] = queue.SimpleQueue()
         self.inbox_topic_bytes = INBOX_TOPIC_BYTES
-        self._held: dict[str, list[int]] = {}  # topic -> [payload bytes, messages] of it in the inbox
+        # topic -> [payload bytes, messages, messages with a payload] of it in the inbox
+        self._held: dict[str, list[int]] = {}
         self._held_total = 0  # payload bytes in the inbox, all topics
         self.inbox_total_bytes = INBOX_TOTAL_BYTES
         self._held_lock = threading.Lock()  # never held while taking another lock
@@ -337,11 +338,11 @@ class MqttTransport:
         return n
 
     def waiting(self, topic: str) -> int:
-        """How many messages of `topic` wait in the inbox behind the one being handled (a handler's question: is a
-        newer one already here?)."""
+        """How many messages of `topic` with a payload wait in the inbox behind the one being handled (a handler's
+        question: is a newer one already here? An empty one, a retained message cleared, is not one)."""
         with self._held_lock:
             held = self._held.get(topic)
-            return held[1] if held is not None else 0
+            return held[2] if held is not None else 0
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every QoS >= 1 publish so far is acknowledged by the broker."""
@@ -611,13 +612,14 @@ class MqttTransport:
         with self._held_lock:
             held = self._held.get(msg.topic)
             if held is None:
-                held = self._held[msg.topic] = [0, 0]
+                held = self._held[msg.topic] = [0, 0, 0]
             windowed = self.manual_ack and msg.qos > 0 and held[1] < INBOX_TOPIC_MESSAGES
             over = (held[1] >= INBOX_TOPIC_MESSAGES and held[0] + n > self.inbox_topic_bytes) or (
                 not windowed and self._held_total + n > self.inbox_total_bytes
             )
             if not over:
                 held[0] += n
+                held[2] += n > 0
                 self._held_total += n
             if not over or (self.manual_ack and msg.qos > 0):  # queued: the message, or its acknowledgement
                 held[1] += 1
@@ -673,6 +675,7 @@ class MqttTransport:
             if held is not None:
                 held[0] -= len(payload)
                 held[1] -= 1
+                held[2] -= len(payload) > 0
                 self._held_total -= len(payload)
                 if held[1] <= 0:
                     del self._held[topic]
