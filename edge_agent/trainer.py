@@ -191,10 +191,14 @@ def embed(
     rows at a time (`transform`: applied to each batch of inputs first)."""
     model.eval()
     device = next(model.parameters()).device
-    out = []
-    for i in range(0, len(x), batch_size):
+    out: np.ndarray | None = None  # filled a batch at a time: the features are never held twice
+    n = len(x)
+    for i in range(0, n, batch_size):
         xb = rows(x, slice(i, i + batch_size), device)
-        out.append(model.features(xb if transform is None else transform(xb)).cpu())
-    if not out:
+        z = model.features(xb if transform is None else transform(xb)).cpu().numpy()
+        if out is None:
+            out = np.empty((n, *z.shape[1:]), dtype=z.dtype)
+        out[i : i + len(z)] = z
+    if out is None:
         return np.zeros((0, model.proto_dim), dtype=np.float32)
-    return torch.cat(out).numpy().astype(np.float32, copy=False)
+    return out.astype(np.float32, copy=False)

@@ -123,7 +123,8 @@ def _read_idx_stream(f: io.BufferedIOBase, p: Path) -> np.ndarray:
     while pos < expected:
         if pos == len(buf):
             buf.extend(bytes(min(len(buf), expected - len(buf))))
-        with memoryview(buf) as view, view[pos:] as rest:
+        # 4 MiB at a time: a gzip stream asked for everything decompresses it all into one bytes object first.
+        with memoryview(buf) as view, view[pos : pos + (1 << 22)] as rest:
             n = f.readinto(rest)
         if not n:
             break
