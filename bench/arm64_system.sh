@@ -62,6 +62,8 @@ mount_all() {
     fi
   done
   cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
+  # pip inside verifies TLS with the host's CA bundle (a host behind a TLS-inspecting proxy trusts its CA there)
+  cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/protofl-host-ca.crt"
 }
 umount_all() {
   local i
@@ -71,7 +73,7 @@ umount_all() {
 trap umount_all EXIT
 
 in_root() {  # a command inside the arm64 system, with the device venv first on PATH
-  chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 \
+  chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 PIP_CERT=/etc/protofl-host-ca.crt \
     PATH=/opt/protofl/device/bin:/opt/protofl/onnx/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     ${PROTOFL_ARM64_ENV:-} "$@"
 }

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "arm64_system.sh"
@@ -82,7 +83,7 @@ def tree_hwm_mb(pid: int) -> float:
     return max([best, *(tree_hwm_mb(int(k)) for k in kids)])
 
 
-def run_join(work: Path, args: argparse.Namespace, installed: bool) -> dict[str, object]:
+def run_join(work: Path, args: argparse.Namespace, installed: bool) -> dict[str, Any]:
     """A federation of one arm64 device; `installed`: the package as pip installed it (else this tree's source)."""
     port, fed = free_port(), f"arm64-{os.getpid()}"
     server = host_server(work, port, args.rounds, fed)
@@ -133,7 +134,7 @@ def run_join(work: Path, args: argparse.Namespace, installed: bool) -> dict[str,
     }
 
 
-def run_predict(work: Path) -> dict[str, object]:
+def run_predict(work: Path) -> dict[str, Any]:
     """Export the device's model on the host, label 500 test images inside the arm64 onnx-only venv."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     arts = next((work / "pi").glob("**/devices/pi"))

@@ -12,7 +12,7 @@ Also the installed size of each extra: the files pip installed for every distrib
 dependency closure, from this interpreter's site-packages: importlib.metadata's RECORD), base install included.
 
     python -m bench.bench_footprint [--archs cnn,mlp,resnet8,mobilenetv2,resnet18] [--presets protofl,fedavg,fedproto]
-        [--train-limit 3000] [--rounds 1] [--threads 1] [--out bench/results/FOOTPRINT.md]
+        [--images 2400] [--rounds 1] [--threads 1] [--out bench/results/FOOTPRINT.md]
 """
 
 from __future__ import annotations
@@ -67,6 +67,19 @@ def trained_params(arch: str) -> tuple[int, int]:
     return n, 4 * n
 
 
+def own_data(where: Path, n: int) -> Path:
+    """A device's own data: the first `n` Fashion-MNIST training images as an npz without a test split (the
+    device holds 25 % out for its own accuracy, as `join` does with a user's data)."""
+    import numpy as np
+
+    from protofl.data import load_dataset
+
+    train, _ = load_dataset("fashion-mnist")
+    path = where / "own.npz"
+    np.savez(path, x=train.x[:n], y=train.y[:n])
+    return path
+
+
 def one_run(arch: str, preset: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -83,7 +96,7 @@ def one_run(arch: str, preset: str, args: argparse.Namespace, work: Path) -> dic
     t0 = time.time()
     join = subprocess.Popen(
         [sys.executable, "-m", "edge_agent.cli", "join", "-v", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", fed,
-         "--client-id", "dev0", "--data", "fashion-mnist", "--train-limit", str(args.train_limit),
+         "--client-id", "dev0", "--data", f"npz:{args.npz}",
          "--threads", str(args.threads), "--connect-timeout", "120"],
         env=env, stdout=open(where / "join.log", "wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -128,6 +141,41 @@ def one_run(arch: str, preset: str, args: argparse.Namespace, work: Path) -> dic
         "grad_plus_momentum_mb": 2 * pbytes / 2**20,
         "wall_s": time.time() - t0,
     }
+
+
+FLOOR = """
+import sys
+from edge_agent.memory import pin_allocator
+if "--pin" in sys.argv:
+    pin_allocator()
+import torch
+def hwm():
+    return max(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
+torch.set_num_threads(1)
+t = hwm()
+from edge_agent.models import build_model
+from edge_agent.trainer import SGD
+m = build_model(sys.argv[1], (1, 28, 28), 10)
+b = hwm()
+opt = SGD(list(m.parameters()), lr=0.01, momentum=0.9)
+x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+for _ in range(10):
+    loss = torch.nn.functional.cross_entropy(m.head(m.features(x)), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print(t, b, hwm())
+"""
+
+
+def floor(arch: str, pin: bool = True) -> tuple[float, float, float]:
+    """(peak after `import torch`, after building the model, after 10 SGD steps at batch 64): torch alone, one
+    thread, no agent, no data, no MQTT: what any torch device process training `arch` holds at least."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    argv = [sys.executable, "-c", FLOOR, arch, *(["--pin"] if pin else [])]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    a, b, c = (float(v) for v in out.stdout.split())
+    return a, b, c
 
 
 def extra_sizes() -> dict[str, tuple[float, list[str]]]:
@@ -188,12 +236,12 @@ def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]]
         "# FOOTPRINT: the device agent's memory (issue 44)",
         "",
         f"Measured by `python -m bench.bench_footprint --archs {','.join(args.archs)} --presets "
-        f"{','.join(args.presets)} --train-limit {args.train_limit} --rounds {args.rounds} --threads {args.threads}` "
+        f"{','.join(args.presets)} --images {args.images} --rounds {args.rounds} --threads {args.threads}` "
         f"on {cpu} ({os.cpu_count()} cores, shared: load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the "
         f"end), Python {platform.python_version()}, torch {torch.__version__}, x86-64. Each row: a real "
-        "`protofl-server start` (its local Mosquitto) and one real `protofl-edge join -v --data fashion-mnist "
-        f"--train-limit {args.train_limit} --threads {args.threads}` (Fashion-MNIST from Debian's package: "
-        f"{args.train_limit} training images, the 10,000-image t10k split as its own test set), "
+        "`protofl-server start` (its local Mosquitto) and one real `protofl-edge join -v --data npz:own.npz "
+        f"--threads {args.threads}` (its own data: the first {args.images} images of Fashion-MNIST's training split "
+        "from Debian's package, 25 % held out for its accuracy), "
         f"{args.rounds} round(s). "
         "Resident memory in MB (MiB) as the kernel counts it (/proc/PID/status: VmHWM is the peak, kept by the "
         "kernel, so no spike is missed); the phases are the device's own marks (edge_agent/memory.py), the growth "
@@ -219,6 +267,18 @@ def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]]
         )
     lines += [
         "",
+        "The floor: a bare process (`import torch`, build the model, 10 SGD steps at batch 64 on random inputs, one "
+        "thread; no agent, no data, no MQTT), peak resident MB after each. `import torch` alone is the first column: "
+        "no device process training with torch holds less.",
+        "",
+        "| arch | import torch | + model | + 10 training steps | the same, glibc's mmap threshold left dynamic |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for arch in dict.fromkeys(r["arch"] for r in runs):
+        a, b, c = floor(arch)
+        lines.append(f"| {arch} | {a:.0f} | {b:.0f} | {c:.0f} | {floor(arch, pin=False)[2]:.0f} |")
+    lines += [
+        "",
         "Installed size of each extra on this machine (x86-64 wheels, the files pip installed for the distributions "
         "the extra adds to the base install, from site-packages' RECORD files; the base install is numpy, msgpack, "
         "paho-mqtt, typer, rich, cryptography, prometheus-client and what they pull in). The aarch64 sizes are in "
@@ -236,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", default="cnn,mlp,resnet8,mobilenetv2,resnet18")
     ap.add_argument("--presets", default="protofl,fedavg,fedproto")
-    ap.add_argument("--train-limit", type=int, default=3000)
+    ap.add_argument("--images", type=int, default=2400, help="The device's own images (25 %% held out).")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800)
@@ -246,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     args.archs, args.presets = args.archs.split(","), args.presets.split(",")
     runs = []
     with tempfile.TemporaryDirectory(prefix="protofl-footprint-") as tmp:
+        args.npz = own_data(Path(tmp), args.images)
         for arch in args.archs:
             for preset in args.presets:
                 r = one_run(arch, preset, args, Path(tmp))
