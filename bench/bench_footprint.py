@@ -123,7 +123,9 @@ def one_run(arch: str, preset: str, args: argparse.Namespace, work: Path) -> dic
                     p.kill()
     log = (where / "join.log").read_text(errors="replace")
     if join.returncode != 0:
-        raise RuntimeError(f"{fed}: join exited with {join.returncode}:\n{log[-2000:]}")
+        slog = (where / "server.log").read_text(errors="replace")
+        return {"arch": arch, "preset": preset, "error": f"join exited with {join.returncode}", "log": log[-1500:],
+                "server_log": slog[-1500:]}  # fmt: skip
     marks: dict[str, tuple[float, float]] = {}
     for m in MARK.finditer(log):
         marks.setdefault(m.group(1), (float(m.group(2)), float(m.group(3))))  # the first round's
@@ -252,6 +254,9 @@ def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]]
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
+        if "error" in r:
+            lines.append(f"| {r['arch']} | {r['preset']} | | {r['error']} (see below) |" + " |" * 9)
+            continue
         marks = r["marks"]
         cells, prev = [], 0.0
         for ph in PHASES:
@@ -274,7 +279,7 @@ def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]]
         "| arch | import torch | + model | + 10 training steps | the same, glibc's mmap threshold left dynamic |",
         "|---|---:|---:|---:|---:|",
     ]
-    for arch in dict.fromkeys(r["arch"] for r in runs):
+    for arch in dict.fromkeys(r["arch"] for r in runs if "error" not in r):
         a, b, c = floor(arch)
         lines.append(f"| {arch} | {a:.0f} | {b:.0f} | {c:.0f} | {floor(arch, pin=False)[2]:.0f} |")
     lines += [
@@ -301,20 +306,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "FOOTPRINT.md"))
-    ap.add_argument("--json", default=None, help="Also write the raw runs here.")
+    ap.add_argument("--json", default=None, help="Write the raw runs here, after each run.")
+    ap.add_argument("--report-only", action="store_true", help="Write the report from --json's runs, run nothing.")
     args = ap.parse_args(argv)
     args.archs, args.presets = args.archs.split(","), args.presets.split(",")
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="protofl-footprint-") as tmp:
-        args.npz = own_data(Path(tmp), args.images)
-        for arch in args.archs:
-            for preset in args.presets:
-                r = one_run(arch, preset, args, Path(tmp))
-                print(f"{arch:12s} {preset:9s} peak {r['peak_mb']:6.1f} MB  {r['marks']}", flush=True)
-                runs.append(r)
-    if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=1))
+    runs: list[dict[str, Any]] = []
+    if args.report_only:
+        runs = json.loads(Path(args.json).read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="protofl-footprint-") as tmp:
+            args.npz = own_data(Path(tmp), args.images)
+            for arch in args.archs:
+                for preset in args.presets:
+                    r = one_run(arch, preset, args, Path(tmp))
+                    print(f"{arch:12s} {preset:9s} {r.get('peak_mb', r.get('error'))}  {r.get('marks')}", flush=True)
+                    runs.append(r)
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(runs, indent=1))
     text = report(runs, extra_sizes(), args)
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        text += "\nFailed runs (the device's and the server's last lines):\n\n" + "\n".join(
+            f"- {r['arch']} {r['preset']}: {r['error']}\n\n```\n{r['log'][-600:]}\n{r['server_log'][-600:]}\n```"
+            for r in failed
+        )
     Path(args.out).write_text(text)
     print(text)
 
