@@ -97,7 +97,7 @@ def one_run(arch: str, preset: str, args: argparse.Namespace, work: Path) -> dic
     join = subprocess.Popen(
         [sys.executable, "-m", "edge_agent.cli", "join", "-v", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", fed,
          "--client-id", "dev0", "--data", f"npz:{args.npz}",
-         "--threads", str(args.threads), "--connect-timeout", "120"],
+         "--threads", str(args.threads), "--connect-timeout", "1200"],
         env=env, stdout=open(where / "join.log", "wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
     hwm = vmpeak = rss_max = 0
