@@ -14,8 +14,11 @@
 #      carries $ROOT/.protofl-ready and is reused.
 #   3. Two virtual environments inside it, each from this tree's source copied to /opt/protofl/src, each taking
 #      PyPI's aarch64 wheels (the host's pip configuration is not copied in):
-#        /opt/protofl/device: pip install torch==2.13.0 (the aarch64 wheel on PyPI is the CPU build), then
-#                             pip install '/opt/protofl/src[device]'
+#        /opt/protofl/device: pip install torch==2.13.0, then pip install '/opt/protofl/src[device]'
+#                             Measured (issue 44): PyPI's aarch64 torch 2.13.0 wheel is NOT a CPU build: it pulls
+#                             nvidia-*-cu13 packages and triton (a 4.6 GB venv). Where download.pytorch.org is
+#                             reachable, take its CPU build: PROTOFL_ARM64_TORCH='torch==2.13.0 --index-url
+#                             https://download.pytorch.org/whl/cpu' (this machine could not reach it).
 #        /opt/protofl/onnx:   pip install '/opt/protofl/src[onnx]' (predict, no torch)
 #      and records their installed sizes in $ROOT/opt/protofl/sizes.txt.
 #   `run` mounts /proc, /sys, /dev, /tmp of the host (a federation's files and the host's server are reachable:
@@ -102,7 +105,8 @@ build() {
   copy_src
   local t0=$SECONDS
   in_root python3 -m venv /opt/protofl/device
-  in_root /opt/protofl/device/bin/pip install --no-cache-dir -q "$TORCH"
+  # shellcheck disable=SC2086  # $TORCH may carry pip options (--index-url ...)
+  in_root /opt/protofl/device/bin/pip install --no-cache-dir -q $TORCH
   in_root /opt/protofl/device/bin/pip install --no-cache-dir -q '/opt/protofl/src[device]'
   in_root python3 -m venv /opt/protofl/onnx
   in_root /opt/protofl/onnx/bin/pip install --no-cache-dir -q '/opt/protofl/src[onnx]'
