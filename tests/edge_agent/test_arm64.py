@@ -24,7 +24,8 @@ def test_an_arm64_device_finishes_a_federation(tmp_path_factory: pytest.TempPath
     work = Path("/tmp") / f"protofl-arm64-test-{tmp_path_factory.getbasetemp().name}"
     work.mkdir(mode=0o755, exist_ok=True)
     try:
-        for pkg in ("protofl", "edge_agent", "profiles"):  # this tree's agent, over the arm64 venv's installed dependencies
+        # this tree's agent, over the arm64 venv's installed dependencies
+        for pkg in ("protofl", "edge_agent", "profiles"):
             shutil.copytree(REPO / pkg, work / "src" / pkg, symlinks=True)
         args = argparse.Namespace(train_limit=120, test_limit=60, rounds=1, threads=2, timeout=1800)
         got = run_join(work, args, installed=False)
