@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from edge_agent import frozen, guard, trainer
+from edge_agent import frozen, guard, memory, trainer
 from edge_agent import params as model_params
 from edge_agent.artifacts import DeviceArtifacts, collect_device_artifacts
 from edge_agent.device_config import DeviceConfig, read_config
@@ -42,6 +42,7 @@ from protofl.adapter import layout_size
 from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
+from protofl.data.dataset import Images
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan, Upload
@@ -76,17 +77,18 @@ ArtifactMoment = Literal["first_training", "final"]
 
 @dataclass
 class ClientData:
-    """A client's private data, already normalised float32 (n, c, h, w), plus evaluation splits.
+    """A client's private data, normalised float32 (n, c, h, w) or uint8 `Images` normalised per batch (how `join`
+    holds it: a quarter of the bytes), plus evaluation splits.
 
     `x_global`/`y_global` (the official test set) exist only in simulation, for global and
     ensemble accuracy; a field device reports accuracy on its own held-out split only.
     """
 
-    x_train: np.ndarray
+    x_train: np.ndarray | Images
     y_train: np.ndarray
-    x_test: np.ndarray
+    x_test: np.ndarray | Images
     y_test: np.ndarray
-    x_global: np.ndarray | None = None
+    x_global: np.ndarray | Images | None = None
     y_global: np.ndarray | None = None
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
@@ -211,7 +213,12 @@ class EdgeAgent:
         self.upload_budget: Callable[[float], int | None] | None = clock.budget if clock is not None else None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the clock's timings, the upload choice)
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
-        self._x = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
+        # uint8 images stay so (normalised per batch); normalised arrays become a tensor on the device, as before.
+        self._x: trainer.Inputs = (
+            data.x_train
+            if isinstance(data.x_train, Images)
+            else torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
+        )
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
 
     @property
@@ -427,6 +434,7 @@ class EdgeAgent:
             )
         )
         self.handled.clear()
+        memory.mark("model")
         if self._step is not None:
             self._step.configured = True
 
@@ -600,9 +608,11 @@ class EdgeAgent:
             stats = frozen.train_on_cached_features(model, h, self._y, cfg, self.objective, seed, momentum=momentum)
         else:
             stats = trainer.train_local(model, self._x, self._y, cfg, self.objective, seed=seed, momentum=momentum)
+        memory.mark("training")
         self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline, stats.seen):
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
+        memory.mark("uploads")
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
             self._send(
@@ -610,6 +620,7 @@ class EdgeAgent:
                 round_,
                 Phase.TRAIN.value,
             )
+            memory.mark("evaluation")
         self._z_train = None
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:

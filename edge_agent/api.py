@@ -156,6 +156,9 @@ def make_runner(
     from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
 
     dataset_spec(data)  # a --data that names nothing or a bad spec fails now, before torch is imported
+    from edge_agent.memory import pin_allocator
+
+    pin_allocator()  # before torch allocates: its freed buffers go back to the system (edge_agent/memory.py)
     import torch
 
     from edge_agent.runner import DeviceRunner, RunnerOptions

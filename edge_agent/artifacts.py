@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from edge_agent import trainer
 from edge_agent.models import ProtoNet
@@ -58,8 +57,7 @@ def model_spec(
 def _own_prototypes(agent: EdgeAgent) -> tuple[dict[int, np.ndarray], dict[int, int], str]:
     """This device's class means through its current model: (table, counts, metric)."""
     assert agent.model is not None and agent.plan is not None
-    x = torch.from_numpy(np.ascontiguousarray(agent.data.x_train, dtype=np.float32)).to(agent.device)
-    z = trainer.embed(agent.model, x)
+    z = trainer.embed(agent.model, agent.data.x_train)
     y = agent.data.y_train
     found = agent.local_prototypes(z, y)  # the technique's own kind (unit prototypes, ...)
     table, counts = found if found is not None else local_prototypes(z, y, agent.plan.num_classes)

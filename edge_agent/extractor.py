@@ -27,6 +27,7 @@ from edge_agent import trainer
 from edge_agent.models import ProtoNet, head_probabilities
 from edge_agent.onnx_export import ExportError, export_onnx
 from edge_agent.onnx_runtime import embed_onnx, session
+from protofl.data.dataset import Images
 from protofl.errors import ConfigError
 from protofl.names import EXTRACTORS, check_extractor
 
@@ -39,11 +40,11 @@ __all__ = ["EXTRACTORS", "Extractor", "OnnxExtractor", "TorchExtractor", "make_e
 class Extractor(Protocol):
     model: ProtoNet
 
-    def embed(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
-        """z (n, m) float32 for images x (n, c, h, w), normalised float32."""
+    def embed(self, x: trainer.Inputs) -> np.ndarray:
+        """z (n, m) float32 for images x (n, c, h, w): normalised float32, or uint8 `Images` normalised per batch."""
         ...
 
-    def predict_proba(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
+    def predict_proba(self, x: trainer.Inputs) -> np.ndarray:
         """(n, C) class probabilities: the head's softmax (models.head_probabilities)."""
         ...
 
@@ -81,10 +82,10 @@ class TorchExtractor:
     def __init__(self, model: ProtoNet) -> None:
         self.model = model
 
-    def embed(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
-        return trainer.embed(self.model, _as_tensor(x, self.model))
+    def embed(self, x: trainer.Inputs) -> np.ndarray:
+        return trainer.embed(self.model, x if isinstance(x, Images) else _as_tensor(x, self.model))
 
-    def predict_proba(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
+    def predict_proba(self, x: trainer.Inputs) -> np.ndarray:
         return head_probabilities(self.model, self.embed(x))
 
 
@@ -152,8 +153,14 @@ class OnnxExtractor:
             f"could not export the {self.model.arch} {what} graph: {'; '.join(errors)}; use --extractor torch"
         )
 
-    def embed(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
-        out = embed_onnx(self._current_session(), _as_numpy(x), self.batch_size)
+    def embed(self, x: trainer.Inputs) -> np.ndarray:
+        sess = self._current_session()
+        if isinstance(x, Images):  # normalised a block at a time, never the whole set
+            block = self.batch_size * 8
+            parts = [embed_onnx(sess, x[i : i + block], self.batch_size) for i in range(0, len(x), block)]
+            out = np.concatenate(parts) if parts else embed_onnx(sess, x[0:0], self.batch_size)
+        else:
+            out = embed_onnx(sess, _as_numpy(x), self.batch_size)
         if not self.frozen_backbone:
             return out
         self.model.eval()  # as trainer.embed: extraction happens in eval mode
@@ -161,7 +168,7 @@ class OnnxExtractor:
             z = self.model.features_from_backbone(_as_tensor(out, self.model))
         return z.cpu().numpy().astype(np.float32, copy=False)
 
-    def predict_proba(self, x: np.ndarray | torch.Tensor) -> np.ndarray:
+    def predict_proba(self, x: trainer.Inputs) -> np.ndarray:
         return head_probabilities(self.model, self.embed(x))
 
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from edge_agent import trainer
@@ -47,17 +48,22 @@ def _onnx_available() -> bool:
 
 # no_grad, not inference_mode: the cache is later sliced into autograd graphs, which inference tensors refuse.
 @torch.no_grad()
-def _torch_backbone(model: ProtoNet, x: torch.Tensor, batch_size: int) -> torch.Tensor:
+def _torch_backbone(model: ProtoNet, x: trainer.Inputs, batch_size: int, device: torch.device) -> torch.Tensor:
     was = model.backbone.training
     model.backbone.eval()  # frozen means BatchNorm running statistics, as in train_local
     try:
-        return torch.cat([model.backbone_features(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
+        return torch.cat(
+            [
+                model.backbone_features(trainer.rows(x, slice(i, i + batch_size), device))
+                for i in range(0, len(x), batch_size)
+            ]
+        )
     finally:
         model.backbone.train(was)
 
 
 def compute_backbone_features(
-    model: ProtoNet, x: torch.Tensor, backend: str = "auto", batch_size: int = 512, threads: int | None = None
+    model: ProtoNet, x: trainer.Inputs, backend: str = "auto", batch_size: int = 512, threads: int | None = None
 ) -> tuple[torch.Tensor, str]:
     """(h, backend used) for every row of ``x``; h is float32 on x's device, (n, backbone_dim)."""
     if backend not in BACKENDS:
@@ -65,16 +71,23 @@ def compute_backbone_features(
     use_onnx = backend == "onnx" or (backend == "auto" and _onnx_available())
     if backend == "onnx" and not _onnx_available():
         raise ConfigError("frozen backbone on onnxruntime needs onnx and onnxruntime: pip install 'protofl-edge[onnx]'")
+    device = x.device if isinstance(x, torch.Tensor) else next(model.parameters()).device
     if len(x) == 0:
-        return torch.zeros(0, model.backbone_dim, device=x.device), "torch"
+        return torch.zeros(0, model.backbone_dim, device=device), "torch"
     if not use_onnx:
-        return _torch_backbone(model, x, batch_size), "torch"
+        return _torch_backbone(model, x, batch_size, device), "torch"
     with tempfile.TemporaryDirectory(prefix="protofl-backbone-") as tmp:
         path = Path(tmp) / "backbone.onnx"
         export_onnx(model, path, what="backbone")
         sess = session(path.read_bytes(), threads, spin=False)
-    h = embed_onnx(sess, x.detach().cpu().numpy(), batch_size)
-    return torch.from_numpy(h).to(x.device), "onnx"
+    if isinstance(x, torch.Tensor):
+        h = embed_onnx(sess, x.detach().cpu().numpy(), batch_size)
+    else:  # a block of rows at a time: uint8 images are never normalised all at once
+        block = batch_size * 8
+        h = np.concatenate(
+            [embed_onnx(sess, np.asarray(x[i : i + block]), batch_size) for i in range(0, len(x), block)]
+        )
+    return torch.from_numpy(h).to(device), "onnx"
 
 
 class FrozenBackbone:
@@ -88,7 +101,7 @@ class FrozenBackbone:
         self.seconds = 0.0  # time to compute it (a one-off cost per device)
         self._key: tuple[str, tuple[int, ...]] | None = None
 
-    def features(self, model: ProtoNet, x: torch.Tensor) -> torch.Tensor:
+    def features(self, model: ProtoNet, x: trainer.Inputs) -> torch.Tensor:
         key = (weight_fingerprint(model.backbone), tuple(x.shape))
         if self.h is None or key != self._key:
             start = time.perf_counter()

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 import math
 from collections.abc import Callable, Iterator
 from importlib.metadata import entry_points
+from typing import Any
 
 import numpy as np
 import torch
@@ -271,8 +273,19 @@ class OwnBackbone(nn.Module):
         return torch.flatten(self.net(x), 1)
 
 
+def _torchvision() -> Any:
+    # A torchvision wheel built for another torch can fail at import with RuntimeError (missing operators), not only
+    # ImportError: either way the architecture cannot be built here.
+    try:
+        import torchvision
+
+        return torchvision
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"the torchvision architectures need a torchvision that imports here: {exc}") from exc
+
+
 def _tv_resnet18(in_shape: InShape) -> nn.Module:
-    import torchvision  # optional; only reached when the import probe below succeeded
+    torchvision = _torchvision()
 
     net = torchvision.models.resnet18(weights=None)
     # Small images: 3x3 stride-1 stem and no max-pool (as in our own ResNet18); any channel count.
@@ -283,7 +296,7 @@ def _tv_resnet18(in_shape: InShape) -> nn.Module:
 
 
 def _tv_mobilenet_v3_small(in_shape: InShape) -> nn.Module:
-    import torchvision
+    torchvision = _torchvision()
 
     net = torchvision.models.mobilenet_v3_small(weights=None)
     first = net.features[0][0]
@@ -293,13 +306,9 @@ def _tv_mobilenet_v3_small(in_shape: InShape) -> nn.Module:
 
 
 def _torchvision_available() -> bool:
-    # A torchvision wheel built for another torch can fail at import with RuntimeError (missing
-    # operators), not only ImportError, so any exception means "not available".
-    try:
-        import torchvision  # noqa: F401
-    except Exception:
-        return False
-    return True
+    # Found, not imported: importing torchvision costs a device process memory and time on every `join`, and only
+    # its two architectures need it (they import it when built, and say so if that import fails).
+    return importlib.util.find_spec("torchvision") is not None
 
 
 _BUILDERS: dict[str, Callable[[InShape], nn.Module]] = {

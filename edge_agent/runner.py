@@ -45,6 +45,7 @@ from edge_agent.artifacts import DeviceArtifacts
 from edge_agent.device_config import DeviceConfig, read_config
 from edge_agent.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
+from edge_agent.memory import MemoryLimit, mark
 from edge_agent.models import resolve_arch
 from edge_agent.outcome import Outcome, Send
 from edge_agent.resend import ResendRequests, pace, refusal
@@ -80,6 +81,7 @@ class RunnerOptions:
     state_dir: str | None = None  # --state-dir: a local checkpoint after every round, to resume after a restart
     artifacts: str | None = None  # where this device's deployable artifacts go (default: STATE_DIR/artifacts)
     tags: tuple[str, ...] = ()  # `join --tag`: what a run's selection may pick this device by (protofl/traits.py)
+    memory_limit: bool = True  # with a device profile: hold this process to its memory_mb (edge_agent/memory.py)
 
 
 class DeviceRunner:
@@ -124,8 +126,11 @@ class DeviceRunner:
         """Take part until the federation finishes (or `stop()` / `timeout`); returns the agent."""
         if self.opts.arch is not None:
             resolve_arch(self.opts.arch)  # an --arch that names no model fails here, not after the config came
+        mark("imports")
+        limit = self._memory_limit()
         self.transport.connect(self.opts.connect_timeout)
         self._presence("online", self.profile_label, traits=self.traits())
+        mark("connect")
         self.transport.subscribe(topics.fleet(self.fed), self._on_fleet)  # before the config: says whose it is
         self.transport.subscribe(topics.config(self.fed), self._on_config)
         self.transport.subscribe(topics.server_status(self.fed), self._on_status)
@@ -159,9 +164,27 @@ class DeviceRunner:
             if self.transport.connected:
                 self._presence("done" if done else "offline", "left")
             self.transport.close()
+            if limit is not None:
+                limit.stop()
         if self.fatal is not None:
             raise self.fatal
         return self.agent
+
+    def _memory_limit(self) -> MemoryLimit | None:
+        """With a device profile: this process held to its memory_mb (edge_agent/memory.py), saying on the
+        presence topic why it leaves when it outgrows it. Only where this process is the device alone: a runner
+        among others in one process (simulate's thread agents) would be charged for all of them."""
+        em = self.opts.emulation
+        if em is None or em.device is None or not self.opts.memory_limit:
+            return None
+        label = self.profile_label
+
+        def said(message: str) -> None:
+            if self.transport.connected:
+                self._presence("offline", message)  # retained: why this device left stays readable
+                self.transport.flush(2.0)
+
+        return MemoryLimit(em.device.memory_mb, label, on_exceeded=said).start()
 
     def stop(self) -> None:
         """Leave at the next loop iteration (thread-safe; e.g. from a signal handler)."""
@@ -364,6 +387,7 @@ class DeviceRunner:
     def _build_agent(self, read: DeviceConfig) -> EdgeAgent:
         cfg = read.cfg
         data = load_client_data(self.data, cfg, self.client_id)
+        mark("data")
         arch = self.opts.arch
         if arch is None and self.data.partition is not None:
             arch = cfg.arch_for(self.data.partition[0])  # the simulator's round-robin assignment

@@ -7,7 +7,7 @@ objective (edge_agent/techniques) and gets arrays back.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +16,7 @@ import torch
 
 from edge_agent.models import ProtoNet
 from protofl.config import FederationConfig
+from protofl.data.dataset import Images
 
 if TYPE_CHECKING:
     from edge_agent.techniques import Objective
@@ -32,13 +33,30 @@ class TrainStats:
     seen: tuple[np.ndarray, np.ndarray] | None = None
 
 
+# Rows per forward pass when features are extracted (prototypes, metrics): eval mode makes z independent of the
+# batch, and 64 rows peak ~90 MB lower than 512 on the cnn (bench/results/FOOTPRINT.md) for the same time.
+EMBED_BATCH = 64
+
+# A device's inputs: a tensor (normalised, on the model's device), a normalised float32 array, or its uint8 images
+# normalised a batch at a time (protofl.data.dataset.Images: how `join` holds its data).
+Inputs = torch.Tensor | np.ndarray | Images
+
+
+def rows(x: Inputs, index: slice | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """x's rows at `index` (a slice, or a tensor of row numbers) as a float32 tensor on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x[index]
+    at = index.cpu().numpy() if isinstance(index, torch.Tensor) else index
+    return torch.from_numpy(np.ascontiguousarray(x[at], dtype=np.float32)).to(device)
+
+
 # Momentum buffers kept between rounds (cfg.keep_optimizer), by parameter name; the agent holds them.
 Momentum = dict[str, torch.Tensor]
 
 
 def train_local(
     model: ProtoNet,
-    x: torch.Tensor,
+    x: Inputs,
     y: torch.Tensor,
     cfg: FederationConfig,
     objective: Objective,
@@ -68,7 +86,7 @@ def train_local(
 def sgd_epochs(
     model: ProtoNet,
     params: Sequence[torch.Tensor],
-    x: torch.Tensor,
+    x: Inputs,
     y: torch.Tensor,
     cfg: FederationConfig,
     objective: Objective,
@@ -100,7 +118,7 @@ def sgd_epochs(
             idx = order[i : i + cfg.batch_size]
             if idx.numel() < 2 or (cfg.drop_last and idx.numel() < cfg.batch_size):
                 continue  # BatchNorm cannot train on a single sample; drop_last: a short batch
-            z = model.features(x[idx])
+            z = model.features(rows(x, idx, y.device))
             loss = objective.loss(z, y[idx], model.head)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"local training diverged (loss {loss.item()}); lower lr")
@@ -163,10 +181,24 @@ class SGD:
 
 
 @torch.inference_mode()
-def embed(model: ProtoNet, x: torch.Tensor, batch_size: int = 512) -> np.ndarray:
-    """z for every row of x, in eval mode (prototypes are computed after training, in eval mode)."""
+def embed(
+    model: ProtoNet,
+    x: Inputs,
+    batch_size: int = EMBED_BATCH,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> np.ndarray:
+    """z for every row of x, in eval mode (prototypes are computed after training, in eval mode), `batch_size`
+    rows at a time (`transform`: applied to each batch of inputs first)."""
     model.eval()
-    out = [model.features(x[i : i + batch_size]) for i in range(0, int(x.shape[0]), batch_size)]
-    if not out:
+    device = next(model.parameters()).device
+    out: np.ndarray | None = None  # filled a batch at a time: the features are never held twice
+    n = len(x)
+    for i in range(0, n, batch_size):
+        xb = rows(x, slice(i, i + batch_size), device)
+        z = model.features(xb if transform is None else transform(xb)).cpu().numpy()
+        if out is None:
+            out = np.empty((n, *z.shape[1:]), dtype=z.dtype)
+        out[i : i + len(z)] = z
+    if out is None:
         return np.zeros((0, model.proto_dim), dtype=np.float32)
-    return torch.cat(out).cpu().numpy().astype(np.float32, copy=False)
+    return out.astype(np.float32, copy=False)

@@ -35,6 +35,7 @@ from broker_server.simulation.memory import MALLOC_ENV
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
 from broker_server.simulation.timeline import LinkReport
+from edge_agent.memory import EXIT_OVER_MEMORY
 from protofl.errors import ConfigError
 from protofl.profiles import DeviceClass
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
@@ -187,6 +188,9 @@ class AgentProcesses:
             rc = p.poll()
             if rc not in (None, 0):
                 tail = self.log_path(i).read_text(errors="replace")[-1500:]
+                if rc == EXIT_OVER_MEMORY:  # its profile's memory: what the device says is the whole story
+                    said = tail.rsplit("over the memory of device profile", 1)[-1]
+                    raise ConfigError(f"agent {client_id(i)} left: over the memory of device profile{said.rstrip()}")
                 raise RuntimeError(f"agent {client_id(i)} exited with status {rc}:\n{tail}")
 
     def alive(self) -> bool:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edge_agent import trainer
 from edge_agent.models import head_probabilities
 from protofl.algorithms.prototypes import nearest_prototype
 from protofl.config import FederationConfig
@@ -72,7 +73,9 @@ class DeviceContext:
     model: ProtoNet
     device: torch.device
     embed: Callable[[Any], np.ndarray]  # features z of an array of inputs, in eval mode
-    x: torch.Tensor  # the local training inputs
+    # The local training inputs: a tensor, or (a `join`) the uint8 images normalised per batch (trainer.rows reads
+    # either; np.asarray(x) normalises them all).
+    x: trainer.Inputs
     y: np.ndarray  # their labels
     public_x: torch.Tensor | None = None  # the server's public set, where the federation has one
     public_y: np.ndarray | None = None

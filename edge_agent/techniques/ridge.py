@@ -35,7 +35,7 @@ class RidgeDevice(DeviceRule):
         model = backbone_model(cfg, ctx.backbone).to(ctx.device)
         own = ctx.data_norm
         to = ctx.backbone_norm if own is not None else None  # the backbone's inputs as it was trained on them
-        feats = trainer.embed(model, renormalize(ctx.x, own or ((), ()), to))
+        feats = trainer.embed(model, ctx.x, transform=lambda xb: renormalize(xb, own or ((), ()), to))
         self.sent = True
         return ridge_statistics(feats, ctx.y, cfg.num_classes)
 

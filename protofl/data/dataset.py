@@ -15,7 +15,7 @@ import numpy as np
 
 from protofl.errors import DataError
 
-__all__ = ["Dataset", "channel_stats"]
+__all__ = ["Dataset", "Images", "channel_stats", "normalize_uint8"]
 
 
 @dataclass
@@ -84,17 +84,24 @@ class Dataset:
         std = self.std if std is None else tuple(std)
         if len(mean) != c or len(std) != c:
             raise DataError(f"normalisation has {len(mean)}/{len(std)} mean/std values for {c}-channel images")
-        m = np.asarray(mean, dtype=np.float32).reshape(1, c, 1, 1)
-        s = np.asarray(std, dtype=np.float32).reshape(1, c, 1, 1)
-        out = x.astype(np.float32)
-        out *= np.float32(1.0 / 255.0)
-        out -= m
-        out /= s
-        return out
+        return normalize_uint8(x, mean, std)
 
     def class_counts(self) -> np.ndarray:
         """Samples per class, length ``num_classes``."""
         return np.bincount(self.y, minlength=self.num_classes)
+
+
+def normalize_uint8(x: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """float32 (x / 255 - mean) / std of uint8 (n, c, h, w) images: every row the same values whether normalised
+    alone, in a batch or with the whole set (elementwise float32 operations, in this order)."""
+    c = x.shape[1]
+    m = np.asarray(mean, dtype=np.float32).reshape(1, c, 1, 1)
+    s = np.asarray(std, dtype=np.float32).reshape(1, c, 1, 1)
+    out = x.astype(np.float32)
+    out *= np.float32(1.0 / 255.0)
+    out -= m
+    out /= s
+    return out
 
 
 def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -104,3 +111,43 @@ def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     mean = flat.mean(axis=1, dtype=np.float64) / 255.0
     std = flat.std(axis=1, dtype=np.float64) / 255.0
     return tuple(float(m) for m in mean), tuple(float(max(s, 1e-3)) for s in std)
+
+
+class Images:
+    """Images held as uint8 (n, c, h, w) and normalised a batch at a time: `images[idx]` is the float32 rows
+    `Dataset.normalized` would give, bit for bit, without a normalised copy of the whole set (4x the bytes).
+    A device keeps its data so (bench/results/FOOTPRINT.md); `np.asarray(images)` normalises all at once."""
+
+    def __init__(self, x: np.ndarray, mean: Sequence[float], std: Sequence[float]) -> None:
+        if x.dtype != np.uint8 or x.ndim != 4:
+            raise DataError(f"Images: x must be uint8 (n, c, h, w), got {x.dtype} {x.shape}")
+        if len(mean) != x.shape[1] or len(std) != x.shape[1]:
+            raise DataError(f"Images: {len(mean)}/{len(std)} mean/std values for {x.shape[1]}-channel images")
+        self.raw = x
+        self.mean = tuple(float(v) for v in mean)
+        self.std = tuple(float(v) for v in std)
+
+    @classmethod
+    def of(cls, data: Dataset, indices: np.ndarray | Sequence[int] | None = None) -> Images:
+        """`data`'s samples at `indices` (copied; all of them without), with its normalisation."""
+        x = data.x if indices is None else data.x[np.asarray(indices, dtype=np.int64)]
+        return cls(x, data.mean, data.std)
+
+    def __len__(self) -> int:
+        return int(self.raw.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(v) for v in self.raw.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+    def __getitem__(self, idx: slice | np.ndarray | Sequence[int]) -> np.ndarray:
+        rows = self.raw[idx] if isinstance(idx, slice) else self.raw[np.asarray(idx, dtype=np.int64)]
+        return normalize_uint8(rows, self.mean, self.std)
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        out = normalize_uint8(self.raw, self.mean, self.std)
+        return out if dtype is None else out.astype(dtype, copy=False)
