@@ -148,6 +148,7 @@ def test_the_objective_sums_two_rules_terms_in_rule_order() -> None:
     with torch.no_grad():
         for i, p in enumerate(model.adapter.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(10 + i)) * 0.05)
+    assert isinstance(ctx.x, torch.Tensor)  # this test's inputs (a device's may be uint8 images, trainer.Inputs)
     z = model.features(ctx.x[:8])
     y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 2])
     got = objective.loss(z, y, model.head)
