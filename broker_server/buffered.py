@@ -13,8 +13,8 @@ uploads when it is done, and its upload is folded into whatever version is open 
     s > staleness_bound:       dropped as `stale`
 
 "Weight w" means the upload counts w times what it counts in a synchronous round: its sample count (FedAvg's and
-APUD's weighted means) and its per-class counts (FedProto's n_kc-weighted mean) are multiplied by w; a prototype
-set that travels without counts (TinyProto's scaled sums n_kc p_kc, summed and divided by the senders; FedPAGR's
+the sparse adapter updates' weighted means) and its per-class counts (FedProto's n_kc-weighted mean) are multiplied
+by w; a prototype set that travels without counts (TinyProto's scaled sums n_kc p_kc, summed and divided by the senders; FedPAGR's
 unit prototypes, summed and normalised) has its rows multiplied by w. One device may so land twice in a version
 (a stale upload and its fresh one); the same (device, version) upload twice is a duplicate, as always.
 
@@ -42,7 +42,8 @@ class Buffered:
             phases = ", ".join(p.value for p in plan.phases)
             raise ConfigError(
                 f"buffer_k (asynchronous rounds) needs a plan of one phase; {cfg.preset} has {phases}: switch off "
-                f"the phase before training (e.g. --set erpa=false) or run synchronous rounds (buffer_k=0)"
+                f"the phase before training (its technique's switch, --set NAME=false) or run synchronous rounds "
+                f"(buffer_k=0)"
             )
         if self.active and sharded:
             raise ConfigError("buffer_k (asynchronous rounds) runs on one aggregator: drop --shards")

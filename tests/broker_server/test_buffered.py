@@ -164,7 +164,10 @@ def _run_server(state: Path, crash_at: int | None) -> np.ndarray:
             )  # fmt: skip
         try:
             _devices(MqttTransport, port, server)
-            server.wait(timeout=90)
+            try:
+                server.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the server did not finish within 180 s; its log:\n{log.read_text()[-4000:]}")
         finally:
             if server.poll() is None:
                 server.kill()

@@ -20,6 +20,7 @@ from protofl.wire import (
     Join,
     Limits,
     Metrics,
+    Pace,
     ParamsUpload,
     ProtoSet,
     ProtoUpload,
@@ -54,6 +55,7 @@ SMALL = [
     METRICS,
     Status("online", "ok"),
     Resend("uploads"),
+    Pace(1_800_000_000.0, "its link cannot finish the round by its deadline"),
 ]
 assert {type(m) for m in SMALL} == set(MESSAGE_TYPES.values())
 
