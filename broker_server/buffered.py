@@ -15,8 +15,9 @@ uploads when it is done, and its upload is folded into whatever version is open 
 "Weight w" means the upload counts w times what it counts in a synchronous round: its sample count (FedAvg's and
 the sparse adapter updates' weighted means) and its per-class counts (FedProto's n_kc-weighted mean) are multiplied
 by w; a prototype set that travels without counts (TinyProto's scaled sums n_kc p_kc, summed and divided by the
-senders; FedPAGR's unit prototypes, summed and normalised) has its rows multiplied by w. One device may so land twice in a version
-(a stale upload and its fresh one); the same (device, version) upload twice is a duplicate, as always.
+senders; FedPAGR's unit prototypes, summed and normalised) has its rows multiplied by w. One device may so land
+twice in a version (a stale upload and its fresh one); the same (device, version) upload twice is a duplicate, as
+always.
 
 Crash-exact like the synchronous path: the version is the round counter (state), a stale upload's weight is a
 function of the state and its envelope, and the journal replays the open version's uploads to the same sums.
