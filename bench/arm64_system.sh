@@ -142,7 +142,9 @@ build() {
       echo "$v $(du -sb "$ROOT/opt/protofl/$v" | cut -f1)"
     done
     echo "torch $(du -sb "$ROOT"/opt/protofl/device/lib/python3*/site-packages/torch | cut -f1)"
-    echo "base_system $(du -sb --exclude=./opt "$ROOT" | cut -f1)"
+    # not /opt (the venvs above) nor the host's directories bind-mounted into it
+    echo "base_system $(du -sb --exclude="$ROOT/opt" --exclude="$ROOT/proc" --exclude="$ROOT/dev" \
+      --exclude="$ROOT/tmp" "$ROOT" | cut -f1)"
   } >"$ROOT/opt/protofl/sizes.txt"
   in_root /opt/protofl/device/bin/pip freeze >"$ROOT/opt/protofl/device.freeze"
   in_root /opt/protofl/onnx/bin/pip freeze >"$ROOT/opt/protofl/onnx.freeze"
