@@ -154,6 +154,9 @@ build() {
   cat "$ROOT/opt/protofl/sizes.txt"
 }
 
+# One compound command ending in exit: bash reads it whole before running it, so editing this file while a long
+# run is under way cannot make bash read on at a shifted offset once it ends.
+{
 need_root
 binfmt
 case "${1:-build}" in
@@ -174,3 +177,5 @@ case "${1:-build}" in
     ;;
   *) echo "usage: arm64_system.sh [build | refresh | run CMD...]" >&2; exit 2 ;;
 esac
+exit
+}
