@@ -85,6 +85,17 @@ def tree_hwm_mb(pid: int) -> float:
     return max([best, *(tree_hwm_mb(int(k)) for k in kids)])
 
 
+def guest_maxrss_mb(code: str) -> float:
+    """The peak resident set of the device venv's python running `code` under qemu (getrusage passes through
+    qemu-user to the host: the qemu process's, translator included)."""
+    probe = f"{code}\nimport resource\nprint('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    out, _ = in_arm64("python", "-c", probe).communicate(timeout=1800)
+    m = re.search(rb"maxrss (\d+)", out)
+    if m is None:
+        raise RuntimeError(f"python under qemu did not run {code!r}:\n{out[-2000:].decode(errors='replace')}")
+    return int(m.group(1)) / 1024
+
+
 def run_join(work: Path, args: argparse.Namespace, installed: bool) -> dict[str, Any]:
     """A federation of one arm64 device; `installed`: the package as pip installed it (else this tree's source)."""
     port, fed = free_port(), f"arm64-{os.getpid()}"
@@ -179,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         j = run_join(work, args, installed=True)
         print(f"join: {j['wall_s']:.0f} s, first upload {j['first_upload_s']} s, peak {j['peak_mb']} MB", flush=True)
         pr = None if args.skip_predict else run_predict(work)
+        floor = {"python alone": guest_maxrss_mb("pass"), "import torch": guest_maxrss_mb("import torch")}
         if pr is not None:
             print(pr["out"][-800:], flush=True)
         sizes = dict(line.split() for line in (ROOT / "opt/protofl/sizes.txt").read_text().splitlines() if line.strip())
@@ -245,6 +257,9 @@ package inside the arm64 system) joined it over loopback and finished it (exit 0
 | `join` start to the federation's end | {j["wall_s"]:.0f} s |
 | `join` peak resident set, its own reading (qemu's translator included) | {j["peak_mb"]:.0f} MB |
 | `join` peak resident set, the host's VmHWM of the qemu process (sampled every 0.5 s) | {j["qemu_hwm_mb"]:.0f} MB |
+| floors: the device venv's python under qemu, peak resident | {
+            ", ".join(f"{k} {v:.0f} MB" for k, v in floor.items())
+        } |
 | `join` per phase (peak after each, MB) | {", ".join(f"{k} {v:.0f}" for k, v in j["marks"].items())} |
 {predict_rows}
 What emulation tells about a real Pi: that the wheels exist for aarch64 and install with pip alone (no compiler:
@@ -253,7 +268,13 @@ torch and numpy (the same arithmetic on an ARM CPU's code paths: NEON kernels in
 it holds (resident pages are the guest program's plus qemu's translation cache and its own code: an upper bound
 for the same program on a Pi). What it does not tell: time. qemu translates every instruction in software, and
 this host was shared, so the times above say nothing about a Pi's speed; calibrate a profile's compute_factor on a
-real Pi (profiles/rpi3.toml says how). Nor the size of a Pi's install: there torch comes from the CPU index.
+real Pi (profiles/rpi3.toml says how). Nor the size of a Pi's install, nor its memory exactly: there torch comes
+from the CPU index, while the CUDA build here loads its CUDA libraries on import (the floors above: what python and
+qemu hold alone, what `import torch` adds) - compare with the x86 CPU build's figures in FOOTPRINT.md.
+
+Notes from issue 44's first build (not re-measured by this benchmark): mmdebstrap of the base system took 2,566 s on
+this host, almost all of it the packages' maintainer scripts under emulation (py_compile, update-ca-certificates);
+pip verifies TLS inside with the host's CA bundle (this host inspects TLS).
 """
         Path(args.out).write_text(text)
         print(text)
