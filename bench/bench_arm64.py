@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,8 @@ deb.debian.org by mmdebstrap, run through qemu-user-static {
         } registered with binfmt_misc's F flag) on an x86-64 host with
 {os.cpu_count()} cores shared with other work (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end).
 Inside: `pip install {torch_v}` then `pip install '/opt/protofl/src[device]'` (this tree) took the aarch64 wheels
-from PyPI; a second venv has only `[onnx]`. {wheel}
+from PyPI; a second venv has only `[onnx]`.
+{textwrap.fill(wheel, 116)}
 
 The guest does not see the host's /sys: oneDNN (xbyak) reads the CPU's MIDR_EL1 from
 /sys/devices/system/cpu/cpu*/regs/identification/midr_el1, which qemu-user cannot provide, and with the host's /sys
@@ -269,8 +271,9 @@ it holds (resident pages are the guest program's plus qemu's translation cache a
 for the same program on a Pi). What it does not tell: time. qemu translates every instruction in software, and
 this host was shared, so the times above say nothing about a Pi's speed; calibrate a profile's compute_factor on a
 real Pi (profiles/rpi3.toml says how). Nor the size of a Pi's install, nor its memory exactly: there torch comes
-from the CPU index, while the CUDA build here loads its CUDA libraries on import (the floors above: what python and
-qemu hold alone, what `import torch` adds) - compare with the x86 CPU build's figures in FOOTPRINT.md.
+from the CPU index, while the CUDA build here loads libtorch_cuda.so (a library libtorch.so needs) on import (the
+floors above: what python and qemu hold alone, what `import torch` adds) - compare with the x86 CPU build's figures
+in FOOTPRINT.md.
 
 Notes from issue 44's first build (not re-measured by this benchmark): mmdebstrap of the base system took 2,566 s on
 this host, almost all of it the packages' maintainer scripts under emulation (py_compile, update-ca-certificates);
