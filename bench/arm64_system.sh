@@ -21,8 +21,11 @@
 #                             https://download.pytorch.org/whl/cpu' (this machine could not reach it).
 #        /opt/protofl/onnx:   pip install '/opt/protofl/src[onnx]' (predict, no torch)
 #      and records their installed sizes in $ROOT/opt/protofl/sizes.txt.
-#   `run` mounts /proc, /sys, /dev, /tmp of the host (a federation's files and the host's server are reachable:
-#   the chroot shares the host's network) and puts the two venvs' bin on PATH (device first).
+#   `run` mounts /proc, /dev, /tmp of the host (a federation's files and the host's server are reachable: the
+#   chroot shares the host's network), writes a fake /sys CPU description (see fake_sys) and puts the two venvs'
+#   bin on PATH (device first).
+#   A build interrupted after a venv was complete resumes from the next step (a venv counts as complete once its
+#   protofl-edge script exists).
 # Everything under emulation is slow (each aarch64 instruction translated by qemu): run it with `nice`.
 # Used by bench/bench_arm64.py (bench/results/ARM64.md) and tests/edge_agent/test_arm64.py (skips without it).
 set -euo pipefail
@@ -58,15 +61,30 @@ binfmt() {
 
 mounted=()
 mount_all() {
-  for d in proc sys dev tmp; do
+  for d in proc dev tmp; do
     if ! mountpoint -q "$ROOT/$d"; then
       mount --bind "/$d" "$ROOT/$d"
       mounted+=("$ROOT/$d")
     fi
   done
+  fake_sys
   cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
   # pip inside verifies TLS with the host's CA bundle (a host behind a TLS-inspecting proxy trusts its CA there)
   cp /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/protofl-host-ca.crt"
+}
+# The host's /sys is NOT bind-mounted: torch's oneDNN (xbyak) reads the CPU's MIDR_EL1 from
+# /sys/devices/system/cpu/cpu*/regs/identification/midr_el1, which qemu-user cannot provide (the host's /sys
+# describes x86 CPUs), and `import torch` dies ("Can't open MIDR_EL1 sysfs entry", then SIGSEGV). The guest gets
+# a small fake CPU description instead, a Raspberry Pi 4's: 4 Cortex-A72 cores (MIDR 0x410fd083), and the
+# possible/present/online lists that cpuinfo parses.
+fake_sys() {
+  local cpu=$ROOT/sys/devices/system/cpu i
+  if mountpoint -q "$ROOT/sys"; then umount -l "$ROOT/sys"; fi # a bind mount left by an older version of this script
+  for i in 0 1 2 3; do
+    mkdir -p "$cpu/cpu$i/regs/identification"
+    echo 0x00000000410fd083 >"$cpu/cpu$i/regs/identification/midr_el1"
+  done
+  for f in possible present online; do echo 0-3 >"$cpu/$f"; done
 }
 umount_all() {
   local i
@@ -104,19 +122,29 @@ build() {
   mount_all
   copy_src
   local t0=$SECONDS
-  in_root python3 -m venv /opt/protofl/device
-  # shellcheck disable=SC2086  # $TORCH may carry pip options (--index-url ...)
-  in_root /opt/protofl/device/bin/pip install --no-cache-dir -q $TORCH
-  in_root /opt/protofl/device/bin/pip install --no-cache-dir -q '/opt/protofl/src[device]'
-  in_root python3 -m venv /opt/protofl/onnx
-  in_root /opt/protofl/onnx/bin/pip install --no-cache-dir -q '/opt/protofl/src[onnx]'
+  local resumed=
+  if [ -e "$ROOT/opt/protofl/device/bin/protofl-edge" ]; then
+    resumed=device
+  else
+    in_root python3 -m venv /opt/protofl/device
+    # shellcheck disable=SC2086  # $TORCH may carry pip options (--index-url ...)
+    in_root /opt/protofl/device/bin/pip install --no-cache-dir -q $TORCH
+    in_root /opt/protofl/device/bin/pip install --no-cache-dir -q '/opt/protofl/src[device]'
+  fi
+  if [ ! -e "$ROOT/opt/protofl/onnx/bin/protofl-edge" ]; then
+    in_root python3 -m venv /opt/protofl/onnx
+    in_root /opt/protofl/onnx/bin/pip install --no-cache-dir -q '/opt/protofl/src[onnx]'
+  fi
   {
     echo "install_s $((SECONDS - t0))"
+    if [ -n "$resumed" ]; then echo "resumed $resumed"; fi  # install_s then times the onnx venv alone
     for v in device onnx; do
       echo "$v $(du -sb "$ROOT/opt/protofl/$v" | cut -f1)"
     done
     echo "torch $(du -sb "$ROOT"/opt/protofl/device/lib/python3*/site-packages/torch | cut -f1)"
-    echo "base_system $(du -sb --exclude=./opt "$ROOT" | cut -f1)"
+    # not /opt (the venvs above) nor the host's directories bind-mounted into it
+    echo "base_system $(du -sb --exclude="$ROOT/opt" --exclude="$ROOT/proc" --exclude="$ROOT/dev" \
+      --exclude="$ROOT/tmp" "$ROOT" | cut -f1)"
   } >"$ROOT/opt/protofl/sizes.txt"
   in_root /opt/protofl/device/bin/pip freeze >"$ROOT/opt/protofl/device.freeze"
   in_root /opt/protofl/onnx/bin/pip freeze >"$ROOT/opt/protofl/onnx.freeze"
@@ -126,6 +154,9 @@ build() {
   cat "$ROOT/opt/protofl/sizes.txt"
 }
 
+# One compound command ending in exit: bash reads it whole before running it, so editing this file while a long
+# run is under way cannot make bash read on at a shifted offset once it ends.
+{
 need_root
 binfmt
 case "${1:-build}" in
@@ -146,3 +177,5 @@ case "${1:-build}" in
     ;;
   *) echo "usage: arm64_system.sh [build | refresh | run CMD...]" >&2; exit 2 ;;
 esac
+exit
+}

@@ -11,7 +11,9 @@ peak resident set (its own marks, edge_agent/memory.py: read inside the guest, /
 process's, so qemu's translator is counted in), predict's peak (/usr/bin/time inside the guest is absent: the
 host's VmHWM of the qemu process), and predict's accuracy.
 
-    sudo python -m bench.bench_arm64 [--train-limit 300] [--test-limit 200] [--rounds 1] [--threads 2]
+    sudo python -m bench.bench_arm64 [--train-limit 300] [--test-limit 200] [--rounds 1] [--threads 2] [--skip-predict]
+
+--skip-predict runs the federation alone (predict's rows then say so).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,17 @@ def tree_hwm_mb(pid: int) -> float:
         pass
     kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return max([best, *(tree_hwm_mb(int(k)) for k in kids)])
+
+
+def guest_maxrss_mb(code: str) -> float:
+    """The peak resident set of the device venv's python running `code` under qemu (getrusage passes through
+    qemu-user to the host: the qemu process's, translator included)."""
+    probe = f"{code}\nimport resource\nprint('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    out, _ = in_arm64("python", "-c", probe).communicate(timeout=1800)
+    m = re.search(rb"maxrss (\d+)", out)
+    if m is None:
+        raise RuntimeError(f"python under qemu did not run {code!r}:\n{out[-2000:].decode(errors='replace')}")
+    return int(m.group(1)) / 1024
 
 
 def run_join(work: Path, args: argparse.Namespace, installed: bool) -> dict[str, Any]:
@@ -165,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--skip-predict", action="store_true", help="run the join alone, not predict in the onnx venv")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "ARM64.md"))
     args = ap.parse_args(argv)
     why = ready()
@@ -175,17 +190,43 @@ def main(argv: list[str] | None = None) -> None:
     try:
         j = run_join(work, args, installed=True)
         print(f"join: {j['wall_s']:.0f} s, first upload {j['first_upload_s']} s, peak {j['peak_mb']} MB", flush=True)
-        pr = run_predict(work)
-        print(pr["out"][-800:], flush=True)
+        pr = None if args.skip_predict else run_predict(work)
+        floor = {"python alone": guest_maxrss_mb("pass"), "import torch": guest_maxrss_mb("import torch")}
+        if pr is not None:
+            print(pr["out"][-800:], flush=True)
         sizes = dict(line.split() for line in (ROOT / "opt/protofl/sizes.txt").read_text().splitlines() if line.strip())
         freeze = (ROOT / "opt/protofl/device.freeze").read_text()
         torch_v = next((ln for ln in freeze.splitlines() if ln.startswith("torch==")), "torch ?")
+        cuda = [ln.split("==")[0] for ln in freeze.splitlines() if ln.startswith(("nvidia-", "cuda-", "triton"))]
+        install = f"{sizes['install_s']} s" + (
+            " (the onnx venv only: this build resumed after the device venv)" if "resumed" in sizes else ""
+        )
+        wheel = (
+            f"PyPI's aarch64 {torch_v} wheel is NOT a CPU build: it pulled {len(cuda)} CUDA packages "
+            f"({', '.join(cuda[:4])}, ...), never used on a Pi. On a Pi install the CPU build first: "
+            "`pip install torch --index-url https://download.pytorch.org/whl/cpu` (for the script: "
+            "PROTOFL_ARM64_TORCH='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu'; this host could "
+            "not reach download.pytorch.org, so that route is untested here)."
+            if cuda
+            else f"the {torch_v} wheel installed is a CPU build (no CUDA packages)."
+        )
+        flags = f"--train-limit {args.train_limit} --test-limit {args.test_limit}\n--rounds {args.rounds}"
+        flags += f" --threads {args.threads}"
+        flags += f" --timeout {args.timeout:.0f}" + (" --skip-predict" if args.skip_predict else "")
+        if pr is None:
+            predict_rows = "| `predict` (onnxruntime, no torch) | not run (--skip-predict) |\n"
+        else:
+            acc = re.search(r"accuracy[^\n]*", str(pr["out"]))
+            predict_rows = (
+                f"| `predict` (onnxruntime, no torch) on 500 test images: peak resident (qemu process) | "
+                f"{pr['qemu_hwm_mb']:.0f} MB |\n| `predict` result | {acc.group(0) if acc else 'see the log'} |\n"
+            )
         load = os.getloadavg()
-        acc = re.search(r"accuracy[^\n]*", str(pr["out"]))
         text = f"""# ARM64: the device agent on the processor of a Raspberry Pi, under qemu (issue 44)
 
-Measured by `sudo python -m bench.bench_arm64 --train-limit {args.train_limit} --test-limit {args.test_limit}
---rounds {args.rounds} --threads {args.threads}` after `sudo bash bench/arm64_system.sh` (Debian bookworm arm64 from
+Measured by `sudo nice python -m bench.bench_arm64 {
+            flags
+        }` after `sudo bash bench/arm64_system.sh` (Debian bookworm arm64 from
 deb.debian.org by mmdebstrap, run through qemu-user-static {
             subprocess.run(["/usr/bin/qemu-aarch64-static", "--version"], capture_output=True, text=True).stdout.split(
                 chr(10)
@@ -193,7 +234,14 @@ deb.debian.org by mmdebstrap, run through qemu-user-static {
         } registered with binfmt_misc's F flag) on an x86-64 host with
 {os.cpu_count()} cores shared with other work (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} at the end).
 Inside: `pip install {torch_v}` then `pip install '/opt/protofl/src[device]'` (this tree) took the aarch64 wheels
-from PyPI (the aarch64 torch wheel there is the CPU build); a second venv has only `[onnx]`.
+from PyPI; a second venv has only `[onnx]`.
+{textwrap.fill(wheel, 116)}
+
+The guest does not see the host's /sys: oneDNN (xbyak) reads the CPU's MIDR_EL1 from
+/sys/devices/system/cpu/cpu*/regs/identification/midr_el1, which qemu-user cannot provide, and with the host's /sys
+bind-mounted `import torch` died ("Can't open MIDR_EL1 sysfs entry", then SIGSEGV, qemu 7.2, also with
+QEMU_CPU=cortex-a72). bench/arm64_system.sh writes a fake CPU description instead: a Raspberry Pi 4's 4 Cortex-A72
+cores (MIDR 0x410fd083, possible/present/online 0-3).
 
 The federation: `protofl-server start --preset fedproto --min-clients 1 --rounds {args.rounds}` on the host; in the
 arm64 system `protofl-edge join -v --data fashion-mnist --partition 0/1 --train-limit {args.train_limit}
@@ -206,21 +254,30 @@ package inside the arm64 system) joined it over loopback and finished it (exit 0
             int(sizes["torch"]) / 1e6:.0f} MB) |
 | installed: onnx-only venv (predict) | {int(sizes["onnx"]) / 1e6:.0f} MB |
 | the Debian arm64 base system (for scale) | {int(sizes["base_system"]) / 1e6:.0f} MB |
-| pip install of both venvs under emulation | {sizes["install_s"]} s |
+| pip install of both venvs under emulation | {install} |
 | `join` start to its first upload (emulated: meaningless for a Pi) | {j["first_upload_s"]:.0f} s |
 | `join` start to the federation's end | {j["wall_s"]:.0f} s |
 | `join` peak resident set, its own reading (qemu's translator included) | {j["peak_mb"]:.0f} MB |
+| `join` peak resident set, the host's VmHWM of the qemu process (sampled every 0.5 s) | {j["qemu_hwm_mb"]:.0f} MB |
+| floors: the device venv's python under qemu, peak resident | {
+            ", ".join(f"{k} {v:.0f} MB" for k, v in floor.items())
+        } |
 | `join` per phase (peak after each, MB) | {", ".join(f"{k} {v:.0f}" for k, v in j["marks"].items())} |
-| `predict` (onnxruntime, no torch) on 500 test images: peak resident (qemu process) | {pr["qemu_hwm_mb"]:.0f} MB |
-| `predict` result | {acc.group(0) if acc else "see the log"} |
-
+{predict_rows}
 What emulation tells about a real Pi: that the wheels exist for aarch64 and install with pip alone (no compiler:
 no grpcio-style build), that the agent imports, trains, uploads and finishes a federation on the aarch64 build of
 torch and numpy (the same arithmetic on an ARM CPU's code paths: NEON kernels instead of AVX ones), and the memory
-it holds (resident pages are the guest program's, plus qemu's translation cache: an upper bound). What it does not
-tell: time. qemu translates every instruction (10-50x slower than native here, and this host was shared), so the
-times above say nothing about a Pi's speed; calibrate a profile's compute_factor on a real Pi
-(profiles/rpi3.toml says how).
+it holds (resident pages are the guest program's plus qemu's translation cache and its own code: an upper bound
+for the same program on a Pi). What it does not tell: time. qemu translates every instruction in software, and
+this host was shared, so the times above say nothing about a Pi's speed; calibrate a profile's compute_factor on a
+real Pi (profiles/rpi3.toml says how). Nor the size of a Pi's install, nor its memory exactly: there torch comes
+from the CPU index, while the CUDA build here loads libtorch_cuda.so (a library libtorch.so needs) on import (the
+floors above: what python and qemu hold alone, what `import torch` adds) - compare with the x86 CPU build's figures
+in FOOTPRINT.md.
+
+Notes from issue 44's first build (not re-measured by this benchmark): mmdebstrap of the base system took 2,566 s on
+this host, almost all of it the packages' maintainer scripts under emulation (py_compile, update-ca-certificates);
+pip verifies TLS inside with the host's CA bundle (this host inspects TLS).
 """
         Path(args.out).write_text(text)
         print(text)
