@@ -16,11 +16,8 @@ from tests.pipelines import ADAPTER_PIPELINE, as_cli_sets
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=400,n_test=20,size=12"
-# APUD sparse adapters and CPS-scaled prototypes (tests/pipelines.py), every upload kind of a round.
-SETTINGS = [
-    *as_cli_sets(ADAPTER_PIPELINE),
-    "--set",
-    'archs=["mlp"]',
+# Small models on DATA's 12x12 images: a 20-d prototype, rank-2 adapters (the fleet tests' runs too).
+SMALL_MODEL = [
     "--set",
     "in_shape=[1,12,12]",
     "--set",
@@ -32,6 +29,8 @@ SETTINGS = [
     "--seed",
     "4",
 ]
+# APUD sparse adapters and CPS-scaled prototypes (tests/pipelines.py), every upload kind of a round.
+SETTINGS = [*as_cli_sets(ADAPTER_PIPELINE), "--set", 'archs=["mlp"]', *SMALL_MODEL]
 
 
 def env(**extra: str) -> dict[str, str]:

@@ -9,23 +9,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.broker_server.crash_helpers import DATA, env
+from tests.broker_server.crash_helpers import DATA, SMALL_MODEL, env
 
 # Small runs on the crash tests' synthetic data: 12x12 images, a 20-d prototype.
-RUN_SETTINGS = [
-    "--round-timeout",
-    "120",
-    "--set",
-    "in_shape=[1,12,12]",
-    "--set",
-    "proto_dim=20",
-    "--set",
-    "adapter_rank=2",
-    "--set",
-    "batch_size=50",
-    "--seed",
-    "4",
-]
+RUN_SETTINGS = ["--round-timeout", "120", *SMALL_MODEL]
 
 
 def server_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
