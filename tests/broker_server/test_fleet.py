@@ -164,13 +164,21 @@ def test_a_device_enrolled_and_another_revoked_on_a_running_fleet(tmp_path: Path
     try:
         fleet.start()
         agents = [fleet.join(device, i, 4) for i, device in enumerate(DEVICES)]
-        fleet.submit("live", "--preset", "tinyproto", "--rounds", "5", "--min-clients", "2", "--set", 'archs=["mlp"]')
+        connected = [fleet.logs / f"{device}.log" for device in DEVICES]  # all three wait for a run first
+        wait_for(lambda: all("connected to" in f.read_text() for f in connected), 120, "the devices", fleet.tail)
+        # Rounds of 0.1 s close at quorum (two devices) without a device that joins late: enough of them that
+        # device-3 is in the run's rounds before they are over (it joins the round after its join arrives).
+        rounds_n = 30
+        fleet.submit(
+            "live", "--preset", "tinyproto", "--rounds", str(rounds_n), "--min-clients", "2", "--set", 'archs=["mlp"]'
+        )
         rounds = fleet.run_dir("live") / "rounds.jsonl"
 
         def logged() -> list[dict[str, Any]]:
             return [json.loads(x) for x in rounds.read_text().splitlines()] if rounds.exists() else []
 
-        wait_for(lambda: len(logged()) >= 1, 120, "the run's first round", fleet.tail)
+        wait_for(lambda: any("device-3" in r["clients"] for r in logged()), 120, "a round with device-3", fleet.tail)
+        assert len(logged()) < rounds_n, f"the run ended before device-3 could be frozen in it: {logged()}"
         # device-3 frozen: the open round waits for it (its deadline is 120 s) until it is revoked.
         agents[2].send_signal(signal.SIGSTOP)
         old = fleet.credentials("device-3").read_text()
@@ -179,7 +187,9 @@ def test_a_device_enrolled_and_another_revoked_on_a_running_fleet(tmp_path: Path
         assert "device-4: enrolled" in added, added
         flood(fleet, "device-4", 2000)  # before device-4 joins: a hostile device-4 floods its log topic
         logs = fleet.state / "device-logs" / "device-4.log"
-        wait_for(lambda: logs.exists() and logs.read_text().count("flood") >= LINES_PER_MINUTE, 60, "the flood")
+        wait_for(
+            lambda: logs.exists() and logs.read_text().count("flood") >= LINES_PER_MINUTE, 60, "the flood", fleet.tail
+        )
         fleet.join("device-4", 3, 4)
         log = fleet.run_dir("live") / "server.log"
         wait_for(lambda: "device device-4 joined" in log.read_text(), 120, "device-4's join", fleet.tail)
@@ -190,7 +200,7 @@ def test_a_device_enrolled_and_another_revoked_on_a_running_fleet(tmp_path: Path
         fleet.wait_state("live", "finished", 120)
         agents[2].send_signal(signal.SIGCONT)
         rows: list[dict[str, Any]] = logged()
-        assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
+        assert [r["round"] for r in rows] == list(range(1, rounds_n + 1))
         # device-4 took part from a round on; the rounds after the revocation closed without device-3.
         assert "device-4" in rows[-1]["clients"] and "device-3" not in rows[-1]["clients"], rows
         assert rows[-1]["clients"] == ["device-1", "device-2", "device-4"], rows

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,14 +273,12 @@ def flood(
     payloads: list[bytes],
     seconds: float = FLOOD_S,
     qos: int = 0,
-    midway: Callable[[], None] | None = None,
 ) -> tuple[int, float]:
-    """Publish `payloads` round robin on `topic` at `qos` for `seconds` (calling `midway` once, halfway),
+    """Publish `payloads` round robin on `topic` at `qos` for `seconds`,
     sampling the server's memory; (messages sent, peak RSS in MB over the flood and 2 s after it)."""
     assert server.attacker is not None
     peak, sent = rss_mb(server.proc.pid), 0
     end = time.monotonic() + seconds
-    half = end - seconds / 2
     next_sample = 0.0
     out = server.attacker._client._out_packet  # paho's send queue: QoS 0 waits there, unbounded
     while time.monotonic() < end:
@@ -289,9 +287,6 @@ def flood(
         else:
             server.attacker.publish(topic, payloads[sent % len(payloads)], qos=qos)
             sent += 1
-        if midway is not None and time.monotonic() >= half:
-            midway()
-            midway = None
         if time.monotonic() >= next_sample:
             peak, next_sample = max(peak, rss_mb(server.proc.pid)), time.monotonic() + 0.1
     server.attacker.flush(10)
@@ -337,21 +332,18 @@ def test_a_metrics_flood_for_stale_rounds_does_not_grow_the_server(server: Serve
     before = rss_mb(server.proc.pid)
     # Well-formed 60 KB metrics for rounds long past and far ahead: each refused by its envelope.
     payloads = [big_metrics(r, 60_000) for r in (0, 100_000, 100_001)]
-    sent_at: list[float] = []
-
-    def closing_upload() -> None:  # halfway: the member's own upload, queued behind its flood, still counts
-        server.send(upload(1, server.width))
-        sent_at.append(time.monotonic())
-
-    sent, peak = flood(server, topics.up(FED, MEMBER), payloads, 2 * FLOOD_S, qos=1, midway=closing_upload)
-    flood_over = time.monotonic()
+    sent, peak = flood(server, topics.up(FED, MEMBER), payloads, 2 * FLOOD_S, qos=1)
     assert sent > 1000, f"only {sent} metrics sent"
     assert peak - before <= 50, f"the server peaked at {peak:.0f} MB (from {before:.0f} MB) over {sent} metrics"
-    server.seen.wait("round 2 after the upload sent during the flood", 120, round_=2)
-    # The round closed while the flood still ran (its second half, FLOOD_S seconds): the server kept up with it.
-    # (The gap itself, against a round without a flood, is a benchmark's figure, not this test's.)
-    assert server.seen.announced[2] < flood_over, (
-        f"round 2 was announced {server.seen.announced[2] - sent_at[0]:.1f} s after its upload, after the flood ended"
-    )
+    # The server still serves: the member's upload closes round 1. Sent again every 10 s, as a device re-sends:
+    # while the server is behind the flood the broker's queue for it may be full, and Mosquitto drops what
+    # arrives then (max_queued_messages, SECURITY.md "Denial of service by a member"). A repeat is a duplicate.
+    sends = 0
+    while sends < 12 and 2 not in server.seen.rounds:
+        server.send(upload(1, server.width))
+        sends += 1
+        with server.seen.cv:
+            server.seen.cv.wait_for(lambda: 2 in server.seen.rounds, 10)
+    server.seen.wait(f"round 2 after the flood ({sends} uploads sent, 10 s apart)", 0, round_=2)
     server.send(upload(2, server.width))
     server.finish()
