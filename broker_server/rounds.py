@@ -27,11 +27,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from broker_server import secagg_run
 from broker_server.buffered import Buffered
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
 from broker_server.selection import Selection
 from broker_server.stages import PhaseRun, build_model
-from protofl import privacy
+from protofl import privacy, secagg
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
@@ -49,11 +50,15 @@ from protofl.wire import (
     ProtoUpload,
     PublicSet,
     RoundStart,
+    SaMasked,
+    SecAggMessage,
     Status,
 )
+from protofl.wire.messages import SECAGG_MESSAGES
 
 log = logging.getLogger("protofl.server")
 UPLOAD_KINDS = frozenset(u.value for u in Upload)
+SECAGG_KINDS = frozenset(c.KIND for c in SECAGG_MESSAGES)
 _UPLOADS = {u.value: u for u in Upload}  # a dict lookup, not an Enum call, for every upload
 _PHASES = {p.value: p for p in Phase}
 
@@ -319,8 +324,10 @@ class RoundMachine:
         limits: dict[str, int] | None = None,
         closing: Closing | None = None,
         time_scale: float = 1.0,
+        fed: str = "",
     ) -> None:
         self.cfg = cfg
+        self.fed = fed  # the federation's name: what binds a secure aggregation's keys to it
         # Who takes part in each round (the run's selection; `time_scale`: a simulation's links run that much
         # faster than the deadline the server is given).
         self.selection = Selection(cfg, time_scale)
@@ -349,6 +356,19 @@ class RoundMachine:
         # Uploads are clipped by default. `initial_params`: the whole model's, where the server knows it.
         self.model = build_model(cfg, self.plan, policy, initial_params)
         self.dp = privacy.resolve(cfg, self.plan)  # the DP mechanism the devices apply: what the rounds spend
+        # Secure aggregation of the training phase's prototype sums (broker_server/secagg_run.py): refused here,
+        # with the reason, where it cannot combine; `secagg` is the open phase's run of its steps.
+        self.secagg_slot = (
+            secagg_run.check(
+                cfg,
+                PhaseRun(self.model, Phase.TRAIN),
+                policy or ClipPolicy(),
+                sharded=not isinstance(self.closing, FoldHere),
+            )
+            if cfg.secagg
+            else None
+        )
+        self.secagg: secagg_run.SecAggRun | None = None
         self.layout = self.model.rules.adapter_layout() or []  # the federated adapter's, announced in the config
         self.state = MachineState()
         # What a new device receives once (config + public set): a function of the config, never state.
@@ -420,6 +440,8 @@ class RoundMachine:
             self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
             self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value),
         ]
+        if self.secagg is not None:
+            out += self.secagg.again(self._steer_secagg)
         return out + self.closing.announce(self)
 
     def _welcome(self) -> list[Publish]:
@@ -458,6 +480,9 @@ class RoundMachine:
             if isinstance(msg, (ProtoUpload, ParamsUpload)):
                 self._check_upload(env, msg)
                 return True
+            if isinstance(msg, SecAggMessage):
+                self._check_secagg(env, msg)
+                return True
             if isinstance(msg, Join):
                 self._check_member(env.sender)
                 self._check_arch(env.sender, msg)
@@ -486,6 +511,8 @@ class RoundMachine:
                 return self._on_join(inp.env, msg, inp.nbytes)
             if isinstance(msg, Metrics):
                 return [MetricsIn(inp.env.sender, inp.env.round, msg, inp.nbytes)]
+            if isinstance(msg, SecAggMessage):
+                return self._on_secagg(inp.env, msg, inp.nbytes)
             assert isinstance(msg, (ProtoUpload, ParamsUpload))
             return self._on_upload(inp.env, msg, inp.nbytes)
         if isinstance(inp, Presence):
@@ -512,6 +539,8 @@ class RoundMachine:
         open_ = s.phase
         if open_ is not None and not due and not open_.closing and now >= open_.deadline:
             done = open_.done_clients()
+            if self.secagg is not None:  # the open step's deadline: it closes with enough to go on
+                done = sorted(self.secagg.sent()) if self.secagg.enough(self.floor) else []
             if len(done) >= self.floor:
                 due.append(DeadlinePassed(s.round, open_.phase))
             else:
@@ -532,6 +561,8 @@ class RoundMachine:
         another round or phase, a second upload, metrics of a far round), before its body is parsed."""
         if head.kind in UPLOAD_KINDS:
             self.check_upload_head(head)
+        elif head.kind in SECAGG_KINDS:
+            self._secagg_head(head)
         elif head.kind == Metrics.KIND:
             self._check_metrics(head)
         elif head.kind == Join.KIND:
@@ -669,6 +700,91 @@ class RoundMachine:
         log.info("client %s is back; %d client(s)", client, len(s.clients))
         return []
 
+    # -- secure aggregation (broker_server/secagg_run.py) ------------------------------------------------
+    def _new_secagg(self, phase: Phase | None) -> None:
+        """A phase opens (or is restored): its secure aggregation starts from its first step."""
+        self.secagg = None
+        if self.secagg_slot is not None and phase is Phase.TRAIN:
+            self.secagg = secagg_run.SecAggRun(
+                self.cfg, self.plan.proto_width, self.fed, self.state.round, phase, self.secagg_slot
+            )
+
+    def _secagg_head(self, env: Head) -> None:
+        """The checks of a secure-aggregation message that its envelope decides."""
+        s, open_ = self.state, self.state.phase
+        if env.sender not in s.clients:
+            raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
+        if self.secagg is None or open_ is None:
+            raise Drop("unexpected_kind", f"{env.kind} from {env.sender}: no secure aggregation is open")
+        if (env.round, env.phase) != (s.round, open_.phase.value):
+            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; now round {s.round}")
+        if env.sender not in open_.expected:
+            raise Drop("not_selected", f"{env.kind} from {env.sender}, who is not expected in round {s.round}")
+
+    def _check_secagg(self, env: Head, msg: Message) -> None:
+        self._secagg_head(env)
+        assert self.secagg is not None
+        no = self.secagg.refusal(env.sender, msg)
+        if no is not None:
+            raise Drop(*no)
+
+    def _on_secagg(self, env: Head, msg: Message, nbytes: int) -> list[Effect]:
+        open_ = self.state.phase
+        assert self.secagg is not None and open_ is not None
+        self.secagg.apply(env.sender, msg)
+        if isinstance(msg, SaMasked):  # its upload of the phase: what the round record counts
+            open_.received[env.sender] = open_.received.get(env.sender, set()) | set(open_.needs)
+        self.state.current.uplink_bytes += nbytes
+        self.count_upload(env, nbytes)
+        return self._secagg_progress()
+
+    def _secagg_progress(self) -> list[Effect]:
+        """Close the open step once every device still expected in it sent its message."""
+        open_, sa = self.state.phase, self.secagg
+        assert open_ is not None and sa is not None
+        if sa.waiting(open_.expected) or not sa.enough(self.floor):
+            return []
+        return self._secagg_close_step("quorum")
+
+    def _steer_secagg(self, msg: Message, client: str) -> Steer:
+        open_ = self.state.phase
+        assert open_ is not None
+        return Steer(client, msg, self.encode(msg, self.state.round, open_.phase.value))
+
+    def _secagg_close_step(self, why: str) -> list[Effect]:
+        """The open step closes (`why`: quorum or deadline): the next step's messages, or the unmasked sum folded
+        and the phase closed."""
+        open_, sa, run = self.state.phase, self.secagg, self.run
+        assert open_ is not None and sa is not None and run is not None
+        step = sa.step
+        if step != "unmask":
+            took = len(sa.sent())
+            out: list[Effect] = list(sa.close_step(self._steer_secagg))
+            self.state.current.downlink_bytes += sum(len(e.payload) for e in out if isinstance(e, Steer))
+            open_.deadline = self.clock() + self.cfg.round_timeout
+            log.info(
+                "round %d secure aggregation: %s step closed (%s) with %d device(s); now %s",
+                self.state.round,
+                step,
+                why,
+                took,
+                sa.step,
+            )
+            return out + self._secagg_progress()
+        try:
+            sums, weights, senders = sa.result()
+            secagg_run.fold_sum(run, sa.slot, sums, weights, senders)
+            log.info("round %d secure aggregation: unmasked the sum of %d device(s)", self.state.round, senders)
+        except (secagg.SecAggError, ValueError) as exc:
+            sa.failed = str(exc)
+            log.warning(
+                "round %d secure aggregation: could not unmask (%s); the phase closes without folding",
+                self.state.round,
+                exc,
+            )
+        self.secagg = None
+        return self.closing.close(self, why)
+
     def _check_upload(self, env: Head, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
         open_, kind = self.check_upload_head(env)
@@ -753,6 +869,8 @@ class RoundMachine:
         # would run after every upload of a fleet (issue 27).
         if open_.closing:
             return []
+        if self.secagg is not None:
+            return self._secagg_progress()
         if self.buffered.full(len(open_.received)) and self.buffered.full(len(open_.done_clients())):
             return self._close_phase("buffer")  # FedBuff: K uploads folded (K is its floor), a new version
         target = self.selection.target
@@ -803,6 +921,7 @@ class RoundMachine:
     def _open_phase(self, phase: Phase) -> list[Effect]:
         s = self.state
         self.run = PhaseRun(self.model, phase)
+        self._new_secagg(phase)
         deadline = self.clock() + self.cfg.round_timeout
         steer: list[Effect] = []
         if self.selection.active and phase is self.plan.first_phase:
@@ -842,6 +961,8 @@ class RoundMachine:
 
     def _close_phase(self, why: str) -> list[Effect]:
         assert self.state.phase is not None and self.run is not None
+        if self.secagg is not None:
+            return self._secagg_close_step(why)
         return self.closing.close(self, why)
 
     def after_close(self, why: str) -> list[Effect]:
@@ -938,6 +1059,7 @@ class RoundMachine:
                 )
         self.state = from_plain(MachineState, saved["machine"])
         self.run = None if self.state.phase is None else PhaseRun(self.model, self.state.phase.phase)
+        self._new_secagg(None if self.state.phase is None else self.state.phase.phase)
 
     def resume(self, now: float) -> None:
         """Times start again from `now` (a restart, or the broker connection back): the open phase's

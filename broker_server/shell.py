@@ -179,6 +179,7 @@ class Aggregator:
             limits={"max_message_bytes": self.limits.max_message_bytes},
             closing=closing,
             time_scale=time_scale,
+            fed=fed,
         )
         self.on_round_end = on_round_end
         self.on_metrics = on_metrics

@@ -35,9 +35,10 @@ from edge_agent.emulation import RoundClock
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
+from edge_agent.secagg_device import DeviceSecAgg
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
 from edge_agent.uploads import train_uploads
-from protofl import privacy, topics
+from protofl import privacy, secagg, topics
 from protofl.adapter import layout_size
 from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
@@ -59,8 +60,12 @@ from protofl.wire import (
     Message,
     Metrics,
     ProtoSet,
+    ProtoUpload,
     PublicSet,
     RoundStart,
+    SaRoster,
+    SaRouted,
+    SaSurvivors,
     decode_message,
     encode_message,
     read_header,
@@ -193,6 +198,8 @@ class EdgeAgent:
         self.objective = Objective()  # this round's objective (also what the metrics classify with)
         self.handled: set[tuple[int, str]] = set()
         self.finished = False
+        # The open phase's secure aggregation, where the config asks for it (edge_agent/secagg_device.py).
+        self.secagg: DeviceSecAgg | None = None
         self.clock = clock
         self.resends = resends
         self.artifacts_at = frozenset(artifacts_at)
@@ -303,6 +310,8 @@ class EdgeAgent:
                 self.on_public(msg)
             elif isinstance(msg, RoundStart):
                 self.on_round(env, msg)
+            elif isinstance(msg, (SaRoster, SaRouted, SaSurvivors)) and topic == topics.down(self.fed, self.client_id):
+                self.on_secagg(env, msg)
             return step.outcome(
                 changed=isinstance(msg, RoundStart) and self.handled != handled,
                 trained=self.stats.rounds_trained != trained,
@@ -611,6 +620,10 @@ class EdgeAgent:
         memory.mark("training")
         self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline, stats.seen):
+            if cfg.secagg and isinstance(upload, ProtoUpload):
+                # Secure aggregation: the table stays here; its keys go instead, its masked sum later (on_secagg).
+                self.secagg = DeviceSecAgg(self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local)
+                upload = self.secagg.keys()
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         memory.mark("uploads")
         self.stats.rounds_trained += 1
@@ -622,6 +635,20 @@ class EdgeAgent:
             )
             memory.mark("evaluation")
         self._z_train = None
+
+    def on_secagg(self, env: Envelope, msg: SaRoster | SaRouted | SaSurvivors) -> None:
+        """A step of the open phase's secure aggregation: this device's answer (the same one if it came before)."""
+        sa, plan = self.secagg, self.plan
+        if sa is None or plan is None or (env.round, env.phase) != (sa.round, sa.phase):
+            self._drop("stale", f"{msg.KIND} for round {env.round}/{env.phase}: no secure aggregation of it here")
+            return
+        try:
+            out = sa.answer(msg, plan.num_classes, plan.proto_width)
+        except (secagg.SecAggError, ValueError) as exc:
+            self._drop("secagg", f"round {env.round}: {exc}; this device drops out of the phase's secure aggregation")
+            return
+        if out is not None:
+            self._send(out, env.round, env.phase)
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
         """The round message's targets as the dense table training uses (empty without any)."""

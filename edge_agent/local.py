@@ -35,7 +35,8 @@ class LocalDevice:
     def start(self) -> None:
         """Subscribe the server's topics, then join."""
         fed = self.agent.fed
-        for topic in (topics.config(fed), topics.public(fed), topics.round_(fed)):
+        own = topics.down(fed, self.agent.client_id)  # secure aggregation's steps (edge_agent/secagg_device.py)
+        for topic in (topics.config(fed), topics.public(fed), topics.round_(fed), own):
             self.transport.subscribe(topic, self.deliver)
         self.carry(self.agent.join())
 

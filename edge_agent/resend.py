@@ -16,7 +16,8 @@ import logging
 
 from protofl.errors import WireError
 from protofl.topics import SERVER_ID
-from protofl.wire import Envelope, Limits, Pace, Resend, Status, decode_message
+from protofl.wire import Envelope, Limits, Pace, Resend, Status, decode_message, read_header
+from protofl.wire.codec import SECAGG_SERVER_KINDS
 
 log = logging.getLogger("protofl.edge")
 MIN_INTERVAL_S = 1.0
@@ -56,6 +57,16 @@ def pace(payload: bytes, fed: str) -> tuple[int, Pace] | None:
     if isinstance(msg, Pace) and env.sender == SERVER_ID and env.fed == fed:
         return env.round, msg
     return None
+
+
+def secagg_step(payload: bytes, fed: str) -> bool:
+    """Whether `payload` (on our `down/` topic) is a step of a secure aggregation (protofl/secagg.py): the agent
+    reads it whole, with its own limits (a roster names up to MAX_NEIGHBOURS keys)."""
+    try:
+        head = read_header(payload)  # the envelope only: the agent reads the body with the federation's limits
+    except WireError:
+        return False
+    return head.kind in SECAGG_SERVER_KINDS and head.sender == SERVER_ID and head.fed == fed
 
 
 class ResendRequests:

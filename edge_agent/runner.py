@@ -48,7 +48,7 @@ from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
 from edge_agent.memory import MemoryLimit, mark
 from edge_agent.models import resolve_arch
 from edge_agent.outcome import Outcome, Send
-from edge_agent.resend import ResendRequests, pace, refusal
+from edge_agent.resend import ResendRequests, pace, refusal, secagg_step
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
 from protofl.names import MAX_TEXT
@@ -526,6 +526,11 @@ class DeviceRunner:
         why = refusal(payload, self.fed)
         if why is not None:
             self._cannot_serve(ConfigError(f"{self.client_id}: the server refused this device's join: {why}"))
+            return
+        if self.agent is not None and secagg_step(payload, self.fed):  # a step of the phase's secure aggregation
+            with _AGENT_LOCK:
+                out = self.agent.receive(topic, payload)
+            self._send(out.sends)
             return
         paced = pace(payload, self.fed)
         if paced is not None:  # not in that round: nothing to train; its round message leaves us out too

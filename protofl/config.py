@@ -22,6 +22,7 @@ module checks the core fields only.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,6 +92,10 @@ CORE: dict[str, Any] = dict(
     dp_clip=1.0,
     dp_noise=None,
     dp_mode="local",
+    # Secure aggregation of the prototype sums (protofl/secagg.py, docs/privacy.md): on/off, and the bound of every
+    # value a device masks (it clips to +-secagg_bound; the fixed-point ring is chosen from it and the devices).
+    secagg=False,
+    secagg_bound=1e4,
 )
 SCOPE = "techniques"  # the key of the scoped options in `to_dict`
 PACKAGES = "technique_packages"  # technique -> "distribution version", for techniques of other packages
@@ -108,6 +113,8 @@ _ONLY_WHEN_SET = (
     "dp_clip",
     "dp_noise",
     "dp_mode",
+    "secagg",
+    "secagg_bound",
     *participation.FIELDS,
 )
 
@@ -157,6 +164,8 @@ class FederationConfig:
     dp_clip: float
     dp_noise: float | None
     dp_mode: str
+    secagg: bool
+    secagg_bound: float
     options: dict[str, Any]
     techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
@@ -205,6 +214,7 @@ class FederationConfig:
         # plan (protofl.plan.RoundPlan.from_config) reads this draft instead of shaping it again.
         object.__setattr__(self, "_draft", registry.draft(self))
         privacy.check(self, self.__dict__["_draft"])
+        privacy.check_secagg(self, self.__dict__["_draft"])
         if self.dp_epsilon is not None and self.dp_noise is None:
             # Resolved here, so that the config message carries it: a device adds the noise it is told.
             object.__setattr__(self, "dp_noise", privacy.calibrate(float(self.dp_epsilon), self.dp_delta, self.rounds))
@@ -425,6 +435,14 @@ class FederationConfig:
             need(False, trouble)
         problems = privacy.check_numbers(self)
         need(not problems, "; ".join(problems))
+        need(isinstance(self.secagg, bool), f"secagg must be true or false, got {self.secagg!r}")
+        need(
+            isinstance(self.secagg_bound, (int, float))
+            and not isinstance(self.secagg_bound, bool)
+            and math.isfinite(self.secagg_bound)
+            and self.secagg_bound > 0,
+            f"secagg_bound must be a number > 0, got {self.secagg_bound!r}",
+        )
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))

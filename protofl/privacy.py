@@ -119,6 +119,28 @@ def check(cfg: FederationConfig, draft: PlanDraft) -> None:
         )
 
 
+def check_secagg(cfg: FederationConfig, draft: PlanDraft) -> None:
+    """Refuse a federation that secure aggregation (`secagg`, protofl/secagg.py) cannot cover, with the reason."""
+    if not cfg.secagg:
+        return
+    from protofl.technique import Phase, Upload
+
+    uploads = {p: tuple(k) for p, k in draft.uploads.items() if k}
+    if uploads != {Phase.TRAIN: (Upload.PROTOS,)} or draft.public_phase is not None:
+        raise ConfigError(
+            "secagg: secure aggregation covers the per-class prototype sums and counts of a prototype-only "
+            f"federation (tinyproto, fedproto); this one (techniques {list(cfg.techniques)}, federate="
+            f"{cfg.federate!r}) uploads {sorted({k.value for ks in uploads.values() for k in ks})} in phases "
+            f"{[p.value for p in uploads]}{', with public-set prototypes' if draft.public_phase else ''}: parameter "
+            "vectors, adapters and APUD's sparse updates are not masked yet (docs/privacy.md)"
+        )
+    if cfg.buffer_k:
+        raise ConfigError(
+            "secagg: buffered asynchronous rounds (buffer_k) fold uploads one by one as they come; secure "
+            "aggregation unmasks one sum per phase: leave buffer_k unset"
+        )
+
+
 def resolve(cfg: FederationConfig, draft: PlanDraft | RoundPlan) -> DpSettings | None:
     """The federation's DP mechanism (None: DP off). Calibrates z where `dp_noise` is not set (needs
     dp-accounting), so that `rounds` rounds spend exactly `dp_epsilon`."""

@@ -89,6 +89,11 @@ class Limits:
             "protos": 256,
             "adapter": 256,
             "metrics": 64 + self.max_map_len,
+            # secure aggregation: a map of at most MAX_NEIGHBOURS entries of a few objects each, or one array
+            "sa_keys": 64,
+            "sa_masked": 64,
+            "sa_shares": 64 + 2 * MAX_NEIGHBOURS,
+            "sa_unmask": 64 + 5 * MAX_NEIGHBOURS,
         }
         return min(self.max_objects, fixed.get(kind, self.max_objects))
 
@@ -107,14 +112,23 @@ _NATIVE = {k: v.newbyteorder("=") for k, v in _DTYPES.items()}
 FLOAT_DTS = frozenset({"f4", "f2", "q8"})
 UINT_DTS = frozenset({"u1", "u2", "u4"})
 MAX_NDIM = 8
+MAX_NEIGHBOURS = 1024  # secure aggregation: neighbours of one device (2 ceil(log2 n): 28 at 10,000 devices)
 MAX_SPARSE_N = 2**32
 # "resend" (the server asks one device, on its own `down/{client_id}` topic, to send again what the broker
 # dropped) is additive within version 1: a device that does not know it never subscribes to that topic.
 # "pace" (the server tells one device, on its `down/` topic, when to come back: issue 47) is additive the same way.
-KINDS = frozenset({"join", "config", "public", "round", "protos", "adapter", "metrics", "status", "resend", "pace"})
+# The secure-aggregation kinds ("sa_...": protofl/secagg.py, issue 46) are additive the same way: a device sends
+# them only in a federation whose config asks for secure aggregation, and the server sends them only to those.
+SECAGG_DEVICE_KINDS = frozenset({"sa_keys", "sa_shares", "sa_masked", "sa_unmask"})
+SECAGG_SERVER_KINDS = frozenset({"sa_roster", "sa_routed", "sa_survivors"})
+KINDS = frozenset(
+    {"join", "config", "public", "round", "protos", "adapter", "metrics", "status", "resend", "pace"}
+    | SECAGG_DEVICE_KINDS
+    | SECAGG_SERVER_KINDS
+)
 # What a device sends on its `up/{client_id}` topic (its status goes to `presence/{client_id}`): a
 # receiver of `up/` refuses any other kind from the header, before the body is parsed.
-DEVICE_KINDS = frozenset({"join", "protos", "adapter", "metrics"})
+DEVICE_KINDS = frozenset({"join", "protos", "adapter", "metrics"} | SECAGG_DEVICE_KINDS)
 PHASES = frozenset({"", "proto", "train", "done"})
 ENVELOPE_KEYS = ("v", "kind", "fed", "round", "phase", "sender", "msg_id", "body")
 MAX_ROUND = 2**31

@@ -28,6 +28,7 @@ from protofl.wire.codec import (
     FLOAT_DTS,
     KINDS,
     MAX_NDIM,
+    MAX_NEIGHBOURS,
     MAX_SPARSE_N,
     Envelope,
     Limits,
@@ -803,8 +804,221 @@ class Resend(_Body):
         return _build(cls, cls.KIND, **expect_keys(body, ("ask",), cls.KIND))
 
 
-Message = Join | Config | PublicSet | RoundStart | ProtoUpload | ParamsUpload | Metrics | Status | Resend | Pace
-_CLASSES = (Join, Config, PublicSet, RoundStart, ProtoUpload, ParamsUpload, Metrics, Status, Resend, Pace)
+# --- secure aggregation (protofl/secagg.py; docs/privacy.md, issue 46) -----------------------------------------
+# A device's four messages on `up/` and the server's three on the device's own `down/` topic, for one phase of one
+# round (the envelope's). Every map is bounded (MAX_NEIGHBOURS entries, checked before it is walked), every key a
+# valid client id, every byte string of its exact length.
+SA_KEY_BYTES = 32  # an X25519 public key
+SA_SHARE_BYTES = 33  # an element of GF(2^256 + 297)
+SA_BOX_BYTES = 4 + 2 * SA_SHARE_BYTES + 16  # AES-GCM of (x, share of b_u, share of s_u) with its tag
+
+
+def _exact_bytes(v: Any, n: int, what: str) -> bytes:
+    if not isinstance(v, bytes) or len(v) != n:
+        got = f"{len(v)} bytes" if isinstance(v, bytes) else type(v).__name__
+        raise WireError(f"{what}: expected {n} bytes, got {got}")
+    return v
+
+
+def _id_map(v: Any, what: str, value: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """A map of client id -> value of at most MAX_NEIGHBOURS entries (its size checked before it is walked)."""
+    if not isinstance(v, dict):
+        raise WireError(f"{what}: expected a map, got {type(v).__name__}")
+    if len(v) > MAX_NEIGHBOURS:
+        raise WireError(f"{what}: {len(v)} entries, at most {MAX_NEIGHBOURS}")
+    return {expect_name(k, f"{what} key"): value(x, f"{what}[{k}]") for k, x in sorted(v.items(), key=_key)}
+
+
+def _key(item: tuple[Any, Any]) -> str:
+    return str(item[0])
+
+
+@dataclass(frozen=True, eq=False)
+class SaKeys(_Body):
+    """Secure aggregation, step 0 (device): its two X25519 public keys for the phase (`c` encrypts the shares sent
+    to it, `s` agrees its pairwise masks)."""
+
+    KIND: ClassVar[str] = "sa_keys"
+    c: bytes
+    s: bytes
+
+    def __post_init__(self) -> None:
+        _exact_bytes(self.c, SA_KEY_BYTES, "c")
+        _exact_bytes(self.s, SA_KEY_BYTES, "s")
+
+    def to_body(self) -> dict:
+        return {"c": self.c, "s": self.s}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("c", "s"), cls.KIND))
+
+
+@dataclass(frozen=True, eq=False)
+class SaRoster(_Body):
+    """Secure aggregation, the server to one device: its neighbours' keys (id -> (c, s)), the threshold t of the
+    Shamir shares, and the ring: values within +-`bound` (clipped on the device), `frac_bits` of fixed point;
+    `weighted`: each class's row goes times its count n_kc, and its weight is n_kc (else 1): the server rule's."""
+
+    KIND: ClassVar[str] = "sa_roster"
+    keys: dict[str, tuple[bytes, bytes]]
+    t: int
+    frac_bits: int
+    bound: float
+    weighted: bool
+
+    def __post_init__(self) -> None:
+        def pair(v: Any, what: str) -> tuple[bytes, bytes]:
+            if not isinstance(v, (list, tuple)) or len(v) != 2:
+                raise WireError(f"{what}: expected [c, s]")
+            return (_exact_bytes(v[0], SA_KEY_BYTES, f"{what} c"), _exact_bytes(v[1], SA_KEY_BYTES, f"{what} s"))
+
+        _set(self, keys=_id_map(self.keys, "keys", pair))
+        _set(
+            self, t=expect_int(self.t, "t", 1, MAX_NEIGHBOURS), frac_bits=expect_int(self.frac_bits, "frac_bits", 0, 30)
+        )
+        _set(self, bound=expect_float(self.bound, "bound", 0.0), weighted=expect_bool(self.weighted, "weighted"))
+        if self.bound <= 0:
+            raise WireError("bound: must be > 0")
+
+    def to_body(self) -> dict:
+        keys = {k: [c, s] for k, (c, s) in self.keys.items()}
+        return {"keys": keys, "t": self.t, "frac_bits": self.frac_bits, "bound": self.bound, "weighted": self.weighted}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("keys", "t", "frac_bits", "bound", "weighted"), cls.KIND))
+
+
+@dataclass(frozen=True, eq=False)
+class _Boxes(_Body):
+    """A map of client id -> encrypted share box (`boxes`)."""
+
+    KIND: ClassVar[str] = ""
+    boxes: dict[str, bytes]
+
+    def __post_init__(self) -> None:
+        _set(self, boxes=_id_map(self.boxes, "boxes", lambda v, w: _exact_bytes(v, SA_BOX_BYTES, w)))
+
+    def to_body(self) -> dict:
+        return {"boxes": dict(self.boxes)}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("boxes",), cls.KIND))
+
+
+@dataclass(frozen=True, eq=False)
+class SaShares(_Boxes):
+    """Secure aggregation, step 1 (device): its encrypted Shamir shares, one box per neighbour (`boxes`: id -> box)."""
+
+    KIND: ClassVar[str] = "sa_shares"
+
+
+@dataclass(frozen=True, eq=False)
+class SaRouted(_Boxes):
+    """Secure aggregation, the server to one device: the boxes its neighbours sent it (sender id -> box); their
+    senders are the neighbours whose pairwise masks its masked input carries."""
+
+    KIND: ClassVar[str] = "sa_routed"
+
+
+@dataclass(frozen=True, eq=False)
+class SaMasked(_Body):
+    """Secure aggregation, step 2 (device): its masked input, the fixed-point vector plus its masks mod 2^32 (u4)."""
+
+    KIND: ClassVar[str] = "sa_masked"
+    y: np.ndarray
+
+    def __post_init__(self) -> None:
+        y = np.asarray(self.y)
+        if y.ndim != 1 or y.dtype != np.uint32:
+            raise WireError(f"y: expected a 1-D uint32 vector, got {y.dtype} of shape {list(y.shape)}")
+
+    def to_body(self) -> dict:
+        return {"y": encode_array(self.y, "u4")}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        b = expect_keys(body, ("y",), cls.KIND)
+        return _build(cls, cls.KIND, y=decode_array(b["y"], what="y", limits=limits, dts=("u4",), ndim=1))
+
+
+@dataclass(frozen=True, eq=False)
+class SaSurvivors(_Body):
+    """Secure aggregation, the server to one device: which of its neighbours sent a masked input (the others
+    dropped): it answers with its shares of their self-mask seeds, and of the others' mask keys."""
+
+    KIND: ClassVar[str] = "sa_survivors"
+    alive: list[str]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.alive, (list, tuple)) or len(self.alive) > MAX_NEIGHBOURS:
+            raise WireError(f"alive: expected a list of at most {MAX_NEIGHBOURS} client ids")
+        _set(self, alive=sorted({expect_name(a, "alive") for a in self.alive}))
+
+    def to_body(self) -> dict:
+        return {"alive": list(self.alive)}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("alive",), cls.KIND))
+
+
+@dataclass(frozen=True, eq=False)
+class SaUnmask(_Body):
+    """Secure aggregation, step 3 (device): for each neighbour u, ("b", x, its share of u's self-mask seed) if u
+    survived, else ("s", x, its share of u's mask key); never both kinds for one u."""
+
+    KIND: ClassVar[str] = "sa_unmask"
+    of: dict[str, tuple[str, int, bytes]]
+
+    def __post_init__(self) -> None:
+        def answer(v: Any, what: str) -> tuple[str, int, bytes]:
+            if not isinstance(v, (list, tuple)) or len(v) != 3 or v[0] not in ("b", "s"):
+                raise WireError(f'{what}: expected ["b" or "s", x, share]')
+            x = expect_int(v[1], f"{what} x", 1, MAX_NEIGHBOURS)
+            return (str(v[0]), x, _exact_bytes(v[2], SA_SHARE_BYTES, f"{what} share"))
+
+        _set(self, of=_id_map(self.of, "of", answer))
+
+    def to_body(self) -> dict:
+        return {"of": {u: [k, x, y] for u, (k, x, y) in self.of.items()}}
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        return _build(cls, cls.KIND, **expect_keys(body, ("of",), cls.KIND))
+
+
+SECAGG_MESSAGES = (SaKeys, SaRoster, SaShares, SaRouted, SaMasked, SaSurvivors, SaUnmask)
+SecAggMessage = SaKeys | SaRoster | SaShares | SaRouted | SaMasked | SaSurvivors | SaUnmask
+
+Message = (
+    Join
+    | Config
+    | PublicSet
+    | RoundStart
+    | ProtoUpload
+    | ParamsUpload
+    | Metrics
+    | Status
+    | Resend
+    | Pace
+    | SecAggMessage
+)
+_CLASSES = (
+    Join,
+    Config,
+    PublicSet,
+    RoundStart,
+    ProtoUpload,
+    ParamsUpload,
+    Metrics,
+    Status,
+    Resend,
+    Pace,
+    *SECAGG_MESSAGES,
+)
 MESSAGE_TYPES: dict[str, type] = {c.KIND: c for c in _CLASSES}
 # How each kind's body is read (typed: every message class has `from_body(body, limits)`).
 _FROM_BODY: dict[str, Callable[[Any, Limits], Message]] = {c.KIND: c.from_body for c in _CLASSES}

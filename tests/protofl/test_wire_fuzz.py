@@ -27,6 +27,13 @@ from protofl.wire import (
     PublicSet,
     Resend,
     RoundStart,
+    SaKeys,
+    SaMasked,
+    SaRoster,
+    SaRouted,
+    SaShares,
+    SaSurvivors,
+    SaUnmask,
     Status,
     decode_message,
     encode_message,
@@ -56,7 +63,15 @@ SMALL = [
     Status("online", "ok"),
     Resend("uploads"),
     Pace(1_800_000_000.0, "its link cannot finish the round by its deadline"),
+    SaKeys(b"c" * 32, b"s" * 32),
+    SaRoster({"rpi-08": (b"c" * 32, b"s" * 32)}, t=1, frac_bits=16, bound=100.0, weighted=True),
+    SaShares({"rpi-08": b"x" * 86}),
+    SaRouted({"rpi-08": b"x" * 86}),
+    SaMasked(np.arange(6, dtype=np.uint32)),
+    SaSurvivors(["rpi-08"]),
+    SaUnmask({"rpi-08": ("b", 1, b"y" * 33)}),
 ]
+SA_SHARES = SaShares({"rpi-08": b"x" * 86})
 assert {type(m) for m in SMALL} == set(MESSAGE_TYPES.values())
 
 
@@ -170,6 +185,21 @@ CASES: list[tuple[str, Callable[[], bytes], str]] = [
         "mask_wrong_length",
         edit(BY_MASK, put("body.update.mask", {"dt": "u1", "sh": [1], "b": b"\xff"})),
         "mask has 1 bytes",
+    ),
+    # secure aggregation (protofl/secagg.py)
+    ("sa_key_short", edit(SaKeys(b"c" * 32, b"s" * 32), put("body.c", b"c" * 31)), "c: expected 32 bytes, got 31"),
+    ("sa_box_short", edit(SA_SHARES, put("body.boxes", {"rpi-08": b"x"})), "expected 86 bytes, got 1 bytes"),
+    ("sa_box_bad_id", edit(SA_SHARES, put("body.boxes", {"a/b": b"x" * 86})), "is not a valid name"),
+    (
+        "sa_too_many_boxes",
+        edit(SA_SHARES, put("body.boxes", {f"d{i}": b"x" * 86 for i in range(1025)})),
+        "boxes: 1025 entries, at most 1024",
+    ),
+    ("sa_masked_f4", edit(SaMasked(np.zeros(3, np.uint32)), put("body.y.dt", "f4")), "dtype f4 not allowed here"),
+    (
+        "sa_unmask_both",
+        edit(SaUnmask({"rpi-08": ("b", 1, b"y" * 33)}), put("body.of.rpi-08", ["x", 1, b"y" * 33])),
+        'expected ["b" or "s", x, share]',
     ),
     # message bodies
     ("bool_as_int", edit(Join("cnn", 3), put("body.n_samples", True)), "n_samples: expected an integer, got bool"),

@@ -29,6 +29,13 @@ from protofl.wire import (
     PublicSet,
     Resend,
     RoundStart,
+    SaKeys,
+    SaMasked,
+    SaRoster,
+    SaRouted,
+    SaShares,
+    SaSurvivors,
+    SaUnmask,
     Status,
     encode_message,
 )
@@ -233,6 +240,21 @@ def _cases() -> dict[str, Case]:
         # --- resend: the server asks one device (on its down/<id>) for what the broker dropped
         "resend_uploads": Case(Resend("uploads"), sender=SERVER, round=4, phase="train"),
         "resend_join": Case(Resend("join"), sender=SERVER, phase="", round=0),
+        # --- secure aggregation (protofl/secagg.py): a device's four steps on up/, the server's three on down/<id>
+        "sa_keys": Case(SaKeys(bytes(range(32)), bytes(range(32, 64))), round=2, phase="train"),
+        "sa_roster": Case(
+            SaRoster({"dev-02": (bytes(32), bytes([1]) * 32)}, t=1, frac_bits=17, bound=10000.0, weighted=True),
+            sender=SERVER,
+            round=2,
+            phase="train",
+        ),
+        "sa_shares": Case(SaShares({"dev-02": bytes([7]) * 86}), round=2, phase="train"),
+        "sa_routed": Case(SaRouted({"dev-02": bytes([9]) * 86}), sender=SERVER, round=2, phase="train"),
+        "sa_masked": Case(SaMasked(np.array([0, 1, 2**32 - 1], dtype=np.uint32)), round=2, phase="train"),
+        "sa_survivors": Case(SaSurvivors(["dev-02", "dev-03"]), sender=SERVER, round=2, phase="train"),
+        "sa_unmask": Case(
+            SaUnmask({"dev-02": ("b", 1, bytes([3]) * 33), "dev-03": ("s", 2, bytes([4]) * 33)}), round=2, phase="train"
+        ),
     }
 
 

@@ -1,0 +1,284 @@
+"""Secure aggregation in the rounds: one open phase's SecAgg+ steps on the server, with no I/O (numpy only).
+
+Where the config says `secagg` (docs/privacy.md), the training phase of a prototype-only federation (tinyproto,
+fedproto) runs the steps of protofl/secagg.py before it folds anything:
+
+    keys      every expected device sends its two public keys (`SaKeys`, after its local training);
+    shares    the server sends each its neighbours' keys (`SaRoster`), each sends its encrypted shares (`SaShares`);
+    masked    the server routes each device the boxes addressed to it (`SaRouted`), each sends its masked table
+              (`SaMasked`: per class its row times its weight, and the weight, in fixed point mod 2^32);
+    unmask    the server names each survivor's surviving neighbours (`SaSurvivors`), each answers with its shares
+              (`SaUnmask`); the server removes the masks and folds the SUM into the phase's prototype accumulator as a
+              shard's partial sum would be merged (stages.PhaseRun.merge), then the phase finishes as always.
+
+A step closes when every device still expected in it has sent its message, or at its deadline (the phase's
+`round_timeout`, again for each step) with enough to go on; a device that drops (its grace ran out, it gave up) is
+simply not waited for. Every message is an input of the round machine (rounds.py), journaled before it is
+applied, so a restart replays them into the same steps; the graph's seed is a function of the config and the
+round (never the clock nor the OS's entropy), so a replay draws the same graph. What the server holds until the
+unmask step closes is only masked vectors (`SecAggRun.server.masked`).
+
+What cannot combine is refused when the machine is built (`check`): server-side clipping and the robust means need
+each upload in the clear, shards and site pre-aggregators would need the shares at every shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from broker_server.stages import PhaseRun
+from protofl import secagg, wire
+from protofl.algorithms.robust import ClipPolicy
+from protofl.config import FederationConfig
+from protofl.errors import ConfigError
+from protofl.mergeable import Additive
+from protofl.plan import Phase
+from protofl.wire import Message
+
+log = logging.getLogger("protofl.server")
+
+STEPS = ("keys", "shares", "masked", "unmask")
+_STEP_OF = {wire.SaKeys: "keys", wire.SaShares: "shares", wire.SaMasked: "masked", wire.SaUnmask: "unmask"}
+_SUM_SLOT = frozenset({"_sum", "_weight", "_senders"})  # a per-class prototype sum: fedproto's PrototypeAggregator
+
+
+@dataclass(frozen=True)
+class SumSlot:
+    """Where the phase's prototype sums live: the path of attributes to the accumulator, and its weighting."""
+
+    path: tuple[str, ...]
+    weighted: bool
+
+
+def find_slot(run: PhaseRun) -> SumSlot:
+    """The one per-class sum accumulator of the phase's folds (ConfigError if there is none, or more than one)."""
+    found: list[SumSlot] = []
+
+    def walk(obj: Any, path: tuple[str, ...]) -> None:
+        if not isinstance(obj, Additive):
+            return
+        if set(obj.additive) == _SUM_SLOT:
+            found.append(SumSlot(path, getattr(obj, "weighting", "mean") == "weighted"))
+            return
+        for name in obj.additive:
+            walk(getattr(obj, name), (*path, name))
+
+    for i, fold in enumerate(run.folds):
+        for name in getattr(fold, "merged", ()):
+            walk(getattr(fold, name, None), (str(i), name))
+    if len(run.folds) != 1 or len(found) != 1:
+        raise ConfigError(
+            f"secagg: the training phase's folds ({', '.join(type(f).__name__ for f in run.folds)}) are not one "
+            "per-class sum of prototype rows and weights, which is what secure aggregation unmasks"
+        )
+    return found[0]
+
+
+def check(cfg: FederationConfig, run: PhaseRun, policy: ClipPolicy, *, sharded: bool) -> SumSlot:
+    """Refuse, with the reason, what secure aggregation cannot combine with; else where its sums go."""
+    if policy.robust != "mean":
+        raise ConfigError(
+            f"secagg: --robust {policy.robust} needs every upload's rows to take a coordinate-wise "
+            f"{policy.robust}, and the server sees only their masked sum: use --robust mean with secagg"
+        )
+    if policy.enabled:
+        raise ConfigError(
+            "secagg: server-side clipping (the default) needs each upload's rows in the clear to clip them, and "
+            "the server sees only their masked sum: pass --clip off (each device clips what it masks to "
+            "+-secagg_bound, and to dp_clip with differential privacy)"
+        )
+    if sharded:
+        raise ConfigError(
+            "secagg: aggregator shards and site pre-aggregators fold uploads apart, and unmasking needs every "
+            "share at one server: not wired yet; run one aggregator with secagg"
+        )
+    if cfg.select_target:
+        raise ConfigError("secagg: over-selection (select_target) closes a phase at its first uploads: not with secagg")
+    return find_slot(run)
+
+
+def graph_seed(cfg: FederationConfig, fed_context: bytes) -> bytes:
+    """The neighbour graph's public seed for a phase: a function of the config's seed and the phase, so that a
+    journal replay draws the same graph (the server picks the graph in any case: SecAgg+ trusts it for that)."""
+    return hashlib.sha256(b"protofl-secagg graph\0" + str(cfg.seed).encode() + b"\0" + fed_context).digest()[:16]
+
+
+class SecAggRun:
+    """The open training phase's secure aggregation: its step, the protocol's server half, the deadline's step."""
+
+    def __init__(
+        self, cfg: FederationConfig, proto_width: int, fed: str, round_: int, phase: Phase, slot: SumSlot
+    ) -> None:
+        self.cfg = cfg
+        self.proto_width = proto_width
+        self.slot = slot
+        context = secagg.context(fed, round_, phase.value)
+        self.server = secagg.Server(context, seed=graph_seed(cfg, context))
+        self.step = STEPS[0]
+        self.sent_shares: dict[str, dict[str, bytes]] = {}
+        self.routed: dict[str, dict[str, bytes]] = {}
+        self.fp: secagg.FixedPoint | None = None
+        self.failed = ""  # why the phase closed without a sum ("" while it goes on, and once it unmasked)
+
+    @property
+    def width(self) -> int:
+        return self.cfg.num_classes * (self.proto_width + 1)
+
+    # -- inputs ---------------------------------------------------------------------------------------------
+    def refusal(self, sender: str, msg: Message) -> tuple[str, str] | None:
+        """Why `msg` from `sender` does not fit the open step, as (reason, detail); None if it does."""
+        step = _STEP_OF.get(type(msg))
+        if step is None:
+            return "unexpected_kind", f"{type(msg).__name__} from {sender}: a device does not send it"
+        if STEPS.index(step) < STEPS.index(self.step):
+            return "stale", f"{msg.KIND} from {sender}: the {step} step is closed (now {self.step})"
+        if step != self.step:
+            return "wrong_phase", f"{msg.KIND} from {sender}: the {self.step} step is open, not {step}"
+        if step != "keys" and sender not in self.took_part():
+            return "stale", f"{msg.KIND} from {sender}, which was not in the step before when it closed"
+        if sender in self.sent():
+            return "duplicate", f"second {msg.KIND} from {sender}"
+        problem = self._invalid(sender, msg)
+        return None if problem is None else ("invalid", f"{msg.KIND} from {sender}: {problem}")
+
+    def _invalid(self, sender: str, msg: Message) -> str | None:
+        neighbours = self.server.graph.get(sender, frozenset())
+        if isinstance(msg, wire.SaKeys) and msg.c == msg.s:
+            return "its two keys must differ"
+        if isinstance(msg, wire.SaShares) and set(msg.boxes) != neighbours:
+            return f"shares for {len(msg.boxes)} ids, not for its {len(neighbours)} neighbours"
+        if isinstance(msg, wire.SaMasked) and msg.y.shape[0] != self.width:
+            return f"{msg.y.shape[0]} values, expected {self.width}"
+        if isinstance(msg, wire.SaUnmask) and not set(msg.of) <= neighbours:
+            return "answers about devices that are not its neighbours"
+        return None
+
+    def apply(self, sender: str, msg: Message) -> None:
+        s = self.server
+        if isinstance(msg, wire.SaKeys):
+            s.advertised(sender, secagg.Keys(msg.c, msg.s))
+        elif isinstance(msg, wire.SaShares):
+            self.sent_shares[sender] = dict(msg.boxes)
+        elif isinstance(msg, wire.SaMasked):
+            s.received(sender, msg.y)
+        elif isinstance(msg, wire.SaUnmask):
+            s.answered(sender, {u: (kind, x, int.from_bytes(y, "big")) for u, (kind, x, y) in msg.of.items()})
+
+    # -- the steps ------------------------------------------------------------------------------------------
+    def took_part(self) -> set[str]:
+        """Who is in the open step: those who sent the step before's message (everybody for the keys step)."""
+        s = self.server
+        return {
+            "keys": set(),
+            "shares": set(s.keys),
+            "masked": set(self.sent_shares),
+            "unmask": set(s.masked),
+        }[self.step]
+
+    def sent(self) -> set[str]:
+        s = self.server
+        return {
+            "keys": set(s.keys),
+            "shares": set(self.sent_shares),
+            "masked": set(s.masked),
+            "unmask": set(s.answers),
+        }[self.step]
+
+    def waiting(self, expected: set[str]) -> set[str]:
+        """The devices the open step still waits for, of those `expected` in the phase."""
+        among = expected if self.step == "keys" else expected & self.took_part()
+        return among - self.sent()
+
+    def enough(self, floor: int) -> bool:
+        """Whether the open step has enough to close (at its deadline: at least `floor` and 2 devices)."""
+        need = max(floor, 2)
+        if self.step == "unmask":
+            return bool(self.server.answers)
+        return len(self.sent()) >= need
+
+    def close_step(self, encode: Callable[[Message, str], Any]) -> list[Any]:
+        """Close the open step: the next step's messages to each device, as `encode(message, client)` makes them
+        (an empty list once unmasked: the caller folds `result()`)."""
+        s = self.server
+        if self.step == "keys":
+            each = s.close_advertise()
+            self.fp = secagg.FixedPoint.for_sum(float(self.cfg.secagg_bound), len(s.keys))
+            t = s.threshold()
+            self.step = "shares"
+            return [
+                encode(
+                    wire.SaRoster(
+                        keys={v: (k.c, k.s) for v, k in sorted(keys.items())},
+                        t=t,
+                        frac_bits=self.fp.frac_bits,
+                        bound=float(self.cfg.secagg_bound),
+                        weighted=self.slot.weighted,
+                    ),
+                    u,
+                )
+                for u, keys in sorted(each.items())
+            ]
+        if self.step == "shares":
+            self.routed = s.route_shares(self.sent_shares)
+            self.step = "masked"
+            return [encode(wire.SaRouted(boxes=self.routed.get(u, {})), u) for u in sorted(s.shared)]
+        if self.step == "masked":
+            self.step = "unmask"
+            alive = set(s.masked)
+            return [encode(wire.SaSurvivors(alive=sorted(s.graph[u] & alive)), u) for u in sorted(alive)]
+        raise AssertionError("the unmask step closes with result()")
+
+    def again(self, encode: Callable[[Message, str], Any]) -> list[Any]:
+        """After a restart: the open step's messages again (a device that answered already sends the same
+        answer, dropped as a duplicate)."""
+        s = self.server
+        if self.step == "shares" and self.fp is not None:
+            t = s.threshold()
+            return [
+                encode(
+                    wire.SaRoster(
+                        keys={v: (s.keys[v].c, s.keys[v].s) for v in sorted(s.graph[u])},
+                        t=t,
+                        frac_bits=self.fp.frac_bits,
+                        bound=float(self.cfg.secagg_bound),
+                        weighted=self.slot.weighted,
+                    ),
+                    u,
+                )
+                for u in sorted(s.graph)
+            ]
+        if self.step == "masked":
+            return [encode(wire.SaRouted(boxes=self.routed.get(u, {})), u) for u in sorted(s.shared)]
+        if self.step == "unmask":
+            alive = set(s.masked)
+            return [encode(wire.SaSurvivors(alive=sorted(s.graph[u] & alive)), u) for u in sorted(alive)]
+        return []
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """The unmasked sum: per class the sum of the rows (times their weights) and of the weights, and the
+        number of survivors. Raises SecAggError where too few shares came to unmask."""
+        assert self.fp is not None
+        total = self.fp.decode(self.server.unmask())
+        grid = total.reshape(self.cfg.num_classes, self.proto_width + 1)
+        return grid[:, : self.proto_width], grid[:, self.proto_width], len(self.server.masked)
+
+
+def fold_sum(run: PhaseRun, slot: SumSlot, sums: np.ndarray, weights: np.ndarray, senders: int) -> None:
+    """Merge an unmasked sum into the phase's folds, as a shard's partial (stages.PhaseRun.merge)."""
+    part = run.partial()
+    for fold_part in [part["folds"][int(slot.path[0])]]:
+        node: Mapping[str, Any] = fold_part
+        for name in slot.path[1:]:
+            node = node[name]
+        assert isinstance(node, dict) and set(node) == _SUM_SLOT
+        present = weights > 0.5  # a class nobody sent sums to zero weight (within the ring's tolerance)
+        node["_sum"] = np.where(present[:, None], sums, 0.0).astype(np.float64)
+        node["_weight"] = np.where(present, weights, 0.0).astype(np.float64)
+        node["_senders"] = int(senders)
+    run.merge(part)

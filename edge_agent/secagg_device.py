@@ -1,0 +1,99 @@
+"""A device's side of one phase's secure aggregation (protofl/secagg.py; the server's is broker_server/secagg_run.py).
+
+The agent trains as always and packs its prototype table as it would upload it (every technique's encoding, DP's
+noise, the plan's dtype: decoded back to the floats the server would have read). Instead of that upload it sends its
+two public keys and keeps the table; each server message then gets one answer:
+
+    SaRoster     (its neighbours' keys, t, the ring)  -> SaShares  (its Shamir shares, encrypted to each)
+    SaRouted     (the shares sent to it)              -> SaMasked  (its table vector, fixed point, masked mod 2^32)
+    SaSurvivors  (which neighbours sent a masked one) -> SaUnmask  (its shares of their seeds / of the others' keys)
+
+The table vector is, per class, its row times its weight and the weight (`weighted`: n_kc, else 1 for a class it
+sends, 0 for one it lacks), every value clipped to +-bound first: the unmasked sum gives each class's weighted row
+sum and weight without telling which device sent which class. An answer is kept, so that the same server message
+again (after the server restarted) gets the same answer, never a second draw of masks or shares.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from protofl import secagg, wire
+from protofl.wire import Message, ProtoSet, decode_array, encode_array
+
+log = logging.getLogger("protofl.edge")
+
+
+def table_vector(ps: ProtoSet | None, num_classes: int, width: int, weighted: bool) -> np.ndarray:
+    """Per class [row * w, w] for the classes of `ps` (w its count n_kc where `weighted`, else 1), zeros for the
+    others; the rows as the server would have decoded them from the wire (the set's dtype), float64."""
+    out = np.zeros((num_classes, width + 1), dtype=np.float64)
+    if ps is None or not ps.classes.size:
+        return out.reshape(-1)
+    rows = decode_array(encode_array(ps.values, ps.dt), what="prototypes").astype(np.float64)
+    if weighted and ps.counts is None:
+        raise ValueError("secure aggregation: weighted prototypes need their counts n_kc")
+    w = ps.counts.astype(np.float64) if weighted and ps.counts is not None else np.ones(ps.classes.size)
+    out[ps.classes, :width] = rows * w[:, None]
+    out[ps.classes, width] = w
+    return out.reshape(-1)
+
+
+class DeviceSecAgg:
+    """One device's secure aggregation of one phase: the protocol's device half and its kept answers."""
+
+    def __init__(self, client_id: str, fed: str, round_: int, phase: str, table: ProtoSet | None) -> None:
+        self.id = client_id
+        self.round, self.phase = round_, phase
+        self.device = secagg.Device(client_id, secagg.context(fed, round_, phase))
+        self.table = table
+        self.answers: dict[str, Message] = {}  # server kind -> this device's answer
+        self.roster: wire.SaRoster | None = None
+        self.clipped = 0
+
+    def keys(self) -> wire.SaKeys:
+        k = self.device.advertise()
+        return wire.SaKeys(c=k.c, s=k.s)
+
+    def answer(self, msg: Message, num_classes: int, width: int) -> Message | None:
+        """The answer to a server message of this phase (the kept one, where it came before); raises SecAggError
+        or ValueError where it cannot answer (the step goes on without this device)."""
+        kept = self.answers.get(msg.KIND)
+        if kept is not None:
+            return kept
+        out: Message
+        if isinstance(msg, wire.SaRoster):
+            if self.id in msg.keys:
+                raise secagg.SecAggError("the roster names this device among its own neighbours")
+            self.roster = msg
+            keys = {v: secagg.Keys(c, s) for v, (c, s) in msg.keys.items()}
+            out = wire.SaShares(boxes=self.device.share_keys(keys, msg.t))
+        elif isinstance(msg, wire.SaRouted):
+            roster = self.roster
+            if roster is None:
+                raise secagg.SecAggError("shares routed before the roster")
+            self.device.receive_shares(msg.boxes)
+            x = table_vector(self.table, num_classes, width, roster.weighted)
+            bound = roster.bound
+            self.clipped = int(np.count_nonzero(np.abs(x) > bound))
+            if self.clipped:
+                log.warning(
+                    "%s: secure aggregation clipped %d value(s) to +-secagg_bound %g (raise it if that is common)",
+                    self.id,
+                    self.clipped,
+                    bound,
+                )
+            fp = secagg.FixedPoint(roster.frac_bits, bound, 1)
+            y = self.device.masked_input(fp.encode(np.clip(x, -bound, bound)), msg.boxes)
+            out = wire.SaMasked(y=y)
+        elif isinstance(msg, wire.SaSurvivors):
+            if "sa_routed" not in self.answers:
+                raise secagg.SecAggError("a survivors list before this device sent its masked input")
+            given = self.device.unmask(msg.alive)
+            out = wire.SaUnmask(of={u: (k, x, y.to_bytes(secagg.SHARE_BYTES, "big")) for u, (k, x, y) in given.items()})
+        else:
+            return None
+        self.answers[msg.KIND] = out
+        return out
