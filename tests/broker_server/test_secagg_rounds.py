@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,24 +36,19 @@ from protofl.wire import (
     decode_message,
     encode_message,
 )
+from tests.broker_server.test_restart_presence import Clock
 
 FED = "sa"
 CLIENTS = [f"d{i}" for i in range(6)]
 OFF = ClipPolicy(enabled=False)
 
 
-def _cfg(secure: bool = True, **kw: object) -> FederationConfig:
-    return make_config(
-        "fedproto",
-        rounds=1,
-        num_classes=4,
-        proto_dim=5,
-        adapter_rank=2,
-        min_clients=1,
-        round_timeout=60.0,
-        secagg=secure,
-        **kw,
-    )
+# One round of fedproto on 4 classes of 5-d prototypes; a step's deadline 60 s after it opened.
+SMALL: dict[str, Any] = {"rounds": 1, "num_classes": 4, "proto_dim": 5, "adapter_rank": 2, "round_timeout": 60.0}
+
+
+def _cfg(secure: bool = True, **kw: Any) -> FederationConfig:
+    return make_config("fedproto", **{**SMALL, "secagg": secure, **kw})
 
 
 def _table(i: int, round_: int) -> ProtoSet:
@@ -60,14 +56,6 @@ def _table(i: int, round_: int) -> ProtoSet:
     rng = np.random.default_rng(10 * round_ + i)
     classes = np.sort(np.array([i % 4, (i + 1) % 4, (i + 2) % 4]))
     return ProtoSet(classes, rng.normal(1.0, 0.5, (3, 5)).astype(np.float32), np.array([3 + i, 4, 5 + i % 2]), dt="f4")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Devices:
@@ -146,7 +134,7 @@ def _run(drop: dict[str, str], state: Path | None = None) -> tuple[Aggregator, D
         broker.pump()
         if agg.finished:
             break
-        clock.t += 61.0  # past the open step's deadline: it closes with those that answered
+        clock.now += 61.0  # past the open step's deadline: it closes with those that answered
         agg.tick()
     assert agg.finished, agg.machine.secagg and agg.machine.secagg.step
     return agg, devices, clock
@@ -241,7 +229,7 @@ def test_a_restart_after_any_message_of_the_steps_ends_as_the_uninterrupted_run(
         broker.pump()
         cuts.append(tmp_path / f"cut{i}")
         shutil.copytree(tmp_path / "live", cuts[-1])
-    clock.t += 61.0
+    clock.now += 61.0
     live.tick()  # d3 never answers: the unmask step closes at its deadline
     assert live.finished and _protos(live).keys() == want.keys()
     assert durable is not None
@@ -254,7 +242,7 @@ def test_a_restart_after_any_message_of_the_steps_ends_as_the_uninterrupted_run(
         for topic, payload in msgs[i:]:
             agg.on_message(topic, payload)
         if not agg.finished:
-            clock2.t += 61.0
+            clock2.now += 61.0
             agg.tick()
         assert agg.finished, f"restart after message {i}: {agg.machine.secagg and agg.machine.secagg.step}"
         got = _protos(agg)
