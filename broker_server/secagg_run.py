@@ -32,13 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.stages import PhaseRun
+from broker_server.stages import PhaseRun, build_model
 from protofl import secagg, wire
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.mergeable import Additive
-from protofl.plan import Phase
+from protofl.plan import Phase, RoundPlan
 from protofl.wire import Message
 
 log = logging.getLogger("protofl.server")
@@ -101,6 +101,12 @@ def check(cfg: FederationConfig, run: PhaseRun, policy: ClipPolicy, *, sharded: 
     if cfg.select_target:
         raise ConfigError("secagg: over-selection (select_target) closes a phase at its first uploads: not with secagg")
     return find_slot(run)
+
+
+def check_config(cfg: FederationConfig, policy: ClipPolicy, *, sharded: bool) -> SumSlot:
+    """`check` before anything runs (`start`, `simulate`): on a server model of its own."""
+    model = build_model(cfg, RoundPlan.from_config(cfg), policy)
+    return check(cfg, PhaseRun(model, Phase.TRAIN), policy, sharded=sharded)
 
 
 def graph_seed(cfg: FederationConfig, fed_context: bytes) -> bytes:

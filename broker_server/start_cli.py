@@ -16,6 +16,7 @@ from typing import Any
 
 import typer
 
+from broker_server import secagg_run
 from broker_server.capacity import DEFAULT_QUEUE, resend_window, uploads_per_phase
 from broker_server.cli_common import CLIP_OPTION, data_shape, fixed_by_user, parse_clip, parse_sets, read_classes, sets
 from broker_server.device_logs import LOG_DIR, DeviceLogs
@@ -282,6 +283,8 @@ def start_command(
         admission = Admission(max_clients=max_clients)  # the members: credentials' devices or --allow, in _serve
         site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
         sharding = Sharding(shards, site_names, shard_timeout, spawn_shards, shard_credentials)
+        if cfg.secagg:  # what cannot combine with secure aggregation, refused before anything starts
+            secagg_run.check_config(cfg, policy, sharded=bool(shards or site_names))
         access = Access(
             listen or f"127.0.0.1:{port}",
             insecure,

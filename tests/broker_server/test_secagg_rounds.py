@@ -26,7 +26,7 @@ from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
-from protofl.transport import InProcessBroker
+from protofl.transport import InProcessBroker, Transport
 from protofl.wire import (
     Join,
     ProtoSet,
@@ -62,8 +62,8 @@ class Devices:
     """The devices of the federation: each answers the server's steps (`drop`: client -> the step it stops before:
     "keys", "shares", "masked" or "unmask"). Every message a device sends is recorded, in order."""
 
-    def __init__(self, broker: InProcessBroker, cfg: FederationConfig, drop: dict[str, str]) -> None:
-        self.t = broker.connect("devices")
+    def __init__(self, transport: Transport, cfg: FederationConfig, drop: dict[str, str]) -> None:
+        self.t = transport
         self.plan = RoundPlan.from_config(cfg)
         self.drop = drop
         self.runs: dict[str, DeviceSecAgg] = {}
@@ -128,7 +128,7 @@ def _run(drop: dict[str, str], state: Path | None = None) -> tuple[Aggregator, D
     """A secure federation of 6 devices, one round; a step that waits for a dropped device closes at its deadline."""
     cfg, broker, clock = _cfg(), InProcessBroker(), Clock()
     agg, _ = _aggregator(cfg, broker, clock, state)
-    devices = Devices(broker, cfg, drop)
+    devices = Devices(broker.connect("devices"), cfg, drop)
     devices.join()
     for _ in range(8):
         broker.pump()
@@ -187,7 +187,9 @@ def test_the_unmasked_sum_folds_as_the_plain_sum_with_devices_dropped(drop: dict
 def test_the_server_holds_and_journals_only_masked_values_until_the_unmask_step_closes(tmp_path: Path) -> None:
     cfg, broker, clock = _cfg(), InProcessBroker(), Clock()
     agg, durable = _aggregator(cfg, broker, clock, tmp_path)
-    devices = Devices(broker, cfg, {c: "unmask" for c in CLIENTS})  # nobody answers the unmasking: it stays open
+    devices = Devices(
+        broker.connect("devices"), cfg, {c: "unmask" for c in CLIENTS}
+    )  # nobody answers the unmasking: it stays open
     devices.join()
     broker.pump()
     sa = agg.machine.secagg

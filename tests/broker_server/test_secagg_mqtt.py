@@ -1,0 +1,99 @@
+"""Secure aggregation over the real broker: a `protofl-server start --set secagg=true` process on Mosquitto, killed
+with SIGKILL in the middle of the unmask step (the journal's own crash point, broker_server/journal.py), restarted;
+the devices (the agent's secure-aggregation half, tests/broker_server/test_secagg_rounds.py) answer the server's
+steps over MQTT, two of six dropping mid-phase. The restarted server ends with the prototypes of the uninterrupted
+run bit for bit (the unmasked sum is an integer sum on the ring: the masks do not enter it), each device's answer
+journaled once. The whole agent (`protofl-edge`'s runner, training) is test_secagg_e2e in tests/broker_server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from broker_server.broker import MosquittoBroker
+from broker_server.durable import journal_records
+from protofl import topics
+from protofl.transport.mqtt import MqttTransport
+from tests.broker_server.mqtt_helpers import fast_backoff
+from tests.broker_server.test_secagg_rounds import CLIENTS, FED, SMALL, Devices, _cfg, _protos, _run
+
+REPO = Path(__file__).resolve().parents[2]
+DROP = {"d1": "masked", "d4": "unmask"}
+# The journal's records: 6 joins, 6 keys, 6 shares, 5 masked inputs (d1 sends none), the masked step's deadline;
+# the kill comes within the unmasking answers (four of them), after the first.
+KILL_AT = 6 + 6 + 6 + 5 + 1 + 3
+
+
+def _start(url: str, state: Path, log: Path, **env: str) -> subprocess.Popen[bytes]:
+    sets = [a for k, v in SMALL.items() if k not in ("rounds", "round_timeout") for a in ("--set", f"{k}={v}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "broker_server.cli",
+        "start",
+        "--broker",
+        url,
+        "--fed",
+        FED,
+        "--preset",
+        "fedproto",
+        "--rounds",
+        "1",
+        "--min-clients",
+        "3",
+        "--round-timeout",
+        "4",
+        "--clip",
+        "off",
+        "--set",
+        "secagg=true",
+        *sets,
+        "--state-dir",
+        str(state),
+        "--verbose",
+    ]
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO), **env}
+        )
+
+
+@pytest.mark.mosquitto
+def test_a_server_killed_mid_unmask_resumes_and_ends_as_the_uninterrupted_run(
+    mosquitto: MosquittoBroker, tmp_path: Path
+) -> None:
+    want = _protos(_run(DROP)[0])  # the uninterrupted run (in process: the same tables, the same drops)
+    state, log = tmp_path / "state", tmp_path / "server.log"
+    server = _start(mosquitto.url, state, log, PROTOFL_CRASH_AFTER_APPEND=str(KILL_AT))
+    devices = Devices(MqttTransport(mosquitto.url, "devices", backoff=fast_backoff()).connect(10), _cfg(), DROP)
+    up = threading.Event()  # the server's retained status: it is subscribed to the devices' topics
+    devices.t.subscribe(topics.server_status(FED), lambda t, p: up.set())
+    try:
+        assert up.wait(60), log.read_text()
+        devices.join()
+        assert server.wait(120) == -9, log.read_text()[-3000:]  # killed itself right after that append
+        kinds = [r.kind for r in journal_records(state / "aggregator")]
+        assert 1 <= kinds.count("sa_unmask") < 4 and kinds.count("sa_masked") == 5, kinds
+        assert not (state / "rounds.jsonl").read_text(), "the round closed before the kill"
+        server = _start(mosquitto.url, state, log)
+        assert server.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+        devices.t.close()
+    said = log.read_text()
+    assert "secure aggregation: unmasked the sum of 5 device(s)" in said, said[-3000:]
+    with np.load(state / "server_model.npz", allow_pickle=False) as z:
+        got = {int(c): z["prototypes"][i] for i, c in enumerate(z["proto_classes"])}
+    assert got.keys() == want.keys()
+    for c in want:
+        np.testing.assert_array_equal(got[c], want[c])
+    keys = [(r.client, r.kind) for r in journal_records(state / "aggregator") if r.kind.startswith("sa_")]
+    assert len(keys) == len(set(keys)) == 6 + 6 + 5 + 4  # every answer once; d4 never answered the unmasking
+    assert sorted(c for c, k in keys if k == "sa_unmask") == [c for c in CLIENTS if c not in DROP]
