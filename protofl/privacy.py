@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 MODES = ("local",)
 # "distributed" (each device adds a 1/n share of the variance, the server sees only the sum) needs secure
 # aggregation in the rounds; protofl/secagg.py is the protocol, not yet wired into the rounds.
-NOT_YET = {"distributed": "needs secure aggregation in the rounds (protofl/secagg.py is not wired into them yet)"}
+NOT_YET = {"distributed": "(a 1/n share of the noise per device under secure aggregation) is not wired yet"}
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ journaled once. The whole agent (`protofl-edge`'s runner, training) is test_seca
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from broker_server.broker import MosquittoBroker
+from broker_server.cli import app
 from broker_server.durable import journal_records
 from protofl import topics
 from protofl.transport.mqtt import MqttTransport
@@ -32,32 +35,9 @@ KILL_AT = 6 + 6 + 6 + 5 + 1 + 3
 
 def _start(url: str, state: Path, log: Path, **env: str) -> subprocess.Popen[bytes]:
     sets = [a for k, v in SMALL.items() if k not in ("rounds", "round_timeout") for a in ("--set", f"{k}={v}")]
-    cmd = [
-        sys.executable,
-        "-m",
-        "broker_server.cli",
-        "start",
-        "--broker",
-        url,
-        "--fed",
-        FED,
-        "--preset",
-        "fedproto",
-        "--rounds",
-        "1",
-        "--min-clients",
-        "3",
-        "--round-timeout",
-        "4",
-        "--clip",
-        "off",
-        "--set",
-        "secagg=true",
-        *sets,
-        "--state-dir",
-        str(state),
-        "--verbose",
-    ]
+    options = f"--fed {FED} --preset fedproto --rounds 1 --min-clients 3 --round-timeout 4 --clip off --set secagg=true"
+    cmd = [sys.executable, "-m", "broker_server.cli", "start", "--broker", url, *options.split(), *sets]
+    cmd += ["--state-dir", str(state), "--verbose"]
     with log.open("ab") as out:
         return subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO), **env}
@@ -97,3 +77,27 @@ def test_a_server_killed_mid_unmask_resumes_and_ends_as_the_uninterrupted_run(
     keys = [(r.client, r.kind) for r in journal_records(state / "aggregator") if r.kind.startswith("sa_")]
     assert len(keys) == len(set(keys)) == 6 + 6 + 5 + 4  # every answer once; d4 never answered the unmasking
     assert sorted(c for c, k in keys if k == "sa_unmask") == [c for c in CLIENTS if c not in DROP]
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_simulate_over_mqtt_with_secagg_folds_what_the_plain_run_folds(tmp_path: Path) -> None:
+    # What a user types: `simulate --set secagg=true --clip off`, one `join`-like process per device on its own
+    # Mosquitto (the runner's down/ topic carries the steps), against the plain in-process run of the same seed.
+    args = [
+        "simulate", "--preset", "tinyproto", "--dataset", "synthetic:n=300,n_test=60", "--clients", "3",
+        "--rounds", "1", "--seed", "5", "--clip", "off", "-q",
+    ]  # fmt: skip
+    runner = CliRunner()
+    r = runner.invoke(app, [*args, "--json", str(tmp_path / "plain.json")])
+    assert r.exit_code == 0, r.output
+    secure = [*args, "--transport", "mqtt", "--set", "secagg=true", "--json", str(tmp_path / "secure.json")]
+    r = runner.invoke(app, secure)
+    assert r.exit_code == 0, r.output
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("plain.json", "secure.json"))
+    assert b["config"]["secagg"] is True and b["dropped"] == {}
+    assert [x["clients"] for x in b["rounds"]] == [x["clients"] for x in a["rounds"]] == [3]
+    # The global prototypes (to the ring's tolerance) classify the test set as the plain run's do; a 1-thread
+    # agent may flip one argmax.
+    assert b["rounds"][0]["global_proto_acc"] == pytest.approx(a["rounds"][0]["global_proto_acc"], abs=0.021)
+    assert b["rounds"][0]["uplink_bytes"] > a["rounds"][0]["uplink_bytes"]  # keys, shares, answers on top
