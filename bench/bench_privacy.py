@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from protofl import secagg
+from protofl import secagg, wire
 from protofl.secagg import Device, FixedPoint, Server
 
 RESULTS = Path(__file__).parent / "results"
@@ -111,6 +111,8 @@ def one_phase(n: int, dropped: float, width: int, rng: np.random.Generator) -> d
         "shares": sum(len(b) + ID_BYTES for b in routed[one].values()),
     }
     per = len(ids)
+    wire_up, wire_down = wire_bytes(one, keys[one], sent[one], answers[one], keys_for[one], routed[one])
+    wire_down["survivors"] = message_bytes(wire.SaSurvivors(sorted(server.graph[one] & survivors)), one)
     return {
         "devices": n,
         "dropped": len(drop),
@@ -120,9 +122,40 @@ def one_phase(n: int, dropped: float, width: int, rng: np.random.Generator) -> d
         "max_error": err,
         "up_bytes": up,
         "down_bytes": down,
+        "wire_up_bytes": wire_up,
+        "wire_down_bytes": wire_down,
         "device_cpu_s": (t_adv + t_share + t_recv) / per + t_mask / len(x) + t_answer / len(survivors),
         "server_unmask_s": t_unmask,
     }
+
+
+def message_bytes(msg: Any, sender: str) -> int:
+    """The bytes of one wire message as the wired protocol sends it (envelope included: the MQTT payload)."""
+    return len(wire.encode_message(msg, fed="bench", sender=sender, round=1, phase="train"))
+
+
+def wire_bytes(
+    me: str,
+    keys: secagg.Keys,
+    sent: dict[str, bytes],
+    answers: dict[str, tuple[str, int, int]],
+    keys_for: dict[str, secagg.Keys],
+    routed: dict[str, bytes],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """One device's messages in the wired protocol (broker_server/secagg_run.py), as encoded on the wire: its four
+    uploads and the server's roster and routed shares to it (the survivors list is added by the caller)."""
+    y = np.zeros(WIDTH + 10, dtype=np.uint32)  # the table vector: per class its 51 values and its weight
+    up = {
+        "advertise": message_bytes(wire.SaKeys(keys.c, keys.s), me),
+        "shares": message_bytes(wire.SaShares(sent), me),
+        "masked": message_bytes(wire.SaMasked(y), me),
+        "unmask": message_bytes(
+            wire.SaUnmask({u: (k, i, v.to_bytes(secagg.SHARE_BYTES, "big")) for u, (k, i, v) in answers.items()}), me
+        ),
+    }
+    roster = wire.SaRoster({v: (k.c, k.s) for v, k in keys_for.items()}, t=1, frac_bits=10, bound=1e4, weighted=False)
+    down = {"keys": message_bytes(roster, "server"), "shares": message_bytes(wire.SaRouted(routed), "server")}
+    return up, down
 
 
 def tinyproto_upload_bytes() -> int:
@@ -273,9 +306,9 @@ def write_table() -> None:
             "bytes beyond its values): the column 'with 4 envelopes' counts them.",
             "",
             "| devices | k | t | up: keys + shares + masked + unmask | up / tinyproto upload | with 4 envelopes | "
-            "down: keys + shares | "
+            "as wired: 4 messages | / tinyproto upload | down: keys + shares | as wired: 3 messages | "
             "device CPU (this machine) | device CPU on rpi4 | server unmask (10 % dropped) | max error |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key in ("at_100", "at_1000", "at_10000"):
             r = sec[key]
@@ -285,7 +318,9 @@ def write_table() -> None:
                 f"| {r['devices']:,} | {r['k']} | {r['threshold']} | {up['advertise']} + {up['shares']:,} + "
                 f"{up['masked']:,} + {up['unmask']:,} = {total_up:,} B | {total_up / tiny:.2f}x | "
                 f"{(total_up + 4 * sec['envelope_bytes']) / tiny:.2f}x | "
-                f"{down['keys']:,} + {down['shares']:,} B | {1000 * r['device_cpu_s']:.1f} ms | "
+                f"{_wired(r, 'wire_up_bytes')} | {_wired(r, 'wire_up_bytes', tiny)} | "
+                f"{down['keys']:,} + {down['shares']:,} B | {_wired(r, 'wire_down_bytes')} | "
+                f"{1000 * r['device_cpu_s']:.1f} ms | "
                 f"{1000 * r['device_cpu_s'] / sec['rpi4_compute_factor']:.0f} ms | {r['server_unmask_s']:.2f} s | "
                 f"{r['max_error']:.1e} |"
             )
@@ -294,6 +329,14 @@ def write_table() -> None:
     if len(acc) > 2:
         lines += ["### Accuracy against epsilon (local DP, delta 1e-5 over the run)", "", *acc, ""]
     (RESULTS / "PRIVACY.md").write_text("\n".join(lines).lstrip() + "\n")
+
+
+def _wired(r: dict[str, Any], key: str, per: int | None = None) -> str:
+    """A run's bytes as wired (the messages' encoded sizes), or its ratio to `per`; '-' for a run before them."""
+    if key not in r:
+        return "-"
+    total = sum(r[key].values())
+    return f"{total / per:.2f}x" if per else f"{total:,} B"
 
 
 def main(argv: list[str] | None = None) -> int:
