@@ -213,8 +213,9 @@ class SecAggRun:
         (an empty list once unmasked: the caller folds `result()`)."""
         s = self.server
         if self.step == "keys":
-            each = s.close_advertise()
+            # (first: a ring too small for n values within +-bound raises before anything changed)
             self.fp = secagg.FixedPoint.for_sum(float(self.cfg.secagg_bound), len(s.keys))
+            each = s.close_advertise()
             t = s.threshold()
             self.step = "shares"
             return [

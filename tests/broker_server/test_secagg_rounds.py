@@ -33,6 +33,8 @@ from protofl.wire import (
     ProtoUpload,
     RoundStart,
     SaMasked,
+    SaRoster,
+    SaShares,
     decode_message,
     encode_message,
 )
@@ -266,3 +268,27 @@ def test_what_cannot_combine_with_secure_aggregation_is_refused_at_start() -> No
         make_config("protofl", secagg=True)
     with pytest.raises(ConfigError, match="buffer_k"):
         _cfg(buffer_k=2)
+
+
+def test_step_messages_that_do_not_fit_are_dropped_with_their_reason_and_change_nothing() -> None:
+    cfg, broker, clock = _cfg(), InProcessBroker(), Clock()
+    agg, _ = _aggregator(cfg, broker, clock)
+    devices = Devices(broker.connect("devices"), cfg, {c: "masked" for c in CLIENTS})  # the masked step stays open
+    devices.join()
+    broker.pump()
+    sa = agg.machine.secagg
+    assert sa is not None and sa.step == "masked"
+    before = (dict(sa.server.keys), dict(sa.sent_shares), dict(sa.server.masked))
+    run = devices.runs["d0"]
+    bad = [
+        ("d0", SaMasked(np.zeros(3, np.uint32))),  # the wrong length
+        ("d0", run.keys()),  # the keys step is closed
+        ("d0", SaShares({"d1": b"x" * 86})),  # the shares step too
+        ("d0", SaRoster({}, t=1, frac_bits=1, bound=1.0, weighted=False)),  # a server's kind, on up/
+    ]
+    for client, msg in bad:
+        devices.send(client, msg, 1, "train")
+    devices.t.publish(topics.up(FED, "zz"), encode_message(run.keys(), fed=FED, sender="zz", round=1, phase="train"))
+    broker.pump()
+    assert agg.dropped == {"invalid": 1, "stale": 2, "unexpected_kind": 1, "unknown_client": 1}, agg.dropped
+    assert (dict(sa.server.keys), dict(sa.sent_shares), dict(sa.server.masked)) == before
