@@ -15,6 +15,7 @@ from collections.abc import Callable
 from edge_agent.agent import EdgeAgent
 from edge_agent.artifacts import DeviceArtifacts
 from edge_agent.outcome import Outcome
+from edge_agent.resend import secagg_step
 from protofl import topics
 from protofl.transport import Transport
 
@@ -35,13 +36,19 @@ class LocalDevice:
     def start(self) -> None:
         """Subscribe the server's topics, then join."""
         fed = self.agent.fed
-        own = topics.down(fed, self.agent.client_id)  # secure aggregation's steps (edge_agent/secagg_device.py)
-        for topic in (topics.config(fed), topics.public(fed), topics.round_(fed), own):
+        for topic in (topics.config(fed), topics.public(fed), topics.round_(fed)):
             self.transport.subscribe(topic, self.deliver)
+        # Its own topic, for secure aggregation's steps only (edge_agent/secagg_device.py): what else the server says
+        # there (pace, re-send requests) is the MQTT runner's business.
+        self.transport.subscribe(topics.down(fed, self.agent.client_id), self._own)
         self.carry(self.agent.join())
 
     def deliver(self, topic: str, payload: bytes) -> None:
         self.carry(self.agent.receive(topic, payload))
+
+    def _own(self, topic: str, payload: bytes) -> None:
+        if secagg_step(payload, self.agent.fed):
+            self.deliver(topic, payload)
 
     def carry(self, out: Outcome) -> None:
         self.last = out
