@@ -202,8 +202,11 @@ class SecAggRun:
         return among - self.sent()
 
     def enough(self, floor: int) -> bool:
-        """Whether the open step has enough to close (at its deadline: at least `floor` and 2 devices)."""
+        """Whether the open step has enough to close (at least `floor` and 2 devices; with distributed DP at least
+        min_clients, whose noise shares add up to the whole noise)."""
         need = max(floor, 2)
+        if self.cfg.dp_epsilon is not None and self.cfg.dp_mode == "distributed":
+            need = max(need, self.cfg.min_clients)  # each device added 1/min_clients of the noise: never fewer
         if self.step == "unmask":
             return bool(self.server.answers)
         return len(self.sent()) >= need

@@ -494,7 +494,8 @@ class EdgeAgent:
         for rule in self.rules:
             protos, counts = rule.encode_table(protos, counts, role)
         if self.dp is not None:  # last, on the values that travel (protofl/privacy.py)
-            protos, counts = privacy.privatize(protos, counts, self.dp.std, self.dp.clip, self._noise)
+            std = self.dp.device_std(self.cfg.min_clients if self.cfg is not None else 1)
+            protos, counts = privacy.privatize(protos, counts, std, self.dp.clip, self._noise)
         return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
 
     def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:

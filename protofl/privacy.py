@@ -14,6 +14,10 @@ The mechanism, per round and per device (local DP: the device adds all of the no
 - counts travel as 1 for every class sent (the server's weighted mean becomes the plain mean over senders),
   and the upload's n_samples as 1.
 
+Distributed (`dp_mode=distributed`, only with secure aggregation: protofl/secagg.py, broker_server/secagg_run.py):
+the same, but each device adds N(0, (z * sensitivity)^2 / min_clients) (`DpSettings.device_std`); the server sees
+only the sum of at least min_clients devices' tables, which carries the whole variance.
+
 What stays revealed (docs/privacy.md): which classes a device sends (its label set: a class with at least one
 sample), that it took part in a round, its join message's sample count, and its metrics messages (accuracies
 on its own split). The accountant composes one Gaussian mechanism of multiplier z per round (the RDP accountant
@@ -41,10 +45,10 @@ if TYPE_CHECKING:
     from protofl.plan import RoundPlan
     from protofl.technique import PlanDraft
 
-MODES = ("local",)
-# "distributed" (each device adds a 1/n share of the variance, the server sees only the sum) needs secure
-# aggregation in the rounds; protofl/secagg.py is the protocol, not yet wired into the rounds.
-NOT_YET = {"distributed": "(a 1/n share of the noise per device under secure aggregation) is not wired yet"}
+# "local": each device adds all of the noise; "distributed": under secure aggregation (the server sees only the sum
+# of at least min_clients devices' tables), each device adds a 1/min_clients share of the variance.
+MODES = ("local", "distributed")
+NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,11 @@ class DpSettings:
     def std(self) -> float:
         """The noise standard deviation each value gets (local DP: all of it, on each device)."""
         return self.noise * self.sensitivity
+
+    def device_std(self, min_clients: int) -> float:
+        """The noise std one device adds: all of it (local), or its share of a sum of at least `min_clients`
+        devices' (distributed, under secure aggregation: that sum carries the whole variance)."""
+        return self.std if self.mode == "local" else self.share_std(min_clients)
 
     def share_std(self, devices: int) -> float:
         """A device's share of the noise when `devices` (at least) add theirs to one sum: variance / devices."""
@@ -110,6 +119,12 @@ def check(cfg: FederationConfig, draft: PlanDraft) -> None:
         return
     if cfg.dp_mode in NOT_YET:
         raise ConfigError(f"dp_mode '{cfg.dp_mode}' {NOT_YET[cfg.dp_mode]}; use dp_mode=local")
+    if cfg.dp_mode == "distributed" and not (cfg.secagg and cfg.min_clients >= 2):
+        raise ConfigError(
+            "dp_mode=distributed: each device adds a 1/min_clients share of the noise, which is enough only where "
+            "the server sees nothing but the sum of at least min_clients devices: it needs secure aggregation "
+            f"(--set secagg=true) and min_clients >= 2 (got secagg={cfg.secagg}, min_clients={cfg.min_clients})"
+        )
     sends_vectors = any(k.value == "adapter" for kinds in draft.uploads.values() for k in kinds)
     if sends_vectors:
         raise ConfigError(

@@ -96,6 +96,18 @@ def test_a_distributed_share_adds_up_to_the_whole_variance() -> None:
     assert 100 * dp.share_std(100) ** 2 == pytest.approx(dp.std**2)
 
 
+def test_a_device_adds_its_share_of_the_noise_under_distributed_dp() -> None:
+    # z 1.5, C 1, R 4: the sum's std is 1.5 * 2 * 1 * sqrt(4) = 6; local: each device adds all 6; distributed over at
+    # least min_clients = 4 devices: each adds 6 / sqrt(4) = 3, and four shares add up to 4 * 9 = 36 = 6^2.
+    local = privacy.DpSettings(epsilon=1.0, delta=1e-5, clip=1.0, noise=1.5, rows=4)
+    shared = privacy.DpSettings(epsilon=1.0, delta=1e-5, clip=1.0, noise=1.5, rows=4, mode="distributed")
+    assert local.device_std(4) == pytest.approx(6.0) and shared.device_std(4) == pytest.approx(3.0)
+    with pytest.raises(ConfigError, match="min_clients >= 2"):
+        make_config("fedproto", dp_epsilon=8.0, dp_noise=1.0, dp_mode="distributed", secagg=True, min_clients=1)
+    cfg = make_config("fedproto", dp_epsilon=8.0, dp_noise=1.0, dp_mode="distributed", secagg=True, min_clients=4)
+    assert cfg.dp_mode == "distributed" and cfg.to_dict()["secagg"] is True
+
+
 def test_config_refuses_what_dp_does_not_cover() -> None:
     with pytest.raises(ConfigError, match="ridge=false"):
         make_config("protofl", dp_epsilon=8.0)  # the ridge statistics would travel without noise
