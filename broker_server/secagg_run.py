@@ -155,8 +155,11 @@ class SecAggRun:
 
     def _invalid(self, sender: str, msg: Message) -> str | None:
         neighbours = self.server.graph.get(sender, frozenset())
-        if isinstance(msg, wire.SaKeys) and msg.c == msg.s:
-            return "its two keys must differ"
+        if isinstance(msg, wire.SaKeys):
+            if msg.c == msg.s:
+                return "its two keys must differ"
+            if not secagg.usable_key(msg.c) or not secagg.usable_key(msg.s):
+                return "a key that agrees no secret (a low-order point): every neighbour's share to it would fail"
         if isinstance(msg, wire.SaShares) and set(msg.boxes) != neighbours:
             return f"shares for {len(msg.boxes)} ids, not for its {len(neighbours)} neighbours"
         if isinstance(msg, wire.SaMasked) and msg.y.shape[0] != self.width:

@@ -172,6 +172,16 @@ def _kdf(secret: bytes, context: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=context, info=info).derive(secret)
 
 
+def usable_key(public: bytes) -> bool:
+    """Whether an advertised public key agrees a secret with a fresh key (X25519 refuses low-order points, which
+    would make every agreement with it fail: a member's way to wreck its neighbours' steps)."""
+    try:
+        X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError:
+        return False
+    return True
+
+
 def pair_key(own: X25519PrivateKey, other: bytes, context: bytes) -> bytes:
     """The pairwise mask key s_uv (symmetric in u and v) for one phase (`context` names it)."""
     return _kdf(own.exchange(X25519PublicKey.from_public_bytes(other)), context, b"protofl-secagg mask")

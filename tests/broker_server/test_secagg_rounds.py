@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from broker_server import secagg_run
 from broker_server.durable import DurableState, journal_records
 from broker_server.shell import Aggregator
 from edge_agent.secagg_device import DeviceSecAgg, table_vector
@@ -24,7 +25,7 @@ from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
-from protofl.plan import RoundPlan
+from protofl.plan import Phase, RoundPlan
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker, Transport
 from protofl.wire import (
@@ -32,6 +33,7 @@ from protofl.wire import (
     ProtoSet,
     ProtoUpload,
     RoundStart,
+    SaKeys,
     SaMasked,
     SaRoster,
     SaShares,
@@ -292,3 +294,15 @@ def test_step_messages_that_do_not_fit_are_dropped_with_their_reason_and_change_
     broker.pump()
     assert agg.dropped == {"invalid": 1, "stale": 2, "unexpected_kind": 1, "unknown_client": 1}, agg.dropped
     assert (dict(sa.server.keys), dict(sa.sent_shares), dict(sa.server.masked)) == before
+
+
+def test_a_key_that_agrees_no_secret_is_refused_at_the_keys_step() -> None:
+    # The all-zero X25519 key is a low-order point: every share encrypted to it and every mask agreed with it would
+    # fail, wrecking its neighbours' steps; refused when it is advertised.
+    run = secagg_run.SecAggRun(_cfg(), 5, FED, 1, Phase.TRAIN, secagg_run.SumSlot(("0", "acc"), True))
+    good = DeviceSecAgg("d1", FED, 1, "train", None).keys()
+    assert run.refusal("d0", SaKeys(bytes(32), good.s)) == (
+        "invalid",
+        "sa_keys from d0: a key that agrees no secret (a low-order point): every neighbour's share to it would fail",
+    )
+    assert run.refusal("d1", good) is None
