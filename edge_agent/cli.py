@@ -71,9 +71,6 @@ def models(
     resident memory of `join` is read from the footprint benchmark's measurements (bench/bench_footprint.py),
     taken at 1,28,28, 10 classes, m=512 with one thread. `--arch package.module:factory` is accepted too (see
     `edge_agent.models`)."""
-    from edge_agent.model_sizes import MEASURED_SHAPE, load_footprint, round_bytes
-    from edge_agent.models import MODEL_GROUP, available_architectures, build_model
-    from edge_agent.params import adapter_vector, count_parameters
     from protofl.humanize import human_bytes
     from protofl.presets import preset_names
     from protofl.profiles import load_device
@@ -94,6 +91,11 @@ def models(
         device = load_device(profile) if profile else None
     except ConfigError as exc:
         raise typer.BadParameter(str(exc), param_hint="--profile") from None
+    # torch from here on: the arguments were checked first
+    from edge_agent.model_sizes import MEASURED_SHAPE, load_footprint, round_bytes
+    from edge_agent.models import MODEL_GROUP, available_architectures, build_model
+    from edge_agent.params import adapter_vector, count_parameters
+
     footprint = load_footprint()
     measured = footprint is not None and (shape, classes, proto_dim) == MEASURED_SHAPE
     t = Table(

@@ -117,6 +117,7 @@ def test_the_device_session_gives_torchs_embeddings(arch: str, images: np.ndarra
     g = torch.Generator().manual_seed(0)
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None
             m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
             m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
     sess = session(export_onnx(model, tmp_path / "f.onnx", exporter="torchscript").path, threads=1)
