@@ -226,11 +226,7 @@ def extra_sizes() -> dict[str, tuple[float, list[str]]]:
 
 
 def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]], args: argparse.Namespace) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     load = os.getloadavg()
     import torch
 
@@ -297,6 +293,38 @@ def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]]
     return "\n".join(lines) + "\n"
 
 
+PACKAGE_DATA = REPO / "edge_agent" / "footprint.json"
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def package_data(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """What `protofl-edge models` reads (edge_agent/footprint.json): each run's peak, and where it was taken."""
+    import torch
+
+    load = os.getloadavg()
+    peaks: dict[str, dict[str, float]] = {}
+    for r in runs:
+        if "error" not in r:
+            peaks.setdefault(r["arch"], {})[r["preset"]] = round(r["peak_mb"], 1)
+    return {
+        "what": "peak resident MB (VmHWM) of one `protofl-edge join` training the model, per arch and preset",
+        "command": f"python -m bench.bench_footprint --archs {','.join(args.archs)} --presets {','.join(args.presets)} "
+        f"--images {args.images} --rounds {args.rounds} --threads {args.threads}",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, {platform.machine()}, load average {load[0]:.1f} at the end",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "images": args.images,
+        "peak_mb": peaks,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--archs", default="cnn,mlp,resnet8,mobilenetv2,resnet18")
@@ -307,6 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "FOOTPRINT.md"))
     ap.add_argument("--json", default=None, help="Write the raw runs here, after each run.")
+    ap.add_argument(
+        "--package-data",
+        default=None,
+        help=f"Also write the peaks `protofl-edge models` shows here (shipped: {PACKAGE_DATA.relative_to(REPO)}).",
+    )
     ap.add_argument("--report-only", action="store_true", help="Write the report from --json's runs, run nothing.")
     args = ap.parse_args(argv)
     args.archs, args.presets = args.archs.split(","), args.presets.split(",")
@@ -331,6 +364,8 @@ def main(argv: list[str] | None = None) -> None:
             for r in failed
         )
     Path(args.out).write_text(text)
+    if args.package_data:
+        Path(args.package_data).write_text(json.dumps(package_data(runs, args), indent=1) + "\n")
     print(text)
 
 

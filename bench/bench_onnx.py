@@ -3,6 +3,7 @@
     python bench/bench_onnx.py                 # the figures in the issue note (a few minutes, 2 cores)
     python bench/bench_onnx.py --quick         # a smoke run
     python bench/bench_onnx.py --json out.json
+    python bench/bench_onnx.py --cpu-time --skip-extraction --skip-federation   # parts 3 and 4 (ONNX.md)
 
 Part 1 times prototype-space extraction (features graph: backbone + stem + adapter) of `cnn` and
 `resnet8` on real Fashion-MNIST test images at batch 1 and 64, torch vs onnxruntime fp32 vs static
@@ -10,6 +11,16 @@ int8, for each thread count given, and the cost of one (re-)export as the OnnxEx
 Part 2 runs the same federation (Fashion-MNIST, Dirichlet split, same seed) with a trainable and with a
 frozen backbone and reports per-round on-device training time and accuracy; a third run repeats the
 trainable one with the onnx extractor, to show what it costs and that it changes nothing.
+
+``--cpu-time`` runs parts 3 and 4, timed in CPU seconds of the calling thread (``time.thread_time``), one
+intra-op thread for both torch and onnxruntime: on a machine shared with other work, wall time measures the
+neighbours as much as the model, CPU time of a one-thread computation does not (cache contention aside).
+Part 3 compares onnxruntime's options on every built-in architecture at batch 1 and 64: the session as the
+device builds it (edge_agent.onnx_runtime.session: ORT_ENABLE_ALL), ORT_ENABLE_EXTENDED (without the layout
+transforms of ENABLE_ALL), the dynamo against the TorchScript exporter, a graph exported with a fixed batch
+instead of a dynamic axis, and denormals flushed to zero. Part 4 times a device's prototype extraction after
+training, per round, as each extractor pays it: torch's `trainer.embed` against the onnx extractor's
+re-export + session + run, for the number of training images a device holds.
 """
 
 from __future__ import annotations
@@ -69,6 +80,115 @@ def extraction(archs: list[str], threads: list[int], iters: int) -> list[dict[st
             {"arch": arch, "export_s_dynamo": round(fp32.seconds, 2), "export_s_torchscript": round(legacy.seconds, 2)}
         )
         print(f"  {arch:8s} one export: dynamo {fp32.seconds:.2f} s, torchscript {legacy.seconds:.2f} s", flush=True)
+    return out
+
+
+def cpu_ms(fn: Any, iters: int, warmup: int = 3) -> float:
+    """Median CPU milliseconds of the calling thread per ``fn()`` (time.thread_time)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, iters)):
+        t = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t)
+    return 1e3 * statistics.median(times)
+
+
+def ort_options(archs: list[str], iters: int) -> list[dict[str, Any]]:
+    """Part 3: torch against onnxruntime variants, CPU ms per batch, one thread each."""
+    import onnxruntime as ort
+
+    from edge_agent.onnx_export import graph_of
+    from edge_agent.onnx_runtime import session
+
+    def variant(path: Path, level: Any = None, entries: tuple[tuple[str, str], ...] = ()) -> Any:
+        o = ort.SessionOptions()
+        o.graph_optimization_level = level
+        o.intra_op_num_threads, o.inter_op_num_threads, o.log_severity_level = 1, 1, 3
+        for k, v in entries:
+            o.add_session_config_entry(k, v)
+        return ort.InferenceSession(str(path), o, providers=["CPUExecutionProvider"])
+
+    torch.set_num_threads(1)
+    x, _, _ = load_images("fashion-mnist", "test", 64)
+    out = []
+    for arch in archs:
+        model = build_model(arch, (1, 28, 28), 10, seed=0).eval()
+        graph = graph_of(model, "features")
+        with tempfile.TemporaryDirectory() as tmp:
+            ts = export_onnx(model, Path(tmp) / "ts.onnx", exporter="torchscript").path
+            dyn = export_onnx(model, Path(tmp) / "dyn.onnx", exporter="dynamo").path
+            for b in (1, 64):
+                xb = np.ascontiguousarray(x[:b])
+                tb = torch.from_numpy(xb)
+                fixed = Path(tmp) / f"fixed{b}.onnx"
+                with torch.no_grad():  # the TorchScript exporter without a dynamic axis: batch b only
+                    torch.onnx.export(graph, (tb,), str(fixed), dynamo=False, opset_version=17, input_names=["x"])
+
+                def run_torch(tb: torch.Tensor = tb, graph: Any = graph) -> None:
+                    with torch.inference_mode():
+                        graph(tb)
+
+                row: dict[str, Any] = {"arch": arch, "batch": b, "torch": cpu_ms(run_torch, iters)}
+                sessions = {
+                    "device session (ALL, torchscript)": session(ts, 1),
+                    "ENABLE_EXTENDED": variant(ts, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED),
+                    "dynamo export": session(dyn, 1),
+                    "fixed batch": session(fixed, 1),
+                    "denormals as zero": variant(
+                        ts, ort.GraphOptimizationLevel.ORT_ENABLE_ALL, (("session.set_denormal_as_zero", "1"),)
+                    ),
+                }
+                for name, sess in sessions.items():
+                    feed = {sess.get_inputs()[0].name: xb}
+                    row[name] = cpu_ms(lambda s=sess, f=feed: s.run(None, f), iters)
+                out.append(row)
+                print(
+                    f"  {arch:12s} batch {b:2d}: torch {row['torch']:8.2f} ms | "
+                    + " | ".join(f"{k} {row[k]:.2f} (x{row['torch'] / row[k]:.2f})" for k in sessions),
+                    flush=True,
+                )
+    return out
+
+
+def round_extraction(archs: list[str], sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+    """Part 4: a round's extraction on the device after training, CPU ms (torch vs re-export + onnxruntime)."""
+    from edge_agent.extractor import OnnxExtractor, TorchExtractor
+
+    torch.set_num_threads(1)
+    out = []
+    for arch in archs:
+        for n in sizes:
+            x, _, _ = load_images("fashion-mnist", "train", n, seed=2)
+            model = build_model(arch, (1, 28, 28), 10, seed=0)
+            t_ext, o_ext = TorchExtractor(model), OnnxExtractor(model, threads=1, batch_size=64)
+            cost: dict[str, list[float]] = {"torch": [], "onnx": []}
+            z_t = z_o = np.zeros(0)
+            for _ in range(rounds):
+                with torch.no_grad():  # a round's training changed the weights: the onnx extractor re-exports
+                    next(model.parameters()).add_(1e-3)
+                for name, ext in (("torch", t_ext), ("onnx", o_ext)):
+                    t = time.process_time()
+                    z = ext.embed(x)
+                    cost[name].append(1e3 * (time.process_time() - t))
+                    z_t, z_o = (z, z_o) if name == "torch" else (z_t, z)
+            row: dict[str, Any] = {
+                "arch": arch,
+                "images": n,
+                "torch_ms": statistics.median(cost["torch"]),
+                "onnx_ms": statistics.median(cost["onnx"]),
+                "exports": o_ext.exports,
+                "export_ms_mean": 1e3 * o_ext.export_seconds / max(1, o_ext.exports),
+                "max_abs_diff": float(np.abs(z_t - z_o).max()),
+            }
+            out.append(row)
+            print(
+                f"  {arch:12s} {n:5d} images: torch {row['torch_ms']:8.1f} ms, onnx (export + run) "
+                f"{row['onnx_ms']:8.1f} ms (x{row['torch_ms'] / row['onnx_ms']:.2f}), "
+                f"export {row['export_ms_mean']:.0f} ms wall, |dz| {row['max_abs_diff']:.1e}",
+                flush=True,
+            )
     return out
 
 
@@ -163,6 +283,9 @@ def main() -> None:
     p.add_argument("--test-limit", type=int, default=2000)
     p.add_argument("--skip-extraction", action="store_true", help="part 2 only")
     p.add_argument("--skip-federation", action="store_true", help="part 1 only")
+    p.add_argument("--cpu-time", action="store_true", help="parts 3 and 4: onnxruntime options, per-round extraction")
+    p.add_argument("--archs", default="cnn,mlp,resnet8,mobilenetv2,resnet18", help="architectures of parts 3 and 4")
+    p.add_argument("--images", default="600,1800", help="part 4: a device's training images, comma-separated")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
@@ -183,6 +306,12 @@ def main() -> None:
     if not args.skip_extraction:
         print(f"Part 1: features extraction, torch vs onnxruntime (median of {args.iters} runs)", flush=True)
         report["extraction"] = extraction(["cnn", "resnet8"], [int(t) for t in args.threads.split(",")], args.iters)
+    if args.cpu_time:
+        archs = args.archs.split(",")
+        print(f"Part 3: onnxruntime options, CPU ms per batch (median of {args.iters}), one thread", flush=True)
+        report["options"] = ort_options(archs, args.iters)
+        print("Part 4: a round's extraction after training, CPU ms (median of 3 rounds), one thread", flush=True)
+        report["per_round"] = round_extraction(archs, [int(v) for v in args.images.split(",")], 3)
     if not args.skip_federation:
         print(
             f"Part 2: {args.preset}, {args.clients} x {args.arch}, Fashion-MNIST ({args.train_limit} train), "

@@ -584,10 +584,29 @@ class EdgeAgent:
         """A phase before training (e.g. public-set prototypes): the rule that owns it builds the upload."""
         if not self._holds_round_adapter(round_):
             return  # we missed this round's adapter; prototypes from a stale adapter would mislead
-        ctx = self.context()
-        upload = first_answer(self.rules, lambda r: r.phase_upload(ctx, phase, self.pack))
+        upload = self._phase_upload(phase)
         if upload is not None:
             self._send(upload, round_, phase.value, upload=True)
+
+    def _phase_upload(self, phase: Phase) -> Message | None:
+        ctx = self.context()
+        return first_answer(self.rules, lambda r: r.phase_upload(ctx, phase, self.pack))
+
+    def round_uploads(self, round_: int) -> list[tuple[Phase, Message]]:
+        """The uploads of round `round_` in every phase, built as a round builds them from the model as it is
+        (no training), and not sent: what `protofl-edge models` sizes (edge_agent/model_sizes.py). An adapter
+        federation's device that holds no global adapter yet takes its own as the round's."""
+        plan, model = self.plan, self.model
+        assert plan is not None and model is not None, "round_uploads needs the federation's config first"
+        if plan.federate == "adapter" and self.global_adapter is None:
+            self._load_global_adapter(model_params.adapter_vector(model), round_)
+        out: list[tuple[Phase, Message]] = []
+        for phase in plan.phases:
+            if phase is Phase.TRAIN:
+                out += [(phase, m) for m in self._train_uploads(round_, float("inf"))]
+            elif (upload := self._phase_upload(phase)) is not None:
+                out.append((phase, upload))
+        return out
 
     def _train_round(self, round_: int, msg: RoundStart) -> None:
         """One pass: targets -> objective -> local training -> uploads -> send (-> metrics)."""

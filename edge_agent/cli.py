@@ -6,7 +6,7 @@ is missing, say what to install instead of failing with a traceback; ``predict``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -16,6 +16,9 @@ from typer.core import TyperCommand
 
 from protofl.errors import ConfigError
 from protofl.requirements import TORCH_INSTALL_HINT, require_torch, torch_available
+
+if TYPE_CHECKING:  # the footprint file's reader imports torch: only inside the command
+    from edge_agent.model_sizes import Footprint
 
 app = typer.Typer(
     help="protofl-edge device agent: join a federation, inspect models.", no_args_is_help=True, add_completion=False
@@ -53,12 +56,24 @@ def models(
     in_shape: str = typer.Option("1,28,28", help="Input shape c,h,w."),
     classes: int = typer.Option(10, help="Number of classes."),
     proto_dim: int = typer.Option(512, help="Prototype dimension m."),
+    presets: str = typer.Option(
+        "fedavg,fedproto,protofl", help="Presets whose upload bytes and measured memory to show, comma-separated."
+    ),
+    profile: str | None = typer.Option(
+        None, help="A device profile (rpi3, rpi4, ... or a TOML file): say which models fit its memory_mb."
+    ),
+    archs: str | None = typer.Option(None, help="Only these architectures, comma-separated (default: all)."),
 ) -> None:
-    """List the architectures: the built-ins and the installed `protofl.models` ones, with their sizes.
+    """List the architectures with their sizes, and per preset the bytes a round uploads and the measured peak
+    memory of training each, so that you can pick a model that fits a device.
 
-    `--arch package.module:factory` is accepted too (see `edge_agent.models`)."""
-    from edge_agent.models import MODEL_GROUP, available_architectures, build_model
-    from edge_agent.params import adapter_vector, count_parameters
+    Parameters and upload bytes are computed here (the device's own upload code and wire encoding); the peak
+    resident memory of `join` is read from the footprint benchmark's measurements (bench/bench_footprint.py),
+    taken at 1,28,28, 10 classes, m=512 with one thread. `--arch package.module:factory` is accepted too (see
+    `edge_agent.models`)."""
+    from protofl.humanize import human_bytes
+    from protofl.presets import preset_names
+    from protofl.profiles import load_device
 
     try:
         shape = tuple(int(v) for v in in_shape.split(","))
@@ -66,13 +81,39 @@ def models(
         shape = ()
     if len(shape) != 3:
         raise typer.BadParameter(f"c,h,w: three integers such as 1,28,28, got {in_shape!r}", param_hint="--in-shape")
+    chosen = [p.strip() for p in presets.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in preset_names()]
+    if unknown or not chosen:
+        raise typer.BadParameter(
+            f"unknown preset(s) {unknown or presets!r}; known: {', '.join(preset_names())}", param_hint="--presets"
+        )
+    try:
+        device = load_device(profile) if profile else None
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--profile") from None
+    # torch from here on: the arguments were checked first
+    from edge_agent.model_sizes import MEASURED_SHAPE, load_footprint, round_bytes
+    from edge_agent.models import MODEL_GROUP, available_architectures, build_model
+    from edge_agent.params import adapter_vector, count_parameters
+
+    footprint = load_footprint()
+    measured = footprint is not None and (shape, classes, proto_dim) == MEASURED_SHAPE
     t = Table(
         title=f"architectures for input {shape}, m={proto_dim}, C={classes}",
         caption=f"also: --arch package.module:factory, or install a package registering {MODEL_GROUP}",
     )
     for col in ("arch", "backbone params", "backbone d", "adapter d", "total params"):
         t.add_column(col, justify="right" if col != "arch" else "left")
-    for arch in available_architectures():
+    per_preset = Table(
+        title="per preset: bytes one device uploads a round (envelopes included), peak memory of `join` training it",
+        caption=_models_caption(footprint, measured),
+    )
+    for col in ("arch", "preset", "upload / round", "round 1", "peak RSS (measured)"):
+        per_preset.add_column(col, justify="left" if col in ("arch", "preset") else "right")
+    if device is not None:
+        per_preset.add_column(f"fits {device.name} ({device.memory_mb} MB)", justify="left")
+    names = available_architectures() if archs is None else [a.strip() for a in archs.split(",") if a.strip()]
+    for arch in names:
         try:
             m = build_model(arch, shape, classes, proto_dim, seed=0)
         except ConfigError as exc:  # an installed model that does not build here: say why, list the rest
@@ -85,7 +126,31 @@ def models(
             f"{adapter_vector(m).shape[0]:,}",
             f"{count_parameters(m):,}",
         )
-    Console().print(t)
+        for preset in chosen:
+            up = round_bytes(arch, preset, shape, classes, proto_dim)
+            peak = footprint.peak(arch, preset) if footprint is not None and measured else None
+            row = [
+                arch,
+                preset,
+                f"{up.later:,} B ({human_bytes(up.later)})",
+                "" if up.first == up.later else f"{up.first:,} B ({human_bytes(up.first)})",
+                "not measured" if peak is None else f"{peak:.0f} MB",
+            ]
+            if device is not None:
+                row.append("?" if peak is None else ("yes" if peak <= device.memory_mb else "[red]no[/red]"))
+            per_preset.add_row(*row)
+    console = Console()
+    console.print(t)
+    console.print(per_preset)
+
+
+def _models_caption(footprint: Footprint | None, measured: bool) -> str:
+    if footprint is None:
+        return "peak RSS: no footprint.json here (run python -m bench.bench_footprint --package-data ...)"
+    where = f"measured {footprint.date} on {footprint.machine}, --threads {footprint.threads}: {footprint.command}"
+    if not measured:
+        return f"peak RSS was measured at 1,28,28, 10 classes, m=512 only ({where})"
+    return f"round 1: where it differs (something travels once). Peak RSS {where}"
 
 
 @app.command()

@@ -24,6 +24,11 @@ __all__ = ["embed_onnx", "parse_floats", "read_metadata", "session"]
 def session(path: str | os.PathLike[str] | bytes, threads: int | None = None, spin: bool = True) -> InferenceSession:
     """A CPU onnxruntime session; ``threads`` intra-op threads (None: onnxruntime's default).
 
+    Every session of the project is built here (``predict``, ``verify``, the onnx extractor, the frozen backbone).
+    ORT_ENABLE_ALL is what makes onnxruntime fast on these graphs: its layout transforms (NCHWc convolutions)
+    are most of the gain over torch; the dynamo exporter, a fixed batch axis or flushing denormals gained nothing
+    beyond noise (bench/results/ONNX.md, ``bench/bench_onnx.py --cpu-time``).
+
     ``spin=False`` stops idle worker threads from busy-waiting between runs: needed where many sessions
     share a few cores (a simulator's agents) or alternate with torch, at a small latency cost.
     """

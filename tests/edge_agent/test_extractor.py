@@ -102,3 +102,24 @@ def test_agent_with_onnx_extractor_matches_torch(monkeypatch: pytest.MonkeyPatch
         for key in ("local_acc", "global_acc", "ensemble_acc"):
             assert abs(a[key] - b[key]) <= 0.02, (key, a, b)  # z agrees to ~1e-7: at most a tie flips
         assert a["uplink_bytes"] == b["uplink_bytes"]
+
+
+@pytest.mark.parametrize("arch", ["resnet8", "mobilenetv2"])
+def test_the_device_session_gives_torchs_embeddings(arch: str, images: np.ndarray, tmp_path: Path) -> None:
+    # The session as the device builds it (ORT_ENABLE_ALL: BN folded into conv, NCHWc layouts, fused ops) on a
+    # features graph whose batch norms hold non-trivial statistics, as after training: torch's z to float32
+    # tolerance, at batch 1 and 64.
+    from edge_agent.onnx_export import export_onnx
+    from edge_agent.onnx_runtime import embed_onnx, session
+    from edge_agent.trainer import embed
+
+    model = build_model(arch, (1, 28, 28), 10, seed=3)
+    g = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            assert m.running_mean is not None and m.running_var is not None
+            m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=g))
+            m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=g))
+    sess = session(export_onnx(model, tmp_path / "f.onnx", exporter="torchscript").path, threads=1)
+    for n in (1, 64):
+        np.testing.assert_allclose(embed_onnx(sess, images[:n]), embed(model, images[:n]), rtol=1e-4, atol=1e-5)

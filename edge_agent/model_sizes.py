@@ -1,0 +1,111 @@
+"""What `protofl-edge models` shows a user choosing a model for a device: its parameters, the bytes a round
+uploads under each preset, and the peak resident memory of a `join` training it, as measured.
+
+Upload bytes are computed by the device's own code: an `EdgeAgent` adopts the preset's config (the config
+message a server would send: its CPS masks, adapter layout and a public set where the plan uses one) and builds
+a round's uploads as a round builds them (`EdgeAgent.round_uploads`, no training: values differ from a trained
+model's, sizes do not), then the wire encoder sizes them (`message_size`, envelope included). Rounds 1 and 2
+are built: an upload that travels once (the ridge statistics of the `protofl` preset) makes round 1 larger.
+
+Peak memory is not computed: it is read from `footprint.json`, written by `bench/bench_footprint.py
+--package-data` (a real server and one real `join` per architecture and preset), with the machine and date
+it was measured on. It holds for the shape it was measured at (Fashion-MNIST, 1x28x28, 10 classes, m=512).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_agent import params as model_params
+from edge_agent.agent import ClientData, EdgeAgent
+from edge_agent.models import build_model
+from edge_agent.techniques import model_options
+from protofl.algorithms.cps import make_masks, support_size
+from protofl.errors import ConfigError
+from protofl.plan import RoundPlan
+from protofl.presets import make_config
+from protofl.wire import Config, PublicSet, message_size
+
+__all__ = ["FOOTPRINT", "MEASURED_SHAPE", "SENDER", "Footprint", "RoundBytes", "load_footprint", "round_bytes"]
+
+FOOTPRINT = Path(__file__).with_name("footprint.json")
+MEASURED_SHAPE = ((1, 28, 28), 10, 512)  # (in_shape, classes, m) of the footprint benchmark's runs
+SENDER = "device-0001"  # each upload's envelope names its sender: a longer id adds its extra bytes
+
+
+@dataclass(frozen=True)
+class RoundBytes:
+    """Bytes one device uploads in a round, every phase, envelopes included."""
+
+    first: int  # round 1
+    later: int  # round 2 (and every later one): less where something travels once
+
+
+def round_bytes(arch: str, preset: str, in_shape: tuple[int, int, int], classes: int, proto_dim: int) -> RoundBytes:
+    """The encoded uploads of rounds 1 and 2 of a device training `arch` under `preset`."""
+    cfg = make_config(preset, archs=[arch], in_shape=list(in_shape), num_classes=classes, proto_dim=proto_dim)
+    plan = RoundPlan.from_config(cfg)
+    n = 2 * classes  # two samples of each class: every class has a prototype, as on a device holding them all
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, *in_shape)).astype(np.float32)
+    y = np.arange(n, dtype=np.int64) % classes
+    agent = EdgeAgent(SENDER, "sizes", ClientData(x, y, x[:classes], y[:classes]), arch=arch)
+    layout = []  # the device checks the announced layout against its model's in an adapter federation only
+    if plan.federate == "adapter":
+        model = build_model(arch, in_shape, classes, proto_dim, cfg.adapter_rank, seed=cfg.seed, **model_options(cfg))
+        layout = model_params.adapter_layout(model)
+    masks = make_masks(classes, proto_dim, support_size(cfg), seed=cfg.seed) if plan.masked else None
+    agent.on_config(
+        Config(
+            preset=preset,
+            params=cfg.to_dict(),
+            adapter_layout=layout,
+            class_masks=masks,
+        )
+    )
+    if plan.public_classes:
+        pub = np.repeat(np.asarray(plan.public_classes, dtype=np.int64), 2)
+        images = np.zeros((len(pub), *in_shape), np.uint8)
+        agent.on_public(PublicSet(x=images, y=pub, classes=list(plan.public_classes)))
+    sizes = []
+    for round_ in (1, 2):
+        ups = agent.round_uploads(round_)
+        sizes.append(sum(message_size(m, fed="sizes", sender=SENDER, round=round_, phase=p.value) for p, m in ups))
+    return RoundBytes(sizes[0], sizes[1])
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """The measured peaks (MB) of `footprint.json`, with where and how they were measured."""
+
+    peak_mb: dict[str, dict[str, float]]
+    machine: str
+    date: str
+    command: str
+    threads: int
+
+    def peak(self, arch: str, preset: str) -> float | None:
+        return self.peak_mb.get(arch, {}).get(preset)
+
+
+def load_footprint(path: Path = FOOTPRINT) -> Footprint | None:
+    """The shipped measurements, or None where the file is absent (a checkout whose benchmark never ran)."""
+    if not path.is_file():
+        return None
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+        return Footprint(
+            {a: {p: float(v) for p, v in row.items()} for a, row in raw["peak_mb"].items()},
+            str(raw["machine"]),
+            str(raw["date"]),
+            str(raw["command"]),
+            int(raw["threads"]),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        what = "bench/bench_footprint.py"
+        raise ConfigError(f"{path} is not a footprint file of {what} ({exc}): regenerate it") from None
