@@ -223,6 +223,10 @@ class DeviceRunner:
         first, self.fleet_run = self.fleet_run is None, run
         if self.agent is not None and first:
             self._agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
+        elif self.agent is not None and run == "" and not self.agent.finished:
+            # The run ended before its last round reached this device (`run stop`): the fleet is idle, what comes
+            # next (the next run's config, its server's status) is the next run's, never this agent's.
+            self._run_over("ended (stopped)")
         elif self.agent is not None and run not in ("", self._agent_run):
             self._run_over("replaced")
         if self.agent is None and self._serving():
