@@ -384,6 +384,8 @@ class Aggregator:
     def _presence_input(self, topic: str, payload: bytes) -> Presence | None:
         client = topics.client_of(topic)
         if client not in self.clients and client not in self.machine.departed:
+            if self.members is None or client in self.members:  # anyone who may join may say why it cannot
+                self._cannot_serve(client, payload)
             return None
         try:
             head = read_header(payload, self.limits)
@@ -415,6 +417,20 @@ class Aggregator:
         ):
             return None  # its place was taken while it was away
         return Presence(client, online=msg.state == "online", traits=msg.traits)
+
+    def _cannot_serve(self, client: str, payload: bytes) -> None:
+        """A member of a fleet that cannot serve this run (a model it cannot import, a technique it lacks) says why
+        on its presence instead of joining: the run's log says so (bounded per member). It is no client of this run:
+        nothing else of its presence counts, and a presence that is not its own status is ignored, as a stranger's."""
+        try:
+            head = read_header(payload, self.limits)
+            if head.kind != Status.KIND or head.sender != client or head.fed != self.fed:
+                return
+            msg = decode_body(head.open(), self.limits)
+        except WireError:
+            return
+        if isinstance(msg, Status) and msg.state == "online" and msg.detail.startswith(topics.CANNOT_SERVE):
+            self.member_log(logging.WARNING, client, "device %s: %s", client, printable(msg.detail))
 
     def handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a

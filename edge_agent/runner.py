@@ -119,6 +119,7 @@ class DeviceRunner:
         self.runs_done: list[str] = []  # the fleet's runs this device finished, or could not serve
         self._held: dict[str, bytes] = {}  # config/public/round seen between runs, handled when the run is ours
         self._agent_run = ""  # the fleet's run the agent serves ("" outside a fleet)
+        self._refused = ""  # the fleet's run this device said it cannot serve (its retained presence says so)
         self.paced_until = 0.0  # the server's last "come back then" (pace steering; 0: never said)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -221,6 +222,10 @@ class DeviceRunner:
             return
         log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
         first, self.fleet_run = self.fleet_run is None, run
+        if self._refused not in ("", run) and self.transport.connected:
+            # Its retained "cannot serve run X" is X's alone: the next run's server reads this instead.
+            self._refused = ""
+            self._presence("online", self.profile_label, traits=self.traits())
         if self.agent is not None and first:
             self._agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
         elif self.agent is not None and run == "" and not self.agent.finished:
@@ -282,13 +287,14 @@ class DeviceRunner:
             self.fatal = exc
             return
         run = self.fleet_run
-        log.error("%s: cannot serve run '%s': %s; waiting for the fleet's next run", self.client_id, run, exc)
+        log.error("%s: %s '%s': %s; waiting for the fleet's next run", self.client_id, topics.CANNOT_SERVE, run, exc)
         self.agent = None
         if run and run not in self.runs_done:
             self.runs_done.append(run)
         self._held.clear()
         self.joined = False
-        self._presence("online", f"cannot serve run '{run}': {exc}")
+        self._refused = run
+        self._presence("online", f"{topics.CANNOT_SERVE} '{run}': {exc}")
 
     def _take_held_rounds(self) -> None:
         """Joined a fleet's next run: its public set and round, which came before this device's agent did."""
@@ -334,6 +340,9 @@ class DeviceRunner:
                     return
                 read = read_config(msg)
             except (WireError, ConfigError) as exc:
+                if isinstance(exc, ConfigError) and self.fleet_run is not None:
+                    self._cannot_serve(exc)  # a fleet's run keeps its config: this device waits for the next run
+                    return
                 log.error(
                     "%s: unusable federation config on %s: %s; waiting for a config this device can afford",
                     self.client_id,

@@ -61,3 +61,42 @@ def test_run_stop_on_a_queued_and_a_running_run_then_the_next_run_is_served(tmp_
         ], listed
     finally:
         fleet.stop()
+
+
+TESTS = Path(__file__).resolve().parents[1]
+MODEL_PKG, TECHNIQUE_PKG = TESTS / "external_model", TESTS / "external_technique"
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_device_that_cannot_serve_a_run_says_why_and_serves_the_next(tmp_path: Path) -> None:
+    """device-1 has neither the model package nor the technique package that two runs use; device-2 has both. Each
+    of those runs is served by device-2 alone; device-1 says why it cannot serve it (its log, its presence, which the
+    run's server logs) and serves the third run with device-2, never restarted."""
+    fleet = Fleet(tmp_path, free_port(), len(DEVICES), paths=(TECHNIQUE_PKG,))
+    try:
+        fleet.start()
+        plain = fleet.join("device-1", 0, 2)
+        fleet.join("device-2", 1, 2, paths=(MODEL_PKG, TECHNIQUE_PKG))
+        one = ["--min-clients", "1", "--rounds", "2"]
+        fleet.submit("model", "--preset", "tinyproto", "--set", 'archs=["tinynet"]', *one)
+        fleet.submit("technique", "--preset", "fedproto-median", "--set", 'archs=["mlp"]', *one)
+        fleet.submit("both", *TINY, "--rounds", "2")
+        fleet.wait_state("both", "finished", 240)
+        text = (fleet.logs / "device-1.log").read_text()
+        assert "cannot serve run 'model'" in text and "unknown architecture 'tinynet'" in text, text[-3000:]
+        assert "cannot serve run 'technique'" in text and "median_proto" in text, text[-3000:]
+        assert "run 'both' finished" in text and plain.poll() is None, text[-3000:]
+        # The runs' servers say why device-1 is not in them; the third run's server reads no stale refusal.
+        said = {run: (fleet.run_dir(run) / "server.log").read_text() for run in ("model", "technique", "both")}
+        assert "device device-1: cannot serve run 'model'" in said["model"], said["model"][-3000:]
+        assert "device device-1: cannot serve run 'technique'" in said["technique"], said["technique"][-3000:]
+        assert "cannot serve" not in said["both"], said["both"][-3000:]
+        # And so does the device's own log, shipped to the fleet (protofl-server logs device-1).
+        shown = server_cli("logs", "device-1", "--fleet", str(fleet.state)).stdout
+        assert "cannot serve run 'model'" in shown and "cannot serve run 'technique'" in shown, shown[-3000:]
+        for run, clients in (("model", ["device-2"]), ("technique", ["device-2"]), ("both", DEVICES)):
+            rows = rounds_of(fleet, run)
+            assert [r["round"] for r in rows] == [1, 2] and all(r["clients"] == clients for r in rows), (run, rows)
+    finally:
+        fleet.stop()
