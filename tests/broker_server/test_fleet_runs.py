@@ -4,6 +4,8 @@ one, the next queued run then served by the same `protofl-edge join` processes, 
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ def test_run_stop_on_a_queued_and_a_running_run_then_the_next_run_is_served(tmp_
     try:
         fleet.start()
         agents = [fleet.join(device, i, len(DEVICES)) for i, device in enumerate(DEVICES)]
-        fleet.submit("long", *TINY, "--rounds", "500")  # far more rounds than the test waits for
+        fleet.submit("long", *TINY, "--rounds", "500", "--ui-port", "0")  # far more rounds than the test waits for
         fleet.submit("never", *TINY, "--rounds", "2")
         fleet.submit("next", *TINY, "--rounds", "2")
         # A queued run stopped: stopped at once, by the command alone.
@@ -37,6 +39,13 @@ def test_run_stop_on_a_queued_and_a_running_run_then_the_next_run_is_served(tmp_
         # A running run stopped once it has logged a round: the fleet stops its server.
         fleet.wait_state("long", "running", 60)
         wait_for(lambda: len(rounds_of(fleet, "long")) >= 1, 120, "a round of run 'long'", fleet.tail)
+        # Its live page links each device's log lines, which the fleet keeps (join --ship-logs).
+        page = re.search(r"live page on (http://\S+/)", (fleet.run_dir("long") / "server.log").read_text())
+        assert page is not None, fleet.tail()
+        shipped = fleet.state / "device-logs" / "device-1.log"
+        wait_for(lambda: shipped.exists() and "trained, uploaded" in shipped.read_text(), 60, "device-1's log lines")
+        body = urllib.request.urlopen(page.group(1) + "logs/device-1", timeout=10).read().decode()
+        assert "device-1: trained, uploaded" in body, body[-2000:]
         said = server_cli("run", "stop", "long", "--fleet", str(fleet.state)).stdout
         assert "run 'long': stop asked" in said, said
         fleet.wait_state("long", "stopped", 60)
