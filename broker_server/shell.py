@@ -70,6 +70,7 @@ from protofl.wire import (
     read_header,
 )
 from protofl.wire import fast as fast_reader
+from protofl.wire.messages import with_server_time
 
 log = logging.getLogger("protofl.server")
 SERVER_ID = topics.SERVER_ID
@@ -497,6 +498,8 @@ class Aggregator:
                 self.effects(effect)
 
     def _encode(self, msg: Message, round_: int, phase: str) -> bytes:
+        if isinstance(msg, Status):  # the retained server status says when (a device's doctor checks its clock)
+            msg = Status(state=msg.state, detail=with_server_time(msg.detail, time.time()), traits=msg.traits)
         return encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)
 
     def _topic(self, msg: Message) -> str:
