@@ -197,18 +197,27 @@ def _retained(transport: object, fed: str) -> dict[str, bytes]:
     return dict(got)
 
 
+def _retained_message(payload: bytes | None, check: str, what: str, why_none: str) -> object:
+    """A retained message, or the warning `check` says where there is none or it cannot be read."""
+    from protofl.wire import decode_message
+
+    if payload is None:
+        return Finding("warn", check, f"no {what} retained: {why_none}", AGAIN)
+    try:
+        return decode_message(payload)[1]
+    except ProtoFLError as exc:
+        return Finding("warn", check, f"the {what} is unreadable ({exc})", "")
+
+
 def server_clock_findings(status: bytes | None, now: datetime) -> list[Finding]:
     """This device's clock against the server's time in its retained status (`with_server_time`). The status is
     as old as the server's last change, so only a device clock behind it is known to be wrong."""
-    from protofl.wire import Status, decode_message
+    from protofl.wire import Status
     from protofl.wire.messages import server_time
 
-    if status is None:
-        return [Finding("warn", "server-time", "no server status retained: no run served yet", AGAIN)]
-    try:
-        msg = decode_message(status)[1]
-    except ProtoFLError as exc:
-        return [Finding("warn", "server-time", f"the server's status is unreadable ({exc})", "")]
+    msg = _retained_message(status, "server-time", "server status", "no run served yet")
+    if isinstance(msg, Finding):
+        return [msg]
     said = server_time(msg.detail) if isinstance(msg, Status) else None
     if said is None:
         return [Finding("warn", "server-time", "the server's status carries no time (an older server)", "")]
@@ -231,14 +240,11 @@ def model_findings(config: bytes | None, available_mb: int | None) -> list[Findi
     """The run's model (the retained config's archs) against this device's available memory, by the peaks
     bench/bench_footprint.py measured (edge_agent/memory.py: MEASURED_PEAK_MB)."""
     from edge_agent.memory import MEASURED_PEAK_MB
-    from protofl.wire import Config, decode_message
+    from protofl.wire import Config
 
-    if config is None:
-        return [Finding("warn", "model", "no run's config retained: no run is served now", AGAIN)]
-    try:
-        msg = decode_message(config)[1]
-    except ProtoFLError as exc:
-        return [Finding("warn", "model", f"the run's config is unreadable ({exc})", "")]
+    msg = _retained_message(config, "model", "run's config", "no run is served now")
+    if isinstance(msg, Finding):
+        return [msg]
     archs = [str(a) for a in msg.params.get("archs", ())] if isinstance(msg, Config) else []
     measured = {a: MEASURED_PEAK_MB[a] for a in archs if a in MEASURED_PEAK_MB}
     if not measured:
