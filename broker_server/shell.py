@@ -99,6 +99,8 @@ LAST_DROPS = 5  # drops `status` shows with their device and reason
 LOUD_DROPS = frozenset({"invalid", "wrong_arch"})
 # The presence state of a device that gave up on a round (edge_agent/runner.py): the envelope says which.
 GAVE_UP = "gave_up"
+# The presence state the server says for a device the fleet revoked (broker_server/enrol.py): it leaves at once.
+REVOKED = "revoked"
 # What the server says on a device's `down/` topic when it refuses its join for good (Status.state).
 REFUSED = "refused"
 TIMER_KINDS = (GRACE_OVER, DEADLINE)
@@ -417,7 +419,7 @@ class Aggregator:
             and len(self.clients) >= self.max_clients
         ):
             return None  # its place was taken while it was away
-        return Presence(client, online=msg.state == "online", traits=msg.traits)
+        return Presence(client, online=msg.state == "online", traits=msg.traits, revoked=msg.state == REVOKED)
 
     def _cannot_serve(self, client: str, payload: bytes) -> None:
         """A member of a fleet that cannot serve this run (a model it cannot import, a technique it lacks) says why
