@@ -222,6 +222,10 @@ class DeviceRunner:
             return
         log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
         first, self.fleet_run = self.fleet_run is None, run
+        if run == "":
+            # What was held belongs to the run that ended (one this device did not serve): its server cleared its
+            # retained messages, but the transport hands no empty payload on, so they are dropped here.
+            self._held.clear()
         if self._refused not in ("", run) and self.transport.connected:
             # Its retained "cannot serve run X" is X's alone: the next run's server reads this instead.
             self._refused = ""
@@ -328,6 +332,11 @@ class DeviceRunner:
                     "this device cannot take part, so it leaves"
                 )
             )
+            return
+        # Outside the agent lock: in a fleet the join hands the run's held public set and round to their handlers,
+        # which take the lock themselves (under it, a run whose server said "waiting" before the fleet named it
+        # deadlocked the device).
+        self._maybe_join()
 
     def _config(self, topic: str, payload: bytes) -> None:
         agent = self.agent
@@ -374,7 +383,6 @@ class DeviceRunner:
             return
         if fresh and agent.model is not None and self.opts.state_dir is not None:
             self._resume()
-        self._maybe_join()
 
     def _resume(self) -> None:
         """Pick up our own last local state (edge_agent/resume.py), once the config built the model."""
