@@ -76,3 +76,25 @@ def log_files(directory: Path, device: str) -> list[Path]:
     """A device's log files, oldest first."""
     check_name(device, "device id")
     return [p for p in (directory / f"{device}.log.1", directory / f"{device}.log") if p.exists()]
+
+
+def tail(directory: Path, device: str, limit: int) -> str:
+    """The newest `limit` bytes (at most) of a device's log lines, whole lines only; ConfigError for an id that is
+    not a name (no path is built from one)."""
+    chunks: list[bytes] = []
+    left = limit
+    for path in reversed(log_files(directory, device)):
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - left))
+                chunk = f.read(left)
+        except OSError:
+            continue
+        if len(chunk) == left and size > left:
+            chunk = chunk[chunk.find(b"\n") + 1 :]  # cut into a line: from the next one
+        chunks.insert(0, chunk)
+        left -= len(chunk)
+        if left <= 0 or size > len(chunk):
+            break
+    return b"".join(chunks).decode("utf-8", errors="replace")

@@ -3,10 +3,11 @@
 The credentials (STATE/security/credentials.json), the broker's password file and ACL are rewritten
 (broker_server/security.py) and the broker is sent SIGHUP: Mosquitto (2.0.11 checked) reloads its password file
 and ACL and disconnects every connected client whose user is no longer in the password file ("Client X
-disconnected"); its reconnect is refused (not authorised). The run's server sees the device's last will
-("offline"), journaled like any presence: after the offline grace the device leaves the open round, which then
-closes at quorum without it. A device added gets its devices/<id>.json (with the fleet's CA and broker address,
-copied from monitor.json) and can join the next round. Revoked ids are listed in STATE/security/revoked.
+disconnected"); its reconnect is refused (not authorised). The run's server says the device's presence
+"revoked" (`Revocations`), journaled like any presence: the device leaves the open round at once, which then
+closes at quorum without it, and what it sent after is dropped (broker_server/rounds.py: `Presence.revoked`).
+A device added gets its devices/<id>.json (with the fleet's CA and broker address, copied from monitor.json)
+and can join the next round. Revoked ids are listed in STATE/security/revoked.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def revoke(state_dir: Path, ids: list[str]) -> None:
 
 class Revocations:
     """What a run's server watches (start --revoked-file, which the fleet passes): each device revoked since it
-    last looked is said to the aggregator as that device's "revoked" presence (offline: journaled like any
-    presence; after the offline grace it leaves the open round, which closes at quorum without it). The broker
+    last looked is said to the aggregator as that device's "revoked" presence (journaled like any presence; it
+    leaves the open round at once, which closes at quorum without it). The broker
     keeps the device's own last will from going out once its user is gone from the ACL, so the server says it."""
 
     def __init__(self, path: Path) -> None:
@@ -133,9 +134,10 @@ class Revocations:
 
 def revoked_presence(fed: str, client_id: str) -> bytes:
     """A revoked device's presence, as the server says it for the device (the envelope's sender is the device)."""
+    from broker_server.shell import REVOKED as STATE
     from protofl.wire import Status, encode_message
 
-    return encode_message(Status(state=REVOKED, detail="revoked by the fleet"), fed=fed, sender=client_id)
+    return encode_message(Status(state=STATE, detail="revoked by the fleet"), fed=fed, sender=client_id)
 
 
 devices_app = typer.Typer(help="A fleet's devices: enrol, revoke and list them while the fleet runs.")

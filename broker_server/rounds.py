@@ -106,6 +106,9 @@ class Presence:
     online: bool
     gave_up: tuple[int, str] | None = None
     traits: Traits | None = None  # what an online device says it is now (its power state): kept with its join
+    # Offline for good: the fleet revoked it (broker_server/enrol.py). It leaves at once, without a grace: what it
+    # sends after (uploads the broker had queued when it cut the device off) is no client's, dropped and counted.
+    revoked: bool = False
 
 
 @dataclass(frozen=True)
@@ -498,7 +501,7 @@ class RoundMachine:
                 return self._gives_up(inp.client, inp.gave_up)
             if inp.online:
                 return inp.client in s.leaving or inp.client in s.departed or self._new_traits(inp)
-            return inp.client in s.clients and inp.client not in s.leaving
+            return inp.client in s.clients and (inp.revoked or inp.client not in s.leaving)
         if isinstance(inp, GraceOver):
             return not s.finished and inp.client in s.leaving and inp.client in s.clients
         return s.phase is not None and not s.finished and (inp.round, inp.phase) == (s.round, s.phase.phase)
@@ -518,6 +521,8 @@ class RoundMachine:
         if isinstance(inp, Presence):
             if inp.gave_up is not None:
                 return self._give_up(inp.client, inp.gave_up) if self._gives_up(inp.client, inp.gave_up) else []
+            if inp.revoked:
+                return self._depart(inp.client)
             if inp.online and self._new_traits(inp):
                 self._set_traits(inp.client, inp.traits)
             return self._come_back(inp.client) if inp.online else self._leave(inp.client)

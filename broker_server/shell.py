@@ -70,6 +70,7 @@ from protofl.wire import (
     read_header,
 )
 from protofl.wire import fast as fast_reader
+from protofl.wire.messages import with_server_time
 
 log = logging.getLogger("protofl.server")
 SERVER_ID = topics.SERVER_ID
@@ -98,6 +99,8 @@ LAST_DROPS = 5  # drops `status` shows with their device and reason
 LOUD_DROPS = frozenset({"invalid", "wrong_arch"})
 # The presence state of a device that gave up on a round (edge_agent/runner.py): the envelope says which.
 GAVE_UP = "gave_up"
+# The presence state the server says for a device the fleet revoked (broker_server/enrol.py): it leaves at once.
+REVOKED = "revoked"
 # What the server says on a device's `down/` topic when it refuses its join for good (Status.state).
 REFUSED = "refused"
 TIMER_KINDS = (GRACE_OVER, DEADLINE)
@@ -385,6 +388,8 @@ class Aggregator:
     def _presence_input(self, topic: str, payload: bytes) -> Presence | None:
         client = topics.client_of(topic)
         if client not in self.clients and client not in self.machine.departed:
+            if self.members is None or client in self.members:  # anyone who may join may say why it cannot
+                self._cannot_serve(client, payload)
             return None
         try:
             head = read_header(payload, self.limits)
@@ -415,7 +420,21 @@ class Aggregator:
             and len(self.clients) >= self.max_clients
         ):
             return None  # its place was taken while it was away
-        return Presence(client, online=msg.state == "online", traits=msg.traits)
+        return Presence(client, online=msg.state == "online", traits=msg.traits, revoked=msg.state == REVOKED)
+
+    def _cannot_serve(self, client: str, payload: bytes) -> None:
+        """A member of a fleet that cannot serve this run (a model it cannot import, a technique it lacks) says why
+        on its presence instead of joining: the run's log says so (bounded per member). It is no client of this run:
+        nothing else of its presence counts, and a presence that is not its own status is ignored, as a stranger's."""
+        try:
+            head = read_header(payload, self.limits)
+            if head.kind != Status.KIND or head.sender != client or head.fed != self.fed:
+                return
+            msg = decode_body(head.open(), self.limits)
+        except WireError:
+            return
+        if isinstance(msg, Status) and msg.state == "online" and msg.detail.startswith(topics.CANNOT_SERVE):
+            self.member_log(logging.WARNING, client, "device %s: %s", client, printable(msg.detail))
 
     def handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a
@@ -482,6 +501,8 @@ class Aggregator:
                 self.effects(effect)
 
     def _encode(self, msg: Message, round_: int, phase: str) -> bytes:
+        if isinstance(msg, Status):  # the retained server status says when (a device's doctor checks its clock)
+            msg = Status(state=msg.state, detail=with_server_time(msg.detail, time.time()), traits=msg.traits)
         return encode_message(msg, fed=self.fed, sender=SERVER_ID, round=round_, phase=phase)
 
     def _topic(self, msg: Message) -> str:

@@ -600,9 +600,12 @@ class Watching:
     ui_port: int | None = None
     ui_password: str | None = None
 
-    def serve(self, stack: contextlib.ExitStack, state_dir: Path | None) -> tuple[Any, Any]:
+    def serve(
+        self, stack: contextlib.ExitStack, state_dir: Path | None, logs_dir: Path | None = None
+    ) -> tuple[Any, Any]:
         """Start the HTTP servers asked for (before the broker: a taken port fails the start at once); returns
-        the board they read and the metrics the service observes (None without --metrics-port)."""
+        the board they read and the metrics the service observes (None without --metrics-port). The page shows
+        the device logs kept in `logs_dir`."""
         from broker_server.watch.board import SnapshotBoard
 
         board, metrics = SnapshotBoard(), None
@@ -620,7 +623,7 @@ class Watching:
             password = ui_password(
                 self.ui_password, self.ui_host, loopback, state_dir / "security" if state_dir is not None else None
             )
-            endpoint = serve_ui(board, self.ui_host, self.ui_port, password)
+            endpoint = serve_ui(board, self.ui_host, self.ui_port, password, logs_dir)
             stack.callback(endpoint.close)
             log.info(
                 "live page on %s%s", endpoint.url, "" if password is None else " (user protofl, password required)"
@@ -934,7 +937,8 @@ def _serve(s: Start) -> None:
     if state_dir is not None:
         private_dir(state_dir)  # 0700: status.json, rounds.jsonl, the journal name devices
     with contextlib.ExitStack() as stack:
-        board, metrics = s.watching.serve(stack, state_dir)
+        logs_dir = s.device_logs or (state_dir / LOG_DIR if state_dir is not None else None)
+        board, metrics = s.watching.serve(stack, state_dir, logs_dir)
         protocol: MqttVersion = "auto"
         members = access.allow
         broker, username, password = s.broker, s.client.username, s.client.password
@@ -1026,7 +1030,6 @@ def _serve(s: Start) -> None:
         try:
             service.start(link.connect_timeout)
             started = True
-            logs_dir = s.device_logs or (state_dir / LOG_DIR if state_dir is not None else None)
             if logs_dir is not None:
                 DeviceLogs(logs_dir, fed).subscribe(service.transport)
             # A round that closed before a crash but was not logged yet (its metrics were awaited) gets its line

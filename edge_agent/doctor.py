@@ -3,8 +3,10 @@
 Checks, in the order a join needs them: the credentials file; the clock (against the validity of the fleet's CA
 certificate in that file and of the broker's certificate: a Raspberry Pi without RTC boots at its last shutdown's
 time, or 1970, until NTP sets it, and TLS then refuses every certificate); the broker's host name (DNS); its port;
-TLS with the CA; the broker's login with the credentials; the data path and, with a class list, its class names;
-torch and onnxruntime and their versions; free memory and disk. No torch import unless torch is the check.
+TLS with the CA; the broker's login with the credentials; then, from what the broker retains, the clock against the
+server's time in its status and the run's model against this device's free memory (bench/results/FOOTPRINT.md's
+measured peaks); the data path and, with a class list, its class names; torch and onnxruntime and their versions;
+free memory and disk. No torch import unless torch is the check.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import typer
 from protofl.errors import ConfigError, ProtoFLError
 
 MIN_FREE_MB = 256  # below this much free memory or disk a round's training or checkpoint may fail
+CLOCK_SKEW_S = 60.0  # a device clock this far behind the server's status is wrong (rounds' deadlines are minutes)
+AGAIN = "run doctor again while a run is served"
+RETAINED_WAIT_S = 3.0  # how long doctor waits for the broker's retained server status and config
 
 
 @dataclass(frozen=True)
@@ -74,8 +79,17 @@ def clock_findings(ca_pem: str | None, peer_der: bytes | None, now: datetime) ->
     return [Finding("ok", "clock", f"{_utc(now)}, within the certificates' validity")]
 
 
-def network_findings(url: str, username: str, password: str, ca_pem: str | None, tls_ca: str | None) -> list[Finding]:
-    """DNS, the port, TLS with the CA and the broker's login; stops at the first that fails."""
+def network_findings(
+    url: str,
+    username: str,
+    password: str,
+    ca_pem: str | None,
+    tls_ca: str | None,
+    fed: str = "default",
+    retained: dict[str, bytes] | None = None,
+) -> list[Finding]:
+    """DNS, the port, TLS with the CA and the broker's login; stops at the first that fails. Logged in, what the
+    broker retains for federation `fed` (its server status and config) goes into `retained`, by topic."""
     import tempfile
 
     from protofl.transport.broker_url import parse_broker_url
@@ -143,6 +157,8 @@ def network_findings(url: str, username: str, password: str, ca_pem: str | None,
         try:
             transport.connect(8)
             out.append(Finding("ok", "login", f"the broker takes {username}'s credentials"))
+            if retained is not None:
+                retained.update(_retained(transport, fed))
         except (TransportError, TimeoutError) as exc:
             out.append(
                 Finding(
@@ -156,6 +172,114 @@ def network_findings(url: str, username: str, password: str, ca_pem: str | None,
         finally:
             transport.close()
     return out
+
+
+def _retained(transport: object, fed: str) -> dict[str, bytes]:
+    """The server's retained status and config, as the broker hands them to a new subscriber (what came within
+    `RETAINED_WAIT_S`: a fleet between runs retains no config)."""
+    import threading
+
+    from protofl import topics
+
+    got: dict[str, bytes] = {}
+    both = threading.Event()
+    wanted = (topics.server_status(fed), topics.config(fed))
+
+    def keep(topic: str, payload: bytes) -> None:
+        if payload:
+            got[topic] = payload
+        if all(t in got for t in wanted):
+            both.set()
+
+    for topic in wanted:
+        transport.subscribe(topic, keep)  # type: ignore[attr-defined]
+    both.wait(RETAINED_WAIT_S)
+    return dict(got)
+
+
+def _retained_message(payload: bytes | None, check: str, what: str, why_none: str) -> object:
+    """A retained message, or the warning `check` says where there is none or it cannot be read."""
+    from protofl.wire import decode_message
+
+    if payload is None:
+        return Finding("warn", check, f"no {what} retained: {why_none}", AGAIN)
+    try:
+        return decode_message(payload)[1]
+    except ProtoFLError as exc:
+        return Finding("warn", check, f"the {what} is unreadable ({exc})", "")
+
+
+def server_clock_findings(status: bytes | None, now: datetime) -> list[Finding]:
+    """This device's clock against the server's time in its retained status (`with_server_time`). The status is
+    as old as the server's last change, so only a device clock behind it is known to be wrong."""
+    from protofl.wire import Status
+    from protofl.wire.messages import server_time
+
+    msg = _retained_message(status, "server-time", "server status", "no run served yet")
+    if isinstance(msg, Finding):
+        return [msg]
+    said = server_time(msg.detail) if isinstance(msg, Status) else None
+    if said is None:
+        return [Finding("warn", "server-time", "the server's status carries no time (an older server)", "")]
+    behind = said - now.timestamp()
+    when = _utc(datetime.fromtimestamp(said, timezone.utc))
+    if behind > CLOCK_SKEW_S:
+        return [
+            Finding(
+                "fail",
+                "server-time",
+                f"this device's clock ({_utc(now)}) is {behind / 60:.0f} min behind the server's: its status was "
+                f"written at {when}",
+                "set the clock: timedatectl set-ntp true (NTP needs the network first), or date -s 'YYYY-MM-DD HH:MM'",
+            )
+        ]
+    return [Finding("ok", "server-time", f"not behind the server's (its status was written at {when})")]
+
+
+def model_findings(config: bytes | None, available_mb: int | None) -> list[Finding]:
+    """The run's model (the retained config's archs) against this device's available memory, by the peaks
+    bench/bench_footprint.py measured (edge_agent/memory.py: MEASURED_PEAK_MB)."""
+    from edge_agent.memory import MEASURED_PEAK_MB
+    from protofl.wire import Config
+
+    msg = _retained_message(config, "model", "run's config", "no run is served now")
+    if isinstance(msg, Finding):
+        return [msg]
+    archs = [str(a) for a in msg.params.get("archs", ())] if isinstance(msg, Config) else []
+    measured = {a: MEASURED_PEAK_MB[a] for a in archs if a in MEASURED_PEAK_MB}
+    if not measured:
+        return [
+            Finding(
+                "warn",
+                "model",
+                f"the run's model {', '.join(archs) or '?'} has no measured footprint",
+                "measure it: python -m bench.bench_footprint --archs ARCH",
+            )
+        ]
+    arch, peak = max(measured.items(), key=lambda kv: kv[1])
+    what = f"the run's model {arch} peaked at {peak} MB in a measured join (bench/results/FOOTPRINT.md)"
+    if available_mb is None:
+        return [Finding("warn", "model", f"{what}; this device's free memory is unknown", "")]
+    if available_mb < peak:
+        return [
+            Finding(
+                "fail",
+                "model",
+                f"{what}; {available_mb} MB available here",
+                "stop other programs, join with a smaller --arch (mlp peaked at "
+                f"{MEASURED_PEAK_MB['mlp']} MB), or ask for a run with a smaller model",
+            )
+        ]
+    return [Finding("ok", "model", f"{what}; {available_mb} MB available here")]
+
+
+def available_mb() -> int | None:
+    """MemAvailable from /proc/meminfo, in MB (None where there is none)."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(meminfo["MemAvailable"].split()[0]) // 1024
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def data_findings(data: str | None, classes: Path | None) -> list[Finding]:
@@ -222,9 +346,10 @@ def software_findings() -> list[Finding]:
 
 def resource_findings(where: Path) -> list[Finding]:
     out = []
-    try:
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        free_mb = int(meminfo["MemAvailable"].split()[0]) // 1024
+    free_mb = available_mb()
+    if free_mb is None:
+        out.append(Finding("warn", "memory", "unknown (no /proc/meminfo)"))
+    else:
         status = "ok" if free_mb >= MIN_FREE_MB else "warn"
         out.append(
             Finding(
@@ -234,8 +359,6 @@ def resource_findings(where: Path) -> list[Finding]:
                 "" if status == "ok" else "stop other programs, or join with a smaller --arch / --profile",
             )
         )
-    except (OSError, KeyError, ValueError):
-        out.append(Finding("warn", "memory", "unknown (no /proc/meminfo)"))
     disk_mb = shutil.disk_usage(where).free // 2**20
     status = "ok" if disk_mb >= MIN_FREE_MB else "warn"
     out.append(
@@ -262,10 +385,12 @@ def doctor_command(
 
     found: list[Finding] = []
     ca_pem = username = password = None
+    fed = "default"
     if credentials is not None:
         try:
             file = read_device_file(credentials)
             ca_pem, username, password = file.ca_pem, file.credentials.username, file.credentials.password
+            fed = file.fed or fed
             broker = broker or file.broker
             found.append(Finding("ok", "credentials", f"{credentials}: device {username}, fleet '{file.fed}'"))
         except ConfigError as exc:
@@ -287,7 +412,13 @@ def doctor_command(
             broker = None
     found += clock_findings(ca_pem, peer, datetime.now(timezone.utc))
     if broker is not None and username is not None and password is not None:
-        found += network_findings(broker, username, password, ca_pem, tls_ca)
+        retained: dict[str, bytes] = {}
+        found += network_findings(broker, username, password, ca_pem, tls_ca, fed, retained)
+        if any(f.check == "login" and f.status == "ok" for f in found):
+            from protofl import topics
+
+            found += server_clock_findings(retained.get(topics.server_status(fed)), datetime.now(timezone.utc))
+            found += model_findings(retained.get(topics.config(fed)), available_mb())
     elif broker is None:
         found.append(Finding("warn", "broker", "not checked", "pass --broker, or credentials that name it"))
     found += data_findings(data, classes)

@@ -119,6 +119,7 @@ class DeviceRunner:
         self.runs_done: list[str] = []  # the fleet's runs this device finished, or could not serve
         self._held: dict[str, bytes] = {}  # config/public/round seen between runs, handled when the run is ours
         self._agent_run = ""  # the fleet's run the agent serves ("" outside a fleet)
+        self._refused = ""  # the fleet's run this device said it cannot serve (its retained presence says so)
         self.paced_until = 0.0  # the server's last "come back then" (pace steering; 0: never said)
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -221,8 +222,20 @@ class DeviceRunner:
             return
         log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
         first, self.fleet_run = self.fleet_run is None, run
+        if run == "":
+            # What was held belongs to the run that ended (one this device did not serve): its server cleared its
+            # retained messages, but the transport hands no empty payload on, so they are dropped here.
+            self._held.clear()
+        if self._refused not in ("", run) and self.transport.connected:
+            # Its retained "cannot serve run X" is X's alone: the next run's server reads this instead.
+            self._refused = ""
+            self._presence("online", self.profile_label, traits=self.traits())
         if self.agent is not None and first:
             self._agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
+        elif self.agent is not None and run == "" and not self.agent.finished:
+            # The run ended before its last round reached this device (`run stop`): the fleet is idle, what comes
+            # next (the next run's config, its server's status) is the next run's, never this agent's.
+            self._run_over("ended (stopped)")
         elif self.agent is not None and run not in ("", self._agent_run):
             self._run_over("replaced")
         if self.agent is None and self._serving():
@@ -278,13 +291,14 @@ class DeviceRunner:
             self.fatal = exc
             return
         run = self.fleet_run
-        log.error("%s: cannot serve run '%s': %s; waiting for the fleet's next run", self.client_id, run, exc)
+        log.error("%s: %s '%s': %s; waiting for the fleet's next run", self.client_id, topics.CANNOT_SERVE, run, exc)
         self.agent = None
         if run and run not in self.runs_done:
             self.runs_done.append(run)
         self._held.clear()
         self.joined = False
-        self._presence("online", f"cannot serve run '{run}': {exc}")
+        self._refused = run
+        self._presence("online", f"{topics.CANNOT_SERVE} '{run}': {exc}")
 
     def _take_held_rounds(self) -> None:
         """Joined a fleet's next run: its public set and round, which came before this device's agent did."""
@@ -318,6 +332,11 @@ class DeviceRunner:
                     "this device cannot take part, so it leaves"
                 )
             )
+            return
+        # Outside the agent lock: in a fleet the join hands the run's held public set and round to their handlers,
+        # which take the lock themselves (under it, a run whose server said "waiting" before the fleet named it
+        # deadlocked the device).
+        self._maybe_join()
 
     def _config(self, topic: str, payload: bytes) -> None:
         agent = self.agent
@@ -330,6 +349,9 @@ class DeviceRunner:
                     return
                 read = read_config(msg)
             except (WireError, ConfigError) as exc:
+                if isinstance(exc, ConfigError) and self.fleet_run is not None:
+                    self._cannot_serve(exc)  # a fleet's run keeps its config: this device waits for the next run
+                    return
                 log.error(
                     "%s: unusable federation config on %s: %s; waiting for a config this device can afford",
                     self.client_id,
@@ -361,7 +383,6 @@ class DeviceRunner:
             return
         if fresh and agent.model is not None and self.opts.state_dir is not None:
             self._resume()
-        self._maybe_join()
 
     def _resume(self) -> None:
         """Pick up our own last local state (edge_agent/resume.py), once the config built the model."""

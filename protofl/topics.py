@@ -49,6 +49,11 @@ def fleet(fed: str) -> str:
     return f"{ROOT}/{fed}/server/fleet"
 
 
+# How a device of a fleet's presence detail begins when it cannot serve the current run ("cannot serve run 'NAME':
+# why"): the run's server logs it for a member that never joined (broker_server/shell.py).
+CANNOT_SERVE = "cannot serve run"
+
+
 def device_log(fed: str, client_id: str) -> str:
     """One device's log lines, shipped to the server (edge_agent/log_ship.py, broker_server/device_logs.py)."""
     return f"{ROOT}/{fed}/log/{client_id}"

@@ -1,8 +1,11 @@
 """The live page (`start --ui-port`): devices, a round timeline, accuracy and bytes curves.
 
 A small HTTP server in threads of its own: `/` is the page (page.html, drawn in the browser),
-`/api/summary` the latest snapshot as JSON (the same document as `server/summary` and status.json).
-It reads the `SnapshotBoard` only. On loopback it is open, as the machine's own users are; bound to any
+`/api/summary` the latest snapshot as JSON (the same document as `server/summary` and status.json),
+`/logs/ID` device ID's newest log lines as the server keeps them (broker_server/device_logs.py: `join
+--ship-logs`), linked from the page's device rows: read only, the last `LOG_VIEW_BYTES`, HTML-escaped, and only
+for an ID that is a valid device name (nothing else ever names a file). It reads the `SnapshotBoard` and the
+device logs' directory only. On loopback it is open, as the machine's own users are; bound to any
 other address it asks for a password (HTTP Basic, user `protofl`): `--ui-password`, or one generated
 once into `state_dir/security/ui-password`. Basic auth over plain HTTP sends that password in clear:
 beyond a trusted network put the page behind a TLS proxy or an SSH tunnel (SECURITY.md). The server
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hmac
+import html
 import importlib.resources
 import logging
 import threading
@@ -23,10 +27,12 @@ from broker_server.watch.board import SnapshotBoard
 from broker_server.watch.httpd import BoundedHTTPServer, GuardedHandler
 from broker_server.watch.metrics import HttpEndpoint
 from protofl.errors import ConfigError
+from protofl.names import is_valid_name
 
 log = logging.getLogger("protofl.service")
 UI_USER = "protofl"
 PASSWORD_FILE = "ui-password"
+LOG_VIEW_BYTES = 64 * 1024  # the newest part of a device's log a page shows (`protofl-server logs` shows it all)
 
 
 def page_html() -> bytes:
@@ -80,8 +86,27 @@ class _Handler(GuardedHandler):
                 self._send(503, "application/json", b'{"error": "the federation is starting"}')
             else:
                 self._send(200, "application/json", body)
+        elif path.startswith("/logs/"):
+            self._device_log(path[len("/logs/") :])
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found: the page is at /, its data at /api/summary\n")
+
+    def _device_log(self, device: str) -> None:
+        from broker_server.device_logs import tail
+
+        directory = self.server.logs_dir
+        if directory is None or not is_valid_name(device):
+            self._send(404, "text/plain; charset=utf-8", b"not found: no device logs here, or not a device id\n")
+            return
+        text = tail(directory, device, LOG_VIEW_BYTES) or f"no log lines from {device} yet (join --ship-logs)"
+        page = (
+            '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f"<title>{html.escape(device)}: log</title></head><body>"
+            f'<p><a href="../">back to the live page</a> | {html.escape(device)}\'s newest log lines (at most '
+            f"{LOG_VIEW_BYTES // 1024} KB; protofl-server logs {html.escape(device)} shows them all)</p>"
+            f"<pre>{html.escape(text)}</pre></body></html>"
+        )
+        self._send(200, "text/html; charset=utf-8", page.encode())
 
     def _authorized(self) -> bool:
         password = self.server.password
@@ -113,17 +138,23 @@ class _Handler(GuardedHandler):
 
 
 class _UiServer(BoundedHTTPServer):
-    def __init__(self, address: tuple[str, int], board: SnapshotBoard, password: str | None) -> None:
+    def __init__(
+        self, address: tuple[str, int], board: SnapshotBoard, password: str | None, logs_dir: Path | None
+    ) -> None:
         self.board = board
         self.password = password
+        self.logs_dir = logs_dir
         self.page = page_html()
         super().__init__(address, _Handler, "the live page")
 
 
-def serve_ui(board: SnapshotBoard, host: str, port: int, password: str | None) -> HttpEndpoint:
-    """Serve the live page on host:port (0: any free port) in a thread of its own."""
+def serve_ui(
+    board: SnapshotBoard, host: str, port: int, password: str | None, logs_dir: Path | None = None
+) -> HttpEndpoint:
+    """Serve the live page on host:port (0: any free port) in a thread of its own; `logs_dir`: where the devices'
+    log lines are kept (None: /logs/ID finds none)."""
     try:
-        server = _UiServer((host, port), board, password)
+        server = _UiServer((host, port), board, password, logs_dir)
     except OSError as exc:
         raise ConfigError(
             f"--ui-port {port} on {host}: {exc.strerror or exc} (another port, or 0 for any free one)"

@@ -10,7 +10,10 @@ bools, and must be finite. Wire keys are the field names, except inside `ProtoSe
 
 from __future__ import annotations
 
+import calendar
 import math
+import re
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -779,6 +782,25 @@ def _with_traits(body: Any, keys: list[str], kind: str) -> dict[str, Any]:
 def _check_traits(traits: Any) -> None:
     if traits is not None and not isinstance(traits, Traits):
         raise WireError(f"traits: expected Traits, got {type(traits).__name__}")
+
+
+# The server's time in its retained `server/status`, for a device to check its clock against (`protofl-edge doctor`):
+# at the end of the detail, which every device shows as text, so a device of any version reads the status as before.
+_SERVER_TIME = re.compile(r"server time (\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)$")
+
+
+def with_server_time(detail: str, now: float) -> str:
+    """`detail` ending with the server's time `now` (seconds since the epoch), within the detail's bound."""
+    stamp = "server time " + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
+    return f"{detail[: MAX_TEXT - len(stamp) - 2]}; {stamp}" if detail else stamp
+
+
+def server_time(detail: str) -> float | None:
+    """The server's time a status detail ends with (`with_server_time`); None where it has none (an older server)."""
+    found = _SERVER_TIME.search(detail)
+    if found is None:
+        return None
+    return float(calendar.timegm(time.strptime(found.group(1), "%Y-%m-%dT%H:%M:%SZ")))
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,13 +3,14 @@ submit` through the command line, and `protofl-edge join` processes with the cre
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.broker_server.crash_helpers import DATA, SMALL_MODEL, env
+from tests.broker_server.crash_helpers import DATA, REPO, SMALL_MODEL, env
 
 # Small runs on the crash tests' synthetic data: 12x12 images, a 20-d prototype.
 RUN_SETTINGS = ["--round-timeout", "120", *SMALL_MODEL]
@@ -58,9 +59,17 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, logs: Callab
         time.sleep(0.05)
 
 
+def env_with(paths: tuple[Path, ...]) -> dict[str, str]:
+    """The processes' environment with these packages on the path too, as if pip-installed there."""
+    return env(PYTHONPATH=os.pathsep.join([str(REPO), *map(str, paths)]))
+
+
 class Fleet:
-    def __init__(self, root: Path, port: int, devices: int, extra: list[str] | None = None) -> None:
+    def __init__(
+        self, root: Path, port: int, devices: int, extra: list[str] | None = None, paths: tuple[Path, ...] = ()
+    ) -> None:
         self.extra = extra or []
+        self.paths = paths  # packages installed on the server (the runs' servers inherit them)
         self.state, self.logs, self.port, self.devices = root / "fleet", root / "logs", port, devices
         self.logs.mkdir(parents=True, exist_ok=True)
         self.server: subprocess.Popen[bytes] | None = None
@@ -71,18 +80,19 @@ class Fleet:
         cmd = [sys.executable, "-m", "broker_server.cli", "fleet", "--state-dir", str(self.state)]
         cmd += ["--port", str(self.port), "--devices", str(self.devices), *self.extra]
         with (self.logs / "fleet.log").open("ab") as out:
-            self.server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env())
+            self.server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env_with(self.paths))
         wait_for(lambda: self.credentials("device-1").exists(), 60, "the fleet's credentials", self.tail)
 
     def credentials(self, device: str) -> Path:
         return self.state / "security" / "devices" / f"{device}.json"
 
-    def join(self, device: str, i: int, clients: int) -> subprocess.Popen[bytes]:
+    def join(self, device: str, i: int, clients: int, paths: tuple[Path, ...] = ()) -> subprocess.Popen[bytes]:
+        """`protofl-edge join` as `device`, with the packages in `paths` installed on it."""
         cmd = join_command(
             self.url, i, clients, ["--credentials", str(self.credentials(device)), "--ship-logs", "info"]
         )
         with (self.logs / f"{device}.log").open("ab") as out:
-            self.agents[device] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env())
+            self.agents[device] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env_with(paths))
         return self.agents[device]
 
     def submit(self, name: str, *args: str) -> None:

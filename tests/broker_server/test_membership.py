@@ -74,13 +74,34 @@ def test_an_offline_device_leaves_the_round_which_closes_at_quorum_and_it_comes_
     assert set(agg.clients) == {"a", "b", "c"} and agg.dropped == {"invalid": 1}
 
 
-def test_a_device_back_within_the_grace_keeps_its_place() -> None:
-    # A flaky link: the connection drops (last will), the device reconnects at once and delivers.
+def waiting_for_c() -> tuple[InProcessBroker, Aggregator]:
+    """Round 1 of a, b and c, with a's and b's uploads in: it waits for c."""
     broker, agg = federation()
     for c in ("a", "b", "c"):
         send(broker, c, Join(arch="cnn", n_samples=3))
     upload(broker, "a", 1)
     upload(broker, "b", 1)
+    return broker, agg
+
+
+def test_a_revoked_device_leaves_at_once_and_what_it_sent_after_is_dropped_and_counted() -> None:
+    from broker_server.enrol import revoked_presence
+
+    broker, agg = waiting_for_c()
+    agg.on_presence(topics.presence(FED, "c"), revoked_presence(FED, "c"))  # as a fleet's run server says it
+    # No grace: the round closes at quorum without it at once.
+    assert agg.round == 2 and agg.records[0].closed_by == "quorum" and agg.records[0].clients == ["a", "b"]
+    assert "c" not in agg.clients and agg.machine.phase is not None and agg.machine.phase.expected == {"a", "b"}
+    upload(broker, "c", 2)  # an upload the broker had queued when it cut the device off
+    assert agg.dropped == {"unknown_client": 1}
+    upload(broker, "a", 2)
+    upload(broker, "b", 2)
+    assert agg.records[1].clients == ["a", "b"]
+
+
+def test_a_device_back_within_the_grace_keeps_its_place() -> None:
+    # A flaky link: the connection drops (last will), the device reconnects at once and delivers.
+    broker, agg = waiting_for_c()
     presence(broker, "c", "offline")
     presence(broker, "c", "online")
     agg.tick(now=10 * OFFLINE_GRACE_S)

@@ -288,3 +288,54 @@ def test_status_metrics_and_page_say_local_is_on_each_devices_own_classes(tmp_pa
     for key in ACCURACY_KEYS:
         assert f'["{key}", "{accuracy_label(key)}", ' in page, key
     assert accuracy_legend(ACCURACY_KEYS) in page
+
+
+def test_the_live_page_links_each_devices_log_and_serves_it_bounded_and_escaped(tmp_path: Path) -> None:
+    import http.client
+
+    from broker_server.device_logs import FILE_CAP, DeviceLogs
+    from broker_server.watch.ui import LOG_VIEW_BYTES
+    from protofl import topics
+    from protofl.wire import Status, encode_message
+
+    logs = tmp_path / "device-logs"
+    kept = DeviceLogs(logs, "lab")  # the server's own writer, fed what dev-a shipped
+    said = Status(state="error", detail='<script>alert("x")</script> & more')
+    kept.on_message(topics.device_log("lab", "dev-a"), encode_message(said, fed="lab", sender="dev-a"))
+    # dev-b's log as long as the server keeps one (a full file and its rotated one): the page shows its newest part.
+    lines = [f"2026-01-01 00:00:00 info line {i:06d} " + "y" * 60 + "\n" for i in range(2 * FILE_CAP // 80)]
+    (logs / "dev-b.log.1").write_text("".join(lines[: len(lines) // 2]))
+    (logs / "dev-b.log").write_text("".join(lines[len(lines) // 2 :]))
+    (tmp_path / "secret.log").write_text("not a device's\n")
+    board = SnapshotBoard()
+    board.publish(snapshot())
+    endpoint = serve_ui(board, "127.0.0.1", 0, "s3cret", logs)
+    token = base64.b64encode(b"protofl:s3cret").decode()
+
+    def get(path: str, auth: bool = True) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", endpoint.server.server_port, timeout=5)
+        try:  # the path sent as written (urllib would normalise '..')
+            conn.request("GET", path, headers={"Authorization": f"Basic {token}"} if auth else {})
+            reply = conn.getresponse()
+            return reply.status, reply.read().decode()
+        finally:
+            conn.close()
+
+    try:
+        code, page = get("/")
+        assert code == 200 and 'href="logs/${esc(encodeURIComponent(m.id))}"' in page
+        assert get("/logs/dev-a", auth=False)[0] == 401  # behind the page's password like the rest
+        code, body = get("/logs/dev-a")
+        assert code == 200 and "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; more" in body, body
+        assert "<script" not in body and 'href="../"' in body
+        code, body = get("/logs/dev-b")
+        text = body[body.index("<pre>") + 5 : body.index("</pre>")]
+        assert code == 200 and text.endswith(lines[-1]) and len(text) <= LOG_VIEW_BYTES, len(text)
+        assert text.startswith("2026-01-01") and len(text) > LOG_VIEW_BYTES - 100  # whole lines, the newest
+        code, body = get("/logs/dev-c")
+        assert code == 200 and "no log lines from dev-c yet" in body
+        for bad in ("/logs/../secret", "/logs/..%2Fsecret", "/logs/%2e%2e", "/logs/", "/logs/a/b", "/logs/x<y"):
+            code, body = get(bad)
+            assert code == 404 and "not a device's" not in body, (bad, code, body)
+    finally:
+        endpoint.close()

@@ -120,3 +120,46 @@ def test_a_device_at_1970_is_told_why_and_one_a_year_ahead_joins(fleet: Fleet) -
         ahead.terminate()
         out = ahead.communicate(timeout=30)[0].decode()
     assert "run 'clock' finished" in out and f"{date.today().year + 1}-" in out, out[-3000:]
+
+
+def test_doctor_holds_the_clock_to_the_servers_status_and_the_runs_model_to_free_memory(fleet: Fleet) -> None:
+    """While a run is served (waiting for devices), doctor reads its retained status and config: the server's time
+    (a device 3 minutes behind, still within the certificates' validity, is told so) and the run's model."""
+    from tests.broker_server.fleet_helpers import server_cli, wait_for
+
+    fleet.submit(
+        "doctor", "--preset", "tinyproto", "--rounds", "1", "--min-clients", "2", "--set", 'archs=["mobilenetv2"]'
+    )
+    log = fleet.run_dir("doctor") / "server.log"
+    try:
+        wait_for(lambda: log.exists() and "waiting for 2 client(s)" in log.read_text(), 120, "the run", fleet.tail)
+        cred = str(fleet.credentials("device-1"))
+        ok = lines(edge("doctor", "--credentials", cred, "--broker", fleet.url))
+        assert ok["server-time"].startswith("OK not behind the server's"), ok
+        assert "mobilenetv2 peaked at 808 MB" in ok["model"] and "MB available here" in ok["model"], ok
+        behind = lines(edge("doctor", "--credentials", cred, "--broker", fleet.url, clock="-3m"))
+        assert behind["clock"].startswith("OK"), behind  # the certificates cannot tell: 5 minutes of slack
+        assert behind["server-time"].startswith("FAIL this device's clock"), behind
+        assert "min behind the server's" in behind["server-time"] and "timedatectl" in behind["server-time"], behind
+    finally:
+        server_cli("run", "stop", "doctor", "--fleet", str(fleet.state))
+        fleet.wait_state("doctor", "stopped", 60)
+
+
+def test_doctor_says_what_to_do_about_a_model_too_big_and_an_older_server() -> None:
+    from edge_agent.doctor import model_findings, server_clock_findings
+    from protofl.wire import Config, Status, encode_message
+
+    config = encode_message(Config(preset="tinyproto", params={"archs": ["mlp", "mobilenetv2"]}), fed="f", sender="s")
+    (short,) = model_findings(config, 500)
+    assert short.status == "fail" and "mobilenetv2 peaked at 808 MB" in short.detail and "500 MB" in short.detail
+    assert "smaller --arch" in short.fix
+    (unknown,) = model_findings(
+        encode_message(Config("tinyproto", {"archs": ["my.nets:make"]}), fed="f", sender="s"), 9
+    )
+    assert unknown.status == "warn" and "bench_footprint" in unknown.fix
+    from datetime import datetime, timezone
+
+    old = encode_message(Status(state="waiting", detail="0/2 clients"), fed="f", sender="s")
+    (said,) = server_clock_findings(old, datetime.now(timezone.utc))
+    assert said.status == "warn" and "older server" in said.detail
