@@ -179,13 +179,14 @@ def links_md(
     return "\n".join(lines) + "\n"
 
 
-# What each mode adds to the run's config (protofl/participation.py). select: a deadline the rpi4 and Jetson
-# classes meet and the rpi3 on NB-IoT does not (its round is ~11 s for tinyproto, ~59 s for protofl: the table
-# above), with the reference machine's compute of a round (~1 s: rpi4's measured ~4.2 s x its factor 0.25).
-# async: a new version every half of the fleet's uploads, twice the versions of sync's rounds (the same uploads).
+# What each mode adds to the run's config (protofl/participation.py), each a rule, not a figure fitted to this fleet:
+# select: select_fit's straggler rule at its default (a device estimated slower than 2 x the median member is left
+# out, broker_server/selection.py), with the reference machine's compute of a round (~1 s: rpi4's measured ~4.2 s
+# x its factor 0.25) and sync's deadline. async: a new version every half of the fleet's uploads (K = members / 2),
+# twice the versions of sync's rounds (the same uploads).
 MODES: dict[str, dict[str, Any]] = {
     "sync": {},
-    "select": {"select_fit": True, "select_compute_s": 1.0, "round_timeout": 8.0},
+    "select": {"select_fit": True, "select_compute_s": 1.0},
     "async": {"buffer_k": 5, "staleness_bound": 4},
     # a sensitivity row: a smaller buffer (a version from the two Jetsons' and one more upload)
     "async3": {"buffer_k": 3, "staleness_bound": 4},
@@ -217,8 +218,10 @@ def participation_md(
         f"while it ran; {wall / 60:.0f} min of wall time). Fleet `{args.fleet}`, Fashion-MNIST (alpha "
         f"{args.alpha}, train limit {args.train_limit}), arch {args.arch}, seeds {', '.join(map(str, seeds))}; "
         f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
-        f"{100 * args.target:.0f} %. Simulated seconds. Modes: sync = today (deadline {args.deadline:g} s); select = "
-        f"{MODES['select']} (the rpi3+nb-iot devices are left out of every round, told when to come back); async = "
+        f"{100 * args.target:.0f} %. Simulated seconds on the composed clock (broker_server/simulation/timeline.py: "
+        "link times measured, compute emulated, for every round however it closed). Modes: sync = today (deadline "
+        f"{args.deadline:g} s); select = {MODES['select']} (the straggler rule leaves the rpi3+nb-iot devices out of "
+        "every round, told when to come back); async = "
         f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds; async3: buffer_k "
         f"3, a sensitivity row where it ran). Bytes = up + down "
         "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "

@@ -7,8 +7,11 @@ A run's config says which devices it uses and how many each round (protofl/parti
 2. with `select_fit`, leaves out each member that cannot finish the round by its deadline: its estimated time
    `rtt + round message bytes / downlink + its last upload's bytes / uplink + select_compute_s / compute_factor`
    from the link and device profiles its join names (profiles/), against `round_timeout` (in the profiles'
-   time: a simulation's links run `time_scale` times faster than the deadline it is given). A member whose
-   profile names no link the server knows is kept (nothing to estimate from);
+   time: a simulation's links run `time_scale` times faster than the deadline it is given), and each member
+   estimated slower than `select_fit_ratio` (default 2; 0: off) times the median estimate of the pool (a
+   straggler: a round lasts as long as its slowest member, so cutting the tail bounds a round at that multiple of
+   a typical member's, whatever deadline the run was given). A member whose profile names no link the server
+   knows is kept (nothing to estimate from);
 3. where fewer than `select_min` are left, takes back the fastest of those left out by (2) until there are;
 4. with `select_target` T > 0, draws ceil(T * select_over) of them (over-selection), at random but determined by
    the run's seed and the round (a replayed journal draws the same: crash-exactness); the round's phases then
@@ -96,19 +99,22 @@ class Selection:
             deadline = cfg.round_timeout * self.time_scale
             known = sorted(v for v in up_bytes.values() if v > 0)
             typical = known[len(known) // 2] if known else 0  # a member that uploaded nothing yet: the median's
-            slow: list[tuple[float, str]] = []
-            for c in pool:
-                est = self.estimate(members[c], down_bytes, up_bytes.get(c) or typical)
-                if est is not None and est > deadline:
-                    slow.append((est, c))
-            slow.sort()
+            ests = {c: self.estimate(members[c], down_bytes, up_bytes.get(c) or typical) for c in pool}
+            times = sorted(e for e in ests.values() if e is not None)
+            median = times[len(times) // 2] if times else 0.0  # the upper median: an even pool's faster half waits
+            bar = min(deadline, cfg.select_fit_ratio * median) if cfg.select_fit_ratio > 0 and median > 0 else deadline
+            slow = sorted((e, c) for c, e in ests.items() if e is not None and e > bar)
             back = max(0, cfg.select_min - (len(pool) - len(slow)))  # the fastest of the slow, up to select_min
             for est, c in slow[back:]:
                 join = members[c]
+                what = (
+                    f"~{est:.0f} s on {join.profile or 'its link'} for {human_bytes(down_bytes)} down and "
+                    f"{human_bytes(up_bytes.get(c) or typical)} up"
+                )
                 left_out[c] = (
-                    f"cannot finish by the deadline: ~{est:.0f} s on {join.profile or 'its link'} for "
-                    f"{human_bytes(down_bytes)} down and {human_bytes(up_bytes.get(c) or typical)} up, "
-                    f"deadline {deadline:.0f} s"
+                    f"cannot finish by the deadline: {what}, deadline {deadline:.0f} s"
+                    if est > deadline
+                    else f"a straggler: {what}, over {cfg.select_fit_ratio:g} x the median member's ~{median:.1f} s"
                 )
             out = {c for _, c in slow[back:]}
             pool = [c for c in pool if c not in out]

@@ -157,6 +157,7 @@ class FederationConfig:
     select_min: int
     select_fit: bool
     select_compute_s: float
+    select_fit_ratio: float
     buffer_k: int
     staleness_bound: int
     dp_epsilon: float | None

@@ -3,7 +3,8 @@
 Selection (`--set select=tag:field-a`, all fields `select*`): which devices a run uses, by their traits
 (protofl/traits.py) and profile; how many each round (`select_target`, invited `ceil(target * select_over)`, at
 least `select_min`); and, with `select_fit = true`, who is left out of a round it cannot finish by the deadline
-(broker_server/selection.py estimates that from the device's declared link and compute profile).
+or would make it wait: estimated slower than `select_fit_ratio` times the median matching member (a straggler;
+broker_server/selection.py estimates that from the device's declared link and compute profile).
 
     select = "tag:field-a"            one term: KEY:VALUE (or KEY=VALUE), KEY one of tag, profile, link, power
     select = "tag:field-a,link:lte"   terms of different keys must all match; of the same key, any one
@@ -37,6 +38,7 @@ FIELDS: dict[str, object] = dict(
     select_min=0,
     select_fit=False,
     select_compute_s=0.0,
+    select_fit_ratio=2.0,
     buffer_k=0,
     staleness_bound=4,
 )
@@ -108,6 +110,11 @@ def check(values: dict[str, object]) -> list[str]:
     comp = values["select_compute_s"]
     if isinstance(comp, bool) or not isinstance(comp, (int, float)) or not 0.0 <= comp < math.inf:
         out.append(f"select_compute_s must be a number >= 0 (seconds on the reference machine), got {comp!r}")
+    ratio = values["select_fit_ratio"]
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (ratio == 0 or 1.0 <= ratio <= 100.0):
+        out.append(
+            f"select_fit_ratio must be 0 (off) or a number in [1, 100] (x the median member's time), got {ratio!r}"
+        )
     if not isinstance(values["select_fit"], bool):
         out.append(f"select_fit must be true or false, got {values['select_fit']!r}")
     target, least = values["select_target"], values["select_min"]

@@ -242,6 +242,7 @@ class AgentThreads:
                 extractor=spec.extractor,
                 emulation=emulation(spec, device),
                 artifacts=spec.out_dir,
+                memory_limit=False,  # one process for every device (and the simulator): no device's memory alone
             )
 
         self.runners = [

@@ -9,10 +9,23 @@ For device d in round r (times from the round's opening at the server):
 
 `done_s` composes measured link times with the emulated compute, so it stays honest where this
 machine could not keep up with the time scale (`overrun_s` > 0: the upload left later in real time
-than the emulation asked). A round's simulated length `round_s` is the latest `done_s` among the
-devices that made it when it closed at quorum, and the deadline when it closed at the deadline.
-`wall_round_s` (real open-to-close x time_scale) is reported beside it. Time between rounds (the
-simulator's own evaluation) is not counted. numpy only.
+than the emulation asked). On that composed clock each upload arrives at
+
+    arrive = max(round opened + downlink_s, the device's previous release) + compute_s + upload_s
+
+(a device trains one version at a time: an asynchronous device still busy with an older version starts the
+next one when it released that one's upload). A round's simulated length `round_s` is, from its opening:
+
+- closed once its uploads were in (quorum, FedBuff's buffer of K, a selection's target): the latest composed
+  arrival among the uploads it folded, stale ones (trained from an older version) included;
+- closed at its deadline: the deadline, unless every device expected in it (the chosen, with a selection;
+  else every client) arrived within it on the composed clock - then it closed at the deadline only because
+  this machine released an upload late, and its length is the latest of those arrivals;
+- where no upload it folded has a composed time: its real length x time_scale.
+
+Which uploads a version folded was decided in real time, so where this machine released uploads out of their
+composed order the composed clock keeps the real choice. `wall_round_s` (real open-to-close x time_scale) is
+reported beside it. Time between rounds (the simulator's own evaluation) is not counted. numpy only.
 """
 
 from __future__ import annotations
@@ -82,12 +95,30 @@ def device_rows(
     return rows
 
 
-def round_summary(rec: RoundRecord, rows: Sequence[dict[str, Any]], scale: float, deadline_s: float) -> dict[str, Any]:
-    done = [r["done_s"] for r in rows if r["made_it"] and r["done_s"] is not None]
-    if rec.closed_by == "quorum" and done:
-        round_s = max(done)
+def round_summary(
+    rec: RoundRecord,
+    rows: Sequence[dict[str, Any]],
+    scale: float,
+    deadline_s: float,
+    opened: float = 0.0,
+    arrive: Mapping[tuple[str, int], float] | None = None,
+) -> dict[str, Any]:
+    """The round's length on the composed clock (the module's docstring): `opened` its simulated opening,
+    `arrive` the composed arrival of each (device, version trained from) so far."""
+    arrive = arrive or {}
+    folded = []
+    for key in rec.clients:
+        cid, _, trained = key.partition("@")  # a stale upload: "device@the version it trained from"
+        folded.append(arrive.get((cid, int(trained) if trained else rec.round)))
+    expected = rec.selected or [r["client"] for r in rows]
+    fresh = [arrive.get((c, rec.round)) for c in expected]
+    if rec.closed_by == "deadline":
+        in_time = fresh and all(a is not None and a - opened <= deadline_s for a in fresh)
+        round_s = max(a for a in fresh if a is not None) - opened if in_time else deadline_s
+    elif any(a is not None for a in folded):  # an upload without timings (its metrics lost) does not count
+        round_s = max(0.0, max(a for a in folded if a is not None) - opened)
     else:
-        round_s = deadline_s if rec.closed_by == "deadline" else (rec.ended - rec.started) * scale
+        round_s = (rec.ended - rec.started) * scale
     return {
         "round": rec.round,
         "round_s": round_s,
@@ -108,9 +139,16 @@ def timeline(
 ) -> dict[str, Any]:
     """The report's `links` section: per-round lengths with the running simulated time, per-device rows."""
     rounds, devices_out, t = [], [], 0.0
+    released: dict[str, float] = {}  # each device's last release on the composed clock (busy until then)
+    arrive: dict[tuple[str, int], float] = {}
     for rec in records:
         rows = device_rows(rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s)
-        summary = round_summary(rec, rows, scale, deadline_s)
+        for row in rows:
+            if row["done_s"] is not None:
+                cid = row["client"]
+                released[cid] = max(t + row["downlink_s"], released.get(cid, 0.0)) + row["compute_s"]
+                arrive[(cid, rec.round)] = released[cid] + row["upload_s"]
+        summary = round_summary(rec, rows, scale, deadline_s, t, arrive)
         t += summary["round_s"]
         summary["sim_time_s"] = t
         rounds.append(summary)

@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,13 +141,34 @@ def test_a_server_killed_with_sigkill_mid_buffer_ends_like_an_uninterrupted_run(
     """`protofl-server start` (its own Mosquitto, tinyproto, buffer_k=2) killed by SIGKILL right after it journaled
     the stale upload of a half-full buffer (PROTOFL_CRASH_AFTER_APPEND), then started again on the same state dir:
     the devices send their messages again (each upload once its version is out, as a device does), and the run
-    ends with the server model of a run never interrupted."""
-    ref = _run_server(tmp_path / "ref", None)
+    ends with the server model of the same messages folded by an aggregator never interrupted (in this process:
+    one server start fewer)."""
+    from broker_server.service import save_server_model
+
+    ref = Aggregator(_tiny_cfg(), FED, InProcessBroker().connect("server"), policy=ClipPolicy(enabled=False))
+    ref.start()
+    for _, topic, payload in _tiny_script():
+        ref.on_message(topic, payload)
+    assert ref.finished and [r.closed_by for r in ref.records] == ["buffer"] * 3
     # appends: 3 joins, a@1, b@1 (version 2), c@1 (stale): the 6th is the stale one, in a half-full buffer
-    assert np.array_equal(_run_server(tmp_path / "killed", 6), ref)
+    killed = _run_server(tmp_path / "killed", 6)
+    assert np.array_equal(killed, _model_vector(save_server_model(ref.model, tmp_path / "ref.npz")))
 
 
-def _run_server(state: Path, crash_at: int | None) -> np.ndarray:
+def _tiny_cfg() -> Any:
+    return make_config(
+        "tinyproto", rounds=3, min_clients=3, buffer_k=2, staleness_bound=1, num_classes=3, proto_dim=20,
+        adapter_rank=2, seed=3,
+    )  # fmt: skip
+
+
+def _model_vector(path: Path) -> np.ndarray:
+    with np.load(path) as z:
+        return np.concatenate([z[k].ravel() for k in sorted(z.files) if z[k].dtype.kind == "f"])
+
+
+def _run_server(state: Path, crash_at: int) -> np.ndarray:
+    """The server killed after its `crash_at`-th journal append, then started again until the run ends."""
     from broker_server.broker import free_port
     from protofl.transport.mqtt import MqttTransport
 
@@ -153,51 +176,89 @@ def _run_server(state: Path, crash_at: int | None) -> np.ndarray:
     args = ["start", "--local-broker", "mosquitto", "--insecure", "--port", str(port), "--fed", FED]
     args += ["--preset", "tinyproto", "--rounds", "3", "--min-clients", "3", "--set", "buffer_k=2"]
     args += ["--set", "staleness_bound=1", "--set", "num_classes=3", "--set", "proto_dim=20", "--set", "adapter_rank=2"]
-    args += ["--seed", "3", "--state-dir", str(state), "--clip", "off"]
+    args += ["--seed", "3", "--state-dir", str(state), "--clip", "off", "--verbose"]  # its log says what it got
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     log = state.parent / f"{state.name}.log"
-    for crash in (crash_at, None) if crash_at else (None,):
+    for start, crash in enumerate((crash_at, None), 1):
         with log.open("a") as out:  # a file, not a pipe nobody reads while the devices run
             server = subprocess.Popen(
                 [sys.executable, "-m", "broker_server.cli", *args], stdout=out, stderr=subprocess.STDOUT,
                 env=dict(env, PROTOFL_CRASH_AFTER_APPEND=str(crash)) if crash else env,
             )  # fmt: skip
         try:
-            _devices(MqttTransport, port, server)
+            # Killed after its crash-th append: only that many of the script's messages go before it (6: 3 joins,
+            # a@1, b@1, the stale c@1); what a device sent beyond them would wait in the broker for the server, and a
+            # broker restart keeps no order across topics (a@2 redelivered before c@1 would make another version 2).
+            _devices(MqttTransport, port, server, log, start, upto=crash)
             try:
-                server.wait(timeout=180)
+                server.wait(timeout=WAIT_S)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"the server did not finish within 180 s; its log:\n{log.read_text()[-4000:]}")
+                pytest.fail(f"the server did not finish within {WAIT_S} s; its log:\n{log.read_text()[-4000:]}")
         finally:
             if server.poll() is None:
                 server.kill()
         assert server.returncode == (-signal.SIGKILL if crash else 0), log.read_text()[-3000:]
-    with np.load(state / "server_model.npz") as z:
-        return np.concatenate([z[k].ravel() for k in sorted(z.files) if z[k].dtype.kind == "f"])
+        if crash:  # its Mosquitto stops once it sees its parent gone: a device must not reach the dying one
+            _wait_gone(state / "broker" / "mosquitto.pid", log)
+    return _model_vector(state / "server_model.npz")
 
 
-def _devices(transport: Any, port: int, server: subprocess.Popen[bytes]) -> None:
-    """Three devices' messages from one connection: each upload once the server published its version."""
-    end = time.monotonic() + 90
-    while True:
-        try:
-            dev = transport(f"mqtt://127.0.0.1:{port}", "test-devices").connect(5)
-            break
-        except Exception:
-            if time.monotonic() > end or server.poll() is not None:
-                raise
-            time.sleep(0.2)
+WAIT_S = 120  # for each event the test waits on; a quiet machine takes a few seconds for all of them
+
+
+def _wait_gone(pid_file: Path, log: Path) -> None:
+    """Until the process in `pid_file` has exited (or was reaped)."""
+    from broker_server.broker import _is_zombie
+
+    pid = int(pid_file.read_text().strip()) if pid_file.exists() else 0
+    end = time.monotonic() + WAIT_S
+    while pid and Path(f"/proc/{pid}").exists() and not _is_zombie(pid):
+        if time.monotonic() > end:
+            pytest.fail(f"the killed server's Mosquitto (pid {pid}) still runs after {WAIT_S} s:\n{log.read_text()}")
+        time.sleep(0.05)
+
+
+def _devices(
+    transport: Any, port: int, server: subprocess.Popen[bytes], log: Path, start: int, upto: int | None = None
+) -> None:
+    """Three devices' messages from one connection, as devices send them: nothing before the server is subscribed
+    (its `start`-th "waiting for" line in `log`, logged once its subscriptions are in place: a message published
+    before would reach nobody, and a restarted broker's retained config and status are the killed server's), each
+    upload once its version is out. Only the first `upto` messages when given. Returns early only when the server
+    exited (killed on purpose)."""
+    seen = threading.Condition()
     versions = [0]
-    dev.subscribe(topics.round_(FED), lambda t, p: versions.append(decode_message(p)[0].round))
+
+    def on_round(topic: str, payload: bytes) -> None:
+        with seen:
+            versions.append(decode_message(payload)[0].round if payload else 0)
+            seen.notify_all()
+
+    def wait_for(what: str, ready: Callable[[], bool]) -> bool:
+        """Whether `ready` came true (False: the server exited first); fails after WAIT_S."""
+        end = time.monotonic() + WAIT_S
+        with seen:
+            while not ready():
+                if server.poll() is not None:
+                    return False
+                if time.monotonic() > end:
+                    pytest.fail(f"no {what} within {WAIT_S} s; the server's log:\n{log.read_text()[-4000:]}")
+                seen.wait(0.1)  # woken by a message; the timeout to see the server's log line or its exit
+        return True
+
+    if not wait_for("subscribed server", lambda: log.read_text().count("; waiting for ") >= start):
+        return
+    dev = transport(f"mqtt://127.0.0.1:{port}", "test-devices").connect(WAIT_S)
+    dev.subscribe(topics.round_(FED), on_round)
     try:
-        for version, topic, payload in _tiny_script():
-            while max(versions) < version:
-                if server.poll() is not None or time.monotonic() > end:
-                    return
-                time.sleep(0.02)
-            if server.poll() is not None:
+        for version, topic, payload in _tiny_script()[:upto]:
+            if not wait_for(f"version {version}", lambda: max(versions) >= version):  # noqa: B023 - called here
                 return
             dev.publish(topic, payload, qos=1)
+        # Every message acknowledged by the broker before the connection closes (close() waits 5 s at most: under
+        # load the last ones, the run's last upload and the metrics, were lost that way).
+        if not dev.flush(WAIT_S) and server.poll() is None:
+            pytest.fail(f"the broker did not acknowledge the messages within {WAIT_S} s:\n{log.read_text()[-4000:]}")
     finally:
         dev.close()
 

@@ -106,6 +106,21 @@ def test_the_draw_is_a_function_of_seed_and_round_with_over_selection_and_a_mini
         make_config("tinyproto", select_target=2, select_min=3)
 
 
+def test_select_fit_leaves_out_the_stragglers_whatever_the_deadline() -> None:
+    """select_fit_ratio: a member estimated slower than 2 x the pool's median is left out even where the deadline
+    is far (here the default): the bench fleet's rpi3s on NB-IoT (~8 s of compute + ~0.3 s of link) against the
+    median rpi4 on LTE (~4 s); 0 switches the rule off."""
+    members = _members()
+    cfg = make_config("tinyproto", select_fit=True, select_compute_s=1.0)
+    choice = Selection(cfg).choose(1, members, 2000, {c: 2000 for c in members})
+    assert sorted(choice.left_out) == [f"nb-{i}" for i in range(4)]
+    assert all(why.startswith("a straggler") and "2 x the median" in why for why in choice.left_out.values())
+    off = make_config("tinyproto", select_fit=True, select_compute_s=1.0, select_fit_ratio=0)
+    assert Selection(off).choose(1, members, 2000, {c: 2000 for c in members}).left_out == {}
+    with pytest.raises(ConfigError, match="select_fit_ratio"):
+        make_config("tinyproto", select_fit_ratio=0.5)
+
+
 def test_a_presence_with_new_traits_is_kept_with_the_join() -> None:
     """A device's presence says what it is now (its power state changes): the machine keeps it with its join,
     journaled like any state change; the same traits again change nothing."""

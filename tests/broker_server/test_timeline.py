@@ -62,6 +62,44 @@ def test_composed_times_and_round_lengths() -> None:
     assert not d3["made_it"] and d3["done_s"] is None and not d3["in_time"]
 
 
+def test_versions_and_deadlines_on_the_composed_clock() -> None:
+    """Asynchronous versions (closed by the buffer) and a round closed at its deadline are timed on the composed
+    clock, not by this machine's real time: a stale upload arrives from the opening of the version it trained
+    from, a device busy with an older version starts the next one when it released that one, and a deadline
+    that only this machine's late release hit does not count. Composed times in the comments."""
+    c0, c1 = CLIENTS
+    recs = [
+        # v1 opens at 0: c0 1 + 2 + 0 -> 3 closes it (K = 1); c1 trains it too: 1 + 8 -> released 9, in at 10
+        RoundRecord(round=1, clients=[c0], started=0.0, ended=50.0, closed_by="buffer"),
+        # v2 opens at 3: c0 3 + 1 + 2 -> 6; the stale c1@1 (10) closes it: 7 s. c1, busy until 9, trains v2
+        # from 9: released 11, in at 12
+        RoundRecord(round=2, clients=[c0, f"{c1}@1"], started=50.0, ended=90.0, closed_by="buffer"),
+        # v3 opens at 10: c1@2 at 12 closes it: 2 s (without the busy rule it would be in before v3 opened)
+        RoundRecord(round=3, clients=[f"{c1}@2"], started=100.0, ended=120.0, closed_by="buffer"),
+        # r4 opens at 12, both chosen: c0 12 + 1 + 2 -> 15; c1 15 + 6 up -> 21, late only in real time (its
+        # release at 189): the round closed at the 60 s deadline in real time, on the composed clock after 9 s
+        RoundRecord(round=4, clients=[c0], started=130.0, ended=190.0, closed_by="deadline", selected=[c0, c1]),
+    ]
+    arrivals = [
+        Arrival(c0, 1, "train", "protos", 100, 3.0, "f4"),
+        Arrival(c1, 1, "train", "protos", 100, 60.0, "f4"),
+        Arrival(c0, 2, "train", "protos", 100, 53.0, "f4"),
+        Arrival(c1, 2, "train", "protos", 100, 81.0, "f4"),
+        Arrival(c0, 4, "train", "protos", 100, 133.0, "f4"),
+        Arrival(c1, 4, "train", "protos", 100, 195.0, "f4"),
+    ]
+    ms = {
+        1: {c0: metrics(1.0, 2.0, 3.0), c1: metrics(1.0, 8.0, 59.0)},
+        2: {c0: metrics(51.0, 2.0, 53.0), c1: metrics(51.0, 2.0, 80.0)},
+        4: {c0: metrics(131.0, 2.0, 133.0), c1: metrics(131.0, 2.0, 189.0)},
+    }
+    out = timeline(recs, CLIENTS, DEVICES, arrivals, ms, 1.0, deadline_s=60.0)
+    assert [r["round_s"] for r in out["rounds"]] == pytest.approx([3.0, 7.0, 2.0, 9.0])
+    assert [r["wall_round_s"] for r in out["rounds"]] == pytest.approx([50.0, 40.0, 20.0, 60.0])
+    ms[4].pop(c1)  # c1's round 4 never timed: the deadline is what it was
+    assert timeline(recs, CLIENTS, DEVICES, arrivals, ms, 1.0, deadline_s=60.0)["rounds"][3]["round_s"] == 60.0
+
+
 def test_keepalive_outlasts_the_largest_transfer() -> None:
     from broker_server.simulation.links import Links
     from protofl.transport.broker_url import parse_broker_url
