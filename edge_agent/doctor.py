@@ -4,9 +4,9 @@ Checks, in the order a join needs them: the credentials file; the clock (against
 certificate in that file and of the broker's certificate: a Raspberry Pi without RTC boots at its last shutdown's
 time, or 1970, until NTP sets it, and TLS then refuses every certificate); the broker's host name (DNS); its port;
 TLS with the CA; the broker's login with the credentials; then, from what the broker retains, the clock against the
-server's time in its status and the run's model against this device's free memory (bench/results/FOOTPRINT.md's
-measured peaks); the data path and, with a class list, its class names; torch and onnxruntime and their versions;
-free memory and disk. No torch import unless torch is the check.
+server's time in its status and the run's model against this device's free memory (the measured peaks of
+edge_agent/footprint.json); the data path and, with a class list, its class names; torch and onnxruntime and their
+versions; free memory and disk. No torch import unless torch is the check.
 """
 
 from __future__ import annotations
@@ -238,15 +238,17 @@ def server_clock_findings(status: bytes | None, now: datetime) -> list[Finding]:
 
 def model_findings(config: bytes | None, available_mb: int | None) -> list[Finding]:
     """The run's model (the retained config's archs) against this device's available memory, by the peaks
-    bench/bench_footprint.py measured (edge_agent/memory.py: MEASURED_PEAK_MB)."""
-    from edge_agent.memory import MEASURED_PEAK_MB
+    bench/bench_footprint.py measured (edge_agent/footprint.json), under the run's preset where it was measured."""
+    from edge_agent.footprint import peak_mb
     from protofl.wire import Config
 
     msg = _retained_message(config, "model", "run's config", "no run is served now")
     if isinstance(msg, Finding):
         return [msg]
     archs = [str(a) for a in msg.params.get("archs", ())] if isinstance(msg, Config) else []
-    measured = {a: MEASURED_PEAK_MB[a] for a in archs if a in MEASURED_PEAK_MB}
+    preset = msg.preset if isinstance(msg, Config) else None
+    peaks = {a: peak_mb(a, preset) for a in archs}
+    measured = {a: round(p) for a, p in peaks.items() if p is not None}
     if not measured:
         return [
             Finding(
@@ -257,7 +259,7 @@ def model_findings(config: bytes | None, available_mb: int | None) -> list[Findi
             )
         ]
     arch, peak = max(measured.items(), key=lambda kv: kv[1])
-    what = f"the run's model {arch} peaked at {peak} MB in a measured join (bench/results/FOOTPRINT.md)"
+    what = f"the run's model {arch} peaked at {peak} MB in a measured join (edge_agent/footprint.json)"
     if available_mb is None:
         return [Finding("warn", "model", f"{what}; this device's free memory is unknown", "")]
     if available_mb < peak:
@@ -267,7 +269,7 @@ def model_findings(config: bytes | None, available_mb: int | None) -> list[Findi
                 "model",
                 f"{what}; {available_mb} MB available here",
                 "stop other programs, join with a smaller --arch (mlp peaked at "
-                f"{MEASURED_PEAK_MB['mlp']} MB), or ask for a run with a smaller model",
+                f"{round(peak_mb('mlp', preset) or 0)} MB), or ask for a run with a smaller model",
             )
         ]
     return [Finding("ok", "model", f"{what}; {available_mb} MB available here")]

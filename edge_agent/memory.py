@@ -113,12 +113,6 @@ def last_phase() -> str:
         return _marks[-1].phase if _marks else "start"
 
 
-# A real `join`'s peak resident memory (MB) by architecture, as bench/bench_footprint.py measured it (the protofl
-# preset, 2400 Fashion-MNIST images, one thread, torch 2.13 on x86-64: bench/results/FOOTPRINT.md). What
-# `protofl-edge doctor` holds a run's model against; another model, data size or machine needs its own measurement.
-MEASURED_PEAK_MB = {"cnn": 341, "mlp": 309, "resnet8": 325, "mobilenetv2": 808}
-
-
 class MemoryLimit:
     """A watchdog holding this process to `limit_mb` of resident memory (module docstring).
 

@@ -14,26 +14,22 @@ it was measured on. It holds for the shape it was measured at (Fashion-MNIST, 1x
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from edge_agent import params as model_params
 from edge_agent.agent import ClientData, EdgeAgent
+from edge_agent.footprint import FOOTPRINT, Footprint, load_footprint
 from edge_agent.models import build_model
 from edge_agent.techniques import model_options
 from protofl.algorithms.cps import make_masks, support_size
-from protofl.errors import ConfigError
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
 from protofl.wire import Config, PublicSet, message_size
 
 __all__ = ["FOOTPRINT", "MEASURED_SHAPE", "SENDER", "Footprint", "RoundBytes", "load_footprint", "round_bytes"]
 
-FOOTPRINT = Path(__file__).with_name("footprint.json")
 MEASURED_SHAPE = ((1, 28, 28), 10, 512)  # (in_shape, classes, m) of the footprint benchmark's runs
 SENDER = "device-0001"  # each upload's envelope names its sender: a longer id adds its extra bytes
 
@@ -77,35 +73,3 @@ def round_bytes(arch: str, preset: str, in_shape: tuple[int, int, int], classes:
         ups = agent.round_uploads(round_)
         sizes.append(sum(message_size(m, fed="sizes", sender=SENDER, round=round_, phase=p.value) for p, m in ups))
     return RoundBytes(sizes[0], sizes[1])
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """The measured peaks (MB) of `footprint.json`, with where and how they were measured."""
-
-    peak_mb: dict[str, dict[str, float]]
-    machine: str
-    date: str
-    command: str
-    threads: int
-
-    def peak(self, arch: str, preset: str) -> float | None:
-        return self.peak_mb.get(arch, {}).get(preset)
-
-
-def load_footprint(path: Path = FOOTPRINT) -> Footprint | None:
-    """The shipped measurements, or None where the file is absent (a checkout whose benchmark never ran)."""
-    if not path.is_file():
-        return None
-    try:
-        raw: dict[str, Any] = json.loads(path.read_text())
-        return Footprint(
-            {a: {p: float(v) for p, v in row.items()} for a, row in raw["peak_mb"].items()},
-            str(raw["machine"]),
-            str(raw["date"]),
-            str(raw["command"]),
-            int(raw["threads"]),
-        )
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        what = "bench/bench_footprint.py"
-        raise ConfigError(f"{path} is not a footprint file of {what} ({exc}): regenerate it") from None
