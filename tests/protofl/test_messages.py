@@ -25,6 +25,13 @@ from protofl.wire import (
     PublicSet,
     Resend,
     RoundStart,
+    SaKeys,
+    SaMasked,
+    SaRoster,
+    SaRouted,
+    SaShares,
+    SaSurvivors,
+    SaUnmask,
     Status,
     decode_message,
     encode_message,
@@ -82,6 +89,13 @@ def examples() -> list:
         Join("cnn", 10, profile="rpi4+lte", traits=Traits("lte", ("field-a",), "battery", 55)),
         Status("online", "rpi3", Traits(power="mains")),
         Pace(1767225600.0, "not selected"),
+        SaKeys(bytes(range(32)), bytes(range(32, 64))),
+        SaRoster({"rpi-07": (b"c" * 32, b"s" * 32), "rpi-08": (b"d" * 32, b"t" * 32)}, 2, 16, 100.0, True),
+        SaShares({"rpi-08": b"x" * 86}),
+        SaRouted({"rpi-07": b"y" * 86}),
+        SaMasked(np.arange(6, dtype=np.uint32) * 700_000_000),
+        SaSurvivors(["rpi-08", "rpi-07"]),
+        SaUnmask({"rpi-07": ("b", 1, b"y" * 33), "rpi-08": ("s", 2, b"z" * 33)}),
     ]
 
 
