@@ -2,10 +2,11 @@
 uploads under each preset, and the peak resident memory of a `join` training it, as measured.
 
 Upload bytes are computed by the device's own code: an `EdgeAgent` adopts the preset's config (the config
-message a server would send: its CPS masks, adapter layout and a public set where the plan uses one) and builds
-a round's uploads as a round builds them (`EdgeAgent.round_uploads`, no training: values differ from a trained
-model's, sizes do not), then the wire encoder sizes them (`message_size`, envelope included). Rounds 1 and 2
-are built: an upload that travels once (the ridge statistics of the `protofl` preset) makes round 1 larger.
+message a server would send: support masks of the plan's width, whose positions change no byte, its adapter layout
+and a public set where the plan uses one) and builds a round's uploads as a round builds them
+(`EdgeAgent.round_uploads`, no training: values differ from a trained model's, sizes do not), then the wire
+encoder sizes them (`message_size`, envelope included). Rounds 1 and 2 are built: an upload that
+travels once (the ridge statistics of the `protofl` preset) makes round 1 larger.
 
 Peak memory is not computed: it is read from `footprint.json`, written by `bench/bench_footprint.py
 --package-data` (a real server and one real `join` per architecture and preset), with the machine and date
@@ -23,7 +24,6 @@ from edge_agent.agent import ClientData, EdgeAgent
 from edge_agent.footprint import FOOTPRINT, Footprint, load_footprint
 from edge_agent.models import build_model
 from edge_agent.techniques import model_options
-from protofl.algorithms.cps import make_masks, support_size
 from protofl.plan import RoundPlan
 from protofl.presets import make_config
 from protofl.wire import Config, PublicSet, message_size
@@ -55,7 +55,7 @@ def round_bytes(arch: str, preset: str, in_shape: tuple[int, int, int], classes:
     if plan.federate == "adapter":
         model = build_model(arch, in_shape, classes, proto_dim, cfg.adapter_rank, seed=cfg.seed, **model_options(cfg))
         layout = model_params.adapter_layout(model)
-    masks = make_masks(classes, proto_dim, support_size(cfg), seed=cfg.seed) if plan.masked else None
+    masks = sizing_masks(classes, proto_dim, plan.proto_width) if plan.masked else None
     agent.on_config(
         Config(
             preset=preset,
@@ -73,3 +73,12 @@ def round_bytes(arch: str, preset: str, in_shape: tuple[int, int, int], classes:
         ups = agent.round_uploads(round_)
         sizes.append(sum(message_size(m, fed="sizes", sender=SENDER, round=round_, phase=p.value) for p, m in ups))
     return RoundBytes(sizes[0], sizes[1])
+
+
+def sizing_masks(classes: int, dim: int, width: int) -> np.ndarray:
+    """(classes, dim) support masks of `width` positions each, distinct per class: what a masked upload's size
+    depends on (the server's masks are drawn from the federation's seed; their positions change no byte)."""
+    masks = np.zeros((classes, dim), bool)
+    for c in range(classes):
+        masks[c, (c * width + np.arange(width)) % dim] = True
+    return masks

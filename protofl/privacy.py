@@ -4,7 +4,7 @@ and the accountant that says what a run spends (numpy; `dp-accounting` only wher
 The mechanism, per round and per device (local DP: the device adds all of the noise itself):
 
 - every prototype row the device sends (its own classes' and the public set's, in every phase of the round,
-  after the techniques' encodings: on the values that travel, e.g. a CPS mask's s values) is clipped to L2
+  after the techniques' encodings: on the values that travel, e.g. a support mask's values) is clipped to L2
   norm `dp_clip` (C);
 - a device sends at most R rows a round (`rows_per_round`), so two of its uploads, whatever its data, differ
   by at most 2 C sqrt(R) in L2 (the sensitivity `sensitivity`: replace-one at the level of the device, every
@@ -147,7 +147,7 @@ def check_secagg(cfg: FederationConfig, draft: PlanDraft) -> None:
             f"federation (tinyproto, fedproto); this one (techniques {list(cfg.techniques)}, federate="
             f"{cfg.federate!r}) uploads {sorted({k.value for ks in uploads.values() for k in ks})} in phases "
             f"{[p.value for p in uploads]}{', with public-set prototypes' if draft.public_phase else ''}: parameter "
-            "vectors, adapters and APUD's sparse updates are not masked yet (docs/privacy.md)"
+            "vectors, adapters and sparse top-K adapter updates are not masked yet (docs/privacy.md)"
         )
     if cfg.buffer_k:
         raise ConfigError(
