@@ -368,6 +368,7 @@ class _UploadClips:
         travels without counts, its rows (broker_server/buffered.py states the rule)."""
         view = self.view(up, sender)
         view.n_samples = up.n_samples * weight
+        view.weight = weight
         for s in (view.local, view.public):
             if s is None:
                 continue

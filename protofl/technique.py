@@ -279,9 +279,11 @@ class ClippedVector:
 class ClippedUpload:
     """An upload as the folds see it (the phase builds it after the plan's checks): its `kind`, `n_samples`,
     `base_round`, its `sender`, and its parts, every value clipped: `local` and `public` (ClippedSet, or None where the
-    upload has no such set) of a prototype upload, `update` (ClippedVector) of a parameter upload."""
+    upload has no such set) of a prototype upload, `update` (ClippedVector) of a parameter upload. `weight`: what it
+    counts beside a synchronous round's upload (an asynchronous round's older upload counts less: its `n_samples`
+    and counts are the sent ones times `weight`; broker_server/buffered.py)."""
 
-    __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round", "sender")
+    __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round", "sender", "weight")
 
     def __init__(
         self,
@@ -302,6 +304,7 @@ class ClippedUpload:
             base_round,
         )
         self.sender = sender  # the client that sent it ("" where a caller does not say: tests, tools)
+        self.weight = 1.0
 
 
 class Fold:

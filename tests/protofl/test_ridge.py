@@ -69,7 +69,9 @@ def test_the_fold_sums_counts_each_device_once_and_refuses_bad_statistics() -> N
     h1, y1, h2, y2 = rng.normal(size=(10, 4)), rng.integers(0, 3, 10), rng.normal(size=(7, 4)), rng.integers(0, 3, 7)
     run = PhaseRun(m, Phase.TRAIN)
     run.add(Upload.ADAPTER, _upload(h1, y1), "dev-1")
-    run.add(Upload.ADAPTER, _upload(h2, y2), "dev-2")
+    # dev-2's upload is an asynchronous round's older one, weighted 1/sqrt(1+1): its statistics of its data are
+    # checked against the count it sent (7), not the weighted one (4.95), and folded as sent
+    run.add(Upload.ADAPTER, _upload(h2, y2), "dev-2", weight=1 / np.sqrt(2))
     bad = ridge_statistics(h1, y1, 3)
     bad[0] = -1.0  # G's first diagonal entry: not a sum of squares
     with pytest.raises(WireError, match="negative diagonal"):
