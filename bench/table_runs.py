@@ -70,7 +70,7 @@ SIZING: dict[str, dict[str, Sizing]] = {
         "C": Sizing(rounds=15, train_limit=6000, test_limit=None, eval_every=1, test_every=15),
     },
     "quick": {k: Sizing(rounds=2, train_limit=2000, test_limit=500, eval_every=1, test_every=2) for k in FEDERATIONS},
-    # test only: 5 clients everywhere (C keeps one client per architecture), 1 round, tiny subsets
+    # test only: 3 clients everywhere (C uses its first three architectures), 1 round, tiny subsets
     "tiny": {
         k: Sizing(rounds=1, train_limit=400, test_limit=60, eval_every=1, test_every=1, clients=3) for k in FEDERATIONS
     },
