@@ -39,6 +39,7 @@ from protofl.wire import (
     decode_message,
     encode_message,
 )
+from tests.broker_server.durable_helpers import start_durable
 from tests.pipelines import ADAPTER_PIPELINE
 from tests.wire_helpers import decode_as, ridge_upload
 
@@ -351,15 +352,7 @@ def _aggregator(
         public=public,
         policy=policy,
     )
-    durable = None
-    if state is not None:
-        durable = DurableState(state, FED, rotate_bytes=rotate_bytes)
-        durable.bind(agg)
-        if durable.restore():
-            agg.start(resume=True)
-            return agg, durable
-    agg.start()
-    return agg, durable
+    return agg, start_durable(agg, state, FED, rotate_bytes=rotate_bytes)
 
 
 def feed_and_cut(live: Aggregator, msgs: list[tuple[str, bytes]], tmp_path: Path) -> list[Path]:

@@ -40,6 +40,7 @@ from protofl.wire import (
     decode_message,
     encode_message,
 )
+from tests.broker_server.durable_helpers import start_durable
 from tests.broker_server.test_restart_presence import Clock
 
 FED = "sa"
@@ -117,15 +118,7 @@ def _aggregator(
     cfg: FederationConfig, broker: InProcessBroker, clock: Clock, state: Path | None = None
 ) -> tuple[Aggregator, DurableState | None]:
     agg = Aggregator(cfg, FED, broker.connect("server"), expected_clients=CLIENTS, policy=OFF, clock=clock)
-    durable = None
-    if state is not None:
-        durable = DurableState(state, FED)
-        durable.bind(agg)
-        if durable.restore():
-            agg.start(resume=True)
-            return agg, durable
-    agg.start()
-    return agg, durable
+    return agg, start_durable(agg, state, FED)
 
 
 def _run(drop: dict[str, str], state: Path | None = None) -> tuple[Aggregator, Devices, Clock]:
