@@ -95,7 +95,10 @@ def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path,
 @pytest.mark.slow
 @pytest.mark.skipif(not FASHION.is_file(), reason="Fashion-MNIST (dataset-fashion-mnist) not installed")
 def test_quick_suite_end_to_end_structure(tmp_path):
-    # two at once: the runs are independent processes (and --jobs is what a user runs the suite with)
+    # One row of each setting (every preset kind of run: adapters, CPS, an architecture mix, the default's
+    # ablation), two at once: the runs are independent processes (and --jobs is what a user runs the suite with).
+    # The quick suite's other rows are the same command with other presets: a row per setting keeps this ~30 s.
+    rows = ("A/a0.5-refprotofl", "B/tinyproto", "C/fedpagr", "D/a-spherical")
     cmd = [
         sys.executable,
         "-m",
@@ -105,12 +108,15 @@ def test_quick_suite_end_to_end_structure(tmp_path):
         "--tiny",
         "--jobs",
         "2",
+        "--rows",
+        ",".join(rows),
         "--results",
         str(tmp_path),
     ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    runs = suite_runs("quick")
+    runs = [r for r in suite_runs("quick") if r.row.key in rows]
+    assert len(runs) == len(rows)
     # every run cached once, with its exact command; no temporary files left behind
     for r in runs:
         rep = json.loads((tmp_path / r.setting / f"{r.name}.json").read_text())

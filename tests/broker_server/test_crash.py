@@ -1,5 +1,5 @@
 """Crash safety end to end: real Mosquitto, a real `protofl-server start` process killed with SIGKILL,
-real `protofl-edge join` processes; the 10-kill test runs the default a user runs (the server's own
+real `protofl-edge join` processes; the 6-kill test runs the default a user runs (the server's own
 secured Mosquitto, generated credentials, the default offline grace).
 
 What is asserted, and why "to float tolerance" and not bytes: the killed-and-restarted federation ends
@@ -30,11 +30,11 @@ from broker_server.durable import journal_records
 from tests.broker_server.crash_helpers import Federation
 
 CLIENTS, ROUNDS = 4, 10
-# Where each of the 10 kills happens: SIGKILL at a random moment once the server made progress (mid-phase,
+# Where each of the 6 kills happens: SIGKILL at a random moment once the server made progress (mid-phase,
 # mid-replay, while devices resend), or the server kills itself at an injected point (broker_server/journal.py):
 # right after a journal append, right after a checkpoint, in the middle of an append (a torn record).
-MOMENTS = ["random", "after_append", "random", "after_checkpoint", "mid_append"] * 2
-LONG_DOWNTIMES = {3: 15.0, 7: 8.0}  # the server (and its broker) stay down this long; else 0-2 s
+MOMENTS = ["random", "after_append", "random", "after_checkpoint", "mid_append", "random"]
+LONG_DOWNTIMES = {3: 8.0}  # the server (and its broker) stay down this long; else 0-2 s
 CRASH_ENV = {
     "after_append": "PROTOFL_CRASH_AFTER_APPEND",
     "after_checkpoint": "PROTOFL_CRASH_AFTER_CHECKPOINT",
@@ -118,10 +118,10 @@ def _kill_at(moment: str, fed: Federation, rng: random.Random) -> None:
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_the_default_start_killed_10_times_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+def test_the_default_start_killed_6_times_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
     """The default a user runs: `protofl-server start` with its own secured Mosquitto (dying with the
     server: it publishes every device's will and saves it), generated credentials, live `join` processes
-    with their devices/<id>.json, the default offline grace. Killed 10 times with downtimes up to 15 s,
+    with their devices/<id>.json, the default offline grace. Killed 6 times with downtimes up to 8 s,
     it ends with the uninterrupted run's model, every round once with every device, every upload once."""
     from broker_server.broker import free_port
 
@@ -170,7 +170,7 @@ def test_the_default_start_killed_10_times_ends_like_an_uninterrupted_run(tmp_pa
         fed.stop()
         ref.stop()
     log = (fed.logs / "server.log").read_text()
-    assert kills >= 9, f"only {kills} kills before the federation finished"
+    assert kills >= 5, f"only {kills} kills before the federation finished"
     assert log.count("resumed federation 'crash'") >= kills  # every restart resumed
     assert log.count("a torn last record") == torn
     audit_journal(ref, CLIENTS, ROUNDS)
