@@ -46,6 +46,8 @@ log = logging.getLogger("protofl.server")
 STEPS = ("keys", "shares", "masked", "unmask")
 _STEP_OF = {wire.SaKeys: "keys", wire.SaShares: "shares", wire.SaMasked: "masked", wire.SaUnmask: "unmask"}
 _SUM_SLOT = frozenset({"_sum", "_weight", "_senders"})  # a per-class prototype sum: fedproto's PrototypeAggregator
+# the wire's sizes are the protocol's (the wire module imports no cryptography, so it states them again)
+assert (wire.messages.SA_SHARE_BYTES, wire.messages.SA_BOX_BYTES) == (secagg.SHARE_BYTES, secagg.BOX_BYTES)
 
 
 @dataclass(frozen=True)
@@ -160,24 +162,35 @@ class SecAggRun:
                 return "its two keys must differ"
             if not secagg.usable_key(msg.c) or not secagg.usable_key(msg.s):
                 return "a key that agrees no secret (a low-order point): every neighbour's share to it would fail"
-        if isinstance(msg, wire.SaShares) and set(msg.boxes) != neighbours:
-            return f"shares for {len(msg.boxes)} ids, not for its {len(neighbours)} neighbours"
+        if isinstance(msg, wire.SaShares) and len(msg.boxes) != len(neighbours):
+            return f"{len(msg.boxes)} boxes, not one for each of its {len(neighbours)} neighbours"
         if isinstance(msg, wire.SaMasked) and msg.y.shape[0] != self.width:
             return f"{msg.y.shape[0]} values, expected {self.width}"
-        if isinstance(msg, wire.SaUnmask) and not set(msg.of) <= neighbours:
-            return "answers about devices that are not its neighbours"
+        held = len(self.routed.get(sender, {}))
+        if isinstance(msg, wire.SaUnmask) and len(msg.shares) != held:
+            return f"{len(msg.shares)} shares, not one for each of the {held} boxes routed to it"
         return None
 
     def apply(self, sender: str, msg: Message) -> None:
         s = self.server
         if isinstance(msg, wire.SaKeys):
             s.advertised(sender, secagg.Keys(msg.c, msg.s))
-        elif isinstance(msg, wire.SaShares):
-            self.sent_shares[sender] = dict(msg.boxes)
+        elif isinstance(msg, wire.SaShares):  # one box a neighbour, in the roster's order
+            self.sent_shares[sender] = dict(zip(sorted(s.graph[sender]), msg.boxes, strict=True))
         elif isinstance(msg, wire.SaMasked):
             s.received(sender, msg.y)
         elif isinstance(msg, wire.SaUnmask):
-            s.answered(sender, {u: (kind, x, int.from_bytes(y, "big")) for u, (kind, x, y) in msg.of.items()})
+            # one share a neighbour whose box was routed to it, in the roster's order; of its seed where that
+            # neighbour is in the survivors list the server sent it, else of its mask key (the device's own rule)
+            alive = s.graph[sender] & set(s.masked)
+            held = sorted(self.routed.get(sender, {}))
+            s.answered(
+                sender,
+                {
+                    u: ("b" if u in alive else "s", int.from_bytes(y, "big"))
+                    for u, y in zip(held, msg.shares, strict=True)
+                },
+            )
 
     # -- the steps ------------------------------------------------------------------------------------------
     def took_part(self) -> set[str]:
@@ -221,35 +234,21 @@ class SecAggRun:
         if self.step == "keys":
             # (first: a ring too small for n values within +-bound raises before anything changed)
             self.fp = secagg.FixedPoint.for_sum(float(self.cfg.secagg_bound), len(s.keys))
-            each = s.close_advertise()
-            t = s.threshold()
+            s.close_advertise()
             self.step = "shares"
-            return [
-                encode(
-                    wire.SaRoster(
-                        keys={v: (k.c, k.s) for v, k in sorted(keys.items())},
-                        t=t,
-                        frac_bits=self.fp.frac_bits,
-                        bound=float(self.cfg.secagg_bound),
-                        weighted=self.slot.weighted,
-                    ),
-                    u,
-                )
-                for u, keys in sorted(each.items())
-            ]
-        if self.step == "shares":
+        elif self.step == "shares":
             self.routed = s.route_shares(self.sent_shares)
             self.step = "masked"
-            return [encode(wire.SaRouted(boxes=self.routed.get(u, {})), u) for u in sorted(s.shared)]
-        if self.step == "masked":
+        elif self.step == "masked":
             self.step = "unmask"
-            alive = set(s.masked)
-            return [encode(wire.SaSurvivors(alive=sorted(s.graph[u] & alive)), u) for u in sorted(alive)]
-        raise AssertionError("the unmask step closes with result()")
+        else:
+            raise AssertionError("the unmask step closes with result()")
+        return self.again(encode)
 
     def again(self, encode: Callable[[Message, str], Any]) -> list[Any]:
-        """After a restart: the open step's messages again (a device that answered already sends the same
-        answer, dropped as a duplicate)."""
+        """The open step's messages, one a device (after a restart: again; a device that answered already sends
+        the same answer, dropped as a duplicate). Every list in them follows the recipient's roster: its
+        neighbours' ids, sorted."""
         s = self.server
         if self.step == "shares" and self.fp is not None:
             t = s.threshold()
@@ -267,10 +266,18 @@ class SecAggRun:
                 for u in sorted(s.graph)
             ]
         if self.step == "masked":
-            return [encode(wire.SaRouted(boxes=self.routed.get(u, {})), u) for u in sorted(s.shared)]
+            out = []
+            for u in sorted(s.shared):
+                order, boxes = sorted(s.graph[u]), self.routed.get(u, {})
+                senders = [i for i, v in enumerate(order) if v in boxes]
+                out.append(encode(wire.SaRouted(senders=senders, boxes=[boxes[order[i]] for i in senders]), u))
+            return out
         if self.step == "unmask":
             alive = set(s.masked)
-            return [encode(wire.SaSurvivors(alive=sorted(s.graph[u] & alive)), u) for u in sorted(alive)]
+            return [
+                encode(wire.SaSurvivors(alive=[i for i, v in enumerate(sorted(s.graph[u])) if v in alive]), u)
+                for u in sorted(alive)
+            ]
         return []
 
     def result(self) -> tuple[np.ndarray, np.ndarray, int]:

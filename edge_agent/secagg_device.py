@@ -69,12 +69,14 @@ class DeviceSecAgg:
                 raise secagg.SecAggError("the roster names this device among its own neighbours")
             self.roster = msg
             keys = {v: secagg.Keys(c, s) for v, (c, s) in msg.keys.items()}
-            out = wire.SaShares(boxes=self.device.share_keys(keys, msg.t))
+            boxes = self.device.share_keys(keys, msg.t)
+            out = wire.SaShares(boxes=[boxes[v] for v in msg.order])  # the roster's order names each box's reader
         elif isinstance(msg, wire.SaRouted):
             roster = self.roster
             if roster is None:
                 raise secagg.SecAggError("shares routed before the roster")
-            self.device.receive_shares(msg.boxes)
+            sealed = dict(zip(self._named(msg.senders, "senders"), msg.boxes, strict=True))
+            self.device.receive_shares(sealed)
             x = table_vector(self.table, num_classes, width, roster.weighted)
             bound = roster.bound
             self.clipped = int(np.count_nonzero(np.abs(x) > bound))
@@ -86,14 +88,21 @@ class DeviceSecAgg:
                     bound,
                 )
             fp = secagg.FixedPoint(roster.frac_bits, bound, 1)
-            y = self.device.masked_input(fp.encode(np.clip(x, -bound, bound)), msg.boxes)
+            y = self.device.masked_input(fp.encode(np.clip(x, -bound, bound)), sealed)
             out = wire.SaMasked(y=y)
         elif isinstance(msg, wire.SaSurvivors):
-            if "sa_routed" not in self.answers:
+            if wire.SaRouted.KIND not in self.answers:
                 raise secagg.SecAggError("a survivors list before this device sent its masked input")
-            given = self.device.unmask(msg.alive)
-            out = wire.SaUnmask(of={u: (k, x, y.to_bytes(secagg.SHARE_BYTES, "big")) for u, (k, x, y) in given.items()})
+            given = self.device.unmask(self._named(msg.alive, "alive"))  # in the roster's order, as the server reads
+            out = wire.SaUnmask(shares=[y.to_bytes(secagg.SHARE_BYTES, "big") for _, y in given.values()])
         else:
             return None
         self.answers[msg.KIND] = out
         return out
+
+    def _named(self, positions: list[int], what: str) -> list[str]:
+        """The ids at `positions` of this device's roster (SecAggError past its end)."""
+        order = self.roster.order if self.roster is not None else []
+        if positions and positions[-1] >= len(order):
+            raise secagg.SecAggError(f"{what}: position {positions[-1]}, past the {len(order)} of the roster")
+        return [order[p] for p in positions]

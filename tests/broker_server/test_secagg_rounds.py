@@ -101,7 +101,7 @@ class Devices:
     def _down(self, topic: str, payload: bytes) -> None:
         env, msg = decode_message(payload)
         c = topic.rsplit("/", 1)[1]
-        nxt = {"sa_roster": "shares", "sa_routed": "masked", "sa_survivors": "unmask"}[msg.KIND]
+        nxt = {"sa_roster2": "shares", "sa_routed2": "masked", "sa_survivors2": "unmask"}[msg.KIND]
         if self.drop.get(c) in {"keys", "shares", "masked", "unmask"} and _at_or_after(nxt, self.drop[c]):
             return
         out = self.runs[c].answer(msg, self.plan.num_classes, self.plan.proto_width)
@@ -278,7 +278,7 @@ def test_step_messages_that_do_not_fit_are_dropped_with_their_reason_and_change_
     bad = [
         ("d0", SaMasked(np.zeros(3, np.uint32))),  # the wrong length
         ("d0", run.keys()),  # the keys step is closed
-        ("d0", SaShares({"d1": b"x" * 86})),  # the shares step too
+        ("d0", SaShares([b"x" * 80])),  # the shares step too
         ("d0", SaRoster({}, t=1, frac_bits=1, bound=1.0, weighted=False)),  # a server's kind, on up/
     ]
     for client, msg in bad:

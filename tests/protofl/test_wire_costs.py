@@ -275,12 +275,12 @@ def test_a_device_body_is_refused_after_a_few_hundred_objects() -> None:
         "join": 64,
         "metrics": 64 + 4096,
         "protos": 256,
-        # secure aggregation's steps: maps of at most 1,024 neighbours (MAX_NEIGHBOURS), each entry an id and a
-        # box (2 objects) or an id and [kind, x, share] (5 objects), on top of the 64 every body gets
+        # secure aggregation's steps: a body of one or two byte strings (the boxes, the shares, the keys) or one
+        # array, whatever the neighbours' number: the 64 every small body gets
         "sa_keys": 64,
         "sa_masked": 64,
-        "sa_shares": 64 + 2 * 1024,
-        "sa_unmask": 64 + 5 * 1024,
+        "sa_shares2": 64,
+        "sa_unmask2": 64,
     }
     assert DEFAULT_LIMITS.max_body_objects("config") == DEFAULT_LIMITS.max_objects
 
