@@ -21,7 +21,7 @@ from broker_server import secagg_run
 from broker_server.durable import DurableState, journal_records
 from broker_server.shell import Aggregator
 from edge_agent.secagg_device import DeviceSecAgg, table_vector
-from protofl import topics
+from protofl import secagg, topics
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -36,6 +36,7 @@ from protofl.wire import (
     SaKeys,
     SaMasked,
     SaRoster,
+    SaRouted,
     SaShares,
     decode_message,
     encode_message,
@@ -299,3 +300,16 @@ def test_a_key_that_agrees_no_secret_is_refused_at_the_keys_step() -> None:
         "sa_keys from d0: a key that agrees no secret (a low-order point): every neighbour's share to it would fail",
     )
     assert run.refusal("d1", good) is None
+
+
+def test_a_device_names_its_neighbours_by_their_place_in_its_roster_only() -> None:
+    # After the roster no message names a device: positions past the roster's end are refused by the device.
+    cfg = _cfg()
+    plan = RoundPlan.from_config(cfg)
+    run = DeviceSecAgg("d0", FED, 1, "train", _table(0, 1))
+    peers = {f"d{i}": DeviceSecAgg(f"d{i}", FED, 1, "train", None).keys() for i in (1, 2)}
+    roster = SaRoster({v: (k.c, k.s) for v, k in peers.items()}, t=2, frac_bits=16, bound=1e4, weighted=True)
+    shares = run.answer(roster, plan.num_classes, plan.proto_width)
+    assert isinstance(shares, SaShares) and len(shares.boxes) == 2  # one box per neighbour, in the roster's order
+    with pytest.raises(secagg.SecAggError, match="position 2, past the 2 of the roster"):
+        run.answer(SaRouted([2], [b"x" * 80]), plan.num_classes, plan.proto_width)

@@ -315,3 +315,29 @@ def test_the_envelope_itself_cannot_be_made_expensive() -> None:
     assert cpu_seconds(lambda: pytest.raises(WireError, read_header, wide)) < 0.05
     with pytest.raises(WireError, match="over the decoder limit"):
         read_header(wide)
+
+
+def test_secure_aggregations_uploads_at_100_devices_fit_twice_a_tinyproto_upload() -> None:
+    # The bytes goal, as wired (envelopes included): at 100 devices SecAgg+ gives each device k = 14
+    # neighbours; its four uploads (keys, 14 boxes, the masked table of 10 x (51 + 1) values, 14 shares) against
+    # the tinyproto upload they replace (10 classes x 51 values, f4), the same 16-character sender.
+    from protofl import secagg
+    from protofl.wire import ProtoSet, ProtoUpload, SaKeys, SaMasked, SaShares, SaUnmask, message_size
+
+    me = {"fed": "bench", "sender": "device-000000001", "round": 1, "phase": "train"}
+    k = secagg.degree(100)
+    tiny = message_size(
+        ProtoUpload(ProtoSet.from_table({c: np.ones(51) for c in range(10)}, 51, "f4", None), None, 600), **me
+    )
+    steps = [
+        SaKeys(b"c" * 32, b"s" * 32),
+        SaShares([b"x" * secagg.BOX_BYTES] * k),
+        SaMasked(np.zeros(10 * 52, np.uint32)),
+        SaUnmask([b"y" * secagg.SHARE_BYTES] * k),
+    ]
+    sizes = [message_size(m, **me) for m in steps]
+    assert k == 14 and tiny == 2228
+    # each step: its payload plus an envelope of at most 125 bytes (no id, point or nonce rides with an entry)
+    payload = [64, k * secagg.BOX_BYTES, 4 * 520, k * secagg.SHARE_BYTES]
+    assert all(0 < s - p <= 125 for s, p in zip(sizes, payload, strict=True)), sizes
+    assert sum(sizes) <= 2 * tiny, (sizes, tiny)
