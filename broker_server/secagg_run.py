@@ -1,7 +1,9 @@
 """Secure aggregation in the rounds: one open phase's SecAgg+ steps on the server, with no I/O (numpy only).
 
 Where the config says `secagg` (docs/privacy.md), the training phase of a prototype-only federation (tinyproto,
-fedproto) runs the steps of protofl/secagg.py before it folds anything:
+fedproto), or of one dense parameter vector (fedavg: the adapter, or the model where the server knows its length;
+each device masks its vector times its sample count, and the count), runs the steps of protofl/secagg.py before it
+folds anything:
 
     keys      every expected device sends its two public keys (`SaKeys`, after its local training);
     shares    the server sends each its neighbours' keys (`SaRoster`), each sends its encrypted shares (`SaShares`);
@@ -46,16 +48,20 @@ log = logging.getLogger("protofl.server")
 STEPS = ("keys", "shares", "masked", "unmask")
 _STEP_OF = {wire.SaKeys: "keys", wire.SaShares: "shares", wire.SaMasked: "masked", wire.SaUnmask: "unmask"}
 _SUM_SLOT = frozenset({"_sum", "_weight", "_senders"})  # a per-class prototype sum: fedproto's PrototypeAggregator
+_VECTOR_SLOT = frozenset({"_num", "_den", "_count"})  # a weighted vector sum with one scalar weight: FedAvg's
 # the wire's sizes are the protocol's (the wire module imports no cryptography, so it states them again)
 assert (wire.messages.SA_SHARE_BYTES, wire.messages.SA_BOX_BYTES) == (secagg.SHARE_BYTES, secagg.BOX_BYTES)
 
 
 @dataclass(frozen=True)
 class SumSlot:
-    """Where the phase's prototype sums live: the path of attributes to the accumulator, and its weighting."""
+    """Where the phase's sums live: the path of attributes to the accumulator, and its weighting; `dim` the length
+    of a parameter vector's sum (FedAvg: the model or the adapter, each device's vector times its sample count
+    and the count), or 0 for per-class prototype sums."""
 
     path: tuple[str, ...]
     weighted: bool
+    dim: int = 0
 
 
 def find_slot(run: PhaseRun) -> SumSlot:
@@ -68,6 +74,9 @@ def find_slot(run: PhaseRun) -> SumSlot:
         if set(obj.additive) == _SUM_SLOT:
             found.append(SumSlot(path, getattr(obj, "weighting", "mean") == "weighted"))
             return
+        if set(obj.additive) == _VECTOR_SLOT and np.ndim(getattr(obj, "_den", ())) == 0:  # (not per-coordinate)
+            found.append(SumSlot(path, True, int(getattr(obj, "dim", 0))))
+            return
         for name in obj.additive:
             walk(getattr(obj, name), (*path, name))
 
@@ -77,7 +86,9 @@ def find_slot(run: PhaseRun) -> SumSlot:
     if len(run.folds) != 1 or len(found) != 1:
         raise ConfigError(
             f"secagg: the training phase's folds ({', '.join(type(f).__name__ for f in run.folds)}) are not one "
-            "per-class sum of prototype rows and weights, which is what secure aggregation unmasks"
+            "per-class sum of prototype rows and weights, nor one weighted sum of a dense parameter vector of a "
+            "length the server knows (federate=adapter; the whole model only where the server has it: simulate), "
+            "which is what secure aggregation unmasks"
         )
     return found[0]
 
@@ -136,7 +147,8 @@ class SecAggRun:
 
     @property
     def width(self) -> int:
-        return self.cfg.num_classes * (self.proto_width + 1)
+        """The masked vector's length: per class a row and its weight, or a parameter vector and its weight."""
+        return self.slot.dim + 1 if self.slot.dim else self.cfg.num_classes * (self.proto_width + 1)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def refusal(self, sender: str, msg: Message) -> tuple[str, str] | None:
@@ -281,10 +293,13 @@ class SecAggRun:
         return []
 
     def result(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """The unmasked sum: per class the sum of the rows (times their weights) and of the weights, and the
-        number of survivors. Raises SecAggError where too few shares came to unmask."""
+        """The unmasked sum: per class the sum of the rows (times their weights) and of the weights (or the
+        vectors' weighted sum and the weights' sum, a 0-d array), and the number of survivors. Raises SecAggError
+        where too few shares came to unmask."""
         assert self.fp is not None
         total = self.fp.decode(self.server.unmask())
+        if self.slot.dim:
+            return total[: self.slot.dim], total[self.slot.dim :].reshape(()), len(self.server.masked)
         grid = total.reshape(self.cfg.num_classes, self.proto_width + 1)
         return grid[:, : self.proto_width], grid[:, self.proto_width], len(self.server.masked)
 
@@ -296,6 +311,12 @@ def fold_sum(run: PhaseRun, slot: SumSlot, sums: np.ndarray, weights: np.ndarray
         node: Mapping[str, Any] = fold_part
         for name in slot.path[1:]:
             node = node[name]
+        if slot.dim:
+            assert isinstance(node, dict) and set(node) == _VECTOR_SLOT
+            node["_num"] = np.asarray(sums, dtype=np.float64)
+            node["_den"] = float(weights)
+            node["_count"] = int(senders)
+            continue
         assert isinstance(node, dict) and set(node) == _SUM_SLOT
         present = weights > 0.5  # a class nobody sent sums to zero weight (within the ring's tolerance)
         node["_sum"] = np.where(present[:, None], sums, 0.0).astype(np.float64)
