@@ -208,6 +208,8 @@ CASES: list[tuple[str, Callable[[], bytes], str]] = [
     ("sa_routed_trailing", edit(SA_ROUTED, put("body.senders", bytes([5, 0]))), "a last byte of zero bits"),
     ("sa_routed_mask_long", edit(SA_ROUTED, put("body.senders", b"\x01" * 129)), "at most 128 bytes of packed"),
     ("sa_survivors_ids", edit(SaSurvivors([0]), put("body.alive", ["rpi-08"])), "packed positions"),
+    # the first forms of the five changed kinds are retired: refused by kind, before the body is read
+    ("sa_first_form", edit(SA_SHARES, put("kind", "sa_shares")), "unknown kind 'sa_shares'"),
     # message bodies
     ("bool_as_int", edit(Join("cnn", 3), put("body.n_samples", True)), "n_samples: expected an integer, got bool"),
     ("float_as_int", edit(Join("cnn", 3), put("body.n_samples", 3.0)), "expected an integer, got float"),
