@@ -6,12 +6,13 @@ and accuracy against epsilon with local differential privacy.
     python -m bench.bench_privacy table                       # bench/results/PRIVACY.md from what was run
 
 `secagg` runs protofl/secagg.py's devices and server in one process (the protocol is pure: no broker), for a
-tinyproto upload (10 classes x 51 values): the bytes each step adds per device (the keys, the encrypted shares,
-the masked vector as u4, the unmasking answers; counted from the step's real byte strings plus a 16-byte id
-per entry) against the tinyproto upload's encoded message (`message_size`, envelope included); a device's CPU for
-one round at 100 devices (process time; rpi4's is this machine's over its profile's compute factor); the server's
-unmask time at 1,000 and 10,000 devices with 10 % dropped after sharing their keys (the costly case: each dropped
-device's mask key is rebuilt and its pairwise masks recomputed).
+tinyproto upload's table vector (10 classes x (51 values + a weight)): the bytes each step adds per device, as
+payload (the keys, the encrypted shares, the masked vector as u4, the unmasking answers: the step's real byte
+strings) and as wired (each step's wire message encoded, envelope included: the MQTT payload), against the
+tinyproto upload's encoded message (`message_size`, envelope included); a device's CPU for one round (process
+time; rpi4's is this machine's over its profile's compute factor); the server's unmask time at 100, 1,000 and
+10,000 devices with 10 % dropped after sharing their keys (the costly case: each dropped device's mask key is
+rebuilt and its pairwise masks recomputed).
 
 `accuracy` runs `simulate` (the in-process transport; by default a small setting: 10 clients, alpha 0.5, 5 rounds,
 3,000 training images, 2,000 test images; `--rounds`, `--train-limit`... for setting A's sizing) at epsilon in
@@ -56,7 +57,8 @@ EPSILONS = (1.0, 4.0, 8.0, None)  # None: no DP
 SEEDS = (0, 1, 2)
 PRESETS = {"tinyproto": [], "protofl": ["--set", "ridge=false"]}
 WIDTH = 10 * 51  # a tinyproto upload: 10 classes x s = 51 values
-ID_BYTES = 16  # what naming a device costs in a message (an id of 16 characters)
+TABLE = 10 * (51 + 1)  # what a tinyproto device masks: per class its 51 values and its weight
+ID_BYTES = 16  # what naming a device costs in a message (an id of 16 characters: the roster names each)
 
 
 # -- secure aggregation ----------------------------------------------------------------------------------------
@@ -100,19 +102,21 @@ def one_phase(n: int, dropped: float, width: int, rng: np.random.Generator) -> d
     assert err <= len(x) * ring.resolution, err
     degree = max(len(v) for v in server.graph.values())
     one = ids[0] if ids[0] not in drop else sorted(survivors)[0]
+    order = sorted(keys_for[one])  # its roster: every list after it follows this order, by position
     up = {
         "advertise": 2 * 32,
-        "shares": sum(len(b) + ID_BYTES for b in sent[one].values()),
+        "shares": sum(len(b) for b in sent[one].values()),
         "masked": 4 * width,
-        "unmask": sum(ID_BYTES + 1 + 4 + secagg.SHARE_BYTES for _ in answers[one]),
+        "unmask": secagg.SHARE_BYTES * len(answers[one]),
     }
     down = {
         "keys": sum(ID_BYTES + 64 for _ in keys_for[one]),
-        "shares": sum(len(b) + ID_BYTES for b in routed[one].values()),
+        "shares": sum(len(b) for b in routed[one].values()) + math.ceil(len(order) / 8),
     }
     per = len(ids)
-    wire_up, wire_down = wire_bytes(one, keys[one], sent[one], answers[one], keys_for[one], routed[one])
-    wire_down["survivors"] = message_bytes(wire.SaSurvivors(sorted(server.graph[one] & survivors)), one)
+    wire_up, wire_down = wire_bytes(one, keys[one], sent[one], answers[one], keys_for[one], routed[one], width)
+    alive = [i for i, v in enumerate(order) if v in survivors]
+    wire_down["survivors"] = message_bytes(wire.SaSurvivors(alive), "server")
     return {
         "devices": n,
         "dropped": len(drop),
@@ -138,23 +142,29 @@ def wire_bytes(
     me: str,
     keys: secagg.Keys,
     sent: dict[str, bytes],
-    answers: dict[str, tuple[str, int, int]],
+    answers: dict[str, tuple[str, int]],
     keys_for: dict[str, secagg.Keys],
     routed: dict[str, bytes],
+    width: int,
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """One device's messages in the wired protocol (broker_server/secagg_run.py), as encoded on the wire: its four
-    uploads and the server's roster and routed shares to it (the survivors list is added by the caller)."""
-    y = np.zeros(WIDTH + 10, dtype=np.uint32)  # the table vector: per class its 51 values and its weight
+    """One device's messages in the wired protocol (broker_server/secagg_run.py and edge_agent/secagg_device.py
+    build the same), as encoded on the wire: its four uploads and the server's roster and routed shares to it (the
+    survivors list is added by the caller)."""
+    order = sorted(keys_for)
+    senders = [i for i, v in enumerate(order) if v in routed]
     up = {
         "advertise": message_bytes(wire.SaKeys(keys.c, keys.s), me),
-        "shares": message_bytes(wire.SaShares(sent), me),
-        "masked": message_bytes(wire.SaMasked(y), me),
+        "shares": message_bytes(wire.SaShares([sent[v] for v in order]), me),
+        "masked": message_bytes(wire.SaMasked(np.zeros(width, dtype=np.uint32)), me),
         "unmask": message_bytes(
-            wire.SaUnmask({u: (k, i, v.to_bytes(secagg.SHARE_BYTES, "big")) for u, (k, i, v) in answers.items()}), me
+            wire.SaUnmask([y.to_bytes(secagg.SHARE_BYTES, "big") for _, y in answers.values()]), me
         ),
     }
     roster = wire.SaRoster({v: (k.c, k.s) for v, k in keys_for.items()}, t=1, frac_bits=10, bound=1e4, weighted=False)
-    down = {"keys": message_bytes(roster, "server"), "shares": message_bytes(wire.SaRouted(routed), "server")}
+    down = {
+        "keys": message_bytes(roster, "server"),
+        "shares": message_bytes(wire.SaRouted(senders, [routed[order[i]] for i in senders]), "server"),
+    }
     return up, down
 
 
@@ -179,9 +189,9 @@ def run_secagg() -> dict[str, Any]:
         "envelope_bytes": tiny - 4 * WIDTH,
         "rpi4_compute_factor": rpi4,
     }
-    out["at_100"] = one_phase(100, 0.1, WIDTH, rng)
-    out["at_1000"] = one_phase(1000, 0.1, WIDTH, rng)
-    out["at_10000"] = one_phase(10_000, 0.1, WIDTH, rng)
+    out["at_100"] = one_phase(100, 0.1, TABLE, rng)
+    out["at_1000"] = one_phase(1000, 0.1, TABLE, rng)
+    out["at_10000"] = one_phase(10_000, 0.1, TABLE, rng)
     out["machine"] = machine()
     ROOT.mkdir(parents=True, exist_ok=True)
     (ROOT / "secagg.json").write_text(json.dumps(out, indent=1))
@@ -302,25 +312,21 @@ def write_table() -> None:
             f"Machine: {sec['machine']['cpus']} cores, load average {sec['machine']['load_1m']} when it ended, numpy "
             f"{sec['machine']['numpy']}. A tinyproto upload (10 classes x 51 values, f4) is {tiny:,} B encoded.",
             "",
-            f"Each of the four uploads also takes an envelope (about {sec['envelope_bytes']} B, the tinyproto upload's "
-            "bytes beyond its values): the column 'with 4 envelopes' counts them.",
+            "Up: the four messages a device sends a round; payload is their byte strings (keys, encrypted shares, the "
+            "masked table vector as u4, the unmasking shares), as wired is each message encoded with its envelope "
+            "(the MQTT payload). Down: the server's roster, routed shares and survivors list to that device, as wired.",
             "",
-            "| devices | k | t | up: keys + shares + masked + unmask | up / tinyproto upload | with 4 envelopes | "
-            "as wired: 4 messages | / tinyproto upload | down: keys + shares | as wired: 3 messages | "
+            "| devices | k | t | up payload: keys + shares + masked + unmask | as wired: keys + shares + masked + "
+            "unmask | as wired / tinyproto upload | down as wired: roster + routed + survivors | "
             "device CPU (this machine) | device CPU on rpi4 | server unmask (10 % dropped) | max error |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key in ("at_100", "at_1000", "at_10000"):
             r = sec[key]
-            up, down = r["up_bytes"], r["down_bytes"]
-            total_up = sum(up.values())
+            up, wup, wdown = r["up_bytes"], r["wire_up_bytes"], r["wire_down_bytes"]
             lines.append(
-                f"| {r['devices']:,} | {r['k']} | {r['threshold']} | {up['advertise']} + {up['shares']:,} + "
-                f"{up['masked']:,} + {up['unmask']:,} = {total_up:,} B | {total_up / tiny:.2f}x | "
-                f"{(total_up + 4 * sec['envelope_bytes']) / tiny:.2f}x | "
-                f"{_wired(r, 'wire_up_bytes')} | {_wired(r, 'wire_up_bytes', tiny)} | "
-                f"{down['keys']:,} + {down['shares']:,} B | {_wired(r, 'wire_down_bytes')} | "
-                f"{1000 * r['device_cpu_s']:.1f} ms | "
+                f"| {r['devices']:,} | {r['k']} | {r['threshold']} | {_terms(up)} | {_terms(wup)} | "
+                f"{sum(wup.values()) / tiny:.2f}x | {_terms(wdown)} | {1000 * r['device_cpu_s']:.1f} ms | "
                 f"{1000 * r['device_cpu_s'] / sec['rpi4_compute_factor']:.0f} ms | {r['server_unmask_s']:.2f} s | "
                 f"{r['max_error']:.1e} |"
             )
@@ -331,12 +337,9 @@ def write_table() -> None:
     (RESULTS / "PRIVACY.md").write_text("\n".join(lines).lstrip() + "\n")
 
 
-def _wired(r: dict[str, Any], key: str, per: int | None = None) -> str:
-    """A run's bytes as wired (the messages' encoded sizes), or its ratio to `per`; '-' for a run before them."""
-    if key not in r:
-        return "-"
-    total = sum(r[key].values())
-    return f"{total / per:.2f}x" if per else f"{total:,} B"
+def _terms(parts: dict[str, int]) -> str:
+    """'a + b + c = total B' of a step's bytes."""
+    return " + ".join(f"{v:,}" for v in parts.values()) + f" = {sum(parts.values()):,} B"
 
 
 def main(argv: list[str] | None = None) -> int:

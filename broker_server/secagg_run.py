@@ -1,7 +1,9 @@
 """Secure aggregation in the rounds: one open phase's SecAgg+ steps on the server, with no I/O (numpy only).
 
 Where the config says `secagg` (docs/privacy.md), the training phase of a prototype-only federation (tinyproto,
-fedproto) runs the steps of protofl/secagg.py before it folds anything:
+fedproto), or of one dense parameter vector (fedavg: the adapter, or the model where the server knows its length;
+each device masks its vector times its sample count, and the count), runs the steps of protofl/secagg.py before it
+folds anything:
 
     keys      every expected device sends its two public keys (`SaKeys`, after its local training);
     shares    the server sends each its neighbours' keys (`SaRoster`), each sends its encrypted shares (`SaShares`);
@@ -46,14 +48,20 @@ log = logging.getLogger("protofl.server")
 STEPS = ("keys", "shares", "masked", "unmask")
 _STEP_OF = {wire.SaKeys: "keys", wire.SaShares: "shares", wire.SaMasked: "masked", wire.SaUnmask: "unmask"}
 _SUM_SLOT = frozenset({"_sum", "_weight", "_senders"})  # a per-class prototype sum: fedproto's PrototypeAggregator
+_VECTOR_SLOT = frozenset({"_num", "_den", "_count"})  # a weighted vector sum with one scalar weight: FedAvg's
+# the wire's sizes are the protocol's (the wire module imports no cryptography, so it states them again)
+assert (wire.messages.SA_SHARE_BYTES, wire.messages.SA_BOX_BYTES) == (secagg.SHARE_BYTES, secagg.BOX_BYTES)
 
 
 @dataclass(frozen=True)
 class SumSlot:
-    """Where the phase's prototype sums live: the path of attributes to the accumulator, and its weighting."""
+    """Where the phase's sums live: the path of attributes to the accumulator, and its weighting; `dim` the length
+    of a parameter vector's sum (FedAvg: the model or the adapter, each device's vector times its sample count
+    and the count), or 0 for per-class prototype sums."""
 
     path: tuple[str, ...]
     weighted: bool
+    dim: int = 0
 
 
 def find_slot(run: PhaseRun) -> SumSlot:
@@ -66,6 +74,9 @@ def find_slot(run: PhaseRun) -> SumSlot:
         if set(obj.additive) == _SUM_SLOT:
             found.append(SumSlot(path, getattr(obj, "weighting", "mean") == "weighted"))
             return
+        if set(obj.additive) == _VECTOR_SLOT and np.ndim(getattr(obj, "_den", ())) == 0:  # (not per-coordinate)
+            found.append(SumSlot(path, True, int(getattr(obj, "dim", 0))))
+            return
         for name in obj.additive:
             walk(getattr(obj, name), (*path, name))
 
@@ -75,7 +86,9 @@ def find_slot(run: PhaseRun) -> SumSlot:
     if len(run.folds) != 1 or len(found) != 1:
         raise ConfigError(
             f"secagg: the training phase's folds ({', '.join(type(f).__name__ for f in run.folds)}) are not one "
-            "per-class sum of prototype rows and weights, which is what secure aggregation unmasks"
+            "per-class sum of prototype rows and weights, nor one weighted sum of a dense parameter vector of a "
+            "length the server knows (federate=adapter; the whole model only where the server has it: simulate), "
+            "which is what secure aggregation unmasks"
         )
     return found[0]
 
@@ -134,7 +147,8 @@ class SecAggRun:
 
     @property
     def width(self) -> int:
-        return self.cfg.num_classes * (self.proto_width + 1)
+        """The masked vector's length: per class a row and its weight, or a parameter vector and its weight."""
+        return self.slot.dim + 1 if self.slot.dim else self.cfg.num_classes * (self.proto_width + 1)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def refusal(self, sender: str, msg: Message) -> tuple[str, str] | None:
@@ -160,24 +174,35 @@ class SecAggRun:
                 return "its two keys must differ"
             if not secagg.usable_key(msg.c) or not secagg.usable_key(msg.s):
                 return "a key that agrees no secret (a low-order point): every neighbour's share to it would fail"
-        if isinstance(msg, wire.SaShares) and set(msg.boxes) != neighbours:
-            return f"shares for {len(msg.boxes)} ids, not for its {len(neighbours)} neighbours"
+        if isinstance(msg, wire.SaShares) and len(msg.boxes) != len(neighbours):
+            return f"{len(msg.boxes)} boxes, not one for each of its {len(neighbours)} neighbours"
         if isinstance(msg, wire.SaMasked) and msg.y.shape[0] != self.width:
             return f"{msg.y.shape[0]} values, expected {self.width}"
-        if isinstance(msg, wire.SaUnmask) and not set(msg.of) <= neighbours:
-            return "answers about devices that are not its neighbours"
+        held = len(self.routed.get(sender, {}))
+        if isinstance(msg, wire.SaUnmask) and len(msg.shares) != held:
+            return f"{len(msg.shares)} shares, not one for each of the {held} boxes routed to it"
         return None
 
     def apply(self, sender: str, msg: Message) -> None:
         s = self.server
         if isinstance(msg, wire.SaKeys):
             s.advertised(sender, secagg.Keys(msg.c, msg.s))
-        elif isinstance(msg, wire.SaShares):
-            self.sent_shares[sender] = dict(msg.boxes)
+        elif isinstance(msg, wire.SaShares):  # one box a neighbour, in the roster's order
+            self.sent_shares[sender] = dict(zip(sorted(s.graph[sender]), msg.boxes, strict=True))
         elif isinstance(msg, wire.SaMasked):
             s.received(sender, msg.y)
         elif isinstance(msg, wire.SaUnmask):
-            s.answered(sender, {u: (kind, x, int.from_bytes(y, "big")) for u, (kind, x, y) in msg.of.items()})
+            # one share a neighbour whose box was routed to it, in the roster's order; of its seed where that
+            # neighbour is in the survivors list the server sent it, else of its mask key (the device's own rule)
+            alive = s.graph[sender] & set(s.masked)
+            held = sorted(self.routed.get(sender, {}))
+            s.answered(
+                sender,
+                {
+                    u: ("b" if u in alive else "s", int.from_bytes(y, "big"))
+                    for u, y in zip(held, msg.shares, strict=True)
+                },
+            )
 
     # -- the steps ------------------------------------------------------------------------------------------
     def took_part(self) -> set[str]:
@@ -221,35 +246,21 @@ class SecAggRun:
         if self.step == "keys":
             # (first: a ring too small for n values within +-bound raises before anything changed)
             self.fp = secagg.FixedPoint.for_sum(float(self.cfg.secagg_bound), len(s.keys))
-            each = s.close_advertise()
-            t = s.threshold()
+            s.close_advertise()
             self.step = "shares"
-            return [
-                encode(
-                    wire.SaRoster(
-                        keys={v: (k.c, k.s) for v, k in sorted(keys.items())},
-                        t=t,
-                        frac_bits=self.fp.frac_bits,
-                        bound=float(self.cfg.secagg_bound),
-                        weighted=self.slot.weighted,
-                    ),
-                    u,
-                )
-                for u, keys in sorted(each.items())
-            ]
-        if self.step == "shares":
+        elif self.step == "shares":
             self.routed = s.route_shares(self.sent_shares)
             self.step = "masked"
-            return [encode(wire.SaRouted(boxes=self.routed.get(u, {})), u) for u in sorted(s.shared)]
-        if self.step == "masked":
+        elif self.step == "masked":
             self.step = "unmask"
-            alive = set(s.masked)
-            return [encode(wire.SaSurvivors(alive=sorted(s.graph[u] & alive)), u) for u in sorted(alive)]
-        raise AssertionError("the unmask step closes with result()")
+        else:
+            raise AssertionError("the unmask step closes with result()")
+        return self.again(encode)
 
     def again(self, encode: Callable[[Message, str], Any]) -> list[Any]:
-        """After a restart: the open step's messages again (a device that answered already sends the same
-        answer, dropped as a duplicate)."""
+        """The open step's messages, one a device (after a restart: again; a device that answered already sends
+        the same answer, dropped as a duplicate). Every list in them follows the recipient's roster: its
+        neighbours' ids, sorted."""
         s = self.server
         if self.step == "shares" and self.fp is not None:
             t = s.threshold()
@@ -267,17 +278,28 @@ class SecAggRun:
                 for u in sorted(s.graph)
             ]
         if self.step == "masked":
-            return [encode(wire.SaRouted(boxes=self.routed.get(u, {})), u) for u in sorted(s.shared)]
+            out = []
+            for u in sorted(s.shared):
+                order, boxes = sorted(s.graph[u]), self.routed.get(u, {})
+                senders = [i for i, v in enumerate(order) if v in boxes]
+                out.append(encode(wire.SaRouted(senders=senders, boxes=[boxes[order[i]] for i in senders]), u))
+            return out
         if self.step == "unmask":
             alive = set(s.masked)
-            return [encode(wire.SaSurvivors(alive=sorted(s.graph[u] & alive)), u) for u in sorted(alive)]
+            return [
+                encode(wire.SaSurvivors(alive=[i for i, v in enumerate(sorted(s.graph[u])) if v in alive]), u)
+                for u in sorted(alive)
+            ]
         return []
 
     def result(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """The unmasked sum: per class the sum of the rows (times their weights) and of the weights, and the
-        number of survivors. Raises SecAggError where too few shares came to unmask."""
+        """The unmasked sum: per class the sum of the rows (times their weights) and of the weights (or the
+        vectors' weighted sum and the weights' sum, a 0-d array), and the number of survivors. Raises SecAggError
+        where too few shares came to unmask."""
         assert self.fp is not None
         total = self.fp.decode(self.server.unmask())
+        if self.slot.dim:
+            return total[: self.slot.dim], total[self.slot.dim :].reshape(()), len(self.server.masked)
         grid = total.reshape(self.cfg.num_classes, self.proto_width + 1)
         return grid[:, : self.proto_width], grid[:, self.proto_width], len(self.server.masked)
 
@@ -289,6 +311,12 @@ def fold_sum(run: PhaseRun, slot: SumSlot, sums: np.ndarray, weights: np.ndarray
         node: Mapping[str, Any] = fold_part
         for name in slot.path[1:]:
             node = node[name]
+        if slot.dim:
+            assert isinstance(node, dict) and set(node) == _VECTOR_SLOT
+            node["_num"] = np.asarray(sums, dtype=np.float64)
+            node["_den"] = float(weights)
+            node["_count"] = int(senders)
+            continue
         assert isinstance(node, dict) and set(node) == _SUM_SLOT
         present = weights > 0.5  # a class nobody sent sums to zero weight (within the ring's tolerance)
         node["_sum"] = np.where(present[:, None], sums, 0.0).astype(np.float64)

@@ -35,7 +35,7 @@ from edge_agent.emulation import RoundClock
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
-from edge_agent.secagg_device import DeviceSecAgg
+from edge_agent.secagg_device import DeviceSecAgg, params_vector
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
 from edge_agent.uploads import train_uploads
 from protofl import privacy, secagg, topics
@@ -59,6 +59,7 @@ from protofl.wire import (
     Limits,
     Message,
     Metrics,
+    ParamsUpload,
     ProtoSet,
     ProtoUpload,
     PublicSet,
@@ -640,9 +641,13 @@ class EdgeAgent:
         memory.mark("training")
         self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline, stats.seen):
-            if cfg.secagg and isinstance(upload, ProtoUpload):
-                # Secure aggregation: the table stays here; its keys go instead, its masked sum later (on_secagg).
-                self.secagg = DeviceSecAgg(self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local)
+            if cfg.secagg and isinstance(upload, (ProtoUpload, ParamsUpload)):
+                # Secure aggregation: the table (or vector) stays here; its keys go instead, its masked sum later
+                # (on_secagg).
+                table, vector = (
+                    (upload.local, None) if isinstance(upload, ProtoUpload) else (None, params_vector(upload))
+                )
+                self.secagg = DeviceSecAgg(self.client_id, self.fed, round_, Phase.TRAIN.value, table, vector)
                 upload = self.secagg.keys()
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         memory.mark("uploads")

@@ -10,7 +10,9 @@ two public keys and keeps the table; each server message then gets one answer:
 
 The table vector is, per class, its row times its weight and the weight (`weighted`: n_kc, else 1 for a class it
 sends, 0 for one it lacks), every value clipped to +-bound first: the unmasked sum gives each class's weighted row
-sum and weight without telling which device sent which class. An answer is kept, so that the same server message
+sum and weight without telling which device sent which class. A FedAvg device (one dense parameter vector: the
+adapter or the model) masks its vector times its sample count and the count (`params_vector`), FedAvg's weighted
+sum and weight. An answer is kept, so that the same server message
 again (after the server restarted) gets the same answer, never a second draw of masks or shares.
 """
 
@@ -21,7 +23,8 @@ import logging
 import numpy as np
 
 from protofl import secagg, wire
-from protofl.wire import Message, ProtoSet, decode_array, encode_array
+from protofl.sparse import SparseVector
+from protofl.wire import Message, ParamsUpload, ProtoSet, decode_array, encode_array
 
 log = logging.getLogger("protofl.edge")
 
@@ -41,14 +44,35 @@ def table_vector(ps: ProtoSet | None, num_classes: int, width: int, weighted: bo
     return out.reshape(-1)
 
 
-class DeviceSecAgg:
-    """One device's secure aggregation of one phase: the protocol's device half and its kept answers."""
+def params_vector(upload: ParamsUpload) -> np.ndarray:
+    """A dense parameter upload as FedAvg folds it, masked: [vector * n, n] (n its sample count), the vector as the
+    server would have decoded it from the wire (the upload's dtype), float64. A sparse update is refused: its
+    index set would tell which parameters moved (docs/privacy.md)."""
+    if isinstance(upload.update, SparseVector):
+        raise ValueError("secure aggregation masks dense parameter vectors; this upload is sparse (top-K)")
+    v = decode_array(encode_array(upload.update, upload.dt), what="update").astype(np.float64)
+    n = float(upload.n_samples)
+    return np.concatenate([v * n, [n]])
 
-    def __init__(self, client_id: str, fed: str, round_: int, phase: str, table: ProtoSet | None) -> None:
+
+class DeviceSecAgg:
+    """One device's secure aggregation of one phase: the protocol's device half and its kept answers. It masks its
+    prototype table (`table`) or, where it uploads a parameter vector, `vector` (`params_vector`)."""
+
+    def __init__(
+        self,
+        client_id: str,
+        fed: str,
+        round_: int,
+        phase: str,
+        table: ProtoSet | None,
+        vector: np.ndarray | None = None,
+    ) -> None:
         self.id = client_id
         self.round, self.phase = round_, phase
         self.device = secagg.Device(client_id, secagg.context(fed, round_, phase))
         self.table = table
+        self.vector = vector
         self.answers: dict[str, Message] = {}  # server kind -> this device's answer
         self.roster: wire.SaRoster | None = None
         self.clipped = 0
@@ -69,13 +93,19 @@ class DeviceSecAgg:
                 raise secagg.SecAggError("the roster names this device among its own neighbours")
             self.roster = msg
             keys = {v: secagg.Keys(c, s) for v, (c, s) in msg.keys.items()}
-            out = wire.SaShares(boxes=self.device.share_keys(keys, msg.t))
+            boxes = self.device.share_keys(keys, msg.t)
+            out = wire.SaShares(boxes=[boxes[v] for v in msg.order])  # the roster's order names each box's reader
         elif isinstance(msg, wire.SaRouted):
             roster = self.roster
             if roster is None:
                 raise secagg.SecAggError("shares routed before the roster")
-            self.device.receive_shares(msg.boxes)
-            x = table_vector(self.table, num_classes, width, roster.weighted)
+            sealed = dict(zip(self._named(msg.senders, "senders"), msg.boxes, strict=True))
+            self.device.receive_shares(sealed)
+            x = (
+                self.vector
+                if self.vector is not None
+                else table_vector(self.table, num_classes, width, roster.weighted)
+            )
             bound = roster.bound
             self.clipped = int(np.count_nonzero(np.abs(x) > bound))
             if self.clipped:
@@ -86,14 +116,21 @@ class DeviceSecAgg:
                     bound,
                 )
             fp = secagg.FixedPoint(roster.frac_bits, bound, 1)
-            y = self.device.masked_input(fp.encode(np.clip(x, -bound, bound)), msg.boxes)
+            y = self.device.masked_input(fp.encode(np.clip(x, -bound, bound)), sealed)
             out = wire.SaMasked(y=y)
         elif isinstance(msg, wire.SaSurvivors):
-            if "sa_routed" not in self.answers:
+            if wire.SaRouted.KIND not in self.answers:
                 raise secagg.SecAggError("a survivors list before this device sent its masked input")
-            given = self.device.unmask(msg.alive)
-            out = wire.SaUnmask(of={u: (k, x, y.to_bytes(secagg.SHARE_BYTES, "big")) for u, (k, x, y) in given.items()})
+            given = self.device.unmask(self._named(msg.alive, "alive"))  # in the roster's order, as the server reads
+            out = wire.SaUnmask(shares=[y.to_bytes(secagg.SHARE_BYTES, "big") for _, y in given.values()])
         else:
             return None
         self.answers[msg.KIND] = out
         return out
+
+    def _named(self, positions: list[int], what: str) -> list[str]:
+        """The ids at `positions` of this device's roster (SecAggError past its end)."""
+        order = self.roster.order if self.roster is not None else []
+        if positions and positions[-1] >= len(order):
+            raise secagg.SecAggError(f"{what}: position {positions[-1]}, past the {len(order)} of the roster")
+        return [order[p] for p in positions]

@@ -141,13 +141,15 @@ def check_secagg(cfg: FederationConfig, draft: PlanDraft) -> None:
     from protofl.technique import Phase, Upload
 
     uploads = {p: tuple(k) for p, k in draft.uploads.items() if k}
-    if uploads != {Phase.TRAIN: (Upload.PROTOS,)} or draft.public_phase is not None:
+    masked = ({Phase.TRAIN: (Upload.PROTOS,)}, {Phase.TRAIN: (Upload.ADAPTER,)})  # prototype tables, or one vector
+    if uploads not in masked or draft.public_phase is not None:
         raise ConfigError(
             "secagg: secure aggregation covers the per-class prototype sums and counts of a prototype-only "
-            f"federation (tinyproto, fedproto); this one (techniques {list(cfg.techniques)}, federate="
+            "federation (tinyproto, fedproto), or the weighted sum of one dense parameter vector (fedavg, the "
+            f"model or the adapter); this one (techniques {list(cfg.techniques)}, federate="
             f"{cfg.federate!r}) uploads {sorted({k.value for ks in uploads.values() for k in ks})} in phases "
-            f"{[p.value for p in uploads]}{', with public-set prototypes' if draft.public_phase else ''}: parameter "
-            "vectors, adapters and sparse top-K adapter updates are not masked yet (docs/privacy.md)"
+            f"{[p.value for p in uploads]}{', with public-set prototypes' if draft.public_phase else ''}: "
+            "adapters beside prototypes and sparse top-K adapter updates are not masked yet (docs/privacy.md)"
         )
     if cfg.buffer_k:
         raise ConfigError(

@@ -10,7 +10,9 @@ The protocol, for one phase, over devices with ids that sort:
    public seed (every device a ring neighbour of about k = 2 ceil(log2 n) others after a keyed shuffle, SecAgg+:
    a device's cost grows with log n, not n). Each device draws its self-mask seed b_u and Shamir-splits b_u and its
    secret key s_u among its neighbours with threshold t (`Device.share_keys`), each share encrypted (AES-GCM) to the
-   neighbour under a key agreed from the `c` keys, and sent through the server.
+   neighbour under a key agreed from the `c` keys, and sent through the server. Shares are elements of
+   GF(2^256 - 189), 32 bytes; neighbour v's point is its rank in u's neighbours (`share_point`) and the box's nonce
+   is derived (`Device._nonce`): neither travels.
 2. **masked input**: each device that received its neighbours' shares sends y_u = x_u + PRG(b_u)
    + sum over its neighbours v that shared keys of (+PRG(s_uv) if u < v else -PRG(s_uv)), all mod 2^32
    (`Device.masked_input`); s_uv is HKDF of the X25519 agreement of s_u and s_v with the phase's context,
@@ -53,9 +55,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 RING_BITS = 32
-PRIME = 2**256 + 297  # the smallest prime above 2^256: a 32-byte secret is one element of its field
+PRIME = 2**256 - 189  # the largest prime below 2^256: a share is 32 bytes, and so is a secret (drawn below PRIME)
 SECRET_BYTES = 32
-SHARE_BYTES = 33  # a share: an element of GF(PRIME)
+SHARE_BYTES = 32  # a share: an element of GF(PRIME)
+BOX_BYTES = 2 * SHARE_BYTES + 16  # AES-GCM of (share of b_u, share of s_u) with its tag; nonce and x not sent
 
 
 class SecAggError(ValueError):
@@ -127,12 +130,18 @@ def neighbours(ids: Iterable[str], seed: bytes, k: int | None = None) -> dict[st
     return {i: frozenset(v) for i, v in out.items()}
 
 
+def share_point(neighbours: Iterable[str], v: str) -> int:
+    """Where neighbour v's shares of a device's secrets are taken: its rank among that device's neighbours, from 1
+    (the device, v and the server each know the neighbours: the roster; so x never travels)."""
+    return sorted(neighbours).index(v) + 1
+
+
 def threshold(k: int) -> int:
     """Shares needed to rebuild a device's secrets: a strict majority of its neighbours (at least 1)."""
     return max(1, k // 2 + 1)
 
 
-# -- Shamir over GF(2^256 + 297) ---------------------------------------------------------------------------------
+# -- Shamir over GF(2^256 - 189) ---------------------------------------------------------------------------------
 def split(secret: bytes, xs: Iterable[int], t: int) -> dict[int, int]:
     """Shares of a SECRET_BYTES secret at the points `xs` (distinct, >= 1): any t rebuild it, fewer tell nothing."""
     coeffs = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
@@ -145,22 +154,29 @@ def split(secret: bytes, xs: Iterable[int], t: int) -> dict[int, int]:
     return out
 
 
+def secret() -> bytes:
+    """A uniform secret of SECRET_BYTES below PRIME (an element of the field: its shares rebuild it exactly). A draw
+    at or above PRIME (probability 189 / 2^256) is drawn again."""
+    while True:
+        out = secrets.token_bytes(SECRET_BYTES)
+        if int.from_bytes(out, "big") < PRIME:
+            return out
+
+
 def combine(shares: Mapping[int, int], t: int) -> bytes:
     """The secret from t or more shares (Lagrange at 0)."""
     if len(shares) < t:
         raise SecAggError(f"{len(shares)} shares, {t} needed")
     pts = list(shares.items())[:t]
-    secret = 0
+    acc = 0
     for j, (xj, yj) in enumerate(pts):
         num, den = 1, 1
         for m, (xm, _) in enumerate(pts):
             if m != j:
                 num = num * (-xm) % PRIME
                 den = den * (xj - xm) % PRIME
-        secret = (secret + yj * num * pow(den, -1, PRIME)) % PRIME
-    if secret >= 2 ** (8 * SECRET_BYTES):
-        raise SecAggError("the shares do not rebuild a secret (inconsistent shares)")
-    return secret.to_bytes(SECRET_BYTES, "big")
+        acc = (acc + yj * num * pow(den, -1, PRIME)) % PRIME
+    return acc.to_bytes(SECRET_BYTES, "big")
 
 
 # -- keys -------------------------------------------------------------------------------------------------------
@@ -208,20 +224,23 @@ class Device:
     id: str
     context: bytes
     _c: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
-    _s: X25519PrivateKey = field(default_factory=X25519PrivateKey.generate, repr=False)
-    _b: bytes = field(default_factory=lambda: secrets.token_bytes(SECRET_BYTES), repr=False)
+    # s_u is Shamir-split: its 32 raw bytes are drawn below PRIME (X25519 clamps any 32 bytes when it uses them)
+    _s: X25519PrivateKey = field(default_factory=lambda: X25519PrivateKey.from_private_bytes(secret()), repr=False)
+    _b: bytes = field(default_factory=secret, repr=False)
     keys_of: dict[str, Keys] = field(default_factory=dict)  # the neighbours' (share keys)
-    held: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # u -> (x, share of b_u, share of s_u)
+    held: dict[str, tuple[int, int]] = field(default_factory=dict)  # u -> (share of b_u, share of s_u)
     answered: dict[str, str] = field(default_factory=dict)  # u -> "b" | "s": what it gave the server of u
 
     def advertise(self) -> Keys:
         return Keys(_raw(self._c.public_key()), _raw(self._s.public_key()))
 
     def share_keys(self, keys_of: Mapping[str, Keys], t: int) -> dict[str, bytes]:
-        """Encrypted shares of b_u and s_u for each neighbour (`keys_of`: the neighbours' advertised keys)."""
+        """Encrypted shares of b_u and s_u for each neighbour (`keys_of`: the neighbours' advertised keys). Neighbour
+        v's share is the polynomials' value at x = `share_point(keys_of, v)`, which v and the server know from the
+        roster: x travels in no box and no answer."""
         self.keys_of = dict(keys_of)
         order = sorted(self.keys_of)
-        xs = {v: i + 1 for i, v in enumerate(order)}
+        xs = {v: share_point(order, v) for v in order}
         s_raw = self._s.private_bytes(
             serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
         )
@@ -229,12 +248,13 @@ class Device:
         out = {}
         for v in order:
             x = xs[v]
-            plain = x.to_bytes(4, "big") + b_sh[x].to_bytes(SHARE_BYTES, "big") + s_sh[x].to_bytes(SHARE_BYTES, "big")
+            plain = b_sh[x].to_bytes(SHARE_BYTES, "big") + s_sh[x].to_bytes(SHARE_BYTES, "big")
             out[v] = self._box(v).encrypt(self._nonce(self.id, v), plain, self._ad(self.id, v))
         return out
 
     def receive_shares(self, sealed: Mapping[str, bytes]) -> None:
-        """The shares the neighbours sent this device (u -> ciphertext)."""
+        """The shares the neighbours sent this device (u -> ciphertext). Its point x in u's sharing is its rank in
+        u's neighbours, which the server names in the unmasking (`share_point`): the device needs none."""
         for u, box in sealed.items():
             if u not in self.keys_of:
                 raise SecAggError(f"{self.id}: a share from {u}, which is not a neighbour")
@@ -242,11 +262,7 @@ class Device:
                 plain = self._box(u).decrypt(self._nonce(u, self.id), box, self._ad(u, self.id))
             except Exception as exc:  # cryptography's InvalidTag: forged or garbled
                 raise SecAggError(f"{self.id}: the share from {u} does not decrypt") from exc
-            self.held[u] = (
-                int.from_bytes(plain[:4], "big"),
-                int.from_bytes(plain[4 : 4 + SHARE_BYTES], "big"),
-                int.from_bytes(plain[4 + SHARE_BYTES :], "big"),
-            )
+            self.held[u] = (int.from_bytes(plain[:SHARE_BYTES], "big"), int.from_bytes(plain[SHARE_BYTES:], "big"))
 
     def masked_input(self, x: np.ndarray, shared: Iterable[str]) -> np.ndarray:
         """y_u: the encoded input (uint32) plus its self mask and a pairwise mask per neighbour in `shared` (those
@@ -258,16 +274,16 @@ class Device:
             y = y + pair_mask(self.id, v, pair_key(self._s, self.keys_of[v].s, self.context), n)
         return y.astype(np.uint32)
 
-    def unmask(self, survivors: Iterable[str]) -> dict[str, tuple[str, int, int]]:
-        """For each neighbour whose shares it holds: ("b", x, share of b_u) if u survived, else ("s", x, share of s_u).
+    def unmask(self, survivors: Iterable[str]) -> dict[str, tuple[str, int]]:
+        """For each neighbour whose shares it holds: ("b", share of b_u) if u survived, else ("s", share of s_u).
         A device never gives both kinds for one u (that would let the server unmask u's input)."""
         alive = set(survivors)
-        out: dict[str, tuple[str, int, int]] = {}
-        for u, (x, b, s) in sorted(self.held.items()):
+        out: dict[str, tuple[str, int]] = {}
+        for u, (b, s) in sorted(self.held.items()):
             kind = "b" if u in alive else "s"
             if self.answered.setdefault(u, kind) != kind:
                 raise SecAggError(f"{self.id}: the server asked for both secrets of {u}: refused")
-            out[u] = (kind, x, b if kind == "b" else s)
+            out[u] = (kind, b if kind == "b" else s)
         return out
 
     def _box(self, other: str) -> AESGCM:
@@ -279,9 +295,14 @@ class Device:
             )
         )
 
-    @staticmethod
-    def _nonce(sender: str, to: str) -> bytes:
-        return hashlib.sha256(f"{sender}\0{to}".encode()).digest()[:12]
+    def _nonce(self, sender: str, to: str) -> bytes:
+        """The AES-GCM nonce of the box from `sender` to `to`, derived, never sent: SHA-256 of (the phase's context:
+        federation, round, phase; the step; sender; receiver), 12 bytes. Safe because a (key, nonce) pair seals
+        one box only: the box key is agreed from the two devices' `c` keys, fresh for this phase and bound to its
+        context, so it serves this one pair in this one phase; a pair exchanges one box each way, and the two
+        directions' nonces differ (sender and receiver are ordered in the hash). A box sent again (a restart) is
+        the same box (the device keeps its answer), never a second plaintext under the same nonce."""
+        return hashlib.sha256(self.context + f"\0shares\0{sender}\0{to}".encode()).digest()[:12]
 
     def _ad(self, sender: str, to: str) -> bytes:
         return self.context + f"\0{sender}\0{to}".encode()
@@ -298,7 +319,7 @@ class Server:
     shared: set[str] = field(default_factory=set)  # devices whose encrypted shares arrived (U1)
     masked: dict[str, np.ndarray] = field(default_factory=dict)  # (U2)
     k: int | None = None
-    answers: dict[str, dict[str, tuple[str, int, int]]] = field(default_factory=dict)  # unmasking, by responder
+    answers: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)  # unmasking, by responder
 
     def advertised(self, device: str, keys: Keys) -> None:
         self.keys[device] = keys
@@ -328,13 +349,13 @@ class Server:
             raise SecAggError(f"a masked input from {device}, which shared no keys")
         self.masked[device] = np.asarray(y, dtype=np.uint32)
 
-    def answered(self, device: str, given: Mapping[str, tuple[str, int, int]]) -> None:
+    def answered(self, device: str, given: Mapping[str, tuple[str, int]]) -> None:
         """One survivor's unmasking answer (its shares of its neighbours' secrets)."""
         if device not in self.masked:
             raise SecAggError(f"an unmasking answer from {device}, which sent no masked input")
         self.answers[device] = dict(given)
 
-    def unmask(self, answers: Mapping[str, Mapping[str, tuple[str, int, int]]] | None = None) -> np.ndarray:
+    def unmask(self, answers: Mapping[str, Mapping[str, tuple[str, int]]] | None = None) -> np.ndarray:
         """The sum over the survivors (uint32, the ring's), from the responding devices' shares (`answers`, or
         those `answered` so far)."""
         for device, given in (answers or {}).items():
@@ -348,10 +369,10 @@ class Server:
         b_shares: dict[str, dict[int, int]] = {}
         s_shares: dict[str, dict[int, int]] = {}
         for v, given in answers.items():
-            for u, (kind, x, y) in given.items():
+            for u, (kind, y) in given.items():
                 if u not in self.graph.get(v, ()):
                     continue
-                (b_shares if kind == "b" else s_shares).setdefault(u, {})[x] = y
+                (b_shares if kind == "b" else s_shares).setdefault(u, {})[share_point(self.graph[u], v)] = y
         total = np.zeros(n, dtype=np.uint32)
         for masked in self.masked.values():
             total += masked
@@ -377,7 +398,7 @@ class Server:
             "shared": sorted(self.shared),
             "masked": {i: np.asarray(y, dtype="<u4").tobytes() for i, y in sorted(self.masked.items())},
             "answers": {
-                v: {u: [kind, x, y.to_bytes(SHARE_BYTES, "big")] for u, (kind, x, y) in sorted(given.items())}
+                v: {u: [kind, y.to_bytes(SHARE_BYTES, "big")] for u, (kind, y) in sorted(given.items())}
                 for v, given in sorted(self.answers.items())
             },
         }
@@ -392,7 +413,7 @@ class Server:
         out.shared = set(saved["shared"])
         out.masked = {i: np.frombuffer(bytes(y), dtype="<u4").astype(np.uint32) for i, y in saved["masked"].items()}
         out.answers = {
-            v: {u: (str(kind), int(x), int.from_bytes(bytes(y), "big")) for u, (kind, x, y) in given.items()}
+            v: {u: (str(kind), int.from_bytes(bytes(y), "big")) for u, (kind, y) in given.items()}
             for v, given in saved["answers"].items()
         }
         return out

@@ -828,11 +828,18 @@ class Resend(_Body):
 
 # --- secure aggregation (protofl/secagg.py; docs/privacy.md, issue 46) -----------------------------------------
 # A device's four messages on `up/` and the server's three on the device's own `down/` topic, for one phase of one
-# round (the envelope's). Every map is bounded (MAX_NEIGHBOURS entries, checked before it is walked), every key a
-# valid client id, every byte string of its exact length.
+# round (the envelope's). Only the roster names devices: every later message lists its entries in the roster's
+# order (the recipient's neighbours, ids sorted), as positions packed in bits where a subset is meant, so no id, no
+# Shamir point and no nonce travels twice. Every list is bounded (MAX_NEIGHBOURS entries, its size checked before
+# it is walked), every id a valid client id, every byte string of its exact length.
+# Wire compatibility: these are the second forms of the kinds `sa_roster`, `sa_shares`, `sa_routed`, `sa_survivors`
+# and `sa_unmask` (2026-11-27, in no release: maps keyed by id, 33-byte shares, x in every box and answer), which
+# were retired: a peer that sends one is refused from the header as an unknown kind, before its body is read;
+# secure aggregation needs devices and server of the same version (`sa_keys`, `sa_masked` are unchanged).
 SA_KEY_BYTES = 32  # an X25519 public key
-SA_SHARE_BYTES = 33  # an element of GF(2^256 + 297)
-SA_BOX_BYTES = 4 + 2 * SA_SHARE_BYTES + 16  # AES-GCM of (x, share of b_u, share of s_u) with its tag
+SA_SHARE_BYTES = 32  # an element of GF(2^256 - 189)
+SA_BOX_BYTES = 2 * SA_SHARE_BYTES + 16  # AES-GCM of (share of b_u, share of s_u) with its tag
+_SA_MASK_BYTES = (MAX_NEIGHBOURS + 7) // 8
 
 
 def _exact_bytes(v: Any, n: int, what: str) -> bytes:
@@ -842,17 +849,48 @@ def _exact_bytes(v: Any, n: int, what: str) -> bytes:
     return v
 
 
-def _id_map(v: Any, what: str, value: Callable[[Any, str], Any]) -> dict[str, Any]:
-    """A map of client id -> value of at most MAX_NEIGHBOURS entries (its size checked before it is walked)."""
-    if not isinstance(v, dict):
-        raise WireError(f"{what}: expected a map, got {type(v).__name__}")
-    if len(v) > MAX_NEIGHBOURS:
-        raise WireError(f"{what}: {len(v)} entries, at most {MAX_NEIGHBOURS}")
-    return {expect_name(k, f"{what} key"): value(x, f"{what}[{k}]") for k, x in sorted(v.items(), key=_key)}
+def _chunks(v: Any, size: int, what: str) -> list[bytes]:
+    """A byte string of whole `size`-byte entries, at most MAX_NEIGHBOURS of them (its length checked first)."""
+    if not isinstance(v, bytes):
+        raise WireError(f"{what}: expected bytes, got {type(v).__name__}")
+    if len(v) % size or len(v) > MAX_NEIGHBOURS * size:
+        raise WireError(f"{what}: {len(v)} bytes, not a whole number of {size}-byte entries up to {MAX_NEIGHBOURS}")
+    return [v[i : i + size] for i in range(0, len(v), size)]
 
 
-def _key(item: tuple[Any, Any]) -> str:
-    return str(item[0])
+def _entries(v: Any, size: int, what: str) -> list[bytes]:
+    """A sequence of at most MAX_NEIGHBOURS byte strings of `size` bytes each (a message built in Python)."""
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_NEIGHBOURS:
+        raise WireError(f"{what}: expected a list of at most {MAX_NEIGHBOURS} entries")
+    return [_exact_bytes(b, size, f"{what}[{i}]") for i, b in enumerate(v)]
+
+
+def _positions(v: Any, what: str) -> list[int]:
+    """Sorted unique positions in a roster (0 to MAX_NEIGHBOURS - 1)."""
+    if not isinstance(v, (list, tuple)) or len(v) > MAX_NEIGHBOURS:
+        raise WireError(f"{what}: expected a list of at most {MAX_NEIGHBOURS} positions")
+    out = [expect_int(p, what, 0, MAX_NEIGHBOURS - 1) for p in v]
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
+        raise WireError(f"{what}: positions must ascend, each once")
+    return out
+
+
+def _pack_positions(positions: list[int]) -> bytes:
+    """Positions as packed bits (bit j of byte k is position 8k + j, as a sparse vector's mask), the shortest."""
+    if not positions:
+        return b""
+    bits = np.zeros(positions[-1] + 1, dtype=np.uint8)
+    bits[positions] = 1
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _unpack_positions(v: Any, what: str) -> list[int]:
+    """`_pack_positions`' bytes back: at most MAX_NEIGHBOURS bits, the shortest form (its last byte not zero)."""
+    if not isinstance(v, bytes) or len(v) > _SA_MASK_BYTES:
+        raise WireError(f"{what}: expected at most {_SA_MASK_BYTES} bytes of packed positions")
+    if v and v[-1] == 0:
+        raise WireError(f"{what}: a last byte of zero bits (the shortest form is sent)")
+    return np.flatnonzero(np.unpackbits(np.frombuffer(v, dtype=np.uint8), bitorder="little")).tolist()
 
 
 @dataclass(frozen=True, eq=False)
@@ -880,9 +918,11 @@ class SaKeys(_Body):
 class SaRoster(_Body):
     """Secure aggregation, the server to one device: its neighbours' keys (id -> (c, s)), the threshold t of the
     Shamir shares, and the ring: values within +-`bound` (clipped on the device), `frac_bits` of fixed point;
-    `weighted`: each class's row goes times its count n_kc, and its weight is n_kc (else 1): the server rule's."""
+    `weighted`: each class's row goes times its count n_kc, and its weight is n_kc (else 1): the server rule's.
+    On the wire: `ids` (sorted: the roster's order, which every later message of the phase follows) and `keys`
+    (c then s of each, 64 bytes an id, in that order)."""
 
-    KIND: ClassVar[str] = "sa_roster"
+    KIND: ClassVar[str] = "sa_roster2"
     keys: dict[str, tuple[bytes, bytes]]
     t: int
     frac_bits: int
@@ -890,12 +930,15 @@ class SaRoster(_Body):
     weighted: bool
 
     def __post_init__(self) -> None:
-        def pair(v: Any, what: str) -> tuple[bytes, bytes]:
+        if not isinstance(self.keys, dict) or len(self.keys) > MAX_NEIGHBOURS:
+            raise WireError(f"keys: expected a map of at most {MAX_NEIGHBOURS} entries")
+        for k, v in self.keys.items():
+            expect_name(k, "keys id")
             if not isinstance(v, (list, tuple)) or len(v) != 2:
-                raise WireError(f"{what}: expected [c, s]")
-            return (_exact_bytes(v[0], SA_KEY_BYTES, f"{what} c"), _exact_bytes(v[1], SA_KEY_BYTES, f"{what} s"))
-
-        _set(self, keys=_id_map(self.keys, "keys", pair))
+                raise WireError(f"keys[{k}]: expected (c, s)")
+            _exact_bytes(v[0], SA_KEY_BYTES, f"keys[{k}] c")
+            _exact_bytes(v[1], SA_KEY_BYTES, f"keys[{k}] s")
+        _set(self, keys={k: (self.keys[k][0], self.keys[k][1]) for k in sorted(self.keys)})
         _set(
             self, t=expect_int(self.t, "t", 1, MAX_NEIGHBOURS), frac_bits=expect_int(self.frac_bits, "frac_bits", 0, 30)
         )
@@ -903,46 +946,82 @@ class SaRoster(_Body):
         if self.bound <= 0:
             raise WireError("bound: must be > 0")
 
+    @property
+    def order(self) -> list[str]:
+        """The roster's order: the neighbours' ids, sorted."""
+        return list(self.keys)
+
     def to_body(self) -> dict:
-        keys = {k: [c, s] for k, (c, s) in self.keys.items()}
-        return {"keys": keys, "t": self.t, "frac_bits": self.frac_bits, "bound": self.bound, "weighted": self.weighted}
+        keys = b"".join(c + s for c, s in self.keys.values())
+        return {
+            "ids": list(self.keys),
+            "keys": keys,
+            "t": self.t,
+            "frac_bits": self.frac_bits,
+            "bound": self.bound,
+            "weighted": self.weighted,
+        }
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(cls, cls.KIND, **expect_keys(body, ("keys", "t", "frac_bits", "bound", "weighted"), cls.KIND))
+        b = expect_keys(body, ("ids", "keys", "t", "frac_bits", "bound", "weighted"), cls.KIND)
+        ids = b["ids"]
+        if not isinstance(ids, list) or len(ids) > MAX_NEIGHBOURS:
+            raise WireError(f"ids: expected a list of at most {MAX_NEIGHBOURS} client ids")
+        ids = [expect_name(i, "ids") for i in ids]
+        if any(b2 <= a for a, b2 in zip(ids, ids[1:], strict=False)):
+            raise WireError("ids: must be sorted, each once")
+        raw = _exact_bytes(b["keys"], 2 * SA_KEY_BYTES * len(ids), "keys")
+        n = SA_KEY_BYTES
+        keys = {i: (raw[2 * n * j : 2 * n * j + n], raw[2 * n * j + n : 2 * n * (j + 1)]) for j, i in enumerate(ids)}
+        return _build(
+            cls, cls.KIND, keys=keys, t=b["t"], frac_bits=b["frac_bits"], bound=b["bound"], weighted=b["weighted"]
+        )
 
 
 @dataclass(frozen=True, eq=False)
-class _Boxes(_Body):
-    """A map of client id -> encrypted share box (`boxes`)."""
+class SaShares(_Body):
+    """Secure aggregation, step 1 (device): its encrypted Shamir shares, one box per neighbour in the roster's
+    order (`boxes`; on the wire one byte string of SA_BOX_BYTES a neighbour)."""
 
-    KIND: ClassVar[str] = ""
-    boxes: dict[str, bytes]
+    KIND: ClassVar[str] = "sa_shares2"
+    boxes: list[bytes]
 
     def __post_init__(self) -> None:
-        _set(self, boxes=_id_map(self.boxes, "boxes", lambda v, w: _exact_bytes(v, SA_BOX_BYTES, w)))
+        _set(self, boxes=_entries(self.boxes, SA_BOX_BYTES, "boxes"))
 
     def to_body(self) -> dict:
-        return {"boxes": dict(self.boxes)}
+        return {"boxes": b"".join(self.boxes)}
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(cls, cls.KIND, **expect_keys(body, ("boxes",), cls.KIND))
+        b = expect_keys(body, ("boxes",), cls.KIND)
+        return _build(cls, cls.KIND, boxes=_chunks(b["boxes"], SA_BOX_BYTES, "boxes"))
 
 
 @dataclass(frozen=True, eq=False)
-class SaShares(_Boxes):
-    """Secure aggregation, step 1 (device): its encrypted Shamir shares, one box per neighbour (`boxes`: id -> box)."""
+class SaRouted(_Body):
+    """Secure aggregation, the server to one device: the boxes its neighbours sent it, `senders` their positions in
+    its roster (ascending; on the wire packed bits) and `boxes` in that order; the senders are the neighbours whose
+    pairwise masks its masked input carries."""
 
-    KIND: ClassVar[str] = "sa_shares"
+    KIND: ClassVar[str] = "sa_routed2"
+    senders: list[int]
+    boxes: list[bytes]
 
+    def __post_init__(self) -> None:
+        _set(self, senders=_positions(self.senders, "senders"), boxes=_entries(self.boxes, SA_BOX_BYTES, "boxes"))
+        if len(self.senders) != len(self.boxes):
+            raise WireError(f"boxes: {len(self.boxes)} for {len(self.senders)} senders")
 
-@dataclass(frozen=True, eq=False)
-class SaRouted(_Boxes):
-    """Secure aggregation, the server to one device: the boxes its neighbours sent it (sender id -> box); their
-    senders are the neighbours whose pairwise masks its masked input carries."""
+    def to_body(self) -> dict:
+        return {"senders": _pack_positions(self.senders), "boxes": b"".join(self.boxes)}
 
-    KIND: ClassVar[str] = "sa_routed"
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
+        b = expect_keys(body, ("senders", "boxes"), cls.KIND)
+        senders = _unpack_positions(b["senders"], "senders")
+        return _build(cls, cls.KIND, senders=senders, boxes=_chunks(b["boxes"], SA_BOX_BYTES, "boxes"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -969,47 +1048,44 @@ class SaMasked(_Body):
 @dataclass(frozen=True, eq=False)
 class SaSurvivors(_Body):
     """Secure aggregation, the server to one device: which of its neighbours sent a masked input (the others
-    dropped): it answers with its shares of their self-mask seeds, and of the others' mask keys."""
+    dropped), as their positions in its roster (ascending; on the wire packed bits): it answers with its shares
+    of their self-mask seeds, and of the others' mask keys."""
 
-    KIND: ClassVar[str] = "sa_survivors"
-    alive: list[str]
+    KIND: ClassVar[str] = "sa_survivors2"
+    alive: list[int]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.alive, (list, tuple)) or len(self.alive) > MAX_NEIGHBOURS:
-            raise WireError(f"alive: expected a list of at most {MAX_NEIGHBOURS} client ids")
-        _set(self, alive=sorted({expect_name(a, "alive") for a in self.alive}))
+        _set(self, alive=_positions(self.alive, "alive"))
 
     def to_body(self) -> dict:
-        return {"alive": list(self.alive)}
+        return {"alive": _pack_positions(self.alive)}
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(cls, cls.KIND, **expect_keys(body, ("alive",), cls.KIND))
+        b = expect_keys(body, ("alive",), cls.KIND)
+        return _build(cls, cls.KIND, alive=_unpack_positions(b["alive"], "alive"))
 
 
 @dataclass(frozen=True, eq=False)
 class SaUnmask(_Body):
-    """Secure aggregation, step 3 (device): for each neighbour u, ("b", x, its share of u's self-mask seed) if u
-    survived, else ("s", x, its share of u's mask key); never both kinds for one u."""
+    """Secure aggregation, step 3 (device): for each neighbour u whose box it was routed, in the roster's order, its
+    share of u's self-mask seed if u survived, else of u's mask key: the survivors list it answers says which, so
+    neither the kind nor u nor the point x travels (never both kinds for one u: the device refuses). On the wire
+    one byte string of SA_SHARE_BYTES an answer."""
 
-    KIND: ClassVar[str] = "sa_unmask"
-    of: dict[str, tuple[str, int, bytes]]
+    KIND: ClassVar[str] = "sa_unmask2"
+    shares: list[bytes]
 
     def __post_init__(self) -> None:
-        def answer(v: Any, what: str) -> tuple[str, int, bytes]:
-            if not isinstance(v, (list, tuple)) or len(v) != 3 or v[0] not in ("b", "s"):
-                raise WireError(f'{what}: expected ["b" or "s", x, share]')
-            x = expect_int(v[1], f"{what} x", 1, MAX_NEIGHBOURS)
-            return (str(v[0]), x, _exact_bytes(v[2], SA_SHARE_BYTES, f"{what} share"))
-
-        _set(self, of=_id_map(self.of, "of", answer))
+        _set(self, shares=_entries(self.shares, SA_SHARE_BYTES, "shares"))
 
     def to_body(self) -> dict:
-        return {"of": {u: [k, x, y] for u, (k, x, y) in self.of.items()}}
+        return {"shares": b"".join(self.shares)}
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(cls, cls.KIND, **expect_keys(body, ("of",), cls.KIND))
+        b = expect_keys(body, ("shares",), cls.KIND)
+        return _build(cls, cls.KIND, shares=_chunks(b["shares"], SA_SHARE_BYTES, "shares"))
 
 
 SECAGG_MESSAGES = (SaKeys, SaRoster, SaShares, SaRouted, SaMasked, SaSurvivors, SaUnmask)

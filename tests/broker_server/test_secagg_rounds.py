@@ -20,8 +20,9 @@ import pytest
 from broker_server import secagg_run
 from broker_server.durable import DurableState, journal_records
 from broker_server.shell import Aggregator
-from edge_agent.secagg_device import DeviceSecAgg, table_vector
-from protofl import topics
+from edge_agent.secagg_device import DeviceSecAgg, params_vector, table_vector
+from protofl import secagg, topics
+from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -30,12 +31,14 @@ from protofl.presets import make_config
 from protofl.transport import InProcessBroker, Transport
 from protofl.wire import (
     Join,
+    ParamsUpload,
     ProtoSet,
     ProtoUpload,
     RoundStart,
     SaKeys,
     SaMasked,
     SaRoster,
+    SaRouted,
     SaShares,
     decode_message,
     encode_message,
@@ -67,8 +70,15 @@ class Devices:
     """The devices of the federation: each answers the server's steps (`drop`: client -> the step it stops before:
     "keys", "shares", "masked" or "unmask"). Every message a device sends is recorded, in order."""
 
-    def __init__(self, transport: Transport, cfg: FederationConfig, drop: dict[str, str]) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        cfg: FederationConfig,
+        drop: dict[str, str],
+        vectors: dict[str, ParamsUpload] | None = None,  # FedAvg: each device's upload, masked instead of a table
+    ) -> None:
         self.t = transport
+        self.vectors = vectors
         self.plan = RoundPlan.from_config(cfg)
         self.drop = drop
         self.runs: dict[str, DeviceSecAgg] = {}
@@ -94,14 +104,17 @@ class Devices:
         for i, c in enumerate(CLIENTS):
             if c in self.runs and self.runs[c].round == env.round:
                 continue  # announced again: its keys went already (the server drops a second copy)
-            self.runs[c] = DeviceSecAgg(c, FED, env.round, env.phase, _table(i, env.round))
+            if self.vectors is not None:
+                self.runs[c] = DeviceSecAgg(c, FED, env.round, env.phase, None, params_vector(self.vectors[c]))
+            else:
+                self.runs[c] = DeviceSecAgg(c, FED, env.round, env.phase, _table(i, env.round))
             if self.drop.get(c) != "keys":
                 self.send(c, self.runs[c].keys(), env.round, env.phase)
 
     def _down(self, topic: str, payload: bytes) -> None:
         env, msg = decode_message(payload)
         c = topic.rsplit("/", 1)[1]
-        nxt = {"sa_roster": "shares", "sa_routed": "masked", "sa_survivors": "unmask"}[msg.KIND]
+        nxt = {"sa_roster2": "shares", "sa_routed2": "masked", "sa_survivors2": "unmask"}[msg.KIND]
         if self.drop.get(c) in {"keys", "shares", "masked", "unmask"} and _at_or_after(nxt, self.drop[c]):
             return
         out = self.runs[c].answer(msg, self.plan.num_classes, self.plan.proto_width)
@@ -121,11 +134,16 @@ def _aggregator(
     return agg, start_durable(agg, state, FED)
 
 
-def _run(drop: dict[str, str], state: Path | None = None) -> tuple[Aggregator, Devices, Clock]:
+def _run(
+    drop: dict[str, str],
+    state: Path | None = None,
+    cfg: FederationConfig | None = None,
+    vectors: dict[str, ParamsUpload] | None = None,
+) -> tuple[Aggregator, Devices, Clock]:
     """A secure federation of 6 devices, one round; a step that waits for a dropped device closes at its deadline."""
-    cfg, broker, clock = _cfg(), InProcessBroker(), Clock()
+    cfg, broker, clock = cfg or _cfg(), InProcessBroker(), Clock()
     agg, _ = _aggregator(cfg, broker, clock, state)
-    devices = Devices(broker.connect("devices"), cfg, drop)
+    devices = Devices(broker.connect("devices"), cfg, drop, vectors)
     devices.join()
     for _ in range(8):
         broker.pump()
@@ -259,7 +277,7 @@ def test_what_cannot_combine_with_secure_aggregation_is_refused_at_start() -> No
         Aggregator(_cfg(), FED, broker.connect("a"), policy=ClipPolicy())
     with pytest.raises(ConfigError, match="--robust median needs every upload's rows"):
         Aggregator(_cfg(), FED, broker.connect("b"), policy=ClipPolicy(robust="median"))
-    with pytest.raises(ConfigError, match="adapters and sparse top-K adapter updates are not masked"):
+    with pytest.raises(ConfigError, match="adapters beside prototypes and sparse top-K adapter updates are not masked"):
         make_config("protofl", secagg=True)
     with pytest.raises(ConfigError, match="buffer_k"):
         _cfg(buffer_k=2)
@@ -278,7 +296,7 @@ def test_step_messages_that_do_not_fit_are_dropped_with_their_reason_and_change_
     bad = [
         ("d0", SaMasked(np.zeros(3, np.uint32))),  # the wrong length
         ("d0", run.keys()),  # the keys step is closed
-        ("d0", SaShares({"d1": b"x" * 86})),  # the shares step too
+        ("d0", SaShares([b"x" * 80])),  # the shares step too
         ("d0", SaRoster({}, t=1, frac_bits=1, bound=1.0, weighted=False)),  # a server's kind, on up/
     ]
     for client, msg in bad:
@@ -299,3 +317,57 @@ def test_a_key_that_agrees_no_secret_is_refused_at_the_keys_step() -> None:
         "sa_keys from d0: a key that agrees no secret (a low-order point): every neighbour's share to it would fail",
     )
     assert run.refusal("d1", good) is None
+
+
+def test_a_device_names_its_neighbours_by_their_place_in_its_roster_only() -> None:
+    # After the roster no message names a device: positions past the roster's end are refused by the device.
+    cfg = _cfg()
+    plan = RoundPlan.from_config(cfg)
+    run = DeviceSecAgg("d0", FED, 1, "train", _table(0, 1))
+    peers = {f"d{i}": DeviceSecAgg(f"d{i}", FED, 1, "train", None).keys() for i in (1, 2)}
+    roster = SaRoster({v: (k.c, k.s) for v, k in peers.items()}, t=2, frac_bits=16, bound=1e4, weighted=True)
+    shares = run.answer(roster, plan.num_classes, plan.proto_width)
+    assert isinstance(shares, SaShares) and len(shares.boxes) == 2  # one box per neighbour, in the roster's order
+    with pytest.raises(secagg.SecAggError, match="position 2, past the 2 of the roster"):
+        run.answer(SaRouted([2], [b"x" * 80]), plan.num_classes, plan.proto_width)
+
+
+def _adapters(round_: int = 1) -> dict[str, ParamsUpload]:
+    """Each device's FedAvg upload of the adapter (dims from SMALL): values near 0.1, sample counts 20-70."""
+    dim = initial_adapter(adapter_layout(SMALL["proto_dim"], SMALL["adapter_rank"], SMALL["num_classes"]), 0).size
+    rng = np.random.default_rng(round_)
+    return {
+        c: ParamsUpload(rng.normal(0.1, 0.3, dim).astype(np.float32), 20 + 10 * i, round_, dt="f2" if i % 2 else "f4")
+        for i, c in enumerate(CLIENTS)
+    }
+
+
+def _fedavg(secure: bool = True) -> FederationConfig:
+    return make_config("fedavg", **{**SMALL, "federate": "adapter", "secagg": secure})
+
+
+@pytest.mark.parametrize(
+    "drop", [{}, {"d1": "masked", "d4": "unmask"}, {"d0": "keys", "d2": "shares"}], ids=["none", "two_mid", "two_early"]
+)
+def test_a_fedavg_adapter_sum_unmasks_to_the_plain_weighted_mean_with_devices_dropped(drop: dict[str, str]) -> None:
+    # FedAvg's dense adapter under secure aggregation: each device masks [vector * n, n] (f4 or f2 as it would have
+    # sent it); the server unmasks the sum and folds it as the plain run's weighted mean.
+    vectors = _adapters()
+    agg, _, _ = _run(drop, cfg=_fedavg(), vectors=vectors)
+    senders = [c for c in CLIENTS if c not in drop or drop[c] == "unmask"]
+    assert agg.records[0].clients == senders
+    plain_cfg, broker = _fedavg(secure=False), InProcessBroker()
+    plain = Aggregator(plain_cfg, FED, broker.connect("server"), expected_clients=senders, policy=OFF)
+    plain.start()
+    t = broker.connect("devices")
+    for c in senders:
+        t.publish(topics.up(FED, c), encode_message(Join("", 20, "", "t"), fed=FED, sender=c))
+    broker.pump()
+    for c in senders:
+        t.publish(topics.up(FED, c), encode_message(vectors[c], fed=FED, sender=c, round=1, phase="train"))
+    broker.pump()
+    assert plain.finished and plain.dropped == {}
+    got, want = agg.model.rules.state_values()["adapter"], plain.model.rules.state_values()["adapter"]
+    assert got.shape == want.shape == vectors["d0"].update.shape
+    # f = 15 for 6 values within +-1e4: each n * v off by 2^-16, the weighted mean (sum n >= 150) by far less
+    np.testing.assert_allclose(got, want, atol=1e-5)

@@ -91,11 +91,11 @@ def examples() -> list:
         Pace(1767225600.0, "not selected"),
         SaKeys(bytes(range(32)), bytes(range(32, 64))),
         SaRoster({"rpi-07": (b"c" * 32, b"s" * 32), "rpi-08": (b"d" * 32, b"t" * 32)}, 2, 16, 100.0, True),
-        SaShares({"rpi-08": b"x" * 86}),
-        SaRouted({"rpi-07": b"y" * 86}),
+        SaShares([b"x" * 80, b"w" * 80]),
+        SaRouted([1], [b"y" * 80]),
         SaMasked(np.arange(6, dtype=np.uint32) * 700_000_000),
-        SaSurvivors(["rpi-08", "rpi-07"]),
-        SaUnmask({"rpi-07": ("b", 1, b"y" * 33), "rpi-08": ("s", 2, b"z" * 33)}),
+        SaSurvivors([0, 8, 1023]),
+        SaUnmask([b"y" * 32, b"z" * 32]),
     ]
 
 

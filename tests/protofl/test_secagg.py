@@ -188,3 +188,24 @@ def test_prototype_tables_sum_per_class_with_their_senders() -> None:
     sums, senders = secagg.table_of_sum(total, 3, 2)
     assert senders == {0: 2, 1: 1, 2: 2}
     assert np.allclose(sums[0], [0.75, 0.0]) and np.allclose(sums[1], [1.0, 0.0]) and np.allclose(sums[2], [0.25, 0.5])
+
+
+def test_shares_and_boxes_travel_at_their_minimum_width_with_derived_nonces() -> None:
+    # Shares are elements of GF(2^256 - 189): 32 bytes; the secrets are drawn below the prime, so they rebuild.
+    assert secagg.PRIME == 2**256 - 189 and secagg.SHARE_BYTES == 32 and secagg.BOX_BYTES == 80
+    assert all(int.from_bytes(secagg.secret(), "big") < secagg.PRIME for _ in range(50))
+    top = (secagg.PRIME - 1).to_bytes(32, "big")  # the largest secret the field holds
+    assert secagg.combine(dict(list(secagg.split(top, [1, 2, 3], 2).items())[1:]), 2) == top
+    a, b = Device("a", CTX), Device("b", CTX)
+    ka, kb = a.advertise(), b.advertise()
+    boxes = a.share_keys({"b": kb}, 1)
+    assert [len(x) for x in boxes.values()] == [secagg.BOX_BYTES]  # two 32-byte shares and the 16-byte tag
+    b.share_keys({"a": ka}, 1)
+    b.receive_shares({"a": boxes["b"]})  # (u -> the box u sent)
+    assert set(b.held) == {"a"}
+    # the nonce of each direction differs, and so does each phase's (the box key is the phase's in any case)
+    other = Device("a", secagg.context("lab", 4, "train"))
+    assert len({a._nonce("a", "b"), a._nonce("b", "a"), other._nonce("a", "b")}) == 3
+    # a box read under the other direction's nonce does not open: the nonce is bound to who sent it to whom
+    with pytest.raises(SecAggError, match="does not decrypt"):
+        a.receive_shares({"b": boxes["b"]})

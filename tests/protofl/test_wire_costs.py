@@ -275,12 +275,12 @@ def test_a_device_body_is_refused_after_a_few_hundred_objects() -> None:
         "join": 64,
         "metrics": 64 + 4096,
         "protos": 256,
-        # secure aggregation's steps: maps of at most 1,024 neighbours (MAX_NEIGHBOURS), each entry an id and a
-        # box (2 objects) or an id and [kind, x, share] (5 objects), on top of the 64 every body gets
+        # secure aggregation's steps: a body of one or two byte strings (the boxes, the shares, the keys) or one
+        # array, whatever the neighbours' number: the 64 every small body gets
         "sa_keys": 64,
         "sa_masked": 64,
-        "sa_shares": 64 + 2 * 1024,
-        "sa_unmask": 64 + 5 * 1024,
+        "sa_shares2": 64,
+        "sa_unmask2": 64,
     }
     assert DEFAULT_LIMITS.max_body_objects("config") == DEFAULT_LIMITS.max_objects
 
@@ -315,3 +315,29 @@ def test_the_envelope_itself_cannot_be_made_expensive() -> None:
     assert cpu_seconds(lambda: pytest.raises(WireError, read_header, wide)) < 0.05
     with pytest.raises(WireError, match="over the decoder limit"):
         read_header(wide)
+
+
+def test_secure_aggregations_uploads_at_100_devices_fit_twice_a_tinyproto_upload() -> None:
+    # The issue's bytes goal, as wired (envelopes included): at 100 devices SecAgg+ gives each device k = 14
+    # neighbours; its four uploads (keys, 14 boxes, the masked table of 10 x (51 + 1) values, 14 shares) against
+    # the tinyproto upload they replace (10 classes x 51 values, f4), the same 16-character sender.
+    from protofl import secagg
+    from protofl.wire import ProtoSet, ProtoUpload, SaKeys, SaMasked, SaShares, SaUnmask, message_size
+
+    me = {"fed": "bench", "sender": "device-000000001", "round": 1, "phase": "train"}
+    k = secagg.degree(100)
+    tiny = message_size(
+        ProtoUpload(ProtoSet.from_table({c: np.ones(51) for c in range(10)}, 51, "f4", None), None, 600), **me
+    )
+    steps = [
+        SaKeys(b"c" * 32, b"s" * 32),
+        SaShares([b"x" * secagg.BOX_BYTES] * k),
+        SaMasked(np.zeros(10 * 52, np.uint32)),
+        SaUnmask([b"y" * secagg.SHARE_BYTES] * k),
+    ]
+    sizes = [message_size(m, **me) for m in steps]
+    assert k == 14 and tiny == 2228
+    # each step: its payload plus an envelope of at most 125 bytes (no id, point or nonce rides with an entry)
+    payload = [64, k * secagg.BOX_BYTES, 4 * 520, k * secagg.SHARE_BYTES]
+    assert all(0 < s - p <= 125 for s, p in zip(sizes, payload, strict=True)), sizes
+    assert sum(sizes) <= 2 * tiny, (sizes, tiny)

@@ -65,13 +65,15 @@ SMALL = [
     Pace(1_800_000_000.0, "its link cannot finish the round by its deadline"),
     SaKeys(b"c" * 32, b"s" * 32),
     SaRoster({"rpi-08": (b"c" * 32, b"s" * 32)}, t=1, frac_bits=16, bound=100.0, weighted=True),
-    SaShares({"rpi-08": b"x" * 86}),
-    SaRouted({"rpi-08": b"x" * 86}),
+    SaShares([b"x" * 80]),
+    SaRouted([0, 2], [b"x" * 80, b"z" * 80]),
     SaMasked(np.arange(6, dtype=np.uint32)),
-    SaSurvivors(["rpi-08"]),
-    SaUnmask({"rpi-08": ("b", 1, b"y" * 33)}),
+    SaSurvivors([0, 3]),
+    SaUnmask([b"y" * 32]),
 ]
-SA_SHARES = SaShares({"rpi-08": b"x" * 86})
+SA_SHARES = SaShares([b"x" * 80])
+SA_ROSTER = SaRoster({"a1": (b"c" * 32, b"s" * 32), "b2": (b"d" * 32, b"t" * 32)}, 1, 16, 100.0, False)
+SA_ROUTED = SaRouted([0, 2], [b"x" * 80, b"z" * 80])
 assert {type(m) for m in SMALL} == set(MESSAGE_TYPES.values())
 
 
@@ -188,19 +190,26 @@ CASES: list[tuple[str, Callable[[], bytes], str]] = [
     ),
     # secure aggregation (protofl/secagg.py)
     ("sa_key_short", edit(SaKeys(b"c" * 32, b"s" * 32), put("body.c", b"c" * 31)), "c: expected 32 bytes, got 31"),
-    ("sa_box_short", edit(SA_SHARES, put("body.boxes", {"rpi-08": b"x"})), "expected 86 bytes, got 1 bytes"),
-    ("sa_box_bad_id", edit(SA_SHARES, put("body.boxes", {"a/b": b"x" * 86})), "is not a valid name"),
-    (
-        "sa_too_many_boxes",
-        edit(SA_SHARES, put("body.boxes", {f"d{i}": b"x" * 86 for i in range(1025)})),
-        "boxes: 1025 entries, at most 1024",
-    ),
+    ("sa_box_short", edit(SA_SHARES, put("body.boxes", b"x" * 81)), "81 bytes, not a whole number of 80-byte"),
+    ("sa_boxes_a_map", edit(SA_SHARES, put("body.boxes", {"a": b"x" * 80})), "boxes: expected bytes, got dict"),
+    ("sa_too_many_boxes", edit(SA_SHARES, put("body.boxes", b"x" * 80 * 1025)), "80-byte entries up to 1024"),
     ("sa_masked_f4", edit(SaMasked(np.zeros(3, np.uint32)), put("body.y.dt", "f4")), "dtype f4 not allowed here"),
+    ("sa_unmask_33", edit(SaUnmask([b"y" * 32]), put("body.shares", b"y" * 33)), "not a whole number of 32-byte"),
+    ("sa_roster_keys_short", edit(SA_ROSTER, put("body.keys", b"k" * 127)), "keys: expected 128 bytes, got 127"),
+    ("sa_roster_unsorted", edit(SA_ROSTER, put("body.ids", ["b2", "a1"])), "ids: must be sorted, each once"),
+    ("sa_roster_twice", edit(SA_ROSTER, put("body.ids", ["a1", "a1"])), "sorted, each once"),
+    ("sa_roster_bad_id", edit(SA_ROSTER, put("body.ids", ["a/1", "b2"])), "is not a valid name"),
     (
-        "sa_unmask_both",
-        edit(SaUnmask({"rpi-08": ("b", 1, b"y" * 33)}), put("body.of.rpi-08", ["x", 1, b"y" * 33])),
-        'expected ["b" or "s", x, share]',
+        "sa_roster_too_many",
+        edit(SA_ROSTER, put("body.ids", [f"d{i:04d}" for i in range(1025)])),
+        "ids: expected a list of at most 1024",
     ),
+    ("sa_routed_count", edit(SA_ROUTED, put("body.boxes", b"x" * 80)), "boxes: 1 for 2 senders"),
+    ("sa_routed_trailing", edit(SA_ROUTED, put("body.senders", bytes([5, 0]))), "a last byte of zero bits"),
+    ("sa_routed_mask_long", edit(SA_ROUTED, put("body.senders", b"\x01" * 129)), "at most 128 bytes of packed"),
+    ("sa_survivors_ids", edit(SaSurvivors([0]), put("body.alive", ["rpi-08"])), "packed positions"),
+    # the first forms of the five changed kinds are retired: refused by kind, before the body is read
+    ("sa_first_form", edit(SA_SHARES, put("kind", "sa_shares")), "unknown kind 'sa_shares'"),
     # message bodies
     ("bool_as_int", edit(Join("cnn", 3), put("body.n_samples", True)), "n_samples: expected an integer, got bool"),
     ("float_as_int", edit(Join("cnn", 3), put("body.n_samples", 3.0)), "expected an integer, got float"),

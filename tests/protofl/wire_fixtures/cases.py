@@ -242,19 +242,26 @@ def _cases() -> dict[str, Case]:
         "resend_join": Case(Resend("join"), sender=SERVER, phase="", round=0),
         # --- secure aggregation (protofl/secagg.py): a device's four steps on up/, the server's three on down/<id>
         "sa_keys": Case(SaKeys(bytes(range(32)), bytes(range(32, 64))), round=2, phase="train"),
-        "sa_roster": Case(
-            SaRoster({"dev-02": (bytes(32), bytes([1]) * 32)}, t=1, frac_bits=17, bound=10000.0, weighted=True),
+        # (the second forms of five kinds: ids only in the roster, whose order the later lists follow; 32-byte
+        # shares; the first forms, retired before any release, have no case)
+        "sa_roster2": Case(
+            SaRoster(
+                {"dev-03": (bytes([2]) * 32, bytes([3]) * 32), "dev-02": (bytes(32), bytes([1]) * 32)},
+                t=2,
+                frac_bits=17,
+                bound=10000.0,
+                weighted=True,
+            ),
             sender=SERVER,
             round=2,
             phase="train",
         ),
-        "sa_shares": Case(SaShares({"dev-02": bytes([7]) * 86}), round=2, phase="train"),
-        "sa_routed": Case(SaRouted({"dev-02": bytes([9]) * 86}), sender=SERVER, round=2, phase="train"),
+        "sa_shares2": Case(SaShares([bytes([7]) * 80, bytes([8]) * 80]), round=2, phase="train"),
+        "sa_routed2": Case(SaRouted([1], [bytes([9]) * 80]), sender=SERVER, round=2, phase="train"),
+        "sa_routed2_none": Case(SaRouted([], []), sender=SERVER, round=2, phase="train"),
         "sa_masked": Case(SaMasked(np.array([0, 1, 2**32 - 1], dtype=np.uint32)), round=2, phase="train"),
-        "sa_survivors": Case(SaSurvivors(["dev-02", "dev-03"]), sender=SERVER, round=2, phase="train"),
-        "sa_unmask": Case(
-            SaUnmask({"dev-02": ("b", 1, bytes([3]) * 33), "dev-03": ("s", 2, bytes([4]) * 33)}), round=2, phase="train"
-        ),
+        "sa_survivors2": Case(SaSurvivors([0, 1, 9]), sender=SERVER, round=2, phase="train"),
+        "sa_unmask2": Case(SaUnmask([bytes([3]) * 32, bytes([4]) * 32]), round=2, phase="train"),
     }
 
 
