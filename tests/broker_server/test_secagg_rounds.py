@@ -368,6 +368,7 @@ def test_a_fedavg_adapter_sum_unmasks_to_the_plain_weighted_mean_with_devices_dr
     broker.pump()
     assert plain.finished and plain.dropped == {}
     got, want = agg.model.rules.state_values()["adapter"], plain.model.rules.state_values()["adapter"]
-    assert got.shape == want.shape == vectors["d0"].update.shape
+    sent = vectors["d0"].update
+    assert isinstance(sent, np.ndarray) and got.shape == want.shape == sent.shape
     # f = 15 for 6 values within +-1e4: each n * v off by 2^-16, the weighted mean (sum n >= 150) by far less
     np.testing.assert_allclose(got, want, atol=1e-5)

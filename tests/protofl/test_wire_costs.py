@@ -322,14 +322,14 @@ def test_secure_aggregations_uploads_at_100_devices_fit_twice_a_tinyproto_upload
     # neighbours; its four uploads (keys, 14 boxes, the masked table of 10 x (51 + 1) values, 14 shares) against
     # the tinyproto upload they replace (10 classes x 51 values, f4), the same 16-character sender.
     from protofl import secagg
-    from protofl.wire import ProtoSet, ProtoUpload, SaKeys, SaMasked, SaShares, SaUnmask, message_size
+    from protofl.wire import Message, ProtoSet, ProtoUpload, SaKeys, SaMasked, SaShares, SaUnmask, message_size
 
     me = {"fed": "bench", "sender": "device-000000001", "round": 1, "phase": "train"}
     k = secagg.degree(100)
     tiny = message_size(
         ProtoUpload(ProtoSet.from_table({c: np.ones(51) for c in range(10)}, 51, "f4", None), None, 600), **me
     )
-    steps = [
+    steps: list[Message] = [
         SaKeys(b"c" * 32, b"s" * 32),
         SaShares([b"x" * secagg.BOX_BYTES] * k),
         SaMasked(np.zeros(10 * 52, np.uint32)),
