@@ -180,9 +180,10 @@ def links_md(
 
 
 # What each mode adds to the run's config (protofl/participation.py), each a rule, not a figure fitted to this fleet:
-# select: select_fit's straggler rule at its default (a device estimated slower than 2 x the median member is left
-# out, broker_server/selection.py), with the reference machine's compute of a round (~1 s: rpi4's measured ~4.2 s
-# x its factor 0.25) and sync's deadline. async: a new version every half of the fleet's uploads (K = members / 2),
+# select: select_fit's straggler rule at its default (a device estimated slower than 2 x a typical member is left
+# out, broker_server/selection.py, from its profiles and the sample count its join reports), with the reference
+# machine's compute of a round for the median member's data (~1 s: rpi4's measured ~4.2 s x its factor 0.25) and
+# sync's deadline. async: a new version every half of the fleet's uploads (K = members / 2),
 # twice the versions of sync's rounds (the same uploads).
 MODES: dict[str, dict[str, Any]] = {
     "sync": {},
@@ -220,14 +221,16 @@ def participation_md(
         f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
         f"{100 * args.target:.0f} %. Simulated seconds on the composed clock (broker_server/simulation/timeline.py: "
         "link times measured, compute emulated, for every round however it closed). Modes: sync = today (deadline "
-        f"{args.deadline:g} s); select = {MODES['select']} (the straggler rule leaves the rpi3+nb-iot devices out of "
-        "every round, told when to come back); async = "
+        f"{args.deadline:g} s); select = {MODES['select']} (the straggler rule leaves out each device estimated "
+        "slower than 2 x a typical member from its profiles and sample count, told when to come back); async = "
         f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds; async3: buffer_k "
         f"3, a sensitivity row where it ran). Bytes = up + down "
         "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "
-        "last round (select: the chosen only, so the left-out rpi3+nb-iot devices' own accuracy is not in it). Late "
-        "releases: uploads this machine released later than the emulation asked by more than their whole round "
-        "(report_cli.long_overruns): those rounds' times are this machine's, not the devices'.",
+        "last round (select and async: those chosen or folded, so a left-out device's own accuracy is not in it). "
+        "Uploads leave in the order of their emulated release times whatever this machine's load (thread agents: "
+        "edge_agent/emulation.py ReleaseOrder), so which uploads a round or version folds is the devices' order; "
+        "late releases: uploads this machine released later than the emulation asked by more than their whole "
+        "round (report_cli.long_overruns), whose times the composed clock replaces.",
         "",
         "| preset | mode | seeds at target | time to target (s) | bytes to target | final acc % | simulated time (s) |"
         " devices a round | late releases |",

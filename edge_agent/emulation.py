@@ -13,6 +13,13 @@ and the overrun is reported (`overrun_s`): raise the compute factor's headroom b
 Per round the device reports, in its metrics message's `extra`: `recv_t` and `release_t` (epoch
 seconds, this machine's clock), `compute_cpu_s`, `compute_s` (simulated), `overrun_s`, and the
 upload choice (`upload_budget`, `upload_bytes`, `upload_value_bytes`, `upload_k`, `upload_fits`).
+In simulation the thread agents of one process train one at a time (edge_agent/runner.py's lock) and this
+machine may fall behind the time scale; which upload reaches the server first then depends on the lock's order and
+the load, not on the devices. `ReleaseOrder`, shared by the simulator's thread agents, releases their uploads in
+the order of their emulated release times (`arrival + compute / time_scale`), as a machine that keeps up would:
+an upload waits while another device that received its round message before that time is still training (its
+release could come first), and for every held upload due earlier. The wait is this machine's, never the link's:
+the simulator subtracts it from the measured upload time (broker_server/simulation/timeline.py).
 No torch, no numpy.
 """
 
@@ -23,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protofl.budget import upload_budget
 from protofl.profiles import DeviceProfile, LinkProfile
@@ -43,6 +50,8 @@ class Emulation:
     emulate_compute: bool = False  # simulation: hold uploads for the profile's compute time
     adaptive: bool = True  # fit uploads to the link and the deadline (needs a link)
     upload_share: float = 0.8  # of the time left before the deadline, after compute and a round trip
+    # simulation, thread agents: their uploads released in emulated order (one shared by all devices)
+    order: ReleaseOrder | None = field(default=None, compare=False, hash=False)
 
     @property
     def label(self) -> str:
@@ -99,12 +108,71 @@ class RoundClock:
         return self.release_t
 
 
+class ReleaseOrder:
+    """The simulator's thread agents' uploads, released in the order of their emulated release times (the module's
+    docstring). Thread-safe; a device that never reports done holds the others at most `max_wait_s` (counted in
+    `forced`)."""
+
+    def __init__(self, max_wait_s: float = 60.0) -> None:
+        self._cv = threading.Condition()
+        self._training: dict[str, float] = {}  # device -> when the round message it handles arrived (epoch s)
+        self._held: dict[str, list[float]] = {}  # device -> the release times of its messages not yet sent
+        self.waited: dict[tuple[str, float], float] = {}  # (device, release time) -> seconds held past it
+        self.max_wait_s = max_wait_s
+        self.forced = 0
+
+    def arrived(self, device: str, recv_t: float) -> None:
+        """`device` handles a round message that arrived at `recv_t`: its upload may be due from then on."""
+        with self._cv:
+            self._training[device] = recv_t
+
+    def done(self, device: str) -> None:
+        """`device` handled it (its uploads, if any, are held with their release times)."""
+        with self._cv:
+            self._training.pop(device, None)
+            self._cv.notify_all()
+
+    def hold(self, device: str, due: float) -> None:
+        with self._cv:
+            self._held.setdefault(device, []).append(due)
+
+    def _blocked(self, device: str, due: float) -> bool:
+        if any(t < due for d, t in self._training.items() if d != device):
+            return True
+        return any(min(q) < due or (min(q) == due and d < device) for d, q in self._held.items() if q and d != device)
+
+    def wait_turn(self, device: str, due: float) -> None:
+        """Block until `due` (epoch s) and until no other device's upload can be due before this one's."""
+        with self._cv:
+            give_up = time.time() + self.max_wait_s + max(0.0, due - time.time())
+            while True:
+                now = time.time()
+                if now >= due and not self._blocked(device, due):
+                    break
+                if now >= give_up:
+                    self.forced += 1
+                    log.warning("%s: released after %.0f s held for other devices' uploads", device, self.max_wait_s)
+                    break
+                self._cv.wait(min(max(due - now, 0.0) or 0.5, 0.5))
+            if now > due:
+                self.waited[(device, due)] = max(self.waited.get((device, due), 0.0), now - due)
+
+    def sent(self, device: str, due: float) -> None:
+        """`device`'s message held for `due` went out: the next in order may go."""
+        with self._cv:
+            q = self._held.get(device, [])
+            if due in q:
+                q.remove(due)
+            self._cv.notify_all()
+
+
 class HeldSender:
     """Publishes in order, each message not before its release time (a thread of its own, so the
     device's loop keeps serving its connection while its uploads are held)."""
 
-    def __init__(self, publish: Publish) -> None:
+    def __init__(self, publish: Publish, order: ReleaseOrder | None = None, device: str = "") -> None:
         self._publish = publish
+        self._order, self._device = order, device
         self._queue: queue.SimpleQueue[tuple[float, str, bytes, int] | None] = queue.SimpleQueue()
         self._last = 0.0
         self._thread = threading.Thread(target=self._run, daemon=True, name="held-sender")
@@ -112,6 +180,8 @@ class HeldSender:
 
     def submit(self, topic: str, payload: bytes, qos: int, not_before: float = 0.0) -> None:
         self._last = max(self._last, not_before)  # never overtake an earlier message
+        if self._order is not None and self._last > 0:
+            self._order.hold(self._device, self._last)
         self._queue.put((self._last, topic, payload, qos))
 
     def _run(self) -> None:
@@ -120,13 +190,17 @@ class HeldSender:
             if item is None:
                 return
             due, topic, payload, qos = item
-            wait = due - time.time()
-            if wait > 0:
+            if self._order is not None and due > 0:
+                self._order.wait_turn(self._device, due)
+            elif (wait := due - time.time()) > 0:
                 time.sleep(wait)
             try:
                 self._publish(topic, payload, qos)
             except Exception as exc:  # noqa: BLE001 - a closed transport at shutdown: nothing to send to
                 log.warning("held upload on %s not sent: %s", topic, exc)
+            finally:
+                if self._order is not None and due > 0:
+                    self._order.sent(self._device, due)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued (up to `timeout`), then stop."""

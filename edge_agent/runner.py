@@ -103,7 +103,11 @@ class DeviceRunner:
         # With a device profile, messages go out through a HeldSender: uploads not before their release time,
         # everything in order (retained ones, the presence, at once).
         self.held = (
-            HeldSender(lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos))
+            HeldSender(
+                lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos),
+                opts.emulation.order if opts.emulation is not None else None,
+                client_id,
+            )
             if self.clock is not None
             else None
         )
@@ -516,6 +520,17 @@ class DeviceRunner:
             return
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
+        order = self.opts.emulation.order if self.opts.emulation is not None else None
+        if order is None:
+            self._handle_round(agent, topic, payload, recv_t)
+            return
+        order.arrived(self.client_id, recv_t)  # simulation: uploads leave in emulated order (edge_agent/emulation.py)
+        try:
+            self._handle_round(agent, topic, payload, recv_t)
+        finally:
+            order.done(self.client_id)
+
+    def _handle_round(self, agent: EdgeAgent, topic: str, payload: bytes, recv_t: float) -> None:
         with _AGENT_LOCK:
             out = agent.receive(topic, payload, recv_t=recv_t)
             if out.changed and self.opts.state_dir is not None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from edge_agent.emulation import Emulation, HeldSender, RoundClock
+from edge_agent.emulation import Emulation, HeldSender, ReleaseOrder, RoundClock
 from protofl.profiles import load_device, load_link
 
 
@@ -48,3 +48,27 @@ def test_held_sender_keeps_order_and_holds() -> None:
     held.close()
     assert [s[0] for s in sent] == ["upload", "metrics"]
     assert sent[0][1] >= t0 + 0.2 and sent[1][1] >= sent[0][1]
+
+
+def test_release_order_sends_uploads_in_emulated_order_whatever_the_machine_s() -> None:
+    """The simulator's thread agents: b's upload, due first but released by this machine while a still trains
+    (a's round message came earlier), waits for a; a's, due earlier still, goes first; c (round message after
+    b's due) holds nobody. The time b was held past its due is recorded (this machine's, not its link's)."""
+    order = ReleaseOrder()
+    sent: list[str] = []
+
+    def sender(name: str) -> HeldSender:
+        return HeldSender(lambda topic, payload, qos: sent.append(name), order, name)
+
+    t0 = time.time()
+    a, b = sender("a"), sender("b")
+    order.arrived("a", t0 - 2.0)  # a trains the round message that came 2 s ago
+    order.arrived("c", t0 + 60.0)  # c's came after every due here: it cannot come first
+    due_b = t0 - 0.5
+    b.submit("upload", b"", 1, not_before=due_b)  # overrun: due half a second ago
+    a.submit("upload", b"", 1, not_before=t0 - 1.0)  # a was done training 1 s ago (this machine ran late)
+    order.done("a")
+    a.close()
+    b.close()
+    assert sent == ["a", "b"]
+    assert order.waited[("b", due_b)] >= 0.5 and order.forced == 0
