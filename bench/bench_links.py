@@ -239,13 +239,21 @@ def participation_md(
     verdicts = []
     for preset in args.presets.split(","):
         base_t, base_acc = None, None
+        base_ts: dict[int, float | None] = {}
+        base_accs: dict[int, float | None] = {}
         for mode in args.modes.split(","):
-            rs = [runs[(preset, mode, s)] for s in seeds if (preset, mode, s) in runs]
+            ran = [s for s in seeds if (preset, mode, s) in runs]
+            rs = [runs[(preset, mode, s)] for s in ran]
             if not rs:
                 continue
             ts = [time_to_target(r, args.target, args.metric) for r in rs]
             bs = [bytes_to(r, t) for r, t in zip(rs, ts, strict=True)]
-            accs = [accuracy(r["rounds"][-1], args.metric) for r in rs]
+            # the last round that measured it (an asynchronous run's last version can fold only stale uploads,
+            # whose devices sent their metrics with the version they trained from)
+            accs = [
+                next((a for x in reversed(r["rounds"]) if (a := accuracy(x, args.metric)) is not None), None)
+                for r in rs
+            ]
             hit = [t for t in ts if t is not None]
             t_mean = mean(hit) if len(hit) == len(rs) else None
             acc_mean = mean([a for a in accs if a is not None])
@@ -259,11 +267,18 @@ def participation_md(
             )
             if mode == "sync":
                 base_t, base_acc = t_mean, acc_mean
+                base_ts, base_accs = dict(zip(ran, ts, strict=True)), dict(zip(ran, accs, strict=True))
             elif base_t and t_mean is not None and base_acc is not None:
+                paired = []
+                for sd, t, a in zip(ran, ts, accs, strict=True):
+                    bt, ba = base_ts.get(sd), base_accs.get(sd)
+                    if t is not None and a is not None and bt and ba is not None:
+                        paired.append(f"seed {sd} {t / bt:.2f}x {100 * (a - ba):+.1f}")
                 verdicts.append(
                     f"- {preset}, {mode}: time to target {t_mean / base_t:.2f} x sync's (goal <= 0.33), final "
                     f"accuracy {100 * (acc_mean - base_acc):+.1f} points (goal >= -1): "
-                    f"{'met' if t_mean / base_t <= 1 / 3 and acc_mean - base_acc >= -0.01 else 'not met'}."
+                    f"{'met' if t_mean / base_t <= 1 / 3 and acc_mean - base_acc >= -0.01 else 'not met'}. "
+                    f"Paired with sync's run of the same seed (time ratio, accuracy points): {'; '.join(paired)}."
                 )
             else:
                 verdicts.append(f"- {preset}, {mode}: not every seed reached the target (or sync did not).")
