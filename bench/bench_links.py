@@ -209,12 +209,24 @@ def participation_md(
         n = next(i for i, x in enumerate(times) if x >= t - 1e-9) + 1
         return sum(r["uplink_bytes"] + r["downlink_bytes"] for r in run["rounds"][:n])
 
+    def ratio(x: float) -> str:
+        return f"{x:.2f}" if x >= 0.1 else f"{x:.4f}"
+
     seeds = sorted({k[2] for k in runs})
+    # the time scale each preset's runs ran at (from their run JSONs: one invocation per scale)
+    scales = {
+        p: sorted({r["links"]["time_scale"] for k, r in runs.items() if k[0] == p}) for p in args.presets.split(",")
+    }
+    commands = " and ".join(
+        f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {p} "
+        f"--rounds {args.rounds} --proto-time-scale {sc:g} --target {args.target:g}`"
+        for p, ss in scales.items()
+        for sc in ss
+    )
     lines = [
         SECTION,
         "",
-        f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {args.presets} "
-        f"--rounds {args.rounds} --proto-time-scale {args.proto_time_scale:g} --target {args.target:g}` "
+        f"{commands} "
         f"({platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average {load[0]} to {load[1]} "
         f"while it ran; {wall / 60:.0f} min of wall time). Fleet `{args.fleet}`, Fashion-MNIST (alpha "
         f"{args.alpha}, train limit {args.train_limit}), arch {args.arch}, seeds {', '.join(map(str, seeds))}; "
@@ -273,9 +285,9 @@ def participation_md(
                 for sd, t, a in zip(ran, ts, accs, strict=True):
                     bt, ba = base_ts.get(sd), base_accs.get(sd)
                     if t is not None and a is not None and bt and ba is not None:
-                        paired.append(f"seed {sd} {t / bt:.2f}x {100 * (a - ba):+.1f}")
+                        paired.append(f"seed {sd} {ratio(t / bt)}x {100 * (a - ba):+.1f}")
                 verdicts.append(
-                    f"- {preset}, {mode}: time to target {t_mean / base_t:.2f} x sync's (goal <= 0.33), final "
+                    f"- {preset}, {mode}: time to target {ratio(t_mean / base_t)} x sync's (goal <= 0.33), final "
                     f"accuracy {100 * (acc_mean - base_acc):+.1f} points (goal >= -1): "
                     f"{'met' if t_mean / base_t <= 1 / 3 and acc_mean - base_acc >= -0.01 else 'not met'}. "
                     f"Paired with sync's run of the same seed (time ratio, accuracy points): {'; '.join(paired)}."

@@ -17,8 +17,8 @@ In simulation the thread agents of one process train one at a time (edge_agent/r
 machine may fall behind the time scale; which upload reaches the server first then depends on the lock's order and
 the load, not on the devices. `ReleaseOrder`, shared by the simulator's thread agents, releases their uploads in
 the order of their emulated release times (`arrival + compute / time_scale`), as a machine that keeps up would:
-an upload waits while another device that received its round message before that time is still training (its
-release could come first), and for every held upload due earlier. The wait is this machine's, never the link's:
+an upload waits while another device that received its round message before that time has not yet trained on it
+(its release could come first), and for every held upload due earlier. The wait is this machine's, never the link's:
 the simulator subtracts it from the measured upload time (broker_server/simulation/timeline.py).
 No torch, no numpy.
 """
@@ -117,9 +117,17 @@ class ReleaseOrder:
         self._cv = threading.Condition()
         self._training: dict[str, float] = {}  # device -> when the round message it handles arrived (epoch s)
         self._held: dict[str, list[float]] = {}  # device -> the release times of its messages not yet sent
+        # device -> when a round message it has not begun to handle arrived (None: none waits); its thread may be
+        # busy with another message (the runner's lock), and the upload it will train can still come first
+        self._waiting: dict[str, Callable[[], float | None]] = {}
         self.waited: dict[tuple[str, float], float] = {}  # (device, release time) -> seconds held past it
         self.max_wait_s = max_wait_s
         self.forced = 0
+
+    def watch(self, device: str, waiting: Callable[[], float | None]) -> None:
+        """`waiting()`: when the round message `device` has not begun to handle arrived, or None."""
+        with self._cv:
+            self._waiting[device] = waiting
 
     def arrived(self, device: str, recv_t: float) -> None:
         """`device` handles a round message that arrived at `recv_t`: its upload may be due from then on."""
@@ -138,6 +146,8 @@ class ReleaseOrder:
 
     def _blocked(self, device: str, due: float) -> bool:
         if any(t < due for d, t in self._training.items() if d != device):
+            return True
+        if any((t := w()) is not None and t < due for d, w in self._waiting.items() if d != device):
             return True
         return any(min(q) < due or (min(q) == due and d < device) for d, q in self._held.items() if q and d != device)
 

@@ -111,6 +111,8 @@ class DeviceRunner:
             if self.clock is not None
             else None
         )
+        if opts.emulation is not None and opts.emulation.order is not None:
+            opts.emulation.order.watch(client_id, self._round_waiting)
         self._stop = threading.Event()
         self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
         self._attempts = 0
@@ -529,6 +531,11 @@ class DeviceRunner:
             self._handle_round(agent, topic, payload, recv_t)
         finally:
             order.done(self.client_id)
+
+    def _round_waiting(self) -> float | None:
+        """When the round message waiting in the inbox, not yet handled, arrived (None: none waits)."""
+        topic = topics.round_(self.fed)
+        return self.transport.arrived.get(topic) if self.transport.waiting(topic) else None
 
     def _handle_round(self, agent: EdgeAgent, topic: str, payload: bytes, recv_t: float) -> None:
         with _AGENT_LOCK:

@@ -52,8 +52,9 @@ def test_held_sender_keeps_order_and_holds() -> None:
 
 def test_release_order_sends_uploads_in_emulated_order_whatever_the_machine_s() -> None:
     """The simulator's thread agents: b's upload, due first but released by this machine while a still trains
-    (a's round message came earlier), waits for a; a's, due earlier still, goes first; c (round message after
-    b's due) holds nobody. The time b was held past its due is recorded (this machine's, not its link's)."""
+    (a's round message came earlier), waits for a, and for d, whose round message waits unhandled; a's, due
+    earlier still, goes first; c (round message after b's due) holds nobody. The time b was held past its due is
+    recorded (this machine's, not its link's)."""
     order = ReleaseOrder()
     sent: list[str] = []
 
@@ -64,11 +65,15 @@ def test_release_order_sends_uploads_in_emulated_order_whatever_the_machine_s() 
     a, b = sender("a"), sender("b")
     order.arrived("a", t0 - 2.0)  # a trains the round message that came 2 s ago
     order.arrived("c", t0 + 60.0)  # c's came after every due here: it cannot come first
+    waits: list[float | None] = [t0 - 0.8]  # d's round message (after a's due, before b's) waits, unhandled
+    order.watch("d", lambda: waits[0])
     due_b = t0 - 0.5
     b.submit("upload", b"", 1, not_before=due_b)  # overrun: due half a second ago
     a.submit("upload", b"", 1, not_before=t0 - 1.0)  # a was done training 1 s ago (this machine ran late)
     order.done("a")
     a.close()
+    assert sent == ["a"]  # b still waits for d
+    waits[0] = None  # d handled it: nothing of d's to wait for (it trained nothing here)
     b.close()
     assert sent == ["a", "b"]
     assert order.waited[("b", due_b)] >= 0.5 and order.forced == 0
