@@ -67,7 +67,13 @@ class RoundClock:
         self.recv_t = 0.0
         self._cpu0 = 0.0
         self.release_t: float | None = None
+        self.last_release = 0.0  # the previous round message's release: the device trains one at a time
         self.extra: dict[str, float] = {}
+
+    def start(self, recv_t: float) -> float:
+        """When the device starts training a round message that arrived at `recv_t`: not before it released the
+        previous one's uploads (an asynchronous device still busy with an older version; timeline.py's rule)."""
+        return max(recv_t, self.last_release)
 
     def begin(self, recv_t: float) -> None:
         """A round message arrived at `recv_t` (epoch s); its handling starts now on this thread."""
@@ -100,8 +106,8 @@ class RoundClock:
             cpu = time.thread_time() - self._cpu0
             compute = self.compute_s(cpu)
             now = time.time()
-            target = self.recv_t + compute / self.em.time_scale if self.em.emulate_compute else now
-            self.release_t = max(now, target)
+            target = self.start(self.recv_t) + compute / self.em.time_scale if self.em.emulate_compute else now
+            self.release_t = self.last_release = max(now, target)
             self.extra.update(
                 compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t, overrun_s=max(0.0, now - target)
             )

@@ -526,7 +526,8 @@ class DeviceRunner:
         if order is None:
             self._handle_round(agent, topic, payload, recv_t)
             return
-        order.arrived(self.client_id, recv_t)  # simulation: uploads leave in emulated order (edge_agent/emulation.py)
+        # simulation: uploads leave in emulated order (edge_agent/emulation.py), this one's due from its start
+        order.arrived(self.client_id, self.clock.start(recv_t) if self.clock is not None else recv_t)
         try:
             self._handle_round(agent, topic, payload, recv_t)
         finally:
@@ -535,7 +536,8 @@ class DeviceRunner:
     def _round_waiting(self) -> float | None:
         """When the round message waiting in the inbox, not yet handled, arrived (None: none waits)."""
         topic = topics.round_(self.fed)
-        return self.transport.arrived.get(topic) if self.transport.waiting(topic) else None
+        recv_t = self.transport.arrived.get(topic) if self.transport.waiting(topic) else None
+        return None if recv_t is None or self.clock is None else self.clock.start(recv_t)
 
     def _handle_round(self, agent: EdgeAgent, topic: str, payload: bytes, recv_t: float) -> None:
         with _AGENT_LOCK:

@@ -37,6 +37,11 @@ def test_uploads_wait_for_the_emulated_compute() -> None:
     assert cpu >= 0.01 and compute == pytest.approx(cpu / 0.08)
     assert release == pytest.approx(clock.recv_t + compute, abs=0.01) and clock.extra["overrun_s"] == 0.0
     assert clock.upload_release() == release  # one release per round message
+    # Asynchronous rounds: a newer version's message that came while the device still trained (before `release`)
+    # is trained from that release on, as the composed clock says (timeline.py): its uploads leave compute later.
+    clock.begin(release - 0.1)
+    again = clock.upload_release()
+    assert again == pytest.approx(release + clock.extra["compute_s"], abs=0.01)
 
 
 def test_held_sender_keeps_order_and_holds() -> None:
