@@ -18,7 +18,8 @@ machine may fall behind the time scale; which upload reaches the server first th
 the load, not on the devices. `ReleaseOrder`, shared by the simulator's thread agents, releases their uploads in
 the order of their emulated release times (`arrival + compute / time_scale`), as a machine that keeps up would:
 an upload waits while another device that received its round message before that time has not yet trained on it
-(its release could come first), and for every held upload due earlier. The wait is this machine's, never the link's:
+(its release could come first), and for every held upload due earlier; uploads let go late keep the spacing of
+their dues (so that they reach the server in that order). The wait is this machine's, never the link's:
 the simulator subtracts it from the measured upload time (broker_server/simulation/timeline.py).
 No torch, no numpy.
 """
@@ -129,6 +130,7 @@ class ReleaseOrder:
         self.waited: dict[tuple[str, float], float] = {}  # (device, release time) -> seconds held past it
         self.max_wait_s = max_wait_s
         self.forced = 0
+        self._last = (0.0, 0.0)  # the latest release: (its due, when it went)
 
     def watch(self, device: str, waiting: Callable[[], float | None]) -> None:
         """`waiting()`: when the round message `device` has not begun to handle arrived, or None."""
@@ -163,13 +165,19 @@ class ReleaseOrder:
             give_up = time.time() + self.max_wait_s + max(0.0, due - time.time())
             while True:
                 now = time.time()
-                if now >= due and not self._blocked(device, due):
+                # Released late, uploads keep the spacing of their dues: several let go at once would reach the
+                # server in whatever order their connections deliver them.
+                last_due, last_went = self._last
+                spaced = last_went + due - last_due if due > last_due else 0.0
+                if now >= due and now >= spaced and not self._blocked(device, due):
                     break
                 if now >= give_up:
                     self.forced += 1
                     log.warning("%s: released after %.0f s held for other devices' uploads", device, self.max_wait_s)
                     break
-                self._cv.wait(min(max(due - now, 0.0) or 0.5, 0.5))
+                self._cv.wait(min(max(due - now, spaced - now, 0.0) or 0.5, 0.5))
+            if due >= last_due:
+                self._last = (due, now)
             if now > due:
                 self.waited[(device, due)] = max(self.waited.get((device, due), 0.0), now - due)
 
