@@ -115,6 +115,9 @@ class RoundClock:
         return self.release_t
 
 
+SPACING_S = 0.25  # real seconds between uploads let go late, at most (well over a fast link's one-way delay)
+
+
 class ReleaseOrder:
     """The simulator's thread agents' uploads, released in the order of their emulated release times (the module's
     docstring). Thread-safe; a device that never reports done holds the others at most `max_wait_s` (counted in
@@ -165,10 +168,11 @@ class ReleaseOrder:
             give_up = time.time() + self.max_wait_s + max(0.0, due - time.time())
             while True:
                 now = time.time()
-                # Released late, uploads keep the spacing of their dues: several let go at once would reach the
-                # server in whatever order their connections deliver them.
+                # Released late, uploads keep the spacing of their dues, up to SPACING_S: several let go at once
+                # would reach the server in whatever order their connections deliver them (not more: the lag of
+                # one late release must not carry over to every later one).
                 last_due, last_went = self._last
-                spaced = last_went + due - last_due if due > last_due else 0.0
+                spaced = last_went + min(due - last_due, SPACING_S) if due > last_due else 0.0
                 if now >= due and now >= spaced and not self._blocked(device, due):
                     break
                 if now >= give_up:
