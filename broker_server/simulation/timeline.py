@@ -27,8 +27,9 @@ next one when it released that one's upload). A round's simulated length `round_
 
 Which uploads a version folded was decided in real time. With thread agents (simulate's default) the uploads
 leave in the order of their emulated release times whatever this machine's load (`ReleaseOrder`), so that choice
-is the one a machine that keeps up would make within a version; a stale upload (trained from an older version)
-can still land in another version than on the composed clock, where this machine ran versions longer than it.
+is the one a machine that keeps up would make within a version. Across versions it need not be: the release
+times are real times, so where this machine ran a version longer than the composed clock, an upload of the next
+version can wait behind an older one that the composed clock puts after it.
 `wall_round_s` (real open-to-close x time_scale) is
 reported beside it. Time between rounds (the simulator's own evaluation) is not counted. numpy only.
 """
