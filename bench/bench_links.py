@@ -180,9 +180,10 @@ def links_md(
 
 
 # What each mode adds to the run's config (protofl/participation.py), each a rule, not a figure fitted to this fleet:
-# select: select_fit's straggler rule at its default (a device estimated slower than 2 x the median member is left
-# out, broker_server/selection.py), with the reference machine's compute of a round (~1 s: rpi4's measured ~4.2 s
-# x its factor 0.25) and sync's deadline. async: a new version every half of the fleet's uploads (K = members / 2),
+# select: select_fit's straggler rule at its default (a device estimated slower than 2 x a typical member is left
+# out, broker_server/selection.py, from its profiles and the sample count its join reports), with the reference
+# machine's compute of a round for the median member's data (~1 s: rpi4's measured ~4.2 s x its factor 0.25) and
+# sync's deadline. async: a new version every half of the fleet's uploads (K = members / 2),
 # twice the versions of sync's rounds (the same uploads).
 MODES: dict[str, dict[str, Any]] = {
     "sync": {},
@@ -208,26 +209,40 @@ def participation_md(
         n = next(i for i, x in enumerate(times) if x >= t - 1e-9) + 1
         return sum(r["uplink_bytes"] + r["downlink_bytes"] for r in run["rounds"][:n])
 
+    def ratio(x: float) -> str:
+        return f"{x:.2f}" if x >= 0.1 else f"{x:.4f}"
+
     seeds = sorted({k[2] for k in runs})
+    # the time scale each preset's runs ran at (from their run JSONs: one invocation per scale)
+    scales = {
+        p: sorted({r["links"]["time_scale"] for k, r in runs.items() if k[0] == p}) for p in args.presets.split(",")
+    }
+    commands = " and ".join(
+        f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {p} "
+        f"--rounds {args.rounds} --proto-time-scale {sc:g} --target {args.target:g}`"
+        for p, ss in scales.items()
+        for sc in ss
+    )
     lines = [
         SECTION,
         "",
-        f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {args.presets} "
-        f"--rounds {args.rounds} --proto-time-scale {args.proto_time_scale:g} --target {args.target:g}` "
+        f"{commands} "
         f"({platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average {load[0]} to {load[1]} "
         f"while it ran; {wall / 60:.0f} min of wall time). Fleet `{args.fleet}`, Fashion-MNIST (alpha "
         f"{args.alpha}, train limit {args.train_limit}), arch {args.arch}, seeds {', '.join(map(str, seeds))}; "
         f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
         f"{100 * args.target:.0f} %. Simulated seconds on the composed clock (broker_server/simulation/timeline.py: "
         "link times measured, compute emulated, for every round however it closed). Modes: sync = today (deadline "
-        f"{args.deadline:g} s); select = {MODES['select']} (the straggler rule leaves the rpi3+nb-iot devices out of "
-        "every round, told when to come back); async = "
+        f"{args.deadline:g} s); select = {MODES['select']} (the straggler rule leaves out each device estimated "
+        "slower than 2 x a typical member from its profiles and sample count, told when to come back); async = "
         f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds; async3: buffer_k "
         f"3, a sensitivity row where it ran). Bytes = up + down "
         "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "
-        "last round (select: the chosen only, so the left-out rpi3+nb-iot devices' own accuracy is not in it). Late "
-        "releases: uploads this machine released later than the emulation asked by more than their whole round "
-        "(report_cli.long_overruns): those rounds' times are this machine's, not the devices'.",
+        "last round (select and async: those chosen or folded, so a left-out device's own accuracy is not in it). "
+        "Uploads leave in the order of their emulated release times whatever this machine's load (thread agents: "
+        "edge_agent/emulation.py ReleaseOrder), so which uploads a round or version folds is the devices' order; "
+        "late releases: uploads this machine released later than the emulation asked by more than their whole "
+        "round (report_cli.long_overruns), whose times the composed clock replaces.",
         "",
         "| preset | mode | seeds at target | time to target (s) | bytes to target | final acc % | simulated time (s) |"
         " devices a round | late releases |",
@@ -236,13 +251,21 @@ def participation_md(
     verdicts = []
     for preset in args.presets.split(","):
         base_t, base_acc = None, None
+        base_ts: dict[int, float | None] = {}
+        base_accs: dict[int, float | None] = {}
         for mode in args.modes.split(","):
-            rs = [runs[(preset, mode, s)] for s in seeds if (preset, mode, s) in runs]
+            ran = [s for s in seeds if (preset, mode, s) in runs]
+            rs = [runs[(preset, mode, s)] for s in ran]
             if not rs:
                 continue
             ts = [time_to_target(r, args.target, args.metric) for r in rs]
             bs = [bytes_to(r, t) for r, t in zip(rs, ts, strict=True)]
-            accs = [accuracy(r["rounds"][-1], args.metric) for r in rs]
+            # the last round that measured it (an asynchronous run's last version can fold only stale uploads,
+            # whose devices sent their metrics with the version they trained from)
+            accs = [
+                next((a for x in reversed(r["rounds"]) if (a := accuracy(x, args.metric)) is not None), None)
+                for r in rs
+            ]
             hit = [t for t in ts if t is not None]
             t_mean = mean(hit) if len(hit) == len(rs) else None
             acc_mean = mean([a for a in accs if a is not None])
@@ -256,11 +279,18 @@ def participation_md(
             )
             if mode == "sync":
                 base_t, base_acc = t_mean, acc_mean
+                base_ts, base_accs = dict(zip(ran, ts, strict=True)), dict(zip(ran, accs, strict=True))
             elif base_t and t_mean is not None and base_acc is not None:
+                paired = []
+                for sd, t, a in zip(ran, ts, accs, strict=True):
+                    bt, ba = base_ts.get(sd), base_accs.get(sd)
+                    if t is not None and a is not None and bt and ba is not None:
+                        paired.append(f"seed {sd} {ratio(t / bt)}x {100 * (a - ba):+.1f}")
                 verdicts.append(
-                    f"- {preset}, {mode}: time to target {t_mean / base_t:.2f} x sync's (goal <= 0.33), final "
+                    f"- {preset}, {mode}: time to target {ratio(t_mean / base_t)} x sync's (goal <= 0.33), final "
                     f"accuracy {100 * (acc_mean - base_acc):+.1f} points (goal >= -1): "
-                    f"{'met' if t_mean / base_t <= 1 / 3 and acc_mean - base_acc >= -0.01 else 'not met'}."
+                    f"{'met' if t_mean / base_t <= 1 / 3 and acc_mean - base_acc >= -0.01 else 'not met'}. "
+                    f"Paired with sync's run of the same seed (time ratio, accuracy points): {'; '.join(paired)}."
                 )
             else:
                 verdicts.append(f"- {preset}, {mode}: not every seed reached the target (or sync did not).")

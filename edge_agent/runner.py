@@ -103,10 +103,16 @@ class DeviceRunner:
         # With a device profile, messages go out through a HeldSender: uploads not before their release time,
         # everything in order (retained ones, the presence, at once).
         self.held = (
-            HeldSender(lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos))
+            HeldSender(
+                lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos),
+                opts.emulation.order if opts.emulation is not None else None,
+                client_id,
+            )
             if self.clock is not None
             else None
         )
+        if opts.emulation is not None and opts.emulation.order is not None:
+            opts.emulation.order.watch(client_id, self._round_waiting)
         self._stop = threading.Event()
         self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
         self._attempts = 0
@@ -516,6 +522,24 @@ class DeviceRunner:
             return
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
+        order = self.opts.emulation.order if self.opts.emulation is not None else None
+        if order is None:
+            self._handle_round(agent, topic, payload, recv_t)
+            return
+        # simulation: uploads leave in emulated order (edge_agent/emulation.py), this one's due from its start
+        order.arrived(self.client_id, self.clock.start(recv_t) if self.clock is not None else recv_t)
+        try:
+            self._handle_round(agent, topic, payload, recv_t)
+        finally:
+            order.done(self.client_id)
+
+    def _round_waiting(self) -> float | None:
+        """When the round message waiting in the inbox, not yet handled, arrived (None: none waits)."""
+        topic = topics.round_(self.fed)
+        recv_t = self.transport.arrived.get(topic) if self.transport.waiting(topic) else None
+        return None if recv_t is None or self.clock is None else self.clock.start(recv_t)
+
+    def _handle_round(self, agent: EdgeAgent, topic: str, payload: bytes, recv_t: float) -> None:
         with _AGENT_LOCK:
             out = agent.receive(topic, payload, recv_t=recv_t)
             if out.changed and self.opts.state_dir is not None:

@@ -41,7 +41,7 @@ from protofl.profiles import DeviceClass
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
 
 if TYPE_CHECKING:
-    from edge_agent.emulation import Emulation
+    from edge_agent.emulation import Emulation, ReleaseOrder
 
 log = logging.getLogger("protofl.simulate")
 REPO = Path(__file__).resolve().parents[2]
@@ -71,8 +71,9 @@ def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
     ]
 
 
-def emulation(spec: SimulationSpec, device: DeviceClass | None) -> Emulation | None:
-    """What `profile_args` says, for a device runner in this process."""
+def emulation(spec: SimulationSpec, device: DeviceClass | None, order: ReleaseOrder | None = None) -> Emulation | None:
+    """What `profile_args` says, for a device runner in this process; `order`: the thread agents' shared release
+    order (edge_agent/emulation.py)."""
     if device is None:
         return None
     from edge_agent.emulation import Emulation
@@ -84,6 +85,7 @@ def emulation(spec: SimulationSpec, device: DeviceClass | None) -> Emulation | N
         emulate_compute=True,
         adaptive=spec.adaptive,
         upload_share=spec.upload_share,
+        order=order,
     )
 
 
@@ -229,8 +231,12 @@ class AgentThreads:
         auth: BrokerAuth | None = None,
         links: Links | None = None,
     ) -> None:
+        from edge_agent.emulation import ReleaseOrder
         from edge_agent.local_data import DataSpec
         from edge_agent.runner import DeviceRunner, RunnerOptions
+
+        # One process trains every device in turn: their uploads leave in emulated order, whatever the load.
+        self.order: ReleaseOrder | None = ReleaseOrder() if links is not None else None
 
         def opts(i: int) -> RunnerOptions:
             device = links.devices[i] if links is not None else None
@@ -240,7 +246,7 @@ class AgentThreads:
                 test_every=spec.test_every,
                 protocol=protocol,  # type: ignore[arg-type]
                 extractor=spec.extractor,
-                emulation=emulation(spec, device),
+                emulation=emulation(spec, device, self.order),
                 artifacts=spec.out_dir,
                 memory_limit=False,  # one process for every device (and the simulator): no device's memory alone
             )
@@ -360,6 +366,8 @@ def run_over_mqtt(
         service.start()
         stack.callback(service.close)
         agents = (AgentProcesses if spec.agents == "process" else AgentThreads)(spec, broker, protocol, auth, links)
+        if report.links is not None:
+            report.links.order = getattr(agents, "order", None)  # thread agents: the machine's holds, not the links'
         agents.start()
         finished = False
         # Finished: give agents time to see the final round and leave; failed: stop them now.

@@ -5,6 +5,8 @@ For device d in round r (times from the round's opening at the server):
     downlink_s = (round message reached d - round opened) x time_scale        measured, through d's link
     compute_s  = d's CPU time for the round / compute_factor                   emulated (edge_agent.emulation)
     upload_s   = (upload reached the broker - upload released) x time_scale    measured, through d's link
+                 (less the time the simulator held it for other devices' earlier uploads: edge_agent/emulation.py
+                 `ReleaseOrder`, this machine's wait, reported in `overrun_s`)
     done_s     = downlink_s + compute_s + upload_s
 
 `done_s` composes measured link times with the emulated compute, so it stays honest where this
@@ -23,8 +25,12 @@ next one when it released that one's upload). A round's simulated length `round_
   this machine released an upload late, and its length is the latest of those arrivals;
 - where no upload it folded has a composed time: its real length x time_scale.
 
-Which uploads a version folded was decided in real time, so where this machine released uploads out of their
-composed order the composed clock keeps the real choice. `wall_round_s` (real open-to-close x time_scale) is
+Which uploads a version folded was decided in real time. With thread agents (simulate's default) the uploads
+leave in the order of their emulated release times whatever this machine's load (`ReleaseOrder`), so that choice
+is the one a machine that keeps up would make within a version. Across versions it need not be: the release
+times are real times, so where this machine ran a version longer than the composed clock, an upload of the next
+version can wait behind an older one that the composed clock puts after it.
+`wall_round_s` (real open-to-close x time_scale) is
 reported beside it. Time between rounds (the simulator's own evaluation) is not counted. numpy only.
 """
 
@@ -47,7 +53,10 @@ def device_rows(
     metrics: Mapping[str, Metrics],
     scale: float,
     deadline_s: float,
+    waited: Mapping[tuple[str, float], float] | None = None,
 ) -> list[dict[str, Any]]:
+    """`waited`: (device, release time) -> real seconds the simulator held that upload past its release time."""
+    waited = waited or {}
     rows = []
     for cid, dev in zip(clients, devices, strict=True):
         mine = [a for a in arrivals if a.sender == cid and a.round == rec.round]
@@ -85,7 +94,10 @@ def device_rows(
         if last is not None:
             row["wall_done_s"] = (last - rec.started) * scale
             if "release_t" in extra:
-                row["upload_s"] = max(0.0, (last - extra["release_t"]) * scale)
+                held = waited.get((cid, extra["release_t"]), 0.0)
+                row["upload_s"] = max(0.0, (last - extra["release_t"] - held) * scale)
+                if held and row["overrun_s"] is not None:
+                    row["overrun_s"] += held * scale
         if None not in (row["downlink_s"], row["compute_s"], row["upload_s"]):
             row["done_s"] = row["downlink_s"] + row["compute_s"] + row["upload_s"]
         # In time by the composed clock; `made_it` is the server's word (real time, so an overrun of
@@ -136,13 +148,14 @@ def timeline(
     metrics: Mapping[int, Mapping[str, Metrics]],
     scale: float,
     deadline_s: float,
+    waited: Mapping[tuple[str, float], float] | None = None,
 ) -> dict[str, Any]:
     """The report's `links` section: per-round lengths with the running simulated time, per-device rows."""
     rounds, devices_out, t = [], [], 0.0
     released: dict[str, float] = {}  # each device's last release on the composed clock (busy until then)
     arrive: dict[tuple[str, int], float] = {}
     for rec in records:
-        rows = device_rows(rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s)
+        rows = device_rows(rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s, waited)
         for row in rows:
             if row["done_s"] is not None:
                 cid = row["client"]
@@ -175,6 +188,7 @@ class LinkReport:
         self.time_scale, self.deadline_s = time_scale, deadline_s
         self.adaptive, self.upload_share = adaptive, upload_share
         self._grace_end: float | None = None
+        self.order: Any = None  # thread agents' ReleaseOrder (edge_agent/emulation.py): its holds are this machine's
 
     def timings_in(self, metrics: Mapping[int, Mapping[str, Metrics]]) -> bool:
         """Whether every device has reported its timings (metrics) for every round so far."""
@@ -192,9 +206,7 @@ class LinkReport:
     def sim_time(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> float:
         """Simulated time at the end of the last of `records` (the rounds so far, in order): the composed
         clock of the `links` section, the one figure the progress bar, the rows and the report all show."""
-        rounds = timeline(
-            records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale, self.deadline_s
-        )["rounds"]
+        rounds = self._timeline(records, metrics)["rounds"]
         return float(rounds[-1]["sim_time_s"]) if rounds else 0.0
 
     def to_json(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> dict[str, Any]:
@@ -223,9 +235,15 @@ class LinkReport:
             "clients": {cid: d.name for cid, d in zip(self.clients, self.devices, strict=True)},
             "proxies": self.links.stats(),
         }
-        out.update(
-            timeline(
-                records, self.clients, self.devices, self.watcher.arrivals, metrics, self.time_scale, self.deadline_s
-            )
+        out.update(self._timeline(records, metrics))
+        out["release_order"] = (
+            None if self.order is None else {"held": len(self.order.waited), "forced": self.order.forced}
         )
         return out
+
+    def _timeline(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> dict[str, Any]:
+        waited = {} if self.order is None else dict(self.order.waited)
+        arrivals = self.watcher.arrivals
+        return timeline(
+            records, self.clients, self.devices, arrivals, metrics, self.time_scale, self.deadline_s, waited
+        )

@@ -4,6 +4,7 @@ processes on a real Mosquitto; and the draw itself, deterministic per seed and r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -119,6 +120,25 @@ def test_select_fit_leaves_out_the_stragglers_whatever_the_deadline() -> None:
     assert Selection(off).choose(1, members, 2000, {c: 2000 for c in members}).left_out == {}
     with pytest.raises(ConfigError, match="select_fit_ratio"):
         make_config("tinyproto", select_fit_ratio=0.5)
+
+
+def test_the_compute_estimate_scales_with_the_samples_a_device_reports() -> None:
+    """Hand-computed (select_compute_s 1, 2,000 B down and up): the median member holds 100 samples; a typical
+    member's time is the median of the members' estimates at 100 samples: an rpi4 on LTE, 0.05 + 16,000 / 30e6 +
+    16,000 / 8e6 + 1 / 0.25 = 4.0525 s, so the bar is 8.105 s. The rpi4 holding 210 samples needs 2.1 x 4 + 0.0525 =
+    8.4525 s: a straggler. The rpi3s on NB-IoT holding 30 each need 1.6 + 16,000 / 27,200 + 16,000 / 62,500 + 0.3 x
+    12.5 = 6.194 s: kept (at 100 samples they would not be: 14.94 s)."""
+    members = _members()
+    samples = {"lte-3": 210} | {f"nb-{i}": 30 for i in range(4)}
+    members = {c: dataclasses.replace(j, n_samples=samples.get(c, 100)) for c, j in members.items()}
+    sel = Selection(make_config("tinyproto", select_fit=True, select_compute_s=1.0))
+    assert sel.estimate(members["lte-3"], 2000, 2000, 2.1) == pytest.approx(0.05 + 16_000 / 30e6 + 16_000 / 8e6 + 8.4)
+    nb = 1.6 + 16_000 / 27_200 + 16_000 / 62_500
+    assert sel.estimate(members["nb-0"], 2000, 2000, 0.3) == pytest.approx(nb + 3.75)
+    choice = sel.choose(1, members, 2000, {c: 2000 for c in members})
+    assert list(choice.left_out) == ["lte-3"]
+    assert "(210 samples)" in choice.left_out["lte-3"] and "~4.1 s" in choice.left_out["lte-3"]
+    assert len(choice.chosen) == 9
 
 
 def test_a_presence_with_new_traits_is_kept_with_the_join() -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from edge_agent.emulation import Emulation, HeldSender, RoundClock
+from edge_agent.emulation import Emulation, HeldSender, ReleaseOrder, RoundClock
 from protofl.profiles import load_device, load_link
 
 
@@ -37,6 +37,11 @@ def test_uploads_wait_for_the_emulated_compute() -> None:
     assert cpu >= 0.01 and compute == pytest.approx(cpu / 0.08)
     assert release == pytest.approx(clock.recv_t + compute, abs=0.01) and clock.extra["overrun_s"] == 0.0
     assert clock.upload_release() == release  # one release per round message
+    # Asynchronous rounds: a newer version's message that came while the device still trained (before `release`)
+    # is trained from that release on, as the composed clock says (timeline.py): its uploads leave compute later.
+    clock.begin(release - 0.1)
+    again = clock.upload_release()
+    assert again == pytest.approx(release + clock.extra["compute_s"], abs=0.01)
 
 
 def test_held_sender_keeps_order_and_holds() -> None:
@@ -48,3 +53,39 @@ def test_held_sender_keeps_order_and_holds() -> None:
     held.close()
     assert [s[0] for s in sent] == ["upload", "metrics"]
     assert sent[0][1] >= t0 + 0.2 and sent[1][1] >= sent[0][1]
+
+
+def test_release_order_sends_uploads_in_emulated_order_whatever_the_machine_s() -> None:
+    """The simulator's thread agents: b's upload, due first but released by this machine while a still trains
+    (a's round message came earlier), waits for a, and for d, whose round message waits unhandled; a's, due
+    earlier still, goes first; c (round message after b's due) holds nobody. The time b was held past its due is
+    recorded (this machine's, not its link's), and b goes no sooner after a than its due came after a's (up to
+    0.25 s)."""
+    order = ReleaseOrder()
+    sent: list[str] = []
+    went: dict[str, float] = {}
+
+    def publish(name: str) -> None:
+        went.setdefault(name, time.time())
+        sent.append(name)
+
+    def sender(name: str) -> HeldSender:
+        return HeldSender(lambda topic, payload, qos: publish(name), order, name)
+
+    t0 = time.time()
+    a, b = sender("a"), sender("b")
+    order.arrived("a", t0 - 2.0)  # a trains the round message that came 2 s ago
+    order.arrived("c", t0 + 60.0)  # c's came after every due here: it cannot come first
+    waits: list[float | None] = [t0 - 0.8]  # d's round message (after a's due, before b's) waits, unhandled
+    order.watch("d", lambda: waits[0])
+    due_b = t0 - 0.5
+    b.submit("upload", b"", 1, not_before=due_b)  # overrun: due half a second ago
+    a.submit("upload", b"", 1, not_before=t0 - 1.0)  # a was done training 1 s ago (this machine ran late)
+    order.done("a")
+    a.close()
+    assert sent == ["a"]  # b still waits for d
+    waits[0] = None  # d handled it: nothing of d's to wait for (it trained nothing here)
+    b.close()
+    assert sent == ["a", "b"]
+    assert went["b"] - went["a"] >= 0.25 - 0.01  # let go late, they keep their dues' spacing (0.5 s) up to 0.25 s
+    assert order.waited[("b", due_b)] >= 0.5 and order.forced == 0
