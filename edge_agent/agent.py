@@ -642,7 +642,14 @@ class EdgeAgent:
         for upload in self._train_uploads(round_, msg.deadline, stats.seen):
             if cfg.secagg and isinstance(upload, ProtoUpload):
                 # Secure aggregation: the table stays here; its keys go instead, its masked sum later (on_secagg).
-                self.secagg = DeviceSecAgg(self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local)
+                absent = None
+                if self.dp is not None and self.dp.mode == "distributed" and self.plan is not None:
+                    have = upload.local.classes if upload.local is not None else np.zeros(0, dtype=np.int64)
+                    share = self.dp.device_std(cfg.min_clients)
+                    absent = privacy.absent_noise(
+                        self.plan.num_classes, self.plan.proto_width, have, share, self._noise
+                    )
+                self.secagg = DeviceSecAgg(self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local, absent)
                 upload = self.secagg.keys()
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         memory.mark("uploads")

@@ -44,11 +44,22 @@ def table_vector(ps: ProtoSet | None, num_classes: int, width: int, weighted: bo
 class DeviceSecAgg:
     """One device's secure aggregation of one phase: the protocol's device half and its kept answers."""
 
-    def __init__(self, client_id: str, fed: str, round_: int, phase: str, table: ProtoSet | None) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        fed: str,
+        round_: int,
+        phase: str,
+        table: ProtoSet | None,
+        absent: np.ndarray | None = None,
+    ) -> None:
         self.id = client_id
         self.round, self.phase = round_, phase
         self.device = secagg.Device(client_id, secagg.context(fed, round_, phase))
         self.table = table
+        self.absent = (
+            absent  # distributed DP: the noise share of the rows of the classes it lacks (privacy.absent_noise)
+        )
         self.answers: dict[str, Message] = {}  # server kind -> this device's answer
         self.roster: wire.SaRoster | None = None
         self.clipped = 0
@@ -76,6 +87,8 @@ class DeviceSecAgg:
                 raise secagg.SecAggError("shares routed before the roster")
             self.device.receive_shares(msg.boxes)
             x = table_vector(self.table, num_classes, width, roster.weighted)
+            if self.absent is not None:  # (zeros in the rows it sends; the weights untouched)
+                x = (x.reshape(num_classes, width + 1) + np.pad(self.absent, ((0, 0), (0, 1)))).reshape(-1)
             bound = roster.bound
             self.clipped = int(np.count_nonzero(np.abs(x) > bound))
             if self.clipped:
