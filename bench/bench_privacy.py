@@ -1,5 +1,5 @@
 """What privacy costs (issue 46): secure aggregation's bytes and device CPU per round, the server's unmasking time,
-and accuracy against epsilon with local differential privacy.
+and accuracy against epsilon with local and distributed differential privacy.
 
     python -m bench.bench_privacy secagg                      # bytes, device CPU, unmask at 1,000 and 10,000
     python -m bench.bench_privacy accuracy --data-dir /usr/share/datasets/fashion-mnist [--device cuda]
@@ -13,11 +13,15 @@ one round at 100 devices (process time; rpi4's is this machine's over its profil
 unmask time at 1,000 and 10,000 devices with 10 % dropped after sharing their keys (the costly case: each dropped
 device's mask key is rebuilt and its pairwise masks recomputed).
 
-`accuracy` runs `simulate` (the in-process transport; by default a small setting: 10 clients, alpha 0.5, 5 rounds,
-3,000 training images, 2,000 test images; `--rounds`, `--train-limit`... for setting A's sizing) at epsilon in
-{1, 4, 8, inf} and delta 1e-5 over the run, seeds 0-2 (`--seeds`), for tinyproto and the protofl preset without its
-ridge predictor (DP covers prototype uploads only; `--presets`); each report is kept in bench/results/privacy/ (a
-file that exists is not run again).
+`accuracy` runs `simulate` (the in-process transport, the cnn, `--clip off` everywhere) on the data side of
+settings A and B (bench/table_runs.py: 10 clients at Dirichlet alpha 0.5, 20 at 0.1) at a reduced sizing (by
+default 3 rounds, 1,500 training images, 500 test images: `--rounds`, `--train-limit`, `--test-limit`), for
+tinyproto, fedproto and the protofl preset without its ridge predictor (DP covers prototype uploads only), at
+epsilon in {1, 4, 8} and delta 1e-5 over the run with local DP, and for tinyproto and fedproto with distributed DP
+under secure aggregation too (`--set secagg=true --set dp_mode=distributed`; secure aggregation refuses protofl),
+each seed (`--seeds`, 0-2) beside its run without DP. Setting by setting, seed by seed; each report is kept in
+bench/results/privacy/ as it finishes (a file that exists is not run again), with the run's wall time and the
+machine's load (`bench`).
 """
 
 from __future__ import annotations
