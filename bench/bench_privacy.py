@@ -1,5 +1,5 @@
 """What privacy costs (issue 46): secure aggregation's bytes and device CPU per round, the server's unmasking time,
-and accuracy against epsilon with local differential privacy.
+and accuracy against epsilon with local and distributed differential privacy.
 
     python -m bench.bench_privacy secagg                      # bytes, device CPU, unmask at 1,000 and 10,000
     python -m bench.bench_privacy accuracy --data-dir /usr/share/datasets/fashion-mnist [--device cuda]
@@ -14,11 +14,15 @@ time; rpi4's is this machine's over its profile's compute factor); the server's 
 10,000 devices with 10 % dropped after sharing their keys (the costly case: each dropped device's mask key is
 rebuilt and its pairwise masks recomputed).
 
-`accuracy` runs `simulate` (the in-process transport; by default a small setting: 10 clients, alpha 0.5, 5 rounds,
-3,000 training images, 2,000 test images; `--rounds`, `--train-limit`... for setting A's sizing) at epsilon in
-{1, 4, 8, inf} and delta 1e-5 over the run, seeds 0-2 (`--seeds`), for tinyproto and the protofl preset without its
-ridge predictor (DP covers prototype uploads only; `--presets`); each report is kept in bench/results/privacy/ (a
-file that exists is not run again).
+`accuracy` runs `simulate` (the in-process transport, the cnn, `--clip off` everywhere) on the data side of
+settings A and B (bench/table_runs.py: 10 clients at Dirichlet alpha 0.5, 20 at 0.1) at a reduced sizing (by
+default 3 rounds, 1,500 training images, 500 test images: `--rounds`, `--train-limit`, `--test-limit`), for
+tinyproto, fedproto and the protofl preset without its ridge predictor (DP covers prototype uploads only), at
+epsilon in {1, 4, 8} and delta 1e-5 over the run with local DP, and for tinyproto and fedproto with distributed DP
+under secure aggregation too (`--set secagg=true --set dp_mode=distributed`; secure aggregation refuses protofl),
+each seed (`--seeds`, 0-2) beside its run without DP. Setting by setting, seed by seed; each report is kept in
+bench/results/privacy/ as it finishes (a file that exists is not run again), with the run's wall time and the
+machine's load (`bench`).
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.paired import paired
+from bench.table_runs import FEDERATIONS
 from protofl import secagg, wire
 from protofl.secagg import Device, FixedPoint, Server
 
@@ -46,16 +52,15 @@ RESULTS = Path(__file__).parent / "results"
 class Size:
     """A run's sizing (the small setting by default: it runs on a loaded 2-core machine)."""
 
-    clients: int = 10
-    rounds: int = 5
-    train: int = 3000
-    test: int = 2000
+    rounds: int = 3
+    train: int = 1500
+    test: int = 500
 
 
 ROOT = RESULTS / "privacy"
 EPSILONS = (1.0, 4.0, 8.0, None)  # None: no DP
 SEEDS = (0, 1, 2)
-PRESETS = {"tinyproto": [], "protofl": ["--set", "ridge=false"]}
+PRESETS = {"tinyproto": [], "fedproto": [], "protofl": ["--set", "ridge=false"]}
 WIDTH = 10 * 51  # a tinyproto upload: 10 classes x s = 51 values
 TABLE = 10 * (51 + 1)  # what a tinyproto device masks: per class its 51 values and its weight
 ID_BYTES = 16  # what naming a device costs in a message (an id of 16 characters: the roster names each)
@@ -199,34 +204,79 @@ def run_secagg() -> dict[str, Any]:
 
 
 # -- accuracy against epsilon ---------------------------------------------------------------------------------
-def report_path(preset: str, eps: float | None, seed: int) -> Path:
-    return ROOT / f"{preset}-eps{'inf' if eps is None else f'{eps:g}'}-s{seed}.json"
+# The data side of settings A and B (bench/table_runs.py's FEDERATIONS "A05" and "B": clients and Dirichlet alpha).
+SETTINGS = {"A": FEDERATIONS["A05"], "B": FEDERATIONS["B"]}
+# "local": each device adds all of the noise; "distributed": under secure aggregation each adds 1/n of the variance,
+# for the presets secure aggregation accepts (protofl.privacy.check_secagg refuses protofl's other uploads).
+DISTRIBUTED = {"tinyproto", "fedproto"}
+SECAGG = ["--set", "secagg=true", "--set", "dp_mode=distributed"]
 
 
-def run_accuracy(data_dir: str, device: str, jobs: int, presets: list[str], seeds: list[int], size: Size) -> None:
+def report_path(setting: str, preset: str, mode: str, eps: float | None, seed: int) -> Path:
+    """One run's report; the run without DP is shared by both modes (secure aggregation without noise folds the same
+    sum: tests/broker_server/test_secagg_*.py)."""
+    tag = "nodp" if eps is None else f"{mode}-eps{eps:g}"
+    return ROOT / f"{setting}-{preset}-{tag}-s{seed}.json"
+
+
+Cell = tuple[str, str, str, float | None, int]  # setting, preset, mode, epsilon (None: no DP), seed
+
+
+def grid(settings: list[str], presets: list[str], seeds: list[int], modes: list[str]) -> list[Cell]:
+    """Every (setting, preset, mode, epsilon, seed) to run: setting by setting, seed by seed (a cut grid still has
+    whole seeds of the first setting)."""
+    out: list[Cell] = []
+    for setting in settings:
+        for seed in seeds:
+            for preset in presets:
+                out.append((setting, preset, "local", None, seed))
+                for mode in modes:
+                    if mode == "distributed" and preset not in DISTRIBUTED:
+                        continue
+                    out += [(setting, preset, mode, eps, seed) for eps in EPSILONS if eps is not None]
+    return out
+
+
+def command(
+    setting: str,
+    preset: str,
+    mode: str,
+    eps: float | None,
+    seed: int,
+    size: Size,
+    data_dir: str,
+    device: str,
+    path: Path,
+) -> list[str]:
+    """The `simulate` command line of one run (clipping off everywhere: the server's upload clipping would shrink
+    the noisy uploads of local DP, and secure aggregation refuses it; every row pairs with the same run)."""
+    fed = SETTINGS[setting]
+    cmd = [
+        sys.executable, "-m", "broker_server.cli", "simulate", "--preset", preset,
+        "--dataset", "fashion-mnist", "--data-dir", data_dir, "--clients", str(fed.clients),
+        "--alpha", f"{fed.alpha:g}", "--clip", "off",
+        "--rounds", str(size.rounds), "--seed", str(seed), "--arch", fed.archs[0],
+        "--train-limit", str(size.train), "--test-limit", str(size.test),
+        "--eval-every", str(size.rounds), "--test-every", str(size.rounds), "--transport", "inprocess",
+        "--device", device, "-q", "--json", str(path), *PRESETS[preset],
+    ]  # fmt: skip
+    if eps is not None:
+        cmd += ["--set", f"dp_epsilon={eps:g}"] + (SECAGG if mode == "distributed" else [])
+    return cmd
+
+
+def run_accuracy(
+    data_dir: str, device: str, jobs: int, settings: list[str], presets: list[str], seeds: list[int],
+    modes: list[str], size: Size,
+) -> None:  # fmt: skip
     from concurrent.futures import ThreadPoolExecutor
 
     ROOT.mkdir(parents=True, exist_ok=True)
-    todo: list[tuple[Path, list[str]]] = []
-    for preset in presets:
-        extra = PRESETS[preset]
-        for seed in seeds:
-            for eps in EPSILONS:
-                path = report_path(preset, eps, seed)
-                if path.exists():
-                    continue
-                cmd = [
-                    sys.executable, "-m", "broker_server.cli", "simulate", "--preset", preset,
-                    "--dataset", "fashion-mnist", "--data-dir", data_dir, "--clients", str(size.clients),
-                    "--alpha", "0.5",
-                    "--rounds", str(size.rounds), "--seed", str(seed), "--arch", "cnn",
-                    "--train-limit", str(size.train), "--test-limit", str(size.test),
-                    "--eval-every", str(size.rounds), "--test-every", str(size.rounds), "--transport", "inprocess",
-                    "--device", device, "-q", "--json", str(path), *extra,
-                ]  # fmt: skip
-                if eps is not None:
-                    cmd += ["--set", f"dp_epsilon={eps:g}"]
-                todo.append((path, cmd))
+    todo = []
+    for setting, preset, mode, eps, seed in grid(settings, presets, seeds, modes):
+        path = report_path(setting, preset, mode, eps, seed)
+        if not path.exists():
+            todo.append((path, command(setting, preset, mode, eps, seed, size, data_dir, device, path)))
 
     def one(item: tuple[Path, list[str]]) -> None:
         path, cmd = item
@@ -235,7 +285,10 @@ def run_accuracy(data_dir: str, device: str, jobs: int, presets: list[str], seed
         if proc.returncode != 0:
             sys.stderr.write(f"failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}\n")
             return
-        print(f"{path.name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        run = json.loads(path.read_text())
+        run["bench"] = {"wall_s": time.perf_counter() - t0, **machine(), "size": asdict(size)}
+        path.write_text(json.dumps(run))
+        print(f"{path.name}: {time.perf_counter() - t0:.0f} s, load {run['bench']['load_1m']}", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(one, todo))
@@ -254,48 +307,76 @@ def _final(run: dict[str, Any], key: str) -> float | None:
     return None if value is None else float(value)
 
 
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _cell(runs: dict[int, dict[str, Any]], key: str) -> str:
+    """Mean ± standard deviation over the seeds, in percent ('-' where no run has the metric)."""
+    vals = [v for r in runs.values() if (v := _final(r, key)) is not None]
+    if not vals:
+        return "-"
+    if len(vals) == 1:
+        return f"{100 * vals[0]:.1f}"
+    return f"{100 * statistics.mean(vals):.1f} ± {100 * statistics.stdev(vals):.1f}"
+
+
+def _paired(runs: dict[int, dict[str, Any]], base: dict[int, dict[str, Any]], key: str) -> str:
+    """The paired difference (points) against the run without DP of the same seed, its 95 % interval and signs."""
+    a = {s: 100 * v for s, r in runs.items() if (v := _final(r, key)) is not None}
+    b = {s: 100 * v for s, r in base.items() if (v := _final(r, key)) is not None}
+    p = paired(a, b)
+    return p.text(1) if p.diffs else "-"
+
+
 def accuracy_table() -> list[str]:
+    """One row per (setting, preset, mode, epsilon): means over the seeds run, and the paired differences."""
     lines = [
-        "| preset | epsilon | noise multiplier z | noise std per value | local % | global % | global proto % | "
-        "global - no DP (paired, 95 %) | seeds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | preset | mode | epsilon | z | noise std: sum (per device) | local % | global % | global proto % | "
+        "global - no DP (95 %) | global proto - no DP (95 %) | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for preset in PRESETS:
-        base = {s: json.loads(p.read_text()) for s in SEEDS if (p := report_path(preset, None, s)).exists()}
-        for eps in EPSILONS:
-            runs = {s: json.loads(p.read_text()) for s in SEEDS if (p := report_path(preset, eps, s)).exists()}
-            if not runs:
-                continue
-
-            def cell(key: str, runs: dict[int, Any] = runs) -> str:
-                vals = [v for r in runs.values() if (v := _final(r, key)) is not None]
-                if not vals:
-                    return "-"
-                if len(vals) == 1:
-                    return f"{100 * vals[0]:.1f}"
-                return f"{100 * statistics.mean(vals):.1f} ± {100 * statistics.stdev(vals):.1f}"
-
-            diffs = [
-                100 * (a - b)
-                for s in runs
-                if s in base and (a := _final(runs[s], "global_acc")) is not None
-                and (b := _final(base[s], "global_acc")) is not None
-            ]  # fmt: skip
-            paired = "-"
-            if eps is not None and len(diffs) >= 2:
-                t975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}[len(diffs) - 1]
-                half = t975 * statistics.stdev(diffs) / math.sqrt(len(diffs))
-                m = statistics.mean(diffs)
-                signs = "".join("+" if d > 0 else "-" for d in diffs)
-                paired = f"{m:+.1f} [{m - half:+.1f}, {m + half:+.1f}] ({signs})"
-            dp = next(iter(runs.values())).get("privacy") or {}
-            z = f"{dp['noise_multiplier']:.2f}" if dp else "-"
-            std = f"{dp['noise_std']:.1f}" if dp else "-"
-            lines.append(
-                f"| {preset} | {'inf (no DP)' if eps is None else f'{eps:g}'} | {z} | {std} | {cell('local_acc')} | "
-                f"{cell('global_acc')} | {cell('global_proto_acc')} | {paired} | {len(runs)} |"
-            )
+    for setting, fed in SETTINGS.items():
+        for preset in PRESETS:
+            base = {s: r for s in SEEDS if (r := _load(report_path(setting, preset, "local", None, s)))}
+            rows: list[tuple[str, float | None]] = [("-", None)]
+            rows += [(m, e) for m in ("local", "distributed") for e in EPSILONS if e is not None]
+            for mode, eps in rows:
+                runs = {s: r for s in SEEDS if (r := _load(report_path(setting, preset, mode, eps, s)))}
+                if not runs:
+                    continue
+                dp = next(iter(runs.values())).get("privacy") or {}
+                z = f"{dp['noise_multiplier']:.2f}" if dp else "-"
+                std = "-"
+                if dp:
+                    each = dp["noise_std"] / math.sqrt(fed.clients) if mode == "distributed" else dp["noise_std"]
+                    std = f"{dp['noise_std']:.1f} ({each:.2f})"
+                diff = "-" if eps is None else _paired(runs, base, "global_acc")
+                pdiff = "-" if eps is None else _paired(runs, base, "global_proto_acc")
+                lines.append(
+                    f"| {setting} | {preset} | {mode} | {'inf (no DP)' if eps is None else f'{eps:g}'} | {z} | "
+                    f"{std} | {_cell(runs, 'local_acc')} | {_cell(runs, 'global_acc')} | "
+                    f"{_cell(runs, 'global_proto_acc')} | {diff} | {pdiff} | {','.join(map(str, sorted(runs)))} |"
+                )
     return lines
+
+
+def sizing_line() -> str:
+    """What the accuracy runs were: the sizing and the machine's load, from the reports themselves."""
+    runs = [json.loads(p.read_text()) for p in sorted(ROOT.glob("[AB]-*.json"))]
+    benched = [r["bench"] for r in runs if "bench" in r]
+    if not benched:
+        return ""
+    size = benched[0]["size"]
+    loads = [b["load_1m"] for b in benched]
+    walls = [b["wall_s"] for b in benched]
+    return (
+        f"Sizing (not the papers'): {size['rounds']} rounds, {size['train']:,} training images (seeded subset), "
+        f"{size['test']:,} test images, the cnn, settings' clients and alpha as bench/table_runs.py (A: "
+        f"{SETTINGS['A'].describe}; B: {SETTINGS['B'].describe}), `--clip off` on every row. {len(runs)} runs, "
+        f"{min(walls):.0f}-{max(walls):.0f} s each (median {statistics.median(walls):.0f} s), load average "
+        f"{min(loads):.1f}-{max(loads):.1f} at their ends on {benched[0]['cpus']} cores."
+    )
 
 
 def write_table() -> None:
@@ -333,7 +414,19 @@ def write_table() -> None:
         lines.append("")
     acc = accuracy_table()
     if len(acc) > 2:
-        lines += ["### Accuracy against epsilon (local DP, delta 1e-5 over the run)", "", *acc, ""]
+        lines += [
+            "### Accuracy against epsilon (delta 1e-5 over the run; `python -m bench.bench_privacy accuracy`)",
+            "",
+            sizing_line(),
+            "",
+            "Means ± standard deviation over the seeds; the differences are paired by seed against the same "
+            "setting and preset without DP (points, mean [95 % Student-t interval] (signs per seed), bench/paired.py). "
+            "Noise std: what the server's sum of a class carries (z * 2 C sqrt(R)) and, in brackets, what one device "
+            "adds (all of it with local DP; 1/sqrt(n) of it with distributed DP, n the setting's clients).",
+            "",
+            *acc,
+            "",
+        ]
     (RESULTS / "PRIVACY.md").write_text("\n".join(lines).lstrip() + "\n")
 
 
@@ -348,9 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (accuracy)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="accuracy: which settings (A, B)")
     ap.add_argument("--presets", default=",".join(PRESETS), help="accuracy: which presets")
+    ap.add_argument("--modes", default="local,distributed", help="accuracy: local and/or distributed DP")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="accuracy: which seeds")
-    ap.add_argument("--clients", type=int, default=Size.clients)
     ap.add_argument("--rounds", type=int, default=Size.rounds)
     ap.add_argument("--train-limit", type=int, default=Size.train)
     ap.add_argument("--test-limit", type=int, default=Size.test)
@@ -359,8 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_secagg(), indent=1))
     elif args.what == "accuracy":
         seeds = [int(x) for x in args.seeds.split(",")]
-        size = Size(args.clients, args.rounds, args.train_limit, args.test_limit)
-        run_accuracy(args.data_dir, args.device, args.jobs, args.presets.split(","), seeds, size)
+        size = Size(args.rounds, args.train_limit, args.test_limit)
+        run_accuracy(
+            args.data_dir, args.device, args.jobs, args.settings.split(","), args.presets.split(","), seeds,
+            args.modes.split(","), size,
+        )  # fmt: skip
     write_table()
     return 0
 

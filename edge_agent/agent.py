@@ -644,10 +644,21 @@ class EdgeAgent:
             if cfg.secagg and isinstance(upload, (ProtoUpload, ParamsUpload)):
                 # Secure aggregation: the table (or vector) stays here; its keys go instead, its masked sum later
                 # (on_secagg).
-                table, vector = (
-                    (upload.local, None) if isinstance(upload, ProtoUpload) else (None, params_vector(upload))
-                )
-                self.secagg = DeviceSecAgg(self.client_id, self.fed, round_, Phase.TRAIN.value, table, vector)
+                if isinstance(upload, ProtoUpload):
+                    absent = None
+                    if self.dp is not None and self.dp.mode == "distributed" and self.plan is not None:
+                        have = upload.local.classes if upload.local is not None else np.zeros(0, dtype=np.int64)
+                        share = self.dp.device_std(cfg.min_clients)
+                        absent = privacy.absent_noise(
+                            self.plan.num_classes, self.plan.proto_width, have, share, self._noise
+                        )
+                    self.secagg = DeviceSecAgg(
+                        self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local, absent=absent
+                    )
+                else:  # (differential privacy covers prototype uploads only)
+                    self.secagg = DeviceSecAgg(
+                        self.client_id, self.fed, round_, Phase.TRAIN.value, None, vector=params_vector(upload)
+                    )
                 upload = self.secagg.keys()
             self._send(upload, round_, Phase.TRAIN.value, upload=True)
         memory.mark("uploads")

@@ -67,12 +67,15 @@ class DeviceSecAgg:
         phase: str,
         table: ProtoSet | None,
         vector: np.ndarray | None = None,
+        absent: np.ndarray | None = None,
     ) -> None:
         self.id = client_id
         self.round, self.phase = round_, phase
         self.device = secagg.Device(client_id, secagg.context(fed, round_, phase))
         self.table = table
         self.vector = vector
+        # distributed DP: the noise share of the rows of the classes it lacks (privacy.absent_noise)
+        self.absent = absent
         self.answers: dict[str, Message] = {}  # server kind -> this device's answer
         self.roster: wire.SaRoster | None = None
         self.clipped = 0
@@ -101,11 +104,12 @@ class DeviceSecAgg:
                 raise secagg.SecAggError("shares routed before the roster")
             sealed = dict(zip(self._named(msg.senders, "senders"), msg.boxes, strict=True))
             self.device.receive_shares(sealed)
-            x = (
-                self.vector
-                if self.vector is not None
-                else table_vector(self.table, num_classes, width, roster.weighted)
-            )
+            if self.vector is not None:
+                x = self.vector
+            else:
+                x = table_vector(self.table, num_classes, width, roster.weighted)
+                if self.absent is not None:  # (zeros in the rows it sends; the weights untouched)
+                    x = (x.reshape(num_classes, width + 1) + np.pad(self.absent, ((0, 0), (0, 1)))).reshape(-1)
             bound = roster.bound
             self.clipped = int(np.count_nonzero(np.abs(x) > bound))
             if self.clipped:

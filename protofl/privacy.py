@@ -15,8 +15,9 @@ The mechanism, per round and per device (local DP: the device adds all of the no
   and the upload's n_samples as 1.
 
 Distributed (`dp_mode=distributed`, only with secure aggregation: protofl/secagg.py, broker_server/secagg_run.py):
-the same, but each device adds N(0, (z * sensitivity)^2 / min_clients) (`DpSettings.device_std`); the server sees
-only the sum of at least min_clients devices' tables, which carries the whole variance.
+the same, but each device adds N(0, (z * sensitivity)^2 / min_clients) (`DpSettings.device_std`), to the rows of
+the classes it sends and to the zero rows of those it lacks (`absent_noise`); the server sees only the sum of at
+least min_clients devices' tables, whose every class carries the whole variance.
 
 What stays revealed (docs/privacy.md): which classes a device sends (its label set: a class with at least one
 sample), that it took part in a round, its join message's sample count, and its metrics messages (accuracies
@@ -198,6 +199,18 @@ def privatize(
         clipped = clip_rows(np.asarray(row)[None, :], clip)[0]
         out[c] = (clipped + rng.normal(0.0, std, size=clipped.shape)).astype(np.float32)
     return out, None if counts is None else {c: 1 for c in counts}
+
+
+def absent_noise(num_classes: int, width: int, present: np.ndarray, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Distributed DP under secure aggregation: a device's noise share for the classes it lacks (zeros in the rows
+    of the classes it sends, which `privatize` noised already). Its masked table carries a zero row for each class
+    it lacks (so that the server cannot tell its label set); that row takes a share of the noise too, so that every
+    class's unmasked sum carries the shares of every device that took part (at least min_clients: the whole
+    variance), not only of the devices that hold the class. The row's weight stays 0: the class's mean is still
+    over the devices that hold it."""
+    out = rng.normal(0.0, std, size=(num_classes, width))
+    out[np.asarray(present, dtype=np.int64)] = 0.0
+    return out
 
 
 def device_rng() -> np.random.Generator:

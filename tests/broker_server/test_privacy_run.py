@@ -124,3 +124,54 @@ def test_start_takes_the_budget_and_stops_over_the_real_broker(tmp_path: Path) -
     assert [r["round"] for r in lines] == [1] and lines[0]["epsilon"] == pytest.approx(2.17, abs=0.01)
     status = json.loads((tmp_path / "state" / "status.json").read_text())
     assert status["state"] == "finished" and status["privacy"]["epsilon_spent"] == pytest.approx(2.17, abs=0.01)
+
+
+@pytest.mark.slow
+def test_distributed_dp_under_secure_aggregation_adds_each_devices_share_of_the_noise(tmp_path: Path) -> None:
+    """`simulate --clip off --set secagg=true --set dp_mode=distributed --set dp_epsilon=8`: one round, four devices
+    of a skewed partition (a class held by one device only). Each device adds 1/4 of the noise variance to every
+    class row it masks, those it lacks included, so every class's unmasked sum carries the whole noise: the global
+    prototype of class c, times the n_c devices that hold it, minus the sum of their clipped prototypes (each
+    device's own, left in --out), is N(0, noise_std^2) in every class. No noise, all of it on each device (local
+    DP's), or none on the rows a device lacks would each move that spread by a factor of 2 or more somewhere."""
+    import dp_accounting
+    import numpy as np
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+    out, art = tmp_path / "run.json", tmp_path / "art"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    cmd = [
+        sys.executable, "-m", "broker_server.cli", "simulate", "--preset", "fedproto",
+        "--dataset", "synthetic:n=300,n_test=60", "--clients", "4", "--alpha", "0.1", "--rounds", "1", "--seed", "5",
+        "--clip", "off", "--set", "secagg=true", "--set", "dp_mode=distributed", "--set", "dp_epsilon=8",
+        "-q", "--json", str(out), "--out", str(art),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads(out.read_text())
+    dp = run["privacy"]
+    assert run["config"]["secagg"] is True and dp["mode"] == "distributed" and run["dropped"] == {}
+    assert [r["clients"] for r in run["rounds"]] == [4]
+    # The accountant: the calibrated multiplier spends the budget in the run's one round, by dp-accounting's own
+    # RDP figure for that Gaussian mechanism (sensitivity 2 C sqrt(R), R = 10 classes).
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(dp["noise_multiplier"]), 1)
+    assert dp["epsilon_spent"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert dp["epsilon_spent"] == pytest.approx(8.0, rel=1e-4) and dp["rounds_accounted"] == 1
+    assert dp["noise_std"] == pytest.approx(dp["noise_multiplier"] * 2 * dp["clip"] * np.sqrt(10))
+
+    with np.load(art / "global" / "prototypes.npz") as z:
+        glob = {int(c): z["prototypes"][i].astype(np.float64) for i, c in enumerate(z["classes"])}
+    held: dict[int, list[np.ndarray]] = {}
+    for f in sorted(art.glob("devices/*/local_prototypes.npz")):
+        with np.load(f) as z:
+            for c, row in zip(z["classes"].tolist(), z["prototypes"].astype(np.float64), strict=True):
+                held.setdefault(c, []).append(row * min(1.0, dp["clip"] / np.linalg.norm(row)))
+    assert len(list(art.glob("devices/*"))) == 4 and sorted(held) == sorted(glob) == list(range(10))
+    assert min(len(rows) for rows in held.values()) < 4  # some class is not on every device
+    spread = {}
+    for c, rows in held.items():
+        noise = glob[c] * len(rows) - np.sum(rows, axis=0)  # the class's unmasked noise sum, 512 values
+        spread[c] = float(noise.std() / dp["noise_std"])
+    # 512 draws a class: the sample std is within 3 % of the true one (one sigma); 0.8-1.25 is more than 6 sigma
+    assert all(0.8 < s < 1.25 for s in spread.values()), spread
