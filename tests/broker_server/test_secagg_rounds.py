@@ -155,20 +155,25 @@ def _run(
     return agg, devices, clock
 
 
-def _plain(senders: list[str]) -> dict[int, np.ndarray]:
-    """The global prototypes of a plain run (no secure aggregation) folding the same devices' tables."""
-    cfg, broker = _cfg(secure=False), InProcessBroker()
-    agg = Aggregator(cfg, FED, broker.connect("server"), expected_clients=senders, policy=OFF)
+def _plain_run(cfg: FederationConfig, uploads: dict[str, Any]) -> Aggregator:
+    """A plain run (no secure aggregation) of one round folding `uploads` (sender -> its train-phase upload)."""
+    broker = InProcessBroker()
+    agg = Aggregator(cfg, FED, broker.connect("server"), expected_clients=list(uploads), policy=OFF)
     agg.start()
     t = broker.connect("devices")
-    for c in senders:
+    for c in uploads:
         t.publish(topics.up(FED, c), encode_message(Join("", 20, "", "t"), fed=FED, sender=c))
     broker.pump()
-    for c in senders:
-        up = ProtoUpload(_table(CLIENTS.index(c), 1), None, 20)
+    for c, up in uploads.items():
         t.publish(topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=1, phase="train"))
     broker.pump()
     assert agg.finished and agg.dropped == {}
+    return agg
+
+
+def _plain(senders: list[str]) -> dict[int, np.ndarray]:
+    """The global prototypes of a plain run folding the same devices' tables."""
+    agg = _plain_run(_cfg(secure=False), {c: ProtoUpload(_table(CLIENTS.index(c), 1), None, 20) for c in senders})
     return dict(agg.model.rules.state_values()["prototypes"])
 
 
@@ -356,17 +361,7 @@ def test_a_fedavg_adapter_sum_unmasks_to_the_plain_weighted_mean_with_devices_dr
     agg, _, _ = _run(drop, cfg=_fedavg(), vectors=vectors)
     senders = [c for c in CLIENTS if c not in drop or drop[c] == "unmask"]
     assert agg.records[0].clients == senders
-    plain_cfg, broker = _fedavg(secure=False), InProcessBroker()
-    plain = Aggregator(plain_cfg, FED, broker.connect("server"), expected_clients=senders, policy=OFF)
-    plain.start()
-    t = broker.connect("devices")
-    for c in senders:
-        t.publish(topics.up(FED, c), encode_message(Join("", 20, "", "t"), fed=FED, sender=c))
-    broker.pump()
-    for c in senders:
-        t.publish(topics.up(FED, c), encode_message(vectors[c], fed=FED, sender=c, round=1, phase="train"))
-    broker.pump()
-    assert plain.finished and plain.dropped == {}
+    plain = _plain_run(_fedavg(secure=False), {c: vectors[c] for c in senders})
     got, want = agg.model.rules.state_values()["adapter"], plain.model.rules.state_values()["adapter"]
     sent = vectors["d0"].update
     assert isinstance(sent, np.ndarray) and got.shape == want.shape == sent.shape
