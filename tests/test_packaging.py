@@ -14,6 +14,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover (Python 3.10)
+    import tomli as tomllib
+
 import pytest
 
 from protofl.errors import ConfigError
@@ -173,6 +178,32 @@ def test_ci_runs_the_readme_test_command() -> None:
     )
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == test_cmd
+    # in a virtual environment (stock Debian's pip refuses a system install), every install through the lock
+    assert "python3 -m venv .venv && . .venv/bin/activate && export PIP_CONSTRAINT=$PWD/constraints.txt && " in test_cmd
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalised as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s<>=!~;\[(]", requirement.strip(), maxsplit=1)[0]).lower()
+
+
+def test_the_lock_pins_every_requirement_of_the_tested_install() -> None:
+    """constraints.txt pins (==) every distribution the README's commands ask for: the base install and the `ci`
+    extra. A requirement added to pyproject.toml without a refresh of the lock (`.ci/lock`) fails here."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {
+        _name(r)
+        for r in project["dependencies"] + project["optional-dependencies"]["ci"]
+        if "python_version <" not in r
+    }
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version and " " not in version, f"not an exact pin: {line!r}"
+            pins[_name(name)] = version
+    assert wanted - set(pins) == set(), "not in constraints.txt (run .ci/lock)"
+    assert pins["torch"] == "2.13.0"  # the README's torch, without a local label (+cpu)
 
 
 def test_explain_missing_names_the_extra_only_for_a_missing_package() -> None:

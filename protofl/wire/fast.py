@@ -139,10 +139,15 @@ def read_upload(data: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[Head, Proto
         return None
     try:
         env = _DECODER.decode(data)
-        protos = type(env) is _Protos
-        if env.v != WIRE_VERSION or len(data) > limits.max_bytes("protos" if protos else "adapter"):
-            return None
-        msg = _protos(env.body, limits) if protos else _adapter(env.body, limits)
+        # isinstance, not `type(env) is`: mypy narrows env.body only through isinstance (msgspec 0.23's stubs)
+        if isinstance(env, _Protos):
+            if env.v != WIRE_VERSION or len(data) > limits.max_bytes("protos"):
+                return None
+            msg: ProtoUpload | ParamsUpload = _protos(env.body, limits)
+        else:
+            if env.v != WIRE_VERSION or len(data) > limits.max_bytes("adapter"):
+                return None
+            msg = _adapter(env.body, limits)
     except Exception:  # invalid (msgspec's errors, WireError, RecursionError on deep nesting) or unforeseen: the
         return None  # reference decoder decides, and names what is wrong
     head = _built(
