@@ -21,7 +21,7 @@ are not state: after a restart the open phase's deadline and every grace period 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -233,6 +233,34 @@ class MachineState:
     stopped: str = ""  # why the run finished before its last round (a spent privacy budget), "" otherwise
 
 
+class Graces:
+    """How long each offline member keeps its place in the open round: timers, in memory only, never state (after
+    a restart, or the broker connection back, they are measured again from the resume)."""
+
+    def __init__(self, offline: float, resume: float) -> None:
+        self.offline = offline
+        self.resume = max(resume, offline)
+        self.ends: dict[str, float] = {}
+        self.unconfirmed: set[str] = set()  # clients not heard "online" since the resume
+        self.resumed_at = 0.0
+
+    def start(self, client: str, now: float) -> float:
+        """`client` went offline at `now`: when its grace ends. Until a client has said "online" since the resume,
+        its grace is the resume grace, counted from the resume: an "offline" then is most likely the will its
+        broker published while dying with the server."""
+        end = now + self.offline
+        if client in self.unconfirmed:
+            end = max(end, self.resumed_at + self.resume)
+        self.ends[client] = end
+        return end
+
+    def restart(self, now: float, clients: Iterable[str], leaving: Iterable[str]) -> None:
+        """Measured again from `now`: every client unconfirmed, every leaving one given the resume grace."""
+        self.resumed_at = now
+        self.unconfirmed = set(clients)
+        self.ends = {c: now + self.resume for c in leaving}
+
+
 class UploadHead(Protocol):
     """What places an upload in the open phase: an envelope's fields (`Head`), or a shard's report of one."""
 
@@ -274,8 +302,7 @@ class RoundMachine:
         self.limits = dict(limits or {})  # the decoder limits the config message tells devices
         self.encode = encode
         self.clock = clock
-        self.offline_grace = offline_grace
-        self.resume_grace = max(resume_grace, offline_grace)
+        self.graces = Graces(offline_grace, resume_grace)
         self.plan = RoundPlan.from_config(cfg)
         # Buffered asynchronous rounds (FedBuff), where the config asks for them.
         sharded = closing is not None and not isinstance(closing, FoldHere)
@@ -305,10 +332,6 @@ class RoundMachine:
         # What a new device receives once (config + public set): a function of the config, never state.
         self.welcome_bytes = sum(len(p.payload) for p in self._welcome())
         self.run: PhaseRun | None = None  # the open phase's folds (empty at every boundary)
-        # Timers and presence since the last resume: in memory only, never state.
-        self._grace_ends: dict[str, float] = {}
-        self._unconfirmed: set[str] = set()  # clients not heard "online" since the resume
-        self._resumed_at = 0.0
         self._below_floor_said = False
 
     # The state, read by the shell, services, simulators and tests.
@@ -338,7 +361,7 @@ class RoundMachine:
 
     def grace_end(self, client: str) -> float | None:
         """When an offline `client` stops holding up the open round (None unless it is leaving)."""
-        return self._grace_ends.get(client) if client in self.state.leaving else None
+        return self.graces.ends.get(client) if client in self.state.leaving else None
 
     @property
     def quorum(self) -> int:
@@ -463,7 +486,7 @@ class RoundMachine:
         if s.finished:
             return []
         due: list[GraceOver | DeadlinePassed] = [
-            GraceOver(c) for c in sorted(s.leaving) if now >= self._grace_ends.get(c, 0.0) and c in s.clients
+            GraceOver(c) for c in sorted(s.leaving) if now >= self.graces.ends.get(c, 0.0) and c in s.clients
         ]
         open_ = s.phase
         if open_ is not None and not due and not open_.closing and now >= open_.deadline:
@@ -586,22 +609,16 @@ class RoundMachine:
     def _leave(self, client: str) -> list[Effect]:
         """`client` went offline. After its grace without coming back (a `GraceOver` timer) it no longer
         holds up the open phase; a link that reconnects within the grace keeps its place. Until a client
-        has said "online" since the resume, its grace is the resume grace, counted from the resume: an
-        "offline" then is most likely the will its broker published while dying with the server."""
+        has said "online" since the resume, its grace is the resume grace (Graces.start)."""
         now = self.clock()
-        if client in self._unconfirmed:
-            end = max(now + self.offline_grace, self._resumed_at + self.resume_grace)
-        else:
-            end = now + self.offline_grace
         self.state.leaving.add(client)
-        self._grace_ends[client] = end
-        if end <= now:
+        if self.graces.start(client, now) <= now:
             return self._depart(client)
         return []
 
     def _forget_leaving(self, client: str) -> None:
         self.state.leaving.discard(client)
-        self._grace_ends.pop(client, None)
+        self.graces.ends.pop(client, None)
 
     def _depart(self, client: str) -> list[Effect]:
         s = self.state
@@ -617,7 +634,7 @@ class RoundMachine:
     def _come_back(self, client: str) -> list[Effect]:
         """A device is online (reconnected): if it left, it is a client again."""
         s = self.state
-        self._unconfirmed.discard(client)
+        self.graces.unconfirmed.discard(client)
         if client in s.leaving:
             self._forget_leaving(client)  # back within the grace: it never left
             return []
@@ -913,6 +930,4 @@ class RoundMachine:
         s = self.state
         if s.phase is not None:
             s.phase.deadline = now + self.cfg.round_timeout
-        self._resumed_at = now
-        self._unconfirmed = set(s.clients)
-        self._grace_ends = {c: now + self.resume_grace for c in s.leaving}
+        self.graces.restart(now, s.clients, s.leaving)
