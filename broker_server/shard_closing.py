@@ -1,5 +1,5 @@
 """The sharded closing (docs/design.md, "Sharded aggregators"): how the coordinator's round machine closes a phase
-whose uploads N shards folded. It is a `rounds.Closing` strategy injected into the machine: the machine knows
+whose uploads N shards folded. It is a `closing.Closing` strategy injected into the machine: the machine knows
 nothing of shards, and this module knows no transport. numpy only.
 
 Its inputs: a shard's `Progress` (it folded a device's upload: placed by the machine exactly as the upload itself
