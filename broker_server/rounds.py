@@ -21,18 +21,19 @@ are not state: after a restart the open phase's deadline and every grace period 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
-from broker_server import secagg_run
 from broker_server.buffered import Buffered
+from broker_server.closing import Closing, ClosingEffect, ClosingInput, Drop, FoldHere
 from broker_server.persist import NOT_STATE, from_plain, restore_fields, to_plain
+from broker_server.secagg_run import SecAggClosing
 from broker_server.selection import Selection
 from broker_server.stages import PhaseRun, build_model
-from protofl import privacy, secagg
+from protofl import privacy
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
@@ -50,15 +51,11 @@ from protofl.wire import (
     ProtoUpload,
     PublicSet,
     RoundStart,
-    SaMasked,
-    SecAggMessage,
     Status,
 )
-from protofl.wire.messages import SECAGG_MESSAGES
 
 log = logging.getLogger("protofl.server")
 UPLOAD_KINDS = frozenset(u.value for u in Upload)
-SECAGG_KINDS = frozenset(c.KIND for c in SECAGG_MESSAGES)
 _UPLOADS = {u.value: u for u in Upload}  # a dict lookup, not an Enum call, for every upload
 _PHASES = {p.value: p for p in Phase}
 
@@ -75,15 +72,6 @@ RESUME_GRACE_S = 45.0
 # Metrics of rounds this far behind the current one are still taken (they arrive after their round
 # closed); anything else is refused, so a member cannot make the server keep metrics of any round.
 METRICS_LAG = 2
-
-
-class Drop(Exception):
-    """An input the machine refuses: counted under `reason`, logged with `detail`, state unchanged."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 # -- inputs -------------------------------------------------------------------------------------
@@ -126,11 +114,6 @@ class DeadlinePassed:
     phase: Phase
 
 
-class ClosingInput:
-    """An input of the closing strategy's own (the sharded coordinator's: a shard's progress, its partials, a shard
-    lost; shard_closing.py): the machine hands it to its `Closing`."""
-
-
 Input = Received | Presence | GraceOver | DeadlinePassed | ClosingInput
 
 
@@ -169,11 +152,6 @@ class Steer:
     client: str
     message: Message
     payload: bytes
-
-
-class ClosingEffect:
-    """An effect of the closing strategy's own (the sharded coordinator's: ask the shards for their partials), for
-    what is composed beside the shell (coordinator.py) to carry out."""
 
 
 Effect = Publish | Steer | Boundary | RoundClosed | MetricsIn | ClosingEffect
@@ -255,6 +233,34 @@ class MachineState:
     stopped: str = ""  # why the run finished before its last round (a spent privacy budget), "" otherwise
 
 
+class Graces:
+    """How long each offline member keeps its place in the open round: timers, in memory only, never state (after
+    a restart, or the broker connection back, they are measured again from the resume)."""
+
+    def __init__(self, offline: float, resume: float) -> None:
+        self.offline = offline
+        self.resume = max(resume, offline)
+        self.ends: dict[str, float] = {}
+        self.unconfirmed: set[str] = set()  # clients not heard "online" since the resume
+        self.resumed_at = 0.0
+
+    def start(self, client: str, now: float) -> float:
+        """`client` went offline at `now`: when its grace ends. Until a client has said "online" since the resume,
+        its grace is the resume grace, counted from the resume: an "offline" then is most likely the will its
+        broker published while dying with the server."""
+        end = now + self.offline
+        if client in self.unconfirmed:
+            end = max(end, self.resumed_at + self.resume)
+        self.ends[client] = end
+        return end
+
+    def restart(self, now: float, clients: Iterable[str], leaving: Iterable[str]) -> None:
+        """Measured again from `now`: every client unconfirmed, every leaving one given the resume grace."""
+        self.resumed_at = now
+        self.unconfirmed = set(clients)
+        self.ends = {c: now + self.resume for c in leaving}
+
+
 class UploadHead(Protocol):
     """What places an upload in the open phase: an envelope's fields (`Head`), or a shard's report of one."""
 
@@ -269,46 +275,6 @@ class UploadHead(Protocol):
 
     @property
     def phase(self) -> str: ...
-
-
-class Closing(Protocol):
-    """How the open phase closes, injected into the machine: `FoldHere` (one aggregator: its folds finish here), or
-    the sharded coordinator's `ShardClosing` (the phase waits for the shards' partials and merges them first,
-    shard_closing.py). A strategy may bring inputs and effects of its own (`ClosingInput`, `ClosingEffect`); the
-    machine hands it those inputs and returns its effects. It changes the machine only through `state`, `run`,
-    `check_upload_head`, `close_if_complete` and `after_close`."""
-
-    def close(self, machine: RoundMachine, why: str) -> list[Effect]:
-        """The open phase closes (`why`: quorum or deadline): finish it, or start completing it."""
-        ...
-
-    def accepts(self, machine: RoundMachine, inp: ClosingInput) -> bool:
-        """Raise Drop if `inp` is refused; else whether applying it changes state (as RoundMachine.accepts)."""
-        ...
-
-    def apply(self, machine: RoundMachine, inp: ClosingInput) -> list[Effect]: ...
-
-    def announce(self, machine: RoundMachine) -> list[Effect]:
-        """After a restart: what a phase that is closing asks again."""
-        ...
-
-
-class FoldHere:
-    """One aggregator: the uploads were folded here, so a closing phase is finished at once."""
-
-    def close(self, machine: RoundMachine, why: str) -> list[Effect]:
-        assert machine.run is not None
-        machine.run.finish()
-        return machine.after_close(why)
-
-    def accepts(self, machine: RoundMachine, inp: ClosingInput) -> bool:
-        raise Drop("unexpected_kind", f"a shard's {type(inp).__name__.lower()}: this aggregator is not sharded")
-
-    def apply(self, machine: RoundMachine, inp: ClosingInput) -> list[Effect]:
-        return []
-
-    def announce(self, machine: RoundMachine) -> list[Effect]:
-        return []
 
 
 class RoundMachine:
@@ -330,21 +296,17 @@ class RoundMachine:
         fed: str = "",
     ) -> None:
         self.cfg = cfg
-        self.fed = fed  # the federation's name: what binds a secure aggregation's keys to it
         # Who takes part in each round (the run's selection; `time_scale`: a simulation's links run that much
         # faster than the deadline the server is given).
         self.selection = Selection(cfg, time_scale)
-        # How a phase closes: its folds finish here (one aggregator), or the coordinator of aggregator shards merges
-        # their partials first (shard_closing.ShardClosing; docs/design.md, "Sharded aggregators").
-        self.closing: Closing = closing or FoldHere()
         self.limits = dict(limits or {})  # the decoder limits the config message tells devices
         self.encode = encode
         self.clock = clock
-        self.offline_grace = offline_grace
-        self.resume_grace = max(resume_grace, offline_grace)
+        self.graces = Graces(offline_grace, resume_grace)
         self.plan = RoundPlan.from_config(cfg)
         # Buffered asynchronous rounds (FedBuff), where the config asks for them.
-        self.buffered = Buffered(cfg, self.plan, sharded=not isinstance(self.closing, FoldHere))
+        sharded = closing is not None and not isinstance(closing, FoldHere)
+        self.buffered = Buffered(cfg, self.plan, sharded=sharded)
         # The public message: the public set where the plan uses it, and the shared backbone where one travels
         # (a federation whose plan uses no public images sends only that: a set of zero samples).
         if public is not None and not self.plan.public_classes and public.backbone is not None:
@@ -359,28 +321,17 @@ class RoundMachine:
         # Uploads are clipped by default. `initial_params`: the whole model's, where the server knows it.
         self.model = build_model(cfg, self.plan, policy, initial_params)
         self.dp = privacy.resolve(cfg, self.plan)  # the DP mechanism the devices apply: what the rounds spend
-        # Secure aggregation of the training phase's prototype sums (broker_server/secagg_run.py): refused here,
-        # with the reason, where it cannot combine; `secagg` is the open phase's run of its steps.
-        self.secagg_slot = (
-            secagg_run.check(
-                cfg,
-                PhaseRun(self.model, Phase.TRAIN),
-                policy or ClipPolicy(),
-                sharded=not isinstance(self.closing, FoldHere),
-            )
-            if cfg.secagg
-            else None
-        )
-        self.secagg: secagg_run.SecAggRun | None = None
+        # How a phase closes (closing.py): its folds finish here (one aggregator), the coordinator of aggregator
+        # shards merges their partials first (shard_closing.py), or secure aggregation runs its steps first, where
+        # the config asks for it (refused there, with the reason, where it cannot combine).
+        self.closing: Closing = closing or FoldHere()
+        if cfg.secagg:
+            self.closing = SecAggClosing(cfg, self.model, policy or ClipPolicy(), fed=fed, sharded=sharded)
         self.layout = self.model.rules.adapter_layout() or []  # the federated adapter's, announced in the config
         self.state = MachineState()
         # What a new device receives once (config + public set): a function of the config, never state.
         self.welcome_bytes = sum(len(p.payload) for p in self._welcome())
         self.run: PhaseRun | None = None  # the open phase's folds (empty at every boundary)
-        # Timers and presence since the last resume: in memory only, never state.
-        self._grace_ends: dict[str, float] = {}
-        self._unconfirmed: set[str] = set()  # clients not heard "online" since the resume
-        self._resumed_at = 0.0
         self._below_floor_said = False
 
     # The state, read by the shell, services, simulators and tests.
@@ -410,7 +361,7 @@ class RoundMachine:
 
     def grace_end(self, client: str) -> float | None:
         """When an offline `client` stops holding up the open round (None unless it is leaving)."""
-        return self._grace_ends.get(client) if client in self.state.leaving else None
+        return self.graces.ends.get(client) if client in self.state.leaving else None
 
     @property
     def quorum(self) -> int:
@@ -443,8 +394,6 @@ class RoundMachine:
             self._status("running", f"round {s.round}/{self.cfg.rounds} {s.phase.phase.value}"),
             self._publish(self._round_message(s.phase.phase, s.phase.deadline), s.phase.phase.value),
         ]
-        if self.secagg is not None:
-            out += self.secagg.again(self._steer_secagg)
         return out + self.closing.announce(self)
 
     def _welcome(self) -> list[Publish]:
@@ -483,9 +432,8 @@ class RoundMachine:
             if isinstance(msg, (ProtoUpload, ParamsUpload)):
                 self._check_upload(env, msg)
                 return True
-            if isinstance(msg, SecAggMessage):
-                self._check_secagg(env, msg)
-                return True
+            if env.kind in self.closing.kinds:
+                return self.closing.accepts(self, inp)
             if isinstance(msg, Join):
                 self._check_member(env.sender)
                 self._check_arch(env.sender, msg)
@@ -514,10 +462,9 @@ class RoundMachine:
                 return self._on_join(inp.env, msg, inp.nbytes)
             if isinstance(msg, Metrics):
                 return [MetricsIn(inp.env.sender, inp.env.round, msg, inp.nbytes)]
-            if isinstance(msg, SecAggMessage):
-                return self._on_secagg(inp.env, msg, inp.nbytes)
-            assert isinstance(msg, (ProtoUpload, ParamsUpload))
-            return self._on_upload(inp.env, msg, inp.nbytes)
+            if isinstance(msg, (ProtoUpload, ParamsUpload)):
+                return self._on_upload(inp.env, msg, inp.nbytes)
+            return self.closing.apply(self, inp)  # a message of its kinds
         if isinstance(inp, Presence):
             if inp.gave_up is not None:
                 return self._give_up(inp.client, inp.gave_up) if self._gives_up(inp.client, inp.gave_up) else []
@@ -539,13 +486,13 @@ class RoundMachine:
         if s.finished:
             return []
         due: list[GraceOver | DeadlinePassed] = [
-            GraceOver(c) for c in sorted(s.leaving) if now >= self._grace_ends.get(c, 0.0) and c in s.clients
+            GraceOver(c) for c in sorted(s.leaving) if now >= self.graces.ends.get(c, 0.0) and c in s.clients
         ]
         open_ = s.phase
         if open_ is not None and not due and not open_.closing and now >= open_.deadline:
-            done = open_.done_clients()
-            if self.secagg is not None:  # the open step's deadline: it closes with enough to go on
-                done = sorted(self.secagg.sent()) if self.secagg.enough(self.floor) else []
+            done = self.closing.ready(self)
+            if done is None:
+                done = open_.done_clients()
             if len(done) >= self.floor:
                 due.append(DeadlinePassed(s.round, open_.phase))
             else:
@@ -566,8 +513,8 @@ class RoundMachine:
         another round or phase, a second upload, metrics of a far round), before its body is parsed."""
         if head.kind in UPLOAD_KINDS:
             self.check_upload_head(head)
-        elif head.kind in SECAGG_KINDS:
-            self._secagg_head(head)
+        elif head.kind in self.closing.kinds:
+            self.closing.screen(self, head)
         elif head.kind == Metrics.KIND:
             self._check_metrics(head)
         elif head.kind == Join.KIND:
@@ -662,22 +609,16 @@ class RoundMachine:
     def _leave(self, client: str) -> list[Effect]:
         """`client` went offline. After its grace without coming back (a `GraceOver` timer) it no longer
         holds up the open phase; a link that reconnects within the grace keeps its place. Until a client
-        has said "online" since the resume, its grace is the resume grace, counted from the resume: an
-        "offline" then is most likely the will its broker published while dying with the server."""
+        has said "online" since the resume, its grace is the resume grace (Graces.start)."""
         now = self.clock()
-        if client in self._unconfirmed:
-            end = max(now + self.offline_grace, self._resumed_at + self.resume_grace)
-        else:
-            end = now + self.offline_grace
         self.state.leaving.add(client)
-        self._grace_ends[client] = end
-        if end <= now:
+        if self.graces.start(client, now) <= now:
             return self._depart(client)
         return []
 
     def _forget_leaving(self, client: str) -> None:
         self.state.leaving.discard(client)
-        self._grace_ends.pop(client, None)
+        self.graces.ends.pop(client, None)
 
     def _depart(self, client: str) -> list[Effect]:
         s = self.state
@@ -693,7 +634,7 @@ class RoundMachine:
     def _come_back(self, client: str) -> list[Effect]:
         """A device is online (reconnected): if it left, it is a client again."""
         s = self.state
-        self._unconfirmed.discard(client)
+        self.graces.unconfirmed.discard(client)
         if client in s.leaving:
             self._forget_leaving(client)  # back within the grace: it never left
             return []
@@ -704,91 +645,6 @@ class RoundMachine:
             s.phase.expected.add(client)
         log.info("client %s is back; %d client(s)", client, len(s.clients))
         return []
-
-    # -- secure aggregation (broker_server/secagg_run.py) ------------------------------------------------
-    def _new_secagg(self, phase: Phase | None) -> None:
-        """A phase opens (or is restored): its secure aggregation starts from its first step."""
-        self.secagg = None
-        if self.secagg_slot is not None and phase is Phase.TRAIN:
-            self.secagg = secagg_run.SecAggRun(
-                self.cfg, self.plan.proto_width, self.fed, self.state.round, phase, self.secagg_slot
-            )
-
-    def _secagg_head(self, env: Head) -> None:
-        """The checks of a secure-aggregation message that its envelope decides."""
-        s, open_ = self.state, self.state.phase
-        if env.sender not in s.clients:
-            raise Drop("unknown_client", f"'{env.sender}' sent {env.kind} without joining")
-        if self.secagg is None or open_ is None:
-            raise Drop("unexpected_kind", f"{env.kind} from {env.sender}: no secure aggregation is open")
-        if (env.round, env.phase) != (s.round, open_.phase.value):
-            raise Drop("stale", f"{env.kind} for round {env.round}/{env.phase} from {env.sender}; now round {s.round}")
-        if env.sender not in open_.expected:
-            raise Drop("not_selected", f"{env.kind} from {env.sender}, who is not expected in round {s.round}")
-
-    def _check_secagg(self, env: Head, msg: Message) -> None:
-        self._secagg_head(env)
-        assert self.secagg is not None
-        no = self.secagg.refusal(env.sender, msg)
-        if no is not None:
-            raise Drop(*no)
-
-    def _on_secagg(self, env: Head, msg: Message, nbytes: int) -> list[Effect]:
-        open_ = self.state.phase
-        assert self.secagg is not None and open_ is not None
-        self.secagg.apply(env.sender, msg)
-        if isinstance(msg, SaMasked):  # its upload of the phase: what the round record counts
-            open_.received[env.sender] = open_.received.get(env.sender, set()) | set(open_.needs)
-        self.state.current.uplink_bytes += nbytes
-        self.count_upload(env, nbytes)
-        return self._secagg_progress()
-
-    def _secagg_progress(self) -> list[Effect]:
-        """Close the open step once every device still expected in it sent its message."""
-        open_, sa = self.state.phase, self.secagg
-        assert open_ is not None and sa is not None
-        if sa.waiting(open_.expected) or not sa.enough(self.floor):
-            return []
-        return self._secagg_close_step("quorum")
-
-    def _steer_secagg(self, msg: Message, client: str) -> Steer:
-        open_ = self.state.phase
-        assert open_ is not None
-        return Steer(client, msg, self.encode(msg, self.state.round, open_.phase.value))
-
-    def _secagg_close_step(self, why: str) -> list[Effect]:
-        """The open step closes (`why`: quorum or deadline): the next step's messages, or the unmasked sum folded
-        and the phase closed."""
-        open_, sa, run = self.state.phase, self.secagg, self.run
-        assert open_ is not None and sa is not None and run is not None
-        step = sa.step
-        if step != "unmask":
-            took = len(sa.sent())
-            out: list[Effect] = list(sa.close_step(self._steer_secagg))
-            self.state.current.downlink_bytes += sum(len(e.payload) for e in out if isinstance(e, Steer))
-            open_.deadline = self.clock() + self.cfg.round_timeout
-            log.info(
-                "round %d secure aggregation: %s step closed (%s) with %d device(s); now %s",
-                self.state.round,
-                step,
-                why,
-                took,
-                sa.step,
-            )
-            return out + self._secagg_progress()
-        try:
-            sums, weights, senders = sa.result()
-            secagg_run.fold_sum(run, sa.slot, sums, weights, senders)
-            log.info("round %d secure aggregation: unmasked the sum of %d device(s)", self.state.round, senders)
-        except (secagg.SecAggError, ValueError) as exc:
-            sa.failed = str(exc)
-            log.warning(
-                "round %d secure aggregation: could not unmask (%s); the phase closes without folding",
-                self.state.round,
-                exc,
-            )
-        self.secagg = None
-        return self.closing.close(self, why)
 
     def _check_upload(self, env: Head, msg: ProtoUpload | ParamsUpload) -> tuple[OpenPhase, Upload]:
         """Where an upload belongs; raises Drop if it belongs nowhere now."""
@@ -874,8 +730,9 @@ class RoundMachine:
         # would run after every upload of a fleet (issue 27).
         if open_.closing:
             return []
-        if self.secagg is not None:
-            return self._secagg_progress()
+        own = self.closing.progress(self)
+        if own is not None:
+            return own
         if self.buffered.full(len(open_.received)) and self.buffered.full(len(open_.done_clients())):
             return self._close_phase("buffer")  # FedBuff: K uploads folded (K is its floor), a new version
         target = self.selection.target
@@ -926,7 +783,6 @@ class RoundMachine:
     def _open_phase(self, phase: Phase) -> list[Effect]:
         s = self.state
         self.run = PhaseRun(self.model, phase)
-        self._new_secagg(phase)
         deadline = self.clock() + self.cfg.round_timeout
         steer: list[Effect] = []
         if self.selection.active and phase is self.plan.first_phase:
@@ -937,6 +793,7 @@ class RoundMachine:
         # counting) keeps it.
         s.current.downlink_bytes += len(message.payload) * len(s.clients)
         s.phase = OpenPhase(phase, expected, self.plan.sends(phase), deadline=deadline)
+        self.closing.begin(self)
         self._below_floor_said = False
         running = self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}")
         return [Boundary(), running, message, *steer]
@@ -961,13 +818,14 @@ class RoundMachine:
         return [self._pace(c, deadline, why) for c, why in sorted(choice.left_out.items())]
 
     def _pace(self, client: str, until: float, why: str) -> Steer:
-        msg = Pace(until=until, reason=why)
-        return Steer(client, msg, self.encode(msg, self.state.round, self.plan.first_phase.value))
+        return self.steer(client, Pace(until=until, reason=why), self.plan.first_phase)
+
+    def steer(self, client: str, msg: Message, phase: Phase) -> Steer:
+        """`msg` for one device only, on its own topic, as of the open round's `phase`."""
+        return Steer(client, msg, self.encode(msg, self.state.round, phase.value))
 
     def _close_phase(self, why: str) -> list[Effect]:
         assert self.state.phase is not None and self.run is not None
-        if self.secagg is not None:
-            return self._secagg_close_step(why)
         return self.closing.close(self, why)
 
     def after_close(self, why: str) -> list[Effect]:
@@ -1064,7 +922,7 @@ class RoundMachine:
                 )
         self.state = from_plain(MachineState, saved["machine"])
         self.run = None if self.state.phase is None else PhaseRun(self.model, self.state.phase.phase)
-        self._new_secagg(None if self.state.phase is None else self.state.phase.phase)
+        self.closing.begin(self)
 
     def resume(self, now: float) -> None:
         """Times start again from `now` (a restart, or the broker connection back): the open phase's
@@ -1072,6 +930,4 @@ class RoundMachine:
         s = self.state
         if s.phase is not None:
             s.phase.deadline = now + self.cfg.round_timeout
-        self._resumed_at = now
-        self._unconfirmed = set(s.clients)
-        self._grace_ends = {c: now + self.resume_grace for c in s.leaving}
+        self.graces.restart(now, s.clients, s.leaving)

@@ -22,6 +22,11 @@ unmask step closes is only masked vectors (`SecAggRun.server.masked`).
 
 What cannot combine is refused when the machine is built (`check`): server-side clipping and the robust means need
 each upload in the clear, shards and site pre-aggregators would need the shares at every shard.
+
+The round machine knows none of this: where the config says `secagg` it closes its phases with `SecAggClosing`
+(a `closing.Closing`), which owns the messages above (their envelope checks and refusals, each dropped with its
+reason), the steps and each step's deadline, and what the open phase's steps hold (nothing at a phase boundary,
+where snapshots are taken; the journal replays the rest); once unmasked, the phase finishes as `FoldHere`'s.
 """
 
 from __future__ import annotations
@@ -30,18 +35,22 @@ import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from broker_server.stages import PhaseRun, build_model
+from broker_server.closing import Closing, ClosingInput, Drop, FoldHere
+from broker_server.stages import PhaseRun, ServerModel, build_model
 from protofl import secagg, wire
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.mergeable import Additive
 from protofl.plan import Phase, RoundPlan
-from protofl.wire import Message
+from protofl.wire import Head, Message
+
+if TYPE_CHECKING:
+    from broker_server.rounds import Effect, Received, RoundMachine, Steer
 
 log = logging.getLogger("protofl.server")
 
@@ -49,6 +58,7 @@ STEPS = ("keys", "shares", "masked", "unmask")
 _STEP_OF = {wire.SaKeys: "keys", wire.SaShares: "shares", wire.SaMasked: "masked", wire.SaUnmask: "unmask"}
 _SUM_SLOT = frozenset({"_sum", "_weight", "_senders"})  # a per-class prototype sum: fedproto's PrototypeAggregator
 _VECTOR_SLOT = frozenset({"_num", "_den", "_count"})  # a weighted vector sum with one scalar weight: FedAvg's
+KINDS = frozenset(c.KIND for c in wire.messages.SECAGG_MESSAGES)  # every secure-aggregation kind, the server's too
 # the wire's sizes are the protocol's (the wire module imports no cryptography, so it states them again)
 assert (wire.messages.SA_SHARE_BYTES, wire.messages.SA_BOX_BYTES) == (secagg.SHARE_BYTES, secagg.BOX_BYTES)
 
@@ -323,3 +333,123 @@ def fold_sum(run: PhaseRun, slot: SumSlot, sums: np.ndarray, weights: np.ndarray
         node["_weight"] = np.where(present, weights, 0.0).astype(np.float64)
         node["_senders"] = int(senders)
     run.merge(part)
+
+
+class SecAggClosing(Closing):
+    """Secure aggregation as the round machine's closing (closing.Closing): the training phase runs the SecAgg+
+    steps on the messages of `KINDS`, each step closing when every device still in it answered (or at its deadline
+    with enough), and the last one folds the unmasked sum here; every other phase closes as `FoldHere`'s."""
+
+    kinds = KINDS
+
+    def __init__(self, cfg: FederationConfig, model: ServerModel, policy: ClipPolicy, *, fed: str, sharded: bool):
+        # Refused here, with the reason, where secure aggregation cannot combine (`check`).
+        self.slot = check(cfg, PhaseRun(model, Phase.TRAIN), policy, sharded=sharded)
+        self.fed = fed  # the federation's name: what binds the phase's keys to it (secagg.context)
+        self.fold = FoldHere()  # how the phase finishes once unmasked, and every other phase
+        self.run: SecAggRun | None = None  # the open training phase's steps
+
+    def begin(self, machine: RoundMachine) -> None:
+        open_ = machine.phase
+        self.run = None
+        if open_ is not None and open_.phase is Phase.TRAIN:
+            self.run = SecAggRun(machine.cfg, machine.plan.proto_width, self.fed, machine.round, Phase.TRAIN, self.slot)
+
+    # -- its messages -----------------------------------------------------------------------------------------
+    def screen(self, machine: RoundMachine, head: Head) -> None:
+        """The checks of a secure-aggregation message that its envelope decides."""
+        s, open_ = machine.state, machine.phase
+        if head.sender not in s.clients:
+            raise Drop("unknown_client", f"'{head.sender}' sent {head.kind} without joining")
+        if self.run is None or open_ is None:
+            raise Drop("unexpected_kind", f"{head.kind} from {head.sender}: no secure aggregation is open")
+        if (head.round, head.phase) != (s.round, open_.phase.value):
+            raise Drop(
+                "stale", f"{head.kind} for round {head.round}/{head.phase} from {head.sender}; now round {s.round}"
+            )
+        if head.sender not in open_.expected:
+            raise Drop("not_selected", f"{head.kind} from {head.sender}, who is not expected in round {s.round}")
+
+    def accepts(self, machine: RoundMachine, inp: ClosingInput | Received) -> bool:
+        if isinstance(inp, ClosingInput):
+            return self.fold.accepts(machine, inp)
+        self.screen(machine, inp.env)
+        assert self.run is not None
+        no = self.run.refusal(inp.env.sender, inp.msg)
+        if no is not None:
+            raise Drop(*no)
+        return True
+
+    def apply(self, machine: RoundMachine, inp: ClosingInput | Received) -> list[Effect]:
+        if isinstance(inp, ClosingInput):
+            return self.fold.apply(machine, inp)
+        env, msg, open_ = inp.env, inp.msg, machine.phase
+        assert self.run is not None and open_ is not None
+        self.run.apply(env.sender, msg)
+        if isinstance(msg, wire.SaMasked):  # its upload of the phase: what the round record counts
+            open_.received[env.sender] = open_.received.get(env.sender, set()) | set(open_.needs)
+        machine.state.current.uplink_bytes += inp.nbytes
+        machine.count_upload(env, inp.nbytes)
+        return self._progress(machine)
+
+    def announce(self, machine: RoundMachine) -> list[Effect]:
+        """After a restart: the open step's messages again."""
+        again: list[Effect] = [] if self.run is None else list(self.run.again(self._steer(machine)))
+        return again + self.fold.announce(machine)
+
+    # -- the steps ----------------------------------------------------------------------------------------------
+    def progress(self, machine: RoundMachine) -> list[Effect] | None:
+        return None if self.run is None else self._progress(machine)
+
+    def ready(self, machine: RoundMachine) -> list[str] | None:
+        """At the deadline: the open step closes with enough to go on."""
+        if self.run is None:
+            return None
+        return sorted(self.run.sent()) if self.run.enough(machine.floor) else []
+
+    def close(self, machine: RoundMachine, why: str) -> list[Effect]:
+        return self.fold.close(machine, why) if self.run is None else self._close_step(machine, why)
+
+    def _progress(self, machine: RoundMachine) -> list[Effect]:
+        """Close the open step once every device still expected in it sent its message."""
+        open_, sa = machine.phase, self.run
+        assert open_ is not None and sa is not None
+        if sa.waiting(open_.expected) or not sa.enough(machine.floor):
+            return []
+        return self._close_step(machine, "quorum")
+
+    def _steer(self, machine: RoundMachine) -> Callable[[Message, str], Steer]:
+        open_ = machine.phase
+        assert open_ is not None
+        phase = open_.phase
+        return lambda msg, client: machine.steer(client, msg, phase)
+
+    def _close_step(self, machine: RoundMachine, why: str) -> list[Effect]:
+        """The open step closes (`why`: quorum or deadline): the next step's messages, each step with a deadline of
+        its own, or the unmasked sum folded and the phase closed."""
+        open_, sa, run, r = machine.phase, self.run, machine.run, machine.round
+        assert open_ is not None and sa is not None and run is not None
+        step = sa.step
+        if step != "unmask":
+            took = len(sa.sent())
+            steers: list[Steer] = sa.close_step(self._steer(machine))
+            machine.state.current.downlink_bytes += sum(len(e.payload) for e in steers)
+            open_.deadline = machine.clock() + machine.cfg.round_timeout
+            log.info(
+                "round %d secure aggregation: %s step closed (%s) with %d device(s); now %s",
+                r,
+                step,
+                why,
+                took,
+                sa.step,
+            )
+            return [*steers, *self._progress(machine)]
+        try:
+            sums, weights, senders = sa.result()
+            fold_sum(run, sa.slot, sums, weights, senders)
+            log.info("round %d secure aggregation: unmasked the sum of %d device(s)", r, senders)
+        except (secagg.SecAggError, ValueError) as exc:
+            sa.failed = str(exc)
+            log.warning("round %d secure aggregation: could not unmask (%s); the phase closes without folding", r, exc)
+        self.run = None
+        return self.fold.close(machine, why)

@@ -1,5 +1,5 @@
 """The sharded closing (docs/design.md, "Sharded aggregators"): how the coordinator's round machine closes a phase
-whose uploads N shards folded. It is a `rounds.Closing` strategy injected into the machine: the machine knows
+whose uploads N shards folded. It is a `closing.Closing` strategy injected into the machine: the machine knows
 nothing of shards, and this module knows no transport. numpy only.
 
 Its inputs: a shard's `Progress` (it folded a device's upload: placed by the machine exactly as the upload itself
@@ -18,7 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from broker_server.rounds import ClosingEffect, ClosingInput, Drop, Effect, RoundMachine
+from broker_server.closing import Closing, ClosingEffect, ClosingInput, Drop
+from broker_server.rounds import Effect, Received, RoundMachine
 from protofl.plan import Phase, Upload
 
 __all__ = ["Gather", "Partials", "Progress", "ShardClosing", "ShardLost"]
@@ -66,7 +67,7 @@ class Gather(ClosingEffect):
     assignment: dict[str, list[tuple[str, str]]]
 
 
-class ShardClosing:
+class ShardClosing(Closing):
     """The coordinator's closing: a phase closes by merging its shards' partials."""
 
     def close(self, machine: RoundMachine, why: str) -> list[Effect]:
@@ -79,7 +80,7 @@ class ShardClosing:
         open_ = machine.phase
         return [self.gather(machine)] if open_ is not None and open_.closing else []
 
-    def accepts(self, machine: RoundMachine, inp: ClosingInput) -> bool:
+    def accepts(self, machine: RoundMachine, inp: ClosingInput | Received) -> bool:
         s, open_ = machine.state, machine.phase
         if isinstance(inp, ShardLost):
             if open_ is None or not open_.closing or (inp.round, inp.phase) != (s.round, open_.phase.value):
@@ -110,7 +111,7 @@ class ShardClosing:
         machine.check_upload_head(inp)
         return True
 
-    def apply(self, machine: RoundMachine, inp: ClosingInput) -> list[Effect]:
+    def apply(self, machine: RoundMachine, inp: ClosingInput | Received) -> list[Effect]:
         if isinstance(inp, Progress):  # a shard saying again what it said (it restarted) changes nothing
             return self._place(machine, inp) if self.accepts(machine, inp) else []
         if isinstance(inp, Partials):

@@ -59,6 +59,13 @@ def _cfg(secure: bool = True, **kw: Any) -> FederationConfig:
     return make_config("fedproto", **{**SMALL, "secagg": secure, **kw})
 
 
+def _steps(agg: Aggregator) -> secagg_run.SecAggRun | None:
+    """The open phase's secure-aggregation steps (its machine's closing's)."""
+    closing = agg.machine.closing
+    assert isinstance(closing, secagg_run.SecAggClosing)
+    return closing.run
+
+
 def _table(i: int, round_: int) -> ProtoSet:
     """Device i's prototypes: classes (i, i+1, i+2) mod 4, rows near 1, counts 3..: every class from 4+ devices."""
     rng = np.random.default_rng(10 * round_ + i)
@@ -151,7 +158,7 @@ def _run(
             break
         clock.now += 61.0  # past the open step's deadline: it closes with those that answered
         agg.tick()
-    assert agg.finished, agg.machine.secagg and agg.machine.secagg.step
+    assert agg.finished, (sa := _steps(agg)) and sa.step
     return agg, devices, clock
 
 
@@ -212,7 +219,7 @@ def test_the_server_holds_and_journals_only_masked_values_until_the_unmask_step_
     )  # nobody answers the unmasking: it stays open
     devices.join()
     broker.pump()
-    sa = agg.machine.secagg
+    sa = _steps(agg)
     assert sa is not None and sa.step == "unmask" and len(sa.server.masked) == 6
     plan = RoundPlan.from_config(cfg)
     assert sa.fp is not None
@@ -266,7 +273,7 @@ def test_a_restart_after_any_message_of_the_steps_ends_as_the_uninterrupted_run(
         if not agg.finished:
             clock2.now += 61.0
             agg.tick()
-        assert agg.finished, f"restart after message {i}: {agg.machine.secagg and agg.machine.secagg.step}"
+        assert agg.finished, f"restart after message {i}: {(sa := _steps(agg)) and sa.step}"
         got = _protos(agg)
         assert got.keys() == want.keys()
         for c in want:  # the same sum, unmasked from the same journaled inputs: bit for bit
@@ -294,7 +301,7 @@ def test_step_messages_that_do_not_fit_are_dropped_with_their_reason_and_change_
     devices = Devices(broker.connect("devices"), cfg, {c: "masked" for c in CLIENTS})  # the masked step stays open
     devices.join()
     broker.pump()
-    sa = agg.machine.secagg
+    sa = _steps(agg)
     assert sa is not None and sa.step == "masked"
     before = (dict(sa.server.keys), dict(sa.sent_shares), dict(sa.server.masked))
     run = devices.runs["d0"]
