@@ -205,18 +205,19 @@ def _reload_without_package() -> None:
 
 
 def test_a_technique_that_does_not_load_is_named(tmp_path: Path) -> None:
-    # A broken third-party package: the error names its entry point instead of a bare ImportError.
+    # A broken third-party package: named in a warning instead of a bare ImportError, and skipped (issue 55: it
+    # cannot take down a federation that does not use it); one that names it is told why it cannot.
     dist = tmp_path / "broken-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[protofl.techniques]\nbroken = no_such_module:Broken\n")
-    code = "from protofl.presets import make_config\nmake_config('fedproto')\n"
+    code = "from protofl.presets import make_config\nmake_config('fedproto')\nmake_config('fedproto', broken=True)\n"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert (
-        "technique 'broken = no_such_module:Broken' (entry point group protofl.techniques) does not load" in proc.stderr
-    ), proc.stderr[-2000:]
+    said = "technique 'broken' (broken = no_such_module:Broken (broken 0.1)) is installed but was skipped: it does not load"
+    assert proc.stderr.count(said) == 2, proc.stderr[-2000:]  # the warning, then the error of the config naming it
+    assert "ConfigError: config 'broken'" in proc.stderr, proc.stderr[-2000:]
 
 
 # -- a fleet where only the server has the package ----------------------------------------------------------------
