@@ -367,6 +367,8 @@ class DeviceRunner:
                     topic,
                     exc,
                 )
+                if isinstance(exc, ConfigError):  # the server counts the refusal and says why (issue 55)
+                    self._presence("online", f"{topics.CANNOT_JOIN} '{self.fed}': {exc}")
                 return
             try:
                 agent = self.agent = self._build_agent(read)

@@ -239,18 +239,22 @@ SMALL = [
 
 class _Fleet:
     """`protofl-server start` (its own Mosquitto, --insecure on a free port) and two `protofl-edge join` processes
-    that cannot import tests/external_technique; the server can when `with_package`."""
+    that cannot import `package` (tests/external_technique); the server can when `with_package`. `preset` and
+    `sets` (--set values) choose the federation (tests/test_plugin_isolation.py runs one of its own)."""
 
-    def __init__(self, tmp: Path, rounds: int) -> None:
+    def __init__(
+        self, tmp: Path, rounds: int, package: Path = EXTERNAL, preset: str = "tinyproto", sets: tuple[str, ...] = ()
+    ) -> None:
         from broker_server.broker import free_port
 
         self.tmp, self.rounds, self.port = tmp, rounds, free_port()
+        self.package, self.preset, self.sets = package, preset, sets
         self.server: subprocess.Popen[str] | None = None
         self.devices: list[subprocess.Popen[str]] = []
         self.log = tmp / "server.log"
 
     def env(self, with_package: bool) -> dict[str, str]:
-        path = [str(EXTERNAL), str(REPO)] if with_package else [str(REPO)]
+        path = [str(self.package), str(REPO)] if with_package else [str(REPO)]
         return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONUNBUFFERED": "1"}
 
     def start(self, with_package: bool) -> None:
@@ -267,7 +271,7 @@ class _Fleet:
             "--fed",
             "mixed",
             "--preset",
-            "tinyproto",
+            self.preset,
             "--rounds",
             str(self.rounds),
             "--min-clients",
@@ -281,13 +285,14 @@ class _Fleet:
             "--state-dir",
             str(self.tmp / "state"),
             *SMALL,
+            *(arg for value in self.sets for arg in ("--set", value)),
         ]
         with self.log.open("a") as out:
             self.server = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=self.env(with_package)
             )
 
-    def join(self) -> None:
+    def join(self, devices: int = 2) -> None:
         self.devices = [
             subprocess.Popen(
                 [
@@ -304,7 +309,7 @@ class _Fleet:
                     "--data",
                     FLEET_DATA,
                     "--partition",
-                    f"{i}/2",
+                    f"{i}/{devices}",
                     "--seed",
                     "4",
                     "--threads",
@@ -317,7 +322,7 @@ class _Fleet:
                 text=True,
                 env=self.env(False),
             )
-            for i in range(2)
+            for i in range(devices)
         ]
 
     def rounds_done(self) -> int:

@@ -158,9 +158,9 @@ def test_a_device_free_technique_is_read_by_a_device_without_it(installed: None)
     from protofl.presets import make_config
     from protofl.wire import Config
 
-    cfg = make_config("tinyproto", server_only=True, **{"server_only.server_only_scale": 0.5})
+    cfg = make_config("tinyproto", server_only=True, **{"server_only.server_only_tag": "x"})
     wire = json.loads(json.dumps(cfg.to_dict()))
-    assert wire["device_free"] == ["server_only"] and wire["techniques"]["server_only"]["server_only_scale"] == 0.5
+    assert wire["device_free"] == ["server_only"] and wire["techniques"]["server_only"]["server_only_tag"] == "x"
     assert "device_free" not in make_config("tinyproto").to_dict()  # a federation without one sends what it sent
     # where it is installed (the server, the simulator) it has no device rule, and needs none
     plan = RoundPlan.from_config(cfg)
@@ -177,3 +177,63 @@ def test_a_device_free_technique_is_read_by_a_device_without_it(installed: None)
     finally:
         sys.path.insert(0, str(PLUGINS))
         _reload()
+
+
+# -- real fleets: `protofl-server start` and `protofl-edge join` processes over Mosquitto ----------------------------
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_device_free_technique_runs_with_devices_that_never_installed_it(tmp_path: Path) -> None:
+    from tests.test_external_technique import _Fleet
+
+    # The server has the three packages (two of them skipped with a warning); the devices have none.
+    sets = ("server_only=true", "server_only.server_only_tag=fleet")
+    fleet = _Fleet(tmp_path, rounds=2, package=PLUGINS, sets=sets)
+    fleet.start(with_package=True)
+    fleet.join()
+    outs = fleet.finish(240)
+    log = fleet.log.read_text()
+    assert "federation 'mixed' finished: 2 rounds" in log, log[-4000:]
+    assert "technique 'clash_mu'" in log and "technique 'bad_check'" in log  # named, skipped, harmless
+    assert "server_only[fleet] saw phase train open (2 so far)" in log, log[-4000:]  # its server rule acted
+    saved = json.loads((tmp_path / "state" / "aggregator" / "federation.json").read_text())["config"]
+    assert saved["techniques"]["server_only"] == {"server_only": True, "server_only_tag": "fleet"}
+    assert saved["device_free"] == ["server_only"]
+    assert not any("server_only" in out and "not installed" in out for out in outs), outs
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_a_device_that_refuses_the_federation_is_counted_in_status_and_the_log(tmp_path: Path) -> None:
+    from tests.test_external_technique import EXTERNAL, _Fleet
+
+    # The server runs a technique (median_proto, not device-free) that the device lacks: before this change the server
+    # waited at 0 members and only device-logs/ said why.
+    fleet = _Fleet(tmp_path, rounds=1, package=EXTERNAL, preset="fedproto-median")
+    fleet.start(with_package=True)
+    fleet.join(devices=1)
+    try:
+        status = tmp_path / "state" / "status.json"
+        end = time.monotonic() + 180
+        while True:
+            refusals = json.loads(status.read_text()).get("refusals", []) if status.exists() else []
+            if refusals or time.monotonic() > end:
+                break
+            time.sleep(0.5)
+        assert len(refusals) == 1 and refusals[0]["member"] == "dev-0" and refusals[0]["times"] == 1, refusals
+        assert refusals[0]["reason"].startswith("cannot join federation 'mixed'") and "median_proto" in refusals[0]["reason"]
+        log = fleet.log.read_text()
+        assert "device dev-0: cannot join federation 'mixed'" in log, log[-4000:]
+        shown = subprocess.run(
+            [sys.executable, "-m", "broker_server.cli", "status", "--state-dir", str(tmp_path / "state")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        assert "refused by 1 member(s):" in shown.stdout and "refused: dev-0 (1x): cannot join" in shown.stdout, (
+            shown.stdout + shown.stderr
+        )
+    finally:
+        fleet.stop()
+    out = fleet.devices[0].communicate(timeout=60)[0]
+    assert "unusable federation config" in out and "median_proto" in out, out[-3000:]  # it waits for another

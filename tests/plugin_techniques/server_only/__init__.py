@@ -1,6 +1,6 @@
-"""A technique with nothing to do on a device (a test fixture, issue 55): its server rule scales every phase's
-target prototypes by `server_only_scale` and counts the phases it scaled (its state, checkpointed). It declares
-`device_free`, so it is installed on the server alone and devices without it still join."""
+"""A technique with nothing to do on a device (a test fixture, issue 55): its server rule counts the phases it saw
+open (its state, checkpointed) and logs each with its `server_only_tag`. It declares `device_free`, so it is
+installed on the server alone and devices without it still join."""
 
 from __future__ import annotations
 
@@ -8,36 +8,37 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from protofl import technique
-from protofl.technique import ServerRule, flag, number
+from protofl.technique import Fold, Option, Phase, ServerRule, flag
 
 log = logging.getLogger("server_only")
 
 
+def _tag(value: Any) -> str | None:
+    return None if isinstance(value, str) else f"config 'server_only_tag' must be a string, got {value!r}"
+
+
 @dataclass
-class Scaled:
-    scaled_phases: int = 0
+class Seen:
+    phases: int = 0
 
 
 class Technique(technique.Technique):
     name = "server_only"
     order = 90
     device_free = True
-    options = {"server_only": flag("server_only"), "server_only_scale": number("server_only_scale", 1.0, True)}
+    options = {"server_only": flag("server_only"), "server_only_tag": Option("", _tag)}
 
     def server_rule(self, model: Any) -> ServerRule:
-        return ScaleRule(model)
+        return SeenRule(model)
 
 
-class ScaleRule(ServerRule):
+class SeenRule(ServerRule):
     def __init__(self, model: Any) -> None:
         super().__init__(model)
-        self.state = Scaled()
+        self.state = Seen()
 
-    def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        scale = float(self.model.cfg.server_only_scale)
-        self.state.scaled_phases += 1
-        log.warning("server_only scaled %d targets by %g (phase %d)", len(table), scale, self.state.scaled_phases)
-        return {c: (v * scale).astype(v.dtype) for c, v in table.items()}
+    def folds(self, phase: Phase) -> list[Fold]:
+        self.state.phases += 1
+        log.warning("server_only[%s] saw phase %s open (%d so far)", self.model.cfg.server_only_tag, phase.value, self.state.phases)
+        return []
