@@ -37,8 +37,8 @@ else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
     import tomli as tomllib
 
 from protofl import participation, privacy, registry
-from protofl.fields import CORE
 from protofl.errors import ConfigError
+from protofl.fields import CORE
 from protofl.names import class_key
 from protofl.technique import PlanDraft, is_number
 

@@ -124,7 +124,9 @@ def option_name(key: str) -> str:
             )
         declared = found.techniques[tech][0].options
         if opt not in declared:
-            raise ConfigError(f"config '{key}': technique '{tech}' has no option '{opt}'; its options: {sorted(declared)}")
+            raise ConfigError(
+                f"config '{key}': technique '{tech}' has no option '{opt}'; its options: {sorted(declared)}"
+            )
         return opt
     candidates = [name for name, (t, _) in found.techniques.items() if key in t.options]
     if len(candidates) > 1:
@@ -247,7 +249,7 @@ def _found() -> _Installed:
 
 def _instance(ep: EntryPoint) -> Technique:
     obj = ep.load()
-    return obj() if isinstance(obj, type) else obj  # type: ignore[no-any-return]
+    return obj() if isinstance(obj, type) else obj
 
 
 def _load_own(ep: EntryPoint) -> Technique:
@@ -260,11 +262,15 @@ def _load_own(ep: EntryPoint) -> Technique:
             f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it"
         ) from exc
     if not isinstance(tech, Technique) or tech.name != ep.name:
-        raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not the protofl Technique '{ep.name}'")
+        raise ConfigError(
+            f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not the protofl Technique '{ep.name}'"
+        )
     return tech
 
 
-def _load(ep: EntryPoint, found: Mapping[str, tuple[Technique, str | None, EntryPoint]]) -> tuple[Technique | None, str]:
+def _load(
+    ep: EntryPoint, found: Mapping[str, tuple[Technique, str | None, EntryPoint]]
+) -> tuple[Technique | None, str]:
     """A third-party technique, and why it cannot be used ("" where it can), judged against those `found`."""
     if ep.name in found:
         return None, f"a technique named '{ep.name}' is installed already ({found[ep.name][2].value})"

@@ -215,7 +215,7 @@ def test_a_technique_that_does_not_load_is_named(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    said = "technique 'broken' (broken = no_such_module:Broken (broken 0.1)) is installed but was skipped: it does not load"
+    said = "technique 'broken' (broken = no_such_module:Broken (broken 0.1)) is installed but was skipped: it does not"
     assert proc.stderr.count(said) == 2, proc.stderr[-2000:]  # the warning, then the error of the config naming it
     assert "ConfigError: config 'broken'" in proc.stderr, proc.stderr[-2000:]
 

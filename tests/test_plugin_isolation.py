@@ -51,6 +51,11 @@ def installed() -> Iterator[None]:
         _reload()
 
 
+def _named(name: str, value: Any) -> dict[str, Any]:
+    """A qualified option as keyword arguments (`make_config("tinyproto", **_named("cps.mu", 0.5))`)."""
+    return {name: value}
+
+
 def _warned(caplog: pytest.LogCaptureFixture) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
 
@@ -66,16 +71,19 @@ def test_a_clashing_and_a_failing_technique_are_named_once_and_skipped(
         for preset in BUILT_IN:
             make_config(preset)
     said = _warned(caplog)
-    assert "technique 'clash_mu' (clash_mu = clash_mu:Technique (clash-mu 0.1)) is installed but was skipped: its option 'mu' is declared by 'cps' too" in said, said
-    assert "technique 'bad_check' (bad_check = bad_check:Technique (bad-check 0.1)) is installed but was skipped: its check fails on the default config, where it is off: RuntimeError: bad_check is broken" in said, said
-    assert said.count("technique 'clash_mu'") == 1 and said.count("technique 'bad_check'") == 1  # once, however many configs are made
+    clash = "technique 'clash_mu' (clash_mu = clash_mu:Technique (clash-mu 0.1)) is installed but was skipped: "
+    assert clash + "its option 'mu' is declared by 'cps' too" in said, said
+    bad = "technique 'bad_check' (bad_check = bad_check:Technique (bad-check 0.1)) is installed but was skipped: "
+    assert bad + "its check fails on the default config, where it is off: RuntimeError: bad_check is broken" in said
+    # once, however many configs are made
+    assert said.count("technique 'clash_mu'") == 1 and said.count("technique 'bad_check'") == 1
     assert "clash_mu" not in names and "bad_check" not in names and "server_only" in names
     # bare `mu` is still CPS's, as in every config and preset written before (the wire form is unchanged)
-    assert make_config("tinyproto", mu=0.25).to_dict() == make_config("tinyproto", **{"cps.mu": 0.25}).to_dict()
+    assert make_config("tinyproto", mu=0.25).to_dict() == make_config("tinyproto", **_named("cps.mu", 0.25)).to_dict()
     assert make_config("tinyproto").to_dict()["techniques"]["cps"]["mu"] == "auto"
     # a federation that names a skipped technique is told why it cannot have it
     with pytest.raises(ConfigError, match=r"config 'clash_mu\.mu': technique 'clash_mu' .* was skipped: its option"):
-        make_config("tinyproto", **{"clash_mu.mu": 1.0})
+        make_config("tinyproto", **_named("clash_mu.mu", 1.0))
     with pytest.raises(ConfigError, match=r"config 'bad_check': technique 'bad_check' .* was skipped: its check"):
         make_config("fedproto", bad_check=True)
 
@@ -104,9 +112,9 @@ def test_options_are_named_as_their_techniques(tmp_path: Path) -> None:
     from protofl.presets import make_config
 
     want = make_config("tinyproto", mu=1.5e-4)
-    assert make_config("tinyproto", **{"cps.mu": 1.5e-4}) == want  # the Python API
-    assert want.replace(**{"cps.mu": 0.5}).mu == 0.5
-    assert FederationConfig(**{"cps": True, "cps.cps_s": 3}).cps_s == 3
+    assert make_config("tinyproto", **_named("cps.mu", 1.5e-4)) == want  # the Python API
+    assert want.replace(**_named("cps.mu", 0.5)).mu == 0.5
+    assert FederationConfig(cps=True, **_named("cps.cps_s", 3)).cps_s == 3
     quoted = tmp_path / "quoted.toml"
     quoted.write_text('[federation]\n"cps.mu" = 1.5e-4\n')
     table = tmp_path / "table.toml"
@@ -114,11 +122,11 @@ def test_options_are_named_as_their_techniques(tmp_path: Path) -> None:
     assert make_config("tinyproto", str(quoted)) == want and make_config("tinyproto", str(table)) == want
     assert want.to_dict()["techniques"]["cps"]["mu"] == 1.5e-4  # the wire form: scoped as it always was
     with pytest.raises(ConfigError, match=r"'mu' is given twice \(as 'mu' and 'cps.mu'\)"):
-        make_config("tinyproto", **{"mu": 1.0, "cps.mu": 2.0})
+        make_config("tinyproto", mu=1.0, **_named("cps.mu", 2.0))
     with pytest.raises(ConfigError, match=r"technique 'cps' has no option 'lr'; its options: \['cps', 'cps_s', 'mu'"):
-        make_config("tinyproto", **{"cps.lr": 1.0})
+        make_config("tinyproto", **_named("cps.lr", 1.0))
     with pytest.raises(ConfigError, match=r"names technique 'nope', which is not installed; installed: fedavg"):
-        make_config("tinyproto", **{"nope.mu": 1.0})
+        make_config("tinyproto", **_named("nope.mu", 1.0))
 
 
 def test_an_ambiguous_bare_name_names_the_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,7 +145,9 @@ def test_an_ambiguous_bare_name_names_the_candidates(monkeypatch: pytest.MonkeyP
 
     found = registry._Installed({"one": (One(), None), "two": (Two(), None)}, {})
     monkeypatch.setattr(registry, "_found", lambda: found)
-    with pytest.raises(ConfigError, match=r"'mu' is declared by \['one', 'two'\]: name the one you mean as one.mu or two.mu"):
+    with pytest.raises(
+        ConfigError, match=r"'mu' is declared by \['one', 'two'\]: name the one you mean as one.mu or two.mu"
+    ):
         registry.option_name("mu")
     assert registry.option_name("two.mu") == "mu"
 
@@ -158,7 +168,7 @@ def test_a_device_free_technique_is_read_by_a_device_without_it(installed: None)
     from protofl.presets import make_config
     from protofl.wire import Config
 
-    cfg = make_config("tinyproto", server_only=True, **{"server_only.server_only_tag": "x"})
+    cfg = make_config("tinyproto", server_only=True, **_named("server_only.server_only_tag", "x"))
     wire = json.loads(json.dumps(cfg.to_dict()))
     assert wire["device_free"] == ["server_only"] and wire["techniques"]["server_only"]["server_only_tag"] == "x"
     assert "device_free" not in make_config("tinyproto").to_dict()  # a federation without one sends what it sent
@@ -220,7 +230,10 @@ def test_a_device_that_refuses_the_federation_is_counted_in_status_and_the_log(t
                 break
             time.sleep(0.5)
         assert len(refusals) == 1 and refusals[0]["member"] == "dev-0" and refusals[0]["times"] == 1, refusals
-        assert refusals[0]["reason"].startswith("cannot join federation 'mixed'") and "median_proto" in refusals[0]["reason"]
+        assert (
+            refusals[0]["reason"].startswith("cannot join federation 'mixed'")
+            and "median_proto" in refusals[0]["reason"]
+        )
         log = fleet.log.read_text()
         assert "device dev-0: cannot join federation 'mixed'" in log, log[-4000:]
         shown = subprocess.run(

@@ -40,5 +40,10 @@ class SeenRule(ServerRule):
 
     def folds(self, phase: Phase) -> list[Fold]:
         self.state.phases += 1
-        log.warning("server_only[%s] saw phase %s open (%d so far)", self.model.cfg.server_only_tag, phase.value, self.state.phases)
+        log.warning(
+            "server_only[%s] saw phase %s open (%d so far)",
+            self.model.cfg.server_only_tag,
+            phase.value,
+            self.state.phases,
+        )
         return []
