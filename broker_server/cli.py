@@ -220,7 +220,7 @@ def simulate(
     set_: list[str] = typer.Option(
         [],
         "--set",
-        help="Override a config field or a technique option: --set lr=0.05, --set cps.mu=1.5e-4 (repeatable).",
+        help="Override a config field or a technique option: --set lr=0.05, --set TECHNIQUE.OPTION=value (repeatable).",
     ),
     clip: str = CLIP_OPTION,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),

@@ -98,7 +98,7 @@ def start_command(
     set_: list[str] = typer.Option(
         [],
         "--set",
-        help="Override a config field or a technique option: --set lr=0.05, --set cps.mu=1.5e-4 (repeatable).",
+        help="Override a config field or a technique option: --set lr=0.05, --set TECHNIQUE.OPTION=value (repeatable).",
     ),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
     listen: str | None = typer.Option(

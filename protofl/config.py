@@ -1,8 +1,8 @@
 """Federation configuration: the core fields, plus the options of the techniques the federation uses.
 
 A preset (see `protofl.presets`), a TOML file, `--set` and the Python API give values by name: a core field,
-or an option of an installed technique named as its technique's (`cps.mu`; in a TOML file `"cps.mu" = 0.5`,
-or `mu = 0.5` in a `[federation.cps]` table), or by its bare name (`mu`) where one technique declares it
+or an option of an installed technique named as its technique's (`tech.alpha`; in a TOML file `"tech.alpha" = 0.5`,
+or `alpha = 0.5` in a `[federation.tech]` table), or by its bare name (`alpha`) where one technique declares it
 (`resolve_names`). The round plan (protofl.plan) is the one reader of the technique switches.
 
 On the wire, in a state dir and in every artifact the config is *scoped* (`to_dict`): the core fields,
@@ -126,7 +126,7 @@ class FederationConfig:
         federation does not use would be dropped (it does not travel), so it is refused, unless `_unused` is
         "drop" (presets.make_config, where a preset's own value for a technique the user switched off is
         dropped quietly and the user's own are refused or logged there). An option may be named as its
-        technique's (`**{"cps.mu": 0.5}`)."""
+        technique's (`**{"tech.alpha": 0.5}`)."""
         values = resolve_names(values)
         declared = registry.options()
         shadowed = sorted(set(declared) & set(CORE))
@@ -435,9 +435,9 @@ class FederationConfig:
 
 
 def resolve_names(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`values` with every option under its bare name: `cps.mu` (or a table `cps = {mu = ...}`, as a TOML
-    file's `[federation.cps]` reads) becomes `mu`; a bare name is kept where one technique declares it
-    (registry.option_name says what is wrong otherwise). A name given twice (`mu` and `cps.mu`) is refused."""
+    """`values` with every option under its bare name: `tech.alpha` (or a table `tech = {alpha = ...}`, as a TOML
+    file's `[federation.tech]` reads) becomes `alpha`; a bare name is kept where one technique declares it
+    (registry.option_name says what is wrong otherwise). A name given twice (`alpha`, `tech.alpha`) is refused."""
     out: dict[str, Any] = {}
     spelt: dict[str, str] = {}
     names = {t.name for t in registry.techniques()} | set(registry.skipped())

@@ -17,7 +17,7 @@ in a warning, once, and skipped. A federation that names it (its switch, an opti
 message) gets a ConfigError that says why it was skipped. protofl-edge's own techniques are loaded first
 and never skipped: a broken install of the package itself is an error.
 
-Options are named as their technique's: `cps.mu`, or the bare `mu` where one technique declares it
+Options are named as their technique's: `tech.alpha`, or the bare `alpha` where one technique declares it
 (`option_name`).
 """
 
