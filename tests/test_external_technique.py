@@ -239,16 +239,22 @@ SMALL = [
 
 class _Fleet:
     """`protofl-server start` (its own Mosquitto, --insecure on a free port) and two `protofl-edge join` processes
-    that cannot import `package` (tests/external_technique); the server can when `with_package`. `preset` and
-    `sets` (--set values) choose the federation (tests/test_plugin_isolation.py runs one of its own)."""
+    that cannot import `package` (tests/external_technique); the server can when `with_package`. `preset`, `sets`
+    (--set values) and `args` (more options of `start`) choose the federation (tests/test_plugin_isolation.py)."""
 
     def __init__(
-        self, tmp: Path, rounds: int, package: Path = EXTERNAL, preset: str = "tinyproto", sets: tuple[str, ...] = ()
+        self,
+        tmp: Path,
+        rounds: int,
+        package: Path = EXTERNAL,
+        preset: str = "tinyproto",
+        sets: tuple[str, ...] = (),
+        args: tuple[str, ...] = (),
     ) -> None:
         from broker_server.broker import free_port
 
         self.tmp, self.rounds, self.port = tmp, rounds, free_port()
-        self.package, self.preset, self.sets = package, preset, sets
+        self.package, self.preset, self.sets, self.args = package, preset, sets, args
         self.server: subprocess.Popen[str] | None = None
         self.devices: list[subprocess.Popen[str]] = []
         self.log = tmp / "server.log"
@@ -286,6 +292,7 @@ class _Fleet:
             str(self.tmp / "state"),
             *SMALL,
             *(arg for value in self.sets for arg in ("--set", value)),
+            *self.args,
         ]
         with self.log.open("a") as out:
             self.server = subprocess.Popen(

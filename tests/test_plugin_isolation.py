@@ -29,6 +29,13 @@ BUILT_IN = ("fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl
 SMALL: dict[str, Any] = dict(archs=["mlp"], in_shape=[1, 12, 12], proto_dim=20, adapter_rank=2, batch_size=50)
 
 
+@pytest.fixture
+def browser() -> Iterator[object]:
+    from tests.broker_server.browser import chromium
+
+    yield from chromium()
+
+
 def _reload() -> None:
     from edge_agent.techniques import device_rules
     from protofl import registry
@@ -213,12 +220,17 @@ def test_a_device_free_technique_runs_with_devices_that_never_installed_it(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.mosquitto
-def test_a_device_that_refuses_the_federation_is_counted_in_status_and_the_log(tmp_path: Path) -> None:
+def test_a_device_that_refuses_the_federation_is_counted_in_status_the_page_and_the_log(
+    tmp_path: Path, browser: Any
+) -> None:
+    from broker_server.broker import free_port
+    from tests.broker_server.browser import eventually
     from tests.test_external_technique import EXTERNAL, _Fleet
 
     # The server runs a technique (median_proto, not device-free) that the device lacks: before this change the server
     # waited at 0 members and only device-logs/ said why.
-    fleet = _Fleet(tmp_path, rounds=1, package=EXTERNAL, preset="fedproto-median")
+    ui_port = free_port()
+    fleet = _Fleet(tmp_path, rounds=1, package=EXTERNAL, preset="fedproto-median", args=("--ui-port", str(ui_port)))
     fleet.start(with_package=True)
     fleet.join(devices=1)
     try:
@@ -246,6 +258,9 @@ def test_a_device_that_refuses_the_federation_is_counted_in_status_and_the_log(t
         assert "refused by 1 member(s):" in shown.stdout and "refused: dev-0 (1x): cannot join" in shown.stdout, (
             shown.stdout + shown.stderr
         )
+        browser.get(f"http://127.0.0.1:{ui_port}/")
+        eventually(lambda: "dev-0 (1x): cannot join" in browser.find_element("id", "refusals").text, 30, "the page")
+        assert "refused by 1 member(s)" in browser.find_element("id", "refusals").text
     finally:
         fleet.stop()
     out = fleet.devices[0].communicate(timeout=60)[0]
