@@ -217,7 +217,11 @@ def simulate(
         "model and prototypes, the federation's global state (protofl-export onnx "
         "--from DIR/devices/ID or DIR/global).",
     ),
-    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="Override a config field or a technique option: --set lr=0.05, --set TECHNIQUE.OPTION=value (repeatable).",
+    ),
     clip: str = CLIP_OPTION,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),

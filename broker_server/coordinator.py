@@ -122,6 +122,10 @@ class Coordinator:
         return self.shell.last_drops
 
     @property
+    def refusals(self) -> dict[str, tuple[int, str]]:
+        return self.shell.refusals
+
+    @property
     def members(self) -> frozenset[str] | None:
         return self.shell.members
 

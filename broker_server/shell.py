@@ -94,6 +94,7 @@ def decoder_limits(cfg: FederationConfig, model_values: int | None = None) -> Li
 Entry = tuple[str, bytes, str, str, int, str]
 GRACE_OVER, DEADLINE = "grace_over", "deadline"
 LAST_DROPS = 5  # drops `status` shows with their device and reason
+MAX_REFUSERS = 10_000  # members whose refusals are counted (a fleet's; more would be a flood of strangers)
 # Drops that say a device is misconfigured or its upload broken (not routine: a late or second copy): logged
 # at warning, so that `start` without --verbose shows them.
 LOUD_DROPS = frozenset({"invalid", "wrong_arch"})
@@ -196,6 +197,9 @@ class Aggregator:
         self.dropped: dict[str, int] = {}
         # The last drops, each "REASON from DEVICE: why", for `status` (the counts say how many, these say whose).
         self.last_drops: deque[str] = deque(maxlen=LAST_DROPS)
+        # Members that refused this federation (a technique or model they lack, another architecture, a config they
+        # cannot serve): member -> (times, the last reason), for `status` and the live page (issue 55).
+        self.refusals: dict[str, tuple[int, str]] = {}
         # Lines about what a member sent: at most LINES_PER_MINUTE per member (a member sets their pace).
         self.member_log = MemberLog(log)
         # Watching (broker_server/watch): told of every input applied live, after it changed the state.
@@ -433,8 +437,12 @@ class Aggregator:
             msg = decode_body(head.open(), self.limits)
         except WireError:
             return
-        if isinstance(msg, Status) and msg.state == "online" and msg.detail.startswith(topics.CANNOT_SERVE):
-            self.member_log(logging.WARNING, client, "device %s: %s", client, printable(msg.detail))
+        if isinstance(msg, Status) and msg.state == "online" and msg.detail.startswith(topics.CANNOT_SERVE_PREFIXES):
+            said = printable(msg.detail)
+            last = self.refusals.get(client, (0, ""))[1]
+            if not (last and last in said):  # a device repeating the server's own refusal is not another one
+                self.refused(client, said)
+            self.member_log(logging.WARNING, client, "device %s: %s", client, said)
 
     def handle(self, inp: Input, entry: Entry, what: str | Head) -> None:
         """Check, journal (if it changes state and the machine is durable) and apply one input; any failure is a
@@ -446,6 +454,7 @@ class Aggregator:
         except Drop as drop:
             self.drop(drop.reason, drop.detail, nbytes, client)
             if drop.reason == "wrong_arch":
+                self.refused(client, printable(drop.detail))
                 self._refuse(client, drop.detail)
             return
         except (WireError, ValueError) as exc:
@@ -468,6 +477,13 @@ class Aggregator:
         level = logging.WARNING if reason in LOUD_DROPS else logging.INFO
         self.member_log(level, who, "dropped a message from %s (%s, %d bytes): %s", who, reason, nbytes, detail)
         self.last_drops.append(f"{reason} from {who}: {detail}")
+
+    def refused(self, client: str, reason: str) -> None:
+        """Count a refusal: `client` cannot take part in this federation, for `reason` (said by it, or the
+        server's: another architecture). Its line in the log is the caller's."""
+        times, _ = self.refusals.get(client, (0, ""))
+        if times or len(self.refusals) < MAX_REFUSERS:
+            self.refusals[client] = (times + 1, reason)
 
     def _refuse(self, client: str, why: str) -> None:
         """Tell `client`, on its own `down/` topic, that its join is refused and why (the device stops)."""

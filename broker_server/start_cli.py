@@ -95,7 +95,11 @@ def start_command(
         "the local broker's files, credentials, rounds.jsonl and "
         "server_model.npz.",
     ),
-    set_: list[str] = typer.Option([], "--set", help="Override a config field: --set lr=0.05 (repeatable)."),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="Override a config field or a technique option: --set lr=0.05, --set TECHNIQUE.OPTION=value (repeatable).",
+    ),
     port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
     listen: str | None = typer.Option(
         None,

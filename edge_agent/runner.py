@@ -292,9 +292,12 @@ class DeviceRunner:
             self._presence("online", f"run '{run}' over ({why}); waiting for the next run")
 
     def _cannot_serve(self, exc: BaseException) -> None:
-        """A device that cannot serve a run: in a fleet it says so and waits for the next; alone it leaves."""
+        """A device that cannot serve a run: in a fleet it says so and waits for the next; alone it says so and
+        leaves (the server counts the refusal and logs it: issue 55)."""
         if self.fleet_run is None:
             self.fatal = exc
+            if self.transport.connected:
+                self._presence("online", f"{topics.CANNOT_JOIN} '{self.fed}': {exc}")
             return
         run = self.fleet_run
         log.error("%s: %s '%s': %s; waiting for the fleet's next run", self.client_id, topics.CANNOT_SERVE, run, exc)
@@ -364,6 +367,8 @@ class DeviceRunner:
                     topic,
                     exc,
                 )
+                if isinstance(exc, ConfigError):  # the server counts the refusal and says why (issue 55)
+                    self._presence("online", f"{topics.CANNOT_JOIN} '{self.fed}': {exc}")
                 return
             try:
                 agent = self.agent = self._build_agent(read)

@@ -1,8 +1,9 @@
 """Federation configuration: the core fields, plus the options of the techniques the federation uses.
 
-A preset (see `protofl.presets`), a TOML file and `--set` give values by name, flat: a core field or an
-option of an installed technique (an option name is declared by one technique only). The round plan
-(protofl.plan) is the one reader of the technique switches.
+A preset (see `protofl.presets`), a TOML file, `--set` and the Python API give values by name: a core field,
+or an option of an installed technique named as its technique's (`tech.alpha`; in a TOML file `"tech.alpha" = 0.5`,
+or `alpha = 0.5` in a `[federation.tech]` table), or by its bare name (`alpha`) where one technique declares it
+(`resolve_names`). The round plan (protofl.plan) is the one reader of the technique switches.
 
 On the wire, in a state dir and in every artifact the config is *scoped* (`to_dict`): the core fields,
 then `techniques`, a map from the name of every technique the federation uses (`registry.active`) to
@@ -10,7 +11,9 @@ that technique's options; a technique from another package than protofl-edge als
 version, under `technique_packages`. A technique the federation does not use sends nothing, so
 installing a technique on the server changes no federation that leaves it off, and a device that lacks
 it still joins. A device reads the technique names before any option and refuses a federation whose
-techniques it lacks with the package to install (`from_dict`). Options of a technique the federation
+techniques it lacks with the package to install (`from_dict`), except those the config lists under
+`device_free` (a technique that says devices need nothing of it: `Technique.device_free`), which a device
+without them reads as if the federation did not use them. Options of a technique the federation
 does not use must stay at their defaults (a value given there would be silently dropped, so it is
 refused). The flat form that servers before the scoped config sent (every installed option beside the
 core fields) is still read.
@@ -35,6 +38,7 @@ else:  # Python 3.10 (a Jetson on JetPack 6): the same parser, from PyPI
 
 from protofl import participation, privacy, registry
 from protofl.errors import ConfigError
+from protofl.fields import CORE
 from protofl.names import class_key
 from protofl.technique import PlanDraft, is_number
 
@@ -43,62 +47,9 @@ PROTOTYPE_CHOICES = ("none", "mean", "unit")
 DTYPE_CHOICES = ("f4", "f2", "q8")
 PROTO_SOURCE_CHOICES = ("after", "during")
 
-# The core fields and their defaults, in the order they travel.
-CORE: dict[str, Any] = dict(
-    preset="protofl",
-    seed=0,
-    rounds=10,
-    # The client model: backbone(s) round-robin over clients, prototype space z in R^m.
-    archs=("cnn",),
-    num_classes=10,
-    in_shape=(1, 28, 28),
-    proto_dim=512,
-    adapter_rank=32,
-    # Local training (docs/algorithms.md: the papers' shared defaults).
-    local_epochs=1,
-    batch_size=64,
-    lr=0.01,
-    momentum=0.9,
-    weight_decay=1e-4,
-    backbone="train",  # "train" | "frozen" (one paper contradicts itself; both supported)
-    # How PFLlib's FedProto differs from ours (bench/fedproto_gap.py measures each; docs/algorithms.md):
-    drop_last=False,  # skip each epoch's last incomplete batch (PFLlib's DataLoader drop_last=True)
-    keep_optimizer=False,  # momentum buffers carried across rounds (PFLlib: one optimiser per client)
-    proto_source="after",  # local prototypes: "after" training, re-embedded in eval mode | "during" (PFLlib)
-    # What crosses the network.
-    federate="adapter",  # "full" (the whole model), "adapter" (the federated adapter), "none"
-    prototypes="mean",  # "none", "mean" (class means), "unit" (unit prototypes on the sphere)
-    aggregation="weighted",  # global mean prototype: "weighted" by n_kc (paper) or "mean" (PFLlib)
-    proto_lambda=1.0,  # weight of the prototype alignment term
-    # Wire.
-    proto_dtype="f4",
-    adapter_dtype="f4",
-    # Rounds and faults.
-    min_clients=1,
-    round_timeout=600.0,
-    # The server's public set, carved out of the training data for every preset (so that every method's clients
-    # hold the same data); the plan says whether a technique uses it (ERPA's anchors).
-    public_per_class=20,
-    public_classes=None,  # the classes it covers: None = every class
-    # The federation's class names, one per class id (None: unnamed): every device maps its class folders' (and a
-    # CSV's label strings') names onto these ids (protofl/data/own.py), and the artifacts name classes by them.
-    class_names=None,
-    # Who takes part each round, and buffered asynchronous rounds (protofl/participation.py, issue 47).
-    **participation.FIELDS,
-    # Differential privacy of the uploads (protofl/privacy.py, docs/privacy.md): the run's budget (None: off), its
-    # delta, each row's L2 clip on the device, the noise multiplier (None: calibrated from the budget over `rounds`).
-    dp_epsilon=None,
-    dp_delta=1e-5,
-    dp_clip=1.0,
-    dp_noise=None,
-    dp_mode="local",
-    # Secure aggregation of the prototype sums (protofl/secagg.py, docs/privacy.md): on/off, and the bound of every
-    # value a device masks (it clips to +-secagg_bound; the fixed-point ring is chosen from it and the devices).
-    secagg=False,
-    secagg_bound=1e4,
-)
 SCOPE = "techniques"  # the key of the scoped options in `to_dict`
 PACKAGES = "technique_packages"  # technique -> "distribution version", for techniques of other packages
+DEVICE_FREE = "device_free"  # the used techniques devices need nothing of (only when there is one)
 _TUPLES = ("archs", "in_shape")
 # Fields added after devices and reports were in use: they travel (and appear in to_dict) only when set, so a
 # federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
@@ -174,7 +125,9 @@ class FederationConfig:
         """`values` by name (core fields and options, flat). A value given for an option of a technique this
         federation does not use would be dropped (it does not travel), so it is refused, unless `_unused` is
         "drop" (presets.make_config, where a preset's own value for a technique the user switched off is
-        dropped quietly and the user's own are refused or logged there)."""
+        dropped quietly and the user's own are refused or logged there). An option may be named as its
+        technique's (`**{"tech.alpha": 0.5}`)."""
+        values = resolve_names(values)
         declared = registry.options()
         shadowed = sorted(set(declared) & set(CORE))
         if shadowed:
@@ -278,6 +231,9 @@ class FederationConfig:
         packages = {name: p for name in self.techniques if (p := registry.package(name)) is not None}
         if packages:
             out[PACKAGES] = packages
+        free = [name for name in self.techniques if registry.technique(name).device_free]
+        if free:
+            out[DEVICE_FREE] = free
         return out
 
     def values(self) -> dict[str, Any]:
@@ -297,6 +253,9 @@ class FederationConfig:
         if isinstance(kwargs.get("archs"), str):
             kwargs["archs"] = tuple(a for a in kwargs["archs"].split(",") if a)
         packages = kwargs.pop(PACKAGES, None)
+        free = kwargs.pop(DEVICE_FREE, None) or []
+        if not isinstance(free, list) or not all(isinstance(n, str) for n in free):
+            raise ConfigError(f"config '{DEVICE_FREE}' must be a list of technique names, got {free!r}")
         if SCOPE not in kwargs:
             return cls(**kwargs)
         scoped = kwargs.pop(SCOPE)
@@ -305,7 +264,12 @@ class FederationConfig:
         ):
             raise ConfigError(f"config '{SCOPE}' must map technique names to their options, got {scoped!r}")
         installed = {t.name for t in registry.techniques()}
+        # A technique that devices need nothing of, not installed here: read as if the federation left it off.
+        scoped = {name: opts for name, opts in scoped.items() if name in installed or name not in free}
         missing = [name for name in scoped if name not in installed]
+        skipped = [registry.skipped()[name].message() for name in missing if name in registry.skipped()]
+        if skipped:
+            raise ConfigError(f"this federation uses technique(s) {missing}: {'; '.join(skipped)}")
         if missing:
             named = packages if isinstance(packages, dict) else {}
             what = "; ".join(
@@ -341,7 +305,7 @@ class FederationConfig:
         return cfg
 
     def replace(self, **changes: Any) -> FederationConfig:
-        return FederationConfig(**{**self.values(), **changes})
+        return FederationConfig(**{**self.values(), **resolve_names(changes)})
 
     # -- validation of the core fields -----------------------------------------------------------
     def _validate(self) -> None:
@@ -468,6 +432,27 @@ class FederationConfig:
                     f"ignoring case, spaces and punctuation): give every class a distinct name"
                 )
             seen[key] = name
+
+
+def resolve_names(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` with every option under its bare name: `tech.alpha` (or a table `tech = {alpha = ...}`, as a TOML
+    file's `[federation.tech]` reads) becomes `alpha`; a bare name is kept where one technique declares it
+    (registry.option_name says what is wrong otherwise). A name given twice (`alpha`, `tech.alpha`) is refused."""
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    names = {t.name for t in registry.techniques()} | set(registry.skipped())
+    flat: list[tuple[str, Any]] = []
+    for key, value in values.items():
+        if isinstance(value, dict) and key in names:
+            flat += [(f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            flat.append((key, value))
+    for key, value in flat:
+        name = key if key in CORE else registry.option_name(key)
+        if name in out:
+            raise ConfigError(f"config option '{name}' is given twice (as '{spelt[name]}' and '{key}'): give it once")
+        out[name], spelt[name] = value, key
+    return out
 
 
 def _default(key: str) -> Any:

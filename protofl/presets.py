@@ -29,7 +29,7 @@ import logging
 from typing import Any
 
 from protofl import registry
-from protofl.config import FederationConfig, load_config_file, unused_message
+from protofl.config import FederationConfig, load_config_file, resolve_names, unused_message
 from protofl.errors import ConfigError
 
 log = logging.getLogger("protofl.config")
@@ -60,8 +60,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def all_presets() -> dict[str, dict[str, Any]]:
-    """The built-in presets and those the installed techniques bring."""
-    return {**PRESETS, **{name: dict(values) for name, values in registry.presets().items()}}
+    """The built-in presets and those the installed techniques bring (a built-in name stays the built-in's)."""
+    brought = {name: dict(values) for name, values in registry.presets().items() if name not in PRESETS}
+    return {**PRESETS, **brought}
 
 
 def preset_names() -> list[str]:
@@ -71,7 +72,8 @@ def preset_names() -> list[str]:
 def make_config(
     preset: str, config_file: str | None = None, /, *, strict: bool = False, **overrides: Any
 ) -> FederationConfig:
-    """Build a validated config: preset switches, then a TOML file's values, then explicit overrides.
+    """Build a validated config: preset switches, then a TOML file's values, then explicit overrides (an option by
+    its bare name or as its technique's: `make_config("tinyproto", **{"cps.mu": 1.5e-4})`).
 
     A value given (in the file or the overrides) for an option of a technique the federation does not use
     is dropped (the technique's default stands: it does not travel): `strict` refuses it (`start` does, for
@@ -85,18 +87,21 @@ def make_config(
             f"config value; this run's preset is '{preset}'"
         )
     if preset not in presets:
+        skipped = registry.skipped_preset(preset)
+        if skipped is not None:
+            raise ConfigError(f"preset '{preset}': {skipped.message()}")
         raise ConfigError(f"preset '{preset}' not found; known: {', '.join(presets)}")
-    values: dict[str, Any] = {"preset": preset, **presets[preset]}
+    values: dict[str, Any] = {"preset": preset, **resolve_names(presets[preset])}
     from_file: dict[str, Any] = {}
     if config_file:
-        from_file = load_config_file(config_file)
+        from_file = resolve_names(load_config_file(config_file))
         if from_file.get("preset", preset) != preset:
             raise ConfigError(
                 f"config file '{config_file}' says preset = '{from_file['preset']}', but this run's "
                 f"preset is '{preset}': choose it with --preset, or remove the key from the file"
             )
         values.update(from_file)
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given = resolve_names({k: v for k, v in overrides.items() if v is not None})
     values.update(given)
     cfg = FederationConfig.from_dict(values, unused="drop")
     stray = cfg.unused_options({**from_file, **given})

@@ -136,14 +136,17 @@ class Technique:
     order: int = 50  # plan shaping and server hooks run in ascending order
     options: Mapping[str, Option] = {}
     presets: Mapping[str, Mapping[str, Any]] = {}  # preset name -> config values (a preset is data)
+    # Devices need nothing of it (a server optimiser, a robust fold): no device rule, and its `shape` adds nothing a
+    # device reads. The config message says so, and a device without the technique installed still joins.
+    device_free: bool = False
 
     def active(self, cfg: FederationConfig) -> bool:
         """Whether this federation runs the technique (default: its switch option, named as itself)."""
         return bool(cfg.options.get(self.name, False))
 
     def check(self, cfg: FederationConfig) -> None:
-        """Its options' combination rules: raise ConfigError with what to change (called for every
-        installed technique, active or not)."""
+        """Its options' combination rules: raise ConfigError with what to change (called for the federations
+        that use it; the options of the techniques a federation leaves off are their defaults there)."""
 
     def shape(self, draft: PlanDraft, cfg: FederationConfig) -> None:
         """Add this technique's phases, uploads, widths and labels to the plan."""

@@ -52,6 +52,10 @@ def fleet(fed: str) -> str:
 # How a device of a fleet's presence detail begins when it cannot serve the current run ("cannot serve run 'NAME':
 # why"): the run's server logs it for a member that never joined (broker_server/shell.py).
 CANNOT_SERVE = "cannot serve run"
+# ... and a device outside a fleet that cannot take part in the federation, before it leaves ("cannot join
+# federation 'FED': why"): the server counts and logs both as the member's refusal.
+CANNOT_JOIN = "cannot join federation"
+CANNOT_SERVE_PREFIXES = (CANNOT_SERVE, CANNOT_JOIN)
 
 
 def device_log(fed: str, client_id: str) -> str:

@@ -18,6 +18,7 @@ from protofl import privacy
 from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 
 ROUNDS_SHOWN = 5
+REFUSALS_SHOWN = 10  # members whose refusal the header names
 
 
 def _ago(seconds: float) -> str:
@@ -58,6 +59,11 @@ def header(reading: Reading, now: float) -> list[str]:
     if s.privacy is not None:
         lines.append(privacy.describe(s.privacy))
     lines += [f"  dropped: {d}" for d in s.last_drops]
+    if s.refusals:  # why a federation may wait at 0 members: its devices cannot take part (issue 55)
+        lines.append(f"refused by {len(s.refusals)} member(s):")
+        lines += [f"  refused: {r.member} ({r.times}x): {r.reason}" for r in s.refusals[:REFUSALS_SHOWN]]
+        if len(s.refusals) > REFUSALS_SHOWN:
+            lines.append(f"  ... and {len(s.refusals) - REFUSALS_SHOWN} more (state_dir/status.json has them all)")
     found = s.last_accuracies()
     if found is not None:
         lines.insert(

@@ -54,6 +54,16 @@ class Member:
 
 
 @dataclass(frozen=True)
+class Refused:
+    """A member that refused the federation (a technique or model it lacks, another architecture, a config it
+    cannot serve): how many times, and the last reason it (or, for an architecture, the server) gave."""
+
+    member: str
+    times: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class RoundRow:
     """A closed round; the accuracies once its metrics are in (None where no device sent them)."""
 
@@ -96,6 +106,7 @@ class Snapshot:
     dropped: dict[str, int] = field(default_factory=dict)  # messages by reason
     clipped: dict[str, int] = field(default_factory=dict)  # uploads by kind
     last_drops: tuple[str, ...] = ()  # the last few drops, oldest first: "REASON from DEVICE: why"
+    refusals: tuple[Refused, ...] = ()  # members that refused the federation, by member
     history: tuple[RoundRow, ...] = ()  # the last closed rounds, oldest first
     broker_restarts: int = 0
     # messages the broker reported dropped ($SYS, since this server started), and the re-send requests the
@@ -134,6 +145,7 @@ class Snapshot:
         for name in ("accepted", "dropped", "clipped"):
             out[name] = dict(out[name])
         out["last_drops"] = list(self.last_drops)
+        out["refusals"] = [_fields_of(r, _REFUSED_FIELDS) for r in self.refusals]
         return {"v": SUMMARY_VERSION, "kind": SUMMARY_KIND, **out}
 
     def encode(self) -> bytes:
@@ -155,7 +167,8 @@ class Snapshot:
             )
             history = tuple(_build(RoundRow, r) for r in raw["history"])
             drops = tuple(str(d) for d in raw.get("last_drops", ()))
-            return _build(cls, raw, members=members, history=history, last_drops=drops)
+            refusals = tuple(_build(Refused, r) for r in raw.get("refusals", ()))
+            return _build(cls, raw, members=members, history=history, last_drops=drops, refusals=refusals)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SummaryError(f"{where}: a damaged summary ({type(exc).__name__}: {exc})") from None
 
@@ -211,6 +224,7 @@ _SNAPSHOT_FIELDS = tuple(f.name for f in fields(Snapshot))
 _MEMBER_FIELDS = tuple(f.name for f in fields(Member))
 _UPLOAD_FIELDS = tuple(f.name for f in fields(Upload))
 _ROW_FIELDS = tuple(f.name for f in fields(RoundRow))
+_REFUSED_FIELDS = tuple(f.name for f in fields(Refused))
 
 
 def _fields_of(obj: Any, names: tuple[str, ...]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ docs/design.md the whole contract). Every hook has a do-nothing default:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from edge_agent import trainer
 from edge_agent.models import head_probabilities
+from protofl import registry
 from protofl.algorithms.prototypes import nearest_prototype
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from edge_agent.models import ProtoNet
 
 GROUP = "protofl.device_rules"
+
+log = logging.getLogger("edge_agent.techniques")
 
 __all__ = [
     "GROUP",
@@ -319,33 +323,53 @@ Packer = Callable[[dict[int, np.ndarray], "dict[int, int] | None", str], ProtoSe
 
 @functools.cache
 def device_rules() -> dict[str, type[DeviceRule]]:
-    """Every installed device rule, by technique name."""
+    """Every installed device rule that loads, by technique name. protofl-edge's own that does not load is an error
+    (a broken install); another package's is named in a warning and skipped (`skipped_rules`), as the server's
+    registry skips a technique (protofl/registry.py): only a federation that uses it is refused."""
     found: dict[str, type[DeviceRule]] = {}
-    for ep in entry_points(group=GROUP):
+    _SKIPPED.clear()
+    eps = list(entry_points(group=GROUP))
+    own = [ep for ep in eps if _dist_name(ep) in (registry.OWN_DIST, None)]
+    for ep in [*own, *sorted((ep for ep in eps if ep not in own), key=lambda ep: (ep.name, ep.value))]:
+        if ep.name in found:
+            continue
         try:
             cls = ep.load()
-        except Exception as exc:  # a broken third-party package: say which, not a bare traceback
-            raise ConfigError(
-                f"device rule '{ep.name} = {ep.value}' (entry point group {GROUP}) does not load: "
-                f"{type(exc).__name__}: {exc}; fix or uninstall the package that brings it"
-            ) from exc
-        if not (isinstance(cls, type) and issubclass(cls, DeviceRule)):
-            raise ConfigError(f"entry point '{ep.name} = {ep.value}' in group {GROUP} is not a DeviceRule")
-        found.setdefault(ep.name, cls)
+            why = "" if isinstance(cls, type) and issubclass(cls, DeviceRule) else "it is not a DeviceRule"
+        except Exception as exc:  # a broken package: say which, not a bare traceback
+            why = f"it does not load: {type(exc).__name__}: {exc}"
+        if why and ep in own:
+            raise ConfigError(f"device rule '{ep.name} = {ep.value}' (entry point group {GROUP}): {why}")
+        if why:
+            _SKIPPED[ep.name] = f"device rule '{ep.name} = {ep.value}' (entry point group {GROUP}) was skipped: {why}"
+            log.warning("%s; fix or uninstall the package that brings it", _SKIPPED[ep.name])
+            continue
+        found[ep.name] = cls
     return found
+
+
+_SKIPPED: dict[str, str] = {}  # technique -> why its device rule was skipped (filled by `device_rules`)
+
+
+def _dist_name(ep: Any) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return None if dist is None else str(dist.name)
 
 
 def rules_for(cfg: FederationConfig, plan: RoundPlan, config: Config) -> list[DeviceRule]:
     """The device rules of the plan's active techniques, in rule order; a technique installed on the server
-    but not here is an error that says what to install."""
+    but not here is an error that says what to install. A technique that devices need nothing of
+    (`Technique.device_free`) has no rule here unless one is installed."""
     known = device_rules()
-    missing = [name for name in plan.techniques if name not in known]
+    used = [name for name in plan.techniques if name in known or not registry.technique(name).device_free]
+    missing = [name for name in used if name not in known]
     if missing:
+        why = "".join(f"; {_SKIPPED[name]}" for name in missing if name in _SKIPPED)
         raise ConfigError(
             f"this federation uses technique(s) {missing} that this device has no rule for: "
-            f"install the package that brings them here too"
+            f"install the package that brings them here too{why}"
         )
-    return [known[name](cfg, plan, config) for name in plan.techniques]
+    return [known[name](cfg, plan, config) for name in used]
 
 
 def make_objective(
