@@ -11,6 +11,7 @@ import pytest
 
 from protofl.profiles import Outage
 from protofl.transport.link_proxy import LinkProxy, LinkShape, TokenBucket
+from tests.conftest import EVENT_WAIT_S
 
 
 class Sink:
@@ -93,7 +94,7 @@ def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> Non
     assert 7.2 <= simulated <= 8.8, f"1 MB took {simulated:.2f} simulated s over a 1 Mbit/s link"
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = EVENT_WAIT_S) -> None:
     """Wait for `cond` (the proxy's watcher thread acts within a few ms); fail after `timeout` s."""
     end = time.monotonic() + timeout
     while not cond():

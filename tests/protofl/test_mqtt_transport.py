@@ -12,6 +12,7 @@ from broker_server.broker import AmqttBroker, LocalBroker, MosquittoBroker, free
 from protofl.errors import ConfigError
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.mqtt import Backoff, MqttTransport, PayloadTooLarge, TransportError, Will, packet_size
+from tests.conftest import EVENT_WAIT_S
 
 
 class Inbox:
@@ -25,7 +26,7 @@ class Inbox:
         with self.lock:
             self.items.append((topic, payload))
 
-    def wait_for(self, pred: Callable[[list[tuple[str, bytes]]], bool], timeout: float = 10.0) -> list:
+    def wait_for(self, pred: Callable[[list[tuple[str, bytes]]], bool], timeout: float = EVENT_WAIT_S) -> list:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self.lock:
