@@ -8,10 +8,13 @@ the secured broker, beside the broker's own rate (issue 27, "a faster aggregator
 1. In-process (one core, no network): the real `Aggregator` (broker_server/shell.py) behind the in-process
    transport, with a journal (DurableState: the default group commit, fsync off so the disk is not what is
    measured), fed N real encoded uploads of N joined devices; rate = N / (time from the first upload to the
-   phase's close). Uploads are what the devices of each preset send: tinyproto (CPS-compressed scaled
-   prototypes, s = m/10 values per class, no counts), protofl (spherical CPS: unit prototypes on the masks),
-   fedproto (full 512-d mean prototypes with counts), and APUD (the top-K adapter coordinates of the
-   `refprotofl` adapter, d = 71,242, K = d/10, sent as a packed mask). `--baseline DIR` runs the same
+   phase's close). Uploads are what the devices of each preset send in round 1, built by the device's own code
+   (`EdgeAgent.round_uploads` on the config message the server publishes; a device's messages count as one
+   upload): tinyproto (CPS-compressed scaled prototypes, s = m/10 values per class, no counts), protofl (the
+   default preset: its ridge statistics, 137k float32 values sent once, then spherical CPS unit prototypes on
+   the masks; about 0.55 MB a device, so N = 4000 holds 2.2 GB of uploads), fedproto (full 512-d mean
+   prototypes with counts), and APUD (the top-K adapter coordinates of the `refprotofl` adapter, d = 71,242,
+   K = d/10, sent as a packed mask). The bench imports torch for its devices. `--baseline DIR` runs the same
    workers with DIR's `protofl` and `broker_server` (a `git worktree add` of the previous revision),
    alternating trees per repeat, so both are measured under the same load.
 2. Through the broker (`--broker`): the real `protofl-server start` path (a spawned secured Mosquitto
