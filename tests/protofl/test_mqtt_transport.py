@@ -184,7 +184,7 @@ def test_slow_handler_does_not_block_the_network_loop(mosquitto: MosquittoBroker
     t = MqttTransport(mosquitto.url, "slow", deliver="thread", backoff=fast_backoff()).connect(10)
     t.subscribe("s/#", slow)
     t.publish("s/go", b"1")
-    assert seen.wait(5)
+    assert seen.wait(EVENT_WAIT_S)
     # While the handler is busy, QoS 1 publishes are still acknowledged: the network loop runs on.
     for _ in range(20):
         t.publish("s/more", b"x")
