@@ -115,11 +115,18 @@ def device_uploads(config: bytes, seed: int, samples: int = SAMPLES) -> list[Any
     return [m for phase, m in agent.round_uploads(1) if phase is Phase.TRAIN]
 
 
+def device_bodies(cfg: Any, distinct: int, seed: int = 0, fed: str = FED) -> list[list[Any]]:
+    """`distinct` devices' round-1 training uploads (their messages), built by the device's own code."""
+    config = server_config(cfg, fed)
+    return [device_uploads(config, seed + i) for i in range(distinct)]
+
+
 def make_uploads(
-    name: str, cfg: Any, n: int, distinct: int, seed: int = 0, fed: str = FED
+    cfg: Any, n: int, distinct: int, seed: int = 0, fed: str = FED, bodies: list[list[Any]] | None = None
 ) -> tuple[list[bytes], list[list[bytes]]]:
     """n joins and each device's uploads (round 1, the phase that takes them: one or more messages each, in the
-    order a device sends them); `distinct` different devices' bodies, built by the device's own code."""
+    order a device sends them), device i sending the bodies of `bodies[i % len(bodies)]` (default: `distinct`
+    devices' `device_bodies`)."""
     from protofl.wire import Join, encode_message
 
     ids = device_ids(n)
@@ -127,14 +134,41 @@ def make_uploads(
         encode_message(Join(arch="", n_samples=SAMPLES, profile="", agent_version="bench"), fed=fed, sender=c)
         for c in ids
     ]
-    config = server_config(cfg, fed)
-    bodies = [device_uploads(config, seed + i) for i in range(distinct)]
-    phase = "train"
+    bodies = device_bodies(cfg, distinct, seed, fed) if bodies is None else bodies
     uploads = [
-        [encode_message(m, fed=fed, sender=c, round=1, phase=phase) for m in bodies[i % distinct]]
+        [encode_message(m, fed=fed, sender=c, round=1, phase="train") for m in bodies[i % len(bodies)]]
         for i, c in enumerate(ids)
     ]
     return joins, uploads
+
+
+def write_bodies(path: Path, bodies: list[list[Any]]) -> None:
+    """Devices' bodies to a file for a publisher child, which then needs neither torch nor the time to build them
+    (a reader waiting for its messages would give up first on a loaded machine): per device its message count,
+    then each message's length and wire encoding (the project's own format, no pickle)."""
+    from protofl.wire import encode_message
+
+    with path.open("wb") as fh:
+        for mine in bodies:
+            fh.write(len(mine).to_bytes(4, "big"))
+            for m in mine:
+                raw = encode_message(m, fed=FED, sender="bench", round=1, phase="train")
+                fh.write(len(raw).to_bytes(8, "big") + raw)
+
+
+def read_bodies(path: Path) -> list[list[Any]]:
+    from protofl.wire import decode_message
+
+    data, at, out = path.read_bytes(), 0, []
+    while at < len(data):
+        count, at = int.from_bytes(data[at : at + 4], "big"), at + 4
+        mine = []
+        for _ in range(count):
+            size, at = int.from_bytes(data[at : at + 8], "big"), at + 8
+            mine.append(decode_message(data[at : at + size])[1])
+            at += size
+        out.append(mine)
+    return out
 
 
 class Setup:
@@ -148,7 +182,7 @@ class Setup:
         from protofl.transport import InProcessBroker
 
         cfg = workload_config(name, n)
-        joins, per_device = make_uploads(name, cfg, n, distinct)
+        joins, per_device = make_uploads(cfg, n, distinct)
         ids = device_ids(n)
         self.uploads = [p for ups in per_device for p in ups]
         self.device_bytes = sum(len(p) for p in per_device[0])  # what one device uploads in the round
@@ -293,11 +327,11 @@ def _read_packet(sock: Any) -> tuple[int, bytes]:
     return first, exactly(length)
 
 
-def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> None:
+def publisher_main(port: int, creds: Path, bodies: Path, n: int, fed: str, wait_round: bool) -> None:
     """Child process: n devices, each its own MQTT 3.1.1 connection with its own credentials (a few lines of
     protocol over plain sockets, so that thousands of devices cost one process no threads): n joins, then
     (after the round message, with `wait_round`) each device's uploads at QoS 1 as fast as they go; waits for
-    every ack."""
+    every ack. `bodies`: the devices' uploads (`write_bodies`), device i sending those of device i mod their count."""
     import resource
     import socket
 
@@ -306,7 +340,7 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
-    joins, uploads = make_uploads(workload, workload_config(workload, n), n, 64, fed=fed)
+    joins, uploads = make_uploads(None, n, 0, fed=fed, bodies=read_bodies(bodies))
     ids = device_ids(n)
     socks = []
     for cid in ids:
@@ -437,7 +471,7 @@ def raw_subscriber_main(port: int, fed: str, password: str, n: int, messages: in
     print(" ".join(f"{x:.6f}" for x in stamps[-messages:]), flush=True)
 
 
-def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> Any:
+def _spawn_publisher(port: int, creds: Path, bodies: Path, n: int, fed: str, wait_round: bool) -> Any:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -445,8 +479,8 @@ def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wa
         str(port),
         "--creds",
         str(creds),
-        "--worker",
-        workload,
+        "--bodies",
+        str(bodies),
         "--n",
         str(n),
         "--fed",
@@ -532,7 +566,10 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
             flush=True,
         )
 
-    per_device = len(make_uploads(workload, workload_config(workload, 1), 1, 1)[1][0])  # messages a device sends
+    bodies = work / f"bodies-{workload}-{time.monotonic_ns()}.bin"  # built once, read by each publisher
+    built = device_bodies(workload_config(workload, n), 64, fed=fed)
+    write_bodies(bodies, built)
+    per_device = len(built[0])  # messages a device sends
     messages = n * per_device
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
@@ -571,7 +608,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     try:
         _wait_for(creds / f"device-{n}.json", 120, server)
         stage("credentials written")
-        pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=True)
+        pub = _spawn_publisher(port, creds, bodies, n, fed, wait_round=True)
         out, _ = server.communicate(timeout=900)
         stage("the round closed")
         pub.communicate(timeout=60)
@@ -629,14 +666,14 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
             text=True,
         )
         time.sleep(1.0)  # subscribed (a retained-free topic: nothing to wait for but the SUBACK)
-        pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
+        pub = _spawn_publisher(port, creds, bodies, n, fed, wait_round=False)
         stamps, _ = sub.communicate(timeout=300)
         pub.communicate(timeout=60)
         stage("mosquitto_sub read them")
         # The server's own MQTT transport on the same broker, doing nothing with what it reads; then bare paho.
         read_rates = {}
         for mode in ("--subscriber", "--raw-subscriber"):
-            read_rates[mode] = _read_rate(mode, tree, port, fed, n, messages, creds, workload, secrets.server_password)
+            read_rates[mode] = _read_rate(mode, tree, port, fed, n, messages, creds, bodies, secrets.server_password)
             stage(f"{mode[2:]} read them")
     finally:
         for proc in (broker,):
@@ -667,7 +704,7 @@ def _per_device_rate(stamps: list[float], per_device: int) -> float:
 
 
 def _read_rate(
-    mode: str, tree: Path, port: int, fed: str, n: int, messages: int, creds: Path, workload: str, password: str
+    mode: str, tree: Path, port: int, fed: str, n: int, messages: int, creds: Path, bodies: Path, password: str
 ) -> float:
     """Uploads/s a reader child (`mode`: the server's transport, or bare paho) takes from the running broker:
     n joins, then `messages` upload messages."""
@@ -691,7 +728,7 @@ def _read_rate(
     assert reader.stdout is not None
     if reader.stdout.readline().strip() != "subscribed":
         raise RuntimeError(f"the {mode} reader did not subscribe")
-    pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
+    pub = _spawn_publisher(port, creds, bodies, n, fed, wait_round=False)
     stamps, _ = reader.communicate(timeout=300)
     pub.communicate(timeout=60)
     return _per_device_rate([float(x) for x in stamps.split()], messages // n)
@@ -761,6 +798,7 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--creds", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--bodies", type=Path, help=argparse.SUPPRESS)  # a publisher's: the devices' uploads
     ap.add_argument("--fed", default=FED, help=argparse.SUPPRESS)
     ap.add_argument("--wait-round", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--subscriber", type=int, help=argparse.SUPPRESS)
@@ -774,7 +812,7 @@ def main() -> None:
         subscriber_main(args.subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n, args.messages)
         return
     if args.publisher:
-        publisher_main(args.publisher, args.creds, args.worker, args.n, args.fed, args.wait_round)
+        publisher_main(args.publisher, args.creds, args.bodies, args.n, args.fed, args.wait_round)
         return
     if args.worker:
         _worker(args)
