@@ -738,9 +738,9 @@ def _line(res: dict[str, Any]) -> str:
     return (
         f"through the broker: aggregator {res['aggregator_uploads_per_s']:6.0f} uploads/s "
         f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
-        f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's transport alone "
-        f"{res['transport_only_msgs_per_s']:6.0f} msgs/s ({res['transport_only_ratio']:.2f}), bare paho "
-        f"{res['paho_only_msgs_per_s']:6.0f} msgs/s ({res['paho_only_ratio']:.2f})"
+        f"{res['broker_msgs_per_s']:6.0f} uploads/s, ratio {res['ratio']:.2f}; the server's transport alone "
+        f"{res['transport_only_msgs_per_s']:6.0f} uploads/s ({res['transport_only_ratio']:.2f}), bare paho "
+        f"{res['paho_only_msgs_per_s']:6.0f} uploads/s ({res['paho_only_ratio']:.2f})"
     )
 
 
