@@ -8,10 +8,13 @@ the secured broker, beside the broker's own rate (issue 27, "a faster aggregator
 1. In-process (one core, no network): the real `Aggregator` (broker_server/shell.py) behind the in-process
    transport, with a journal (DurableState: the default group commit, fsync off so the disk is not what is
    measured), fed N real encoded uploads of N joined devices; rate = N / (time from the first upload to the
-   phase's close). Uploads are what the devices of each preset send: tinyproto (CPS-compressed scaled
-   prototypes, s = m/10 values per class, no counts), protofl (spherical CPS: unit prototypes on the masks),
-   fedproto (full 512-d mean prototypes with counts), and APUD (the top-K adapter coordinates of the
-   `refprotofl` adapter, d = 71,242, K = d/10, sent as a packed mask). `--baseline DIR` runs the same
+   phase's close). Uploads are what the devices of each preset send in round 1, built by the device's own code
+   (`EdgeAgent.round_uploads` on the config message the server publishes; a device's messages count as one
+   upload): tinyproto (CPS-compressed scaled prototypes, s = m/10 values per class, no counts), protofl (the
+   default preset: its ridge statistics, 137k float32 values sent once, then spherical CPS unit prototypes on
+   the masks; about 0.55 MB a device, so N = 4000 holds 2.2 GB of uploads), fedproto (full 512-d mean
+   prototypes with counts), and APUD (the top-K adapter coordinates of the `refprotofl` adapter, d = 71,242,
+   K = d/10, sent as a packed mask). The bench imports torch for its devices. `--baseline DIR` runs the same
    workers with DIR's `protofl` and `broker_server` (a `git worktree add` of the previous revision),
    alternating trees per repeat, so both are measured under the same load.
 2. Through the broker (`--broker`): the real `protofl-server start` path (a spawned secured Mosquitto
@@ -48,6 +51,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 FED = "bench"
 WORKLOADS = ("tinyproto", "protofl", "fedproto", "apud")
+SAMPLES = 20  # each bench device's training samples (two of each of the 10 classes)
 
 
 # -- part 1: in-process ---------------------------------------------------------------------------
@@ -77,56 +81,99 @@ def device_ids(n: int) -> list[str]:
     return [f"device-{i + 1}" for i in range(n)]  # as `protofl-server start --devices N` names them
 
 
-def make_uploads(
-    name: str, cfg: Any, n: int, distinct: int, seed: int = 0, fed: str = FED
-) -> tuple[list[bytes], list[bytes]]:
-    """n joins and n uploads (round 1, the phase that takes them); `distinct` different upload bodies."""
-    from broker_server.stages import build_model
-    from protofl.adapter import adapter_layout, initial_adapter
-    from protofl.algorithms.apud import select_topk
-    from protofl.algorithms.support import compress_table
-    from protofl.plan import RoundPlan
-    from protofl.wire import Join, ParamsUpload, ProtoSet, ProtoUpload, encode_message
+def server_config(cfg: Any, fed: str = FED) -> bytes:
+    """The config message a server of `cfg` publishes (retained), as its devices receive it: an in-process
+    `Aggregator` announces the federation (its support masks, adapter layout and limits)."""
+    from broker_server.shell import Aggregator
+    from protofl import topics
+    from protofl.transport import InProcessBroker
 
+    broker = InProcessBroker()
+    Aggregator(cfg, fed, broker.connect("server")).start(subscribe=False)
+    return broker.retained[topics.config(fed)]
+
+
+def device_uploads(config: bytes, seed: int, samples: int = SAMPLES) -> list[Any]:
+    """One device's round-1 training uploads, built by the device's own code: an `EdgeAgent` adopts the
+    server's config message and builds the round's uploads as a round builds them (`round_uploads`, no
+    training: values differ from a trained model's, bytes and checks do not), e.g. the `protofl` preset's ridge
+    statistics (sent once, in round 1) beside its CPS prototypes. `samples` random inputs, every class among
+    them (few: the device embeds them, and their number changes no byte)."""
+    from edge_agent.agent import ClientData, EdgeAgent
+    from protofl.plan import Phase
+    from protofl.wire import Config, decode_message
+
+    _, msg = decode_message(config)
+    assert isinstance(msg, Config), type(msg)
+    shape, classes = tuple(msg.params["in_shape"]), int(msg.params["num_classes"])
     rng = np.random.default_rng(seed)
-    plan = RoundPlan.from_config(cfg)
-    model = build_model(cfg, plan)
+    x = rng.standard_normal((samples, *shape)).astype(np.float32)
+    y = rng.permutation(np.arange(samples, dtype=np.int64) % classes)
+    agent = EdgeAgent(f"bench-{seed}", "bench", ClientData(x, y, x[:classes], y[:classes]))
+    agent.on_config(msg)
+    assert agent.plan is not None, "the device refused the server's config"
+    return [m for phase, m in agent.round_uploads(1) if phase is Phase.TRAIN]
+
+
+def device_bodies(cfg: Any, distinct: int, seed: int = 0, fed: str = FED) -> list[list[Any]]:
+    """`distinct` devices' round-1 training uploads (their messages), built by the device's own code."""
+    config = server_config(cfg, fed)
+    return [device_uploads(config, seed + i) for i in range(distinct)]
+
+
+def make_uploads(
+    cfg: Any, n: int, distinct: int, seed: int = 0, fed: str = FED, bodies: list[list[Any]] | None = None
+) -> tuple[list[bytes], list[list[bytes]]]:
+    """n joins and each device's uploads (round 1, the phase that takes them: one or more messages each, in the
+    order a device sends them), device i sending the bodies of `bodies[i % len(bodies)]` (default: `distinct`
+    devices' `device_bodies`)."""
+    from protofl.wire import Join, encode_message
+
     ids = device_ids(n)
     joins = [
-        encode_message(Join(arch="", n_samples=100, profile="", agent_version="bench"), fed=fed, sender=c) for c in ids
+        encode_message(Join(arch="", n_samples=SAMPLES, profile="", agent_version="bench"), fed=fed, sender=c)
+        for c in ids
     ]
-    bodies: list[Any] = []
-    C, m = cfg.num_classes, cfg.proto_dim
-    for i in range(distinct):
-        if name == "apud":
-            g = initial_adapter(adapter_layout(m, cfg.adapter_rank, C), cfg.seed)
-            local = g + rng.standard_normal(len(g)).astype(np.float32) * 0.01
-            sv = select_topk(local, g, max(1, g.shape[0] // 10))
-            bodies.append(ParamsUpload(update=sv, n_samples=100 + i, base_round=1, dt=plan.adapter_dtype))
-            continue
-        z = rng.standard_normal((C, m)) * 0.3 + 1.0
-        counts = {c: int(rng.integers(5, 60)) for c in range(C)}
-        if cfg.prototypes == "unit":
-            z /= np.linalg.norm(z, axis=1, keepdims=True)
-        table = {c: z[c].astype(np.float32) for c in range(C)}
-        # (the rules offer the support masks; a baseline tree from before issue 40 kept them on the model)
-        masks = model.rules.support_masks() if hasattr(model.rules, "support_masks") else getattr(model, "masks", None)
-        if masks is not None:
-            table = compress_table(table, masks)
-            if cfg.prototypes == "unit":
-                table = {c: (v / np.linalg.norm(v)).astype(np.float32) for c, v in table.items()}
-        if cfg.scaling:
-            table = {c: (counts[c] * v).astype(np.float32) for c, v in table.items()}
-        cnt = counts if cfg.prototypes == "mean" and not cfg.scaling else None
-        ps = ProtoSet.from_table(table, plan.proto_width, plan.proto_dtype, cnt)
-        bodies.append(ProtoUpload(local=ps, public=None, n_samples=100))
-    phase = "train"
-    uploads = [encode_message(bodies[i % distinct], fed=fed, sender=c, round=1, phase=phase) for i, c in enumerate(ids)]
+    bodies = device_bodies(cfg, distinct, seed, fed) if bodies is None else bodies
+    uploads = [
+        [encode_message(m, fed=fed, sender=c, round=1, phase="train") for m in bodies[i % len(bodies)]]
+        for i, c in enumerate(ids)
+    ]
     return joins, uploads
 
 
+def write_bodies(path: Path, bodies: list[list[Any]]) -> None:
+    """Devices' bodies to a file for a publisher child, which then needs neither torch nor the time to build them
+    (a reader waiting for its messages would give up first on a loaded machine): per device its message count,
+    then each message's length and wire encoding (the project's own format, no pickle)."""
+    from protofl.wire import encode_message
+
+    with path.open("wb") as fh:
+        for mine in bodies:
+            fh.write(len(mine).to_bytes(4, "big"))
+            for m in mine:
+                raw = encode_message(m, fed=FED, sender="bench", round=1, phase="train")
+                fh.write(len(raw).to_bytes(8, "big") + raw)
+
+
+def read_bodies(path: Path) -> list[list[Any]]:
+    from protofl.wire import decode_message
+
+    data, at, out = path.read_bytes(), 0, []
+    while at < len(data):
+        count, at = int.from_bytes(data[at : at + 4], "big"), at + 4
+        mine = []
+        for _ in range(count):
+            size, at = int.from_bytes(data[at : at + 8], "big"), at + 8
+            mine.append(decode_message(data[at : at + size])[1])
+            at += size
+        out.append(mine)
+    return out
+
+
 class Setup:
-    """A joined in-process aggregator (round 1 open) with its journal, and the uploads to feed it."""
+    """A joined in-process aggregator (round 1 open) with its journal, and the uploads to feed it: `uploads` and
+    `topics`, one entry per message, each device's messages in the order it sends them."""
 
     def __init__(self, name: str, n: int, distinct: int = 64) -> None:
         from broker_server.durable import DurableState
@@ -135,8 +182,10 @@ class Setup:
         from protofl.transport import InProcessBroker
 
         cfg = workload_config(name, n)
-        joins, self.uploads = make_uploads(name, cfg, n, distinct)
+        joins, per_device = make_uploads(cfg, n, distinct)
         ids = device_ids(n)
+        self.uploads = [p for ups in per_device for p in ups]
+        self.device_bytes = sum(len(p) for p in per_device[0])  # what one device uploads in the round
         self.name, self.n = name, n
         self.work = Path(tempfile.mkdtemp(prefix="bench-agg-"))
         self.durable = DurableState(self.work / "state", FED, fsync=False, group_commit=True)
@@ -146,7 +195,7 @@ class Setup:
         for i, p in enumerate(joins):
             self.agg.on_message(topics.up(FED, ids[i]), p)
         assert self.agg.round == 1 and not self.agg.dropped, self.agg.dropped
-        self.topics = [topics.up(FED, c) for c in ids]
+        self.topics = [topics.up(FED, c) for c, ups in zip(ids, per_device, strict=True) for _ in ups]
 
     def drive(self) -> tuple[float, float]:
         """Feed every upload: (wall seconds, CPU seconds of this process) from the first to the phase's close."""
@@ -166,7 +215,8 @@ class Setup:
 
 
 def inprocess_rate(name: str, n: int, distinct: int = 64) -> dict[str, Any]:
-    """One in-process round of n uploads of workload `name`: uploads/s from the first upload to the close."""
+    """One in-process round of n devices' uploads of workload `name` (a device's round uploads count as one, however
+    many messages they take): uploads/s from the first upload to the close."""
     setup = Setup(name, n, distinct)
     try:
         elapsed, cpu = setup.drive()
@@ -176,7 +226,7 @@ def inprocess_rate(name: str, n: int, distinct: int = 64) -> dict[str, Any]:
     return {
         "workload": name,
         "uploads": n,
-        "upload_bytes": len(setup.uploads[0]),
+        "upload_bytes": setup.device_bytes,
         "uploads_per_s": n / cpu,
         "uploads_per_wall_s": n / elapsed,
     }
@@ -277,10 +327,11 @@ def _read_packet(sock: Any) -> tuple[int, bytes]:
     return first, exactly(length)
 
 
-def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> None:
+def publisher_main(port: int, creds: Path, bodies: Path, n: int, fed: str, wait_round: bool) -> None:
     """Child process: n devices, each its own MQTT 3.1.1 connection with its own credentials (a few lines of
     protocol over plain sockets, so that thousands of devices cost one process no threads): n joins, then
-    (after the round message, with `wait_round`) n uploads at QoS 1 as fast as they go; waits for every ack."""
+    (after the round message, with `wait_round`) each device's uploads at QoS 1 as fast as they go; waits for
+    every ack. `bodies`: the devices' uploads (`write_bodies`), device i sending those of device i mod their count."""
     import resource
     import socket
 
@@ -289,7 +340,7 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 256)), hard))
-    joins, uploads = make_uploads(workload, workload_config(workload, n), n, 64, fed=fed)
+    joins, uploads = make_uploads(None, n, 0, fed=fed, bodies=read_bodies(bodies))
     ids = device_ids(n)
     socks = []
     for cid in ids:
@@ -312,20 +363,23 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
             )
         )
 
-    def publish_all(payloads: list[bytes]) -> None:
-        for i, (cid, sock) in enumerate(zip(ids, socks, strict=True)):
-            pid = (i % 65535 + 1).to_bytes(2, "big")
-            sock.sendall(_packet(0x32, _utf8(topics.up(fed, cid)) + pid + payloads[i]))
+    def publish_all(payloads: list[list[bytes]]) -> None:
+        """Each device's messages in turn, in its order (packet ids 1, 2, ... on its own connection)."""
+        for cid, sock, mine in zip(ids, socks, payloads, strict=True):
+            for j, payload in enumerate(mine):
+                sock.sendall(_packet(0x32, _utf8(topics.up(fed, cid)) + (j + 1).to_bytes(2, "big") + payload))
 
     round_open = [False]
 
-    def acks() -> None:
-        for sock in socks:
-            while True:
+    def acks(payloads: list[list[bytes]]) -> None:
+        for sock, mine in zip(socks, payloads, strict=True):
+            left = len(mine)
+            while left:
                 kind, body = _read_packet(sock)
                 if kind >> 4 == 4:  # PUBACK
-                    break
-                note(kind, body)
+                    left -= 1
+                else:
+                    note(kind, body)
 
     def note(kind: int, body: bytes) -> None:
         if kind >> 4 == 3:  # a PUBLISH (QoS 0) on the config or the round topic
@@ -339,24 +393,24 @@ def publisher_main(port: int, creds: Path, workload: str, n: int, fed: str, wait
     # before that would reach no shard's shared subscription.
     while not announced[0]:
         note(*_read_packet(watcher))
-    publish_all(joins)
-    acks()
+    publish_all([[j] for j in joins])
+    acks([[j] for j in joins])
     while wait_round and not round_open[0]:
         note(*_read_packet(watcher))
     t0 = time.perf_counter()
     publish_all(uploads)
-    acks()
+    acks(uploads)
     print(f"{time.perf_counter() - t0:.4f}", flush=True)
     for sock in socks:
         sock.sendall(b"\xe0\x00")
         sock.close()
 
 
-def subscriber_main(port: int, fed: str, password: str, n: int) -> None:
+def subscriber_main(port: int, fed: str, password: str, n: int, messages: int) -> None:
     """Child process: the server's MQTT transport (protofl/transport/mqtt.py, as `start` makes it: MQTT 5,
     persistent session, pumped delivery, manual acks, one no-op 'journal' hook per batch) doing no work with
     what it gets: 2n messages (joins, then uploads) read, each stamped; prints the stamps. What one Python
-    process can take from the broker before the aggregator does anything."""
+    process can take from the broker before the aggregator does anything. `messages`: the uploads' count."""
     from broker_server.security import server_user
     from protofl.transport.broker_url import parse_broker_url
     from protofl.transport.mqtt import MqttTransport
@@ -376,16 +430,16 @@ def subscriber_main(port: int, fed: str, password: str, n: int) -> None:
     time.sleep(1.0)  # the SUBACK (as for mosquitto_sub: nothing retained to wait for)
     print("subscribed", flush=True)
     idle_since = time.monotonic()
-    while len(stamps) < 2 * n and time.monotonic() - idle_since < 60:
+    while len(stamps) < n + messages and time.monotonic() - idle_since < 60:
         if t.pump(timeout=1.0):
             idle_since = time.monotonic()
     t.close()
-    if len(stamps) < 2 * n:
-        raise SystemExit(f"the transport read {len(stamps)} of {2 * n} messages")
-    print(" ".join(f"{x:.6f}" for x in stamps[-n:]), flush=True)
+    if len(stamps) < n + messages:
+        raise SystemExit(f"the transport read {len(stamps)} of {n + messages} messages")
+    print(" ".join(f"{x:.6f}" for x in stamps[-messages:]), flush=True)
 
 
-def raw_subscriber_main(port: int, fed: str, password: str, n: int) -> None:
+def raw_subscriber_main(port: int, fed: str, password: str, n: int, messages: int) -> None:
     """Child process: a bare paho-mqtt client (MQTT 5, its network thread acknowledging at once, a callback that
     only stamps): the Python MQTT client's own ceiling, beneath the server's transport. Prints the stamps."""
     import paho.mqtt.client as paho
@@ -398,7 +452,7 @@ def raw_subscriber_main(port: int, fed: str, password: str, n: int) -> None:
 
     def on_message(client: Any, userdata: Any, msg: Any) -> None:
         stamps.append(time.perf_counter())
-        if len(stamps) >= 2 * n:
+        if len(stamps) >= n + messages:
             done.set()
 
     c = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=user, protocol=paho.MQTTv5)
@@ -412,12 +466,12 @@ def raw_subscriber_main(port: int, fed: str, password: str, n: int) -> None:
     done.wait(120)
     c.loop_stop()
     c.disconnect()
-    if len(stamps) < 2 * n:
-        raise SystemExit(f"paho read {len(stamps)} of {2 * n} messages")
-    print(" ".join(f"{x:.6f}" for x in stamps[-n:]), flush=True)
+    if len(stamps) < n + messages:
+        raise SystemExit(f"paho read {len(stamps)} of {n + messages} messages")
+    print(" ".join(f"{x:.6f}" for x in stamps[-messages:]), flush=True)
 
 
-def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wait_round: bool) -> Any:
+def _spawn_publisher(port: int, creds: Path, bodies: Path, n: int, fed: str, wait_round: bool) -> Any:
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -425,8 +479,8 @@ def _spawn_publisher(port: int, creds: Path, workload: str, n: int, fed: str, wa
         str(port),
         "--creds",
         str(creds),
-        "--worker",
-        workload,
+        "--bodies",
+        str(bodies),
         "--n",
         str(n),
         "--fed",
@@ -496,7 +550,8 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     """The real `protofl-server start` (its secured Mosquitto, generated credentials, the journal with fsync and
     group commit; with `shards`, `start --shards N`: N spawned shard processes on one shared subscription)
     federating n publisher devices for one round; then the same secured broker (its config, as start wrote it)
-    delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s."""
+    delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s (a device's round uploads
+    count as one, however many messages they take)."""
     import socket
 
     from broker_server.security import FederationSecrets, server_user
@@ -511,6 +566,11 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
             flush=True,
         )
 
+    bodies = work / f"bodies-{workload}-{time.monotonic_ns()}.bin"  # built once, read by each publisher
+    built = device_bodies(workload_config(workload, n), 64, fed=fed)
+    write_bodies(bodies, built)
+    per_device = len(built[0])  # messages a device sends
+    messages = n * per_device
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
     server = subprocess.Popen(
@@ -548,7 +608,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     try:
         _wait_for(creds / f"device-{n}.json", 120, server)
         stage("credentials written")
-        pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=True)
+        pub = _spawn_publisher(port, creds, bodies, n, fed, wait_round=True)
         out, _ = server.communicate(timeout=900)
         stage("the round closed")
         pub.communicate(timeout=60)
@@ -598,7 +658,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
                 "-t",
                 f"protofl/{fed}/up/+",
                 "-C",
-                str(2 * n),
+                str(n + messages),
                 "-F",
                 "%U",
             ],
@@ -606,21 +666,21 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
             text=True,
         )
         time.sleep(1.0)  # subscribed (a retained-free topic: nothing to wait for but the SUBACK)
-        pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
+        pub = _spawn_publisher(port, creds, bodies, n, fed, wait_round=False)
         stamps, _ = sub.communicate(timeout=300)
         pub.communicate(timeout=60)
         stage("mosquitto_sub read them")
         # The server's own MQTT transport on the same broker, doing nothing with what it reads; then bare paho.
         read_rates = {}
         for mode in ("--subscriber", "--raw-subscriber"):
-            read_rates[mode] = _read_rate(mode, tree, port, fed, n, creds, workload, secrets.server_password)
+            read_rates[mode] = _read_rate(mode, tree, port, fed, n, messages, creds, bodies, secrets.server_password)
             stage(f"{mode[2:]} read them")
     finally:
         for proc in (broker,):
             proc.terminate()
             proc.wait(timeout=10)
-    times = [float(x) for x in stamps.split()][-n:]  # the uploads (the joins came first)
-    broker_rate = (n - 1) / (times[-1] - times[0])
+    times = [float(x) for x in stamps.split()][-messages:]  # the uploads (the joins came first)
+    broker_rate = _per_device_rate(times, per_device)
     transport_rate = read_rates["--subscriber"]
     paho_rate = read_rates["--raw-subscriber"]
     return {
@@ -638,10 +698,29 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     }
 
 
-def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, workload: str, password: str) -> float:
-    """Messages/s a reader child (`mode`: the server's transport, or bare paho) takes from the running broker."""
+def _per_device_rate(stamps: list[float], per_device: int) -> float:
+    """Uploads/s from the arrival times of the uploads' messages, `per_device` messages making one upload."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) / per_device
+
+
+def _read_rate(
+    mode: str, tree: Path, port: int, fed: str, n: int, messages: int, creds: Path, bodies: Path, password: str
+) -> float:
+    """Uploads/s a reader child (`mode`: the server's transport, or bare paho) takes from the running broker:
+    n joins, then `messages` upload messages."""
     reader = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), mode, str(port), "--fed", fed, "--n", str(n)],
+        [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            mode,
+            str(port),
+            "--fed",
+            fed,
+            "--n",
+            str(n),
+            "--messages",
+            str(messages),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         env=dict(os.environ, PYTHONPATH=_path(tree), BENCH_PASSWORD=password),
@@ -649,20 +728,19 @@ def _read_rate(mode: str, tree: Path, port: int, fed: str, n: int, creds: Path, 
     assert reader.stdout is not None
     if reader.stdout.readline().strip() != "subscribed":
         raise RuntimeError(f"the {mode} reader did not subscribe")
-    pub = _spawn_publisher(port, creds, workload, n, fed, wait_round=False)
+    pub = _spawn_publisher(port, creds, bodies, n, fed, wait_round=False)
     stamps, _ = reader.communicate(timeout=300)
     pub.communicate(timeout=60)
-    read = [float(x) for x in stamps.split()]
-    return (n - 1) / (read[-1] - read[0])
+    return _per_device_rate([float(x) for x in stamps.split()], messages // n)
 
 
 def _line(res: dict[str, Any]) -> str:
     return (
         f"through the broker: aggregator {res['aggregator_uploads_per_s']:6.0f} uploads/s "
         f"({res['aggregator_uploads_per_server_cpu_s'] or 0:6.0f} per server CPU s), broker alone "
-        f"{res['broker_msgs_per_s']:6.0f} msgs/s, ratio {res['ratio']:.2f}; the server's transport alone "
-        f"{res['transport_only_msgs_per_s']:6.0f} msgs/s ({res['transport_only_ratio']:.2f}), bare paho "
-        f"{res['paho_only_msgs_per_s']:6.0f} msgs/s ({res['paho_only_ratio']:.2f})"
+        f"{res['broker_msgs_per_s']:6.0f} uploads/s, ratio {res['ratio']:.2f}; the server's transport alone "
+        f"{res['transport_only_msgs_per_s']:6.0f} uploads/s ({res['transport_only_ratio']:.2f}), bare paho "
+        f"{res['paho_only_msgs_per_s']:6.0f} uploads/s ({res['paho_only_ratio']:.2f})"
     )
 
 
@@ -720,19 +798,21 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--creds", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--bodies", type=Path, help=argparse.SUPPRESS)  # a publisher's: the devices' uploads
     ap.add_argument("--fed", default=FED, help=argparse.SUPPRESS)
     ap.add_argument("--wait-round", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--subscriber", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--raw-subscriber", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--messages", type=int, help=argparse.SUPPRESS)  # a reader's: the upload messages to read
     args = ap.parse_args()
     if args.raw_subscriber:
-        raw_subscriber_main(args.raw_subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n)
+        raw_subscriber_main(args.raw_subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n, args.messages)
         return
     if args.subscriber:
-        subscriber_main(args.subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n)
+        subscriber_main(args.subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n, args.messages)
         return
     if args.publisher:
-        publisher_main(args.publisher, args.creds, args.worker, args.n, args.fed, args.wait_round)
+        publisher_main(args.publisher, args.creds, args.bodies, args.n, args.fed, args.wait_round)
         return
     if args.worker:
         _worker(args)

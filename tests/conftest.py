@@ -22,6 +22,13 @@ from broker_server.broker import MosquittoBroker, find_mosquitto
 
 ALLOW_MISSING = "PROTOFL_ALLOW_NO_MOSQUITTO"
 
+# How long a test waits for an event it expects (a process's exit, a message, a line): a bound that no load reaches
+# (CI's 2 shared cores running several torch processes, a parallel run), so a test fails on it only where the event
+# never comes, and waits only as long as the event takes. PROTOFL_TEST_WAIT_SCALE multiplies it (a slower machine);
+# it stays well under pytest's per-test timeout (pyproject.toml, 900 s).
+WAIT_SCALE = float(os.environ.get("PROTOFL_TEST_WAIT_SCALE", "1"))
+EVENT_WAIT_S = 300.0 * WAIT_SCALE
+
 
 def _require_mosquitto() -> str:
     path = find_mosquitto()

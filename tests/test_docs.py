@@ -110,7 +110,11 @@ def shims(where: Path) -> Path:
             f'#!/bin/sh\nPYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} -m {module} "$@"\n'
         )
         shim.chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    # A script, not a symlink: a venv's interpreter started through a link elsewhere finds no pyvenv.cfg beside
+    # it and runs without the venv's packages.
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     return bin_dir
 
 

@@ -30,6 +30,7 @@ from broker_server.security import prepare
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.credentials import read_device_file
 from protofl.transport.mqtt import MqttTransport
+from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -443,7 +444,7 @@ time.sleep(120)
 """
 
 
-def wait_for(pred: Callable[[], object], what: str, timeout: float = 15) -> None:
+def wait_for(pred: Callable[[], object], what: str, timeout: float = EVENT_WAIT_S) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():

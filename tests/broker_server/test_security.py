@@ -17,6 +17,7 @@ from protofl.errors import ConfigError
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.credentials import read_device_credentials
 from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
+from tests.conftest import EVENT_WAIT_S
 
 FED = "sec"
 
@@ -31,7 +32,7 @@ class Inbox:
             self.got.append((topic, payload))
             self.cv.notify_all()
 
-    def wait_for(self, payload: bytes, timeout: float = 5.0) -> None:
+    def wait_for(self, payload: bytes, timeout: float = EVENT_WAIT_S) -> None:
         end = time.monotonic() + timeout
         with self.cv:
             while not any(p == payload for _, p in self.got):

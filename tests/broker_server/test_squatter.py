@@ -30,6 +30,7 @@ from broker_server.broker import MosquittoBroker, _unix_answers, free_port
 from broker_server.pki import ensure_federation_tls
 from broker_server.security import load_or_create
 from broker_server.supervisor import BrokerSupervisor
+from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -165,7 +166,7 @@ def test_the_squatter_parses_a_real_connect(tmp_path: Path) -> None:
     t = MqttTransport(f"mqtt://u:p%40ss@127.0.0.1:{port}", "cid", will=Will("a/b", b"offline"), backoff=Backoff(5, 5))
     t._net.start()
     try:
-        assert squatter.got_connect.wait(10)
+        assert squatter.got_connect.wait(EVENT_WAIT_S)
         assert squatter.connects[0] == Connect("cid", "u", b"p@ss")
     finally:
         t.close(timeout=0)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from broker_server.broker import free_port
+from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -69,7 +70,7 @@ def test_sigterm_to_the_process_group_stops_server_and_broker_without_a_restart(
         raise AssertionError("".join(seen))
     os.killpg(proc.pid, signal.SIGTERM)  # the server and its mosquitto get it at once
     rest = proc.stderr.read()
-    assert proc.wait(30) == 0, rest
+    assert proc.wait(EVENT_WAIT_S) == 0, rest
     log = "".join(seen) + rest
     assert "stopping (signal 15)" in log
     assert "restarting it" not in log and "broker restarted" not in log, log
@@ -94,4 +95,4 @@ def test_status_and_rounds_are_0600_in_a_0700_state_dir(tmp_path: Path) -> None:
         assert modes == {"": 0o700, "status.json": 0o600, "rounds.jsonl": 0o600}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(30) == 0
+        assert proc.wait(EVENT_WAIT_S) == 0

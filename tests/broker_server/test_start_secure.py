@@ -23,6 +23,7 @@ from protofl.transport import InProcessBroker
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
 from protofl.wire import Join, Limits, encode_message
+from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -196,7 +197,7 @@ def test_secure_start_end_to_end_with_device_credentials(tmp_path: Path) -> None
         with pytest.raises(TransportError, match="refused the connection"):
             anon.connect(timeout=15)
         out, _ = server.communicate(timeout=120)
-        dev_out = [d.communicate(timeout=30)[0] for d in devices]
+        dev_out = [d.communicate(timeout=EVENT_WAIT_S)[0] for d in devices]
     finally:
         for p in (server, *devices):
             if p.poll() is None:

@@ -21,6 +21,7 @@ from protofl import topics
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.credentials import read_device_file
 from protofl.transport.mqtt import Backoff, MqttTransport, TransportError
+from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -259,7 +260,7 @@ def test_start_and_join_over_tls_with_client_certificates(certs: Path, tmp_path:
             text=True,
         )
         out, _ = server.communicate(timeout=120)
-        dev_out, _ = device.communicate(timeout=30)
+        dev_out, _ = device.communicate(timeout=EVENT_WAIT_S)
     finally:
         for p in (server, device):
             if p is not None and p.poll() is None:

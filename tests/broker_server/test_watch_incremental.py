@@ -17,6 +17,7 @@ from protofl import topics
 from protofl.transport import InProcessBroker
 from protofl.wire import Status, encode_message
 from tests.broker_server.shard_helpers import FED, NumpyDevice, config
+from tests.conftest import EVENT_WAIT_S
 
 CLIENTS = [f"c{i}" for i in range(6)]
 
@@ -50,7 +51,7 @@ def test_the_incremental_rows_are_a_full_rebuilds_rows(shards: int, monkeypatch:
         version = watch.board.version
         now += 1000.0
         watch.after_step(n, now=now)
-        _, body = watch.board.wait_newer(version, timeout=30.0)
+        _, body = watch.board.wait_newer(version, timeout=EVENT_WAIT_S)
         snap = watch.board.latest()
         assert snap is not None
         assert snap.members == watch.observer.members(), f"after {handled} messages"

@@ -20,6 +20,7 @@ import pytest
 from broker_server.broker import free_port
 from tests.broker_server.crash_helpers import env
 from tests.broker_server.fleet_helpers import Fleet
+from tests.conftest import EVENT_WAIT_S
 
 LIBFAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))), None)
 pytestmark = [
@@ -118,7 +119,7 @@ def test_a_device_at_1970_is_told_why_and_one_a_year_ahead_joins(fleet: Fleet) -
         assert "device-2" in rows, rows
     finally:
         ahead.terminate()
-        out = ahead.communicate(timeout=30)[0].decode()
+        out = ahead.communicate(timeout=EVENT_WAIT_S)[0].decode()
     assert "run 'clock' finished" in out and f"{date.today().year + 1}-" in out, out[-3000:]
 
 

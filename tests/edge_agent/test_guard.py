@@ -14,6 +14,7 @@ from edge_agent.guard import anchors_problem, config_problem
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.wire import Config, ProtoSet, RoundStart, encode_message
+from tests.conftest import EVENT_WAIT_S
 from tests.edge_agent.test_agent import FED, kinds, setup, start_round
 
 
@@ -158,7 +159,7 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(
     device = DeviceRunner(opts, "retry", "client-000", DataSpec(DATA, partition=(0, 1), seed=3), RunnerOptions())
     with caplog.at_level(logging.WARNING, logger="protofl.server"):
         agent = device.run(timeout=60)
-        server.join(30)
+        server.join(EVENT_WAIT_S)
     service.close()
     assert agent is not None and agent.finished and agent.stats.failed_rounds == 1
     assert agent.stats.rounds_trained == 2 and calls["n"] == 3
@@ -208,7 +209,7 @@ def test_a_device_that_gives_up_on_a_round_leaves_it_and_the_round_closes_at_quo
             t.start()
         for t in threads:
             t.join(90)
-        server.join(30)
+        server.join(EVENT_WAIT_S)
     service.close()
     records = service.aggregator.records
     assert [(r.clients, r.closed_by) for r in records] == [(["good"], "quorum")], results

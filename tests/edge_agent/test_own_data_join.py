@@ -26,7 +26,7 @@ from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import MqttTransport
 from protofl.wire import Metrics, decode_message
 from tests.broker_server.mqtt_helpers import ServiceThread, fast_backoff
-from tests.conftest import _require_mosquitto
+from tests.conftest import EVENT_WAIT_S, _require_mosquitto
 
 REPO = Path(__file__).resolve().parents[2]
 SHAPE = (1, 16, 16)
@@ -97,7 +97,7 @@ def test_a_subset_device_joins_and_trains_in_process(mosquitto: MosquittoBroker,
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(device.run, timeout=60)
         server.join(60)
-        agent = running.result(30)
+        agent = running.result(EVENT_WAIT_S)
     service.close()
     spy.close()
     assert agent is not None and agent.finished and agent.stats.rounds_trained == 2

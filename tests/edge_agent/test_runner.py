@@ -21,6 +21,7 @@ from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import MqttTransport
 from protofl.wire import Status, decode_message
 from tests.broker_server.mqtt_helpers import ServiceThread, fast_backoff
+from tests.conftest import EVENT_WAIT_S
 from tests.wire_helpers import decode_as
 
 DATA = "synthetic:n=600,n_test=100"
@@ -79,13 +80,13 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     spy = MqttTransport(opts, "spy", backoff=fast_backoff()).connect(10)
     spy.subscribe(f"protofl/{fed}/#", spied)
     spy.publish(f"protofl/{fed}/spy-ready", b"ready")  # its own message back: the subscription is in place
-    assert arrived[f"protofl/{fed}/spy-ready"].wait(10), "the spy's subscription never took effect"
+    assert arrived[f"protofl/{fed}/spy-ready"].wait(EVENT_WAIT_S), "the spy's subscription never took effect"
     seen.clear()
     device = DeviceRunner(opts, fed, "client-000", DataSpec(DATA, partition=(0, 2), seed=3), RunnerOptions())
     result: dict[str, object] = {}
     t = threading.Thread(target=lambda: result.setdefault("agent", device.run(timeout=60)), daemon=True)
     t.start()
-    assert arrived[topics.presence(fed, "client-000")].wait(30), "the device never announced itself"
+    assert arrived[topics.presence(fed, "client-000")].wait(EVENT_WAIT_S), "the device never announced itself"
     # No server yet: the device announced itself and waits (the join order is checked at the end).
     assert decode_message(seen[0][1])[1] == Status(state="online", detail="")
 
@@ -93,10 +94,10 @@ def test_device_waits_for_the_server_then_joins_and_finishes(mosquitto: Mosquitt
     service = AggregatorService(Federation(cfg.replace(min_clients=1), fed), server_transport(Broker(opts), fed))
     runner = ServiceThread(service, timeout=60).start()
     runner.join(60)
-    t.join(30)
+    t.join(EVENT_WAIT_S)
     service.close()
     # The device's "done" presence may reach the spy after the device returned (a loaded machine): wait for it.
-    assert done.wait(30), "the device never said it was done"
+    assert done.wait(EVENT_WAIT_S), "the device never said it was done"
     spy.close()
     agent = result["agent"]
     assert agent is not None and agent.finished and agent.stats.rounds_trained == 2  # type: ignore[attr-defined]

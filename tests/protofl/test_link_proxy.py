@@ -11,6 +11,7 @@ import pytest
 
 from protofl.profiles import Outage
 from protofl.transport.link_proxy import LinkProxy, LinkShape, TokenBucket
+from tests.conftest import EVENT_WAIT_S
 
 
 class Sink:
@@ -67,7 +68,7 @@ def test_small_messages_still_take_the_one_way_delay() -> None:
         with socket.create_connection(("127.0.0.1", proxy.port)) as c:
             t0 = time.monotonic()
             c.sendall(b"x" * 100)
-            assert sink.done.wait(10)
+            assert sink.done.wait(EVENT_WAIT_S)
     # 0.8 s one way + 100 B / 7812.5 B/s (13 ms; within the burst, so no wait at all): 0.8 simulated s, never less,
     # and well under the round trip (1.6 s) that a message waiting for an answer would take
     simulated = (sink.t_done - t0) * scale
@@ -84,7 +85,7 @@ def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> Non
         with socket.create_connection(("127.0.0.1", proxy.port)) as c:
             t0 = time.monotonic()
             c.sendall(b"x" * n)
-            assert sink.done.wait(30), f"only {sink.received} of {n} bytes arrived"
+            assert sink.done.wait(EVENT_WAIT_S), f"only {sink.received} of {n} bytes arrived"
         simulated = (sink.t_done - t0) * scale
         print(
             f"1 MB over 1 Mbit/s: {simulated:.2f} simulated s (real {sink.t_done - t0:.3f} s at time scale {scale:g})"
@@ -93,7 +94,7 @@ def test_one_megabit_link_moves_one_megabyte_in_eight_simulated_seconds() -> Non
     assert 7.2 <= simulated <= 8.8, f"1 MB took {simulated:.2f} simulated s over a 1 Mbit/s link"
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = EVENT_WAIT_S) -> None:
     """Wait for `cond` (the proxy's watcher thread acts within a few ms); fail after `timeout` s."""
     end = time.monotonic() + timeout
     while not cond():
@@ -118,7 +119,7 @@ def test_an_outage_cuts_connections_and_refuses_new_ones_until_it_ends(monkeypat
         c = socket.create_connection(("127.0.0.1", proxy.port))
         sink.expected = 5
         c.sendall(b"hello")
-        assert sink.done.wait(10), "hello did not get through the link while it was up"
+        assert sink.done.wait(EVENT_WAIT_S), "hello did not get through the link while it was up"
         now[0] = 1.5  # down
         wait_until(lambda: proxy.down, "outage at simulated 1.5 s")
         # The watcher sets `down` and then cuts (the count follows the closing): wait for the count.
@@ -138,5 +139,5 @@ def test_an_outage_cuts_connections_and_refuses_new_ones_until_it_ends(monkeypat
         sink.expected = 10
         with socket.create_connection(("127.0.0.1", proxy.port)) as again:
             again.sendall(b"world")
-            assert sink.done.wait(10), "world did not get through after the outage"
+            assert sink.done.wait(EVENT_WAIT_S), "world did not get through after the outage"
     assert sink.received == 10 and proxy.stats.refused == 1 and proxy.stats.cuts == 1

@@ -12,6 +12,7 @@ from broker_server.broker import AmqttBroker, LocalBroker, MosquittoBroker, free
 from protofl.errors import ConfigError
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.mqtt import Backoff, MqttTransport, PayloadTooLarge, TransportError, Will, packet_size
+from tests.conftest import EVENT_WAIT_S
 
 
 class Inbox:
@@ -25,7 +26,7 @@ class Inbox:
         with self.lock:
             self.items.append((topic, payload))
 
-    def wait_for(self, pred: Callable[[list[tuple[str, bytes]]], bool], timeout: float = 10.0) -> list:
+    def wait_for(self, pred: Callable[[list[tuple[str, bytes]]], bool], timeout: float = EVENT_WAIT_S) -> list:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self.lock:
@@ -183,7 +184,7 @@ def test_slow_handler_does_not_block_the_network_loop(mosquitto: MosquittoBroker
     t = MqttTransport(mosquitto.url, "slow", deliver="thread", backoff=fast_backoff()).connect(10)
     t.subscribe("s/#", slow)
     t.publish("s/go", b"1")
-    assert seen.wait(5)
+    assert seen.wait(EVENT_WAIT_S)
     # While the handler is busy, QoS 1 publishes are still acknowledged: the network loop runs on.
     for _ in range(20):
         t.publish("s/more", b"x")
