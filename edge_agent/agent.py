@@ -35,11 +35,10 @@ from edge_agent.emulation import RoundClock
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
-from edge_agent.secagg_device import DeviceSecAgg, params_vector
+from edge_agent.sealing import Outgoing
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
 from edge_agent.uploads import train_uploads
-from protofl import privacy, secagg, topics
-from protofl.adapter import layout_size
+from protofl import privacy, topics
 from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
@@ -59,14 +58,9 @@ from protofl.wire import (
     Limits,
     Message,
     Metrics,
-    ParamsUpload,
     ProtoSet,
-    ProtoUpload,
     PublicSet,
     RoundStart,
-    SaRoster,
-    SaRouted,
-    SaSurvivors,
     decode_message,
     encode_message,
     read_header,
@@ -182,13 +176,13 @@ class EdgeAgent:
         self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
         self.limits: Limits = DEFAULT_LIMITS  # until the config says how large this federation's messages get
-        self.cfg: FederationConfig | None = None
-        self.plan: RoundPlan | None = None
+        # This federation as this device sees it (edge_agent/device_config.py): its options, plan, rules, way of
+        # sharing parameters and the sealing stages of its uploads; replaced whole by a new config.
+        self.config: DeviceConfig | None = None
         self.model: ProtoNet | None = None
-        self.rules: list[DeviceRule] = []  # the active techniques' device halves, in rule order
-        self.masks: np.ndarray | None = None  # the config's support masks, where prototypes use them
-        self.dp: privacy.DpSettings | None = None  # the federation's DP mechanism: clip + noise on every row sent
-        self._noise = privacy.device_rng()
+        self._noise = (
+            privacy.device_rng()
+        )  # what the sealing stages draw from (the OS's entropy: edge_agent/sealing.py)
         self.public_x: torch.Tensor | None = None
         self.public_y: np.ndarray | None = None
         self.backbone: np.ndarray | None = None  # the federation's shared backbone (the public message's)
@@ -199,8 +193,6 @@ class EdgeAgent:
         self.objective = Objective()  # this round's objective (also what the metrics classify with)
         self.handled: set[tuple[int, str]] = set()
         self.finished = False
-        # The open phase's secure aggregation, where the config asks for it (edge_agent/secagg_device.py).
-        self.secagg: DeviceSecAgg | None = None
         self.clock = clock
         self.resends = resends
         self.artifacts_at = frozenset(artifacts_at)
@@ -228,6 +220,19 @@ class EdgeAgent:
             else torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         )
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
+
+    @property
+    def cfg(self) -> FederationConfig | None:
+        return None if self.config is None else self.config.cfg
+
+    @property
+    def plan(self) -> RoundPlan | None:
+        return None if self.config is None else self.config.plan
+
+    @property
+    def rules(self) -> tuple[DeviceRule, ...]:
+        """The active techniques' device halves, in rule order (none before a config)."""
+        return () if self.config is None else self.config.rules
 
     @property
     def targets_table(self) -> dict[int, np.ndarray]:
@@ -311,8 +316,8 @@ class EdgeAgent:
                 self.on_public(msg)
             elif isinstance(msg, RoundStart):
                 self.on_round(env, msg)
-            elif isinstance(msg, (SaRoster, SaRouted, SaSurvivors)) and topic == topics.down(self.fed, self.client_id):
-                self.on_secagg(env, msg)
+            elif topic == topics.down(self.fed, self.client_id):
+                self.on_step(env, msg)
             return step.outcome(
                 changed=isinstance(msg, RoundStart) and self.handled != handled,
                 trained=self.stats.rounds_trained != trained,
@@ -404,11 +409,11 @@ class EdgeAgent:
             # Keep the previous config and model: a hostile or mistaken config must not wedge this device.
             self._drop("bad_config", f"{exc}; keeping the previous config")
             return
-        cfg, plan, rules = read.cfg, read.plan, list(read.rules)
+        cfg = read.cfg
         if self.cfg == cfg and self.model is not None:
             return  # retained config re-delivered after a reconnect
         options: dict[str, Any] = {}
-        for rule in rules:
+        for rule in read.rules:
             options.update(rule.model_options())
         arch = self.arch or cfg.archs[0]
         # Every device of an architecture starts from the same seeded weights, as in the papers'
@@ -418,23 +423,16 @@ class EdgeAgent:
         model = build_model(
             arch, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed, **options
         ).to(self.device)
-        if cfg.federate == "adapter":
-            mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(model)]
-            theirs = [(n, tuple(s)) for n, s in msg.adapter_layout]
-            if mine != theirs:
-                self._drop("bad_config", f"adapter layout mismatch: server {theirs[:2]}..., device {mine[:2]}...")
-                return
-        self.cfg, self.plan, self.model, self.rules = cfg, plan, model, rules
+        problem = read.sharing.layout_problem(model, msg)
+        if problem is not None:
+            self._drop("bad_config", problem)
+            return
+        self.config, self.model = read, model
         self._momentum = {}
-        self.masks = msg.class_masks if plan.masked else None
-        self.dp = privacy.resolve(cfg, plan)
         self.objective = Objective()
-        # This federation's largest messages: the round message carries our full model (FedAvg) or
-        # adapter; the server's stated limit may be larger still.
-        own = self.plan.limits(
-            layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
-            layout_size(model_params.adapter_layout(self.model)),
-        )
+        # This federation's largest messages: the round message carries what it shares (our full model, FedAvg,
+        # or adapter); the server's stated limit may be larger still.
+        own = read.sharing.limits(read.plan, model)
         stated = int(msg.limits.get("max_message_bytes", 0))
         self.limits = (
             own
@@ -464,10 +462,10 @@ class EdgeAgent:
     # -- rules ----------------------------------------------------------------------------------
     def context(self) -> DeviceContext:
         """What the rules may read this round."""
-        assert self.cfg is not None and self.plan is not None and self.model is not None
+        assert self.config is not None and self.model is not None
         return DeviceContext(
-            cfg=self.cfg,
-            plan=self.plan,
+            cfg=self.config.cfg,
+            plan=self.config.plan,
             model=self.model,
             device=self.device,
             embed=self._get_extractor().embed,
@@ -478,9 +476,7 @@ class EdgeAgent:
             backbone=self.backbone,
             backbone_norm=self.backbone_norm,
             data_norm=(tuple(self.data.mean), tuple(self.data.std)),
-            masks=self.masks,
-            global_adapter=self.global_adapter,
-            adapter_round=self.adapter_round,
+            masks=self.config.masks,
         )
 
     def local_prototypes(
@@ -490,13 +486,11 @@ class EdgeAgent:
         return first_answer(self.rules, lambda r: r.local_prototypes(z, y))
 
     def pack(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str) -> ProtoSet:
-        """A prototype table on the wire: each rule's encoding in turn, then the plan's width and dtype."""
+        """A prototype table as it travels: each rule's encoding in turn, then the plan's width and dtype (the
+        sealing stages, e.g. DP's noise, come after: `_upload`)."""
         assert self.plan is not None
         for rule in self.rules:
             protos, counts = rule.encode_table(protos, counts, role)
-        if self.dp is not None:  # last, on the values that travel (protofl/privacy.py)
-            std = self.dp.device_std(self.cfg.min_clients if self.cfg is not None else 1)
-            protos, counts = privacy.privatize(protos, counts, std, self.dp.clip, self._noise)
         return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
 
     def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:
@@ -576,18 +570,27 @@ class EdgeAgent:
         self.global_adapter = np.array(vector, dtype=np.float32, copy=True)
         self.adapter_round = round_
 
-    def _holds_round_adapter(self, round_: int) -> bool:
-        """Whether we hold the adapter this round's phases were opened with (adapter federation)."""
-        assert self.plan is not None
-        return self.plan.federate != "adapter" or self.adapter_round == round_
+    def _base_round(self, round_: int) -> int:
+        """The round whose global parameters round `round_` trains from (-1: none held; another round than
+        `round_`: we missed this round's, e.g. its adapter), as the federation's way of sharing says."""
+        assert self.config is not None
+        return self.config.sharing.base_round(self.adapter_round, round_)
 
     def _other_phase(self, phase: Phase, round_: int) -> None:
         """A phase before training (e.g. public-set prototypes): the rule that owns it builds the upload."""
-        if not self._holds_round_adapter(round_):
+        if self._base_round(round_) != round_:
             return  # we missed this round's adapter; prototypes from a stale adapter would mislead
         upload = self._phase_upload(phase)
         if upload is not None:
-            self._send(upload, round_, phase.value, upload=True)
+            self._upload(upload, round_, phase.value)
+
+    def _upload(self, msg: Message, round_: int, phase: str) -> None:
+        """An upload through the federation's sealing stages (edge_agent/sealing.py), in order, then the wire."""
+        assert self.config is not None
+        up = Outgoing(msg, self.fed, self.client_id, round_, phase)
+        for stage in self.config.stages:
+            up = stage.seal(up, self._noise)
+        self._send(up.msg, round_, phase, upload=True)
 
     def _phase_upload(self, phase: Phase) -> Message | None:
         ctx = self.context()
@@ -597,10 +600,12 @@ class EdgeAgent:
         """The uploads of round `round_` in every phase, built as a round builds them from the model as it is
         (no training), and not sent: what `protofl-edge models` sizes (edge_agent/model_sizes.py). An adapter
         federation's device that holds no global adapter yet takes its own as the round's."""
-        plan, model = self.plan, self.model
-        assert plan is not None and model is not None, "round_uploads needs the federation's config first"
-        if plan.federate == "adapter" and self.global_adapter is None:
-            self._load_global_adapter(model_params.adapter_vector(model), round_)
+        config, model = self.config, self.model
+        assert config is not None and model is not None, "round_uploads needs the federation's config first"
+        own = config.sharing.own_global(model) if self.global_adapter is None else None
+        if own is not None:
+            self._load_global_adapter(own, round_)
+        plan = config.plan
         out: list[tuple[Phase, Message]] = []
         for phase in plan.phases:
             if phase is Phase.TRAIN:
@@ -615,9 +620,10 @@ class EdgeAgent:
         assert cfg is not None and plan is not None and model is not None
         if msg.params is not None:
             model_params.load_full_vector(model, msg.params)
-        if plan.federate == "adapter" and self.adapter_round < 0:
+        base = self._base_round(round_)
+        if base < 0:
             return  # never received a global adapter: nothing valid to train from
-        if plan.two_phase and not self._holds_round_adapter(round_):
+        if plan.two_phase and base != round_:
             # The adapter comes with the first phase; a device that (re)joined during the training
             # phase holds an older one, and its upload would be dropped as stale anyway.
             return
@@ -641,26 +647,7 @@ class EdgeAgent:
         memory.mark("training")
         self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline, stats.seen):
-            if cfg.secagg and isinstance(upload, (ProtoUpload, ParamsUpload)):
-                # Secure aggregation: the table (or vector) stays here; its keys go instead, its masked sum later
-                # (on_secagg).
-                if isinstance(upload, ProtoUpload):
-                    absent = None
-                    if self.dp is not None and self.dp.mode == "distributed" and self.plan is not None:
-                        have = upload.local.classes if upload.local is not None else np.zeros(0, dtype=np.int64)
-                        share = self.dp.device_std(cfg.min_clients)
-                        absent = privacy.absent_noise(
-                            self.plan.num_classes, self.plan.proto_width, have, share, self._noise
-                        )
-                    self.secagg = DeviceSecAgg(
-                        self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local, absent=absent
-                    )
-                else:  # (differential privacy covers prototype uploads only)
-                    self.secagg = DeviceSecAgg(
-                        self.client_id, self.fed, round_, Phase.TRAIN.value, None, vector=params_vector(upload)
-                    )
-                upload = self.secagg.keys()
-            self._send(upload, round_, Phase.TRAIN.value, upload=True)
+            self._upload(upload, round_, Phase.TRAIN.value)
         memory.mark("uploads")
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
@@ -672,19 +659,17 @@ class EdgeAgent:
             memory.mark("evaluation")
         self._z_train = None
 
-    def on_secagg(self, env: Envelope, msg: SaRoster | SaRouted | SaSurvivors) -> None:
-        """A step of the open phase's secure aggregation: this device's answer (the same one if it came before)."""
-        sa, plan = self.secagg, self.plan
-        if sa is None or plan is None or (env.round, env.phase) != (sa.round, sa.phase):
-            self._drop("stale", f"{msg.KIND} for round {env.round}/{env.phase}: no secure aggregation of it here")
-            return
-        try:
-            out = sa.answer(msg, plan.num_classes, plan.proto_width)
-        except (secagg.SecAggError, ValueError) as exc:
-            self._drop("secagg", f"round {env.round}: {exc}; this device drops out of the phase's secure aggregation")
-            return
-        if out is not None:
-            self._send(out, env.round, env.phase)
+    def on_step(self, env: Envelope, msg: Message) -> None:
+        """A server message on this device's own topic: a step of a sealing stage's protocol, which that stage
+        answers (the same answer if it came before)."""
+        stages = self.config.stages if self.config is not None else ()
+        answer = next((a for stage in stages if (a := stage.answer(env, msg)) is not None), None)
+        if answer is None:
+            self._drop("stale", f"{msg.KIND} for round {env.round}/{env.phase}: no step of it open here")
+        elif answer.drop is not None:
+            self._drop(answer.drop.reason, answer.drop.detail)
+        elif answer.reply is not None:
+            self._send(answer.reply, env.round, env.phase)
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
         """The round message's targets as the dense table training uses (empty without any)."""
@@ -708,9 +693,9 @@ class EdgeAgent:
 
         `seen`: the features local training saw, and their labels (cfg.proto_source == "during"): the
         prototypes average those instead of the trained model's features of the training split."""
-        plan, model = self.plan, self.model
-        assert plan is not None and model is not None
-        ctx = self.context()
+        config, model = self.config, self.model
+        assert config is not None and model is not None
+        plan, ctx = config.plan, self.context()
         sends = plan.sends(Phase.TRAIN)
         theta: np.ndarray | SparseVector | None = None
         for rule in self.rules if Upload.ADAPTER in sends else ():  # the first rule's vector
@@ -743,9 +728,9 @@ class EdgeAgent:
             theta=theta,
             sparsifier=sparsifier,
             global_adapter=self.global_adapter,
-            base_round=self.adapter_round if plan.federate == "adapter" else round_,
+            base_round=self._base_round(round_),
             local=local,
-            n=1 if self.dp is not None else len(self.data.y_train),  # DP: the sample count stays here
+            n=config.samples_sent(len(self.data.y_train)),
             round_=round_,
             fed=self.fed,
             sender=self.client_id,
@@ -776,22 +761,23 @@ class EdgeAgent:
 
         Where the whole model is federated, clients skip the test set: its global accuracy is the
         aggregated model's (scored by the simulator) and it has no ensemble."""
-        assert self.cfg is not None and self.model is not None
+        assert self.config is not None and self.model is not None
         objective = self.objective
         z_local = self._get_extractor().embed(self.data.x_test)
         local = objective.probabilities(self.model, z_local)
         correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
         proto_local = objective.nearest_correct(z_local, self.data.y_test, local)
         extra = {}
-        if self.masks is not None and len(z_local):
-            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.masks)
+        masks = self.config.masks
+        if masks is not None and len(z_local):
+            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, masks)
         own = self._own_prototype_correct(z_local)
         if own is not None:
             extra["own_proto_correct"] = float(own)
         probs, n_test, correct_test, proto_test = None, 0, 0, None
         if (
             with_test
-            and self.cfg.federate != "full"
+            and self.config.sharing.scores_test_set
             and self.data.x_global is not None
             and self.data.y_global is not None
         ):
