@@ -8,7 +8,10 @@ machine, which returns effects the I/O shell carries out: here the MQTT runner (
 simulator's carrier (edge_agent/local.py) carries the outcome out, and the same object runs under both.
 Nothing here names a technique: what to send in each phase comes from the round plan (protofl.plan), how from
 the active techniques' device rules (edge_agent/techniques). A training round is one pass: round message ->
-targets -> objective -> local training -> uploads (+ metrics) -> outcome.
+targets -> objective -> local training -> uploads (+ metrics) -> outcome. Everything the federation's config decides
+is one object read from it (edge_agent/device_config.py), replaced whole by a new config: its rules, which of the
+model's parameters it shares (edge_agent/param_federation.py), and the sealing stages an upload passes after
+training, as plain values, on its way to the wire (edge_agent/sealing.py: privacy noise, then masking).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,7 +40,7 @@ from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
 from edge_agent.sealing import Outgoing
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
-from edge_agent.uploads import train_uploads
+from edge_agent.uploads import plain_values, train_uploads
 from protofl import privacy, topics
 from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.algorithms.support import off_mask_energy
@@ -45,9 +48,8 @@ from protofl.config import FederationConfig
 from protofl.data.dataset import Images
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
-from protofl.plan import Phase, RoundPlan, Upload
+from protofl.plan import Phase, RoundPlan
 from protofl.schedule import check_cadence, is_due, scores_test_set
-from protofl.sparse import SparseVector
 from protofl.technique import first_answer
 from protofl.traits import Traits
 from protofl.wire import (
@@ -98,6 +100,17 @@ class ClientData:
             raise ValueError("client data: x and y lengths differ")
         if len(self.x_train) == 0:
             raise ValueError("client data: no training samples")
+
+
+@dataclass(frozen=True)
+class PublicData:
+    """What the server's public message gave this device: the public set, normalised as this device's data is (None
+    where the federation uses none), the federation's shared backbone and the normalisation its inputs take."""
+
+    x: torch.Tensor | None = None
+    y: np.ndarray | None = None
+    backbone: np.ndarray | None = None
+    backbone_norm: tuple[list[float], list[float]] | None = None
 
 
 @dataclass
@@ -180,13 +193,9 @@ class EdgeAgent:
         # sharing parameters and the sealing stages of its uploads; replaced whole by a new config.
         self.config: DeviceConfig | None = None
         self.model: ProtoNet | None = None
-        self._noise = (
-            privacy.device_rng()
-        )  # what the sealing stages draw from (the OS's entropy: edge_agent/sealing.py)
-        self.public_x: torch.Tensor | None = None
-        self.public_y: np.ndarray | None = None
-        self.backbone: np.ndarray | None = None  # the federation's shared backbone (the public message's)
-        self.backbone_norm: tuple[list[float], list[float]] | None = None  # the normalisation its inputs take
+        # What the sealing stages draw their noise from (the OS's entropy: edge_agent/sealing.py).
+        self._noise = privacy.device_rng()
+        self.public = PublicData()  # what the server's public message gave (none yet)
         self.global_head: tuple[np.ndarray, np.ndarray] | None = None  # its global head (the final round message's)
         self.global_adapter: np.ndarray | None = None
         self.adapter_round = -1  # the round whose global adapter we hold
@@ -209,8 +218,6 @@ class EdgeAgent:
         # cfg.keep_optimizer: the momentum buffers the last round's local training left (PFLlib keeps one
         # optimiser per client for the whole run). Not checkpointed: a restarted device starts them afresh.
         self._momentum: trainer.Momentum = {}
-        # With a link profile: deadline (server clock) -> upload budget in bytes.
-        self.upload_budget: Callable[[float], int | None] | None = clock.budget if clock is not None else None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the clock's timings, the upload choice)
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         # uint8 images stay so (normalised per batch); normalised arrays become a tensor on the device, as before.
@@ -233,6 +240,16 @@ class EdgeAgent:
     def rules(self) -> tuple[DeviceRule, ...]:
         """The active techniques' device halves, in rule order (none before a config)."""
         return () if self.config is None else self.config.rules
+
+    @property
+    def backbone(self) -> np.ndarray | None:
+        """The federation's shared backbone (the public message's)."""
+        return self.public.backbone
+
+    @property
+    def backbone_norm(self) -> tuple[list[float], list[float]] | None:
+        """The normalisation the shared backbone's inputs take."""
+        return self.public.backbone_norm
 
     @property
     def targets_table(self) -> dict[int, np.ndarray]:
@@ -454,10 +471,12 @@ class EdgeAgent:
             std = np.asarray(self.data.std, dtype=np.float32).reshape(1, -1, 1, 1)
             x = (x / 255.0 - mean) / std
         # A public message may carry only the shared backbone (a federation whose plan uses no public images).
-        self.public_x = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if len(msg.y) else None
-        self.public_y = np.asarray(msg.y, dtype=np.int64) if len(msg.y) else None
-        self.backbone = msg.backbone
-        self.backbone_norm = msg.norm
+        self.public = PublicData(
+            torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if len(msg.y) else None,
+            np.asarray(msg.y, dtype=np.int64) if len(msg.y) else None,
+            msg.backbone,
+            msg.norm,
+        )
 
     # -- rules ----------------------------------------------------------------------------------
     def context(self) -> DeviceContext:
@@ -471,10 +490,10 @@ class EdgeAgent:
             embed=self._get_extractor().embed,
             x=self._x,
             y=self.data.y_train,
-            public_x=self.public_x,
-            public_y=self.public_y,
-            backbone=self.backbone,
-            backbone_norm=self.backbone_norm,
+            public_x=self.public.x,
+            public_y=self.public.y,
+            backbone=self.public.backbone,
+            backbone_norm=self.public.backbone_norm,
             data_norm=(tuple(self.data.mean), tuple(self.data.std)),
             masks=self.config.masks,
         )
@@ -689,54 +708,31 @@ class EdgeAgent:
     def _train_uploads(
         self, round_: int, deadline: float, seen: tuple[np.ndarray, np.ndarray] | None = None
     ) -> list[Message]:
-        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one.
+        """This round's training-phase uploads, fitted to the upload budget where a device profile's clock sets one.
 
         `seen`: the features local training saw, and their labels (cfg.proto_source == "during"): the
         prototypes average those instead of the trained model's features of the training split."""
-        config, model = self.config, self.model
-        assert config is not None and model is not None
-        plan, ctx = config.plan, self.context()
-        sends = plan.sends(Phase.TRAIN)
-        theta: np.ndarray | SparseVector | None = None
-        for rule in self.rules if Upload.ADAPTER in sends else ():  # the first rule's vector
-            theta = rule.vector(ctx)
-            if theta is not None:
-                break
-        sparsifier = first_answer(self.rules, lambda r: r.sparsifier(theta)) if isinstance(theta, np.ndarray) else None
-        local = None
-        if Upload.PROTOS in sends:
-            if seen is None:
-                self._z_train = ctx.embed(self._x)
-                z, y = self._z_train, self.data.y_train
-            else:
-                z, y = seen
-            found = self.local_prototypes(z, y)
-            if found is None:  # the plan sends prototypes only where an active technique makes them
-                raise ConfigError("this federation's plan sends prototypes, but no technique here makes them")
-            protos, counts = found
-            for rule in self.rules:
-                protos = rule.select_local(protos)
-            local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
-        public = (
-            first_answer(self.rules, lambda r: r.public_prototypes(ctx, self.pack))
-            if plan.public_phase is Phase.TRAIN
-            else None
-        )
-        budget = self.upload_budget(deadline) if self.upload_budget is not None else None
+        config, ctx = self.config, self.context()
+        assert config is not None
+
+        def features() -> tuple[np.ndarray, np.ndarray]:
+            if seen is not None:
+                return seen
+            self._z_train = ctx.embed(self._x)  # (the evaluation that follows reuses them)
+            return self._z_train, self.data.y_train
+
+        values = plain_values(config.rules, ctx, self.pack, features)
+        budget = self.clock.budget(deadline) if self.clock is not None else None  # (a link profile's, in bytes)
         out, choice = train_uploads(
-            plan,
-            theta=theta,
-            sparsifier=sparsifier,
+            config.plan,
+            values,
             global_adapter=self.global_adapter,
             base_round=self._base_round(round_),
-            local=local,
             n=config.samples_sent(len(self.data.y_train)),
             round_=round_,
             fed=self.fed,
             sender=self.client_id,
             budget=budget,
-            public=public,
-            vector_dt=first_answer(self.rules, lambda r: r.vector_dtype()) if theta is not None else None,
         )
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())
