@@ -35,6 +35,7 @@ from edge_agent.artifacts import DeviceArtifacts, collect_device_artifacts
 from edge_agent.device_config import DeviceConfig, read_config
 from edge_agent.devices import resolve_device
 from edge_agent.emulation import RoundClock
+from edge_agent.evaluation import round_metrics
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
@@ -42,8 +43,6 @@ from edge_agent.sealing import Outgoing
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
 from edge_agent.uploads import plain_values, train_uploads
 from protofl import privacy, topics
-from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
-from protofl.algorithms.support import off_mask_energy
 from protofl.config import FederationConfig
 from protofl.data.dataset import Images
 from protofl.errors import ConfigError, WireError
@@ -750,64 +749,22 @@ class EdgeAgent:
 
     # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats, with_test: bool = True) -> Metrics:
-        """The round objective's predictions (the head's softmax, or another technique's classifier) and
-        the nearest-target-prototype accuracy on the local split and, in simulation and `with_test`, on
-        the official test set (with the test set's class probabilities). One forward pass per split:
-        both predictions come from the same z.
-
-        Where the whole model is federated, clients skip the test set: its global accuracy is the
-        aggregated model's (scored by the simulator) and it has no ensemble."""
+        """This round's metrics (edge_agent/evaluation.py). Where the whole model is federated, clients skip the
+        test set: its global accuracy is the aggregated model's (scored by the simulator) and it has no ensemble."""
         assert self.config is not None and self.model is not None
-        objective = self.objective
-        z_local = self._get_extractor().embed(self.data.x_test)
-        local = objective.probabilities(self.model, z_local)
-        correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
-        proto_local = objective.nearest_correct(z_local, self.data.y_test, local)
-        extra = {}
-        masks = self.config.masks
-        if masks is not None and len(z_local):
-            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, masks)
-        own = self._own_prototype_correct(z_local)
-        if own is not None:
-            extra["own_proto_correct"] = float(own)
-        probs, n_test, correct_test, proto_test = None, 0, 0, None
-        if (
-            with_test
-            and self.config.sharing.scores_test_set
-            and self.data.x_global is not None
-            and self.data.y_global is not None
-        ):
-            z_global = self._get_extractor().embed(self.data.x_global)
-            probs = objective.probabilities(self.model, z_global)
-            n_test = len(self.data.y_global)
-            correct_test = int((probs.argmax(1) == self.data.y_global).sum())
-            proto_test = objective.nearest_correct(z_global, self.data.y_global, probs)
-        return Metrics(
-            n_local=len(self.data.y_test),
-            correct_local=correct_local,
-            n_test=n_test,
-            correct_test=correct_test,
-            probs=probs,
-            train_s=stats.seconds,
-            loss=stats.loss,
-            extra={**self.metrics_extra, **extra},
-            proto_correct_local=proto_local,
-            proto_correct_test=proto_test,
+        embed = self._get_extractor().embed
+        return round_metrics(
+            self.objective,
+            self.model,
+            embed,
+            self.data,
+            stats,
+            num_classes=self.config.cfg.num_classes,
+            masks=self.config.masks,
+            with_test=with_test and self.config.sharing.scores_test_set,
+            z_train=lambda: self._z_train if self._z_train is not None else embed(self._x),
+            extra=self.metrics_extra,
         )
-
-    def _own_prototype_correct(self, z_local: np.ndarray) -> int | None:
-        """Correct predictions on the local split by the nearest (L2) of this client's *own* prototypes, the
-        class means of its training features now (TinyProto's eq. 12; docs/algorithms.md, Evaluation). The
-        benchmark names it apart from the nearest *global* prototype (`proto_correct_local`). None where the
-        client has no training data or its features are not finite (a diverged model scores nothing)."""
-        assert self.cfg is not None
-        if not len(z_local) or not len(self.data.y_train):
-            return None
-        z_train = self._z_train if self._z_train is not None else self._get_extractor().embed(self._x)
-        if not np.isfinite(z_train).all():
-            return None
-        own, _ = local_prototypes(z_train, self.data.y_train, self.cfg.num_classes)
-        return int((nearest_prototype(z_local, own) == self.data.y_test).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""
