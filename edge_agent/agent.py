@@ -8,7 +8,10 @@ machine, which returns effects the I/O shell carries out: here the MQTT runner (
 simulator's carrier (edge_agent/local.py) carries the outcome out, and the same object runs under both.
 Nothing here names a technique: what to send in each phase comes from the round plan (protofl.plan), how from
 the active techniques' device rules (edge_agent/techniques). A training round is one pass: round message ->
-targets -> objective -> local training -> uploads (+ metrics) -> outcome.
+targets -> objective -> local training -> uploads (+ metrics) -> outcome. Everything the federation's config decides
+is one object read from it (edge_agent/device_config.py), replaced whole by a new config: its rules, which of the
+model's parameters it shares (edge_agent/param_federation.py), and the sealing stages an upload passes after
+training, as plain values, on its way to the wire (edge_agent/sealing.py: privacy noise, then masking).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import dataclasses
 import logging
 import time
 import zlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,23 +35,20 @@ from edge_agent.artifacts import DeviceArtifacts, collect_device_artifacts
 from edge_agent.device_config import DeviceConfig, read_config
 from edge_agent.devices import resolve_device
 from edge_agent.emulation import RoundClock
+from edge_agent.evaluation import round_metrics
 from edge_agent.extractor import Extractor, make_extractor
 from edge_agent.models import ProtoNet, build_model
 from edge_agent.outcome import Drop, Failure, Outcome, Send
-from edge_agent.secagg_device import DeviceSecAgg, params_vector
+from edge_agent.sealing import Outgoing
 from edge_agent.techniques import DeviceContext, DeviceRule, Objective, make_objective
-from edge_agent.uploads import train_uploads
-from protofl import privacy, secagg, topics
-from protofl.adapter import layout_size
-from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
-from protofl.algorithms.support import off_mask_energy
+from edge_agent.uploads import plain_values, train_uploads
+from protofl import privacy, topics
 from protofl.config import FederationConfig
 from protofl.data.dataset import Images
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
-from protofl.plan import Phase, RoundPlan, Upload
+from protofl.plan import Phase, RoundPlan
 from protofl.schedule import check_cadence, is_due, scores_test_set
-from protofl.sparse import SparseVector
 from protofl.technique import first_answer
 from protofl.traits import Traits
 from protofl.wire import (
@@ -59,14 +59,9 @@ from protofl.wire import (
     Limits,
     Message,
     Metrics,
-    ParamsUpload,
     ProtoSet,
-    ProtoUpload,
     PublicSet,
     RoundStart,
-    SaRoster,
-    SaRouted,
-    SaSurvivors,
     decode_message,
     encode_message,
     read_header,
@@ -104,6 +99,17 @@ class ClientData:
             raise ValueError("client data: x and y lengths differ")
         if len(self.x_train) == 0:
             raise ValueError("client data: no training samples")
+
+
+@dataclass(frozen=True)
+class PublicData:
+    """What the server's public message gave this device: the public set, normalised as this device's data is (None
+    where the federation uses none), the federation's shared backbone and the normalisation its inputs take."""
+
+    x: torch.Tensor | None = None
+    y: np.ndarray | None = None
+    backbone: np.ndarray | None = None
+    backbone_norm: tuple[list[float], list[float]] | None = None
 
 
 @dataclass
@@ -182,25 +188,19 @@ class EdgeAgent:
         self.extractor = check_extractor(extractor)  # what computes z for prototypes and metrics
         self.stats = AgentStats()
         self.limits: Limits = DEFAULT_LIMITS  # until the config says how large this federation's messages get
-        self.cfg: FederationConfig | None = None
-        self.plan: RoundPlan | None = None
+        # This federation as this device sees it (edge_agent/device_config.py): its options, plan, rules, way of
+        # sharing parameters and the sealing stages of its uploads; replaced whole by a new config.
+        self.config: DeviceConfig | None = None
         self.model: ProtoNet | None = None
-        self.rules: list[DeviceRule] = []  # the active techniques' device halves, in rule order
-        self.masks: np.ndarray | None = None  # the config's support masks, where prototypes use them
-        self.dp: privacy.DpSettings | None = None  # the federation's DP mechanism: clip + noise on every row sent
+        # What the sealing stages draw their noise from (the OS's entropy: edge_agent/sealing.py).
         self._noise = privacy.device_rng()
-        self.public_x: torch.Tensor | None = None
-        self.public_y: np.ndarray | None = None
-        self.backbone: np.ndarray | None = None  # the federation's shared backbone (the public message's)
-        self.backbone_norm: tuple[list[float], list[float]] | None = None  # the normalisation its inputs take
+        self.public = PublicData()  # what the server's public message gave (none yet)
         self.global_head: tuple[np.ndarray, np.ndarray] | None = None  # its global head (the final round message's)
         self.global_adapter: np.ndarray | None = None
         self.adapter_round = -1  # the round whose global adapter we hold
         self.objective = Objective()  # this round's objective (also what the metrics classify with)
         self.handled: set[tuple[int, str]] = set()
         self.finished = False
-        # The open phase's secure aggregation, where the config asks for it (edge_agent/secagg_device.py).
-        self.secagg: DeviceSecAgg | None = None
         self.clock = clock
         self.resends = resends
         self.artifacts_at = frozenset(artifacts_at)
@@ -217,8 +217,6 @@ class EdgeAgent:
         # cfg.keep_optimizer: the momentum buffers the last round's local training left (PFLlib keeps one
         # optimiser per client for the whole run). Not checkpointed: a restarted device starts them afresh.
         self._momentum: trainer.Momentum = {}
-        # With a link profile: deadline (server clock) -> upload budget in bytes.
-        self.upload_budget: Callable[[float], int | None] | None = clock.budget if clock is not None else None
         self.metrics_extra: dict[str, float] = {}  # sent in `Metrics.extra` (the clock's timings, the upload choice)
         self._frozen = frozen.FrozenBackbone()  # backbone = "frozen": cached h for the local data
         # uint8 images stay so (normalised per batch); normalised arrays become a tensor on the device, as before.
@@ -228,6 +226,29 @@ class EdgeAgent:
             else torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32)).to(self.device)
         )
         self._y = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64)).to(self.device)
+
+    @property
+    def cfg(self) -> FederationConfig | None:
+        return None if self.config is None else self.config.cfg
+
+    @property
+    def plan(self) -> RoundPlan | None:
+        return None if self.config is None else self.config.plan
+
+    @property
+    def rules(self) -> tuple[DeviceRule, ...]:
+        """The active techniques' device halves, in rule order (none before a config)."""
+        return () if self.config is None else self.config.rules
+
+    @property
+    def backbone(self) -> np.ndarray | None:
+        """The federation's shared backbone (the public message's)."""
+        return self.public.backbone
+
+    @property
+    def backbone_norm(self) -> tuple[list[float], list[float]] | None:
+        """The normalisation the shared backbone's inputs take."""
+        return self.public.backbone_norm
 
     @property
     def targets_table(self) -> dict[int, np.ndarray]:
@@ -311,8 +332,8 @@ class EdgeAgent:
                 self.on_public(msg)
             elif isinstance(msg, RoundStart):
                 self.on_round(env, msg)
-            elif isinstance(msg, (SaRoster, SaRouted, SaSurvivors)) and topic == topics.down(self.fed, self.client_id):
-                self.on_secagg(env, msg)
+            elif topic == topics.down(self.fed, self.client_id):
+                self.on_step(env, msg)
             return step.outcome(
                 changed=isinstance(msg, RoundStart) and self.handled != handled,
                 trained=self.stats.rounds_trained != trained,
@@ -404,11 +425,11 @@ class EdgeAgent:
             # Keep the previous config and model: a hostile or mistaken config must not wedge this device.
             self._drop("bad_config", f"{exc}; keeping the previous config")
             return
-        cfg, plan, rules = read.cfg, read.plan, list(read.rules)
+        cfg = read.cfg
         if self.cfg == cfg and self.model is not None:
             return  # retained config re-delivered after a reconnect
         options: dict[str, Any] = {}
-        for rule in rules:
+        for rule in read.rules:
             options.update(rule.model_options())
         arch = self.arch or cfg.archs[0]
         # Every device of an architecture starts from the same seeded weights, as in the papers'
@@ -418,23 +439,16 @@ class EdgeAgent:
         model = build_model(
             arch, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed, **options
         ).to(self.device)
-        if cfg.federate == "adapter":
-            mine = [(n, tuple(s)) for n, s in model_params.adapter_layout(model)]
-            theirs = [(n, tuple(s)) for n, s in msg.adapter_layout]
-            if mine != theirs:
-                self._drop("bad_config", f"adapter layout mismatch: server {theirs[:2]}..., device {mine[:2]}...")
-                return
-        self.cfg, self.plan, self.model, self.rules = cfg, plan, model, rules
+        problem = read.sharing.layout_problem(model, msg)
+        if problem is not None:
+            self._drop("bad_config", problem)
+            return
+        self.config, self.model = read, model
         self._momentum = {}
-        self.masks = msg.class_masks if plan.masked else None
-        self.dp = privacy.resolve(cfg, plan)
         self.objective = Objective()
-        # This federation's largest messages: the round message carries our full model (FedAvg) or
-        # adapter; the server's stated limit may be larger still.
-        own = self.plan.limits(
-            layout_size(model_params.full_layout(self.model)) if cfg.federate == "full" else None,
-            layout_size(model_params.adapter_layout(self.model)),
-        )
+        # This federation's largest messages: the round message carries what it shares (our full model, FedAvg,
+        # or adapter); the server's stated limit may be larger still.
+        own = read.sharing.limits(read.plan, model)
         stated = int(msg.limits.get("max_message_bytes", 0))
         self.limits = (
             own
@@ -456,31 +470,31 @@ class EdgeAgent:
             std = np.asarray(self.data.std, dtype=np.float32).reshape(1, -1, 1, 1)
             x = (x / 255.0 - mean) / std
         # A public message may carry only the shared backbone (a federation whose plan uses no public images).
-        self.public_x = torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if len(msg.y) else None
-        self.public_y = np.asarray(msg.y, dtype=np.int64) if len(msg.y) else None
-        self.backbone = msg.backbone
-        self.backbone_norm = msg.norm
+        self.public = PublicData(
+            torch.from_numpy(np.ascontiguousarray(x)).to(self.device) if len(msg.y) else None,
+            np.asarray(msg.y, dtype=np.int64) if len(msg.y) else None,
+            msg.backbone,
+            msg.norm,
+        )
 
     # -- rules ----------------------------------------------------------------------------------
     def context(self) -> DeviceContext:
         """What the rules may read this round."""
-        assert self.cfg is not None and self.plan is not None and self.model is not None
+        assert self.config is not None and self.model is not None
         return DeviceContext(
-            cfg=self.cfg,
-            plan=self.plan,
+            cfg=self.config.cfg,
+            plan=self.config.plan,
             model=self.model,
             device=self.device,
             embed=self._get_extractor().embed,
             x=self._x,
             y=self.data.y_train,
-            public_x=self.public_x,
-            public_y=self.public_y,
-            backbone=self.backbone,
-            backbone_norm=self.backbone_norm,
+            public_x=self.public.x,
+            public_y=self.public.y,
+            backbone=self.public.backbone,
+            backbone_norm=self.public.backbone_norm,
             data_norm=(tuple(self.data.mean), tuple(self.data.std)),
-            masks=self.masks,
-            global_adapter=self.global_adapter,
-            adapter_round=self.adapter_round,
+            masks=self.config.masks,
         )
 
     def local_prototypes(
@@ -490,13 +504,11 @@ class EdgeAgent:
         return first_answer(self.rules, lambda r: r.local_prototypes(z, y))
 
     def pack(self, protos: dict[int, np.ndarray], counts: dict[int, int] | None, role: str) -> ProtoSet:
-        """A prototype table on the wire: each rule's encoding in turn, then the plan's width and dtype."""
+        """A prototype table as it travels: each rule's encoding in turn, then the plan's width and dtype (the
+        sealing stages, e.g. DP's noise, come after: `_upload`)."""
         assert self.plan is not None
         for rule in self.rules:
             protos, counts = rule.encode_table(protos, counts, role)
-        if self.dp is not None:  # last, on the values that travel (protofl/privacy.py)
-            std = self.dp.device_std(self.cfg.min_clients if self.cfg is not None else 1)
-            protos, counts = privacy.privatize(protos, counts, std, self.dp.clip, self._noise)
         return ProtoSet.from_table(protos, self.plan.proto_width, self.plan.proto_dtype, counts)
 
     def make_objective(self, table: dict[int, np.ndarray], fresh: bool = True) -> Objective:
@@ -576,18 +588,27 @@ class EdgeAgent:
         self.global_adapter = np.array(vector, dtype=np.float32, copy=True)
         self.adapter_round = round_
 
-    def _holds_round_adapter(self, round_: int) -> bool:
-        """Whether we hold the adapter this round's phases were opened with (adapter federation)."""
-        assert self.plan is not None
-        return self.plan.federate != "adapter" or self.adapter_round == round_
+    def _base_round(self, round_: int) -> int:
+        """The round whose global parameters round `round_` trains from (-1: none held; another round than
+        `round_`: we missed this round's, e.g. its adapter), as the federation's way of sharing says."""
+        assert self.config is not None
+        return self.config.sharing.base_round(self.adapter_round, round_)
 
     def _other_phase(self, phase: Phase, round_: int) -> None:
         """A phase before training (e.g. public-set prototypes): the rule that owns it builds the upload."""
-        if not self._holds_round_adapter(round_):
+        if self._base_round(round_) != round_:
             return  # we missed this round's adapter; prototypes from a stale adapter would mislead
         upload = self._phase_upload(phase)
         if upload is not None:
-            self._send(upload, round_, phase.value, upload=True)
+            self._upload(upload, round_, phase.value)
+
+    def _upload(self, msg: Message, round_: int, phase: str) -> None:
+        """An upload through the federation's sealing stages (edge_agent/sealing.py), in order, then the wire."""
+        assert self.config is not None
+        up = Outgoing(msg, self.fed, self.client_id, round_, phase)
+        for stage in self.config.stages:
+            up = stage.seal(up, self._noise)
+        self._send(up.msg, round_, phase, upload=True)
 
     def _phase_upload(self, phase: Phase) -> Message | None:
         ctx = self.context()
@@ -597,10 +618,12 @@ class EdgeAgent:
         """The uploads of round `round_` in every phase, built as a round builds them from the model as it is
         (no training), and not sent: what `protofl-edge models` sizes (edge_agent/model_sizes.py). An adapter
         federation's device that holds no global adapter yet takes its own as the round's."""
-        plan, model = self.plan, self.model
-        assert plan is not None and model is not None, "round_uploads needs the federation's config first"
-        if plan.federate == "adapter" and self.global_adapter is None:
-            self._load_global_adapter(model_params.adapter_vector(model), round_)
+        config, model = self.config, self.model
+        assert config is not None and model is not None, "round_uploads needs the federation's config first"
+        own = config.sharing.own_global(model) if self.global_adapter is None else None
+        if own is not None:
+            self._load_global_adapter(own, round_)
+        plan = config.plan
         out: list[tuple[Phase, Message]] = []
         for phase in plan.phases:
             if phase is Phase.TRAIN:
@@ -615,9 +638,10 @@ class EdgeAgent:
         assert cfg is not None and plan is not None and model is not None
         if msg.params is not None:
             model_params.load_full_vector(model, msg.params)
-        if plan.federate == "adapter" and self.adapter_round < 0:
+        base = self._base_round(round_)
+        if base < 0:
             return  # never received a global adapter: nothing valid to train from
-        if plan.two_phase and not self._holds_round_adapter(round_):
+        if plan.two_phase and base != round_:
             # The adapter comes with the first phase; a device that (re)joined during the training
             # phase holds an older one, and its upload would be dropped as stale anyway.
             return
@@ -641,26 +665,7 @@ class EdgeAgent:
         memory.mark("training")
         self._z_train = None
         for upload in self._train_uploads(round_, msg.deadline, stats.seen):
-            if cfg.secagg and isinstance(upload, (ProtoUpload, ParamsUpload)):
-                # Secure aggregation: the table (or vector) stays here; its keys go instead, its masked sum later
-                # (on_secagg).
-                if isinstance(upload, ProtoUpload):
-                    absent = None
-                    if self.dp is not None and self.dp.mode == "distributed" and self.plan is not None:
-                        have = upload.local.classes if upload.local is not None else np.zeros(0, dtype=np.int64)
-                        share = self.dp.device_std(cfg.min_clients)
-                        absent = privacy.absent_noise(
-                            self.plan.num_classes, self.plan.proto_width, have, share, self._noise
-                        )
-                    self.secagg = DeviceSecAgg(
-                        self.client_id, self.fed, round_, Phase.TRAIN.value, upload.local, absent=absent
-                    )
-                else:  # (differential privacy covers prototype uploads only)
-                    self.secagg = DeviceSecAgg(
-                        self.client_id, self.fed, round_, Phase.TRAIN.value, None, vector=params_vector(upload)
-                    )
-                upload = self.secagg.keys()
-            self._send(upload, round_, Phase.TRAIN.value, upload=True)
+            self._upload(upload, round_, Phase.TRAIN.value)
         memory.mark("uploads")
         self.stats.rounds_trained += 1
         if is_due(round_, self.eval_every, cfg.rounds):
@@ -672,19 +677,17 @@ class EdgeAgent:
             memory.mark("evaluation")
         self._z_train = None
 
-    def on_secagg(self, env: Envelope, msg: SaRoster | SaRouted | SaSurvivors) -> None:
-        """A step of the open phase's secure aggregation: this device's answer (the same one if it came before)."""
-        sa, plan = self.secagg, self.plan
-        if sa is None or plan is None or (env.round, env.phase) != (sa.round, sa.phase):
-            self._drop("stale", f"{msg.KIND} for round {env.round}/{env.phase}: no secure aggregation of it here")
-            return
-        try:
-            out = sa.answer(msg, plan.num_classes, plan.proto_width)
-        except (secagg.SecAggError, ValueError) as exc:
-            self._drop("secagg", f"round {env.round}: {exc}; this device drops out of the phase's secure aggregation")
-            return
-        if out is not None:
-            self._send(out, env.round, env.phase)
+    def on_step(self, env: Envelope, msg: Message) -> None:
+        """A server message on this device's own topic: a step of a sealing stage's protocol, which that stage
+        answers (the same answer if it came before)."""
+        stages = self.config.stages if self.config is not None else ()
+        answer = next((a for stage in stages if (a := stage.answer(env, msg)) is not None), None)
+        if answer is None:
+            self._drop("stale", f"{msg.KIND} for round {env.round}/{env.phase}: no step of it open here")
+        elif answer.drop is not None:
+            self._drop(answer.drop.reason, answer.drop.detail)
+        elif answer.reply is not None:
+            self._send(answer.reply, env.round, env.phase)
 
     def _targets(self, msg: RoundStart) -> dict[int, np.ndarray]:
         """The round message's targets as the dense table training uses (empty without any)."""
@@ -704,54 +707,31 @@ class EdgeAgent:
     def _train_uploads(
         self, round_: int, deadline: float, seen: tuple[np.ndarray, np.ndarray] | None = None
     ) -> list[Message]:
-        """This round's training-phase uploads, fitted to `upload_budget` where a runner set one.
+        """This round's training-phase uploads, fitted to the upload budget where a device profile's clock sets one.
 
         `seen`: the features local training saw, and their labels (cfg.proto_source == "during"): the
         prototypes average those instead of the trained model's features of the training split."""
-        plan, model = self.plan, self.model
-        assert plan is not None and model is not None
-        ctx = self.context()
-        sends = plan.sends(Phase.TRAIN)
-        theta: np.ndarray | SparseVector | None = None
-        for rule in self.rules if Upload.ADAPTER in sends else ():  # the first rule's vector
-            theta = rule.vector(ctx)
-            if theta is not None:
-                break
-        sparsifier = first_answer(self.rules, lambda r: r.sparsifier(theta)) if isinstance(theta, np.ndarray) else None
-        local = None
-        if Upload.PROTOS in sends:
-            if seen is None:
-                self._z_train = ctx.embed(self._x)
-                z, y = self._z_train, self.data.y_train
-            else:
-                z, y = seen
-            found = self.local_prototypes(z, y)
-            if found is None:  # the plan sends prototypes only where an active technique makes them
-                raise ConfigError("this federation's plan sends prototypes, but no technique here makes them")
-            protos, counts = found
-            for rule in self.rules:
-                protos = rule.select_local(protos)
-            local = self.pack(protos, None if counts is None else {c: counts[c] for c in protos}, "local")
-        public = (
-            first_answer(self.rules, lambda r: r.public_prototypes(ctx, self.pack))
-            if plan.public_phase is Phase.TRAIN
-            else None
-        )
-        budget = self.upload_budget(deadline) if self.upload_budget is not None else None
+        config, ctx = self.config, self.context()
+        assert config is not None
+
+        def features() -> tuple[np.ndarray, np.ndarray]:
+            if seen is not None:
+                return seen
+            self._z_train = ctx.embed(self._x)  # (the evaluation that follows reuses them)
+            return self._z_train, self.data.y_train
+
+        values = plain_values(config.rules, ctx, self.pack, features)
+        budget = self.clock.budget(deadline) if self.clock is not None else None  # (a link profile's, in bytes)
         out, choice = train_uploads(
-            plan,
-            theta=theta,
-            sparsifier=sparsifier,
+            config.plan,
+            values,
             global_adapter=self.global_adapter,
-            base_round=self.adapter_round if plan.federate == "adapter" else round_,
-            local=local,
-            n=1 if self.dp is not None else len(self.data.y_train),  # DP: the sample count stays here
+            base_round=self._base_round(round_),
+            n=config.samples_sent(len(self.data.y_train)),
             round_=round_,
             fed=self.fed,
             sender=self.client_id,
             budget=budget,
-            public=public,
-            vector_dt=first_answer(self.rules, lambda r: r.vector_dtype()) if theta is not None else None,
         )
         if choice is not None:
             self.metrics_extra.update(choice.as_extra())
@@ -769,63 +749,22 @@ class EdgeAgent:
 
     # -- evaluation -----------------------------------------------------------------------------
     def _metrics(self, stats: trainer.TrainStats, with_test: bool = True) -> Metrics:
-        """The round objective's predictions (the head's softmax, or another technique's classifier) and
-        the nearest-target-prototype accuracy on the local split and, in simulation and `with_test`, on
-        the official test set (with the test set's class probabilities). One forward pass per split:
-        both predictions come from the same z.
-
-        Where the whole model is federated, clients skip the test set: its global accuracy is the
-        aggregated model's (scored by the simulator) and it has no ensemble."""
-        assert self.cfg is not None and self.model is not None
-        objective = self.objective
-        z_local = self._get_extractor().embed(self.data.x_test)
-        local = objective.probabilities(self.model, z_local)
-        correct_local = int((local.argmax(1) == self.data.y_test).sum()) if len(local) else 0
-        proto_local = objective.nearest_correct(z_local, self.data.y_test, local)
-        extra = {}
-        if self.masks is not None and len(z_local):
-            extra["off_mask_energy"] = off_mask_energy(z_local, self.data.y_test, self.masks)
-        own = self._own_prototype_correct(z_local)
-        if own is not None:
-            extra["own_proto_correct"] = float(own)
-        probs, n_test, correct_test, proto_test = None, 0, 0, None
-        if (
-            with_test
-            and self.cfg.federate != "full"
-            and self.data.x_global is not None
-            and self.data.y_global is not None
-        ):
-            z_global = self._get_extractor().embed(self.data.x_global)
-            probs = objective.probabilities(self.model, z_global)
-            n_test = len(self.data.y_global)
-            correct_test = int((probs.argmax(1) == self.data.y_global).sum())
-            proto_test = objective.nearest_correct(z_global, self.data.y_global, probs)
-        return Metrics(
-            n_local=len(self.data.y_test),
-            correct_local=correct_local,
-            n_test=n_test,
-            correct_test=correct_test,
-            probs=probs,
-            train_s=stats.seconds,
-            loss=stats.loss,
-            extra={**self.metrics_extra, **extra},
-            proto_correct_local=proto_local,
-            proto_correct_test=proto_test,
+        """This round's metrics (edge_agent/evaluation.py). Where the whole model is federated, clients skip the
+        test set: its global accuracy is the aggregated model's (scored by the simulator) and it has no ensemble."""
+        assert self.config is not None and self.model is not None
+        embed = self._get_extractor().embed
+        return round_metrics(
+            self.objective,
+            self.model,
+            embed,
+            self.data,
+            stats,
+            num_classes=self.config.cfg.num_classes,
+            masks=self.config.masks,
+            with_test=with_test and self.config.sharing.scores_test_set,
+            z_train=lambda: self._z_train if self._z_train is not None else embed(self._x),
+            extra=self.metrics_extra,
         )
-
-    def _own_prototype_correct(self, z_local: np.ndarray) -> int | None:
-        """Correct predictions on the local split by the nearest (L2) of this client's *own* prototypes, the
-        class means of its training features now (TinyProto's eq. 12; docs/algorithms.md, Evaluation). The
-        benchmark names it apart from the nearest *global* prototype (`proto_correct_local`). None where the
-        client has no training data or its features are not finite (a diverged model scores nothing)."""
-        assert self.cfg is not None
-        if not len(z_local) or not len(self.data.y_train):
-            return None
-        z_train = self._z_train if self._z_train is not None else self._get_extractor().embed(self._x)
-        if not np.isfinite(z_train).all():
-            return None
-        own, _ = local_prototypes(z_train, self.data.y_train, self.cfg.num_classes)
-        return int((nearest_prototype(z_local, own) == self.data.y_test).sum())
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""

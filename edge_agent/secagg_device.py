@@ -1,8 +1,8 @@
 """A device's side of one phase's secure aggregation (protofl/secagg.py; the server's is broker_server/secagg_run.py).
 
-The agent trains as always and packs its prototype table as it would upload it (every technique's encoding, DP's
-noise, the plan's dtype: decoded back to the floats the server would have read). Instead of that upload it sends its
-two public keys and keeps the table; each server message then gets one answer:
+The masking stage (`Masking`, a sealing stage: edge_agent/sealing.py) takes the upload as it would travel (every
+technique's encoding, DP's noise, the plan's dtype: decoded back to the floats the server would have read). Instead
+of that upload the device sends its two public keys and keeps the table; each server message then gets one answer:
 
     SaRoster     (its neighbours' keys, t, the ring)  -> SaShares  (its Shamir shares, encrypted to each)
     SaRouted     (the shares sent to it)              -> SaMasked  (its table vector, fixed point, masked mod 2^32)
@@ -18,13 +18,17 @@ again (after the server restarted) gets the same answer, never a second draw of 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 
-from protofl import secagg, wire
+from edge_agent.outcome import Drop
+from edge_agent.sealing import Answer, Outgoing, Stage
+from protofl import privacy, secagg, wire
+from protofl.plan import RoundPlan
 from protofl.sparse import SparseVector
-from protofl.wire import Message, ParamsUpload, ProtoSet, decode_array, encode_array
+from protofl.wire import Envelope, Message, ParamsUpload, ProtoSet, ProtoUpload, decode_array, encode_array
 
 log = logging.getLogger("protofl.edge")
 
@@ -138,3 +142,44 @@ class DeviceSecAgg:
         if positions and positions[-1] >= len(order):
             raise secagg.SecAggError(f"{what}: position {positions[-1]}, past the {len(order)} of the roster")
         return [order[p] for p in positions]
+
+
+class Masking(Stage):
+    """Secure aggregation as a sealing stage: a prototype or parameter upload stays here and its keys travel instead;
+    the open phase's run (`DeviceSecAgg`) then answers the server's steps on this device's own topic. `absent_std`:
+    distributed DP's noise share for the rows of the classes the device lacks (None: no DP, or local DP)."""
+
+    STEPS = (wire.SaRoster, wire.SaRouted, wire.SaSurvivors)
+
+    def __init__(self, plan: RoundPlan, absent_std: float | None = None) -> None:
+        self.num_classes, self.width = plan.num_classes, plan.proto_width
+        self.absent_std = absent_std
+        self.run: DeviceSecAgg | None = None  # the open phase's
+
+    def seal(self, up: Outgoing, rng: np.random.Generator) -> Outgoing:
+        msg = up.msg
+        if isinstance(msg, ProtoUpload):
+            absent = None
+            if self.absent_std is not None:
+                have = msg.local.classes if msg.local is not None else np.zeros(0, dtype=np.int64)
+                absent = privacy.absent_noise(self.num_classes, self.width, have, self.absent_std, rng)
+            self.run = DeviceSecAgg(up.sender, up.fed, up.round, up.phase, msg.local, absent=absent)
+        elif isinstance(msg, ParamsUpload):  # (differential privacy covers prototype uploads only)
+            self.run = DeviceSecAgg(up.sender, up.fed, up.round, up.phase, None, vector=params_vector(msg))
+        else:
+            return up
+        return dataclasses.replace(up, msg=self.run.keys())
+
+    def answer(self, env: Envelope, msg: Message) -> Answer | None:
+        """A step of the open phase's secure aggregation: this device's answer (the same one if it came before)."""
+        if not isinstance(msg, self.STEPS):
+            return None
+        run = self.run
+        if run is None or (env.round, env.phase) != (run.round, run.phase):
+            why = f"{msg.KIND} for round {env.round}/{env.phase}: no secure aggregation of it here"
+            return Answer(drop=Drop("stale", why))
+        try:
+            return Answer(reply=run.answer(msg, self.num_classes, self.width))
+        except (secagg.SecAggError, ValueError) as exc:
+            why = f"round {env.round}: {exc}; this device drops out of the phase's secure aggregation"
+            return Answer(drop=Drop("secagg", why))

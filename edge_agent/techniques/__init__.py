@@ -91,8 +91,6 @@ class DeviceContext:
     backbone_norm: tuple[list[float], list[float]] | None = None
     data_norm: tuple[Sequence[float], Sequence[float]] | None = None
     masks: np.ndarray | None = None  # the support masks of the config message, where prototypes use them
-    global_adapter: np.ndarray | None = None
-    adapter_round: int = -1
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """FedAvg's device half: the parameter vector this device uploads (the whole model, or the adapter).
 
-Loading the round message's vector is the agent's (it holds the model); this rule says what goes up.
+Loading the round message's vector is the agent's (it holds the model); this rule says what goes up: the vector of
+what the federation shares (edge_agent/param_federation.py).
 The server half is protofl/algorithms/fedavg.py.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_agent import params as model_params
+from edge_agent.param_federation import param_federation
 from edge_agent.techniques import DeviceContext, DeviceRule
 
 
@@ -16,6 +17,4 @@ class FedAvgDevice(DeviceRule):
     name = "fedavg"
 
     def vector(self, ctx: DeviceContext) -> np.ndarray | None:
-        if self.plan.federate == "full":
-            return model_params.full_vector(ctx.model)
-        return model_params.adapter_vector(ctx.model)
+        return param_federation(self.plan.federate).vector(ctx.model)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent import params as model_params
+from edge_agent.param_federation import param_federation
 from edge_agent.techniques import Batch, DeviceContext, DeviceRule, LossTerm
 
 __all__ = ["FedProxDevice", "ProximalTerm", "proximal_term", "shared_parameters"]
@@ -45,14 +45,8 @@ def proximal_term(params: Sequence[torch.Tensor], reference: Sequence[torch.Tens
 def shared_parameters(model: nn.Module, federate: str) -> list[torch.Tensor]:
     """The parameters the term pulls: those the federation shares, the whole model's ("full") or the adapter's and
     head's ("adapter"), in the order the vector of edge_agent/params.py has them; with nothing shared ("none")
-    the whole private model's."""
-    if federate == "full":
-        return list(model.parameters())
-    if federate == "adapter":
-        return [p for _, module in model_params.adapter_modules(model) for p in module.parameters()]
-    if federate == "none":  # nothing shared: the private model's own parameters, pulled towards the round's start
-        return list(model.parameters())
-    raise ValueError(f"federate={federate!r}: not a known way of federating parameters")
+    the whole private model's. The way of sharing says which (edge_agent/param_federation.py)."""
+    return param_federation(federate).shared_parameters(model)
 
 
 class ProximalTerm(LossTerm):
