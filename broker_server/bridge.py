@@ -39,9 +39,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from broker_server.broker import DROPPED_TOPIC, MOSQUITTO_USER, PACKET_HEADROOM, ListenerTls, MosquittoBroker
-from broker_server.security import BrokerAuth, device_acl_lines, password_lines, prepare, write_secret
+from broker_server.security import (
+    BrokerAuth,
+    device_acl_lines,
+    password_lines,
+    prepare,
+    site_aggregator_user,
+    write_secret,
+)
 from broker_server.site import bridge_topics as site_bridge_topics
-from broker_server.site import site_aggregator_acl, site_aggregator_user
+from broker_server.site import site_aggregator_acl
 from protofl import topics
 from protofl.errors import ConfigError
 from protofl.names import check_name

@@ -19,7 +19,7 @@ from broker_server.fleet import fleet_command, logs_command, run_app, service_ap
 from broker_server.shard_cli import shard_cli
 from broker_server.start_cli import start_command
 from broker_server.watch.status_cli import status_command
-from protofl import privacy
+from protofl import cli_options, privacy
 from protofl.algorithms.robust import clip_text
 from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, ProtoFLError
@@ -103,128 +103,186 @@ def _progress_status(row: dict[str, Any]) -> str:
     )
 
 
+# `simulate --help` groups the options by what they configure (the federation's, as in `start`).
+FEDERATION, BROKER = cli_options.FEDERATION_PANEL, cli_options.BROKER_PANEL
+DATA, DEVICES, PROFILES, BACKEND, OUTPUT = "Data", "Devices", "Profiles and links", "Backend", "Output"
+
+
 @app.command()
 def simulate(
-    preset: str = typer.Option("protofl", help=f"Method to run: {', '.join(preset_names())}."),
+    preset: str = typer.Option(
+        "protofl", help=f"Method to run: {', '.join(preset_names())}.", rich_help_panel=FEDERATION
+    ),
     dataset: str = typer.Option(
         "synthetic",
         help="fashion-mnist | synthetic[:n=..,classes=..] | npz:PATH | idx:DIR | "
         "imagefolder:DIR | csv:FILE[,label=COL] | package.module:function "
         "(--set num_classes=K --set in_shape=C,H,W fix the shape)",
+        rich_help_panel=DATA,
     ),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx)."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Where the dataset's files are (fashion-mnist, idx).", rich_help_panel=DATA
+    ),
     classes: Path | None = typer.Option(
         None,
         "--classes",
         help="The federation's class names, one a line (the first is class 0): class folders and a CSV's label "
         "names are matched with them. Default: an image folder's class folders (an npz's class_names), else none.",
+        rich_help_panel=DATA,
     ),
     clients: int | None = typer.Option(
-        None, help="Number of simulated devices (default 5, or as many as --profiles lists)."
+        None, help="Number of simulated devices (default 5, or as many as --profiles lists).", rich_help_panel=DATA
     ),
-    alpha: float = typer.Option(0.5, help="Dirichlet concentration of the label partition (smaller = more skewed)."),
-    rounds: int = typer.Option(3, help="Communication rounds."),
-    seed: int = typer.Option(0, help="Seed for partition, models and training order."),
+    alpha: float = typer.Option(
+        0.5, help="Dirichlet concentration of the label partition (smaller = more skewed).", rich_help_panel=DATA
+    ),
+    rounds: int = typer.Option(3, help="Communication rounds.", rich_help_panel=FEDERATION),
+    seed: int = typer.Option(0, help="Seed for partition, models and training order.", rich_help_panel=FEDERATION),
     arch: str | None = typer.Option(
         None,
         help="Architecture, or a comma list assigned round-robin: built-in "
         "names (cnn,mlp,...), package.module:factory, installed protofl.models names.",
+        rich_help_panel=DEVICES,
     ),
     transport: str = typer.Option(
-        "inprocess", help="inprocess (fast, in one process) | mqtt (a real broker, one agent process per client)."
+        "inprocess",
+        help="inprocess (fast, in one process) | mqtt (a real broker, one agent process per client).",
+        rich_help_panel=BACKEND,
     ),
     backend: str = typer.Option(
         "local",
         help="Where the devices run: local (this machine, as --transport says) | "
         "ray (Ray workers; the aggregator stays here; needs "
         "protofl-edge[ray]).",
+        rich_help_panel=BACKEND,
     ),
     ray_address: str | None = typer.Option(
         None,
         "--ray-address",
         help="ray: join this cluster (auto, host:port, ray://host:10001); default: start a local Ray instance.",
+        rich_help_panel=BACKEND,
     ),
     device_resources: str = typer.Option(
         "cpu=1",
         "--device-resources",
         help="ray: each device's share of a node, cpu=N[,gpu=N] (cpu=1,gpu=0.25: four devices per GPU).",
+        rich_help_panel=BACKEND,
     ),
     ray_workers: int | None = typer.Option(
         None,
         "--ray-workers",
         help="ray: at most this many workers (default: as many as the cluster holds at --device-resources).",
+        rich_help_panel=BACKEND,
     ),
     ray_max_restarts: int = typer.Option(
         1,
         "--ray-max-restarts",
         help="ray: a worker whose process dies is started "
         "again this often (its devices join again); then its devices are lost.",
+        rich_help_panel=BACKEND,
     ),
     broker: str | None = typer.Option(
         None,
         help="mqtt: use this broker (mqtt://host:port or mqtts://...); default: "
         "start a local one (mosquitto if installed, else embedded amqtt).",
+        rich_help_panel=BROKER,
     ),
-    local_broker: str = typer.Option("auto", help="mqtt: the local broker, auto | mosquitto | amqtt."),
-    username: str | None = typer.Option(None, help="mqtt: MQTT user name."),
-    password: str | None = typer.Option(None, envvar="PROTOFL_MQTT_PASSWORD", help="mqtt: MQTT password."),
-    tls_ca: str | None = typer.Option(None, "--tls-ca", help="mqtt: CA certificate (PEM) of the broker."),
-    tls_cert: str | None = typer.Option(None, "--tls-cert", help="mqtt: client certificate (PEM)."),
-    tls_key: str | None = typer.Option(None, "--tls-key", help="mqtt: client private key (PEM)."),
-    config: Path | None = typer.Option(None, help="TOML file of config overrides (a federation table)."),
-    train_limit: int | None = typer.Option(None, help="Train on a seeded random subset of N samples (faster)."),
-    test_limit: int | None = typer.Option(None, help="Evaluate on the first N test samples only (faster)."),
-    eval_every: int = typer.Option(1, help="Clients report accuracy every N rounds (and in the last)."),
+    local_broker: str = typer.Option(
+        "auto", help="mqtt: the local broker, auto | mosquitto | amqtt.", rich_help_panel=BROKER
+    ),
+    username: str | None = typer.Option(None, help="mqtt: MQTT user name.", rich_help_panel=BROKER),
+    password: str | None = typer.Option(
+        None, envvar="PROTOFL_MQTT_PASSWORD", help="mqtt: MQTT password.", rich_help_panel=BROKER
+    ),
+    tls_ca: str | None = typer.Option(
+        None, "--tls-ca", help="mqtt: CA certificate (PEM) of the broker.", rich_help_panel=BROKER
+    ),
+    tls_cert: str | None = typer.Option(
+        None, "--tls-cert", help="mqtt: client certificate (PEM).", rich_help_panel=BROKER
+    ),
+    tls_key: str | None = typer.Option(
+        None, "--tls-key", help="mqtt: client private key (PEM).", rich_help_panel=BROKER
+    ),
+    config: Path | None = typer.Option(
+        None, help="TOML file of config overrides (a federation table).", rich_help_panel=FEDERATION
+    ),
+    train_limit: int | None = typer.Option(
+        None, help="Train on a seeded random subset of N samples (faster).", rich_help_panel=DATA
+    ),
+    test_limit: int | None = typer.Option(
+        None, help="Evaluate on the first N test samples only (faster).", rich_help_panel=DATA
+    ),
+    eval_every: int = typer.Option(
+        1, help="Clients report accuracy every N rounds (and in the last).", rich_help_panel=FEDERATION
+    ),
     test_every: int | None = typer.Option(
         None,
         help="Score global and ensemble accuracy on the test set every N "
         "rounds (a multiple of --eval-every) and in the last; default: "
         "the last round only (the dearest part of evaluation).",
+        rich_help_panel=FEDERATION,
     ),
-    extractor: str = typer.Option("torch", help="Agents extract prototypes with torch or onnx (onnxruntime)."),
+    extractor: str = typer.Option(
+        "torch", help="Agents extract prototypes with torch or onnx (onnxruntime).", rich_help_panel=DEVICES
+    ),
     device: str = typer.Option(
         "cpu",
         help="Torch device of the agents and of FedAvg's global model: cpu | cuda | "
         "auto (cuda if torch sees one, else cpu).",
+        rich_help_panel=DEVICES,
     ),
     profiles: str | None = typer.Option(
         None,
         help="mqtt: a fleet over emulated links, DEVICE+LINK:COUNT,... "
         "(rpi4+lte:4,rpi3+nb-iot:4); names from profiles/ or .toml files.",
+        rich_help_panel=PROFILES,
     ),
     time_scale: float = typer.Option(
         1.0,
         help="--profiles: run links, delays, deadlines and compute this many times "
         "faster; reports give simulated (unscaled) time.",
+        rich_help_panel=PROFILES,
     ),
     deadline: float | None = typer.Option(
-        None, help="Round deadline in simulated seconds (the config's round_timeout)."
+        None, help="Round deadline in simulated seconds (the config's round_timeout).", rich_help_panel=PROFILES
     ),
     adaptive: bool = typer.Option(
         True,
         "--adaptive/--no-adaptive",
         help="--profiles: each device fits its upload to its link and the deadline (precision f4/f2/q8, sparse K).",
+        rich_help_panel=PROFILES,
     ),
-    upload_share: float = typer.Option(0.8, help="--profiles: share of the time left an upload may use."),
+    upload_share: float = typer.Option(
+        0.8, help="--profiles: share of the time left an upload may use.", rich_help_panel=PROFILES
+    ),
     report_dir: Path | None = typer.Option(
-        None, "--report-dir", help="Also write the report's PNGs and summary.md here (needs matplotlib)."
+        None,
+        "--report-dir",
+        help="Also write the report's PNGs and summary.md here (needs matplotlib).",
+        rich_help_panel=OUTPUT,
     ),
-    json_out: Path | None = typer.Option(None, "--json", help="Write the report (per-round accuracy and bytes) here."),
+    json_out: Path | None = typer.Option(
+        None, "--json", help="Write the report (per-round accuracy and bytes) here.", rich_help_panel=OUTPUT
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",
         help="Leave the run's deployable artifacts here: every device's "
         "model and prototypes, the federation's global state (protofl-export onnx "
         "--from DIR/devices/ID or DIR/global).",
+        rich_help_panel=OUTPUT,
     ),
     set_: list[str] = typer.Option(
         [],
         "--set",
         help="Override a config field or a technique option: --set lr=0.05, --set TECHNIQUE.OPTION=value (repeatable).",
+        rich_help_panel=FEDERATION,
     ),
     clip: str = CLIP_OPTION,
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every round and dropped message."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar or table.", rich_help_panel=OUTPUT),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Log every round and dropped message.", rich_help_panel=OUTPUT
+    ),
 ) -> None:
     """Simulate a whole federation on this machine and report accuracy and bytes per round."""
     from broker_server.simulation import SimulationSpec, run_simulation

@@ -10,6 +10,7 @@ from typing import Any
 import typer
 from rich.console import Console, RenderableType
 
+from protofl import cli_options
 from protofl.config import load_config_file
 from protofl.errors import ConfigError
 
@@ -24,7 +25,9 @@ CLIP_HELP = (
 
 # On by default in both commands: a simulation runs the aggregator a deployment runs (the benchmark's
 # papers' rows pass --clip off).
-CLIP_OPTION = typer.Option("on", "--clip", metavar="on|off", help=CLIP_HELP)
+CLIP_OPTION = typer.Option(
+    "on", "--clip", metavar="on|off", help=CLIP_HELP, rich_help_panel=cli_options.FEDERATION_PANEL
+)
 
 
 def parse_clip(value: str) -> bool:

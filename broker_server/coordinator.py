@@ -32,9 +32,8 @@ from typing import Any
 
 from broker_server import shard_wire
 from broker_server.rounds import Boundary, Drop, Effect, Input, RoundMachine
-from broker_server.security import site_shard
+from broker_server.security import shard_id, site_shard
 from broker_server.settings import DEFAULT_SHARD_TIMEOUT_S
-from broker_server.shard import shard_id
 from broker_server.shard_closing import Gather, Partials, Progress, ShardClosing, ShardLost
 from broker_server.shell import Aggregator, Steps
 from broker_server.stages import ServerModel, check_mergeable

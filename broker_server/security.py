@@ -71,6 +71,16 @@ def site_shard(site: str) -> str:
     return f"site-{check_name(site, 'site')}"
 
 
+def shard_id(index: int) -> str:
+    """Aggregator shard `index`'s id in the coordinator's messages (a site's pre-aggregator: `site_shard`)."""
+    return f"shard-{index}"
+
+
+def site_aggregator_user(fed: str, site: str) -> str:
+    """A site pre-aggregator's user (and client id) on its site broker (broker_server/site.py)."""
+    return f"protofl-site-{fed}-{site}"
+
+
 def shard_user(fed: str, index: int) -> str:
     """Aggregator shard `index`'s MQTT user name (and client id): its session survives its restarts."""
     return f"protofl-shard-{fed}-{index}"

@@ -249,16 +249,14 @@ class ShardSettings:
     @property
     def name(self) -> str:
         """The shard's name in the coordinator's messages: shard-I, or site-NAME."""
-        from broker_server.security import site_shard
-        from broker_server.shard import shard_id
+        from broker_server.security import shard_id, site_shard
 
         return shard_id(self.index) if self.index is not None else site_shard(str(self.site))
 
     @property
     def user(self) -> str:
         """Its MQTT user name (and client id: a restarted shard takes up its session)."""
-        from broker_server.security import shard_user
-        from broker_server.site import site_aggregator_user
+        from broker_server.security import shard_user, site_aggregator_user
 
         return (
             shard_user(self.fed, self.index)

@@ -25,6 +25,7 @@ from typing import Any
 
 from broker_server import shard_wire
 from broker_server.rounds import UPLOAD_KINDS, Drop, RoundMachine
+from broker_server.security import shard_id
 from broker_server.shard_log import ShardLog
 from broker_server.shell import SERVER_ID
 from broker_server.stages import PhaseRun, check_mergeable
@@ -52,10 +53,6 @@ from protofl.wire.fast import read_upload, usable
 log = logging.getLogger("protofl.shard")
 
 __all__ = ["Shard", "shard_id"]
-
-
-def shard_id(index: int) -> str:
-    return f"shard-{index}"
 
 
 class Shard:

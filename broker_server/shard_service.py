@@ -224,6 +224,6 @@ def shard_command(
 def child_env() -> dict[str, str]:
     """The children import the package as this process does (an editable install, or PYTHONPATH)."""
     env = dict(os.environ)
-    here = str(Path(__file__).resolve().parent.parent)
+    here = str(Path(__file__).resolve().parents[__name__.count(".")])  # the folder above the package, at any depth
     env["PYTHONPATH"] = os.pathsep.join([here, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     return env

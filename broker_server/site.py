@@ -7,13 +7,8 @@ the site as one of its shards. What the bridge and the two ACLs must say is writ
 
 from __future__ import annotations
 
-from broker_server.security import shard_user_acl, site_shard
+from broker_server.security import shard_user_acl, site_aggregator_user, site_shard
 from protofl import topics
-
-
-def site_aggregator_user(fed: str, site: str) -> str:
-    """The pre-aggregator's user (and client id) on its site broker."""
-    return f"protofl-site-{fed}-{site}"
 
 
 def bridge_topics(fed: str, site: str) -> list[str]:

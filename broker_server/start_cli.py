@@ -46,29 +46,50 @@ from protofl.transport.broker_url import CONNECT_TIMEOUT_S
 
 log = logging.getLogger("protofl.service")
 
+# `start --help` groups the options by the settings bundle they build (settings.py; `Access` and the broker's
+# connection here), so 52 options read as the nine things they configure.
+FEDERATION, BROKER = cli_options.FEDERATION_PANEL, cli_options.BROKER_PANEL
+VALIDATION, ADMISSION, DURABILITY = "Validation", "Admission", "Durability"
+ACCESS, SHARDING, WATCHERS = "Local broker (Access)", "Sharding", "Watchers"
+
 
 def start_command(
     broker: str | None = typer.Option(
         None,
         help="Join this broker (mqtt://host:port or mqtts://...). Default: "
         "start a local one (mosquitto if installed, else embedded amqtt).",
+        rich_help_panel=BROKER,
     ),
-    fed: str = typer.Option("default", help="Federation name (topics live under protofl/{fed}/)."),
-    preset: str = typer.Option("protofl", help=f"Method to run: {' | '.join(preset_names())}."),
-    config: Path | None = typer.Option(None, help="TOML file of config overrides (a federation table)."),
+    fed: str = typer.Option(
+        "default", help="Federation name (topics live under protofl/{fed}/).", rich_help_panel=FEDERATION
+    ),
+    preset: str = typer.Option(
+        "protofl", help=f"Method to run: {' | '.join(preset_names())}.", rich_help_panel=FEDERATION
+    ),
+    config: Path | None = typer.Option(
+        None, help="TOML file of config overrides (a federation table).", rich_help_panel=FEDERATION
+    ),
     min_clients: int | None = typer.Option(
-        None, help="Clients needed to start round 1 and to close a phase at its deadline."
+        None, help="Clients needed to start round 1 and to close a phase at its deadline.", rich_help_panel=FEDERATION
     ),
     round_timeout: float | None = typer.Option(
-        None, help="Seconds a phase waits for uploads before closing with whoever sent."
+        None, help="Seconds a phase waits for uploads before closing with whoever sent.", rich_help_panel=FEDERATION
     ),
-    rounds: int | None = typer.Option(None, help="Communication rounds."),
-    seed: int | None = typer.Option(None, help="Seed of the initial adapter, support masks and public set."),
+    rounds: int | None = typer.Option(None, help="Communication rounds.", rich_help_panel=FEDERATION),
+    seed: int | None = typer.Option(
+        None, help="Seed of the initial adapter, support masks and public set.", rich_help_panel=FEDERATION
+    ),
     public_data: str | None = typer.Option(
-        None, "--public-data", help="Dataset the public set is drawn from (presets with public-set anchors)."
+        None,
+        "--public-data",
+        help="Dataset the public set is drawn from (presets with public-set anchors).",
+        rich_help_panel=FEDERATION,
     ),
     data_dir: str | None = typer.Option(
-        None, "--data-dir", help="Where --public-data's (and --validation's) files are (fashion-mnist)."
+        None,
+        "--data-dir",
+        help="Where --public-data's (and --validation's) files are (fashion-mnist).",
+        rich_help_panel=FEDERATION,
     ),
     classes: Path | None = typer.Option(
         None,
@@ -76,6 +97,7 @@ def start_command(
         help="The federation's class names, one a line (the first is class 0): in the config, so every device "
         "matches its class folders (and a CSV's label names) with them and refuses others. Default: "
         "--public-data's names (fashion-mnist's, an image folder's class folders), else none.",
+        rich_help_panel=FEDERATION,
     ),
     validation: str | None = typer.Option(
         None,
@@ -83,9 +105,13 @@ def start_command(
         help="Labelled data the server scores the global predictor on every round (its test split: fashion-mnist, "
         "npz:PATH, imagefolder:DIR, ...): in status, the live page, /metrics and rounds.jsonl. Needs torch here "
         "(the shared backbone embeds it once).",
+        rich_help_panel=VALIDATION,
     ),
     validation_limit: int | None = typer.Option(
-        2000, "--validation-limit", help="Score the first N images of --validation (default 2000; 0: all)."
+        2000,
+        "--validation-limit",
+        help="Score the first N images of --validation (default 2000; 0: all).",
+        rich_help_panel=VALIDATION,
     ),
     state_dir: Path | None = typer.Option(
         None,
@@ -94,25 +120,34 @@ def start_command(
         "and checkpoint (crash safe: run the same command again to resume), "
         "the local broker's files, credentials, rounds.jsonl and "
         "server_model.npz.",
+        rich_help_panel=DURABILITY,
     ),
     set_: list[str] = typer.Option(
         [],
         "--set",
         help="Override a config field or a technique option: --set lr=0.05, --set TECHNIQUE.OPTION=value (repeatable).",
+        rich_help_panel=FEDERATION,
     ),
-    port: int = typer.Option(1883, help="Port of the local broker (0 = any free port)."),
+    port: int = typer.Option(1883, help="Port of the local broker (0 = any free port).", rich_help_panel=ACCESS),
     listen: str | None = typer.Option(
         None,
         help="HOST:PORT the local broker listens on (default 127.0.0.1:--port); 0.0.0.0:1883 serves other machines.",
+        rich_help_panel=ACCESS,
     ),
     local_broker: str = typer.Option(
-        "auto", help="Local broker: auto | mosquitto | amqtt (amqtt enforces no passwords or ACL: needs --insecure)."
+        "auto",
+        help="Local broker: auto | mosquitto | amqtt (amqtt enforces no passwords or ACL: needs --insecure).",
+        rich_help_panel=ACCESS,
     ),
     allow: Path | None = typer.Option(
-        None, help="Device ids allowed to join, one a line: each gets credentials, anyone else is ignored."
+        None,
+        help="Device ids allowed to join, one a line: each gets credentials, anyone else is ignored.",
+        rich_help_panel=ADMISSION,
     ),
     devices: int | None = typer.Option(
-        None, help="Without --allow: generate credentials for device-1..device-N (default: --min-clients)."
+        None,
+        help="Without --allow: generate credentials for device-1..device-N (default: --min-clients).",
+        rich_help_panel=ADMISSION,
     ),
     tls: str = typer.Option(
         "auto",
@@ -120,6 +155,7 @@ def start_command(
         help="TLS on the local broker with the federation's generated CA, "
         "whose certificate travels in every devices/<id>.json: auto (on when --listen is beyond "
         "loopback) | on | off. --broker-cert/--broker-key/--tls-ca serve your own instead.",
+        rich_help_panel=ACCESS,
     ),
     broker_cert: str | None = typer.Option(
         None,
@@ -127,16 +163,22 @@ def start_command(
         help="TLS: the local broker's certificate (PEM; "
         "its names must be the host devices connect to). Needs --broker-key "
         "and --tls-ca (the CA that signed it).",
+        rich_help_panel=ACCESS,
     ),
-    broker_key: str | None = typer.Option(None, "--broker-key", help="TLS: the local broker's private key (PEM)."),
+    broker_key: str | None = typer.Option(
+        None, "--broker-key", help="TLS: the local broker's private key (PEM).", rich_help_panel=ACCESS
+    ),
     client_ca: str | None = typer.Option(
         None,
         "--client-ca",
         help="TLS: require every device to present a "
         "certificate signed by this CA (the server itself uses the broker's "
         "unix socket).",
+        rich_help_panel=ACCESS,
     ),
-    max_clients: int | None = typer.Option(None, help="Accept at most this many devices; later joins are dropped."),
+    max_clients: int | None = typer.Option(
+        None, help="Accept at most this many devices; later joins are dropped.", rich_help_panel=ADMISSION
+    ),
     broker_queue: int | None = typer.Option(
         None,
         "--broker-queue",
@@ -147,30 +189,37 @@ def start_command(
         "once than half of it holds. Default: from the fleet (devices x what "
         "one sends in a phase x 2, at least 10000). With --broker: what that "
         "broker's max_queued_messages is (default 10000).",
+        rich_help_panel=ACCESS,
     ),
     offline_grace: float = typer.Option(
         OFFLINE_GRACE_S,
         help="Seconds a device whose connection dropped (its last "
         "will) keeps its place in the open round before the round stops waiting "
         "for it: a flaky link that reconnects within it still delivers.",
+        rich_help_panel=FEDERATION,
     ),
     insecure: bool = typer.Option(
         False,
         "--insecure",
         help="Local broker without passwords or ACL (anyone who "
         "reaches it can read uploads and publish rounds). Development only.",
+        rich_help_panel=ADMISSION,
     ),
     robust: str = typer.Option(
         "mean",
         help="Aggregate plain-mean prototypes and adapters with mean | median | "
         "trimmed (coordinate-wise; ignores claimed sample counts).",
+        rich_help_panel=FEDERATION,
     ),
     clip_factor: float = typer.Option(
         10.0,
         help="Clip every upload to this many times the median upload norm "
         "of the previous round, around the current global value.",
+        rich_help_panel=FEDERATION,
     ),
-    clip_first: float = typer.Option(1e4, help="The clipping radius of the first round (no statistics yet)."),
+    clip_first: float = typer.Option(
+        1e4, help="The clipping radius of the first round (no statistics yet).", rich_help_panel=FEDERATION
+    ),
     clip: str = CLIP_OPTION,
     username: str | None = cli_options.USERNAME,
     password: str | None = cli_options.PASSWORD,
@@ -184,28 +233,33 @@ def start_command(
         help="Serve Prometheus metrics on this port "
         "(/metrics; 0 = any free port): rounds, phase, members, uploads, bytes, "
         "accuracy, round durations, journal fsyncs, broker restarts.",
+        rich_help_panel=WATCHERS,
     ),
     metrics_host: str = typer.Option(
         "127.0.0.1",
         "--metrics-host",
         help="Address of --metrics-port (0.0.0.0 lets a Prometheus on another machine scrape it).",
+        rich_help_panel=WATCHERS,
     ),
     ui_port: int | None = typer.Option(
         None,
         "--ui-port",
         help="Serve the live page on this port (0 = any free "
         "port): devices, round timeline, accuracy and bytes curves.",
+        rich_help_panel=WATCHERS,
     ),
     ui_host: str = typer.Option(
         "127.0.0.1",
         "--ui-host",
         help="Address of --ui-port; beyond loopback the page asks for a password (user protofl).",
+        rich_help_panel=WATCHERS,
     ),
     ui_password: str | None = typer.Option(
         None,
         "--ui-password",
         envvar="PROTOFL_UI_PASSWORD",
         help="The live page's password (default beyond loopback: generated once into STATE_DIR/security/ui-password).",
+        rich_help_panel=WATCHERS,
     ),
     shards: int = typer.Option(
         0,
@@ -213,6 +267,7 @@ def start_command(
         help="Aggregate on N shard processes sharing the uploads (an MQTT 5 "
         "shared subscription), merged by this server at each phase's close: the same result "
         "as one aggregator, N cores. 0: one aggregator.",
+        rich_help_panel=SHARDING,
     ),
     spawn_shards: bool = typer.Option(
         True,
@@ -221,6 +276,7 @@ def start_command(
         "as children restarted when they die; --no-spawn-shards waits for N `protofl-"
         "server shard` processes on other machines (their credentials: STATE_DIR/"
         "security/shards/).",
+        rich_help_panel=SHARDING,
     ),
     sites: str | None = typer.Option(
         None,
@@ -228,6 +284,7 @@ def start_command(
         help="Pre-aggregated sites, NAME,...: each site's broker "
         "(bridged to this one) runs `protofl-server shard --site NAME`, which folds its "
         "devices' uploads there and sends one partial per phase.",
+        rich_help_panel=SHARDING,
     ),
     shard_timeout: float = typer.Option(
         DEFAULT_SHARD_TIMEOUT_S,
@@ -238,6 +295,7 @@ def start_command(
         "shard is restarted in seconds and resumes from its journal. Give remote "
         "shards the same --shard-timeout: the broker keeps a gone shard's share of "
         "the uploads this long.",
+        rich_help_panel=SHARDING,
     ),
     shard_credentials: Path | None = typer.Option(
         None,
@@ -245,6 +303,7 @@ def start_command(
         help="--broker with --shards: the "
         "directory of shard-I.json credentials (broker-config --shards N "
         "writes it) the spawned shards use.",
+        rich_help_panel=SHARDING,
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every join, upload drop and phase."),
     fleet_run: str | None = typer.Option(

@@ -48,67 +48,109 @@ def _emulation(
     )
 
 
+# `join --help` groups the options by what they configure (the broker connection's group is shared with `start`).
+BROKER = cli_options.BROKER_PANEL
+DEVICE, DATA, MODEL, EMULATION, STATE, LOGGING = (
+    "This device",
+    "Data",
+    "Model and training",
+    "Emulation",
+    "State and artifacts",
+    "Logging",
+)
+
+
 def join_command(
-    broker: str = typer.Option("mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port]."),
+    broker: str = typer.Option(
+        "mqtt://127.0.0.1:1883", help="Broker URL: mqtt://host[:port] or mqtts://host[:port].", rich_help_panel=BROKER
+    ),
     fed: str | None = typer.Option(
-        None, help="Federation name (the server's --fed; default: the one in --credentials, else 'default')."
+        None,
+        help="Federation name (the server's --fed; default: the one in --credentials, else 'default').",
+        rich_help_panel=DEVICE,
     ),
     client_id: str | None = typer.Option(
-        None, "--client-id", help="This device's id (letters, digits, _ . -); default: the user name of --credentials."
+        None,
+        "--client-id",
+        help="This device's id (letters, digits, _ . -); default: the user name of --credentials.",
+        rich_help_panel=DEVICE,
     ),
     data: str = typer.Option(
         ...,
         help="fashion-mnist | synthetic[:n=..] | npz:PATH | idx:DIR | imagefolder:DIR | "
         "csv:FILE[,label=COL] | package.module:function | an .npz/.csv file or "
         "a directory; shaped to the federation's classes and in_shape.",
+        rich_help_panel=DATA,
     ),
-    data_dir: str | None = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are."),
+    data_dir: str | None = typer.Option(
+        None, "--data-dir", help="Where fashion-mnist's files are.", rich_help_panel=DATA
+    ),
     partition: str | None = typer.Option(
-        None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split)."
+        None, help="Take client i's Dirichlet share, i/N (trials with the simulator's split).", rich_help_panel=DATA
     ),
-    alpha: float = typer.Option(0.5, help="Dirichlet alpha of --partition."),
-    seed: int | None = typer.Option(None, help="Seed of --partition and synthetic data (default: the federation's)."),
-    test_limit: int | None = typer.Option(None, help="With --partition: evaluate on the first N test samples."),
-    train_limit: int | None = typer.Option(None, help="With --partition: the simulator's --train-limit."),
+    alpha: float = typer.Option(0.5, help="Dirichlet alpha of --partition.", rich_help_panel=DATA),
+    seed: int | None = typer.Option(
+        None, help="Seed of --partition and synthetic data (default: the federation's).", rich_help_panel=DATA
+    ),
+    test_limit: int | None = typer.Option(
+        None, help="With --partition: evaluate on the first N test samples.", rich_help_panel=DATA
+    ),
+    train_limit: int | None = typer.Option(
+        None, help="With --partition: the simulator's --train-limit.", rich_help_panel=DATA
+    ),
     arch: str | None = typer.Option(
         None,
         help="Backbone: a built-in name (protofl-edge models), "
         "package.module:factory, or an installed protofl.models name "
         "(default: the federation's).",
+        rich_help_panel=MODEL,
     ),
-    device: str = typer.Option("auto", help="auto | cpu | cuda."),
+    device: str = typer.Option("auto", help="auto | cpu | cuda.", rich_help_panel=MODEL),
     profile: str = typer.Option(
         "",
         help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
         "names: ls profiles/ (a link profile turns on adaptive uploads).",
+        rich_help_panel=EMULATION,
     ),
     adaptive: bool = typer.Option(
         True,
         "--adaptive/--no-adaptive",
         help="With a link profile: fit each upload to the link and the round deadline.",
+        rich_help_panel=EMULATION,
     ),
-    upload_share: float = typer.Option(0.8, help="Share of the time left before the deadline an upload may use."),
-    time_scale: float = typer.Option(1.0, help="Simulation only: the link and clocks run this many times faster."),
+    upload_share: float = typer.Option(
+        0.8, help="Share of the time left before the deadline an upload may use.", rich_help_panel=EMULATION
+    ),
+    time_scale: float = typer.Option(
+        1.0, help="Simulation only: the link and clocks run this many times faster.", rich_help_panel=EMULATION
+    ),
     emulate_compute: bool = typer.Option(
         False,
         "--emulate-compute",
         help="Simulation only: hold uploads back as "
         "long as the device profile's compute factor says training takes there.",
+        rich_help_panel=EMULATION,
     ),
     tag: list[str] = typer.Option(
         [],
         "--tag",
         help="A label for this device (repeatable): a run may select its devices by tag (--set select=tag:NAME).",
+        rich_help_panel=DEVICE,
     ),
-    eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last)."),
+    eval_every: int = typer.Option(1, help="Report accuracy every N rounds (and in the last).", rich_help_panel=MODEL),
     test_every: int | None = typer.Option(
         None,
         help="With --partition: score the official test set every N rounds "
         "(a multiple of --eval-every) and in the last; "
         "default: the last round only.",
+        rich_help_panel=MODEL,
     ),
-    threads: int | None = typer.Option(None, help="torch CPU threads (default: torch's choice)."),
-    extractor: str = typer.Option("torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime)."),
+    threads: int | None = typer.Option(
+        None, help="torch CPU threads (default: torch's choice).", rich_help_panel=MODEL
+    ),
+    extractor: str = typer.Option(
+        "torch", help="Prototype extraction and prediction: torch | onnx (onnxruntime).", rich_help_panel=MODEL
+    ),
     state_dir: Path | None = typer.Option(
         None,
         "--state-dir",
@@ -116,6 +158,7 @@ def join_command(
         "round (model, round state, last uploads): restarted, the device "
         "resumes where it was instead of starting over. Its deployable "
         "artifacts go to DIR/artifacts.",
+        rich_help_panel=STATE,
     ),
     artifacts: Path | None = typer.Option(
         None,
@@ -123,31 +166,37 @@ def join_command(
         help="Write this device's deployable artifacts "
         "(model, prototypes: protofl-export onnx --from reads them) here, "
         "under devices/<id>/ (default: STATE_DIR/artifacts).",
+        rich_help_panel=STATE,
     ),
     username: str | None = cli_options.USERNAME,
     password: str | None = cli_options.PASSWORD,
     credentials: Path | None = typer.Option(
         None,
         help="This device's credentials file (devices/<id>.json, written by protofl-server start or broker-config).",
+        rich_help_panel=BROKER,
     ),
     tls_ca: str | None = cli_options.TLS_CA,
     tls_cert: str | None = cli_options.TLS_CERT,
     tls_key: str | None = cli_options.TLS_KEY,
-    mqtt: str = typer.Option("auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1."),
+    mqtt: str = typer.Option(
+        "auto", "--mqtt", help="MQTT version: auto (5, else 3.1.1) | 5 | 3.1.1.", rich_help_panel=BROKER
+    ),
     connect_timeout: float = cli_options.CONNECT_TIMEOUT,
     keepalive: int = typer.Option(
         30,
         help="MQTT keepalive (s): on a slow link, longer than its longest transfer "
         "(paho counts a message as activity only once it is complete).",
+        rich_help_panel=BROKER,
     ),
     ship_logs: str = typer.Option(
         "warning",
         "--ship-logs",
         help="Send this device's log lines at this level or above to the server (protofl-server logs ID), at most "
         "60 a minute: debug | info | warning | error | off (info: a line or two a round, more bytes on a slow link).",
+        rich_help_panel=LOGGING,
     ),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.", rich_help_panel=LOGGING),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only.", rich_help_panel=LOGGING),
 ) -> None:
     """Join a federation: train locally each round and upload prototypes / adapters; survives drops."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO

@@ -9,13 +9,22 @@ import typer
 
 from protofl.transport.broker_url import CONNECT_TIMEOUT_S, PASSWORD_ENV
 
-USERNAME = typer.Option(None, help="MQTT user name.")
-PASSWORD = typer.Option(None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PASSWORD_ENV}).")
-TLS_CA = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker.")
-TLS_CERT = typer.Option(None, "--tls-cert", help="Client certificate (PEM).")
-TLS_KEY = typer.Option(None, "--tls-key", help="Client private key (PEM).")
+# The `--help` groups (typer's rich_help_panel) that commands share: the broker connection of the options below,
+# and what runs (`start`'s and `simulate`'s Federation, broker_server/settings.py).
+BROKER_PANEL = "Broker connection"
+FEDERATION_PANEL = "Federation"
+
+USERNAME = typer.Option(None, help="MQTT user name.", rich_help_panel=BROKER_PANEL)
+PASSWORD = typer.Option(
+    None, envvar=PASSWORD_ENV, help=f"MQTT password (or ${PASSWORD_ENV}).", rich_help_panel=BROKER_PANEL
+)
+TLS_CA = typer.Option(None, "--tls-ca", help="CA certificate (PEM) to verify the broker.", rich_help_panel=BROKER_PANEL)
+TLS_CERT = typer.Option(None, "--tls-cert", help="Client certificate (PEM).", rich_help_panel=BROKER_PANEL)
+TLS_KEY = typer.Option(None, "--tls-key", help="Client private key (PEM).", rich_help_panel=BROKER_PANEL)
 CONNECT_TIMEOUT = typer.Option(
-    CONNECT_TIMEOUT_S, help="Give up if the broker cannot be reached for this long at start."
+    CONNECT_TIMEOUT_S,
+    help="Give up if the broker cannot be reached for this long at start.",
+    rich_help_panel=BROKER_PANEL,
 )
 
 
