@@ -3,9 +3,10 @@
 The in-process simulator (broker_server/simulation/inprocess.py) and the Ray worker's recording transport
 (broker_server/simulation/ray_worker.py) run every device as an `EdgeAgent` under a `LocalDevice`: it
 subscribes the server's `config`, `public` and `round` topics, joins at once, hands every delivery to the
-agent and publishes what the agent's outcome sends, in order, as the delivery's consequence (the in-process
-broker queues them behind it). What the MQTT runner does besides (edge_agent/runner.py: presence, checkpoints,
-retries, re-sends) has no place where nothing is lost and nothing restarts.
+agent and carries its outcome out through the same `Carrier.carry` as the MQTT runner (edge_agent/outcome.py):
+what it sends goes out in order, as the delivery's consequence (the in-process broker queues them behind it), and
+the artifacts go to `on_artifacts`. The runner's other steps (edge_agent/runner.py: checkpoints, a failed round on
+the presence topic, retries, re-sends) have no place where nothing is lost and nothing restarts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 from edge_agent.agent import EdgeAgent
 from edge_agent.artifacts import DeviceArtifacts
-from edge_agent.outcome import Outcome
+from edge_agent.outcome import Carrier, Outcome, Send
 from edge_agent.resend import secagg_step
 from protofl import topics
 from protofl.transport import Transport
@@ -22,7 +23,7 @@ from protofl.transport import Transport
 __all__ = ["LocalDevice"]
 
 
-class LocalDevice:
+class LocalDevice(Carrier):
     """`agent` over `transport`; `on_artifacts` gets the deployable artifacts an outcome carries."""
 
     def __init__(
@@ -50,9 +51,12 @@ class LocalDevice:
         if secagg_step(payload, self.agent.fed):
             self.deliver(topic, payload)
 
-    def carry(self, out: Outcome) -> None:
+    def publish(self, send: Send) -> None:
+        self.transport.publish(send.topic, send.payload, qos=1)
+
+    def deploy(self, artifacts: DeviceArtifacts) -> None:
+        if self.on_artifacts is not None:
+            self.on_artifacts(artifacts)
+
+    def carried(self, out: Outcome) -> None:
         self.last = out
-        for send in out.sends:
-            self.transport.publish(send.topic, send.payload, qos=1)
-        if out.artifacts is not None and self.on_artifacts is not None:
-            self.on_artifacts(out.artifacts)

@@ -4,10 +4,12 @@
 message, a re-send request from the server, "join now" - and returns an `Outcome`: the messages to send
 (each with its topic and its round/phase key, already encoded), whether the state a checkpoint holds
 changed, a failed round and why, the inputs it refused, and the deployable artifacts of the moment. It
-publishes nothing itself. Whoever carries the agent carries the outcome out: the MQTT runner
-(edge_agent/runner.py: checkpoint, then publish - held back by the emulated compute time -, presence, retries,
-logs), or the simulator's carrier over an in-process or recording transport (edge_agent/local.py). No torch,
-no numpy.
+publishes nothing itself. Whoever carries the agent carries each outcome out through `Carrier.carry`, in one
+order - the checkpoint, a checkpoint loaded into a new model, the sends, the artifacts, a failed round, the log -
+whatever the input was: the MQTT runner (edge_agent/runner.py: a checkpoint on disk before the sends, which its
+outbox holds back by the emulated compute time, a failed round on the presence topic with a retry planned, its
+log lines), or the simulator's `LocalDevice` over an in-process or recording transport (edge_agent/local.py:
+the sends and the artifacts; nothing is lost there and nothing restarts). No torch, no numpy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from edge_agent.artifacts import DeviceArtifacts
 
-__all__ = ["Drop", "Failure", "Outcome", "Send"]
+__all__ = ["Carrier", "Drop", "Failure", "Outcome", "Send"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,42 @@ class Outcome:
 
     def kinds(self) -> list[str]:
         return [s.kind for s in self.sends]
+
+
+class Carrier:
+    """Carries an agent's outcomes out: `carry` is the one path, the same for every input (join, config, public
+    set, round message, a step of secure aggregation, a re-send request) and every carrier; a carrier says how
+    each effect is done by overriding its step. The defaults do nothing (a carrier that keeps no state on disk,
+    has nobody to tell of a failure, writes no artifacts), except `publish`, which every carrier must do."""
+
+    def carry(self, out: Outcome) -> None:
+        if out.changed:
+            self.checkpoint()  # first: an upload never leaves before the state that made it is kept
+        if out.configured:
+            self.configured()
+        for send in out.sends:
+            self.publish(send)
+        if out.artifacts is not None:
+            self.deploy(out.artifacts)
+        if out.failure is not None:
+            self.failed(out.failure)
+        self.carried(out)
+
+    def checkpoint(self) -> None:
+        """Keep the state the agent holds now (a round message was handled)."""
+
+    def configured(self) -> None:
+        """The agent adopted a config and built a new model: a checkpoint may be loaded into it now."""
+
+    def publish(self, send: Send) -> None:
+        """One message, in the outcome's order (`send.not_before`: not before then)."""
+        raise NotImplementedError
+
+    def deploy(self, artifacts: DeviceArtifacts) -> None:
+        """What the device could deploy at this moment."""
+
+    def failed(self, failure: Failure) -> None:
+        """A round failed here: the agent is as it was before it (say so, plan a retry)."""
+
+    def carried(self, out: Outcome) -> None:
+        """The outcome was carried out (say what it did)."""

@@ -8,21 +8,28 @@ message does the rest: a round it had already handled gets its uploads sent agai
 those it holds); a round it had not finished is trained from the saved state, which is the state an
 uninterrupted device would train it from, so it produces the same upload. A checkpoint of another
 federation config (or a damaged one) is not used: the device starts fresh and says so.
+
+`LocalState` is what the runner keeps on the device's own disk: this checkpoint, and the deployable artifacts
+(edge_agent/artifacts.py; by default under STATE_DIR/artifacts).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from edge_agent.agent import EdgeAgent
+from edge_agent.local_data import DataSpec, dataset_spec
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from protofl.config import FederationConfig, canonical
 from protofl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edge_agent.artifacts import DeviceArtifacts
 
 log = logging.getLogger("protofl.edge")
 FORMAT = 2  # 2: the techniques' state per rule, and the round's dense targets
@@ -89,6 +96,55 @@ def restore_agent(path: Path, agent: EdgeAgent) -> tuple[tuple[int, str] | None,
         key,
     )
     return key, [(str(t), bytes(p)) for t, p in state["sent"]]
+
+
+class LocalState:
+    """The checkpoints (under `state_dir`, one per federation or fleet run: `key`) and the deployable artifacts
+    (under `artifacts`, else STATE_DIR/artifacts) of device `client_id`; None: not kept."""
+
+    def __init__(self, client_id: str, data: DataSpec, state_dir: str | None, artifacts: str | None) -> None:
+        self.client_id, self.data, self.state_dir = client_id, data, state_dir
+        self.artifacts_dir = (
+            artifacts if artifacts is not None or state_dir is None else str(Path(state_dir) / "artifacts")
+        )
+        self.class_names: list[str] | None = None  # the federation's class names, as its artifacts say them
+
+    def save(self, agent: EdgeAgent, key: str) -> None:
+        """The agent's state now (a round message was handled), before what it sent for it leaves."""
+        if self.state_dir is not None:
+            save_agent(
+                checkpoint_path(self.state_dir, key, self.client_id),
+                agent,
+                agent.last_key,
+                [(s.topic, s.payload) for s in agent.sent],
+            )
+
+    def resume(self, agent: EdgeAgent, key: str) -> None:
+        """Pick up our own last local state, once the config built the agent's model."""
+        if self.state_dir is None:
+            return
+        got = restore_agent(checkpoint_path(self.state_dir, key, self.client_id), agent)
+        if got is not None:
+            agent.restore_sent(*got)  # the last round message handled, and the uploads sent for it
+
+    def name_classes(self, cfg: FederationConfig) -> None:
+        """The federation's class names, for its artifacts (where this device writes any)."""
+        if self.artifacts_dir is not None:
+            from protofl.data.classnames import class_names
+
+            self.class_names = class_names(dataset_spec(self.data.data), cfg.num_classes)
+
+    def deploy(self, arts: DeviceArtifacts) -> None:
+        """Write this device's deployable artifacts (edge_agent/artifacts.py); a failure is logged, not fatal:
+        the federation needs the device more than the files."""
+        if self.artifacts_dir is None:
+            return
+        try:
+            where = arts.write(self.artifacts_dir, self.class_names, data=dataset_spec(self.data.data))
+        except (OSError, ValueError) as exc:  # a full disk, an unreadable classes file: said, never a lost round
+            log.error("%s: could not write its artifacts to %s: %s", self.client_id, self.artifacts_dir, exc)
+            return
+        log.info("%s: deployable artifacts in %s (%d round(s) trained)", self.client_id, where, arts.rounds_trained)
 
 
 def _same_config(saved: Any, cfg: FederationConfig) -> bool:

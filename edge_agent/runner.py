@@ -20,12 +20,16 @@ happens when the server asks this device on its `down/<id>` topic (edge_agent/re
 dropped messages after acknowledging them, so the server asks whoever still owes the open phase to send
 its uploads (or its join) again.
 
-The agent publishes nothing itself (edge_agent/agent.py): each message the runner hands it comes back as
-an `Outcome` (edge_agent/outcome.py), which the runner carries out: a local checkpoint first where the state
-changed (`--state-dir`: an upload never leaves before the state that made it is on disk, so a restarted device
-cannot have sent work it no longer holds), then the sends in order - with a device profile through a
-`HeldSender`, each not before the release time the agent's round clock gave it -, a failed round on the presence
-topic with a retry planned, the deployable artifacts, the log lines.
+The agent publishes nothing itself (edge_agent/agent.py): each input the runner hands it - the join, the config,
+the public set, a round message, a step of secure aggregation, a re-send request - comes back as an `Outcome`
+(edge_agent/outcome.py), and every one is carried out by the same `Carrier.carry` as the simulator's
+(edge_agent/local.py): a local checkpoint first where the state changed (`--state-dir`: an upload never leaves
+before the state that made it is on disk, so a restarted device cannot have sent work it no longer holds; a
+checkpoint is loaded into the agent's first model), then the sends in order through the outbox (with a device
+profile each not before the release time the agent's round clock gave it, edge_agent/pace.py), the deployable
+artifacts, a failed round on the presence topic with a retry planned, the log lines. What is not the loop itself
+lives beside it: the presence and a fleet's runs (edge_agent/membership.py), the outbox and the retries
+(edge_agent/pace.py), the checkpoint and the artifacts on disk (edge_agent/resume.py).
 
 All agent work runs on the runner's thread (`pump`), never on paho's network thread, so training
 does not stall keepalives.
@@ -33,29 +37,32 @@ does not stall keepalives.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from edge_agent.agent import EdgeAgent
 from edge_agent.artifacts import DeviceArtifacts
 from edge_agent.device_config import DeviceConfig, read_config
-from edge_agent.emulation import Emulation, HeldSender, RoundClock
-from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
+from edge_agent.emulation import Emulation
+from edge_agent.local_data import DataSpec, load_client_data
+from edge_agent.membership import FleetMember, Presence
 from edge_agent.memory import MemoryLimit, mark
 from edge_agent.models import resolve_arch
-from edge_agent.outcome import Outcome, Send
+from edge_agent.outcome import Carrier, Failure, Outcome, Send
+from edge_agent.pace import GAVE_UP, Outbox, Retry
 from edge_agent.resend import ResendRequests, pace, refusal, secagg_step
+from edge_agent.resume import LocalState
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
-from protofl.names import MAX_TEXT
 from protofl.traits import Traits, device_traits
 from protofl.transport.broker_url import BrokerOptions
-from protofl.transport.mqtt import MqttTransport, Will
-from protofl.wire import Config, RoundStart, Status, decode_message, encode_message
+from protofl.transport.mqtt import MqttTransport
+from protofl.wire import Config, RoundStart, Status, decode_message
 
 log = logging.getLogger("protofl.edge")
 SERVER_UP = ("waiting", "running")
@@ -64,7 +71,6 @@ SERVER_UP = ("waiting", "running")
 _AGENT_LOCK = threading.Lock()
 RETRY_S = 5.0  # a failed round is tried again after this long
 MAX_ATTEMPTS = 3
-GAVE_UP = "gave_up"  # our presence after the last failed try of a round: we leave that phase (broker_server/shell.py)
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class RunnerOptions:
     memory_limit: bool = True  # with a device profile: hold this process to its memory_mb (edge_agent/memory.py)
 
 
-class DeviceRunner:
+class DeviceRunner(Carrier):
     def __init__(
         self, broker: BrokerOptions, fed: str, client_id: str, data: DataSpec, opts: RunnerOptions = RunnerOptions()
     ) -> None:
@@ -92,41 +98,21 @@ class DeviceRunner:
         self.client_id = client_id
         self.data = data
         self.opts = opts
-        will = Will(topics.presence(fed, client_id), self._status("offline", "connection lost"))
-        self.transport = MqttTransport(broker, client_id, will=will, deliver="pump", protocol=opts.protocol)
+        self.presence = Presence(fed, client_id)
+        self.transport = MqttTransport(
+            broker, client_id, will=self.presence.will(), deliver="pump", protocol=opts.protocol
+        )
         self.agent: EdgeAgent | None = None
         self.server_state = ""
         self.joined = False
         self.fatal: BaseException | None = None
         self._rounds_subscribed = False
-        self.clock = RoundClock(opts.emulation) if opts.emulation is not None else None
-        # With a device profile, messages go out through a HeldSender: uploads not before their release time,
-        # everything in order (retained ones, the presence, at once).
-        self.held = (
-            HeldSender(
-                lambda topic, payload, qos: self.transport.publish(topic, payload, qos=qos),
-                opts.emulation.order if opts.emulation is not None else None,
-                client_id,
-            )
-            if self.clock is not None
-            else None
-        )
-        if opts.emulation is not None and opts.emulation.order is not None:
-            opts.emulation.order.watch(client_id, self._round_waiting)
+        self.outbox = Outbox(self.transport, opts.emulation, client_id, topics.round_(fed))
         self._stop = threading.Event()
-        self._last_round: tuple[str, bytes] | None = None  # the latest round message, to retry it
-        self._attempts = 0
-        self._retry_at = 0.0
-        self._class_names: list[str] | None = None
+        self.retry = Retry(RETRY_S, MAX_ATTEMPTS)  # read now: tests shorten RETRY_S
+        self.local = LocalState(client_id, data, opts.state_dir, opts.artifacts)
         self.requests = ResendRequests(fed, client_id)
-        # A fleet (broker_server/fleet.py) runs one run after another on this connection: its retained `fleet`
-        # topic names the current run. `fleet_run` None: no fleet seen (one federation: leave when it ends).
-        self.fleet_run: str | None = None
-        self.runs_done: list[str] = []  # the fleet's runs this device finished, or could not serve
-        self._held: dict[str, bytes] = {}  # config/public/round seen between runs, handled when the run is ours
-        self._agent_run = ""  # the fleet's run the agent serves ("" outside a fleet)
-        self._refused = ""  # the fleet's run this device said it cannot serve (its retained presence says so)
-        self.paced_until = 0.0  # the server's last "come back then" (pace steering; 0: never said)
+        self.fleet = FleetMember(fed)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> EdgeAgent | None:
@@ -145,10 +131,10 @@ class DeviceRunner:
         try:
             while not self._stop.is_set() and self.fatal is None:
                 self.transport.pump(0.5)
-                if self._retry_at and time.monotonic() >= self._retry_at and self._last_round is not None:
-                    self._retry_at = 0.0
-                    self._on_round(*self._last_round)
-                if self.agent is not None and self.agent.finished and self.fleet_run is not None:
+                again = self.retry.due(time.monotonic())
+                if again is not None:
+                    self._on_round(*again)
+                if self.agent is not None and self.agent.finished and self.fleet.run is not None:
                     self._run_over("finished")
                 elif self.agent is not None and self.agent.finished:
                     log.info(
@@ -160,12 +146,11 @@ class DeviceRunner:
                 if end is not None and time.monotonic() > end:
                     raise TimeoutError(f"{self.client_id}: federation '{self.fed}' did not finish within {timeout} s")
         finally:
-            if self.held is not None:
-                self.held.close()  # what is held back (the last metrics) goes out first
+            self.outbox.close()  # what is held back (the last metrics) goes out first
             done = self.agent is not None and self.agent.finished
-            if not done and self.agent is not None and self.agent.stats.rounds_trained and self.artifacts_dir:
+            if not done and self.agent is not None and self.agent.stats.rounds_trained and self.local.artifacts_dir:
                 try:  # leaving early: what it trained so far is still deployable
-                    self._deployable(self.agent.deployable())
+                    self.carry(Outcome(artifacts=self.agent.deployable()))
                 except (ValueError, RuntimeError) as exc:  # never hides why the loop ended
                     log.error("%s: could not collect its artifacts: %s", self.client_id, exc)
             if self.transport.connected:
@@ -214,7 +199,13 @@ class DeviceRunner:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    # -- a fleet's runs -------------------------------------------------------------------------
+    def _presence(
+        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
+    ) -> None:
+        payload = self.presence.payload(state, detail, round_, phase, traits)
+        self.transport.publish(self.presence.topic, payload, retain=True)
+
+    # -- a fleet's runs (edge_agent/membership.py) ----------------------------------------------
     def _on_fleet(self, topic: str, payload: bytes) -> None:
         try:
             env, msg = decode_message(payload)
@@ -223,59 +214,53 @@ class DeviceRunner:
             return
         if not isinstance(msg, Status) or env.fed != self.fed:
             return
-        run = msg.detail if msg.state == "run" else ""
-        if run == self.fleet_run:
+        fleet, run = self.fleet, msg.detail if msg.state == "run" else ""
+        if run == fleet.run:
             return
         log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
-        first, self.fleet_run = self.fleet_run is None, run
+        first, fleet.run = fleet.run is None, run
         if run == "":
             # What was held belongs to the run that ended (one this device did not serve): its server cleared its
             # retained messages, but the transport hands no empty payload on, so they are dropped here.
-            self._held.clear()
-        if self._refused not in ("", run) and self.transport.connected:
+            fleet.held.clear()
+        if fleet.refused not in ("", run) and self.transport.connected:
             # Its retained "cannot serve run X" is X's alone: the next run's server reads this instead.
-            self._refused = ""
+            fleet.refused = ""
             self._presence("online", self.profile_label, traits=self.traits())
         if self.agent is not None and first:
-            self._agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
+            fleet.agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
         elif self.agent is not None and run == "" and not self.agent.finished:
             # The run ended before its last round reached this device (`run stop`): the fleet is idle, what comes
             # next (the next run's config, its server's status) is the next run's, never this agent's.
             self._run_over("ended (stopped)")
-        elif self.agent is not None and run not in ("", self._agent_run):
+        elif self.agent is not None and run not in ("", fleet.agent_run):
             self._run_over("replaced")
-        if self.agent is None and self._serving():
+        if self.agent is None and fleet.serving:
             self._take_held()
 
-    def _serving(self) -> bool:
-        """Whether the fleet's current run is one this device takes part in (not over for it)."""
-        return self.fleet_run is None or (self.fleet_run != "" and self.fleet_run not in self.runs_done)
-
     def _hold(self, topic: str, payload: bytes) -> bool:
-        """Between a fleet's runs: keep the latest of each retained message (an empty one clears it: the run that
-        ended cleared its own) for the run it belongs to; True when held (or empty), not handled."""
-        if self.fleet_run is None:
-            return False
-        if self.agent is not None and self.agent.finished:
+        """Between a fleet's runs: True when `payload` is held for its run (or empty), not handled now."""
+        if self.fleet.run is not None and self.agent is not None and self.agent.finished:
             self._run_over("finished")
-        if self._serving() and (self.agent is not None or topic == topics.config(self.fed)):
-            return not payload  # ours to handle (an empty one is the ended run's clear: nothing)
-        if payload:
-            self._held[topic] = payload
-        else:
-            self._held.pop(topic, None)
-        return True
+        return self.fleet.hold(topic, payload, self.agent is not None)
 
     def _take_held(self) -> None:
         """The run is ours now: its config (then, once joined, its public set and round) as if they just came."""
-        config = self._held.pop(topics.config(self.fed), None)
+        config = self.fleet.held.pop(topics.config(self.fed), None)
         if config is not None:
             self._on_config(topics.config(self.fed), config)
+
+    def _take_held_rounds(self) -> None:
+        """Joined a fleet's next run: its public set and round, which came before this device's agent did."""
+        for topic, handler in ((topics.public(self.fed), self._on_public), (topics.round_(self.fed), self._on_round)):
+            payload = self.fleet.held.pop(topic, None)
+            if payload is not None and self.agent is not None:
+                handler(topic, payload)
 
     def _run_over(self, why: str) -> None:
         """The fleet's run ended for this device (finished, or it cannot serve it): drop its agent and wait for the
         next run on the same connection, its retained messages held until then."""
-        run = self._agent_run if self.agent is not None else self.fleet_run or ""
+        run = self.fleet.agent_run if self.agent is not None else self.fleet.run or ""
         if self.agent is not None:
             log.info(
                 "%s: run '%s' %s after %d trained round(s); waiting for the fleet's next run",
@@ -284,53 +269,40 @@ class DeviceRunner:
                 why,
                 self.agent.stats.rounds_trained,
             )
-        if run and run not in self.runs_done:
-            self.runs_done.append(run)
-        self.agent, self.joined, self._last_round, self._attempts, self._retry_at = None, False, None, 0, 0.0
-        self._held.clear()
+        self.fleet.over(run)
+        self.agent, self.joined = None, False
+        self.retry.reset()
         if self.transport.connected:
             self._presence("online", f"run '{run}' over ({why}); waiting for the next run")
 
     def _cannot_serve(self, exc: BaseException) -> None:
         """A device that cannot serve a run: in a fleet it says so and waits for the next; alone it says so and
         leaves (the server counts the refusal and logs it: issue 55)."""
-        if self.fleet_run is None:
+        run = self.fleet.run
+        if run is None:
             self.fatal = exc
             if self.transport.connected:
                 self._presence("online", f"{topics.CANNOT_JOIN} '{self.fed}': {exc}")
             return
-        run = self.fleet_run
         log.error("%s: %s '%s': %s; waiting for the fleet's next run", self.client_id, topics.CANNOT_SERVE, run, exc)
         self.agent = None
-        if run and run not in self.runs_done:
-            self.runs_done.append(run)
-        self._held.clear()
+        self.fleet.over(run)
         self.joined = False
-        self._refused = run
+        self.fleet.refused = run
         self._presence("online", f"{topics.CANNOT_SERVE} '{run}': {exc}")
 
-    def _take_held_rounds(self) -> None:
-        """Joined a fleet's next run: its public set and round, which came before this device's agent did."""
-        for topic, handler in ((topics.public(self.fed), self._on_public), (topics.round_(self.fed), self._on_round)):
-            payload = self._held.pop(topic, None)
-            if payload is not None and self.agent is not None:
-                handler(topic, payload)
-
-    @property
-    def _checkpoint_key(self) -> str:
-        """Whose checkpoint this is: the federation, or in a fleet the federation and its run."""
-        return self.fed if not self._agent_run else f"{self.fed}.{self._agent_run}"
-
-    # -- handlers (runner thread) -------------------------------------------------------------
+    # -- inputs (runner thread) -------------------------------------------------------------------
     def _on_config(self, topic: str, payload: bytes) -> None:
         if self._hold(topic, payload):
             return
-        if self.fleet_run is not None and not payload:
+        if self.fleet.run is not None and not payload:
             return  # the run's config cleared as it ended
         first = self.agent is None or self.agent.model is None
         try:
             with _AGENT_LOCK:
-                self._config(topic, payload)
+                out = self._config(topic, payload)
+            if out is not None:
+                self.carry(out)
         except Exception as exc:  # noqa: BLE001 - said and fatal: a device that cannot start must not idle (issue 43)
             if not first:
                 raise  # a later config: the transport logs it and the federation goes on
@@ -347,7 +319,8 @@ class DeviceRunner:
         # deadlocked the device).
         self._maybe_join()
 
-    def _config(self, topic: str, payload: bytes) -> None:
+    def _config(self, topic: str, payload: bytes) -> Outcome | None:
+        """The config given to the agent (the first one builds it); its outcome, or None where there is none."""
         agent = self.agent
         if agent is None:
             # The first config: this device's data is loaded for it (a partition depends on the config), so it
@@ -355,12 +328,12 @@ class DeviceRunner:
             try:
                 env, msg = decode_message(payload)
                 if not isinstance(msg, Config):
-                    return
+                    return None
                 read = read_config(msg)
             except (WireError, ConfigError) as exc:
-                if isinstance(exc, ConfigError) and self.fleet_run is not None:
+                if isinstance(exc, ConfigError) and self.fleet.run is not None:
                     self._cannot_serve(exc)  # a fleet's run keeps its config: this device waits for the next run
-                    return
+                    return None
                 log.error(
                     "%s: unusable federation config on %s: %s; waiting for a config this device can afford",
                     self.client_id,
@@ -369,13 +342,13 @@ class DeviceRunner:
                 )
                 if isinstance(exc, ConfigError):  # the server counts the refusal and says why (issue 55)
                     self._presence("online", f"{topics.CANNOT_JOIN} '{self.fed}': {exc}")
-                return
+                return None
             try:
                 agent = self.agent = self._build_agent(read)
-                self._agent_run = self.fleet_run or ""
+                self.fleet.agent_run = self.fleet.run or ""
             except ProtoFLError as exc:
                 self._cannot_serve(exc)  # e.g. the data does not fit this federation: nothing to retry
-                return
+                return None
 
             def step() -> Outcome:
                 return agent.handle(topic, env, msg, len(payload), config=read)
@@ -386,35 +359,15 @@ class DeviceRunner:
 
         fresh = agent.model is None
         try:
-            step()
+            out = step()
         except ConfigError as exc:
             if not fresh:
                 raise
             self._cannot_serve(exc)  # this device cannot build its model (e.g. its arch's factory fails)
-            return
-        if fresh and agent.model is not None and self.opts.state_dir is not None:
-            self._resume()
-
-    def _resume(self) -> None:
-        """Pick up our own last local state (edge_agent/resume.py), once the config built the model."""
-        from edge_agent.resume import checkpoint_path, restore_agent
-
-        assert self.agent is not None and self.opts.state_dir is not None
-        got = restore_agent(checkpoint_path(self.opts.state_dir, self._checkpoint_key, self.client_id), self.agent)
-        if got is not None:
-            self.agent.restore_sent(*got)  # the last round message handled, and the uploads sent for it
-
-    def _save(self) -> None:
-        from edge_agent.resume import checkpoint_path, save_agent
-
-        assert self.agent is not None and self.opts.state_dir is not None
-        agent = self.agent
-        save_agent(
-            checkpoint_path(self.opts.state_dir, self._checkpoint_key, self.client_id),
-            agent,
-            agent.last_key,
-            [(s.topic, s.payload) for s in agent.sent],
-        )
+            return None
+        # A checkpoint is loaded into the agent's first model only: a later config (a server restarted with another)
+        # starts that model afresh.
+        return out if fresh else dataclasses.replace(out, configured=False)
 
     def _build_agent(self, read: DeviceConfig) -> EdgeAgent:
         cfg = read.cfg
@@ -431,10 +384,7 @@ class DeviceRunner:
             arch or cfg.archs[0],
             cfg.preset,
         )
-        if self.artifacts_dir is not None:
-            from protofl.data.classnames import class_names
-
-            self._class_names = class_names(dataset_spec(self.data.data), cfg.num_classes)
+        self.local.name_classes(cfg)
         return EdgeAgent(
             self.client_id,
             self.fed,
@@ -446,29 +396,10 @@ class DeviceRunner:
             eval_every=self.opts.eval_every,
             test_every=self.opts.test_every,
             extractor=self.opts.extractor,
-            clock=self.clock,
+            clock=self.outbox.clock,
             resends=True,
-            artifacts_at=("first_training", "final") if self.artifacts_dir is not None else (),
+            artifacts_at=("first_training", "final") if self.local.artifacts_dir is not None else (),
         )
-
-    @property
-    def artifacts_dir(self) -> str | None:
-        opts = self.opts
-        if opts.artifacts is not None:
-            return opts.artifacts
-        return None if opts.state_dir is None else str(Path(opts.state_dir) / "artifacts")
-
-    def _deployable(self, arts: DeviceArtifacts) -> None:
-        """Write this device's deployable artifacts (edge_agent/artifacts.py); a failure is logged, not fatal:
-        the federation needs the device more than the files."""
-        if self.artifacts_dir is None:
-            return
-        try:
-            where = arts.write(self.artifacts_dir, self._class_names, data=dataset_spec(self.data.data))
-        except (OSError, ValueError) as exc:  # a full disk, an unreadable classes file: said, never a lost round
-            log.error("%s: could not write its artifacts to %s: %s", self.client_id, self.artifacts_dir, exc)
-            return
-        log.info("%s: deployable artifacts in %s (%d round(s) trained)", self.client_id, where, arts.rounds_trained)
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         try:
@@ -500,7 +431,7 @@ class DeviceRunner:
         if not self._rounds_subscribed:
             # Our own `down/` topic before the join goes out: a refusal of the join comes there, at once.
             self.transport.subscribe(topics.down(self.fed, self.client_id), self._on_request)
-        self._send(agent.join().sends)
+        self.carry(agent.join())
         self.joined = True
         if not self._rounds_subscribed:
             self._rounds_subscribed = True
@@ -512,13 +443,11 @@ class DeviceRunner:
     def _on_public(self, topic: str, payload: bytes) -> None:
         if self._hold(topic, payload) or self.agent is None:
             return
-        with _AGENT_LOCK:
-            self.agent.receive(topic, payload)
+        self._give(self.agent, lambda agent: agent.receive(topic, payload))
 
     def _on_round(self, topic: str, payload: bytes) -> None:
         if self._hold(topic, payload) or self.agent is None:
             return
-        agent = self.agent
         if self.transport.waiting(topic) and not _never_skipped(payload):
             # A newer round message is already here (the server moved on while we trained: asynchronous rounds,
             # broker_server/buffered.py): training on this one would only make an older upload. A final one is
@@ -527,48 +456,8 @@ class DeviceRunner:
             return
         # When the message came off the wire: the time this thread was busy before it is not our compute.
         recv_t = self.transport.arrived.get(topic, time.time())
-        order = self.opts.emulation.order if self.opts.emulation is not None else None
-        if order is None:
-            self._handle_round(agent, topic, payload, recv_t)
-            return
-        # simulation: uploads leave in emulated order (edge_agent/emulation.py), this one's due from its start
-        order.arrived(self.client_id, self.clock.start(recv_t) if self.clock is not None else recv_t)
-        try:
-            self._handle_round(agent, topic, payload, recv_t)
-        finally:
-            order.done(self.client_id)
-
-    def _round_waiting(self) -> float | None:
-        """When the round message waiting in the inbox, not yet handled, arrived (None: none waits)."""
-        topic = topics.round_(self.fed)
-        recv_t = self.transport.arrived.get(topic) if self.transport.waiting(topic) else None
-        return None if recv_t is None or self.clock is None else self.clock.start(recv_t)
-
-    def _handle_round(self, agent: EdgeAgent, topic: str, payload: bytes, recv_t: float) -> None:
-        with _AGENT_LOCK:
-            out = agent.receive(topic, payload, recv_t=recv_t)
-            if out.changed and self.opts.state_dir is not None:
-                self._save()  # this round's work survives a restart of the device, before it leaves
-        if out.resent:
-            self._resent(out, "")
-            return
-        if (topic, payload) != self._last_round:
-            self._last_round, self._attempts = (topic, payload), 0
-        self._send(out.sends)
-        if out.artifacts is not None:
-            self._deployable(out.artifacts)
-        if out.failure is not None:
-            self._report_failure(out.failure.round, out.failure.phase, out.failure.reason)
-        if out.sends:
-            # Each message by kind, as the server counts it (the MQTT payload, envelope included: `status` shows
-            # the same figure for a device's last upload), and their sum.
-            log.info(
-                "%s: %s, uploaded %d bytes (%s)",
-                self.client_id,
-                "trained" if out.trained else "prototype phase",
-                out.nbytes,
-                ", ".join(f"{s.kind} {len(s.payload)} B" for s in out.sends),
-            )
+        with self.outbox.round(recv_t):
+            self._give(self.agent, lambda agent: agent.receive(topic, payload, recv_t=recv_t), (topic, payload))
 
     def _on_request(self, topic: str, payload: bytes) -> None:
         """The server asks again for what the broker may have dropped: our join, a phase's uploads, or a round's
@@ -578,13 +467,10 @@ class DeviceRunner:
             self._cannot_serve(ConfigError(f"{self.client_id}: the server refused this device's join: {why}"))
             return
         if self.agent is not None and secagg_step(payload, self.fed):  # a step of the phase's secure aggregation
-            with _AGENT_LOCK:
-                out = self.agent.receive(topic, payload)
-            self._send(out.sends)
+            self._give(self.agent, lambda agent: agent.receive(topic, payload))
             return
         paced = pace(payload, self.fed)
         if paced is not None:  # not in that round: nothing to train; its round message leaves us out too
-            self.paced_until = paced[1].until
             back = time.strftime("%H:%M:%S", time.localtime(paced[1].until))
             log.info("%s: not in round %d (%s); the server expects us back at %s", self.client_id, paced[0],
                      paced[1].reason, back)  # fmt: skip
@@ -599,17 +485,54 @@ class DeviceRunner:
                 self.joined = False
                 self._maybe_join()
         else:
-            self._resent(self.agent.resend(msg.ask, env.round, env.phase), msg.ask)
+            self.carry(self.agent.resend(msg.ask, env.round, env.phase))  # cheap: not behind others' training
 
-    def _resent(self, out: Outcome, ask: str) -> None:
-        """Uploads (or metrics) sent again: a round message that came again, or the server's request `ask`."""
+    def _give(
+        self, agent: EdgeAgent, step: Callable[[EdgeAgent], Outcome], round_msg: tuple[str, bytes] | None = None
+    ) -> None:
+        """A message given to the agent under the lock (torch's global RNG), its outcome carried out after it.
+        `round_msg`: the round message given, tried again if its round fails (not one whose uploads only went
+        again)."""
+        with _AGENT_LOCK:
+            out = step(agent)
+        if round_msg is not None and not out.resent:
+            self.retry.seen(round_msg)
+        self.carry(out)
+
+    # -- the agent's outcomes (edge_agent/outcome.py: `carry` is the one path) ------------------
+    def checkpoint(self) -> None:
+        if self.agent is not None and self.opts.state_dir is not None:
+            with _AGENT_LOCK:  # this round's work survives a restart of the device, before it leaves
+                self.local.save(self.agent, self.fleet.checkpoint_key)
+
+    def configured(self) -> None:
+        if self.agent is not None and self.opts.state_dir is not None:
+            with _AGENT_LOCK:  # our own last local state, into the model the config built
+                self.local.resume(self.agent, self.fleet.checkpoint_key)
+
+    def publish(self, send: Send) -> None:
+        self.outbox.send(send)
+
+    def deploy(self, artifacts: DeviceArtifacts) -> None:
+        self.local.deploy(artifacts)
+
+    def failed(self, failure: Failure) -> None:
+        """Say on our presence topic that a round failed here (the server logs it), and plan a retry; after the
+        last try we leave this phase: the server closes it at quorum instead of waiting for its deadline (the
+        envelope says which round and phase)."""
+        state, detail = self.retry.failed(failure, time.monotonic())
+        log.warning("%s: %s", self.client_id, detail)
+        at = (failure.round, failure.phase) if state == GAVE_UP else (0, "")
+        self._presence(state, detail, *at)
+
+    def carried(self, out: Outcome) -> None:
+        """The log lines: what a round message made this device send, or what it sent again."""
         if not out.sends:
             return
-        self._send(out.sends)
         first = out.sends[0]
-        if ask == "metrics":
+        if out.resent and first.kind == "metrics":  # the server asked for a round's metrics
             log.info("%s: round %d's metrics asked again by the server; re-sent", self.client_id, first.round)
-        else:
+        elif out.resent:  # the round message came again, or the server asked for a phase's uploads
             log.info(
                 "%s: round %d %s %s; re-sent %d upload(s)",
                 self.client_id,
@@ -618,45 +541,16 @@ class DeviceRunner:
                 out.resent,
                 len(out.sends),
             )
-
-    def _send(self, sends: tuple[Send, ...]) -> None:
-        """The agent's messages, in order; with a device profile each not before its release time."""
-        for s in sends:
-            if self.held is None:
-                self.transport.publish(s.topic, s.payload, qos=1)
-            else:
-                self.held.submit(s.topic, s.payload, 1, s.not_before)
-
-    def _report_failure(self, round_: int, phase: str, why: str) -> None:
-        """Say on our presence topic that a round failed here (the server logs it), and plan a retry."""
-        self._attempts += 1
-        retry = self._attempts < MAX_ATTEMPTS
-        detail = f"round {round_} {phase} failed ({why}); " + (
-            f"retry {self._attempts}/{MAX_ATTEMPTS - 1} in {RETRY_S:.0f} s" if retry else "giving up"
-        )
-        log.warning("%s: %s", self.client_id, detail)
-        if retry:
-            self._presence("online", detail)
-        else:
-            # We leave this phase: the server closes it at quorum instead of waiting for its deadline (the
-            # envelope says which round and phase); the next round message is tried afresh.
-            self._presence(GAVE_UP, detail, round_, phase)
-        self._retry_at = time.monotonic() + RETRY_S if retry else 0.0
-
-    # -- presence -------------------------------------------------------------------------------
-    def _status(
-        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
-    ) -> bytes:
-        # The server refuses a longer detail (protofl.names.MAX_TEXT): a long error is cut, the presence still goes.
-        cut = detail if len(detail) <= MAX_TEXT else detail[: MAX_TEXT - 3] + "..."
-        msg = Status(state=state, detail=cut, traits=traits)
-        return encode_message(msg, fed=self.fed, sender=self.client_id, round=round_, phase=phase)
-
-    def _presence(
-        self, state: str, detail: str = "", round_: int = 0, phase: str = "", traits: Traits | None = None
-    ) -> None:
-        payload = self._status(state, detail, round_, phase, traits)
-        self.transport.publish(topics.presence(self.fed, self.client_id), payload, retain=True)
+        elif out.changed or out.trained or out.failure is not None:  # a round message's work (the join: no line)
+            # Each message by kind, as the server counts it (the MQTT payload, envelope included: `status` shows
+            # the same figure for a device's last upload), and their sum.
+            log.info(
+                "%s: %s, uploaded %d bytes (%s)",
+                self.client_id,
+                "trained" if out.trained else "prototype phase",
+                out.nbytes,
+                ", ".join(f"{s.kind} {len(s.payload)} B" for s in out.sends),
+            )
 
 
 def _never_skipped(payload: bytes) -> bool:
