@@ -5,7 +5,7 @@ the secured broker, beside the broker's own rate (issue 27, "a faster aggregator
     python -m bench.bench_aggregator --baseline /path/to/main/worktree # and that tree's, interleaved
     python -m bench.bench_aggregator --broker --out bench/results/AGGREGATOR.md
 
-1. In-process (one core, no network): the real `Aggregator` (broker_server/shell.py) behind the in-process
+1. In-process (one core, no network): the real `Aggregator` (broker_server/core/shell.py) behind the in-process
    transport, with a journal (DurableState: the default group commit, fsync off so the disk is not what is
    measured), fed N real encoded uploads of N joined devices; rate = N / (time from the first upload to the
    phase's close). Uploads are what the devices of each preset send in round 1, built by the device's own code
@@ -84,7 +84,7 @@ def device_ids(n: int) -> list[str]:
 def server_config(cfg: Any, fed: str = FED) -> bytes:
     """The config message a server of `cfg` publishes (retained), as its devices receive it: an in-process
     `Aggregator` announces the federation (its support masks, adapter layout and limits)."""
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from protofl import topics
     from protofl.transport import InProcessBroker
 
@@ -99,7 +99,7 @@ def device_uploads(config: bytes, seed: int, samples: int = SAMPLES) -> list[Any
     training: values differ from a trained model's, bytes and checks do not), e.g. the `protofl` preset's ridge
     statistics (sent once, in round 1) beside its CPS prototypes. `samples` random inputs, every class among
     them (few: the device embeds them, and their number changes no byte)."""
-    from edge_agent.agent import ClientData, EdgeAgent
+    from edge_agent.core.agent import ClientData, EdgeAgent
     from protofl.plan import Phase
     from protofl.wire import Config, decode_message
 
@@ -176,8 +176,8 @@ class Setup:
     `topics`, one entry per message, each device's messages in the order it sends them."""
 
     def __init__(self, name: str, n: int, distinct: int = 64) -> None:
-        from broker_server.durable import DurableState
-        from broker_server.shell import Aggregator
+        from broker_server.core.durable import DurableState
+        from broker_server.core.shell import Aggregator
         from protofl import topics
         from protofl.transport import InProcessBroker
 
@@ -236,7 +236,7 @@ def _worker(args: argparse.Namespace) -> None:
     """Child process: one in-process measurement with whatever `protofl` its PYTHONPATH gives."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if os.environ.get("BENCH_READER") == "reference":  # this tree with msgspec's upload reader turned off
-        from broker_server import shell
+        from broker_server.core import shell
 
         shell.fast_reader.usable = lambda limits: False
     print(json.dumps(inprocess_rate(args.worker, args.n)), flush=True)
@@ -411,7 +411,7 @@ def subscriber_main(port: int, fed: str, password: str, n: int, messages: int) -
     persistent session, pumped delivery, manual acks, one no-op 'journal' hook per batch) doing no work with
     what it gets: 2n messages (joins, then uploads) read, each stamped; prints the stamps. What one Python
     process can take from the broker before the aggregator does anything. `messages`: the uploads' count."""
-    from broker_server.security import server_user
+    from broker_server.ops.security import server_user
     from protofl.transport.broker_url import parse_broker_url
     from protofl.transport.mqtt import MqttTransport
 
@@ -444,7 +444,7 @@ def raw_subscriber_main(port: int, fed: str, password: str, n: int, messages: in
     only stamps): the Python MQTT client's own ceiling, beneath the server's transport. Prints the stamps."""
     import paho.mqtt.client as paho
 
-    from broker_server.security import server_user
+    from broker_server.ops.security import server_user
 
     user = server_user(fed)
     stamps: list[float] = []
@@ -554,7 +554,7 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     count as one, however many messages they take)."""
     import socket
 
-    from broker_server.security import FederationSecrets, server_user
+    from broker_server.ops.security import FederationSecrets, server_user
 
     fed, port, state = "benchagg", _free_port(), work / f"state-{workload}-{time.monotonic_ns()}"
     began = time.monotonic()

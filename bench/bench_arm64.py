@@ -7,7 +7,7 @@ it over the host's loopback. Then, in the second arm64 venv that has only the `o
 `protofl-edge predict` labels Fashion-MNIST test images with the device's model exported on the host.
 
 Measured: install size (from the build's sizes.txt), time from `join`'s start to its first upload, the device's
-peak resident set (its own marks, edge_agent/memory.py: read inside the guest, /proc/self/status is the qemu
+peak resident set (its own marks, edge_agent/core/memory.py: read inside the guest, /proc/self/status is the qemu
 process's, so qemu's translator is counted in), predict's peak (/usr/bin/time inside the guest is absent: the
 host's VmHWM of the qemu process), and predict's accuracy.
 

@@ -63,7 +63,7 @@ def fsync_latency(directory: Path, n: int = 200) -> float:
 
 
 def run(n: int, classes: int, dim: int, repeats: int, directory: Path) -> dict[str, Any]:
-    from broker_server.broker import MosquittoBroker
+    from broker_server.ops.broker import MosquittoBroker
 
     directory.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-durability-", dir=directory))

@@ -208,7 +208,7 @@ def dropped_lines(*logs: Path) -> int:
 
 
 def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
 
     shares = split(args.devices, args.sites, args.core_max)
     state = work / "state"
@@ -397,8 +397,8 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import numpy as np
 
     from bench.fleet_devices import upload_body
-    from broker_server.broker import MosquittoBroker
-    from broker_server.security import prepare
+    from broker_server.ops.broker import MosquittoBroker
+    from broker_server.ops.security import prepare
     from protofl.presets import make_config
     from protofl.wire.codec import WIRE_VERSION, Envelope, pack_envelope
 

@@ -2,7 +2,7 @@
 
 Per built-in architecture and preset: a real server (`protofl-server start`, its own local Mosquitto) and one
 real device (`protofl-edge join -v`, Fashion-MNIST's own training images cut to --train-limit, its own test split),
-as separate processes. The device logs its resident set at the end of each phase (edge_agent/memory.py: imports,
+as separate processes. The device logs its resident set at the end of each phase (edge_agent/core/memory.py: imports,
 connect, data, model, then per round training, uploads, evaluation) and this script samples its /proc/PID/status
 every 50 ms as well (VmHWM, the kernel's peak, and VmPeak, the address space). The breakdown is the growth of the
 peak across the phases; the optimiser's and gradients' share is computed (one float32 per trained parameter each:
@@ -60,7 +60,7 @@ def status_kb(pid: int) -> dict[str, int]:
 
 def trained_params(arch: str) -> tuple[int, int]:
     """(parameters of the device's model, bytes of one float32 per parameter) for the cnn-sized default config."""
-    from edge_agent.models import build_model
+    from edge_agent.training.models import build_model
 
     model = build_model(arch, (1, 28, 28), 10)
     n = sum(p.numel() for p in model.parameters())
@@ -147,7 +147,7 @@ def one_run(arch: str, preset: str, args: argparse.Namespace, work: Path) -> dic
 
 FLOOR = """
 import sys
-from edge_agent.memory import pin_allocator
+from edge_agent.core.memory import pin_allocator
 if "--pin" in sys.argv:
     pin_allocator()
 import torch
@@ -155,8 +155,8 @@ def hwm():
     return max(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
 torch.set_num_threads(1)
 t = hwm()
-from edge_agent.models import build_model
-from edge_agent.trainer import SGD
+from edge_agent.training.models import build_model
+from edge_agent.training.trainer import SGD
 m = build_model(sys.argv[1], (1, 28, 28), 10)
 b = hwm()
 opt = SGD(list(m.parameters()), lr=0.01, momentum=0.9)
@@ -242,7 +242,7 @@ def report(runs: list[dict[str, Any]], sizes: dict[str, tuple[float, list[str]]]
         "from Debian's package, 25 % held out for its accuracy), "
         f"{args.rounds} round(s). "
         "Resident memory in MB (MiB) as the kernel counts it (/proc/PID/status: VmHWM is the peak, kept by the "
-        "kernel, so no spike is missed); the phases are the device's own marks (edge_agent/memory.py), the growth "
+        "kernel, so no spike is missed); the phases are the device's own marks (edge_agent/core/memory.py), the growth "
         "of its peak from one to the next.",
         "",
         "| arch | preset | params | import (+torch) | connect (MQTT) | data | model | training | uploads "
@@ -304,7 +304,7 @@ def cpu_name() -> str:
 
 
 def package_data(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """What `protofl-edge models` reads (edge_agent/footprint.json): each run's peak, and where it was taken."""
+    """What `protofl-edge models` reads (edge_agent/ops/footprint.json): each run's peak, and where it was taken."""
     import torch
 
     load = os.getloadavg()

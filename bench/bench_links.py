@@ -71,7 +71,7 @@ def mean(xs: list[float]) -> float:
 def links_md(
     runs: list[dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float, when: str
 ) -> str:
-    from broker_server.report_cli import accuracy, time_to_target
+    from broker_server.commands.report_cli import accuracy, time_to_target
     from protofl.humanize import human_bytes
 
     target = args.target
@@ -90,7 +90,7 @@ def links_md(
         f"{'on' if args.adaptive else 'off'}, time scale {args.time_scale:g} for fedavg and "
         f"{args.proto_time_scale:g} for the prototype presets. All times are simulated "
         "seconds: link times measured through the shaping proxies (x time scale), compute emulated as the "
-        "device's CPU time / its profile's compute factor (see edge_agent/emulation.py).",
+        "device's CPU time / its profile's compute factor (see edge_agent/core/emulation.py).",
         "",
         f"## Per preset (accuracy = {args.metric}_acc; target {100 * target:.0f} %)",
         "",
@@ -181,7 +181,7 @@ def links_md(
 
 # What each mode adds to the run's config (protofl/participation.py), each a rule, not a figure fitted to this fleet:
 # select: select_fit's straggler rule at its default (a device estimated slower than 2 x a typical member is left
-# out, broker_server/selection.py, from its profiles and the sample count its join reports), with the reference
+# out, broker_server/core/selection.py, from its profiles and the sample count its join reports), with the reference
 # machine's compute of a round for the median member's data (~1 s: rpi4's measured ~4.2 s x its factor 0.25) and
 # sync's deadline. async: a new version every half of the fleet's uploads (K = members / 2),
 # twice the versions of sync's rounds (the same uploads).
@@ -199,7 +199,7 @@ def participation_md(
     runs: dict[tuple[str, str, int], dict[str, Any]], args: argparse.Namespace, load: tuple[str, str], wall: float
 ) -> str:
     """The section: per preset and mode, mean over seeds of time and bytes to the target, final accuracy."""
-    from broker_server.report_cli import accuracy, long_overruns, time_to_target
+    from broker_server.commands.report_cli import accuracy, long_overruns, time_to_target
     from protofl.humanize import human_bytes
 
     def bytes_to(run: dict[str, Any], t: float | None) -> int | None:
@@ -240,7 +240,7 @@ def participation_md(
         "of the rounds up to the one that reached the target. Final acc % is over the devices that reported in the "
         "last round (select and async: those chosen or folded, so a left-out device's own accuracy is not in it). "
         "Uploads leave in the order of their emulated release times whatever this machine's load (thread agents: "
-        "edge_agent/emulation.py ReleaseOrder), so which uploads a round or version folds is the devices' order; "
+        "edge_agent/core/emulation.py ReleaseOrder), so which uploads a round or version folds is the devices' order; "
         "late releases: uploads this machine released later than the emulation asked by more than their whole "
         "round (report_cli.long_overruns), whose times the composed clock replaces.",
         "",
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from broker_server.report_cli import write_report
+    from broker_server.commands.report_cli import write_report
     from broker_server.simulation import SimulationSpec, run_simulation
     from protofl.profiles import parse_fleet
 

@@ -9,7 +9,7 @@ aggregator each setup gives it. One MQTT connection plays the N devices (anonymo
 connection may write every `up/<id>`): it sends N joins (paced, so that the joins themselves overflow
 nothing), waits for the round message, the server is stopped (SIGSTOP), the N prototype uploads go
 out and are all acknowledged by the broker, the server is paused `--pause` seconds more and continued.
-The devices answer re-send requests on `down/<id>` (edge_agent/resend.py) as a real device does,
+The devices answer re-send requests on `down/<id>` (edge_agent/ops/resend.py) as a real device does,
 except in the "old" setup, whose devices predate them. Setups, in this order in one run:
 
 - old: the fixed `max_queued_messages 10000` every start had, devices that never re-send;
@@ -46,8 +46,8 @@ CLASSES, DIM = 10, 50  # a fedproto upload of 10 prototypes of 50 floats: about 
 
 def run_setup(name: str, n: int, queue: int, resend: bool, pause: float, timeout: float) -> dict[str, Any]:
     from bench.bench_mqtt import FED, _payloads
-    from broker_server.broker import DROPPED_TOPIC, MosquittoBroker
-    from edge_agent.resend import ResendRequests
+    from broker_server.ops.broker import DROPPED_TOPIC, MosquittoBroker
+    from edge_agent.ops.resend import ResendRequests
     from protofl import topics
     from protofl.transport.mqtt import MqttTransport
     from protofl.wire import read_header
@@ -227,7 +227,7 @@ def _until_closed_or_drained(
 
 
 def credentials_cost(n: int, repeat: int = 3) -> dict[str, Any]:
-    from broker_server.security import prepare
+    from broker_server.ops.security import prepare
 
     ids = [f"device-{i}" for i in range(1, n + 1)]
     ca = "-----BEGIN CERTIFICATE-----\n" + "A" * 600 + "\n-----END CERTIFICATE-----\n"
@@ -253,7 +253,7 @@ def _tail(path: Path, n: int = 1500) -> str:
 
 
 def main() -> None:
-    from broker_server.capacity import DEFAULT_QUEUE, queue_for_fleet
+    from broker_server.ops.capacity import DEFAULT_QUEUE, queue_for_fleet
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=12_000)

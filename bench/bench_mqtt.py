@@ -42,7 +42,7 @@ def round_latency(
 ) -> dict[str, Any]:
     import torch
 
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from broker_server.simulation import SimulationSpec, run_simulation
     from protofl.transport.broker_url import parse_broker_url
 
@@ -187,7 +187,7 @@ def service_round(
 
 
 def throughput(url: str, n: int, classes: int, dim: int) -> dict[str, Any]:
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from protofl import topics
     from protofl.presets import make_config
     from protofl.transport import InProcessBroker
@@ -261,7 +261,7 @@ def main() -> None:
         publisher_main(args.publisher, args.n, args.classes, args.dim, args.wait_round)
         return
 
-    from broker_server.broker import MosquittoBroker
+    from broker_server.ops.broker import MosquittoBroker
 
     result: dict[str, Any] = {
         "machine": {

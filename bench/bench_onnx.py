@@ -16,7 +16,7 @@ trainable one with the onnx extractor, to show what it costs and that it changes
 intra-op thread for both torch and onnxruntime: on a machine shared with other work, wall time measures the
 neighbours as much as the model, CPU time of a one-thread computation does not (cache contention aside).
 Part 3 compares onnxruntime's options on every built-in architecture at batch 1 and 64: the session as the
-device builds it (edge_agent.onnx_runtime.session: ORT_ENABLE_ALL), ORT_ENABLE_EXTENDED (without the layout
+device builds it (edge_agent.inference.onnx_runtime.session: ORT_ENABLE_ALL), ORT_ENABLE_EXTENDED (without the layout
 transforms of ENABLE_ALL), the dynamo against the TorchScript exporter, a graph exported with a fixed batch
 instead of a dynamic axis, and denormals flushed to zero. Part 4 times a device's prototype extraction after
 training, per round, as each extractor pays it: torch's `trainer.embed` against the onnx extractor's
@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from broker_server.shell import Aggregator  # noqa: E402
+from broker_server.core.shell import Aggregator  # noqa: E402
 from broker_server.simulation import SimulationSpec, prepare  # noqa: E402
-from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
-from edge_agent.local import LocalDevice  # noqa: E402
-from edge_agent.models import build_model  # noqa: E402
-from edge_agent.onnx_export import export_onnx  # noqa: E402
+from edge_agent.core.agent import ClientData, EdgeAgent  # noqa: E402
+from edge_agent.inference.onnx_export import export_onnx  # noqa: E402
+from edge_agent.ops.local import LocalDevice  # noqa: E402
+from edge_agent.training.models import build_model  # noqa: E402
 from export.bench import bench_model, speedups  # noqa: E402
 from export.quantize import quantize_model  # noqa: E402
 from protofl.data import load_images  # noqa: E402
@@ -99,8 +99,8 @@ def ort_options(archs: list[str], iters: int) -> list[dict[str, Any]]:
     """Part 3: torch against onnxruntime variants, CPU ms per batch, one thread each."""
     import onnxruntime as ort
 
-    from edge_agent.onnx_export import graph_of
-    from edge_agent.onnx_runtime import session
+    from edge_agent.inference.onnx_export import graph_of
+    from edge_agent.inference.onnx_runtime import session
 
     def variant(path: Path, level: Any = None, entries: tuple[tuple[str, str], ...] = ()) -> Any:
         o = ort.SessionOptions()
@@ -154,7 +154,7 @@ def ort_options(archs: list[str], iters: int) -> list[dict[str, Any]]:
 
 def round_extraction(archs: list[str], sizes: list[int], rounds: int) -> list[dict[str, Any]]:
     """Part 4: a round's extraction on the device after training, CPU ms (torch vs re-export + onnxruntime)."""
-    from edge_agent.extractor import OnnxExtractor, TorchExtractor
+    from edge_agent.inference.extractor import OnnxExtractor, TorchExtractor
 
     torch.set_num_threads(1)
     out = []

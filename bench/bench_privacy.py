@@ -152,7 +152,8 @@ def wire_bytes(
     routed: dict[str, bytes],
     width: int,
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """One device's messages in the wired protocol (broker_server/secagg_run.py and edge_agent/secagg_device.py
+    """One device's messages in the wired protocol (broker_server/core/secagg_run.py and
+    edge_agent/core/secagg_device.py
     build the same), as encoded on the wire: its four uploads and the server's roster and routed shares to it (the
     survivors list is added by the caller)."""
     order = sorted(keys_for)

@@ -215,7 +215,7 @@ def main() -> None:
         else:
             read_mosquitto_sub(args.port, args.n, args.prime)
         return
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
 
     if shutil.which("mosquitto_sub") is None or shutil.which("mosquitto_pub") is None:
         raise SystemExit("needs mosquitto_sub and mosquitto_pub (Debian's mosquitto-clients)")

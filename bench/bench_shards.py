@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from broker_server.coordinator import Coordinator
-from broker_server.shard import Shard, shard_id
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
+from broker_server.scaleout.coordinator import Coordinator
+from broker_server.scaleout.shard import Shard, shard_id
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker

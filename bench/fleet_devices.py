@@ -1,6 +1,6 @@
 """Lightweight devices for bench_fleet: thousands of MQTT 3.1.1 clients on one asyncio loop, no torch.
 
-Each device does what `protofl-edge join` does on the wire (edge_agent/runner.py), with its own generated
+Each device does what `protofl-edge join` does on the wire (edge_agent/ops/runner.py), with its own generated
 credentials: connect with a last will (presence "offline", retained), announce presence "online", read the
 retained `config` and `server/status`; once the server is up, send its join and subscribe `public` and
 `round`; on each round message, send its upload (real bytes from the wire codec: a tinyproto-sized
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent.resend import ResendRequests
+from edge_agent.ops.resend import ResendRequests
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.plan import RoundPlan
@@ -245,7 +245,7 @@ class Device:
             f.stats.uploads[env.round] += 1
 
     def _on_request(self, payload: bytes) -> None:
-        """The server asks again for what the broker dropped (edge_agent/resend.py checks and rate-limits)."""
+        """The server asks again for what the broker dropped (edge_agent/ops/resend.py checks and rate-limits)."""
         f = self.fleet
         got = self.requests.read(payload, time.monotonic())
         if got is None:

@@ -734,7 +734,7 @@ class Runner:
         }
 
     def model(self, seed: int) -> Any:
-        from edge_agent.models import build_model
+        from edge_agent.training.models import build_model
 
         return build_model(self.a.arch, IN_SHAPE, NUM_CLASSES, PROTO_DIM, ADAPTER_RANK, seed=seed).to(self.device)
 
@@ -1092,7 +1092,7 @@ class Runner:
 
     def _head_route(self, route: str, sd: dict[str, Any], w0: np.ndarray, b0: np.ndarray, adapter: bool) -> None:
         torch = self.torch
-        from edge_agent.models import ResidualAdapter
+        from edge_agent.training.models import ResidualAdapter
 
         t = time.monotonic()
         f = self.shared_features(sd)
@@ -1569,7 +1569,7 @@ def main(argv: list[str] | None = None) -> int:
         help="epochs of the public-only model (the issue's 60; fewer only for smoke runs)",
     )
     ap.add_argument("--test-every", type=int, default=1, help="score iterative routes every N rounds (and the last)")
-    ap.add_argument("--arch", default="cnn", help="the client model (edge_agent.models): cnn or resnet18")
+    ap.add_argument("--arch", default="cnn", help="the client model (edge_agent.training.models): cnn or resnet18")
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
     ap.add_argument(
         "--data-dir", default=None, help="Fashion-MNIST IDX files (default /usr/share/datasets/fashion-mnist)"

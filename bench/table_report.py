@@ -68,7 +68,7 @@ HEAD, COSINE = "head", "cosine to P"
 
 @functools.cache
 def classifier(key: str) -> str:
-    """What a row's own classifier computes, the one its *classifier* columns score (edge_agent/agent.py
+    """What a row's own classifier computes, the one its *classifier* columns score (edge_agent/core/agent.py
     `_metrics`, the round objective's `probabilities`): HEAD, the model's linear head; or COSINE, FedPAGR's
     cosine classifier where the consensus projection trains on unit prototypes (fedpagr, the protofl preset,
     setting D's spherical candidates; edge_agent/techniques/fedpagr.py `CosineClassifier`): softmax(z_hat . P^T /
@@ -739,7 +739,7 @@ FEDAVG_PER_CLIENT_NOTE = (
     "test set, mean over clients: the metric of the prototype rows' *global*, which the paper's prototype "
     "figures most likely are) is not in the cached runs. The FedAvg reports hold only the aggregated model's "
     "test accuracy: "
-    'FedAvg\'s clients skip the test set (edge_agent/agent.py `_metrics`, `federate != "full"`) and the '
+    'FedAvg\'s clients skip the test set (edge_agent/core/agent.py `_metrics`, `federate != "full"`) and the '
     "report's `global_acc` is the server's evaluation of the aggregated vector (broker_server/simulation/"
     "report.py `round_row`). No command produces it today: it needs the clients of a `federate=full` run to "
     "score the test set and the report to keep their mean beside the global model's; then the FedAvg rows "

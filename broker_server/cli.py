@@ -14,10 +14,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Column, Table
 
 from broker_server.cli_common import CLIP_OPTION, parse_clip, parse_sets, print_whole, read_classes
-from broker_server.enrol import devices_app
-from broker_server.fleet import fleet_command, logs_command, run_app, service_app
-from broker_server.shard_cli import shard_cli
-from broker_server.start_cli import start_command
+from broker_server.commands.shard_cli import shard_cli
+from broker_server.commands.start_cli import start_command
+from broker_server.fleet.fleet import fleet_command, logs_command, run_app, service_app
+from broker_server.ops.enrol import devices_app
 from broker_server.watch.status_cli import status_command
 from protofl import cli_options, privacy
 from protofl.algorithms.robust import clip_text
@@ -386,7 +386,7 @@ def simulate(
 
 
 def _write_report(run: dict[str, Any], out: Path) -> None:
-    from broker_server.report_cli import write_report
+    from broker_server.commands.report_cli import write_report
 
     try:
         paths = write_report(run, out)
@@ -414,7 +414,7 @@ def report(
     ),
 ) -> None:
     """Plots and a markdown summary of simulate runs: accuracy vs simulated time and uplink, timelines."""
-    from broker_server.report_cli import load_runs, write_report
+    from broker_server.commands.report_cli import load_runs, write_report
 
     try:
         runs = load_runs([run_json, *(more or [])])
@@ -513,9 +513,9 @@ def broker_config(
 ) -> None:
     """Write the password file and ACL for a Mosquitto you run yourself, and each device's credentials; with
     --bridge, a site broker's files (run it with: mosquitto -c OUT/mosquitto.conf)."""
-    from broker_server.broker import PACKET_HEADROOM, SYS_INTERVAL_S
-    from broker_server.capacity import queue_for_fleet
-    from broker_server.security import load_or_create, read_allow_list
+    from broker_server.ops.broker import PACKET_HEADROOM, SYS_INTERVAL_S
+    from broker_server.ops.capacity import queue_for_fleet
+    from broker_server.ops.security import load_or_create, read_allow_list
     from protofl.wire import Limits
 
     try:
@@ -597,9 +597,9 @@ def _site_broker(
     pre_aggregate: bool = False,
 ) -> None:
     """broker-config --bridge: the site broker's files, and what to do with them."""
-    from broker_server.bridge import write_site_broker
-    from broker_server.security import read_allow_list
-    from broker_server.start_cli import TLS_MODES, Access, is_loopback
+    from broker_server.commands.start_cli import TLS_MODES, Access, is_loopback
+    from broker_server.ops.security import read_allow_list
+    from broker_server.scaleout.bridge import write_site_broker
 
     if core is None or core_dir is None:
         raise ConfigError(
@@ -675,11 +675,11 @@ def parse_host(url: str) -> str:
 app.command("start")(start_command)  # the long-running service, in its own module
 app.command("status")(status_command)  # watching it: broker_server/watch/
 app.command("shard")(shard_cli)  # one aggregator shard of a `start --shards N` federation
-app.command("fleet")(fleet_command)  # one long-running server for many runs: broker_server/fleet.py
+app.command("fleet")(fleet_command)  # one long-running server for many runs: broker_server/fleet/fleet.py
 app.add_typer(run_app, name="run")  # a fleet's runs: submit, list, stop, logs
 app.add_typer(service_app, name="service")  # the fleet as a systemd unit
-app.command("logs")(logs_command)  # a device's log lines, kept at the server: broker_server/device_logs.py
-app.add_typer(devices_app, name="devices")  # enrol and revoke devices on a running fleet: broker_server/enrol.py
+app.command("logs")(logs_command)  # a device's log lines, kept at the server: broker_server/ops/device_logs.py
+app.add_typer(devices_app, name="devices")  # enrol and revoke devices on a running fleet: broker_server/ops/enrol.py
 
 
 if __name__ == "__main__":

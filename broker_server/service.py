@@ -20,12 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from broker_server import shard_wire
-from broker_server.capacity import DEFAULT_QUEUE, resend_window, server_receive_maximum, uploads_per_phase
-from broker_server.coordinator import Coordinator
-from broker_server.durable import DurableState
-from broker_server.progress import RoundProgress, accuracies
-from broker_server.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
+from broker_server.core.durable import DurableState
+from broker_server.core.progress import RoundProgress, accuracies
+from broker_server.core.shell import SERVER_ID, Aggregator, RoundRecord
+from broker_server.core.stages import ServerModel
+from broker_server.ops.capacity import DEFAULT_QUEUE, resend_window, server_receive_maximum, uploads_per_phase
+from broker_server.ops.resend import DROPPED_TOPIC, BrokerDrops, Resender, owed
+from broker_server.scaleout import shard_wire
+from broker_server.scaleout.coordinator import Coordinator
 from broker_server.settings import (
     CONNECT_TIMEOUT_S,
     Admission,
@@ -37,8 +39,6 @@ from broker_server.settings import (
     Sharding,
     Watchers,
 )
-from broker_server.shell import SERVER_ID, Aggregator, RoundRecord
-from broker_server.stages import ServerModel
 from broker_server.watch.live import LiveWatch
 from broker_server.watch.observer import round_accuracies
 from protofl import topics
@@ -182,7 +182,7 @@ class AggregatorService:
             metrics=watchers.metrics,
             broker_restarts=watchers.broker_restarts,
         )
-        # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/resend.py).
+        # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/ops/resend.py).
         self.broker_drops = BrokerDrops()
         self.site_drops: dict[str, BrokerDrops] = {}  # each bridged site broker's counter (sites/<site>/dropped)
         self.resender = Resender(pacing.resend_window or _default_window(cfg))

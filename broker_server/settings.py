@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from broker_server.capacity import DEFAULT_QUEUE
-from broker_server.progress import GRACE_S
-from broker_server.rounds import OFFLINE_GRACE_S, RoundRecord
+from broker_server.core.progress import GRACE_S
+from broker_server.core.rounds import OFFLINE_GRACE_S, RoundRecord
+from broker_server.ops.capacity import DEFAULT_QUEUE
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -71,7 +71,7 @@ class Federation:
     offline_grace: float = OFFLINE_GRACE_S
     validation: Validation | None = field(default=None, compare=False)
     # A simulation's links run this many times faster than the deadline the server is given: the selection's
-    # deadline estimates (broker_server/selection.py) are in the profiles' time.
+    # deadline estimates (broker_server/core/selection.py) are in the profiles' time.
     time_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -249,14 +249,14 @@ class ShardSettings:
     @property
     def name(self) -> str:
         """The shard's name in the coordinator's messages: shard-I, or site-NAME."""
-        from broker_server.security import shard_id, site_shard
+        from broker_server.ops.security import shard_id, site_shard
 
         return shard_id(self.index) if self.index is not None else site_shard(str(self.site))
 
     @property
     def user(self) -> str:
         """Its MQTT user name (and client id: a restarted shard takes up its session)."""
-        from broker_server.security import shard_user, site_aggregator_user
+        from broker_server.ops.security import shard_user, site_aggregator_user
 
         return (
             shard_user(self.fed, self.index)

@@ -23,9 +23,9 @@ from protofl.schedule import check_cadence
 from protofl.traits import check_tags
 
 if TYPE_CHECKING:
-    from edge_agent.agent import EdgeAgent
-    from edge_agent.emulation import Emulation
-    from edge_agent.runner import DeviceRunner
+    from edge_agent.core.agent import EdgeAgent
+    from edge_agent.core.emulation import Emulation
+    from edge_agent.ops.runner import DeviceRunner
 
 __all__ = ["join", "make_runner", "resolve_identity"]
 
@@ -153,15 +153,15 @@ def make_runner(
     """The device loop `protofl-edge join` runs, from its options (checked before anything connects). A
     credentials file that carries the federation CA makes the device speak TLS and accept only a broker
     whose certificate that CA signed (unless --tls-ca names another CA)."""
-    from edge_agent.local_data import DataSpec, dataset_spec, parse_partition
+    from edge_agent.ops.local_data import DataSpec, dataset_spec, parse_partition
 
     dataset_spec(data)  # a --data that names nothing or a bad spec fails now, before torch is imported
-    from edge_agent.memory import pin_allocator
+    from edge_agent.core.memory import pin_allocator
 
-    pin_allocator()  # before torch allocates: its freed buffers go back to the system (edge_agent/memory.py)
+    pin_allocator()  # before torch allocates: its freed buffers go back to the system (edge_agent/core/memory.py)
     import torch
 
-    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from edge_agent.ops.runner import DeviceRunner, RunnerOptions
     from protofl.transport.broker_url import parse_broker_url
 
     check_name(client_id, "--client-id")

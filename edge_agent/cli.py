@@ -18,7 +18,7 @@ from protofl.errors import ConfigError
 from protofl.requirements import TORCH_INSTALL_HINT, require_torch, torch_available
 
 if TYPE_CHECKING:  # the footprint file's reader imports torch: only inside the command
-    from edge_agent.model_sizes import Footprint
+    from edge_agent.ops.model_sizes import Footprint
 
 app = typer.Typer(
     help="protofl-edge device agent: join a federation, inspect models.", no_args_is_help=True, add_completion=False
@@ -70,7 +70,7 @@ def models(
     Parameters and upload bytes are computed here (the device's own upload code and wire encoding); the peak
     resident memory of `join` is read from the footprint benchmark's measurements (bench/bench_footprint.py),
     taken at 1,28,28, 10 classes, m=512 with one thread. `--arch package.module:factory` is accepted too (see
-    `edge_agent.models`)."""
+    `edge_agent.training.models`)."""
     from protofl.humanize import human_bytes
     from protofl.presets import preset_names
     from protofl.profiles import load_device
@@ -92,9 +92,9 @@ def models(
     except ConfigError as exc:
         raise typer.BadParameter(str(exc), param_hint="--profile") from None
     # torch from here on: the arguments were checked first
-    from edge_agent.model_sizes import MEASURED_SHAPE, load_footprint, round_bytes
-    from edge_agent.models import MODEL_GROUP, available_architectures, build_model
-    from edge_agent.params import adapter_vector, count_parameters
+    from edge_agent.ops.model_sizes import MEASURED_SHAPE, load_footprint, round_bytes
+    from edge_agent.training.models import MODEL_GROUP, available_architectures, build_model
+    from edge_agent.training.params import adapter_vector, count_parameters
 
     footprint = load_footprint()
     measured = footprint is not None and (shape, classes, proto_dim) == MEASURED_SHAPE
@@ -161,7 +161,7 @@ def version() -> None:
     typer.echo(f"protofl-edge {__version__} (wire protocol v{WIRE_VERSION})")
 
 
-from edge_agent.predict import predict_command  # noqa: E402 -- registered after the commands above
+from edge_agent.inference.predict import predict_command  # noqa: E402 -- registered after the commands above
 
 app.command("predict")(predict_command)
 
@@ -175,7 +175,7 @@ from edge_agent.service_cli import service_app  # noqa: E402 -- systemd units, n
 
 app.add_typer(service_app, name="service")
 
-from edge_agent.doctor import doctor_command  # noqa: E402 -- no torch unless torch is the check
+from edge_agent.ops.doctor import doctor_command  # noqa: E402 -- no torch unless torch is the check
 
 app.command("doctor")(doctor_command)
 

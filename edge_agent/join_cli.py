@@ -12,19 +12,19 @@ from typing import TYPE_CHECKING
 import typer
 
 from edge_agent.api import make_runner, resolve_identity
-from edge_agent.log_ship import LEVELS, LogShipper
+from edge_agent.ops.log_ship import LEVELS, LogShipper
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError
 
 if TYPE_CHECKING:
-    from edge_agent.emulation import Emulation
+    from edge_agent.core.emulation import Emulation
 
 
 def _emulation(
     profile: str, adaptive: bool, share: float, time_scale: float, emulate_compute: bool
 ) -> Emulation | None:
     """--profile and its switches, checked before torch is imported (a bad profile exits 2 at once)."""
-    from edge_agent.emulation import Emulation
+    from edge_agent.core.emulation import Emulation
     from protofl.profiles import parse_pair
 
     if not time_scale > 0:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from edge_agent import params as model_params
-from edge_agent.models import ProtoNet, build_model
+from edge_agent.training import params as model_params
+from edge_agent.training.models import ProtoNet, build_model
 from export.checkpoint import load_checkpoint, load_model
 from protofl import artifacts as art
 from protofl.config import FederationConfig
@@ -77,7 +77,7 @@ def _device(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
 
 def _predictor(a: art.Artifact, cfg: FederationConfig) -> Loaded:
     """The federation's global predictor: its head (global/predictor.npz) on the shared backbone."""
-    from edge_agent.backbone import backbone_model
+    from edge_agent.training.backbone import backbone_model
 
     w, b, backbone, info = art.read_predictor(a.predictor)
     try:
@@ -125,7 +125,7 @@ def _global(a: art.Artifact, arch: str | None, checkpoint: str | os.PathLike[str
             proto_dim=cfg.proto_dim,
             adapter_rank=cfg.adapter_rank,
         )
-    else:  # what a device of this federation starts from (edge_agent.agent, on_config)
+    else:  # what a device of this federation starts from (edge_agent.core.agent, on_config)
         model = build_model(
             name, cfg.in_shape, cfg.num_classes, cfg.proto_dim, cfg.adapter_rank, seed=cfg.seed, **model_options(cfg)
         )

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from edge_agent.models import ProtoNet
-from edge_agent.onnx_export import graph_of
-from edge_agent.onnx_runtime import session
+from edge_agent.inference.onnx_export import graph_of
+from edge_agent.inference.onnx_runtime import session
+from edge_agent.training.models import ProtoNet
 
 __all__ = ["BenchRow", "bench_model", "speedups", "time_call"]
 

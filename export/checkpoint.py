@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_agent.models import ProtoNet, build_model
+from edge_agent.training.models import ProtoNet, build_model
 from protofl.artifacts import read_model
 from protofl.checkpoint import MAGIC as CHECKPOINT_MAGIC
 from protofl.checkpoint import CheckpointError, read_checkpoint

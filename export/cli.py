@@ -110,7 +110,7 @@ def _data(data: str | None, loaded: Any, meta: dict[str, str] | None = None) -> 
 
 def _normalisation(checkpoint: Path | None, c: int, mean: str | None, std: str | None):
     """--mean/--std, else the checkpoint's record, else Fashion-MNIST's for 1-channel inputs, else 0/1."""
-    from edge_agent.onnx_runtime import parse_floats
+    from edge_agent.inference.onnx_runtime import parse_floats
     from export.checkpoint import load_checkpoint
     from protofl.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
@@ -157,7 +157,7 @@ def onnx(
 ) -> None:
     """Export a model's features (or backbone, or classifier) to ONNX with a dynamic batch axis; from a run's
     artifact, with the prototype table that goes with it."""
-    from edge_agent.onnx_export import export_onnx
+    from edge_agent.inference.onnx_export import export_onnx
 
     loaded = _artifact(from_, device, arch, checkpoint)
     model = loaded.model if loaded is not None else _model(arch, checkpoint, in_shape, classes, proto_dim, seed)
@@ -249,7 +249,7 @@ def verify(
     proto_dim: int | None = typer.Option(None, help="Prototype dimension (default: the file's metadata)."),
 ) -> None:
     """ONNX checker + max abs difference vs PyTorch on real images; exit 1 above --tol."""
-    from edge_agent.onnx_runtime import parse_floats, read_metadata
+    from edge_agent.inference.onnx_runtime import parse_floats, read_metadata
     from export.verify import verify_onnx
     from protofl.data import load_images
 
@@ -323,7 +323,7 @@ def quantize(
     prototype, the prototypes the class means of --train-n training images through each model (not the table
     shipped with the model), or for a logits graph (a global predictor) by its own argmax. The report's first
     line says which model, which data and how many of its classes."""
-    from edge_agent.onnx_runtime import parse_floats, read_metadata
+    from edge_agent.inference.onnx_runtime import parse_floats, read_metadata
     from export.quantize import compare_accuracy, quantize_model
     from protofl.data import load_images
 
@@ -371,7 +371,7 @@ def quantize(
     if loaded is not None and meta.get("what", "features") == "features":
         import numpy as np
 
-        from edge_agent.extractor import TorchExtractor
+        from edge_agent.inference.extractor import TorchExtractor
         from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 
         ext = TorchExtractor(loaded.model)
@@ -381,7 +381,7 @@ def quantize(
     elif arch or checkpoint:
         import numpy as np
 
-        from edge_agent.extractor import TorchExtractor
+        from edge_agent.inference.extractor import TorchExtractor
         from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 
         if meta.get("what") == "backbone":
@@ -453,7 +453,7 @@ def bench(
     json_out: Path | None = typer.Option(None, "--json", help="Also write the rows as JSON."),
 ) -> None:
     """Latency and throughput: torch vs onnxruntime fp32 vs int8."""
-    from edge_agent.onnx_export import export_onnx
+    from edge_agent.inference.onnx_export import export_onnx
     from export.bench import bench_model, speedups
     from export.quantize import quantize_model
     from protofl.data import load_images

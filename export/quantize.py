@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_agent.onnx_runtime import embed_onnx, session
+from edge_agent.inference.onnx_runtime import embed_onnx, session
 from protofl.algorithms.prototypes import local_prototypes, nearest_prototype
 from protofl.errors import ConfigError
 

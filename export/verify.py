@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge_agent.models import ProtoNet
-from edge_agent.onnx_export import graph_of
-from edge_agent.onnx_runtime import read_metadata, session
+from edge_agent.inference.onnx_export import graph_of
+from edge_agent.inference.onnx_runtime import read_metadata, session
+from edge_agent.training.models import ProtoNet
 from protofl.errors import ConfigError
 
 __all__ = ["VerifyResult", "verify_onnx"]

@@ -1,7 +1,7 @@
 """The federated adapter theta_a = (A_f, H) as the server sees it: a layout and a flat vector.
 
 The server (numpy only) owns the initial global adapter, so it must know the layout without torch.
-`adapter_layout` mirrors `edge_agent.params.adapter_layout` for `ResidualAdapter` + head; a test
+`adapter_layout` mirrors `edge_agent.training.params.adapter_layout` for `ResidualAdapter` + head; a test
 checks the two agree. `initial_adapter` follows PyTorch's nn.Linear default initialisation
 (U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias) and zeroes W_up as the agent's model does,
 so A_f starts as the identity.

@@ -4,7 +4,7 @@ Selection (`--set select=tag:field-a`, all fields `select*`): which devices a ru
 (protofl/traits.py) and profile; how many each round (`select_target`, invited `ceil(target * select_over)`, at
 least `select_min`); and, with `select_fit = true`, who is left out of a round it cannot finish by the deadline
 or would make it wait: estimated slower than `select_fit_ratio` times the median matching member (a straggler;
-broker_server/selection.py estimates that from the device's declared link and compute profile).
+broker_server/core/selection.py estimates that from the device's declared link and compute profile).
 
     select = "tag:field-a"            one term: KEY:VALUE (or KEY=VALUE), KEY one of tag, profile, link, power
     select = "tag:field-a,link:lte"   terms of different keys must all match; of the same key, any one

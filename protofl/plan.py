@@ -38,7 +38,7 @@ class RoundPlan:
     proto_dtype: str
     adapter_dtype: str
     techniques: tuple[str, ...]  # the active techniques, in rule order
-    shared_backbone: bool = False  # the public message ships a shared backbone (edge_agent/backbone.py)
+    shared_backbone: bool = False  # the public message ships a shared backbone (edge_agent/training/backbone.py)
 
     @classmethod
     def from_config(cls, cfg: FederationConfig) -> RoundPlan:

@@ -14,7 +14,7 @@ The mechanism, per round and per device (local DP: the device adds all of the no
 - counts travel as 1 for every class sent (the server's weighted mean becomes the plain mean over senders),
   and the upload's n_samples as 1.
 
-Distributed (`dp_mode=distributed`, only with secure aggregation: protofl/secagg.py, broker_server/secagg_run.py):
+Distributed (`dp_mode=distributed`, only with secure aggregation: protofl/secagg.py, broker_server/core/secagg_run.py):
 the same, but each device adds N(0, (z * sensitivity)^2 / min_clients) (`DpSettings.device_std`), to the rows of
 the classes it sends and to the zero rows of those it lacks (`absent_noise`); the server sees only the sum of at
 least min_clients devices' tables, whose every class carries the whole variance.

@@ -284,7 +284,7 @@ class ClippedUpload:
     `base_round`, its `sender`, and its parts, every value clipped: `local` and `public` (ClippedSet, or None where the
     upload has no such set) of a prototype upload, `update` (ClippedVector) of a parameter upload. `weight`: what it
     counts beside a synchronous round's upload (an asynchronous round's older upload counts less: its `n_samples`
-    and counts are the sent ones times `weight`; broker_server/buffered.py)."""
+    and counts are the sent ones times `weight`; broker_server/core/buffered.py)."""
 
     __slots__ = ("kind", "n_samples", "local", "public", "update", "base_round", "sender", "weight")
 
@@ -478,7 +478,7 @@ class ServerRule:
 
     - `state`: a dataclass instance holding what this rule keeps from phase to phase (its global prototypes,
       anchors, parameter vector), or None; its checkpoint form is derived from its fields
-      (broker_server/persist.py: `field(metadata=NOT_STATE)` for what is not state) and saved under the
+      (broker_server/core/persist.py: `field(metadata=NOT_STATE)` for what is not state) and saved under the
       technique's name, so a rule lists nothing to persist.
     - `uploads()`: the upload kinds its folds take in each phase (what it adds to the round plan; the server
       checks them against the plan), and `fills`: the round-message fields its `round_fields` fills.
@@ -683,7 +683,7 @@ class RuleChain:
 
 
 class ServerState(Protocol):
-    """What the active rules share (broker_server.stages.ServerModel): the config and the round plan, the
+    """What the active rules share (broker_server.core.stages.ServerModel): the config and the round plan, the
     rules themselves (`rules`: their state and offers: support masks, unit prototypes, replacement aggregates),
     and the robust-mean setting. What a technique keeps is its rule's own `state`, not this. Uploads reach the
     folds clipped (`Clip`, `ClippedUpload`): the clipping policy is the phase's, not the rules'."""

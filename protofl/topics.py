@@ -45,12 +45,12 @@ def server_status(fed: str) -> str:
 
 def fleet(fed: str) -> str:
     """A fleet's current run (retained Status: state "run" with the run's name as detail, or "idle"): a device of
-    a fleet waits for the next run when one ends instead of leaving (broker_server/fleet.py)."""
+    a fleet waits for the next run when one ends instead of leaving (broker_server/fleet/fleet.py)."""
     return f"{ROOT}/{fed}/server/fleet"
 
 
 # How a device of a fleet's presence detail begins when it cannot serve the current run ("cannot serve run 'NAME':
-# why"): the run's server logs it for a member that never joined (broker_server/shell.py).
+# why"): the run's server logs it for a member that never joined (broker_server/core/shell.py).
 CANNOT_SERVE = "cannot serve run"
 # ... and a device outside a fleet that cannot take part in the federation, before it leaves ("cannot join
 # federation 'FED': why"): the server counts and logs both as the member's refusal.
@@ -59,7 +59,7 @@ CANNOT_SERVE_PREFIXES = (CANNOT_SERVE, CANNOT_JOIN)
 
 
 def device_log(fed: str, client_id: str) -> str:
-    """One device's log lines, shipped to the server (edge_agent/log_ship.py, broker_server/device_logs.py)."""
+    """One device's log lines, shipped to the server (edge_agent/ops/log_ship.py, broker_server/ops/device_logs.py)."""
     return f"{ROOT}/{fed}/log/{client_id}"
 
 
@@ -70,7 +70,7 @@ def server_summary(fed: str) -> str:
 
 def site_dropped(fed: str, site: str) -> str:
     """Site broker `site`'s dropped-messages counter (its `$SYS/broker/publish/messages/dropped`), carried
-    to the core by its bridge (broker_server/bridge.py) for the server to read as it reads its own broker's."""
+    to the core by its bridge (broker_server/scaleout/bridge.py) for the server to read as it reads its own broker's."""
     return f"{ROOT}/{fed}/sites/{site}/dropped"
 
 

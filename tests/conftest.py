@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 from pluggy import Result  # noqa: E402
 
-from broker_server.broker import MosquittoBroker, find_mosquitto
+from broker_server.ops.broker import MosquittoBroker, find_mosquitto
 
 ALLOW_MISSING = "PROTOFL_ALLOW_NO_MOSQUITTO"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import free_port
+from broker_server.ops.broker import free_port
 from tests.test_deploy import DATA, ENV, join_process, start_process
 
 

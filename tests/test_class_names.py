@@ -16,9 +16,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from broker_server.broker import free_port
-from broker_server.journal import scan
-from edge_agent.local_data import DataSpec, load_client_data
+from broker_server.core.journal import scan
+from broker_server.ops.broker import free_port
+from edge_agent.ops.local_data import DataSpec, load_client_data
 from export.cli import app as export_app
 from protofl import artifacts as art
 from protofl.data import load_source
@@ -244,7 +244,7 @@ def test_simulate_takes_the_names_from_classes_or_the_class_folders(tmp_path: Pa
 def test_start_names_the_classes_from_its_public_data_unless_it_resumes_a_federation_without_names(
     tmp_path: Path,
 ) -> None:
-    from broker_server.start_cli import _federation
+    from broker_server.commands.start_cli import _federation
 
     _folders(tmp_path / "public", ["bird", "cat", "dog"])
     spec = f"imagefolder:{tmp_path / 'public'}"

@@ -21,8 +21,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from broker_server.broker import free_port
 from broker_server.cli import app as server_app
+from broker_server.ops.broker import free_port
 from export.cli import app as export_app
 from protofl import artifacts as art
 from protofl.data import load_dataset
@@ -58,7 +58,7 @@ def unlabelled(tmp: Path) -> tuple[Path, Path, np.ndarray]:
 
 def torch_labels(loaded, what: str, x: np.ndarray) -> np.ndarray:
     """What the torch model says: nearest prototype (its table and metric), or a classifier's argmax."""
-    from edge_agent.predict import classify
+    from edge_agent.inference.predict import classify
 
     mean, std = loaded.norm
     c = x.shape[1]
@@ -170,7 +170,7 @@ def test_simulate_leaves_what_a_device_deploys(fedproto_run: tuple[Path, dict], 
 def test_a_late_joiner_labels_with_the_global_state_before_it_trains(
     fedproto_run: tuple[Path, dict], tmp_path: Path
 ) -> None:
-    from edge_agent.models import build_model
+    from edge_agent.training.models import build_model
 
     run, _ = fedproto_run
     r = runner.invoke(

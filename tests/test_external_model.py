@@ -66,7 +66,7 @@ def test_entry_point_and_module_factory_build_the_same_seeded_model(installed: N
     import torch
     from torch import nn
 
-    from edge_agent.models import available_architectures, build_model
+    from edge_agent.training.models import available_architectures, build_model
 
     assert available_architectures()[-1] == "tinynet"
     a = build_model("tinynet", (1, 28, 28), 10, seed=4)
@@ -100,7 +100,7 @@ def test_entry_point_and_module_factory_build_the_same_seeded_model(installed: N
     ],
 )
 def test_a_factory_that_does_not_fit_says_what_was_wrong(installed: None, arch: str, problem: str) -> None:
-    from edge_agent.models import build_model
+    from edge_agent.training.models import build_model
     from protofl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=problem) as err:
@@ -110,7 +110,7 @@ def test_a_factory_that_does_not_fit_says_what_was_wrong(installed: None, arch: 
 
 
 def test_without_the_package_tinynet_is_unknown() -> None:
-    from edge_agent.models import available_architectures, build_model
+    from edge_agent.training.models import available_architectures, build_model
     from protofl.errors import ConfigError
 
     assert "tinynet" not in available_architectures()
@@ -252,8 +252,8 @@ def test_simulate_refuses_a_factory_that_cannot_be_imported() -> None:
 def test_onnx_extractor_matches_torch(installed: None) -> None:
     import torch
 
-    from edge_agent.extractor import OnnxExtractor, TorchExtractor
-    from edge_agent.models import build_model
+    from edge_agent.inference.extractor import OnnxExtractor, TorchExtractor
+    from edge_agent.training.models import build_model
 
     model = build_model("tinynet", (1, 28, 28), 10, seed=1)
     x = np.random.default_rng(0).standard_normal((40, 1, 28, 28)).astype(np.float32)
@@ -267,7 +267,7 @@ def test_onnx_extractor_matches_torch(installed: None) -> None:
 def test_export_rebuilds_the_own_model_from_its_checkpoint(installed: None, tmp_path: Path) -> None:
     import torch
 
-    from edge_agent.models import build_model
+    from edge_agent.training.models import build_model
     from export.checkpoint import load_checkpoint, save_checkpoint
 
     model = build_model("tiny_backbone.nets:make", (1, 28, 28), 10, seed=1)

@@ -78,7 +78,7 @@ def test_simulate_runs_a_technique_installed_from_outside(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_the_server_folds_the_median_and_devices_send_no_counts(installed: None, one_torch_thread: None) -> None:
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from broker_server.simulation import SimulationSpec, run_simulation
     from protofl.plan import RoundPlan
     from protofl.presets import make_config
@@ -251,7 +251,7 @@ class _Fleet:
         sets: tuple[str, ...] = (),
         args: tuple[str, ...] = (),
     ) -> None:
-        from broker_server.broker import free_port
+        from broker_server.ops.broker import free_port
 
         self.tmp, self.rounds, self.port = tmp, rounds, free_port()
         self.package, self.preset, self.sets, self.args = package, preset, sets, args

@@ -223,7 +223,7 @@ def test_a_device_free_technique_runs_with_devices_that_never_installed_it(tmp_p
 def test_a_device_that_refuses_the_federation_is_counted_in_status_the_page_and_the_log(
     tmp_path: Path, browser: Any
 ) -> None:
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
     from tests.broker_server.browser import eventually
     from tests.test_external_technique import EXTERNAL, _Fleet
 

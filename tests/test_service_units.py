@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.capacity import files_for_fleet
+from broker_server.ops.capacity import files_for_fleet
 
 REPO = Path(__file__).resolve().parents[1]
 

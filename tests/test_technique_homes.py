@@ -22,11 +22,11 @@ PATTERNS = {t: rf"(?<![a-z]){t}|fed{t}" for t in ("pagr", "erpa", "apud", "cps")
 }
 TECHNIQUES = tuple(PATTERNS)
 GENERIC = (
-    "broker_server/rounds.py",
-    "broker_server/shell.py",
-    "broker_server/stages.py",
-    "edge_agent/agent.py",
-    "edge_agent/trainer.py",
+    "broker_server/core/rounds.py",
+    "broker_server/core/shell.py",
+    "broker_server/core/stages.py",
+    "edge_agent/core/agent.py",
+    "edge_agent/training/trainer.py",
     "protofl/plan.py",
     "protofl/config.py",
     "protofl/registry.py",

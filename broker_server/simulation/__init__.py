@@ -2,7 +2,7 @@
 
 Modules: `spec` (what to run: SimulationSpec, resolve_config, prepare, Federation), `report` (the
 per-round rows and the JSON report), `inprocess` and `mqtt` (the two runners), `run`
-(run_simulation). When a round's row is shown is `broker_server.progress`, shared with the service.
+(run_simulation). When a round's row is shown is `broker_server.core.progress`, shared with the service.
 """
 
 from broker_server.simulation.predictor import GlobalPredictor

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
-from broker_server.artifacts import write_server_artifacts
-from broker_server.shell import Aggregator
+from broker_server.core.artifacts import write_server_artifacts
+from broker_server.core.shell import Aggregator
 from broker_server.simulation.spec import FED, Federation, SimulationSpec
 from protofl.data.classnames import class_names
 
 if TYPE_CHECKING:
-    from edge_agent.artifacts import DeviceArtifacts
+    from edge_agent.core.artifacts import DeviceArtifacts
 
 __all__ = ["DEVICE_ARTIFACTS", "device_hook", "join_artifact_args", "write_run_artifacts"]
 # When a simulated device's agent collects its deployable artifacts (where the run keeps them): at the end only.

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from broker_server.simulation.deploy import DEVICE_ARTIFACTS, device_hook
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec
 from protofl.transport import InProcessBroker, Transport
 
 if TYPE_CHECKING:
-    from edge_agent.agent import ClientData
+    from edge_agent.core.agent import ClientData
 
 
 def make_aggregator(
@@ -41,7 +41,7 @@ def make_aggregator(
 
 def client_data(fed_data: Federation, i: int, x_global: np.ndarray | None) -> ClientData:
     """Client i's share of the partition, normalised, with the official test set `x_global` (if given)."""
-    from edge_agent.agent import ClientData
+    from edge_agent.core.agent import ClientData
 
     train, test, part = fed_data.train, fed_data.test, fed_data.split.clients[i]
     return ClientData(
@@ -60,8 +60,8 @@ def run_inprocess(
     spec: SimulationSpec, fed_data: Federation, report: Report, initial_params: np.ndarray | None
 ) -> Aggregator:
     """Run the federation to its last round; returns the aggregator (its `model` is the final state)."""
-    from edge_agent.agent import EdgeAgent  # torch: only when a simulation runs
-    from edge_agent.local import LocalDevice
+    from edge_agent.core.agent import EdgeAgent  # torch: only when a simulation runs
+    from edge_agent.ops.local import LocalDevice
 
     cfg = fed_data.cfg
     x_test = fed_data.test.normalized()

@@ -25,23 +25,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from broker_server import settings
-from broker_server.broker import PACKET_HEADROOM, start_local_broker
-from broker_server.security import BrokerAuth, load_or_create
+from broker_server.core.shell import Aggregator, decoder_limits
+from broker_server.ops.broker import PACKET_HEADROOM, start_local_broker
+from broker_server.ops.security import BrokerAuth, load_or_create
 from broker_server.service import AggregatorService, server_transport
-from broker_server.shell import Aggregator, decoder_limits
 from broker_server.simulation.deploy import join_artifact_args
 from broker_server.simulation.links import Links, UploadWatcher
 from broker_server.simulation.memory import MALLOC_ENV
 from broker_server.simulation.report import Report, describe_drops
 from broker_server.simulation.spec import FED, Federation, SimulationSpec, client_id
 from broker_server.simulation.timeline import LinkReport
-from edge_agent.memory import EXIT_OVER_MEMORY
+from edge_agent.core.memory import EXIT_OVER_MEMORY
 from protofl.errors import ConfigError
 from protofl.profiles import DeviceClass
 from protofl.transport.broker_url import PASSWORD_ENV, BrokerOptions, parse_broker_url
 
 if TYPE_CHECKING:
-    from edge_agent.emulation import Emulation, ReleaseOrder
+    from edge_agent.core.emulation import Emulation, ReleaseOrder
 
 log = logging.getLogger("protofl.simulate")
 REPO = Path(__file__).resolve().parents[2]
@@ -73,10 +73,10 @@ def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
 
 def emulation(spec: SimulationSpec, device: DeviceClass | None, order: ReleaseOrder | None = None) -> Emulation | None:
     """What `profile_args` says, for a device runner in this process; `order`: the thread agents' shared release
-    order (edge_agent/emulation.py)."""
+    order (edge_agent/core/emulation.py)."""
     if device is None:
         return None
-    from edge_agent.emulation import Emulation
+    from edge_agent.core.emulation import Emulation
 
     return Emulation(
         device=device.device,
@@ -231,9 +231,9 @@ class AgentThreads:
         auth: BrokerAuth | None = None,
         links: Links | None = None,
     ) -> None:
-        from edge_agent.emulation import ReleaseOrder
-        from edge_agent.local_data import DataSpec
-        from edge_agent.runner import DeviceRunner, RunnerOptions
+        from edge_agent.core.emulation import ReleaseOrder
+        from edge_agent.ops.local_data import DataSpec
+        from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 
         # One process trains every device in turn: their uploads leave in emulated order, whatever the load.
         self.order: ReleaseOrder | None = ReleaseOrder() if links is not None else None

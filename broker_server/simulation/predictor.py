@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.stages import ServerModel
+from broker_server.core.stages import ServerModel
 from protofl import artifacts
 from protofl.config import FederationConfig
 from protofl.data import Dataset
@@ -37,9 +37,9 @@ class GlobalPredictor:
     ) -> None:
         import torch
 
-        from edge_agent import params as model_params
-        from edge_agent.models import build_model
         from edge_agent.techniques import model_options
+        from edge_agent.training import params as model_params
+        from edge_agent.training.models import build_model
 
         self.kind, self.reason = artifacts.predictor_kind(cfg)
         self.initial_params: np.ndarray | None = None
@@ -48,10 +48,10 @@ class GlobalPredictor:
         if self.kind is None:
             return  # nothing to build or score
         if self.kind == "head":  # the shared backbone the devices embedded their data with, and its plain head
-            from edge_agent.backbone import backbone_model
+            from edge_agent.training.backbone import backbone_model
 
             self.model = backbone_model(cfg, backbone)
-        else:  # the model every device of the first architecture starts from (edge_agent.agent, on_config)
+        else:  # the model every device of the first architecture starts from (edge_agent.core.agent, on_config)
             self.model = build_model(
                 cfg.archs[0],
                 cfg.in_shape,
@@ -100,7 +100,7 @@ class GlobalPredictor:
         """The global predictor's test accuracy for the server's current state (None: none, or none yet)."""
         import torch
 
-        from edge_agent import params as model_params
+        from edge_agent.training import params as model_params
 
         if self.kind == "head":
             return self._head_accuracy(server)

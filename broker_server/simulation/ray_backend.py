@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from broker_server.simulation.inprocess import client_data, make_aggregator
 from broker_server.simulation.ray_worker import DeviceWorker, Op
 from broker_server.simulation.report import Report, describe_drops

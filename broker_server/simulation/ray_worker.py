@@ -1,6 +1,6 @@
 """`simulate --backend ray`, the worker side: a Ray actor that hosts some of the simulation's devices.
 
-Each device is the ordinary `EdgeAgent` under the simulator's carrier (edge_agent/local.py), over a
+Each device is the ordinary `EdgeAgent` under the simulator's carrier (edge_agent/ops/local.py), over a
 `RecordingTransport`: the worker has no broker. What a device subscribes to and publishes (its agent's
 outcome) while it handles one delivery is recorded, in order, and returned to the driver, which replays it
 on the one broker the aggregator uses (broker_server/simulation/ray_backend.py).
@@ -90,8 +90,8 @@ class DeviceWorker:
         std: tuple[float, ...],
     ) -> list[Op]:
         """Build device `cid` on its data and start it (subscribe, join)."""
-        from edge_agent.agent import ClientData, EdgeAgent
-        from edge_agent.local import LocalDevice
+        from edge_agent.core.agent import ClientData, EdgeAgent
+        from edge_agent.ops.local import LocalDevice
 
         # Arrays from Ray's object store are read-only views; the agent's tensors need their own memory.
         if self.test_set is None:

@@ -1,6 +1,6 @@
 """The simulation's report: per-round rows (accuracies, bytes, who took part) and the JSON document.
 
-Accuracies come from the agents' `metrics` messages (`broker_server.progress.accuracies`, the same
+Accuracies come from the agents' `metrics` messages (`broker_server.core.progress.accuracies`, the same
 summary the service logs); bytes come from the encoded messages the aggregator received and
 published. numpy only.
 """
@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.progress import RoundProgress, accuracies
-from broker_server.shell import RoundRecord
+from broker_server.core.progress import RoundProgress, accuracies
+from broker_server.core.shell import RoundRecord
+from broker_server.core.stages import ServerModel
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.simulation.timeline import LinkReport
-from broker_server.stages import ServerModel
 from protofl import privacy
 from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig

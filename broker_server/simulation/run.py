@@ -13,8 +13,8 @@ import platform
 from collections.abc import Callable
 from typing import Any
 
-from broker_server.report_cli import long_overruns
-from broker_server.shell import Aggregator
+from broker_server.commands.report_cli import long_overruns
+from broker_server.core.shell import Aggregator
 from broker_server.simulation.deploy import write_run_artifacts
 from broker_server.simulation.inprocess import run_inprocess
 from broker_server.simulation.mqtt import run_over_mqtt
@@ -48,7 +48,7 @@ def run_simulation(
 
     keep_freed_memory()  # each batch's activations reuse the last one's pages (the system time, issue 48)
 
-    from edge_agent.devices import resolve_device
+    from edge_agent.core.devices import resolve_device
 
     spec = dataclasses.replace(spec, device=resolve_device(spec.device))
     if spec.backend == "ray":

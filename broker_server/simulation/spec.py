@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from broker_server.cli_common import data_shape, fixed_by_user, sets
-from broker_server.shell import decoder_limits
+from broker_server.core.shell import decoder_limits
 from broker_server.simulation.links import expand
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
@@ -106,7 +106,7 @@ class Federation:
         """The public message: the public set where the plan uses it, the shared backbone where one travels
         (trained here, once per simulation: torch runs the devices anyway)."""
         if self._public is None:
-            from edge_agent.backbone import with_backbone
+            from edge_agent.training.backbone import with_backbone
 
             self._public = (with_backbone(self.cfg, self.train, public_set(self.train, self.cfg)),)
         return self._public[0]

@@ -3,9 +3,9 @@
 For device d in round r (times from the round's opening at the server):
 
     downlink_s = (round message reached d - round opened) x time_scale        measured, through d's link
-    compute_s  = d's CPU time for the round / compute_factor                   emulated (edge_agent.emulation)
+    compute_s  = d's CPU time for the round / compute_factor                   emulated (edge_agent.core.emulation)
     upload_s   = (upload reached the broker - upload released) x time_scale    measured, through d's link
-                 (less the time the simulator held it for other devices' earlier uploads: edge_agent/emulation.py
+                 (less the time the simulator held it for other devices' earlier uploads: edge_agent/core/emulation.py
                  `ReleaseOrder`, this machine's wait, reported in `overrun_s`)
     done_s     = downlink_s + compute_s + upload_s
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from broker_server.rounds import RoundRecord
+from broker_server.core.rounds import RoundRecord
 from broker_server.simulation.links import Arrival
 from protofl.profiles import DeviceClass
 from protofl.wire import Metrics
@@ -188,7 +188,9 @@ class LinkReport:
         self.time_scale, self.deadline_s = time_scale, deadline_s
         self.adaptive, self.upload_share = adaptive, upload_share
         self._grace_end: float | None = None
-        self.order: Any = None  # thread agents' ReleaseOrder (edge_agent/emulation.py): its holds are this machine's
+        self.order: Any = (
+            None  # thread agents' ReleaseOrder (edge_agent/core/emulation.py): its holds are this machine's
+        )
 
     def timings_in(self, metrics: Mapping[int, Mapping[str, Metrics]]) -> bool:
         """Whether every device has reported its timings (metrics) for every round so far."""

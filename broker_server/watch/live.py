@@ -32,8 +32,8 @@ from protofl.transport.mqtt import TransportError
 from protofl.wire import Metrics
 
 if TYPE_CHECKING:
-    from broker_server.rounds import RoundRecord
-    from broker_server.shell import Aggregator
+    from broker_server.core.rounds import RoundRecord
+    from broker_server.core.shell import Aggregator
     from broker_server.watch.metrics import FederationMetrics
     from protofl.transport import Connection
 

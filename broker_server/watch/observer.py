@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from broker_server.progress import accuracies
-from broker_server.rounds import GraceOver, Presence, Received, RoundRecord
-from broker_server.shard_closing import Progress
+from broker_server.core.progress import accuracies
+from broker_server.core.rounds import GraceOver, Presence, Received, RoundRecord
+from broker_server.scaleout.shard_closing import Progress
 from broker_server.watch.snapshot import (
     ACCURACY_KEYS,
     LEFT,
@@ -40,8 +40,8 @@ from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
 
 if TYPE_CHECKING:
-    from broker_server.rounds import Input
-    from broker_server.shell import Aggregator
+    from broker_server.core.rounds import Input
+    from broker_server.core.shell import Aggregator
 
 log = logging.getLogger("protofl.service")
 HISTORY = 200  # closed rounds a snapshot carries (the retained summary stays small on long runs)

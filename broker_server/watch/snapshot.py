@@ -80,7 +80,7 @@ class RoundRow:
     global_proto_acc: float | None = None
     # the global predictor, scored by the server on its own labelled data (`start --validation`)
     predictor_acc: float | None = None
-    left_out: int = 0  # members the run's selection left out of the round (broker_server/selection.py)
+    left_out: int = 0  # members the run's selection left out of the round (broker_server/core/selection.py)
 
     @property
     def duration_s(self) -> float:
@@ -110,7 +110,7 @@ class Snapshot:
     history: tuple[RoundRow, ...] = ()  # the last closed rounds, oldest first
     broker_restarts: int = 0
     # messages the broker reported dropped ($SYS, since this server started), and the re-send requests the
-    # server sent for them (broker_server/resend.py)
+    # server sent for them (broker_server/ops/resend.py)
     broker_dropped: int = 0
     resend_requests: int = 0
     server_pid: int = 0

@@ -2,7 +2,7 @@
 
 A small HTTP server in threads of its own: `/` is the page (page.html, drawn in the browser),
 `/api/summary` the latest snapshot as JSON (the same document as `server/summary` and status.json),
-`/logs/ID` device ID's newest log lines as the server keeps them (broker_server/device_logs.py: `join
+`/logs/ID` device ID's newest log lines as the server keeps them (broker_server/ops/device_logs.py: `join
 --ship-logs`), linked from the page's device rows: read only, the last `LOG_VIEW_BYTES`, HTML-escaped, and only
 for an ID that is a valid device name (nothing else ever names a file). It reads the `SnapshotBoard` and the
 device logs' directory only. On loopback it is open, as the machine's own users are; bound to any
@@ -42,7 +42,7 @@ def page_html() -> bytes:
 def ui_password(given: str | None, host: str, loopback: bool, security_dir: Path | None) -> str | None:
     """The page's password: the one given; else, beyond loopback, the generated one (kept across restarts
     in `security_dir/ui-password`, or for this run only); None on loopback without one."""
-    from broker_server.security import new_password, write_secret
+    from broker_server.ops.security import new_password, write_secret
 
     if given:
         return given
@@ -92,7 +92,7 @@ class _Handler(GuardedHandler):
             self._send(404, "text/plain; charset=utf-8", b"not found: the page is at /, its data at /api/summary\n")
 
     def _device_log(self, device: str) -> None:
-        from broker_server.device_logs import tail
+        from broker_server.ops.device_logs import tail
 
         directory = self.server.logs_dir
         if directory is None or not is_valid_name(device):

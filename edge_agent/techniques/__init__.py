@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge_agent import trainer
-from edge_agent.models import head_probabilities
+from edge_agent.training import trainer
+from edge_agent.training.models import head_probabilities
 from protofl import registry
 from protofl.algorithms.prototypes import nearest_prototype
 from protofl.config import FederationConfig
@@ -43,7 +43,7 @@ from protofl.sparse import SparseVector
 from protofl.wire import Config, ProtoSet, ProtoUpload
 
 if TYPE_CHECKING:
-    from edge_agent.models import ProtoNet
+    from edge_agent.training.models import ProtoNet
 
 GROUP = "protofl.device_rules"
 
@@ -114,7 +114,7 @@ class Classifier:
     fixed_head = False  # whether the head stays as it is during local training
     # How features compare with the dense targets when a device classifies by nearest prototype ("l2" or
     # "cosine"); None: this classifier predicts with the head only. A device's deployable prototypes
-    # (edge_agent/artifacts.py) carry it.
+    # (edge_agent/core/artifacts.py) carry it.
     metric: str | None = None
 
     def batch(self, z: torch.Tensor, y: torch.Tensor, head: torch.nn.Module) -> Batch:

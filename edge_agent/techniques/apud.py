@@ -1,7 +1,7 @@
 """APUD's device half (RefProtoFL Alg. 1): the adapter travels as its K coordinates that moved most.
 
 K comes from the config's ratio or byte budget; an upload budget (a device profile's link) may lower it
-further (edge_agent/uploads.py searches K on the real encoded size). The math and the server half are
+further (edge_agent/core/uploads.py searches K on the real encoded size). The math and the server half are
 protofl/algorithms/apud.py.
 """
 

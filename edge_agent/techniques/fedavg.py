@@ -1,7 +1,7 @@
 """FedAvg's device half: the parameter vector this device uploads (the whole model, or the adapter).
 
 Loading the round message's vector is the agent's (it holds the model); this rule says what goes up: the vector of
-what the federation shares (edge_agent/param_federation.py).
+what the federation shares (edge_agent/training/param_federation.py).
 The server half is protofl/algorithms/fedavg.py.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edge_agent.param_federation import param_federation
 from edge_agent.techniques import DeviceContext, DeviceRule
+from edge_agent.training.param_federation import param_federation
 
 
 class FedAvgDevice(DeviceRule):

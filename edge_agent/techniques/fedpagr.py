@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge_agent.models import softmax_rows
 from edge_agent.techniques import Batch, Classifier, DeviceContext, DeviceRule, LossTerm, Objective
+from edge_agent.training.models import softmax_rows
 from protofl.algorithms import unit
 from protofl.errors import WireError
 

@@ -4,7 +4,7 @@ the proximal term added to the round's objective,
     (mu / 2) * ||w - w^t||^2,        gradient  mu * (w - w^t),
 
 over exactly what the federation shares: every parameter of the model with federate="full", the federated
-adapter (A_f and the head, edge_agent/params.py) with "adapter"; with nothing shared ("none", the prototype
+adapter (A_f and the head, edge_agent/training/params.py) with "adapter"; with nothing shared ("none", the prototype
 presets) every parameter of the private model, w^t being the device's own model at the round's start
 (protofl/algorithms/fedprox.py says why). w^t is those parameters as the round's
 local training starts from them: the global vector the round message delivered, loaded into the model
@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from edge_agent.param_federation import param_federation
 from edge_agent.techniques import Batch, DeviceContext, DeviceRule, LossTerm
+from edge_agent.training.param_federation import param_federation
 
 __all__ = ["FedProxDevice", "ProximalTerm", "proximal_term", "shared_parameters"]
 
@@ -44,8 +44,8 @@ def proximal_term(params: Sequence[torch.Tensor], reference: Sequence[torch.Tens
 
 def shared_parameters(model: nn.Module, federate: str) -> list[torch.Tensor]:
     """The parameters the term pulls: those the federation shares, the whole model's ("full") or the adapter's and
-    head's ("adapter"), in the order the vector of edge_agent/params.py has them; with nothing shared ("none")
-    the whole private model's. The way of sharing says which (edge_agent/param_federation.py)."""
+    head's ("adapter"), in the order the vector of edge_agent/training/params.py has them; with nothing shared ("none")
+    the whole private model's. The way of sharing says which (edge_agent/training/param_federation.py)."""
     return param_federation(federate).shared_parameters(model)
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_agent import trainer
-from edge_agent.backbone import backbone_model, renormalize
 from edge_agent.techniques import DeviceContext, DeviceRule
+from edge_agent.training import trainer
+from edge_agent.training.backbone import backbone_model, renormalize
 from protofl.algorithms.ridge import ridge_length, ridge_statistics
 from protofl.sparse import SparseVector
 

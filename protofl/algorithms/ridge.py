@@ -3,7 +3,7 @@ Classifiers", ICML 2024): one deployable global classifier, solved in closed for
 sends once.
 
 Every device embeds its training data with the federation's shared backbone (the model trained on the server's
-public set, or a user's checkpoint: it travels once, with the public set; edge_agent/backbone.py), h_i in R^d,
+public set, or a user's checkpoint: it travels once, with the public set; edge_agent/training/backbone.py), h_i in R^d,
 appends a constant 1 (the bias), and sends once the sufficient statistics of a ridge regression of one-hot
 labels on those features,
 
@@ -135,7 +135,7 @@ class Ridge(Technique):
     options = {
         "ridge": flag("ridge"),
         "ridge_lambda": Option(LAMBDA, _check_lambda),
-        # Epochs of the shared backbone's training on the public set (edge_agent/backbone.py); 0: the seeded
+        # Epochs of the shared backbone's training on the public set (edge_agent/training/backbone.py); 0: the seeded
         # initial model is the backbone (random features), as it is without a public set.
         "backbone_epochs": integer("backbone_epochs", 60, 0),
     }

@@ -1,6 +1,6 @@
 """A device's MQTT credentials and the provisioning file that carries them (`devices/<id>.json`).
 
-The server side (broker_server/security.py) writes the file; `protofl-edge join --credentials` reads it.
+The server side (broker_server/ops/security.py) writes the file; `protofl-edge join --credentials` reads it.
 Plain JSON: {"fed": ..., "username": ..., "password": ...}; the user name is the device id. When the
 server's broker serves TLS with the federation's generated CA, the file also carries that CA's
 certificate ("ca", PEM): the device then speaks TLS and accepts only a broker whose certificate that

@@ -387,7 +387,8 @@ class Config(_Body):
 class PublicSet(_Body):
     """The server-held public samples: x (n, c, h, w) uint8 or float32, labels y drawn from `classes`; and
     `backbone`, where the federation has a shared one (the ridge predictor's, protofl/algorithms/ridge.py): the
-    whole parameter vector of its first architecture's model, float32, as edge_agent.params flattens it, and `norm`,
+    whole parameter vector of its first architecture's model, float32, as edge_agent.training.params flattens it, and
+    `norm`,
     the per-channel (mean, std) its inputs were normalised with (images in [0, 1]): a device embeds its data so."""
 
     KIND: ClassVar[str] = "public"

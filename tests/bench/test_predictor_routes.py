@@ -109,7 +109,7 @@ def test_route_uplink_counts_each_route_upload_by_upload() -> None:
 def test_the_cnn_fedavg_upload_is_tables_size() -> None:
     """TABLE.md's FedAvg rows: 6,786,889 B per client per round for the cnn (1,696,682 values); that figure is
     the run's whole uplink over clients x rounds, so it may hold a few more bytes than the one upload."""
-    from edge_agent.models import build_model
+    from edge_agent.training.models import build_model
 
     m = build_model("cnn", (1, 28, 28), 10, 512, 32, seed=0)
     n = sum(t.numel() for t in m.state_dict().values() if t.is_floating_point())

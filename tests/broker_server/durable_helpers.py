@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker_server.durable import ROTATE_BYTES, DurableState
-from broker_server.shell import Aggregator
+from broker_server.core.durable import ROTATE_BYTES, DurableState
+from broker_server.core.shell import Aggregator
 
 
 def start_durable(

@@ -105,7 +105,7 @@ def start_and_join(
     """`protofl-server start` (its own mosquitto, `rounds` rounds of fedproto, 1 client; `server_extra`: more of its
     options) and one `protofl-edge join --data DATA` as processes: (device exit code, its output, server exit code,
     its output); a device still running after `timeout` is killed (code None), and then so is the server."""
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker_server import shell
-from broker_server.shell import Aggregator
+from broker_server.core import shell
+from broker_server.core.shell import Aggregator
 from protofl import topics
 from protofl.algorithms.fedproto import MeanPrototypes
 from protofl.presets import make_config

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, NoTorch())
 
     import numpy as np
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from protofl import topics
     from protofl.algorithms import apud
     from tests.wire_helpers import ridge_upload

@@ -9,12 +9,12 @@ import logging
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from broker_server.watch.observer import FederationObserver
 from broker_server.watch.render import header
 from broker_server.watch.snapshot import Snapshot
 from broker_server.watch.sources import Reading
-from edge_agent.resend import refusal
+from edge_agent.ops.resend import refusal
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
@@ -83,7 +83,7 @@ def test_a_federation_of_prototypes_takes_every_architecture() -> None:
 
 
 def gave_up(broker: InProcessBroker, cid: str, round_: int, phase: str) -> None:
-    """What the runner publishes after its last failed try of a round (edge_agent/runner.py)."""
+    """What the runner publishes after its last failed try of a round (edge_agent/ops/runner.py)."""
     detail = f"round {round_} {phase} failed (bad vector); giving up"
     send(broker, cid, Status(state="gave_up", detail=detail), round_, phase, topic=topics.presence(FED, cid))
 

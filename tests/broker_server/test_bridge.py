@@ -1,4 +1,5 @@
-"""Site brokers bridged to the core (`protofl-server broker-config --bridge`, broker_server/bridge.py, issue 27).
+"""Site brokers bridged to the core (`protofl-server broker-config --bridge`, broker_server/scaleout/bridge.py, issue
+27).
 
 Real processes throughout: the server's default secured `start` (its spawned Mosquitto, generated passwords,
 ACL and TLS), the site broker run as `mosquitto -c` on the generated config, devices with their generated
@@ -23,10 +24,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import MosquittoBroker, find_mosquitto, free_port
 from broker_server.cli import app
-from broker_server.pki import FederationTls
-from broker_server.security import prepare
+from broker_server.ops.broker import MosquittoBroker, find_mosquitto, free_port
+from broker_server.ops.pki import FederationTls
+from broker_server.ops.security import prepare
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.credentials import read_device_file
 from protofl.transport.mqtt import MqttTransport
@@ -98,8 +99,8 @@ def run_federation(
     """Four devices, two rounds of fedproto, every device on the core or two at a bridged site (`pre_aggregate`:
     whose uploads a site pre-aggregator folds, `protofl-server shard --site`); returns the server's model and its
     output."""
-    from edge_agent.local_data import DataSpec
-    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from edge_agent.ops.local_data import DataSpec
+    from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 
     tmp.mkdir()
     state, site_dir = tmp / "state", tmp / "site"
@@ -566,7 +567,7 @@ def test_broker_config_bridge_writes_both_sides(tmp_path: Path) -> None:
     # carry that CA, as the core's do; the core's certificate now names the host the bridge dials.
     dev = read_device_file(site / "devices" / "north-device-1.json")
     assert dev.ca_pem == (core / "tls" / "ca.crt").read_text() == (site / "tls" / "ca.crt").read_text()
-    from broker_server.pki import certificate_names
+    from broker_server.ops.pki import certificate_names
 
     assert "core.example" in certificate_names(core / "tls" / "broker.crt")
     # Again: the same bridge password (the running site keeps working), no new devices.
@@ -595,7 +596,7 @@ def test_start_counts_site_devices_in_its_queue_but_not_in_its_open_files(tmp_pa
     # 100 connections (fits), while its queue for the aggregator must hold the whole fleet's burst (600).
     import resource
 
-    from broker_server.capacity import queue_for_fleet
+    from broker_server.ops.capacity import queue_for_fleet
 
     state = tmp_path / "state"
     bridge_cli(
@@ -732,8 +733,8 @@ def test_a_site_brokers_drops_reach_the_server_and_its_devices_send_again(tmp_pa
     # from to join again, and both rounds close at quorum with every device.
     import json
 
-    from edge_agent.local_data import DataSpec
-    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from edge_agent.ops.local_data import DataSpec
+    from edge_agent.ops.runner import DeviceRunner, RunnerOptions
     from protofl import topics
     from tests.broker_server.test_lossless import _status, _text, _wait
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
 from protofl.errors import ConfigError
@@ -169,7 +169,7 @@ def _model_vector(path: Path) -> np.ndarray:
 
 def _run_server(state: Path, crash_at: int) -> np.ndarray:
     """The server killed after its `crash_at`-th journal append, then started again until the run ends."""
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
     from protofl.transport.mqtt import MqttTransport
 
     port = free_port()
@@ -208,7 +208,7 @@ WAIT_S = 120  # for each event the test waits on; a quiet machine takes a few se
 
 def _wait_gone(pid_file: Path, log: Path) -> None:
     """Until the process in `pid_file` has exited (or was reaped)."""
-    from broker_server.broker import _is_zombie
+    from broker_server.ops.broker import _is_zombie
 
     pid = int(pid_file.read_text().strip()) if pid_file.exists() else 0
     end = time.monotonic() + WAIT_S

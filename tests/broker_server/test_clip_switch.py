@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from broker_server import start_cli
 from broker_server.cli import app
-from broker_server.rounds import RoundRecord
+from broker_server.commands import start_cli
+from broker_server.core.rounds import RoundRecord
+from broker_server.core.stages import PhaseRun, ServerModel, build_model
 from broker_server.simulation import SimulationSpec
 from broker_server.simulation.report import Report
-from broker_server.stages import PhaseRun, ServerModel, build_model
 from protofl.algorithms.robust import ClipPolicy
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config

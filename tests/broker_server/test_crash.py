@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.broker import MosquittoBroker
-from broker_server.durable import journal_records
+from broker_server.core.durable import journal_records
+from broker_server.ops.broker import MosquittoBroker
 from tests.broker_server.crash_helpers import Federation
 
 CLIENTS, ROUNDS = 4, 10
 # Where each of the 6 kills happens: SIGKILL at a random moment once the server made progress (mid-phase,
-# mid-replay, while devices resend), or the server kills itself at an injected point (broker_server/journal.py):
+# mid-replay, while devices resend), or the server kills itself at an injected point (broker_server/core/journal.py):
 # right after a journal append, right after a checkpoint, in the middle of an append (a torn record).
 MOMENTS = ["random", "after_append", "random", "after_checkpoint", "mid_append", "random"]
 LONG_DOWNTIMES = {3: 8.0}  # the server (and its broker) stay down this long; else 0-2 s
@@ -123,7 +123,7 @@ def test_the_default_start_killed_6_times_ends_like_an_uninterrupted_run(tmp_pat
     server: it publishes every device's will and saves it), generated credentials, live `join` processes
     with their devices/<id>.json, the default offline grace. Killed 6 times with downtimes up to 8 s,
     it ends with the uninterrupted run's model, every round once with every device, every upload once."""
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
 
     rng = random.Random(24)
     # The reference, never interrupted, runs alongside (same settings, own state dir and broker), so that
@@ -208,7 +208,7 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(
     # twice (the server restarts it; server and devices reconnect), then kill -9 of the server (its
     # broker exits with it, no orphan; the restarted server starts a new one and resumes). The result
     # equals an uninterrupted run of the same federation (allclose, as above).
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
 
     fed = Federation("bk", SMALL_CLIENTS, SMALL_ROUNDS, tmp_path / "state", tmp_path / "logs", port=free_port())
     try:

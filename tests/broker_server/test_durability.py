@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.durable import DurableState, journal_records
-from broker_server.journal import HEADER, Journal, JournalError, encode_record
-from broker_server.shell import Aggregator
+from broker_server.core.durable import DurableState, journal_records
+from broker_server.core.journal import HEADER, Journal, JournalError, encode_record
+from broker_server.core.shell import Aggregator
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy
 from protofl.checkpoint import CheckpointError, read_checkpoint, write_checkpoint

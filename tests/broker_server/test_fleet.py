@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.broker import MosquittoBroker, free_port
-from broker_server.device_logs import FILE_CAP
-from broker_server.durable import journal_records
-from broker_server.member_log import LINES_PER_MINUTE
+from broker_server.core.durable import journal_records
+from broker_server.core.member_log import LINES_PER_MINUTE
+from broker_server.ops.broker import MosquittoBroker, free_port
+from broker_server.ops.device_logs import FILE_CAP
 from tests.broker_server.crash_helpers import env
 from tests.broker_server.fleet_helpers import RUN_SETTINGS, Fleet, join_command, server_cli, wait_for
 

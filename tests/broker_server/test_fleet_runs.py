@@ -4,7 +4,7 @@ then runs that device-1 cannot serve (a model package and a technique package th
 says (its log, its presence, which the run's server logs) while device-2 serves them; then a run both serve.
 A run's first messages reach a device in whichever order they come (the fleet may name the run before or after its
 server says it is waiting): a device deadlocked on one order, and took an unserved run's held final round as its own
-(both fixed in edge_agent/runner.py)."""
+(both fixed in edge_agent/ops/runner.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import free_port
+from broker_server.ops.broker import free_port
 from tests.broker_server.fleet_helpers import Fleet, server_cli, wait_for
 
 DEVICES = ["device-1", "device-2"]

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.broker import free_port
-from broker_server.shell import Aggregator, decoder_limits
+from broker_server.core.shell import Aggregator, decoder_limits
+from broker_server.ops.broker import free_port
 from broker_server.simulation import SimulationSpec, prepare
 from protofl import topics
 from protofl.errors import WireError

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from broker_server.broker import MosquittoBroker
+from broker_server.ops.broker import MosquittoBroker
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from broker_server.simulation import SimulationSpec, prepare
-from edge_agent.local_data import DataSpec
-from edge_agent.runner import DeviceRunner, RunnerOptions
+from edge_agent.ops.local_data import DataSpec
+from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.link_proxy import LinkProxy, LinkShape
 from tests.broker_server.mqtt_helpers import ServiceThread, Watcher

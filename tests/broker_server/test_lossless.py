@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import MosquittoBroker
-from broker_server.capacity import (
+from broker_server.core.rounds import RoundMachine
+from broker_server.ops.broker import MosquittoBroker
+from broker_server.ops.capacity import (
     DEFAULT_QUEUE,
     MOSQUITTO_INFLIGHT,
     held_bytes,
@@ -26,18 +27,17 @@ from broker_server.capacity import (
     queue_for_fleet,
     resend_window,
 )
-from broker_server.resend import Ask, BrokerDrops, Resender, owed
-from broker_server.rounds import RoundMachine
-from broker_server.security import (
+from broker_server.ops.resend import Ask, BrokerDrops, Resender, owed
+from broker_server.ops.security import (
     hash_matches,
     monitor_user,
     prepare,
     read_hashes,
     server_user,
 )
-from edge_agent.local_data import DataSpec
-from edge_agent.resend import ResendRequests
-from edge_agent.runner import DeviceRunner, RunnerOptions
+from edge_agent.ops.local_data import DataSpec
+from edge_agent.ops.resend import ResendRequests
+from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 from protofl.presets import make_config
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.credentials import read_device_credentials
@@ -63,7 +63,7 @@ def test_the_queue_is_sized_from_the_fleet_and_never_below_the_old_default() -> 
 def test_the_server_window_can_be_set_for_a_measurement_and_a_bad_one_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from broker_server.capacity import RECEIVE_MAXIMUM_ENV, server_receive_maximum
+    from broker_server.ops.capacity import RECEIVE_MAXIMUM_ENV, server_receive_maximum
     from protofl.errors import ConfigError
 
     monkeypatch.setenv(RECEIVE_MAXIMUM_ENV, "200")
@@ -123,7 +123,7 @@ def test_start_refuses_a_fleet_beyond_the_hard_open_file_limit_before_writing_an
 def test_the_soft_open_file_limit_is_raised_to_the_hard_limit_for_the_broker_to_inherit() -> None:
     hard = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
     code = (
-        "import resource; from broker_server.capacity import raise_open_files; got = raise_open_files(1000); "
+        "import resource; from broker_server.ops.capacity import raise_open_files; got = raise_open_files(1000); "
         "print(got.raised_from, resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
     out = subprocess.run(
@@ -162,7 +162,7 @@ def _machine(ids: list[str]) -> RoundMachine:
 
 
 def _join(machine: RoundMachine, cid: str) -> None:
-    from broker_server.rounds import Received
+    from broker_server.core.rounds import Received
     from protofl.wire import unpack_envelope
 
     env = unpack_envelope(encode_message(Join(arch="", n_samples=3), fed="f", sender=cid))
@@ -204,8 +204,8 @@ def test_a_closed_rounds_missing_metrics_are_owed_after_the_uploads_and_joins() 
 
 
 def test_a_rounds_line_waits_for_the_metrics_asked_again_up_to_its_hold() -> None:
-    from broker_server.progress import HOLD_S, RoundProgress
-    from broker_server.rounds import RoundRecord
+    from broker_server.core.progress import HOLD_S, RoundProgress
+    from broker_server.core.rounds import RoundRecord
     from protofl.wire import Metrics
 
     shown: list[tuple[int, list[str]]] = []
@@ -424,8 +424,8 @@ def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
 def test_only_the_server_writes_a_devices_request_topic_and_reads_the_drop_counter(
     start_mosquitto: Callable[..., MosquittoBroker], tmp_path: Path
 ) -> None:
-    from broker_server.broker import DROPPED_TOPIC
-    from broker_server.security import load_or_create
+    from broker_server.ops.broker import DROPPED_TOPIC
+    from broker_server.ops.security import load_or_create
     from protofl import topics
     from tests.broker_server.test_security import Inbox, connect
 

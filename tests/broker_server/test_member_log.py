@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from broker_server.member_log import LINES_PER_MINUTE, MemberLog
+from broker_server.core.member_log import LINES_PER_MINUTE, MemberLog
 from protofl.errors import WireError
 from protofl.names import MAX_LABEL, MAX_TEXT, printable
 from protofl.wire import Envelope, Join, Metrics, Status, decode_message, pack_envelope

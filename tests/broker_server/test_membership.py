@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from broker_server.broker import MosquittoBroker
-from broker_server.rounds import OFFLINE_GRACE_S
-from broker_server.security import load_or_create
+from broker_server.core.rounds import OFFLINE_GRACE_S
+from broker_server.core.shell import Aggregator
+from broker_server.ops.broker import MosquittoBroker
+from broker_server.ops.security import load_or_create
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Admission, Broker, Federation
-from broker_server.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
@@ -85,7 +85,7 @@ def waiting_for_c() -> tuple[InProcessBroker, Aggregator]:
 
 
 def test_a_revoked_device_leaves_at_once_and_what_it_sent_after_is_dropped_and_counted() -> None:
-    from broker_server.enrol import revoked_presence
+    from broker_server.ops.enrol import revoked_presence
 
     broker, agg = waiting_for_c()
     agg.on_presence(topics.presence(FED, "c"), revoked_presence(FED, "c"))  # as a fleet's run server says it

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import free_port
 from broker_server.cli import app
+from broker_server.ops.broker import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=600,n_test=100"

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.broker import MosquittoBroker
+from broker_server.core.shell import Aggregator
+from broker_server.ops.broker import MosquittoBroker
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation, Pacing
-from broker_server.shell import Aggregator
 from broker_server.simulation import SimulationSpec, prepare
-from edge_agent.local_data import DataSpec
-from edge_agent.runner import DeviceRunner, RunnerOptions
+from edge_agent.ops.local_data import DataSpec
+from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.broker import MosquittoBroker
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
+from broker_server.core.stages import ServerModel
+from broker_server.ops.broker import MosquittoBroker
 from broker_server.simulation import SimulationSpec, run_simulation
-from broker_server.stages import ServerModel
 from protofl.presets import PRESETS
 from protofl.transport.broker_url import parse_broker_url
 from tests.pipelines import ADAPTER_PIPELINE

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from protofl import topics
 from protofl.algorithms.robust import ClipPolicy, CoordinateRobust, clip_around
 from protofl.presets import make_config
@@ -123,7 +123,7 @@ def test_robust_policy_is_checked() -> None:
 def test_adapter_uploads_are_clipped_around_the_global_adapter(robust: str) -> None:
     # APUD: 4 honest clients move coordinates 0..9 by +0.01, a poisoner sends 1e6 on the same ones with a
     # huge weight. Round 1's radius is the first radius; the mean moves by at most it, the median by 0.01.
-    from broker_server.stages import PhaseRun, build_model
+    from broker_server.core.stages import PhaseRun, build_model
     from protofl.adapter import adapter_layout, initial_adapter
     from protofl.algorithms.fedavg import FederatedVector
     from protofl.plan import Phase, RoundPlan, Upload

@@ -72,7 +72,7 @@ def test_status_metrics_and_page_show_the_privacy_ledger(tmp_path: Path) -> None
     from prometheus_client import generate_latest
     from prometheus_client.core import CollectorRegistry
 
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from broker_server.watch.board import SnapshotBoard
     from broker_server.watch.live import LiveWatch
     from broker_server.watch.metrics import SnapshotCollector

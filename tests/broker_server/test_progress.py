@@ -1,12 +1,12 @@
-"""When a round is shown and what its accuracies are (`broker_server.progress`), and the service's line."""
+"""When a round is shown and what its accuracies are (`broker_server.core.progress`), and the service's line."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker_server.progress import GRACE_S, RoundProgress, accuracies
+from broker_server.core.progress import GRACE_S, RoundProgress, accuracies
+from broker_server.core.shell import RoundRecord
 from broker_server.service import round_line
-from broker_server.shell import RoundRecord
 from protofl.humanize import human_bytes
 from protofl.wire import Metrics
 

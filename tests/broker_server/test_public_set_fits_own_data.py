@@ -17,9 +17,9 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from broker_server.cli import app
+from broker_server.commands.start_cli import _federation
 from broker_server.simulation import SimulationSpec, prepare
-from broker_server.start_cli import _federation
-from edge_agent import models
+from edge_agent.training import models
 from protofl.data.dataset import Dataset
 from protofl.data.federation import fit_public, public_size
 from protofl.errors import DataError

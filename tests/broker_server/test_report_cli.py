@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from broker_server.report_cli import run_accuracies, summary, target_round, time_to_target, write_report
+from broker_server.commands.report_cli import run_accuracies, summary, target_round, time_to_target, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.durable import DurableState, journal_records
-from broker_server.rounds import OFFLINE_GRACE_S, RESUME_GRACE_S
-from broker_server.shell import Aggregator
+from broker_server.core.durable import DurableState, journal_records
+from broker_server.core.rounds import OFFLINE_GRACE_S, RESUME_GRACE_S
+from broker_server.core.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from protofl import topics
 from protofl.presets import make_config
 from protofl.sparse import SparseVector

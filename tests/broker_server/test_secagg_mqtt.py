@@ -1,5 +1,5 @@
 """Secure aggregation over the real broker: a `protofl-server start --set secagg=true` process on Mosquitto, killed
-with SIGKILL in the middle of the unmask step (the journal's own crash point, broker_server/journal.py), restarted;
+with SIGKILL in the middle of the unmask step (the journal's own crash point, broker_server/core/journal.py), restarted;
 the devices (the agent's secure-aggregation half, tests/broker_server/test_secagg_rounds.py) answer the server's
 steps over MQTT, two of six dropping mid-phase. The restarted server ends with the prototypes of the uninterrupted
 run bit for bit (the unmasked sum is an integer sum on the ring: the masks do not enter it), each device's answer
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import MosquittoBroker
 from broker_server.cli import app
-from broker_server.durable import journal_records
+from broker_server.core.durable import journal_records
+from broker_server.ops.broker import MosquittoBroker
 from protofl import topics
 from protofl.transport.mqtt import MqttTransport
 from tests.broker_server.mqtt_helpers import fast_backoff

@@ -1,4 +1,5 @@
-"""Secure aggregation in the rounds (broker_server/secagg_run.py, edge_agent/secagg_device.py), without torch or a
+"""Secure aggregation in the rounds (broker_server/core/secagg_run.py, edge_agent/core/secagg_device.py), without torch
+or a
 broker process: the aggregator as `start` runs it (its shell, its journal) over the in-process broker, and devices
 that are the agent's secure-aggregation half answering the server's steps on their `down/` topics.
 
@@ -17,10 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server import secagg_run
-from broker_server.durable import DurableState, journal_records
-from broker_server.shell import Aggregator
-from edge_agent.secagg_device import DeviceSecAgg, params_vector, table_vector
+from broker_server.core import secagg_run
+from broker_server.core.durable import DurableState, journal_records
+from broker_server.core.shell import Aggregator
+from edge_agent.core.secagg_device import DeviceSecAgg, params_vector, table_vector
 from protofl import secagg, topics
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms.robust import ClipPolicy

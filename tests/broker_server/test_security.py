@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import MosquittoBroker
-from broker_server.security import FederationSecrets, load_or_create, mosquitto_hash, read_allow_list, server_user
+from broker_server.ops.broker import MosquittoBroker
+from broker_server.ops.security import FederationSecrets, load_or_create, mosquitto_hash, read_allow_list, server_user
 from protofl import topics
 from protofl.errors import ConfigError
 from protofl.transport.broker_url import parse_broker_url

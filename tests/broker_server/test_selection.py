@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.selection import Selection
+from broker_server.core.selection import Selection
 from protofl.errors import ConfigError
 from protofl.presets import make_config
 from protofl.traits import Traits
@@ -33,7 +33,7 @@ def test_a_run_selects_by_tag_and_leaves_out_a_link_that_cannot_finish(tmp_path:
     """`--set select=tag:field-a` with `select_fit`: cam-a (field-a, rpi4+wifi) takes part; cam-b (field-a, but an
     rpi3 on NB-IoT: 10 reference seconds of compute are ~125 s there, past the 60 s deadline) and cam-c (no
     field-a tag) are left out of every round, each told why and when to come back; every device finishes."""
-    from broker_server.broker import free_port
+    from broker_server.ops.broker import free_port
 
     port = free_port()
     state = tmp_path / "state"
@@ -144,8 +144,8 @@ def test_the_compute_estimate_scales_with_the_samples_a_device_reports() -> None
 def test_a_presence_with_new_traits_is_kept_with_the_join() -> None:
     """A device's presence says what it is now (its power state changes): the machine keeps it with its join,
     journaled like any state change; the same traits again change nothing."""
-    from broker_server.rounds import Presence
-    from broker_server.shell import Aggregator
+    from broker_server.core.rounds import Presence
+    from broker_server.core.shell import Aggregator
     from protofl import topics
     from protofl.transport import InProcessBroker
     from protofl.wire import Status, encode_message

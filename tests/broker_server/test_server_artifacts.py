@@ -1,4 +1,4 @@
-"""The federation's deployable artifacts from the server's model (broker_server/artifacts.py, numpy only)."""
+"""The federation's deployable artifacts from the server's model (broker_server/core/artifacts.py, numpy only)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from broker_server.artifacts import write_server_artifacts
-from broker_server.stages import build_model
+from broker_server.core.artifacts import write_server_artifacts
+from broker_server.core.stages import build_model
 from protofl import artifacts as art
 from protofl.algorithms.fedavg import FederatedVector
 from protofl.algorithms.fedproto import MeanPrototypes

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.durable import journal_records
+from broker_server.core.durable import journal_records
 from broker_server.service import AggregatorService
 from broker_server.settings import Durability, Federation, Pacing
 from protofl.transport import Connection, InProcessBroker

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from broker_server.coordinator import Coordinator
-from broker_server.shard import Shard, shard_id
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
+from broker_server.scaleout.coordinator import Coordinator
+from broker_server.scaleout.shard import Shard, shard_id
 from broker_server.watch.observer import FederationObserver
 from protofl.algorithms.robust import ClipPolicy
 from protofl.mergeable import NotMergeable
@@ -138,7 +138,7 @@ def durable_coordinator(
     cfg: Any, broker: InProcessBroker, name: str, tmp_path: Any, **kwargs: Any
 ) -> tuple[Coordinator, Any]:
     """A two-shard coordinator with its journal and checkpoint in tmp_path/agg, resumed from them if any."""
-    from broker_server.durable import DurableState
+    from broker_server.core.durable import DurableState
 
     c = Coordinator(cfg, FED, broker.connect(name), shards=2, expected_clients=CLIENTS, **kwargs)
     durable = DurableState(tmp_path / "agg", FED)
@@ -158,7 +158,7 @@ def two_shards(broker: InProcessBroker) -> list[Shard]:
 def test_a_coordinator_restarted_from_its_journal_finishes_the_same(tmp_path: Any, when: str) -> None:
     """The coordinator (with its journal and checkpoint) dies mid-phase, or while it waits for the partials;
     restarted, it replays the shards' progress (and merged partials), asks again, and ends as one aggregator."""
-    from broker_server.durable import DurableState
+    from broker_server.core.durable import DurableState
 
     cfg = config("fedproto")
     one, _ = federate(cfg, 0)
@@ -195,7 +195,7 @@ def test_a_shard_that_never_sends_its_partial_is_given_up_on_after_the_shard_tim
     for its partial, then closes without its uploads (counted as `shard_lost`, their devices not among the round's
     clients), and the later phases do not wait for it; while no shard has answered it keeps waiting. A coordinator
     restarted from its journal between the loss and the merge decides the same."""
-    from broker_server.durable import DurableState
+    from broker_server.core.durable import DurableState
 
     cfg = config("fedproto").replace(min_clients=2)
     broker = InProcessBroker()
@@ -268,8 +268,8 @@ def test_a_pre_aggregated_site_gives_one_aggregators_result(preset: str) -> None
     """Two devices on the core broker, three at a site whose pre-aggregator folds their uploads there: over
     the bridge go its progress batches, one partial per phase, the relayed joins and metrics, never an upload;
     the coordinator folds the core's uploads itself and merges the site's partial: one aggregator's result."""
-    from broker_server.security import site_shard
-    from broker_server.site import bridge_topics
+    from broker_server.ops.security import site_shard
+    from broker_server.scaleout.site import bridge_topics
 
     cfg = config(preset)
     one, _ = federate(cfg, 0)

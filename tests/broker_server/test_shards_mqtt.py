@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.broker import free_port
-from broker_server.journal import scan
+from broker_server.core.journal import scan
+from broker_server.ops.broker import free_port
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.credentials import read_device_file
 from protofl.transport.mqtt import Backoff, MqttTransport
@@ -200,11 +200,11 @@ def test_a_site_pre_aggregator_behind_a_real_mosquitto_bridge(tmp_path: Path) ->
     """A site Mosquitto bridged to the core Mosquitto with `site.bridge_topics` (uploads stay at the site): the
     site's pre-aggregator (`ShardService --site`) folds its three devices' uploads, the coordinator the two
     core devices' and merges the site's partial; the result is one aggregator's."""
-    from broker_server.broker import MosquittoBroker
+    from broker_server.ops.broker import MosquittoBroker
+    from broker_server.scaleout.shard_service import ShardService, shard_transport
+    from broker_server.scaleout.site import bridge_topics
     from broker_server.service import AggregatorService, server_transport
     from broker_server.settings import Broker, Federation, Pacing, Sharding, ShardSettings
-    from broker_server.shard_service import ShardService, shard_transport
-    from broker_server.site import bridge_topics
     from tests.broker_server.mqtt_helpers import ServiceThread
     from tests.broker_server.shard_helpers import assert_close, model_state, record_state
     from tests.broker_server.test_shards import CLIENTS, federate

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from broker_server.simulation import SimulationSpec, prepare, run_simulation
 from broker_server.simulation.spec import FED as SIM_FED
 from protofl import topics
@@ -201,8 +201,8 @@ def test_same_seed_same_result() -> None:
 
 def test_a_stall_names_every_sides_drops(monkeypatch: pytest.MonkeyPatch) -> None:
     # A device that rejects every round announcement: nobody uploads, the round never closes.
-    from edge_agent.agent import EdgeAgent
-    from edge_agent.outcome import Outcome
+    from edge_agent.core.agent import EdgeAgent
+    from edge_agent.core.outcome import Outcome
 
     receive = EdgeAgent.receive
 

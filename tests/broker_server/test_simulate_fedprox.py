@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from broker_server.cli import app
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
 from broker_server.simulation import SimulationSpec, run_simulation
 
 FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=60", clients=3, alpha=0.5, rounds=2, seed=1, archs=("mlp",))

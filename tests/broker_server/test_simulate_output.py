@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import broker_server.simulation as simulation
 from broker_server.cli import app
-from broker_server.rounds import RoundRecord
+from broker_server.core.rounds import RoundRecord
 from broker_server.simulation import Report, SimulationSpec
 from broker_server.simulation.links import Arrival, expand
 from broker_server.simulation.timeline import LinkReport

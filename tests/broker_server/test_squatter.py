@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import MosquittoBroker, _unix_answers, free_port
-from broker_server.pki import ensure_federation_tls
-from broker_server.security import load_or_create
-from broker_server.supervisor import BrokerSupervisor
+from broker_server.ops.broker import MosquittoBroker, _unix_answers, free_port
+from broker_server.ops.pki import ensure_federation_tls
+from broker_server.ops.security import load_or_create
+from broker_server.ops.supervisor import BrokerSupervisor
 from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]

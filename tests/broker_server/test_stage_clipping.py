@@ -1,4 +1,4 @@
-"""The phase clips every upload once, before any fold sees it (broker_server/stages.py): a fold that does nothing
+"""The phase clips every upload once, before any fold sees it (broker_server/core/stages.py): a fold that does nothing
 about clipping still gets clipped values, beside other folds or alone, and the norms are recorded once.
 
 A toy technique, registered for these tests only, takes prototype and parameter uploads in the training phase and
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.stages import PhaseRun, ServerModel, build_model
+from broker_server.core.stages import PhaseRun, ServerModel, build_model
 from protofl import registry
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms.fedavg import FederatedVector

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.stages import PhaseRun, ServerModel, build_model
+from broker_server.core.stages import PhaseRun, ServerModel, build_model
 from protofl.algorithms.erpa import Anchors
 from protofl.algorithms.fedavg import FederatedVector
 from protofl.algorithms.fedpagr import UnitState

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker_server.broker import free_port
+from broker_server.ops.broker import free_port
 from tests.conftest import EVENT_WAIT_S
 
 REPO = Path(__file__).resolve().parents[2]

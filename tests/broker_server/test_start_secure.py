@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, free_port
 from broker_server.cli import app
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
+from broker_server.ops.broker import PACKET_HEADROOM, MosquittoBroker, PortInUse, free_port
 from protofl import topics
 from protofl.presets import make_config
 from protofl.transport import InProcessBroker
@@ -219,7 +219,7 @@ def test_a_fleets_device_files_are_written_in_one_pass_and_a_later_device_beside
     # cleared); a device added later gets its own file beside the others, which stay as they were.
     import stat
 
-    from broker_server.security import BrokerAuth, FederationSecrets
+    from broker_server.ops.security import BrokerAuth, FederationSecrets
 
     sec = tmp_path / "sec"
     sec.mkdir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker_server.rounds import RoundRecord
+from broker_server.core.rounds import RoundRecord
 from broker_server.simulation.links import Arrival, expand
 from broker_server.simulation.timeline import timeline
 from protofl.profiles import parse_fleet
@@ -60,7 +60,7 @@ def test_composed_times_and_round_lengths() -> None:
     assert abs(r2s["sim_time_s"] - 70.0) < 1e-9
     d3 = out["devices"][3]
     assert not d3["made_it"] and d3["done_s"] is None and not d3["in_time"]
-    # The simulator held client-000's upload 0.03 s past its release for an earlier one (edge_agent/emulation.py
+    # The simulator held client-000's upload 0.03 s past its release for an earlier one (edge_agent/core/emulation.py
     # ReleaseOrder): this machine's time, not the link's - upload 0.5 -> 0.2 s, overrun 0 -> 0.3 s.
     held = timeline([r1], CLIENTS, DEVICES, arrivals, ms, scale, 60.0, {("client-000", 100.3): 0.03})["devices"][0]
     assert (held["upload_s"], held["overrun_s"], held["done_s"]) == pytest.approx((0.2, 0.3, 3.2))

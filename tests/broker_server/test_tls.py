@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from broker_server.broker import ListenerTls, MosquittoBroker, free_port
-from broker_server.pki import broker_names, ensure_federation_tls
-from broker_server.security import load_or_create
+from broker_server.ops.broker import ListenerTls, MosquittoBroker, free_port
+from broker_server.ops.pki import broker_names, ensure_federation_tls
+from broker_server.ops.security import load_or_create
 from protofl import topics
 from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.credentials import read_device_file

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import free_port
 from broker_server.cli import app
+from broker_server.ops.broker import free_port
 from tests.broker_server.browser import chromium, eventually
 
 REPO = Path(__file__).resolve().parents[2]

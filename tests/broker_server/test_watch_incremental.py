@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from broker_server.coordinator import Coordinator
-from broker_server.shard import Shard, shard_id
-from broker_server.shell import Aggregator
+from broker_server.core.shell import Aggregator
+from broker_server.scaleout.coordinator import Coordinator
+from broker_server.scaleout.shard import Shard, shard_id
 from broker_server.watch.live import LiveWatch
 from protofl import topics
 from protofl.transport import InProcessBroker

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import free_port
+from broker_server.ops.broker import free_port
 from tests.broker_server.browser import chromium, eventually
 
 REPO = Path(__file__).resolve().parents[2]

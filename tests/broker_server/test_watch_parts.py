@@ -226,7 +226,7 @@ def test_start_refuses_a_taken_watch_port_before_writing_anything(tmp_path: Path
 def test_a_costly_snapshot_is_refreshed_less_often(tmp_path: Path) -> None:
     # At a fleet's size a snapshot takes long to build: refreshing every REFRESH_S would take the thread that
     # folds the uploads (issue 27); a refresh waits at least COST_SHARE times its last cost.
-    from broker_server.shell import Aggregator
+    from broker_server.core.shell import Aggregator
     from broker_server.watch.live import COST_SHARE, REFRESH_S, LiveWatch
     from protofl.presets import make_config
     from protofl.transport import InProcessBroker
@@ -293,7 +293,7 @@ def test_status_metrics_and_page_say_local_is_on_each_devices_own_classes(tmp_pa
 def test_the_live_page_links_each_devices_log_and_serves_it_bounded_and_escaped(tmp_path: Path) -> None:
     import http.client
 
-    from broker_server.device_logs import FILE_CAP, DeviceLogs
+    from broker_server.ops.device_logs import FILE_CAP, DeviceLogs
     from broker_server.watch.ui import LOG_VIEW_BYTES
     from protofl import topics
     from protofl.wire import Status, encode_message

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import free_port
 from broker_server.cli import app
-from broker_server.durable import journal_records
+from broker_server.core.durable import journal_records
+from broker_server.ops.broker import free_port
 from broker_server.watch.snapshot import ACCURACY_KEYS, Snapshot
 from tests.broker_server.crash_helpers import REPO, Federation, env
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent.models import build_model
-from edge_agent.params import adapter_layout as torch_layout
-from edge_agent.params import adapter_vector, load_adapter_vector
+from edge_agent.training.models import build_model
+from edge_agent.training.params import adapter_layout as torch_layout
+from edge_agent.training.params import adapter_vector, load_adapter_vector
 from protofl.adapter import adapter_layout, initial_adapter, layout_size
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent.agent import ClientData, EdgeAgent
-from edge_agent.local import LocalDevice
+from edge_agent.core.agent import ClientData, EdgeAgent
+from edge_agent.ops.local import LocalDevice
 from edge_agent.techniques import AlignmentTerm
 from protofl import topics
 from protofl.algorithms import cps
@@ -196,7 +196,7 @@ def test_refprotofl_agent_sends_topk_adapter_values() -> None:
     assert isinstance(up.update, SparseVector) and agent.model is not None
     d = theta.shape[0]
     assert up.update.nnz == int(np.ceil(0.1 * d))
-    from edge_agent.params import adapter_vector
+    from edge_agent.training.params import adapter_vector
 
     assert np.array_equal(up.update.values, adapter_vector(agent.model)[up.update.indices])
 

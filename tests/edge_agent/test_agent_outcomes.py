@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent.agent import EdgeAgent
-from edge_agent.emulation import Emulation, RoundClock
-from edge_agent.outcome import Drop, Outcome
-from edge_agent.resume import restore_agent, save_agent
+from edge_agent.core.agent import EdgeAgent
+from edge_agent.core.emulation import Emulation, RoundClock
+from edge_agent.core.outcome import Drop, Outcome
+from edge_agent.ops.resume import restore_agent, save_agent
 from protofl import topics
 from protofl.adapter import adapter_layout, initial_adapter
 from protofl.algorithms import cps

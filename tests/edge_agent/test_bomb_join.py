@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from broker_server.broker import MosquittoBroker
+from broker_server.ops.broker import MosquittoBroker
 from tests.protofl.test_crafted_files import bomb_png
 
 
@@ -50,8 +50,8 @@ def test_a_device_whose_config_handler_fails_leaves_with_an_error(
     from broker_server.service import AggregatorService, server_transport
     from broker_server.settings import Broker, Federation
     from broker_server.simulation import SimulationSpec, prepare
-    from edge_agent.local_data import DataSpec
-    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from edge_agent.ops.local_data import DataSpec
+    from edge_agent.ops.runner import DeviceRunner, RunnerOptions
     from protofl.errors import ConfigError
     from protofl.transport.broker_url import parse_broker_url
     from tests.broker_server.mqtt_helpers import ServiceThread

@@ -1,4 +1,5 @@
-"""`Carrier.carry`, the one path an agent's outcome is carried out by (edge_agent/outcome.py): the MQTT runner and the
+"""`Carrier.carry`, the one path an agent's outcome is carried out by (edge_agent/core/outcome.py): the MQTT runner and
+the
 simulator's `LocalDevice` override its steps, never its order. No broker, no agent: outcomes made by hand."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from edge_agent.outcome import Carrier, Failure, Outcome, Send
+from edge_agent.core.outcome import Carrier, Failure, Outcome, Send
 
 
 class Recording(Carrier):

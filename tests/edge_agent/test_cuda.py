@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from broker_server.shell import Aggregator  # noqa: E402
-from edge_agent.agent import ClientData, EdgeAgent  # noqa: E402
-from edge_agent.local import LocalDevice  # noqa: E402
+from broker_server.core.shell import Aggregator  # noqa: E402
+from edge_agent.core.agent import ClientData, EdgeAgent  # noqa: E402
+from edge_agent.ops.local import LocalDevice  # noqa: E402
 from protofl.data import make_synthetic  # noqa: E402
 from protofl.presets import PRESETS, make_config  # noqa: E402
 from protofl.transport import InProcessBroker  # noqa: E402

@@ -1,4 +1,4 @@
-"""A device's deployable artifacts (edge_agent/artifacts.py): a device that joins late can predict before it
+"""A device's deployable artifacts (edge_agent/core/artifacts.py): a device that joins late can predict before it
 trains, and what it ends with is kept when the federation finishes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge_agent.models import build_model
+from edge_agent.training.models import build_model
 from export.checkpoint import load_model
 from protofl import artifacts as art
 from protofl.wire import ProtoSet, RoundStart
@@ -18,7 +18,7 @@ from tests.edge_agent.test_agent import setup, start_round
 def test_a_late_joiner_has_deployable_artifacts_before_it_trains_and_after_the_end(tmp_path: Path) -> None:
     seen: list[tuple[int, str]] = []
 
-    def deployable(arts) -> None:  # what join --state-dir does (edge_agent/runner.py), recorded
+    def deployable(arts) -> None:  # what join --state-dir does (edge_agent/ops/runner.py), recorded
         out = arts.write(tmp_path, ["cat", "dog", "owl"], data="npz:mine.npz")
         seen.append((arts.rounds_trained, art.read_prototypes(out / art.PROTOTYPES).source))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_agent.devices import resolve_device
+from edge_agent.core.devices import resolve_device
 from protofl.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_server.broker import free_port
+from broker_server.ops.broker import free_port
 from tests.broker_server.crash_helpers import env
 from tests.broker_server.fleet_helpers import Fleet
 from tests.conftest import EVENT_WAIT_S
@@ -79,7 +79,7 @@ def test_doctor_says_all_is_well_then_names_each_fault(fleet: Fleet, tmp_path: P
     assert down.returncode == 1 and lines(down)["port"].startswith("FAIL 127.0.0.1:"), down.stdout
 
     other = tmp_path / "other.json"  # the same credentials with another fleet's CA
-    from broker_server.pki import ensure_federation_tls
+    from broker_server.ops.pki import ensure_federation_tls
 
     raw = json.loads(Path(cred).read_text())
     raw["ca"] = ensure_federation_tls(tmp_path / "tls", "other", ["127.0.0.1"]).ca_pem()
@@ -148,7 +148,7 @@ def test_doctor_holds_the_clock_to_the_servers_status_and_the_runs_model_to_free
 
 
 def test_doctor_says_what_to_do_about_a_model_too_big_and_an_older_server() -> None:
-    from edge_agent.doctor import model_findings, server_clock_findings
+    from edge_agent.ops.doctor import model_findings, server_clock_findings
     from protofl.wire import Config, Status, encode_message
 
     config = encode_message(Config(preset="tinyproto", params={"archs": ["mlp", "mobilenetv2"]}), fed="f", sender="s")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from edge_agent.emulation import Emulation, HeldSender, ReleaseOrder, RoundClock
+from edge_agent.core.emulation import Emulation, HeldSender, ReleaseOrder, RoundClock
 from protofl.profiles import load_device, load_link
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from broker_server.simulation import SimulationSpec, run_simulation
-from edge_agent.agent import EdgeAgent
-from edge_agent.extractor import OnnxExtractor, TorchExtractor, make_extractor, weight_fingerprint
-from edge_agent.models import build_model
+from edge_agent.core.agent import EdgeAgent
+from edge_agent.inference.extractor import OnnxExtractor, TorchExtractor, make_extractor, weight_fingerprint
 from edge_agent.techniques.fedpagr import cosine_probabilities
+from edge_agent.training.models import build_model
 from protofl.data import FASHION_MNIST_DIR
 from protofl.errors import ConfigError
 
@@ -69,7 +69,7 @@ def test_frozen_backbone_exports_once(images: np.ndarray) -> None:
 
 
 def test_exporter_fallback(images: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
-    from edge_agent import onnx_export
+    from edge_agent.inference import onnx_export
 
     def gone(*args, **kwargs):
         raise RuntimeError("TorchScript exporter removed (simulated)")
@@ -109,9 +109,9 @@ def test_the_device_session_gives_torchs_embeddings(arch: str, images: np.ndarra
     # The session as the device builds it (ORT_ENABLE_ALL: BN folded into conv, NCHWc layouts, fused ops) on a
     # features graph whose batch norms hold non-trivial statistics, as after training: torch's z to float32
     # tolerance, at batch 1 and 64.
-    from edge_agent.onnx_export import export_onnx
-    from edge_agent.onnx_runtime import embed_onnx, session
-    from edge_agent.trainer import embed
+    from edge_agent.inference.onnx_export import export_onnx
+    from edge_agent.inference.onnx_runtime import embed_onnx, session
+    from edge_agent.training.trainer import embed
 
     model = build_model(arch, (1, 28, 28), 10, seed=3)
     g = torch.Generator().manual_seed(0)

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_agent import params as model_params
-from edge_agent.agent import ClientData, EdgeAgent
-from edge_agent.local import LocalDevice
-from edge_agent.models import build_model
+from edge_agent.core.agent import ClientData, EdgeAgent
+from edge_agent.ops.local import LocalDevice
 from edge_agent.techniques import AlignmentTerm, Batch, DeviceContext, make_objective, rules_for
 from edge_agent.techniques.fedprox import ProximalTerm, proximal_term, shared_parameters
+from edge_agent.training import params as model_params
+from edge_agent.training.models import build_model
 from protofl import topics
 from protofl.algorithms import cps
 from protofl.algorithms.prototypes import local_prototypes

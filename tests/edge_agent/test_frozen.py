@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from broker_server.simulation import SimulationSpec, run_simulation
-from edge_agent import trainer
-from edge_agent.extractor import weight_fingerprint
-from edge_agent.frozen import FrozenBackbone, compute_backbone_features, train_on_cached_features
-from edge_agent.models import build_model
+from edge_agent.core.frozen import FrozenBackbone, compute_backbone_features, train_on_cached_features
+from edge_agent.inference.extractor import weight_fingerprint
 from edge_agent.techniques import Objective
+from edge_agent.training import trainer
+from edge_agent.training.models import build_model
 from protofl.config import FederationConfig
 from protofl.data import FASHION_MNIST_DIR
 from protofl.errors import ConfigError

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import agent as agent_module
-from edge_agent import runner as runner_module
-from edge_agent.guard import anchors_problem, config_problem
+from edge_agent.core import agent as agent_module
+from edge_agent.core.guard import anchors_problem, config_problem
+from edge_agent.ops import runner as runner_module
 from protofl import topics
 from protofl.config import FederationConfig
 from protofl.wire import Config, ProtoSet, RoundStart, encode_message
@@ -142,8 +142,8 @@ def test_the_device_loop_reports_a_failed_round_and_retries_it(
     # (the server logs it), tries again after RETRY_S and the federation finishes with it.
     import logging
 
-    from edge_agent.local_data import DataSpec
-    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from edge_agent.ops.local_data import DataSpec
+    from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 
     monkeypatch.setattr(runner_module, "RETRY_S", 0.5)
     real, calls = agent_module.trainer.train_local, {"n": 0}
@@ -176,8 +176,8 @@ def test_a_device_that_gives_up_on_a_round_leaves_it_and_the_round_closes_at_quo
     import logging
     import threading
 
-    from edge_agent.local_data import DataSpec
-    from edge_agent.runner import DeviceRunner, RunnerOptions
+    from edge_agent.ops.local_data import DataSpec
+    from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 
     monkeypatch.setattr(runner_module, "RETRY_S", 0.2)
     real = agent_module.trainer.train_local

@@ -1,5 +1,5 @@
 """A device profile's memory is a limit (issue 44): a simulated Raspberry Pi 3 given a model larger than its 1 GB
-fails, saying the profile and the figure; the watchdog itself (edge_agent/memory.py) on this process."""
+fails, saying the profile and the figure; the watchdog itself (edge_agent/core/memory.py) on this process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.memory import EXIT_OVER_MEMORY, MB, MemoryLimit, mark, peak_bytes, resident_bytes
+from edge_agent.core.memory import EXIT_OVER_MEMORY, MB, MemoryLimit, mark, peak_bytes, resident_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from edge_agent import models
-from edge_agent.models import (
+from edge_agent.training import models
+from edge_agent.training.models import (
     ARCHITECTURES,
     BUILTIN_ARCHITECTURES,
     ConsensusProjection,
@@ -22,7 +22,7 @@ from edge_agent.models import (
     available_architectures,
     build_model,
 )
-from edge_agent.params import full_vector
+from edge_agent.training.params import full_vector
 from protofl.errors import ConfigError
 
 SHAPES = [(1, 28, 28), (3, 32, 32)]
@@ -141,7 +141,8 @@ def test_seeded_construction_leaves_global_rng_alone() -> None:
 
 
 _HASH_SNIPPET = (
-    "import hashlib; from edge_agent.models import build_model; from edge_agent.params import full_vector; "
+    "import hashlib; from edge_agent.training.models import build_model; from edge_agent.training.params import "
+    "full_vector; "
     "print(hashlib.sha256(full_vector(build_model('cnn', (1, 28, 28), 10, projection=True, seed=11))"
     ".tobytes()).hexdigest())"
 )

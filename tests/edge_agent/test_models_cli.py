@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_agent.model_sizes import FOOTPRINT, SENDER
-from edge_agent.models import build_model
-from edge_agent.params import count_parameters, full_vector
+from edge_agent.ops.model_sizes import FOOTPRINT, SENDER
+from edge_agent.training.models import build_model
+from edge_agent.training.params import count_parameters, full_vector
 from protofl.profiles import load_device
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload, message_size
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker_server.broker import MosquittoBroker, free_port
+from broker_server.ops.broker import MosquittoBroker, free_port
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
-from edge_agent.local_data import DataSpec, dataset_spec, load_client_data
-from edge_agent.runner import DeviceRunner, RunnerOptions
+from edge_agent.ops.local_data import DataSpec, dataset_spec, load_client_data
+from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 from protofl import topics
 from protofl.data import Dataset, make_synthetic
 from protofl.errors import DataError

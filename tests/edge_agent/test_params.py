@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from edge_agent.models import BUILTIN_ARCHITECTURES, ResidualAdapter, build_model
-from edge_agent.params import (
+from edge_agent.training.models import BUILTIN_ARCHITECTURES, ResidualAdapter, build_model
+from edge_agent.training.params import (
     adapter_layout,
     adapter_modules,
     adapter_vector,

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from edge_agent import trainer
-from edge_agent.models import build_model
 from edge_agent.techniques import Objective
+from edge_agent.training import trainer
+from edge_agent.training.models import build_model
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.wire import RoundStart

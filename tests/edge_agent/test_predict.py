@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from edge_agent.cli import app
-from edge_agent.models import build_model
-from edge_agent.onnx_export import export_onnx
-from edge_agent.predict import load_prototypes, save_prototypes
+from edge_agent.inference.onnx_export import export_onnx
+from edge_agent.inference.predict import load_prototypes, save_prototypes
+from edge_agent.training.models import build_model
 from protofl.data import FASHION_MNIST_DIR
 from protofl.errors import DataError
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from broker_server.broker import MosquittoBroker, free_port
+from broker_server.ops.broker import MosquittoBroker, free_port
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.cli import app
-from edge_agent.local_data import DataSpec, dataset_spec, load_client_data, parse_partition
-from edge_agent.runner import DeviceRunner, RunnerOptions
+from edge_agent.ops.local_data import DataSpec, dataset_spec, load_client_data, parse_partition
+from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 from protofl import topics
 from protofl.errors import ConfigError, DataError
 from protofl.transport.broker_url import parse_broker_url

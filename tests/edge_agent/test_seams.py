@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edge_agent import param_federation as param_federation_module
-from edge_agent.device_config import read_config
-from edge_agent.models import build_model
-from edge_agent.param_federation import ParamFederation, param_federation, register
-from edge_agent.sealing import Outgoing, PrivacyNoise
-from edge_agent.secagg_device import Masking
+from edge_agent.core.device_config import read_config
+from edge_agent.core.sealing import Outgoing, PrivacyNoise
+from edge_agent.core.secagg_device import Masking
+from edge_agent.training import param_federation as param_federation_module
+from edge_agent.training.models import build_model
+from edge_agent.training.param_federation import ParamFederation, param_federation, register
 from protofl.errors import ConfigError
 from protofl.presets import make_config
 from protofl.wire import Config, Envelope, Join, ProtoSet, ProtoUpload, SaKeys, SaRoster

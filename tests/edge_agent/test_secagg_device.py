@@ -1,4 +1,4 @@
-"""A device's side of secure aggregation (edge_agent/secagg_device.py): the table vector it masks, by hand, and
+"""A device's side of secure aggregation (edge_agent/core/secagg_device.py): the table vector it masks, by hand, and
 the answers it keeps (the same server message again gets the same bytes, never a second draw)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_agent.secagg_device import DeviceSecAgg, table_vector
+from edge_agent.core.secagg_device import DeviceSecAgg, table_vector
 from protofl import secagg
 from protofl.wire import ProtoSet, SaRoster, SaSurvivors
 

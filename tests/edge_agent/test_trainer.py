@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_agent import trainer
-from edge_agent.frozen import train_on_cached_features
-from edge_agent.models import ProtoNet, build_model
+from edge_agent.core.frozen import train_on_cached_features
 from edge_agent.techniques.fedpagr import pagr_objective
+from edge_agent.training import trainer
+from edge_agent.training.models import ProtoNet, build_model
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_agent.trainer import SGD
+from edge_agent.training.trainer import SGD
 
 
 class _Net(torch.nn.Module):

@@ -37,9 +37,9 @@ def trained_cnn(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cnn checkpoint after 1 epoch on 10k Fashion-MNIST training images (so accuracies mean something)."""
     if not Path(FASHION_MNIST_DIR).is_dir():
         pytest.skip(f"Fashion-MNIST not installed at {FASHION_MNIST_DIR}")
-    from edge_agent import trainer
-    from edge_agent.models import build_model
     from edge_agent.techniques import Objective
+    from edge_agent.training import trainer
+    from edge_agent.training.models import build_model
     from export.checkpoint import save_checkpoint
     from protofl.config import FederationConfig
     from protofl.data import load_images

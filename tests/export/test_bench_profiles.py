@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from edge_agent.models import build_model
-from edge_agent.onnx_export import export_onnx
+from edge_agent.inference.onnx_export import export_onnx
+from edge_agent.training.models import build_model
 from export.cli import app
 from export.quantize import quantize_model
 from protofl.profiles import DeviceProfile, known_profiles, load_profile

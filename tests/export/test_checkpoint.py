@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge_agent.models import build_model
+from edge_agent.training.models import build_model
 from export.checkpoint import load_checkpoint, load_model, save_checkpoint
 from protofl.errors import ConfigError
 
@@ -62,7 +62,7 @@ def test_missing_checkpoint_and_no_arch(tmp_path: Path) -> None:
 def test_a_federation_s_device_files_load_without_torch_load(tmp_path: Path) -> None:
     """A device's resume checkpoint (join --state-dir, msgpack) and its artifact model.npz load as checkpoints:
     neither is pickled, so neither goes through torch.load (whose weights_only advice would be wrong)."""
-    from edge_agent.artifacts import model_spec
+    from edge_agent.core.artifacts import model_spec
     from protofl import artifacts as art
     from protofl.checkpoint import write_checkpoint
     from protofl.presets import make_config

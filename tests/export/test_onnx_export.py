@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import pytest
 
-from edge_agent import onnx_export
-from edge_agent.models import BUILTIN_ARCHITECTURES, ProtoNet, build_model
-from edge_agent.onnx_export import ExportInfo, export_onnx
-from edge_agent.onnx_runtime import read_metadata, session
+from edge_agent.inference import onnx_export
+from edge_agent.inference.onnx_export import ExportInfo, export_onnx
+from edge_agent.inference.onnx_runtime import read_metadata, session
+from edge_agent.training.models import BUILTIN_ARCHITECTURES, ProtoNet, build_model
 from export.verify import verify_onnx
 from protofl.errors import ConfigError
 from tests.export.conftest import needs_fmnist

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_agent.onnx_export import export_onnx
-from edge_agent.onnx_runtime import read_metadata
+from edge_agent.inference.onnx_export import export_onnx
+from edge_agent.inference.onnx_runtime import read_metadata
 from export.checkpoint import load_model
 from export.quantize import compare_accuracy, quantize_model
 from protofl.data import load_images

@@ -243,7 +243,7 @@ def _batched_round(
     """One training phase of 150 random uploads through a preset's batched fold (MeanFold, or the unit
     prototypes' UnitFold), folded `batch` at a time, with clipping at work (a radius that clips some rows,
     non-zero centres)."""
-    from broker_server.stages import PhaseRun, build_model
+    from broker_server.core.stages import PhaseRun, build_model
     from protofl.algorithms.robust import ClipPolicy
     from protofl.plan import Phase, RoundPlan, Upload
     from protofl.presets import make_config

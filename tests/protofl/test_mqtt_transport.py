@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from broker_server.broker import AmqttBroker, LocalBroker, MosquittoBroker, free_port
+from broker_server.ops.broker import AmqttBroker, LocalBroker, MosquittoBroker, free_port
 from protofl.errors import ConfigError
 from protofl.transport.broker_url import BrokerOptions, parse_broker_url
 from protofl.transport.mqtt import Backoff, MqttTransport, PayloadTooLarge, TransportError, Will, packet_size

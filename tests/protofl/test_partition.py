@@ -187,7 +187,7 @@ def _recipe_inputs() -> tuple[Dataset, FederationConfig]:
 
 def test_federation_recipe_is_pinned() -> None:
     # The partition a (dataset, N, alpha, seed) gets must never drift: reports and devices depend on it.
-    # Fingerprint recorded before the recipe moved here from edge_agent/local_data.py (same value then).
+    # Fingerprint recorded before the recipe moved here from edge_agent/ops/local_data.py (same value then).
     import zlib
 
     from protofl.data.federation import federation_split

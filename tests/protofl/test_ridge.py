@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.stages import PhaseRun, build_model
+from broker_server.core.stages import PhaseRun, build_model
 from protofl.algorithms.ridge import RidgeState, ridge_head, ridge_length, ridge_solve, ridge_statistics
 from protofl.errors import ConfigError, WireError
 from protofl.plan import Phase, RoundPlan, Upload

@@ -1,0 +1,414 @@
+"""A fleet: one long-running server, its broker, credentials and enrolment, serving many runs one after another.
+
+`protofl-server fleet --state-dir FLEET` starts the fleet's broker once (FLEET/broker, FLEET/security: the
+devices' credentials, as `start` writes them) and serves the runs submitted with `protofl-server run submit`
+(broker_server/fleet/runs.py), in order. Each run is a `protofl-server start` of its own, a child process that joins
+the fleet's broker as the fleet's server user through the broker's unix socket, with its own state dir
+FLEET/runs/<name>/ (journal, checkpoint, rounds.jsonl, artifacts: crash exact as a single `start`). The child
+dies with the fleet server (PR_SET_PDEATHSIG); a fleet server started again resumes the run it died under.
+
+Devices stay connected between runs: a run's server says its name on the retained `server/fleet` topic
+(`announce_run`) and, when it ends, clears its retained config, public set and round and says the fleet is idle
+(`end_run`); a device of a fleet then waits for the next run's config instead of leaving (edge_agent/ops/runner.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+import typer
+
+from broker_server.fleet import runs
+from broker_server.ops.device_logs import LOG_DIR
+from protofl.errors import ConfigError, ProtoFLError
+from protofl.names import check_name
+from protofl.transport.broker_url import PASSWORD_ENV
+
+log = logging.getLogger("protofl.fleet")
+FLEET_FILE = "fleet.json"
+FLEET_PACKET_MB = 64  # the fleet's broker refuses bigger messages (runs differ: no one config sizes it)
+POLL_S = 1.0  # how often an idle fleet looks for a submitted run, and a running one for a stop request
+
+
+def _fleet_file(state_dir: Path, fed: str, listen: str) -> dict[str, str]:
+    """The fleet's settings, kept from its first start: the federation name cannot change under its devices."""
+    path = state_dir / FLEET_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved.get("fed") != fed:
+            raise ConfigError(f"{state_dir} is fleet '{saved.get('fed')}', not '{fed}': pass --fed {saved.get('fed')}")
+        return dict(saved)
+    saved = {"fed": fed, "listen": listen}
+    path.write_text(json.dumps(saved) + "\n")
+    return saved
+
+
+def fleet_command(
+    state_dir: Path = typer.Option(..., "--state-dir", help="The fleet's state dir: broker, credentials, runs/."),
+    fed: str = typer.Option("default", help="Federation name of the fleet (topics live under protofl/{fed}/)."),
+    port: int = typer.Option(1883, help="Port of the fleet's broker (0 = any free port)."),
+    listen: str | None = typer.Option(
+        None, help="HOST:PORT the broker listens on (default 127.0.0.1:--port); 0.0.0.0:1883 serves other machines."
+    ),
+    allow: Path | None = typer.Option(
+        None, help="Device ids enrolled at the first start, one a line (later: protofl-server devices add)."
+    ),
+    devices: int | None = typer.Option(None, help="Without --allow: enrol device-1..device-N."),
+    tls: str = typer.Option("auto", "--tls", help="auto (on beyond loopback) | on | off: the fleet's generated CA."),
+    local_broker: str = typer.Option("mosquitto", help="mosquitto (passwords, ACL, enrolment while it runs)."),
+    max_message_mb: int = typer.Option(
+        FLEET_PACKET_MB, "--max-message-mb", help="The largest message the fleet's broker carries (MB)."
+    ),
+    connect_timeout: float = typer.Option(30.0, help="Seconds a run's server waits for the broker at its start."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every run's joins and phases too."),
+) -> None:
+    """Serve a fleet: its broker and credentials stay up; the runs submitted (protofl-server run submit) run one
+    after another; devices (protofl-edge join) stay connected between them."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    try:
+        if allow is None and devices is None and not (state_dir / "security" / "credentials.json").is_file():
+            raise ConfigError("a new fleet needs its devices: --allow FILE or --devices N")
+        _serve_fleet(
+            state_dir,
+            fed,
+            listen or f"127.0.0.1:{port}",
+            allow,
+            devices,
+            tls,
+            local_broker,
+            max_message_mb,
+            connect_timeout,
+            verbose,
+        )
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _serve_fleet(
+    state_dir: Path,
+    fed: str,
+    listen: str,
+    allow: Path | None,
+    devices: int | None,
+    tls: str,
+    local_broker: str,
+    max_message_mb: int,
+    connect_timeout: float,
+    verbose: bool,
+) -> None:
+    from broker_server.commands.start_cli import Access, _local_broker, listener_tls
+    from broker_server.ops.broker import PACKET_HEADROOM
+    from broker_server.ops.enrol import revoked
+    from broker_server.ops.security import private_dir, read_allow_list
+    from broker_server.ops.supervisor import stop_all_supervisors
+
+    check_name(fed, "--fed")
+    private_dir(state_dir)
+    _fleet_file(state_dir, fed, listen)
+    enrolled = _enrolled(state_dir)
+    ids = read_allow_list(allow) if allow else enrolled or [f"device-{i}" for i in range(1, (devices or 0) + 1)]
+    ids = [i for i in ids if i not in revoked(state_dir)]  # `devices revoke` took them out: not enrolled again
+    access = Access(
+        listen, False, sorted(set(ids) | set(enrolled)), None, None, listener_tls(None, None, None, None, tls), tls
+    )
+    access.check()
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("fleet: stopping (signal %d)", signum)
+        stop_all_supervisors()
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.ExitStack() as stack:
+            url, _, auth = _local_broker(
+                stack, None, fed, state_dir, access, local_broker, 10000, max_message_mb * 2**20 + PACKET_HEADROOM
+            )
+            assert auth is not None
+            log.info(
+                "fleet '%s' serving in %s: submit runs with protofl-server run submit --fleet %s NAME ...",
+                fed,
+                state_dir,
+                state_dir,
+            )
+            while not stop.is_set():
+                run = runs.next_run(state_dir)
+                if run is None:
+                    stop.wait(POLL_S)
+                    continue
+                _serve_run(run, url, fed, auth, connect_timeout, verbose, stop)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _enrolled(state_dir: Path) -> list[str]:
+    from broker_server.ops.security import FederationSecrets
+
+    store = state_dir / "security" / "credentials.json"
+    if not store.is_file():
+        return []
+    return sorted(FederationSecrets.from_json(store.read_text(), str(store)).devices)
+
+
+def _serve_run(
+    run: runs.Run, url: str, fed: str, auth: object, connect_timeout: float, verbose: bool, stop: threading.Event
+) -> None:
+    """Run `run` as a child `start` on the fleet's broker until it ends (or the fleet stops: it stays `running`,
+    and resumes when the fleet starts again)."""
+    from broker_server.scaleout.shard_service import child_env
+
+    secrets = auth.secrets  # type: ignore[attr-defined]
+    argv = [
+        sys.executable,
+        "-m",
+        "broker_server.cli",
+        "start",
+        "--broker",
+        url,
+        "--fed",
+        fed,
+        "--username",
+        secrets.server.username,
+        "--state-dir",
+        str(run.dir),
+        "--fleet-run",
+        run.name,
+        "--revoked-file",
+        str(run.dir.parent.parent / "security" / "revoked"),
+        "--device-logs",
+        str(run.dir.parent.parent / LOG_DIR),
+        "--connect-timeout",
+        str(connect_timeout),
+        *(["--verbose"] if verbose else []),
+        *run.args,
+    ]
+    env = child_env()
+    env[PASSWORD_ENV] = secrets.server.password
+    resumed = run.state == "running"
+    run.set_state("running")
+    log.info("run '%s' %s (log: %s)", run.name, "resumes" if resumed else "starts", run.log)
+    with open(run.log, "ab") as out:
+        child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_killed_with_parent)
+    asked = False
+    while child.poll() is None:
+        if stop.is_set():
+            child.send_signal(signal.SIGTERM)  # the run stays `running`: the fleet resumes it when it starts again
+            child.wait()
+            return
+        if run.stop_requested and not asked:
+            asked = True
+            child.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(POLL_S)
+    code = child.returncode
+    state = "stopped" if run.stop_requested else "finished" if code == 0 else "failed"
+    if state == "finished":
+        _report(run)
+    run.set_state(state)
+    log.info("run '%s' %s (exit %d)", run.name, state, code)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork
+
+
+def _killed_with_parent() -> None:
+    """In the forked run server, before exec: SIGKILL when the fleet server dies without stopping it (a crash of
+    the fleet is a crash of its run: the run resumes from its journal when the fleet starts again)."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _report(run: runs.Run) -> None:
+    """The run's report (protofl-server report) in FLEET/runs/NAME/report/: the plots where matplotlib is
+    installed, the summary always."""
+    from broker_server.commands.report_cli import load_runs, summary, write_report
+
+    out = run.dir / "report"
+    try:
+        loaded = load_runs([run.dir / "rounds.jsonl"])
+        try:
+            write_report(loaded, out)
+        except ConfigError as exc:  # no matplotlib: the summary still
+            log.warning("run '%s': report without plots (%s)", run.name, exc)
+            out.mkdir(exist_ok=True)
+            (out / "summary.md").write_text(summary(loaded))
+    except (ProtoFLError, OSError) as exc:
+        log.error("run '%s': no report: %s", run.name, exc)
+        return
+    log.info("run '%s': report in %s", run.name, out)
+
+
+# -- protofl-server run submit|list|stop|logs ------------------------------------------------------------------------
+run_app = typer.Typer(help="A fleet's runs: submit one to the queue, list them, stop one, read its server log.")
+FLEET_OPTION = typer.Option(..., "--fleet", help="The fleet's state dir (protofl-server fleet --state-dir).")
+
+
+@run_app.command("submit", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run_submit(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The run's name (letters, digits, _ . -): its directory FLEET/runs/NAME."),
+    fleet: Path = FLEET_OPTION,
+) -> None:
+    """Queue a run: the options after NAME are `protofl-server start`'s (--preset, --rounds, --min-clients, --set,
+    --public-data, --classes ...), except what the fleet sets (broker, credentials, --fed, --state-dir)."""
+    try:
+        run = runs.submit(fleet, name, list(ctx.args))
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"run '{run.name}' queued (#{run.seq}) in {run.dir}")
+
+
+@run_app.command("list")
+def run_list(fleet: Path = FLEET_OPTION) -> None:
+    """The fleet's runs in order: name, state, rounds logged, the options they run with."""
+    from broker_server.commands.start_cli import last_logged_round
+
+    try:
+        runs.check_fleet(fleet)
+        found = runs.list_runs(fleet)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not found:
+        typer.echo("no runs (protofl-server run submit --fleet FLEET NAME ...)")
+    for run in found:
+        typer.echo(
+            f"{run.seq:>3} {run.name:<20} {run.state:<9} rounds {last_logged_round(run.dir / 'rounds.jsonl'):>3}  "
+            f"{' '.join(run.args)}"
+        )
+
+
+@run_app.command("stop")
+def run_stop(name: str = typer.Argument(...), fleet: Path = FLEET_OPTION) -> None:
+    """Stop a run: a queued one never starts; a running one's server stops (its state stays in FLEET/runs/NAME)."""
+    try:
+        run = runs.request_stop(fleet, name)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"run '{run.name}': " + ("stopped" if run.state == "stopped" else "stop asked (the fleet stops it)"))
+
+
+@run_app.command("logs")
+def run_logs(
+    name: str = typer.Argument(...),
+    fleet: Path = FLEET_OPTION,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing lines as the run writes them."),
+) -> None:
+    """A run's server log (its `start` output)."""
+    import time
+
+    try:
+        run = runs.get_run(fleet, name)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not run.log.exists():
+        typer.echo(f"run '{name}' is {run.state}: no log yet", err=True)
+        if not follow:
+            return
+    pos = 0
+    while True:
+        if run.log.exists():
+            with open(run.log, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        if not follow or (run.state in runs.OVER and pos >= os.path.getsize(run.log)):
+            return
+        time.sleep(0.5)
+
+
+# -- protofl-server service install ----------------------------------------------------------------------------------
+service_app = typer.Typer(help="Run the fleet as a systemd service.")
+
+
+@service_app.command("install", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def service_install(
+    ctx: typer.Context,
+    state_dir: Path = typer.Option(..., "--state-dir", help="The fleet's state dir."),
+    out: Path = typer.Option(Path("/etc/systemd/system"), "--out", help="Where the unit file goes."),
+    name: str = typer.Option("protofl-fleet", "--name", help="The unit's name (NAME.service)."),
+    max_devices: int = typer.Option(
+        0, "--max-devices", help="Connections the broker must hold (LimitNOFILE); default: the enrolled, x2, >= 1000."
+    ),
+    user: str | None = typer.Option(None, "--user", help="Run as this user (default: root)."),
+) -> None:
+    """Write a systemd unit for `protofl-server fleet --state-dir DIR [the options after --]`: restarted on failure
+    (the run it died under resumes, crash exact), started at boot, LimitNOFILE for the fleet's connections."""
+    from broker_server.ops.capacity import files_for_fleet
+    from protofl.cli_options import check_options
+    from protofl.systemd import Unit, carried_env, install, python_module
+
+    args = ["--state-dir", str(state_dir.resolve()), *ctx.args]
+
+    def build() -> Unit:
+        check_options(fleet_command, "fleet", args)
+        devices = max_devices or max(1000, 2 * len(_enrolled(state_dir)))
+        return Unit(
+            name,
+            f"protofl-edge fleet server ({state_dir.resolve()})",
+            python_module("broker_server.cli", "fleet", *args),
+            state_dir.resolve().parent,
+            nofile=files_for_fleet(devices) + 1024,  # the broker's connections, and the server's own files
+            env=carried_env(),
+            user=user,
+        )
+
+    install(build, out)
+
+
+def logs_command(
+    device: str = typer.Argument(..., help="The device id."),
+    fleet: Path = typer.Option(..., "--fleet", help="The fleet's state dir (or a `start --state-dir`)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing lines as they come."),
+) -> None:
+    """A device's log lines, shipped by the device (protofl-edge join --ship-logs) and kept at the server (at most
+    30 lines a minute and 512 KB per device)."""
+    import time
+
+    from broker_server.ops.device_logs import log_files
+
+    try:
+        files = log_files(fleet / LOG_DIR, device)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if not files and not follow:
+        typer.echo(f"no log lines from {device} in {fleet / LOG_DIR}", err=True)
+        raise typer.Exit(1)
+    for path in files[:-1]:
+        sys.stdout.write(path.read_text(errors="replace"))
+    current = fleet / LOG_DIR / f"{device}.log"
+    pos = 0
+    while True:
+        try:
+            with open(current, "rb") as f:
+                if os.fstat(f.fileno()).st_size < pos:
+                    pos = 0  # rotated
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+        except OSError:
+            pass
+        if not follow:
+            return
+        time.sleep(0.5)

@@ -1,0 +1,165 @@
+"""A fleet's runs (broker_server/fleet/fleet.py): the queue of submitted runs under FLEET/runs/, one directory a run.
+
+`FLEET/runs/<name>/` is that run's state dir, as `protofl-server start --state-dir` keeps one (journal,
+checkpoint, rounds.jsonl, artifacts, report), plus `run.json` (its `start` options and its place in the queue),
+`state` (queued | running | finished | failed | stopped), `server.log` (the run's server log) and
+`stop-requested` (`run stop` asks the fleet to stop it). Only files: the commands that submit, list and stop
+runs need no connection to the fleet server, which reads the queue between runs. A run that was `running`
+when the fleet server died resumes first when it comes back (crash exact: its journal and checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from broker_server.ops.fleet_run import STOP, stop_requested
+from protofl.errors import ConfigError
+from protofl.names import check_name
+
+RUNS = "runs"
+SPEC, STATE, LOG = "run.json", "state", "server.log"
+STATES = ("queued", "running", "finished", "failed", "stopped")
+OVER = ("finished", "failed", "stopped")
+# What the fleet sets for every run (its broker, credentials, federation name, state dir): not a run's to choose.
+FLEET_OWNED = (
+    "--broker",
+    "--state-dir",
+    "--fed",
+    "--username",
+    "--password",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--listen",
+    "--port",
+    "--allow",
+    "--devices",
+    "--insecure",
+    "--tls",
+    "--local-broker",
+    "--broker-cert",
+    "--broker-key",
+    "--client-ca",
+    "--fleet-run",
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    dir: Path
+    seq: int
+    args: tuple[str, ...]
+    submitted: float
+
+    @property
+    def state(self) -> str:
+        try:
+            return (self.dir / STATE).read_text().strip() or "queued"
+        except OSError:
+            return "queued"
+
+    def set_state(self, state: str) -> None:
+        assert state in STATES, state
+        tmp = self.dir / (STATE + ".tmp")
+        tmp.write_text(state + "\n")
+        os.replace(tmp, self.dir / STATE)
+
+    @property
+    def stop_requested(self) -> bool:
+        return stop_requested(self.dir)
+
+    @property
+    def log(self) -> Path:
+        return self.dir / LOG
+
+
+def runs_dir(fleet: Path) -> Path:
+    return fleet / RUNS
+
+
+def _read(path: Path) -> Run:
+    try:
+        raw = json.loads((path / SPEC).read_text())
+        return Run(str(raw["name"]), path, int(raw["seq"]), tuple(map(str, raw["args"])), float(raw["submitted"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path / SPEC}: not a run's file ({exc})") from None
+
+
+def list_runs(fleet: Path) -> list[Run]:
+    """The fleet's runs in the order they were submitted."""
+    root = runs_dir(fleet)
+    if not root.is_dir():
+        return []
+    return sorted((_read(p) for p in root.iterdir() if (p / SPEC).is_file()), key=lambda r: r.seq)
+
+
+def get_run(fleet: Path, name: str) -> Run:
+    path = runs_dir(fleet) / check_name(name, "run name")
+    if not (path / SPEC).is_file():
+        known = ", ".join(r.name for r in list_runs(fleet)) or "none"
+        raise ConfigError(f"no run '{name}' in fleet {fleet} (runs: {known})")
+    return _read(path)
+
+
+def check_fleet(fleet: Path) -> None:
+    if not (fleet / "fleet.json").is_file():
+        raise ConfigError(
+            f"{fleet} is no fleet's state dir (no fleet.json): start one with protofl-server fleet --state-dir {fleet}"
+        )
+
+
+def submit(fleet: Path, name: str, args: list[str]) -> Run:
+    """Queue run `name` with these `start` options (checked: a bad one changes nothing)."""
+    check_fleet(fleet)
+    check_name(name, "run name")
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in FLEET_OWNED:
+            raise ConfigError(f"{flag}: the fleet sets it for every run (its broker, credentials and state dir)")
+    path = runs_dir(fleet) / name
+    if path.exists():
+        raise ConfigError(
+            f"run '{name}' exists in fleet {fleet} (state: {get_run(fleet, name).state}); pick a new name"
+        )
+    _check_start_options(args)
+    seq = max((r.seq for r in list_runs(fleet)), default=0) + 1
+    runs_dir(fleet).mkdir(mode=0o700, exist_ok=True)
+    tmp = runs_dir(fleet) / f".{name}.tmp"
+    tmp.mkdir(mode=0o700)
+    (tmp / SPEC).write_text(json.dumps({"name": name, "seq": seq, "args": args, "submitted": time.time()}) + "\n")
+    (tmp / STATE).write_text("queued\n")
+    os.replace(tmp, path)  # the fleet server never sees half a run
+    return _read(path)
+
+
+def _check_start_options(args: list[str]) -> None:
+    """Parse `args` as `protofl-server start` would, without running anything."""
+    from broker_server.commands.start_cli import start_command
+    from protofl.cli_options import check_options
+
+    check_options(start_command, "start", args)
+
+
+def next_run(fleet: Path) -> Run | None:
+    """The run to serve now: one that was running (the fleet server died under it), else the first queued."""
+    runs = list_runs(fleet)
+    for run in runs:
+        if run.state == "running":
+            return run
+    return next((r for r in runs if r.state == "queued"), None)
+
+
+def request_stop(fleet: Path, name: str) -> Run:
+    """Ask the fleet to stop run `name` (a queued one is stopped at once; a running one by the fleet server)."""
+    run = get_run(fleet, name)
+    if run.state in OVER:
+        raise ConfigError(f"run '{name}' is {run.state} already")
+    (run.dir / STOP).write_text(f"{time.time()}\n")
+    if run.state == "queued":
+        run.set_state("stopped")
+    return run

@@ -1,0 +1,33 @@
+"""What a run's server (`start --fleet-run NAME`, which broker_server/fleet/fleet.py starts) does as one run of a fleet:
+say its name on the retained `server/fleet` topic when it serves, and when it is over clear its retained config,
+public set and round (no device of the next run reads them) and say the fleet is idle; and whether `run stop`
+asked for it to stop (a stopped run is over too). Kept apart from fleet.py, which starts `start`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from protofl import topics
+from protofl.transport import Transport
+from protofl.wire import Status, encode_message
+
+STOP = "stop-requested"  # in a run's state dir: `protofl-server run stop` asks the fleet to stop it
+
+
+def announce_run(transport: Transport, fed: str, run: str) -> None:
+    """Say (retained) that the fleet's current run is `run`."""
+    payload = encode_message(Status(state="run", detail=run), fed=fed, sender=topics.SERVER_ID)
+    transport.publish(topics.fleet(fed), payload, retain=True)
+
+
+def end_run(transport: Transport, fed: str) -> None:
+    """The run is over: its retained messages cleared, the fleet idle."""
+    for topic in (topics.config(fed), topics.public(fed), topics.round_(fed)):
+        transport.publish(topic, b"", retain=True)
+    payload = encode_message(Status(state="idle", detail=""), fed=fed, sender=topics.SERVER_ID)
+    transport.publish(topics.fleet(fed), payload, retain=True)
+
+
+def stop_requested(state_dir: Path | None) -> bool:
+    """Whether `run stop` asked to stop the run kept in `state_dir`."""
+    return state_dir is not None and (state_dir / STOP).exists()

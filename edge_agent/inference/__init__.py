@@ -1,0 +1,2 @@
+"""Inference: ONNX export, onnxruntime sessions, prototype-space extraction behind one interface, and
+`protofl-edge predict` (onnxruntime alone)."""

@@ -1,0 +1,432 @@
+"""`protofl-edge doctor`: what stands between this device and its fleet, one line a check, each with what to do.
+
+Checks, in the order a join needs them: the credentials file; the clock (against the validity of the fleet's CA
+certificate in that file and of the broker's certificate: a Raspberry Pi without RTC boots at its last shutdown's
+time, or 1970, until NTP sets it, and TLS then refuses every certificate); the broker's host name (DNS); its port;
+TLS with the CA; the broker's login with the credentials; then, from what the broker retains, the clock against the
+server's time in its status and the run's model against this device's free memory (the measured peaks of
+edge_agent/ops/footprint.json); the data path and, with a class list, its class names; torch and onnxruntime and their
+versions; free memory and disk. No torch import unless torch is the check.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import typer
+
+from protofl.errors import ConfigError, ProtoFLError
+
+MIN_FREE_MB = 256  # below this much free memory or disk a round's training or checkpoint may fail
+CLOCK_SKEW_S = 60.0  # a device clock this far behind the server's status is wrong (rounds' deadlines are minutes)
+AGAIN = "run doctor again while a run is served"
+RETAINED_WAIT_S = 3.0  # how long doctor waits for the broker's retained server status and config
+
+
+@dataclass(frozen=True)
+class Finding:
+    status: str  # ok | warn | fail
+    check: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"{self.status.upper():<4} {self.check:<12} {self.detail}" + (f" -> {self.fix}" if self.fix else "")
+
+
+def _utc(ts: datetime) -> str:
+    return ts.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def clock_findings(ca_pem: str | None, peer_der: bytes | None, now: datetime) -> list[Finding]:
+    """This device's clock against the CA's and the broker's certificate validity."""
+    from cryptography import x509
+
+    certs = []
+    if ca_pem:
+        certs.append(("the fleet's CA certificate", x509.load_pem_x509_certificate(ca_pem.encode())))
+    if peer_der:
+        certs.append(("the broker's certificate", x509.load_der_x509_certificate(peer_der)))
+    if not certs:
+        return [Finding("ok", "clock", f"{_utc(now)} (no certificate to check it against: the broker has no TLS)")]
+    for what, cert in certs:
+        start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+        if now < start:
+            return [
+                Finding(
+                    "fail",
+                    "clock",
+                    f"this device's clock says {_utc(now)}, before {what} is valid (from {_utc(start)}): "
+                    "TLS refuses it",
+                    "set the clock: timedatectl set-ntp true (NTP needs the network first), or date -s 'YYYY-MM-DD "
+                    "HH:MM'; a device without RTC: enable fake-hwclock or an RTC module",
+                )
+            ]
+        if now > end:
+            return [
+                Finding(
+                    "fail",
+                    "clock",
+                    f"this device's clock says {_utc(now)}, after {what} expired ({_utc(end)})",
+                    "if the clock is right, the fleet's certificate expired: restart the fleet (it renews it) and "
+                    "copy the new devices/<id>.json; else set the clock (timedatectl set-ntp true)",
+                )
+            ]
+    return [Finding("ok", "clock", f"{_utc(now)}, within the certificates' validity")]
+
+
+def network_findings(
+    url: str,
+    username: str,
+    password: str,
+    ca_pem: str | None,
+    tls_ca: str | None,
+    fed: str = "default",
+    retained: dict[str, bytes] | None = None,
+) -> list[Finding]:
+    """DNS, the port, TLS with the CA and the broker's login; stops at the first that fails. Logged in, what the
+    broker retains for federation `fed` (its server status and config) goes into `retained`, by topic."""
+    import tempfile
+
+    from protofl.transport.broker_url import parse_broker_url
+    from protofl.transport.mqtt import MqttTransport, TransportError
+    from protofl.transport.tls import explain, probe
+
+    out: list[Finding] = []
+    with tempfile.TemporaryDirectory(prefix="protofl-doctor-") as tmp:
+        if ca_pem and not tls_ca:
+            tls_ca = str(Path(tmp) / "ca.pem")
+            Path(tls_ca).write_text(ca_pem)
+        opts = parse_broker_url(url).with_auth(username, password, tls_ca)
+        try:
+            addrs = sorted({str(a[4][0]) for a in socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM)})
+        except OSError as exc:
+            return [
+                Finding(
+                    "fail",
+                    "dns",
+                    f"cannot resolve '{opts.host}' ({exc})",
+                    "check the host name in --broker "
+                    "(or the file's broker), /etc/resolv.conf, or use the server's IP address",
+                )
+            ]
+        out.append(Finding("ok", "dns", f"{opts.host} is {', '.join(addrs)}"))
+        try:
+            socket.create_connection((opts.host, opts.port), timeout=5).close()
+        except OSError as exc:
+            return [
+                *out,
+                Finding(
+                    "fail",
+                    "port",
+                    f"{opts.host}:{opts.port} unreachable ({exc})",
+                    "is the fleet running there (protofl-server fleet), listening beyond loopback "
+                    "(--listen 0.0.0.0:PORT), and the port open in its firewall?",
+                ),
+            ]
+        out.append(Finding("ok", "port", f"{opts.host}:{opts.port} accepts connections"))
+        if opts.tls:
+            why = probe(opts)
+            if why is not None:
+                text = explain(why, opts) or str(why)
+                return [
+                    *out,
+                    Finding(
+                        "fail",
+                        "tls",
+                        text,
+                        "use the devices/<id>.json of this fleet (it carries the "
+                        "fleet's CA), or --tls-ca with the CA that signed the broker's certificate",
+                    ),
+                ]
+            out.append(Finding("ok", "tls", "the broker's certificate is signed by the CA and names the host"))
+        else:
+            out.append(
+                Finding(
+                    "warn",
+                    "tls",
+                    "no TLS (mqtt://): passwords and uploads cross the network in clear",
+                    "a fleet beyond loopback serves TLS: use mqtts://",
+                )
+            )
+        transport = MqttTransport(opts, f"{username}-doctor")
+        try:
+            transport.connect(8)
+            out.append(Finding("ok", "login", f"the broker takes {username}'s credentials"))
+            if retained is not None:
+                retained.update(_retained(transport, fed))
+        except (TransportError, TimeoutError) as exc:
+            out.append(
+                Finding(
+                    "fail",
+                    "login",
+                    str(exc),
+                    "this device may be revoked, or the file is another "
+                    "fleet's: ask for a new one (protofl-server devices add ID)",
+                )
+            )
+        finally:
+            transport.close()
+    return out
+
+
+def _retained(transport: object, fed: str) -> dict[str, bytes]:
+    """The server's retained status and config, as the broker hands them to a new subscriber (what came within
+    `RETAINED_WAIT_S`: a fleet between runs retains no config)."""
+    import threading
+
+    from protofl import topics
+
+    got: dict[str, bytes] = {}
+    both = threading.Event()
+    wanted = (topics.server_status(fed), topics.config(fed))
+
+    def keep(topic: str, payload: bytes) -> None:
+        if payload:
+            got[topic] = payload
+        if all(t in got for t in wanted):
+            both.set()
+
+    for topic in wanted:
+        transport.subscribe(topic, keep)  # type: ignore[attr-defined]
+    both.wait(RETAINED_WAIT_S)
+    return dict(got)
+
+
+def _retained_message(payload: bytes | None, check: str, what: str, why_none: str) -> object:
+    """A retained message, or the warning `check` says where there is none or it cannot be read."""
+    from protofl.wire import decode_message
+
+    if payload is None:
+        return Finding("warn", check, f"no {what} retained: {why_none}", AGAIN)
+    try:
+        return decode_message(payload)[1]
+    except ProtoFLError as exc:
+        return Finding("warn", check, f"the {what} is unreadable ({exc})", "")
+
+
+def server_clock_findings(status: bytes | None, now: datetime) -> list[Finding]:
+    """This device's clock against the server's time in its retained status (`with_server_time`). The status is
+    as old as the server's last change, so only a device clock behind it is known to be wrong."""
+    from protofl.wire import Status
+    from protofl.wire.messages import server_time
+
+    msg = _retained_message(status, "server-time", "server status", "no run served yet")
+    if isinstance(msg, Finding):
+        return [msg]
+    said = server_time(msg.detail) if isinstance(msg, Status) else None
+    if said is None:
+        return [Finding("warn", "server-time", "the server's status carries no time (an older server)", "")]
+    behind = said - now.timestamp()
+    when = _utc(datetime.fromtimestamp(said, timezone.utc))
+    if behind > CLOCK_SKEW_S:
+        return [
+            Finding(
+                "fail",
+                "server-time",
+                f"this device's clock ({_utc(now)}) is {behind / 60:.0f} min behind the server's: its status was "
+                f"written at {when}",
+                "set the clock: timedatectl set-ntp true (NTP needs the network first), or date -s 'YYYY-MM-DD HH:MM'",
+            )
+        ]
+    return [Finding("ok", "server-time", f"not behind the server's (its status was written at {when})")]
+
+
+def model_findings(config: bytes | None, available_mb: int | None) -> list[Finding]:
+    """The run's model (the retained config's archs) against this device's available memory, by the peaks
+    bench/bench_footprint.py measured (edge_agent/ops/footprint.json), under the run's preset where it was measured."""
+    from edge_agent.ops.footprint import peak_mb
+    from protofl.wire import Config
+
+    msg = _retained_message(config, "model", "run's config", "no run is served now")
+    if isinstance(msg, Finding):
+        return [msg]
+    archs = [str(a) for a in msg.params.get("archs", ())] if isinstance(msg, Config) else []
+    preset = msg.preset if isinstance(msg, Config) else None
+    peaks = {a: peak_mb(a, preset) for a in archs}
+    measured = {a: round(p) for a, p in peaks.items() if p is not None}
+    if not measured:
+        return [
+            Finding(
+                "warn",
+                "model",
+                f"the run's model {', '.join(archs) or '?'} has no measured footprint",
+                "measure it: python -m bench.bench_footprint --archs ARCH",
+            )
+        ]
+    arch, peak = max(measured.items(), key=lambda kv: kv[1])
+    what = f"the run's model {arch} peaked at {peak} MB in a measured join (edge_agent/ops/footprint.json)"
+    if available_mb is None:
+        return [Finding("warn", "model", f"{what}; this device's free memory is unknown", "")]
+    if available_mb < peak:
+        return [
+            Finding(
+                "fail",
+                "model",
+                f"{what}; {available_mb} MB available here",
+                "stop other programs, join with a smaller --arch (mlp peaked at "
+                f"{round(peak_mb('mlp', preset) or 0)} MB), or ask for a run with a smaller model",
+            )
+        ]
+    return [Finding("ok", "model", f"{what}; {available_mb} MB available here")]
+
+
+def available_mb() -> int | None:
+    """MemAvailable from /proc/meminfo, in MB (None where there is none)."""
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(meminfo["MemAvailable"].split()[0]) // 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def data_findings(data: str | None, classes: Path | None) -> list[Finding]:
+    from protofl.data.loaders import check_source
+
+    if data is None:
+        return [Finding("warn", "data", "not checked", "pass --data as to join")]
+    try:
+        check_source(data)
+    except ProtoFLError as exc:
+        return [Finding("fail", "data", str(exc), "fix --data: the path as this device sees it")]
+    out = [Finding("ok", "data", f"{data} is there")]
+    if classes is not None:
+        try:
+            names = [x.strip() for x in classes.read_text().splitlines() if x.strip()]
+        except OSError as exc:
+            return [*out, Finding("fail", "classes", f"{classes}: {exc}", "pass the fleet's class list")]
+        kind, _, path = data.partition(":")
+        folder = Path(path.split(",")[0]) if kind == "imagefolder" else None
+        if folder is not None and folder.is_dir():
+            from protofl.names import class_key
+
+            have = {p.name for p in folder.iterdir() if p.is_dir() and p.name != "test"}
+            unknown = sorted(n for n in have if class_key(n) not in {class_key(x) for x in names})
+            if unknown:
+                return [
+                    *out,
+                    Finding(
+                        "fail",
+                        "classes",
+                        f"folders the fleet does not name: {', '.join(unknown)}",
+                        "rename them as in the class list (case and spaces do not matter)",
+                    ),
+                ]
+        out.append(Finding("ok", "classes", f"{len(names)} class names"))
+    return out
+
+
+def software_findings() -> list[Finding]:
+    out = []
+    try:
+        import torch
+
+        out.append(Finding("ok", "torch", f"torch {torch.__version__}"))
+    except ImportError as exc:
+        from protofl.requirements import TORCH_INSTALL_HINT
+
+        out.append(Finding("fail", "torch", f"torch cannot be imported ({exc}): join needs it", TORCH_INSTALL_HINT))
+    try:
+        import onnxruntime
+
+        out.append(Finding("ok", "onnxruntime", f"onnxruntime {onnxruntime.__version__}"))
+    except ImportError:
+        out.append(
+            Finding(
+                "warn",
+                "onnxruntime",
+                "not installed (only predict and --extractor onnx need it)",
+                "pip install 'protofl-edge[onnx]'",
+            )
+        )
+    return out
+
+
+def resource_findings(where: Path) -> list[Finding]:
+    out = []
+    free_mb = available_mb()
+    if free_mb is None:
+        out.append(Finding("warn", "memory", "unknown (no /proc/meminfo)"))
+    else:
+        status = "ok" if free_mb >= MIN_FREE_MB else "warn"
+        out.append(
+            Finding(
+                status,
+                "memory",
+                f"{free_mb} MB available",
+                "" if status == "ok" else "stop other programs, or join with a smaller --arch / --profile",
+            )
+        )
+    disk_mb = shutil.disk_usage(where).free // 2**20
+    status = "ok" if disk_mb >= MIN_FREE_MB else "warn"
+    out.append(
+        Finding(
+            status,
+            "disk",
+            f"{disk_mb} MB free in {where}",
+            "" if status == "ok" else "free space: checkpoints and artifacts go there",
+        )
+    )
+    return out
+
+
+def doctor_command(
+    credentials: Path | None = typer.Option(None, help="This device's credentials file (devices/<id>.json)."),
+    broker: str | None = typer.Option(None, help="Broker URL (default: the one in --credentials)."),
+    data: str | None = typer.Option(None, help="The --data this device joins with."),
+    classes: Path | None = typer.Option(None, "--classes", help="The fleet's class names, one a line."),
+    tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA certificate (default: the one in --credentials)."),
+    state_dir: Path = typer.Option(Path("."), "--state-dir", help="Where checkpoints and artifacts go (disk)."),
+) -> None:
+    """Check what a join needs, one line each with what to do; exit 1 when a check fails."""
+    from protofl.transport.credentials import read_device_file
+
+    found: list[Finding] = []
+    ca_pem = username = password = None
+    fed = "default"
+    if credentials is not None:
+        try:
+            file = read_device_file(credentials)
+            ca_pem, username, password = file.ca_pem, file.credentials.username, file.credentials.password
+            fed = file.fed or fed
+            broker = broker or file.broker
+            found.append(Finding("ok", "credentials", f"{credentials}: device {username}, fleet '{file.fed}'"))
+        except ConfigError as exc:
+            found.append(
+                Finding("fail", "credentials", str(exc), "copy this device's devices/<id>.json from the fleet")
+            )
+    else:
+        found.append(Finding("warn", "credentials", "not checked", "pass --credentials devices/<id>.json"))
+    peer = None
+    if broker is not None:
+        from protofl.transport.broker_url import parse_broker_url
+        from protofl.transport.tls import peer_certificate
+
+        try:
+            opts = parse_broker_url(broker)
+            peer = peer_certificate(opts.host, opts.port) if opts.tls else None
+        except ProtoFLError as exc:
+            found.append(Finding("fail", "broker", str(exc), "fix --broker: mqtts://HOST:PORT"))
+            broker = None
+    found += clock_findings(ca_pem, peer, datetime.now(timezone.utc))
+    if broker is not None and username is not None and password is not None:
+        retained: dict[str, bytes] = {}
+        found += network_findings(broker, username, password, ca_pem, tls_ca, fed, retained)
+        if any(f.check == "login" and f.status == "ok" for f in found):
+            from protofl import topics
+
+            found += server_clock_findings(retained.get(topics.server_status(fed)), datetime.now(timezone.utc))
+            found += model_findings(retained.get(topics.config(fed)), available_mb())
+    elif broker is None:
+        found.append(Finding("warn", "broker", "not checked", "pass --broker, or credentials that name it"))
+    found += data_findings(data, classes)
+    found += software_findings()
+    found += resource_findings(state_dir if state_dir.exists() else Path("."))
+    for f in found:
+        typer.echo(f.line())
+    if any(f.status == "fail" for f in found):
+        raise typer.Exit(1)
