@@ -181,6 +181,7 @@ class AggregatorService:
             transport=self.transport,
             metrics=watchers.metrics,
             broker_restarts=watchers.broker_restarts,
+            fleet_privacy=watchers.fleet_privacy,
         )
         # Drops the broker reports ($SYS), and the re-send requests they call for (broker_server/ops/resend.py).
         self.broker_drops = BrokerDrops()

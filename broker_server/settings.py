@@ -40,6 +40,7 @@ from protofl.transport.mqtt import DEFAULT_SESSION_EXPIRY_S
 from protofl.wire import Limits, Metrics, PublicSet
 
 if TYPE_CHECKING:
+    from broker_server.ops.privacy_ledger import FleetView
     from broker_server.watch.board import SnapshotBoard
     from broker_server.watch.metrics import FederationMetrics
 
@@ -184,11 +185,13 @@ class Pacing:
 @dataclass(frozen=True)
 class Watchers:
     """What watches the server (`start --metrics-port/--ui-port`): the board the HTTP servers read (None: one of
-    the service's own), the Prometheus metrics it observes, and the restarts of a broker `start` supervises."""
+    the service's own), the Prometheus metrics it observes, the restarts of a broker `start` supervises, and a
+    fleet run's view of the fleet's privacy ledger (broker_server/ops/privacy_ledger.py)."""
 
     board: SnapshotBoard | None = None
     metrics: FederationMetrics | None = None
     broker_restarts: Callable[[], int] | None = None
+    fleet_privacy: FleetView | None = None
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ CONNECT_TIMEOUT = typer.Option(
 )
 
 
-def check_options(command: Callable[..., Any], name: str, args: list[str]) -> None:
+def check_options(command: Callable[..., Any], name: str, args: list[str]) -> dict[str, Any]:
     """Parse `args` as the typer command function `command` would (unknown options, bad values), without running
-    it: what a queued run or a written service unit will run with is refused now, with click's reason."""
+    it: what a queued run or a written service unit will run with is refused now, with click's reason. Returns the
+    parsed values, by the function's parameter names."""
     from protofl.errors import ConfigError
 
     if "--help" in args:
@@ -38,6 +39,7 @@ def check_options(command: Callable[..., Any], name: str, args: list[str]) -> No
     app = typer.Typer()
     app.command()(command)
     try:
-        typer.main.get_command(app).make_context(name, list(args), resilient_parsing=False)
+        ctx = typer.main.get_command(app).make_context(name, list(args), resilient_parsing=False)
     except typer.TyperException as exc:  # click's usage errors (typer vendors click in some releases)
         raise ConfigError(f"{name} options: {getattr(exc, 'format_message', exc.__str__)()}") from None
+    return dict(ctx.params)

@@ -315,6 +315,12 @@ def start_command(
     device_logs: Path | None = typer.Option(
         None, "--device-logs", hidden=True, help="Where the devices' log lines go (default: STATE_DIR/device-logs)."
     ),
+    fleet_ledger: Path | None = typer.Option(
+        None,
+        "--fleet-ledger",
+        hidden=True,
+        help="A fleet's privacy ledger (broker_server/ops/privacy_ledger.py): shown; this run's spend is written.",
+    ),
 ) -> None:
     """Run the aggregator until the federation's last round: one log line per round."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
@@ -383,6 +389,7 @@ def start_command(
                 None if fleet_run is None else check_name(fleet_run, "--fleet-run"),
                 revoked_file,
                 device_logs,
+                fleet_ledger,
             )
         )
     except (ProtoFLError, TimeoutError) as exc:
@@ -978,6 +985,7 @@ class Start:
     device_logs: Path | None = (
         None  # where devices' log lines go (broker_server/ops/device_logs.py; default in state dir)
     )
+    fleet_ledger: Path | None = None  # a fleet's privacy ledger (broker_server/ops/privacy_ledger.py), with fleet_run
 
 
 def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
@@ -995,6 +1003,31 @@ def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
         return bool(service.finished and not service.round_log.pending)
 
     return until
+
+
+def _fleet_view(s: Start) -> Any:
+    """A fleet run's view of the fleet's privacy ledger, for its watchers (None outside a fleet)."""
+    from broker_server.ops.privacy_ledger import FleetView
+
+    if s.fleet_ledger is None or s.fleet_run is None:
+        return None
+    return FleetView.read(s.fleet_ledger, s.fleet_run)
+
+
+def _spend_writer(s: Start, state_dir: Path | None, dp: Any) -> Any:
+    """`write(service, final)`: a fleet run's spend so far in its state dir's spend.json, which the fleet records in
+    its privacy ledger when the run's server exits (broker_server/ops/privacy_ledger.py); nothing outside a fleet."""
+    from broker_server.ops.privacy_ledger import run_spend, write_spend
+
+    run = s.fleet_run
+
+    def write(service: Any, final: bool) -> None:
+        if run is None or s.fleet_ledger is None or state_dir is None:
+            return
+        m = service.aggregator.machine
+        write_spend(state_dir, run_spend(run, dp, m.state.accepted, len(m.records), final))
+
+    return write
 
 
 def _serve(s: Start) -> None:
@@ -1040,7 +1073,12 @@ def _serve(s: Start) -> None:
 
         live: list[Any] = []  # the service, once built: a journal replay closes rounds before it exists
 
+        dp = privacy.resolve(cfg, cfg.draft)  # differential privacy: each round's line says the epsilon spent
+        spend = _spend_writer(s, state_dir, dp)
+
         def on_round_end(rec: Any) -> None:
+            if live:
+                spend(live[0], False)
             if state_dir is not None and live:  # what a device could be given now (docs/design.md section 9)
                 write_server_artifacts(
                     live[0].aggregator.model,
@@ -1050,8 +1088,6 @@ def _serve(s: Start) -> None:
                     finished=rec.round >= cfg.rounds or live[0].aggregator.finished,  # (or its DP budget spent)
                     backbone=_backbone_of(live[0].aggregator),
                 )
-
-        dp = privacy.resolve(cfg, cfg.draft)  # differential privacy: each round's line says the epsilon spent
 
         def on_round_logged(rec: Any, accs: dict[str, float | None], reported: int) -> None:
             """A round's line once its metrics are in (or their grace passed): bytes, clients, accuracies and how
@@ -1076,7 +1112,7 @@ def _serve(s: Start) -> None:
 
         pacing = Pacing(resend_window=resend_window(s.queue, uploads_per_phase(cfg)))
         hooks = Hooks(on_round_end=on_round_end, on_round_logged=on_round_logged)
-        watchers = Watchers(board, metrics, broker_restarts if broker_is_ours else None)
+        watchers = Watchers(board, metrics, broker_restarts if broker_is_ours else None, _fleet_view(s))
         transport = server_transport(link, fed, durable=s.durability.enabled)
         service = AggregatorService(
             s.federation,
@@ -1089,6 +1125,7 @@ def _serve(s: Start) -> None:
             hooks=hooks,
         )
         live.append(service)
+        spend(service, False)  # before it serves: what its journal says it spent (nothing for a new run)
         spawn_shards(s.sharding, stack, fed, broker, state_dir, auth if broker_is_ours else None, s.connect_timeout)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -1136,6 +1173,7 @@ def _serve(s: Start) -> None:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             service.close()
+            spend(service, True)
             if state_dir is not None and started:
                 path = save_server_model(service.aggregator.model, state_dir / "server_model.npz")
                 write_server_artifacts(

@@ -10,6 +10,11 @@ dies with the fleet server (PR_SET_PDEATHSIG); a fleet server started again resu
 Devices stay connected between runs: a run's server says its name on the retained `server/fleet` topic
 (`announce_run`) and, when it ends, clears its retained config, public set and round and says the fleet is idle
 (`end_run`); a device of a fleet then waits for the next run's config instead of leaving (edge_agent/ops/runner.py).
+
+The fleet keeps a privacy ledger (broker_server/ops/privacy_ledger.py): each run's server says what it spent on each
+device (FLEET/runs/NAME/spend.json); when the run's server has exited, the fleet records it in
+FLEET/privacy-ledger.json. With a budget (`--epsilon-budget`, kept in fleet.json), `run submit` refuses a run
+that would take an enrolled device over it, and the fleet checks a queued run again before starting it.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import typer
 
 from broker_server.fleet import runs
+from broker_server.ops import privacy_ledger
 from broker_server.ops.device_logs import LOG_DIR
+from broker_server.ops.privacy_ledger import BUDGET_KEY, check_budget_value
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
 from protofl.transport.broker_url import PASSWORD_ENV
@@ -40,16 +48,24 @@ FLEET_PACKET_MB = 64  # the fleet's broker refuses bigger messages (runs differ:
 POLL_S = 1.0  # how often an idle fleet looks for a submitted run, and a running one for a stop request
 
 
-def _fleet_file(state_dir: Path, fed: str, listen: str) -> dict[str, str]:
-    """The fleet's settings, kept from its first start: the federation name cannot change under its devices."""
+def _fleet_file(state_dir: Path, fed: str, listen: str, epsilon_budget: float | None = None) -> dict[str, Any]:
+    """The fleet's settings, kept from its first start: the federation name cannot change under its devices. The
+    privacy budget is kept from the start that set it; a later --epsilon-budget changes it."""
     path = state_dir / FLEET_FILE
+    saved: dict[str, Any] = {"fed": fed, "listen": listen}
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved.get("fed") != fed:
             raise ConfigError(f"{state_dir} is fleet '{saved.get('fed')}', not '{fed}': pass --fed {saved.get('fed')}")
-        return dict(saved)
-    saved = {"fed": fed, "listen": listen}
-    path.write_text(json.dumps(saved) + "\n")
+        if epsilon_budget is None or saved.get(BUDGET_KEY) == epsilon_budget:
+            return dict(saved)
+    if epsilon_budget is not None:
+        if saved.get(BUDGET_KEY) is not None:
+            log.info("fleet: privacy budget epsilon %g (was %g)", epsilon_budget, saved[BUDGET_KEY])
+        saved[BUDGET_KEY] = check_budget_value(epsilon_budget)
+    tmp = path.with_name(FLEET_FILE + ".tmp")
+    tmp.write_text(json.dumps(saved) + "\n")
+    os.replace(tmp, path)
     return saved
 
 
@@ -70,6 +86,12 @@ def fleet_command(
         FLEET_PACKET_MB, "--max-message-mb", help="The largest message the fleet's broker carries (MB)."
     ),
     connect_timeout: float = typer.Option(30.0, help="Seconds a run's server waits for the broker at its start."),
+    epsilon_budget: float | None = typer.Option(
+        None,
+        "--epsilon-budget",
+        help="The privacy budget of each device over all runs (epsilons summed): run submit refuses a run that "
+        "could take an enrolled device over it. Kept in fleet.json; given again, it changes.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every run's joins and phases too."),
 ) -> None:
     """Serve a fleet: its broker and credentials stay up; the runs submitted (protofl-server run submit) run one
@@ -89,6 +111,7 @@ def fleet_command(
             max_message_mb,
             connect_timeout,
             verbose,
+            epsilon_budget,
         )
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -106,6 +129,7 @@ def _serve_fleet(
     max_message_mb: int,
     connect_timeout: float,
     verbose: bool,
+    epsilon_budget: float | None = None,
 ) -> None:
     from broker_server.commands.start_cli import Access, _local_broker, listener_tls
     from broker_server.ops.broker import PACKET_HEADROOM
@@ -115,7 +139,7 @@ def _serve_fleet(
 
     check_name(fed, "--fed")
     private_dir(state_dir)
-    _fleet_file(state_dir, fed, listen)
+    _fleet_file(state_dir, fed, listen, epsilon_budget)
     enrolled = _enrolled(state_dir)
     ids = read_allow_list(allow) if allow else enrolled or [f"device-{i}" for i in range(1, (devices or 0) + 1)]
     ids = [i for i in ids if i not in revoked(state_dir)]  # `devices revoke` took them out: not enrolled again
@@ -155,12 +179,9 @@ def _serve_fleet(
 
 
 def _enrolled(state_dir: Path) -> list[str]:
-    from broker_server.ops.security import FederationSecrets
+    from broker_server.ops.enrol import enrolled
 
-    store = state_dir / "security" / "credentials.json"
-    if not store.is_file():
-        return []
-    return sorted(FederationSecrets.from_json(store.read_text(), str(store)).devices)
+    return enrolled(state_dir)
 
 
 def _serve_run(
@@ -171,6 +192,15 @@ def _serve_run(
     from broker_server.scaleout.shard_service import child_env
 
     secrets = auth.secrets  # type: ignore[attr-defined]
+    fleet = run.dir.parent.parent
+    resumed = run.state == "running"
+    refused = None if resumed else runs.over_budget(fleet, run.name)
+    if refused is not None:  # the budget was lowered since it was submitted
+        log.error("run '%s' not started: %s", run.name, refused)
+        with open(run.log, "a") as out:
+            out.write(f"not started: {refused}\n")
+        run.set_state("failed")
+        return
     argv = [
         sys.executable,
         "-m",
@@ -190,6 +220,8 @@ def _serve_run(
         str(run.dir.parent.parent / "security" / "revoked"),
         "--device-logs",
         str(run.dir.parent.parent / LOG_DIR),
+        "--fleet-ledger",
+        str(privacy_ledger.ledger_path(fleet)),
         "--connect-timeout",
         str(connect_timeout),
         *(["--verbose"] if verbose else []),
@@ -197,7 +229,6 @@ def _serve_run(
     ]
     env = child_env()
     env[PASSWORD_ENV] = secrets.server.password
-    resumed = run.state == "running"
     run.set_state("running")
     log.info("run '%s' %s (log: %s)", run.name, "resumes" if resumed else "starts", run.log)
     with open(run.log, "ab") as out:
@@ -214,11 +245,38 @@ def _serve_run(
         with contextlib.suppress(subprocess.TimeoutExpired):
             child.wait(POLL_S)
     code = child.returncode
+    _record_spend(run, fleet)  # before the run is marked over: a fleet dying here records it again, the same
     state = "stopped" if run.stop_requested else "finished" if code == 0 else "failed"
     if state == "finished":
         _report(run)
     run.set_state(state)
     log.info("run '%s' %s (exit %d)", run.name, state, code)
+
+
+def _record_spend(run: runs.Run, fleet: Path) -> None:
+    """The ended run's spend, in the fleet's privacy ledger (nothing where its server never served)."""
+    spend = privacy_ledger.read_spend(run.dir)
+    if spend is None:
+        return
+    if not spend.final:
+        log.warning(
+            "run '%s': its server ended without its last figures; every enrolled device is charged its planned "
+            "epsilon (%s)",
+            run.name,
+            "unbounded: no DP" if spend.planned is None else f"{spend.planned:g}",
+        )
+    ledger = privacy_ledger.record(fleet, spend.charged_to(_enrolled(fleet)))
+    charged = ledger.runs[run.name]
+    log.info(
+        "run '%s': privacy ledger: %d device(s) charged %s (%d round(s)); the most spent now: %s",
+        run.name,
+        len(charged.devices),
+        "unbounded epsilon (no DP)"
+        if charged.planned is None
+        else f"epsilon up to {max((s.epsilon for s in charged.devices.values()), default=0.0):.3g}",
+        charged.rounds,
+        max(ledger.totals().values(), key=lambda s: s.epsilon, default=privacy_ledger.Spend()).text(),
+    )
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded before any fork

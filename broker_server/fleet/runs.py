@@ -2,10 +2,12 @@
 
 `FLEET/runs/<name>/` is that run's state dir, as `protofl-server start --state-dir` keeps one (journal,
 checkpoint, rounds.jsonl, artifacts, report), plus `run.json` (its `start` options and its place in the queue),
-`state` (queued | running | finished | failed | stopped), `server.log` (the run's server log) and
-`stop-requested` (`run stop` asks the fleet to stop it). Only files: the commands that submit, list and stop
-runs need no connection to the fleet server, which reads the queue between runs. A run that was `running`
-when the fleet server died resumes first when it comes back (crash exact: its journal and checkpoint).
+`state` (queued | running | finished | failed | stopped), `server.log` (the run's server log),
+`stop-requested` (`run stop` asks the fleet to stop it) and `spend.json` (what it spent on each device, for the
+fleet's privacy ledger, broker_server/ops/privacy_ledger.py, which `submit` holds a new run to). Only files: the
+commands that submit, list and stop runs need no connection to the fleet server, which reads the queue between
+runs. A run that was `running` when the fleet server died resumes first when it comes back (crash exact: its
+journal and checkpoint).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from broker_server.ops import privacy_ledger
 from broker_server.ops.fleet_run import STOP, stop_requested
 from protofl.errors import ConfigError
 from protofl.names import check_name
@@ -45,6 +49,7 @@ FLEET_OWNED = (
     "--broker-key",
     "--client-ca",
     "--fleet-run",
+    "--fleet-ledger",
 )
 
 
@@ -126,7 +131,10 @@ def submit(fleet: Path, name: str, args: list[str]) -> Run:
         raise ConfigError(
             f"run '{name}' exists in fleet {fleet} (state: {get_run(fleet, name).state}); pick a new name"
         )
-    _check_start_options(args)
+    params = _check_start_options(args)
+    refused = over_budget(fleet, name, params)
+    if refused is not None:
+        raise ConfigError(refused)
     seq = max((r.seq for r in list_runs(fleet)), default=0) + 1
     runs_dir(fleet).mkdir(mode=0o700, exist_ok=True)
     tmp = runs_dir(fleet) / f".{name}.tmp"
@@ -137,12 +145,51 @@ def submit(fleet: Path, name: str, args: list[str]) -> Run:
     return _read(path)
 
 
-def _check_start_options(args: list[str]) -> None:
-    """Parse `args` as `protofl-server start` would, without running anything."""
+def _check_start_options(args: list[str]) -> dict[str, Any]:
+    """Parse `args` as `protofl-server start` would, without running anything: the options' values."""
     from broker_server.commands.start_cli import start_command
     from protofl.cli_options import check_options
 
-    check_options(start_command, "start", args)
+    return check_options(start_command, "start", args)
+
+
+def planned_epsilon(params: dict[str, Any]) -> float | None:
+    """The most a run with these `start` options may spend on a device: its `dp_epsilon` from its preset, config
+    file and --set (None: no differential privacy)."""
+    from broker_server.cli_common import parse_sets
+    from protofl.presets import make_config
+
+    config = params.get("config")
+    cfg = make_config(params["preset"], str(config) if config else None, strict=True, **parse_sets(params["set_"]))
+    return None if cfg.dp_epsilon is None else float(cfg.dp_epsilon)
+
+
+def over_budget(fleet: Path, name: str, params: dict[str, Any] | None = None) -> str | None:
+    """Why run `name` (its `start` options `params`; default: its run.json's) may not run on this fleet: its
+    planned epsilon, after the runs queued or running before it, would take an enrolled device over the fleet's
+    budget (None: it fits, or there is no budget). `submit` asks, and the fleet again before it starts a queued run
+    (the budget may have been lowered since)."""
+    from broker_server.ops.enrol import enrolled
+
+    limit = privacy_ledger.budget(fleet)
+    if limit is None:
+        return None
+    queued = list_runs(fleet)
+    seq = next((r.seq for r in queued if r.name == name), None)  # None: a new submission, after every run
+    if params is None:
+        params = _check_start_options(list(get_run(fleet, name).args))
+    ahead = [
+        privacy_ledger.Planned(r.name, planned_epsilon(_check_start_options(list(r.args))))
+        for r in queued
+        if r.state in ("queued", "running") and r.name != name and (seq is None or r.seq < seq)
+    ]
+    return privacy_ledger.over_budget(
+        privacy_ledger.read_ledger(privacy_ledger.ledger_path(fleet)),
+        enrolled(fleet),
+        limit,
+        privacy_ledger.Planned(name, planned_epsilon(params)),
+        ahead,
+    )
 
 
 def next_run(fleet: Path) -> Run | None:

@@ -34,6 +34,13 @@ def _secrets(state_dir: Path) -> FederationSecrets:
     return FederationSecrets.from_json(store.read_text(), str(store))
 
 
+def enrolled(state_dir: Path) -> list[str]:
+    """The devices enrolled now (none where no credentials were written yet)."""
+    if not (state_dir / "security" / "credentials.json").is_file():
+        return []
+    return sorted(_secrets(state_dir).devices)
+
+
 def revoked(state_dir: Path) -> list[str]:
     try:
         return [x for x in (state_dir / "security" / REVOKED).read_text().split() if x]
@@ -176,12 +183,19 @@ def devices_revoke(
 
 @devices_app.command("list")
 def devices_list(fleet: Path = STATE_OPTION) -> None:
-    """The enrolled devices and the revoked ones."""
+    """The enrolled devices and the revoked ones, each with the privacy it has spent over the fleet's runs (its
+    epsilon and delta summed over the runs it took part in: broker_server/ops/privacy_ledger.py)."""
+    from broker_server.ops.privacy_ledger import Spend, budget, ledger_path, read_ledger
+
     try:
         found = _secrets(fleet)
+        totals = read_ledger(ledger_path(fleet)).totals()
     except ProtoFLError as exc:
         _fail(exc)
-    for client_id in sorted(found.devices):
-        typer.echo(f"{client_id} enrolled")
-    for client_id in revoked(fleet):
-        typer.echo(f"{client_id} revoked")
+    limit = budget(fleet)
+    of = f" of budget {limit:g}" if limit is not None else ""
+    rows = [(i, "enrolled") for i in sorted(found.devices)] + [(i, "revoked") for i in revoked(fleet)]
+    width = max((len(i) for i, _ in rows), default=0)
+    for client_id, state in rows:
+        spent = totals.get(client_id, Spend())
+        typer.echo(f"{client_id} {state}{' ' * (width - len(client_id) + 9 - len(state))}  {spent.text()}{of}")

@@ -34,6 +34,7 @@ from protofl.wire import Metrics
 if TYPE_CHECKING:
     from broker_server.core.rounds import RoundRecord
     from broker_server.core.shell import Aggregator
+    from broker_server.ops.privacy_ledger import FleetView
     from broker_server.watch.metrics import FederationMetrics
     from protofl.transport import Connection
 
@@ -57,8 +58,9 @@ class LiveWatch:
         transport: Connection | None = None,
         metrics: FederationMetrics | None = None,
         broker_restarts: Callable[[], int] | None = None,
+        fleet_privacy: FleetView | None = None,
     ) -> None:
-        self.observer = FederationObserver(aggregator)
+        self.observer = FederationObserver(aggregator, fleet_privacy)
         self.board = board or SnapshotBoard()
         self.status_file = state_dir / STATUS_FILE if state_dir is not None else None
         self.transport = transport

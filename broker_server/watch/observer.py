@@ -18,10 +18,11 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from broker_server.core.progress import accuracies
 from broker_server.core.rounds import GraceOver, Presence, Received, RoundRecord
+from broker_server.ops.privacy_ledger import FleetView, run_spend
 from broker_server.scaleout.shard_closing import Progress
 from broker_server.watch.snapshot import (
     ACCURACY_KEYS,
@@ -60,8 +61,9 @@ def encoding(msg: Message) -> str:
 
 
 class FederationObserver:
-    def __init__(self, aggregator: Aggregator) -> None:
+    def __init__(self, aggregator: Aggregator, fleet_privacy: FleetView | None = None) -> None:
         self.agg = aggregator
+        self.fleet_privacy = fleet_privacy  # a fleet run: each device's spend over the fleet's runs, shown
         self.started = time.time()
         self.pid = os.getpid()
         # How each member's last upload travelled (its encoding), as seen live by this process: the counts and the
@@ -248,7 +250,15 @@ class FederationObserver:
             server_pid=self.pid,
             started=self.started,
             privacy=None if m.dp is None else privacy.ledger(m.dp, len(m.records)),
+            fleet_privacy=self._fleet_privacy(),
         )
+
+    def _fleet_privacy(self) -> dict[str, Any] | None:
+        view = self.fleet_privacy
+        if view is None:
+            return None
+        m = self.agg.machine
+        return view.now(run_spend(view.run, m.dp, m.state.accepted, len(m.records), final=False))
 
     def _log_changes(self, members: Iterable[Member]) -> None:
         """Say who joined, went offline, left or came back since the last snapshot."""

@@ -12,6 +12,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from broker_server.ops.privacy_ledger import describe_fleet
 from broker_server.watch.snapshot import ACCURACY_KEYS, Member, Snapshot
 from broker_server.watch.sources import Reading
 from protofl import privacy
@@ -58,6 +59,8 @@ def header(reading: Reading, now: float) -> list[str]:
     ]
     if s.privacy is not None:
         lines.append(privacy.describe(s.privacy))
+    if s.fleet_privacy is not None:
+        lines.append(describe_fleet(s.fleet_privacy))
     lines += [f"  dropped: {d}" for d in s.last_drops]
     if s.refusals:  # why a federation may wait at 0 members: its devices cannot take part (issue 55)
         lines.append(f"refused by {len(s.refusals)} member(s):")

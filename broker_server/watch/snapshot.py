@@ -118,6 +118,9 @@ class Snapshot:
     # differential privacy (protofl/privacy.py `ledger`): the budget, delta, clip, noise, epsilon per round and
     # spent so far; None: the federation runs without DP
     privacy: dict[str, Any] | None = None
+    # a fleet's run (broker_server/ops/privacy_ledger.py `FleetView.now`): each device's epsilon and delta summed over
+    # the fleet's runs, this one's so far included, and the fleet's budget; None outside a fleet
+    fleet_privacy: dict[str, Any] | None = None
 
     def count(self, state: str) -> int:
         return sum(1 for m in self.members if m.state == state)
