@@ -110,6 +110,9 @@ class RunSpend:
             bool(raw.get("final", False)),
         )
 
+    def with_final(self) -> RunSpend:
+        return RunSpend(self.run, self.devices, self.planned, self.delta, self.rounds, True)
+
     def charged_to(self, enrolled: Iterable[str]) -> RunSpend:
         """What the ledger records for this run: its figures where its server said them as it ended; else (killed
         on its own) its planned epsilon on every device enrolled, since its open round's senders are not known."""
