@@ -9,10 +9,11 @@ import logging
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -43,6 +44,10 @@ from protofl.names import check_name
 from protofl.plan import RoundPlan
 from protofl.presets import preset_names
 from protofl.transport.broker_url import CONNECT_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from broker_server.ops.privacy_ledger import FleetView
+    from protofl.privacy import DpSettings
 
 log = logging.getLogger("protofl.service")
 
@@ -1005,7 +1010,7 @@ def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
     return until
 
 
-def _fleet_view(s: Start) -> Any:
+def _fleet_view(s: Start) -> FleetView | None:
     """A fleet run's view of the fleet's privacy ledger, for its watchers (None outside a fleet)."""
     from broker_server.ops.privacy_ledger import FleetView
 
@@ -1014,7 +1019,7 @@ def _fleet_view(s: Start) -> Any:
     return FleetView.read(s.fleet_ledger, s.fleet_run)
 
 
-def _spend_writer(s: Start, state_dir: Path | None, dp: Any) -> Any:
+def _spend_writer(s: Start, state_dir: Path | None, dp: DpSettings | None) -> Callable[[Any, bool], None]:
     """`write(service, final)`: a fleet run's spend so far in its state dir's spend.json, which the fleet records in
     its privacy ledger when the run's server exits (broker_server/ops/privacy_ledger.py); nothing outside a fleet."""
     from broker_server.ops.privacy_ledger import run_spend, write_spend

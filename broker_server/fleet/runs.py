@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from broker_server.ops import privacy_ledger
-from broker_server.ops.fleet_run import STOP, stop_requested
+from broker_server.ops.fleet_run import RUNS, SPEC, STATE, STOP, stop_requested
 from protofl.errors import ConfigError
 from protofl.names import check_name
 
-RUNS = "runs"
-SPEC, STATE, LOG = "run.json", "state", "server.log"
+LOG = "server.log"
 STATES = ("queued", "running", "finished", "failed", "stopped")
 OVER = ("finished", "failed", "stopped")
 # What the fleet sets for every run (its broker, credentials, federation name, state dir): not a run's to choose.

@@ -1,7 +1,9 @@
 """What a run's server (`start --fleet-run NAME`, which broker_server/fleet/fleet.py starts) does as one run of a fleet:
 say its name on the retained `server/fleet` topic when it serves, and when it is over clear its retained config,
 public set and round (no device of the next run reads them) and say the fleet is idle; and whether `run stop`
-asked for it to stop (a stopped run is over too). Kept apart from fleet.py, which starts `start`."""
+asked for it to stop (a stopped run is over too). Kept apart from fleet.py, which starts `start`. Also where a
+fleet's runs live (FLEET/runs/NAME/, broker_server/fleet/runs.py keeps the queue there), so that `status --state-dir
+FLEET` can show the run the fleet serves."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from protofl.transport import Transport
 from protofl.wire import Status, encode_message
 
 STOP = "stop-requested"  # in a run's state dir: `protofl-server run stop` asks the fleet to stop it
+RUNS = "runs"  # FLEET/runs/NAME/: a run's state dir
+SPEC, STATE = "run.json", "state"  # in a run's state dir: its options and place in the queue; its state
 
 
 def announce_run(transport: Transport, fed: str, run: str) -> None:
@@ -26,6 +30,23 @@ def end_run(transport: Transport, fed: str) -> None:
         transport.publish(topic, b"", retain=True)
     payload = encode_message(Status(state="idle", detail=""), fed=fed, sender=topics.SERVER_ID)
     transport.publish(topics.fleet(fed), payload, retain=True)
+
+
+def current_run(fleet: Path) -> Path | None:
+    """The state dir of the run fleet `fleet` serves (the one `running`), else of the last run that wrote its
+    status; None where `fleet` is no fleet's state dir or no run has started."""
+    root = fleet / RUNS
+    if not (fleet / "fleet.json").is_file() or not root.is_dir():
+        return None
+    dirs = sorted(p for p in root.iterdir() if (p / SPEC).is_file())
+    for path in dirs:
+        try:
+            if (path / STATE).read_text().strip() == "running":
+                return path
+        except OSError:
+            continue
+    shown = [p for p in dirs if (p / "status.json").is_file()]
+    return max(shown, key=lambda p: (p / "status.json").stat().st_mtime, default=None)
 
 
 def stop_requested(state_dir: Path | None) -> bool:

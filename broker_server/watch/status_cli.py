@@ -26,7 +26,8 @@ def status_command(
     state_dir: Path | None = typer.Option(
         None,
         "--state-dir",
-        help="The server's --state-dir, on the server box: read its status.json (no credentials needed).",
+        help="The server's --state-dir, on the server box: read its status.json (no credentials needed); a "
+        "fleet's state dir: the run it serves, or served last.",
     ),
     broker: str | None = typer.Option(
         None,
@@ -89,7 +90,9 @@ def _reader(
                 "STATE_DIR/security/monitor.json (from anywhere that reaches the broker; --broker URL where the "
                 "file does not say)"
             )
-        where = state_dir
+        from broker_server.ops.fleet_run import current_run
+
+        where = current_run(state_dir) or state_dir  # a fleet's: the run it serves (or served last)
         return lambda: read_state_dir(where)
     if credentials is None and state_dir is not None and username is None:
         credentials = state_dir / "security" / "monitor.json"

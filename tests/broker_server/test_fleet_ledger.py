@@ -1,8 +1,8 @@
 """A fleet's privacy ledger through the real commands (issue 58): `protofl-server fleet --epsilon-budget 20`, two
 `protofl-edge join` processes, two runs with local DP (dp_epsilon=8, one round each) submitted with `run submit`;
-then each device's summed epsilon in `devices list` and in the second run's `status` (status.json), a third run
-that would take both devices over the budget refused with their names (the queue unchanged), and the ledger read
-again after the fleet was stopped and started."""
+then each device's summed epsilon in `devices list` and in the fleet's `status` (the last run's status.json), a
+third run that would take both devices over the budget refused with their names (the queue unchanged), and the
+ledger read again after the fleet was stopped and started."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def test_two_dp_runs_are_summed_per_device_an_over_budget_run_is_refused_and_the
         rows = listed(fleet)
         for device in DEVICES:
             assert "enrolled" in rows[device] and "epsilon 16 (delta 2e-05) of budget 20" in rows[device], rows
-        # The second run's status (its status.json) shows the same, this run included.
-        status = fleet.run_dir("dp-2")
+        # The fleet's status (the run it served last: dp-2's status.json) shows the same, that run included.
+        status = fleet.state
         doc = json.loads(server_cli("status", "--state-dir", str(status), "--json").stdout)
         seen = doc["fleet_privacy"]
         assert seen["epsilon_budget"] == 20 and seen["run"] == "dp-2", seen
