@@ -194,7 +194,11 @@ def _serve_run(
     secrets = auth.secrets  # type: ignore[attr-defined]
     fleet = run.dir.parent.parent
     resumed = run.state == "running"
-    refused = None if resumed else runs.over_budget(fleet, run.name)
+    try:
+        refused = None if resumed else runs.over_budget(fleet, run.name)
+    except ProtoFLError as exc:  # its options no longer build a config: its `start` says why, in its log
+        log.warning("run '%s': its planned epsilon is not known (%s)", run.name, exc)
+        refused = None
     if refused is not None:  # the budget was lowered since it was submitted
         log.error("run '%s' not started: %s", run.name, refused)
         with open(run.log, "a") as out:
@@ -255,9 +259,15 @@ def _serve_run(
 
 def _record_spend(run: runs.Run, fleet: Path) -> None:
     """The ended run's spend, in the fleet's privacy ledger (nothing where its server never served)."""
-    spend = privacy_ledger.read_spend(run.dir)
-    if spend is None:
-        return
+    try:
+        spend = privacy_ledger.read_spend(run.dir)
+        if spend is not None:
+            _charge(run, fleet, spend)
+    except ProtoFLError as exc:
+        log.error("run '%s': NOT recorded in the privacy ledger: %s", run.name, exc)
+
+
+def _charge(run: runs.Run, fleet: Path, spend: privacy_ledger.RunSpend) -> None:
     if not spend.final:
         log.warning(
             "run '%s': its server ended without its last figures; every enrolled device is charged its planned "
