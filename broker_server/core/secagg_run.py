@@ -537,7 +537,9 @@ class SecAggClosing(Closing):
         wrong = sa.out_of_range(sums, weights, senders)
         if wrong:
             return self._fail(
-                machine, why, f"the unmasked sum of {senders} device(s) is not one their clipped inputs can give: {wrong}"
+                machine,
+                why,
+                f"the unmasked sum of {senders} device(s) is not one their clipped inputs can give: {wrong}",
             )
         fold_sum(run, sa.slot, sums, weights, senders)
         log.info("round %d secure aggregation: unmasked the sum of %d device(s)", r, senders)

@@ -1043,7 +1043,7 @@ class SaMasked(_Body):
         _set(self, blame=_positions(self.blame, "blame"))
 
     def to_body(self) -> dict:
-        body = {"y": encode_array(self.y, "u4")}
+        body: dict[str, Any] = {"y": encode_array(self.y, "u4")}
         if self.blame:
             body["blame"] = _pack_positions(self.blame)
         return body

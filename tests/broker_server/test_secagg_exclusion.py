@@ -18,7 +18,7 @@ import pytest
 from broker_server.core.secagg_run import exclusions
 from broker_server.core.shell import Aggregator
 from protofl.config import FederationConfig
-from protofl.transport import InProcessBroker
+from protofl.transport import InProcessBroker, Transport
 from protofl.wire import SaMasked, SaRouted, SaShares, decode_message, encode_message
 from tests.broker_server.test_restart_presence import Clock
 from tests.broker_server.test_secagg_rounds import CLIENTS, FED, Devices, _aggregator, _cfg, _plain, _protos, _steps
@@ -44,13 +44,15 @@ class Garbling(Devices):
 
     def __init__(
         self,
-        *args: object,
+        transport: Transport,
+        cfg: FederationConfig,
+        *,
         garble: str = "",
         spoil: tuple[str, str] = ("", ""),
         garbage: str = "",
         lose: tuple[str, int] = ("", 0),
     ) -> None:
-        super().__init__(*args)
+        super().__init__(transport, cfg, {})
         self.garble, self.spoil, self.garbage, self.lose = garble, spoil, garbage, lose
 
     def send(self, client: str, msg: object, round_: int = 0, phase: str = "") -> None:
@@ -59,7 +61,7 @@ class Garbling(Devices):
         if client == self.garble and isinstance(msg, SaShares):
             msg = SaShares([os.urandom(len(b)) for b in msg.boxes])
         if client == self.garbage and isinstance(msg, SaMasked):
-            msg = SaMasked(np.random.default_rng(7).integers(0, 2**32, msg.y.shape[0], dtype=np.uint32))
+            msg = SaMasked(np.asarray(np.random.default_rng(7).integers(0, 2**32, msg.y.shape[0], dtype=np.uint32)))
         super().send(client, msg, round_, phase)
 
     def _down(self, topic: str, payload: bytes) -> None:
@@ -78,7 +80,7 @@ def _garbled_run(cfg: FederationConfig | None = None, **kw: Any) -> tuple[Aggreg
     """A run of `Garbling` devices; the number of deadlines it took (each step that waited: one)."""
     cfg, broker, clock = cfg or _cfg(), InProcessBroker(), Clock()
     agg, _ = _aggregator(cfg, broker, clock)
-    devices = Garbling(broker.connect("devices"), cfg, {}, **kw)
+    devices = Garbling(broker.connect("devices"), cfg, **kw)
     devices.join()
     deadlines = 0
     broker.pump()
