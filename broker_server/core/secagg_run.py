@@ -15,7 +15,12 @@ folds anything:
 
 A step closes when every device still expected in it has sent its message, or at its deadline (the phase's
 `round_timeout`, again for each step) with enough to go on; a device that drops (its grace ran out, it gave up) is
-simply not waited for. Every message is an input of the round machine (rounds.py), journaled before it is
+simply not waited for. Past the keys step no step waits longer (`SecAggClosing.overdue`): with too few at its
+deadline the phase closes folding nothing, and the next round starts (a device restarted mid-phase takes part
+there). A device that cannot open a neighbour's box names it in its masked input and stays in; when the masked
+step closes, one of each such pair leaves the sum (`exclusions`: the named member where at least t neighbours
+named it, else the accuser), treated as a device that dropped after its shares. An unmasked sum that the
+survivors' clipped inputs cannot give is refused (`SecAggRun.out_of_range`), the global state kept. Every message is an input of the round machine (rounds.py), journaled before it is
 applied, so a restart replays them into the same steps; the graph's seed is a function of the config and the
 round (never the clock nor the OS's entropy), so a replay draws the same graph. What the server holds until the
 unmask step closes is only masked vectors (`SecAggRun.server.masked`).
