@@ -18,6 +18,7 @@ import pytest
 from broker_server.core.secagg_run import exclusions
 from broker_server.core.shell import Aggregator
 from protofl.config import FederationConfig
+from protofl.errors import WireError
 from protofl.transport import InProcessBroker, Transport
 from protofl.wire import SaMasked, SaRouted, SaShares, decode_message, encode_message
 from tests.broker_server.test_restart_presence import Clock
@@ -169,3 +170,12 @@ def test_a_server_restarted_mid_phase_does_not_bring_the_stall_back(tmp_path: Pa
     assert agg.round == 2 and not agg.finished and agg.records[0].round == 1  # round 1 closed, round 2 open
     assert d is not None
     d.close()
+
+
+def test_blame_travels_as_packed_positions_only_where_it_names_somebody() -> None:
+    plain = SaMasked(np.array([1, 2], dtype=np.uint32))
+    named = SaMasked(np.array([1, 2], dtype=np.uint32), blame=[0, 9])
+    assert "blame" not in plain.to_body() and named.to_body()["blame"] == bytes([0b1, 0b10])  # bits 0 and 9
+    assert SaMasked.from_body(named.to_body()).blame == [0, 9]
+    with pytest.raises(WireError, match="blame: names nobody"):
+        SaMasked.from_body({**plain.to_body(), "blame": b""})
