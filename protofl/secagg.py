@@ -254,15 +254,27 @@ class Device:
 
     def receive_shares(self, sealed: Mapping[str, bytes]) -> None:
         """The shares the neighbours sent this device (u -> ciphertext). Its point x in u's sharing is its rank in
-        u's neighbours, which the server names in the unmasking (`share_point`): the device needs none."""
+        u's neighbours, which the server names in the unmasking (`share_point`): the device needs none. Raises on
+        the first box that does not decrypt (`open_shares` keeps the others and names it instead)."""
+        bad = self.open_shares(sealed)
+        if bad:
+            raise SecAggError(f"{self.id}: the share from {bad[0]} does not decrypt")
+
+    def open_shares(self, sealed: Mapping[str, bytes]) -> list[str]:
+        """The shares of `sealed` that decrypt, kept; the senders of those that do not (forged or garbled: a member
+        that sent right-sized boxes it did not seal to this device), sorted. A device names them to the server and
+        goes on without them: its masked input carries no pair mask with them (`masked_input` over the others)."""
+        bad = []
         for u, box in sealed.items():
             if u not in self.keys_of:
                 raise SecAggError(f"{self.id}: a share from {u}, which is not a neighbour")
             try:
                 plain = self._box(u).decrypt(self._nonce(u, self.id), box, self._ad(u, self.id))
-            except Exception as exc:  # cryptography's InvalidTag: forged or garbled
-                raise SecAggError(f"{self.id}: the share from {u} does not decrypt") from exc
+            except Exception:  # cryptography's InvalidTag: forged or garbled
+                bad.append(u)
+                continue
             self.held[u] = (int.from_bytes(plain[:SHARE_BYTES], "big"), int.from_bytes(plain[SHARE_BYTES:], "big"))
+        return sorted(bad)
 
     def masked_input(self, x: np.ndarray, shared: Iterable[str]) -> np.ndarray:
         """y_u: the encoded input (uint32) plus its self mask and a pairwise mask per neighbour in `shared` (those
@@ -320,6 +332,9 @@ class Server:
     masked: dict[str, np.ndarray] = field(default_factory=dict)  # (U2)
     k: int | None = None
     answers: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)  # unmasking, by responder
+    # v -> the neighbours whose boxes v could not open (it named them): v's masked input carries no pair mask with
+    # them and v holds none of their shares, so no mask between them is removed
+    cut: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def advertised(self, device: str, keys: Keys) -> None:
         self.keys[device] = keys
@@ -379,8 +394,11 @@ class Server:
         for u in sorted(survivors):
             total -= prg(combine(b_shares.get(u, {}), t), n)
         for u in sorted(self.shared - survivors):  # dropped after sharing: their masks with survivors stay in
+            masked_with = sorted(v for v in self.graph[u] & survivors if u not in self.cut.get(v, ()))
+            if not masked_with:
+                continue  # (every surviving neighbour named it: no mask with it to remove, no key to rebuild)
             s_u = X25519PrivateKey.from_private_bytes(combine(s_shares.get(u, {}), t))
-            for v in sorted(self.graph[u] & survivors):
+            for v in masked_with:
                 # v added pair_mask(v, u); remove it
                 total -= pair_mask(v, u, pair_key(s_u, self.keys[v].s, self.context), n)
         return total.astype(np.uint32)
@@ -401,6 +419,7 @@ class Server:
                 v: {u: [kind, y.to_bytes(SHARE_BYTES, "big")] for u, (kind, y) in sorted(given.items())}
                 for v, given in sorted(self.answers.items())
             },
+            "cut": {v: sorted(us) for v, us in sorted(self.cut.items())},
         }
 
     @classmethod
@@ -416,6 +435,7 @@ class Server:
             v: {u: (str(kind), int.from_bytes(bytes(y), "big")) for u, (kind, y) in given.items()}
             for v, given in saved["answers"].items()
         }
+        out.cut = {v: frozenset(us) for v, us in saved.get("cut", {}).items()}
         return out
 
 

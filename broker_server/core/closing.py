@@ -80,6 +80,12 @@ class Closing(Protocol):
         the phase moves on, None where the machine's rules (quorum, target, buffer) decide."""
         return None
 
+    def overdue(self, machine: RoundMachine) -> bool:
+        """At the open phase's deadline with fewer than the floor: whether the phase closes all the same (its
+        strategy then folds what it can, or nothing), because no one new can join it; False: it waits another
+        deadline for devices to come, as a plain phase does."""
+        return False
+
     def ready(self, machine: RoundMachine) -> list[str] | None:
         """At the open phase's deadline: the clients that count toward the floor (None: those that sent what the
         phase asks of them)."""

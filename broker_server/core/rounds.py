@@ -481,7 +481,8 @@ class RoundMachine:
 
     def timers(self, now: float) -> list[GraceOver | DeadlinePassed]:
         """The timer inputs due at `now`: devices whose grace ran out, then the open phase's deadline.
-        A deadline that passes with fewer than min_clients complete is moved on by another round_timeout."""
+        A deadline that passes with fewer than min_clients complete is moved on by another round_timeout, unless
+        the closing strategy says waiting cannot help (`Closing.overdue`: it closes the phase itself)."""
         s = self.state
         if s.finished:
             return []
@@ -493,7 +494,7 @@ class RoundMachine:
             done = self.closing.ready(self)
             if done is None:
                 done = open_.done_clients()
-            if len(done) >= self.floor:
+            if len(done) >= self.floor or self.closing.overdue(self):
                 due.append(DeadlinePassed(s.round, open_.phase))
             else:
                 log.warning(

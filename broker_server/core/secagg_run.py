@@ -15,7 +15,12 @@ folds anything:
 
 A step closes when every device still expected in it has sent its message, or at its deadline (the phase's
 `round_timeout`, again for each step) with enough to go on; a device that drops (its grace ran out, it gave up) is
-simply not waited for. Every message is an input of the round machine (rounds.py), journaled before it is
+simply not waited for. Past the keys step no step waits longer (`SecAggClosing.overdue`): with too few at its
+deadline the phase closes folding nothing, and the next round starts (a device restarted mid-phase takes part
+there). A device that cannot open a neighbour's box names it in its masked input and stays in; when the masked
+step closes, one of each such pair leaves the sum (`exclusions`: the named member where at least t neighbours
+named it, else the accuser), treated as a device that dropped after its shares. An unmasked sum that the
+survivors' clipped inputs cannot give is refused (`SecAggRun.out_of_range`), the global state kept. Every message is an input of the round machine (rounds.py), journaled before it is
 applied, so a restart replays them into the same steps; the graph's seed is a function of the config and the
 round (never the clock nor the OS's entropy), so a replay draws the same graph. What the server holds until the
 unmask step closes is only masked vectors (`SecAggRun.server.masked`).
@@ -138,6 +143,31 @@ def graph_seed(cfg: FederationConfig, fed_context: bytes) -> bytes:
     return hashlib.sha256(b"protofl-secagg graph\0" + str(cfg.seed).encode() + b"\0" + fed_context).digest()[:16]
 
 
+def exclusions(blamed: Mapping[str, frozenset[str]], t: int) -> dict[str, str]:
+    """Who leaves the sum over the masked step's accusations (accuser -> the neighbours whose boxes it could not
+    open), with why. An accuser's masked input carries no pair mask with those it names, and the one it names
+    still carries its mask with the accuser, so of every such pair one must leave the sum; the server cannot tell
+    which box was bad. A member named by at least t of its neighbours (the threshold: a strict majority, more
+    than the colluders the protocol already assumes) leaves; otherwise every accuser of a member that stays
+    leaves instead, at its own cost, whatever the number it named: a lying member (or a few, fewer than t)
+    excludes no one but itself, as if it had dropped, and a member that garbles its boxes to fewer than t
+    neighbours costs the round those neighbours, as if they had dropped."""
+    named_by: dict[str, set[str]] = {}
+    for v, us in blamed.items():
+        for u in us:
+            named_by.setdefault(u, set()).add(v)
+    out = {
+        u: f"its shares do not decrypt at {len(vs)} neighbour(s) ({', '.join(sorted(vs))})"
+        for u, vs in sorted(named_by.items())
+        if len(vs) >= t
+    }
+    for v, us in sorted(blamed.items()):
+        alone = sorted(us - set(out))
+        if alone and v not in out:
+            out[v] = f"it named {', '.join(alone)}, whom fewer than t = {t} neighbours named"
+    return out
+
+
 class SecAggRun:
     """The open training phase's secure aggregation: its step, the protocol's server half, the deadline's step."""
 
@@ -154,6 +184,10 @@ class SecAggRun:
         self.routed: dict[str, dict[str, bytes]] = {}
         self.fp: secagg.FixedPoint | None = None
         self.failed = ""  # why the phase closed without a sum ("" while it goes on, and once it unmasked)
+        # accuser -> the neighbours whose routed boxes it could not open (its SaMasked named them), and the members
+        # the masked step's close left out of the sum for it, with why (`exclusions`)
+        self.blamed: dict[str, frozenset[str]] = {}
+        self.excluded: dict[str, str] = {}
 
     @property
     def width(self) -> int:
@@ -188,7 +222,11 @@ class SecAggRun:
             return f"{len(msg.boxes)} boxes, not one for each of its {len(neighbours)} neighbours"
         if isinstance(msg, wire.SaMasked) and msg.y.shape[0] != self.width:
             return f"{msg.y.shape[0]} values, expected {self.width}"
-        held = len(self.routed.get(sender, {}))
+        if isinstance(msg, wire.SaMasked) and msg.blame:
+            order, routed = sorted(neighbours), self.routed.get(sender, {})
+            if msg.blame[-1] >= len(order) or any(order[p] not in routed for p in msg.blame):
+                return "it names a neighbour whose box was not routed to it"
+        held = len(self.routed.get(sender, {})) - len(self.blamed.get(sender, ()))
         if isinstance(msg, wire.SaUnmask) and len(msg.shares) != held:
             return f"{len(msg.shares)} shares, not one for each of the {held} boxes routed to it"
         return None
@@ -201,11 +239,14 @@ class SecAggRun:
             self.sent_shares[sender] = dict(zip(sorted(s.graph[sender]), msg.boxes, strict=True))
         elif isinstance(msg, wire.SaMasked):
             s.received(sender, msg.y)
+            if msg.blame:
+                order = sorted(s.graph[sender])
+                self.blamed[sender] = frozenset(order[p] for p in msg.blame)
         elif isinstance(msg, wire.SaUnmask):
             # one share a neighbour whose box was routed to it, in the roster's order; of its seed where that
             # neighbour is in the survivors list the server sent it, else of its mask key (the device's own rule)
             alive = s.graph[sender] & set(s.masked)
-            held = sorted(self.routed.get(sender, {}))
+            held = sorted(set(self.routed.get(sender, {})) - self.blamed.get(sender, frozenset()))
             s.answered(
                 sender,
                 {
@@ -239,15 +280,48 @@ class SecAggRun:
         among = expected if self.step == "keys" else expected & self.took_part()
         return among - self.sent()
 
-    def enough(self, floor: int) -> bool:
-        """Whether the open step has enough to close (at least `floor` and 2 devices; with distributed DP at least
-        min_clients, whose noise shares add up to the whole noise)."""
+    def need(self, floor: int) -> int:
+        """Devices a step needs to go on: at least `floor` and 2; with distributed DP at least min_clients, whose
+        noise shares add up to the whole noise."""
         need = max(floor, 2)
         if self.cfg.dp_epsilon is not None and self.cfg.dp_mode == "distributed":
             need = max(need, self.cfg.min_clients)  # each device added 1/min_clients of the noise: never fewer
+        return need
+
+    def enough(self, floor: int) -> bool:
+        """Whether the open step has enough to close (`need`; the unmask step: one answer, and the survivors the
+        masked step's close left still enough)."""
         if self.step == "unmask":
-            return bool(self.server.answers)
-        return len(self.sent()) >= need
+            return bool(self.server.answers) and len(self.server.masked) >= self.need(floor)
+        return len(self.sent()) >= self.need(floor)
+
+    def out_of_range(self, sums: np.ndarray, weights: np.ndarray, senders: int) -> str:
+        """Why an unmasked sum is not one that `senders` clipped inputs can give ("" if it can be): every value a
+        device masks is within +-bound and every weight is >= 0 (an integer where the bound is one: counts, 0 or
+        1, sample counts), so the sum's values are within +-senders * bound and its weights within [0, senders *
+        bound] (within [0, senders] for unweighted prototypes); a row sum is at most bound times the devices
+        that sent the class, and each of those weighs at least min(1, bound), so at most bound * weight /
+        min(1, bound) (not with distributed DP, whose devices noise the rows of classes they lack). Masking cannot
+        check an input that is in range and wrong; this catches garbage, which decodes anywhere in the ring."""
+        assert self.fp is not None
+        bound, n = float(self.cfg.secagg_bound), senders
+        tol = n * self.fp.resolution  # each value is off by at most 2^-(f+1), a sum of n by n times that
+        w = np.atleast_1d(np.asarray(weights, dtype=np.float64))
+        rows = np.asarray(sums, dtype=np.float64).reshape(w.shape[0], -1)
+        top = n if not self.slot.weighted and not self.slot.dim else n * bound
+        if w.min(initial=0.0) < -tol or w.max(initial=0.0) > top + tol:
+            return f"a weight sum of {w.min():.6g}..{w.max():.6g}, outside [0, {top:g}]"
+        if bound.is_integer() and np.abs(w - np.rint(w)).max(initial=0.0) > tol:
+            return "a weight sum that is no whole number (every device's weight is one)"
+        if np.abs(rows).max(initial=0.0) > n * bound + tol:
+            return f"a value of magnitude {np.abs(rows).max():.6g}, over {n} x the bound {bound:g}"
+        if not (self.cfg.dp_epsilon is not None and self.cfg.dp_mode == "distributed"):
+            limit = bound * np.minimum(n, np.maximum(w, 0.0) / min(1.0, bound)) + tol
+            over = np.flatnonzero(np.abs(rows).max(axis=1) > limit)
+            if over.size:
+                where = f"class {over[0]}'s row" if not self.slot.dim else "the vector"
+                return f"{where} over the bound times its weight"
+        return ""
 
     def close_step(self, encode: Callable[[Message, str], Any]) -> list[Any]:
         """Close the open step: the next step's messages to each device, as `encode(message, client)` makes them
@@ -262,6 +336,10 @@ class SecAggRun:
             self.routed = s.route_shares(self.sent_shares)
             self.step = "masked"
         elif self.step == "masked":
+            self.excluded = exclusions(self.blamed, s.threshold())
+            s.cut = dict(self.blamed)
+            for u in self.excluded:  # out of the sum: dropped after sharing, as far as the unmasking goes
+                s.masked.pop(u, None)
             self.step = "unmask"
         else:
             raise AssertionError("the unmask step closes with result()")
@@ -407,6 +485,11 @@ class SecAggClosing(Closing):
             return None
         return sorted(self.run.sent()) if self.run.enough(machine.floor) else []
 
+    def overdue(self, machine: RoundMachine) -> bool:
+        """Past the keys step a step takes no one new (a device restarted mid-phase is stale until the next phase),
+        so waiting past its deadline cannot help: it closes, going on with enough or closing the phase."""
+        return self.run is not None and self.run.step != "keys"
+
     def close(self, machine: RoundMachine, why: str) -> list[Effect]:
         return self.fold.close(machine, why) if self.run is None else self._close_step(machine, why)
 
@@ -430,9 +513,17 @@ class SecAggClosing(Closing):
         open_, sa, run, r = machine.phase, self.run, machine.run, machine.round
         assert open_ is not None and sa is not None and run is not None
         step = sa.step
+        if not sa.enough(machine.floor):  # (a deadline: `overdue`) too few to go on, and no one new can come
+            have = len(sa.server.masked) if step == "unmask" and sa.server.answers else len(sa.sent())
+            return self._fail(machine, why, f"the {step} step has {have} device(s), {sa.need(machine.floor)} needed")
         if step != "unmask":
             took = len(sa.sent())
             steers: list[Steer] = sa.close_step(self._steer(machine))
+            for u, reason in sorted(sa.excluded.items()):
+                open_.received.pop(u, None)  # (what the round record counts: it is not in the sum)
+                log.warning("round %d secure aggregation: %s is left out of the sum: %s", r, u, reason)
+            if step == "masked" and len(sa.server.masked) < sa.need(machine.floor):
+                return self._fail(machine, why, f"{len(sa.server.masked)} device(s) left in the sum after exclusions")
             machine.state.current.downlink_bytes += sum(len(e.payload) for e in steers)
             open_.deadline = machine.clock() + machine.cfg.round_timeout
             log.info(
@@ -446,10 +537,28 @@ class SecAggClosing(Closing):
             return [*steers, *self._progress(machine)]
         try:
             sums, weights, senders = sa.result()
-            fold_sum(run, sa.slot, sums, weights, senders)
-            log.info("round %d secure aggregation: unmasked the sum of %d device(s)", r, senders)
         except (secagg.SecAggError, ValueError) as exc:
-            sa.failed = str(exc)
-            log.warning("round %d secure aggregation: could not unmask (%s); the phase closes without folding", r, exc)
+            return self._fail(machine, why, f"could not unmask ({exc})")
+        wrong = sa.out_of_range(sums, weights, senders)
+        if wrong:
+            return self._fail(
+                machine,
+                why,
+                f"the unmasked sum of {senders} device(s) is not one their clipped inputs can give: {wrong}",
+            )
+        fold_sum(run, sa.slot, sums, weights, senders)
+        log.info("round %d secure aggregation: unmasked the sum of %d device(s)", r, senders)
+        self.run = None
+        return self.fold.close(machine, why)
+
+    def _fail(self, machine: RoundMachine, why: str, reason: str) -> list[Effect]:
+        """The phase closes folding nothing (its global state kept), and the next phase or round starts."""
+        assert self.run is not None
+        self.run.failed = reason
+        log.warning(
+            "round %d secure aggregation: %s; the phase closes without folding (the global state is kept)",
+            machine.round,
+            reason,
+        )
         self.run = None
         return self.fold.close(machine, why)

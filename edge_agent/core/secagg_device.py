@@ -6,7 +6,8 @@ technique's encoding, DP's noise, the plan's dtype: decoded back to the floats t
 of that upload the device sends its two public keys and keeps the table; each server message then gets one answer:
 
     SaRoster     (its neighbours' keys, t, the ring)  -> SaShares  (its Shamir shares, encrypted to each)
-    SaRouted     (the shares sent to it)              -> SaMasked  (its table vector, fixed point, masked mod 2^32)
+    SaRouted     (the shares sent to it)              -> SaMasked  (its table vector, fixed point, masked mod 2^32,
+                                                                    naming any neighbour whose box does not decrypt)
     SaSurvivors  (which neighbours sent a masked one) -> SaUnmask  (its shares of their seeds / of the others' keys)
 
 The table vector is, per class, its row times its weight and the weight (`weighted`: n_kc, else 1 for a class it
@@ -108,7 +109,17 @@ class DeviceSecAgg:
             if roster is None:
                 raise secagg.SecAggError("shares routed before the roster")
             sealed = dict(zip(self._named(msg.senders, "senders"), msg.boxes, strict=True))
-            self.device.receive_shares(sealed)
+            # A box that does not decrypt is named to the server, and this device stays in without that neighbour
+            # (no pair mask with it, none of its shares): the server leaves one of the two out (secagg_run.py).
+            bad = self.device.open_shares(sealed)
+            for u in bad:
+                log.warning(
+                    "%s: round %d: the share from %s does not decrypt; naming it to the server and going on without it",
+                    self.id,
+                    self.round,
+                    u,
+                )
+            sealed = {u: box for u, box in sealed.items() if u not in bad}
             if self.vector is not None:
                 x = self.vector
             else:
@@ -126,7 +137,7 @@ class DeviceSecAgg:
                 )
             fp = secagg.FixedPoint(roster.frac_bits, bound, 1)
             y = self.device.masked_input(fp.encode(np.clip(x, -bound, bound)), sealed)
-            out = wire.SaMasked(y=y)
+            out = wire.SaMasked(y=y, blame=[roster.order.index(u) for u in bad])
         elif isinstance(msg, wire.SaSurvivors):
             if wire.SaRouted.KIND not in self.answers:
                 raise secagg.SecAggError("a survivors list before this device sent its masked input")

@@ -1027,23 +1027,36 @@ class SaRouted(_Body):
 
 @dataclass(frozen=True, eq=False)
 class SaMasked(_Body):
-    """Secure aggregation, step 2 (device): its masked input, the fixed-point vector plus its masks mod 2^32 (u4)."""
+    """Secure aggregation, step 2 (device): its masked input, the fixed-point vector plus its masks mod 2^32 (u4).
+    `blame`: the positions in its roster of the neighbours whose routed boxes did not decrypt (its masked input
+    carries no pair mask with them); on the wire packed bits, and only where it names somebody (the message
+    without it is the same bytes as before the field came)."""
 
     KIND: ClassVar[str] = "sa_masked"
     y: np.ndarray
+    blame: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         y = np.asarray(self.y)
         if y.ndim != 1 or y.dtype != np.uint32:
             raise WireError(f"y: expected a 1-D uint32 vector, got {y.dtype} of shape {list(y.shape)}")
+        _set(self, blame=_positions(self.blame, "blame"))
 
     def to_body(self) -> dict:
-        return {"y": encode_array(self.y, "u4")}
+        body: dict[str, Any] = {"y": encode_array(self.y, "u4")}
+        if self.blame:
+            body["blame"] = _pack_positions(self.blame)
+        return body
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        b = expect_keys(body, ("y",), cls.KIND)
-        return _build(cls, cls.KIND, y=decode_array(b["y"], what="y", limits=limits, dts=("u4",), ndim=1))
+        named = isinstance(body, dict) and "blame" in body
+        b = expect_keys(body, ("y", "blame") if named else ("y",), cls.KIND)
+        blame = _unpack_positions(b["blame"], "blame") if named else []
+        if named and not blame:
+            raise WireError("blame: names nobody (left out where it names nobody)")
+        y = decode_array(b["y"], what="y", limits=limits, dts=("u4",), ndim=1)
+        return _build(cls, cls.KIND, y=y, blame=blame)
 
 
 @dataclass(frozen=True, eq=False)

@@ -260,6 +260,7 @@ def _cases() -> dict[str, Case]:
         "sa_routed2": Case(SaRouted([1], [bytes([9]) * 80]), sender=SERVER, round=2, phase="train"),
         "sa_routed2_none": Case(SaRouted([], []), sender=SERVER, round=2, phase="train"),
         "sa_masked": Case(SaMasked(np.array([0, 1, 2**32 - 1], dtype=np.uint32)), round=2, phase="train"),
+        "sa_masked_blame": Case(SaMasked(np.array([5, 6], dtype=np.uint32), blame=[0, 9]), round=2, phase="train"),
         "sa_survivors2": Case(SaSurvivors([0, 1, 9]), sender=SERVER, round=2, phase="train"),
         "sa_unmask2": Case(SaUnmask([bytes([3]) * 32, bytes([4]) * 32]), round=2, phase="train"),
     }
