@@ -141,6 +141,37 @@ def threshold(k: int) -> int:
     return max(1, k // 2 + 1)
 
 
+# -- what a device accepts of a roster --------------------------------------------------------------------------
+# The smallest roster a device takes part with. With one neighbour the only strict majority is t = 1, and a Shamir
+# share of threshold 1 is the secret itself: that one neighbour would hold this device's self-mask seed b_u and its
+# mask key s_u in the clear, so the server and that single device together unmask it. From 2 neighbours on, t >= 2
+# and no single other device holds either secret (Google's SecAgg also never shares with a threshold under 2). So
+# secure aggregation needs at least 3 devices in a round.
+MIN_NEIGHBOURS = 2
+
+
+def roster_problem(k: int, t: int) -> str | None:
+    """Why a device refuses a roster of k neighbours with threshold t (None: it takes part). The threshold must be
+    a strict majority of the neighbours (2t > k): then t honest answers of one kind leave fewer than t for the other,
+    so a server that tells some neighbours "u survived" and others "u dropped" cannot gather t shares of both b_u
+    and s_u (each honest device gives one kind per neighbour: `Device.unmask`). With t = 1 and 4 neighbours it gets
+    one of each and rebuilds u's input."""
+    if k < MIN_NEIGHBOURS:
+        return (
+            f"the roster names {k} neighbour(s), under the floor of {MIN_NEIGHBOURS}: with one neighbour its share "
+            "of this device's secrets would be the secrets themselves (secure aggregation needs 3 devices a round)"
+        )
+    if 2 * t <= k:
+        return (
+            f"the roster's threshold t={t} is not a strict majority of its {k} neighbours (at least {k // 2 + 1}): "
+            "a server telling some neighbours that a device survived and others that it dropped could gather "
+            "enough shares of both its secrets to unmask it"
+        )
+    if t > k:
+        return f"the roster's threshold t={t} is more than its {k} neighbours: no secret could be rebuilt"
+    return None
+
+
 # -- Shamir over GF(2^256 - 189) ---------------------------------------------------------------------------------
 def split(secret: bytes, xs: Iterable[int], t: int) -> dict[int, int]:
     """Shares of a SECRET_BYTES secret at the points `xs` (distinct, >= 1): any t rebuild it, fewer tell nothing."""
