@@ -138,6 +138,19 @@ def derive(n: int, threat: Threat) -> Params:
     return _params(n, k, _private_t(n, k, threat) or k, threat)
 
 
+def stated(dropout: float | None, corrupt: float | None) -> Threat | None:
+    """The threat model a config states (`secagg_dropout`, `secagg_corrupt`: either set; the other is 0), or None."""
+    if dropout is None and corrupt is None:
+        return None
+    return Threat(float(dropout or 0.0), float(corrupt or 0.0))
+
+
+def for_round(n: int, threat: Threat | None) -> Params:
+    """The k and t of a round of n devices: derived from a stated threat model, else today's fixed ones (judged as
+    if nothing dropped)."""
+    return fixed(n, Threat()) if threat is None else derive(n, threat)
+
+
 def fixed(n: int, threat: Threat) -> Params:
     """Today's fixed k and t for n devices (no threat model stated), with what they give under `threat`."""
     k = secagg.degree(n)  # (even, or n - 1: the complete graph)
