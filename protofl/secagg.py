@@ -350,6 +350,7 @@ class Server:
     shared: set[str] = field(default_factory=set)  # devices whose encrypted shares arrived (U1)
     masked: dict[str, np.ndarray] = field(default_factory=dict)  # (U2)
     k: int | None = None
+    t: int | None = None  # the threshold (None: a strict majority of the graph's degree, `threshold`)
     answers: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)  # unmasking, by responder
 
     def advertised(self, device: str, keys: Keys) -> None:
@@ -361,6 +362,8 @@ class Server:
         return {u: {v: self.keys[v] for v in self.graph[u]} for u in self.graph}
 
     def threshold(self) -> int:
+        if self.t is not None:
+            return self.t
         return threshold(max((len(v) for v in self.graph.values()), default=1))
 
     def route_shares(self, sent: Mapping[str, Mapping[str, bytes]]) -> dict[str, dict[str, bytes]]:
@@ -424,6 +427,7 @@ class Server:
             "context": self.context,
             "seed": self.seed,
             "k": self.k,
+            **({} if self.t is None else {"t": self.t}),  # (a state without it, as before: the fixed threshold)
             "keys": {i: [k.c, k.s] for i, k in sorted(self.keys.items())},
             "graph": bool(self.graph),
             "shared": sorted(self.shared),
@@ -437,7 +441,7 @@ class Server:
     @classmethod
     def restore(cls, saved: Mapping[str, Any]) -> Server:
         """A server from `state()`: it goes on where that one stopped (e.g. mid-unmask after a restart)."""
-        out = cls(bytes(saved["context"]), seed=bytes(saved["seed"]), k=saved["k"])
+        out = cls(bytes(saved["context"]), seed=bytes(saved["seed"]), k=saved["k"], t=saved.get("t"))
         out.keys = {i: Keys(bytes(c), bytes(s)) for i, (c, s) in saved["keys"].items()}
         if saved["graph"]:
             out.graph = neighbours(out.keys, out.seed, out.k)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ import numpy as np
 
 from broker_server.core.closing import Closing, ClosingInput, Drop, FoldHere
 from broker_server.core.stages import PhaseRun, ServerModel, build_model
-from protofl import secagg, wire
+from protofl import secagg, secagg_params, wire
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -138,6 +139,32 @@ def graph_seed(cfg: FederationConfig, fed_context: bytes) -> bytes:
     return hashlib.sha256(b"protofl-secagg graph\0" + str(cfg.seed).encode() + b"\0" + fed_context).digest()[:16]
 
 
+def describe(p: secagg_params.Params, threat: secagg_params.Threat | None) -> str:
+    """k, t and what they give, in one line (`start`'s, and each round's where a threat model is stated)."""
+    if p.n < secagg.MIN_NEIGHBOURS + 1:
+        return (
+            f"{p.n} device(s) give each fewer than {secagg.MIN_NEIGHBOURS} neighbours, which devices refuse: "
+            f"secure aggregation needs at least {secagg.MIN_NEIGHBOURS + 1} devices a round"
+        )
+    d = 0.0 if threat is None else threat.dropout
+    c = 0.0 if threat is None else threat.corrupt
+    model = "fixed (no secagg_dropout stated)" if threat is None else f"from secagg_dropout={d:g}, secagg_corrupt={c:g}"
+    target = secagg_params.TARGET if threat is None else threat.target
+    met = "" if threat is None or p.meets else f"; the target 2^{math.log2(target):g} is out of reach with {p.n}"
+    return (
+        f"{p.n} devices -> k={p.k} neighbours, threshold t={p.t} ({model}); a round completes with probability "
+        f">= {p.complete:.6f} at {100 * d:g}% dropout, leaks more than the sum with probability <= {p.exposed:.2g}{met}"
+    )
+
+
+def parameters_line(cfg: FederationConfig, n: int | None = None) -> str:
+    """`describe` for a round of n devices (the config's min_clients where None: each round's k and t follow the
+    devices that sent keys, at least that many)."""
+    threat = secagg_params.stated(cfg.secagg_dropout, cfg.secagg_corrupt)
+    n = cfg.min_clients if n is None else n
+    return describe(secagg_params.for_round(n, threat), threat)
+
+
 class SecAggRun:
     """The open training phase's secure aggregation: its step, the protocol's server half, the deadline's step."""
 
@@ -145,6 +172,7 @@ class SecAggRun:
         self, cfg: FederationConfig, proto_width: int, fed: str, round_: int, phase: Phase, slot: SumSlot
     ) -> None:
         self.cfg = cfg
+        self.round = round_
         self.proto_width = proto_width
         self.slot = slot
         context = secagg.context(fed, round_, phase.value)
@@ -154,6 +182,7 @@ class SecAggRun:
         self.routed: dict[str, dict[str, bytes]] = {}
         self.fp: secagg.FixedPoint | None = None
         self.failed = ""  # why the phase closed without a sum ("" while it goes on, and once it unmasked)
+        self.params: secagg_params.Params | None = None  # k and t from the threat model, once the keys step closed
 
     @property
     def width(self) -> int:
@@ -256,6 +285,11 @@ class SecAggRun:
         if self.step == "keys":
             # (first: a ring too small for n values within +-bound raises before anything changed)
             self.fp = secagg.FixedPoint.for_sum(float(self.cfg.secagg_bound), len(s.keys))
+            threat = secagg_params.stated(self.cfg.secagg_dropout, self.cfg.secagg_corrupt)
+            if threat is not None:  # k and t from the stated threat model (else the fixed ones: the graph's own)
+                self.params = secagg_params.derive(len(s.keys), threat)
+                s.k, s.t = self.params.k, self.params.t
+                log.info("round %d secure aggregation: %s", self.round, describe(self.params, threat))
             s.close_advertise()
             self.step = "shares"
         elif self.step == "shares":
