@@ -129,9 +129,9 @@ def derive(n: int, threat: Threat) -> Params:
         t = secagg.threshold(k)
         return Params(n, k, t, 1.0, 1.0, False)
     for k in [*range(secagg.MIN_NEIGHBOURS, n - 1, 2), n - 1]:
-        t = _private_t(n, k, threat)
-        if t is not None:
-            got = _params(n, k, t, threat)
+        private = _private_t(n, k, threat)
+        if private is not None:
+            got = _params(n, k, private, threat)
             if got.meets:
                 return got
     k = n - 1

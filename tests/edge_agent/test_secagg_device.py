@@ -56,8 +56,8 @@ def test_a_device_refuses_a_minority_threshold_or_a_roster_under_the_floor() -> 
     up = Outgoing(ProtoUpload(ps, None, 3), fed="fed", sender="a", round=1, phase="train")
     assert isinstance(masking.seal(up, np.random.default_rng(0)).msg, SaKeys)
     keys = {c: DeviceSecAgg(c, "fed", 1, "train", ps).keys() for c in "bcde"}
-    roster = SaRoster({c: (k.c, k.s) for c, k in keys.items()}, t=1, frac_bits=10, bound=100.0, weighted=True)
-    head, roster = decode_message(encode_message(roster, fed="fed", sender="server", round=1, phase="train"))
+    lie = SaRoster({c: (k.c, k.s) for c, k in keys.items()}, t=1, frac_bits=10, bound=100.0, weighted=True)
+    head, roster = decode_message(encode_message(lie, fed="fed", sender="server", round=1, phase="train"))
     assert isinstance(roster, SaRoster)
     got = masking.answer(head, roster)
     assert got is not None and got.reply is None and got.leave and got.drop is not None
