@@ -7,8 +7,10 @@ The protocol, for one phase, over devices with ids that sort:
 0. **advertise**: each device makes two X25519 key pairs, `c` (to encrypt the shares it sends) and `s` (to agree
    the pairwise masks), and sends both public keys (`Device.advertise`).
 1. **share keys**: the server publishes the keys; `neighbours` draws a sparse graph from the published ids and a
-   public seed (every device a ring neighbour of about k = 2 ceil(log2 n) others after a keyed shuffle, SecAgg+:
-   a device's cost grows with log n, not n). Each device draws its self-mask seed b_u and Shamir-splits b_u and its
+   public seed (every device a ring neighbour of k others after a keyed shuffle, SecAgg+: a device's cost grows
+   with log n, not n; k = 2 ceil(log2 n) and t = k/2 + 1, or both derived from a stated threat model:
+   protofl/secagg_params.py). A device refuses a roster whose t is not a strict majority of its neighbours or that
+   names fewer than MIN_NEIGHBOURS (`roster_problem`). Each device draws its self-mask seed b_u and Shamir-splits b_u and its
    secret key s_u among its neighbours with threshold t (`Device.share_keys`), each share encrypted (AES-GCM) to the
    neighbour under a key agreed from the `c` keys, and sent through the server. Shares are elements of
    GF(2^256 - 189), 32 bytes; neighbour v's point is its rank in u's neighbours (`share_point`) and the box's nonce
@@ -31,10 +33,10 @@ masked vector travels as u4 (4 bytes a value) whatever the plan's dtype, and the
 finer than f2's or q8's step for the bounds that clipping gives, so masking adds no error of its own beyond it.
 
 Threats (SECURITY.md): an honest-but-curious server learns only the sum over the survivors (needs t or more
-colluding neighbours of a device to unmask it alone); a malicious server that lies about who dropped may learn one
-device's input by telling different neighbours different stories, which this module's one-share-kind-per-device
-rule stops only for devices that answer it consistently: the consistency round of the malicious variant is not
-implemented.
+colluding neighbours of a device to unmask it alone); a malicious server that lies about who dropped gets t shares
+of both of a device's secrets only with 2t - k corrupt neighbours of it (each honest one gives one kind per device:
+`Device.unmask`), which a strict majority t, checked by the device (`roster_problem`), keeps at 1 or more; the
+consistency round of the malicious variant is not implemented.
 """
 
 from __future__ import annotations
