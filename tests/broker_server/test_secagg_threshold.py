@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from broker_server.core.secagg_run import parameters_line
@@ -26,7 +27,7 @@ from broker_server.ops.broker import MosquittoBroker
 from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from broker_server.simulation import SimulationSpec, prepare
-from protofl import secagg_params, topics
+from protofl import secagg, secagg_params, topics
 from protofl.algorithms.robust import ClipPolicy
 from protofl.presets import make_config
 from protofl.transport.broker_url import parse_broker_url
@@ -154,3 +155,24 @@ def test_a_federation_at_its_stated_dropout_completes_with_the_derived_k_and_t(
     assert f"round 1 secure aggregation: {parameters_line(cfg, n)}" in said, said[-3000:]
     assert "4 devices -> k=3 neighbours, threshold t=2 (from secagg_dropout=0.25, secagg_corrupt=0)" in said
     assert "round 1 secure aggregation: unmasked the sum of 3 device(s)" in said, said[-3000:]
+
+
+def test_the_server_sends_the_derived_k_and_t_and_a_phase_state_keeps_t() -> None:
+    """In process (tests/broker_server/test_secagg_rounds.py's 6 devices): with `secagg_dropout=0` stated the graph
+    is the ring the model asks for (k = 2, t = 2; today's fixed k, t for 6 are 5, 3), the rosters say so, and the
+    round unmasks the plain sum; with 1 of 6 dropping before its keys (`secagg_dropout=0.2`) the 5 others get the
+    complete graph of 5 and t = 3 (no k under 4 meets 2^-20)."""
+    from tests.broker_server.test_secagg_rounds import CLIENTS, _cfg, _plain, _protos, _run
+
+    agg, devices, _ = _run({}, cfg=_cfg(secagg_dropout=0.0))
+    rosters = {c: devices.runs[c].roster for c in CLIENTS}
+    assert {(len(r.keys), r.t) for r in rosters.values() if r is not None} == {(2, 2)} and None not in rosters.values()
+    got, want = _protos(agg), _plain(CLIENTS)
+    assert got.keys() == want.keys() and all(np.allclose(got[c], want[c], atol=1e-3) for c in want)
+    agg, devices, _ = _run({"d5": "keys"}, cfg=_cfg(secagg_dropout=0.2))
+    assert {(len(r.keys), r.t) for c in CLIENTS[:5] if (r := devices.runs[c].roster) is not None} == {(4, 3)}
+    assert agg.records[0].clients == CLIENTS[:5]
+    # What a journal or checkpoint keeps of a phase: the derived t travels with it; without one, as before.
+    s = secagg.Server(b"ctx", k=2, t=2)
+    assert s.state()["t"] == 2 and secagg.Server.restore(s.state()).t == 2
+    assert "t" not in secagg.Server(b"ctx").state() and secagg.Server.restore(secagg.Server(b"ctx").state()).t is None
