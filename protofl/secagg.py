@@ -11,8 +11,8 @@ The protocol, for one phase, over devices with ids that sort:
    with log n, not n; k = 2 ceil(log2 n) and t = k/2 + 1, or both derived from a stated threat model:
    protofl/secagg_params.py). A device refuses a roster whose t is not a strict majority of its neighbours or that
    names fewer than MIN_NEIGHBOURS (`roster_problem`). Each device draws its self-mask seed b_u and Shamir-splits
-   b_u and its secret key s_u among its neighbours with threshold t (`Device.share_keys`), each share encrypted (AES-GCM) to the
-   neighbour under a key agreed from the `c` keys, and sent through the server. Shares are elements of
+   b_u and its secret key s_u among its neighbours with threshold t (`Device.share_keys`), each share encrypted
+   (AES-GCM) to the neighbour under a key agreed from the `c` keys, and sent through the server. Shares are elements of
    GF(2^256 - 189), 32 bytes; neighbour v's point is its rank in u's neighbours (`share_point`) and the box's nonce
    is derived (`Device._nonce`): neither travels.
 2. **masked input**: each device that received its neighbours' shares sends y_u = x_u + PRG(b_u)
