@@ -66,6 +66,8 @@ _ONLY_WHEN_SET = (
     "dp_mode",
     "secagg",
     "secagg_bound",
+    "secagg_dropout",
+    "secagg_corrupt",
     *participation.FIELDS,
 )
 
@@ -118,6 +120,8 @@ class FederationConfig:
     dp_mode: str
     secagg: bool
     secagg_bound: float
+    secagg_dropout: float | None
+    secagg_corrupt: float | None
     options: dict[str, Any]
     techniques: tuple[str, ...]  # the techniques this federation uses, in rule order
 
@@ -408,6 +412,13 @@ class FederationConfig:
             and self.secagg_bound > 0,
             f"secagg_bound must be a number > 0, got {self.secagg_bound!r}",
         )
+        for key in ("secagg_dropout", "secagg_corrupt"):
+            rate = getattr(self, key)
+            need(
+                rate is None or (is_number(rate) and 0 <= rate < 1),
+                f"{key} must be a fraction of the devices in [0, 1), got {rate!r}",
+            )
+            need(rate is None or self.secagg is True, f"{key} is secure aggregation's threat model: set secagg=true")
         for key, opt in registry.options().items():
             problem = opt.check(self.options[key]) if opt.check is not None else None
             need(problem is None, str(problem))

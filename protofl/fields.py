@@ -63,4 +63,9 @@ CORE: dict[str, Any] = dict(
     # value a device masks (it clips to +-secagg_bound; the fixed-point ring is chosen from it and the devices).
     secagg=False,
     secagg_bound=1e4,
+    # Its threat model (protofl/secagg_params.py): the fraction of devices expected to drop before answering and the
+    # fraction that may collude with the server. Either set: each round's neighbours k and threshold t are derived
+    # from them; neither (None): the fixed k = 2 ceil(log2 n), t = k/2 + 1.
+    secagg_dropout=None,
+    secagg_corrupt=None,
 )

@@ -7,10 +7,12 @@ The protocol, for one phase, over devices with ids that sort:
 0. **advertise**: each device makes two X25519 key pairs, `c` (to encrypt the shares it sends) and `s` (to agree
    the pairwise masks), and sends both public keys (`Device.advertise`).
 1. **share keys**: the server publishes the keys; `neighbours` draws a sparse graph from the published ids and a
-   public seed (every device a ring neighbour of about k = 2 ceil(log2 n) others after a keyed shuffle, SecAgg+:
-   a device's cost grows with log n, not n). Each device draws its self-mask seed b_u and Shamir-splits b_u and its
-   secret key s_u among its neighbours with threshold t (`Device.share_keys`), each share encrypted (AES-GCM) to the
-   neighbour under a key agreed from the `c` keys, and sent through the server. Shares are elements of
+   public seed (every device a ring neighbour of k others after a keyed shuffle, SecAgg+: a device's cost grows
+   with log n, not n; k = 2 ceil(log2 n) and t = k/2 + 1, or both derived from a stated threat model:
+   protofl/secagg_params.py). A device refuses a roster whose t is not a strict majority of its neighbours or that
+   names fewer than MIN_NEIGHBOURS (`roster_problem`). Each device draws its self-mask seed b_u and Shamir-splits
+   b_u and its secret key s_u among its neighbours with threshold t (`Device.share_keys`), each share encrypted
+   (AES-GCM) to the neighbour under a key agreed from the `c` keys, and sent through the server. Shares are elements of
    GF(2^256 - 189), 32 bytes; neighbour v's point is its rank in u's neighbours (`share_point`) and the box's nonce
    is derived (`Device._nonce`): neither travels.
 2. **masked input**: each device that received its neighbours' shares sends y_u = x_u + PRG(b_u)
@@ -31,10 +33,10 @@ masked vector travels as u4 (4 bytes a value) whatever the plan's dtype, and the
 finer than f2's or q8's step for the bounds that clipping gives, so masking adds no error of its own beyond it.
 
 Threats (SECURITY.md): an honest-but-curious server learns only the sum over the survivors (needs t or more
-colluding neighbours of a device to unmask it alone); a malicious server that lies about who dropped may learn one
-device's input by telling different neighbours different stories, which this module's one-share-kind-per-device
-rule stops only for devices that answer it consistently: the consistency round of the malicious variant is not
-implemented.
+colluding neighbours of a device to unmask it alone); a malicious server that lies about who dropped gets t shares
+of both of a device's secrets only with 2t - k corrupt neighbours of it (each honest one gives one kind per device:
+`Device.unmask`), which a strict majority t, checked by the device (`roster_problem`), keeps at 1 or more; the
+consistency round of the malicious variant is not implemented.
 """
 
 from __future__ import annotations
@@ -139,6 +141,37 @@ def share_point(neighbours: Iterable[str], v: str) -> int:
 def threshold(k: int) -> int:
     """Shares needed to rebuild a device's secrets: a strict majority of its neighbours (at least 1)."""
     return max(1, k // 2 + 1)
+
+
+# -- what a device accepts of a roster --------------------------------------------------------------------------
+# The smallest roster a device takes part with. With one neighbour the only strict majority is t = 1, and a Shamir
+# share of threshold 1 is the secret itself: that one neighbour would hold this device's self-mask seed b_u and its
+# mask key s_u in the clear, so the server and that single device together unmask it. From 2 neighbours on, t >= 2
+# and no single other device holds either secret (Google's SecAgg also never shares with a threshold under 2). So
+# secure aggregation needs at least 3 devices in a round.
+MIN_NEIGHBOURS = 2
+
+
+def roster_problem(k: int, t: int) -> str | None:
+    """Why a device refuses a roster of k neighbours with threshold t (None: it takes part). The threshold must be
+    a strict majority of the neighbours (2t > k): then t honest answers of one kind leave fewer than t for the other,
+    so a server that tells some neighbours "u survived" and others "u dropped" cannot gather t shares of both b_u
+    and s_u (each honest device gives one kind per neighbour: `Device.unmask`). With t = 1 and 4 neighbours it gets
+    one of each and rebuilds u's input."""
+    if k < MIN_NEIGHBOURS:
+        return (
+            f"the roster names {k} neighbour(s), under the floor of {MIN_NEIGHBOURS}: with one neighbour its share "
+            "of this device's secrets would be the secrets themselves (secure aggregation needs 3 devices a round)"
+        )
+    if 2 * t <= k:
+        return (
+            f"the roster's threshold t={t} is not a strict majority of its {k} neighbours (at least {k // 2 + 1}): "
+            "a server telling some neighbours that a device survived and others that it dropped could gather "
+            "enough shares of both its secrets to unmask it"
+        )
+    if t > k:
+        return f"the roster's threshold t={t} is more than its {k} neighbours: no secret could be rebuilt"
+    return None
 
 
 # -- Shamir over GF(2^256 - 189) ---------------------------------------------------------------------------------
@@ -331,6 +364,7 @@ class Server:
     shared: set[str] = field(default_factory=set)  # devices whose encrypted shares arrived (U1)
     masked: dict[str, np.ndarray] = field(default_factory=dict)  # (U2)
     k: int | None = None
+    t: int | None = None  # the threshold (None: a strict majority of the graph's degree, `threshold`)
     answers: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)  # unmasking, by responder
     # v -> the neighbours whose boxes v could not open (it named them): v's masked input carries no pair mask with
     # them and v holds none of their shares, so no mask between them is removed
@@ -345,6 +379,8 @@ class Server:
         return {u: {v: self.keys[v] for v in self.graph[u]} for u in self.graph}
 
     def threshold(self) -> int:
+        if self.t is not None:
+            return self.t
         return threshold(max((len(v) for v in self.graph.values()), default=1))
 
     def route_shares(self, sent: Mapping[str, Mapping[str, bytes]]) -> dict[str, dict[str, bytes]]:
@@ -411,6 +447,7 @@ class Server:
             "context": self.context,
             "seed": self.seed,
             "k": self.k,
+            **({} if self.t is None else {"t": self.t}),  # (a state without it, as before: the fixed threshold)
             "keys": {i: [k.c, k.s] for i, k in sorted(self.keys.items())},
             "graph": bool(self.graph),
             "shared": sorted(self.shared),
@@ -425,7 +462,7 @@ class Server:
     @classmethod
     def restore(cls, saved: Mapping[str, Any]) -> Server:
         """A server from `state()`: it goes on where that one stopped (e.g. mid-unmask after a restart)."""
-        out = cls(bytes(saved["context"]), seed=bytes(saved["seed"]), k=saved["k"])
+        out = cls(bytes(saved["context"]), seed=bytes(saved["seed"]), k=saved["k"], t=saved.get("t"))
         out.keys = {i: Keys(bytes(c), bytes(s)) for i, (c, s) in saved["keys"].items()}
         if saved["graph"]:
             out.graph = neighbours(out.keys, out.seed, out.k)

@@ -359,6 +359,7 @@ def start_command(
         sharding = Sharding(shards, site_names, shard_timeout, spawn_shards, shard_credentials)
         if cfg.secagg:  # what cannot combine with secure aggregation, refused before anything starts
             secagg_run.check_config(cfg, policy, sharded=bool(shards or site_names))
+            log.info("secure aggregation, at --min-clients: %s", secagg_run.parameters_line(cfg))
         access = Access(
             listen or f"127.0.0.1:{port}",
             insecure,

@@ -20,9 +20,9 @@ deadline the phase closes folding nothing, and the next round starts (a device r
 there). A device that cannot open a neighbour's box names it in its masked input and stays in; when the masked
 step closes, one of each such pair leaves the sum (`exclusions`: the named member where at least t neighbours
 named it, else the accuser), treated as a device that dropped after its shares. An unmasked sum that the
-survivors' clipped inputs cannot give is refused (`SecAggRun.out_of_range`), the global state kept. Every message is an input of the round machine (rounds.py), journaled before it is
-applied, so a restart replays them into the same steps; the graph's seed is a function of the config and the
-round (never the clock nor the OS's entropy), so a replay draws the same graph. What the server holds until the
+survivors' clipped inputs cannot give is refused (`SecAggRun.out_of_range`), the global state kept. Every message
+is an input of the round machine (rounds.py), journaled before it is applied, so a restart replays them into the
+same steps; the graph's seed is a function of the config and the round (never the clock nor the OS's entropy), so a replay draws the same graph. What the server holds until the
 unmask step closes is only masked vectors (`SecAggRun.server.masked`).
 
 What cannot combine is refused when the machine is built (`check`): server-side clipping and the robust means need
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +47,7 @@ import numpy as np
 
 from broker_server.core.closing import Closing, ClosingInput, Drop, FoldHere
 from broker_server.core.stages import PhaseRun, ServerModel, build_model
-from protofl import secagg, wire
+from protofl import secagg, secagg_params, wire
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
@@ -168,6 +169,32 @@ def exclusions(blamed: Mapping[str, frozenset[str]], t: int) -> dict[str, str]:
     return out
 
 
+def describe(p: secagg_params.Params, threat: secagg_params.Threat | None) -> str:
+    """k, t and what they give, in one line (`start`'s, and each round's where a threat model is stated)."""
+    if p.n < secagg.MIN_NEIGHBOURS + 1:
+        return (
+            f"{p.n} device(s) give each fewer than {secagg.MIN_NEIGHBOURS} neighbours, which devices refuse: "
+            f"secure aggregation needs at least {secagg.MIN_NEIGHBOURS + 1} devices a round"
+        )
+    d = 0.0 if threat is None else threat.dropout
+    c = 0.0 if threat is None else threat.corrupt
+    model = "fixed (no secagg_dropout stated)" if threat is None else f"from secagg_dropout={d:g}, secagg_corrupt={c:g}"
+    target = secagg_params.TARGET if threat is None else threat.target
+    met = "" if threat is None or p.meets else f"; the target 2^{math.log2(target):g} is out of reach with {p.n}"
+    return (
+        f"{p.n} devices -> k={p.k} neighbours, threshold t={p.t} ({model}); a round completes with probability "
+        f">= {p.complete:.6f} at {100 * d:g}% dropout, leaks more than the sum with probability <= {p.exposed:.2g}{met}"
+    )
+
+
+def parameters_line(cfg: FederationConfig, n: int | None = None) -> str:
+    """`describe` for a round of n devices (the config's min_clients where None: each round's k and t follow the
+    devices that sent keys, at least that many)."""
+    threat = secagg_params.stated(cfg.secagg_dropout, cfg.secagg_corrupt)
+    n = cfg.min_clients if n is None else n
+    return describe(secagg_params.for_round(n, threat), threat)
+
+
 class SecAggRun:
     """The open training phase's secure aggregation: its step, the protocol's server half, the deadline's step."""
 
@@ -175,6 +202,7 @@ class SecAggRun:
         self, cfg: FederationConfig, proto_width: int, fed: str, round_: int, phase: Phase, slot: SumSlot
     ) -> None:
         self.cfg = cfg
+        self.round = round_
         self.proto_width = proto_width
         self.slot = slot
         context = secagg.context(fed, round_, phase.value)
@@ -188,6 +216,7 @@ class SecAggRun:
         # the masked step's close left out of the sum for it, with why (`exclusions`)
         self.blamed: dict[str, frozenset[str]] = {}
         self.excluded: dict[str, str] = {}
+        self.params: secagg_params.Params | None = None  # k and t from the threat model, once the keys step closed
 
     @property
     def width(self) -> int:
@@ -281,9 +310,10 @@ class SecAggRun:
         return among - self.sent()
 
     def need(self, floor: int) -> int:
-        """Devices a step needs to go on: at least `floor` and 2; with distributed DP at least min_clients, whose
-        noise shares add up to the whole noise."""
-        need = max(floor, 2)
+        """Devices a step needs to go on: at least `floor`, and enough that each has the neighbours a device accepts
+        (secagg.MIN_NEIGHBOURS + 1 devices); with distributed DP at least min_clients, whose noise shares add up to the
+        whole noise."""
+        need = max(floor, secagg.MIN_NEIGHBOURS + 1)
         if self.cfg.dp_epsilon is not None and self.cfg.dp_mode == "distributed":
             need = max(need, self.cfg.min_clients)  # each device added 1/min_clients of the noise: never fewer
         return need
@@ -330,6 +360,11 @@ class SecAggRun:
         if self.step == "keys":
             # (first: a ring too small for n values within +-bound raises before anything changed)
             self.fp = secagg.FixedPoint.for_sum(float(self.cfg.secagg_bound), len(s.keys))
+            threat = secagg_params.stated(self.cfg.secagg_dropout, self.cfg.secagg_corrupt)
+            if threat is not None:  # k and t from the stated threat model (else the fixed ones: the graph's own)
+                self.params = secagg_params.derive(len(s.keys), threat)
+                s.k, s.t = self.params.k, self.params.t
+                log.info("round %d secure aggregation: %s", self.round, describe(self.params, threat))
             s.close_advertise()
             self.step = "shares"
         elif self.step == "shares":

@@ -134,6 +134,7 @@ class _Step:
     sends: list[Send] = field(default_factory=list)
     drops: list[Drop] = field(default_factory=list)
     failure: Failure | None = None
+    left: Failure | None = None
     artifacts: DeviceArtifacts | None = None
     configured: bool = False
     finished: bool = False
@@ -143,6 +144,7 @@ class _Step:
             sends=tuple(self.sends),
             drops=tuple(self.drops),
             failure=self.failure,
+            left=self.left,
             artifacts=self.artifacts,
             configured=self.configured,
             finished=self.finished,
@@ -687,6 +689,8 @@ class EdgeAgent:
             self._drop("stale", f"{msg.KIND} for round {env.round}/{env.phase}: no step of it open here")
         elif answer.drop is not None:
             self._drop(answer.drop.reason, answer.drop.detail)
+            if answer.leave and self._step is not None:
+                self._step.left = Failure(env.round, env.phase, answer.drop.detail)
         elif answer.reply is not None:
             self._send(answer.reply, env.round, env.phase)
 

@@ -68,6 +68,8 @@ class Outcome:
     # so that a restarted device never has sent work it no longer holds.
     changed: bool = False
     failure: Failure | None = None
+    # A phase this device leaves (why: `reason`), told the server on its presence (no retry: a refusal).
+    left: Failure | None = None
     drops: tuple[Drop, ...] = ()
     configured: bool = False  # a config was adopted: a new model (a checkpoint may be loaded into it now)
     trained: bool = False  # a local training round ran
@@ -101,6 +103,8 @@ class Carrier:
             self.deploy(out.artifacts)
         if out.failure is not None:
             self.failed(out.failure)
+        if out.left is not None:
+            self.left(out.left)
         self.carried(out)
 
     def checkpoint(self) -> None:
@@ -118,6 +122,9 @@ class Carrier:
 
     def failed(self, failure: Failure) -> None:
         """A round failed here: the agent is as it was before it (say so, plan a retry)."""
+
+    def left(self, left: Failure) -> None:
+        """This device leaves a phase, refusing what the server asked of it (say so where the server hears it)."""
 
     def carried(self, out: Outcome) -> None:
         """The outcome was carried out (say what it did)."""

@@ -43,6 +43,9 @@ class Answer:
 
     reply: Message | None = None
     drop: Drop | None = None
+    # With a drop: this device leaves the phase, and its presence tells the server why (`gave_up`: the server stops
+    # waiting for it in that phase; e.g. a secure-aggregation roster it refuses).
+    leave: bool = False
 
 
 class Stage:

@@ -61,6 +61,11 @@ def params_vector(upload: ParamsUpload) -> np.ndarray:
     return np.concatenate([v * n, [n]])
 
 
+class RosterRefused(secagg.SecAggError):
+    """A roster this device does not take part with (`secagg.roster_problem`): it leaves the phase, telling the
+    server why."""
+
+
 class DeviceSecAgg:
     """One device's secure aggregation of one phase: the protocol's device half and its kept answers. It masks its
     prototype table (`table`) or, where it uploads a parameter vector, `vector` (`params_vector`)."""
@@ -100,6 +105,9 @@ class DeviceSecAgg:
         if isinstance(msg, wire.SaRoster):
             if self.id in msg.keys:
                 raise secagg.SecAggError("the roster names this device among its own neighbours")
+            refused = secagg.roster_problem(len(msg.keys), msg.t)
+            if refused is not None:  # the threshold is the device's to judge, not the server's word (issue 58)
+                raise RosterRefused(f"refused the secure-aggregation roster: {refused}")
             self.roster = msg
             keys = {v: secagg.Keys(c, s) for v, (c, s) in msg.keys.items()}
             boxes = self.device.share_keys(keys, msg.t)
@@ -194,4 +202,4 @@ class Masking(Stage):
             return Answer(reply=run.answer(msg, self.num_classes, self.width))
         except (secagg.SecAggError, ValueError) as exc:
             why = f"round {env.round}: {exc}; this device drops out of the phase's secure aggregation"
-            return Answer(drop=Drop("secagg", why))
+            return Answer(drop=Drop("secagg", why), leave=isinstance(exc, RosterRefused))

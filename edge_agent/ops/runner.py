@@ -525,6 +525,11 @@ class DeviceRunner(Carrier):
         at = (failure.round, failure.phase) if state == GAVE_UP else (0, "")
         self._presence(state, detail, *at)
 
+    def left(self, left: Failure) -> None:
+        """Leave a phase the server asked something this device refuses: our presence says why (the server logs it
+        and stops waiting for us in that phase: `GAVE_UP`); no retry, the next round is taken as usual."""
+        self._presence(GAVE_UP, left.reason, left.round, left.phase)
+
     def carried(self, out: Outcome) -> None:
         """The log lines: what a round message made this device send, or what it sent again."""
         if not out.sends:
