@@ -22,8 +22,9 @@ step closes, one of each such pair leaves the sum (`exclusions`: the named membe
 named it, else the accuser), treated as a device that dropped after its shares. An unmasked sum that the
 survivors' clipped inputs cannot give is refused (`SecAggRun.out_of_range`), the global state kept. Every message
 is an input of the round machine (rounds.py), journaled before it is applied, so a restart replays them into the
-same steps; the graph's seed is a function of the config and the round (never the clock nor the OS's entropy), so a replay draws the same graph. What the server holds until the
-unmask step closes is only masked vectors (`SecAggRun.server.masked`).
+same steps; the graph's seed is a function of the config and the round (never the clock nor the OS's entropy), so
+a replay draws the same graph. What the server holds until the unmask step closes is only masked vectors
+(`SecAggRun.server.masked`).
 
 What cannot combine is refused when the machine is built (`check`): server-side clipping and the robust means need
 each upload in the clear, shards and site pre-aggregators would need the shares at every shard.
