@@ -97,7 +97,7 @@ def _garbled_run(cfg: FederationConfig | None = None, **kw: Any) -> tuple[Aggreg
 def test_a_member_whose_boxes_do_not_decrypt_is_named_left_out_and_the_round_completes(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, "protofl"):
+    with caplog.at_level(logging.INFO, "protofl.server"):  # (start_cli sets this logger itself)
         agg, waited = _garbled_run(garble="d5")
     assert waited == 0  # every step closed at its quorum
     named = [r for r in caplog.records if "d5 is left out of the sum" in r.getMessage()]
@@ -114,7 +114,7 @@ def test_a_member_whose_boxes_do_not_decrypt_is_named_left_out_and_the_round_com
 def test_a_lone_accuser_leaves_in_place_of_the_member_it_names(caplog: pytest.LogCaptureFixture) -> None:
     # d0 cannot open d3's box (broken on the way): it names d3, nobody else does, so d0 leaves; d3's mask with d0
     # is removed from d0's key's shares.
-    with caplog.at_level(logging.INFO, "protofl"):
+    with caplog.at_level(logging.INFO, "protofl.server"):  # (start_cli sets this logger itself)
         agg, waited = _garbled_run(spoil=("d0", "d3"))
     assert any("d0 is left out of the sum: it named d3" in r.getMessage() for r in caplog.records)
     senders = CLIENTS[1:]
@@ -127,7 +127,7 @@ def test_a_lone_accuser_leaves_in_place_of_the_member_it_names(caplog: pytest.Lo
 def test_a_garbage_masked_vector_is_refused_naming_the_round_and_the_global_state_kept(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, "protofl"):
+    with caplog.at_level(logging.INFO, "protofl.server"):  # (start_cli sets this logger itself)
         agg, waited = _garbled_run(garbage="d2")
     refused = [r for r in caplog.records if "round 1 secure aggregation: the unmasked sum of 6" in r.getMessage()]
     assert refused and refused[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
@@ -142,7 +142,7 @@ def test_a_step_that_cannot_complete_closes_at_its_deadline_and_the_next_round_s
     # min_clients = the fleet, d1 restarted after its shares (it never sends its masked input of round 1): the
     # masked step closes at its deadline, round 1 folds nothing and says so; round 2 runs with everybody.
     cfg = _cfg(rounds=2, min_clients=6)
-    with caplog.at_level(logging.INFO, "protofl"):
+    with caplog.at_level(logging.INFO, "protofl.server"):  # (start_cli sets this logger itself)
         agg, waited = _garbled_run(cfg, lose=("d1", 1))
     assert waited == 1  # the masked step's deadline, once
     said = [r.getMessage() for r in caplog.records]
