@@ -179,7 +179,10 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == test_cmd
     # in a virtual environment (stock Debian's pip refuses a system install), every install through the lock
-    assert "python3 -m venv .venv && . .venv/bin/activate && export PIP_CONSTRAINT=$PWD/constraints.txt && " in test_cmd
+    assert (
+        "python3 -m venv .venv && . .venv/bin/activate && export PIP_CONSTRAINT=$PWD/constraints.txt && "
+        "pip install -c constraints.txt torch==2.13.0 && pip install -c constraints.txt -e '.[ci]' && "
+    ) in test_cmd
 
 
 def _name(requirement: str) -> str:
