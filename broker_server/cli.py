@@ -255,6 +255,13 @@ def simulate(
     upload_share: float = typer.Option(
         0.8, help="--profiles: share of the time left an upload may use.", rich_help_panel=PROFILES
     ),
+    sample_cost: float = typer.Option(
+        0.0,
+        help="--profiles: compute from the profiles, this many seconds of training per sample a device holds "
+        "(divided by its compute factor), and links timed from their profiles: simulated times the same "
+        "whatever this machine's load (0: measured CPU time and links).",
+        rich_help_panel=PROFILES,
+    ),
     report_dir: Path | None = typer.Option(
         None,
         "--report-dir",
@@ -338,6 +345,7 @@ def simulate(
             time_scale=time_scale,
             adaptive=adaptive,
             upload_share=upload_share,
+            sample_cost_s=sample_cost,
             clip=clip_on,
             out_dir=str(out.resolve()) if out is not None else None,
             backend=backend,

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def _emulation(
-    profile: str, adaptive: bool, share: float, time_scale: float, emulate_compute: bool
+    profile: str, adaptive: bool, share: float, time_scale: float, emulate_compute: bool, sample_cost: float = 0.0
 ) -> Emulation | None:
     """--profile and its switches, checked before torch is imported (a bad profile exits 2 at once)."""
     from edge_agent.core.emulation import Emulation
@@ -31,6 +31,10 @@ def _emulation(
         raise ConfigError(f"--time-scale must be > 0, got {time_scale}")
     if not 0 < share <= 1:
         raise ConfigError(f"--upload-share must be in (0, 1], got {share}")
+    if not sample_cost >= 0:
+        raise ConfigError(f"--sample-cost must be >= 0 seconds per sample, got {sample_cost}")
+    if sample_cost and not emulate_compute:
+        raise ConfigError("--sample-cost times the emulated compute: add --emulate-compute")
     if not profile:
         if emulate_compute:
             raise ConfigError("--emulate-compute needs a device profile (--profile rpi4 or rpi4+lte)")
@@ -45,6 +49,7 @@ def _emulation(
         emulate_compute=emulate_compute,
         adaptive=adaptive and link is not None,
         upload_share=share,
+        sample_cost_s=sample_cost,
     )
 
 
@@ -131,6 +136,12 @@ def join_command(
         "long as the device profile's compute factor says training takes there.",
         rich_help_panel=EMULATION,
     ),
+    sample_cost: float = typer.Option(
+        0.0,
+        help="Simulation only, with --emulate-compute: compute from the profile, this many seconds of training per "
+        "sample held (divided by the compute factor), not the measured CPU time.",
+        rich_help_panel=EMULATION,
+    ),
     tag: list[str] = typer.Option(
         [],
         "--tag",
@@ -203,7 +214,7 @@ def join_command(
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         client_id, username, password, fed = resolve_identity(client_id, username, password, credentials, fed)
-        emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute)
+        emulation = _emulation(profile, adaptive, upload_share, time_scale, emulate_compute, sample_cost)
         if ship_logs not in (*LEVELS, "off"):
             raise ConfigError(f"--ship-logs must be one of {', '.join(LEVELS)} or off, got '{ship_logs}'")
         if not 1 <= keepalive <= 65535:

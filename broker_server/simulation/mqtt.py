@@ -68,6 +68,7 @@ def profile_args(spec: SimulationSpec, device: DeviceClass | None) -> list[str]:
         "--upload-share",
         repr(spec.upload_share),
         "--adaptive" if spec.adaptive else "--no-adaptive",
+        *(["--sample-cost", repr(spec.sample_cost_s)] if spec.sample_cost_s else []),
     ]
 
 
@@ -86,6 +87,7 @@ def emulation(spec: SimulationSpec, device: DeviceClass | None, order: ReleaseOr
         adaptive=spec.adaptive,
         upload_share=spec.upload_share,
         order=order,
+        sample_cost_s=spec.sample_cost_s,
     )
 
 
@@ -362,6 +364,7 @@ def run_over_mqtt(
                 deadline_s=deadline_s,
                 adaptive=spec.adaptive,
                 upload_share=spec.upload_share,
+                nominal=spec.sample_cost_s > 0,
             )
         service.start()
         stack.callback(service.close)

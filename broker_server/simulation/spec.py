@@ -66,6 +66,9 @@ class SimulationSpec:
     time_scale: float = 1.0
     adaptive: bool = True
     upload_share: float = 0.8
+    # The virtual clock's compute from the profiles (s of training per sample held; 0: measured CPU time) and, with
+    # it, link times from the profiles (broker_server/simulation/timeline.py): times independent of the load.
+    sample_cost_s: float = 0.0
     out_dir: str | None = None  # leave the run's deployable artifacts here (protofl/artifacts.py)
     # Upload clipping (a defence, not a paper's method): on by default as in `start`, so that a simulation
     # runs the aggregator a deployment runs; the benchmark's papers' rows turn it off.
@@ -175,6 +178,10 @@ def prepare(spec: SimulationSpec) -> Federation:
             raise ConfigError(f"--time-scale must be > 0, got {spec.time_scale}")
         if not 0 < spec.upload_share <= 1:
             raise ConfigError(f"--upload-share must be in (0, 1], got {spec.upload_share}")
+        if not spec.sample_cost_s >= 0:
+            raise ConfigError(f"--sample-cost must be >= 0 seconds per sample, got {spec.sample_cost_s}")
+    elif spec.sample_cost_s:
+        raise ConfigError("--sample-cost times a fleet's compute from its profiles: add --profiles")
         spec.fleet()  # unknown profiles and a --clients that does not match fail here, before any data loads
     if spec.extractor not in EXTRACTORS:
         raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")

@@ -9,6 +9,11 @@ For device d in round r (times from the round's opening at the server):
                  `ReleaseOrder`, this machine's wait, reported in `overrun_s`)
     done_s     = downlink_s + compute_s + upload_s
 
+With `nominal` (simulate `--sample-cost`: compute from the profiles, edge_agent/core/emulation.py) the link
+times come from the profiles too: `downlink_s = RTT/2 + round message bytes / downlink rate`,
+`upload_s = RTT/2 + upload bytes / uplink rate`, so that a run's simulated times do not move with this machine's
+load (the bound beside which LINKS.md measured them: within 10 %).
+
 `done_s` composes measured link times with the emulated compute, so it stays honest where this
 machine could not keep up with the time scale (`overrun_s` > 0: the upload left later in real time
 than the emulation asked). On that composed clock each upload arrives at
@@ -25,11 +30,12 @@ next one when it released that one's upload). A round's simulated length `round_
   this machine released an upload late, and its length is the latest of those arrivals;
 - where no upload it folded has a composed time: its real length x time_scale.
 
-Which uploads a version folded was decided in real time. With thread agents (simulate's default) the uploads
-leave in the order of their emulated release times whatever this machine's load (`ReleaseOrder`), so that choice
-is the one a machine that keeps up would make within a version. Across versions it need not be: the release
-times are real times, so where this machine ran a version longer than the composed clock, an upload of the next
-version can wait behind an older one that the composed clock puts after it.
+Which uploads a version folded was decided in real time. With thread agents (the benchmarks' and tests'
+simulations) the uploads leave in the order of their emulated release times on a virtual clock whatever this
+machine's load (`ReleaseOrder`): the lag this machine builds up training the devices one at a time is dropped at
+each release, so that choice is the one a machine that keeps up would make, within a version and across versions.
+It is approximate where link times move with the load (measured links) or the server spends real time between
+versions (its evaluation): the virtual clock runs at the real rate between releases.
 `wall_round_s` (real open-to-close x time_scale) is
 reported beside it. Time between rounds (the simulator's own evaluation) is not counted. numpy only.
 """
@@ -54,8 +60,10 @@ def device_rows(
     scale: float,
     deadline_s: float,
     waited: Mapping[tuple[str, float], float] | None = None,
+    nominal: bool = False,
 ) -> list[dict[str, Any]]:
-    """`waited`: (device, release time) -> real seconds the simulator held that upload past its release time."""
+    """`waited`: (device, release time) -> real seconds the simulator held that upload past its release time;
+    `nominal`: link times from the profiles (the module's docstring), not measured."""
     waited = waited or {}
     rows = []
     for cid, dev in zip(clients, devices, strict=True):
@@ -91,11 +99,15 @@ def device_rows(
         }
         if "recv_t" in extra:
             row["downlink_s"] = max(0.0, (extra["recv_t"] - rec.started) * scale)
+            if nominal and "recv_bytes" in extra:
+                row["downlink_s"] = dev.link.rtt_ms / 2000 + extra["recv_bytes"] / dev.link.downlink_bytes_per_s
         if last is not None:
             row["wall_done_s"] = (last - rec.started) * scale
             if "release_t" in extra:
                 held = waited.get((cid, extra["release_t"]), 0.0)
                 row["upload_s"] = max(0.0, (last - extra["release_t"] - held) * scale)
+                if nominal:
+                    row["upload_s"] = dev.link.rtt_ms / 2000 + row["uplink_bytes"] / dev.link.uplink_bytes_per_s
                 if held and row["overrun_s"] is not None:
                     row["overrun_s"] += held * scale
         if None not in (row["downlink_s"], row["compute_s"], row["upload_s"]):
@@ -149,13 +161,16 @@ def timeline(
     scale: float,
     deadline_s: float,
     waited: Mapping[tuple[str, float], float] | None = None,
+    nominal: bool = False,
 ) -> dict[str, Any]:
     """The report's `links` section: per-round lengths with the running simulated time, per-device rows."""
     rounds, devices_out, t = [], [], 0.0
     released: dict[str, float] = {}  # each device's last release on the composed clock (busy until then)
     arrive: dict[tuple[str, int], float] = {}
     for rec in records:
-        rows = device_rows(rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s, waited)
+        rows = device_rows(
+            rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s, waited, nominal
+        )
         for row in rows:
             if row["done_s"] is not None:
                 cid = row["client"]
@@ -183,8 +198,10 @@ class LinkReport:
         deadline_s: float,
         adaptive: bool,
         upload_share: float,
+        nominal: bool = False,
     ) -> None:
         self.devices, self.clients, self.links, self.watcher = list(devices), list(clients), links, watcher
+        self.nominal = nominal  # link times from the profiles (simulate --sample-cost), not measured
         self.time_scale, self.deadline_s = time_scale, deadline_s
         self.adaptive, self.upload_share = adaptive, upload_share
         self._grace_end: float | None = None
@@ -233,6 +250,7 @@ class LinkReport:
             "deadline_s": self.deadline_s,
             "adaptive": self.adaptive,
             "upload_share": self.upload_share,
+            "nominal_links": self.nominal,
             "classes": list(classes.values()),
             "clients": {cid: d.name for cid, d in zip(self.clients, self.devices, strict=True)},
             "proxies": self.links.stats(),
@@ -247,5 +265,13 @@ class LinkReport:
         waited = {} if self.order is None else dict(self.order.waited)
         arrivals = self.watcher.arrivals
         return timeline(
-            records, self.clients, self.devices, arrivals, metrics, self.time_scale, self.deadline_s, waited
+            records,
+            self.clients,
+            self.devices,
+            arrivals,
+            metrics,
+            self.time_scale,
+            self.deadline_s,
+            waited,
+            self.nominal,
         )

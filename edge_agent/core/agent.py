@@ -322,7 +322,7 @@ class EdgeAgent:
                     # Uploads sent while the server was not subscribed are lost, and it would wait for them
                     # forever, so they go again; the aggregator drops (and counts) the duplicates.
                     return self._again(self.sent, "announced again")
-                self._round_arrived(key, recv_t)
+                self._round_arrived(key, recv_t, nbytes)
             self.stats.received_bytes += nbytes
             if env.fed != self.fed:
                 self._drop("wrong_fed", f"message for federation '{env.fed}'")
@@ -365,13 +365,13 @@ class EdgeAgent:
         """What this device could deploy now (it holds a model)."""
         return collect_device_artifacts(self)
 
-    def _round_arrived(self, key: tuple[int, str] | None, recv_t: float | None) -> None:
+    def _round_arrived(self, key: tuple[int, str] | None, recv_t: float | None, nbytes: int = 0) -> None:
         """A new round message (or an unreadable one) on the round topic: what is kept to send again starts
         afresh, and the round clock starts."""
         if self.resends:
             self.last_key, self.sent = key, ()
         if self.clock is not None:
-            self.clock.begin(time.time() if recv_t is None else recv_t)
+            self.clock.begin(time.time() if recv_t is None else recv_t, nbytes, len(self.data.y_train))
             self.metrics_extra.clear()
 
     def _again(self, sends: tuple[Send, ...], why: str) -> Outcome:

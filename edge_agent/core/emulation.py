@@ -15,17 +15,32 @@ seconds, this machine's clock), `compute_cpu_s`, `compute_s` (simulated), `overr
 upload choice (`upload_budget`, `upload_bytes`, `upload_value_bytes`, `upload_k`, `upload_fits`).
 In simulation the thread agents of one process train one at a time (edge_agent/ops/runner.py's lock) and this
 machine may fall behind the time scale; which upload reaches the server first then depends on the lock's order and
-the load, not on the devices. `ReleaseOrder`, shared by the simulator's thread agents, releases their uploads in
-the order of their emulated release times (`arrival + compute / time_scale`), as a machine that keeps up would:
-an upload waits while another device that received its round message before that time has not yet trained on it
-(its release could come first), and for every held upload due earlier; uploads let go late keep the spacing of
-their dues (so that they reach the server in that order). The wait is this machine's, never the link's:
-the simulator subtracts it from the measured upload time (broker_server/simulation/timeline.py).
+the load, not on the devices. `ReleaseOrder`, shared by the simulator's thread agents, keeps a virtual clock and
+releases their uploads in the order of their emulated release times on it, as a machine that keeps up would:
+
+    virtual(t) = due of the latest upload released before real time t + (t - when it went)
+
+(the identity before the first release): time passes at the real rate while links carry messages, and the lag
+this machine built up training the devices one at a time is dropped at each release. A round message that came
+off the wire at real time `recv_t` arrived at `virtual(recv_t)`; its upload is due at
+`max(that, the device's previous release) + compute / time_scale` on the virtual clock, whatever real time the
+training ended. An upload goes once the virtual clock has reached its due and no other device can release one due
+earlier: none still trains (or holds unhandled in its inbox) a round message that arrived before that due, and no
+held upload is due sooner. So the order holds across versions too: a fresh upload of the next version is not
+kept behind a slow device's older one that is due after it, however long this machine took over the version.
+The wait is this machine's, never the link's: the simulator subtracts it from the measured upload time
+(broker_server/simulation/timeline.py).
+
+Compute from the profile alone (`sample_cost_s` > 0, simulate's `--sample-cost`): the device's compute is
+`sample_cost_s x the samples it holds / compute_factor`, the same whatever this machine's load (CPU time per
+training moves with the load); the round message's size is reported (`recv_bytes`) so that the simulator can time
+the links from the profiles too (timeline.py's nominal links).
 No torch, no numpy.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -53,6 +68,9 @@ class Emulation:
     upload_share: float = 0.8  # of the time left before the deadline, after compute and a round trip
     # simulation, thread agents: their uploads released in emulated order (one shared by all devices)
     order: ReleaseOrder | None = field(default=None, compare=False, hash=False)
+    # simulation: compute from the profile, seconds of the reference machine's training per sample held (0: the
+    # measured CPU time)
+    sample_cost_s: float = 0.0
 
     @property
     def label(self) -> str:
@@ -69,23 +87,31 @@ class RoundClock:
         self._cpu0 = 0.0
         self.release_t: float | None = None
         self.last_release = 0.0  # the previous round message's release: the device trains one at a time
+        self.samples = 0  # the samples the device holds (the profile's compute with `sample_cost_s`)
         self.extra: dict[str, float] = {}
 
     def start(self, recv_t: float) -> float:
-        """When the device starts training a round message that arrived at `recv_t`: not before it released the
-        previous one's uploads (an asynchronous device still busy with an older version; timeline.py's rule)."""
-        return max(recv_t, self.last_release)
+        """When the device starts training a round message that arrived at `recv_t` (real): not before it released
+        the previous one's uploads (an asynchronous device still busy with an older version; timeline.py's rule).
+        With the thread agents' release order, on its virtual clock."""
+        arrived = self.em.order.virtual(recv_t) if self.em.order is not None else recv_t
+        return max(arrived, self.last_release)
 
-    def begin(self, recv_t: float) -> None:
-        """A round message arrived at `recv_t` (epoch s); its handling starts now on this thread."""
+    def begin(self, recv_t: float, nbytes: int = 0, samples: int = 0) -> None:
+        """A round message of `nbytes` arrived at `recv_t` (epoch s); its handling starts now on this thread, for a
+        device holding `samples`."""
         self.recv_t = recv_t
         self._cpu0 = time.thread_time()
         self.release_t = None
-        self.extra = {"recv_t": recv_t}
+        self.samples = samples
+        self.extra = {"recv_t": recv_t, "recv_bytes": float(nbytes)}
 
     def compute_s(self, cpu: float | None = None) -> float:
-        """Simulated compute so far: CPU time / compute factor (emulated), else wall time x scale."""
+        """Simulated compute so far: from the profile (`sample_cost_s`), else CPU time / compute factor (emulated),
+        else wall time x scale."""
         em = self.em
+        if em.emulate_compute and em.device is not None and em.sample_cost_s > 0:
+            return em.sample_cost_s * self.samples / em.device.compute_factor
         if em.emulate_compute and em.device is not None:
             cpu = time.thread_time() - self._cpu0 if cpu is None else cpu
             return cpu / em.device.compute_factor
@@ -108,42 +134,49 @@ class RoundClock:
             compute = self.compute_s(cpu)
             now = time.time()
             target = self.start(self.recv_t) + compute / self.em.time_scale if self.em.emulate_compute else now
-            self.release_t = self.last_release = max(now, target)
+            # With a release order the due is on its virtual clock, which holds the upload until then.
+            self.release_t = self.last_release = target if self.em.order is not None else max(now, target)
             self.extra.update(
                 compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t, overrun_s=max(0.0, now - target)
             )
         return self.release_t
 
 
-SPACING_S = 0.25  # real seconds between uploads let go late, at most (well over a fast link's one-way delay)
-
-
 class ReleaseOrder:
-    """The simulator's thread agents' uploads, released in the order of their emulated release times (the module's
-    docstring). Thread-safe; a device that never reports done holds the others at most `max_wait_s` (counted in
-    `forced`)."""
+    """The simulator's thread agents' uploads, released in the order of their emulated release times on a virtual
+    clock (the module's docstring). Thread-safe; a device that never reports done holds the others at most
+    `max_wait_s` (counted in `forced`)."""
 
     def __init__(self, max_wait_s: float = 60.0) -> None:
         self._cv = threading.Condition()
-        self._training: dict[str, float] = {}  # device -> when the round message it handles arrived (epoch s)
+        self._training: dict[str, float] = {}  # device -> when the round message it handles arrived (virtual s)
         self._held: dict[str, list[float]] = {}  # device -> the release times of its messages not yet sent
         # device -> when a round message it has not begun to handle arrived (None: none waits); its thread may be
         # busy with another message (the runner's lock), and the upload it will train can still come first
         self._waiting: dict[str, Callable[[], float | None]] = {}
-        self.waited: dict[tuple[str, float], float] = {}  # (device, release time) -> seconds held past it
+        self.waited: dict[tuple[str, float], float] = {}  # (device, due) -> real seconds it went after its due
         self.max_wait_s = max_wait_s
         self.forced = 0
-        self._last = (0.0, 0.0)  # the latest release: (its due, when it went)
+        # The virtual clock's anchors, in real order: (when an upload went, its due); virtual(t) runs from the
+        # latest one before t. Only a release due no sooner than the latest anchor's due moves it.
+        self._went: list[float] = []
+        self._dues: list[float] = []
+
+    def virtual(self, t: float) -> float:
+        """The virtual clock at real time `t` (epoch s): the identity before the first release."""
+        with self._cv:
+            i = bisect.bisect_right(self._went, t) - 1
+            return t if i < 0 else self._dues[i] + (t - self._went[i])
 
     def watch(self, device: str, waiting: Callable[[], float | None]) -> None:
-        """`waiting()`: when the round message `device` has not begun to handle arrived, or None."""
+        """`waiting()`: when (virtual) the round message `device` has not begun to handle arrived, or None."""
         with self._cv:
             self._waiting[device] = waiting
 
-    def arrived(self, device: str, recv_t: float) -> None:
-        """`device` handles a round message that arrived at `recv_t`: its upload may be due from then on."""
+    def arrived(self, device: str, start: float) -> None:
+        """`device` handles a round message it starts on at `start` (virtual): its upload may be due from then on."""
         with self._cv:
-            self._training[device] = recv_t
+            self._training[device] = start
 
     def done(self, device: str) -> None:
         """`device` handled it (its uploads, if any, are held with their release times)."""
@@ -163,25 +196,22 @@ class ReleaseOrder:
         return any(min(q) < due or (min(q) == due and d < device) for d, q in self._held.items() if q and d != device)
 
     def wait_turn(self, device: str, due: float) -> None:
-        """Block until `due` (epoch s) and until no other device's upload can be due before this one's."""
+        """Block until the virtual clock reaches `due` and no other device's upload can be due before this one's."""
         with self._cv:
-            give_up = time.time() + self.max_wait_s + max(0.0, due - time.time())
+            give_up = time.time() + self.max_wait_s + max(0.0, due - self.virtual(time.time()))
             while True:
                 now = time.time()
-                # Released late, uploads keep the spacing of their dues, up to SPACING_S: several let go at once
-                # would reach the server in whatever order their connections deliver them (not more: the lag of
-                # one late release must not carry over to every later one).
-                last_due, last_went = self._last
-                spaced = last_went + min(due - last_due, SPACING_S) if due > last_due else 0.0
-                if now >= due and now >= spaced and not self._blocked(device, due):
+                ahead = due - self.virtual(now)
+                if ahead <= 0 and not self._blocked(device, due):
                     break
                 if now >= give_up:
                     self.forced += 1
                     log.warning("%s: released after %.0f s held for other devices' uploads", device, self.max_wait_s)
                     break
-                self._cv.wait(min(max(due - now, spaced - now, 0.0) or 0.5, 0.5))
-            if due >= last_due:
-                self._last = (due, now)
+                self._cv.wait(min(ahead, 0.5) if ahead > 0 else 0.5)
+            if not self._dues or due >= self._dues[-1]:
+                self._went.append(now)
+                self._dues.append(due)
             if now > due:
                 self.waited[(device, due)] = max(self.waited.get((device, due), 0.0), now - due)
 

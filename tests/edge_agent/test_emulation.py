@@ -7,7 +7,7 @@ import time
 import pytest
 
 from edge_agent.core.emulation import Emulation, HeldSender, ReleaseOrder, RoundClock
-from protofl.profiles import load_device, load_link
+from protofl.profiles import DeviceProfile, load_device, load_link
 
 
 def test_budget_is_the_link_s_share_of_the_time_left() -> None:
@@ -89,3 +89,45 @@ def test_release_order_sends_uploads_in_emulated_order_whatever_the_machine_s() 
     assert sent == ["a", "b"]
     assert went["b"] - went["a"] >= 0.25 - 0.01  # let go late, they keep their dues' spacing (0.5 s) up to 0.25 s
     assert order.waited[("b", due_b)] >= 0.5 and order.forced == 0
+
+
+def test_virtual_clock_orders_across_versions_whatever_this_machine_s_lag() -> None:
+    """Hand-computed: upload x, due at T + 0.45 on the virtual clock, goes 1.55 s late (this machine trained the
+    devices one at a time): from then the virtual clock is T + 0.45 + (real - when x went). `slow` still holds an
+    older version's upload due at T + 0.9. `fast` gets the next version's round message just after x went (virtual
+    T + 0.45 + its lag) and, with the profile's compute (0.001 s x 50 samples / compute factor 0.5 = 0.1 s), is due
+    at ~T + 0.55: before `slow`'s, though this machine takes 0.6 s of real time to train it, past `slow`'s due in
+    real time too. It goes first (on real dues `slow` would, its due 1.1 s in the real past)."""
+    order = ReleaseOrder()
+    assert order.virtual(5.0) == 5.0  # no release yet: the identity
+    went: dict[str, float] = {}
+
+    def sender(name: str) -> HeldSender:
+        return HeldSender(lambda topic, payload, qos: went.setdefault(name, time.time()), order, name)
+
+    T = time.time() - 2.0
+    x = sender("x")
+    x.submit("upload", b"", 1, not_before=T + 0.45)
+    x.close()
+    w1 = went["x"]
+    assert order.virtual(w1 + 1.0) == pytest.approx(T + 1.45, abs=0.01)  # runs at the real rate from x's release
+    assert order.virtual(w1 - 1.0) == pytest.approx(w1 - 1.0)  # before it: still the identity
+    assert order.waited[("x", T + 0.45)] == pytest.approx(w1 - T - 0.45, abs=0.01)  # this machine's, not the link's
+
+    slow = sender("slow")
+    slow.submit("upload", b"", 1, not_before=T + 0.9)
+    device = DeviceProfile("board", "a test board", compute_factor=0.5, memory_mb=512)
+    clock = RoundClock(Emulation(device=device, emulate_compute=True, order=order, sample_cost_s=0.001))
+    recv = time.time()
+    order.arrived("fast", clock.start(recv))  # training: `slow` may not go while fast's upload can come first
+    clock.begin(recv, 1_000, 50)
+    time.sleep(0.6)  # this machine's lag: the real time of training, not the device's
+    due = clock.upload_release()
+    assert clock.extra["compute_s"] == pytest.approx(0.1) and clock.extra["recv_bytes"] == 1_000
+    assert due == pytest.approx(T + 0.45 + (recv - w1) + 0.1, abs=0.01) and due < T + 0.9
+    fast = sender("fast")
+    fast.submit("upload", b"", 1, not_before=due)
+    order.done("fast")
+    fast.close()
+    slow.close()
+    assert sorted(went, key=went.__getitem__) == ["x", "fast", "slow"] and order.forced == 0
