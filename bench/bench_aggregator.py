@@ -229,12 +229,19 @@ def inprocess_rate(name: str, n: int, distinct: int = 64) -> dict[str, Any]:
         "upload_bytes": setup.device_bytes,
         "uploads_per_s": n / cpu,
         "uploads_per_wall_s": n / elapsed,
+        "reader": "fast" if setup.agg._fast else "reference",
     }
 
 
 def _worker(args: argparse.Namespace) -> None:
     """Child process: one in-process measurement with whatever `protofl` its PYTHONPATH gives."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Logging as `start` sets it up: the root at INFO to stderr, the aggregator's own logger at WARNING (INFO: -v).
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    info = os.environ.get("BENCH_LOG") == "info"
+    logging.getLogger("protofl.server").setLevel(logging.INFO if info else logging.WARNING)
     if os.environ.get("BENCH_READER") == "reference":  # this tree with msgspec's upload reader turned off
         from broker_server.core import shell
 
@@ -245,8 +252,15 @@ def _worker(args: argparse.Namespace) -> None:
 REFERENCE_READER = "this, reference reader"  # the label of `--readers`' extra column
 
 
-def run_worker(tree: Path, workload: str, n: int, reader: str = "") -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=_path(tree), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", BENCH_READER=reader)
+def run_worker(tree: Path, workload: str, n: int, reader: str = "", log_level: str = "warning") -> dict[str, Any]:
+    env = dict(
+        os.environ,
+        PYTHONPATH=_path(tree),
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        BENCH_READER=reader,
+        BENCH_LOG=log_level,
+    )
     # Run this file by path: the tree under test may not have it.
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--worker", workload, "--n", str(n)],
@@ -261,15 +275,19 @@ def run_worker(tree: Path, workload: str, n: int, reader: str = "") -> dict[str,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def inprocess(trees: dict[str, Path], workloads: list[str], n: int, repeats: int) -> dict[str, Any]:
+def inprocess(
+    trees: dict[str, Path], workloads: list[str], n: int, repeats: int, log_level: str = "warning"
+) -> dict[str, Any]:
     rates: dict[str, dict[str, list[float]]] = {w: {t: [] for t in trees} for w in workloads}
     walls: dict[str, dict[str, list[float]]] = {w: {t: [] for t in trees} for w in workloads}
     sizes: dict[str, int] = {}
+    readers: dict[str, str] = {}
     for r in range(repeats):
         for w in workloads:
             for label, tree in trees.items():
-                res = run_worker(tree, w, n, "reference" if label == REFERENCE_READER else "")
+                res = run_worker(tree, w, n, "reference" if label == REFERENCE_READER else "", log_level)
                 rates[w][label].append(res["uploads_per_s"])
+                readers[label] = res.get("reader", "not recorded")  # an older tree does not say
                 walls[w][label].append(res["uploads_per_wall_s"])
                 sizes[w] = res["upload_bytes"]
                 print(f"repeat {r + 1}/{repeats} {w:>9} {label:>8}: {res['uploads_per_s']:8.0f} uploads/s", flush=True)
@@ -277,6 +295,12 @@ def inprocess(trees: dict[str, Path], workloads: list[str], n: int, repeats: int
         "uploads": n,
         "repeats": repeats,
         "upload_bytes": sizes,
+        "readers": readers,
+        "log_level": log_level,
+        "setup": {
+            label: server_setup(tree, workloads[0], "reference" if label == REFERENCE_READER else "fast")
+            for label, tree in trees.items()
+        },
         "rates": rates,
         "wall_rates": walls,
         "median": {w: {t: statistics.median(v) for t, v in d.items()} for w, d in rates.items()},
@@ -546,12 +570,94 @@ class CpuSampler:
         return self.at(end) - self.at(start)
 
 
-def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 0) -> dict[str, Any]:
+# The server started with msgspec unimportable: the reference reader, as where the `fast` extra is not installed.
+NO_MSGSPEC = (
+    "import sys; sys.modules['msgspec'] = None; from broker_server.cli import app; app(prog_name='protofl-server')"
+)
+READERS = ("fast", "reference")
+LOG_LEVELS = ("warning", "info")  # start's default (protofl.server at WARNING), and `start -v`
+
+
+def setup_check_main(workload: str, reader: str) -> None:
+    """Child process (the tree under test on its path): what the server of `workload` would read uploads with, and
+    the versions it runs on, as JSON."""
+    import importlib.metadata as md
+    import sysconfig
+
+    if reader == "reference":
+        sys.modules["msgspec"] = None  # type: ignore[assignment]
+    from broker_server.core.shell import decoder_limits
+    from protofl.wire import fast
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    config = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
+    print(
+        json.dumps(
+            {
+                "reader": "fast" if fast.usable(decoder_limits(workload_config(workload, 2))) else "reference",
+                "msgspec": version("msgspec") if fast.available() else None,
+                "paho": version("paho-mqtt"),
+                "numpy": version("numpy"),
+                "python": f"{platform.python_implementation()} {platform.python_version()}",
+                "python_build": ", ".join(
+                    x for x in ("--enable-optimizations", "--with-lto", "--enable-shared") if x in config
+                )
+                or "no PGO/LTO flags",
+            }
+        )
+    )
+
+
+def server_setup(tree: Path, workload: str, reader: str) -> dict[str, Any]:
+    """What `setup_check_main` says of `tree`, with the tree's git revision and the broker's version."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--setup-check", workload, "--reader", reader],
+        env=dict(os.environ, PYTHONPATH=_path(tree)),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    info: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    info["tree"] = (rev.stdout.strip() or "?") + ("+changes" if dirty.stdout.strip() else "")
+    mosq = subprocess.run(["mosquitto", "-h"], capture_output=True, text=True)
+    info["mosquitto"] = next((w for w in (mosq.stdout + mosq.stderr).split() if w[:1].isdigit()), "?")
+    return info
+
+
+def setup_label(info: dict[str, Any]) -> str:
+    """A row's reader path, log level and versions, in one cell."""
+    return (
+        f"{info['reader']} reader, log {info['log_level']}; {info['tree']}, {info['python']} "
+        f"({info['python_build']}), msgspec {info['msgspec'] or '-'}, paho {info['paho']}, "
+        f"mosquitto {info['mosquitto']}"
+    )
+
+
+def through_broker(
+    tree: Path,
+    workload: str,
+    n: int,
+    work: Path,
+    shards: int = 0,
+    reader: str = "fast",
+    log_level: str = "warning",
+) -> dict[str, Any]:
     """The real `protofl-server start` (its secured Mosquitto, generated credentials, the journal with fsync and
     group commit; with `shards`, `start --shards N`: N spawned shard processes on one shared subscription)
     federating n publisher devices for one round; then the same secured broker (its config, as start wrote it)
     delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s (a device's round uploads
-    count as one, however many messages they take)."""
+    count as one, however many messages they take). `reader`: "reference" starts the server with msgspec
+    unimportable; `log_level` "info": `start -v`."""
     import socket
 
     from broker_server.ops.security import FederationSecrets, server_user
@@ -573,12 +679,14 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
     messages = n * per_device
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
+    setup = server_setup(tree, workload, reader)
+    setup["log_level"] = log_level
     server = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "broker_server.cli",
+            *(["-c", NO_MSGSPEC] if reader == "reference" else ["-m", "broker_server.cli"]),
             "start",
+            *(["-v"] if log_level == "info" else []),
             "--preset",
             preset,
             *sets,
@@ -687,6 +795,8 @@ def through_broker(tree: Path, workload: str, n: int, work: Path, shards: int = 
         "workload": workload,
         "uploads": n,
         "shards": shards,
+        "setup": setup,
+        "server_cpu_s_per_upload": server_cpu / n if server_cpu > 0 else None,
         "aggregator_uploads_per_s": aggregator,
         "aggregator_uploads_per_server_cpu_s": n / server_cpu if server_cpu > 0 else None,
         "broker_msgs_per_s": broker_rate,
@@ -745,7 +855,13 @@ def _line(res: dict[str, Any]) -> str:
 
 
 def broker_part(
-    trees: dict[str, Path], workloads: list[str], n: int, repeats: int, shard_counts: tuple[int, ...] = (0,)
+    trees: dict[str, Path],
+    workloads: list[str],
+    n: int,
+    repeats: int,
+    shard_counts: tuple[int, ...] = (0,),
+    readers: tuple[str, ...] = ("fast",),
+    log_levels: tuple[str, ...] = ("warning",),
 ) -> dict[str, Any]:
     if shutil.which("mosquitto_sub") is None or shutil.which("mosquitto") is None:
         print("no mosquitto / mosquitto_sub: apt-get install -y mosquitto mosquitto-clients; part 2 skipped")
@@ -756,18 +872,23 @@ def broker_part(
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2 * n + 512)), hard))
     work = Path(tempfile.mkdtemp(prefix="bench-agg-broker-", dir=REPO))
 
-    def setup(label: str, shards: int) -> str:
-        return f"{label}, {shards} shards" if shards else label
+    def setup(label: str, shards: int, reader: str, level: str) -> str:
+        name = f"{label}, {shards} shards" if shards else label
+        if len(readers) > 1 or len(log_levels) > 1:
+            name += f", {reader} reader, log {level}"
+        return name
 
-    out: dict[str, Any] = {w: {setup(t, s): [] for t in trees for s in shard_counts} for w in workloads}
+    cases = [(s, rd, lv) for s in shard_counts for rd in readers for lv in log_levels]
+    out: dict[str, Any] = {w: {setup(t, *c): [] for t in trees for c in cases} for w in workloads}
     try:
         for r in range(repeats):
             for w in workloads:
                 for label, tree in trees.items():
-                    for shards in shard_counts:
-                        res = through_broker(tree, w, n, work, shards)
-                        out[w][setup(label, shards)].append(res)
-                        print(f"repeat {r + 1}/{repeats} {w:>9} {setup(label, shards):>8} " + _line(res), flush=True)
+                    for shards, reader, level in cases:
+                        res = through_broker(tree, w, n, work, shards, reader, level)
+                        name = setup(label, shards, reader, level)
+                        out[w][name].append(res)
+                        print(f"repeat {r + 1}/{repeats} {w:>9} {name:>8} " + _line(res), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
@@ -795,6 +916,20 @@ def main() -> None:
         help="part 2 with `start --shards N` for each N of this comma list (0: one aggregator process)",
     )
     ap.add_argument("--skip-inprocess", action="store_true", help="part 2 only")
+    ap.add_argument(
+        "--broker-readers",
+        default="fast",
+        help="part 2's server reads uploads with: fast (msgspec, as installed), reference (msgspec unimportable), "
+        "or both (fast,reference)",
+    )
+    ap.add_argument(
+        "--broker-log",
+        default="warning",
+        help="the server's log level, warning (start's) or info (-v); part 2 takes a list (warning,info), part 1 "
+        "the first",
+    )
+    ap.add_argument("--setup-check", help=argparse.SUPPRESS)
+    ap.add_argument("--reader", default="fast", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--publisher", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--creds", type=Path, help=argparse.SUPPRESS)
@@ -805,6 +940,9 @@ def main() -> None:
     ap.add_argument("--raw-subscriber", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--messages", type=int, help=argparse.SUPPRESS)  # a reader's: the upload messages to read
     args = ap.parse_args()
+    if args.setup_check:
+        setup_check_main(args.setup_check, args.reader)
+        return
     if args.raw_subscriber:
         raw_subscriber_main(args.raw_subscriber, args.fed, os.environ["BENCH_PASSWORD"], args.n, args.messages)
         return
@@ -826,7 +964,7 @@ def main() -> None:
     load = os.getloadavg()
     res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]])}
     if not args.skip_inprocess:
-        res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats)
+        res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats, args.broker_log.split(",")[0])
     if args.broker:
         res["broker"] = broker_part(
             {k: v for k, v in trees.items() if k != REFERENCE_READER},
@@ -834,6 +972,8 @@ def main() -> None:
             args.broker_n,
             args.broker_repeats or args.repeats,
             tuple(int(x) for x in args.broker_shards.split(",")),
+            tuple(x for x in args.broker_readers.split(",") if x in READERS) or ("fast",),
+            tuple(x for x in args.broker_log.split(",") if x in LOG_LEVELS) or ("warning",),
         )
     res["machine"] = {
         "python": platform.python_version(),
@@ -863,7 +1003,16 @@ def markdown(res: dict[str, Any]) -> str:
         lines += [
             "",
             f"In-process, {inp['uploads']} uploads per measurement, median of {inp['repeats']} (uploads per "
-            f"CPU second of the aggregator's process; all repeats in brackets):",
+            f"CPU second of the aggregator's process; all repeats in brackets; logging as `start` "
+            f"{'-v' if inp.get('log_level') == 'info' else 'without -v'}; reader per column: "
+            + ", ".join(f"{t} {inp.get('readers', {}).get(t, 'not recorded')}" for t in trees)
+            + "; versions: "
+            + "; ".join(
+                f"{t}: {v['tree']}, {v['python']} ({v['python_build']}), msgspec {v['msgspec'] or '-'}, numpy "
+                f"{v['numpy']}"
+                for t, v in inp.get("setup", {}).items()
+            )
+            + "):",
             "",
             "| workload | upload bytes | " + " | ".join(trees) + (f" | this / {trees[0]} |" if len(trees) > 1 else ""),
             "|---|---|" + "---|" * len(trees) + ("---|" if len(trees) > 1 else ""),
@@ -882,8 +1031,8 @@ def markdown(res: dict[str, Any]) -> str:
             "broker's own rate to mosquitto_sub, same run (uploads/s, wall clock):",
             "",
             "| workload | tree | aggregator | per server CPU s | broker alone | ratio | server's transport alone "
-            "| its ratio | bare paho | its ratio |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| its ratio | bare paho | its ratio | reader, log level, versions |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for w, per_tree in broker.items():
             for t, runs in per_tree.items():
@@ -894,7 +1043,8 @@ def markdown(res: dict[str, Any]) -> str:
                         f"{'-' if per_cpu is None else f'{per_cpu:,.0f}'} | {r['broker_msgs_per_s']:,.0f} "
                         f"| {r['ratio']:.2f} | {r.get('transport_only_msgs_per_s', 0):,.0f} | "
                         f"{r.get('transport_only_ratio', 0):.2f} | {r.get('paho_only_msgs_per_s', 0):,.0f} | "
-                        f"{r.get('paho_only_ratio', 0):.2f} |"
+                        f"{r.get('paho_only_ratio', 0):.2f} | "
+                        f"{setup_label(r['setup']) if 'setup' in r else '(not recorded)'} |"
                     )
     return "\n".join(lines) + "\n"
 

@@ -219,7 +219,8 @@ def participation_md(
     }
     commands = " and ".join(
         f"`nice python -m bench.bench_links --modes {args.modes} --seeds {args.seeds} --presets {p} "
-        f"--rounds {args.rounds} --proto-time-scale {sc:g} --target {args.target:g}`"
+        f"--rounds {args.rounds} --proto-time-scale {sc:g} --target {args.target:g}"
+        f"{f' --sample-cost {args.sample_cost:g}' if args.sample_cost else ''}`"
         for p, ss in scales.items()
         for sc in ss
     )
@@ -232,7 +233,13 @@ def participation_md(
         f"{args.alpha}, train limit {args.train_limit}), arch {args.arch}, seeds {', '.join(map(str, seeds))}; "
         f"accuracy = {args.metric}_acc (each reporting device on its own split, sample-weighted), target "
         f"{100 * args.target:.0f} %. Simulated seconds on the composed clock (broker_server/simulation/timeline.py: "
-        "link times measured, compute emulated, for every round however it closed). Modes: sync = today (deadline "
+        + (
+            f"link times from the profiles, compute {args.sample_cost:g} s per sample / compute factor"
+            if args.sample_cost
+            else "link times measured, compute emulated"
+        )
+        + ", for every round however it closed; uploads released in order on the virtual clock, "
+        "edge_agent/core/emulation.py). Modes: sync = today (deadline "
         f"{args.deadline:g} s); select = {MODES['select']} (the straggler rule leaves out each device estimated "
         "slower than 2 x a typical member from its profiles and sample count, told when to come back); async = "
         f"{MODES['async']} with {2 * args.rounds} versions (sync and select: {args.rounds} rounds; async3: buffer_k "
@@ -325,7 +332,7 @@ def participation_main(args: argparse.Namespace) -> None:
                     rounds=2 * args.rounds if mode.startswith("async") else args.rounds, seed=seed, archs=(args.arch,),
                     transport="mqtt", agents="thread", train_limit=args.train_limit, test_limit=args.test_limit,
                     profiles=args.fleet, adaptive=args.adaptive, time_scale=args.proto_time_scale,
-                    overrides=overrides, timeout=3600,
+                    overrides=overrides, timeout=3600, sample_cost_s=args.sample_cost,
                 )  # fmt: skip
                 started = time.time()
                 run = run_simulation(spec)
@@ -382,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default="", help="sync,select,async: who takes part (issue 47); see the docstring")
     ap.add_argument("--seeds", default="0,1,2", help="with --modes")
     ap.add_argument("--again", action="store_true", help="with --modes: run again what has a run JSON already")
+    ap.add_argument(
+        "--sample-cost",
+        type=float,
+        default=0.0,
+        help="with --modes: compute and links timed from the profiles (simulate --sample-cost; 0: measured)",
+    )
     args = ap.parse_args(argv)
     if args.modes:
         participation_main(args)
