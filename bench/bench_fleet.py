@@ -498,8 +498,27 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+def server_setup() -> dict[str, Any]:
+    """The server's reader path, log level (start without -v: its aggregator logs at WARNING) and versions."""
+    from bench.bench_aggregator import server_setup as setup
+
+    info = setup(REPO, PRESET, "fast")  # as installed: msgspec's reader where the `fast` extra is importable
+    info["log_level"] = "warning"
+    return info
+
+
+def setup_cell(r: dict[str, Any]) -> str:
+    info = r.get("machine", {}).get("setup")
+    if not info:
+        return "not recorded"
+    from bench.bench_aggregator import setup_label
+
+    return setup_label(info)
+
+
 def machine() -> dict[str, Any]:
     return {
+        "setup": server_setup(),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -522,7 +541,8 @@ def row(r: dict[str, Any]) -> str:
     if r["kind"] == "rate":
         return (
             f"| broker only (mosquitto_pub to mosquitto_sub) | {r['devices']:,} | - | - | "
-            f"{r['uploads_per_s']:,.0f} | - | {r['broker_rss_mb']:.0f} MB | - | - | {r['commit']} |"
+            f"{r['uploads_per_s']:,.0f} | - | {r['broker_rss_mb']:.0f} MB | - | - | {r['commit']} | "
+            f"{setup_cell(r)} |"
         )
     rounds = r["rounds"]
     closes = [x["close_s"] for x in rounds]
@@ -534,7 +554,7 @@ def row(r: dict[str, Any]) -> str:
             f"{r['devices']:,} | never (stalled: {r['joins_seen_by_server']:,} of {r['joins_sent']:,} joins "
             f"reached the server) | - | - | {r['rss_mb'].get('server', 0):.0f} MB | "
             f"{r['rss_mb'].get('core broker', 0):.0f} MB | {r['broker_dropped_lines']} broker drop lines | "
-            f"{r['load_avg']['mean']:.1f} | {r['commit']} |"
+            f"{r['load_avg']['mean']:.1f} | {r['commit']} | {setup_cell(r)} |"
         )
     quorum = (
         all(x["closed_by"] == "quorum" and x["clients"] == r["devices"] for x in rounds)
@@ -556,7 +576,7 @@ def row(r: dict[str, Any]) -> str:
         f"| {where}, {r['shards']} shard(s) | {r['devices']:,} | "
         f"{min(closes):.2f}-{max(closes):.2f} s{'' if quorum else ' (NOT all at quorum)'} | "
         f"{min(rates):,.0f}-{max(rates):,.0f} | {alone} | {rss.get('server', 0):.0f} MB | {brokers} | {losses} | "
-        f"{r['load_avg']['mean']:.1f} (max {r['load_avg']['max']:.1f}) | {r['commit']} |"
+        f"{r['load_avg']['mean']:.1f} (max {r['load_avg']['max']:.1f}) | {r['commit']} | {setup_cell(r)} |"
     )
 
 
@@ -576,8 +596,8 @@ def write_report(out: Path) -> None:
         "other sessions' tests and benchmarks, so figures are noisy).",
         "",
         "| setup | devices | round close at quorum | uploads/s | broker alone | server RSS | broker RSS | losses "
-        "| load | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| load | commit | reader, log level, versions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(row(r) for r in runs),
         "",
     ]
