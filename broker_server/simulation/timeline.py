@@ -4,9 +4,9 @@ For device d in round r (times from the round's opening at the server):
 
     downlink_s = (round message reached d - round opened) x time_scale        measured, through d's link
     compute_s  = d's CPU time for the round / compute_factor                   emulated (edge_agent.core.emulation)
-    upload_s   = (upload reached the broker - upload released) x time_scale    measured, through d's link
-                 (less the time the simulator held it for other devices' earlier uploads: edge_agent/core/emulation.py
-                 `ReleaseOrder`, this machine's wait, reported in `overrun_s`)
+    upload_s   = (upload reached the broker - upload went) x time_scale        measured, through d's link
+                 (from when it went: not the time the simulator held it for other devices' earlier uploads,
+                 edge_agent/core/emulation.py `ReleaseOrder`, this machine's wait, reported in `overrun_s`)
     done_s     = downlink_s + compute_s + upload_s
 
 With `nominal` (simulate `--sample-cost`: compute from the profiles, edge_agent/core/emulation.py) the link
@@ -61,10 +61,12 @@ def device_rows(
     deadline_s: float,
     waited: Mapping[tuple[str, float], float] | None = None,
     nominal: bool = False,
+    went: Mapping[tuple[str, float], float] | None = None,
 ) -> list[dict[str, Any]]:
-    """`waited`: (device, release time) -> real seconds the simulator held that upload past its release time;
+    """`waited`: (device, release time) -> seconds the simulator held that upload past its release time; `went`:
+    (device, release time) -> when it went (real; thread agents' virtual clock: the release time is virtual);
     `nominal`: link times from the profiles (the module's docstring), not measured."""
-    waited = waited or {}
+    waited, went = waited or {}, went or {}
     rows = []
     for cid, dev in zip(clients, devices, strict=True):
         mine = [a for a in arrivals if a.sender == cid and a.round == rec.round]
@@ -105,7 +107,8 @@ def device_rows(
             row["wall_done_s"] = (last - rec.started) * scale
             if "release_t" in extra:
                 held = waited.get((cid, extra["release_t"]), 0.0)
-                row["upload_s"] = max(0.0, (last - extra["release_t"] - held) * scale)
+                left = went.get((cid, extra["release_t"]), extra["release_t"] + held)  # when it went, real
+                row["upload_s"] = max(0.0, (last - left) * scale)
                 if nominal:
                     row["upload_s"] = dev.link.rtt_ms / 2000 + row["uplink_bytes"] / dev.link.uplink_bytes_per_s
                 if held and row["overrun_s"] is not None:
@@ -162,6 +165,7 @@ def timeline(
     deadline_s: float,
     waited: Mapping[tuple[str, float], float] | None = None,
     nominal: bool = False,
+    went: Mapping[tuple[str, float], float] | None = None,
 ) -> dict[str, Any]:
     """The report's `links` section: per-round lengths with the running simulated time, per-device rows."""
     rounds, devices_out, t = [], [], 0.0
@@ -169,7 +173,7 @@ def timeline(
     arrive: dict[tuple[str, int], float] = {}
     for rec in records:
         rows = device_rows(
-            rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s, waited, nominal
+            rec, clients, devices, arrivals, metrics.get(rec.round, {}), scale, deadline_s, waited, nominal, went
         )
         for row in rows:
             if row["done_s"] is not None:
@@ -263,6 +267,7 @@ class LinkReport:
 
     def _timeline(self, records: Sequence[RoundRecord], metrics: Mapping[int, Mapping[str, Metrics]]) -> dict[str, Any]:
         waited = {} if self.order is None else dict(self.order.waited)
+        went = {} if self.order is None else dict(self.order.went)
         arrivals = self.watcher.arrivals
         return timeline(
             records,
@@ -274,4 +279,5 @@ class LinkReport:
             self.deadline_s,
             waited,
             self.nominal,
+            went,
         )

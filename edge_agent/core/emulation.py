@@ -28,7 +28,8 @@ training ended. An upload goes once the virtual clock has reached its due and no
 earlier: none still trains (or holds unhandled in its inbox) a round message that arrived before that due, and no
 held upload is due sooner. So the order holds across versions too: a fresh upload of the next version is not
 kept behind a slow device's older one that is due after it, however long this machine took over the version.
-The wait is this machine's, never the link's: the simulator subtracts it from the measured upload time
+The wait is this machine's, never the link's: the simulator measures the upload's link time from when it went
+(`ReleaseOrder.went`) and counts how far the virtual clock had passed its due as overrun
 (broker_server/simulation/timeline.py).
 
 Compute from the profile alone (`sample_cost_s` > 0, simulate's `--sample-cost`): the device's compute is
@@ -136,8 +137,9 @@ class RoundClock:
             target = self.start(self.recv_t) + compute / self.em.time_scale if self.em.emulate_compute else now
             # With a release order the due is on its virtual clock, which holds the upload until then.
             self.release_t = self.last_release = target if self.em.order is not None else max(now, target)
+            ready = self.em.order.virtual(now) if self.em.order is not None else now  # its training ended
             self.extra.update(
-                compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t, overrun_s=max(0.0, now - target)
+                compute_cpu_s=cpu, compute_s=compute, release_t=self.release_t, overrun_s=max(0.0, ready - target)
             )
         return self.release_t
 
@@ -145,16 +147,20 @@ class RoundClock:
 class ReleaseOrder:
     """The simulator's thread agents' uploads, released in the order of their emulated release times on a virtual
     clock (the module's docstring). Thread-safe; a device that never reports done holds the others at most
-    `max_wait_s` (counted in `forced`)."""
+    `max_wait_s` real seconds (counted in `forced`): a loaded machine trains the whole fleet one device at a time
+    before the first upload of a round may go."""
 
-    def __init__(self, max_wait_s: float = 60.0) -> None:
+    def __init__(self, max_wait_s: float = 300.0) -> None:
         self._cv = threading.Condition()
         self._training: dict[str, float] = {}  # device -> when the round message it handles arrived (virtual s)
         self._held: dict[str, list[float]] = {}  # device -> the release times of its messages not yet sent
         # device -> when a round message it has not begun to handle arrived (None: none waits); its thread may be
         # busy with another message (the runner's lock), and the upload it will train can still come first
         self._waiting: dict[str, Callable[[], float | None]] = {}
-        self.waited: dict[tuple[str, float], float] = {}  # (device, due) -> real seconds it went after its due
+        # (device, due) -> how long past its due it went on the virtual clock (this machine's lag), and when it went
+        # (real epoch s: its link time is measured from then)
+        self.waited: dict[tuple[str, float], float] = {}
+        self.went: dict[tuple[str, float], float] = {}
         self.max_wait_s = max_wait_s
         self.forced = 0
         # The virtual clock's anchors, in real order: (when an upload went, its due); virtual(t) runs from the
@@ -209,11 +215,13 @@ class ReleaseOrder:
                     log.warning("%s: released after %.0f s held for other devices' uploads", device, self.max_wait_s)
                     break
                 self._cv.wait(min(ahead, 0.5) if ahead > 0 else 0.5)
+            late = self.virtual(now) - due
             if not self._dues or due >= self._dues[-1]:
                 self._went.append(now)
                 self._dues.append(due)
-            if now > due:
-                self.waited[(device, due)] = max(self.waited.get((device, due), 0.0), now - due)
+            self.went.setdefault((device, due), now)
+            if late > 0:
+                self.waited[(device, due)] = max(self.waited.get((device, due), 0.0), late)
 
     def sent(self, device: str, due: float) -> None:
         """`device`'s message held for `due` went out: the next in order may go."""
