@@ -180,9 +180,9 @@ def prepare(spec: SimulationSpec) -> Federation:
             raise ConfigError(f"--upload-share must be in (0, 1], got {spec.upload_share}")
         if not spec.sample_cost_s >= 0:
             raise ConfigError(f"--sample-cost must be >= 0 seconds per sample, got {spec.sample_cost_s}")
+        spec.fleet()  # unknown profiles and a --clients that does not match fail here, before any data loads
     elif spec.sample_cost_s:
         raise ConfigError("--sample-cost times a fleet's compute from its profiles: add --profiles")
-        spec.fleet()  # unknown profiles and a --clients that does not match fail here, before any data loads
     if spec.extractor not in EXTRACTORS:
         raise ConfigError(f"--extractor must be {' or '.join(EXTRACTORS)}, got '{spec.extractor}'")
     fixed = fixed_by_user(spec.config_file, spec.overrides)  # --set num_classes / in_shape: the data must fit them

@@ -52,6 +52,8 @@ def test_bad_fleets(tmp_path: Path) -> None:
             "--clients 3 but --profiles describes 2 devices",
         ),
         (SimulationSpec(profiles="rpi4+lte:2", time_scale=0, **mqtt), "--time-scale must be > 0"),
+        (SimulationSpec(profiles="rpi4+lte:2", sample_cost_s=-1, **mqtt), "--sample-cost must be >= 0"),
+        (SimulationSpec(sample_cost_s=0.01, **mqtt), "--sample-cost times a fleet's compute .*: add --profiles"),
     ):
         with pytest.raises(ConfigError, match=message):
             prepare(spec)
