@@ -188,9 +188,15 @@ class Setup:
         self.device_bytes = sum(len(p) for p in per_device[0])  # what one device uploads in the round
         self.name, self.n = name, n
         self.work = Path(tempfile.mkdtemp(prefix="bench-agg-"))
-        self.durable = DurableState(self.work / "state", FED, fsync=False, group_commit=True)
+        journal = os.environ.get("BENCH_JOURNAL", "group")  # group (fsync off) | fsync | off
+        self.durable = (
+            None
+            if journal == "off"
+            else DurableState(self.work / "state", FED, fsync=journal == "fsync", group_commit=True)
+        )
         self.agg = Aggregator(cfg, FED, InProcessBroker().connect("server"), expected_clients=ids)
-        self.durable.bind(self.agg)
+        if self.durable is not None:
+            self.durable.bind(self.agg)
         self.agg.start()
         for i, p in enumerate(joins):
             self.agg.on_message(topics.up(FED, ids[i]), p)
@@ -203,14 +209,15 @@ class Setup:
         t0, c0 = time.perf_counter(), time.process_time()
         for i, p in enumerate(self.uploads):
             agg.on_message(self.topics[i], p)
-            if i % 64 == 63:
+            if i % 64 == 63 and durable is not None:
                 durable.sync()  # group commit: one sync per pumped batch, as the service does
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         assert not agg.dropped and len(agg.records) == 1 and len(agg.records[0].clients) == self.n, agg.dropped
         return elapsed, cpu
 
     def close(self) -> None:
-        self.durable.close()
+        if self.durable is not None:
+            self.durable.close()
         shutil.rmtree(self.work, ignore_errors=True)
 
 
@@ -250,9 +257,13 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 REFERENCE_READER = "this, reference reader"  # the label of `--readers`' extra column
+# `--journals`' extra columns: this tree without the journal, and with its group commit's fsync on
+JOURNALS = {"this, no journal": "off", "this, journal with fsync": "fsync"}
 
 
-def run_worker(tree: Path, workload: str, n: int, reader: str = "", log_level: str = "warning") -> dict[str, Any]:
+def run_worker(
+    tree: Path, workload: str, n: int, reader: str = "", log_level: str = "warning", journal: str = "group"
+) -> dict[str, Any]:
     env = dict(
         os.environ,
         PYTHONPATH=_path(tree),
@@ -260,6 +271,7 @@ def run_worker(tree: Path, workload: str, n: int, reader: str = "", log_level: s
         OPENBLAS_NUM_THREADS="1",
         BENCH_READER=reader,
         BENCH_LOG=log_level,
+        BENCH_JOURNAL=journal,
     )
     # Run this file by path: the tree under test may not have it.
     out = subprocess.run(
@@ -285,7 +297,8 @@ def inprocess(
     for r in range(repeats):
         for w in workloads:
             for label, tree in trees.items():
-                res = run_worker(tree, w, n, "reference" if label == REFERENCE_READER else "", log_level)
+                reader = "reference" if label == REFERENCE_READER else ""
+                res = run_worker(tree, w, n, reader, log_level, JOURNALS.get(label, "group"))
                 rates[w][label].append(res["uploads_per_s"])
                 readers[label] = res.get("reader", "not recorded")  # an older tree does not say
                 walls[w][label].append(res["uploads_per_wall_s"])
@@ -905,6 +918,11 @@ def main() -> None:
         action="store_true",
         help="in-process, also this tree with the reference upload reader (msgspec's turned off)",
     )
+    ap.add_argument(
+        "--journals",
+        action="store_true",
+        help="in-process, also this tree without the journal and with its fsync on (the group commit's cost)",
+    )
     ap.add_argument("--out", type=Path, help="write the results as markdown here")
     ap.add_argument("--broker", action="store_true", help="also measure through the secured broker (part 2)")
     ap.add_argument("--broker-n", type=int, default=2000, help="devices per through-broker measurement")
@@ -960,6 +978,8 @@ def main() -> None:
         trees = {"baseline": args.baseline.resolve(), **trees}
     if args.readers:
         trees[REFERENCE_READER] = REPO
+    if args.journals:
+        trees.update({label: REPO for label in JOURNALS})
     workloads = args.workloads.split(",")
     load = os.getloadavg()
     res: dict[str, Any] = {"command": " ".join(["python -m bench.bench_aggregator", *sys.argv[1:]])}
@@ -967,7 +987,7 @@ def main() -> None:
         res["inprocess"] = inprocess(trees, workloads, args.n, args.repeats, args.broker_log.split(",")[0])
     if args.broker:
         res["broker"] = broker_part(
-            {k: v for k, v in trees.items() if k != REFERENCE_READER},
+            {k: v for k, v in trees.items() if k != REFERENCE_READER and k not in JOURNALS},
             (args.broker_workloads or args.workloads).split(","),
             args.broker_n,
             args.broker_repeats or args.repeats,
