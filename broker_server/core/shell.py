@@ -73,6 +73,20 @@ from protofl.wire import fast as fast_reader
 from protofl.wire.messages import with_server_time
 
 log = logging.getLogger("protofl.server")
+_SAID: list[bool] = []  # the reference reader said once a process
+
+
+def _say_reference_reader() -> None:
+    """Where msgspec is missing every upload goes through the reference reader, ~1.8x the server's CPU per upload
+    in-process (bench/results/AGGREGATOR.md, issue 60): said once, so that a slow server is not a mystery."""
+    if not _SAID:
+        _SAID.append(True)
+        log.warning(
+            "uploads are read by the reference reader (msgspec is not installed): ~1.8x the CPU per upload; "
+            "pip install 'protofl-edge[fast]' for the compiled reader"
+        )
+
+
 SERVER_ID = topics.SERVER_ID
 
 __all__ = ["SERVER_ID", "Aggregator", "RoundRecord", "decoder_limits"]
@@ -171,6 +185,8 @@ class Aggregator:
         # Uploads read by msgspec's compiled schema where the `fast` extra is installed (the same messages,
         # ~2x the rate); the reference decoder reads everything else and says what is wrong with a bad one.
         self._fast = fast_reader.usable(self.limits)
+        if not fast_reader.available():
+            _say_reference_reader()
         self.machine = RoundMachine(
             cfg,
             self._encode,
