@@ -59,6 +59,7 @@ from edge_agent.ops.resume import LocalState
 from edge_agent.training.models import resolve_arch
 from protofl import topics
 from protofl.errors import ConfigError, ProtoFLError, WireError
+from protofl.names import printable
 from protofl.traits import Traits, device_traits
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport
@@ -230,9 +231,10 @@ class DeviceRunner(Carrier):
         if self.agent is not None and first:
             fleet.agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
         elif self.agent is not None and run == "" and not self.agent.finished:
-            # The run ended before its last round reached this device (`run stop`): the fleet is idle, what comes
-            # next (the next run's config, its server's status) is the next run's, never this agent's.
-            self._run_over("ended (stopped)")
+            # The run ended before its last round reached this device (`run stop`, or its server died and the fleet
+            # said so: "failed"): the fleet is idle, what comes next (the next run's config, its server's status) is
+            # the next run's, never this agent's.
+            self._run_over(f"ended ({printable(msg.detail) or 'stopped'})")
         elif self.agent is not None and run not in ("", fleet.agent_run):
             self._run_over("replaced")
         if self.agent is None and fleet.serving:

@@ -32,6 +32,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from protofl.errors import ProtoFLError
 from protofl.names import printable
@@ -98,6 +99,7 @@ class TransportStats:
     received_bytes: int = 0
     handler_errors: int = 0
     inbox_dropped: int = 0  # messages left unhandled: their topic held INBOX_TOPIC_BYTES, or the inbox its total
+    retained_refused: int = 0  # retained messages on a topic that `refuse_retained` named: cleared, unhandled
 
 
 def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
@@ -200,6 +202,7 @@ class MqttTransport:
         # cost ~30 us a message (a server's uploads, issue 27); emptied when a subscription is added.
         self._routes: dict[str, tuple[Handler, ...]] = {}
         self._patterns: dict[str, None] = {}  # ordered: re-subscribed in the original order
+        self._no_retained: list[str] = []  # filters whose retained messages are refused (`refuse_retained`)
         self._retained: dict[str, tuple[bytes, int]] = {}  # topic -> (payload, publish sequence number)
         # QoS >= 1 publishes awaiting PUBACK: mid -> (sequence number, topic). The network thread only
         # appends acknowledged mids to `_acks` (it may hold paho's locks); they are matched under _lock.
@@ -311,7 +314,24 @@ class MqttTransport:
             # Subscribing again re-delivers retained messages, which a new handler expects to see
             # (its older handlers get them again too, as after any reconnect).
             if self._connected.is_set():
-                self._client.subscribe(pattern, qos=1)
+                self._subscribe(self._client, pattern)
+
+    def refuse_retained(self, pattern: str) -> None:
+        """No message on a topic matching `pattern` is a retained one (a server's devices' `up/` topics: an upload
+        or a join left retained would be handed to every later subscriber, a later run's server too). A retained
+        one is never handed to the handlers: it is counted (`stats.retained_refused`), logged, and cleared (an empty
+        retained message there: this client needs the right to publish on it). Called before `subscribe`: with MQTT
+        5 the subscription then asks for the flag as published (retain-as-published), so a message retained while
+        this client listens is known too; with 3.1.1 only what the broker held when it subscribed is."""
+        with self._lock:
+            self._no_retained.append(pattern)
+
+    def _subscribe(self, client: paho.Client, pattern: str) -> None:
+        refused = any(topic_matches(f, _filter_topic(pattern)) for f in self._no_retained)
+        if refused and self._protocol == paho.MQTTv5:
+            client.subscribe(pattern, options=SubscribeOptions(qos=1, retainAsPublished=True))
+        else:
+            client.subscribe(pattern, qos=1)
 
     def pump(self, timeout: float = 0.0, max_messages: int = 1000) -> int:
         """Deliver queued messages on this thread (deliver="pump"); waits up to `timeout` for the first.
@@ -560,7 +580,7 @@ class MqttTransport:
         with self._lock:
             self._match_acks()
             for pattern in self._patterns:
-                client.subscribe(pattern, qos=1)
+                self._subscribe(client, pattern)
             unacked = {seq for seq, _ in self._pending.values()}
             for topic, (payload, seq) in list(self._retained.items()):
                 # Only acknowledged ones: paho resends an unacknowledged message itself, in order, and a
@@ -608,6 +628,9 @@ class MqttTransport:
         self.stats.received_bytes += len(msg.payload)
         # When it came off the wire, not when a busy consumer got to it (link timing in simulations).
         self.arrived[msg.topic] = time.time()
+        if msg.retain and self._no_retained and any(topic_matches(f, msg.topic) for f in self._no_retained):
+            self._refuse_retained(client, msg)
+            return
         n = len(msg.payload)
         with self._held_lock:
             held = self._held.get(msg.topic)
@@ -629,6 +652,24 @@ class MqttTransport:
             return
         # paho types the payload bytes | bytearray; it decodes bytes, which bytes() returns as is (no copy).
         self._inbox.put((msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._session))
+
+    def _refuse_retained(self, client: paho.Client, msg: paho.MQTTMessage) -> None:
+        """A retained message where none may be (`refuse_retained`): cleared, counted, never handled."""
+        if msg.payload:
+            self.stats.retained_refused += 1
+            n = self.stats.retained_refused
+            client.publish(msg.topic, b"", qos=1, retain=True)  # the broker forgets it: no later subscriber gets it
+            if n == 10 ** (len(str(n)) - 1):  # 1, 10, 100, ...
+                log.warning(
+                    "%s: ignored and cleared a retained message on '%s' (%d bytes; %d so far): nothing is retained "
+                    "there, so that no later subscriber takes it as new",
+                    self.client_id,
+                    printable(msg.topic),
+                    len(msg.payload),
+                    n,
+                )
+        if self.manual_ack and msg.qos > 0:
+            self._inbox.put((msg.topic, b"", msg.mid, msg.qos, self._session))  # only its acknowledgement
 
     def _leave(self, msg: paho.MQTTMessage, held: int) -> None:
         """Leave `msg` unhandled: its topic has `held` bytes waiting already, or the inbox its total. A QoS 1
