@@ -1039,8 +1039,10 @@ class Unserved:
     ever and holding the fleet's queue, once every enrolled device (not revoked) has said so, or `timeout` seconds
     after the first said so while none has joined; `why` then says so, with each device's reason."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.timeout, self.clock = timeout, clock
+    def __init__(
+        self, timeout: float, enrolled: Callable[[], list[str]], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.timeout, self.enrolled, self.clock = timeout, enrolled, clock
         self.first: float | None = None  # when the first refusal was seen
         self.why = ""
 
@@ -1052,14 +1054,23 @@ class Unserved:
         now = self.clock()
         if self.first is None:
             self.first = now
-        members = getattr(agg, "members", None)
-        everyone = members is not None and set(members) - revoked <= set(refusals)
+        members = set(self.enrolled()) - revoked
+        everyone = bool(members) and members <= set(refusals)
         if not everyone and now - self.first < self.timeout:
             return False
         reasons = "; ".join(f"{who}: {why}" for who, (_, why) in sorted(refusals.items()))
         who = "every enrolled device said why" if everyone else f"none joined {self.timeout:g} s after one said why"
         self.why = f"no device can serve it: {who} ({reasons})"
         return True
+
+
+def _fleet_members(s: Start) -> Callable[[], list[str]]:
+    """The devices enrolled in the fleet this run is of, now (read from its credentials: `devices add` changes them
+    while a run serves)."""
+    from broker_server.ops.enrol import enrolled
+
+    fleet = s.revoked_file.parent.parent if s.revoked_file is not None else None  # FLEET/security/revoked
+    return lambda: enrolled(fleet) if fleet is not None else []
 
 
 def _write_why(state_dir: Path, why: str) -> None:
@@ -1232,7 +1243,7 @@ def _serve(s: Start) -> None:
                 from broker_server.ops.fleet_run import announce_run, end_run
 
                 announce_run(service.transport, fed, s.fleet_run)
-            unserved = Unserved(s.unserved_timeout) if s.fleet_run is not None else None
+            unserved = Unserved(s.unserved_timeout, _fleet_members(s)) if s.fleet_run is not None else None
             watching_fleet = s.revoked_file is not None or unserved is not None
             service.run(until=_watch_revoked(service, fed, s.revoked_file, unserved) if watching_fleet else None)
             if unserved is not None and unserved.why:

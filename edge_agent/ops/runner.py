@@ -220,6 +220,10 @@ class DeviceRunner(Carrier):
             return
         log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
         first, fleet.run = fleet.run is None, run
+        if run in fleet.done:
+            # Named again after another run or the fleet's idle (`run resume`): served again, from what its server
+            # kept (its journal); what was done is of its earlier serving.
+            fleet.done.remove(run)
         if run == "":
             # What was held belongs to the run that ended (one this device did not serve): its server cleared its
             # retained messages, but the transport hands no empty payload on, so they are dropped here.
