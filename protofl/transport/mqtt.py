@@ -18,8 +18,10 @@ disconnected (and resent, forever, for QoS 1), so `publish` checks the packet si
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
+import select
 import ssl
 import threading
 import time
@@ -125,6 +127,25 @@ INBOX_TOTAL_BYTES = 256 * 2**20
 _MAX_ROUTES = 200_000  # cached topic routes: more than the largest fleet one server holds (~50,000 devices)
 
 
+WAIT_STEP_S = 0.05
+
+
+def _wait_set(event: threading.Event, timeout: float) -> bool:
+    """`event.wait(timeout)` whatever the clocks say: a device with a wrong clock (no RTC, faketime in the tests)
+    may have a monotonic clock that stands still or jumps, and a wait to a deadline on it (Event.wait: an absolute
+    deadline on CLOCK_MONOTONIC) then never ends. This waits in steps of a relative timeout (select's), counted, and
+    ends after `timeout` seconds of them, or earlier where the monotonic clock says so."""
+    steps = max(1, math.ceil(timeout / WAIT_STEP_S))
+    end = time.monotonic() + timeout
+    for _ in range(steps):
+        if event.is_set():
+            return True
+        select.select([], [], [], WAIT_STEP_S)
+        if time.monotonic() > end:
+            break
+    return event.is_set()
+
+
 def _filter_topic(pattern: str) -> str:
     """`$share/group/a/+` matches like `a/+` (a shared subscription delivers the plain topic)."""
     if pattern.startswith("$share/"):
@@ -224,6 +245,9 @@ class MqttTransport:
         self._downgrade = False
         self._connack_seen = False
         self._ever_connected = False
+        # Why the broker refused this client's credentials after it had let it in (a fleet revoked it: its user is
+        # gone from the password file), "" if it did not: a client that reads it stops retrying (`credentials_gone`).
+        self._gone = ""
         self._broker_max: int | None = None
         # Why the last TLS connection failed (a refused certificate), and the last such reason warned about.
         self._tls_error: BaseException | None = None
@@ -263,10 +287,16 @@ class MqttTransport:
             if self.deliver == "thread":
                 self._worker = threading.Thread(target=self._work, name=f"mqtt-work-{self.client_id}", daemon=True)
                 self._worker.start()
-        if not self._connected.wait(timeout):
+        if not _wait_set(self._connected, timeout):
             self.close(timeout=0)
             raise TransportError(self._failure_message())
         return self
+
+    @property
+    def credentials_gone(self) -> str:
+        """Why the broker refuses this client's user now, after it had let it in ("" if it does not): its
+        credentials were revoked (a fleet's `devices revoke`) or changed. Retrying cannot help."""
+        return self._gone
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         return self._connected.wait(timeout)
@@ -568,6 +598,8 @@ class MqttTransport:
             else:
                 self._refused = reason.value
                 self.last_error = str(reason)
+                if reason.value in _AUTH_REFUSALS and self._ever_connected and self.options.username:
+                    self._gone = str(reason)
             return
         self._refused = 0
         self._tls_error, self._tls_warned = None, ""
