@@ -14,6 +14,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ def retained_join(fleet: Fleet, device: str) -> None:
         t.close()
 
 
-def rows(fleet: Fleet, run: str) -> list[dict[str, object]]:
+def rows(fleet: Fleet, run: str) -> list[dict[str, Any]]:
     path = fleet.run_dir(run) / "rounds.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
