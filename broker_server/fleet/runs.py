@@ -113,7 +113,9 @@ def list_runs(fleet: Path) -> list[Run]:
     root = runs_dir(fleet)
     if not root.is_dir():
         return []
-    return sorted((_read(p) for p in root.iterdir() if (p / SPEC).is_file()), key=lambda r: r.seq)
+    # Not `submit`'s .NAME.tmp, half written (the fleet server died reading one: issue 59).
+    found = (p for p in root.iterdir() if not p.name.startswith(".") and (p / SPEC).is_file())
+    return sorted((_read(p) for p in found), key=lambda r: r.seq)
 
 
 def get_run(fleet: Path, name: str) -> Run:

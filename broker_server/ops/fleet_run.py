@@ -40,7 +40,7 @@ def current_run(fleet: Path) -> Path | None:
     root = fleet / RUNS
     if not (fleet / "fleet.json").is_file() or not root.is_dir():
         return None
-    dirs = sorted(p for p in root.iterdir() if (p / SPEC).is_file())
+    dirs = sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / SPEC).is_file())
     for path in dirs:
         try:
             if (path / STATE).read_text().strip() == "running":

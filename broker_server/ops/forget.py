@@ -57,7 +57,7 @@ def run_dirs(state: Path) -> list[Path]:
     """The state dirs of a fleet's runs (FLEET/runs/*), or `state` itself (a `start --state-dir`)."""
     root = state / RUNS
     if root.is_dir():
-        return sorted(p for p in root.iterdir() if (p / "aggregator").is_dir())
+        return sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / "aggregator").is_dir())
     return [state] if (state / "aggregator").is_dir() else []
 
 
