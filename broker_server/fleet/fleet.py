@@ -167,8 +167,16 @@ def _serve_fleet(
                 state_dir,
                 state_dir,
             )
+            said = ""
             while not stop.is_set():
-                run = runs.next_run(state_dir)
+                try:
+                    run = runs.next_run(state_dir)
+                except ConfigError as exc:  # a run's file broken by hand: said (once), the fleet stays up
+                    if str(exc) != said:
+                        said = str(exc)
+                        log.error("fleet: %s; fix or remove it", exc)
+                    stop.wait(POLL_S)
+                    continue
                 if run is None:
                     stop.wait(POLL_S)
                     continue
