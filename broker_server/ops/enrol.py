@@ -197,7 +197,7 @@ def devices_revoke(
     if fresh:
         said = "; the broker disconnected them" if running else " (no broker runs)"
         typer.echo(f"revoked {', '.join(fresh)}{said}")
-    for client_id, (done, left) in zip(ids, forgot, strict=True):
+    for client_id, (done, left) in zip(ids if forget else [], forgot, strict=True):
         for f in done:
             typer.echo(f.text())
         if not done:
