@@ -81,14 +81,15 @@ def server_transport(broker: Broker, fed: str, *, durable: bool = False) -> Mqtt
     """The aggregator service's MQTT connection to `broker`: its last will on `server/status` ("offline"), so
     devices see a crashed server and re-join when it comes back; a persistent session (MQTT 5), so the broker
     queues uploads for it while it reconnects; messages delivered on the service's thread (`pump`); and, `durable`,
-    an upload acknowledged only once it is in the journal (manual_ack). The default client id is the server's user
+    an upload acknowledged only once it is in the journal (manual_ack); retained messages on `up/` refused
+    (`refuse_retained`). The default client id is the server's user
     name (security.server_user): a broker that replaces client ids by user names (the generated config does) then
     leaves it as it is."""
     will = Will(
         topics.server_status(fed),
         encode_message(Status(state="offline", detail="aggregator connection lost"), fed=fed, sender=SERVER_ID),
     )
-    return MqttTransport(
+    transport = MqttTransport(
         broker.options,
         broker.client_id or f"protofl-server-{fed}",
         will=will,
@@ -98,6 +99,11 @@ def server_transport(broker: Broker, fed: str, *, durable: bool = False) -> Mqtt
         manual_ack=durable,
         receive_maximum=server_receive_maximum(),
     )
+    # A device never retains an upload or a join: one left retained on its `up/` topic (a hostile member) would be
+    # handed to every later run's server as new. It is ignored and cleared (Mosquitto 2.0's ACL cannot refuse the
+    # retain flag on a topic it lets a user write).
+    transport.refuse_retained(topics.up_all(fed))
+    return transport
 
 
 class AggregatorService:

@@ -1,4 +1,10 @@
-"""`protofl-edge join`: run this device in a federation until it finishes."""
+"""`protofl-edge join`: run this device in a federation until it finishes.
+
+Its exit status says how it ended (docs/how-to/fleet.md, "Exit codes"): 0 the federation finished; 1 it left before
+(a signal, `--timeout`); 2 an error it cannot get past (bad options or data, no broker within --connect-timeout, a
+federation it cannot join); 3 (EXIT_OVER_MEMORY, edge_agent/core/memory.py) it outgrew its profile's memory;
+4 (EXIT_REVOKED) the fleet revoked it: the broker refuses its credentials; 130 a second Ctrl-C.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import typer
 from edge_agent.api import make_runner, resolve_identity
 from edge_agent.ops.log_ship import LEVELS, LogShipper
 from protofl import cli_options
-from protofl.errors import ConfigError, ProtoFLError
+from protofl.errors import ConfigError, ProtoFLError, RevokedError
 
 if TYPE_CHECKING:
     from edge_agent.core.emulation import Emulation
@@ -55,6 +61,7 @@ def _emulation(
 
 # `join --help` groups the options by what they configure (the broker connection's group is shared with `start`).
 BROKER = cli_options.BROKER_PANEL
+EXIT_REVOKED = 4  # join's exit status when the fleet revoked this device (a service must not restart it)
 DEVICE, DATA, MODEL, EMULATION, STATE, LOGGING = (
     "This device",
     "Data",
@@ -209,7 +216,8 @@ def join_command(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.", rich_help_panel=LOGGING),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only.", rich_help_panel=LOGGING),
 ) -> None:
-    """Join a federation: train locally each round and upload prototypes / adapters; survives drops."""
+    """Join a federation: train locally each round and upload prototypes / adapters; survives drops. Exits 0 when
+    the federation finished, 1 when it left before, 2 on an error, 3 over its profile's memory, 4 revoked."""
     level = logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -269,6 +277,9 @@ def join_command(
         logging.getLogger("protofl").addHandler(shipper)
     try:
         agent = runner.run()
+    except RevokedError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(EXIT_REVOKED) from None
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -15,3 +15,8 @@ class ConfigError(ProtoFLError, ValueError):
 
 class DataError(ProtoFLError, ValueError):
     """A dataset is missing, malformed, or cannot be partitioned as asked."""
+
+
+class RevokedError(ProtoFLError):
+    """The broker refuses a device's credentials after it had let it in: the fleet revoked it (or changed its
+    password). `protofl-edge join` exits with its own status for it (edge_agent/join_cli.py: EXIT_REVOKED)."""

@@ -6,9 +6,11 @@ import contextlib
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -50,6 +52,14 @@ if TYPE_CHECKING:
     from protofl.privacy import DpSettings
 
 log = logging.getLogger("protofl.service")
+UNSERVED_TIMEOUT_S = 600.0  # `--unserved-timeout`'s default: a fleet run that no device can serve fails after this
+
+
+def _positive(value: float, flag: str) -> float:
+    if not value > 0:
+        raise ConfigError(f"{flag} {value:g}: give a number of seconds above 0")
+    return value
+
 
 # `start --help` groups the options by the settings bundle they build (settings.py; `Access` and the broker's
 # connection here), so 52 options read as the nine things they configure.
@@ -317,6 +327,13 @@ def start_command(
     revoked_file: Path | None = typer.Option(
         None, "--revoked-file", hidden=True, help="A fleet's revoked devices (broker_server/ops/enrol.py): watched."
     ),
+    unserved_timeout: float = typer.Option(
+        600.0,
+        "--unserved-timeout",
+        help="A fleet's run (run submit): it fails, with the devices' reasons, when no device has joined it this "
+        "many seconds after one said it cannot serve it, or at once when every enrolled device said so; the queue "
+        "moves on.",
+    ),
     device_logs: Path | None = typer.Option(
         None, "--device-logs", hidden=True, help="Where the devices' log lines go (default: STATE_DIR/device-logs)."
     ),
@@ -396,6 +413,7 @@ def start_command(
                 revoked_file,
                 device_logs,
                 fleet_ledger,
+                _positive(unserved_timeout, "--unserved-timeout"),
             )
         )
     except (ProtoFLError, TimeoutError) as exc:
@@ -992,23 +1010,76 @@ class Start:
         None  # where devices' log lines go (broker_server/ops/device_logs.py; default in state dir)
     )
     fleet_ledger: Path | None = None  # a fleet's privacy ledger (broker_server/ops/privacy_ledger.py), with fleet_run
+    unserved_timeout: float = UNSERVED_TIMEOUT_S  # a fleet's run no device can serve fails after this (`Unserved`)
 
 
-def _watch_revoked(service: Any, fed: str, path: Path) -> Any:
+def _watch_revoked(service: Any, fed: str, path: Path | None, unserved: Unserved | None = None) -> Any:
     """`service.run`'s `until`: on the service's thread, each device revoked meanwhile is said to the aggregator as
-    its "revoked" presence (broker_server/ops/enrol.py); it returns when the federation is done, as `run` would."""
+    its "revoked" presence (broker_server/ops/enrol.py); it returns when the federation is done, as `run` would, or
+    when `unserved` says that no device can serve this fleet run."""
     from broker_server.ops.enrol import Revocations, revoked_presence
     from protofl import topics
 
-    watch = Revocations(path)
+    watch = Revocations(path) if path is not None else None
 
     def until() -> bool:
-        for client_id in watch.poll():
+        for client_id in watch.poll() if watch is not None else ():
             log.warning("device %s revoked: it leaves the federation", client_id)
             service.aggregator.on_presence(topics.presence(fed, client_id), revoked_presence(fed, client_id))
+        if unserved is not None and unserved.check(service.aggregator, watch.seen if watch is not None else set()):
+            return True
         return bool(service.finished and not service.round_log.pending)
 
     return until
+
+
+class Unserved:
+    """A fleet's run that no device can serve (a model package, a technique the devices lack): each device says why
+    on its presence (the aggregator counts it in `refusals`) and none joins. The run fails, instead of waiting for
+    ever and holding the fleet's queue, once every enrolled device (not revoked) has said so, or `timeout` seconds
+    after the first said so while none has joined; `why` then says so, with each device's reason."""
+
+    def __init__(
+        self, timeout: float, enrolled: Callable[[], list[str]], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.timeout, self.enrolled, self.clock = timeout, enrolled, clock
+        self.first: float | None = None  # when the first refusal was seen
+        self.why = ""
+
+    def check(self, agg: Any, revoked: set[str]) -> bool:
+        refusals: dict[str, tuple[int, str]] = agg.refusals
+        if agg.clients or not refusals:
+            self.first = None
+            return False
+        now = self.clock()
+        if self.first is None:
+            self.first = now
+        members = set(self.enrolled()) - revoked
+        everyone = bool(members) and members <= set(refusals)
+        if not everyone and now - self.first < self.timeout:
+            return False
+        reasons = "; ".join(f"{who}: {why}" for who, (_, why) in sorted(refusals.items()))
+        who = "every enrolled device said why" if everyone else f"none joined {self.timeout:g} s after one said why"
+        self.why = f"no device can serve it: {who} ({reasons})"
+        return True
+
+
+def _fleet_members(s: Start) -> Callable[[], list[str]]:
+    """The devices enrolled in the fleet this run is of, now (read from its credentials: `devices add` changes them
+    while a run serves)."""
+    from broker_server.ops.enrol import enrolled
+
+    fleet = s.revoked_file.parent.parent if s.revoked_file is not None else None  # FLEET/security/revoked
+    return lambda: enrolled(fleet) if fleet is not None else []
+
+
+def _write_why(state_dir: Path, why: str) -> None:
+    """Why this fleet run failed, in its state dir (broker_server/fleet/runs.py: `run list` shows it)."""
+    from broker_server.ops.fleet_run import WHY
+
+    tmp = state_dir / (WHY + ".tmp")
+    tmp.write_text(why.replace("\n", " ") + "\n")
+    os.replace(tmp, state_dir / WHY)
 
 
 def _fleet_view(s: Start) -> FleetView | None:
@@ -1172,7 +1243,15 @@ def _serve(s: Start) -> None:
                 from broker_server.ops.fleet_run import announce_run, end_run
 
                 announce_run(service.transport, fed, s.fleet_run)
-            service.run(until=None if s.revoked_file is None else _watch_revoked(service, fed, s.revoked_file))
+            unserved = Unserved(s.unserved_timeout, _fleet_members(s)) if s.fleet_run is not None else None
+            watching_fleet = s.revoked_file is not None or unserved is not None
+            service.run(until=_watch_revoked(service, fed, s.revoked_file, unserved) if watching_fleet else None)
+            if unserved is not None and unserved.why:
+                log.error("run '%s' failed: %s", s.fleet_run, unserved.why)
+                if state_dir is not None:
+                    _write_why(state_dir, unserved.why)
+                end_run(service.transport, fed, "failed: no device can serve it")
+                raise ConfigError(f"run '{s.fleet_run}' failed: {unserved.why}")
             if s.fleet_run is not None and (service.finished or stop_requested(state_dir)):
                 end_run(service.transport, fed)
         finally:

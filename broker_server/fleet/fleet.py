@@ -39,7 +39,7 @@ from broker_server.ops import privacy_ledger
 from broker_server.ops.device_logs import LOG_DIR
 from broker_server.ops.privacy_ledger import BUDGET_KEY, check_budget_value
 from protofl.errors import ConfigError, ProtoFLError
-from protofl.names import check_name
+from protofl.names import check_name, printable
 from protofl.transport.broker_url import PASSWORD_ENV
 
 log = logging.getLogger("protofl.fleet")
@@ -167,8 +167,16 @@ def _serve_fleet(
                 state_dir,
                 state_dir,
             )
+            said = ""
             while not stop.is_set():
-                run = runs.next_run(state_dir)
+                try:
+                    run = runs.next_run(state_dir)
+                except ConfigError as exc:  # a run's file broken by hand: said (once), the fleet stays up
+                    if str(exc) != said:
+                        said = str(exc)
+                        log.error("fleet: %s; fix or remove it", exc)
+                    stop.wait(POLL_S)
+                    continue
                 if run is None:
                     stop.wait(POLL_S)
                     continue
@@ -201,6 +209,7 @@ def _serve_run(
         refused = None
     if refused is not None:  # the budget was lowered since it was submitted
         log.error("run '%s' not started: %s", run.name, refused)
+        run.set_why(f"not started: {refused}")
         with open(run.log, "a") as out:
             out.write(f"not started: {refused}\n")
         run.set_state("failed")
@@ -251,10 +260,45 @@ def _serve_run(
     code = child.returncode
     _record_spend(run, fleet)  # before the run is marked over: a fleet dying here records it again, the same
     state = "stopped" if run.stop_requested else "finished" if code == 0 else "failed"
+    if code != 0:
+        # Its server died (kill -9, an OOM kill) or gave up: what it left retained (its config, public set, round,
+        # the fleet naming it) is cleared and the fleet said idle before the next run's server starts, so that the
+        # devices drop this run before they see the next one's config (else they take it as this run's).
+        if state == "failed" and not run.why:
+            run.set_why(f"its server exited with {_exit_text(code)}; see its log (run logs {run.name})")
+        _say_over(url, fed, secrets.server.username, secrets.server.password, state)
     if state == "finished":
         _report(run)
     run.set_state(state)
     log.info("run '%s' %s (exit %d)", run.name, state, code)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _say_over(url: str, fed: str, username: str, password: str, why: str) -> None:
+    """Clear a run whose server died from the broker (fleet_run.end_run), as the fleet's server user: the run's
+    server is gone, so this connection takes its client id for a moment."""
+    from broker_server.ops.fleet_run import end_run
+    from protofl.transport.broker_url import parse_broker_url
+    from protofl.transport.mqtt import MqttTransport
+
+    transport = MqttTransport(parse_broker_url(url).with_auth(username, password), username, deliver="thread")
+    try:
+        transport.connect(10.0)
+        end_run(transport, fed, why)
+        if not transport.flush(10.0):
+            log.warning("fleet: the end of the run was not acknowledged by the broker within 10 s")
+    except (ProtoFLError, OSError, TimeoutError) as exc:
+        log.error("fleet: could not clear the ended run's retained messages: %s", exc)
+    finally:
+        transport.close()
 
 
 def _record_spend(run: runs.Run, fleet: Path) -> None:
@@ -319,8 +363,10 @@ def _report(run: runs.Run) -> None:
     log.info("run '%s': report in %s", run.name, out)
 
 
-# -- protofl-server run submit|list|stop|logs ------------------------------------------------------------------------
-run_app = typer.Typer(help="A fleet's runs: submit one to the queue, list them, stop one, read its server log.")
+# -- protofl-server run submit|list|resume|stop|logs -----------------------------------------------------------------
+run_app = typer.Typer(
+    help="A fleet's runs: submit one to the queue, list them, resume or stop one, read its server log."
+)
 FLEET_OPTION = typer.Option(..., "--fleet", help="The fleet's state dir (protofl-server fleet --state-dir).")
 
 
@@ -358,6 +404,26 @@ def run_list(fleet: Path = FLEET_OPTION) -> None:
             f"{run.seq:>3} {run.name:<20} {run.state:<9} rounds {last_logged_round(run.dir / 'rounds.jsonl'):>3}  "
             f"{' '.join(run.args)}"
         )
+        if run.state == "failed" and run.why:
+            typer.echo(f"    failed: {printable(run.why, 2000)}")
+
+
+@run_app.command("resume")
+def run_resume(name: str = typer.Argument(...), fleet: Path = FLEET_OPTION) -> None:
+    """Queue a failed or stopped run again, at the end of the queue: its server resumes from its journal (the rounds
+    it did are kept) with the options it was submitted with."""
+    try:
+        run = runs.resume(fleet, name)
+    except ProtoFLError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"run '{run.name}' queued again (#{run.seq}); it resumes from round {_rounds(run)} in {run.dir}")
+
+
+def _rounds(run: runs.Run) -> int:
+    from broker_server.commands.start_cli import last_logged_round
+
+    return last_logged_round(run.dir / "rounds.jsonl") + 1
 
 
 @run_app.command("stop")

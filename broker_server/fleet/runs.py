@@ -3,7 +3,8 @@
 `FLEET/runs/<name>/` is that run's state dir, as `protofl-server start --state-dir` keeps one (journal,
 checkpoint, rounds.jsonl, artifacts, report), plus `run.json` (its `start` options and its place in the queue),
 `state` (queued | running | finished | failed | stopped), `server.log` (the run's server log),
-`stop-requested` (`run stop` asks the fleet to stop it) and `spend.json` (what it spent on each device, for the
+`stop-requested` (`run stop` asks the fleet to stop it), `why` (why it failed: its server died, or no device can
+serve it; `run list` shows it) and `spend.json` (what it spent on each device, for the
 fleet's privacy ledger, broker_server/ops/privacy_ledger.py, which `submit` holds a new run to). Only files: the
 commands that submit, list and stop runs need no connection to the fleet server, which reads the queue between
 runs. A run that was `running` when the fleet server died resumes first when it comes back (crash exact: its
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from broker_server.ops import privacy_ledger
-from broker_server.ops.fleet_run import RUNS, SPEC, STATE, STOP, stop_requested
+from broker_server.ops.fleet_run import RUNS, SPEC, STATE, STOP, WHY, stop_requested
 from protofl.errors import ConfigError
 from protofl.names import check_name
 
@@ -81,6 +82,19 @@ class Run:
     def log(self) -> Path:
         return self.dir / LOG
 
+    @property
+    def why(self) -> str:
+        """Why the run failed ("" where nothing was said)."""
+        try:
+            return (self.dir / WHY).read_text().strip()
+        except OSError:
+            return ""
+
+    def set_why(self, why: str) -> None:
+        tmp = self.dir / (WHY + ".tmp")
+        tmp.write_text(why.replace("\n", " ") + "\n")
+        os.replace(tmp, self.dir / WHY)
+
 
 def runs_dir(fleet: Path) -> Path:
     return fleet / RUNS
@@ -99,7 +113,9 @@ def list_runs(fleet: Path) -> list[Run]:
     root = runs_dir(fleet)
     if not root.is_dir():
         return []
-    return sorted((_read(p) for p in root.iterdir() if (p / SPEC).is_file()), key=lambda r: r.seq)
+    # Not `submit`'s .NAME.tmp, half written (the fleet server died reading one: issue 59).
+    found = (p for p in root.iterdir() if not p.name.startswith(".") and (p / SPEC).is_file())
+    return sorted((_read(p) for p in found), key=lambda r: r.seq)
 
 
 def get_run(fleet: Path, name: str) -> Run:
@@ -208,4 +224,30 @@ def request_stop(fleet: Path, name: str) -> Run:
     (run.dir / STOP).write_text(f"{time.time()}\n")
     if run.state == "queued":
         run.set_state("stopped")
+    return run
+
+
+RESUMABLE = ("failed", "stopped")
+
+
+def resume(fleet: Path, name: str) -> Run:
+    """Queue run `name` again (a failed or stopped one), at the end of the queue, with the options it was submitted
+    with and its state dir as it is: its server resumes from its journal and checkpoint, crash exact, and goes on
+    from the rounds it did (a resubmission under its name would have to throw them away)."""
+    check_fleet(fleet)
+    run = get_run(fleet, name)
+    if run.state not in RESUMABLE:
+        raise ConfigError(
+            f"run '{name}' is {run.state}: only a failed or stopped run can be resumed (a finished one is over, "
+            "a queued or running one has not ended)"
+        )
+    seq = max((r.seq for r in list_runs(fleet)), default=0) + 1
+    tmp = run.dir / (SPEC + ".tmp")
+    spec = {"name": run.name, "seq": seq, "args": list(run.args), "submitted": run.submitted}
+    tmp.write_text(json.dumps(spec) + "\n")
+    for stale in (STOP, WHY):
+        (run.dir / stale).unlink(missing_ok=True)
+    os.replace(tmp, run.dir / SPEC)
+    run = _read(run.dir)
+    run.set_state("queued")
     return run

@@ -170,15 +170,40 @@ def devices_add(ids: list[str] = typer.Argument(..., help="Device ids to enrol."
 
 @devices_app.command("revoke")
 def devices_revoke(
-    ids: list[str] = typer.Argument(..., help="Device ids to revoke."), fleet: Path = STATE_OPTION
+    ids: list[str] = typer.Argument(..., help="Device ids to revoke."),
+    fleet: Path = STATE_OPTION,
+    forget: bool = typer.Option(
+        False,
+        "--forget",
+        help="Also unlearn them from the ended runs' global ridge heads: their statistics subtracted, each head "
+        "solved again (broker_server/ops/forget.py says what this does not undo). A device revoked before may be "
+        "named again with --forget.",
+    ),
 ) -> None:
     """Revoke devices: their credentials stop working and the broker disconnects them now (SIGHUP)."""
+    from broker_server.ops.forget import forget_device
+
     try:
-        revoke(fleet, ids)
+        gone = set(revoked(fleet)) if forget else set()
+        for client_id in ids:
+            check_name(client_id, "device id")
+        fresh = [i for i in ids if i not in gone]
+        if fresh:
+            revoke(fleet, fresh)
+        forgot = [forget_device(fleet, i) for i in ids] if forget else []
     except ProtoFLError as exc:
         _fail(exc)
     running = broker_pid(fleet) is not None
-    typer.echo(f"revoked {', '.join(ids)}" + ("; the broker disconnected them" if running else " (no broker runs)"))
+    if fresh:
+        said = "; the broker disconnected them" if running else " (no broker runs)"
+        typer.echo(f"revoked {', '.join(fresh)}{said}")
+    for client_id, (done, left) in zip(ids if forget else [], forgot, strict=True):
+        for f in done:
+            typer.echo(f.text())
+        if not done:
+            typer.echo(f"{client_id}: no ended run's global ridge head holds its statistics: nothing to forget")
+        for name in left:
+            typer.echo(f"{client_id}: run '{name}' has not ended: run devices revoke --forget {client_id} again then")
 
 
 @devices_app.command("list")

@@ -16,6 +16,7 @@ from protofl.wire import Status, encode_message
 STOP = "stop-requested"  # in a run's state dir: `protofl-server run stop` asks the fleet to stop it
 RUNS = "runs"  # FLEET/runs/NAME/: a run's state dir
 SPEC, STATE = "run.json", "state"  # in a run's state dir: its options and place in the queue; its state
+WHY = "why"  # in a run's state dir: why it failed, one line (`run list` shows it)
 
 
 def announce_run(transport: Transport, fed: str, run: str) -> None:
@@ -24,11 +25,12 @@ def announce_run(transport: Transport, fed: str, run: str) -> None:
     transport.publish(topics.fleet(fed), payload, retain=True)
 
 
-def end_run(transport: Transport, fed: str) -> None:
-    """The run is over: its retained messages cleared, the fleet idle."""
+def end_run(transport: Transport, fed: str, why: str = "") -> None:
+    """The run is over: its retained messages cleared, the fleet idle. `why` (e.g. "failed") is said with the idle
+    status, for the devices' logs ("run 'NAME' ended (failed)"); "" for a run that finished or was stopped."""
     for topic in (topics.config(fed), topics.public(fed), topics.round_(fed)):
         transport.publish(topic, b"", retain=True)
-    payload = encode_message(Status(state="idle", detail=""), fed=fed, sender=topics.SERVER_ID)
+    payload = encode_message(Status(state="idle", detail=why), fed=fed, sender=topics.SERVER_ID)
     transport.publish(topics.fleet(fed), payload, retain=True)
 
 
@@ -38,7 +40,7 @@ def current_run(fleet: Path) -> Path | None:
     root = fleet / RUNS
     if not (fleet / "fleet.json").is_file() or not root.is_dir():
         return None
-    dirs = sorted(p for p in root.iterdir() if (p / SPEC).is_file())
+    dirs = sorted(p for p in root.iterdir() if not p.name.startswith(".") and (p / SPEC).is_file())
     for path in dirs:
         try:
             if (path / STATE).read_text().strip() == "running":

@@ -58,7 +58,8 @@ from edge_agent.ops.resend import ResendRequests, pace, refusal, secagg_step
 from edge_agent.ops.resume import LocalState
 from edge_agent.training.models import resolve_arch
 from protofl import topics
-from protofl.errors import ConfigError, ProtoFLError, WireError
+from protofl.errors import ConfigError, ProtoFLError, RevokedError, WireError
+from protofl.names import printable
 from protofl.traits import Traits, device_traits
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport
@@ -131,6 +132,7 @@ class DeviceRunner(Carrier):
         try:
             while not self._stop.is_set() and self.fatal is None:
                 self.transport.pump(0.5)
+                self._check_revoked()
                 again = self.retry.due(time.monotonic())
                 if again is not None:
                     self._on_round(*again)
@@ -161,6 +163,25 @@ class DeviceRunner(Carrier):
         if self.fatal is not None:
             raise self.fatal
         return self.agent
+
+    def _check_revoked(self) -> None:
+        """The broker refuses this device's credentials now, after it had let it in: it was revoked (`protofl-server
+        devices revoke`) or its password changed. Retrying cannot help: it says so and leaves (`RevokedError`: join
+        exits EXIT_REVOKED), what it queued while cut off never sent."""
+        why = self.transport.credentials_gone
+        if why and self.fatal is None:
+            log.error(
+                "%s: revoked: the broker refuses this device's credentials now (%s); it was revoked from the fleet "
+                "(protofl-server devices revoke) or its password changed. Leaving; to take part again it needs new "
+                "credentials (protofl-server devices add %s)",
+                self.client_id,
+                why,
+                self.client_id,
+            )
+            self.fatal = RevokedError(
+                f"{self.client_id} was revoked: the broker refuses its credentials ({why}); enrol it again "
+                f"(protofl-server devices add {self.client_id}) and give it its new credentials file"
+            )
 
     def _memory_limit(self) -> MemoryLimit | None:
         """With a device profile: this process held to its memory_mb (edge_agent/core/memory.py), saying on the
@@ -219,6 +240,10 @@ class DeviceRunner(Carrier):
             return
         log.info("%s: fleet '%s': %s", self.client_id, self.fed, f"run '{run}'" if run else "no run (waiting)")
         first, fleet.run = fleet.run is None, run
+        if run in fleet.done:
+            # Named again after another run or the fleet's idle (`run resume`): served again, from what its server
+            # kept (its journal); what was done is of its earlier serving.
+            fleet.done.remove(run)
         if run == "":
             # What was held belongs to the run that ended (one this device did not serve): its server cleared its
             # retained messages, but the transport hands no empty payload on, so they are dropped here.
@@ -230,9 +255,10 @@ class DeviceRunner(Carrier):
         if self.agent is not None and first:
             fleet.agent_run = run  # its config came before the fleet said whose it is (the run's server says so after)
         elif self.agent is not None and run == "" and not self.agent.finished:
-            # The run ended before its last round reached this device (`run stop`): the fleet is idle, what comes
-            # next (the next run's config, its server's status) is the next run's, never this agent's.
-            self._run_over("ended (stopped)")
+            # The run ended before its last round reached this device (`run stop`, or its server died and the fleet
+            # said so: "failed"): the fleet is idle, what comes next (the next run's config, its server's status) is
+            # the next run's, never this agent's.
+            self._run_over(f"ended ({printable(msg.detail) or 'stopped'})")
         elif self.agent is not None and run not in ("", fleet.agent_run):
             self._run_over("replaced")
         if self.agent is None and fleet.serving:
@@ -550,9 +576,11 @@ class DeviceRunner(Carrier):
             # Each message by kind, as the server counts it (the MQTT payload, envelope included: `status` shows
             # the same figure for a device's last upload), and their sum.
             log.info(
-                "%s: %s, uploaded %d bytes (%s)",
+                "%s: %s, %s %d bytes (%s)",
                 self.client_id,
                 "trained" if out.trained else "prototype phase",
+                # Cut off (a broker restart, a revocation): queued by the transport, sent only if it gets back in.
+                "uploaded" if self.transport.connected else "not connected: queued",
                 out.nbytes,
                 ", ".join(f"{s.kind} {len(s.payload)} B" for s in out.sends),
             )

@@ -58,6 +58,7 @@ from protofl.technique import (
 
 __all__ = [
     "Ridge",
+    "forget",
     "RidgeState",
     "ridge_head",
     "ridge_length",
@@ -163,6 +164,23 @@ class RidgeState:
     stats: np.ndarray | None = None  # float64, ridge_length(d, C)
     contributors: list[str] = field(default_factory=list)
     samples: int = 0
+
+
+def forget(state: RidgeState, client: str, stats: np.ndarray, dim: int, num_classes: int) -> RidgeState:
+    """`state` without `client`: its statistics vector `stats` (as it sent them) subtracted from the sums, its name
+    and samples taken out. The head solved from the result is the one of a federation that never had it, as far as
+    the sums go: G and B are sums, so G - G_k and B - B_k are what the others' statistics sum to (exactly, where the
+    float64 sums of the float32 vectors were: they are, unless their magnitudes span more than 2^29). It does not
+    undo what the device's uploads did to anything else: a backbone its updates shaped stays shaped by them."""
+    if client not in state.contributors:
+        raise ValueError(f"ridge: {client} contributed no statistics to forget")
+    g, b = split_statistics(stats, dim, num_classes)
+    assert state.stats is not None
+    rest = [c for c in state.contributors if c != client]
+    left = np.asarray(state.stats, np.float64) - np.asarray(stats, np.float64)
+    return RidgeState(
+        stats=left if rest else None, contributors=rest, samples=state.samples - int(round(float(g[-1, -1])))
+    )
 
 
 class RidgeRule(ServerRule):

@@ -18,8 +18,10 @@ disconnected (and resent, forever, for QoS 1), so `publish` checks the packet si
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import random
+import select
 import ssl
 import threading
 import time
@@ -32,6 +34,7 @@ import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from protofl.errors import ProtoFLError
 from protofl.names import printable
@@ -98,6 +101,7 @@ class TransportStats:
     received_bytes: int = 0
     handler_errors: int = 0
     inbox_dropped: int = 0  # messages left unhandled: their topic held INBOX_TOPIC_BYTES, or the inbox its total
+    retained_refused: int = 0  # retained messages on a topic that `refuse_retained` named: cleared, unhandled
 
 
 def packet_size(topic: str, payload_len: int, qos: int, mqtt5: bool) -> int:
@@ -121,6 +125,25 @@ INBOX_TOPIC_MESSAGES = 4
 # client's Receive Maximum), so a round's uploads are never cut by another member's flood of QoS 0 messages.
 INBOX_TOTAL_BYTES = 256 * 2**20
 _MAX_ROUTES = 200_000  # cached topic routes: more than the largest fleet one server holds (~50,000 devices)
+
+
+WAIT_STEP_S = 0.05
+
+
+def _wait_set(event: threading.Event, timeout: float) -> bool:
+    """`event.wait(timeout)` whatever the clocks say: a device with a wrong clock (no RTC, faketime in the tests)
+    may have a monotonic clock that stands still or jumps, and a wait to a deadline on it (Event.wait: an absolute
+    deadline on CLOCK_MONOTONIC) then never ends. This waits in steps of a relative timeout (select's), counted, and
+    ends after `timeout` seconds of them, or earlier where the monotonic clock says so."""
+    steps = max(1, math.ceil(timeout / WAIT_STEP_S))
+    end = time.monotonic() + timeout
+    for _ in range(steps):
+        if event.is_set():
+            return True
+        select.select([], [], [], WAIT_STEP_S)
+        if time.monotonic() > end:
+            break
+    return event.is_set()
 
 
 def _filter_topic(pattern: str) -> str:
@@ -200,6 +223,7 @@ class MqttTransport:
         # cost ~30 us a message (a server's uploads, issue 27); emptied when a subscription is added.
         self._routes: dict[str, tuple[Handler, ...]] = {}
         self._patterns: dict[str, None] = {}  # ordered: re-subscribed in the original order
+        self._no_retained: list[str] = []  # filters whose retained messages are refused (`refuse_retained`)
         self._retained: dict[str, tuple[bytes, int]] = {}  # topic -> (payload, publish sequence number)
         # QoS >= 1 publishes awaiting PUBACK: mid -> (sequence number, topic). The network thread only
         # appends acknowledged mids to `_acks` (it may hold paho's locks); they are matched under _lock.
@@ -221,6 +245,9 @@ class MqttTransport:
         self._downgrade = False
         self._connack_seen = False
         self._ever_connected = False
+        # Why the broker refused this client's credentials after it had let it in (a fleet revoked it: its user is
+        # gone from the password file), "" if it did not: a client that reads it stops retrying (`credentials_gone`).
+        self._gone = ""
         self._broker_max: int | None = None
         # Why the last TLS connection failed (a refused certificate), and the last such reason warned about.
         self._tls_error: BaseException | None = None
@@ -260,10 +287,16 @@ class MqttTransport:
             if self.deliver == "thread":
                 self._worker = threading.Thread(target=self._work, name=f"mqtt-work-{self.client_id}", daemon=True)
                 self._worker.start()
-        if not self._connected.wait(timeout):
+        if not _wait_set(self._connected, timeout):
             self.close(timeout=0)
             raise TransportError(self._failure_message())
         return self
+
+    @property
+    def credentials_gone(self) -> str:
+        """Why the broker refuses this client's user now, after it had let it in ("" if it does not): its
+        credentials were revoked (a fleet's `devices revoke`) or changed. Retrying cannot help."""
+        return self._gone
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         return self._connected.wait(timeout)
@@ -311,7 +344,24 @@ class MqttTransport:
             # Subscribing again re-delivers retained messages, which a new handler expects to see
             # (its older handlers get them again too, as after any reconnect).
             if self._connected.is_set():
-                self._client.subscribe(pattern, qos=1)
+                self._subscribe(self._client, pattern)
+
+    def refuse_retained(self, pattern: str) -> None:
+        """No message on a topic matching `pattern` is a retained one (a server's devices' `up/` topics: an upload
+        or a join left retained would be handed to every later subscriber, a later run's server too). A retained
+        one is never handed to the handlers: it is counted (`stats.retained_refused`), logged, and cleared (an empty
+        retained message there: this client needs the right to publish on it). Called before `subscribe`: with MQTT
+        5 the subscription then asks for the flag as published (retain-as-published), so a message retained while
+        this client listens is known too; with 3.1.1 only what the broker held when it subscribed is."""
+        with self._lock:
+            self._no_retained.append(pattern)
+
+    def _subscribe(self, client: paho.Client, pattern: str) -> None:
+        refused = any(topic_matches(f, _filter_topic(pattern)) for f in self._no_retained)
+        if refused and self._protocol == paho.MQTTv5:
+            client.subscribe(pattern, options=SubscribeOptions(qos=1, retainAsPublished=True))
+        else:
+            client.subscribe(pattern, qos=1)
 
     def pump(self, timeout: float = 0.0, max_messages: int = 1000) -> int:
         """Deliver queued messages on this thread (deliver="pump"); waits up to `timeout` for the first.
@@ -548,6 +598,8 @@ class MqttTransport:
             else:
                 self._refused = reason.value
                 self.last_error = str(reason)
+                if reason.value in _AUTH_REFUSALS and self._ever_connected and self.options.username:
+                    self._gone = str(reason)
             return
         self._refused = 0
         self._tls_error, self._tls_warned = None, ""
@@ -560,7 +612,7 @@ class MqttTransport:
         with self._lock:
             self._match_acks()
             for pattern in self._patterns:
-                client.subscribe(pattern, qos=1)
+                self._subscribe(client, pattern)
             unacked = {seq for seq, _ in self._pending.values()}
             for topic, (payload, seq) in list(self._retained.items()):
                 # Only acknowledged ones: paho resends an unacknowledged message itself, in order, and a
@@ -608,6 +660,9 @@ class MqttTransport:
         self.stats.received_bytes += len(msg.payload)
         # When it came off the wire, not when a busy consumer got to it (link timing in simulations).
         self.arrived[msg.topic] = time.time()
+        if msg.retain and self._no_retained and any(topic_matches(f, msg.topic) for f in self._no_retained):
+            self._refuse_retained(client, msg)
+            return
         n = len(msg.payload)
         with self._held_lock:
             held = self._held.get(msg.topic)
@@ -629,6 +684,24 @@ class MqttTransport:
             return
         # paho types the payload bytes | bytearray; it decodes bytes, which bytes() returns as is (no copy).
         self._inbox.put((msg.topic, bytes(msg.payload), msg.mid, msg.qos, self._session))
+
+    def _refuse_retained(self, client: paho.Client, msg: paho.MQTTMessage) -> None:
+        """A retained message where none may be (`refuse_retained`): cleared, counted, never handled."""
+        if msg.payload:
+            self.stats.retained_refused += 1
+            n = self.stats.retained_refused
+            client.publish(msg.topic, b"", qos=1, retain=True)  # the broker forgets it: no later subscriber gets it
+            if n == 10 ** (len(str(n)) - 1):  # 1, 10, 100, ...
+                log.warning(
+                    "%s: ignored and cleared a retained message on '%s' (%d bytes; %d so far): nothing is retained "
+                    "there, so that no later subscriber takes it as new",
+                    self.client_id,
+                    printable(msg.topic),
+                    len(msg.payload),
+                    n,
+                )
+        if self.manual_ack and msg.qos > 0:
+            self._inbox.put((msg.topic, b"", msg.mid, msg.qos, self._session))  # only its acknowledgement
 
     def _leave(self, msg: paho.MQTTMessage, held: int) -> None:
         """Leave `msg` unhandled: its topic has `held` bytes waiting already, or the inbox its total. A QoS 1

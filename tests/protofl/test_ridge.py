@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from broker_server.core.stages import PhaseRun, build_model
-from protofl.algorithms.ridge import RidgeState, ridge_head, ridge_length, ridge_solve, ridge_statistics
+from protofl.algorithms.ridge import (
+    RidgeState,
+    forget,
+    ridge_head,
+    ridge_length,
+    ridge_solve,
+    ridge_statistics,
+)
 from protofl.errors import ConfigError, WireError
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
@@ -42,6 +49,26 @@ def test_the_sums_do_not_depend_on_how_the_data_is_split() -> None:
     parts = np.sum([ridge_statistics(h[i : i + 20], y[i : i + 20], 3).astype(np.float64) for i in (0, 20, 40)], 0)
     np.testing.assert_allclose(parts, whole, rtol=1e-5, atol=1e-4)  # float32 on the wire
     np.testing.assert_allclose(ridge_head(parts, 4, 3)[0], ridge_head(whole, 4, 3)[0], rtol=1e-4, atol=1e-6)
+
+
+def test_forget_takes_one_devices_statistics_out_exactly() -> None:
+    # d = 1, C = 2. Device a: features 1, 2, 3, labels 0, 1, 1 (G = [[14, 6], [6, 3]], B = [[1, 5], [1, 2]], the
+    # hand-computed example above: 14, 6, 3, 1, 5, 1, 2); device b: feature 4 with label 0 (G = [[16, 4], [4, 1]],
+    # B = [[4, 0], [1, 0]]: 16, 4, 1, 4, 0, 1, 0). Their sums: 30, 10, 4, 5, 5, 2, 2 over 4 samples. Forgetting b
+    # leaves a's own statistics, samples 3, and a's head; forgetting a then leaves nothing.
+    a = ridge_statistics(np.array([[1.0], [2.0], [3.0]]), np.array([0, 1, 1]), 2)
+    b = ridge_statistics(np.array([[4.0]]), np.array([0]), 2)
+    assert b.tolist() == [16, 4, 1, 4, 0, 1, 0]
+    both = RidgeState(a.astype(np.float64) + b, ["a", "b"], 4)
+    assert both.stats is not None and both.stats.tolist() == [30, 10, 4, 5, 5, 2, 2]
+    only_a = forget(both, "b", b, 1, 2)
+    assert only_a.contributors == ["a"] and only_a.samples == 3
+    assert only_a.stats is not None and only_a.stats.tolist() == a.tolist()
+    for got, want in zip(ridge_head(only_a.stats, 1, 2), ridge_head(a, 1, 2), strict=True):
+        assert np.array_equal(got, want)  # float32 heads, equal: never had b
+    assert forget(only_a, "a", a, 1, 2) == RidgeState(None, [], 0)
+    with pytest.raises(ValueError, match="b contributed no statistics"):
+        forget(only_a, "b", b, 1, 2)
 
 
 def _model(**sets: Any) -> Any:
