@@ -59,3 +59,25 @@ def test_start_says_the_broker_then_the_backbone_epochs_and_a_device_ends_cleanl
     assert device.returncode == 0, said
     assert "federation finished after 1 trained round(s)" in said, said
     assert "lost connection" not in said and "reconnecting" not in said, said
+
+
+@pytest.mark.slow
+@pytest.mark.mosquitto
+def test_status_of_a_fleet_says_its_state(tmp_path: Path) -> None:
+    from tests.broker_server.fleet_helpers import Fleet, server_cli, wait_for
+
+    fleet = Fleet(tmp_path, free_port(), 1)
+    try:
+        fleet.start()
+        idle = server_cli("status", "--state-dir", str(fleet.state))
+        assert "idle, no run submitted yet" in idle.stdout, idle.stdout + idle.stderr
+        fleet.submit("first", "--preset", "tinyproto", "--rounds", "1", "--min-clients", "1")
+        fleet.wait_state("first", "running", 60)
+        said = server_cli("status", "--state-dir", str(fleet.state))  # starting, or its server's own status
+        assert "no server has run" not in said.stdout + said.stderr, said.stdout + said.stderr
+        assert "run 'first' is starting" in said.stdout or "waiting" in said.stdout, said.stdout
+        wait_for(lambda: (fleet.run_dir("first") / "status.json").is_file(), 60, "the run's status", fleet.tail)
+        shown = server_cli("status", "--state-dir", str(fleet.state))
+        assert "waiting" in shown.stdout, shown.stdout
+    finally:
+        fleet.stop()

@@ -56,6 +56,17 @@ def status_command(
     """Show a running federation: round, phase, deadline, members online or not, bytes, accuracies, drops."""
     console = Console(stderr=True)
     try:
+        if state_dir is not None and broker is None and credentials is None:
+            from broker_server.ops.fleet_run import fleet_note
+
+            note = fleet_note(state_dir)  # a fleet with no run's status to show: its own state
+            if note is not None:
+                typer.echo(note)
+                if not watch:
+                    return
+                while note is not None:  # --watch: the run's status once its server writes one
+                    time.sleep(max(interval, 0.1))
+                    note = fleet_note(state_dir)
         read = _reader(state_dir, broker, credentials, fed, username, password, tls_ca, timeout)
         if not watch:
             _show(read(), as_json)
