@@ -17,7 +17,7 @@ from protofl.errors import ConfigError
 from protofl.names import NAME_RULE, is_valid_name, printable
 
 MAX_FILE = 1 << 20  # a devices/<id>.json is a few KB (a CA certificate at most)
-MAX_USER = 128  # a device id is at most 64 characters; the monitor's is protofl-monitor-<fed>
+MAX_USER = 256  # a device id is at most 64 characters; the monitor's, a bridge's and a shard's name their fed
 
 
 @dataclass(frozen=True)
