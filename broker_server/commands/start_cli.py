@@ -558,15 +558,23 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
 def _run_child(argv: list[str]) -> subprocess.CompletedProcess[str]:
     """The backbone's child process, its progress lines ("shared backbone: epoch 3/20 done (41 s)") logged as they
     come (minutes of training are not minutes of silence), the rest of its output kept for an error message."""
+    from broker_server.ops.broker import _die_with_parent  # the training dies with `start`, however it ends
+
     kept: list[str] = []
-    with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as child:
+    with subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent
+    ) as child:
         assert child.stderr is not None
-        for line in child.stderr:
-            if line.startswith("shared backbone: "):
-                log.info("%s", line.rstrip())
-            else:
-                kept.append(line)
-        code = child.wait()
+        try:
+            for line in child.stderr:
+                if line.startswith("shared backbone: "):
+                    log.info("%s", line.rstrip())
+                else:
+                    kept.append(line)
+            code = child.wait()
+        finally:  # stopped meanwhile (a signal, Ctrl-C): the training stops with it
+            if child.poll() is None:
+                child.kill()
     return subprocess.CompletedProcess(argv, code, "", "".join(kept))
 
 

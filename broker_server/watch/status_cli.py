@@ -58,15 +58,20 @@ def status_command(
     try:
         if state_dir is not None and broker is None and credentials is None:
             from broker_server.ops.fleet_run import fleet_note
+            from broker_server.watch.sources import starting_note
 
-            note = fleet_note(state_dir)  # a fleet with no run's status to show: its own state
+            def note_of(where: Path) -> str | None:
+                """A fleet with no run's status to show (its own state), or a server still starting."""
+                return fleet_note(where) or starting_note(where)
+
+            note = note_of(state_dir)
             if note is not None:
                 typer.echo(note)
                 if not watch:
                     return
-                while note is not None:  # --watch: the run's status once its server writes one
+                while note is not None:  # --watch: the server's status once it writes one
                     time.sleep(max(interval, 0.1))
-                    note = fleet_note(state_dir)
+                    note = note_of(state_dir)
         read = _reader(state_dir, broker, credentials, fed, username, password, tls_ca, timeout)
         if not watch:
             _show(read(), as_json)
