@@ -22,11 +22,33 @@ DATA = "synthetic:n=600,size=12"
 def test_start_says_the_broker_then_the_backbone_epochs_and_a_device_ends_cleanly(tmp_path: Path) -> None:
     port, state = free_port(), tmp_path / "state"
     server = subprocess.Popen(
-        [sys.executable, "-m", "broker_server.cli", "start", "--preset", "protofl", "--public-data", DATA,
-         "--set", "backbone_epochs=2", "--rounds", "1", "--min-clients", "1", "--round-timeout", "120",
-         "--port", str(port), "--state-dir", str(state)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(OMP_NUM_THREADS="1"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "broker_server.cli",
+            "start",
+            "--preset",
+            "protofl",
+            "--public-data",
+            DATA,
+            "--set",
+            "backbone_epochs=2",
+            "--rounds",
+            "1",
+            "--min-clients",
+            "1",
+            "--round-timeout",
+            "120",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(state),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(OMP_NUM_THREADS="1", PROTOFL_CACHE=""),
+    )  # fmt: skip  (PROTOFL_CACHE empty: trained here, not taken from an earlier run's cache)
     lines: list[str] = []
     device = None
     try:

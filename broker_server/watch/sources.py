@@ -56,8 +56,8 @@ def read_state_dir(state_dir: Path, now: float | None = None) -> Reading:
 def starting_note(state_dir: Path) -> str | None:
     """What `status --state-dir` says of a server that has started its broker but written no status yet (it trains
     the shared backbone first: minutes): None where it wrote one, or no broker of a live server is there."""
-    if (Path(state_dir) / STATUS_FILE).exists():
-        return None
+    if (Path(state_dir) / STATUS_FILE).exists() or (Path(state_dir) / "fleet.json").is_file():
+        return None  # (a fleet's state dir: its runs' servers write the status, `fleet_note`)
     try:
         pid = int((Path(state_dir) / "broker" / "mosquitto.pid").read_text().strip())
     except (OSError, ValueError):

@@ -169,6 +169,7 @@ def trained_backbone(
         try:
             vec = np.load(path, allow_pickle=False)
             if vec.dtype == np.float32 and vec.ndim == 1 and np.isfinite(vec).all():
+                log.info(PROGRESS + "trained before, taken from this machine's cache (%s)", path)
                 return vec
         except (OSError, ValueError):
             pass  # a broken cache file: train again, and replace it
