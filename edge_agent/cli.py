@@ -154,6 +154,43 @@ def _models_caption(footprint: Footprint | None, measured: bool) -> str:
 
 
 @app.command()
+def profiles() -> None:
+    """List the device and link profiles `join --profile` takes (NAME, or DEVICE+LINK), with what each says."""
+    from protofl.profiles import DeviceProfile, known_profiles, load_profile, search_dirs
+
+    devices = Table(title="device profiles (join --profile NAME)")
+    links = Table(title="link profiles (join --profile DEVICE+LINK: adaptive uploads fitted to the link)")
+    for col in ("name", "memory", "compute", "description", "file"):
+        devices.add_column(col, justify="right" if col in ("memory", "compute") else "left")
+    for col in ("name", "up", "down", "rtt", "description", "file"):
+        links.add_column(col, justify="right" if col in ("up", "down", "rtt") else "left")
+    for name, path in known_profiles().items():
+        try:
+            p = load_profile(str(path))
+        except ConfigError as exc:
+            devices.add_row(escape(name), "", "", f"[red]{escape(str(exc))}[/red]", escape(str(path)))
+            continue
+        if isinstance(p, DeviceProfile):
+            devices.add_row(
+                escape(name), f"{p.memory_mb} MB", f"{p.compute_factor:g}x", escape(p.description), escape(str(path))
+            )
+        else:
+            links.add_row(
+                escape(name),
+                f"{p.uplink_kbps:g} kbit/s",
+                f"{p.downlink_kbps:g} kbit/s",
+                f"{p.rtt_ms:g} ms",
+                escape(p.description),
+                escape(str(path)),
+            )
+    console = Console()
+    console.print(devices)
+    console.print(links)
+    where = ", ".join(str(d) for d in search_dirs())
+    typer.echo(f"searched: {where} (add yours: a TOML file in a folder named by $PROTOFL_PROFILES, or --profile FILE)")
+
+
+@app.command()
 def version() -> None:
     """Print the agent and wire-protocol versions."""
     from protofl import WIRE_VERSION, __version__

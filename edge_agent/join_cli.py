@@ -121,7 +121,7 @@ def join_command(
     profile: str = typer.Option(
         "",
         help="Device and/or link profile: NAME or FILE, or DEVICE+LINK (rpi4+lte); "
-        "names: ls profiles/ (a link profile turns on adaptive uploads).",
+        "names: protofl-edge profiles (a link profile turns on adaptive uploads).",
         rich_help_panel=EMULATION,
     ),
     adaptive: bool = typer.Option(

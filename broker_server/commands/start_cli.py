@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -350,7 +351,7 @@ def start_command(
     try:
         overrides = parse_sets(set_)
         read_classes(classes, overrides)
-        cfg, public, scored = _federation(
+        cfg, public, scored, backbone = _federation(
             preset,
             config,
             overrides,
@@ -414,6 +415,7 @@ def start_command(
                 device_logs,
                 fleet_ledger,
                 _positive(unserved_timeout, "--unserved-timeout"),
+                backbone,
             )
         )
     except (ProtoFLError, TimeoutError) as exc:
@@ -434,10 +436,12 @@ def _federation(
     validation: str | None = None,
     validation_limit: int | None = None,
     state_dir: Path | None = None,
-) -> tuple[Any, Any, Validation | None]:
+) -> tuple[Any, Any, Validation | None, Backbone | None]:
     """The validated config and, where its plan has public classes, the public set carved exactly as the
     simulator carves it. The class names of --public-data name the federation's classes unless --classes or the
-    config does, or `state_dir` holds a federation started without names (it resumes as it was started)."""
+    config does, or `state_dir` holds a federation started without names (it resumes as it was started). Where the
+    plan has a shared backbone, its training (minutes) is returned as a step `_serve` runs once the broker and the
+    devices' credentials are up, not run here."""
     import numpy as np
 
     from protofl.data import load_dataset
@@ -483,15 +487,18 @@ def _federation(
             )
             if validation_limit and validation_limit < len(val.y):
                 val = val.subset(np.arange(validation_limit))
-        return (cfg, *_with_backbone(cfg, train, public, val))
+        return cfg, public, None, lambda: _with_backbone(cfg, train, public, val)
     if not plan.public_classes:
-        return cfg, None, None
+        return cfg, None, None, None
     if train is None:
         raise ConfigError(
             f"preset '{cfg.preset}' uses public-set anchors and needs a public set: pass --public-data "
             f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
         )
-    return cfg, public_set(train, cfg), None
+    return cfg, public_set(train, cfg), None, None
+
+
+Backbone = Callable[[], "tuple[Any, Validation | None]"]  # the shared backbone's training: (public, validation)
 
 
 def _started_without_names(state_dir: Path | None) -> bool:
@@ -513,8 +520,6 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
     server's
     validation data (`--validation`: a Dataset, or None) embedded with it. Without --public-data none travels and
     the devices use the seeded initial model (random features), which is said."""
-    import subprocess
-
     import numpy as np
 
     from protofl.data.federation import public_indices, with_shared_backbone
@@ -543,7 +548,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
             like = train if len(idx) else validation
             np.savez(t / "val.npz", x=validation.x, mean=np.array(like.mean), std=np.array(like.std))
             argv += ["--embed", str(t / "val.npz"), "--embed-out", str(t / "val.npy")]
-        done = subprocess.run(argv, capture_output=True, text=True)
+        done = _run_child(argv)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             if "No module named" in done.stderr:
@@ -568,6 +573,29 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
     return with_shared_backbone(public, train, vec), scored
 
 
+def _run_child(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """The backbone's child process, its progress lines ("shared backbone: epoch 3/20 done (41 s)") logged as they
+    come (minutes of training are not minutes of silence), the rest of its output kept for an error message."""
+    from broker_server.ops.broker import _die_with_parent  # the training dies with `start`, however it ends
+
+    kept: list[str] = []
+    with subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=_die_with_parent
+    ) as child:
+        assert child.stderr is not None
+        try:
+            for line in child.stderr:
+                if line.startswith("shared backbone: "):
+                    log.info("%s", line.rstrip())
+                else:
+                    kept.append(line)
+            code = child.wait()
+        finally:  # stopped meanwhile (a signal, Ctrl-C): the training stops with it
+            if child.poll() is None:
+                child.kill()
+    return subprocess.CompletedProcess(argv, code, "", "".join(kept))
+
+
 def _backbone_of(agg: Any) -> Any:
     """The public message that ships the shared backbone (None: none, or the seeded model)."""
     return agg.machine.public
@@ -589,12 +617,14 @@ def _broker_capacity(
     fleet whose burst the queue holds, not in the connections the local broker serves."""
     from broker_server.core.shell import decoder_limits
     from broker_server.ops.capacity import (
+        BURST_EXTRA,
         held_bytes,
         inflight_window,
         queue_for_fleet,
         raise_open_files,
         uploads_per_phase,
     )
+    from protofl.humanize import human_bytes
 
     if broker_queue is not None and broker_queue < 1:
         raise ConfigError(f"--broker-queue must be at least 1 message, got {broker_queue}")
@@ -605,14 +635,19 @@ def _broker_capacity(
     fleet = max(len(direct) + len(bridged), access.max_clients or 0)
     raise_open_files(max(len(direct), (access.max_clients or 0) - len(bridged)))
     queue = broker_queue or queue_for_fleet(fleet, uploads_per_phase(cfg))
+    largest = decoder_limits(cfg).max_message_bytes
+    burst = fleet * (uploads_per_phase(cfg) + BURST_EXTRA)  # what this fleet sends in its busiest phase
     log.info(
-        "the local broker holds up to %d messages for the aggregator (%s, fleet of %d) and %d in flight to each of "
-        "its readers: at most %.0f MiB at the federation's largest message",
+        "the local broker queues up to %d messages for the aggregator (%s, fleet of %d) and %d in flight to each of "
+        "its readers; this fleet's busiest phase sends it %d messages: at most %s, were each the largest the "
+        "federation accepts (%s)",
         queue,
         "--broker-queue" if broker_queue else "sized from the fleet",
         fleet,
         inflight_window(),
-        held_bytes(queue, decoder_limits(cfg).max_message_bytes) / 2**20,
+        burst,
+        human_bytes(held_bytes(min(queue, burst), largest, window=0)),
+        human_bytes(largest),
     )
     return queue
 
@@ -1011,6 +1046,7 @@ class Start:
     )
     fleet_ledger: Path | None = None  # a fleet's privacy ledger (broker_server/ops/privacy_ledger.py), with fleet_run
     unserved_timeout: float = UNSERVED_TIMEOUT_S  # a fleet's run no device can serve fails after this (`Unserved`)
+    backbone: Backbone | None = None  # the shared backbone's training, run once the broker is up (`_federation`)
 
 
 def _watch_revoked(service: Any, fed: str, path: Path | None, unserved: Unserved | None = None) -> Any:
@@ -1137,6 +1173,9 @@ def _serve(s: Start) -> None:
                 "broker-config writes one), anyone on it can read uploads and publish rounds",
                 broker,
             )
+        if s.backbone is not None:  # the broker and the credentials first: then minutes of training, with progress
+            public, scored = s.backbone()
+            s = replace(s, federation=replace(s.federation, public=public, validation=scored), backbone=None)
         # A broker of our own: its unix socket, no TLS files there, and no other process can stand in for it.
         options = parse_broker_url(broker).with_auth(
             username, password, s.client.tls_ca, s.client.tls_cert, s.client.tls_key

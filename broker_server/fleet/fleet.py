@@ -40,6 +40,7 @@ from broker_server.ops.device_logs import LOG_DIR
 from broker_server.ops.privacy_ledger import BUDGET_KEY, check_budget_value
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name, printable
+from protofl.systemd import USER_HELP
 from protofl.transport.broker_url import PASSWORD_ENV
 
 log = logging.getLogger("protofl.fleet")
@@ -482,7 +483,7 @@ def service_install(
     max_devices: int = typer.Option(
         0, "--max-devices", help="Connections the broker must hold (LimitNOFILE); default: the enrolled, x2, >= 1000."
     ),
-    user: str | None = typer.Option(None, "--user", help="Run as this user (default: root)."),
+    user: str | None = typer.Option(None, "--user", help=USER_HELP),
 ) -> None:
     """Write a systemd unit for `protofl-server fleet --state-dir DIR [the options after --]`: restarted on failure
     (the run it died under resumes, crash exact), started at boot, LimitNOFILE for the fleet's connections."""
@@ -503,6 +504,7 @@ def service_install(
             nofile=files_for_fleet(devices) + 1024,  # the broker's connections, and the server's own files
             env=carried_env(),
             user=user,
+            writes=(state_dir.resolve(),),
         )
 
     install(build, out)

@@ -54,3 +54,39 @@ def current_run(fleet: Path) -> Path | None:
 def stop_requested(state_dir: Path | None) -> bool:
     """Whether `run stop` asked to stop the run kept in `state_dir`."""
     return state_dir is not None and (state_dir / STOP).exists()
+
+
+def fleet_note(fleet: Path) -> str | None:
+    """What `status --state-dir FLEET` says where no run's status tells the fleet's state: no run yet, a run starting
+    (its server has written no status yet), or the fleet between runs; None where `fleet` is no fleet's state dir or
+    the run it serves (or served last) has a status to show."""
+    if not (fleet / "fleet.json").is_file():
+        return None
+    root = fleet / RUNS
+    states: dict[str, str] = {}
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        if (path / SPEC).is_file():
+            try:
+                states[path.name] = (path / STATE).read_text().strip() or "queued"
+            except OSError:
+                states[path.name] = "queued"
+    count = {s: sum(1 for v in states.values() if v == s) for s in sorted(set(states.values()))}
+    tally = ", ".join(f"{n} {s}" for s, n in count.items()) or "no run submitted"
+    running = [n for n, s in states.items() if s == "running"]
+    if running:
+        if (root / running[0] / "status.json").is_file():
+            return None
+        return (
+            f"fleet {fleet}: run '{running[0]}' is starting (its server has written no status yet: it brings up its "
+            f"broker, then trains; `protofl-server run logs {running[0]} --fleet {fleet}` shows it); runs: {tally}"
+        )
+    queued = [n for n, s in states.items() if s == "queued"]
+    if queued:
+        return f"fleet {fleet}: run '{queued[0]}' is next in the queue; runs: {tally}"
+    last = current_run(fleet)
+    if last is not None:
+        return None  # between runs: the last run's status says how it ended
+    return (
+        f"fleet {fleet}: idle, no run submitted yet (protofl-server run submit NAME --fleet {fleet} ...); "
+        f"its devices wait connected"
+    )

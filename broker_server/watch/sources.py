@@ -53,6 +53,23 @@ def read_state_dir(state_dir: Path, now: float | None = None) -> Reading:
     return Reading(snap, _process_note(snap, time.time() if now is None else now), str(path))
 
 
+def starting_note(state_dir: Path) -> str | None:
+    """What `status --state-dir` says of a server that has started its broker but written no status yet (it trains
+    the shared backbone first: minutes): None where it wrote one, or no broker of a live server is there."""
+    if (Path(state_dir) / STATUS_FILE).exists() or (Path(state_dir) / "fleet.json").is_file():
+        return None  # (a fleet's state dir: its runs' servers write the status, `fleet_note`)
+    try:
+        pid = int((Path(state_dir) / "broker" / "mosquitto.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not _alive(pid):
+        return None
+    return (
+        f"server starting in {state_dir}: its broker and the devices' credentials are up (devices may join now); it "
+        "trains the shared backbone before its first status (its log says each epoch)"
+    )
+
+
 def _process_note(snap: Snapshot, now: float) -> str:
     """What the state dir says about the server process, where its snapshot alone would mislead."""
     if snap.state in ("finished", "stopped"):

@@ -56,6 +56,22 @@ def status_command(
     """Show a running federation: round, phase, deadline, members online or not, bytes, accuracies, drops."""
     console = Console(stderr=True)
     try:
+        if state_dir is not None and broker is None and credentials is None:
+            from broker_server.ops.fleet_run import fleet_note
+            from broker_server.watch.sources import starting_note
+
+            def note_of(where: Path) -> str | None:
+                """A fleet with no run's status to show (its own state), or a server still starting."""
+                return fleet_note(where) or starting_note(where)
+
+            note = note_of(state_dir)
+            if note is not None:
+                typer.echo(note)
+                if not watch:
+                    return
+                while note is not None:  # --watch: the server's status once it writes one
+                    time.sleep(max(interval, 0.1))
+                    note = note_of(state_dir)
         read = _reader(state_dir, broker, credentials, fed, username, password, tls_ca, timeout)
         if not watch:
             _show(read(), as_json)

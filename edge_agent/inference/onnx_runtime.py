@@ -8,6 +8,8 @@ The export tool (``protofl-export``) builds on this module, never the other way 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,7 +20,7 @@ from protofl.errors import ConfigError
 if TYPE_CHECKING:  # onnxruntime is optional at import time
     from onnxruntime import InferenceSession
 
-__all__ = ["embed_onnx", "parse_floats", "read_metadata", "session"]
+__all__ = ["embed_onnx", "ort_refusals", "parse_floats", "read_metadata", "session"]
 
 
 def session(path: str | os.PathLike[str] | bytes, threads: int | None = None, spin: bool = True) -> InferenceSession:
@@ -43,14 +45,33 @@ def session(path: str | os.PathLike[str] | bytes, threads: int | None = None, sp
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     src = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+    where = "the model" if isinstance(path, bytes) else str(path)
+    with ort_refusals(f"onnxruntime cannot load {where}", "export it again with protofl-export onnx"):
+        return ort.InferenceSession(src, opts, providers=["CPUExecutionProvider"])
+
+
+@contextmanager
+def ort_refusals(what: str, fix: str) -> Iterator[None]:
+    """onnxruntime's own exceptions (Fail, InvalidGraph, InvalidArgument, ...: they derive from nothing but
+    Exception) as one ConfigError that says `what` failed, onnxruntime's reason (its first line) and `fix`."""
+    try:
+        yield
+    except Exception as exc:
+        if not type(exc).__module__.startswith("onnxruntime"):
+            raise
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{what}: {type(exc).__name__}: {reason[:500]}; {fix}") from None
 
 
 def embed_onnx(sess: InferenceSession, x: np.ndarray, batch_size: int = 256) -> np.ndarray:
     """Run ``sess`` over the rows of ``x`` in batches; float32 (n, out_dim)."""
     name = sess.get_inputs()[0].name
     x = np.ascontiguousarray(x, dtype=np.float32)
-    out = [sess.run(None, {name: x[i : i + batch_size]})[0] for i in range(0, len(x), batch_size)]
+    with ort_refusals(
+        f"onnxruntime refused to run the model on input of shape {tuple(x.shape[1:])}",
+        "use the model exported for this data (its in_shape), or export it again with protofl-export onnx",
+    ):
+        out = [sess.run(None, {name: x[i : i + batch_size]})[0] for i in range(0, len(x), batch_size)]
     if not out:
         return np.zeros((0, int(sess.get_outputs()[0].shape[-1])), dtype=np.float32)
     return np.concatenate(out).astype(np.float32, copy=False)

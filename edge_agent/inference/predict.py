@@ -6,12 +6,14 @@ without pickle), optionally with the ``metric`` to compare by and the ``class_na
 ``--from`` a run's artifact names the table written beside it, so ``--prototypes`` can be left out; a
 ``logits`` graph (a federation's global predictor) classifies by its own argmax and needs none.
 
-* ``--input SPEC`` labels data without labels (npz, image folder, CSV, a path: protofl/data/unlabelled.py);
+* ``--input SPEC`` labels data without labels (npz, image folder, CSV, a path: protofl/data/unlabelled.py); where
+  every image sits in a class folder that names one of the model's classes, it also says the accuracy;
 * ``--data SPEC`` scores a labelled dataset's split (an image folder's class folders, a CSV's label names are
   labelled by the class names of the model's table or metadata, not by their sorted order);
 * ``--out FILE`` writes one line per sample -- its index or file name, the class, the class name and the
-  distance to the nearest prototype (L2; 1 - cosine for ``cosine``), or the class's softmax score for a
-  logits graph -- as CSV, or JSON Lines for ``.jsonl``/``.json`` (or ``--format``);
+  distance to the nearest prototype (L2; 1 - cosine for ``cosine``), or the class's softmax score (the probability
+  the graph gives the class it picked, 0-1) for a logits graph -- as CSV, or JSON Lines for ``.jsonl``/``.json``
+  (or ``--format``);
 * ``--fit`` builds the table from the data's training split through the same model first.
 """
 
@@ -20,9 +22,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import typer
@@ -31,7 +34,7 @@ from edge_agent.inference.onnx_runtime import embed_onnx, parse_floats, read_met
 from protofl.algorithms.prototypes import local_prototypes
 from protofl.artifacts import METRICS, PrototypeFile, read_prototypes, write_prototypes
 from protofl.data import load_images
-from protofl.errors import DataError, ProtoFLError
+from protofl.errors import ConfigError, DataError, ProtoFLError
 from protofl.requirements import explain_missing
 
 if TYPE_CHECKING:  # onnxruntime is optional at import time
@@ -40,6 +43,7 @@ if TYPE_CHECKING:  # onnxruntime is optional at import time
 __all__ = ["Labels", "classify", "load_prototypes", "predict_command", "save_prototypes"]
 
 FORMATS = ("csv", "jsonl")
+T = TypeVar("T")
 
 
 def save_prototypes(path: str | os.PathLike[str], protos: dict[int, np.ndarray], metric: str | None = None) -> Path:
@@ -104,7 +108,6 @@ def write_labels(
     fmt = fmt or ("jsonl" if out.suffix.lower() in (".jsonl", ".json", ".ndjson") else "csv")
     if fmt not in FORMATS:
         raise DataError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     keys = ["sample", "class", "class_name", labels.value_name] + (["label"] if truth is not None else [])
     triples = zip(names, labels.classes, labels.values, strict=True)
     rows = (
@@ -112,14 +115,21 @@ def write_labels(
         + ([int(truth[i])] if truth is not None else [])
         for i, (n, c, v) in enumerate(triples)
     )
-    with out.open("w", newline="") as fh:
-        if fmt == "csv":
-            w = csv.writer(fh)
-            w.writerow(keys)
-            w.writerows(rows)
-        else:
-            for r in rows:
-                fh.write(json.dumps(dict(zip(keys, r, strict=True))) + "\n")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", newline="") as fh:
+            if fmt == "csv":
+                w = csv.writer(fh)
+                w.writerow(keys)
+                w.writerows(rows)
+            else:
+                for r in rows:
+                    fh.write(json.dumps(dict(zip(keys, r, strict=True))) + "\n")
+    except OSError as exc:
+        raise DataError(
+            f"--out {out}: cannot write the labels ({exc.strerror or exc}); give a file in a folder you can write, "
+            "on a disk with room"
+        ) from None
 
 
 @dataclass
@@ -129,18 +139,43 @@ class _Model:
     path: Path
     meta: dict[str, str]
 
+    def _read(self, key: str, parse: Callable[[str], T]) -> T | None:
+        """A metadata value parsed, or a ConfigError naming the key (a crafted or damaged file)."""
+        text = self.meta.get(key)
+        if not text:
+            return None
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(
+                f"{self.path}: its metadata {key}={text[:80]!r} does not read ({exc}); export it again with "
+                "protofl-export onnx"
+            ) from None
+
     @property
     def in_shape(self) -> tuple[int, int, int] | None:
-        s = self.meta.get("in_shape")
-        return tuple(int(v) for v in s.split(",")) if s else None  # type: ignore[return-value]
+        shape = self._read("in_shape", lambda s: tuple(int(v) for v in s.split(",")))
+        if shape is not None and (len(shape) != 3 or min(shape) < 1):
+            raise ConfigError(f"{self.path}: its metadata in_shape {shape} is not (channels, height, width)")
+        return shape
 
     @property
     def mean(self) -> tuple[float, ...] | None:
-        return parse_floats(self.meta.get("norm_mean"))
+        return self._read("norm_mean", lambda s: parse_floats(s) or ())
 
     @property
     def std(self) -> tuple[float, ...] | None:
-        return parse_floats(self.meta.get("norm_std"))
+        return self._read("norm_std", lambda s: parse_floats(s) or ())
+
+    def check(self) -> None:
+        """The metadata agree with each other: a normalisation per channel of in_shape (else a ConfigError)."""
+        shape = self.in_shape
+        for key, values in (("norm_mean", self.mean), ("norm_std", self.std)):
+            if shape is not None and values and len(values) != shape[0] or values == ():
+                raise ConfigError(
+                    f"{self.path}: its metadata {key} has {len(values or ())} values for in_shape {shape}: one per "
+                    "channel; export it again with protofl-export onnx"
+                )
 
     @property
     def logits(self) -> bool:
@@ -149,7 +184,9 @@ class _Model:
     def class_names(self, table: PrototypeFile | None) -> dict[int, str]:
         if table is not None and table.class_names is not None:
             return {int(c): n for c, n in zip(table.classes, table.class_names, strict=True)}
-        names = json.loads(self.meta["class_names"]) if self.meta.get("class_names") else []
+        names = self._read("class_names", json.loads) or []
+        if not isinstance(names, list):
+            raise ConfigError(f"{self.path}: its metadata class_names is not a list; export it again")
         return {i: str(n) for i, n in enumerate(names)}
 
     def named_classes(self, table: PrototypeFile | None) -> list[str] | None:
@@ -206,7 +243,7 @@ def _label_input(
 
     if model.in_shape is None:
         raise DataError(f"{model.path} records no input shape; re-export it with protofl-export onnx")
-    scaling = json.loads(model.meta["csv_scaling"]) if model.meta.get("csv_scaling") else None
+    scaling = model._read("csv_scaling", json.loads)
     batch = load_unlabelled(input_, model.in_shape, scaling)
     labels = _labels(model, sess, batch.normalized(model.mean, model.std), table, metric)
     names = model.class_names(table)
@@ -218,9 +255,32 @@ def _label_input(
     for i in range(min(show, len(batch.names))):
         c = int(labels.classes[i])
         typer.echo(f"  {batch.names[i]}: {c} ({names.get(c, c)}), {labels.value_name} {labels.values[i]:.4g}")
+    truth = folder_labels(batch.names, model.named_classes(table) or [names[c] for c in sorted(names)])
+    if truth is not None:
+        right = int((labels.classes == truth).sum())
+        typer.echo(
+            f"accuracy {100 * right / max(len(truth), 1):.2f}% ({right}/{len(truth)}): every image is in a class "
+            "folder named after one of the model's classes"
+        )
     if out is not None:
-        write_labels(out, fmt, batch.names, labels, names)
+        write_labels(out, fmt, batch.names, labels, names, truth=truth)
         typer.echo(f"wrote {len(batch.names)} labels to {out}")
+
+
+def folder_labels(samples: list[str], classes: list[str]) -> np.ndarray | None:
+    """The class ids that the folders of an image folder's samples (named `folder/file`, relative to it) say,
+    matched with the model's class names as join matches class folders (case, spaces, punctuation ignored; a
+    number is the id); None unless every sample is in a folder that names one of `classes`."""
+    from protofl.data.own import label_map
+
+    folders = [name.split("/", 1)[0] if "/" in name else None for name in samples]
+    if not samples or not classes or any(f is None for f in folders):
+        return None
+    try:
+        ids = label_map(sorted(set(folders)), classes, "--input", "class folder(s)")  # type: ignore[arg-type]
+    except DataError:
+        return None
+    return np.array([ids[f] for f in folders if f is not None], dtype=np.int64)
 
 
 def _score(
@@ -278,6 +338,7 @@ def _run(
     if metric is not None and metric not in METRICS:
         raise DataError(f"--metric must be 'l2' or 'cosine', got {metric!r}")
     model = _Model(model_path, read_metadata(model_path))
+    model.check()
     sess = session(model_path, threads)
     table_path = prototypes or model.default_prototypes()
     if fit:
@@ -329,8 +390,10 @@ def predict_command(
     out: Path | None = typer.Option(
         None,
         "--out",
-        help="Write one line per sample here: sample, class, class_name, "
-        "distance (or score): CSV, or JSON Lines for .jsonl.",
+        help="Write one line per sample here: sample, class, class_name, then distance (a features graph: to the "
+        "nearest prototype, L2 or 1 - cosine; lower is closer) or score (a logits graph: the softmax probability "
+        "0-1 of the class it picked; higher is surer), and label where --input's class folders name the classes: "
+        "CSV, or JSON Lines for .jsonl.",
     ),
     fmt: str | None = typer.Option(None, "--format", help="csv or jsonl (default: from --out's suffix)."),
     show: int = typer.Option(10, help="Print the first N predictions."),

@@ -5,8 +5,9 @@ certificate in that file and of the broker's certificate: a Raspberry Pi without
 time, or 1970, until NTP sets it, and TLS then refuses every certificate); the broker's host name (DNS); its port;
 TLS with the CA; the broker's login with the credentials; then, from what the broker retains, the clock against the
 server's time in its status and the run's model against this device's free memory (the measured peaks of
-edge_agent/ops/footprint.json); the data path and, with a class list, its class names; torch and onnxruntime and their
-versions; free memory and disk. No torch import unless torch is the check.
+edge_agent/ops/footprint.json); the data, read by join's own function against the served run's classes (or
+--classes); torch and onnxruntime and their versions; free memory and disk. What it echoes is made printable.
+No torch import unless torch is the check.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import typer
 
 from protofl.errors import ConfigError, ProtoFLError
+from protofl.names import printable
 
 MIN_FREE_MB = 256  # below this much free memory or disk a round's training or checkpoint may fail
 CLOCK_SKEW_S = 60.0  # a device clock this far behind the server's status is wrong (rounds' deadlines are minutes)
@@ -35,7 +37,10 @@ class Finding:
     fix: str = ""
 
     def line(self) -> str:
-        return f"{self.status.upper():<4} {self.check:<12} {self.detail}" + (f" -> {self.fix}" if self.fix else "")
+        """One line whatever the detail holds: a control character a file or a peer put there (a user name
+        holding a newline) shows as '?', never as a forged second line."""
+        detail, fix = printable(self.detail, 2000), printable(self.fix, 2000)
+        return f"{self.status.upper():<4} {self.check:<12} {detail}" + (f" -> {fix}" if fix else "")
 
 
 def _utc(ts: datetime) -> str:
@@ -284,39 +289,80 @@ def available_mb() -> int | None:
         return None
 
 
-def data_findings(data: str | None, classes: Path | None) -> list[Finding]:
-    from protofl.data.loaders import check_source
+def fleet_classes(config: bytes | None) -> tuple[int, tuple[int, ...], list[str] | None] | None:
+    """The served run's classes as join holds its data to them: (num_classes, in_shape, class_names) of the
+    retained config (None where there is none or it does not read)."""
+    from protofl.config import FederationConfig
+    from protofl.wire import Config, decode_message
 
-    if data is None:
-        return [Finding("warn", "data", "not checked", "pass --data as to join")]
+    if config is None:
+        return None
     try:
-        check_source(data)
-    except ProtoFLError as exc:
-        return [Finding("fail", "data", str(exc), "fix --data: the path as this device sees it")]
-    out = [Finding("ok", "data", f"{data} is there")]
+        msg = decode_message(config)[1]
+        if not isinstance(msg, Config):
+            return None
+        cfg = FederationConfig.from_dict(dict(msg.params))
+    except (ProtoFLError, ValueError, TypeError, KeyError):
+        return None
+    names = list(cfg.class_names) if cfg.class_names is not None else None
+    return cfg.num_classes, tuple(cfg.in_shape), names
+
+
+def data_findings(
+    data: str | None, classes: Path | None, config: bytes | None = None, data_dir: str | None = None
+) -> list[Finding]:
+    """`--data` read and checked by join's own function (`read_own`: every file decoded, labels and class folders
+    matched with the class names) against the served run's classes where the broker retains its config, else the
+    class names of `--classes` (read as `protofl-server start --classes` reads them)."""
+    from edge_agent.ops.local_data import read_own
+    from protofl.data.own import read_classes_file
+
+    out: list[Finding] = []
+    names: list[str] | None = None
     if classes is not None:
         try:
-            names = [x.strip() for x in classes.read_text().splitlines() if x.strip()]
-        except OSError as exc:
-            return [*out, Finding("fail", "classes", f"{classes}: {exc}", "pass the fleet's class list")]
-        kind, _, path = data.partition(":")
-        folder = Path(path.split(",")[0]) if kind == "imagefolder" else None
-        if folder is not None and folder.is_dir():
-            from protofl.names import class_key
-
-            have = {p.name for p in folder.iterdir() if p.is_dir() and p.name != "test"}
-            unknown = sorted(n for n in have if class_key(n) not in {class_key(x) for x in names})
-            if unknown:
-                return [
-                    *out,
+            names = read_classes_file(classes, "--classes file")
+        except ProtoFLError as exc:
+            return [Finding("fail", "classes", str(exc), "pass the fleet's class list: one class name a line")]
+    fleet = fleet_classes(config)
+    num_classes: int | None = len(names) if names is not None else None
+    in_shape: tuple[int, ...] | None = None
+    if fleet is not None:
+        num_classes, in_shape = fleet[0], fleet[1]
+        if fleet[2] is not None:
+            if names is not None and names != fleet[2]:
+                out.append(
                     Finding(
-                        "fail",
+                        "warn",
                         "classes",
-                        f"folders the fleet does not name: {', '.join(unknown)}",
-                        "rename them as in the class list (case and spaces do not matter)",
-                    ),
-                ]
-        out.append(Finding("ok", "classes", f"{len(names)} class names"))
+                        f"--classes names {len(names)} classes, the served run {len(fleet[2])}: "
+                        "the data is checked against the run's",
+                        "pass the class list the fleet was started with",
+                    )
+                )
+            names = fleet[2]
+    if data is None:
+        return [*out, Finding("warn", "data", "not checked", "pass --data as to join")]
+    try:
+        train, test = read_own(data, data_dir, 0, num_classes, in_shape, names)
+    except ProtoFLError as exc:
+        return [*out, Finding("fail", "data", str(exc), "fix --data as join names it: join refuses this data")]
+    except (OSError, ValueError, MemoryError) as exc:
+        return [*out, Finding("fail", "data", f"--data {data}: unreadable ({exc})", "fix --data: join refuses it")]
+    size = len(train) + (len(test) if test is not None else 0)
+    out.append(Finding("ok", "data", f"{data}: {size} samples of {train.num_classes} classes, read as join reads it"))
+    if names is not None:
+        where = "the served run's" if fleet is not None and fleet[2] is not None else "--classes'"
+        out.append(Finding("ok", "classes", f"every label names one of {where} {len(names)} classes"))
+    else:
+        out.append(
+            Finding(
+                "warn",
+                "classes",
+                "the data's class names are not checked (no class list)",
+                "pass --classes with the fleet's class list, or run doctor while a run is served",
+            )
+        )
     return out
 
 
@@ -378,11 +424,13 @@ def doctor_command(
     credentials: Path | None = typer.Option(None, help="This device's credentials file (devices/<id>.json)."),
     broker: str | None = typer.Option(None, help="Broker URL (default: the one in --credentials)."),
     data: str | None = typer.Option(None, help="The --data this device joins with."),
+    data_dir: str | None = typer.Option(None, "--data-dir", help="Where fashion-mnist's files are (as join's)."),
     classes: Path | None = typer.Option(None, "--classes", help="The fleet's class names, one a line."),
     tls_ca: str | None = typer.Option(None, "--tls-ca", help="CA certificate (default: the one in --credentials)."),
     state_dir: Path = typer.Option(Path("."), "--state-dir", help="Where checkpoints and artifacts go (disk)."),
 ) -> None:
     """Check what a join needs, one line each with what to do; exit 1 when a check fails."""
+    from protofl import topics
     from protofl.transport.credentials import read_device_file
 
     found: list[Finding] = []
@@ -413,17 +461,15 @@ def doctor_command(
             found.append(Finding("fail", "broker", str(exc), "fix --broker: mqtts://HOST:PORT"))
             broker = None
     found += clock_findings(ca_pem, peer, datetime.now(timezone.utc))
+    retained: dict[str, bytes] = {}
     if broker is not None and username is not None and password is not None:
-        retained: dict[str, bytes] = {}
         found += network_findings(broker, username, password, ca_pem, tls_ca, fed, retained)
         if any(f.check == "login" and f.status == "ok" for f in found):
-            from protofl import topics
-
             found += server_clock_findings(retained.get(topics.server_status(fed)), datetime.now(timezone.utc))
             found += model_findings(retained.get(topics.config(fed)), available_mb())
     elif broker is None:
         found.append(Finding("warn", "broker", "not checked", "pass --broker, or credentials that name it"))
-    found += data_findings(data, classes)
+    found += data_findings(data, classes, retained.get(topics.config(fed)), data_dir)
     found += software_findings()
     found += resource_findings(state_dir if state_dir.exists() else Path("."))
     for f in found:

@@ -8,6 +8,8 @@ device trains on its whole data and tests on the data's own test split, or on 25
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +18,7 @@ import numpy as np
 
 from protofl.config import FederationConfig
 from protofl.data import DATASET_SPECS, load_dataset, load_source, own, split_client
-from protofl.data.dataset import Images
+from protofl.data.dataset import Dataset, Images
 from protofl.data.federation import federation_split, limit_train
 from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, DataError
@@ -68,6 +70,11 @@ def dataset_spec(data: str) -> str:
     if own.is_loader(data) and not Path(data).exists():
         return data
     p = Path(data)
+    if sep and re.fullmatch(r"[a-z][a-z_-]*", kind) and not p.exists():
+        raise DataError(
+            f"--data '{data}': unknown kind '{kind}'; use one of: {', '.join(DATASET_SPECS)} "
+            "(a folder of class folders is imagefolder:DIR)"
+        )
     if not p.exists():
         raise DataError(
             f"--data '{data}': not found: {p} does not exist (and it is not a dataset spec either: "
@@ -80,6 +87,28 @@ def dataset_spec(data: str) -> str:
         has_dirs = any(c.is_dir() for c in p.iterdir())
         return f"imagefolder:{p}" if has_dirs and not has_idx else f"idx:{p}"
     raise DataError(f"--data '{data}': cannot tell the format of {p}; name it: {', '.join(DATASET_SPECS)}")
+
+
+def read_own(
+    data: str,
+    data_dir: str | None,
+    seed: int,
+    num_classes: int | None,
+    in_shape: tuple[int, ...] | None,
+    class_names: Sequence[str] | None,
+) -> tuple[Dataset, Dataset | None]:
+    """A device's own `--data` (no `--partition`) read and checked as join reads it: every file decoded (a bad one
+    named), labels held to `num_classes`, class folders and a CSV's label names matched with `class_names` (a name
+    the federation lacks refused), images to `in_shape`. `protofl-edge doctor --data` calls this very function."""
+    return load_source(
+        dataset_spec(data),
+        data_dir=data_dir,
+        seed=seed,
+        holdout=None,
+        num_classes=num_classes,
+        in_shape=in_shape,
+        class_names=class_names,
+    )
 
 
 def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> ClientData:
@@ -120,15 +149,7 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
             mean=train.mean,
             std=train.std,
         )
-    train, own_test = load_source(
-        dataset_spec(spec.data),
-        data_dir=spec.data_dir,
-        seed=seed,
-        holdout=None,
-        num_classes=cfg.num_classes,
-        in_shape=cfg.in_shape,
-        class_names=cfg.class_names,
-    )
+    train, own_test = read_own(spec.data, spec.data_dir, seed, cfg.num_classes, cfg.in_shape, cfg.class_names)
     train = limit_train(train, spec.train_limit, seed)
     if own_test is not None:
         return ClientData(

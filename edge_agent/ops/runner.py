@@ -139,6 +139,7 @@ class DeviceRunner(Carrier):
                 if self.agent is not None and self.agent.finished and self.fleet.run is not None:
                     self._run_over("finished")
                 elif self.agent is not None and self.agent.finished:
+                    self.transport.expect_end()
                     log.info(
                         "%s: federation finished after %d trained round(s)",
                         self.client_id,
@@ -445,6 +446,8 @@ class DeviceRunner(Carrier):
             # A waiting server announced itself (again): after a broker that died and lost our join with it
             # (it had acknowledged it to us), only a join sent now gets us in. A second join changes nothing.
             self.joined = False
+        # A finished server stops its broker next: the run's end, not a fault (a fleet's next run: a fault again)
+        self.transport.expect_end(msg.state == "finished")
         if msg.state != self.server_state:
             log.info("%s: server is %s%s", self.client_id, msg.state, f" ({msg.detail})" if msg.detail else "")
         self.server_state = msg.state

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from protofl.wire import PublicSet
 __all__ = ["backbone_model", "cache_key", "train_backbone", "trained_backbone", "with_backbone"]
 
 log = logging.getLogger("protofl.backbone")
+PROGRESS = "shared backbone: "  # the lines `protofl-server start` shows of this child's output
 
 
 def backbone_model(cfg: FederationConfig, vector: np.ndarray | None = None) -> ProtoNet:
@@ -106,7 +108,10 @@ def train_backbone(
     torch.manual_seed(cfg.seed)
     model.train()
     n, bs = len(yt), cfg.batch_size
-    for _ in range(epochs):
+    began = time.monotonic()
+    for epoch in range(epochs):
+        if epoch:  # progress: `start` passes these lines on (the broker and the devices' credentials are up)
+            log.info(PROGRESS + "epoch %d/%d done (%.0f s)", epoch, epochs, time.monotonic() - began)
         perm = torch.from_numpy(rng.permutation(n)).to(device)
         for i in range(0, n, bs):
             idx = perm[i : i + bs]
@@ -117,6 +122,7 @@ def train_backbone(
             loss.backward()
             opt.step()
     model.eval()
+    log.info(PROGRESS + "epoch %d/%d done (%.0f s)", epochs, epochs, time.monotonic() - began)
     return model_params.full_vector(model.cpu())
 
 
@@ -163,6 +169,7 @@ def trained_backbone(
         try:
             vec = np.load(path, allow_pickle=False)
             if vec.dtype == np.float32 and vec.ndim == 1 and np.isfinite(vec).all():
+                log.info(PROGRESS + "trained before, taken from this machine's cache (%s)", path)
                 return vec
         except (OSError, ValueError):
             pass  # a broken cache file: train again, and replace it

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protofl.errors import ConfigError
+from protofl.names import NAME_RULE, is_valid_name, printable
+
+MAX_FILE = 1 << 20  # a devices/<id>.json is a few KB (a CA certificate at most)
+MAX_USER = 256  # a device id is at most 64 characters; the monitor's, a bridge's and a shard's name their fed
 
 
 @dataclass(frozen=True)
@@ -42,26 +46,47 @@ def device_file_text(cred: Credentials, fed: str, ca_pem: str | None = None, bro
 
 
 def read_device_file(path: Path) -> DeviceFile:
+    """A `devices/<id>.json` file, its shape checked: a JSON object whose username is a valid device id, whose
+    password, fed, broker and ca are strings (a ConfigError that says which field is wrong, never a traceback:
+    a binary file, a JSON nested a million deep, a user name that is a list)."""
+    what = (
+        f"--credentials {path}: expected the devices/<id>.json file written by protofl-server start (a JSON object "
+        "with username and password)"
+    )
     try:
-        raw = json.loads(Path(path).read_text())
-        cred = Credentials(str(raw["username"]), str(raw["password"]))
-        ca = raw.get("ca")
-        if ca is not None and "BEGIN CERTIFICATE" not in str(ca):
-            raise ValueError("'ca' is not a PEM certificate")
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"--credentials {path}: {exc.strerror or exc}") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    if len(data) > MAX_FILE:
+        raise ConfigError(f"{what}; this file is {len(data)} bytes (at most {MAX_FILE})")
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what}; this file is not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"{what}; this file's JSON is nested too deep") from None
+    except ValueError as exc:
+        raise ConfigError(f"{what}; it is not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{what}; it holds a JSON {type(raw).__name__}")
+    for key in ("username", "password"):
+        if key not in raw:
+            raise ConfigError(f"{what}; it has no {key!r}")
+    for key in ("username", "password", "fed", "broker", "ca"):
+        value = raw.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{what}; its {key!r} is a {type(value).__name__}, not a string")
+    user = raw["username"]
+    if not user or len(user) > MAX_USER or printable(user, MAX_USER) != user:
         raise ConfigError(
-            f"--credentials {path}: expected a JSON object with username and password (the "
-            f"devices/<id>.json file written by protofl-server start), got an error: {exc}"
-        ) from None
-    fed, broker = raw.get("fed"), raw.get("broker")
-    return DeviceFile(
-        cred,
-        str(fed) if fed is not None else None,
-        str(ca) if ca is not None else None,
-        str(broker) if broker is not None else None,
-    )
+            f"{what}; its username {printable(user, 80)!r} is not a user name (1-{MAX_USER} printable characters)"
+        )
+    fed, broker, ca = raw.get("fed"), raw.get("broker"), raw.get("ca")
+    if fed is not None and not is_valid_name(fed):
+        raise ConfigError(f"{what}; its fed {printable(fed, 80)!r} is not a federation name ({NAME_RULE})")
+    if ca is not None and "BEGIN CERTIFICATE" not in ca:
+        raise ConfigError(f"{what}; its 'ca' is not a PEM certificate")
+    return DeviceFile(Credentials(raw["username"], raw["password"]), fed, ca, broker)
 
 
 def read_device_credentials(path: Path) -> tuple[Credentials, str | None]:

@@ -241,6 +241,8 @@ class MqttTransport:
         self.arrived: dict[str, float] = {}  # topic -> epoch time its latest message was received
         self._connected = threading.Event()
         self._closing = threading.Event()
+        self._ending = threading.Event()  # `expect_end`: the run is over, a lost connection is its end
+        self._lost: str | None = None  # a lost connection pump() has yet to report
         self._refused = 0  # the CONNACK reason code of the last refusal, 0 if none
         self._downgrade = False
         self._connack_seen = False
@@ -380,6 +382,9 @@ class MqttTransport:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        lost, self._lost = self._lost, None
+        if lost is not None:  # after the messages that came before the connection went (a run's end among them)
+            self._say_lost(lost)
         if acks:
             assert self.before_ack is not None
             self.before_ack()
@@ -646,9 +651,25 @@ class MqttTransport:
         if was_connected:
             self.stats.disconnects += 1
             if not self._closing.is_set():
-                log.warning(
-                    "%s: lost connection to %s (%s); reconnecting with backoff", self.client_id, self.url, reason
-                )
+                if self.deliver == "pump":
+                    self._lost = str(reason)  # said by pump(), after the messages that came before it
+                else:
+                    self._say_lost(str(reason))
+
+    def expect_end(self, ending: bool = True) -> None:
+        """The other side is done (the run this client served finished): a connection lost from now on is the end
+        of the run (the server stopped its broker), said as such, not a fault and a reconnect. `ending=False`: a
+        new run is served (a fleet's), a lost connection is a fault again."""
+        if ending:
+            self._ending.set()
+        else:
+            self._ending.clear()
+
+    def _say_lost(self, reason: str) -> None:
+        if self._ending.is_set():
+            log.info("%s: %s closed the connection after the run ended (%s)", self.client_id, self.url, reason)
+        else:
+            log.warning("%s: lost connection to %s (%s); reconnecting with backoff", self.client_id, self.url, reason)
 
     def _on_publish(
         self, client: paho.Client, userdata: object, mid: int, reason: paho.ReasonCode, properties: Properties | None

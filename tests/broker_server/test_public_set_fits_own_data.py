@@ -115,9 +115,9 @@ def test_a_public_set_the_data_cannot_give_names_the_option_to_set(own: Path, tm
 
 def test_start_draws_the_public_set_only_where_it_is_used(own: Path) -> None:
     data = f"imagefolder:{own}"
-    cfg, public, _ = _federation("fedproto", None, {}, 1, 1, None, 0, data, None)
+    cfg, public, _, _ = _federation("fedproto", None, {}, 1, 1, None, 0, data, None)
     assert cfg.public_per_class == 0 and public is None
-    cfg, public, _ = _federation("refprotofl", None, {}, 1, 1, None, 0, data, None)
+    cfg, public, _, _ = _federation("refprotofl", None, {}, 1, 1, None, 0, data, None)
     assert cfg.public_per_class == 4 and public is not None and len(public.y) == 12
 
 
