@@ -10,6 +10,8 @@ A federation is **not learning** at round r when
 - **collapsed**: the deployable model put `COLLAPSE_SHARE` (95 %) or more of a round's scored images in one
   class while that class holds less than half of their labels (a model that answers one class whatever it sees).
 
+An accuracy over 99 % (1 - MIN_GAIN) in any round counts as learning (nothing left to gain: small easy data).
+
 A federation that learned and then levelled off (a plateau) is never flat: its accuracy rose above its first value.
 The verdict is given once (`LearningWatch.update` returns the note the first round it holds, None after), with
 what to do. Pure Python, no numpy: the server, the simulator and `protofl-server report` all read it.
@@ -62,6 +64,8 @@ def verdict(rows: Iterable[Mapping[str, object]]) -> str | None:
         return None
     if any(max(v for _, v in s[1:]) >= s[0][1] + MIN_GAIN for s in series.values() if len(s) > 1):
         return None  # some accuracy rose: learning (or learned, then levelled off)
+    if any(max(v for _, v in s) > 1 - MIN_GAIN for s in series.values()):
+        return None  # right from round 1 (small easy data): nothing left to gain
     parts = ", ".join(
         f"{key} {100 * s[0][1]:.1f} % in round {s[0][0]}, at most {100 * max(v for _, v in s[1:]):.1f} % "
         f"in rounds {s[1][0]}-{s[-1][0]}"

@@ -438,7 +438,6 @@ def _federation(
 
     from protofl.data.classnames import data_class_names
     from protofl.data.federation import fit_public, public_set, server_split
-    from protofl.data.loaders import load_source
     from protofl.presets import make_config
 
     overrides.update(
@@ -453,9 +452,7 @@ def _federation(
         fixed = fixed_by_user(str(config) if config else None, overrides)
         shape = data_shape(fixed, lambda: make_config(preset, str(config) if config else None, **overrides))
         # the data as it is: no share silently held out (a --validation of the same data is split below, said)
-        train, own_test = load_source(
-            public_data, data_dir=data_dir, seed=overrides.get("seed", 0), holdout=None, **shape
-        )
+        train, own_test = _server_source(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
         if "class_names" not in fixed and not _started_without_names(state_dir):
             # the public data's own names (fashion-mnist's, class folders) name the classes
@@ -476,10 +473,9 @@ def _federation(
         )
     if validation is not None and val is None:
         # other data than --public-data: its own test split where it has one, else all of it
-        v_train, v_test = load_source(
+        v_train, v_test = _server_source(
             validation,
             data_dir=data_dir,
-            holdout=None,
             num_classes=cfg.num_classes,
             in_shape=cfg.in_shape,
             class_names=cfg.class_names,
@@ -510,6 +506,18 @@ def _federation(
             f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
         )
     return cfg, public_set(train, cfg), scored, norm
+
+
+def _server_source(spec: str, **kwargs: Any) -> tuple[Any, Any]:
+    """(the data, its own test split or None) of the server's `spec`, nothing held out: fashion-mnist's test set,
+    an image folder's test/, an npz's x_test; the synthetic generator's test set counts as one here (it stands for
+    the data's own held-out images)."""
+    from protofl.data import load_dataset
+    from protofl.data.loaders import load_source
+
+    if spec.partition(":")[0].strip().lower() == "synthetic":
+        return load_dataset(spec, **kwargs)
+    return load_source(spec, holdout=None, **kwargs)
 
 
 def _started_without_names(state_dir: Path | None) -> bool:
