@@ -57,8 +57,12 @@ def test_the_same_folder_at_share_0_is_all_for_the_backbone_with_a_warning(
 ) -> None:
     data = f"imagefolder:{folder(tmp_path / 'server', 20, 0)}"
     caplog.set_level(logging.INFO)
-    cfg, public, _, norm = _federation("refprotofl", None, {}, 1, 1, None, 0, data, None, None, None, None, 0.0)
-    assert cfg.public_per_class == 20 and public is not None and len(public.y) == 60  # all of it
+    cfg, public, scored, norm = _federation(
+        "protofl", None, {"backbone_epochs": 1}, 1, 1, None, 0, data, None, data, None, None, 0.0
+    )
+    # all 60 images train the backbone (the public set), and validation scores those same 60
+    assert cfg.public_per_class == 20 and public is not None and public.backbone is not None
+    assert scored is not None and len(scored.labels) == 60
     assert "validation scores those same images, so its accuracy is optimistic" in caplog.text
     assert norm is not None and len(norm[0]) == 3
 
@@ -74,9 +78,24 @@ def test_fedavg_on_the_server_folder_is_scored_and_says_it_is_not_learning(tmp_p
     server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
     devices = [
         subprocess.Popen(
-            [sys.executable, "-m", "edge_agent.cli", "join", "--broker", f"mqtt://127.0.0.1:{port}", "--fed", "trial",
-             "--client-id", f"dev-{i}", "--data", f"imagefolder:{folder(tmp_path / f'dev-{i}', 30, i + 1)}",
-             "--threads", "1", "--connect-timeout", "120"],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "edge_agent.cli",
+                "join",
+                "--broker",
+                f"mqtt://127.0.0.1:{port}",
+                "--fed",
+                "trial",
+                "--client-id",
+                f"dev-{i}",
+                "--data",
+                f"imagefolder:{folder(tmp_path / f'dev-{i}', 30, i + 1)}",
+                "--threads",
+                "1",
+                "--connect-timeout",
+                "120",
+            ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=ENV,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ class _CE:
         return torch.nn.functional.cross_entropy(head(z), y)
 
 
-def _steps(n: int, **cfg: object) -> int:
+def _steps(n: int, **cfg: Any) -> int:
     torch.manual_seed(0)
     model = SimpleNamespace(features=torch.nn.Linear(4, 8), head=torch.nn.Linear(8, 3))
     params = [*model.features.parameters(), *model.head.parameters()]
