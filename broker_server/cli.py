@@ -19,7 +19,7 @@ from broker_server.commands.start_cli import start_command
 from broker_server.fleet.fleet import fleet_command, logs_command, run_app, service_app
 from broker_server.ops.enrol import devices_app
 from broker_server.watch.status_cli import status_command
-from protofl import cli_options, privacy
+from protofl import cli_options, learning, privacy
 from protofl.algorithms.robust import clip_text
 from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, ProtoFLError
@@ -86,6 +86,8 @@ def _summary(report: dict[str, Any]) -> Table:
     predictor = report.get("predictor") or {}
     if predictor.get("reason"):  # what "predictor %" is, or why it is empty
         t.caption += f"\npredictor: {predictor['reason']}"
+    if report.get("learning"):  # protofl/learning.py: flat accuracies
+        t.caption += f"\nWARNING: the federation is {report['learning']}; {learning.ADVICE}"
     return t
 
 

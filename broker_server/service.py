@@ -133,6 +133,7 @@ class AggregatorService:
         watchers, self.hooks = watchers or Watchers(), hooks or Hooks()
         cfg, fed = federation.cfg, federation.fed
         self.validation = federation.validation
+        self._learning_said: str | None = None
         if durability.enabled and not transport.manual_ack:
             raise ValueError(
                 "a durable aggregator acknowledges an upload only once it is journaled: its transport "
@@ -428,11 +429,16 @@ class AggregatorService:
         through = [r for r in self.aggregator.records if r.round <= rec.round]
         so_far = (sum(r.uplink_bytes for r in through), sum(r.downlink_bytes for r in through))
         log.info("%s", round_line(rec, metrics, self.rounds, so_far))
-        scored = None
+        scored, collapsed = None, None
         validation = self.validation
         if validation is not None:  # the global predictor on the server's own labelled data, this round
-            scored = {"predictor_acc": validation.accuracy(self.aggregator.model.rules.predictor_head())}
-        accs = self.watch.round_logged(rec, metrics, scored)
+            acc, collapsed = validation.score(self.aggregator.model)
+            scored = {"predictor_acc": acc}
+        accs = self.watch.round_logged(rec, metrics, scored, collapsed)
+        note = self.watch.learning.note
+        if note is not None and note != self._learning_said:  # protofl/learning.py: said once, with what to do
+            self._learning_said = note
+            log.warning("the federation is %s", note)
         if self.hooks.on_round_logged is not None:
             self.hooks.on_round_logged(rec, accs, len(metrics))
 

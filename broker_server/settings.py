@@ -32,14 +32,17 @@ import numpy as np
 from broker_server.core.progress import GRACE_S
 from broker_server.core.rounds import OFFLINE_GRACE_S, RoundRecord
 from broker_server.ops.capacity import DEFAULT_QUEUE
+from protofl import learning
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError
+from protofl.plan import Phase
 from protofl.transport.broker_url import CONNECT_TIMEOUT_S, BrokerOptions
 from protofl.transport.mqtt import DEFAULT_SESSION_EXPIRY_S
 from protofl.wire import Limits, Metrics, PublicSet
 
 if TYPE_CHECKING:
+    from broker_server.core.stages import ServerModel
     from broker_server.ops.privacy_ledger import FleetView
     from broker_server.watch.board import SnapshotBoard
     from broker_server.watch.metrics import FederationMetrics
@@ -71,6 +74,9 @@ class Federation:
     policy: ClipPolicy | None = None
     offline_grace: float = OFFLINE_GRACE_S
     validation: Validation | None = field(default=None, compare=False)
+    # The per-channel mean/std of the server's data (--public-data, else --validation), recorded in the deployable
+    # artifacts: how the global model (FedAvg's) and the predictor were scored here, and what export defaults to.
+    norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     # A simulation's links run this many times faster than the deadline the server is given: the selection's
     # deadline estimates (broker_server/core/selection.py) are in the profiles' time.
     time_scale: float = 1.0
@@ -83,21 +89,36 @@ class Federation:
 
 @dataclass(frozen=True, eq=False)
 class Validation:
-    """The server's own labelled data for scoring the global predictor every round (`start --validation`): the
-    shared backbone's features of it (computed once by the torch side: the backbone never changes), labels, and
-    what it is in words."""
+    """The server's own labelled data for scoring the federation's deployable model every round (`start
+    --validation`): the global predictor's head on the shared backbone's features of it (computed once by the torch
+    side: the backbone never changes), or, where the preset federates the whole model (FedAvg), that model's
+    predictions from `scorer` (a torch child process, broker_server/ops/model_scorer.py); labels; what it is in
+    words."""
 
-    features: np.ndarray  # (n, d) float32
+    features: np.ndarray | None  # (n, d) float32: the shared backbone's features; None where `scorer` scores
     labels: np.ndarray  # (n,) int
     what: str
+    scorer: Callable[[np.ndarray], np.ndarray | None] | None = None  # a parameter vector -> class per image
 
-    def accuracy(self, head: tuple[np.ndarray, np.ndarray] | None) -> float | None:
-        """The head's accuracy on these features (None: no head yet, or no data)."""
-        if head is None or len(self.labels) == 0:
+    def predictions(self, model: ServerModel) -> np.ndarray | None:
+        """The deployable model's class per image for the server's current state (None: none yet, or no data)."""
+        if len(self.labels) == 0:
             return None
-        w, b = head
-        pred = np.argmax(self.features @ w.T + b, axis=1)
-        return float(np.mean(pred == self.labels))
+        if self.features is not None:
+            head = model.rules.predictor_head()
+            if head is None:
+                return None
+            w, b = head
+            return np.argmax(self.features @ w.T + b, axis=1)
+        params = model.rules.round_fields(Phase.DONE).params  # the global model, as the final round message has it
+        return None if params is None or self.scorer is None else self.scorer(params)
+
+    def score(self, model: ServerModel) -> tuple[float | None, str | None]:
+        """(accuracy, the collapse note of protofl/learning.py or None) of the deployable model on this data."""
+        pred = self.predictions(model)
+        if pred is None:
+            return None, None
+        return float(np.mean(pred == self.labels)), learning.collapse(pred.tolist(), self.labels.tolist())
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ _TUPLES = ("archs", "in_shape")
 # federation that leaves them alone sends the config bytes it sent before, and a device of an earlier version,
 # which refuses keys it does not know, still joins it.
 _ONLY_WHEN_SET = (
+    "min_local_steps",
     "drop_last",
     "keep_optimizer",
     "proto_source",
@@ -85,6 +86,7 @@ class FederationConfig:
     proto_dim: int
     adapter_rank: int
     local_epochs: int
+    min_local_steps: int
     batch_size: int
     lr: float
     momentum: float
@@ -324,6 +326,7 @@ class FederationConfig:
             "proto_dim",
             "adapter_rank",
             "local_epochs",
+            "min_local_steps",
             "batch_size",
             "min_clients",
         ):
@@ -343,6 +346,10 @@ class FederationConfig:
             f"adapter_rank must be in [1, proto_dim={self.proto_dim}], got {self.adapter_rank}",
         )
         need(self.local_epochs >= 1 and self.batch_size >= 1, "local_epochs and batch_size must be >= 1")
+        need(
+            0 <= self.min_local_steps <= 100_000,
+            f"min_local_steps must be in [0, 100000] (0: no floor, local_epochs alone), got {self.min_local_steps}",
+        )
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(
             isinstance(self.archs, tuple)

@@ -10,6 +10,9 @@ from typing import Any
 
 from protofl import participation
 
+# min_local_steps' default, chosen by measurement (bench/results/SMALL.md).
+MIN_LOCAL_STEPS = 20
+
 # The core fields and their defaults, in the order they travel.
 CORE: dict[str, Any] = dict(
     preset="protofl",
@@ -23,6 +26,9 @@ CORE: dict[str, Any] = dict(
     adapter_rank=32,
     # Local training (docs/algorithms.md: the papers' shared defaults).
     local_epochs=1,
+    # A step floor: a round trains at least this many SGD steps, whole epochs then part of one more (a device with
+    # 190 images at batch 64 takes 3 steps an epoch and learned nothing in 8 rounds: issue 56, docs/algorithms.md).
+    min_local_steps=MIN_LOCAL_STEPS,
     batch_size=64,
     lr=0.01,
     momentum=0.9,

@@ -249,14 +249,16 @@ def test_start_names_the_classes_from_its_public_data_unless_it_resumes_a_federa
     _folders(tmp_path / "public", ["bird", "cat", "dog"])
     spec = f"imagefolder:{tmp_path / 'public'}"
     args = (None, None, None, None, spec, None)  # rounds, min_clients, round_timeout, seed, --public-data, --data-dir
-    cfg, _, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE]}, *args)
+    cfg, _, _, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE]}, *args)
     assert cfg.class_names == ("bird", "cat", "dog") and cfg.num_classes == 3
-    cfg, _, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE], "class_names": ["dog", "cat", "bird"]},
-                            *args)  # fmt: skip
+    named = {"in_shape": [1, SIZE, SIZE], "class_names": ["dog", "cat", "bird"]}
+    cfg, _, _, _, _ = _federation("fedproto", None, named, *args)
     assert cfg.class_names == ("dog", "cat", "bird")  # --classes wins; the folders are matched by name
     (tmp_path / "state" / "aggregator").mkdir(parents=True)
     (tmp_path / "state" / "aggregator" / "federation.json").write_text(
         json.dumps({"fed": "f", "config": make_config("fedproto").to_dict()})
     )
-    cfg, _, _, _ = _federation("fedproto", None, {"in_shape": [1, SIZE, SIZE]}, *args, None, None, tmp_path / "state")
+    cfg, _, _, _, _ = _federation(
+        "fedproto", None, {"in_shape": [1, SIZE, SIZE]}, *args, None, None, tmp_path / "state"
+    )
     assert cfg.class_names is None and cfg.num_classes == 3  # a federation started without names resumes so

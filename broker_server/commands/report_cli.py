@@ -4,7 +4,8 @@ Written from the run JSON alone (simulate --json, or --report-dir at the end of 
 federation's `STATE_DIR/rounds.jsonl` (one line a round, with its accuracies once its metrics came in):
 - `accuracy_time.png`: accuracy vs simulated time (runs over shaped links), vs the wall clock (a
   rounds.jsonl), else vs round (whole-number ticks),
-- `accuracy_uplink.png`: accuracy vs cumulative uplink bytes,
+- `accuracy_uplink.png`: accuracy vs cumulative uplink bytes, every run on one figure; with the default metric it
+  leads with the deployable model: the global predictor where a run scored one (FedAvg's: its global model),
 - `timeline_<preset>.png`: per round and device class, the mean downlink, compute, upload and wait
   (until the round closed) in simulated seconds; an x where a device of the class missed the round,
 - `bytes_class.png`: uplink bytes per device and round, by device class and preset,
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from protofl import privacy
+from protofl import learning, privacy
 from protofl.errors import ConfigError
 from protofl.humanize import accuracy_label, accuracy_legend, human_bytes, human_duration
 
@@ -124,6 +125,14 @@ def run_metric(run: dict[str, Any], metric: str = "global") -> str:
         return "predictor_acc"
     scored = metric == "global" and any(r.get("global_acc") is not None for r in run["rounds"])
     return "global_acc" if scored else "local_acc"
+
+
+def uplink_metric(run: dict[str, Any], metric: str = "global") -> str:
+    """What `accuracy_uplink.png` draws for `run`: with the default metric the deployable model's accuracy, the
+    global predictor's (FedAvg's: its global model's) where the run scored one, else `run_metric`'s."""
+    if metric == "global" and any(r.get("predictor_acc") is not None for r in run["rounds"]):
+        return "predictor_acc"
+    return run_metric(run, metric)
 
 
 def run_accuracies(run: dict[str, Any], metric: str = "global") -> list[float | None]:
@@ -224,16 +233,18 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         frozenset({"wall"}): "time since round 1 opened (s)",
         frozenset({"simulated"}): "simulated time (s)",
     }.get(frozenset(clocks), "time (s)")
-    keys = {run_metric(r, metric) for r in runs}
     # The axis names the accuracy where every run shows the same one, else each run's line does.
-    ylabel = f"{accuracy_label(keys.pop(), 'accuracy')} (%)" if len(keys) == 1 else "accuracy (%)"
     for name, xlabel in (
         ("accuracy_time", time_label if timed else "round"),
         ("accuracy_uplink", "cumulative uplink (bytes)"),
     ):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        # accuracy vs uplink leads with the deployable model (the predictor, where a run has one): what the bytes buy
+        shown = {id(r): run_metric(r, metric) if name == "accuracy_time" else uplink_metric(r, metric) for r in runs}
+        axis = f"{accuracy_label(next(iter(shown.values())), 'accuracy')} (%)" if len(set(shown.values())) == 1 else ""
         for run in runs:
-            accs = run_accuracies(run, metric)
+            key = shown[id(run)]
+            accs = [r.get(key) for r in run["rounds"]]
             if name == "accuracy_time":
                 times = sim_times(run)
                 xs: list[float] = times if timed and times is not None else [r["round"] for r in run["rounds"]]
@@ -244,11 +255,7 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
                     xs.append(total)
             # not strict: a run's link rounds may end before its accuracy rows (see time_to_target)
             pts = [(x, 100 * a) for x, a in zip(xs, accs, strict=False) if a is not None]
-            label = (
-                run["preset"]
-                if ylabel != "accuracy (%)"
-                else f"{run['preset']}: {accuracy_label(run_metric(run, metric))}"
-            )
+            label = run["preset"] if axis else f"{run['preset']}: {accuracy_label(key)}"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ends = [t[-1] for t in map(sim_times, runs) if t] if timed else []
         if name == "accuracy_uplink" or (ends and min(ends) > 0 and max(ends) / min(ends) > 30):
@@ -256,7 +263,7 @@ def _plots(runs: list[dict[str, Any]], out: Path, metric: str) -> list[Path]:
         if xlabel == "round":
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole: no tick at 1.25
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(axis or "accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -367,6 +374,10 @@ def summary(runs: list[dict[str, Any]], target: float | None = None, metric: str
             lines += ["", f"**{run['preset']}:** {privacy.describe(dp)}."]
             if dp.get("stopped"):
                 lines.append(f"Stopped before its last round: {dp['stopped']}.")
+    for run in runs:
+        stalled = learning.verdict(run["rounds"])  # protofl/learning.py: the rule the server's log applies
+        if stalled:
+            lines += ["", f"**Warning ({run['preset']}):** the federation is {stalled}; {learning.ADVICE}."]
     for run in runs:
         by_class = class_rows(run)
         if not by_class:

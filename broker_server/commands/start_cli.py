@@ -66,6 +66,7 @@ def _positive(value: float, flag: str) -> float:
 # connection here), so 52 options read as the nine things they configure.
 FEDERATION, BROKER = cli_options.FEDERATION_PANEL, cli_options.BROKER_PANEL
 VALIDATION, ADMISSION, DURABILITY = "Validation", "Admission", "Durability"
+VALIDATION_SHARE = 0.2  # --validation-share: a fifth of each class, as an own data set's held-out split
 ACCESS, SHARDING, WATCHERS = "Local broker (Access)", "Sharding", "Watchers"
 
 
@@ -118,15 +119,24 @@ def start_command(
     validation: str | None = typer.Option(
         None,
         "--validation",
-        help="Labelled data the server scores the global predictor on every round (its test split: fashion-mnist, "
-        "npz:PATH, imagefolder:DIR, ...): in status, the live page, /metrics and rounds.jsonl. Needs torch here "
-        "(the shared backbone embeds it once).",
+        help="Labelled data the server scores the federation's deployable model on every round (the global "
+        "predictor; FedAvg: its global model): its test split where it has one (fashion-mnist, an image folder's "
+        "test/), else all of it; the same data as --public-data: a stratified share of it (--validation-share), "
+        "the rest trains the backbone. In status, the live page, /metrics and rounds.jsonl. Needs torch here.",
         rich_help_panel=VALIDATION,
     ),
     validation_limit: int | None = typer.Option(
         2000,
         "--validation-limit",
-        help="Score the first N images of --validation (default 2000; 0: all).",
+        help="Score a seeded random N of --validation's images (default 2000; 0: all).",
+        rich_help_panel=VALIDATION,
+    ),
+    validation_share: float = typer.Option(
+        VALIDATION_SHARE,
+        "--validation-share",
+        help="--validation the same data as --public-data (without a test split of its own): the share of each "
+        "class held out for validation, disjoint from the public set. 0: all of it trains the backbone and "
+        "validation scores those same images (optimistic: said in the log).",
         rich_help_panel=VALIDATION,
     ),
     state_dir: Path | None = typer.Option(
@@ -351,7 +361,7 @@ def start_command(
     try:
         overrides = parse_sets(set_)
         read_classes(classes, overrides)
-        cfg, public, scored, backbone = _federation(
+        cfg, public, scored, backbone, norm = _federation(
             preset,
             config,
             overrides,
@@ -364,6 +374,7 @@ def start_command(
             validation,
             validation_limit,
             state_dir,
+            validation_share,
         )
         try:
             policy = ClipPolicy(factor=clip_factor, first_radius=clip_first, robust=robust, enabled=parse_clip(clip))
@@ -371,7 +382,9 @@ def start_command(
             raise ConfigError(f"{exc} (--robust, --clip-factor, --clip-first)") from None
         # Every option once, into its group (settings.py): validated there, with the reason and the option.
         durability = Durability(state_dir)
-        federation = Federation(cfg, fed, public=public, policy=policy, offline_grace=offline_grace, validation=scored)
+        federation = Federation(
+            cfg, fed, public=public, policy=policy, offline_grace=offline_grace, validation=scored, norm=norm
+        )
         admission = Admission(max_clients=max_clients)  # the members: credentials' devices or --allow, in _serve
         site_names = tuple(check_name(s.strip(), "--sites: site") for s in (sites or "").split(",") if s.strip())
         sharding = Sharding(shards, site_names, shard_timeout, spawn_shards, shard_credentials)
@@ -436,7 +449,8 @@ def _federation(
     validation: str | None = None,
     validation_limit: int | None = None,
     state_dir: Path | None = None,
-) -> tuple[Any, Any, Validation | None, Backbone | None]:
+    validation_share: float = VALIDATION_SHARE,
+) -> tuple[Any, Any, Validation | None, Backbone | None, tuple[tuple[float, ...], tuple[float, ...]] | None]:
     """The validated config and, where its plan has public classes, the public set carved exactly as the
     simulator carves it. The class names of --public-data name the federation's classes unless --classes or the
     config does, or `state_dir` holds a federation started without names (it resumes as it was started). Where the
@@ -444,9 +458,8 @@ def _federation(
     devices' credentials are up, not run here."""
     import numpy as np
 
-    from protofl.data import load_dataset
     from protofl.data.classnames import data_class_names
-    from protofl.data.federation import fit_public, public_set
+    from protofl.data.federation import fit_public, public_set, server_split
     from protofl.presets import make_config
 
     overrides.update(
@@ -456,49 +469,80 @@ def _federation(
             if v is not None
         }
     )
-    train = None
+    train, val, norm = None, None, None
     if public_data is not None:
         fixed = fixed_by_user(str(config) if config else None, overrides)
         shape = data_shape(fixed, lambda: make_config(preset, str(config) if config else None, **overrides))
-        train, _ = load_dataset(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
+        # the data as it is: no share silently held out (a --validation of the same data is split below, said)
+        train, own_test = _server_source(public_data, data_dir=data_dir, seed=overrides.get("seed", 0), **shape)
         overrides.update(num_classes=train.num_classes, in_shape=tuple(train.in_shape))
         if "class_names" not in fixed and not _started_without_names(state_dir):
             # the public data's own names (fashion-mnist's, class folders) name the classes
             overrides["class_names"] = data_class_names(public_data, train.num_classes)
+        if validation is not None and validation.strip() == public_data.strip():
+            train, val = server_split(train, own_test, validation_share, overrides.get("seed", 0), public_data)
     cfg = make_config(preset, str(config) if config else None, strict=True, **overrides)
     if train is not None:  # a public set that fits the public data (or none, where nothing uses one)
-        cfg = fit_public(train, cfg, fixed=sets(str(config) if config else None, overrides, "public_per_class"))
-    plan = RoundPlan.from_config(cfg)
-    if validation is not None and not plan.shared_backbone:
-        raise ConfigError(
-            f"--validation scores the global predictor's head on the shared backbone; preset '{cfg.preset}' has none "
-            f"(it runs with the ridge predictor: --set ridge=true, where nothing else is federated)"
+        cfg = fit_public(
+            train, cfg, fixed=sets(str(config) if config else None, overrides, "public_per_class"), server_only=True
         )
+    plan = RoundPlan.from_config(cfg)
+    if validation is not None and not plan.shared_backbone and cfg.federate != "full":
+        raise ConfigError(
+            f"--validation scores the federation's deployable model: the global predictor's head on the shared "
+            f"backbone, or FedAvg's global model; preset '{cfg.preset}' has neither (it runs with the ridge "
+            f"predictor: --set ridge=true, where nothing else is federated)"
+        )
+    if validation is not None and val is None:
+        # other data than --public-data: its own test split where it has one, else all of it
+        v_train, v_test = _server_source(
+            validation,
+            data_dir=data_dir,
+            num_classes=cfg.num_classes,
+            in_shape=cfg.in_shape,
+            class_names=cfg.class_names,
+        )
+        val = v_test if v_test is not None else v_train
+    if val is not None and validation_limit and validation_limit < len(val.y):
+        val = val.subset(np.sort(np.random.default_rng([cfg.seed, 0x7A1]).permutation(len(val.y))[:validation_limit]))
+        log.info("--validation: %d of its images scored (--validation-limit; 0: all)", validation_limit)
+    if train is not None:
+        norm = (tuple(train.mean), tuple(train.std))  # the server's data's: how a model it trains or scores sees it
+    elif val is not None:
+        norm = (tuple(val.mean), tuple(val.std))
     if plan.shared_backbone:
         public = public_set(train, cfg) if train is not None and plan.public_classes else None
-        val = None
-        if validation is not None:
-            _, val = load_dataset(
-                validation,
-                data_dir=data_dir,
-                num_classes=cfg.num_classes,
-                in_shape=cfg.in_shape,
-                class_names=cfg.class_names,
-            )
-            if validation_limit and validation_limit < len(val.y):
-                val = val.subset(np.arange(validation_limit))
-        return cfg, public, None, lambda: _with_backbone(cfg, train, public, val)
+        return cfg, public, None, lambda: _with_backbone(cfg, train, public, val), norm
+    scored = None
+    if val is not None:  # FedAvg: its global model, scored by a torch child process each round
+        from broker_server.ops.model_scorer import ModelScorer
+
+        assert norm is not None
+        scorer = ModelScorer(cfg, val.x, list(norm[0]), list(norm[1]))
+        scored = Validation(None, np.asarray(val.y, np.int64), f"{len(val.y):,} images of {val.name}", scorer.predict)
     if not plan.public_classes:
-        return cfg, None, None, None
+        return cfg, None, scored, None, norm
     if train is None:
         raise ConfigError(
             f"preset '{cfg.preset}' uses public-set anchors and needs a public set: pass --public-data "
             f"fashion-mnist (or synthetic:..., npz:PATH), or --set public_per_class=0"
         )
-    return cfg, public_set(train, cfg), None, None
+    return cfg, public_set(train, cfg), scored, None, norm
 
 
 Backbone = Callable[[], "tuple[Any, Validation | None]"]  # the shared backbone's training: (public, validation)
+
+
+def _server_source(spec: str, **kwargs: Any) -> tuple[Any, Any]:
+    """(the data, its own test split or None) of the server's `spec`, nothing held out: fashion-mnist's test set,
+    an image folder's test/, an npz's x_test; the synthetic generator's test set counts as one here (it stands for
+    the data's own held-out images)."""
+    from protofl.data import load_dataset
+    from protofl.data.loaders import load_source
+
+    if spec.partition(":")[0].strip().lower() == "synthetic":
+        return load_dataset(spec, **kwargs)
+    return load_source(spec, holdout=None, **kwargs)
 
 
 def _started_without_names(state_dir: Path | None) -> bool:
@@ -1203,6 +1247,7 @@ def _serve(s: Start) -> None:
                     round_=rec.round,
                     finished=rec.round >= cfg.rounds or live[0].aggregator.finished,  # (or its DP budget spent)
                     backbone=_backbone_of(live[0].aggregator),
+                    norm=s.federation.norm,
                 )
 
         def on_round_logged(rec: Any, accs: dict[str, float | None], reported: int) -> None:
@@ -1307,6 +1352,7 @@ def _serve(s: Start) -> None:
                     round_=len(service.aggregator.records),
                     finished=service.aggregator.finished,
                     backbone=_backbone_of(service.aggregator),
+                    norm=s.federation.norm,
                 )
                 log.info("server model written to %s (deployable artifacts in %s)", path, state_dir / "artifacts")
         agg = service.aggregator

@@ -19,7 +19,7 @@ from broker_server.core.shell import RoundRecord
 from broker_server.core.stages import ServerModel
 from broker_server.simulation.spec import SimulationSpec
 from broker_server.simulation.timeline import LinkReport
-from protofl import privacy
+from protofl import learning, privacy
 from protofl.algorithms.robust import ClipCount
 from protofl.config import FederationConfig
 from protofl.plan import Phase
@@ -67,6 +67,7 @@ class Report:
         self.links: LinkReport | None = None  # set by a run over shaped links (--profiles)
         self.clips: dict[int, ClipCount] = {}  # per round: rows checked against the radius and clipped
         self.dp = privacy.resolve(cfg, cfg.draft)  # differential privacy: each row says the epsilon spent
+        self.learning = learning.LearningWatch()  # protofl/learning.py: said once in the log, kept in the report
 
     def on_round_end(self, rec: RoundRecord, model: ServerModel) -> None:
         scored = scores_test_set(rec.round, self.spec.test_every, self.cfg.rounds)  # the official test set's rounds
@@ -97,6 +98,9 @@ class Report:
         self.progress.poll(now, force)
 
     def _show(self, rec: RoundRecord, metrics: dict[str, Metrics]) -> None:
+        note = self.learning.update(self.round_row(rec))
+        if note is not None:
+            log.warning("the federation is %s", note)
         if self.on_round is not None:
             row = self.round_row(rec)
             if self.links is not None:
@@ -166,6 +170,8 @@ class Report:
             },
             "dropped": dict(dropped),
             "predictor": {"kind": self.predictor_info[0], "reason": self.predictor_info[1]},
+            # protofl/learning.py's verdict over the rounds (None: learning, or too few rounds to say)
+            "learning": learning.verdict(rows),
             **({"links": links} if links is not None else {}),
         }
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from broker_server.core.shell import Aggregator
     from broker_server.ops.privacy_ledger import FleetView
     from broker_server.watch.metrics import FederationMetrics
+    from protofl.learning import LearningWatch
     from protofl.transport import Connection
 
 log = logging.getLogger("protofl.service")
@@ -101,10 +102,19 @@ class LiveWatch:
         self._dirty = True
 
     def round_logged(
-        self, rec: RoundRecord, metrics: Mapping[str, Metrics], scored: Mapping[str, float | None] | None = None
+        self,
+        rec: RoundRecord,
+        metrics: Mapping[str, Metrics],
+        scored: Mapping[str, float | None] | None = None,
+        collapsed: str | None = None,
     ) -> dict[str, float | None]:
         self._dirty = True
-        return self.observer.on_round_logged(rec, metrics, scored)
+        return self.observer.on_round_logged(rec, metrics, scored, collapsed)
+
+    @property
+    def learning(self) -> LearningWatch:
+        """Whether the federation is learning (protofl/learning.py), from the rounds logged so far."""
+        return self.observer.learning
 
     def changed(self) -> None:
         """Something watchers see changed outside a handled message (e.g. re-send requests went out)."""

@@ -37,6 +37,7 @@ from broker_server.watch.snapshot import (
     Upload,
 )
 from protofl import privacy
+from protofl.learning import LearningWatch
 from protofl.sparse import SparseVector
 from protofl.wire import Message, Metrics, ParamsUpload, ProtoUpload
 
@@ -70,6 +71,7 @@ class FederationObserver:
         # rest of the last upload are the machine's state (durable: a restart keeps them), its encoding is not.
         self._encodings: dict[str, tuple[int, str, str, str]] = {}
         self._accuracies: dict[int, dict[str, float | None]] = {}
+        self.learning = LearningWatch()  # protofl/learning.py: the note once the federation is not learning
         self._states: dict[str, str] = {}
         self.stopped = False
         # Incremental members: the inputs applied since the last snapshot name the members they changed (an input
@@ -117,11 +119,17 @@ class FederationObserver:
         self._states = {m.id: m.state for m in self.members()}
 
     def on_round_logged(
-        self, rec: RoundRecord, metrics: Mapping[str, Metrics], scored: Mapping[str, float | None] | None = None
+        self,
+        rec: RoundRecord,
+        metrics: Mapping[str, Metrics],
+        scored: Mapping[str, float | None] | None = None,
+        collapsed: str | None = None,
     ) -> dict[str, float | None]:
         """A closed round's metrics are in (or their grace passed): its accuracies, kept for the history; `scored`:
-        what the server scored itself (the global predictor on its validation data)."""
+        what the server scored itself (the global predictor on its validation data), `collapsed` the note where its
+        predictions fell in one class. Both feed whether the federation is learning (`learning`)."""
         accs = {**accuracies(metrics.values()), **(scored or {})}
+        self.learning.update({"round": rec.round, **accs}, collapsed)
         self._accuracies[rec.round] = accs
         for old in [r for r in self._accuracies if r <= rec.round - HISTORY]:
             del self._accuracies[old]
@@ -251,6 +259,7 @@ class FederationObserver:
             started=self.started,
             privacy=None if m.dp is None else privacy.ledger(m.dp, len(m.records)),
             fleet_privacy=self._fleet_privacy(),
+            learning=self.learning.note,
         )
 
     def _fleet_privacy(self) -> dict[str, Any] | None:

@@ -74,6 +74,8 @@ def header(reading: Reading, now: float) -> list[str]:
             f"accuracy (round {found[0]}): "
             + ", ".join(f"{accuracy_label(k)} {100 * v:.1f} %" for k, v in found[1].items()),
         )
+    if s.learning is not None:  # protofl/learning.py: flat accuracies or a collapsed model
+        lines.insert(4 if found is not None else 3, f"WARNING: the federation is {s.learning}")
     return lines
 
 

@@ -121,6 +121,8 @@ class Snapshot:
     # a fleet's run (broker_server/ops/privacy_ledger.py `FleetView.now`): each device's epsilon and delta summed over
     # the fleet's runs, this one's so far included, and the fleet's budget; None outside a fleet
     fleet_privacy: dict[str, Any] | None = None
+    # protofl/learning.py: the note once the federation is not learning (flat accuracies or a collapsed model)
+    learning: str | None = None
 
     def count(self, state: str) -> int:
         return sum(1 for m in self.members if m.state == state)

@@ -63,7 +63,8 @@ def train_local(
     seed: int,
     momentum: Momentum | None = None,
 ) -> TrainStats:
-    """`cfg.local_epochs` epochs of SGD (lr, momentum, weight decay from cfg) on (x, y).
+    """`cfg.local_epochs` epochs of SGD (lr, momentum, weight decay from cfg) on (x, y), continued into more epochs
+    until `cfg.min_local_steps` steps (the step floor: the last epoch may stop part way).
 
     A fresh optimiser each round, as in the papers' reference code, unless `momentum` is given (the
     buffers of the previous round, cfg.keep_optimizer: PFLlib makes one optimiser per client for the whole
@@ -112,9 +113,15 @@ def sgd_epochs(
     seen_y: list[torch.Tensor] = []
     total, steps = 0.0, 0
     start = time.perf_counter()
-    for _ in range(cfg.local_epochs):
+    epoch = 0
+    while epoch < cfg.local_epochs or (steps < cfg.min_local_steps and steps > 0):
+        # whole epochs, then (cfg.min_local_steps, the step floor of small sets) more epochs until the floor: the
+        # last one may stop part way. A set that gives no step at all (fewer than 2 samples) stops after the first.
+        epoch += 1
         order = torch.from_numpy(rng.permutation(n))
         for i in range(0, n, cfg.batch_size):
+            if epoch > cfg.local_epochs and steps >= cfg.min_local_steps:
+                break
             idx = order[i : i + cfg.batch_size]
             if idx.numel() < 2 or (cfg.drop_last and idx.numel() < cfg.batch_size):
                 continue  # BatchNorm cannot train on a single sample; drop_last: a short batch

@@ -36,6 +36,8 @@ __all__ = [
     "public_set",
     "public_size",
     "public_user",
+    "server_split",
+    "stratified_holdout",
     "with_shared_backbone",
 ]
 
@@ -125,10 +127,11 @@ def public_size(labels: np.ndarray, cfg: FederationConfig) -> int:
     raise _too_few(c, have, want, user, cfg)
 
 
-def fit_public(train: Dataset, cfg: FederationConfig, fixed: bool) -> FederationConfig:
+def fit_public(train: Dataset, cfg: FederationConfig, fixed: bool, server_only: bool = False) -> FederationConfig:
     """`cfg` with a public set that fits `train` (said once in the log): where a class has fewer than
     `public_per_class` samples and a technique uses the public set, a quarter of the smallest class (at least 1),
-    unless the user `fixed` public_per_class (then, as where even 1 does not fit, a DataError names the options);
+    unless the user `fixed` public_per_class (then, as where even 1 does not fit, a DataError names the options), or
+    all of it where the data is the server's only (`server_only`: `start --public-data`, which no device holds);
     where no technique uses it, public_per_class 0 (none drawn). Unchanged where the data has enough."""
     want = int(cfg.public_per_class)
     if want == 0:
@@ -146,6 +149,17 @@ def fit_public(train: Dataset, cfg: FederationConfig, fixed: bool) -> Federation
             want,
         )
         return cfg.replace(public_per_class=0)
+    if server_only and not fixed:
+        # `start --public-data`: the server's own data, which no device holds: all of its smallest class, said
+        log.info(
+            "public set: %d per class, %d images (all of class %d's %d; public_per_class %d does not fit this data)",
+            have,
+            have * len(np.unique(train.y) if cfg.public_classes is None else cfg.public_classes),
+            c,
+            have,
+            want,
+        )
+        return cfg.replace(public_per_class=have)
     fit = have // PUBLIC_SHARE
     if fixed or fit < 1:
         raise _too_few(c, have, want, user, cfg)
@@ -157,6 +171,54 @@ def fit_public(train: Dataset, cfg: FederationConfig, fixed: bool) -> Federation
         want,
     )
     return cfg.replace(public_per_class=fit)
+
+
+def stratified_holdout(labels: np.ndarray, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held) row numbers: `share` of each class held out (rounded, at least 1 where the class has 2 or more,
+    never all of it), seeded; both sorted."""
+    y = np.asarray(labels)
+    rng = np.random.default_rng([seed, 0x5A11])
+    held: list[np.ndarray] = []
+    for c in np.unique(y):
+        rows = rng.permutation(np.flatnonzero(y == c))
+        n = 0 if share <= 0 or len(rows) < 2 else min(len(rows) - 1, max(1, int(round(share * len(rows)))))
+        held.append(rows[:n])
+    out = np.sort(np.concatenate(held)) if held else np.zeros(0, np.int64)
+    return np.setdiff1d(np.arange(len(y)), out), out
+
+
+def server_split(
+    data: Dataset, own_test: Dataset | None, share: float, seed: int, spec: str
+) -> tuple[Dataset, Dataset]:
+    """`start --public-data D --validation D`: (the public data, the validation data) of one data set. Its own
+    test split where it has one; else a stratified `share` of each class held out for validation, disjoint from the
+    rest (the sizes said in the log); `share` 0: all of it for both, with a warning (validation is optimistic)."""
+    if own_test is not None:
+        log.info("--validation %s: its test split (%d images), disjoint from the public data", spec, len(own_test.y))
+        return data, own_test
+    if not 0 <= share < 1:
+        raise ConfigError(f"--validation-share must be in [0, 1), got {share}")
+    if share == 0:
+        log.warning(
+            "--validation %s is --public-data with --validation-share 0: all %d images train the shared backbone "
+            "and validation scores those same images, so its accuracy is optimistic (not a held-out figure)",
+            spec,
+            len(data.y),
+        )
+        return data, data
+    kept, held = stratified_holdout(data.y, share, seed)
+    counts = np.bincount(np.asarray(data.y)[held], minlength=data.num_classes)
+    log.info(
+        "--validation %s is --public-data: a stratified %.0f %% of each class held out for validation (%d images, "
+        "%d-%d a class), the other %d for the public set and the shared backbone (--validation-share)",
+        spec,
+        100 * share,
+        len(held),
+        int(counts[counts > 0].min()) if counts.any() else 0,
+        int(counts.max()),
+        len(kept),
+    )
+    return data.subset(kept), data.subset(held)
 
 
 def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:

@@ -115,10 +115,12 @@ def test_a_public_set_the_data_cannot_give_names_the_option_to_set(own: Path, tm
 
 def test_start_draws_the_public_set_only_where_it_is_used(own: Path) -> None:
     data = f"imagefolder:{own}"
-    cfg, public, _, _ = _federation("fedproto", None, {}, 1, 1, None, 0, data, None)
-    assert cfg.public_per_class == 0 and public is None
-    cfg, public, _, _ = _federation("refprotofl", None, {}, 1, 1, None, 0, data, None)
-    assert cfg.public_per_class == 4 and public is not None and len(public.y) == 12
+    cfg, public, _, _, _ = _federation("fedproto", None, {}, 1, 1, None, 0, data, None)
+    # the whole folder (24 a class, no longer an 80 % holdout of 19) has public_per_class 20; fedproto sends none
+    assert cfg.public_per_class == 20 and public is None
+    # the server's whole folder (issue 56: it took a quarter of an 80 % holdout, 4 a class): 20 of each class's 24
+    cfg, public, _, _, _ = _federation("refprotofl", None, {}, 1, 1, None, 0, data, None)
+    assert cfg.public_per_class == 20 and public is not None and len(public.y) == 60
 
 
 def test_data_with_enough_of_every_class_keeps_the_public_set_for_every_preset() -> None:

@@ -19,8 +19,16 @@ from tests.edge_agent.test_agent import setup, start_round
 
 
 def _problem(n: int = 22, seed: int = 0):
+    # PFLlib's loop: one epoch a round, no step floor (min_local_steps=0, issue 56; tests/edge_agent/test_step_floor.py)
     cfg = FederationConfig(
-        federate="none", proto_dim=16, adapter_rank=4, archs=("mlp",), in_shape=(1, 4, 4), num_classes=3, batch_size=8
+        federate="none",
+        proto_dim=16,
+        adapter_rank=4,
+        archs=("mlp",),
+        in_shape=(1, 4, 4),
+        num_classes=3,
+        batch_size=8,
+        min_local_steps=0,
     )
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
@@ -96,8 +104,9 @@ def test_proto_source_during_returns_the_features_each_step_saw() -> None:
 
 
 def test_agent_uploads_the_mean_of_what_training_saw_with_proto_source_during() -> None:
-    # 40 samples (20 per class), two local epochs: "during" averages 40 features per class, "after" 20.
-    _, broker, server, agent, uploads = setup("fedproto", local_epochs=2, proto_source="during")
+    # 40 samples (20 per class), two local epochs (no step floor: PFLlib's loop): "during" averages 40 features per
+    # class, "after" 20.
+    _, broker, server, agent, uploads = setup("fedproto", local_epochs=2, proto_source="during", min_local_steps=0)
     start_round(broker, server, 1, RoundStart(deadline=0.0))
     assert uploads[1][1].local.counts.tolist() == [40, 40]
     _, broker, server, agent, uploads = setup("fedproto", local_epochs=2)
