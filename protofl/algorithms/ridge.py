@@ -451,7 +451,7 @@ class RidgeFold(Fold):
     def fold(self, prepared: Any) -> None:
         if prepared is None:
             return
-        if prepared[0] == "behind":
+        if isinstance(prepared[0], str):  # ("behind", sender)
             self.behind.append(prepared[1])
             return
         v, sender, n = prepared
@@ -554,7 +554,7 @@ class UpdateFold(Fold):
         return idx, values, float(up.n_samples), up.sender
 
     def fold(self, prepared: Any) -> None:
-        if prepared[0] == "behind":
+        if isinstance(prepared[0], str):  # ("behind", sender)
             self.behind.append(prepared[1])
             return
         idx, values, w, sender = prepared
