@@ -298,7 +298,7 @@ class RidgeRule(ServerRule):
         self._head: tuple[Any, tuple[np.ndarray, np.ndarray] | None] = (-1, None)
         self.route = route_on(cfg) and model.shared_backbone is not None
         if route_on(cfg) and not self.route:
-            log.warning(
+            log.info(
                 "ridge: the route (ridge_topk > 0) needs the shared backbone the public message ships (a public set "
                 "or a backbone); there is none: the predictor is the one-shot ridge head of round 1"
             )
