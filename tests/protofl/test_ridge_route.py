@@ -133,7 +133,8 @@ def test_a_device_behind_gets_all_of_g_and_a_statistics_round_replaces_the_head_
     run = _run(m, 3)
     run.add(Upload.ADAPTER, _update([2], [1.0], 10, 3), "dev-1")
     run.finish()
-    assert not st.resync and m.rules.round_fields(Phase.TRAIN).model.dense is None  # type: ignore[union-attr]
+    lean = m.rules.round_fields(Phase.TRAIN).model
+    assert not st.resync and lean is not None and lean.dense is None
     # Round 4 (every = 3: rounds 1, 4, 7 send statistics): one device's statistics of g's current backbone. The head
     # is solved from this round's sums only -- round 1's statistics (another version of g) are not added.
     before = st.g.copy()
@@ -175,7 +176,7 @@ def test_bad_uploads_are_refused_with_a_reason_and_change_nothing() -> None:
             run.add(Upload.ADAPTER, up, "dev-2")
     assert not run.folds[-1].senders and not run.folds[-1].num.any()  # type: ignore[attr-defined]
     run.finish()
-    assert st.version == version and np.array_equal(st.g, g1)  # nothing changed
+    assert st.g is not None and st.version == version and np.array_equal(st.g, g1)  # nothing changed
     # On the wire: indices out of range or NaN values do not even decode into an upload.
     with pytest.raises(WireError, match=r"in \[0, 20\)"):
         ParamsUpload(update=SparseVector(L, np.array([L]), np.array([1.0], np.float32)), n_samples=1, base_round=2)
