@@ -371,8 +371,15 @@ class RidgeRule(ServerRule):
     def predictor_info(self) -> dict[str, Any]:
         st = self.state
         info: dict[str, Any] = {"kind": "ridge", "devices": len(st.contributors), "samples": int(st.samples)}
-        if self.route:
-            info.update(route="topk", topk=self.topk, every=self.every, version=int(st.version))
+        if self.route and st.g is not None:
+            shipped = self.model.shared_backbone
+            assert shipped is not None
+            body = head_slice(st.g.shape[0], self.dim, self.classes).start
+            # How many of the backbone's values (the head aside) the devices' updates have changed since it shipped.
+            changed = int(np.count_nonzero(st.g[:body] != np.asarray(shipped, np.float32)[:body]))
+            info.update(
+                route="topk", topk=self.topk, every=self.every, version=int(st.version), backbone_changed=changed
+            )
         return info
 
     def solve_into_g(self) -> None:
