@@ -246,7 +246,7 @@ def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulati
     assert all(isinstance(a, float) for a in accs), accs
     manifest = art.read_json(run / art.MANIFEST)
     made = manifest["predictor"]["made_from"]
-    assert made["kind"] == "ridge" and made["devices"] == 3 and made["backbone"] == "shipped", made
+    assert made["kind"] == "ridge" and made["devices"] == 3 and made["backbone"] == "refreshed by the devices", made
     assert len(made["norm_mean"]) == len(made["norm_std"]) == 1, made  # the backbone's inputs' normalisation
     model = tmp_path / "global.onnx"
     r = runner.invoke(
@@ -266,9 +266,10 @@ def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulati
     assert int((onnx_labels == test.y).sum()) == round(accs[-1] * len(test.y)), (accs[-1], len(test.y))
 
 
-def start_process(port: int, fed: str, state_dir: Path, *args: str) -> subprocess.Popen[str]:
-    """`protofl-server start ARGS` on the embedded broker at `port`, insecure, keeping its state in `state_dir`."""
-    argv = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "amqtt", "--insecure",
+def start_process(port: int, fed: str, state_dir: Path, *args: str, broker: str = "amqtt") -> subprocess.Popen[str]:
+    """`protofl-server start ARGS` on its own broker (`broker`: the embedded amqtt, or Mosquitto) at `port`, insecure,
+    keeping its state in `state_dir`."""
+    argv = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", broker, "--insecure",
             "--port", str(port), "--fed", fed, *args, "--state-dir", str(state_dir)]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
 
@@ -281,18 +282,23 @@ def join_process(port: int, fed: str, client_id: str, state_dir: Path, *args: st
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
 
 
-def trial(tmp: Path, *server_args: str) -> Path:
-    """`start SERVER_ARGS` + two `join --state-dir` processes over the embedded broker: their state dirs."""
+def trial(tmp: Path, *server_args: str, rounds: int = 2, broker: str = "amqtt") -> Path:
+    """`start SERVER_ARGS` + two `join --state-dir` processes over the server's own broker: their state dirs."""
     port = free_port()
     server = start_process(
-        port, "dep", tmp / "server", *server_args, "--rounds", "2", "--min-clients", "2", "--round-timeout", "60"
+        port,
+        "dep",
+        tmp / "server",
+        *server_args,
+        *("--rounds", str(rounds), "--min-clients", "2", "--round-timeout", str(60 * rounds)),
+        broker=broker,
     )
     devices = [
         join_process(port, "dep", f"dev-{i}", tmp / f"dev-{i}", "--data", DATA, "--partition", f"{i}/2")
         for i in range(2)
     ]
     try:
-        out, _ = server.communicate(timeout=240)
+        out, _ = server.communicate(timeout=120 * rounds)
         dev_out = [d.communicate(timeout=60)[0] for d in devices]
     finally:
         for p in (server, *devices):
@@ -310,9 +316,10 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def started_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default preset (its ridge predictor), its backbone trained on the public set of the server's data, scored
-    every round on the server's validation data."""
-    return trial(tmp_path_factory.mktemp("start-default"), "--public-data", DATA, "--validation", DATA)
+    """The default preset (its ridge predictor and the route that refreshes it), its backbone trained on the public set
+    of the server's data, scored every round on the server's validation data; 3 rounds on Mosquitto."""
+    tmp = tmp_path_factory.mktemp("start-default")
+    return trial(tmp, "--public-data", DATA, "--validation", DATA, rounds=3, broker="mosquitto")
 
 
 @pytest.mark.slow
@@ -336,23 +343,28 @@ def test_start_leaves_the_federation_s_global_state(started: Path) -> None:
 def test_start_scores_the_predictor_and_every_device_keeps_it(
     started_default: Path, tmp_path: Path, one_torch_thread: None
 ) -> None:
-    """The default preset's global predictor in a real federation: scored by the server every round on its own data
-    (rounds.jsonl), written with the run's artifacts, and kept by every device (join --state-dir) as the final round
-    message carried it; a device's copy exports and labels exactly as the server's does."""
+    """The default preset's global predictor in a real federation (`start` on Mosquitto, two `join`s): scored by the
+    server every round on its own data (rounds.jsonl), written with the run's artifacts, and kept by every device
+    (join --state-dir) as the round messages carried it: after 3 rounds the global model g (the backbone the devices
+    refreshed, and its head) is bit for bit the server's on every device; a device's copy exports and labels exactly
+    as the server's does."""
     from export.artifact import load_artifact
 
     rows = [json.loads(line) for line in (started_default / "server" / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
+    assert [r["round"] for r in rows] == [1, 2, 3] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
     server = started_default / "server" / "artifacts" / "global" / art.PREDICTOR
     w, b, backbone, info = art.read_predictor(server)
-    assert info["devices"] == 2 and info["backbone"] == "shipped" and backbone is not None, info
+    assert info["devices"] == 2 and info["backbone"] == "refreshed by the devices" and backbone is not None, info
+    # Version 3 of g: round 1's head, then two rounds of the devices' updates, which changed the backbone itself.
+    assert info["version"] == 3 and info["backbone_changed"] > 0, info
+    assert np.array_equal(backbone[-(w.size + b.size) :], np.concatenate([w.ravel(), b]))
     _, test = load_dataset(DATA)
     want = torch_labels(load_artifact(started_default / "server" / "artifacts" / "global"), "logits", test.x)
     assert np.mean(want == test.y) == pytest.approx(rows[-1]["predictor_acc"], abs=0.02)  # 100 vs the val split
     for dev in ("dev-0", "dev-1"):
         kept = started_default / dev / "artifacts" / "devices" / dev / art.PREDICTOR
         w2, b2, backbone2, _ = art.read_predictor(kept)
-        assert backbone2 is not None and np.array_equal(backbone2, backbone)
+        assert backbone2 is not None and backbone2.tobytes() == backbone.tobytes()  # g, bit for bit
         assert np.array_equal(w2, w) and np.array_equal(b2, b)
     model = tmp_path / "kept.onnx"
     kept = started_default / "dev-1" / "artifacts" / "devices" / "dev-1" / art.PREDICTOR
