@@ -1,5 +1,5 @@
-"""The ridge predictor's route, device half (edge_agent/techniques/ridge.py), on the default preset's cnn: g kept bit for
-bit from the round messages, the top-K update with error feedback, a device behind sends an empty vector; and the
+"""The ridge predictor's route, device half (edge_agent/techniques/ridge.py), on the default preset's cnn: g kept bit
+for bit from the round messages, the top-K update with error feedback, a device behind sends an empty vector; and the
 route's uplink bytes over 50 rounds against FedAvg's, from the real encoded messages (protofl.wire.message_size)."""
 
 from __future__ import annotations
