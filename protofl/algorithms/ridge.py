@@ -277,11 +277,11 @@ class RidgeState:
     # changed last and their new values (what the round message carries), and whether some device said it holds
     # another version (the next round message then carries the whole g).
     g: np.ndarray | None = None
-    version: int = 0
-    changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    resync: bool = False
-    updates: int = 0  # the uploads the last update round applied
+    g_version: int = 0
+    g_changed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    g_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    g_resync: bool = False
+    g_updates: int = 0  # the uploads the last update round applied
 
 
 class RidgeRule(ServerRule):
@@ -339,9 +339,9 @@ class RidgeRule(ServerRule):
         if self.route and st.g is not None and (phase is Phase.DONE or phase is self.model.plan.phases[-1]):
             n = st.g.shape[0]
             model = ModelUpdate(
-                version=st.version,
-                update=SparseVector(n, st.changed, st.values),
-                dense=st.g if st.resync else None,
+                version=st.g_version,
+                update=SparseVector(n, st.g_changed, st.g_values),
+                dense=st.g if st.g_resync else None,
             )
         return RoundFields(predictor=self.predictor_head() if phase is Phase.DONE else None, model=model)
 
@@ -350,7 +350,7 @@ class RidgeRule(ServerRule):
         counted so far; None before any."""
         st = self.state
         if self.route:
-            if st.g is None or st.version == 0:
+            if st.g is None or st.g_version == 0:
                 return None
             sl = head_slice(st.g.shape[0], self.dim, self.classes)
             h = st.g[sl]
@@ -366,7 +366,7 @@ class RidgeRule(ServerRule):
 
     def predictor_backbone(self) -> np.ndarray | None:
         st = self.state
-        return st.g if self.route and st.version > 0 else None
+        return st.g if self.route and st.g_version > 0 else None
 
     def predictor_info(self) -> dict[str, Any]:
         st = self.state
@@ -378,7 +378,7 @@ class RidgeRule(ServerRule):
             # How many of the backbone's values (the head aside) the devices' updates have changed since it shipped.
             changed = int(np.count_nonzero(st.g[:body] != np.asarray(shipped, np.float32)[:body]))
             info.update(
-                route="topk", topk=self.topk, every=self.every, version=int(st.version), backbone_changed=changed
+                route="topk", topk=self.topk, every=self.every, version=int(st.g_version), backbone_changed=changed
             )
         return info
 
@@ -391,7 +391,7 @@ class RidgeRule(ServerRule):
         g = st.g.copy()
         g[sl] = np.concatenate([w.reshape(-1), b]).astype(np.float32)
         idx = np.arange(sl.start, sl.stop, dtype=np.int64)
-        st.g, st.changed, st.values, st.version = g, idx, g[idx].copy(), st.version + 1
+        st.g, st.g_changed, st.g_values, st.g_version = g, idx, g[idx].copy(), st.g_version + 1
 
 
 def _one_aggregator(rule: RidgeRule) -> None:
@@ -497,7 +497,7 @@ class RidgeFold(Fold):
         rule, st = self.rule, self.rule.state
         if rule.route:
             # A fresh head from this round's sums only: statistics of two versions of g are never added.
-            st.resync = bool(self.behind)
+            st.g_resync = bool(self.behind)
             if not self.senders:
                 return
             st.stats, st.contributors, st.samples = self.stats.copy(), sorted(self.senders), self.samples
@@ -603,11 +603,11 @@ class UpdateFold(Fold):
 
     def finish(self) -> None:
         st = self.rule.state
-        st.resync = bool(self.behind)
+        st.g_resync = bool(self.behind)
         if not self.senders or st.g is None:
             return  # g unchanged: the round message keeps announcing its last change
         mean = self.num / self.den
         st.g, sent = apply_update(st.g, mean, self.hits > 0)
-        st.changed, st.values = sent.indices, np.asarray(sent.values, np.float32)
-        st.version += 1
-        st.updates = len(self.senders)
+        st.g_changed, st.g_values = sent.indices, np.asarray(sent.values, np.float32)
+        st.g_version += 1
+        st.g_updates = len(self.senders)

@@ -70,7 +70,7 @@ def test_rounds_topk_and_head_layout() -> None:
 def test_two_devices_updates_are_averaged_by_samples_applied_and_shipped() -> None:
     m = _model()
     st = m.rules.state(RidgeState)
-    assert st.g is not None and st.version == 0 and np.array_equal(st.g, BACKBONE)
+    assert st.g is not None and st.g_version == 0 and np.array_equal(st.g, BACKBONE)
     # Round 1: statistics of two devices; g's head (its last 15 values) becomes their solve: version 1.
     h1, y1, s1 = _stats(1, 10)
     h2, y2, s2 = _stats(2, 30)
@@ -80,9 +80,9 @@ def test_two_devices_updates_are_averaged_by_samples_applied_and_shipped() -> No
     run.finish()
     w, b = ridge_head(ridge_statistics(np.vstack([h1, h2]), np.concatenate([y1, y2]), C).astype(np.float64), D, C)
     g1 = st.g.copy()
-    assert st.version == 1 and np.array_equal(g1[:5], BACKBONE[:5])
+    assert st.g_version == 1 and np.array_equal(g1[:5], BACKBONE[:5])
     np.testing.assert_allclose(g1[5:], np.concatenate([w.ravel(), b]), rtol=1e-4, atol=1e-6)
-    assert st.changed.tolist() == list(range(5, 20))
+    assert st.g_changed.tolist() == list(range(5, 20))
     head = m.rules.predictor_head()
     assert head is not None and np.array_equal(head[0].ravel(), g1[5:17]) and np.array_equal(head[1], g1[17:])
     # Round 2 (an update round): dev-1 (10 samples) sends {0: 1, 7: 2}, dev-2 (30 samples) {0: -1, 3: 4}. The mean,
@@ -94,7 +94,7 @@ def test_two_devices_updates_are_averaged_by_samples_applied_and_shipped() -> No
     run.finish()
     want = g1.copy()
     want[[0, 3, 7]] = (g1[[0, 3, 7]].astype(np.float64) + [-0.5, 3.0, 0.5]).astype(np.float32)
-    assert st.version == 2 and np.array_equal(st.g, want)
+    assert st.g_version == 2 and np.array_equal(st.g, want)
     assert want[0] == np.float32(-0.5) and want[3] == np.float32(3.3)  # 0.0 - 0.5 and 0.3 + 3 (float32)
     # The next round message carries g's new values at the union of the indices: a device holding version 1 sets
     # them and holds version 2 bit for bit; through the wire and back.
@@ -125,7 +125,7 @@ def test_a_device_behind_gets_all_of_g_and_a_statistics_round_replaces_the_head_
     run.add(Upload.ADAPTER, _update([1], [2.0], 10, 2), "dev-1")
     run.add(Upload.ADAPTER, _update([], [], 30, 2), "dev-2")
     run.finish()
-    assert st.g is not None and st.g[1] == np.float32(0.1 + 2.0) and st.resync
+    assert st.g is not None and st.g[1] == np.float32(0.1 + 2.0) and st.g_resync
     fields = m.rules.round_fields(Phase.TRAIN)
     assert fields.model is not None and fields.model.dense is not None
     assert fields.model.dense.tobytes() == st.g.tobytes()
@@ -134,7 +134,7 @@ def test_a_device_behind_gets_all_of_g_and_a_statistics_round_replaces_the_head_
     run.add(Upload.ADAPTER, _update([2], [1.0], 10, 3), "dev-1")
     run.finish()
     lean = m.rules.round_fields(Phase.TRAIN).model
-    assert not st.resync and lean is not None and lean.dense is None
+    assert not st.g_resync and lean is not None and lean.dense is None
     # Round 4 (every = 3: rounds 1, 4, 7 send statistics): one device's statistics of g's current backbone. The head
     # is solved from this round's sums only -- round 1's statistics (another version of g) are not added.
     before = st.g.copy()
@@ -157,7 +157,7 @@ def test_bad_uploads_are_refused_with_a_reason_and_change_nothing() -> None:
         run.add(Upload.ADAPTER, _update([0], [1.0], 10, 1), "dev-1")
     run.add(Upload.ADAPTER, s1, "dev-1")
     run.finish()
-    g1, version = st.g.copy(), st.version  # type: ignore[union-attr]
+    g1, version = st.g.copy(), st.g_version  # type: ignore[union-attr]
     run = _run(m, 2)
     nan = _update([0], [1.0], 10, 2)
     object.__setattr__(nan, "update", _sparse([0], [float("nan")]))  # (the decoder refuses NaN: a fold does too)
@@ -176,7 +176,7 @@ def test_bad_uploads_are_refused_with_a_reason_and_change_nothing() -> None:
             run.add(Upload.ADAPTER, up, "dev-2")
     assert not run.folds[-1].senders and not run.folds[-1].num.any()  # type: ignore[attr-defined]
     run.finish()
-    assert st.g is not None and st.version == version and np.array_equal(st.g, g1)  # nothing changed
+    assert st.g is not None and st.g_version == version and np.array_equal(st.g, g1)  # nothing changed
     # On the wire: indices out of range or NaN values do not even decode into an upload.
     with pytest.raises(WireError, match=r"in \[0, 20\)"):
         ParamsUpload(update=SparseVector(L, np.array([L]), np.array([1.0], np.float32)), n_samples=1, base_round=2)
