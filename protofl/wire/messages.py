@@ -465,7 +465,7 @@ class PublicSet(_Body):
 
 
 @dataclass(frozen=True, eq=False)
-class ModelUpdate:
+class ModelUpdate(_Body):
     """The global model g of the ridge predictor's route (protofl/algorithms/ridge.py) as a round message carries
     it: `version`, how many times the server has changed g; `update`, g's new values (float32) at the entries that
     changed when it reached this version (sorted indices of g, a sparse vector of g's length), so that a device
