@@ -425,7 +425,11 @@ class AggregatorService:
         scored = None
         validation = self.validation
         if validation is not None:  # the global predictor on the server's own labelled data, this round
-            scored = {"predictor_acc": validation.accuracy(self.aggregator.model.rules.predictor_head())}
+            rules = self.aggregator.model.rules
+            try:
+                scored = {"predictor_acc": validation.accuracy(rules.predictor_head(), rules.predictor_backbone())}
+            except RuntimeError as exc:  # the torch side could not embed the refreshed backbone's features
+                log.warning("round %d: the global predictor was not scored: %s", rec.round, exc)
         accs = self.watch.round_logged(rec, metrics, scored)
         if self.hooks.on_round_logged is not None:
             self.hooks.on_round_logged(rec, accs, len(metrics))

@@ -22,10 +22,11 @@ numpy only.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -90,13 +91,24 @@ class Validation:
     features: np.ndarray  # (n, d) float32
     labels: np.ndarray  # (n,) int
     what: str
+    # The features of the same images under another whole-model vector (the ridge predictor's route refreshes the
+    # backbone every round): the torch side in a child process (start_cli); None: the backbone never changes.
+    embed: Callable[[np.ndarray], np.ndarray] | None = None
+    _seen: dict[str, Any] = field(default_factory=dict, repr=False)  # the refreshed backbone's features, by checksum
 
-    def accuracy(self, head: tuple[np.ndarray, np.ndarray] | None) -> float | None:
-        """The head's accuracy on these features (None: no head yet, or no data)."""
+    def accuracy(self, head: tuple[np.ndarray, np.ndarray] | None, backbone: np.ndarray | None = None) -> float | None:
+        """The head's accuracy on these features, or on those of `backbone` where the predictor refreshed it (None: no
+        head yet, or no data)."""
         if head is None or len(self.labels) == 0:
             return None
+        features = self.features
+        if backbone is not None and self.embed is not None:
+            key = zlib.crc32(np.ascontiguousarray(backbone, np.float32).tobytes())
+            if self._seen.get("key") != key:
+                self._seen.update(key=key, features=self.embed(backbone))
+            features = self._seen["features"]
         w, b = head
-        pred = np.argmax(self.features @ w.T + b, axis=1)
+        pred = np.argmax(features @ w.T + b, axis=1)
         return float(np.mean(pred == self.labels))
 
 
