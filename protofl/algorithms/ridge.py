@@ -238,11 +238,8 @@ class Ridge(Technique):
                 f"the ridge predictor's route (ridge_topk > 0) uploads sparse updates whose positions differ per "
                 f"device: secure aggregation cannot mask them; drop secagg {off}"
             )
-        if cfg.dp_epsilon is not None or cfg.dp_noise is not None:
-            raise ConfigError(
-                f"the ridge predictor's route (ridge_topk > 0) has no differential privacy accounting for its "
-                f"updates; drop dp_epsilon / dp_noise {off}"
-            )
+        # Differential privacy is refused with any parameter upload, the statistics too (protofl/privacy.py: "--set
+        # ridge=false"); the route adds nothing to refuse there.
         if cfg.buffer_k:
             raise ConfigError(
                 f"the ridge predictor's route (ridge_topk > 0) applies each round's updates to one version of the "
