@@ -233,13 +233,8 @@ class Ridge(Technique):
         if not route_on(cfg):
             return
         off = "or turn the route off with --set ridge_topk=0 (the one-shot ridge predictor)"
-        if cfg.secagg:
-            raise ConfigError(
-                f"the ridge predictor's route (ridge_topk > 0) uploads sparse updates whose positions differ per "
-                f"device: secure aggregation cannot mask them; drop secagg {off}"
-            )
-        # Differential privacy is refused with any parameter upload, the statistics too (protofl/privacy.py: "--set
-        # ridge=false"); the route adds nothing to refuse there.
+        # Secure aggregation and differential privacy are refused with any parameter upload beside prototypes, the
+        # statistics too (protofl/privacy.py, which says what to turn off); the route adds nothing to refuse there.
         if cfg.buffer_k:
             raise ConfigError(
                 f"the ridge predictor's route (ridge_topk > 0) applies each round's updates to one version of the "
