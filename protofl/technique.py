@@ -58,10 +58,15 @@ class Upload(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Option:
-    """A config option a technique declares: its default, and a check of one value (a problem or None)."""
+    """A config option a technique declares: its default, and a check of one value (a problem or None).
+    `only_when_set`: an option added after devices and reports were in use travels (and appears in
+    `FederationConfig.to_dict`) only when set away from its default, so a federation that leaves it alone sends the
+    config bytes it sent before, and a device of an earlier version, which refuses options it does not know, still
+    joins it (as the core fields of protofl/config.py `_ONLY_WHEN_SET`)."""
 
     default: Any
     check: Callable[[Any], str | None] | None = None
+    only_when_set: bool = False
 
 
 def is_number(value: Any) -> bool:

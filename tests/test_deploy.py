@@ -246,7 +246,7 @@ def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulati
     assert all(isinstance(a, float) for a in accs), accs
     manifest = art.read_json(run / art.MANIFEST)
     made = manifest["predictor"]["made_from"]
-    assert made["kind"] == "ridge" and made["devices"] == 3 and made["backbone"] == "refreshed by the devices", made
+    assert made["kind"] == "ridge" and made["devices"] == 3 and made["backbone"] == "shipped", made
     assert len(made["norm_mean"]) == len(made["norm_std"]) == 1, made  # the backbone's inputs' normalisation
     model = tmp_path / "global.onnx"
     r = runner.invoke(
@@ -316,10 +316,18 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def started_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default preset (its ridge predictor and the route that refreshes it), its backbone trained on the public set
-    of the server's data, scored every round on the server's validation data; 3 rounds on Mosquitto."""
-    tmp = tmp_path_factory.mktemp("start-default")
-    return trial(tmp, "--public-data", DATA, "--validation", DATA, rounds=3, broker="mosquitto")
+    """The default preset (its ridge predictor), its backbone trained on the public set of the server's data, scored
+    every round on the server's validation data."""
+    return trial(tmp_path_factory.mktemp("start-default"), "--public-data", DATA, "--validation", DATA)
+
+
+@pytest.fixture(scope="module")
+def started_route(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default preset with the ridge predictor's route opted in (`--set ridge_topk=0.001`; off by default,
+    docs/algorithms.md "The route"), 3 rounds on Mosquitto."""
+    tmp = tmp_path_factory.mktemp("start-route")
+    args = ("--public-data", DATA, "--validation", DATA, "--set", "ridge_topk=0.001")
+    return trial(tmp, *args, rounds=3, broker="mosquitto")
 
 
 @pytest.mark.slow
@@ -343,28 +351,23 @@ def test_start_leaves_the_federation_s_global_state(started: Path) -> None:
 def test_start_scores_the_predictor_and_every_device_keeps_it(
     started_default: Path, tmp_path: Path, one_torch_thread: None
 ) -> None:
-    """The default preset's global predictor in a real federation (`start` on Mosquitto, two `join`s): scored by the
-    server every round on its own data (rounds.jsonl), written with the run's artifacts, and kept by every device
-    (join --state-dir) as the round messages carried it: after 3 rounds the global model g (the backbone the devices
-    refreshed, and its head) is bit for bit the server's on every device; a device's copy exports and labels exactly
-    as the server's does."""
+    """The default preset's global predictor in a real federation: scored by the server every round on its own data
+    (rounds.jsonl), written with the run's artifacts, and kept by every device (join --state-dir) as the final round
+    message carried it; a device's copy exports and labels exactly as the server's does."""
     from export.artifact import load_artifact
 
     rows = [json.loads(line) for line in (started_default / "server" / "rounds.jsonl").read_text().splitlines()]
-    assert [r["round"] for r in rows] == [1, 2, 3] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
+    assert [r["round"] for r in rows] == [1, 2] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
     server = started_default / "server" / "artifacts" / "global" / art.PREDICTOR
     w, b, backbone, info = art.read_predictor(server)
-    assert info["devices"] == 2 and info["backbone"] == "refreshed by the devices" and backbone is not None, info
-    # Version 3 of g: round 1's head, then two rounds of the devices' updates, which changed the backbone itself.
-    assert info["version"] == 3 and info["backbone_changed"] > 0, info
-    assert np.array_equal(backbone[-(w.size + b.size) :], np.concatenate([w.ravel(), b]))
+    assert info["devices"] == 2 and info["backbone"] == "shipped" and backbone is not None, info
     _, test = load_dataset(DATA)
     want = torch_labels(load_artifact(started_default / "server" / "artifacts" / "global"), "logits", test.x)
     assert np.mean(want == test.y) == pytest.approx(rows[-1]["predictor_acc"], abs=0.02)  # 100 vs the val split
     for dev in ("dev-0", "dev-1"):
         kept = started_default / dev / "artifacts" / "devices" / dev / art.PREDICTOR
         w2, b2, backbone2, _ = art.read_predictor(kept)
-        assert backbone2 is not None and backbone2.tobytes() == backbone.tobytes()  # g, bit for bit
+        assert backbone2 is not None and np.array_equal(backbone2, backbone)
         assert np.array_equal(w2, w) and np.array_equal(b2, b)
     model = tmp_path / "kept.onnx"
     kept = started_default / "dev-1" / "artifacts" / "devices" / "dev-1" / art.PREDICTOR
@@ -377,3 +380,22 @@ def test_start_scores_the_predictor_and_every_device_keeps_it(
     assert done.returncode == 0, done.stdout + done.stderr
     got = read_labels(labels)
     assert np.array_equal(np.array([got[str(i)] for i in range(len(test.y))]), want)
+
+
+@pytest.mark.slow
+def test_the_opted_in_route_keeps_g_bit_for_bit_on_every_device(started_route: Path) -> None:
+    """The ridge predictor's route, opted in, in a real federation (`start` on Mosquitto, two `join`s): after 3 rounds
+    the global model g (the backbone the devices refreshed, and its head) is bit for bit the server's on every device
+    (join --state-dir), as the round messages carried it."""
+    rows = [json.loads(line) for line in (started_route / "server" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
+    w, b, backbone, info = art.read_predictor(started_route / "server" / "artifacts" / "global" / art.PREDICTOR)
+    assert info["devices"] == 2 and info["backbone"] == "refreshed by the devices" and backbone is not None, info
+    # Version 3 of g: round 1's head, then two rounds of the devices' updates, which changed the backbone itself.
+    assert info["version"] == 3 and info["backbone_changed"] > 0, info
+    assert np.array_equal(backbone[-(w.size + b.size) :], np.concatenate([w.ravel(), b]))
+    for dev in ("dev-0", "dev-1"):
+        kept = started_route / dev / "artifacts" / "devices" / dev / art.PREDICTOR
+        w2, b2, backbone2, _ = art.read_predictor(kept)
+        assert backbone2 is not None and backbone2.tobytes() == backbone.tobytes()  # g, bit for bit
+        assert np.array_equal(w2, w) and np.array_equal(b2, b)

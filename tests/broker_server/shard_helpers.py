@@ -138,8 +138,6 @@ class NumpyDevice:
 def config(preset: str, **overrides: Any) -> FederationConfig:
     from protofl.presets import make_config
 
-    if preset == "protofl":  # its ridge predictor's route runs on one aggregator: sharded, the one-shot predictor
-        overrides = {"ridge_topk": 0, **overrides}
     return make_config(
         preset,
         num_classes=4,

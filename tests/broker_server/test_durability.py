@@ -287,6 +287,7 @@ def _cfg(preset: str) -> FederationConfig:
         num_classes=3,
         round_timeout=600.0,
         seed=3,
+        **({"ridge_topk": 0.001} if preset.endswith("+route") else {}),  # the ridge predictor's opt-in route
     )
 
 

@@ -22,7 +22,7 @@ ROUNDS, DEVICES = 50, 10
 
 def _setup() -> tuple[RidgeDevice, DeviceContext, np.ndarray]:
     torch.manual_seed(0)
-    cfg = make_config("protofl")  # the defaults: the cnn, ridge_topk 0.001, ridge_every 10
+    cfg = make_config("protofl", ridge_topk=0.001)  # the opt-in route on the defaults: the cnn, ridge_every 10
     plan = RoundPlan.from_config(cfg)
     rule = RidgeDevice(cfg, plan, Config(preset=cfg.preset, params=cfg.to_dict()))
     model = backbone_model(cfg)

@@ -296,10 +296,8 @@ def _same_tree(a: Any, b: Any) -> bool:
         ("fedproto", {"aggregation": "mean"}),
         ("tinyproto", {}),
         ("tinyproto", {"scaling": False}),
-        # (`run.partial()` reads the sums a shard would send: the ridge predictor's route runs on one aggregator, so
-        # the one-shot predictor here; the prototype fold under test is the same)
-        ("protofl", {"ridge_topk": 0}),
-        ("protofl", {"cps": False, "ridge_topk": 0}),
+        ("protofl", {}),
+        ("protofl", {"cps": False}),
     ],
 )
 def test_a_batched_fold_folds_as_upload_by_upload_bit_for_bit(

@@ -101,8 +101,7 @@ def test_the_fold_sums_counts_each_device_once_and_refuses_bad_statistics() -> N
 def test_shards_merge_to_the_same_sums() -> None:
     rng = np.random.default_rng(2)
     ups = [(f"dev-{i}", rng.normal(size=(5, 4)), rng.integers(0, 3, 5)) for i in range(4)]
-    # The one-shot predictor (ridge_topk=0) merges across shards; its route runs on one aggregator (refused below).
-    one, a, b = _model(ridge_topk=0), _model(ridge_topk=0), _model(ridge_topk=0)
+    one, a, b = _model(), _model(), _model()
     run1, ra, rb = PhaseRun(one, Phase.TRAIN), PhaseRun(a, Phase.TRAIN), PhaseRun(b, Phase.TRAIN)
     for i, (who, h, y) in enumerate(ups):
         run1.add(Upload.ADAPTER, _upload(h, y), who)
@@ -118,4 +117,5 @@ def test_shards_merge_to_the_same_sums() -> None:
     assert s1.stats is not None and sa.stats is not None
     np.testing.assert_allclose(sa.stats, s1.stats, rtol=1e-12)
     with pytest.raises(NotMergeable, match="drop --shards, or turn the route off with --set ridge_topk=0"):
-        check_mergeable(make_config("protofl"))
+        check_mergeable(make_config("protofl", ridge_topk=0.001))  # the opt-in route runs on one aggregator
+    check_mergeable(make_config("protofl"))  # the default: the one-shot predictor merges across shards

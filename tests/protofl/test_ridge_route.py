@@ -19,6 +19,7 @@ from protofl.algorithms.ridge import (
     ridge_length,
     ridge_statistics,
     route_k,
+    route_on,
     select_topk,
 )
 from protofl.errors import ConfigError, WireError
@@ -188,17 +189,18 @@ def test_bad_uploads_are_refused_with_a_reason_and_change_nothing() -> None:
 
 def test_combinations_the_route_does_not_take_are_refused_with_the_option_that_turns_it_off() -> None:
     with pytest.raises(ConfigError, match="buffered asynchronous") as err:
-        make_config("protofl", buffer_k=2)
+        make_config("protofl", buffer_k=2, ridge_topk=0.001)
     assert "--set ridge_topk=0" in str(err.value)
-    make_config("protofl", buffer_k=2, ridge_topk=0)  # the one-shot predictor combines as it did
+    make_config("protofl", buffer_k=2)  # the default (the route off): the one-shot predictor combines as it did
+    assert not route_on(make_config("protofl"))  # off by default: an opt-in (docs/algorithms.md "The route")
     with pytest.raises(ConfigError, match="secagg: secure aggregation covers"):  # any vector beside prototypes
-        make_config("protofl", secagg=True)
+        make_config("protofl", secagg=True, ridge_topk=0.001)
     with pytest.raises(ConfigError, match="ridge=false"):  # DP: any parameter upload, the statistics too
-        make_config("protofl", dp_epsilon=8.0)
+        make_config("protofl", dp_epsilon=8.0, ridge_topk=0.001)
     with pytest.raises(ConfigError, match=r"ridge_topk must be in \[0, 1\)"):
         make_config("protofl", ridge_topk=1.5)
     # Old configs: without a shared backbone on the server the route stays off (the one-shot predictor).
-    cfg = make_config("protofl", proto_dim=D, adapter_rank=2, num_classes=C)
+    cfg = make_config("protofl", proto_dim=D, adapter_rank=2, num_classes=C, ridge_topk=0.001)
     m = build_model(cfg, RoundPlan.from_config(cfg))
     assert m.rules.state(RidgeState).g is None and m.rules.round_fields(Phase.TRAIN).model is None
     assert ridge_length(D, C) == 30
