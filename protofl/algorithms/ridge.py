@@ -27,12 +27,12 @@ With the route off (`ridge_topk = 0`), a device sends its statistics in the firs
 device already counted (one that lost its state and sent them again) is not added twice: the one-shot predictor.
 
 The route (issue 56; opt-in, `--set ridge_topk=0.001`: off by default because it made the deployable predictor worse
-where measured, docs/algorithms.md "The route"): the devices' training reaches the deployable model. The global model g is the
-shared backbone's whole parameter vector whose head (its last C x d + C values: W row-major, then b, the layout of
-edge_agent/training/params.full_vector) is the ridge head. Round 1 sends statistics as above; g's head becomes their
-solve. In each later round every training device copies g, fine-tunes all of it on its own data with cross-entropy
-(the config's optimiser and local epochs), and uploads the sparse update (top-K with error feedback, Seide et al.
-2014, Stich et al. 2018)
+where measured, docs/algorithms.md "The route"): the devices' training reaches the deployable model. The global
+model g is the shared backbone's whole parameter vector whose head (its last C x d + C values: W row-major, then b,
+the layout of edge_agent/training/params.full_vector) is the ridge head. Round 1 sends statistics as above; g's
+head becomes their solve. In each later round every training device copies g, fine-tunes all of it on its own data
+with cross-entropy (the config's optimiser and local epochs), and uploads the sparse update (top-K with error
+feedback, Seide et al. 2014, Stich et al. 2018)
 
     d_k = (g_k - g) + e_k,   u_k = top_K(|d_k|),   e_k <- d_k - u_k,   K = ridge_topk x len(g),
 
