@@ -12,6 +12,7 @@ import itertools
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -278,6 +279,7 @@ def _cfg(preset: str) -> FederationConfig:
             seed=3,
             **ADAPTER_PIPELINE,
         )
+    route: dict[str, Any] = {"ridge_topk": 0.001} if preset.endswith("+route") else {}  # the opt-in route
     return make_config(
         preset.removesuffix("+route"),
         rounds=3,
@@ -287,7 +289,7 @@ def _cfg(preset: str) -> FederationConfig:
         num_classes=3,
         round_timeout=600.0,
         seed=3,
-        **({"ridge_topk": 0.001} if preset.endswith("+route") else {}),  # the ridge predictor's opt-in route
+        **route,
     )
 
 
