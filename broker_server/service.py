@@ -432,7 +432,11 @@ class AggregatorService:
         scored, collapsed = None, None
         validation = self.validation
         if validation is not None:  # the global predictor on the server's own labelled data, this round
-            acc, collapsed = validation.score(self.aggregator.model)
+            try:
+                acc, collapsed = validation.score(self.aggregator.model)
+            except RuntimeError as exc:  # the torch side could not embed the refreshed backbone's features
+                log.warning("round %d: the global predictor was not scored: %s", rec.round, exc)
+                acc = None
             scored = {"predictor_acc": acc}
         accs = self.watch.round_logged(rec, metrics, scored, collapsed)
         note = self.watch.learning.note

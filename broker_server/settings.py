@@ -22,10 +22,11 @@ numpy only.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -99,6 +100,10 @@ class Validation:
     labels: np.ndarray  # (n,) int
     what: str
     scorer: Callable[[np.ndarray], np.ndarray | None] | None = None  # a parameter vector -> class per image
+    # The features of the same images under another whole-model vector (the ridge predictor's opt-in route refreshes
+    # the backbone every round): the torch side in a child process (start_cli); None: the backbone never changes.
+    embed: Callable[[np.ndarray], np.ndarray] | None = None
+    _seen: dict[str, Any] = field(default_factory=dict, repr=False)  # the refreshed backbone's features, by checksum
 
     def predictions(self, model: ServerModel) -> np.ndarray | None:
         """The deployable model's class per image for the server's current state (None: none yet, or no data)."""
@@ -109,9 +114,20 @@ class Validation:
             if head is None:
                 return None
             w, b = head
-            return np.argmax(self.features @ w.T + b, axis=1)
+            return np.argmax(self._features(model.rules.predictor_backbone()) @ w.T + b, axis=1)
         params = model.rules.round_fields(Phase.DONE).params  # the global model, as the final round message has it
         return None if params is None or self.scorer is None else self.scorer(params)
+
+    def _features(self, backbone: np.ndarray | None) -> np.ndarray:
+        """The shared backbone's features, or those of `backbone` where the predictor refreshed it."""
+        assert self.features is not None
+        if backbone is None or self.embed is None:
+            return self.features
+        key = zlib.crc32(np.ascontiguousarray(backbone, np.float32).tobytes())
+        if self._seen.get("key") != key:
+            self._seen.update(key=key, features=self.embed(backbone))
+        features: np.ndarray = self._seen["features"]
+        return features
 
     def score(self, model: ServerModel) -> tuple[float | None, str | None]:
         """(accuracy, the collapse note of protofl/learning.py or None) of the deployable model on this data."""

@@ -90,6 +90,13 @@ def predictor_kind(cfg: FederationConfig) -> tuple[str | None, str]:
     if cfg.federate == "full":
         return "model", "every parameter is federated: the aggregated model"
     if cfg.draft.shared_backbone:
+        if (
+            float(cfg.options.get("ridge_topk", 0) or 0) > 0
+        ):  # the ridge predictor's route (protofl/algorithms/ridge.py)
+            return "head", (
+                "the global model g: the shared backbone every device was sent with a global head solved from the "
+                "devices' statistics (ridge), both refreshed each round by the devices' sparse updates"
+            )
         return "head", (
             "a global head solved from the devices' statistics (ridge), on the shared backbone every device was sent"
         )

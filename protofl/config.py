@@ -231,8 +231,14 @@ class FederationConfig:
                 continue
             out[key] = _plain(value)
         owners = registry.owners()
+        declared = registry.options()
         out[SCOPE] = {
-            name: {k: _plain(v) for k, v in self.options.items() if owners[k] == name} for name in self.techniques
+            name: {
+                k: _plain(v)
+                for k, v in self.options.items()
+                if owners[k] == name and not (declared[k].only_when_set and _plain(v) == _plain(declared[k].default))
+            }
+            for name in self.techniques
         }
         packages = {name: p for name in self.techniques if (p := registry.package(name)) is not None}
         if packages:

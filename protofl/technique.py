@@ -28,7 +28,7 @@ import numpy as np
 
 from protofl.mergeable import NotMergeable, merge_into, partial_of
 from protofl.sparse import SparseVector
-from protofl.wire import ProtoSet
+from protofl.wire import ModelUpdate, ProtoSet
 
 if TYPE_CHECKING:
     from protofl.adapter import Layout
@@ -58,10 +58,15 @@ class Upload(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Option:
-    """A config option a technique declares: its default, and a check of one value (a problem or None)."""
+    """A config option a technique declares: its default, and a check of one value (a problem or None).
+    `only_when_set`: an option added after devices and reports were in use travels (and appears in
+    `FederationConfig.to_dict`) only when set away from its default, so a federation that leaves it alone sends the
+    config bytes it sent before, and a device of an earlier version, which refuses options it does not know, still
+    joins it (as the core fields of protofl/config.py `_ONLY_WHEN_SET`)."""
 
     default: Any
     check: Callable[[Any], str | None] | None = None
+    only_when_set: bool = False
 
 
 def is_number(value: Any) -> bool:
@@ -468,9 +473,10 @@ class RoundFields:
     adapter: np.ndarray | None = None
     params: np.ndarray | None = None
     predictor: tuple[np.ndarray, np.ndarray] | None = None  # a global head (W, b): the final message's
+    model: ModelUpdate | None = None  # the ridge predictor's global model g: its latest change (or all of it)
 
 
-ROUND_FIELDS = ("targets", "adapter", "params", "predictor")
+ROUND_FIELDS = ("targets", "adapter", "params", "predictor", "model")
 
 
 class ServerRule:
@@ -545,6 +551,11 @@ class ServerRule:
         """What `predictor_head` was made from, for the run's records (e.g. how many devices); {} by default."""
         return {}
 
+    def predictor_backbone(self) -> np.ndarray | None:
+        """The whole model vector the global head sits on, where this rule refreshes the shared backbone (the
+        ridge predictor's route); None: the shared backbone as the public message shipped it."""
+        return None
+
     # -- adjustments (every rule's, in rule order) -------------------------------------------------------------
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Rework a phase's freshly built target table (e.g. refinement); default unchanged."""
@@ -563,8 +574,9 @@ class RuleChain:
     """A federation's active server rules in rule order, under their techniques' names, asked as one
     (`ServerState.rules`): each hook of `ServerRule` with its rule-order semantics. An offer (`round_fields`
     field by field, `stale`, `support_masks`, `unit_prototypes`, `adapter_layout`, `mean_aggregator`,
-    `vector_aggregator`, `predictor_head`, `predictor_info`) is the first rule's that makes one, None where none
-    does; an adjustment (`adjust_targets`, `adjust_consensus`) passes the value through every rule in order."""
+    `vector_aggregator`, `predictor_head`, `predictor_info`, `predictor_backbone`) is the first rule's that makes
+    one, None where none does; an adjustment (`adjust_targets`, `adjust_consensus`) passes the value through every
+    rule in order."""
 
     def __init__(self, rules: Sequence[ServerRule] = (), names: Sequence[str] = ()) -> None:
         self.rules: tuple[ServerRule, ...] = tuple(rules)
@@ -671,6 +683,9 @@ class RuleChain:
     def predictor_info(self) -> dict[str, Any]:
         return self._first(lambda rule: rule.predictor_info() or None) or {}
 
+    def predictor_backbone(self) -> np.ndarray | None:
+        return self._first(lambda rule: rule.predictor_backbone())
+
     def adjust_targets(self, table: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         for rule in self.rules:
             table = rule.adjust_targets(table)
@@ -692,6 +707,8 @@ class ServerState(Protocol):
     plan: RoundPlan
     rules: RuleChain  # every active rule, in rule order: ask them as one (their hooks)
     initial_params: np.ndarray | None  # the whole model's parameters the devices start from, if the server knows
+    shared_backbone: np.ndarray | None  # the shared backbone the public message ships (whole model vector), if any
+    round: int  # the round whose phase is open (0 before the first)
 
     def robust_mean(self, dim: int) -> CoordinateRobust | None:
         """A coordinate-wise robust mean of `dim` values that replaces a plain mean (`--robust median|trimmed`),

@@ -266,9 +266,10 @@ def test_the_default_preset_s_ridge_predictor_exports_and_labels_as_the_simulati
     assert int((onnx_labels == test.y).sum()) == round(accs[-1] * len(test.y)), (accs[-1], len(test.y))
 
 
-def start_process(port: int, fed: str, state_dir: Path, *args: str) -> subprocess.Popen[str]:
-    """`protofl-server start ARGS` on the embedded broker at `port`, insecure, keeping its state in `state_dir`."""
-    argv = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", "amqtt", "--insecure",
+def start_process(port: int, fed: str, state_dir: Path, *args: str, broker: str = "amqtt") -> subprocess.Popen[str]:
+    """`protofl-server start ARGS` on its own broker (`broker`: the embedded amqtt, or Mosquitto) at `port`, insecure,
+    keeping its state in `state_dir`."""
+    argv = [sys.executable, "-m", "broker_server.cli", "start", "--local-broker", broker, "--insecure",
             "--port", str(port), "--fed", fed, *args, "--state-dir", str(state_dir)]  # fmt: skip
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
 
@@ -281,18 +282,23 @@ def join_process(port: int, fed: str, client_id: str, state_dir: Path, *args: st
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, text=True)
 
 
-def trial(tmp: Path, *server_args: str) -> Path:
-    """`start SERVER_ARGS` + two `join --state-dir` processes over the embedded broker: their state dirs."""
+def trial(tmp: Path, *server_args: str, rounds: int = 2, broker: str = "amqtt") -> Path:
+    """`start SERVER_ARGS` + two `join --state-dir` processes over the server's own broker: their state dirs."""
     port = free_port()
     server = start_process(
-        port, "dep", tmp / "server", *server_args, "--rounds", "2", "--min-clients", "2", "--round-timeout", "60"
+        port,
+        "dep",
+        tmp / "server",
+        *server_args,
+        *("--rounds", str(rounds), "--min-clients", "2", "--round-timeout", str(60 * rounds)),
+        broker=broker,
     )
     devices = [
         join_process(port, "dep", f"dev-{i}", tmp / f"dev-{i}", "--data", DATA, "--partition", f"{i}/2")
         for i in range(2)
     ]
     try:
-        out, _ = server.communicate(timeout=240)
+        out, _ = server.communicate(timeout=120 * rounds)
         dev_out = [d.communicate(timeout=60)[0] for d in devices]
     finally:
         for p in (server, *devices):
@@ -313,6 +319,15 @@ def started_default(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default preset (its ridge predictor), its backbone trained on the public set of the server's data, scored
     every round on the server's validation data."""
     return trial(tmp_path_factory.mktemp("start-default"), "--public-data", DATA, "--validation", DATA)
+
+
+@pytest.fixture(scope="module")
+def started_route(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default preset with the ridge predictor's route opted in (`--set ridge_topk=0.001`; off by default,
+    docs/algorithms.md "The route"), 3 rounds on Mosquitto."""
+    tmp = tmp_path_factory.mktemp("start-route")
+    args = ("--public-data", DATA, "--validation", DATA, "--set", "ridge_topk=0.001")
+    return trial(tmp, *args, rounds=3, broker="mosquitto")
 
 
 @pytest.mark.slow
@@ -365,3 +380,22 @@ def test_start_scores_the_predictor_and_every_device_keeps_it(
     assert done.returncode == 0, done.stdout + done.stderr
     got = read_labels(labels)
     assert np.array_equal(np.array([got[str(i)] for i in range(len(test.y))]), want)
+
+
+@pytest.mark.slow
+def test_the_opted_in_route_keeps_g_bit_for_bit_on_every_device(started_route: Path) -> None:
+    """The ridge predictor's route, opted in, in a real federation (`start` on Mosquitto, two `join`s): after 3 rounds
+    the global model g (the backbone the devices refreshed, and its head) is bit for bit the server's on every device
+    (join --state-dir), as the round messages carried it."""
+    rows = [json.loads(line) for line in (started_route / "server" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and all(isinstance(r["predictor_acc"], float) for r in rows), rows
+    w, b, backbone, info = art.read_predictor(started_route / "server" / "artifacts" / "global" / art.PREDICTOR)
+    assert info["devices"] == 2 and info["backbone"] == "refreshed by the devices" and backbone is not None, info
+    # Version 3 of g: round 1's head, then two rounds of the devices' updates, which changed the backbone itself.
+    assert info["version"] == 3 and info["backbone_changed"] > 0, info
+    assert np.array_equal(backbone[-(w.size + b.size) :], np.concatenate([w.ravel(), b]))
+    for dev in ("dev-0", "dev-1"):
+        kept = started_route / dev / "artifacts" / "devices" / dev / art.PREDICTOR
+        w2, b2, backbone2, _ = art.read_predictor(kept)
+        assert backbone2 is not None and backbone2.tobytes() == backbone.tobytes()  # g, bit for bit
+        assert np.array_equal(w2, w) and np.array_equal(b2, b)

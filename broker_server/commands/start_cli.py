@@ -603,6 +603,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
                 )
             raise ConfigError(f"the shared backbone's child process failed: {done.stderr.strip()[-2000:]}")
         vec = np.load(t / "backbone.npy", allow_pickle=False) if len(idx) else None
+        like = train if len(idx) else validation
         scored = (
             None
             if validation is None
@@ -610,6 +611,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
                 np.load(t / "val.npy", allow_pickle=False),
                 np.asarray(validation.y, np.int64),
                 f"{len(validation.y):,} images of {validation.name}",
+                embed=_reembedder(cfg, validation.x, like.mean, like.std),
             )
         )
     if vec is None:
@@ -638,6 +640,29 @@ def _run_child(argv: list[str]) -> subprocess.CompletedProcess[str]:
             if child.poll() is None:
                 child.kill()
     return subprocess.CompletedProcess(argv, code, "", "".join(kept))
+
+
+def _reembedder(cfg: Any, x: Any, mean: Any, std: Any) -> Any:
+    """The validation images' features under a whole-model vector (the ridge predictor's route refreshes the backbone
+    each round), computed by the torch side in a child process as the first were (the server stays torch-free)."""
+    import subprocess
+
+    import numpy as np
+
+    def embed(vector: Any) -> Any:
+        with tempfile.TemporaryDirectory(prefix="protofl-validation-") as tmp:
+            t = Path(tmp)
+            (t / "config.json").write_text(json.dumps(cfg.to_dict()))
+            np.save(t / "g.npy", np.asarray(vector, np.float32), allow_pickle=False)
+            np.savez(t / "val.npz", x=x, mean=np.array(mean), std=np.array(std))
+            argv = [sys.executable, "-m", "edge_agent.training.backbone", str(t / "config.json"), "--backbone",
+                    str(t / "g.npy"), "--embed", str(t / "val.npz"), "--embed-out", str(t / "val.npy")]  # fmt: skip
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"scoring the refreshed predictor failed: {done.stderr.strip()[-2000:]}")
+            return np.load(t / "val.npy", allow_pickle=False)
+
+    return embed
 
 
 def _backbone_of(agg: Any) -> Any:

@@ -88,8 +88,11 @@ def write_server_artifacts(
     head = model.rules.predictor_head()
     head_info = model.rules.predictor_info()
     vec = None if backbone is None else backbone.backbone
+    refreshed = model.rules.predictor_backbone()  # the ridge predictor's route: g, the backbone the devices refreshed
     if head is not None:
-        head_info = {**head_info, "backbone": "shipped" if vec is not None else "seeded initial model"}
+        what = "refreshed by the devices" if refreshed is not None else "shipped" if vec is not None else None
+        head_info = {**head_info, "backbone": what or "seeded initial model"}
+        vec = refreshed if refreshed is not None else vec
         if backbone is not None and backbone.norm is not None:
             head_info.update(norm_mean=backbone.norm[0], norm_std=backbone.norm[1])
         art.write_predictor(glob / art.PREDICTOR, head[0], head[1], vec, head_info)

@@ -319,7 +319,9 @@ class RoundMachine:
         # 4,000 devices, quadratic in the fleet).
         self._expected_set = frozenset(self.expected_clients or ())
         # Uploads are clipped by default. `initial_params`: the whole model's, where the server knows it.
-        self.model = build_model(cfg, self.plan, policy, initial_params)
+        self.model = build_model(
+            cfg, self.plan, policy, initial_params, None if self.public is None else self.public.backbone
+        )
         self.dp = privacy.resolve(cfg, self.plan)  # the DP mechanism the devices apply: what the rounds spend
         # How a phase closes (closing.py): its folds finish here (one aggregator), the coordinator of aggregator
         # shards merges their partials first (shard_closing.py), or secure aggregation runs its steps first, where
@@ -779,10 +781,12 @@ class RoundMachine:
             participants=sorted(self.state.current.selected) if self.selection.active else None,
             final=False,
             dt=plan.adapter_dtype,
+            model=f.model,
         )
 
     def _open_phase(self, phase: Phase) -> list[Effect]:
         s = self.state
+        self.model.round = self.state.round
         self.run = PhaseRun(self.model, phase)
         deadline = self.clock() + self.cfg.round_timeout
         steer: list[Effect] = []
@@ -880,6 +884,7 @@ class RoundMachine:
                     participants=None,
                     final=True,
                     predictor=f.predictor,
+                    model=f.model,
                     dt=self.plan.adapter_dtype,
                 ),
                 Phase.DONE.value,
@@ -922,6 +927,7 @@ class RoundMachine:
                     what=f"the state of technique '{name}'",
                 )
         self.state = from_plain(MachineState, saved["machine"])
+        self.model.round = self.state.round
         self.run = None if self.state.phase is None else PhaseRun(self.model, self.state.phase.phase)
         self.closing.begin(self)
 

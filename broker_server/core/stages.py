@@ -72,6 +72,9 @@ class ServerModel:
     plan: RoundPlan = field(metadata=NOT_STATE)
     # The whole model's parameters the devices start from, where the server knows them (the simulator passes them).
     initial_params: np.ndarray | None = field(default=None, metadata=NOT_STATE)
+    # The shared backbone the public message ships (the whole model vector; the ridge predictor's), where there is one.
+    shared_backbone: np.ndarray | None = field(default=None, metadata=NOT_STATE)
+    round: int = field(default=0, metadata=NOT_STATE)  # the round whose phase is open (the round machine's)
     policy: ClipPolicy = field(default_factory=ClipPolicy, metadata=NOT_STATE)
     # Clipping radius per kind of value ("protos", "anchors", "adapter"), from the last round's upload norms.
     radii: dict[str, float] = field(default_factory=dict)
@@ -133,10 +136,16 @@ class ServerModel:
 
 
 def build_model(
-    cfg: FederationConfig, plan: RoundPlan, policy: ClipPolicy | None = None, initial_params: np.ndarray | None = None
+    cfg: FederationConfig,
+    plan: RoundPlan,
+    policy: ClipPolicy | None = None,
+    initial_params: np.ndarray | None = None,
+    shared_backbone: np.ndarray | None = None,
 ) -> ServerModel:
     """The server model at round 0, with the active techniques' rules attached."""
-    model = ServerModel(cfg, plan, initial_params=initial_params, policy=policy or ClipPolicy())
+    model = ServerModel(
+        cfg, plan, initial_params=initial_params, shared_backbone=shared_backbone, policy=policy or ClipPolicy()
+    )
     active = registry.active(cfg)
     model.rules = RuleChain([tech.server_rule(model) for tech in active], [tech.name for tech in active])
     for rule in model.rules:

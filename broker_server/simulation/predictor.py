@@ -11,6 +11,7 @@ never on the service path.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -88,6 +89,7 @@ class GlobalPredictor:
                     else x
                 )
         self._z: Any = None
+        self._backbone_key: int | None = None  # which refreshed backbone `_z` is of (None: the shipped one)
         if self.kind == "head":  # the whole feature extractor is fixed: the test set's z once
             with torch.inference_mode():
                 self._z = (
@@ -131,6 +133,20 @@ class GlobalPredictor:
         head = server.rules.predictor_head()
         if head is None:
             return None
+        refreshed = server.rules.predictor_backbone()  # the ridge predictor's route: g, refreshed by the devices
+        if refreshed is not None:
+            key = zlib.crc32(np.ascontiguousarray(refreshed, np.float32).tobytes())
+            if key != self._backbone_key:
+                from edge_agent.training import params as model_params
+
+                model_params.load_full_vector(self.model, refreshed)
+                self.model.eval()
+                with torch.inference_mode():
+                    bs, x = self.batch_size, self.x
+                    self._z = (
+                        torch.cat([self.model.features(x[i : i + bs]) for i in range(0, len(x), bs)]) if len(x) else x
+                    )
+                self._backbone_key = key
         with torch.no_grad():
             self.model.head.weight.copy_(torch.from_numpy(head[0]))
             self.model.head.bias.copy_(torch.from_numpy(head[1]))

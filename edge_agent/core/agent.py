@@ -525,6 +525,7 @@ class EdgeAgent:
         if msg.final:
             first = not self.finished
             self.finished = True
+            self._rules_see(env, msg)
             if msg.predictor is not None:  # the federation's global predictor: kept beside this device's own model
                 self.global_head = msg.predictor
             if first and self._step is not None:
@@ -534,6 +535,9 @@ class EdgeAgent:
             return
         key = (env.round, env.phase)
         if key in self.handled or self.plan is None or self.model is None:
+            return
+        if not self._rules_see(env, msg):
+            self.handled.add(key)
             return
         if msg.participants is not None and self.client_id not in msg.participants:
             return
@@ -564,6 +568,23 @@ class EdgeAgent:
                 f"round {env.round} {env.phase}: {type(exc).__name__}: {exc}; "
                 f"previous state restored, the round will be retried",
             )
+
+    def _rules_see(self, env: Envelope, msg: RoundStart) -> bool:
+        """Every rule sees the round message (e.g. the global model it carries) before anything trains on it; False
+        (counted, the rules' state as it was) where one refuses it."""
+        if self.plan is None or self.model is None or not self.rules:
+            return True
+        ctx = self.context()
+        saved = [copy.deepcopy(rule.state()) for rule in self.rules]
+        try:
+            for rule in self.rules:
+                rule.on_round(ctx, env.round, msg)
+        except (ValueError, WireError) as exc:
+            for rule, state in zip(self.rules, saved, strict=True):
+                rule.load_state(state)
+            self._drop("bad_round", f"round {env.round} {env.phase}: {exc}; keeping the previous state")
+            return False
+        return True
 
     def _snapshot(self) -> dict[str, Any]:
         """What handling a round changes: the model's weights and the round state kept between rounds."""

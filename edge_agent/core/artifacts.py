@@ -28,6 +28,7 @@ from protofl import artifacts as art
 from protofl.algorithms.prototypes import local_prototypes
 from protofl.config import FederationConfig
 from protofl.errors import DataError
+from protofl.technique import first_answer
 
 if TYPE_CHECKING:
     from edge_agent.core.agent import EdgeAgent
@@ -161,6 +162,9 @@ def collect_device_artifacts(agent: EdgeAgent) -> DeviceArtifacts:
     state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     own, counts, own_metric = _own_prototypes(agent)
     targets = {int(c): np.array(v, copy=True) for c, v in agent.objective.table().items()}
+    # The global model a rule keeps up to date (the ridge predictor's route: g), else the backbone as shipped.
+    refreshed = first_answer(agent.rules, lambda r: r.global_model())
+    global_backbone = agent.backbone if refreshed is None else np.array(refreshed, np.float32, copy=True)
     return DeviceArtifacts(
         client_id=agent.client_id,
         fed=agent.fed,
@@ -176,7 +180,7 @@ def collect_device_artifacts(agent: EdgeAgent) -> DeviceArtifacts:
         metric=agent.objective.metric,
         final=agent.finished,
         predictor=agent.global_head,
-        backbone=agent.backbone if agent.global_head is not None else None,
+        backbone=global_backbone if agent.global_head is not None else None,
         backbone_norm=agent.backbone_norm if agent.global_head is not None else None,
     )
 

@@ -16,6 +16,9 @@ docs/design.md the whole contract). Every hook has a do-nothing default:
   which classes travel, how a table is put on the wire);
 - `phase_upload` / `public_prototypes`: uploads of their own (a first phase, the public set's prototypes);
 - `vector` / `vector_dtype` / `sparsifier`: the parameter vector upload, its fixed dtype, and how it is made sparse;
+- `on_round`: a round message arrived (every one, the final one too, before any training): e.g. the global model
+  it carries (the ridge predictor's route); `global_model`: the whole model vector of the federation's global
+  predictor this rule holds, where it refreshes the shared backbone;
 - `state` / `load_state`: what a rule keeps between rounds (checkpointed with the device).
 """
 
@@ -40,7 +43,7 @@ from protofl.config import FederationConfig
 from protofl.errors import ConfigError
 from protofl.plan import Phase, RoundPlan
 from protofl.sparse import SparseVector
-from protofl.wire import Config, ProtoSet, ProtoUpload
+from protofl.wire import Config, ProtoSet, ProtoUpload, RoundStart
 
 if TYPE_CHECKING:
     from edge_agent.training.models import ProtoNet
@@ -306,6 +309,15 @@ class DeviceRule:
         return None
 
     def sparsifier(self, theta: np.ndarray) -> Sparsifier | None:
+        return None
+
+    # -- round messages ---------------------------------------------------------------------------
+    def on_round(self, ctx: DeviceContext, round_: int, msg: RoundStart) -> None:
+        """A round message for round `round_` (the final one too), before this device trains on it (if it does)."""
+
+    def global_model(self) -> np.ndarray | None:
+        """The whole model vector of the federation's global predictor that this rule keeps up to date (the shared
+        backbone with its head), or None: the shared backbone as the public message shipped it."""
         return None
 
     # -- state ------------------------------------------------------------------------------------

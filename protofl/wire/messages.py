@@ -465,6 +465,57 @@ class PublicSet(_Body):
 
 
 @dataclass(frozen=True, eq=False)
+class ModelUpdate(_Body):
+    """The global model g of the ridge predictor's route (protofl/algorithms/ridge.py) as a round message carries
+    it: `version`, how many times the server has changed g; `update`, g's new values (float32) at the entries that
+    changed when it reached this version (sorted indices of g, a sparse vector of g's length), so that a device
+    holding the version before sets them and holds this one bit for bit; `dense`, the whole g (float32), in the
+    message after a device said it holds another version (and never otherwise)."""
+
+    version: int
+    update: SparseVector
+    dense: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        version = expect_int(self.version, "model version", 0, 2**31 - 1)
+        if not isinstance(self.update, SparseVector):
+            raise WireError(f"model update: expected a SparseVector, got {type(self.update).__name__}")
+        try:
+            check_sparse(self.update)
+        except ValueError as exc:
+            raise WireError(f"model update: {exc}") from None
+        values = np.asarray(self.update.values)
+        if values.dtype != np.float32 or not np.isfinite(values).all():
+            raise WireError("model update: values must be finite float32")
+        dense = _opt(self.dense, lambda a: _floats(a, "model dense", 1))
+        if dense is not None and dense.shape[0] != self.update.n:
+            raise WireError(f"model: dense g of {dense.shape[0]} values, the update's length is {self.update.n}")
+        object.__setattr__(self, "version", version)
+        object.__setattr__(self, "dense", dense)
+
+    def to_body(self) -> dict:
+        return {
+            "version": self.version,
+            "update": encode_sparse(self.update, "f4"),
+            "dense": _opt(self.dense, lambda a: encode_array(a, "f4")),
+        }
+
+    @classmethod
+    def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> ModelUpdate:
+        b = expect_keys(body, ("version", "update", "dense"), "round model")
+        update = decode_sparse(b["update"], what="round model update", limits=limits)
+        if update.values.dtype != np.float32:
+            raise WireError("round model update: values must travel f4")
+        dense = _opt(
+            b["dense"], lambda a: decode_array(a, what="round model dense", limits=limits, dts=("f4",), ndim=1)
+        )
+        try:
+            return cls(version=b["version"], update=update, dense=dense)
+        except (TypeError, ValueError) as exc:
+            raise WireError(f"round model: {exc}") from None
+
+
+@dataclass(frozen=True, eq=False)
 class RoundStart(_Body):
     """Opens a round phase (number and phase are in the envelope). `dt` is the wire dtype of adapter and
     params; with neither present it does not travel and decodes as "f4"."""
@@ -482,8 +533,13 @@ class RoundStart(_Body):
     # round message carries it, so that every device can keep the federation's predictor beside its own model.
     # Additive within version 1: the key travels only with a head.
     predictor: tuple[np.ndarray, np.ndarray] | None = None
+    # The ridge predictor's global model g (its route: protofl/algorithms/ridge.py), where the federation runs it.
+    # Additive within version 1: the key travels only with it.
+    model: ModelUpdate | None = None
 
     def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, ModelUpdate):
+            raise WireError(f"model: expected a ModelUpdate, got {type(self.model).__name__}")
         if self.predictor is not None:
             if not isinstance(self.predictor, (tuple, list)) or len(self.predictor) != 2:
                 raise WireError("predictor: expected (weight, bias)")
@@ -522,6 +578,8 @@ class RoundStart(_Body):
         }
         if self.predictor is not None:
             body["predictor"] = [encode_array(self.predictor[0], "f4"), encode_array(self.predictor[1], "f4")]
+        if self.model is not None:
+            body["model"] = self.model.to_body()
         return body
 
     @classmethod
@@ -529,7 +587,10 @@ class RoundStart(_Body):
         keys: tuple[str, ...] = ("deadline", "adapter", "params", "anchors", "anchor_kind", "participants", "final")
         if isinstance(body, dict) and "predictor" in body:
             keys = (*keys, "predictor")
+        if isinstance(body, dict) and "model" in body:
+            keys = (*keys, "model")
         b = expect_keys(body, keys, cls.KIND)
+        model = ModelUpdate.from_body(b["model"], limits) if "model" in b else None
         predictor = None
         if "predictor" in b:
             pair = b["predictor"]
@@ -548,7 +609,7 @@ class RoundStart(_Body):
         return _build(
             cls, cls.KIND, deadline=b["deadline"], targets=anchors, target_label=b["anchor_kind"],
             participants=b["participants"], final=b["final"], dt=dts.pop() if dts else "f4", predictor=predictor,
-            **dense,
+            model=model, **dense,
         )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ import itertools
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -278,9 +279,29 @@ def _cfg(preset: str) -> FederationConfig:
             seed=3,
             **ADAPTER_PIPELINE,
         )
+    route: dict[str, Any] = {"ridge_topk": 0.001} if preset.endswith("+route") else {}  # the opt-in route
     return make_config(
-        preset, rounds=3, min_clients=3, proto_dim=20, adapter_rank=2, num_classes=3, round_timeout=600.0, seed=3
+        preset.removesuffix("+route"),
+        rounds=3,
+        min_clients=3,
+        proto_dim=20,
+        adapter_rank=2,
+        num_classes=3,
+        round_timeout=600.0,
+        seed=3,
+        **route,
     )
+
+
+# The ridge predictor's route (protofl/algorithms/ridge.py) needs the shared backbone the public message ships: here
+# a whole model vector of 20 values and then the head's 3 x 20 + 3.
+ROUTE_G = np.linspace(-1, 1, 20 + 63, dtype=np.float32)
+
+
+def _public(preset: str) -> PublicSet | None:
+    if not preset.endswith("+route"):
+        return None
+    return PublicSet(x=np.zeros((0, 1, 2, 2), np.uint8), y=np.zeros(0, np.int64), classes=[], backbone=ROUTE_G)
 
 
 def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
@@ -321,7 +342,12 @@ def _messages(preset: str, agg: Aggregator) -> list[tuple[str, bytes]]:
                     ),
                 )
             )
-            if not n_adapter and agg.machine.plan.shared_backbone:  # the ridge predictor's statistics
+            route = agg.model.rules.state_values().get("g") is not None
+            if route and r > 1:  # the route's update of g: K = 1 of its 83 values
+                update = SparseVector(ROUTE_G.size, rng.choice(ROUTE_G.size, 1), rng.normal(size=1).astype(np.float32))
+                up = ParamsUpload(update=update, n_samples=18, base_round=r)
+                out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
+            elif not n_adapter and agg.machine.plan.shared_backbone:  # the ridge predictor's statistics
                 up = ridge_upload(agg.machine.cfg, r, 18, rng)
                 out.append((topics.up(FED, c), encode_message(up, fed=FED, sender=c, round=r, phase="train")))
             if n_adapter:
@@ -349,7 +375,7 @@ def _aggregator(
         FED,
         (broker or InProcessBroker()).connect("server"),
         expected_clients=CLIENTS,
-        public=public,
+        public=public or _public(preset),
         policy=policy,
     )
     return agg, start_durable(agg, state, FED, rotate_bytes=rotate_bytes)
@@ -374,6 +400,8 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
         out["adapter"] = values["adapter"].tobytes()
     if values.get("unit") is not None:
         out["unit"] = values["unit"].tobytes()
+    if values.get("g") is not None:  # the ridge predictor's route: g and its version
+        out["g"] = values["g"].tobytes() + str(values["g_version"]).encode()
     return out
 
 
@@ -384,6 +412,7 @@ def _state(agg: Aggregator) -> dict[str, bytes]:
         ("protofl+adapters", 1 << 20),
         ("protofl+adapters", 0),
         ("protofl", 1 << 20),
+        ("protofl+route", 1 << 20),
         ("fedpagr+erpa", 1 << 20),
     ],
 )
@@ -394,6 +423,8 @@ def test_a_restart_after_any_message_ends_in_the_same_state(preset: str, rotate:
     for t, p in msgs:
         ref.on_message(t, p)
     assert ref.finished and ref.dropped == {} and len(ref.records) == 3
+    if preset.endswith("+route"):  # g: round 1's head, then rounds 2 and 3's updates
+        assert ref.model.rules.state_values()["g_version"] == 3
 
     live, durable = _aggregator(preset, tmp_path / "live", rotate_bytes=rotate)
     cuts = feed_and_cut(live, msgs, tmp_path)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker_server.core.stages import PhaseRun, build_model
+from broker_server.core.stages import PhaseRun, build_model, check_mergeable
 from protofl.algorithms.ridge import (
     RidgeState,
     forget,
@@ -18,6 +18,7 @@ from protofl.algorithms.ridge import (
     ridge_statistics,
 )
 from protofl.errors import ConfigError, WireError
+from protofl.mergeable import NotMergeable
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
@@ -142,3 +143,6 @@ def test_shards_merge_to_the_same_sums() -> None:
     assert sorted(s1.contributors) == sorted(sa.contributors) and s1.samples == sa.samples == 20
     assert s1.stats is not None and sa.stats is not None
     np.testing.assert_allclose(sa.stats, s1.stats, rtol=1e-12)
+    with pytest.raises(NotMergeable, match="drop --shards, or turn the route off with --set ridge_topk=0"):
+        check_mergeable(make_config("protofl", ridge_topk=0.001))  # the opt-in route runs on one aggregator
+    check_mergeable(make_config("protofl"))  # the default: the one-shot predictor merges across shards

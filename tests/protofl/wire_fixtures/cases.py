@@ -22,6 +22,7 @@ from protofl.wire import (
     Config,
     Join,
     Metrics,
+    ModelUpdate,
     Pace,
     ParamsUpload,
     ProtoSet,
@@ -173,6 +174,32 @@ def _cases() -> dict[str, Case]:
             sender=SERVER,
             phase="done",
             round=3,
+        ),
+        # the ridge predictor's route: g's last change (and, after a device said it is behind, all of g); additive
+        # within version 1: the key travels only with it
+        "round_model_update": Case(
+            RoundStart(
+                30.0,
+                model=ModelUpdate(4, SparseVector(6, np.array([1, 4]), np.array([0.5, -2.0], np.float32))),
+            ),
+            sender=SERVER,
+            phase="train",
+            round=5,
+        ),
+        "round_final_model_dense": Case(
+            RoundStart(
+                8.0,
+                final=True,
+                predictor=(np.array([[0.5, -1.0]], np.float32), np.array([1.0], np.float32)),
+                model=ModelUpdate(
+                    2,
+                    SparseVector(6, np.array([0]), np.array([3.0], np.float32)),
+                    np.array([3.0, 0.0, 0.5, 1.0, 0.5, -1.0], np.float32),
+                ),
+            ),
+            sender=SERVER,
+            phase="done",
+            round=9,
         ),
         "round_adapter_params_q8": Case(
             RoundStart(
