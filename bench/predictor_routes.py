@@ -1813,6 +1813,203 @@ def summary(dirs: Sequence[Path]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Issue 56: the full-data section's summary, verdict and figure
+# --------------------------------------------------------------------------------------------------
+
+FULLDATA_ORDER = ("fedavg-warm", "fedavg", "ridge", "public", *REFRESH_VARIANTS)
+GOAL_WITHIN = 1.0  # points (issue 56's goal)
+
+
+def _by_route(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("complete", True):
+            out.setdefault(r["route"], {})[int(r["seed"])] = r
+    return out
+
+
+def fulldata_verdict(rows: Sequence[dict[str, Any]], route: str = "refresh") -> dict[str, Any]:
+    """Issue 56's goal for `route` against fedavg-warm, paired by seed (PREDICTOR.md, "Full data"): (a) the
+    interval of route - fedavg-warm above -1; (b) on every seed the route's uplink <= 1/100 of fedavg-warm's at
+    its plateau; (c) on every seed accuracy after R rounds above round 1's. Also "at or above": the interval's
+    upper end >= 0. Below 2 seeds: a reading of the means."""
+    by = _by_route(rows)
+    if route not in by or "fedavg-warm" not in by:
+        return {"verdict": "NOT MEASURED", "why": f"{route} and fedavg-warm rows are needed"}
+    seeds = sorted(set(by[route]) & set(by["fedavg-warm"]))
+    if not seeds:
+        return {"verdict": "NOT MEASURED", "why": "no seed has both rows"}
+    vs = paired({s: by[route][s]["acc"] for s in seeds}, {s: by["fedavg-warm"][s]["acc"] for s in seeds})
+    ratios = {s: by[route][s]["uplink_total"] / by["fedavg-warm"][s]["uplink_total"] for s in seeds}
+    gains = {s: by[route][s]["acc"] - by[route][s].get("round1_acc", by[route][s]["acc"]) for s in seeds}
+    iv = vs.interval
+    a_ok = (iv[0] > -GOAL_WITHIN) if iv is not None else (vs.mean is not None and vs.mean > -GOAL_WITHIN)
+    b_ok = all(v <= RATIO_MAX for v in ratios.values())
+    c_ok = all(v > 0 for v in gains.values())
+    at_or_above = (iv[1] >= 0) if iv is not None else (vs.mean is not None and vs.mean >= 0)
+    met = a_ok and b_ok and c_ok
+    verdict = ("MET" if met else "MISSED") + ("" if iv is not None else " (one seed: a reading of the means)")
+    why = (
+        f"{route} - fedavg-warm = {vs.text()}: (a) within {GOAL_WITHIN:g} point {'yes' if a_ok else 'NO'}; "
+        f"(b) bytes <= 1/100 on every seed {'yes' if b_ok else 'NO'} (max {max(ratios.values()):.5f}); "
+        f"(c) after R above round 1 on every seed {'yes' if c_ok else 'NO'} "
+        f"(gains {', '.join(f'{gains[s]:+.2f}' for s in seeds)}); at or above (upper end >= 0): "
+        f"{'yes' if at_or_above else 'no'}"
+    )
+    return {"verdict": verdict, "why": why, "met": met, "vs": vs, "ratios": ratios, "gains": gains, "seeds": seeds}
+
+
+def defaults_choice(rows: Sequence[dict[str, Any]]) -> str:
+    """PREDICTOR.md "Full data" rule 2: the refresh variant the measurement supports as the product's default."""
+    by = _by_route(rows)
+    if "fedavg-warm" not in by:
+        return "no fedavg-warm rows"
+    ok: dict[str, dict[int, float]] = {}
+    bytes_: dict[str, float] = {}
+    for v in REFRESH_VARIANTS:
+        if v not in by:
+            continue
+        seeds = sorted(set(by[v]) & set(by["fedavg-warm"]))
+        if seeds and all(by[v][s]["uplink_total"] / by["fedavg-warm"][s]["uplink_total"] <= RATIO_MAX for s in seeds):
+            ok[v] = {s: by[v][s]["acc"] for s in seeds}
+            bytes_[v] = statistics.fmean(by[v][s]["uplink_total"] for s in seeds)
+    if not ok:
+        return "no refresh variant meets the byte bound"
+    best = max(ok, key=lambda v: statistics.fmean(ok[v].values()))
+    tied = [v for v in ok if v == best or paired(ok[best], ok[v]).beats() != 1]
+    # fewest bytes; equal bytes (within 1 %): the product default, then plain cross-entropy, wins
+    pref = {v: (0 if v == "refresh" else 1 if REFRESH_VARIANTS[v][2] == "ce" else 2) for v in tied}
+    low = min(bytes_[v] for v in tied)
+    pick = min((v for v in tied if bytes_[v] <= 1.01 * low), key=lambda v: pref[v])
+    few = min(len(ok[v]) for v in ok)
+    return (
+        f"**{pick}** (K = {REFRESH_VARIANTS[pick][0]}, T = {REFRESH_VARIANTS[pick][1]}, objective "
+        f"{REFRESH_VARIANTS[pick][2]}); best mean {best}; not beaten by it: {', '.join(sorted(tied))}"
+        + (" -- fewer than 2 seeds for some variant: a reading of the means" if few < 2 else "")
+    )
+
+
+def fulldata_summary(dirs: Sequence[Path]) -> str:
+    lines: list[str] = []
+    for d in dirs:
+        rows = load_rows(d)
+        if not rows:
+            lines += [f"## {d}", "", "no results", ""]
+            continue
+        s = rows[0]["setting"]
+        by = _by_route(rows)
+        warm = by.get("fedavg-warm", {})
+        lines += [
+            f"### {d.name}: {s['arch']}, {s['clients']} clients, alpha {s['alpha']}, train-limit {s['train_limit']}, "
+            f"refresh R = {s['rounds']}, FedAvg to the plateau rule (cap {s.get('plateau_cap')}), "
+            f"{s['test_images']} test images",
+            "",
+            f"devices: {sorted({r.get('device_name', '?') for r in rows})}; revisions: "
+            f"{sorted({r.get('revision', '?') for r in rows})}",
+            "",
+            f"| route | seeds | acc % (final, {s['test_images']:,} test) | round 1 % | rounds | uplink MB | "
+            "x fedavg-warm's bytes (max) | - fedavg-warm (points, paired) |",
+            "|---|---|--:|--:|---|--:|--:|---|",
+        ]
+        for route in FULLDATA_ORDER:
+            if route not in by:
+                continue
+            rr = by[route]
+            accs = [rr[x]["acc"] for x in sorted(rr)]
+            sd = f" ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else ""
+            r1 = [rr[x]["round1_acc"] for x in sorted(rr) if "round1_acc" in rr[x]]
+            rounds = ",".join(str(rr[x].get("rounds_done", "-")) for x in sorted(rr))
+            common = sorted(set(rr) & set(warm))
+            ratio = max((rr[x]["uplink_total"] / warm[x]["uplink_total"] for x in common), default=None)
+            vs = (
+                paired({x: rr[x]["acc"] for x in common}, {x: warm[x]["acc"] for x in common}).text()
+                if route != "fedavg-warm" and common
+                else "-"
+            )
+            r1_text = f"{statistics.fmean(r1):.2f}" if r1 else "-"
+            lines.append(
+                f"| {route} | {','.join(map(str, sorted(rr)))} | {statistics.fmean(accs):.2f}{sd} | {r1_text} | "
+                f"{rounds} | "
+            )
+            lines[-1] += (
+                f"{statistics.fmean(rr[x]['uplink_total'] for x in rr) / 1e6:.3f} | "
+                f"{'-' if ratio is None else f'{ratio:.5f}'} | {vs} |"
+            )
+        lines.append("")
+        for route in ("fedavg-warm", "fedavg"):
+            for x in sorted(by.get(route, {})):
+                r = by[route][x]
+                stop = f"plateau at round {r['plateau_at']}" if r.get("plateau_at") else f"capped at {r['rounds_done']}"
+                lines.append(
+                    f"- {route} seed {x} ({stop}; per round on the first {r.get('curve_test_images', '?')} test "
+                    f"images): " + " ".join(f"{a:.1f}" for _, a in r["curve"])
+                )
+        for route in REFRESH_VARIANTS:
+            for x in sorted(by.get(route, {})):
+                r = by[route][x]
+                lines.append(
+                    f"- {route} seed {x} (round: acc on the first {r.get('curve_test_images', '?')} test images): "
+                    + " ".join(f"{int(rd)}:{a:.1f}" for rd, a in r["curve"])
+                )
+        v = fulldata_verdict(rows)
+        lines += ["", f"Goal (refresh against fedavg-warm): **{v['verdict']}** -- {v['why']}"]
+        lines += [f"Defaults the measurement supports (rule 2): {defaults_choice(rows)}"]
+        partial = sorted(p.name for p in d.glob("*.partial.json"))
+        if partial:
+            lines.append(f"Unfinished (partial files): {', '.join(partial)}")
+        if (d / "skipped.txt").exists():
+            lines += ["Skipped for the budget:", "```", (d / "skipped.txt").read_text().rstrip(), "```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def fulldata_figure(dirs: Sequence[Path], path: Path) -> str:
+    """Accuracy against cumulative uplink bytes, every route and FedAvg, one panel per results directory
+    (matplotlib; lines: the per-round curve on the --curve-test images; markers: the final accuracy on all test
+    images)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(dirs), figsize=(6.5 * len(dirs), 4.8), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    colours = {route: cmap(i % 10) for i, route in enumerate(FULLDATA_ORDER)}
+    for ax, d in zip(axes[0], dirs, strict=True):
+        rows = load_rows(d)
+        by = _by_route(rows)
+        for route in FULLDATA_ORDER:
+            first = True
+            for x in sorted(by.get(route, {})):
+                r = by[route][x]
+                col = colours[route]
+                if "uplink_curve" in r:
+                    cum = dict((int(a), float(b)) for a, b in r["uplink_curve"])
+                    pts = [(cum[int(rd)], a) for rd, a in r["curve"] if int(rd) in cum]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=col, lw=1, alpha=0.7,
+                            label=route if first else None)  # fmt: skip
+                    ax.plot([r["uplink_total"]], [r["acc"]], "o", color=col, ms=4)
+                elif r.get("uplink_total"):
+                    ax.plot([r["uplink_total"]], [r["acc"]], "s", color=col, ms=5, label=route if first else None)
+                first = False
+        if rows:
+            s = rows[0]["setting"]
+            ax.set_title(
+                f"{d.name}: {s['arch']}, {s['clients']} clients, alpha {s['alpha']}, {s['train_limit']} images"
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("cumulative uplink bytes, all devices")
+        ax.set_ylabel("global accuracy % (lines: first test images; dots: all)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
 
@@ -1832,6 +2029,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="print the table and the rule's verdict for these results directories, and exit",
     )
+    ap.add_argument(
+        "--fulldata-summary",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="issue 56: the full-data table, plateau curves and verdict for these results directories, and exit",
+    )
+    ap.add_argument("--figure", type=Path, default=None, help="with --fulldata-summary: draw accuracy against "
+                    "cumulative uplink bytes to this PNG")  # fmt: skip
     ap.add_argument(
         "--routes", default="all", help=f"routes or jobs to run, comma-separated (default all); jobs: {', '.join(JOBS)}"
     )
@@ -1893,6 +2099,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.summary is not None:
         print(summary(a.summary))
+        return 0
+    if a.fulldata_summary is not None:
+        print(fulldata_summary(a.fulldata_summary))
+        if a.figure is not None:
+            print(f"figure: {fulldata_figure(a.fulldata_summary, a.figure)}")
         return 0
     if a.out is None:
         ap.error("--out DIR is required (or --summary DIR)")
