@@ -1657,7 +1657,7 @@ class Runner:
             del probe
             for job in todo:
                 est = self.estimate(job, sd)
-                if est > self.budget.left():
+                if est > self.budget.left() and not self.a.start_anyway:
                     msg = (
                         f"SKIPPED {job} seed {seed} ({', '.join(JOBS[job])}): needs ~{est:.0f} s, "
                         f"{self.budget.left():.0f} s of --budget-s left"
@@ -2090,6 +2090,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="stop a long job once its pace says it cannot finish in --budget-s (frees the GPU for "
         "the processes beside it); without it a job runs until the budget is spent",
+    )
+    ap.add_argument(
+        "--start-anyway",
+        action="store_true",
+        help="start every job even when its estimate says it will not finish in --budget-s (it stops at the "
+        "budget, leaving its partial file: a loaded machine's calibration overestimates)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument(
