@@ -50,6 +50,24 @@ official 10,000-image test set (its final-round accuracy; no route picks a round
   ensemble-public REFERENCE, not deployable: those device models' mean class probabilities on the test set
                   (it needs every device's private model at serving time).
 
+Issue 56 (PREDICTOR.md, "Full data"; run with --plateau-cap N, summarised by --fulldata-summary):
+  fedavg-warm     REFERENCE: FedAvg started from the public-only model (the whole model, head included), run to
+                  the plateau rule (`plateau_at`: the first round r >= 20 where the mean accuracy of the last 10
+                  rounds gains under 0.2 points on the 10 before; scored every round, on --curve-test images),
+                  at most --plateau-cap rounds; with --plateau-cap, `fedavg` runs to the same rule.
+  refresh         g = shared backbone + ridge head solved from round 1's statistics; each later round every device
+                  fine-tunes g (backbone + head, cross-entropy, the config optimiser, E epochs) and uploads the top-K
+                  by magnitude of (g_local - g + e), e its error-feedback residual; the server adds the n-weighted
+                  mean of the sparse updates; every T rounds (1 + T, 1 + 2T, ...) the devices also send the ridge
+                  statistics of g's backbone (as received) and the head is re-solved from that round's sums.
+                  K = 0.001 of g's floating state, T = 10 (the product's defaults; REFRESH_VARIANTS).
+  refresh-k004    K = 0.004;  refresh-t0: T = 0 (the head never re-solved after round 1).
+  refresh-erpa    + RefProtoFL's ERPA term lambda A(z, a_y), a_c the class means of g's z on the public set.
+  refresh-proto   + TinyProto/FedProto: lambda A(z, G_y), G_c the n-weighted mean of the devices' CPS-compressed
+                  class prototypes (s = m/10 values a class) of the round before (sent every round, round 1 too).
+  Bytes per round are recorded cumulatively (`uplink_curve`); refresh's downlink: the union of the sparse entries
+  per round (`downlink_sparse_values`).
+
 Bytes are uplink only (what devices send; the backbone and public set each device receives once are downlink),
 counted as the project's encoded wire messages (`protofl.wire`: ParamsUpload of a dense vector for parameters,
 ridge statistics and public-set probabilities -- the wire has no message of their own yet -- or of a SparseVector for
