@@ -63,6 +63,8 @@ Issue 56 (PREDICTOR.md, "Full data"; run with --plateau-cap N, summarised by --f
                   K = 0.001 of g's floating state, T = 10 (the product's defaults; REFRESH_VARIANTS).
   refresh-k004    K = 0.004;  refresh-t0: T = 0 (the head never re-solved after round 1).
   refresh-erpa    + RefProtoFL's ERPA term lambda A(z, a_y), a_c the class means of g's z on the public set.
+  refresh-frozen-head  (added after the first runs) the head frozen in local training (FedBABU-style): the top-K
+                  goes to the backbone; the head changes only by the re-solve every T rounds.
   refresh-proto   + TinyProto/FedProto: lambda A(z, G_y), G_c the n-weighted mean of the devices' CPS-compressed
                   class prototypes (s = m/10 values a class) of the round before (sent every round, round 1 too).
   Bytes per round are recorded cumulatively (`uplink_curve`); refresh's downlink: the union of the sparse entries
@@ -145,6 +147,9 @@ REFRESH_VARIANTS: dict[str, tuple[float, int, str]] = {
     "refresh-t0": (0.001, 0, "ce"),
     "refresh-erpa": (0.001, 10, "erpa"),
     "refresh-proto": (0.001, 10, "proto"),
+    # added after the first CPU rounds (PREDICTOR.md "Full data": not in the rule written before the runs):
+    # FedBABU-style, the head frozen in local training, so the top-K goes to the backbone; head by re-solve only
+    "refresh-frozen-head": (0.001, 10, "ce-frozen-head"),
 }
 ROUTES = (
     "fedavg",
@@ -1456,9 +1461,12 @@ class Runner:
                         loss = loss + PROTO_LAMBDA * (((z - table[yy]) ** 2).mean(dim=1) * has[yy]).mean()
                     return loss
 
-                self.sgd(
-                    list(work.parameters()), loss_of, c["n"], a.local_epochs, np.random.default_rng([seed, 7, r, k])
-                )
+                params = [
+                    p
+                    for name, p in work.named_parameters()
+                    if objective != "ce-frozen-head" or not name.startswith("head.")
+                ]
+                self.sgd(params, loss_of, c["n"], a.local_epochs, np.random.default_rng([seed, 7, r, k]))
                 with torch.no_grad():
                     sent, resid[k] = topk_ef_send(torch.cat([w.reshape(-1) for w in ws]) - gvec, resid[k], k_top)
                     accv.add_(sent, alpha=float(weights[k]))
@@ -1498,7 +1506,7 @@ class Runner:
                 "topk_ratio": ratio,
                 "resolve_every": period,
                 "objective": objective,
-                "proto_lambda": PROTO_LAMBDA if objective != "ce" else 0.0,
+                "proto_lambda": PROTO_LAMBDA if objective in ("erpa", "proto") else 0.0,
                 "cps_s": CPS_S if objective == "proto" else None,
                 "downlink_sparse_values": downlink,
                 "wall_s": time.monotonic() - t,
@@ -1896,7 +1904,7 @@ def defaults_choice(rows: Sequence[dict[str, Any]]) -> str:
     best = max(ok, key=lambda v: statistics.fmean(ok[v].values()))
     tied = [v for v in ok if v == best or paired(ok[best], ok[v]).beats() != 1]
     # fewest bytes; equal bytes (within 1 %): the product default, then plain cross-entropy, wins
-    pref = {v: (0 if v == "refresh" else 1 if REFRESH_VARIANTS[v][2] == "ce" else 2) for v in tied}
+    pref = {v: (0 if v == "refresh" else 1 if REFRESH_VARIANTS[v][2].startswith("ce") else 2) for v in tied}
     low = min(bytes_[v] for v in tied)
     pick = min((v for v in tied if bytes_[v] <= 1.01 * low), key=lambda v: pref[v])
     few = min(len(ok[v]) for v in ok)

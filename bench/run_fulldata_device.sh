@@ -80,7 +80,7 @@ for s in $SEEDS; do
   run "a-core-s$s" "${COMMON[@]}" "${A[@]}" --seeds "$s" --routes public,ridge,fedavg-warm,refresh & PIDS+=($!)
   run "b-core-s$s" "${COMMON[@]}" "${B[@]}" --seeds "$s" --routes public,ridge,fedavg-warm,refresh & PIDS+=($!)
 done
-VARIANTS=refresh-t0,refresh-k004,refresh-erpa,refresh-proto
+VARIANTS=refresh-frozen-head,refresh-t0,refresh-k004,refresh-erpa,refresh-proto
 SEEDLIST=$(echo "$SEEDS" | tr ' ' ',')
 run a-variants "${COMMON[@]}" "${A[@]}" --seeds "$SEEDLIST" --routes "$VARIANTS" --yield-late & PIDS+=($!)
 run b-variants "${COMMON[@]}" "${B[@]}" --seeds "$SEEDLIST" --routes "$VARIANTS" --yield-late & PIDS+=($!)
