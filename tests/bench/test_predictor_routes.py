@@ -452,8 +452,8 @@ def test_refresh_uplink_counts_statistics_sparse_updates_and_cps_prototypes() ->
 def test_new_routes_run_end_to_end_at_tiny_sizes(tmp_path: Path) -> None:
     out = tmp_path / "r"
     rc = pr.main(
-        ["--out", str(out), "--routes", "fedavg-warm,refresh,refresh-proto", "--clients", "2", "--rounds", "3",
-         "--train-limit", "400", "--test-limit", "60", "--public-epochs", "1", "--plateau-cap", "2",
+        ["--out", str(out), "--routes", "fedavg-warm,refresh,refresh-proto,refresh-frozen-head", "--clients", "2",
+         "--rounds", "3", "--train-limit", "400", "--test-limit", "60", "--public-epochs", "1", "--plateau-cap", "2",
          "--curve-test", "30", "--threads", "1", "--progress", "0"]
     )  # fmt: skip
     assert rc == 0
@@ -468,3 +468,5 @@ def test_new_routes_run_end_to_end_at_tiny_sizes(tmp_path: Path) -> None:
     assert ref["uplink_total"] < warm["uplink_total"]
     proto = json.loads((out / "refresh-proto-s0.json").read_text())
     assert proto["uplink_total"] > ref["uplink_total"] and proto["objective"] == "proto"
+    frozen = json.loads((out / "refresh-frozen-head-s0.json").read_text())
+    assert frozen["uplink_total"] == ref["uplink_total"] and frozen["objective"] == "ce-frozen-head"
