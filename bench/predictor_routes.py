@@ -1847,11 +1847,21 @@ GOAL_WITHIN = 1.0  # points (issue 56's goal)
 
 
 def _by_route(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """route -> seed -> row: the complete row, else a row cut by the time budget (flagged "cut")."""
     out: dict[str, dict[int, dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("complete", True):
-            out.setdefault(r["route"], {})[int(r["seed"])] = r
+    for r in sorted(rows, key=lambda r: bool(r.get("complete", True))):  # complete rows win
+        out.setdefault(r["route"], {})[int(r["seed"])] = {**r, "cut": not r.get("complete", True)}
     return out
+
+
+def _curve_n(r: dict[str, Any]) -> Any:
+    return r.get("curve_test_images", r["setting"].get("curve_test", "?"))
+
+
+def load_fulldata_rows(d: Path) -> list[dict[str, Any]]:
+    """Complete rows and the partial files of iterative runs the time budget cut (their `acc` is the last
+    scored round's, on the curve images)."""
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*-s*.json"))]
 
 
 def fulldata_verdict(rows: Sequence[dict[str, Any]], route: str = "refresh") -> dict[str, Any]:
@@ -1865,9 +1875,21 @@ def fulldata_verdict(rows: Sequence[dict[str, Any]], route: str = "refresh") -> 
     seeds = sorted(set(by[route]) & set(by["fedavg-warm"]))
     if not seeds:
         return {"verdict": "NOT MEASURED", "why": "no seed has both rows"}
-    vs = paired({s: by[route][s]["acc"] for s in seeds}, {s: by["fedavg-warm"][s]["acc"] for s in seeds})
+    cut = any(by[x][s]["cut"] for x in (route, "fedavg-warm") for s in seeds)
+
+    def acc_of(r: dict[str, Any]) -> float:  # a cut row has no final score on all test images: compare curves
+        return float(r["curve"][-1][1]) if cut else float(r["acc"])
+
+    vs = paired({s: acc_of(by[route][s]) for s in seeds}, {s: acc_of(by["fedavg-warm"][s]) for s in seeds})
     ratios = {s: by[route][s]["uplink_total"] / by["fedavg-warm"][s]["uplink_total"] for s in seeds}
-    gains = {s: by[route][s]["acc"] - by[route][s].get("round1_acc", by[route][s]["acc"]) for s in seeds}
+    gains = {
+        s: (
+            by[route][s]["curve"][-1][1] - by[route][s]["curve"][0][1]
+            if cut
+            else by[route][s]["acc"] - by[route][s].get("round1_acc", by[route][s]["acc"])
+        )
+        for s in seeds
+    }
     iv = vs.interval
     a_ok = (iv[0] > -GOAL_WITHIN) if iv is not None else (vs.mean is not None and vs.mean > -GOAL_WITHIN)
     b_ok = all(v <= RATIO_MAX for v in ratios.values())
@@ -1875,6 +1897,9 @@ def fulldata_verdict(rows: Sequence[dict[str, Any]], route: str = "refresh") -> 
     at_or_above = (iv[1] >= 0) if iv is not None else (vs.mean is not None and vs.mean >= 0)
     met = a_ok and b_ok and c_ok
     verdict = ("MET" if met else "MISSED") + ("" if iv is not None else " (one seed: a reading of the means)")
+    if cut:
+        cut_at = {x: {s: by[x][s]["curve"][-1][0] for s in seeds if by[x][s]["cut"]} for x in (route, "fedavg-warm")}
+        verdict += f" (runs cut by the time budget, rounds {cut_at}: compared on the curve images, last round scored)"
     why = (
         f"{route} - fedavg-warm = {vs.text()}: (a) within {GOAL_WITHIN:g} point {'yes' if a_ok else 'NO'}; "
         f"(b) bytes <= 1/100 on every seed {'yes' if b_ok else 'NO'} (max {max(ratios.values()):.5f}); "
@@ -1918,7 +1943,7 @@ def defaults_choice(rows: Sequence[dict[str, Any]]) -> str:
 def fulldata_summary(dirs: Sequence[Path]) -> str:
     lines: list[str] = []
     for d in dirs:
-        rows = load_rows(d)
+        rows = load_fulldata_rows(d)
         if not rows:
             lines += [f"## {d}", "", "no results", ""]
             continue
@@ -1944,7 +1969,10 @@ def fulldata_summary(dirs: Sequence[Path]) -> str:
             accs = [rr[x]["acc"] for x in sorted(rr)]
             sd = f" ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else ""
             r1 = [rr[x]["round1_acc"] for x in sorted(rr) if "round1_acc" in rr[x]]
-            rounds = ",".join(str(rr[x].get("rounds_done", "-")) for x in sorted(rr))
+            rounds = ",".join(
+                str(rr[x].get("rounds_done", "-")) + (" (cut: acc on the curve images)" if rr[x]["cut"] else "")
+                for x in sorted(rr)
+            )
             common = sorted(set(rr) & set(warm))
             ratio = max((rr[x]["uplink_total"] / warm[x]["uplink_total"] for x in common), default=None)
             vs = (
@@ -1965,16 +1993,22 @@ def fulldata_summary(dirs: Sequence[Path]) -> str:
         for route in ("fedavg-warm", "fedavg"):
             for x in sorted(by.get(route, {})):
                 r = by[route][x]
-                stop = f"plateau at round {r['plateau_at']}" if r.get("plateau_at") else f"capped at {r['rounds_done']}"
+                stop = (
+                    f"CUT by the time budget after round {r['rounds_done']}, no plateau yet"
+                    if r["cut"]
+                    else f"plateau at round {r['plateau_at']}"
+                    if r.get("plateau_at")
+                    else f"capped at {r['rounds_done']}"
+                )
                 lines.append(
-                    f"- {route} seed {x} ({stop}; per round on the first {r.get('curve_test_images', '?')} test "
+                    f"- {route} seed {x} ({stop}; per round on the first {_curve_n(r)} test "
                     f"images): " + " ".join(f"{a:.1f}" for _, a in r["curve"])
                 )
         for route in REFRESH_VARIANTS:
             for x in sorted(by.get(route, {})):
                 r = by[route][x]
                 lines.append(
-                    f"- {route} seed {x} (round: acc on the first {r.get('curve_test_images', '?')} test images): "
+                    f"- {route} seed {x} (round: acc on the first {_curve_n(r)} test images): "
                     + " ".join(f"{int(rd)}:{a:.1f}" for rd, a in r["curve"])
                 )
         v = fulldata_verdict(rows)
@@ -2002,7 +2036,7 @@ def fulldata_figure(dirs: Sequence[Path], path: Path) -> str:
     cmap = plt.get_cmap("tab10")
     colours = {route: cmap(i % 10) for i, route in enumerate(FULLDATA_ORDER)}
     for ax, d in zip(axes[0], dirs, strict=True):
-        rows = load_rows(d)
+        rows = load_fulldata_rows(d)
         by = _by_route(rows)
         for route in FULLDATA_ORDER:
             first = True
