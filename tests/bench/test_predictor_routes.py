@@ -453,7 +453,7 @@ def test_new_routes_run_end_to_end_at_tiny_sizes(tmp_path: Path) -> None:
     out = tmp_path / "r"
     rc = pr.main(
         ["--out", str(out), "--routes", "fedavg-warm,refresh,refresh-proto,refresh-frozen-head", "--clients", "2",
-         "--rounds", "3", "--train-limit", "400", "--test-limit", "60", "--public-epochs", "1", "--plateau-cap", "2",
+         "--rounds", "2", "--train-limit", "400", "--test-limit", "60", "--public-epochs", "1", "--plateau-cap", "2",
          "--curve-test", "30", "--threads", "1", "--progress", "0"]
     )  # fmt: skip
     assert rc == 0
@@ -462,9 +462,9 @@ def test_new_routes_run_end_to_end_at_tiny_sizes(tmp_path: Path) -> None:
     assert [r for r, _ in warm["curve"]] == [1, 2] and warm["curve_test_images"] == 30
     assert warm["uplink_curve"][-1][1] == warm["uplink_total"] == warm["fedavg_uplink_total"]
     ref = json.loads((out / "refresh-s0.json").read_text())
-    assert ref["rounds_done"] == 3 and ref["topk"] >= 1 and ref["resolve_every"] == 10
-    assert 0 <= ref["round1_acc"] <= 100 and len(ref["downlink_sparse_values"]) == 3
-    assert [r for r, _ in ref["uplink_curve"]] == [1, 2, 3] and ref["uplink_curve"][-1][1] == ref["uplink_total"]
+    assert ref["rounds_done"] == 2 and ref["topk"] >= 1 and ref["resolve_every"] == 10
+    assert 0 <= ref["round1_acc"] <= 100 and len(ref["downlink_sparse_values"]) == 2
+    assert [r for r, _ in ref["uplink_curve"]] == [1, 2] and ref["uplink_curve"][-1][1] == ref["uplink_total"]
     assert ref["uplink_total"] < warm["uplink_total"]
     proto = json.loads((out / "refresh-proto-s0.json").read_text())
     assert proto["uplink_total"] > ref["uplink_total"] and proto["objective"] == "proto"
