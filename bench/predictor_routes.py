@@ -1921,6 +1921,8 @@ def defaults_choice(rows: Sequence[dict[str, Any]]) -> str:
         if v not in by:
             continue
         seeds = sorted(set(by[v]) & set(by["fedavg-warm"]))
+        if any(by[v][x]["cut"] for x in seeds):  # a run the time budget cut is not a candidate
+            continue
         if seeds and all(by[v][s]["uplink_total"] / by["fedavg-warm"][s]["uplink_total"] <= RATIO_MAX for s in seeds):
             ok[v] = {s: by[v][s]["acc"] for s in seeds}
             bytes_[v] = statistics.fmean(by[v][s]["uplink_total"] for s in seeds)
@@ -1933,6 +1935,8 @@ def defaults_choice(rows: Sequence[dict[str, Any]]) -> str:
     low = min(bytes_[v] for v in tied)
     pick = min((v for v in tied if bytes_[v] <= 1.01 * low), key=lambda v: pref[v])
     few = min(len(ok[v]) for v in ok)
+    if len(ok) == 1:
+        return f"only {pick} ran to R (no other variant to choose from)"
     return (
         f"**{pick}** (K = {REFRESH_VARIANTS[pick][0]}, T = {REFRESH_VARIANTS[pick][1]}, objective "
         f"{REFRESH_VARIANTS[pick][2]}); best mean {best}; not beaten by it: {', '.join(sorted(tied))}"
