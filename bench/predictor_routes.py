@@ -50,6 +50,26 @@ official 10,000-image test set (its final-round accuracy; no route picks a round
   ensemble-public REFERENCE, not deployable: those device models' mean class probabilities on the test set
                   (it needs every device's private model at serving time).
 
+Issue 56 (PREDICTOR.md, "Full data"; run with --plateau-cap N, summarised by --fulldata-summary):
+  fedavg-warm     REFERENCE: FedAvg started from the public-only model (the whole model, head included), run to
+                  the plateau rule (`plateau_at`: the first round r >= 20 where the mean accuracy of the last 10
+                  rounds gains under 0.2 points on the 10 before; scored every round, on --curve-test images),
+                  at most --plateau-cap rounds; with --plateau-cap, `fedavg` runs to the same rule.
+  refresh         g = shared backbone + ridge head solved from round 1's statistics; each later round every device
+                  fine-tunes g (backbone + head, cross-entropy, the config optimiser, E epochs) and uploads the top-K
+                  by magnitude of (g_local - g + e), e its error-feedback residual; the server adds the n-weighted
+                  mean of the sparse updates; every T rounds (1 + T, 1 + 2T, ...) the devices also send the ridge
+                  statistics of g's backbone (as received) and the head is re-solved from that round's sums.
+                  K = 0.001 of g's floating state, T = 10 (the product's defaults; REFRESH_VARIANTS).
+  refresh-k004    K = 0.004;  refresh-t0: T = 0 (the head never re-solved after round 1).
+  refresh-erpa    + RefProtoFL's ERPA term lambda A(z, a_y), a_c the class means of g's z on the public set.
+  refresh-frozen-head  (added after the first runs) the head frozen in local training (FedBABU-style): the top-K
+                  goes to the backbone; the head changes only by the re-solve every T rounds.
+  refresh-proto   + TinyProto/FedProto: lambda A(z, G_y), G_c the n-weighted mean of the devices' CPS-compressed
+                  class prototypes (s = m/10 values a class) of the round before (sent every round, round 1 too).
+  Bytes per round are recorded cumulatively (`uplink_curve`); refresh's downlink: the union of the sparse entries
+  per round (`downlink_sparse_values`).
+
 Bytes are uplink only (what devices send; the backbone and public set each device receives once are downlink),
 counted as the project's encoded wire messages (`protofl.wire`: ParamsUpload of a dense vector for parameters,
 ridge statistics and public-set probabilities -- the wire has no message of their own yet -- or of a SparseVector for
@@ -119,7 +139,18 @@ CANDIDATES = (
     "topk-ef",
 )
 CONTROLS = ("public", "local", "local-public")
-REFERENCES = ("fedavg", "ensemble-public")
+REFERENCES = ("fedavg", "ensemble-public", "fedavg-warm")
+# issue 56: refresh and its variants, (K as a fraction of g's floating state, T, local objective)
+REFRESH_VARIANTS: dict[str, tuple[float, int, str]] = {
+    "refresh": (0.001, 10, "ce"),
+    "refresh-k004": (0.004, 10, "ce"),
+    "refresh-t0": (0.001, 0, "ce"),
+    "refresh-erpa": (0.001, 10, "erpa"),
+    "refresh-proto": (0.001, 10, "proto"),
+    # added after the first CPU rounds (PREDICTOR.md "Full data": not in the rule written before the runs):
+    # FedBABU-style, the head frozen in local training, so the top-K goes to the backbone; head by re-solve only
+    "refresh-frozen-head": (0.001, 10, "ce-frozen-head"),
+}
 ROUTES = (
     "fedavg",
     "public",
@@ -136,6 +167,8 @@ ROUTES = (
     "local",
     "local-public",
     "ensemble-public",
+    "fedavg-warm",
+    *REFRESH_VARIANTS,
 )
 # A job computes one or several routes (they share the work); jobs run in this order (cheap ones first).
 JOBS: dict[str, tuple[str, ...]] = {
@@ -150,6 +183,8 @@ JOBS: dict[str, tuple[str, ...]] = {
     "topk-ef": ("topk-ef",),
     "distil": ("distil-mean", "distil-counts", "local-public", "ensemble-public"),
     "local": ("local",),
+    "fedavg-warm": ("fedavg-warm",),
+    **{v: (v,) for v in REFRESH_VARIANTS},
 }
 RATIO_MAX = 0.01  # rule (1)
 WITHIN = 2.0  # rule (2), points
@@ -164,6 +199,8 @@ IN_SHAPE = (1, 28, 28)
 PROTO_DIM, ADAPTER_RANK = 512, 32  # the config defaults (m, r)
 LR, MOMENTUM, WEIGHT_DECAY, BATCH = 0.01, 0.9, 1e-4, 64  # the config defaults
 PUBLIC_PER_CLASS = 20
+PLATEAU_WINDOW, PLATEAU_GAIN = 10, 0.2  # issue 56's plateau rule (plateau_at), points
+CPS_S = PROTO_DIM // 10  # refresh-proto: CPS values a class (ALGORITHMS.md, TinyProto's default s = m/10)
 
 NUMBERS = """numbers reported (per route and seed, one JSON each; --summary tabulates them):
   acc                global accuracy in %: the route's one predictor on the official test set (10,000 images
@@ -311,8 +348,10 @@ def route_uplink(
         proto = proto_upload_bytes(held, dim, n, 1, sender=sender)
         ridge = params_upload_bytes(ridge_values(dim, num_classes), n, 1, sender=sender)
         heads = sum(params_upload_bytes(head_params, n, r, sender=sender) for r in range(1, rounds + 1))
-        if route == "fedavg":
+        if route in ("fedavg", "fedavg-warm"):
             total += sum(params_upload_bytes(full_params, n, r, sender=sender) for r in range(1, rounds + 1))
+        elif route in REFRESH_VARIANTS:
+            total += refresh_client_uplink(route, n, held, rounds, full_params, dim, num_classes, sender)
         elif route == "topk-ef":
             total += sum(
                 sparse_upload_bytes(full_params, topk_count(full_params), n, r, sender=sender)
@@ -343,6 +382,74 @@ def route_uplink(
         else:
             raise ValueError(f"unknown route {route!r}")
     return total
+
+
+def refresh_client_uplink(
+    route: str, n: int, held: int, rounds: int, full_params: int, dim: int, num_classes: int, sender: str
+) -> int:
+    """One device's uplink over `rounds` rounds of a refresh variant: round 1 its ridge statistics of the shared
+    backbone; rounds 2..R a SparseVector of K = topk_count(d, ratio) values; in every re-solve round (1 + jT) the
+    ridge statistics again; refresh-proto: its CPS-compressed prototypes (s values a class, with counts) every
+    round, round 1 included."""
+    ratio, period, objective = REFRESH_VARIANTS[route]
+    k = topk_count(full_params, ratio)
+    ridge = ridge_values(dim, num_classes)
+    total = 0
+    for r in range(1, rounds + 1):
+        if r == 1 or (period > 0 and (r - 1) % period == 0):
+            total += params_upload_bytes(ridge, n, r, sender=sender)
+        if r > 1:
+            total += sparse_upload_bytes(full_params, k, n, r, sender=sender)
+        if objective == "proto":
+            total += proto_upload_bytes(held, CPS_S, n, r, sender=sender)
+    return total
+
+
+def plateau_at(
+    curve: Sequence[Sequence[float]], window: int = PLATEAU_WINDOW, gain: float = PLATEAU_GAIN
+) -> int | None:
+    """Issue 56's plateau rule on a per-round curve [(round, acc)]: the first round r >= 2 x window at which the
+    mean accuracy of rounds r-window+1..r gains under `gain` points on the mean of the `window` rounds before
+    (None if it never fires; rounds missing from the curve are never judged)."""
+    acc = {int(r): float(a) for r, a in curve}
+    for r in sorted(acc):
+        if r < 2 * window:
+            continue
+        last = [acc.get(i) for i in range(r - window + 1, r + 1)]
+        before = [acc.get(i) for i in range(r - 2 * window + 1, r - window + 1)]
+        if any(v is None for v in last + before):
+            continue
+        if statistics.fmean(last) - statistics.fmean(before) < gain:  # type: ignore[arg-type]
+            return r
+    return None
+
+
+def topk_ef_step(
+    gvec: Any, locals_: Sequence[Any], residuals: list[Any], weights: Sequence[float], k: int
+) -> tuple[Any, list[Any]]:
+    """One round of top-K with error feedback (torch tensors): device j sends the k entries of largest
+    magnitude of u_j = (locals_[j] - gvec) + residuals[j] (residual None = 0) and keeps e_j = u_j - sent_j;
+    the server adds sum_j weights[j] sent_j (the n-weighted mean: weights sum to 1). Returns (new gvec, the
+    new residuals); `residuals` is updated in place too."""
+    import torch
+
+    acc = torch.zeros_like(gvec)
+    for j, (w_local, wt) in enumerate(zip(locals_, weights, strict=True)):
+        sent, residuals[j] = topk_ef_send(w_local - gvec, residuals[j], k)
+        acc.add_(sent, alpha=float(wt))
+    return gvec + acc, residuals
+
+
+def topk_ef_send(delta: Any, residual: Any, k: int) -> tuple[Any, Any]:
+    """A device's top-K with error feedback (torch): u = delta + residual; returns (sent: u on its k entries of
+    largest magnitude, zeros elsewhere; the new residual u - sent)."""
+    import torch
+
+    u = delta if residual is None else delta + residual
+    idx = torch.topk(u.abs(), k, sorted=False).indices
+    sent = torch.zeros_like(u)
+    sent[idx] = u[idx]
+    return sent, u - sent
 
 
 # --------------------------------------------------------------------------------------------------
@@ -700,6 +807,8 @@ class Runner:
         self.test_x = self._tensor(test.normalized())
         self.test_y = torch.from_numpy(test.y).to(self.device)
         self.test_y_np = test.y
+        n_curve = min(a.curve_test or len(test), len(test))
+        self.curve_x, self.curve_y = self.test_x[:n_curve], self.test_y[:n_curve]
         log(
             f"data: {len(self.train_full)} train, {len(test)} test images loaded in {time.monotonic() - t:.1f} s; "
             f"device {self.device}"
@@ -731,6 +840,8 @@ class Runner:
             "momentum": MOMENTUM,
             "weight_decay": WEIGHT_DECAY,
             "public_epochs": a.public_epochs,
+            **({"plateau_cap": a.plateau_cap} if a.plateau_cap else {}),
+            **({"curve_test": a.curve_test} if a.curve_test else {}),
         }
 
     def model(self, seed: int) -> Any:
@@ -822,32 +933,31 @@ class Runner:
             raise SystemExit(f"{p} was made with another setting ({rec.get('setting')}); use another --out")
         return bool(rec.get("complete", True))
 
-    def write(self, route: str, seed: int, rec: dict[str, Any], sd: dict[str, Any], partial: bool = False) -> None:
-        uplink = route_uplink(
+    def uplink(self, route: str, sd: dict[str, Any], rounds: int) -> int:
+        return route_uplink(
             route,
             sizes=sd["sizes"],
             classes_held=sd["held"],
-            rounds=self.a.rounds,
+            rounds=rounds,
             full_params=sd["full_params"],
             dim=PROTO_DIM,
             head_params=PROTO_DIM * NUM_CLASSES + NUM_CLASSES,
             adapter_params=sd["adapter_params"],
             public_n=int(sd["pub_x"].shape[0]),
         )
-        fed = route_uplink(
-            "fedavg",
-            sizes=sd["sizes"],
-            classes_held=sd["held"],
-            rounds=self.a.rounds,
-            full_params=sd["full_params"],
-            dim=PROTO_DIM,
-            head_params=0,
-            adapter_params=0,
-            public_n=0,
-        )
+
+    def write(self, route: str, seed: int, rec: dict[str, Any], sd: dict[str, Any], partial: bool = False) -> None:
+        # an iterative route's bytes are over the rounds it ran (a plateau run stops early); one-shot: --rounds
+        rounds = int(rec.get("rounds_done", self.a.rounds))
+        uplink = self.uplink(route, sd, rounds)
+        fed = self.uplink("fedavg", sd, rounds)
+        if route in REFRESH_VARIANTS or route in ("fedavg", "fedavg-warm"):
+            rec = {**rec, "uplink_curve": [[r, self.uplink(route, sd, r)] for r in range(1, rounds + 1)]}
         kind = (
             "baseline"
             if route == "fedavg"
+            else "reference (issue 56's baseline)"
+            if route == "fedavg-warm"
             else "control"
             if route in CONTROLS
             else "reference (not deployable)"
@@ -862,7 +972,7 @@ class Runner:
             "complete": not partial,
             **rec,
             "uplink_total": uplink,
-            "uplink_per_client_round": uplink / (self.a.clients * self.a.rounds),
+            "uplink_per_client_round": uplink / (self.a.clients * rounds),
             "uplink_ratio": uplink / fed if route not in CONTROLS and route != "ensemble-public" else None,
             "fedavg_uplink_total": fed,
             "revision": _revision(),
@@ -987,6 +1097,9 @@ class Runner:
         score: Callable[[], float],
         after_round: Callable[[int], None] | None = None,
         topk: int | None = None,
+        rounds: int | None = None,
+        stop: Callable[[list[list[float]]], bool] | None = None,
+        final: Callable[[], float] | None = None,
     ) -> dict[str, Any]:
         """R rounds: each client starts from the global module, trains (`local_train(k, work, round)`), and the
         floating state (parameters, BatchNorm statistics) is averaged weighted by |D_k|; with `topk`, each client
@@ -1003,9 +1116,10 @@ class Runner:
         resid: list[Any] = [None] * len(sd["clients"])
         curve: list[list[float]] = []
         a = self.a
+        n_rounds = rounds or a.rounds
         started = time.monotonic()
-        for r in range(1, a.rounds + 1):
-            self.budget.check_pace(started, r - 1, a.rounds, a.yield_late)
+        for r in range(1, n_rounds + 1):
+            self.budget.check_pace(started, r - 1, n_rounds, a.yield_late)
             for t in acc_state:
                 t.zero_()
             if topk:
@@ -1042,18 +1156,23 @@ class Runner:
                         g.copy_(s)
             if after_round is not None:
                 after_round(r)
-            if r % a.test_every == 0 or r == a.rounds:
+            every = 1 if stop is not None else a.test_every
+            if r % every == 0 or r == n_rounds:
                 curve.append([r, score()])
-                if r < a.rounds:
+                if r < n_rounds:
                     self.write(
                         route, sd["seed"], {"acc": curve[-1][1], "curve": curve, "rounds_done": r}, sd, partial=True
                     )
-            if a.progress and (r % a.progress == 0 or r == a.rounds):
+            if a.progress and (r % a.progress == 0 or r == n_rounds):
                 log(
-                    f"  {route} seed {sd['seed']}: round {r}/{a.rounds}"
+                    f"  {route} seed {sd['seed']}: round {r}/{n_rounds}"
                     + (f", acc {curve[-1][1]:.2f}" if curve and curve[-1][0] == r else "")
                 )
-        return {"acc": curve[-1][1], "curve": curve, "rounds_done": a.rounds}
+            if stop is not None and stop(curve):
+                log(f"  {route} seed {sd['seed']}: the plateau rule fired at round {r}")
+                break
+        done = int(curve[-1][0])
+        return {"acc": final() if final is not None else curve[-1][1], "curve": curve, "rounds_done": done}
 
     # -- the jobs --------------------------------------------------------------------------------------
     def job_public(self, sd: dict[str, Any]) -> None:
@@ -1188,8 +1307,12 @@ class Runner:
     def job_fedavg(self, sd: dict[str, Any], route: str = "fedavg") -> None:
         torch = self.torch
         t = time.monotonic()
-        glob = self.model(sd["seed"])
+        if route == "fedavg-warm":  # issue 56: FedAvg started from the public-only model (head included)
+            glob = copy.deepcopy(self.public_model(sd)[0])
+        else:
+            glob = self.model(sd["seed"])
         ce = torch.nn.functional.cross_entropy
+        plateau = bool(self.a.plateau_cap) and route in ("fedavg", "fedavg-warm")
 
         def local_train(k: int, work: Any, r: int) -> None:
             c = sd["clients"][k]
@@ -1206,9 +1329,29 @@ class Runner:
             glob.eval()
             return self.accuracy(glob, self.test_x, self.test_y)
 
+        def score_curve() -> float:
+            glob.eval()
+            return self.accuracy(glob, self.curve_x, self.curve_y)
+
         topk = topk_count(sd["full_params"]) if route == "topk-ef" else None
-        res = self.federate(route, sd, glob, local_train, score, topk=topk)
-        res["converged_at"] = converged_at(res["curve"]) if self.a.test_every == 1 else None
+        if plateau:  # issue 56: scored every round (on --curve-test images), stopped by the plateau rule
+            res = self.federate(
+                route,
+                sd,
+                glob,
+                local_train,
+                score_curve,
+                topk=topk,
+                rounds=self.a.plateau_cap,
+                stop=lambda curve: plateau_at(curve) is not None,
+                final=score if self.a.curve_test else None,
+            )
+            res["plateau_at"] = plateau_at(res["curve"])
+            res["capped"] = res["plateau_at"] is None
+            res["curve_test_images"] = int(self.curve_x.shape[0])
+        else:
+            res = self.federate(route, sd, glob, local_train, score, topk=topk)
+        res["converged_at"] = converged_at(res["curve"]) if self.a.test_every == 1 or plateau else None
         if topk:
             res["topk"] = topk
         res["wall_s"] = time.monotonic() - t
@@ -1216,6 +1359,160 @@ class Runner:
 
     def job_topk_ef(self, sd: dict[str, Any]) -> None:
         self.job_fedavg(sd, "topk-ef")
+
+    def job_fedavg_warm(self, sd: dict[str, Any]) -> None:
+        self.job_fedavg(sd, "fedavg-warm")
+
+    def _ridge_sums(self, model: Any, sd: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """The sums over devices of their ridge statistics of `model`'s features (each device's G_k, B_k)."""
+        torch = self.torch
+        g_sum = b_sum = None
+        for c in sd["clients"]:
+            h = self.features(model, c["x"])
+            ha = torch.cat([h.double(), torch.ones(h.shape[0], 1, dtype=torch.float64, device=self.device)], 1)
+            onehot = torch.nn.functional.one_hot(c["y"], NUM_CLASSES).double()
+            g, b = (ha.T @ ha).cpu().numpy(), (ha.T @ onehot).cpu().numpy()
+            g_sum = g if g_sum is None else g_sum + g
+            b_sum = b if b_sum is None else b_sum + b
+        if g_sum is None or b_sum is None:
+            raise ValueError("ridge: the federation has no clients")
+        return g_sum, b_sum
+
+    def job_refresh(self, sd: dict[str, Any], route: str = "refresh") -> None:
+        """Issue 56's refresh route and its variants (module docstring; REFRESH_VARIANTS)."""
+        torch = self.torch
+        from protofl.algorithms.cps import make_masks
+
+        t = time.monotonic()
+        ratio, period, objective = REFRESH_VARIANTS[route]
+        a = self.a
+        seed = sd["seed"]
+        glob = copy.deepcopy(self.public_model(sd)[0])
+        w0, b0 = self.ridge(sd)  # round 1: the statistics of the shared backbone, the head solved
+        with torch.no_grad():
+            glob.head.weight.copy_(torch.from_numpy(w0))
+            glob.head.bias.copy_(torch.from_numpy(b0))
+        gs = [v for v in glob.state_dict().values() if v.is_floating_point()]
+        work = copy.deepcopy(glob)
+        ws = [v for v in work.state_dict().values() if v.is_floating_point()]
+        d = sum(v.numel() for v in gs)
+        k_top = topk_count(d, ratio)
+        weights = np.asarray(sd["sizes"], np.float64)
+        weights = weights / weights.sum()
+        resid: list[Any] = [None] * len(sd["clients"])
+        ce = torch.nn.functional.cross_entropy
+        masks = self._tensor(make_masks(NUM_CLASSES, PROTO_DIM, CPS_S, seed=seed).astype(np.float32))
+
+        def cps_global(model: Any) -> tuple[Any, Any]:
+            """Devices' CPS-compressed class prototypes of `model`'s z (eval mode), n-weighted by the server,
+            reconstructed structured-sparse: the alignment targets (refresh-proto)."""
+            s_ = torch.zeros(NUM_CLASSES, PROTO_DIM, dtype=torch.float64, device=self.device)
+            n_ = torch.zeros(NUM_CLASSES, dtype=torch.float64, device=self.device)
+            for c in sd["clients"]:
+                z = self.features(model, c["x"]).double()
+                cnt = torch.bincount(c["y"], minlength=NUM_CLASSES).double()
+                sums = torch.zeros(NUM_CLASSES, PROTO_DIM, dtype=torch.float64, device=self.device)
+                sums.index_add_(0, c["y"], z)
+                means = sums / cnt.clamp(min=1)[:, None]
+                s_ += cnt[:, None] * means * masks.double()
+                n_ += cnt
+            g = (s_ / n_.clamp(min=1)[:, None]).float()
+            return g, (n_ > 0).float()
+
+        def reference_protos(model: Any) -> tuple[Any, Any]:
+            """ERPA's reference prototypes: class means of g's z over the public set (refresh-erpa)."""
+            z = self.features(model, sd["pub_x"])
+            y = sd["pub_y"]
+            cnt = torch.bincount(y, minlength=NUM_CLASSES).float()
+            sums = torch.zeros(NUM_CLASSES, PROTO_DIM, device=self.device).index_add_(0, y, z)
+            return sums / cnt.clamp(min=1)[:, None], (cnt > 0).float()
+
+        def score(x: Any, y: Any) -> float:
+            glob.eval()
+            return self.accuracy(glob, x, y)
+
+        anchors = cps_global(glob) if objective == "proto" else None
+        round1 = score(self.test_x, self.test_y)
+        curve = [[1, score(self.curve_x, self.curve_y) if a.curve_test else round1]]
+        downlink: list[int] = [0]
+        started = time.monotonic()
+        for r in range(2, a.rounds + 1):
+            self.budget.check_pace(started, r - 2, a.rounds - 1, a.yield_late)
+            resolve = period > 0 and (r - 1) % period == 0
+            sums = self._ridge_sums(glob, sd) if resolve else None  # statistics of g as received
+            if objective == "erpa":
+                anchors = reference_protos(glob)
+            with torch.no_grad():
+                gvec = torch.cat([g.reshape(-1) for g in gs])
+                accv = torch.zeros_like(gvec)
+            for k, c in enumerate(sd["clients"]):
+                self.budget.check()
+                with torch.no_grad():
+                    for w, g in zip(ws, gs, strict=True):
+                        w.copy_(g)
+                work.train()
+
+                def loss_of(idx: Any, c: dict[str, Any] = c, anchors: Any = anchors) -> Any:
+                    z = work.features(c["x"][idx])
+                    yy = c["y"][idx]
+                    loss = ce(work.head(z), yy)
+                    if anchors is not None:
+                        table, has = anchors
+                        loss = loss + PROTO_LAMBDA * (((z - table[yy]) ** 2).mean(dim=1) * has[yy]).mean()
+                    return loss
+
+                params = [
+                    p
+                    for name, p in work.named_parameters()
+                    if objective != "ce-frozen-head" or not name.startswith("head.")
+                ]
+                self.sgd(params, loss_of, c["n"], a.local_epochs, np.random.default_rng([seed, 7, r, k]))
+                with torch.no_grad():
+                    sent, resid[k] = topk_ef_send(torch.cat([w.reshape(-1) for w in ws]) - gvec, resid[k], k_top)
+                    accv.add_(sent, alpha=float(weights[k]))
+            with torch.no_grad():
+                downlink.append(int((accv != 0).sum().item()))
+                gvec += accv
+                at = 0
+                for g in gs:
+                    g.copy_(gvec[at : at + g.numel()].view_as(g))
+                    at += g.numel()
+                if sums is not None:  # the head re-solved from this round's sums (replacing its sparse update)
+                    w1, b1 = ridge_solve(*sums)
+                    glob.head.weight.copy_(torch.from_numpy(w1))
+                    glob.head.bias.copy_(torch.from_numpy(b1))
+            if objective == "proto":  # the devices' prototypes after training, for next round's targets
+                anchors = cps_global(glob)
+            if r % a.test_every == 0 or r == a.rounds:
+                curve.append([r, score(self.curve_x, self.curve_y)])
+                if r < a.rounds:
+                    self.write(route, seed, {"acc": curve[-1][1], "curve": curve, "rounds_done": r}, sd, partial=True)
+            if a.progress and (r % a.progress == 0 or r == a.rounds):
+                log(
+                    f"  {route} seed {seed}: round {r}/{a.rounds}"
+                    + (f", acc {curve[-1][1]:.2f}" if curve[-1][0] == r else "")
+                )
+        final = score(self.test_x, self.test_y) if a.rounds > 1 else round1
+        self.write(
+            route,
+            seed,
+            {
+                "acc": final,
+                "round1_acc": round1,
+                "curve": curve,
+                "curve_test_images": int(self.curve_x.shape[0]),
+                "rounds_done": a.rounds,
+                "topk": k_top,
+                "topk_ratio": ratio,
+                "resolve_every": period,
+                "objective": objective,
+                "proto_lambda": PROTO_LAMBDA if objective in ("erpa", "proto") else 0.0,
+                "cps_s": CPS_S if objective == "proto" else None,
+                "downlink_sparse_values": downlink,
+                "wall_s": time.monotonic() - t,
+            },
+            sd,
+        )
 
     def _local_models(self, sd: dict[str, Any], init: Any, tag: int, each: Callable[[int, Any], None]) -> None:
         """Each device trains its own copy of `init` for R rounds of E epochs (a fresh optimiser each round, as
@@ -1341,7 +1638,18 @@ class Runner:
         per_epoch = sum(math.ceil(n / BATCH) for n in sd["sizes"])
         images = sum(sd["sizes"]) + int(self.test_x.shape[0])
         evals = int(self.test_x.shape[0]) / BATCH * step / 3
-        if job in ("fedavg", "topk-ef", "local"):  # no shared backbone
+        curve_evals = evals * int(self.curve_x.shape[0]) / int(self.test_x.shape[0])
+        if a.plateau_cap and job in ("fedavg", "fedavg-warm"):  # guessed: the rule fires at 2/3 of the cap
+            r_guess = max(2 * PLATEAU_WINDOW, 2 * a.plateau_cap // 3)
+            return 1.15 * (r_guess * (a.local_epochs * per_epoch * step + curve_evals) + 2 * evals)
+        if job in REFRESH_VARIANTS:
+            return 1.15 * (
+                (a.rounds - 1) * a.local_epochs * per_epoch * step * (1.1 if job != "refresh-proto" else 1.4)
+                + (a.rounds // a.test_every + 1) * curve_evals
+                + 2 * evals
+                + (a.rounds // 10) * images / BATCH * step / 3
+            )
+        if job in ("fedavg", "topk-ef", "local", "fedavg-warm"):  # no shared backbone
             n_evals = (a.rounds // a.test_every + 1) if job != "local" else a.clients
             return 1.15 * (a.rounds * a.local_epochs * per_epoch * step + n_evals * evals)
         # the shared backbone: trained on the public set (unless this process has it), its features once
@@ -1375,7 +1683,7 @@ class Runner:
             del probe
             for job in todo:
                 est = self.estimate(job, sd)
-                if est > self.budget.left():
+                if est > self.budget.left() and not self.a.start_anyway:
                     msg = (
                         f"SKIPPED {job} seed {seed} ({', '.join(JOBS[job])}): needs ~{est:.0f} s, "
                         f"{self.budget.left():.0f} s of --budget-s left"
@@ -1388,7 +1696,10 @@ class Runner:
                 log(f"seed {seed}: {job} (estimated {est:.0f} s, {self.budget.left():.0f} s left)")
                 t = time.monotonic()
                 try:
-                    getattr(self, "job_" + job.replace("-", "_"))(sd)
+                    if job in REFRESH_VARIANTS:
+                        self.job_refresh(sd, job)
+                    else:
+                        getattr(self, "job_" + job.replace("-", "_"))(sd)
                 except BudgetStop as stop:
                     msg = f"STOPPED {job} seed {seed}: {stop} (partial files, if any, say how far)"
                     log(msg)
@@ -1528,6 +1839,241 @@ def summary(dirs: Sequence[Path]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# Issue 56: the full-data section's summary, verdict and figure
+# --------------------------------------------------------------------------------------------------
+
+FULLDATA_ORDER = ("fedavg-warm", "fedavg", "ridge", "public", *REFRESH_VARIANTS)
+GOAL_WITHIN = 1.0  # points (issue 56's goal)
+
+
+def _by_route(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, dict[str, Any]]]:
+    """route -> seed -> row: the complete row, else a row cut by the time budget (flagged "cut")."""
+    out: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: bool(r.get("complete", True))):  # complete rows win
+        out.setdefault(r["route"], {})[int(r["seed"])] = {**r, "cut": not r.get("complete", True)}
+    return out
+
+
+def _curve_n(r: dict[str, Any]) -> Any:
+    return r.get("curve_test_images", r["setting"].get("curve_test", "?"))
+
+
+def load_fulldata_rows(d: Path) -> list[dict[str, Any]]:
+    """Complete rows and the partial files of iterative runs the time budget cut (their `acc` is the last
+    scored round's, on the curve images)."""
+    return [json.loads(p.read_text()) for p in sorted(d.glob("*-s*.json"))]
+
+
+def fulldata_verdict(rows: Sequence[dict[str, Any]], route: str = "refresh") -> dict[str, Any]:
+    """Issue 56's goal for `route` against fedavg-warm, paired by seed (PREDICTOR.md, "Full data"): (a) the
+    interval of route - fedavg-warm above -1; (b) on every seed the route's uplink <= 1/100 of fedavg-warm's at
+    its plateau; (c) on every seed accuracy after R rounds above round 1's. Also "at or above": the interval's
+    upper end >= 0. Below 2 seeds: a reading of the means."""
+    by = _by_route(rows)
+    if route not in by or "fedavg-warm" not in by:
+        return {"verdict": "NOT MEASURED", "why": f"{route} and fedavg-warm rows are needed"}
+    seeds = sorted(set(by[route]) & set(by["fedavg-warm"]))
+    if not seeds:
+        return {"verdict": "NOT MEASURED", "why": "no seed has both rows"}
+    cut = any(by[x][s]["cut"] for x in (route, "fedavg-warm") for s in seeds)
+
+    def acc_of(r: dict[str, Any]) -> float:  # a cut row has no final score on all test images: compare curves
+        return float(r["curve"][-1][1]) if cut else float(r["acc"])
+
+    vs = paired({s: acc_of(by[route][s]) for s in seeds}, {s: acc_of(by["fedavg-warm"][s]) for s in seeds})
+    ratios = {s: by[route][s]["uplink_total"] / by["fedavg-warm"][s]["uplink_total"] for s in seeds}
+    gains = {
+        s: (
+            by[route][s]["curve"][-1][1] - by[route][s]["curve"][0][1]
+            if cut
+            else by[route][s]["acc"] - by[route][s].get("round1_acc", by[route][s]["acc"])
+        )
+        for s in seeds
+    }
+    iv = vs.interval
+    a_ok = (iv[0] > -GOAL_WITHIN) if iv is not None else (vs.mean is not None and vs.mean > -GOAL_WITHIN)
+    b_ok = all(v <= RATIO_MAX for v in ratios.values())
+    c_ok = all(v > 0 for v in gains.values())
+    at_or_above = (iv[1] >= 0) if iv is not None else (vs.mean is not None and vs.mean >= 0)
+    met = a_ok and b_ok and c_ok
+    verdict = ("MET" if met else "MISSED") + ("" if iv is not None else " (one seed: a reading of the means)")
+    if cut:
+        cut_at = {x: {s: by[x][s]["curve"][-1][0] for s in seeds if by[x][s]["cut"]} for x in (route, "fedavg-warm")}
+        verdict += f" (runs cut by the time budget, rounds {cut_at}: compared on the curve images, last round scored)"
+    why = (
+        f"{route} - fedavg-warm = {vs.text()}: (a) within {GOAL_WITHIN:g} point {'yes' if a_ok else 'NO'}; "
+        f"(b) bytes <= 1/100 on every seed {'yes' if b_ok else 'NO'} (max {max(ratios.values()):.5f}); "
+        f"(c) after R above round 1 on every seed {'yes' if c_ok else 'NO'} "
+        f"(gains {', '.join(f'{gains[s]:+.2f}' for s in seeds)}); at or above (upper end >= 0): "
+        f"{'yes' if at_or_above else 'no'}"
+    )
+    return {"verdict": verdict, "why": why, "met": met, "vs": vs, "ratios": ratios, "gains": gains, "seeds": seeds}
+
+
+def defaults_choice(rows: Sequence[dict[str, Any]]) -> str:
+    """PREDICTOR.md "Full data" rule 2: the refresh variant the measurement supports as the product's default."""
+    by = _by_route(rows)
+    if "fedavg-warm" not in by:
+        return "no fedavg-warm rows"
+    ok: dict[str, dict[int, float]] = {}
+    bytes_: dict[str, float] = {}
+    for v in REFRESH_VARIANTS:
+        if v not in by:
+            continue
+        seeds = sorted(set(by[v]) & set(by["fedavg-warm"]))
+        if any(by[v][x]["cut"] for x in seeds):  # a run the time budget cut is not a candidate
+            continue
+        if seeds and all(by[v][s]["uplink_total"] / by["fedavg-warm"][s]["uplink_total"] <= RATIO_MAX for s in seeds):
+            ok[v] = {s: by[v][s]["acc"] for s in seeds}
+            bytes_[v] = statistics.fmean(by[v][s]["uplink_total"] for s in seeds)
+    if not ok:
+        return "no refresh variant meets the byte bound"
+    best = max(ok, key=lambda v: statistics.fmean(ok[v].values()))
+    tied = [v for v in ok if v == best or paired(ok[best], ok[v]).beats() != 1]
+    # fewest bytes; equal bytes (within 1 %): the product default, then plain cross-entropy, wins
+    pref = {v: (0 if v == "refresh" else 1 if REFRESH_VARIANTS[v][2].startswith("ce") else 2) for v in tied}
+    low = min(bytes_[v] for v in tied)
+    pick = min((v for v in tied if bytes_[v] <= 1.01 * low), key=lambda v: pref[v])
+    few = min(len(ok[v]) for v in ok)
+    if len(ok) == 1:
+        return f"only {pick} ran to R (no other variant to choose from)"
+    return (
+        f"**{pick}** (K = {REFRESH_VARIANTS[pick][0]}, T = {REFRESH_VARIANTS[pick][1]}, objective "
+        f"{REFRESH_VARIANTS[pick][2]}); best mean {best}; not beaten by it: {', '.join(sorted(tied))}"
+        + (" -- fewer than 2 seeds for some variant: a reading of the means" if few < 2 else "")
+    )
+
+
+def fulldata_summary(dirs: Sequence[Path]) -> str:
+    lines: list[str] = []
+    for d in dirs:
+        rows = load_fulldata_rows(d)
+        if not rows:
+            lines += [f"## {d}", "", "no results", ""]
+            continue
+        s = rows[0]["setting"]
+        by = _by_route(rows)
+        warm = by.get("fedavg-warm", {})
+        lines += [
+            f"### {d.name}: {s['arch']}, {s['clients']} clients, alpha {s['alpha']}, train-limit {s['train_limit']}, "
+            f"refresh R = {s['rounds']}, FedAvg to the plateau rule (cap {s.get('plateau_cap')}), "
+            f"{s['test_images']} test images",
+            "",
+            f"devices: {sorted({r.get('device_name', '?') for r in rows})}; revisions: "
+            f"{sorted({r.get('revision', '?') for r in rows})}",
+            "",
+            f"| route | seeds | acc % (final, {s['test_images']:,} test) | round 1 % | rounds | uplink MB | "
+            "x fedavg-warm's bytes (max) | - fedavg-warm (points, paired) |",
+            "|---|---|--:|--:|---|--:|--:|---|",
+        ]
+        for route in FULLDATA_ORDER:
+            if route not in by:
+                continue
+            rr = by[route]
+            accs = [rr[x]["acc"] for x in sorted(rr)]
+            sd = f" ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else ""
+            r1 = [rr[x]["round1_acc"] for x in sorted(rr) if "round1_acc" in rr[x]]
+            rounds = ",".join(
+                str(rr[x].get("rounds_done", "-")) + (" (cut: acc on the curve images)" if rr[x]["cut"] else "")
+                for x in sorted(rr)
+            )
+            common = sorted(set(rr) & set(warm))
+            ratio = max((rr[x]["uplink_total"] / warm[x]["uplink_total"] for x in common), default=None)
+            vs = (
+                paired({x: rr[x]["acc"] for x in common}, {x: warm[x]["acc"] for x in common}).text()
+                if route != "fedavg-warm" and common
+                else "-"
+            )
+            r1_text = f"{statistics.fmean(r1):.2f}" if r1 else "-"
+            lines.append(
+                f"| {route} | {','.join(map(str, sorted(rr)))} | {statistics.fmean(accs):.2f}{sd} | {r1_text} | "
+                f"{rounds} | "
+            )
+            lines[-1] += (
+                f"{statistics.fmean(rr[x]['uplink_total'] for x in rr) / 1e6:.3f} | "
+                f"{'-' if ratio is None else f'{ratio:.5f}'} | {vs} |"
+            )
+        lines.append("")
+        for route in ("fedavg-warm", "fedavg"):
+            for x in sorted(by.get(route, {})):
+                r = by[route][x]
+                stop = (
+                    f"CUT by the time budget after round {r['rounds_done']}, no plateau yet"
+                    if r["cut"]
+                    else f"plateau at round {r['plateau_at']}"
+                    if r.get("plateau_at")
+                    else f"capped at {r['rounds_done']}"
+                )
+                lines.append(
+                    f"- {route} seed {x} ({stop}; per round on the first {_curve_n(r)} test "
+                    f"images): " + " ".join(f"{a:.1f}" for _, a in r["curve"])
+                )
+        for route in REFRESH_VARIANTS:
+            for x in sorted(by.get(route, {})):
+                r = by[route][x]
+                lines.append(
+                    f"- {route} seed {x} (round: acc on the first {_curve_n(r)} test images): "
+                    + " ".join(f"{int(rd)}:{a:.1f}" for rd, a in r["curve"])
+                )
+        v = fulldata_verdict(rows)
+        lines += ["", f"Goal (refresh against fedavg-warm): **{v['verdict']}** -- {v['why']}"]
+        lines += [f"Defaults the measurement supports (rule 2): {defaults_choice(rows)}"]
+        partial = sorted(p.name for p in d.glob("*.partial.json"))
+        if partial:
+            lines.append(f"Unfinished (partial files): {', '.join(partial)}")
+        if (d / "skipped.txt").exists():
+            lines += ["Skipped for the budget:", "```", (d / "skipped.txt").read_text().rstrip(), "```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def fulldata_figure(dirs: Sequence[Path], path: Path) -> str:
+    """Accuracy against cumulative uplink bytes, every route and FedAvg, one panel per results directory
+    (matplotlib; lines: the per-round curve on the --curve-test images; markers: the final accuracy on all test
+    images)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(dirs), figsize=(6.5 * len(dirs), 4.8), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    colours = {route: cmap(i % 10) for i, route in enumerate(FULLDATA_ORDER)}
+    for ax, d in zip(axes[0], dirs, strict=True):
+        rows = load_fulldata_rows(d)
+        by = _by_route(rows)
+        for route in FULLDATA_ORDER:
+            first = True
+            for x in sorted(by.get(route, {})):
+                r = by[route][x]
+                col = colours[route]
+                if "uplink_curve" in r:
+                    cum = dict((int(a), float(b)) for a, b in r["uplink_curve"])
+                    pts = [(cum[int(rd)], a) for rd, a in r["curve"] if int(rd) in cum]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=col, lw=1, alpha=0.7,
+                            label=route if first else None)  # fmt: skip
+                    ax.plot([r["uplink_total"]], [r["acc"]], "o", color=col, ms=4)
+                elif r.get("uplink_total"):
+                    ax.plot([r["uplink_total"]], [r["acc"]], "s", color=col, ms=5, label=route if first else None)
+                first = False
+        if rows:
+            s = rows[0]["setting"]
+            ax.set_title(
+                f"{d.name}: {s['arch']}, {s['clients']} clients, alpha {s['alpha']}, {s['train_limit']} images"
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("cumulative uplink bytes, all devices")
+        ax.set_ylabel("global accuracy % (lines: first test images; dots: all)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
 
@@ -1547,6 +2093,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="print the table and the rule's verdict for these results directories, and exit",
     )
+    ap.add_argument(
+        "--fulldata-summary",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="issue 56: the full-data table, plateau curves and verdict for these results directories, and exit",
+    )
+    ap.add_argument("--figure", type=Path, default=None, help="with --fulldata-summary: draw accuracy against "
+                    "cumulative uplink bytes to this PNG")  # fmt: skip
     ap.add_argument(
         "--routes", default="all", help=f"routes or jobs to run, comma-separated (default all); jobs: {', '.join(JOBS)}"
     )
@@ -1569,6 +2124,19 @@ def main(argv: list[str] | None = None) -> int:
         help="epochs of the public-only model (the issue's 60; fewer only for smoke runs)",
     )
     ap.add_argument("--test-every", type=int, default=1, help="score iterative routes every N rounds (and the last)")
+    ap.add_argument(
+        "--plateau-cap",
+        type=int,
+        default=None,
+        help="issue 56: run fedavg and fedavg-warm to the plateau rule (scored every round), at most this many rounds",
+    )
+    ap.add_argument(
+        "--curve-test",
+        type=int,
+        default=None,
+        help="issue 56: per-round scores (the plateau rule, curves) on the first N test images; round 1's and the "
+        "final accuracy on all of them",
+    )
     ap.add_argument("--arch", default="cnn", help="the client model (edge_agent.training.models): cnn or resnet18")
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
     ap.add_argument(
@@ -1587,6 +2155,12 @@ def main(argv: list[str] | None = None) -> int:
         help="stop a long job once its pace says it cannot finish in --budget-s (frees the GPU for "
         "the processes beside it); without it a job runs until the budget is spent",
     )
+    ap.add_argument(
+        "--start-anyway",
+        action="store_true",
+        help="start every job even when its estimate says it will not finish in --budget-s (it stops at the "
+        "budget, leaving its partial file: a loaded machine's calibration overestimates)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument(
         "--eval-batch", type=int, default=0, help="evaluation batch (0: 4096 cnn / 1024 otherwise on cuda, 500 cpu)"
@@ -1595,6 +2169,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.summary is not None:
         print(summary(a.summary))
+        return 0
+    if a.fulldata_summary is not None:
+        print(fulldata_summary(a.fulldata_summary))
+        if a.figure is not None:
+            print(f"figure: {fulldata_figure(a.fulldata_summary, a.figure)}")
         return 0
     if a.out is None:
         ap.error("--out DIR is required (or --summary DIR)")

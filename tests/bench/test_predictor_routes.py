@@ -393,3 +393,80 @@ def test_budget_pace_stops_only_jobs_that_cannot_finish(monkeypatch: pytest.Monk
     now[0] = 1100.0
     with pytest.raises(pr.BudgetStop, match="ran out"):
         b.check()
+
+
+# -- issue 56: the plateau rule, refresh's sparse mean and bytes, the new routes end to end ----------------
+def test_plateau_rule_on_a_hand_made_curve() -> None:
+    # rounds 1-20 rise by 1 point a round: mean(11..20) - mean(1..10) = 10 -> no plateau at 20
+    curve = [[r, 50.0 + r] for r in range(1, 21)]
+    assert pr.plateau_at(curve) is None
+    # then flat at 70.0: at r, last 10 = rounds r-9..r, the 10 before = r-19..r-10
+    curve += [[r, 70.0] for r in range(21, 41)]
+    # r = 38: last = 70 x 10 (29..38); before = 19..28: 69, 70, 70 x 8 = mean 69.9 -> gain 0.1 < 0.2 fires;
+    # r = 37: before = 18..27: 68, 69, 70 x 8 -> 69.7, gain 0.3: not yet
+    assert pr.plateau_at(curve) == 38
+    # a missing round is never judged (nor any window that spans it)
+    assert pr.plateau_at([c for c in curve if c[0] != 30]) is None
+    # a window of 2, gain 0.5 (the rule's parameters are arguments): r = 5: mean(21, 21) - mean(20, 21) = 0.5,
+    # not under 0.5; r = 6: 21 - 21 = 0 fires
+    assert pr.plateau_at([[1, 10], [2, 20], [3, 21], [4, 21], [5, 21], [6, 21]], window=2, gain=0.5) == 6
+
+
+def test_refresh_sparse_mean_by_hand() -> None:
+    import torch
+
+    g = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    # device 0 (weight 0.75): update (+3, -1, 0.5, 0); K = 1 -> sends +3 at 0, keeps (0, -1, 0.5, 0)
+    # device 1 (weight 0.25): update (0, 0, -2, 1) + residual (0, 0, 0, 1.5) = (0, 0, -2, 2.5) -> sends 2.5 at 3
+    locals_ = [g + torch.tensor([3.0, -1.0, 0.5, 0.0]), g + torch.tensor([0.0, 0.0, -2.0, 1.0])]
+    residuals: list[Any] = [None, torch.tensor([0.0, 0.0, 0.0, 1.5])]
+    new, res = pr.topk_ef_step(g, locals_, residuals, [0.75, 0.25], k=1)
+    assert torch.allclose(new, torch.tensor([1.0 + 0.75 * 3.0, 1.0, 1.0, 1.0 + 0.25 * 2.5]))
+    assert torch.allclose(res[0], torch.tensor([0.0, -1.0, 0.5, 0.0]))
+    assert torch.allclose(res[1], torch.tensor([0.0, 0.0, -2.0, 0.0]))
+    # next round, no training: device 0 sends its residual's largest (-1 at 1)
+    new2, _ = pr.topk_ef_step(new, [new, new], res, [0.75, 0.25], k=1)
+    assert torch.allclose(new2, new + torch.tensor([0.0, -0.75, -0.5, 0.0]))
+
+
+def test_refresh_uplink_counts_statistics_sparse_updates_and_cps_prototypes() -> None:
+    d, n, held = 1_000_000, 300, 7
+    k = pr.topk_count(d, 0.001)
+    assert k == 1000
+    ridge = pr.params_upload_bytes(pr.ridge_values(pr.PROTO_DIM, 10), n, 1)
+    sparse = pr.sparse_upload_bytes(d, k, n, 2)
+    stats_rounds = [1, 11, 21]  # round 1 and every T = 10
+    got = pr.refresh_client_uplink("refresh", n, held, 25, d, pr.PROTO_DIM, 10, "client-000")
+    want = sum(pr.params_upload_bytes(pr.ridge_values(pr.PROTO_DIM, 10), n, r) for r in stats_rounds) + sum(
+        pr.sparse_upload_bytes(d, k, n, r) for r in range(2, 26)
+    )
+    assert got == want and ridge * 3 + sparse * 24 - 100 < got < ridge * 3 + sparse * 24 + 100
+    t0 = pr.refresh_client_uplink("refresh-t0", n, held, 25, d, pr.PROTO_DIM, 10, "client-000")
+    assert t0 == want - sum(pr.params_upload_bytes(pr.ridge_values(pr.PROTO_DIM, 10), n, r) for r in (11, 21))
+    proto = pr.refresh_client_uplink("refresh-proto", n, held, 25, d, pr.PROTO_DIM, 10, "client-000")
+    assert proto == want + sum(pr.proto_upload_bytes(held, pr.CPS_S, n, r) for r in range(1, 26))
+    # round 1 alone is the ridge route's upload
+    assert pr.refresh_client_uplink("refresh", n, held, 1, d, pr.PROTO_DIM, 10, "client-000") == ridge
+
+
+def test_new_routes_run_end_to_end_at_tiny_sizes(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    rc = pr.main(
+        ["--out", str(out), "--routes", "fedavg-warm,refresh,refresh-proto,refresh-frozen-head", "--clients", "2",
+         "--rounds", "2", "--train-limit", "400", "--test-limit", "60", "--public-epochs", "1", "--plateau-cap", "2",
+         "--curve-test", "30", "--threads", "1", "--progress", "0"]
+    )  # fmt: skip
+    assert rc == 0
+    warm = json.loads((out / "fedavg-warm-s0.json").read_text())
+    assert warm["capped"] and warm["plateau_at"] is None and warm["rounds_done"] == 2
+    assert [r for r, _ in warm["curve"]] == [1, 2] and warm["curve_test_images"] == 30
+    assert warm["uplink_curve"][-1][1] == warm["uplink_total"] == warm["fedavg_uplink_total"]
+    ref = json.loads((out / "refresh-s0.json").read_text())
+    assert ref["rounds_done"] == 2 and ref["topk"] >= 1 and ref["resolve_every"] == 10
+    assert 0 <= ref["round1_acc"] <= 100 and len(ref["downlink_sparse_values"]) == 2
+    assert [r for r, _ in ref["uplink_curve"]] == [1, 2] and ref["uplink_curve"][-1][1] == ref["uplink_total"]
+    assert ref["uplink_total"] < warm["uplink_total"]
+    proto = json.loads((out / "refresh-proto-s0.json").read_text())
+    assert proto["uplink_total"] > ref["uplink_total"] and proto["objective"] == "proto"
+    frozen = json.loads((out / "refresh-frozen-head-s0.json").read_text())
+    assert frozen["uplink_total"] == ref["uplink_total"] and frozen["objective"] == "ce-frozen-head"
