@@ -94,6 +94,7 @@ class LiteRunner:
         self._presence("online", self.opts.profile)
         self.transport.subscribe(topics.config(self.fed), self._on_config)
         self.transport.subscribe(topics.server_status(self.fed), self._on_status)
+        self.transport.subscribe(topics.down(self.fed, self.client_id), self._on_down)
         end = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._stop.is_set() and self.fatal is None and not self.finished:
@@ -118,7 +119,7 @@ class LiteRunner:
             return None
 
     def _refuse(self, why: str) -> None:
-        self._presence("offline", f"{topics.CANNOT_JOIN} '{self.fed}': {why}")
+        self._presence("online", f"{topics.CANNOT_JOIN} '{self.fed}': {why}")  # the server logs and counts it
         self.transport.flush(2.0)
         self.fatal = ConfigError(f"this lite device cannot join federation '{self.fed}': {why}")
 
@@ -147,6 +148,13 @@ class LiteRunner:
             len(self.data.y_train),
         )  # fmt: skip
         self._maybe_subscribe_public()
+
+    def _on_down(self, topic: str, payload: bytes) -> None:
+        """The server's word to this device alone: a refused join ends the run (a re-send request is answered by the
+        next round message: the statistics are sent again with it)."""
+        got = self._decode(payload, "server request") if payload else None
+        if got is not None and isinstance(got[1], Status) and got[1].state == "refused":
+            self.fatal = ConfigError(f"the server refused this lite device: {got[1].detail}")
 
     def _on_status(self, topic: str, payload: bytes) -> None:
         got = self._decode(payload, "server status") if payload else None
