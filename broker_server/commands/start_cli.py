@@ -543,7 +543,9 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
             layout = [(str(n), tuple(sh)) for n, sh in json.loads((t / "graph.onnx.json").read_text())]
         elif len(idx):
             said = [ln for ln in done.stderr.splitlines() if ln.startswith("no ONNX graph")]
-            log.warning("%s: lite devices (no torch) cannot join", said[-1] if said else "no ONNX graph of the backbone")
+            log.warning(
+                "%s: lite devices (no torch) cannot join", said[-1] if said else "no ONNX graph of the backbone"
+            )
         scored = (
             None
             if validation is None

@@ -820,7 +820,9 @@ class RoundMachine:
         # Counted before the boundary's checkpoint, so that a restart (which announces it again without
         # counting) keeps it.
         s.current.downlink_bytes += len(message.payload) * len(s.clients)
-        s.phase = OpenPhase(phase, set(), self.plan.sends(phase), deadline=deadline, lite_needs=lite_needs(self.plan, phase))
+        s.phase = OpenPhase(
+            phase, set(), self.plan.sends(phase), deadline=deadline, lite_needs=lite_needs(self.plan, phase)
+        )
         for client in expected:
             self._expect(s.phase, client)
         self.closing.begin(self)

@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import logging
 import time
-import zlib
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal

@@ -42,7 +42,9 @@ class LiteBackbone:
         try:
             self.session = ort.InferenceSession(graph, so, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 -- onnxruntime raises its own exception types
-            raise ConfigError(f"the server's backbone graph does not load in onnxruntime {ort.__version__}: {exc}") from None
+            raise ConfigError(
+                f"the server's backbone graph does not load in onnxruntime {ort.__version__}: {exc}"
+            ) from None
         self.layout = [(str(n), tuple(int(d) for d in sh)) for n, sh in layout]
         self.size = sum(math.prod(sh) for _, sh in self.layout)
         inputs = [i.name for i in self.session.get_inputs()]
@@ -95,6 +97,6 @@ def renormalize_np(
     if to is None or same:
         return x
     shape = (1, -1, 1, 1)
-    m0, s0 = np.float32(frm[0]).reshape(shape), np.float32(frm[1]).reshape(shape)
-    m1, s1 = np.float32(to[0]).reshape(shape), np.float32(to[1]).reshape(shape)
+    m0, s0 = (np.asarray(v, np.float32).reshape(shape) for v in frm)
+    m1, s1 = (np.asarray(v, np.float32).reshape(shape) for v in to)
     return (((x * s0 + m0) - m1) / s1).astype(np.float32, copy=False)

@@ -37,7 +37,18 @@ from protofl.plan import Phase, RoundPlan, Upload
 from protofl.sparse import SparseVector
 from protofl.transport.broker_url import BrokerOptions
 from protofl.transport.mqtt import MqttTransport
-from protofl.wire import Config, Join, ParamsUpload, PublicSet, RoundStart, Status, decode_message, encode_message
+from protofl.wire import (
+    Config,
+    Envelope,
+    Join,
+    Message,
+    ParamsUpload,
+    PublicSet,
+    RoundStart,
+    Status,
+    decode_message,
+    encode_message,
+)
 
 __all__ = ["LiteOptions", "LiteRunner"]
 
@@ -111,7 +122,7 @@ class LiteRunner:
         return self
 
     # -- messages -----------------------------------------------------------------------------
-    def _decode(self, payload: bytes, what: str) -> tuple[object, object] | None:
+    def _decode(self, payload: bytes, what: str) -> tuple[Envelope, Message] | None:
         try:
             return decode_message(payload)
         except WireError as exc:
@@ -210,8 +221,9 @@ class LiteRunner:
         got = self._decode(payload, "round") if payload else None
         if got is None or not isinstance(got[1], RoundStart) or self.plan is None:
             return
-        env, msg = got
-        round_, phase = env.round, env.phase  # type: ignore[attr-defined]
+        env, msg = got[0], got[1]
+        assert isinstance(msg, RoundStart)
+        round_, phase = env.round, env.phase
         if phase == Phase.DONE.value or msg.final:
             self.finished = True
             return

@@ -221,7 +221,7 @@ def backbone_graph(cfg: FederationConfig) -> tuple[bytes, list[tuple[str, tuple[
         torch.onnx.export(
             _Features(model).eval(),
             (torch.zeros((2, *cfg.in_shape)),),
-            buf,
+            buf,  # type: ignore[arg-type]  # (the TorchScript exporter writes to a file object too)
             dynamo=False,
             input_names=["x"],
             output_names=["h"],

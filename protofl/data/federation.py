@@ -183,7 +183,8 @@ def with_shared_backbone(
     its inputs had (`train`'s): the public set where there is one, else a set of zero samples; with its ONNX graph
     for lite devices where one is given (protofl/lite.py)."""
     norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
-    lite = {"graph": graph, "layout": layout}
     if public is None:
-        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=backbone, norm=norm, **lite)
-    return dataclasses.replace(public, backbone=backbone, norm=norm, **lite)
+        return PublicSet(
+            x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=backbone, norm=norm, graph=graph, layout=layout
+        )
+    return dataclasses.replace(public, backbone=backbone, norm=norm, graph=graph, layout=layout)
