@@ -30,18 +30,15 @@ __all__ = ["lite_needs", "lite_refusal"]
 
 
 def lite_refusal(cfg: FederationConfig, has_graph: bool) -> str | None:
-    """Why a lite device (no torch) cannot serve this federation, or None where it can."""
+    """Why a lite device (no torch) cannot serve this federation, or None where it can. (A federation with the ridge
+    predictor seals nothing: the config refuses secure aggregation and differential privacy beside it, so a lite
+    device, which does neither, never meets them.)"""
     plan = RoundPlan.from_config(cfg)
     if not plan.shared_backbone:
         return (
             f"preset '{cfg.preset}' trains the model on every device and has no shared-backbone predictor for a lite "
             f"device (onnxruntime, no torch) to serve; install torch on this device (pip install "
             f"'protofl-edge[device]'), or run the federation with the ridge predictor (--set ridge=true)"
-        )
-    if cfg.secagg or cfg.dp_epsilon is not None or cfg.dp_noise is not None:
-        return (
-            "this federation seals uploads (secure aggregation or differential privacy), which a lite device does "
-            "not do yet; install torch on this device (pip install 'protofl-edge[device]')"
         )
     if not has_graph:
         return (
