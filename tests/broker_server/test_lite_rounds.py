@@ -7,6 +7,8 @@ waits for prototypes and the statistics vector from a torch device, and for the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from broker_server.core.shell import Aggregator
@@ -33,7 +35,7 @@ def public(graph: bool) -> PublicSet:
     )
 
 
-def federation(preset: str, graph: bool = True, **overrides: object) -> tuple[InProcessBroker, Aggregator]:
+def federation(preset: str, graph: bool = True, **overrides: Any) -> tuple[InProcessBroker, Aggregator]:
     cfg = make_config(
         preset, num_classes=3, proto_dim=4, adapter_rank=2, min_clients=2, rounds=2, public_per_class=1, **overrides
     )
