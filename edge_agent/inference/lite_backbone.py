@@ -22,7 +22,9 @@ from protofl.errors import ConfigError
 
 __all__ = ["LiteBackbone", "renormalize_np"]
 
-EMBED_BATCH = 256  # rows a forward pass at a time (the torch device's trainer.EMBED_BATCH)
+# Rows a forward pass at a time: the activations of a batch are what the session's memory grows by (the cnn at
+# 1x28x28: ~0.4 MB a row; 256 rows held ~100 MB more at the peak than 32: bench/results/LITE.md).
+EMBED_BATCH = 32
 
 
 class LiteBackbone:
