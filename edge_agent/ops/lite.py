@@ -29,7 +29,7 @@ from edge_agent.inference.lite_backbone import LiteBackbone, renormalize_np
 from edge_agent.ops.local_data import DataSpec, load_client_data
 from edge_agent.ops.membership import Presence
 from protofl import __version__, topics
-from protofl.algorithms.ridge import ridge_length, ridge_statistics
+from protofl.algorithms.ridge import ridge_length
 from protofl.config import FederationConfig
 from protofl.errors import ConfigError, WireError
 from protofl.lite import lite_needs, lite_refusal
@@ -243,23 +243,49 @@ class LiteRunner:
             )
             return ParamsUpload(update=empty, n_samples=n, base_round=round_, dt="f4")
         if self.statistics is None:
-            self.statistics = ridge_statistics(self.features(), self.data.y_train, self.cfg.num_classes)
+            self.statistics = self.ridge_statistics()
         self.sent_in = round_
         return ParamsUpload(update=self.statistics, n_samples=n, base_round=round_, dt="f4")
 
-    def features(self) -> np.ndarray:
+    def ridge_statistics(self) -> np.ndarray:
+        """protofl/algorithms/ridge.ridge_statistics of this device's features, summed a batch of rows at a time (the
+        same float64 sums in another order: the features are never held whole, nor their float64 copy)."""
+        assert self.cfg is not None and self.data is not None
+        y, c = np.asarray(self.data.y_train, np.int64), self.cfg.num_classes
+        g = b = None
+        step = 256
+        for i in range(0, len(y), step):
+            h = self.features(slice(i, i + step)).astype(np.float64)
+            ha = np.empty((len(h), h.shape[1] + 1))
+            ha[:, :-1], ha[:, -1] = h, 1.0
+            onehot = np.zeros((len(h), c))
+            onehot[np.arange(len(h)), y[i : i + step]] = 1.0
+            g = ha.T @ ha if g is None else g + ha.T @ ha
+            b = ha.T @ onehot if b is None else b + ha.T @ onehot
+        assert g is not None and b is not None
+        d1 = g.shape[0]
+        vec = np.concatenate([g[np.triu_indices(d1)], b.ravel()]).astype(np.float32)
+        if vec.shape != (ridge_length(self.cfg.proto_dim, c),):
+            raise ConfigError(
+                f"the backbone's features are {d1 - 1}-dimensional; the federation's are {self.cfg.proto_dim}"
+            )
+        return vec
+
+    def features(self, rows: slice = slice(None)) -> np.ndarray:
         """The backbone's features of this device's training data, its inputs normalised as the backbone's were."""
         assert self.backbone is not None and self.data is not None and self.public is not None
         own = (tuple(self.data.mean), tuple(self.data.std))
         to = self.public.norm
         x = self.data.x_train
+        start, stop, _ = rows.indices(len(x))
 
         class _Rows:  # the training rows, renormalised a batch at a time
             def __len__(self) -> int:
-                return len(x)
+                return stop - start
 
             def __getitem__(self, idx: slice) -> np.ndarray:
-                return renormalize_np(np.asarray(x[idx], np.float32), own, to)
+                i, j, _ = idx.indices(stop - start)
+                return renormalize_np(np.asarray(x[start + i : start + j], np.float32), own, to)
 
         return self.backbone.embed(_Rows())  # type: ignore[arg-type]
 
