@@ -95,7 +95,7 @@ def test_doctor_says_all_is_well_then_names_each_fault(fleet: Fleet, tmp_path: P
     (hidden / "__init__.py").write_text("raise ImportError('torch hidden by the test')\n")
     path = os.pathsep.join([str(tmp_path / "hide"), env()["PYTHONPATH"]])
     notorch = lines(edge("doctor", extra_env={"PYTHONPATH": path}))  # onnxruntime there: a lite device (issue 57)
-    assert notorch["torch"].startswith("WARN torch not installed: join runs as a lite device"), notorch
+    assert notorch["torch"].startswith("WARN not installed: join runs as a lite device"), notorch
     hidden = tmp_path / "hide" / "onnxruntime"
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError('onnxruntime hidden by the test')\n")
