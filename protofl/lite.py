@@ -14,8 +14,8 @@ What a lite device serves, by preset:
   model with `--set ridge=true`): it sends its ridge statistics [triu(G), B] of the backbone's features once, in
   the training phase, exactly what a torch device sends (protofl/algorithms/ridge.py); it takes no part in the
   preset's training exchange (prototypes of a trained model, adapters), which the torch devices carry;
-- a preset without the ridge predictor trains the model on every device (fedavg, fedproto, tinyproto, fedpagr,
-  refprotofl): a lite device is refused.
+- a preset without the ridge predictor trains the model on every device (every built-in preset but the default,
+  docs/how-to/devices.md lists them): a lite device is refused.
 
 torch-free: the plan's view only.
 """
