@@ -198,7 +198,7 @@ case "${1:-build}" in
     ;;
   run)
     shift
-    [ -e "$ROOT/.protofl-ready" ] || { echo "no arm64 system at $ROOT: run bench/arm64_system.sh first" >&2; exit 2; }
+    [ -e "$ROOT/.protofl-ready" ] || [ -e "$ROOT/opt/protofl/lite/bin/protofl-edge" ] || { echo "no arm64 system at $ROOT: run bench/arm64_system.sh (or its lite) first" >&2; exit 2; }
     mount_all
     in_root "$@"
     ;;
