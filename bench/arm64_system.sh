@@ -95,7 +95,7 @@ trap umount_all EXIT
 
 in_root() {  # a command inside the arm64 system, with the device venv first on PATH
   chroot "$ROOT" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PYTHONDONTWRITEBYTECODE=1 PIP_CERT=/etc/protofl-host-ca.crt \
-    PATH=/opt/protofl/device/bin:/opt/protofl/onnx/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PATH=/opt/protofl/device/bin:/opt/protofl/onnx/bin:/opt/protofl/lite/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     ${PROTOFL_ARM64_ENV:-} "$@"
 }
 
@@ -154,6 +154,32 @@ build() {
   cat "$ROOT/opt/protofl/sizes.txt"
 }
 
+lite() {  # the base system and the lite venv alone (issue 57: no torch), where the torch venv is not wanted
+  if [ ! -e "$ROOT/.protofl-base" ]; then
+    rm -rf "$ROOT"
+    mkdir -p "$(dirname "$ROOT")"
+    mmdebstrap --arch=arm64 --variant=apt \
+      --include=python3,python3-venv,python3-pip,ca-certificates,dataset-fashion-mnist,procps \
+      "$SUITE" "$ROOT" "$MIRROR"
+    touch "$ROOT/.protofl-base"
+  fi
+  mount_all
+  copy_src
+  local t0=$SECONDS
+  if [ ! -e "$ROOT/opt/protofl/lite/bin/protofl-edge" ]; then
+    in_root python3 -m venv /opt/protofl/lite
+    in_root /opt/protofl/lite/bin/pip install --no-cache-dir -q '/opt/protofl/src[lite]'
+  fi
+  {
+    echo "install_s $((SECONDS - t0))"
+    echo "lite $(du -sb "$ROOT/opt/protofl/lite" | cut -f1)"
+  } >"$ROOT/opt/protofl/lite-sizes.txt"
+  in_root /opt/protofl/lite/bin/pip freeze >"$ROOT/opt/protofl/lite.freeze"
+  in_root python3 -c 'import platform; print(platform.machine())' | grep -qx aarch64
+  echo "arm64 lite venv ready at $ROOT/opt/protofl/lite:"
+  cat "$ROOT/opt/protofl/lite-sizes.txt"
+}
+
 # One compound command ending in exit: bash reads it whole before running it, so editing this file while a long
 # run is under way cannot make bash read on at a shifted offset once it ends.
 {
@@ -161,6 +187,7 @@ need_root
 binfmt
 case "${1:-build}" in
   build) build ;;
+  lite) lite ;;  # the lite device's venv only: sudo bash bench/arm64_system.sh lite
   refresh)
     [ -e "$ROOT/.protofl-ready" ] || { echo "no arm64 system at $ROOT: run bench/arm64_system.sh first" >&2; exit 2; }
     mount_all
@@ -171,7 +198,7 @@ case "${1:-build}" in
     ;;
   run)
     shift
-    [ -e "$ROOT/.protofl-ready" ] || { echo "no arm64 system at $ROOT: run bench/arm64_system.sh first" >&2; exit 2; }
+    [ -e "$ROOT/.protofl-ready" ] || [ -e "$ROOT/opt/protofl/lite/bin/protofl-edge" ] || { echo "no arm64 system at $ROOT: run bench/arm64_system.sh (or its lite) first" >&2; exit 2; }
     mount_all
     in_root "$@"
     ;;

@@ -25,9 +25,10 @@ from protofl.traits import check_tags
 if TYPE_CHECKING:
     from edge_agent.core.agent import EdgeAgent
     from edge_agent.core.emulation import Emulation
+    from edge_agent.ops.lite import LiteRunner
     from edge_agent.ops.runner import DeviceRunner
 
-__all__ = ["join", "make_runner", "resolve_identity"]
+__all__ = ["join", "make_lite_runner", "make_runner", "resolve_identity"]
 
 
 def join(
@@ -204,3 +205,59 @@ def make_runner(
         tags=check_tags(tags),
     )
     return DeviceRunner(options, fed, client_id, spec, opts)
+
+
+def make_lite_runner(
+    broker: str,
+    fed: str,
+    client_id: str,
+    data: str,
+    data_dir: str | None,
+    partition: str | None,
+    alpha: float,
+    seed: int | None,
+    test_limit: int | None,
+    train_limit: int | None,
+    profile: str,
+    threads: int | None,
+    username: str | None,
+    password: str | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    mqtt: str,
+    connect_timeout: float,
+    keepalive: int = 30,
+    credentials: Path | None = None,
+) -> LiteRunner:
+    """A lite device's loop (no torch: onnxruntime and numpy; edge_agent/ops/lite.py), from `join`'s options."""
+    from edge_agent.ops.lite import LiteOptions, LiteRunner
+    from edge_agent.ops.local_data import DataSpec, dataset_spec, parse_partition
+    from protofl.transport.broker_url import parse_broker_url
+
+    dataset_spec(data)
+    check_name(client_id, "--client-id")
+    check_name(fed, "--fed")
+    if mqtt not in ("auto", "5", "3.1.1"):
+        raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
+    try:
+        import onnxruntime  # noqa: F401 -- the one thing a lite device runs on
+    except ImportError:
+        raise ConfigError(
+            "a device without torch joins as a lite device, which needs onnxruntime: pip install "
+            "'protofl-edge[lite]' (or 'protofl-edge[device]' for a device that trains)"
+        ) from None
+    options = replace(
+        parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key), keepalive=keepalive
+    )
+    if credentials is not None:
+        from protofl.transport.credentials import read_device_file
+
+        ca_pem = read_device_file(credentials).ca_pem
+        if ca_pem is not None:
+            options = options.with_federation_ca(ca_pem, f"--credentials {credentials}")
+    spec = DataSpec(
+        data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit, train_limit
+    )
+    opts = LiteOptions(profile=profile, protocol=mqtt, connect_timeout=connect_timeout, threads=threads)
+    return LiteRunner(options, fed, client_id, spec, opts)

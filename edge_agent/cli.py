@@ -205,7 +205,8 @@ app.command("predict")(predict_command)
 
 from edge_agent.join_cli import join_command  # noqa: E402 -- the device loop, in its own module
 
-_torch_command("join")(join_command)
+# Not a TorchCommand: without torch, `join` runs a lite device (onnxruntime; edge_agent/ops/lite.py).
+app.command("join")(join_command)
 
 
 from edge_agent.service_cli import service_app  # noqa: E402 -- systemd units, no torch

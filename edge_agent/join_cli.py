@@ -13,14 +13,15 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from edge_agent.api import make_runner, resolve_identity
+from edge_agent.api import make_lite_runner, make_runner, resolve_identity
 from edge_agent.ops.log_ship import LEVELS, LogShipper
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError, RevokedError
+from protofl.requirements import torch_available
 
 if TYPE_CHECKING:
     from edge_agent.core.emulation import Emulation
@@ -213,6 +214,14 @@ def join_command(
         "60 a minute: debug | info | warning | error | off (info: a line or two a round, more bytes on a slow link).",
         rich_help_panel=LOGGING,
     ),
+    lite: bool = typer.Option(
+        False,
+        "--lite",
+        help="Join as a lite device: no training, the shared backbone's forward passes in onnxruntime (what a "
+        "device without torch does anyway: pip install 'protofl-edge[lite]'). Serves presets with the ridge "
+        "predictor (the default protofl preset); others refuse it.",
+        rich_help_panel=MODEL,
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging.", rich_help_panel=LOGGING),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings and errors only.", rich_help_panel=LOGGING),
 ) -> None:
@@ -227,38 +236,47 @@ def join_command(
             raise ConfigError(f"--ship-logs must be one of {', '.join(LEVELS)} or off, got '{ship_logs}'")
         if not 1 <= keepalive <= 65535:
             raise ConfigError(f"--keepalive must be in 1..65535 s, got {keepalive}")
-        runner = make_runner(
-            broker,
-            fed,
-            client_id,
-            data,
-            data_dir,
-            partition,
-            alpha,
-            seed,
-            test_limit,
-            train_limit,
-            arch,
-            device,
-            profile,
-            eval_every,
-            threads,
-            username,
-            password,
-            tls_ca,
-            tls_cert,
-            tls_key,
-            mqtt,
-            connect_timeout,
-            extractor,
-            emulation,
-            keepalive,
-            test_every,
-            state_dir,
-            credentials,
-            artifacts,
-            tags=tag,
-        )
+        if lite or not torch_available():
+            runner = _lite_runner(
+                broker, fed, client_id, data, data_dir, partition, alpha, seed, test_limit, train_limit, profile,
+                threads, username, password, tls_ca, tls_cert, tls_key, mqtt, connect_timeout, keepalive,
+                credentials, lite=lite, arch=arch, state_dir=state_dir, artifacts=artifacts,
+                emulate=emulation is not None and (emulation.emulate_compute or emulation.link is not None),
+                extractor=extractor,
+            )  # fmt: skip
+        else:
+            runner = make_runner(
+                broker,
+                fed,
+                client_id,
+                data,
+                data_dir,
+                partition,
+                alpha,
+                seed,
+                test_limit,
+                train_limit,
+                arch,
+                device,
+                profile,
+                eval_every,
+                threads,
+                username,
+                password,
+                tls_ca,
+                tls_cert,
+                tls_key,
+                mqtt,
+                connect_timeout,
+                extractor,
+                emulation,
+                keepalive,
+                test_every,
+                state_dir,
+                credentials,
+                artifacts,
+                tags=tag,
+            )
     except ProtoFLError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -292,3 +310,24 @@ def join_command(
             logging.getLogger("protofl").removeHandler(shipper)
     if agent is None or not agent.finished:
         raise typer.Exit(1)  # left before the federation finished
+
+
+def _lite_runner(*args: Any, lite: bool, arch: str | None, state_dir: Path | None, artifacts: Path | None,
+                 emulate: bool, extractor: str) -> Any:  # fmt: skip
+    """`join` on a lite device (edge_agent/ops/lite.py): the options that need torch are refused, saying so."""
+    why = "" if lite else "torch is not installed here, so this device joins as a lite device (--lite); "
+    for given, option in (
+        (arch is not None, "--arch"),
+        (state_dir is not None, "--state-dir"),
+        (artifacts is not None, "--artifacts"),
+        (emulate, "--emulate-compute and a link --profile"),
+        (extractor != "torch", "--extractor"),
+    ):
+        if given:
+            raise ConfigError(
+                f"{why}{option} is for a device that trains (torch): leave it out, or pip install "
+                f"'protofl-edge[device]'"
+            )
+    if not lite:
+        logging.getLogger("protofl.edge").info("torch is not installed: joining as a lite device (onnxruntime)")
+    return make_lite_runner(*args)

@@ -94,28 +94,50 @@ def test_server_commands_without_their_extra_name_it_whole(tmp_path: Path) -> No
 
 
 def test_edge_help_says_what_to_install() -> None:
+    proc = run_without_torch("protofl-edge", "models", "--help")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "--profile" in proc.stdout and HINT in proc.stdout, proc.stdout
+    # `join` runs without torch (a lite device, issue 57): its help says so, and nothing asks for torch
     proc = run_without_torch("protofl-edge", "join", "--help")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "--client-id" in proc.stdout and HINT in proc.stdout, proc.stdout
+    assert "--client-id" in proc.stdout and "--lite" in proc.stdout and HINT not in proc.stdout, proc.stdout
     assert run_without_torch("protofl-edge", "--help").returncode == 0
     version = run_without_torch("protofl-edge", "version")
     assert version.returncode == 0 and "protofl-edge" in version.stdout, version.stdout + version.stderr
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["join", "--broker", "mqtt://127.0.0.1:1", "--data", "synthetic"],  # said before the missing --client-id
-        ["join", "--broker", "mqtt://127.0.0.1:1", "--client-id", "dev1", "--data", "synthetic"],
-        ["models"],
-    ],
-    ids=lambda a: " ".join(a[:3]),
-)
-def test_device_commands_without_torch_exit_2_with_the_hint(args: list[str]) -> None:
-    proc = run_without_torch("protofl-edge", *args)
+def test_device_commands_without_torch_exit_2_with_the_hint() -> None:
+    proc = run_without_torch("protofl-edge", "models")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"protofl-edge {args[0]} needs PyTorch" in proc.stderr and HINT in proc.stderr, proc.stderr
+    assert "protofl-edge models needs PyTorch" in proc.stderr and HINT in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+JOIN = [
+    "join",
+    "--broker",
+    "mqtt://127.0.0.1:1",
+    "--client-id",
+    "dev1",
+    "--data",
+    "synthetic",
+    "--connect-timeout",
+    "1",
+]
+
+
+def test_join_without_torch_is_a_lite_device() -> None:
+    """Without torch `join` runs a lite device (onnxruntime: issue 57) as far as the broker; without onnxruntime
+    either it says what to install; an option only a torch device has is refused, saying why."""
+    proc = run_without_torch("protofl-edge", *JOIN)
+    assert proc.returncode == 2 and "cannot reach broker at mqtt://127.0.0.1:1" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_without_torch("protofl-edge", *JOIN, blocked="torch,onnxruntime")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "joins as a lite device, which needs onnxruntime: pip install 'protofl-edge[lite]'" in proc.stderr
+    proc = run_without_torch("protofl-edge", *JOIN, "--arch", "mlp")
+    assert proc.returncode == 2 and "torch is not installed here, so this device joins as a lite device" in proc.stderr
+    assert "--arch is for a device that trains (torch)" in proc.stderr and HINT in proc.stderr, proc.stderr
 
 
 def test_predict_needs_no_torch(tmp_path: Path) -> None:

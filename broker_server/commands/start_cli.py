@@ -585,6 +585,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
                 t / "public.npz", x=train.x[idx], y=train.y[idx], mean=np.array(train.mean), std=np.array(train.std)
             )
             argv += ["--public", str(t / "public.npz"), "--out", str(t / "backbone.npy")]
+            argv += ["--graph-out", str(t / "graph.onnx")]  # its forward pass for lite devices (protofl/lite.py)
             log.info(
                 "training the shared backbone on the public set (%d images, %d epochs)", len(idx), cfg.backbone_epochs
             )
@@ -604,6 +605,15 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
             raise ConfigError(f"the shared backbone's child process failed: {done.stderr.strip()[-2000:]}")
         vec = np.load(t / "backbone.npy", allow_pickle=False) if len(idx) else None
         like = train if len(idx) else validation
+        graph, layout = None, None
+        if (t / "graph.onnx").is_file():
+            graph = (t / "graph.onnx").read_bytes()
+            layout = [(str(n), tuple(sh)) for n, sh in json.loads((t / "graph.onnx.json").read_text())]
+        elif len(idx):
+            said = [ln for ln in done.stderr.splitlines() if ln.startswith("no ONNX graph")]
+            log.warning(
+                "%s: lite devices (no torch) cannot join", said[-1] if said else "no ONNX graph of the backbone"
+            )
         scored = (
             None
             if validation is None
@@ -616,7 +626,7 @@ def _with_backbone(cfg: Any, train: Any, public: Any, validation: Any = None) ->
         )
     if vec is None:
         return public, scored
-    return with_shared_backbone(public, train, vec), scored
+    return with_shared_backbone(public, train, vec, graph, layout), scored
 
 
 def _run_child(argv: list[str]) -> subprocess.CompletedProcess[str]:

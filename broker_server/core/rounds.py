@@ -37,6 +37,7 @@ from protofl import privacy
 from protofl.algorithms.robust import ClipPolicy
 from protofl.config import SCOPE, FederationConfig, canonical
 from protofl.humanize import human_bytes
+from protofl.lite import lite_needs, lite_refusal
 from protofl.names import printable
 from protofl.plan import Phase, RoundPlan, Upload
 from protofl.traits import Traits
@@ -190,9 +191,15 @@ class OpenPhase:
     owners: dict[str, str] = field(default_factory=dict)
     closing: str = ""
     deadline: float = field(default=0.0, metadata=NOT_STATE)  # a time: measured again after a restart
+    # Lite devices (no torch: protofl/lite.py) expected in this phase, and the part of `needs` they send.
+    lite: set[str] = field(default_factory=set)
+    lite_needs: tuple[Upload, ...] = ()
+
+    def needs_of(self, client: str) -> tuple[Upload, ...]:
+        return self.lite_needs if client in self.lite else self.needs
 
     def complete(self, client: str) -> bool:
-        return set(self.needs) <= self.received.get(client, set())
+        return set(self.needs_of(client)) <= self.received.get(client, set())
 
     def done_clients(self) -> list[str]:
         return sorted(c for c in self.received if self.complete(c))
@@ -439,6 +446,7 @@ class RoundMachine:
             if isinstance(msg, Join):
                 self._check_member(env.sender)
                 self._check_arch(env.sender, msg)
+                self._check_lite(env.sender, msg)
                 return env.sender not in s.clients or env.sender in s.leaving
             if isinstance(msg, Metrics):
                 self._check_metrics(env)
@@ -560,6 +568,24 @@ class RoundMachine:
                 f"averages one model, architecture '{runs}'; join with --arch {runs} (or without --arch)",
             )
 
+    def _check_lite(self, client: str, msg: Join) -> None:
+        """A lite device (no torch) is refused at its join where the federation needs training from it
+        (protofl/lite.py): it could never send what the phase waits for."""
+        if msg.trains:
+            return
+        why = lite_refusal(self.cfg, self.public is not None and self.public.graph is not None)
+        if why is not None:
+            raise Drop("cannot_train", f"join from '{client}', a lite device (no torch): {why}")
+
+    def _expect(self, open_: OpenPhase, client: str) -> None:
+        """`client` is expected in the open phase, for what it can send there (a lite device: maybe nothing)."""
+        join = self.state.clients.get(client)
+        if join is not None and not join.trains:
+            if not open_.lite_needs:
+                return
+            open_.lite.add(client)
+        open_.expected.add(client)
+
     def _gives_up(self, client: str, where: tuple[int, str]) -> bool:
         """Whether `client` giving up on `where` (round, phase) takes it out of the open phase."""
         open_ = self.state.phase
@@ -606,7 +632,7 @@ class RoundMachine:
             if self.selection.active:  # not chosen for the open round: it comes back for the next one
                 why = f"joined during round {s.round}, chosen before it came"
                 return [self._pace(env.sender, s.phase.deadline, why)]
-            s.phase.expected.add(env.sender)
+            self._expect(s.phase, env.sender)
         return []
 
     def _leave(self, client: str) -> list[Effect]:
@@ -645,7 +671,7 @@ class RoundMachine:
             return []
         s.clients[client] = s.departed.pop(client)
         if s.phase is not None and (not self.selection.active or client in s.current.selected):
-            s.phase.expected.add(client)
+            self._expect(s.phase, client)
         log.info("client %s is back; %d client(s)", client, len(s.clients))
         return []
 
@@ -691,8 +717,9 @@ class RoundMachine:
             raise Drop("duplicate", f"{env.kind} from {env.sender} for version {env.round}, folded already")
         if kind in open_.received.get(key, ()):
             raise Drop("duplicate", f"second {env.kind} from {env.sender} in round {env.round}/{env.phase}")
-        if kind not in open_.needs:
-            raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase")
+        if kind not in open_.needs_of(env.sender):
+            what = " for a lite device" if env.sender in open_.lite else ""
+            raise Drop("wrong_phase", f"{env.kind} is not part of the {phase.value} phase{what}")
         return open_, kind
 
     def _on_upload(self, env: Head, msg: ProtoUpload | ParamsUpload, nbytes: int) -> list[Effect]:
@@ -797,7 +824,11 @@ class RoundMachine:
         # Counted before the boundary's checkpoint, so that a restart (which announces it again without
         # counting) keeps it.
         s.current.downlink_bytes += len(message.payload) * len(s.clients)
-        s.phase = OpenPhase(phase, expected, self.plan.sends(phase), deadline=deadline)
+        s.phase = OpenPhase(
+            phase, set(), self.plan.sends(phase), deadline=deadline, lite_needs=lite_needs(self.plan, phase)
+        )
+        for client in expected:
+            self._expect(s.phase, client)
         self.closing.begin(self)
         self._below_floor_said = False
         running = self._status("running", f"round {s.round}/{self.cfg.rounds} {phase.value}")

@@ -469,7 +469,7 @@ class Aggregator:
             effects = self.steps.take(inp, entry)  # durable: on disk before it changes anything (and before the ack)
         except Drop as drop:
             self.drop(drop.reason, drop.detail, nbytes, client)
-            if drop.reason == "wrong_arch":
+            if drop.reason in ("wrong_arch", "cannot_train"):  # its join, refused for good: it is told why
                 self.refused(client, printable(drop.detail))
                 self._refuse(client, drop.detail)
             return

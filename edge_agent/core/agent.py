@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import logging
 import time
-import zlib
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +30,7 @@ import torch
 
 from edge_agent.core import frozen, guard, memory
 from edge_agent.core.artifacts import DeviceArtifacts, collect_device_artifacts
+from edge_agent.core.client_data import ClientData, stable_seed
 from edge_agent.core.device_config import DeviceConfig, read_config
 from edge_agent.core.devices import resolve_device
 from edge_agent.core.emulation import RoundClock
@@ -77,31 +77,6 @@ KEPT_METRICS = 2  # rounds whose metrics a device keeps to send again: a round's
 ArtifactMoment = Literal["first_training", "final"]
 
 
-@dataclass
-class ClientData:
-    """A client's private data, normalised float32 (n, c, h, w) or uint8 `Images` normalised per batch (how `join`
-    holds it: a quarter of the bytes), plus evaluation splits.
-
-    `x_global`/`y_global` (the official test set) exist only in simulation, for global and
-    ensemble accuracy; a field device reports accuracy on its own held-out split only.
-    """
-
-    x_train: np.ndarray | Images
-    y_train: np.ndarray
-    x_test: np.ndarray | Images
-    y_test: np.ndarray
-    x_global: np.ndarray | Images | None = None
-    y_global: np.ndarray | None = None
-    mean: tuple[float, ...] = (0.0,)
-    std: tuple[float, ...] = (1.0,)
-
-    def __post_init__(self) -> None:
-        if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
-            raise ValueError("client data: x and y lengths differ")
-        if len(self.x_train) == 0:
-            raise ValueError("client data: no training samples")
-
-
 @dataclass(frozen=True)
 class PublicData:
     """What the server's public message gave this device: the public set, normalised as this device's data is (None
@@ -120,11 +95,6 @@ class AgentStats:
     received_bytes: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     failed_rounds: int = 0
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed from strings/ints that is the same in every process (unlike hash())."""
-    return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
 
 @dataclass

@@ -367,20 +367,47 @@ def data_findings(
 
 
 def software_findings() -> list[Finding]:
+    """torch and onnxruntime: a device needs one of them. With torch it trains (every preset); with onnxruntime alone
+    it joins as a lite device (protofl/lite.py: the presets with the ridge predictor); with neither it cannot join."""
     out = []
     try:
         import torch
 
-        out.append(Finding("ok", "torch", f"torch {torch.__version__}"))
-    except ImportError as exc:
-        from protofl.requirements import TORCH_INSTALL_HINT
-
-        out.append(Finding("fail", "torch", f"torch cannot be imported ({exc}): join needs it", TORCH_INSTALL_HINT))
+        torch_version: str | None = torch.__version__
+    except ImportError:
+        torch_version = None
     try:
         import onnxruntime
 
-        out.append(Finding("ok", "onnxruntime", f"onnxruntime {onnxruntime.__version__}"))
+        ort_version: str | None = onnxruntime.__version__
     except ImportError:
+        ort_version = None
+    if torch_version is not None:
+        out.append(Finding("ok", "torch", f"torch {torch_version}"))
+    elif ort_version is not None:
+        out.append(
+            Finding(
+                "warn",
+                "torch",
+                "not installed: join runs as a lite device (onnxruntime; the presets with the ridge predictor, "
+                "the default protofl; others refuse it)",
+                "pip install 'protofl-edge[device]' for a device that trains",
+            )
+        )
+    else:
+        from protofl.requirements import TORCH_INSTALL_HINT
+
+        out.append(
+            Finding(
+                "fail",
+                "torch",
+                "neither torch nor onnxruntime can be imported: join needs one of them",
+                f"{TORCH_INSTALL_HINT} (a device that trains), or pip install 'protofl-edge[lite]' (a lite device)",
+            )
+        )
+    if ort_version is not None:
+        out.append(Finding("ok", "onnxruntime", f"onnxruntime {ort_version}"))
+    elif torch_version is not None:
         out.append(
             Finding(
                 "warn",

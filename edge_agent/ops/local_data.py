@@ -24,7 +24,7 @@ from protofl.data.loaders import check_source
 from protofl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from edge_agent.core.agent import ClientData
+    from edge_agent.core.client_data import ClientData
 
 NAMED = ("fashion-mnist", "fashion_mnist", "fmnist", "synthetic")
 PATH_KINDS = ("npz", "idx") + own.KINDS
@@ -121,7 +121,7 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
     class folders and a CSV's label names are matched with its names, and a name it does not have is refused.
     Without `--partition` the data's own test split (npz `x_test`/`y_test`, IDX `t10k`, an image folder's
     `test/`, a loader's 4-tuple) is the local test set, as given; data without one holds back 25 % once."""
-    from edge_agent.core.agent import ClientData, stable_seed  # torch: only on the device side
+    from edge_agent.core.client_data import ClientData, stable_seed
 
     seed = cfg.seed if spec.seed is None else spec.seed
     if spec.partition is not None:

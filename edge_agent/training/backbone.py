@@ -36,7 +36,7 @@ from protofl.data.federation import public_indices, with_shared_backbone
 from protofl.plan import RoundPlan
 from protofl.wire import PublicSet
 
-__all__ = ["backbone_model", "cache_key", "train_backbone", "trained_backbone", "with_backbone"]
+__all__ = ["backbone_graph", "backbone_model", "cache_key", "train_backbone", "trained_backbone", "with_backbone"]
 
 log = logging.getLogger("protofl.backbone")
 PROGRESS = "shared backbone: "  # the lines `protofl-server start` shows of this child's output
@@ -202,6 +202,61 @@ def with_backbone(cfg: FederationConfig, train: Dataset, public: PublicSet | Non
     return with_shared_backbone(public, train, vec)
 
 
+class _Features(torch.nn.Module):
+    def __init__(self, model: ProtoNet) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m.features(x)
+
+
+def backbone_graph(cfg: FederationConfig) -> tuple[bytes, list[tuple[str, tuple[int, ...]]]]:
+    """The shared backbone's forward pass x -> h (the features the ridge statistics are of) as an ONNX graph without
+    weights, for lite devices (edge_agent/inference/lite_backbone.py), and the layout of the backbone's vector
+    [(name, shape)] whose names the graph's weight inputs carry. The weights are graph inputs (never constants), so
+    a device feeds them from the vector it holds, whatever vector that is. TorchScript exporter, no constant folding,
+    eval mode: every weight keeps its parameter's name. Needs the `onnx` extra (the package `onnx`)."""
+    import io
+
+    import onnx
+
+    model = backbone_model(cfg)
+    layout = [(name, tuple(int(d) for d in shape)) for name, shape in model_params.full_layout(model)]
+    buf = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(
+            _Features(model).eval(),
+            (torch.zeros((2, *cfg.in_shape)),),
+            buf,  # type: ignore[arg-type]  # (the TorchScript exporter writes to a file object too)
+            dynamo=False,
+            input_names=["x"],
+            output_names=["h"],
+            dynamic_axes={"x": {0: "n"}, "h": {0: "n"}},
+            do_constant_folding=False,
+            keep_initializers_as_inputs=True,
+            training=torch.onnx.TrainingMode.EVAL,
+            opset_version=17,
+        )
+    proto = onnx.load_from_string(buf.getvalue())
+    names = {n for n, _ in layout}
+    rename = {}
+    for init in proto.graph.initializer:
+        plain = init.name.removeprefix("m.")
+        if plain not in names:
+            raise ValueError(f"the backbone graph has a constant '{init.name}' that is no parameter of the model")
+        rename[init.name] = plain
+    del proto.graph.initializer[:]  # the weights: graph inputs, fed from the vector
+    for value in proto.graph.input:
+        value.name = rename.get(value.name, value.name)
+    for node in proto.graph.node:
+        for i, name in enumerate(node.input):
+            if name in rename:
+                node.input[i] = rename[name]
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString(), layout
+
+
 def _save(path: str, array: np.ndarray) -> None:
     tmp = Path(path + ".tmp")
     with open(tmp, "wb") as f:
@@ -223,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backbone")
     p.add_argument("--embed")
     p.add_argument("--embed-out")
+    p.add_argument("--graph-out", help="also write the backbone's ONNX graph for lite devices here (+ .json: layout)")
     a = p.parse_args(argv)
     cfg = FederationConfig.from_dict(json.loads(Path(a.config).read_text()))
     vec = None
@@ -233,6 +289,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _save(a.out, vec)
     elif a.backbone:
         vec = np.load(a.backbone, allow_pickle=False)
+    if a.graph_out:
+        import json as _json
+
+        try:
+            graph, layout = backbone_graph(cfg)
+        except Exception as exc:  # noqa: BLE001 -- no graph: lite devices are refused, with this reason
+            print(f"no ONNX graph of the backbone for lite devices: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            Path(a.graph_out + ".json").write_text(_json.dumps([[n, list(sh)] for n, sh in layout]))
+            Path(a.graph_out).write_bytes(graph)
     if a.embed:
         with np.load(a.embed, allow_pickle=False) as z:
             x, mean, std = z["x"], z["mean"].tolist(), z["std"].tolist()

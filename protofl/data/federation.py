@@ -234,10 +234,19 @@ def public_set(train: Dataset, cfg: FederationConfig) -> PublicSet | None:
     )
 
 
-def with_shared_backbone(public: PublicSet | None, train: Dataset, backbone: np.ndarray) -> PublicSet:
+def with_shared_backbone(
+    public: PublicSet | None,
+    train: Dataset,
+    backbone: np.ndarray,
+    graph: bytes | None = None,
+    layout: list[tuple[str, tuple[int, ...]]] | None = None,
+) -> PublicSet:
     """The public message carrying the shared backbone trained on `train`'s public samples, with the normalisation
-    its inputs had (`train`'s): the public set where there is one, else a set of zero samples."""
+    its inputs had (`train`'s): the public set where there is one, else a set of zero samples; with its ONNX graph
+    for lite devices where one is given (protofl/lite.py)."""
     norm = ([float(v) for v in train.mean], [float(v) for v in train.std])
     if public is None:
-        return PublicSet(x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=backbone, norm=norm)
-    return dataclasses.replace(public, backbone=backbone, norm=norm)
+        return PublicSet(
+            x=train.x[:0], y=np.zeros(0, np.int64), classes=[], backbone=backbone, norm=norm, graph=graph, layout=layout
+        )
+    return dataclasses.replace(public, backbone=backbone, norm=norm, graph=graph, layout=layout)

@@ -313,24 +313,36 @@ class Join(_Body):
     token: str = ""
     # What the device says it is (protofl/traits.py): additive within version 1, the key travels only with traits.
     traits: Traits | None = None
+    # Whether the device trains the model (torch) or only runs the shared backbone's forward passes (a lite device,
+    # onnxruntime: protofl/lite.py). Additive within version 1: the key travels only when False.
+    trains: bool = True
 
     def __post_init__(self) -> None:
         for name in ("arch", "profile", "agent_version", "token"):
             expect_str(getattr(self, name), name, MAX_TEXT if name == "token" else MAX_LABEL)
         _set(self, n_samples=expect_int(self.n_samples, "n_samples"))
         _check_traits(self.traits)
+        if not isinstance(self.trains, bool):
+            raise WireError(f"trains: expected a boolean, got {type(self.trains).__name__}")
 
     def to_body(self) -> dict:
-        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "traits"}
+        body = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("traits", "trains")}
         if self.traits is not None:
             body["traits"] = self.traits.to_body()
+        if not self.trains:
+            body["trains"] = False
         return body
 
     @classmethod
     def from_body(cls, body: Any, limits: Limits = DEFAULT_LIMITS) -> Self:
-        return _build(
-            cls, cls.KIND, **_with_traits(body, [f.name for f in fields(cls) if f.name != "traits"], cls.KIND)
-        )
+        keys = [f.name for f in fields(cls) if f.name not in ("traits", "trains")]
+        if isinstance(body, dict) and "trains" in body:
+            body = dict(body)
+            trains = body.pop("trains")
+            if trains is not False:
+                raise WireError("join: trains travels only as false (a device that trains sends no key)")
+            return _build(cls, cls.KIND, **_with_traits(body, keys, cls.KIND), trains=False)
+        return _build(cls, cls.KIND, **_with_traits(body, keys, cls.KIND))
 
 
 @dataclass(frozen=True, eq=False)
@@ -397,8 +409,15 @@ class PublicSet(_Body):
     classes: list[int]
     backbone: np.ndarray | None = None
     norm: tuple[list[float], list[float]] | None = None
+    # The backbone's forward pass as an ONNX graph for lite devices (onnxruntime, no torch: protofl/lite.py): the
+    # graph without weights, its weights graph inputs named as `layout` names them; `layout` is the backbone
+    # vector's [(name, shape)] in order, so a device feeds the graph slices of the vector (and of any later one).
+    # Additive within version 1: the key "lite" travels only with a graph, and a graph only with a backbone.
+    graph: bytes | None = None
+    layout: list[tuple[str, tuple[int, ...]]] | None = None
 
     def __post_init__(self) -> None:
+        _check_graph(self.graph, self.layout, self.backbone)
         x = np.asarray(self.x)
         if x.dtype != np.uint8:
             x = _floats(x, "x", 4)
@@ -438,6 +457,8 @@ class PublicSet(_Body):
                 "mean": None if self.norm is None else self.norm[0],
                 "std": None if self.norm is None else self.norm[1],
             }
+        if self.graph is not None and self.layout is not None:
+            body["lite"] = {"graph": self.graph, "layout": [[n, list(sh)] for n, sh in self.layout]}
         return body
 
     @classmethod
@@ -447,7 +468,13 @@ class PublicSet(_Body):
             if isinstance(body, dict) and "backbone" in body
             else ("x", "y", "classes")
         )
-        b = {"backbone": None, **expect_keys(body, keys, cls.KIND)}
+        if isinstance(body, dict) and "lite" in body:
+            keys = (*keys, "lite")
+        b = {"backbone": None, "lite": None, **expect_keys(body, keys, cls.KIND)}
+        graph, layout = None, None
+        if b["lite"] is not None:
+            lite = expect_keys(b["lite"], ("graph", "layout"), "public lite")
+            graph, layout = lite["graph"], _layout_of(lite["layout"])
         x = decode_array(b["x"], what="public x", limits=limits, dts=("u1", "f4"), ndim=4)
         y = decode_array(b["y"], what="public y", limits=limits, dts=("u2",), ndim=1)
         backbone, norm = None, None
@@ -461,7 +488,42 @@ class PublicSet(_Body):
                     if not isinstance(bb[k], list) or len(bb[k]) > 16:
                         raise WireError(f"public backbone: {k} must be a list of at most 16 numbers")
                 norm = ([expect_float(v, "mean") for v in bb["mean"]], [expect_float(v, "std") for v in bb["std"]])
-        return _build(cls, cls.KIND, x=x, y=y, classes=b["classes"], backbone=backbone, norm=norm)
+        return _build(
+            cls, cls.KIND, x=x, y=y, classes=b["classes"], backbone=backbone, norm=norm, graph=graph, layout=layout
+        )
+
+
+MAX_GRAPH_BYTES = 4 * 2**20  # a backbone's ONNX graph without its weights: a few KB for the built-in models
+MAX_LAYOUT = 4096  # tensors of a backbone
+
+
+def _layout_of(value: Any) -> list[tuple[str, tuple[int, ...]]]:
+    if not isinstance(value, list) or len(value) > MAX_LAYOUT:
+        raise WireError(f"public lite layout: expected a list of at most {MAX_LAYOUT} [name, shape] pairs")
+    out = []
+    for item in value:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[1], (list, tuple)):
+            raise WireError("public lite layout: expected [name, shape] pairs")
+        name = expect_str(item[0], "public lite layout name", MAX_TEXT)
+        if len(item[1]) > MAX_NDIM:
+            raise WireError(f"public lite layout {printable(name)}: more than {MAX_NDIM} dimensions")
+        out.append((name, tuple(expect_int(d, "public lite layout dimension") for d in item[1])))
+    return out
+
+
+def _check_graph(graph: Any, layout: Any, backbone: Any) -> None:
+    """The lite graph's checks: with its layout, only beside a backbone, the layout covering the backbone vector."""
+    if graph is None and layout is None:
+        return
+    if graph is None or layout is None:
+        raise WireError("lite: the graph and its layout go together")
+    if not isinstance(graph, bytes) or not 0 < len(graph) <= MAX_GRAPH_BYTES:
+        raise WireError(f"lite graph: expected bytes, at most {MAX_GRAPH_BYTES}")
+    if backbone is None:
+        raise WireError("lite: a graph only with a backbone")
+    total = sum(math.prod(sh) for _, sh in layout)
+    if total != np.asarray(backbone).size:
+        raise WireError(f"lite layout: {total} values, but the backbone has {np.asarray(backbone).size}")
 
 
 @dataclass(frozen=True, eq=False)

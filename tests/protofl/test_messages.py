@@ -257,3 +257,52 @@ def test_equality_compares_arrays_by_value() -> None:
     assert ProtoUpload(a, None, 1) != ProtoUpload(a, None, 2)
     with pytest.raises(TypeError):
         hash(a)
+
+
+# -- lite devices (issue 57): additive keys, each travelling only where it is used ---------------------------------
+def _public(**kw: Any) -> PublicSet:
+    base: dict[str, Any] = dict(
+        x=np.zeros((0, 1, 2, 2), np.uint8),
+        y=np.zeros(0, np.int64),
+        classes=[],
+        backbone=np.arange(8, dtype=np.float32),
+        norm=([0.5], [0.25]),
+    )
+    return PublicSet(**{**base, **kw})
+
+
+def test_lite_keys_travel_only_where_used() -> None:
+    import msgpack
+
+    from protofl.wire import encode_message
+
+    def wire(msg: Message) -> bytes:
+        return encode_message(msg, fed="f", sender="s")
+
+    def body(msg: Message) -> dict:
+        return msgpack.unpackb(wire(msg), raw=False)["body"]
+
+    assert (
+        "trains" not in body(Join(arch="", n_samples=3))
+        and body(Join(arch="", n_samples=3, trains=False))["trains"] is False
+    )
+    assert "lite" not in body(_public())
+    layout = [("w", (2, 3)), ("b", (2,))]
+    lite = decode_as(PublicSet, wire(_public(graph=b"graph", layout=layout)))
+    assert lite.graph == b"graph" and lite.layout == layout
+    assert decode_as(Join, wire(Join(arch="", n_samples=3, trains=False))).trains is False
+    assert decode_as(Join, wire(Join(arch="", n_samples=3))).trains is True
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: _public(graph=b"g", layout=[("w", (2, 3))]), "lite layout: 6 values, but the backbone has 8"),
+        (lambda: _public(graph=b"g"), "the graph and its layout go together"),
+        (lambda: _public(graph=b"g", layout=[("w", (8,))], backbone=None, norm=None), "a graph only with a backbone"),
+        (lambda: Join(arch="", n_samples=1, trains="no"), "trains: expected a boolean"),  # type: ignore[arg-type]
+    ],
+)
+def test_lite_fields_are_checked(make: Callable[[], object], reason: str) -> None:
+    with pytest.raises(WireError, match=reason):
+        make()
