@@ -489,11 +489,11 @@ def load_source(
     if kind in own.KINDS and arg:
         arrays, name = own.read(kind, arg, shape, num_classes=num_classes, seed=seed, class_names=class_names)
         skipped = int(arrays.pop(own.SKIPPED_KEY, 0))
-        train, test = from_arrays(
+        read_train, read_test = from_arrays(
             arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape, nchw=True
         )
-        train.skipped_files = skipped
-        return train, test
+        read_train.skipped_files = skipped
+        return read_train, read_test
     if own.is_loader(spec):
         arrays, name = own.read(own.LOADER, spec, shape, num_classes=num_classes, seed=seed)
         return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape)
