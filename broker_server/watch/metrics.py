@@ -13,6 +13,8 @@ never touches the aggregator. Names, types and labels (docs/design.md, "Watching
     protofl_members{state}                             gauge: online, offline, left, not joined
     protofl_device_online{device}                      gauge 1/0 (devices are the federation's members)
     protofl_device_last_upload_timestamp_seconds{device}
+    protofl_device_skipped_files{device}               gauge: files of the device's data its loader skipped
+                                                       (unreadable), as its last metrics said
     protofl_uploads_accepted_total{kind}               counter (the federation's, restarts included)
     protofl_uploads_dropped_total{reason}              counter (this server process)
     protofl_uploads_clipped_total{kind}                counter
@@ -103,11 +105,18 @@ class SnapshotCollector(Collector):
             "The device's last accepted upload (epoch seconds).",
             labels=["device"],
         )
+        skipped = GaugeMetricFamily(
+            "protofl_device_skipped_files",
+            "Files of the device's data its loader skipped (unreadable), as its last metrics said.",
+            labels=["device"],
+        )
         for m in snap.members:
             online.add_metric([m.id], 1 if m.state == ONLINE else 0)
             if m.last_upload is not None:
                 last.add_metric([m.id], m.last_upload.at)
+            skipped.add_metric([m.id], m.skipped_files)
         yield online
+        yield skipped
         yield last
         yield _counter("protofl_uploads_accepted", "Uploads accepted.", "kind", snap.accepted)
         yield _counter("protofl_uploads_dropped", "Messages dropped, by reason.", "reason", snap.dropped)

@@ -47,6 +47,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("protofl.service")
 HISTORY = 200  # closed rounds a snapshot carries (the retained summary stays small on long runs)
+SKIPPED_KEY = "skipped_files"  # Metrics.extra: the files a device's loader skipped (protofl/data/own.py)
+MAX_SKIPPED = 10**9  # more files than that skipped is no count a device can hold: the value is refused
+
+
+def skipped_files(client: str, extra: Mapping[str, float]) -> int | None:
+    """The count of skipped files `client`'s metrics report (`extra[SKIPPED_KEY]`), or None where they report none
+    or a value no count can be (negative, fractional, not finite, over MAX_SKIPPED): that is logged and ignored."""
+    v = extra.get(SKIPPED_KEY)
+    if v is None:
+        return None
+    if not (0 <= v <= MAX_SKIPPED) or v != int(v):  # NaN fails the first test
+        log.warning(
+            "device %s: its metrics' %s = %r is not a count of files (0 to %d): ignored",
+            client,
+            SKIPPED_KEY,
+            v,
+            MAX_SKIPPED,
+        )
+        return None
+    return int(v)
 
 
 def encoding(msg: Message) -> str:
@@ -73,6 +93,7 @@ class FederationObserver:
         self._accuracies: dict[int, dict[str, float | None]] = {}
         self.learning = LearningWatch()  # protofl/learning.py: the note once the federation is not learning
         self._states: dict[str, str] = {}
+        self._skipped: dict[str, int] = {}  # member -> files its loader skipped, as its last metrics said
         self.stopped = False
         # Incremental members: the inputs applied since the last snapshot name the members they changed (an input
         # changes its own device's row only); what changes every row (a round closed, a resume, a shard lost) or
@@ -129,6 +150,11 @@ class FederationObserver:
         what the server scored itself (the global predictor on its validation data), `collapsed` the note where its
         predictions fell in one class. Both feed whether the federation is learning (`learning`)."""
         accs = {**accuracies(metrics.values()), **(scored or {})}
+        for cid, msg in metrics.items():
+            n = skipped_files(cid, msg.extra)
+            if n is not None and self._skipped.get(cid) != n:
+                self._skipped[cid] = n
+                self._touched.add(cid)
         self.learning.update({"round": rec.round, **accs}, collapsed)
         self._accuracies[rec.round] = accs
         for old in [r for r in self._accuracies if r <= rec.round - HISTORY]:
@@ -178,6 +204,7 @@ class FederationObserver:
             traits=join.traits.describe() if join and join.traits else "",
             uploads=a.uploads if a is not None else 0,
             last_upload=self._last_upload(cid),
+            skipped_files=self._skipped.get(cid, 0),
             # a finished federation waits for nobody: no place to keep
             grace_ends=None if m.finished else m.grace_end(cid),
         )

@@ -88,14 +88,18 @@ def _last_upload(m: Member, now: float) -> str:
 
 def members_table(s: Snapshot, now: float) -> Table:
     t = Table(title="members", title_justify="left", expand=False)
-    for col in ("device", "state", "arch", "profile", "uploads", "last upload"):
-        t.add_column(col, overflow="fold", justify="right" if col == "uploads" else "left")
+    # "skipped": files of a device's data its loader could not read (its last metrics said), shown where any did
+    skipped = any(m.skipped_files for m in s.members)
+    cols = ("device", "state", "arch", "profile", "uploads", *(("skipped",) if skipped else ()), "last upload")
+    for col in cols:
+        t.add_column(col, overflow="fold", justify="right" if col in ("uploads", "skipped") else "left")
     for m in s.members:
         state = m.state
         if m.state == "offline" and m.grace_ends is not None:
             state += f" (keeps its place {_ago(m.grace_ends - now)})"
         profile = f"{m.profile or '-'} ({m.traits})" if m.traits else m.profile or "-"
-        t.add_row(m.id, state, m.arch or "-", profile, str(m.uploads), _last_upload(m, now))
+        counts = (str(m.uploads), *((str(m.skipped_files),) if skipped else ()))
+        t.add_row(m.id, state, m.arch or "-", profile, *counts, _last_upload(m, now))
     return t
 
 

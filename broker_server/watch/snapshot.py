@@ -51,6 +51,7 @@ class Member:
     last_upload: Upload | None = None
     grace_ends: float | None = None  # offline: when it stops holding up the round
     traits: str = ""  # what it says it is (link, tags, power: protofl/traits.py), in words ("" where it says nothing)
+    skipped_files: int = 0  # files of its data its loader skipped (unreadable), as its last metrics said
 
 
 @dataclass(frozen=True)

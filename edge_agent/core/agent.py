@@ -46,6 +46,7 @@ from edge_agent.training.models import ProtoNet, build_model
 from protofl import privacy, topics
 from protofl.config import FederationConfig
 from protofl.data.dataset import Images
+from protofl.data.own import SKIPPED_KEY
 from protofl.errors import ConfigError, WireError
 from protofl.names import check_extractor
 from protofl.plan import Phase, RoundPlan
@@ -759,8 +760,13 @@ class EdgeAgent:
             masks=self.config.masks,
             with_test=with_test and self.config.sharing.scores_test_set,
             z_train=lambda: self._z_train if self._z_train is not None else embed(self._x),
-            extra=self.metrics_extra,
+            extra={**self.metrics_extra, **self._skipped_extra()},
         )
+
+    def _skipped_extra(self) -> dict[str, float]:
+        """The count of its data's files the loader skipped, for the server's `status` and metrics (none: nothing)."""
+        n = self.data.skipped_files
+        return {SKIPPED_KEY: float(n)} if n else {}
 
     def _get_extractor(self) -> Extractor:
         """The extractor for the current model (rebuilt when a new config replaced the model)."""

@@ -30,6 +30,7 @@ class ClientData:
     y_global: np.ndarray | None = None
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
+    skipped_files: int = 0  # files of its `--data` the loader skipped (unreadable): reported in Metrics.extra
 
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):

@@ -150,6 +150,7 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
             std=train.std,
         )
     train, own_test = read_own(spec.data, spec.data_dir, seed, cfg.num_classes, cfg.in_shape, cfg.class_names)
+    skipped = train.skipped_files  # reported to the server (Metrics.extra): a subset does not carry it
     train = limit_train(train, spec.train_limit, seed)
     if own_test is not None:
         return ClientData(
@@ -159,6 +160,7 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
             y_test=own_test.y,
             mean=train.mean,
             std=train.std,
+            skipped_files=skipped,
         )
     tr, te = split_client(np.arange(len(train)), 0.75, stable_seed(seed, client_id))
     return ClientData(
@@ -168,4 +170,5 @@ def load_client_data(spec: DataSpec, cfg: FederationConfig, client_id: str) -> C
         y_test=train.y[te],
         mean=train.mean,
         std=train.std,
+        skipped_files=skipped,
     )

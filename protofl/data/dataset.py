@@ -28,6 +28,7 @@ class Dataset:
     name: str
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    skipped_files: int = 0  # files its loader skipped (an image folder's unreadable or non-image files)
 
     def __post_init__(self) -> None:
         if self.x.dtype != np.uint8 or self.x.ndim != 4:

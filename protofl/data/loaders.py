@@ -488,9 +488,12 @@ def load_source(
         return _conform(load_idx_dir(arg, Path(arg).name or "idx", num_classes), spec, num_classes, shape)
     if kind in own.KINDS and arg:
         arrays, name = own.read(kind, arg, shape, num_classes=num_classes, seed=seed, class_names=class_names)
-        return from_arrays(
+        skipped = int(arrays.pop(own.SKIPPED_KEY, 0))
+        read_train, read_test = from_arrays(
             arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape, nchw=True
         )
+        read_train.skipped_files = skipped
+        return read_train, read_test
     if own.is_loader(spec):
         arrays, name = own.read(own.LOADER, spec, shape, num_classes=num_classes, seed=seed)
         return from_arrays(arrays, spec, name, seed, holdout=holdout, num_classes=num_classes, in_shape=shape)

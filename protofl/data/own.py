@@ -62,6 +62,7 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "KINDS",
     "LOADER",
+    "SKIPPED_KEY",
     "is_loader",
     "label_map",
     "read",
@@ -241,6 +242,9 @@ def _labels_of(
 # More than this share of a folder's image files unreadable stops loading: that is the wrong folder or a format
 # Pillow cannot read, not a few broken files (a handful among many is skipped and counted).
 MAX_UNREADABLE = 0.5
+# The key under which `read_imagefolder` gives the count of files it skipped (`Dataset.skipped_files`; a device
+# sends it in `Metrics.extra` under the same name, the server shows it: `protofl-server status`, --metrics-port).
+SKIPPED_KEY = "skipped_files"
 
 
 @dataclass
@@ -413,6 +417,8 @@ def read_imagefolder(
     splits_text = " + ".join(f"{len(arrays[k])} {splits[k].name}" for k in splits) if len(splits) > 1 else ""
     summary = describe_load(d, loaded, decoded, others) + (f" ({splits_text})" if splits_text else "")
     (log.warning if any(g.skipped for g in decoded) or others else log.info)("%s", summary)
+    # How many files were skipped (unreadable or not images): the device reports it (Metrics.extra[SKIPPED_KEY])
+    arrays[SKIPPED_KEY] = np.asarray(sum(len(g.skipped) for g in decoded) + len(others), dtype=np.int64)
     return arrays, d.name or "imagefolder"
 
 
