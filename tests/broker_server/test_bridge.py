@@ -655,7 +655,7 @@ def test_start_counts_site_devices_in_its_queue_but_not_in_its_open_files(tmp_pa
         server.terminate()
         server.wait(30)
     out = "".join(lines)
-    assert f"holds up to {queue_for_fleet(600, 1)} messages for the aggregator" in out and "fleet of 600" in out, out
+    assert f"queues up to {queue_for_fleet(600, 1)} messages for the aggregator" in out and "fleet of 600" in out, out
     assert "waiting for 600 client(s)" in out, out
 
 
