@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from edge_agent.core.emulation import Emulation
     from edge_agent.ops.lite import LiteRunner
     from edge_agent.ops.runner import DeviceRunner
+    from protofl.transport.broker_url import BrokerOptions
 
 __all__ = ["join", "make_lite_runner", "make_runner", "resolve_identity"]
 
@@ -163,12 +164,8 @@ def make_runner(
     import torch
 
     from edge_agent.ops.runner import DeviceRunner, RunnerOptions
-    from protofl.transport.broker_url import parse_broker_url
 
-    check_name(client_id, "--client-id")
-    check_name(fed, "--fed")
-    if mqtt not in ("auto", "5", "3.1.1"):
-        raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
+    _check_identity(client_id, fed, mqtt)
     check_extractor(extractor)
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got '{device}'")
@@ -178,15 +175,7 @@ def make_runner(
         raise ConfigError("--device cuda: torch sees no CUDA device; use --device cpu")
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    options = replace(
-        parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key), keepalive=keepalive
-    )
-    if credentials is not None:
-        from protofl.transport.credentials import read_device_file
-
-        ca_pem = read_device_file(credentials).ca_pem
-        if ca_pem is not None:
-            options = options.with_federation_ca(ca_pem, f"--credentials {credentials}")
+    options = _connection(broker, username, password, tls_ca, tls_cert, tls_key, keepalive, credentials)
     spec = DataSpec(
         data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit, train_limit
     )
@@ -205,6 +194,40 @@ def make_runner(
         tags=check_tags(tags),
     )
     return DeviceRunner(options, fed, client_id, spec, opts)
+
+
+def _check_identity(client_id: str, fed: str, mqtt: str) -> None:
+    """The options every device checks before it connects, whatever kind it is."""
+    check_name(client_id, "--client-id")
+    check_name(fed, "--fed")
+    if mqtt not in ("auto", "5", "3.1.1"):
+        raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
+
+
+def _connection(
+    broker: str,
+    username: str | None,
+    password: str | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    keepalive: int,
+    credentials: Path | None,
+) -> BrokerOptions:
+    """The broker connection's options from `join`'s: a credentials file that carries the federation CA makes the
+    device speak TLS and accept only a broker whose certificate that CA signed (unless --tls-ca names another)."""
+    from protofl.transport.broker_url import parse_broker_url
+
+    options = replace(
+        parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key), keepalive=keepalive
+    )
+    if credentials is not None:
+        from protofl.transport.credentials import read_device_file
+
+        ca_pem = read_device_file(credentials).ca_pem
+        if ca_pem is not None:
+            options = options.with_federation_ca(ca_pem, f"--credentials {credentials}")
+    return options
 
 
 def make_lite_runner(
@@ -233,13 +256,9 @@ def make_lite_runner(
     """A lite device's loop (no torch: onnxruntime and numpy; edge_agent/ops/lite.py), from `join`'s options."""
     from edge_agent.ops.lite import LiteOptions, LiteRunner
     from edge_agent.ops.local_data import DataSpec, dataset_spec, parse_partition
-    from protofl.transport.broker_url import parse_broker_url
 
     dataset_spec(data)
-    check_name(client_id, "--client-id")
-    check_name(fed, "--fed")
-    if mqtt not in ("auto", "5", "3.1.1"):
-        raise ConfigError(f"--mqtt must be auto, 5 or 3.1.1, got '{mqtt}'")
+    _check_identity(client_id, fed, mqtt)
     try:
         import onnxruntime  # noqa: F401 -- the one thing a lite device runs on
     except ImportError:
@@ -247,15 +266,7 @@ def make_lite_runner(
             "a device without torch joins as a lite device, which needs onnxruntime: pip install "
             "'protofl-edge[lite]' (or 'protofl-edge[device]' for a device that trains)"
         ) from None
-    options = replace(
-        parse_broker_url(broker).with_auth(username, password, tls_ca, tls_cert, tls_key), keepalive=keepalive
-    )
-    if credentials is not None:
-        from protofl.transport.credentials import read_device_file
-
-        ca_pem = read_device_file(credentials).ca_pem
-        if ca_pem is not None:
-            options = options.with_federation_ca(ca_pem, f"--credentials {credentials}")
+    options = _connection(broker, username, password, tls_ca, tls_cert, tls_key, keepalive, credentials)
     spec = DataSpec(
         data, data_dir, parse_partition(partition) if partition else None, alpha, seed, test_limit, train_limit
     )
