@@ -17,7 +17,7 @@ from broker_server.ops.broker import MosquittoBroker
 from broker_server.simulation import SimulationSpec, run_simulation
 from protofl.presets import PRESETS
 from protofl.transport.broker_url import parse_broker_url
-from tests.pipelines import ADAPTER_PIPELINE
+from tests.pipelines import ADAPTER_PIPELINE, NO_FLOOR
 
 FED: dict[str, Any] = dict(dataset="synthetic:n=600,n_test=100", clients=5, alpha=0.5, rounds=3, seed=2)
 RTOL, ATOL = 1e-4, 1e-5
@@ -64,7 +64,7 @@ def assert_same_rounds(inproc: dict[str, Any], mqtt: dict[str, Any]) -> None:
 @pytest.mark.mosquitto
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_over_mosquitto_matches_inprocess(preset: str, mosquitto_module: MosquittoBroker) -> None:
-    inproc, expected = run(SimulationSpec(preset=preset, **FED))
+    inproc, expected = run(SimulationSpec(preset=preset, overrides=NO_FLOOR, **FED))
     # Agents as threads of this process (DeviceRunner, the same loop `protofl-edge join` runs).
     mqtt, got = run(
         SimulationSpec(
@@ -73,6 +73,7 @@ def test_every_preset_over_mosquitto_matches_inprocess(preset: str, mosquitto_mo
             agents="thread",
             timeout=180,
             broker=parse_broker_url(mosquitto_module.url),
+            overrides=NO_FLOOR,
             **FED,
         )
     )
@@ -86,7 +87,7 @@ def test_agents_as_separate_processes_match_inprocess(mosquitto_module: Mosquitt
     # The mean pipeline with every stage on (ERPA's two phases, APUD sparse adapters, CPS + scaled prototypes
     # for the classes the public set lacks); one OS process per agent, each loading its own share
     # (`protofl-edge join --partition i/5`).
-    every_stage = {**ADAPTER_PIPELINE, "erpa": True, "public_classes": (0, 1, 2, 3, 4)}
+    every_stage = {**ADAPTER_PIPELINE, **NO_FLOOR, "erpa": True, "public_classes": (0, 1, 2, 3, 4)}
     inproc, expected = run(SimulationSpec(preset="protofl", overrides=every_stage, **FED))
     mqtt, got = run(
         SimulationSpec(
