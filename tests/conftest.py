@@ -77,6 +77,21 @@ def mosquitto_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosqu
     broker.stop()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The project's modules compiled to bytecode once, before the tests start (in the controller, not in each
+    xdist worker). The tests start some hundreds of Python processes (servers, devices, doc pages); where
+    PYTHONDONTWRITEBYTECODE is set (this project's CI image sets it) each of them compiled every module it imports
+    from source again: 0.4 s of CPU for `protofl-server`'s imports alone, 1.0 s instead of 1.4 s with the cache.
+    compileall writes the caches whatever that variable says; imports read them (timestamps checked as usual)."""
+    if hasattr(config, "workerinput"):
+        return
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    for package in ("protofl", "edge_agent", "broker_server", "export", "bench", "tests"):
+        compileall.compile_dir(root / package, quiet=2)
+
+
 ALLOW_NO_DATA = "PROTOFL_ALLOW_NO_DATA"
 
 

@@ -193,6 +193,8 @@ def test_fedpagrs_unit_uploads_clip_nothing_so_on_and_off_make_the_same_run(tmp_
                 "1",
                 "--clip",
                 clip,
+                "--set",
+                "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): clipping is the point
                 "--json",
                 str(out),
                 "-q",
