@@ -136,6 +136,8 @@ def test_simulate_over_mqtt_reports_like_inprocess(tmp_path: Path) -> None:
         "5",
         "--test-limit",
         "50",
+        "--set",
+        "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): the transport is the point
         "-q",
     ]
     runner = CliRunner()

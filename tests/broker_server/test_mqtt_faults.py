@@ -28,6 +28,7 @@ from protofl.transport.broker_url import parse_broker_url
 from protofl.transport.mqtt import MqttTransport
 from protofl.wire import Join, ProtoSet, ProtoUpload, encode_message
 from tests.broker_server.mqtt_helpers import ServiceThread, Watcher, fast_backoff
+from tests.pipelines import NO_FLOOR
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=1500,n_test=100"
@@ -67,7 +68,9 @@ def test_killed_agent_leaves_the_round_at_once_then_rejoins(mosquitto: Mosquitto
     # kill -9 of one of three devices: its last will ("offline") takes it out of the round's expected set,
     # so the round closes at quorum in seconds, not at its 60 s deadline; restarted, it joins again.
     fed, n, timeout = "killtest", 3, 60.0
-    cfg = prepare(SimulationSpec(preset="fedproto", dataset=DATA, clients=n, rounds=30, seed=4)).cfg
+    # the step floor off (tests/pipelines.py NO_FLOOR): rounds go on until the restarted device is back in one
+    spec = SimulationSpec(preset="fedproto", dataset=DATA, clients=n, rounds=30, seed=4, overrides=NO_FLOOR)
+    cfg = prepare(spec).cfg
     cfg = cfg.replace(min_clients=2, round_timeout=timeout)
     ids = [f"client-{i:03d}" for i in range(n)]
     watcher = Watcher(mosquitto.url, fed)
@@ -112,7 +115,9 @@ def test_broker_restart_mid_run_everyone_reconnects(start_mosquitto, tmp_path: P
     # No persistence: the restarted broker has forgotten retained messages, sessions and subscriptions.
     broker: MosquittoBroker = start_mosquitto(persistence=False)
     fed, n = "restart", 3
-    spec = SimulationSpec(preset="tinyproto", dataset="synthetic:n=600,n_test=100", clients=n, rounds=4, seed=1)
+    spec = SimulationSpec(
+        preset="tinyproto", dataset="synthetic:n=600,n_test=100", clients=n, rounds=4, seed=1, overrides=NO_FLOOR
+    )
     cfg = prepare(spec).cfg.replace(min_clients=1, round_timeout=8.0)
     opts = parse_broker_url(broker.url)
     watcher = Watcher(broker.url, fed)

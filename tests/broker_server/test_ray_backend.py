@@ -22,8 +22,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from broker_server.simulation import SimulationSpec, run_simulation  # noqa: E402
+from tests.pipelines import NO_FLOOR  # noqa: E402
 
-FED: dict[str, Any] = dict(dataset="synthetic:n=400,n_test=100", clients=3, alpha=0.5, rounds=2, seed=1, archs=("mlp",))
+# The step floor off (tests/pipelines.py NO_FLOOR): the backend's sameness is the point, not how much a device trains.
+FED: dict[str, Any] = dict(
+    dataset="synthetic:n=400,n_test=100", clients=3, alpha=0.5, rounds=2, seed=1, archs=("mlp",), overrides=NO_FLOOR
+)
 PRESETS = ["fedavg", "fedproto", "refprotofl", "tinyproto", "fedpagr", "protofl"]
 
 
@@ -143,6 +147,8 @@ def test_the_cli_joins_a_running_cluster_by_its_address(cluster: Any, tmp_path: 
         "1",
         "--arch",
         "mlp",
+        "--set",
+        "min_local_steps=0",  # as FED
     ]
     proc = subprocess.run(
         [

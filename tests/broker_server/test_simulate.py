@@ -24,7 +24,9 @@ from protofl.transport.inprocess import InProcessTransport
 from protofl.wire import Envelope, unpack_envelope
 from tests.pipelines import NO_FLOOR
 
-FED: dict[str, Any] = dict(dataset="synthetic:n=600,n_test=100", clients=4, alpha=0.5, rounds=2, seed=3, overrides=NO_FLOOR)
+FED: dict[str, Any] = dict(
+    dataset="synthetic:n=600,n_test=100", clients=4, alpha=0.5, rounds=2, seed=3, overrides=NO_FLOOR
+)
 PROTOTYPE_PRESETS = [p for p in PRESETS if p != "fedavg"]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -242,7 +244,11 @@ def test_test_set_is_scored_only_on_its_cadence(preset: str) -> None:
 @pytest.mark.parametrize("cps_s, refine", [(51, False), (128, True)])
 def test_spherical_cps_sends_fedpagr_prototypes_on_their_masks(runs: dict[str, Run], cps_s: int, refine: bool) -> None:
     # Candidates (b) and (c) of the combined pipeline: FedPAGR's objective on CPS-masked unit prototypes.
-    run = run_simulation(SimulationSpec(preset="fedpagr", **{**FED, "overrides": {**NO_FLOOR, "cps": True, "cps_s": cps_s, "refine": refine}}))
+    run = run_simulation(
+        SimulationSpec(
+            preset="fedpagr", **{**FED, "overrides": {**NO_FLOOR, "cps": True, "cps_s": cps_s, "refine": refine}}
+        )
+    )
     dense = runs["fedpagr"].report
     assert not run["dropped"]
     assert all(r["closed_by"] == "quorum" and r["clients"] == FED["clients"] for r in run["rounds"])
@@ -276,7 +282,9 @@ def test_spherical_cps_with_erpa_anchors_public_classes_on_the_public_set() -> N
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InProcessTransport, "publish", spy)
         run = run_simulation(
-            SimulationSpec(preset="fedpagr", **{**FED, "overrides": {**NO_FLOOR, "cps": True, "refine": False, "erpa": True}}),
+            SimulationSpec(
+                preset="fedpagr", **{**FED, "overrides": {**NO_FLOOR, "cps": True, "refine": False, "erpa": True}}
+            ),
             on_finish=finished.append,
         )
     assert not run["dropped"]
