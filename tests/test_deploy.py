@@ -139,6 +139,8 @@ def fedproto_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: Non
             "3",
             "--rounds",
             "2",
+            "--set",
+            "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): the artifacts are the point
             "--out",
             str(out / "run"),
             "--json",
@@ -201,6 +203,8 @@ def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, on
             "refprotofl",
             "--set",
             "backbone=frozen",
+            "--set",
+            "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): the predictor's path is the point
             "--dataset",
             DATA,
             "--clients",
@@ -311,7 +315,8 @@ def trial(tmp: Path, *server_args: str, rounds: int = 2, broker: str = "amqtt") 
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return trial(tmp_path_factory.mktemp("start"), "--preset", "fedproto")
+    # the step floor off (tests/pipelines.py NO_FLOOR): what a device deploys is the point, not how long it trained
+    return trial(tmp_path_factory.mktemp("start"), "--preset", "fedproto", "--set", "min_local_steps=0")
 
 
 @pytest.fixture(scope="module")
@@ -326,7 +331,8 @@ def started_route(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default preset with the ridge predictor's route opted in (`--set ridge_topk=0.001`; off by default,
     docs/algorithms.md "The route"), 3 rounds on Mosquitto."""
     tmp = tmp_path_factory.mktemp("start-route")
-    args = ("--public-data", DATA, "--validation", DATA, "--set", "ridge_topk=0.001")
+    # the step floor off (tests/pipelines.py NO_FLOOR): g bit for bit on every device is the point
+    args = ("--public-data", DATA, "--validation", DATA, "--set", "ridge_topk=0.001", "--set", "min_local_steps=0")
     return trial(tmp, *args, rounds=3, broker="mosquitto")
 
 
