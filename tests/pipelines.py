@@ -11,10 +11,11 @@ import json
 from typing import Any
 
 # The step floor off (`min_local_steps` 0: a round trains its `local_epochs` alone), for tests whose point is not how
-# much a device trains (transport parity, bytes on the wire, crash-exactness, faults): on their small synthetic sets the
-# default floor of 20 SGD steps a round is 4-9x the training (tests/broker_server/test_mqtt_parity.py: 36 s of CPU for
-# a 3-round protofl run against 4 s). The default itself runs in the golden reports, the doc pages, test_step_floor.py
-# and the end-to-end tests of the commands a user types.
+# much a device trains (transport parity, bytes on the wire, faults, the fleet's operations, the doc pages' sizes): on
+# their small synthetic sets the default floor of 20 SGD steps a round is up to 9x the training
+# (tests/broker_server/test_mqtt_parity.py: 36 s of CPU for a 3-round protofl run against 4 s). The default itself runs
+# in the golden reports, test_step_floor.py, the crash tests, the default preset's deploy and lite tests and the field
+# trial.
 NO_FLOOR: dict[str, Any] = {"min_local_steps": 0}
 
 ADAPTER_PIPELINE: dict[str, Any] = dict(
