@@ -19,6 +19,12 @@ import pytest  # noqa: E402
 from pluggy import Result  # noqa: E402
 
 from broker_server.ops.broker import MosquittoBroker, find_mosquitto
+from tests import launcher
+
+# The project's commands that tests start are forked from a preloaded process (tests/launcher.py says what stays
+# real and when a command is started the ordinary way): the suite is CPU-bound, and each fresh interpreter spent
+# its first seconds importing torch.
+launcher.install()
 
 ALLOW_MISSING = "PROTOFL_ALLOW_NO_MOSQUITTO"
 

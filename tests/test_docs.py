@@ -29,7 +29,10 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
+from tests import launcher, launcher_client
+
 REPO = Path(__file__).resolve().parents[1]
+CLIENT = Path(launcher_client.__file__).resolve()
 DOCS = REPO / "docs"
 PAGES = sorted([*DOCS.glob("tutorials/*.md"), *DOCS.glob("how-to/*.md")])
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -106,8 +109,11 @@ def shims(where: Path) -> Path:
     for name, target in scripts.items():
         module = target.split(":")[0]
         shim = bin_dir / name
+        # Through the test launcher where the test named one (tests/launcher_client.py), else a fresh interpreter.
         shim.write_text(
-            f'#!/bin/sh\nPYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} -m {module} "$@"\n'
+            f'#!/bin/sh\nexport PYTHONPATH="{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+            f'[ -n "${{{launcher_client.SOCKET}:-}}" ] && exec {sys.executable} -S {CLIENT} {module} "$@"\n'
+            f'exec {sys.executable} -m {module} "$@"\n'
         )
         shim.chmod(0o755)
     # A script, not a symlink: a venv's interpreter started through a link elsewhere finds no pyvenv.cfg beside
@@ -161,6 +167,9 @@ def test_the_page_runs(path: Path, tmp_path: Path) -> None:
     (work / "tests").symlink_to(REPO / "tests")
     env = dict(os.environ, PATH=f"{shims(tmp_path)}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(REPO)  # `python` in a block imports this checkout too
+    socket_path = launcher.socket_for(env)
+    if socket_path is not None:
+        env[launcher_client.SOCKET] = socket_path
     log = tmp_path / "output.log"  # a file, not a pipe: a failed page's background server would hold a pipe open
     with log.open("w") as fh:
         proc = subprocess.Popen(
