@@ -1,15 +1,17 @@
 """Each preset on a fixed seed gives the report recorded in tests/golden (see its README for when).
 
-Bytes (and every other integer, string and switch) must match exactly, accuracies to 1e-6 (they are counts
-over a fixed test set: a 1e-6 change is a changed prediction), and every other float -- a measurement of
-float32 features such as `off_mask_energy` -- to a relative 1e-4: what float32 arithmetic keeps across CPUs
-and BLAS builds. The same wheel of torch and numpy computes the features with other kernels on another CPU
-(oneDNN's and OpenBLAS's by instruction set), each op rounding at float32's 6e-8; through two rounds of
-training and a mean over the test set that was measured at 1.8e-6 relative (an AMD EPYC box with numpy 2.4.6
-and scipy-openblas 0.3.31 against the recording's Intel box), so 1e-4 leaves 50x headroom and still fails on
-any change of behaviour (one changed training step moves these by 1e-3 or more). Keys the golden report lacks
-are not allowed. A change here is a change of behaviour: re-record only when it is intended, and say so in
-the commit.
+Bytes (and every other integer, string and switch) must match exactly. Floats come from float32 training, whose
+kernels differ by CPU (the same wheels of torch and numpy pick oneDNN's, MKL's and OpenBLAS's code by instruction
+set, each op rounding at float32's 6e-8), and training amplifies those differences round after round: an image
+whose two best classes are that close changes its label. Measured (2026-12-07) on an Intel Xeon with AVX-512
+against the recorded reports (made on another x86 box), with torch's kernels at their default, at AVX2 and without
+vector code (`ATEN_CPU_CAPABILITY`), all seven cases: every byte count identical; after round 1 (~20 SGD steps)
+accuracies within 0.004 (1 of 249 held-out images) and measures such as `off_mask_energy` within 3.5e-5
+relative; after round 2 (~40 steps, and the ridge predictor's 240-step backbone) accuracies within 0.020 (5 of
+249) and measures within 2.1e-3. The tolerances below give those 2.5-3x headroom: round 1 to 0.012 and 1e-4, later
+rounds to 0.05 and 5e-3. What still fails: any byte, count or switch; a changed round 1 (one changed step moves its
+figures more than 1e-4); a later round off by more than 5 points. Keys the golden report lacks are not allowed. A
+change here is a change of behaviour: re-record only when it is intended, and say so in the commit.
 """
 
 from __future__ import annotations
@@ -25,23 +27,17 @@ from tests.golden.record import CASES, FED
 
 GOLDEN = Path(__file__).parent / "golden"
 
-ACCURACY_ABS = 1e-6
-MEASURE_REL = 1e-4
-# The ridge predictor's accuracy (issue 41) sits on a backbone trained for 60 epochs (240 SGD steps) on the public
-# set before the federation starts: far more steps than two rounds of local training, so float32's differences
-# between CPUs grow further there, and an image whose two best classes are within them may change its label. Two of
-# the 300 test images (0.0067) are allowed; a changed recipe (epochs, lambda, the statistics) moves it more, and the
-# bytes and every other figure of the case still match exactly.
-PREDICTOR_ABS = 2 / 300
+# (accuracy, absolute; other floats, relative) in the first round, and after it
+FIRST_ROUND = (0.012, 1e-4)
+LATER = (0.05, 5e-3)
 
 
 def _close(path: str, want: float, got: float) -> bool:
     key = path.rsplit(".", 1)[-1].split("[", 1)[0]
-    if key == "predictor_acc":
-        return math.isclose(want, got, rel_tol=0, abs_tol=PREDICTOR_ABS + 1e-9)
+    accuracy, relative = FIRST_ROUND if ".rounds[0]." in path else LATER
     if key.endswith("_acc"):
-        return math.isclose(want, got, rel_tol=0, abs_tol=ACCURACY_ABS)
-    return math.isclose(want, got, rel_tol=MEASURE_REL, abs_tol=1e-12)
+        return math.isclose(want, got, rel_tol=0, abs_tol=accuracy + 1e-9)
+    return math.isclose(want, got, rel_tol=relative, abs_tol=1e-12)
 
 
 def _compare(path: str, want: Any, got: Any, problems: list[str]) -> None:
@@ -87,11 +83,18 @@ def test_report_matches_the_recorded_one(case: str, one_torch_thread: None) -> N
 
 
 def test_the_tolerances_keep_what_float32_keeps_and_catch_a_change() -> None:
-    # the cross-machine difference that failed the old 1e-6 (issue 40) passes; a changed prediction does not
+    # the largest differences measured between CPUs pass (the module's docstring); a changed figure does not
     problems: list[str] = []
-    _compare("r", {"off_mask_energy": 0.898313670}, {"off_mask_energy": 0.898312091}, problems)
+    first = {"rounds": [{"local_acc": 0.5421686746987951, "off_mask_energy": 0.6677575716274683}]}
+    _compare("r", first, {"rounds": [{"local_acc": 0.5461847389558233, "off_mask_energy": 0.66778}]}, problems)
+    later = {"rounds": [{}, {"local_acc": 0.6626506024096386, "off_mask_energy": 0.7221524652010745}]}
+    _compare("r", later, {"rounds": [{}, {"local_acc": 0.642570281124498, "off_mask_energy": 0.72067}]}, problems)
     assert not problems
-    _compare("r", {"off_mask_energy": 0.898313670}, {"off_mask_energy": 0.8975}, problems)
-    _compare("r", {"rounds": [{"global_acc": 0.5}]}, {"rounds": [{"global_acc": 0.5 + 1 / 400}]}, problems)
+    _compare(
+        "r", first, {"rounds": [{"local_acc": 0.5421686746987951 + 4 / 249, "off_mask_energy": 0.6677575716}]}, problems
+    )
+    _compare("r", first, {"rounds": [{"local_acc": 0.5421686746987951, "off_mask_energy": 0.6685}]}, problems)
+    _compare("r", later, {"rounds": [{}, {"local_acc": 0.72, "off_mask_energy": 0.7221524652010745}]}, problems)
+    _compare("r", later, {"rounds": [{}, {"local_acc": 0.6626506024096386, "off_mask_energy": 0.73}]}, problems)
     _compare("r", {"uplink_bytes": 100}, {"uplink_bytes": 101}, problems)
-    assert len(problems) == 3, problems
+    assert len(problems) == 5, problems
