@@ -26,6 +26,7 @@ from broker_server.ops.broker import free_port
 from export.cli import app as export_app
 from protofl import artifacts as art
 from protofl.data import load_dataset
+from tests.pipelines import NO_FLOOR, as_cli_sets
 from tests.test_packaging import run_without_torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,8 +140,7 @@ def fedproto_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread: Non
             "3",
             "--rounds",
             "2",
-            "--set",
-            "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): the artifacts are the point
+            *as_cli_sets(NO_FLOOR),  # the step floor off (tests/pipelines.py NO_FLOOR): the artifacts are the point
             "--out",
             str(out / "run"),
             "--json",
@@ -203,8 +203,7 @@ def test_the_global_predictor_is_reported_exported_and_labels(tmp_path: Path, on
             "refprotofl",
             "--set",
             "backbone=frozen",
-            "--set",
-            "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): the predictor's path is the point
+            *as_cli_sets(NO_FLOOR),  # the step floor off: the predictor's path is the point
             "--dataset",
             DATA,
             "--clients",
@@ -316,7 +315,7 @@ def trial(tmp: Path, *server_args: str, rounds: int = 2, broker: str = "amqtt") 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the step floor off (tests/pipelines.py NO_FLOOR): what a device deploys is the point, not how long it trained
-    return trial(tmp_path_factory.mktemp("start"), "--preset", "fedproto", "--set", "min_local_steps=0")
+    return trial(tmp_path_factory.mktemp("start"), "--preset", "fedproto", *as_cli_sets(NO_FLOOR))
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +331,7 @@ def started_route(tmp_path_factory: pytest.TempPathFactory) -> Path:
     docs/algorithms.md "The route"), 3 rounds on Mosquitto."""
     tmp = tmp_path_factory.mktemp("start-route")
     # the step floor off (tests/pipelines.py NO_FLOOR): g bit for bit on every device is the point
-    args = ("--public-data", DATA, "--validation", DATA, "--set", "ridge_topk=0.001", "--set", "min_local_steps=0")
+    args = ("--public-data", DATA, "--validation", DATA, "--set", "ridge_topk=0.001", *as_cli_sets(NO_FLOOR))
     return trial(tmp, *args, rounds=3, broker="mosquitto")
 
 

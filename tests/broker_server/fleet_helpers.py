@@ -11,10 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.broker_server.crash_helpers import DATA, REPO, SMALL_MODEL, env
+from tests.pipelines import NO_FLOOR, as_cli_sets
 
 # Small runs on the crash tests' synthetic data: 12x12 images, a 20-d prototype.
 # the step floor off (tests/pipelines.py NO_FLOOR): the fleet's operations are the point, not how much a device trains
-RUN_SETTINGS = ["--round-timeout", "120", "--set", "min_local_steps=0", *SMALL_MODEL]
+RUN_SETTINGS = ["--round-timeout", "120", *as_cli_sets(NO_FLOOR), *SMALL_MODEL]
 
 
 def server_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ from protofl.plan import Phase, RoundPlan, Upload
 from protofl.presets import make_config
 from protofl.sparse import SparseVector
 from protofl.wire import ParamsUpload, ProtoSet, ProtoUpload
-from tests.pipelines import ADAPTER_PIPELINE
+from tests.pipelines import ADAPTER_PIPELINE, NO_FLOOR, as_cli_sets
 
 runner = CliRunner()
 
@@ -193,8 +193,7 @@ def test_fedpagrs_unit_uploads_clip_nothing_so_on_and_off_make_the_same_run(tmp_
                 "1",
                 "--clip",
                 clip,
-                "--set",
-                "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): clipping is the point
+                *as_cli_sets(NO_FLOOR),  # the step floor off (tests/pipelines.py NO_FLOOR): clipping is the point
                 "--json",
                 str(out),
                 "-q",

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from broker_server.cli import app
 from broker_server.ops.broker import free_port
+from tests.pipelines import NO_FLOOR, as_cli_sets
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = "synthetic:n=600,n_test=100"
@@ -136,8 +137,7 @@ def test_simulate_over_mqtt_reports_like_inprocess(tmp_path: Path) -> None:
         "5",
         "--test-limit",
         "50",
-        "--set",
-        "min_local_steps=0",  # the step floor off (tests/pipelines.py NO_FLOOR): the transport is the point
+        *as_cli_sets(NO_FLOOR),  # the step floor off (tests/pipelines.py NO_FLOOR): the transport is the point
         "-q",
     ]
     runner = CliRunner()

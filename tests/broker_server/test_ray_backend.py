@@ -22,7 +22,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from broker_server.simulation import SimulationSpec, run_simulation  # noqa: E402
-from tests.pipelines import NO_FLOOR  # noqa: E402
+from tests.pipelines import NO_FLOOR, as_cli_sets  # noqa: E402
 
 # The step floor off (tests/pipelines.py NO_FLOOR): the backend's sameness is the point, not how much a device trains.
 FED: dict[str, Any] = dict(
@@ -147,8 +147,7 @@ def test_the_cli_joins_a_running_cluster_by_its_address(cluster: Any, tmp_path: 
         "1",
         "--arch",
         "mlp",
-        "--set",
-        "min_local_steps=0",  # as FED
+        *as_cli_sets(NO_FLOOR),  # as FED
     ]
     proc = subprocess.run(
         [
