@@ -22,6 +22,7 @@ from edge_agent.ops.log_ship import LEVELS, LogShipper
 from protofl import cli_options
 from protofl.errors import ConfigError, ProtoFLError, RevokedError
 from protofl.requirements import torch_available
+from protofl.signals import log_from_handler
 
 if TYPE_CHECKING:
     from edge_agent.core.emulation import Emulation
@@ -284,7 +285,9 @@ def join_command(
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if runner.stopping:
             raise KeyboardInterrupt  # second signal: do not wait for the current training step
-        logging.getLogger("protofl.edge").warning("%s: leaving (signal %d)", runner.client_id, signum)
+        log_from_handler(
+            logging.getLogger("protofl.edge"), logging.WARNING, "%s: leaving (signal %d)", runner.client_id, signum
+        )
         runner.stop()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}

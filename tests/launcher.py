@@ -167,8 +167,10 @@ def serve(path: str) -> None:
                     _send_line(conn, {"refused": f"differs from the launcher's: {', '.join(differs)}"})
                     conn.close()
                     continue
+                ready_r, ready_w = os.pipe()
                 pid = os.fork()
                 if pid == 0:
+                    os.close(ready_r)
                     sel.close()
                     listener.close()
                     signal.set_wakeup_fd(-1)
@@ -177,9 +179,14 @@ def serve(path: str) -> None:
                     os.close(wake_w)
                     for other, _kill in children.values():
                         other.close()
-                    _child(conn, request, fds, base_path)  # never returns
+                    _child(conn, request, fds, base_path, ready_w)  # never returns
+                os.close(ready_w)
                 for fd in fds:
                     os.close(fd)
+                # As Popen returns only once the child has exec'd: the pid goes out once its session, streams,
+                # directory and environment are set (a killpg(pid) right after must find its group).
+                os.read(ready_r, 1)
+                os.close(ready_r)
                 _send_line(conn, {"pid": pid})
                 children[pid] = (conn, bool(request.get("kill_on_eof")))
                 sel.register(conn, selectors.EVENT_READ, pid)
@@ -220,15 +227,33 @@ def _reap(children: dict[int, tuple[socket.socket, bool]], sel: selectors.BaseSe
 
 
 def _text_stream(fd: int, write: bool, encoding: str, errors: str, unbuffered: bool) -> io.TextIOWrapper:
+    """A standard stream as the interpreter makes it: unbuffered (PYTHONUNBUFFERED, -u), a writer's text layer sits
+    on the raw file with no buffered layer between (so no "reentrant call" check either); stdin is always
+    buffered; stderr and terminals are line-buffered."""
     raw = io.FileIO(fd, "w" if write else "r", closefd=False)
-    buffered: Any = io.BufferedWriter(raw) if write else io.BufferedReader(raw)
+    layer: Any = raw if write and unbuffered else io.BufferedWriter(raw) if write else io.BufferedReader(raw)
     line = write and (fd == 2 or os.isatty(fd))
-    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=line, write_through=unbuffered)
+    return io.TextIOWrapper(
+        layer, encoding=encoding, errors=errors, newline="\n", line_buffering=line, write_through=unbuffered
+    )
 
 
-def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], base_path: list[str]) -> None:
+def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], base_path: list[str], ready: int) -> None:
     """In the forked child: become the requested command, then exit as a fresh interpreter would."""
     code = 1
+    try:
+        _become(conn, request, fds, base_path, ready)
+        code = _run(request, request["argv"])
+    except BaseException:  # noqa: BLE001 - the child reports and exits, whatever happened
+        try:
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    os._exit(code)
+
+
+def _become(conn: socket.socket, request: dict[str, Any], fds: list[int], base_path: list[str], ready: int) -> None:
+    """Set up the child as a fresh process of the request would be, then tell the launcher (`ready`)."""
     try:
         if request.get("setsid"):
             os.setsid()
@@ -257,17 +282,13 @@ def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], base_pa
         setattr(sys, "__stdout__", streams[1])  # noqa: B010
         setattr(sys, "__stderr__", streams[2])  # noqa: B010
         extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        argv: list[str] = request["argv"]
         if "module" in request:
             sys.path[:] = [os.getcwd(), *extra, *base_path]
         else:
             sys.path[:] = [str(Path(request["script"]).resolve().parent), *extra, *base_path]
         importlib.invalidate_caches()
-        code = _run(request, argv)
-    except BaseException:  # noqa: BLE001 - the child reports and exits, whatever happened
-        traceback.print_exc()
-        code = 1
-    os._exit(code)
+    finally:
+        os.close(ready)
 
 
 def _run(request: dict[str, Any], argv: list[str]) -> int:

@@ -46,6 +46,7 @@ from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name
 from protofl.plan import RoundPlan
 from protofl.presets import preset_names
+from protofl.signals import log_from_handler
 from protofl.transport.broker_url import CONNECT_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -1325,7 +1326,7 @@ def _serve(s: Start) -> None:
         spawn_shards(s.sharding, stack, fed, broker, state_dir, auth if broker_is_ours else None, s.connect_timeout)
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
-            log.info("stopping (signal %d)", signum)
+            log_from_handler(log, logging.INFO, "stopping (signal %d)", signum)
             stop_all_supervisors()  # our broker may have had the signal too: that is no crash to restart after
             service.stop()
 

@@ -40,6 +40,7 @@ from broker_server.ops.device_logs import LOG_DIR
 from broker_server.ops.privacy_ledger import BUDGET_KEY, check_budget_value
 from protofl.errors import ConfigError, ProtoFLError
 from protofl.names import check_name, printable
+from protofl.signals import log_from_handler
 from protofl.systemd import USER_HELP
 from protofl.transport.broker_url import PASSWORD_ENV
 
@@ -151,7 +152,7 @@ def _serve_fleet(
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        log.info("fleet: stopping (signal %d)", signum)
+        log_from_handler(log, logging.INFO, "fleet: stopping (signal %d)", signum)
         stop_all_supervisors()
         stop.set()
 

@@ -216,9 +216,17 @@ def test_the_spawned_broker_is_supervised_and_dies_with_the_server(
         fed.start_agents()
         rng = random.Random(3)
         for n, at in enumerate((0, 3), 1):  # during the joins (a lost join), then mid-round
-            wait_for(lambda at=at: journal_size(fed) > 0 and rounds_done(fed) >= at, 120, f"{at} rounds", fed)
+            # ... and the broker's pid file written: os.kill(0, ...) would kill this test's whole process group
+            # (pytest with it), which a fast start reached once the test launcher dropped the import time.
+            wait_for(
+                lambda at=at: journal_size(fed) > 0 and rounds_done(fed) >= at and alive(broker_pid(fed)),
+                120,
+                f"{at} rounds",
+                fed,
+            )
             time.sleep(rng.uniform(0.0, 0.3))
             pid = broker_pid(fed)
+            assert pid > 0, fed.log_tail()
             os.kill(pid, signal.SIGKILL)
             # The restart is done when the server says so: a new pid alone may still be starting (on a
             # loaded machine a kill then lands inside the supervisor's readiness check, a third death).
