@@ -126,6 +126,7 @@ def serve(path: str) -> None:
     for name in _RUN_AS_MAIN:
         sys.modules.pop(name, None)
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    known_paths = {os.path.abspath(p) for p in sys.path[1:]}
     launcher_env = dict(os.environ)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -161,6 +162,7 @@ def serve(path: str) -> None:
                     conn.close()
                     continue
                 differs = _import_time_differences(request["env"], launcher_env)
+                differs += _new_paths(request, known_paths)
                 if differs:  # the test side starts it the ordinary way
                     for fd in fds:
                         os.close(fd)
@@ -411,6 +413,14 @@ def _target(args: list[str], env: dict[str, str]) -> dict[str, str] | None:
     if found is None or not os.path.exists(ours) or not os.path.samefile(found, ours):
         return None
     return {"script": found, "entry": _SCRIPTS[name]}
+
+
+def _new_paths(request: dict[str, Any], known: set[str]) -> list[str]:
+    """PYTHONPATH folders the launcher did not import from: what was imported there may differ (a module that hides
+    torch, a plugin whose entry points the registry read at import), so such a command goes the ordinary way."""
+    entries = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    new = [p for p in entries if os.path.abspath(os.path.join(request["cwd"], p)) not in known]
+    return [f"PYTHONPATH {p}" for p in new]
 
 
 def _import_time_differences(env: dict[str, str], launcher_env: dict[str, str]) -> list[str]:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(os.environ.get(launcher.DISABLE) == "1", reason=
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "golden"), str(ROOT)]), **extra}
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
 
 
 def test_a_command_gets_its_own_process_environment_directory_and_streams(tmp_path: Path) -> None:
@@ -57,5 +57,9 @@ def test_what_the_launcher_cannot_reproduce_starts_the_ordinary_way(tmp_path: Pa
     proc = subprocess.run([*PROBE, "0"], capture_output=True, text=True, cwd=tmp_path, env=_env(PROTOFL_CRASH_X="1"))
     seen = json.loads(proc.stdout)
     assert proc.returncode == 0 and seen["ppid"] == os.getpid() and not seen["torch"]
+    # a folder the launcher did not import from (it may hide torch, or hold a plugin's entry points)
+    other = _env(PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    proc = subprocess.run([*PROBE, "0"], capture_output=True, text=True, cwd=tmp_path, env=other)
+    assert json.loads(proc.stdout)["ppid"] == os.getpid()
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getppid())"], capture_output=True, text=True)
     assert int(proc.stdout) == os.getpid()  # not one of this project's modules

@@ -65,7 +65,10 @@ def check_remembers(run: Run, status_file: Path) -> None:
     for h in snap.history:
         want = {k: rows[h.round].get(k) for k in ACCURACY_KEYS}
         assert {k: getattr(h, k) for k in ACCURACY_KEYS} == want, h.round
-        assert h.local_acc is not None, f"round {h.round} has no accuracy in rounds.jsonl to compare with"
+        # The one round that may lack them: closed before the kill, its metrics not yet in (they died with the
+        # process; the restarted server logs the round without them, start_cli.py says so).
+        if h.round != run.logged_at_kill + 1:
+            assert h.local_acc is not None, f"round {h.round} has no accuracy in rounds.jsonl to compare with"
     state = status_file.parent
     text = CliRunner().invoke(app, ["status", "--state-dir", str(state)]).output
     assert f"uploads accepted {total};" in text, text
@@ -79,6 +82,7 @@ class Run:
     uploads: Counter[str]  # the journal's uploads, by device
     restarted: Path  # a copy of the state dir's status.json once the restarted server finished
     rerun_log: str  # what `start` on the finished state dir logged
+    logged_at_kill: int  # rounds.jsonl's lines when the server was killed
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             fed.agents.append(fed.start_agent(i))
         wait_for(lambda: len(rounds_logged(fed)) >= 2, 240, "two rounds logged", fed)
         fed.kill_server()
+        logged_at_kill = len(rounds_logged(fed))
         fed.start_server()
         fed.wait_finished(300)
     finally:
@@ -113,7 +118,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         assert fed.server is not None and fed.server.wait(120) == 0, fed.log_tail()
     finally:
         fed.stop()
-    yield Run(fed, devices, uploads, restarted, (fed.logs / "server.log").read_text()[len(log) :])
+    yield Run(fed, devices, uploads, restarted, (fed.logs / "server.log").read_text()[len(log) :], logged_at_kill)
 
 
 @pytest.mark.slow
