@@ -7,7 +7,8 @@ plugin: every xdist worker appends one line a test to DIR/tests.<worker>.tsv (no
 the CPU s of the children it reaped), then the files and tests that cost most are printed and written to
 DIR/summary.md. A test's own CPU is its in-process work (simulations, training, exports run in the worker); its
 children's is the servers, devices and commands it started and waited for (a process the test leaves to a fixture or
-kills without reaping is counted where it is reaped, or not at all). Wall times grow with the load the other worker
+kills without reaping is counted where it is reaped, or not at all), those forked by the tests' launcher
+(tests/launcher.py) included. Wall times grow with the load the other worker
 puts on the machine; CPU times much less: compare CPU between trees, on one machine.
 """
 
@@ -31,7 +32,11 @@ ENV = "PROTOFL_SUITE_PROFILE_DIR"
 
 def _cpu(who: int) -> float:
     r = resource.getrusage(who)
-    return r.ru_utime + r.ru_stime
+    cpu = r.ru_utime + r.ru_stime
+    launcher = sys.modules.get("tests.launcher")  # the tests' preloaded launcher reaps what it starts: its count
+    if who == resource.RUSAGE_CHILDREN and launcher is not None:
+        cpu += float(launcher.launched_cpu_s())
+    return cpu
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -211,7 +211,7 @@ def serve(path: str) -> None:
 def _reap(children: dict[int, tuple[socket.socket, bool]], sel: selectors.BaseSelector) -> None:
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
@@ -220,7 +220,7 @@ def _reap(children: dict[int, tuple[socket.socket, bool]], sel: selectors.BaseSe
         if entry is None:
             continue
         conn, _kill = entry
-        _send_line(conn, {"status": status})
+        _send_line(conn, {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime})
         try:
             sel.unregister(conn)
         except (KeyError, ValueError):
@@ -343,6 +343,10 @@ _lock = threading.Lock()
 # One launcher per value of OMP_NUM_THREADS (read when torch's OpenMP loads; the doc pages and some device tests set
 # it to 1), started on first use: key -> (process, socket path), or None where it could not start.
 _KEYED = "OMP_NUM_THREADS"
+# CPU seconds of the commands this process had launched that have ended (theirs and their reaped children's, from
+# wait4): the launcher reaps them, so this process's RUSAGE_CHILDREN does not hold them (bench/suite_profile.py adds
+# this figure).
+_launched_cpu = [0.0]
 _launchers: dict[str | None, tuple[subprocess.Popen[bytes], str] | None] = {}
 
 
@@ -544,6 +548,8 @@ class LaunchingPopen(_ORIGINAL_POPEN):
         if reply is None:
             return None
         self._conn.close()
+        with _lock:
+            _launched_cpu[0] += float(reply.get("cpu_s", 0.0))
         return int(reply["status"])
 
     def _internal_poll(self, _deadstate: int | None = None, **_kw: Any) -> int | None:
@@ -569,6 +575,12 @@ class LaunchingPopen(_ORIGINAL_POPEN):
             return super()._try_wait(wait_flags)
         status = self._status(block=not wait_flags & os.WNOHANG)
         return (0, 0) if status is None else (self.pid, status)
+
+
+def launched_cpu_s() -> float:
+    """CPU seconds of this process's launched commands that have ended and been waited for (see `_launched_cpu`)."""
+    with _lock:
+        return _launched_cpu[0]
 
 
 def install() -> None:

@@ -26,6 +26,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_a_command_gets_its_own_process_environment_directory_and_streams(tmp_path: Path) -> None:
     assert subprocess.Popen is launcher.LaunchingPopen  # installed by tests/conftest.py
+    cpu_before = launcher.launched_cpu_s()
     proc = subprocess.run(
         [*PROBE, "7"], input="from stdin", capture_output=True, text=True, cwd=tmp_path, env=_env(PROBE="yes")
     )
@@ -37,6 +38,7 @@ def test_a_command_gets_its_own_process_environment_directory_and_streams(tmp_pa
     assert seen["probe"] == "yes" and seen["stdin"] == "from stdin" and seen["extra_path"]
     assert seen["torch"]  # what it saves: torch was imported before the fork
     assert proc.stderr == "thread done\n"  # the exit waited for the non-daemon thread, as an interpreter's does
+    assert launcher.launched_cpu_s() > cpu_before  # its CPU counted for bench/suite_profile.py
 
 
 def test_signals_reach_the_command_itself(tmp_path: Path) -> None:
