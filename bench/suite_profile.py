@@ -53,6 +53,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         fh.write(f"{item.nodeid}\t{t1 - t0:.2f}\t{s1 - s0:.2f}\t{c1 - c0:.2f}\n")
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Each worker's count of commands the tests' launcher sent the ordinary way, by reason."""
+    out = os.environ.get(ENV)
+    launcher = sys.modules.get("tests.launcher")
+    if not out or launcher is None:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with (Path(out) / f"refused.{worker}.tsv").open("w") as fh:
+        for why, count in sorted(launcher.refused().items()):
+            fh.write(f"{count}\t{why}\n")
+
+
 def summarise(out: Path, top: int) -> str:
     """The most expensive files and tests, from the workers' lines."""
     tests: list[tuple[str, float, float, float]] = []
@@ -77,6 +89,14 @@ def summarise(out: Path, top: int) -> str:
     lines += ["", "| test | wall s | own CPU s | children CPU s |", "|---|--:|--:|--:|"]
     for node, t_wall, t_own, t_children in sorted(tests, key=lambda t: -(t[2] + t[3]))[:top]:
         lines.append(f"| {node} | {t_wall:.1f} | {t_own:.1f} | {t_children:.1f} |")
+    refused: dict[str, int] = defaultdict(int)
+    for path in sorted(out.glob("refused.*.tsv")):
+        for line in path.read_text().splitlines():
+            count, _, why = line.partition("\t")
+            refused[why] += int(count)
+    if refused:
+        lines += ["", "Commands the tests' launcher (tests/launcher.py) started the ordinary way, by reason:", ""]
+        lines += [f"- {count} x {why}" for why, count in sorted(refused.items(), key=lambda kv: -kv[1])[:top]]
     return "\n".join(lines) + "\n"
 
 
@@ -87,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: pytest's arguments (default: the README's)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for old in args.out.glob("tests.*.tsv"):
+    for old in [*args.out.glob("tests.*.tsv"), *args.out.glob("refused.*.tsv")]:
         old.unlink()
     pytest_args = args.pytest_args or ["-q", "-n", "2", "--dist", "loadfile"]
     started = time.monotonic()

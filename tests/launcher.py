@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,9 @@ _IMPORT_TIME = (
     "MKL_",
     "KMP_",
     "GOMP_",
-    "TORCH",
-    "PYTORCH",
+    "OPENBLAS_",
+    "TORCH_",  # TORCH_LOGS and the like, read when torch is imported (not TORCHINDUCTOR_*, which dynamo sets itself)
+    "PYTORCH_",
     "CUDA",
     "TERMINAL_WIDTH",
     "FORCE_COLOR",
@@ -72,7 +74,10 @@ _IMPORT_TIME = (
     "GITHUB_ACTIONS",
 )
 # PYTHON* variables a forked child honours itself; any other that differs sends the command the ordinary way.
-_PYTHON_HANDLED = frozenset({"PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONIOENCODING"})
+# (PYTHONBREAKPOINT is read at each breakpoint(); Ray's driver sets it in the worker's environment.)
+_PYTHON_HANDLED = frozenset(
+    {"PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONBREAKPOINT"}
+)
 _PRELOAD = (
     "numpy",
     "torch",
@@ -347,6 +352,11 @@ _KEYED = "OMP_NUM_THREADS"
 # wait4): the launcher reaps them, so this process's RUSAGE_CHILDREN does not hold them (bench/suite_profile.py adds
 # this figure).
 _launched_cpu = [0.0]
+_refused: Counter[str] = Counter()  # why the launcher sent eligible commands the ordinary way, and how often
+# The environment a launcher starts with: the worker's when `install` ran, not whatever a test has set when the first
+# command comes (a variable a test sets for a while, read at import, would otherwise send every later command the
+# ordinary way).
+_BASE_ENV: dict[str, str] = dict(os.environ)
 _launchers: dict[str | None, tuple[subprocess.Popen[bytes], str] | None] = {}
 
 
@@ -365,10 +375,10 @@ def socket_for(env: dict[str, str]) -> str | None:
         folder = tempfile.mkdtemp(prefix="protofl-launcher-")
         path = os.path.join(folder, "s")
         root = str(Path(__file__).resolve().parents[1])
-        launcher_env = {k: v for k, v in os.environ.items() if k != _KEYED}
+        launcher_env = {k: v for k, v in _BASE_ENV.items() if k != _KEYED}
         if key is not None:
             launcher_env[_KEYED] = key
-        launcher_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        launcher_env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, _BASE_ENV.get("PYTHONPATH")]))
         proc = _ORIGINAL_POPEN(
             [sys.executable, "-c", "import sys, tests.launcher as launcher; launcher.serve(sys.argv[1])", path],
             stdin=subprocess.PIPE,
@@ -520,6 +530,8 @@ class LaunchingPopen(_ORIGINAL_POPEN):
             conn.close()
             return False
         if reply is None or "pid" not in reply:  # refused: see _import_time_differences
+            with _lock:
+                _refused[str((reply or {}).get("refused", "no reply"))] += 1
             conn.close()
             return False
         self.pid = int(reply["pid"])
@@ -583,7 +595,15 @@ def launched_cpu_s() -> float:
         return _launched_cpu[0]
 
 
+def refused() -> dict[str, int]:
+    """Why eligible commands of this process went the ordinary way, and how many (bench/suite_profile.py lists it)."""
+    with _lock:
+        return dict(_refused)
+
+
 def install() -> None:
     """Make `subprocess.Popen` (and so `subprocess.run`) the launching one in this process."""
+    _BASE_ENV.clear()
+    _BASE_ENV.update(os.environ)
     if os.environ.get(DISABLE) != "1":
         subprocess.Popen = LaunchingPopen  # type: ignore[misc]

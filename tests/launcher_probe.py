@@ -2,11 +2,14 @@
 
 import json
 import os
+import signal
 import sys
 import threading
 
 if __name__ == "__main__":
     if sys.argv[1] == "wait":  # until a signal ends it; a non-daemon thread that must be waited for at exit first
+        # SIGINT raises KeyboardInterrupt even where this process was started with it ignored (a background job)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print("waiting", flush=True)
         threading.Event().wait()
     done = threading.Event()

@@ -19,3 +19,11 @@ def test_the_summary_sums_by_file_and_orders_by_cpu(tmp_path: Path) -> None:
     tests = [line.split(" | ")[0] for line in lines if "::" in line]
     assert tests == ["| tests/b.py::t1", "| tests/a.py::t1", "| tests/a.py::t2"]
     assert len(summarise(tmp_path, top=1).splitlines()) == 9  # the totals, then one file and one test
+
+
+def test_the_summary_says_which_commands_went_the_ordinary_way_and_why(tmp_path: Path) -> None:
+    (tmp_path / "tests.gw0.tsv").write_text("tests/a.py::t1\t1.00\t1.00\t1.00\n")
+    (tmp_path / "refused.gw0.tsv").write_text("2\tdiffers from the launcher's: LD_PRELOAD\n")
+    (tmp_path / "refused.gw1.tsv").write_text("3\tdiffers from the launcher's: LD_PRELOAD\n1\tPYTHONPATH /x\n")
+    tail = summarise(tmp_path, top=5).splitlines()[-2:]
+    assert tail == ["- 5 x differs from the launcher's: LD_PRELOAD", "- 1 x PYTHONPATH /x"]
