@@ -45,6 +45,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from tests.launcher_client import send_request
+
 DISABLE = "PROTOFL_TEST_NO_LAUNCHER"
 _PACKAGES = frozenset({"protofl", "edge_agent", "broker_server", "export", "bench", "tests"})
 # Console scripts the launcher runs (pyproject.toml's [project.scripts]), when PATH finds them in this venv.
@@ -250,7 +252,7 @@ def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], base_pa
     code = 1
     try:
         _become(conn, request, fds, base_path, ready)
-        code = _run(request, request["argv"])
+        code = _run(request)
     except BaseException:  # noqa: BLE001 - the child reports and exits, whatever happened
         try:
             traceback.print_exc()
@@ -298,9 +300,10 @@ def _become(conn: socket.socket, request: dict[str, Any], fds: list[int], base_p
         os.close(ready)
 
 
-def _run(request: dict[str, Any], argv: list[str]) -> int:
+def _run(request: dict[str, Any]) -> int:
     import runpy
 
+    argv: list[str] = request["argv"]
     code = 0
     try:
         if "module" in request:
@@ -520,11 +523,10 @@ class LaunchingPopen(_ORIGINAL_POPEN):
             "setsid": bool(start_new_session),
         }
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
-        payload = json.dumps(request).encode()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(path)
-            socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], fds)
+            send_request(conn, request, fds)
             reply = self._read_line(conn, block=True)
         except OSError:
             conn.close()

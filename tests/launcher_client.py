@@ -19,6 +19,13 @@ from collections.abc import Iterator
 SOCKET = "PROTOFL_TEST_LAUNCHER"
 
 
+def send_request(conn: socket.socket, request: dict[str, object], fds: list[int]) -> None:
+    """The one request form (tests/launcher.py reads it): its JSON's length, the JSON, and the command's
+    stdin, stdout and stderr passed along (SCM_RIGHTS)."""
+    payload = json.dumps(request).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], fds)
+
+
 def _ordinary(module: str, args: list[str]) -> None:
     os.environ.pop(SOCKET, None)
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
@@ -43,11 +50,10 @@ def main() -> None:
         _ordinary(module, args)
     env = {k: v for k, v in os.environ.items() if k != SOCKET}
     request = {"module": module, "argv": args, "env": env, "cwd": os.getcwd(), "kill_on_eof": True}
-    payload = json.dumps(request).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-        socket.send_fds(conn, [struct.pack("!I", len(payload)) + payload], [0, 1, 2])
+        send_request(conn, request, [0, 1, 2])
         replies = _lines(conn)
         first = next(replies, None)
     except OSError:
