@@ -11,42 +11,66 @@ afresh. No torch, no numpy.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from edge_agent.core.emulation import Emulation, HeldSender, RoundClock
 from edge_agent.core.outcome import Failure, Send
 from protofl.transport.mqtt import MqttTransport
 
-__all__ = ["GAVE_UP", "Outbox", "Retry"]
+__all__ = ["GAVE_UP", "Outbox", "Retry", "Ticket"]
 
 GAVE_UP = (
     "gave_up"  # our presence after the last failed try of a round: we leave that phase (broker_server/core/shell.py)
 )
 
 
+@dataclass
+class Ticket:
+    """One message handed to the outbox: its transport sequence number once it is published (a held one later, on
+    the sender's thread), or `dropped` when it could not be."""
+
+    seq: int | None = None
+    dropped: bool = False
+
+
 class Outbox:
     """The agent's messages onto `transport`, in order; with a device profile (`emulation`) not before their release
-    time, retained ones and the presence (published on the transport directly) at once."""
+    time, retained ones and the presence (published on the transport directly) at once. Each send's `Ticket` says
+    when the broker has it (`acknowledged`)."""
 
     def __init__(self, transport: MqttTransport, emulation: Emulation | None, client_id: str, round_topic: str) -> None:
         self.transport = transport
         self.round_topic = round_topic
         self.clock = RoundClock(emulation) if emulation is not None else None
         self.order = emulation.order if emulation is not None else None
-        self.held = (
-            HeldSender(lambda topic, payload, qos: transport.publish(topic, payload, qos=qos), self.order, client_id)
-            if self.clock is not None
-            else None
-        )
+        self._due: deque[Ticket] = deque()  # held messages' tickets, in the order the sender publishes them
+        self.held = HeldSender(self._release, self.order, client_id) if self.clock is not None else None
         self.client_id = client_id
         if self.order is not None:
             self.order.watch(client_id, self._round_waiting)
 
-    def send(self, s: Send) -> None:
+    def send(self, s: Send) -> Ticket:
         if self.held is None:
-            self.transport.publish(s.topic, s.payload, qos=1)
-        else:
-            self.held.submit(s.topic, s.payload, 1, s.not_before)
+            return Ticket(self.transport.publish_seq(s.topic, s.payload, qos=1))
+        ticket = Ticket()
+        self._due.append(ticket)  # before it is submitted: the sender pops tickets in its (FIFO) order
+        self.held.submit(s.topic, s.payload, 1, s.not_before)
+        return ticket
+
+    def acknowledged(self, ticket: Ticket) -> bool:
+        """The broker has the message (QoS 1's PUBACK came)."""
+        return ticket.seq is not None and self.transport.acknowledged(ticket.seq)
+
+    def _release(self, topic: str, payload: bytes, qos: int) -> None:
+        """A held message's time came (the sender's thread)."""
+        ticket = self._due.popleft()
+        try:
+            ticket.seq = self.transport.publish_seq(topic, payload, qos=qos)
+        except Exception:
+            ticket.dropped = True
+            raise
 
     def close(self) -> None:
         """What is held back (the last metrics) goes out first."""

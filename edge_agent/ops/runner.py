@@ -27,7 +27,9 @@ the public set, a round message, a step of secure aggregation, a re-send request
 before the state that made it is on disk, so a restarted device cannot have sent work it no longer holds; a
 checkpoint is loaded into the agent's first model), then the sends in order through the outbox (with a device
 profile each not before the release time the agent's round clock gave it, edge_agent/ops/pace.py), the deployable
-artifacts, a failed round on the presence topic with a retry planned, the log lines. What is not the loop itself
+artifacts, a failed round on the presence topic with a retry planned, the log lines (a round's "uploaded" line only
+once the broker acknowledged every message of it: a device cut off, or revoked while it trained, never says it
+uploaded what the broker does not hold). What is not the loop itself
 lives beside it: the presence and a fleet's runs (edge_agent/ops/membership.py), the outbox and the retries
 (edge_agent/ops/pace.py), the checkpoint and the artifacts on disk (edge_agent/ops/resume.py).
 
@@ -41,6 +43,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -53,7 +56,7 @@ from edge_agent.core.memory import MemoryLimit, mark
 from edge_agent.core.outcome import Carrier, Failure, Outcome, Send
 from edge_agent.ops.local_data import DataSpec, load_client_data
 from edge_agent.ops.membership import FleetMember, Presence
-from edge_agent.ops.pace import GAVE_UP, Outbox, Retry
+from edge_agent.ops.pace import GAVE_UP, Outbox, Retry, Ticket
 from edge_agent.ops.resend import ResendRequests, pace, refusal, secagg_step
 from edge_agent.ops.resume import LocalState
 from edge_agent.training.models import resolve_arch
@@ -109,6 +112,9 @@ class DeviceRunner(Carrier):
         self.fatal: BaseException | None = None
         self._rounds_subscribed = False
         self.outbox = Outbox(self.transport, opts.emulation, client_id, topics.round_(fed))
+        self._tickets: list[Ticket] = []  # the sends of the outcome being carried
+        # Said once the broker acknowledged all of its tickets: (tickets, what the round did, its bytes' line).
+        self._unconfirmed: deque[tuple[list[Ticket], str, str]] = deque()
         self._stop = threading.Event()
         self.retry = Retry(RETRY_S, MAX_ATTEMPTS)  # read now: tests shorten RETRY_S
         self.local = LocalState(client_id, data, opts.state_dir, opts.artifacts)
@@ -133,6 +139,7 @@ class DeviceRunner(Carrier):
             while not self._stop.is_set() and self.fatal is None:
                 self.transport.pump(0.5)
                 self._check_revoked()
+                self._confirm()
                 again = self.retry.due(time.monotonic())
                 if again is not None:
                     self._on_round(*again)
@@ -159,6 +166,7 @@ class DeviceRunner(Carrier):
             if self.transport.connected:
                 self._presence("done" if done else "offline", "left")
             self.transport.close()
+            self._confirm(final=True)
             if limit is not None:
                 limit.stop()
         if self.fatal is not None:
@@ -540,7 +548,7 @@ class DeviceRunner(Carrier):
                 self.local.resume(self.agent, self.fleet.checkpoint_key)
 
     def publish(self, send: Send) -> None:
-        self.outbox.send(send)
+        self._tickets.append(self.outbox.send(send))
 
     def deploy(self, artifacts: DeviceArtifacts) -> None:
         self.local.deploy(artifacts)
@@ -561,6 +569,7 @@ class DeviceRunner(Carrier):
 
     def carried(self, out: Outcome) -> None:
         """The log lines: what a round message made this device send, or what it sent again."""
+        tickets, self._tickets = self._tickets, []
         if not out.sends:
             return
         first = out.sends[0]
@@ -578,15 +587,30 @@ class DeviceRunner(Carrier):
         elif out.changed or out.trained or out.failure is not None:  # a round message's work (the join: no line)
             # Each message by kind, as the server counts it (the MQTT payload, envelope included: `status` shows
             # the same figure for a device's last upload), and their sum.
-            log.info(
-                "%s: %s, %s %d bytes (%s)",
-                self.client_id,
-                "trained" if out.trained else "prototype phase",
-                # Cut off (a broker restart, a revocation): queued by the transport, sent only if it gets back in.
-                "uploaded" if self.transport.connected else "not connected: queued",
-                out.nbytes,
-                ", ".join(f"{s.kind} {len(s.payload)} B" for s in out.sends),
-            )
+            what = "trained" if out.trained else "prototype phase"
+            sizes = f"{out.nbytes} bytes ({', '.join(f'{s.kind} {len(s.payload)} B' for s in out.sends)})"
+            if not self.transport.connected:  # cut off (a broker restart, a revocation): sent if it gets back in
+                log.info("%s: %s, not connected: queued %s", self.client_id, what, sizes)
+            self._unconfirmed.append((tickets, what, sizes))
+            self._confirm()
+
+    def _confirm(self, final: bool = False) -> None:
+        """The rounds' "uploaded" lines whose messages the broker has all acknowledged, in order; `final` (the loop
+        ended, the transport closed after its flush): what never was, said so."""
+        while self._unconfirmed:
+            tickets, what, sizes = self._unconfirmed[0]
+            if all(self.outbox.acknowledged(t) for t in tickets):
+                log.info("%s: %s, uploaded %s", self.client_id, what, sizes)
+            elif final:
+                why = (
+                    "never sent: it left before they could go"
+                    if any(t.seq is None for t in tickets)
+                    else "sent but never acknowledged: the broker may not hold them"
+                )
+                log.warning("%s: %s, %s %s", self.client_id, what, sizes, why)
+            else:
+                return
+            self._unconfirmed.popleft()
 
 
 def _never_skipped(payload: bytes) -> bool:

@@ -304,6 +304,11 @@ class MqttTransport:
         return self._connected.wait(timeout)
 
     def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        self.publish_seq(topic, payload, retain=retain, qos=qos)
+
+    def publish_seq(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> int:
+        """`publish`, returning the message's sequence number in this transport: `acknowledged(seq)` says when the
+        broker has it (QoS >= 1)."""
         if self._closing.is_set():
             raise TransportError(f"MQTT transport '{self.client_id}' is closed")
         payload = bytes(payload)
@@ -320,6 +325,7 @@ class MqttTransport:
         with self._lock:
             info = self._client.publish(topic, payload, qos=qos, retain=retain)
             self._seq += 1
+            seq = self._seq
             if qos and info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
                 self._pending[info.mid] = (self._seq, topic)
             if retain:
@@ -337,6 +343,14 @@ class MqttTransport:
         # MQTT_ERR_NO_CONN is fine for QoS >= 1: paho keeps the message and sends it after reconnecting.
         self.stats.published += 1
         self.stats.published_bytes += len(payload)
+        return seq
+
+    def acknowledged(self, seq: int) -> bool:
+        """Whether the broker acknowledged every QoS >= 1 message this transport published up to sequence number `seq`
+        (`publish_seq`'s): what it holds, not merely what was handed to the socket. Cheap: no wait."""
+        with self._lock:
+            self._match_acks()
+            return all(s > seq for s, _ in self._pending.values())
 
     def subscribe(self, pattern: str, handler: Handler) -> None:
         with self._lock:

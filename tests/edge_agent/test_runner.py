@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -13,11 +14,13 @@ from broker_server.service import AggregatorService, server_transport
 from broker_server.settings import Broker, Federation
 from broker_server.simulation import SimulationSpec, prepare
 from edge_agent.cli import app
+from edge_agent.core.outcome import Outcome, Send
 from edge_agent.ops.local_data import DataSpec, dataset_spec, load_client_data, parse_partition
 from edge_agent.ops.runner import DeviceRunner, RunnerOptions
 from protofl import topics
 from protofl.errors import ConfigError, DataError
 from protofl.transport.broker_url import parse_broker_url
+from protofl.transport.link_proxy import LinkProxy, LinkShape
 from protofl.transport.mqtt import MqttTransport
 from protofl.wire import Status, decode_message
 from tests.broker_server.mqtt_helpers import ServiceThread, fast_backoff
@@ -127,3 +130,38 @@ def test_join_cli_errors_say_what_to_do() -> None:
     assert f"cannot reach broker at mqtt://127.0.0.1:{port}" in r.output and "protofl-server start" in r.output
     r = cli.invoke(app, ["join", "--broker", "http://x", "--client-id", "c1", "--data", DATA])
     assert r.exit_code == 2 and "mqtt://, mqtts:// or unix://" in r.output
+
+
+@pytest.mark.mosquitto
+def test_a_round_is_said_uploaded_only_once_the_broker_acknowledged_it(
+    mosquitto: MosquittoBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Handed to a connected socket is not uploaded: the line comes with the broker's PUBACK; a round whose
+    acknowledgement never came (the link cut before it) is said so when the device leaves, never "uploaded". On
+    main the line said "uploaded" whenever the transport still looked connected (a device frozen, revoked and
+    thawed said it uploaded a round the broker never had)."""
+    caplog.set_level(logging.INFO, logger="protofl.edge")
+    shape = LinkShape(up_bytes_per_s=1e7, down_bytes_per_s=1e7, rtt_s=1.0)  # an acknowledgement is >= 1 s away
+    with LinkProxy(("127.0.0.1", mosquitto.port), shape) as link:
+        runner = DeviceRunner(parse_broker_url(f"mqtt://{link.address}"), "acks", "dev-1", DataSpec(DATA))
+        runner.transport.connect(EVENT_WAIT_S)
+
+        def round_(n: int) -> None:
+            up = Send(topics.up("acks", "dev-1"), b"\x01" * 200, "protos", n, "train")
+            runner.carry(Outcome(sends=(up,), trained=True))
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.name == "protofl.edge"]
+
+        round_(1)
+        assert not [x for x in said() if "uploaded" in x], said()  # on its way: no PUBACK can have come yet
+        assert runner.transport.flush(EVENT_WAIT_S)
+        runner._confirm()
+        assert said() == ["dev-1: trained, uploaded 200 bytes (protos 200 B)"], said()
+        round_(2)
+        link.cut(60)  # the link goes before the broker could acknowledge it
+        runner.transport.close(timeout=0)
+        runner._confirm(final=True)
+        assert said()[1:] == [
+            "dev-1: trained, 200 bytes (protos 200 B) sent but never acknowledged: the broker may not hold them"
+        ], said()
