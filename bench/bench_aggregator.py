@@ -599,8 +599,14 @@ def setup_check_main(workload: str, reader: str) -> None:
 
     if reader == "reference":
         sys.modules["msgspec"] = None  # type: ignore[assignment]
-    from broker_server.core.shell import decoder_limits
     from protofl.wire import fast
+
+    try:
+        from broker_server.core.shell import decoder_limits
+
+        fast_ok = fast.usable(decoder_limits(workload_config(workload, 2)))
+    except ImportError:  # an older tree (a --baseline) lays its server out otherwise: msgspec importable is its test
+        fast_ok = fast.available()
 
     def version(dist: str) -> str | None:
         try:
@@ -612,7 +618,7 @@ def setup_check_main(workload: str, reader: str) -> None:
     print(
         json.dumps(
             {
-                "reader": "fast" if fast.usable(decoder_limits(workload_config(workload, 2))) else "reference",
+                "reader": "fast" if fast_ok else "reference",
                 "msgspec": version("msgspec") if fast.available() else None,
                 "paho": version("paho-mqtt"),
                 "numpy": version("numpy"),
@@ -626,10 +632,11 @@ def setup_check_main(workload: str, reader: str) -> None:
     )
 
 
-def server_setup(tree: Path, workload: str, reader: str) -> dict[str, Any]:
-    """What `setup_check_main` says of `tree`, with the tree's git revision and the broker's version."""
+def server_setup(tree: Path, workload: str, reader: str, python: str = sys.executable) -> dict[str, Any]:
+    """What `setup_check_main` says of `tree` (run by `python`), with the tree's git revision and the broker's
+    version."""
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--setup-check", workload, "--reader", reader],
+        [python, str(Path(__file__).resolve()), "--setup-check", workload, "--reader", reader],
         env=dict(os.environ, PYTHONPATH=_path(tree)),
         capture_output=True,
         text=True,
@@ -664,13 +671,15 @@ def through_broker(
     shards: int = 0,
     reader: str = "fast",
     log_level: str = "warning",
+    python: str = sys.executable,
 ) -> dict[str, Any]:
     """The real `protofl-server start` (its secured Mosquitto, generated credentials, the journal with fsync and
     group commit; with `shards`, `start --shards N`: N spawned shard processes on one shared subscription)
     federating n publisher devices for one round; then the same secured broker (its config, as start wrote it)
     delivering the same publisher's messages to mosquitto_sub. Both rates in uploads/s (a device's round uploads
     count as one, however many messages they take). `reader`: "reference" starts the server with msgspec
-    unimportable; `log_level` "info": `start -v`."""
+    unimportable; `log_level` "info": `start -v`; `python`: the server's interpreter (a baseline tree's own venv,
+    whose installed entry points are that tree's)."""
     import socket
 
     from broker_server.ops.security import FederationSecrets, server_user
@@ -692,11 +701,11 @@ def through_broker(
     messages = n * per_device
     preset, values = workload_preset(workload)
     sets = [x for k, v in values.items() for x in ("--set", f"{k}={str(v).lower()}")]
-    setup = server_setup(tree, workload, reader)
+    setup = server_setup(tree, workload, reader, python)
     setup["log_level"] = log_level
     server = subprocess.Popen(
         [
-            sys.executable,
+            python,
             *(["-c", NO_MSGSPEC] if reader == "reference" else ["-m", "broker_server.cli"]),
             "start",
             *(["-v"] if log_level == "info" else []),
@@ -723,6 +732,7 @@ def through_broker(
         stderr=subprocess.STDOUT,
         text=True,
         env=dict(os.environ, PYTHONPATH=_path(tree)),
+        cwd=tree,  # `-m` puts the working directory first on the path: run from ours, a baseline would run our code
     )
     creds = state / "security" / "devices"
     cpu = CpuSampler(server.pid)
@@ -875,6 +885,7 @@ def broker_part(
     shard_counts: tuple[int, ...] = (0,),
     readers: tuple[str, ...] = ("fast",),
     log_levels: tuple[str, ...] = ("warning",),
+    pythons: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     if shutil.which("mosquitto_sub") is None or shutil.which("mosquitto") is None:
         print("no mosquitto / mosquitto_sub: apt-get install -y mosquitto mosquitto-clients; part 2 skipped")
@@ -898,7 +909,8 @@ def broker_part(
             for w in workloads:
                 for label, tree in trees.items():
                     for shards, reader, level in cases:
-                        res = through_broker(tree, w, n, work, shards, reader, level)
+                        python = (pythons or {}).get(label, sys.executable)
+                        res = through_broker(tree, w, n, work, shards, reader, level, python)
                         name = setup(label, shards, reader, level)
                         out[w][name].append(res)
                         print(f"repeat {r + 1}/{repeats} {w:>9} {name:>8} " + _line(res), flush=True)
@@ -913,6 +925,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--baseline", type=Path, help="another tree (e.g. a worktree of main) to measure beside this one")
+    ap.add_argument(
+        "--baseline-python",
+        help="the interpreter of the baseline's server in part 2 (a venv with that tree installed: an older tree "
+        "refuses this venv's technique entry points); default: this one",
+    )
     ap.add_argument(
         "--readers",
         action="store_true",
@@ -994,6 +1011,7 @@ def main() -> None:
             tuple(int(x) for x in args.broker_shards.split(",")),
             tuple(x for x in args.broker_readers.split(",") if x in READERS) or ("fast",),
             tuple(x for x in args.broker_log.split(",") if x in LOG_LEVELS) or ("warning",),
+            {"baseline": args.baseline_python} if args.baseline_python else None,
         )
     res["machine"] = {
         "python": platform.python_version(),

@@ -105,11 +105,14 @@ class Sampler:
         self._thread.join(2)
 
 
-def cli(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def cli(
+    *args: str, log: Path | None = None, tree: Path = REPO, python: str = sys.executable
+) -> subprocess.Popen[bytes]:
+    """`python -m ARGS` of `tree` (run from it: `-m` puts the working directory first on the path)."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
     out = log.open("ab") if log is not None else subprocess.DEVNULL
     return subprocess.Popen(
-        [sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.PIPE
+        [python, "-m", *args], stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.PIPE, cwd=tree
     )
 
 
@@ -271,7 +274,7 @@ def federate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.shards:
         start += ["--shards", str(args.shards)]
     t_start = time.perf_counter()
-    server = cli(*start, log=server_log)
+    server = cli(*start, log=server_log, tree=args.server_tree, python=args.server_python)
     sampler.watch("server", server.pid)
     site_procs: list[subprocess.Popen[bytes]] = []
     generators: list[subprocess.Popen[str]] = []
@@ -498,11 +501,11 @@ def broker_rate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
-def server_setup() -> dict[str, Any]:
+def server_setup(tree: Path = REPO, python: str = sys.executable) -> dict[str, Any]:
     """The server's reader path, log level (start without -v: its aggregator logs at WARNING) and versions."""
     from bench.bench_aggregator import server_setup as setup
 
-    info = setup(REPO, PRESET, "fast")  # as installed: msgspec's reader where the `fast` extra is importable
+    info = setup(tree, PRESET, "fast", python)  # as installed: msgspec's reader where the `fast` extra is importable
     info["log_level"] = "warning"
     return info
 
@@ -516,9 +519,9 @@ def setup_cell(r: dict[str, Any]) -> str:
     return setup_label(info)
 
 
-def machine() -> dict[str, Any]:
+def machine(tree: Path = REPO, python: str = sys.executable) -> dict[str, Any]:
     return {
-        "setup": server_setup(),
+        "setup": server_setup(tree, python),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -650,13 +653,26 @@ def main() -> None:
     p.add_argument("--publishers", type=int, default=2)
     p.add_argument("--with-rate", action="store_true", help="also measure the broker's own rate right after the run")
     p.add_argument("--label", default=None, help="result file name (default from the setup)")
+    p.add_argument(
+        "--server-tree",
+        type=Path,
+        default=REPO,
+        help="the tree whose `start` serves the fleet (another revision's worktree: its server measured with this "
+        "tree's devices, brokers and clock; the row's setup names its revision)",
+    )
+    p.add_argument(
+        "--server-python",
+        default=sys.executable,
+        help="the interpreter of --server-tree (a venv with that tree installed: its own technique entry points)",
+    )
     p.add_argument("--report", action="store_true", help="write bench/results/FLEET.md from the saved runs")
     args = p.parse_args()
+    args.server_tree = args.server_tree.resolve()
     if args.report:
         write_report(REPO / "bench" / "results" / "FLEET.md")
         return
     raise_open_files()
-    before = machine()
+    before = machine(args.server_tree, args.server_python)
     # The work directory (tens of thousands of credentials files) goes only after the result is saved: removing it
     # takes minutes on a loaded disk.
     tmp = tempfile.mkdtemp(prefix=".bench-fleet-", dir=REPO)
