@@ -2,7 +2,7 @@
 
     python -m bench.suite_profile [--out DIR] [--top N] [-- PYTEST ARGS...]
 
-runs the README's pytest command (`-n 2 --dist loadfile` unless PYTEST ARGS are given) with this module as a pytest
+runs the README's pytest command (`-n 3 --dist loadfile` unless PYTEST ARGS are given) with this module as a pytest
 plugin: every xdist worker appends one line a test to DIR/tests.<worker>.tsv (node id, wall s, the worker's own CPU s,
 the CPU s of the children it reaped), then the files and tests that cost most are printed and written to
 DIR/summary.md. A test's own CPU is its in-process work (simulations, training, exports run in the worker); its
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for old in [*args.out.glob("tests.*.tsv"), *args.out.glob("refused.*.tsv")]:
         old.unlink()
-    pytest_args = args.pytest_args or ["-q", "-n", "2", "--dist", "loadfile"]
+    pytest_args = args.pytest_args or ["-q", "-n", "3", "--dist", "loadfile"]
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "bench.suite_profile", *pytest_args],

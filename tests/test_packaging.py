@@ -196,7 +196,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     tree = "protofl edge_agent broker_server export bench tests"  # lint and types over the whole tree
     assert test_cmd.endswith(
         f"lint-imports && ruff check {tree} && ruff format --check {tree} && mypy {tree} && "
-        f"mkdocs build --strict && python -m pytest -q -n 2 --dist loadfile"
+        f"mkdocs build --strict && python -m pytest -q -n 3 --dist loadfile"
     )
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == test_cmd
