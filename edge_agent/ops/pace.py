@@ -29,10 +29,9 @@ GAVE_UP = (
 @dataclass
 class Ticket:
     """One message handed to the outbox: its transport sequence number once it is published (a held one later, on
-    the sender's thread), or `dropped` when it could not be."""
+    the sender's thread); None while it waits, or for good where publishing it failed."""
 
     seq: int | None = None
-    dropped: bool = False
 
 
 class Outbox:
@@ -66,11 +65,7 @@ class Outbox:
     def _release(self, topic: str, payload: bytes, qos: int) -> None:
         """A held message's time came (the sender's thread)."""
         ticket = self._due.popleft()
-        try:
-            ticket.seq = self.transport.publish_seq(topic, payload, qos=qos)
-        except Exception:
-            ticket.dropped = True
-            raise
+        ticket.seq = self.transport.publish_seq(topic, payload, qos=qos)
 
     def close(self) -> None:
         """What is held back (the last metrics) goes out first."""
