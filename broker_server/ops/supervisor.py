@@ -29,9 +29,11 @@ import time
 from broker_server.ops.broker import BrokerStartError, MosquittoBroker, PortInUse
 
 log = logging.getLogger("protofl.broker")
-# A broker that exits on one of these while its server is being stopped got the same signal as the server
-# (Ctrl-C and `kill` of a process group reach both): that is a shutdown, not a death to restart after.
-_SHUTDOWN_SIGNALS = (-15, -2)
+# A broker that ends so may have got the same signal as its server (Ctrl-C and `kill` of a process group reach
+# both): a shutdown, not a death to restart after, once the server's own handler says so (it may run a moment
+# later: the supervisor waits for it). Mosquitto exits with status 0 on SIGTERM and SIGINT once its handlers are
+# set, and dies of them before; it exits 0 for nothing else.
+_SHUTDOWN_EXITS = (0, -15, -2)
 _running: list[BrokerSupervisor] = []
 
 
@@ -53,6 +55,7 @@ class BrokerSupervisor:
         self.interval = interval
         self.max_delay = max_delay
         self.restarts = 0
+        self.deaths = 0  # the broker's exits seen so far, a shutdown's included (thread-safe: a read of an int)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="broker-supervisor", daemon=True)
 
@@ -76,8 +79,9 @@ class BrokerSupervisor:
                 continue
             if proc is not reported:  # said once per death, not on every retry
                 reported = proc
+                self.deaths += 1
                 # The same signal may reach us a moment later: give the server's handler time to say so.
-                if proc.returncode in _SHUTDOWN_SIGNALS and self._stop.wait(1.0):
+                if proc.returncode in _SHUTDOWN_EXITS and self._stop.wait(1.0):
                     return
                 self._report_death(proc)
             if self._restart(delay):
