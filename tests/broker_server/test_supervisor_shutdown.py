@@ -7,23 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from broker_server.ops.broker import MosquittoBroker
 from broker_server.ops.supervisor import BrokerSupervisor, stop_all_supervisors
+from tests.broker_server.fleet_helpers import wait_for
 from tests.conftest import EVENT_WAIT_S
-
-
-def until(pred: Callable[[], bool], what: str) -> None:
-    end = time.monotonic() + EVENT_WAIT_S
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.mark.mosquitto
@@ -35,7 +26,7 @@ def test_a_broker_stopped_by_the_servers_signal_is_not_restarted_and_one_stopped
         assert first is not None
         os.kill(first.pid, signal.SIGTERM)  # the signal reaches the broker; the server's handler has not run yet
         assert first.wait(EVENT_WAIT_S) == 0  # Mosquitto's clean exit
-        until(lambda: supervisor.deaths == 1, "the supervisor to see the broker's exit")
+        wait_for(lambda: supervisor.deaths == 1, EVENT_WAIT_S, "the supervisor to see the broker's exit")
         stop_all_supervisors()  # the server's handler, late
         supervisor.stop()
         assert supervisor.restarts == 0 and broker.proc is first, supervisor.restarts
@@ -46,7 +37,7 @@ def test_a_broker_stopped_by_the_servers_signal_is_not_restarted_and_one_stopped
             second = broker.proc
             assert second is not None
             os.kill(second.pid, signal.SIGTERM)
-            until(lambda: again.restarts == 1, "the broker stopped alone to be restarted")
+            wait_for(lambda: again.restarts == 1, EVENT_WAIT_S, "the broker stopped alone to be restarted")
             assert broker.proc is not second and broker.proc is not None and broker.proc.poll() is None
         finally:
             again.stop()
